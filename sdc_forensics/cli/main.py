@@ -1,0 +1,78 @@
+"""The ``sdc-forensics`` command line: a click group whose subcommands live in their own modules.
+
+Only this layer turns :class:`~sdc_forensics.errors.SdcError` into one line on stderr and the
+documented exit code (0 clean, 1 corruption / not certifiable, 2 usage, 3 bad input,
+4 inconclusive). Subcommand modules are imported lazily so ``inspect`` starts without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+import click
+
+from sdc_forensics import __version__
+from sdc_forensics.errors import SdcError
+
+EXIT_CLEAN, EXIT_CORRUPTION, EXIT_USAGE, EXIT_INPUT, EXIT_INCONCLUSIVE = 0, 1, 2, 3, 4
+
+# command name -> (module, attribute, one-line help)
+_COMMANDS = {
+    "inspect": ("sdc_forensics.cli.inspect_cmd", "inspect_cmd", "Summarise a trace directory and any damage in it."),
+    "demo": ("sdc_forensics.cli.demo_cmd", "demo_cmd", "Run a 4-process DDP job on CPU with an injected fault."),
+    "bisect": ("sdc_forensics.cli.bisect_cmd", "bisect_cmd", "Find the first divergent step, the suspect rank and the last clean checkpoint."),
+    "replay": ("sdc_forensics.cli.bisect_cmd", "replay_cmd", "Replay one window of steps and compare with the trace."),
+    "verify-checkpoint": ("sdc_forensics.cli.verify_cmd", "verify_cmd", "Verify a checkpoint's structure and content."),
+    "certify": ("sdc_forensics.cli.verify_cmd", "certify_cmd", "Certify every checkpoint of a run; name the resume point."),
+    "export": ("sdc_forensics.cli.inspect_cmd", "export_cmd", "Export a trace's STEP records to CSV."),
+}
+
+
+class _LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [name for name, (mod, _, _) in _COMMANDS.items() if importlib.util.find_spec(mod) is not None]
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in _COMMANDS:
+            return None
+        module, attribute, _ = _COMMANDS[name]
+        try:
+            return getattr(importlib.import_module(module), attribute)
+        except (ImportError, AttributeError):
+            return None
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, _COMMANDS[name][2]) for name in self.list_commands(ctx)]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except SdcError as exc:
+            from sdc_forensics.cli.output import fatal
+
+            fatal(str(exc))
+            ctx.exit(exc.exit_code)
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="sdc-forensics")
+def cli() -> None:
+    """Find silent data corruption in data-parallel PyTorch training.
+
+    Exit codes: 0 clean, 1 corruption found / not certifiable, 2 usage error,
+    3 unreadable or invalid input, 4 inconclusive.
+    """
+
+
+def main() -> None:
+    """Console-script entry point."""
+    sys.exit(cli.main(prog_name="sdc-forensics", standalone_mode=True))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Numpy reference of the exact digest and the linear sketch: slow, short, obviously correct.
+
+Tests compare the torch implementation against these functions bit for bit (digest) and within
+rounding (sketch). They also serve code paths that must not import torch (checkpoint files read
+with mmap, trace-only analysis). The definitions, as math, are in ``docs/fingerprints.md``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sdc_forensics.fingerprint import constants as C
+
+_MASK32 = np.uint64(0xFFFF_FFFF)
+
+
+def digest_bytes(data: bytes | np.ndarray, seed: int = C.DEFAULT_SEED) -> int:
+    """Exact digest of a byte string (the tensor's raw bytes in row-major order).
+
+    Args:
+        data: the bytes, or a numpy array whose raw bytes (C order) are digested.
+        seed: the fingerprint seed.
+
+    Returns:
+        The 64-bit digest as a Python int.
+    """
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    num_bytes = raw.size
+    num_words = -(-num_bytes // 4)
+    num_blocks = -(-num_words // C.BLOCK_WORDS)
+    padded = np.zeros(num_blocks * C.BLOCK_WORDS * 4, dtype=np.uint8)
+    padded[:num_bytes] = raw
+    words = padded.view("<u4").astype(np.uint64).reshape(num_blocks, C.BLOCK_WORDS)
+    a = C.digest_word_weights(seed).view(np.uint32).astype(np.uint64)
+    # s_j = sum_i a_i * w_{j,i}  mod 2**32
+    block_sums = ((words * a) & _MASK32).sum(axis=1, dtype=np.uint64) & _MASK32  # (num_blocks,)
+    c = C.digest_block_weights(num_blocks, seed).view(np.uint64)
+    with np.errstate(over="ignore"):
+        total = (block_sums * c).sum(dtype=np.uint64)
+        total = total + np.uint64(num_bytes) * np.uint64(C.digest_length_weight(seed))
+    return C.fmix64(int(total))
+
+
+def sketch(values: np.ndarray, k: int = C.DEFAULT_SKETCH_K, seed: int = C.DEFAULT_SEED) -> np.ndarray:
+    """Linear sketch ``S_m(x) = sum_e alpha_m[e mod B] * beta_m[e div B] * x_e`` in float64."""
+    x = np.asarray(values, dtype=np.float64).reshape(-1)
+    num_blocks = max(1, -(-x.size // C.BLOCK_ELEMS))
+    padded = np.zeros(num_blocks * C.BLOCK_ELEMS, dtype=np.float64)
+    padded[: x.size] = x
+    per_block = padded.reshape(num_blocks, C.BLOCK_ELEMS) @ C.sketch_in_block_signs(k, seed).astype(np.float64)
+    return (per_block * C.sketch_block_signs(num_blocks, k, seed)).sum(axis=0)

@@ -1,0 +1,167 @@
+"""Byte layout of trace files, version 1 (see ``docs/trace-format.md`` for the prose).
+
+A rank file ``rank-RRRRR.attempt-AAA.sdct`` is a 64-byte file header followed by fixed-size
+records, little-endian, appended one at a time and never rewritten::
+
+    header (64 bytes)
+      0  8s  magic  b"SDCTRACE"
+      8  u2  format_version (1)
+     10  u2  header_size (64)
+     12  u2  record_size (152 + 8 k)
+     14  u2  sketch_k
+     16  u4  rank          20  u4  attempt      24  u4  world_size   28  u4  reserved
+     32  u8  seed          40  i8  created_ns   48  u8  reserved
+     56  u8  checksum of bytes 0..55
+
+    record (152 + 8 k bytes; 216 at the default k = 8)
+      0 u4 magic 0x52434453 ("SDCR")   4 u2 kind   6 u2 flags
+      8 i8 step   16 u4 rank   20 u4 attempt   24 i8 time_ns   32 f8 loss
+     40 u8 input_digest   48 u8 microbatch_digest   56 i8 microbatch_first
+     64 u4 microbatch_count   68 u4 nonfinite_local   72 u4 nonfinite_reduced   76 u4 nonfinite_weights
+     80 u8 local_digest   88 u8 reduced_digest   96 u8 weights_digest
+    104 f4 local_norm  108 f4 reduced_norm  112 f4 local_max_abs  116 f4 reduced_max_abs
+    120 f4 weights_norm   124 i4 aux_rank   128 u8 aux_digest   136 f8 aux_value
+    144 f4[k] local_sketch   144+4k f4[k] reduced_sketch   144+8k u8 checksum
+
+The checksum of a record (and of the header) is ``fmix64(sum_t P_t * word_t mod 2**64)`` over its
+little-endian 64-bit words except the last, with odd constants ``P_t``: any single corrupted
+byte changes it, and it is computed for millions of records at once with numpy.
+
+Record kinds and the meaning of their fields are in ``docs/trace-format.md``.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+
+import numpy as np
+
+from sdc_forensics.fingerprint import constants as C
+
+FORMAT_VERSION = 1
+FILE_MAGIC = b"SDCTRACE"
+RECORD_MAGIC = 0x52434453
+HEADER_SIZE = 64
+_CHECKSUM_STREAM = 0xC5
+
+
+class Kind(enum.IntEnum):
+    """Record kinds."""
+
+    STEP = 1  # one per rank per step: loss, input, gradients before/after all-reduce, weights
+    AUDIT = 2  # one per audit recomputation this rank performed
+    CHECKPOINT = 3  # this rank's view of a checkpoint written after ``step`` completed steps
+    ALARM = 4  # an online check fired on this rank
+    IDS = 5  # microbatch IDs of the preceding STEP or AUDIT record when not a contiguous range
+
+
+class Flag(enum.IntFlag):
+    """Bits of a record's ``flags`` field."""
+
+    NONFINITE_LOCAL = 1 << 0
+    NONFINITE_REDUCED = 1 << 1
+    ALLREDUCE_MISMATCH = 1 << 2
+    WEIGHTS_DIVERGED = 1 << 3  # this rank's weights differ from the strict majority
+    WEIGHTS_CHECKED = 1 << 4  # replica weights were compared at this step
+    AUDITED = 1 << 5  # this rank's microbatch was audited at this step
+    AUDIT_MISMATCH = 1 << 6
+    AUDIT_TIEBREAK = 1 << 7  # AUDIT record: this recomputation was the third vote
+    NO_MAJORITY = 1 << 8  # a comparison found no strict majority
+    CONTIGUOUS_IDS = 1 << 9  # microbatch IDs are first .. first + count - 1
+    CHECKPOINT_REFUSED = 1 << 10
+    HAS_WEIGHTS = 1 << 11  # weights_digest holds this step's post-update weights
+    HAS_GRADS = 1 << 12  # local/reduced gradient fields are filled
+
+
+HEADER_DTYPE = np.dtype(
+    [
+        ("magic", "S8"),
+        ("format_version", "<u2"),
+        ("header_size", "<u2"),
+        ("record_size", "<u2"),
+        ("sketch_k", "<u2"),
+        ("rank", "<u4"),
+        ("attempt", "<u4"),
+        ("world_size", "<u4"),
+        ("reserved0", "<u4"),
+        ("seed", "<u8"),
+        ("created_ns", "<i8"),
+        ("reserved1", "<u8"),
+        ("checksum", "<u8"),
+    ]
+)
+assert HEADER_DTYPE.itemsize == HEADER_SIZE
+
+
+@functools.lru_cache(maxsize=8)
+def record_dtype(sketch_k: int) -> np.dtype:
+    """The numpy structured dtype of one record for ``sketch_k`` projections."""
+    return np.dtype(
+        [
+            ("magic", "<u4"),
+            ("kind", "<u2"),
+            ("flags", "<u2"),
+            ("step", "<i8"),
+            ("rank", "<u4"),
+            ("attempt", "<u4"),
+            ("time_ns", "<i8"),
+            ("loss", "<f8"),
+            ("input_digest", "<u8"),
+            ("microbatch_digest", "<u8"),
+            ("microbatch_first", "<i8"),
+            ("microbatch_count", "<u4"),
+            ("nonfinite_local", "<u4"),
+            ("nonfinite_reduced", "<u4"),
+            ("nonfinite_weights", "<u4"),
+            ("local_digest", "<u8"),
+            ("reduced_digest", "<u8"),
+            ("weights_digest", "<u8"),
+            ("local_norm", "<f4"),
+            ("reduced_norm", "<f4"),
+            ("local_max_abs", "<f4"),
+            ("reduced_max_abs", "<f4"),
+            ("weights_norm", "<f4"),
+            ("aux_rank", "<i4"),
+            ("aux_digest", "<u8"),
+            ("aux_value", "<f8"),
+            ("local_sketch", "<f4", (sketch_k,)),
+            ("reduced_sketch", "<f4", (sketch_k,)),
+            ("checksum", "<u8"),
+        ]
+    )
+
+
+def record_size(sketch_k: int) -> int:
+    """Bytes per record."""
+    return record_dtype(sketch_k).itemsize
+
+
+def ids_per_record(sketch_k: int) -> int:
+    """Microbatch IDs an ``IDS`` record carries (int64, from byte 32 up to the checksum)."""
+    return (record_size(sketch_k) - 8 - 32) // 8
+
+
+@functools.lru_cache(maxsize=16)
+def _weights(num_words: int) -> np.ndarray:
+    return C._stream(C.DEFAULT_SEED, _CHECKSUM_STREAM, num_words) | np.uint64(1)
+
+
+def checksums(raw: np.ndarray) -> np.ndarray:
+    """Checksums of records (or headers) given as a ``(N, size)`` uint8 array or structured array.
+
+    Returns:
+        ``(N,)`` uint64: the checksum each record should carry in its last 8 bytes.
+    """
+    raw = np.ascontiguousarray(raw)
+    num = raw.shape[0]
+    words = raw.view(np.uint8).reshape(num, -1).view("<u8")[:, :-1]  # (N, words - 1)
+    with np.errstate(over="ignore"):
+        total = (words * _weights(words.shape[1])).sum(axis=1, dtype=np.uint64)
+    return C.splitmix64(total)
+
+
+def seal(records: np.ndarray) -> np.ndarray:
+    """Fill the ``checksum`` field of structured records in place and return them."""
+    records["checksum"] = checksums(records)
+    return records

@@ -1,0 +1,312 @@
+"""Read a trace directory: manifest, rank files, damage, and vectorised step windows.
+
+Files are memory-mapped read-only and never changed. Records are validated (magic and
+checksum) in chunks with numpy; a torn tail or a corrupted record is reported as
+:class:`Damage` and never used. :meth:`Trace.step_windows` streams ``(steps x ranks)`` tables
+of STEP records, window by window, so memory is bounded by the window, not by the trace.
+For a step recorded by several attempts (a resumed run), the latest attempt wins, and the
+window says which attempt each cell came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from sdc_forensics.errors import TraceError
+from sdc_forensics.trace import format as F
+from sdc_forensics.trace.manifest import Manifest, read_manifest
+
+_FILE_RE = re.compile(r"^rank-(\d{5})\.attempt-(\d{3})\.sdct$")
+CHUNK_RECORDS = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Damage:
+    """One problem found in a trace. ``record_index`` is -1 when it concerns a whole file."""
+
+    kind: str  # torn_tail | bad_checksum | bad_header | missing_rank | missing_steps | foreign_record
+    rank: int
+    attempt: int = -1
+    record_index: int = -1
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RankFile:
+    """One rank file, memory-mapped. ``records`` holds only complete records (not validated)."""
+
+    path: Path
+    rank: int
+    attempt: int
+    records: np.ndarray
+    torn_bytes: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepWindow:
+    """STEP records of steps ``steps[0] .. steps[-1]`` for all ranks.
+
+    Attributes:
+        steps: ``(S,)`` int64 step numbers.
+        present: ``(S, R)`` bool, a valid STEP record exists.
+        attempt: ``(S, R)`` int32, the attempt each cell was taken from (-1 if absent).
+        superseded: ``(S, R)`` bool, an earlier attempt also recorded this cell.
+        records: ``(S, R)`` structured records (zeros where absent).
+    """
+
+    steps: np.ndarray
+    present: np.ndarray
+    attempt: np.ndarray
+    superseded: np.ndarray
+    records: np.ndarray
+
+
+class Trace:
+    """An open trace directory. Use :meth:`open`."""
+
+    def __init__(self, path: Path, manifest: Manifest, files: list[RankFile], damage: list[Damage]) -> None:
+        self.path = path
+        self.manifest = manifest
+        self.files = files
+        self._damage = damage
+        self._validated = False
+        self._valid: dict[tuple[int, int], np.ndarray] = {}
+
+    @classmethod
+    def open(cls, trace_dir: str | os.PathLike) -> "Trace":
+        """Open ``trace_dir``; raises :class:`TraceError` if it is not a usable trace."""
+        path = Path(trace_dir)
+        manifest = read_manifest(path)
+        k = manifest.fingerprint.sketch_k
+        dtype = F.record_dtype(k)
+        files: list[RankFile] = []
+        damage: list[Damage] = []
+        for entry in sorted(path.iterdir()):
+            match = _FILE_RE.match(entry.name)
+            if not match:
+                continue
+            rank, attempt = int(match.group(1)), int(match.group(2))
+            rank_file, problem = _open_rank_file(entry, rank, attempt, manifest, dtype)
+            if problem:
+                damage.append(problem)
+            if rank_file is not None:
+                files.append(rank_file)
+        if not files:
+            raise TraceError(f"{path} has a manifest but no readable rank files (rank-*.attempt-*.sdct)")
+        ranks_seen = {f.rank for f in files}
+        for rank in range(manifest.world_size):
+            if rank not in ranks_seen:
+                damage.append(Damage(kind="missing_rank", rank=rank, detail=f"no file for rank {rank}"))
+        return cls(path, manifest, files, damage)
+
+    @property
+    def world_size(self) -> int:
+        return self.manifest.world_size
+
+    @property
+    def sketch_k(self) -> int:
+        return self.manifest.fingerprint.sketch_k
+
+    def valid_mask(self, rank_file: RankFile) -> np.ndarray:
+        """``(N,)`` bool: records of this file whose magic and checksum are right."""
+        key = (rank_file.rank, rank_file.attempt)
+        if key not in self._valid:
+            recs = rank_file.records
+            mask = np.empty(len(recs), dtype=bool)
+            for start in range(0, len(recs), CHUNK_RECORDS):
+                chunk = recs[start : start + CHUNK_RECORDS]
+                mask[start : start + len(chunk)] = (
+                    (F.checksums(chunk) == chunk["checksum"])
+                    & (chunk["magic"] == F.RECORD_MAGIC)
+                    & (chunk["rank"] == rank_file.rank)
+                )
+            self._valid[key] = mask
+        return self._valid[key]
+
+    def damage(self) -> list[Damage]:
+        """Every problem found: file-level ones, bad records, and steps missing on some ranks."""
+        if not self._validated:
+            for rank_file in self.files:
+                bad = np.flatnonzero(~self.valid_mask(rank_file))
+                for index in bad[:1000]:
+                    self._damage.append(
+                        Damage(
+                            kind="bad_checksum",
+                            rank=rank_file.rank,
+                            attempt=rank_file.attempt,
+                            record_index=int(index),
+                            detail=f"record {index} of {rank_file.path.name} fails its checksum; ignored",
+                        )
+                    )
+            self._damage.extend(self._missing_steps())
+            self._validated = True
+        return list(self._damage)
+
+    def _missing_steps(self) -> list[Damage]:
+        missing: dict[int, list[int]] = {}
+        for window in self.step_windows():
+            any_present = window.present.any(axis=1)  # (S,)
+            holes = window.present[any_present] == False  # noqa: E712  (S', R)
+            steps = window.steps[any_present]
+            for rank in np.flatnonzero(holes.any(axis=0)):
+                missing.setdefault(int(rank), []).extend(int(s) for s in steps[holes[:, rank]])
+        return [
+            Damage(
+                kind="missing_steps",
+                rank=rank,
+                detail=f"{len(steps)} step(s) recorded by other ranks are missing: {_ranges(steps)}",
+            )
+            for rank, steps in sorted(missing.items())
+            if rank < self.world_size
+        ]
+
+    def records(self, kind: F.Kind | None = None, rank: int | None = None) -> np.ndarray:
+        """All valid records (of ``kind``, of ``rank``) across files, in (attempt, rank, index) order.
+
+        Meant for the rare kinds (AUDIT, CHECKPOINT, ALARM); use :meth:`step_windows` for STEP.
+        """
+        parts = []
+        for rank_file in sorted(self.files, key=lambda f: (f.attempt, f.rank)):
+            if rank is not None and rank_file.rank != rank:
+                continue
+            mask = self.valid_mask(rank_file)
+            if kind is not None:
+                mask = mask & (rank_file.records["kind"] == int(kind))
+            parts.append(np.asarray(rank_file.records[mask]))
+        if not parts:
+            return np.zeros(0, dtype=F.record_dtype(self.sketch_k))
+        return np.concatenate(parts)
+
+    def step_range(self) -> tuple[int, int] | None:
+        """``(first, last)`` step of any valid STEP record, or None."""
+        lo, hi = None, None
+        for rank_file in self.files:
+            recs = rank_file.records
+            mask = self.valid_mask(rank_file) & (recs["kind"] == int(F.Kind.STEP))
+            if mask.any():
+                steps = recs["step"][mask]
+                lo = int(steps.min()) if lo is None else min(lo, int(steps.min()))
+                hi = int(steps.max()) if hi is None else max(hi, int(steps.max()))
+        return None if lo is None else (lo, hi)
+
+    def step_windows(self, window: int = 1024, start: int | None = None, stop: int | None = None) -> Iterator[StepWindow]:
+        """Yield :class:`StepWindow` tables of ``window`` steps covering ``[start, stop]``."""
+        bounds = self.step_range()
+        if bounds is None:
+            return
+        lo = bounds[0] if start is None else max(start, bounds[0])
+        hi = bounds[1] if stop is None else min(stop, bounds[1])
+        num_ranks = self.world_size
+        dtype = F.record_dtype(self.sketch_k)
+        ordered = sorted(self.files, key=lambda f: (f.attempt, f.rank))
+        cursors = {(f.rank, f.attempt): 0 for f in ordered}
+        for w_lo in range(lo, hi + 1, window):
+            w_hi = min(w_lo + window, hi + 1)
+            num_steps = w_hi - w_lo
+            table = np.zeros((num_steps, num_ranks), dtype=dtype)
+            present = np.zeros((num_steps, num_ranks), dtype=bool)
+            attempt = np.full((num_steps, num_ranks), -1, dtype=np.int32)
+            superseded = np.zeros((num_steps, num_ranks), dtype=bool)
+            for rank_file in ordered:
+                if rank_file.rank >= num_ranks:
+                    continue
+                key = (rank_file.rank, rank_file.attempt)
+                recs, cursors[key] = self._take_until(rank_file, cursors[key], w_hi)
+                recs = recs[(recs["kind"] == int(F.Kind.STEP)) & (recs["step"] >= w_lo) & (recs["step"] < w_hi)]
+                rows = (recs["step"] - w_lo).astype(np.int64)
+                col = rank_file.rank
+                superseded[rows, col] |= present[rows, col]
+                table[rows, col] = recs
+                present[rows, col] = True
+                attempt[rows, col] = rank_file.attempt
+            yield StepWindow(
+                steps=np.arange(w_lo, w_hi, dtype=np.int64),
+                present=present,
+                attempt=attempt,
+                superseded=superseded,
+                records=table,
+            )
+
+    def _take_until(self, rank_file: RankFile, cursor: int, step_hi: int) -> tuple[np.ndarray, int]:
+        """Valid records from ``cursor`` up to the first with step >= ``step_hi``; new cursor."""
+        recs = rank_file.records
+        mask = self.valid_mask(rank_file)
+        end = cursor
+        while end < len(recs):
+            chunk_steps = recs["step"][end : end + CHUNK_RECORDS]
+            chunk_ok = mask[end : end + CHUNK_RECORDS]
+            beyond = np.flatnonzero((chunk_steps >= step_hi) & chunk_ok)
+            if beyond.size:
+                end += int(beyond[0])
+                break
+            end += len(chunk_steps)
+        return np.asarray(recs[cursor:end][mask[cursor:end]]), end
+
+    def microbatch_ids(self, record: np.void, rank_records: np.ndarray | None = None) -> np.ndarray:
+        """The microbatch IDs of a STEP or AUDIT record (int64)."""
+        count = int(record["microbatch_count"])
+        if int(record["flags"]) & F.Flag.CONTIGUOUS_IDS:
+            return np.arange(int(record["microbatch_first"]), int(record["microbatch_first"]) + count, dtype=np.int64)
+        ids_recs = self.records(F.Kind.IDS, rank=int(record["rank"]))
+        ids_recs = ids_recs[(ids_recs["step"] == record["step"]) & (ids_recs["attempt"] == record["attempt"])]
+        per = F.ids_per_record(self.sketch_k)
+        payload = np.ascontiguousarray(ids_recs).view(np.uint8).reshape(len(ids_recs), -1)[:, 32 : 32 + 8 * per]
+        return np.ascontiguousarray(payload).view("<i8").reshape(-1)[:count]
+
+
+def _open_rank_file(path: Path, rank: int, attempt: int, manifest: Manifest, dtype: np.dtype):
+    size = path.stat().st_size
+    if size < F.HEADER_SIZE:
+        return None, Damage(kind="bad_header", rank=rank, attempt=attempt, detail=f"{path.name} is shorter than its header")
+    header = np.fromfile(path, dtype=F.HEADER_DTYPE, count=1)
+    ok = (
+        header["magic"][0] == F.FILE_MAGIC
+        and F.checksums(header)[0] == header["checksum"][0]
+        and int(header["format_version"][0]) == F.FORMAT_VERSION
+        and int(header["record_size"][0]) == dtype.itemsize
+        and int(header["rank"][0]) == rank
+    )
+    if not ok:
+        return None, Damage(
+            kind="bad_header", rank=rank, attempt=attempt,
+            detail=f"{path.name} has a damaged or foreign header (version/record size/rank do not match the manifest); file ignored",
+        )
+    body = size - F.HEADER_SIZE
+    count = body // dtype.itemsize
+    torn = body - count * dtype.itemsize
+    if count:
+        records = np.memmap(path, dtype=dtype, mode="r", offset=F.HEADER_SIZE, shape=(count,))
+    else:
+        records = np.zeros(0, dtype=dtype)
+    rank_file = RankFile(path=path, rank=rank, attempt=attempt, records=records, torn_bytes=torn)
+    problem = None
+    if torn:
+        problem = Damage(
+            kind="torn_tail", rank=rank, attempt=attempt, record_index=count,
+            detail=f"{path.name} ends with {torn} bytes of an incomplete record (process killed mid-write?); "
+            f"the {count} complete records before it are used",
+        )
+    return rank_file, problem
+
+
+def _ranges(values: list[int]) -> str:
+    values = sorted(set(values))
+    out, start, prev = [], None, None
+    for v in values:
+        if start is None:
+            start = prev = v
+        elif v == prev + 1:
+            prev = v
+        else:
+            out.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = v
+    if start is not None:
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+    text = ", ".join(out[:10])
+    return text + (f", … ({len(out) - 10} more ranges)" if len(out) > 10 else "")
