@@ -1,0 +1,51 @@
+"""Canonical flattening and digests of model and optimizer state.
+
+The recorder digests what it saves, ``verify-checkpoint`` digests what it reads back, and
+replay digests the weights it computes; all three go through these functions, so the keys and
+the order are the same everywhere.
+
+* :func:`flatten_state` turns nested dicts/lists/tuples of tensors (a ``torch.save`` payload,
+  an optimizer ``state_dict``) into ``{"a.b.0.c": tensor}`` with dotted keys.
+* :func:`weights_digest` is the replica weights digest: the exact digests of the parameters in
+  ``model.named_parameters()`` order, combined with ``combine_digests``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from sdc_forensics.fingerprint import constants as C
+from sdc_forensics.fingerprint.core import combine_digests, digest
+from sdc_forensics.trace.checkpoints import hex64
+
+
+def flatten_state(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor inside ``obj`` under a dotted key (dict keys and list indices joined by '.')."""
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = obj
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            out.update(flatten_state(value, f"{prefix}.{key}" if prefix else str(key)))
+    elif isinstance(obj, (list, tuple)):
+        for index, value in enumerate(obj):
+            out.update(flatten_state(value, f"{prefix}.{index}" if prefix else str(index)))
+    return out
+
+
+def state_digests(obj: Any, seed: int = C.DEFAULT_SEED) -> dict[str, str]:
+    """``{key: hex digest}`` of every tensor in a (nested) state."""
+    return {key: hex64(digest(t, seed)) for key, t in flatten_state(obj).items()}
+
+
+def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]], seed: int = C.DEFAULT_SEED) -> int:
+    """Combined digest of parameters given as ``(name, tensor)`` pairs in model order."""
+    return combine_digests(digest(t, seed) for _, t in named_tensors)
+
+
+def weights_digest_from_state(tensors: Mapping[str, torch.Tensor], param_names: Iterable[str], seed: int = C.DEFAULT_SEED) -> int:
+    """The replica weights digest recomputed from a checkpoint's tensors, by parameter name."""
+    return combine_digests(digest(tensors[name], seed) for name in param_names)
