@@ -40,5 +40,6 @@ def _default(value: Any) -> Any:
 
 
 def fatal(message: str) -> None:
-    """One line on stderr saying what is wrong and what to do."""
-    err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    """One line on stderr saying what is wrong and what to do (never wrapped, never styled)."""
+    sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
+    sys.stderr.flush()

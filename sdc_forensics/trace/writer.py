@@ -96,8 +96,7 @@ class RankTraceWriter:
         payload = np.zeros(count * per, dtype="<i8")
         payload[: ids.size] = ids
         raw[:, 32 : 32 + 8 * per] = payload.view(np.uint8).reshape(count, -1)
-        recs["microbatch_count"] = ids.size
-        return recs
+        return recs  # the count is the owning record's microbatch_count
 
     def append(self, records: np.ndarray) -> None:
         """Seal and write records in one ``write``; flushed to the OS before returning."""
