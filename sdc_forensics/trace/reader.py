@@ -184,69 +184,108 @@ class Trace:
         return np.concatenate(parts)
 
     def step_range(self) -> tuple[int, int] | None:
-        """``(first, last)`` step of any valid STEP record, or None."""
+        """``(first, last)`` step of any valid STEP record, or None.
+
+        Rank files are in step order, so only each file's first and last valid STEP records are
+        read (no full scan).
+        """
         lo, hi = None, None
         for rank_file in self.files:
             recs = rank_file.records
-            mask = self.valid_mask(rank_file) & (recs["kind"] == int(F.Kind.STEP))
-            if mask.any():
-                steps = recs["step"][mask]
-                lo = int(steps.min()) if lo is None else min(lo, int(steps.min()))
-                hi = int(steps.max()) if hi is None else max(hi, int(steps.max()))
+            mask = self.valid_mask(rank_file)
+            for index in _first_step_record(recs, mask), _first_step_record(recs, mask, reverse=True):
+                if index is None:
+                    continue
+                step = int(recs["step"][index])
+                lo = step if lo is None else min(lo, step)
+                hi = step if hi is None else max(hi, step)
         return None if lo is None else (lo, hi)
 
-    def step_windows(self, window: int = 1024, start: int | None = None, stop: int | None = None) -> Iterator[StepWindow]:
-        """Yield :class:`StepWindow` tables of ``window`` steps covering ``[start, stop]``."""
+    def step_windows(
+        self,
+        window: int = 1024,
+        start: int | None = None,
+        stop: int | None = None,
+        fields: tuple[str, ...] | None = None,
+    ) -> Iterator[StepWindow]:
+        """Yield :class:`StepWindow` tables of ``window`` steps covering ``[start, stop]``.
+
+        Args:
+            window: steps per table; memory is ``window x ranks x record bytes``.
+            start, stop: inclusive step bounds (default: the whole trace).
+            fields: record fields to copy into the tables (default: all). Asking for fewer is
+                faster and smaller; ``step`` and ``rank`` are always included.
+        """
         bounds = self.step_range()
         if bounds is None:
             return
         lo = bounds[0] if start is None else max(start, bounds[0])
         hi = bounds[1] if stop is None else min(stop, bounds[1])
         num_ranks = self.world_size
-        dtype = F.record_dtype(self.sketch_k)
+        full = F.record_dtype(self.sketch_k)
+        names = full.names if fields is None else tuple(dict.fromkeys(("step", "rank") + tuple(fields)))
+        dtype = np.dtype([(name, full.fields[name][0]) for name in names])
         ordered = sorted(self.files, key=lambda f: (f.attempt, f.rank))
         cursors = {(f.rank, f.attempt): 0 for f in ordered}
         for w_lo in range(lo, hi + 1, window):
             w_hi = min(w_lo + window, hi + 1)
             num_steps = w_hi - w_lo
-            table = np.zeros((num_steps, num_ranks), dtype=dtype)
-            present = np.zeros((num_steps, num_ranks), dtype=bool)
-            attempt = np.full((num_steps, num_ranks), -1, dtype=np.int32)
-            superseded = np.zeros((num_steps, num_ranks), dtype=bool)
+            # Filled rank-major so each rank's records land in one contiguous copy; returned as
+            # (S, R) views.
+            table = np.zeros((num_ranks, num_steps), dtype=dtype)
+            present = np.zeros((num_ranks, num_steps), dtype=bool)
+            attempt = np.full((num_ranks, num_steps), -1, dtype=np.int32)
+            superseded = np.zeros((num_ranks, num_steps), dtype=bool)
             for rank_file in ordered:
                 if rank_file.rank >= num_ranks:
                     continue
                 key = (rank_file.rank, rank_file.attempt)
                 recs, cursors[key] = self._take_until(rank_file, cursors[key], w_hi)
-                recs = recs[(recs["kind"] == int(F.Kind.STEP)) & (recs["step"] >= w_lo) & (recs["step"] < w_hi)]
-                rows = (recs["step"] - w_lo).astype(np.int64)
-                col = rank_file.rank
-                superseded[rows, col] |= present[rows, col]
-                table[rows, col] = recs
-                present[rows, col] = True
-                attempt[rows, col] = rank_file.attempt
+                row = rank_file.rank
+                steps = recs["step"]
+                if (
+                    len(recs) == num_steps
+                    and steps[0] == w_lo
+                    and steps[-1] == w_hi - 1
+                    and (recs["kind"] == int(F.Kind.STEP)).all()
+                    and (np.diff(steps) == 1).all()
+                ):  # the common case: one STEP record per step, nothing else
+                    superseded[row] |= present[row]
+                    for name in names:
+                        table[name][row] = recs[name]
+                    present[row] = True
+                    attempt[row] = rank_file.attempt
+                    continue
+                recs = recs[(recs["kind"] == int(F.Kind.STEP)) & (steps >= w_lo) & (steps < w_hi)]
+                cols = (recs["step"] - w_lo).astype(np.int64)
+                superseded[row, cols] |= present[row, cols]
+                for name in names:
+                    table[name][row, cols] = recs[name]
+                present[row, cols] = True
+                attempt[row, cols] = rank_file.attempt
             yield StepWindow(
                 steps=np.arange(w_lo, w_hi, dtype=np.int64),
-                present=present,
-                attempt=attempt,
-                superseded=superseded,
-                records=table,
+                present=present.T,
+                attempt=attempt.T,
+                superseded=superseded.T,
+                records=table.T,
             )
 
     def _take_until(self, rank_file: RankFile, cursor: int, step_hi: int) -> tuple[np.ndarray, int]:
         """Valid records from ``cursor`` up to the first with step >= ``step_hi``; new cursor."""
         recs = rank_file.records
         mask = self.valid_mask(rank_file)
-        end = cursor
+        end, probe = cursor, 4096
         while end < len(recs):
-            chunk_steps = recs["step"][end : end + CHUNK_RECORDS]
-            chunk_ok = mask[end : end + CHUNK_RECORDS]
-            beyond = np.flatnonzero((chunk_steps >= step_hi) & chunk_ok)
+            chunk_steps = recs["step"][end : end + probe]
+            beyond = np.flatnonzero((chunk_steps >= step_hi) & mask[end : end + probe])
             if beyond.size:
                 end += int(beyond[0])
                 break
             end += len(chunk_steps)
-        return np.asarray(recs[cursor:end][mask[cursor:end]]), end
+            probe = min(probe * 2, CHUNK_RECORDS)
+        keep = mask[cursor:end]
+        return (recs[cursor:end] if keep.all() else recs[cursor:end][keep]), end
 
     def microbatch_ids(self, record: np.void, rank_records: np.ndarray | None = None) -> np.ndarray:
         """The microbatch IDs of a STEP or AUDIT record (int64)."""
@@ -258,6 +297,20 @@ class Trace:
         per = F.ids_per_record(self.sketch_k)
         payload = np.ascontiguousarray(ids_recs).view(np.uint8).reshape(len(ids_recs), -1)[:, 32 : 32 + 8 * per]
         return np.ascontiguousarray(payload).view("<i8").reshape(-1)[:count]
+
+
+def _first_step_record(recs: np.ndarray, mask: np.ndarray, reverse: bool = False) -> int | None:
+    """Index of the first (or last) valid STEP record, probing from one end."""
+    size = len(recs)
+    probe = 64
+    while True:
+        lo, hi = (max(0, size - probe), size) if reverse else (0, min(size, probe))
+        hits = np.flatnonzero(mask[lo:hi] & (recs["kind"][lo:hi] == int(F.Kind.STEP)))
+        if hits.size:
+            return lo + int(hits[-1] if reverse else hits[0])
+        if hi - lo >= size:
+            return None
+        probe *= 8
 
 
 def _open_rank_file(path: Path, rank: int, attempt: int, manifest: Manifest, dtype: np.dtype):
@@ -281,7 +334,8 @@ def _open_rank_file(path: Path, rank: int, attempt: int, manifest: Manifest, dty
     count = body // dtype.itemsize
     torn = body - count * dtype.itemsize
     if count:
-        records = np.memmap(path, dtype=dtype, mode="r", offset=F.HEADER_SIZE, shape=(count,))
+        # a plain ndarray view of the read-only map: slicing a np.memmap subclass is slow
+        records = np.memmap(path, dtype=dtype, mode="r", offset=F.HEADER_SIZE, shape=(count,)).view(np.ndarray)
     else:
         records = np.zeros(0, dtype=dtype)
     rank_file = RankFile(path=path, rank=rank, attempt=attempt, records=records, torn_bytes=torn)
