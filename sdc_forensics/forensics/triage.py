@@ -1,0 +1,370 @@
+"""Triage: every piece of evidence the trace alone gives, vectorised over steps x ranks.
+
+numpy only (never imports torch), so ``bisect --trace-only`` and ``certify`` start fast. The
+trace is read window by window (:meth:`Trace.step_windows`, ``(S, R)`` tables); per window:
+
+* non-finite values in local gradients (the rank's compute), in the reduced gradient while every
+  local one was finite (the collective), in the weights while the reduced gradient was finite
+  (the update);
+* the all-reduce check: the reduced sketch of each rank against the mean of the ranks' local
+  sketches, within the calibrated tolerance (``fingerprint/tolerance.py``), and each rank's
+  reduced digest against the ranks' strict majority;
+* replica weight divergence: each rank's post-update weights digest against the strict majority,
+  reported at its onset;
+* audits: subject's own gradient digest and the auditors' recomputations, majority of three;
+  the auditor's input digest against the subject's;
+* outliers of loss and local gradient norm across ranks (hints only, never a verdict).
+
+The result names the first step at which the replicas' state is known to have gone wrong
+(:attr:`TriageResult.first_suspect_step`) and the window of steps a replay must examine to
+confirm it and localise it further.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from sdc_forensics.fingerprint import tolerance
+from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, hex64, sort_key
+from sdc_forensics.trace import format as F
+from sdc_forensics.trace.reader import Damage, StepWindow, Trace
+
+_MAX_OUTLIERS = 20
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TriageOptions:
+    """How to triage.
+
+    Attributes:
+        window_steps: steps per vectorised window (memory is bounded by it).
+        start_step, stop_step: limit the steps examined (inclusive), None for all.
+        outlier_z: robust z-score (median / MAD) above which a value is an outlier hint.
+        outliers: report outlier hints at all.
+    """
+
+    window_steps: int = 4096
+    start_step: int | None = None
+    stop_step: int | None = None
+    outlier_z: float = 12.0
+    outliers: bool = True
+
+    def __post_init__(self) -> None:
+        if self.window_steps < 1:
+            raise ValueError("window_steps must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TriageResult:
+    """What the trace alone says.
+
+    Attributes:
+        evidence: every observation, sorted by step (hints after real evidence at a step).
+        first_suspect_step: the first step whose evidence says the replicas' state went wrong
+            (theta_step is still clean, theta_step+1 may not be), None if the trace shows none.
+        suspect_window: ``(first, last)`` steps a replay must examine to confirm
+            ``first_suspect_step`` (wider than one step when weights were not compared every
+            step), None when there is nothing to confirm.
+        step_range: ``(first, last)`` step recorded, None for an empty trace.
+        world_size: number of ranks.
+        weights_checked: steps at which replica weights were compared.
+        superseded_cells: (step, rank) cells also recorded by an earlier attempt (latest used).
+        damage: problems found in the trace files.
+        has_gradients: the trace carries gradient fingerprints (replay can compare them).
+    """
+
+    evidence: tuple[Evidence, ...]
+    first_suspect_step: int | None
+    suspect_window: tuple[int, int] | None
+    step_range: tuple[int, int] | None
+    world_size: int
+    weights_checked: int = 0
+    superseded_cells: int = 0
+    damage: tuple[Damage, ...] = ()
+    has_gradients: bool = True
+
+    @property
+    def hints(self) -> tuple[Evidence, ...]:
+        return tuple(e for e in self.evidence if e.is_hint)
+
+    @property
+    def findings(self) -> tuple[Evidence, ...]:
+        return tuple(e for e in self.evidence if not e.is_hint)
+
+
+def triage_trace(trace: Trace, options: TriageOptions | None = None) -> TriageResult:
+    """Scan a trace and return every piece of evidence it holds.
+
+    Args:
+        trace: an open trace.
+        options: :class:`TriageOptions` (defaults if None).
+
+    Returns:
+        A :class:`TriageResult`.
+    """
+    options = options or TriageOptions()
+    manifest = trace.manifest
+    grad_dtype = manifest.fingerprint.grad_dtype
+    evidence: list[Evidence] = []
+    state = _WeightState(world_size=trace.world_size)
+    superseded = 0
+    has_grads = False
+    outlier_count = 0
+    for window in trace.step_windows(options.window_steps, options.start_step, options.stop_step):
+        superseded += int(window.superseded.sum())
+        has_grads |= bool(((window.records["flags"] & int(F.Flag.HAS_GRADS)) != 0)[window.present].any())
+        evidence += _nonfinite(window)
+        evidence += _allreduce(window, grad_dtype, manifest.reduction)
+        evidence += state.scan(window)
+        if options.outliers and outlier_count < _MAX_OUTLIERS:
+            hints = _outliers(window, options.outlier_z)[: _MAX_OUTLIERS - outlier_count]
+            outlier_count += len(hints)
+            evidence += hints
+    evidence += _audits(trace, options)
+    evidence.sort(key=sort_key)
+    first, window_range = _first_suspect(evidence, state)
+    return TriageResult(
+        evidence=tuple(evidence),
+        first_suspect_step=first,
+        suspect_window=window_range,
+        step_range=trace.step_range(),
+        world_size=trace.world_size,
+        weights_checked=state.num_checked,
+        superseded_cells=superseded,
+        damage=tuple(trace.damage()),
+        has_gradients=has_grads,
+    )
+
+
+def _ranks(mask_row: np.ndarray) -> tuple[int, ...]:
+    return tuple(int(r) for r in np.flatnonzero(mask_row))
+
+
+def _nonfinite(window: StepWindow) -> list[Evidence]:
+    rec, present = window.records, window.present  # (S, R)
+    local = (rec["nonfinite_local"] > 0) & present
+    reduced = (rec["nonfinite_reduced"] > 0) & present
+    has_w = ((rec["flags"] & int(F.Flag.HAS_WEIGHTS)) != 0) & present
+    weights = (rec["nonfinite_weights"] > 0) & has_w
+    out: list[Evidence] = []
+    any_local = local.any(axis=1)  # (S,)
+    for row in np.flatnonzero(any_local | reduced.any(axis=1) | weights.any(axis=1)):
+        step = int(window.steps[row])
+        if any_local[row]:
+            ranks = _ranks(local[row])
+            counts = ", ".join(f"rank {r}: {int(rec['nonfinite_local'][row, r])}" for r in ranks)
+            out.append(Evidence(kind=EvidenceKind.NONFINITE, step=step, ranks=ranks, expected="0 NaN/Inf in the local gradient",
+                                found=counts, location=Location.LOCAL_COMPUTE,
+                                detail="NaN/Inf in the local gradient before the all-reduce"))
+            continue  # the reduced gradient and the weights inherit it
+        if reduced[row].any():
+            ranks = _ranks(reduced[row])
+            everyone = len(ranks) == int(present[row].sum())
+            out.append(Evidence(kind=EvidenceKind.NONFINITE, step=step, ranks=() if everyone else ranks,
+                                expected="0 NaN/Inf in the reduced gradient (every local gradient was finite)",
+                                found=f"NaN/Inf on rank(s) {', '.join(map(str, ranks))}", location=Location.COLLECTIVE,
+                                detail="the all-reduce produced NaN/Inf from finite inputs"))
+            continue
+        ranks = _ranks(weights[row])
+        out.append(Evidence(kind=EvidenceKind.NONFINITE, step=step, ranks=ranks, expected="0 NaN/Inf in the updated weights",
+                            found=", ".join(f"rank {r}: {int(rec['nonfinite_weights'][row, r])}" for r in ranks),
+                            location=Location.OPTIMIZER_UPDATE,
+                            detail="NaN/Inf in the weights after an update with a finite reduced gradient"))
+    return out
+
+
+def _majority(values: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the strict-majority value among valid cells. ``values``/``valid``: ``(S, R)``.
+
+    Returns ``(majority (S,), has_majority (S,))``.
+    """
+    num_valid = valid.sum(axis=1)
+    # count, for every cell, how many valid cells of its row hold the same value: (S, R, R)
+    same = (values[:, :, None] == values[:, None, :]) & valid[:, None, :] & valid[:, :, None]
+    votes = same.sum(axis=2)  # (S, R)
+    best = votes.argmax(axis=1)
+    rows = np.arange(values.shape[0])
+    return values[rows, best], votes[rows, best] * 2 > num_valid
+
+
+def _allreduce(window: StepWindow, grad_dtype: str, reduction: str) -> list[Evidence]:
+    rec, present = window.records, window.present
+    has_grads = ((rec["flags"] & int(F.Flag.HAS_GRADS)) != 0) & present  # (S, R)
+    full = has_grads.all(axis=1) & ((rec["nonfinite_local"] == 0) | ~present).all(axis=1)  # (S,)
+    if not full.any():
+        return []
+    local_sk = rec["local_sketch"].astype(np.float64)  # (S, R, k)
+    reduced_sk = rec["reduced_sketch"].astype(np.float64)  # (S, R, k)
+    expected = local_sk.mean(axis=1) if reduction == "mean" else local_sk.sum(axis=1)  # (S, k)
+    residual = np.abs(reduced_sk - expected[:, None, :]).max(axis=2)  # (S, R)
+    local_norms = np.where(present, rec["local_norm"], 0.0)[:, None, :]  # (S, 1, R)
+    tol = tolerance.allreduce_tolerance(grad_dtype, local_norms, rec["reduced_norm"], reduction)  # (S, R)
+    over = (residual > tol) & full[:, None]
+    majority, has_majority = _majority(rec["reduced_digest"], has_grads)
+    minority = (rec["reduced_digest"] != majority[:, None]) & has_grads & (has_majority & full)[:, None]
+    out: list[Evidence] = []
+    for row in np.flatnonzero((over | minority).any(axis=1)):
+        step = int(window.steps[row])
+        bad = over[row] | minority[row]
+        everyone = bool(bad[has_grads[row]].all())
+        ranks = () if everyone else _ranks(bad)
+        worst = int(np.argmax(np.where(bad, residual[row] / np.maximum(tol[row], 1e-300), -1)))
+        out.append(Evidence(
+            kind=EvidenceKind.ALLREDUCE_MISMATCH, step=step, ranks=ranks,
+            expected=f"reduced sketch = {reduction} of local sketches within {tol[row, worst]:.3g}; reduced digest "
+            f"{hex64(majority[row])} on every rank",
+            found=f"residual {residual[row, worst]:.3g} on rank {worst}"
+            + ("" if everyone else f"; reduced digest differs on rank(s) {', '.join(map(str, _ranks(minority[row]))) or 'none'}"),
+            location=Location.COLLECTIVE,
+            detail="every rank received the same wrong all-reduce result" if everyone
+            else "the all-reduce result on these ranks differs from what the local gradients sum to",
+        ))
+    return out
+
+
+@dataclasses.dataclass(kw_only=True)
+class _WeightState:
+    """Replica weight divergence across windows: onsets only, and the last checked step."""
+
+    world_size: int
+    diverged: np.ndarray | None = None  # (R,) bool, state at the last checked step
+    last_checked: int | None = None
+    first_step: int | None = None
+    num_checked: int = 0
+    checked_before: dict[int, int | None] = dataclasses.field(default_factory=dict)  # onset step -> previous check
+
+    def scan(self, window: StepWindow) -> list[Evidence]:
+        rec, present = window.records, window.present
+        has_w = ((rec["flags"] & int(F.Flag.HAS_WEIGHTS)) != 0) & present  # (S, R)
+        checked_rows = np.flatnonzero(has_w.sum(axis=1) >= 2)
+        if self.first_step is None and len(window.steps):
+            self.first_step = int(window.steps[0])
+        if self.diverged is None:
+            self.diverged = np.zeros(self.world_size, dtype=bool)
+        if not checked_rows.size:
+            return []
+        majority, has_majority = _majority(rec["weights_digest"], has_w)
+        out: list[Evidence] = []
+        for row in checked_rows:
+            step = int(window.steps[row])
+            self.num_checked += 1
+            if not has_majority[row]:
+                out.append(Evidence(kind=EvidenceKind.WEIGHT_DIVERGENCE, step=step, ranks=(),
+                                    expected="a strict majority of replicas with equal weights",
+                                    found=f"{len(set(rec['weights_digest'][row][has_w[row]].tolist()))} distinct digests",
+                                    location=Location.UNKNOWN, detail="no strict majority of replica weights"))
+                self.checked_before.setdefault(step, self.last_checked)
+                self.last_checked = step
+                continue
+            now = (rec["weights_digest"][row] != majority[row]) & has_w[row]  # (R,)
+            onset = now & ~self.diverged
+            if onset.any():
+                ranks = _ranks(onset)
+                found = ", ".join(f"rank {r}: {hex64(rec['weights_digest'][row, r])}" for r in ranks)
+                out.append(Evidence(
+                    kind=EvidenceKind.WEIGHT_DIVERGENCE, step=step, ranks=ranks,
+                    expected=f"weights digest {hex64(majority[row])} (strict majority)", found=found,
+                    location=Location.UNKNOWN,
+                    detail="this replica's weights after the update differ from the majority: a wrong update, "
+                    "or wrong weights at rest; replay tells them apart",
+                ))
+                self.checked_before.setdefault(step, self.last_checked)
+            self.diverged = now | (self.diverged & ~has_w[row])
+            self.last_checked = step
+        return out
+
+
+def _audits(trace: Trace, options: TriageOptions) -> list[Evidence]:
+    audits = trace.records(F.Kind.AUDIT)
+    if not len(audits):
+        return []
+    if options.start_step is not None:
+        audits = audits[audits["step"] >= options.start_step]
+    if options.stop_step is not None:
+        audits = audits[audits["step"] <= options.stop_step]
+    steps_needed = np.unique(audits["step"])
+    subject_inputs: dict[tuple[int, int], int] = {}
+    for window in trace.step_windows(options.window_steps, int(steps_needed.min()) if len(steps_needed) else None,
+                                     int(steps_needed.max()) if len(steps_needed) else None):
+        rows = np.flatnonzero(np.isin(window.steps, steps_needed))
+        for row in rows:
+            for rank in np.flatnonzero(window.present[row]):
+                subject_inputs[(int(window.steps[row]), int(rank))] = int(window.records["input_digest"][row, rank])
+    out: list[Evidence] = []
+    keys = np.stack([audits["step"], audits["aux_rank"].astype(np.int64)], axis=1)
+    for step, subject in np.unique(keys, axis=0):
+        group = audits[(audits["step"] == step) & (audits["aux_rank"] == subject)]
+        step, subject = int(step), int(subject)
+        own = int(group["aux_digest"][0])
+        votes = [(subject, own)] + [(int(a["rank"]), int(a["local_digest"])) for a in group]
+        values = [v for _, v in votes]
+        winner = max(set(values), key=values.count)
+        strict = values.count(winner) * 2 > len(values)
+        losers = tuple(r for r, v in votes if v != winner)
+        if losers:
+            if not strict:
+                out.append(Evidence(kind=EvidenceKind.AUDIT_MISMATCH, step=step, ranks=(subject,),
+                                    expected="the subject and its auditor agree", found=f"{len(set(values))} different gradient digests, no third vote",
+                                    location=Location.UNKNOWN, detail=f"audit of rank {subject}'s microbatch is unresolved; a replay decides"))
+            elif subject in losers:
+                out.append(Evidence(kind=EvidenceKind.AUDIT_MISMATCH, step=step, ranks=(subject,), expected=hex64(winner),
+                                    found=hex64(own), location=Location.LOCAL_COMPUTE,
+                                    detail=f"rank {subject}'s own gradient lost the audit vote {values.count(winner)} to {len(values) - values.count(winner)}"))
+            else:
+                out.append(Evidence(kind=EvidenceKind.AUDIT_MISMATCH, step=step, ranks=losers, expected=hex64(winner),
+                                    found=", ".join(hex64(v) for r, v in votes if r in losers), location=Location.LOCAL_COMPUTE,
+                                    affects_state=False,
+                                    detail="the auditor's recomputation was wrong; the training state was not affected"))
+        subject_input = subject_inputs.get((step, subject))
+        for audit in group:
+            audited_input = int(audit["input_digest"])
+            if audited_input and subject_input is not None and audited_input != subject_input:
+                out.append(Evidence(kind=EvidenceKind.INPUT_MISMATCH, step=step, ranks=(subject,), expected=hex64(audited_input),
+                                    found=hex64(subject_input), location=Location.INPUT_DATA,
+                                    detail=f"rank {int(audit['rank'])} fetched rank {subject}'s microbatch with a different input digest"))
+                break
+    return out
+
+
+def _robust_z(values: np.ndarray, axis: int) -> np.ndarray:
+    median = np.nanmedian(values, axis=axis, keepdims=True)
+    mad = np.nanmedian(np.abs(values - median), axis=axis, keepdims=True)
+    scale = 1.4826 * mad + 1e-6 * np.abs(median) + 1e-30
+    return np.abs(values - median) / scale
+
+
+def _outliers(window: StepWindow, threshold: float) -> list[Evidence]:
+    rec, present = window.records, window.present
+    if present.shape[1] < 4:
+        return []
+    out: list[Evidence] = []
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for field, what in (("loss", "loss"), ("local_norm", "local gradient norm")):
+            values = np.where(present, rec[field].astype(np.float64), np.nan)  # (S, R)
+            values = np.where(np.isfinite(values), values, np.nan)
+            z = np.nan_to_num(_robust_z(values, axis=1), nan=0.0)  # across ranks, per step
+            for row, rank in zip(*np.nonzero(z > threshold)):
+                out.append(Evidence(kind=EvidenceKind.OUTLIER, step=int(window.steps[row]), ranks=(int(rank),),
+                                    expected=f"{what} near the ranks' median {np.nanmedian(values[row]):.4g}",
+                                    found=f"{values[row, rank]:.4g} (robust z {z[row, rank]:.1f})", location=Location.UNKNOWN,
+                                    affects_state=False, detail=f"{what} is an outlier across ranks (a hint only)"))
+    return out
+
+
+def _first_suspect(evidence: list[Evidence], weights: _WeightState) -> tuple[int | None, tuple[int, int] | None]:
+    real = [e for e in evidence if e.marks_divergence]
+    if not real:
+        return None, None
+    first = min(real, key=sort_key)
+    if first.kind is EvidenceKind.WEIGHT_DIVERGENCE:
+        previous = weights.checked_before.get(first.step)
+        # weights were equal at the previous comparison: the divergence happened after it, at
+        # the earliest on the step after it (conservative for checkpoint certification)
+        if previous is not None:
+            start = previous + 1
+        else:
+            start = weights.first_step if weights.first_step is not None else first.step
+        return start, (start, first.step)
+    return first.step, (first.step, first.step)
