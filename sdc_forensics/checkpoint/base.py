@@ -1,0 +1,168 @@
+"""What every checkpoint reader provides, and the read-only memory map they share.
+
+A reader checks a checkpoint's *structure* when it is opened (and raises
+:class:`~sdc_forensics.errors.CheckpointError` with one line saying what is wrong), then hands
+out tensors one at a time, as zero-copy views of a read-only memory map wherever the format
+allows, so that a checkpoint larger than memory can be verified. Content (digests, NaN/Inf) is
+judged by ``verify.py``, not here.
+
+Files are opened with ``O_RDONLY`` and mapped with ``PROT_READ``: a reader cannot change them.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import mmap
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from sdc_forensics.errors import CheckpointError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TensorInfo:
+    """One tensor as the checkpoint's metadata describes it (before reading its bytes).
+
+    Attributes:
+        key: the tensor's key (safetensors name, dotted ``flatten_state`` key, or DCP FQN).
+        dtype: torch dtype name without the ``torch.`` prefix (``float32``).
+        shape: the tensor's shape.
+        file: the file (relative to the checkpoint root) that holds its bytes.
+    """
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FileIssue:
+    """A problem with one file's bytes that leaves the file readable (e.g. a zip CRC mismatch)."""
+
+    file: str
+    detail: str
+
+
+class MappedFile:
+    """A file mapped read-only, exposed as one ``uint8`` torch tensor without copying.
+
+    Args:
+        path: the file.
+        populate: pre-fault the whole mapping (``MAP_POPULATE``): one system call instead of a
+            page fault per 64 KiB when the whole file will be read anyway.
+    """
+
+    def __init__(self, path: Path, *, populate: bool = False) -> None:
+        self.path = path
+        self.size = path.stat().st_size
+        self._mmap: mmap.mmap | None = None
+        self._bytes: torch.Tensor | None = None
+        if self.size == 0:
+            self._bytes = torch.empty(0, dtype=torch.uint8)
+            return
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            self._mmap = mmap.mmap(fd, self.size, flags=flags, prot=mmap.PROT_READ)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"cannot map {path} for reading ({exc}); check that it is a regular, readable file") from None
+        finally:
+            os.close(fd)
+        with warnings.catch_warnings():
+            # torch warns that the buffer is not writable; that is the point: nothing writes to it.
+            warnings.simplefilter("ignore", UserWarning)
+            self._bytes = torch.frombuffer(self._mmap, dtype=torch.uint8)
+
+    @property
+    def bytes(self) -> torch.Tensor:
+        """The whole file as a read-only ``(size,)`` uint8 tensor (do not write to it)."""
+        if self._bytes is None:
+            raise CheckpointError(f"{self.path} was already closed; reopen the checkpoint")
+        return self._bytes
+
+    def buffer(self) -> memoryview | bytes:
+        """The mapping as a read-only memoryview (``b""`` for an empty file)."""
+        return memoryview(self._mmap) if self._mmap is not None else b""
+
+    def close(self) -> None:
+        """Drop the tensor view and unmap (a view still held elsewhere keeps the map alive)."""
+        self._bytes = None
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:  # a caller still holds a view; the GC unmaps it later
+                pass
+            self._mmap = None
+
+
+def typed_view(raw: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """``raw`` (uint8 bytes) reinterpreted as ``dtype`` with ``shape``; zero-copy when aligned."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if raw.storage_offset() % itemsize:
+        raw = raw.clone()  # misaligned in the file: the only case that copies
+    if dtype == torch.bool:
+        return raw.view(torch.bool).view(shape)
+    return raw.view(dtype).view(shape)
+
+
+class CheckpointReader(abc.ABC):
+    """An opened, structurally checked checkpoint. Use as a context manager.
+
+    Attributes:
+        path: what the user named (file or directory).
+        root: the directory that relative file names are relative to.
+        format: ``safetensors``, ``hf-index``, ``torch`` or ``dcp``.
+    """
+
+    format: str = ""
+
+    def __init__(self, path: Path, root: Path) -> None:
+        self.path = path
+        self.root = root
+
+    @property
+    @abc.abstractmethod
+    def files(self) -> tuple[Path, ...]:
+        """Every file the checkpoint consists of (checksummed by verification)."""
+
+    @abc.abstractmethod
+    def infos(self) -> list[TensorInfo]:
+        """The tensors the metadata describes, in file order."""
+
+    @abc.abstractmethod
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(key, tensor)`` one at a time, in :meth:`infos` order; CPU, do not modify them."""
+
+    def maps(self) -> dict[Path, MappedFile]:
+        """Files this reader already mapped, so verification can digest them without remapping."""
+        return {}
+
+    def step(self) -> int | None:
+        """The number of completed steps the checkpoint says it holds, when it says so."""
+        return None
+
+    def file_issues(self) -> list[FileIssue]:
+        """Readable-but-damaged findings about whole files (default: none)."""
+        return []
+
+    def relative(self, path: Path) -> str:
+        """``path`` relative to :attr:`root` (the name certificates and notes use)."""
+        try:
+            return str(path.relative_to(self.root))
+        except ValueError:
+            return path.name
+
+    def close(self) -> None:
+        """Release maps and handles (idempotent)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

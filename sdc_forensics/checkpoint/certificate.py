@@ -1,0 +1,184 @@
+"""Certificates: the JSON record of a certification, checked later against the files.
+
+Layout (sorted keys, 1-space indent)::
+
+    {"format": "sdc-forensics-certificate", "certificate_version": 1,
+     "tool_version": "0.1.0", "created_utc": "2026-11-29T09:00:00Z", "seed": SEED,
+     "trace_dir": "...", "first_divergent_step": S | null,
+     "resume_step": N | null, "resume_path": "..." | null,
+     "checkpoints": [{"step": N, "path": "...", "status": "clean-trace-consistent", "reasons": [...],
+                      "format": "torch", "weights_digest": "hex16",
+                      "files": [{"name": "step-00000004.pt", "size_bytes": B, "digest": "hex16"}],
+                      "evidence": [{"kind": ..., "subject": ..., "expected": ..., "found": ..., "detail": ...}]}]}
+
+A file's checksum is the exact digest of its bytes (``verify.FileChecksum``); confirming a file
+later means recomputing it with the certificate's seed and comparing, file by file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from sdc_forensics import __version__
+from sdc_forensics.checkpoint.certify import CheckpointStatus, Status, last_clean
+from sdc_forensics.checkpoint.verify import FileChecksum, Finding, FindingKind, VerificationReport
+from sdc_forensics.errors import InvalidInputError
+from sdc_forensics.fingerprint import constants as C
+
+FORMAT_NAME = "sdc-forensics-certificate"
+CERTIFICATE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CertifiedCheckpoint:
+    """One checkpoint's entry in a certificate."""
+
+    step: int
+    path: str
+    status: Status
+    reasons: tuple[str, ...]
+    format: str = ""
+    weights_digest: str = ""
+    files: tuple[FileChecksum, ...] = ()
+    evidence: tuple[Finding, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Certificate:
+    """A certification of a run's checkpoints."""
+
+    tool_version: str
+    created_utc: str
+    seed: int
+    trace_dir: str
+    first_divergent_step: int | None
+    resume_step: int | None
+    resume_path: str | None
+    checkpoints: tuple[CertifiedCheckpoint, ...]
+
+    def entry_for(self, path: str | os.PathLike) -> CertifiedCheckpoint | None:
+        """The entry of ``path``: same resolved path, else the one entry with that file name."""
+        target = Path(path).resolve()
+        for entry in self.checkpoints:
+            if entry.path and Path(entry.path).resolve() == target:
+                return entry
+        by_name = [e for e in self.checkpoints if e.path and Path(e.path).name == target.name]
+        return by_name[0] if len(by_name) == 1 else None
+
+
+def build_certificate(
+    statuses: Sequence[CheckpointStatus], *, trace_dir: str | os.PathLike, first_divergent_step: int | None, seed: int = C.DEFAULT_SEED
+) -> Certificate:
+    """A :class:`Certificate` of ``statuses`` (from :func:`certify.certify_checkpoints`)."""
+    resume = last_clean(statuses)
+    entries = []
+    for s in statuses:
+        report = s.report
+        entries.append(
+            CertifiedCheckpoint(
+                step=s.step,
+                path=str(Path(s.path).resolve()) if s.path else "",
+                status=s.status,
+                reasons=s.reasons,
+                format=report.format if report else "",
+                weights_digest=report.weights_digest if report else "",
+                files=report.files if report else (),
+                evidence=s.findings,
+            )
+        )
+    return Certificate(
+        tool_version=__version__,
+        created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        seed=seed,
+        trace_dir=str(Path(trace_dir).resolve()),
+        first_divergent_step=first_divergent_step,
+        resume_step=resume.step if resume else None,
+        resume_path=str(Path(resume.path).resolve()) if resume else None,
+        checkpoints=tuple(entries),
+    )
+
+
+def certificate_to_json(cert: Certificate) -> dict:
+    """The certificate as a JSON-ready dict (enums as their values)."""
+    doc = dataclasses.asdict(cert)
+    for entry in doc["checkpoints"]:
+        entry["status"] = Status(entry["status"]).value
+        for finding in entry["evidence"]:
+            finding["kind"] = FindingKind(finding["kind"]).value
+    return {"format": FORMAT_NAME, "certificate_version": CERTIFICATE_VERSION, **doc}
+
+
+def write_certificate(path: str | os.PathLike, cert: Certificate) -> Path:
+    """Write ``cert`` to ``path`` atomically (never over a checkpoint: it is a new file)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(certificate_to_json(cert), indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def read_certificate(path: str | os.PathLike) -> Certificate:
+    """Read and validate a certificate; raises :class:`InvalidInputError` if it is not one."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidInputError(f"{path} is not a readable JSON certificate ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise InvalidInputError(f"{path} is not an sdc-forensics certificate (no \"format\": \"{FORMAT_NAME}\")")
+    if doc.get("certificate_version") != CERTIFICATE_VERSION:
+        raise InvalidInputError(f"{path} has certificate version {doc.get('certificate_version')!r}; this tool reads {CERTIFICATE_VERSION}")
+    try:
+        entries = tuple(
+            CertifiedCheckpoint(
+                step=int(e["step"]),
+                path=str(e["path"]),
+                status=Status(e["status"]),
+                reasons=tuple(e.get("reasons", ())),
+                format=str(e.get("format", "")),
+                weights_digest=str(e.get("weights_digest", "")),
+                files=tuple(FileChecksum(name=str(f["name"]), size_bytes=int(f["size_bytes"]), digest=str(f["digest"])) for f in e.get("files", ())),
+                evidence=tuple(
+                    Finding(kind=FindingKind(f["kind"]), subject=f.get("subject", ""), expected=f.get("expected", ""), found=f.get("found", ""), detail=f.get("detail", ""))
+                    for f in e.get("evidence", ())
+                ),
+            )
+            for e in doc["checkpoints"]
+        )
+        return Certificate(
+            tool_version=str(doc.get("tool_version", "")),
+            created_utc=str(doc.get("created_utc", "")),
+            seed=int(doc["seed"]),
+            trace_dir=str(doc.get("trace_dir", "")),
+            first_divergent_step=doc.get("first_divergent_step"),
+            resume_step=doc.get("resume_step"),
+            resume_path=doc.get("resume_path"),
+            checkpoints=entries,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidInputError(f"{path} is a malformed certificate ({exc!r})") from None
+
+
+def check_against_certificate(report: VerificationReport, entry: CertifiedCheckpoint) -> list[Finding]:
+    """Findings when ``report``'s files are not what ``entry`` certified (or it was not clean)."""
+    findings = []
+    mine = {f.name: f for f in report.files}
+    for certified in entry.files:
+        now = mine.get(certified.name)
+        if now is None:
+            findings.append(Finding(kind=FindingKind.FILE_CHECKSUM_MISMATCH, subject=certified.name, expected=certified.digest, detail="certified file is missing now"))
+        elif now.digest != certified.digest or now.size_bytes != certified.size_bytes:
+            findings.append(
+                Finding(
+                    kind=FindingKind.FILE_CHECKSUM_MISMATCH, subject=certified.name, expected=certified.digest, found=now.digest,
+                    detail="file changed since it was certified",
+                )
+            )
+    if not entry.files:
+        findings.append(Finding(kind=FindingKind.FILE_CHECKSUM_MISMATCH, subject=entry.path, detail="the certificate holds no file checksums for it"))
+    return findings

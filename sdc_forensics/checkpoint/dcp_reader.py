@@ -1,0 +1,216 @@
+"""Read a ``torch.distributed.checkpoint`` (DCP) directory without a process group or a pickle run.
+
+Layout (``FileSystemWriter``)::
+
+    DIR/.metadata            pickled ``Metadata``: state_dict_metadata (FQN -> tensor dtype, size,
+                             chunks (offsets, sizes) | bytes object) and storage_data
+                             (MetadataIndex(fqn, chunk offset) -> _StorageInfo(relative_path,
+                             offset, length, transform_descriptors))
+    DIR/__R_I.distcp         concatenated items; a tensor chunk is one ``torch.save`` of that
+                             chunk at [offset, offset + length)
+
+``.metadata`` is a plain pickle, so it is unpickled here with an allow-list of the DCP metadata
+classes, torch dtypes, ``torch.Size`` and ``pathlib`` paths; anything else is refused. Checks:
+the metadata exists and loads; every tensor's chunks lie inside it, do not overlap and cover
+it exactly (sum of chunk volumes = numel); every chunk and every bytes item has a storage entry
+whose file exists inside DIR and holds the byte range; no storage transforms (compression) are
+used. Tensors are read one at a time: each chunk with ``torch.load(weights_only=True)`` from a
+view of a read-only map of its ``.distcp`` file, assembled into the full tensor.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pathlib
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sdc_forensics.checkpoint.base import CheckpointReader, MappedFile, TensorInfo
+from sdc_forensics.errors import CheckpointError
+
+METADATA_NAME = ".metadata"
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles only what a DCP ``.metadata`` legitimately contains."""
+
+    def find_class(self, module: str, name: str):
+        if module == "torch.distributed.checkpoint.metadata":
+            from torch.distributed.checkpoint import metadata
+
+            return getattr(metadata, name)
+        if module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo":
+            from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+            return _StorageInfo
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        if module == "torch.serialization" and name == "_get_layout":
+            return torch.serialization._get_layout
+        if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"):
+            return getattr(pathlib, name)
+        if module == "collections" and name == "OrderedDict":
+            import collections
+
+            return collections.OrderedDict
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
+
+
+class DcpReader(CheckpointReader):
+    """A DCP checkpoint directory. Structure and coverage are checked in the constructor."""
+
+    format = "dcp"
+
+    def __init__(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        super().__init__(directory, directory)
+        meta_path = directory / METADATA_NAME
+        if not meta_path.is_file():
+            raise CheckpointError(
+                f"{directory} has no {METADATA_NAME}: not a complete torch.distributed.checkpoint directory "
+                "(the save was interrupted, or this is another format)"
+            )
+        self.metadata = _load_metadata(meta_path)
+        self._files: dict[str, MappedFile] = {}
+        try:
+            self._plan = self._check()
+        except CheckpointError:
+            self.close()
+            raise
+
+    def _mapped(self, relative_path: str) -> MappedFile:
+        if relative_path not in self._files:
+            self._files[relative_path] = MappedFile(self.root / relative_path)
+        return self._files[relative_path]
+
+    def _check(self) -> dict[str, list[tuple[Any, Any]]]:
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+
+        storage = getattr(self.metadata, "storage_data", None)
+        state = getattr(self.metadata, "state_dict_metadata", None)
+        if not isinstance(storage, dict) or not isinstance(state, dict):
+            raise CheckpointError(f"{self.root}/{METADATA_NAME} lacks storage_data or state_dict_metadata: damaged")
+        for index, info in storage.items():
+            rel = str(getattr(info, "relative_path", ""))
+            if not rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
+                raise CheckpointError(f"{self.root}: item {index.fqn!r} is stored in {rel!r}, outside the checkpoint directory")
+            if getattr(info, "transform_descriptors", None):
+                raise CheckpointError(f"{self.root}: item {index.fqn!r} uses storage transforms {info.transform_descriptors}, which this reader does not support")
+            if not (self.root / rel).is_file():
+                raise CheckpointError(f"{self.root}: file {rel} named by the metadata for {index.fqn!r} does not exist: the checkpoint is incomplete")
+            size = self._mapped(rel).size
+            if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
+                raise CheckpointError(
+                    f"{self.root}: item {index.fqn!r} needs bytes {info.offset}..{info.offset + info.length} of {rel}, "
+                    f"which has {size}: the file is truncated"
+                )
+        plan: dict[str, list[tuple[Any, Any]]] = {}
+        for fqn, meta in state.items():
+            if isinstance(meta, BytesStorageMetadata):
+                if MetadataIndex(fqn) not in storage:
+                    raise CheckpointError(f"{self.root}: bytes item {fqn!r} has no storage entry in {METADATA_NAME}")
+                continue
+            if not isinstance(meta, TensorStorageMetadata):
+                raise CheckpointError(f"{self.root}: {fqn!r} has unknown metadata type {type(meta).__name__}")
+            plan[fqn] = [(chunk, storage.get(MetadataIndex(fqn, torch.Size(chunk.offsets)))) for chunk in meta.chunks]
+            _check_coverage(self.root, fqn, tuple(meta.size), plan[fqn])
+        return plan
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        names = {METADATA_NAME} | {str(info.relative_path) for info in self.metadata.storage_data.values()}
+        return tuple(self.root / name for name in sorted(names))
+
+    def maps(self) -> dict[Path, MappedFile]:
+        return {self.root / rel: mapped for rel, mapped in self._files.items()}
+
+    def infos(self) -> list[TensorInfo]:
+        state = self.metadata.state_dict_metadata
+        out = []
+        for fqn, chunks in self._plan.items():
+            meta = state[fqn]
+            files = sorted({str(info.relative_path) for _, info in chunks})
+            out.append(TensorInfo(key=fqn, dtype=str(meta.properties.dtype).removeprefix("torch."), shape=tuple(meta.size), file=",".join(files)))
+        return out
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        state = self.metadata.state_dict_metadata
+        for fqn, chunks in self._plan.items():
+            meta = state[fqn]
+            if len(chunks) == 1 and tuple(chunks[0][0].sizes) == tuple(meta.size):
+                yield fqn, self._read_chunk(fqn, chunks[0][0], chunks[0][1], meta.properties.dtype)
+                continue
+            full = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+            for chunk, info in chunks:
+                part = self._read_chunk(fqn, chunk, info, meta.properties.dtype)
+                index = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
+                full[index] = part
+            yield fqn, full
+
+    def _read_chunk(self, fqn: str, chunk, info, dtype: torch.dtype) -> torch.Tensor:
+        view = self._mapped(str(info.relative_path)).buffer()[info.offset : info.offset + info.length]
+        try:
+            tensor = torch.load(io.BytesIO(view), map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any failure means this item is unreadable
+            raise CheckpointError(f"{self.root}: chunk of {fqn!r} in {info.relative_path} cannot be read ({type(exc).__name__}): damaged") from None
+        finally:
+            view.release()
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(chunk.sizes) or tensor.dtype != dtype:
+            raise CheckpointError(f"{self.root}: chunk of {fqn!r} in {info.relative_path} does not match its metadata (shape or dtype)")
+        return tensor
+
+    def step(self) -> int | None:
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+        meta = self.metadata.state_dict_metadata.get("step")
+        if isinstance(meta, BytesStorageMetadata):
+            info = self.metadata.storage_data[MetadataIndex("step")]
+            view = self._mapped(str(info.relative_path)).buffer()[info.offset : info.offset + info.length]
+            try:
+                value = torch.load(io.BytesIO(view), weights_only=True)
+            except Exception:  # noqa: BLE001 - an unreadable step is simply unknown
+                return None
+            finally:
+                view.release()
+            return value if isinstance(value, int) and not isinstance(value, bool) else None
+        return None
+
+    def close(self) -> None:
+        for mapped in self._files.values():
+            mapped.close()
+        self._files = {}
+
+
+def _load_metadata(meta_path: Path):
+    try:
+        with open(meta_path, "rb") as fh:
+            metadata = _MetadataUnpickler(fh).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError, IndexError) as exc:
+        raise CheckpointError(f"{meta_path} cannot be loaded safely ({type(exc).__name__}: {exc}): damaged or not DCP metadata") from None
+    if type(metadata).__name__ != "Metadata":
+        raise CheckpointError(f"{meta_path} does not hold DCP Metadata (found {type(metadata).__name__})")
+    return metadata
+
+
+def _check_coverage(root: Path, fqn: str, size: tuple[int, ...], chunks) -> None:
+    """Chunks must lie in the tensor, not overlap, and cover all of it."""
+    boxes = []
+    for chunk, info in chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        if len(offsets) != len(size) or any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, size)):
+            raise CheckpointError(f"{root}: a chunk of {fqn!r} (offsets {offsets}, sizes {sizes}) lies outside its size {size}")
+        if info is None:
+            raise CheckpointError(f"{root}: the chunk of {fqn!r} at offsets {offsets} has no storage entry: the metadata is incomplete")
+        boxes.append((offsets, sizes))
+    for i, (o1, s1) in enumerate(boxes):
+        for o2, s2 in boxes[i + 1 :]:
+            if all(a < c + t and c < a + s for a, s, c, t in zip(o1, s1, o2, s2)) and math.prod(s1) and math.prod(s2):
+                raise CheckpointError(f"{root}: chunks of {fqn!r} at offsets {o1} and {o2} overlap: the metadata is inconsistent")
+    covered = sum(math.prod(s) for _, s in boxes)
+    if covered != math.prod(size):
+        raise CheckpointError(f"{root}: the chunks of {fqn!r} cover {covered} of its {math.prod(size)} elements: the checkpoint is incomplete")

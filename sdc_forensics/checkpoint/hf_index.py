@@ -1,0 +1,126 @@
+"""Hugging Face sharded safetensors: ``*.safetensors.index.json`` and the shards it names.
+
+Index layout (JSON)::
+
+    {"metadata": {"total_size": BYTES, ...},            optional
+     "weight_map": {TENSOR_NAME: "model-00001-of-00002.safetensors", ...}}
+
+Checks, each one line in a :class:`CheckpointError`: the index is a JSON object with a
+``weight_map`` of strings to plain file names in the index's directory (no ``/``, no ``..``);
+every shard it names exists and passes the safetensors structure checks; every tensor it names
+is in the shard it names; every tensor of every shard is named by the index, for that shard.
+Tensors are then read shard by shard through :class:`SafetensorsReader`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from sdc_forensics.checkpoint.base import CheckpointReader, MappedFile, TensorInfo
+from sdc_forensics.checkpoint.safetensors_reader import SafetensorsReader
+from sdc_forensics.errors import CheckpointError
+
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
+def find_index(directory: Path) -> Path | None:
+    """The one ``*.safetensors.index.json`` in ``directory``, None if there is none."""
+    found = sorted(directory.glob(f"*{INDEX_SUFFIX}"))
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise CheckpointError(f"{directory} holds several index files ({names}); pass the one to verify")
+    return found[0] if found else None
+
+
+class HfIndexReader(CheckpointReader):
+    """A sharded safetensors checkpoint, opened through its index.
+
+    Args:
+        index_path: the ``*.safetensors.index.json`` file.
+        populate: pre-fault each shard's map when opening it.
+    """
+
+    format = "hf-index"
+
+    def __init__(self, index_path: str | Path, *, populate: bool = False) -> None:
+        index_path = Path(index_path)
+        super().__init__(index_path, index_path.parent)
+        self.weight_map, self.metadata = _read_index(index_path)
+        self._shards: dict[str, SafetensorsReader] = {}
+        try:
+            for shard in sorted(set(self.weight_map.values())):
+                shard_path = self.root / shard
+                if not shard_path.is_file():
+                    raise CheckpointError(
+                        f"{index_path} names shard {shard!r}, which does not exist in {self.root}: the checkpoint is incomplete"
+                    )
+                self._shards[shard] = SafetensorsReader(shard_path, root=self.root, populate=populate)
+            self._check_completeness()
+        except CheckpointError:
+            self.close()
+            raise
+
+    def _check_completeness(self) -> None:
+        for name, shard in self.weight_map.items():
+            if name not in self._shards[shard].keys():
+                raise CheckpointError(f"{self.path} puts tensor {name!r} in shard {shard!r}, but that shard does not hold it")
+        for shard, reader in self._shards.items():
+            for name in reader.keys():
+                listed = self.weight_map.get(name)
+                if listed != shard:
+                    where = "does not list it" if listed is None else f"puts it in {listed!r}"
+                    raise CheckpointError(f"shard {shard!r} holds tensor {name!r} but {self.path.name} {where}: index and shards disagree")
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        return (self.path, *(reader.path for reader in self._shards.values()))
+
+    def maps(self) -> dict[Path, MappedFile]:
+        return {reader.path: reader.mapped for reader in self._shards.values()}
+
+    @property
+    def shards(self) -> dict[str, SafetensorsReader]:
+        """Shard file name -> its reader, sorted by name."""
+        return dict(self._shards)
+
+    def infos(self) -> list[TensorInfo]:
+        return [info for reader in self._shards.values() for info in reader.infos()]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for reader in self._shards.values():
+            yield from reader.tensors()
+
+    def step(self) -> int | None:
+        value = self.metadata.get("step")
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        steps = {reader.step() for reader in self._shards.values()} - {None}
+        return steps.pop() if len(steps) == 1 else None
+
+    def close(self) -> None:
+        for reader in self._shards.values():
+            reader.close()
+
+
+def _read_index(index_path: Path) -> tuple[dict[str, str], dict]:
+    if not index_path.is_file():
+        raise CheckpointError(f"{index_path} does not exist or is not a file")
+    try:
+        with open(index_path, "rb") as fh:  # read-only
+            doc = json.loads(fh.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{index_path} is not valid JSON ({exc}): the index is damaged") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_path} has no non-empty \"weight_map\" object: not a safetensors index")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard or "/" in shard or "\\" in shard or shard in (".", ".."):
+            raise CheckpointError(f"{index_path}: tensor {name!r} maps to {shard!r}; shards must be plain file names next to the index")
+    metadata = doc.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{index_path}: \"metadata\" must be an object")
+    return dict(weight_map), metadata

@@ -1,0 +1,68 @@
+"""JSON-ready dicts of verification and certification results (for ``--json`` and reports).
+
+Enums become their string values; tensors' shapes become lists. Keys are stable; the CLI adds
+``schema_version`` when it emits the document.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sdc_forensics.checkpoint.certify import CheckpointStatus
+from sdc_forensics.checkpoint.verify import Finding, TensorResult, VerificationReport
+
+
+def finding_to_json(finding: Finding) -> dict[str, Any]:
+    """One finding."""
+    return {"kind": finding.kind.value, "subject": finding.subject, "expected": finding.expected, "found": finding.found, "detail": finding.detail}
+
+
+def tensor_to_json(result: TensorResult) -> dict[str, Any]:
+    """One tensor's measurements."""
+    return {
+        "key": result.key,
+        "dtype": result.dtype,
+        "shape": list(result.shape),
+        "file": result.file,
+        "digest": result.digest,
+        "expected_digest": result.expected_digest,
+        "nonfinite": result.nonfinite,
+        "status": result.status,
+    }
+
+
+def report_to_json(report: VerificationReport) -> dict[str, Any]:
+    """A whole verification report."""
+    return {
+        "path": report.path,
+        "format": report.format,
+        "step": report.step,
+        "ok": report.ok,
+        "noted": report.noted,
+        "seed": report.seed,
+        "weights_digest": report.weights_digest,
+        "total_bytes": report.total_bytes,
+        "elapsed_s": round(report.elapsed_s, 6),
+        "files": [dataclasses.asdict(f) for f in report.files],
+        "tensors": [tensor_to_json(t) for t in report.tensors],
+        "findings": [finding_to_json(f) for f in report.findings],
+    }
+
+
+def status_to_json(status: CheckpointStatus, *, with_tensors: bool = False) -> dict[str, Any]:
+    """One checkpoint's certification (tensors only on request: they can be many)."""
+    doc: dict[str, Any] = {
+        "step": status.step,
+        "path": status.path,
+        "status": status.status.value,
+        "clean": status.clean,
+        "reasons": list(status.reasons),
+        "findings": [finding_to_json(f) for f in status.findings],
+    }
+    if status.report is not None:
+        doc["files"] = [dataclasses.asdict(f) for f in status.report.files]
+        doc["weights_digest"] = status.report.weights_digest
+        if with_tensors:
+            doc["tensors"] = [tensor_to_json(t) for t in status.report.tensors]
+    return doc

@@ -1,0 +1,119 @@
+"""What certification needs from a trace: notes, the first divergent step, majority digests.
+
+The first divergent step comes from ``sdc_forensics.forensics.triage.triage_trace`` (trace-only
+evidence, owned by bisect), imported lazily. Until that module exists, a small fallback here
+takes the earliest step whose STEP records show replica weight divergence (flag
+``WEIGHTS_DIVERGED``, or weights digests of the ranks that differ from a strict majority) or
+non-finite values (flags or counts). **Fallback: delete ``_fallback_first_divergent`` once
+triage is always present.**
+
+Step numbering (design brief): the STEP record of step ``s`` holds ``θ_{s+1}``'s digest, so the
+majority digest of checkpoint ``N`` is read from the STEP records of step ``N - 1``, and a
+divergence seen in the records of step ``s`` makes ``s`` the first divergent step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import Counter
+
+import numpy as np
+
+from sdc_forensics.trace import format as F
+from sdc_forensics.trace.checkpoints import CheckpointNote, hex64, read_checkpoint_notes
+from sdc_forensics.trace.reader import Trace
+
+_UNTRUSTED_DAMAGE = {"bad_checksum", "bad_header", "missing_rank", "missing_steps"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TraceContext:
+    """The trace facts certification uses.
+
+    Attributes:
+        trace_dir: the trace directory.
+        notes: checkpoint notes, by step (latest attempt).
+        first_divergent_step: ``s*`` or None.
+        divergence_source: ``triage``, ``fallback`` or ``none``.
+        majority_digests: ``{N: hex}`` strict-majority weights digest of ``θ_N``.
+        consistent: False when the trace has damage that makes its evidence untrustworthy.
+        damage: one line per such damage.
+        seed: the fingerprint seed of the trace.
+    """
+
+    trace_dir: str
+    notes: tuple[CheckpointNote, ...]
+    first_divergent_step: int | None
+    divergence_source: str
+    majority_digests: dict[int, str]
+    consistent: bool
+    damage: tuple[str, ...]
+    seed: int
+
+
+def load_trace_context(trace_dir: str | os.PathLike) -> TraceContext:
+    """Open the trace and gather the facts (raises ``TraceError`` when it is not a trace)."""
+    trace = Trace.open(trace_dir)
+    notes = tuple(read_checkpoint_notes(trace_dir))
+    step, source = first_divergent_step(trace)
+    damage = tuple(f"{d.kind}: {d.detail}" for d in trace.damage() if d.kind in _UNTRUSTED_DAMAGE)
+    return TraceContext(
+        trace_dir=str(trace_dir),
+        notes=notes,
+        first_divergent_step=step,
+        divergence_source=source,
+        majority_digests=majority_weights_digests(trace, [n.step for n in notes]),
+        consistent=not damage,
+        damage=damage,
+        seed=int(trace.manifest.fingerprint.seed),
+    )
+
+
+def first_divergent_step(trace: Trace) -> tuple[int | None, str]:
+    """``(s*, source)`` from bisect's triage when available, else from the fallback."""
+    try:
+        from sdc_forensics.forensics.triage import triage_trace
+    except ImportError:
+        step = _fallback_first_divergent(trace)
+        return step, "fallback" if step is not None else "none"
+    step = triage_trace(trace).first_suspect_step
+    return (int(step), "triage") if step is not None else (None, "none")
+
+
+def _fallback_first_divergent(trace: Trace) -> int | None:
+    """FALLBACK (swap for triage): earliest step with weight divergence or non-finite values."""
+    bad = F.Flag.WEIGHTS_DIVERGED | F.Flag.NONFINITE_LOCAL | F.Flag.NONFINITE_REDUCED
+    for window in trace.step_windows():
+        recs = window.records  # (S, R)
+        flagged = window.present & ((recs["flags"] & int(bad)) != 0)
+        nonfinite = window.present & ((recs["nonfinite_local"] > 0) | (recs["nonfinite_reduced"] > 0) | (recs["nonfinite_weights"] > 0))
+        has_w = window.present & ((recs["flags"] & int(F.Flag.HAS_WEIGHTS)) != 0)
+        split = np.zeros(len(window.steps), dtype=bool)
+        for i in np.flatnonzero(has_w.sum(axis=1) >= 2):
+            digests = recs["weights_digest"][i][has_w[i]]
+            split[i] = len(np.unique(digests)) > 1
+        hits = np.flatnonzero(flagged.any(axis=1) | nonfinite.any(axis=1) | split)
+        if hits.size:
+            return int(window.steps[hits[0]])
+    return None
+
+
+def majority_weights_digests(trace: Trace, checkpoint_steps: list[int]) -> dict[int, str]:
+    """``{N: hex}``: the strict-majority weights digest of ``θ_N`` (STEP records of step N-1)."""
+    wanted = {n - 1: n for n in checkpoint_steps if n >= 1}
+    out: dict[int, str] = {}
+    if not wanted:
+        return out
+    for window in trace.step_windows(start=min(wanted), stop=max(wanted)):
+        for row, step in enumerate(window.steps):
+            if int(step) not in wanted:
+                continue
+            has_w = window.present[row] & ((window.records["flags"][row] & int(F.Flag.HAS_WEIGHTS)) != 0)
+            digests = [int(d) for d in window.records["weights_digest"][row][has_w]]
+            if not digests:
+                continue
+            value, count = Counter(digests).most_common(1)[0]
+            if 2 * count > trace.world_size:
+                out[wanted[int(step)]] = hex64(value)
+    return out

@@ -1,0 +1,318 @@
+"""Content verification of one checkpoint: per-tensor digests and NaN/Inf, file checksums, and
+the comparison with what the recorder noted at save time.
+
+For every tensor (model weights and optimizer state alike): its exact digest
+(:func:`sdc_forensics.fingerprint.core.digest`, the recorder's definition) and its count of
+NaN/Inf. The count uses one cheap pass: a float sum is finite if and only if no element is NaN
+or Inf, unless finite values overflow it; only a non-finite sum triggers the exact count.
+Every file of the checkpoint gets a checksum: the exact digest of its bytes, computed on a
+zero-copy torch view of its read-only map.
+
+Against a :class:`~sdc_forensics.trace.checkpoints.CheckpointNote` (what the recorder noted):
+
+* a tensor digest that differs from the noted one -> ``digest-mismatch`` (storage corruption);
+* noted tensors absent from the file, or tensors the note does not know -> missing/unexpected;
+* the parameters' combined digest (``statedict`` order, ``param_names``) differs from the
+  replicas' majority digest -> ``weights-not-majority`` (written from a diverged replica);
+* a file checksum that differs from a noted one -> ``file-checksum-mismatch``.
+
+Findings are data (:class:`Finding`); whether they make a checkpoint clean is decided in
+``certify.py``; exit codes only in the CLI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from sdc_forensics.checkpoint.base import CheckpointReader, MappedFile
+from sdc_forensics.checkpoint.formats import open_checkpoint
+from sdc_forensics.fingerprint import constants as C
+from sdc_forensics.fingerprint.core import combine_digests, digest
+from sdc_forensics.trace.checkpoints import CheckpointNote, hex64
+
+_SCAN_ELEMS = 1 << 22  # sub-float32 tensors are upcast in chunks of 4 Mi elements
+_PARAM_PREFIXES = ("", "model.", "module.", "model.module.", "state_dict.", "model_state_dict.")
+
+
+class FindingKind(str, enum.Enum):
+    """Why a readable checkpoint is not certifiable."""
+
+    NONFINITE = "nonfinite"
+    DIGEST_MISMATCH = "digest-mismatch"
+    MISSING_TENSOR = "missing-tensor"
+    UNEXPECTED_TENSOR = "unexpected-tensor"
+    WEIGHTS_NOT_MAJORITY = "weights-not-majority"
+    FILE_DAMAGED = "file-damaged"
+    FILE_CHECKSUM_MISMATCH = "file-checksum-mismatch"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Finding:
+    """One reason against a checkpoint. ``subject`` is a tensor key or a file name."""
+
+    kind: FindingKind
+    subject: str
+    expected: str = ""
+    found: str = ""
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TensorResult:
+    """What was measured for one tensor. ``expected_digest`` is "" when nothing was noted."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+    digest: str
+    nonfinite: int
+    expected_digest: str = ""
+
+    @property
+    def status(self) -> str:
+        """``ok``, ``nonfinite``, ``mismatch`` (vs the note) or ``unnoted``."""
+        if self.expected_digest and self.expected_digest != self.digest:
+            return "mismatch"
+        if self.nonfinite:
+            return "nonfinite"
+        return "ok"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FileChecksum:
+    """Exact digest (hex) of one file's bytes; ``name`` is relative to the checkpoint root."""
+
+    name: str
+    size_bytes: int
+    digest: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VerifyOptions:
+    """How to verify.
+
+    Attributes:
+        seed: fingerprint seed (the trace manifest's, when comparing with a trace).
+        file_checksums: digest every file's bytes too (needed for certificates).
+        populate: pre-fault memory maps (faster when every byte is read anyway).
+    """
+
+    seed: int = C.DEFAULT_SEED
+    file_checksums: bool = True
+    populate: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VerificationReport:
+    """Everything measured about one checkpoint and every finding against it.
+
+    Attributes:
+        path: the checkpoint as given.
+        format: reader format name.
+        step: steps the checkpoint holds, from the note or the payload (None if unknown).
+        files: checksums of every file.
+        tensors: per-tensor results, in file order.
+        findings: reasons it is not certifiable (empty = content verifies).
+        weights_digest: combined parameter digest (hex), "" without ``param_names``.
+        noted: whether a checkpoint note was compared.
+        seed: fingerprint seed used.
+        elapsed_s: wall time of the verification.
+    """
+
+    path: str
+    format: str
+    step: int | None
+    files: tuple[FileChecksum, ...]
+    tensors: tuple[TensorResult, ...]
+    findings: tuple[Finding, ...]
+    weights_digest: str = ""
+    noted: bool = False
+    seed: int = C.DEFAULT_SEED
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing was found against the checkpoint."""
+        return not self.findings
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of the checkpoint's file sizes."""
+        return sum(f.size_bytes for f in self.files)
+
+
+def count_nonfinite(tensor: torch.Tensor) -> int:
+    """Number of NaN/Inf elements; one summing pass when there are none."""
+    if not (tensor.is_floating_point() or tensor.is_complex()) or tensor.numel() == 0:
+        return 0
+    flat = tensor.reshape(-1)
+    if flat.dtype in (torch.float32, torch.float64, torch.complex64, torch.complex128):
+        if bool(torch.isfinite(flat.sum()).all()):
+            return 0
+        return _exact_nonfinite(flat)
+    for start in range(0, flat.numel(), _SCAN_ELEMS):
+        if not bool(torch.isfinite(flat[start : start + _SCAN_ELEMS].to(torch.float32).sum())):
+            return _exact_nonfinite(flat)
+    return 0
+
+
+def _exact_nonfinite(flat: torch.Tensor) -> int:
+    total = 0
+    for start in range(0, flat.numel(), _SCAN_ELEMS):
+        chunk = flat[start : start + _SCAN_ELEMS]
+        if chunk.dtype not in (torch.float32, torch.float64, torch.complex64, torch.complex128, torch.float16, torch.bfloat16):
+            chunk = chunk.to(torch.float32)
+        total += int((~torch.isfinite(chunk)).sum())
+    return total
+
+
+def resolve_param_keys(keys, param_names) -> dict[str, str] | None:
+    """Map parameter names to checkpoint keys (``0.weight`` -> ``model.0.weight``), or None."""
+    keys = set(keys)
+    for prefix in _PARAM_PREFIXES:
+        if all(prefix + name in keys for name in param_names):
+            return {name: prefix + name for name in param_names}
+    return None
+
+
+def _file_checksums(reader: CheckpointReader, options: VerifyOptions) -> tuple[FileChecksum, ...]:
+    maps = reader.maps()
+    out = []
+    for path in reader.files:
+        own = maps.get(path)
+        mapped = own if own is not None else MappedFile(path, populate=options.populate)
+        try:
+            out.append(FileChecksum(name=reader.relative(path), size_bytes=mapped.size, digest=hex64(digest(mapped.bytes, options.seed))))
+        finally:
+            if own is None:
+                mapped.close()
+    return tuple(out)
+
+
+def verify_checkpoint(
+    source: str | os.PathLike | CheckpointReader,
+    *,
+    note: CheckpointNote | None = None,
+    options: VerifyOptions = VerifyOptions(),
+) -> VerificationReport:
+    """Verify one checkpoint's content, and compare it with its note when given.
+
+    Args:
+        source: a path (opened and closed here) or an already opened reader (left open).
+        note: what the recorder noted when this checkpoint was saved.
+        options: seed and what to compute.
+
+    Returns:
+        A :class:`VerificationReport`; ``report.ok`` when nothing was found.
+
+    Raises:
+        CheckpointError: the checkpoint is unreadable or malformed.
+    """
+    started = time.perf_counter()
+    reader = source if isinstance(source, CheckpointReader) else open_checkpoint(source, populate=options.populate)
+    try:
+        infos = {info.key: info for info in reader.infos()}
+        results: list[TensorResult] = []
+        digests: dict[str, int] = {}
+        expected = note.tensors if note is not None else {}
+        for key, tensor in reader.tensors():
+            value = digest(tensor, options.seed)
+            digests[key] = value
+            info = infos.get(key)
+            results.append(
+                TensorResult(
+                    key=key,
+                    dtype=str(tensor.dtype).removeprefix("torch."),
+                    shape=tuple(tensor.shape),
+                    file=info.file if info else "",
+                    digest=hex64(value),
+                    nonfinite=count_nonfinite(tensor),
+                    expected_digest=expected.get(key, ""),
+                )
+            )
+            del tensor
+        files = _file_checksums(reader, options) if options.file_checksums else ()
+        findings = [Finding(kind=FindingKind.FILE_DAMAGED, subject=i.file, detail=i.detail) for i in reader.file_issues()]
+        findings += [
+            Finding(kind=FindingKind.NONFINITE, subject=r.key, expected="0", found=str(r.nonfinite), detail=f"{r.nonfinite} NaN/Inf value(s)")
+            for r in results
+            if r.nonfinite
+        ]
+        weights = ""
+        if note is not None:
+            findings += _against_note(note, results, files)
+            weights, weight_findings = _weights_vs_majority(note, digests)
+            findings += weight_findings
+        step = note.step if note is not None else reader.step()
+        return VerificationReport(
+            path=str(reader.path),
+            format=reader.format,
+            step=step,
+            files=files,
+            tensors=tuple(results),
+            findings=tuple(findings),
+            weights_digest=weights,
+            noted=note is not None,
+            seed=options.seed,
+            elapsed_s=time.perf_counter() - started,
+        )
+    finally:
+        if reader is not source:
+            reader.close()
+
+
+def _against_note(note: CheckpointNote, results: list[TensorResult], files: tuple[FileChecksum, ...]) -> list[Finding]:
+    findings = []
+    present = {r.key for r in results}
+    for r in results:
+        if r.expected_digest and r.expected_digest != r.digest:
+            findings.append(
+                Finding(
+                    kind=FindingKind.DIGEST_MISMATCH, subject=r.key, expected=r.expected_digest, found=r.digest,
+                    detail="bytes differ from what was saved (storage corruption)",
+                )
+            )
+        elif note.tensors and r.key not in note.tensors:
+            findings.append(Finding(kind=FindingKind.UNEXPECTED_TENSOR, subject=r.key, found=r.digest, detail="not in the checkpoint note"))
+    for key, value in note.tensors.items():
+        if key not in present:
+            findings.append(Finding(kind=FindingKind.MISSING_TENSOR, subject=key, expected=value, detail="noted at save time, absent from the file"))
+    by_name = {Path(f.name).name: f for f in files}
+    for name, value in note.file_digests.items():
+        mine = by_name.get(Path(name).name)
+        if mine is not None and mine.digest != value:
+            findings.append(
+                Finding(kind=FindingKind.FILE_CHECKSUM_MISMATCH, subject=mine.name, expected=value, found=mine.digest, detail="file bytes changed since saving")
+            )
+    return findings
+
+
+def _weights_vs_majority(note: CheckpointNote, digests: dict[str, int]) -> tuple[str, list[Finding]]:
+    """The parameters' combined digest, and a finding when it is not the replicas' majority."""
+    if not note.param_names:
+        return "", []
+    keys = resolve_param_keys(digests, note.param_names)
+    if keys is None:
+        missing = [n for n in note.param_names if not any(p + n in digests for p in _PARAM_PREFIXES)]
+        return "", [
+            Finding(
+                kind=FindingKind.WEIGHTS_NOT_MAJORITY, subject="parameters", expected=note.weights_digest,
+                detail=f"{len(missing)} noted parameter(s) not found in the checkpoint, e.g. {missing[:3]}",
+            )
+        ]
+    combined = hex64(combine_digests(digests[keys[name]] for name in note.param_names))
+    if note.weights_digest and combined != note.weights_digest:
+        return combined, [
+            Finding(
+                kind=FindingKind.WEIGHTS_NOT_MAJORITY, subject="parameters", expected=note.weights_digest, found=combined,
+                detail="parameters differ from the replicas' majority at this step (saved from a diverged replica?)",
+            )
+        ]
+    return combined, []
