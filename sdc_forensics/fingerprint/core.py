@@ -84,6 +84,8 @@ def _beta(device: torch.device, num_blocks: int, k: int, seed: int, dtype: torch
 def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes in row-major order as a 1-D uint8 tensor on its device (no host copy)."""
     t = tensor.detach()
+    if t.numel() == 0:  # an empty tensor may carry stride 0, which view() refuses
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
     if not t.is_contiguous():
         t = t.contiguous()
     if t.dtype == torch.bool:
@@ -242,7 +244,7 @@ def combine(parts: list[Fingerprint]) -> Fingerprint:
         digest=combine_digests(p.digest for p in parts),
         sketch=np.sum([p.sketch for p in parts], axis=0),
         norm=float(np.sqrt(sum(p.norm**2 for p in parts))),
-        max_abs=float(max(p.max_abs for p in parts)),
+        max_abs=float(np.max([p.max_abs for p in parts])),  # NaN wins, as in fingerprint()
         nonfinite=sum(p.nonfinite for p in parts),
         numel=sum(p.numel for p in parts),
     )
