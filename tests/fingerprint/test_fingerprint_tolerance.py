@@ -81,12 +81,29 @@ def test_tolerance_model_shape():
 
 
 def test_scale_and_tolerance_broadcast_over_steps():
-    local_norms = np.array([[3.0, 4.0], [0.0, 0.0]])  # (S, W)
-    reduced_norms = np.array([2.5, 1.0])  # (S,)
-    np.testing.assert_allclose(tolerance.scale(local_norms, reduced_norms), [np.sqrt(2.5**2 + 25 / 4), 1.0])
-    np.testing.assert_allclose(tolerance.scale(local_norms, reduced_norms, "sum"), [np.sqrt(2.5**2 + 25), 1.0])
+    local_norms = np.array([[3.0, 4.0], [0.0, 0.0], [1.0, 1.0]])  # (S, W)
+    reduced_norms = np.array([2.5, 1.0, np.inf])  # (S,): steps 1 and 2 are impossible means
+    capped = np.sqrt(1.01**2 + 2 / 4)  # ||R|| <= sum_r ||g_r|| / W (+1%)
+    np.testing.assert_allclose(tolerance.scale(local_norms, reduced_norms), [np.sqrt(2.5**2 + 25 / 4), 0.0, capped])
+    np.testing.assert_allclose(tolerance.scale(local_norms[:1], reduced_norms[:1], "sum"), [np.sqrt(2.5**2 + 25)])
+    assert tolerance.scale(local_norms[2], np.nan) == pytest.approx(capped)
     tol = tolerance.allreduce_tolerance("float32", local_norms, reduced_norms)
-    assert tol.shape == (2,)
+    assert tol.shape == (3,)
     np.testing.assert_allclose(tol, tolerance.relative_tolerance("float32", 2) * tolerance.scale(local_norms, reduced_norms))
-    residual = tolerance.allreduce_residual(np.ones((2, 2, 8)), np.full((2, 8), 1.5))
-    np.testing.assert_allclose(residual, [0.5, 0.5])
+    reduced_sketches = np.full((2, 8), 1.5)
+    reduced_sketches[1, 3] = np.nan
+    residual = tolerance.allreduce_residual(np.ones((2, 2, 8)), reduced_sketches)
+    np.testing.assert_allclose(residual, [0.5, np.inf])  # NaN is reported as an infinite residual
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_an_overflowing_corruption_does_not_widen_its_own_tolerance(gradsim, dtype_name):
+    """A high exponent bit flipped: the reduced norm becomes inf, the check must still fire."""
+    grads = gradsim.rank_gradients(20_000, 4, seed=8, dtype=gradsim.DTYPES[dtype_name])
+    local = [core.fingerprint(g, with_digest=False) for g in grads]
+    reduced = gradsim.ring_allreduce(grads)
+    bit = 30 if dtype_name == "float32" else 14
+    corrupted = core.fingerprint(gradsim.flip_bit(reduced, 123, bit), with_digest=False)
+    assert corrupted.nonfinite == 0 and not np.isfinite(corrupted.norm)  # huge but finite element
+    residual, tol = _check(local, corrupted, dtype_name)
+    assert np.isfinite(tol) and residual > tol
