@@ -133,7 +133,7 @@ def decide(
         return CheckpointStatus(step=step, path=path, status=Status.CORRUPT, reasons=(f"unreadable or malformed: {error}",))
     corrupt: list[str] = [f"{f.kind.value} {f.subject}: {f.detail}" for f in report.findings]
     if note.saved_by_rank in note.diverged_ranks:
-        corrupt.insert(0, f"saved from rank {note.saved_by_rank}, whose weights diverged from the majority at step {step}")
+        corrupt.insert(0, f"saved from rank {note.saved_by_rank}, a diverged replica (not the majority's weights)")
     elif not note.blessed:
         corrupt.insert(0, "the recorder refused to bless it (no strict majority, or the saving rank was not in it)")
     if majority_digest and note.weights_digest and majority_digest != note.weights_digest:
@@ -151,7 +151,7 @@ def decide(
             reasons=("no replicas' majority digest was recorded for this step, so its content cannot be confirmed",),
         )
     where = "no divergence found" if first_divergent_step is None else f"step {step} <= first divergent step {first_divergent_step}"
-    content = "content matches the digests noted at save time and the replicas' majority; no NaN/Inf"
+    content = "content as noted at save time and equal to the replicas' majority, no NaN/Inf"
     if replay_verified:
         return CheckpointStatus(step=step, path=path, status=Status.CLEAN_REPLAY_VERIFIED, report=report, reasons=(where, content, "a replay from it reproduced the trace"))
     if trace_consistent:

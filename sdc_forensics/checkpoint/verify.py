@@ -312,7 +312,7 @@ def _weights_vs_majority(note: CheckpointNote, digests: dict[str, int]) -> tuple
         return combined, [
             Finding(
                 kind=FindingKind.WEIGHTS_NOT_MAJORITY, subject="parameters", expected=note.weights_digest, found=combined,
-                detail="parameters differ from the replicas' majority at this step (saved from a diverged replica?)",
+                detail="parameters are not the replicas' majority weights for this step",
             )
         ]
     return combined, []

@@ -172,7 +172,7 @@ def certify_cmd(ctx: click.Context, trace_dir: Path, checkpoints_dir: Path | Non
         table.add_column(column)
     for s in statuses:
         style = "green" if s.clean else "yellow" if s.status.value in ("tainted", "unverified") else "bold red"
-        table.add_row(str(s.step), f"[{style}]{s.status.value}[/]", escape(s.path or "(not found)"), escape("; ".join(s.reasons)))
+        table.add_row(str(s.step), f"[{style}]{s.status.value}[/]", escape(Path(s.path).name if s.path else "(not found)"), escape("; ".join(s.reasons)))
     err.print(table)
     for line in trace.damage:
         err.print(f"[yellow]trace damage:[/] {escape(line)}")
