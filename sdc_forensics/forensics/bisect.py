@@ -1,0 +1,291 @@
+"""Bisect: the whole flow from a trace directory to a verdict.
+
+1. Triage the trace (free, numpy only): every piece of evidence it holds and the window a replay
+   must examine.
+2. Verify the noted checkpoint files against their notes (a damaged file is storage evidence and
+   is never replayed from).
+3. Replay the smallest window that can confirm the trace's evidence: from the last usable
+   checkpoint at or before the suspect window, to its end. With no trace evidence, replay the
+   last checkpoint interval, then widen backwards one interval at a time, and stop at the first
+   divergence. A checkpoint that does not hold the replicas' weights is skipped for the one before.
+4. Decide: the first divergent step, the suspects (rank, host, GPU, location, recurrence), and
+   every checkpoint's status with the last clean one.
+
+``trace_only`` stops after step 1 (and reads checkpoint notes, not files) and never imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, hex64, sort_key
+from sdc_forensics.forensics.triage import TriageResult, triage_trace
+from sdc_forensics.forensics.verdict import (
+    BisectResult, CheckpointVerdict, ReplayedWindow, ReplaySummary, Verdict, find_suspects, first_divergent_step, unlocalised,
+)
+from sdc_forensics.trace import format as F
+from sdc_forensics.trace.checkpoints import CheckpointNote, read_checkpoint_notes
+from sdc_forensics.trace.reader import Trace
+
+_STORAGE_FINDINGS = {"digest-mismatch", "file-damaged", "file-checksum-mismatch", "nonfinite", "missing-tensor", "unexpected-tensor"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BisectOptions:
+    """What ``bisect`` may use.
+
+    Attributes:
+        checkpoints_dir: where the checkpoint files are (None: the paths the job wrote).
+        recipe: ``module:attribute`` overriding the manifest's recipe.
+        device: replay device (``cpu``, ``cuda``, ``cuda:N``).
+        trace_only: never replay, never read checkpoint files, never import torch.
+        force_device: replay even on a suspect's GPU.
+        max_replay_steps: stop widening backwards after this many replayed steps (None: no limit).
+    """
+
+    checkpoints_dir: Path | None = None
+    recipe: str | None = None
+    device: str = "cpu"
+    trace_only: bool = False
+    force_device: bool = False
+    max_replay_steps: int | None = None
+
+
+class Progress(Protocol):
+    """Progress of long replays (the CLI draws bars on stderr)."""
+
+    def window(self, start: int, stop: int, reason: str) -> None: ...
+
+    def step(self, step: int) -> None: ...
+
+
+def bisect(trace_dir: str | os.PathLike, options: BisectOptions, progress: Progress | None = None) -> BisectResult:
+    """Find the first divergent step, the suspects and the last clean checkpoint.
+
+    Raises:
+        TraceError: the trace is unreadable. RecipeError: the recipe cannot be loaded.
+        UsageError: the replay device is unavailable or a suspect's GPU (not forced).
+    """
+    trace = Trace.open(trace_dir)
+    tri = triage_trace(trace)
+    notes = read_checkpoint_notes(trace.path)
+    evidence = list(tri.evidence)
+    settle: list[str] = []
+    notes_out: list[str] = []
+    summary = ReplaySummary()
+    reports: dict[int, tuple[str, object, str]] = {}
+    replayed_from: set[int] = set()
+    mode = "trace-only"
+    if options.trace_only:
+        settle.append("replay with the job's recipe and checkpoints (bisect without --trace-only) to find faults the trace cannot see")
+    else:
+        recipe_ref = options.recipe or trace.manifest.recipe
+        if not recipe_ref:
+            settle.append("the trace names no replay recipe: pass --recipe MODULE:ATTR (docs/recipes.md)")
+        if not notes:
+            settle.append("the trace notes no checkpoint: replay needs one; pass a trace whose run saved checkpoints")
+        if recipe_ref and notes:
+            reports = _verify_files(notes, options.checkpoints_dir, trace.path)
+            evidence += _storage_evidence(notes, reports)
+            usable = [n for n in notes if reports[n.step][1] is not None and not _damaged(reports[n.step][1])]
+            if not usable:
+                settle.append("no checkpoint file was found intact: pass --checkpoints DIR")
+            else:
+                mode = "replay"
+                summary, replay_evidence, replayed_from = _replay(trace, tri, usable, recipe_ref, options, progress)
+                evidence += replay_evidence
+    evidence.sort(key=sort_key)
+    first = first_divergent_step(evidence)
+    checkpoints = _certify(notes, reports, first, replayed_from, trace, tri, options)
+    suspects = find_suspects(tuple(evidence), trace.world_size, trace.manifest.identity)
+    verdict, scope = _decide(tri, evidence, suspects, summary, mode, options, settle)
+    if tri.superseded_cells:
+        notes_out.append(f"{tri.superseded_cells} (step, rank) records were re-executed by a later attempt; the latest attempt is used")
+    clean = [c for c in checkpoints if c.clean]
+    return BisectResult(
+        verdict=verdict, first_divergent_step=first, suspects=suspects,
+        last_clean_checkpoint=max(clean, key=lambda c: c.step) if clean else None, checkpoints=tuple(checkpoints),
+        replayed=summary, evidence=tuple(evidence), mode=mode, scope=scope, settle=tuple(settle) if verdict is not Verdict.CORRUPTION or mode == "trace-only" else (),
+        trace_path=str(trace.path), world_size=trace.world_size, step_range=tri.step_range,
+        damage=tuple(d.detail or d.kind for d in tri.damage), notes=tuple(notes_out),
+    )
+
+
+def _decide(tri: TriageResult, evidence, suspects, summary: ReplaySummary, mode: str, options: BisectOptions, settle: list[str]):
+    steps = f"steps {tri.step_range[0]}..{tri.step_range[1]}" if tri.step_range else "no steps"
+    scope = f"trace checks over {steps}"
+    if summary.windows:
+        spans = ", ".join(f"{w.start}..{w.last}" for w in summary.windows)
+        scope += f"; replayed {spans} ({summary.comparison}) on {summary.device}"
+    if suspects and not all(s.rank is None and s.location is Location.UNKNOWN for s in suspects):
+        return Verdict.CORRUPTION, scope
+    vague = unlocalised(tuple(evidence))
+    if vague:
+        settle.insert(0, f"evidence at step {vague[0].step} could not be localised ({vague[0].detail}); "
+                      "replay that step with the recipe and checkpoints, or enable audits")
+        return Verdict.INCONCLUSIVE, scope
+    if mode == "trace-only" and not options.trace_only:
+        return Verdict.INCONCLUSIVE, scope + "; nothing replayed"
+    if mode == "trace-only":
+        return Verdict.CLEAN, scope + " (trace-only: a wrong finite local gradient on a step without an audit would not show)"
+    return Verdict.CLEAN, scope
+
+
+def _verify_files(notes: list[CheckpointNote], checkpoints_dir, trace_path: Path) -> dict[int, tuple[str, object, str]]:
+    """``{step: (path, report or None, error)}`` for every noted checkpoint."""
+    from sdc_forensics.checkpoint.certify import locate_checkpoint
+    from sdc_forensics.checkpoint.verify import verify_checkpoint
+    from sdc_forensics.errors import CheckpointError
+
+    out = {}
+    for note in notes:
+        path = locate_checkpoint(note, checkpoints_dir, trace_path.parent)
+        report, error = None, ""
+        if path is not None:
+            try:
+                report = verify_checkpoint(path, note=note)
+            except CheckpointError as exc:
+                error = str(exc)
+        out[note.step] = (str(path) if path else "", report, error)
+    return out
+
+
+def _damaged(report) -> bool:
+    return any(f.kind.value in _STORAGE_FINDINGS for f in report.findings)
+
+
+def _storage_evidence(notes: list[CheckpointNote], reports) -> list[Evidence]:
+    out = []
+    for note in notes:
+        path, report, error = reports[note.step]
+        findings = [f for f in report.findings if f.kind.value in _STORAGE_FINDINGS] if report is not None else []
+        if error or findings:
+            first = findings[0] if findings else None
+            out.append(Evidence(
+                kind=EvidenceKind.CHECKPOINT_MISMATCH, step=note.step, ranks=(note.saved_by_rank,), source="checkpoint",
+                expected=first.expected if first else "a readable checkpoint", found=first.found if first else error,
+                location=Location.STORAGE, affects_state=False,
+                detail=f"checkpoint {Path(path or note.path).name}: " + (f"{first.kind.value} in {first.subject}" if first else "unreadable")
+                + "; the file differs from what rank {} saved".format(note.saved_by_rank),
+            ))
+    return out
+
+
+def _replay(trace: Trace, tri: TriageResult, usable: list[CheckpointNote], recipe_ref: str, options: BisectOptions, progress):
+    from sdc_forensics.forensics.replay import ReplayOptions, StartStateMismatch, replay_window
+    from sdc_forensics.recipe import load_recipe
+
+    recipe = load_recipe(recipe_ref)
+    suspect_gpus = {}
+    for ev in tri.findings:
+        for rank in ev.ranks:
+            uuid = trace.manifest.identity(rank).gpu_uuid
+            if uuid:
+                suspect_gpus[uuid] = rank
+    starts = sorted(usable, key=lambda n: n.step)
+    last_step = tri.step_range[1] if tri.step_range else -1
+    if tri.suspect_window is not None:
+        lo, hi = tri.suspect_window
+        plan = [(lo, hi, f"confirm the trace's evidence at step {hi}" + (f" (weights last equal before step {lo})" if lo < hi else ""))]
+    else:
+        plan = [(None, last_step, "no trace evidence: replay the last checkpoint interval, widening backwards")]
+    windows, evidence, device, order, settings, notes, verified = [], [], None, "", {}, [], set()
+    replayed_steps = 0
+    while plan:
+        lo, hi, reason = plan.pop(0)
+        candidates = [n for n in starts if (lo is None and n.step <= hi) or (lo is not None and n.step <= lo)]
+        while candidates:
+            note = candidates.pop()
+            path = _resolve(note, options.checkpoints_dir, trace.path)
+            replay_opts = ReplayOptions(start_step=note.step, stop_step=hi, checkpoint_path=path,
+                                        expected_weights_digest=note.weights_digest, device=options.device,
+                                        force_device=options.force_device, suspect_gpus=suspect_gpus)
+            if progress is not None:
+                progress.window(note.step, hi, reason)
+            try:
+                result = replay_window(trace, recipe, replay_opts, progress.step if progress is not None else None)
+            except StartStateMismatch as exc:
+                notes.append(f"checkpoint {note.step} does not hold the replicas' weights ({exc.found} != {exc.expected}); "
+                             "replaying from the one before")
+                continue
+            break
+        else:
+            notes.append(f"no usable checkpoint at or before step {lo if lo is not None else hi}: steps up to {hi} not replayed")
+            break
+        device, order, settings = result.device, order or result.reduction_order, result.settings
+        notes += list(result.notes)
+        windows.append(ReplayedWindow(start=note.step, stop=hi, last=result.last_step, comparison=result.comparison,
+                                      tolerant_from=result.tolerant_from, reason=reason))
+        evidence += list(result.evidence)
+        replayed_steps += result.num_steps
+        if result.first_divergent_step is None or result.first_divergent_step > note.step:
+            verified.add(note.step)
+        if result.first_divergent_step is not None:
+            break
+        if lo is None and note.step > (tri.step_range[0] if tri.step_range else 0):
+            if options.max_replay_steps is not None and replayed_steps >= options.max_replay_steps:
+                notes.append(f"stopped widening after {replayed_steps} replayed steps (--max-replay-steps)")
+                break
+            plan.append((None, note.step - 1, "nothing found later: widen backwards one checkpoint interval"))
+        elif lo is not None:
+            notes.append(f"the replay of {note.step}..{hi} did not reproduce the trace's evidence; it stands unconfirmed by replay")
+    summary = ReplaySummary(windows=tuple(windows), device=device, reduction_order=order, settings=settings, notes=tuple(notes))
+    return summary, evidence, verified
+
+
+def _resolve(note: CheckpointNote, checkpoints_dir, trace_path: Path) -> Path:
+    from sdc_forensics.checkpoint.certify import locate_checkpoint
+
+    return locate_checkpoint(note, checkpoints_dir, trace_path.parent) or Path(note.path)
+
+
+def _majority_weights(trace: Trace, steps: list[int]) -> dict[int, str]:
+    """``{N: hex}``: the strict-majority weights digest the STEP records hold for theta_N (step N-1)."""
+    out = {}
+    wanted = sorted(s - 1 for s in steps if s > 0)
+    for window in trace.step_windows(4096, wanted[0], wanted[-1]) if wanted else ():
+        for row in np.flatnonzero(np.isin(window.steps, wanted)):
+            rec = window.records[row]
+            has_w = window.present[row] & ((rec["flags"] & int(F.Flag.HAS_WEIGHTS)) != 0)
+            values, counts = np.unique(rec["weights_digest"][has_w], return_counts=True)
+            if len(counts) and counts.max() * 2 > has_w.sum():
+                out[int(window.steps[row]) + 1] = hex64(int(values[np.argmax(counts)]))
+    return out
+
+
+def _certify(notes, reports, first, replayed_from, trace, tri, options) -> list[CheckpointVerdict]:
+    if not notes:
+        return []
+    majority = _majority_weights(trace, [n.step for n in notes])
+    if not reports:  # trace-only, or nothing to replay with: notes, not files
+        return [_from_note(n, first, majority.get(n.step)) for n in notes]
+    from sdc_forensics.checkpoint.certify import decide
+
+    consistent = not any(d.kind == "bad_checksum" for d in tri.damage)
+    out = []
+    for note in notes:
+        path, report, error = reports[note.step]
+        status = decide(note, report=report, error=error, path=path, first_divergent_step=first,
+                        replay_verified=note.step in replayed_from, trace_consistent=consistent, majority_digest=majority.get(note.step))
+        out.append(CheckpointVerdict(step=status.step, path=status.path or note.path, status=status.status.value, reasons=status.reasons))
+    return out
+
+
+def _from_note(note: CheckpointNote, first: int | None, majority: str | None) -> CheckpointVerdict:
+    if note.saved_by_rank in note.diverged_ranks or not note.blessed:
+        return CheckpointVerdict(step=note.step, path=note.path, status="corrupt",
+                                 reasons=(f"saved from rank {note.saved_by_rank}, not the replicas' strict majority",))
+    if majority and note.weights_digest and majority != note.weights_digest:
+        return CheckpointVerdict(step=note.step, path=note.path, status="corrupt",
+                                 reasons=(f"the note's digest {note.weights_digest} is not the replicas' majority {majority}",))
+    if first is not None and note.step > first:
+        return CheckpointVerdict(step=note.step, path=note.path, status="tainted",
+                                 reasons=(f"holds state after the first divergent step {first} (step {note.step} > {first})",))
+    return CheckpointVerdict(step=note.step, path=note.path, status="unverified",
+                             reasons=("consistent with the trace; the file was not read (trace-only): run bisect or "
+                                      "verify-checkpoint to certify its content",))

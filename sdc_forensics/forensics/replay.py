@@ -1,0 +1,391 @@
+"""Replay: re-execute steps N..M from checkpoint N with DDP semantics on one device, and compare.
+
+For each step ``s`` of the window, with the replay's weights theta_s:
+
+1. per rank ``r``: its microbatches (IDs from the trace) fetched through the recipe, the input
+   digest, the loss and the local gradient accumulated as in training (``backward()`` per
+   microbatch), fingerprinted per DDP bucket with the recorded layout (``buckets.attempt-AAA.json``),
+   so it is comparable with the recorded ``local_*`` exactly;
+2. the average over ranks, in the collective's summation order when one reproduces the recorded
+   reduced digest (``replay_env.reduce_buckets``);
+3. ``recipe.before_step``, ``optimizer.step()``, ``recipe.after_step``; the weights digest.
+
+Every recomputed fingerprint is compared with the recorded one per rank and step. Exact (digest)
+comparison is used while the replay is bitwise reproducible: from a checkpoint, and for as long
+as a reduction order reproduces the recorded reduced digest. When every rank's local digest
+differs but within the sketch tolerance (another device, another kernel), or when no reduction
+order reproduces the healthy ranks' reduced digest, the comparison of later steps switches to the
+sketch tolerance, and the result says from which step. A rank whose recomputation disagrees with
+the record while nothing else breaks the tie is recomputed a second time: majority of three.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sdc_forensics import recipe as recipe_mod
+from sdc_forensics.errors import CheckpointError, InvalidInputError
+from sdc_forensics.fingerprint import tolerance
+from sdc_forensics.fingerprint.core import Fingerprint, combine, combine_digests, digest, fingerprint, num_sketch_blocks
+from sdc_forensics.forensics import replay_env as env
+from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, hex64
+from sdc_forensics.statedict import flatten_state, weights_digest
+from sdc_forensics.trace import format as F
+from sdc_forensics.trace.reader import Trace
+
+#: Extra slack of replay-vs-record sketch comparisons once the replay's weights may differ from the
+#: recorded ones in the last bits: the drift of a few roundings per step, per step replayed since.
+DRIFT_PER_STEP = 4.0
+
+
+class StartStateMismatch(CheckpointError):
+    """The checkpoint a replay starts from does not hold the weights the replicas agreed on."""
+
+    def __init__(self, message: str, *, step: int, expected: str, found: str) -> None:
+        super().__init__(message)
+        self.step, self.expected, self.found = step, expected, found
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplayOptions:
+    """One replay window.
+
+    Attributes:
+        start_step: N, the checkpoint the replay starts from (it holds theta_N).
+        stop_step: M, the last step replayed (inclusive; step M writes theta_M+1).
+        checkpoint_path: the file of checkpoint N.
+        expected_weights_digest: hex digest the replicas agreed on for theta_N ("" to skip).
+        device: torch device spec.
+        force_device: replay even on a suspect's GPU.
+        suspect_gpus: ``{gpu_uuid: rank}`` the replay must not run on.
+        stop_at_divergence: stop after the first step with a mismatch.
+        num_threads: CPU threads (None: what the manifest recorded, else torch's default).
+    """
+
+    start_step: int
+    stop_step: int
+    checkpoint_path: Path
+    expected_weights_digest: str = ""
+    device: str = "cpu"
+    force_device: bool = False
+    suspect_gpus: dict[str, int] = dataclasses.field(default_factory=dict)
+    stop_at_divergence: bool = True
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.stop_step < self.start_step:
+            raise InvalidInputError(f"replay window {self.start_step}..{self.stop_step} is empty: --to must be >= --from")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplayResult:
+    """What one replay found.
+
+    Attributes:
+        start_step, stop_step: the window asked for; ``last_step``: the last step replayed.
+        device: the device it ran on, named.
+        comparison: ``exact`` when every comparison was bitwise, else ``tolerant``.
+        tolerant_from: first step compared with the sketch tolerance (None when all exact).
+        reduction_order: the summation order that reproduced the recorded reduced digest.
+        evidence: replay and input mismatches found.
+        first_divergent_step: the first step with a mismatch, None if none.
+        settings: the deterministic settings applied.
+        notes: sentences for the report (why the comparison switched, tie-breaks).
+    """
+
+    start_step: int
+    stop_step: int
+    last_step: int
+    device: str
+    comparison: str
+    tolerant_from: int | None
+    reduction_order: str
+    evidence: tuple[Evidence, ...]
+    first_divergent_step: int | None
+    settings: dict
+    notes: tuple[str, ...] = ()
+
+    @property
+    def num_steps(self) -> int:
+        return self.last_step - self.start_step + 1
+
+
+@dataclasses.dataclass(kw_only=True)
+class _RankStep:
+    fp: Fingerprint
+    buckets: list[torch.Tensor]
+    input_digest: int
+    loss: float
+
+
+class Replayer:
+    """Replays windows of one trace with one recipe on one device."""
+
+    def __init__(self, trace: Trace, recipe, device: torch.device) -> None:
+        self.trace = trace
+        self.recipe = recipe
+        self.device = device
+        self.seed = trace.manifest.fingerprint.seed
+        self.k = trace.sketch_k
+        self.grad_dtype = trace.manifest.fingerprint.grad_dtype
+        self.world_size = trace.world_size
+
+    # -- one rank's local gradient -------------------------------------------------------------
+    def local_step(self, model, record, buckets_layout) -> _RankStep:
+        """Recompute one rank's loss, input digest and local gradient at one step."""
+        params = list(model.parameters())
+        for p in params:
+            p.grad = None
+        input_digests, total_loss = [], 0.0
+        for mb_id in self.trace.microbatch_ids(record):
+            batch = self.recipe.fetch_microbatch(int(mb_id), self.device)
+            input_digests += [digest(t, self.seed) for t in flatten_state(batch).values()]
+            loss = self.recipe.loss(model, batch)
+            loss.backward()
+            total_loss += float(loss.detach())
+        buckets, parts, offset = [], [], 0
+        for bucket in buckets_layout:
+            flat = torch.cat([
+                (params[i].grad if params[i].grad is not None else torch.zeros_like(params[i])).reshape(-1) for i in bucket
+            ])
+            parts.append(fingerprint(flat, k=self.k, seed=self.seed, block_offset=offset))
+            offset += num_sketch_blocks(flat.numel())
+            buckets.append(flat)
+        return _RankStep(fp=combine(parts), buckets=buckets, input_digest=combine_digests(input_digests), loss=total_loss)
+
+    def _fp_of(self, buckets: list[torch.Tensor]) -> Fingerprint:
+        parts, offset = [], 0
+        for flat in buckets:
+            parts.append(fingerprint(flat, k=self.k, seed=self.seed, block_offset=offset))
+            offset += num_sketch_blocks(flat.numel())
+        return combine(parts)
+
+    def _tol(self, norm: float, drift_steps: int) -> float:
+        rel = tolerance.relative_tolerance(self.grad_dtype, self.world_size)
+        return rel * max(norm, 1e-30) * (1.0 + DRIFT_PER_STEP * drift_steps)
+
+    # -- the window ---------------------------------------------------------------------------
+    def run(self, options: ReplayOptions, on_step: Callable[[int], None] | None = None) -> ReplayResult:
+        """Replay ``options.start_step .. options.stop_step`` and compare with the trace."""
+        model, optimizer, scheduler = self.recipe.build(self.device)
+        self.recipe.load_checkpoint(str(options.checkpoint_path), model, optimizer, scheduler)
+        start_digest = hex64(weights_digest(model.named_parameters(), self.seed))
+        if options.expected_weights_digest and start_digest != options.expected_weights_digest:
+            raise StartStateMismatch(
+                f"checkpoint {options.checkpoint_path} holds weights {start_digest}, not the replicas' {options.expected_weights_digest}",
+                step=options.start_step, expected=options.expected_weights_digest, found=start_digest,
+            )
+        windows = list(self.trace.step_windows(options.stop_step - options.start_step + 1, options.start_step, options.stop_step))
+        if not windows or windows[0].steps[0] != options.start_step:
+            raise InvalidInputError(f"the trace has no STEP records for steps {options.start_step}..{options.stop_step}")
+        window = windows[0]
+        evidence: list[Evidence] = []
+        notes: list[str] = []
+        tolerant_from: int | None = None
+        order_used = ""
+        last = options.start_step - 1
+        first_divergent: int | None = None
+        params = list(model.parameters())
+        for row, step in enumerate(window.steps.tolist()):
+            present = window.present[row]
+            if not present.all():
+                notes.append(f"step {step}: ranks {np.flatnonzero(~present).tolist()} have no record; replay stops before it")
+                break
+            recs = window.records[row]
+            layout, recorded_layout = env.layout_at(env.bucket_layouts(self.trace.path, int(window.attempt[row, 0])), step, len(params))
+            if not recorded_layout and tolerant_from is None:
+                tolerant_from = step
+                notes.append("no bucket layout recorded: gradients compared by norm within tolerance only")
+            drift = 0 if tolerant_from is None else step - tolerant_from
+            ranks = [self.local_step(model, recs[r], layout) for r in range(self.world_size)]
+            local_bad, step_evidence = self._compare_locals(step, recs, ranks, tolerant_from is not None, drift, recorded_layout)
+            if local_bad is None:  # every rank differs within tolerance: not bitwise reproducible here
+                tolerant_from = step
+                notes.append(f"step {step}: every rank's local gradient differs in the last bits from the record "
+                             "(another device or kernel): compared within the sketch tolerance from here on")
+                local_bad, step_evidence = self._compare_locals(step, recs, ranks, True, 0, recorded_layout)
+            if local_bad:
+                local_bad, tie_notes = self._tie_break(model, step, recs, layout, ranks, local_bad, tolerant_from is not None)
+                notes += tie_notes
+                step_evidence = [e for e in step_evidence if e.kind is not EvidenceKind.REPLAY_MISMATCH or set(e.ranks) & set(local_bad)]
+            evidence += step_evidence
+            reduced, order, reduce_evidence, reduce_note = self._reduce(step, recs, ranks, tolerant_from is not None, drift)
+            if local_bad or any(e.kind is EvidenceKind.INPUT_MISMATCH for e in step_evidence):
+                reduce_evidence = []  # the recorded average carries the bad local gradient: a consequence
+            evidence += reduce_evidence
+            if reduce_note and tolerant_from is None and not step_evidence:
+                tolerant_from = step + 1
+                notes.append(reduce_note)
+            order_used = order_used or order
+            for bucket, flat in zip(layout, reduced):
+                offset = 0
+                for index in bucket:
+                    n = params[index].numel()
+                    params[index].grad = flat[offset : offset + n].view_as(params[index]).clone()
+                    offset += n
+            recipe_mod.before_step(self.recipe, model, optimizer)
+            optimizer.step()
+            recipe_mod.after_step(self.recipe, model, optimizer, scheduler)
+            evidence += self._compare_weights(step, recs, model, tolerant_from is not None, bool(step_evidence or reduce_evidence))
+            last = step
+            if on_step is not None:
+                on_step(step)
+            if any(e.step == step for e in evidence) and first_divergent is None:
+                first_divergent = step
+                if options.stop_at_divergence:
+                    break
+        return ReplayResult(
+            start_step=options.start_step, stop_step=options.stop_step, last_step=last,
+            device=env.describe_device(self.device), comparison="exact" if tolerant_from is None or tolerant_from > last else "tolerant",
+            tolerant_from=tolerant_from if tolerant_from is not None and tolerant_from <= last else None,
+            reduction_order=order_used, evidence=tuple(evidence), first_divergent_step=first_divergent, settings={},
+            notes=tuple(notes),
+        )
+
+    def _compare_locals(self, step, recs, ranks, tolerant, drift, recorded_layout):
+        """Ranks whose recomputation disagrees; None when all differ but only within tolerance."""
+        bad, evidence, within = [], [], []
+        for r, rs in enumerate(ranks):
+            rec = recs[r]
+            recorded_input = int(rec["input_digest"])
+            if recorded_input and rs.input_digest != recorded_input:
+                evidence.append(Evidence(kind=EvidenceKind.INPUT_MISMATCH, step=step, ranks=(r,), expected=hex64(rs.input_digest),
+                                         found=hex64(recorded_input), location=Location.INPUT_DATA, source="replay",
+                                         detail=f"rank {r}'s input bytes differ from microbatches {self.trace.microbatch_ids(rec).tolist()} fetched again"))
+            if not int(rec["flags"]) & F.Flag.HAS_GRADS:
+                continue
+            exact_same = rs.fp.digest == int(rec["local_digest"])
+            if exact_same and not tolerant:
+                continue
+            residual = float(np.abs(rs.fp.sketch - rec["local_sketch"].astype(np.float64)).max())
+            tol = self._tol(max(rs.fp.norm, float(rec["local_norm"])), drift)
+            ok = residual <= tol if recorded_layout else abs(rs.fp.norm - float(rec["local_norm"])) <= tol
+            if exact_same or (tolerant and ok):
+                continue
+            if ok:
+                within.append(r)
+            bad.append(r)
+            evidence.append(Evidence(
+                kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=(r,), source="replay",
+                expected=f"local gradient {hex64(rs.fp.digest)} (replayed)" if not tolerant else f"local sketch within {tol:.3g}",
+                found=f"{hex64(int(rec['local_digest']))} recorded" + ("" if not tolerant else f", residual {residual:.3g}"),
+                location=Location.INPUT_DATA if any(e.kind is EvidenceKind.INPUT_MISMATCH and e.ranks == (r,) for e in evidence)
+                else Location.LOCAL_COMPUTE,
+                detail=f"rank {r}'s recorded local gradient is not what its microbatches give with the replicas' weights",
+            ))
+        if not tolerant and len(within) == len(ranks) and len(ranks) > 1:
+            return None, []
+        inputs_off = [e for e in evidence if e.kind is EvidenceKind.INPUT_MISMATCH]
+        if len(ranks) > 1 and len(inputs_off) == len(ranks) and not bad:
+            # every rank "differs" yet every gradient matches: the recorder digests inputs differently
+            evidence = [e for e in evidence if e.kind is not EvidenceKind.INPUT_MISMATCH]
+        return bad, evidence
+
+    def _tie_break(self, model, step, recs, layout, ranks, bad, tolerant):
+        """Majority of three where record and replay disagree: one more, independent recomputation."""
+        confirmed, notes = [], []
+        for r in bad:
+            if tolerant:
+                confirmed.append(r)  # digests are not comparable here; the sketch already decided
+                continue
+            again = self.local_step(model, recs[r], layout).fp.digest
+            recorded, first = int(recs[r]["local_digest"]), ranks[r].fp.digest
+            if again == first:
+                confirmed.append(r)
+                notes.append(f"step {step}, rank {r}: a second replay agrees with the first (2 votes to 1 against the record)")
+            elif again == recorded:
+                notes.append(f"step {step}, rank {r}: a second replay agrees with the record; the first replay was wrong "
+                             f"(the replay device is suspect), rank {r} is not blamed")
+            else:
+                confirmed.append(r)
+                notes.append(f"step {step}, rank {r}: record and two replays all differ: this device is not bitwise "
+                             "reproducible; confirm on another device")
+        return confirmed, notes
+
+    def _reduce(self, step, recs, ranks, tolerant, drift):
+        """The replicas' average: the collective's order when one reproduces the record."""
+        per_rank = [rs.buckets for rs in ranks]
+        recorded = recs["reduced_digest"].astype(np.uint64)
+        values, counts = np.unique(recorded, return_counts=True)
+        majority = int(values[np.argmax(counts)]) if counts.max() * 2 > len(recorded) else None
+        candidates = {}
+        for order in env.REDUCTION_ORDERS:
+            reduced = env.reduce_buckets(per_rank, order)
+            fp = self._fp_of(reduced)
+            candidates[order] = (reduced, fp)
+            if majority is not None and fp.digest == majority:
+                return reduced, order, self._reduced_minority(step, recs, fp, majority), ""
+        reduced, fp = candidates[env.REDUCTION_ORDERS[0]]
+        evidence = []
+        for r in range(len(ranks)):
+            residual = float(np.abs(fp.sketch - recs[r]["reduced_sketch"].astype(np.float64)).max())
+            tol = self._tol(max(fp.norm, float(recs[r]["reduced_norm"])), drift)
+            if residual > tol or not np.isfinite(residual):
+                evidence.append(r)
+        if evidence:
+            everyone = len(evidence) == len(ranks)
+            return reduced, "", [Evidence(
+                kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=() if everyone else tuple(evidence), source="replay",
+                expected=f"reduced gradient sketch of the replayed average ({hex64(fp.digest)})",
+                found="recorded reduced sketch off by more than the tolerance" + (" on every rank" if everyone else ""),
+                location=Location.COLLECTIVE, detail="the all-reduce result does not match the average of the replayed local gradients",
+            )], ""
+        note = (f"step {step}: no summation order reproduces the recorded reduced digest bit for bit (within tolerance): "
+                "later steps are compared within the sketch tolerance")
+        return reduced, "", [], note
+
+    def _reduced_minority(self, step, recs, fp, majority):
+        ranks = tuple(int(r) for r in np.flatnonzero(recs["reduced_digest"] != np.uint64(majority)))
+        if not ranks:
+            return []
+        return [Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=ranks, source="replay", expected=hex64(fp.digest),
+                         found=", ".join(hex64(int(recs[r]["reduced_digest"])) for r in ranks), location=Location.COLLECTIVE,
+                         detail="these ranks' all-reduce result differs from the replayed average the other ranks received")]
+
+    def _compare_weights(self, step, recs, model, tolerant, explained):
+        has_w = (recs["flags"] & int(F.Flag.HAS_WEIGHTS)) != 0
+        if not has_w.any() or tolerant:
+            return []
+        replayed = weights_digest(model.named_parameters(), self.seed)
+        off = tuple(int(r) for r in np.flatnonzero(has_w & (recs["weights_digest"] != np.uint64(replayed))))
+        if not off or explained or len(off) * 2 >= int(has_w.sum()):
+            return []
+        return [Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=off, source="replay", expected=hex64(replayed),
+                         found=", ".join(hex64(int(recs[r]["weights_digest"])) for r in off), location=Location.OPTIMIZER_UPDATE,
+                         detail="same gradients in, different weights out: this replica's optimizer update went wrong")]
+
+
+def replay_window(trace: Trace, recipe, options: ReplayOptions, on_step: Callable[[int], None] | None = None) -> ReplayResult:
+    """Replay one window with deterministic settings on the requested device.
+
+    Args:
+        trace: the open trace.
+        recipe: a recipe object (``sdc_forensics.recipe.load_recipe``).
+        options: :class:`ReplayOptions`.
+        on_step: called after each replayed step (progress).
+
+    Raises:
+        UsageError: the device is unavailable, or is a suspect's GPU and not forced.
+        StartStateMismatch: the checkpoint does not hold the weights the replicas agreed on.
+    """
+    device = env.resolve_device(options.device)
+    env.check_not_suspect(device, options.suspect_gpus, options.force_device)
+    threads = options.num_threads or _recorded_threads(trace)
+    if not Path(options.checkpoint_path).is_file():
+        raise CheckpointError(f"checkpoint {options.checkpoint_path} (step {options.start_step}) does not exist; pass --checkpoints DIR")
+    with env.deterministic(device, threads) as settings:
+        result = Replayer(trace, recipe, device).run(options, on_step)
+    return dataclasses.replace(result, settings=settings)
+
+
+def _recorded_threads(trace: Trace) -> int | None:
+    for attempt in sorted(trace.manifest.attempts, key=lambda a: a.attempt, reverse=True):
+        value = attempt.determinism.get("num_threads") or attempt.determinism.get("torch_num_threads")
+        if value:
+            return int(value)
+    return None

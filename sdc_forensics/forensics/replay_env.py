@@ -1,0 +1,191 @@
+"""The replay's environment: deterministic settings, the device it runs on, bucket layouts, reductions.
+
+* :func:`deterministic` applies (and afterwards restores) deterministic algorithms, the cuBLAS
+  workspace, TF32 off, cuDNN determinism and the thread count the manifest recorded, and returns
+  what it applied so the report can say so.
+* :func:`describe_device` names the replay device (with its GPU UUID on CUDA) and
+  :func:`check_not_suspect` refuses a device that is the suspect's GPU.
+* :func:`bucket_layouts` reads ``buckets.attempt-AAA.json`` (docs/trace-format.md).
+* :func:`reduce_buckets` averages the ranks' bucket buffers the way a collective does:
+  ``gloo-ring`` reproduces gloo's ring all-reduce bit for bit (the buffer is cut into ``W``
+  equal segments; segment ``i`` is summed along the ring starting at rank ``i - 1`` and going
+  backwards, after each rank divided its buffer by ``W`` as DDP does), ``sequential`` adds the
+  ranks in order. The replay picks the one whose digest equals the recorded reduced digest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sdc_forensics.errors import InvalidInputError, UsageError
+
+REDUCTION_ORDERS = ("gloo-ring", "sequential")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BucketLayout:
+    """Parameter indices per DDP bucket, in bucket order, valid from ``from_step`` on."""
+
+    from_step: int
+    buckets: tuple[tuple[int, ...], ...]
+
+
+def bucket_layouts(trace_dir: str | os.PathLike, attempt: int) -> tuple[BucketLayout, ...]:
+    """The bucket layouts the recorder saw in ``attempt`` (empty when the file is absent)."""
+    path = Path(trace_dir) / f"buckets.attempt-{attempt:03d}.json"
+    if not path.is_file():
+        return ()
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        layouts = tuple(
+            BucketLayout(from_step=int(item["from_step"]), buckets=tuple(tuple(int(i) for i in b) for b in item["buckets"]))
+            for item in doc["layouts"]
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InvalidInputError(f"{path} is not a valid bucket layout file ({exc!r}); restore it from the run") from None
+    return tuple(sorted(layouts, key=lambda lay: lay.from_step))
+
+
+def layout_at(layouts: tuple[BucketLayout, ...], step: int, num_params: int) -> tuple[tuple[int, ...], bool]:
+    """The layout in force at ``step``; ``(layout, recorded)``.
+
+    Without a recorded layout, DDP's default for a small model is assumed (one bucket, the
+    parameters in reverse order); ``recorded`` is then False and fingerprints cannot match exactly.
+    """
+    chosen = None
+    for layout in layouts:
+        if layout.from_step <= step:
+            chosen = layout
+    if chosen is None and layouts:
+        chosen = layouts[0]
+    if chosen is None:
+        return (tuple(reversed(range(num_params))),), False
+    return chosen.buckets, True
+
+
+@contextlib.contextmanager
+def deterministic(device: torch.device, num_threads: int | None) -> Iterator[dict[str, Any]]:
+    """Apply deterministic settings for the duration of a replay; yields what was applied."""
+    saved = {
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "threads": torch.get_num_threads(),
+        "cublas": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        "cudnn_det": torch.backends.cudnn.deterministic,
+        "cudnn_bench": torch.backends.cudnn.benchmark,
+    }
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    if num_threads:
+        torch.set_num_threads(int(num_threads))
+    applied = {
+        "deterministic_algorithms": True,
+        "cublas_workspace_config": os.environ["CUBLAS_WORKSPACE_CONFIG"],
+        "tf32": False,
+        "cudnn_deterministic": True,
+        "num_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "device_type": device.type,
+    }
+    try:
+        yield applied
+    finally:
+        torch.use_deterministic_algorithms(saved["deterministic"])
+        torch.set_num_threads(saved["threads"])
+        if saved["cublas"] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = saved["cublas"]
+        torch.backends.cuda.matmul.allow_tf32 = saved["tf32_matmul"]
+        torch.backends.cudnn.allow_tf32 = saved["tf32_cudnn"]
+        torch.backends.cudnn.deterministic = saved["cudnn_det"]
+        torch.backends.cudnn.benchmark = saved["cudnn_bench"]
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``cpu``, ``cuda``, ``cuda:N``; raises :class:`UsageError` for a device this machine lacks."""
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise UsageError(f"--device {spec!r} is not a torch device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {spec}: no CUDA device on this machine; use --device cpu")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise UsageError(f"--device {spec}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        device = torch.device("cuda", index)
+    elif device.type != "cpu":
+        raise UsageError(f"--device {spec}: replay runs on cpu or cuda")
+    return device
+
+
+def gpu_uuid(device: torch.device) -> str:
+    """``GPU-xxxxxxxx-...`` of a CUDA device, "" on CPU or when torch cannot tell."""
+    if device.type != "cuda":
+        return ""
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    if uuid is None:
+        return ""
+    text = str(uuid)
+    return text if text.startswith("GPU-") else f"GPU-{text}"
+
+
+def describe_device(device: torch.device) -> str:
+    """A human name of the replay device: ``cpu (x86_64, 2 threads)`` or ``cuda:0 (NAME, GPU-…)``."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)}, {gpu_uuid(device) or 'uuid unknown'})"
+    return f"cpu ({platform.machine() or 'unknown'}, {torch.get_num_threads()} threads)"
+
+
+def check_not_suspect(device: torch.device, suspect_gpus: dict[str, int], force: bool) -> None:
+    """Refuse to replay on a suspect's GPU (``{uuid: rank}``) unless ``force``."""
+    uuid = gpu_uuid(device)
+    if uuid and uuid in suspect_gpus and not force:
+        raise UsageError(
+            f"replay device {device} is {uuid}, the GPU of suspect rank {suspect_gpus[uuid]}: its results cannot "
+            "be trusted to judge itself; pass another --device, or --force-device to replay there anyway"
+        )
+
+
+def reduce_buckets(per_rank: list[list[torch.Tensor]], order: str) -> list[torch.Tensor]:
+    """Average bucket buffers over ranks. ``per_rank[r][b]``: rank ``r``'s flat bucket ``b``."""
+    world_size = len(per_rank)
+    out = []
+    for bucket in range(len(per_rank[0])):
+        parts = [per_rank[r][bucket] / world_size for r in range(world_size)]  # DDP divides first
+        if order == "sequential" or world_size == 1:
+            acc = parts[0].clone()
+            for part in parts[1:]:
+                acc += part
+        elif order == "gloo-ring":
+            numel = parts[0].numel()
+            seg = -(-numel // world_size)
+            acc = torch.empty_like(parts[0])
+            for i in range(world_size):
+                lo, hi = i * seg, min((i + 1) * seg, numel)
+                if lo >= hi:
+                    continue
+                start = (i - 1) % world_size
+                piece = parts[start][lo:hi].clone()
+                for j in range(1, world_size):
+                    piece += parts[(start - j) % world_size][lo:hi]
+                acc[lo:hi] = piece
+        else:
+            raise ValueError(f"unknown reduction order {order!r}; one of {REDUCTION_ORDERS}")
+        out.append(acc)
+    return out
