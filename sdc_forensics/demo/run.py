@@ -1,0 +1,308 @@
+"""The demo job: a W-process ``gloo`` DDP run on CPU of the demo recipe, recorded, with injected faults.
+
+:func:`run_demo` is what ``sdc-forensics demo`` runs and what tests call. It spawns ``W``
+processes (one thread each), trains ``steps`` optimizer steps with gradient accumulation
+(``no_sync`` on all but the last microbatch), writes ``OUT/trace/`` and a checkpoint every
+``checkpoint_every`` steps to ``OUT/checkpoints/step-NNNNNNNN.pt`` (checkpoint N holds theta_N;
+checkpoint 0 is the initial state), and returns the ground truth. Each process leaves a small
+JSON report in ``OUT/demo/``. Nothing is left running: on a failure, a hang past the timeout or a
+killed rank, every remaining process is killed before :func:`run_demo` returns or raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+from sdc_forensics.errors import SdcError, UsageError
+from sdc_forensics.inject import FaultSpec, parse_specs
+
+#: The fault ``sdc-forensics demo`` injects unless told otherwise: an exponent flip of one element
+#: of rank 2's local gradient at step 23, in the middle of the checkpoint interval 20..30.
+DEFAULT_INJECTION = "grad:step=23:rank=2:bit=30"
+RECIPE_REFERENCE = "sdc_forensics.demo.recipe:recipe"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    """One demo run.
+
+    Attributes:
+        out_dir: output directory (``trace/``, ``checkpoints/``, ``demo/``).
+        injections: faults to inject.
+        steps: optimizer steps.
+        checkpoint_every: checkpoint interval in steps (checkpoint 0 is always written).
+        world_size: number of processes.
+        policy: online-check policy; ``continue`` (default here) so the run finishes and bisect
+            has something to find; ``raise`` stops every rank at the first alarm.
+        audit_every: audit every N-th step (0: no audits).
+        node_of_rank: pretend node map; default: every rank is its own node.
+        record: attach the recorder (False trains the same job without it, for comparisons).
+        kill_rank, kill_step: SIGKILL rank ``kill_rank`` right after it recorded ``kill_step``.
+        timeout_s: the whole run is killed after this many seconds.
+    """
+
+    out_dir: Path
+    injections: tuple[FaultSpec, ...] = ()
+    steps: int = 40
+    checkpoint_every: int = 10
+    world_size: int = 4
+    policy: str = "continue"
+    audit_every: int = 0
+    node_of_rank: tuple[int, ...] | None = None
+    record: bool = True
+    kill_rank: int | None = None
+    kill_step: int | None = None
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "out_dir", Path(self.out_dir))
+        if self.steps < 1:
+            raise UsageError(f"--steps must be >= 1, got {self.steps}")
+        if self.checkpoint_every < 1:
+            raise UsageError(f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
+        if not 2 <= self.world_size <= 16:
+            raise UsageError(f"world size must be in 2..16, got {self.world_size}")
+        for spec in self.injections:
+            if spec.rank >= self.world_size and spec.location not in ("allreduce-all", "checkpoint-file"):
+                raise UsageError(f"fault {spec}: rank {spec.rank} does not exist in a {self.world_size}-rank run")
+            if spec.location == "checkpoint-file" and spec.step not in self.checkpoint_steps:
+                raise UsageError(f"fault {spec}: no checkpoint {spec.step} is written (checkpoints: {list(self.checkpoint_steps)})")
+            elif spec.location != "checkpoint-file" and spec.step >= self.steps:
+                raise UsageError(f"fault {spec}: step {spec.step} is beyond the run (steps 0..{self.steps - 1})")
+
+    @property
+    def checkpoint_steps(self) -> tuple[int, ...]:
+        """Checkpoints written: 0, K, 2K, ... up to ``steps``."""
+        return tuple(range(0, self.steps + 1, self.checkpoint_every))
+
+    @property
+    def trace_dir(self) -> Path:
+        return self.out_dir / "trace"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.out_dir / "checkpoints"
+
+    def checkpoint_path(self, step: int) -> Path:
+        return self.checkpoint_dir / f"step-{step:08d}.pt"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DemoResult:
+    """Ground truth of a demo run (what ``--json`` prints)."""
+
+    config: DemoConfig
+    fired: tuple[dict, ...]
+    alarms: tuple[dict, ...]
+    raised: dict | None
+    checkpoints: tuple[int, ...]
+    final_weights_digests: tuple[str, ...]
+    killed_rank: int | None
+    wall_s: float
+
+    def to_json(self) -> dict:
+        """The JSON document (``cli.output.emit_json`` adds ``schema_version``)."""
+        cfg = self.config
+        return {
+            "out_dir": str(cfg.out_dir),
+            "trace_dir": str(cfg.trace_dir),
+            "checkpoint_dir": str(cfg.checkpoint_dir),
+            "recipe": RECIPE_REFERENCE,
+            "world_size": cfg.world_size,
+            "steps": cfg.steps,
+            "checkpoint_every": cfg.checkpoint_every,
+            "policy": cfg.policy,
+            "injected": [str(s) for s in cfg.injections],
+            "fired": list(self.fired),
+            "alarms": list(self.alarms),
+            "raised": self.raised,
+            "checkpoints": [{"step": s, "path": str(cfg.checkpoint_path(s))} for s in self.checkpoints],
+            "wall_s": round(self.wall_s, 2),
+        }
+
+
+def run_demo(
+    out_dir: str | os.PathLike,
+    injections=(DEFAULT_INJECTION,),
+    steps: int = 40,
+    checkpoint_every: int = 10,
+    world_size: int = 4,
+    **options,
+) -> DemoResult:
+    """Run the demo job and return its ground truth.
+
+    Args:
+        out_dir: output directory (created; must not already hold a trace).
+        injections: fault specs (strings or :class:`FaultSpec`); ``()`` or ``("none",)`` for a clean run.
+        steps, checkpoint_every, world_size: the run's size.
+        **options: further :class:`DemoConfig` fields (``policy``, ``audit_every``, ...).
+
+    Raises:
+        UsageError: bad arguments. SdcError: a process failed or the run timed out.
+    """
+    specs = tuple(s for s in injections if isinstance(s, FaultSpec)) + parse_specs([s for s in injections if not isinstance(s, FaultSpec)])
+    config = DemoConfig(out_dir=Path(out_dir), injections=specs, steps=steps, checkpoint_every=checkpoint_every, world_size=world_size, **options)
+    if (config.trace_dir / "manifest.json").exists():
+        raise UsageError(f"{config.out_dir} already holds a demo trace; pass a new --out directory")
+    config.out_dir.mkdir(parents=True, exist_ok=True)
+    (config.out_dir / "demo").mkdir(exist_ok=True)
+    started = time.monotonic()
+    _launch(config)
+    return _collect(config, time.monotonic() - started)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch(config: DemoConfig) -> None:
+    import torch.multiprocessing as mp
+
+    port = _free_port()
+    # A fork server imports torch once and forks the ranks from it: ~2 s instead of W imports.
+    mp.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", "sdc_forensics.demo.run", "sdc_forensics.recorder"])
+    context = mp.start_processes(_worker, args=(config, port), nprocs=config.world_size, join=False, start_method="forkserver")
+    deadline = time.monotonic() + config.timeout_s
+    try:
+        while not context.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                raise SdcError(f"the demo run did not finish within {config.timeout_s:.0f} s; all its processes were killed")
+    except mp.ProcessExitedException as exc:
+        if config.kill_rank is None or exc.exit_code != -signal.SIGKILL:
+            raise SdcError(f"demo process {exc.error_index} died ({exc}); all its processes were killed") from None
+    except mp.ProcessRaisedException as exc:
+        raise SdcError(f"a demo process failed:\n{exc}") from None
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=10)
+        _stop_forkserver()
+
+
+def _stop_forkserver() -> None:
+    """Stop the fork server so that nothing of the demo outlives it (private API, best effort)."""
+    from multiprocessing import forkserver
+
+    stop = getattr(forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        with contextlib.suppress(Exception):
+            stop()
+
+
+def _collect(config: DemoConfig, wall_s: float) -> DemoResult:
+    reports = []
+    for rank in range(config.world_size):
+        path = config.out_dir / "demo" / f"rank-{rank}.json"
+        if path.is_file():
+            reports.append(json.loads(path.read_text(encoding="utf-8")))
+    fired = tuple(f for r in reports for f in r["fired"])
+    first = reports[0] if reports else {"alarms": [], "raised": None, "checkpoints": []}
+    killed = config.kill_rank if config.kill_rank is not None else None
+    return DemoResult(
+        config=config,
+        fired=fired,
+        alarms=tuple(first["alarms"]),
+        raised=first["raised"],
+        checkpoints=tuple(first["checkpoints"]),
+        final_weights_digests=tuple(r.get("final_weights_digest", "") for r in reports),
+        killed_rank=killed,
+        wall_s=wall_s,
+    )
+
+
+def _worker(rank: int, config: DemoConfig, port: int) -> None:
+    """One rank: init gloo, train, report (runs in a spawned process)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=config.world_size,
+        timeout=datetime.timedelta(seconds=max(30.0, config.timeout_s / 2)),
+    )
+    try:
+        report = train_rank(config, rank)
+        path = config.out_dir / "demo" / f"rank-{rank}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, indent=1, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        dist.destroy_process_group()
+
+
+def train_rank(config: DemoConfig, rank: int) -> dict:
+    """The training loop of one rank (process group already initialised); returns its report."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from sdc_forensics.demo.recipe import recipe
+    from sdc_forensics.errors import SdcAlarm
+    from sdc_forensics.recorder import Recorder, RecorderOptions
+    from sdc_forensics.statedict import weights_digest
+    from sdc_forensics.trace.checkpoints import hex64
+
+    model, optimizer, _ = recipe.build("cpu")
+    ddp = DistributedDataParallel(model)
+    world_size = config.world_size
+    report: dict = {"rank": rank, "fired": [], "alarms": [], "raised": None, "checkpoints": []}
+    rec = None
+    if config.record:
+        rec = Recorder(
+            config.trace_dir, ddp, optimizer, recipe=RECIPE_REFERENCE, inject=config.injections,
+            options=RecorderOptions(
+                policy=config.policy, audit_every=config.audit_every, checkpoint_every=config.checkpoint_every,
+                node_of_rank=config.node_of_rank or tuple(range(world_size)),
+            ),
+        )
+
+    def checkpoint(step: int) -> None:
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+        if rec is not None:
+            rec.checkpoint(step, config.checkpoint_path(step), state)
+        elif rank == 0:
+            config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            torch.save(state, config.checkpoint_path(step))
+        report["checkpoints"].append(step)
+
+    try:
+        checkpoint(0)
+        for step in range(config.steps):
+            ids = recipe.microbatch_ids(step, rank, world_size)
+            with rec.step(step, microbatch_ids=ids) if rec is not None else contextlib.nullcontext() as s:
+                for i, microbatch_id in enumerate(ids):
+                    batch = recipe.fetch_microbatch(microbatch_id, "cpu")
+                    if s is not None:
+                        batch = s.input(batch)
+                    with ddp.no_sync() if i < len(ids) - 1 else contextlib.nullcontext():
+                        loss = recipe.loss(ddp, batch)
+                        loss.backward()
+                    if s is not None:
+                        s.loss(loss)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if config.kill_rank == rank and config.kill_step == step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if (step + 1) % config.checkpoint_every == 0:
+                checkpoint(step + 1)
+    except SdcAlarm as alarm:
+        report["raised"] = {"check": alarm.check, "step": alarm.step, "rank": alarm.rank, "host": alarm.host, "message": str(alarm)}
+    finally:
+        if rec is not None:
+            report["fired"] = [dataclasses.asdict(f) for f in rec.injector.fired]
+            report["alarms"] = [
+                {"check": a.check, "step": a.step, "rank": a.rank, "ranks": list(a.ranks), "detail": a.detail} for a in rec.alarms
+            ]
+            rec.close()
+    report["final_weights_digest"] = hex64(weights_digest(model.named_parameters()))
+    return report

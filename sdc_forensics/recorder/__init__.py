@@ -1,0 +1,9 @@
+"""The training-side half: a recorder hooked into DDP that writes the trace and runs the online checks.
+
+Needs torch; import it inside the training job, not in analysis code.
+"""
+
+from sdc_forensics.recorder.options import RecorderOptions
+from sdc_forensics.recorder.recorder import Recorder, StepRecording
+
+__all__ = ["Recorder", "RecorderOptions", "StepRecording"]

@@ -1,0 +1,209 @@
+"""Audits: a rank on another node recomputes a rank's microbatches with the same weights (theta_s).
+
+Protocol at an audited step (every rank runs it, between the all-reduce and the update):
+
+1. ``all_gather_object`` of every rank's own result: microbatch IDs, loss, local-gradient digest,
+   input digest.
+2. Each rank ``a`` recomputes the microbatches of its subject ``s`` (the next rank, in rank order,
+   on another node) and the results are gathered. A pair whose gradient digests differ is a
+   mismatch.
+3. Each mismatch gets a third, independent recomputation by a rank on a node that is neither
+   ``a``'s nor ``s``'s; the majority of the three digests names the rank that computed wrongly
+   (``s`` if the tiebreaker agrees with ``a``, ``a`` if it agrees with ``s``). With fewer than
+   three nodes there is no tiebreaker and the finding cannot name a rank.
+
+Recomputation uses ``torch.autograd.grad`` on the bare module: ``.grad`` fields, DDP's reducer
+and the optimizer are never touched; the RNG state and module buffers (e.g. BatchNorm running
+statistics) are saved and restored, so training numerics are unchanged. The recipe must be
+deterministic (no dropout randomness that differs between calls), as replay also requires.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sdc_forensics.fingerprint.core import Fingerprint, combine, combine_digests, digest, fingerprint, num_sketch_blocks
+from sdc_forensics.recorder.checks import AUDIT, Finding
+from sdc_forensics.statedict import flatten_state
+from sdc_forensics.trace.format import Flag
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OwnResult:
+    """What a rank computed itself at the audited step."""
+
+    ids: tuple[int, ...]
+    loss: float
+    digest: int
+    input_digest: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Recomputation:
+    """One audit recomputation: ``auditor`` recomputed ``subject``'s microbatches."""
+
+    auditor: int
+    subject: int
+    ids: tuple[int, ...]
+    loss: float
+    digest: int
+    input_digest: int
+    subject_digest: int
+    fingerprint: Fingerprint | None = None  # kept by the rank that computed it, not gathered
+    tiebreak: bool = False
+    mismatch: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AuditOutcome:
+    """What one audited step produced, as seen by one rank."""
+
+    recomputations: tuple[Recomputation, ...]  # the ones this rank performed
+    audited_me: bool
+    disputed_me: bool
+    findings: tuple[Finding, ...]
+
+
+def pick_subject(rank: int, nodes: tuple[int, ...]) -> int | None:
+    """The first rank after ``rank`` (cyclically) on another node, None on a single node."""
+    world_size = len(nodes)
+    for d in range(1, world_size):
+        other = (rank + d) % world_size
+        if nodes[other] != nodes[rank]:
+            return other
+    return None
+
+
+def pick_tiebreaker(auditor: int, subject: int, nodes: tuple[int, ...]) -> int | None:
+    """A rank on a third node (neither the auditor's nor the subject's), None if there is none."""
+    world_size = len(nodes)
+    for d in range(1, world_size):
+        other = (subject + d) % world_size
+        if nodes[other] not in (nodes[auditor], nodes[subject]):
+            return other
+    return None
+
+
+def recompute(
+    module: torch.nn.Module,
+    recipe: Any,
+    ids: tuple[int, ...],
+    layout: list[list[int]],
+    *,
+    device: torch.device,
+    sketch_k: int,
+    seed: int,
+) -> tuple[float, Fingerprint, int]:
+    """Loss, local-gradient fingerprint and input digest of ``ids`` with the module's current weights.
+
+    The gradient is summed over the microbatches as DDP accumulates it, laid out in the DDP
+    bucket order ``layout`` and fingerprinted bucket by bucket, like the comm hook does.
+    """
+    params = list(module.parameters())
+    rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and device.type == "cuda" else None
+    saved_buffers = [b.detach().clone() for b in module.buffers()]
+    trainable = [i for i, p in enumerate(params) if p.requires_grad]
+    grads: dict[int, torch.Tensor] = {}
+    loss_sum = 0.0
+    input_digests = []
+    try:
+        for mb_id in ids:
+            microbatch = recipe.fetch_microbatch(int(mb_id), device)
+            input_digests.extend(digest(t, seed) for t in flatten_state(microbatch).values())
+            loss = recipe.loss(module, microbatch)
+            loss_sum += float(loss.detach())
+            found = torch.autograd.grad(loss, [params[i] for i in trainable], allow_unused=True)
+            for i, g in zip(trainable, found):
+                if g is not None:
+                    grads[i] = g if i not in grads else grads[i] + g
+    finally:
+        torch.random.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        with torch.no_grad():
+            for buf, saved in zip(module.buffers(), saved_buffers):
+                buf.copy_(saved)
+    parts, offset = [], 0
+    for bucket in layout:
+        flat = torch.cat([grads[i].reshape(-1) if i in grads else torch.zeros(params[i].numel(), dtype=params[i].dtype, device=device) for i in bucket])
+        parts.append(fingerprint(flat, k=sketch_k, seed=seed, block_offset=offset))
+        offset += num_sketch_blocks(flat.numel())
+    return loss_sum, combine(parts), combine_digests(input_digests)
+
+
+def run_audit(
+    *,
+    step: int,
+    own: OwnResult,
+    module: torch.nn.Module,
+    recipe: Any,
+    layout: list[list[int]],
+    nodes: tuple[int, ...],
+    group: Any,
+    device: torch.device,
+    sketch_k: int,
+    seed: int,
+) -> AuditOutcome:
+    """Run the audit protocol (a collective: every rank of ``group`` must call it at the same step)."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    owns: list[OwnResult | None] = [None] * world_size
+    dist.all_gather_object(owns, own, group=group)
+
+    def _do(subject: int, tiebreak: bool) -> Recomputation:
+        loss, fp, in_digest = recompute(module, recipe, owns[subject].ids, layout, device=device, sketch_k=sketch_k, seed=seed)
+        return Recomputation(
+            auditor=rank, subject=subject, ids=owns[subject].ids, loss=loss, digest=fp.digest, fingerprint=fp, input_digest=in_digest,
+            subject_digest=owns[subject].digest, tiebreak=tiebreak, mismatch=fp.digest != owns[subject].digest,
+        )
+
+    subjects = [pick_subject(r, nodes) for r in range(world_size)]
+    mine = [_do(subjects[rank], False)] if subjects[rank] is not None else []
+    first: list[list[Recomputation] | None] = [None] * world_size
+    dist.all_gather_object(first, [dataclasses.replace(m, fingerprint=None) for m in mine], group=group)
+    first_flat = [r for per in first for r in per]
+    disputes = [r for r in first_flat if r.mismatch]
+    jobs = [(d, pick_tiebreaker(d.auditor, d.subject, nodes)) for d in disputes]
+    tiebreaks_flat: list[Recomputation] = []
+    if disputes:
+        for dispute, breaker in jobs:
+            if breaker == rank:
+                mine.append(_do(dispute.subject, True))
+        second: list[list[Recomputation] | None] = [None] * world_size
+        dist.all_gather_object(second, [dataclasses.replace(m, fingerprint=None) for m in mine if m.tiebreak], group=group)
+        tiebreaks_flat = [r for per in second for r in per]
+    findings = []
+    for dispute, breaker in jobs:
+        findings.append(_verdict(step, dispute, breaker, tiebreaks_flat, owns))
+    return AuditOutcome(
+        recomputations=tuple(mine),
+        audited_me=any(r.subject == rank for r in first_flat),
+        disputed_me=any(r.subject == rank for r in disputes),
+        findings=tuple(findings),
+    )
+
+
+def _verdict(step: int, dispute: Recomputation, breaker: int | None, tiebreaks: list[Recomputation], owns) -> Finding:
+    a, s = dispute.auditor, dispute.subject
+    input_note = ""
+    if dispute.input_digest != owns[s].input_digest:
+        input_note = "; the refetched input differs from the input rank {s} consumed (input-data fault)".format(s=s)
+    third = next((t for t in tiebreaks if t.subject == s and t.auditor == breaker), None)
+    base = f"rank {a} recomputed rank {s}'s microbatches {list(dispute.ids)} at step {step} and got a different gradient"
+    if third is None:
+        return Finding(check=AUDIT, step=step, rank=-1, ranks=(a, s), flag=Flag.AUDIT_MISMATCH,
+                       detail=base + "; no rank on a third node to break the tie" + input_note)
+    t_digest, a_digest, s_digest = third.digest, dispute.digest, owns[s].digest
+    if t_digest == a_digest != s_digest:
+        culprit, why = s, f"rank {breaker} agrees with rank {a}: rank {s} computed its gradient wrongly"
+    elif t_digest == s_digest != a_digest:
+        culprit, why = a, f"rank {breaker} agrees with rank {s}: the auditor, rank {a}, computed wrongly"
+    else:
+        culprit, why = -1, f"rank {breaker} agrees with neither: no majority of three"
+    return Finding(check=AUDIT, step=step, rank=culprit, ranks=(culprit,) if culprit >= 0 else (a, s),
+                   flag=Flag.AUDIT_MISMATCH, detail=f"{base}; {why}{input_note}")
+

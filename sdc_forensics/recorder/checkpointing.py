@@ -1,0 +1,116 @@
+"""Checkpoints through the recorder: replica consensus first, then save, digest and note.
+
+The order matters: the replicas' weight digests are compared *before* anything is written, the
+state is saved from a rank of the strict majority, and the note holds the digests of the exact
+payload that was handed to ``save`` (so later storage corruption of the file is visible to
+``verify-checkpoint``). Without a strict majority there is nothing trustworthy to save.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from sdc_forensics.errors import SdcError, UsageError
+from sdc_forensics.recorder import checks
+from sdc_forensics.statedict import flatten_state, state_digests
+from sdc_forensics.trace import format as F
+from sdc_forensics.trace.checkpoints import CheckpointNote, hex64, write_checkpoint_note
+
+if TYPE_CHECKING:
+    from sdc_forensics.recorder.recorder import Recorder
+
+
+def param_keys(named_params: list[tuple[str, torch.Tensor]], state: Any) -> tuple[str, ...]:
+    """The key of every parameter inside the flattened payload, in ``named_parameters`` order.
+
+    A parameter is found by storage (``model.state_dict()`` shares it), else by a unique key
+    ending in its name (a payload of copies).
+    """
+    flat = flatten_state(state)
+    by_storage = {(t.data_ptr(), tuple(t.shape), t.dtype): key for key, t in flat.items() if t.numel()}
+    keys = []
+    for name, param in named_params:
+        key = by_storage.get((param.data_ptr(), tuple(param.shape), param.dtype)) if param.numel() else None
+        if key is None:
+            matches = [k for k in flat if k == name or k.endswith("." + name)]
+            if len(matches) != 1:
+                raise UsageError(
+                    f"the checkpoint state does not hold parameter {name!r} (or holds it ambiguously); "
+                    "pass a state built from model.state_dict() so the recorder can note the weights digest"
+                )
+            key = matches[0]
+        keys.append(key)
+    return tuple(keys)
+
+
+def save_checkpoint(rec: "Recorder", step: int, path: Path, state: Any, save: Callable[[Any, Path], None] | None) -> CheckpointNote:
+    """See :meth:`Recorder.checkpoint`."""
+    my_digest = rec._weights()[0]
+    table = rec._all_gather_words(np.array([my_digest], dtype=np.uint64).view(np.int64))[:, 0].view(np.uint64)
+    finding, vote = checks.check_weights(max(step - 1, 0), table)  # theta_step was written by step - 1
+    blessed = vote.value is not None
+    saver = 0 if (not blessed or 0 in vote.agreeing) else vote.agreeing[0]
+    refuse = not blessed and rec.options.policy == "raise"
+    outcome: list = [None]
+    if rec.rank == saver and not refuse:
+        try:
+            outcome = [_save_and_note(rec, step, path, state, save, vote, blessed, saver)]
+        except Exception as exc:  # noqa: BLE001 - every rank must learn that the save failed
+            outcome = [f"{type(exc).__name__}: {exc}"]
+    if not refuse:
+        dist.broadcast_object_list(outcome, src=dist.get_global_rank(rec.group, saver), group=rec.group)
+    record = rec.writer.new(F.Kind.CHECKPOINT, step)
+    record["weights_digest"] = my_digest % (1 << 64)
+    record["aux_digest"] = (vote.value or 0) % (1 << 64)
+    record["aux_rank"] = saver
+    record["flags"] = int(F.Flag.WEIGHTS_CHECKED) | (0 if blessed else int(F.Flag.CHECKPOINT_REFUSED | F.Flag.NO_MAJORITY))
+    if rec.rank in vote.diverged and blessed:
+        record["flags"] |= int(F.Flag.WEIGHTS_DIVERGED)
+    rec.writer.append(record)
+    if isinstance(outcome[0], str):
+        raise SdcError(f"checkpoint {step} could not be saved to {path} by rank {saver}: {outcome[0]}")
+    if finding is not None:
+        _react_outside_step(rec, finding)
+    return outcome[0]
+
+
+def _save_and_note(rec: "Recorder", step: int, path: Path, state: Any, save, vote, blessed: bool, saver: int) -> CheckpointNote:
+    seed = rec.options.seed
+    keys = param_keys(list(rec.module.named_parameters()), state)
+    tensors = state_digests(state, seed)  # of the payload, before it is written
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (save or torch.save)(state, path)
+    note = CheckpointNote(
+        step=step,
+        path=str(path),
+        attempt=rec.attempt,
+        weights_digest=hex64(vote.value) if vote.value is not None else "",
+        param_names=keys,
+        tensors=tensors,
+        saved_by_rank=saver,
+        agreeing_ranks=vote.agreeing,
+        diverged_ranks=vote.diverged if blessed else tuple(range(rec.world_size)),
+        blessed=blessed and saver in vote.agreeing,
+        saved_ns=time.time_ns(),
+    )
+    write_checkpoint_note(rec.trace_dir, note)
+    if rec.injector:
+        rec.injector.corrupt_checkpoint_file(step, path)
+    return note
+
+
+def _react_outside_step(rec: "Recorder", finding: checks.Finding) -> None:
+    """ALARM records for a checkpoint-time weights finding; raise per policy."""
+    alarm = rec.writer.new(F.Kind.ALARM, finding.step)
+    alarm["flags"] = int(finding.flag)
+    alarm["aux_rank"] = finding.rank
+    rec.writer.append(alarm)
+    rec.alarms.append(finding)
+    if rec.options.policy == "raise":
+        raise rec._alarm(finding)

@@ -1,0 +1,69 @@
+"""Options of the recorder, validated when built (the CLI and user code build them; the recorder never sees flags)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sdc_forensics.errors import UsageError
+from sdc_forensics.fingerprint import constants as C
+
+POLICIES = ("raise", "continue")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RecorderOptions:
+    """How the recorder fingerprints, checks and reacts.
+
+    Attributes:
+        policy: on alarm, ``raise`` an :class:`~sdc_forensics.errors.SdcAlarm` (default) or
+            ``continue`` (record the alarm and train on).
+        seed: fingerprint seed (recorded in the manifest).
+        sketch_k: sketch projections per fingerprint.
+        grad_dtype: dtype gradients travel in during the all-reduce (tolerance model); None =
+            the dtype of the first bucket seen (the manifest records ``float32`` until then).
+        audit_every: audit every N-th step (``step % N == 0``); 0 = no periodic audits.
+        audit_steps: further steps to audit.
+        weights_every: compare replica weight digests every N-th step (and always before a
+            checkpoint); 0 = only before checkpoints.
+        check_allreduce: run the all-reduce sketch check every step.
+        checkpoint_every: the job's checkpoint interval, recorded in the manifest for bisect.
+        node_of_rank: node index of every global rank; None = from host names. Tests on one host
+            pass e.g. ``(0, 1, 2, 3)`` to pretend each rank is a node.
+        start_step: the first step of this attempt (a run resumed from checkpoint N starts at N).
+        fsync: ``fsync`` the trace after every record (survives a machine crash; costs a sync).
+    """
+
+    policy: str = "raise"
+    seed: int = C.DEFAULT_SEED
+    sketch_k: int = C.DEFAULT_SKETCH_K
+    grad_dtype: str | None = None
+    audit_every: int = 0
+    audit_steps: tuple[int, ...] = ()
+    weights_every: int = 1
+    check_allreduce: bool = True
+    checkpoint_every: int | None = None
+    node_of_rank: tuple[int, ...] | None = None
+    start_step: int = 0
+    fsync: bool = False
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise UsageError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if not 1 <= self.sketch_k <= 64:
+            raise UsageError(f"sketch_k must be in 1..64, got {self.sketch_k}")
+        for name in ("audit_every", "weights_every", "start_step"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise UsageError(f"checkpoint_every must be >= 1 (or None), got {self.checkpoint_every}")
+        if self.node_of_rank is not None:
+            object.__setattr__(self, "node_of_rank", tuple(int(n) for n in self.node_of_rank))
+        object.__setattr__(self, "audit_steps", tuple(sorted(int(s) for s in self.audit_steps)))
+
+    def audits(self, step: int) -> bool:
+        """Whether ``step`` is audited."""
+        return (self.audit_every > 0 and step % self.audit_every == 0) or step in self.audit_steps
+
+    def compares_weights(self, step: int) -> bool:
+        """Whether replica weights are compared after ``step``'s update."""
+        return self.weights_every > 0 and step % self.weights_every == 0

@@ -1,0 +1,443 @@
+"""The recorder: per-rank, per-step trace and online checks inside a DDP training loop.
+
+Attach it once, then wrap each optimizer step::
+
+    rec = Recorder(trace_dir, ddp_model, optimizer, recipe="mytrain.recipe:recipe")
+    for step in range(start, num_steps):
+        with rec.step(step, microbatch_ids=ids) as s:
+            for i, batch in enumerate(microbatches):
+                with ddp_model.no_sync() if i < len(microbatches) - 1 else contextlib.nullcontext():
+                    loss = loss_fn(ddp_model, s.input(batch))
+                    loss.backward()
+                s.loss(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        if (step + 1) % every == 0:
+            rec.checkpoint(step + 1, path, state={"model": model.state_dict(), ...})
+
+Where each thing is measured: the comm hook (``hooks.py``) fingerprints the local and reduced
+gradient; the optimizer's step pre-hook runs the NaN/Inf, all-reduce and audit checks before
+the update; the step post-hook digests the updated weights and compares replicas; leaving the
+``with`` block writes the STEP record. Every check decides on gathered numbers, so all ranks
+raise (policy ``raise``) or continue together, and the trace is on disk before anything raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from sdc_forensics.errors import SdcAlarm, UsageError
+from sdc_forensics.fingerprint.core import Fingerprint, combine_digests, digest
+from sdc_forensics.inject import FaultSpec, Injector, parse_spec
+from sdc_forensics.recorder import checks, records
+from sdc_forensics.recorder.audit import AuditOutcome, OwnResult, run_audit
+from sdc_forensics.recorder.checkpointing import save_checkpoint
+from sdc_forensics.recorder.hooks import BucketTap
+from sdc_forensics.recorder.identity import complete_identities, local_identity, make_attempt, node_map
+from sdc_forensics.recorder.options import RecorderOptions
+from sdc_forensics.statedict import flatten_state, weights_digest
+from sdc_forensics.trace import format as F
+from sdc_forensics.trace.manifest import FingerprintSettings, write_manifest
+from sdc_forensics.trace.writer import RankTraceWriter
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(kw_only=True)
+class _StepState:
+    step: int
+    ids: tuple[int, ...] | None
+    losses: list = dataclasses.field(default_factory=list)
+    input_digests: list[int] = dataclasses.field(default_factory=list)
+    input_elements: int = 0
+    flags: int = 0
+    local: Fingerprint | None = None
+    reduced: Fingerprint | None = None
+    weights: tuple[int, float, int] | None = None  # digest, norm, nonfinite count
+    audit: AuditOutcome | None = None
+    written: bool = False
+
+
+class StepRecording:
+    """Handle of one step inside ``with rec.step(...)``: report inputs and losses through it."""
+
+    def __init__(self, recorder: "Recorder", state: _StepState) -> None:
+        self._recorder = recorder
+        self._state = state
+
+    @property
+    def step(self) -> int:
+        return self._state.step
+
+    def input(self, microbatch: Any) -> Any:
+        """Digest a microbatch the rank is about to consume (tensors in any nesting); returns it."""
+        return self._recorder._on_input(self._state, microbatch)
+
+    def loss(self, loss: torch.Tensor) -> None:
+        """Report a microbatch's loss as ``backward()`` saw it (summed over the step in the trace)."""
+        self._state.losses.append(loss.detach())
+
+
+class Recorder:
+    """Records a DDP job's steps to ``trace_dir`` and runs the online checks.
+
+    Args:
+        trace_dir: where the trace goes (shared by all ranks; each rank writes its own file).
+        ddp_model: the ``DistributedDataParallel`` model. Its comm hook is registered here: pass a
+            custom hook as ``comm_hook`` instead of registering it yourself.
+        optimizer: the optimizer whose ``step()`` ends each training step.
+        recipe: ``module:attribute`` of the replay recipe (recorded for ``bisect``; audits use it
+            to fetch and recompute microbatches).
+        options: :class:`RecorderOptions`.
+        comm_hook, comm_state: the job's own comm hook and state (default: DDP's mean all-reduce).
+        inject: fault specs (``sdc_forensics.inject``) for drills and tests.
+
+    Raises:
+        UsageError: not a DDP model, process group not initialised, bad node map.
+    """
+
+    def __init__(
+        self,
+        trace_dir: str | os.PathLike,
+        ddp_model: torch.nn.parallel.DistributedDataParallel,
+        optimizer: torch.optim.Optimizer,
+        *,
+        recipe: str | None = None,
+        options: RecorderOptions | None = None,
+        comm_hook: Callable | None = None,
+        comm_state: Any = None,
+        inject: Iterable[FaultSpec | str] = (),
+    ) -> None:
+        if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+            raise UsageError("Recorder needs the DistributedDataParallel-wrapped model (got a bare module?)")
+        if not dist.is_initialized():
+            raise UsageError("torch.distributed is not initialised: call init_process_group before creating the Recorder")
+        self.options = options or RecorderOptions()
+        self.trace_dir = Path(trace_dir)
+        self.ddp = ddp_model
+        self.module = ddp_model.module
+        self.optimizer = optimizer
+        self.recipe_ref = recipe
+        self._recipe = None
+        self.group = getattr(ddp_model, "process_group", None) or dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.params = list(self.module.parameters())
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self._comm_device = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        self.injector = Injector([s if isinstance(s, FaultSpec) else parse_spec(s) for s in inject], self.rank)
+        self.alarms: list[checks.Finding] = []
+        self._state: _StepState | None = None
+        self._layouts: list[dict] = []
+
+        identities: list = [None] * self.world_size
+        dist.all_gather_object(identities, local_identity(self.rank, self.device), group=self.group)
+        self.identities = complete_identities(identities)
+        self.nodes = node_map(self.identities, self.options.node_of_rank)
+        if len(self.nodes) != self.world_size:
+            raise UsageError(f"node_of_rank has {len(self.nodes)} entries for {self.world_size} ranks")
+        self.attempt = self._start_attempt()
+        self.writer = RankTraceWriter(
+            self.trace_dir, rank=self.rank, attempt=self.attempt, world_size=self.world_size,
+            sketch_k=self.options.sketch_k, seed=self.options.seed, fsync=self.options.fsync,
+        )
+        self.tap = BucketTap(
+            param_index={id(p): i for i, p in enumerate(self.params)},
+            grad_numel=sum(p.numel() for p in self.params if p.requires_grad),
+            sketch_k=self.options.sketch_k, seed=self.options.seed, injector=self.injector,
+            inner_hook=comm_hook, inner_state=comm_state if comm_hook is not None else self.group,
+        )
+        self.tap.start(None)
+        ddp_model.register_comm_hook(None, self.tap.hook)
+        self._handles = [
+            optimizer.register_step_pre_hook(self._before_update),
+            optimizer.register_step_post_hook(self._after_update),
+        ]
+
+    # ---------------------------------------------------------------- attempt and manifest
+    def _start_attempt(self) -> int:
+        """Rank 0 numbers the attempt and writes the manifest; every rank learns the outcome."""
+        outcome: list = [None, None]
+        if self.rank == 0:
+            try:
+                self.trace_dir.mkdir(parents=True, exist_ok=True)
+                attempt = records.next_attempt(self.trace_dir)
+                settings = FingerprintSettings(seed=self.options.seed, sketch_k=self.options.sketch_k, grad_dtype=self.options.grad_dtype or "float32")
+                manifest = records.build_manifest(
+                    self.trace_dir, world_size=self.world_size, settings=settings, recipe=self.recipe_ref,
+                    checkpoint_every=self.options.checkpoint_every, audit_every=self.options.audit_every or None,
+                    weights_every=self.options.weights_every, node_of_rank=self.nodes,
+                    attempt=make_attempt(attempt, self.options.start_step, self.identities),
+                )
+                write_manifest(self.trace_dir, manifest)
+                outcome = [attempt, None]
+            except Exception as exc:  # noqa: BLE001 - every rank must learn it, not only rank 0
+                outcome = [None, exc if isinstance(exc, UsageError) else UsageError(f"cannot write the trace manifest in {self.trace_dir}: {exc}")]
+        dist.broadcast_object_list(outcome, src=dist.get_global_rank(self.group, 0), group=self.group)
+        if outcome[1] is not None:
+            raise outcome[1]
+        return int(outcome[0])
+
+    # ---------------------------------------------------------------- step lifecycle
+    @contextlib.contextmanager
+    def step(self, step: int, *, microbatch_ids: Iterable[int] | None = None) -> Iterator[StepRecording]:
+        """Record optimizer step ``step`` (forward, backward and ``optimizer.step()`` go inside)."""
+        handle = self.begin_step(step, microbatch_ids=microbatch_ids)
+        try:
+            yield handle
+        except BaseException:
+            self._abandon_step()
+            raise
+        self.end_step()
+
+    def begin_step(self, step: int, *, microbatch_ids: Iterable[int] | None = None) -> StepRecording:
+        """Start step ``step`` (the explicit form of :meth:`step`)."""
+        if self._state is not None:
+            raise UsageError(f"step {self._state.step} was not ended before step {step} began; call end_step()")
+        state = _StepState(step=int(step), ids=tuple(int(i) for i in microbatch_ids) if microbatch_ids is not None else None)
+        self._state = state
+        self.tap.start(state.step)
+        if self.injector:
+            with torch.no_grad():
+                self.injector.corrupt_tensors("weights", state.step, [p.data for p in self.params])
+        return StepRecording(self, state)
+
+    def end_step(self) -> None:
+        """Write the STEP record of the current step."""
+        state = self._require_state()
+        if not state.written:
+            self._write_step(state)
+        self._state = None
+        self.tap.start(None)
+
+    def _abandon_step(self) -> None:
+        self._state = None
+        self.tap.start(None)
+
+    def _require_state(self) -> _StepState:
+        if self._state is None:
+            raise UsageError("no step in progress: wrap the step in `with recorder.step(step, ...)`")
+        return self._state
+
+    def _on_input(self, state: _StepState, microbatch: Any) -> Any:
+        tensors = list(flatten_state(microbatch).values())
+        if self.injector:
+            state.input_elements += self.injector.corrupt_input(state.step, tensors, state.input_elements)
+        state.input_digests.extend(digest(t, self.options.seed) for t in tensors)
+        return microbatch
+
+    # ---------------------------------------------------------------- optimizer hooks
+    def _before_update(self, optimizer, args, kwargs) -> None:
+        state = self._state
+        if state is None:
+            return None
+        state.local, state.reduced = self.tap.fingerprints()
+        self._note_layout(state.step)
+        k = self.options.sketch_k
+        words = np.zeros(2 * k + 6, dtype=np.int64)
+        if state.local is not None and state.reduced is not None:
+            state.flags |= int(F.Flag.HAS_GRADS)
+            words[:k] = state.local.sketch.astype(np.float64).view(np.int64)
+            words[k : 2 * k] = state.reduced.sketch.astype(np.float64).view(np.int64)
+            words[2 * k : 2 * k + 2] = np.array([state.local.norm, state.reduced.norm], dtype=np.float64).view(np.int64)
+            words[2 * k + 2] = state.local.nonfinite
+            words[2 * k + 3] = state.reduced.nonfinite
+            words[2 * k + 4] = np.array([state.reduced.digest % (1 << 64)], dtype=np.uint64).view(np.int64)[0]
+            words[2 * k + 5] = 1
+        table = self._all_gather_words(words)  # (W, 2k + 6)
+        if not table[:, 2 * k + 5].all():
+            return None  # some rank had no gradient this step (no backward): nothing to compare
+        findings = []
+        nonfinite = checks.check_nonfinite(state.step, table[:, 2 * k + 2], table[:, 2 * k + 3])
+        if nonfinite is not None:
+            findings.append(nonfinite)
+            if self.rank in nonfinite.ranks:
+                state.flags |= int(nonfinite.flag)
+        elif self.options.check_allreduce:
+            as_float = table[:, : 2 * k + 2].copy().view(np.float64)
+            finding, bad = checks.check_allreduce(
+                state.step, as_float[:, :k], as_float[:, 2 * k], as_float[:, k : 2 * k], as_float[:, 2 * k + 1],
+                table[:, 2 * k + 4].view(np.uint64), self.options.grad_dtype or self.tap.grad_dtype or "float32",
+            )
+            if finding is not None:
+                findings.append(finding)
+                if bad[self.rank]:
+                    state.flags |= int(F.Flag.ALLREDUCE_MISMATCH)
+        if self.options.audits(state.step):
+            findings.extend(self._audit(state))
+        self._react(state, findings)
+        return None
+
+    def _after_update(self, optimizer, args, kwargs) -> None:
+        state = self._state
+        if state is None:
+            return None
+        if self.injector:
+            with torch.no_grad():
+                self.injector.corrupt_tensors("update", state.step, [p.data for p in self.params])
+        state.weights = self._weights()
+        state.flags |= int(F.Flag.HAS_WEIGHTS)
+        if self.options.compares_weights(state.step):
+            digests = self._all_gather_words(np.array([state.weights[0]], dtype=np.uint64).view(np.int64))[:, 0]
+            finding, vote = checks.check_weights(state.step, digests.view(np.uint64))
+            state.flags |= int(F.Flag.WEIGHTS_CHECKED)
+            if finding is not None:
+                if vote.value is None:
+                    state.flags |= int(F.Flag.NO_MAJORITY)
+                elif self.rank in vote.diverged:
+                    state.flags |= int(F.Flag.WEIGHTS_DIVERGED)
+                self._react(state, [finding])
+        return None
+
+    # ---------------------------------------------------------------- checks and alarms
+    def _audit(self, state: _StepState) -> list[checks.Finding]:
+        if self.recipe_ref is None:
+            raise UsageError("audits need the replay recipe: pass recipe='module:attribute' to the Recorder")
+        if self._recipe is None:
+            from sdc_forensics.recipe import load_recipe
+
+            self._recipe = load_recipe(self.recipe_ref)
+        own = OwnResult(
+            ids=state.ids or (),
+            loss=self._loss_value(state),
+            digest=state.local.digest if state.local else 0,
+            input_digest=combine_digests(state.input_digests) if state.input_digests else 0,
+        )
+        outcome = run_audit(
+            step=state.step, own=own, module=self.module, recipe=self._recipe, layout=self.tap.layout(),
+            nodes=self.nodes, group=self.group, device=self.device, sketch_k=self.options.sketch_k, seed=self.options.seed,
+        )
+        state.audit = outcome
+        if outcome.audited_me:
+            state.flags |= int(F.Flag.AUDITED)
+        if outcome.disputed_me:
+            state.flags |= int(F.Flag.AUDIT_MISMATCH)
+        for recomputation in outcome.recomputations:
+            rec = self.writer.new(F.Kind.AUDIT, state.step)
+            rec["aux_rank"] = recomputation.subject
+            rec["loss"] = recomputation.loss
+            rec["input_digest"] = recomputation.input_digest % (1 << 64)
+            rec["aux_digest"] = recomputation.subject_digest % (1 << 64)
+            records.fill_grads(rec, "local", recomputation.fingerprint)
+            rec["flags"] = int(F.Flag.HAS_GRADS) | (int(F.Flag.AUDIT_TIEBREAK) if recomputation.tiebreak else 0) | (
+                int(F.Flag.AUDIT_MISMATCH) if recomputation.mismatch else 0
+            )
+            records.append_with_ids(self.writer, rec, recomputation.ids, state.step)
+        return list(outcome.findings)
+
+    def _react(self, state: _StepState, findings: list[checks.Finding]) -> None:
+        """Record findings as ALARM records; raise if the policy says so (after writing the step)."""
+        if not findings:
+            return
+        for finding in findings:
+            alarm = self.writer.new(F.Kind.ALARM, finding.step)
+            alarm["flags"] = int(finding.flag)
+            alarm["aux_rank"] = finding.rank
+            alarm["aux_value"] = finding.value
+            self.writer.append(alarm)
+            self.alarms.append(finding)
+            if self.rank == 0:
+                log.warning("sdc-forensics: %s check fired at step %d: %s", finding.check, finding.step, finding.detail)
+        if self.options.policy == "raise":
+            if not state.written:
+                self._write_step(state)
+            raise self._alarm(findings[0])
+
+    def _alarm(self, finding: checks.Finding) -> SdcAlarm:
+        ident = self.identities[finding.rank] if 0 <= finding.rank < self.world_size else None
+        where = f"rank {finding.rank} on host {ident.host} ({ident.gpu})" if ident else "no single rank (see detail)"
+        return SdcAlarm(
+            f"{finding.check} check fired at step {finding.step}: {finding.detail}. Suspect: {where}. "
+            f"The trace is in {self.trace_dir}; run `sdc-forensics bisect {self.trace_dir}`",
+            step=finding.step, rank=finding.rank, host=ident.host if ident else "", check=finding.check,
+        )
+
+    # ---------------------------------------------------------------- checkpoints
+    def checkpoint(self, step: int, path: str | os.PathLike, state: Any, *, save: Callable[[Any, Path], None] | None = None):
+        """Save checkpoint ``step`` (it holds theta_step) after checking replica consensus.
+
+        A collective: every rank calls it. Replica weight digests are compared first; the state
+        is saved by a rank of the strict majority (rank 0 when it is in it), its per-tensor
+        digests are noted in ``TRACE_DIR/checkpoints/``, and every rank writes a CHECKPOINT record.
+        Without a strict majority the checkpoint is refused: with policy ``raise`` nothing is
+        saved and :class:`SdcAlarm` is raised; with ``continue`` it is saved but not blessed.
+
+        Args:
+            step: completed steps (checkpoint 0 is the initial state).
+            path: file to write.
+            state: the payload (e.g. ``{"model": model.state_dict(), "optimizer": ...}``); its
+                tensors are digested exactly as saved.
+            save: ``save(state, path)``; default ``torch.save``.
+
+        Returns:
+            The :class:`~sdc_forensics.trace.checkpoints.CheckpointNote` (on every rank).
+        """
+        return save_checkpoint(self, int(step), Path(path), state, save)
+
+    # ---------------------------------------------------------------- helpers
+    def _weights(self) -> tuple[int, float, int]:
+        with torch.no_grad():
+            value = weights_digest(self.module.named_parameters(), self.options.seed)
+            norms = torch._foreach_norm([p.detach() for p in self.params]) if self.params else []
+            total = float(torch.linalg.vector_norm(torch.stack(norms)).item()) if norms else 0.0
+            nonfinite = 0 if np.isfinite(total) else int(sum((~torch.isfinite(p)).sum().item() for p in self.params))
+        return value, total, nonfinite
+
+    def _all_gather_words(self, words: np.ndarray) -> np.ndarray:
+        """``(W, n)`` int64 table of every rank's ``(n,)`` words."""
+        tensor = torch.from_numpy(np.ascontiguousarray(words, dtype=np.int64)).to(self._comm_device)
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(out, tensor, group=self.group)
+        return torch.stack(out).cpu().numpy()
+
+    @staticmethod
+    def _loss_value(state: _StepState) -> float:
+        return float(sum(float(loss) for loss in state.losses))
+
+    def _note_layout(self, step: int) -> None:
+        layout = self.tap.layout()
+        if not layout or (self._layouts and self._layouts[-1]["buckets"] == layout):
+            return
+        self._layouts.append({"from_step": step, "buckets": layout})
+        if self.rank == 0:
+            records.write_layouts(self.trace_dir, self.attempt, self._layouts)
+            if self.options.grad_dtype is None and self.tap.grad_dtype and len(self._layouts) == 1:
+                records.update_grad_dtype(self.trace_dir, self.tap.grad_dtype)
+
+    def _write_step(self, state: _StepState) -> None:
+        rec = self.writer.new(F.Kind.STEP, state.step)
+        rec["loss"] = self._loss_value(state)
+        rec["input_digest"] = combine_digests(state.input_digests) % (1 << 64) if state.input_digests else 0
+        if state.local is not None:
+            records.fill_grads(rec, "local", state.local)
+        if state.reduced is not None:
+            records.fill_grads(rec, "reduced", state.reduced)
+        if state.weights is not None:
+            rec["weights_digest"], rec["weights_norm"], rec["nonfinite_weights"] = state.weights[0] % (1 << 64), state.weights[1], state.weights[2]
+        rec["flags"] |= state.flags
+        records.append_with_ids(self.writer, rec, state.ids, state.step)
+        state.written = True
+
+    def close(self) -> None:
+        """Remove the optimizer hooks and close the trace file (the comm hook becomes a pass-through)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.tap.start(None)
+        self.writer.close()
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

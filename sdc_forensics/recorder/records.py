@@ -1,0 +1,118 @@
+"""Turning what the recorder knows into trace records, the manifest and bucket-layout files.
+
+Field meanings are the contract of ``docs/trace-format.md``; this module only fills them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from sdc_forensics.errors import UsageError
+from sdc_forensics.fingerprint.core import Fingerprint
+from sdc_forensics.fingerprint.reference import digest_bytes
+from sdc_forensics.trace import format as F
+from sdc_forensics.trace.manifest import MANIFEST_NAME, Attempt, FingerprintSettings, Manifest, read_manifest, write_manifest
+from sdc_forensics.trace.writer import RankTraceWriter
+
+_ATTEMPT_GLOB = "rank-*.attempt-*.sdct"
+
+
+def next_attempt(trace_dir: Path) -> int:
+    """0 for a new trace directory, else one more than the highest attempt found on disk."""
+    attempts = [int(p.name.split(".attempt-")[1].split(".")[0]) for p in trace_dir.glob(_ATTEMPT_GLOB)]
+    return max(attempts) + 1 if attempts else 0
+
+
+def build_manifest(
+    trace_dir: Path,
+    *,
+    world_size: int,
+    settings: FingerprintSettings,
+    recipe: str | None,
+    checkpoint_every: int | None,
+    audit_every: int | None,
+    weights_every: int,
+    node_of_rank: tuple[int, ...],
+    attempt: Attempt,
+) -> Manifest:
+    """This attempt's manifest: the previous attempts of a resumed run are kept."""
+    previous: tuple[Attempt, ...] = ()
+    if (trace_dir / MANIFEST_NAME).is_file():
+        old = read_manifest(trace_dir)
+        if old.world_size != world_size:
+            raise UsageError(
+                f"{trace_dir} holds a trace of {old.world_size} ranks; this run has {world_size}. "
+                "Use a new trace directory for a job with a different world size"
+            )
+        if (old.fingerprint.seed, old.fingerprint.sketch_k) != (settings.seed, settings.sketch_k):
+            raise UsageError(f"{trace_dir} was recorded with other fingerprint settings (seed, sketch_k); use the same or a new directory")
+        previous = tuple(a for a in old.attempts if a.attempt != attempt.attempt)
+    return Manifest(
+        format_version=F.FORMAT_VERSION,
+        world_size=world_size,
+        fingerprint=settings,
+        recipe=recipe,
+        reduction="mean",
+        checkpoint_every=checkpoint_every,
+        audit_every=audit_every,
+        weights_every=weights_every,
+        node_of_rank=node_of_rank,
+        attempts=previous + (attempt,),
+    )
+
+
+def update_grad_dtype(trace_dir: Path, grad_dtype: str) -> None:
+    """Rewrite the manifest's ``grad_dtype`` once the first bucket showed it (rank 0)."""
+    import dataclasses
+
+    manifest = read_manifest(trace_dir)
+    if manifest.fingerprint.grad_dtype != grad_dtype:
+        write_manifest(trace_dir, dataclasses.replace(manifest, fingerprint=dataclasses.replace(manifest.fingerprint, grad_dtype=grad_dtype)))
+
+
+def write_layouts(trace_dir: Path, attempt: int, layouts: list[dict]) -> Path:
+    """``buckets.attempt-AAA.json`` atomically: ``{"layouts": [{"from_step", "buckets"}]}``."""
+    path = trace_dir / f"buckets.attempt-{attempt:03d}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"layouts": layouts}, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def ids_digest(ids) -> int:
+    """Digest of the microbatch IDs as an int64 array (``microbatch_digest``)."""
+    return digest_bytes(np.asarray(list(ids), dtype="<i8"))
+
+
+def fill_ids(record: np.ndarray, ids) -> bool:
+    """Fill the microbatch fields; returns True when IDS records must follow (not contiguous)."""
+    ids = [int(i) for i in ids]
+    record["microbatch_count"] = len(ids)
+    record["microbatch_digest"] = ids_digest(ids)
+    if ids and ids == list(range(ids[0], ids[0] + len(ids))):
+        record["microbatch_first"] = ids[0]
+        record["flags"] |= int(F.Flag.CONTIGUOUS_IDS)
+        return False
+    record["microbatch_first"] = ids[0] if ids else 0
+    return bool(ids)
+
+
+def fill_grads(record: np.ndarray, prefix: str, fp: Fingerprint) -> None:
+    """Fill ``local_*`` or ``reduced_*`` from a fingerprint."""
+    record[f"{prefix}_digest"] = fp.digest % (1 << 64)
+    record[f"{prefix}_norm"] = fp.norm
+    record[f"{prefix}_max_abs"] = fp.max_abs
+    record[f"{prefix}_sketch"] = fp.sketch.astype(np.float32)
+    record[f"nonfinite_{prefix}"] = min(fp.nonfinite, 0xFFFF_FFFF)
+
+
+def append_with_ids(writer: RankTraceWriter, record: np.ndarray, ids, step: int) -> None:
+    """Append a STEP or AUDIT record, followed by IDS records when the IDs are not a range."""
+    if ids is not None and fill_ids(record, ids):
+        writer.append(np.concatenate([record, writer.ids_records(step, np.asarray(list(ids), dtype=np.int64))]))
+    else:
+        writer.append(record)
