@@ -8,7 +8,7 @@
 * :func:`bucket_layouts` reads ``buckets.attempt-AAA.json`` (docs/trace-format.md).
 * :func:`reduce_buckets` averages the ranks' bucket buffers the way a collective does:
   ``gloo-ring`` reproduces gloo's ring all-reduce bit for bit (the buffer is cut into ``W``
-  equal segments; segment ``i`` is summed along the ring starting at rank ``i - 1`` and going
+  equal segments, rounded up to 16 bytes; segment ``i`` is summed along the ring starting at rank ``i - 1`` and going
   backwards, after each rank divided its buffer by ``W`` as DDP does), ``sequential`` adds the
   ranks in order. The replay picks the one whose digest equals the recorded reduced digest.
 """
@@ -167,14 +167,15 @@ def reduce_buckets(per_rank: list[list[torch.Tensor]], order: str) -> list[torch
     world_size = len(per_rank)
     out = []
     for bucket in range(len(per_rank[0])):
-        parts = [per_rank[r][bucket] / world_size for r in range(world_size)]  # DDP divides first
+        parts = [per_rank[r][bucket] * (1.0 / world_size) for r in range(world_size)]  # as DDP: times 1/W, then SUM
         if order == "sequential" or world_size == 1:
             acc = parts[0].clone()
             for part in parts[1:]:
                 acc += part
         elif order == "gloo-ring":
             numel = parts[0].numel()
-            seg = -(-numel // world_size)
+            align = max(1, 16 // parts[0].element_size())  # gloo's segments are whole 16-byte units
+            seg = -(-(-(-numel // world_size)) // align) * align
             acc = torch.empty_like(parts[0])
             for i in range(world_size):
                 lo, hi = i * seg, min((i + 1) * seg, numel)

@@ -1,0 +1,129 @@
+"""``sdc-forensics bisect TRACE_DIR`` and ``sdc-forensics replay TRACE_DIR --from N --to M``.
+
+The click layer only builds options, draws progress on stderr and maps the verdict to the exit
+code (0 clean, 1 corruption, 4 inconclusive; errors: 2 usage, 3 bad input, via ``cli/main.py``).
+``bisect --trace-only`` never imports torch: the replay modules are imported only when used.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from sdc_forensics.cli.output import emit_json, err
+
+EXIT_BY_VERDICT = {"clean": 0, "corruption": 1, "inconclusive": 4}
+
+
+class _Bars:
+    """Rich progress bars on stderr, one per replayed window (implements ``bisect.Progress``)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._progress = None
+        self._task = None
+
+    def __enter__(self) -> "_Bars":
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                      console=err, transient=False)
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def window(self, start: int, stop: int, reason: str) -> None:
+        if self._progress is not None:
+            self._task = self._progress.add_task(f"replay {start}..{stop}", total=stop - start + 1)
+        else:
+            err.print(f"[dim]replaying steps {start}..{stop}: {reason}[/]")
+
+    def step(self, step: int) -> None:
+        if self._progress is not None and self._task is not None:
+            self._progress.advance(self._task)
+
+
+def _common(func):
+    func = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")(func)
+    func = click.option("--force-device", is_flag=True, help="Replay even on the suspect rank's GPU.")(func)
+    func = click.option("--device", default="cpu", show_default=True, help="Replay device: cpu, cuda or cuda:N.")(func)
+    func = click.option("--recipe", metavar="MOD:ATTR", help="Replay recipe (default: the one the trace's manifest names).")(func)
+    func = click.option("--checkpoints", "checkpoints_dir", type=click.Path(file_okay=False, path_type=Path),
+                        help="Directory holding the checkpoint files (default: the paths the job wrote).")(func)
+    return click.argument("trace_dir", type=click.Path(file_okay=False, path_type=Path))(func)
+
+
+@click.command("bisect")
+@_common
+@click.option("--trace-only", is_flag=True, help="Use the trace alone: no replay, no checkpoint files, no torch.")
+@click.option("--max-replay-steps", type=click.IntRange(min=1), help="Stop widening backwards after this many replayed steps.")
+@click.pass_context
+def bisect_cmd(ctx: click.Context, trace_dir: Path, checkpoints_dir: Path | None, recipe: str | None, device: str,
+               force_device: bool, as_json: bool, trace_only: bool, max_replay_steps: int | None) -> None:
+    """Find the first divergent step, the suspect rank and the last clean checkpoint of TRACE_DIR.
+
+    Triage of the trace first; then a replay of the smallest window that confirms it (widening
+    backwards one checkpoint interval at a time when the trace shows nothing).
+    Exit 0 clean, 1 corruption, 2 usage error, 3 bad input, 4 inconclusive.
+    """
+    from sdc_forensics.forensics.bisect import BisectOptions, bisect
+    from sdc_forensics.forensics.render import bisect_document, render_bisect
+
+    options = BisectOptions(checkpoints_dir=checkpoints_dir, recipe=recipe, device=device, trace_only=trace_only,
+                            force_device=force_device, max_replay_steps=max_replay_steps)
+    with _Bars(enabled=err.is_terminal) as bars:
+        result = bisect(trace_dir, options, progress=bars)
+    if as_json:
+        emit_json(bisect_document(result))
+    render_bisect(result, err)
+    ctx.exit(EXIT_BY_VERDICT[result.verdict.value])
+
+
+@click.command("replay")
+@_common
+@click.option("--from", "start", type=click.IntRange(min=0), required=True, help="Checkpoint step N to start from (holds θ_N).")
+@click.option("--to", "stop", type=click.IntRange(min=0), required=True, help="Last step M to replay (inclusive).")
+@click.pass_context
+def replay_cmd(ctx: click.Context, trace_dir: Path, checkpoints_dir: Path | None, recipe: str | None, device: str,
+               force_device: bool, as_json: bool, start: int, stop: int) -> None:
+    """Replay steps N..M of TRACE_DIR from checkpoint N and compare every fingerprint with the trace.
+
+    Exit 0 when the replay matches the trace, 1 when it diverges, 2 usage, 3 bad input.
+    """
+    from sdc_forensics.errors import CheckpointError, RecipeError, UsageError
+    from sdc_forensics.forensics.render import render_replay, replay_document
+    from sdc_forensics.forensics.replay import ReplayOptions, replay_window
+    from sdc_forensics.recipe import load_recipe
+    from sdc_forensics.trace.checkpoints import read_checkpoint_notes
+    from sdc_forensics.trace.reader import Trace
+
+    if stop < start:
+        raise UsageError(f"--to {stop} is before --from {start}: the window is steps N..M with N <= M")
+    trace = Trace.open(trace_dir)
+    reference = recipe or trace.manifest.recipe
+    if not reference:
+        raise RecipeError("the trace names no replay recipe: pass --recipe MODULE:ATTR (docs/recipes.md)")
+    notes = {n.step: n for n in read_checkpoint_notes(trace.path)}
+    if start not in notes:
+        have = ", ".join(map(str, sorted(notes))) or "none"
+        raise UsageError(f"--from {start} is not a checkpoint step of this trace (checkpoints: {have})")
+    from sdc_forensics.checkpoint.certify import locate_checkpoint
+
+    note = notes[start]
+    path = locate_checkpoint(note, checkpoints_dir, trace.path.parent)
+    if path is None:
+        raise CheckpointError(f"checkpoint file of step {start} ({Path(note.path).name}) not found: pass --checkpoints DIR")
+    options = ReplayOptions(start_step=start, stop_step=stop, checkpoint_path=path, expected_weights_digest=note.weights_digest,
+                            device=device, force_device=force_device)
+    with _Bars(enabled=err.is_terminal) as bars:
+        bars.window(start, stop, "requested")
+        result = replay_window(trace, load_recipe(reference), options, bars.step)
+    if as_json:
+        emit_json(replay_document(result))
+    render_replay(result, err)
+    ctx.exit(0 if result.first_divergent_step is None else 1)

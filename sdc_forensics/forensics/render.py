@@ -1,0 +1,102 @@
+"""Renderers of a :class:`BisectResult` (and of one replay): rich text for people, JSON for programs.
+
+The text goes to the stderr console of ``cli/output.py``; the JSON document (sorted keys,
+``schema_version``) goes to stdout through ``output.emit_json``. Neither changes the result.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+
+from sdc_forensics.forensics.evidence import Evidence
+from sdc_forensics.forensics.verdict import BisectResult, Verdict
+
+_STYLE = {Verdict.CLEAN: "bold green", Verdict.CORRUPTION: "bold red", Verdict.INCONCLUSIVE: "bold yellow"}
+_STATUS_STYLE = {"clean-replay-verified": "green", "clean-trace-consistent": "green", "tainted": "yellow", "corrupt": "red", "unverified": "dim"}
+
+
+def bisect_document(result: BisectResult) -> dict[str, Any]:
+    """The ``--json`` document of ``bisect`` (``schema_version`` is added by the emitter)."""
+    return result.to_json()
+
+
+def render_bisect(result: BisectResult, console) -> None:
+    """Print the human summary: verdict, suspects, checkpoints, what was replayed and why."""
+    style = _STYLE[result.verdict]
+    headline = f"[{style}]{result.verdict.value.upper()}[/]"
+    if result.first_divergent_step is not None:
+        headline += f"  first divergent step {result.first_divergent_step} (θ_{result.first_divergent_step} clean, θ_{result.first_divergent_step + 1} not)"
+    console.print(headline)
+    console.print(f"[dim]{result.scope}[/]")
+    if result.suspects:
+        table = Table(title="Suspects", title_justify="left")
+        for column in ("rank", "host", "gpu", "location", "steps", "recurrence", "recommendation"):
+            table.add_column(column)
+        for s in result.suspects:
+            table.add_row("all (collective)" if s.rank is None else str(s.rank), s.host or "-", s.gpu or "-", s.location.value,
+                          ", ".join(map(str, s.steps)), "recurring" if s.recurring else "transient", s.recommendation)
+        console.print(table)
+        _evidence_table(console, [e for s in result.suspects for e in s.evidence], "Evidence chain")
+    elif [e for e in result.evidence if not e.is_hint]:
+        _evidence_table(console, [e for e in result.evidence if not e.is_hint], "Evidence")
+    hints = [e for e in result.evidence if e.is_hint]
+    if hints:
+        console.print(f"[dim]{len(hints)} statistical hint(s), not a verdict: " + "; ".join(f"step {e.step} rank {e.ranks}" for e in hints[:5]) + "[/]")
+    if result.checkpoints:
+        table = Table(title="Checkpoints", title_justify="left")
+        for column in ("step", "status", "reasons", "path"):
+            table.add_column(column)
+        for c in result.checkpoints:
+            table.add_row(str(c.step), f"[{_STATUS_STYLE.get(c.status, '')}]{c.status}[/]", "; ".join(c.reasons[:2]), c.path)
+        console.print(table)
+    last = result.last_clean_checkpoint
+    console.print(f"Resume from: [bold]{last.path}[/] (step {last.step}, {last.status})" if last else "Resume from: [yellow]no checkpoint certified clean[/]")
+    replay = result.replayed
+    if replay.windows:
+        console.print(f"Replayed on {replay.device}, comparison {replay.comparison}"
+                      + (f", all-reduce order {replay.reduction_order}" if replay.reduction_order else "") + ":")
+        for w in replay.windows:
+            console.print(f"  steps {w.start}..{w.last} from checkpoint {w.start} ({w.comparison}): {w.reason}")
+    for note in (*replay.notes, *result.notes):
+        console.print(f"[dim]note: {note}[/]")
+    for line in result.settle:
+        console.print(f"[yellow]to settle:[/] {line}")
+    for line in result.damage[:5]:
+        console.print(f"[yellow]trace damage:[/] {line}")
+
+
+def _evidence_table(console, evidence: list[Evidence], title: str) -> None:
+    table = Table(title=title, title_justify="left")
+    for column in ("step", "kind", "ranks", "location", "expected", "found", "source"):
+        table.add_column(column, overflow="fold")
+    seen = set()
+    for e in evidence:
+        key = (e.step, e.kind, e.ranks, e.source)
+        if key in seen:
+            continue
+        seen.add(key)
+        table.add_row(str(e.step), e.kind.value, ",".join(map(str, e.ranks)) or "all", e.location.value, e.expected, e.found, e.source)
+    console.print(table)
+
+
+def replay_document(result) -> dict[str, Any]:
+    """The ``--json`` document of ``replay`` (one window)."""
+    return {
+        "from": result.start_step, "to": result.stop_step, "last_replayed": result.last_step, "device": result.device,
+        "comparison": result.comparison, "tolerant_from": result.tolerant_from, "reduction_order": result.reduction_order or None,
+        "first_divergent_step": result.first_divergent_step, "settings": result.settings, "notes": list(result.notes),
+        "evidence": [e.to_json() for e in result.evidence],
+        "verdict": "clean" if result.first_divergent_step is None else "corruption",
+    }
+
+
+def render_replay(result, console) -> None:
+    """Print one replay window's outcome."""
+    status = "[bold green]matches the trace[/]" if result.first_divergent_step is None else f"[bold red]diverges at step {result.first_divergent_step}[/]"
+    console.print(f"Replay of steps {result.start_step}..{result.last_step} on {result.device} ({result.comparison}): {status}")
+    if result.evidence:
+        _evidence_table(console, list(result.evidence), "Mismatches")
+    for note in result.notes:
+        console.print(f"[dim]note: {note}[/]")
