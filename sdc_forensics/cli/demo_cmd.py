@@ -19,7 +19,7 @@ from sdc_forensics.cli.output import emit_json, err
 @click.option("--inject", "injections", multiple=True, metavar="SPEC",
               help="Fault LOCATION:step=S:rank=R:bit=B[:element=I], repeatable; 'none' for a clean run. "
               "Locations: grad, allreduce, allreduce-all, weights, update, input, checkpoint-file. "
-              "Default: grad:step=23:rank=2:bit=30.")
+              "Default: grad:step=23:rank=2:bit=30 (scaled to --steps).")
 @click.option("--steps", type=int, default=40, show_default=True, help="Optimizer steps.")
 @click.option("--checkpoint-every", type=int, default=10, show_default=True, help="Checkpoint interval (checkpoint 0 is the initial state).")
 @click.option("--audit-every", type=int, default=5, show_default=True, help="Audit every N-th step (0: no audits).")
@@ -28,13 +28,17 @@ from sdc_forensics.cli.output import emit_json, err
 @click.option("--json", "as_json", is_flag=True, help="Print the ground truth as JSON on stdout.")
 def demo_cmd(out_dir: Path, injections: tuple[str, ...], steps: int, checkpoint_every: int, audit_every: int, policy: str, as_json: bool) -> None:
     """Run a 4-process DDP job on CPU with an injected fault, recorded for bisect."""
-    from sdc_forensics.demo.run import DEFAULT_INJECTION, run_demo
+    from sdc_forensics.demo.run import DemoConfig, default_injection, run_config
+    from sdc_forensics.errors import UsageError
     from sdc_forensics.inject import parse_specs
 
-    specs = parse_specs(injections or (DEFAULT_INJECTION,))  # a bad spec fails here, before anything runs
+    if steps < 1 or checkpoint_every < 1:
+        raise UsageError(f"--steps and --checkpoint-every must be >= 1 (got {steps} and {checkpoint_every})")
+    specs = parse_specs(injections or (default_injection(steps, checkpoint_every),))
+    config = DemoConfig(out_dir=out_dir, injections=specs, steps=steps, checkpoint_every=checkpoint_every, world_size=4,
+                        audit_every=audit_every, policy=policy)  # every usage error surfaces here, before anything runs
     err.print(f"[bold]sdc-forensics demo[/]: 4 ranks, gloo on CPU, {steps} steps, checkpoint every {checkpoint_every} → {out_dir}")
-    result = run_demo(out_dir, injections=specs, steps=steps, checkpoint_every=checkpoint_every, world_size=4,
-                      audit_every=audit_every, policy=policy)
+    result = run_config(config)
     cfg = result.config
     if cfg.injections:
         for fired in result.fired:

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import logging
 import os
 import signal
 import socket
@@ -24,10 +25,22 @@ from pathlib import Path
 from sdc_forensics.errors import SdcError, UsageError
 from sdc_forensics.inject import FaultSpec, parse_specs
 
-#: The fault ``sdc-forensics demo`` injects unless told otherwise: an exponent flip of one element
-#: of rank 2's local gradient at step 23, in the middle of the checkpoint interval 20..30.
-DEFAULT_INJECTION = "grad:step=23:rank=2:bit=30"
 RECIPE_REFERENCE = "sdc_forensics.demo.recipe:recipe"
+
+
+def default_injection(steps: int = 40, checkpoint_every: int = 10) -> str:
+    """The fault ``sdc-forensics demo`` injects unless told otherwise.
+
+    An exponent flip (bit 30: x 2**128, still finite) of one element of rank 2's local gradient,
+    inside the checkpoint interval that holds 60 % of the run, a few steps after its checkpoint:
+    step 23 of the default 40 steps with checkpoints every 10.
+    """
+    base = (steps * 3 // 5) // checkpoint_every * checkpoint_every
+    step = min(base + max(1, 3 * checkpoint_every // 10), steps - 1)
+    return f"grad:step={step}:rank=2:bit=30"
+
+
+DEFAULT_INJECTION = default_injection()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,6 +83,8 @@ class DemoConfig:
             raise UsageError(f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
         if not 2 <= self.world_size <= 16:
             raise UsageError(f"world size must be in 2..16, got {self.world_size}")
+        if (self.trace_dir / "manifest.json").exists():
+            raise UsageError(f"{self.out_dir} already holds a demo trace; pass a new --out directory")
         for spec in self.injections:
             if spec.rank >= self.world_size and spec.location not in ("allreduce-all", "checkpoint-file"):
                 raise UsageError(f"fault {spec}: rank {spec.rank} does not exist in a {self.world_size}-rank run")
@@ -150,8 +165,11 @@ def run_demo(
     """
     specs = tuple(s for s in injections if isinstance(s, FaultSpec)) + parse_specs([s for s in injections if not isinstance(s, FaultSpec)])
     config = DemoConfig(out_dir=Path(out_dir), injections=specs, steps=steps, checkpoint_every=checkpoint_every, world_size=world_size, **options)
-    if (config.trace_dir / "manifest.json").exists():
-        raise UsageError(f"{config.out_dir} already holds a demo trace; pass a new --out directory")
+    return run_config(config)
+
+
+def run_config(config: DemoConfig) -> DemoResult:
+    """Run a validated :class:`DemoConfig` (see :func:`run_demo`)."""
     config.out_dir.mkdir(parents=True, exist_ok=True)
     (config.out_dir / "demo").mkdir(exist_ok=True)
     started = time.monotonic()
@@ -227,6 +245,7 @@ def _worker(rank: int, config: DemoConfig, port: int) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    logging.getLogger("sdc_forensics.recorder").setLevel(logging.ERROR)  # the demo reports alarms itself
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=config.world_size,
         timeout=datetime.timedelta(seconds=max(30.0, config.timeout_s / 2)),
