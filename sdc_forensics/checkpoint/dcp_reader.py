@@ -24,13 +24,14 @@ import io
 import math
 import pathlib
 import pickle
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from sdc_forensics.checkpoint.base import CheckpointReader, MappedFile, TensorInfo
+from sdc_forensics.checkpoint.base import CheckpointReader, FileIssue, MappedFile, TensorInfo
 from sdc_forensics.errors import CheckpointError
 
 METADATA_NAME = ".metadata"
@@ -77,6 +78,7 @@ class DcpReader(CheckpointReader):
             )
         self.metadata = _load_metadata(meta_path)
         self._files: dict[str, MappedFile] = {}
+        self._issues: list[FileIssue] = []
         try:
             self._plan = self._check()
         except CheckpointError:
@@ -155,14 +157,34 @@ class DcpReader(CheckpointReader):
     def _read_chunk(self, fqn: str, chunk, info, dtype: torch.dtype) -> torch.Tensor:
         view = self._mapped(str(info.relative_path)).buffer()[info.offset : info.offset + info.length]
         try:
-            tensor = torch.load(io.BytesIO(view), map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - any failure means this item is unreadable
-            raise CheckpointError(f"{self.root}: chunk of {fqn!r} in {info.relative_path} cannot be read ({type(exc).__name__}): damaged") from None
+            data = io.BytesIO(view)
         finally:
             view.release()
+        self._check_crc(fqn, chunk, info, data)
+        try:
+            tensor = torch.load(data, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any failure means this item is unreadable
+            raise CheckpointError(f"{self.root}: chunk of {fqn!r} in {info.relative_path} cannot be read ({type(exc).__name__}): damaged") from None
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(chunk.sizes) or tensor.dtype != dtype:
             raise CheckpointError(f"{self.root}: chunk of {fqn!r} in {info.relative_path} does not match its metadata (shape or dtype)")
         return tensor
+
+    def _check_crc(self, fqn: str, chunk, info, data: io.BytesIO) -> None:
+        """A chunk is a small torch.save zip: its members' CRC-32 say whether its bytes changed."""
+        try:
+            with zipfile.ZipFile(data) as archive:
+                for member in archive.infolist():
+                    archive.read(member)  # raises BadZipFile on a CRC mismatch
+        except zipfile.BadZipFile as exc:
+            if "CRC" not in str(exc):
+                raise CheckpointError(f"{self.root}: chunk of {fqn!r} in {info.relative_path} is not a torch.save archive ({exc})") from None
+            self._issues.append(
+                FileIssue(file=str(info.relative_path), detail=f"zip CRC-32 of the chunk of {fqn!r} at offsets {tuple(chunk.offsets)} does not match: its bytes changed after saving")
+            )
+        data.seek(0)
+
+    def file_issues(self) -> list[FileIssue]:
+        return list(self._issues)
 
     def step(self) -> int | None:
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex

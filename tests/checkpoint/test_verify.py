@@ -160,3 +160,17 @@ def test_usage_errors_exit_2(tmp_path):
     assert _invoke("verify-checkpoint", str(path), "--step", "3").exit_code == 2
     assert _invoke("verify-checkpoint", str(path), "--step", "-1", "--trace", str(tmp_path)).exit_code == 2
     assert _invoke("verify-checkpoint").exit_code == 2
+
+
+def test_dcp_flipped_data_byte_is_caught_by_the_chunk_crc(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "dcp"
+    with pytest.warns(UserWarning):
+        dcp.save({"w": torch.randn(10_000), "step": 5}, checkpoint_id=str(folder), no_dist=True)
+    assert verify_checkpoint(folder).ok and verify_checkpoint(folder).step == 5
+    data = next(folder.glob("*.distcp"))
+    flip_byte(data, data.stat().st_size // 2)
+    result = _invoke("verify-checkpoint", str(folder), "--json")
+    assert result.exit_code == 1, result.output
+    assert [f["kind"] for f in json.loads(result.stdout)["report"]["findings"]] == ["file-damaged"]

@@ -1,0 +1,131 @@
+"""Full checkpoint verification of a ~1 GB safetensors file vs ``sha256sum`` and ``cat``.
+
+Full verification = structure (header, offsets, tiling), the exact digest of every tensor, the
+NaN/Inf scan of every tensor and the exact digest of the whole file's bytes (the certificate
+checksum): ``sdc_forensics.checkpoint.verify_checkpoint``. The file is written to a temporary
+directory, read once to warm the page cache, then each contender runs ``--runs`` times and the
+median wall time is reported, with GB/s (10^9 bytes) and ratios.
+
+    .venv/bin/python benchmarks/bench_verify.py [--size-gb 1.0] [--runs 5] [--dir /tmp] [--json]
+
+``cat FILE > /dev/null`` is the read limit (page cache to user space); ``sha256sum`` is what
+people use to checksum checkpoints today. The CLI row runs ``sdc-forensics verify-checkpoint``
+end to end, including interpreter and torch start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def make_file(path: Path, size_gb: float) -> int:
+    """A safetensors file of ~``size_gb`` GB: float32 and bfloat16 tensors of mixed sizes."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(0)
+    target = int(size_gb * 1e9)
+    tensors: dict[str, torch.Tensor] = {}
+    total, index = 0, 0
+    shapes = [(4096, 4096), (4096, 1024), (1024,), (8192, 2048)]
+    while total < target:
+        shape = shapes[index % len(shapes)]
+        dtype = torch.bfloat16 if index % 3 == 2 else torch.float32
+        t = torch.randn(shape, generator=gen).to(dtype)
+        nbytes = t.numel() * t.element_size()
+        if total + nbytes > target and total:
+            break
+        tensors[f"layers.{index}.{'weight' if len(shape) == 2 else 'bias'}"] = t
+        total += nbytes
+        index += 1
+    save_file(tensors, path)
+    return path.stat().st_size
+
+
+def _time(fn, runs: int) -> list[float]:
+    out = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-gb", type=float, default=1.0)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--dir", default=None, help="where to write the file (default: a temporary directory)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
+    args = parser.parse_args(argv)
+
+    from sdc_forensics.checkpoint import VerifyOptions, verify_checkpoint
+
+    workdir = Path(tempfile.mkdtemp(prefix="bench_verify_", dir=args.dir))
+    try:
+        path = workdir / "model.safetensors"
+        size = make_file(path, args.size_gb)
+        subprocess.run(f"cat '{path}' > /dev/null", shell=True, check=True)  # warm the page cache
+        report = verify_checkpoint(path)  # warm-up run (also checks the file verifies)
+        assert report.ok, report.findings
+        options = VerifyOptions()
+        contenders = {
+            "verify (structure + digests + NaN/Inf + file checksum)": lambda: verify_checkpoint(path, options=options),
+            "verify, no file checksum": lambda: verify_checkpoint(path, options=VerifyOptions(file_checksums=False)),
+            "sha256sum": lambda: subprocess.run(["sha256sum", str(path)], check=True, stdout=subprocess.DEVNULL),
+            "cat > /dev/null": lambda: subprocess.run(f"cat '{path}' > /dev/null", shell=True, check=True),
+        }
+        cli = shutil.which("sdc-forensics") or str(Path(sys.executable).with_name("sdc-forensics"))
+        if Path(cli).exists():
+            contenders["CLI verify-checkpoint (incl. start-up)"] = lambda: subprocess.run(
+                [cli, "verify-checkpoint", str(path)], check=True, stderr=subprocess.DEVNULL
+            )
+        medians = {name: statistics.median(_time(fn, args.runs)) for name, fn in contenders.items()}
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    verify_s = medians["verify (structure + digests + NaN/Inf + file checksum)"]
+    rows = [
+        {"what": name, "median_s": round(t, 4), "GB_per_s": round(size / t / 1e9, 3), "vs_verify": round(t / verify_s, 2)}
+        for name, t in medians.items()
+    ]
+    machine = {
+        "cpu": _cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+        "torch": torch.__version__, "file_bytes": size, "tensors": len(report.tensors), "runs": args.runs,
+    }
+    if args.json:
+        print(json.dumps({"machine": machine, "results": rows}, indent=2, sort_keys=True))
+    else:
+        print(f"file: {size / 1e9:.3f} GB, {len(report.tensors)} tensors; median of {args.runs} runs, warm page cache")
+        print(f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} ({machine['torch_threads']} threads)")
+        print(f"{'what':58s} {'median s':>9s} {'GB/s':>8s} {'time / verify':>14s}")
+        for row in rows:
+            print(f"{row['what']:58s} {row['median_s']:9.4f} {row['GB_per_s']:8.3f} {row['vs_verify']:14.2f}")
+        sha = medians["sha256sum"]
+        print(f"verify is {sha / verify_s:.1f}x faster than sha256sum; cat reads at {size / medians['cat > /dev/null'] / 1e9:.2f} GB/s")
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
