@@ -1,0 +1,63 @@
+"""Certification of real demo runs (gloo DDP on CPU, the recorder's own notes and checkpoints)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from sdc_forensics.cli.main import cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    from sdc_forensics.demo.run import run_demo
+
+    cache = {}
+
+    def _run(name: str, **kwargs):
+        if name not in cache:
+            cache[name] = run_demo(tmp_path_factory.mktemp(name), steps=6, checkpoint_every=2, **kwargs)
+        return cache[name]
+
+    return _run
+
+
+def _certify(result) -> dict:
+    out = CliRunner().invoke(cli, ["certify", str(result.config.trace_dir), "--json"])
+    assert out.exit_code == 1, out.output
+    return {c["step"]: c for c in json.loads(out.stdout)["checkpoints"]} | {"doc": json.loads(out.stdout)}
+
+
+def test_checkpoint_saved_from_the_diverged_replica_is_not_certified(demo):
+    """Two ranks, rank 0's weights flipped at step 3: no strict majority, so rank 0 (diverged)
+    writes checkpoints 4 and 6; they must be corrupt, and the resume point is 2."""
+    result = demo("w2", injections=("weights:step=3:rank=0:bit=20",), world_size=2)
+    statuses = _certify(result)
+    assert statuses["doc"]["resume_step"] == 2
+    for step in (4, 6):
+        assert statuses[step]["status"] == "corrupt"
+        assert any("diverged replica" in r for r in statuses[step]["reasons"])
+    for step in (0, 2):
+        assert statuses[step]["status"] == "clean-trace-consistent"
+    verify = CliRunner().invoke(cli, ["verify-checkpoint", str(result.config.checkpoint_path(4)), "--trace", str(result.config.trace_dir)])
+    assert verify.exit_code == 1 and "NOT CERTIFIABLE" in verify.output
+
+
+def test_weights_injection_taints_later_checkpoints_and_storage_flip_is_corrupt(demo):
+    """Three ranks: the healthy majority saves, so later checkpoints are tainted, not corrupt;
+    checkpoint 2's file is damaged on disk after its note was written: corrupt."""
+    result = demo("w3", injections=("weights:step=3:rank=1:bit=20", "checkpoint-file:step=2:rank=0:bit=3"), world_size=3)
+    statuses = _certify(result)
+    first = statuses["doc"]["first_divergent_step"]
+    assert first is not None and first <= 3
+    assert statuses[0]["status"] == "clean-trace-consistent"
+    assert statuses[2]["status"] == "corrupt"
+    assert statuses["doc"]["resume_step"] == 0
+    for step in (4, 6):
+        assert statuses[step]["status"] == "tainted", statuses[step]
+    clean = CliRunner().invoke(cli, ["verify-checkpoint", str(result.config.checkpoint_path(0)), "--trace", str(result.config.trace_dir)])
+    assert clean.exit_code == 0, clean.output
