@@ -23,6 +23,7 @@ confirm it and localise it further.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import numpy as np
 
@@ -329,6 +330,12 @@ def _audits(trace: Trace, options: TriageOptions) -> list[Evidence]:
 
 
 def _robust_z(values: np.ndarray, axis: int) -> np.ndarray:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows (a step where every rank blew up)
+        return _robust_z_inner(values, axis)
+
+
+def _robust_z_inner(values: np.ndarray, axis: int) -> np.ndarray:
     median = np.nanmedian(values, axis=axis, keepdims=True)
     mad = np.nanmedian(np.abs(values - median), axis=axis, keepdims=True)
     scale = 1.4826 * mad + 1e-6 * np.abs(median) + 1e-30

@@ -128,3 +128,21 @@ def make_trace(tmp_path):
         return write_trace(tmp_path / f"trace{next(counter)}", **kwargs)
 
     return _make
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """``demo_run(spec, steps=6, checkpoint_every=3)`` -> output dir of a real 4-process demo run, made once per session."""
+    from sdc_forensics.demo.run import run_demo
+
+    cache: dict[tuple, object] = {}
+
+    def _run(spec: str, steps: int = 6, checkpoint_every: int = 3, **options):
+        key = (spec, steps, checkpoint_every, tuple(sorted(options.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp("demo")
+            run_demo(out, injections=(spec,), steps=steps, checkpoint_every=checkpoint_every, **options)
+            cache[key] = out
+        return cache[key]
+
+    return _run
