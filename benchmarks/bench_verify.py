@@ -4,7 +4,7 @@ Full verification = structure (header, offsets, tiling), the exact digest of eve
 NaN/Inf scan of every tensor and the exact digest of the whole file's bytes (the certificate
 checksum): ``sdc_forensics.checkpoint.verify_checkpoint``. The file is written to a temporary
 directory, read once to warm the page cache, then each contender runs ``--runs`` times and the
-median wall time is reported, with GB/s (10^9 bytes) and ratios.
+median wall time is reported (runs interleaved: run i of every contender, then run i + 1), with GB/s (10^9 bytes) and ratios.
 
     .venv/bin/python benchmarks/bench_verify.py [--size-gb 1.0] [--runs 5] [--dir /tmp] [--json]
 
@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         contenders = {
             "verify (structure + digests + NaN/Inf + file checksum)": lambda: verify_checkpoint(path, options=options),
             "verify, no file checksum": lambda: verify_checkpoint(path, options=VerifyOptions(file_checksums=False)),
+            "verify, torch intra-op threads (workers=1)": lambda: verify_checkpoint(path, options=VerifyOptions(workers=1)),
             "sha256sum": lambda: subprocess.run(["sha256sum", str(path)], check=True, stdout=subprocess.DEVNULL),
             "cat > /dev/null": lambda: subprocess.run(f"cat '{path}' > /dev/null", shell=True, check=True),
         }
@@ -91,7 +92,12 @@ def main(argv: list[str] | None = None) -> int:
             contenders["CLI verify-checkpoint (incl. start-up)"] = lambda: subprocess.run(
                 [cli, "verify-checkpoint", str(path)], check=True, stderr=subprocess.DEVNULL
             )
-        medians = {name: statistics.median(_time(fn, args.runs)) for name, fn in contenders.items()}
+        load_before = os.getloadavg()
+        times: dict[str, list[float]] = {name: [] for name in contenders}
+        for _ in range(args.runs):  # interleaved, so that a burst of load hits every contender alike
+            for name, fn in contenders.items():
+                times[name] += _time(fn, 1)
+        medians = {name: statistics.median(values) for name, values in times.items()}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -103,12 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     machine = {
         "cpu": _cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
         "torch": torch.__version__, "file_bytes": size, "tensors": len(report.tensors), "runs": args.runs,
+        "load_average_before": load_before, "load_average_after": os.getloadavg(),
     }
     if args.json:
         print(json.dumps({"machine": machine, "results": rows}, indent=2, sort_keys=True))
     else:
         print(f"file: {size / 1e9:.3f} GB, {len(report.tensors)} tensors; median of {args.runs} runs, warm page cache")
         print(f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} ({machine['torch_threads']} threads)")
+        print(f"load average before/after: {load_before[0]:.2f} / {machine['load_average_after'][0]:.2f}")
         print(f"{'what':58s} {'median s':>9s} {'GB/s':>8s} {'time / verify':>14s}")
         for row in rows:
             print(f"{row['what']:58s} {row['median_s']:9.4f} {row['GB_per_s']:8.3f} {row['vs_verify']:14.2f}")

@@ -3,10 +3,8 @@ the comparison with what the recorder noted at save time.
 
 For every tensor (model weights and optimizer state alike): its exact digest
 (:func:`sdc_forensics.fingerprint.core.digest`, the recorder's definition) and its count of
-NaN/Inf. The count uses one cheap pass: a float sum is finite if and only if no element is NaN
-or Inf, unless finite values overflow it; only a non-finite sum triggers the exact count.
-Every file of the checkpoint gets a checksum: the exact digest of its bytes, computed on a
-zero-copy torch view of its read-only map.
+NaN/Inf; every file gets a checksum, the exact digest of its bytes on a zero-copy torch view of
+its read-only map (``measure.py``, parallel over tensors and files).
 
 Against a :class:`~sdc_forensics.trace.checkpoints.CheckpointNote` (what the recorder noted):
 
@@ -28,15 +26,13 @@ import os
 import time
 from pathlib import Path
 
-import torch
-
-from sdc_forensics.checkpoint.base import CheckpointReader, MappedFile
+from sdc_forensics.checkpoint.base import CheckpointReader
 from sdc_forensics.checkpoint.formats import open_checkpoint
+from sdc_forensics.checkpoint.measure import FileChecksum, default_workers, measure
 from sdc_forensics.fingerprint import constants as C
-from sdc_forensics.fingerprint.core import combine_digests, digest
+from sdc_forensics.fingerprint.core import combine_digests
 from sdc_forensics.trace.checkpoints import CheckpointNote, hex64
 
-_SCAN_ELEMS = 1 << 22  # sub-float32 tensors are upcast in chunks of 4 Mi elements
 _PARAM_PREFIXES = ("", "model.", "module.", "model.module.", "state_dict.", "model_state_dict.")
 
 
@@ -86,15 +82,6 @@ class TensorResult:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class FileChecksum:
-    """Exact digest (hex) of one file's bytes; ``name`` is relative to the checkpoint root."""
-
-    name: str
-    size_bytes: int
-    digest: str
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class VerifyOptions:
     """How to verify.
 
@@ -102,11 +89,13 @@ class VerifyOptions:
         seed: fingerprint seed (the trace manifest's, when comparing with a trace).
         file_checksums: digest every file's bytes too (needed for certificates).
         populate: pre-fault memory maps (faster when every byte is read anyway).
+        workers: parallel measuring tasks; 0 = the cores torch would use (``measure.py``).
     """
 
     seed: int = C.DEFAULT_SEED
     file_checksums: bool = True
     populate: bool = True
+    workers: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -148,31 +137,6 @@ class VerificationReport:
         return sum(f.size_bytes for f in self.files)
 
 
-def count_nonfinite(tensor: torch.Tensor) -> int:
-    """Number of NaN/Inf elements; one summing pass when there are none."""
-    if not (tensor.is_floating_point() or tensor.is_complex()) or tensor.numel() == 0:
-        return 0
-    flat = tensor.reshape(-1)
-    if flat.dtype in (torch.float32, torch.float64, torch.complex64, torch.complex128):
-        if bool(torch.isfinite(flat.sum()).all()):
-            return 0
-        return _exact_nonfinite(flat)
-    for start in range(0, flat.numel(), _SCAN_ELEMS):
-        if not bool(torch.isfinite(flat[start : start + _SCAN_ELEMS].to(torch.float32).sum())):
-            return _exact_nonfinite(flat)
-    return 0
-
-
-def _exact_nonfinite(flat: torch.Tensor) -> int:
-    total = 0
-    for start in range(0, flat.numel(), _SCAN_ELEMS):
-        chunk = flat[start : start + _SCAN_ELEMS]
-        if chunk.dtype not in (torch.float32, torch.float64, torch.complex64, torch.complex128, torch.float16, torch.bfloat16):
-            chunk = chunk.to(torch.float32)
-        total += int((~torch.isfinite(chunk)).sum())
-    return total
-
-
 def resolve_param_keys(keys, param_names) -> dict[str, str] | None:
     """Map parameter names to checkpoint keys (``0.weight`` -> ``model.0.weight``), or None."""
     keys = set(keys)
@@ -180,20 +144,6 @@ def resolve_param_keys(keys, param_names) -> dict[str, str] | None:
         if all(prefix + name in keys for name in param_names):
             return {name: prefix + name for name in param_names}
     return None
-
-
-def _file_checksums(reader: CheckpointReader, options: VerifyOptions) -> tuple[FileChecksum, ...]:
-    maps = reader.maps()
-    out = []
-    for path in reader.files:
-        own = maps.get(path)
-        mapped = own if own is not None else MappedFile(path, populate=options.populate)
-        try:
-            out.append(FileChecksum(name=reader.relative(path), size_bytes=mapped.size, digest=hex64(digest(mapped.bytes, options.seed))))
-        finally:
-            if own is None:
-                mapped.close()
-    return tuple(out)
 
 
 def verify_checkpoint(
@@ -219,26 +169,19 @@ def verify_checkpoint(
     reader = source if isinstance(source, CheckpointReader) else open_checkpoint(source, populate=options.populate)
     try:
         infos = {info.key: info for info in reader.infos()}
-        results: list[TensorResult] = []
-        digests: dict[str, int] = {}
         expected = note.tensors if note is not None else {}
-        for key, tensor in reader.tensors():
-            value = digest(tensor, options.seed)
-            digests[key] = value
-            info = infos.get(key)
-            results.append(
-                TensorResult(
-                    key=key,
-                    dtype=str(tensor.dtype).removeprefix("torch."),
-                    shape=tuple(tensor.shape),
-                    file=info.file if info else "",
-                    digest=hex64(value),
-                    nonfinite=count_nonfinite(tensor),
-                    expected_digest=expected.get(key, ""),
-                )
+        measured, files = measure(
+            reader, seed=options.seed, workers=options.workers or default_workers(),
+            file_checksums=options.file_checksums, populate=options.populate,
+        )
+        digests = {m.key: m.digest for m in measured}
+        results = [
+            TensorResult(
+                key=m.key, dtype=m.dtype, shape=m.shape, file=infos[m.key].file if m.key in infos else "",
+                digest=hex64(m.digest), nonfinite=m.nonfinite, expected_digest=expected.get(m.key, ""),
             )
-            del tensor
-        files = _file_checksums(reader, options) if options.file_checksums else ()
+            for m in measured
+        ]
         findings = [Finding(kind=FindingKind.FILE_DAMAGED, subject=i.file, detail=i.detail) for i in reader.file_issues()]
         findings += [
             Finding(kind=FindingKind.NONFINITE, subject=r.key, expected="0", found=str(r.nonfinite), detail=f"{r.nonfinite} NaN/Inf value(s)")

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from sdc_forensics.checkpoint import FindingKind, open_checkpoint, verify_checkpoint
-from sdc_forensics.checkpoint.verify import count_nonfinite
+from sdc_forensics.checkpoint.measure import count_nonfinite
 from sdc_forensics.cli.main import cli
 from sdc_forensics.fingerprint.core import digest
 from sdc_forensics.statedict import state_digests
