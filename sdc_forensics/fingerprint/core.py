@@ -4,10 +4,14 @@ This is the one place that defines how a tensor is fingerprinted; the recorder, 
 checkpoint verification all call it. The definitions (as math) are in ``docs/fingerprints.md``;
 ``reference.py`` is the numpy version the tests hold this one to, bit for bit.
 
-Cost: the tensor is walked in chunks that stay in cache (CPU) or in large slabs (CUDA); per
-chunk the digest is one wrapping int32 multiply and one row sum, the sketch one small matmul,
-the stats one norm and one min/max. Nothing is copied to the host except the per-block partial
-results (``numel / 1024`` values) and the final scalars.
+Cost: :func:`fingerprint` reads the tensor once, in chunks (256 Ki elements on CPU, so that the
+chunk and its scratch stay in L2; 16 Mi-element slabs on CUDA). On each chunk it runs the
+digest (one wrapping int32 multiply into a scratch, one row sum), the sketch (one small matmul
+into a per-block table), and the stats (one dot product, one max-norm); 16-bit chunks are
+upcast into a float32 scratch first (on CUDA a bf16/fp16 matmul with float32 output is used
+where torch offers it). Memory beyond the tensor: the scratches, ``numel / 1024`` per-block
+partial results, and a contiguous copy when the tensor is not contiguous. Nothing is copied to
+the host but the final scalars and the ``k`` sketch values.
 """
 
 from __future__ import annotations
@@ -21,9 +25,9 @@ import torch
 
 from sdc_forensics.fingerprint import constants as C
 
-_CPU_DIGEST_ROWS = 256  # 256 blocks x 1024 words = 1 MiB int32 scratch: stays in L2 on CPU
-_CPU_SKETCH_ROWS = 4096  # 16 MiB float32 slabs: large enough that per-op overhead is amortised
-_CUDA_ROWS = 65536  # 256 MiB slabs on CUDA
+_CPU_CHUNK_ELEMS = 1 << 18  # 1 MiB of float32 plus 1 MiB of int32 scratch: stays in L2 on CPU
+_CUDA_CHUNK_ELEMS = 1 << 24  # 64 MiB float32 slabs on CUDA: kernel launches amortised
+_BLOCK_BYTES = 4 * C.BLOCK_WORDS
 _lock = threading.Lock()
 _cache: dict[tuple, torch.Tensor] = {}
 
@@ -58,27 +62,35 @@ def _cached(key: tuple, make) -> torch.Tensor:
         return value
 
 
-def _block_weights(device: torch.device, num_blocks: int, seed: int) -> torch.Tensor:
-    # Prefix-stable: cache the longest table seen per device, grown in powers of two.
-    key = ("c", device, seed)
+def _prefix_table(key: tuple, num_rows: int, make) -> torch.Tensor:
+    """A prefix-stable table, cached per key at the longest length seen (powers of two)."""
     with _lock:
         table = _cache.get(key)
-        if table is None or table.numel() < num_blocks:
-            size = 1 << max(10, (num_blocks - 1).bit_length())
-            table = torch.from_numpy(C.digest_block_weights(size, seed)).to(device)
+        if table is None or table.shape[0] < num_rows:
+            table = make(1 << max(10, (num_rows - 1).bit_length()))
             _cache[key] = table
-    return table[:num_blocks]
+    return table[:num_rows]
+
+
+def _block_weights(device: torch.device, num_blocks: int, seed: int) -> torch.Tensor:
+    return _prefix_table(
+        ("c", device, seed), num_blocks, lambda size: torch.from_numpy(C.digest_block_weights(size, seed)).to(device)
+    )
 
 
 def _beta(device: torch.device, num_blocks: int, k: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
-    key = ("beta", device, k, seed, dtype)
-    with _lock:
-        table = _cache.get(key)
-        if table is None or table.shape[0] < num_blocks:
-            size = 1 << max(10, (num_blocks - 1).bit_length())
-            table = torch.from_numpy(C.sketch_block_signs(size, k, seed)).to(device=device, dtype=dtype)
-            _cache[key] = table
-    return table[:num_blocks]
+    return _prefix_table(
+        ("beta", device, k, seed, dtype),
+        num_blocks,
+        lambda size: torch.from_numpy(C.sketch_block_signs(size, k, seed)).to(device=device, dtype=dtype),
+    )
+
+
+def _alpha(device: torch.device, k: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    return _cached(
+        ("alpha", device, k, seed, dtype),
+        lambda: torch.from_numpy(C.sketch_in_block_signs(k, seed)).to(device=device, dtype=dtype),
+    )
 
 
 def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -93,8 +105,50 @@ def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _chunk_rows(device: torch.device, cpu_rows: int) -> int:
-    return _CUDA_ROWS if device.type == "cuda" else cpu_rows
+def _chunk_elems(device: torch.device) -> int:
+    return _CUDA_CHUNK_ELEMS if device.type == "cuda" else _CPU_CHUNK_ELEMS
+
+
+class _Digester:
+    """Accumulates the block sums ``s_j`` of the exact digest, a run of whole blocks at a time."""
+
+    def __init__(self, num_bytes: int, device: torch.device, seed: int, max_rows: int):
+        self.num_bytes = num_bytes
+        self.device = device
+        self.seed = seed
+        self.num_blocks = -(-num_bytes // _BLOCK_BYTES)
+        self.a = _cached(("a", device, seed), lambda: torch.from_numpy(C.digest_word_weights(seed)).to(device))
+        self.sums = torch.zeros(max(self.num_blocks, 1), dtype=torch.int32, device=device)  # (blocks,)
+        rows = max(1, min(max_rows, self.num_blocks))
+        self.scratch = torch.empty(rows, C.BLOCK_WORDS, dtype=torch.int32, device=device)
+
+    def add(self, first_block: int, raw: torch.Tensor) -> None:
+        """Block sums of ``raw`` (uint8, 4-byte aligned), the bytes from block ``first_block`` on."""
+        if raw.numel() % _BLOCK_BYTES:  # the last, partial block is zero-padded
+            padded = torch.zeros(-(-raw.numel() // _BLOCK_BYTES) * _BLOCK_BYTES, dtype=torch.uint8, device=self.device)
+            padded[: raw.numel()] = raw
+            raw = padded
+        words = raw.view(torch.int32).view(-1, C.BLOCK_WORDS)  # (rows, 1024)
+        for start in range(0, words.shape[0], self.scratch.shape[0]):
+            chunk = words[start : start + self.scratch.shape[0]]
+            buf = self.scratch[: chunk.shape[0]]
+            torch.mul(chunk, self.a, out=buf)  # wraps mod 2**32
+            first = first_block + start
+            torch.sum(buf, dim=1, dtype=torch.int32, out=self.sums[first : first + chunk.shape[0]])
+
+    def value(self) -> int:
+        """``D = fmix64(sum_j c_j s_j + c_len * N mod 2**64)``."""
+        total = 0
+        if self.num_blocks:
+            unsigned = self.sums.to(torch.int64) & 0xFFFF_FFFF
+            total = int((unsigned * _block_weights(self.device, self.num_blocks, self.seed)).sum().item())
+        total = (total + self.num_bytes * C.digest_length_weight(self.seed)) % (1 << 64)
+        return C.fmix64(total)
+
+
+def _aligned(raw: torch.Tensor) -> torch.Tensor:
+    """``raw`` if it can be viewed as int32 words, else an aligned copy (odd 16-bit offsets)."""
+    return raw if raw.storage_offset() % 4 == 0 else raw.clone()
 
 
 def digest(tensor: torch.Tensor, seed: int = C.DEFAULT_SEED) -> int:
@@ -108,36 +162,12 @@ def digest(tensor: torch.Tensor, seed: int = C.DEFAULT_SEED) -> int:
         The 64-bit digest as a Python int. Identical on CPU and CUDA for identical bits and
         equal to :func:`sdc_forensics.fingerprint.reference.digest_bytes`.
     """
-    raw = _raw_bytes(tensor)
-    device = raw.device
-    num_bytes = raw.numel()
-    block_bytes = 4 * C.BLOCK_WORDS
-    num_full = num_bytes // block_bytes
-    a = _cached(("a", device, seed), lambda: torch.from_numpy(C.digest_word_weights(seed)).to(device))
-    num_blocks = num_full + (1 if num_bytes % block_bytes else 0)
-    block_sums = torch.empty(max(num_blocks, 1), dtype=torch.int32, device=device)
-    if num_blocks == 0:
-        block_sums.zero_()
-    if num_full:
-        main = raw[: num_full * block_bytes]
-        if main.storage_offset() % 4:
-            main = main.clone()
-        words = main.view(torch.int32).view(num_full, C.BLOCK_WORDS)
-        rows = _chunk_rows(device, _CPU_DIGEST_ROWS)
-        scratch = torch.empty(min(rows, num_full), C.BLOCK_WORDS, dtype=torch.int32, device=device)
-        for start in range(0, num_full, rows):
-            chunk = words[start : start + rows]
-            buf = scratch[: chunk.shape[0]]
-            torch.mul(chunk, a, out=buf)  # wraps mod 2**32
-            torch.sum(buf, dim=1, dtype=torch.int32, out=block_sums[start : start + chunk.shape[0]])
-    if num_bytes % block_bytes:
-        tail = torch.zeros(block_bytes, dtype=torch.uint8, device=device)
-        tail[: num_bytes - num_full * block_bytes] = raw[num_full * block_bytes :]
-        block_sums[num_full] = (tail.view(torch.int32) * a).sum(dtype=torch.int32)
-    unsigned = block_sums[:num_blocks].to(torch.int64) & 0xFFFF_FFFF
-    total = int((unsigned * _block_weights(device, num_blocks, seed)).sum().item()) if num_blocks else 0
-    total = (total + num_bytes * C.digest_length_weight(seed)) % (1 << 64)
-    return C.fmix64(total)
+    raw = _aligned(_raw_bytes(tensor))
+    chunk_bytes = 4 * _chunk_elems(raw.device)
+    digester = _Digester(raw.numel(), raw.device, seed, chunk_bytes // _BLOCK_BYTES)
+    for start in range(0, raw.numel(), chunk_bytes):
+        digester.add(start // _BLOCK_BYTES, raw[start : start + chunk_bytes])
+    return digester.value()
 
 
 @contextlib.contextmanager
@@ -154,6 +184,103 @@ def _full_precision_matmul(device: torch.device):
         torch.backends.cuda.matmul.allow_tf32 = previous
 
 
+def _low_precision_mm_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm``/``bmm`` with ``out_dtype=float32`` work for 16-bit inputs here (CUDA)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    key = ("mm_out_dtype", device, dtype)
+    with _lock:
+        if key in _cache:
+            return bool(_cache[key])
+    try:
+        x = torch.ones(2, 3, C.BLOCK_ELEMS, dtype=dtype, device=device)
+        ok = bool((torch.bmm(x.transpose(1, 2), x, out_dtype=torch.float32) == 2 * 3).all().item())
+        ok = ok and bool((torch.mm(x[0].t(), x[0], out_dtype=torch.float32) == 3).all().item())
+    except (RuntimeError, TypeError):
+        ok = False
+    with _lock:
+        _cache[key] = ok
+    return ok
+
+
+def _project(beta_t: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.Tensor:
+    """``beta_t @ x`` summed over row groups of at most ``BLOCK_ELEMS`` (``(k, 1024)``, float64).
+
+    Args:
+        beta_t: ``(k, rows)`` block signs of the chunk's blocks.
+        x: ``(rows, 1024)`` the chunk.
+        out_dtype: float32 for a 16-bit matmul with float32 output, else None.
+    """
+    kwargs = {"out_dtype": out_dtype} if out_dtype is not None else {}
+    rows = x.shape[0]
+    group = min(rows, C.BLOCK_ELEMS)  # float32 sums of at most BLOCK_ELEMS terms, as the model assumes
+    full = rows // group * group
+    if full == rows and rows == group:
+        total = torch.mm(beta_t, x, **kwargs).to(torch.float64)
+    else:
+        batched = torch.bmm(beta_t[:, :full].unflatten(1, (-1, group)).transpose(0, 1), x[:full].unflatten(0, (-1, group)), **kwargs)
+        total = batched.sum(dim=0, dtype=torch.float64)  # (k, 1024)
+        if full < rows:
+            total += torch.mm(beta_t[:, full:], x[full:], **kwargs)
+    return total
+
+
+class _Sketcher:
+    """Sketch and stats of a flat tensor, a chunk at a time.
+
+    Uses ``S_m = sum_i alpha_m[i] * Y[m, i]`` with ``Y = beta^T X`` (``X`` the ``(blocks, 1024)``
+    view): the matmul then has a wide output, which BLAS and cuBLAS run near memory speed
+    (``X @ alpha``, with its 8 output columns, is ~10x slower on CPU). ``Y`` is accumulated in
+    float64 chunk by chunk and every float32 sum in it has at most ``BLOCK_ELEMS`` terms.
+    """
+
+    def __init__(self, flat: torch.Tensor, k: int, seed: int, block_offset: int, chunk_elems: int):
+        self.device = flat.device
+        self.acc_dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
+        self.low_precision = _low_precision_mm_ok(self.device, flat.dtype)
+        mm_dtype = flat.dtype if self.low_precision else self.acc_dtype
+        num_blocks = num_sketch_blocks(flat.numel())
+        self.beta = _beta(self.device, block_offset + num_blocks, k, seed, mm_dtype)[block_offset:]  # (blocks, k)
+        self.alpha = _alpha(self.device, k, seed, torch.float64)  # (1024, k)
+        self.y = torch.zeros(k, C.BLOCK_ELEMS, dtype=torch.float64, device=self.device)
+        self.upcast = flat.dtype != self.acc_dtype and not self.low_precision
+        self.scratch = None
+        if self.upcast or flat.numel() % C.BLOCK_ELEMS:
+            size = min(chunk_elems, num_blocks * C.BLOCK_ELEMS)
+            self.scratch = torch.empty(size, dtype=mm_dtype, device=self.device)
+        self.sumsq: list[torch.Tensor] = []
+        self.lo: list[torch.Tensor] = []
+        self.hi: list[torch.Tensor] = []
+
+    def add(self, start: int, x: torch.Tensor) -> None:
+        """Adds chunk ``x`` (flat, whole sketch blocks unless it is the last), first element ``start``."""
+        rows = -(-x.numel() // C.BLOCK_ELEMS)
+        if self.scratch is not None and (self.upcast or x.numel() % C.BLOCK_ELEMS):
+            buf = self.scratch[: rows * C.BLOCK_ELEMS]
+            if x.numel() % C.BLOCK_ELEMS:  # the last, partial block is zero-padded
+                buf[x.numel() :].zero_()
+            buf[: x.numel()].copy_(x)
+            x = buf
+        first = start // C.BLOCK_ELEMS
+        beta_t = self.beta[first : first + rows].t()  # (k, rows)
+        self.y += _project(beta_t, x.view(rows, C.BLOCK_ELEMS), torch.float32 if self.low_precision else None)
+        if self.low_precision:
+            self.sumsq.append(torch.linalg.vector_norm(x, dtype=torch.float32).square())
+        else:
+            self.sumsq.append(torch.dot(x, x))
+        lo, hi = torch.aminmax(x)
+        self.lo.append(lo)
+        self.hi.append(hi)
+
+    def result(self) -> tuple[np.ndarray, float, float]:
+        """(sketch, norm, max_abs)."""
+        sketch = (self.y * self.alpha.t()).sum(dim=1)  # (k,)
+        norm = torch.stack(self.sumsq).to(torch.float64).sum().sqrt()
+        max_abs = torch.maximum(-torch.stack(self.lo).min(), torch.stack(self.hi).max()).to(torch.float64)
+        scalars = torch.stack([norm, max_abs]).cpu()
+        return sketch.cpu().numpy(), float(scalars[0]), float(scalars[1])
+
+
 def fingerprint(
     tensor: torch.Tensor,
     *,
@@ -162,7 +289,7 @@ def fingerprint(
     block_offset: int = 0,
     with_digest: bool = True,
 ) -> Fingerprint:
-    """Digest, sketch and stats of one tensor, on its own device.
+    """Digest, sketch and stats of one tensor, on its own device, in one read of it.
 
     Args:
         tensor: a floating-point tensor.
@@ -176,52 +303,40 @@ def fingerprint(
     Returns:
         A :class:`Fingerprint`.
     """
-    flat = tensor.detach().reshape(-1)
-    device = flat.device
-    acc_dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
+    flat = tensor.detach().reshape(-1)  # a copy only when the tensor is not contiguous
     numel = flat.numel()
-    num_blocks = max(1, -(-numel // C.BLOCK_ELEMS))
-    alpha = _cached(
-        ("alpha", device, k, seed, acc_dtype),
-        lambda: torch.from_numpy(C.sketch_in_block_signs(k, seed)).to(device=device, dtype=acc_dtype),
-    )
-    beta = _beta(device, block_offset + num_blocks, k, seed, acc_dtype)[block_offset:]
-    rows = _chunk_rows(device, _CPU_SKETCH_ROWS)
-    sketch = torch.zeros(k, dtype=torch.float64, device=device)
-    sumsq = torch.zeros((), dtype=torch.float64, device=device)
-    max_abs = torch.zeros((), dtype=acc_dtype, device=device)
-    num_full = numel // C.BLOCK_ELEMS
+    if numel == 0:
+        return Fingerprint(
+            digest=digest(flat, seed) if with_digest else 0,
+            sketch=np.zeros(k),
+            norm=0.0,
+            max_abs=0.0,
+            nonfinite=0,
+            numel=0,
+        )
+    device = flat.device
+    chunk = _chunk_elems(device)  # a multiple of both block sizes, for every element size
+    raw = _raw_bytes(flat) if with_digest else None
+    fused = raw is not None and raw.storage_offset() % 4 == 0
+    digester = _Digester(raw.numel(), device, seed, chunk * 4 // _BLOCK_BYTES) if fused else None
+    sketcher = _Sketcher(flat, k, seed, block_offset, chunk)
+    element_bytes = flat.element_size()
     with _full_precision_matmul(device):
-        for start in range(0, num_blocks, rows):
-            stop = min(start + rows, num_blocks)
-            if stop <= num_full:
-                block = flat[start * C.BLOCK_ELEMS : stop * C.BLOCK_ELEMS].to(acc_dtype).view(-1, C.BLOCK_ELEMS)
-            else:  # the last, partial block is zero-padded
-                block = torch.zeros((stop - start) * C.BLOCK_ELEMS, dtype=acc_dtype, device=device)
-                piece = flat[start * C.BLOCK_ELEMS :]
-                block[: piece.numel()] = piece
-                block = block.view(-1, C.BLOCK_ELEMS)
-            per_block = block @ alpha  # (blocks, k)
-            sketch += (per_block * beta[start:stop]).sum(dim=0, dtype=torch.float64)
-            flat_block = block.view(-1)
-            sumsq += torch.dot(flat_block, flat_block).to(torch.float64)
-            lo, hi = torch.aminmax(block)
-            max_abs = torch.maximum(max_abs, torch.maximum(-lo, hi))
-    norm = float(sumsq.sqrt().item())
-    max_abs_value = float(max_abs.item())
+        for start in range(0, numel, chunk):
+            if digester is not None:
+                digester.add(start * element_bytes // _BLOCK_BYTES, raw[start * element_bytes : (start + chunk) * element_bytes])
+            sketcher.add(start, flat[start : start + chunk])
+    sketch, norm, max_abs = sketcher.result()
     nonfinite = 0
-    if not (np.isfinite(norm) and np.isfinite(max_abs_value)) and flat.is_floating_point():
+    if not (np.isfinite(norm) and np.isfinite(max_abs)) and flat.is_floating_point():
         nonfinite = int((~torch.isfinite(flat)).sum().item())
         if nonfinite:
-            max_abs_value = float("nan") if torch.isnan(flat).any() else float("inf")
-    return Fingerprint(
-        digest=digest(tensor, seed) if with_digest else 0,
-        sketch=sketch.cpu().numpy(),
-        norm=norm,
-        max_abs=max_abs_value,
-        nonfinite=nonfinite,
-        numel=numel,
-    )
+            max_abs = float("nan") if torch.isnan(flat).any() else float("inf")
+    if digester is not None:
+        digest_value = digester.value()
+    else:
+        digest_value = digest(flat, seed) if with_digest else 0
+    return Fingerprint(digest=digest_value, sketch=sketch, norm=norm, max_abs=max_abs, nonfinite=nonfinite, numel=numel)
 
 
 def num_sketch_blocks(numel: int) -> int:

@@ -7,18 +7,20 @@ with ``+-1`` projection entries a sketch coordinate of an error vector ``e`` tha
 to the projections has standard deviation ``||e||_2``. The model of that standard deviation:
 
     sigma = scale * sqrt((u_grad * rho(W))**2 + (u_acc * sqrt(BLOCK_ELEMS / 2))**2)
-    scale = sqrt(||R||**2 + sum_r ||g_r||**2 / D**2)      (D = W for mean, 1 for sum)
-    rho(W) = sqrt(W / 3 + 2)
+    scale = sqrt(min(||R||, sum_r ||g_r|| / D)**2 + sum_r ||g_r||**2 / D**2)   (D = W for mean, 1 for sum)
+    rho(W) = sqrt(W / 3 + [W not a power of two])
     tol = KAPPA * sigma
 
 * Reduction rounding (``u_grad``, unit roundoff of the gradient dtype the collective adds in):
   a ring adds ``W - 1`` partial sums ``p_k`` per element, each rounded, then divides by ``W``
   (or pre-multiplies every rank by ``1/W``, as DDP's bucket copy does), so
-  ``||e||**2 ~ u**2 (sum_k ||p_k||**2 / D**2 + ||R||**2 + sum_r ||g_r||**2 / D**2)``.
+  ``||e||**2 ~ u**2 (sum_k ||p_k||**2 / D**2 + ||R||**2)`` (post-division) or
+  ``u**2 (sum_k ||p_k||**2 / D**2 + sum_r ||g_r||**2 / D**2)`` (pre-division).
   With ``E||p_k||**2 = k A + k (k - 1) B`` (``A`` the mean squared local norm, ``B`` the mean
-  inner product of two ranks' gradients) the sum over ``k`` is at most ``W / 3 * scale**2`` for
+  inner product of two ranks' gradients) the first term is at most ``W / 3 * scale**2`` for
   identical ranks, ``W / 4`` for independent ones and ``W / 6`` for cancelling ones: the growth
-  is ``sqrt(W)`` in every regime, relative to ``scale``. The last two terms give the ``+ 2``.
+  is ``sqrt(W)`` in every regime, relative to ``scale``. The division terms vanish when ``W``
+  is a power of two (exact), else they add at most one ``scale**2``.
 * Sketch accumulation (``u_acc``: float32, float64 for float64 gradients): each side sums
   ``BLOCK_ELEMS`` products per block; summed one after another (the worst order a BLAS or GPU
   kernel uses) the error of a block is about ``u_acc * sqrt(BLOCK_ELEMS / 2)`` times its norm,
@@ -43,13 +45,20 @@ UNIT_ROUNDOFF = {
     "float16": 2.0**-11,
 }
 #: Standard deviations tolerated; calibrated by benchmarks/calibrate_sketch.py (docs/fingerprints.md).
-KAPPA = 8.0
+KAPPA = 5.0
 REDUCTIONS = ("mean", "sum")
 
 
 def rho(world_size: int) -> float:
-    """Growth of the reduction's rounding error with the number of ranks (relative to ``scale``)."""
-    return float(np.sqrt(max(world_size, 1) / 3.0 + 2.0))
+    """Growth of the reduction's rounding error with the number of ranks (relative to ``scale``).
+
+    ``sqrt(W / 3)`` for the ``W - 1`` rounded additions of a ring, plus one rounding of the
+    division (or of DDP's multiplication by ``1/W``) unless ``W`` is a power of two, where it is
+    exact.
+    """
+    world_size = max(world_size, 1)
+    inexact_division = world_size & (world_size - 1) != 0
+    return float(np.sqrt(world_size / 3.0 + (1.0 if inexact_division else 0.0)))
 
 
 def _unit_roundoff(grad_dtype: str) -> tuple[float, float]:

@@ -137,3 +137,26 @@ def test_stats_of_empty_and_zero_tensors():
     assert (fp.numel, fp.norm, fp.max_abs, fp.nonfinite) == (0, 0.0, 0.0, 0)
     assert not fp.sketch.any()
     assert core.fingerprint(torch.zeros(2000)).norm == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_large_chunks_use_grouped_matmul(monkeypatch, dtype):
+    """CUDA-sized chunks (> 1024 blocks: batched matmul plus a remainder) give the same fingerprint."""
+    torch.manual_seed(7)
+    tensor = torch.randn(3 * (1 << 20) + 5).to(dtype)
+    small = core.fingerprint(tensor)
+    monkeypatch.setattr(core, "_CPU_CHUNK_ELEMS", 1 << 21)
+    large = core.fingerprint(tensor)
+    assert large.digest == small.digest == reference.digest_bytes(tensor.view(torch.int16 if dtype == torch.bfloat16 else torch.int32).numpy())
+    _close(large.sketch, small.sketch, tensor, dtype)
+    assert large.max_abs == small.max_abs
+    assert large.norm == pytest.approx(float(tensor.double().norm()), rel=1e-5)  # float32 dots of 2 Mi elements
+
+
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_fingerprint_digest_equals_digest_at_any_offset(offset):
+    """The fused one-pass digest inside fingerprint() and digest() agree, aligned or not."""
+    torch.manual_seed(8)
+    base = torch.randn(2 * (1 << 18) + 3000).to(torch.bfloat16)
+    view = base[offset:]
+    assert core.fingerprint(view).digest == core.digest(view) == core.digest(view.clone())
