@@ -133,3 +133,15 @@ def test_verify_with_trace_infers_the_step_and_reports_taint(make_run):
     assert result.exit_code == 0, result.output
     wrong = CliRunner().invoke(cli, ["verify-checkpoint", str(run.checkpoints[2]), "--trace", str(run.trace_dir), "--step", "5"])
     assert wrong.exit_code == 1 and "no checkpoint note for step 5" in wrong.output
+
+
+def test_certify_command_with_moved_checkpoints(make_run, tmp_path):
+    run = make_run(steps=2)
+    moved = tmp_path / "elsewhere"
+    run.checkpoints_dir.rename(moved)
+    lost = CliRunner().invoke(cli, ["certify", str(run.trace_dir), "--json"])
+    assert lost.exit_code == 1
+    assert {c["status"] for c in json.loads(lost.stdout)["checkpoints"]} == {"unverified"}
+    found = CliRunner().invoke(cli, ["certify", str(run.trace_dir), "--checkpoints", str(moved)])
+    assert found.exit_code == 0, found.output
+    assert CliRunner().invoke(cli, ["certify", str(run.trace_dir), "--checkpoints", str(tmp_path / "none")]).exit_code == 2
