@@ -178,8 +178,10 @@ def _storage_evidence(notes: list[CheckpointNote], reports) -> list[Evidence]:
 
 def _replay(trace: Trace, tri: TriageResult, usable: list[CheckpointNote], recipe_ref: str, options: BisectOptions, progress):
     from sdc_forensics.forensics.replay import ReplayOptions, StartStateMismatch, replay_window
+    from sdc_forensics.forensics.replay_env import resolve_device
     from sdc_forensics.recipe import load_recipe
 
+    resolve_device(options.device)  # a bad --device fails before any work
     recipe = load_recipe(recipe_ref)
     suspect_gpus = {}
     for ev in tri.findings:
@@ -223,7 +225,8 @@ def _replay(trace: Trace, tri: TriageResult, usable: list[CheckpointNote], recip
                                       tolerant_from=result.tolerant_from, reason=reason))
         evidence += list(result.evidence)
         replayed_steps += result.num_steps
-        if result.first_divergent_step is None or result.first_divergent_step > note.step:
+        if result.tolerant_from != note.step:
+            # it held the replicas' weights and the healthy ranks' first step replayed bit for bit
             verified.add(note.step)
         if result.first_divergent_step is not None:
             break

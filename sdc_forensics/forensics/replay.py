@@ -263,7 +263,7 @@ class Replayer:
             if exact_same and not tolerant:
                 continue
             residual = float(np.abs(rs.fp.sketch - rec["local_sketch"].astype(np.float64)).max())
-            tol = self._tol(max(rs.fp.norm, float(rec["local_norm"])), drift)
+            tol = self._tol(rs.fp.norm, drift)  # the replay's own norm: a fault inflates the recorded one
             ok = residual <= tol if recorded_layout else abs(rs.fp.norm - float(rec["local_norm"])) <= tol
             if exact_same or (tolerant and ok):
                 continue
@@ -293,12 +293,14 @@ class Replayer:
             if tolerant:
                 confirmed.append(r)  # digests are not comparable here; the sketch already decided
                 continue
-            again = self.local_step(model, recs[r], layout).fp.digest
+            second = self.local_step(model, recs[r], layout)
+            again = second.fp.digest
             recorded, first = int(recs[r]["local_digest"]), ranks[r].fp.digest
             if again == first:
                 confirmed.append(r)
                 notes.append(f"step {step}, rank {r}: a second replay agrees with the first (2 votes to 1 against the record)")
             elif again == recorded:
+                ranks[r] = second  # the majority's result is what the replicas go on with
                 notes.append(f"step {step}, rank {r}: a second replay agrees with the record; the first replay was wrong "
                              f"(the replay device is suspect), rank {r} is not blamed")
             else:
@@ -324,7 +326,7 @@ class Replayer:
         evidence = []
         for r in range(len(ranks)):
             residual = float(np.abs(fp.sketch - recs[r]["reduced_sketch"].astype(np.float64)).max())
-            tol = self._tol(max(fp.norm, float(recs[r]["reduced_norm"])), drift)
+            tol = self._tol(fp.norm, drift)
             if residual > tol or not np.isfinite(residual):
                 evidence.append(r)
         if evidence:

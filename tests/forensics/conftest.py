@@ -35,7 +35,7 @@ def _digest(*parts: int) -> int:
     return int(value)
 
 
-def write_trace(path, *, ranks: int = 4, steps: int = 20, fault: Fault | None = None, audit_every: int | None = None,
+def write_trace(path, *, ranks: int = 4, steps: int = 20, fault: Fault | tuple[Fault, ...] | None = None, audit_every: int | None = None,
                 weights_every: int = 1, recipe: str | None = None, seed: int = 0):
     """Write a synthetic trace to ``path`` and return it."""
     rng = np.random.default_rng(seed)
@@ -49,7 +49,9 @@ def write_trace(path, *, ranks: int = 4, steps: int = 20, fault: Fault | None = 
     ))
     writers = [RankTraceWriter(path, rank=r, attempt=0, world_size=ranks, sketch_k=k, seed=C.DEFAULT_SEED) for r in range(ranks)]
     diverged = np.zeros(ranks, dtype=bool)
+    faults = fault if isinstance(fault, tuple) else (fault,) if fault is not None else ()
     for step in range(steps):
+        fault = next((f for f in faults if f.step == step), None)
         local = rng.standard_normal((ranks, k)).astype(np.float32)  # (R, k)
         norms = (1.0 + 0.01 * rng.standard_normal(ranks)).astype(np.float32)
         reduced = np.repeat(local.astype(np.float64).mean(axis=0, keepdims=True), ranks, axis=0).astype(np.float32)

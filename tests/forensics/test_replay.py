@@ -1,0 +1,151 @@
+"""Replay on single-process twins of demo runs (``simrun``): exactness, tolerance, tie-breaks, devices."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from sdc_forensics.demo.recipe import DemoRecipe
+from sdc_forensics.errors import UsageError
+from sdc_forensics.forensics import replay_env as env
+from sdc_forensics.forensics.bisect import BisectOptions, bisect
+from sdc_forensics.forensics.evidence import EvidenceKind, Location
+from sdc_forensics.forensics.replay import ReplayOptions, StartStateMismatch, replay_window
+from sdc_forensics.recipe import load_recipe
+from sdc_forensics.trace.checkpoints import read_checkpoint_notes
+from sdc_forensics.trace.reader import Trace
+from tests.forensics.simrun import SimFault, simulate
+
+
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory):
+    cache = {}
+
+    def _sim(fault: SimFault | None = None, steps: int = 8):
+        key = (fault, steps)
+        if key not in cache:
+            cache[key] = simulate(tmp_path_factory.mktemp("sim"), steps=steps, checkpoint_every=4, fault=fault)
+        return cache[key]
+
+    return _sim
+
+
+def _replay(out, start, stop, recipe=None, **kw):
+    trace = Trace.open(out / "trace")
+    note = {n.step: n for n in read_checkpoint_notes(trace.path)}[start]
+    options = ReplayOptions(start_step=start, stop_step=stop, checkpoint_path=out / f"checkpoints/step-{start:08d}.pt",
+                            expected_weights_digest=note.weights_digest, **kw)
+    return replay_window(trace, recipe or load_recipe(trace.manifest.recipe), options)
+
+
+def test_clean_window_is_bitwise_exact(sim):
+    result = _replay(sim(), 0, 7)
+    assert (result.comparison, result.first_divergent_step, result.evidence) == ("exact", None, ())
+    assert result.reduction_order == "gloo-ring" and result.last_step == 7
+    assert result.settings["deterministic_algorithms"] and result.settings["tf32"] is False
+
+
+@pytest.mark.parametrize("where,location", [("grad", Location.LOCAL_COMPUTE), ("allreduce", Location.COLLECTIVE),
+                                            ("update", Location.OPTIMIZER_UPDATE), ("input", Location.INPUT_DATA)])
+def test_replay_localises_a_low_mantissa_flip(sim, where, location):
+    out = sim(SimFault(where=where, step=5, rank=2, bit=10))
+    result = _replay(out, 4, 7)
+    assert result.first_divergent_step == 5 and result.last_step == 5  # stops at the divergence
+    assert {e.location for e in result.evidence if e.ranks == (2,)} >= {location}
+    assert all(e.ranks == (2,) for e in result.evidence)
+
+
+@dataclasses.dataclass(kw_only=True)
+class _NoisyKernel(DemoRecipe):
+    """Another 'device': every loss off by a relative 2**-22, as a different kernel would be."""
+
+    def loss(self, model, microbatch):
+        return super().loss(model, microbatch) * (1.0 + 2.0**-22)
+
+
+def test_other_kernel_switches_to_tolerant_and_still_finds_a_large_fault(sim):
+    clean = _replay(sim(), 4, 7, recipe=_NoisyKernel())
+    assert (clean.comparison, clean.tolerant_from, clean.first_divergent_step) == ("tolerant", 4, None)
+    faulty = _replay(sim(SimFault(where="grad", step=6, rank=1, bit=30)), 4, 7, recipe=_NoisyKernel())
+    assert faulty.comparison == "tolerant" and faulty.first_divergent_step == 6
+    assert [e.ranks for e in faulty.evidence if e.kind is EvidenceKind.REPLAY_MISMATCH] == [(1,)]
+
+
+@dataclasses.dataclass(kw_only=True)
+class _FlakyOnce(DemoRecipe):
+    """A replay device that gets one microbatch wrong, once."""
+
+    bad_id: int = -1
+    fired: bool = False
+
+    def loss(self, model, microbatch):
+        value = super().loss(model, microbatch)
+        if not self.fired and int(microbatch[1][0]) >= 0 and getattr(self, "_current", None) == self.bad_id:
+            self.fired = True
+            return value * 1.5
+        return value
+
+    def fetch_microbatch(self, microbatch_id, device="cpu"):
+        self._current = int(microbatch_id)
+        return super().fetch_microbatch(microbatch_id, device)
+
+
+def test_second_replay_breaks_the_tie_against_a_flaky_replay_device(sim):
+    flaky = _FlakyOnce(bad_id=DemoRecipe().microbatch_ids(5, 3, 4)[0])
+    result = _replay(sim(), 4, 7, recipe=flaky)
+    assert flaky.fired
+    assert result.first_divergent_step is None and result.comparison == "exact"
+    assert any("second replay agrees with the record" in n for n in result.notes)
+
+
+def test_checkpoint_not_holding_the_majority_is_refused(sim, tmp_path):
+    out = sim()
+    trace = Trace.open(out / "trace")
+    with pytest.raises(StartStateMismatch):
+        replay_window(trace, load_recipe(trace.manifest.recipe), ReplayOptions(
+            start_step=4, stop_step=5, checkpoint_path=out / "checkpoints/step-00000000.pt", expected_weights_digest=read_checkpoint_notes(trace.path)[1].weights_digest))
+
+
+def test_suspect_gpu_is_refused_unless_forced(monkeypatch):
+    monkeypatch.setattr(env, "gpu_uuid", lambda device: "GPU-bad")
+    with pytest.raises(UsageError, match="suspect rank 3"):
+        env.check_not_suspect(torch.device("cpu"), {"GPU-bad": 3}, force=False)
+    env.check_not_suspect(torch.device("cpu"), {"GPU-bad": 3}, force=True)
+    env.check_not_suspect(torch.device("cpu"), {"GPU-other": 3}, force=False)
+
+
+def test_deterministic_settings_are_restored():
+    before = (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads())
+    with env.deterministic(torch.device("cpu"), 1) as applied:
+        assert torch.are_deterministic_algorithms_enabled() and torch.get_num_threads() == 1
+    assert applied["num_threads"] == 1
+    assert (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()) == before
+
+
+def test_ring_reduction_segments():
+    ranks = [[torch.randn(1001, generator=torch.Generator().manual_seed(r))] for r in range(3)]
+    ring = env.reduce_buckets(ranks, "gloo-ring")[0]
+    seq = env.reduce_buckets(ranks, "sequential")[0]
+    assert torch.allclose(ring, seq, rtol=1e-6, atol=1e-7)
+    # segment 0 (elements 0..335, 16-byte aligned) is summed from rank 2 backwards: ((g2 + g1) + g0) / as DDP, scaled first
+    parts = [r[0] * (1.0 / 3) for r in ranks]
+    assert torch.equal(ring[:336], (parts[2][:336] + parts[1][:336]) + parts[0][:336])
+
+
+def test_bisect_skips_a_damaged_checkpoint_file(sim, tmp_path):
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(sim(SimFault(where="grad", step=6, rank=1, bit=30)), out)
+    path = out / "checkpoints/step-00000004.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    result = bisect(out / "trace", BisectOptions(checkpoints_dir=out / "checkpoints"))
+    assert result.first_divergent_step == 6 and [s.rank for s in result.suspects] == [1]
+    statuses = {c.step: c.status for c in result.checkpoints}
+    assert statuses[4] == "corrupt" and result.last_clean_checkpoint.step == 0
+    assert result.replayed.windows[0].start == 0  # never replayed from the damaged file
+    assert any(e.kind is EvidenceKind.CHECKPOINT_MISMATCH and e.step == 4 for e in result.evidence)
