@@ -59,6 +59,8 @@ class DemoConfig:
         node_of_rank: pretend node map; default: every rank is its own node.
         record: attach the recorder (False trains the same job without it, for comparisons).
         kill_rank, kill_step: SIGKILL rank ``kill_rank`` right after it recorded ``kill_step``.
+        resume_from: resume an earlier run in ``out_dir`` from its checkpoint N (a new attempt
+            that re-executes steps N..steps-1 into the same trace).
         timeout_s: the whole run is killed after this many seconds.
     """
 
@@ -73,6 +75,7 @@ class DemoConfig:
     record: bool = True
     kill_rank: int | None = None
     kill_step: int | None = None
+    resume_from: int | None = None
     timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
@@ -83,20 +86,26 @@ class DemoConfig:
             raise UsageError(f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
         if not 2 <= self.world_size <= 16:
             raise UsageError(f"world size must be in 2..16, got {self.world_size}")
-        if (self.trace_dir / "manifest.json").exists():
+        if self.resume_from is None and (self.trace_dir / "manifest.json").exists():
             raise UsageError(f"{self.out_dir} already holds a demo trace; pass a new --out directory")
+        if self.resume_from is not None and not self.checkpoint_path(self.resume_from).is_file():
+            raise UsageError(f"cannot resume from checkpoint {self.resume_from}: {self.checkpoint_path(self.resume_from)} does not exist")
         for spec in self.injections:
             if spec.rank >= self.world_size and spec.location not in ("allreduce-all", "checkpoint-file"):
                 raise UsageError(f"fault {spec}: rank {spec.rank} does not exist in a {self.world_size}-rank run")
             if spec.location == "checkpoint-file" and spec.step not in self.checkpoint_steps:
                 raise UsageError(f"fault {spec}: no checkpoint {spec.step} is written (checkpoints: {list(self.checkpoint_steps)})")
-            elif spec.location != "checkpoint-file" and spec.step >= self.steps:
-                raise UsageError(f"fault {spec}: step {spec.step} is beyond the run (steps 0..{self.steps - 1})")
+            elif spec.location != "checkpoint-file" and not self.first_step <= spec.step < self.steps:
+                raise UsageError(f"fault {spec}: step {spec.step} is outside the run (steps {self.first_step}..{self.steps - 1})")
+
+    @property
+    def first_step(self) -> int:
+        return self.resume_from or 0
 
     @property
     def checkpoint_steps(self) -> tuple[int, ...]:
-        """Checkpoints written: 0, K, 2K, ... up to ``steps``."""
-        return tuple(range(0, self.steps + 1, self.checkpoint_every))
+        """Checkpoints written: 0, K, 2K, ... up to ``steps`` (a resumed run: only those after N)."""
+        return tuple(s for s in range(0, self.steps + 1, self.checkpoint_every) if self.resume_from is None or s > self.resume_from)
 
     @property
     def trace_dir(self) -> Path:
@@ -272,6 +281,8 @@ def train_rank(config: DemoConfig, rank: int) -> dict:
     from sdc_forensics.trace.checkpoints import hex64
 
     model, optimizer, _ = recipe.build("cpu")
+    if config.resume_from is not None:
+        recipe.load_checkpoint(config.checkpoint_path(config.resume_from), model, optimizer, None)
     ddp = DistributedDataParallel(model)
     world_size = config.world_size
     report: dict = {"rank": rank, "fired": [], "alarms": [], "raised": None, "checkpoints": []}
@@ -281,7 +292,7 @@ def train_rank(config: DemoConfig, rank: int) -> dict:
             config.trace_dir, ddp, optimizer, recipe=RECIPE_REFERENCE, inject=config.injections,
             options=RecorderOptions(
                 policy=config.policy, audit_every=config.audit_every, checkpoint_every=config.checkpoint_every,
-                node_of_rank=config.node_of_rank or tuple(range(world_size)),
+                node_of_rank=config.node_of_rank or tuple(range(world_size)), start_step=config.first_step,
             ),
         )
 
@@ -295,8 +306,9 @@ def train_rank(config: DemoConfig, rank: int) -> dict:
         report["checkpoints"].append(step)
 
     try:
-        checkpoint(0)
-        for step in range(config.steps):
+        if config.resume_from is None:
+            checkpoint(0)
+        for step in range(config.first_step, config.steps):
             ids = recipe.microbatch_ids(step, rank, world_size)
             with rec.step(step, microbatch_ids=ids) if rec is not None else contextlib.nullcontext() as s:
                 for i, microbatch_id in enumerate(ids):

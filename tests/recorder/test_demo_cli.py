@@ -38,7 +38,7 @@ def test_demo_json_ground_truth(tmp_path):
     "args, message",
     [
         (["--inject", "grad:step=1:rank=0"], "lacks bit"),
-        (["--inject", "grad:step=99:rank=0:bit=1"], "beyond the run"),
+        (["--inject", "grad:step=99:rank=0:bit=1"], "outside the run"),
         (["--inject", "grad:step=1:rank=7:bit=1"], "does not exist"),
         (["--steps", "0"], "must be >= 1"),
     ],

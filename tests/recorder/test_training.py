@@ -170,10 +170,30 @@ def test_recording_does_not_change_training_numerics(demo_run):
     assert recorded.final_weights_digests == bare.final_weights_digests
 
 
+KILLED = dict(steps=8, checkpoint_every=2, world_size=3, policy="raise", injections=(), kill_rank=1, kill_step=4)
+
+
 def test_killed_rank_leaves_a_trace_readable_to_the_last_complete_step(demo_run):
-    result = demo_run("killed", steps=10, checkpoint_every=5, world_size=3, policy="raise", injections=(), kill_rank=1, kill_step=4)
+    result = demo_run("killed", **KILLED)
     trace = Trace.open(result.config.trace_dir)
-    assert trace.step_range() == (0, 4)
+    assert trace.step_range() == (0, 4)  # rank 1 recorded step 4, then was killed
     window = next(trace.step_windows())
-    assert window.present.all()
+    assert window.present[:, 1].all()
+    # the other ranks were killed by the launcher right after: step 3 at least is complete everywhere
+    assert window.present[:4].all()
     assert not [d for d in trace.damage() if d.kind in ("bad_checksum", "bad_header")]
+
+
+def test_resumed_run_is_a_new_attempt_that_supersedes_the_re_executed_steps(demo_run):
+    from sdc_forensics.demo.run import run_demo
+
+    killed = demo_run("killed", **KILLED)
+    resumed = run_demo(killed.config.out_dir, **{**KILLED, "kill_rank": None, "kill_step": None, "resume_from": 4})
+    assert resumed.raised is None and resumed.alarms == () and resumed.checkpoints == (6, 8)
+    trace = Trace.open(resumed.config.trace_dir)
+    assert [(a.attempt, a.start_step) for a in trace.manifest.attempts] == [(0, 0), (1, 4)]
+    window = next(trace.step_windows())
+    assert window.present.all() and window.steps.tolist() == list(range(8))
+    assert (window.attempt[:4] == 0).all() and (window.attempt[4:] == 1).all()
+    assert window.superseded[4].all() and not window.superseded[5:].any()
+    assert len(set(resumed.final_weights_digests)) == 1
