@@ -44,7 +44,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         if module == "torch.distributed.checkpoint.metadata":
             from torch.distributed.checkpoint import metadata
 
-            return getattr(metadata, name)
+            found = getattr(metadata, name, None)
+            if isinstance(found, type) and found.__module__ == module:  # its own classes, nothing it imported
+                return found
         if module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo":
             from torch.distributed.checkpoint.filesystem import _StorageInfo
 

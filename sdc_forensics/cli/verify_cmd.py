@@ -112,6 +112,9 @@ def verify_cmd(ctx: click.Context, path: Path, trace_dir: Path | None, step: int
     err.print(_tensor_table(report))
     _print_findings(report.findings, "")
     _print_findings(cert_findings, "certificate: ")
+    if report.weights_digest and note is not None:
+        same = "=" if report.weights_digest == note.weights_digest else "≠"
+        err.print(f"parameters' combined digest {report.weights_digest} {same} replicas' majority {note.weights_digest or '(none recorded)'}")
     if status is not None:
         err.print(f"certification: [bold]{status.status.value}[/] — {escape('; '.join(status.reasons))}")
     if trace is not None and trace.first_divergent_step is not None:

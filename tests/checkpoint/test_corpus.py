@@ -241,3 +241,11 @@ def test_readers_never_open_for_writing(good_st, tmp_path, monkeypatch):
     with open_checkpoint(tmp_path / "copy.safetensors") as reader:
         list(reader.tensors())
     assert modes and not any(modes)
+
+
+def test_dcp_metadata_may_not_reach_what_the_metadata_module_imports(tmp_path):
+    """``torch.distributed.checkpoint.metadata.field`` (imported there from dataclasses) is refused."""
+    folder = _dcp(tmp_path)
+    payload = b"\x80\x04\x8c%torch.distributed.checkpoint.metadata\x94\x8c\x05field\x94\x93\x94)R\x94."
+    (folder / ".metadata").write_bytes(payload)
+    assert "not allowed" in _run_bad(folder)
