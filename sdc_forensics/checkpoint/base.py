@@ -166,3 +166,24 @@ class CheckpointReader(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class SingleFileReader(CheckpointReader):
+    """A checkpoint that is one mapped file (``self._file``, set by the subclass)."""
+
+    _file: MappedFile
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        return (self.path,)
+
+    def maps(self) -> dict[Path, MappedFile]:
+        return {self.path: self._file}
+
+    @property
+    def mapped(self) -> MappedFile:
+        """The file's read-only map (verification digests the whole file through it)."""
+        return self._file
+
+    def close(self) -> None:
+        self._file.close()

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from sdc_forensics.checkpoint.base import CheckpointReader, MappedFile, TensorInfo, typed_view
+from sdc_forensics.checkpoint.base import MappedFile, SingleFileReader, TensorInfo, typed_view
 from sdc_forensics.errors import CheckpointError
 
 MAX_HEADER_BYTES = 100_000_000
@@ -52,7 +52,7 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
 }
 
 
-class SafetensorsReader(CheckpointReader):
+class SafetensorsReader(SingleFileReader):
     """One safetensors file. Structure is checked in the constructor.
 
     Args:
@@ -74,18 +74,6 @@ class SafetensorsReader(CheckpointReader):
         except CheckpointError:
             self._file.close()
             raise
-
-    @property
-    def files(self) -> tuple[Path, ...]:
-        return (self.path,)
-
-    def maps(self) -> dict[Path, MappedFile]:
-        return {self.path: self._file}
-
-    @property
-    def mapped(self) -> MappedFile:
-        """The file's read-only map (verification digests the whole file through it)."""
-        return self._file
 
     def keys(self) -> list[str]:
         """Tensor names in file order."""
@@ -111,9 +99,6 @@ class SafetensorsReader(CheckpointReader):
     def step(self) -> int | None:
         value = self.metadata.get("step")
         return int(value) if isinstance(value, str) and value.isdigit() else None
-
-    def close(self) -> None:
-        self._file.close()
 
 
 def _parse(path: Path, mapped: MappedFile):

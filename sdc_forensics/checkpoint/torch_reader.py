@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from sdc_forensics.checkpoint.base import CheckpointReader, FileIssue, MappedFile, TensorInfo
+from sdc_forensics.checkpoint.base import FileIssue, MappedFile, SingleFileReader, TensorInfo
 from sdc_forensics.errors import CheckpointError
 from sdc_forensics.statedict import flatten_state
 
@@ -94,7 +94,7 @@ def pickle_globals(data: bytes) -> list[str]:
     return found
 
 
-class TorchReader(CheckpointReader):
+class TorchReader(SingleFileReader):
     """A ``torch.save`` zip checkpoint. Structure and the pickle scan happen in the constructor.
 
     Args:
@@ -190,18 +190,6 @@ class TorchReader(CheckpointReader):
             raise CheckpointError(
                 f"{self.path}: torch.load(weights_only=True) failed ({type(exc).__name__}: {first_line[:200]}): damaged or unsupported"
             ) from None
-
-    @property
-    def files(self) -> tuple[Path, ...]:
-        return (self.path,)
-
-    def maps(self) -> dict[Path, MappedFile]:
-        return {self.path: self._file}
-
-    @property
-    def mapped(self) -> MappedFile:
-        """The file's read-only map."""
-        return self._file
 
     @property
     def payload(self) -> Any:
