@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -53,13 +54,17 @@ def make_file(path: Path, size_gb: float) -> int:
     return path.stat().st_size
 
 
-def _time(fn, runs: int) -> list[float]:
-    out = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
-    return out
+def _cpu_s() -> float:
+    """CPU seconds used so far by this process and its finished children."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def _time(fn) -> tuple[float, float]:
+    """``(wall s, CPU s)`` of one call; CPU time is what an idle machine would need, load or not."""
+    wall, cpu = time.perf_counter(), _cpu_s()
+    fn()
+    return time.perf_counter() - wall, _cpu_s() - cpu
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,16 +99,23 @@ def main(argv: list[str] | None = None) -> int:
             )
         load_before = os.getloadavg()
         times: dict[str, list[float]] = {name: [] for name in contenders}
+        cpu: dict[str, list[float]] = {name: [] for name in contenders}
         for _ in range(args.runs):  # interleaved, so that a burst of load hits every contender alike
             for name, fn in contenders.items():
-                times[name] += _time(fn, 1)
+                wall_s, cpu_s = _time(fn)
+                times[name].append(wall_s)
+                cpu[name].append(cpu_s)
         medians = {name: statistics.median(values) for name, values in times.items()}
+        cpu_medians = {name: statistics.median(values) for name, values in cpu.items()}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
     verify_s = medians["verify (structure + digests + NaN/Inf + file checksum)"]
     rows = [
-        {"what": name, "median_s": round(t, 4), "GB_per_s": round(size / t / 1e9, 3), "vs_verify": round(t / verify_s, 2)}
+        {
+            "what": name, "median_s": round(t, 4), "GB_per_s": round(size / t / 1e9, 3), "vs_verify": round(t / verify_s, 2),
+            "cpu_s_per_GB": round(cpu_medians[name] / (size / 1e9), 4),
+        }
         for name, t in medians.items()
     ]
     machine = {
@@ -117,9 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"file: {size / 1e9:.3f} GB, {len(report.tensors)} tensors; median of {args.runs} runs, warm page cache")
         print(f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} ({machine['torch_threads']} threads)")
         print(f"load average before/after: {load_before[0]:.2f} / {machine['load_average_after'][0]:.2f}")
-        print(f"{'what':58s} {'median s':>9s} {'GB/s':>8s} {'time / verify':>14s}")
+        print(f"{'what':58s} {'median s':>9s} {'GB/s':>8s} {'time / verify':>14s} {'CPU s/GB':>9s}")
         for row in rows:
-            print(f"{row['what']:58s} {row['median_s']:9.4f} {row['GB_per_s']:8.3f} {row['vs_verify']:14.2f}")
+            print(f"{row['what']:58s} {row['median_s']:9.4f} {row['GB_per_s']:8.3f} {row['vs_verify']:14.2f} {row['cpu_s_per_GB']:9.3f}")
+        verify_cpu = cpu_medians["verify (structure + digests + NaN/Inf + file checksum)"] / (size / 1e9)
+        cores = os.cpu_count() or 1
+        print(f"verify needs {verify_cpu:.3f} CPU s per GB: {cores / verify_cpu:.2f} GB/s on {cores} idle cores")
         sha = medians["sha256sum"]
         print(f"verify is {sha / verify_s:.1f}x faster than sha256sum; cat reads at {size / medians['cat > /dev/null'] / 1e9:.2f} GB/s")
     return 0
