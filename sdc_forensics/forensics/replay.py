@@ -231,7 +231,13 @@ class Replayer:
             recipe_mod.before_step(self.recipe, model, optimizer)
             optimizer.step()
             recipe_mod.after_step(self.recipe, model, optimizer, scheduler)
-            evidence += self._compare_weights(step, recs, model, tolerant_from is not None, bool(step_evidence or reduce_evidence))
+            weights_evidence, majority_differs = self._compare_weights(step, recs, model, tolerant_from is not None,
+                                                                       bool(step_evidence or reduce_evidence))
+            evidence += weights_evidence
+            if majority_differs and tolerant_from is None and not step_evidence and not reduce_evidence:
+                tolerant_from = step + 1
+                notes.append(f"step {step}: the replayed weights are not bitwise the replicas' majority (an update or "
+                             "reduction this replay does not reproduce): later steps are compared within the sketch tolerance")
             last = step
             if on_step is not None:
                 on_step(step)
@@ -312,6 +318,8 @@ class Replayer:
     def _reduce(self, step, recs, ranks, tolerant, drift):
         """The replicas' average: the collective's order when one reproduces the record."""
         per_rank = [rs.buckets for rs in ranks]
+        if not ((recs["flags"] & int(F.Flag.HAS_GRADS)) != 0).all():
+            return env.reduce_buckets(per_rank, env.REDUCTION_ORDERS[0]), "", [], ""  # nothing recorded to compare
         recorded = recs["reduced_digest"].astype(np.uint64)
         values, counts = np.unique(recorded, return_counts=True)
         majority = int(values[np.argmax(counts)]) if counts.max() * 2 > len(recorded) else None
@@ -350,16 +358,19 @@ class Replayer:
                          detail="these ranks' all-reduce result differs from the replayed average the other ranks received")]
 
     def _compare_weights(self, step, recs, model, tolerant, explained):
+        """Replica weights vs the replay's; ``(evidence, replay differs from the majority)``."""
         has_w = (recs["flags"] & int(F.Flag.HAS_WEIGHTS)) != 0
         if not has_w.any() or tolerant:
-            return []
+            return [], False
         replayed = weights_digest(model.named_parameters(), self.seed)
         off = tuple(int(r) for r in np.flatnonzero(has_w & (recs["weights_digest"] != np.uint64(replayed))))
-        if not off or explained or len(off) * 2 >= int(has_w.sum()):
-            return []
+        if not off or explained:
+            return [], False
+        if len(off) * 2 >= int(has_w.sum()):
+            return [], True
         return [Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=off, source="replay", expected=hex64(replayed),
                          found=", ".join(hex64(int(recs[r]["weights_digest"])) for r in off), location=Location.OPTIMIZER_UPDATE,
-                         detail="same gradients in, different weights out: this replica's optimizer update went wrong")]
+                         detail="same gradients in, different weights out: this replica's optimizer update went wrong")], False
 
 
 def replay_window(trace: Trace, recipe, options: ReplayOptions, on_step: Callable[[int], None] | None = None) -> ReplayResult:
