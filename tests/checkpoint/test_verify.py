@@ -174,3 +174,18 @@ def test_dcp_flipped_data_byte_is_caught_by_the_chunk_crc(tmp_path):
     result = _invoke("verify-checkpoint", str(folder), "--json")
     assert result.exit_code == 1, result.output
     assert [f["kind"] for f in json.loads(result.stdout)["report"]["findings"]] == ["file-damaged"]
+
+
+def test_parallel_and_sequential_measuring_agree_and_threads_are_restored(tmp_path):
+    from sdc_forensics.checkpoint import VerifyOptions
+
+    tensors = {f"t{i}": torch.randn(1000 + i) for i in range(20)}
+    tensors["bad"] = torch.tensor([1.0, float("inf")])
+    path = tmp_path / "m.safetensors"
+    save_file(tensors, path)
+    threads = torch.get_num_threads()
+    parallel = verify_checkpoint(path, options=VerifyOptions(workers=4))
+    assert torch.get_num_threads() == threads
+    sequential = verify_checkpoint(path, options=VerifyOptions(workers=1))
+    assert parallel.tensors == sequential.tensors and parallel.files == sequential.files
+    assert [f.subject for f in parallel.findings] == ["bad"]
