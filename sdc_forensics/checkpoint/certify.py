@@ -213,6 +213,23 @@ def certify_checkpoints(
     return statuses
 
 
+def unnoted_checkpoints(notes: Sequence[CheckpointNote], directory: str | os.PathLike) -> list[Path]:
+    """Checkpoint-looking entries of ``directory`` that no note names: saved without the recorder
+    seeing it (or its note was lost), so nothing can be certified about them."""
+    from sdc_forensics.checkpoint.formats import TORCH_SUFFIXES
+
+    noted = {Path(n.path).name for n in notes}
+    out = []
+    for entry in sorted(Path(directory).iterdir()):
+        if entry.name in noted:
+            continue
+        looks = entry.is_file() and entry.suffix in (*TORCH_SUFFIXES, ".safetensors")
+        looks = looks or (entry.is_dir() and ((entry / ".metadata").exists() or any(entry.glob("*.safetensors"))))
+        if looks:
+            out.append(entry)
+    return out
+
+
 def last_clean(statuses: Sequence[CheckpointStatus]) -> CheckpointStatus | None:
     """The clean checkpoint with the highest step: the resume point (None if there is none)."""
     clean = [s for s in statuses if s.clean]

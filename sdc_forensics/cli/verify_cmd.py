@@ -152,7 +152,7 @@ def certify_cmd(ctx: click.Context, trace_dir: Path, checkpoints_dir: Path | Non
     """Certify every checkpoint of a run and name the last clean one (the resume point)."""
     from sdc_forensics.checkpoint import VerifyOptions
     from sdc_forensics.checkpoint.certificate import build_certificate, write_certificate
-    from sdc_forensics.checkpoint.certify import certify_checkpoints, last_clean
+    from sdc_forensics.checkpoint.certify import certify_checkpoints, last_clean, unnoted_checkpoints
     from sdc_forensics.checkpoint.serialize import status_to_json
     from sdc_forensics.checkpoint.trace_context import load_trace_context
     from sdc_forensics.errors import UsageError
@@ -170,6 +170,8 @@ def certify_cmd(ctx: click.Context, trace_dir: Path, checkpoints_dir: Path | Non
         options=VerifyOptions(seed=trace.seed),
     )
     resume = last_clean(statuses)
+    folders = {checkpoints_dir} if checkpoints_dir is not None else {Path(s.path).parent for s in statuses if s.path}
+    unnoted = [path for folder in sorted(folders) for path in unnoted_checkpoints(trace.notes, folder)]
     table = Table(title=f"checkpoints of {escape(str(trace_dir))}", title_justify="left")
     for column in ("step", "status", "path", "reasons"):
         table.add_column(column)
@@ -179,6 +181,8 @@ def certify_cmd(ctx: click.Context, trace_dir: Path, checkpoints_dir: Path | Non
     err.print(table)
     for line in trace.damage:
         err.print(f"[yellow]trace damage:[/] {escape(line)}")
+    for path in unnoted:
+        err.print(f"[yellow]unverified:[/] {escape(str(path))} has no checkpoint note in the trace; nothing can be certified about it")
     divergence = "none found" if trace.first_divergent_step is None else f"{trace.first_divergent_step} (from {trace.divergence_source})"
     err.print(f"first divergent step: {divergence}")
     if not statuses:
@@ -202,6 +206,7 @@ def certify_cmd(ctx: click.Context, trace_dir: Path, checkpoints_dir: Path | Non
                 "trace_consistent": trace.consistent,
                 "trace_damage": list(trace.damage),
                 "checkpoints": [status_to_json(s) for s in statuses],
+                "unnoted": [str(p) for p in unnoted],
                 "resume_step": resume.step if resume else None,
                 "resume_path": resume.path if resume else None,
                 "certificate": str(certificate_out) if certificate_out else None,

@@ -145,3 +145,13 @@ def test_certify_command_with_moved_checkpoints(make_run, tmp_path):
     found = CliRunner().invoke(cli, ["certify", str(run.trace_dir), "--checkpoints", str(moved)])
     assert found.exit_code == 0, found.output
     assert CliRunner().invoke(cli, ["certify", str(run.trace_dir), "--checkpoints", str(tmp_path / "none")]).exit_code == 2
+
+
+def test_certify_lists_checkpoint_files_without_a_note(make_run):
+    run = make_run(steps=2)
+    stray = run.checkpoints_dir / "manual-save.pt"
+    stray.write_bytes(run.checkpoints[2].read_bytes())
+    result = CliRunner().invoke(cli, ["certify", str(run.trace_dir), "--json"])
+    assert result.exit_code == 0
+    assert json.loads(result.stdout)["unnoted"] == [str(stray)]
+    assert "has no checkpoint note in the trace" in " ".join(result.stderr.split())
