@@ -14,7 +14,7 @@ from pathlib import Path
 
 from sdc_forensics.checkpoint.base import CheckpointReader
 from sdc_forensics.checkpoint.dcp_reader import METADATA_NAME, DcpReader
-from sdc_forensics.checkpoint.hf_index import INDEX_SUFFIX, HfIndexReader, find_index
+from sdc_forensics.checkpoint.hf_index import INDEX_SUFFIX, HfIndexReader, find_index, is_index_name
 from sdc_forensics.checkpoint.safetensors_reader import SafetensorsReader
 from sdc_forensics.checkpoint.torch_reader import TorchReader
 from sdc_forensics.errors import CheckpointError
@@ -41,7 +41,7 @@ def detect_format(path: str | os.PathLike) -> str:
         raise CheckpointError(f"{path} does not exist; check the path")
     if not path.is_file():
         raise CheckpointError(f"{path} is not a regular file or directory")
-    if path.name.endswith(INDEX_SUFFIX):
+    if is_index_name(path.name):
         return "hf-index"
     with open(path, "rb") as fh:  # read-only
         head = fh.read(9)

@@ -1,4 +1,5 @@
-"""Hugging Face sharded safetensors: ``*.safetensors.index.json`` and the shards it names.
+"""Hugging Face sharded checkpoints: ``*.safetensors.index.json`` (or ``*.bin.index.json``, with
+``torch.save`` shards) and the shards it names.
 
 Index layout (JSON)::
 
@@ -9,7 +10,8 @@ Checks, each one line in a :class:`CheckpointError`: the index is a JSON object 
 ``weight_map`` of strings to plain file names in the index's directory (no ``/``, no ``..``);
 every shard it names exists and passes the safetensors structure checks; every tensor it names
 is in the shard it names; every tensor of every shard is named by the index, for that shard.
-Tensors are then read shard by shard through :class:`SafetensorsReader`.
+Tensors are then read shard by shard through :class:`SafetensorsReader` (or :class:`TorchReader`
+for ``.bin``/``.pt`` shards, never unpickling anything outside the ``weights_only`` allow-list).
 """
 
 from __future__ import annotations
@@ -20,16 +22,23 @@ from pathlib import Path
 
 import torch
 
-from sdc_forensics.checkpoint.base import CheckpointReader, MappedFile, TensorInfo
+from sdc_forensics.checkpoint.base import CheckpointReader, FileIssue, MappedFile, SingleFileReader, TensorInfo
 from sdc_forensics.checkpoint.safetensors_reader import SafetensorsReader
+from sdc_forensics.checkpoint.torch_reader import TorchReader
 from sdc_forensics.errors import CheckpointError
 
 INDEX_SUFFIX = ".safetensors.index.json"
+INDEX_SUFFIXES = (INDEX_SUFFIX, ".bin.index.json", ".pt.index.json")
+
+
+def is_index_name(name: str) -> bool:
+    """Whether ``name`` is an HF index file name."""
+    return name.endswith(INDEX_SUFFIXES)
 
 
 def find_index(directory: Path) -> Path | None:
-    """The one ``*.safetensors.index.json`` in ``directory``, None if there is none."""
-    found = sorted(directory.glob(f"*{INDEX_SUFFIX}"))
+    """The one HF index (``*.safetensors.index.json``, ``*.bin.index.json``) in ``directory``."""
+    found = sorted(p for p in directory.glob("*.index.json") if is_index_name(p.name))
     if len(found) > 1:
         names = ", ".join(p.name for p in found)
         raise CheckpointError(f"{directory} holds several index files ({names}); pass the one to verify")
@@ -50,7 +59,7 @@ class HfIndexReader(CheckpointReader):
         index_path = Path(index_path)
         super().__init__(index_path, index_path.parent)
         self.weight_map, self.metadata = _read_index(index_path)
-        self._shards: dict[str, SafetensorsReader] = {}
+        self._shards: dict[str, SingleFileReader] = {}
         try:
             for shard in sorted(set(self.weight_map.values())):
                 shard_path = self.root / shard
@@ -58,18 +67,22 @@ class HfIndexReader(CheckpointReader):
                     raise CheckpointError(
                         f"{index_path} names shard {shard!r}, which does not exist in {self.root}: the checkpoint is incomplete"
                     )
-                self._shards[shard] = SafetensorsReader(shard_path, root=self.root, populate=populate)
+                if shard_path.suffix == ".safetensors":
+                    self._shards[shard] = SafetensorsReader(shard_path, root=self.root, populate=populate)
+                else:
+                    self._shards[shard] = TorchReader(shard_path)
             self._check_completeness()
         except CheckpointError:
             self.close()
             raise
 
     def _check_completeness(self) -> None:
+        keys = {shard: {info.key for info in reader.infos()} for shard, reader in self._shards.items()}
         for name, shard in self.weight_map.items():
-            if name not in self._shards[shard].keys():
+            if name not in keys[shard]:
                 raise CheckpointError(f"{self.path} puts tensor {name!r} in shard {shard!r}, but that shard does not hold it")
-        for shard, reader in self._shards.items():
-            for name in reader.keys():
+        for shard in self._shards:
+            for name in sorted(keys[shard]):
                 listed = self.weight_map.get(name)
                 if listed != shard:
                     where = "does not list it" if listed is None else f"puts it in {listed!r}"
@@ -83,7 +96,7 @@ class HfIndexReader(CheckpointReader):
         return {reader.path: reader.mapped for reader in self._shards.values()}
 
     @property
-    def shards(self) -> dict[str, SafetensorsReader]:
+    def shards(self) -> dict[str, SingleFileReader]:
         """Shard file name -> its reader, sorted by name."""
         return dict(self._shards)
 
@@ -93,6 +106,9 @@ class HfIndexReader(CheckpointReader):
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for reader in self._shards.values():
             yield from reader.tensors()
+
+    def file_issues(self) -> list[FileIssue]:
+        return [issue for reader in self._shards.values() for issue in reader.file_issues()]
 
     def step(self) -> int | None:
         value = self.metadata.get("step")

@@ -189,3 +189,19 @@ def test_parallel_and_sequential_measuring_agree_and_threads_are_restored(tmp_pa
     sequential = verify_checkpoint(path, options=VerifyOptions(workers=1))
     assert parallel.tensors == sequential.tensors and parallel.files == sequential.files
     assert [f.subject for f in parallel.findings] == ["bad"]
+
+
+def test_hf_bin_index_with_torch_shards(tmp_path):
+    torch.save({"a": torch.ones(40)}, tmp_path / "pytorch_model-00001-of-00002.bin")
+    torch.save({"b": torch.zeros(3)}, tmp_path / "pytorch_model-00002-of-00002.bin")
+    index = tmp_path / "pytorch_model.bin.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "pytorch_model-00001-of-00002.bin", "b": "pytorch_model-00002-of-00002.bin"}}))
+    report = verify_checkpoint(tmp_path)
+    assert report.ok and sorted(t.key for t in report.tensors) == ["a", "b"]
+    start, size = zip_member_offset(tmp_path / "pytorch_model-00001-of-00002.bin", "/data/0")
+    flip_byte(tmp_path / "pytorch_model-00001-of-00002.bin", start + 7)
+    result = _invoke("verify-checkpoint", str(index))
+    assert result.exit_code == 1 and "file-damaged" in result.output
+    index.write_text(json.dumps({"weight_map": {"a": "pytorch_model-00001-of-00002.bin", "b": "pytorch_model-00001-of-00002.bin"}}))
+    bad = _invoke("verify-checkpoint", str(index))
+    assert bad.exit_code == 3 and "does not hold it" in bad.output
