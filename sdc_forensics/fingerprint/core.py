@@ -123,8 +123,8 @@ class _Digester:
         self.scratch = torch.empty(rows, C.BLOCK_WORDS, dtype=torch.int32, device=device)
 
     def add(self, first_block: int, raw: torch.Tensor) -> None:
-        """Block sums of ``raw`` (uint8, 4-byte aligned), the bytes from block ``first_block`` on."""
-        if raw.numel() % _BLOCK_BYTES:  # the last, partial block is zero-padded
+        """Block sums of ``raw`` (uint8), the bytes from block ``first_block`` on."""
+        if raw.numel() % _BLOCK_BYTES or raw.storage_offset() % 4:  # partial block or odd 16-bit offset
             padded = torch.zeros(-(-raw.numel() // _BLOCK_BYTES) * _BLOCK_BYTES, dtype=torch.uint8, device=self.device)
             padded[: raw.numel()] = raw
             raw = padded
@@ -146,11 +146,6 @@ class _Digester:
         return C.fmix64(total)
 
 
-def _aligned(raw: torch.Tensor) -> torch.Tensor:
-    """``raw`` if it can be viewed as int32 words, else an aligned copy (odd 16-bit offsets)."""
-    return raw if raw.storage_offset() % 4 == 0 else raw.clone()
-
-
 def digest(tensor: torch.Tensor, seed: int = C.DEFAULT_SEED) -> int:
     """Exact digest of a tensor's raw bits, computed on its device.
 
@@ -162,7 +157,7 @@ def digest(tensor: torch.Tensor, seed: int = C.DEFAULT_SEED) -> int:
         The 64-bit digest as a Python int. Identical on CPU and CUDA for identical bits and
         equal to :func:`sdc_forensics.fingerprint.reference.digest_bytes`.
     """
-    raw = _aligned(_raw_bytes(tensor))
+    raw = _raw_bytes(tensor)
     chunk_bytes = 4 * _chunk_elems(raw.device)
     digester = _Digester(raw.numel(), raw.device, seed, chunk_bytes // _BLOCK_BYTES)
     for start in range(0, raw.numel(), chunk_bytes):
@@ -170,18 +165,28 @@ def digest(tensor: torch.Tensor, seed: int = C.DEFAULT_SEED) -> int:
     return digester.value()
 
 
+_PRECISION_FLAGS = ("allow_tf32", "allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
+
+
 @contextlib.contextmanager
 def _full_precision_matmul(device: torch.device):
-    """TF32 off for the sketch matmul: TF32 would put ~1e-3 relative noise into the sketch."""
+    """TF32 and reduced-precision split-K reductions off for the sketch matmul on CUDA.
+
+    TF32 would put ~1e-3 relative noise into the sketch, and 16-bit partial sums in cuBLAS's
+    split-K reductions ~1e-2: either would blow the calibrated tolerance.
+    """
     if device.type != "cuda":
         yield
         return
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
+    settings = torch.backends.cuda.matmul
+    previous = {flag: getattr(settings, flag) for flag in _PRECISION_FLAGS if hasattr(settings, flag)}
+    for flag in previous:
+        setattr(settings, flag, False)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
+        for flag, value in previous.items():
+            setattr(settings, flag, value)
 
 
 def _low_precision_mm_ok(device: torch.device, dtype: torch.dtype) -> bool:
@@ -194,7 +199,7 @@ def _low_precision_mm_ok(device: torch.device, dtype: torch.dtype) -> bool:
             return bool(_cache[key])
     try:
         x = torch.ones(2, 3, C.BLOCK_ELEMS, dtype=dtype, device=device)
-        ok = bool((torch.bmm(x.transpose(1, 2), x, out_dtype=torch.float32) == 2 * 3).all().item())
+        ok = bool((torch.bmm(x.transpose(1, 2), x, out_dtype=torch.float32) == 3).all().item())
         ok = ok and bool((torch.mm(x[0].t(), x[0], out_dtype=torch.float32) == 3).all().item())
     except (RuntimeError, TypeError):
         ok = False
@@ -317,8 +322,7 @@ def fingerprint(
     device = flat.device
     chunk = _chunk_elems(device)  # a multiple of both block sizes, for every element size
     raw = _raw_bytes(flat) if with_digest else None
-    fused = raw is not None and raw.storage_offset() % 4 == 0
-    digester = _Digester(raw.numel(), device, seed, chunk * 4 // _BLOCK_BYTES) if fused else None
+    digester = _Digester(raw.numel(), device, seed, chunk * 4 // _BLOCK_BYTES) if with_digest else None
     sketcher = _Sketcher(flat, k, seed, block_offset, chunk)
     element_bytes = flat.element_size()
     with _full_precision_matmul(device):
@@ -332,11 +336,14 @@ def fingerprint(
         nonfinite = int((~torch.isfinite(flat)).sum().item())
         if nonfinite:
             max_abs = float("nan") if torch.isnan(flat).any() else float("inf")
-    if digester is not None:
-        digest_value = digester.value()
-    else:
-        digest_value = digest(flat, seed) if with_digest else 0
-    return Fingerprint(digest=digest_value, sketch=sketch, norm=norm, max_abs=max_abs, nonfinite=nonfinite, numel=numel)
+    return Fingerprint(
+        digest=digester.value() if digester is not None else 0,
+        sketch=sketch,
+        norm=norm,
+        max_abs=max_abs,
+        nonfinite=nonfinite,
+        numel=numel,
+    )
 
 
 def num_sketch_blocks(numel: int) -> int:

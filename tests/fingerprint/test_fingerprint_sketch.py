@@ -160,3 +160,20 @@ def test_fingerprint_digest_equals_digest_at_any_offset(offset):
     base = torch.randn(2 * (1 << 18) + 3000).to(torch.bfloat16)
     view = base[offset:]
     assert core.fingerprint(view).digest == core.digest(view) == core.digest(view.clone())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_fingerprint_cuda_matches_cpu(dtype):
+    torch.manual_seed(9)
+    for numel in (1025, 300_001, (1 << 24) * 2 + 5):  # more than one CUDA slab, partial block
+        tensor = torch.randn(numel).to(dtype)
+        tensor[7] = float("inf")
+        cpu, gpu = core.fingerprint(tensor, block_offset=3), core.fingerprint(tensor.cuda(), block_offset=3)
+        assert gpu.digest == cpu.digest and gpu.nonfinite == cpu.nonfinite == 1 and gpu.max_abs == cpu.max_abs
+        tensor[7] = 0.0
+        cpu, gpu = core.fingerprint(tensor), core.fingerprint(tensor.cuda())
+        _close(gpu.sketch, reference.sketch(tensor.double().numpy()), tensor, dtype)
+        _close(gpu.sketch, cpu.sketch, tensor, dtype)
+        assert gpu.norm == pytest.approx(cpu.norm, rel=1e-5) and gpu.max_abs == cpu.max_abs
