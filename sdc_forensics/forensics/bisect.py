@@ -32,7 +32,10 @@ from sdc_forensics.trace import format as F
 from sdc_forensics.trace.checkpoints import CheckpointNote, read_checkpoint_notes
 from sdc_forensics.trace.reader import Trace
 
-_STORAGE_FINDINGS = {"digest-mismatch", "file-damaged", "file-checksum-mismatch", "nonfinite", "missing-tensor", "unexpected-tensor"}
+# the file differs from what was saved: storage. NaN/Inf or not-the-majority content was saved that
+# way (a consequence of a divergence, not of the disk); such a checkpoint is not replayed from either.
+_STORAGE_FINDINGS = {"digest-mismatch", "file-damaged", "file-checksum-mismatch", "missing-tensor", "unexpected-tensor"}
+_NOT_A_START = _STORAGE_FINDINGS | {"nonfinite", "weights-not-majority"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -156,7 +159,7 @@ def _verify_files(notes: list[CheckpointNote], checkpoints_dir, trace_path: Path
 
 
 def _damaged(report) -> bool:
-    return any(f.kind.value in _STORAGE_FINDINGS for f in report.findings)
+    return any(f.kind.value in _NOT_A_START for f in report.findings)
 
 
 def _storage_evidence(notes: list[CheckpointNote], reports) -> list[Evidence]:

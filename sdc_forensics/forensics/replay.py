@@ -115,12 +115,34 @@ class ReplayResult:
         return self.last_step - self.start_step + 1
 
 
-@dataclasses.dataclass(kw_only=True)
 class _RankStep:
-    fp: Fingerprint
-    buckets: list[torch.Tensor]
-    input_digest: int
-    loss: float
+    """One rank's recomputed step; digests, sketches and input digests are computed on demand
+    (an exact match needs only the gradient digest, so the rest is paid for mismatches only)."""
+
+    def __init__(self, replayer: "Replayer", buckets: list[torch.Tensor], batches: list, loss: float) -> None:
+        self._replayer, self.buckets, self._batches, self.loss = replayer, buckets, batches, loss
+        self._digest: int | None = None
+        self._fp: Fingerprint | None = None
+        self._input: int | None = None
+
+    @property
+    def digest(self) -> int:
+        if self._digest is None:
+            self._digest = self._fp.digest if self._fp is not None else self._replayer.digest_of(self.buckets)
+        return self._digest
+
+    @property
+    def fp(self) -> Fingerprint:
+        if self._fp is None:
+            self._fp = self._replayer.fp_of(self.buckets)
+        return self._fp
+
+    @property
+    def input_digest(self) -> int:
+        if self._input is None:
+            seed = self._replayer.seed
+            self._input = combine_digests([digest(t, seed) for batch in self._batches for t in flatten_state(batch).values()])
+        return self._input
 
 
 class Replayer:
@@ -137,28 +159,29 @@ class Replayer:
 
     # -- one rank's local gradient -------------------------------------------------------------
     def local_step(self, model, record, buckets_layout) -> _RankStep:
-        """Recompute one rank's loss, input digest and local gradient at one step."""
+        """Recompute one rank's loss and local gradient (per bucket) at one step."""
         params = list(model.parameters())
         for p in params:
             p.grad = None
-        input_digests, total_loss = [], 0.0
+        batches, total_loss = [], 0.0
         for mb_id in self.trace.microbatch_ids(record):
             batch = self.recipe.fetch_microbatch(int(mb_id), self.device)
-            input_digests += [digest(t, self.seed) for t in flatten_state(batch).values()]
             loss = self.recipe.loss(model, batch)
             loss.backward()
             total_loss += float(loss.detach())
-        buckets, parts, offset = [], [], 0
-        for bucket in buckets_layout:
-            flat = torch.cat([
-                (params[i].grad if params[i].grad is not None else torch.zeros_like(params[i])).reshape(-1) for i in bucket
-            ])
-            parts.append(fingerprint(flat, k=self.k, seed=self.seed, block_offset=offset))
-            offset += num_sketch_blocks(flat.numel())
-            buckets.append(flat)
-        return _RankStep(fp=combine(parts), buckets=buckets, input_digest=combine_digests(input_digests), loss=total_loss)
+            batches.append(batch)
+        buckets = [
+            torch.cat([(params[i].grad if params[i].grad is not None else torch.zeros_like(params[i])).reshape(-1) for i in bucket])
+            for bucket in buckets_layout
+        ]
+        return _RankStep(self, buckets, batches, total_loss)
 
-    def _fp_of(self, buckets: list[torch.Tensor]) -> Fingerprint:
+    def digest_of(self, buckets: list[torch.Tensor]) -> int:
+        """The exact digest of a gradient held in bucket buffers (``combine`` of the buckets' digests)."""
+        return combine_digests([digest(flat, self.seed) for flat in buckets])
+
+    def fp_of(self, buckets: list[torch.Tensor]) -> Fingerprint:
+        """The full fingerprint, buckets sketched with consecutive block offsets, as the recorder does."""
         parts, offset = [], 0
         for flat in buckets:
             parts.append(fingerprint(flat, k=self.k, seed=self.seed, block_offset=offset))
@@ -191,13 +214,17 @@ class Replayer:
         last = options.start_step - 1
         first_divergent: int | None = None
         params = list(model.parameters())
+        layouts: dict[int, tuple] = {}
         for row, step in enumerate(window.steps.tolist()):
             present = window.present[row]
             if not present.all():
                 notes.append(f"step {step}: ranks {np.flatnonzero(~present).tolist()} have no record; replay stops before it")
                 break
             recs = window.records[row]
-            layout, recorded_layout = env.layout_at(env.bucket_layouts(self.trace.path, int(window.attempt[row, 0])), step, len(params))
+            attempt = int(window.attempt[row, 0])
+            if attempt not in layouts:
+                layouts[attempt] = env.bucket_layouts(self.trace.path, attempt)
+            layout, recorded_layout = env.layout_at(layouts[attempt], step, len(params))
             if not recorded_layout and tolerant_from is None:
                 tolerant_from = step
                 notes.append("no bucket layout recorded: gradients compared by norm within tolerance only")
@@ -226,7 +253,7 @@ class Replayer:
                 offset = 0
                 for index in bucket:
                     n = params[index].numel()
-                    params[index].grad = flat[offset : offset + n].view_as(params[index]).clone()
+                    params[index].grad = flat[offset : offset + n].view_as(params[index])  # a view, as DDP's bucket views
                     offset += n
             recipe_mod.before_step(self.recipe, model, optimizer)
             optimizer.step()
@@ -258,14 +285,9 @@ class Replayer:
         bad, evidence, within = [], [], []
         for r, rs in enumerate(ranks):
             rec = recs[r]
-            recorded_input = int(rec["input_digest"])
-            if recorded_input and rs.input_digest != recorded_input:
-                evidence.append(Evidence(kind=EvidenceKind.INPUT_MISMATCH, step=step, ranks=(r,), expected=hex64(rs.input_digest),
-                                         found=hex64(recorded_input), location=Location.INPUT_DATA, source="replay",
-                                         detail=f"rank {r}'s input bytes differ from microbatches {self.trace.microbatch_ids(rec).tolist()} fetched again"))
             if not int(rec["flags"]) & F.Flag.HAS_GRADS:
                 continue
-            exact_same = rs.fp.digest == int(rec["local_digest"])
+            exact_same = rs.digest == int(rec["local_digest"])
             if exact_same and not tolerant:
                 continue
             residual = float(np.abs(rs.fp.sketch - rec["local_sketch"].astype(np.float64)).max())
@@ -276,20 +298,25 @@ class Replayer:
             if ok:
                 within.append(r)
             bad.append(r)
+            recorded_input = int(rec["input_digest"])
+            input_off = bool(recorded_input) and rs.input_digest != recorded_input
+            if input_off:
+                evidence.append(Evidence(kind=EvidenceKind.INPUT_MISMATCH, step=step, ranks=(r,), expected=hex64(rs.input_digest),
+                                         found=hex64(recorded_input), location=Location.INPUT_DATA, source="replay",
+                                         detail=f"rank {r}'s input bytes differ from microbatches {self.trace.microbatch_ids(rec).tolist()} fetched again"))
             evidence.append(Evidence(
                 kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=(r,), source="replay",
-                expected=f"local gradient {hex64(rs.fp.digest)} (replayed)" if not tolerant else f"local sketch within {tol:.3g}",
+                expected=f"local gradient {hex64(rs.digest)} (replayed)" if not tolerant else f"local sketch within {tol:.3g}",
                 found=f"{hex64(int(rec['local_digest']))} recorded" + ("" if not tolerant else f", residual {residual:.3g}"),
-                location=Location.INPUT_DATA if any(e.kind is EvidenceKind.INPUT_MISMATCH and e.ranks == (r,) for e in evidence)
-                else Location.LOCAL_COMPUTE,
+                location=Location.INPUT_DATA if input_off else Location.LOCAL_COMPUTE,
                 detail=f"rank {r}'s recorded local gradient is not what its microbatches give with the replicas' weights",
             ))
         if not tolerant and len(within) == len(ranks) and len(ranks) > 1:
             return None, []
         inputs_off = [e for e in evidence if e.kind is EvidenceKind.INPUT_MISMATCH]
-        if len(ranks) > 1 and len(inputs_off) == len(ranks) and not bad:
-            # every rank "differs" yet every gradient matches: the recorder digests inputs differently
-            evidence = [e for e in evidence if e.kind is not EvidenceKind.INPUT_MISMATCH]
+        if len(ranks) > 1 and len(inputs_off) == len(ranks):
+            # every rank's input "differs": the recorder digests inputs differently; not evidence
+            evidence = [dataclasses.replace(e, location=Location.LOCAL_COMPUTE) for e in evidence if e.kind is not EvidenceKind.INPUT_MISMATCH]
         return bad, evidence
 
     def _tie_break(self, model, step, recs, layout, ranks, bad, tolerant):
@@ -300,8 +327,8 @@ class Replayer:
                 confirmed.append(r)  # digests are not comparable here; the sketch already decided
                 continue
             second = self.local_step(model, recs[r], layout)
-            again = second.fp.digest
-            recorded, first = int(recs[r]["local_digest"]), ranks[r].fp.digest
+            again = second.digest
+            recorded, first = int(recs[r]["local_digest"]), ranks[r].digest
             if again == first:
                 confirmed.append(r)
                 notes.append(f"step {step}, rank {r}: a second replay agrees with the first (2 votes to 1 against the record)")
@@ -326,11 +353,12 @@ class Replayer:
         candidates = {}
         for order in env.REDUCTION_ORDERS:
             reduced = env.reduce_buckets(per_rank, order)
-            fp = self._fp_of(reduced)
-            candidates[order] = (reduced, fp)
-            if majority is not None and fp.digest == majority:
-                return reduced, order, self._reduced_minority(step, recs, fp, majority), ""
-        reduced, fp = candidates[env.REDUCTION_ORDERS[0]]
+            value = self.digest_of(reduced)
+            candidates[order] = reduced
+            if majority is not None and value == majority:
+                return reduced, order, self._reduced_minority(step, recs, value, majority), ""
+        reduced = candidates[env.REDUCTION_ORDERS[0]]
+        fp = self.fp_of(reduced)
         evidence = []
         for r in range(len(ranks)):
             residual = float(np.abs(fp.sketch - recs[r]["reduced_sketch"].astype(np.float64)).max())
@@ -349,11 +377,11 @@ class Replayer:
                 "later steps are compared within the sketch tolerance")
         return reduced, "", [], note
 
-    def _reduced_minority(self, step, recs, fp, majority):
+    def _reduced_minority(self, step, recs, replayed_digest, majority):
         ranks = tuple(int(r) for r in np.flatnonzero(recs["reduced_digest"] != np.uint64(majority)))
         if not ranks:
             return []
-        return [Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=ranks, source="replay", expected=hex64(fp.digest),
+        return [Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=ranks, source="replay", expected=hex64(replayed_digest),
                          found=", ".join(hex64(int(recs[r]["reduced_digest"])) for r in ranks), location=Location.COLLECTIVE,
                          detail="these ranks' all-reduce result differs from the replayed average the other ranks received")]
 
