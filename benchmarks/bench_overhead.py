@@ -187,6 +187,8 @@ def main() -> None:
         "median_step_s_bare": round(bare, 4),
         "median_step_s_recorded": round(recorded, 4),
         "overhead_pct": round(100 * (recorded / bare - 1), 2),
+        # the two steps of a pair ran back to back: their ratio cancels the machine's slower drifts
+        "paired_overhead_pct": round(100 * (statistics.median(r / b for r, b in zip(times["recorded"], times["bare"])) - 1), 2),
         "median_step_s_audited": round(audited, 4),
         "audit_overhead_pct": round(100 * (audited / bare - 1), 1),
         "recorder_parts_ms": result["parts_ms"],
