@@ -132,7 +132,10 @@ def decide(
     if error:
         return CheckpointStatus(step=step, path=path, status=Status.CORRUPT, reasons=(f"unreadable or malformed: {error}",))
     corrupt: list[str] = [f"{f.kind.value} {f.subject}: {f.detail}" for f in report.findings]
-    if note.saved_by_rank in note.diverged_ranks:
+    if not note.blessed and not note.agreeing_ranks:
+        corrupt.insert(0, f"saved from rank {note.saved_by_rank} with no strict majority among the replicas: "
+                          "it may be a diverged replica, and the recorder did not bless it")
+    elif note.saved_by_rank in note.diverged_ranks:
         corrupt.insert(0, f"saved from rank {note.saved_by_rank}, a diverged replica (not the majority's weights)")
     elif not note.blessed:
         corrupt.insert(0, "the recorder refused to bless it (no strict majority, or the saving rank was not in it)")
