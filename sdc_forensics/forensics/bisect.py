@@ -209,7 +209,7 @@ def _replay(trace: Trace, tri: TriageResult, usable: list[CheckpointNote], recip
             path = _resolve(note, options.checkpoints_dir, trace.path)
             replay_opts = ReplayOptions(start_step=note.step, stop_step=hi, checkpoint_path=path,
                                         expected_weights_digest=note.weights_digest, device=options.device,
-                                        force_device=options.force_device, suspect_gpus=suspect_gpus)
+                                        force_device=options.force_device, suspect_gpus=suspect_gpus, reduction_order=order)
             if progress is not None:
                 progress.window(note.step, hi, reason)
             try:

@@ -65,6 +65,8 @@ class ReplayOptions:
         suspect_gpus: ``{gpu_uuid: rank}`` the replay must not run on.
         stop_at_divergence: stop after the first step with a mismatch.
         num_threads: CPU threads (None: what the manifest recorded, else torch's default).
+        reduction_order: the summation order an earlier replay of this run found (``gloo-ring``,
+            ``sequential``), "" if none yet.
     """
 
     start_step: int
@@ -76,6 +78,7 @@ class ReplayOptions:
     suspect_gpus: dict[str, int] = dataclasses.field(default_factory=dict)
     stop_at_divergence: bool = True
     num_threads: int | None = None
+    reduction_order: str = ""
 
     def __post_init__(self) -> None:
         if self.stop_step < self.start_step:
@@ -156,6 +159,7 @@ class Replayer:
         self.k = trace.sketch_k
         self.grad_dtype = trace.manifest.fingerprint.grad_dtype
         self.world_size = trace.world_size
+        self.known_order = ""  # the summation order that reproduced this run's all-reduce, once seen
 
     # -- one rank's local gradient -------------------------------------------------------------
     def local_step(self, model, record, buckets_layout) -> _RankStep:
@@ -195,6 +199,7 @@ class Replayer:
     # -- the window ---------------------------------------------------------------------------
     def run(self, options: ReplayOptions, on_step: Callable[[int], None] | None = None) -> ReplayResult:
         """Replay ``options.start_step .. options.stop_step`` and compare with the trace."""
+        self.known_order = options.reduction_order
         model, optimizer, scheduler = self.recipe.build(self.device)
         self.recipe.load_checkpoint(str(options.checkpoint_path), model, optimizer, scheduler)
         start_digest = hex64(weights_digest(model.named_parameters(), self.seed))
@@ -351,14 +356,26 @@ class Replayer:
         values, counts = np.unique(recorded, return_counts=True)
         majority = int(values[np.argmax(counts)]) if counts.max() * 2 > len(recorded) else None
         candidates = {}
-        for order in env.REDUCTION_ORDERS:
+        orders = (self.known_order,) if self.known_order and not tolerant else env.REDUCTION_ORDERS
+        for order in orders:
             reduced = env.reduce_buckets(per_rank, order)
             value = self.digest_of(reduced)
             candidates[order] = reduced
             if majority is not None and value == majority:
+                self.known_order = order
                 return reduced, order, self._reduced_minority(step, recs, value, majority), ""
-        reduced = candidates[env.REDUCTION_ORDERS[0]]
+        reduced = candidates[orders[0]]
         fp = self.fp_of(reduced)
+        if self.known_order and not tolerant and majority is not None:
+            # every local gradient replayed bit for bit, and the order that reproduced this run's
+            # all-reduce before does not reproduce this one: the collective changed bits, even
+            # below the sketch tolerance (the blind spot of the trace's all-reduce check)
+            return reduced, self.known_order, [Evidence(
+                kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=(), source="replay", location=Location.COLLECTIVE,
+                expected=f"reduced gradient {hex64(self.digest_of(reduced))} ({self.known_order} order, as at earlier steps)",
+                found=f"{hex64(majority)} on {int(counts.max())} of {len(recorded)} ranks",
+                detail="the all-reduce result every rank received is not the average of the replayed local gradients",
+            )], ""
         evidence = []
         for r in range(len(ranks)):
             residual = float(np.abs(fp.sketch - recs[r]["reduced_sketch"].astype(np.float64)).max())

@@ -13,6 +13,7 @@ from sdc_forensics.forensics import replay_env as env
 from sdc_forensics.forensics.bisect import BisectOptions, bisect
 from sdc_forensics.forensics.evidence import EvidenceKind, Location
 from sdc_forensics.forensics.replay import ReplayOptions, StartStateMismatch, replay_window
+from sdc_forensics.forensics.triage import triage_trace
 from sdc_forensics.recipe import load_recipe
 from sdc_forensics.trace.checkpoints import read_checkpoint_notes
 from sdc_forensics.trace.reader import Trace
@@ -149,3 +150,15 @@ def test_bisect_skips_a_damaged_checkpoint_file(sim, tmp_path):
     assert statuses[4] == "corrupt" and result.last_clean_checkpoint.step == 0
     assert result.replayed.windows[0].start == 0  # never replayed from the damaged file
     assert any(e.kind is EvidenceKind.CHECKPOINT_MISMATCH and e.step == 4 for e in result.evidence)
+
+
+def test_collective_fault_below_the_sketch_tolerance_is_found_once_the_order_is_known(sim):
+    """allreduce-all with a low mantissa flip: the trace's sketch check cannot see it; the replay,
+    which learned gloo's summation order on the later interval, sees the bits change."""
+    out = sim(SimFault(where="allreduce-all", step=5, bit=9))
+    assert triage_trace(Trace.open(out / "trace")).findings == ()
+    result = bisect(out / "trace", BisectOptions(checkpoints_dir=out / "checkpoints"))
+    assert (result.verdict.value, result.first_divergent_step) == ("corruption", 5)
+    [suspect] = result.suspects
+    assert (suspect.rank, suspect.location) == (None, Location.COLLECTIVE)
+    assert result.replayed.comparison == "exact"
