@@ -134,27 +134,29 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str, trace_dir:
     rec = Recorder(trace_dir, ddp_rec, opt_rec, recipe="bench_overhead:recipe",
                    options=RecorderOptions(audit_steps=audit_steps, node_of_rank=tuple(range(WORLD_SIZE))))
     times: dict[str, list[float]] = {"recorded": [], "bare": [], "audited": []}
+    cpu: dict[str, list[float]] = {"recorded": [], "bare": [], "audited": []}  # process CPU seconds
     for step in range(warmup + steps + args.audit_steps):
         ids = [(step * WORLD_SIZE + rank) * MICROBATCHES + m for m in range(MICROBATCHES)]
         batches = [recipe.fetch_microbatch(i) for i in ids]
         order = ("recorded", "bare") if step % 2 == 0 else ("bare", "recorded")
         for kind in order if step < warmup + steps else ("recorded",):
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             if kind == "bare":
                 _step(ddp_bare, opt_bare, batches)
             else:
                 with rec.step(step, microbatch_ids=ids) as handle:
                     _step(ddp_rec, opt_rec, batches, handle)
-            elapsed = time.perf_counter() - start
+            elapsed, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
             if step >= warmup:
                 times["audited" if step in audit_steps else kind].append(elapsed)
+                cpu["audited" if step in audit_steps else kind].append(cpu_s)
     rec.close()
     dist.barrier()
     trace_bytes = sum(p.stat().st_size for p in Path(trace_dir).glob("rank-*.sdct"))
     if rank == 0:
         params = sum(p.numel() for p in model_rec.parameters())
-        Path(out).write_text(json.dumps({"times": times, "params": params, "trace_bytes": trace_bytes, "parts_ms": _parts_ms(model_rec)}))
+        Path(out).write_text(json.dumps({"times": times, "cpu": cpu, "params": params, "trace_bytes": trace_bytes, "parts_ms": _parts_ms(model_rec)}))
     dist.destroy_process_group()
 
 
@@ -189,6 +191,10 @@ def main() -> None:
         "overhead_pct": round(100 * (recorded / bare - 1), 2),
         # the two steps of a pair ran back to back: their ratio cancels the machine's slower drifts
         "paired_overhead_pct": round(100 * (statistics.median(r / b for r, b in zip(times["recorded"], times["bare"])) - 1), 2),
+        # CPU seconds of rank 0's process: what the recorder costs, whatever else the machine runs
+        "median_step_cpu_s_bare": round(statistics.median(result["cpu"]["bare"]), 4),
+        "median_step_cpu_s_recorded": round(statistics.median(result["cpu"]["recorded"]), 4),
+        "cpu_overhead_pct": round(100 * (statistics.median(result["cpu"]["recorded"]) / statistics.median(result["cpu"]["bare"]) - 1), 2),
         "median_step_s_audited": round(audited, 4),
         "audit_overhead_pct": round(100 * (audited / bare - 1), 1),
         "recorder_parts_ms": result["parts_ms"],
