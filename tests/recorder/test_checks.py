@@ -132,3 +132,24 @@ def test_microbatch_ids_contiguous_or_ids_records():
     assert rec["microbatch_first"][0] == 4 and rec["microbatch_count"][0] == 3
     rec = np.zeros(1, dtype=F.record_dtype(8))
     assert records.fill_ids(rec, [9, 2]) is True and not rec["flags"][0] & F.Flag.CONTIGUOUS_IDS
+
+
+def test_non_contiguous_ids_round_trip_through_ids_records(tmp_path):
+    from sdc_forensics.trace import format as F
+    from sdc_forensics.trace.reader import Trace
+    from sdc_forensics.trace.writer import RankTraceWriter
+
+    settings = FingerprintSettings(seed=1, sketch_k=8)
+    write_manifest(tmp_path, records.build_manifest(
+        tmp_path, world_size=1, settings=settings, recipe=None, checkpoint_every=None, audit_every=None,
+        weights_every=1, node_of_rank=(0,), attempt=Attempt(attempt=0, start_step=0),
+    ))
+    ids = [90, 3, 17] + list(range(100, 130))  # more than one IDS record holds
+    with RankTraceWriter(tmp_path, rank=0, attempt=0, world_size=1, sketch_k=8, seed=1) as writer:
+        for step, step_ids in ((0, ids), (1, [5, 6])):
+            records.append_with_ids(writer, writer.new(F.Kind.STEP, step), step_ids, step)
+    trace = Trace.open(tmp_path)
+    rows = [next(trace.step_windows(start=s, stop=s)).records[0, 0] for s in (0, 1)]
+    assert trace.microbatch_ids(rows[0]).tolist() == ids
+    assert trace.microbatch_ids(rows[1]).tolist() == [5, 6]
+    assert int(rows[0]["microbatch_digest"]) == records.ids_digest(ids)
