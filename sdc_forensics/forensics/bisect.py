@@ -132,6 +132,12 @@ def _decide(tri: TriageResult, evidence, suspects, summary: ReplaySummary, mode:
         settle.insert(0, f"evidence at step {vague[0].step} could not be localised ({vague[0].detail}); "
                       "replay that step with the recipe and checkpoints, or enable audits")
         return Verdict.INCONCLUSIVE, scope
+    hints = [e for e in evidence if e.is_hint]
+    if mode == "trace-only" and hints:
+        steps_hinted = sorted({e.step for e in hints})
+        settle.insert(0, f"outlier hints at step(s) {', '.join(map(str, steps_hinted[:5]))}: a replay of those steps "
+                      "(with the recipe and checkpoints) confirms or clears them")
+        return Verdict.INCONCLUSIVE, scope + "; nothing replayed"
     if mode == "trace-only" and not options.trace_only:
         return Verdict.INCONCLUSIVE, scope + "; nothing replayed"
     if mode == "trace-only":

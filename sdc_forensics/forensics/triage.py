@@ -343,21 +343,35 @@ def _robust_z_inner(values: np.ndarray, axis: int) -> np.ndarray:
 
 
 def _outliers(window: StepWindow, threshold: float) -> list[Evidence]:
+    """Loss and local gradient norm far from the ranks' median: robust z above ``threshold`` and
+    more than twice the median's distance from zero (a handful of ranks makes the MAD noisy).
+    A recorded value that overflowed (finite elements, infinite norm) is the most extreme outlier."""
     rec, present = window.records, window.present
     if present.shape[1] < 4:
         return []
     out: list[Evidence] = []
-    with np.errstate(invalid="ignore", divide="ignore"):
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         for field, what in (("loss", "loss"), ("local_norm", "local gradient norm")):
-            values = np.where(present, rec[field].astype(np.float64), np.nan)  # (S, R)
-            values = np.where(np.isfinite(values), values, np.nan)
+            raw = np.where(present, rec[field].astype(np.float64), np.nan)  # (S, R)
+            overflow = present & np.isinf(raw)
+            values = np.where(np.isfinite(raw), raw, np.nan)
+            median = _nanmedian_rows(values)  # (S, 1)
             z = np.nan_to_num(_robust_z(values, axis=1), nan=0.0)  # across ranks, per step
-            for row, rank in zip(*np.nonzero(z > threshold)):
+            far = np.abs(values - median) > np.abs(median)
+            hit = ((z > threshold) & far) | overflow
+            for row, rank in zip(*np.nonzero(hit)):
+                shown = f"{raw[row, rank]:.4g}" + ("" if overflow[row, rank] else f" (robust z {z[row, rank]:.1f})")
                 out.append(Evidence(kind=EvidenceKind.OUTLIER, step=int(window.steps[row]), ranks=(int(rank),),
-                                    expected=f"{what} near the ranks' median {np.nanmedian(values[row]):.4g}",
-                                    found=f"{values[row, rank]:.4g} (robust z {z[row, rank]:.1f})", location=Location.UNKNOWN,
-                                    affects_state=False, detail=f"{what} is an outlier across ranks (a hint only)"))
+                                    expected=f"{what} near the ranks' median {float(median[row, 0]):.4g}", found=shown,
+                                    location=Location.UNKNOWN, affects_state=False,
+                                    detail=f"{what} is an outlier across ranks (a hint only)"))
     return out
+
+
+def _nanmedian_rows(values: np.ndarray) -> np.ndarray:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmedian(values, axis=1, keepdims=True)
 
 
 def _first_suspect(evidence: list[Evidence], weights: _WeightState) -> tuple[int | None, tuple[int, int] | None]:

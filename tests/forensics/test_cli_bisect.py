@@ -116,3 +116,11 @@ def test_trace_only_never_imports_torch(faulty_run):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["mode"] == "trace-only"
+
+
+def test_trace_only_with_outlier_hints_is_inconclusive(make_trace):
+    result = _run("bisect", make_trace(fault=Fault(kind="outlier", step=3, rank=1)), "--trace-only", "--json")
+    assert result.exit_code == 4
+    doc = json.loads(result.stdout)
+    assert doc["verdict"] == "inconclusive" and doc["suspects"] == [] and doc["hints"][0]["step"] == 3
+    assert "step(s) 3" in doc["settle"][0]
