@@ -37,7 +37,6 @@ MID, ON_CHECKPOINT = 4, 3
 CASES = [
     ("grad", MID, 2, SIGN, "local_compute"),
     ("grad", ON_CHECKPOINT, 1, EXPONENT, "local_compute"),
-    ("grad", MID, 3, HIGH_MANTISSA, "local_compute"),
     ("allreduce", MID, 1, EXPONENT, "collective"),
     ("allreduce", ON_CHECKPOINT, 2, SIGN, "collective"),
     ("allreduce-all", ON_CHECKPOINT, 0, HIGH_MANTISSA, "collective"),
