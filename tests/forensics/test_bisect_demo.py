@@ -128,3 +128,14 @@ def test_clean_run_is_clean(demo_run):
     assert result.last_clean_checkpoint.step == STEPS
     doc = json.loads(json.dumps(result.to_json()))
     assert doc["verdict"] == "clean" and doc["replayed"]["comparison"] == "exact"
+
+
+def test_audit_majority_of_three_names_the_rank_from_the_trace_alone(demo_run):
+    """The same invisible fault on an audited step: the audit's third vote localises it, no replay."""
+    out = demo_run(_spec("grad", MID, 1, 12), steps=STEPS, checkpoint_every=EVERY, audit_every=2)
+    result = bisect(out / "trace", BisectOptions(trace_only=True))
+    assert (result.verdict.value, result.first_divergent_step, result.mode) == ("corruption", MID, "trace-only")
+    [suspect] = result.suspects
+    assert (suspect.rank, suspect.location.value) == (1, "local_compute")
+    assert [e.kind for e in suspect.evidence] == [EvidenceKind.AUDIT_MISMATCH]
+    assert result.replayed.windows == ()
