@@ -124,3 +124,9 @@ def test_trace_only_with_outlier_hints_is_inconclusive(make_trace):
     doc = json.loads(result.stdout)
     assert doc["verdict"] == "inconclusive" and doc["suspects"] == [] and doc["hints"][0]["step"] == 3
     assert "step(s) 3" in doc["settle"][0]
+
+
+def test_exit_3_recipe_that_cannot_be_imported(clean_run):
+    result = _run("bisect", clean_run / "trace", "--checkpoints", clean_run / "checkpoints", "--recipe", "no_such_module:recipe")
+    assert result.exit_code == 3
+    assert "cannot import recipe module 'no_such_module'" in result.stderr and "Traceback" not in result.stderr

@@ -101,3 +101,14 @@ def test_triage_does_not_import_torch(make_trace):
         f"r = triage_trace(Trace.open({str(path)!r})); assert r.first_suspect_step == 2; assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_resumed_run_uses_the_latest_attempt(tmp_path):
+    from sdc_forensics.trace.synthetic import PlantedFault, write_synthetic_trace
+
+    path = tmp_path / "resumed"
+    write_synthetic_trace(path, num_steps=20, faults=(PlantedFault(kind="weights", step=15, rank=2),))
+    write_synthetic_trace(path, num_steps=10, attempt=1, start_step=10)  # resumed from checkpoint 10, healthy
+    result = _triage(path)
+    assert result.findings == () and result.first_suspect_step is None
+    assert result.superseded_cells == 10 * 4
