@@ -142,6 +142,7 @@ class DemoResult:
             "recipe": RECIPE_REFERENCE,
             "world_size": cfg.world_size,
             "steps": cfg.steps,
+            "first_step": cfg.first_step,
             "checkpoint_every": cfg.checkpoint_every,
             "policy": cfg.policy,
             "injected": [str(s) for s in cfg.injections],
@@ -235,7 +236,6 @@ def _collect(config: DemoConfig, wall_s: float) -> DemoResult:
             reports.append(json.loads(path.read_text(encoding="utf-8")))
     fired = tuple(f for r in reports for f in r["fired"])
     first = reports[0] if reports else {"alarms": [], "raised": None, "checkpoints": []}
-    killed = config.kill_rank if config.kill_rank is not None else None
     return DemoResult(
         config=config,
         fired=fired,
@@ -243,7 +243,7 @@ def _collect(config: DemoConfig, wall_s: float) -> DemoResult:
         raised=first["raised"],
         checkpoints=tuple(first["checkpoints"]),
         final_weights_digests=tuple(r.get("final_weights_digest", "") for r in reports),
-        killed_rank=killed,
+        killed_rank=config.kill_rank,
         wall_s=wall_s,
     )
 
