@@ -62,9 +62,10 @@ def _common(func):
 @_common
 @click.option("--trace-only", is_flag=True, help="Use the trace alone: no replay, no checkpoint files, no torch.")
 @click.option("--max-replay-steps", type=click.IntRange(min=1), help="Stop widening backwards after this many replayed steps.")
+@click.option("--scan-recurrence", is_flag=True, help="Replay every checkpoint interval: earlier faults and recurrences (costs a whole-run replay).")
 @click.pass_context
 def bisect_cmd(ctx: click.Context, trace_dir: Path, checkpoints_dir: Path | None, recipe: str | None, device: str,
-               force_device: bool, as_json: bool, trace_only: bool, max_replay_steps: int | None) -> None:
+               force_device: bool, as_json: bool, trace_only: bool, max_replay_steps: int | None, scan_recurrence: bool) -> None:
     """Find the first divergent step, the suspect rank and the last clean checkpoint of TRACE_DIR.
 
     Triage of the trace first; then a replay of the smallest window that confirms it (widening
@@ -75,7 +76,7 @@ def bisect_cmd(ctx: click.Context, trace_dir: Path, checkpoints_dir: Path | None
     from sdc_forensics.forensics.render import bisect_document, render_bisect
 
     options = BisectOptions(checkpoints_dir=checkpoints_dir, recipe=recipe, device=device, trace_only=trace_only,
-                            force_device=force_device, max_replay_steps=max_replay_steps)
+                            force_device=force_device, max_replay_steps=max_replay_steps, scan_recurrence=scan_recurrence)
     with _Bars(enabled=err.is_terminal) as bars:
         result = bisect(trace_dir, options, progress=bars)
     if as_json:

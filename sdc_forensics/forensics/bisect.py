@@ -49,6 +49,8 @@ class BisectOptions:
         trace_only: never replay, never read checkpoint files, never import torch.
         force_device: replay even on a suspect's GPU.
         max_replay_steps: stop widening backwards after this many replayed steps (None: no limit).
+        scan_recurrence: also replay every other checkpoint interval (from checkpoints all replicas
+            agreed on): earlier divergences the trace cannot see, and recurrences of the suspects.
     """
 
     checkpoints_dir: Path | None = None
@@ -57,6 +59,7 @@ class BisectOptions:
     trace_only: bool = False
     force_device: bool = False
     max_replay_steps: int | None = None
+    scan_recurrence: bool = False
 
 
 class Progress(Protocol):
@@ -186,68 +189,113 @@ def _storage_evidence(notes: list[CheckpointNote], reports) -> list[Evidence]:
 
 
 def _replay(trace: Trace, tri: TriageResult, usable: list[CheckpointNote], recipe_ref: str, options: BisectOptions, progress):
-    from sdc_forensics.forensics.replay import ReplayOptions, StartStateMismatch, replay_window
     from sdc_forensics.forensics.replay_env import resolve_device
     from sdc_forensics.recipe import load_recipe
 
     resolve_device(options.device)  # a bad --device fails before any work
-    recipe = load_recipe(recipe_ref)
-    suspect_gpus = {}
-    for ev in tri.findings:
-        for rank in ev.ranks:
-            uuid = trace.manifest.identity(rank).gpu_uuid
-            if uuid:
-                suspect_gpus[uuid] = rank
+    runner = _WindowRunner(trace, load_recipe(recipe_ref), options, progress, _suspect_gpus(trace, tri))
     starts = sorted(usable, key=lambda n: n.step)
-    last_step = tri.step_range[1] if tri.step_range else -1
+    first_step, last_step = tri.step_range if tri.step_range else (0, -1)
     if tri.suspect_window is not None:
         lo, hi = tri.suspect_window
         plan = [(lo, hi, f"confirm the trace's evidence at step {hi}" + (f" (weights last equal before step {lo})" if lo < hi else ""))]
     else:
         plan = [(None, last_step, "no trace evidence: replay the last checkpoint interval, widening backwards")]
-    windows, evidence, device, order, settings, notes, verified = [], [], None, "", {}, [], set()
-    replayed_steps = 0
+    found = None
     while plan:
         lo, hi, reason = plan.pop(0)
-        candidates = [n for n in starts if (lo is None and n.step <= hi) or (lo is not None and n.step <= lo)]
-        while candidates:
-            note = candidates.pop()
-            path = _resolve(note, options.checkpoints_dir, trace.path)
-            replay_opts = ReplayOptions(start_step=note.step, stop_step=hi, checkpoint_path=path,
-                                        expected_weights_digest=note.weights_digest, device=options.device,
-                                        force_device=options.force_device, suspect_gpus=suspect_gpus, reduction_order=order)
-            if progress is not None:
-                progress.window(note.step, hi, reason)
-            try:
-                result = replay_window(trace, recipe, replay_opts, progress.step if progress is not None else None)
-            except StartStateMismatch as exc:
-                notes.append(f"checkpoint {note.step} does not hold the replicas' weights ({exc.found} != {exc.expected}); "
-                             "replaying from the one before")
-                continue
+        candidates = [n for n in starts if n.step <= (hi if lo is None else lo)]
+        result, note = runner.first_usable(candidates, hi, reason)
+        if result is None:
+            runner.notes.append(f"no usable checkpoint at or before step {lo if lo is not None else hi}: steps up to {hi} not replayed")
             break
-        else:
-            notes.append(f"no usable checkpoint at or before step {lo if lo is not None else hi}: steps up to {hi} not replayed")
-            break
-        device, order, settings = result.device, order or result.reduction_order, result.settings
-        notes += list(result.notes)
-        windows.append(ReplayedWindow(start=note.step, stop=hi, last=result.last_step, comparison=result.comparison,
-                                      tolerant_from=result.tolerant_from, reason=reason))
-        evidence += list(result.evidence)
-        replayed_steps += result.num_steps
-        if result.tolerant_from != note.step:
-            # it held the replicas' weights and the healthy ranks' first step replayed bit for bit
-            verified.add(note.step)
         if result.first_divergent_step is not None:
+            found = result.first_divergent_step
             break
-        if lo is None and note.step > (tri.step_range[0] if tri.step_range else 0):
-            if options.max_replay_steps is not None and replayed_steps >= options.max_replay_steps:
-                notes.append(f"stopped widening after {replayed_steps} replayed steps (--max-replay-steps)")
+        if lo is None and note.step > first_step:
+            if options.max_replay_steps is not None and runner.replayed_steps >= options.max_replay_steps:
+                runner.notes.append(f"stopped widening after {runner.replayed_steps} replayed steps (--max-replay-steps)")
                 break
             plan.append((None, note.step - 1, "nothing found later: widen backwards one checkpoint interval"))
         elif lo is not None:
-            notes.append(f"the replay of {note.step}..{hi} did not reproduce the trace's evidence; it stands unconfirmed by replay")
-    summary = ReplaySummary(windows=tuple(windows), device=device, reduction_order=order, settings=settings, notes=tuple(notes))
-    return summary, evidence, verified
+            runner.notes.append(f"the replay of {note.step}..{hi} did not reproduce the trace's evidence; it stands unconfirmed by replay")
+    if options.scan_recurrence:
+        _scan_all(runner, starts, last_step)
+    elif found is not None and runner.windows and min(w.start for w in runner.windows) > first_step:
+        runner.notes.append(f"steps before {min(w.start for w in runner.windows)} were not replayed: a fault the trace cannot "
+                            "see there would not show (--scan-recurrence replays every interval)")
+    summary = ReplaySummary(windows=tuple(runner.windows), device=runner.device, reduction_order=runner.order,
+                            settings=runner.settings, notes=tuple(runner.notes))
+    return summary, runner.evidence, runner.verified
+
+
+def _scan_all(runner: "_WindowRunner", starts: list[CheckpointNote], last_step: int) -> None:
+    """Replay every checkpoint interval not replayed yet, each up to its first divergence: earlier
+    and later divergences (recurrence). An interval whose checkpoint was saved while a replica
+    still diverged is skipped (that replica would mismatch at every step: a persistent divergence,
+    not a recurrence)."""
+    done = {w.start for w in runner.windows}
+    for index, note in enumerate(starts):
+        if note.step in done:
+            continue
+        if note.diverged_ranks:
+            runner.notes.append(f"scan: checkpoint {note.step} was saved while rank(s) {list(note.diverged_ranks)} "
+                                "still diverged; its interval is not scanned")
+            continue
+        hi = starts[index + 1].step - 1 if index + 1 < len(starts) else last_step
+        if hi >= note.step:
+            runner.first_usable([note], hi, "scan of every interval (--scan-recurrence)")
+
+
+class _WindowRunner:
+    """Runs replay windows for one bisection and accumulates what they found."""
+
+    def __init__(self, trace: Trace, recipe, options: BisectOptions, progress, suspect_gpus: dict[str, int]) -> None:
+        self.trace, self.recipe, self.options, self.progress, self.suspect_gpus = trace, recipe, options, progress, suspect_gpus
+        self.windows: list[ReplayedWindow] = []
+        self.evidence: list[Evidence] = []
+        self.notes: list[str] = []
+        self.verified: set[int] = set()
+        self.device, self.order, self.settings, self.replayed_steps = None, "", {}, 0
+
+    def first_usable(self, candidates: list[CheckpointNote], hi: int, reason: str):
+        """Replay ``..hi`` from the latest candidate that holds the replicas' weights; ``(result, note)``."""
+        from sdc_forensics.forensics.replay import ReplayOptions, StartStateMismatch, replay_window
+
+        for note in reversed(candidates):
+            options = ReplayOptions(start_step=note.step, stop_step=hi, checkpoint_path=_resolve(note, self.options.checkpoints_dir, self.trace.path),
+                                    expected_weights_digest=note.weights_digest, device=self.options.device,
+                                    force_device=self.options.force_device, suspect_gpus=self.suspect_gpus, reduction_order=self.order)
+            if self.progress is not None:
+                self.progress.window(note.step, hi, reason)
+            try:
+                result = replay_window(self.trace, self.recipe, options, self.progress.step if self.progress is not None else None)
+            except StartStateMismatch as exc:
+                self.notes.append(f"checkpoint {note.step} does not hold the replicas' weights ({exc.found} != {exc.expected}); "
+                                  "replaying from the one before")
+                continue
+            self.device, self.order, self.settings = result.device, self.order or result.reduction_order, result.settings
+            self.notes += list(result.notes)
+            self.windows.append(ReplayedWindow(start=note.step, stop=hi, last=result.last_step, comparison=result.comparison,
+                                               tolerant_from=result.tolerant_from, reason=reason))
+            self.evidence += list(result.evidence)
+            self.replayed_steps += result.num_steps
+            if result.tolerant_from != note.step:
+                # it held the replicas' weights and the healthy ranks' first step replayed bit for bit
+                self.verified.add(note.step)
+            return result, note
+        return None, None
+
+
+def _suspect_gpus(trace: Trace, tri: TriageResult) -> dict[str, int]:
+    """``{gpu_uuid: rank}`` of every rank the trace's findings name: never replay on those."""
+    out = {}
+    for ev in tri.findings:
+        for rank in ev.ranks:
+            uuid = trace.manifest.identity(rank).gpu_uuid
+            if uuid:
+                out[uuid] = rank
+    return out
 
 
 def _resolve(note: CheckpointNote, checkpoints_dir, trace_path: Path) -> Path:

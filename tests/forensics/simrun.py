@@ -1,6 +1,7 @@
 """An in-process stand-in for a recorded DDP run of the demo recipe (fast tests of replay and bisect).
 
-``simulate(out_dir, steps=10, checkpoint_every=4, world_size=4, fault=None)`` keeps one replica per
+``simulate(out_dir, steps=10, checkpoint_every=4, world_size=4, fault=None)`` (one fault or a
+tuple, at most one per step) keeps one replica per
 rank, computes each rank's local gradient on its microbatches, averages them in gloo's ring order,
 steps every replica's optimizer and writes the trace the recorder would (STEP records with
 fingerprints, bucket layout, checkpoint notes and ``torch.save`` checkpoints of theta_N), with one
@@ -50,7 +51,8 @@ def flip(tensor: torch.Tensor, index: int, bit: int) -> None:
     view[index] ^= torch.tensor(1 << bit if bit < 31 else -(1 << 31), dtype=torch.int32)
 
 
-def simulate(out_dir: Path, *, steps: int = 10, checkpoint_every: int = 4, world_size: int = 4, fault: SimFault | None = None) -> Path:
+def simulate(out_dir: Path, *, steps: int = 10, checkpoint_every: int = 4, world_size: int = 4,
+             fault: SimFault | tuple[SimFault, ...] | None = None) -> Path:
     """Write ``out_dir/trace`` and ``out_dir/checkpoints``; returns ``out_dir``."""
     recipe = DemoRecipe()
     trace_dir, ckpt_dir = Path(out_dir) / "trace", Path(out_dir) / "checkpoints"
@@ -69,9 +71,11 @@ def simulate(out_dir: Path, *, steps: int = 10, checkpoint_every: int = 4, world
     names = [n for n, _ in model.named_parameters()]
     layout = [list(reversed(range(len(names))))]
     (trace_dir / "buckets.attempt-000.json").write_text(json.dumps({"layouts": [{"from_step": 0, "buckets": layout}]}))
+    faults = fault if isinstance(fault, tuple) else (fault,) if fault is not None else ()
     writers = [RankTraceWriter(trace_dir, rank=r, attempt=0, world_size=world_size, sketch_k=k, seed=seed) for r in range(world_size)]
     for step in range(steps):
-        hit = fault is not None and fault.step == step
+        fault = next((f for f in faults if f.step == step), None)  # at most one per step
+        hit = fault is not None
         if step % checkpoint_every == 0:
             _checkpoint(recipe, replicas, step, trace_dir, ckpt_dir, names, seed)
         if hit and fault.where == "weights":

@@ -162,3 +162,15 @@ def test_collective_fault_below_the_sketch_tolerance_is_found_once_the_order_is_
     [suspect] = result.suspects
     assert (suspect.rank, suspect.location) == (None, Location.COLLECTIVE)
     assert result.replayed.comparison == "exact"
+
+
+def test_scan_finds_the_earlier_incident_and_the_recurrence(sim):
+    out = sim((SimFault(where="grad", step=2, rank=3, bit=11), SimFault(where="grad", step=6, rank=3, bit=11)))
+    once = bisect(out / "trace", BisectOptions(checkpoints_dir=out / "checkpoints"))
+    # widening backwards stops at the latest interval's divergence and says what it did not replay
+    assert once.first_divergent_step == 6 and [s.recurring for s in once.suspects] == [False]
+    assert any("steps before 4 were not replayed" in n for n in once.replayed.notes)
+    scanned = bisect(out / "trace", BisectOptions(checkpoints_dir=out / "checkpoints", scan_recurrence=True))
+    [suspect] = scanned.suspects
+    assert (scanned.first_divergent_step, suspect.rank, suspect.steps, suspect.recurring) == (2, 3, (2, 6), True)
+    assert "drain" in suspect.recommendation
