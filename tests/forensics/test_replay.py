@@ -174,3 +174,9 @@ def test_scan_finds_the_earlier_incident_and_the_recurrence(sim):
     [suspect] = scanned.suspects
     assert (scanned.first_divergent_step, suspect.rank, suspect.steps, suspect.recurring) == (2, 3, (2, 6), True)
     assert "drain" in suspect.recommendation
+
+
+def test_other_kernel_with_a_fault_at_the_first_step_blames_only_the_faulty_rank(sim):
+    faulty = _replay(sim(SimFault(where="grad", step=4, rank=2, bit=30)), 4, 7, recipe=_NoisyKernel())
+    assert (faulty.comparison, faulty.tolerant_from, faulty.first_divergent_step) == ("tolerant", 4, 4)
+    assert [e.ranks for e in faulty.evidence] == [(2,)]
