@@ -1,6 +1,16 @@
 """Forensics: triage of a trace, deterministic replay, bisection, verdicts and their rendering.
 
-One module per stage: ``evidence`` (the vocabulary), ``triage`` (numpy only), ``replay``
-(torch), ``bisect`` (the flow), ``verdict`` (the result), ``render`` (text and JSON). Import
-the stage you need; this package imports nothing heavy on its own.
+One module per stage: ``evidence`` (the vocabulary), ``triage`` (numpy only), ``replay`` and
+``replay_env`` (torch), ``bisect`` (the flow), ``verdict`` (the result), ``render`` (text and
+JSON). The names below import without torch; import ``forensics.replay`` to replay by hand.
 """
+
+from sdc_forensics.forensics.bisect import BisectOptions, bisect
+from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location
+from sdc_forensics.forensics.triage import TriageOptions, TriageResult, triage_trace
+from sdc_forensics.forensics.verdict import BisectResult, Verdict
+
+__all__ = [
+    "BisectOptions", "BisectResult", "Evidence", "EvidenceKind", "Location", "TriageOptions", "TriageResult", "Verdict",
+    "bisect", "triage_trace",
+]
