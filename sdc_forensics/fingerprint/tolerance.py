@@ -44,7 +44,9 @@ UNIT_ROUNDOFF = {
     "bfloat16": 2.0**-8,
     "float16": 2.0**-11,
 }
-#: Standard deviations tolerated; calibrated by benchmarks/calibrate_sketch.py (docs/fingerprints.md).
+#: Standard deviations tolerated. Calibrated by benchmarks/calibrate_sketch.py (docs/fingerprints.md):
+#: over 4,000 simulated all-reduces (seeds 2 and 3) the largest residual was 2.09 sigma, so 5 keeps
+#: a 2.4x margin; medians are flat in W, size, rank correlation and division mode.
 KAPPA = 5.0
 REDUCTIONS = ("mean", "sum")
 
