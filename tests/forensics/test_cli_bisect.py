@@ -50,6 +50,16 @@ def test_exit_1_corruption_json_document(faulty_run):
     assert doc["last_clean_checkpoint"] == {"path": str(faulty_run / "checkpoints/step-00000004.pt"), "status": "clean-replay-verified", "step": 4}
     assert [(c["step"], c["status"]) for c in doc["checkpoints"]] == [(0, "clean-trace-consistent"), (4, "clean-replay-verified")]
     assert [(w["from"], w["last_replayed"]) for w in doc["replayed"]["windows"]] == [(4, 4)]
+    # the documented schema (docs/bisect.md)
+    assert set(doc) == {"schema_version", "verdict", "first_divergent_step", "suspects", "last_clean_checkpoint", "checkpoints",
+                        "replayed", "evidence", "hints", "mode", "scope", "settle", "notes", "trace"}
+    assert set(suspect) == {"rank", "host", "gpu", "location", "recurring", "steps", "recommendation", "evidence"}
+    assert set(suspect["evidence"][0]) == {"kind", "step", "ranks", "expected", "found", "location", "detail", "source", "affects_state"}
+    assert set(doc["replayed"]) == {"windows", "device", "comparison", "steps_replayed", "reduction_order", "settings", "notes"}
+    assert set(doc["replayed"]["windows"][0]) == {"from", "to", "last_replayed", "comparison", "tolerant_from", "reason"}
+    # people get the summary on stderr: verdict, what was replayed and why, where to resume
+    for text in ("CORRUPTION", "first divergent step 4", "Replayed on cpu", "steps 4..4 from checkpoint 4", "Resume from"):
+        assert text in result.stderr
 
 
 def test_exit_1_replay_command_diverges(faulty_run):
