@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
 
 from sdc_forensics.forensics.evidence import EvidenceKind, Location
 from sdc_forensics.forensics.triage import TriageOptions, triage_trace
