@@ -76,7 +76,7 @@ def save_checkpoint(rec: "Recorder", step: int, path: Path, state: Any, save: Ca
     if isinstance(outcome[0], str):
         raise SdcError(f"checkpoint {step} could not be saved to {path} by rank {saver}: {outcome[0]}")
     if finding is not None:
-        _react_outside_step(rec, finding)
+        rec._react(None, [finding])
     return outcome[0]
 
 
@@ -104,13 +104,3 @@ def _save_and_note(rec: "Recorder", step: int, path: Path, state: Any, save, vot
         rec.injector.corrupt_checkpoint_file(step, path)
     return note
 
-
-def _react_outside_step(rec: "Recorder", finding: checks.Finding) -> None:
-    """ALARM records for a checkpoint-time weights finding; raise per policy."""
-    alarm = rec.writer.new(F.Kind.ALARM, finding.step)
-    alarm["flags"] = int(finding.flag)
-    alarm["aux_rank"] = finding.rank
-    rec.writer.append(alarm)
-    rec.alarms.append(finding)
-    if rec.options.policy == "raise":
-        raise rec._alarm(finding)

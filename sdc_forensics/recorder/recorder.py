@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sdc_forensics.errors import SdcAlarm, UsageError
+from sdc_forensics.errors import SdcAlarm, SdcError, UsageError
 from sdc_forensics.fingerprint.core import Fingerprint, combine_digests, digest
 from sdc_forensics.inject import FaultSpec, Injector, parse_spec
 from sdc_forensics.recorder import checks, records
@@ -129,6 +129,8 @@ class Recorder:
         self.optimizer = optimizer
         self.recipe_ref = recipe
         self._recipe = None
+        if (self.options.audit_every or self.options.audit_steps) and recipe is None:
+            raise UsageError("audits recompute microbatches through the replay recipe: pass recipe='module:attribute' to the Recorder")
         self.group = getattr(ddp_model, "process_group", None) or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
@@ -241,11 +243,17 @@ class Recorder:
         state = self._state
         if state is None:
             return None
-        state.local, state.reduced = self.tap.fingerprints()
-        self._note_layout(state.step)
+        failure: BaseException | None = None
+        try:
+            state.local, state.reduced = self.tap.fingerprints()
+            self._note_layout(state.step)
+        except Exception as exc:  # noqa: BLE001 - the other ranks must learn it, or they wait forever
+            failure = exc
         k = self.options.sketch_k
         words = np.zeros(2 * k + 6, dtype=np.int64)
-        if state.local is not None and state.reduced is not None:
+        if failure is not None:
+            words[2 * k + 5] = -1
+        elif state.local is not None and state.reduced is not None:
             state.flags |= int(F.Flag.HAS_GRADS)
             words[:k] = state.local.sketch.astype(np.float64).view(np.int64)
             words[k : 2 * k] = state.reduced.sketch.astype(np.float64).view(np.int64)
@@ -255,6 +263,11 @@ class Recorder:
             words[2 * k + 4] = np.array([state.reduced.digest % (1 << 64)], dtype=np.uint64).view(np.int64)[0]
             words[2 * k + 5] = 1
         table = self._all_gather_words(words)  # (W, 2k + 6)
+        if (table[:, 2 * k + 5] < 0).any():
+            if failure is not None:
+                raise failure
+            failed = [int(r) for r in np.flatnonzero(table[:, 2 * k + 5] < 0)]
+            raise SdcError(f"the recorder failed on rank(s) {failed} at step {state.step}; see their logs")
         if not table[:, 2 * k + 5].all():
             return None  # some rank had no gradient this step (no backward): nothing to compare
         findings = []
@@ -301,8 +314,6 @@ class Recorder:
 
     # ---------------------------------------------------------------- checks and alarms
     def _audit(self, state: _StepState) -> list[checks.Finding]:
-        if self.recipe_ref is None:
-            raise UsageError("audits need the replay recipe: pass recipe='module:attribute' to the Recorder")
         if self._recipe is None:
             from sdc_forensics.recipe import load_recipe
 
@@ -322,21 +333,11 @@ class Recorder:
             state.flags |= int(F.Flag.AUDITED)
         if outcome.disputed_me:
             state.flags |= int(F.Flag.AUDIT_MISMATCH)
-        for recomputation in outcome.recomputations:
-            rec = self.writer.new(F.Kind.AUDIT, state.step)
-            rec["aux_rank"] = recomputation.subject
-            rec["loss"] = recomputation.loss
-            rec["input_digest"] = recomputation.input_digest % (1 << 64)
-            rec["aux_digest"] = recomputation.subject_digest % (1 << 64)
-            records.fill_grads(rec, "local", recomputation.fingerprint)
-            rec["flags"] = int(F.Flag.HAS_GRADS) | (int(F.Flag.AUDIT_TIEBREAK) if recomputation.tiebreak else 0) | (
-                int(F.Flag.AUDIT_MISMATCH) if recomputation.mismatch else 0
-            )
-            records.append_with_ids(self.writer, rec, recomputation.ids, state.step)
+        records.append_audits(self.writer, state.step, outcome.recomputations)
         return list(outcome.findings)
 
-    def _react(self, state: _StepState, findings: list[checks.Finding]) -> None:
-        """Record findings as ALARM records; raise if the policy says so (after writing the step)."""
+    def _react(self, state: _StepState | None, findings: list[checks.Finding]) -> None:
+        """Record findings as ALARM records; raise if the policy says so (after writing the step, if any)."""
         if not findings:
             return
         for finding in findings:
@@ -349,7 +350,7 @@ class Recorder:
             if self.rank == 0:
                 log.warning("sdc-forensics: %s check fired at step %d: %s", finding.check, finding.step, finding.detail)
         if self.options.policy == "raise":
-            if not state.written:
+            if state is not None and not state.written:
                 self._write_step(state)
             raise self._alarm(findings[0])
 

@@ -116,3 +116,20 @@ def append_with_ids(writer: RankTraceWriter, record: np.ndarray, ids, step: int)
         writer.append(np.concatenate([record, writer.ids_records(step, np.asarray(list(ids), dtype=np.int64))]))
     else:
         writer.append(record)
+
+
+def append_audits(writer: RankTraceWriter, step: int, recomputations) -> None:
+    """One AUDIT record per recomputation this rank performed (``audit.Recomputation``)."""
+    for recomputation in recomputations:
+        rec = writer.new(F.Kind.AUDIT, step)
+        rec["aux_rank"] = recomputation.subject
+        rec["loss"] = recomputation.loss
+        rec["input_digest"] = recomputation.input_digest % (1 << 64)
+        rec["aux_digest"] = recomputation.subject_digest % (1 << 64)
+        fill_grads(rec, "local", recomputation.fingerprint)
+        rec["flags"] = (
+            int(F.Flag.HAS_GRADS)
+            | (int(F.Flag.AUDIT_TIEBREAK) if recomputation.tiebreak else 0)
+            | (int(F.Flag.AUDIT_MISMATCH) if recomputation.mismatch else 0)
+        )
+        append_with_ids(writer, rec, recomputation.ids, step)
