@@ -154,12 +154,17 @@ def test_large_chunks_use_grouped_matmul(monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("offset", [0, 1, 3])
-def test_fingerprint_digest_equals_digest_at_any_offset(offset):
-    """The fused one-pass digest inside fingerprint() and digest() agree, aligned or not."""
+@pytest.mark.parametrize("chunk_elems", [1 << 12, 1 << 20])
+def test_fingerprint_digest_equals_digest_at_any_offset(monkeypatch, offset, chunk_elems):
+    """The fused one-pass digest inside fingerprint() and digest() agree, aligned or not, in one
+    chunk or many (the smallest legal chunk: one 4 KiB digest block of bytes)."""
+    monkeypatch.setattr(core, "_CPU_CHUNK_ELEMS", chunk_elems)
     torch.manual_seed(8)
-    base = torch.randn(2 * (1 << 18) + 3000).to(torch.bfloat16)
+    base = torch.randn(5 * 4096 + 3000).to(torch.bfloat16)
     view = base[offset:]
-    assert core.fingerprint(view).digest == core.digest(view) == core.digest(view.clone())
+    expected = reference.digest_bytes(view.contiguous().view(torch.int16).numpy())
+    assert core.fingerprint(view).digest == core.digest(view) == expected
+    _close(core.fingerprint(view).sketch, reference.sketch(view.double().numpy()), view, torch.bfloat16)
 
 
 @pytest.mark.cuda
