@@ -6,9 +6,9 @@ yardstick), ``core.digest``, ``core.fingerprint(with_digest=False)`` (sketch and
 ``core.fingerprint`` (everything), interleaved run by run so that a noisy neighbour hits all
 four alike, and prints the median of ``--runs`` runs as milliseconds and as a multiple of the
 sum. The goal of the design brief: a full fingerprint costs at most 2x ``torch.sum``. It also
-prints the extra peak memory of a full fingerprint (CUDA: allocator peak above the tensor; CPU:
-growth of the process's peak RSS), which must stay bounded (no full-size temporaries), and the
-load average, since on a shared machine that moves CPU timings by a lot.
+prints the extra peak memory of a full fingerprint (CUDA: allocator peak above the tensor;
+CPU, Linux: peak RSS above the RSS before the call), which must stay bounded (no full-size
+temporaries), and the load average, since on a shared machine that moves CPU timings a lot.
 
 Usage::
 
@@ -61,9 +61,31 @@ def _extra_peak_mb(tensor: torch.Tensor) -> float:
         core.fingerprint(tensor)
         torch.cuda.synchronize(tensor.device)
         return (torch.cuda.max_memory_allocated(tensor.device) - base) / 1e6
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    _reset_peak_rss()
+    before = _rss_kib("VmRSS")
     core.fingerprint(tensor)
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1e3  # KiB -> ~MB
+    return (_rss_kib("VmHWM") - before) * 1024 / 1e6
+
+
+def _reset_peak_rss() -> None:
+    """Linux: reset the process's peak RSS (VmHWM) to its current RSS."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _rss_kib(field: str) -> int:
+    """``VmRSS`` (now) or ``VmHWM`` (peak since the last reset) from /proc, in KiB."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def bench_one(dtype: torch.dtype, size_mb: int, device: torch.device, runs: int) -> dict:
