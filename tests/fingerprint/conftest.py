@@ -61,6 +61,12 @@ def make_bits():
 
 
 @pytest.fixture
+def bits_to_tensor():
+    """``bits_to_tensor(bits, dtype)``: :func:`as_tensor` as a fixture."""
+    return as_tensor
+
+
+@pytest.fixture
 def gradsim():
     """The gradient / all-reduce simulation module (``benchmarks/gradsim.py``)."""
     import gradsim as module

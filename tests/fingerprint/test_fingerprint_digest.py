@@ -58,7 +58,7 @@ def _flip(bits: np.ndarray, index: int, bit: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dtype, num_bits", [(torch.float32, 32), (torch.bfloat16, 16)], ids=["float32", "bfloat16"])
-def test_every_single_bit_flip_changes_digest(make_bits, dtype, num_bits):
+def test_every_single_bit_flip_changes_digest(make_bits, bits_to_tensor, dtype, num_bits):
     # 3 full blocks and a partial one (in 32-bit words), so the tail path is swept too.
     numel = (3 * 1024 + 517) * 4 // (num_bits // 8)
     bits, tensor = make_bits((numel,), dtype, seed=11)
@@ -67,14 +67,8 @@ def test_every_single_bit_flip_changes_digest(make_bits, dtype, num_bits):
     for bit in range(num_bits):
         indices = np.concatenate([[0, numel - 1], rng.choice(numel, size=24, replace=False)])
         for index in indices:
-            flipped = core.digest(as_tensor_like(_flip(bits, int(index), bit), dtype))
+            flipped = core.digest(bits_to_tensor(_flip(bits, int(index), bit), dtype))
             assert flipped != base, (bit, index)
-
-
-def as_tensor_like(bits: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    from conftest import as_tensor
-
-    return as_tensor(bits, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
