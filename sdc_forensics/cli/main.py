@@ -26,6 +26,7 @@ _COMMANDS = {
     "replay": ("sdc_forensics.cli.bisect_cmd", "replay_cmd", "Replay one window of steps and compare with the trace."),
     "verify-checkpoint": ("sdc_forensics.cli.verify_cmd", "verify_cmd", "Verify a checkpoint's structure and content."),
     "certify": ("sdc_forensics.cli.verify_cmd", "certify_cmd", "Certify every checkpoint of a run; name the resume point."),
+    "report": ("sdc_forensics.cli.report_cmd", "report_cmd", "Write a post-incident review (Markdown) of a trace."),
     "export": ("sdc_forensics.cli.inspect_cmd", "export_cmd", "Export a trace's STEP records to CSV."),
 }
 

@@ -1,0 +1,142 @@
+"""The post-incident review: a :class:`BisectResult` rendered as a Markdown document.
+
+It reads like the review an on-call engineer would write by hand, with the evidence attached:
+what happened (verdict, first divergent step, suspects with host and GPU), what to do (resume
+point, drain or diagnose), the evidence chain, every checkpoint's status, what was replayed and
+how it was compared, the job's environment, and the commands that reproduce the analysis.
+Like the other renderers it only reads the result (numpy-free, torch-free).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import shlex
+
+from sdc_forensics import __version__
+from sdc_forensics.forensics.evidence import Evidence
+from sdc_forensics.forensics.verdict import BisectResult, Verdict
+from sdc_forensics.trace.manifest import Manifest
+
+_HEADLINE = {
+    Verdict.CORRUPTION: "Silent data corruption found",
+    Verdict.CLEAN: "No corruption found in the window examined",
+    Verdict.INCONCLUSIVE: "Inconclusive: evidence that could not be localised",
+}
+
+
+def _cell(text: object) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def _evidence_rows(evidence: list[Evidence]) -> list[tuple]:
+    return [
+        (e.step, e.kind.value, ", ".join(map(str, e.ranks)) or "all", e.location.value, e.source, e.expected, e.found, e.detail)
+        for e in evidence
+    ]
+
+
+def render_markdown(result: BisectResult, manifest: Manifest | None, command: list[str] | None = None,
+                    now: _dt.datetime | None = None) -> str:
+    """The review as Markdown.
+
+    Args:
+        result: what ``bisect`` concluded.
+        manifest: the trace's manifest (environment and identities), or None.
+        command: the command line that produced ``result``, to reproduce it.
+        now: the time to stamp (default: now, UTC).
+    """
+    now = now or _dt.datetime.now(_dt.timezone.utc)
+    out = [f"# Post-incident review: {_HEADLINE[result.verdict]}", ""]
+    out += [f"Trace `{result.trace_path}` ({result.world_size} ranks, steps "
+            f"{'-' if result.step_range is None else f'{result.step_range[0]}..{result.step_range[1]}'}); "
+            f"analysed {now:%Y-%m-%d %H:%M} UTC by sdc-forensics {__version__}, mode `{result.mode}`.", ""]
+
+    out += ["## Summary", ""]
+    if result.first_divergent_step is not None:
+        s = result.first_divergent_step
+        out.append(f"- **First divergent step: {s}.** θ_{s} is still clean, θ_{s + 1} is not: only checkpoints N <= {s} can be clean.")
+    else:
+        out.append(f"- First divergent step: none found. {result.scope}")
+    for suspect in result.suspects:
+        who = "the collective (every rank received the same wrong result)" if suspect.rank is None else (
+            f"rank {suspect.rank} on host `{suspect.host or '?'}`, GPU `{suspect.gpu or '?'}`")
+        out.append(f"- **Suspect: {who}**; location `{suspect.location.value}`; "
+                   f"{'recurring' if suspect.recurring else 'transient'} (steps {', '.join(map(str, suspect.steps))}).")
+    last = result.last_clean_checkpoint
+    out.append(f"- **Resume from:** `{last.path}` (checkpoint {last.step}, {last.status})." if last
+               else "- **Resume from:** no checkpoint could be certified clean.")
+    out.append("")
+
+    out += ["## What to do", ""]
+    if last:
+        out.append(f"1. Resume training from `{last.path}` (holds θ_{last.step}); the recorder starts a new attempt.")
+    else:
+        out.append("1. Do not resume from any checkpoint of this run without further verification.")
+    for i, suspect in enumerate(result.suspects, start=2):
+        out.append(f"{i}. {suspect.recommendation[0].upper()}{suspect.recommendation[1:]}.")
+    for line in result.settle:
+        out.append(f"- To settle: {line}")
+    out.append("")
+
+    real = [e for e in result.evidence if not e.is_hint]
+    if real:
+        out += ["## Evidence chain", ""]
+        out += _table(("step", "kind", "ranks", "location", "source", "expected", "found", "detail"), _evidence_rows(real))
+    hints = [e for e in result.evidence if e.is_hint]
+    if hints:
+        out += ["## Statistical hints (not a verdict)", ""]
+        out += _table(("step", "kind", "ranks", "location", "source", "expected", "found", "detail"), _evidence_rows(hints[:20]))
+
+    if result.checkpoints:
+        out += ["## Checkpoints", ""]
+        out += _table(("step", "status", "path", "reasons"),
+                      [(c.step, c.status, f"`{c.path}`", "; ".join(c.reasons)) for c in result.checkpoints])
+
+    replay = result.replayed
+    out += ["## What was replayed", ""]
+    if replay.windows:
+        out.append(f"On `{replay.device}`, comparison **{replay.comparison}**"
+                   + (f", all-reduce summation order `{replay.reduction_order}`" if replay.reduction_order else "")
+                   + f"; {replay.steps_replayed} step(s) replayed.")
+        out.append("")
+        out += _table(("from checkpoint", "to step", "last replayed", "comparison", "why"),
+                      [(w.start, w.stop, w.last, w.comparison + (f" from step {w.tolerant_from}" if w.tolerant_from is not None else ""),
+                        w.reason) for w in replay.windows])
+        if replay.settings:
+            out += ["Deterministic settings: " + ", ".join(f"`{k}={v}`" for k, v in sorted(replay.settings.items())), ""]
+    else:
+        out += ["Nothing was replayed (" + ("trace-only analysis" if result.mode == "trace-only" else "no window needed") + ").", ""]
+
+    if manifest is not None:
+        out += ["## Job environment", ""]
+        att = max(manifest.attempts, key=lambda a: a.attempt) if manifest.attempts else None
+        out.append(f"- World size {manifest.world_size}, recipe `{manifest.recipe or '-'}`, gradients in "
+                   f"`{manifest.fingerprint.grad_dtype}`, sketch k={manifest.fingerprint.sketch_k}.")
+        if att is not None:
+            out.append(f"- Latest attempt {att.attempt} (from step {att.start_step}): torch `{att.torch_version or '?'}`, "
+                       f"CUDA `{att.cuda_version or '-'}`, determinism `{att.determinism or '-'}`.")
+        suspects = [s.rank for s in result.suspects if s.rank is not None]
+        if suspects:
+            rows = []
+            for rank in suspects:
+                ident = manifest.identity(rank)
+                rows.append((rank, ident.host or "?", ident.node_rank, ident.local_rank, ident.gpu_uuid or "-",
+                             ident.pci_bus_id or "-", ident.slurm_job_id or "-", ident.slurm_node or ident.k8s_node or "-"))
+            out.append("")
+            out += _table(("rank", "host", "node", "local rank", "GPU UUID", "PCI bus", "Slurm job", "node name"), rows)
+        else:
+            out.append("")
+    if result.damage or result.notes:
+        out += ["## Notes", ""]
+        out += [f"- Trace damage: {d}" for d in result.damage]
+        out += [f"- {n}" for n in result.notes]
+        out.append("")
+    if command:
+        out += ["## Reproduce this analysis", "", "```bash", " ".join(shlex.quote(c) for c in command), "```", ""]
+    return "\n".join(out)
