@@ -1,7 +1,7 @@
 """Checkpoint notes: what the recorder knew about each checkpoint when it was written.
 
 One JSON file per checkpoint and attempt, ``TRACE_DIR/checkpoints/step-NNNNNNNN.attempt-AAA.json``,
-written atomically by global rank 0 after the replicas' weights were compared. Digests are
+written atomically by the rank that saved the checkpoint (a rank of the strict majority) after the replicas' weights were compared. Digests are
 16-digit lowercase hex strings of the exact digest (``docs/fingerprints.md``).
 
 ``weights_digest`` is the combined digest of the model parameters, in ``param_names`` order,
