@@ -1,11 +1,8 @@
 """What certification needs from a trace: notes, the first divergent step, majority digests.
 
 The first divergent step comes from ``sdc_forensics.forensics.triage.triage_trace`` (trace-only
-evidence, owned by bisect), imported lazily. Until that module exists, a small fallback here
-takes the earliest step whose STEP records show replica weight divergence (flag
-``WEIGHTS_DIVERGED``, or weights digests of the ranks that differ from a strict majority) or
-non-finite values (flags or counts). **Fallback: delete ``_fallback_first_divergent`` once
-triage is always present.**
+evidence); ``certify`` replaces it with ``bisect``'s (replay-confirmed) step unless asked for
+the trace alone.
 
 Step numbering (design brief): the STEP record of step ``s`` holds ``θ_{s+1}``'s digest, so the
 majority digest of checkpoint ``N`` is read from the STEP records of step ``N - 1``, and a
@@ -18,7 +15,6 @@ import dataclasses
 import os
 from collections import Counter
 
-import numpy as np
 
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace.checkpoints import CheckpointNote, hex64, read_checkpoint_notes
@@ -35,7 +31,7 @@ class TraceContext:
         trace_dir: the trace directory.
         notes: checkpoint notes, by step (latest attempt).
         first_divergent_step: ``s*`` or None.
-        divergence_source: ``triage``, ``fallback`` or ``none``.
+        divergence_source: ``triage``, ``replay`` (set by ``certify``) or ``none``.
         majority_digests: ``{N: hex}`` strict-majority weights digest of ``θ_N``.
         consistent: False when the trace has damage that makes its evidence untrustworthy.
         damage: one line per such damage.
@@ -71,32 +67,11 @@ def load_trace_context(trace_dir: str | os.PathLike) -> TraceContext:
 
 
 def first_divergent_step(trace: Trace) -> tuple[int | None, str]:
-    """``(s*, source)`` from bisect's triage when available, else from the fallback."""
-    try:
-        from sdc_forensics.forensics.triage import triage_trace
-    except ImportError:
-        step = _fallback_first_divergent(trace)
-        return step, "fallback" if step is not None else "none"
+    """``(s*, "triage")`` from the trace's own evidence, or ``(None, "none")``."""
+    from sdc_forensics.forensics.triage import triage_trace
+
     step = triage_trace(trace).first_suspect_step
     return (int(step), "triage") if step is not None else (None, "none")
-
-
-def _fallback_first_divergent(trace: Trace) -> int | None:
-    """FALLBACK (swap for triage): earliest step with weight divergence or non-finite values."""
-    bad = F.Flag.WEIGHTS_DIVERGED | F.Flag.NONFINITE_LOCAL | F.Flag.NONFINITE_REDUCED
-    for window in trace.step_windows():
-        recs = window.records  # (S, R)
-        flagged = window.present & ((recs["flags"] & int(bad)) != 0)
-        nonfinite = window.present & ((recs["nonfinite_local"] > 0) | (recs["nonfinite_reduced"] > 0) | (recs["nonfinite_weights"] > 0))
-        has_w = window.present & ((recs["flags"] & int(F.Flag.HAS_WEIGHTS)) != 0)
-        split = np.zeros(len(window.steps), dtype=bool)
-        for i in np.flatnonzero(has_w.sum(axis=1) >= 2):
-            digests = recs["weights_digest"][i][has_w[i]]
-            split[i] = len(np.unique(digests)) > 1
-        hits = np.flatnonzero(flagged.any(axis=1) | nonfinite.any(axis=1) | split)
-        if hits.size:
-            return int(window.steps[hits[0]])
-    return None
 
 
 def majority_weights_digests(trace: Trace, checkpoint_steps: list[int]) -> dict[int, str]:

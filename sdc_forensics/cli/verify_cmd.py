@@ -15,6 +15,7 @@ People read stderr (rich tables); ``--json`` writes one document on stdout.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
@@ -22,6 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from sdc_forensics.cli.output import emit_json, err
+from sdc_forensics.trace.manifest import read_manifest
 
 _MAX_ROWS = 40
 
@@ -147,9 +149,20 @@ def verify_cmd(ctx: click.Context, path: Path, trace_dir: Path | None, step: int
 @click.option("--checkpoints", "checkpoints_dir", type=click.Path(path_type=Path, file_okay=False), help="Directory holding the checkpoint files (default: the paths the job wrote).")
 @click.option("--json", "as_json", is_flag=True, help="Write one JSON document on stdout.")
 @click.option("--certificate-out", type=click.Path(path_type=Path, dir_okay=False), help="Write a certificate (JSON) to this file.")
+@click.option("--trace-only", is_flag=True, help="Trust the trace's own evidence for the first divergent step: no replay (weaker: a fault "
+              "the trace cannot see leaves later checkpoints 'clean-trace-consistent').")
+@click.option("--recipe", metavar="MOD:ATTR", help="Replay recipe (default: the one the trace's manifest names).")
+@click.option("--device", default="cpu", show_default=True, help="Replay device: cpu, cuda or cuda:N.")
 @click.pass_context
-def certify_cmd(ctx: click.Context, trace_dir: Path, checkpoints_dir: Path | None, as_json: bool, certificate_out: Path | None) -> None:
-    """Certify every checkpoint of a run and name the last clean one (the resume point)."""
+def certify_cmd(ctx: click.Context, trace_dir: Path, checkpoints_dir: Path | None, as_json: bool, certificate_out: Path | None,
+                trace_only: bool, recipe: str | None, device: str) -> None:
+    """Certify every checkpoint of a run and name the last clean one (the resume point).
+
+    The first divergent step comes from the same analysis as ``bisect`` (trace evidence, then a
+    replay of the smallest confirming window), so a fault the trace alone cannot see still taints
+    the checkpoints after it. With --trace-only, or when the trace names no recipe, the trace's
+    own evidence is used and the output says so.
+    """
     from sdc_forensics.checkpoint import VerifyOptions
     from sdc_forensics.checkpoint.certificate import build_certificate, write_certificate
     from sdc_forensics.checkpoint.certify import certify_checkpoints, last_clean, unnoted_checkpoints
@@ -160,10 +173,22 @@ def certify_cmd(ctx: click.Context, trace_dir: Path, checkpoints_dir: Path | Non
     if checkpoints_dir is not None and not checkpoints_dir.is_dir():
         raise UsageError(f"--checkpoints {checkpoints_dir} is not a directory")
     trace = load_trace_context(trace_dir)
+    replay_verified: set[int] = set()
+    if trace_only or not (recipe or read_manifest(trace_dir).recipe):
+        if not trace_only:
+            err.print("[yellow]the trace names no replay recipe[/]: certifying from the trace's evidence alone (pass --recipe to replay)")
+    else:
+        from sdc_forensics.forensics.bisect import BisectOptions, bisect
+
+        result = bisect(trace_dir, BisectOptions(checkpoints_dir=checkpoints_dir, recipe=recipe, device=device))
+        trace = dataclasses.replace(trace, first_divergent_step=result.first_divergent_step,
+                                    divergence_source="replay" if result.replayed.windows else trace.divergence_source)
+        replay_verified = {c.step for c in result.checkpoints if c.status == "clean-replay-verified"}
     statuses = certify_checkpoints(
         trace.notes,
         checkpoints=checkpoints_dir,
         first_divergent_step=trace.first_divergent_step,
+        replay_verified_steps=replay_verified,
         trace_consistent=trace.consistent,
         majority_digests=trace.majority_digests,
         base_dir=trace_dir.parent,

@@ -41,8 +41,8 @@ def test_checkpoint_saved_from_the_diverged_replica_is_not_certified(demo):
     for step in (4, 6):
         assert statuses[step]["status"] == "corrupt"
         assert any("diverged replica" in r for r in statuses[step]["reasons"])
-    for step in (0, 2):
-        assert statuses[step]["status"] == "clean-trace-consistent"
+    for step in (0, 2):  # certify replays like bisect: the window's start is replay-verified
+        assert statuses[step]["status"] in ("clean-trace-consistent", "clean-replay-verified")
     verify = CliRunner().invoke(cli, ["verify-checkpoint", str(result.config.checkpoint_path(4)), "--trace", str(result.config.trace_dir)])
     assert verify.exit_code == 1 and "NOT CERTIFIABLE" in verify.output
 
@@ -54,10 +54,23 @@ def test_weights_injection_taints_later_checkpoints_and_storage_flip_is_corrupt(
     statuses = _certify(result)
     first = statuses["doc"]["first_divergent_step"]
     assert first is not None and first <= 3
-    assert statuses[0]["status"] == "clean-trace-consistent"
+    assert statuses[0]["status"] in ("clean-trace-consistent", "clean-replay-verified")
     assert statuses[2]["status"] == "corrupt"
     assert statuses["doc"]["resume_step"] == 0
     for step in (4, 6):
         assert statuses[step]["status"] == "tainted", statuses[step]
     clean = CliRunner().invoke(cli, ["verify-checkpoint", str(result.config.checkpoint_path(0)), "--trace", str(result.config.trace_dir)])
     assert clean.exit_code == 0, clean.output
+
+
+def test_certify_replays_so_a_fault_the_trace_cannot_see_still_taints_later_checkpoints(demo):
+    """A low-mantissa flip of a local gradient leaves no trace evidence; certify replays like
+    bisect, finds step 3, and does not certify checkpoints 4 and 6. --trace-only cannot."""
+    result = demo("g3", injections=("grad:step=3:rank=1:bit=12",), world_size=3, audit_every=0)
+    statuses = _certify(result)
+    assert statuses["doc"]["first_divergent_step"] == 3 and statuses["doc"]["divergence_source"] == "replay"
+    assert statuses["doc"]["resume_step"] == 2
+    assert statuses[4]["status"] == "tainted" and statuses[6]["status"] == "tainted"
+    trace_only = CliRunner().invoke(cli, ["certify", str(result.config.trace_dir), "--trace-only", "--json"])
+    doc = json.loads(trace_only.stdout)
+    assert doc["first_divergent_step"] is None and doc["resume_step"] == 6
