@@ -7,8 +7,9 @@ directly, the torch implementation copies the arrays to the tensor's device once
 
 Streams (``stream`` is mixed into the seed so that streams never overlap):
 
-* ``digest_word_weights``: ``a_i`` for ``i < BLOCK_WORDS``, odd 32-bit values (as int32).
-* ``digest_block_weights``: ``c_j`` for block ``j``, odd 64-bit values (as int64).
+* ``digest_word_weights`` / ``digest_high_weights``: ``a_i`` / ``b_i`` for ``i < BLOCK_WORDS``,
+  odd 32-bit values ``= 4 i + 1 (mod 2**12)`` with random high bits (as int32).
+* ``digest_block_weights``: ``c_j`` (and ``c'_j``) for block ``j``, odd 64-bit values (as int64).
 * ``sketch_in_block_signs``: ``alpha_m[i]`` in ``{-1, +1}``, shape ``(BLOCK_ELEMS, k)``.
 * ``sketch_block_signs``: ``beta_m[j]`` in ``{-1, +1}``, shape ``(num_blocks, k)``.
 """
@@ -37,6 +38,8 @@ _STREAM_BLOCK = 2
 _STREAM_LENGTH = 3
 _STREAM_SKETCH_IN = 4
 _STREAM_SKETCH_BLOCK = 5
+_STREAM_WORD_HIGH = 6
+_STREAM_BLOCK_HIGH = 7
 
 
 def splitmix64(z: np.ndarray) -> np.ndarray:
@@ -57,15 +60,30 @@ def _stream(seed: int, stream: int, count: int, start: int = 0) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=8)
+def _structured_word_weights(seed: int, stream: int) -> np.ndarray:
+    # w_i = (4 i + 1) + 2**12 * r_i mod 2**32, r_i random: odd; w_i - w_j has 2-adic valuation
+    # <= 11 and w_i + w_j exactly 1, for every i != j < 1024. docs/fingerprints.md uses both.
+    low = np.arange(BLOCK_WORDS, dtype=np.uint64) * np.uint64(4) + np.uint64(1)
+    high = (_stream(seed, stream, BLOCK_WORDS) << np.uint64(12)) & np.uint64(0xFFFF_F000)
+    return (low | high).astype(np.uint32).view(np.int32)
+
+
+@functools.lru_cache(maxsize=8)
 def digest_word_weights(seed: int = DEFAULT_SEED) -> np.ndarray:
-    """``a_i``: odd 32-bit multipliers, one per word position inside a block, as ``int32``."""
-    a = (_stream(seed, _STREAM_WORD, BLOCK_WORDS) & np.uint64(0xFFFF_FFFF)) | np.uint64(1)
-    return a.astype(np.uint32).view(np.int32)
+    """``a_i``: the low lane's multipliers, one per word position in a block, as ``int32``."""
+    return _structured_word_weights(seed, _STREAM_WORD)
 
 
-def digest_block_weights(num_blocks: int, seed: int = DEFAULT_SEED) -> np.ndarray:
-    """``c_j``: odd 64-bit multipliers for blocks ``0..num_blocks-1``, as ``int64``."""
-    return (_stream(seed, _STREAM_BLOCK, num_blocks) | np.uint64(1)).view(np.int64)
+@functools.lru_cache(maxsize=8)
+def digest_high_weights(seed: int = DEFAULT_SEED) -> np.ndarray:
+    """``b_i``: the high lane's multipliers (of ``w >> 16``), as ``int32``."""
+    return _structured_word_weights(seed, _STREAM_WORD_HIGH)
+
+
+def digest_block_weights(num_blocks: int, seed: int = DEFAULT_SEED, high: bool = False) -> np.ndarray:
+    """``c_j`` (or ``c'_j`` with ``high``): odd 64-bit multipliers for blocks ``0..num_blocks-1``, as ``int64``."""
+    stream = _STREAM_BLOCK_HIGH if high else _STREAM_BLOCK
+    return (_stream(seed, stream, num_blocks) | np.uint64(1)).view(np.int64)
 
 
 @functools.lru_cache(maxsize=8)

@@ -6,8 +6,8 @@ checkpoint verification all call it. The definitions (as math) are in ``docs/fin
 
 Cost: :func:`fingerprint` reads the tensor once from memory, in chunks (1 Mi elements on CPU,
 so that a chunk and its scratch stay in cache while every part is computed from it; 16 Mi
-elements per slab on CUDA). Per chunk: the digest (one wrapping int32 multiply into a scratch,
-one row sum), the sketch (one ``beta^T X`` matmul into a ``(k, 1024)`` float64 accumulator),
+elements per slab on CUDA). Per chunk: the digest (two lanes: a wrapping int32 multiply and a row sum, then an
+arithmetic shift, a multiply and a row sum), the sketch (one ``beta^T X`` matmul into a ``(k, 1024)`` float64 accumulator),
 the stats (one dot product, one ``aminmax``); 16-bit chunks are upcast into a float32 scratch
 first (on CUDA a bf16/fp16 matmul with float32 output is used where torch has one). Memory
 beyond the tensor: the scratches, one int32 per 4 KiB of tensor for the digest's block sums,
@@ -74,9 +74,10 @@ def _prefix_table(key: tuple, num_rows: int, make) -> torch.Tensor:
     return table[:num_rows]
 
 
-def _block_weights(device: torch.device, num_blocks: int, seed: int) -> torch.Tensor:
+def _block_weights(device: torch.device, num_blocks: int, seed: int, high: bool = False) -> torch.Tensor:
     return _prefix_table(
-        ("c", device, seed), num_blocks, lambda size: torch.from_numpy(C.digest_block_weights(size, seed)).to(device)
+        ("c", device, seed, high), num_blocks,
+        lambda size: torch.from_numpy(C.digest_block_weights(size, seed, high=high)).to(device),
     )
 
 
@@ -112,7 +113,7 @@ def _chunk_elems(device: torch.device) -> int:
 
 
 class _Digester:
-    """Accumulates the block sums ``s_j`` of the exact digest, a run of whole blocks at a time."""
+    """Accumulates the block sums ``s_j`` (low lane) and ``t_j`` (high lane) of the exact digest."""
 
     def __init__(self, num_bytes: int, device: torch.device, seed: int, max_rows: int):
         self.num_bytes = num_bytes
@@ -120,7 +121,9 @@ class _Digester:
         self.seed = seed
         self.num_blocks = -(-num_bytes // _BLOCK_BYTES)
         self.a = _cached(("a", device, seed), lambda: torch.from_numpy(C.digest_word_weights(seed)).to(device))
-        self.sums = torch.zeros(max(self.num_blocks, 1), dtype=torch.int32, device=device)  # (blocks,)
+        self.b = _cached(("b", device, seed), lambda: torch.from_numpy(C.digest_high_weights(seed)).to(device))
+        self.sums = torch.zeros(max(self.num_blocks, 1), dtype=torch.int32, device=device)  # (blocks,) s_j
+        self.high_sums = torch.zeros(max(self.num_blocks, 1), dtype=torch.int32, device=device)  # (blocks,) t_j
         rows = max(1, min(max_rows, self.num_blocks))
         self.scratch = torch.empty(rows, C.BLOCK_WORDS, dtype=torch.int32, device=device)
 
@@ -134,17 +137,24 @@ class _Digester:
         for start in range(0, words.shape[0], self.scratch.shape[0]):
             chunk = words[start : start + self.scratch.shape[0]]
             buf = self.scratch[: chunk.shape[0]]
-            torch.mul(chunk, self.a, out=buf)  # wraps mod 2**32
             first = first_block + start
-            torch.sum(buf, dim=1, dtype=torch.int32, out=self.sums[first : first + chunk.shape[0]])
+            rows = slice(first, first + chunk.shape[0])
+            torch.mul(chunk, self.a, out=buf)  # wraps mod 2**32
+            torch.sum(buf, dim=1, dtype=torch.int32, out=self.sums[rows])
+            torch.bitwise_right_shift(chunk, 16, out=buf)  # arithmetic: the high half, sign-extended
+            buf.mul_(self.b)
+            torch.sum(buf, dim=1, dtype=torch.int32, out=self.high_sums[rows])
 
     def value(self) -> int:
-        """``D = fmix64(sum_j c_j s_j + c_len * N mod 2**64)``."""
-        total = 0
+        """``D = fmix64(sum_j c_j s_j + 2**32 sum_j c'_j t_j + c_len * N mod 2**64)``."""
+        low = high = 0
         if self.num_blocks:
-            unsigned = self.sums.to(torch.int64) & 0xFFFF_FFFF
-            total = int((unsigned * _block_weights(self.device, self.num_blocks, self.seed)).sum().item())
-        total = (total + self.num_bytes * C.digest_length_weight(self.seed)) % (1 << 64)
+            n = self.num_blocks
+            low_sums = self.sums[:n].to(torch.int64) & 0xFFFF_FFFF
+            high_sums = self.high_sums[:n].to(torch.int64) & 0xFFFF_FFFF
+            low = int((low_sums * _block_weights(self.device, n, self.seed)).sum().item())
+            high = int((high_sums * _block_weights(self.device, n, self.seed, high=True)).sum().item())
+        total = (low + (high << 32) + self.num_bytes * C.digest_length_weight(self.seed)) % (1 << 64)
         return C.fmix64(total)
 
 

@@ -30,15 +30,21 @@ def digest_bytes(data: bytes | np.ndarray, seed: int = C.DEFAULT_SEED) -> int:
     num_blocks = -(-num_words // C.BLOCK_WORDS)
     padded = np.zeros(num_blocks * C.BLOCK_WORDS * 4, dtype=np.uint8)
     padded[:num_bytes] = raw
-    words = padded.view("<u4").astype(np.uint64).reshape(num_blocks, C.BLOCK_WORDS)
+    signed = padded.view("<i4").reshape(num_blocks, C.BLOCK_WORDS)
+    words = signed.view("<u4").astype(np.uint64)  # (num_blocks, 1024) w_{j,i} as unsigned
+    high = (signed >> 16).astype(np.int64)  # (num_blocks, 1024) arithmetic shift: in [-2**15, 2**15)
     a = C.digest_word_weights(seed).view(np.uint32).astype(np.uint64)
-    # s_j = sum_i a_i * w_{j,i}  mod 2**32
-    block_sums = ((words * a) & _MASK32).sum(axis=1, dtype=np.uint64) & _MASK32  # (num_blocks,)
+    b = C.digest_high_weights(seed).view(np.uint32).astype(np.int64)
+    # s_j = sum_i a_i * w_{j,i} mod 2**32 ;  t_j = sum_i b_i * (w_{j,i} >> 16) mod 2**32
+    low_sums = ((words * a) & _MASK32).sum(axis=1, dtype=np.uint64) & _MASK32  # (num_blocks,)
+    high_sums = ((high * b) & 0xFFFF_FFFF).astype(np.uint64).sum(axis=1, dtype=np.uint64) & _MASK32
     c = C.digest_block_weights(num_blocks, seed).view(np.uint64)
+    c_high = C.digest_block_weights(num_blocks, seed, high=True).view(np.uint64)
     with np.errstate(over="ignore"):
-        total = (block_sums * c).sum(dtype=np.uint64)
-        total = total + np.uint64(num_bytes) * np.uint64(C.digest_length_weight(seed))
-    return C.fmix64(int(total))
+        low = (low_sums * c).sum(dtype=np.uint64)
+        high_total = (high_sums * c_high).sum(dtype=np.uint64)
+    total = (int(low) + (int(high_total) << 32) + num_bytes * C.digest_length_weight(seed)) % (1 << 64)
+    return C.fmix64(total)
 
 
 def sketch(values: np.ndarray, k: int = C.DEFAULT_SKETCH_K, seed: int = C.DEFAULT_SEED) -> np.ndarray:

@@ -95,14 +95,47 @@ def test_permutation_changes_digest():
     assert core.digest(tensor.roll(1)) != base
 
 
-@pytest.mark.xfail(strict=True, reason="digest v1 limitation, see docs/fingerprints.md: (a_i - a_j) is even")
 def test_swap_of_x_and_minus_x_in_one_block_changes_digest():
-    # The words differ by 2**31 only, so the swap adds (a_i - a_j) * 2**31 = 0 mod 2**32.
+    # The words differ in the sign bit only: the low lane cannot see it ((a_i - a_j) * 2**31 = 0
+    # mod 2**32); the high lane sees (b_i - b_j) * 2**15, never 0 mod 2**32.
     tensor = torch.ones(2048)
     tensor[7] = -1.0
-    swapped = tensor.clone()
-    swapped[7], swapped[900] = 1.0, -1.0
-    assert core.digest(swapped) != core.digest(tensor)
+    for j in (8, 900, 1023):
+        swapped = tensor.clone()
+        swapped[7], swapped[j] = 1.0, -1.0
+        assert core.digest(swapped) != core.digest(tensor), j
+
+
+def test_two_flips_of_the_same_bit_in_one_block_change_digest():
+    # Two flips of bit p in words i and j move the low lane by 2**p (+-a_i +- a_j): for the sign
+    # bit that is 0 mod 2**32, for any p the high lane or the low lane still moves.
+    torch.manual_seed(8)
+    tensor = torch.randn(1024)
+    base = core.digest(tensor)
+    words = tensor.view(torch.int32)
+    gen = torch.Generator().manual_seed(9)
+    for bit in range(32):
+        for _ in range(20):
+            i, j = torch.randperm(1024, generator=gen)[:2].tolist()
+            flipped = words.clone()
+            mask = torch.tensor(1 << bit if bit < 31 else -(1 << 31), dtype=torch.int32)
+            flipped[i] ^= mask
+            flipped[j] ^= mask
+            assert core.digest(flipped.view(torch.float32)) != base, (bit, i, j)
+
+
+def test_swaps_of_words_differing_only_in_high_bits_change_digest():
+    gen = torch.Generator().manual_seed(10)
+    words = torch.randint(-(2**31), 2**31 - 1, (1024,), dtype=torch.int32, generator=gen)
+    for _ in range(500):
+        i, j = torch.randperm(1024, generator=gen)[:2].tolist()
+        delta = int(torch.randint(1, 1 << 10, (1,), generator=gen)) << 22  # low 22 bits equal
+        a = words.clone()
+        other = (int(a[i]) & 0xFFFF_FFFF) ^ delta  # the same word with some of its top 10 bits flipped
+        a[j] = other - (1 << 32) if other >= (1 << 31) else other
+        b = a.clone()
+        b[i], b[j] = a[j], a[i]
+        assert core.digest(a) != core.digest(b), (i, j, delta)
 
 
 def test_equal_tensors_give_equal_digests_whatever_their_layout():
