@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections import Counter
 
-
-from sdc_forensics.trace import format as F
-from sdc_forensics.trace.checkpoints import CheckpointNote, hex64, read_checkpoint_notes
+from sdc_forensics.trace.checkpoints import CheckpointNote, read_checkpoint_notes
+from sdc_forensics.trace.consensus import majority_weights_digests
 from sdc_forensics.trace.reader import Trace
 
 _UNTRUSTED_DAMAGE = {"bad_checksum", "bad_header", "missing_rank", "missing_steps"}
@@ -72,23 +70,3 @@ def first_divergent_step(trace: Trace) -> tuple[int | None, str]:
 
     step = triage_trace(trace).first_suspect_step
     return (int(step), "triage") if step is not None else (None, "none")
-
-
-def majority_weights_digests(trace: Trace, checkpoint_steps: list[int]) -> dict[int, str]:
-    """``{N: hex}``: the strict-majority weights digest of ``θ_N`` (STEP records of step N-1)."""
-    wanted = {n - 1: n for n in checkpoint_steps if n >= 1}
-    out: dict[int, str] = {}
-    if not wanted:
-        return out
-    for window in trace.step_windows(start=min(wanted), stop=max(wanted)):
-        for row, step in enumerate(window.steps):
-            if int(step) not in wanted:
-                continue
-            has_w = window.present[row] & ((window.records["flags"][row] & int(F.Flag.HAS_WEIGHTS)) != 0)
-            digests = [int(d) for d in window.records["weights_digest"][row][has_w]]
-            if not digests:
-                continue
-            value, count = Counter(digests).most_common(1)[0]
-            if 2 * count > trace.world_size:
-                out[wanted[int(step)]] = hex64(value)
-    return out

@@ -21,15 +21,13 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-import numpy as np
-
-from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, hex64, sort_key
+from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, sort_key
 from sdc_forensics.forensics.triage import TriageResult, triage_trace
 from sdc_forensics.forensics.verdict import (
     BisectResult, CheckpointVerdict, ReplayedWindow, ReplaySummary, Verdict, find_suspects, first_divergent_step, unlocalised,
 )
-from sdc_forensics.trace import format as F
 from sdc_forensics.trace.checkpoints import CheckpointNote, read_checkpoint_notes
+from sdc_forensics.trace.consensus import majority_weights_digests
 from sdc_forensics.trace.reader import Trace
 
 # the file differs from what was saved: storage. NaN/Inf or not-the-majority content was saved that
@@ -304,24 +302,10 @@ def _resolve(note: CheckpointNote, checkpoints_dir, trace_path: Path) -> Path:
     return locate_checkpoint(note, checkpoints_dir, trace_path.parent) or Path(note.path)
 
 
-def _majority_weights(trace: Trace, steps: list[int]) -> dict[int, str]:
-    """``{N: hex}``: the strict-majority weights digest the STEP records hold for theta_N (step N-1)."""
-    out = {}
-    wanted = sorted(s - 1 for s in steps if s > 0)
-    for window in trace.step_windows(4096, wanted[0], wanted[-1]) if wanted else ():
-        for row in np.flatnonzero(np.isin(window.steps, wanted)):
-            rec = window.records[row]
-            has_w = window.present[row] & ((rec["flags"] & int(F.Flag.HAS_WEIGHTS)) != 0)
-            values, counts = np.unique(rec["weights_digest"][has_w], return_counts=True)
-            if len(counts) and counts.max() * 2 > has_w.sum():
-                out[int(window.steps[row]) + 1] = hex64(int(values[np.argmax(counts)]))
-    return out
-
-
 def _certify(notes, reports, first, replayed_from, trace, tri, options) -> list[CheckpointVerdict]:
     if not notes:
         return []
-    majority = _majority_weights(trace, [n.step for n in notes])
+    majority = majority_weights_digests(trace, [n.step for n in notes])
     if not reports:  # trace-only, or nothing to replay with: notes, not files
         return [_from_note(n, first, majority.get(n.step)) for n in notes]
     from sdc_forensics.checkpoint.certify import decide

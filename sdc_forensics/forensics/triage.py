@@ -30,6 +30,7 @@ import numpy as np
 from sdc_forensics.fingerprint import tolerance
 from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, hex64, sort_key
 from sdc_forensics.trace import format as F
+from sdc_forensics.trace.consensus import strict_majority
 from sdc_forensics.trace.reader import Damage, StepWindow, Trace
 
 _MAX_OUTLIERS = 20
@@ -176,20 +177,6 @@ def _nonfinite(window: StepWindow) -> list[Evidence]:
     return out
 
 
-def _majority(values: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row, the strict-majority value among valid cells. ``values``/``valid``: ``(S, R)``.
-
-    Returns ``(majority (S,), has_majority (S,))``.
-    """
-    num_valid = valid.sum(axis=1)
-    # count, for every cell, how many valid cells of its row hold the same value: (S, R, R)
-    same = (values[:, :, None] == values[:, None, :]) & valid[:, None, :] & valid[:, :, None]
-    votes = same.sum(axis=2)  # (S, R)
-    best = votes.argmax(axis=1)
-    rows = np.arange(values.shape[0])
-    return values[rows, best], votes[rows, best] * 2 > num_valid
-
-
 def _allreduce(window: StepWindow, grad_dtype: str, reduction: str) -> list[Evidence]:
     rec, present = window.records, window.present
     has_grads = ((rec["flags"] & int(F.Flag.HAS_GRADS)) != 0) & present  # (S, R)
@@ -203,7 +190,7 @@ def _allreduce(window: StepWindow, grad_dtype: str, reduction: str) -> list[Evid
     local_norms = np.where(present, rec["local_norm"], 0.0)[:, None, :]  # (S, 1, R)
     tol = tolerance.allreduce_tolerance(grad_dtype, local_norms, rec["reduced_norm"], reduction)  # (S, R)
     over = (residual > tol) & full[:, None]
-    majority, has_majority = _majority(rec["reduced_digest"], has_grads)
+    majority, has_majority = strict_majority(rec["reduced_digest"], has_grads)
     minority = (rec["reduced_digest"] != majority[:, None]) & has_grads & (has_majority & full)[:, None]
     out: list[Evidence] = []
     for row in np.flatnonzero((over | minority).any(axis=1)):
@@ -246,7 +233,7 @@ class _WeightState:
             self.diverged = np.zeros(self.world_size, dtype=bool)
         if not checked_rows.size:
             return []
-        majority, has_majority = _majority(rec["weights_digest"], has_w)
+        majority, has_majority = strict_majority(rec["weights_digest"], has_w)
         out: list[Evidence] = []
         for row in checked_rows:
             step = int(window.steps[row])

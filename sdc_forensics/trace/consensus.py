@@ -1,0 +1,61 @@
+"""Replica consensus: strict-majority votes over per-rank digests, vectorised (numpy only).
+
+The recorder votes online, triage votes over whole traces, certification asks which weights
+digest the majority of replicas held at a checkpoint's step; the last two call this module.
+A strict majority is a value held by more than half of the valid cells of a row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sdc_forensics.trace import format as F
+from sdc_forensics.trace.checkpoints import hex64
+from sdc_forensics.trace.reader import Trace
+
+_SENTINEL = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
+
+
+def strict_majority(values: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the value held by more than half of the valid cells.
+
+    Args:
+        values: ``(S, R)`` uint64 digests.
+        valid: ``(S, R)`` bool, which cells vote.
+
+    Returns:
+        ``(majority (S,) uint64, has_majority (S,) bool)``; ``majority`` is meaningless where
+        ``has_majority`` is False. O(S R log R): a strict majority, if any, holds the middle
+        position of the sorted valid values of its row.
+    """
+    values = np.asarray(values, dtype=np.uint64)
+    valid = np.asarray(valid, dtype=bool)
+    num_valid = valid.sum(axis=1)  # (S,)
+    ordered = np.sort(np.where(valid, values, _SENTINEL), axis=1)  # valid values first
+    rows = np.arange(values.shape[0])
+    candidate = ordered[rows, np.minimum(num_valid // 2, max(values.shape[1] - 1, 0))] if values.shape[1] else np.zeros(0, np.uint64)
+    votes = ((values == candidate[:, None]) & valid).sum(axis=1)
+    return candidate, (votes * 2 > num_valid) & (num_valid > 0)
+
+
+def majority_weights_digests(trace: Trace, checkpoint_steps: list[int], window: int = 4096) -> dict[int, str]:
+    """``{N: hex}``: the strict-majority weights digest of ``θ_N`` among the replicas.
+
+    ``θ_N`` is what the STEP records of step ``N - 1`` hold (post-update weights); checkpoint 0
+    has no such record and is absent from the result.
+    """
+    wanted = sorted({n - 1 for n in checkpoint_steps if n >= 1})
+    out: dict[int, str] = {}
+    if not wanted:
+        return out
+    for win in trace.step_windows(window, wanted[0], wanted[-1], fields=("flags", "weights_digest")):
+        rows = np.flatnonzero(np.isin(win.steps, wanted))
+        if not rows.size:
+            continue
+        rec = win.records[rows]
+        has_w = win.present[rows] & ((rec["flags"] & int(F.Flag.HAS_WEIGHTS)) != 0)
+        majority, ok = strict_majority(rec["weights_digest"], has_w)
+        for row, value, good in zip(rows, majority, ok):
+            if good:
+                out[int(win.steps[row]) + 1] = hex64(int(value))
+    return out
