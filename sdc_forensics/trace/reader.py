@@ -77,6 +77,7 @@ class Trace:
         self._damage = damage
         self._validated = False
         self._valid: dict[tuple[int, int], np.ndarray] = {}
+        self._dense: dict[tuple[int, int], int | None] = {}
 
     @classmethod
     def open(cls, trace_dir: str | os.PathLike) -> "Trace":
@@ -129,6 +130,26 @@ class Trace:
             self._valid[key] = mask
         return self._valid[key]
 
+    def _dense_first_step(self, rank_file: RankFile) -> int | None:
+        """First step when the file is dense (only valid STEP records, steps consecutive), else None.
+
+        A dense file is indexed by arithmetic (record ``i`` holds step ``first + i``); a file with
+        other record kinds, gaps or damage is read through the cursor search.
+        """
+        key = (rank_file.rank, rank_file.attempt)
+        if key not in self._dense:
+            recs, first = rank_file.records, None
+            if len(recs) and self.valid_mask(rank_file).all():
+                first = int(recs["step"][0])
+                for start in range(0, len(recs), CHUNK_RECORDS):
+                    chunk = recs[start : start + CHUNK_RECORDS]
+                    expected = np.arange(first + start, first + start + len(chunk), dtype=np.int64)
+                    if (chunk["kind"] != int(F.Kind.STEP)).any() or (chunk["step"] != expected).any():
+                        first = None
+                        break
+            self._dense[key] = first
+        return self._dense[key]
+
     def damage(self) -> list[Damage]:
         """Every problem found: file-level ones, bad records, and steps missing on some ranks."""
         if not self._validated:
@@ -150,7 +171,7 @@ class Trace:
 
     def _missing_steps(self) -> list[Damage]:
         missing: dict[int, list[int]] = {}
-        for window in self.step_windows():
+        for window in self.step_windows(fields=()):
             any_present = window.present.any(axis=1)  # (S,)
             holes = window.present[any_present] == False  # noqa: E712  (S', R)
             steps = window.steps[any_present]
@@ -223,7 +244,8 @@ class Trace:
         hi = bounds[1] if stop is None else min(stop, bounds[1])
         num_ranks = self.world_size
         full = F.record_dtype(self.sketch_k)
-        names = full.names if fields is None else tuple(dict.fromkeys(("step", "rank") + tuple(fields)))
+        wanted = set(full.names if fields is None else ("step", "rank", *fields))
+        names = [name for name in full.names if name in wanted]  # record order: assignment is by position
         dtype = np.dtype([(name, full.fields[name][0]) for name in names])
         ordered = sorted(self.files, key=lambda f: (f.attempt, f.rank))
         cursors = {(f.rank, f.attempt): 0 for f in ordered}
@@ -240,8 +262,19 @@ class Trace:
                 if rank_file.rank >= num_ranks:
                     continue
                 key = (rank_file.rank, rank_file.attempt)
-                recs, cursors[key] = self._take_until(rank_file, cursors[key], w_hi)
                 row = rank_file.rank
+                dense_first = self._dense_first_step(rank_file)
+                if dense_first is not None:  # index by arithmetic: no search, no checks
+                    lo_i = max(w_lo - dense_first, 0)
+                    hi_i = min(w_hi - dense_first, len(rank_file.records))
+                    if hi_i > lo_i:
+                        cols = slice(lo_i + dense_first - w_lo, hi_i + dense_first - w_lo)
+                        superseded[row, cols] |= present[row, cols]
+                        table[row, cols] = rank_file.records[lo_i:hi_i][names]
+                        present[row, cols] = True
+                        attempt[row, cols] = rank_file.attempt
+                    continue
+                recs, cursors[key] = self._take_until(rank_file, cursors[key], w_hi)
                 steps = recs["step"]
                 if (
                     len(recs) == num_steps
@@ -251,16 +284,14 @@ class Trace:
                     and (np.diff(steps) == 1).all()
                 ):  # the common case: one STEP record per step, nothing else
                     superseded[row] |= present[row]
-                    for name in names:
-                        table[name][row] = recs[name]
+                    table[row] = recs[names]  # one C-level copy of the selected fields
                     present[row] = True
                     attempt[row] = rank_file.attempt
                     continue
                 recs = recs[(recs["kind"] == int(F.Kind.STEP)) & (steps >= w_lo) & (steps < w_hi)]
                 cols = (recs["step"] - w_lo).astype(np.int64)
                 superseded[row, cols] |= present[row, cols]
-                for name in names:
-                    table[name][row, cols] = recs[name]
+                table[row, cols] = recs[names]
                 present[row, cols] = True
                 attempt[row, cols] = rank_file.attempt
             yield StepWindow(
