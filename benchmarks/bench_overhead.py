@@ -26,7 +26,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -43,6 +42,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from sdc_forensics.demo.run import train_step
 
 WORLD_SIZE = 2
 MICROBATCHES = 2
@@ -85,16 +86,7 @@ recipe = BenchRecipe(
 
 
 def _step(ddp, optimizer, batches, handle=None) -> None:
-    for i, batch in enumerate(batches):
-        if handle is not None:
-            batch = handle.input(batch)
-        with ddp.no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
-            loss = recipe.loss(ddp, batch)
-            loss.backward()
-        if handle is not None:
-            handle.loss(loss)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    train_step(ddp, optimizer, recipe, batches, len(batches), handle)
 
 
 def _parts_ms(model: nn.Module) -> dict[str, float]:

@@ -28,6 +28,28 @@ from sdc_forensics.inject import FaultSpec, parse_specs
 RECIPE_REFERENCE = "sdc_forensics.demo.recipe:recipe"
 
 
+def train_step(ddp, optimizer, recipe, microbatches, count: int, handle=None) -> None:
+    """One DDP optimizer step: ``count`` microbatches accumulated under ``no_sync`` but the last.
+
+    Args:
+        ddp: the ``DistributedDataParallel`` model.
+        optimizer: its optimizer.
+        recipe: gives ``loss(model, microbatch)``.
+        microbatches: the step's microbatches, in order (an iterable: fetched lazily).
+        count: how many there are.
+        handle: the recorder's step handle (``Recorder.step``), or None for an unrecorded step.
+    """
+    for i, batch in enumerate(microbatches):
+        if handle is not None:
+            batch = handle.input(batch)
+        with ddp.no_sync() if i < count - 1 else contextlib.nullcontext():
+            loss = recipe.loss(ddp, batch)
+            loss.backward()
+        if handle is not None:
+            handle.loss(loss)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
 def default_injection(steps: int = 40, checkpoint_every: int = 10) -> str:
     """The fault ``sdc-forensics demo`` injects unless told otherwise.
 
@@ -311,17 +333,7 @@ def train_rank(config: DemoConfig, rank: int) -> dict:
         for step in range(config.first_step, config.steps):
             ids = recipe.microbatch_ids(step, rank, world_size)
             with rec.step(step, microbatch_ids=ids) if rec is not None else contextlib.nullcontext() as s:
-                for i, microbatch_id in enumerate(ids):
-                    batch = recipe.fetch_microbatch(microbatch_id, "cpu")
-                    if s is not None:
-                        batch = s.input(batch)
-                    with ddp.no_sync() if i < len(ids) - 1 else contextlib.nullcontext():
-                        loss = recipe.loss(ddp, batch)
-                        loss.backward()
-                    if s is not None:
-                        s.loss(loss)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                train_step(ddp, optimizer, recipe, (recipe.fetch_microbatch(i, "cpu") for i in ids), len(ids), s)
             if config.kill_rank == rank and config.kill_step == step:
                 os.kill(os.getpid(), signal.SIGKILL)
             if (step + 1) % config.checkpoint_every == 0:
