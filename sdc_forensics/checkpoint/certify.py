@@ -1,21 +1,8 @@
 """Certification: every checkpoint of a run gets a status with reasons; the last clean one is
 the resume point.
 
-The library API that ``bisect`` calls::
-
-    certify_checkpoints(
-        notes: Sequence[CheckpointNote],
-        *,
-        checkpoints: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
-        first_divergent_step: int | None,
-        replay_verified_steps: Collection[int] = frozenset(),
-        trace_consistent: bool = True,
-        majority_digests: Mapping[int, str] | None = None,
-        base_dir: str | os.PathLike | None = None,
-        options: VerifyOptions = VerifyOptions(),
-    ) -> list[CheckpointStatus]
-
-    last_clean(statuses: Sequence[CheckpointStatus]) -> CheckpointStatus | None
+The library API is :func:`certify_checkpoints` (what ``certify`` runs), :func:`decide` (one
+checkpoint, what ``bisect`` runs) and :func:`last_clean` (the resume point).
 
 The rule (design brief, "Conventions"): with first divergent step ``s*`` (``θ_{s*}`` clean,
 ``θ_{s*+1}`` not), checkpoint ``N`` (``θ_N``) is clean only if ``N <= s*`` (or no divergence was

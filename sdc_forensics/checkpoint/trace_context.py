@@ -16,9 +16,8 @@ import os
 
 from sdc_forensics.trace.checkpoints import CheckpointNote, read_checkpoint_notes
 from sdc_forensics.trace.consensus import majority_weights_digests
-from sdc_forensics.trace.reader import Trace
+from sdc_forensics.trace.reader import UNTRUSTED_DAMAGE, Trace
 
-_UNTRUSTED_DAMAGE = {"bad_checksum", "bad_header", "missing_rank", "missing_steps"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,12 +45,18 @@ class TraceContext:
     seed: int
 
 
-def load_trace_context(trace_dir: str | os.PathLike) -> TraceContext:
-    """Open the trace and gather the facts (raises ``TraceError`` when it is not a trace)."""
+def load_trace_context(trace_dir: str | os.PathLike, divergence: tuple[int | None, str] | None = None) -> TraceContext:
+    """Open the trace and gather the facts (raises ``TraceError`` when it is not a trace).
+
+    Args:
+        trace_dir: the trace directory.
+        divergence: ``(s*, source)`` when the caller already knows it (``certify`` after
+            ``bisect``); otherwise the trace is triaged for it.
+    """
     trace = Trace.open(trace_dir)
     notes = tuple(read_checkpoint_notes(trace_dir))
-    step, source = first_divergent_step(trace)
-    damage = tuple(f"{d.kind}: {d.detail}" for d in trace.damage() if d.kind in _UNTRUSTED_DAMAGE)
+    step, source = divergence if divergence is not None else first_divergent_step(trace)
+    damage = tuple(f"{d.kind}: {d.detail}" for d in trace.damage() if d.kind in UNTRUSTED_DAMAGE)
     return TraceContext(
         trace_dir=str(trace_dir),
         notes=notes,

@@ -73,7 +73,7 @@ class TensorResult:
 
     @property
     def status(self) -> str:
-        """``ok``, ``nonfinite``, ``mismatch`` (vs the note) or ``unnoted``."""
+        """``ok``, ``nonfinite``, or ``mismatch`` (differs from the note)."""
         if self.expected_digest and self.expected_digest != self.digest:
             return "mismatch"
         if self.nonfinite:

@@ -15,7 +15,6 @@ People read stderr (rich tables); ``--json`` writes one document on stdout.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import click
@@ -172,28 +171,34 @@ def certify_cmd(ctx: click.Context, trace_dir: Path, checkpoints_dir: Path | Non
 
     if checkpoints_dir is not None and not checkpoints_dir.is_dir():
         raise UsageError(f"--checkpoints {checkpoints_dir} is not a directory")
-    trace = load_trace_context(trace_dir)
-    replay_verified: set[int] = set()
+    statuses = None
     if trace_only or not (recipe or read_manifest(trace_dir).recipe):
         if not trace_only:
             err.print("[yellow]the trace names no replay recipe[/]: certifying from the trace's evidence alone (pass --recipe to replay)")
+        trace = load_trace_context(trace_dir)
     else:
         from sdc_forensics.forensics.bisect import BisectOptions, bisect
 
-        result = bisect(trace_dir, BisectOptions(checkpoints_dir=checkpoints_dir, recipe=recipe, device=device))
-        trace = dataclasses.replace(trace, first_divergent_step=result.first_divergent_step,
-                                    divergence_source="replay" if result.replayed.windows else trace.divergence_source)
-        replay_verified = {c.step for c in result.checkpoints if c.status == "clean-replay-verified"}
-    statuses = certify_checkpoints(
-        trace.notes,
-        checkpoints=checkpoints_dir,
-        first_divergent_step=trace.first_divergent_step,
-        replay_verified_steps=replay_verified,
-        trace_consistent=trace.consistent,
-        majority_digests=trace.majority_digests,
-        base_dir=trace_dir.parent,
-        options=VerifyOptions(seed=trace.seed),
-    )
+        from sdc_forensics.cli.bisect_cmd import _Bars
+
+        with _Bars(enabled=err.is_terminal) as bars:
+            result = bisect(trace_dir, BisectOptions(checkpoints_dir=checkpoints_dir, recipe=recipe, device=device), progress=bars)
+        first = result.first_divergent_step
+        by_replay = any(e.step == first and e.source == "replay" for e in result.evidence)
+        source = "none" if first is None else "replay" if by_replay else "triage"
+        trace = load_trace_context(trace_dir, divergence=(result.first_divergent_step, source))
+        if result.certification:  # bisect verified every noted file already: do not read them twice
+            statuses = list(result.certification)
+    if statuses is None:
+        statuses = certify_checkpoints(
+            trace.notes,
+            checkpoints=checkpoints_dir,
+            first_divergent_step=trace.first_divergent_step,
+            trace_consistent=trace.consistent,
+            majority_digests=trace.majority_digests,
+            base_dir=trace_dir.parent,
+            options=VerifyOptions(seed=trace.seed),
+        )
     resume = last_clean(statuses)
     folders = {checkpoints_dir} if checkpoints_dir is not None else {Path(s.path).parent for s in statuses if s.path}
     unnoted = [path for folder in sorted(folders) for path in unnoted_checkpoints(trace.notes, folder)]

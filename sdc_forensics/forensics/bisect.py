@@ -28,7 +28,7 @@ from sdc_forensics.forensics.verdict import (
 )
 from sdc_forensics.trace.checkpoints import CheckpointNote, read_checkpoint_notes
 from sdc_forensics.trace.consensus import majority_weights_digests
-from sdc_forensics.trace.reader import Trace
+from sdc_forensics.trace.reader import UNTRUSTED_DAMAGE, Trace
 
 # the file differs from what was saved: storage. NaN/Inf or not-the-majority content was saved that
 # way (a consequence of a divergence, not of the disk); such a checkpoint is not replayed from either.
@@ -94,7 +94,7 @@ def bisect(trace_dir: str | os.PathLike, options: BisectOptions, progress: Progr
         if not notes:
             settle.append("the trace notes no checkpoint: replay needs one; pass a trace whose run saved checkpoints")
         if recipe_ref and notes:
-            reports = _verify_files(notes, options.checkpoints_dir, trace.path)
+            reports = _verify_files(notes, options.checkpoints_dir, trace.path, int(trace.manifest.fingerprint.seed))
             evidence += _storage_evidence(notes, reports)
             usable = [n for n in notes if reports[n.step][1] is not None and not _damaged(reports[n.step][1])]
             if not usable:
@@ -105,7 +105,7 @@ def bisect(trace_dir: str | os.PathLike, options: BisectOptions, progress: Progr
                 evidence += replay_evidence
     evidence.sort(key=sort_key)
     first = first_divergent_step(evidence)
-    checkpoints = _certify(notes, reports, first, replayed_from, trace, tri, options)
+    checkpoints, certification = _certify(notes, reports, first, replayed_from, trace, tri)
     suspects = find_suspects(tuple(evidence), trace.world_size, trace.manifest.identity)
     verdict, scope = _decide(tri, evidence, suspects, summary, mode, options, settle)
     if tri.superseded_cells:
@@ -116,7 +116,7 @@ def bisect(trace_dir: str | os.PathLike, options: BisectOptions, progress: Progr
         last_clean_checkpoint=max(clean, key=lambda c: c.step) if clean else None, checkpoints=tuple(checkpoints),
         replayed=summary, evidence=tuple(evidence), mode=mode, scope=scope, settle=tuple(settle) if verdict is not Verdict.CORRUPTION or mode == "trace-only" else (),
         trace_path=str(trace.path), world_size=trace.world_size, step_range=tri.step_range,
-        damage=tuple(d.detail or d.kind for d in tri.damage), notes=tuple(notes_out),
+        damage=tuple(d.detail or d.kind for d in tri.damage), notes=tuple(notes_out), certification=tuple(certification),
     )
 
 
@@ -146,10 +146,10 @@ def _decide(tri: TriageResult, evidence, suspects, summary: ReplaySummary, mode:
     return Verdict.CLEAN, scope
 
 
-def _verify_files(notes: list[CheckpointNote], checkpoints_dir, trace_path: Path) -> dict[int, tuple[str, object, str]]:
-    """``{step: (path, report or None, error)}`` for every noted checkpoint."""
+def _verify_files(notes: list[CheckpointNote], checkpoints_dir, trace_path: Path, seed: int) -> dict[int, tuple[str, object, str]]:
+    """``{step: (path, report or None, error)}`` for every noted checkpoint, digested with the trace's seed."""
     from sdc_forensics.checkpoint.certify import locate_checkpoint
-    from sdc_forensics.checkpoint.verify import verify_checkpoint
+    from sdc_forensics.checkpoint.verify import VerifyOptions, verify_checkpoint
     from sdc_forensics.errors import CheckpointError
 
     out = {}
@@ -158,7 +158,7 @@ def _verify_files(notes: list[CheckpointNote], checkpoints_dir, trace_path: Path
         report, error = None, ""
         if path is not None:
             try:
-                report = verify_checkpoint(path, note=note)
+                report = verify_checkpoint(path, note=note, options=VerifyOptions(seed=seed))
             except CheckpointError as exc:
                 error = str(exc)
         out[note.step] = (str(path) if path else "", report, error)
@@ -302,22 +302,25 @@ def _resolve(note: CheckpointNote, checkpoints_dir, trace_path: Path) -> Path:
     return locate_checkpoint(note, checkpoints_dir, trace_path.parent) or Path(note.path)
 
 
-def _certify(notes, reports, first, replayed_from, trace, tri, options) -> list[CheckpointVerdict]:
+def _certify(notes, reports, first, replayed_from, trace, tri) -> tuple[list[CheckpointVerdict], list]:
+    """Checkpoint verdicts, and the checkpoint module's records behind them (when files were read)."""
     if not notes:
-        return []
+        return [], []
     majority = majority_weights_digests(trace, [n.step for n in notes])
     if not reports:  # trace-only, or nothing to replay with: notes, not files
-        return [_from_note(n, first, majority.get(n.step)) for n in notes]
+        return [_from_note(n, first, majority.get(n.step)) for n in notes], []
     from sdc_forensics.checkpoint.certify import decide
 
-    consistent = not any(d.kind == "bad_checksum" for d in tri.damage)
-    out = []
+    consistent = not any(d.kind in UNTRUSTED_DAMAGE for d in tri.damage)
+    statuses = []
     for note in notes:
         path, report, error = reports[note.step]
-        status = decide(note, report=report, error=error, path=path, first_divergent_step=first,
-                        replay_verified=note.step in replayed_from, trace_consistent=consistent, majority_digest=majority.get(note.step))
-        out.append(CheckpointVerdict(step=status.step, path=status.path or note.path, status=status.status.value, reasons=status.reasons))
-    return out
+        statuses.append(decide(note, report=report, error=error, path=path, first_divergent_step=first,
+                               replay_verified=note.step in replayed_from, trace_consistent=consistent,
+                               majority_digest=majority.get(note.step)))
+    verdicts = [CheckpointVerdict(step=s.step, path=s.path or n.path, status=s.status.value, reasons=s.reasons)
+                for s, n in zip(statuses, notes)]
+    return verdicts, statuses
 
 
 def _from_note(note: CheckpointNote, first: int | None, majority: str | None) -> CheckpointVerdict:

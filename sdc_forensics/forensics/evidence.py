@@ -91,10 +91,6 @@ class Evidence:
         }
 
 
-def hex64(value: int) -> str:
-    """A 64-bit digest as 16 lowercase hex digits."""
-    return f"{int(value) % (1 << 64):016x}"
-
 
 def sort_key(evidence: Evidence) -> tuple[int, int, int, tuple[int, ...]]:
     """Order: by step, hints after real evidence, then by kind's trust order, then ranks."""

@@ -33,7 +33,8 @@ from sdc_forensics.errors import CheckpointError, InvalidInputError
 from sdc_forensics.fingerprint import tolerance
 from sdc_forensics.fingerprint.core import Fingerprint, combine, combine_digests, digest, fingerprint, num_sketch_blocks
 from sdc_forensics.forensics import replay_env as env
-from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, hex64
+from sdc_forensics.trace.checkpoints import hex64
+from sdc_forensics.forensics.evidence import Evidence, EvidenceKind
 from sdc_forensics.forensics.replay_compare import StepComparisons
 from sdc_forensics.statedict import flatten_state, weights_digest
 from sdc_forensics.trace.reader import Trace

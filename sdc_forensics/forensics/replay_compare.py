@@ -13,7 +13,8 @@ import dataclasses
 import numpy as np
 
 from sdc_forensics.forensics import replay_env as env
-from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, hex64
+from sdc_forensics.trace.checkpoints import hex64
+from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location
 from sdc_forensics.statedict import weights_digest
 from sdc_forensics.trace import format as F
 

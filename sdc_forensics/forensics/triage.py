@@ -28,7 +28,8 @@ import warnings
 import numpy as np
 
 from sdc_forensics.fingerprint import tolerance
-from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, hex64, sort_key
+from sdc_forensics.trace.checkpoints import hex64
+from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, sort_key
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace.consensus import strict_majority
 from sdc_forensics.trace.reader import Damage, StepWindow, Trace

@@ -1,7 +1,7 @@
 """The verdict of a bisection, as data: what was found, who is suspected, where to resume from.
 
-:func:`decide` turns evidence (from triage, replay and checkpoint certification) into a
-:class:`BisectResult`; the renderers (``render.py``) only read it. numpy-free and torch-free.
+``forensics.bisect`` turns evidence (from triage, replay and checkpoint certification) into a
+:class:`BisectResult` with the functions below; the renderers (``render.py``) only read it. numpy-free and torch-free.
 
 Rules:
 
@@ -145,6 +145,9 @@ class BisectResult:
     step_range: tuple[int, int] | None = None
     damage: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    # the checkpoint module's full records behind ``checkpoints`` (with the verification reports),
+    # when files were verified; ``certify`` builds its certificate from them
+    certification: tuple = ()
 
     def to_json(self) -> dict[str, Any]:
         """The ``--json`` document (without ``schema_version``, which the CLI's emitter adds)."""

@@ -23,7 +23,7 @@ NOTES_DIR = "checkpoints"
 
 def hex64(value: int) -> str:
     """A digest as 16 lowercase hex digits."""
-    return f"{value % (1 << 64):016x}"
+    return f"{int(value) % (1 << 64):016x}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

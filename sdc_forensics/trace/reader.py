@@ -24,6 +24,9 @@ from sdc_forensics.trace.manifest import Manifest, read_manifest
 
 _FILE_RE = re.compile(r"^rank-(\d{5})\.attempt-(\d{3})\.sdct$")
 CHUNK_RECORDS = 1 << 16
+#: Damage kinds after which the trace's evidence about replicas cannot be trusted in full
+#: (a record unread, a rank or steps absent): checkpoints are then ``unverified``, not clean.
+UNTRUSTED_DAMAGE = frozenset({"bad_checksum", "bad_header", "missing_rank", "missing_steps"})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,7 @@ import torch
 from sdc_forensics.demo.recipe import DemoRecipe
 from sdc_forensics.fingerprint import constants as C
 from sdc_forensics.fingerprint.core import combine, combine_digests, digest, fingerprint
-from sdc_forensics.forensics.evidence import hex64
+from sdc_forensics.trace.checkpoints import hex64
 from sdc_forensics.forensics.replay_env import reduce_buckets
 from sdc_forensics.statedict import flatten_state, weights_digest
 from sdc_forensics.trace import format as F
