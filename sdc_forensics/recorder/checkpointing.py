@@ -1,6 +1,7 @@
-"""Checkpoints through the recorder: replica consensus first, then save, digest and note.
+"""Checkpoints through the recorder: replica consensus first, then digest, save and note.
 
-The order matters: the replicas' weight digests are compared *before* anything is written, the
+The order matters: the replicas' weight digests are compared *before* anything is written (the
+comparison the step that wrote ``θ_N`` just made is reused, not repeated), the
 state is saved from a rank of the strict majority, and the note holds the digests of the exact
 payload that was handed to ``save`` (so later storage corruption of the file is visible to
 ``verify-checkpoint``). Without a strict majority there is nothing trustworthy to save.
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 from sdc_forensics.errors import SdcError, UsageError
 from sdc_forensics.recorder import checks
-from sdc_forensics.statedict import flatten_state, state_digests
+from sdc_forensics.statedict import flatten_state, state_digests, weights_digest
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace.checkpoints import CheckpointNote, hex64, write_checkpoint_note
 
@@ -51,9 +52,14 @@ def param_keys(named_params: list[tuple[str, torch.Tensor]], state: Any) -> tupl
 
 def save_checkpoint(rec: "Recorder", step: int, path: Path, state: Any, save: Callable[[Any, Path], None] | None) -> CheckpointNote:
     """See :meth:`Recorder.checkpoint`."""
-    my_digest = rec._weights()[0]
-    table = rec._all_gather_words(np.array([my_digest], dtype=np.uint64).view(np.int64))[:, 0].view(np.uint64)
-    finding, vote = checks.check_weights(max(step - 1, 0), table)  # theta_step was written by step - 1
+    last = rec.last_weights_vote
+    if last is not None and last[0] == step - 1:  # theta_step was just compared (and any alarm raised)
+        _, my_digest, vote = last
+        finding = None
+    else:
+        my_digest = weights_digest(rec.module.named_parameters(), rec.options.seed)
+        table = rec._all_gather_words(np.array([my_digest], dtype=np.uint64).view(np.int64))[:, 0].view(np.uint64)
+        finding, vote = checks.check_weights(max(step - 1, 0), table)  # theta_step was written by step - 1
     blessed = vote.value is not None
     saver = 0 if (not blessed or 0 in vote.agreeing) else vote.agreeing[0]
     refuse = not blessed and rec.options.policy == "raise"

@@ -139,6 +139,9 @@ class Recorder:
         self._comm_device = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
         self.injector = Injector([s if isinstance(s, FaultSpec) else parse_spec(s) for s in inject], self.rank)
         self.alarms: list[checks.Finding] = []
+        # (step, own weights digest, vote) of the last replica comparison: a checkpoint of
+        # theta_{step+1} written right after it reuses the vote instead of voting again
+        self.last_weights_vote: tuple[int, int, checks.Majority] | None = None
         self._state: _StepState | None = None
         self._layouts: list[dict] = []
 
@@ -303,6 +306,7 @@ class Recorder:
         if self.options.compares_weights(state.step):
             digests = self._all_gather_words(np.array([state.weights[0]], dtype=np.uint64).view(np.int64))[:, 0]
             finding, vote = checks.check_weights(state.step, digests.view(np.uint64))
+            self.last_weights_vote = (state.step, state.weights[0], vote)
             state.flags |= int(F.Flag.WEIGHTS_CHECKED)
             if finding is not None:
                 if vote.value is None:

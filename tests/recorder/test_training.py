@@ -74,6 +74,8 @@ def test_weights_check_names_the_diverged_replica_and_checkpoint_is_saved_from_t
     notes = {n.step: n for n in read_checkpoint_notes(result.config.trace_dir)}
     assert notes[15].blessed and notes[15].diverged_ranks == (3,) and notes[15].saved_by_rank == 0
     assert notes[10].diverged_ranks == () and notes[10].blessed
+    keys = [(a["check"], a["step"], a["rank"]) for a in result.alarms]
+    assert len(keys) == len(set(keys)), keys  # a checkpoint reuses its step's vote: no second alarm
 
 
 def test_checkpoint_file_flip_is_visible_against_the_note(demo_run):
