@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from sdc_forensics.fingerprint import constants as C
-from sdc_forensics.fingerprint.core import combine_digests, digest
+from sdc_forensics.fingerprint.core import combine_digests, digests
 from sdc_forensics.trace.checkpoints import hex64
 
 
@@ -36,16 +36,25 @@ def flatten_state(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
+def tensor_digests(obj: Any, seed: int = C.DEFAULT_SEED) -> list[int]:
+    """Exact digests of every tensor inside ``obj`` (a microbatch), in :func:`flatten_state` order.
+
+    A step's input digest is ``combine_digests`` of these over its microbatches, in order.
+    """
+    return digests(flatten_state(obj).values(), seed)
+
+
 def state_digests(obj: Any, seed: int = C.DEFAULT_SEED) -> dict[str, str]:
     """``{key: hex digest}`` of every tensor in a (nested) state."""
-    return {key: hex64(digest(t, seed)) for key, t in flatten_state(obj).items()}
+    flat = flatten_state(obj)
+    return {key: hex64(d) for key, d in zip(flat, digests(flat.values(), seed))}
 
 
 def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]], seed: int = C.DEFAULT_SEED) -> int:
     """Combined digest of parameters given as ``(name, tensor)`` pairs in model order."""
-    return combine_digests(digest(t, seed) for _, t in named_tensors)
+    return combine_digests(digests([t for _, t in named_tensors], seed))
 
 
 def weights_digest_from_state(tensors: Mapping[str, torch.Tensor], param_names: Iterable[str], seed: int = C.DEFAULT_SEED) -> int:
     """The replica weights digest recomputed from a checkpoint's tensors, by parameter name."""
-    return combine_digests(digest(tensors[name], seed) for name in param_names)
+    return combine_digests(digests([tensors[name] for name in param_names], seed))

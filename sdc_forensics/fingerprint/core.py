@@ -145,17 +145,27 @@ class _Digester:
             buf.mul_(self.b)
             torch.sum(buf, dim=1, dtype=torch.int32, out=self.high_sums[rows])
 
-    def value(self) -> int:
-        """``D = fmix64(sum_j c_j s_j + 2**32 sum_j c'_j t_j + c_len * N mod 2**64)``."""
-        low = high = 0
-        if self.num_blocks:
-            n = self.num_blocks
-            low_sums = self.sums[:n].to(torch.int64) & 0xFFFF_FFFF
-            high_sums = self.high_sums[:n].to(torch.int64) & 0xFFFF_FFFF
-            low = int((low_sums * _block_weights(self.device, n, self.seed)).sum().item())
-            high = int((high_sums * _block_weights(self.device, n, self.seed, high=True)).sum().item())
+    def lane_totals(self) -> torch.Tensor:
+        """``(2,)`` int64 on the device: ``sum_j c_j s_j`` and ``sum_j c'_j t_j`` (wrapping)."""
+        n = self.num_blocks
+        if not n:
+            return torch.zeros(2, dtype=torch.int64, device=self.device)
+        low_sums = self.sums[:n].to(torch.int64) & 0xFFFF_FFFF
+        high_sums = self.high_sums[:n].to(torch.int64) & 0xFFFF_FFFF
+        return torch.stack([
+            (low_sums * _block_weights(self.device, n, self.seed)).sum(),
+            (high_sums * _block_weights(self.device, n, self.seed, high=True)).sum(),
+        ])
+
+    def finish(self, low: int, high: int) -> int:
+        """``D = fmix64(low + 2**32 high + c_len * N mod 2**64)`` from the host values of the lane totals."""
         total = (low + (high << 32) + self.num_bytes * C.digest_length_weight(self.seed)) % (1 << 64)
         return C.fmix64(total)
+
+    def value(self) -> int:
+        """The digest (one host transfer)."""
+        low, high = self.lane_totals().tolist()
+        return self.finish(low, high)
 
 
 def digest(tensor: torch.Tensor, seed: int = C.DEFAULT_SEED) -> int:
@@ -169,12 +179,37 @@ def digest(tensor: torch.Tensor, seed: int = C.DEFAULT_SEED) -> int:
         The 64-bit digest as a Python int. Identical on CPU and CUDA for identical bits and
         equal to :func:`sdc_forensics.fingerprint.reference.digest_bytes`.
     """
-    raw = _raw_bytes(tensor)
-    chunk_bytes = 4 * _chunk_elems(raw.device)
-    digester = _Digester(raw.numel(), raw.device, seed, chunk_bytes // _BLOCK_BYTES)
-    for start in range(0, raw.numel(), chunk_bytes):
-        digester.add(start // _BLOCK_BYTES, raw[start : start + chunk_bytes])
-    return digester.value()
+    return digests([tensor], seed)[0]
+
+
+def digests(tensors, seed: int = C.DEFAULT_SEED) -> list[int]:
+    """Exact digests of several tensors with one host transfer per device (a model's parameters).
+
+    Args:
+        tensors: an iterable of tensors (any devices).
+        seed: the fingerprint seed.
+
+    Returns:
+        ``[digest(t) for t in tensors]``, computed without a host sync per tensor.
+    """
+    digesters, totals = [], []
+    for tensor in tensors:
+        raw = _raw_bytes(tensor)
+        chunk_bytes = 4 * _chunk_elems(raw.device)
+        digester = _Digester(raw.numel(), raw.device, seed, chunk_bytes // _BLOCK_BYTES)
+        for start in range(0, raw.numel(), chunk_bytes):
+            digester.add(start // _BLOCK_BYTES, raw[start : start + chunk_bytes])
+        digesters.append(digester)
+        totals.append(digester.lane_totals())
+    by_device: dict[torch.device, list[int]] = {}
+    for index, total in enumerate(totals):
+        by_device.setdefault(total.device, []).append(index)
+    values: list[tuple[int, int]] = [(0, 0)] * len(totals)
+    for indices in by_device.values():
+        host = torch.stack([totals[i] for i in indices]).tolist()  # one transfer per device
+        for i, (low, high) in zip(indices, host):
+            values[i] = (low, high)
+    return [d.finish(low, high) for d, (low, high) in zip(digesters, values)]
 
 
 _PRECISION_FLAGS = ("allow_tf32", "allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")

@@ -36,7 +36,7 @@ from sdc_forensics.forensics import replay_env as env
 from sdc_forensics.trace.checkpoints import hex64
 from sdc_forensics.forensics.evidence import Evidence, EvidenceKind
 from sdc_forensics.forensics.replay_compare import StepComparisons
-from sdc_forensics.statedict import flatten_state, weights_digest
+from sdc_forensics.statedict import tensor_digests, weights_digest
 from sdc_forensics.trace.reader import Trace
 
 #: Extra slack of replay-vs-record sketch comparisons once the replay's weights may differ from the
@@ -145,7 +145,7 @@ class _RankStep:
     def input_digest(self) -> int:
         if self._input is None:
             seed = self._replayer.seed
-            self._input = combine_digests([digest(t, seed) for batch in self._batches for t in flatten_state(batch).values()])
+            self._input = combine_digests([d for batch in self._batches for d in tensor_digests(batch, seed)])
         return self._input
 
 

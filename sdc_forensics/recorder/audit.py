@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sdc_forensics.fingerprint.core import Fingerprint, combine, combine_digests, digest, fingerprint, num_sketch_blocks
+from sdc_forensics.fingerprint.core import Fingerprint, combine, combine_digests, fingerprint, num_sketch_blocks
 from sdc_forensics.recorder.checks import AUDIT, Finding
-from sdc_forensics.statedict import flatten_state
+from sdc_forensics.statedict import tensor_digests
 from sdc_forensics.trace.format import Flag
 
 
@@ -114,7 +114,7 @@ def recompute(
     try:
         for mb_id in ids:
             microbatch = recipe.fetch_microbatch(int(mb_id), device)
-            input_digests.extend(digest(t, seed) for t in flatten_state(microbatch).values())
+            input_digests.extend(tensor_digests(microbatch, seed))
             loss = recipe.loss(module, microbatch)
             loss_sum += float(loss.detach())
             found = torch.autograd.grad(loss, [params[i] for i in trainable], allow_unused=True)

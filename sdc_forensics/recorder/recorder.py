@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from sdc_forensics.errors import SdcAlarm, SdcError, UsageError
-from sdc_forensics.fingerprint.core import Fingerprint, combine_digests, digest
+from sdc_forensics.fingerprint.core import Fingerprint, combine_digests, digests
 from sdc_forensics.inject import FaultSpec, Injector, parse_spec
 from sdc_forensics.recorder import checks, records
 from sdc_forensics.recorder.audit import AuditOutcome, OwnResult, run_audit
@@ -238,7 +238,7 @@ class Recorder:
         tensors = list(flatten_state(microbatch).values())
         if self.injector:
             state.input_elements += self.injector.corrupt_input(state.step, tensors, state.input_elements)
-        state.input_digests.extend(digest(t, self.options.seed) for t in tensors)
+        state.input_digests.extend(digests(tensors, self.options.seed))
         return microbatch
 
     # ---------------------------------------------------------------- optimizer hooks
