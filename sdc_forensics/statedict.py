@@ -1,8 +1,10 @@
 """Canonical flattening and digests of model and optimizer state.
 
 The recorder digests what it saves, ``verify-checkpoint`` digests what it reads back, and
-replay digests the weights it computes; all three go through these functions, so the keys and
-the order are the same everywhere.
+replay digests the weights it computes. The keys are :func:`flatten_state`'s and the weights
+digest is always ``combine_digests`` of the parameters' digests in ``named_parameters()`` order:
+these functions compute it from tensors; ``checkpoint/verify.py`` applies the same rule to the
+per-tensor digests it has already measured (so nothing is digested twice).
 
 * :func:`flatten_state` turns nested dicts/lists/tuples of tensors (a ``torch.save`` payload,
   an optimizer ``state_dict``) into ``{"a.b.0.c": tensor}`` with dotted keys.

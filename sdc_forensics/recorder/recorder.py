@@ -162,7 +162,6 @@ class Recorder:
             sketch_k=self.options.sketch_k, seed=self.options.seed, injector=self.injector,
             inner_hook=comm_hook, inner_state=comm_state if comm_hook is not None else self.group,
         )
-        self.tap.start(None)
         ddp_model.register_comm_hook(None, self.tap.hook)
         self._handles = [
             optimizer.register_step_pre_hook(self._before_update),
