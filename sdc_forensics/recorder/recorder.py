@@ -17,9 +17,10 @@ Attach it once, then wrap each optimizer step::
 
 Where each thing is measured: the comm hook (``hooks.py``) fingerprints the local and reduced
 gradient; the optimizer's step pre-hook runs the NaN/Inf, all-reduce and audit checks before
-the update; the step post-hook digests the updated weights and compares replicas; leaving the
-``with`` block writes the STEP record. Every check decides on gathered numbers, so all ranks
-raise (policy ``raise``) or continue together, and the trace is on disk before anything raises.
+the update (and reads the step's intra-op CPU thread count, ``threads.py``); the step post-hook
+digests the updated weights and compares replicas; leaving the ``with`` block writes the STEP
+record. Every check decides on gathered numbers, so all ranks raise (policy ``raise``) or
+continue together, and the trace is on disk before anything raises.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from sdc_forensics.recorder.checkpointing import save_checkpoint
 from sdc_forensics.recorder.hooks import BucketTap
 from sdc_forensics.recorder.identity import complete_identities, local_identity, make_attempt, node_map
 from sdc_forensics.recorder.options import RecorderOptions
+from sdc_forensics.recorder.threads import ThreadWatch
 from sdc_forensics.statedict import flatten_state, weights_digest
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace.manifest import FingerprintSettings, write_manifest
@@ -65,6 +67,7 @@ class _StepState:
     reduced: Fingerprint | None = None
     weights: tuple[int, float, int] | None = None  # digest, norm, nonfinite count
     audit: AuditOutcome | None = None
+    num_threads: int = 0  # intra-op CPU threads the step ran with (0: not read yet)
     written: bool = False
 
 
@@ -144,6 +147,7 @@ class Recorder:
         self.last_weights_vote: tuple[int, int, checks.Majority] | None = None
         self._state: _StepState | None = None
         self._layouts: list[dict] = []
+        self.threads = ThreadWatch(self.rank)
 
         identities: list = [None] * self.world_size
         dist.all_gather_object(identities, local_identity(self.rank, self.device), group=self.group)
@@ -245,6 +249,8 @@ class Recorder:
         state = self._state
         if state is None:
             return None
+        if not state.num_threads:  # backward is done: the count that computed the local gradient
+            state.num_threads = ThreadWatch.current()
         failure: BaseException | None = None
         try:
             state.local, state.reduced = self.tap.fingerprints()
@@ -429,8 +435,22 @@ class Recorder:
         if state.weights is not None:
             rec["weights_digest"], rec["weights_norm"], rec["nonfinite_weights"] = state.weights[0] % (1 << 64), state.weights[1], state.weights[2]
         rec["flags"] |= state.flags
+        rec["aux_value"] = self._note_threads(state)
         records.append_with_ids(self.writer, rec, state.ids, state.step)
         state.written = True
+
+    def _note_threads(self, state: _StepState) -> int:
+        """The step's intra-op thread count (warns on a change); rank 0 puts the first into the manifest."""
+        if not state.num_threads:  # no optimizer step ran inside this step
+            state.num_threads = ThreadWatch.current()
+        first = self.threads.first is None
+        self.threads.observe(state.step, state.num_threads)
+        if first and self.rank == 0:
+            try:
+                records.update_attempt_threads(self.trace_dir, self.attempt, state.num_threads)
+            except (OSError, SdcError) as exc:  # a nicety: the STEP records hold the counts anyway
+                log.warning("sdc-forensics: could not update num_threads in the manifest: %s", exc)
+        return state.num_threads
 
     def close(self) -> None:
         """Remove the optimizer hooks and close the trace file (the comm hook becomes a pass-through)."""

@@ -74,6 +74,24 @@ def update_grad_dtype(trace_dir: Path, grad_dtype: str) -> None:
         write_manifest(trace_dir, dataclasses.replace(manifest, fingerprint=dataclasses.replace(manifest.fingerprint, grad_dtype=grad_dtype)))
 
 
+def update_attempt_threads(trace_dir: Path, attempt: int, num_threads: int) -> None:
+    """Rewrite this attempt's ``determinism["num_threads"]`` with rank 0's count at its first step (rank 0).
+
+    The manifest is written when the recorder is built; scripts often call
+    ``torch.set_num_threads`` after that. Per-step, per-rank counts are in the STEP records.
+    """
+    import dataclasses
+
+    manifest = read_manifest(trace_dir)
+    attempts = tuple(
+        dataclasses.replace(a, determinism={**a.determinism, "num_threads": int(num_threads)})
+        if a.attempt == attempt and a.determinism.get("num_threads") != num_threads else a
+        for a in manifest.attempts
+    )
+    if attempts != manifest.attempts:
+        write_manifest(trace_dir, dataclasses.replace(manifest, attempts=attempts))
+
+
 def write_layouts(trace_dir: Path, attempt: int, layouts: list[dict]) -> Path:
     """``buckets.attempt-AAA.json`` atomically: ``{"layouts": [{"from_step", "buckets"}]}``."""
     path = trace_dir / f"buckets.attempt-{attempt:03d}.json"

@@ -27,7 +27,10 @@ The checksum of a record (and of the header) is ``fmix64(sum_t P_t * word_t mod 
 little-endian 64-bit words except the last, with odd constants ``P_t``: any single corrupted
 byte changes it, and it is computed for millions of records at once with numpy.
 
-Record kinds and the meaning of their fields are in ``docs/trace-format.md``.
+Record kinds and the meaning of their fields are in ``docs/trace-format.md``. The ``aux_*``
+fields mean something per kind; in a STEP record ``aux_value`` is the intra-op CPU thread count
+(``torch.get_num_threads()``) the step ran with, 0 = unknown (traces written before it was
+recorded): a backward-compatible addition, the format version stays 1.
 """
 
 from __future__ import annotations

@@ -70,6 +70,24 @@ class StepWindow:
     records: np.ndarray
 
 
+def step_threads(records: np.ndarray) -> np.ndarray:
+    """Intra-op CPU thread count each STEP record's step ran with (``aux_value``); 0 = unknown.
+
+    Args:
+        records: structured records of any shape, e.g. ``StepWindow.records`` (``(S, R)``);
+            they need the ``aux_value`` field (and ``kind``, if present, masks other kinds to 0).
+
+    Returns:
+        int64 array of ``records.shape``: 0 for traces written before the count was recorded,
+        absent cells, non-STEP records and anything not a positive finite count.
+    """
+    value = np.asarray(records["aux_value"], dtype=np.float64)
+    ok = np.isfinite(value) & (value >= 1) & (value < 2**31)
+    if "kind" in records.dtype.names:
+        ok &= np.asarray(records["kind"]) == int(F.Kind.STEP)
+    return np.where(ok, np.rint(np.where(ok, value, 0.0)), 0).astype(np.int64)
+
+
 class Trace:
     """An open trace directory. Use :meth:`open`."""
 

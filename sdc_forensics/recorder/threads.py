@@ -1,0 +1,59 @@
+"""The intra-op CPU thread count each step ran with, and a warning when it changes.
+
+On CPU, matmul, convolution and normalisation kernels split their reductions by the intra-op
+thread count, so a rank's local gradient is bitwise reproducible only at the count its step
+ran with. Training scripts set it late (after the recorder was built), per rank, or change it
+mid-run, so one count per attempt in the manifest is not enough: every STEP record carries its
+own in ``aux_value`` (``docs/trace-format.md``), and replay follows it step by step.
+
+The count is read with ``torch.get_num_threads()`` on the training thread when the optimizer
+step begins (forward and backward are done; the count that computed the local gradient), or
+at ``end_step`` for a step without an optimizer step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+#: The recorder package's logger (the demo and users tune ``sdc_forensics.recorder`` as a whole).
+log = logging.getLogger("sdc_forensics.recorder")
+
+
+class ThreadWatch:
+    """Remembers the intra-op thread count of this rank's last recorded step; warns on a change.
+
+    Args:
+        rank: this process's global rank (named in the warning).
+    """
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.first: int | None = None  # the count of the first recorded step of this attempt
+        self.last: int | None = None
+        self.last_step: int | None = None
+
+    @staticmethod
+    def current() -> int:
+        """``torch.get_num_threads()`` of the calling thread."""
+        return int(torch.get_num_threads())
+
+    def observe(self, step: int, num_threads: int) -> bool:
+        """Note the count step ``step`` ran with; log one warning if it differs from the previous step's.
+
+        Returns:
+            True when the count changed (a warning was logged).
+        """
+        changed = self.last is not None and num_threads != self.last
+        if changed:
+            log.warning(
+                "sdc-forensics: rank %d changed its intra-op CPU threads from %d (step %s) to %d at step %d; "
+                "the trace records the count of every step and replay follows it, but a replay that "
+                "ignores per-step counts will not be bitwise exact",
+                self.rank, self.last, self.last_step, num_threads, step,
+            )
+        if self.first is None:
+            self.first = num_threads
+        self.last, self.last_step = num_threads, step
+        return changed
