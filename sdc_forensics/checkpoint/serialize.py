@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sdc_forensics.checkpoint.certify import CheckpointStatus
 from sdc_forensics.checkpoint.verify import Finding, TensorResult, VerificationReport
 
 
@@ -47,22 +46,6 @@ def report_to_json(report: VerificationReport) -> dict[str, Any]:
         "files": [dataclasses.asdict(f) for f in report.files],
         "tensors": [tensor_to_json(t) for t in report.tensors],
         "findings": [finding_to_json(f) for f in report.findings],
+        "unverifiable": list(report.unverifiable),
+        "ignored": list(report.ignored),
     }
-
-
-def status_to_json(status: CheckpointStatus, *, with_tensors: bool = False) -> dict[str, Any]:
-    """One checkpoint's certification (tensors only on request: they can be many)."""
-    doc: dict[str, Any] = {
-        "step": status.step,
-        "path": status.path,
-        "status": status.status.value,
-        "clean": status.clean,
-        "reasons": list(status.reasons),
-        "findings": [finding_to_json(f) for f in status.findings],
-    }
-    if status.report is not None:
-        doc["files"] = [dataclasses.asdict(f) for f in status.report.files]
-        doc["weights_digest"] = status.report.weights_digest
-        if with_tensors:
-            doc["tensors"] = [tensor_to_json(t) for t in status.report.tensors]
-    return doc

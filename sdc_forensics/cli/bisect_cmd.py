@@ -49,36 +49,50 @@ class _Bars:
 
 
 def _common(func):
+    """TRACE_DIR and the options every command that runs the analysis shares."""
     func = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")(func)
+    return analysis_options(click.argument("trace_dir", type=click.Path(file_okay=False, path_type=Path))(func))
+
+
+def analysis_options(func):
+    """Replay options (``bisect``, ``replay``, ``certify``, ``report``, ``verify-checkpoint --trace``)."""
+    func = click.option("--tolerant", "force_tolerant", is_flag=True,
+                        help="Compare within the sketch tolerance even where the replay is bitwise exact.")(func)
+    func = click.option("--threads", "num_threads", type=click.IntRange(min=1),
+                        help="Replay CPU threads (default: the count each step recorded, which keeps a CPU replay bitwise exact).")(func)
     func = click.option("--force-device", is_flag=True, help="Replay even on the suspect rank's GPU.")(func)
     func = click.option("--device", default="cpu", show_default=True, help="Replay device: cpu, cuda or cuda:N.")(func)
     func = click.option("--recipe", metavar="MOD:ATTR", help="Replay recipe (default: the one the trace's manifest names).")(func)
-    func = click.option("--checkpoints", "checkpoints_dir", type=click.Path(file_okay=False, path_type=Path),
+    return click.option("--checkpoints", "checkpoints_dir", type=click.Path(file_okay=False, path_type=Path),
                         help="Directory holding the checkpoint files (default: the paths the job wrote).")(func)
-    return click.argument("trace_dir", type=click.Path(file_okay=False, path_type=Path))(func)
+
+
+def run_analysis(trace_dir: Path, **options):
+    """``bisect`` with progress bars on stderr: the one analysis behind every command."""
+    from sdc_forensics.forensics.bisect import BisectOptions, bisect
+
+    with _Bars(enabled=err.is_terminal) as bars:
+        return bisect(trace_dir, BisectOptions(**options), progress=bars)
 
 
 @click.command("bisect")
 @_common
 @click.option("--trace-only", is_flag=True, help="Use the trace alone: no replay, no checkpoint files, no torch.")
-@click.option("--max-replay-steps", type=click.IntRange(min=1), help="Stop widening backwards after this many replayed steps.")
-@click.option("--scan-recurrence", is_flag=True, help="Replay every checkpoint interval: earlier faults and recurrences (costs a whole-run replay).")
+@click.option("--max-replay-steps", type=click.IntRange(min=1),
+              help="Stop widening backwards after this many replayed steps (checkpoints before stay unverified).")
+@click.option("--scan-recurrence", is_flag=True, help="Also replay the intervals after the first divergence: recurrences.")
 @click.pass_context
-def bisect_cmd(ctx: click.Context, trace_dir: Path, checkpoints_dir: Path | None, recipe: str | None, device: str,
-               force_device: bool, as_json: bool, trace_only: bool, max_replay_steps: int | None, scan_recurrence: bool) -> None:
+def bisect_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: bool, **options) -> None:
     """Find the first divergent step, the suspect rank and the last clean checkpoint of TRACE_DIR.
 
-    Triage of the trace first; then a replay of the smallest window that confirms it (widening
-    backwards one checkpoint interval at a time when the trace shows nothing).
-    Exit 0 clean, 1 corruption, 2 usage error, 3 bad input, 4 inconclusive.
+    Triage of the trace first; then a replay of the window that confirms it, widening backwards
+    one checkpoint interval at a time down to the first step (every step before a checkpoint is
+    examined before it is called clean). Exit 0 clean, 1 corruption, 2 usage error, 3 bad input,
+    4 inconclusive.
     """
-    from sdc_forensics.forensics.bisect import BisectOptions, bisect
     from sdc_forensics.forensics.render import bisect_document, render_bisect
 
-    options = BisectOptions(checkpoints_dir=checkpoints_dir, recipe=recipe, device=device, trace_only=trace_only,
-                            force_device=force_device, max_replay_steps=max_replay_steps, scan_recurrence=scan_recurrence)
-    with _Bars(enabled=err.is_terminal) as bars:
-        result = bisect(trace_dir, options, progress=bars)
+    result = run_analysis(trace_dir, trace_only=trace_only, **options)
     if as_json:
         emit_json(bisect_document(result))
     render_bisect(result, err)
@@ -91,12 +105,15 @@ def bisect_cmd(ctx: click.Context, trace_dir: Path, checkpoints_dir: Path | None
 @click.option("--to", "stop", type=click.IntRange(min=0), required=True, help="Last step M to replay (inclusive).")
 @click.pass_context
 def replay_cmd(ctx: click.Context, trace_dir: Path, checkpoints_dir: Path | None, recipe: str | None, device: str,
-               force_device: bool, as_json: bool, start: int, stop: int) -> None:
+               force_device: bool, as_json: bool, start: int, stop: int, num_threads: int | None, force_tolerant: bool) -> None:
     """Replay steps N..M of TRACE_DIR from checkpoint N and compare every fingerprint with the trace.
 
-    Exit 0 when the replay matches the trace, 1 when it diverges, 2 usage, 3 bad input.
+    Exit 0 when the replay matches the trace, 1 when it diverges (strong evidence), 4 when the
+    only mismatches are weak (tolerant residuals within what clean replays produce), 2 usage, 3 bad input.
     """
+    from sdc_forensics.checkpoint.locate import locate_checkpoint
     from sdc_forensics.errors import CheckpointError, RecipeError, UsageError
+    from sdc_forensics.forensics import decision
     from sdc_forensics.forensics.render import render_replay, replay_document
     from sdc_forensics.forensics.replay import ReplayOptions, replay_window
     from sdc_forensics.recipe import load_recipe
@@ -113,18 +130,18 @@ def replay_cmd(ctx: click.Context, trace_dir: Path, checkpoints_dir: Path | None
     if start not in notes:
         have = ", ".join(map(str, sorted(notes))) or "none"
         raise UsageError(f"--from {start} is not a checkpoint step of this trace (checkpoints: {have})")
-    from sdc_forensics.checkpoint.certify import locate_checkpoint
-
     note = notes[start]
     path = locate_checkpoint(note, checkpoints_dir, trace.path.parent)
     if path is None:
         raise CheckpointError(f"checkpoint file of step {start} ({Path(note.path).name}) not found: pass --checkpoints DIR")
     options = ReplayOptions(start_step=start, stop_step=stop, checkpoint_path=path, expected_weights_digest=note.weights_digest,
-                            device=device, force_device=force_device)
+                            device=device, force_device=force_device, num_threads=num_threads, force_tolerant=force_tolerant)
     with _Bars(enabled=err.is_terminal) as bars:
         bars.window(start, stop, "requested")
         result = replay_window(trace, load_recipe(reference), options, bars.step)
+    decided = decision.decide(result.evidence, world_size=trace.world_size, identity=trace.manifest.identity, notes=(),
+                              files={}, majority={}, examined=decision.Examined(first_step=start))
     if as_json:
-        emit_json(replay_document(result))
+        emit_json(replay_document(result, decided))
     render_replay(result, err)
-    ctx.exit(0 if result.first_divergent_step is None else 1)
+    ctx.exit(EXIT_BY_VERDICT[decided.verdict.value])

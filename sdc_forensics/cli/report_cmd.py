@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from sdc_forensics.cli.bisect_cmd import EXIT_BY_VERDICT, _Bars, _common
+from sdc_forensics.cli.bisect_cmd import EXIT_BY_VERDICT, _common, run_analysis
 from sdc_forensics.cli.output import err
 
 
@@ -16,15 +16,13 @@ from sdc_forensics.cli.output import err
 @click.option("--trace-only", is_flag=True, help="Use the trace alone: no replay, no checkpoint files, no torch.")
 @click.option("-o", "--output", default="-", show_default=True, help="Markdown file to write (must not exist), or - for stdout.")
 @click.pass_context
-def report_cmd(ctx: click.Context, trace_dir: Path, checkpoints_dir: Path | None, recipe: str | None, device: str,
-               force_device: bool, as_json: bool, trace_only: bool, output: str) -> None:
+def report_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: bool, output: str, **options) -> None:
     """Write a post-incident review of TRACE_DIR: verdict, suspects, evidence, checkpoints, resume point.
 
     Runs the same analysis as ``bisect`` (same options and exit codes) and renders it as Markdown.
     With --json, the bisect JSON document goes to stdout and the review to -o FILE.
     """
     from sdc_forensics.errors import UsageError
-    from sdc_forensics.forensics.bisect import BisectOptions, bisect
     from sdc_forensics.forensics.render import bisect_document
     from sdc_forensics.forensics.report import render_markdown
     from sdc_forensics.trace.manifest import read_manifest
@@ -33,10 +31,7 @@ def report_cmd(ctx: click.Context, trace_dir: Path, checkpoints_dir: Path | None
         raise UsageError("--json and the review cannot both go to stdout: pass -o FILE for the review")
     if output != "-" and Path(output).exists():
         raise UsageError(f"{output} exists; the report never overwrites a file: choose another -o path")
-    options = BisectOptions(checkpoints_dir=checkpoints_dir, recipe=recipe, device=device, trace_only=trace_only,
-                            force_device=force_device)
-    with _Bars(enabled=err.is_terminal) as bars:
-        result = bisect(trace_dir, options, progress=bars)
+    result = run_analysis(trace_dir, trace_only=trace_only, **options)
     text = render_markdown(result, read_manifest(trace_dir), command=["sdc-forensics", *sys.argv[1:]] if sys.argv else None)
     if output == "-":
         sys.stdout.write(text)

@@ -1,14 +1,18 @@
 """``sdc-forensics verify-checkpoint`` and ``sdc-forensics certify``.
 
-verify-checkpoint PATH [--trace TRACE_DIR] [--step N] [--certificate FILE] [--json]
-    Exit 0: the checkpoint verifies (structure, no NaN/Inf; with --trace: digests as noted at
-    save time, the replicas' majority content, not after the first divergence; with
-    --certificate: its files are still what was certified, and it was certified clean).
-    Exit 1: readable but not certifiable. Exit 3: unreadable or malformed. Exit 2: usage.
+verify-checkpoint PATH [--trace TRACE_DIR [--trace-only] [replay options]] [--certificate FILE] [--json]
+    Without --trace: the file's structure and content (readable, every file of a folder read or
+    listed, no NaN/Inf): exit 0 VERIFIED, 1 not, 3 unreadable. This says nothing about the run.
+    With --trace: the same analysis as ``certify`` (replay included; ``--trace-only`` for the
+    trace's evidence alone), with PATH standing for its checkpoint, and the checkpoint's status
+    from ``forensics.decision``: exit 0 only when it is certified clean, 1 corrupt or tainted,
+    4 unverified (nothing wrong found, but not every step before it examined).
+    With --certificate: its files are still what was certified, and it was certified clean.
 
-certify TRACE_DIR [--checkpoints DIR] [--json] [--certificate-out FILE]
+certify TRACE_DIR [--checkpoints DIR] [--json] [--certificate-out FILE] [replay options]
     Every noted checkpoint gets a status; the last clean one is the resume point.
-    Exit 0 when every checkpoint is clean, 1 when any is not (the resume point is still named).
+    Exit 0 when every checkpoint is clean, 1 when any is corrupt or tainted, 4 when none is but
+    some stay unverified.
 
 People read stderr (rich tables); ``--json`` writes one document on stdout.
 """
@@ -21,8 +25,8 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
+from sdc_forensics.cli.bisect_cmd import analysis_options, run_analysis
 from sdc_forensics.cli.output import emit_json, err
-from sdc_forensics.trace.manifest import read_manifest
 
 _MAX_ROWS = 40
 
@@ -49,29 +53,41 @@ def _print_findings(findings, title: str) -> None:
         err.print(f"[red]✗[/] {title}{f.kind.value} {escape(f.subject)}: {escape(f.detail)}{extra}")
 
 
+def status_exit(statuses) -> int:
+    """0 every checkpoint clean, 1 any corrupt or tainted, 4 otherwise (some unverified, none bad)."""
+    if any(s.status.value in ("corrupt", "tainted") for s in statuses):
+        return 1
+    return 0 if statuses and all(s.clean for s in statuses) else 4
+
+
 @click.command("verify-checkpoint")
 @click.argument("path", type=click.Path(path_type=Path))
-@click.option("--trace", "trace_dir", type=click.Path(path_type=Path), help="Trace directory: compare with its checkpoint note and majority digests.")
+@click.option("--trace", "trace_dir", type=click.Path(path_type=Path), help="Trace directory: certify it as part of that run (runs the analysis of certify).")
 @click.option("--step", type=click.IntRange(min=0), help="Checkpoint step N (default: from the note whose path matches, or the payload's 'step').")
+@click.option("--trace-only", is_flag=True, help="With --trace: the trace's evidence alone, no replay (a clean answer is then 'unverified').")
 @click.option("--certificate", "certificate_path", type=click.Path(path_type=Path), help="Certificate to confirm the file against.")
 @click.option("--json", "as_json", is_flag=True, help="Write one JSON document on stdout.")
+@analysis_options
 @click.pass_context
-def verify_cmd(ctx: click.Context, path: Path, trace_dir: Path | None, step: int | None, certificate_path: Path | None, as_json: bool) -> None:
-    """Verify a checkpoint's structure and content (and against a trace or a certificate)."""
+def verify_cmd(ctx: click.Context, path: Path, trace_dir: Path | None, step: int | None, trace_only: bool, certificate_path: Path | None,
+               as_json: bool, **replay) -> None:
+    """Verify a checkpoint's structure and content; with --trace, certify it as part of its run."""
     from sdc_forensics.checkpoint import VerifyOptions, open_checkpoint, verify_checkpoint
-    from sdc_forensics.checkpoint.certificate import check_against_certificate, read_certificate
-    from sdc_forensics.checkpoint.certify import decide
-    from sdc_forensics.checkpoint.serialize import finding_to_json, report_to_json, status_to_json
-    from sdc_forensics.checkpoint.trace_context import load_trace_context
+    from sdc_forensics.checkpoint.serialize import finding_to_json, report_to_json
     from sdc_forensics.errors import UsageError
+    from sdc_forensics.forensics.certificate import check_against_certificate, read_certificate
+    from sdc_forensics.trace.checkpoints import read_checkpoint_notes
+    from sdc_forensics.trace.manifest import read_manifest
 
-    if step is not None and trace_dir is None:
-        raise UsageError("--step needs --trace (it selects the checkpoint note to compare with)")
-    trace = load_trace_context(trace_dir) if trace_dir is not None else None
+    if (step is not None or trace_only) and trace_dir is None:
+        raise UsageError("--step and --trace-only need --trace (they select the run to certify against)")
     cert = read_certificate(certificate_path) if certificate_path is not None else None
-    seed = trace.seed if trace else cert.seed if cert else VerifyOptions().seed
-    if trace and cert and trace.seed != cert.seed:
-        raise UsageError(f"the trace's fingerprint seed {trace.seed} differs from the certificate's {cert.seed}; check one at a time")
+    seed = cert.seed if cert else VerifyOptions().seed
+    if trace_dir is not None:
+        trace_seed = int(read_manifest(trace_dir).fingerprint.seed)
+        if cert and trace_seed != cert.seed:
+            raise UsageError(f"the trace's fingerprint seed {trace_seed} differs from the certificate's {cert.seed}; check one at a time")
+        seed = trace_seed
     entry = None
     if cert is not None:
         entry = cert.entry_for(path)
@@ -79,168 +95,153 @@ def verify_cmd(ctx: click.Context, path: Path, trace_dir: Path | None, step: int
             raise UsageError(f"{certificate_path} has no entry for {path}; pass the certificate written when this checkpoint was certified")
 
     with open_checkpoint(path) as reader:
-        note, missing_note = None, ""
-        if trace is not None:
-            wanted = step
-            if wanted is None:
-                named = [n for n in trace.notes if Path(n.path).name == Path(path).name]
-                wanted = named[0].step if len(named) == 1 else reader.step()
-            note = next((n for n in trace.notes if n.step == wanted), None)
-            if note is None:
-                missing_note = (
-                    f"no checkpoint note for step {wanted} in {trace_dir}" if wanted is not None
-                    else f"cannot tell which step {path} holds; pass --step N"
-                )
-        report = verify_checkpoint(reader, note=note, options=VerifyOptions(seed=seed))
+        wanted = step
+        if trace_dir is not None and wanted is None:
+            named = [n for n in read_checkpoint_notes(trace_dir) if Path(n.path).name == Path(path).name]
+            wanted = named[0].step if len(named) == 1 else reader.step()
+        report = verify_checkpoint(reader, options=VerifyOptions(seed=seed))
 
-    status = None
-    if note is not None:
-        status = decide(
-            note, report=report, path=str(path), first_divergent_step=trace.first_divergent_step,
-            trace_consistent=trace.consistent, majority_digest=trace.majority_digests.get(note.step),
-        )
+    status, result, missing = None, None, ""
+    if trace_dir is not None:
+        if wanted is None:
+            missing = f"cannot tell which step {path} holds; pass --step N"
+        else:
+            result = run_analysis(trace_dir, trace_only=trace_only, checkpoint_paths={wanted: path}, **replay)
+            status = next((c for c in result.checkpoints if c.step == wanted), None)
+            if status is None:
+                missing = f"no checkpoint note for step {wanted} in {trace_dir}"
+            elif status.report is not None:
+                report = status.report  # read against its note (tensor digests as saved)
     cert_findings = check_against_certificate(report, entry) if entry is not None else []
     reasons = [f"{f.kind.value} {f.subject}: {f.detail}" for f in report.findings]
     if status is not None and not status.clean:
         reasons += [f"{status.status.value}: {r}" for r in status.reasons if r not in reasons]
-    if missing_note:
-        reasons.append(f"unverified against the trace: {missing_note}")
+    if missing:
+        reasons.append(f"not certified against the trace: {missing}")
     reasons += [f"certificate: {f.kind.value} {f.subject}: {f.detail}" for f in cert_findings]
     if entry is not None and not entry.status.clean:
         reasons.append(f"certificate: it was certified {entry.status.value}, not clean")
-    verified = not reasons
+    if status is not None and status.status.value in ("corrupt", "tainted"):
+        code = 1
+    elif status is not None and not status.clean or missing:
+        code = 4
+    else:
+        code = 1 if reasons else 0
 
     err.print(_tensor_table(report))
     _print_findings(report.findings, "")
     _print_findings(cert_findings, "certificate: ")
-    if report.weights_digest and note is not None:
-        same = "=" if report.weights_digest == note.weights_digest else "≠"
-        err.print(f"parameters' combined digest {report.weights_digest} {same} replicas' majority {note.weights_digest or '(none recorded)'}")
     if status is not None:
         err.print(f"certification: [bold]{status.status.value}[/] — {escape('; '.join(status.reasons))}")
-    if trace is not None and trace.first_divergent_step is not None:
-        err.print(f"first divergent step {trace.first_divergent_step} (from {trace.divergence_source})")
+    if result is not None:
+        err.print(f"first divergent step: {'none found' if result.first_divergent_step is None else result.first_divergent_step}"
+                  f" ({result.verdict.value}; {escape(result.scope)})")
+        for line in result.settle:
+            err.print(f"[yellow]to settle:[/] {escape(line)}")
     gbps = report.total_bytes / report.elapsed_s / 1e9 if report.elapsed_s > 0 else 0.0
-    if verified:
-        err.print(f"[bold green]VERIFIED[/] {escape(str(path))} ({report.total_bytes} bytes in {report.elapsed_s:.3f} s, {gbps:.2f} GB/s)")
+    verdict = {0: "verified" if trace_dir is None else "certified-clean", 1: "not-certifiable", 4: "unverified"}[code]
+    if code == 0:
+        what = "VERIFIED" if trace_dir is None else "CERTIFIED CLEAN"
+        err.print(f"[bold green]{what}[/] {escape(str(path))} ({report.total_bytes} bytes in {report.elapsed_s:.3f} s, {gbps:.2f} GB/s)"
+                  + ("" if trace_dir is not None or entry is not None else ": structure and content only; pass --trace to certify it as part of its run"))
+    elif code == 4:
+        err.print(f"[bold yellow]NOT CERTIFIED[/] {escape(str(path))}: nothing wrong found, but {escape(reasons[0])}"
+                  + (f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else ""))
     else:
         err.print(f"[bold red]NOT CERTIFIABLE[/] {escape(str(path))}: {escape(reasons[0])}" + (f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else ""))
     if as_json:
         emit_json(
             {
                 "command": "verify-checkpoint",
-                "verdict": "verified" if verified else "not-certifiable",
-                "exit_code": 0 if verified else 1,
+                "verdict": verdict,
+                "exit_code": code,
                 "reasons": reasons,
                 "report": report_to_json(report),
-                "certification": status_to_json(status) if status is not None else None,
-                "first_divergent_step": trace.first_divergent_step if trace else None,
+                "certification": status.to_json() if status is not None else None,
+                "first_divergent_step": result.first_divergent_step if result else None,
+                "analysis": None if result is None else {"verdict": result.verdict.value, "mode": result.mode, "scope": result.scope,
+                                                         "settle": list(result.settle)},
                 "certificate": None if entry is None else {
                     "path": str(certificate_path), "status": entry.status.value, "findings": [finding_to_json(f) for f in cert_findings],
                 },
             }
         )
-    ctx.exit(0 if verified else 1)
+    ctx.exit(code)
 
 
 @click.command("certify")
 @click.argument("trace_dir", type=click.Path(path_type=Path))
-@click.option("--checkpoints", "checkpoints_dir", type=click.Path(path_type=Path, file_okay=False), help="Directory holding the checkpoint files (default: the paths the job wrote).")
 @click.option("--json", "as_json", is_flag=True, help="Write one JSON document on stdout.")
 @click.option("--certificate-out", type=click.Path(path_type=Path, dir_okay=False), help="Write a certificate (JSON) to this file.")
-@click.option("--trace-only", is_flag=True, help="Trust the trace's own evidence for the first divergent step: no replay (weaker: a fault "
-              "the trace cannot see leaves later checkpoints 'clean-trace-consistent').")
-@click.option("--recipe", metavar="MOD:ATTR", help="Replay recipe (default: the one the trace's manifest names).")
-@click.option("--device", default="cpu", show_default=True, help="Replay device: cpu, cuda or cuda:N.")
+@click.option("--trace-only", is_flag=True, help="The trace's evidence alone: no replay, no files read (no checkpoint is then certified clean).")
+@click.option("--max-replay-steps", type=click.IntRange(min=1), help="Replay at most this many steps (checkpoints before stay unverified).")
+@analysis_options
 @click.pass_context
-def certify_cmd(ctx: click.Context, trace_dir: Path, checkpoints_dir: Path | None, as_json: bool, certificate_out: Path | None,
-                trace_only: bool, recipe: str | None, device: str) -> None:
+def certify_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, certificate_out: Path | None, trace_only: bool, **replay) -> None:
     """Certify every checkpoint of a run and name the last clean one (the resume point).
 
-    The first divergent step comes from the same analysis as ``bisect`` (trace evidence, then a
-    replay of the smallest confirming window), so a fault the trace alone cannot see still taints
-    the checkpoints after it. With --trace-only, or when the trace names no recipe, the trace's
-    own evidence is used and the output says so.
+    The same analysis as ``bisect``: trace evidence, then a replay of every step before each
+    checkpoint, so a fault the trace alone cannot see still taints the checkpoints after it. A
+    checkpoint is clean only when its file is as saved, holds the replicas' majority weights and
+    no NaN/Inf, and every step before it was examined and found clean.
     """
-    from sdc_forensics.checkpoint import VerifyOptions
-    from sdc_forensics.checkpoint.certificate import build_certificate, write_certificate
-    from sdc_forensics.checkpoint.certify import certify_checkpoints, last_clean, unnoted_checkpoints
-    from sdc_forensics.checkpoint.serialize import status_to_json
-    from sdc_forensics.checkpoint.trace_context import load_trace_context
+    from sdc_forensics.checkpoint.locate import unnoted_checkpoints
     from sdc_forensics.errors import UsageError
+    from sdc_forensics.forensics.certificate import build_certificate, write_certificate
+    from sdc_forensics.trace.checkpoints import read_checkpoint_notes
 
+    checkpoints_dir = replay.get("checkpoints_dir")
     if checkpoints_dir is not None and not checkpoints_dir.is_dir():
         raise UsageError(f"--checkpoints {checkpoints_dir} is not a directory")
-    statuses = None
-    if trace_only or not (recipe or read_manifest(trace_dir).recipe):
-        if not trace_only:
-            err.print("[yellow]the trace names no replay recipe[/]: certifying from the trace's evidence alone (pass --recipe to replay)")
-        trace = load_trace_context(trace_dir)
-    else:
-        from sdc_forensics.forensics.bisect import BisectOptions, bisect
-
-        from sdc_forensics.cli.bisect_cmd import _Bars
-
-        with _Bars(enabled=err.is_terminal) as bars:
-            result = bisect(trace_dir, BisectOptions(checkpoints_dir=checkpoints_dir, recipe=recipe, device=device), progress=bars)
-        first = result.first_divergent_step
-        by_replay = any(e.step == first and e.source == "replay" for e in result.evidence)
-        source = "none" if first is None else "replay" if by_replay else "triage"
-        trace = load_trace_context(trace_dir, divergence=(result.first_divergent_step, source))
-        if result.certification:  # bisect verified every noted file already: do not read them twice
-            statuses = list(result.certification)
-    if statuses is None:
-        statuses = certify_checkpoints(
-            trace.notes,
-            checkpoints=checkpoints_dir,
-            first_divergent_step=trace.first_divergent_step,
-            trace_consistent=trace.consistent,
-            majority_digests=trace.majority_digests,
-            base_dir=trace_dir.parent,
-            options=VerifyOptions(seed=trace.seed),
-        )
-    resume = last_clean(statuses)
+    result = run_analysis(trace_dir, trace_only=trace_only, **replay)
+    statuses = list(result.checkpoints)
+    resume = result.last_clean_checkpoint
+    notes = read_checkpoint_notes(trace_dir)
     folders = {checkpoints_dir} if checkpoints_dir is not None else {Path(s.path).parent for s in statuses if s.path}
-    unnoted = [path for folder in sorted(folders) for path in unnoted_checkpoints(trace.notes, folder)]
+    unnoted = [p for folder in sorted(folders) if folder.is_dir() for p in unnoted_checkpoints(notes, folder)]
     table = Table(title=f"checkpoints of {escape(str(trace_dir))}", title_justify="left")
     for column in ("step", "status", "path", "reasons"):
         table.add_column(column)
     for s in statuses:
-        style = "green" if s.clean else "yellow" if s.status.value in ("tainted", "unverified") else "bold red"
-        table.add_row(str(s.step), f"[{style}]{s.status.value}[/]", escape(Path(s.path).name if s.path else "(not found)"), escape("; ".join(s.reasons)))
+        style = {"clean": "green", "unverified": "yellow"}.get(s.status.value, "bold red")
+        table.add_row(str(s.step), f"[{style}]{s.status.value}[/]", escape(Path(s.path).name if s.path else "(not read)"), escape("; ".join(s.reasons)))
     err.print(table)
-    for line in trace.damage:
+    for line in result.damage:
         err.print(f"[yellow]trace damage:[/] {escape(line)}")
     for path in unnoted:
         err.print(f"[yellow]unverified:[/] {escape(str(path))} has no checkpoint note in the trace; nothing can be certified about it")
-    divergence = "none found" if trace.first_divergent_step is None else f"{trace.first_divergent_step} (from {trace.divergence_source})"
-    err.print(f"first divergent step: {divergence}")
+    err.print(f"analysis: {result.verdict.value}; first divergent step: "
+              f"{'none found' if result.first_divergent_step is None else result.first_divergent_step}; {escape(result.scope)}")
+    for line in result.settle:
+        err.print(f"[yellow]to settle:[/] {escape(line)}")
     if not statuses:
         err.print("[bold red]no checkpoint notes[/] in this trace: nothing to certify")
     elif resume is None:
-        err.print("[bold red]no clean checkpoint[/]: none can be resumed from safely")
+        err.print("[bold red]no checkpoint certified clean[/]: none can be resumed from safely")
     else:
         err.print(f"[bold green]resume from step {resume.step}[/]: {escape(resume.path)} ({resume.status.value})")
     if certificate_out is not None:
-        cert = build_certificate(statuses, trace_dir=trace_dir, first_divergent_step=trace.first_divergent_step, seed=trace.seed)
+        cert = build_certificate(statuses, trace_dir=trace_dir, first_divergent_step=result.first_divergent_step, seed=result.seed)
         write_certificate(certificate_out, cert)
         err.print(f"certificate written to {escape(str(certificate_out))}")
-    all_clean = bool(statuses) and all(s.clean for s in statuses)
+    code = status_exit(statuses)
     if as_json:
         emit_json(
             {
                 "command": "certify",
                 "trace_dir": str(trace_dir),
-                "first_divergent_step": trace.first_divergent_step,
-                "divergence_source": trace.divergence_source,
-                "trace_consistent": trace.consistent,
-                "trace_damage": list(trace.damage),
-                "checkpoints": [status_to_json(s) for s in statuses],
+                "verdict": result.verdict.value,
+                "first_divergent_step": result.first_divergent_step,
+                "mode": result.mode,
+                "scope": result.scope,
+                "settle": list(result.settle),
+                "trace_damage": list(result.damage),
+                "checkpoints": [s.to_json() for s in statuses],
                 "unnoted": [str(p) for p in unnoted],
                 "resume_step": resume.step if resume else None,
                 "resume_path": resume.path if resume else None,
                 "certificate": str(certificate_out) if certificate_out else None,
-                "exit_code": 0 if all_clean else 1,
+                "exit_code": code,
             }
         )
-    ctx.exit(0 if all_clean else 1)
+    ctx.exit(code)

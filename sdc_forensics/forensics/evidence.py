@@ -27,6 +27,19 @@ class EvidenceKind(str, enum.Enum):
     OUTLIER = "outlier"  # a statistical hint, never a verdict on its own
 
 
+class Strength(str, enum.Enum):
+    """How far an observation can carry a verdict (design brief, "Strength of evidence").
+
+    ``strong``: exact digest mismatches, NaN/Inf, strict-majority votes, calibrated all-reduce
+    residuals, and tolerant replay residuals far above the largest artefact clean replays of the
+    same kind produce. ``weak``: a tolerant replay residual within that range; alone it gives
+    ``inconclusive``, never ``corruption``, and never ends the backwards search.
+    """
+
+    STRONG = "strong"
+    WEAK = "weak"
+
+
 class Location(str, enum.Enum):
     """Where a fault sits."""
 
@@ -54,6 +67,10 @@ class Evidence:
         source: ``trace``, ``replay`` or ``checkpoint``: who produced it.
         affects_state: False when the observation does not mean the training state diverged
             at ``step`` (a hint, an auditor's own bad recomputation, a damaged file on disk).
+        strength: :class:`Strength`; only strong evidence sets the first divergent step.
+        earliest_step: when the observation only bounds the fault (replica weights found
+            different at ``step`` but last compared equal earlier), the earliest step the fault
+            can have happened at; None when it happened at ``step``.
     """
 
     kind: EvidenceKind
@@ -65,6 +82,8 @@ class Evidence:
     detail: str = ""
     source: str = "trace"
     affects_state: bool = True
+    strength: Strength = Strength.STRONG
+    earliest_step: int | None = None
 
     @property
     def is_hint(self) -> bool:
@@ -73,8 +92,18 @@ class Evidence:
 
     @property
     def marks_divergence(self) -> bool:
-        """True when this says the replicas' training state went wrong at :attr:`step`."""
-        return self.affects_state and not self.is_hint
+        """True when this says, strongly, that the replicas' training state went wrong at :attr:`step`."""
+        return self.affects_state and not self.is_hint and self.strength is Strength.STRONG
+
+    @property
+    def is_weak(self) -> bool:
+        """True for a state-affecting observation too weak to carry a verdict (a tolerant residual)."""
+        return self.affects_state and not self.is_hint and self.strength is Strength.WEAK
+
+    @property
+    def onset(self) -> int:
+        """The earliest step at which the fault behind this observation can have happened."""
+        return self.step if self.earliest_step is None else min(self.earliest_step, self.step)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (enum values as strings)."""
@@ -88,6 +117,8 @@ class Evidence:
             "detail": self.detail,
             "source": self.source,
             "affects_state": self.affects_state,
+            "strength": self.strength.value,
+            "earliest_step": self.earliest_step,
         }
 
 

@@ -11,10 +11,11 @@ from typing import Any
 from rich.table import Table
 
 from sdc_forensics.forensics.evidence import Evidence
+from sdc_forensics.forensics.decision import Status
 from sdc_forensics.forensics.verdict import BisectResult, Verdict
 
 _STYLE = {Verdict.CLEAN: "bold green", Verdict.CORRUPTION: "bold red", Verdict.INCONCLUSIVE: "bold yellow"}
-_STATUS_STYLE = {"clean-replay-verified": "green", "clean-trace-consistent": "green", "tainted": "yellow", "corrupt": "red", "unverified": "dim"}
+_STATUS_STYLE = {Status.CLEAN: "green", Status.UNVERIFIED: "yellow", Status.TAINTED: "red", Status.CORRUPT: "bold red"}
 
 
 def bisect_document(result: BisectResult) -> dict[str, Any]:
@@ -49,10 +50,10 @@ def render_bisect(result: BisectResult, console) -> None:
         for column in ("step", "status", "reasons", "path"):
             table.add_column(column)
         for c in result.checkpoints:
-            table.add_row(str(c.step), f"[{_STATUS_STYLE.get(c.status, '')}]{c.status}[/]", "; ".join(c.reasons[:2]), c.path)
+            table.add_row(str(c.step), f"[{_STATUS_STYLE[c.status]}]{c.status.value}[/]", "; ".join(c.reasons[:3]), c.path)
         console.print(table)
     last = result.last_clean_checkpoint
-    console.print(f"Resume from: [bold]{last.path}[/] (step {last.step}, {last.status})" if last else "Resume from: [yellow]no checkpoint certified clean[/]")
+    console.print(f"Resume from: [bold]{last.path}[/] (step {last.step}, {last.status.value})" if last else "Resume from: [yellow]no checkpoint certified clean[/]")
     replay = result.replayed
     if replay.windows:
         console.print(f"Replayed on {replay.device}, comparison {replay.comparison}"
@@ -81,14 +82,14 @@ def _evidence_table(console, evidence: list[Evidence], title: str) -> None:
     console.print(table)
 
 
-def replay_document(result) -> dict[str, Any]:
-    """The ``--json`` document of ``replay`` (one window)."""
+def replay_document(result, decided) -> dict[str, Any]:
+    """The ``--json`` document of ``replay`` (one window; ``decided``: ``decision.decide`` of its evidence)."""
     return {
         "from": result.start_step, "to": result.stop_step, "last_replayed": result.last_step, "device": result.device,
         "comparison": result.comparison, "tolerant_from": result.tolerant_from, "reduction_order": result.reduction_order or None,
         "first_divergent_step": result.first_divergent_step, "settings": result.settings, "notes": list(result.notes),
         "evidence": [e.to_json() for e in result.evidence],
-        "verdict": "clean" if result.first_divergent_step is None else "corruption",
+        "verdict": decided.verdict.value, "settle": list(decided.settle),
     }
 
 

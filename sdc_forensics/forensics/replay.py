@@ -64,8 +64,13 @@ class ReplayOptions:
         device: torch device spec.
         force_device: replay even on a suspect's GPU.
         suspect_gpus: ``{gpu_uuid: rank}`` the replay must not run on.
-        stop_at_divergence: stop after the first step with a mismatch.
-        num_threads: CPU threads (None: what the manifest recorded, else torch's default).
+        stop_at_divergence: stop after the first step with strong evidence of a mismatch (weak
+            tolerant residuals never stop a replay).
+        num_threads: CPU intra-op threads for every step (None: each rank-step's recorded count,
+            else the manifest's, else torch's default). Another count than training's makes a CPU
+            replay non-bitwise: the comparison goes tolerant.
+        force_tolerant: compare within the sketch tolerance from the first step, even where the
+            replay is bitwise reproducible (to exercise and measure the tolerant path).
         reduction_order: the summation order an earlier replay of this run found (``gloo-ring``,
             ``sequential``), "" if none yet.
     """
@@ -80,6 +85,7 @@ class ReplayOptions:
     stop_at_divergence: bool = True
     num_threads: int | None = None
     reduction_order: str = ""
+    force_tolerant: bool = False
 
     def __post_init__(self) -> None:
         if self.stop_step < self.start_step:
@@ -97,7 +103,8 @@ class ReplayResult:
         tolerant_from: first step compared with the sketch tolerance (None when all exact).
         reduction_order: the summation order that reproduced the recorded reduced digest.
         evidence: replay and input mismatches found.
-        first_divergent_step: the first step with a mismatch, None if none.
+        first_divergent_step: the first step with strong evidence of a mismatch, None if none
+            (weak tolerant residuals are in ``evidence`` but do not set it).
         settings: the deterministic settings applied.
         notes: sentences for the report (why the comparison switched, tie-breaks).
     """
@@ -161,10 +168,14 @@ class Replayer(StepComparisons):
         self.grad_dtype = trace.manifest.fingerprint.grad_dtype
         self.world_size = trace.world_size
         self.known_order = ""  # the summation order that reproduced this run's all-reduce, once seen
+        self.forced_threads = 0  # --threads
+        self.default_threads = 0  # the manifest's count, for traces without per-step counts
 
     # -- one rank's local gradient -------------------------------------------------------------
     def local_step(self, model, record, buckets_layout) -> _RankStep:
-        """Recompute one rank's loss and local gradient (per bucket) at one step."""
+        """Recompute one rank's loss and local gradient (per bucket) at one step, with the CPU
+        thread count that rank's step ran with (reductions change order with it)."""
+        self._use_threads(int(record["aux_value"]) if record["aux_value"] > 0 else 0)
         params = list(model.parameters())
         for p in params:
             p.grad = None
@@ -180,6 +191,13 @@ class Replayer(StepComparisons):
             for bucket in buckets_layout
         ]
         return _RankStep(self, buckets, batches, total_loss)
+
+    def _use_threads(self, recorded: int) -> None:
+        if self.device.type != "cpu":
+            return
+        wanted = self.forced_threads or recorded or self.default_threads
+        if wanted and torch.get_num_threads() != wanted:
+            torch.set_num_threads(wanted)
 
     def digest_of(self, buckets: list[torch.Tensor]) -> int:
         """The exact digest of a gradient held in bucket buffers (``combine`` of the buckets' digests)."""
@@ -201,6 +219,8 @@ class Replayer(StepComparisons):
     def run(self, options: ReplayOptions, on_step: Callable[[int], None] | None = None) -> ReplayResult:
         """Replay ``options.start_step .. options.stop_step`` and compare with the trace."""
         self.known_order = options.reduction_order
+        self.forced_threads = options.num_threads or 0
+        self.default_threads = _recorded_threads(self.trace) or 0
         model, optimizer, scheduler = self.recipe.build(self.device)
         self.recipe.load_checkpoint(str(options.checkpoint_path), model, optimizer, scheduler)
         start_digest = hex64(weights_digest(model.named_parameters(), self.seed))
@@ -215,7 +235,9 @@ class Replayer(StepComparisons):
         window = windows[0]
         evidence: list[Evidence] = []
         notes: list[str] = []
-        tolerant_from: int | None = None
+        tolerant_from: int | None = options.start_step if options.force_tolerant else None
+        if options.force_tolerant:
+            notes.append("--tolerant: every step compared within the sketch tolerance")
         order_used = ""
         last = options.start_step - 1
         first_divergent: int | None = None
@@ -261,6 +283,8 @@ class Replayer(StepComparisons):
                     n = params[index].numel()
                     params[index].grad = flat[offset : offset + n].view_as(params[index])  # a view, as DDP's bucket views
                     offset += n
+            counts = recs["aux_value"].astype(np.int64)
+            self._use_threads(int(np.bincount(counts[counts > 0]).argmax()) if (counts > 0).any() else 0)
             recipe_mod.before_step(self.recipe, model, optimizer)
             optimizer.step()
             recipe_mod.after_step(self.recipe, model, optimizer, scheduler)
@@ -274,7 +298,7 @@ class Replayer(StepComparisons):
             last = step
             if on_step is not None:
                 on_step(step)
-            if any(e.step == step for e in evidence) and first_divergent is None:
+            if any(e.step == step and e.marks_divergence for e in evidence) and first_divergent is None:
                 first_divergent = step
                 if options.stop_at_divergence:
                     break
@@ -302,7 +326,7 @@ def replay_window(trace: Trace, recipe, options: ReplayOptions, on_step: Callabl
     """
     device = env.resolve_device(options.device)
     env.check_not_suspect(device, options.suspect_gpus, options.force_device)
-    threads = options.num_threads or _recorded_threads(trace)
+    threads = options.num_threads or _recorded_threads(trace)  # per-step counts are applied step by step
     if not Path(options.checkpoint_path).is_file():
         raise CheckpointError(f"checkpoint {options.checkpoint_path} (step {options.start_step}) does not exist; pass --checkpoints DIR")
     with env.deterministic(device, threads) as settings:

@@ -69,7 +69,7 @@ def render_markdown(result: BisectResult, manifest: Manifest | None, command: li
         out.append(f"- **Suspect: {who}**; location `{suspect.location.value}`; "
                    f"{'recurring' if suspect.recurring else 'transient'} (steps {', '.join(map(str, suspect.steps))}).")
     last = result.last_clean_checkpoint
-    out.append(f"- **Resume from:** `{last.path}` (checkpoint {last.step}, {last.status})." if last
+    out.append(f"- **Resume from:** `{last.path}` (checkpoint {last.step}, {last.status.value})." if last
                else "- **Resume from:** no checkpoint could be certified clean.")
     out.append("")
 
@@ -96,7 +96,7 @@ def render_markdown(result: BisectResult, manifest: Manifest | None, command: li
     if result.checkpoints:
         out += ["## Checkpoints", ""]
         out += _table(("step", "status", "path", "reasons"),
-                      [(c.step, c.status, f"`{c.path}`", "; ".join(c.reasons)) for c in result.checkpoints])
+                      [(c.step, c.status.value, f"`{c.path}`", "; ".join(c.reasons)) for c in result.checkpoints])
 
     replay = result.replayed
     out += ["## What was replayed", ""]

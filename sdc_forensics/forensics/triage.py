@@ -227,7 +227,6 @@ class _WeightState:
     last_checked: int | None = None
     first_step: int | None = None
     num_checked: int = 0
-    checked_before: dict[int, int | None] = dataclasses.field(default_factory=dict)  # onset step -> previous check
 
     def scan(self, window: StepWindow) -> list[Evidence]:
         rec, present = window.records, window.present
@@ -249,22 +248,22 @@ class _WeightState:
                                     expected="a strict majority of replicas with equal weights",
                                     found=f"{len(set(rec['weights_digest'][row][has_w[row]].tolist()))} distinct digests",
                                     location=Location.UNKNOWN, detail="no strict majority of replica weights"))
-                self.checked_before.setdefault(step, self.last_checked)
                 self.last_checked = step
                 continue
             now = (rec["weights_digest"][row] != majority[row]) & has_w[row]  # (R,)
             onset = now & ~self.diverged
             if onset.any():
                 ranks = _ranks(onset)
+                # equal at the previous comparison: the fault happened after it
+                earliest = self.last_checked + 1 if self.last_checked is not None else self.first_step
                 found = ", ".join(f"rank {r}: {hex64(rec['weights_digest'][row, r])}" for r in ranks)
                 out.append(Evidence(
                     kind=EvidenceKind.WEIGHT_DIVERGENCE, step=step, ranks=ranks,
                     expected=f"weights digest {hex64(majority[row])} (strict majority)", found=found,
-                    location=Location.UNKNOWN,
+                    location=Location.UNKNOWN, earliest_step=earliest if earliest is not None and earliest < step else None,
                     detail="this replica's weights after the update differ from the majority: a wrong update, "
                     "or wrong weights at rest; replay tells them apart",
                 ))
-                self.checked_before.setdefault(step, self.last_checked)
             self.diverged = now | (self.diverged & ~has_w[row])
             self.last_checked = step
         return out
@@ -368,17 +367,12 @@ def _nanmedian_rows(values: np.ndarray) -> np.ndarray:
 
 
 def _first_suspect(evidence: list[Evidence], weights: _WeightState) -> tuple[int | None, tuple[int, int] | None]:
+    """The earliest onset of strong evidence (``Evidence.onset``: a replica found diverged at a
+    weights check happened at the earliest on the step after the previous check) and the window
+    a replay must examine to pin it, ``(onset, observed step)``. The same rule as
+    ``decision.first_divergent_step``."""
     real = [e for e in evidence if e.marks_divergence]
     if not real:
         return None, None
-    first = min(real, key=sort_key)
-    if first.kind is EvidenceKind.WEIGHT_DIVERGENCE:
-        previous = weights.checked_before.get(first.step)
-        # weights were equal at the previous comparison: the divergence happened after it, at
-        # the earliest on the step after it (conservative for checkpoint certification)
-        if previous is not None:
-            start = previous + 1
-        else:
-            start = weights.first_step if weights.first_step is not None else first.step
-        return start, (start, first.step)
-    return first.step, (first.step, first.step)
+    first = min(real, key=lambda e: (e.onset, sort_key(e)))
+    return first.onset, (first.onset, first.step)

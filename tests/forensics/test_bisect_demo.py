@@ -12,12 +12,16 @@ holds for theta_N, and it has no NaN/Inf.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from click.testing import CliRunner
+
+from sdc_forensics.cli.main import cli
 from sdc_forensics.demo.recipe import recipe as demo_recipe
 from sdc_forensics.forensics.bisect import BisectOptions, bisect
 from sdc_forensics.forensics.evidence import EvidenceKind
@@ -79,7 +83,7 @@ def assert_last_clean_obeys_rule(result, out: Path, first: int | None, corrupt_f
             if c.step > 0:
                 assert hex64(weights_digest(model.named_parameters())) == _majority_theta(trace, c.step)
     if corrupt_file_step is not None:
-        assert {c.step: c.status for c in result.checkpoints}[corrupt_file_step] == "corrupt"
+        assert {c.step: c.status.value for c in result.checkpoints}[corrupt_file_step] == "corrupt"
 
 
 @pytest.mark.parametrize("location,step,rank,bit,where", CASES, ids=[f"{c[0]}-s{c[1]}-r{c[2]}-b{c[3]}" for c in CASES])
@@ -101,8 +105,9 @@ def test_bisect_names_injected_step_and_rank(demo_run, location, step, rank, bit
         assert suspect.rank == rank and suspect.host and suspect.gpu
     assert not suspect.recurring
     assert_last_clean_obeys_rule(result, out, step)
-    # with trace evidence, at most one checkpoint interval is replayed per incident
-    assert result.replayed.steps_replayed <= EVERY + 1
+    # every step up to the divergence is replayed (to certify the checkpoints before it), none after
+    assert result.replayed.steps_replayed == step + 1
+    assert_commands_agree(out)
 
 
 def test_fault_without_trace_evidence_is_found_by_replay(demo_run):
@@ -116,7 +121,7 @@ def test_fault_without_trace_evidence_is_found_by_replay(demo_run):
     assert {e.kind for e in suspect.evidence} == {EvidenceKind.REPLAY_MISMATCH}
     assert result.replayed.comparison == "exact"
     # nothing in the trace: the last interval first, then one interval further back, stop at the divergence
-    assert [(w.start, w.last) for w in result.replayed.windows] == [(3, 5), (0, 1)]
+    assert sorted((w.start, w.last) for w in result.replayed.windows) == [(0, 1), (3, 5)]
     assert_last_clean_obeys_rule(result, out, 1)
 
 
@@ -128,6 +133,7 @@ def test_clean_run_is_clean(demo_run):
     assert result.last_clean_checkpoint.step == STEPS
     doc = json.loads(json.dumps(result.to_json()))
     assert doc["verdict"] == "clean" and doc["replayed"]["comparison"] == "exact"
+    assert_commands_agree(out)
 
 
 def test_audit_majority_of_three_names_the_rank_from_the_trace_alone(demo_run):
@@ -139,3 +145,72 @@ def test_audit_majority_of_three_names_the_rank_from_the_trace_alone(demo_run):
     assert (suspect.rank, suspect.location.value) == (1, "local_compute")
     assert [e.kind for e in suspect.evidence] == [EvidenceKind.AUDIT_MISMATCH]
     assert result.replayed.windows == ()
+    assert_commands_agree(out)
+
+
+def _cli(*args) -> tuple[int, dict]:
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    assert result.exit_code in (0, 1, 4), result.output
+    return result.exit_code, json.loads(result.stdout)
+
+
+def assert_commands_agree(out: Path) -> None:
+    """bisect, certify, verify-checkpoint --trace (each checkpoint) and report give one answer:
+    the same first divergent step, suspects and status of every checkpoint, in replay and
+    trace-only modes (the design brief's "One decision")."""
+    trace, ckpts = out / "trace", out / "checkpoints"
+    for mode in ((), ("--trace-only",)):
+        code, doc = _cli("bisect", trace, "--checkpoints", ckpts, "--json", *mode)
+        statuses = {c["step"]: c["status"] for c in doc["checkpoints"]}
+        suspects = [s["rank"] for s in doc["suspects"]]
+        _, cert = _cli("certify", trace, "--checkpoints", ckpts, "--json", *mode)
+        assert cert["first_divergent_step"] == doc["first_divergent_step"] and cert["verdict"] == doc["verdict"]
+        assert {c["step"]: c["status"] for c in cert["checkpoints"]} == statuses
+        report = out / f"review{len(mode)}.md"
+        report.unlink(missing_ok=True)
+        rcode, rdoc = _cli("report", trace, "--checkpoints", ckpts, "--json", "-o", report, *mode)
+        assert (rcode, rdoc["first_divergent_step"], [s["rank"] for s in rdoc["suspects"]]) == (code, doc["first_divergent_step"], suspects)
+        assert {c["step"]: c["status"] for c in rdoc["checkpoints"]} == statuses
+        for step, status in statuses.items():
+            vcode, vdoc = _cli("verify-checkpoint", ckpts / f"step-{step:08d}.pt", "--trace", trace, "--json", *mode)
+            assert vdoc["certification"]["status"] == status, (step, vdoc["reasons"])
+            assert vdoc["first_divergent_step"] == doc["first_divergent_step"]
+            assert vcode == {"clean": 0, "unverified": 4}.get(status, 1)
+        if mode:  # the trace alone never certifies a file it did not read
+            assert all(s != "clean" for s in statuses.values())
+
+
+def test_verify_checkpoint_with_trace_never_certifies_a_checkpoint_after_an_invisible_fault(demo_run):
+    """A bit-20 flip of one local-gradient element: invisible to the trace. verify-checkpoint
+    --trace used to print VERIFIED for the checkpoint after it (exit 0) while bisect found it."""
+    out = demo_run(_spec("grad", MID, 0, 20), steps=STEPS, checkpoint_every=EVERY)
+    later = CliRunner().invoke(cli, ["verify-checkpoint", str(out / "checkpoints" / f"step-{STEPS:08d}.pt"), "--trace", str(out / "trace")])
+    assert later.exit_code == 1 and "tainted" in later.output and "VERIFIED" not in later.output
+    trace_only = CliRunner().invoke(cli, ["verify-checkpoint", str(out / "checkpoints" / f"step-{STEPS:08d}.pt"),
+                                          "--trace", str(out / "trace"), "--trace-only"])
+    assert trace_only.exit_code == 4 and "NOT CERTIFIED" in trace_only.output
+
+
+@pytest.mark.parametrize("spec", ["weights:step=4:rank=3:bit=27", "update:step=2:rank=1:bit=22", "allreduce:step=1:rank=3:bit=30"])
+def test_one_fault_that_leaves_a_replica_different_is_one_event_not_recurring(demo_run, spec):
+    out = demo_run(spec, steps=STEPS, checkpoint_every=EVERY, audit_every=1)
+    result = bisect(out / "trace", BisectOptions(checkpoints_dir=out / "checkpoints", scan_recurrence=True))
+    [suspect] = result.suspects
+    assert not suspect.recurring, suspect.steps
+    assert "one event" in suspect.recommendation and "drain" not in suspect.recommendation
+
+
+def test_two_checkpoint_files_damaged_at_rest_point_at_storage_not_the_gpu(demo_run, tmp_path):
+    out = demo_run("none", steps=STEPS, checkpoint_every=EVERY)
+    ckpts = tmp_path / "copies"
+    shutil.copytree(out / "checkpoints", ckpts)
+    for step in (3, 6):
+        path = ckpts / f"step-{step:08d}.pt"
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        path.write_bytes(bytes(data))
+    result = bisect(out / "trace", BisectOptions(checkpoints_dir=ckpts))
+    assert result.verdict.value == "corruption" and result.first_divergent_step is None
+    [suspect] = result.suspects
+    assert suspect.location.value == "storage" and not suspect.recurring and suspect.gpu is None
+    assert "disk" in suspect.recommendation and "GPU" in suspect.recommendation and "drain" not in suspect.recommendation

@@ -2,15 +2,17 @@
 
 Layout (sorted keys, 1-space indent)::
 
-    {"format": "sdc-forensics-certificate", "certificate_version": 1,
+    {"format": "sdc-forensics-certificate", "certificate_version": 2,
      "tool_version": "0.1.0", "created_utc": "2026-11-29T09:00:00Z", "seed": SEED,
      "trace_dir": "...", "first_divergent_step": S | null,
      "resume_step": N | null, "resume_path": "..." | null,
-     "checkpoints": [{"step": N, "path": "...", "status": "clean-trace-consistent", "reasons": [...],
+     "checkpoints": [{"step": N, "path": "...", "status": "clean", "reasons": [...],
                       "format": "torch", "weights_digest": "hex16",
                       "files": [{"name": "step-00000004.pt", "size_bytes": B, "digest": "hex16"}],
                       "evidence": [{"kind": ..., "subject": ..., "expected": ..., "found": ..., "detail": ...}]}]}
 
+Statuses are ``forensics.decision.Status`` values. Version 1 certificates (whose "clean" did not
+require every earlier step to be replayed) are refused with a line asking to certify again.
 A file's checksum is the exact digest of its bytes (``verify.FileChecksum``); confirming a file
 later means recomputing it with the certificate's seed and comparing, file by file.
 """
@@ -25,13 +27,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sdc_forensics import __version__
-from sdc_forensics.checkpoint.certify import CheckpointStatus, Status, last_clean
 from sdc_forensics.checkpoint.verify import FileChecksum, Finding, FindingKind, VerificationReport
 from sdc_forensics.errors import InvalidInputError
 from sdc_forensics.fingerprint import constants as C
+from sdc_forensics.forensics.decision import CheckpointStatus, Status, last_clean
 
 FORMAT_NAME = "sdc-forensics-certificate"
-CERTIFICATE_VERSION = 1
+CERTIFICATE_VERSION = 2  # 2: statuses clean / unverified / tainted / corrupt from forensics.decision
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,7 +76,7 @@ class Certificate:
 def build_certificate(
     statuses: Sequence[CheckpointStatus], *, trace_dir: str | os.PathLike, first_divergent_step: int | None, seed: int = C.DEFAULT_SEED
 ) -> Certificate:
-    """A :class:`Certificate` of ``statuses`` (from :func:`certify.certify_checkpoints`)."""
+    """A :class:`Certificate` of ``statuses`` (``BisectResult.checkpoints``: ``forensics.decision``)."""
     resume = last_clean(statuses)
     entries = []
     for s in statuses:
@@ -132,7 +134,8 @@ def read_certificate(path: str | os.PathLike) -> Certificate:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise InvalidInputError(f"{path} is not an sdc-forensics certificate (no \"format\": \"{FORMAT_NAME}\")")
     if doc.get("certificate_version") != CERTIFICATE_VERSION:
-        raise InvalidInputError(f"{path} has certificate version {doc.get('certificate_version')!r}; this tool reads {CERTIFICATE_VERSION}")
+        raise InvalidInputError(f"{path} has certificate version {doc.get('certificate_version')!r}; this tool reads "
+                                f"{CERTIFICATE_VERSION}: run `sdc-forensics certify TRACE_DIR --certificate-out FILE` again")
     try:
         entries = tuple(
             CertifiedCheckpoint(
