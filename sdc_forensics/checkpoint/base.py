@@ -43,7 +43,8 @@ class TensorInfo:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FileIssue:
-    """A problem with one file's bytes that leaves the file readable (e.g. a zip CRC mismatch)."""
+    """A problem with one file: damaged bytes that leave it readable (a zip CRC mismatch), or, from
+    :meth:`CheckpointReader.unverifiable`, why its content could not be verified."""
 
     file: str
     detail: str
@@ -150,6 +151,14 @@ class CheckpointReader(abc.ABC):
     def file_issues(self) -> list[FileIssue]:
         """Readable-but-damaged findings about whole files (default: none)."""
         return []
+
+    def unverifiable(self) -> list[FileIssue]:
+        """Files that belong to the checkpoint but whose content could not be verified (default: none)."""
+        return []
+
+    def ignored(self) -> tuple[str, ...]:
+        """Paths (relative to :attr:`root`) deliberately left out, e.g. download bookkeeping (default: none)."""
+        return ()
 
     def relative(self, path: Path) -> str:
         """``path`` relative to :attr:`root` (the name certificates and notes use)."""

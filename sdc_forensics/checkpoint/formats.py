@@ -1,10 +1,11 @@
-"""Pick the reader for a path: a safetensors file, an HF index (or its directory), a
-``torch.save`` file, or a DCP directory.
+"""Pick the reader for a path: a safetensors file, an HF index, a ``torch.save`` file, or a
+checkpoint folder (a DCP directory, an HF index's directory, a folder with one model file).
 
 Detection looks at names first and then at the first bytes (a zip archive is a ``torch.save``
 file whatever its suffix; an 8-byte length followed by ``{`` is safetensors), so a renamed file
 is still read with the right reader and an unknown one is refused with a line saying what was
-expected.
+expected. A directory is always opened as a :class:`~sdc_forensics.checkpoint.folder.FolderReader`:
+its model checkpoint (:func:`main_format`) plus every other file below it (``folder.py``).
 """
 
 from __future__ import annotations
@@ -20,29 +21,57 @@ from sdc_forensics.checkpoint.torch_reader import TorchReader
 from sdc_forensics.errors import CheckpointError
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
+#: The model file of a folder holding several ``.safetensors`` files, and the legacy HF model file.
+MAIN_SAFETENSORS = "model.safetensors"
+LEGACY_TORCH_MODEL = "pytorch_model.bin"
+
+
+def main_format(directory: Path) -> tuple[str, Path] | None:
+    """The model checkpoint a directory holds at its top level, as ``(format, path)``, or None.
+
+    In order: a DCP checkpoint (``.metadata`` or ``*.distcp``: the directory itself), an HF index
+    (``*.safetensors.index.json``), one ``.safetensors`` file (``model.safetensors`` when there
+    are several), an HF legacy ``pytorch_model.bin``.
+
+    Raises:
+        CheckpointError: several index files.
+    """
+    if (directory / METADATA_NAME).is_file() or any(directory.glob("*.distcp")):
+        return "dcp", directory
+    index = find_index(directory)
+    if index is not None:
+        return "hf-index", index
+    singles = sorted(p for p in directory.glob("*.safetensors") if p.is_file() or p.is_symlink())
+    if len(singles) == 1:
+        return "safetensors", singles[0]
+    if (directory / MAIN_SAFETENSORS) in singles:
+        return "safetensors", directory / MAIN_SAFETENSORS
+    if (directory / LEGACY_TORCH_MODEL).is_file():
+        return "torch", directory / LEGACY_TORCH_MODEL
+    return None
 
 
 def detect_format(path: str | os.PathLike) -> str:
-    """``safetensors``, ``hf-index``, ``torch`` or ``dcp``; raises :class:`CheckpointError`."""
+    """``safetensors``, ``hf-index``, ``torch``, ``dcp`` or (a directory without one model
+    checkpoint at its top) ``folder``; raises :class:`CheckpointError`."""
     path = Path(path)
     if path.is_dir():
-        if (path / METADATA_NAME).is_file() or any(path.glob("*.distcp")):
-            return "dcp"
-        if find_index(path) is not None:
-            return "hf-index"
-        singles = sorted(path.glob("*.safetensors"))
-        if len(singles) == 1:
-            return "safetensors"
-        raise CheckpointError(
-            f"{path} is a directory without {METADATA_NAME} (DCP), a *{INDEX_SUFFIX} (sharded safetensors) or a single "
-            ".safetensors file; pass the checkpoint file itself"
-        )
+        found = main_format(path)
+        return found[0] if found is not None else "folder"
     if not path.exists():
         raise CheckpointError(f"{path} does not exist; check the path")
     if not path.is_file():
         raise CheckpointError(f"{path} is not a regular file or directory")
     if is_index_name(path.name):
         return "hf-index"
+    found = sniff_file(path)
+    if found is None:
+        raise CheckpointError(f"{path}: unknown checkpoint format (expected .safetensors, an HF index .json, a torch.save file or a DCP directory)")
+    return found
+
+
+def sniff_file(path: Path) -> str | None:
+    """``torch`` or ``safetensors`` from the first bytes and the suffix of one file, else None."""
     with open(path, "rb") as fh:  # read-only
         head = fh.read(9)
     if head[:2] == b"PK":
@@ -53,14 +82,34 @@ def detect_format(path: str | os.PathLike) -> str:
         return "torch"
     if len(head) == 9 and head[8:9] == b"{":
         return "safetensors"
-    raise CheckpointError(f"{path}: unknown checkpoint format (expected .safetensors, an HF index .json, a torch.save file or a DCP directory)")
+    return None
+
+
+def open_file(path: Path, kind: str, *, root: Path | None = None, populate: bool = False) -> CheckpointReader:
+    """The reader of one checkpoint file (or of an HF index and its shards, or a DCP directory).
+
+    Args:
+        path: the file (the directory for ``dcp``).
+        kind: its format, from :func:`detect_format` or :func:`main_format`.
+        root: the directory its name is relative to (default: its own).
+        populate: pre-fault memory maps of safetensors files.
+    """
+    if kind == "dcp":
+        return DcpReader(path)
+    if kind == "hf-index":
+        return HfIndexReader(path, populate=populate)
+    if kind == "safetensors":
+        return SafetensorsReader(path, root=root, populate=populate)
+    if kind == "torch":
+        return TorchReader(path, root=root)
+    raise CheckpointError(f"{path}: no reader for format {kind!r}")
 
 
 def open_checkpoint(path: str | os.PathLike, *, populate: bool = False) -> CheckpointReader:
     """Open ``path`` with the right reader; structure is checked before this returns.
 
     Args:
-        path: a checkpoint file or directory.
+        path: a checkpoint file or directory (a directory: every file below it is accounted for).
         populate: pre-fault memory maps of safetensors files (faster when reading everything).
 
     Returns:
@@ -70,12 +119,16 @@ def open_checkpoint(path: str | os.PathLike, *, populate: bool = False) -> Check
         CheckpointError: the path is unreadable, of unknown format, or malformed.
     """
     path = Path(path)
+    if path.is_dir():
+        from sdc_forensics.checkpoint.folder import FolderReader  # folder.py builds on this module
+
+        return FolderReader(path, populate=populate)
     kind = detect_format(path)
-    if kind == "dcp":
-        return DcpReader(path)
-    if kind == "hf-index":
-        return HfIndexReader(find_index(path) if path.is_dir() else path, populate=populate)
-    if kind == "safetensors":
-        target = sorted(path.glob("*.safetensors"))[0] if path.is_dir() else path
-        return SafetensorsReader(target, populate=populate)
-    return TorchReader(path)
+    return open_file(path, kind, populate=populate)
+
+
+#: What :func:`FolderReader` says when a directory holds nothing it can read as tensors.
+NOTHING_TO_READ = (
+    f"is a directory without {METADATA_NAME} (DCP), a *{INDEX_SUFFIX} (sharded safetensors), a .safetensors file "
+    "or any torch.save file; pass the checkpoint file itself"
+)

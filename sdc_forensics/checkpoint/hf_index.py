@@ -58,7 +58,7 @@ class HfIndexReader(CheckpointReader):
     def __init__(self, index_path: str | Path, *, populate: bool = False) -> None:
         index_path = Path(index_path)
         super().__init__(index_path, index_path.parent)
-        self.weight_map, self.metadata = _read_index(index_path)
+        self.weight_map, self.metadata = read_index(index_path)
         self._shards: dict[str, SingleFileReader] = {}
         try:
             for shard in sorted(set(self.weight_map.values())):
@@ -70,7 +70,7 @@ class HfIndexReader(CheckpointReader):
                 if shard_path.suffix == ".safetensors":
                     self._shards[shard] = SafetensorsReader(shard_path, root=self.root, populate=populate)
                 else:
-                    self._shards[shard] = TorchReader(shard_path)
+                    self._shards[shard] = TorchReader(shard_path, root=self.root)
             self._check_completeness()
         except CheckpointError:
             self.close()
@@ -122,7 +122,8 @@ class HfIndexReader(CheckpointReader):
             reader.close()
 
 
-def _read_index(index_path: Path) -> tuple[dict[str, str], dict]:
+def read_index(index_path: Path) -> tuple[dict[str, str], dict]:
+    """``(weight_map, metadata)`` of an index file, checked; raises :class:`CheckpointError`."""
     if not index_path.is_file():
         raise CheckpointError(f"{index_path} does not exist or is not a file")
     try:

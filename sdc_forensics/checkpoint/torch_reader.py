@@ -14,7 +14,9 @@ Checks, in order (a failure raises :class:`CheckpointError`, one line):
 2. every member lies inside the file and has a local header where the directory says;
 3. ``data.pkl`` is scanned opcode by opcode, without executing it: every global it references
    must be on torch's ``weights_only`` allow-list (a ``__reduce__`` payload naming ``os.system``
-   or ``builtins.open`` is refused here, naming the global);
+   or ``builtins.open`` is refused here, naming the global, as :class:`PickleRefused`: the
+   file may be intact, it is just not loadable safely, and a checkpoint folder lists it as not
+   verifiable rather than damaged);
 4. ``torch.load(weights_only=True, mmap=True)`` builds the object: tensors are views of a
    private read-only-in-practice map of the file, not copies.
 
@@ -41,6 +43,20 @@ from sdc_forensics.errors import CheckpointError
 from sdc_forensics.statedict import flatten_state
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # 30 bytes
+_WEIGHTS_ONLY_REFUSAL = "Weights only load failed"
+
+
+class PickleRefused(CheckpointError):
+    """The file is intact as far as can be told, but loading it would need a pickle global outside
+    the ``weights_only`` allow-list (or a legacy raw pickle): it is not loaded, so not verified.
+
+    Attributes:
+        refused: the globals that were refused (empty for a legacy pickle).
+    """
+
+    def __init__(self, message: str, refused: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.refused = refused
 _STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING", "STRING"}
 
 
@@ -99,13 +115,18 @@ class TorchReader(SingleFileReader):
 
     Args:
         path: the checkpoint file.
+        root: the directory its name is relative to (default: its own).
+
+    Raises:
+        PickleRefused: loading would run a pickle global outside the allow-list (or a legacy pickle).
+        CheckpointError: the file is truncated, damaged or not a ``torch.save`` archive.
     """
 
     format = "torch"
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, root: Path | None = None) -> None:
         path = Path(path)
-        super().__init__(path, path.parent)
+        super().__init__(path, root if root is not None else path.parent)
         if not path.is_file():
             raise CheckpointError(f"{path} does not exist or is not a file; pass a torch.save checkpoint")
         self._file = MappedFile(path)
@@ -126,7 +147,7 @@ class TorchReader(SingleFileReader):
             archive = zipfile.ZipFile(path)  # opened read-only
         except (zipfile.BadZipFile, OSError) as exc:
             if head[:1] == b"\x80":
-                raise CheckpointError(
+                raise PickleRefused(
                     f"{path} is a raw (legacy) pickle, not a torch.save zip archive; it is refused because loading it would "
                     "run its pickle: re-save it with torch.save from a trusted environment"
                 ) from None
@@ -142,7 +163,7 @@ class TorchReader(SingleFileReader):
                 if zlib.crc32(data) & 0xFFFFFFFF != member.CRC:
                     rel = member.filename[len(self._prefix) :]
                     if rel.startswith("data/"):
-                        self._issues.append(FileIssue(file=path.name, detail=f"zip CRC-32 of storage member {member.filename} does not match: its bytes changed after saving"))
+                        self._issues.append(FileIssue(file=self.relative(path), detail=f"zip CRC-32 of storage member {member.filename} does not match: its bytes changed after saving"))
                     else:
                         raise CheckpointError(f"{path}: zip CRC-32 of member {member.filename} does not match: the archive is damaged")
             self._check_pickle(bytes(self._member_bytes(archive, pkl[0])))
@@ -177,9 +198,10 @@ class TorchReader(SingleFileReader):
             raise CheckpointError(f"{self.path}: {exc}") from None
         refused = sorted({g for g in refs if g not in allowed})
         if refused:
-            raise CheckpointError(
+            raise PickleRefused(
                 f"{self.path}: its pickle references {', '.join(refused[:5])}, which weights-only loading does not allow; "
-                "refusing to load it (it could run code). Only load it if you trust its origin."
+                "refusing to load it (it could run code). Only load it if you trust its origin.",
+                tuple(refused),
             )
 
     def _load(self) -> Any:
@@ -187,6 +209,11 @@ class TorchReader(SingleFileReader):
             return torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:  # noqa: BLE001 - torch raises many types; all mean "unreadable"
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            if first_line.startswith(_WEIGHTS_ONLY_REFUSAL):  # the allow-list was unknown to the scan
+                raise PickleRefused(
+                    f"{self.path}: torch.load(weights_only=True) refuses its pickle; refusing to load it (it could run code). "
+                    "Only load it if you trust its origin."
+                ) from None
             raise CheckpointError(
                 f"{self.path}: torch.load(weights_only=True) failed ({type(exc).__name__}: {first_line[:200]}): damaged or unsupported"
             ) from None
@@ -197,7 +224,7 @@ class TorchReader(SingleFileReader):
         return self._payload
 
     def infos(self) -> list[TensorInfo]:
-        name = self.path.name
+        name = self.relative(self.path)
         return [TensorInfo(key=k, dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape), file=name) for k, t in self._flat.items()]
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

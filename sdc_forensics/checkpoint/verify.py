@@ -14,6 +14,10 @@ Against a :class:`~sdc_forensics.trace.checkpoints.CheckpointNote` (what the rec
   replicas' majority digest -> ``weights-not-majority`` (written from a diverged replica);
 * a file checksum that differs from a noted one -> ``file-checksum-mismatch``.
 
+Without a note: a file the reader could not verify (a checkpoint folder's file that cannot be
+loaded safely, of unknown format, or a link out of the folder; ``folder.py``) ->
+``not-verifiable``, and any finding at all means the checkpoint is not VERIFIED.
+
 Findings are data (:class:`Finding`); whether they make a checkpoint clean is decided in
 ``certify.py``; exit codes only in the CLI.
 """
@@ -46,6 +50,9 @@ class FindingKind(str, enum.Enum):
     WEIGHTS_NOT_MAJORITY = "weights-not-majority"
     FILE_DAMAGED = "file-damaged"
     FILE_CHECKSUM_MISMATCH = "file-checksum-mismatch"
+    #: A file of the checkpoint whose content could not be checked (not loadable safely, unknown
+    #: format, a link not followed): nothing says it is corrupt, nothing says it is clean.
+    NOT_VERIFIABLE = "not-verifiable"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -108,11 +115,13 @@ class VerificationReport:
         step: steps the checkpoint holds, from the note or the payload (None if unknown).
         files: checksums of every file.
         tensors: per-tensor results, in file order.
-        findings: reasons it is not certifiable (empty = content verifies).
+        findings: reasons it is not certifiable (empty = content verifies), ``not-verifiable``
+            files included.
         weights_digest: combined parameter digest (hex), "" without ``param_names``.
         noted: whether a checkpoint note was compared.
         seed: fingerprint seed used.
         elapsed_s: wall time of the verification.
+        ignored: paths deliberately not read (a folder's ``.git/``, ``.cache/huggingface/``).
     """
 
     path: str
@@ -125,11 +134,17 @@ class VerificationReport:
     noted: bool = False
     seed: int = C.DEFAULT_SEED
     elapsed_s: float = 0.0
+    ignored: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
-        """True when nothing was found against the checkpoint."""
+        """True when nothing was found against the checkpoint (a not-verifiable file is a finding)."""
         return not self.findings
+
+    @property
+    def unverifiable(self) -> tuple[str, ...]:
+        """Files whose content could not be verified (subjects of ``not-verifiable`` findings)."""
+        return tuple(f.subject for f in self.findings if f.kind is FindingKind.NOT_VERIFIABLE)
 
     @property
     def total_bytes(self) -> int:
@@ -183,6 +198,7 @@ def verify_checkpoint(
             for m in measured
         ]
         findings = [Finding(kind=FindingKind.FILE_DAMAGED, subject=i.file, detail=i.detail) for i in reader.file_issues()]
+        findings += [Finding(kind=FindingKind.NOT_VERIFIABLE, subject=i.file, detail=i.detail) for i in reader.unverifiable()]
         findings += [
             Finding(kind=FindingKind.NONFINITE, subject=r.key, expected="0", found=str(r.nonfinite), detail=f"{r.nonfinite} NaN/Inf value(s)")
             for r in results
@@ -205,6 +221,7 @@ def verify_checkpoint(
             noted=note is not None,
             seed=options.seed,
             elapsed_s=time.perf_counter() - started,
+            ignored=reader.ignored(),
         )
     finally:
         if reader is not source:

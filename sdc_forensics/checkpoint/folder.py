@@ -1,0 +1,337 @@
+"""A checkpoint folder: the model checkpoint it holds plus every other file below it, each one
+verified or listed as not verifiable.
+
+A training job rarely writes one file. Hugging Face's ``Trainer`` writes ``checkpoint-500/``::
+
+    model.safetensors        (or model-0000K-of-0000N.safetensors + model.safetensors.index.json)
+    optimizer.pt  scheduler.pt  scaler.pt  rng_state.pth       torch.save files
+    trainer_state.json  config.json  generation_config.json     JSON
+    training_args.bin                                           torch.save of a pickled dataclass
+    tokenizer.json  tokenizer_config.json  special_tokens_map.json  merges.txt  ...
+
+A NaN in the optimizer state ruins a resumed run as surely as one in the weights, so a folder is
+verified whole. Every regular file below it falls in exactly one class:
+
+* **the model checkpoint** (:func:`~sdc_forensics.checkpoint.formats.main_format`: a DCP
+  directory, an HF index and its shards, one ``.safetensors`` (``model.safetensors`` among
+  several), or ``pytorch_model.bin``): read by its reader, tensors keyed as that reader keys them,
+  so parameter names still match the trace's checkpoint note;
+* **another tensor file** (``.safetensors``, a ``torch.save`` zip, a sub-directory holding a DCP
+  ``.metadata`` as FSDP writes): read, digested and NaN/Inf-checked the same way, its tensors keyed
+  ``FILE/KEY`` (``optimizer.pt/state.0.exp_avg``, ``pytorch_model_fsdp_0/model.w``) so that they
+  never collide with model keys. One whose pickle needs a global outside the ``weights_only``
+  allow-list (a pickled dataclass, a numpy array) or is a legacy raw pickle is *not verifiable*;
+  one that is truncated or corrupt is *damaged* (a finding, not an exit-3 error: the rest of the
+  folder is still reported);
+* **a metadata file** (``*.json`` must parse; ``*.txt``, ``*.md``, ``*.yaml``, ``*.yml``,
+  ``.gitattributes``, ``.gitignore`` must be UTF-8): read and checksummed; one that does not
+  parse is *damaged*. ``trainer_state.json``'s ``global_step`` is the folder's step when the
+  model checkpoint names none;
+* **anything else** (``foo.npy``, ``tokenizer.model``, a ``.distcp`` no ``.metadata`` names):
+  *not verifiable*, with a detail saying what it is and what to do. Its bytes are checksummed all
+  the same, so a certificate still pins them.
+
+Never opened, and *not verifiable*: a symbolic link whose target is outside the folder (unless
+the folder lies in a ``huggingface_hub`` cache, ``models--ORG--NAME/snapshots/REV/FILE ->
+../../blobs/HASH``: targets inside the nearest ancestor holding both ``snapshots/`` and ``blobs/``
+are followed), a dangling link, a link to a directory, anything not a regular file (FIFO, socket,
+device). When the model checkpoint itself is such a link the folder is refused
+(:class:`CheckpointError`, exit 3): there is nothing to verify without it.
+
+Ignored, and listed in the report (:meth:`FolderReader.ignored`): ``.git/`` and
+``.cache/huggingface/`` at the folder's top, version control and ``huggingface_hub`` download
+bookkeeping (lock files, etag ``*.metadata``) that no training job loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from sdc_forensics.checkpoint.base import CheckpointReader, FileIssue, MappedFile, TensorInfo
+from sdc_forensics.checkpoint.dcp_reader import METADATA_NAME, DcpReader
+from sdc_forensics.checkpoint.formats import NOTHING_TO_READ, TORCH_SUFFIXES, main_format, open_file, sniff_file
+from sdc_forensics.checkpoint.hf_index import read_index
+from sdc_forensics.checkpoint.torch_reader import PickleRefused
+from sdc_forensics.errors import CheckpointError
+
+IGNORED = (".git", ".cache/huggingface")
+TEXT_SUFFIXES = (".txt", ".md", ".yaml", ".yml")
+TEXT_NAMES = (".gitattributes", ".gitignore")
+_WHAT = {
+    ".npy": "a numpy array file",
+    ".npz": "a numpy archive",
+    ".model": "a binary tokenizer model (sentencepiece)",
+    ".msgpack": "a Flax checkpoint",
+    ".h5": "an HDF5 (Keras/TensorFlow) checkpoint",
+    ".distcp": "a DCP data file that no .metadata names (left over from another save?)",
+    ".pkl": "a plain pickle, which is never loaded (it could run code)",
+    ".pickle": "a plain pickle, which is never loaded (it could run code)",
+}
+_CHECKSUM_ONLY = "its bytes are checksummed but its content is not verified"
+
+
+class FolderReader(CheckpointReader):
+    """A checkpoint directory read whole: the model checkpoint plus every other file below it.
+
+    Args:
+        directory: the folder.
+        populate: pre-fault memory maps of safetensors files.
+
+    Raises:
+        CheckpointError: the model checkpoint is malformed or is a link that is not followed, or
+            the folder holds no tensor file at all.
+    """
+
+    def __init__(self, directory: str | Path, *, populate: bool = False) -> None:
+        directory = Path(directory)
+        super().__init__(directory, directory)
+        if not directory.is_dir():
+            raise CheckpointError(f"{directory} is not a directory")
+        files, refused, self._ignored, dcp_dirs = _scan(directory)
+        self._unverifiable = list(refused)
+        self._issues: list[FileIssue] = []
+        self._parts: list[tuple[str, CheckpointReader]] = []  # (key prefix, reader); "" = the model checkpoint
+        self._other_files: list[Path] = []  # metadata and not-verifiable files: checksummed only
+        self._trainer_step: int | None = None
+        self.format = "folder"
+        try:
+            found = main_format(directory)
+            if found is not None:
+                self.format = found[0]
+                self._open_main(*found, refused={issue.file: issue.detail for issue in refused}, populate=populate)
+            claimed = {self.relative(path) for _, part in self._parts for path in part.files}
+            for sub in dcp_dirs:
+                if self.relative(sub) not in claimed:
+                    claimed |= self._open_nested_dcp(sub, files)
+            tensor_files = 0
+            for path in files:
+                rel = self.relative(path)
+                if rel not in claimed:
+                    tensor_files += self._account(path, rel, populate=populate)
+            if found is None and not dcp_dirs and not tensor_files:
+                raise CheckpointError(f"{directory} {NOTHING_TO_READ}")
+        except CheckpointError:
+            self.close()
+            raise
+
+    def _open_main(self, kind: str, path: Path, *, refused: dict[str, str], populate: bool) -> None:
+        def check(rel: str) -> None:
+            if rel in refused:
+                raise CheckpointError(f"{self.root}: its model checkpoint file {rel} is a {refused[rel]}")
+
+        candidates = [self.relative(path)] if kind != "dcp" else [METADATA_NAME]
+        for rel in candidates:
+            check(rel)
+        if kind == "hf-index":
+            for shard in sorted(set(read_index(path)[0].values())):
+                check(shard)
+        main = open_file(path, kind, root=self.root, populate=populate)
+        self._parts.append(("", main))
+        for file in main.files:  # e.g. DCP storage reached through a linked sub-directory
+            check(self.relative(file))
+            real = Path(os.path.realpath(file))
+            if not any(real == bound or real.is_relative_to(bound) for bound in _bounds(self.root)):
+                raise CheckpointError(f"{self.root}: its model checkpoint file {self.relative(file)} lies outside the folder ({real}); not followed")
+
+    def _open_nested_dcp(self, sub: Path, files: list[Path]) -> set[str]:
+        """A DCP checkpoint in a sub-directory; the names it accounts for (all of the sub-directory's when unreadable)."""
+        rel = self.relative(sub)
+        try:
+            reader = DcpReader(sub)
+        except CheckpointError as exc:
+            self._issues.append(FileIssue(file=f"{rel}/", detail=f"the DCP checkpoint in {rel}/ cannot be read: {exc}"))
+            inside = [path for path in files if Path(self.relative(path)).is_relative_to(rel)]
+            self._other_files += inside
+            return {self.relative(path) for path in inside}
+        self._parts.append((f"{rel}/", reader))
+        return {self.relative(path) for path in reader.files}
+
+    def _account(self, path: Path, rel: str, *, populate: bool) -> int:
+        """Verify, or list as not verifiable, one file outside the model checkpoint; 1 if it is a tensor file."""
+        name = path.name
+        if name.endswith(".json") or name.endswith(TEXT_SUFFIXES) or name in TEXT_NAMES:
+            self._other_files.append(path)
+            self._check_text(path, rel)
+            return 0
+        kind = sniff_file(path)
+        if kind is None:
+            self._other_files.append(path)
+            what = _WHAT.get(path.suffix.lower(), f"a file of unknown format ({path.suffix or 'no suffix'})")
+            self._unverifiable.append(FileIssue(
+                file=rel, detail=f"{what}, a format sdc-forensics does not read: {_CHECKSUM_ONLY}. "
+                "Move it out of the checkpoint folder if it is not part of the checkpoint, or verify it by other means",
+            ))
+            return 0
+        with open(path, "rb") as fh:  # read-only
+            head = fh.read(2)
+        if kind == "torch" and head != b"PK" and head[:1] != b"\x80":
+            self._other_files.append(path)
+            if not head:
+                self._issues.append(FileIssue(file=rel, detail="the file is empty: the save was interrupted or the file was truncated"))
+            else:
+                self._unverifiable.append(FileIssue(
+                    file=rel, detail=f"a {path.suffix} file that is not a torch.save zip archive; {_CHECKSUM_ONLY}. "
+                    "Move it out of the checkpoint folder if it is not part of the checkpoint",
+                ))
+            return 1
+        try:
+            reader = open_file(path, kind, root=self.root, populate=populate)
+        except PickleRefused as exc:
+            self._other_files.append(path)
+            self._unverifiable.append(FileIssue(file=rel, detail=_refusal(exc)))
+            return 1
+        except CheckpointError as exc:
+            self._other_files.append(path)
+            why = str(exc).removeprefix(f"{path}: ").removeprefix(f"{path} ")
+            if path.suffix in (*TORCH_SUFFIXES, ".safetensors"):  # it says what it is, and is not that any more
+                self._issues.append(FileIssue(file=rel, detail=why))
+            else:  # only its first bytes looked like a checkpoint (a plain zip archive, ...)
+                self._unverifiable.append(FileIssue(file=rel, detail=f"not readable as a {kind} checkpoint ({why}); {_CHECKSUM_ONLY}"))
+            return 1
+        self._parts.append((f"{rel}/", reader))
+        return 1
+
+    def _check_text(self, path: Path, rel: str) -> None:
+        try:
+            with open(path, "rb") as fh:  # read-only
+                text = fh.read().decode("utf-8")
+            doc = json.loads(text) if path.name.endswith(".json") else None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            kind = "JSON" if path.name.endswith(".json") else "UTF-8 text"
+            self._issues.append(FileIssue(file=rel, detail=f"is not valid {kind} ({exc}): the file is damaged or truncated"))
+            return
+        if rel == "trainer_state.json" and isinstance(doc, dict):
+            step = doc.get("global_step")
+            if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+                self._trainer_step = step
+
+    def _full(self, part: CheckpointReader, name: str) -> str:
+        """A part's file name (relative to the part's root) relative to the folder."""
+        return self.relative(part.root / name)
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        main = [path for prefix, part in self._parts if not prefix for path in part.files]
+        rest = [path for prefix, part in self._parts if prefix for path in part.files] + self._other_files
+        return (*main, *sorted(rest, key=self.relative))
+
+    def maps(self) -> dict[Path, MappedFile]:
+        return {path: mapped for _, part in self._parts for path, mapped in part.maps().items()}
+
+    def infos(self) -> list[TensorInfo]:
+        return [
+            TensorInfo(key=prefix + info.key, dtype=info.dtype, shape=info.shape, file=self._full(part, info.file))
+            for prefix, part in self._parts
+            for info in part.infos()
+        ]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for prefix, part in self._parts:
+            for key, tensor in part.tensors():
+                yield prefix + key, tensor
+
+    def step(self) -> int | None:
+        main = next((part for prefix, part in self._parts if not prefix), None)
+        step = main.step() if main is not None else None
+        return step if step is not None else self._trainer_step
+
+    def file_issues(self) -> list[FileIssue]:
+        parts = [FileIssue(file=self._full(part, i.file), detail=i.detail) for _, part in self._parts for i in part.file_issues()]
+        return parts + self._issues
+
+    def unverifiable(self) -> list[FileIssue]:
+        return sorted(self._unverifiable, key=lambda issue: issue.file)
+
+    def ignored(self) -> tuple[str, ...]:
+        return self._ignored
+
+    def close(self) -> None:
+        for _, part in self._parts:
+            part.close()
+
+
+def _refusal(exc: PickleRefused) -> str:
+    """The not-verifiable detail of a ``torch.save`` file that cannot be loaded safely."""
+    if not exc.refused:
+        why = "it is a legacy raw pickle"
+    else:
+        why = f"its pickle needs {', '.join(exc.refused[:5])}, outside torch's weights_only allow-list"
+        if any(name.startswith("numpy") for name in exc.refused):
+            why += " (numpy arrays, such as the numpy RNG state transformers' Trainer saves in rng_state.pth)"
+    return (f"{why}, so it is not loaded (that could run code); {_CHECKSUM_ONLY}. "
+            "Re-save it with tensors and plain Python values only, or accept the checkpoint as unverified")
+
+
+def _bounds(root: Path) -> tuple[Path, ...]:
+    """Where links below ``root`` may point: the folder itself, and the ``huggingface_hub`` cache
+    repository it lies in (nearest ancestor holding both ``snapshots/`` and ``blobs/``)."""
+    real = Path(os.path.realpath(root))
+    for parent in (real, *real.parents):
+        if (parent / "snapshots").is_dir() and (parent / "blobs").is_dir():
+            return real, parent
+    return (real,)
+
+
+def _link_refusal(path: Path, bounds: tuple[Path, ...]) -> str:
+    """Why the link ``path`` is not followed, or "" when it is."""
+    target = Path(os.path.realpath(path))
+    if not target.exists():
+        return f"dangling symbolic link (its target {target} does not exist): the checkpoint is incomplete; restore the target"
+    if not any(target == bound or target.is_relative_to(bound) for bound in bounds):
+        return (f"symbolic link to {target}, outside the checkpoint folder (and not a huggingface_hub cache blob): not followed, "
+                "not verified; copy the file into the folder, or verify it on its own")
+    if target.is_dir():
+        return "symbolic link to a directory: not followed, not verified; verify that directory on its own"
+    if not target.is_file():
+        return "symbolic link to something that is not a regular file: not opened, not verified"
+    return ""
+
+
+def _scan(root: Path) -> tuple[list[Path], list[FileIssue], tuple[str, ...], list[Path]]:
+    """Every file below ``root`` without following links out of it.
+
+    Returns:
+        ``(files, refused, ignored, dcp_dirs)``: regular files and followed links (sorted paths);
+        entries never opened, with why; ignored relative paths; sub-directories holding a DCP
+        ``.metadata`` (the top-level one is the model checkpoint's business).
+    """
+    bounds = _bounds(root)
+    files: list[Path] = []
+    refused: list[FileIssue] = []
+    ignored: list[str] = []
+    dcp_dirs: list[Path] = []
+
+    def walk(directory: Path, prefix: str) -> None:
+        try:
+            with os.scandir(directory) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError as exc:
+            refused.append(FileIssue(file=prefix or ".", detail=f"cannot list this directory ({exc.strerror}): not verified"))
+            return
+        for entry in entries:
+            rel, path = prefix + entry.name, directory / entry.name
+            if rel in IGNORED and entry.is_dir(follow_symlinks=False):
+                ignored.append(rel + "/")
+            elif entry.is_symlink():
+                why = _link_refusal(path, bounds)
+                if why:
+                    refused.append(FileIssue(file=rel, detail=why))
+                else:
+                    files.append(path)
+            elif entry.is_dir(follow_symlinks=False):
+                if (path / METADATA_NAME).is_file():
+                    dcp_dirs.append(path)
+                walk(path, rel + "/")
+            elif entry.is_file(follow_symlinks=False):
+                files.append(path)
+            else:
+                refused.append(FileIssue(file=rel, detail="not a regular file (a FIFO, socket or device): not opened, not verified; "
+                                                          "remove it from the checkpoint folder"))
+
+    walk(root, "")
+    return files, refused, tuple(ignored), dcp_dirs
