@@ -290,7 +290,7 @@ class _WindowRunner:
         if weak and result.first_divergent_step is None and self.device_is_cpu:
             evidence = self._second_opinion(note, result, evidence, weak)
         self.device, self.order, self.settings = result.device, self.order or result.reduction_order, result.settings
-        self.notes += list(result.notes)
+        self.notes += [n for n in result.notes if n not in self.notes]
         self.windows.append(ReplayedWindow(start=note.step, stop=hi, last=result.last_step, comparison=result.comparison,
                                            tolerant_from=result.tolerant_from, reason=reason))
         self.evidence += evidence

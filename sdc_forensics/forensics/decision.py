@@ -234,13 +234,16 @@ def decide(
         verdict = Verdict.INCONCLUSIVE
         hinted = sorted({e.step for e in evidence if e.is_hint})
         settle.append(f"outlier hints at step(s) {', '.join(map(str, hinted[:5]))}: a replay of those steps confirms or clears them")
+    elif not examined.trace_only and not examined.replayed:
+        verdict = Verdict.INCONCLUSIVE  # a replay was wanted and none could run: the trace alone is not a clean bill
     else:
         verdict = Verdict.CLEAN
     if weak:
         w = weak[0]
         settle.insert(0, f"weak evidence at step {w.step}, rank(s) {list(w.ranks) or 'all'}: a tolerant replay residual "
-                         f"({w.found}) within the range clean replays of this kind produce; replay exactly (the recorded thread "
-                         "counts on CPU, or the recorded GPU model), or replay from a checkpoint closer to the step, to settle it")
+                         f"({w.found}) not far enough above what clean tolerant replays produce to tell a fault from replay drift; "
+                         "replay exactly (without --threads/--tolerant on CPU, or on the recorded GPU model), or from a checkpoint "
+                         "closer to the step, to settle it")
     statuses = tuple(checkpoint_status(n, files.get(n.step), first=first, weak=weak, majority=majority.get(n.step), examined=examined)
                      for n in sorted(notes, key=lambda n: n.step))
     return Decision(verdict=verdict, first_divergent_step=first, divergence_window=window, suspects=suspects,

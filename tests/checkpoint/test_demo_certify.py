@@ -68,9 +68,11 @@ def test_certify_replays_so_a_fault_the_trace_cannot_see_still_taints_later_chec
     bisect, finds step 3, and does not certify checkpoints 4 and 6. --trace-only cannot."""
     result = demo("g3", injections=("grad:step=3:rank=1:bit=12",), world_size=3, audit_every=0)
     statuses = _certify(result)
-    assert statuses["doc"]["first_divergent_step"] == 3 and statuses["doc"]["divergence_source"] == "replay"
+    assert statuses["doc"]["first_divergent_step"] == 3 and statuses["doc"]["mode"] == "replay"
     assert statuses["doc"]["resume_step"] == 2
     assert statuses[4]["status"] == "tainted" and statuses[6]["status"] == "tainted"
     trace_only = CliRunner().invoke(cli, ["certify", str(result.config.trace_dir), "--trace-only", "--json"])
     doc = json.loads(trace_only.stdout)
-    assert doc["first_divergent_step"] is None and doc["resume_step"] == 6
+    # the trace alone sees nothing, and certifies nothing it did not examine (it used to certify 6)
+    assert trace_only.exit_code == 4 and doc["first_divergent_step"] is None and doc["resume_step"] is None
+    assert {c["status"] for c in doc["checkpoints"]} == {"unverified"}

@@ -139,11 +139,11 @@ def demo_run(tmp_path_factory):
 
     cache: dict[tuple, object] = {}
 
-    def _run(spec: str, steps: int = 6, checkpoint_every: int = 3, **options):
+    def _run(spec: str | tuple[str, ...], steps: int = 6, checkpoint_every: int = 3, **options):
         key = (spec, steps, checkpoint_every, tuple(sorted(options.items())))
         if key not in cache:
             out = tmp_path_factory.mktemp("demo")
-            run_demo(out, injections=(spec,), steps=steps, checkpoint_every=checkpoint_every, **options)
+            run_demo(out, injections=(spec,) if isinstance(spec, str) else spec, steps=steps, checkpoint_every=checkpoint_every, **options)
             cache[key] = out
         return cache[key]
 

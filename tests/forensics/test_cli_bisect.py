@@ -49,12 +49,13 @@ def test_exit_1_corruption_json_document(faulty_run):
     assert suspect["evidence"][0]["kind"] == "replay_mismatch"
     assert doc["last_clean_checkpoint"] == {"path": str(faulty_run / "checkpoints/step-00000004.pt"), "status": "clean", "step": 4}
     assert [(c["step"], c["status"]) for c in doc["checkpoints"]] == [(0, "clean"), (4, "clean")]
-    assert [(w["from"], w["last_replayed"]) for w in doc["replayed"]["windows"]] == [(4, 4)]
+    assert [(w["from"], w["last_replayed"]) for w in doc["replayed"]["windows"]] == [(0, 3), (4, 4)]
     # the documented schema (docs/bisect.md)
     assert set(doc) == {"schema_version", "verdict", "first_divergent_step", "suspects", "last_clean_checkpoint", "checkpoints",
-                        "replayed", "evidence", "hints", "mode", "scope", "settle", "notes", "trace"}
+                        "replayed", "evidence", "hints", "mode", "scope", "settle", "notes", "trace", "divergence_window"}
     assert set(suspect) == {"rank", "host", "gpu", "location", "recurring", "steps", "recommendation", "evidence"}
-    assert set(suspect["evidence"][0]) == {"kind", "step", "ranks", "expected", "found", "location", "detail", "source", "affects_state"}
+    assert set(suspect["evidence"][0]) == {"kind", "step", "ranks", "expected", "found", "location", "detail", "source", "affects_state",
+                                            "strength", "earliest_step"}
     assert set(doc["replayed"]) == {"windows", "device", "comparison", "steps_replayed", "reduction_order", "settings", "notes"}
     assert set(doc["replayed"]["windows"][0]) == {"from", "to", "last_replayed", "comparison", "tolerant_from", "reason"}
     # people get the summary on stderr: verdict, what was replayed and why, where to resume
