@@ -140,7 +140,7 @@ def replay_cmd(ctx: click.Context, trace_dir: Path, checkpoints_dir: Path | None
         bars.window(start, stop, "requested")
         result = replay_window(trace, load_recipe(reference), options, bars.step)
     decided = decision.decide(result.evidence, world_size=trace.world_size, identity=trace.manifest.identity, notes=(),
-                              files={}, majority={}, examined=decision.Examined(first_step=start))
+                              files={}, majority={}, examined=decision.Examined(first_step=start, replayed=frozenset(range(start, result.last_step + 1))))
     if as_json:
         emit_json(replay_document(result, decided))
     render_replay(result, err)

@@ -37,11 +37,13 @@ from sdc_forensics.trace.checkpoints import hex64
 from sdc_forensics.forensics.evidence import Evidence, EvidenceKind
 from sdc_forensics.forensics.replay_compare import StepComparisons
 from sdc_forensics.statedict import tensor_digests, weights_digest
-from sdc_forensics.trace.reader import Trace
+from sdc_forensics.trace.reader import Trace, step_threads
 
 #: Extra slack of replay-vs-record sketch comparisons once the replay's weights may differ from the
 #: recorded ones in the last bits: the drift of a few roundings per step, per step replayed since.
 DRIFT_PER_STEP = 4.0
+#: Recorded thread counts above this are ignored (the replay keeps its current count).
+_MAX_THREADS = 1024
 
 
 class StartStateMismatch(CheckpointError):
@@ -175,7 +177,7 @@ class Replayer(StepComparisons):
     def local_step(self, model, record, buckets_layout) -> _RankStep:
         """Recompute one rank's loss and local gradient (per bucket) at one step, with the CPU
         thread count that rank's step ran with (reductions change order with it)."""
-        self._use_threads(int(record["aux_value"]) if record["aux_value"] > 0 else 0)
+        self._use_threads(int(step_threads(record)))
         params = list(model.parameters())
         for p in params:
             p.grad = None
@@ -196,6 +198,8 @@ class Replayer(StepComparisons):
         if self.device.type != "cpu":
             return
         wanted = self.forced_threads or recorded or self.default_threads
+        if wanted > _MAX_THREADS:  # a damaged or hostile trace: not a count anyone trained with
+            wanted = 0
         if wanted and torch.get_num_threads() != wanted:
             torch.set_num_threads(wanted)
 
@@ -283,7 +287,7 @@ class Replayer(StepComparisons):
                     n = params[index].numel()
                     params[index].grad = flat[offset : offset + n].view_as(params[index])  # a view, as DDP's bucket views
                     offset += n
-            counts = recs["aux_value"].astype(np.int64)
+            counts = step_threads(recs)  # (R,) 0 = not recorded
             self._use_threads(int(np.bincount(counts[counts > 0]).argmax()) if (counts > 0).any() else 0)
             recipe_mod.before_step(self.recipe, model, optimizer)
             optimizer.step()

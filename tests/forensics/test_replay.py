@@ -168,8 +168,9 @@ def test_scan_finds_the_earlier_incident_and_the_recurrence(sim):
     out = sim((SimFault(where="grad", step=2, rank=3, bit=11), SimFault(where="grad", step=6, rank=3, bit=11)))
     once = bisect(out / "trace", BisectOptions(checkpoints_dir=out / "checkpoints"))
     # widening backwards goes on past the latest interval's divergence (every step before a
-    # checkpoint is examined before it is certified), so the earlier incident is the first one
-    assert once.first_divergent_step == 2 and [s.recurring for s in once.suspects] == [False]
+    # checkpoint is examined before it is certified): the earlier incident is the first one, and
+    # the two independent events on rank 3 make it recurring
+    assert once.first_divergent_step == 2 and [(s.steps, s.recurring) for s in once.suspects] == [((2, 6), True)]
     assert sorted((w.start, w.last) for w in once.replayed.windows) == [(0, 2), (4, 6)]
     scanned = bisect(out / "trace", BisectOptions(checkpoints_dir=out / "checkpoints", scan_recurrence=True))
     [suspect] = scanned.suspects
