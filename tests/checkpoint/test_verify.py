@@ -29,9 +29,15 @@ def test_clean_demo_checkpoint_verifies_against_its_note(make_run):
     run = make_run(steps=4)
     path = run.checkpoints[2]
     before = tree_sha256(path)
-    result = _invoke("verify-checkpoint", str(path), "--trace", str(run.trace_dir))
-    assert result.exit_code == 0, result.output
-    assert "VERIFIED" in result.output
+    result = _invoke("verify-checkpoint", str(path), "--trace", str(run.trace_dir), "--json")
+    # content as noted, the replicas' majority, no NaN/Inf; this trace names no recipe, so steps
+    # 0..1 cannot be replayed: "nothing wrong found, not certified" (exit 4), never VERIFIED
+    assert result.exit_code == 4, result.output
+    doc = json.loads(result.stdout)
+    assert doc["report"]["findings"] == [] and doc["certification"]["status"] == "unverified"
+    assert "NOT CERTIFIED" in result.stderr
+    alone = _invoke("verify-checkpoint", str(path))
+    assert alone.exit_code == 0 and "VERIFIED" in alone.output
     assert tree_sha256(path) == before
 
 
