@@ -2,8 +2,8 @@
 
 Every command that names a first divergent step or calls a checkpoint clean (``bisect``,
 ``certify``, ``verify-checkpoint --trace``, ``replay``, ``report``) gets its answer from
-:func:`decide`; a trace-only answer is the same rules applied to less evidence. numpy-free and
-torch-free: the inputs are evidence records, checkpoint notes and what was examined.
+:func:`decide`; a trace-only answer is the same rules applied to less evidence. torch-free: the inputs
+are evidence records, checkpoint notes and what was examined.
 
 The rules (design brief, "Conventions" and "Analysis and verdicts"; docs/bisect.md):
 
@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, sort_key
+from sdc_forensics.trace.reader import step_ranges
 
 # the file differs from what was saved (storage), or was saved from a wrong state
 STORAGE_FINDINGS = frozenset({"digest-mismatch", "file-damaged", "file-checksum-mismatch", "missing-tensor", "unexpected-tensor"})
@@ -308,18 +309,7 @@ def last_clean(statuses: Iterable[CheckpointStatus]) -> CheckpointStatus | None:
 
 
 def _spans(steps: Sequence[int]) -> str:
-    out, start, prev = [], None, None
-    for s in steps:
-        if start is None:
-            start = prev = s
-        elif s == prev + 1:
-            prev = s
-        else:
-            out.append(f"{start}..{prev}" if prev > start else str(start))
-            start = prev = s
-    if start is not None:
-        out.append(f"{start}..{prev}" if prev > start else str(start))
-    return ", ".join(out)
+    return step_ranges(steps, sep="..")
 
 
 # -- suspects -------------------------------------------------------------------------------------
@@ -397,8 +387,3 @@ def fault_events(chain: Sequence[Evidence], rank: int | None, world_size: int) -
 def _weights_left_different(ev: Evidence) -> bool:
     """A replay mismatch of the weights themselves (same gradients in, different weights out)."""
     return ev.kind is EvidenceKind.REPLAY_MISMATCH and ev.location is Location.OPTIMIZER_UPDATE
-
-
-def unlocalised(evidence: Sequence[Evidence]) -> list[Evidence]:
-    """Findings that point at no rank and no location: they make a verdict inconclusive."""
-    return [e for e in evidence if e.marks_divergence and not e.ranks and e.location is Location.UNKNOWN]

@@ -202,7 +202,7 @@ class Trace:
             Damage(
                 kind="missing_steps",
                 rank=rank,
-                detail=f"{len(steps)} step(s) recorded by other ranks are missing: {_ranges(steps)}",
+                detail=f"{len(steps)} step(s) recorded by other ranks are missing: {step_ranges(steps)}",
             )
             for rank, steps in sorted(missing.items())
             if rank < self.world_size
@@ -401,7 +401,8 @@ def _open_rank_file(path: Path, rank: int, attempt: int, manifest: Manifest, dty
     return rank_file, problem
 
 
-def _ranges(values: list[int]) -> str:
+def step_ranges(values, sep: str = "-") -> str:
+    """``0-3, 7, 9-12`` for a set of steps (at most 10 ranges written out)."""
     values = sorted(set(values))
     out, start, prev = [], None, None
     for v in values:
@@ -410,9 +411,9 @@ def _ranges(values: list[int]) -> str:
         elif v == prev + 1:
             prev = v
         else:
-            out.append(f"{start}" if start == prev else f"{start}-{prev}")
+            out.append(f"{start}" if start == prev else f"{start}{sep}{prev}")
             start = prev = v
     if start is not None:
-        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        out.append(f"{start}" if start == prev else f"{start}{sep}{prev}")
     text = ", ".join(out[:10])
     return text + (f", … ({len(out) - 10} more ranges)" if len(out) > 10 else "")
