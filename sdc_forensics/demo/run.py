@@ -1,10 +1,13 @@
-"""The demo job: a W-process ``gloo`` DDP run on CPU of the demo recipe, recorded, with injected faults.
+"""The demo job: a W-process ``gloo`` DDP run on CPU of a recipe, recorded, with injected faults.
 
 :func:`run_demo` is what ``sdc-forensics demo`` runs and what tests call. It spawns ``W``
-processes (one thread each), trains ``steps`` optimizer steps with gradient accumulation
-(``no_sync`` on all but the last microbatch), writes ``OUT/trace/`` and a checkpoint every
-``checkpoint_every`` steps to ``OUT/checkpoints/step-NNNNNNNN.pt`` (checkpoint N holds theta_N;
-checkpoint 0 is the initial state), and returns the ground truth. Each process leaves a small
+processes (one intra-op thread each unless told otherwise), trains ``steps`` optimizer steps of
+a recipe (the demo MLP by default; ``sdc_forensics.demo.convnet:recipe`` is a conv net whose
+last bits depend on the thread count) with gradient accumulation (``no_sync`` on all but the
+last microbatch) and the recipe's ``before_step``/``after_step`` hooks around the update (as
+replay runs them), writes ``OUT/trace/`` and a checkpoint every ``checkpoint_every`` steps to
+``OUT/checkpoints/step-NNNNNNNN.pt`` (checkpoint N holds theta_N; checkpoint 0 is the initial
+state, with the scheduler's state when the recipe has one), and returns the ground truth. Each process leaves a small
 JSON report in ``OUT/demo/``. Nothing is left running: on a failure, a hang past the timeout or a
 killed rank, every remaining process is killed before :func:`run_demo` returns or raises.
 """
@@ -22,22 +25,27 @@ import socket
 import time
 from pathlib import Path
 
+from sdc_forensics import recipe as recipe_mod
 from sdc_forensics.errors import SdcError, UsageError
 from sdc_forensics.inject import FaultSpec, parse_specs
 
 RECIPE_REFERENCE = "sdc_forensics.demo.recipe:recipe"
 
 
-def train_step(ddp, optimizer, recipe, microbatches, count: int, handle=None) -> None:
+def train_step(ddp, optimizer, recipe, microbatches, count: int, handle=None, scheduler=None) -> None:
     """One DDP optimizer step: ``count`` microbatches accumulated under ``no_sync`` but the last.
+
+    The update is ``recipe.before_step`` (clipping), ``optimizer.step()``, ``recipe.after_step``
+    (the scheduler), in the order replay runs them (``sdc_forensics.recipe``).
 
     Args:
         ddp: the ``DistributedDataParallel`` model.
         optimizer: its optimizer.
-        recipe: gives ``loss(model, microbatch)``.
+        recipe: gives ``loss(model, microbatch)`` and the optional hooks.
         microbatches: the step's microbatches, in order (an iterable: fetched lazily).
         count: how many there are.
         handle: the recorder's step handle (``Recorder.step``), or None for an unrecorded step.
+        scheduler: the recipe's scheduler (``build``'s third value), or None.
     """
     for i, batch in enumerate(microbatches):
         if handle is not None:
@@ -47,7 +55,9 @@ def train_step(ddp, optimizer, recipe, microbatches, count: int, handle=None) ->
             loss.backward()
         if handle is not None:
             handle.loss(loss)
+    recipe_mod.before_step(recipe, ddp.module, optimizer)
     optimizer.step()
+    recipe_mod.after_step(recipe, ddp.module, optimizer, scheduler)
     optimizer.zero_grad(set_to_none=True)
 
 def default_injection(steps: int = 40, checkpoint_every: int = 10) -> str:
@@ -84,6 +94,9 @@ class DemoConfig:
         resume_from: resume an earlier run in ``out_dir`` from its checkpoint N (a new attempt
             that re-executes steps N..steps-1 into the same trace).
         timeout_s: the whole run is killed after this many seconds.
+        recipe: the recipe trained and recorded in the manifest (``module:attribute``); it
+            needs ``microbatch_ids(step, rank, world_size)`` besides the replay protocol.
+        threads: intra-op CPU thread count of each rank (None: 1 for every rank).
     """
 
     out_dir: Path
@@ -99,9 +112,17 @@ class DemoConfig:
     kill_step: int | None = None
     resume_from: int | None = None
     timeout_s: float = 300.0
+    recipe: str = RECIPE_REFERENCE
+    threads: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out_dir", Path(self.out_dir))
+        if self.threads is not None:
+            object.__setattr__(self, "threads", tuple(int(t) for t in self.threads))
+            if len(self.threads) != self.world_size or min(self.threads) < 1:
+                raise UsageError(f"threads must give a count >= 1 for each of the {self.world_size} ranks, got {list(self.threads)}")
+        if not callable(getattr(recipe_mod.load_recipe(self.recipe), "microbatch_ids", None)):
+            raise UsageError(f"recipe {self.recipe} has no microbatch_ids(step, rank, world_size); the demo needs it to pick each rank's data")
         if self.steps < 1:
             raise UsageError(f"--steps must be >= 1, got {self.steps}")
         if self.checkpoint_every < 1:
@@ -119,6 +140,10 @@ class DemoConfig:
                 raise UsageError(f"fault {spec}: no checkpoint {spec.step} is written (checkpoints: {list(self.checkpoint_steps)})")
             elif spec.location != "checkpoint-file" and not self.first_step <= spec.step < self.steps:
                 raise UsageError(f"fault {spec}: step {spec.step} is outside the run (steps {self.first_step}..{self.steps - 1})")
+
+    def threads_of(self, rank: int) -> int:
+        """Intra-op CPU threads rank ``rank`` trains with."""
+        return 1 if self.threads is None else self.threads[rank]
 
     @property
     def first_step(self) -> int:
@@ -157,11 +182,11 @@ class DemoResult:
     def to_json(self) -> dict:
         """The JSON document (``cli.output.emit_json`` adds ``schema_version``)."""
         cfg = self.config
-        return {
+        doc = {
             "out_dir": str(cfg.out_dir),
             "trace_dir": str(cfg.trace_dir),
             "checkpoint_dir": str(cfg.checkpoint_dir),
-            "recipe": RECIPE_REFERENCE,
+            "recipe": cfg.recipe,
             "world_size": cfg.world_size,
             "steps": cfg.steps,
             "first_step": cfg.first_step,
@@ -174,6 +199,9 @@ class DemoResult:
             "checkpoints": [{"step": s, "path": str(cfg.checkpoint_path(s))} for s in self.checkpoints],
             "wall_s": round(self.wall_s, 2),
         }
+        if cfg.threads is not None:  # only when set: the default run's document stays as it was
+            doc["threads"] = list(cfg.threads)
+        return doc
 
 
 def run_demo(
@@ -275,7 +303,7 @@ def _worker(rank: int, config: DemoConfig, port: int) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(config.threads_of(rank))  # before the recorder notes it in the manifest
     logging.getLogger("sdc_forensics.recorder").setLevel(logging.ERROR)  # the demo reports alarms itself
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=config.world_size,
@@ -296,22 +324,22 @@ def train_rank(config: DemoConfig, rank: int) -> dict:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from sdc_forensics.demo.recipe import recipe
     from sdc_forensics.errors import SdcAlarm
     from sdc_forensics.recorder import Recorder, RecorderOptions
     from sdc_forensics.statedict import weights_digest
     from sdc_forensics.trace.checkpoints import hex64
 
-    model, optimizer, _ = recipe.build("cpu")
+    recipe = recipe_mod.load_recipe(config.recipe)
+    model, optimizer, scheduler = recipe.build("cpu")
     if config.resume_from is not None:
-        recipe.load_checkpoint(config.checkpoint_path(config.resume_from), model, optimizer, None)
+        recipe.load_checkpoint(config.checkpoint_path(config.resume_from), model, optimizer, scheduler)
     ddp = DistributedDataParallel(model)
     world_size = config.world_size
     report: dict = {"rank": rank, "fired": [], "alarms": [], "raised": None, "checkpoints": []}
     rec = None
     if config.record:
         rec = Recorder(
-            config.trace_dir, ddp, optimizer, recipe=RECIPE_REFERENCE, inject=config.injections,
+            config.trace_dir, ddp, optimizer, recipe=config.recipe, inject=config.injections,
             options=RecorderOptions(
                 policy=config.policy, audit_every=config.audit_every, checkpoint_every=config.checkpoint_every,
                 node_of_rank=config.node_of_rank or tuple(range(world_size)), start_step=config.first_step,
@@ -320,6 +348,8 @@ def train_rank(config: DemoConfig, rank: int) -> dict:
 
     def checkpoint(step: int) -> None:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+        if scheduler is not None:
+            state["scheduler"] = scheduler.state_dict()
         if rec is not None:
             rec.checkpoint(step, config.checkpoint_path(step), state)
         elif rank == 0:
@@ -333,7 +363,7 @@ def train_rank(config: DemoConfig, rank: int) -> dict:
         for step in range(config.first_step, config.steps):
             ids = recipe.microbatch_ids(step, rank, world_size)
             with rec.step(step, microbatch_ids=ids) if rec is not None else contextlib.nullcontext() as s:
-                train_step(ddp, optimizer, recipe, (recipe.fetch_microbatch(i, "cpu") for i in ids), len(ids), s)
+                train_step(ddp, optimizer, recipe, (recipe.fetch_microbatch(i, "cpu") for i in ids), len(ids), s, scheduler)
             if config.kill_rank == rank and config.kill_step == step:
                 os.kill(os.getpid(), signal.SIGKILL)
             if (step + 1) % config.checkpoint_every == 0:

@@ -1,0 +1,49 @@
+"""DemoConfig's recipe and per-rank thread counts: validation, and the default ground truth unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+from sdc_forensics.demo.run import RECIPE_REFERENCE, DemoConfig, DemoResult
+from sdc_forensics.errors import RecipeError, UsageError
+
+
+def _result(config: DemoConfig) -> DemoResult:
+    return DemoResult(config=config, fired=(), alarms=(), raised=None, checkpoints=(0,), final_weights_digests=(),
+                      killed_rank=None, wall_s=1.0)
+
+
+def test_default_run_document_is_unchanged(tmp_path):
+    config = DemoConfig(out_dir=tmp_path)
+    assert config.recipe == RECIPE_REFERENCE == "sdc_forensics.demo.recipe:recipe"
+    assert [config.threads_of(r) for r in range(4)] == [1, 1, 1, 1]
+    doc = _result(config).to_json()
+    assert doc["recipe"] == RECIPE_REFERENCE and "threads" not in doc
+
+
+def test_recipe_and_threads_are_recorded(tmp_path):
+    config = DemoConfig(out_dir=tmp_path, recipe="sdc_forensics.demo.convnet:recipe", threads=[1, 2, 1, 2])
+    assert config.threads == (1, 2, 1, 2) and config.threads_of(1) == 2
+    doc = _result(config).to_json()
+    assert (doc["recipe"], doc["threads"]) == ("sdc_forensics.demo.convnet:recipe", [1, 2, 1, 2])
+
+
+@pytest.mark.parametrize("threads", [(1, 2), (1, 1, 0, 1)])
+def test_bad_thread_counts_are_usage_errors(tmp_path, threads):
+    with pytest.raises(UsageError, match="threads must give a count >= 1 for each of the 4 ranks"):
+        DemoConfig(out_dir=tmp_path, threads=threads)
+
+
+def test_recipe_problems_are_reported_before_anything_runs(tmp_path, monkeypatch):
+    with pytest.raises(RecipeError, match="cannot import recipe module"):
+        DemoConfig(out_dir=tmp_path, recipe="no_such_module_xyz:recipe")
+    (tmp_path / "noids_recipe.py").write_text(
+        "from sdc_forensics.demo.recipe import DemoRecipe\n"
+        "class NoIds:\n"
+        "    _r = DemoRecipe()\n"
+        "    build, load_checkpoint, fetch_microbatch, loss = _r.build, _r.load_checkpoint, _r.fetch_microbatch, _r.loss\n"
+        "recipe = NoIds()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UsageError, match="no microbatch_ids"):
+        DemoConfig(out_dir=tmp_path / "out", recipe="noids_recipe:recipe")

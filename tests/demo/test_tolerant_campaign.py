@@ -1,0 +1,90 @@
+"""The tolerant replay campaign's planning and scoring rules (benchmarks/tolerant_campaign.py), no runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from sdc_forensics.inject import parse_spec
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "tolerant_campaign.py"
+_spec = importlib.util.spec_from_file_location("tolerant_campaign", _PATH)
+campaign = sys.modules.setdefault("tolerant_campaign", importlib.util.module_from_spec(_spec))  # dataclasses look it up
+_spec.loader.exec_module(campaign)
+
+
+def _options(tmp_path, **kw):
+    return campaign.CampaignOptions(**{"clean": 3, "faulted": 20, "seed": 5, "out_dir": tmp_path} | kw)
+
+
+def test_plan_is_seeded_and_faults_stay_inside_the_grammar(tmp_path):
+    plans = campaign.plan_runs(_options(tmp_path))
+    assert plans == campaign.plan_runs(_options(tmp_path))
+    assert plans != campaign.plan_runs(_options(tmp_path, seed=6))
+    clean = [p for p in plans if p.kind == "clean"]
+    faulted = [p for p in plans if p.kind == "faulted"]
+    assert len(clean) == 3 and len(faulted) == 20 and not [p for p in plans if p.kind == "twin"]
+    assert {p.variant for p in faulted} <= {p.variant for p in clean}  # every fault has a clean twin
+    for p in faulted:
+        spec = parse_spec(p.fault)
+        offset = spec.step % 10
+        assert spec.location in campaign.LOCATIONS and spec.bit in campaign.BITS and 0 <= spec.rank < 4
+        assert 0 <= spec.step <= 38
+        assert {"on_checkpoint": offset == 0, "after_checkpoint": offset == 1, "before_checkpoint": offset == 9,
+                "mid_interval": 2 <= offset <= 8}[p.step_kind]
+
+
+def test_without_clean_runs_one_twin_is_planned(tmp_path):
+    plans = campaign.plan_runs(_options(tmp_path, clean=0, faulted=3))
+    [twin] = [p for p in plans if p.kind == "twin"]
+    assert {p.variant for p in plans} == {twin.variant}
+
+
+def _row(kind, fault=None, verdict="clean", first=None, ranks=(), bisect=None, certify=None, verify=None, evidence=None):
+    statuses = {"0": "clean", "10": "clean", "20": "clean"}
+    return {
+        "kind": kind, "fault": fault,
+        "bisect": {"verdict": verdict, "first_divergent_step": first, "suspect_ranks": list(ranks),
+                   "weak_candidate": evidence, "statuses": bisect or statuses},
+        "certify": {"statuses": certify or statuses},
+        "verify": {n: {"status": s} for n, s in (verify or statuses).items()},
+    }
+
+
+def test_a_tainted_checkpoint_in_a_clean_run_is_a_false_alarm():
+    quiet = campaign.judge(_row("clean"))
+    assert (quiet["false_alarm"], quiet["disagreements"]) == (False, [])
+    loud = campaign.judge(_row("clean", verify={"0": "clean", "10": "clean", "20": "tainted"}))
+    assert loud["false_alarm"] and loud["bad_statuses"] == ["verify 20: tainted"] and loud["disagreements"] == [20]
+    assert campaign.judge(_row("clean", verdict="corruption", first=12))["false_alarm"]
+
+
+def test_faulted_run_scoring():
+    fault = "grad:step=13:rank=2:bit=22"
+    tainted = {"0": "clean", "10": "clean", "20": "tainted"}
+    exact = campaign.judge(_row("faulted", fault, "corruption", 13, [2], tainted, tainted, tainted))
+    assert exact["exact_step_rank"] and exact["false_clean"] == [] and not exact["missed"]
+    wrong_rank = campaign.judge(_row("faulted", fault, "corruption", 13, [1, 2], tainted, tainted, tainted))
+    assert not wrong_rank["exact_step_rank"]
+    missed = campaign.judge(_row("faulted", fault, certify=tainted, verify=tainted))
+    assert missed["missed"] and missed["false_clean"] == ["bisect 20"] and missed["disagreements"] == [20]
+    weak = campaign.judge(_row("faulted", fault, "inconclusive", bisect=tainted, certify=tainted, verify=tainted,
+                               evidence={"step": 13, "ranks": [2]}))
+    assert weak["inconclusive"] and weak["weak_candidate_matches"] is True
+
+
+def test_weak_candidate_is_the_earliest_weak_evidence():
+    doc = {"evidence": [{"step": 15, "ranks": [0], "strength": "weak"}, {"step": 30, "ranks": [1], "strength": "strong"}],
+           "hints": [{"step": 14, "ranks": [3], "strength": "weak"}],
+           "suspects": [{"evidence": [{"step": 14, "ranks": [1], "strength": "weak"}]}]}
+    assert campaign.weak_candidate(doc) == {"step": 14, "ranks": [1, 3]}
+    assert campaign.weak_candidate({"evidence": [{"step": 3, "ranks": [0], "strength": "strong"}]}) is None
+
+
+@pytest.mark.parametrize("status,expected", [("clean-replay-verified", "clean"), ("clean-trace-consistent", "clean"),
+                                             ("clean", "clean"), ("tainted", "tainted"), (None, None)])
+def test_old_and_new_clean_spellings_count_as_clean(status, expected):
+    assert campaign.normalise_status(status) == expected
