@@ -2,9 +2,9 @@
 
 Each run trains the conv net recipe (``sdc_forensics.demo.convnet``, a seeded variant per run)
 with 4-process ``gloo`` DDP on CPU at ``--train-threads`` intra-op threads, clean or with one
-bit flip drawn with ``--seed`` (location ``grad``/``allreduce``/``weights``/``update``; bit 31,
-30, 27, 22 or 20; rank 0..3; the step on a checkpoint, right after one, mid-interval or just
-before the next). Then the CLI judges it, as subprocesses, replaying at ``--replay-threads``
+bit flip drawn with ``--seed`` (location ``grad``/``allreduce``/``weights``/``update`` and the
+step on a checkpoint, right after one, mid-interval or just before the next, cycling through
+the pairs; bit 31, 30, 27, 22 or 20; rank 0..3). Then the CLI judges it, as subprocesses, replaying at ``--replay-threads``
 so that the replay is *not* bitwise the training::
 
     sdc-forensics bisect TRACE --json --threads R
@@ -100,28 +100,33 @@ class RunPlan:
 
 
 # ---------------------------------------------------------------------------------- planning
-def draw_fault(rng: random.Random, steps: int, every: int) -> tuple[str, str]:
-    """One fault spec ``LOCATION:step=S:rank=R:bit=B`` and its step kind; ``S <= steps - 2``."""
+def draw_fault(rng: random.Random, steps: int, every: int, location: str, kind: str) -> str:
+    """A fault spec ``LOCATION:step=S:rank=R:bit=B`` at a step of ``kind``, ``S <= steps - 2``."""
     intervals = math.ceil(steps / every)
     while True:
-        kind = rng.choice(STEP_KINDS)
         base = rng.randrange(intervals) * every
         offset = {"on_checkpoint": 0, "after_checkpoint": 1, "mid_interval": rng.randrange(2, every - 1),
                   "before_checkpoint": every - 1}[kind]
         step = base + offset
         if step <= steps - 2:  # a later step exists to measure the effect on (and replay to see it)
             break
-    location, rank, bit = rng.choice(LOCATIONS), rng.randrange(WORLD_SIZE), rng.choice(BITS)
-    return f"{location}:step={step}:rank={rank}:bit={bit}", kind
+    return f"{location}:step={step}:rank={rng.randrange(WORLD_SIZE)}:bit={rng.choice(BITS)}"
 
 
 def plan_runs(options: CampaignOptions) -> list[RunPlan]:
-    """Clean runs (one variant each), faulted runs on the clean runs' variants, and twins where none."""
+    """Clean runs (one variant each), faulted runs on the clean runs' variants, and twins where none.
+
+    Faults cycle through the (location, step kind) pairs in a seeded order, so that even a small
+    campaign covers different ones; rank and bit are drawn.
+    """
     rng = random.Random(options.seed)
     plans = [RunPlan(index=i, kind="clean", variant=rng.randrange(1, 100_000)) for i in range(options.clean)]
     pool = [p.variant for p in plans] or [rng.randrange(1, 100_000)]
+    pairs = [(location, kind) for location in LOCATIONS for kind in STEP_KINDS]
+    rng.shuffle(pairs)
     for j in range(options.faulted):
-        fault, kind = draw_fault(rng, options.steps, options.checkpoint_every)
+        location, kind = pairs[j % len(pairs)]
+        fault = draw_fault(rng, options.steps, options.checkpoint_every, location, kind)
         plans.append(RunPlan(index=len(plans), kind="faulted", variant=pool[j % len(pool)], fault=fault, step_kind=kind))
     if not options.clean and options.faulted:
         plans.append(RunPlan(index=len(plans), kind="twin", variant=pool[0]))

@@ -28,6 +28,8 @@ def test_plan_is_seeded_and_faults_stay_inside_the_grammar(tmp_path):
     faulted = [p for p in plans if p.kind == "faulted"]
     assert len(clean) == 3 and len(faulted) == 20 and not [p for p in plans if p.kind == "twin"]
     assert {p.variant for p in faulted} <= {p.variant for p in clean}  # every fault has a clean twin
+    pairs = [(parse_spec(p.fault).location, p.step_kind) for p in faulted]
+    assert len(set(pairs[:16])) == 16 and pairs[16:] == pairs[:4]  # every (location, step kind) pair once, then again
     for p in faulted:
         spec = parse_spec(p.fault)
         offset = spec.step % 10
