@@ -71,6 +71,7 @@ class CampaignOptions:
     replay_threads: int = 2
     tolerant: bool = False
     jobs: int = 1
+    verify: str = "all"
     timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
@@ -80,6 +81,8 @@ class CampaignOptions:
             raise SystemExit("need --checkpoint-every >= 4 and --steps >= 2 intervals (faults go mid-interval and before checkpoints)")
         if not 1 <= self.jobs <= 2:
             raise SystemExit("--jobs must be 1 or 2 (runs share 2 cores)")
+        if self.verify not in ("all", "around"):
+            raise SystemExit("--verify must be 'all' or 'around'")
         if self.train_threads < 1 or self.replay_threads < 0:
             raise SystemExit("--train-threads must be >= 1 and --replay-threads >= 0")
 
@@ -180,6 +183,7 @@ def _summarise_bisect(result: dict) -> dict:
         "suspect_locations": sorted({s.get("location", "") for s in doc.get("suspects") or []}),
         "comparison": replayed.get("comparison"),
         "steps_replayed": replayed.get("steps_replayed"),
+        "max_residual_ratio": max((w.get("max_residual_ratio") or 0.0 for w in replayed.get("windows") or []), default=0.0),
         "weak_candidate": weak_candidate(doc),
         "statuses": {str(c["step"]): normalise_status(c.get("status")) for c in doc.get("checkpoints") or []},
     }
@@ -230,12 +234,29 @@ def run_one(plan: RunPlan, options: CampaignOptions) -> dict:
     row["bisect"] = _summarise_bisect(_cli(["bisect", trace, "--json", *replay], options.timeout_s))
     row["certify"] = _summarise_certify(_cli(["certify", trace, "--json", *replay], options.timeout_s))
     row["verify"] = {}
-    for step in result.checkpoints:
+    for step in _checkpoints_to_verify(plan, list(result.checkpoints), options.verify):
         res = _cli(["verify-checkpoint", str(config.checkpoint_path(step)), "--trace", trace, "--json", *replay], options.timeout_s)
         row["verify"][str(step)] = {"exit_code": res["exit_code"], "status": _verify_status(res), "error": res["error"], "seconds": res["seconds"]}
     row["cli_s"] = round(time.monotonic() - started - result.wall_s, 2)
     row["seconds"] = round(time.monotonic() - started, 2)
     return row
+
+
+def _checkpoints_to_verify(plan: RunPlan, checkpoints: list[int], mode: str) -> list[int]:
+    """Every checkpoint, or (``around``) the ones that decide the run: the first and the last, and
+    for a faulted run the last one at or before the fault step and the first one after it (each
+    ``verify-checkpoint --trace`` runs the whole analysis again, so ``all`` costs one analysis per
+    checkpoint)."""
+    if mode == "all" or not checkpoints:
+        return checkpoints
+    chosen = {checkpoints[0], checkpoints[-1]}
+    if plan.fault is not None:
+        from sdc_forensics.inject import parse_spec
+
+        step = parse_spec(plan.fault).step
+        chosen |= {max((n for n in checkpoints if n <= step), default=checkpoints[0]),
+                   min((n for n in checkpoints if n > step), default=checkpoints[-1])}
+    return sorted(chosen)
 
 
 # ---------------------------------------------------------------------------------- effect (parent)
@@ -331,6 +352,9 @@ def tally(rows: list[dict], seconds: float) -> dict:
         "weak_candidate_matches": count(faulted, "weak_candidate_matches"),
         "disagreements": count(judged, "disagreements"),
         "twins_valid": all(r["effect"]["identical_before_fault"] for r in faulted),
+        # the largest tolerant residual / tolerance bisect's replay met on a clean run: the clean artefact
+        # that grading must stay far above (replay_compare.CLEAN_ARTEFACT_MAX)
+        "clean_max_residual_ratio": max((r["bisect"].get("max_residual_ratio") or 0.0 for r in clean), default=0.0),
         "seconds": round(seconds, 1),
         "train_s_mean": round(float(np.mean([r["train_s"] for r in judged])), 2) if judged else None,
         "cli_s_mean": round(float(np.mean([r["cli_s"] for r in judged])), 2) if judged else None,
@@ -399,6 +423,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--replay-threads", type=int, default=2, help="the CLI's --threads (0: omit it, replay as recorded)")
     parser.add_argument("--tolerant", action="store_true", help="pass --tolerant to the CLI (force the tolerant comparison)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (1 or 2)")
+    parser.add_argument("--verify", choices=("all", "around"), default="all",
+                        help="verify-checkpoint --trace on every checkpoint, or around the fault (first, last, and either side of it)")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     parser.add_argument("--_options", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -419,7 +445,7 @@ def main(argv: list[str] | None = None) -> None:
         options = CampaignOptions(
             clean=pick("clean"), faulted=pick("faulted"), seed=args.seed, out_dir=(args.out or Path(tmp)).resolve(),
             steps=pick("steps"), checkpoint_every=pick("checkpoint_every"), train_threads=args.train_threads,
-            replay_threads=args.replay_threads, tolerant=args.tolerant, jobs=args.jobs,
+            replay_threads=args.replay_threads, tolerant=args.tolerant, jobs=args.jobs, verify=args.verify,
         )
         options.out_dir.mkdir(parents=True, exist_ok=True)
         result = campaign(options, progress=lambda line: print(line, file=sys.stderr))

@@ -292,7 +292,8 @@ class _WindowRunner:
         self.device, self.order, self.settings = result.device, self.order or result.reduction_order, result.settings
         self.notes += [n for n in result.notes if n not in self.notes]
         self.windows.append(ReplayedWindow(start=note.step, stop=hi, last=result.last_step, comparison=result.comparison,
-                                           tolerant_from=result.tolerant_from, reason=reason))
+                                           tolerant_from=result.tolerant_from, reason=reason,
+                                           max_residual_ratio=result.max_residual_ratio))
         self.evidence += evidence
         self.replayed_steps += result.num_steps
         self.replayed.update(range(note.step, result.last_step + 1))

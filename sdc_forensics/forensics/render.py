@@ -88,6 +88,7 @@ def replay_document(result, decided) -> dict[str, Any]:
         "from": result.start_step, "to": result.stop_step, "last_replayed": result.last_step, "device": result.device,
         "comparison": result.comparison, "tolerant_from": result.tolerant_from, "reduction_order": result.reduction_order or None,
         "first_divergent_step": result.first_divergent_step, "settings": result.settings, "notes": list(result.notes),
+        "max_residual_ratio": result.max_residual_ratio,
         "evidence": [e.to_json() for e in result.evidence],
         "verdict": decided.verdict.value, "settle": list(decided.settle),
     }

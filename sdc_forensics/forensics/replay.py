@@ -109,6 +109,8 @@ class ReplayResult:
             (weak tolerant residuals are in ``evidence`` but do not set it).
         settings: the deterministic settings applied.
         notes: sentences for the report (why the comparison switched, tie-breaks).
+        max_residual_ratio: the largest residual / tolerance of the tolerant comparisons (0 when
+            every comparison was exact); on clean runs it measures the replay's drift artefacts.
     """
 
     start_step: int
@@ -122,6 +124,7 @@ class ReplayResult:
     first_divergent_step: int | None
     settings: dict
     notes: tuple[str, ...] = ()
+    max_residual_ratio: float = 0.0
 
     @property
     def num_steps(self) -> int:
@@ -172,6 +175,7 @@ class Replayer(StepComparisons):
         self.known_order = ""  # the summation order that reproduced this run's all-reduce, once seen
         self.forced_threads = 0  # --threads
         self.default_threads = 0  # the manifest's count, for traces without per-step counts
+        self.max_ratio = 0.0  # the largest tolerant residual / tolerance seen (clean artefacts are measured with it)
 
     # -- one rank's local gradient -------------------------------------------------------------
     def local_step(self, model, record, buckets_layout) -> _RankStep:
@@ -311,7 +315,7 @@ class Replayer(StepComparisons):
             device=env.describe_device(self.device), comparison="exact" if tolerant_from is None or tolerant_from > last else "tolerant",
             tolerant_from=tolerant_from if tolerant_from is not None and tolerant_from <= last else None,
             reduction_order=order_used, evidence=tuple(evidence), first_divergent_step=first_divergent, settings={},
-            notes=tuple(notes),
+            notes=tuple(notes), max_residual_ratio=round(self.max_ratio, 4),
         )
 
 

@@ -51,6 +51,8 @@ class StepComparisons:
                 continue
             residual = float(np.abs(rs.fp.sketch - rec["local_sketch"].astype(np.float64)).max())
             tol = self._tol(rs.fp.norm, drift)  # the replay's own norm: a fault inflates the recorded one
+            if tolerant and np.isfinite(residual):
+                self.max_ratio = max(self.max_ratio, residual / tol)
             ok = residual <= tol if recorded_layout else abs(rs.fp.norm - float(rec["local_norm"])) <= tol
             if exact_same or (tolerant and ok):
                 continue
@@ -138,6 +140,8 @@ class StepComparisons:
         tol = self._tol(fp.norm, drift)
         for r in range(len(ranks)):
             residual = float(np.abs(fp.sketch - recs[r]["reduced_sketch"].astype(np.float64)).max())
+            if np.isfinite(residual):
+                self.max_ratio = max(self.max_ratio, residual / tol)
             if residual > tol or not np.isfinite(residual):
                 evidence.append(r)
                 worst = residual if not np.isfinite(residual) else max(worst, residual)

@@ -25,10 +25,11 @@ class ReplayedWindow:
     comparison: str
     tolerant_from: int | None
     reason: str
+    max_residual_ratio: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {"from": self.start, "to": self.stop, "last_replayed": self.last, "comparison": self.comparison,
-                "tolerant_from": self.tolerant_from, "reason": self.reason}
+                "tolerant_from": self.tolerant_from, "reason": self.reason, "max_residual_ratio": self.max_residual_ratio}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
