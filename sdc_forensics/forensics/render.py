@@ -70,7 +70,7 @@ def render_bisect(result: BisectResult, console) -> None:
 
 def _evidence_table(console, evidence: list[Evidence], title: str) -> None:
     table = Table(title=title, title_justify="left")
-    for column in ("step", "kind", "ranks", "location", "expected", "found", "source"):
+    for column in ("step", "kind", "ranks", "location", "expected", "found", "source", "strength"):
         table.add_column(column, overflow="fold")
     seen = set()
     for e in evidence:
@@ -78,7 +78,8 @@ def _evidence_table(console, evidence: list[Evidence], title: str) -> None:
         if key in seen:
             continue
         seen.add(key)
-        table.add_row(str(e.step), e.kind.value, ",".join(map(str, e.ranks)) or "all", e.location.value, e.expected, e.found, e.source)
+        table.add_row(str(e.step), e.kind.value, ",".join(map(str, e.ranks)) or "all", e.location.value, e.expected, e.found, e.source,
+                      e.strength.value if e.affects_state else "-")
     console.print(table)
 
 

@@ -36,7 +36,8 @@ def _table(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
 
 def _evidence_rows(evidence: list[Evidence]) -> list[tuple]:
     return [
-        (e.step, e.kind.value, ", ".join(map(str, e.ranks)) or "all", e.location.value, e.source, e.expected, e.found, e.detail)
+        (e.step, e.kind.value, ", ".join(map(str, e.ranks)) or "all", e.location.value, e.source,
+         e.strength.value if e.affects_state else "-", e.expected, e.found, e.detail)
         for e in evidence
     ]
 
@@ -63,6 +64,10 @@ def render_markdown(result: BisectResult, manifest: Manifest | None, command: li
         out.append(f"- **First divergent step: {s}.** θ_{s} is still clean, θ_{s + 1} is not: only checkpoints N <= {s} can be clean.")
     else:
         out.append(f"- First divergent step: none found. {result.scope}")
+    weak = [e for e in result.evidence if e.is_weak]
+    if weak and result.first_divergent_step is None:
+        out.append(f"- **Weak evidence, not a verdict:** step {weak[0].step}, rank(s) {', '.join(map(str, weak[0].ranks)) or 'all'} "
+                   f"({weak[0].found}); see \"To settle\" below.")
     for suspect in result.suspects:
         who = "the collective (every rank received the same wrong result)" if suspect.rank is None else (
             f"rank {suspect.rank} on host `{suspect.host or '?'}`, GPU `{suspect.gpu or '?'}`")
@@ -87,11 +92,11 @@ def render_markdown(result: BisectResult, manifest: Manifest | None, command: li
     real = [e for e in result.evidence if not e.is_hint]
     if real:
         out += ["## Evidence chain", ""]
-        out += _table(("step", "kind", "ranks", "location", "source", "expected", "found", "detail"), _evidence_rows(real))
+        out += _table(("step", "kind", "ranks", "location", "source", "strength", "expected", "found", "detail"), _evidence_rows(real))
     hints = [e for e in result.evidence if e.is_hint]
     if hints:
         out += ["## Statistical hints (not a verdict)", ""]
-        out += _table(("step", "kind", "ranks", "location", "source", "expected", "found", "detail"), _evidence_rows(hints[:20]))
+        out += _table(("step", "kind", "ranks", "location", "source", "strength", "expected", "found", "detail"), _evidence_rows(hints[:20]))
 
     if result.checkpoints:
         out += ["## Checkpoints", ""]
