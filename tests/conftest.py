@@ -1,19 +1,62 @@
-"""Shared factories: small synthetic traces built in a temporary directory."""
+"""The suite's fixtures, once for every folder: thin wrappers of the builders in ``tests/factories.py``.
+
+* ``make_trace(ranks=4, steps=20, fault=Fault(...), bulk=False, ...)`` -> synthetic trace dir;
+* ``make_run(ranks=3, steps=8, checkpoint_every=2, diverge=None, save_from=0)`` -> ``Run``;
+* ``sim(fault=None, steps=8, checkpoint_every=4, world_size=4)`` -> dir of a simulated DDP run;
+* ``demo_run(injections, steps=6, checkpoint_every=3, result=False, **options)`` -> dir (or
+  ``DemoResult``) of a real gloo demo run.
+
+``sim`` and ``demo_run`` are cached per session: tests that change a run's files copy it first.
+"""
 
 from __future__ import annotations
 
 import pytest
 
-from sdc_forensics.trace.synthetic import PlantedFault, write_synthetic_trace
+from tests import factories
 
 
 @pytest.fixture
 def make_trace(tmp_path):
-    """``make_trace(ranks=4, steps=20, faults=(...), attempt=0, start_step=0)`` -> trace dir."""
+    """``make_trace(ranks=4, steps=20, fault=None, *, bulk=False, path=None, attempt=0, start_step=0, seed=0,
+    audit_every=None, weights_every=1, recipe=None)`` -> trace dir (:func:`tests.factories.write_trace`)."""
     counter = iter(range(1_000_000))
 
-    def _make(ranks: int = 4, steps: int = 20, faults: tuple[PlantedFault, ...] = (), attempt: int = 0, start_step: int = 0, path=None, **kw):
+    def _make(ranks: int = 4, steps: int = 20, fault=None, *, path=None, **kwargs):
         target = path if path is not None else tmp_path / f"trace{next(counter)}"
-        return write_synthetic_trace(target, num_ranks=ranks, num_steps=steps, faults=faults, attempt=attempt, start_step=start_step, **kw)
+        return factories.write_trace(target, ranks=ranks, steps=steps, fault=fault, **kwargs)
 
     return _make
+
+
+@pytest.fixture
+def make_run(tmp_path):
+    """``make_run(ranks=3, steps=8, checkpoint_every=2, diverge=None, save_from=0, blessed=None)`` -> :class:`tests.factories.Run`."""
+    counter = iter(range(1_000_000))
+
+    def _make(**kwargs) -> factories.Run:
+        return factories.write_run(tmp_path / f"run{next(counter)}", **kwargs)
+
+    return _make
+
+
+@pytest.fixture(scope="session")
+def sim(tmp_path_factory):
+    """``sim(fault=None, steps=8, checkpoint_every=4, world_size=4)`` -> dir of a :func:`tests.factories.simulate` run."""
+    cache = {}
+
+    def _sim(fault: factories.SimFault | tuple[factories.SimFault, ...] | None = None, steps: int = 8, checkpoint_every: int = 4,
+             world_size: int = 4):
+        key = (fault, steps, checkpoint_every, world_size)
+        if key not in cache:
+            cache[key] = factories.simulate(tmp_path_factory.mktemp("sim"), steps=steps, checkpoint_every=checkpoint_every,
+                                            world_size=world_size, fault=fault)
+        return cache[key]
+
+    return _sim
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """``demo_run(injections=(), steps=6, checkpoint_every=3, *, result=False, **run_demo options)``: :class:`tests.factories.DemoRuns`."""
+    return factories.DemoRuns(tmp_path_factory)

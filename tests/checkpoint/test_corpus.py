@@ -20,7 +20,7 @@ from sdc_forensics.checkpoint import open_checkpoint
 from sdc_forensics.checkpoint.torch_reader import pickle_globals
 from sdc_forensics.cli.main import cli
 from sdc_forensics.errors import CheckpointError
-from tests.checkpoint.conftest import tree_sha256, write_safetensors_raw, zip_member_offset
+from tests.factories import tree_sha256, write_safetensors_raw, zip_member_offset
 
 OPEN = f"{open.__module__}.open"  # how pickle names builtins.open (io.open)
 F32_4 = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}

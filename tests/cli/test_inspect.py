@@ -52,7 +52,7 @@ def test_inspect_lists_damage_and_still_exits_0(tmp_path):
 
 
 def test_inspect_missing_steps_on_a_rank(make_trace, tmp_path):
-    path = make_trace(ranks=3, steps=10)
+    path = make_trace(ranks=3, steps=10, bulk=True)
     victim = path / "rank-00002.attempt-000.sdct"
     size = F.record_size(8)
     data = victim.read_bytes()

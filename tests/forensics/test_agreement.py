@@ -17,7 +17,7 @@ from sdc_forensics.cli.main import cli
 from sdc_forensics.forensics import decision
 from sdc_forensics.forensics.triage import triage_trace
 from sdc_forensics.trace.reader import Trace
-from tests.forensics.conftest import Fault
+from tests.factories import Fault
 
 
 def _json(*args) -> dict:

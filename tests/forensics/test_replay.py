@@ -1,4 +1,5 @@
-"""Replay on single-process twins of demo runs (``simrun``): exactness, tolerance, tie-breaks, devices."""
+"""Replay on single-process twins of demo runs (fixture ``sim``, ``tests.factories.simulate``): exactness,
+tolerance, tie-breaks, devices."""
 
 from __future__ import annotations
 
@@ -17,20 +18,7 @@ from sdc_forensics.forensics.triage import triage_trace
 from sdc_forensics.recipe import load_recipe
 from sdc_forensics.trace.checkpoints import read_checkpoint_notes
 from sdc_forensics.trace.reader import Trace
-from tests.forensics.simrun import SimFault, simulate
-
-
-@pytest.fixture(scope="module")
-def sim(tmp_path_factory):
-    cache = {}
-
-    def _sim(fault: SimFault | None = None, steps: int = 8):
-        key = (fault, steps)
-        if key not in cache:
-            cache[key] = simulate(tmp_path_factory.mktemp("sim"), steps=steps, checkpoint_every=4, fault=fault)
-        return cache[key]
-
-    return _sim
+from tests.factories import SimFault
 
 
 def _replay(out, start, stop, recipe=None, **kw):

@@ -9,7 +9,7 @@ import sys
 from sdc_forensics.forensics.evidence import EvidenceKind, Location
 from sdc_forensics.forensics.triage import TriageOptions, triage_trace
 from sdc_forensics.trace.reader import Trace
-from tests.forensics.conftest import Fault
+from tests.factories import Fault
 
 
 def _triage(path, **options):
@@ -102,12 +102,10 @@ def test_triage_does_not_import_torch(make_trace):
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_resumed_run_uses_the_latest_attempt(tmp_path):
-    from sdc_forensics.trace.synthetic import PlantedFault, write_synthetic_trace
-
+def test_resumed_run_uses_the_latest_attempt(make_trace, tmp_path):
     path = tmp_path / "resumed"
-    write_synthetic_trace(path, num_steps=20, faults=(PlantedFault(kind="weights", step=15, rank=2),))
-    write_synthetic_trace(path, num_steps=10, attempt=1, start_step=10)  # resumed from checkpoint 10, healthy
+    make_trace(steps=20, fault=Fault(kind="weights", step=15, rank=2), bulk=True, path=path)
+    make_trace(steps=10, bulk=True, attempt=1, start_step=10, path=path)  # resumed from checkpoint 10, healthy
     result = _triage(path)
     assert result.findings == () and result.first_suspect_step is None
     assert result.superseded_cells == 10 * 4

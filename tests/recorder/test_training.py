@@ -40,7 +40,7 @@ def _first(alarms, check):
 
 
 def test_audit_names_the_rank_with_a_wrong_finite_gradient(demo_run):
-    result = demo_run("faults", **FAULTS)
+    result = demo_run(**FAULTS, result=True)
     fired = next(f for f in result.fired if f["location"] == "grad")
     assert np.isfinite(fired["new"]) and abs(fired["new"] / fired["old"]) in (16.0, 1 / 16)
     assert not [a for a in result.alarms if a["check"] == "nonfinite"]
@@ -58,7 +58,7 @@ def test_audit_names_the_rank_with_a_wrong_finite_gradient(demo_run):
 
 
 def test_allreduce_check_catches_corruption_inside_the_collective(demo_run):
-    result = demo_run("faults", **FAULTS)
+    result = demo_run(**FAULTS, result=True)
     alarm = _first(result.alarms, "allreduce")
     assert (alarm["step"], alarm["rank"]) == (9, -1), alarm
     trace = Trace.open(result.config.trace_dir)
@@ -68,7 +68,7 @@ def test_allreduce_check_catches_corruption_inside_the_collective(demo_run):
 
 
 def test_weights_check_names_the_diverged_replica_and_checkpoint_is_saved_from_the_majority(demo_run):
-    result = demo_run("faults", **FAULTS)
+    result = demo_run(**FAULTS, result=True)
     alarm = _first(result.alarms, "weights")
     assert (alarm["step"], alarm["rank"]) == (13, 3), alarm
     notes = {n.step: n for n in read_checkpoint_notes(result.config.trace_dir)}
@@ -79,7 +79,7 @@ def test_weights_check_names_the_diverged_replica_and_checkpoint_is_saved_from_t
 
 
 def test_checkpoint_file_flip_is_visible_against_the_note(demo_run):
-    result = demo_run("faults", **FAULTS)
+    result = demo_run(**FAULTS, result=True)
     notes = {n.step: n for n in read_checkpoint_notes(result.config.trace_dir)}
     from sdc_forensics.statedict import state_digests
 
@@ -90,7 +90,7 @@ def test_checkpoint_file_flip_is_visible_against_the_note(demo_run):
 
 def test_nonfinite_check_raises_with_step_rank_and_host_w3(demo_run):
     element = nan_input_element(3, 1, 3)
-    result = demo_run("nan", steps=8, checkpoint_every=4, world_size=3, policy="raise", injections=(f"input:step=3:rank=1:bit=30:element={element}",))
+    result = demo_run((f"input:step=3:rank=1:bit=30:element={element}",), steps=8, checkpoint_every=4, world_size=3, policy="raise", result=True)
     assert result.raised["check"] == "nonfinite" and (result.raised["step"], result.raised["rank"]) == (3, 1)
     assert result.raised["host"] and "sdc-forensics bisect" in result.raised["message"]
     trace = Trace.open(result.config.trace_dir)
@@ -104,8 +104,8 @@ def test_nonfinite_check_raises_with_step_rank_and_host_w3(demo_run):
 
 def test_update_fault_and_single_rank_allreduce_fault_w3(demo_run):
     result = demo_run(
-        "update", steps=7, checkpoint_every=10, world_size=3, policy="continue",
-        injections=("update:step=2:rank=2:bit=20", "allreduce:step=5:rank=1:bit=20"),
+        ("update:step=2:rank=2:bit=20", "allreduce:step=5:rank=1:bit=20"),
+        steps=7, checkpoint_every=10, world_size=3, policy="continue", result=True,
     )
     weights = _first(result.alarms, "weights")
     assert (weights["step"], weights["rank"]) == (2, 2)
@@ -114,7 +114,7 @@ def test_update_fault_and_single_rank_allreduce_fault_w3(demo_run):
 
 
 def test_clean_run_raises_nothing_and_audits(demo_run):
-    result = demo_run("clean", **CLEAN)
+    result = demo_run(**CLEAN, result=True)
     assert result.raised is None and result.alarms == ()
     trace = Trace.open(result.config.trace_dir)
     assert trace.damage() == []
@@ -124,7 +124,7 @@ def test_clean_run_raises_nothing_and_audits(demo_run):
 
 
 def test_recorded_fingerprints_equal_fingerprints_recomputed_from_tensors(demo_run):
-    result = demo_run("clean", **CLEAN)
+    result = demo_run(**CLEAN, result=True)
     cfg = result.config
     trace = Trace.open(cfg.trace_dir)
     world_size, step = cfg.world_size, 5
@@ -166,8 +166,8 @@ def test_recorded_fingerprints_equal_fingerprints_recomputed_from_tensors(demo_r
 
 
 def test_recording_does_not_change_training_numerics(demo_run):
-    recorded = demo_run("clean", **CLEAN)
-    bare = demo_run("bare", **{**CLEAN, "record": False})
+    recorded = demo_run(**CLEAN, result=True)
+    bare = demo_run(**CLEAN, record=False, result=True)
     assert len(set(recorded.final_weights_digests)) == 1
     assert recorded.final_weights_digests == bare.final_weights_digests
 
@@ -176,7 +176,7 @@ KILLED = dict(steps=8, checkpoint_every=2, world_size=3, policy="raise", injecti
 
 
 def test_killed_rank_leaves_a_trace_readable_to_the_last_complete_step(demo_run):
-    result = demo_run("killed", **KILLED)
+    result = demo_run(**KILLED, result=True)
     trace = Trace.open(result.config.trace_dir)
     assert trace.step_range() == (0, 4)  # rank 1 recorded step 4, then was killed
     window = next(trace.step_windows())
@@ -189,7 +189,7 @@ def test_killed_rank_leaves_a_trace_readable_to_the_last_complete_step(demo_run)
 def test_resumed_run_is_a_new_attempt_that_supersedes_the_re_executed_steps(demo_run):
     from sdc_forensics.demo.run import run_demo
 
-    killed = demo_run("killed", **KILLED)
+    killed = demo_run(**KILLED, result=True)
     resumed = run_demo(killed.config.out_dir, **{**KILLED, "kill_rank": None, "kill_step": None, "resume_from": 4})
     assert resumed.raised is None and resumed.alarms == () and resumed.checkpoints == (6, 8)
     trace = Trace.open(resumed.config.trace_dir)

@@ -118,8 +118,8 @@ def test_damaged_header_and_missing_rank(tmp_path):
 
 
 def test_attempts_stay_apart_latest_wins(make_trace, tmp_path):
-    path = make_trace(ranks=3, steps=10, path=tmp_path / "run")
-    make_trace(ranks=3, steps=6, attempt=1, start_step=6, path=path, seed=7)
+    path = make_trace(ranks=3, steps=10, bulk=True, path=tmp_path / "run")
+    make_trace(ranks=3, steps=6, bulk=True, attempt=1, start_step=6, path=path, seed=7)
     trace = Trace.open(path)
     assert sorted({(f.rank, f.attempt) for f in trace.files}) == [(r, a) for r in range(3) for a in (0, 1)]
     (window,) = list(trace.step_windows())
@@ -130,7 +130,7 @@ def test_attempts_stay_apart_latest_wins(make_trace, tmp_path):
 
 
 def test_windows_cover_all_steps_with_bounded_tables(make_trace):
-    trace = Trace.open(make_trace(ranks=4, steps=50))
+    trace = Trace.open(make_trace(ranks=4, steps=50, bulk=True))
     windows = list(trace.step_windows(window=16))
     assert [w.records.shape for w in windows] == [(16, 4), (16, 4), (16, 4), (2, 4)]
     assert np.concatenate([w.steps for w in windows]).tolist() == list(range(50))
@@ -153,7 +153,7 @@ def test_unusable_traces_raise_trace_error(tmp_path, setup, message):
 
 
 def test_export_csv_round_trips_values(make_trace):
-    trace = Trace.open(make_trace(ranks=2, steps=5))
+    trace = Trace.open(make_trace(ranks=2, steps=5, bulk=True))
     buffer = io.StringIO()
     assert export_csv(trace, buffer) == 10
     rows = list(csv.DictReader(io.StringIO(buffer.getvalue())))

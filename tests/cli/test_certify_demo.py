@@ -1,4 +1,5 @@
-"""Certification of real demo runs (gloo DDP on CPU, the recorder's own notes and checkpoints)."""
+"""``sdc-forensics certify`` and ``verify-checkpoint --trace`` on real demo runs (gloo DDP on CPU, the
+recorder's own notes and checkpoints)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,12 @@ from sdc_forensics.cli.main import cli
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    from sdc_forensics.demo.run import run_demo
+@pytest.fixture
+def demo(demo_run):
+    """``demo(injections, world_size=..., ...)`` -> DemoResult of a 6-step run checkpointed every 2 steps."""
 
-    cache = {}
-
-    def _run(name: str, **kwargs):
-        if name not in cache:
-            cache[name] = run_demo(tmp_path_factory.mktemp(name), steps=6, checkpoint_every=2, **kwargs)
-        return cache[name]
+    def _run(injections, **kwargs):
+        return demo_run(injections, steps=6, checkpoint_every=2, result=True, **kwargs)
 
     return _run
 
@@ -35,7 +32,7 @@ def _certify(result) -> dict:
 def test_checkpoint_saved_from_the_diverged_replica_is_not_certified(demo):
     """Two ranks, rank 0's weights flipped at step 3: no strict majority, so rank 0 (diverged)
     writes checkpoints 4 and 6; they must be corrupt, and the resume point is 2."""
-    result = demo("w2", injections=("weights:step=3:rank=0:bit=20",), world_size=2)
+    result = demo(("weights:step=3:rank=0:bit=20",), world_size=2)
     statuses = _certify(result)
     assert statuses["doc"]["resume_step"] == 2
     for step in (4, 6):
@@ -50,7 +47,7 @@ def test_checkpoint_saved_from_the_diverged_replica_is_not_certified(demo):
 def test_weights_injection_taints_later_checkpoints_and_storage_flip_is_corrupt(demo):
     """Three ranks: the healthy majority saves, so later checkpoints are tainted, not corrupt;
     checkpoint 2's file is damaged on disk after its note was written: corrupt."""
-    result = demo("w3", injections=("weights:step=3:rank=1:bit=20", "checkpoint-file:step=2:rank=0:bit=3"), world_size=3)
+    result = demo(("weights:step=3:rank=1:bit=20", "checkpoint-file:step=2:rank=0:bit=3"), world_size=3)
     statuses = _certify(result)
     first = statuses["doc"]["first_divergent_step"]
     assert first is not None and first <= 3
@@ -66,7 +63,7 @@ def test_weights_injection_taints_later_checkpoints_and_storage_flip_is_corrupt(
 def test_certify_replays_so_a_fault_the_trace_cannot_see_still_taints_later_checkpoints(demo):
     """A low-mantissa flip of a local gradient leaves no trace evidence; certify replays like
     bisect, finds step 3, and does not certify checkpoints 4 and 6. --trace-only cannot."""
-    result = demo("g3", injections=("grad:step=3:rank=1:bit=12",), world_size=3, audit_every=0)
+    result = demo(("grad:step=3:rank=1:bit=12",), world_size=3, audit_every=0)
     statuses = _certify(result)
     assert statuses["doc"]["first_divergent_step"] == 3 and statuses["doc"]["mode"] == "replay"
     assert statuses["doc"]["resume_step"] == 2

@@ -1,20 +1,16 @@
-"""Certification statuses, the resume point, the certify command and certificates."""
+"""The decision module's checkpoint statuses (``forensics/decision.py``) on hand-made runs:
+clean, unverified, tainted, corrupt, and the resume point."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-
-from click.testing import CliRunner
 
 from sdc_forensics.checkpoint.locate import locate_checkpoint
 from sdc_forensics.checkpoint.verify import VerifyOptions, verify_checkpoint
-from sdc_forensics.cli.main import cli
-from sdc_forensics.forensics.certificate import read_certificate
 from sdc_forensics.forensics.decision import CheckpointFile, Examined, Status, checkpoint_status, last_clean
 from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, Strength
 from sdc_forensics.trace.checkpoints import read_checkpoint_notes
-from tests.checkpoint.conftest import flip_byte, tree_sha256, zip_member_offset
+from tests.factories import flip_byte, zip_member_offset
 
 
 def _file(note, checkpoints=None, base=None):
@@ -119,74 +115,3 @@ def test_checkpoints_found_in_another_directory(make_run, tmp_path):
     moved = tmp_path / "moved"
     run.checkpoints_dir.rename(moved)
     assert [s.status for s in _statuses(run, first=None, checkpoints=moved).values()] == [Status.CLEAN] * 2
-
-
-def test_certify_command_and_certificate_round_trip(make_run, tmp_path):
-    run = make_run(steps=6, diverge=(3, 1))
-    before = tree_sha256(run.checkpoints_dir)
-    cert_path = tmp_path / "cert.json"
-    result = CliRunner().invoke(cli, ["certify", str(run.trace_dir), "--json", "--certificate-out", str(cert_path)])
-    assert result.exit_code == 1, result.output  # some checkpoints are tainted
-    doc = json.loads(result.stdout)
-    # no recipe in this trace: nothing replayed, so only checkpoint 0 (no step before it) is clean
-    assert doc["schema_version"] == 1 and doc["first_divergent_step"] == 3 and doc["resume_step"] == 0
-    assert [c["status"] for c in doc["checkpoints"]] == ["clean", "unverified", "tainted", "tainted"]
-    assert tree_sha256(run.checkpoints_dir) == before
-    cert = read_certificate(cert_path)
-    assert cert.resume_step == 0 and cert.first_divergent_step == 3
-    clean = run.checkpoints[0]
-    ok = CliRunner().invoke(cli, ["verify-checkpoint", str(clean), "--certificate", str(cert_path)])
-    assert ok.exit_code == 0, ok.output
-    tainted = CliRunner().invoke(cli, ["verify-checkpoint", str(run.checkpoints[4]), "--certificate", str(cert_path)])
-    assert tainted.exit_code == 1 and "certified tainted" in tainted.output
-    start, size = zip_member_offset(clean, "/data/1")
-    flip_byte(clean, start + size // 3)
-    changed = CliRunner().invoke(cli, ["verify-checkpoint", str(clean), "--certificate", str(cert_path), "--json"])
-    assert changed.exit_code == 1
-    assert json.loads(changed.stdout)["certificate"]["findings"][0]["kind"] == "file-checksum-mismatch"
-
-
-def test_certify_unreplayed_exits_4_and_bad_trace_exits_3(make_run, tmp_path):
-    run = make_run(steps=2)
-    result = CliRunner().invoke(cli, ["certify", str(run.trace_dir)])
-    assert result.exit_code == 4, result.output  # nothing wrong, but steps 0..1 were not replayed (no recipe)
-    bad = CliRunner().invoke(cli, ["certify", str(tmp_path / "nowhere")])
-    assert bad.exit_code == 3 and "Traceback" not in bad.output
-
-
-def test_verify_with_trace_infers_the_step_and_reports_taint(make_run):
-    run = make_run(steps=6, diverge=(3, 1))
-    result = CliRunner().invoke(cli, ["verify-checkpoint", str(run.checkpoints[6]), "--trace", str(run.trace_dir), "--json"])
-    assert result.exit_code == 1
-    doc = json.loads(result.stdout)
-    assert doc["certification"]["status"] == "tainted" and doc["report"]["step"] == 6
-    result = CliRunner().invoke(cli, ["verify-checkpoint", str(run.checkpoints[2]), "--trace", str(run.trace_dir), "--step", "2"])
-    assert result.exit_code == 4, result.output  # consistent, but never certified without a replay of steps 0..1
-    assert "NOT CERTIFIED" in result.output
-    zero = CliRunner().invoke(cli, ["verify-checkpoint", str(run.checkpoints[0]), "--trace", str(run.trace_dir)])
-    assert zero.exit_code == 0 and "CERTIFIED CLEAN" in zero.output
-    wrong = CliRunner().invoke(cli, ["verify-checkpoint", str(run.checkpoints[2]), "--trace", str(run.trace_dir), "--step", "5"])
-    assert wrong.exit_code == 4 and "no checkpoint note for step 5" in " ".join(wrong.output.split())
-
-
-def test_certify_command_with_moved_checkpoints(make_run, tmp_path):
-    run = make_run(steps=2)
-    moved = tmp_path / "elsewhere"
-    run.checkpoints_dir.rename(moved)
-    lost = CliRunner().invoke(cli, ["certify", str(run.trace_dir), "--json"])
-    assert lost.exit_code == 4
-    assert {c["status"] for c in json.loads(lost.stdout)["checkpoints"]} == {"unverified"}
-    found = CliRunner().invoke(cli, ["certify", str(run.trace_dir), "--checkpoints", str(moved), "--json"])
-    assert found.exit_code == 4, found.output
-    assert json.loads(found.stdout)["checkpoints"][0]["status"] == "clean"  # checkpoint 0: read, nothing before it
-    assert CliRunner().invoke(cli, ["certify", str(run.trace_dir), "--checkpoints", str(tmp_path / "none")]).exit_code == 2
-
-
-def test_certify_lists_checkpoint_files_without_a_note(make_run):
-    run = make_run(steps=2)
-    stray = run.checkpoints_dir / "manual-save.pt"
-    stray.write_bytes(run.checkpoints[2].read_bytes())
-    result = CliRunner().invoke(cli, ["certify", str(run.trace_dir), "--json"])
-    assert result.exit_code == 4
-    assert json.loads(result.stdout)["unnoted"] == [str(stray)]
-    assert "has no checkpoint note in the trace" in " ".join(result.stderr.split())

@@ -7,7 +7,7 @@ import json
 from click.testing import CliRunner
 
 from sdc_forensics.cli.main import cli
-from tests.forensics.conftest import Fault
+from tests.factories import Fault
 
 
 def test_report_markdown_names_step_rank_and_host(make_trace, tmp_path):
