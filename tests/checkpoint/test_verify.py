@@ -13,10 +13,15 @@ from safetensors.torch import save_file
 from sdc_forensics.checkpoint import FindingKind, open_checkpoint, verify_checkpoint
 from sdc_forensics.checkpoint.measure import count_nonfinite
 from sdc_forensics.cli.main import cli
-from sdc_forensics.fingerprint.core import digest
+from sdc_forensics.fingerprint.reference import digest_bytes
 from sdc_forensics.statedict import state_digests
 from sdc_forensics.trace.checkpoints import CheckpointNote, hex64
-from tests.checkpoint.conftest import flip_byte, tree_sha256, write_safetensors_raw, zip_member_offset
+from tests.factories import flip_byte, tree_sha256, write_safetensors_raw, zip_member_offset
+
+
+def _reference_digest(tensor: torch.Tensor) -> str:
+    """The recorder's digest definition, from the numpy reference (not the torch code verify runs)."""
+    return hex64(digest_bytes(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
 
 
 def _invoke(*args: str):
@@ -101,7 +106,7 @@ def test_digests_equal_the_recorders_in_every_format(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     tensors = {"a": torch.randn(33, 5), "b": torch.arange(10, dtype=torch.int64), "c": torch.randn(9).to(torch.bfloat16)}
-    expected = {k: hex64(digest(t)) for k, t in tensors.items()}
+    expected = {k: _reference_digest(t) for k, t in tensors.items()}
     save_file(tensors, tmp_path / "m.safetensors")
     torch.save(tensors, tmp_path / "m.pt")
     with pytest.warns(UserWarning):
@@ -121,13 +126,11 @@ def test_misaligned_safetensors_offsets_still_digest_exactly(tmp_path):
     with open_checkpoint(path) as reader:
         (_, tensor), = list(reader.tensors())
         assert torch.equal(tensor, values)
-    assert verify_checkpoint(path).tensors[0].digest == hex64(digest(values))
+    assert verify_checkpoint(path).tensors[0].digest == _reference_digest(values)
 
 
 def test_file_checksum_is_the_digest_of_the_file_bytes(tmp_path):
     import numpy as np
-
-    from sdc_forensics.fingerprint.reference import digest_bytes
 
     path = tmp_path / "m.safetensors"
     save_file({"a": torch.randn(10, 10)}, path)

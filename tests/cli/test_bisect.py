@@ -10,8 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from sdc_forensics.cli.main import cli
-from tests.factories import Fault
-from tests.factories import SimFault
+from tests.factories import Fault, SimFault
 
 
 @pytest.fixture
