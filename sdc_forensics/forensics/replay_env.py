@@ -162,6 +162,24 @@ def check_not_suspect(device: torch.device, suspect_gpus: dict[str, int], force:
         )
 
 
+#: gloo's ring all-reduce pipelines segments of at most this many bytes
+_GLOO_SEGMENT_BYTES = 1 << 20
+
+
+def _gloo_chunk_elements(numel: int, itemsize: int, world_size: int) -> int:
+    """Elements in each rank's chunk of gloo's ring all-reduce (the last chunks may be short).
+
+    gloo cuts the buffer into ``S`` segments of ``ceil(numel / S)`` elements: as many 1 MiB
+    segments as it takes, at least two per rank (one in flight while the other is reduced), rounded
+    up to a multiple of ``W``; rank chunk ``i`` is ``S / W`` consecutive segments. Checked bit for
+    bit against a real gloo all_reduce (``tests/test_factories.py``, ``tests/forensics/test_replay.py``).
+    """
+    per_segment = max(1, _GLOO_SEGMENT_BYTES // itemsize)
+    segments = max(-(-numel // per_segment), 2 * world_size)
+    segments = -(-segments // world_size) * world_size
+    return segments // world_size * -(-numel // segments)
+
+
 def reduce_buckets(per_rank: list[list[torch.Tensor]], order: str) -> list[torch.Tensor]:
     """Average bucket buffers over ranks. ``per_rank[r][b]``: rank ``r``'s flat bucket ``b``."""
     world_size = len(per_rank)
@@ -174,14 +192,13 @@ def reduce_buckets(per_rank: list[list[torch.Tensor]], order: str) -> list[torch
                 acc += part
         elif order == "gloo-ring":
             numel = parts[0].numel()
-            align = max(1, 16 // parts[0].element_size())  # gloo's segments are whole 16-byte units
-            seg = -(-(-(-numel // world_size)) // align) * align
+            span = _gloo_chunk_elements(numel, parts[0].element_size(), world_size)
             acc = torch.empty_like(parts[0])
             for i in range(world_size):
-                lo, hi = i * seg, min((i + 1) * seg, numel)
+                lo, hi = min(i * span, numel), min((i + 1) * span, numel)
                 if lo >= hi:
                     continue
-                start = (i - 1) % world_size
+                start = (i - 1) % world_size  # chunk i is reduce-scattered from rank i-1 backwards
                 piece = parts[start][lo:hi].clone()
                 for j in range(1, world_size):
                     piece += parts[(start - j) % world_size][lo:hi]
