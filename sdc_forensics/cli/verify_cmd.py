@@ -53,9 +53,13 @@ def _print_findings(findings, title: str) -> None:
         err.print(f"[red]✗[/] {title}{f.kind.value} {escape(f.subject)}: {escape(f.detail)}{extra}")
 
 
-def status_exit(statuses) -> int:
-    """0 every checkpoint clean, 1 any corrupt or tainted, 4 otherwise (some unverified, none bad)."""
-    if any(s.status.value in ("corrupt", "tainted") for s in statuses):
+def status_exit(result) -> int:
+    """0 every checkpoint clean, 1 any corrupt or tainted (or, with none noted, corruption found),
+    4 otherwise (some unverified, none bad; or nothing to certify)."""
+    from sdc_forensics.forensics.decision import Status, Verdict
+
+    statuses = result.checkpoints
+    if any(s.status in (Status.CORRUPT, Status.TAINTED) for s in statuses) or (not statuses and result.verdict is Verdict.CORRUPTION):
         return 1
     return 0 if statuses and all(s.clean for s in statuses) else 4
 
@@ -76,6 +80,7 @@ def verify_cmd(ctx: click.Context, path: Path, trace_dir: Path | None, step: int
     from sdc_forensics.checkpoint.serialize import finding_to_json, report_to_json
     from sdc_forensics.errors import UsageError
     from sdc_forensics.forensics.certificate import check_against_certificate, read_certificate
+    from sdc_forensics.forensics.decision import UNVERIFIABLE_FINDINGS, Status
     from sdc_forensics.trace.checkpoints import read_checkpoint_notes
     from sdc_forensics.trace.manifest import read_manifest
 
@@ -104,13 +109,13 @@ def verify_cmd(ctx: click.Context, path: Path, trace_dir: Path | None, step: int
     status, result, missing = None, None, ""
     if trace_dir is not None:
         if wanted is None:
-            missing = f"cannot tell which step {path} holds; pass --step N"
+            raise UsageError(f"cannot tell which step {path} holds (no note names this file, no 'step' in it): pass --step N")
+        if all(n.step != wanted for n in read_checkpoint_notes(trace_dir)):
+            missing = f"no checkpoint note for step {wanted} in {trace_dir}"
         else:
             result = run_analysis(trace_dir, trace_only=trace_only, checkpoint_paths={wanted: path}, **replay)
-            status = next((c for c in result.checkpoints if c.step == wanted), None)
-            if status is None:
-                missing = f"no checkpoint note for step {wanted} in {trace_dir}"
-            elif status.report is not None:
+            status = next(c for c in result.checkpoints if c.step == wanted)
+            if status.report is not None:
                 report = status.report  # read against its note (tensor digests as saved)
     cert_findings = check_against_certificate(report, entry) if entry is not None else []
     reasons = [f"{f.kind.value} {f.subject}: {f.detail}" for f in report.findings]
@@ -121,12 +126,15 @@ def verify_cmd(ctx: click.Context, path: Path, trace_dir: Path | None, step: int
     reasons += [f"certificate: {f.kind.value} {f.subject}: {f.detail}" for f in cert_findings]
     if entry is not None and not entry.status.clean:
         reasons.append(f"certificate: it was certified {entry.status.value}, not clean")
-    if status is not None and status.status.value in ("corrupt", "tainted"):
+    damaged = [f for f in report.findings if f.kind.value not in UNVERIFIABLE_FINDINGS]
+    if cert_findings or (entry is not None and not entry.status.clean):
         code = 1
-    elif status is not None and not status.clean or missing:
-        code = 4
+    elif status is not None:  # the one decision: clean 0, unverified 4, tainted or corrupt 1
+        code = {Status.CLEAN: 0, Status.UNVERIFIED: 4}.get(status.status, 1)
+    elif missing:
+        code = 1 if damaged else 4
     else:
-        code = 1 if reasons else 0
+        code = 1 if report.findings else 0
 
     err.print(_tensor_table(report))
     _print_findings(report.findings, "")
@@ -224,7 +232,7 @@ def certify_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, certificate_
         cert = build_certificate(statuses, trace_dir=trace_dir, first_divergent_step=result.first_divergent_step, seed=result.seed)
         write_certificate(certificate_out, cert)
         err.print(f"certificate written to {escape(str(certificate_out))}")
-    code = status_exit(statuses)
+    code = status_exit(result)
     if as_json:
         emit_json(
             {

@@ -137,15 +137,15 @@ def bisect(trace_dir: str | os.PathLike, options: BisectOptions, progress: Progr
         notes_out.append(f"{tri.superseded_cells} (step, rank) records were re-executed by a later attempt; the latest attempt is used")
     settle = list(decided.settle) + settle
     if mode == "replay":
-        unexamined = [c.step for c in decided.checkpoints if any("were not replayed" in r for r in c.reasons)]
+        unexamined = [c.step for c in decided.checkpoints
+                      if c.status is decision.Status.UNVERIFIED and examined.unexamined_before(c.step)]
         if unexamined:
             settle.append(f"checkpoint(s) {', '.join(map(str, unexamined))} stay unverified: replay every step before them "
                           "(without --max-replay-steps) to certify them")
     return BisectResult(
         verdict=decided.verdict, first_divergent_step=decided.first_divergent_step, suspects=decided.suspects,
         last_clean_checkpoint=decided.last_clean, checkpoints=decided.checkpoints,
-        replayed=summary, evidence=tuple(evidence), mode=mode, scope=scope,
-        settle=tuple(settle) if decided.verdict is not decision.Verdict.CORRUPTION or mode == "trace-only" or decided.weak else tuple(decided.settle),
+        replayed=summary, evidence=decided.evidence, mode=mode, scope=scope, settle=tuple(settle),
         trace_path=str(trace.path), world_size=trace.world_size, step_range=tri.step_range,
         damage=tuple(d.detail or d.kind for d in tri.damage), notes=tuple(notes_out),
         divergence_window=decided.divergence_window, seed=seed,
@@ -305,29 +305,42 @@ class _WindowRunner:
     def device_is_cpu(self) -> bool:
         return self.options.device == "cpu"
 
-    def _run(self, note: CheckpointNote, hi: int, threads: int | None):
+    def _run(self, note: CheckpointNote, hi: int, threads: int | None, stop_at_divergence: bool = True):
         from sdc_forensics.forensics.replay import ReplayOptions, replay_window
 
         options = ReplayOptions(start_step=note.step, stop_step=hi, checkpoint_path=_resolve(note, self.options, self.trace.path),
                                 expected_weights_digest=note.weights_digest, device=self.options.device,
                                 force_device=self.options.force_device, suspect_gpus=self.suspect_gpus, reduction_order=self.order,
-                                num_threads=threads, force_tolerant=self.options.force_tolerant)
+                                num_threads=threads, force_tolerant=self.options.force_tolerant, stop_at_divergence=stop_at_divergence)
         return replay_window(self.trace, self.recipe, options, self.progress.step if self.progress is not None else None)
 
     def _second_opinion(self, note: CheckpointNote, first, evidence: list[Evidence], weak: list[Evidence]) -> list[Evidence]:
         """Majority of three for weak tolerant residuals: a second, independent replay of the same
         steps at another thread count (its last-bit drift differs). A residual that a fault caused is
-        in the record and shows again; one that the first replay's drift caused does not."""
+        in the record and shows again; one that the first replay's drift caused does not. Only the
+        steps the second replay reached are cleared, and what it found strongly is kept."""
         threads = int(first.settings.get("num_threads") or 1) + 1
         upto = max(e.step for e in weak)
-        second = self._run(note, upto, threads)
-        again = {(e.step, r) for e in second.evidence if e.is_weak or e.marks_divergence for r in (e.ranks or (-1,))}
-        kept = [e for e in evidence if not e.is_weak or any((e.step, r) in again for r in (e.ranks or (-1,)))]
-        cleared = len(evidence) - len(kept)
+        second = self._run(note, upto, threads, stop_at_divergence=False)
+        again = set()
+        for e in second.evidence:
+            if e.is_weak or e.marks_divergence:
+                again |= {(e.step, r) for r in e.ranks} if e.ranks else {(e.step, None)}
+
+        def reproduced(e: Evidence) -> bool:
+            if e.step > second.last_step:
+                return True  # not re-examined: keep it
+            if not e.ranks:  # a collective residual: any evidence at that step
+                return any(step == e.step for step, _ in again)
+            return any((e.step, r) in again or (e.step, None) in again for r in e.ranks)
+
+        kept = [e for e in evidence if not e.is_weak or reproduced(e)]
+        kept += [e for e in second.evidence if e.marks_divergence and all((e.step, e.ranks) != (k.step, k.ranks) for k in kept)]
+        cleared = len(evidence) - len([e for e in kept if e in evidence])
         if cleared:
-            self.notes.append(f"steps {note.step}..{upto}: {cleared} weak tolerant residual(s) not reproduced by a second replay at "
-                              f"{threads} threads: replay drift, not a fault")
-        if len(kept) > len([e for e in kept if not e.is_weak]):
+            self.notes.append(f"steps {note.step}..{second.last_step}: {cleared} weak tolerant residual(s) not reproduced by a "
+                              f"second replay at {threads} threads: replay drift, not a fault")
+        if any(e.is_weak for e in kept):
             self.notes.append(f"steps {note.step}..{upto}: a second replay at {threads} threads reproduced the weak residual(s)")
         return kept
 

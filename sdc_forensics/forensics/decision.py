@@ -177,6 +177,7 @@ class Decision:
     checkpoints: tuple[CheckpointStatus, ...]
     weak: tuple[Evidence, ...]
     settle: tuple[str, ...]
+    evidence: tuple[Evidence, ...] = ()
 
     @property
     def last_clean(self) -> CheckpointStatus | None:
@@ -210,7 +211,7 @@ def decide(
         majority: ``{N: hex}`` strict-majority weights digest of ``θ_N`` from the STEP records.
         examined: what was examined.
     """
-    evidence = sorted(evidence, key=sort_key)
+    evidence = sorted((_pinned(e, examined) for e in evidence), key=sort_key)
     first = first_divergent_step(evidence)
     window = None
     if first is not None:
@@ -219,6 +220,8 @@ def decide(
     suspects = find_suspects(evidence, world_size, identity)
     weak = tuple(e for e in evidence if e.is_weak and (first is None or e.step < first))
     settle: list[str] = []
+    if weak and first is not None:  # s* is the first *confirmed* divergence; the weak one may be earlier
+        window = (weak[0].step, window[1])
     localised = [s for s in suspects if not (s.rank is None and s.location is Location.UNKNOWN)]
     vague = [e for e in evidence if e.marks_divergence and not e.ranks and e.location is Location.UNKNOWN]
     if first is not None and localised:
@@ -239,6 +242,9 @@ def decide(
         verdict = Verdict.INCONCLUSIVE  # a replay was wanted and none could run: the trace alone is not a clean bill
     else:
         verdict = Verdict.CLEAN
+    if weak and first is not None:
+        settle.insert(0, f"weak evidence at step {weak[0].step} precedes the first confirmed divergence at step {first}: "
+                         "the fault may have begun there")
     if weak:
         w = weak[0]
         settle.insert(0, f"weak evidence at step {w.step}, rank(s) {list(w.ranks) or 'all'}: a tolerant replay residual "
@@ -248,7 +254,16 @@ def decide(
     statuses = tuple(checkpoint_status(n, files.get(n.step), first=first, weak=weak, majority=majority.get(n.step), examined=examined)
                      for n in sorted(notes, key=lambda n: n.step))
     return Decision(verdict=verdict, first_divergent_step=first, divergence_window=window, suspects=suspects,
-                    checkpoints=statuses, weak=weak, settle=tuple(settle))
+                    checkpoints=statuses, weak=weak, settle=tuple(settle), evidence=tuple(evidence))
+
+
+def _pinned(ev: Evidence, examined: Examined) -> Evidence:
+    """Evidence that only bounds its fault (replicas found different at a weights check, equal at
+    the one before) stops bounding it once a replay examined every step of the bound: the replay's
+    own evidence then says where it happened."""
+    if ev.earliest_step is None or any(s not in examined.replayed for s in range(ev.earliest_step, ev.step + 1)):
+        return ev
+    return dataclasses.replace(ev, earliest_step=None)
 
 
 def checkpoint_status(note, file: CheckpointFile | None, *, first: int | None, weak: Sequence[Evidence] = (),
@@ -379,11 +394,6 @@ def fault_events(chain: Sequence[Evidence], rank: int | None, world_size: int) -
             continue
         if not events or ev.step != events[-1]:
             events.append(ev.step)
-        if ev.kind in _PERSISTENT or ev.location in (Location.OPTIMIZER_UPDATE, Location.COLLECTIVE) or _weights_left_different(ev):
+        if ev.kind in _PERSISTENT or ev.location in (Location.OPTIMIZER_UPDATE, Location.COLLECTIVE):
             diverged = True
     return tuple(events)
-
-
-def _weights_left_different(ev: Evidence) -> bool:
-    """A replay mismatch of the weights themselves (same gradients in, different weights out)."""
-    return ev.kind is EvidenceKind.REPLAY_MISMATCH and ev.location is Location.OPTIMIZER_UPDATE

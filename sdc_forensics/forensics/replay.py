@@ -277,7 +277,7 @@ class Replayer(StepComparisons):
                 notes += tie_notes
                 step_evidence = [e for e in step_evidence if e.kind is not EvidenceKind.REPLAY_MISMATCH or set(e.ranks) & set(local_bad)]
             evidence += step_evidence
-            reduced, order, reduce_evidence, reduce_note = self._reduce(step, recs, ranks, tolerant_from is not None, drift)
+            reduced, order, reduce_evidence, reduce_note = self._reduce(step, recs, ranks, tolerant_from is not None, drift, recorded_layout)
             if local_bad or any(e.kind is EvidenceKind.INPUT_MISMATCH for e in step_evidence):
                 reduce_evidence = []  # the recorded average carries the bad local gradient: a consequence
             evidence += reduce_evidence
@@ -292,7 +292,8 @@ class Replayer(StepComparisons):
                     params[index].grad = flat[offset : offset + n].view_as(params[index])  # a view, as DDP's bucket views
                     offset += n
             counts = step_threads(recs)  # (R,) 0 = not recorded
-            self._use_threads(int(np.bincount(counts[counts > 0]).argmax()) if (counts > 0).any() else 0)
+            values, freq = np.unique(counts[counts > 0], return_counts=True)
+            self._use_threads(int(values[np.argmax(freq)]) if len(values) else 0)
             recipe_mod.before_step(self.recipe, model, optimizer)
             optimizer.step()
             recipe_mod.after_step(self.recipe, model, optimizer, scheduler)

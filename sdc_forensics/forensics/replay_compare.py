@@ -36,6 +36,14 @@ def grade(residual: float, tol: float) -> Strength:
     return Strength.WEAK
 
 
+def _strength(residual: float, tol: float, tolerant: bool, recorded_layout: bool) -> Strength:
+    """Exact comparisons are strong; tolerant ones are graded; a norm compared without the recorded
+    bucket layout is never more than weak (a wrong layout alone can move it)."""
+    if not tolerant:
+        return Strength.STRONG
+    return grade(residual, tol) if recorded_layout else Strength.WEAK
+
+
 class StepComparisons:
     """Comparison methods of the replayer (mixin)."""
 
@@ -49,11 +57,14 @@ class StepComparisons:
             exact_same = rs.digest == int(rec["local_digest"])
             if exact_same and not tolerant:
                 continue
-            residual = float(np.abs(rs.fp.sketch - rec["local_sketch"].astype(np.float64)).max())
             tol = self._tol(rs.fp.norm, drift)  # the replay's own norm: a fault inflates the recorded one
+            if recorded_layout:
+                residual = float(np.abs(rs.fp.sketch - rec["local_sketch"].astype(np.float64)).max())
+            else:  # the sketch depends on the bucket layout, which is unknown: only the norm compares
+                residual = abs(rs.fp.norm - float(rec["local_norm"]))
             if tolerant and np.isfinite(residual):
                 self.max_ratio = max(self.max_ratio, residual / tol)
-            ok = residual <= tol if recorded_layout else abs(rs.fp.norm - float(rec["local_norm"])) <= tol
+            ok = residual <= tol
             if exact_same or (tolerant and ok):
                 continue
             if ok:
@@ -67,8 +78,9 @@ class StepComparisons:
                                          detail=f"rank {r}'s input bytes differ from microbatches {self.trace.microbatch_ids(rec).tolist()} fetched again"))
             evidence.append(Evidence(
                 kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=(r,), source="replay",
-                strength=grade(residual, tol) if tolerant else Strength.STRONG,
-                expected=f"local gradient {hex64(rs.digest)} (replayed)" if not tolerant else f"local sketch within {tol:.3g}",
+                strength=_strength(residual, tol, tolerant, recorded_layout),
+                expected=f"local gradient {hex64(rs.digest)} (replayed)" if not tolerant
+                else f"local {'sketch' if recorded_layout else 'norm'} within {tol:.3g}",
                 found=f"{hex64(int(rec['local_digest']))} recorded" + ("" if not tolerant else f", residual {residual:.3g} ({residual / tol:.3g}x the tolerance)"),
                 location=Location.INPUT_DATA if input_off else Location.LOCAL_COMPUTE,
                 detail=f"rank {r}'s recorded local gradient is not what its microbatches give with the replicas' weights",
@@ -107,7 +119,7 @@ class StepComparisons:
                              "reproducible; confirm on another device")
         return confirmed, notes
 
-    def _reduce(self, step, recs, ranks, tolerant, drift):
+    def _reduce(self, step, recs, ranks, tolerant, drift, recorded_layout=True):
         """The replicas' average: the collective's order when one reproduces the record."""
         per_rank = [rs.buckets for rs in ranks]
         if not ((recs["flags"] & int(F.Flag.HAS_GRADS)) != 0).all():
@@ -139,7 +151,10 @@ class StepComparisons:
         evidence, worst = [], 0.0
         tol = self._tol(fp.norm, drift)
         for r in range(len(ranks)):
-            residual = float(np.abs(fp.sketch - recs[r]["reduced_sketch"].astype(np.float64)).max())
+            if recorded_layout:
+                residual = float(np.abs(fp.sketch - recs[r]["reduced_sketch"].astype(np.float64)).max())
+            else:  # the sketch depends on the unknown bucket layout: compare norms
+                residual = abs(fp.norm - float(recs[r]["reduced_norm"]))
             if np.isfinite(residual):
                 self.max_ratio = max(self.max_ratio, residual / tol)
             if residual > tol or not np.isfinite(residual):
@@ -149,8 +164,8 @@ class StepComparisons:
             everyone = len(evidence) == len(ranks)
             return reduced, "", [Evidence(
                 kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=() if everyone else tuple(evidence), source="replay",
-                strength=grade(worst, tol) if tolerant else Strength.STRONG,
-                expected=f"reduced gradient sketch of the replayed average ({hex64(fp.digest)}) within {tol:.3g}",
+                strength=_strength(worst, tol, tolerant, recorded_layout),
+                expected=f"reduced gradient {'sketch' if recorded_layout else 'norm'} of the replayed average ({hex64(fp.digest)}) within {tol:.3g}",
                 found=f"recorded reduced sketch off by {worst:.3g} ({worst / tol:.3g}x the tolerance)" + (" on every rank" if everyone else ""),
                 location=Location.COLLECTIVE, detail="the all-reduce result does not match the average of the replayed local gradients",
             )], ""

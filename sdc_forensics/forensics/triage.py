@@ -130,7 +130,7 @@ def triage_trace(trace: Trace, options: TriageOptions | None = None) -> TriageRe
             evidence += hints
     evidence += _audits(trace, options)
     evidence.sort(key=sort_key)
-    first, window_range = _first_suspect(evidence, state)
+    first, window_range = _first_suspect(evidence)
     return TriageResult(
         evidence=tuple(evidence),
         first_suspect_step=first,
@@ -366,13 +366,13 @@ def _nanmedian_rows(values: np.ndarray) -> np.ndarray:
         return np.nanmedian(values, axis=1, keepdims=True)
 
 
-def _first_suspect(evidence: list[Evidence], weights: _WeightState) -> tuple[int | None, tuple[int, int] | None]:
-    """The earliest onset of strong evidence (``Evidence.onset``: a replica found diverged at a
-    weights check happened at the earliest on the step after the previous check) and the window
-    a replay must examine to pin it, ``(onset, observed step)``. The same rule as
-    ``decision.first_divergent_step``."""
-    real = [e for e in evidence if e.marks_divergence]
-    if not real:
+def _first_suspect(evidence: list[Evidence]) -> tuple[int | None, tuple[int, int] | None]:
+    """``decision.first_divergent_step`` of the trace's evidence, and the window a replay must
+    examine to pin it, ``(onset, observed step)``."""
+    from sdc_forensics.forensics.decision import first_divergent_step
+
+    first = first_divergent_step(evidence)
+    if first is None:
         return None, None
-    first = min(real, key=lambda e: (e.onset, sort_key(e)))
-    return first.onset, (first.onset, first.step)
+    observed = min(e.step for e in evidence if e.marks_divergence and e.onset == first)
+    return first, (first, observed)

@@ -81,3 +81,32 @@ def test_certify_lists_checkpoint_files_without_a_note(make_run):
     assert result.exit_code == 4
     assert json.loads(result.stdout)["unnoted"] == [str(stray)]
     assert "has no checkpoint note in the trace" in " ".join(result.stderr.split())
+
+
+def test_verify_with_trace_and_an_unnoted_step_still_reports_a_damaged_file(make_run):
+    """No note for --step 5, and the file is damaged: 1 (not certifiable), never 4 ("nothing wrong")."""
+    run = make_run(steps=4)
+    start, size = zip_member_offset(run.checkpoints[2], "/data/1")
+    flip_byte(run.checkpoints[2], start + size - 1, 0x40)
+    result = CliRunner().invoke(cli, ["verify-checkpoint", str(run.checkpoints[2]), "--trace", str(run.trace_dir), "--step", "5"])
+    assert result.exit_code == 1, result.output
+    assert "NOT CERTIFIABLE" in result.output
+
+
+def test_verify_with_trace_when_the_step_cannot_be_told_is_a_usage_error(make_run, tmp_path):
+    import torch
+
+    run = make_run(steps=2)
+    stray = tmp_path / "renamed.pt"
+    torch.save({"w": torch.ones(2)}, stray)  # no note names it, no 'step' in it
+    result = CliRunner().invoke(cli, ["verify-checkpoint", str(stray), "--trace", str(run.trace_dir)])
+    assert result.exit_code == 2 and "pass --step N" in result.output and "Traceback" not in result.output
+
+
+def test_certify_without_checkpoint_notes_follows_the_verdict(make_trace):
+    from tests.factories import Fault
+
+    bad = CliRunner().invoke(cli, ["certify", str(make_trace(fault=Fault(kind="nonfinite", step=3, rank=1))), "--json"])
+    assert bad.exit_code == 1 and json.loads(bad.stdout)["verdict"] == "corruption"
+    quiet = CliRunner().invoke(cli, ["certify", str(make_trace()), "--json"])
+    assert quiet.exit_code == 4  # nothing to certify, and nothing could be replayed

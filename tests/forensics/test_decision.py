@@ -7,7 +7,7 @@ import dataclasses
 
 from sdc_forensics.checkpoint.locate import locate_checkpoint
 from sdc_forensics.checkpoint.verify import VerifyOptions, verify_checkpoint
-from sdc_forensics.forensics.decision import CheckpointFile, Examined, Status, checkpoint_status, last_clean
+from sdc_forensics.forensics.decision import CheckpointFile, Examined, Status, Verdict, checkpoint_status, decide, last_clean
 from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, Strength
 from sdc_forensics.trace.checkpoints import read_checkpoint_notes
 from tests.factories import flip_byte, zip_member_offset
@@ -115,3 +115,45 @@ def test_checkpoints_found_in_another_directory(make_run, tmp_path):
     moved = tmp_path / "moved"
     run.checkpoints_dir.rename(moved)
     assert [s.status for s in _statuses(run, first=None, checkpoints=moved).values()] == [Status.CLEAN] * 2
+
+
+class _Ident:
+    host, gpu = "node0", "GPU-0"
+
+
+def _ev(kind, step, ranks, location, **kw):
+    return Evidence(kind=kind, step=step, ranks=ranks, location=location, **kw)
+
+
+def test_a_replay_that_examined_a_weights_bound_pins_the_first_divergent_step():
+    """Replicas found different at step 12, equal at step 8: the fault is in 9..12 (s* = 9 from the
+    trace alone). Once a replay examined 9..12 and found the update going wrong at 11, s* is 11."""
+    bound = _ev(EvidenceKind.WEIGHT_DIVERGENCE, 12, (1,), Location.UNKNOWN, earliest_step=9)
+    replayed = _ev(EvidenceKind.REPLAY_MISMATCH, 11, (1,), Location.OPTIMIZER_UPDATE, source="replay")
+    common = dict(world_size=4, identity=lambda r: _Ident(), notes=(), files={}, majority={})
+    alone = decide([bound], examined=Examined(trace_only=True), **common)
+    assert (alone.first_divergent_step, alone.divergence_window) == (9, (9, 12))
+    pinned = decide([bound, replayed], examined=Examined(replayed=frozenset(range(13))), **common)
+    assert (pinned.verdict, pinned.first_divergent_step) == (Verdict.CORRUPTION, 11)
+    [suspect] = pinned.suspects
+    assert (suspect.rank, suspect.location, suspect.steps, suspect.recurring) == (1, Location.OPTIMIZER_UPDATE, (11,), False)
+    partly = decide([bound, replayed], examined=Examined(replayed=frozenset(range(10, 13))), **common)
+    assert partly.first_divergent_step == 9  # step 9 was not replayed: the bound still holds
+
+
+def test_weak_evidence_before_a_confirmed_divergence_widens_its_window():
+    weak = _ev(EvidenceKind.REPLAY_MISMATCH, 3, (2,), Location.LOCAL_COMPUTE, source="replay", strength=Strength.WEAK)
+    strong = _ev(EvidenceKind.NONFINITE, 7, (2,), Location.LOCAL_COMPUTE)
+    decided = decide([weak, strong], world_size=4, identity=lambda r: _Ident(), notes=(), files={}, majority={},
+                     examined=Examined(replayed=frozenset(range(8))))
+    assert (decided.verdict, decided.first_divergent_step, decided.divergence_window) == (Verdict.CORRUPTION, 7, (3, 7))
+    assert "precedes the first confirmed divergence" in " ".join(decided.settle)
+
+
+def test_weak_evidence_alone_is_inconclusive_never_corruption():
+    weak = _ev(EvidenceKind.REPLAY_MISMATCH, 3, (2,), Location.LOCAL_COMPUTE, source="replay", strength=Strength.WEAK,
+               found="residual 40x the tolerance")
+    decided = decide([weak], world_size=4, identity=lambda r: _Ident(), notes=(), files={}, majority={},
+                     examined=Examined(replayed=frozenset(range(8))))
+    assert (decided.verdict, decided.first_divergent_step, decided.suspects) == (Verdict.INCONCLUSIVE, None, ())
+    assert "replay exactly" in decided.settle[0]

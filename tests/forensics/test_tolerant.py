@@ -67,3 +67,17 @@ def test_weak_evidence_never_stops_the_backwards_search(demo_run):
     assert [s.rank for s in result.suspects] == [3]
     statuses = [c.status.value for c in result.checkpoints]
     assert statuses[0] == "clean" and set(statuses[1:]) <= {"tainted", "corrupt"}
+
+
+def test_without_the_recorded_bucket_layout_a_clean_run_is_never_corruption(demo_run, tmp_path):
+    """The sketch depends on the DDP bucket layout: with the layout file gone, the replay compares
+    norms, and such a comparison is never more than weak evidence."""
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(demo_run("none", steps=STEPS, checkpoint_every=EVERY), out)
+    for layout in (out / "trace").glob("buckets.attempt-*.json"):
+        layout.unlink()
+    result = _bisect(out)
+    assert result.verdict.value != "corruption" and result.first_divergent_step is None
+    assert not {c.status.value for c in result.checkpoints} & {"tainted", "corrupt"}
