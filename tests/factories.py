@@ -18,6 +18,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import dataclasses
 import hashlib
@@ -574,3 +576,16 @@ class DemoRuns:
             self._cache[key] = run_demo(out, injections=injections, steps=steps, checkpoint_every=checkpoint_every, **options)
         done = self._cache[key]
         return done if result else done.config.out_dir
+
+
+@contextlib.contextmanager
+def num_threads(count: int):
+    """torch's intra-op thread count set to ``count`` for the block, restored after it."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)

@@ -28,12 +28,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from sdc_forensics.demo.recipe import ClassifierJob
+
 #: The reference the recorder writes into the manifest for this recipe.
 REFERENCE = "sdc_forensics.demo.convnet:recipe"
 
 
 @dataclasses.dataclass(kw_only=True)
-class ConvNetRecipe:
+class ConvNetRecipe(ClassifierJob):
     """The conv net job; the defaults keep a 4-rank, 40-step CPU run to a few seconds of compute."""
 
     channels: tuple[int, int, int] = (8, 16, 32)
@@ -88,16 +90,6 @@ class ConvNetRecipe:
         features = nn.functional.avg_pool2d(images.double(), self.image_size // 2).flatten(1)  # (B, 12)
         labels = (features.unsqueeze(2) * self._teacher()).sum(dim=1).argmax(dim=1)  # (B, 12, C) -> (B,)
         return images.to(device), labels.to(device)
-
-    def loss(self, model, microbatch):
-        """Cross-entropy, divided by the number of microbatches accumulated per step."""
-        images, labels = microbatch
-        return nn.functional.cross_entropy(model(images), labels) / self.microbatches_per_step
-
-    def microbatch_ids(self, step: int, rank: int, world_size: int) -> list[int]:
-        """The IDs rank ``rank`` consumes at ``step``."""
-        base = (step * world_size + rank) * self.microbatches_per_step
-        return list(range(base, base + self.microbatches_per_step))
 
     def save_checkpoint(self, path, model, optimizer, scheduler, step: int) -> None:
         """``torch.save`` of ``{"model", "optimizer", "scheduler", "step"}``."""

@@ -17,8 +17,25 @@ import torch
 from torch import nn
 
 
+class ClassifierJob:
+    """What the demo jobs share: a classification loss over ``(inputs, labels)`` microbatches
+    accumulated ``microbatches_per_step`` at a time, and the IDs each rank consumes."""
+
+    microbatches_per_step: int
+
+    def loss(self, model, microbatch):
+        """Cross-entropy, divided by the number of microbatches accumulated per step."""
+        inputs, labels = microbatch
+        return nn.functional.cross_entropy(model(inputs), labels) / self.microbatches_per_step
+
+    def microbatch_ids(self, step: int, rank: int, world_size: int) -> list[int]:
+        """The IDs rank ``rank`` consumes at ``step``."""
+        base = (step * world_size + rank) * self.microbatches_per_step
+        return list(range(base, base + self.microbatches_per_step))
+
+
 @dataclasses.dataclass(kw_only=True)
-class DemoRecipe:
+class DemoRecipe(ClassifierJob):
     """The demo job's recipe; the defaults are what ``sdc-forensics demo`` trains."""
 
     in_features: int = 64
@@ -55,16 +72,6 @@ class DemoRecipe:
         inputs = torch.randn(self.microbatch_size, self.in_features, generator=gen)
         labels = (inputs @ self._teacher()).argmax(dim=1)
         return inputs.to(device), labels.to(device)
-
-    def loss(self, model, microbatch):
-        """Cross-entropy, divided by the number of microbatches accumulated per step."""
-        inputs, labels = microbatch
-        return nn.functional.cross_entropy(model(inputs), labels) / self.microbatches_per_step
-
-    def microbatch_ids(self, step: int, rank: int, world_size: int) -> list[int]:
-        """The IDs rank ``rank`` consumes at ``step``."""
-        base = (step * world_size + rank) * self.microbatches_per_step
-        return list(range(base, base + self.microbatches_per_step))
 
     def save_checkpoint(self, path, model, optimizer, scheduler, step: int) -> None:
         """``torch.save`` of ``{"model", "optimizer", "step"}``."""

@@ -8,7 +8,6 @@ asks the CLI, which replays at the recorded thread count, for a ``clean`` verdic
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 
@@ -19,21 +18,14 @@ from click.testing import CliRunner
 from sdc_forensics.cli.main import cli
 from sdc_forensics.demo.convnet import REFERENCE, ConvNetRecipe, recipe, variant_reference
 from sdc_forensics.recipe import load_recipe
+from tests.factories import num_threads
 
 
-@contextlib.contextmanager
-def _threads(count: int):
-    saved = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def _local_gradient(threads: int) -> torch.Tensor:
     """Rank 1's step-0 gradient of a 4-rank job (both microbatches accumulated), flattened."""
-    with _threads(threads):
+    with num_threads(threads):
         model, _, _ = recipe.build("cpu")
         for mb_id in recipe.microbatch_ids(0, 1, 4):
             recipe.loss(model, recipe.fetch_microbatch(mb_id, "cpu")).backward()

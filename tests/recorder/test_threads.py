@@ -6,7 +6,6 @@ One in-process gloo group of world size 1 (fast, ``caplog`` sees the warning) an
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import logging
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from sdc_forensics.trace.manifest import read_manifest
 from sdc_forensics.trace.reader import Trace, step_threads
 from sdc_forensics.trace.synthetic import write_synthetic_trace
+from tests.factories import num_threads
 
 NUM_STEPS = 6
 # (S, R) the count each rank sets before its step: rank 0 sets 1 only after building the recorder
@@ -30,14 +30,6 @@ PLAN = np.array([[1, 2, 1], [1, 2, 1], [1, 2, 1], [1, 3, 1], [1, 3, 1], [1, 3, 3
 CHANGES = {0: [], 1: [(3, 2, 3)], 2: [(5, 1, 3)]}  # rank -> [(step, old, new)]
 
 
-@contextlib.contextmanager
-def _threads(count: int):
-    saved = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def _train(trace_dir: Path, rank: int, counts_before_step, *, threads_at_build: int, threads_after_build: int, inside_step: bool) -> None:
@@ -81,7 +73,7 @@ def _free_port() -> int:
 
 def test_single_rank_records_each_steps_threads_and_warns_once_per_change(tmp_path, caplog):
     counts = [2, 2, 1, 1, 3]
-    with _threads(torch.get_num_threads()):
+    with num_threads(torch.get_num_threads()):
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
         try:
             with caplog.at_level(logging.WARNING, logger="sdc_forensics.recorder"):
