@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import click
+from rich.markup import escape
 from rich.table import Table
 
 from sdc_forensics.cli.output import emit_json, err
@@ -29,23 +30,25 @@ def inspect_cmd(trace_dir: str, as_json: bool) -> None:
 
 
 def _render(doc: dict) -> None:
+    # Every string here comes from the trace's files: escaped, so that a "[/]" in a host name is
+    # printed, not read as rich markup (types were checked when the manifest and notes were parsed).
     steps = doc["steps"]
     fp = doc["fingerprint"]
     err.print(
-        f"[bold]{doc['trace_dir']}[/]  format v{doc['format_version']}  world size {doc['world_size']}  "
-        f"steps {steps['first']}..{steps['last']} ({steps['rank_steps']} rank-steps)  recipe {doc['recipe'] or '-'}"
+        f"[bold]{escape(doc['trace_dir'])}[/]  format v{doc['format_version']}  world size {doc['world_size']}  "
+        f"steps {steps['first']}..{steps['last']} ({steps['rank_steps']} rank-steps)  recipe {escape(doc['recipe'] or '-')}"
     )
-    err.print(f"fingerprints: seed {fp['seed']:#x}, sketch k={fp['sketch_k']}, gradients in {fp['grad_dtype']}")
+    err.print(f"fingerprints: seed {fp['seed']:#x}, sketch k={fp['sketch_k']}, gradients in {escape(fp['grad_dtype'])}")
     if doc["environment"]:
         env = doc["environment"]
-        err.print(f"torch {env['torch'] or '?'}  cuda {env['cuda'] or '-'}  determinism {env['determinism'] or '-'}")
+        err.print(escape(f"torch {env['torch'] or '?'}  cuda {env['cuda'] or '-'}  determinism {env['determinism'] or '-'}"))
     ranks = Table(title="ranks (latest attempt)", title_justify="left")
     for col in ("rank", "host", "node", "local", "gpu", "job / node"):
         ranks.add_column(col)
     for r in doc["ranks"]:
         gpu = r["gpu_uuid"] or r["pci_bus_id"] or r["device"]
         job = " ".join(x for x in (r["slurm_job_id"], r["slurm_node"] or r["k8s_node"]) if x) or "-"
-        ranks.add_row(str(r["rank"]), r["host"], str(r["node_rank"]), str(r["local_rank"]), gpu, job)
+        ranks.add_row(str(r["rank"]), escape(r["host"]), str(r["node_rank"]), str(r["local_rank"]), escape(gpu), escape(job))
     err.print(ranks)
     attempts = Table(title="attempts", title_justify="left")
     for col in ("attempt", "resumed at step", "steps recorded", "records"):
@@ -59,7 +62,7 @@ def _render(doc: dict) -> None:
         for col in ("step", "path", "attempt", "blessed", "weights digest"):
             cks.add_column(col)
         for c in doc["checkpoints"]:
-            cks.add_row(str(c["step"]), c["path"], str(c["attempt"]), "yes" if c["blessed"] else "[red]no[/]", c["weights_digest"] or "-")
+            cks.add_row(str(c["step"]), escape(c["path"]), str(c["attempt"]), "yes" if c["blessed"] else "[red]no[/]", escape(c["weights_digest"] or "-"))
         err.print(cks)
     else:
         err.print("checkpoints noted: none")
@@ -70,7 +73,7 @@ def _render(doc: dict) -> None:
         for col in ("kind", "rank", "attempt", "record", "detail"):
             dmg.add_column(col)
         for d in doc["damage"][:50]:
-            dmg.add_row(d["kind"], str(d["rank"]), str(d["attempt"]), str(d["record_index"]), d["detail"])
+            dmg.add_row(d["kind"], str(d["rank"]), str(d["attempt"]), str(d["record_index"]), escape(d["detail"]))
         err.print(dmg)
         if len(doc["damage"]) > 50:
             err.print(f"… {len(doc['damage']) - 50} more in --json")

@@ -14,9 +14,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 
 from sdc_forensics.errors import TraceError
+from sdc_forensics.trace.format import MAX_STEP
+from sdc_forensics.trace.manifest import MAX_ATTEMPT, MAX_WORLD_SIZE
+from sdc_forensics.untrusted import Fields, load_json
 
 NOTES_DIR = "checkpoints"
 
@@ -74,22 +78,52 @@ def write_checkpoint_note(trace_dir: str | os.PathLike, note: CheckpointNote) ->
     return path
 
 
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+_HINT = "remove or restore it (it was not written by sdc-forensics, or is damaged)"
+
+
+def parse_checkpoint_note(doc, where: str) -> CheckpointNote:
+    """A decoded note, every field type- and range-checked; raises :class:`TraceError`."""
+    f = Fields(doc, f"{where} (checkpoint note)", TraceError, _HINT)
+    weights_digest = f.str("weights_digest", "", max_len=64)
+    tensors, file_digests = f.str_map("tensors", {}), f.str_map("file_digests", {})
+    for key, digests in (("weights_digest", [weights_digest] if weights_digest else []), ("tensors", tensors.values()),
+                         ("file_digests", file_digests.values())):
+        bad = next((d for d in digests if not _HEX16.fullmatch(d)), None)
+        if bad is not None:  # digests are 16 lowercase hex digits (hex64); anything else is not a digest
+            raise f.fail(key, "16 lowercase hex digits per digest", bad)
+    return CheckpointNote(
+        step=f.int("step", lo=0, hi=MAX_STEP),
+        path=f.str("path"),
+        attempt=f.int("attempt", 0, lo=0, hi=MAX_ATTEMPT),
+        weights_digest=weights_digest,
+        param_names=f.strs("param_names", ()),
+        tensors=tensors,
+        saved_by_rank=f.int("saved_by_rank", 0, lo=0, hi=MAX_WORLD_SIZE - 1),
+        agreeing_ranks=f.ints("agreeing_ranks", (), lo=0),
+        diverged_ranks=f.ints("diverged_ranks", (), lo=0),
+        blessed=f.bool("blessed", True),
+        file_digests=file_digests,
+        saved_ns=f.int("saved_ns", 0, lo=-(1 << 63), hi=(1 << 63) - 1),
+    )
+
+
 def read_checkpoint_notes(trace_dir: str | os.PathLike) -> list[CheckpointNote]:
-    """All notes, sorted by step; for a step noted by several attempts, the latest attempt wins."""
+    """All notes, sorted by step; for a step noted by several attempts, the latest attempt wins.
+
+    Raises:
+        TraceError: a note is not valid JSON or a field has the wrong type or range.
+    """
     folder = Path(trace_dir) / NOTES_DIR
     if not folder.is_dir():
         return []
     latest: dict[int, CheckpointNote] = {}
-    names = {f.name for f in dataclasses.fields(CheckpointNote)}
     for path in sorted(folder.glob("step-*.attempt-*.json")):
         try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-            doc = {k: v for k, v in doc.items() if k in names}
-            for key in ("param_names", "agreeing_ranks", "diverged_ranks"):
-                doc[key] = tuple(doc.get(key, ()))
-            note = CheckpointNote(**doc)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError) as exc:
-            raise TraceError(f"{path} is not a valid checkpoint note ({exc}); remove or restore it") from None
+            doc = load_json(path.read_bytes())
+        except (OSError, ValueError) as exc:
+            raise TraceError(f"{path} is not a valid checkpoint note ({exc}); {_HINT}") from None
+        note = parse_checkpoint_note(doc, str(path))
         if note.step not in latest or note.attempt >= latest[note.step].attempt:
             latest[note.step] = note
     return [latest[s] for s in sorted(latest)]

@@ -46,6 +46,9 @@ FORMAT_VERSION = 1
 FILE_MAGIC = b"SDCTRACE"
 RECORD_MAGIC = 0x52434453
 HEADER_SIZE = 64
+#: The largest step a trace may hold (2^53 - 1: exact as a JSON number and a float64, and far
+#: beyond any training run); readers refuse larger ones, so step arithmetic never overflows int64.
+MAX_STEP = (1 << 53) - 1
 _CHECKSUM_STREAM = 0xC5
 
 

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from sdc_forensics.errors import TraceError
-from sdc_forensics.trace.format import FORMAT_VERSION
+from sdc_forensics.fingerprint.tolerance import REDUCTIONS, UNIT_ROUNDOFF
+from sdc_forensics.trace.format import FORMAT_VERSION, MAX_STEP
+from sdc_forensics.untrusted import Fields, describe, is_int, load_json
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "sdc-forensics-trace"
@@ -104,44 +106,82 @@ class Manifest:
         return doc
 
 
-def _from_dict(cls, data: dict[str, Any]):
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in data.items() if k in names})
+#: Rank file names hold 5 digits of rank and 3 of attempt (``rank-RRRRR.attempt-AAA.sdct``).
+MAX_WORLD_SIZE = 100_000
+MAX_ATTEMPT = 999
+_HINT = "it was not written by sdc-forensics or is damaged: restore manifest.json from the run"
+_IDENTITY_STRINGS = ("host", "gpu_uuid", "pci_bus_id", "device", "slurm_job_id", "slurm_node", "k8s_node")
+
+
+def _rank_identity(doc: Any, where: str) -> RankIdentity:
+    f = Fields(doc, where, TraceError, _HINT)
+    return RankIdentity(
+        rank=f.int("rank", lo=0, hi=MAX_WORLD_SIZE - 1),
+        node_rank=f.int("node_rank", -1, lo=-1),
+        local_rank=f.int("local_rank", -1, lo=-1),
+        **{name: f.str(name, "", max_len=1024) for name in _IDENTITY_STRINGS},
+    )
+
+
+def _attempt(doc: Any, where: str) -> Attempt:
+    f = Fields(doc, where, TraceError, _HINT)
+    return Attempt(
+        attempt=f.int("attempt", lo=0, hi=MAX_ATTEMPT),
+        start_step=f.int("start_step", lo=0, hi=MAX_STEP),
+        started_ns=f.int("started_ns", 0, lo=-(1 << 63), hi=(1 << 63) - 1),
+        torch_version=f.str("torch_version", "", max_len=1024),
+        cuda_version=f.str("cuda_version", "", max_len=1024),
+        determinism=f.obj("determinism", {}),
+        ranks=tuple(_rank_identity(r, f"{where}, rank entry {i}") for i, r in enumerate(f.list("ranks", ()))),
+    )
+
+
+def _fingerprint(doc: Any, where: str) -> FingerprintSettings:
+    f = Fields(doc, where, TraceError, _HINT)
+    grad_dtype = f.str("grad_dtype", "float32", max_len=64)
+    if grad_dtype not in UNIT_ROUNDOFF:  # the recorder's own online checks need a tolerance model for it
+        raise f.fail("grad_dtype", "one of " + ", ".join(UNIT_ROUNDOFF), grad_dtype)
+    return FingerprintSettings(
+        seed=f.int("seed", lo=0, hi=(1 << 64) - 1),
+        sketch_k=f.int("sketch_k", lo=1, hi=0xFFFF),  # a u2 in every rank file's header
+        block_words=f.int("block_words", 1024, lo=1, hi=1 << 40),
+        block_elems=f.int("block_elems", 1024, lo=1, hi=1 << 40),
+        grad_dtype=grad_dtype,
+    )
 
 
 def parse_manifest(doc: Any, where: str = MANIFEST_NAME) -> Manifest:
-    """Turn a decoded manifest document into a :class:`Manifest`, or raise :class:`TraceError`."""
+    """Turn a decoded manifest document into a :class:`Manifest`, or raise :class:`TraceError`.
+
+    Every field is type- and range-checked here, so that nothing past the reader meets a number
+    where it expects a string (a renderer) or a step that does not fit in 64 bits.
+    """
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise TraceError(f"{where} is not an sdc-forensics trace manifest (no \"format\": \"{FORMAT_NAME}\")")
     version = doc.get("format_version")
-    if version != FORMAT_VERSION:
+    if not is_int(version) or version != FORMAT_VERSION:
         raise TraceError(
-            f"{where} has trace format version {version!r}; this sdc-forensics reads version "
+            f"{where} has trace format version {version if is_int(version) else describe(version)}; this sdc-forensics reads version "
             f"{FORMAT_VERSION}: upgrade sdc-forensics, or re-export the trace with the version that wrote it"
         )
-    try:
-        attempts = tuple(
-            dataclasses.replace(
-                _from_dict(Attempt, a),
-                ranks=tuple(_from_dict(RankIdentity, r) for r in a.get("ranks", ())),
-            )
-            for a in doc.get("attempts", ())
-        )
-        return Manifest(
-            format_version=version,
-            world_size=int(doc["world_size"]),
-            fingerprint=_from_dict(FingerprintSettings, doc["fingerprint"]),
-            recipe=doc.get("recipe"),
-            reduction=doc.get("reduction", "mean"),
-            checkpoint_every=doc.get("checkpoint_every"),
-            audit_every=doc.get("audit_every"),
-            weights_every=int(doc.get("weights_every", 1)),
-            node_of_rank=tuple(doc.get("node_of_rank", ())),
-            attempts=attempts,
-            extra=dict(doc.get("extra", {})),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise TraceError(f"{where} is malformed ({exc!r}); it was not written by sdc-forensics or is damaged") from None
+    f = Fields(doc, where, TraceError, _HINT)
+    world_size = f.int("world_size", lo=1, hi=MAX_WORLD_SIZE)
+    reduction = f.str("reduction", "mean")
+    if reduction not in REDUCTIONS:
+        raise f.fail("reduction", " or ".join(f'"{r}"' for r in REDUCTIONS), reduction)
+    return Manifest(
+        format_version=version,
+        world_size=world_size,
+        fingerprint=_fingerprint(f.doc.get("fingerprint"), f"{where}, \"fingerprint\""),
+        recipe=f.str("recipe", None, none=True, max_len=1024),
+        reduction=reduction,
+        checkpoint_every=f.int("checkpoint_every", None, lo=1, hi=MAX_STEP, none=True),
+        audit_every=f.int("audit_every", None, lo=0, hi=MAX_STEP, none=True),
+        weights_every=f.int("weights_every", 1, lo=0, hi=MAX_STEP),
+        node_of_rank=f.ints("node_of_rank", (), lo=0),
+        attempts=tuple(_attempt(a, f"{where}, attempt entry {i}") for i, a in enumerate(f.list("attempts", ()))),
+        extra=f.obj("extra", {}),
+    )
 
 
 def read_manifest(trace_dir: str | os.PathLike) -> Manifest:
@@ -152,9 +192,9 @@ def read_manifest(trace_dir: str | os.PathLike) -> Manifest:
     if not path.is_file():
         raise TraceError(f"{trace_dir} has no {MANIFEST_NAME}: not a trace directory (or the run never started)")
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TraceError(f"{path} is not valid JSON ({exc}); the manifest is damaged") from None
+        doc = load_json(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise TraceError(f"{path} is not valid JSON ({exc}); the manifest is damaged: restore it from the run") from None
     return parse_manifest(doc, str(path))
 
 

@@ -136,18 +136,29 @@ class Trace:
         return self.manifest.fingerprint.sketch_k
 
     def valid_mask(self, rank_file: RankFile) -> np.ndarray:
-        """``(N,)`` bool: records of this file whose magic and checksum are right."""
+        """``(N,)`` bool: records of this file whose magic and checksum are right.
+
+        Raises:
+            TraceError: a record with a right checksum holds a step outside ``0..MAX_STEP``: no
+                damage does that (the checksum says it was written so), the file is foreign or
+                crafted, and steps that large would overflow the step arithmetic downstream.
+        """
         key = (rank_file.rank, rank_file.attempt)
         if key not in self._valid:
             recs = rank_file.records
             mask = np.empty(len(recs), dtype=bool)
             for start in range(0, len(recs), CHUNK_RECORDS):
                 chunk = recs[start : start + CHUNK_RECORDS]
-                mask[start : start + len(chunk)] = (
-                    (F.checksums(chunk) == chunk["checksum"])
-                    & (chunk["magic"] == F.RECORD_MAGIC)
-                    & (chunk["rank"] == rank_file.rank)
-                )
+                ok = (F.checksums(chunk) == chunk["checksum"]) & (chunk["magic"] == F.RECORD_MAGIC) & (chunk["rank"] == rank_file.rank)
+                steps = chunk["step"]
+                wild = np.flatnonzero(ok & ((steps < 0) | (steps > F.MAX_STEP)))
+                if wild.size:
+                    index = start + int(wild[0])
+                    raise TraceError(
+                        f"{rank_file.path}: record {index} holds step {int(steps[wild[0]])}, outside 0..{F.MAX_STEP}, with a valid "
+                        "checksum: the file was not written by sdc-forensics; remove it from the trace directory or restore it from the run"
+                    )
+                mask[start : start + len(chunk)] = ok
             self._valid[key] = mask
         return self._valid[key]
 

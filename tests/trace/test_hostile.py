@@ -1,0 +1,179 @@
+"""Hostile traces (issue #9): each crash site found by mutation ends in one line on stderr and
+exit 3 for ``inspect`` and ``bisect --trace-only``, never a traceback or exit 1 (which means
+"corruption found"), and the trace directory is left unchanged. Numpy only: no torch here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from sdc_forensics.cli.main import cli
+from sdc_forensics.trace import format as F
+from sdc_forensics.trace.checkpoints import CheckpointNote, note_path, write_checkpoint_note
+from tests.factories import tree_sha256
+
+COMMANDS = {"inspect": ("inspect",), "bisect": ("bisect", "--trace-only")}
+
+
+def _run_bad(trace: Path, command: str) -> str:
+    """``command`` on a hostile trace: exit 3, one line on stderr, no traceback, the trace unchanged."""
+    before = tree_sha256(trace)
+    name, *flags = COMMANDS[command]
+    result = CliRunner().invoke(cli, [name, str(trace), *flags])
+    assert result.exit_code == 3, (result.output, result.exception)
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert result.stdout == ""
+    assert tree_sha256(trace) == before
+    return lines[0]
+
+
+@pytest.fixture
+def trace(make_trace) -> Path:
+    return make_trace(ranks=2, steps=4)
+
+
+def _edit_manifest(trace: Path, edit) -> None:
+    doc = json.loads((trace / "manifest.json").read_text())
+    edit(doc)
+    (trace / "manifest.json").write_text(json.dumps(doc))
+
+
+def _rank0(doc: dict) -> dict:
+    return doc["attempts"][0]["ranks"][0]
+
+
+MANIFEST_MUTATIONS = {
+    # manifest._from_dict: ``r.items()`` on a rank entry that is not an object (AttributeError)
+    "rank-entry-a-number": lambda d: d["attempts"][0]["ranks"].__setitem__(0, 5),
+    "attempt-entry-a-string": lambda d: d["attempts"].__setitem__(0, "x"),
+    "attempts-an-object": lambda d: d.__setitem__("attempts", {"a": 1}),
+    # the rich renderers of inspect: a string field that is a number (NotRenderableError)
+    "host-a-number": lambda d: _rank0(d).__setitem__("host", 5),
+    "gpu-uuid-a-list": lambda d: _rank0(d).__setitem__("gpu_uuid", ["GPU-0"]),
+    "torch-version-a-number": lambda d: d["attempts"][0].__setitem__("torch_version", 2.13),
+    "recipe-a-number": lambda d: d.__setitem__("recipe", 5),
+    "grad-dtype-a-number": lambda d: d["fingerprint"].__setitem__("grad_dtype", 32),
+    "grad-dtype-unknown": lambda d: d["fingerprint"].__setitem__("grad_dtype", "float7"),  # bisect's tolerance: ValueError
+    "rank-a-string": lambda d: _rank0(d).__setitem__("rank", "0"),
+    "start-step-beyond-max-step": lambda d: d["attempts"][0].__setitem__("start_step", 2**63),
+    "world-size-a-string": lambda d: d.__setitem__("world_size", "2"),
+    "world-size-zero": lambda d: d.__setitem__("world_size", 0),
+    "sketch-k-a-float": lambda d: d["fingerprint"].__setitem__("sketch_k", 8.0),
+    "seed-negative": lambda d: d["fingerprint"].__setitem__("seed", -1),
+    "fingerprint-a-list": lambda d: d.__setitem__("fingerprint", [1]),
+    "node-of-rank-of-strings": lambda d: d.__setitem__("node_of_rank", ["0", "0"]),
+    "reduction-unknown": lambda d: d.__setitem__("reduction", "max"),
+    "determinism-a-list": lambda d: d["attempts"][0].__setitem__("determinism", [1]),
+    "extra-nested-900-deep": lambda d: d.__setitem__("extra", {"x": json.loads("[" * 900 + "]" * 900)}),
+    "format-version-a-list": lambda d: d.__setitem__("format_version", [1]),
+}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+@pytest.mark.parametrize("mutation", sorted(MANIFEST_MUTATIONS))
+def test_manifest_field_of_the_wrong_type(trace, mutation, command):
+    _edit_manifest(trace, MANIFEST_MUTATIONS[mutation])
+    assert "manifest.json" in _run_bad(trace, command)
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_manifest_nested_deeper_than_python_decodes(trace, command):
+    (trace / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert "nested too deeply" in _run_bad(trace, command)
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoint notes (trace/checkpoints.read_checkpoint_notes)
+
+
+def _note(trace: Path) -> Path:
+    return write_checkpoint_note(trace, CheckpointNote(step=2, path="ckpt/step-00000002.pt", weights_digest="0123456789abcdef",
+                                                       tensors={"w": "fedcba9876543210"}, agreeing_ranks=(0, 1)))
+
+
+def _set(doc: dict, key: str, value) -> dict:
+    doc[key] = value
+    return doc
+
+
+# name -> the note document to write instead of a valid one
+NOTE_MUTATIONS = {
+    "not-an-object": lambda d: [1, 2],
+    "step-a-string": lambda d: _set(d, "step", "2"),  # bisect: '>=' between str and int
+    "step-missing": lambda d: {k: v for k, v in d.items() if k != "step"},
+    "path-a-number": lambda d: _set(d, "path", 3),  # inspect's renderer
+    "tensors-a-list": lambda d: _set(d, "tensors", [1]),
+    "tensor-digest-a-number": lambda d: _set(d, "tensors", {"w": 5}),
+    "weights-digest-rich-markup": lambda d: _set(d, "weights_digest", "[/w]"),  # not a digest; rich would choke on it
+    "blessed-a-string": lambda d: _set(d, "blessed", "yes"),
+    "agreeing-ranks-of-strings": lambda d: _set(d, "agreeing_ranks", ["0"]),
+    "attempt-negative": lambda d: _set(d, "attempt", -1),
+}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+@pytest.mark.parametrize("mutation", sorted(NOTE_MUTATIONS))
+def test_checkpoint_note_field_of_the_wrong_type(trace, mutation, command):
+    path = _note(trace)
+    path.write_text(json.dumps(NOTE_MUTATIONS[mutation](json.loads(path.read_text()))))
+    assert "checkpoint note" in _run_bad(trace, command)
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_checkpoint_note_nested_deeper_than_python_decodes(trace, command):
+    """``read_checkpoint_notes``: was ``RecursionError``."""
+    note_path(trace, 2, 0).parent.mkdir(parents=True, exist_ok=True)
+    note_path(trace, 2, 0).write_text('{"step": 2, "path": "x", "tensors": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert "nested too deeply" in _run_bad(trace, command)
+
+
+# ---------------------------------------------------------------------------------------------
+# rank files: a record with a valid checksum and an impossible step
+
+
+def _set_step(trace: Path, index: int, step: int) -> None:
+    """Give record ``index`` of rank 0's file ``step`` and a valid checksum (a crafted file)."""
+    path = trace / "rank-00000.attempt-000.sdct"
+    raw = path.read_bytes()
+    records = np.frombuffer(raw[F.HEADER_SIZE :], dtype=F.record_dtype(8)).copy()
+    records["step"][index] = step
+    F.seal(records)
+    path.write_bytes(raw[: F.HEADER_SIZE] + records.tobytes())
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+@pytest.mark.parametrize("index", [0, -1], ids=["first-record", "last-record"])
+@pytest.mark.parametrize("step", [2**63 - 1, F.MAX_STEP + 1, -1])
+def test_record_step_out_of_range_with_a_valid_checksum(trace, command, index, step):
+    """``reader._dense_first_step``: 2^63-1 overflowed ``np.arange`` (first record) or made the step
+    windows span 2^63 steps (last record)."""
+    _set_step(trace, index, step)
+    assert "valid checksum" in _run_bad(trace, command)
+
+
+def test_the_largest_allowed_step_is_still_read(trace):
+    """The bound is a bound, not an off-by-one: a record at MAX_STEP is data, not an error."""
+    from sdc_forensics.trace.reader import Trace
+
+    _set_step(trace, -1, F.MAX_STEP)
+    opened = Trace.open(trace)
+    assert opened.step_range() == (0, F.MAX_STEP)
+
+
+# ---------------------------------------------------------------------------------------------
+# strings that are strings, but look like rich markup, are printed as they are
+
+
+def test_inspect_prints_markup_in_trace_strings_literally(trace):
+    _edit_manifest(trace, lambda d: (_rank0(d).__setitem__("host", "[/]"), d.__setitem__("recipe", "[bold]x[/bold]")))
+    _note(trace)
+    result = CliRunner().invoke(cli, ["inspect", str(trace)])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "[/]" in result.stderr and "[bold]x[/bold]" in result.stderr
