@@ -24,7 +24,9 @@ import io
 import math
 import pathlib
 import pickle
+import struct
 import zipfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -177,6 +179,15 @@ class DcpReader(CheckpointReader):
             with zipfile.ZipFile(data) as archive:
                 for member in archive.infolist():
                     archive.read(member)  # raises BadZipFile on a CRC mismatch
+        except UnicodeDecodeError as exc:  # a flipped byte in a member name flagged UTF-8
+            raise CheckpointError(
+                f"{self.root}: chunk of {fqn!r} in {info.relative_path} has a zip entry name {exc.object[:80]!r} that is not valid UTF-8: "
+                "its bytes are damaged"
+            ) from None
+        except (zlib.error, EOFError, ValueError, struct.error, NotImplementedError, RuntimeError, OSError) as exc:
+            raise CheckpointError(
+                f"{self.root}: chunk of {fqn!r} in {info.relative_path} is not a readable torch.save archive ({type(exc).__name__}: {exc})"
+            ) from None
         except zipfile.BadZipFile as exc:
             if "CRC" not in str(exc):
                 raise CheckpointError(f"{self.root}: chunk of {fqn!r} in {info.relative_path} is not a torch.save archive ({exc})") from None
@@ -214,11 +225,80 @@ def _load_metadata(meta_path: Path):
     try:
         with open(meta_path, "rb") as fh:
             metadata = _MetadataUnpickler(fh).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError, IndexError) as exc:
-        raise CheckpointError(f"{meta_path} cannot be loaded safely ({type(exc).__name__}: {exc}): damaged or not DCP metadata") from None
+    except Exception as exc:  # noqa: BLE001 - only allow-listed classes are built; any failure means "damaged metadata"
+        # (UnpicklingError, EOFError, a RuntimeError from TensorProperties.__setstate__, RecursionError, ...)
+        text = " ".join(str(exc).split())[:200]
+        raise CheckpointError(f"{meta_path} cannot be loaded safely ({type(exc).__name__}: {text}): damaged or not DCP metadata") from None
     if type(metadata).__name__ != "Metadata":
         raise CheckpointError(f"{meta_path} does not hold DCP Metadata (found {type(metadata).__name__})")
+    _check_types(meta_path, metadata)
     return metadata
+
+
+_MISSING = object()
+_INT64_MAX = (1 << 63) - 1
+
+
+def _dims(value: Any) -> tuple[int, ...] | None:
+    """``value`` as a tuple of integers in 0..2^63-1 (a torch.Size, tuple or list), else None."""
+    if not isinstance(value, (tuple, list)) or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= _INT64_MAX for d in value):
+        return None
+    return tuple(value)
+
+
+def _check_types(meta_path: Path, metadata) -> None:
+    """Every field the reader uses has the type and range DCP writes, or :class:`CheckpointError`.
+
+    The unpickler only builds allow-listed classes, but their fields can hold anything (a string
+    offset, a None chunk list, a missing attribute); this is checked once here, at the parse
+    boundary, so the checks and reads after it never meet a wrong type.
+    """
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+
+    def bad(what: str, expected: str, value: Any) -> CheckpointError:
+        found = "nothing" if value is _MISSING or value is None else f"a value of type {type(value).__name__}"
+        return CheckpointError(f"{meta_path}: {what} must be {expected}, found {found}: the metadata is damaged or not DCP's")
+
+    dims = "a tuple of integers in 0..2^63-1"
+    state = getattr(metadata, "state_dict_metadata", _MISSING)
+    storage = getattr(metadata, "storage_data", _MISSING)
+    if not isinstance(state, dict) or not isinstance(storage, dict):
+        raise CheckpointError(f"{meta_path} lacks storage_data or state_dict_metadata: damaged")
+    for fqn, meta in state.items():
+        if not isinstance(fqn, str):
+            raise bad("a state_dict_metadata key", "a string", fqn)
+        if isinstance(meta, BytesStorageMetadata):
+            continue
+        if not isinstance(meta, TensorStorageMetadata):
+            raise CheckpointError(f"{meta_path}: {fqn!r} has unknown metadata type {type(meta).__name__}")
+        dtype = getattr(getattr(meta, "properties", None), "dtype", None)
+        if not isinstance(dtype, torch.dtype):
+            raise bad(f"the dtype of {fqn!r}", "a torch dtype", dtype)
+        size = _dims(getattr(meta, "size", None))
+        if size is None or math.prod(d for d in size if d) > _INT64_MAX:
+            raise bad(f"the size of {fqn!r}", dims + " with a product that fits in 64 bits", getattr(meta, "size", None))
+        chunks = getattr(meta, "chunks", None)
+        if not isinstance(chunks, list):
+            raise bad(f"the chunk list of {fqn!r}", "a list", chunks)
+        for chunk in chunks:
+            if not isinstance(chunk, ChunkStorageMetadata):
+                raise bad(f"a chunk of {fqn!r}", "a ChunkStorageMetadata", chunk)
+            for name in ("offsets", "sizes"):
+                if _dims(getattr(chunk, name, None)) is None:
+                    raise bad(f"the {name} of a chunk of {fqn!r}", dims, getattr(chunk, name, None))
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(getattr(index, "fqn", None), str):
+            raise bad("a storage_data key", "a MetadataIndex with a string fqn", index)
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, (str, pathlib.PurePath)):
+            raise bad(f"the file name of item {index.fqn!r}", "a string", rel)
+        for name in ("offset", "length"):
+            value = getattr(info, name, None)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= _INT64_MAX:
+                raise bad(f"the {name} of item {index.fqn!r}", "an integer in 0..2^63-1", value)
+        transforms = getattr(info, "transform_descriptors", None)
+        if transforms is not None and not isinstance(transforms, (list, tuple)):
+            raise bad(f"the storage transforms of item {index.fqn!r}", "a list or nothing", transforms)
 
 
 def _check_coverage(root: Path, fqn: str, size: tuple[int, ...], chunks) -> None:

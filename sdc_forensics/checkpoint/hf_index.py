@@ -16,7 +16,6 @@ for ``.bin``/``.pt`` shards, never unpickling anything outside the ``weights_onl
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,9 +25,12 @@ from sdc_forensics.checkpoint.base import CheckpointReader, FileIssue, MappedFil
 from sdc_forensics.checkpoint.safetensors_reader import SafetensorsReader
 from sdc_forensics.checkpoint.torch_reader import TorchReader
 from sdc_forensics.errors import CheckpointError
+from sdc_forensics.untrusted import MAX_DEPTH, depth, describe, load_json
 
 INDEX_SUFFIX = ".safetensors.index.json"
 INDEX_SUFFIXES = (INDEX_SUFFIX, ".bin.index.json", ".pt.index.json")
+#: The longest file name (bytes) common file systems allow: a longer shard name cannot exist.
+MAX_NAME_BYTES = 255
 
 
 def is_index_name(name: str) -> bool:
@@ -63,7 +65,11 @@ class HfIndexReader(CheckpointReader):
         try:
             for shard in sorted(set(self.weight_map.values())):
                 shard_path = self.root / shard
-                if not shard_path.is_file():
+                try:
+                    found = shard_path.is_file()
+                except OSError as exc:  # is_file() answers False only for a few errnos (ENAMETOOLONG, EACCES raise)
+                    raise CheckpointError(f"{index_path} names shard {shard[:80]!r}, which cannot be looked up ({exc.strerror}): check the index") from None
+                if not found:
                     raise CheckpointError(
                         f"{index_path} names shard {shard!r}, which does not exist in {self.root}: the checkpoint is incomplete"
                     )
@@ -128,16 +134,23 @@ def read_index(index_path: Path) -> tuple[dict[str, str], dict]:
         raise CheckpointError(f"{index_path} does not exist or is not a file")
     try:
         with open(index_path, "rb") as fh:  # read-only
-            doc = json.loads(fh.read().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            doc = load_json(fh.read())  # ValueError for bad UTF-8/JSON, deep nesting, 5,000-digit integers
+    except (OSError, ValueError) as exc:
         raise CheckpointError(f"{index_path} is not valid JSON ({exc}): the index is damaged") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index_path} has no non-empty \"weight_map\" object: not a safetensors index")
     for name, shard in weight_map.items():
-        if not isinstance(shard, str) or not shard or "/" in shard or "\\" in shard or shard in (".", ".."):
-            raise CheckpointError(f"{index_path}: tensor {name!r} maps to {shard!r}; shards must be plain file names next to the index")
+        if not isinstance(shard, str) or not shard or "/" in shard or "\\" in shard or "\0" in shard or shard in (".", ".."):
+            raise CheckpointError(
+                f"{index_path}: tensor {name[:80]!r} maps to {describe(shard)}; shards must be plain file names next to the index"
+            )
+        if len(shard.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+            raise CheckpointError(
+                f"{index_path}: tensor {name[:80]!r} maps to a shard name of {len(shard)} characters, longer than a file name can be "
+                f"({MAX_NAME_BYTES} bytes): the index is damaged"
+            )
     metadata = doc.get("metadata") or {}
-    if not isinstance(metadata, dict):
-        raise CheckpointError(f"{index_path}: \"metadata\" must be an object")
+    if not isinstance(metadata, dict) or depth(metadata, MAX_DEPTH + 1) > MAX_DEPTH:
+        raise CheckpointError(f"{index_path}: \"metadata\" must be an object nested at most {MAX_DEPTH} levels: the index is damaged")
     return dict(weight_map), metadata

@@ -20,7 +20,6 @@ every defect be named precisely without ever loading a tensor.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,8 +28,10 @@ import torch
 
 from sdc_forensics.checkpoint.base import MappedFile, SingleFileReader, TensorInfo, typed_view
 from sdc_forensics.errors import CheckpointError
+from sdc_forensics.untrusted import describe, is_int, load_json
 
 MAX_HEADER_BYTES = 100_000_000
+_INT64_MAX = (1 << 63) - 1
 
 #: safetensors dtype code -> (torch dtype, bytes per element)
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -115,8 +116,8 @@ def _parse(path: Path, mapped: MappedFile):
     if header_len > MAX_HEADER_BYTES:
         raise CheckpointError(f"{path}: header length {header_len} exceeds the 100 MB safetensors limit: not a valid file")
     try:
-        header = json.loads(bytes(buf[8 : 8 + header_len]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        header = load_json(buf[8 : 8 + header_len])  # ValueError for bad UTF-8/JSON, deep nesting, 5,000-digit integers
+    except ValueError as exc:
         raise CheckpointError(f"{path}: the header is not valid UTF-8 JSON ({exc}): the file is damaged or not safetensors") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: the header is JSON but not an object: the file is damaged or not safetensors")
@@ -134,17 +135,19 @@ def _entry(path: Path, name: str, spec, data_len: int):
     if not isinstance(spec, dict) or set(spec) - {"dtype", "shape", "data_offsets"} or len(spec) != 3:
         raise CheckpointError(f"{path}: tensor {name!r} needs exactly dtype, shape and data_offsets in the header")
     code, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
-    if code not in DTYPES:
-        raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {code!r} (known: {', '.join(DTYPES)})")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise CheckpointError(f"{path}: tensor {name!r} has an invalid shape {shape!r} (a list of non-negative integers)")
+    if not isinstance(code, str) or code not in DTYPES:
+        raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {describe(code)} (known: {', '.join(DTYPES)})")
+    if not isinstance(shape, list) or not all(is_int(d) and 0 <= d <= _INT64_MAX for d in shape):
+        raise CheckpointError(f"{path}: tensor {name!r} has an invalid shape {describe(shape)} (a list of integers in 0..2^63-1)")
+    if math.prod(d for d in shape if d) > _INT64_MAX:  # torch multiplies every dimension, zeros last or not
+        raise CheckpointError(f"{path}: tensor {name!r} has shape dimensions whose product overflows 64 bits: the header is damaged")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
-        or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
+        or not all(is_int(o) and 0 <= o <= _INT64_MAX for o in offsets)
         or offsets[0] > offsets[1]
     ):
-        raise CheckpointError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r} (two integers, begin <= end)")
+        raise CheckpointError(f"{path}: tensor {name!r} has invalid data_offsets {describe(offsets)} (two integers, begin <= end)")
     dtype, itemsize = DTYPES[code]
     begin, end = offsets
     expected = math.prod(shape) * itemsize

@@ -135,7 +135,10 @@ class TorchReader(SingleFileReader):
         try:
             self._check_archive()
             self._payload = self._load()
-            self._flat = flatten_state(self._payload)
+            try:
+                self._flat = flatten_state(self._payload)
+            except RecursionError:
+                raise CheckpointError(f"{path}: its state is nested deeper than Python can walk: damaged or not a training checkpoint") from None
         except CheckpointError:
             self._file.close()
             raise
@@ -145,7 +148,11 @@ class TorchReader(SingleFileReader):
         head = bytes(buf[:2])
         try:
             archive = zipfile.ZipFile(path)  # opened read-only
-        except (zipfile.BadZipFile, OSError) as exc:
+        except UnicodeDecodeError as exc:  # a flipped byte in a member name flagged UTF-8
+            raise CheckpointError(
+                f"{path}: the zip entry name {exc.object[:80]!r} is not valid UTF-8: the archive's directory is damaged"
+            ) from None
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, struct.error, EOFError, NotImplementedError) as exc:
             if head[:1] == b"\x80":
                 raise PickleRefused(
                     f"{path} is a raw (legacy) pickle, not a torch.save zip archive; it is refused because loading it would "
@@ -171,7 +178,11 @@ class TorchReader(SingleFileReader):
     def _member_bytes(self, archive: zipfile.ZipFile, member: zipfile.ZipInfo):
         """A member's stored bytes as a view of the map (read through zipfile if compressed)."""
         size, buf = self._file.size, self._file.buffer()
-        start = member.header_offset
+        start = member.header_offset  # zipfile adds the offset of the archive in the file: negative when bytes are missing at the start
+        if start < 0:
+            raise CheckpointError(
+                f"{self.path}: member {member.filename} would start {-start} byte(s) before the file: bytes are missing at its start"
+            )
         if start + _LOCAL_HEADER.size > size:
             raise CheckpointError(f"{self.path}: member {member.filename} starts beyond the end of the file: the archive is truncated")
         fields = _LOCAL_HEADER.unpack(buf[start : start + _LOCAL_HEADER.size])
@@ -185,8 +196,9 @@ class TorchReader(SingleFileReader):
         try:
             with archive.open(member) as fh:
                 return fh.read()
-        except (zipfile.BadZipFile, zlib.error, OSError) as exc:
-            raise CheckpointError(f"{self.path}: member {member.filename} cannot be decompressed ({exc})") from None
+        except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as exc:
+            # RuntimeError: an encrypted member; NotImplementedError: an unknown compression method
+            raise CheckpointError(f"{self.path}: member {member.filename} cannot be decompressed ({type(exc).__name__}: {exc})") from None
 
     def _check_pickle(self, data: bytes) -> None:
         allowed = _allowed_globals()

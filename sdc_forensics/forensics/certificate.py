@@ -31,6 +31,8 @@ from sdc_forensics.checkpoint.verify import FileChecksum, Finding, FindingKind, 
 from sdc_forensics.errors import InvalidInputError
 from sdc_forensics.fingerprint import constants as C
 from sdc_forensics.forensics.decision import CheckpointStatus, Status, last_clean
+from sdc_forensics.trace.format import MAX_STEP
+from sdc_forensics.untrusted import Fields, describe, is_int, load_json
 
 FORMAT_NAME = "sdc-forensics-certificate"
 CERTIFICATE_VERSION = 2  # 2: statuses clean / unverified / tainted / corrupt from forensics.decision
@@ -124,47 +126,69 @@ def write_certificate(path: str | os.PathLike, cert: Certificate) -> Path:
     return path
 
 
+_HINT = "it was not written by sdc-forensics or is damaged: run `sdc-forensics certify TRACE_DIR --certificate-out FILE` again"
+
+
+def _enum(f: Fields, key: str, enum_cls):
+    value = f.str(key)
+    try:
+        return enum_cls(value)
+    except ValueError:
+        raise f.fail(key, "one of " + ", ".join(m.value for m in enum_cls), value) from None
+
+
+def _file_checksum(doc, where: str) -> FileChecksum:
+    f = Fields(doc, where, InvalidInputError, _HINT)
+    return FileChecksum(name=f.str("name"), size_bytes=f.int("size_bytes", lo=0, hi=(1 << 63) - 1), digest=f.str("digest", max_len=64))
+
+
+def _finding(doc, where: str) -> Finding:
+    f = Fields(doc, where, InvalidInputError, _HINT)
+    return Finding(kind=_enum(f, "kind", FindingKind), **{key: f.str(key, "") for key in ("subject", "expected", "found", "detail")})
+
+
+def _entry(doc, where: str) -> CertifiedCheckpoint:
+    f = Fields(doc, where, InvalidInputError, _HINT)
+    return CertifiedCheckpoint(
+        step=f.int("step", lo=0, hi=MAX_STEP),
+        path=f.str("path"),
+        status=_enum(f, "status", Status),
+        reasons=f.strs("reasons", ()),
+        format=f.str("format", "", max_len=64),
+        weights_digest=f.str("weights_digest", "", max_len=64),
+        files=tuple(_file_checksum(x, f"{where}, file {i}") for i, x in enumerate(f.list("files", ()))),
+        evidence=tuple(_finding(x, f"{where}, evidence {i}") for i, x in enumerate(f.list("evidence", ()))),
+    )
+
+
 def read_certificate(path: str | os.PathLike) -> Certificate:
-    """Read and validate a certificate; raises :class:`InvalidInputError` if it is not one."""
+    """Read and validate a certificate; raises :class:`InvalidInputError` if it is not one.
+
+    Every field is type- and range-checked here (a number where a path belongs, a list where a
+    status belongs, JSON nested deeper than Python can decode all end in one line).
+    """
     path = Path(path)
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        doc = load_json(path.read_bytes())
+    except (OSError, ValueError) as exc:
         raise InvalidInputError(f"{path} is not a readable JSON certificate ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise InvalidInputError(f"{path} is not an sdc-forensics certificate (no \"format\": \"{FORMAT_NAME}\")")
-    if doc.get("certificate_version") != CERTIFICATE_VERSION:
-        raise InvalidInputError(f"{path} has certificate version {doc.get('certificate_version')!r}; this tool reads "
+    version = doc.get("certificate_version")
+    if not is_int(version) or version != CERTIFICATE_VERSION:
+        raise InvalidInputError(f"{path} has certificate version {version if is_int(version) else describe(version)}; this tool reads "
                                 f"{CERTIFICATE_VERSION}: run `sdc-forensics certify TRACE_DIR --certificate-out FILE` again")
-    try:
-        entries = tuple(
-            CertifiedCheckpoint(
-                step=int(e["step"]),
-                path=str(e["path"]),
-                status=Status(e["status"]),
-                reasons=tuple(e.get("reasons", ())),
-                format=str(e.get("format", "")),
-                weights_digest=str(e.get("weights_digest", "")),
-                files=tuple(FileChecksum(name=str(f["name"]), size_bytes=int(f["size_bytes"]), digest=str(f["digest"])) for f in e.get("files", ())),
-                evidence=tuple(
-                    Finding(kind=FindingKind(f["kind"]), subject=f.get("subject", ""), expected=f.get("expected", ""), found=f.get("found", ""), detail=f.get("detail", ""))
-                    for f in e.get("evidence", ())
-                ),
-            )
-            for e in doc["checkpoints"]
-        )
-        return Certificate(
-            tool_version=str(doc.get("tool_version", "")),
-            created_utc=str(doc.get("created_utc", "")),
-            seed=int(doc["seed"]),
-            trace_dir=str(doc.get("trace_dir", "")),
-            first_divergent_step=doc.get("first_divergent_step"),
-            resume_step=doc.get("resume_step"),
-            resume_path=doc.get("resume_path"),
-            checkpoints=entries,
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InvalidInputError(f"{path} is a malformed certificate ({exc!r})") from None
+    f = Fields(doc, str(path), InvalidInputError, _HINT)
+    return Certificate(
+        tool_version=f.str("tool_version", "", max_len=256),
+        created_utc=f.str("created_utc", "", max_len=256),
+        seed=f.int("seed", lo=0, hi=(1 << 64) - 1),
+        trace_dir=f.str("trace_dir", ""),
+        first_divergent_step=f.int("first_divergent_step", None, lo=0, hi=MAX_STEP, none=True),
+        resume_step=f.int("resume_step", None, lo=0, hi=MAX_STEP, none=True),
+        resume_path=f.str("resume_path", None, none=True),
+        checkpoints=tuple(_entry(e, f"{path}, checkpoint entry {i}") for i, e in enumerate(f.list("checkpoints"))),
+    )
 
 
 def check_against_certificate(report: VerificationReport, entry: CertifiedCheckpoint) -> list[Finding]:

@@ -1,0 +1,320 @@
+"""Hostile checkpoints and certificates (issue #9): each crash site found by mutation ends in one
+line on stderr and exit 3 (unreadable or invalid input), never a traceback or exit 1, and the
+input is left unchanged. One test per site, each building its file in ``tmp_path``."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import struct
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from sdc_forensics.checkpoint import open_checkpoint
+from sdc_forensics.cli.main import cli
+from sdc_forensics.errors import CheckpointError
+from tests.factories import tree_sha256, write_safetensors_raw
+
+F32_4 = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
+
+
+def _run_bad(path: Path, *extra: str, args: tuple[str, ...] | None = None) -> str:
+    """``verify-checkpoint PATH`` (or ``args``) on a hostile input: exit 3, one line on stderr, no
+    traceback, nothing on stdout, every file under ``path`` unchanged. Returns the line."""
+    before = tree_sha256(path)
+    result = CliRunner().invoke(cli, list(args) if args is not None else ["verify-checkpoint", str(path), *extra])
+    assert result.exit_code == 3, (result.output, result.exception)
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert result.stdout == ""
+    assert tree_sha256(path) == before
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.save zip archives
+
+
+def _pt(tmp_path: Path) -> bytes:
+    path = tmp_path / "good.pt"
+    torch.save({"model": {"w": torch.ones(4)}, "step": 2}, path)
+    return path.read_bytes()
+
+
+def test_pt_missing_its_first_byte(tmp_path):
+    """``_member_bytes``: the archive's offsets shift by one; was ``struct.error``."""
+    path = tmp_path / "x.pt"
+    path.write_bytes(_pt(tmp_path)[1:])
+    assert "missing at its start" in _run_bad(path)
+
+
+@pytest.mark.parametrize("which", [0, -1])
+def test_pt_zip_entry_name_with_a_flipped_byte(tmp_path, which):
+    """``_check_archive``: a name flagged UTF-8 that no longer decodes; was ``UnicodeDecodeError``."""
+    raw = bytearray(_pt(tmp_path))
+    entries = [i for i in range(len(raw)) if raw[i : i + 4] == b"PK\x01\x02"]
+    raw[entries[which] + 46 + 1] ^= 0x80  # second byte of that central-directory entry's name
+    path = tmp_path / "x.pt"
+    path.write_bytes(bytes(raw))
+    assert "not valid UTF-8" in _run_bad(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors and Hugging Face indexes
+
+
+def _raw_safetensors(path: Path, header: bytes, data: bytes = b"") -> Path:
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    return path
+
+
+@pytest.mark.parametrize("header", [b"[" * 100_000 + b"]" * 100_000, b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"],
+                         ids=["top-level", "in-an-entry"])
+def test_safetensors_header_nested_deeper_than_python_decodes(tmp_path, header):
+    """``safetensors_reader._parse``: was ``RecursionError``."""
+    assert "nested too deeply" in _run_bad(_raw_safetensors(tmp_path / "x.safetensors", header))
+
+
+def test_safetensors_dtype_that_is_a_list(tmp_path):
+    """``safetensors_reader._entry``: ``code not in DTYPES`` hashed a list; was ``TypeError``."""
+    header = {"a": {"dtype": ["F32"], "shape": [4], "data_offsets": [0, 16]}}
+    assert "unknown dtype" in _run_bad(write_safetensors_raw(tmp_path / "x.safetensors", header, bytes(16)))
+
+
+def test_safetensors_integer_of_5000_digits(tmp_path):
+    """Python refuses to convert it; was ``ValueError``."""
+    header = b'{"a": {"dtype": "F32", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 16]}}'
+    assert "digits" in _run_bad(_raw_safetensors(tmp_path / "x.safetensors", header, bytes(16)))
+
+
+@pytest.mark.parametrize("shape", [[0, 2**63], [2**63, 0], [2**62, 4, 0]])
+def test_safetensors_zero_size_shape_with_a_dimension_beyond_int64(tmp_path, shape):
+    """Zero bytes, so the offsets agree, but ``view`` overflowed; was ``TypeError``/``RuntimeError``."""
+    header = {"a": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}
+    line = _run_bad(write_safetensors_raw(tmp_path / "x.safetensors", header, b""))
+    assert "invalid shape" in line or "overflows 64 bits" in line
+
+
+def _hf(tmp_path: Path, index: str | bytes) -> Path:
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    save_file({"a": torch.ones(4)}, folder / "model-00001-of-00001.safetensors")
+    path = folder / "model.safetensors.index.json"
+    path.write_bytes(index if isinstance(index, bytes) else index.encode())
+    return folder
+
+
+def test_hf_index_nested_deeper_than_python_decodes(tmp_path):
+    """``hf_index.read_index``: was ``RecursionError``."""
+    folder = _hf(tmp_path, "[" * 100_000 + "]" * 100_000)
+    assert "nested too deeply" in _run_bad(folder / "model.safetensors.index.json")
+    assert "nested too deeply" in _run_bad(folder)
+
+
+def test_hf_index_naming_a_5000_character_shard(tmp_path):
+    """``is_file()`` raised ``OSError`` (ENAMETOOLONG) for the shard path."""
+    folder = _hf(tmp_path, json.dumps({"weight_map": {"a": "x" * 5000 + ".safetensors"}}))
+    assert "longer than a file name" in _run_bad(folder / "model.safetensors.index.json")
+    assert "longer than a file name" in _run_bad(folder)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.distributed.checkpoint metadata with wrong-typed fields
+
+
+@pytest.fixture(scope="module")
+def dcp_source(tmp_path_factory) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path_factory.mktemp("dcp") / "src"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": {"w": torch.randn(8, 4), "b": torch.zeros(4)}, "step": 3}, checkpoint_id=str(folder), no_dist=True)
+    return folder
+
+
+def _info(meta, fqn: str = "model.w"):
+    return next(info for index, info in meta.storage_data.items() if index.fqn == fqn)
+
+
+def _set(obj, name, value):
+    object.__setattr__(obj, name, value)  # MetadataIndex is frozen; the others are not
+
+
+# name -> mutation of the (trusted, our own) Metadata object; the site each one crashed
+DCP_MUTATIONS = {
+    "offset-a-string": lambda m: _set(_info(m), "offset", "0"),  # _check: '<' between str and int
+    "length-a-float": lambda m: _set(_info(m), "length", 10.5),  # _read_chunk: slice indices
+    "file-name-missing": lambda m: m.storage_data.__setitem__(next(k for k in m.storage_data if k.fqn == "model.w"), None),
+    "chunks-none": lambda m: _set(m.state_dict_metadata["model.w"], "chunks", None),  # _check: not iterable
+    "chunk-not-a-chunk": lambda m: m.state_dict_metadata["model.w"].chunks.__setitem__(0, 5),  # _check_coverage: AttributeError
+    "chunk-offsets-none": lambda m: _set(m.state_dict_metadata["model.w"].chunks[0], "offsets", None),  # _check_coverage
+    "chunk-sizes-a-string": lambda m: _set(m.state_dict_metadata["model.w"].chunks[0], "sizes", "ab"),  # _check_coverage
+    "size-an-int": lambda m: _set(m.state_dict_metadata["model.w"], "size", 5),  # _check: tuple(5)
+    "size-of-strings": lambda m: _set(m.state_dict_metadata["model.w"], "size", ("8", "4")),
+    "properties-none": lambda m: _set(m.state_dict_metadata["model.w"], "properties", None),  # tensors: .dtype of None
+    "dtype-a-string": lambda m: _set(m.state_dict_metadata["model.w"].properties, "dtype", "float32"),
+    "storage-key-a-string": lambda m: m.storage_data.__setitem__("zz", _info(m)),  # _check: index.fqn
+    "state-key-an-int": lambda m: m.state_dict_metadata.__setitem__(5, m.state_dict_metadata["model.w"]),
+    "transforms-an-int": lambda m: _set(_info(m), "transform_descriptors", 5),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(DCP_MUTATIONS))
+def test_dcp_metadata_field_of_the_wrong_type(dcp_source, tmp_path, mutation):
+    folder = tmp_path / "dcp"
+    shutil.copytree(dcp_source, folder)
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    DCP_MUTATIONS[mutation](meta)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    assert ".metadata" in _run_bad(folder)
+
+
+def test_dcp_chunk_zip_entry_name_with_a_flipped_byte(dcp_source, tmp_path):
+    """``dcp_reader._check_crc``: was ``UnicodeDecodeError``."""
+    folder = tmp_path / "dcp"
+    shutil.copytree(dcp_source, folder)
+    data = next(folder.glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    start = 0
+    while (start := raw.find(b"PK\x01\x02", start + 1)) >= 0:
+        raw[start + 46 + 1] ^= 0x80
+    data.write_bytes(bytes(raw))
+    assert "not valid UTF-8" in _run_bad(folder)
+
+
+# ---------------------------------------------------------------------------------------------
+# certificates with wrong field types (read by verify-checkpoint --certificate)
+
+
+def _certificate(tmp_path: Path, checkpoint: Path) -> dict:
+    entry = {"step": 2, "path": str(checkpoint.resolve()), "status": "clean", "reasons": [], "format": "safetensors",
+             "weights_digest": "", "files": [{"name": checkpoint.name, "size_bytes": 1, "digest": "0" * 16}],
+             "evidence": [{"kind": "nonfinite", "subject": "a", "expected": "", "found": "", "detail": ""}]}
+    return {"format": "sdc-forensics-certificate", "certificate_version": 2, "tool_version": "0", "created_utc": "", "seed": 7,
+            "trace_dir": "", "first_divergent_step": None, "resume_step": 2, "resume_path": str(checkpoint), "checkpoints": [entry]}
+
+
+def _entry(doc: dict) -> dict:
+    return doc["checkpoints"][0]
+
+
+CERTIFICATE_MUTATIONS = {
+    "checkpoints-an-int": lambda d: d.__setitem__("checkpoints", 5),
+    "entry-a-list": lambda d: d.__setitem__("checkpoints", [[1, 2]]),  # was AttributeError (.get on a list)
+    "entry-a-string": lambda d: d.__setitem__("checkpoints", ["x"]),
+    "step-a-string": lambda d: _entry(d).__setitem__("step", "2"),
+    "path-a-number": lambda d: _entry(d).__setitem__("path", 3),
+    "status-a-list": lambda d: _entry(d).__setitem__("status", ["clean"]),
+    "reasons-of-numbers": lambda d: _entry(d).__setitem__("reasons", [1, 2]),  # rendered with "; ".join later
+    "file-a-string": lambda d: _entry(d).__setitem__("files", ["f"]),
+    "file-size-a-string": lambda d: _entry(d)["files"][0].__setitem__("size_bytes", "1"),
+    "evidence-subject-a-number": lambda d: _entry(d)["evidence"][0].__setitem__("subject", 5),
+    "evidence-kind-unknown": lambda d: _entry(d)["evidence"][0].__setitem__("kind", "zzz"),
+    "seed-a-string": lambda d: d.__setitem__("seed", "7"),
+    "seed-negative": lambda d: d.__setitem__("seed", -1),
+    "first-divergent-step-a-string": lambda d: d.__setitem__("first_divergent_step", "3"),
+    "resume-path-a-list": lambda d: d.__setitem__("resume_path", ["a"]),
+    "version-a-list": lambda d: d.__setitem__("certificate_version", [2]),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(CERTIFICATE_MUTATIONS))
+def test_certificate_field_of_the_wrong_type(tmp_path, mutation):
+    checkpoint = tmp_path / "model.safetensors"
+    save_file({"a": torch.ones(4)}, checkpoint)
+    doc = _certificate(tmp_path, checkpoint)
+    CERTIFICATE_MUTATIONS[mutation](doc)
+    cert = tmp_path / "cert.json"
+    cert.write_text(json.dumps(doc))
+    line = _run_bad(tmp_path, args=("verify-checkpoint", str(checkpoint), "--certificate", str(cert)))
+    assert "cert.json" in line
+
+
+def test_certificate_nested_deeper_than_python_decodes(tmp_path):
+    checkpoint = tmp_path / "model.safetensors"
+    save_file({"a": torch.ones(4)}, checkpoint)
+    cert = tmp_path / "cert.json"
+    cert.write_text('{"format": "sdc-forensics-certificate", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert "nested too deeply" in _run_bad(tmp_path, args=("verify-checkpoint", str(checkpoint), "--certificate", str(cert)))
+
+
+def test_a_valid_certificate_still_reads(tmp_path):
+    from sdc_forensics.forensics.certificate import read_certificate
+
+    checkpoint = tmp_path / "model.safetensors"
+    save_file({"a": torch.ones(4)}, checkpoint)
+    cert = tmp_path / "cert.json"
+    cert.write_text(json.dumps(_certificate(tmp_path, checkpoint)))
+    read = read_certificate(cert)
+    assert read.seed == 7 and read.checkpoints[0].files[0].size_bytes == 1 and read.resume_step == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI's last line of defence is limited to errors raised under a reader
+
+
+def test_an_unchecked_error_under_a_reader_is_exit_3_one_line(tmp_path, monkeypatch):
+    from sdc_forensics.checkpoint import safetensors_reader
+
+    def unchecked(path, mapped):
+        raise TypeError("a malformed input no check caught")
+
+    monkeypatch.setattr(safetensors_reader, "_parse", unchecked)
+    path = tmp_path / "x.safetensors"
+    save_file({"a": torch.ones(4)}, path)
+    line = _run_bad(path)
+    assert "TypeError" in line and "safetensors_reader" in line and "does not check yet" in line
+
+
+def test_the_same_error_outside_the_readers_stays_a_bug(tmp_path, monkeypatch):
+    """A TypeError in verification (not under a reader) is not dressed up as bad input."""
+    import sdc_forensics.checkpoint as checkpoint
+
+    def buggy(reader, options=None):
+        raise TypeError("a bug in verification")
+
+    monkeypatch.setattr(checkpoint, "verify_checkpoint", buggy)
+    path = tmp_path / "x.safetensors"
+    save_file({"a": torch.ones(4)}, path)
+    result = CliRunner().invoke(cli, ["verify-checkpoint", str(path)])
+    assert isinstance(result.exception, TypeError) and result.exit_code == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# A small property test of the safetensors header parser: any JSON header either opens or
+# raises CheckpointError, never anything else.
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+_entry_spec = st.fixed_dictionaries(
+    {"dtype": st.sampled_from(["F32", "I64", "BOOL", "F31"]) | _json,
+     "shape": st.lists(st.integers(min_value=-2, max_value=2**64) | _json, max_size=3) | _json,
+     "data_offsets": st.lists(st.integers(min_value=-2, max_value=2**64), min_size=0, max_size=3) | _json}
+) | _json
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(header=st.dictionaries(st.text(max_size=4), _entry_spec, max_size=3) | _json, data_len=st.integers(0, 64))
+def test_safetensors_header_parser_raises_only_checkpoint_error(tmp_path, header, data_len):
+    path = tmp_path / "p.safetensors"
+    write_safetensors_raw(path, header, bytes(data_len))
+    try:
+        with open_checkpoint(path) as reader:
+            for _ in reader.tensors():
+                pass
+    except CheckpointError:
+        pass
