@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 
 from sdc_forensics.forensics.evidence import Evidence
@@ -30,14 +31,15 @@ def render_bisect(result: BisectResult, console) -> None:
     if result.first_divergent_step is not None:
         headline += f"  first divergent step {result.first_divergent_step} (θ_{result.first_divergent_step} clean, θ_{result.first_divergent_step + 1} not)"
     console.print(headline)
-    console.print(f"[dim]{result.scope}[/]")
+    console.print(f"[dim]{escape(result.scope)}[/]")
     if result.suspects:
         table = Table(title="Suspects", title_justify="left")
         for column in ("rank", "host", "gpu", "location", "steps", "recurrence", "recommendation"):
             table.add_column(column)
         for s in result.suspects:
-            table.add_row("all (collective)" if s.rank is None else str(s.rank), s.host or "-", s.gpu or "-", s.location.value,
-                          ", ".join(map(str, s.steps)), "recurring" if s.recurring else "transient", s.recommendation)
+            table.add_row("all (collective)" if s.rank is None else str(s.rank), escape(s.host or "-"), escape(s.gpu or "-"),
+                          s.location.value, ", ".join(map(str, s.steps)), "recurring" if s.recurring else "one event",
+                          escape(s.recommendation))
         console.print(table)
         _evidence_table(console, [e for s in result.suspects for e in s.evidence], "Evidence chain")
     elif [e for e in result.evidence if not e.is_hint]:
@@ -50,22 +52,22 @@ def render_bisect(result: BisectResult, console) -> None:
         for column in ("step", "status", "reasons", "path"):
             table.add_column(column)
         for c in result.checkpoints:
-            table.add_row(str(c.step), f"[{_STATUS_STYLE[c.status]}]{c.status.value}[/]", "; ".join(c.reasons[:3]), c.path)
+            table.add_row(str(c.step), f"[{_STATUS_STYLE[c.status]}]{c.status.value}[/]", escape("; ".join(c.reasons[:3])), escape(c.path))
         console.print(table)
     last = result.last_clean_checkpoint
-    console.print(f"Resume from: [bold]{last.path}[/] (step {last.step}, {last.status.value})" if last else "Resume from: [yellow]no checkpoint certified clean[/]")
+    console.print(f"Resume from: [bold]{escape(last.path)}[/] (step {last.step}, {last.status.value})" if last else "Resume from: [yellow]no checkpoint certified clean[/]")
     replay = result.replayed
     if replay.windows:
-        console.print(f"Replayed on {replay.device}, comparison {replay.comparison}"
+        console.print(f"Replayed on {escape(replay.device or '?')}, comparison {replay.comparison}"
                       + (f", all-reduce order {replay.reduction_order}" if replay.reduction_order else "") + ":")
         for w in replay.windows:
-            console.print(f"  steps {w.start}..{w.last} from checkpoint {w.start} ({w.comparison}): {w.reason}")
+            console.print(f"  steps {w.start}..{w.last} from checkpoint {w.start} ({w.comparison}): {escape(w.reason)}")
     for note in (*replay.notes, *result.notes):
-        console.print(f"[dim]note: {note}[/]")
+        console.print(f"[dim]note: {escape(note)}[/]")
     for line in result.settle:
-        console.print(f"[yellow]to settle:[/] {line}")
+        console.print(f"[yellow]to settle:[/] {escape(line)}")
     for line in result.damage[:5]:
-        console.print(f"[yellow]trace damage:[/] {line}")
+        console.print(f"[yellow]trace damage:[/] {escape(line)}")
 
 
 def _evidence_table(console, evidence: list[Evidence], title: str) -> None:
@@ -78,7 +80,7 @@ def _evidence_table(console, evidence: list[Evidence], title: str) -> None:
         if key in seen:
             continue
         seen.add(key)
-        table.add_row(str(e.step), e.kind.value, ",".join(map(str, e.ranks)) or "all", e.location.value, e.expected, e.found, e.source,
+        table.add_row(str(e.step), e.kind.value, ",".join(map(str, e.ranks)) or "all", e.location.value, escape(e.expected), escape(e.found), e.source,
                       e.strength.value if e.affects_state else "-")
     console.print(table)
 
@@ -98,8 +100,8 @@ def replay_document(result, decided) -> dict[str, Any]:
 def render_replay(result, console) -> None:
     """Print one replay window's outcome."""
     status = "[bold green]matches the trace[/]" if result.first_divergent_step is None else f"[bold red]diverges at step {result.first_divergent_step}[/]"
-    console.print(f"Replay of steps {result.start_step}..{result.last_step} on {result.device} ({result.comparison}): {status}")
+    console.print(f"Replay of steps {result.start_step}..{result.last_step} on {escape(result.device)} ({result.comparison}): {status}")
     if result.evidence:
         _evidence_table(console, list(result.evidence), "Mismatches")
     for note in result.notes:
-        console.print(f"[dim]note: {note}[/]")
+        console.print(f"[dim]note: {escape(note)}[/]")

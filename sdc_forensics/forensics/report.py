@@ -72,7 +72,7 @@ def render_markdown(result: BisectResult, manifest: Manifest | None, command: li
         who = "the collective (every rank received the same wrong result)" if suspect.rank is None else (
             f"rank {suspect.rank} on host `{suspect.host or '?'}`, GPU `{suspect.gpu or '?'}`")
         out.append(f"- **Suspect: {who}**; location `{suspect.location.value}`; "
-                   f"{'recurring' if suspect.recurring else 'transient'} (steps {', '.join(map(str, suspect.steps))}).")
+                   f"{'recurring' if suspect.recurring else 'one event'} (steps {', '.join(map(str, suspect.steps))}).")
     last = result.last_clean_checkpoint
     out.append(f"- **Resume from:** `{last.path}` (checkpoint {last.step}, {last.status.value})." if last
                else "- **Resume from:** no checkpoint could be certified clean.")
