@@ -308,7 +308,8 @@ def judge(row: dict) -> dict:
     statuses = {"bisect": row["bisect"]["statuses"], "certify": row["certify"]["statuses"],
                 "verify": {n: v["status"] for n, v in row["verify"].items()}}
     steps = sorted({int(n) for s in statuses.values() for n in s})
-    disagreeing = [n for n in steps if len({statuses[c].get(str(n)) for c in statuses}) > 1]
+    # a checkpoint verify-checkpoint did not look at (--verify around) is no disagreement
+    disagreeing = [n for n in steps if len({by[str(n)] for by in statuses.values() if str(n) in by}) > 1]
     verdict = row["bisect"]["verdict"]
     outcome = {"verdict": verdict, "inconclusive": verdict == "inconclusive", "disagreements": disagreeing}
     if row["kind"] == "clean":
@@ -425,6 +426,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (1 or 2)")
     parser.add_argument("--verify", choices=("all", "around"), default="all",
                         help="verify-checkpoint --trace on every checkpoint, or around the fault (first, last, and either side of it)")
+    parser.add_argument("--rejudge", type=Path, default=None,
+                        help="re-judge and re-tally the rows of an earlier --json output (no run is made)")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     parser.add_argument("--_options", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -436,6 +439,15 @@ def main(argv: list[str] | None = None) -> None:
         options = json.loads(args._options)
         options = CampaignOptions(**options | {"out_dir": Path(options["out_dir"])})
         print(json.dumps(run_one(RunPlan(**json.loads(args._child)), options)))
+        return
+    if args.rejudge is not None:
+        earlier = json.loads(args.rejudge.read_text(encoding="utf-8"))
+        rows = earlier["rows"]
+        for row in rows:
+            if row["kind"] != "twin":
+                row["outcome"] = judge(row)
+        result = tally(rows, earlier.get("seconds", 0.0)) | {"settings": earlier.get("settings"), "rows": rows}
+        print(json.dumps(result, indent=1, sort_keys=True))
         return
     preset = QUICK if args.quick else {"clean": None, "faulted": None, "steps": 40, "checkpoint_every": 10}
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else preset[name]  # noqa: E731
