@@ -589,3 +589,22 @@ def num_threads(count: int):
         yield
     finally:
         torch.set_num_threads(saved)
+
+
+def assert_refused(args: list[str], path) -> str:
+    """The CLI run with ``args`` on a hostile input under ``path``: exit 3, one ``error:`` line on
+    stderr, no traceback, nothing on stdout, every file under ``path`` unchanged. Returns the line."""
+    from click.testing import CliRunner
+
+    from sdc_forensics.cli.main import cli
+
+    before = tree_sha256(path)
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    assert result.exit_code == 3, (result.output, result.exception)
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert result.stdout == ""
+    assert tree_sha256(path) == before
+    return lines[0]

@@ -21,24 +21,14 @@ from safetensors.torch import save_file
 from sdc_forensics.checkpoint import open_checkpoint
 from sdc_forensics.cli.main import cli
 from sdc_forensics.errors import CheckpointError
-from tests.factories import tree_sha256, write_safetensors_raw
+from tests.factories import assert_refused, write_safetensors_raw
 
 F32_4 = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
 
 
 def _run_bad(path: Path, *extra: str, args: tuple[str, ...] | None = None) -> str:
-    """``verify-checkpoint PATH`` (or ``args``) on a hostile input: exit 3, one line on stderr, no
-    traceback, nothing on stdout, every file under ``path`` unchanged. Returns the line."""
-    before = tree_sha256(path)
-    result = CliRunner().invoke(cli, list(args) if args is not None else ["verify-checkpoint", str(path), *extra])
-    assert result.exit_code == 3, (result.output, result.exception)
-    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    assert "Traceback" not in result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert result.stdout == ""
-    assert tree_sha256(path) == before
-    return lines[0]
+    """``verify-checkpoint PATH`` (or ``args``) on a hostile input: ``factories.assert_refused``."""
+    return assert_refused(list(args) if args is not None else ["verify-checkpoint", str(path), *extra], path)
 
 
 # ---------------------------------------------------------------------------------------------
