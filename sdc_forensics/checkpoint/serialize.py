@@ -14,7 +14,7 @@ from sdc_forensics.checkpoint.verify import Finding, TensorResult, VerificationR
 
 def finding_to_json(finding: Finding) -> dict[str, Any]:
     """One finding."""
-    return {"kind": finding.kind.value, "subject": finding.subject, "expected": finding.expected, "found": finding.found, "detail": finding.detail}
+    return finding.to_json()
 
 
 def tensor_to_json(result: TensorResult) -> dict[str, Any]:

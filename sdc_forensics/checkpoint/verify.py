@@ -65,6 +65,10 @@ class Finding:
     found: str = ""
     detail: str = ""
 
+    def to_json(self) -> dict:
+        """A JSON-ready dict (the kind as its value)."""
+        return {"kind": self.kind.value, "subject": self.subject, "expected": self.expected, "found": self.found, "detail": self.detail}
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TensorResult:

@@ -99,24 +99,29 @@ def verify_cmd(ctx: click.Context, path: Path, trace_dir: Path | None, step: int
         if entry is None:
             raise UsageError(f"{certificate_path} has no entry for {path}; pass the certificate written when this checkpoint was certified")
 
+    notes = read_checkpoint_notes(trace_dir) if trace_dir is not None else []
     with open_checkpoint(path) as reader:
         wanted = step
         if trace_dir is not None and wanted is None:
-            named = [n for n in read_checkpoint_notes(trace_dir) if Path(n.path).name == Path(path).name]
+            named = [n for n in notes if Path(n.path).name == Path(path).name]
             wanted = named[0].step if len(named) == 1 else reader.step()
-        report = verify_checkpoint(reader, options=VerifyOptions(seed=seed))
+        noted = wanted is not None and any(n.step == wanted for n in notes)
+        # with a note and files read, the analysis verifies the file against its note: read it once
+        report = None if noted and not trace_only else verify_checkpoint(reader, options=VerifyOptions(seed=seed))
 
     status, result, missing = None, None, ""
     if trace_dir is not None:
         if wanted is None:
             raise UsageError(f"cannot tell which step {path} holds (no note names this file, no 'step' in it): pass --step N")
-        if all(n.step != wanted for n in read_checkpoint_notes(trace_dir)):
+        if not noted:
             missing = f"no checkpoint note for step {wanted} in {trace_dir}"
         else:
             result = run_analysis(trace_dir, trace_only=trace_only, checkpoint_paths={wanted: path}, **replay)
             status = next(c for c in result.checkpoints if c.step == wanted)
             if status.report is not None:
                 report = status.report  # read against its note (tensor digests as saved)
+    if report is None:  # the analysis could not read it (its status says why): the file's own findings
+        report = verify_checkpoint(path, options=VerifyOptions(seed=seed))
     cert_findings = check_against_certificate(report, entry) if entry is not None else []
     reasons = [f"{f.kind.value} {f.subject}: {f.detail}" for f in report.findings]
     if status is not None and not status.clean:

@@ -95,8 +95,7 @@ class CheckpointStatus:
 
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "path": self.path, "status": self.status.value, "reasons": list(self.reasons),
-                "findings": [{"kind": f.kind.value, "subject": f.subject, "expected": f.expected, "found": f.found,
-                              "detail": f.detail} for f in self.findings]}
+                "findings": [f.to_json() for f in self.findings]}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
