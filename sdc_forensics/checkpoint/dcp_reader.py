@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from sdc_forensics.checkpoint.base import CheckpointReader, FileIssue, MappedFile, TensorInfo
+from sdc_forensics.checkpoint.base import PLAIN_DTYPES, CheckpointReader, FileIssue, MappedFile, TensorInfo, unsupported_tensor
 from sdc_forensics.errors import CheckpointError
 
 METADATA_NAME = ".metadata"
@@ -171,6 +171,9 @@ class DcpReader(CheckpointReader):
             raise CheckpointError(f"{self.root}: chunk of {fqn!r} in {info.relative_path} cannot be read ({type(exc).__name__}): damaged") from None
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(chunk.sizes) or tensor.dtype != dtype:
             raise CheckpointError(f"{self.root}: chunk of {fqn!r} in {info.relative_path} does not match its metadata (shape or dtype)")
+        why = unsupported_tensor(tensor)
+        if why is not None:
+            raise CheckpointError(f"{self.root}: chunk of {fqn!r} in {info.relative_path} is {why}: it cannot be verified")
         return tensor
 
     def _check_crc(self, fqn: str, chunk, info, data: io.BytesIO) -> None:
@@ -272,8 +275,8 @@ def _check_types(meta_path: Path, metadata) -> None:
         if not isinstance(meta, TensorStorageMetadata):
             raise CheckpointError(f"{meta_path}: {fqn!r} has unknown metadata type {type(meta).__name__}")
         dtype = getattr(getattr(meta, "properties", None), "dtype", None)
-        if not isinstance(dtype, torch.dtype):
-            raise bad(f"the dtype of {fqn!r}", "a torch dtype", dtype)
+        if not isinstance(dtype, torch.dtype) or dtype not in PLAIN_DTYPES:  # a quantized dtype crashes torch when read as bits
+            raise bad(f"the dtype of {fqn!r}", "a plain torch dtype (not quantized)", dtype)
         size = _dims(getattr(meta, "size", None))
         if size is None or math.prod(d for d in size if d) > _INT64_MAX:
             raise bad(f"the size of {fqn!r}", dims + " with a product that fits in 64 bits", getattr(meta, "size", None))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import pickletools
 import struct
+import warnings
 import zipfile
 import zlib
 from collections.abc import Iterator
@@ -38,7 +39,7 @@ from typing import Any
 
 import torch
 
-from sdc_forensics.checkpoint.base import FileIssue, MappedFile, SingleFileReader, TensorInfo
+from sdc_forensics.checkpoint.base import FileIssue, MappedFile, SingleFileReader, TensorInfo, unsupported_tensor
 from sdc_forensics.errors import CheckpointError
 from sdc_forensics.statedict import flatten_state
 
@@ -139,6 +140,10 @@ class TorchReader(SingleFileReader):
                 self._flat = flatten_state(self._payload)
             except RecursionError:
                 raise CheckpointError(f"{path}: its state is nested deeper than Python can walk: damaged or not a training checkpoint") from None
+            for key, tensor in self._flat.items():
+                why = unsupported_tensor(tensor)
+                if why is not None:
+                    raise CheckpointError(f"{path}: tensor {key[:80]!r} is {why}: it cannot be verified; re-save the state as dense CPU tensors")
         except CheckpointError:
             self._file.close()
             raise
@@ -218,7 +223,9 @@ class TorchReader(SingleFileReader):
 
     def _load(self) -> Any:
         try:
-            return torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch's deprecation notes (TypedStorage, pickle protocol) are not the user's concern
+                return torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:  # noqa: BLE001 - torch raises many types; all mean "unreadable"
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             if first_line.startswith(_WEIGHTS_ONLY_REFUSAL):  # the allow-list was unknown to the scan

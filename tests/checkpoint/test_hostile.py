@@ -308,3 +308,65 @@ def test_safetensors_header_parser_raises_only_checkpoint_error(tmp_path, header
                 pass
     except CheckpointError:
         pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors that are not dense CPU tensors (found by tests/fuzz/test_fuzz_pt.py): refused when read
+
+
+def _pt_with_payload_pickle(tmp_path: Path, pkl: bytes) -> Path:
+    import zipfile
+
+    path = tmp_path / "x.pt"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("archive/data.pkl", pkl)
+        archive.writestr("archive/byteorder", b"little")
+        archive.writestr("archive/version", b"3\n")
+    return path
+
+
+def test_pt_meta_tensor_without_data(tmp_path):
+    """``_rebuild_meta_tensor_no_storage`` is on the weights-only allow-list: a 124-byte pickle made a
+    tensor with no data, and verification's digest raised ``NotImplementedError`` (traceback, exit 1)."""
+    pkl = (b"\x80\x02}q\x00X\x05\x00\x00\x00modelq\x01ctorch._utils\n_rebuild_meta_tensor_no_storage\nq\x02"
+           b"(ctorch\nfloat32\nq\x03))\x89tq\x04Rq\x05s.")
+    assert "device meta" in _run_bad(_pt_with_payload_pickle(tmp_path, pkl))
+
+
+@pytest.mark.parametrize("kind", ["sparse", "nested", "float4"])
+def test_pt_tensor_that_is_not_dense(tmp_path, kind):
+    """Sparse and nested tensors, and a packed float4 dtype, load with ``weights_only``; verification
+    raised (``RuntimeError``/``NotImplementedError``, a traceback) instead of saying why."""
+    tensor = {"sparse": lambda: torch.eye(3).to_sparse(), "nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+              "float4": lambda: torch.zeros(4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}[kind]()
+    path = tmp_path / "x.pt"
+    torch.save({"t": tensor}, path)
+    assert "cannot be verified" in _run_bad(path)
+
+
+def test_pt_quantized_tensor_does_not_crash_the_process(tmp_path):
+    """A genuine ``torch.quantize_per_tensor`` checkpoint: verification's digest crashed the
+    interpreter (SIGSEGV) in torch. Run in a subprocess so that a regression fails one test only."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "q.pt"
+    torch.save({"q": torch.quantize_per_tensor(torch.randn(8), 0.1, 0, torch.qint8)}, path)
+    before = path.read_bytes()
+    done = subprocess.run([sys.executable, "-m", "sdc_forensics.cli.main", "verify-checkpoint", str(path)], capture_output=True, text=True,
+                          timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 3, (done.returncode, done.stderr[-2000:])
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "dtype qint8" in lines[0], done.stderr
+    assert path.read_bytes() == before
+
+
+def test_dcp_chunk_holding_a_quantized_tensor(dcp_source, tmp_path):
+    """A DCP chunk is a ``torch.save`` archive: one holding a quantized tensor, with metadata saying
+    ``qint8``, reached the same crash; the metadata's dtype is refused first."""
+    folder = tmp_path / "dcp"
+    shutil.copytree(dcp_source, folder)
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    _set(meta.state_dict_metadata["model.b"].properties, "dtype", torch.qint8)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    assert "plain torch dtype" in _run_bad(folder)
