@@ -1,0 +1,420 @@
+"""Fault campaign: injected faults at every location, bit class and kind of step, judged by the CLI.
+
+Each run trains the conv net recipe (``sdc_forensics.demo.convnet``, a seeded variant per clean
+run) with 4-process ``gloo`` DDP on CPU, clean or with one bit flip. Faults cycle through every
+(location, bit class) pair in a seeded order:
+
+* locations: every one ``sdc_forensics.inject`` knows (``grad``, ``allreduce``, ``allreduce-all``,
+  ``weights``, ``update``, ``input``, ``checkpoint-file``);
+* bit classes: sign (31), exponent (30..23), high mantissa (22..16), low mantissa (7..0);
+* steps: on a checkpoint, right after one, mid-interval (cycling); ranks 0..3 drawn.
+
+Then the three commands judge every run, in the run's own process (``click``'s test runner on
+``sdc_forensics.cli.main``, so torch is imported once per run, not once per command)::
+
+    sdc-forensics bisect TRACE --json
+    sdc-forensics certify TRACE --json
+    sdc-forensics verify-checkpoint CKPT --trace TRACE --json     (every checkpoint)
+
+Faulted runs are replayed as recorded (bitwise). Every other clean run is replayed with
+``--threads 2`` (training uses 1), so the tolerant path is measured too: there a clean run must
+be ``inconclusive`` (a tolerant comparison certifies nothing), never ``corruption``.
+
+A fault is *effective* when it changed the training state beyond tolerance, measured against the
+clean twin (the clean run of the same variant, bitwise identical before the fault, checked):
+the faulted rank's recorded local and reduced sketches at the fault step and the next, in units
+of ``relative_tolerance(dtype, W) * norm``, above 1; for ``checkpoint-file``, the file's bytes
+differ from the twin's checkpoint. Ineffective faults are counted apart, with their effect on
+the final loss.
+
+Tallies over effective faults: ``detected`` (verdict ``corruption``), ``exact_step_rank`` (the
+first divergent step is the fault step and the suspects are exactly the fault's rank; for
+``allreduce-all`` no single rank, for ``checkpoint-file`` checkpoint N is the one corrupt file
+and the suspect is the rank that wrote it), ``location_correct`` (every suspect's location is
+the injection's: grad/weights -> ``local_compute``, allreduce/allreduce-all -> ``collective``,
+update -> ``optimizer_update``, input -> ``input_data``, checkpoint-file -> ``storage``),
+``false_clean_certificates`` (some command calls a checkpoint clean that holds the fault's
+effect: ``N > s`` for a training fault, ``N = s`` for a checkpoint file), and over clean runs
+``false_alarms`` (verdict ``corruption``, a checkpoint ``corrupt``/``tainted``, or a
+verify-checkpoint exit 1).
+
+    python benchmarks/campaign.py --faults 200 --clean 20 --seed 1 [--json] [--jobs 2] [--out DIR]
+        [--steps 12] [--checkpoint-every 4]
+    python benchmarks/campaign.py --rejudge campaign.json     # re-tally an earlier --json output
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import math
+import random
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tolerant_campaign import measure_effect, normalise_status, weak_candidate  # noqa: E402
+
+from sdc_forensics.inject import LOCATIONS  # noqa: E402
+
+WORLD_SIZE = 4
+BIT_CLASSES = {
+    "sign": (31,),
+    "exponent": (30, 29, 28, 27, 26, 25, 24, 23),
+    "high_mantissa": (22, 21, 20, 19, 18, 17, 16),
+    "low_mantissa": (7, 6, 5, 4, 3, 2, 1, 0),
+}
+STEP_KINDS = ("on_checkpoint", "after_checkpoint", "mid_interval")
+#: The suspect location each injection location should be blamed on (docs/bisect.md).
+EXPECTED_LOCATION = {
+    "grad": "local_compute", "weights": "local_compute", "allreduce": "collective", "allreduce-all": "collective",
+    "update": "optimizer_update", "input": "input_data", "checkpoint-file": "storage",
+}
+#: checkpoint-file: the rank that writes checkpoints (the demo saves on rank 0).
+WRITER_RANK = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    """What the campaign runs (the command line, validated)."""
+
+    faults: int
+    clean: int
+    seed: int
+    out_dir: Path
+    steps: int = 12
+    checkpoint_every: int = 4
+    jobs: int = 1
+    tolerant_threads: int = 2
+
+    def __post_init__(self) -> None:
+        if self.faults < 0 or self.clean < 1:
+            raise SystemExit("--faults must be >= 0 and --clean >= 1 (every fault needs a clean twin)")
+        if self.checkpoint_every < 3 or self.steps < 2 * self.checkpoint_every:
+            raise SystemExit("need --checkpoint-every >= 3 and --steps >= 2 intervals")
+        if not 1 <= self.jobs <= 2:
+            raise SystemExit("--jobs must be 1 or 2 (runs share 2 cores)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """One run: its variant, its fault (None: clean), how it is replayed."""
+
+    index: int
+    variant: int
+    fault: str | None = None
+    location: str = ""
+    bit_class: str = ""
+    step_kind: str = ""
+    replay_threads: int = 0  # 0: as recorded (bitwise)
+
+    @property
+    def name(self) -> str:
+        return f"{self.index:03d}-{'clean' if self.fault is None else self.location}"
+
+
+# ---------------------------------------------------------------------------------- planning
+def plan_runs(options: Options) -> list[Plan]:
+    """Clean runs (one variant each; every other one replayed at another thread count), then the
+    faults on the clean runs' variants, cycling through (location, bit class) pairs in a seeded
+    order and through the step kinds."""
+    rng = random.Random(options.seed)
+    plans = [Plan(index=i, variant=rng.randrange(1, 100_000), replay_threads=options.tolerant_threads if i % 2 else 0)
+             for i in range(options.clean)]
+    pairs = [(location, bits) for location in LOCATIONS for bits in BIT_CLASSES]
+    rng.shuffle(pairs)
+    checkpoints = list(range(0, options.steps + 1, options.checkpoint_every))
+    for j in range(options.faults):
+        location, bits = pairs[j % len(pairs)]
+        kind = STEP_KINDS[(j // len(pairs)) % len(STEP_KINDS)] if location != "checkpoint-file" else "on_checkpoint"
+        step = _draw_step(rng, options, kind, checkpoints, location)
+        spec = f"{location}:step={step}:rank={rng.randrange(WORLD_SIZE)}:bit={rng.choice(BIT_CLASSES[bits])}"
+        plans.append(Plan(index=len(plans), variant=plans[j % options.clean].variant, fault=spec, location=location,
+                          bit_class=bits, step_kind=kind))
+    return plans
+
+
+def _draw_step(rng: random.Random, options: Options, kind: str, checkpoints: list[int], location: str) -> int:
+    """A step of ``kind`` with a later step to see the effect on (a checkpoint after 0 for files)."""
+    if location == "checkpoint-file":
+        return rng.choice(checkpoints[1:])
+    while True:
+        base = rng.choice(checkpoints)
+        step = base + {"on_checkpoint": 0, "after_checkpoint": 1,
+                       "mid_interval": rng.randrange(2, options.checkpoint_every)}[kind]
+        if step <= options.steps - 2:
+            return step
+
+
+# ---------------------------------------------------------------------------------- one run (child)
+def _cli(runner, cli, args: list[str]) -> dict:
+    started = time.monotonic()
+    result = runner.invoke(cli, args, catch_exceptions=True)
+    doc, error = None, None
+    try:
+        doc = json.loads(result.stdout) if result.stdout.strip() else None
+    except json.JSONDecodeError:
+        error = "stdout is not JSON"
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        error = f"{type(result.exception).__name__}: {result.exception}"[:300]
+    elif doc is None:
+        error = error or (result.stderr.strip().splitlines() or ["no output"])[-1][:300]
+    return {"exit_code": result.exit_code, "doc": doc, "error": error, "seconds": round(time.monotonic() - started, 2)}
+
+
+def _statuses(doc: dict) -> dict[str, str | None]:
+    return {str(c["step"]): normalise_status(c.get("status")) for c in doc.get("checkpoints") or []}
+
+
+def run_one(plan: Plan, options: Options) -> dict:
+    """Train one run, then judge it with the three commands."""
+    from click.testing import CliRunner
+
+    from sdc_forensics.cli.main import cli
+    from sdc_forensics.demo.convnet import variant_reference
+    from sdc_forensics.demo.run import DemoConfig, run_config
+    from sdc_forensics.inject import parse_specs
+
+    out = options.out_dir / plan.name
+    config = DemoConfig(
+        out_dir=out, injections=parse_specs([plan.fault]) if plan.fault else (), steps=options.steps,
+        checkpoint_every=options.checkpoint_every, world_size=WORLD_SIZE, audit_every=0, policy="continue",
+        recipe=variant_reference(plan.variant), threads=(1,) * WORLD_SIZE,
+    )
+    started = time.monotonic()
+    result = run_config(config)
+    row = dataclasses.asdict(plan) | {
+        "recipe": config.recipe, "trace": str(config.trace_dir), "train_s": round(result.wall_s, 2),
+        "fired": [dict(f) for f in result.fired], "online_alarms": sorted({a["check"] for a in result.alarms}),
+        "checkpoints": {str(n): str(config.checkpoint_path(n)) for n in result.checkpoints},
+    }
+    runner, trace = CliRunner(), str(config.trace_dir)
+    replay = ["--threads", str(plan.replay_threads)] if plan.replay_threads else []
+    bisect = _cli(runner, cli, ["bisect", trace, "--json", *replay])
+    doc = bisect.pop("doc") or {}
+    row["bisect"] = bisect | {
+        "verdict": doc.get("verdict"),
+        "first_divergent_step": doc.get("first_divergent_step"),
+        "suspects": [{"rank": s.get("rank"), "location": s.get("location")} for s in doc.get("suspects") or []],
+        "comparison": (doc.get("replayed") or {}).get("comparison"),
+        "weak_candidate": weak_candidate(doc),
+        "statuses": _statuses(doc),
+    }
+    certify = _cli(runner, cli, ["certify", trace, "--json", *replay])
+    row["certify"] = certify | {"statuses": _statuses(certify.pop("doc") or {})}
+    row["verify"] = {}
+    for step, path in row["checkpoints"].items():
+        res = _cli(runner, cli, ["verify-checkpoint", path, "--trace", trace, "--json", *replay])
+        status = ((res.pop("doc") or {}).get("certification") or {}).get("status")
+        row["verify"][step] = res | {"status": normalise_status(status)}
+    row["cli_s"] = round(time.monotonic() - started - result.wall_s, 2)
+    row["seconds"] = round(time.monotonic() - started, 2)
+    return row
+
+
+# ---------------------------------------------------------------------------------- effect (parent)
+def effect(row: dict, twin: dict) -> dict:
+    """Whether the fault changed the training state beyond tolerance (see the module docstring)."""
+    from sdc_forensics.inject import parse_spec
+
+    if row["location"] != "checkpoint-file":
+        return measure_effect(Path(row["trace"]), Path(twin["trace"]), row["fault"])
+    step = str(parse_spec(row["fault"]).step)
+    mine, theirs = Path(row["checkpoints"][step]).read_bytes(), Path(twin["checkpoints"][step]).read_bytes()
+    differing = sum(1 for a, b in zip(mine, theirs) if a != b) + abs(len(mine) - len(theirs))
+    return {"effect": differing, "effective": differing > 0, "where": f"checkpoint {step}: {differing} byte(s) differ",
+            "identical_before_fault": True, "final_loss_change": 0.0}
+
+
+# ---------------------------------------------------------------------------------- judging
+def _all_statuses(row: dict) -> dict[str, dict[str, str | None]]:
+    return {"bisect": row["bisect"]["statuses"], "certify": row["certify"]["statuses"],
+            "verify": {n: v["status"] for n, v in row["verify"].items()}}
+
+
+def judge(row: dict) -> dict:
+    """The outcome of one run (see the module docstring for each rule)."""
+    from sdc_forensics.inject import parse_spec
+
+    statuses = _all_statuses(row)
+    steps = sorted({int(n) for by in statuses.values() for n in by})
+    disagreeing = [n for n in steps if len({by.get(str(n)) for by in statuses.values()}) > 1]
+    errors = [f"{c}: {r['error']}" for c, r in (("bisect", row["bisect"]), ("certify", row["certify"])) if r["error"]]
+    errors += [f"verify {n}: {v['error']}" for n, v in row["verify"].items() if v["error"] and v["exit_code"] not in (0, 1, 4)]
+    verdict = row["bisect"]["verdict"]
+    outcome = {"verdict": verdict, "inconclusive": verdict == "inconclusive", "disagreements": disagreeing, "errors": errors}
+    if row["fault"] is None:
+        bad = [f"{c} {n}: {s}" for c, by in statuses.items() for n, s in by.items() if s in ("corrupt", "tainted")]
+        bad += [f"verify {n}: exit 1" for n, v in row["verify"].items() if v["exit_code"] == 1]
+        return outcome | {"false_alarm": verdict == "corruption" or bool(bad), "bad_statuses": bad}
+    spec = parse_spec(row["fault"])
+    suspects = row["bisect"]["suspects"]
+    ranks = sorted({s["rank"] for s in suspects if s["rank"] is not None})
+    locations = {s["location"] for s in suspects}
+    if row["location"] == "checkpoint-file":
+        held = [f"{c} {n}" for c, by in statuses.items() for n, s in by.items() if int(n) == spec.step and s == "clean"]
+        corrupt = {int(n) for n, s in statuses["bisect"].items() if s == "corrupt"}
+        exact = verdict == "corruption" and corrupt == {spec.step} and ranks == [WRITER_RANK]
+    else:
+        held = [f"{c} {n}" for c, by in statuses.items() for n, s in by.items() if int(n) > spec.step and s == "clean"]
+        want = [] if row["location"] == "allreduce-all" else [spec.rank]
+        exact = verdict == "corruption" and row["bisect"]["first_divergent_step"] == spec.step and ranks == want
+    candidate = row["bisect"]["weak_candidate"]
+    return outcome | {
+        "detected": verdict == "corruption",
+        "missed": verdict == "clean",
+        "exact_step_rank": exact,
+        "location_correct": verdict == "corruption" and locations == {EXPECTED_LOCATION[row["location"]]},
+        "false_clean": held,
+        "weak_candidate_matches": None if verdict != "inconclusive" or candidate is None
+        else candidate["step"] == spec.step and candidate["ranks"] == [spec.rank],
+    }
+
+
+def tally(rows: list[dict], seconds: float) -> dict:
+    """The campaign's totals (the keys the issue asks for, and the per location / bit class table)."""
+    clean = [r for r in rows if r["fault"] is None]
+    faulted = [r for r in rows if r["fault"] is not None]
+    effective = [r for r in faulted if r["effect"]["effective"]]
+    ineffective = [r for r in faulted if not r["effect"]["effective"]]
+    count = lambda rs, key: sum(1 for r in rs if r["outcome"].get(key))  # noqa: E731
+    table: dict[str, dict[str, int]] = {}
+    for r in faulted:
+        cell = table.setdefault(f"{r['location']} / {r['bit_class']}", Counter())
+        cell["faults"] += 1
+        if r["effect"]["effective"]:
+            cell["effective"] += 1
+            for key in ("detected", "exact_step_rank", "location_correct", "inconclusive", "missed", "false_clean"):
+                cell[key] += bool(r["outcome"].get(key))
+    return {
+        "faults": len(faulted), "effective": len(effective), "ineffective": len(ineffective),
+        "detected": count(effective, "detected"), "missed": count(effective, "missed"),
+        "exact_step_rank": count(effective, "exact_step_rank"),
+        "location_correct": count(effective, "location_correct"),
+        "false_clean_certificates": count(effective, "false_clean"),
+        "false_clean_ineffective": count(ineffective, "false_clean"),
+        "detected_ineffective": count(ineffective, "detected"),
+        "clean_runs": len(clean), "clean_runs_tolerant": sum(1 for r in clean if r["replay_threads"]),
+        "false_alarms": count(clean, "false_alarm"),
+        "inconclusive": count(rows, "inconclusive"),
+        "inconclusive_clean_bitwise": count([r for r in clean if not r["replay_threads"]], "inconclusive"),
+        "inconclusive_effective": count(effective, "inconclusive"),
+        "disagreements": count(rows, "disagreements"),
+        "errors": count(rows, "errors"),
+        "twins_valid": all(r["effect"]["identical_before_fault"] for r in faulted),
+        "seconds": round(seconds, 1),
+        "train_s_mean": round(float(np.mean([r["train_s"] for r in rows])), 2) if rows else None,
+        "cli_s_mean": round(float(np.mean([r["cli_s"] for r in rows])), 2) if rows else None,
+        "by_location_bits": {k: dict(v) for k, v in sorted(table.items())},
+        "not_exact": [{"fault": r["fault"], "step_kind": r["step_kind"], "verdict": r["outcome"]["verdict"],
+                       "first_divergent_step": r["bisect"]["first_divergent_step"], "suspects": r["bisect"]["suspects"],
+                       "effect": r["effect"]["effect"]}
+                      for r in effective if not r["outcome"]["exact_step_rank"]],
+        "ineffective_faults": [{"fault": r["fault"], "effect": r["effect"]["effect"], "verdict": r["outcome"]["verdict"],
+                                "final_loss_change": r["effect"].get("final_loss_change")} for r in ineffective],
+    }
+
+
+# ---------------------------------------------------------------------------------- main
+def _run_child(plan: Plan, options: Options) -> dict:
+    """Run one plan in a fresh interpreter (its own fork server and torch threads)."""
+    import subprocess
+
+    args = [sys.executable, __file__, "--_child", json.dumps(dataclasses.asdict(plan)),
+            "--_options", json.dumps(dataclasses.asdict(options) | {"out_dir": str(options.out_dir)})]
+    proc = subprocess.run(args, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+        return dataclasses.asdict(plan) | {"error": f"run failed (exit {proc.returncode}): {tail}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def finish(rows: list[dict], seconds: float) -> dict:
+    """Measure each fault against its twin, judge every row, tally."""
+    twins = {r["variant"]: r for r in rows if r["fault"] is None}
+    for row in rows:
+        row["outcome"] = judge(row)
+        if row["fault"] is not None and "effect" not in row:
+            row["effect"] = effect(row, twins[row["variant"]])
+    return tally(rows, seconds)
+
+
+def campaign(options: Options, progress=print) -> dict:
+    """Plan, run (``jobs`` at a time: clean runs first, they are the twins), judge and tally."""
+    started = time.monotonic()
+    plans = plan_runs(options)
+    rows: list[dict] = []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=options.jobs) as pool:
+        for row in pool.map(lambda p: _run_child(p, options), plans):
+            rows.append(row)
+            progress(f"{row['index']:3d} {row.get('fault') or 'clean':40s} "
+                     + (row.get("error") or f"{row['bisect']['verdict']} {row['seconds']} s"))
+    failed = [r for r in rows if "error" in r]
+    if failed:
+        raise SystemExit(f"{len(failed)} run(s) failed; first: {failed[0]['error']}")
+    summary = finish(rows, time.monotonic() - started)
+    return summary | {"settings": dataclasses.asdict(options) | {"out_dir": str(options.out_dir)}, "rows": rows}
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--faults", type=int, default=20, help="runs with one injected fault each")
+    parser.add_argument("--clean", type=int, default=3, help="clean runs (the twins; every other one replayed at --threads 2)")
+    parser.add_argument("--seed", type=int, default=0, help="draws variants and faults")
+    parser.add_argument("--json", action="store_true", help="print the summary and rows as one JSON object on stdout")
+    parser.add_argument("--out", type=Path, default=None, help="directory for the runs (default: a temporary one, removed)")
+    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run")
+    parser.add_argument("--checkpoint-every", type=int, default=4, help="checkpoint interval")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (1 or 2)")
+    parser.add_argument("--rejudge", type=Path, default=None, help="re-judge and re-tally the rows of an earlier --json output")
+    parser.add_argument("--_child", help=argparse.SUPPRESS)
+    parser.add_argument("--_options", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def _print(result: dict) -> None:
+    for key, value in result.items():
+        if key not in ("rows", "settings", "by_location_bits", "not_exact", "ineffective_faults"):
+            print(f"{key:26s} {value}")
+    keys = ("faults", "effective", "detected", "exact_step_rank", "location_correct", "inconclusive", "missed", "false_clean")
+    print("\n| location / bit class | " + " | ".join(keys) + " |")
+    print("| --- |" + " ---: |" * len(keys))
+    for name, cell in result["by_location_bits"].items():
+        print(f"| {name} | " + " | ".join(str(cell.get(k, 0)) for k in keys) + " |")
+    for miss in result["not_exact"]:
+        print(f"not exact: {miss}")
+    for fault in result["ineffective_faults"]:
+        print(f"ineffective: {fault}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse(argv)
+    if args._child:
+        options = json.loads(args._options)
+        options = Options(**options | {"out_dir": Path(options["out_dir"])})
+        print(json.dumps(run_one(Plan(**json.loads(args._child)), options)))
+        return
+    if args.rejudge is not None:
+        earlier = json.loads(args.rejudge.read_text(encoding="utf-8"))
+        result = finish(earlier["rows"], earlier.get("seconds", 0.0)) | {"settings": earlier.get("settings"), "rows": earlier["rows"]}
+    else:
+        with tempfile.TemporaryDirectory(prefix="sdc-campaign-") as tmp:
+            options = Options(faults=args.faults, clean=args.clean, seed=args.seed, out_dir=(args.out or Path(tmp)).resolve(),
+                              steps=args.steps, checkpoint_every=args.checkpoint_every, jobs=args.jobs)
+            options.out_dir.mkdir(parents=True, exist_ok=True)
+            result = campaign(options, progress=lambda line: print(line, file=sys.stderr))
+    if args.json:
+        print(json.dumps(result, indent=1, sort_keys=True, default=str))
+    else:
+        _print(result)
+
+
+if __name__ == "__main__":
+    main()
