@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,8 @@ class Recorder:
         self._state: _StepState | None = None
         self._layouts: list[dict] = []
         self.threads = ThreadWatch(self.rank)
+        self._steps_written = 0  # STEP records of this attempt, and the last one's step (END record)
+        self._last_step_written = self.options.start_step
 
         identities: list = [None] * self.world_size
         dist.all_gather_object(identities, local_identity(self.rank, self.device), group=self.group)
@@ -438,6 +441,8 @@ class Recorder:
         rec["aux_value"] = self._note_threads(state)
         records.append_with_ids(self.writer, rec, state.ids, state.step)
         state.written = True
+        self._steps_written += 1
+        self._last_step_written = state.step
 
     def _note_threads(self, state: _StepState) -> int:
         """The step's intra-op thread count (warns on a change); rank 0 puts the first into the manifest."""
@@ -452,16 +457,29 @@ class Recorder:
                 log.warning("sdc-forensics: could not update num_threads in the manifest: %s", exc)
         return state.num_threads
 
-    def close(self) -> None:
-        """Remove the optimizer hooks and close the trace file (the comm hook becomes a pass-through)."""
+    def close(self, *, on_error: bool | None = None) -> None:
+        """Remove the optimizer hooks and end the trace file with its END record (the comm hook
+        becomes a pass-through). Idempotent.
+
+        Args:
+            on_error: the training loop is ending on an exception; None (default): True when
+                called while one propagates (from a ``finally`` block or an ``except`` clause).
+                The END record says so; readers report the run as stopped early.
+        """
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self.tap.start(None)
-        self.writer.close()
+        if on_error is None:
+            on_error = sys.exc_info()[0] is not None
+        try:
+            self.writer.finish(last_step=self._last_step_written, num_steps=self._steps_written, on_error=on_error)
+        except OSError as exc:  # the disk is gone: nothing more to say, and the caller's exception matters more
+            log.warning("sdc-forensics: could not end the trace file %s: %s", self.writer.path, exc)
+            self.writer.close()
 
     def __enter__(self) -> "Recorder":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(on_error=exc_type is not None)

@@ -53,6 +53,7 @@ def build_manifest(
         previous = tuple(a for a in old.attempts if a.attempt != attempt.attempt)
     return Manifest(
         format_version=F.FORMAT_VERSION,
+        format_minor=F.FORMAT_MINOR,
         world_size=world_size,
         fingerprint=settings,
         recipe=recipe,

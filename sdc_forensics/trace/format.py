@@ -31,6 +31,10 @@ Record kinds and the meaning of their fields are in ``docs/trace-format.md``. Th
 fields mean something per kind; in a STEP record ``aux_value`` is the intra-op CPU thread count
 (``torch.get_num_threads()``) the step ran with, 0 = unknown (traces written before it was
 recorded): a backward-compatible addition, the format version stays 1.
+
+Revision 1.1 (``FORMAT_MINOR``, the manifest's ``format_minor``) adds the END record, which the
+recorder appends when it closes a rank file: a file of a 1.1 trace without one was cut short (the
+process was killed, or the machine died). Readers of 1.0 skip the kind; the version stays 1.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ import numpy as np
 from sdc_forensics.fingerprint import constants as C
 
 FORMAT_VERSION = 1
+#: Backward-compatible revision of version 1 this package writes: 1 = rank files end with an END
+#: record when the recorder closed them (``docs/trace-format.md``, "Revisions").
+FORMAT_MINOR = 1
 FILE_MAGIC = b"SDCTRACE"
 RECORD_MAGIC = 0x52434453
 HEADER_SIZE = 64
@@ -60,6 +67,7 @@ class Kind(enum.IntEnum):
     CHECKPOINT = 3  # this rank's view of a checkpoint written after ``step`` completed steps
     ALARM = 4  # an online check fired on this rank
     IDS = 5  # microbatch IDs of the preceding STEP or AUDIT record when not a contiguous range
+    END = 6  # (1.1) the recorder closed this file: last step recorded, STEP records written
 
 
 class Flag(enum.IntFlag):
@@ -78,6 +86,7 @@ class Flag(enum.IntFlag):
     CHECKPOINT_REFUSED = 1 << 10
     HAS_WEIGHTS = 1 << 11  # weights_digest holds this step's post-update weights
     HAS_GRADS = 1 << 12  # local/reduced gradient fields are filled
+    CLOSED_ON_ERROR = 1 << 13  # END record: the recorder was closed while an exception propagated
 
 
 HEADER_DTYPE = np.dtype(

@@ -80,6 +80,9 @@ class Manifest:
     format_version: int
     world_size: int
     fingerprint: FingerprintSettings
+    #: backward-compatible revision of ``format_version`` the writer of the latest attempt
+    #: followed (``format.FORMAT_MINOR``); 0 for traces written before revisions were numbered
+    format_minor: int = 0
     recipe: str | None = None
     reduction: str = "mean"
     checkpoint_every: int | None = None
@@ -103,12 +106,15 @@ class Manifest:
         """The JSON document (sorted keys are applied by :func:`write_manifest`)."""
         doc = dataclasses.asdict(self)
         doc["format"] = FORMAT_NAME
+        if not self.format_minor:  # a 1.0 manifest stays byte for byte what it was (golden files)
+            del doc["format_minor"]
         return doc
 
 
 #: Rank file names hold 5 digits of rank and 3 of attempt (``rank-RRRRR.attempt-AAA.sdct``).
 MAX_WORLD_SIZE = 100_000
 MAX_ATTEMPT = 999
+MAX_FORMAT_MINOR = 0xFFFF
 _HINT = "it was not written by sdc-forensics or is damaged: restore manifest.json from the run"
 _IDENTITY_STRINGS = ("host", "gpu_uuid", "pci_bus_id", "device", "slurm_job_id", "slurm_node", "k8s_node")
 
@@ -172,6 +178,7 @@ def parse_manifest(doc: Any, where: str = MANIFEST_NAME) -> Manifest:
     return Manifest(
         format_version=version,
         world_size=world_size,
+        format_minor=f.int("format_minor", 0, lo=0, hi=MAX_FORMAT_MINOR),
         fingerprint=_fingerprint(f.doc.get("fingerprint"), f"{where}, \"fingerprint\""),
         recipe=f.str("recipe", None, none=True, max_len=1024),
         reduction=reduction,

@@ -3,7 +3,8 @@
 Each record is sealed with its checksum and written with one ``write`` call, then flushed to the
 operating system, so a process killed at any point leaves every complete record readable and at
 most one torn record at the tail (which the reader reports). ``fsync=True`` also survives a
-machine crash, at a cost of one ``fsync`` per step.
+machine crash, at a cost of one ``fsync`` per step. :meth:`RankTraceWriter.finish` ends the file
+with an END record: a file without one was cut short.
 """
 
 from __future__ import annotations
@@ -105,8 +106,27 @@ class RankTraceWriter:
         if self._fsync:
             os.fsync(self._file.fileno())
 
+    def finish(self, *, last_step: int, num_steps: int, on_error: bool = False) -> None:
+        """Append the END record (format 1.1) and close the file; a no-op once closed.
+
+        Args:
+            last_step: the last step this rank wrote a STEP record for in this attempt (the
+                attempt's first step when ``num_steps`` is 0).
+            num_steps: STEP records written in this attempt.
+            on_error: the recorder is closed while an exception propagates (an alarm with policy
+                ``raise``, a collective that failed because a peer died, ...).
+        """
+        if self._file.closed:
+            return
+        end = self.new(F.Kind.END, last_step)
+        end["aux_value"] = num_steps
+        end["flags"] = int(F.Flag.CLOSED_ON_ERROR) if on_error else 0
+        self.append(end)
+        self.close()
+
     def close(self) -> None:
-        """Close the file (idempotent)."""
+        """Close the file without an END record (idempotent): readers of a 1.1 trace then take the
+        rank as cut short; :meth:`finish` is the normal end."""
         if not self._file.closed:
             self._file.close()
 
