@@ -39,6 +39,7 @@ def _render(doc: dict) -> None:
         f"steps {steps['first']}..{steps['last']} ({steps['rank_steps']} rank-steps)  recipe {escape(doc['recipe'] or '-')}"
     )
     err.print(f"fingerprints: seed {fp['seed']:#x}, sketch k={fp['sketch_k']}, gradients in {escape(fp['grad_dtype'])}")
+    _render_end(doc["end"])
     if doc["environment"]:
         env = doc["environment"]
         err.print(escape(f"torch {env['torch'] or '?'}  cuda {env['cuda'] or '-'}  determinism {env['determinism'] or '-'}"))
@@ -79,6 +80,25 @@ def _render(doc: dict) -> None:
             err.print(f"… {len(doc['damage']) - 50} more in --json")
     else:
         err.print("[green]no damage found[/]")
+
+
+def _render_end(end: dict) -> None:
+    """How the run ended: one line, and where each rank's file stops when it stopped early."""
+    if not end["stopped_early"]:
+        if end["finalised"]:
+            err.print(f"[green]run ended normally: every rank closed its trace after step {end['last_step']}[/]")
+        return
+    err.print(f"[bold yellow]{escape(end['summary'][0].upper() + end['summary'][1:])}[/]")
+    ends = Table(title=f"where each rank's file ends (attempt {end['attempt']})", title_justify="left")
+    for col in ("rank", "host", "last step", "closed", "torn bytes"):
+        ends.add_column(col)
+    stopped = set(end["stopped_ranks"])
+    for r in end["ranks"]:
+        closed = "-" if r["closed"] is None else ("on an exception" if r["closed_on_error"] else "yes") if r["closed"] else "[red]no[/]"
+        last = "-" if r["last_step"] is None else str(r["last_step"])
+        ends.add_row(f"[bold]{r['rank']}[/]" if r["rank"] in stopped else str(r["rank"]), escape(r["host"] or "-"),
+                     last if r["has_file"] else "[red]no file[/]", closed, str(r["torn_bytes"]) if r["torn_bytes"] else "-")
+    err.print(ends)
 
 
 @click.command("export")

@@ -19,20 +19,23 @@ from sdc_forensics.cli.output import err
 def report_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: bool, output: str, **options) -> None:
     """Write a post-incident review of TRACE_DIR: verdict, suspects, evidence, checkpoints, resume point.
 
-    Runs the same analysis as ``bisect`` (same options and exit codes) and renders it as Markdown.
-    With --json, the bisect JSON document goes to stdout and the review to -o FILE.
+    Runs the same analysis as ``bisect`` (same options and exit codes) and renders it as Markdown;
+    a run that stopped early (a rank killed) is said first, with where. With --json, the bisect
+    JSON document, plus "trace_end" (inspect's "end"), goes to stdout and the review to -o FILE.
     """
     from sdc_forensics.errors import UsageError
     from sdc_forensics.forensics.render import bisect_document
     from sdc_forensics.forensics.report import render_markdown
-    from sdc_forensics.trace.manifest import read_manifest
+    from sdc_forensics.trace.reader import Trace
 
     if as_json and output == "-":
         raise UsageError("--json and the review cannot both go to stdout: pass -o FILE for the review")
     if output != "-" and Path(output).exists():
         raise UsageError(f"{output} exists; the report never overwrites a file: choose another -o path")
     result = run_analysis(trace_dir, trace_only=trace_only, **options)
-    text = render_markdown(result, read_manifest(trace_dir), command=["sdc-forensics", *sys.argv[1:]] if sys.argv else None)
+    trace = Trace.open(trace_dir)
+    end = trace.run_end()
+    text = render_markdown(result, trace.manifest, command=["sdc-forensics", *sys.argv[1:]] if sys.argv else None, end=end)
     if output == "-":
         sys.stdout.write(text)
     else:
@@ -41,5 +44,5 @@ def report_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: b
     if as_json:
         from sdc_forensics.cli.output import emit_json
 
-        emit_json(bisect_document(result))
+        emit_json({**bisect_document(result), "trace_end": end.to_json()})
     ctx.exit(EXIT_BY_VERDICT[result.verdict.value])

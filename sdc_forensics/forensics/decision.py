@@ -163,9 +163,15 @@ class Examined:
     files_read: bool = False
     trace_only: bool = False
 
-    def unexamined_before(self, step: int) -> list[int]:
-        """Steps in ``[first_step, step)`` that no replay examined."""
-        return [s for s in range(self.first_step, step) if s not in self.replayed]
+    def unexamined_before(self, step: int) -> tuple[range, ...]:
+        """Steps in ``[first_step, step)`` that no replay examined, as spans (empty: none). Built
+        from the replayed steps, never by walking the span: a note's step may be crafted (2^53)."""
+        spans, lo = [], self.first_step
+        for s in sorted(s for s in self.replayed if self.first_step <= s < step):
+            if s > lo:
+                spans.append(range(lo, s))
+            lo = s + 1
+        return tuple(spans) + ((range(lo, step),) if step > lo else ())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

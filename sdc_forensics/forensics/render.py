@@ -14,6 +14,7 @@ from rich.table import Table
 from sdc_forensics.forensics.evidence import Evidence
 from sdc_forensics.forensics.decision import Status
 from sdc_forensics.forensics.verdict import BisectResult, Verdict
+from sdc_forensics.trace.ends import STOPPED_EARLY
 
 _STYLE = {Verdict.CLEAN: "bold green", Verdict.CORRUPTION: "bold red", Verdict.INCONCLUSIVE: "bold yellow"}
 _STATUS_STYLE = {Status.CLEAN: "green", Status.UNVERIFIED: "yellow", Status.TAINTED: "red", Status.CORRUPT: "bold red"}
@@ -32,6 +33,9 @@ def render_bisect(result: BisectResult, console) -> None:
         headline += f"  first divergent step {result.first_divergent_step} (θ_{result.first_divergent_step} clean, θ_{result.first_divergent_step + 1} not)"
     console.print(headline)
     console.print(f"[dim]{escape(result.scope)}[/]")
+    stopped = [line for line in result.damage if line.startswith(STOPPED_EARLY)]  # trace.ends.RunEnd.describe()
+    for line in stopped:
+        console.print(f"[bold yellow]{escape(line[0].upper() + line[1:])}[/]")
     if result.suspects:
         table = Table(title="Suspects", title_justify="left")
         for column in ("rank", "host", "gpu", "location", "steps", "recurrence", "recommendation"):
@@ -66,7 +70,7 @@ def render_bisect(result: BisectResult, console) -> None:
         console.print(f"[dim]note: {escape(note)}[/]")
     for line in result.settle:
         console.print(f"[yellow]to settle:[/] {escape(line)}")
-    for line in result.damage[:5]:
+    for line in [d for d in result.damage if d not in stopped][:5]:
         console.print(f"[yellow]trace damage:[/] {escape(line)}")
 
 

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import datetime as _dt
 import shlex
+from typing import TYPE_CHECKING
 
 from sdc_forensics import __version__
 from sdc_forensics.forensics.evidence import Evidence
 from sdc_forensics.forensics.verdict import BisectResult, Verdict
 from sdc_forensics.trace.manifest import Manifest
+
+if TYPE_CHECKING:
+    from sdc_forensics.trace.ends import RunEnd
 
 _HEADLINE = {
     Verdict.CORRUPTION: "Silent data corruption found",
@@ -42,8 +46,33 @@ def _evidence_rows(evidence: list[Evidence]) -> list[tuple]:
     ]
 
 
+def _stopped_early(end: "RunEnd") -> list[str]:
+    """The section that says the run stopped early, where, and what the analysis could read."""
+    out = ["## The run stopped early", ""]
+    stopped = [r for r in end.ranks if r.rank in end.stopped_ranks]
+    who = "every rank" if len(stopped) == len(end.ranks) else ", ".join(f"rank {r.rank} (host `{r.host or '?'}`)" for r in stopped)
+    after = stopped[0].last_step if stopped else None
+    out.append(f"- **Where:** {who} stopped " + (f"after step {after}" if after is not None else "before recording any step")
+               + (f" (attempt {end.attempt})" if end.attempt else "") + f"; the run stopped at step {end.stop_step}.")
+    if end.last_complete_step is None:
+        out.append("- **Last complete step:** none: no step was recorded by every rank.")
+    else:
+        out.append(f"- **Last complete step: {end.last_complete_step}** (recorded by every rank). Every rank is read up to it; "
+                   "a replay stops there, and the steps after it hold some ranks' records only.")
+    if end.finalised is None:
+        out.append("- **Trace finalised:** unknown (the trace predates END records, format 1.0).")
+    else:
+        out.append(f"- **Trace finalised:** {'yes' if end.finalised else 'no'}: "
+                   + f"{sum(1 for r in end.ranks if r.closed)} of {len(end.ranks)} ranks closed their trace file.")
+    out += [f"- {end.describe()[0].upper()}{end.describe()[1:]}.", ""]
+    rows = [(r.rank, r.host or "-", "no file" if not r.has_file else "-" if r.last_step is None else r.last_step,
+             "-" if r.closed is None else ("on an exception" if r.closed_on_error else "yes") if r.closed else "**no**",
+             r.torn_bytes or "-") for r in end.ranks]
+    return out + _table(("rank", "host", "last step recorded", "closed its trace", "torn bytes at the tail"), rows)
+
+
 def render_markdown(result: BisectResult, manifest: Manifest | None, command: list[str] | None = None,
-                    now: _dt.datetime | None = None) -> str:
+                    now: _dt.datetime | None = None, end: "RunEnd | None" = None) -> str:
     """The review as Markdown.
 
     Args:
@@ -51,12 +80,19 @@ def render_markdown(result: BisectResult, manifest: Manifest | None, command: li
         manifest: the trace's manifest (environment and identities), or None.
         command: the command line that produced ``result``, to reproduce it.
         now: the time to stamp (default: now, UTC).
+        end: how the trace's latest attempt ended (``Trace.run_end()``); when the run stopped
+            early the review says so first, and where.
     """
     now = now or _dt.datetime.now(_dt.timezone.utc)
     out = [f"# Post-incident review: {_HEADLINE[result.verdict]}", ""]
     out += [f"Trace `{result.trace_path}` ({result.world_size} ranks, steps "
             f"{'-' if result.step_range is None else f'{result.step_range[0]}..{result.step_range[1]}'}); "
             f"analysed {now:%Y-%m-%d %H:%M} UTC by sdc-forensics {__version__}, mode `{result.mode}`.", ""]
+
+    stopped = end is not None and end.stopped_early
+    if stopped:
+        out += [f"**The run stopped early** at step {end.stop_step}: the last step every rank recorded is "
+                f"{'none' if end.last_complete_step is None else end.last_complete_step}; this review covers what was recorded.", ""]
 
     out += ["## Summary", ""]
     if result.first_divergent_step is not None:
@@ -77,6 +113,8 @@ def render_markdown(result: BisectResult, manifest: Manifest | None, command: li
     out.append(f"- **Resume from:** `{last.path}` (checkpoint {last.step}, {last.status.value})." if last
                else "- **Resume from:** no checkpoint could be certified clean.")
     out.append("")
+    if stopped:
+        out += _stopped_early(end)
 
     out += ["## What to do", ""]
     if last:

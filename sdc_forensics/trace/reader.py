@@ -21,9 +21,13 @@ import numpy as np
 from sdc_forensics.errors import TraceError
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace.manifest import Manifest, read_manifest
+from sdc_forensics.trace.windows import StepWindow, iter_windows
 
 _FILE_RE = re.compile(r"^rank-(\d{5})\.attempt-(\d{3})\.sdct$")
 CHUNK_RECORDS = 1 << 16
+#: More ranks of the manifest's world size may lack a rank file than this (and than have one)
+#: only in a manifest that is not this directory's: ``Trace.open`` refuses it.
+MAX_MISSING_RANKS = 64
 #: Damage kinds after which the trace's evidence about replicas cannot be trusted in full
 #: (a record unread, a rank or steps absent): checkpoints are then ``unverified``, not clean.
 UNTRUSTED_DAMAGE = frozenset({"bad_checksum", "bad_header", "missing_rank", "missing_steps"})
@@ -33,7 +37,7 @@ UNTRUSTED_DAMAGE = frozenset({"bad_checksum", "bad_header", "missing_rank", "mis
 class Damage:
     """One problem found in a trace. ``record_index`` is -1 when it concerns a whole file."""
 
-    kind: str  # torn_tail | bad_checksum | bad_header | missing_rank | missing_steps | foreign_record
+    kind: str  # stopped_early | torn_tail | bad_checksum | bad_header | missing_rank | missing_steps | foreign_record
     rank: int
     attempt: int = -1
     record_index: int = -1
@@ -49,25 +53,6 @@ class RankFile:
     attempt: int
     records: np.ndarray
     torn_bytes: int
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StepWindow:
-    """STEP records of steps ``steps[0] .. steps[-1]`` for all ranks.
-
-    Attributes:
-        steps: ``(S,)`` int64 step numbers.
-        present: ``(S, R)`` bool, a valid STEP record exists.
-        attempt: ``(S, R)`` int32, the attempt each cell was taken from (-1 if absent).
-        superseded: ``(S, R)`` bool, an earlier attempt also recorded this cell.
-        records: ``(S, R)`` structured records (zeros where absent).
-    """
-
-    steps: np.ndarray
-    present: np.ndarray
-    attempt: np.ndarray
-    superseded: np.ndarray
-    records: np.ndarray
 
 
 def step_threads(records: np.ndarray) -> np.ndarray:
@@ -99,6 +84,7 @@ class Trace:
         self._validated = False
         self._valid: dict[tuple[int, int], np.ndarray] = {}
         self._dense: dict[tuple[int, int], int | None] = {}
+        self._end = None
 
     @classmethod
     def open(cls, trace_dir: str | os.PathLike) -> "Trace":
@@ -109,11 +95,13 @@ class Trace:
         dtype = F.record_dtype(k)
         files: list[RankFile] = []
         damage: list[Damage] = []
+        file_ranks: set[int] = set()
         for entry in sorted(path.iterdir()):
             match = _FILE_RE.match(entry.name)
             if not match:
                 continue
             rank, attempt = int(match.group(1)), int(match.group(2))
+            file_ranks.add(rank)
             rank_file, problem = _open_rank_file(entry, rank, attempt, manifest, dtype)
             if problem:
                 damage.append(problem)
@@ -121,6 +109,7 @@ class Trace:
                 files.append(rank_file)
         if not files:
             raise TraceError(f"{path} has a manifest but no readable rank files (rank-*.attempt-*.sdct)")
+        _check_world_size(path, manifest.world_size, {r for r in file_ranks if r < manifest.world_size})
         ranks_seen = {f.rank for f in files}
         for rank in range(manifest.world_size):
             if rank not in ranks_seen:
@@ -197,18 +186,38 @@ class Trace:
                             detail=f"record {index} of {rank_file.path.name} fails its checksum; ignored",
                         )
                     )
-            self._damage.extend(self._missing_steps())
+            end = self.run_end()
+            if end.stopped_early:  # first: renderers that show a few damage lines show this one
+                self._damage.insert(0, Damage(kind="stopped_early", rank=end.stopped_ranks[0] if len(end.stopped_ranks) == 1 else -1,
+                                              attempt=end.attempt, detail=end.describe()))
+            self._damage.extend(self._missing_steps(end.stopped_early))
             self._validated = True
         return list(self._damage)
 
-    def _missing_steps(self) -> list[Damage]:
+    def run_end(self):
+        """How the latest attempt ended: :class:`~sdc_forensics.trace.ends.RunEnd` (cached)."""
+        if self._end is None:
+            from sdc_forensics.trace.ends import run_end
+
+            self._end = run_end(self)
+        return self._end
+
+    def _missing_steps(self, stopped_early: bool) -> list[Damage]:
+        """Holes: steps some ranks recorded and others did not. When the run stopped early, the
+        steps after a rank's last one are where it stopped (the ``stopped_early`` entry), not holes."""
         missing: dict[int, list[int]] = {}
+        last_present = np.full(self.world_size, -1, dtype=np.int64)  # (R,) last step each rank recorded
         for window in self.step_windows(fields=()):
             any_present = window.present.any(axis=1)  # (S,)
             holes = window.present[any_present] == False  # noqa: E712  (S', R)
             steps = window.steps[any_present]
+            seen = window.present.any(axis=0)
+            last_present[seen] = window.steps[window.present.shape[0] - 1 - np.argmax(window.present[::-1], axis=0)][seen]
             for rank in np.flatnonzero(holes.any(axis=0)):
                 missing.setdefault(int(rank), []).extend(int(s) for s in steps[holes[:, rank]])
+        if stopped_early:
+            missing = {rank: [s for s in steps if last_present[rank] < 0 or s < last_present[rank]] for rank, steps in missing.items()}
+            missing = {rank: steps for rank, steps in missing.items() if steps}
         return [
             Damage(
                 kind="missing_steps",
@@ -261,94 +270,30 @@ class Trace:
         stop: int | None = None,
         fields: tuple[str, ...] | None = None,
     ) -> Iterator[StepWindow]:
-        """Yield :class:`StepWindow` tables of ``window`` steps covering ``[start, stop]``.
+        """Yield :class:`StepWindow` tables of at most ``window`` consecutive steps covering the
+        recorded steps of ``[start, stop]``.
+
+        Steps that no rank recorded are skipped: a window starts at a recorded step and ends
+        before the first step nobody recorded, so time and memory follow the records in the
+        files, never the span their step numbers declare (``trace/windows.py``).
 
         Args:
-            window: steps per table; memory is ``window x ranks x record bytes``.
+            window: the most steps per table; memory is at most ``window x ranks x record bytes``.
             start, stop: inclusive step bounds (default: the whole trace).
             fields: record fields to copy into the tables (default: all). Asking for fewer is
                 faster and smaller; ``step`` and ``rank`` are always included.
         """
         bounds = self.step_range()
-        if bounds is None:
+        if bounds is None or window < 1:
             return
         lo = bounds[0] if start is None else max(start, bounds[0])
         hi = bounds[1] if stop is None else min(stop, bounds[1])
-        num_ranks = self.world_size
         full = F.record_dtype(self.sketch_k)
         wanted = set(full.names if fields is None else ("step", "rank", *fields))
         names = [name for name in full.names if name in wanted]  # record order: assignment is by position
         dtype = np.dtype([(name, full.fields[name][0]) for name in names])
-        ordered = sorted(self.files, key=lambda f: (f.attempt, f.rank))
-        cursors = {(f.rank, f.attempt): 0 for f in ordered}
-        for w_lo in range(lo, hi + 1, window):
-            w_hi = min(w_lo + window, hi + 1)
-            num_steps = w_hi - w_lo
-            # Filled rank-major so each rank's records land in one contiguous copy; returned as
-            # (S, R) views.
-            table = np.zeros((num_ranks, num_steps), dtype=dtype)
-            present = np.zeros((num_ranks, num_steps), dtype=bool)
-            attempt = np.full((num_ranks, num_steps), -1, dtype=np.int32)
-            superseded = np.zeros((num_ranks, num_steps), dtype=bool)
-            for rank_file in ordered:
-                if rank_file.rank >= num_ranks:
-                    continue
-                key = (rank_file.rank, rank_file.attempt)
-                row = rank_file.rank
-                dense_first = self._dense_first_step(rank_file)
-                if dense_first is not None:  # index by arithmetic: no search, no checks
-                    lo_i = max(w_lo - dense_first, 0)
-                    hi_i = min(w_hi - dense_first, len(rank_file.records))
-                    if hi_i > lo_i:
-                        cols = slice(lo_i + dense_first - w_lo, hi_i + dense_first - w_lo)
-                        superseded[row, cols] |= present[row, cols]
-                        table[row, cols] = rank_file.records[lo_i:hi_i][names]
-                        present[row, cols] = True
-                        attempt[row, cols] = rank_file.attempt
-                    continue
-                recs, cursors[key] = self._take_until(rank_file, cursors[key], w_hi)
-                steps = recs["step"]
-                if (
-                    len(recs) == num_steps
-                    and steps[0] == w_lo
-                    and steps[-1] == w_hi - 1
-                    and (recs["kind"] == int(F.Kind.STEP)).all()
-                    and (np.diff(steps) == 1).all()
-                ):  # the common case: one STEP record per step, nothing else
-                    superseded[row] |= present[row]
-                    table[row] = recs[names]  # one C-level copy of the selected fields
-                    present[row] = True
-                    attempt[row] = rank_file.attempt
-                    continue
-                recs = recs[(recs["kind"] == int(F.Kind.STEP)) & (steps >= w_lo) & (steps < w_hi)]
-                cols = (recs["step"] - w_lo).astype(np.int64)
-                superseded[row, cols] |= present[row, cols]
-                table[row, cols] = recs[names]
-                present[row, cols] = True
-                attempt[row, cols] = rank_file.attempt
-            yield StepWindow(
-                steps=np.arange(w_lo, w_hi, dtype=np.int64),
-                present=present.T,
-                attempt=attempt.T,
-                superseded=superseded.T,
-                records=table.T,
-            )
-
-    def _take_until(self, rank_file: RankFile, cursor: int, step_hi: int) -> tuple[np.ndarray, int]:
-        """Valid records from ``cursor`` up to the first with step >= ``step_hi``; new cursor."""
-        recs = rank_file.records
-        mask = self.valid_mask(rank_file)
-        end, probe = cursor, 4096
-        while end < len(recs):
-            chunk_steps = recs["step"][end : end + probe]
-            beyond = np.flatnonzero((chunk_steps >= step_hi) & mask[end : end + probe])
-            if beyond.size:
-                end += int(beyond[0])
-                break
-            end += len(chunk_steps)
-            probe = min(probe * 2, CHUNK_RECORDS)
-        keep = mask[cursor:end]
-        return (recs[cursor:end] if keep.all() else recs[cursor:end][keep]), end
+        files = [(f, self.valid_mask(f), self._dense_first_step(f)) for f in self.files]
+        yield from iter_windows(files, num_ranks=self.world_size, dtype=dtype, lo=lo, hi=hi, window=window)
 
     def microbatch_ids(self, record: np.void, rank_records: np.ndarray | None = None) -> np.ndarray:
         """The microbatch IDs of a STEP or AUDIT record (int64)."""
@@ -360,6 +305,26 @@ class Trace:
         per = F.ids_per_record(self.sketch_k)
         payload = np.ascontiguousarray(ids_recs).view(np.uint8).reshape(len(ids_recs), -1)[:, 32 : 32 + 8 * per]
         return np.ascontiguousarray(payload).view("<i8").reshape(-1)[:count]
+
+
+def _check_world_size(path: Path, world_size: int, ranks_with_files: set[int]) -> None:
+    """Refuse a manifest whose world size is far beyond the rank files present.
+
+    Every step table has a column per rank of the manifest's world size, so a crafted
+    ``world_size`` (up to 100,000) next to two rank files would make each table 50,000 times
+    larger than the files. More ranks missing than present (and more than
+    :data:`MAX_MISSING_RANKS`) leaves nothing to compare across replicas anyway; fewer are
+    reported as ``missing_rank`` damage, and the tables stay within ``2 x files + 64`` columns.
+    """
+    present = len(ranks_with_files)
+    missing = world_size - present
+    if missing > max(present, MAX_MISSING_RANKS):
+        shown = step_ranges(sorted(ranks_with_files)) or "none"
+        raise TraceError(
+            f"{path / 'manifest.json'} declares world_size {world_size}, but only {present} rank(s) have a file here "
+            f"(ranks {shown}): {missing} ranks are missing, more than are present, so replicas cannot be compared; "
+            "restore manifest.json from the run, or copy every rank's rank-RRRRR.attempt-AAA.sdct files into the directory"
+        )
 
 
 def _first_step_record(recs: np.ndarray, mask: np.ndarray, reverse: bool = False) -> int | None:
@@ -413,18 +378,22 @@ def _open_rank_file(path: Path, rank: int, attempt: int, manifest: Manifest, dty
 
 
 def step_ranges(values, sep: str = "-") -> str:
-    """``0-3, 7, 9-12`` for a set of steps (at most 10 ranges written out)."""
-    values = sorted(set(values))
-    out, start, prev = [], None, None
-    for v in values:
-        if start is None:
-            start = prev = v
-        elif v == prev + 1:
-            prev = v
+    """``0-3, 7, 9-12`` for a set of steps (at most 10 ranges written out).
+
+    Args:
+        values: steps, each an int or a ``range`` of consecutive steps (a span of any length costs
+            nothing: spans are merged, never enumerated).
+        sep: between the first and last step of a range.
+    """
+    spans = sorted((v.start, v.stop) if isinstance(v, range) else (int(v), int(v) + 1) for v in values)
+    merged: list[list[int]] = []
+    for lo, hi in spans:
+        if hi <= lo:
+            continue
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
         else:
-            out.append(f"{start}" if start == prev else f"{start}{sep}{prev}")
-            start = prev = v
-    if start is not None:
-        out.append(f"{start}" if start == prev else f"{start}{sep}{prev}")
+            merged.append([lo, hi])
+    out = [f"{lo}" if hi == lo + 1 else f"{lo}{sep}{hi - 1}" for lo, hi in merged]
     text = ", ".join(out[:10])
     return text + (f", … ({len(out) - 10} more ranges)" if len(out) > 10 else "")

@@ -9,6 +9,7 @@ import numpy as np
 
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace.checkpoints import CheckpointNote, read_checkpoint_notes
+from sdc_forensics.trace.ends import RunEnd
 from sdc_forensics.trace.manifest import Manifest
 from sdc_forensics.trace.reader import Damage, Trace
 
@@ -37,6 +38,7 @@ class TraceSummary:
     attempts: tuple[AttemptSummary, ...]
     checkpoints: tuple[CheckpointNote, ...]
     damage: tuple[Damage, ...]
+    end: RunEnd  # how the latest attempt ended: stopped early or not, where, the last complete step
 
 
 def summarize(trace: Trace) -> TraceSummary:
@@ -81,6 +83,7 @@ def summarize(trace: Trace) -> TraceSummary:
         attempts=attempts,
         checkpoints=tuple(read_checkpoint_notes(trace.path)),
         damage=damage,
+        end=trace.run_end(),
     )
 
 
@@ -95,6 +98,7 @@ def summary_document(summary: TraceSummary) -> dict:
         "recipe": m.recipe,
         "fingerprint": dataclasses.asdict(m.fingerprint),
         "steps": {"first": summary.first_step, "last": summary.last_step, "rank_steps": summary.num_rank_steps},
+        "end": summary.end.to_json(),
         "records": summary.records_by_kind,
         "attempts": [dataclasses.asdict(a) for a in summary.attempts],
         "ranks": [dataclasses.asdict(r) for r in (latest.ranks if latest else ())],

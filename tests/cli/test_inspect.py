@@ -60,8 +60,10 @@ def test_inspect_missing_steps_on_a_rank(make_trace, tmp_path):
     result = _run("inspect", str(path), "--json")
     assert result.exit_code == 0
     damage = json.loads(result.stdout)["damage"]
-    (missing,) = [d for d in damage if d["kind"] == "missing_steps"]
-    assert missing["rank"] == 2 and "6-9" in missing["detail"]
+    # the steps after a rank's file ends are where it stopped (stopped_early), not holes (missing_steps)
+    (stopped,) = [d for d in damage if d["kind"] == "stopped_early"]
+    assert stopped["rank"] == 2 and "6-9" in stopped["detail"]
+    assert not [d for d in damage if d["kind"] == "missing_steps"]
 
 
 def test_inspect_not_a_trace_exits_3_with_one_line(tmp_path):
