@@ -90,7 +90,10 @@ class DemoConfig:
         audit_every: audit every N-th step (0: no audits).
         node_of_rank: pretend node map; default: every rank is its own node.
         record: attach the recorder (False trains the same job without it, for comparisons).
-        kill_rank, kill_step: SIGKILL rank ``kill_rank`` right after it recorded ``kill_step``.
+        kill_rank, kill_step, kill_point: SIGKILL rank ``kill_rank`` at ``kill_point`` of step
+            ``kill_step`` (``demo/kill.py``; default ``after-record``: right after it recorded
+            the step; ``checkpoint``: while checkpoint ``kill_step`` is written).
+        kill_bytes: ``record-write``: bytes of the STEP record that reach the file (default: half).
         resume_from: resume an earlier run in ``out_dir`` from its checkpoint N (a new attempt
             that re-executes steps N..steps-1 into the same trace).
         timeout_s: the whole run is killed after this many seconds.
@@ -110,6 +113,8 @@ class DemoConfig:
     record: bool = True
     kill_rank: int | None = None
     kill_step: int | None = None
+    kill_point: str = "after-record"
+    kill_bytes: int | None = None
     resume_from: int | None = None
     timeout_s: float = 300.0
     recipe: str = RECIPE_REFERENCE
@@ -133,6 +138,7 @@ class DemoConfig:
             raise UsageError(f"{self.out_dir} already holds a demo trace; pass a new --out directory")
         if self.resume_from is not None and not self.checkpoint_path(self.resume_from).is_file():
             raise UsageError(f"cannot resume from checkpoint {self.resume_from}: {self.checkpoint_path(self.resume_from)} does not exist")
+        self._check_kill()
         for spec in self.injections:
             if spec.rank >= self.world_size and spec.location not in ("allreduce-all", "checkpoint-file"):
                 raise UsageError(f"fault {spec}: rank {spec.rank} does not exist in a {self.world_size}-rank run")
@@ -140,6 +146,24 @@ class DemoConfig:
                 raise UsageError(f"fault {spec}: no checkpoint {spec.step} is written (checkpoints: {list(self.checkpoint_steps)})")
             elif spec.location != "checkpoint-file" and not self.first_step <= spec.step < self.steps:
                 raise UsageError(f"fault {spec}: step {spec.step} is outside the run (steps {self.first_step}..{self.steps - 1})")
+
+    def _check_kill(self) -> None:
+        from sdc_forensics.demo.kill import KillPoint
+
+        points = [p.value for p in KillPoint]
+        if self.kill_point not in points:
+            raise UsageError(f"kill point {self.kill_point!r} is not one of {', '.join(points)}")
+        if self.kill_rank is None:
+            return
+        if not 0 <= self.kill_rank < self.world_size or self.kill_step is None:
+            raise UsageError(f"kill_rank {self.kill_rank} needs a rank in 0..{self.world_size - 1} and a kill_step")
+        if self.kill_point == KillPoint.CHECKPOINT.value:
+            if self.kill_step not in self.checkpoint_steps or self.kill_step == 0:
+                raise UsageError(f"kill_step {self.kill_step} is not a checkpoint written after a step (checkpoints: {list(self.checkpoint_steps)})")
+        elif not self.first_step <= self.kill_step < self.steps:
+            raise UsageError(f"kill_step {self.kill_step} is outside the run (steps {self.first_step}..{self.steps - 1})")
+        if self.kill_point == KillPoint.RECORD_WRITE.value and not self.record:
+            raise UsageError("kill point record-write needs the recorder (record=True)")
 
     def threads_of(self, rank: int) -> int:
         """Intra-op CPU threads rank ``rank`` trains with."""
@@ -201,6 +225,8 @@ class DemoResult:
         }
         if cfg.threads is not None:  # only when set: the default run's document stays as it was
             doc["threads"] = list(cfg.threads)
+        if cfg.kill_rank is not None:
+            doc["killed"] = {"rank": cfg.kill_rank, "step": cfg.kill_step, "point": cfg.kill_point}
         return doc
 
 
@@ -251,21 +277,30 @@ def _launch(config: DemoConfig) -> None:
     mp.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", "sdc_forensics.demo.run", "sdc_forensics.recorder"])
     context = mp.start_processes(_worker, args=(config, port), nprocs=config.world_size, join=False, start_method="forkserver")
     deadline = time.monotonic() + config.timeout_s
+    failure: Exception | None = None
     try:
         while not context.join(timeout=0.5):
             if time.monotonic() > deadline:
                 raise SdcError(f"the demo run did not finish within {config.timeout_s:.0f} s; all its processes were killed")
-    except mp.ProcessExitedException as exc:
-        if config.kill_rank is None or exc.exit_code != -signal.SIGKILL:
-            raise SdcError(f"demo process {exc.error_index} died ({exc}); all its processes were killed") from None
-    except mp.ProcessRaisedException as exc:
-        raise SdcError(f"a demo process failed:\n{exc}") from None
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:
+        failure = exc
     finally:
         for process in context.processes:
             if process.is_alive():
                 process.kill()
             process.join(timeout=10)
         _stop_forkserver()
+    if config.kill_rank is not None:
+        # a planned kill: the others then fail on a collective or are ended by join(); what
+        # matters is that the armed rank died of its SIGKILL
+        code = context.processes[config.kill_rank].exitcode
+        if code != -signal.SIGKILL:
+            raise SdcError(f"rank {config.kill_rank} was to be killed at {config.kill_point} of step {config.kill_step} "
+                           f"but exited with code {code}" + (f" ({failure})" if failure else ""))
+    elif isinstance(failure, mp.ProcessRaisedException):
+        raise SdcError(f"a demo process failed:\n{failure}") from None
+    elif failure is not None:
+        raise SdcError(f"demo process {failure.error_index} died ({failure}); all its processes were killed") from None
 
 
 def _stop_forkserver() -> None:
@@ -324,6 +359,7 @@ def train_rank(config: DemoConfig, rank: int) -> dict:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
+    from sdc_forensics.demo.kill import Killer
     from sdc_forensics.errors import SdcAlarm
     from sdc_forensics.recorder import Recorder, RecorderOptions
     from sdc_forensics.statedict import weights_digest
@@ -345,13 +381,16 @@ def train_rank(config: DemoConfig, rank: int) -> dict:
                 node_of_rank=config.node_of_rank or tuple(range(world_size)), start_step=config.first_step,
             ),
         )
+    killer = Killer(config.kill_point, config.kill_step, armed=config.kill_rank == rank, kill_bytes=config.kill_bytes)
+    killer.attach(model, rec)
 
     def checkpoint(step: int) -> None:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
         if scheduler is not None:
             state["scheduler"] = scheduler.state_dict()
+        killer.before_checkpoint(step, rank)
         if rec is not None:
-            rec.checkpoint(step, config.checkpoint_path(step), state)
+            rec.checkpoint(step, config.checkpoint_path(step), state, save=killer.save if killer.armed else None)
         elif rank == 0:
             config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             torch.save(state, config.checkpoint_path(step))
@@ -362,10 +401,10 @@ def train_rank(config: DemoConfig, rank: int) -> dict:
             checkpoint(0)
         for step in range(config.first_step, config.steps):
             ids = recipe.microbatch_ids(step, rank, world_size)
+            killer.begin(step, len(ids))
             with rec.step(step, microbatch_ids=ids) if rec is not None else contextlib.nullcontext() as s:
                 train_step(ddp, optimizer, recipe, (recipe.fetch_microbatch(i, "cpu") for i in ids), len(ids), s, scheduler)
-            if config.kill_rank == rank and config.kill_step == step:
-                os.kill(os.getpid(), signal.SIGKILL)
+            killer.after_record(step)
             if (step + 1) % config.checkpoint_every == 0:
                 checkpoint(step + 1)
     except SdcAlarm as alarm:
