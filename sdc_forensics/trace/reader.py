@@ -342,6 +342,8 @@ def _first_step_record(recs: np.ndarray, mask: np.ndarray, reverse: bool = False
 
 
 def _open_rank_file(path: Path, rank: int, attempt: int, manifest: Manifest, dtype: np.dtype):
+    if not path.is_file():  # a directory or a FIFO under a rank file's name: never written by the recorder
+        return None, Damage(kind="bad_header", rank=rank, attempt=attempt, detail=f"{path.name} is not a regular file; ignored")
     size = path.stat().st_size
     if size < F.HEADER_SIZE:
         return None, Damage(kind="bad_header", rank=rank, attempt=attempt, detail=f"{path.name} is shorter than its header")

@@ -168,3 +168,26 @@ def test_inspect_prints_markup_in_trace_strings_literally(trace):
     result = CliRunner().invoke(cli, ["inspect", str(trace)])
     assert result.exit_code == 0, (result.output, result.exception)
     assert "[/]" in result.stderr and "[bold]x[/bold]" in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# found by tests/fuzz/test_fuzz_trace.py
+
+
+@pytest.mark.parametrize("name", ["rank-00000.attempt-000.sdct", "rank-00003.attempt-000.sdct"], ids=["replacing-a-rank-file", "extra"])
+def test_a_directory_named_like_a_rank_file(trace, name):
+    """``reader._open_rank_file`` read it with ``np.fromfile``: ``IsADirectoryError``, a traceback and
+    exit 1 ("corruption found"). It is damage (``bad_header``), listed, and the rest is read."""
+    path = trace / name
+    if path.exists():
+        path.unlink()
+    path.mkdir()
+    result = CliRunner().invoke(cli, ["inspect", str(trace), "--json"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    damage = {(d["kind"], d["detail"]) for d in json.loads(result.stdout)["damage"]}
+    assert ("bad_header", f"{name} is not a regular file; ignored") in damage
+    result = CliRunner().invoke(cli, ["bisect", str(trace), "--trace-only", "--json"])
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    from sdc_forensics.cli.bisect_cmd import EXIT_BY_VERDICT
+
+    assert result.exit_code == EXIT_BY_VERDICT[json.loads(result.stdout)["verdict"]]
