@@ -137,6 +137,19 @@ def _enum(f: Fields, key: str, enum_cls):
         raise f.fail(key, "one of " + ", ".join(m.value for m in enum_cls), value) from None
 
 
+def _path(f: Fields, key: str, *args, **kwargs) -> str | None:
+    """A string field that names a file: no NUL byte, encodable for the file system (``f.str``'s arguments)."""
+    value = f.str(key, *args, **kwargs)
+    if value is not None:
+        try:
+            if "\0" in value:
+                raise ValueError
+            os.fsencode(value)
+        except (ValueError, UnicodeError):  # Path.resolve() would raise it later, outside the reader
+            raise f.fail(key, "a file path (no NUL byte, no lone surrogate)", value) from None
+    return value
+
+
 def _file_checksum(doc, where: str) -> FileChecksum:
     f = Fields(doc, where, InvalidInputError, _HINT)
     return FileChecksum(name=f.str("name"), size_bytes=f.int("size_bytes", lo=0, hi=(1 << 63) - 1), digest=f.str("digest", max_len=64))
@@ -151,7 +164,7 @@ def _entry(doc, where: str) -> CertifiedCheckpoint:
     f = Fields(doc, where, InvalidInputError, _HINT)
     return CertifiedCheckpoint(
         step=f.int("step", lo=0, hi=MAX_STEP),
-        path=f.str("path"),
+        path=_path(f, "path"),
         status=_enum(f, "status", Status),
         reasons=f.strs("reasons", ()),
         format=f.str("format", "", max_len=64),
@@ -183,10 +196,10 @@ def read_certificate(path: str | os.PathLike) -> Certificate:
         tool_version=f.str("tool_version", "", max_len=256),
         created_utc=f.str("created_utc", "", max_len=256),
         seed=f.int("seed", lo=0, hi=(1 << 64) - 1),
-        trace_dir=f.str("trace_dir", ""),
+        trace_dir=_path(f, "trace_dir", ""),
         first_divergent_step=f.int("first_divergent_step", None, lo=0, hi=MAX_STEP, none=True),
         resume_step=f.int("resume_step", None, lo=0, hi=MAX_STEP, none=True),
-        resume_path=f.str("resume_path", None, none=True),
+        resume_path=_path(f, "resume_path", None, none=True),
         checkpoints=tuple(_entry(e, f"{path}, checkpoint entry {i}") for i, e in enumerate(f.list("checkpoints"))),
     )
 

@@ -370,3 +370,22 @@ def test_dcp_chunk_holding_a_quantized_tensor(dcp_source, tmp_path):
     _set(meta.state_dict_metadata["model.b"].properties, "dtype", torch.qint8)
     (folder / ".metadata").write_bytes(pickle.dumps(meta))
     assert "plain torch dtype" in _run_bad(folder)
+
+
+@pytest.mark.parametrize("value", ["a\x00b", "\ud800"], ids=["nul-byte", "lone-surrogate"])
+@pytest.mark.parametrize("field", ["entry-path", "resume_path", "trace_dir"])
+def test_certificate_path_that_is_no_path(tmp_path, field, value):
+    """Found by tests/fuzz/test_fuzz_certificate.py: ``Certificate.entry_for`` resolved an entry's
+    path and raised ``ValueError``/``UnicodeEncodeError`` outside the reader (traceback, exit 1).
+    ``resume_path`` and ``trace_dir`` name files too and are checked the same way."""
+    checkpoint = tmp_path / "model.safetensors"
+    save_file({"a": torch.ones(4)}, checkpoint)
+    doc = _certificate(tmp_path, checkpoint)
+    if field == "entry-path":
+        _entry(doc)["path"] = value
+    else:
+        doc[field] = value
+    cert = tmp_path / "cert.json"
+    cert.write_text(json.dumps(doc))
+    line = _run_bad(tmp_path, args=("verify-checkpoint", str(checkpoint), "--certificate", str(cert)))
+    assert "cert.json" in line and "a file path" in line
