@@ -122,7 +122,7 @@ class RunEnd:
                 parts.append(f"rank {r.rank}'s file ends in a torn record ({r.torn_bytes} bytes, ignored)")
         missing = [r.rank for r in self.ranks if not r.has_file]
         if missing:
-            parts.append(f"rank(s) {step_ranges(missing)} have no file in this attempt")
+            parts.append(f"rank(s) {step_ranges(missing)} have no readable file in this attempt")
         if self.finalised is None:
             parts.append("the trace predates END records (format 1.0): whether ranks closed it is unknown")
         else:
@@ -217,12 +217,15 @@ def _last_complete(trace: "Trace", ranks: list[RankEnd], attempt: int) -> int | 
         candidate = min(r.last_step for r in ranks)
     if candidate is None or candidate < 0:
         return None
-    found = None
-    for window in trace.step_windows(window=_LOOKBACK_STEPS, start=max(0, candidate - _LOOKBACK_STEPS + 1), stop=candidate, fields=()):
-        rows = np.flatnonzero(window.present.all(axis=1))
-        if rows.size:
-            found = int(window.steps[rows[-1]])
-    return found
+    for lookback in (64, _LOOKBACK_STEPS):  # the candidate itself, nearly always: a small table first
+        found = None
+        for window in trace.step_windows(window=lookback, start=max(0, candidate - lookback + 1), stop=candidate, fields=()):
+            rows = np.flatnonzero(window.present.all(axis=1))
+            if rows.size:
+                found = int(window.steps[rows[-1]])
+        if found is not None:
+            return found
+    return None
 
 
 def _who(ranks: tuple[int, ...], by_rank: dict[int, RankEnd]) -> str:
