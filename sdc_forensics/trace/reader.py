@@ -95,13 +95,11 @@ class Trace:
         dtype = F.record_dtype(k)
         files: list[RankFile] = []
         damage: list[Damage] = []
-        file_ranks: set[int] = set()
         for entry in sorted(path.iterdir()):
             match = _FILE_RE.match(entry.name)
             if not match:
                 continue
             rank, attempt = int(match.group(1)), int(match.group(2))
-            file_ranks.add(rank)
             rank_file, problem = _open_rank_file(entry, rank, attempt, manifest, dtype)
             if problem:
                 damage.append(problem)
@@ -109,8 +107,8 @@ class Trace:
                 files.append(rank_file)
         if not files:
             raise TraceError(f"{path} has a manifest but no readable rank files (rank-*.attempt-*.sdct)")
-        _check_world_size(path, manifest.world_size, {r for r in file_ranks if r < manifest.world_size})
         ranks_seen = {f.rank for f in files}
+        _check_world_size(path, manifest.world_size, {r for r in ranks_seen if r < manifest.world_size})
         for rank in range(manifest.world_size):
             if rank not in ranks_seen:
                 damage.append(Damage(kind="missing_rank", rank=rank, detail=f"no file for rank {rank}"))
@@ -308,7 +306,7 @@ class Trace:
 
 
 def _check_world_size(path: Path, world_size: int, ranks_with_files: set[int]) -> None:
-    """Refuse a manifest whose world size is far beyond the rank files present.
+    """Refuse a manifest whose world size is far beyond the readable rank files present.
 
     Every step table has a column per rank of the manifest's world size, so a crafted
     ``world_size`` (up to 100,000) next to two rank files would make each table 50,000 times
@@ -321,7 +319,7 @@ def _check_world_size(path: Path, world_size: int, ranks_with_files: set[int]) -
     if missing > max(present, MAX_MISSING_RANKS):
         shown = step_ranges(sorted(ranks_with_files)) or "none"
         raise TraceError(
-            f"{path / 'manifest.json'} declares world_size {world_size}, but only {present} rank(s) have a file here "
+            f"{path / 'manifest.json'} declares world_size {world_size}, but only {present} rank(s) have a readable file here "
             f"(ranks {shown}): {missing} ranks are missing, more than are present, so replicas cannot be compared; "
             "restore manifest.json from the run, or copy every rank's rank-RRRRR.attempt-AAA.sdct files into the directory"
         )

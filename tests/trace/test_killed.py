@@ -283,7 +283,7 @@ def test_a_huge_world_size_is_refused_with_one_line_without_allocating_by_it(mak
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert "declares world_size 100000, but only 2 rank(s) have a file" in line
+    assert "declares world_size 100000, but only 2 rank(s) have a readable file" in line
     assert time.monotonic() - started < 10 and peak < 16 << 20, peak
 
 
