@@ -23,16 +23,20 @@ MAX_DEPTH = 32
 _REQUIRED = object()
 
 
-def load_json(data: bytes | str) -> Any:
-    """Decode ``data`` (UTF-8 bytes or text) as JSON.
+def load_json(data: bytes | str, *, object_pairs_hook: Callable[[list], Any] | None = None) -> Any:
+    """Decode ``data`` (UTF-8 bytes, a buffer such as a memoryview of a map, or text) as JSON.
+
+    Args:
+        object_pairs_hook: ``json.loads``'s: builds each object from its ``(key, value)`` pairs
+            (a reader can keep compact records, or stop a huge parse early by raising).
 
     Raises:
         ValueError: with a short reason: not UTF-8, not JSON, an integer too long to convert, or
             nested deeper than Python can decode. (Fields check the nesting of free-form values.)
     """
     try:
-        text = bytes(data).decode("utf-8") if isinstance(data, (bytes, bytearray, memoryview)) else data
-        doc = json.loads(text)
+        text = str(data, "utf-8") if isinstance(data, (bytes, bytearray, memoryview)) else data  # no intermediate copy
+        doc = json.loads(text, object_pairs_hook=object_pairs_hook)
     except RecursionError:
         raise ValueError("JSON nested too deeply to decode") from None
     except UnicodeDecodeError as exc:

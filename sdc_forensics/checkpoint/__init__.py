@@ -4,10 +4,26 @@ Readers (one per format) check structure when a checkpoint is opened; ``verify``
 content and compares it with the trace's checkpoint notes; ``locate`` finds a noted file.
 Whether a checkpoint is clean is decided in ``forensics/decision.py`` (``certify``, ``bisect``),
 and certificates are in ``forensics/certificate.py``. See ``docs/checkpoints.md``.
+
+The names below are imported on first use, so that ``checkpoint.limits`` (no torch) can be
+imported by the CLI without importing torch (``bisect --trace-only`` starts without it).
 """
 
-from sdc_forensics.checkpoint.formats import detect_format, open_checkpoint
-from sdc_forensics.checkpoint.verify import Finding, FindingKind, VerificationReport, VerifyOptions, verify_checkpoint
+import importlib
+
+_EXPORTS = {
+    "detect_format": "formats", "open_checkpoint": "formats",
+    "Finding": "verify", "FindingKind": "verify", "VerificationReport": "verify", "VerifyOptions": "verify", "verify_checkpoint": "verify",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "Finding",
