@@ -24,7 +24,7 @@ import torch
 from sdc_forensics.errors import CheckpointError
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)  # slots: a file may list a million
 class TensorInfo:
     """One tensor as the checkpoint's metadata describes it (before reading its bytes).
 
@@ -104,7 +104,9 @@ class MappedFile:
 
 def typed_view(raw: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """``raw`` (uint8 bytes) reinterpreted as ``dtype`` with ``shape``; zero-copy when aligned."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if not raw.numel():  # nothing to view (an empty slice may be misaligned: no copy needed)
+        return torch.empty(shape, dtype=dtype)
+    itemsize = dtype.itemsize
     if raw.storage_offset() % itemsize:
         raw = raw.clone()  # misaligned in the file: the only case that copies
     if dtype == torch.bool:
@@ -159,6 +161,10 @@ class CheckpointReader(abc.ABC):
     def ignored(self) -> tuple[str, ...]:
         """Paths (relative to :attr:`root`) deliberately left out, e.g. download bookkeeping (default: none)."""
         return ()
+
+    def aliases(self) -> dict[str, str]:
+        """Key -> an earlier key holding the very same tensor view (a tied weight), digested once (default: none)."""
+        return {}
 
     def relative(self, path: Path) -> str:
         """``path`` relative to :attr:`root` (the name certificates and notes use)."""

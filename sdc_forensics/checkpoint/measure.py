@@ -7,7 +7,12 @@ OpenMP's barrier between two intra-op threads stalls whenever one of them is des
 (measured: 0.2 s vs up to 9 s for 0.23 GB at load average 8 on 2 cores), while independent
 tasks keep every core busy. File checksums are submitted first, so that the one long task per
 file runs beside the many short per-tensor tasks instead of after them. At most
-``4 * workers`` tensors are in flight, so a reader that materialises tensors (DCP) stays bounded.
+``4 * workers`` tasks are in flight, so a reader that materialises tensors (DCP) stays bounded.
+
+Cost per tensor stays small when a file lists very many tiny ones (a crafted safetensors header
+of a million empty tensors): tensors under 64 KiB are digested in batches of up to 256 per task
+(``fingerprint.core.digests``, one host transfer), an empty tensor's digest is computed once per
+seed, and a view the reader reports as an alias of an earlier key (a tied weight) is digested once.
 
 The NaN/Inf count takes one summing pass: a float sum is finite exactly when no element is NaN
 or Inf, unless finite values overflow it; only a non-finite sum pays for the exact count.
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import threading
 from collections import deque
@@ -25,11 +31,13 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from sdc_forensics.checkpoint.base import CheckpointReader, MappedFile
-from sdc_forensics.fingerprint.core import digest
+from sdc_forensics.fingerprint.core import digest, digests
 from sdc_forensics.trace.checkpoints import hex64
 
 _SCAN_ELEMS = 1 << 22  # sub-float32 tensors are upcast in chunks of 4 Mi elements
 _WIDE = (torch.float32, torch.float64, torch.complex64, torch.complex128)
+_SMALL_BYTES = 1 << 16  # tensors up to this size are digested in batches
+_BATCH_TENSORS = 256
 _threads_lock = threading.Lock()
 
 
@@ -42,7 +50,7 @@ class FileChecksum:
     digest: str
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Measured:
     """Digest and NaN/Inf count of one tensor."""
 
@@ -117,25 +125,83 @@ def measure(reader: CheckpointReader, *, seed: int, workers: int, file_checksums
             if own is None:
                 mapped.close()
 
-    def tensor_task(key: str, tensor: torch.Tensor) -> Measured:
-        return Measured(
-            key=key, dtype=str(tensor.dtype).removeprefix("torch."), shape=tuple(tensor.shape),
-            digest=digest(tensor, seed), nonfinite=count_nonfinite(tensor),
-        )
+    def tensors_task(batch: list[tuple[str, torch.Tensor | None]]) -> list[Measured]:
+        if batch[0][1] is None:  # an alias: its original's measurement is copied by _in_order
+            return [Measured(key=batch[0][0], dtype="", shape=(), digest=-1, nonfinite=0)]
+        full = [tensor for _, tensor in batch if tensor.numel()]
+        values = iter(digests(full, seed) if full else ())
+        return [
+            Measured(
+                key=key, dtype=_dtype_name(tensor.dtype), shape=tuple(tensor.shape),
+                digest=next(values) if tensor.numel() else _empty_digest(seed), nonfinite=count_nonfinite(tensor),
+            )
+            for key, tensor in batch
+        ]
 
     paths = reader.files if file_checksums else ()
+    aliases = reader.aliases()
     if workers <= 1:
-        measured = [tensor_task(key, tensor) for key, tensor in reader.tensors()]
+        measured = _in_order((tensors_task(batch) for batch in _batches(reader, aliases)), aliases)
         return measured, tuple(file_task(path) for path in paths)
     with _intra_op_threads(1), ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sdc-verify") as pool:
         file_futures = [pool.submit(file_task, path) for path in paths]
         pending: deque = deque()
-        measured = []
-        for key, tensor in reader.tensors():
-            pending.append(pool.submit(tensor_task, key, tensor))
-            del tensor
+        done: list = []
+        for batch in _batches(reader, aliases):
+            pending.append(pool.submit(tensors_task, batch))
+            del batch
             while len(pending) >= 4 * workers:
-                measured.append(pending.popleft().result())
-        measured.extend(future.result() for future in pending)
+                done.append(pending.popleft().result())
+        done.extend(future.result() for future in pending)
         files = tuple(future.result() for future in file_futures)
-    return measured, files
+    return _in_order(done, aliases), files
+
+
+def _batches(reader: CheckpointReader, aliases: dict[str, str]):
+    """Lists of ``(key, tensor)`` to measure together: one large tensor, or up to
+    ``_BATCH_TENSORS`` small ones; an alias is a batch ``[(key, None)]`` (copied, not measured)."""
+    batch: list = []
+    for key, tensor in reader.tensors():
+        if key in aliases:
+            if batch:
+                yield batch
+                batch = []
+            yield [(key, None)]
+        elif tensor.numel() * tensor.element_size() <= _SMALL_BYTES:
+            batch.append((key, tensor))
+            if len(batch) >= _BATCH_TENSORS:
+                yield batch
+                batch = []
+        else:
+            if batch:
+                yield batch
+                batch = []
+            yield [(key, tensor)]
+    if batch:
+        yield batch
+
+
+def _in_order(results, aliases: dict[str, str]) -> list[Measured]:
+    """Flatten per-batch results in order, an alias taking its original's measurement."""
+    out: list[Measured] = []
+    by_key: dict[str, Measured] = {}
+    for batch in results:
+        for m in batch:
+            if m.key in aliases and m.digest < 0:
+                m = dataclasses.replace(by_key[aliases[m.key]], key=m.key)
+            elif aliases:
+                by_key[m.key] = m
+            out.append(m)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32``: one shared string per dtype, not one per tensor."""
+    return str(dtype).removeprefix("torch.")
+
+
+@functools.lru_cache(maxsize=8)
+def _empty_digest(seed: int) -> int:
+    """The digest of zero bytes (every empty tensor's)."""
+    return digest(torch.empty(0, dtype=torch.uint8), seed)

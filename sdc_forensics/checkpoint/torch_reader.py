@@ -18,7 +18,19 @@ Checks, in order (a failure raises :class:`CheckpointError`, one line):
    file may be intact, it is just not loadable safely, and a checkpoint folder lists it as not
    verifiable rather than damaged);
 4. ``torch.load(weights_only=True, mmap=True)`` builds the object: tensors are views of a
-   private read-only-in-practice map of the file, not copies.
+   private read-only-in-practice map of the file, not copies;
+5. the object is walked once, within a budget, before anything else touches it: at most
+   ``max_tensors`` tensors, at most 8 objects visited per pickle opcode (a pickle that refers to
+   the same containers over and over is a bomb: cheap to load, endless to walk), key paths of at
+   most 64 KiB; and the tensor views may repeat stored bytes (``zeros(1).expand(2**28)``) by at
+   most ``max_inflate_bytes`` in all (identical views, such as tied weights, count once and are
+   digested once: :meth:`TorchReader.aliases`).
+
+Costs are bounded by the file (``limits.py``): a compressed storage member is refused (torch
+would map its compressed bytes as the tensor's); another compressed member is checked against
+its declared size and the limit before it is inflated, 1 MiB at a time. With
+``ReadLimits.allow_numpy`` the numpy globals of :data:`NUMPY_GLOBALS` are allow-listed for the
+scan and for ``torch.load`` (torch's own weights-only unpickler; nothing else is ever allowed).
 
 CRC-32 of each member is recomputed over the map. A mismatch in ``data.pkl`` or another
 metadata member is structural (exit 3); in a ``data/K`` storage member the file is still
@@ -28,23 +40,37 @@ next to the per-tensor digests that say which tensor changed.
 
 from __future__ import annotations
 
+import contextlib
 import pickletools
 import struct
 import warnings
 import zipfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from sdc_forensics.checkpoint.base import FileIssue, MappedFile, SingleFileReader, TensorInfo, unsupported_tensor
+from sdc_forensics.checkpoint.limits import INFLATE_HINT, TENSORS_HINT, ReadLimits, check_inside, inflate_member, resolve, size_text
 from sdc_forensics.errors import CheckpointError
 from sdc_forensics.statedict import flatten_state
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # 30 bytes
 _WEIGHTS_ONLY_REFUSAL = "Weights only load failed"
+_WALK_PER_OPCODE = 8  # objects the payload walk may visit per pickle opcode (shared small tuples legitimately repeat)
+_WALK_SLACK = 10_000
+_MAX_KEY_CHARS = 1 << 16
+#: ``--allow-numpy``: what ``np.random.get_state()`` and numpy arrays/scalars pickle to (numpy 1
+#: and 2 spellings), as transformers' ``Trainer`` allow-lists them to load ``rng_state.pth``.
+NUMPY_GLOBALS = (
+    "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
+    "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar",
+    "numpy.ndarray", "numpy.dtype",
+)
+NUMPY_HINT = "--allow-numpy"
+_NUMPY_DTYPE_CODES = "?bBhHiIlLqQefdgFDG"  # numpy's numeric dtypes (no object, string or void dtype class)
 
 
 class PickleRefused(CheckpointError):
@@ -53,11 +79,13 @@ class PickleRefused(CheckpointError):
 
     Attributes:
         refused: the globals that were refused (empty for a legacy pickle).
+        numpy: every refused global is one ``ReadLimits.allow_numpy`` (``--allow-numpy``) allows.
     """
 
-    def __init__(self, message: str, refused: tuple[str, ...] = ()) -> None:
+    def __init__(self, message: str, refused: tuple[str, ...] = (), *, numpy: bool = False) -> None:
         super().__init__(message)
         self.refused = refused
+        self.numpy = numpy
 _STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING", "STRING"}
 
 
@@ -74,6 +102,25 @@ def _allowed_globals() -> set[str] | None:
     return allowed
 
 
+def _numpy_safe_globals() -> list:
+    """:data:`NUMPY_GLOBALS` and numpy's numeric dtype classes as ``torch.serialization.safe_globals`` entries."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    found: list = [np.ndarray, np.dtype, *(type(np.dtype(code)) for code in _NUMPY_DTYPE_CODES)]
+    for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        found += [(core.multiarray._reconstruct, f"{module}._reconstruct"), (core.multiarray.scalar, f"{module}.scalar")]
+    return found
+
+
+def _numpy_names() -> set[str]:
+    """``module.name`` of everything :func:`_numpy_safe_globals` allows."""
+    import numpy as np
+
+    classes = {type(np.dtype(code)) for code in _NUMPY_DTYPE_CODES}
+    return set(NUMPY_GLOBALS) | {f"{cls.__module__}.{cls.__qualname__}" for cls in classes}
+
+
 def pickle_globals(data: bytes) -> list[str]:
     """Every global (``module.name``) a pickle references, found without unpickling it.
 
@@ -81,11 +128,18 @@ def pickle_globals(data: bytes) -> list[str]:
     or through the memo; both are followed here. A global whose name cannot be resolved this
     way is reported as ``<unresolved>`` (and refused by the caller).
     """
+    return _scan_pickle(data)[0]
+
+
+def _scan_pickle(data: bytes) -> tuple[list[str], int]:
+    """``(pickle_globals(data), number of opcodes)``."""
     found: list[str] = []
     pushed: list[Any] = []
     memo: dict[int, Any] = {}
+    num_ops = 0
     try:
         for op, arg, _ in pickletools.genops(data):
+            num_ops += 1
             name = op.name
             if name in _STRING_OPS:
                 pushed.append(arg if isinstance(arg, str) else arg.decode("latin-1") if isinstance(arg, bytes) else arg)
@@ -108,7 +162,7 @@ def pickle_globals(data: bytes) -> list[str]:
                 pushed.append(None)
     except ValueError as exc:
         raise CheckpointError(f"the pickle is malformed ({exc})") from None
-    return found
+    return found, num_ops
 
 
 class TorchReader(SingleFileReader):
@@ -117,26 +171,32 @@ class TorchReader(SingleFileReader):
     Args:
         path: the checkpoint file.
         root: the directory its name is relative to (default: its own).
+        limits: what reading it may cost, where links may lead (default: ``limits.current_limits()``).
 
     Raises:
         PickleRefused: loading would run a pickle global outside the allow-list (or a legacy pickle).
-        CheckpointError: the file is truncated, damaged or not a ``torch.save`` archive.
+        CheckpointError: the file is truncated, damaged, not a ``torch.save`` archive, beyond the
+            limits, or a link out of the checkpoint.
     """
 
     format = "torch"
 
-    def __init__(self, path: str | Path, *, root: Path | None = None) -> None:
+    def __init__(self, path: str | Path, *, root: Path | None = None, limits: ReadLimits | None = None) -> None:
         path = Path(path)
         super().__init__(path, root if root is not None else path.parent)
+        self._limits = resolve(limits)
+        self._aliases: dict[str, str] = {}
+        check_inside(path, self.root, self._limits)
         if not path.is_file():
             raise CheckpointError(f"{path} does not exist or is not a file; pass a torch.save checkpoint")
         self._file = MappedFile(path)
         self._issues: list[FileIssue] = []
         self._payload: Any = None
         try:
-            self._check_archive()
+            num_ops = self._check_archive()
             self._payload = self._load()
             try:
+                self._walk(num_ops)
                 self._flat = flatten_state(self._payload)
             except RecursionError:
                 raise CheckpointError(f"{path}: its state is nested deeper than Python can walk: damaged or not a training checkpoint") from None
@@ -144,11 +204,13 @@ class TorchReader(SingleFileReader):
                 why = unsupported_tensor(tensor)
                 if why is not None:
                     raise CheckpointError(f"{path}: tensor {key[:80]!r} is {why}: it cannot be verified; re-save the state as dense CPU tensors")
+            self._check_views()
         except CheckpointError:
             self._file.close()
             raise
 
-    def _check_archive(self) -> None:
+    def _check_archive(self) -> int:
+        """Structure and CRC-32 of every member, then the pickle scan; the pickle's opcode count."""
         path, buf = self.path, self._file.buffer()
         head = bytes(buf[:2])
         try:
@@ -170,18 +232,32 @@ class TorchReader(SingleFileReader):
             if len(pkl) != 1:
                 raise CheckpointError(f"{path} is a zip archive but not a torch.save checkpoint (no single PREFIX/data.pkl member)")
             self._prefix = pkl[0].filename[: -len("data.pkl")]
+            pickle_bytes = b""
             for member in members:
-                data = self._member_bytes(archive, member)
-                if zlib.crc32(data) & 0xFFFFFFFF != member.CRC:
-                    rel = member.filename[len(self._prefix) :]
+                rel = member.filename[len(self._prefix) :]
+                stored = self._member_bytes(archive, member)
+                if stored is not None:
+                    crc_ok = zlib.crc32(stored) & 0xFFFFFFFF == member.CRC
+                    data = bytes(stored) if member is pkl[0] else b""
+                elif rel.startswith("data/"):
+                    raise CheckpointError(
+                        f"{path}: storage member {member.filename} is compressed; torch.save stores tensors uncompressed and "
+                        "torch.load would map the compressed bytes as the tensor: the file was re-zipped or crafted; re-save it with torch.save"
+                    )
+                else:  # checked against its declared size and the limit, inflated 1 MiB at a time
+                    crc_ok, data = inflate_member(archive, member, self._limits, str(path), keep=member is pkl[0])
+                if member is pkl[0]:
+                    pickle_bytes = data
+                if not crc_ok:
                     if rel.startswith("data/"):
                         self._issues.append(FileIssue(file=self.relative(path), detail=f"zip CRC-32 of storage member {member.filename} does not match: its bytes changed after saving"))
                     else:
                         raise CheckpointError(f"{path}: zip CRC-32 of member {member.filename} does not match: the archive is damaged")
-            self._check_pickle(bytes(self._member_bytes(archive, pkl[0])))
+            return self._check_pickle(pickle_bytes)
 
     def _member_bytes(self, archive: zipfile.ZipFile, member: zipfile.ZipInfo):
-        """A member's stored bytes as a view of the map (read through zipfile if compressed)."""
+        """A stored member's bytes as a view of the map; None for a compressed one (whose
+        compressed bytes are checked to lie inside the file)."""
         size, buf = self._file.size, self._file.buffer()
         start = member.header_offset  # zipfile adds the offset of the archive in the file: negative when bytes are missing at the start
         if start < 0:
@@ -198,32 +274,39 @@ class TorchReader(SingleFileReader):
             raise CheckpointError(f"{self.path}: member {member.filename} extends beyond the end of the file: the archive is truncated")
         if member.compress_type == zipfile.ZIP_STORED:
             return buf[data_start : data_start + member.compress_size]
-        try:
-            with archive.open(member) as fh:
-                return fh.read()
-        except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as exc:
-            # RuntimeError: an encrypted member; NotImplementedError: an unknown compression method
-            raise CheckpointError(f"{self.path}: member {member.filename} cannot be decompressed ({type(exc).__name__}: {exc})") from None
+        return None
 
-    def _check_pickle(self, data: bytes) -> None:
-        allowed = _allowed_globals()
-        if allowed is None:
-            return
+    def _check_pickle(self, data: bytes) -> int:
+        """Refuse globals outside the allow-list (plus numpy's with ``allow_numpy``); the opcode count."""
         try:
-            refs = pickle_globals(data)
+            refs, num_ops = _scan_pickle(data)
         except CheckpointError as exc:
             raise CheckpointError(f"{self.path}: {exc}") from None
+        allowed = _allowed_globals()
+        if allowed is None:
+            return num_ops
+        numpy_names = _numpy_names() if self._limits.allow_numpy or any(g not in allowed for g in refs) else set()
+        if self._limits.allow_numpy:
+            allowed |= numpy_names
         refused = sorted({g for g in refs if g not in allowed})
+        if refused and all(g in numpy_names for g in refused):
+            raise PickleRefused(
+                f"{self.path}: its pickle holds numpy arrays or scalars ({', '.join(refused[:5])}), outside torch's weights-only "
+                f"allow-list; pass {NUMPY_HINT} to load them (the numpy RNG state of a training checkpoint) with torch's weights-only unpickler",
+                tuple(refused), numpy=True,
+            )
         if refused:
             raise PickleRefused(
                 f"{self.path}: its pickle references {', '.join(refused[:5])}, which weights-only loading does not allow; "
                 "refusing to load it (it could run code). Only load it if you trust its origin.",
                 tuple(refused),
             )
+        return num_ops
 
     def _load(self) -> Any:
+        allow = torch.serialization.safe_globals(_numpy_safe_globals()) if self._limits.allow_numpy else contextlib.nullcontext()
         try:
-            with warnings.catch_warnings():
+            with allow, warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # torch's deprecation notes (TypedStorage, pickle protocol) are not the user's concern
                 return torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:  # noqa: BLE001 - torch raises many types; all mean "unreadable"
@@ -236,6 +319,60 @@ class TorchReader(SingleFileReader):
             raise CheckpointError(
                 f"{self.path}: torch.load(weights_only=True) failed ({type(exc).__name__}: {first_line[:200]}): damaged or unsupported"
             ) from None
+
+    def _walk(self, num_ops: int) -> None:
+        """Walk the loaded object within a budget before anything else walks it (module docstring, 5)."""
+        path, limits = self.path, self._limits
+        budget = _WALK_PER_OPCODE * num_ops + _WALK_SLACK
+        stack: list[tuple[Any, int]] = [(self._payload, 0)]  # (object, length of its flattened key)
+        visits = tensors = 0
+        while stack:
+            obj, chars = stack.pop()
+            visits += 1
+            if visits > budget:
+                raise CheckpointError(
+                    f"{path}: its pickle refers to the same containers over and over (more than {budget} objects to walk from "
+                    f"{num_ops} pickle opcodes): a pickle bomb, not a training checkpoint"
+                )
+            if chars > _MAX_KEY_CHARS:
+                raise CheckpointError(f"{path}: a key path of its state is longer than {_MAX_KEY_CHARS} characters: damaged or crafted")
+            if isinstance(obj, torch.Tensor):
+                tensors += 1
+                if tensors > limits.max_tensors:
+                    raise CheckpointError(f"{path} holds more than {limits.max_tensors} tensors; raise {TENSORS_HINT} if you trust the file")
+            elif isinstance(obj, Mapping):
+                stack.extend((value, chars + 1 + _key_chars(path, key)) for key, value in obj.items())
+            elif isinstance(obj, (list, tuple)):
+                stack.extend((value, chars + 1 + len(str(index))) for index, value in enumerate(obj))
+
+    def _check_views(self) -> None:
+        """Identical views count once (:meth:`aliases`); distinct views may repeat stored bytes by
+        at most ``max_inflate_bytes`` in all. Checked before any view is materialised."""
+        views: dict[tuple, str] = {}
+        storages: dict[tuple[int, int], int] = {}
+        view_bytes = 0
+        for key, tensor in self._flat.items():
+            storage = tensor.untyped_storage()
+            ident = (storage.data_ptr(), storage.nbytes(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+            if ident in views:
+                self._aliases[key] = views[ident]
+                continue
+            views[ident] = key
+            storages[ident[:2]] = storage.nbytes()
+            view_bytes += tensor.numel() * tensor.element_size()
+        stored = sum(storages.values())
+        if view_bytes - stored > self._limits.max_inflate_bytes:
+            key, worst = max(self._flat.items(), key=lambda kv: kv[1].numel() * kv[1].element_size() - kv[1].untyped_storage().nbytes())
+            raise CheckpointError(
+                f"{self.path}: its tensor views repeat stored bytes ({key[:80]!r} is {tuple(worst.shape)} "
+                f"{str(worst.dtype).removeprefix('torch.')} over {size_text(worst.untyped_storage().nbytes())} of storage): "
+                f"{size_text(view_bytes)} to digest from {size_text(stored)} stored, more than the "
+                f"{size_text(self._limits.max_inflate_bytes)} beyond it allowed; raise {INFLATE_HINT} if you trust the file"
+            )
+
+    def aliases(self) -> dict[str, str]:
+        """Key -> the first key holding the very same view (a tied weight): digested once."""
+        return dict(self._aliases)
 
     @property
     def payload(self) -> Any:
@@ -262,3 +399,11 @@ class TorchReader(SingleFileReader):
         self._flat = {}
         self._payload = None
         self._file.close()
+
+
+def _key_chars(path: Path, key: Any) -> int:
+    """Length of ``str(key)``, as :func:`~sdc_forensics.statedict.flatten_state` writes it."""
+    try:
+        return len(str(key))
+    except ValueError:  # an integer beyond Python's int_max_str_digits
+        raise CheckpointError(f"{path}: a key of its state is an integer too long to print: damaged or crafted") from None
