@@ -16,11 +16,22 @@ it exactly (sum of chunk volumes = numel); every chunk and every bytes item has 
 whose file exists inside DIR and holds the byte range; no storage transforms (compression) are
 used. Tensors are read one at a time: each chunk with ``torch.load(weights_only=True)`` from a
 view of a read-only map of its ``.distcp`` file, assembled into the full tensor.
+
+Cost is bounded by the files (``limits.py``), every check linear or ``n log n`` in the metadata:
+at most ``max_tensors`` tensors and ``MAX_DIMS`` dimensions; each tensor's chunk list its own
+(a list shared by many tensors would be walked once per tensor: a bomb); the items of one file
+never share bytes (DCP writes each once) and each chunk's bytes fit in its item, so assembling a
+tensor never allocates more than the files hold; the tiling check is the corner-parity test
+(:func:`_check_coverage`), not a comparison of every pair of chunks (20,000 one-element chunks
+took minutes). Data files are resolved before they are mapped: one that links out of DIR (and
+out of every ``--allow-root``) is refused. A compressed member inside an item is checked against
+its declared size and ``max_inflate_bytes`` before it is inflated.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import pathlib
 import pickle
@@ -34,9 +45,12 @@ from typing import Any
 import torch
 
 from sdc_forensics.checkpoint.base import PLAIN_DTYPES, CheckpointReader, FileIssue, MappedFile, TensorInfo, unsupported_tensor
+from sdc_forensics.checkpoint.limits import MAX_DIMS, TENSORS_HINT, ReadLimits, check_inside, inflate_member, resolve
 from sdc_forensics.errors import CheckpointError
 
 METADATA_NAME = ".metadata"
+#: Corners the tiling check may toggle for one tensor (chunks x 2^split dimensions).
+_MAX_CORNERS = 1 << 24
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -67,20 +81,27 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class DcpReader(CheckpointReader):
-    """A DCP checkpoint directory. Structure and coverage are checked in the constructor."""
+    """A DCP checkpoint directory. Structure and coverage are checked in the constructor.
+
+    Args:
+        directory: the checkpoint directory.
+        limits: what reading it may cost, where links may lead (default: ``limits.current_limits()``).
+    """
 
     format = "dcp"
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, *, limits: ReadLimits | None = None) -> None:
         directory = Path(directory)
         super().__init__(directory, directory)
+        self._limits = resolve(limits)
         meta_path = directory / METADATA_NAME
         if not meta_path.is_file():
             raise CheckpointError(
                 f"{directory} has no {METADATA_NAME}: not a complete torch.distributed.checkpoint directory "
                 "(the save was interrupted, or this is another format)"
             )
-        self.metadata = _load_metadata(meta_path)
+        check_inside(meta_path, self.root, self._limits, "metadata")
+        self.metadata = _load_metadata(meta_path, self._limits)
         self._files: dict[str, MappedFile] = {}
         self._issues: list[FileIssue] = []
         try:
@@ -101,20 +122,31 @@ class DcpReader(CheckpointReader):
         state = getattr(self.metadata, "state_dict_metadata", None)
         if not isinstance(storage, dict) or not isinstance(state, dict):
             raise CheckpointError(f"{self.root}/{METADATA_NAME} lacks storage_data or state_dict_metadata: damaged")
+        items: dict[str, list[tuple[int, int, str]]] = {}  # file -> (offset, end, item name) of its items
         for index, info in storage.items():
             rel = str(getattr(info, "relative_path", ""))
-            if not rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
-                raise CheckpointError(f"{self.root}: item {index.fqn!r} is stored in {rel!r}, outside the checkpoint directory")
             if getattr(info, "transform_descriptors", None):
                 raise CheckpointError(f"{self.root}: item {index.fqn!r} uses storage transforms {info.transform_descriptors}, which this reader does not support")
-            if not (self.root / rel).is_file():
-                raise CheckpointError(f"{self.root}: file {rel} named by the metadata for {index.fqn!r} does not exist: the checkpoint is incomplete")
-            size = self._mapped(rel).size
+            if rel not in items:  # each file checked once, however many items name it
+                self._check_file(rel, index.fqn)
+                items[rel] = []
+            size = self._files[rel].size
             if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
                 raise CheckpointError(
                     f"{self.root}: item {index.fqn!r} needs bytes {info.offset}..{info.offset + info.length} of {rel}, "
                     f"which has {size}: the file is truncated"
                 )
+            if info.length:
+                offset = getattr(index, "offset", None)
+                items[rel].append((info.offset, info.offset + info.length, f"{index.fqn[:80]!r}" + (f" at {tuple(offset)}" if offset is not None else "")))
+        for rel, spans in items.items():
+            spans.sort()
+            for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+                if start < end:
+                    raise CheckpointError(
+                        f"{self.root}: items {first} and {second} share bytes {start}..{end} of {rel}; DCP writes each item "
+                        "once: the metadata is damaged or crafted"
+                    )
         plan: dict[str, list[tuple[Any, Any]]] = {}
         for fqn, meta in state.items():
             if isinstance(meta, BytesStorageMetadata):
@@ -125,8 +157,28 @@ class DcpReader(CheckpointReader):
                 raise CheckpointError(f"{self.root}: {fqn!r} has unknown metadata type {type(meta).__name__}")
             plan[fqn] = [(chunk, storage.get(MetadataIndex(fqn, torch.Size(chunk.offsets)))) for chunk in meta.chunks]
             _check_coverage(self.root, fqn, tuple(meta.size), plan[fqn])
+            itemsize = meta.properties.dtype.itemsize
+            for chunk, info in plan[fqn]:
+                if math.prod(chunk.sizes) * itemsize > info.length:
+                    raise CheckpointError(
+                        f"{self.root}: the chunk of {fqn!r} at offsets {tuple(chunk.offsets)} holds {math.prod(chunk.sizes) * itemsize} bytes "
+                        f"of {meta.properties.dtype}, more than the {info.length} bytes of its item: the metadata is damaged or crafted"
+                    )
         return plan
 
+    def _check_file(self, rel: str, fqn: str) -> None:
+        """A data file named by the metadata: inside DIR (links resolved), existing; then mapped."""
+        if not rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
+            raise CheckpointError(f"{self.root}: item {fqn!r} is stored in {rel[:200]!r}, outside the checkpoint directory")
+        path = self.root / rel
+        try:
+            found = path.is_file()
+        except OSError as exc:  # ENAMETOOLONG, EACCES
+            raise CheckpointError(f"{self.root}: file {rel[:200]!r} named by the metadata for {fqn!r} cannot be looked up ({exc.strerror})") from None
+        if not found:
+            raise CheckpointError(f"{self.root}: file {rel} named by the metadata for {fqn!r} does not exist: the checkpoint is incomplete")
+        check_inside(path, self.root, self._limits, "data file")
+        self._mapped(rel)
     @property
     def files(self) -> tuple[Path, ...]:
         names = {METADATA_NAME} | {str(info.relative_path) for info in self.metadata.storage_data.values()}
@@ -177,11 +229,16 @@ class DcpReader(CheckpointReader):
         return tensor
 
     def _check_crc(self, fqn: str, chunk, info, data: io.BytesIO) -> None:
-        """A chunk is a small torch.save zip: its members' CRC-32 say whether its bytes changed."""
+        """A chunk is a small torch.save zip: its members' CRC-32 say whether its bytes changed.
+        A compressed member is checked against its declared size and the limit before inflating."""
+        where = f"{self.root}: chunk of {fqn!r} in {info.relative_path}"
         try:
             with zipfile.ZipFile(data) as archive:
                 for member in archive.infolist():
-                    archive.read(member)  # raises BadZipFile on a CRC mismatch
+                    if member.compress_type == zipfile.ZIP_STORED:
+                        archive.read(member)  # raises BadZipFile on a CRC mismatch
+                    elif not inflate_member(archive, member, self._limits, where)[0]:
+                        raise zipfile.BadZipFile(f"Bad CRC-32 for file {member.filename!r}")
         except UnicodeDecodeError as exc:  # a flipped byte in a member name flagged UTF-8
             raise CheckpointError(
                 f"{self.root}: chunk of {fqn!r} in {info.relative_path} has a zip entry name {exc.object[:80]!r} that is not valid UTF-8: "
@@ -210,7 +267,13 @@ class DcpReader(CheckpointReader):
             info = self.metadata.storage_data[MetadataIndex("step")]
             view = self._mapped(str(info.relative_path)).buffer()[info.offset : info.offset + info.length]
             try:
-                value = torch.load(io.BytesIO(view), weights_only=True)
+                data = io.BytesIO(view)
+                with zipfile.ZipFile(data) as archive:  # no member inflated beyond the limit by torch.load
+                    for member in archive.infolist():
+                        if member.compress_type != zipfile.ZIP_STORED:
+                            inflate_member(archive, member, self._limits, str(self.root))
+                data.seek(0)
+                value = torch.load(data, weights_only=True)
             except Exception:  # noqa: BLE001 - an unreadable step is simply unknown
                 return None
             finally:
@@ -224,7 +287,7 @@ class DcpReader(CheckpointReader):
         self._files = {}
 
 
-def _load_metadata(meta_path: Path):
+def _load_metadata(meta_path: Path, limits: ReadLimits):
     try:
         with open(meta_path, "rb") as fh:
             metadata = _MetadataUnpickler(fh).load()
@@ -234,7 +297,7 @@ def _load_metadata(meta_path: Path):
         raise CheckpointError(f"{meta_path} cannot be loaded safely ({type(exc).__name__}: {text}): damaged or not DCP metadata") from None
     if type(metadata).__name__ != "Metadata":
         raise CheckpointError(f"{meta_path} does not hold DCP Metadata (found {type(metadata).__name__})")
-    _check_types(meta_path, metadata)
+    _check_types(meta_path, metadata, limits)
     return metadata
 
 
@@ -243,13 +306,13 @@ _INT64_MAX = (1 << 63) - 1
 
 
 def _dims(value: Any) -> tuple[int, ...] | None:
-    """``value`` as a tuple of integers in 0..2^63-1 (a torch.Size, tuple or list), else None."""
-    if not isinstance(value, (tuple, list)) or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= _INT64_MAX for d in value):
+    """``value`` as a tuple of at most ``MAX_DIMS`` integers in 0..2^63-1 (a torch.Size, tuple or list), else None."""
+    if not isinstance(value, (tuple, list)) or len(value) > MAX_DIMS or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= _INT64_MAX for d in value):
         return None
     return tuple(value)
 
 
-def _check_types(meta_path: Path, metadata) -> None:
+def _check_types(meta_path: Path, metadata, limits: ReadLimits) -> None:
     """Every field the reader uses has the type and range DCP writes, or :class:`CheckpointError`.
 
     The unpickler only builds allow-listed classes, but their fields can hold anything (a string
@@ -262,11 +325,14 @@ def _check_types(meta_path: Path, metadata) -> None:
         found = "nothing" if value is _MISSING or value is None else f"a value of type {type(value).__name__}"
         return CheckpointError(f"{meta_path}: {what} must be {expected}, found {found}: the metadata is damaged or not DCP's")
 
-    dims = "a tuple of integers in 0..2^63-1"
+    dims = f"a tuple of at most {MAX_DIMS} integers in 0..2^63-1"
     state = getattr(metadata, "state_dict_metadata", _MISSING)
     storage = getattr(metadata, "storage_data", _MISSING)
     if not isinstance(state, dict) or not isinstance(storage, dict):
         raise CheckpointError(f"{meta_path} lacks storage_data or state_dict_metadata: damaged")
+    if len(state) > limits.max_tensors:
+        raise CheckpointError(f"{meta_path} lists {len(state)} items, more than {limits.max_tensors}; raise {TENSORS_HINT} if you trust the file")
+    chunk_lists: set[int] = set()
     for fqn, meta in state.items():
         if not isinstance(fqn, str):
             raise bad("a state_dict_metadata key", "a string", fqn)
@@ -283,6 +349,9 @@ def _check_types(meta_path: Path, metadata) -> None:
         chunks = getattr(meta, "chunks", None)
         if not isinstance(chunks, list):
             raise bad(f"the chunk list of {fqn!r}", "a list", chunks)
+        if id(chunks) in chunk_lists:
+            raise CheckpointError(f"{meta_path}: {fqn!r} shares its chunk list with another tensor; DCP writes one per tensor: crafted metadata")
+        chunk_lists.add(id(chunks))
         for chunk in chunks:
             if not isinstance(chunk, ChunkStorageMetadata):
                 raise bad(f"a chunk of {fqn!r}", "a ChunkStorageMetadata", chunk)
@@ -305,19 +374,49 @@ def _check_types(meta_path: Path, metadata) -> None:
 
 
 def _check_coverage(root: Path, fqn: str, size: tuple[int, ...], chunks) -> None:
-    """Chunks must lie in the tensor, not overlap, and cover all of it."""
+    """Chunks must lie in the tensor, not overlap, and cover all of it; linear in the chunks.
+
+    With every chunk inside the tensor and their volumes summing to its numel, they tile it
+    exactly when, counting each non-empty chunk's 2^d corners modulo 2, the corners left are
+    exactly the tensor's own: the corner parities fix ``g mod 2``, where ``g(x)`` counts the
+    chunks holding element ``x`` (a d-fold prefix sum of them); so ``g`` is odd on the tensor,
+    hence >= 1, and sums to numel, hence is 1 everywhere. Dimensions that no chunk splits are
+    left out (a chunk spans all of them), so d is 1 or 2 in practice; chunks x 2^d corners are
+    bounded by ``_MAX_CORNERS``.
+    """
     boxes = []
     for chunk, info in chunks:
         offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-        if len(offsets) != len(size) or any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, size)):
+        if len(offsets) != len(size) or len(sizes) != len(size) or any(o + s > d for o, s, d in zip(offsets, sizes, size)):
             raise CheckpointError(f"{root}: a chunk of {fqn!r} (offsets {offsets}, sizes {sizes}) lies outside its size {size}")
         if info is None:
             raise CheckpointError(f"{root}: the chunk of {fqn!r} at offsets {offsets} has no storage entry: the metadata is incomplete")
-        boxes.append((offsets, sizes))
-    for i, (o1, s1) in enumerate(boxes):
-        for o2, s2 in boxes[i + 1 :]:
-            if all(a < c + t and c < a + s for a, s, c, t in zip(o1, s1, o2, s2)) and math.prod(s1) and math.prod(s2):
-                raise CheckpointError(f"{root}: chunks of {fqn!r} at offsets {o1} and {o2} overlap: the metadata is inconsistent")
+        if math.prod(sizes):
+            boxes.append((offsets, sizes))
+    total = math.prod(size)
     covered = sum(math.prod(s) for _, s in boxes)
-    if covered != math.prod(size):
-        raise CheckpointError(f"{root}: the chunks of {fqn!r} cover {covered} of its {math.prod(size)} elements: the checkpoint is incomplete")
+    if covered != total:
+        raise CheckpointError(f"{root}: the chunks of {fqn!r} cover {covered} of its {total} elements: the checkpoint is incomplete")
+    split = [d for d in range(len(size)) if any(o[d] or s[d] != size[d] for o, s in boxes)]
+    if not total or not split:
+        return  # nothing to cover, or one chunk spanning the whole tensor (volumes sum to numel)
+    if len(boxes) << len(split) > _MAX_CORNERS:
+        raise CheckpointError(
+            f"{root}: {fqn!r} is split into {len(boxes)} chunks along {len(split)} dimensions, too many to check "
+            f"({len(boxes)} x 2^{len(split)} corners > {_MAX_CORNERS}): not a layout DCP writes"
+        )
+    if len(split) == 1:  # the common case (FSDP, dim-0 shards): sorted intervals name the overlap
+        d = split[0]
+        spans = sorted((o[d], o[d] + s[d], o) for o, s in boxes)
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+            if start < end:
+                raise CheckpointError(f"{root}: chunks of {fqn!r} at offsets {first} and {second} overlap: the metadata is inconsistent")
+            if start > end:
+                raise CheckpointError(f"{root}: the chunks of {fqn!r} leave {end}..{start} of dimension {d} uncovered and overlap elsewhere: "
+                                      "the metadata is inconsistent")
+        return
+    corners: set[tuple[int, ...]] = set()
+    for o, s in boxes:
+        corners.symmetric_difference_update(itertools.product(*((o[d], o[d] + s[d]) for d in split)))
+    if corners != set(itertools.product(*((0, size[d]) for d in split))):
+        raise CheckpointError(f"{root}: chunks of {fqn!r} overlap (their corners do not tile its size {size}): the metadata is inconsistent")
