@@ -32,11 +32,12 @@ verified whole. Every regular file below it falls in exactly one class:
   the same, so a certificate still pins them.
 
 Never opened, and *not verifiable*: a symbolic link whose target is outside the folder (unless
-the folder lies in a ``huggingface_hub`` cache, ``models--ORG--NAME/snapshots/REV/FILE ->
-../../blobs/HASH``: targets inside the nearest ancestor holding both ``snapshots/`` and ``blobs/``
-are followed), a dangling link, a link to a directory, anything not a regular file (FIFO, socket,
-device). When the model checkpoint itself is such a link the folder is refused
-(:class:`CheckpointError`, exit 3): there is nothing to verify without it.
+the folder lies in a ``huggingface_hub`` cache snapshot, ``models--ORG--NAME/snapshots/REV/FILE
+-> ../../blobs/HASH``: targets in that repository's ``blobs/`` are followed; or the target lies
+in a root the user allows, ``ReadLimits.allow_roots``, ``--allow-root``), a dangling link, a link
+to a directory, anything not a regular file (FIFO, socket, device). When the model checkpoint
+itself is such a link the folder is refused (:class:`CheckpointError`, exit 3) before the link
+is opened: there is nothing to verify without it.
 
 Ignored, and listed in the report (:meth:`FolderReader.ignored`): ``.git/`` and
 ``.cache/huggingface/`` at the folder's top, version control and ``huggingface_hub`` download
@@ -45,6 +46,7 @@ bookkeeping (lock files, etag ``*.metadata``) that no training job loads.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterator
@@ -56,6 +58,7 @@ from sdc_forensics.checkpoint.base import CheckpointReader, FileIssue, MappedFil
 from sdc_forensics.checkpoint.dcp_reader import METADATA_NAME, DcpReader
 from sdc_forensics.checkpoint.formats import NOTHING_TO_READ, TORCH_SUFFIXES, main_format, open_file, sniff_file
 from sdc_forensics.checkpoint.hf_index import read_index
+from sdc_forensics.checkpoint.limits import ReadLimits, link_advice, link_bounds, outside, resolve
 from sdc_forensics.checkpoint.torch_reader import PickleRefused
 from sdc_forensics.errors import CheckpointError
 
@@ -81,18 +84,23 @@ class FolderReader(CheckpointReader):
     Args:
         directory: the folder.
         populate: pre-fault memory maps of safetensors files.
+        limits: what reading may cost, where links may lead (default: ``limits.current_limits()``).
 
     Raises:
         CheckpointError: the model checkpoint is malformed or is a link that is not followed, or
             the folder holds no tensor file at all.
     """
 
-    def __init__(self, directory: str | Path, *, populate: bool = False) -> None:
+    def __init__(self, directory: str | Path, *, populate: bool = False, limits: ReadLimits | None = None) -> None:
         directory = Path(directory)
         super().__init__(directory, directory)
         if not directory.is_dir():
             raise CheckpointError(f"{directory} is not a directory")
-        files, refused, self._ignored, dcp_dirs = _scan(directory)
+        limits = resolve(limits)
+        self._bounds = link_bounds(directory, limits)
+        # every part (a sub-directory's DCP, a file) may link wherever the folder may
+        self._limits = dataclasses.replace(limits, allow_roots=(*limits.allow_roots, *self._bounds))
+        files, refused, self._ignored, dcp_dirs = _scan(directory, self._bounds)
         self._unverifiable = list(refused)
         self._issues: list[FileIssue] = []
         self._parts: list[tuple[str, CheckpointReader]] = []  # (key prefix, reader); "" = the model checkpoint
@@ -130,19 +138,19 @@ class FolderReader(CheckpointReader):
         if kind == "hf-index":
             for shard in sorted(set(read_index(path)[0].values())):
                 check(shard)
-        main = open_file(path, kind, root=self.root, populate=populate)
+        main = open_file(path, kind, root=self.root, populate=populate, limits=self._limits)  # links checked before opening
         self._parts.append(("", main))
-        for file in main.files:  # e.g. DCP storage reached through a linked sub-directory
+        for file in main.files:
             check(self.relative(file))
-            real = Path(os.path.realpath(file))
-            if not any(real == bound or real.is_relative_to(bound) for bound in _bounds(self.root)):
+            real = outside(file, self._bounds)
+            if real is not None:  # not reachable: every reader checks its files before opening them
                 raise CheckpointError(f"{self.root}: its model checkpoint file {self.relative(file)} lies outside the folder ({real}); not followed")
 
     def _open_nested_dcp(self, sub: Path, files: list[Path]) -> set[str]:
         """A DCP checkpoint in a sub-directory; the names it accounts for (all of the sub-directory's when unreadable)."""
         rel = self.relative(sub)
         try:
-            reader = DcpReader(sub)
+            reader = DcpReader(sub, limits=self._limits)
         except CheckpointError as exc:
             self._issues.append(FileIssue(file=f"{rel}/", detail=f"the DCP checkpoint in {rel}/ cannot be read: {exc}"))
             inside = [path for path in files if Path(self.relative(path)).is_relative_to(rel)]
@@ -180,7 +188,7 @@ class FolderReader(CheckpointReader):
                 ))
             return 1
         try:
-            reader = open_file(path, kind, root=self.root, populate=populate)
+            reader = open_file(path, kind, root=self.root, populate=populate, limits=self._limits)
         except PickleRefused as exc:
             self._other_files.append(path)
             self._unverifiable.append(FileIssue(file=rel, detail=_refusal(exc)))
@@ -247,6 +255,9 @@ class FolderReader(CheckpointReader):
     def unverifiable(self) -> list[FileIssue]:
         return sorted(self._unverifiable, key=lambda issue: issue.file)
 
+    def aliases(self) -> dict[str, str]:
+        return {prefix + key: prefix + first for prefix, part in self._parts for key, first in part.aliases().items()}
+
     def ignored(self) -> tuple[str, ...]:
         return self._ignored
 
@@ -261,20 +272,11 @@ def _refusal(exc: PickleRefused) -> str:
         why = "it is a legacy raw pickle"
     else:
         why = f"its pickle needs {', '.join(exc.refused[:5])}, outside torch's weights_only allow-list"
-        if any(name.startswith("numpy") for name in exc.refused):
-            why += " (numpy arrays, such as the numpy RNG state transformers' Trainer saves in rng_state.pth)"
+        if exc.numpy:
+            why += (" (numpy arrays or scalars, such as the numpy RNG state transformers' Trainer saves in rng_state.pth: "
+                    "pass --allow-numpy to load them with torch's weights-only unpickler)")
     return (f"{why}, so it is not loaded (that could run code); {_CHECKSUM_ONLY}. "
             "Re-save it with tensors and plain Python values only, or accept the checkpoint as unverified")
-
-
-def _bounds(root: Path) -> tuple[Path, ...]:
-    """Where links below ``root`` may point: the folder itself, and the ``huggingface_hub`` cache
-    repository it lies in (nearest ancestor holding both ``snapshots/`` and ``blobs/``)."""
-    real = Path(os.path.realpath(root))
-    for parent in (real, *real.parents):
-        if (parent / "snapshots").is_dir() and (parent / "blobs").is_dir():
-            return real, parent
-    return (real,)
 
 
 def _link_refusal(path: Path, bounds: tuple[Path, ...]) -> str:
@@ -282,9 +284,9 @@ def _link_refusal(path: Path, bounds: tuple[Path, ...]) -> str:
     target = Path(os.path.realpath(path))
     if not target.exists():
         return f"dangling symbolic link (its target {target} does not exist): the checkpoint is incomplete; restore the target"
-    if not any(target == bound or target.is_relative_to(bound) for bound in bounds):
+    if outside(path, bounds) is not None:
         return (f"symbolic link to {target}, outside the checkpoint folder (and not a huggingface_hub cache blob): not followed, "
-                "not verified; copy the file into the folder, or verify it on its own")
+                f"not verified; {link_advice(target)}, or verify it on its own")
     if target.is_dir():
         return "symbolic link to a directory: not followed, not verified; verify that directory on its own"
     if not target.is_file():
@@ -292,15 +294,14 @@ def _link_refusal(path: Path, bounds: tuple[Path, ...]) -> str:
     return ""
 
 
-def _scan(root: Path) -> tuple[list[Path], list[FileIssue], tuple[str, ...], list[Path]]:
-    """Every file below ``root`` without following links out of it.
+def _scan(root: Path, bounds: tuple[Path, ...]) -> tuple[list[Path], list[FileIssue], tuple[str, ...], list[Path]]:
+    """Every file below ``root`` without following links out of ``bounds`` (``limits.link_bounds``).
 
     Returns:
         ``(files, refused, ignored, dcp_dirs)``: regular files and followed links (sorted paths);
         entries never opened, with why; ignored relative paths; sub-directories holding a DCP
         ``.metadata`` (the top-level one is the model checkpoint's business).
     """
-    bounds = _bounds(root)
     files: list[Path] = []
     refused: list[FileIssue] = []
     ignored: list[str] = []

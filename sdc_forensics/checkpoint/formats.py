@@ -16,6 +16,7 @@ from pathlib import Path
 from sdc_forensics.checkpoint.base import CheckpointReader
 from sdc_forensics.checkpoint.dcp_reader import METADATA_NAME, DcpReader
 from sdc_forensics.checkpoint.hf_index import INDEX_SUFFIX, HfIndexReader, find_index, is_index_name
+from sdc_forensics.checkpoint.limits import ReadLimits
 from sdc_forensics.checkpoint.safetensors_reader import SafetensorsReader
 from sdc_forensics.checkpoint.torch_reader import TorchReader
 from sdc_forensics.errors import CheckpointError
@@ -85,7 +86,7 @@ def sniff_file(path: Path) -> str | None:
     return None
 
 
-def open_file(path: Path, kind: str, *, root: Path | None = None, populate: bool = False) -> CheckpointReader:
+def open_file(path: Path, kind: str, *, root: Path | None = None, populate: bool = False, limits: ReadLimits | None = None) -> CheckpointReader:
     """The reader of one checkpoint file (or of an HF index and its shards, or a DCP directory).
 
     Args:
@@ -93,38 +94,41 @@ def open_file(path: Path, kind: str, *, root: Path | None = None, populate: bool
         kind: its format, from :func:`detect_format` or :func:`main_format`.
         root: the directory its name is relative to (default: its own).
         populate: pre-fault memory maps of safetensors files.
+        limits: what reading may cost, where links may lead (default: ``limits.current_limits()``).
     """
     if kind == "dcp":
-        return DcpReader(path)
+        return DcpReader(path, limits=limits)
     if kind == "hf-index":
-        return HfIndexReader(path, populate=populate)
+        return HfIndexReader(path, populate=populate, limits=limits)
     if kind == "safetensors":
-        return SafetensorsReader(path, root=root, populate=populate)
+        return SafetensorsReader(path, root=root, populate=populate, limits=limits)
     if kind == "torch":
-        return TorchReader(path, root=root)
+        return TorchReader(path, root=root, limits=limits)
     raise CheckpointError(f"{path}: no reader for format {kind!r}")
 
 
-def open_checkpoint(path: str | os.PathLike, *, populate: bool = False) -> CheckpointReader:
+def open_checkpoint(path: str | os.PathLike, *, populate: bool = False, limits: ReadLimits | None = None) -> CheckpointReader:
     """Open ``path`` with the right reader; structure is checked before this returns.
 
     Args:
         path: a checkpoint file or directory (a directory: every file below it is accounted for).
         populate: pre-fault memory maps of safetensors files (faster when reading everything).
+        limits: what reading may cost, where links may lead (default: ``limits.current_limits()``).
 
     Returns:
         A :class:`CheckpointReader` (close it, or use it as a context manager).
 
     Raises:
-        CheckpointError: the path is unreadable, of unknown format, or malformed.
+        CheckpointError: the path is unreadable, of unknown format, malformed, beyond the limits,
+            or a link out of its directory (and every allowed root).
     """
     path = Path(path)
     if path.is_dir():
         from sdc_forensics.checkpoint.folder import FolderReader  # folder.py builds on this module
 
-        return FolderReader(path, populate=populate)
+        return FolderReader(path, populate=populate, limits=limits)
     kind = detect_format(path)
-    return open_file(path, kind, populate=populate)
+    return open_file(path, kind, populate=populate, limits=limits)
 
 
 #: What :func:`FolderReader` says when a directory holds nothing it can read as tensors.

@@ -12,6 +12,9 @@ every shard it names exists and passes the safetensors structure checks; every t
 is in the shard it names; every tensor of every shard is named by the index, for that shard.
 Tensors are then read shard by shard through :class:`SafetensorsReader` (or :class:`TorchReader`
 for ``.bin``/``.pt`` shards, never unpickling anything outside the ``weights_only`` allow-list).
+A shard (or the index) that resolves out of the index's directory through a symbolic link is
+refused before it is opened, unless it lands in an allowed root (``limits.py``: the
+``huggingface_hub`` cache ``blobs/`` of a snapshot, ``--allow-root``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 import torch
 
 from sdc_forensics.checkpoint.base import CheckpointReader, FileIssue, MappedFile, SingleFileReader, TensorInfo
+from sdc_forensics.checkpoint.limits import ReadLimits, check_inside, resolve
 from sdc_forensics.checkpoint.safetensors_reader import SafetensorsReader
 from sdc_forensics.checkpoint.torch_reader import TorchReader
 from sdc_forensics.errors import CheckpointError
@@ -53,13 +57,17 @@ class HfIndexReader(CheckpointReader):
     Args:
         index_path: the ``*.safetensors.index.json`` file.
         populate: pre-fault each shard's map when opening it.
+        limits: what reading it may cost, where links may lead (default: ``limits.current_limits()``).
     """
 
     format = "hf-index"
 
-    def __init__(self, index_path: str | Path, *, populate: bool = False) -> None:
+    def __init__(self, index_path: str | Path, *, populate: bool = False, limits: ReadLimits | None = None) -> None:
         index_path = Path(index_path)
         super().__init__(index_path, index_path.parent)
+        limits = resolve(limits)
+        if index_path.is_file():
+            check_inside(index_path, self.root, limits, "index")
         self.weight_map, self.metadata = read_index(index_path)
         self._shards: dict[str, SingleFileReader] = {}
         try:
@@ -73,10 +81,11 @@ class HfIndexReader(CheckpointReader):
                     raise CheckpointError(
                         f"{index_path} names shard {shard!r}, which does not exist in {self.root}: the checkpoint is incomplete"
                     )
+                check_inside(shard_path, self.root, limits, "shard")
                 if shard_path.suffix == ".safetensors":
-                    self._shards[shard] = SafetensorsReader(shard_path, root=self.root, populate=populate)
+                    self._shards[shard] = SafetensorsReader(shard_path, root=self.root, populate=populate, limits=limits)
                 else:
-                    self._shards[shard] = TorchReader(shard_path, root=self.root)
+                    self._shards[shard] = TorchReader(shard_path, root=self.root, limits=limits)
             self._check_completeness()
         except CheckpointError:
             self.close()
@@ -115,6 +124,9 @@ class HfIndexReader(CheckpointReader):
 
     def file_issues(self) -> list[FileIssue]:
         return [issue for reader in self._shards.values() for issue in reader.file_issues()]
+
+    def aliases(self) -> dict[str, str]:
+        return {key: first for reader in self._shards.values() for key, first in reader.aliases().items()}
 
     def step(self) -> int | None:
         value = self.metadata.get("step")

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from sdc_forensics.checkpoint.base import CheckpointReader
 from sdc_forensics.checkpoint.formats import open_checkpoint
+from sdc_forensics.checkpoint.limits import ReadLimits
 from sdc_forensics.checkpoint.measure import FileChecksum, default_workers, measure
 from sdc_forensics.fingerprint import constants as C
 from sdc_forensics.fingerprint.core import combine_digests
@@ -70,7 +71,7 @@ class Finding:
         return {"kind": self.kind.value, "subject": self.subject, "expected": self.expected, "found": self.found, "detail": self.detail}
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)  # slots: one per tensor, a file may list a million
 class TensorResult:
     """What was measured for one tensor. ``expected_digest`` is "" when nothing was noted."""
 
@@ -101,12 +102,15 @@ class VerifyOptions:
         file_checksums: digest every file's bytes too (needed for certificates).
         populate: pre-fault memory maps (faster when every byte is read anyway).
         workers: parallel measuring tasks; 0 = the cores torch would use (``measure.py``).
+        limits: what reading may cost and where links may lead; None = ``limits.current_limits()``
+            (what the CLI's ``--max-inflate-bytes``, ``--max-tensors``, ``--allow-root``, ``--allow-numpy`` set).
     """
 
     seed: int = C.DEFAULT_SEED
     file_checksums: bool = True
     populate: bool = True
     workers: int = 0
+    limits: ReadLimits | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -185,7 +189,7 @@ def verify_checkpoint(
         CheckpointError: the checkpoint is unreadable or malformed.
     """
     started = time.perf_counter()
-    reader = source if isinstance(source, CheckpointReader) else open_checkpoint(source, populate=options.populate)
+    reader = source if isinstance(source, CheckpointReader) else open_checkpoint(source, populate=options.populate, limits=options.limits)
     try:
         infos = {info.key: info for info in reader.infos()}
         expected = note.tensors if note is not None else {}
@@ -193,7 +197,6 @@ def verify_checkpoint(
             reader, seed=options.seed, workers=options.workers or default_workers(),
             file_checksums=options.file_checksums, populate=options.populate,
         )
-        digests = {m.key: m.digest for m in measured}
         results = [
             TensorResult(
                 key=m.key, dtype=m.dtype, shape=m.shape, file=infos[m.key].file if m.key in infos else "",
@@ -211,7 +214,7 @@ def verify_checkpoint(
         weights = ""
         if note is not None:
             findings += _against_note(note, results, files)
-            weights, weight_findings = _weights_vs_majority(note, digests)
+            weights, weight_findings = _weights_vs_majority(note, {m.key: m.digest for m in measured})
             findings += weight_findings
         step = note.step if note is not None else reader.step()
         return VerificationReport(
