@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from sdc_forensics.cli.limits import read_limit_options
 from sdc_forensics.cli.output import emit_json, err
 
 EXIT_BY_VERDICT = {"clean": 0, "corruption": 1, "inconclusive": 4}
@@ -81,6 +82,7 @@ def run_analysis(trace_dir: Path, **options):
 @click.option("--max-replay-steps", type=click.IntRange(min=1),
               help="Stop widening backwards after this many replayed steps (checkpoints before stay unverified).")
 @click.option("--scan-recurrence", is_flag=True, help="Also replay the intervals after the first divergence: recurrences.")
+@read_limit_options
 @click.pass_context
 def bisect_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: bool, **options) -> None:
     """Find the first divergent step, the suspect rank and the last clean checkpoint of TRACE_DIR.

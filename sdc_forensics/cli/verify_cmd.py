@@ -1,6 +1,6 @@
 """``sdc-forensics verify-checkpoint`` and ``sdc-forensics certify``.
 
-verify-checkpoint PATH [--trace TRACE_DIR [--trace-only] [replay options]] [--certificate FILE] [--json]
+verify-checkpoint PATH [--trace TRACE_DIR [--trace-only] [replay options]] [--certificate FILE] [--json] [read limits]
     Without --trace: the file's structure and content (readable, every file of a folder read or
     listed, no NaN/Inf): exit 0 VERIFIED, 1 not, 3 unreadable. This says nothing about the run.
     With --trace: the same analysis as ``certify`` (replay included; ``--trace-only`` for the
@@ -9,10 +9,14 @@ verify-checkpoint PATH [--trace TRACE_DIR [--trace-only] [replay options]] [--ce
     4 unverified (nothing wrong found, but not every step before it examined).
     With --certificate: its files are still what was certified, and it was certified clean.
 
-certify TRACE_DIR [--checkpoints DIR] [--json] [--certificate-out FILE] [replay options]
+certify TRACE_DIR [--checkpoints DIR] [--json] [--certificate-out FILE] [replay options] [read limits]
     Every noted checkpoint gets a status; the last clean one is the resume point.
     Exit 0 when every checkpoint is clean, 1 when any is corrupt or tainted, 4 when none is but
     some stay unverified.
+
+Read limits (``cli/limits.py``, also on ``bisect``): ``--max-inflate-bytes``, ``--max-tensors``,
+``--allow-root DIR``, ``--allow-numpy``; a file beyond them is refused with exit 3 and a line
+naming the option that raises the limit.
 
 People read stderr (rich tables); ``--json`` writes one document on stdout.
 """
@@ -26,6 +30,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from sdc_forensics.cli.bisect_cmd import analysis_options, run_analysis
+from sdc_forensics.cli.limits import read_limit_options
 from sdc_forensics.cli.output import emit_json, err
 
 _MAX_ROWS = 40
@@ -72,6 +77,7 @@ def status_exit(result) -> int:
 @click.option("--certificate", "certificate_path", type=click.Path(path_type=Path), help="Certificate to confirm the file against.")
 @click.option("--json", "as_json", is_flag=True, help="Write one JSON document on stdout.")
 @analysis_options
+@read_limit_options
 @click.pass_context
 def verify_cmd(ctx: click.Context, path: Path, trace_dir: Path | None, step: int | None, trace_only: bool, certificate_path: Path | None,
                as_json: bool, **replay) -> None:
@@ -189,6 +195,7 @@ def verify_cmd(ctx: click.Context, path: Path, trace_dir: Path | None, step: int
 @click.option("--trace-only", is_flag=True, help="The trace's evidence alone: no replay, no files read (no checkpoint is then certified clean).")
 @click.option("--max-replay-steps", type=click.IntRange(min=1), help="Replay at most this many steps (checkpoints before stay unverified).")
 @analysis_options
+@read_limit_options
 @click.pass_context
 def certify_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, certificate_out: Path | None, trace_only: bool, **replay) -> None:
     """Certify every checkpoint of a run and name the last clean one (the resume point).
