@@ -257,7 +257,7 @@ def test_a_valid_certificate_still_reads(tmp_path):
 def test_an_unchecked_error_under_a_reader_is_exit_3_one_line(tmp_path, monkeypatch):
     from sdc_forensics.checkpoint import safetensors_reader
 
-    def unchecked(path, mapped):
+    def unchecked(path, mapped, *rest):
         raise TypeError("a malformed input no check caught")
 
     monkeypatch.setattr(safetensors_reader, "_parse", unchecked)
@@ -265,6 +265,7 @@ def test_an_unchecked_error_under_a_reader_is_exit_3_one_line(tmp_path, monkeypa
     save_file({"a": torch.ones(4)}, path)
     line = _run_bad(path)
     assert "TypeError" in line and "safetensors_reader" in line and "does not check yet" in line
+    assert "no check caught" in line  # the stub's own error, not a call with the wrong arguments
 
 
 def test_the_same_error_outside_the_readers_stays_a_bug(tmp_path, monkeypatch):
@@ -389,3 +390,12 @@ def test_certificate_path_that_is_no_path(tmp_path, field, value):
     cert.write_text(json.dumps(doc))
     line = _run_bad(tmp_path, args=("verify-checkpoint", str(checkpoint), "--certificate", str(cert)))
     assert "cert.json" in line and "a file path" in line
+
+
+@pytest.mark.parametrize("spec", [{"dtype": "F31", "shape": [4], "data_offsets": [0, 16]},
+                                  {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}], ids=["unknown-dtype", "offsets-disagree"])
+def test_safetensors_tensor_name_of_10000_characters(tmp_path, spec):
+    """Found by tests/fuzz/test_fuzz_safetensors.py: the messages printed the whole name, so one
+    crafted header made a 10,000-character "line". Names are clipped to 80 characters."""
+    line = _run_bad(write_safetensors_raw(tmp_path / "x.safetensors", {"n" * 10_000: spec}, bytes(16)))
+    assert "n" * 80 in line and "n" * 81 not in line and len(line) < 600
