@@ -193,29 +193,29 @@ def _entry(path: Path, name: str, spec, data_len: int) -> None:
         raise CheckpointError(f"{path}: tensor {name[:80]!r} needs exactly dtype, shape and data_offsets in the header")
     code, shape, offsets = spec
     if not isinstance(code, str) or code not in DTYPES:
-        raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {describe(code)} (known: {', '.join(DTYPES)})")
+        raise CheckpointError(f"{path}: tensor {name[:80]!r} has unknown dtype {describe(code)} (known: {', '.join(DTYPES)})")
     if type(shape) is not tuple or not all(is_int(d) and 0 <= d <= _INT64_MAX for d in shape):  # a JSON list, made a tuple
-        raise CheckpointError(f"{path}: tensor {name!r} has an invalid shape {_describe(shape)} (a list of integers in 0..2^63-1)")
+        raise CheckpointError(f"{path}: tensor {name[:80]!r} has an invalid shape {_describe(shape)} (a list of integers in 0..2^63-1)")
     if math.prod(d for d in shape if d) > _INT64_MAX:  # torch multiplies every dimension, zeros last or not
-        raise CheckpointError(f"{path}: tensor {name!r} has shape dimensions whose product overflows 64 bits: the header is damaged")
+        raise CheckpointError(f"{path}: tensor {name[:80]!r} has shape dimensions whose product overflows 64 bits: the header is damaged")
     if (
         type(offsets) is not tuple
         or len(offsets) != 2
         or not all(is_int(o) and 0 <= o <= _INT64_MAX for o in offsets)
         or offsets[0] > offsets[1]
     ):
-        raise CheckpointError(f"{path}: tensor {name!r} has invalid data_offsets {_describe(offsets)} (two integers, begin <= end)")
+        raise CheckpointError(f"{path}: tensor {name[:80]!r} has invalid data_offsets {_describe(offsets)} (two integers, begin <= end)")
     itemsize = DTYPES[code][1]
     begin, end = offsets
     expected = math.prod(shape) * itemsize
     if end - begin != expected:
         raise CheckpointError(
-            f"{path}: tensor {name!r} is {code} of shape {shape}, which is {expected} bytes, "
+            f"{path}: tensor {name[:80]!r} is {code} of shape {shape}, which is {expected} bytes, "
             f"but its data_offsets span {end - begin} bytes: the header is inconsistent"
         )
     if end > data_len:
         raise CheckpointError(
-            f"{path}: tensor {name!r} needs bytes {begin}..{end} of the data buffer, which holds only {data_len} bytes "
+            f"{path}: tensor {name[:80]!r} needs bytes {begin}..{end} of the data buffer, which holds only {data_len} bytes "
             f"({end - data_len} missing): the file is truncated or the offsets are out of range"
         )
 
@@ -233,7 +233,7 @@ def _check_tiling(path: Path, entries: dict, data_len: int) -> None:
         begin, end = entries[name][2]
         if begin < cursor:
             raise CheckpointError(
-                f"{path}: tensors {previous!r} and {name!r} overlap (bytes {begin}..{cursor} of the data buffer): the header is inconsistent"
+                f"{path}: tensors {previous[:80]!r} and {name[:80]!r} overlap (bytes {begin}..{cursor} of the data buffer): the header is inconsistent"
             )
         if begin > cursor:
             raise CheckpointError(f"{path}: bytes {cursor}..{begin} of the data buffer belong to no tensor: the header is inconsistent")

@@ -399,3 +399,12 @@ def test_safetensors_tensor_name_of_10000_characters(tmp_path, spec):
     crafted header made a 10,000-character "line". Names are clipped to 80 characters."""
     line = _run_bad(write_safetensors_raw(tmp_path / "x.safetensors", {"n" * 10_000: spec}, bytes(16)))
     assert "n" * 80 in line and "n" * 81 not in line and len(line) < 600
+
+
+@pytest.mark.parametrize("spec", [{"dtype": "F31", "shape": [4], "data_offsets": [0, 16]},
+                                  {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}], ids=["unknown-dtype", "offsets-disagree"])
+def test_safetensors_tensor_name_of_10000_characters(tmp_path, spec):
+    """Found by tests/fuzz/test_fuzz_safetensors.py: the messages printed the whole name, so one
+    crafted header made a 10,000-character "line". Names are clipped to 80 characters."""
+    line = _run_bad(write_safetensors_raw(tmp_path / "x.safetensors", {"n" * 10_000: spec}, bytes(16)))
+    assert "n" * 80 in line and "n" * 81 not in line and len(line) < 600
