@@ -591,15 +591,34 @@ def num_threads(count: int):
         torch.set_num_threads(saved)
 
 
+#: Bounds on refusing one hostile input of the corpora (each is at most a few MB): the refusal
+#: must come from checks on declared sizes, never from reading or allocating what they declare.
+HOSTILE_TIME_S = 20.0  # generous for a loaded 2-core machine; unbounded cases took minutes
+HOSTILE_PEAK_GROWTH = 256 << 20  # bytes by which the process's peak RSS may grow during one case
+
+
 def assert_refused(args: list[str], path) -> str:
     """The CLI run with ``args`` on a hostile input under ``path``: exit 3, one ``error:`` line on
-    stderr, no traceback, nothing on stdout, every file under ``path`` unchanged. Returns the line."""
+    stderr, no traceback, nothing on stdout, every file under ``path`` unchanged, within
+    :data:`HOSTILE_TIME_S` and without raising the process's peak memory by more than
+    :data:`HOSTILE_PEAK_GROWTH` (torch is imported first, so only the case's own cost counts).
+    Returns the line."""
+    import resource
+    import time
+
+    import torch  # noqa: F401  (imported before the peak is read: its import is not the case's cost)
     from click.testing import CliRunner
 
     from sdc_forensics.cli.main import cli
 
     before = tree_sha256(path)
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    started = time.monotonic()
     result = CliRunner().invoke(cli, [str(a) for a in args])
+    seconds = time.monotonic() - started
+    growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - peak_before
+    assert seconds < HOSTILE_TIME_S, f"refusing took {seconds:.1f} s"
+    assert growth < HOSTILE_PEAK_GROWTH, f"peak memory grew by {growth / 2**20:.0f} MiB"
     assert result.exit_code == 3, (result.output, result.exception)
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
     assert "Traceback" not in result.output
