@@ -246,11 +246,11 @@ class DcpReader(CheckpointReader):
             ) from None
         except (zlib.error, EOFError, ValueError, struct.error, NotImplementedError, RuntimeError, OSError) as exc:
             raise CheckpointError(
-                f"{self.root}: chunk of {fqn!r} in {info.relative_path} is not a readable torch.save archive ({type(exc).__name__}: {exc})"
+                f"{self.root}: chunk of {fqn!r} in {info.relative_path} is not a readable torch.save archive ({type(exc).__name__}: {str(exc)[:200]})"
             ) from None
         except zipfile.BadZipFile as exc:
             if "CRC" not in str(exc):
-                raise CheckpointError(f"{self.root}: chunk of {fqn!r} in {info.relative_path} is not a torch.save archive ({exc})") from None
+                raise CheckpointError(f"{self.root}: chunk of {fqn!r} in {info.relative_path} is not a torch.save archive ({str(exc)[:200]})") from None
             self._issues.append(
                 FileIssue(file=str(info.relative_path), detail=f"zip CRC-32 of the chunk of {fqn!r} at offsets {tuple(chunk.offsets)} does not match: its bytes changed after saving")
             )

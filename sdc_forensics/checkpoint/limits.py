@@ -193,7 +193,7 @@ def inflate_member(archive: zipfile.ZipFile, member: zipfile.ZipInfo, limits: Re
                     parts.append(piece)
     except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as exc:
         # RuntimeError: an encrypted member; NotImplementedError: an unknown compression method
-        raise CheckpointError(f"{where}: zip member {member.filename} cannot be decompressed ({type(exc).__name__}: {exc})") from None
+        raise CheckpointError(f"{where}: zip member {member.filename} cannot be decompressed ({type(exc).__name__}: {str(exc)[:200]})") from None
     if total != declared:
         raise CheckpointError(f"{where}: zip member {member.filename} inflates to {total} bytes, not the {declared} it declares: the archive is damaged")
     return (crc & 0xFFFFFFFF) == member.CRC, b"".join(parts)

@@ -161,7 +161,7 @@ def _scan_pickle(data: bytes) -> tuple[list[str], int]:
             else:
                 pushed.append(None)
     except ValueError as exc:
-        raise CheckpointError(f"the pickle is malformed ({exc})") from None
+        raise CheckpointError(f"the pickle is malformed ({str(exc)[:200]})") from None
     return found, num_ops
 
 

@@ -401,10 +401,46 @@ def test_safetensors_tensor_name_of_10000_characters(tmp_path, spec):
     assert "n" * 80 in line and "n" * 81 not in line and len(line) < 600
 
 
-@pytest.mark.parametrize("spec", [{"dtype": "F31", "shape": [4], "data_offsets": [0, 16]},
-                                  {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}], ids=["unknown-dtype", "offsets-disagree"])
-def test_safetensors_tensor_name_of_10000_characters(tmp_path, spec):
-    """Found by tests/fuzz/test_fuzz_safetensors.py: the messages printed the whole name, so one
-    crafted header made a 10,000-character "line". Names are clipped to 80 characters."""
-    line = _run_bad(write_safetensors_raw(tmp_path / "x.safetensors", {"n" * 10_000: spec}, bytes(16)))
-    assert "n" * 80 in line and "n" * 81 not in line and len(line) < 600
+def test_pt_pickle_string_opcode_of_100000_characters(tmp_path):
+    """Found by fuzzing: pickletools' ``ValueError`` quotes the whole malformed line (``S`` without
+    quotes), so a 100 kB line in data.pkl became a 100 kB error line. The reason is clipped."""
+    line = _run_bad(_pt_with_payload_pickle(tmp_path, b"\x80\x02S" + b"x" * 100_000 + b"\n."))
+    assert "the pickle is malformed" in line and len(line) < 600
+
+
+def test_dcp_chunk_whose_local_header_name_swallows_the_data(dcp_source, tmp_path):
+    """Found by tests/fuzz/test_fuzz_dcp.py: a chunk's zip local header whose name length is
+    enlarged (and not flagged UTF-8, so any bytes decode) makes zipfile quote 3,000 bytes of the
+    chunk in its "names differ" error; the line is clipped."""
+    folder = tmp_path / "dcp"
+    shutil.copytree(dcp_source, folder)
+    data = next(folder.glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    start = _info(meta).offset
+    local = raw.find(b"PK\x03\x04", start)
+    raw[local + 26 : local + 28] = struct.pack("<H", 3000)
+    flags = struct.unpack("<H", raw[local + 6 : local + 8])[0]
+    raw[local + 6 : local + 8] = struct.pack("<H", flags & ~0x800)
+    data.write_bytes(bytes(raw))
+    line = _run_bad(folder)
+    assert "model.w" in line and "is not a torch.save archive" in line and len(line) < 800
+
+
+def test_pt_compressed_member_whose_local_header_name_swallows_the_data(tmp_path):
+    """The same zipfile error for a compressed member of a ``torch.save`` file (``limits.inflate_member``)."""
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(_pt(tmp_path))) as archive:
+        members = [(m.filename, archive.read(m)) for m in archive.infolist()]
+    path = tmp_path / "x.pt"
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in sorted(members, key=lambda m: not m[0].endswith("/byteorder")):  # byteorder first, deflated
+            archive.writestr(name, data, compress_type=zipfile.ZIP_DEFLATED if name.endswith("/byteorder") else zipfile.ZIP_STORED)
+    raw = bytearray(path.read_bytes())
+    raw[26:28] = struct.pack("<H", 900)  # the first local header's name length
+    raw[6:8] = struct.pack("<H", struct.unpack("<H", raw[6:8])[0] & ~0x800)
+    path.write_bytes(bytes(raw))
+    line = _run_bad(path)
+    assert "cannot be decompressed" in line and len(line) < 600
