@@ -361,6 +361,8 @@ def _check_types(meta_path: Path, metadata, limits: ReadLimits) -> None:
     for index, info in storage.items():
         if not isinstance(index, MetadataIndex) or not isinstance(getattr(index, "fqn", None), str):
             raise bad("a storage_data key", "a MetadataIndex with a string fqn", index)
+        if getattr(index, "offset", None) is not None and _dims(index.offset) is None:  # a chunk's offsets: how chunks find their item
+            raise bad(f"the offset of storage key {index.fqn[:80]!r}", dims + " or nothing", index.offset)
         rel = getattr(info, "relative_path", None)
         if not isinstance(rel, (str, pathlib.PurePath)):
             raise bad(f"the file name of item {index.fqn!r}", "a string", rel)
