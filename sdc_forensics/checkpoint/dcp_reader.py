@@ -35,6 +35,7 @@ import itertools
 import math
 import pathlib
 import pickle
+import pickletools
 import struct
 import zipfile
 import zlib
@@ -290,7 +291,10 @@ class DcpReader(CheckpointReader):
 def _load_metadata(meta_path: Path, limits: ReadLimits):
     try:
         with open(meta_path, "rb") as fh:
-            metadata = _MetadataUnpickler(fh).load()
+            data = fh.read()
+        for _ in pickletools.genops(data):  # lengths checked first: a bytearray8 claiming exabytes made CPython's
+            pass                            # unpickler print "SystemError: deallocated bytearray..." to stderr
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as exc:  # noqa: BLE001 - only allow-listed classes are built; any failure means "damaged metadata"
         # (UnpicklingError, EOFError, a RuntimeError from TensorProperties.__setstate__, RecursionError, ...)
         text = " ".join(str(exc).split())[:200]
