@@ -12,6 +12,7 @@ it to :func:`hostile_call`, which asserts the contract of issue #9 in-process:
   not waited for) on top of hypothesis's ``deadline``, and adds at most
   :data:`MEMORY_BOUND_BYTES` of address space (``RLIMIT_AS``, for the call only: an input that
   makes a reader over-allocate fails with ``MemoryError`` instead of exhausting the machine);
+* it prints nothing on stderr, not even Python's "Exception ignored in ..." (a second line);
 * nothing is opened for writing, removed or renamed under the input's directory (a Python audit
   hook watches ``open``, ``os.open``, ``os.remove``...), and every file is byte-identical after.
 
@@ -165,6 +166,27 @@ def _memory_cap(extra_bytes: int):
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
+@contextlib.contextmanager
+def _stderr_to(found: list[str]):
+    """Collect what the call prints on ``sys.stderr`` (a reader prints nothing: only the CLI does),
+    and what Python would print there as "Exception ignored in ..." (a ``__del__`` failing,
+    CPython's own ``SystemError`` s): on the CLI either is a second line beside the error."""
+    import io
+
+    previous_hook, previous_stderr, captured = sys.unraisablehook, sys.stderr, io.StringIO()
+
+    def hook(info) -> None:
+        found.append(f"{type(info.exc_value).__name__}: {info.exc_value} ({info.err_msg or 'Exception ignored'} {info.object!r:.80})")
+
+    sys.unraisablehook, sys.stderr = hook, captured
+    try:
+        yield
+    finally:
+        sys.unraisablehook, sys.stderr = previous_hook, previous_stderr
+        if captured.getvalue().strip():
+            found.append(captured.getvalue().strip()[:300])
+
+
 # ---------------------------------------------------------------------------------------------
 # The contract
 
@@ -184,9 +206,10 @@ def hostile_call(kind: str, call: Callable[[], Any], *, allowed: tuple[type[Base
     before = tree_sha256(watch)
     stats = STATS.setdefault(kind, KindStats())
     outcome: Any = None
+    printed: list[str] = []
     started = time.perf_counter()
     try:
-        with _no_writes_under(watch), _memory_cap(MEMORY_BOUND_BYTES), _alarm(HANG_BOUND_S):
+        with _no_writes_under(watch), _memory_cap(MEMORY_BOUND_BYTES), _alarm(HANG_BOUND_S), _stderr_to(printed):
             outcome = call()
     except Hang as exc:
         raise AssertionError(f"{kind}: the call did not finish: {exc} (a hang)") from None
@@ -202,6 +225,7 @@ def hostile_call(kind: str, call: Callable[[], Any], *, allowed: tuple[type[Base
         stats.examples += 1
         stats.total_s += elapsed
         stats.max_s = max(stats.max_s, elapsed)
+    assert not printed, f"{kind}: the call printed to stderr (an extra line beside the CLI's one): {printed[:2]}"
     assert not _WRITES, f"{kind}: the input was opened for writing or changed: {_WRITES[:3]}"
     assert tree_sha256(watch) == before, f"{kind}: an input file changed"
     return outcome

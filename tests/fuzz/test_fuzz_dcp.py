@@ -122,7 +122,10 @@ _FIELDS = {
 
 
 def _set(obj, name: str, value) -> None:
-    object.__setattr__(obj, name, value)  # MetadataIndex and friends may be frozen dataclasses
+    try:
+        object.__setattr__(obj, name, value)  # MetadataIndex and friends may be frozen dataclasses
+    except (AttributeError, TypeError):  # an earlier edit put None (or an int) where this object was
+        pass
 
 
 def _edit(meta, edit: tuple) -> None:
