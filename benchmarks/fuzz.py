@@ -30,7 +30,7 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ("pt", "safetensors", "dcp", "hf_index", "trace", "notes", "certificate")
+MODULES = ("pt", "safetensors", "dcp", "hf_index", "folder", "trace", "notes", "certificate")
 
 
 def _properties(only: set[str] | None):

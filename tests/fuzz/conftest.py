@@ -1,6 +1,6 @@
 """Hypothesis profiles of the fuzz suite, and its shared fixture.
 
-* ``ci`` (default): ``CI_EXAMPLES`` examples per property (about 3,000 in all over the folder,
+* ``ci`` (default): ``CI_EXAMPLES`` examples per property (about 3,300 in all over the folder,
   under a minute on 2 cores), derandomized (the same draws on every run: CI never fails on a
   new random draw), no example database written, a 5 s deadline per example.
 * ``deep`` (``SDC_FUZZ_PROFILE=deep``, or ``benchmarks/fuzz.py``): ``SDC_FUZZ_EXAMPLES``
