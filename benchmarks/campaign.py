@@ -46,10 +46,8 @@ verify-checkpoint exit 1).
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import json
-import math
 import random
 import sys
 import tempfile
@@ -60,7 +58,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tolerant_campaign import measure_effect, normalise_status, weak_candidate  # noqa: E402
+from tolerant_campaign import measure_effect, normalise_status, run_children, weak_candidate  # noqa: E402
 
 from sdc_forensics.inject import LOCATIONS  # noqa: E402
 
@@ -324,19 +322,6 @@ def tally(rows: list[dict], seconds: float) -> dict:
 
 
 # ---------------------------------------------------------------------------------- main
-def _run_child(plan: Plan, options: Options) -> dict:
-    """Run one plan in a fresh interpreter (its own fork server and torch threads)."""
-    import subprocess
-
-    args = [sys.executable, __file__, "--_child", json.dumps(dataclasses.asdict(plan)),
-            "--_options", json.dumps(dataclasses.asdict(options) | {"out_dir": str(options.out_dir)})]
-    proc = subprocess.run(args, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
-        return dataclasses.asdict(plan) | {"error": f"run failed (exit {proc.returncode}): {tail}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def finish(rows: list[dict], seconds: float) -> dict:
     """Measure each fault against its twin, judge every row, tally."""
     twins = {r["variant"]: r for r in rows if r["fault"] is None}
@@ -350,16 +335,9 @@ def finish(rows: list[dict], seconds: float) -> dict:
 def campaign(options: Options, progress=print) -> dict:
     """Plan, run (``jobs`` at a time: clean runs first, they are the twins), judge and tally."""
     started = time.monotonic()
-    plans = plan_runs(options)
-    rows: list[dict] = []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=options.jobs) as pool:
-        for row in pool.map(lambda p: _run_child(p, options), plans):
-            rows.append(row)
-            progress(f"{row['index']:3d} {row.get('fault') or 'clean':40s} "
-                     + (row.get("error") or f"{row['bisect']['verdict']} {row['seconds']} s"))
-    failed = [r for r in rows if "error" in r]
-    if failed:
-        raise SystemExit(f"{len(failed)} run(s) failed; first: {failed[0]['error']}")
+    rows = run_children(__file__, plan_runs(options), options, options.jobs, lambda row: progress(
+        f"{row['index']:3d} {row.get('fault') or 'clean':40s} "
+        + (row.get("error") or f"{row['bisect']['verdict']} {row['seconds']} s")))
     summary = finish(rows, time.monotonic() - started)
     return summary | {"settings": dataclasses.asdict(options) | {"out_dir": str(options.out_dir)}, "rows": rows}
 

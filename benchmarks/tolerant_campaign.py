@@ -364,15 +364,28 @@ def tally(rows: list[dict], seconds: float) -> dict:
 
 
 # ---------------------------------------------------------------------------------- main
-def _run_child(plan: RunPlan, options: CampaignOptions) -> dict:
-    """Run one plan in a fresh interpreter (its own fork server and torch threads)."""
-    args = [sys.executable, __file__, "--_child", json.dumps(dataclasses.asdict(plan)), "--_options",
-            json.dumps(dataclasses.asdict(options) | {"out_dir": str(options.out_dir)})]
-    proc = subprocess.run(args, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
-        return dataclasses.asdict(plan) | {"error": f"run failed (exit {proc.returncode}): {tail}"}
-    return json.loads(proc.stdout)
+def run_children(script: str, plans: list, options, jobs: int, describe) -> list[dict]:
+    """Run each plan in a fresh interpreter of ``script`` (``--_child PLAN --_options OPTIONS``:
+    its own fork server and torch threads), ``jobs`` at a time; report each row with
+    ``describe(row)``. Raises SystemExit naming the first run that failed."""
+    def child(plan) -> dict:
+        args = [sys.executable, script, "--_child", json.dumps(dataclasses.asdict(plan)), "--_options",
+                json.dumps(dataclasses.asdict(options) | {"out_dir": str(options.out_dir)})]
+        proc = subprocess.run(args, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+            return dataclasses.asdict(plan) | {"error": f"run failed (exit {proc.returncode}): {tail}"}
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    rows: list[dict] = []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        for row in pool.map(child, plans):
+            rows.append(row)
+            describe(row)
+    failed = [r for r in rows if "error" in r]
+    if failed:
+        raise SystemExit(f"{len(failed)} run(s) failed; first: {failed[0]['error']}")
+    return rows
 
 
 def _check_cli(options: CampaignOptions) -> None:
@@ -389,16 +402,9 @@ def campaign(options: CampaignOptions, progress=print) -> dict:
     """Plan, run (``jobs`` at a time), measure each fault against its twin, and tally."""
     _check_cli(options)
     started = time.monotonic()
-    plans = plan_runs(options)
-    rows: list[dict] = []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=options.jobs) as pool:
-        for row in pool.map(lambda p: _run_child(p, options), plans):
-            rows.append(row)
-            progress(f"{row['index']:3d} {row['kind']:7s} {row.get('fault') or '':36s} "
-                     + (row.get("error") or f"{row.get('bisect', {}).get('verdict', '')} {row.get('seconds', '')} s"))
-    failed = [r for r in rows if "error" in r]
-    if failed:
-        raise SystemExit(f"{len(failed)} run(s) failed; first: {failed[0]['error']}")
+    rows = run_children(__file__, plan_runs(options), options, options.jobs, lambda row: progress(
+        f"{row['index']:3d} {row['kind']:7s} {row.get('fault') or '':36s} "
+        + (row.get("error") or f"{row.get('bisect', {}).get('verdict', '')} {row.get('seconds', '')} s")))
     twins = {r["variant"]: r["trace"] for r in rows if r["kind"] in ("clean", "twin")}
     for row in rows:
         if row["kind"] != "twin":

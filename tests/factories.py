@@ -627,3 +627,18 @@ def assert_refused(args: list[str], path) -> str:
     assert result.stdout == ""
     assert tree_sha256(path) == before
     return lines[0]
+
+
+def load_benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as a module (registered in ``sys.modules`` under
+    ``name``, which its dataclasses look up), for tests of its planning and scoring rules."""
+    import importlib.util
+    import sys
+
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules.setdefault(name, importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(module)
+    return module

@@ -8,18 +8,12 @@ certificate, no false alarm). The full campaign's figures are in docs/benchmarks
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from sdc_forensics.inject import LOCATIONS, parse_spec
+from tests.factories import load_benchmark
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "campaign.py"
-_spec = importlib.util.spec_from_file_location("campaign", _PATH)
-campaign = sys.modules.setdefault("campaign", importlib.util.module_from_spec(_spec))  # dataclasses look it up
-_spec.loader.exec_module(campaign)
+campaign = load_benchmark("campaign")
 
 
 def _options(tmp_path, **kw):

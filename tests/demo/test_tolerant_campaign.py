@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from sdc_forensics.inject import parse_spec
+from tests.factories import load_benchmark
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "tolerant_campaign.py"
-_spec = importlib.util.spec_from_file_location("tolerant_campaign", _PATH)
-campaign = sys.modules.setdefault("tolerant_campaign", importlib.util.module_from_spec(_spec))  # dataclasses look it up
-_spec.loader.exec_module(campaign)
+campaign = load_benchmark("tolerant_campaign")
 
 
 def _options(tmp_path, **kw):
