@@ -248,6 +248,11 @@ def decide(
         settle.append(f"outlier hints at step(s) {', '.join(map(str, hinted[:5]))}: a replay of those steps confirms or clears them")
     elif not examined.trace_only and not examined.replayed:
         verdict = Verdict.INCONCLUSIVE  # a replay was wanted and none could run: the trace alone is not a clean bill
+    elif not examined.trace_consistent:
+        verdict = Verdict.INCONCLUSIVE  # nothing found, but in a trace with holes: no clean bill for what is missing
+        settle.append("the trace is damaged (a rank file missing or unreadable, bad checksums, or steps missing): nothing was "
+                      "found in what could be read, but that is not every rank's every step; restore the damaged rank files "
+                      "(or bisect the checkpoints with a replay) to decide")
     elif examined.tolerant_steps:
         verdict = Verdict.INCONCLUSIVE  # nothing above tolerance; a fault below the replay's drift would not show
         settle.append(f"steps {_spans(sorted(examined.tolerant_steps))} were compared within tolerance only (another thread count "

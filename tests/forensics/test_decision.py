@@ -157,3 +157,18 @@ def test_weak_evidence_alone_is_inconclusive_never_corruption():
                      examined=Examined(replayed=frozenset(range(8))))
     assert (decided.verdict, decided.first_divergent_step, decided.suspects) == (Verdict.INCONCLUSIVE, None, ())
     assert "replay exactly" in decided.settle[0]
+
+
+def test_nothing_found_in_a_damaged_trace_is_inconclusive_never_clean():
+    """A trace with holes (a rank file unreadable, bad checksums, missing steps) gives no clean
+    bill: nothing found in what could be read is not every rank's every step (issue #9: bisect
+    --trace-only said clean, exit 0, when rank 0's only file was garbage)."""
+    def verdict(**examined):
+        return decide([], world_size=4, identity=lambda r: _Ident(), notes=(), files={}, majority={},
+                      examined=Examined(**examined))
+
+    assert verdict(replayed=frozenset(range(8))).verdict is Verdict.CLEAN
+    assert verdict(trace_only=True).verdict is Verdict.CLEAN  # trace checks only, on an intact trace
+    for damaged in ({"replayed": frozenset(range(8))}, {"trace_only": True}):
+        decided = verdict(trace_consistent=False, **damaged)
+        assert decided.verdict is Verdict.INCONCLUSIVE and "the trace is damaged" in decided.settle[-1]
