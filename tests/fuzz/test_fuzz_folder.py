@@ -8,7 +8,6 @@ a report or raise ``CheckpointError``; nothing under the folder changes."""
 from __future__ import annotations
 
 import functools
-import io
 import json
 import os
 from pathlib import Path
@@ -19,14 +18,9 @@ from hypothesis import strategies as st
 from safetensors.torch import save
 
 from tests.fuzz import test_fuzz_dcp
+from tests.fuzz.test_fuzz_pt import saved
 from tests.fuzz.harness import hostile_call, mutate, mutations
 from tests.fuzz.readers import CHECKPOINT_ERRORS, verify
-
-
-def _saved(obj) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
 
 
 @functools.cache
@@ -36,8 +30,8 @@ def corpus() -> dict[str, bytes]:
     gen = torch.Generator().manual_seed(0)
     files = {
         "model.safetensors": save({"w": torch.randn(4, 3, generator=gen), "b": torch.zeros(3)}),
-        "optimizer.pt": _saved({"state": {0: {"exp_avg": torch.ones(4, 3), "step": torch.tensor(4.0)}}, "param_groups": [{"lr": 1e-3}]}),
-        "scheduler.pt": _saved({"last_epoch": 4, "_step_count": 5}),
+        "optimizer.pt": saved({"state": {0: {"exp_avg": torch.ones(4, 3), "step": torch.tensor(4.0)}}, "param_groups": [{"lr": 1e-3}]}),
+        "scheduler.pt": saved({"last_epoch": 4, "_step_count": 5}),
         "trainer_state.json": json.dumps({"global_step": 4, "log_history": []}).encode(),
         "config.json": json.dumps({"hidden_size": 3}).encode(),
         "tokenizer.model": b"\x0a\x05hello",

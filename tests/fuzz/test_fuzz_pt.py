@@ -25,7 +25,8 @@ from tests.fuzz.readers import CHECKPOINT_ERRORS, verify
 ZIP_SIGNATURES = (b"PK\x03\x04", b"PK\x01\x02", b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07")
 
 
-def _saved(obj) -> bytes:
+def saved(obj) -> bytes:
+    """``obj`` as ``torch.save`` writes it (also used by the folder corpus)."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
@@ -38,12 +39,12 @@ def corpus() -> dict[str, bytes]:
     model = {"w": torch.randn(4, 3, generator=gen), "b": torch.zeros(3)}
     shared = torch.arange(12, dtype=torch.float32)
     return {
-        "model.pt": _saved({"model": model, "step": 4}),
-        "optimizer.pt": _saved({"state": {0: {"exp_avg": torch.ones(4, 3), "step": torch.tensor(3.0)}},
+        "model.pt": saved({"model": model, "step": 4}),
+        "optimizer.pt": saved({"state": {0: {"exp_avg": torch.ones(4, 3), "step": torch.tensor(3.0)}},
                                 "param_groups": [{"lr": 1e-3, "params": [0]}]}),
-        "dtypes.pt": _saved({"h": torch.ones(5, dtype=torch.float16), "bf": torch.ones(2, dtype=torch.bfloat16), "i": torch.arange(3),
+        "dtypes.pt": saved({"h": torch.ones(5, dtype=torch.float16), "bf": torch.ones(2, dtype=torch.bfloat16), "i": torch.arange(3),
                              "flag": torch.tensor([True, False]), "empty": torch.zeros(0), "scalar": torch.tensor(7.5)}),
-        "views.pt": _saved({"full": shared, "view": shared[2:8], "t": shared.view(3, 4).t(), "list": [shared[:2], {"x": shared[5:]}]}),
+        "views.pt": saved({"full": shared, "view": shared[2:8], "t": shared.view(3, 4).t(), "list": [shared[:2], {"x": shared[5:]}]}),
     }
 
 
