@@ -58,7 +58,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tolerant_campaign import measure_effect, normalise_status, run_children, weak_candidate  # noqa: E402
+from tolerant_campaign import checkpoint_statuses, measure_effect, normalise_status, run_children, weak_candidate  # noqa: E402
 
 from sdc_forensics.inject import LOCATIONS  # noqa: E402
 
@@ -168,10 +168,6 @@ def _cli(runner, cli, args: list[str]) -> dict:
     return {"exit_code": result.exit_code, "doc": doc, "error": error, "seconds": round(time.monotonic() - started, 2)}
 
 
-def _statuses(doc: dict) -> dict[str, str | None]:
-    return {str(c["step"]): normalise_status(c.get("status")) for c in doc.get("checkpoints") or []}
-
-
 def run_one(plan: Plan, options: Options) -> dict:
     """Train one run, then judge it with the three commands."""
     from click.testing import CliRunner
@@ -204,10 +200,10 @@ def run_one(plan: Plan, options: Options) -> dict:
         "suspects": [{"rank": s.get("rank"), "location": s.get("location")} for s in doc.get("suspects") or []],
         "comparison": (doc.get("replayed") or {}).get("comparison"),
         "weak_candidate": weak_candidate(doc),
-        "statuses": _statuses(doc),
+        "statuses": checkpoint_statuses(doc),
     }
     certify = _cli(runner, cli, ["certify", trace, "--json", *replay])
-    row["certify"] = certify | {"statuses": _statuses(certify.pop("doc") or {})}
+    row["certify"] = certify | {"statuses": checkpoint_statuses(certify.pop("doc") or {})}
     row["verify"] = {}
     for step, path in row["checkpoints"].items():
         res = _cli(runner, cli, ["verify-checkpoint", path, "--trace", trace, "--json", *replay])
@@ -226,8 +222,10 @@ def effect(row: dict, twin: dict) -> dict:
     if row["location"] != "checkpoint-file":
         return measure_effect(Path(row["trace"]), Path(twin["trace"]), row["fault"])
     step = str(parse_spec(row["fault"]).step)
-    mine, theirs = Path(row["checkpoints"][step]).read_bytes(), Path(twin["checkpoints"][step]).read_bytes()
-    differing = sum(1 for a, b in zip(mine, theirs) if a != b) + abs(len(mine) - len(theirs))
+    mine = np.fromfile(row["checkpoints"][step], dtype=np.uint8)
+    theirs = np.fromfile(twin["checkpoints"][step], dtype=np.uint8)
+    common = min(mine.size, theirs.size)
+    differing = int((mine[:common] != theirs[:common]).sum()) + abs(mine.size - theirs.size)
     return {"effect": differing, "effective": differing > 0, "where": f"checkpoint {step}: {differing} byte(s) differ",
             "identical_before_fault": True, "final_loss_change": 0.0}
 

@@ -160,6 +160,11 @@ def normalise_status(status: str | None) -> str | None:
     return CLEAN if status in _CLEAN_ALIASES else status
 
 
+def checkpoint_statuses(doc: dict) -> dict[str, str | None]:
+    """``{"N": status}`` of a bisect or certify JSON document, clean spellings normalised."""
+    return {str(c["step"]): normalise_status(c.get("status")) for c in doc.get("checkpoints") or []}
+
+
 def weak_candidate(doc: dict) -> dict | None:
     """The earliest weak evidence of a bisect document: ``{"step", "ranks"}`` (ranks at that step), or None."""
     records = list(doc.get("evidence") or []) + list(doc.get("hints") or [])
@@ -185,7 +190,7 @@ def _summarise_bisect(result: dict) -> dict:
         "steps_replayed": replayed.get("steps_replayed"),
         "max_residual_ratio": max((w.get("max_residual_ratio") or 0.0 for w in replayed.get("windows") or []), default=0.0),
         "weak_candidate": weak_candidate(doc),
-        "statuses": {str(c["step"]): normalise_status(c.get("status")) for c in doc.get("checkpoints") or []},
+        "statuses": checkpoint_statuses(doc),
     }
 
 
@@ -193,7 +198,7 @@ def _summarise_certify(result: dict) -> dict:
     doc = result.pop("doc") or {}
     return result | {
         "first_divergent_step": doc.get("first_divergent_step"),
-        "statuses": {str(c["step"]): normalise_status(c.get("status")) for c in doc.get("checkpoints") or []},
+        "statuses": checkpoint_statuses(doc),
     }
 
 
