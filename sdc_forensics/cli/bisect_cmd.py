@@ -11,73 +11,12 @@ from pathlib import Path
 
 import click
 
+from sdc_forensics.cli.common import EXIT_BY_VERDICT, Bars, run_analysis, trace_analysis_options
 from sdc_forensics.cli.limits import read_limit_options
 from sdc_forensics.cli.output import emit_json, err
 
-EXIT_BY_VERDICT = {"clean": 0, "corruption": 1, "inconclusive": 4}
-
-
-class _Bars:
-    """Rich progress bars on stderr, one per replayed window (implements ``bisect.Progress``)."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self._progress = None
-        self._task = None
-
-    def __enter__(self) -> "_Bars":
-        if self.enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                      console=err, transient=False)
-            self._progress.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-
-    def window(self, start: int, stop: int, reason: str) -> None:
-        if self._progress is not None:
-            self._task = self._progress.add_task(f"replay {start}..{stop}", total=stop - start + 1)
-        else:
-            err.print(f"[dim]replaying steps {start}..{stop}: {reason}[/]")
-
-    def step(self, step: int) -> None:
-        if self._progress is not None and self._task is not None:
-            self._progress.advance(self._task)
-
-
-def _common(func):
-    """TRACE_DIR and the options every command that runs the analysis shares."""
-    func = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")(func)
-    return analysis_options(click.argument("trace_dir", type=click.Path(file_okay=False, path_type=Path))(func))
-
-
-def analysis_options(func):
-    """Replay options (``bisect``, ``replay``, ``certify``, ``report``, ``verify-checkpoint --trace``)."""
-    func = click.option("--tolerant", "force_tolerant", is_flag=True,
-                        help="Compare within the sketch tolerance even where the replay is bitwise exact.")(func)
-    func = click.option("--threads", "num_threads", type=click.IntRange(min=1),
-                        help="Replay CPU threads (default: the count each step recorded, which keeps a CPU replay bitwise exact).")(func)
-    func = click.option("--force-device", is_flag=True, help="Replay even on the suspect rank's GPU.")(func)
-    func = click.option("--device", default="cpu", show_default=True, help="Replay device: cpu, cuda or cuda:N.")(func)
-    func = click.option("--recipe", metavar="MOD:ATTR", help="Replay recipe (default: the one the trace's manifest names).")(func)
-    return click.option("--checkpoints", "checkpoints_dir", type=click.Path(file_okay=False, path_type=Path),
-                        help="Directory holding the checkpoint files (default: the paths the job wrote).")(func)
-
-
-def run_analysis(trace_dir: Path, **options):
-    """``bisect`` with progress bars on stderr: the one analysis behind every command."""
-    from sdc_forensics.forensics.bisect import BisectOptions, bisect
-
-    with _Bars(enabled=err.is_terminal) as bars:
-        return bisect(trace_dir, BisectOptions(**options), progress=bars)
-
-
 @click.command("bisect")
-@_common
+@trace_analysis_options
 @click.option("--trace-only", is_flag=True, help="Use the trace alone: no replay, no checkpoint files, no torch.")
 @click.option("--max-replay-steps", type=click.IntRange(min=1),
               help="Stop widening backwards after this many replayed steps (checkpoints before stay unverified).")
@@ -102,7 +41,7 @@ def bisect_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: b
 
 
 @click.command("replay")
-@_common
+@trace_analysis_options
 @click.option("--from", "start", type=click.IntRange(min=0), required=True, help="Checkpoint step N to start from (holds θ_N).")
 @click.option("--to", "stop", type=click.IntRange(min=0), required=True, help="Last step M to replay (inclusive).")
 @click.pass_context
@@ -138,7 +77,7 @@ def replay_cmd(ctx: click.Context, trace_dir: Path, checkpoints_dir: Path | None
         raise CheckpointError(f"checkpoint file of step {start} ({Path(note.path).name}) not found: pass --checkpoints DIR")
     options = ReplayOptions(start_step=start, stop_step=stop, checkpoint_path=path, expected_weights_digest=note.weights_digest,
                             device=device, force_device=force_device, num_threads=num_threads, force_tolerant=force_tolerant)
-    with _Bars(enabled=err.is_terminal) as bars:
+    with Bars(enabled=err.is_terminal) as bars:
         bars.window(start, stop, "requested")
         result = replay_window(trace, load_recipe(reference), options, bars.step)
     decided = decision.decide(result.evidence, world_size=trace.world_size, identity=trace.manifest.identity, notes=(),

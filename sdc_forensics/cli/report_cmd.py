@@ -7,12 +7,12 @@ from pathlib import Path
 
 import click
 
-from sdc_forensics.cli.bisect_cmd import EXIT_BY_VERDICT, _common, run_analysis
+from sdc_forensics.cli.common import EXIT_BY_VERDICT, run_analysis, trace_analysis_options
 from sdc_forensics.cli.output import err
 
 
 @click.command("report")
-@_common
+@trace_analysis_options
 @click.option("--trace-only", is_flag=True, help="Use the trace alone: no replay, no checkpoint files, no torch.")
 @click.option("-o", "--output", default="-", show_default=True, help="Markdown file to write (must not exist), or - for stdout.")
 @click.pass_context

@@ -29,7 +29,7 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from sdc_forensics.cli.bisect_cmd import analysis_options, run_analysis
+from sdc_forensics.cli.common import analysis_options, run_analysis
 from sdc_forensics.cli.limits import read_limit_options
 from sdc_forensics.cli.output import emit_json, err
 

@@ -1,0 +1,96 @@
+"""What several commands share: the analysis options, the progress bars, exit codes by verdict,
+and the check that an output file may be written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from sdc_forensics.cli.output import err
+
+EXIT_BY_VERDICT = {"clean": 0, "corruption": 1, "inconclusive": 4}
+
+
+class Bars:
+    """Rich progress bars on stderr, one per replayed window (implements ``bisect.Progress``)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._progress = None
+        self._task = None
+
+    def __enter__(self) -> "Bars":
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                      console=err, transient=False)
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def window(self, start: int, stop: int, reason: str) -> None:
+        if self._progress is not None:
+            self._task = self._progress.add_task(f"replay {start}..{stop}", total=stop - start + 1)
+        else:
+            err.print(f"[dim]replaying steps {start}..{stop}: {reason}[/]")
+
+    def step(self, step: int) -> None:
+        if self._progress is not None and self._task is not None:
+            self._progress.advance(self._task)
+
+
+def trace_analysis_options(func):
+    """TRACE_DIR and the options every command that runs the analysis shares."""
+    func = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")(func)
+    return analysis_options(click.argument("trace_dir", type=click.Path(file_okay=False, path_type=Path))(func))
+
+
+def analysis_options(func):
+    """Replay options (``bisect``, ``replay``, ``certify``, ``report``, ``verify-checkpoint --trace``)."""
+    func = click.option("--tolerant", "force_tolerant", is_flag=True,
+                        help="Compare within the sketch tolerance even where the replay is bitwise exact.")(func)
+    func = click.option("--threads", "num_threads", type=click.IntRange(min=1),
+                        help="Replay CPU threads (default: the count each step recorded, which keeps a CPU replay bitwise exact).")(func)
+    func = click.option("--force-device", is_flag=True, help="Replay even on the suspect rank's GPU.")(func)
+    func = click.option("--device", default="cpu", show_default=True, help="Replay device: cpu, cuda or cuda:N.")(func)
+    func = click.option("--recipe", metavar="MOD:ATTR", help="Replay recipe (default: the one the trace's manifest names).")(func)
+    return click.option("--checkpoints", "checkpoints_dir", type=click.Path(file_okay=False, path_type=Path),
+                        help="Directory holding the checkpoint files (default: the paths the job wrote).")(func)
+
+
+def run_analysis(trace_dir: Path, **options):
+    """``bisect`` with progress bars on stderr: the one analysis behind every command."""
+    from sdc_forensics.forensics.bisect import BisectOptions, bisect
+
+    with Bars(enabled=err.is_terminal) as bars:
+        return bisect(trace_dir, BisectOptions(**options), progress=bars)
+
+
+def force_option(func):
+    """``--force``: overwrite an existing output file (the default refuses, before any work)."""
+    return click.option("--force", is_flag=True, help="Overwrite the output file if it exists.")(func)
+
+
+def check_new_output(path: str | Path | None, force: bool, flag: str) -> None:
+    """Refuse, before any work, an output path that exists (unless ``--force``) or whose folder does not.
+
+    Raises:
+        UsageError: one line naming ``flag`` and what to do (exit 2).
+    """
+    from sdc_forensics.errors import UsageError
+
+    if path is None or str(path) == "-":
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"{flag} {target} is a directory: name a file")
+    if target.exists() and not force:
+        raise UsageError(f"{flag} {target} exists: choose another path, or pass --force to overwrite it")
+    if not target.parent.is_dir():
+        raise UsageError(f"{flag} {target}: folder {target.parent} does not exist")
