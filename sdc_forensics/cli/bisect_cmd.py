@@ -31,7 +31,7 @@ def bisect_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: b
     examined before it is called clean). Exit 0 clean, 1 corruption, 2 usage error, 3 bad input,
     4 inconclusive.
     """
-    from sdc_forensics.forensics.render import bisect_document, render_bisect
+    from sdc_forensics.present.bisect import bisect_document, render_bisect
 
     result = run_analysis(trace_dir, trace_only=trace_only, **options)
     if as_json:
@@ -55,7 +55,7 @@ def replay_cmd(ctx: click.Context, trace_dir: Path, checkpoints_dir: Path | None
     from sdc_forensics.checkpoint.locate import locate_checkpoint
     from sdc_forensics.errors import CheckpointError, RecipeError, UsageError
     from sdc_forensics.forensics import decision
-    from sdc_forensics.forensics.render import render_replay, replay_document
+    from sdc_forensics.present.bisect import render_replay, replay_document
     from sdc_forensics.forensics.replay import ReplayOptions, replay_window
     from sdc_forensics.recipe import load_recipe
     from sdc_forensics.trace.checkpoints import read_checkpoint_notes

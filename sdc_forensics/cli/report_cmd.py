@@ -24,8 +24,8 @@ def report_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: b
     JSON document, plus "trace_end" (inspect's "end"), goes to stdout and the review to -o FILE.
     """
     from sdc_forensics.errors import UsageError
-    from sdc_forensics.forensics.render import bisect_document
-    from sdc_forensics.forensics.report import render_markdown
+    from sdc_forensics.present.bisect import bisect_document
+    from sdc_forensics.present.markdown import render_markdown
     from sdc_forensics.trace.reader import Trace
 
     if as_json and output == "-":

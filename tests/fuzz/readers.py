@@ -39,7 +39,7 @@ def read_trace(trace_dir: Path):
         ``(inspect's JSON document, bisect's verdict value)``.
     """
     from sdc_forensics.forensics.bisect import BisectOptions, bisect
-    from sdc_forensics.forensics.render import bisect_document
+    from sdc_forensics.present.bisect import bisect_document
     from sdc_forensics.trace.export import export_csv
     from sdc_forensics.trace.reader import Trace
     from sdc_forensics.trace.summary import summarize, summary_document

@@ -8,7 +8,7 @@ from rich.console import Console
 
 from sdc_forensics.forensics.decision import Examined, decide
 from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location
-from sdc_forensics.forensics.render import render_bisect
+from sdc_forensics.present.bisect import render_bisect
 from sdc_forensics.forensics.verdict import BisectResult, ReplaySummary
 
 
