@@ -1,31 +1,29 @@
 """The post-incident review: a :class:`BisectResult` rendered as a Markdown document.
 
 It reads like the review an on-call engineer would write by hand, with the evidence attached:
-what happened (verdict, first divergent step, suspects with host and GPU), what to do (resume
-point, drain or diagnose), the evidence chain, every checkpoint's status, what was replayed and
-how it was compared, the job's environment, and the commands that reproduce the analysis.
+what happened (verdict, first divergent step and when it ran in UTC, suspects with host and GPU,
+what was lost), the actions ready to paste (``present/actions.py``), the evidence chain, every
+checkpoint's status, what was replayed and how it was compared, what was checked and what could
+not be, the job's environment, and commands that reproduce the analysis when rerun. The HTML
+review (``present/html.py``) has the same sections plus plots; both read ``present/report.py``.
 Like the other renderers it only reads the result (numpy-free, torch-free).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import shlex
 from typing import TYPE_CHECKING
 
 from sdc_forensics import __version__
 from sdc_forensics.forensics.evidence import Evidence
-from sdc_forensics.forensics.verdict import BisectResult, Verdict
+from sdc_forensics.forensics.incident import Incident
+from sdc_forensics.forensics.verdict import BisectResult
+from sdc_forensics.present import report as R
 from sdc_forensics.trace.manifest import Manifest
 
 if TYPE_CHECKING:
+    from sdc_forensics.present.actions import ActionBlock
     from sdc_forensics.trace.ends import RunEnd
-
-_HEADLINE = {
-    Verdict.CORRUPTION: "Silent data corruption found",
-    Verdict.CLEAN: "No corruption found in the window examined",
-    Verdict.INCONCLUSIVE: "Inconclusive: evidence that could not be localised",
-}
 
 
 def _cell(text: object) -> str:
@@ -71,20 +69,22 @@ def _stopped_early(end: "RunEnd") -> list[str]:
     return out + _table(("rank", "host", "last step recorded", "closed its trace", "torn bytes at the tail"), rows)
 
 
-def render_markdown(result: BisectResult, manifest: Manifest | None, command: list[str] | None = None,
-                    now: _dt.datetime | None = None, end: "RunEnd | None" = None) -> str:
+def render_markdown(result: BisectResult, manifest: Manifest | None, incident: Incident, actions: "tuple[ActionBlock, ...]",
+                    request: R.ReportRequest, *, now: _dt.datetime | None = None, end: "RunEnd | None" = None) -> str:
     """The review as Markdown.
 
     Args:
         result: what ``bisect`` concluded.
         manifest: the trace's manifest (environment and identities), or None.
-        command: the command line that produced ``result``, to reproduce it.
+        incident: ``forensics.incident.build_incident`` of ``result`` (times, losses, nodes).
+        actions: ``present.actions.build_actions`` of it.
+        request: the invocation, for the commands that reproduce the analysis.
         now: the time to stamp (default: now, UTC).
         end: how the trace's latest attempt ended (``Trace.run_end()``); when the run stopped
             early the review says so first, and where.
     """
     now = now or _dt.datetime.now(_dt.timezone.utc)
-    out = [f"# Post-incident review: {_HEADLINE[result.verdict]}", ""]
+    out = [f"# Post-incident review: {R.headline(result.verdict)}", ""]
     out += [f"Trace `{result.trace_path}` ({result.world_size} ranks, steps "
             f"{'-' if result.step_range is None else f'{result.step_range[0]}..{result.step_range[1]}'}); "
             f"analysed {now:%Y-%m-%d %H:%M} UTC by sdc-forensics {__version__}, mode `{result.mode}`.", ""]
@@ -98,34 +98,36 @@ def render_markdown(result: BisectResult, manifest: Manifest | None, command: li
     if result.first_divergent_step is not None:
         s = result.first_divergent_step
         out.append(f"- **First divergent step: {s}.** θ_{s} is still clean, θ_{s + 1} is not: only checkpoints N <= {s} can be clean.")
+        out.append(f"- **When:** {R.when_sentence(incident)}")
     else:
         out.append(f"- First divergent step: none found. {result.scope}")
     weak = [e for e in result.evidence if e.is_weak]
     if weak and result.first_divergent_step is None:
         out.append(f"- **Weak evidence, not a verdict:** step {weak[0].step}, rank(s) {', '.join(map(str, weak[0].ranks)) or 'all'} "
-                   f"({weak[0].found}); see \"To settle\" below.")
+                   f"({_cell(weak[0].found)}); see \"To settle\" below.")
     for suspect in result.suspects:
-        who = "the collective (every rank received the same wrong result)" if suspect.rank is None else (
-            f"rank {suspect.rank} on host `{suspect.host or '?'}`, GPU `{suspect.gpu or '?'}`")
+        if suspect.rank is None:
+            who = "the collective (every rank received the same wrong result; no single rank)"
+        else:
+            who = f"rank {suspect.rank} on host `{suspect.host or '?'}`, GPU `{suspect.gpu or '?'}`"
+            if manifest is not None:
+                ident = manifest.identity(suspect.rank)
+                who += f" (UUID `{ident.gpu_uuid or '-'}`, PCI bus `{ident.pci_bus_id or '-'}`)"
         out.append(f"- **Suspect: {who}**; location `{suspect.location.value}`; "
-                   f"{'recurring' if suspect.recurring else 'one event'} (steps {', '.join(map(str, suspect.steps))}).")
+                   f"{'recurring' if suspect.recurring else 'transient, one event'} (steps {', '.join(map(str, suspect.steps))}).")
     last = result.last_clean_checkpoint
     out.append(f"- **Resume from:** `{last.path}` (checkpoint {last.step}, {last.status.value})." if last
                else "- **Resume from:** no checkpoint could be certified clean.")
+    out.append(f"- **Lost:** {R.lost_sentence(incident)}")
     out.append("")
     if stopped:
         out += _stopped_early(end)
 
-    out += ["## What to do", ""]
-    if last:
-        out.append(f"1. Resume training from `{last.path}` (holds θ_{last.step}); the recorder starts a new attempt.")
-    else:
-        out.append("1. Do not resume from any checkpoint of this run without further verification.")
-    for i, suspect in enumerate(result.suspects, start=2):
-        out.append(f"{i}. {suspect.recommendation[0].upper()}{suspect.recommendation[1:]}.")
-    for line in result.settle:
-        out.append(f"- To settle: {line}")
-    out.append("")
+    out += ["## Actions ready to paste", ""]
+    for block in actions:
+        out += [f"### {block.title}", ""] + [f"- {line}" for line in block.why] + [""]
+        if block.commands:
+            out += ["```bash", *block.commands, "```", ""]
 
     real = [e for e in result.evidence if not e.is_hint]
     if real:
@@ -156,14 +158,19 @@ def render_markdown(result: BisectResult, manifest: Manifest | None, command: li
     else:
         out += ["Nothing was replayed (" + ("trace-only analysis" if result.mode == "trace-only" else "no window needed") + ").", ""]
 
+    out += ["## What was checked", ""] + [f"- {_cell(line)}" for line in R.checked(result)] + [""]
+    missing = R.not_checked(result, end)
+    out += ["## What could not be checked", ""] + ([f"- {_cell(line)}" for line in missing] or ["Nothing left unexamined."]) + [""]
+
     if manifest is not None:
         out += ["## Job environment", ""]
         att = max(manifest.attempts, key=lambda a: a.attempt) if manifest.attempts else None
         out.append(f"- World size {manifest.world_size}, recipe `{manifest.recipe or '-'}`, gradients in "
                    f"`{manifest.fingerprint.grad_dtype}`, sketch k={manifest.fingerprint.sketch_k}.")
         if att is not None:
+            det = ", ".join(f"{k}={v}" for k, v in sorted(att.determinism.items())) or "-"
             out.append(f"- Latest attempt {att.attempt} (from step {att.start_step}): torch `{att.torch_version or '?'}`, "
-                       f"CUDA `{att.cuda_version or '-'}`, determinism `{att.determinism or '-'}`.")
+                       f"CUDA `{att.cuda_version or '-'}`, determinism: {det}.")
         suspects = [s.rank for s in result.suspects if s.rank is not None]
         if suspects:
             rows = []
@@ -175,11 +182,7 @@ def render_markdown(result: BisectResult, manifest: Manifest | None, command: li
             out += _table(("rank", "host", "node", "local rank", "GPU UUID", "PCI bus", "Slurm job", "node name"), rows)
         else:
             out.append("")
-    if result.damage or result.notes:
-        out += ["## Notes", ""]
-        out += [f"- Trace damage: {d}" for d in result.damage]
-        out += [f"- {n}" for n in result.notes]
-        out.append("")
-    if command:
-        out += ["## Reproduce this analysis", "", "```bash", " ".join(shlex.quote(c) for c in command), "```", ""]
+    notes, commands = R.reproduce_commands(request, result)
+    out += ["## Reproduce this analysis", ""] + [f"{n}" for n in notes] + ([""] if notes else [])
+    out += ["```bash", *commands, "```", ""]
     return "\n".join(out)

@@ -1,46 +1,113 @@
-"""``sdc-forensics report``: the post-incident review, from the same result as ``bisect``."""
+"""``sdc-forensics report``: the post-incident review, from the same result as ``bisect``, in HTML,
+Markdown and JSON (synthetic traces, through click's runner; demo runs and the installed command
+are in ``test_report_demo.py``)."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from sdc_forensics.cli.main import cli
 from tests.factories import Fault
+from tests.schema_check import assert_valid
+
+
+def _report(*args):
+    return CliRunner().invoke(cli, ["report", *map(str, args)])
 
 
 def test_report_markdown_names_step_rank_and_host(make_trace, tmp_path):
     trace = make_trace(ranks=4, steps=30, fault=Fault(kind="nonfinite", step=17, rank=3))
     out = tmp_path / "review.md"
-    result = CliRunner().invoke(cli, ["report", str(trace), "--trace-only", "-o", str(out), "--json"])
+    result = _report(trace, "--trace-only", "-o", out, "--json")
     assert result.exit_code == 1, result.output
-    doc = json.loads(result.stdout)
+    doc = assert_valid(result.stdout, "report")
     assert doc["first_divergent_step"] == 17 and doc["suspects"][0]["rank"] == 3
     text = out.read_text()
     assert text.startswith("# Post-incident review: Silent data corruption found")
     assert "**First divergent step: 17.**" in text
     assert "rank 3 on host `node1`, GPU `GPU-0003`" in text
     assert "## Evidence chain" in text and "| 17 | nonfinite | 3 |" in text
-    assert "## Reproduce this analysis" in text
+    assert "## Actions ready to paste" in text and "## What could not be checked" in text
+    # the node of rank 3 (host node1: no Slurm/k8s name in the manifest), the incident in the reason
+    assert "scontrol update nodename=node1 state=drain reason='sdc-forensics: SDC at step 17, rank 3, GPU GPU-0003'" in text
+    assert "kubectl cordon node1" in text and "kubectl taint nodes node1 sdc-forensics/suspect=step17-rank3:NoSchedule" in text
+    assert "dcgmi diag -r 3 -i \"$(nvidia-smi -i GPU-0003 --query-gpu=index --format=csv,noheader)\"" in text
+    assert "sbatch --exclude=node1 " in text
+    # no checkpoint in a synthetic trace: what is lost counts from the first step, 0..29
+    assert "30 step(s) (0..29)" in text and "no checkpoint certified clean" in text
+    # the reproduce commands: absolute, --force, the options given
+    assert f"sdc-forensics report {trace.absolute()} --trace-only --format md -o {out.absolute()} --force" in text
 
 
-def test_report_clean_trace_exits_0_to_stdout(make_trace):
-    result = CliRunner().invoke(cli, ["report", str(make_trace(ranks=3, steps=10)), "--trace-only"])
-    assert result.exit_code == 0, result.output
-    assert result.stdout.startswith("# Post-incident review: No corruption found")
+@pytest.mark.parametrize("suffix, fmt, start", [(".html", "html", "<!DOCTYPE html>"), (".htm", "html", "<!DOCTYPE html>"),
+                                                (".md", "md", "# Post-incident review"), (".json", "json", "{")])
+def test_the_format_follows_the_suffix(make_trace, tmp_path, suffix, fmt, start):
+    out = tmp_path / f"review{suffix}"
+    result = _report(make_trace(ranks=4, steps=12, fault=Fault(kind="nonfinite", step=5, rank=1)), "--trace-only", "-o", out)
+    assert result.exit_code == 1, result.output
+    assert out.read_text().startswith(start)
+    assert f"post-incident review ({fmt}) written to {out}" in result.stderr
+    if fmt == "json":
+        assert assert_valid(out.read_text(), "report")["report"]["first_divergent_step"] == 5
 
 
-def test_report_refuses_to_overwrite_and_json_on_stdout_twice(make_trace, tmp_path):
+def test_format_overrides_the_suffix_and_stdout_defaults_to_markdown(make_trace, tmp_path):
+    trace = make_trace(ranks=4, steps=12)
+    out = tmp_path / "review.txt"
+    assert _report(trace, "--trace-only", "-o", out, "--format", "html").exit_code == 0
+    assert out.read_text().startswith("<!DOCTYPE html>")
+    result = _report(trace, "--trace-only")
+    assert result.exit_code == 0 and result.stdout.startswith("# Post-incident review: No corruption found")
+    result = _report(trace, "--trace-only", "--format", "json")
+    doc = assert_valid(result.stdout, "report")
+    assert doc["verdict"] == "clean" and doc["report"]["nodes"] == [] and doc["report"]["lost"] is None
+    assert [a["platform"] for a in doc["report"]["actions"]] == ["none"]
+
+
+def test_json_flag_with_format_json_on_stdout_prints_one_document(make_trace):
+    result = _report(make_trace(ranks=4, steps=8), "--trace-only", "--format", "json", "--json")
+    assert result.exit_code == 0
+    assert_valid(json.loads(result.stdout), "report")  # one document, not two concatenated
+
+
+def test_existing_output_refused_before_any_work_unless_force(make_trace, tmp_path):
     trace = make_trace(ranks=3, steps=5)
     existing = tmp_path / "exists.md"
     existing.write_text("keep me")
-    result = CliRunner().invoke(cli, ["report", str(trace), "--trace-only", "-o", str(existing)])
-    assert result.exit_code == 2 and "never overwrites" in result.stderr and existing.read_text() == "keep me"
-    result = CliRunner().invoke(cli, ["report", str(trace), "--trace-only", "--json"])
+    result = _report(trace, "--trace-only", "-o", existing)
+    assert result.exit_code == 2 and "exists" in result.stderr and "--force" in result.stderr
+    assert existing.read_text() == "keep me" and result.stdout == ""
+    result = _report(trace, "--trace-only", "-o", existing, "--force")
+    assert result.exit_code == 0 and existing.read_text().startswith("# Post-incident review")
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # written through a renamed temporary
+    result = _report(trace, "--trace-only", "--json")
     assert result.exit_code == 2 and "-o FILE" in result.stderr
 
 
+def test_collective_fault_has_no_node_to_drain(make_trace, tmp_path):
+    out = tmp_path / "review.json"
+    trace = make_trace(ranks=4, steps=12, fault=Fault(kind="allreduce-all", step=6))
+    assert _report(trace, "--trace-only", "-o", out).exit_code == 1
+    doc = assert_valid(out.read_text(), "report")
+    assert doc["suspects"][0]["rank"] is None and doc["report"]["collective"] is True and doc["report"]["nodes"] == []
+    platforms = [a["platform"] for a in doc["report"]["actions"]]
+    assert "slurm" not in platforms and "kubernetes" not in platforms and "fabric" in platforms
+    fabric = next(a for a in doc["report"]["actions"] if a["platform"] == "fabric")
+    assert "no single node" in fabric["title"] and fabric["commands"] == ["srun --nodelist=node0,node1 --ntasks-per-node=1 dcgmi diag -r 2"]
+
+
+def test_weights_fault_names_the_diverged_replica(make_trace, tmp_path):
+    out = tmp_path / "review.md"
+    trace = make_trace(ranks=4, steps=12, fault=Fault(kind="weights", step=7, rank=2))
+    result = _report(trace, "--trace-only", "-o", out, "--json")
+    doc = assert_valid(result.stdout, "report")
+    assert doc["report"]["nodes"][0]["rank"] == 2 and doc["report"]["nodes"][0]["node"] == "node1"
+    assert "scontrol update nodename=node1 state=drain" in out.read_text()
+
+
 def test_report_on_a_non_trace_exits_3(tmp_path):
-    result = CliRunner().invoke(cli, ["report", str(tmp_path), "--trace-only"])
+    result = _report(tmp_path, "--trace-only")
     assert result.exit_code == 3 and "no manifest.json" in result.stderr and "Traceback" not in result.output

@@ -1,0 +1,238 @@
+"""What every format of the post-incident review says: the pieces the HTML, Markdown and JSON
+renderers share, so the three never disagree.
+
+* :class:`ReportRequest`: how the analysis was asked for (absolute paths, the options given), to
+  write commands that reproduce it and that work when rerun (``--force``, absolute paths, the
+  recipe's import path);
+* :func:`output_format`: the format from ``--format`` or ``-o``'s suffix;
+* :func:`checked` / :func:`not_checked`: what the analysis examined and what it could not;
+* :func:`report_document`: the ``report --format json`` document (the bisect document, plus the
+  incident, the actions, the checks and the commands; ``docs/schemas/report.schema.json``);
+* small formatters of times and durations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import shlex
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sdc_forensics.forensics.incident import Incident
+from sdc_forensics.forensics.verdict import BisectResult, Verdict
+
+if TYPE_CHECKING:
+    from sdc_forensics.present.actions import ActionBlock
+    from sdc_forensics.trace.ends import RunEnd
+
+FORMATS = ("html", "md", "json")
+_SUFFIXES = {".html": "html", ".htm": "html", ".md": "md", ".markdown": "md", ".json": "json"}
+PLOTS_HINT = "pip install 'sdc-forensics[report]' for plots"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReportRequest:
+    """The ``report`` invocation, as given (paths absolute)."""
+
+    trace_dir: Path
+    output: str = "-"
+    fmt: str = "md"
+    checkpoints_dir: Path | None = None
+    recipe: str | None = None
+    device: str = "cpu"
+    num_threads: int | None = None
+    force_tolerant: bool = False
+    force_device: bool = False
+    trace_only: bool = False
+    manifest_recipe: str | None = None  # the recipe the trace names (used when --recipe is not given)
+
+
+def output_format(output: str, fmt: str | None) -> str:
+    """``fmt`` when given; else from ``output``'s suffix (``.html``/``.htm``, ``.md``, ``.json``);
+    else Markdown (stdout, or an unknown suffix)."""
+    if fmt:
+        return fmt
+    if output == "-":
+        return "md"
+    return _SUFFIXES.get(Path(output).suffix.lower(), "md")
+
+
+def utc(ns: int | None) -> str:
+    """``2026-11-30T19:09:23.916Z`` (ISO 8601, UTC, milliseconds), or ``unknown``."""
+    if not ns:
+        return "unknown"
+    moment = _dt.datetime.fromtimestamp(ns / 1e9, tz=_dt.timezone.utc)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+
+
+def duration(seconds: float | None) -> str:
+    """``3 h 12 min``, ``4 min 05 s``, ``0.83 s``; ``unknown``."""
+    if seconds is None:
+        return "unknown"
+    if seconds < 60:
+        return f"{seconds:.2f} s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    if days:
+        return f"{days} d {hours} h {minutes:02d} min"
+    return f"{hours} h {minutes:02d} min" if hours else f"{minutes} min {secs:02d} s"
+
+
+def lost_sentence(incident: Incident) -> str:
+    """Steps, wall-clock and GPU-hours lost, and how they were computed."""
+    lost = incident.lost
+    if lost is None:
+        return "Nothing lost: no rollback is needed."
+    start = (f"the resume checkpoint {lost.from_step}" if lost.basis == "resume_checkpoint"
+             else f"the first recorded step {lost.from_step} (no checkpoint certified clean)")
+    hours = "unknown" if lost.gpu_hours is None else f"{lost.gpu_hours:.3g}"
+    return (f"{lost.num_steps} step(s) ({lost.from_step}..{lost.to_step}) and {duration(lost.wall_clock_s)} of wall-clock, "
+            f"{hours} GPU-hours: from {start} to the last recorded step {lost.to_step}; GPU-hours = wall-clock × "
+            f"{lost.world_size} ranks (one GPU per rank).")
+
+
+def when_sentence(incident: Incident) -> str:
+    """When the first divergent step ran, in UTC, for lining up with XID/DCGM logs."""
+    if incident.first_divergent_step is None:
+        return ""
+    s = incident.first_divergent_step
+    if incident.divergent_ended_ns is None:
+        return f"Step {s}'s time is unknown (its records hold no time)."
+    start = f"between {utc(incident.divergent_started_ns)} and " if incident.divergent_started_ns else "before "
+    return f"Step {s} ran {start}{utc(incident.divergent_ended_ns)} UTC (the trace records of step {s - 1} and {s})."
+
+
+def recipe_import_root(recipe: str | None) -> Path | None:
+    """The directory to put on ``PYTHONPATH`` for ``recipe``'s module, when it was imported from
+    outside the installed packages (None: installed, not imported, or unknown)."""
+    if not recipe or ":" not in recipe:
+        return None
+    module = sys.modules.get(recipe.split(":", 1)[0])
+    origin = getattr(module, "__file__", None)
+    if not origin:
+        return None
+    path = Path(origin).resolve()
+    if any(part in ("site-packages", "dist-packages") for part in path.parts):
+        return None
+    if Path(__file__).resolve().parents[1] in path.parents:  # sdc_forensics itself (the demo recipes)
+        return None
+    depth = recipe.split(":", 1)[0].count(".") + (2 if path.name == "__init__.py" else 1)
+    return path.parents[depth - 1]
+
+
+def reproduce_commands(request: ReportRequest, result: BisectResult) -> tuple[list[str], list[str]]:
+    """``(notes, commands)``: shell commands that rerun this analysis as it was run, and what they need.
+
+    The report command overwrites its own output (``--force``): rerunning it must not fail on the
+    file it wrote. Paths are absolute, so the commands work from any directory.
+    """
+    opts: list[str] = []
+    if request.trace_only:
+        opts.append("--trace-only")
+    if request.checkpoints_dir is not None:
+        opts += ["--checkpoints", str(request.checkpoints_dir)]
+    if request.recipe:
+        opts += ["--recipe", request.recipe]
+    if request.device != "cpu":
+        opts += ["--device", request.device]
+    if request.num_threads is not None:
+        opts += ["--threads", str(request.num_threads)]
+    if request.force_tolerant:
+        opts.append("--tolerant")
+    if request.force_device:
+        opts.append("--force-device")
+    trace = str(request.trace_dir)
+    report = ["sdc-forensics", "report", trace, *opts, "--format", request.fmt]
+    report += ["-o", request.output, "--force"] if request.output != "-" else []
+    notes = []
+    prefix = ""
+    recipe = request.recipe or request.manifest_recipe
+    if result.mode == "replay" and result.replayed.windows:
+        root = recipe_import_root(recipe)
+        if root is not None:
+            prefix = f"PYTHONPATH={shlex.quote(str(root))}${{PYTHONPATH:+:$PYTHONPATH}} "
+        notes.append(f"The replay imports the recipe `{recipe}`: its module must be importable (the job's code on PYTHONPATH, "
+                     "or run from the job's code directory)" + (f"; it was imported from {root}." if root else "."))
+    commands = [prefix + " ".join(shlex.quote(c) for c in ["sdc-forensics", "bisect", trace, *opts]),
+                prefix + " ".join(shlex.quote(c) for c in report)]
+    return notes, commands
+
+
+def checked(result: BisectResult) -> list[str]:
+    """What the analysis examined, one sentence each."""
+    out = [result.scope] if result.scope else []
+    replay = result.replayed
+    for w in replay.windows:
+        out.append(f"Replayed steps {w.start}..{w.last} from checkpoint {w.start} on {replay.device or '?'} "
+                   f"({w.comparison}" + (f" from step {w.tolerant_from}" if w.tolerant_from is not None else "") + f"): {w.reason}.")
+    files = [c for c in result.checkpoints if c.report is not None or c.findings]
+    if files:
+        out.append("Checkpoint file(s) read and verified: " + ", ".join(str(c.step) for c in files) + ".")
+    out += [f"Note: {n}" for n in (*result.replayed.notes, *result.notes)]
+    return out
+
+
+def not_checked(result: BisectResult, end: "RunEnd | None" = None) -> list[str]:
+    """What could not be examined or settled, one sentence each."""
+    out: list[str] = []
+    if result.mode == "trace-only":
+        out.append("Nothing was replayed (--trace-only): faults the trace cannot see were not looked for, and no checkpoint file was read.")
+    for c in result.checkpoints:
+        if c.status.value == "unverified":
+            out.append(f"Checkpoint {c.step} is unverified: " + ("; ".join(c.reasons[:2]) or "not every step before it was examined") + ".")
+    if result.replayed.comparison == "tolerant":
+        out.append("Replay was compared within tolerance, not bit for bit: faults below the replay's drift are invisible to it.")
+    if end is not None and end.stopped_early:
+        out.append(end.describe()[0].upper() + end.describe()[1:] + ".")
+    out += [f"Trace damage: {d}" for d in result.damage if end is None or not end.stopped_early or d != end.describe()]
+    out += [f"To settle: {line}" for line in result.settle]
+    return out
+
+
+def report_document(result: BisectResult, incident: Incident, actions: "tuple[ActionBlock, ...]", request: ReportRequest,
+                    end: "RunEnd | None", generated_ns: int) -> dict[str, Any]:
+    """The ``report --format json`` document: the bisect document plus ``trace_end`` and ``report``
+    (without ``schema_version``, which the emitter adds)."""
+    notes, commands = reproduce_commands(request, result)
+    lost = incident.lost
+    return {
+        **result.to_json(),
+        "trace_end": None if end is None else end.to_json(),
+        "report": {
+            "generated_utc": utc(generated_ns),
+            "first_divergent_step": incident.first_divergent_step,
+            "first_divergent_step_utc": None if incident.first_divergent_step is None else {
+                "started": _iso(incident.divergent_started_ns), "ended": _iso(incident.divergent_ended_ns)},
+            "run_started_utc": _iso(incident.run_started_ns),
+            "last_step": incident.last_step,
+            "last_step_utc": _iso(incident.last_step_ns),
+            "resume": None if incident.resume_step is None else {
+                "step": incident.resume_step, "path": incident.resume_path, "saved_by_rank": incident.resume_saved_by,
+                "host": incident.resume_host, "on_suspect_node": incident.resume_on_suspect_node},
+            "lost": None if lost is None else {
+                "from_step": lost.from_step, "to_step": lost.to_step, "steps": lost.num_steps, "wall_clock_s": lost.wall_clock_s,
+                "gpu_hours": lost.gpu_hours, "world_size": lost.world_size, "basis": lost.basis},
+            "nodes": [{"rank": t.rank, "node": t.node, "node_source": t.node_source, "host": t.host, "gpu_uuid": t.gpu_uuid,
+                       "pci_bus_id": t.pci_bus_id, "local_rank": t.local_rank, "location": t.location.value,
+                       "implicates": t.implicates.value, "recurring": t.recurring, "steps": list(t.steps), "dcgm_level": t.dcgm_level}
+                      for t in incident.nodes],
+            "collective": incident.collective,
+            "checkpoint_locality": incident.checkpoint_locality.value,
+            "actions": [a.to_json() for a in actions],
+            "checked": checked(result),
+            "not_checked": not_checked(result, end),
+            "reproduce": {"notes": notes, "commands": commands},
+        },
+    }
+
+
+def _iso(ns: int | None) -> str | None:
+    return None if not ns else utc(ns)
+
+
+def headline(verdict: Verdict) -> str:
+    return {Verdict.CORRUPTION: "Silent data corruption found", Verdict.CLEAN: "No corruption found in the window examined",
+            Verdict.INCONCLUSIVE: "Inconclusive: evidence that could not be localised"}[verdict]
