@@ -10,7 +10,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from sdc_forensics.trace.checkpoints import CheckpointNote
+from sdc_forensics.trace.checkpoints import CheckpointNote, climbs_then_descends
 
 
 def locate_checkpoint(
@@ -18,8 +18,37 @@ def locate_checkpoint(
     checkpoints: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
     base_dir: str | os.PathLike | None = None,
 ) -> Path | None:
-    """The file of ``note``: by name in ``checkpoints`` (a directory or a list of paths), else
-    the path the job wrote (as is, then relative to ``base_dir``); None if not found."""
+    """The file of ``note``, or None if not found.
+
+    Looked for, in this order:
+
+    1. ``checkpoints`` given (``--checkpoints DIR``, or a list of paths): by file name there, and
+       nowhere else;
+    2. the path the job wrote, when it is absolute and exists;
+    3. the path the recorder noted relative to the trace directory (``path_from_trace``), which
+       survives moving the trace and its checkpoints together, even renamed;
+    4. the path the job wrote, relative to ``base_dir`` (the trace directory), to its parent,
+       and to a farther ancestor where the path goes back down through the trace's own folders,
+       nearest first: ``sdc-demo/checkpoints/x.pt`` written by a job run in ``/job`` is found as
+       ``/elsewhere/sdc-demo/checkpoints/x.pt`` when the trace is now ``/elsewhere/sdc-demo/trace``,
+       whatever the current directory (notes written before ``path_from_trace`` rely on this);
+    5. the path the job wrote, relative to the current directory (where the job ran, usually).
+
+    3 comes before 4, and 4 joins only where the path passes through the trace's own folders,
+    because a far ancestor (``/tmp``) can hold another run's ``sdc-demo/checkpoints/`` with the
+    same file names (found so, in a shared ``/tmp``).
+
+    A note is hostile input: in 3 and 4 a candidate must stay under the directory it is joined
+    to (a written path with a ``..`` component is never joined, and ``path_from_trace`` may only
+    climb to an ancestor of the trace directory, then descend), so a note cannot point the search
+    anywhere else; a path outside those is used only as written (2 and 5).
+
+    Args:
+        note: the checkpoint note.
+        checkpoints: ``--checkpoints``: a directory (files found by name) or a list of paths.
+        base_dir: the trace directory (older callers passed its parent: step 4 still finds the
+            job's relative paths then, step 3 does not).
+    """
     name = Path(note.path).name
     if isinstance(checkpoints, (str, os.PathLike)):
         candidate = Path(checkpoints) / name
@@ -30,11 +59,29 @@ def locate_checkpoint(
                 return Path(path)
         return None
     written = Path(note.path)
-    if written.exists():
+    if written.is_absolute() and written.exists():
         return written
-    if base_dir is not None and not written.is_absolute() and (Path(base_dir) / written).exists():
-        return Path(base_dir) / written
-    return None
+    if base_dir is not None:
+        base = Path(os.path.abspath(base_dir))
+        if note.path_from_trace and climbs_then_descends(note.path_from_trace):
+            candidate = Path(os.path.normpath(base / note.path_from_trace))
+            if candidate.exists():  # as written when that is the same file (paths in reports stay the job's)
+                return written if written.exists() and os.path.samefile(written, candidate) else candidate
+        if written.parts and not written.is_absolute() and not written.drive and ".." not in written.parts:
+            for ancestor in _join_points(base, written):
+                candidate = ancestor / written
+                if candidate.exists():
+                    return written if written.exists() and os.path.samefile(written, candidate) else candidate
+    return written if not written.is_absolute() and written.exists() else None
+
+
+def _join_points(trace_dir: Path, written: Path) -> list[Path]:
+    """Where a job's relative path may be joined: the trace directory, its parent, and a farther
+    ancestor only where the path goes back down through the trace's own folders (``sdc-demo/...``
+    joined to ``/elsewhere`` for the trace ``/elsewhere/sdc-demo/trace``). A far ancestor such as
+    ``/tmp`` can hold another run's folder of the same name."""
+    lineage = (trace_dir, *trace_dir.parents)
+    return [a for i, a in enumerate(lineage) if i <= 1 or (len(written.parts) > 1 and a / written.parts[0] in lineage)]
 
 
 def unnoted_checkpoints(notes: Sequence[CheckpointNote], directory: str | os.PathLike) -> list[Path]:

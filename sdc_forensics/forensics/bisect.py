@@ -171,7 +171,7 @@ def _verify_files(notes: list[CheckpointNote], options: BisectOptions, trace_pat
 
     out = {}
     for note in notes:
-        path = options.checkpoint_paths.get(note.step) or locate_checkpoint(note, options.checkpoints_dir, trace_path.parent)
+        path = options.checkpoint_paths.get(note.step) or locate_checkpoint(note, options.checkpoints_dir, trace_path)
         report, error = None, ""
         if path is not None:
             try:
@@ -359,4 +359,4 @@ def _suspect_gpus(trace: Trace, tri: TriageResult) -> dict[str, int]:
 def _resolve(note: CheckpointNote, options: BisectOptions, trace_path: Path) -> Path:
     from sdc_forensics.checkpoint.locate import locate_checkpoint
 
-    return options.checkpoint_paths.get(note.step) or locate_checkpoint(note, options.checkpoints_dir, trace_path.parent) or Path(note.path)
+    return options.checkpoint_paths.get(note.step) or locate_checkpoint(note, options.checkpoints_dir, trace_path) or Path(note.path)

@@ -9,6 +9,7 @@ payload that was handed to ``save`` (so later storage corruption of the file is 
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -21,7 +22,7 @@ from sdc_forensics.errors import SdcError, UsageError
 from sdc_forensics.recorder import checks
 from sdc_forensics.statedict import flatten_state, state_digests, weights_digest
 from sdc_forensics.trace import format as F
-from sdc_forensics.trace.checkpoints import CheckpointNote, hex64, write_checkpoint_note
+from sdc_forensics.trace.checkpoints import CheckpointNote, climbs_then_descends, hex64, write_checkpoint_note
 
 if TYPE_CHECKING:
     from sdc_forensics.recorder.recorder import Recorder
@@ -48,6 +49,17 @@ def param_keys(named_params: list[tuple[str, torch.Tensor]], state: Any) -> tupl
             key = matches[0]
         keys.append(key)
     return tuple(keys)
+
+
+def path_from_trace(trace_dir: Path, path: Path) -> str:
+    """``path`` relative to the trace directory (``../checkpoints/x.pt``), "" when there is none
+    (another drive) or it would not climb-then-descend (a symbolic link in between)."""
+    try:
+        relative = os.path.relpath(os.path.abspath(path), os.path.abspath(trace_dir))
+    except ValueError:
+        return ""
+    relative = Path(relative).as_posix()
+    return relative if climbs_then_descends(relative) else ""
 
 
 def save_checkpoint(rec: "Recorder", step: int, path: Path, state: Any, save: Callable[[Any, Path], None] | None) -> CheckpointNote:
@@ -104,6 +116,7 @@ def _save_and_note(rec: "Recorder", step: int, path: Path, state: Any, save, vot
         diverged_ranks=vote.diverged if blessed else tuple(range(rec.world_size)),
         blessed=blessed and saver in vote.agreeing,
         saved_ns=time.time_ns(),
+        path_from_trace=path_from_trace(rec.trace_dir, path),
     )
     write_checkpoint_note(rec.trace_dir, note)
     if rec.injector:

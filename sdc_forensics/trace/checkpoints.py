@@ -7,6 +7,12 @@ written atomically by the rank that saved the checkpoint (a rank of the strict m
 ``weights_digest`` is the combined digest of the model parameters, in ``param_names`` order,
 of the strict majority of replicas at that step; ``tensors`` maps every tensor in the checkpoint
 file (model and optimizer state, by the key it is saved under) to its digest at save time.
+
+``path`` is the checkpoint path as the job wrote it (often relative to the job's working
+directory); ``path_from_trace`` (optional, absent in older notes) is the same file relative to
+the trace directory, so that a trace read from another directory, or moved together with its
+checkpoints, still finds them (``checkpoint/locate.py``). Both are hostile input: readers only
+follow them inside the trace directory's ancestors (``docs/trace-format.md``).
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ class CheckpointNote:
     Attributes:
         step: number of completed steps the checkpoint holds (checkpoint N holds theta_N).
         path: the checkpoint path as the training job wrote it.
+        path_from_trace: the same file relative to the trace directory (``../checkpoints/x.pt``),
+            "" when not recorded (notes written before it was added).
         attempt: the attempt that wrote it.
         weights_digest: majority replica weights digest (hex) at this step, "" if none.
         param_names: parameter names, in the order ``weights_digest`` combines them.
@@ -61,6 +69,7 @@ class CheckpointNote:
     blessed: bool = True
     file_digests: dict[str, str] = dataclasses.field(default_factory=dict)
     saved_ns: int = 0
+    path_from_trace: str = ""
 
 
 def note_path(trace_dir: str | os.PathLike, step: int, attempt: int) -> Path:
@@ -73,7 +82,10 @@ def write_checkpoint_note(trace_dir: str | os.PathLike, note: CheckpointNote) ->
     path = note_path(trace_dir, note.step, note.attempt)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(dataclasses.asdict(note), indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    doc = dataclasses.asdict(note)
+    if not note.path_from_trace:  # an optional key: older notes (and the golden files) stay as they were
+        del doc["path_from_trace"]
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     os.replace(tmp, path)
     return path
 
@@ -105,7 +117,28 @@ def parse_checkpoint_note(doc, where: str) -> CheckpointNote:
         blessed=f.bool("blessed", True),
         file_digests=file_digests,
         saved_ns=f.int("saved_ns", 0, lo=-(1 << 63), hi=(1 << 63) - 1),
+        path_from_trace=_relative_path(f, "path_from_trace"),
     )
+
+
+def _relative_path(f: Fields, key: str) -> str:
+    value = f.str(key, "", max_len=4096)
+    if value and not climbs_then_descends(value):
+        raise f.fail(key, "a relative path: leading '..' components, then names (e.g. ../checkpoints/step-00000010.pt)", value)
+    return value
+
+
+def climbs_then_descends(path: str) -> bool:
+    """Whether ``path`` is relative, climbs only with leading ``..`` components, then only
+    descends: ``../checkpoints/step-00000010.pt`` yes; ``/etc/x``, ``a/../../b``, ``C:x``, ``..`` no.
+    Joined to a directory, such a path always lands under that directory or one of its ancestors."""
+    parts = path.replace("\\", "/").split("/")
+    climbs = 0
+    while climbs < len(parts) and parts[climbs] == "..":
+        climbs += 1
+    rest = parts[climbs:]
+    return bool(rest) and "\0" not in path and not path.startswith("/") and ":" not in parts[0] \
+        and all(p not in ("", ".", "..") for p in rest)
 
 
 def read_checkpoint_notes(trace_dir: str | os.PathLike) -> list[CheckpointNote]:
