@@ -86,6 +86,8 @@ def lost_sentence(incident: Incident) -> str:
     lost = incident.lost
     if lost is None:
         return "Nothing lost: no rollback is needed."
+    if lost.num_steps == 0:
+        return f"No step lost: checkpoint {lost.from_step} holds the state after the last recorded step {lost.to_step}."
     start = (f"the resume checkpoint {lost.from_step}" if lost.basis == "resume_checkpoint"
              else f"the first recorded step {lost.from_step} (no checkpoint certified clean)")
     hours = "unknown" if lost.gpu_hours is None else f"{lost.gpu_hours:.3g}"

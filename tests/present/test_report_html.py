@@ -1,0 +1,83 @@
+"""The HTML review: self-contained, hostile trace strings escaped (HTML) and quoted (shell), plots
+when matplotlib is there and a clear note when it is not, and what a real browser shows."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from sdc_forensics.cli.main import cli
+from tests.factories import Fault
+from tests.present.browser import find_chromium, open_page
+
+HOSTILE = "<script>alert(1)</script>$(touch pwned)"
+CHROMIUM = find_chromium()
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no chromium/chromium-browser/google-chrome on PATH "
+                                    "(.ci/run installs Debian's chromium when it can): the browser check cannot run")
+
+
+def _hostile_trace(make_trace):
+    trace_dir = make_trace(ranks=4, steps=20, fault=Fault(kind="nonfinite", step=11, rank=3))
+    manifest = json.loads((trace_dir / "manifest.json").read_text())
+    manifest["attempts"][0]["ranks"][3]["host"] = HOSTILE
+    manifest["attempts"][0]["ranks"][3]["gpu_uuid"] = "GPU-<b>x</b>';rm -rf ~;'"
+    (trace_dir / "manifest.json").write_text(json.dumps(manifest))
+    return trace_dir
+
+
+def test_html_is_self_contained_and_escapes_trace_strings(make_trace, tmp_path):
+    out = tmp_path / "review.html"
+    result = CliRunner().invoke(cli, ["report", str(_hostile_trace(make_trace)), "--trace-only", "-o", str(out)])
+    assert result.exit_code == 1, result.output
+    page = out.read_text()
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    assert "<script" not in page.lower() and "<b>x</b>" not in page  # nothing from the trace became markup
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    # nothing that a browser would fetch: no external src/href, stylesheet link or CSS import
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page, re.IGNORECASE)
+    assert "<link" not in page.lower() and "@import" not in page and "url(http" not in page
+    assert "<svg" in page and "@media print" in page
+    # in a pasted command the hostile host name is one quoted word, never a command substitution
+    assert "scontrol update nodename='<script>alert(1)</script>$(touch pwned)' state=drain" in page.replace("&lt;", "<").replace(
+        "&gt;", ">").replace("&#x27;", "'")
+
+
+def test_markdown_quotes_hostile_names_in_commands(make_trace, tmp_path):
+    out = tmp_path / "review.md"
+    CliRunner().invoke(cli, ["report", str(_hostile_trace(make_trace)), "--trace-only", "-o", str(out)])
+    text = out.read_text()
+    assert "kubectl cordon '<script>alert(1)</script>$(touch pwned)'" in text
+    assert """nvidia-smi -i 'GPU-<b>x</b>'"'"';rm -rf ~;'"'"''""" in text
+
+
+def test_without_matplotlib_the_html_says_how_to_get_plots(make_trace, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    out = tmp_path / "review.html"
+    result = CliRunner().invoke(cli, ["report", str(make_trace(ranks=4, steps=10)), "--trace-only", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    page = out.read_text()
+    assert "pip install &#x27;sdc-forensics[report]&#x27; for plots" in page and "<svg" not in page
+    assert result.stderr.count("sdc-forensics[report]") == 1
+
+
+def test_the_cli_does_not_import_matplotlib_at_start_up():
+    code = ("import sys; from sdc_forensics.cli.main import cli; import sdc_forensics.cli.report_cmd; "
+            "import sdc_forensics.present.html, sdc_forensics.present.plots; print('matplotlib' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+@needs_chromium
+def test_chromium_renders_the_review_without_errors(make_trace, tmp_path):
+    out = tmp_path / "review.html"
+    CliRunner().invoke(cli, ["report", str(_hostile_trace(make_trace)), "--trace-only", "-o", str(out)])
+    page = open_page(out, CHROMIUM)
+    assert page.errors == []
+    assert all(url.startswith(("file:", "data:")) for url in page.requests), page.requests
+    assert page.svg_count >= 1
+    assert "First divergent step\n11" in page.text and "rank 3" in page.text
+    assert HOSTILE in page.text  # shown as text, not run
