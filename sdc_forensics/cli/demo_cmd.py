@@ -37,35 +37,17 @@ def demo_cmd(out_dir: Path, injections: tuple[str, ...], steps: int, checkpoint_
     from sdc_forensics.demo.run import RECIPE_REFERENCE, DemoConfig, default_injection, run_config
     from sdc_forensics.errors import UsageError
     from sdc_forensics.inject import parse_specs
+    from sdc_forensics.present.demo import render_demo, render_demo_start
 
     if steps < 1 or checkpoint_every < 1:
         raise UsageError(f"--steps and --checkpoint-every must be >= 1 (got {steps} and {checkpoint_every})")
     specs = parse_specs(injections or (default_injection(steps, checkpoint_every),))
     config = DemoConfig(out_dir=out_dir, injections=specs, steps=steps, checkpoint_every=checkpoint_every, world_size=4,
                         audit_every=audit_every, policy=policy, recipe=recipe or RECIPE_REFERENCE,
-                        threads=_parse_threads(threads, 4))  # every usage error surfaces here, before anything runs
-    err.print(f"[bold]sdc-forensics demo[/]: 4 ranks, gloo on CPU, {steps} steps, checkpoint every {checkpoint_every} → {out_dir}")
+                        threads=_parse_threads(threads, 4))  # every usage error (specs against the model too) surfaces here, before anything runs
+    render_demo_start(config, err)
     result = run_config(config)
-    cfg = result.config
-    if cfg.injections:
-        for fired in result.fired:
-            err.print(f"  injected [bold]{fired['spec']}[/]: element {fired['element']} went {fired['old']:.6g} → {fired['new']:.6g}"
-                      + (f" ({fired['detail']})" if fired["detail"] else ""))
-        unfired = {str(s) for s in cfg.injections} - {f["spec"] for f in result.fired}
-        for spec in sorted(unfired):
-            err.print(f"  [yellow]not injected[/] {spec} (the run stopped before it, or nothing was there)")
-    else:
-        err.print("  no fault injected (clean run)")
-    if result.alarms:
-        for alarm in result.alarms:
-            err.print(f"  [red]online {alarm['check']} check fired[/] at step {alarm['step']}: {alarm['detail']}")
-    else:
-        err.print("  online checks: no alarm (policy: record and continue)")
-    if result.raised:
-        err.print(f"  [red]training stopped[/]: {result.raised['message']}")
-    err.print(f"  checkpoints: {', '.join(str(s) for s in result.checkpoints)} in {cfg.checkpoint_dir}")
-    err.print(f"  finished in {result.wall_s:.1f} s")
-    err.print(f"\nNext: [bold]sdc-forensics bisect {cfg.trace_dir}[/]  (finds the first divergent step, the rank and the last clean checkpoint)")
+    render_demo(result, err)
     if as_json:
         emit_json(result.to_json())
 
