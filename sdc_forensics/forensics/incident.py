@@ -141,7 +141,8 @@ class Incident:
         last_step, last_step_ns: the last recorded step and its record's time.
         resume_step, resume_path: the resume checkpoint (None: none certified clean).
         resume_saved_by: the rank that wrote it, and ``resume_host`` its host.
-        lost: :class:`Lost`, None for a clean run or an empty trace.
+        lost: :class:`Lost`; None for a clean run, an inconclusive one with no divergent step
+            (nothing to roll back until it is settled) or an empty trace.
         nodes: the nodes to act on (empty for a clean run, a collective fault or no suspect).
         collective: a suspect is the collective as a whole (no single rank).
         checkpoint_locality: :class:`Locality` of the paths the job wrote.
@@ -308,7 +309,8 @@ def build_incident(result: BisectResult, trace: Trace) -> Incident:
     resume_node = node_name(manifest, saved_by)[0] if saved_by is not None else None
 
     lost = None
-    if result.verdict is not Verdict.CLEAN and last_step is not None and first_step is not None:
+    rollback = result.verdict is Verdict.CORRUPTION or (result.verdict is Verdict.INCONCLUSIVE and s_star is not None)
+    if rollback and last_step is not None and first_step is not None:
         if last is not None:
             from_step, basis = last.step, "resume_checkpoint"
             reached = _latest(times.get(last.step - 1)) if last.step > first_step else None

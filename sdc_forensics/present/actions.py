@@ -144,7 +144,8 @@ def _resume_block(result: BisectResult, incident: Incident) -> ActionBlock | Non
             why.append("Do not resume from checkpoint(s) " + ", ".join(str(c.step) for c in bad) + " (tainted or corrupt).")
     if nodes:
         why.append("Keep the job off the suspect node(s): " + ", ".join(nodes) + ".")
-        commands.append(f"sbatch --exclude={_q(','.join(nodes))} job.sbatch   # your job script, resuming from the checkpoint above")
+        commands.append(f"sbatch --exclude={_q(','.join(nodes))} job.sbatch   # your job script, "
+                        + ("resuming from the checkpoint above" if last is not None else "once a resume point is settled"))
     if incident.nodes and incident.checkpoint_locality is Locality.NODE_LOCAL:
         where = incident.resume_host or "the node that wrote it"
         why.append(f"Checkpoint paths look node-local ({_paths(incident)}): keep checkpoints off the replaced node. Copy the resume "
@@ -152,7 +153,7 @@ def _resume_block(result: BisectResult, incident: Incident) -> ActionBlock | Non
                    "to shared storage or another node.")
         if last is not None and incident.resume_host:
             commands.append(f"rsync -a {_q(incident.resume_host + ':' + last.path)} SHARED_DIR/   # before replacing {incident.resume_host}")
-    elif incident.nodes and incident.checkpoint_locality is Locality.UNKNOWN:
+    elif incident.nodes and incident.checkpoint_locality is Locality.UNKNOWN and incident.checkpoint_paths:
         why.append(f"Whether checkpoint paths are node-local cannot be told from them ({_paths(incident)}): if they are, copy the "
                    "resume checkpoint off the suspect node before it is replaced, and keep new checkpoints off it.")
     if incident.resume_on_suspect_node and last is not None:

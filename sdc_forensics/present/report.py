@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from sdc_forensics.forensics.incident import Incident
 from sdc_forensics.forensics.verdict import BisectResult, Verdict
+from sdc_forensics.trace.ends import STOPPED_EARLY
 
 if TYPE_CHECKING:
     from sdc_forensics.present.actions import ActionBlock
@@ -85,6 +86,8 @@ def lost_sentence(incident: Incident) -> str:
     """Steps, wall-clock and GPU-hours lost, and how they were computed."""
     lost = incident.lost
     if lost is None:
+        if incident.verdict is Verdict.INCONCLUSIVE:
+            return "Not known until the evidence is settled: no divergent step was established, so no rollback is called for yet."
         return "Nothing lost: no rollback is needed."
     if lost.num_steps == 0:
         return f"No step lost: checkpoint {lost.from_step} holds the state after the last recorded step {lost.to_step}."
@@ -189,7 +192,9 @@ def not_checked(result: BisectResult, end: "RunEnd | None" = None) -> list[str]:
         out.append("Replay was compared within tolerance, not bit for bit: faults below the replay's drift are invisible to it.")
     if end is not None and end.stopped_early:
         out.append(end.describe()[0].upper() + end.describe()[1:] + ".")
-    out += [f"Trace damage: {d}" for d in result.damage if end is None or not end.stopped_early or d != end.describe()]
+    else:
+        out += [f"Trace damage: {d}" for d in result.damage if d.startswith(STOPPED_EARLY)]
+    out += [f"Trace damage: {d}" for d in result.damage if not d.startswith(STOPPED_EARLY)]  # said just above
     out += [f"To settle: {line}" for line in result.settle]
     return out
 

@@ -111,3 +111,26 @@ def test_weights_fault_names_the_diverged_replica(make_trace, tmp_path):
 def test_report_on_a_non_trace_exits_3(tmp_path):
     result = _report(tmp_path, "--trace-only")
     assert result.exit_code == 3 and "no manifest.json" in result.stderr and "Traceback" not in result.output
+
+
+def test_inconclusive_report_calls_for_no_node_action_and_no_rollback(make_trace, tmp_path):
+    out = tmp_path / "review.md"
+    result = _report(make_trace(ranks=4, steps=20, fault=Fault(kind="outlier", step=7, rank=1)), "--trace-only", "-o", out, "--json")
+    assert result.exit_code == 4, result.output
+    doc = assert_valid(result.stdout, "report")
+    assert doc["report"]["lost"] is None and doc["report"]["nodes"] == []
+    assert [a["platform"] for a in doc["report"]["actions"]] == ["resume", "none"]
+    text = out.read_text()
+    assert "### No node action yet" in text and "To settle: outlier hints at step(s) 7" in text
+    assert "**Lost:** Not known until the evidence is settled" in text and "scontrol" not in text
+
+
+def test_a_run_that_stopped_early_is_said_first(make_trace, tmp_path):
+    trace = make_trace(ranks=4, steps=20, fault=Fault(kind="nonfinite", step=7, rank=1))
+    rank_file = trace / "rank-00002.attempt-000.sdct"
+    rank_file.write_bytes(rank_file.read_bytes()[:-(6 * 216 + 100)])  # killed mid-write after step 12
+    out = tmp_path / "review.html"
+    assert _report(trace, "--trace-only", "-o", out).exit_code == 1
+    page = out.read_text()
+    assert page.index("The run stopped early</strong> at step 13") < page.index('id="summary"')
+    assert "last complete step 12" in page
