@@ -21,14 +21,14 @@ EXIT_CLEAN, EXIT_CORRUPTION, EXIT_USAGE, EXIT_INPUT, EXIT_INCONCLUSIVE = 0, 1, 2
 
 # command name -> (module, attribute, one-line help)
 _COMMANDS = {
-    "inspect": ("sdc_forensics.cli.inspect_cmd", "inspect_cmd", "Summarise a trace directory and any damage in it."),
+    "inspect": ("sdc_forensics.cli.inspect_cmd", "inspect_cmd", "Summarise a trace directory: alarms, checkpoints and any damage in it."),
     "demo": ("sdc_forensics.cli.demo_cmd", "demo_cmd", "Run a 4-process DDP job on CPU with an injected fault."),
     "bisect": ("sdc_forensics.cli.bisect_cmd", "bisect_cmd", "Find the first divergent step, the suspect rank and the last clean checkpoint."),
-    "replay": ("sdc_forensics.cli.bisect_cmd", "replay_cmd", "Replay one window of steps and compare with the trace."),
+    "replay": ("sdc_forensics.cli.replay_cmd", "replay_cmd", "Replay one window of steps and compare with the trace."),
     "verify-checkpoint": ("sdc_forensics.cli.verify_cmd", "verify_cmd", "Verify a checkpoint's structure and content."),
-    "certify": ("sdc_forensics.cli.verify_cmd", "certify_cmd", "Certify every checkpoint of a run; name the resume point."),
-    "report": ("sdc_forensics.cli.report_cmd", "report_cmd", "Write a post-incident review (Markdown) of a trace."),
-    "export": ("sdc_forensics.cli.inspect_cmd", "export_cmd", "Export a trace's STEP records to CSV."),
+    "certify": ("sdc_forensics.cli.certify_cmd", "certify_cmd", "Certify every checkpoint of a run; name the resume point."),
+    "report": ("sdc_forensics.cli.report_cmd", "report_cmd", "Write a post-incident review (HTML, Markdown or JSON)."),
+    "export": ("sdc_forensics.cli.export_cmd", "export_cmd", "Export a trace's STEP records to CSV."),
 }
 
 
@@ -93,6 +93,11 @@ class _LazyGroup(click.Group):
 
             fatal(str(exc))
             ctx.exit(exc.exit_code)
+        except BrokenPipeError:  # stdout's reader went away outside emit_json (click would exit 1)
+            from sdc_forensics.cli.output import stdout_closed
+
+            stdout_closed()
+            ctx.exit(0)
         except _READER_ERRORS as exc:
             where = _reader_frame(exc)
             if where is None:  # not raised under a reader: a bug, keep the traceback
@@ -116,8 +121,20 @@ def cli() -> None:
 
 
 def main() -> None:
-    """Console-script entry point."""
-    sys.exit(cli.main(prog_name="sdc-forensics", standalone_mode=True))
+    """Console-script entry point.
+
+    A reader of stdout that went away (``| head``) is not an error: commands discard the rest of
+    stdout and exit with their own status (``cli/output.py``); should a write escape that (click's
+    own output), the rest is discarded in ``_LazyGroup.invoke`` or here and the exit status is 0.
+    """
+    try:
+        code = cli.main(prog_name="sdc-forensics", standalone_mode=True)
+    except BrokenPipeError:
+        from sdc_forensics.cli.output import stdout_closed
+
+        stdout_closed()
+        code = 0
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Renderers of a :class:`BisectResult` (and of one replay): rich text for people, JSON for programs.
+"""Renderers of a :class:`BisectResult`: rich text for people, the ``bisect --json`` document for programs.
 
 The text goes to the stderr console of ``cli/output.py``; the JSON document (sorted keys,
 ``schema_version``) goes to stdout through ``output.emit_json``. Neither changes the result.
@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from rich.markup import escape
-from rich.table import Table
 
 from sdc_forensics.forensics.evidence import Evidence
 from sdc_forensics.forensics.decision import Status
 from sdc_forensics.forensics.verdict import BisectResult, Verdict
+from sdc_forensics.present.text import new_table, ranks_text
 from sdc_forensics.trace.ends import STOPPED_EARLY
 
 _STYLE = {Verdict.CLEAN: "bold green", Verdict.CORRUPTION: "bold red", Verdict.INCONCLUSIVE: "bold yellow"}
@@ -37,24 +37,20 @@ def render_bisect(result: BisectResult, console) -> None:
     for line in stopped:
         console.print(f"[bold yellow]{escape(line[0].upper() + line[1:])}[/]")
     if result.suspects:
-        table = Table(title="Suspects", title_justify="left")
-        for column in ("rank", "host", "gpu", "location", "steps", "recurrence", "recommendation"):
-            table.add_column(column)
+        table = new_table(console, "Suspects", ("rank", "host", "gpu", "location", "steps", "recurrence", "recommendation"))
         for s in result.suspects:
             table.add_row("all (collective)" if s.rank is None else str(s.rank), escape(s.host or "-"), escape(s.gpu or "-"),
                           s.location.value, ", ".join(map(str, s.steps)), "recurring" if s.recurring else "one event",
                           escape(s.recommendation))
         console.print(table)
-        _evidence_table(console, [e for s in result.suspects for e in s.evidence], "Evidence chain")
+        evidence_table(console, [e for s in result.suspects for e in s.evidence], "Evidence chain")
     elif [e for e in result.evidence if not e.is_hint]:
-        _evidence_table(console, [e for e in result.evidence if not e.is_hint], "Evidence")
+        evidence_table(console, [e for e in result.evidence if not e.is_hint], "Evidence")
     hints = [e for e in result.evidence if e.is_hint]
     if hints:
-        console.print(f"[dim]{len(hints)} statistical hint(s), not a verdict: " + "; ".join(f"step {e.step} rank {e.ranks}" for e in hints[:5]) + "[/]")
+        console.print(f"[dim]{len(hints)} statistical hint(s), not a verdict: " + "; ".join(f"step {e.step} rank {ranks_text(e.ranks)}" for e in hints[:5]) + "[/]")
     if result.checkpoints:
-        table = Table(title="Checkpoints", title_justify="left")
-        for column in ("step", "status", "reasons", "path"):
-            table.add_column(column)
+        table = new_table(console, "Checkpoints", ("step", "status", "reasons", "path"))
         for c in result.checkpoints:
             table.add_row(str(c.step), f"[{_STATUS_STYLE[c.status]}]{c.status.value}[/]", escape("; ".join(c.reasons[:3])), escape(c.path))
         console.print(table)
@@ -74,38 +70,16 @@ def render_bisect(result: BisectResult, console) -> None:
         console.print(f"[yellow]trace damage:[/] {escape(line)}")
 
 
-def _evidence_table(console, evidence: list[Evidence], title: str) -> None:
-    table = Table(title=title, title_justify="left")
-    for column in ("step", "kind", "ranks", "location", "expected", "found", "source", "strength"):
-        table.add_column(column, overflow="fold")
+def evidence_table(console, evidence: list[Evidence], title: str) -> None:
+    """Print ``evidence`` as a table (one row per step, kind, ranks and source)."""
+    table = new_table(console, title, ("step", "kind", "ranks", "location", "expected", "found", "source", "strength"), overflow="fold")
     seen = set()
     for e in evidence:
         key = (e.step, e.kind, e.ranks, e.source)
         if key in seen:
             continue
         seen.add(key)
-        table.add_row(str(e.step), e.kind.value, ",".join(map(str, e.ranks)) or "all", e.location.value, escape(e.expected), escape(e.found), e.source,
+        table.add_row(str(e.step), e.kind.value, ranks_text(e.ranks), e.location.value, escape(e.expected), escape(e.found), e.source,
                       e.strength.value if e.affects_state else "-")
     console.print(table)
 
-
-def replay_document(result, decided) -> dict[str, Any]:
-    """The ``--json`` document of ``replay`` (one window; ``decided``: ``decision.decide`` of its evidence)."""
-    return {
-        "from": result.start_step, "to": result.stop_step, "last_replayed": result.last_step, "device": result.device,
-        "comparison": result.comparison, "tolerant_from": result.tolerant_from, "reduction_order": result.reduction_order or None,
-        "first_divergent_step": result.first_divergent_step, "settings": result.settings, "notes": list(result.notes),
-        "max_residual_ratio": result.max_residual_ratio,
-        "evidence": [e.to_json() for e in result.evidence],
-        "verdict": decided.verdict.value, "settle": list(decided.settle),
-    }
-
-
-def render_replay(result, console) -> None:
-    """Print one replay window's outcome."""
-    status = "[bold green]matches the trace[/]" if result.first_divergent_step is None else f"[bold red]diverges at step {result.first_divergent_step}[/]"
-    console.print(f"Replay of steps {result.start_step}..{result.last_step} on {escape(result.device)} ({result.comparison}): {status}")
-    if result.evidence:
-        _evidence_table(console, list(result.evidence), "Mismatches")
-    for note in result.notes:
-        console.print(f"[dim]note: {escape(note)}[/]")

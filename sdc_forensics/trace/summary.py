@@ -1,4 +1,7 @@
-"""A summary of a trace directory: what ``sdc-forensics inspect`` shows (numpy only)."""
+"""A summary of a trace directory: what ``sdc-forensics inspect`` shows (numpy only).
+
+Rendering (text and the ``inspect --json`` document) is ``present/inspect.py``'s.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +28,41 @@ class AttemptSummary:
     num_records: int
 
 
+# ALARM record flags -> (check, what it compared); trace/format.py, recorder/checks.py
+_CHECKS = (
+    (F.Flag.NONFINITE_LOCAL, "nonfinite", "NaN/Inf value(s) in a local gradient before the all-reduce"),
+    (F.Flag.NONFINITE_REDUCED, "nonfinite", "NaN/Inf value(s) in the reduced gradient after the all-reduce"),
+    (F.Flag.ALLREDUCE_MISMATCH, "allreduce", "the reduced gradient is not the mean of the local gradients' sketches (or its bits differ between ranks)"),
+    (F.Flag.AUDIT_MISMATCH, "audit", "an audit recomputation of a microbatch gave another gradient"),
+    (F.Flag.WEIGHTS_DIVERGED, "weights", "replica weights differ from the strict majority after the step"),
+    (F.Flag.NO_MAJORITY, "weights", "replica weights have no strict majority after the step"),
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AlarmSummary:
+    """One online check that fired (every rank records the alarms it saw: counted once here).
+
+    Attributes:
+        step: the optimizer step it fired at.
+        attempt: the attempt that recorded it.
+        check: ``nonfinite``, ``allreduce``, ``audit``, ``weights`` (``unknown`` for a flag this
+            version does not know).
+        rank: the rank the check found at fault (None: it could not name one).
+        detail: what the check compared and found, for people.
+        value: the number backing it (NaN/Inf count, worst residual / tolerance; 0 if none).
+        recorded_by: the ranks whose file holds this alarm.
+    """
+
+    step: int
+    attempt: int
+    check: str
+    rank: int | None
+    detail: str
+    value: float
+    recorded_by: tuple[int, ...]
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TraceSummary:
     """Everything ``inspect`` reports."""
@@ -39,6 +77,7 @@ class TraceSummary:
     checkpoints: tuple[CheckpointNote, ...]
     damage: tuple[Damage, ...]
     end: RunEnd  # how the latest attempt ended: stopped early or not, where, the last complete step
+    alarms: tuple[AlarmSummary, ...] = ()
 
 
 def summarize(trace: Trace) -> TraceSummary:
@@ -84,31 +123,25 @@ def summarize(trace: Trace) -> TraceSummary:
         checkpoints=tuple(read_checkpoint_notes(trace.path)),
         damage=damage,
         end=trace.run_end(),
+        alarms=alarms(trace),
     )
 
 
-def summary_document(summary: TraceSummary) -> dict:
-    """The ``inspect --json`` document (without ``schema_version``)."""
-    m = summary.manifest
-    latest = max(m.attempts, key=lambda a: a.attempt) if m.attempts else None
-    return {
-        "trace_dir": str(summary.path),
-        "format_version": m.format_version,
-        "world_size": m.world_size,
-        "recipe": m.recipe,
-        "fingerprint": dataclasses.asdict(m.fingerprint),
-        "steps": {"first": summary.first_step, "last": summary.last_step, "rank_steps": summary.num_rank_steps},
-        "end": summary.end.to_json(),
-        "records": summary.records_by_kind,
-        "attempts": [dataclasses.asdict(a) for a in summary.attempts],
-        "ranks": [dataclasses.asdict(r) for r in (latest.ranks if latest else ())],
-        "environment": None
-        if latest is None
-        else {"torch": latest.torch_version, "cuda": latest.cuda_version, "determinism": latest.determinism},
-        "checkpoints": [
-            {"step": c.step, "path": c.path, "attempt": c.attempt, "blessed": c.blessed, "weights_digest": c.weights_digest}
-            for c in summary.checkpoints
-        ],
-        "damage": [dataclasses.asdict(d) for d in summary.damage],
-        "usable": True,
-    }
+def alarms(trace: Trace) -> tuple[AlarmSummary, ...]:
+    """The trace's ALARM records, one per (attempt, step, check, rank, value), in step order."""
+    recs = trace.records(F.Kind.ALARM)  # (A,) every rank's copies
+    seen: dict[tuple, list[int]] = {}
+    for rec in recs:
+        key = (int(rec["attempt"]), int(rec["step"]), int(rec["flags"]), int(rec["aux_rank"]), float(rec["aux_value"]))
+        seen.setdefault(key, []).append(int(rec["rank"]))
+    out = []
+    for (attempt, step, flags, aux_rank, value), ranks in sorted(seen.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2], kv[0][3])):
+        check, what = next(((c, w) for flag, c, w in _CHECKS if flags & int(flag)), ("unknown", f"an online check with flags {flags:#x}"))
+        if value and check == "nonfinite":
+            what = f"{value:g} " + what
+        elif value and check == "allreduce":
+            what += f"; worst residual {value:.3g}x the tolerance"
+        out.append(AlarmSummary(step=step, attempt=attempt, check=check, rank=aux_rank if aux_rank >= 0 else None, detail=what,
+                                value=value, recorded_by=tuple(sorted(set(ranks)))))
+    return tuple(out)
+

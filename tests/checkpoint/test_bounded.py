@@ -323,6 +323,7 @@ import numpy, torch, safetensors.torch
 import torch.distributed.checkpoint.metadata, torch.distributed.checkpoint.filesystem
 from sdc_forensics.cli.main import cli
 import sdc_forensics.cli.verify_cmd, sdc_forensics.checkpoint.folder, sdc_forensics.checkpoint.verify
+import sdc_forensics.forensics.verify_run, sdc_forensics.present.verify, sdc_forensics.forensics.bisect
 
 def status(field):
     with open("/proc/self/status") as fh:

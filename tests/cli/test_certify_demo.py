@@ -25,7 +25,7 @@ def demo(demo_run):
 
 def _certify(result) -> dict:
     out = CliRunner().invoke(cli, ["certify", str(result.config.trace_dir), "--json"])
-    assert out.exit_code == 1, out.output
+    assert out.exit_code == 0, out.output  # a resume point exists (every case here has one), later checkpoints are not clean
     return {c["step"]: c for c in json.loads(out.stdout)["checkpoints"]} | {"doc": json.loads(out.stdout)}
 
 

@@ -30,7 +30,8 @@ from sdc_forensics.cli.main import cli
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace.checkpoints import CheckpointNote, write_checkpoint_note
 from sdc_forensics.trace.reader import Trace
-from sdc_forensics.trace.summary import summarize, summary_document
+from sdc_forensics.present.inspect import inspect_document as summary_document
+from sdc_forensics.trace.summary import summarize
 from tests.factories import assert_refused
 
 SIZE = F.record_size(8)

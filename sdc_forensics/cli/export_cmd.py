@@ -1,0 +1,73 @@
+"""``sdc-forensics export TRACE_DIR [-o FILE]``: the trace's STEP records as CSV (numpy only, no torch).
+
+A file is written whole or not at all: to a temporary file in the same folder, renamed into place
+when complete (an existing file is refused, exit 2, unless ``--force``). On stdout, a reader that
+stops early (``| head``) ends the export quietly with exit 0.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from sdc_forensics.cli.common import check_new_output, force_option
+from sdc_forensics.cli.output import err, stdout_closed
+
+
+@click.command("export")
+@click.argument("trace_dir", type=click.Path(file_okay=False, path_type=str))
+@click.option("-o", "--output", default="-", show_default=True, help="CSV file to write (it must not exist, unless --force), or - for stdout.")
+@force_option
+def export_cmd(trace_dir: str, output: str, force: bool) -> None:
+    """Export TRACE_DIR's STEP records (latest attempt per step) as CSV, one row per rank-step.
+
+    Columns: docs/json.md, "export". Exit 0 written, 2 usage error (the output file exists:
+    pass --force), 3 not a usable trace.
+    """
+    from sdc_forensics.trace.export import export_csv
+    from sdc_forensics.trace.reader import Trace
+
+    check_new_output(output, force, "-o")
+    trace = Trace.open(trace_dir)
+    if output == "-":
+        try:
+            rows = export_csv(trace, sys.stdout)
+            sys.stdout.flush()
+        except BrokenPipeError:  # the reader has what it wanted (| head)
+            stdout_closed()
+            return
+        err.print(f"exported {rows} rank-steps to stdout")
+        return
+    rows = _write_whole(Path(output), force, lambda handle: export_csv(trace, handle))
+    err.print(f"exported {rows} rank-steps to {output}")
+
+
+def _write_whole(target: Path, force: bool, write) -> int:
+    """Run ``write(handle)`` into a temporary file beside ``target``, then move it into place.
+
+    Without ``force`` the move never replaces a file (a hard link, which fails if one appeared
+    meanwhile); on any failure the temporary file is removed and ``target`` is untouched.
+    """
+    from sdc_forensics.errors import UsageError
+
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "x", newline="", encoding="utf-8") as handle:
+            rows = write(handle)
+        if force:
+            os.replace(tmp, target)
+        else:
+            try:
+                os.link(tmp, target)
+            except FileExistsError:
+                raise UsageError(f"-o {target} exists: choose another path, or pass --force to overwrite it") from None
+            except OSError:  # a file system without hard links
+                if target.exists():
+                    raise UsageError(f"-o {target} exists: choose another path, or pass --force to overwrite it") from None
+                os.rename(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return rows

@@ -1,0 +1,97 @@
+"""Certify a run's checkpoints: the analysis of ``bisect``, read as "where do I resume?".
+
+Every noted checkpoint gets its status from ``forensics.decision`` (through the analysis); this
+module adds what certification needs on top: the checkpoint-looking files no note names, the
+resume point, and the exit status (docs/bisect.md, "certify"):
+
+* 0 — a checkpoint is certified clean: resume from the last clean one. Tainted or corrupt
+  checkpoints after it are still listed, and the analysis verdict is in the JSON;
+* 1 — no checkpoint is clean, and corruption was found or some checkpoint is tainted or corrupt
+  (with no checkpoint notes at all: corruption was found);
+* 4 — no checkpoint is clean and nothing wrong was found: unverified (with no notes: nothing found).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from sdc_forensics.forensics.decision import CheckpointStatus, Status, Verdict, last_clean
+from sdc_forensics.forensics.verdict import BisectResult
+
+EXIT_RESUME, EXIT_NOT_CERTIFIABLE, EXIT_UNVERIFIED = 0, 1, 4
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Certification:
+    """What ``certify`` concluded about a run.
+
+    Attributes:
+        trace_dir: the trace certified.
+        analysis: the analysis (``bisect``) it is based on: verdict, statuses, evidence.
+        unnoted: checkpoint-looking files in the checkpoint folders that no note names.
+        exit_code: :func:`certify_exit` of the statuses and the verdict.
+    """
+
+    trace_dir: Path
+    analysis: BisectResult
+    unnoted: tuple[Path, ...] = ()
+    exit_code: int = EXIT_UNVERIFIED
+
+    @property
+    def checkpoints(self) -> tuple[CheckpointStatus, ...]:
+        return self.analysis.checkpoints
+
+    @property
+    def resume(self) -> CheckpointStatus | None:
+        """The last checkpoint certified clean: where to resume (None: nowhere safe)."""
+        return last_clean(self.analysis.checkpoints)
+
+
+def certify_exit(statuses: Sequence[CheckpointStatus], verdict: Verdict) -> int:
+    """The exit status of ``certify``: it answers "is there a checkpoint to resume from?"."""
+    if any(s.clean for s in statuses):
+        return EXIT_RESUME
+    if verdict is Verdict.CORRUPTION or any(s.status in (Status.CORRUPT, Status.TAINTED) for s in statuses):
+        return EXIT_NOT_CERTIFIABLE
+    return EXIT_UNVERIFIED
+
+
+def certify(trace_dir: str | os.PathLike, options, progress=None) -> Certification:
+    """Run the analysis on ``trace_dir`` and certify every noted checkpoint.
+
+    Args:
+        trace_dir: the trace directory.
+        options: :class:`~sdc_forensics.forensics.bisect.BisectOptions` (``checkpoints_dir``,
+            replay settings, ``trace_only``).
+        progress: replay progress (``bisect.Progress``), or None.
+
+    Raises:
+        UsageError: ``options.checkpoints_dir`` is not a directory. Whatever ``bisect`` raises.
+    """
+    from sdc_forensics.checkpoint.locate import unnoted_checkpoints
+    from sdc_forensics.errors import UsageError
+    from sdc_forensics.forensics.bisect import bisect
+    from sdc_forensics.trace.checkpoints import read_checkpoint_notes
+
+    folder = options.checkpoints_dir
+    if folder is not None and not Path(folder).is_dir():
+        raise UsageError(f"--checkpoints {folder} is not a directory")
+    result = bisect(trace_dir, options, progress=progress)
+    notes = read_checkpoint_notes(trace_dir)
+    folders = {Path(folder)} if folder is not None else {Path(s.path).parent for s in result.checkpoints if s.path}
+    unnoted = tuple(p for f in sorted(folders) if f.is_dir() for p in unnoted_checkpoints(notes, f))
+    return Certification(trace_dir=Path(trace_dir), analysis=result, unnoted=unnoted,
+                         exit_code=certify_exit(result.checkpoints, result.verdict))
+
+
+def write_run_certificate(path: str | os.PathLike, certification: Certification) -> Path:
+    """Write the certificate of ``certification`` to ``path`` (atomically; see ``forensics.certificate``)."""
+    from sdc_forensics.forensics.certificate import build_certificate, write_certificate
+
+    result = certification.analysis
+    cert = build_certificate(result.checkpoints, trace_dir=certification.trace_dir,
+                             first_divergent_step=result.first_divergent_step, seed=result.seed)
+    return write_certificate(path, cert)

@@ -1,0 +1,170 @@
+"""Verify one checkpoint: its file alone, against its run's trace, and against a certificate.
+
+``verify-checkpoint PATH`` combines three sources into one outcome and exit status:
+
+* the file's own findings (``checkpoint.verify``: readable, every file read or listed, no NaN/Inf);
+* with a trace: the checkpoint's status from the run's analysis, which is ``forensics.decision``'s
+  (``clean`` 0, ``unverified`` 4, ``tainted``/``corrupt`` 1): no checkpoint is called clean here
+  unless the one decision module calls it clean;
+* with a certificate: the files are still what was certified, and it was certified clean.
+
+Exit status: 1 when the certificate disagrees or did not certify it clean; else the decision's
+status with a trace; else, with a trace that has no note for the step, 1 for a damaged file and
+4 otherwise; without a trace, 0 when the file has no findings and 1 when it has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from sdc_forensics.forensics.decision import UNVERIFIABLE_FINDINGS, CheckpointStatus, Status
+
+EXIT_VERIFIED, EXIT_NOT_CERTIFIABLE, EXIT_UNVERIFIED = 0, 1, 4
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VerifyRequest:
+    """What to verify.
+
+    Attributes:
+        path: the checkpoint file or folder.
+        trace_dir: the run's trace (None: the file alone).
+        step: the checkpoint's step N (None: from the note naming the file, or the payload).
+        trace_only: with a trace, its evidence alone (no replay).
+        certificate_path: a certificate to confirm the file against.
+    """
+
+    path: Path
+    trace_dir: Path | None = None
+    step: int | None = None
+    trace_only: bool = False
+    certificate_path: Path | None = None
+
+    def __post_init__(self) -> None:
+        from sdc_forensics.errors import UsageError
+
+        if (self.step is not None or self.trace_only) and self.trace_dir is None:
+            raise UsageError("--step and --trace-only need --trace (they select the run to certify against)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VerifyOutcome:
+    """Everything ``verify-checkpoint`` concluded.
+
+    Attributes:
+        request: what was asked.
+        report: the file's verification report (``checkpoint.verify.VerificationReport``).
+        status: its status from the run's analysis (None without a trace, or with no note).
+        analysis: the run's analysis (``BisectResult``; None without a trace, or with no note).
+        missing: why it could not be certified against the trace ("" when it could, or no trace).
+        certificate_status: the status the certificate gave it (None without a certificate).
+        certificate_findings: where the files differ from the certificate.
+        reasons: one sentence per reason it is not verified or certified, most important first.
+        exit_code: 0 verified / certified clean, 1 not certifiable, 4 unverified.
+    """
+
+    request: VerifyRequest
+    report: Any
+    status: CheckpointStatus | None = None
+    analysis: Any = None
+    missing: str = ""
+    certificate_status: Status | None = None
+    certificate_findings: tuple[Any, ...] = ()
+    reasons: tuple[str, ...] = ()
+    exit_code: int = EXIT_VERIFIED
+
+    @property
+    def verdict(self) -> str:
+        """``verified`` (file alone), ``certified-clean``, ``not-certifiable`` or ``unverified``."""
+        if self.exit_code == EXIT_VERIFIED:
+            return "verified" if self.request.trace_dir is None else "certified-clean"
+        return "unverified" if self.exit_code == EXIT_UNVERIFIED else "not-certifiable"
+
+
+def verify_exit(report, status: CheckpointStatus | None, missing: str, certificate_findings, certificate_status: Status | None) -> int:
+    """The exit status of ``verify-checkpoint`` (module docstring); the trace's part is the decision's status."""
+    if certificate_findings or (certificate_status is not None and not certificate_status.clean):
+        return EXIT_NOT_CERTIFIABLE
+    if status is not None:  # the one decision: clean 0, unverified 4, tainted or corrupt 1
+        return {Status.CLEAN: EXIT_VERIFIED, Status.UNVERIFIED: EXIT_UNVERIFIED}.get(status.status, EXIT_NOT_CERTIFIABLE)
+    if missing:
+        damaged = [f for f in report.findings if f.kind.value not in UNVERIFIABLE_FINDINGS]
+        return EXIT_NOT_CERTIFIABLE if damaged else EXIT_UNVERIFIED
+    return EXIT_NOT_CERTIFIABLE if report.findings else EXIT_VERIFIED
+
+
+def verify_run(request: VerifyRequest, options=None, progress=None) -> VerifyOutcome:
+    """Verify ``request.path`` (and certify it as part of its run with a trace).
+
+    Args:
+        request: what to verify.
+        options: :class:`~sdc_forensics.forensics.bisect.BisectOptions` for the run's analysis
+            (replay settings); its ``trace_only`` and ``checkpoint_paths`` are set here.
+        progress: replay progress (``bisect.Progress``), or None.
+
+    Raises:
+        UsageError: the certificate has no entry for the file, its seed differs from the trace's,
+            or the file's step cannot be told. Reader errors for unreadable inputs.
+    """
+    from sdc_forensics.checkpoint import VerifyOptions, open_checkpoint, verify_checkpoint
+    from sdc_forensics.errors import UsageError
+    from sdc_forensics.forensics.bisect import BisectOptions, bisect
+    from sdc_forensics.forensics.certificate import check_against_certificate, read_certificate
+    from sdc_forensics.trace.checkpoints import read_checkpoint_notes
+    from sdc_forensics.trace.manifest import read_manifest
+
+    path, trace_dir = request.path, request.trace_dir
+    cert = read_certificate(request.certificate_path) if request.certificate_path is not None else None
+    seed = cert.seed if cert else VerifyOptions().seed
+    if trace_dir is not None:
+        trace_seed = int(read_manifest(trace_dir).fingerprint.seed)
+        if cert and trace_seed != cert.seed:
+            raise UsageError(f"the trace's fingerprint seed {trace_seed} differs from the certificate's {cert.seed}; check one at a time")
+        seed = trace_seed
+    entry = None
+    if cert is not None:
+        entry = cert.entry_for(path)
+        if entry is None:
+            raise UsageError(f"{request.certificate_path} has no entry for {path}; pass the certificate written when this checkpoint was certified")
+
+    notes = read_checkpoint_notes(trace_dir) if trace_dir is not None else []
+    with open_checkpoint(path) as reader:
+        wanted = request.step
+        if trace_dir is not None and wanted is None:
+            named = [n for n in notes if Path(n.path).name == Path(path).name]
+            wanted = named[0].step if len(named) == 1 else reader.step()
+        noted = wanted is not None and any(n.step == wanted for n in notes)
+        # with a note and files read, the analysis verifies the file against its note: read it once
+        report = None if noted and not request.trace_only else verify_checkpoint(reader, options=VerifyOptions(seed=seed))
+
+    status, result, missing = None, None, ""
+    if trace_dir is not None:
+        if wanted is None:
+            raise UsageError(f"cannot tell which step {path} holds (no note names this file, no 'step' in it): pass --step N")
+        if not noted:
+            missing = f"no checkpoint note for step {wanted} in {trace_dir}"
+        else:
+            base = options if options is not None else BisectOptions()
+            analysis = dataclasses.replace(base, trace_only=request.trace_only, checkpoint_paths={wanted: Path(path)})
+            result = bisect(trace_dir, analysis, progress=progress)
+            status = next(c for c in result.checkpoints if c.step == wanted)
+            if status.report is not None:
+                report = status.report  # read against its note (tensor digests as saved)
+    if report is None:  # the analysis could not read it (its status says why): the file's own findings
+        report = verify_checkpoint(path, options=VerifyOptions(seed=seed))
+    cert_findings = tuple(check_against_certificate(report, entry)) if entry is not None else ()
+    reasons = [f"{f.kind.value} {f.subject}: {f.detail}" for f in report.findings]
+    if status is not None and not status.clean:
+        reasons += [f"{status.status.value}: {r}" for r in status.reasons if r not in reasons]
+    if missing:
+        reasons.append(f"not certified against the trace: {missing}")
+    reasons += [f"certificate: {f.kind.value} {f.subject}: {f.detail}" for f in cert_findings]
+    if entry is not None and not entry.status.clean:
+        reasons.append(f"certificate: it was certified {entry.status.value}, not clean")
+    code = verify_exit(report, status, missing, cert_findings, entry.status if entry is not None else None)
+    return VerifyOutcome(request=request, report=report, status=status, analysis=result, missing=missing,
+                         certificate_status=entry.status if entry is not None else None, certificate_findings=cert_findings,
+                         reasons=tuple(reasons), exit_code=code)
+

@@ -1,0 +1,128 @@
+"""Renderers of a :class:`~sdc_forensics.trace.summary.TraceSummary` (``sdc-forensics inspect``):
+text for people and the ``inspect --json`` document. numpy only, no torch.
+
+Every string here that comes from the trace's files is escaped, so that a ``[/]`` in a host name
+is printed, not read as rich markup (types were checked when the manifest and notes were parsed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rich.markup import escape
+
+from sdc_forensics.present.text import new_table, pairs_text
+from sdc_forensics.trace.summary import AlarmSummary, TraceSummary
+
+_MAX_ROWS = 50
+
+
+def inspect_document(summary: TraceSummary) -> dict[str, Any]:
+    """The ``inspect --json`` document (docs/json.md; ``schema_version`` is added by the emitter)."""
+    m = summary.manifest
+    latest = max(m.attempts, key=lambda a: a.attempt) if m.attempts else None
+    return {
+        "trace_dir": str(summary.path),
+        "format_version": m.format_version,
+        "world_size": m.world_size,
+        "recipe": m.recipe,
+        "fingerprint": dataclasses.asdict(m.fingerprint),
+        "steps": {"first": summary.first_step, "last": summary.last_step, "rank_steps": summary.num_rank_steps},
+        "end": summary.end.to_json(),
+        "records": summary.records_by_kind,
+        "alarms": [_alarm_json(a) for a in summary.alarms],
+        "attempts": [dataclasses.asdict(a) for a in summary.attempts],
+        "ranks": [dataclasses.asdict(r) for r in (latest.ranks if latest else ())],
+        "environment": None
+        if latest is None
+        else {"torch": latest.torch_version, "cuda": latest.cuda_version, "determinism": latest.determinism},
+        "checkpoints": [
+            {"step": c.step, "path": c.path, "attempt": c.attempt, "blessed": c.blessed, "weights_digest": c.weights_digest}
+            for c in summary.checkpoints
+        ],
+        "damage": [dataclasses.asdict(d) for d in summary.damage],
+        "usable": True,
+    }
+
+
+def _alarm_json(alarm: AlarmSummary) -> dict[str, Any]:
+    doc = dataclasses.asdict(alarm)
+    doc["recorded_by"] = list(alarm.recorded_by)
+    return doc
+
+
+def render_inspect(summary: TraceSummary, console) -> None:
+    """Print the summary: run, fingerprints, how it ended, ranks, attempts, checkpoints, alarms, damage."""
+    doc = inspect_document(summary)
+    steps, fp = doc["steps"], doc["fingerprint"]
+    console.print(
+        f"[bold]{escape(doc['trace_dir'])}[/]  format v{doc['format_version']}  world size {doc['world_size']}  "
+        f"steps {steps['first']}..{steps['last']} ({steps['rank_steps']} rank-steps)  recipe {escape(doc['recipe'] or '-')}"
+    )
+    console.print(f"fingerprints: seed {fp['seed']:#x}, sketch k={fp['sketch_k']}, gradients in {escape(fp['grad_dtype'])}")
+    _render_end(console, doc["end"])
+    if doc["environment"]:
+        env = doc["environment"]
+        console.print(escape(f"torch {env['torch'] or '?'}  cuda {env['cuda'] or '-'}  determinism {pairs_text(env['determinism'])}"))
+    ranks = new_table(console, "ranks (latest attempt)", ("rank", "host", "node", "local", "gpu", "job / node"))
+    for r in doc["ranks"]:
+        gpu = r["gpu_uuid"] or r["pci_bus_id"] or r["device"]
+        job = " ".join(x for x in (r["slurm_job_id"], r["slurm_node"] or r["k8s_node"]) if x) or "-"
+        ranks.add_row(str(r["rank"]), escape(r["host"]), str(r["node_rank"]), str(r["local_rank"]), escape(gpu), escape(job))
+    console.print(ranks)
+    attempts = new_table(console, "attempts", ("attempt", "resumed at step", "steps recorded", "records"))
+    for a in doc["attempts"]:
+        span = "-" if a["first_step"] is None else f"{a['first_step']}..{a['last_step']}"
+        attempts.add_row(str(a["attempt"]), str(a["start_step"]), span, str(a["num_records"]))
+    console.print(attempts)
+    if doc["checkpoints"]:
+        cks = new_table(console, "checkpoints noted", ("step", "path", "attempt", "blessed", "weights digest"))
+        for c in doc["checkpoints"]:
+            cks.add_row(str(c["step"]), escape(c["path"]), str(c["attempt"]), "yes" if c["blessed"] else "[red]no[/]", escape(c["weights_digest"] or "-"))
+        console.print(cks)
+    else:
+        console.print("checkpoints noted: none")
+    counts = ", ".join(f"{k.lower()} {v}" for k, v in doc["records"].items() if v)
+    console.print(f"records: {counts}")
+    _render_alarms(console, summary.alarms)
+    if doc["damage"]:
+        dmg = new_table(console, f"[yellow]damage ({len(doc['damage'])})[/]", ("kind", "rank", "attempt", "record", "detail"))
+        for d in doc["damage"][:_MAX_ROWS]:
+            dmg.add_row(d["kind"], str(d["rank"]), str(d["attempt"]), str(d["record_index"]), escape(d["detail"]))
+        console.print(dmg)
+        if len(doc["damage"]) > _MAX_ROWS:
+            console.print(f"… {len(doc['damage']) - _MAX_ROWS} more in --json")
+    else:
+        console.print("[green]no damage found[/]")
+
+
+def _render_alarms(console, alarms: tuple[AlarmSummary, ...]) -> None:
+    """One row per alarm: step, rank at fault, check, what it found (the ALARM records of every rank, counted once)."""
+    if not alarms:
+        console.print("online alarms: none")
+        return
+    table = new_table(console, f"[red]online alarms ({len(alarms)})[/]", ("step", "rank", "check", "detail", "attempt", "recorded by"))
+    for a in alarms[:_MAX_ROWS]:
+        table.add_row(str(a.step), "none named" if a.rank is None else str(a.rank), a.check, escape(a.detail), str(a.attempt),
+                      f"{len(a.recorded_by)} rank(s)")
+    console.print(table)
+    if len(alarms) > _MAX_ROWS:
+        console.print(f"… {len(alarms) - _MAX_ROWS} more alarms in --json")
+
+
+def _render_end(console, end: dict) -> None:
+    """How the run ended: one line, and where each rank's file stops when it stopped early."""
+    if not end["stopped_early"]:
+        if end["finalised"]:
+            console.print(f"[green]run ended normally: every rank closed its trace after step {end['last_step']}[/]")
+        return
+    console.print(f"[bold yellow]{escape(end['summary'][0].upper() + end['summary'][1:])}[/]")
+    ends = new_table(console, f"where each rank's file ends (attempt {end['attempt']})", ("rank", "host", "last step", "closed", "torn bytes"))
+    stopped = set(end["stopped_ranks"])
+    for r in end["ranks"]:
+        closed = "-" if r["closed"] is None else ("on an exception" if r["closed_on_error"] else "yes") if r["closed"] else "[red]no[/]"
+        last = "-" if r["last_step"] is None else str(r["last_step"])
+        ends.add_row(f"[bold]{r['rank']}[/]" if r["rank"] in stopped else str(r["rank"]), escape(r["host"] or "-"),
+                     last if r["has_file"] else "[red]no file[/]", closed, str(r["torn_bytes"]) if r["torn_bytes"] else "-")
+    console.print(ends)

@@ -1,0 +1,56 @@
+"""Small helpers every text renderer shares: tables that suit terminals and logs, and values
+written for people (never a Python repr).
+
+On a terminal a table is rich's box; elsewhere (a log, ``2>file``) it is plain columns with a
+header line, cells whole (``cli/output.py`` never wraps or cuts there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from rich import box
+from rich.table import Table
+
+
+def new_table(console, title: str, columns: Iterable[str], **column_options) -> Table:
+    """A table for ``console``: boxed on a terminal, plain aligned columns otherwise.
+
+    Args:
+        console: the rich console it will be printed on.
+        title: the title (rich markup allowed).
+        columns: the column headers.
+        column_options: passed to every ``add_column`` (e.g. ``overflow="fold"``).
+    """
+    if console.is_terminal:
+        table = Table(title=title, title_justify="left")
+    else:
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, safe_box=True)
+    for column in columns:
+        table.add_column(column, no_wrap=not console.is_terminal, **column_options)
+    return table
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    """``2``, ``1, 3``, or ``all`` (for no rank in particular)."""
+    ranks = list(ranks)
+    return ", ".join(str(r) for r in ranks) if ranks else "all"
+
+
+def pairs_text(values: Mapping | None) -> str:
+    """``key=value key=value`` (sorted keys), ``-`` when empty."""
+    if not values:
+        return "-"
+    return " ".join(f"{key}={_scalar(value)}" for key, value in sorted(values.items()))
+
+
+def _scalar(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "-"
+    if isinstance(value, Mapping):
+        return "{" + pairs_text(value) + "}"
+    if isinstance(value, (list, tuple)):
+        return ",".join(_scalar(v) for v in value)
+    return str(value)
