@@ -62,7 +62,8 @@ def _render(result, request, with_json: bool):
     import dataclasses
     import json
 
-    from sdc_forensics.forensics.incident import build_incident, incident_series, plot_window
+    from sdc_forensics.forensics.incident import build_incident
+    from sdc_forensics.forensics.series import incident_series, plot_window
     from sdc_forensics.present.actions import build_actions
     from sdc_forensics.present.report import PLOTS_HINT, report_document
     from sdc_forensics.trace.reader import Trace

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import io
 import re
+import warnings
 
 import numpy as np
 
 from sdc_forensics.forensics.decision import Status
-from sdc_forensics.forensics.incident import Consensus, Series
+from sdc_forensics.forensics.series import Consensus, Series
 from sdc_forensics.forensics.verdict import BisectResult
 
 STATUS_COLOURS = {Status.CLEAN: "#2e7d32", Status.UNVERIFIED: "#f9a825", Status.TAINTED: "#e65100", Status.CORRUPT: "#b71c1c"}
@@ -46,6 +47,13 @@ def render_svg(series: Series, result: BisectResult) -> str | None:
         from matplotlib.colors import ListedColormap
     except ImportError:
         return None
+    with warnings.catch_warnings():  # all-NaN columns and empty log axes are expected; stderr stays one line per fact
+        warnings.simplefilter("ignore", RuntimeWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        return _figure(series, result, matplotlib, plt, ListedColormap)
+
+
+def _figure(series: Series, result: BisectResult, matplotlib, plt, ListedColormap) -> str:
     suspects = sorted({s.rank for s in result.suspects if s.rank is not None})
     steps = series.steps
     with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "sdc-forensics", "font.size": 8,
@@ -57,10 +65,11 @@ def render_svg(series: Series, result: BisectResult) -> str | None:
         _rank_lines(ax_res, steps, series.residual_ratio, suspects, "all-reduce residual / tolerance", log=True)
         ax_res.axhline(1.0, color="#000000", linewidth=1.0, linestyle=":")
         ax_res.annotate("tolerance", xy=(0.995, 1.0), xycoords=("axes fraction", "data"), ha="right", va="bottom", fontsize=7)
-        cmap = ListedColormap(["#eeeeee", "#a5d6a7", _SUSPECT, "#ffb74d"])
+        colours = {Consensus.NOT_CHECKED: "#eeeeee", Consensus.AGREES: "#a5d6a7", Consensus.DIFFERS: _SUSPECT, Consensus.NO_MAJORITY: "#ffb74d"}
+        cmap = ListedColormap([colours[code] for code in sorted(Consensus)])  # index = the code
         if len(steps):
             extent = (steps[0] - 0.5, steps[-1] + 0.5, series.consensus.shape[1] - 0.5, -0.5)
-            ax_cons.imshow(series.consensus.T, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=3, extent=extent)
+            ax_cons.imshow(series.consensus.T, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=len(Consensus) - 1, extent=extent)
         ax_cons.set_ylabel("rank")
         ax_cons.set_title("replica weights vs strict majority: green agrees, red differs, orange no majority, grey not compared; "
                           "audits: ○ ok, ✕ lost the vote", loc="left", fontsize=8)
@@ -114,14 +123,8 @@ def _rank_lines(ax, steps: np.ndarray, values: np.ndarray, suspects: list[int], 
                 continue
             ax.plot(steps, finite[:, rank], linewidth=0.9, alpha=0.8, label=f"rank {rank}")
     else:
-        with np.errstate(all="ignore"):
-            import warnings
-
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                ax.fill_between(steps, np.nanmin(finite, axis=1), np.nanmax(finite, axis=1), color="#90a4ae", alpha=0.4,
-                                label="min-max of ranks")
-                ax.plot(steps, np.nanmedian(finite, axis=1), color="#455a64", linewidth=0.9, label="median of ranks")
+        ax.fill_between(steps, np.nanmin(finite, axis=1), np.nanmax(finite, axis=1), color="#90a4ae", alpha=0.4, label="min-max of ranks")
+        ax.plot(steps, np.nanmedian(finite, axis=1), color="#455a64", linewidth=0.9, label="median of ranks")
     for rank in suspects:
         if rank < num_ranks:
             ax.plot(steps, finite[:, rank], color=_SUSPECT, linewidth=1.8, label=f"rank {rank} (suspect)")

@@ -81,3 +81,14 @@ def test_chromium_renders_the_review_without_errors(make_trace, tmp_path):
     assert page.svg_count >= 1
     assert "First divergent step\n11" in page.text and "rank 3" in page.text
     assert HOSTILE in page.text  # shown as text, not run
+
+
+def test_many_ranks_and_a_long_run_plot_a_band_over_a_window(make_trace, tmp_path):
+    out = tmp_path / "review.html"
+    trace = make_trace(ranks=32, steps=3000, bulk=True, fault=Fault(kind="nonfinite", step=2500, rank=9))
+    result = CliRunner().invoke(cli, ["report", str(trace), "--trace-only", "-o", str(out)])
+    assert result.exit_code == 1, result.output
+    page = out.read_text()
+    assert "median of ranks" in page and "rank 9 (suspect)" in page  # 32 lines would be unreadable
+    assert "steps 1751..2750 of the run" in page  # 1,000 steps, s* and 250 after it
+    assert result.stderr.strip() == f"post-incident review (html) written to {out}"
