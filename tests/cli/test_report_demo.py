@@ -116,3 +116,32 @@ def test_installed_report_json_on_stdout_matches_the_schema(make_trace, tmp_path
     assert ran.returncode == 1 and ran.stderr_lines == []
     doc = assert_valid(ran.stdout, "report")
     assert doc["report"]["nodes"][0]["rank"] == 1
+
+
+def test_reproduce_commands_put_the_jobs_recipe_on_pythonpath(sim, tmp_path, monkeypatch):
+    """A recipe from the job's own code (not installed): the commands say where it was imported
+    from, and rerun from / with no PYTHONPATH of the caller's."""
+    from click.testing import CliRunner
+
+    from sdc_forensics.cli.main import cli
+    from tests.factories import SimFault
+
+    code = tmp_path / "code"
+    (code / "jobcode").mkdir(parents=True)
+    (code / "jobcode" / "__init__.py").write_text("")
+    (code / "jobcode" / "train.py").write_text("from sdc_forensics.demo.recipe import recipe  # the job's recipe\n")
+    monkeypatch.syspath_prepend(str(code))
+    run = sim(SimFault(where="grad", step=5, rank=2, bit=30), steps=8, checkpoint_every=4)
+    out = tmp_path / "review.md"
+    result = CliRunner().invoke(cli, ["report", str(run / "trace"), "--recipe", "jobcode.train:recipe", "-o", str(out)])
+    assert result.exit_code == 1, result.output
+    text = out.read_text()
+    assert f"it was imported from {code}." in text
+    commands = text.split("## Reproduce this analysis", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0].splitlines()
+    assert all(c.startswith(f"PYTHONPATH={code}${{PYTHONPATH:+:$PYTHONPATH}} sdc-forensics ") for c in commands)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    for command in commands:
+        with open(tmp_path / "rerun.log", "w") as log:
+            done = subprocess.run(command, shell=True, cwd="/", env=env, stdout=subprocess.DEVNULL, stderr=log, timeout=300)
+        assert done.returncode == 1, (command, (tmp_path / "rerun.log").read_text())
