@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
 import click
 
 from sdc_forensics.cli.common import EXIT_BY_VERDICT, check_new_output, force_option, run_analysis, trace_analysis_options
-from sdc_forensics.cli.output import SCHEMA_VERSION, emit_json, err
+from sdc_forensics.cli.output import SCHEMA_VERSION, emit_json, err, write_stdout
 
 
 @click.command("report")
@@ -46,9 +45,10 @@ def report_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: b
     )
     result = run_analysis(trace_dir, trace_only=trace_only, **options)
     text, document = _render(result, request, with_json=as_json or fmt == "json")
-    if output == "-":
-        sys.stdout.write(text)
-        sys.stdout.flush()
+    if output == "-" and fmt == "json":
+        emit_json(document)
+    elif output == "-":
+        write_stdout(text)  # a reader that goes away (| head) is not an error
     else:
         _write_atomically(Path(output), text)
         err.print(f"post-incident review ({fmt}) written to {output}", markup=False)

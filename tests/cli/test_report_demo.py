@@ -145,3 +145,16 @@ def test_reproduce_commands_put_the_jobs_recipe_on_pythonpath(sim, tmp_path, mon
         with open(tmp_path / "rerun.log", "w") as log:
             done = subprocess.run(command, shell=True, cwd="/", env=env, stdout=subprocess.DEVNULL, stderr=log, timeout=300)
         assert done.returncode == 1, (command, (tmp_path / "rerun.log").read_text())
+
+
+def test_installed_report_into_a_closed_pipe_is_quiet(make_trace, tmp_path):
+    trace = make_trace(ranks=4, steps=10, fault=Fault(kind="nonfinite", step=4, rank=1))
+    log = tmp_path / "stderr.log"
+    from tests.cli.installed import command
+
+    done = subprocess.run(f"{command()} report {trace} --trace-only --format html 2>{log} | head -c 10", shell=True,
+                          capture_output=True, text=True, timeout=120, executable="/bin/bash")
+    assert done.stdout == "<!DOCTYPE " and log.read_text() == ""
+    status = subprocess.run(f"set -o pipefail; {command()} report {trace} --trace-only --format html 2>/dev/null | head -c 10 >/dev/null",
+                            shell=True, timeout=120, executable="/bin/bash")
+    assert status.returncode == 1  # the verdict's code, not a broken pipe's
