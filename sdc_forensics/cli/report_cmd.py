@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import click
@@ -32,6 +31,7 @@ def report_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: b
     """
     from sdc_forensics.errors import UsageError
     from sdc_forensics.present.report import ReportRequest, output_format
+    from sdc_forensics.present.review import render_review
 
     fmt = output_format(output, fmt)
     if as_json and output == "-" and fmt != "json":
@@ -44,56 +44,19 @@ def report_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: b
         force_tolerant=options["force_tolerant"], force_device=options["force_device"], trace_only=trace_only,
     )
     result = run_analysis(trace_dir, trace_only=trace_only, **options)
-    text, document = _render(result, request, with_json=as_json or fmt == "json")
+    review = render_review(result, request, SCHEMA_VERSION)
+    for note in review.notes:
+        err.print(f"note: {note}", markup=False)
     if output == "-" and fmt == "json":
-        emit_json(document)
+        emit_json(review.document)
     elif output == "-":
-        write_stdout(text)  # a reader that goes away (| head) is not an error
+        write_stdout(review.text)  # a reader that goes away (| head) is not an error
     else:
-        _write_atomically(Path(output), text)
+        _write_atomically(Path(output), review.text)
         err.print(f"post-incident review ({fmt}) written to {output}", markup=False)
     if as_json and not (fmt == "json" and output == "-"):
-        emit_json(document)
+        emit_json(review.document)
     ctx.exit(EXIT_BY_VERDICT[result.verdict.value])
-
-
-def _render(result, request, with_json: bool):
-    """``(text of the review, JSON document or None)``."""
-    import dataclasses
-    import json
-
-    from sdc_forensics.forensics.incident import build_incident
-    from sdc_forensics.forensics.series import incident_series, plot_window
-    from sdc_forensics.present.actions import build_actions
-    from sdc_forensics.present.report import PLOTS_HINT, report_document
-    from sdc_forensics.trace.reader import Trace
-
-    trace = Trace.open(request.trace_dir)
-    request = dataclasses.replace(request, manifest_recipe=trace.manifest.recipe)
-    end = trace.run_end()
-    incident = build_incident(result, trace)
-    job_nodes = tuple(dict.fromkeys(i.slurm_node or i.k8s_node or i.host for a in trace.manifest.attempts for i in a.ranks if i.host))
-    actions = build_actions(result, incident, job_nodes)
-    document = report_document(result, incident, actions, request, end, time.time_ns()) if with_json or request.fmt == "json" else None
-    if request.fmt == "json":
-        return json.dumps({"schema_version": SCHEMA_VERSION, **document}, indent=2, sort_keys=True) + "\n", document
-    if request.fmt == "md":
-        from sdc_forensics.present.markdown import render_markdown
-
-        return render_markdown(result, trace.manifest, incident, actions, request, end=end), document
-    from sdc_forensics.present.html import render_html
-    from sdc_forensics.present.plots import matplotlib_available, render_svg
-
-    svg, note = None, ""
-    window = plot_window(trace.step_range(), result.first_divergent_step)
-    if not matplotlib_available():
-        note = f"No plots: matplotlib is not installed ({PLOTS_HINT})."
-        err.print(f"note: {note}", markup=False)
-    elif window is not None:
-        svg = render_svg(incident_series(trace, window), result)
-    else:
-        note = "No plots: the trace holds no step."
-    return render_html(result, trace.manifest, incident, actions, request, plot_svg=svg, plot_note=note, end=end), document
 
 
 def _write_atomically(path: Path, text: str) -> None:

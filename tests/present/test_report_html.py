@@ -67,7 +67,7 @@ def test_without_matplotlib_the_html_says_how_to_get_plots(make_trace, tmp_path,
 
 def test_the_cli_does_not_import_matplotlib_at_start_up():
     code = ("import sys; from sdc_forensics.cli.main import cli; import sdc_forensics.cli.report_cmd; "
-            "import sdc_forensics.present.html, sdc_forensics.present.plots; print('matplotlib' in sys.modules)")
+            "import sdc_forensics.present.html, sdc_forensics.present.plots, sdc_forensics.present.review; print('matplotlib' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 
