@@ -60,7 +60,7 @@ def analysis_options(func):
     func = click.option("--force-device", is_flag=True, help="Replay even on the suspect rank's GPU.")(func)
     func = click.option("--device", default="cpu", show_default=True, help="Replay device: cpu, cuda or cuda:N.")(func)
     func = click.option("--recipe", metavar="MOD:ATTR", help="Replay recipe (default: the one the trace's manifest names).")(func)
-    return click.option("--checkpoints", "checkpoints_dir", type=click.Path(file_okay=False, path_type=Path),
+    return click.option("--checkpoints", "checkpoints_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
                         help="Directory holding the checkpoint files (default: the paths the job wrote).")(func)
 
 

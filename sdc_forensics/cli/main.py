@@ -85,6 +85,30 @@ class _LazyGroup(click.Group):
             with formatter.section("Commands"):
                 formatter.write_dl(rows)
 
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode: bool = True, **extra):
+        """click's ``main``, but a usage error is one line (``error: ...``, exit 2) and a closed
+        stdout is not an error (click prints usage, a hint and the error on three lines, and exits
+        1 on a broken pipe)."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        from sdc_forensics.cli.output import fatal, stdout_closed
+
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as exc:
+            hint = ""
+            if isinstance(exc, click.UsageError) and exc.ctx is not None:
+                hint = f" (see {exc.ctx.command_path} --help)"
+            fatal(exc.format_message() + hint)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            fatal("aborted")
+            sys.exit(1)
+        except BrokenPipeError:
+            stdout_closed()
+            sys.exit(0)
+        sys.exit(code if isinstance(code, int) else 0)
+
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)

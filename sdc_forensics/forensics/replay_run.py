@@ -108,9 +108,11 @@ def replay_from_trace(trace_dir: str | os.PathLike, request: ReplayRequest, prog
     from sdc_forensics.errors import CheckpointError
     from sdc_forensics.forensics import decision
     from sdc_forensics.forensics.replay import ReplayOptions, replay_window
+    from sdc_forensics.forensics.replay_env import resolve_device
     from sdc_forensics.recipe import load_recipe
 
     trace, note, start = window.trace, window.note, request.start_step
+    resolve_device(request.device)  # an unknown or absent device: a usage error before the recipe is loaded
     path = locate_checkpoint(note, request.checkpoints_dir, trace.path)
     if path is None:
         raise CheckpointError(f"checkpoint file of step {start} ({Path(note.path).name}) not found: pass --checkpoints DIR")
