@@ -1,15 +1,24 @@
 """The recipe protocol: how sdc-forensics rebuilds a training job to replay its steps.
 
 A recipe is an object with the methods of :class:`Recipe`, referenced as ``module:attribute``
-(the attribute is a recipe instance, or a class / zero-argument factory returning one). The
-recorder writes the reference into the trace manifest, so ``bisect`` finds it without flags;
-``--recipe`` overrides it. A complete example is ``sdc_forensics/demo/recipe.py`` and
-``docs/recipes.md`` walks through writing one.
+(the attribute is a recipe instance, or a class / factory returning one). The recorder writes
+the reference into the trace manifest, so ``bisect`` finds it without flags; ``--recipe``
+overrides it. A complete example is ``sdc_forensics/demo/recipe.py`` and ``docs/recipes.md``
+walks through writing one.
+
+**Job settings** (``Recorder(..., recipe_args={"width": 256, "seed": 3})``): a JSON object the
+recorder validates and writes into the manifest, and that replay hands back to the recipe as
+keyword arguments: the attribute is called with them (a class or a factory function), or, when
+it is a dataclass instance, a copy with those fields replaced is used. Without ``recipe_args``
+(older traces) the attribute is used as before: an instance as is, a class or factory called
+with no arguments.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import json
 import sys
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -17,6 +26,8 @@ from typing import Any, Protocol, runtime_checkable
 from sdc_forensics.errors import RecipeError
 
 _REQUIRED = ("build", "load_checkpoint", "fetch_microbatch", "loss")
+#: Largest ``recipe_args`` accepted, as compact JSON (they live in the manifest, read as hostile input).
+MAX_RECIPE_ARGS_BYTES = 64 * 1024
 
 
 @runtime_checkable
@@ -54,15 +65,59 @@ def recipe_reference(obj: Any) -> str:
     return f"{target.__module__}:{target.__qualname__}"
 
 
-def load_recipe(reference: str, search_path: str | Path | None = None) -> Recipe:
+def check_recipe_args(args: Any) -> dict[str, Any]:
+    """Validate job settings for the recipe; returns them as a plain dict.
+
+    They must be a dict with identifier keys (they become keyword arguments) whose values come
+    back unchanged from JSON (dict, list, str, int, float, bool, None: a tuple would come back
+    a list, a NaN not at all), at most :data:`MAX_RECIPE_ARGS_BYTES` encoded.
+
+    Raises:
+        UsageError: what is wrong, naming the key.
+    """
+    from sdc_forensics.errors import UsageError
+
+    if not isinstance(args, dict):
+        raise UsageError(f"recipe_args must be a dict of keyword arguments for the recipe, got {type(args).__name__}")
+    for key, value in args.items():
+        if not isinstance(key, str) or not key.isidentifier():
+            raise UsageError(f"recipe_args key {key!r} is not a Python identifier: the recipe receives recipe_args as keyword arguments")
+        try:
+            same = json.loads(json.dumps(value, allow_nan=False)) == value and _json_types(value)
+        except (TypeError, ValueError, RecursionError):
+            same = False
+        if not same:
+            raise UsageError(f"recipe_args[{key!r}] = {value!r:.80} does not come back unchanged from JSON, which is how the manifest "
+                             "stores it: use dict, list, str, int, float (finite), bool or None (a list, not a tuple)")
+    size = len(json.dumps(args, separators=(",", ":")))
+    if size > MAX_RECIPE_ARGS_BYTES:
+        raise UsageError(f"recipe_args take {size} bytes as JSON, more than {MAX_RECIPE_ARGS_BYTES}: pass settings, not data "
+                         "(a path to a config file, for example)")
+    return dict(args)
+
+
+def _json_types(value: Any) -> bool:
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_types(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_json_types(v) for v in value)
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+def load_recipe(reference: str, search_path: str | Path | None = None, *, args: dict[str, Any] | None = None) -> Recipe:
     """Import ``module:attribute`` and return a recipe instance.
 
     Args:
         reference: ``package.module:attribute``.
         search_path: a directory to put on ``sys.path`` first (the job's source tree).
+        args: job settings recorded with the trace (``Recorder(recipe_args=...)``): the attribute
+            (a class or factory) is called with them as keyword arguments, or, a dataclass
+            instance, copied with those fields replaced. None: the attribute as it is (an
+            instance), or called with no arguments (a class or factory).
 
     Raises:
-        RecipeError: the reference is malformed, the import fails, or the object lacks methods.
+        RecipeError: the reference is malformed, the import fails, the recipe does not accept
+            ``args``, or the object lacks methods.
     """
     module_name, sep, attribute = reference.partition(":")
     if not sep or not module_name or not attribute:
@@ -78,15 +133,42 @@ def load_recipe(reference: str, search_path: str | Path | None = None) -> Recipe
         obj = getattr(obj, part, None)
         if obj is None:
             raise RecipeError(f"recipe module {module_name!r} has no attribute {attribute!r}")
-    if isinstance(obj, type) or (callable(obj) and not all(hasattr(obj, m) for m in _REQUIRED)):
+    is_instance = not isinstance(obj, type) and all(hasattr(obj, m) for m in _REQUIRED)
+    shown = ", ".join(f"{k}={v!r}" for k, v in (args or {}).items())
+    if args is not None and is_instance:
+        if not (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
+            raise RecipeError(f"recipe {reference} is an instance, so it cannot take the job's recipe_args ({shown:.200}): reference "
+                              "its class or a factory function that accepts them (docs/recipes.md)")
         try:
-            obj = obj()
+            obj = dataclasses.replace(obj, **args)
+        except (TypeError, ValueError) as exc:
+            raise RecipeError(f"recipe {reference} does not take the job's recipe_args ({shown:.200}): {exc}") from None
+    elif not is_instance and callable(obj):
+        try:
+            obj = obj(**(args or {}))
         except Exception as exc:  # noqa: BLE001
-            raise RecipeError(f"recipe factory {reference} failed: {exc}") from None
+            raise RecipeError(f"recipe factory {reference}({shown:.200}) failed: {exc}") from None
     missing = [m for m in _REQUIRED if not callable(getattr(obj, m, None))]
     if missing:
         raise RecipeError(f"recipe {reference} lacks {', '.join(missing)}; see docs/recipes.md for the protocol")
     return obj
+
+
+def load_trace_recipe(manifest: Any, override: str | None = None) -> Recipe:
+    """The recipe that rebuilds a recorded job: ``override`` (``--recipe``) or the manifest's
+    reference, given the job settings the manifest recorded (``recipe_args``).
+
+    Args:
+        manifest: the trace's :class:`~sdc_forensics.trace.manifest.Manifest`.
+        override: ``module:attribute`` replacing the recorded reference (same settings).
+
+    Raises:
+        RecipeError: no recipe named, or :func:`load_recipe` fails.
+    """
+    reference = override or manifest.recipe
+    if not reference:
+        raise RecipeError("the trace names no replay recipe: pass --recipe MODULE:ATTR (docs/recipes.md)")
+    return load_recipe(reference, args=manifest.recipe_args)
 
 
 def before_step(recipe: Any, model: Any, optimizer: Any) -> None:

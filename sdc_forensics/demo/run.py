@@ -27,6 +27,7 @@ from pathlib import Path
 
 from sdc_forensics import recipe as recipe_mod
 from sdc_forensics.errors import SdcError, UsageError
+from sdc_forensics.demo.targets import check_injections
 from sdc_forensics.inject import FaultSpec, parse_specs
 
 RECIPE_REFERENCE = "sdc_forensics.demo.recipe:recipe"
@@ -99,6 +100,8 @@ class DemoConfig:
         timeout_s: the whole run is killed after this many seconds.
         recipe: the recipe trained and recorded in the manifest (``module:attribute``); it
             needs ``microbatch_ids(step, rank, world_size)`` besides the replay protocol.
+        recipe_args: job settings for the recipe (``Recorder(recipe_args=...)``: recorded in
+            the manifest, handed back to the recipe at replay); None: the recipe as referenced.
         threads: intra-op CPU thread count of each rank (None: 1 for every rank).
     """
 
@@ -119,6 +122,7 @@ class DemoConfig:
     timeout_s: float = 300.0
     recipe: str = RECIPE_REFERENCE
     threads: tuple[int, ...] | None = None
+    recipe_args: dict | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out_dir", Path(self.out_dir))
@@ -126,7 +130,10 @@ class DemoConfig:
             object.__setattr__(self, "threads", tuple(int(t) for t in self.threads))
             if len(self.threads) != self.world_size or min(self.threads) < 1:
                 raise UsageError(f"threads must give a count >= 1 for each of the {self.world_size} ranks, got {list(self.threads)}")
-        if not callable(getattr(recipe_mod.load_recipe(self.recipe), "microbatch_ids", None)):
+        if self.recipe_args is not None:
+            object.__setattr__(self, "recipe_args", recipe_mod.check_recipe_args(self.recipe_args))
+        recipe = recipe_mod.load_recipe(self.recipe, args=self.recipe_args)
+        if not callable(getattr(recipe, "microbatch_ids", None)):
             raise UsageError(f"recipe {self.recipe} has no microbatch_ids(step, rank, world_size); the demo needs it to pick each rank's data")
         if self.steps < 1:
             raise UsageError(f"--steps must be >= 1, got {self.steps}")
@@ -141,11 +148,12 @@ class DemoConfig:
         self._check_kill()
         for spec in self.injections:
             if spec.rank >= self.world_size and spec.location not in ("allreduce-all", "checkpoint-file"):
-                raise UsageError(f"fault {spec}: rank {spec.rank} does not exist in a {self.world_size}-rank run")
+                raise UsageError(f"fault {spec}: rank {spec.rank} does not exist in a {self.world_size}-rank run (use rank=0..{self.world_size - 1})")
             if spec.location == "checkpoint-file" and spec.step not in self.checkpoint_steps:
                 raise UsageError(f"fault {spec}: no checkpoint {spec.step} is written (checkpoints: {list(self.checkpoint_steps)})")
             elif spec.location != "checkpoint-file" and not self.first_step <= spec.step < self.steps:
                 raise UsageError(f"fault {spec}: step {spec.step} is outside the run (steps {self.first_step}..{self.steps - 1})")
+        check_injections(self, recipe)  # elements and bits, against the model the recipe builds
 
     def _check_kill(self) -> None:
         from sdc_forensics.demo.kill import KillPoint
@@ -202,6 +210,9 @@ class DemoResult:
     final_weights_digests: tuple[str, ...]
     killed_rank: int | None
     wall_s: float
+    #: each rank's process exit code: 0, or ``ALARM_EXIT_CODE`` (``sdc_forensics.recorder.exit``)
+    #: when an alarm stopped it (policy ``raise``); not in ``to_json``
+    exit_codes: tuple[int | None, ...] = ()
 
     def to_json(self) -> dict:
         """The JSON document (``cli.output.emit_json`` adds ``schema_version``)."""
@@ -259,8 +270,8 @@ def run_config(config: DemoConfig) -> DemoResult:
     config.out_dir.mkdir(parents=True, exist_ok=True)
     (config.out_dir / "demo").mkdir(exist_ok=True)
     started = time.monotonic()
-    _launch(config)
-    return _collect(config, time.monotonic() - started)
+    exit_codes = _launch(config)
+    return dataclasses.replace(_collect(config, time.monotonic() - started), exit_codes=exit_codes)
 
 
 def _free_port() -> int:
@@ -269,21 +280,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch(config: DemoConfig) -> None:
+def _launch(config: DemoConfig) -> tuple[int | None, ...]:
+    """Run the ranks; their exit codes (each 0 or the alarm exit code, unless it raises)."""
     import torch.multiprocessing as mp
 
     port = _free_port()
     # A fork server imports torch once and forks the ranks from it: ~2 s instead of W imports.
     mp.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", "sdc_forensics.demo.run", "sdc_forensics.recorder"])
     context = mp.start_processes(_worker, args=(config, port), nprocs=config.world_size, join=False, start_method="forkserver")
-    deadline = time.monotonic() + config.timeout_s
-    failure: Exception | None = None
     try:
-        while not context.join(timeout=0.5):
-            if time.monotonic() > deadline:
-                raise SdcError(f"the demo run did not finish within {config.timeout_s:.0f} s; all its processes were killed")
-    except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:
-        failure = exc
+        failed = _wait(context.processes, time.monotonic() + config.timeout_s, config.timeout_s)
     finally:
         for process in context.processes:
             if process.is_alive():
@@ -291,16 +297,61 @@ def _launch(config: DemoConfig) -> None:
             process.join(timeout=10)
         _stop_forkserver()
     if config.kill_rank is not None:
-        # a planned kill: the others then fail on a collective or are ended by join(); what
+        # a planned kill: the others then fail on a collective or are ended here; what
         # matters is that the armed rank died of its SIGKILL
         code = context.processes[config.kill_rank].exitcode
         if code != -signal.SIGKILL:
+            detail = f" ({_failure_text(context, failed)})" if failed is not None else ""
             raise SdcError(f"rank {config.kill_rank} was to be killed at {config.kill_point} of step {config.kill_step} "
-                           f"but exited with code {code}" + (f" ({failure})" if failure else ""))
-    elif isinstance(failure, mp.ProcessRaisedException):
-        raise SdcError(f"a demo process failed:\n{failure}") from None
-    elif failure is not None:
-        raise SdcError(f"demo process {failure.error_index} died ({failure}); all its processes were killed") from None
+                           f"but exited with code {code}{detail}")
+    elif failed is not None:
+        raise SdcError(f"a demo process failed: {_failure_text(context, failed)}; all its processes were killed") from None
+    return tuple(p.exitcode for p in context.processes)
+
+
+#: Seconds the other ranks get to finish after one rank stopped on an alarm (they raise together).
+_ALARM_GRACE_S = 20.0
+
+
+def _wait(processes, deadline: float, timeout_s: float) -> int | None:
+    """Wait for the ranks; the index of the first that failed (None: all exited 0 or
+    :data:`~sdc_forensics.recorder.exit.ALARM_EXIT_CODE`, the code of a run stopped by an alarm).
+
+    ``torch.multiprocessing``'s ``join`` ends every rank as soon as one exits non-zero, which
+    would kill the ranks still writing their report after the same alarm."""
+    from multiprocessing.connection import wait
+
+    from sdc_forensics.recorder.exit import ALARM_EXIT_CODE
+
+    stopped_at: float | None = None
+    while True:
+        alive = [p for p in processes if p.exitcode is None]
+        failed = next((i for i, p in enumerate(processes) if p.exitcode not in (None, 0, ALARM_EXIT_CODE)), None)
+        if failed is not None or not alive:
+            return failed
+        now = time.monotonic()
+        if stopped_at is None and any(p.exitcode == ALARM_EXIT_CODE for p in processes):
+            stopped_at = now
+        if now > deadline:
+            raise SdcError(f"the demo run did not finish within {timeout_s:.0f} s; all its processes were killed")
+        if stopped_at is not None and now - stopped_at > _ALARM_GRACE_S:
+            raise SdcError(f"ranks stopped on an alarm but rank(s) {[processes.index(p) for p in alive]} did not within "
+                           f"{_ALARM_GRACE_S:.0f} s; all its processes were killed")
+        wait([p.sentinel for p in alive], timeout=0.5)
+
+
+def _failure_text(context, index: int) -> str:
+    """What rank ``index`` died of: its traceback's last line (written by torch's process wrapper), else its exit code."""
+    import pickle
+
+    path = context.error_files[index]
+    if os.access(path, os.R_OK):
+        with open(path, "rb") as handle:
+            lines = [line for line in str(pickle.load(handle)).splitlines() if line.strip()]  # our own child's file
+        if lines:
+            return f"rank {index}: {lines[-1].strip()}"
+    code = context.processes[index].exitcode
+    return f"rank {index} " + (f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}")
 
 
 def _stop_forkserver() -> None:
@@ -344,18 +395,26 @@ def _worker(rank: int, config: DemoConfig, port: int) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=config.world_size,
         timeout=datetime.timedelta(seconds=max(30.0, config.timeout_s / 2)),
     )
-    try:
-        report = train_rank(config, rank)
-        path = config.out_dir / "demo" / f"rank-{rank}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(report, indent=1, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        dist.destroy_process_group()
+    from sdc_forensics.recorder.exit import exit_on_alarm
+
+    alarm = None
+    with exit_on_alarm():  # a run stopped by an alarm (policy raise) exits ALARM_EXIT_CODE, as a user's job would
+        try:
+            report = train_rank(config, rank)
+            alarm = report.pop("_alarm", None)
+            path = config.out_dir / "demo" / f"rank-{rank}.json"
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(report, indent=1, sort_keys=True), encoding="utf-8")
+            os.replace(tmp, path)
+        finally:
+            dist.destroy_process_group()
+        if alarm is not None:
+            raise alarm
 
 
 def train_rank(config: DemoConfig, rank: int) -> dict:
-    """The training loop of one rank (process group already initialised); returns its report."""
+    """The training loop of one rank (process group already initialised); returns its report
+    (with the :class:`SdcAlarm` that stopped it under ``"_alarm"``, policy ``raise``)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
@@ -365,7 +424,7 @@ def train_rank(config: DemoConfig, rank: int) -> dict:
     from sdc_forensics.statedict import weights_digest
     from sdc_forensics.trace.checkpoints import hex64
 
-    recipe = recipe_mod.load_recipe(config.recipe)
+    recipe = recipe_mod.load_recipe(config.recipe, args=config.recipe_args)
     model, optimizer, scheduler = recipe.build("cpu")
     if config.resume_from is not None:
         recipe.load_checkpoint(config.checkpoint_path(config.resume_from), model, optimizer, scheduler)
@@ -375,7 +434,7 @@ def train_rank(config: DemoConfig, rank: int) -> dict:
     rec = None
     if config.record:
         rec = Recorder(
-            config.trace_dir, ddp, optimizer, recipe=config.recipe, inject=config.injections,
+            config.trace_dir, ddp, optimizer, recipe=config.recipe, recipe_args=config.recipe_args, inject=config.injections,
             options=RecorderOptions(
                 policy=config.policy, audit_every=config.audit_every, checkpoint_every=config.checkpoint_every,
                 node_of_rank=config.node_of_rank or tuple(range(world_size)), start_step=config.first_step,
@@ -409,6 +468,7 @@ def train_rank(config: DemoConfig, rank: int) -> dict:
                 checkpoint(step + 1)
     except SdcAlarm as alarm:
         report["raised"] = {"check": alarm.check, "step": alarm.step, "rank": alarm.rank, "host": alarm.host, "message": str(alarm)}
+        report["_alarm"] = alarm  # re-raised by the worker once its report is written
     finally:
         if rec is not None:
             report["fired"] = [dataclasses.asdict(f) for f in rec.injector.fired]

@@ -209,7 +209,7 @@ def _replay(trace: Trace, tri: TriageResult, usable: list[CheckpointNote], recip
     from sdc_forensics.recipe import load_recipe
 
     resolve_device(options.device)  # a bad --device fails before any work
-    runner = _WindowRunner(trace, load_recipe(recipe_ref), options, progress, _suspect_gpus(trace, tri))
+    runner = _WindowRunner(trace, load_recipe(recipe_ref, args=trace.manifest.recipe_args), options, progress, _suspect_gpus(trace, tri))
     starts = sorted(usable, key=lambda n: n.step)
     first_step, last_step = tri.step_range if tri.step_range else (0, -1)
     if tri.suspect_window is not None:

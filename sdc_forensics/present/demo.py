@@ -39,7 +39,10 @@ def render_demo(result: DemoResult, console) -> None:
         console.print(f"  online checks: no alarm (policy: {'stop' if cfg.policy == 'raise' else 'record and continue'})")
     if result.raised:
         console.print(f"  [red]training stopped[/]: {escape(result.raised['message'])}")
-        console.print(f"  the ranks exited with code {ALARM_EXIT_CODE}, as a job under sdc_forensics.recorder.exit_on_alarm() does")
+        stopped = [rank for rank, code in enumerate(result.exit_codes) if code == ALARM_EXIT_CODE]
+        if stopped:
+            console.print(f"  rank(s) {', '.join(map(str, stopped))} exited with code {ALARM_EXIT_CODE} "
+                          "(sdc_forensics.recorder.exit_on_alarm, for launchers and epilogs)")
     console.print(f"  checkpoints: {', '.join(str(s) for s in result.checkpoints)} in {escape(str(cfg.checkpoint_dir))}")
     console.print(f"  finished in {result.wall_s:.1f} s")
     console.print(f"\nNext: [bold]sdc-forensics bisect {escape(str(cfg.trace_dir))}[/]  "

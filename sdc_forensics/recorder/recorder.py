@@ -48,12 +48,46 @@ from sdc_forensics.recorder.hooks import BucketTap
 from sdc_forensics.recorder.identity import complete_identities, local_identity, make_attempt, node_map
 from sdc_forensics.recorder.options import RecorderOptions
 from sdc_forensics.recorder.threads import ThreadWatch
+from sdc_forensics.recipe import check_recipe_args
 from sdc_forensics.statedict import flatten_state, weights_digest
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace.manifest import FingerprintSettings, write_manifest
 from sdc_forensics.trace.writer import RankTraceWriter
 
 log = logging.getLogger(__name__)
+
+_HOOK_FIX = ("DDP takes one comm hook per model: do not register yours, pass it as Recorder(..., comm_hook=hook, comm_state=state) "
+             "and the recorder wraps it (docs/recorder.md)")
+
+
+def existing_hook_problem(ddp_model: torch.nn.parallel.DistributedDataParallel) -> str | None:
+    """Why the recorder's comm hook cannot be registered on ``ddp_model`` (one line), or None.
+
+    DDP allows one comm hook per model and says so only when the second is registered; by then
+    a recorder would have written its manifest. Python hooks are listed in ``_comm_hooks``,
+    built-in ones (``_register_builtin_comm_hook``) only in DDP's logging data.
+    """
+    hooks = list(getattr(ddp_model, "_comm_hooks", None) or ())
+    if any(isinstance(getattr(hook, "__self__", None), BucketTap) for hook, _ in hooks):
+        return ("this model already carries the comm hook of an earlier sdc-forensics Recorder: one Recorder per DDP model "
+                "(keep using it, or wrap the module in a new DistributedDataParallel)")
+    if hooks:
+        name = getattr(hooks[0][0], "__qualname__", None) or type(hooks[0][0]).__name__
+        return f"the model already has a DDP comm hook ({name}); {_HOOK_FIX}"
+    try:
+        builtin = ddp_model._get_ddp_logging_data().get("comm_hook", "")
+    except Exception:  # noqa: BLE001 - private API; registration still refuses cleanly below
+        builtin = ""
+    if builtin:
+        return f"the model already has a DDP comm hook ({builtin}); {_HOOK_FIX}"
+    return None
+
+
+def _refuse_together(problems: list) -> None:
+    """Raise the first rank's problem on every rank (each has the gathered list)."""
+    first = next((p for p in problems if p), None)
+    if first is not None:
+        raise UsageError(first)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -102,12 +136,21 @@ class Recorder:
         optimizer: the optimizer whose ``step()`` ends each training step.
         recipe: ``module:attribute`` of the replay recipe (recorded for ``bisect``; audits use it
             to fetch and recompute microbatches).
+        recipe_args: the job's settings the recipe needs to rebuild it (``{"width": 256,
+            "seed": 3}``): JSON values, written into the manifest and passed to the recipe as
+            keyword arguments at replay and in audits (``sdc_forensics.recipe.load_recipe``).
         options: :class:`RecorderOptions`.
         comm_hook, comm_state: the job's own comm hook and state (default: DDP's mean all-reduce).
+            The recorder registers its hook on the model and calls yours from it; a model that
+            already has a hook is refused.
         inject: fault specs (``sdc_forensics.inject``) for drills and tests.
 
+    Every check is made, on every rank, before anything is written: a Recorder that fails to
+    attach leaves no manifest and no rank file behind (the next attempt is not renumbered).
+
     Raises:
-        UsageError: not a DDP model, process group not initialised, bad node map.
+        UsageError: not a DDP model, process group not initialised, bad node map, bad
+            ``recipe_args``, a comm hook already registered on the model.
     """
 
     def __init__(
@@ -117,6 +160,7 @@ class Recorder:
         optimizer: torch.optim.Optimizer,
         *,
         recipe: str | None = None,
+        recipe_args: dict[str, Any] | None = None,
         options: RecorderOptions | None = None,
         comm_hook: Callable | None = None,
         comm_state: Any = None,
@@ -132,9 +176,12 @@ class Recorder:
         self.module = ddp_model.module
         self.optimizer = optimizer
         self.recipe_ref = recipe
+        self.recipe_args = None if recipe_args is None else check_recipe_args(recipe_args)
         self._recipe = None
         if (self.options.audit_every or self.options.audit_steps) and recipe is None:
             raise UsageError("audits recompute microbatches through the replay recipe: pass recipe='module:attribute' to the Recorder")
+        if recipe_args is not None and recipe is None:
+            raise UsageError("recipe_args are handed to the replay recipe: pass recipe='module:attribute' with them")
         self.group = getattr(ddp_model, "process_group", None) or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
@@ -152,24 +199,33 @@ class Recorder:
         self._steps_written = 0  # STEP records of this attempt, and the last one's step (END record)
         self._last_step_written = self.options.start_step
 
-        identities: list = [None] * self.world_size
-        dist.all_gather_object(identities, local_identity(self.rank, self.device), group=self.group)
-        self.identities = complete_identities(identities)
+        # every rank's identity and what it found wrong, in one collective: all ranks refuse together
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, (local_identity(self.rank, self.device), existing_hook_problem(ddp_model)), group=self.group)
+        _refuse_together([problem for _, problem in gathered])
+        self.identities = complete_identities([identity for identity, _ in gathered])
         self.nodes = node_map(self.identities, self.options.node_of_rank)
         if len(self.nodes) != self.world_size:
             raise UsageError(f"node_of_rank has {len(self.nodes)} entries for {self.world_size} ranks")
-        self.attempt = self._start_attempt()
-        self.writer = RankTraceWriter(
-            self.trace_dir, rank=self.rank, attempt=self.attempt, world_size=self.world_size,
-            sketch_k=self.options.sketch_k, seed=self.options.seed, fsync=self.options.fsync,
-        )
         self.tap = BucketTap(
             param_index={id(p): i for i, p in enumerate(self.params)},
             grad_numel=sum(p.numel() for p in self.params if p.requires_grad),
             sketch_k=self.options.sketch_k, seed=self.options.seed, injector=self.injector,
             inner_hook=comm_hook, inner_state=comm_state if comm_hook is not None else self.group,
         )
-        ddp_model.register_comm_hook(None, self.tap.hook)
+        problem = None
+        try:  # before anything is written; the tap passes buckets through until the first step
+            ddp_model.register_comm_hook(None, self.tap.hook)
+        except RuntimeError as exc:
+            problem = f"rank {self.rank}: DDP refused the recorder's comm hook ({' '.join(str(exc).split())}); {_HOOK_FIX}"
+        problems: list = [None] * self.world_size
+        dist.all_gather_object(problems, problem, group=self.group)
+        _refuse_together(problems)
+        self.attempt = self._start_attempt()
+        self.writer = RankTraceWriter(
+            self.trace_dir, rank=self.rank, attempt=self.attempt, world_size=self.world_size,
+            sketch_k=self.options.sketch_k, seed=self.options.seed, fsync=self.options.fsync,
+        )
         self._handles = [
             optimizer.register_step_pre_hook(self._before_update),
             optimizer.register_step_post_hook(self._after_update),
@@ -185,7 +241,7 @@ class Recorder:
                 attempt = records.next_attempt(self.trace_dir)
                 settings = FingerprintSettings(seed=self.options.seed, sketch_k=self.options.sketch_k, grad_dtype=self.options.grad_dtype or "float32")
                 manifest = records.build_manifest(
-                    self.trace_dir, world_size=self.world_size, settings=settings, recipe=self.recipe_ref,
+                    self.trace_dir, world_size=self.world_size, settings=settings, recipe=self.recipe_ref, recipe_args=self.recipe_args,
                     checkpoint_every=self.options.checkpoint_every, audit_every=self.options.audit_every or None,
                     weights_every=self.options.weights_every, node_of_rank=self.nodes,
                     attempt=make_attempt(attempt, self.options.start_step, self.identities),
@@ -329,7 +385,7 @@ class Recorder:
         if self._recipe is None:
             from sdc_forensics.recipe import load_recipe
 
-            self._recipe = load_recipe(self.recipe_ref)
+            self._recipe = load_recipe(self.recipe_ref, args=self.recipe_args)
         own = OwnResult(
             ids=state.ids or (),
             loss=self._loss_value(state),

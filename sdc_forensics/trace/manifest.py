@@ -84,6 +84,9 @@ class Manifest:
     #: followed (``format.FORMAT_MINOR``); 0 for traces written before revisions were numbered
     format_minor: int = 0
     recipe: str | None = None
+    #: job settings handed to the recipe at replay (``Recorder(recipe_args=...)``); None in
+    #: traces recorded without them (and before they existed): the recipe takes no arguments
+    recipe_args: dict[str, Any] | None = None
     reduction: str = "mean"
     checkpoint_every: int | None = None
     audit_every: int | None = None
@@ -108,6 +111,8 @@ class Manifest:
         doc["format"] = FORMAT_NAME
         if not self.format_minor:  # a 1.0 manifest stays byte for byte what it was (golden files)
             del doc["format_minor"]
+        if self.recipe_args is None:  # an optional key: manifests without job settings stay as they were
+            del doc["recipe_args"]
         return doc
 
 
@@ -156,6 +161,17 @@ def _fingerprint(doc: Any, where: str) -> FingerprintSettings:
     )
 
 
+def _recipe_args(f: Fields) -> dict[str, Any] | None:
+    """``recipe_args``: absent or null (None), else an object of identifier keys (keyword arguments)."""
+    if f.doc.get("recipe_args") is None:
+        return None
+    args = f.obj("recipe_args")
+    bad = next((k for k in args if not k.isidentifier()), None)
+    if bad is not None:
+        raise f.fail("recipe_args", "an object whose keys are Python identifiers (the recipe's keyword arguments)", bad)
+    return args
+
+
 def parse_manifest(doc: Any, where: str = MANIFEST_NAME) -> Manifest:
     """Turn a decoded manifest document into a :class:`Manifest`, or raise :class:`TraceError`.
 
@@ -181,6 +197,7 @@ def parse_manifest(doc: Any, where: str = MANIFEST_NAME) -> Manifest:
         format_minor=f.int("format_minor", 0, lo=0, hi=MAX_FORMAT_MINOR),
         fingerprint=_fingerprint(f.doc.get("fingerprint"), f"{where}, \"fingerprint\""),
         recipe=f.str("recipe", None, none=True, max_len=1024),
+        recipe_args=_recipe_args(f),
         reduction=reduction,
         checkpoint_every=f.int("checkpoint_every", None, lo=1, hi=MAX_STEP, none=True),
         audit_every=f.int("audit_every", None, lo=0, hi=MAX_STEP, none=True),

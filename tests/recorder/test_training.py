@@ -93,6 +93,7 @@ def test_nonfinite_check_raises_with_step_rank_and_host_w3(demo_run):
     result = demo_run((f"input:step=3:rank=1:bit=30:element={element}",), steps=8, checkpoint_every=4, world_size=3, policy="raise", result=True)
     assert result.raised["check"] == "nonfinite" and (result.raised["step"], result.raised["rank"]) == (3, 1)
     assert result.raised["host"] and "sdc-forensics bisect" in result.raised["message"]
+    assert result.exit_codes == (18, 18, 18)  # every worker, under exit_on_alarm: ALARM_EXIT_CODE, a documented 18
     trace = Trace.open(result.config.trace_dir)
     alarms = trace.records(F.Kind.ALARM)
     assert set(alarms["rank"].tolist()) == {0, 1, 2} and set(alarms["aux_rank"].tolist()) == {1}
