@@ -69,7 +69,7 @@ def _dcgm(target: NodeTarget) -> ActionBlock:
     else:
         gpu = _q(max(target.local_rank, 0))
         note = (f"The trace holds no GPU UUID or PCI bus id for rank {target.rank} (device {target.device}): the GPU id is assumed "
-                f"to be its local rank {target.local_rank}; check with `dcgmi discovery -l`.")
+                f"to be its local rank {target.local_rank}; check with dcgmi discovery -l.")
     return ActionBlock(
         title=f"Run the DCGM diagnostic on {target.node} (level {level})",
         why=(_DCGM_WHY[level] + ".", note, "Run it on the node itself, with no job on the GPU."),

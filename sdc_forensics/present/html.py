@@ -45,7 +45,9 @@ code { background: var(--code); padding: 0 3px; border-radius: 3px; overflow-wra
 pre { background: var(--code); border: 1px solid var(--line); border-radius: 4px; padding: 8px 10px; white-space: pre-wrap;
       overflow-wrap: anywhere; margin: 6px 0 10px; }
 table { border-collapse: collapse; width: 100%; margin: 6px 0 12px; font-size: .88em; }
-th, td { border: 1px solid var(--line); padding: 3px 6px; text-align: left; vertical-align: top; overflow-wrap: anywhere; }
+th, td { border: 1px solid var(--line); padding: 3px 6px; text-align: left; vertical-align: top; overflow-wrap: break-word; }
+td code { overflow-wrap: anywhere; }
+td:first-child, .status { white-space: nowrap; }
 th { background: #f1f3f4; }
 .status { font-weight: 600; }
 .note { border-left: 4px solid var(--warn); background: #fff8e1; padding: 6px 10px; }

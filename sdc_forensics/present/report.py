@@ -159,7 +159,7 @@ def reproduce_commands(request: ReportRequest, result: BisectResult) -> tuple[li
         root = recipe_import_root(recipe)
         if root is not None:
             prefix = f"PYTHONPATH={shlex.quote(str(root))}${{PYTHONPATH:+:$PYTHONPATH}} "
-        notes.append(f"The replay imports the recipe `{recipe}`: its module must be importable (the job's code on PYTHONPATH, "
+        notes.append(f"The replay imports the recipe {recipe}: its module must be importable (the job's code on PYTHONPATH, "
                      "or run from the job's code directory)" + (f"; it was imported from {root}." if root else "."))
     commands = [prefix + " ".join(shlex.quote(c) for c in ["sdc-forensics", "bisect", trace, *opts]),
                 prefix + " ".join(shlex.quote(c) for c in report)]
