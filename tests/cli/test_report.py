@@ -134,3 +134,16 @@ def test_a_run_that_stopped_early_is_said_first(make_trace, tmp_path):
     page = out.read_text()
     assert page.index("The run stopped early</strong> at step 13") < page.index('id="summary"')
     assert "last complete step 12" in page
+
+
+def test_recurring_fault_calls_for_the_extended_diagnostic_and_a_replacement(make_trace, tmp_path):
+    out = tmp_path / "review.json"
+    trace = make_trace(ranks=4, steps=20, fault=(Fault(kind="nonfinite", step=4, rank=1), Fault(kind="nonfinite", step=12, rank=1)))
+    assert _report(trace, "--trace-only", "-o", out).exit_code == 1
+    doc = assert_valid(out.read_text(), "report")
+    [node] = doc["report"]["nodes"]
+    assert node["recurring"] is True and node["steps"] == [4, 12] and node["dcgm_level"] == 4
+    titles = {a["platform"]: a for a in doc["report"]["actions"]}
+    assert titles["hyperpod"]["title"] == "SageMaker HyperPod: replace node0"  # now, not "if the diagnostic fails"
+    assert titles["dcgm"]["commands"][1].startswith("dcgmi diag -r 4 -i ")
+    assert "recurring SDC at step 4, rank 1" in titles["slurm"]["commands"][0]
