@@ -25,6 +25,8 @@ def test_report_markdown_names_step_rank_and_host(make_trace, tmp_path):
     assert result.exit_code == 1, result.output
     doc = assert_valid(result.stdout, "report")
     assert doc["first_divergent_step"] == 17 and doc["suspects"][0]["rank"] == 3
+    # the bisect document, unchanged, plus trace_end and report: consumers of either keep working
+    assert_valid({k: v for k, v in doc.items() if k not in ("trace_end", "report")}, "bisect")
     text = out.read_text()
     assert text.startswith("# Post-incident review: Silent data corruption found")
     assert "**First divergent step: 17.**" in text
