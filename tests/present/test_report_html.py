@@ -92,3 +92,11 @@ def test_many_ranks_and_a_long_run_plot_a_band_over_a_window(make_trace, tmp_pat
     assert "median of ranks" in page and "rank 9 (suspect)" in page  # 32 lines would be unreadable
     assert "steps 1751..2750 of the run" in page  # 1,000 steps, s* and 250 after it
     assert result.stderr.strip() == f"post-incident review (html) written to {out}"
+
+
+def test_a_trace_only_report_never_imports_torch(make_trace, tmp_path):
+    trace = make_trace(ranks=4, steps=12, fault=Fault(kind="nonfinite", step=5, rank=2))
+    code = ("import sys; from click.testing import CliRunner; from sdc_forensics.cli.main import cli; "
+            f"r = CliRunner().invoke(cli, ['report', {str(trace)!r}, '--trace-only', '-o', {str(tmp_path / 'r.html')!r}]); "
+            "print(r.exit_code, 'torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split() == ["1", "False"]
