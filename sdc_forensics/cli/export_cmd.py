@@ -7,14 +7,13 @@ stops early (``| head``) ends the export quietly with exit 0.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import click
 
 from sdc_forensics.cli.common import check_new_output, force_option
-from sdc_forensics.cli.output import err, stdout_closed
+from sdc_forensics.cli.output import err, stdout_closed, write_new_file
 
 
 @click.command("export")
@@ -41,33 +40,6 @@ def export_cmd(trace_dir: str, output: str, force: bool) -> None:
             return
         err.print(f"exported {rows} rank-steps to stdout")
         return
-    rows = _write_whole(Path(output), force, lambda handle: export_csv(trace, handle))
+    rows = write_new_file(Path(output), force, lambda handle: export_csv(trace, handle), flag="-o")
     err.print(f"exported {rows} rank-steps to {output}")
 
-
-def _write_whole(target: Path, force: bool, write) -> int:
-    """Run ``write(handle)`` into a temporary file beside ``target``, then move it into place.
-
-    Without ``force`` the move never replaces a file (a hard link, which fails if one appeared
-    meanwhile); on any failure the temporary file is removed and ``target`` is untouched.
-    """
-    from sdc_forensics.errors import UsageError
-
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "x", newline="", encoding="utf-8") as handle:
-            rows = write(handle)
-        if force:
-            os.replace(tmp, target)
-        else:
-            try:
-                os.link(tmp, target)
-            except FileExistsError:
-                raise UsageError(f"-o {target} exists: choose another path, or pass --force to overwrite it") from None
-            except OSError:  # a file system without hard links
-                if target.exists():
-                    raise UsageError(f"-o {target} exists: choose another path, or pass --force to overwrite it") from None
-                os.rename(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return rows
