@@ -13,6 +13,7 @@ from typing import Any
 from rich.markup import escape
 
 from sdc_forensics.present.text import new_table, pairs_text
+from sdc_forensics.trace.ends import RunEnd
 from sdc_forensics.trace.summary import AlarmSummary, TraceSummary
 
 _MAX_ROWS = 50
@@ -54,45 +55,44 @@ def _alarm_json(alarm: AlarmSummary) -> dict[str, Any]:
 
 def render_inspect(summary: TraceSummary, console) -> None:
     """Print the summary: run, fingerprints, how it ended, ranks, attempts, checkpoints, alarms, damage."""
-    doc = inspect_document(summary)
-    steps, fp = doc["steps"], doc["fingerprint"]
+    m, fp = summary.manifest, summary.manifest.fingerprint
+    latest = max(m.attempts, key=lambda a: a.attempt) if m.attempts else None
     console.print(
-        f"[bold]{escape(doc['trace_dir'])}[/]  format v{doc['format_version']}  world size {doc['world_size']}  "
-        f"steps {steps['first']}..{steps['last']} ({steps['rank_steps']} rank-steps)  recipe {escape(doc['recipe'] or '-')}"
+        f"[bold]{escape(str(summary.path))}[/]  format v{m.format_version}  world size {m.world_size}  "
+        f"steps {summary.first_step}..{summary.last_step} ({summary.num_rank_steps} rank-steps)  recipe {escape(m.recipe or '-')}"
     )
-    console.print(f"fingerprints: seed {fp['seed']:#x}, sketch k={fp['sketch_k']}, gradients in {escape(fp['grad_dtype'])}")
-    _render_end(console, doc["end"])
-    if doc["environment"]:
-        env = doc["environment"]
-        console.print(escape(f"torch {env['torch'] or '?'}  cuda {env['cuda'] or '-'}  determinism {pairs_text(env['determinism'])}"))
+    console.print(f"fingerprints: seed {fp.seed:#x}, sketch k={fp.sketch_k}, gradients in {escape(fp.grad_dtype)}")
+    _render_end(console, summary.end)
+    if latest is not None:
+        console.print(escape(f"torch {latest.torch_version or '?'}  cuda {latest.cuda_version or '-'}  "
+                             f"determinism {pairs_text(latest.determinism)}"))
     ranks = new_table(console, "ranks (latest attempt)", ("rank", "host", "node", "local", "gpu", "job / node"))
-    for r in doc["ranks"]:
-        gpu = r["gpu_uuid"] or r["pci_bus_id"] or r["device"]
-        job = " ".join(x for x in (r["slurm_job_id"], r["slurm_node"] or r["k8s_node"]) if x) or "-"
-        ranks.add_row(str(r["rank"]), escape(r["host"]), str(r["node_rank"]), str(r["local_rank"]), escape(gpu), escape(job))
+    for r in latest.ranks if latest else ():
+        job = " ".join(x for x in (r.slurm_job_id, r.slurm_node or r.k8s_node) if x) or "-"
+        ranks.add_row(str(r.rank), escape(r.host), str(r.node_rank), str(r.local_rank), escape(r.gpu), escape(job))
     console.print(ranks)
     attempts = new_table(console, "attempts", ("attempt", "resumed at step", "steps recorded", "records"))
-    for a in doc["attempts"]:
-        span = "-" if a["first_step"] is None else f"{a['first_step']}..{a['last_step']}"
-        attempts.add_row(str(a["attempt"]), str(a["start_step"]), span, str(a["num_records"]))
+    for a in summary.attempts:
+        span = "-" if a.first_step is None else f"{a.first_step}..{a.last_step}"
+        attempts.add_row(str(a.attempt), str(a.start_step), span, str(a.num_records))
     console.print(attempts)
-    if doc["checkpoints"]:
+    if summary.checkpoints:
         cks = new_table(console, "checkpoints noted", ("step", "path", "attempt", "blessed", "weights digest"))
-        for c in doc["checkpoints"]:
-            cks.add_row(str(c["step"]), escape(c["path"]), str(c["attempt"]), "yes" if c["blessed"] else "[red]no[/]", escape(c["weights_digest"] or "-"))
+        for c in summary.checkpoints:
+            cks.add_row(str(c.step), escape(c.path), str(c.attempt), "yes" if c.blessed else "[red]no[/]", escape(c.weights_digest or "-"))
         console.print(cks)
     else:
         console.print("checkpoints noted: none")
-    counts = ", ".join(f"{k.lower()} {v}" for k, v in doc["records"].items() if v)
+    counts = ", ".join(f"{kind.lower()} {n}" for kind, n in summary.records_by_kind.items() if n)
     console.print(f"records: {counts}")
     _render_alarms(console, summary.alarms)
-    if doc["damage"]:
-        dmg = new_table(console, f"[yellow]damage ({len(doc['damage'])})[/]", ("kind", "rank", "attempt", "record", "detail"))
-        for d in doc["damage"][:_MAX_ROWS]:
-            dmg.add_row(d["kind"], str(d["rank"]), str(d["attempt"]), str(d["record_index"]), escape(d["detail"]))
+    if summary.damage:
+        dmg = new_table(console, f"[yellow]damage ({len(summary.damage)})[/]", ("kind", "rank", "attempt", "record", "detail"))
+        for d in summary.damage[:_MAX_ROWS]:
+            dmg.add_row(d.kind, str(d.rank), str(d.attempt), str(d.record_index), escape(d.detail))
         console.print(dmg)
-        if len(doc["damage"]) > _MAX_ROWS:
-            console.print(f"… {len(doc['damage']) - _MAX_ROWS} more in --json")
+        if len(summary.damage) > _MAX_ROWS:
+            console.print(f"… {len(summary.damage) - _MAX_ROWS} more in --json")
     else:
         console.print("[green]no damage found[/]")
 
@@ -111,18 +111,18 @@ def _render_alarms(console, alarms: tuple[AlarmSummary, ...]) -> None:
         console.print(f"… {len(alarms) - _MAX_ROWS} more alarms in --json")
 
 
-def _render_end(console, end: dict) -> None:
+def _render_end(console, end: RunEnd) -> None:
     """How the run ended: one line, and where each rank's file stops when it stopped early."""
-    if not end["stopped_early"]:
-        if end["finalised"]:
-            console.print(f"[green]run ended normally: every rank closed its trace after step {end['last_step']}[/]")
+    if not end.stopped_early:
+        if end.finalised:
+            console.print(f"[green]run ended normally: every rank closed its trace after step {end.last_step}[/]")
         return
-    console.print(f"[bold yellow]{escape(end['summary'][0].upper() + end['summary'][1:])}[/]")
-    ends = new_table(console, f"where each rank's file ends (attempt {end['attempt']})", ("rank", "host", "last step", "closed", "torn bytes"))
-    stopped = set(end["stopped_ranks"])
-    for r in end["ranks"]:
-        closed = "-" if r["closed"] is None else ("on an exception" if r["closed_on_error"] else "yes") if r["closed"] else "[red]no[/]"
-        last = "-" if r["last_step"] is None else str(r["last_step"])
-        ends.add_row(f"[bold]{r['rank']}[/]" if r["rank"] in stopped else str(r["rank"]), escape(r["host"] or "-"),
-                     last if r["has_file"] else "[red]no file[/]", closed, str(r["torn_bytes"]) if r["torn_bytes"] else "-")
+    summary = end.describe()
+    console.print(f"[bold yellow]{escape(summary[0].upper() + summary[1:])}[/]")
+    ends = new_table(console, f"where each rank's file ends (attempt {end.attempt})", ("rank", "host", "last step", "closed", "torn bytes"))
+    for r in end.ranks:
+        closed = "-" if r.closed is None else ("on an exception" if r.closed_on_error else "yes") if r.closed else "[red]no[/]"
+        last = "-" if r.last_step is None else str(r.last_step)
+        ends.add_row(f"[bold]{r.rank}[/]" if r.rank in end.stopped_ranks else str(r.rank), escape(r.host or "-"),
+                     last if r.has_file else "[red]no file[/]", closed, str(r.torn_bytes) if r.torn_bytes else "-")
     console.print(ends)
