@@ -132,6 +132,8 @@ class Incident:
         last_step, last_step_ns: the last recorded step and its record's time.
         resume_step, resume_path: the resume checkpoint (None: none certified clean).
         resume_saved_by: the rank that wrote it, and ``resume_host`` its host.
+        resume_job_path: its path as the job wrote it (on ``resume_host``; ``resume_path`` is the
+            file the analysis read).
         lost: :class:`Lost`; None for a clean run, an inconclusive one with no divergent step
             (nothing to roll back until it is settled) or an empty trace.
         nodes: the nodes to act on (empty for a clean run, a collective fault or no suspect).
@@ -152,6 +154,7 @@ class Incident:
     resume_step: int | None
     resume_path: str | None
     resume_saved_by: int | None
+    resume_job_path: str | None
     resume_host: str | None
     lost: Lost | None
     nodes: tuple[NodeTarget, ...]
@@ -294,7 +297,8 @@ def build_incident(result: BisectResult, trace: Trace) -> Incident:
     except TraceError:
         notes = []
     paths = tuple(dict.fromkeys(n.path for n in notes if n.path)) or tuple(c.path for c in result.checkpoints if c.path)
-    saved_by = next((n.saved_by_rank for n in reversed(notes) if last is not None and n.step == last.step), None)
+    resume_note = next((n for n in reversed(notes) if last is not None and n.step == last.step), None)
+    saved_by = None if resume_note is None else resume_note.saved_by_rank
     resume_host = manifest.identity(saved_by).host if saved_by is not None else None
     suspect_nodes = {n.node for n in nodes} | {n.host for n in nodes}
     resume_node = node_name(manifest, saved_by)[0] if saved_by is not None else None
@@ -321,7 +325,8 @@ def build_incident(result: BisectResult, trace: Trace) -> Incident:
         verdict=result.verdict, first_divergent_step=s_star, divergent_started_ns=started, divergent_ended_ns=ended,
         run_started_ns=run_started, last_step=last_step, last_step_ns=last_ns,
         resume_step=None if last is None else last.step, resume_path=None if last is None else last.path,
-        resume_saved_by=saved_by, resume_host=resume_host, lost=lost, nodes=nodes,
+        resume_saved_by=saved_by, resume_host=resume_host, resume_job_path=None if resume_note is None else resume_note.path,
+        lost=lost, nodes=nodes,
         collective=any(s.rank is None for s in result.suspects), checkpoint_locality=path_locality(paths),
         checkpoint_paths=paths, resume_on_suspect_node=bool(nodes) and (resume_node in suspect_nodes or resume_host in suspect_nodes),
         world_size=manifest.world_size,

@@ -151,8 +151,9 @@ def _resume_block(result: BisectResult, incident: Incident) -> ActionBlock | Non
         why.append(f"Checkpoint paths look node-local ({_paths(incident)}): keep checkpoints off the replaced node. Copy the resume "
                    f"checkpoint from {where} to shared storage before the node is drained or replaced, and write new checkpoints "
                    "to shared storage or another node.")
-        if last is not None and incident.resume_host:
-            commands.append(f"rsync -a {_q(incident.resume_host + ':' + last.path)} SHARED_DIR/   # before replacing {incident.resume_host}")
+        if last is not None and incident.resume_host and incident.resume_job_path:
+            source = _q(f"{incident.resume_host}:{incident.resume_job_path}")
+            commands.append(f"rsync -a {source} SHARED_DIR/   # before draining or replacing {incident.resume_host}")
     elif incident.nodes and incident.checkpoint_locality is Locality.UNKNOWN and incident.checkpoint_paths:
         why.append(f"Whether checkpoint paths are node-local cannot be told from them ({_paths(incident)}): if they are, copy the "
                    "resume checkpoint off the suspect node before it is replaced, and keep new checkpoints off it.")

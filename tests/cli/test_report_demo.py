@@ -82,6 +82,10 @@ def test_storage_incident_points_at_the_disk_never_the_gpu(demo_run, tmp_path):
     storage = next(a for a in doc["report"]["actions"] if a["platform"] == "storage")
     assert "The GPU is not implicated" in " ".join(storage["why"])
     assert doc["report"]["checkpoint_locality"] == "node_local"  # the demo wrote under the temporary directory
+    resume = next(a for a in doc["report"]["actions"] if a["platform"] == "resume")
+    step = doc["report"]["resume"]["step"]
+    assert f"rsync -a {socket.gethostname()}:{out_dir / 'checkpoints' / f'step-{step:08d}.pt'} SHARED_DIR/" in " ".join(resume["commands"])
+    assert "keep checkpoints off the replaced node" in " ".join(resume["why"])
     slurm = next(a for a in doc["report"]["actions"] if a["platform"] == "slurm")
     assert "checkpoint file damaged at rest" in slurm["commands"][0] and "GPU" not in slurm["commands"][0]
 
