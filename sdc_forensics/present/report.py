@@ -217,7 +217,8 @@ def report_document(result: BisectResult, incident: Incident, actions: "tuple[Ac
             "last_step": incident.last_step,
             "last_step_utc": _iso(incident.last_step_ns),
             "resume": None if incident.resume_step is None else {
-                "step": incident.resume_step, "path": incident.resume_path, "saved_by_rank": incident.resume_saved_by,
+                "step": incident.resume_step, "path": incident.resume_path, "job_path": incident.resume_job_path,
+                "saved_by_rank": incident.resume_saved_by,
                 "host": incident.resume_host, "on_suspect_node": incident.resume_on_suspect_node},
             "lost": None if lost is None else {
                 "from_step": lost.from_step, "to_step": lost.to_step, "steps": lost.num_steps, "wall_clock_s": lost.wall_clock_s,
