@@ -122,6 +122,7 @@ def test_installed_report_json_on_stdout_matches_the_schema(make_trace, tmp_path
     assert doc["report"]["nodes"][0]["rank"] == 1
 
 
+@pytest.mark.slow
 def test_reproduce_commands_put_the_jobs_recipe_on_pythonpath(sim, tmp_path, monkeypatch):
     """A recipe from the job's own code (not installed): the commands say where it was imported
     from, and rerun from / with no PYTHONPATH of the caller's."""
