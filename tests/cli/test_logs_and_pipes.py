@@ -84,9 +84,9 @@ def test_no_python_reprs_in_human_output(make_trace, faulty_run, tmp_path):
         assert "{'" not in ran.stderr and not re.search(r"\(\d+,\)", ran.stderr)
 
 
-@pytest.mark.parametrize("name", COMMANDS)
+@pytest.mark.parametrize("name", ("", *COMMANDS))
 def test_help_has_no_markup(name, tmp_path):
-    ran = run_installed([name, "--help"], tmp_path)
+    ran = run_installed([name, "--help"] if name else ["--help"], tmp_path)
     assert ran.returncode == 0, ran.stderr
     assert "``" not in ran.stdout and "::" not in ran.stdout and "`" not in ran.stdout, ran.stdout
 
