@@ -40,7 +40,7 @@ from sdc_forensics.demo.run import run_demo
 from sdc_forensics.forensics.bisect import BisectOptions, bisect
 from sdc_forensics.forensics.replay import ReplayOptions, replay_window
 from sdc_forensics.forensics.triage import triage_trace
-from sdc_forensics.recipe import after_step, before_step, load_recipe
+from sdc_forensics.recipe import after_step, before_step, load_trace_recipe
 from sdc_forensics.trace.checkpoints import read_checkpoint_notes
 from sdc_forensics.trace.reader import Trace
 
@@ -64,7 +64,7 @@ def replay_steps(trace_dir: Path, checkpoint: Path, steps: int) -> tuple[float, 
     trace = Trace.open(trace_dir)
     note = read_checkpoint_notes(trace_dir)[0]
     options = ReplayOptions(start_step=0, stop_step=steps - 1, checkpoint_path=checkpoint, expected_weights_digest=note.weights_digest)
-    recipe = load_recipe(trace.manifest.recipe)
+    recipe = load_trace_recipe(trace.manifest)
     start = time.perf_counter()
     result = replay_window(trace, recipe, options)
     elapsed = time.perf_counter() - start

@@ -37,7 +37,7 @@ def demo_cmd(out_dir: Path, injections: tuple[str, ...], steps: int, checkpoint_
     from sdc_forensics.demo.run import RECIPE_REFERENCE, DemoConfig, default_injection, run_config
     from sdc_forensics.errors import UsageError
     from sdc_forensics.inject import parse_specs
-    from sdc_forensics.present.demo import render_demo, render_demo_start
+    from sdc_forensics.present.demo import demo_document, render_demo, render_demo_start
 
     if steps < 1 or checkpoint_every < 1:
         raise UsageError(f"--steps and --checkpoint-every must be >= 1 (got {steps} and {checkpoint_every})")
@@ -49,7 +49,7 @@ def demo_cmd(out_dir: Path, injections: tuple[str, ...], steps: int, checkpoint_
     result = run_config(config)
     render_demo(result, err)
     if as_json:
-        emit_json(result.to_json())
+        emit_json(demo_document(result))
 
 
 def _parse_threads(text: str | None, world_size: int) -> tuple[int, ...] | None:

@@ -129,7 +129,7 @@ class DemoConfig:
         if self.threads is not None:
             object.__setattr__(self, "threads", tuple(int(t) for t in self.threads))
             if len(self.threads) != self.world_size or min(self.threads) < 1:
-                raise UsageError(f"threads must give a count >= 1 for each of the {self.world_size} ranks, got {list(self.threads)}")
+                raise UsageError(f"threads must give a count >= 1 for each of the {self.world_size} ranks, got {', '.join(map(str, self.threads))}")
         if self.recipe_args is not None:
             object.__setattr__(self, "recipe_args", recipe_mod.check_recipe_args(self.recipe_args))
         recipe = recipe_mod.load_recipe(self.recipe, args=self.recipe_args)
@@ -150,7 +150,7 @@ class DemoConfig:
             if spec.rank >= self.world_size and spec.location not in ("allreduce-all", "checkpoint-file"):
                 raise UsageError(f"fault {spec}: rank {spec.rank} does not exist in a {self.world_size}-rank run (use rank=0..{self.world_size - 1})")
             if spec.location == "checkpoint-file" and spec.step not in self.checkpoint_steps:
-                raise UsageError(f"fault {spec}: no checkpoint {spec.step} is written (checkpoints: {list(self.checkpoint_steps)})")
+                raise UsageError(f"fault {spec}: no checkpoint {spec.step} is written (checkpoints: {', '.join(map(str, self.checkpoint_steps))})")
             elif spec.location != "checkpoint-file" and not self.first_step <= spec.step < self.steps:
                 raise UsageError(f"fault {spec}: step {spec.step} is outside the run (steps {self.first_step}..{self.steps - 1})")
         check_injections(self, recipe)  # elements and bits, against the model the recipe builds
@@ -167,7 +167,7 @@ class DemoConfig:
             raise UsageError(f"kill_rank {self.kill_rank} needs a rank in 0..{self.world_size - 1} and a kill_step")
         if self.kill_point == KillPoint.CHECKPOINT.value:
             if self.kill_step not in self.checkpoint_steps or self.kill_step == 0:
-                raise UsageError(f"kill_step {self.kill_step} is not a checkpoint written after a step (checkpoints: {list(self.checkpoint_steps)})")
+                raise UsageError(f"kill_step {self.kill_step} is not a checkpoint written after a step (checkpoints: {', '.join(map(str, self.checkpoint_steps))})")
         elif not self.first_step <= self.kill_step < self.steps:
             raise UsageError(f"kill_step {self.kill_step} is outside the run (steps {self.first_step}..{self.steps - 1})")
         if self.kill_point == KillPoint.RECORD_WRITE.value and not self.record:
@@ -335,7 +335,7 @@ def _wait(processes, deadline: float, timeout_s: float) -> int | None:
         if now > deadline:
             raise SdcError(f"the demo run did not finish within {timeout_s:.0f} s; all its processes were killed")
         if stopped_at is not None and now - stopped_at > _ALARM_GRACE_S:
-            raise SdcError(f"ranks stopped on an alarm but rank(s) {[processes.index(p) for p in alive]} did not within "
+            raise SdcError(f"ranks stopped on an alarm but rank(s) {', '.join(str(processes.index(p)) for p in alive)} did not within "
                            f"{_ALARM_GRACE_S:.0f} s; all its processes were killed")
         wait([p.sentinel for p in alive], timeout=0.5)
 

@@ -1,8 +1,9 @@
-"""Forensics: triage of a trace, deterministic replay, bisection, verdicts and their rendering.
+"""Forensics: triage of a trace, deterministic replay, bisection and verdicts (rendering is
+``sdc_forensics.present``'s).
 
 One module per stage: ``evidence`` (the vocabulary), ``triage`` (numpy only), ``replay`` and
-``replay_env`` (torch), ``bisect`` (the flow), ``verdict`` (the result), ``render`` (text and
-JSON). The names below import without torch; import ``forensics.replay`` to replay by hand.
+``replay_env`` (torch), ``bisect`` (the flow), ``decision`` (the one decision), ``verdict`` (the
+result); ``certify``, ``verify_run``, ``replay_run`` and ``incident`` are what the commands call. The names below import without torch; import ``forensics.replay`` to replay by hand.
 """
 
 from sdc_forensics.forensics.bisect import BisectOptions, bisect

@@ -253,7 +253,7 @@ def _scan_after(runner: "_WindowRunner", starts: list[CheckpointNote], found: in
         if note.step <= found:
             continue
         if note.diverged_ranks:
-            runner.notes.append(f"scan: checkpoint {note.step} was saved while rank(s) {list(note.diverged_ranks)} "
+            runner.notes.append(f"scan: checkpoint {note.step} was saved while rank(s) {', '.join(map(str, note.diverged_ranks))} "
                                 "still diverged; its interval is not scanned")
             continue
         hi = starts[index + 1].step - 1 if index + 1 < len(starts) else last_step

@@ -265,7 +265,7 @@ def decide(
                          "the fault may have begun there")
     if weak:
         w = weak[0]
-        settle.insert(0, f"weak evidence at step {w.step}, rank(s) {list(w.ranks) or 'all'}: a tolerant replay residual "
+        settle.insert(0, f"weak evidence at step {w.step}, rank(s) {', '.join(map(str, w.ranks)) or 'all'}: a tolerant replay residual "
                          f"({w.found}) not far enough above what clean tolerant replays produce to tell a fault from replay drift; "
                          "replay exactly (without --threads/--tolerant on CPU, or on the recorded GPU model), or from a checkpoint "
                          "closer to the step, to settle it")
@@ -321,7 +321,7 @@ def checkpoint_status(note, file: CheckpointFile | None, *, first: int | None, w
         why.append("the trace is damaged or inconsistent; its evidence cannot be trusted")
     early = [e for e in weak if e.step < step]
     if early:
-        why.append(f"weak evidence at step {early[0].step} (rank(s) {list(early[0].ranks) or 'all'}) is unresolved")
+        why.append(f"weak evidence at step {early[0].step} (rank(s) {', '.join(map(str, early[0].ranks)) or 'all'}) is unresolved")
     missing = examined.unexamined_before(step)
     if missing:
         why.append(f"steps {_spans(missing)} were not replayed: a wrong local gradient there would not show in the trace")

@@ -109,7 +109,7 @@ def replay_from_trace(trace_dir: str | os.PathLike, request: ReplayRequest, prog
     from sdc_forensics.forensics import decision
     from sdc_forensics.forensics.replay import ReplayOptions, replay_window
     from sdc_forensics.forensics.replay_env import resolve_device
-    from sdc_forensics.recipe import load_recipe
+    from sdc_forensics.recipe import load_trace_recipe
 
     trace, note, start = window.trace, window.note, request.start_step
     resolve_device(request.device)  # an unknown or absent device: a usage error before the recipe is loaded
@@ -119,7 +119,7 @@ def replay_from_trace(trace_dir: str | os.PathLike, request: ReplayRequest, prog
     options = ReplayOptions(start_step=start, stop_step=request.stop_step, checkpoint_path=path,
                             expected_weights_digest=note.weights_digest, device=request.device, force_device=request.force_device,
                             num_threads=request.num_threads, force_tolerant=request.force_tolerant)
-    recipe = load_recipe(window.recipe)
+    recipe = load_trace_recipe(trace.manifest, request.recipe)  # with the job settings the manifest recorded
     if progress is not None:
         progress.window(start, request.stop_step, "requested")
     result = replay_window(trace, recipe, options, progress.step if progress is not None else None)

@@ -1,7 +1,7 @@
 """The result of a bisection, as data: what was found, who is suspected, where to resume from.
 
 ``forensics.bisect`` gathers the evidence and ``forensics.decision`` decides; this module holds
-the records the renderers (``render.py``, ``report.py``) read. numpy-free and torch-free.
+the records the renderers in ``sdc_forensics.present`` read. numpy-free and torch-free.
 """
 
 from __future__ import annotations

@@ -47,3 +47,8 @@ def render_demo(result: DemoResult, console) -> None:
     console.print(f"  finished in {result.wall_s:.1f} s")
     console.print(f"\nNext: [bold]sdc-forensics bisect {escape(str(cfg.trace_dir))}[/]  "
                   "(finds the first divergent step, the rank and the last clean checkpoint)")
+
+
+def demo_document(result: DemoResult) -> dict:
+    """The ``--json`` document of ``demo``: the ground truth (docs/json.md, docs/schemas/demo.schema.json)."""
+    return result.to_json()

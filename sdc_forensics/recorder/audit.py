@@ -193,7 +193,7 @@ def _verdict(step: int, dispute: Recomputation, breaker: int | None, tiebreaks: 
     if dispute.input_digest != owns[s].input_digest:
         input_note = "; the refetched input differs from the input rank {s} consumed (input-data fault)".format(s=s)
     third = next((t for t in tiebreaks if t.subject == s and t.auditor == breaker), None)
-    base = f"rank {a} recomputed rank {s}'s microbatches {list(dispute.ids)} at step {step} and got a different gradient"
+    base = f"rank {a} recomputed rank {s}'s microbatches {', '.join(map(str, dispute.ids))} at step {step} and got a different gradient"
     if third is None:
         return Finding(check=AUDIT, step=step, rank=-1, ranks=(a, s), flag=Flag.AUDIT_MISMATCH,
                        detail=base + "; no rank on a third node to break the tie" + input_note)

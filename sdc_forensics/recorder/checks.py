@@ -77,7 +77,7 @@ def check_nonfinite(step: int, nonfinite_local: np.ndarray, nonfinite_reduced: n
         return Finding(
             check=NONFINITE, step=step, rank=ranks[0], ranks=ranks, flag=Flag.NONFINITE_LOCAL,
             value=float(np.asarray(nonfinite_local)[local].sum()),
-            detail=f"NaN/Inf in the local gradient of rank(s) {list(ranks)} before the all-reduce",
+            detail=f"NaN/Inf in the local gradient of rank(s) {', '.join(map(str, ranks))} before the all-reduce",
         )
     reduced = np.flatnonzero(np.asarray(nonfinite_reduced) > 0)
     if reduced.size:
@@ -88,7 +88,7 @@ def check_nonfinite(step: int, nonfinite_local: np.ndarray, nonfinite_reduced: n
             flag=Flag.NONFINITE_REDUCED, value=float(np.asarray(nonfinite_reduced)[reduced].sum()),
             detail="NaN/Inf appeared in the reduced gradient on "
             + ("every rank although all local gradients were finite: inside the collective" if everywhere
-               else f"rank(s) {list(ranks)} only, after the all-reduce"),
+               else f"rank(s) {', '.join(map(str, ranks))} only, after the all-reduce"),
         )
     return None
 
@@ -138,7 +138,7 @@ def check_allreduce(
     how = "sketch beyond tolerance" if sketch_bad[list(ranks)].any() else "bits differ from the other ranks' reduced gradient"
     return Finding(
         check=ALLREDUCE, step=step, rank=ranks[0], ranks=ranks, flag=Flag.ALLREDUCE_MISMATCH, value=worst,
-        detail=f"the reduced gradient on rank(s) {list(ranks)} is not what the collective produced elsewhere ({how})",
+        detail=f"the reduced gradient on rank(s) {', '.join(map(str, ranks))} is not what the collective produced elsewhere ({how})",
     ), bad
 
 
@@ -153,6 +153,6 @@ def check_weights(step: int, digests: np.ndarray) -> tuple[Finding | None, Major
     if vote.diverged:
         return Finding(
             check=WEIGHTS, step=step, rank=vote.diverged[0], ranks=vote.diverged, flag=Flag.WEIGHTS_DIVERGED,
-            detail=f"replica weights of rank(s) {list(vote.diverged)} differ from the strict majority after step {step}",
+            detail=f"replica weights of rank(s) {', '.join(map(str, vote.diverged))} differ from the strict majority after step {step}",
         ), vote
     return None, vote

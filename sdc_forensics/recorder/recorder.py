@@ -334,7 +334,7 @@ class Recorder:
             if failure is not None:
                 raise failure
             failed = [int(r) for r in np.flatnonzero(table[:, 2 * k + 5] < 0)]
-            raise SdcError(f"the recorder failed on rank(s) {failed} at step {state.step}; see their logs")
+            raise SdcError(f"the recorder failed on rank(s) {', '.join(map(str, failed))} at step {state.step}; see their logs")
         if not table[:, 2 * k + 5].all():
             return None  # some rank had no gradient this step (no backward): nothing to compare
         findings = []

@@ -88,6 +88,9 @@ def test_recipe_args_reach_the_replay_and_the_ddp_state_dict_is_accepted(tmp_pat
     assert doc["first_divergent_step"] == 3 and [s["rank"] for s in doc["suspects"]] == [1]
     assert {c["step"]: c["status"] for c in doc["checkpoints"]}[2] == "clean"
     assert doc["replayed"]["windows"] and {w["comparison"] for w in doc["replayed"]["windows"]} == {"exact"}
+    ran = run_installed(["replay", str(root / "trace"), "--from", "2", "--to", "4", "--json"], tmp_path, env=env)
+    assert ran.returncode == 1, ran.stderr  # replay, too, rebuilds the job with its recorded settings
+    assert json.loads(ran.stdout)["first_divergent_step"] == 3
 
 
 def test_a_model_with_a_comm_hook_is_refused_before_anything_is_written(tmp_path):
@@ -115,6 +118,6 @@ def test_an_alarm_under_policy_raise_exits_with_the_documented_code(tmp_path):
         lines = [line for line in r.stderr.splitlines() if line.strip()]  # the recorder's logged alarm, then the exit line
         assert "Traceback" not in r.stderr
         assert lines[-1].startswith("sdc-forensics: training stopped by an online check: weights check fired at step 2")
-        assert "rank(s) [2]" in lines[-1] and lines[-1].endswith(f"(exit {ALARM_EXIT_CODE}; run sdc-forensics bisect on the trace)")
+        assert "rank(s) 2 differ" in lines[-1] and lines[-1].endswith(f"(exit {ALARM_EXIT_CODE}; run sdc-forensics bisect on the trace)")
     ran = run_installed(["inspect", str(root / "trace")], tmp_path)
     assert ran.returncode == 0 and "weights" in ran.stderr
