@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
                     optimizer.zero_grad()
                 if (step + 1) % 2 == 0:
                     checkpoint(step + 1)
+        dist.barrier()  # as a job ends: every rank done with its collectives before any rank tears down gloo
     finally:
         if notes:
             Path(args.checkpoints).parent.joinpath(f"notes-rank{rank}.json").write_text(json.dumps(notes))
