@@ -61,7 +61,7 @@ def analysis_options(func):
     func = click.option("--device", default="cpu", show_default=True, help="Replay device: cpu, cuda or cuda:N.")(func)
     func = click.option("--recipe", metavar="MOD:ATTR", help="Replay recipe (default: the one the trace's manifest names).")(func)
     return click.option("--checkpoints", "checkpoints_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
-                        help="Directory holding the checkpoint files (default: the paths the job wrote).")(func)
+                        help="Directory holding the checkpoint files (default: found from the trace: the paths the job wrote, also relative to the trace directory).")(func)
 
 
 def run_analysis(trace_dir: Path, **options):

@@ -43,7 +43,7 @@ class BisectOptions:
     """What ``bisect`` may use.
 
     Attributes:
-        checkpoints_dir: where the checkpoint files are (None: the paths the job wrote).
+        checkpoints_dir: where the checkpoint files are (None: found from the trace, ``checkpoint.locate.locate_checkpoint``).
         recipe: ``module:attribute`` overriding the manifest's recipe.
         device: replay device (``cpu``, ``cuda``, ``cuda:N``).
         trace_only: never replay, never read checkpoint files, never import torch.
