@@ -133,7 +133,8 @@ class Suspect:
                     "rewrite or discard the file(s); the GPU is not implicated")
         if self.recurring:
             return f"recurring ({len(self.steps)} independent events): drain node {self.host or '?'} and take GPU {self.gpu or '?'} out of service"
-        return f"one event: run GPU diagnostics on {self.host or '?'} / {self.gpu or '?'} before reusing it"
+        return (f"one event: run the DCGM diagnostic on {self.host or '?'} / {self.gpu or '?'} before reusing it "
+                "(sdc-forensics report gives the commands)")
 
     def to_json(self) -> dict[str, Any]:
         return {
