@@ -89,6 +89,7 @@ def test_checkpoint_file_scoring():
 
 
 @pytest.mark.slow
+@pytest.mark.campaign
 def test_ci_sized_campaign(tmp_path):
     """~20 faults and 3 clean runs through the three commands: the issue's bar, asserted."""
     options = campaign.Options(faults=20, clean=3, seed=2026, out_dir=tmp_path, steps=8, checkpoint_every=4, jobs=2)
