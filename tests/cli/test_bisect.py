@@ -113,7 +113,7 @@ def test_recurring_rank_is_told_to_drain(make_trace):
     [suspect] = doc["suspects"]
     assert suspect["recurring"] is True and suspect["steps"] == [3, 9] and "drain" in suspect["recommendation"]
     single = json.loads(_run("bisect", make_trace(fault=Fault(kind="nonfinite", step=3, rank=2)), "--trace-only", "--json").stdout)
-    assert single["suspects"][0]["recurring"] is False and "diagnostics" in single["suspects"][0]["recommendation"]
+    assert single["suspects"][0]["recurring"] is False and "DCGM diagnostic" in single["suspects"][0]["recommendation"]
 
 
 def test_trace_only_never_imports_torch(faulty_run):
