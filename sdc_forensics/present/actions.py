@@ -14,6 +14,7 @@ node, else the host name. Storage damage points at the node's disk or file syste
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
 
 from sdc_forensics.forensics.decision import Status
@@ -46,6 +47,18 @@ def _q(value: object) -> str:
     return shlex.quote(str(value))
 
 
+#: What a node name, host name, GPU UUID or PCI bus id looks like. A manifest string that does
+#: not (a newline, a leading ``-`` that a command would read as an option, shell syntax) is never
+#: pasted into a command: the placeholder goes there instead, and the prose says why.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,252}")
+
+
+def _arg(value: object, placeholder: str = "NODE") -> str:
+    """``value`` as one safe command-line argument, or ``placeholder`` when it does not look like a name."""
+    text = str(value)
+    return text if _NAME.fullmatch(text) else placeholder
+
+
 def _gpu_label(target: NodeTarget) -> str:
     return target.gpu_uuid or target.pci_bus_id or (f"local rank {target.local_rank}" if target.local_rank >= 0 else target.device)
 
@@ -56,15 +69,17 @@ def drain_reason(target: NodeTarget, incident: Incident) -> str:
     if target.implicates is Implicates.DISK:
         return f"sdc-forensics: checkpoint file damaged at rest (step {step}, rank {target.rank}): check disk"
     what = "recurring SDC" if target.recurring else "SDC"
-    job = f" job {target.slurm_job_id}" if target.slurm_job_id else ""
-    return f"sdc-forensics: {what} at step {step}, rank {target.rank}, GPU {_gpu_label(target)}{job}"
+    job = f" job {_arg(target.slurm_job_id, 'JOB')}" if target.slurm_job_id else ""
+    named = target.gpu_uuid or target.pci_bus_id
+    gpu = _arg(named, "unnamed") if named else _gpu_label(target)
+    return f"sdc-forensics: {what} at step {step}, rank {target.rank}, GPU {gpu}{job}"
 
 
 def _dcgm(target: NodeTarget) -> ActionBlock:
     level = target.dcgm_level
     if target.gpu_uuid or target.pci_bus_id:
         ident = target.gpu_uuid or target.pci_bus_id
-        gpu = f'"$(nvidia-smi -i {_q(ident)} --query-gpu=index --format=csv,noheader)"'
+        gpu = f'"$(nvidia-smi -i {_arg(ident, "GPU_UUID")} --query-gpu=index --format=csv,noheader)"'
         note = f"The GPU is found by its {'UUID' if target.gpu_uuid else 'PCI bus id'} ({ident}); DCGM's GPU id is its NVML index."
     else:
         gpu = _q(max(target.local_rank, 0))
@@ -73,15 +88,19 @@ def _dcgm(target: NodeTarget) -> ActionBlock:
     return ActionBlock(
         title=f"Run the DCGM diagnostic on {target.node} (level {level})",
         why=(_DCGM_WHY[level] + ".", note, "Run it on the node itself, with no job on the GPU."),
-        commands=(f"ssh {_q(target.node)}", f"dcgmi diag -r {level} -i {gpu}"),
+        commands=(f"ssh {_arg(target.node)}", f"dcgmi diag -r {level} -i {gpu}"),
         platform="dcgm",
     )
 
 
 def _node_blocks(target: NodeTarget, incident: Incident) -> list[ActionBlock]:
-    node, reason = _q(target.node), drain_reason(target, incident)
+    node, reason = _arg(target.node), drain_reason(target, incident)
     named = {"slurm": "the manifest's Slurm node name", "kubernetes": "the manifest's Kubernetes node name",
              "host": "the host name (the manifest holds no Slurm or Kubernetes node name; use the scheduler's name if it differs)"}[target.node_source]
+    if node != target.node:
+        named += ("; that name does not look like a host name (a newline, a leading '-', shell syntax: a damaged or crafted "
+                  "manifest), so the commands say NODE: put the scheduler's name for the node of rank "
+                  f"{target.rank} there")
     taint = f"{_TAINT_KEY}=step{incident.first_divergent_step if incident.first_divergent_step is not None else 'x'}-rank{target.rank}"
     if target.implicates is Implicates.DISK:
         blocks = [ActionBlock(
@@ -144,7 +163,7 @@ def _resume_block(result: BisectResult, incident: Incident) -> ActionBlock | Non
             why.append("Do not resume from checkpoint(s) " + ", ".join(str(c.step) for c in bad) + " (tainted or corrupt).")
     if nodes:
         why.append("Keep the job off the suspect node(s): " + ", ".join(nodes) + ".")
-        commands.append(f"sbatch --exclude={_q(','.join(nodes))} job.sbatch   # your job script, "
+        commands.append(f"sbatch --exclude={','.join(_arg(n) for n in nodes)} job.sbatch   # your job script, "
                         + ("resuming from the checkpoint above" if last is not None else "once a resume point is settled"))
     if incident.nodes and incident.checkpoint_locality is Locality.NODE_LOCAL:
         where = incident.resume_host or "the node that wrote it"
@@ -152,8 +171,9 @@ def _resume_block(result: BisectResult, incident: Incident) -> ActionBlock | Non
                    f"checkpoint from {where} to shared storage before the node is drained or replaced, and write new checkpoints "
                    "to shared storage or another node.")
         if last is not None and incident.resume_host and incident.resume_job_path:
-            source = _q(f"{incident.resume_host}:{incident.resume_job_path}")
-            commands.append(f"rsync -a {source} SHARED_DIR/   # before draining or replacing {incident.resume_host}")
+            host = _arg(incident.resume_host)
+            source = _q(f"{host}:{incident.resume_job_path}")
+            commands.append(f"rsync -a {source} SHARED_DIR/   # before draining or replacing {host}")
     elif incident.nodes and incident.checkpoint_locality is Locality.UNKNOWN and incident.checkpoint_paths:
         why.append(f"Whether checkpoint paths are node-local cannot be told from them ({_paths(incident)}): if they are, copy the "
                    "resume checkpoint off the suspect node before it is replaced, and keep new checkpoints off it.")
@@ -186,13 +206,13 @@ def build_actions(result: BisectResult, incident: Incident, job_nodes: tuple[str
     for target in incident.nodes:
         blocks += _node_blocks(target, incident)
     if incident.collective:
-        nodes = ",".join(job_nodes)
+        nodes = ",".join(_arg(n) for n in job_nodes)
         blocks.append(ActionBlock(
             title="Collective fault: no single node to drain",
             why=("Every rank received the same wrong all-reduce result, so no rank is to blame: check the interconnect and the "
                  "collective library of every node in the job (DCGM level 2 includes PCIe and NVLink checks; NCCL's all_reduce_perf "
                  "from nccl-tests checks results across nodes).",),
-            commands=(f"srun --nodelist={_q(nodes)} --ntasks-per-node=1 dcgmi diag -r 2",) if nodes else ("dcgmi diag -r 2   # on every node of the job",),
+            commands=(f"srun --nodelist={nodes} --ntasks-per-node=1 dcgmi diag -r 2",) if nodes else ("dcgmi diag -r 2   # on every node of the job",),
             platform="fabric",
         ))
     if not incident.nodes and not incident.collective:

@@ -42,17 +42,32 @@ def test_html_is_self_contained_and_escapes_trace_strings(make_trace, tmp_path):
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page, re.IGNORECASE)
     assert "<link" not in page.lower() and "@import" not in page and "url(http" not in page
     assert "<svg" in page and "@media print" in page
-    # in a pasted command the hostile host name is one quoted word, never a command substitution
-    assert "scontrol update nodename='<script>alert(1)</script>$(touch pwned)' state=drain" in page.replace("&lt;", "<").replace(
-        "&gt;", ">").replace("&#x27;", "'")
+    # a hostile host name never reaches a pasted command: the placeholder does, and the prose says why
+    plain = page.replace("&lt;", "<").replace("&gt;", ">").replace("&#x27;", "'")
+    assert "scontrol update nodename=NODE state=drain" in plain and "does not look like a host name" in plain
+    assert not any("$(touch pwned)" in line for line in _command_lines(plain))
 
 
 def test_markdown_quotes_hostile_names_in_commands(make_trace, tmp_path):
     out = tmp_path / "review.md"
     CliRunner().invoke(cli, ["report", str(_hostile_trace(make_trace)), "--trace-only", "-o", str(out)])
     text = out.read_text()
-    assert "kubectl cordon '<script>alert(1)</script>$(touch pwned)'" in text
-    assert """nvidia-smi -i 'GPU-<b>x</b>'"'"';rm -rf ~;'"'"''""" in text
+    assert "kubectl cordon NODE" in text and "nvidia-smi -i GPU_UUID" in text
+    assert not any("touch pwned" in line or "rm -rf" in line for line in _command_lines(text))
+
+
+def _command_lines(text: str) -> list[str]:
+    """The lines of a review that are commands someone would paste (in HTML: inside its code blocks)."""
+    starts = ("scontrol", "kubectl", "ssh", "sbatch", "srun", "rsync", "dcgmi", "aws")
+    blocks = re.findall(r"<code[^>]*>(.*?)</code>", text, re.S) if "<code" in text else [text]
+    return [line.strip() for block in blocks for line in block.splitlines() if line.strip().startswith(starts)]
+
+
+def test_a_node_name_that_starts_with_a_dash_is_not_an_option():
+    from sdc_forensics.present.actions import _arg
+
+    assert _arg("-oProxyCommand=touch /tmp/x") == "NODE" and _arg("node-17.cluster") == "node-17.cluster"
+    assert _arg("good\ntouch /tmp/PWNED") == "NODE" and _arg("GPU-5d3c:01", "GPU_UUID") == "GPU-5d3c:01"
 
 
 def test_without_matplotlib_the_html_says_how_to_get_plots(make_trace, tmp_path, monkeypatch):
