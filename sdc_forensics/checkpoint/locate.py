@@ -24,9 +24,9 @@ def locate_checkpoint(
 
     1. ``checkpoints`` given (``--checkpoints DIR``, or a list of paths): by file name there, and
        nowhere else;
-    2. the path the job wrote, when it is absolute and exists;
-    3. the path the recorder noted relative to the trace directory (``path_from_trace``), which
+    2. the path the recorder noted relative to the trace directory (``path_from_trace``), which
        survives moving the trace and its checkpoints together, even renamed;
+    3. the path the job wrote, when it is absolute and exists;
     4. the path the job wrote, relative to ``base_dir`` (the trace directory), to its parent,
        and to a farther ancestor where the path goes back down through the trace's own folders,
        nearest first: ``sdc-demo/checkpoints/x.pt`` written by a job run in ``/job`` is found as
@@ -34,14 +34,17 @@ def locate_checkpoint(
        whatever the current directory (notes written before ``path_from_trace`` rely on this);
     5. the path the job wrote, relative to the current directory (where the job ran, usually).
 
-    3 comes before 4, and 4 joins only where the path passes through the trace's own folders,
+    2 comes before 3 and 4, so that a trace archived with its checkpoints is read against its own
+    files even where the job's absolute paths now hold a later run's; 4 joins only where the path passes through the trace's own folders,
     because a far ancestor (``/tmp``) can hold another run's ``sdc-demo/checkpoints/`` with the
     same file names (found so, in a shared ``/tmp``).
 
-    A note is hostile input: in 3 and 4 a candidate must stay under the directory it is joined
-    to (a written path with a ``..`` component is never joined, and ``path_from_trace`` may only
-    climb to an ancestor of the trace directory, then descend), so a note cannot point the search
-    anywhere else; a path outside those is used only as written (2 and 5).
+    A note is hostile input. A written path with a ``..`` component is never joined to anything;
+    ``path_from_trace`` may only be ``..`` components then plain names; and whatever a note names
+    is used only when it is a regular file or a directory (never a FIFO or a device), opened
+    read-only and parsed as hostile like any checkpoint: a note can name a file outside the run,
+    as a job's own absolute path can, and verification then finds that it is not the checkpoint
+    the note describes.
 
     Args:
         note: the checkpoint note.
@@ -59,20 +62,26 @@ def locate_checkpoint(
                 return Path(path)
         return None
     written = Path(note.path)
-    if written.is_absolute() and written.exists():
+    base = Path(os.path.abspath(base_dir)) if base_dir is not None else None
+    if base is not None and note.path_from_trace and climbs_then_descends(note.path_from_trace):
+        candidate = Path(os.path.normpath(base / note.path_from_trace))
+        if _usable(candidate):  # as written when that is the same file (paths in reports stay the job's)
+            return written if _usable(written) and os.path.samefile(written, candidate) else candidate
+    if written.is_absolute() and _usable(written):
         return written
-    if base_dir is not None:
-        base = Path(os.path.abspath(base_dir))
-        if note.path_from_trace and climbs_then_descends(note.path_from_trace):
-            candidate = Path(os.path.normpath(base / note.path_from_trace))
-            if candidate.exists():  # as written when that is the same file (paths in reports stay the job's)
-                return written if written.exists() and os.path.samefile(written, candidate) else candidate
+    if base is not None:
         if written.parts and not written.is_absolute() and not written.drive and ".." not in written.parts:
             for ancestor in _join_points(base, written):
                 candidate = ancestor / written
-                if candidate.exists():
-                    return written if written.exists() and os.path.samefile(written, candidate) else candidate
-    return written if not written.is_absolute() and written.exists() else None
+                if _usable(candidate):
+                    return written if _usable(written) and os.path.samefile(written, candidate) else candidate
+    return written if not written.is_absolute() and _usable(written) else None
+
+
+def _usable(path: Path) -> bool:
+    """A regular file or a directory (a DCP checkpoint): never a FIFO, a device or a socket, which
+    a crafted note could name to make a read hang or consume a device."""
+    return path.is_file() or path.is_dir()
 
 
 def _join_points(trace_dir: Path, written: Path) -> list[Path]:

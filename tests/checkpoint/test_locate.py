@@ -109,3 +109,28 @@ def test_another_runs_folder_in_a_far_ancestor_is_not_taken(tmp_path, monkeypatc
     monkeypatch.chdir(trace)
     assert locate_checkpoint(CheckpointNote(step=4, path=NOTE.path), None, trace) is None
     assert locate_checkpoint(NOTE, None, trace) is None
+
+
+def test_an_archived_trace_reads_its_own_files_where_the_jobs_absolute_paths_hold_a_later_run(tmp_path, monkeypatch):
+    """A trace copied with its checkpoints to an archive is read against the archive's files,
+    even though the job's absolute path still exists and now holds a later run's checkpoint."""
+    original = _job(tmp_path / "job")
+    written = tmp_path / "job" / "sdc-demo" / "checkpoints" / "step-00000004.pt"
+    shutil.copytree(tmp_path / "job" / "sdc-demo", tmp_path / "archive" / "A")
+    written.write_bytes(b"a later run's checkpoint")
+    monkeypatch.chdir(tmp_path)
+    note = CheckpointNote(step=4, path=str(written), path_from_trace="../checkpoints/step-00000004.pt")
+    assert locate_checkpoint(note, None, tmp_path / "archive" / "A" / "trace") == tmp_path / "archive" / "A" / "checkpoints" / "step-00000004.pt"
+    assert locate_checkpoint(note, None, original) == written  # in place, the same file as written
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_a_note_naming_a_fifo_is_not_found(tmp_path, monkeypatch):
+    """A crafted note naming a FIFO (or a device) would make the read hang: only regular files and
+    directories are used."""
+    trace = tmp_path / "t" / "trace"
+    trace.mkdir(parents=True)
+    os.mkfifo(tmp_path / "t" / "pipe.pt")
+    monkeypatch.chdir(tmp_path)
+    assert locate_checkpoint(CheckpointNote(step=4, path=str(tmp_path / "t" / "pipe.pt")), None, trace) is None
+    assert locate_checkpoint(CheckpointNote(step=4, path="x/pipe.pt", path_from_trace="../pipe.pt"), None, trace) is None
