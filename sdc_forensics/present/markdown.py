@@ -11,6 +11,8 @@ Like the other renderers it only reads the result (numpy-free, torch-free).
 
 from __future__ import annotations
 
+import re
+
 import datetime as _dt
 from typing import TYPE_CHECKING
 
@@ -27,7 +29,30 @@ if TYPE_CHECKING:
 
 
 def _cell(text: object) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    return _prose(text).replace("|", "\\|")
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _prose(text: object) -> str:
+    """A trace-derived string as one line of Markdown text: control characters (a newline that
+    would start a fake section) become spaces and ``<``/``>`` cannot open raw HTML."""
+    return _CONTROL.sub(" ", str(text)).replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _code(text: object) -> str:
+    """A trace-derived string as an inline code span that nothing in it can end or escape."""
+    value = _CONTROL.sub(" ", str(text))
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", value)), default=0) + 1)
+    pad = " " if value.startswith("`") or value.endswith("`") else ""
+    return f"{fence}{pad}{value}{pad}{fence}"
+
+
+def _fenced(commands) -> list[str]:
+    """Commands in a bash fence that no command line can close (control characters and backtick
+    runs neutralised; the names in them were checked in ``present/actions.py``)."""
+    return ["```bash", *(_CONTROL.sub("?", c).replace("`", "?") for c in commands), "```"]
 
 
 def _table(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
@@ -48,7 +73,7 @@ def _stopped_early(end: "RunEnd") -> list[str]:
     """The section that says the run stopped early, where, and what the analysis could read."""
     out = ["## The run stopped early", ""]
     stopped = [r for r in end.ranks if r.rank in end.stopped_ranks]
-    who = "every rank" if len(stopped) == len(end.ranks) else ", ".join(f"rank {r.rank} (host `{r.host or '?'}`)" for r in stopped)
+    who = "every rank" if len(stopped) == len(end.ranks) else ", ".join(f"rank {r.rank} (host {_code(r.host or '?')})" for r in stopped)
     after = stopped[0].last_step if stopped else None
     out.append(f"- **Where:** {who} stopped " + (f"after step {after}" if after is not None else "before recording any step")
                + (f" (attempt {end.attempt})" if end.attempt else "") + f"; the run stopped at step {end.stop_step}.")
@@ -85,7 +110,7 @@ def render_markdown(result: BisectResult, manifest: Manifest | None, incident: I
     """
     now = now or _dt.datetime.now(_dt.timezone.utc)
     out = [f"# Post-incident review: {R.headline(result.verdict)}", ""]
-    out += [f"Trace `{result.trace_path}` ({result.world_size} ranks, steps "
+    out += [f"Trace {_code(result.trace_path)} ({result.world_size} ranks, steps "
             f"{'-' if result.step_range is None else f'{result.step_range[0]}..{result.step_range[1]}'}); "
             f"analysed {now:%Y-%m-%d %H:%M} UTC by sdc-forensics {__version__}, mode `{result.mode}`.", ""]
 
@@ -109,14 +134,14 @@ def render_markdown(result: BisectResult, manifest: Manifest | None, incident: I
         if suspect.rank is None:
             who = "the collective (every rank received the same wrong result; no single rank)"
         else:
-            who = f"rank {suspect.rank} on host `{suspect.host or '?'}`, GPU `{suspect.gpu or '?'}`"
+            who = f"rank {suspect.rank} on host {_code(suspect.host or '?')}, GPU {_code(suspect.gpu or '?')}"
             if manifest is not None:
                 ident = manifest.identity(suspect.rank)
-                who += f" (UUID `{ident.gpu_uuid or '-'}`, PCI bus `{ident.pci_bus_id or '-'}`)"
+                who += f" (UUID {_code(ident.gpu_uuid or '-')}, PCI bus {_code(ident.pci_bus_id or '-')})"
         out.append(f"- **Suspect: {who}**; location `{suspect.location.value}`; "
                    f"{'recurring' if suspect.recurring else 'transient, one event'} (steps {', '.join(map(str, suspect.steps))}).")
     last = result.last_clean_checkpoint
-    out.append(f"- **Resume from:** `{last.path}` (checkpoint {last.step}, {last.status.value})." if last
+    out.append(f"- **Resume from:** {_code(last.path)} (checkpoint {last.step}, {last.status.value})." if last
                else "- **Resume from:** no checkpoint could be certified clean.")
     out.append(f"- **Lost:** {R.lost_sentence(incident)}")
     out.append("")
@@ -125,9 +150,9 @@ def render_markdown(result: BisectResult, manifest: Manifest | None, incident: I
 
     out += ["## Actions ready to paste", ""]
     for block in actions:
-        out += [f"### {block.title}", ""] + [f"- {line}" for line in block.why] + [""]
+        out += [f"### {_prose(block.title)}", ""] + [f"- {_prose(line)}" for line in block.why] + [""]
         if block.commands:
-            out += ["```bash", *block.commands, "```", ""]
+            out += [*_fenced(block.commands), ""]
 
     real = [e for e in result.evidence if not e.is_hint]
     if real:
@@ -141,13 +166,13 @@ def render_markdown(result: BisectResult, manifest: Manifest | None, incident: I
     if result.checkpoints:
         out += ["## Checkpoints", ""]
         out += _table(("step", "status", "path", "reasons"),
-                      [(c.step, c.status.value, f"`{c.path}`", "; ".join(c.reasons)) for c in result.checkpoints])
+                      [(c.step, c.status.value, _code(c.path), "; ".join(c.reasons)) for c in result.checkpoints])
 
     replay = result.replayed
     out += ["## What was replayed", ""]
     if replay.windows:
-        out.append(f"On `{replay.device}`, comparison **{replay.comparison}**"
-                   + (f", all-reduce summation order `{replay.reduction_order}`" if replay.reduction_order else "")
+        out.append(f"On {_code(replay.device)}, comparison **{replay.comparison}**"
+                   + (f", all-reduce summation order {_code(replay.reduction_order)}" if replay.reduction_order else "")
                    + f"; {replay.steps_replayed} step(s) replayed.")
         out.append("")
         out += _table(("from checkpoint", "to step", "last replayed", "comparison", "why"),
@@ -165,12 +190,12 @@ def render_markdown(result: BisectResult, manifest: Manifest | None, incident: I
     if manifest is not None:
         out += ["## Job environment", ""]
         att = max(manifest.attempts, key=lambda a: a.attempt) if manifest.attempts else None
-        out.append(f"- World size {manifest.world_size}, recipe `{manifest.recipe or '-'}`, gradients in "
-                   f"`{manifest.fingerprint.grad_dtype}`, sketch k={manifest.fingerprint.sketch_k}.")
+        out.append(f"- World size {manifest.world_size}, recipe {_code(manifest.recipe or '-')}, gradients in "
+                   f"{_code(manifest.fingerprint.grad_dtype)}, sketch k={manifest.fingerprint.sketch_k}.")
         if att is not None:
             det = ", ".join(f"{k}={v}" for k, v in sorted(att.determinism.items())) or "-"
-            out.append(f"- Latest attempt {att.attempt} (from step {att.start_step}): torch `{att.torch_version or '?'}`, "
-                       f"CUDA `{att.cuda_version or '-'}`, determinism: {det}.")
+            out.append(f"- Latest attempt {att.attempt} (from step {att.start_step}): torch {_code(att.torch_version or '?')}, "
+                       f"CUDA {_code(att.cuda_version or '-')}, determinism: {det}.")
         suspects = [s.rank for s in result.suspects if s.rank is not None]
         if suspects:
             rows = []
@@ -183,6 +208,6 @@ def render_markdown(result: BisectResult, manifest: Manifest | None, incident: I
         else:
             out.append("")
     notes, commands = R.reproduce_commands(request, result)
-    out += ["## Reproduce this analysis", ""] + [f"{n}" for n in notes] + ([""] if notes else [])
-    out += ["```bash", *commands, "```", ""]
+    out += ["## Reproduce this analysis", ""] + [_prose(n) for n in notes] + ([""] if notes else [])
+    out += [*_fenced(commands), ""]
     return "\n".join(out)

