@@ -128,5 +128,6 @@ def test_markdown_keeps_a_hostile_name_on_its_line(make_trace, tmp_path):
     CliRunner().invoke(cli, ["report", str(trace_dir), "--trace-only", "-o", str(out)])
     lines = out.read_text().splitlines()
     assert "### Fix" not in lines and not any(line.startswith("curl evil.sh") for line in lines)
-    assert not any("<img" in line for line in lines)
+    outside_code = [re.sub(r"(`+).*?\1", "", line) for line in lines]  # raw HTML in a code span is text
+    assert not any("<img" in line for line in outside_code)
     assert sum(line.startswith("```") for line in lines) % 2 == 0  # every fence closed by our own
