@@ -51,7 +51,7 @@ def certify_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, certificate_
     with Bars(enabled=err.is_terminal) as bars:
         cert = certify(trace_dir, BisectOptions(**options), progress=bars)
     if certificate_out is not None:
-        write_run_certificate(certificate_out, cert)
+        write_run_certificate(certificate_out, cert, force=force)
     render_certify(cert, err, certificate_out)
     if as_json:
         emit_json(certify_document(cert, certificate_out))

@@ -13,7 +13,8 @@ from pathlib import Path
 import click
 
 from sdc_forensics.cli.common import check_new_output, force_option
-from sdc_forensics.cli.output import err, stdout_closed, write_new_file
+from sdc_forensics.cli.output import err, stdout_closed
+from sdc_forensics.newfile import write_new_file
 
 
 @click.command("export")

@@ -18,14 +18,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any, TextIO, TypeVar
+from typing import Any
 
 from rich.console import Console, ConsoleDimensions
 
+
 SCHEMA_VERSION = 1
-T = TypeVar("T")
 
 #: The width of "not a terminal": wide enough that no line of ours is ever wrapped or cut.
 PLAIN_WIDTH = 1 << 20
@@ -76,41 +74,6 @@ def write_stdout(text: str) -> bool:
         stdout_closed()
         return False
     return True
-
-
-def write_new_file(target: str | os.PathLike, force: bool, write: Callable[[TextIO], T], *, flag: str = "-o") -> T:
-    """Write a text file whole or not at all: ``write(handle)`` into a temporary file beside
-    ``target``, then moved into place; returns what ``write`` returned.
-
-    Without ``force`` the move never replaces a file (a hard link, which fails if one appeared
-    since ``check_new_output``); on any failure the temporary file is removed and ``target`` is
-    untouched.
-
-    Raises:
-        UsageError: ``target`` exists and ``force`` is False (names ``flag``).
-    """
-    from sdc_forensics.errors import UsageError
-
-    target = Path(target)
-    exists = UsageError(f"{flag} {target} exists: choose another path, or pass --force to overwrite it")
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "x", newline="", encoding="utf-8") as handle:
-            result = write(handle)
-        if force:
-            os.replace(tmp, target)
-        else:
-            try:
-                os.link(tmp, target)
-            except FileExistsError:
-                raise exists from None
-            except OSError:  # a file system without hard links
-                if target.exists():
-                    raise exists from None
-                os.rename(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return result
 
 
 def emit_json(document: dict[str, Any]) -> None:

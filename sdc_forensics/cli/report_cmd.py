@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import click
 
 from sdc_forensics.cli.common import EXIT_BY_VERDICT, check_new_output, force_option, run_analysis, trace_analysis_options
+from sdc_forensics.newfile import write_new_file
 from sdc_forensics.cli.output import SCHEMA_VERSION, emit_json, err, write_stdout
 
 
@@ -52,19 +52,8 @@ def report_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: b
     elif output == "-":
         write_stdout(review.text)  # a reader that goes away (| head) is not an error
     else:
-        _write_atomically(Path(output), review.text)
+        write_new_file(Path(output), force, lambda handle: handle.write(review.text), flag="-o")  # whole or nothing, never over a file that appeared meanwhile
         err.print(f"post-incident review ({fmt}) written to {output}", markup=False)
     if as_json and not (fmt == "json" and output == "-"):
         emit_json(review.document)
     ctx.exit(EXIT_BY_VERDICT[result.verdict.value])
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file beside ``path``, then rename: never a half-written review."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()

@@ -117,12 +117,17 @@ def certificate_to_json(cert: Certificate) -> dict:
     return {"format": FORMAT_NAME, "certificate_version": CERTIFICATE_VERSION, **doc}
 
 
-def write_certificate(path: str | os.PathLike, cert: Certificate) -> Path:
-    """Write ``cert`` to ``path`` atomically (never over a checkpoint: it is a new file)."""
+def write_certificate(path: str | os.PathLike, cert: Certificate, *, force: bool = False) -> Path:
+    """Write ``cert`` to ``path`` whole or not at all, never over an existing file unless ``force``.
+
+    Raises:
+        UsageError: ``path`` exists and ``force`` is False.
+    """
+    from sdc_forensics.newfile import write_new_file
+
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(certificate_to_json(cert), indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_new_file(path, force, lambda handle: handle.write(json.dumps(certificate_to_json(cert), indent=1, sort_keys=True) + "\n"),
+                   flag="--certificate-out")
     return path
 
 

@@ -87,11 +87,11 @@ def certify(trace_dir: str | os.PathLike, options, progress=None) -> Certificati
                          exit_code=certify_exit(result.checkpoints, result.verdict))
 
 
-def write_run_certificate(path: str | os.PathLike, certification: Certification) -> Path:
+def write_run_certificate(path: str | os.PathLike, certification: Certification, *, force: bool = False) -> Path:
     """Write the certificate of ``certification`` to ``path`` (atomically; see ``forensics.certificate``)."""
     from sdc_forensics.forensics.certificate import build_certificate, write_certificate
 
     result = certification.analysis
     cert = build_certificate(result.checkpoints, trace_dir=certification.trace_dir,
                              first_divergent_step=result.first_divergent_step, seed=result.seed)
-    return write_certificate(path, cert)
+    return write_certificate(path, cert, force=force)

@@ -216,3 +216,22 @@ def test_certify_exit_codes_answer_where_to_resume(make_run, make_trace, tmp_pat
     bad = run_installed(["certify", str(make_trace(fault=Fault(kind="nonfinite", step=3, rank=1)))], tmp_path)
     assert bad.returncode == 1  # no notes, corruption found
     assert run_installed(["certify", str(make_trace())], tmp_path).returncode == 4  # no notes, nothing found
+
+
+def test_output_appearing_during_the_analysis_is_not_overwritten(tmp_path):
+    """The existence check runs before a possibly long analysis; the write itself never replaces
+    a file that appeared meanwhile (without --force), and leaves no temporary file."""
+    from sdc_forensics.errors import UsageError
+    from sdc_forensics.newfile import write_new_file
+
+    target = tmp_path / "review.html"
+
+    def appears_meanwhile(handle):
+        target.write_text("someone else's")  # created while we were writing
+        handle.write("ours")
+
+    with pytest.raises(UsageError, match="exists"):
+        write_new_file(target, False, appears_meanwhile)
+    assert target.read_text() == "someone else's" and sorted(p.name for p in tmp_path.iterdir()) == ["review.html"]
+    write_new_file(target, True, lambda handle: handle.write("ours"))
+    assert target.read_text() == "ours"
