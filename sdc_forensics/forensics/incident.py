@@ -251,21 +251,21 @@ def step_times(trace: Trace, steps) -> dict[int, np.ndarray]:
 
 
 def _latest(times: np.ndarray | None, rank: int | None = None) -> int | None:
-    if times is None:
-        return None
-    if rank is not None and 0 <= rank < len(times) and times[rank] > 0:
-        return int(times[rank])
-    valid = times[times > 0]
-    return int(valid.max()) if valid.size else None
+    return _pick(times, rank, np.max)
 
 
 def _earliest(times: np.ndarray | None, rank: int | None = None) -> int | None:
+    return _pick(times, rank, np.min)
+
+
+def _pick(times: np.ndarray | None, rank: int | None, reduce) -> int | None:
+    """``rank``'s record time when it has one, else ``reduce`` over every rank's; None without any."""
     if times is None:
         return None
     if rank is not None and 0 <= rank < len(times) and times[rank] > 0:
         return int(times[rank])
     valid = times[times > 0]
-    return int(valid.min()) if valid.size else None
+    return int(reduce(valid)) if valid.size else None
 
 
 def build_incident(result: BisectResult, trace: Trace) -> Incident:

@@ -128,19 +128,16 @@ def incident_series(trace: Trace, window: tuple[int, int]) -> Series:
 
 
 def _audit_rows(trace: Trace, lo: int, hi: int) -> np.ndarray:
-    """``(step, subject, lost)``: one row per audited (step, subject), lost = its own gradient lost
-    the strict-majority vote of subject + auditors (the rule of triage's audit evidence)."""
+    """``(step, subject, lost)``: one row per audited (step, subject), lost = its own gradient is
+    not what a strict majority of subject + auditors computed (``triage.audit_votes``)."""
+    from sdc_forensics.forensics.triage import audit_votes
+
     audits = trace.records(F.Kind.AUDIT)
     audits = audits[(audits["step"] >= lo) & (audits["step"] <= hi)]
     rows = []
     if len(audits):
-        keys = np.stack([audits["step"], audits["aux_rank"].astype(np.int64)], axis=1)
-        for step, subject in np.unique(keys, axis=0):
-            group = audits[(audits["step"] == step) & (audits["aux_rank"] == subject)]
-            own = int(group["aux_digest"][0])
-            values = [own] + [int(v) for v in group["local_digest"]]
-            agree = values.count(own)
-            rows.append((int(step), int(subject), 0 if agree * 2 > len(values) else 1))
+        for step, subject, _, votes, winner, strict in audit_votes(audits):
+            rows.append((step, subject, 0 if strict and votes[0][1] == winner else 1))
     return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
 
 

@@ -286,15 +286,8 @@ def _audits(trace: Trace, options: TriageOptions) -> list[Evidence]:
             for rank in np.flatnonzero(window.present[row]):
                 subject_inputs[(int(window.steps[row]), int(rank))] = int(window.records["input_digest"][row, rank])
     out: list[Evidence] = []
-    keys = np.stack([audits["step"], audits["aux_rank"].astype(np.int64)], axis=1)
-    for step, subject in np.unique(keys, axis=0):
-        group = audits[(audits["step"] == step) & (audits["aux_rank"] == subject)]
-        step, subject = int(step), int(subject)
-        own = int(group["aux_digest"][0])
-        votes = [(subject, own)] + [(int(a["rank"]), int(a["local_digest"])) for a in group]
+    for step, subject, group, votes, winner, strict in audit_votes(audits):
         values = [v for _, v in votes]
-        winner = max(set(values), key=values.count)
-        strict = values.count(winner) * 2 > len(values)
         losers = tuple(r for r, v in votes if v != winner)
         if losers:
             if not strict:
@@ -303,7 +296,7 @@ def _audits(trace: Trace, options: TriageOptions) -> list[Evidence]:
                                     location=Location.UNKNOWN, detail=f"audit of rank {subject}'s microbatch is unresolved; a replay decides"))
             elif subject in losers:
                 out.append(Evidence(kind=EvidenceKind.AUDIT_MISMATCH, step=step, ranks=(subject,), expected=hex64(winner),
-                                    found=hex64(own), location=Location.LOCAL_COMPUTE,
+                                    found=hex64(votes[0][1]), location=Location.LOCAL_COMPUTE,
                                     detail=f"rank {subject}'s own gradient lost the audit vote {values.count(winner)} to {len(values) - values.count(winner)}"))
             else:
                 out.append(Evidence(kind=EvidenceKind.AUDIT_MISMATCH, step=step, ranks=losers, expected=hex64(winner),
@@ -376,3 +369,17 @@ def _first_suspect(evidence: list[Evidence]) -> tuple[int | None, tuple[int, int
         return None, None
     observed = min(e.step for e in evidence if e.marks_divergence and e.onset == first)
     return first, (first, observed)
+
+
+def audit_votes(audits: np.ndarray):
+    """The vote of each audited (step, subject): the subject's own gradient digest and its
+    auditors' recomputations. Yields ``(step, subject, group, votes, winner, strict)``: ``votes``
+    ``[(rank, digest)]`` subject first, ``winner`` the most common digest, ``strict`` whether it
+    holds a strict majority. The one rule for triage's audit evidence and the report's plots."""
+    keys = np.stack([audits["step"], audits["aux_rank"].astype(np.int64)], axis=1)
+    for step, subject in np.unique(keys, axis=0):
+        group = audits[(audits["step"] == step) & (audits["aux_rank"] == subject)]
+        votes = [(int(subject), int(group["aux_digest"][0]))] + [(int(a["rank"]), int(a["local_digest"])) for a in group]
+        values = [v for _, v in votes]
+        winner = max(set(values), key=values.count)
+        yield int(step), int(subject), group, votes, winner, values.count(winner) * 2 > len(values)
