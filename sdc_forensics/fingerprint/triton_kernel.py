@@ -1,0 +1,400 @@
+"""One-pass fingerprint partials on CUDA, in Triton: digest lanes, sketch and stats from one read.
+
+:func:`partials` reads a flat CUDA tensor (float32, bfloat16, float16, float64) once and leaves
+on the device, with no host sync, one float64 vector of length ``2 + k + 3``::
+
+    [0]         lane_low   sum_j c_j  * s_j  mod 2**64  (int64 bits, read with .view(torch.int64))
+    [1]         lane_high  sum_j c'_j * t_j  mod 2**64  (likewise)
+    [2 : 2+k]   sketch     S_m, m < k
+    [2+k]       sumsq      sum_e x_e**2
+    [3+k]       max_abs    max_e |x_e|; NaN if any element is NaN, else Inf if any is infinite
+    [4+k]       nonfinite  count of NaN and +-Inf elements
+
+The lanes are those of ``core._Digester.lane_totals()``; the caller adds ``c_len * N`` and
+applies ``fmix64`` (``docs/fingerprints.md``). Sketch blocks start at ``block_offset``.
+
+Layout: a *tile* is one digest block (4096 bytes: 1024 float32, 2048 16-bit, 512 float64
+elements). Program ``p`` of ``G`` handles tiles ``p, p + G, ...``, at most 1024 of them. Per tile
+it loads the 1024 little-endian 32-bit words once, in the dtype's integer view, and derives the
+values from the same registers (bfloat16: ``bits << 16``; float16: a bit cast; float64: two
+words per element). Digest: one wrapping int32 multiply-sum per lane per tile, then ``c_j * s_j``
+in wrapping int64. Sketch: as ``core._Sketcher``, ``Y = beta^T X`` accumulated in float32
+registers (one term per tile, so every float32 sum has at most 1024 terms, as
+``tolerance.py`` assumes), then ``S_m = sum_i alpha_m[i] Y[m, i]`` in float64 at the end;
+float64 tensors accumulate in float64 directly. Stats: float32 squares per register lane
+(float64 for float64), max |x| as the integer max of the finite elements' absolute bit patterns,
+NaN and Inf counted separately. Each program writes one row of partials; a few torch ops on the
+device reduce the ``G`` rows in a fixed order (deterministic).
+
+Triton is optional: importing this module never fails; :func:`available` says why the kernel
+cannot run. Under ``TRITON_INTERPRET=1`` (set before this module is imported) the same kernels
+run on CPU tensors through Triton's numpy interpreter; the tests use that.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+from sdc_forensics.fingerprint import constants as C
+
+try:  # optional: Triton ships with the CUDA builds of torch, not with the CPU ones
+    import triton
+    import triton.language as tl
+
+    _IMPORT_ERROR = ""
+except Exception as error:  # noqa: BLE001 - a broken triton install must not break the package
+    triton = None
+    tl = None
+    _IMPORT_ERROR = f"triton not installed ({type(error).__name__}: {error})"
+
+#: Environment switch: ``SDC_FORENSICS_KERNELS=off`` disables every compiled kernel.
+KERNELS_ENV = "SDC_FORENSICS_KERNELS"
+_TILE_WORDS = C.BLOCK_WORDS  # one digest block per tile
+_MAX_TILES_PER_PROGRAM = C.BLOCK_ELEMS  # keeps every float32 sum of Y at <= 1024 terms
+_PROGRAMS_PER_SM = 4
+_NUM_WARPS = 8
+_SUPPORTED = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+_lock = threading.Lock()
+_tables: dict[tuple, torch.Tensor] = {}
+
+
+def available(device: torch.device) -> tuple[bool, str]:
+    """Whether :func:`partials` can run on ``device``.
+
+    Args:
+        device: the tensor's device.
+
+    Returns:
+        ``(True, "")``, or ``(False, reason)`` with a reason a person can act on.
+    """
+    if os.environ.get(KERNELS_ENV, "").strip().lower() in ("off", "0", "false", "no"):
+        return False, f"disabled by {KERNELS_ENV}=off"
+    if triton is None:
+        return False, _IMPORT_ERROR
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False, "not a CUDA device"
+    if not torch.cuda.is_available():
+        return False, "CUDA is not available to torch"
+    return True, ""
+
+
+def supports(dtype: torch.dtype) -> bool:
+    """Whether :func:`partials` takes tensors of ``dtype``."""
+    return dtype in _SUPPORTED
+
+
+def partials(flat: torch.Tensor, *, k: int, seed: int, block_offset: int, with_digest: bool) -> torch.Tensor:
+    """Digest lanes, sketch and stats of a flat tensor, in one read, left on its device.
+
+    Args:
+        flat: 1-D tensor of float32, bfloat16, float16 or float64 (a CUDA tensor; a CPU tensor
+            under ``TRITON_INTERPRET=1``). A non-contiguous one is copied first.
+        k: number of sketch projections.
+        seed: the fingerprint seed.
+        block_offset: index of the first sketch block (``core.fingerprint``'s argument).
+        with_digest: when False the two lane entries are 0 and the digest is not computed.
+
+    Returns:
+        float64 tensor of shape ``(2 + k + 3,)`` on ``flat``'s device, laid out as in the module
+        docstring. No host synchronisation happens.
+
+    Raises:
+        RuntimeError: triton is not importable.
+        TypeError: the dtype is not one of the four supported.
+    """
+    if triton is None:
+        raise RuntimeError(f"the Triton fingerprint kernel cannot run: {_IMPORT_ERROR}")
+    if flat.dtype not in _SUPPORTED:
+        raise TypeError(f"the Triton fingerprint kernel takes float32, bfloat16, float16 or float64, not {flat.dtype}")
+    if k < 1 or block_offset < 0:
+        raise ValueError(f"need k >= 1 and block_offset >= 0 (got k={k}, block_offset={block_offset})")
+    flat = flat.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    device = flat.device
+    numel = flat.numel()
+    if numel == 0:
+        return torch.zeros(2 + k + 3, dtype=torch.float64, device=device)
+    num_bytes = numel * flat.element_size()
+    num_tiles = -(-num_bytes // (4 * _TILE_WORDS))  # = digest blocks
+    num_sblocks = -(-numel // C.BLOCK_ELEMS)
+    programs = min(num_tiles, max(_programs_for(device), -(-num_tiles // _MAX_TILES_PER_PROGRAM)))
+    kp = 1 << (k - 1).bit_length()  # k padded to a power of two (extra columns are zero)
+
+    a, b = _word_weights(device, seed)
+    c_low = _block_weights(device, num_tiles, seed, high=False)
+    c_high = _block_weights(device, num_tiles, seed, high=True)
+    alpha = _alpha(device, k, kp, seed)
+    beta = _beta(device, block_offset + num_sblocks, k, kp, seed)[block_offset:]
+    int_rows = torch.empty(programs, 4, dtype=torch.int64, device=device)  # low, high, NaN, Inf
+    float_rows = torch.empty(programs, kp + 2, dtype=torch.float64, device=device)  # sketch, sumsq, max
+    common = dict(KP=kp, WITH_DIGEST=with_digest, num_warps=_NUM_WARPS)
+    grid = (programs,)
+    if flat.dtype == torch.float32:
+        _kernel32[grid](flat.view(torch.int32), numel, num_tiles, a, b, c_low, c_high, alpha, beta, num_sblocks,
+                        int_rows, float_rows, **common)
+    elif flat.dtype == torch.float64:
+        _kernel64[grid](flat.view(torch.int64), numel, num_tiles, a, b, c_low, c_high, alpha, beta, num_sblocks,
+                        int_rows, float_rows, **common)
+    else:
+        paired = numel % 2 == 1 or flat.storage_offset() % 2 == 1  # no int32 view: load 16-bit pairs
+        data = flat.view(torch.int16) if paired else flat.view(torch.int32)
+        _kernel16[grid](data, numel, num_tiles, a, b, c_low, c_high, alpha, beta, num_sblocks,
+                        int_rows, float_rows, IS_BF16=flat.dtype == torch.bfloat16, PAIRED=paired, **common)
+    return _reduce(int_rows, float_rows, k, kp)
+
+
+def _reduce(int_rows: torch.Tensor, float_rows: torch.Tensor, k: int, kp: int) -> torch.Tensor:
+    """Sums the programs' rows (int64 wrapping for the lanes, float64 for the rest), on the device."""
+    ints = int_rows.sum(dim=0)  # (4,) low, high, NaN count, Inf count
+    floats = float_rows[:, : kp + 1].sum(dim=0)  # (kp + 1,) sketch, sumsq
+    finite_max = float_rows[:, kp + 1].amax()
+    nan, inf = ints[2], ints[3]
+    max_abs = torch.where(nan > 0, float("nan"), torch.where(inf > 0, float("inf"), finite_max))
+    return torch.cat([
+        ints[:2].view(torch.float64),
+        floats[:k],
+        floats[kp : kp + 1],
+        max_abs.reshape(1),
+        (nan + inf).to(torch.float64).reshape(1),
+    ])
+
+
+# --- constant tables, on the device, cached (prefix-stable ones at power-of-two lengths) ------
+
+
+def _cached(key: tuple, make) -> torch.Tensor:
+    with _lock:
+        value = _tables.get(key)
+        if value is None:
+            value = make()
+            _tables[key] = value
+        return value
+
+
+def _prefix(key: tuple, rows: int, make) -> torch.Tensor:
+    with _lock:
+        table = _tables.get(key)
+        if table is None or table.shape[0] < rows:
+            table = make(1 << max(10, (rows - 1).bit_length()))
+            _tables[key] = table
+    return table[:rows]
+
+
+def _word_weights(device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    a = _cached(("a", device, seed), lambda: torch.from_numpy(C.digest_word_weights(seed).copy()).to(device))
+    b = _cached(("b", device, seed), lambda: torch.from_numpy(C.digest_high_weights(seed).copy()).to(device))
+    return a, b
+
+
+def _block_weights(device: torch.device, rows: int, seed: int, *, high: bool) -> torch.Tensor:
+    return _prefix(("c", device, seed, high), rows,
+                   lambda size: torch.from_numpy(C.digest_block_weights(size, seed, high=high)).to(device))
+
+
+def _padded(signs, kp: int) -> torch.Tensor:
+    table = torch.zeros(signs.shape[0], kp, dtype=torch.float32)
+    table[:, : signs.shape[1]] = torch.from_numpy(signs)
+    return table
+
+
+def _alpha(device: torch.device, k: int, kp: int, seed: int) -> torch.Tensor:
+    return _cached(("alpha", device, k, seed), lambda: _padded(C.sketch_in_block_signs(k, seed), kp).to(device))
+
+
+def _beta(device: torch.device, rows: int, k: int, kp: int, seed: int) -> torch.Tensor:
+    return _prefix(("beta", device, k, seed), rows, lambda size: _padded(C.sketch_block_signs(size, k, seed), kp).to(device))
+
+
+def _programs_for(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 3  # the interpreter: a few programs, several tiles each, exercise the same paths
+    key = ("sms", device)
+    with _lock:
+        if key not in _tables:
+            _tables[key] = torch.cuda.get_device_properties(device).multi_processor_count
+        return _PROGRAMS_PER_SM * int(_tables[key])
+
+
+# --- kernels --------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _abs_bits32(x):
+        """|x|'s bit pattern (int32) of float32 values."""
+        return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+    @triton.jit
+    def _finite_stats(bits, max_bits, nan, inf):
+        """Running max of the finite ``|x|`` bit patterns (float32) and NaN/Inf counts."""
+        max_bits = tl.maximum(max_bits, tl.where(bits < 0x7F800000, bits, 0))
+        nan += (bits > 0x7F800000).to(tl.int32)
+        inf += (bits == 0x7F800000).to(tl.int32)
+        return max_bits, nan, inf
+
+    @triton.jit
+    def _lanes(low, high, w, a, b, c_ptr, ch_ptr, tile):
+        """Adds tile ``tile``'s ``c_j s_j`` and ``c'_j t_j`` (words ``w``, weights ``a``/``b``) to the lanes."""
+        s = tl.sum(w * a)  # wrapping int32: s_j mod 2**32
+        t = tl.sum((w >> 16) * b)  # arithmetic shift: the sign-extended top half
+        low += tl.load(c_ptr + tile) * (s.to(tl.int64) & 0xFFFFFFFF)
+        high += tl.load(ch_ptr + tile) * (t.to(tl.int64) & 0xFFFFFFFF)
+        return low, high
+
+    @triton.jit
+    def _store(int_ptr, float_ptr, low, high, nan, inf, sketch, sumsq, max_abs, KP: tl.constexpr):
+        pid = tl.program_id(0)
+        tl.store(int_ptr + pid * 4 + 0, low)
+        tl.store(int_ptr + pid * 4 + 1, high)
+        tl.store(int_ptr + pid * 4 + 2, nan)
+        tl.store(int_ptr + pid * 4 + 3, inf)
+        row = float_ptr + pid * (KP + 2)
+        tl.store(row + tl.arange(0, KP), sketch)
+        tl.store(row + KP, sumsq)
+        tl.store(row + KP + 1, max_abs)
+
+    @triton.jit
+    def _kernel32(words_ptr, numel, num_tiles, a_ptr, b_ptr, c_ptr, ch_ptr, alpha_ptr, beta_ptr, num_sblocks,
+                  int_ptr, float_ptr, KP: tl.constexpr, WITH_DIGEST: tl.constexpr):
+        """float32: a tile is 1024 elements, one digest block and one sketch block."""
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        i = tl.arange(0, 1024)
+        m = tl.arange(0, KP)
+        a = tl.load(a_ptr + i)
+        b = tl.load(b_ptr + i)
+        low = tl.zeros((), dtype=tl.int64)
+        high = tl.zeros((), dtype=tl.int64)
+        y = tl.zeros((1024, KP), dtype=tl.float32)  # Y[i, m] = sum_j beta_m[j] x[j, i], this program's j
+        sq = tl.zeros((1024,), dtype=tl.float32)
+        max_bits = tl.zeros((1024,), dtype=tl.int32)
+        nan = tl.zeros((1024,), dtype=tl.int32)
+        inf = tl.zeros((1024,), dtype=tl.int32)
+        for n in range(0, tl.cdiv(num_tiles - pid, programs)):
+            tile = (pid + n * programs).to(tl.int64)
+            e = tile * 1024 + i
+            w = tl.load(words_ptr + e, mask=e < numel, other=0)
+            if WITH_DIGEST:
+                low, high = _lanes(low, high, w, a, b, c_ptr, ch_ptr, tile)
+            x = w.to(tl.float32, bitcast=True)
+            beta = tl.load(beta_ptr + tile * KP + m)
+            y += x[:, None] * beta[None, :]
+            sq += x * x
+            max_bits, nan, inf = _finite_stats(w & 0x7FFFFFFF, max_bits, nan, inf)
+        alpha = tl.load(alpha_ptr + i[:, None] * KP + m[None, :]).to(tl.float64)
+        sketch = tl.sum(alpha * y.to(tl.float64), axis=0)
+        max_abs = tl.max(max_bits, axis=0).to(tl.float32, bitcast=True).to(tl.float64)
+        _store(int_ptr, float_ptr, low, high, tl.sum(nan.to(tl.int64), axis=0), tl.sum(inf.to(tl.int64), axis=0),
+               sketch, tl.sum(sq.to(tl.float64), axis=0), max_abs, KP)
+
+    @triton.jit
+    def _kernel16(data_ptr, numel, num_tiles, a_ptr, b_ptr, c_ptr, ch_ptr, alpha_ptr, beta_ptr, num_sblocks,
+                  int_ptr, float_ptr, KP: tl.constexpr, WITH_DIGEST: tl.constexpr, IS_BF16: tl.constexpr,
+                  PAIRED: tl.constexpr):
+        """bfloat16/float16: a tile is 1024 words = 2048 elements, one digest block, two sketch blocks.
+
+        Word ``w`` holds elements ``2w`` (low half) and ``2w + 1``; words ``< 512`` are in the
+        tile's first sketch block. ``data_ptr`` is the int32 view, or with ``PAIRED`` (odd length
+        or odd offset) the int16 view, whose pairs are assembled into words in registers.
+        """
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        i = tl.arange(0, 1024)
+        m = tl.arange(0, KP)
+        a = tl.load(a_ptr + i)
+        b = tl.load(b_ptr + i)
+        second = (i >= 512)[:, None]
+        low = tl.zeros((), dtype=tl.int64)
+        high = tl.zeros((), dtype=tl.int64)
+        y0 = tl.zeros((1024, KP), dtype=tl.float32)  # Y of the even elements 2w
+        y1 = tl.zeros((1024, KP), dtype=tl.float32)  # Y of the odd elements 2w + 1
+        sq = tl.zeros((1024,), dtype=tl.float32)
+        max_bits = tl.zeros((1024,), dtype=tl.int32)
+        nan = tl.zeros((1024,), dtype=tl.int32)
+        inf = tl.zeros((1024,), dtype=tl.int32)
+        for n in range(0, tl.cdiv(num_tiles - pid, programs)):
+            tile = (pid + n * programs).to(tl.int64)
+            e = tile * 2048 + 2 * i  # (1024,) the even element of each word
+            if PAIRED:
+                even = tl.load(data_ptr + e, mask=e < numel, other=0).to(tl.int32) & 0xFFFF
+                odd = tl.load(data_ptr + e + 1, mask=e + 1 < numel, other=0).to(tl.int32)
+                w = even | (odd << 16)
+            else:
+                w = tl.load(data_ptr + tile * 1024 + i, mask=e < numel, other=0)
+            if WITH_DIGEST:
+                low, high = _lanes(low, high, w, a, b, c_ptr, ch_ptr, tile)
+            if IS_BF16:
+                x0 = (w << 16).to(tl.float32, bitcast=True)
+                x1 = (w & -65536).to(tl.float32, bitcast=True)
+            else:
+                x0 = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                x1 = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            block = 2 * tile
+            beta0 = tl.load(beta_ptr + block * KP + m)
+            beta1 = tl.load(beta_ptr + (block + 1) * KP + m, mask=block + 1 + m * 0 < num_sblocks, other=0.0)
+            beta = tl.where(second, beta1[None, :], beta0[None, :])  # (1024, KP)
+            y0 += x0[:, None] * beta
+            y1 += x1[:, None] * beta
+            sq += x0 * x0 + x1 * x1
+            max_bits, nan, inf = _finite_stats(_abs_bits32(x0), max_bits, nan, inf)
+            max_bits, nan, inf = _finite_stats(_abs_bits32(x1), max_bits, nan, inf)
+        position = (2 * i) % 1024
+        alpha0 = tl.load(alpha_ptr + position[:, None] * KP + m[None, :]).to(tl.float64)
+        alpha1 = tl.load(alpha_ptr + (position + 1)[:, None] * KP + m[None, :]).to(tl.float64)
+        sketch = tl.sum(alpha0 * y0.to(tl.float64) + alpha1 * y1.to(tl.float64), axis=0)
+        max_abs = tl.max(max_bits, axis=0).to(tl.float32, bitcast=True).to(tl.float64)
+        _store(int_ptr, float_ptr, low, high, tl.sum(nan.to(tl.int64), axis=0), tl.sum(inf.to(tl.int64), axis=0),
+               sketch, tl.sum(sq.to(tl.float64), axis=0), max_abs, KP)
+
+    @triton.jit
+    def _kernel64(data_ptr, numel, num_tiles, a_ptr, b_ptr, c_ptr, ch_ptr, alpha_ptr, beta_ptr, num_sblocks,
+                  int_ptr, float_ptr, KP: tl.constexpr, WITH_DIGEST: tl.constexpr):
+        """float64: a tile is 512 elements (1024 words, low word first), half a sketch block.
+
+        The sketch accumulates in float64 directly: a per-tile sum of 512 terms times ``beta``.
+        """
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        i = tl.arange(0, 512)
+        m = tl.arange(0, KP)
+        a_low = tl.load(a_ptr + 2 * i)
+        a_high = tl.load(a_ptr + 2 * i + 1)
+        b_low = tl.load(b_ptr + 2 * i)
+        b_high = tl.load(b_ptr + 2 * i + 1)
+        low = tl.zeros((), dtype=tl.int64)
+        high = tl.zeros((), dtype=tl.int64)
+        sketch = tl.zeros((KP,), dtype=tl.float64)
+        sq = tl.zeros((512,), dtype=tl.float64)
+        max_bits = tl.zeros((512,), dtype=tl.int64)
+        nan = tl.zeros((512,), dtype=tl.int32)
+        inf = tl.zeros((512,), dtype=tl.int32)
+        for n in range(0, tl.cdiv(num_tiles - pid, programs)):
+            tile = (pid + n * programs).to(tl.int64)
+            e = tile * 512 + i
+            v = tl.load(data_ptr + e, mask=e < numel, other=0)
+            if WITH_DIGEST:
+                w_low = v.to(tl.int32)  # truncation: the low word
+                w_high = (v >> 32).to(tl.int32)
+                s = tl.sum(w_low * a_low + w_high * a_high)
+                t = tl.sum((w_low >> 16) * b_low + (w_high >> 16) * b_high)
+                low += tl.load(c_ptr + tile) * (s.to(tl.int64) & 0xFFFFFFFF)
+                high += tl.load(ch_ptr + tile) * (t.to(tl.int64) & 0xFFFFFFFF)
+            x = v.to(tl.float64, bitcast=True)
+            alpha = tl.load(alpha_ptr + ((tile % 2) * 512 + i)[:, None] * KP + m[None, :]).to(tl.float64)
+            beta = tl.load(beta_ptr + (tile // 2) * KP + m).to(tl.float64)
+            sketch += tl.sum(x[:, None] * alpha, axis=0) * beta
+            sq += x * x
+            bits = v & 0x7FFFFFFFFFFFFFFF
+            finite = bits < 0x7FF0000000000000
+            max_bits = tl.maximum(max_bits, tl.where(finite, bits, 0))
+            nan += (bits > 0x7FF0000000000000).to(tl.int32)
+            inf += (bits == 0x7FF0000000000000).to(tl.int32)
+        max_abs = tl.max(max_bits, axis=0).to(tl.float64, bitcast=True)
+        _store(int_ptr, float_ptr, low, high, tl.sum(nan.to(tl.int64), axis=0), tl.sum(inf.to(tl.int64), axis=0),
+               sketch, tl.sum(sq, axis=0), max_abs, KP)
