@@ -123,7 +123,9 @@ def partials(flat: torch.Tensor, *, k: int, seed: int, block_offset: int, with_d
     num_bytes = numel * flat.element_size()
     num_tiles = -(-num_bytes // (4 * _TILE_WORDS))  # = digest blocks
     num_sblocks = -(-numel // C.BLOCK_ELEMS)
-    programs = min(num_tiles, max(_programs_for(device), -(-num_tiles // _MAX_TILES_PER_PROGRAM)))
+    # 16-bit tiles add two terms per tile to each float32 Y entry: half as many tiles per program
+    max_tiles = _MAX_TILES_PER_PROGRAM // (2 if flat.element_size() == 2 else 1)
+    programs = min(num_tiles, max(_programs_for(device), -(-num_tiles // max_tiles)))
     kp = 1 << (k - 1).bit_length()  # k padded to a power of two (extra columns are zero)
 
     a, b = _word_weights(device, seed)
@@ -276,10 +278,13 @@ if triton is not None:
         max_bits = tl.zeros((1024,), dtype=tl.int32)
         nan = tl.zeros((1024,), dtype=tl.int32)
         inf = tl.zeros((1024,), dtype=tl.int32)
+        e = pid.to(tl.int64) * 1024 + i
+        upcoming = tl.load(words_ptr + e, mask=e < numel, other=0)
         for n in range(0, tl.cdiv(num_tiles - pid, programs)):
             tile = (pid + n * programs).to(tl.int64)
-            e = tile * 1024 + i
-            w = tl.load(words_ptr + e, mask=e < numel, other=0)
+            w = upcoming
+            e = (tile + programs) * 1024 + i
+            upcoming = tl.load(words_ptr + e, mask=e < numel, other=0)  # prefetch; masked past the end
             if WITH_DIGEST:
                 low, high = _lanes(low, high, w, a, b, c_ptr, ch_ptr, tile)
             x = w.to(tl.float32, bitcast=True)
@@ -294,60 +299,89 @@ if triton is not None:
                sketch, tl.sum(sq.to(tl.float64), axis=0), max_abs, KP)
 
     @triton.jit
+    def _words16(data_ptr, numel, tile, half, PAIRED: tl.constexpr):
+        """Words ``512 half .. 512 half + 511`` of a 16-bit tile (zero past the end), as int32."""
+        w = tl.arange(0, 512) + 512 * half
+        e = tile * 2048 + 2 * w  # the even element of each word
+        if PAIRED:
+            even = tl.load(data_ptr + e, mask=e < numel, other=0).to(tl.int32) & 0xFFFF
+            odd = tl.load(data_ptr + e + 1, mask=e + 1 < numel, other=0).to(tl.int32)
+            words = even | (odd << 16)
+        else:
+            words = tl.load(data_ptr + tile * 1024 + w, mask=e < numel, other=0)
+        return words
+
+    @triton.jit
+    def _values16(w, IS_BF16: tl.constexpr):
+        """The two 16-bit elements of each word as float32: (low half = even element, high half)."""
+        if IS_BF16:
+            even = (w << 16).to(tl.float32, bitcast=True)
+            odd = (w & -65536).to(tl.float32, bitcast=True)
+        else:
+            even = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            odd = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return even, odd
+
+    @triton.jit
     def _kernel16(data_ptr, numel, num_tiles, a_ptr, b_ptr, c_ptr, ch_ptr, alpha_ptr, beta_ptr, num_sblocks,
                   int_ptr, float_ptr, KP: tl.constexpr, WITH_DIGEST: tl.constexpr, IS_BF16: tl.constexpr,
                   PAIRED: tl.constexpr):
         """bfloat16/float16: a tile is 1024 words = 2048 elements, one digest block, two sketch blocks.
 
-        Word ``w`` holds elements ``2w`` (low half) and ``2w + 1``; words ``< 512`` are in the
-        tile's first sketch block. ``data_ptr`` is the int32 view, or with ``PAIRED`` (odd length
-        or odd offset) the int16 view, whose pairs are assembled into words in registers.
+        Word ``w`` holds elements ``2w`` (low half) and ``2w + 1``. The tile is handled as two
+        halves of 512 words, one per sketch block; both halves' element ``2w + j`` sit at
+        sketch position ``2w + j``, so they share one ``Y`` entry: two terms per tile, at most
+        512 tiles per program (the host's cap), so every float32 sum still has <= 1024 terms.
+        ``data_ptr`` is the int32 view, or with ``PAIRED`` (odd length or odd offset) the int16
+        view, whose pairs are assembled into words in registers.
         """
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
-        i = tl.arange(0, 1024)
+        i = tl.arange(0, 512)
         m = tl.arange(0, KP)
-        a = tl.load(a_ptr + i)
-        b = tl.load(b_ptr + i)
-        second = (i >= 512)[:, None]
+        a0 = tl.load(a_ptr + i)
+        a1 = tl.load(a_ptr + 512 + i)
+        b0 = tl.load(b_ptr + i)
+        b1 = tl.load(b_ptr + 512 + i)
         low = tl.zeros((), dtype=tl.int64)
         high = tl.zeros((), dtype=tl.int64)
-        y0 = tl.zeros((1024, KP), dtype=tl.float32)  # Y of the even elements 2w
-        y1 = tl.zeros((1024, KP), dtype=tl.float32)  # Y of the odd elements 2w + 1
-        sq = tl.zeros((1024,), dtype=tl.float32)
-        max_bits = tl.zeros((1024,), dtype=tl.int32)
-        nan = tl.zeros((1024,), dtype=tl.int32)
-        inf = tl.zeros((1024,), dtype=tl.int32)
+        y_even = tl.zeros((512, KP), dtype=tl.float32)  # Y at sketch positions 2w
+        y_odd = tl.zeros((512, KP), dtype=tl.float32)  # Y at sketch positions 2w + 1
+        sq = tl.zeros((512,), dtype=tl.float32)
+        max_bits = tl.zeros((512,), dtype=tl.int32)
+        nan = tl.zeros((512,), dtype=tl.int32)
+        inf = tl.zeros((512,), dtype=tl.int32)
+        tile = pid.to(tl.int64)
+        next0 = _words16(data_ptr, numel, tile, 0, PAIRED)
+        next1 = _words16(data_ptr, numel, tile, 1, PAIRED)
         for n in range(0, tl.cdiv(num_tiles - pid, programs)):
             tile = (pid + n * programs).to(tl.int64)
-            e = tile * 2048 + 2 * i  # (1024,) the even element of each word
-            if PAIRED:
-                even = tl.load(data_ptr + e, mask=e < numel, other=0).to(tl.int32) & 0xFFFF
-                odd = tl.load(data_ptr + e + 1, mask=e + 1 < numel, other=0).to(tl.int32)
-                w = even | (odd << 16)
-            else:
-                w = tl.load(data_ptr + tile * 1024 + i, mask=e < numel, other=0)
+            w0 = next0
+            w1 = next1
+            next0 = _words16(data_ptr, numel, tile + programs, 0, PAIRED)  # prefetch; masked past the end
+            next1 = _words16(data_ptr, numel, tile + programs, 1, PAIRED)
             if WITH_DIGEST:
-                low, high = _lanes(low, high, w, a, b, c_ptr, ch_ptr, tile)
-            if IS_BF16:
-                x0 = (w << 16).to(tl.float32, bitcast=True)
-                x1 = (w & -65536).to(tl.float32, bitcast=True)
-            else:
-                x0 = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                x1 = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                s = tl.sum(w0 * a0 + w1 * a1)  # wrapping int32: s_j mod 2**32
+                t = tl.sum((w0 >> 16) * b0 + (w1 >> 16) * b1)
+                low += tl.load(c_ptr + tile) * (s.to(tl.int64) & 0xFFFFFFFF)
+                high += tl.load(ch_ptr + tile) * (t.to(tl.int64) & 0xFFFFFFFF)
+            x00, x01 = _values16(w0, IS_BF16)  # first sketch block: elements 2w, 2w + 1
+            x10, x11 = _values16(w1, IS_BF16)  # second sketch block
             block = 2 * tile
             beta0 = tl.load(beta_ptr + block * KP + m)
             beta1 = tl.load(beta_ptr + (block + 1) * KP + m, mask=block + 1 + m * 0 < num_sblocks, other=0.0)
-            beta = tl.where(second, beta1[None, :], beta0[None, :])  # (1024, KP)
-            y0 += x0[:, None] * beta
-            y1 += x1[:, None] * beta
-            sq += x0 * x0 + x1 * x1
-            max_bits, nan, inf = _finite_stats(_abs_bits32(x0), max_bits, nan, inf)
-            max_bits, nan, inf = _finite_stats(_abs_bits32(x1), max_bits, nan, inf)
-        position = (2 * i) % 1024
-        alpha0 = tl.load(alpha_ptr + position[:, None] * KP + m[None, :]).to(tl.float64)
-        alpha1 = tl.load(alpha_ptr + (position + 1)[:, None] * KP + m[None, :]).to(tl.float64)
-        sketch = tl.sum(alpha0 * y0.to(tl.float64) + alpha1 * y1.to(tl.float64), axis=0)
+            y_even += x00[:, None] * beta0[None, :]
+            y_even += x10[:, None] * beta1[None, :]
+            y_odd += x01[:, None] * beta0[None, :]
+            y_odd += x11[:, None] * beta1[None, :]
+            sq += x00 * x00 + x01 * x01 + x10 * x10 + x11 * x11
+            max_bits, nan, inf = _finite_stats(_abs_bits32(x00), max_bits, nan, inf)
+            max_bits, nan, inf = _finite_stats(_abs_bits32(x01), max_bits, nan, inf)
+            max_bits, nan, inf = _finite_stats(_abs_bits32(x10), max_bits, nan, inf)
+            max_bits, nan, inf = _finite_stats(_abs_bits32(x11), max_bits, nan, inf)
+        alpha_even = tl.load(alpha_ptr + (2 * i)[:, None] * KP + m[None, :]).to(tl.float64)
+        alpha_odd = tl.load(alpha_ptr + (2 * i + 1)[:, None] * KP + m[None, :]).to(tl.float64)
+        sketch = tl.sum(alpha_even * y_even.to(tl.float64) + alpha_odd * y_odd.to(tl.float64), axis=0)
         max_abs = tl.max(max_bits, axis=0).to(tl.float32, bitcast=True).to(tl.float64)
         _store(int_ptr, float_ptr, low, high, tl.sum(nan.to(tl.int64), axis=0), tl.sum(inf.to(tl.int64), axis=0),
                sketch, tl.sum(sq.to(tl.float64), axis=0), max_abs, KP)
@@ -374,10 +408,13 @@ if triton is not None:
         max_bits = tl.zeros((512,), dtype=tl.int64)
         nan = tl.zeros((512,), dtype=tl.int32)
         inf = tl.zeros((512,), dtype=tl.int32)
+        e = pid.to(tl.int64) * 512 + i
+        upcoming = tl.load(data_ptr + e, mask=e < numel, other=0)
         for n in range(0, tl.cdiv(num_tiles - pid, programs)):
             tile = (pid + n * programs).to(tl.int64)
-            e = tile * 512 + i
-            v = tl.load(data_ptr + e, mask=e < numel, other=0)
+            v = upcoming
+            e = (tile + programs) * 512 + i
+            upcoming = tl.load(data_ptr + e, mask=e < numel, other=0)  # prefetch; masked past the end
             if WITH_DIGEST:
                 w_low = v.to(tl.int32)  # truncation: the low word
                 w_high = (v >> 32).to(tl.int32)

@@ -162,14 +162,15 @@ def test_cuda(case):
     _run(case, "cuda")
 
 
+@pytest.mark.slow
 @NEEDS_TRITON
 def test_interpreter_suite():
-    """Runs ``test_interpreter`` in a subprocess with ``TRITON_INTERPRET=1`` (set before triton is imported)."""
+    """Runs the ``test_interpreter*`` cases in a subprocess with ``TRITON_INTERPRET=1`` (set before triton is imported)."""
     if INTERPRETED:
         pytest.skip("already running under the interpreter")
     env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": os.environ.get("TRITON_DEFAULT_FP_FUSION", "1")}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
-               f"{__file__}::test_interpreter"]
+               __file__, "-k", "test_interpreter and not test_interpreter_suite"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[2])
     tail = (done.stdout + done.stderr)[-4000:]
     assert done.returncode == 0, tail
@@ -230,3 +231,86 @@ def test_compiles_for_hopper_and_ampere(arch):
         except FileNotFoundError as error:  # no ptxas in this triton build
             pytest.skip(f"cannot compile for CUDA here: {error}")
         assert ".local" not in compiled.asm["ptx"], f"{kernel.fn.__name__} {extra}: registers spill to local memory"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_interpreter_at_the_tile_cap(monkeypatch, dtype):
+    """One program per 1024 tiles (float32) or 512 (16-bit): the most terms any float32 sum gets."""
+    if not INTERPRETED:
+        pytest.skip("interpreter cases run in test_interpreter_suite's subprocess (TRITON_INTERPRET=1)")
+    monkeypatch.setattr(tk, "_programs_for", lambda device: 1)
+    numel = 1024 * 1025 + 7 if dtype == torch.float32 else 2048 * 513 + 3  # two full programs and a bit
+    _run(Case(dtype, numel, block_offset=5, seed=13), "cpu")
+
+
+def _cuda_ready():
+    return pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs a CUDA device and triton")
+
+
+@pytest.mark.cuda
+@_cuda_ready()
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_large_and_at_the_tile_cap(monkeypatch, dtype):
+    """Many programs (the device's SM count), then one program per tile cap."""
+    for numel in (3 * (1 << 20) + 1, (1 << 24) + 5):
+        _run(Case(dtype, numel, kind="special", block_offset=2, seed=12), "cuda")
+        _run(Case(dtype, numel, block_offset=7, seed=14), "cuda")
+    monkeypatch.setattr(tk, "_programs_for", lambda device: 1)
+    _run(Case(dtype, (1 << 24) + 5, block_offset=1, seed=15), "cuda")
+
+
+@pytest.mark.cuda
+@_cuda_ready()
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_agrees_with_the_torch_path(dtype):
+    """Same digest, counts and max as ``core`` (today's torch path) on the same GPU; sketch within rounding."""
+    from sdc_forensics.fingerprint import core
+
+    torch.manual_seed(21)
+    tensor = torch.randn(5_000_003, device="cuda").to(dtype)
+    tensor[17] = float("inf")
+    out = tk.partials(tensor, k=8, seed=C.DEFAULT_SEED, block_offset=4, with_digest=True).cpu()
+    expected = core.fingerprint(tensor, block_offset=4)
+    low, high = out[:2].view(torch.int64).tolist()
+    nbytes = tensor.numel() * tensor.element_size()
+    assert C.fmix64((low + (high << 32) + nbytes * C.digest_length_weight(C.DEFAULT_SEED)) % (1 << 64)) == expected.digest
+    assert (int(out[12]), float(out[11])) == (expected.nonfinite, expected.max_abs) == (1, math.inf)
+    tensor[17] = 0
+    out = tk.partials(tensor, k=8, seed=C.DEFAULT_SEED, block_offset=4, with_digest=False).cpu()
+    expected = core.fingerprint(tensor, block_offset=4)
+    l1 = float(tensor.double().abs().sum())
+    assert np.abs(out[2:10].numpy() - expected.sketch).max() <= 4 * 1024 * U32 * l1
+    assert float(out[11]) == expected.max_abs and int(out[12]) == 0
+    assert math.isclose(math.sqrt(float(out[10])), expected.norm, rel_tol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_replay_finds_a_demo_incident(demo_run):
+    """bisect replays a (CPU, gloo) demo run on CUDA and names the injected step and rank.
+
+    The demo itself trains on CPU only (``demo/run.py`` initialises gloo on CPU), so the incident
+    is recorded there; the replay, the part that runs on a GPU in production, runs on CUDA.
+    """
+    from sdc_forensics.forensics.bisect import BisectOptions, bisect
+
+    out = demo_run("grad:step=4:rank=2:bit=30", steps=6, checkpoint_every=3)
+    result = bisect(out / "trace", BisectOptions(checkpoints_dir=out / "checkpoints", device="cuda"))
+    assert (result.verdict.value, result.first_divergent_step) == ("corruption", 4)
+    [suspect] = result.suspects
+    assert suspect.rank == 2
+    assert result.replayed.steps_replayed >= 1
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_replay_of_a_clean_demo_is_clean(demo_run):
+    """A clean run replayed on CUDA (another device than training's: compared within tolerance) stays clean."""
+    from sdc_forensics.forensics.bisect import BisectOptions, bisect
+
+    out = demo_run("none", steps=6, checkpoint_every=3)
+    result = bisect(out / "trace", BisectOptions(checkpoints_dir=out / "checkpoints", device="cuda"))
+    assert (result.verdict.value, result.first_divergent_step, result.suspects) == ("clean", None, ())
+    assert result.replayed.steps_replayed == 6
