@@ -1,28 +1,41 @@
 """Throughput of the exact digest, the sketch and the full fingerprint, as a ratio to ``torch.sum``.
 
 For each dtype (float32, bfloat16) and size (64 MB .. 1 GB of tensor), on the chosen device
-(CPU here, CUDA when present: ``--device cuda``), it times ``torch.sum`` (one read pass, the
+(``--device cpu``, ``cuda`` or ``cuda:N``), it times ``torch.sum`` (one read pass, the
 yardstick), ``core.digest``, ``core.fingerprint(with_digest=False)`` (sketch and stats) and
 ``core.fingerprint`` (everything), interleaved run by run so that a noisy neighbour hits all
-four alike, and prints the median of ``--runs`` runs as milliseconds and as a multiple of the
-sum. The goal of the design brief: a full fingerprint costs at most 2x ``torch.sum``. It also
-prints the extra peak memory of a full fingerprint (CUDA: allocator peak above the tensor;
-CPU, Linux: peak RSS above the RSS before the call), which must stay bounded (no full-size
-temporaries), and the load average, since on a shared machine that moves CPU timings a lot.
+alike, and prints the median of ``--runs`` runs as milliseconds and as a multiple of the sum.
+The goal of the design brief: a full fingerprint costs at most 2x ``torch.sum``.
+
+Paths (``--path``): ``core`` picks a compiled one-pass kernel where one is usable (numba on
+CPU, Triton on CUDA; ``core.kernel_path`` names it, printed when core has it) and falls back to
+torch ops. ``auto`` times whatever core picks; ``torch`` times everything with
+``SDC_FORENSICS_KERNELS=off`` (the fallback); ``both`` (default) adds a column with the full
+fingerprint on the torch path, interleaved with the rest, so the two paths are compared side
+by side in one run. It also prints the extra peak memory of a full fingerprint (CUDA:
+allocator peak above the tensor; CPU, Linux: peak RSS above the RSS before the call), which
+must stay bounded, and the load average, since on a shared machine that moves CPU timings.
+
+``--json`` prints ``{name: {"value", "unit", "goal", "met"}}`` on stdout (the table goes to
+stderr), the format ``benchmarks/run_all.py`` collects; ``--quick`` is one 64 MB size, 3 runs.
 
 Usage::
 
     .venv/bin/python benchmarks/bench_fingerprint.py --runs 5
-    .venv/bin/python benchmarks/bench_fingerprint.py --device cuda --sizes-mb 64 256 1024 4096
+    .venv/bin/python benchmarks/bench_fingerprint.py --quick --json
+    python benchmarks/bench_fingerprint.py --device cuda --sizes-mb 256 1024 4096 --path both
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import platform
 import resource
 import statistics
+import sys
 import time
 
 import torch
@@ -30,16 +43,46 @@ import torch
 from sdc_forensics.fingerprint import core
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-OPS = ("sum", "digest", "sketch", "full")
+SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+KERNELS_ENV = "SDC_FORENSICS_KERNELS"
+GOAL = 2.0  # full fingerprint / torch.sum, the design brief's cost target
 
 
-def _ops(tensor: torch.Tensor) -> dict:
-    return {
+@contextlib.contextmanager
+def _torch_path(enabled: bool):
+    """``SDC_FORENSICS_KERNELS=off`` for the block (core reads it on every call), restored after."""
+    if not enabled:
+        yield
+        return
+    saved = os.environ.get(KERNELS_ENV)
+    os.environ[KERNELS_ENV] = "off"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(KERNELS_ENV, None)
+        else:
+            os.environ[KERNELS_ENV] = saved
+
+
+def _ops(tensor: torch.Tensor, path: str) -> dict:
+    forced = path == "torch"
+
+    def under(fn, torch_only: bool):
+        def run():
+            with _torch_path(torch_only):
+                return fn()
+        return run
+
+    ops = {
         "sum": lambda: tensor.sum(),
-        "digest": lambda: core.digest(tensor),
-        "sketch": lambda: core.fingerprint(tensor, with_digest=False),
-        "full": lambda: core.fingerprint(tensor),
+        "digest": under(lambda: core.digest(tensor), forced),
+        "sketch": under(lambda: core.fingerprint(tensor, with_digest=False), forced),
+        "full": under(lambda: core.fingerprint(tensor), forced),
     }
+    if path == "both":
+        ops["full_torch"] = under(lambda: core.fingerprint(tensor), True)
+    return ops
 
 
 def _timed(fn, device: torch.device) -> float:
@@ -52,19 +95,20 @@ def _timed(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def _extra_peak_mb(tensor: torch.Tensor) -> float:
+def _extra_peak_mb(tensor: torch.Tensor, forced_torch: bool) -> float:
     """Peak memory a full fingerprint needs beyond the tensor, in MB."""
-    if tensor.device.type == "cuda":
-        torch.cuda.synchronize(tensor.device)
-        torch.cuda.reset_peak_memory_stats(tensor.device)
-        base = torch.cuda.memory_allocated(tensor.device)
+    with _torch_path(forced_torch):
+        if tensor.device.type == "cuda":
+            torch.cuda.synchronize(tensor.device)
+            torch.cuda.reset_peak_memory_stats(tensor.device)
+            base = torch.cuda.memory_allocated(tensor.device)
+            core.fingerprint(tensor)
+            torch.cuda.synchronize(tensor.device)
+            return (torch.cuda.max_memory_allocated(tensor.device) - base) / 1e6
+        _reset_peak_rss()
+        before = _rss_kib("VmRSS")
         core.fingerprint(tensor)
-        torch.cuda.synchronize(tensor.device)
-        return (torch.cuda.max_memory_allocated(tensor.device) - base) / 1e6
-    _reset_peak_rss()
-    before = _rss_kib("VmRSS")
-    core.fingerprint(tensor)
-    return (_rss_kib("VmHWM") - before) * 1024 / 1e6
+        return (_rss_kib("VmHWM") - before) * 1024 / 1e6
 
 
 def _reset_peak_rss() -> None:
@@ -88,17 +132,19 @@ def _rss_kib(field: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def bench_one(dtype: torch.dtype, size_mb: int, device: torch.device, runs: int) -> dict:
+def bench_one(dtype: torch.dtype, size_mb: int, device: torch.device, runs: int, path: str) -> dict:
     """Median seconds of each op over ``runs`` interleaved runs, and the extra peak memory."""
     numel = size_mb * 1_000_000 // torch.tensor([], dtype=dtype).element_size()
     torch.manual_seed(0)
     tensor = torch.randn(numel, dtype=dtype, device=device)
-    extra_mb = _extra_peak_mb(tensor)  # first call also warms caches and tables
-    ops = _ops(tensor)
-    times = {name: [] for name in OPS}
+    ops = _ops(tensor, path)
+    extra_mb = _extra_peak_mb(tensor, path == "torch")  # also warms caches, tables and compiled kernels
+    for fn in ops.values():  # warm-up: first calls compile (Triton, numba) and fill tables
+        _timed(fn, device)
+    times = {name: [] for name in ops}
     for _ in range(runs):
-        for name in OPS:
-            times[name].append(_timed(ops[name], device))
+        for name, fn in ops.items():
+            times[name].append(_timed(fn, device))
     del tensor
     return {"median": {name: statistics.median(t) for name, t in times.items()}, "extra_mb": extra_mb}
 
@@ -114,36 +160,93 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Run the benchmark and print a Markdown table."""
+def _path_name(device: torch.device, dtype: torch.dtype) -> str:
+    kernel_path = getattr(core, "kernel_path", None)
+    if kernel_path is None:
+        return "torch (this core has no kernel_path(): one path only)"
+    try:
+        return str(kernel_path(device, dtype))
+    except TypeError:  # an older signature: device only
+        return str(kernel_path(device))
+
+
+def figures(results: dict, path: str) -> dict:
+    """``{name: {value, unit, goal, met}}`` from ``{(dtype, size_mb): bench_one result}``.
+
+    The value is the worst ratio over the sizes measured (the goal must hold at every size).
+    """
+    out: dict[str, dict] = {}
+    for dtype_name in DTYPES:
+        rows = [r["median"] for (d, _), r in results.items() if d == dtype_name]
+        if not rows:
+            continue
+        short = SHORT[dtype_name]
+        full = max(m["full"] / m["sum"] for m in rows)
+        out[f"fingerprint_vs_sum_{short}"] = {
+            "value": round(full, 3), "unit": "x torch.sum", "goal": GOAL, "met": bool(full <= GOAL),
+        }
+        if path == "both":
+            fallback = max(m["full_torch"] / m["sum"] for m in rows)
+            out[f"fingerprint_torch_path_vs_sum_{short}"] = {
+                "value": round(fallback, 3), "unit": "x torch.sum", "goal": None, "met": None,
+            }
+            speedup = min(m["full_torch"] / m["full"] for m in rows)
+            out[f"fingerprint_speedup_over_torch_path_{short}"] = {
+                "value": round(speedup, 3), "unit": "x (torch path time / chosen path time)", "goal": None, "met": None,
+            }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print a Markdown table (stdout, or stderr with ``--json``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--sizes-mb", type=int, nargs="+", default=None, help="tensor sizes (default 64 256 1024)")
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=None, help="timed runs per op (default 5)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    parser.add_argument("--path", choices=("both", "auto", "torch"), default="both",
+                        help="auto: the path core picks; torch: the fallback only; both: auto plus a torch-path column")
+    parser.add_argument("--quick", action="store_true", help="one 64 MB size and 3 runs (unless given)")
+    parser.add_argument("--json", action="store_true", help="print {name: {value, unit, goal, met}} on stdout")
     args = parser.parse_args(argv)
+    sizes = args.sizes_mb or ([64] if args.quick else [64, 256, 1024])
+    runs = args.runs or (3 if args.quick else 5)
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"bench_fingerprint: --device {args.device} but torch has no CUDA device here", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    say = (lambda text="": print(text, file=sys.stderr)) if args.json else print
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{_cpu_model()}, {os.cpu_count()} cores"
     load_before = os.getloadavg()[0]
-    print(f"# Fingerprint throughput on {device} ({where}); torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print()
-    print("| dtype | size | sum | digest | sketch | full | full GB/s | extra peak memory |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    say(f"# Fingerprint throughput on {device} ({where}); torch {torch.__version__}, {torch.get_num_threads()} threads")
     for dtype_name in args.dtypes:
-        for size_mb in args.sizes_mb:
-            result = bench_one(DTYPES[dtype_name], size_mb, device, args.runs)
+        chosen = "torch (forced by --path torch)" if args.path == "torch" else _path_name(device, DTYPES[dtype_name])
+        say(f"path for {dtype_name}: {chosen}")
+    say()
+    extra_column = " | full, torch path |" if args.path == "both" else " |"
+    say(f"| dtype | size | sum | digest | sketch | full{extra_column} sum GB/s | full GB/s | extra peak memory |")
+    say("| --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if args.path == "both" else "") + " ---: | ---: | ---: |")
+    results = {}
+    for dtype_name in args.dtypes:
+        for size_mb in sizes:
+            result = bench_one(DTYPES[dtype_name], size_mb, device, runs, args.path)
+            results[(dtype_name, size_mb)] = result
             med = result["median"]
-            ratios = " | ".join(f"{med[name] * 1e3:.0f} ms ({med[name] / med['sum']:.1f}x)" for name in OPS[1:])
-            print(
-                f"| {dtype_name} | {size_mb} MB | {med['sum'] * 1e3:.0f} ms | {ratios} | "
-                f"{size_mb / 1e3 / med['full']:.2f} | {result['extra_mb']:.0f} MB |"
+            names = [name for name in med if name != "sum"]
+            ratios = " | ".join(f"{med[name] * 1e3:.1f} ms ({med[name] / med['sum']:.1f}x)" for name in names)
+            say(
+                f"| {dtype_name} | {size_mb} MB | {med['sum'] * 1e3:.1f} ms | {ratios} | "
+                f"{size_mb / 1e3 / med['sum']:.1f} | {size_mb / 1e3 / med['full']:.2f} | {result['extra_mb']:.0f} MB |"
             )
-    print()
-    print(f"median of {args.runs} interleaved runs; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+    say()
+    say(f"median of {runs} interleaved runs; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+    if args.json:
+        print(json.dumps(figures(results, args.path), indent=2, sort_keys=True))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
