@@ -13,18 +13,33 @@ first (on CUDA a bf16/fp16 matmul with float32 output is used where torch has on
 beyond the tensor: the scratches, one int32 per 4 KiB of tensor for the digest's block sums,
 and a contiguous copy when the tensor is not contiguous. Nothing comes back to the host but
 the final scalars and the ``k`` sketch values. Measured cost: ``docs/benchmarks.md``.
+
+Paths: that torch code is the fallback. On CPU the one-pass compiled kernel of ``cpu_kernel``
+runs when numba is importable (float32, bfloat16, float16, float64; its digest is the same
+number, its sketch and norm differ from the torch path's only by rounding, within tolerance),
+and on CUDA the Triton kernel of ``triton_kernel`` when Triton is. ``SDC_FORENSICS_KERNELS=off``
+forces the fallback; :func:`kernel_path` says which path runs on a device, and the first use of
+each path in a process is logged (logger ``sdc_forensics.fingerprint``).
+
+Host syncs: :func:`fingerprint` makes at most one. :func:`fingerprint_async` makes none on CUDA
+and :func:`resolve` pulls any number of pending fingerprints with one transfer per device (the
+recorder's comm hook: one per step for all buckets).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
 
 import numpy as np
 import torch
 
 from sdc_forensics.fingerprint import constants as C
+from sdc_forensics.fingerprint import cpu_kernel
+
+log = logging.getLogger("sdc_forensics.fingerprint")
 
 _CPU_CHUNK_ELEMS = 1 << 20  # 4 MiB float32 + 4 MiB int32 scratch: in L3; few enough ops that a busy
 # machine does not stall every one of them on an OpenMP barrier (2^18 was 3x slower at load 6)
@@ -197,19 +212,68 @@ def digests(tensors, seed: int = C.DEFAULT_SEED) -> list[int]:
         raw = _raw_bytes(tensor)
         chunk_bytes = 4 * _chunk_elems(raw.device)
         digester = _Digester(raw.numel(), raw.device, seed, chunk_bytes // _BLOCK_BYTES)
-        for start in range(0, raw.numel(), chunk_bytes):
-            digester.add(start // _BLOCK_BYTES, raw[start : start + chunk_bytes])
+        if raw.device.type == "cpu" and _cpu_kernel_ok():
+            low, high = cpu_kernel.digest_lanes(raw.numpy(), seed)
+            totals.append((low, high))
+        else:
+            for start in range(0, raw.numel(), chunk_bytes):
+                digester.add(start // _BLOCK_BYTES, raw[start : start + chunk_bytes])
+            totals.append(digester.lane_totals())
         digesters.append(digester)
-        totals.append(digester.lane_totals())
     by_device: dict[torch.device, list[int]] = {}
     for index, total in enumerate(totals):
-        by_device.setdefault(total.device, []).append(index)
-    values: list[tuple[int, int]] = [(0, 0)] * len(totals)
+        if isinstance(total, torch.Tensor):
+            by_device.setdefault(total.device, []).append(index)
+    values: list[tuple[int, int]] = [t if isinstance(t, tuple) else (0, 0) for t in totals]
     for indices in by_device.values():
         host = torch.stack([totals[i] for i in indices]).tolist()  # one transfer per device
         for i, (low, high) in zip(indices, host):
             values[i] = (low, high)
     return [d.finish(low, high) for d, (low, high) in zip(digesters, values)]
+
+
+# ---------------------------------------------------------------- which path runs
+_logged: set[str] = set()
+
+
+def _cpu_kernel_ok() -> bool:
+    ok, _ = cpu_kernel.available()
+    return ok
+
+
+def _triton_status(device: torch.device) -> tuple[bool, str]:
+    try:
+        from sdc_forensics.fingerprint import triton_kernel
+    except ImportError:
+        return False, "the Triton kernel module is missing"
+    return triton_kernel.available(device)
+
+
+def kernel_path(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> str:
+    """Which path fingerprints a tensor of ``dtype`` on ``device``, and why not a faster one.
+
+    Returns:
+        ``"numba-cpu"`` (the compiled one-pass CPU kernel), ``"triton-cuda"`` (the Triton
+        kernel), or ``"torch (<reason the fast path is off>)"``.
+    """
+    device = torch.device(device)
+    name = str(dtype).removeprefix("torch.")
+    if device.type == "cpu":
+        ok, reason = cpu_kernel.available()
+        if ok and cpu_kernel.supports(name):
+            return "numba-cpu"
+        return f"torch ({reason or f'the compiled kernel does not take {name}'})"
+    if device.type == "cuda":
+        ok, reason = _triton_status(device)
+        return "triton-cuda" if ok else f"torch ({reason})"
+    return f"torch (no compiled kernel for {device.type})"
+
+
+def _note_path(device: torch.device, path: str) -> None:
+    key = f"{device.type}:{path}"
+    if key not in _logged:
+        _logged.add(key)
+        log.info("fingerprints on %s: %s", device.type, path)
 
 
 _PRECISION_FLAGS = ("allow_tf32", "allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
@@ -324,13 +388,34 @@ class _Sketcher:
         self.lo.append(lo)
         self.hi.append(hi)
 
-    def result(self) -> tuple[np.ndarray, float, float]:
-        """(sketch, norm, max_abs)."""
+    def device_result(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(sketch (k,), sumsq, max_abs)``, float64, on the device."""
         sketch = (self.y * self.alpha.t()).sum(dim=1)  # (k,)
-        norm = torch.stack(self.sumsq).to(torch.float64).sum().sqrt()
+        sumsq = torch.stack(self.sumsq).to(torch.float64).sum()
         max_abs = torch.maximum(-torch.stack(self.lo).min(), torch.stack(self.hi).max()).to(torch.float64)
-        scalars = torch.stack([norm, max_abs]).cpu()
+        return sketch, sumsq, max_abs
+
+    def result(self) -> tuple[np.ndarray, float, float]:
+        """(sketch, norm, max_abs) on the host."""
+        sketch, sumsq, max_abs = self.device_result()
+        scalars = torch.stack([sumsq.sqrt(), max_abs]).cpu()
         return sketch.cpu().numpy(), float(scalars[0]), float(scalars[1])
+
+
+@dataclasses.dataclass
+class PendingFingerprint:
+    """A fingerprint whose numbers may still be on the device (see :func:`resolve`).
+
+    Exactly one of ``done`` (host values) and ``values`` (a device vector ``[lane_low,
+    lane_high (int64 bits as float64), sketch[k], sumsq, max_abs, nonfinite]``) is set.
+    """
+
+    numel: int
+    num_bytes: int
+    seed: int
+    with_digest: bool
+    done: Fingerprint | None = None
+    values: torch.Tensor | None = None
 
 
 def fingerprint(
@@ -353,19 +438,83 @@ def fingerprint(
         with_digest: skip the exact digest when only the tolerant parts are needed.
 
     Returns:
-        A :class:`Fingerprint`.
+        A :class:`Fingerprint` (one host sync at most).
     """
-    flat = tensor.detach().reshape(-1)  # a copy only when the tensor is not contiguous
+    return resolve([fingerprint_async(tensor, k=k, seed=seed, block_offset=block_offset, with_digest=with_digest)])[0]
+
+
+def fingerprint_async(
+    tensor: torch.Tensor,
+    *,
+    k: int = C.DEFAULT_SKETCH_K,
+    seed: int = C.DEFAULT_SEED,
+    block_offset: int = 0,
+    with_digest: bool = True,
+) -> PendingFingerprint:
+    """:func:`fingerprint` without the host sync: the tensor is read now, the numbers come later.
+
+    The tensor may be changed (all-reduced in place, say) as soon as this returns: on CUDA the
+    work is queued on the current stream before anything the caller queues after it.
+    """
+    flat = tensor.detach().reshape(-1)
+    if not flat.is_contiguous():  # a strided 1-D view stays one after reshape: the kernels read rows
+        flat = flat.contiguous()
     numel = flat.numel()
+    pending = PendingFingerprint(numel=numel, num_bytes=numel * flat.element_size(), seed=seed, with_digest=with_digest)
     if numel == 0:
-        return Fingerprint(
-            digest=digest(flat, seed) if with_digest else 0,
-            sketch=np.zeros(k),
-            norm=0.0,
-            max_abs=0.0,
-            nonfinite=0,
-            numel=0,
+        pending.done = Fingerprint(
+            digest=digest(flat, seed) if with_digest else 0, sketch=np.zeros(k), norm=0.0, max_abs=0.0, nonfinite=0, numel=0
         )
+        return pending
+    device = flat.device
+    path = kernel_path(device, flat.dtype)
+    _note_path(device, path)
+    if path == "numba-cpu":
+        name = str(flat.dtype).removeprefix("torch.")
+        values = flat.view(torch.int16).numpy().view(np.uint16) if flat.element_size() == 2 else flat.numpy()
+        part = cpu_kernel.partials(values, name, k=k, seed=seed, block_offset=block_offset, with_digest=with_digest)
+        pending.done = _assemble(pending, part.lanes, part.sketch, part.sumsq, part.max_abs, part.nonfinite)
+    elif path == "triton-cuda":
+        from sdc_forensics.fingerprint import triton_kernel
+
+        pending.values = triton_kernel.partials(flat, k=k, seed=seed, block_offset=block_offset, with_digest=with_digest)
+    elif device.type == "cpu":
+        pending.done = _torch_fingerprint(flat, k, seed, block_offset, with_digest)
+    else:
+        pending.values = _torch_partials(flat, k, seed, block_offset, with_digest)
+    return pending
+
+
+def resolve(pending: list[PendingFingerprint]) -> list[Fingerprint]:
+    """The fingerprints of :func:`fingerprint_async` calls, with one host transfer per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for index, item in enumerate(pending):
+        if item.done is None:
+            by_device.setdefault(item.values.device, []).append(index)
+    out: list[Fingerprint | None] = [item.done for item in pending]
+    for indices in by_device.values():
+        host = torch.stack([pending[i].values for i in indices]).cpu()  # the one sync for this device
+        for i, row in zip(indices, host):
+            lanes = row[:2].view(torch.int64).tolist()
+            tail = row[2:].numpy()
+            out[i] = _assemble(pending[i], tuple(lanes), tail[:-3].copy(), float(tail[-3]), float(tail[-2]), int(tail[-1]))
+    return out  # type: ignore[return-value]
+
+
+def _assemble(pending: PendingFingerprint, lanes, sketch, sumsq: float, max_abs: float, nonfinite: int) -> Fingerprint:
+    digest_value = 0
+    if pending.with_digest:
+        low, high = (int(v) % (1 << 64) for v in lanes)
+        total = (low + (high << 32) + pending.num_bytes * C.digest_length_weight(pending.seed)) % (1 << 64)
+        digest_value = C.fmix64(total)
+    return Fingerprint(
+        digest=digest_value, sketch=np.asarray(sketch, dtype=np.float64), norm=float(np.sqrt(sumsq)), max_abs=float(max_abs),
+        nonfinite=int(nonfinite), numel=pending.numel,
+    )
+
+
+def _torch_pass(flat: torch.Tensor, k: int, seed: int, block_offset: int, with_digest: bool):
+    """The fallback path's one chunked pass: ``(digester or None, sketcher)``, results on the device."""
     device = flat.device
     chunk = _chunk_elems(device)  # a multiple of both block sizes, for every element size
     raw = _raw_bytes(flat) if with_digest else None
@@ -373,10 +522,16 @@ def fingerprint(
     sketcher = _Sketcher(flat, k, seed, block_offset, chunk)
     element_bytes = flat.element_size()
     with _full_precision_matmul(device):
-        for start in range(0, numel, chunk):
+        for start in range(0, flat.numel(), chunk):
             if digester is not None:
                 digester.add(start * element_bytes // _BLOCK_BYTES, raw[start * element_bytes : (start + chunk) * element_bytes])
             sketcher.add(start, flat[start : start + chunk])
+    return digester, sketcher
+
+
+def _torch_fingerprint(flat: torch.Tensor, k: int, seed: int, block_offset: int, with_digest: bool) -> Fingerprint:
+    """The fallback on CPU: host values at once (NaN/Inf counted by a second pass only when present)."""
+    digester, sketcher = _torch_pass(flat, k, seed, block_offset, with_digest)
     sketch, norm, max_abs = sketcher.result()
     nonfinite = 0
     if not (np.isfinite(norm) and np.isfinite(max_abs)) and flat.is_floating_point():
@@ -389,8 +544,17 @@ def fingerprint(
         norm=norm,
         max_abs=max_abs,
         nonfinite=nonfinite,
-        numel=numel,
+        numel=flat.numel(),
     )
+
+
+def _torch_partials(flat: torch.Tensor, k: int, seed: int, block_offset: int, with_digest: bool) -> torch.Tensor:
+    """The fallback on an accelerator: the pending vector, no host sync (NaN/Inf counted always)."""
+    digester, sketcher = _torch_pass(flat, k, seed, block_offset, with_digest)
+    lanes = digester.lane_totals() if digester is not None else torch.zeros(2, dtype=torch.int64, device=flat.device)
+    sketch, sumsq, max_abs = sketcher.device_result()
+    nonfinite = (~torch.isfinite(flat)).sum().to(torch.float64) if flat.is_floating_point() else torch.zeros((), dtype=torch.float64, device=flat.device)
+    return torch.cat([lanes.view(torch.float64), sketch, torch.stack([sumsq, max_abs, nonfinite])])
 
 
 def num_sketch_blocks(numel: int) -> int:

@@ -55,3 +55,48 @@ def sketch(values: np.ndarray, k: int = C.DEFAULT_SKETCH_K, seed: int = C.DEFAUL
     padded[: x.size] = x
     per_block = padded.reshape(num_blocks, C.BLOCK_ELEMS) @ C.sketch_in_block_signs(k, seed).astype(np.float64)
     return (per_block * C.sketch_block_signs(num_blocks, k, seed)).sum(axis=0)
+
+
+def sketch_stats_in_kernel_order(
+    values: np.ndarray, k: int = C.DEFAULT_SKETCH_K, seed: int = C.DEFAULT_SEED, block_offset: int = 0
+) -> tuple[np.ndarray, float, float, int]:
+    """``(sketch, sumsq, max_abs, nonfinite)`` with every rounding in the compiled CPU kernel's order.
+
+    The order (``cpu_kernel``'s docstring states it in words): ``values`` (float32, or 16-bit
+    values widened to float32, or float64) in rows of ``BLOCK_ELEMS``, zero-padded to whole tiles
+    of 8 rows; row pair after row pair, ``y += beta[r] * (x_r +- x_{r+1})`` (the sign making it
+    ``beta[r] x_r + beta[r+1] x_{r+1}``) and row after row ``q += x * x``, in the input's precision,
+    added into float64 every 1,024 rows and at the end; the lanes are then summed in order.
+    """
+    acc = np.float64 if values.dtype == np.float64 else np.float32
+    x = np.asarray(values, dtype=acc).reshape(-1)
+    rows = max(1, -(-x.size // C.BLOCK_ELEMS))
+    rows = -(-rows // 8) * 8
+    padded = np.zeros(rows * C.BLOCK_ELEMS, dtype=acc)
+    padded[: x.size] = x
+    table = padded.reshape(rows, C.BLOCK_ELEMS)
+    beta = C.sketch_block_signs(block_offset + rows, k, seed)[block_offset:].astype(acc)
+    y, q = np.zeros((k, C.BLOCK_ELEMS), dtype=acc), np.zeros(C.BLOCK_ELEMS, dtype=acc)
+    y64, q64 = np.zeros((k, C.BLOCK_ELEMS)), np.zeros(C.BLOCK_ELEMS)
+    for row in range(rows):
+        if row % 2 == 0:  # rows in pairs: s0 x0 + s1 x1 = s0 (x0 + s0 s1 x1), the pair rounded once
+            same = beta[row] == beta[row + 1]  # (k,)
+            pair = np.where(same[:, None], table[row] + table[row + 1], table[row] - table[row + 1])
+            y += beta[row][:, None] * pair  # the product is exact (+-1): one rounding
+        q += table[row] * table[row]
+        if (row + 1) % 1024 == 0 or row + 1 == rows:
+            y64 += y
+            q64 += q
+            y[:], q[:] = 0, 0
+    alpha = C.sketch_in_block_signs(k, seed).astype(np.float64)
+
+    def in_order(terms: np.ndarray) -> float:  # 0.0 + t_0 + t_1 + ... left to right
+        return float(np.cumsum(np.concatenate([[0.0], terms]))[-1])
+
+    sketch = np.array([in_order(alpha[:, m] * y64[m]) for m in range(k)])
+    finite = np.isfinite(x)
+    nonfinite = int(x.size - finite.sum())
+    max_abs = float(np.abs(x[~np.isnan(x)]).max()) if (~np.isnan(x)).any() else 0.0
+    if nonfinite:
+        max_abs = float("nan") if np.isnan(x).any() else float("inf")
+    return sketch, in_order(q64), max_abs, nonfinite

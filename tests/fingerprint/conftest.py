@@ -72,3 +72,22 @@ def gradsim():
     import gradsim as module
 
     return module
+
+
+@pytest.fixture(params=["compiled", "fallback"])
+def cpu_path(request, monkeypatch):
+    """Runs a test once with the compiled CPU kernel and once with the torch fallback.
+
+    Used through ``pytestmark`` by the files that hold ``core.fingerprint`` to the reference,
+    so that both paths meet the same bounds.
+    """
+    from sdc_forensics.fingerprint import cpu_kernel
+
+    if request.param == "fallback":
+        monkeypatch.setenv(cpu_kernel.KERNELS_ENV, "off")
+    else:
+        monkeypatch.delenv(cpu_kernel.KERNELS_ENV, raising=False)
+        ok, reason = cpu_kernel.available()
+        if not ok:
+            pytest.skip(f"compiled CPU kernel unavailable: {reason}")
+    return request.param

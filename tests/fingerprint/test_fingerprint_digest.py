@@ -11,6 +11,9 @@ import torch
 
 from sdc_forensics.fingerprint import core, reference
 
+#: every test here runs on the compiled CPU kernel and on the torch fallback (tests/fingerprint/conftest.py)
+pytestmark = pytest.mark.usefixtures("cpu_path")
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.uint8, torch.bool]
 SIZES = [0, 1, 3, 1023, 1024, 1025, 4096 + 7, 300_001]
 

@@ -20,6 +20,9 @@ import torch
 from sdc_forensics.fingerprint import constants as C
 from sdc_forensics.fingerprint import core, reference
 
+#: every test here runs on the compiled CPU kernel and on the torch fallback (tests/fingerprint/conftest.py)
+pytestmark = pytest.mark.usefixtures("cpu_path")
+
 FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 U32, U64 = 2.0**-24, 2.0**-53  # unit roundoff of float32 and float64
 

@@ -1,0 +1,222 @@
+"""The one-pass CPU fingerprint: digest, sketch and stats from one read of the tensor.
+
+The loops live in ``_numba_fingerprint`` and are compiled by numba for the host CPU on first use
+(a few seconds, once per machine: numba caches them on disk, see ``docs/fingerprints.md``);
+:func:`available` says whether they can run here and why not, and the caller falls back to the
+torch path in ``core``. Results:
+
+* the digest's two lane totals are **bit-identical** to :func:`reference.digest_bytes`;
+* the sketch, sum of squares, max |x| and NaN/Inf count are **bit-identical** to
+  :func:`reference.sketch_stats_in_kernel_order`, the numpy statement of the kernel's
+  accumulation order, on every x86 CPU: IEEE operations in a fixed order, and the one fused
+  multiply-add, ``y + s * x`` with ``s = +-1``, has an exact product so it rounds as the two steps.
+
+Accumulation order (float32, bfloat16 and float16 accumulate in float32, float64 in float64):
+rows of ``BLOCK_ELEMS`` elements (the last zero-padded), tiles of ``TILE_ROWS`` rows (the last
+padded with zero rows), groups of ``GROUP_ROWS`` rows. Lane by lane, ``Y[m, i] += beta_m[row] * x``
+and ``q[i] += x * x`` row after row; the single-precision accumulators are added into float64 ones
+at the end of each group (so no single-precision sum has more than ``GROUP_ROWS`` terms, as the
+tolerance model assumes). Then ``S_m = sum_i alpha_m[i] * Y64[m, i]`` and ``sum_i q64[i]`` in
+order. A tile (8-64 KiB) is digested and sketched while it sits in cache: one read of memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import threading
+
+import numpy as np
+
+from sdc_forensics.fingerprint import constants as C
+
+TILE_ROWS = 8
+GROUP_ROWS = 1024
+#: Environment switch: ``off`` turns the compiled kernels off (the numpy/torch paths run instead).
+KERNELS_ENV = "SDC_FORENSICS_KERNELS"
+_TILE_ELEMS = TILE_ROWS * C.BLOCK_ELEMS
+_BLOCK_BYTES = 4 * C.BLOCK_WORDS
+_lock = threading.Lock()
+_tables: dict[tuple, np.ndarray] = {}
+
+
+def kernels_disabled() -> bool:
+    """Whether the user turned the compiled kernels off (``SDC_FORENSICS_KERNELS=off``)."""
+    return os.environ.get(KERNELS_ENV, "").strip().lower() in {"off", "0", "false", "no"}
+
+
+@functools.lru_cache(maxsize=1)
+def _loops():
+    """The compiled module, or the reason it cannot be had (imported once per process)."""
+    try:
+        from sdc_forensics.fingerprint import _numba_fingerprint
+    except Exception as exc:  # noqa: BLE001 - numba missing or broken: the fallback runs
+        return None, f"numba is not importable ({type(exc).__name__}: {exc})"
+    return _numba_fingerprint, ""
+
+
+def available() -> tuple[bool, str]:
+    """``(usable, reason)``: whether the compiled CPU kernel can run here, and why not."""
+    if kernels_disabled():
+        return False, f"turned off by {KERNELS_ENV}={os.environ.get(KERNELS_ENV)}"
+    module, reason = _loops()
+    return module is not None, reason
+
+
+#: dtypes the kernel reads: numpy dtype of the values it is handed, and whether they are 16-bit bits.
+_DTYPES = {"float32": np.float32, "float64": np.float64, "bfloat16": np.uint16, "float16": np.uint16}
+
+
+def supports(dtype_name: str) -> bool:
+    """Whether the kernel handles this dtype (a torch dtype's name without ``torch.``)."""
+    return dtype_name in _DTYPES
+
+
+def _prefix(key: tuple, length: int, make) -> np.ndarray:
+    with _lock:
+        table = _tables.get(key)
+        if table is None or table.shape[0] < length:
+            table = make(1 << max(10, (length - 1).bit_length()))
+            _tables[key] = table
+    return table[:length]
+
+
+def _block_weights(length: int, seed: int, high: bool) -> np.ndarray:
+    return _prefix(("c", seed, high), length, lambda n: C.digest_block_weights(n, seed, high=high).view(np.uint64))
+
+
+def _beta(length: int, k: int, seed: int, dtype) -> np.ndarray:
+    return _prefix(("beta", k, seed, np.dtype(dtype).str), length, lambda n: C.sketch_block_signs(n, k, seed).astype(dtype))
+
+
+@functools.lru_cache(maxsize=8)
+def _word_weights(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    return C.digest_word_weights(seed), C.digest_high_weights(seed)  # int32
+
+
+@dataclasses.dataclass
+class Partials:
+    """What one kernel call computed, on the host."""
+
+    lanes: tuple[int, int]  # the digest's lane totals, each mod 2**64
+    sketch: np.ndarray  # (k,) float64
+    sumsq: float
+    max_abs: float
+    nonfinite: int
+
+
+def _digest_words(module, raw: np.ndarray, seed: int, lanes: np.ndarray) -> None:
+    """Lane totals of ``raw`` (uint8, C order) added into ``lanes``."""
+    a, b = _word_weights(seed)
+    num_blocks = -(-raw.size // _BLOCK_BYTES)
+    c, c2 = _block_weights(max(num_blocks, 1), seed, False), _block_weights(max(num_blocks, 1), seed, True)
+    full = raw.size // _BLOCK_BYTES
+    if full:
+        words = raw[: full * _BLOCK_BYTES].view(np.int32)
+        module._digest_until(words, 0, full, a, b, c, c2, lanes)
+    if raw.size > full * _BLOCK_BYTES:
+        tail = np.zeros(_BLOCK_BYTES, dtype=np.uint8)
+        tail[: raw.size - full * _BLOCK_BYTES] = raw[full * _BLOCK_BYTES :]
+        module._digest_until(tail.view(np.int32), 0, 1, a, b, c[full:], c2[full:], lanes)
+
+
+def digest_lanes(raw: np.ndarray, seed: int = C.DEFAULT_SEED) -> tuple[int, int]:
+    """The digest's lane totals of any bytes (``uint8`` array), with the compiled loop.
+
+    Raises:
+        RuntimeError: the kernel is not available (check :func:`available` first).
+    """
+    module, reason = _loops()
+    if module is None:
+        raise RuntimeError(reason)
+    lanes = np.zeros(2, dtype=np.uint64)
+    _digest_words(module, np.ascontiguousarray(raw).reshape(-1).view(np.uint8), seed, lanes)
+    return int(lanes[0]), int(lanes[1])
+
+
+def partials(values: np.ndarray, dtype_name: str, *, k: int, seed: int, block_offset: int, with_digest: bool) -> Partials:
+    """Digest lanes, sketch and stats of a flat tensor's values, in one pass.
+
+    Args:
+        values: 1-D, C-contiguous: float32 / float64 values, or the uint16 bits of a bfloat16 /
+            float16 tensor (``tensor.view(torch.int16).numpy().view(np.uint16)``).
+        dtype_name: ``float32``, ``float64``, ``bfloat16`` or ``float16``.
+        k, seed, block_offset, with_digest: as :func:`sdc_forensics.fingerprint.core.fingerprint`.
+
+    Raises:
+        RuntimeError: the kernel is not available (check :func:`available` first).
+    """
+    module, reason = _loops()
+    if module is None:
+        raise RuntimeError(reason)
+    if values.ctypes.data % 8:  # a 16-bit view at an odd offset: words must be aligned
+        values = values.copy()
+    n = values.size
+    widened = values.dtype == np.uint16
+    acc = np.float64 if values.dtype == np.float64 else np.float32
+    element = values.dtype.itemsize
+    num_rows = max(1, -(-n // C.BLOCK_ELEMS))
+    beta = _beta(block_offset + num_rows + TILE_ROWS, k, seed, acc)[block_offset:]
+    a, b = _word_weights(seed)
+    num_blocks = -(-n * element // _BLOCK_BYTES) if with_digest else 0
+    c = _block_weights(max(num_blocks, 1), seed, False)
+    c2 = _block_weights(max(num_blocks, 1), seed, True)
+    y = np.zeros((k, C.BLOCK_ELEMS), dtype=acc)
+    y64 = np.zeros((k, C.BLOCK_ELEMS))
+    q = np.zeros(C.BLOCK_ELEMS, dtype=acc)
+    q64 = np.zeros(C.BLOCK_ELEMS)
+    mx = np.zeros(C.BLOCK_ELEMS, dtype=acc)
+    lanes = np.zeros(2, dtype=np.uint64)
+    tile = np.empty((TILE_ROWS, C.BLOCK_ELEMS), dtype=np.float32)
+    pairs = np.empty((TILE_ROWS, C.BLOCK_ELEMS), dtype=acc)
+    per_tile = _TILE_ELEMS * element // _BLOCK_BYTES
+
+    def call(part: np.ndarray, blocks: int, row_base: int, first_block: int) -> None:
+        words = part.reshape(-1).view(np.int32)
+        args = (words, blocks, per_tile, row_base, a, b, c[first_block:], c2[first_block:], beta[row_base:])
+        if widened:
+            module.run_widened(part, dtype_name == "float16", *args, tile, y, y64, q, q64, mx, lanes, pairs)
+        else:
+            module.run_direct(part, *args, y, y64, q, q64, mx, lanes, pairs)
+
+    main_rows = n // _TILE_ELEMS * TILE_ROWS
+    main_blocks = main_rows * C.BLOCK_ELEMS * element // _BLOCK_BYTES
+    if main_rows:
+        call(values[: main_rows * C.BLOCK_ELEMS].reshape(main_rows, C.BLOCK_ELEMS), min(main_blocks, num_blocks), 0, 0)
+    rest = n - main_rows * C.BLOCK_ELEMS
+    if rest:
+        padded = np.zeros(_TILE_ELEMS, dtype=values.dtype)
+        padded[:rest] = values[main_rows * C.BLOCK_ELEMS :]
+        rest_blocks = max(0, num_blocks - main_blocks)
+        call(padded.reshape(TILE_ROWS, C.BLOCK_ELEMS), rest_blocks, main_rows, main_blocks if rest_blocks else 0)
+    sketch, sumsq = module.finish(y, y64, q, q64, _alpha(k, seed))
+    max_abs = float(mx.max())
+    nonfinite = 0
+    if not (math.isfinite(sumsq) and math.isfinite(max_abs)):  # NaN/Inf present, or x * x overflowed
+        nonfinite = _count_nonfinite(values, dtype_name)
+        if nonfinite:
+            max_abs = math.nan if _has_nan(values, dtype_name) else math.inf
+    return Partials(lanes=(int(lanes[0]), int(lanes[1])), sketch=sketch, sumsq=float(sumsq), max_abs=max_abs, nonfinite=nonfinite)
+
+
+@functools.lru_cache(maxsize=16)
+def _alpha(k: int, seed: int) -> np.ndarray:
+    return C.sketch_in_block_signs(k, seed).astype(np.float64)
+
+
+def _count_nonfinite(values: np.ndarray, dtype_name: str) -> int:
+    if dtype_name == "bfloat16":
+        return int(((values & 0x7F80) == 0x7F80).sum())
+    if dtype_name == "float16":
+        return int(((values & 0x7C00) == 0x7C00).sum())
+    return int(values.size - np.isfinite(values).sum())
+
+
+def _has_nan(values: np.ndarray, dtype_name: str) -> bool:
+    if dtype_name == "bfloat16":
+        return bool(((values & 0x7FFF) > 0x7F80).any())
+    if dtype_name == "float16":
+        return bool(((values & 0x7FFF) > 0x7C00).any())
+    return bool(np.isnan(values).any())
