@@ -23,6 +23,7 @@ confirm it and localise it further.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 
 import numpy as np
@@ -31,9 +32,11 @@ from sdc_forensics.fingerprint import tolerance
 from sdc_forensics.trace.checkpoints import hex64
 from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, sort_key
 from sdc_forensics.trace import format as F
+from sdc_forensics.trace import scan
 from sdc_forensics.trace.consensus import strict_majority
 from sdc_forensics.trace.reader import Damage, StepWindow, Trace
 
+log = logging.getLogger(__name__)
 _MAX_OUTLIERS = 20
 # the record fields the window scan reads: copying only these halves the bytes moved per window
 _FIELDS = ("flags", "loss", "nonfinite_local", "nonfinite_reduced", "nonfinite_weights", "local_norm", "reduced_norm",
@@ -79,6 +82,8 @@ class TriageResult:
         superseded_cells: (step, rank) cells also recorded by an earlier attempt (latest used).
         damage: problems found in the trace files.
         has_gradients: the trace carries gradient fingerprints (replay can compare them).
+        scan_path: ``numba`` (the compiled kernels of ``trace/scan.py``) or ``numpy``: which scan
+            produced the evidence (the same evidence either way).
     """
 
     evidence: tuple[Evidence, ...]
@@ -90,6 +95,7 @@ class TriageResult:
     superseded_cells: int = 0
     damage: tuple[Damage, ...] = ()
     has_gradients: bool = True
+    scan_path: str = scan.NUMPY
 
     @property
     def hints(self) -> tuple[Evidence, ...]:
@@ -113,21 +119,14 @@ def triage_trace(trace: Trace, options: TriageOptions | None = None) -> TriageRe
     options = options or TriageOptions()
     manifest = trace.manifest
     grad_dtype = manifest.fingerprint.grad_dtype
-    evidence: list[Evidence] = []
-    state = _WeightState(world_size=trace.world_size)
-    superseded = 0
-    has_grads = False
-    outlier_count = 0
-    for window in trace.step_windows(options.window_steps, options.start_step, options.stop_step, fields=_FIELDS):
-        superseded += int(window.superseded.sum())
-        has_grads |= bool(((window.records["flags"] & int(F.Flag.HAS_GRADS)) != 0)[window.present].any())
-        evidence += _nonfinite(window)
-        evidence += _allreduce(window, grad_dtype, manifest.reduction)
-        evidence += state.scan(window)
-        if options.outliers and outlier_count < _MAX_OUTLIERS:
-            hints = _outliers(window, options.outlier_z)[: _MAX_OUTLIERS - outlier_count]
-            outlier_count += len(hints)
-            evidence += hints
+    fast = _scan_fast(trace, options, grad_dtype, manifest.reduction)
+    if fast is not None:
+        evidence, num_checked, superseded, has_grads = fast
+        path = scan.NUMBA
+    else:
+        evidence, num_checked, superseded, has_grads = _scan_numpy(trace, options, grad_dtype, manifest.reduction)
+        path = scan.NUMPY
+    log.info("triage: %s scan path", path)
     evidence += _audits(trace, options)
     evidence.sort(key=sort_key)
     first, window_range = _first_suspect(evidence)
@@ -137,11 +136,73 @@ def triage_trace(trace: Trace, options: TriageOptions | None = None) -> TriageRe
         suspect_window=window_range,
         step_range=trace.step_range(),
         world_size=trace.world_size,
-        weights_checked=state.num_checked,
+        weights_checked=num_checked,
         superseded_cells=superseded,
         damage=tuple(trace.damage()),
         has_gradients=has_grads,
+        scan_path=path,
     )
+
+
+def _scan_numpy(trace: Trace, options: TriageOptions, grad_dtype: str, reduction: str):
+    """The window scan in numpy: ``(evidence, steps weights-checked, superseded cells, has gradients)``."""
+    evidence: list[Evidence] = []
+    state = _WeightState(world_size=trace.world_size)
+    superseded = 0
+    has_grads = False
+    outlier_count = 0
+    for window in trace.step_windows(options.window_steps, options.start_step, options.stop_step, fields=_FIELDS):
+        superseded += int(window.superseded.sum())
+        has_grads |= bool(((window.records["flags"] & int(F.Flag.HAS_GRADS)) != 0)[window.present].any())
+        evidence += _nonfinite(window)
+        evidence += _allreduce(window, grad_dtype, reduction)
+        evidence += state.scan(window)
+        if options.outliers and outlier_count < _MAX_OUTLIERS:
+            hints = _outliers(window, options.outlier_z)[: _MAX_OUTLIERS - outlier_count]
+            outlier_count += len(hints)
+            evidence += hints
+    return evidence, state.num_checked, superseded, has_grads
+
+
+def _scan_fast(trace: Trace, options: TriageOptions, grad_dtype: str, reduction: str):
+    """The same scan by the compiled kernels (``trace/scan.py``), or None where they cannot run.
+
+    The kernels flag the steps where a check may fire and run the weight vote; the numpy checks
+    above then run on those steps alone, so the evidence is theirs.
+    """
+    if options.outliers or scan.kernels() is None:
+        return None  # the outlier hints' medians are not compiled yet: numpy path
+    bounds = trace.step_range()
+    if bounds is None:
+        return [], 0, 0, False
+    lo = bounds[0] if options.start_step is None else max(options.start_step, bounds[0])
+    hi = bounds[1] if options.stop_step is None else min(options.stop_step, bounds[1])
+    scanner = scan.StepScan.open(trace, lo, hi, options.window_steps)
+    if scanner is None:
+        return None
+    from sdc_forensics.trace.scan_kernels import EV_ALLREDUCE, EV_NONFINITE, EV_WEIGHTS
+
+    evidence: list[Evidence] = []
+    for window in scanner:
+        rows = np.flatnonzero(window.events & (EV_NONFINITE | EV_ALLREDUCE | EV_WEIGHTS))
+        if not rows.size:
+            continue
+        exact = scanner.exact_window(window, rows, _FIELDS)
+        evidence += _nonfinite(exact)
+        evidence += _allreduce(exact, grad_dtype, reduction)
+        for i in np.flatnonzero(window.events[rows] & EV_WEIGHTS):
+            row = rows[i]
+            last = int(window.pre_last[row])
+            state = _WeightState(world_size=trace.world_size, diverged=window.pre_diverged[:, row].copy(),
+                                 last_checked=None if last < 0 else last, first_step=scanner.first_step)
+            evidence += state.scan(_row(exact, int(i)))
+    return evidence, scanner.num_checked, scanner.superseded, scanner.has_gradients
+
+
+def _row(window: StepWindow, row: int) -> StepWindow:
+    pick = slice(row, row + 1)
+    return StepWindow(steps=window.steps[pick], present=window.present[pick], attempt=window.attempt[pick],
+                      superseded=window.superseded[pick], records=window.records[pick])
 
 
 def _ranks(mask_row: np.ndarray) -> tuple[int, ...]:

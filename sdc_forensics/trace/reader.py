@@ -20,6 +20,7 @@ import numpy as np
 
 from sdc_forensics.errors import TraceError
 from sdc_forensics.trace import format as F
+from sdc_forensics.trace import scan
 from sdc_forensics.trace.manifest import Manifest, read_manifest
 from sdc_forensics.trace.windows import StepWindow, iter_windows
 
@@ -82,8 +83,9 @@ class Trace:
         self.files = files
         self._damage = damage
         self._validated = False
-        self._valid: dict[tuple[int, int], np.ndarray] = {}
+        self._valid: dict[tuple[int, int], np.ndarray | None] = {}  # None: every record valid
         self._dense: dict[tuple[int, int], int | None] = {}
+        self._summary: dict[tuple[int, int], scan.FileSummary] = {}
         self._end = None
 
     @classmethod
@@ -125,6 +127,10 @@ class Trace:
     def valid_mask(self, rank_file: RankFile) -> np.ndarray:
         """``(N,)`` bool: records of this file whose magic and checksum are right.
 
+        Computed once per file (by the compiled kernel of ``trace/scan.py`` where available,
+        else by numpy in chunks); kept only for a file with bad records: for a clean file a
+        read-only broadcast ``True`` view is returned, so memory does not grow with the trace.
+
         Raises:
             TraceError: a record with a right checksum holds a step outside ``0..MAX_STEP``: no
                 damage does that (the checksum says it was written so), the file is foreign or
@@ -132,22 +138,35 @@ class Trace:
         """
         key = (rank_file.rank, rank_file.attempt)
         if key not in self._valid:
-            recs = rank_file.records
-            mask = np.empty(len(recs), dtype=bool)
-            for start in range(0, len(recs), CHUNK_RECORDS):
-                chunk = recs[start : start + CHUNK_RECORDS]
-                ok = (F.checksums(chunk) == chunk["checksum"]) & (chunk["magic"] == F.RECORD_MAGIC) & (chunk["rank"] == rank_file.rank)
-                steps = chunk["step"]
-                wild = np.flatnonzero(ok & ((steps < 0) | (steps > F.MAX_STEP)))
-                if wild.size:
-                    index = start + int(wild[0])
-                    raise TraceError(
-                        f"{rank_file.path}: record {index} holds step {int(steps[wild[0]])}, outside 0..{F.MAX_STEP}, with a valid "
-                        "checksum: the file was not written by sdc-forensics; remove it from the trace directory or restore it from the run"
-                    )
-                mask[start : start + len(chunk)] = ok
-            self._valid[key] = mask
-        return self._valid[key]
+            if scan.kernels() is not None:
+                mask, summary = scan.validate(rank_file.records, rank_file.rank)
+                if summary.wild_index >= 0:
+                    _raise_wild(rank_file, summary.wild_index)
+                self._summary[key] = summary
+            else:
+                mask = self._valid_mask_numpy(rank_file)
+            self._valid[key] = None if mask.all() else mask
+        mask = self._valid[key]
+        return np.broadcast_to(np.True_, (len(rank_file.records),)) if mask is None else mask
+
+    def file_summary(self, rank_file: RankFile) -> "scan.FileSummary | None":
+        """What the compiled validation learnt about the file (None on the numpy path)."""
+        self.valid_mask(rank_file)
+        return self._summary.get((rank_file.rank, rank_file.attempt))
+
+    @staticmethod
+    def _valid_mask_numpy(rank_file: RankFile) -> np.ndarray:
+        recs = rank_file.records
+        mask = np.empty(len(recs), dtype=bool)
+        for start in range(0, len(recs), CHUNK_RECORDS):
+            chunk = recs[start : start + CHUNK_RECORDS]
+            ok = (F.checksums(chunk) == chunk["checksum"]) & (chunk["magic"] == F.RECORD_MAGIC) & (chunk["rank"] == rank_file.rank)
+            steps = chunk["step"]
+            wild = np.flatnonzero(ok & ((steps < 0) | (steps > F.MAX_STEP)))
+            if wild.size:
+                _raise_wild(rank_file, start + int(wild[0]))
+            mask[start : start + len(chunk)] = ok
+        return mask
 
     def _dense_first_step(self, rank_file: RankFile) -> int | None:
         """First step when the file is dense (only valid STEP records, steps consecutive), else None.
@@ -158,6 +177,10 @@ class Trace:
         key = (rank_file.rank, rank_file.attempt)
         if key not in self._dense:
             recs, first = rank_file.records, None
+            summary = self.file_summary(rank_file)
+            if summary is not None:
+                self._dense[key] = int(recs["step"][0]) if summary.dense else None
+                return self._dense[key]
             if len(recs) and self.valid_mask(rank_file).all():
                 first = int(recs["step"][0])
                 for start in range(0, len(recs), CHUNK_RECORDS):
@@ -173,6 +196,9 @@ class Trace:
         """Every problem found: file-level ones, bad records, and steps missing on some ranks."""
         if not self._validated:
             for rank_file in self.files:
+                self.valid_mask(rank_file)
+                if self._valid[(rank_file.rank, rank_file.attempt)] is None:
+                    continue  # every record valid
                 bad = np.flatnonzero(~self.valid_mask(rank_file))
                 for index in bad[:1000]:
                     self._damage.append(
@@ -205,7 +231,9 @@ class Trace:
         steps after a rank's last one are where it stopped (the ``stopped_early`` entry), not holes."""
         missing: dict[int, list[int]] = {}
         last_present = np.full(self.world_size, -1, dtype=np.int64)  # (R,) last step each rank recorded
-        for window in self.step_windows(fields=()):
+        bounds = self.step_range()
+        fast = scan.StepScan.open(self, bounds[0], bounds[1], 1024, full=False) if bounds is not None else None
+        for window in fast if fast is not None else self.step_windows(fields=()):
             any_present = window.present.any(axis=1)  # (S,)
             holes = window.present[any_present] == False  # noqa: E712  (S', R)
             steps = window.steps[any_present]
@@ -236,6 +264,9 @@ class Trace:
             if rank is not None and rank_file.rank != rank:
                 continue
             mask = self.valid_mask(rank_file)
+            summary = self.file_summary(rank_file)
+            if kind is not None and summary is not None and not summary.count(int(kind)):
+                continue  # the validation counted this file's records by kind: none of this one
             if kind is not None:
                 mask = mask & (rank_file.records["kind"] == int(kind))
             parts.append(np.asarray(rank_file.records[mask]))
@@ -253,7 +284,12 @@ class Trace:
         for rank_file in self.files:
             recs = rank_file.records
             mask = self.valid_mask(rank_file)
-            for index in _first_step_record(recs, mask), _first_step_record(recs, mask, reverse=True):
+            summary = self.file_summary(rank_file)
+            if summary is not None:
+                ends = (summary.first_step_index, summary.last_step_index) if summary.first_step_index >= 0 else ()
+            else:
+                ends = _first_step_record(recs, mask), _first_step_record(recs, mask, reverse=True)
+            for index in ends:
                 if index is None:
                     continue
                 step = int(recs["step"][index])
@@ -303,6 +339,14 @@ class Trace:
         per = F.ids_per_record(self.sketch_k)
         payload = np.ascontiguousarray(ids_recs).view(np.uint8).reshape(len(ids_recs), -1)[:, 32 : 32 + 8 * per]
         return np.ascontiguousarray(payload).view("<i8").reshape(-1)[:count]
+
+
+def _raise_wild(rank_file: RankFile, index: int) -> None:
+    step = int(rank_file.records["step"][index])
+    raise TraceError(
+        f"{rank_file.path}: record {index} holds step {step}, outside 0..{F.MAX_STEP}, with a valid "
+        "checksum: the file was not written by sdc-forensics; remove it from the trace directory or restore it from the run"
+    )
 
 
 def _check_world_size(path: Path, world_size: int, ranks_with_files: set[int]) -> None:

@@ -1,0 +1,301 @@
+"""The compiled trace scan: record checksums and step windows by numba loops, numpy as fallback.
+
+:mod:`~sdc_forensics.trace.reader` and :mod:`~sdc_forensics.forensics.triage` call this module;
+``docs/trace-scan.md`` says why it is built this way. Two loops over the rank files' raw words
+(``scan_kernels.py``):
+
+* :func:`validate` checks every record (checksum, magic, rank) and summarises the file in the
+  same pass: its first and last STEP records, whether it is dense (only STEP records of
+  consecutive steps) or at least ordered (steps never go back), and how many records of each
+  kind it holds.
+* :class:`StepScan` walks ``window``-step windows of ``(steps x ranks)`` cells without copying
+  records into tables: per cell only a few bits, the weights digest and where the record is;
+  per step the sums the checks need. A row-kernel then runs the replica-weight vote exactly and
+  flags the steps where a check may fire; triage re-reads only those steps through the numpy
+  checks (:meth:`StepScan.exact_window`), so its evidence is the numpy path's, byte for byte.
+
+numba is optional at run time: without it, or with ``SDC_FORENSICS_KERNELS=off`` (also ``0``,
+``no``, ``false``, ``numpy``), :func:`kernels` is None and every caller takes its numpy path.
+Files whose records go back in step (never written by the recorder) always take the numpy path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+from collections.abc import Iterator
+
+import numpy as np
+
+from sdc_forensics.trace import format as F
+from sdc_forensics.trace.windows import StepWindow
+
+log = logging.getLogger(__name__)
+
+#: Environment variable that turns the compiled kernels off (``off``, ``0``, ``no``, ``false``, ``numpy``).
+KERNELS_ENV = "SDC_FORENSICS_KERNELS"
+_OFF = frozenset({"off", "0", "no", "false", "numpy"})
+NUMBA = "numba"
+NUMPY = "numpy"
+
+
+def kernels_enabled() -> bool:
+    """False when ``SDC_FORENSICS_KERNELS`` turns the compiled kernels off."""
+    return os.environ.get(KERNELS_ENV, "").strip().lower() not in _OFF
+
+
+@functools.lru_cache(maxsize=1)
+def _import_kernels():
+    try:
+        from sdc_forensics.trace import scan_kernels
+    except ImportError as exc:  # numba missing or broken: the numpy path does the same work
+        log.info("trace scan: numba unavailable (%s); using numpy", exc)
+        return None
+    return scan_kernels
+
+
+def kernels():
+    """The compiled kernels module, or None (numba missing, or turned off by the environment)."""
+    return _import_kernels() if kernels_enabled() else None
+
+
+def scan_path() -> str:
+    """``numba`` or ``numpy``: the path a scan started now would take."""
+    return NUMBA if kernels() is not None else NUMPY
+
+
+# ---------------------------------------------------------------------------------------------
+# Record validation
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FileSummary:
+    """What :func:`validate` learnt about one rank file (positions are record indices)."""
+
+    num_records: int
+    num_bad: int
+    wild_index: int  # first valid record whose step is outside 0..MAX_STEP, -1 if none
+    first_step_index: int  # first valid STEP record, -1 if none
+    last_step_index: int
+    dense: bool  # every record a valid STEP record, steps consecutive
+    ordered: bool  # valid records' steps never decrease, valid STEP records' steps increase
+    kind_counts: tuple[int, ...]  # valid records of kind 0..6, then of any other kind
+
+    def count(self, kind: int) -> int:
+        """Valid records of ``kind``."""
+        return self.kind_counts[kind] if 0 <= kind < len(self.kind_counts) - 1 else self.kind_counts[-1]
+
+
+def _words(records: np.ndarray) -> np.ndarray:
+    """``(N, record words)`` uint64 view of structured records (no copy)."""
+    return records.view(np.uint64).reshape(len(records), records.dtype.itemsize // 8)
+
+
+def validate(records: np.ndarray, rank: int) -> tuple[np.ndarray, FileSummary]:
+    """Validity of every record of one rank file, and its :class:`FileSummary` (compiled kernel).
+
+    Args:
+        records: the file's complete records, a contiguous structured array.
+        rank: the rank its name says (a record of another rank is invalid).
+
+    Returns:
+        ``(mask (N,) bool, summary)``; the mask equals the numpy path's
+        (``format.checksums(r) == r["checksum"]``, magic, rank).
+    """
+    K = kernels()
+    assert K is not None, "validate() needs the compiled kernels"
+    words = _words(records)
+    mask = np.empty(len(records), dtype=bool)
+    summary = np.zeros(K.SUMMARY_SIZE, dtype=np.int64)
+    if len(records):
+        K.validate(words, F._weights(words.shape[1] - 1), rank, F.MAX_STEP, mask, summary)
+    return mask, FileSummary(
+        num_records=len(records),
+        num_bad=int(summary[K.S_BAD]),
+        wild_index=int(summary[K.S_WILD]) if len(records) else -1,
+        first_step_index=int(summary[K.S_FIRST_STEP_INDEX]) if len(records) else -1,
+        last_step_index=int(summary[K.S_LAST_STEP_INDEX]) if len(records) else -1,
+        dense=bool(summary[K.S_DENSE]),
+        ordered=bool(summary[K.S_ORDERED]) or not len(records),
+        kind_counts=tuple(int(c) for c in summary[K.S_KINDS:]),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Step windows
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScanWindow:
+    """The cells of steps ``w_lo .. w_lo + S - 1`` (steps nobody recorded are empty rows).
+
+    Attributes:
+        w_lo: first step.
+        bits: ``(R, S)`` uint8 cell bits (``scan_kernels.PRESENT``, ``GRADS``, ``WEIGHTS``,
+            ``SUPERSEDED``), rank-major as the files fill them.
+        cells: ``(R, S)`` int64 ``(file index << 40) | record index`` where present.
+        events: ``(S,)`` uint8 ``scan_kernels.EV_*``: the checks that may fire at each step.
+        pre_diverged: ``(R, S)`` bool, replica divergence before each step.
+        pre_last: ``(S,)`` int64, the last weights-checked step before each weight-event step (-1: none).
+    """
+
+    w_lo: int
+    bits: np.ndarray
+    cells: np.ndarray
+    events: np.ndarray
+    pre_diverged: np.ndarray
+    pre_last: np.ndarray
+
+    @property
+    def present(self) -> np.ndarray:
+        """``(S, R)`` bool (a view), as :attr:`StepWindow.present`."""
+        return ((self.bits & 1) != 0).T
+
+    @property
+    def steps(self) -> np.ndarray:
+        return np.arange(self.w_lo, self.w_lo + self.bits.shape[1], dtype=np.int64)
+
+
+class _File:
+    __slots__ = ("rank_file", "words", "f32", "mask", "all_valid", "dense_first", "index", "next")
+
+    def __init__(self, rank_file, mask: np.ndarray, summary: FileSummary, dense_first: int | None) -> None:
+        recs = rank_file.records
+        self.rank_file = rank_file
+        self.words = _words(recs)
+        self.f32 = recs.view(np.float32).reshape(len(recs), recs.dtype.itemsize // 4)
+        self.all_valid = summary.num_bad == 0
+        self.mask = np.zeros(1, dtype=bool) if self.all_valid else np.ascontiguousarray(mask, dtype=bool)
+        self.dense_first = -1 if dense_first is None else dense_first
+        self.index = 0
+        self.next = -1
+
+
+class StepScan:
+    """Windows of cells over steps ``lo..hi`` of a trace (see the module doc). Use :meth:`open`.
+
+    After iterating: :attr:`num_checked` (steps whose replica weights were compared),
+    :attr:`superseded` (cells an earlier attempt also recorded), :attr:`has_gradients`,
+    :attr:`first_step` (first step recorded in the range, None if none).
+    """
+
+    def __init__(self, trace, files: list[_File], lo: int, hi: int, window: int, full: bool) -> None:
+        self.trace = trace
+        self.files = files
+        self.lo, self.hi, self.window, self.full = lo, hi, window, full
+        self.num_ranks = trace.world_size
+        self.k = trace.sketch_k
+        self._state = np.array([-1, -1, 0, 0, 0], dtype=np.int64)
+        self._diverged = np.zeros(self.num_ranks, dtype=bool)
+        grad_dtype = trace.manifest.fingerprint.grad_dtype
+        from sdc_forensics.fingerprint import tolerance
+
+        self._rel_tol = tolerance.relative_tolerance(grad_dtype, self.num_ranks) if full else 0.0
+        self._mean = trace.manifest.reduction == "mean"
+
+    @classmethod
+    def open(cls, trace, lo: int, hi: int, window: int, *, full: bool = True) -> "StepScan | None":
+        """A scan of steps ``lo..hi`` (inclusive), or None where the numpy path must be taken
+        (kernels off or missing, or a file whose steps go back).
+
+        Args:
+            full: gather what triage checks; False: only which cells are present (for holes).
+        """
+        K = kernels()
+        if K is None:
+            return None
+        files = []
+        for rank_file in trace.files:
+            if rank_file.rank >= trace.world_size or not len(rank_file.records):
+                continue
+            mask = trace.valid_mask(rank_file)
+            summary = trace.file_summary(rank_file)
+            if summary is None or not summary.ordered:
+                return None
+            files.append(_File(rank_file, mask, summary, trace._dense_first_step(rank_file)))
+        # latest attempt first: the first file to fill a cell holds it, later ones mark it superseded
+        files.sort(key=lambda f: (-f.rank_file.attempt, f.rank_file.rank))
+        for f in files:
+            if f.dense_first >= 0:
+                f.index = min(max(lo - f.dense_first, 0), len(f.words))
+                f.next = f.dense_first + f.index if f.index < len(f.words) else -1
+            else:
+                f.index, f.next = (int(v) for v in K.next_step(f.words, f.mask, f.all_valid, 0, lo))
+        return cls(trace, files, lo, hi, window, full)
+
+    @property
+    def num_checked(self) -> int:
+        return int(self._state[2])
+
+    @property
+    def superseded(self) -> int:
+        return int(self._state[3])
+
+    @property
+    def has_gradients(self) -> bool:
+        return bool(self._state[4] > 0)
+
+    @property
+    def first_step(self) -> int | None:
+        return None if self._state[1] < 0 else int(self._state[1])
+
+    def __iter__(self) -> Iterator[ScanWindow]:
+        K = kernels()
+        R, k, full = self.num_ranks, self.k, self.full
+        out = np.zeros(2, dtype=np.int64)
+        dummy_u64 = np.zeros((1, 1), dtype=np.uint64)
+        dummy_sk = np.zeros((1, 4, 1), dtype=np.float64)
+        while True:
+            starts = [f.next for f in self.files if 0 <= f.next <= self.hi]
+            if not starts:
+                return
+            w_lo = min(starts)
+            w_hi = min(w_lo + self.window, self.hi + 1)
+            S = w_hi - w_lo
+            bits = np.zeros((R, S), dtype=np.uint8)  # rank-major: each file fills a contiguous run
+            cells = np.empty((R, S), dtype=np.int64)
+            racc = np.zeros((S, K.NUM_ACC), dtype=np.float64)
+            racc[:, K.A_MIN_RN] = np.inf
+            if full:
+                wdig = np.empty((R, S), dtype=np.uint64)
+                sk = np.zeros((S, 4, k), dtype=np.float64)
+                sk[:, 2] = -np.inf
+                sk[:, 3] = np.inf
+            else:
+                wdig, sk = dummy_u64, dummy_sk
+            rdig = np.zeros(S, dtype=np.uint64)
+            for code, f in enumerate(self.files):
+                if f.next < 0 or f.next >= w_hi:
+                    continue
+                K.gather(f.words, f.f32, f.mask, f.all_valid, f.dense_first, f.index, w_lo, w_hi, f.rank_file.rank,
+                         code << K.CELL_SHIFT, k, full, bits, wdig, cells, racc, sk, rdig, out)
+                f.index, f.next = int(out[0]), int(out[1])
+            events = np.empty(S, dtype=np.uint8)
+            pre_diverged = np.empty((R, S), dtype=bool) if full else np.zeros((1, 1), dtype=bool)
+            pre_last = np.empty(S, dtype=np.int64)
+            K.rows(w_lo, bits, wdig, racc, sk, self._rel_tol, self._mean, full, self._state, self._diverged, events, pre_diverged, pre_last)
+            yield ScanWindow(w_lo=w_lo, bits=bits, cells=cells, events=events, pre_diverged=pre_diverged, pre_last=pre_last)
+
+    def exact_window(self, window: ScanWindow, rows: np.ndarray, fields: tuple[str, ...]) -> StepWindow:
+        """The :class:`StepWindow` of ``rows`` of ``window`` with ``fields``, exactly as
+        :meth:`Trace.step_windows` builds it (the numpy checks run on it)."""
+        K = kernels()
+        full = F.record_dtype(self.k)
+        wanted = set(("step", "rank", *fields))
+        names = [name for name in full.names if name in wanted]  # record order: assignment is by position
+        dtype = np.dtype([(name, full.fields[name][0]) for name in names])
+        bits = window.bits[:, rows].T  # (E, R)
+        present = (bits & K.PRESENT) != 0
+        table = np.zeros(bits.shape, dtype=dtype)
+        attempt = np.full(bits.shape, -1, dtype=np.int32)
+        cells = window.cells[:, rows].T
+        codes = np.where(present, cells >> K.CELL_SHIFT, -1)
+        for code in np.unique(codes[present]):
+            take = codes == code
+            f = self.files[int(code)]
+            table[take] = f.rank_file.records[cells[take] & ((1 << K.CELL_SHIFT) - 1)][names]
+            attempt[take] = f.rank_file.attempt
+        return StepWindow(steps=window.w_lo + np.asarray(rows, dtype=np.int64), present=present, attempt=attempt,
+                          superseded=(bits & K.SUPERSEDED) != 0, records=table)
