@@ -6,7 +6,11 @@ checksum): ``sdc_forensics.checkpoint.verify_checkpoint``. The file is written t
 directory, read once to warm the page cache, then each contender runs ``--runs`` times and the
 median wall time is reported (runs interleaved: run i of every contender, then run i + 1), with GB/s (10^9 bytes) and ratios.
 
-    .venv/bin/python benchmarks/bench_verify.py [--size-gb 1.0] [--runs 5] [--dir /tmp] [--json]
+    .venv/bin/python benchmarks/bench_verify.py [--size-gb 1.0] [--runs 5] [--dir /tmp] [--json] [--quick]
+
+``--quick``: a 0.25 GB file, 3 runs, without the two slow contenders (torch intra-op threads,
+the CLI). ``--json`` prints ``{"figures": {name: {value, unit, goal, goal_op, met}}, "machine",
+"results"}``; ``benchmarks/run_all.py`` reads the figures.
 
 ``cat FILE > /dev/null`` is the read limit (page cache to user space); ``sha256sum`` is what
 people use to checksum checkpoints today. The CLI row runs ``sdc-forensics verify-checkpoint``
@@ -73,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where to write the file (default: a temporary directory)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
+    parser.add_argument("--quick", action="store_true", help="0.25 GB, 3 runs, no slow contenders (for run_all.py)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.size_gb, args.runs = min(args.size_gb, 0.25), min(args.runs, 3)
 
     from sdc_forensics.checkpoint import VerifyOptions, verify_checkpoint
 
@@ -92,8 +99,10 @@ def main(argv: list[str] | None = None) -> int:
             "sha256sum": lambda: subprocess.run(["sha256sum", str(path)], check=True, stdout=subprocess.DEVNULL),
             "cat > /dev/null": lambda: subprocess.run(f"cat '{path}' > /dev/null", shell=True, check=True),
         }
+        if args.quick:
+            del contenders["verify, torch intra-op threads (workers=1)"]
         cli = shutil.which("sdc-forensics") or str(Path(sys.executable).with_name("sdc-forensics"))
-        if Path(cli).exists():
+        if Path(cli).exists() and not args.quick:
             contenders["CLI verify-checkpoint (incl. start-up)"] = lambda: subprocess.run(
                 [cli, "verify-checkpoint", str(path)], check=True, stderr=subprocess.DEVNULL
             )
@@ -123,8 +132,17 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "file_bytes": size, "tensors": len(report.tensors), "runs": args.runs,
         "load_average_before": load_before, "load_average_after": os.getloadavg(),
     }
+    cat_s, sha_s = medians["cat > /dev/null"], medians["sha256sum"]
+    figures = {
+        "verify_speed_vs_cat": {
+            "value": round(cat_s / verify_s, 3), "unit": "x the speed of cat", "goal": 0.5, "goal_op": ">=", "met": cat_s / verify_s >= 0.5,
+        },
+        "verify_speed_vs_sha256sum": {
+            "value": round(sha_s / verify_s, 2), "unit": "x the speed of sha256sum", "goal": 5.0, "goal_op": ">=", "met": sha_s / verify_s >= 5.0,
+        },
+    }
     if args.json:
-        print(json.dumps({"machine": machine, "results": rows}, indent=2, sort_keys=True))
+        print(json.dumps({"figures": figures, "machine": machine, "results": rows}, indent=2, sort_keys=True))
     else:
         print(f"file: {size / 1e9:.3f} GB, {len(report.tensors)} tensors; median of {args.runs} runs, warm page cache")
         print(f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} ({machine['torch_threads']} threads)")

@@ -269,6 +269,18 @@ def kernel_path(device: torch.device | str = "cpu", dtype: torch.dtype = torch.f
     return f"torch (no compiled kernel for {device.type})"
 
 
+def warm_up(device: torch.device | str = "cpu", dtypes=(torch.float32, torch.bfloat16)) -> str:
+    """Compiles (or loads from the on-disk cache) the fast path for ``device`` now, not on the first step.
+
+    The first compile of the CPU kernel on a machine takes a few seconds (``docs/fingerprints.md``);
+    later processes load it from numba's cache in well under a second. Returns :func:`kernel_path`.
+    """
+    device = torch.device(device)
+    for dtype in dtypes:
+        fingerprint(torch.zeros(C.BLOCK_ELEMS + 1, dtype=dtype, device=device))
+    return kernel_path(device)
+
+
 def _note_path(device: torch.device, path: str) -> None:
     key = f"{device.type}:{path}"
     if key not in _logged:
