@@ -170,8 +170,8 @@ def _scan_fast(trace: Trace, options: TriageOptions, grad_dtype: str, reduction:
     The kernels flag the steps where a check may fire and run the weight vote; the numpy checks
     above then run on those steps alone, so the evidence is theirs.
     """
-    if options.outliers or scan.kernels() is None:
-        return None  # the outlier hints' medians are not compiled yet: numpy path
+    if scan.kernels() is None:
+        return None
     bounds = trace.step_range()
     if bounds is None:
         return [], 0, 0, False
@@ -180,11 +180,13 @@ def _scan_fast(trace: Trace, options: TriageOptions, grad_dtype: str, reduction:
     scanner = scan.StepScan.open(trace, lo, hi, options.window_steps)
     if scanner is None:
         return None
-    from sdc_forensics.trace.scan_kernels import EV_ALLREDUCE, EV_NONFINITE, EV_WEIGHTS
+    from sdc_forensics.trace.scan_kernels import EV_ALLREDUCE, EV_NONFINITE, EV_OUTLIER, EV_WEIGHTS
 
     evidence: list[Evidence] = []
+    outlier_count = 0
+    scanner.outlier_z = options.outlier_z if options.outliers else None
     for window in scanner:
-        rows = np.flatnonzero(window.events & (EV_NONFINITE | EV_ALLREDUCE | EV_WEIGHTS))
+        rows = np.flatnonzero(window.events & (EV_NONFINITE | EV_ALLREDUCE | EV_WEIGHTS | EV_OUTLIER))
         if not rows.size:
             continue
         exact = scanner.exact_window(window, rows, _FIELDS)
@@ -196,6 +198,12 @@ def _scan_fast(trace: Trace, options: TriageOptions, grad_dtype: str, reduction:
             state = _WeightState(world_size=trace.world_size, diverged=window.pre_diverged[:, row].copy(),
                                  last_checked=None if last < 0 else last, first_step=scanner.first_step)
             evidence += state.scan(_row(exact, int(i)))
+        if options.outliers and outlier_count < _MAX_OUTLIERS:
+            hints = _outliers(exact, options.outlier_z)[: _MAX_OUTLIERS - outlier_count]
+            outlier_count += len(hints)
+            evidence += hints
+            if outlier_count >= _MAX_OUTLIERS:
+                scanner.outlier_z = None  # the numpy path stops looking too: from the next window on
     return evidence, scanner.num_checked, scanner.superseded, scanner.has_gradients
 
 

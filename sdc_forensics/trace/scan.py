@@ -159,13 +159,14 @@ class ScanWindow:
 
 
 class _File:
-    __slots__ = ("rank_file", "words", "f32", "mask", "all_valid", "dense_first", "index", "next")
+    __slots__ = ("rank_file", "words", "f32", "f64", "mask", "all_valid", "dense_first", "index", "next")
 
     def __init__(self, rank_file, mask: np.ndarray, summary: FileSummary, dense_first: int | None) -> None:
         recs = rank_file.records
         self.rank_file = rank_file
         self.words = _words(recs)
         self.f32 = recs.view(np.float32).reshape(len(recs), recs.dtype.itemsize // 4)
+        self.f64 = recs.view(np.float64).reshape(len(recs), recs.dtype.itemsize // 8)
         self.all_valid = summary.num_bad == 0
         self.mask = np.zeros(1, dtype=bool) if self.all_valid else np.ascontiguousarray(mask, dtype=bool)
         self.dense_first = -1 if dense_first is None else dense_first
@@ -185,6 +186,8 @@ class StepScan:
         self.trace = trace
         self.files = files
         self.lo, self.hi, self.window, self.full = lo, hi, window, full
+        #: a robust z-score above which outlier hints are flagged; None: no outlier flags
+        self.outlier_z: float | None = None
         self.num_ranks = trace.world_size
         self.k = trace.sketch_k
         self._state = np.array([-1, -1, 0, 0, 0], dtype=np.int64)
@@ -247,6 +250,8 @@ class StepScan:
         out = np.zeros(2, dtype=np.int64)
         dummy_u64 = np.zeros((1, 1), dtype=np.uint64)
         dummy_sk = np.zeros((1, 4, 1), dtype=np.float64)
+        dummy_f64 = np.zeros((1, 1), dtype=np.float64)
+        dummy_f32 = np.zeros((1, 1), dtype=np.float32)
         while True:
             starts = [f.next for f in self.files if 0 <= f.next <= self.hi]
             if not starts:
@@ -266,16 +271,24 @@ class StepScan:
             else:
                 wdig, sk = dummy_u64, dummy_sk
             rdig = np.zeros(S, dtype=np.uint64)
+            hints = full and self.outlier_z is not None
+            if hints:
+                loss = np.zeros((R, S), dtype=np.float64)
+                local_norm = np.zeros((R, S), dtype=np.float32)
+            else:
+                loss, local_norm = dummy_f64, dummy_f32
             for code, f in enumerate(self.files):
                 if f.next < 0 or f.next >= w_hi:
                     continue
-                K.gather(f.words, f.f32, f.mask, f.all_valid, f.dense_first, f.index, w_lo, w_hi, f.rank_file.rank,
-                         code << K.CELL_SHIFT, k, full, bits, wdig, cells, racc, sk, rdig, out)
+                K.gather(f.words, f.f32, f.f64, f.mask, f.all_valid, f.dense_first, f.index, w_lo, w_hi, f.rank_file.rank,
+                         code << K.CELL_SHIFT, k, full, hints, bits, wdig, cells, racc, sk, rdig, loss, local_norm, out)
                 f.index, f.next = int(out[0]), int(out[1])
             events = np.empty(S, dtype=np.uint8)
             pre_diverged = np.empty((R, S), dtype=bool) if full else np.zeros((1, 1), dtype=bool)
             pre_last = np.empty(S, dtype=np.int64)
             K.rows(w_lo, bits, wdig, racc, sk, self._rel_tol, self._mean, full, self._state, self._diverged, events, pre_diverged, pre_last)
+            if hints and R >= 4:  # triage gives no outlier hints below 4 ranks
+                K.outlier_rows(bits, loss, local_norm, float(self.outlier_z), events)
             yield ScanWindow(w_lo=w_lo, bits=bits, cells=cells, events=events, pre_diverged=pre_diverged, pre_last=pre_last)
 
     def exact_window(self, window: ScanWindow, rows: np.ndarray, fields: tuple[str, ...]) -> StepWindow:

@@ -51,6 +51,7 @@ EV_NONFINITE = 1
 EV_ALLREDUCE = 2
 EV_WEIGHTS = 4
 EV_HOLE = 8
+EV_OUTLIER = 16
 # columns of the per-row accumulators ``racc`` (float64)
 A_PRESENT, A_GRADS, A_NF_LOCAL, A_NF_REDUCED, A_NF_WEIGHTS, A_SUM_LN, A_SUM_LN2, A_MIN_RN, A_ODD, A_RDIG_DIFF, A_RDIG_SEEN = range(11)
 NUM_ACC = 11
@@ -136,14 +137,15 @@ def next_step(words, mask, all_valid, index, pos):  # pragma: no cover - compile
 
 
 @numba.njit(cache=True, nogil=True)
-def gather(words, f32, mask, all_valid, dense_first, index, w_lo, w_hi, col, code, k, full,
-           bits, wdig, cell, racc, sk, rdig, out):  # pragma: no cover - compiled
+def gather(words, f32, f64, mask, all_valid, dense_first, index, w_lo, w_hi, col, code, k, full, hints,
+           bits, wdig, cell, racc, sk, rdig, loss, local_norm_cells, out):  # pragma: no cover - compiled
     """Put one file's STEP records of steps ``[w_lo, w_hi)`` into the window's cells and rows.
 
     A dense file (``dense_first >= 0``) is indexed by arithmetic; any other (ordered: steps of
     valid records never decrease, STEP steps increase) is read from ``index`` on, up to its first
     valid record of a step >= ``w_hi``. ``out`` gets ``(next index, next STEP step >= w_hi or -1)``.
     A cell already present (files come latest attempt first) is marked superseded instead.
+    With ``hints``, each cell's loss and local gradient norm are kept for :func:`outlier_rows`.
     One loop, no helper call: a call per record costs reference counting of every array.
     """
     num = words.shape[0]
@@ -197,6 +199,9 @@ def gather(words, f32, mask, all_valid, dense_first, index, w_lo, w_hi, col, cod
             racc[s, A_NF_WEIGHTS] = 1.0
         local_norm = np.float64(f32[i, 26])
         reduced_norm = np.float64(f32[i, 27])
+        if hints:
+            loss[col, s] = f64[i, 4]
+            local_norm_cells[col, s] = f32[i, 26]
         racc[s, A_SUM_LN] += local_norm
         racc[s, A_SUM_LN2] += local_norm * local_norm
         if abs(reduced_norm) < racc[s, A_MIN_RN]:
@@ -330,3 +335,58 @@ def rows(w_lo, bits, wdig, racc, sk, rel_tol, mean, full, state, diverged, event
                 event |= EV_WEIGHTS
             state[0] = step
         events[s] = event
+
+
+@numba.njit(cache=True, nogil=True)
+def _median(values):  # pragma: no cover - compiled
+    n = values.shape[0]
+    part = np.partition(values, n // 2)
+    upper = part[n // 2]
+    if n % 2:
+        return upper
+    lower = part[0]
+    for i in range(1, n // 2):
+        lower = max(lower, part[i])
+    return (lower + upper) / 2.0
+
+
+@numba.njit(cache=True, nogil=True)
+def outlier_rows(bits, loss, local_norm, threshold, events):  # pragma: no cover - compiled
+    """Flag (``EV_OUTLIER``) the steps where triage's outlier hint may fire: a present loss or
+    local gradient norm that is infinite, or whose robust z-score (median / MAD over the ranks'
+    finite values) may exceed ``threshold`` while it is farther from the median than the median
+    from zero. A filter with a margin, as for the all-reduce: triage re-checks flagged steps."""
+    num_ranks, num_steps = bits.shape
+    values = np.empty(num_ranks, dtype=np.float64)
+    deviation = np.empty(num_ranks, dtype=np.float64)
+    margin = 1e-6
+    for s in range(num_steps):
+        for field in range(2):
+            n = 0
+            overflow = False
+            for r in range(num_ranks):
+                if bits[r, s] & PRESENT:
+                    v = loss[r, s] if field == 0 else np.float64(local_norm[r, s])
+                    if np.isinf(v):
+                        overflow = True
+                    elif v == v:
+                        values[n] = v
+                        n += 1
+            if overflow:
+                events[s] |= EV_OUTLIER
+                break
+            if n == 0:
+                continue
+            med = _median(values[:n])
+            for i in range(n):
+                deviation[i] = abs(values[i] - med)
+            mad = _median(deviation[:n])
+            scale = 1.4826 * mad + 1e-6 * abs(med) + 1e-30
+            hit = False
+            for i in range(n):
+                if deviation[i] > scale * threshold * (1.0 - margin) and deviation[i] > abs(med) * (1.0 - margin):
+                    hit = True
+                    break
+            if hit:
+                events[s] |= EV_OUTLIER
+                break
