@@ -212,9 +212,9 @@ def digests(tensors, seed: int = C.DEFAULT_SEED) -> list[int]:
         raw = _raw_bytes(tensor)
         chunk_bytes = 4 * _chunk_elems(raw.device)
         digester = _Digester(raw.numel(), raw.device, seed, chunk_bytes // _BLOCK_BYTES)
-        if raw.device.type == "cpu" and _cpu_kernel_ok():
-            low, high = cpu_kernel.digest_lanes(raw.numpy(), seed)
-            totals.append((low, high))
+        lanes = _cpu_digest_lanes(raw, seed) if raw.device.type == "cpu" and _cpu_kernel_ok() else None
+        if lanes is not None:
+            totals.append(lanes)
         else:
             for start in range(0, raw.numel(), chunk_bytes):
                 digester.add(start // _BLOCK_BYTES, raw[start : start + chunk_bytes])
@@ -239,6 +239,20 @@ _logged: set[str] = set()
 def _cpu_kernel_ok() -> bool:
     ok, _ = cpu_kernel.available()
     return ok
+
+
+def _compiled_failed(exc: BaseException) -> None:
+    reason = f"the compiled kernel failed ({type(exc).__name__}: {exc}); using the torch path from now on"
+    log.warning("fingerprints on cpu: %s", reason)
+    cpu_kernel.disable(reason)
+
+
+def _cpu_digest_lanes(raw: torch.Tensor, seed: int) -> tuple[int, int] | None:
+    try:
+        return cpu_kernel.digest_lanes(raw.numpy(), seed)
+    except Exception as exc:  # noqa: BLE001 - a broken compiled path must not lose the answer
+        _compiled_failed(exc)
+        return None
 
 
 def _triton_status(device: torch.device) -> tuple[bool, str]:
@@ -484,8 +498,13 @@ def fingerprint_async(
     if path == "numba-cpu":
         name = str(flat.dtype).removeprefix("torch.")
         values = flat.view(torch.int16).numpy().view(np.uint16) if flat.element_size() == 2 else flat.numpy()
-        part = cpu_kernel.partials(values, name, k=k, seed=seed, block_offset=block_offset, with_digest=with_digest)
-        pending.done = _assemble(pending, part.lanes, part.sketch, part.sumsq, part.max_abs, part.nonfinite)
+        try:
+            part = cpu_kernel.partials(values, name, k=k, seed=seed, block_offset=block_offset, with_digest=with_digest)
+        except Exception as exc:  # noqa: BLE001 - a broken compiled path must not lose the answer
+            _compiled_failed(exc)
+            pending.done = _torch_fingerprint(flat, k, seed, block_offset, with_digest)
+        else:
+            pending.done = _assemble(pending, part.lanes, part.sketch, part.sumsq, part.max_abs, part.nonfinite)
     elif path == "triton-cuda":
         from sdc_forensics.fingerprint import triton_kernel
 

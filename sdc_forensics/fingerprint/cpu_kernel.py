@@ -57,10 +57,21 @@ def _loops():
     return _numba_fingerprint, ""
 
 
+_failure: list[str] = []  # set once when a compiled call failed: this process uses the fallback from then on
+
+
+def disable(reason: str) -> None:
+    """Stop using the compiled kernel in this process (a call failed: a broken cache, say)."""
+    if not _failure:
+        _failure.append(reason)
+
+
 def available() -> tuple[bool, str]:
     """``(usable, reason)``: whether the compiled CPU kernel can run here, and why not."""
     if kernels_disabled():
         return False, f"turned off by {KERNELS_ENV}={os.environ.get(KERNELS_ENV)}"
+    if _failure:
+        return False, _failure[0]
     module, reason = _loops()
     return module is not None, reason
 

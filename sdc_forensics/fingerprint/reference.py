@@ -71,13 +71,19 @@ def sketch_stats_in_kernel_order(
     acc = np.float64 if values.dtype == np.float64 else np.float32
     x = np.asarray(values, dtype=acc).reshape(-1)
     rows = max(1, -(-x.size // C.BLOCK_ELEMS))
-    rows = -(-rows // 8) * 8
+    rows = -(-rows // 8) * 8  # cpu_kernel.TILE_ROWS
     padded = np.zeros(rows * C.BLOCK_ELEMS, dtype=acc)
     padded[: x.size] = x
     table = padded.reshape(rows, C.BLOCK_ELEMS)
     beta = C.sketch_block_signs(block_offset + rows, k, seed)[block_offset:].astype(acc)
     y, q = np.zeros((k, C.BLOCK_ELEMS), dtype=acc), np.zeros(C.BLOCK_ELEMS, dtype=acc)
     y64, q64 = np.zeros((k, C.BLOCK_ELEMS)), np.zeros(C.BLOCK_ELEMS)
+    with np.errstate(over="ignore", invalid="ignore"):  # Inf and NaN inputs propagate, as in the kernel
+        return _kernel_order_sums(table, beta, y, q, y64, q64, x, k, seed)
+
+
+def _kernel_order_sums(table, beta, y, q, y64, q64, x, k, seed):
+    rows = table.shape[0]
     for row in range(rows):
         if row % 2 == 0:  # rows in pairs: s0 x0 + s1 x1 = s0 (x0 + s0 s1 x1), the pair rounded once
             same = beta[row] == beta[row + 1]  # (k,)

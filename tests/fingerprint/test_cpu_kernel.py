@@ -170,3 +170,17 @@ def test_async_and_resolve_equal_fingerprint():
     resolved = core.resolve(pending)
     for i, (p, fp) in enumerate(zip(parts, resolved)):
         _assert_bitwise(fp, p, block_offset=i)
+
+
+def test_a_failing_compiled_call_falls_back_for_the_rest_of_the_process(monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise OSError("cache file truncated")
+
+    monkeypatch.setattr(cpu_kernel, "partials", broken)
+    monkeypatch.setattr(cpu_kernel, "_failure", [])
+    t = torch.randn(5000)
+    with caplog.at_level(logging.WARNING, logger="sdc_forensics.fingerprint"):
+        fp = core.fingerprint(t)
+    assert fp.digest == reference.digest_bytes(t.numpy())
+    assert core.kernel_path("cpu").startswith("torch (the compiled kernel failed (OSError: cache file truncated)")
+    assert any("cache file truncated" in r.getMessage() for r in caplog.records)
