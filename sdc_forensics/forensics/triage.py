@@ -170,7 +170,7 @@ def _scan_fast(trace: Trace, options: TriageOptions, grad_dtype: str, reduction:
     The kernels flag the steps where a check may fire and run the weight vote; the numpy checks
     above then run on those steps alone, so the evidence is theirs.
     """
-    if scan.kernels() is None:
+    if trace.kernels() is None:
         return None
     bounds = trace.step_range()
     if bounds is None:

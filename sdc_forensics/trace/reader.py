@@ -31,6 +31,7 @@ CHUNK_RECORDS = 1 << 16
 MAX_MISSING_RANKS = 64
 #: Damage kinds after which the trace's evidence about replicas cannot be trusted in full
 #: (a record unread, a rank or steps absent): checkpoints are then ``unverified``, not clean.
+_UNSET = object()
 UNTRUSTED_DAMAGE = frozenset({"bad_checksum", "bad_header", "missing_rank", "missing_steps"})
 
 
@@ -86,6 +87,7 @@ class Trace:
         self._valid: dict[tuple[int, int], np.ndarray | None] = {}  # None: every record valid
         self._dense: dict[tuple[int, int], int | None] = {}
         self._summary: dict[tuple[int, int], scan.FileSummary] = {}
+        self._kernels = _UNSET
         self._end = None
 
     @classmethod
@@ -138,7 +140,7 @@ class Trace:
         """
         key = (rank_file.rank, rank_file.attempt)
         if key not in self._valid:
-            if scan.kernels() is not None:
+            if self.kernels() is not None:
                 mask, summary = scan.validate(rank_file.records, rank_file.rank)
                 if summary.wild_index >= 0:
                     _raise_wild(rank_file, summary.wild_index)
@@ -148,6 +150,13 @@ class Trace:
             self._valid[key] = None if mask.all() else mask
         mask = self._valid[key]
         return np.broadcast_to(np.True_, (len(rank_file.records),)) if mask is None else mask
+
+    def kernels(self):
+        """The compiled scan kernels this trace is read with, or None for numpy (decided once per
+        trace, by ``SDC_FORENSICS_KERNELS`` and the trace's size: ``trace/scan.py``)."""
+        if self._kernels is _UNSET:
+            self._kernels = scan.kernels_for(sum(len(f.records) for f in self.files))
+        return self._kernels
 
     def file_summary(self, rank_file: RankFile) -> "scan.FileSummary | None":
         """What the compiled validation learnt about the file (None on the numpy path)."""

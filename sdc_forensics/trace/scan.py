@@ -14,9 +14,12 @@
   flags the steps where a check may fire; triage re-reads only those steps through the numpy
   checks (:meth:`StepScan.exact_window`), so its evidence is the numpy path's, byte for byte.
 
-numba is optional at run time: without it, or with ``SDC_FORENSICS_KERNELS=off`` (also ``0``,
-``no``, ``false``, ``numpy``), :func:`kernels` is None and every caller takes its numpy path.
-Files whose records go back in step (never written by the recorder) always take the numpy path.
+numba is optional at run time. ``SDC_FORENSICS_KERNELS`` chooses: ``auto`` (default) compiles
+for traces of at least :data:`AUTO_MIN_RECORDS` records (below that numpy is done before numba
+has loaded its cache: about 0.5 s, and a few seconds for the very first compile on a machine),
+``on`` for any trace, ``off`` (also ``0``, ``no``, ``false``, ``numpy``) never. Without numba,
+or turned off, every caller takes its numpy path. Files whose records go back in step (never
+written by the recorder) always take the numpy path.
 """
 
 from __future__ import annotations
@@ -37,13 +40,21 @@ log = logging.getLogger(__name__)
 #: Environment variable that turns the compiled kernels off (``off``, ``0``, ``no``, ``false``, ``numpy``).
 KERNELS_ENV = "SDC_FORENSICS_KERNELS"
 _OFF = frozenset({"off", "0", "no", "false", "numpy"})
+_ON = frozenset({"on", "1", "yes", "true", "numba"})
 NUMBA = "numba"
 NUMPY = "numpy"
+#: Under ``auto``, traces of fewer records (all rank files together) take the numpy path.
+AUTO_MIN_RECORDS = 1 << 20
+
+
+def _mode() -> str:
+    value = os.environ.get(KERNELS_ENV, "").strip().lower()
+    return "off" if value in _OFF else "on" if value in _ON else "auto"
 
 
 def kernels_enabled() -> bool:
     """False when ``SDC_FORENSICS_KERNELS`` turns the compiled kernels off."""
-    return os.environ.get(KERNELS_ENV, "").strip().lower() not in _OFF
+    return _mode() != "off"
 
 
 @functools.lru_cache(maxsize=1)
@@ -61,9 +72,17 @@ def kernels():
     return _import_kernels() if kernels_enabled() else None
 
 
-def scan_path() -> str:
-    """``numba`` or ``numpy``: the path a scan started now would take."""
-    return NUMBA if kernels() is not None else NUMPY
+def kernels_for(num_records: int):
+    """The kernels for a trace of ``num_records`` records, or None (see the module doc)."""
+    mode = _mode()
+    if mode == "off" or (mode == "auto" and num_records < AUTO_MIN_RECORDS):
+        return None
+    return _import_kernels()
+
+
+def scan_path(num_records: int = AUTO_MIN_RECORDS) -> str:
+    """``numba`` or ``numpy``: the path a scan of ``num_records`` records started now would take."""
+    return NUMBA if kernels_for(num_records) is not None else NUMPY
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,7 +123,7 @@ def validate(records: np.ndarray, rank: int) -> tuple[np.ndarray, FileSummary]:
         ``(mask (N,) bool, summary)``; the mask equals the numpy path's
         (``format.checksums(r) == r["checksum"]``, magic, rank).
     """
-    K = kernels()
+    K = _import_kernels()
     assert K is not None, "validate() needs the compiled kernels"
     words = _words(records)
     mask = np.empty(len(records), dtype=bool)
@@ -206,7 +225,7 @@ class StepScan:
         Args:
             full: gather what triage checks; False: only which cells are present (for holes).
         """
-        K = kernels()
+        K = trace.kernels()
         if K is None:
             return None
         files = []
@@ -245,7 +264,7 @@ class StepScan:
         return None if self._state[1] < 0 else int(self._state[1])
 
     def __iter__(self) -> Iterator[ScanWindow]:
-        K = kernels()
+        K = _import_kernels()
         R, k, full = self.num_ranks, self.k, self.full
         out = np.zeros(2, dtype=np.int64)
         dummy_u64 = np.zeros((1, 1), dtype=np.uint64)
@@ -294,7 +313,7 @@ class StepScan:
     def exact_window(self, window: ScanWindow, rows: np.ndarray, fields: tuple[str, ...]) -> StepWindow:
         """The :class:`StepWindow` of ``rows`` of ``window`` with ``fields``, exactly as
         :meth:`Trace.step_windows` builds it (the numpy checks run on it)."""
-        K = kernels()
+        K = _import_kernels()
         full = F.record_dtype(self.k)
         wanted = set(("step", "rank", *fields))
         names = [name for name in full.names if name in wanted]  # record order: assignment is by position

@@ -207,6 +207,7 @@ def test_fallback_is_taken_and_reported_when_the_kernels_are_off(make_trace, mon
     trace = make_trace(ranks=4, steps=20, bulk=True, fault=Fault(kind="weights", step=6, rank=1))
     monkeypatch.setenv(scan.KERNELS_ENV, value)
     assert scan.kernels() is None and scan.scan_path() == scan.NUMPY
+    assert scan.kernels_for(10**9) is None
     with caplog.at_level(logging.INFO, logger="sdc_forensics.forensics.triage"):
         result = triage_trace(Trace.open(trace))
     assert result.scan_path == scan.NUMPY
@@ -215,12 +216,22 @@ def test_fallback_is_taken_and_reported_when_the_kernels_are_off(make_trace, mon
 
 
 @needs_numba
-def test_fast_path_is_reported_when_on(make_trace, monkeypatch, caplog):
+def test_auto_compiles_for_large_traces_only(make_trace, monkeypatch):
     monkeypatch.delenv(scan.KERNELS_ENV, raising=False)
+    small = Trace.open(make_trace(ranks=4, steps=20, bulk=True))
+    assert small.kernels() is None and triage_trace(small).scan_path == scan.NUMPY
+    monkeypatch.setattr(scan, "AUTO_MIN_RECORDS", 80)
+    assert triage_trace(Trace.open(make_trace(ranks=4, steps=20, bulk=True))).scan_path == scan.NUMBA
+    assert scan.scan_path(79) == scan.NUMPY and scan.scan_path(80) == scan.NUMBA
+
+
+@needs_numba
+def test_fast_path_is_reported_when_on(make_trace, monkeypatch, caplog):
+    monkeypatch.setenv(scan.KERNELS_ENV, "on")
     trace = make_trace(ranks=4, steps=20, bulk=True)
     with caplog.at_level(logging.INFO, logger="sdc_forensics.forensics.triage"):
         result = triage_trace(Trace.open(trace))
-    assert result.scan_path == scan.NUMBA == scan.scan_path()
+    assert result.scan_path == scan.NUMBA == scan.scan_path(0)
     assert "numba scan path" in caplog.text
 
 
