@@ -18,6 +18,7 @@ must stay bounded, and the load average, since on a shared machine that moves CP
 
 ``--json`` prints ``{name: {"value", "unit", "goal", "met"}}`` on stdout (the table goes to
 stderr), the format ``benchmarks/run_all.py`` collects; ``--quick`` is one 64 MB size, 3 runs.
+``--sweep-triton`` (CUDA) times the Triton kernel alone under each of its launch settings.
 
 Usage::
 
@@ -197,6 +198,51 @@ def figures(results: dict, path: str) -> dict:
     return out
 
 
+def sweep_triton(device: torch.device, size_mb: int, runs: int, say) -> dict:
+    """Times ``triton_kernel.partials`` under each launch setting (its private knobs), per dtype.
+
+    Settings: warps per program (4, 8), tiles per loop iteration (1, 2), the register cap
+    (128, 64: 2 or 4 programs per SM) and programs per SM in the grid (2, 4, 8). Returns
+    ``{dtype: [(GB/s, setting), ...]}`` best first; the fastest is what ``_NUM_WARPS``,
+    ``_UNROLL``, ``_MAX_REGISTERS`` and ``_PROGRAMS_PER_SM`` should be set to.
+    """
+    import itertools
+
+    from sdc_forensics.fingerprint import constants as C
+    from sdc_forensics.fingerprint import triton_kernel as tk
+
+    saved = (tk._NUM_WARPS, tk._UNROLL, tk._MAX_REGISTERS, tk._PROGRAMS_PER_SM)
+    results: dict[str, list] = {}
+    say(f"| dtype | warps | unroll | max registers | programs/SM | GB/s | x torch.sum |")
+    say("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    try:
+        for dtype_name, dtype in DTYPES.items():
+            numel = size_mb * 1_000_000 // torch.tensor([], dtype=dtype).element_size()
+            tensor = torch.randn(numel, dtype=dtype, device=device)
+            sum_s = statistics.median(_timed(lambda: tensor.sum(), device) for _ in range(runs))
+            rows = []
+            for warps, unroll, registers, per_sm in itertools.product((4, 8), (1, 2), (128, 64), (2, 4, 8)):
+                tk._NUM_WARPS, tk._UNROLL, tk._MAX_REGISTERS, tk._PROGRAMS_PER_SM = warps, unroll, registers, per_sm
+                tk._tables.pop(("launch", device.type), None)  # the cached launch options hold maxnreg
+
+                def run():
+                    return tk.partials(tensor, k=8, seed=C.DEFAULT_SEED, block_offset=0, with_digest=True)
+
+                _timed(run, device)  # compile
+                seconds = statistics.median(_timed(run, device) for _ in range(runs))
+                setting = {"warps": warps, "unroll": unroll, "max_registers": registers, "programs_per_sm": per_sm}
+                rows.append((size_mb / 1e3 / seconds, seconds / sum_s, setting))
+                say(f"| {dtype_name} | {warps} | {unroll} | {registers} | {per_sm} | {rows[-1][0]:.0f} | {rows[-1][1]:.2f} |")
+            results[dtype_name] = sorted(rows, key=lambda row: -row[0])
+            best = results[dtype_name][0]
+            say(f"best for {dtype_name}: {best[2]} at {best[0]:.0f} GB/s = {best[1]:.2f}x torch.sum ({size_mb / 1e3 / sum_s:.0f} GB/s)")
+            del tensor
+    finally:
+        tk._NUM_WARPS, tk._UNROLL, tk._MAX_REGISTERS, tk._PROGRAMS_PER_SM = saved
+        tk._tables.pop(("launch", device.type), None)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print a Markdown table (stdout, or stderr with ``--json``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -209,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="auto: the path core picks; torch: the fallback only; both: auto plus a torch-path column")
     parser.add_argument("--quick", action="store_true", help="one 64 MB size and 3 runs (unless given)")
     parser.add_argument("--json", action="store_true", help="print {name: {value, unit, goal, met}} on stdout")
+    parser.add_argument("--sweep-triton", action="store_true",
+                        help="CUDA: time the Triton kernel under each launch setting instead (first size)")
     args = parser.parse_args(argv)
     sizes = args.sizes_mb or ([64] if args.quick else [64, 256, 1024])
     runs = args.runs or (3 if args.quick else 5)
@@ -219,6 +267,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     say = (lambda text="": print(text, file=sys.stderr)) if args.json else print
+    if args.sweep_triton:
+        if device.type != "cuda":
+            print("bench_fingerprint: --sweep-triton needs --device cuda", file=sys.stderr)
+            return 2
+        say(f"# Triton kernel launch settings, {sizes[0]} MB, {torch.cuda.get_device_name(device)}, median of {runs}")
+        best = sweep_triton(device, sizes[0], runs, say)
+        if args.json:
+            print(json.dumps({name: [{"gb_per_s": round(r[0], 1), "x_sum": round(r[1], 3), **r[2]} for r in rows]
+                              for name, rows in best.items()}, indent=2, sort_keys=True))
+        return 0
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{_cpu_model()}, {os.cpu_count()} cores"
     load_before = os.getloadavg()[0]
     say(f"# Fingerprint throughput on {device} ({where}); torch {torch.__version__}, {torch.get_num_threads()} threads")

@@ -158,15 +158,19 @@ export -f smoke
 step "triton smoke" 90 "4 dtypes x 4 sizes, digest vs numpy" bash -c smoke
 
 # --- 4. every CUDA-marked test -------------------------------------------------------------
-step "cuda tests" 240 "pytest -m cuda (fingerprints, Triton kernel, CUDA replay of demo incidents)" \
+step "cuda tests" 210 "pytest -m cuda (fingerprints, Triton kernel, CUDA replay of demo incidents)" \
     "$PYTHON" -m pytest -q -m cuda -p no:cacheprovider -rfEs --junitxml="$RESULTS/cuda-tests.xml" tests/
 
 # --- 5. fingerprint throughput: chosen path vs torch path vs torch.sum ----------------------
 # shellcheck disable=SC2086 # SIZES_MB is a list of words
-step "bench fingerprint" 100 "sizes $SIZES_MB MB, fp32 and bf16, --path both" \
+step "bench fingerprint" 90 "sizes $SIZES_MB MB, fp32 and bf16, --path both" \
     bash -c "set -o pipefail; $PYTHON benchmarks/bench_fingerprint.py --device cuda --sizes-mb $SIZES_MB --runs 5 --path both --json > '$RESULTS/bench_fingerprint.json'"
 
-# --- 6. recorder overhead on the GPU (bench_overhead.py --device cuda, when it has that option)
+# --- 6. the Triton kernel's launch settings, to pick the defaults from (warps, unroll, registers, grid)
+step "sweep triton" 60 "launch settings of the kernel, 1 GB fp32 and bf16" \
+    bash -c "set -o pipefail; $PYTHON benchmarks/bench_fingerprint.py --device cuda --sizes-mb 1024 --runs 5 --sweep-triton --json > '$RESULTS/sweep_triton.json'"
+
+# --- 7. recorder overhead on the GPU (bench_overhead.py --device cuda, when it has that option)
 overhead() {
     if ! "$PYTHON" benchmarks/bench_overhead.py --help 2>/dev/null | grep -q -- "--device"; then
         echo "bench_overhead.py has no --device option yet: the GPU recorder overhead is not measured"
@@ -175,7 +179,7 @@ overhead() {
     "$PYTHON" benchmarks/bench_overhead.py --device cuda --json > "$RESULTS/bench_overhead.json"
 }
 export -f overhead
-step "bench overhead" 100 "recorder overhead, bench_overhead.py --device cuda" bash -c overhead
+step "bench overhead" 90 "recorder overhead, bench_overhead.py --device cuda" bash -c overhead
 
 # --- summary --------------------------------------------------------------------------------
 {
@@ -202,6 +206,14 @@ try:
           + (" (ALL SKIPPED: no CUDA device or no triton?)" if counts["tests"] and counts["skipped"] == counts["tests"] else ""))
 except (OSError, ET.ParseError, AttributeError) as error:
     print(f"- cuda tests: no JUnit report ({type(error).__name__})")
+try:
+    sweep = json.loads((results / "sweep_triton.json").read_text())
+    for dtype, rows in sorted(sweep.items()):
+        best = rows[0]
+        print(f"- triton best for {dtype}: {best['gb_per_s']} GB/s = {best['x_sum']}x torch.sum with warps {best['warps']}, "
+              f"unroll {best['unroll']}, max registers {best['max_registers']}, {best['programs_per_sm']} programs/SM")
+except (OSError, ValueError, LookupError) as error:
+    print(f"- sweep_triton.json: no figures ({type(error).__name__})")
 for name in ("bench_fingerprint.json", "bench_overhead.json"):
     path = results / name
     try:

@@ -55,7 +55,10 @@ KERNELS_ENV = "SDC_FORENSICS_KERNELS"
 _TILE_WORDS = C.BLOCK_WORDS  # one digest block per tile
 _MAX_TILES_PER_PROGRAM = C.BLOCK_ELEMS  # keeps every float32 sum of Y at <= 1024 terms
 _PROGRAMS_PER_SM = 4
+# Launch settings: not measured on a GPU yet (docs/gpu.md); gpu_check.sh sweeps them.
 _NUM_WARPS = 8
+_UNROLL = 2  # tiles per loop iteration in the float32 and 16-bit kernels (1 or 2): more loads in flight
+_MAX_REGISTERS = 128  # per thread: two 8-warp programs per SM (ptxas for sm_90 needs 128-136 and spills none at 128)
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 _lock = threading.Lock()
@@ -135,11 +138,12 @@ def partials(flat: torch.Tensor, *, k: int, seed: int, block_offset: int, with_d
     beta = _beta(device, block_offset + num_sblocks, k, kp, seed)[block_offset:]
     int_rows = torch.empty(programs, 4, dtype=torch.int64, device=device)  # low, high, NaN, Inf
     float_rows = torch.empty(programs, kp + 2, dtype=torch.float64, device=device)  # sketch, sumsq, max
-    common = dict(KP=kp, WITH_DIGEST=with_digest, num_warps=_NUM_WARPS)
+    common = dict(KP=kp, WITH_DIGEST=with_digest, num_warps=_NUM_WARPS, **_launch_options(device))
+    unrolled = dict(UNROLL=_UNROLL, **common)
     grid = (programs,)
     if flat.dtype == torch.float32:
         _kernel32[grid](flat.view(torch.int32), numel, num_tiles, a, b, c_low, c_high, alpha, beta, num_sblocks,
-                        int_rows, float_rows, **common)
+                        int_rows, float_rows, **unrolled)
     elif flat.dtype == torch.float64:
         _kernel64[grid](flat.view(torch.int64), numel, num_tiles, a, b, c_low, c_high, alpha, beta, num_sblocks,
                         int_rows, float_rows, **common)
@@ -147,7 +151,7 @@ def partials(flat: torch.Tensor, *, k: int, seed: int, block_offset: int, with_d
         paired = numel % 2 == 1 or flat.storage_offset() % 2 == 1  # no int32 view: load 16-bit pairs
         data = flat.view(torch.int16) if paired else flat.view(torch.int32)
         _kernel16[grid](data, numel, num_tiles, a, b, c_low, c_high, alpha, beta, num_sblocks,
-                        int_rows, float_rows, IS_BF16=flat.dtype == torch.bfloat16, PAIRED=paired, **common)
+                        int_rows, float_rows, IS_BF16=flat.dtype == torch.bfloat16, PAIRED=paired, **unrolled)
     return _reduce(int_rows, float_rows, k, kp)
 
 
@@ -213,6 +217,23 @@ def _beta(device: torch.device, rows: int, k: int, kp: int, seed: int) -> torch.
     return _prefix(("beta", device, k, seed), rows, lambda size: _padded(C.sketch_block_signs(size, k, seed), kp).to(device))
 
 
+def _launch_options(device: torch.device) -> dict:
+    """``maxnreg`` on CUDA where this Triton has that option (3.0 on); nothing under the interpreter."""
+    if device.type != "cuda":
+        return {}
+    key = ("launch", device.type)
+    with _lock:
+        if key not in _tables:
+            try:
+                from triton.backends.nvidia.compiler import CUDAOptions
+
+                has = "maxnreg" in CUDAOptions.__dataclass_fields__
+            except Exception:  # noqa: BLE001 - another backend layout: launch with defaults
+                has = False
+            _tables[key] = {"maxnreg": _MAX_REGISTERS} if has else {}
+        return dict(_tables[key])
+
+
 def _programs_for(device: torch.device) -> int:
     if device.type != "cuda":
         return 3  # the interpreter: a few programs, several tiles each, exercise the same paths
@@ -241,12 +262,14 @@ if triton is not None:
         return max_bits, nan, inf
 
     @triton.jit
-    def _lanes(low, high, w, a, b, c_ptr, ch_ptr, tile):
-        """Adds tile ``tile``'s ``c_j s_j`` and ``c'_j t_j`` (words ``w``, weights ``a``/``b``) to the lanes."""
-        s = tl.sum(w * a)  # wrapping int32: s_j mod 2**32
-        t = tl.sum((w >> 16) * b)  # arithmetic shift: the sign-extended top half
-        low += tl.load(c_ptr + tile) * (s.to(tl.int64) & 0xFFFFFFFF)
-        high += tl.load(ch_ptr + tile) * (t.to(tl.int64) & 0xFFFFFFFF)
+    def _lanes(low, high, s, t, c_ptr, ch_ptr, tile, num_tiles):
+        """Adds tile ``tile``'s ``c_j s_j`` and ``c'_j t_j`` to the lanes (nothing for a tile past the end).
+
+        ``s``/``t`` are the block's wrapping int32 sums; only their low 32 bits count.
+        """
+        valid = tile < num_tiles
+        low += tl.load(c_ptr + tile, mask=valid, other=0) * (s.to(tl.int64) & 0xFFFFFFFF)
+        high += tl.load(ch_ptr + tile, mask=valid, other=0) * (t.to(tl.int64) & 0xFFFFFFFF)
         return low, high
 
     @triton.jit
@@ -262,9 +285,33 @@ if triton is not None:
         tl.store(row + KP + 1, max_abs)
 
     @triton.jit
+    def _load32(words_ptr, numel, tile):
+        e = tile * 1024 + tl.arange(0, 1024)
+        return tl.load(words_ptr + e, mask=e < numel, other=0)
+
+    @triton.jit
+    def _tile32(w, tile, num_tiles, a, b, c_ptr, ch_ptr, beta_ptr, low, high, y, sq, max_bits, nan, inf,
+                KP: tl.constexpr, WITH_DIGEST: tl.constexpr):
+        """Adds one float32 tile (words ``w``; all zero past the end) to a program's accumulators."""
+        if WITH_DIGEST:
+            s = tl.sum(w * a)  # wrapping int32: s_j mod 2**32
+            t = tl.sum((w >> 16) * b)  # arithmetic shift: the sign-extended top half
+            low, high = _lanes(low, high, s, t, c_ptr, ch_ptr, tile, num_tiles)
+        x = w.to(tl.float32, bitcast=True)
+        m = tl.arange(0, KP)
+        beta = tl.load(beta_ptr + tile * KP + m, mask=tile + m * 0 < num_tiles, other=0.0)
+        y += x[:, None] * beta[None, :]
+        sq += x * x
+        max_bits, nan, inf = _finite_stats(w & 0x7FFFFFFF, max_bits, nan, inf)
+        return low, high, y, sq, max_bits, nan, inf
+
+    @triton.jit
     def _kernel32(words_ptr, numel, num_tiles, a_ptr, b_ptr, c_ptr, ch_ptr, alpha_ptr, beta_ptr, num_sblocks,
-                  int_ptr, float_ptr, KP: tl.constexpr, WITH_DIGEST: tl.constexpr):
-        """float32: a tile is 1024 elements, one digest block and one sketch block."""
+                  int_ptr, float_ptr, KP: tl.constexpr, WITH_DIGEST: tl.constexpr, UNROLL: tl.constexpr):
+        """float32: a tile is 1024 elements, one digest block and one sketch block.
+
+        ``UNROLL`` (1 or 2) tiles per loop iteration, each loaded one iteration ahead.
+        """
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         i = tl.arange(0, 1024)
@@ -278,20 +325,23 @@ if triton is not None:
         max_bits = tl.zeros((1024,), dtype=tl.int32)
         nan = tl.zeros((1024,), dtype=tl.int32)
         inf = tl.zeros((1024,), dtype=tl.int32)
-        e = pid.to(tl.int64) * 1024 + i
-        upcoming = tl.load(words_ptr + e, mask=e < numel, other=0)
-        for n in range(0, tl.cdiv(num_tiles - pid, programs)):
-            tile = (pid + n * programs).to(tl.int64)
-            w = upcoming
-            e = (tile + programs) * 1024 + i
-            upcoming = tl.load(words_ptr + e, mask=e < numel, other=0)  # prefetch; masked past the end
-            if WITH_DIGEST:
-                low, high = _lanes(low, high, w, a, b, c_ptr, ch_ptr, tile)
-            x = w.to(tl.float32, bitcast=True)
-            beta = tl.load(beta_ptr + tile * KP + m)
-            y += x[:, None] * beta[None, :]
-            sq += x * x
-            max_bits, nan, inf = _finite_stats(w & 0x7FFFFFFF, max_bits, nan, inf)
+        stride = UNROLL * programs
+        first = pid.to(tl.int64)
+        next_a = _load32(words_ptr, numel, first)
+        if UNROLL == 2:
+            next_b = _load32(words_ptr, numel, first + programs)
+        for n in range(0, tl.cdiv(tl.cdiv(num_tiles - pid, programs), UNROLL)):
+            tile = first + n * stride
+            w_a = next_a
+            next_a = _load32(words_ptr, numel, tile + stride)  # prefetch; masked past the end
+            if UNROLL == 2:
+                w_b = next_b
+                next_b = _load32(words_ptr, numel, tile + programs + stride)
+            low, high, y, sq, max_bits, nan, inf = _tile32(w_a, tile, num_tiles, a, b, c_ptr, ch_ptr, beta_ptr, low, high,
+                                                           y, sq, max_bits, nan, inf, KP, WITH_DIGEST)
+            if UNROLL == 2:
+                low, high, y, sq, max_bits, nan, inf = _tile32(w_b, tile + programs, num_tiles, a, b, c_ptr, ch_ptr, beta_ptr,
+                                                               low, high, y, sq, max_bits, nan, inf, KP, WITH_DIGEST)
         alpha = tl.load(alpha_ptr + i[:, None] * KP + m[None, :]).to(tl.float64)
         sketch = tl.sum(alpha * y.to(tl.float64), axis=0)
         max_abs = tl.max(max_bits, axis=0).to(tl.float32, bitcast=True).to(tl.float64)
@@ -323,9 +373,34 @@ if triton is not None:
         return even, odd
 
     @triton.jit
+    def _tile16(w0, w1, tile, num_tiles, num_sblocks, a0, a1, b0, b1, c_ptr, ch_ptr, beta_ptr, low, high, y_even, y_odd,
+                sq, max_bits, nan, inf, KP: tl.constexpr, WITH_DIGEST: tl.constexpr, IS_BF16: tl.constexpr):
+        """Adds one 16-bit tile (halves ``w0``, ``w1``; all zero past the end) to a program's accumulators."""
+        if WITH_DIGEST:
+            s = tl.sum(w0 * a0 + w1 * a1)  # wrapping int32: s_j mod 2**32
+            t = tl.sum((w0 >> 16) * b0 + (w1 >> 16) * b1)
+            low, high = _lanes(low, high, s, t, c_ptr, ch_ptr, tile, num_tiles)
+        x00, x01 = _values16(w0, IS_BF16)  # first sketch block: elements 2w, 2w + 1
+        x10, x11 = _values16(w1, IS_BF16)  # second sketch block
+        m = tl.arange(0, KP)
+        block = 2 * tile
+        beta0 = tl.load(beta_ptr + block * KP + m, mask=block + m * 0 < num_sblocks, other=0.0)
+        beta1 = tl.load(beta_ptr + (block + 1) * KP + m, mask=block + 1 + m * 0 < num_sblocks, other=0.0)
+        y_even += x00[:, None] * beta0[None, :]
+        y_even += x10[:, None] * beta1[None, :]
+        y_odd += x01[:, None] * beta0[None, :]
+        y_odd += x11[:, None] * beta1[None, :]
+        sq += x00 * x00 + x01 * x01 + x10 * x10 + x11 * x11
+        max_bits, nan, inf = _finite_stats(_abs_bits32(x00), max_bits, nan, inf)
+        max_bits, nan, inf = _finite_stats(_abs_bits32(x01), max_bits, nan, inf)
+        max_bits, nan, inf = _finite_stats(_abs_bits32(x10), max_bits, nan, inf)
+        max_bits, nan, inf = _finite_stats(_abs_bits32(x11), max_bits, nan, inf)
+        return low, high, y_even, y_odd, sq, max_bits, nan, inf
+
+    @triton.jit
     def _kernel16(data_ptr, numel, num_tiles, a_ptr, b_ptr, c_ptr, ch_ptr, alpha_ptr, beta_ptr, num_sblocks,
                   int_ptr, float_ptr, KP: tl.constexpr, WITH_DIGEST: tl.constexpr, IS_BF16: tl.constexpr,
-                  PAIRED: tl.constexpr):
+                  PAIRED: tl.constexpr, UNROLL: tl.constexpr):
         """bfloat16/float16: a tile is 1024 words = 2048 elements, one digest block, two sketch blocks.
 
         Word ``w`` holds elements ``2w`` (low half) and ``2w + 1``. The tile is handled as two
@@ -333,7 +408,8 @@ if triton is not None:
         sketch position ``2w + j``, so they share one ``Y`` entry: two terms per tile, at most
         512 tiles per program (the host's cap), so every float32 sum still has <= 1024 terms.
         ``data_ptr`` is the int32 view, or with ``PAIRED`` (odd length or odd offset) the int16
-        view, whose pairs are assembled into words in registers.
+        view, whose pairs are assembled into words in registers. ``UNROLL`` (1 or 2) tiles per
+        loop iteration, each loaded one iteration ahead.
         """
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
@@ -351,34 +427,31 @@ if triton is not None:
         max_bits = tl.zeros((512,), dtype=tl.int32)
         nan = tl.zeros((512,), dtype=tl.int32)
         inf = tl.zeros((512,), dtype=tl.int32)
-        tile = pid.to(tl.int64)
-        next0 = _words16(data_ptr, numel, tile, 0, PAIRED)
-        next1 = _words16(data_ptr, numel, tile, 1, PAIRED)
-        for n in range(0, tl.cdiv(num_tiles - pid, programs)):
-            tile = (pid + n * programs).to(tl.int64)
-            w0 = next0
-            w1 = next1
-            next0 = _words16(data_ptr, numel, tile + programs, 0, PAIRED)  # prefetch; masked past the end
-            next1 = _words16(data_ptr, numel, tile + programs, 1, PAIRED)
-            if WITH_DIGEST:
-                s = tl.sum(w0 * a0 + w1 * a1)  # wrapping int32: s_j mod 2**32
-                t = tl.sum((w0 >> 16) * b0 + (w1 >> 16) * b1)
-                low += tl.load(c_ptr + tile) * (s.to(tl.int64) & 0xFFFFFFFF)
-                high += tl.load(ch_ptr + tile) * (t.to(tl.int64) & 0xFFFFFFFF)
-            x00, x01 = _values16(w0, IS_BF16)  # first sketch block: elements 2w, 2w + 1
-            x10, x11 = _values16(w1, IS_BF16)  # second sketch block
-            block = 2 * tile
-            beta0 = tl.load(beta_ptr + block * KP + m)
-            beta1 = tl.load(beta_ptr + (block + 1) * KP + m, mask=block + 1 + m * 0 < num_sblocks, other=0.0)
-            y_even += x00[:, None] * beta0[None, :]
-            y_even += x10[:, None] * beta1[None, :]
-            y_odd += x01[:, None] * beta0[None, :]
-            y_odd += x11[:, None] * beta1[None, :]
-            sq += x00 * x00 + x01 * x01 + x10 * x10 + x11 * x11
-            max_bits, nan, inf = _finite_stats(_abs_bits32(x00), max_bits, nan, inf)
-            max_bits, nan, inf = _finite_stats(_abs_bits32(x01), max_bits, nan, inf)
-            max_bits, nan, inf = _finite_stats(_abs_bits32(x10), max_bits, nan, inf)
-            max_bits, nan, inf = _finite_stats(_abs_bits32(x11), max_bits, nan, inf)
+        stride = UNROLL * programs
+        first = pid.to(tl.int64)
+        next_a0 = _words16(data_ptr, numel, first, 0, PAIRED)
+        next_a1 = _words16(data_ptr, numel, first, 1, PAIRED)
+        if UNROLL == 2:
+            next_b0 = _words16(data_ptr, numel, first + programs, 0, PAIRED)
+            next_b1 = _words16(data_ptr, numel, first + programs, 1, PAIRED)
+        for n in range(0, tl.cdiv(tl.cdiv(num_tiles - pid, programs), UNROLL)):
+            tile = first + n * stride
+            w_a0 = next_a0
+            w_a1 = next_a1
+            next_a0 = _words16(data_ptr, numel, tile + stride, 0, PAIRED)  # prefetch; masked past the end
+            next_a1 = _words16(data_ptr, numel, tile + stride, 1, PAIRED)
+            if UNROLL == 2:
+                w_b0 = next_b0
+                w_b1 = next_b1
+                next_b0 = _words16(data_ptr, numel, tile + programs + stride, 0, PAIRED)
+                next_b1 = _words16(data_ptr, numel, tile + programs + stride, 1, PAIRED)
+            low, high, y_even, y_odd, sq, max_bits, nan, inf = _tile16(
+                w_a0, w_a1, tile, num_tiles, num_sblocks, a0, a1, b0, b1, c_ptr, ch_ptr, beta_ptr, low, high,
+                y_even, y_odd, sq, max_bits, nan, inf, KP, WITH_DIGEST, IS_BF16)
+            if UNROLL == 2:
+                low, high, y_even, y_odd, sq, max_bits, nan, inf = _tile16(
+                    w_b0, w_b1, tile + programs, num_tiles, num_sblocks, a0, a1, b0, b1, c_ptr, ch_ptr, beta_ptr, low,
+                    high, y_even, y_odd, sq, max_bits, nan, inf, KP, WITH_DIGEST, IS_BF16)
         alpha_even = tl.load(alpha_ptr + (2 * i)[:, None] * KP + m[None, :]).to(tl.float64)
         alpha_odd = tl.load(alpha_ptr + (2 * i + 1)[:, None] * KP + m[None, :]).to(tl.float64)
         sketch = tl.sum(alpha_even * y_even.to(tl.float64) + alpha_odd * y_odd.to(tl.float64), axis=0)

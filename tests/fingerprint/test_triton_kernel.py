@@ -209,8 +209,9 @@ def test_module_imports_without_triton():
 
 @NEEDS_TRITON
 @pytest.mark.parametrize("arch", [90, 80])
-def test_compiles_for_hopper_and_ampere(arch):
-    """The kernels compile to cubin for sm_90 (H100/H200) and sm_80 (A100) without a GPU, with no spills."""
+def test_compiles_for_hopper_and_ampere(arch, tmp_path):
+    """The kernels compile to cubin for sm_90 (H100/H200) and sm_80 (A100) without a GPU, within the
+    register cap and with no spills (read with the cuobjdump Triton ships, where it does)."""
     if INTERPRETED:
         pytest.skip("the interpreter replaces the compiler")
     from triton.backends.compiler import GPUTarget
@@ -218,8 +219,9 @@ def test_compiles_for_hopper_and_ampere(arch):
 
     common = {"numel": "i64", "num_tiles": "i32", "a_ptr": "*i32", "b_ptr": "*i32", "c_ptr": "*i64", "ch_ptr": "*i64",
               "alpha_ptr": "*fp32", "beta_ptr": "*fp32", "num_sblocks": "i32", "int_ptr": "*i64", "float_ptr": "*fp64"}
-    variants = [(tk._kernel32, "*i32", {}), (tk._kernel16, "*i32", {"IS_BF16": True, "PAIRED": False}),
-                (tk._kernel16, "*i16", {"IS_BF16": False, "PAIRED": True}), (tk._kernel64, "*i64", {})]
+    variants = [(tk._kernel32, "*i32", {"UNROLL": 1}), (tk._kernel32, "*i32", {"UNROLL": 2}),
+                (tk._kernel16, "*i32", {"IS_BF16": True, "PAIRED": False, "UNROLL": 2}),
+                (tk._kernel16, "*i16", {"IS_BF16": False, "PAIRED": True, "UNROLL": 1}), (tk._kernel64, "*i64", {})]
     for kernel, data, extra in variants:
         names = kernel.arg_names
         signature = {name: common.get(name, "constexpr") for name in names}
@@ -227,10 +229,30 @@ def test_compiles_for_hopper_and_ampere(arch):
         constants = {"KP": 8, "WITH_DIGEST": True, **extra}
         source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in constants.items()})
         try:
-            compiled = tk.triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": tk._NUM_WARPS})
+            compiled = tk.triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": tk._NUM_WARPS, "maxnreg": tk._MAX_REGISTERS})
         except FileNotFoundError as error:  # no ptxas in this triton build
             pytest.skip(f"cannot compile for CUDA here: {error}")
-        assert ".local" not in compiled.asm["ptx"], f"{kernel.fn.__name__} {extra}: registers spill to local memory"
+        assert ".local" not in compiled.asm["ptx"], f"{kernel.fn.__name__} {extra}: local arrays in the PTX"
+        usage = _resource_usage(compiled.asm["cubin"], tmp_path)
+        if usage is not None:  # registers per thread; STACK and LOCAL: bytes per thread (spills show as STACK)
+            # none on Hopper, the target; on sm_80 ptxas spills one 8-byte value of the unrolled float32 loop
+            spill_limit = 0 if arch == 90 else 16
+            assert usage["REG"] <= tk._MAX_REGISTERS and usage["LOCAL"] == 0, (kernel.fn.__name__, extra, usage)
+            assert usage["STACK"] <= spill_limit, (kernel.fn.__name__, extra, usage)
+
+
+def _resource_usage(cubin: bytes, folder: Path) -> dict | None:
+    """``cuobjdump -res-usage`` of a cubin (the copy Triton's wheel ships), or None without one."""
+    import re
+
+    tool = Path(tk.triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None
+    path = folder / "kernel.cubin"
+    path.write_bytes(cubin)
+    listing = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True, timeout=60).stdout
+    found = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", listing))
+    return {key: int(value) for key, value in found.items()} if {"REG", "STACK", "LOCAL"} <= found.keys() else None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -241,6 +263,15 @@ def test_interpreter_at_the_tile_cap(monkeypatch, dtype):
     monkeypatch.setattr(tk, "_programs_for", lambda device: 1)
     numel = 1024 * 1025 + 7 if dtype == torch.float32 else 2048 * 513 + 3  # two full programs and a bit
     _run(Case(dtype, numel, block_offset=5, seed=13), "cpu")
+
+
+@pytest.mark.parametrize("case", CASES[::5], ids=[c.id for c in CASES[::5]])
+def test_interpreter_one_tile_per_iteration(monkeypatch, case):
+    """The kernels' other loop shape (``_UNROLL = 1``), on every fifth case."""
+    if not INTERPRETED:
+        pytest.skip("interpreter cases run in test_interpreter_suite's subprocess (TRITON_INTERPRET=1)")
+    monkeypatch.setattr(tk, "_UNROLL", 1)
+    _run(case, "cpu")
 
 
 def _cuda_ready():
