@@ -11,6 +11,13 @@ whole gradient.
 
 Without a user hook the inner hook reproduces DDP's built-in path bit for bit: multiply by
 ``1/W`` (DDP does this while copying gradients into the bucket) and all-reduce with ``SUM``.
+
+Host syncs: none inside the hook. Each bucket's two fingerprints are started with
+:func:`~sdc_forensics.fingerprint.core.fingerprint_async` (the local one before the inner hook
+launches the all-reduce, which then reduces the buffer in place: on CUDA the kernel is queued on
+the current stream ahead of the collective, which waits for it; on CPU the call computes
+eagerly), and :meth:`BucketTap.fingerprints` resolves all of them together at the step's end:
+one device-to-host transfer per step for every bucket (none on CPU).
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sdc_forensics.fingerprint.core import Fingerprint, combine, fingerprint, num_sketch_blocks
+from sdc_forensics.fingerprint import core as fp_core
+from sdc_forensics.fingerprint.core import Fingerprint, PendingFingerprint, combine, num_sketch_blocks
 from sdc_forensics.inject import Injector
 
 
@@ -70,8 +78,8 @@ class BucketTap:
         self._reset()
 
     def _reset(self) -> None:
-        self._local: dict[int, Fingerprint] = {}
-        self._reduced: dict[int, Fingerprint] = {}
+        self._local: dict[int, PendingFingerprint] = {}
+        self._reduced: dict[int, PendingFingerprint] = {}
         self._layout: dict[int, list[int]] = {}
         self._next_block = 0
         self._next_element = 0
@@ -100,7 +108,8 @@ class BucketTap:
             self.grad_dtype = str(buffer.dtype).removeprefix("torch.")
         if self._injector:
             self._injector.corrupt_segment("grad", step, buffer.view(-1), element_offset, self._grad_numel)
-        self._local[index] = fingerprint(buffer, k=self._k, seed=self._seed, block_offset=block_offset)
+        # read before the inner hook reduces the buffer in place (stream-ordered on CUDA)
+        self._local[index] = fp_core.fingerprint_async(buffer, k=self._k, seed=self._seed, block_offset=block_offset)
         future = self._inner_hook(self._inner_state, bucket)
 
         def _after(fut: torch.futures.Future) -> torch.Tensor:
@@ -110,7 +119,7 @@ class BucketTap:
                 if self._injector:
                     for location in ("allreduce", "allreduce-all"):
                         self._injector.corrupt_segment(location, step, reduced.view(-1), element_offset, self._grad_numel)
-                fp = fingerprint(reduced, k=self._k, seed=self._seed, block_offset=block_offset)
+                fp = fp_core.fingerprint_async(reduced, k=self._k, seed=self._seed, block_offset=block_offset)
                 with self._lock:
                     self._reduced[index] = fp
             except BaseException as exc:  # noqa: BLE001 - reported by the recorder, never inside DDP
@@ -124,12 +133,19 @@ class BucketTap:
         return [self._layout[i] for i in sorted(self._layout)]
 
     def fingerprints(self) -> tuple[Fingerprint | None, Fingerprint | None]:
-        """Combined ``(local, reduced)`` fingerprints of this step, None if no bucket was seen."""
+        """Combined ``(local, reduced)`` fingerprints of this step, None if no bucket was seen.
+
+        Resolves every bucket's pending fingerprints with one :func:`resolve
+        <sdc_forensics.fingerprint.core.resolve>` call: the step's one host sync on CUDA.
+        """
         with self._lock:
             if self.error is not None:
                 raise self.error
             if not self._local:
                 return None, None
-            local = combine([self._local[i] for i in sorted(self._local)])
-            reduced = combine([self._reduced[i] for i in sorted(self._reduced)]) if self._reduced else None
-            return local, reduced
+            local_keys, reduced_keys = sorted(self._local), sorted(self._reduced)
+            pending = [self._local[i] for i in local_keys] + [self._reduced[i] for i in reduced_keys]
+        done = fp_core.resolve(pending)
+        local = combine(done[: len(local_keys)])
+        reduced = combine(done[len(local_keys) :]) if reduced_keys else None
+        return local, reduced
