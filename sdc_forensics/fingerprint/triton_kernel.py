@@ -33,6 +33,7 @@ run on CPU tensors through Triton's numpy interpreter; the tests use that.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -109,6 +110,7 @@ def partials(flat: torch.Tensor, *, k: int, seed: int, block_offset: int, with_d
     Raises:
         RuntimeError: triton is not importable.
         TypeError: the dtype is not one of the four supported.
+        ValueError: ``k < 1`` or ``block_offset < 0``.
     """
     if triton is None:
         raise RuntimeError(f"the Triton fingerprint kernel cannot run: {_IMPORT_ERROR}")
@@ -139,8 +141,17 @@ def partials(flat: torch.Tensor, *, k: int, seed: int, block_offset: int, with_d
     int_rows = torch.empty(programs, 4, dtype=torch.int64, device=device)  # low, high, NaN, Inf
     float_rows = torch.empty(programs, kp + 2, dtype=torch.float64, device=device)  # sketch, sumsq, max
     common = dict(KP=kp, WITH_DIGEST=with_digest, num_warps=_NUM_WARPS, **_launch_options(device))
-    unrolled = dict(UNROLL=_UNROLL, **common)
     grid = (programs,)
+    # Triton launches on the current CUDA device: make it the tensor's
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        _launch(flat, grid, numel, num_tiles, a, b, c_low, c_high, alpha, beta, num_sblocks, int_rows, float_rows,
+                common, dict(UNROLL=_UNROLL, **common))
+    return _reduce(int_rows, float_rows, k, kp)
+
+
+def _launch(flat, grid, numel, num_tiles, a, b, c_low, c_high, alpha, beta, num_sblocks, int_rows, float_rows,
+            common: dict, unrolled: dict) -> None:
+    """The dtype's kernel on ``flat``'s integer view (float32/float64/16-bit)."""
     if flat.dtype == torch.float32:
         _kernel32[grid](flat.view(torch.int32), numel, num_tiles, a, b, c_low, c_high, alpha, beta, num_sblocks,
                         int_rows, float_rows, **unrolled)
@@ -152,7 +163,6 @@ def partials(flat: torch.Tensor, *, k: int, seed: int, block_offset: int, with_d
         data = flat.view(torch.int16) if paired else flat.view(torch.int32)
         _kernel16[grid](data, numel, num_tiles, a, b, c_low, c_high, alpha, beta, num_sblocks,
                         int_rows, float_rows, IS_BF16=flat.dtype == torch.bfloat16, PAIRED=paired, **unrolled)
-    return _reduce(int_rows, float_rows, k, kp)
 
 
 def _reduce(int_rows: torch.Tensor, float_rows: torch.Tensor, k: int, kp: int) -> torch.Tensor:

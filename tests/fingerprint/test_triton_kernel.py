@@ -265,6 +265,18 @@ def test_interpreter_at_the_tile_cap(monkeypatch, dtype):
     _run(Case(dtype, numel, block_offset=5, seed=13), "cpu")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_interpreter_non_contiguous(dtype):
+    """A transposed view is fingerprinted in row-major order, as the reference reads it."""
+    if not INTERPRETED:
+        pytest.skip("interpreter cases run in test_interpreter_suite's subprocess (TRITON_INTERPRET=1)")
+    base = Case(dtype, 67 * 129, seed=16).tensor().reshape(67, 129)
+    view = base.t()
+    assert not view.is_contiguous()
+    out = tk.partials(view, k=8, seed=C.DEFAULT_SEED, block_offset=0, with_digest=True)
+    check_partials(out, Case(dtype, view.numel()), view.contiguous().reshape(-1))
+
+
 @pytest.mark.parametrize("case", CASES[::5], ids=[c.id for c in CASES[::5]])
 def test_interpreter_one_tile_per_iteration(monkeypatch, case):
     """The kernels' other loop shape (``_UNROLL = 1``), on every fifth case."""
@@ -293,15 +305,18 @@ def test_cuda_large_and_at_the_tile_cap(monkeypatch, dtype):
 @pytest.mark.cuda
 @_cuda_ready()
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cuda_agrees_with_the_torch_path(dtype):
-    """Same digest, counts and max as ``core`` (today's torch path) on the same GPU; sketch within rounding."""
+def test_cuda_agrees_with_the_torch_path(monkeypatch, dtype):
+    """Same digest, counts and max as ``core``'s torch path (forced) on the same GPU; sketch within rounding."""
     from sdc_forensics.fingerprint import core
 
+    monkeypatch.setenv(tk.KERNELS_ENV, "off")  # core's fallback, not this kernel again
     torch.manual_seed(21)
     tensor = torch.randn(5_000_003, device="cuda").to(dtype)
     tensor[17] = float("inf")
-    out = tk.partials(tensor, k=8, seed=C.DEFAULT_SEED, block_offset=4, with_digest=True).cpu()
+    out = tk.partials(tensor, k=8, seed=C.DEFAULT_SEED, block_offset=4, with_digest=True).cpu()  # ignores the switch
     expected = core.fingerprint(tensor, block_offset=4)
+    if hasattr(core, "kernel_path"):
+        assert core.kernel_path(tensor.device, dtype).startswith("torch")
     low, high = out[:2].view(torch.int64).tolist()
     nbytes = tensor.numel() * tensor.element_size()
     assert C.fmix64((low + (high << 32) + nbytes * C.digest_length_weight(C.DEFAULT_SEED)) % (1 << 64)) == expected.digest
