@@ -158,6 +158,20 @@ class Trace:
             self._kernels = scan.kernels_for(sum(len(f.records) for f in self.files))
         return self._kernels
 
+    def _validate_all(self) -> None:
+        """Validate every file not yet validated, on threads when the compiled kernels run
+        (they release the GIL); errors are raised as :meth:`valid_mask` raises them, first file first."""
+        todo = [f for f in self.files if (f.rank, f.attempt) not in self._valid]
+        if self.kernels() is None or len(todo) < 2:
+            return
+        results = scan.map_files(lambda f: scan.validate(f.records, f.rank), todo)
+        for rank_file, (mask, summary) in zip(todo, results):
+            if summary.wild_index >= 0:
+                _raise_wild(rank_file, summary.wild_index)
+            key = (rank_file.rank, rank_file.attempt)
+            self._summary[key] = summary
+            self._valid[key] = None if mask.all() else mask
+
     def file_summary(self, rank_file: RankFile) -> "scan.FileSummary | None":
         """What the compiled validation learnt about the file (None on the numpy path)."""
         self.valid_mask(rank_file)
@@ -290,6 +304,7 @@ class Trace:
         read (no full scan).
         """
         lo, hi = None, None
+        self._validate_all()
         for rank_file in self.files:
             recs = rank_file.records
             mask = self.valid_mask(rank_file)

@@ -85,6 +85,35 @@ def scan_path(num_records: int = AUTO_MIN_RECORDS) -> str:
     return NUMBA if kernels_for(num_records) is not None else NUMPY
 
 
+#: Threads for the kernels that split cleanly (files; disjoint step ranges): numba releases the GIL.
+THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+@functools.lru_cache(maxsize=1)
+def _pool():
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="sdc-scan")
+
+
+def _on_threads(kernel, num_steps: int, *args) -> None:
+    """``kernel(*args, s_lo, s_hi)`` over ``[0, num_steps)`` split across :data:`THREADS` threads."""
+    parts = min(THREADS, max(1, num_steps // 64))
+    bounds = [num_steps * i // parts for i in range(parts + 1)]
+    if parts == 1:
+        kernel(*args, 0, num_steps)
+        return
+    for future in [_pool().submit(kernel, *args, lo, hi) for lo, hi in zip(bounds, bounds[1:])]:
+        future.result()
+
+
+def map_files(function, items: list) -> list:
+    """``[function(item) for item in items]`` on :data:`THREADS` threads (for nogil kernels)."""
+    if THREADS == 1 or len(items) < 2:
+        return [function(item) for item in items]
+    return list(_pool().map(function, items))
+
+
 # ---------------------------------------------------------------------------------------------
 # Record validation
 
@@ -307,7 +336,7 @@ class StepScan:
             pre_last = np.empty(S, dtype=np.int64)
             K.rows(w_lo, bits, wdig, racc, sk, self._rel_tol, self._mean, full, self._state, self._diverged, events, pre_diverged, pre_last)
             if hints and R >= 4:  # triage gives no outlier hints below 4 ranks
-                K.outlier_rows(bits, loss, local_norm, float(self.outlier_z), events)
+                _on_threads(K.outlier_rows, S, bits, loss, local_norm, float(self.outlier_z), events)
             yield ScanWindow(w_lo=w_lo, bits=bits, cells=cells, events=events, pre_diverged=pre_diverged, pre_last=pre_last)
 
     def exact_window(self, window: ScanWindow, rows: np.ndarray, fields: tuple[str, ...]) -> StepWindow:

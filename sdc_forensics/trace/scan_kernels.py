@@ -371,42 +371,54 @@ def _median(values, n):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def outlier_rows(bits, loss, local_norm, threshold, events):  # pragma: no cover - compiled
-    """Flag (``EV_OUTLIER``) the steps where triage's outlier hint may fire: a present loss or
-    local gradient norm that is infinite, or whose robust z-score (median / MAD over the ranks'
-    finite values) may exceed ``threshold`` while it is farther from the median than the median
-    from zero. A filter with a margin, as for the all-reduce: triage re-checks flagged steps."""
-    num_ranks, num_steps = bits.shape
+def outlier_rows(bits, loss, local_norm, threshold, events, s_lo, s_hi):  # pragma: no cover - compiled
+    """Flag (``EV_OUTLIER``) the steps ``s_lo .. s_hi - 1`` where triage's outlier hint may fire:
+    a present loss or local gradient norm that is infinite, or whose robust z-score (median / MAD
+    over the ranks' finite values) may exceed ``threshold`` while it is farther from the median
+    than the median from zero. A filter with a margin, as for the all-reduce: triage re-checks
+    flagged steps. Steps are read in blocks turned step-major (a rank-major column read step by
+    step would touch a page per rank). Disjoint step ranges may run on threads at once."""
+    num_ranks = bits.shape[0]
+    block = 64
+    present = np.empty((block, num_ranks), dtype=np.bool_)
+    cells = np.empty((2, block, num_ranks), dtype=np.float64)
     values = np.empty(num_ranks, dtype=np.float64)
     deviation = np.empty(num_ranks, dtype=np.float64)
     margin = 1e-6
-    for s in range(num_steps):
-        for field in range(2):
-            n = 0
-            overflow = False
-            for r in range(num_ranks):
-                if bits[r, s] & PRESENT:
-                    v = loss[r, s] if field == 0 else np.float64(local_norm[r, s])
-                    if np.isinf(v):
-                        overflow = True
-                    elif v == v:
-                        values[n] = v
-                        n += 1
-            if overflow:
-                events[s] |= EV_OUTLIER
-                break
-            if n == 0:
-                continue
-            med = _median(values, n)
-            for i in range(n):
-                deviation[i] = abs(values[i] - med)
-            mad = _median(deviation, n)
-            scale = 1.4826 * mad + 1e-6 * abs(med) + 1e-30
-            hit = False
-            for i in range(n):
-                if deviation[i] > scale * threshold * (1.0 - margin) and deviation[i] > abs(med) * (1.0 - margin):
-                    hit = True
+    for b_lo in range(s_lo, s_hi, block):
+        b_hi = min(b_lo + block, s_hi)
+        for r in range(num_ranks):
+            for s in range(b_lo, b_hi):
+                present[s - b_lo, r] = (bits[r, s] & PRESENT) != 0
+                cells[0, s - b_lo, r] = loss[r, s]
+                cells[1, s - b_lo, r] = local_norm[r, s]
+        for s in range(b_lo, b_hi):
+            for field in range(2):
+                n = 0
+                overflow = False
+                for r in range(num_ranks):
+                    if present[s - b_lo, r]:
+                        v = cells[field, s - b_lo, r]
+                        if np.isinf(v):
+                            overflow = True
+                        elif v == v:
+                            values[n] = v
+                            n += 1
+                if overflow:
+                    events[s] |= EV_OUTLIER
                     break
-            if hit:
-                events[s] |= EV_OUTLIER
-                break
+                if n == 0:
+                    continue
+                med = _median(values, n)
+                for i in range(n):
+                    deviation[i] = abs(values[i] - med)
+                mad = _median(deviation, n)
+                scale = 1.4826 * mad + 1e-6 * abs(med) + 1e-30
+                hit = False
+                for i in range(n):
+                    if deviation[i] > scale * threshold * (1.0 - margin) and deviation[i] > abs(med) * (1.0 - margin):
+                        hit = True
+                        break
+                if hit:
+                    events[s] |= EV_OUTLIER
+                    break
