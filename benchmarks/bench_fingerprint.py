@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -213,22 +214,21 @@ def sweep_triton(device: torch.device, size_mb: int, runs: int, say) -> dict:
 
     saved = (tk._NUM_WARPS, tk._UNROLL, tk._MAX_REGISTERS, tk._PROGRAMS_PER_SM)
     results: dict[str, list] = {}
-    say(f"| dtype | warps | unroll | max registers | programs/SM | GB/s | x torch.sum |")
+    say("| dtype | warps | unroll | max registers | programs/SM | GB/s | x torch.sum |")
     say("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     try:
         for dtype_name, dtype in DTYPES.items():
             numel = size_mb * 1_000_000 // torch.tensor([], dtype=dtype).element_size()
             tensor = torch.randn(numel, dtype=dtype, device=device)
-            sum_s = statistics.median(_timed(lambda: tensor.sum(), device) for _ in range(runs))
+            total = functools.partial(torch.sum, tensor)
+            _timed(total, device)  # warm-up
+            sum_s = statistics.median(_timed(total, device) for _ in range(runs))
+            run = functools.partial(tk.partials, tensor, k=8, seed=C.DEFAULT_SEED, block_offset=0, with_digest=True)
             rows = []
             for warps, unroll, registers, per_sm in itertools.product((4, 8), (1, 2), (128, 64), (2, 4, 8)):
                 tk._NUM_WARPS, tk._UNROLL, tk._MAX_REGISTERS, tk._PROGRAMS_PER_SM = warps, unroll, registers, per_sm
                 tk._tables.pop(("launch", device.type), None)  # the cached launch options hold maxnreg
-
-                def run():
-                    return tk.partials(tensor, k=8, seed=C.DEFAULT_SEED, block_offset=0, with_digest=True)
-
-                _timed(run, device)  # compile
+                _timed(run, device)  # compiles a new variant
                 seconds = statistics.median(_timed(run, device) for _ in range(runs))
                 setting = {"warps": warps, "unroll": unroll, "max_registers": registers, "programs_per_sm": per_sm}
                 rows.append((size_mb / 1e3 / seconds, seconds / sum_s, setting))
@@ -236,7 +236,7 @@ def sweep_triton(device: torch.device, size_mb: int, runs: int, say) -> dict:
             results[dtype_name] = sorted(rows, key=lambda row: -row[0])
             best = results[dtype_name][0]
             say(f"best for {dtype_name}: {best[2]} at {best[0]:.0f} GB/s = {best[1]:.2f}x torch.sum ({size_mb / 1e3 / sum_s:.0f} GB/s)")
-            del tensor
+            del tensor, total, run
     finally:
         tk._NUM_WARPS, tk._UNROLL, tk._MAX_REGISTERS, tk._PROGRAMS_PER_SM = saved
         tk._tables.pop(("launch", device.type), None)
