@@ -14,8 +14,8 @@ The lanes are those of ``core._Digester.lane_totals()``; the caller adds ``c_len
 applies ``fmix64`` (``docs/fingerprints.md``). Sketch blocks start at ``block_offset``.
 
 Layout: a *tile* is one digest block (4096 bytes: 1024 float32, 2048 16-bit, 512 float64
-elements). Program ``p`` of ``G`` handles tiles ``p, p + G, ...``, at most 1024 of them. Per tile
-it loads the 1024 little-endian 32-bit words once, in the dtype's integer view, and derives the
+elements). Program ``p`` of ``G`` handles tiles ``p, p + G, ...``, at most 1024 of them (512 of
+16-bit), two per loop iteration, each loaded an iteration ahead. Per tile it loads the 1024 little-endian 32-bit words once, in the dtype's integer view, and derives the
 values from the same registers (bfloat16: ``bits << 16``; float16: a bit cast; float64: two
 words per element). Digest: one wrapping int32 multiply-sum per lane per tile, then ``c_j * s_j``
 in wrapping int64. Sketch: as ``core._Sketcher``, ``Y = beta^T X`` accumulated in float32
@@ -23,8 +23,9 @@ registers (one term per tile, so every float32 sum has at most 1024 terms, as
 ``tolerance.py`` assumes), then ``S_m = sum_i alpha_m[i] Y[m, i]`` in float64 at the end;
 float64 tensors accumulate in float64 directly. Stats: float32 squares per register lane
 (float64 for float64), max |x| as the integer max of the finite elements' absolute bit patterns,
-NaN and Inf counted separately. Each program writes one row of partials; a few torch ops on the
-device reduce the ``G`` rows in a fixed order (deterministic).
+NaN and Inf counted separately. Each program writes one row of partials; a second, one-program
+kernel adds the ``G`` rows in a fixed order (deterministic) into the output vector: two launches
+per call.
 
 Triton is optional: importing this module never fails; :func:`available` says why the kernel
 cannot run. Under ``TRITON_INTERPRET=1`` (set before this module is imported) the same kernels
@@ -59,6 +60,7 @@ _PROGRAMS_PER_SM = 4
 # Launch settings: not measured on a GPU yet (docs/gpu.md); gpu_check.sh sweeps them.
 _NUM_WARPS = 8
 _UNROLL = 2  # tiles per loop iteration in the float32 and 16-bit kernels (1 or 2): more loads in flight
+_FINISH_ROWS = 256  # rows of partials the finishing kernel adds per step
 _MAX_REGISTERS = 128  # per thread: two 8-warp programs per SM (ptxas for sm_90 needs 128-136 and spills none at 128)
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -146,7 +148,9 @@ def partials(flat: torch.Tensor, *, k: int, seed: int, block_offset: int, with_d
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         _launch(flat, grid, numel, num_tiles, a, b, c_low, c_high, alpha, beta, num_sblocks, int_rows, float_rows,
                 common, dict(UNROLL=_UNROLL, **common))
-    return _reduce(int_rows, float_rows, k, kp)
+        out = torch.empty(2 + k + 3, dtype=torch.float64, device=device)
+        _finish[(1,)](int_rows, float_rows, out, programs, K=k, KP=kp, ROWS=_FINISH_ROWS, num_warps=4)
+    return out
 
 
 def _launch(flat, grid, numel, num_tiles, a, b, c_low, c_high, alpha, beta, num_sblocks, int_rows, float_rows,
@@ -163,22 +167,6 @@ def _launch(flat, grid, numel, num_tiles, a, b, c_low, c_high, alpha, beta, num_
         data = flat.view(torch.int16) if paired else flat.view(torch.int32)
         _kernel16[grid](data, numel, num_tiles, a, b, c_low, c_high, alpha, beta, num_sblocks,
                         int_rows, float_rows, IS_BF16=flat.dtype == torch.bfloat16, PAIRED=paired, **unrolled)
-
-
-def _reduce(int_rows: torch.Tensor, float_rows: torch.Tensor, k: int, kp: int) -> torch.Tensor:
-    """Sums the programs' rows (int64 wrapping for the lanes, float64 for the rest), on the device."""
-    ints = int_rows.sum(dim=0)  # (4,) low, high, NaN count, Inf count
-    floats = float_rows[:, : kp + 1].sum(dim=0)  # (kp + 1,) sketch, sumsq
-    finite_max = float_rows[:, kp + 1].amax()
-    nan, inf = ints[2], ints[3]
-    max_abs = torch.where(nan > 0, float("nan"), torch.where(inf > 0, float("inf"), finite_max))
-    return torch.cat([
-        ints[:2].view(torch.float64),
-        floats[:k],
-        floats[kp : kp + 1],
-        max_abs.reshape(1),
-        (nan + inf).to(torch.float64).reshape(1),
-    ])
 
 
 # --- constant tables, on the device, cached (prefix-stable ones at power-of-two lengths) ------
@@ -518,3 +506,38 @@ if triton is not None:
         max_abs = tl.max(max_bits, axis=0).to(tl.float64, bitcast=True)
         _store(int_ptr, float_ptr, low, high, tl.sum(nan.to(tl.int64), axis=0), tl.sum(inf.to(tl.int64), axis=0),
                sketch, tl.sum(sq, axis=0), max_abs, KP)
+
+    @triton.jit
+    def _finish(int_ptr, float_ptr, out_ptr, programs, K: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr):
+        """One program: adds the ``programs`` rows of partials (in a fixed order) into the output vector."""
+        r = tl.arange(0, ROWS)
+        m = tl.arange(0, KP)
+        low = tl.zeros((ROWS,), dtype=tl.int64)
+        high = tl.zeros((ROWS,), dtype=tl.int64)
+        nan = tl.zeros((ROWS,), dtype=tl.int64)
+        inf = tl.zeros((ROWS,), dtype=tl.int64)
+        sketch = tl.zeros((ROWS, KP), dtype=tl.float64)
+        sq = tl.zeros((ROWS,), dtype=tl.float64)
+        max_abs = tl.zeros((ROWS,), dtype=tl.float64)
+        for start in range(0, programs, ROWS):
+            rows = start + r
+            valid = rows < programs
+            low += tl.load(int_ptr + rows * 4, mask=valid, other=0)  # wrapping int64
+            high += tl.load(int_ptr + rows * 4 + 1, mask=valid, other=0)
+            nan += tl.load(int_ptr + rows * 4 + 2, mask=valid, other=0)
+            inf += tl.load(int_ptr + rows * 4 + 3, mask=valid, other=0)
+            row = float_ptr + rows * (KP + 2)
+            sketch += tl.load(row[:, None] + m[None, :], mask=valid[:, None], other=0.0)
+            sq += tl.load(row + KP, mask=valid, other=0.0)
+            max_abs = tl.maximum(max_abs, tl.load(row + KP + 1, mask=valid, other=0.0))  # finite, >= 0
+        nan_count = tl.sum(nan, axis=0)
+        inf_count = tl.sum(inf, axis=0)
+        nan_value = tl.full((), 0x7FF8000000000000, tl.int64).to(tl.float64, bitcast=True)
+        inf_value = tl.full((), 0x7FF0000000000000, tl.int64).to(tl.float64, bitcast=True)
+        worst = tl.where(nan_count > 0, nan_value, tl.where(inf_count > 0, inf_value, tl.max(max_abs, axis=0)))
+        tl.store(out_ptr, tl.sum(low, axis=0).to(tl.float64, bitcast=True))
+        tl.store(out_ptr + 1, tl.sum(high, axis=0).to(tl.float64, bitcast=True))
+        tl.store(out_ptr + 2 + m, tl.sum(sketch, axis=0), mask=m < K)
+        tl.store(out_ptr + 2 + K, tl.sum(sq, axis=0))
+        tl.store(out_ptr + 3 + K, worst)
+        tl.store(out_ptr + 4 + K, (nan_count + inf_count).to(tl.float64))

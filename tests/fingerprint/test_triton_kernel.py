@@ -222,11 +222,13 @@ def test_compiles_for_hopper_and_ampere(arch, tmp_path):
     variants = [(tk._kernel32, "*i32", {"UNROLL": 1}), (tk._kernel32, "*i32", {"UNROLL": 2}),
                 (tk._kernel16, "*i32", {"IS_BF16": True, "PAIRED": False, "UNROLL": 2}),
                 (tk._kernel16, "*i16", {"IS_BF16": False, "PAIRED": True, "UNROLL": 1}), (tk._kernel64, "*i64", {})]
+    variants.append((tk._finish, "*i64", {"K": 7, "KP": 8, "ROWS": tk._FINISH_ROWS}))
+    common.update(out_ptr="*fp64", programs="i32")
     for kernel, data, extra in variants:
         names = kernel.arg_names
         signature = {name: common.get(name, "constexpr") for name in names}
         signature[names[0]] = data
-        constants = {"KP": 8, "WITH_DIGEST": True, **extra}
+        constants = {"KP": 8, "WITH_DIGEST": True, **extra} if kernel is not tk._finish else extra
         source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in constants.items()})
         try:
             compiled = tk.triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": tk._NUM_WARPS, "maxnreg": tk._MAX_REGISTERS})
