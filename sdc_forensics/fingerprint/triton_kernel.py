@@ -56,11 +56,11 @@ except Exception as error:  # noqa: BLE001 - a broken triton install must not br
 KERNELS_ENV = "SDC_FORENSICS_KERNELS"
 _TILE_WORDS = C.BLOCK_WORDS  # one digest block per tile
 _MAX_TILES_PER_PROGRAM = C.BLOCK_ELEMS  # keeps every float32 sum of Y at <= 1024 terms
+_FINISH_ROWS = 256  # rows of partials the finishing kernel adds per step
+# Launch settings: not measured on a GPU yet (docs/gpu.md); bench_fingerprint.py --sweep-triton times them.
 _PROGRAMS_PER_SM = 4
-# Launch settings: not measured on a GPU yet (docs/gpu.md); gpu_check.sh sweeps them.
 _NUM_WARPS = 8
 _UNROLL = 2  # tiles per loop iteration in the float32 and 16-bit kernels (1 or 2): more loads in flight
-_FINISH_ROWS = 256  # rows of partials the finishing kernel adds per step
 _MAX_REGISTERS = 128  # per thread: two 8-warp programs per SM (ptxas for sm_90 needs 128-136 and spills none at 128)
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
