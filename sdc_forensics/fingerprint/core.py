@@ -263,6 +263,12 @@ def _triton_status(device: torch.device) -> tuple[bool, str]:
     return triton_kernel.available(device)
 
 
+def _triton_supports(dtype: torch.dtype) -> bool:
+    from sdc_forensics.fingerprint import triton_kernel
+
+    return triton_kernel.supports(dtype)
+
+
 def kernel_path(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> str:
     """Which path fingerprints a tensor of ``dtype`` on ``device``, and why not a faster one.
 
@@ -279,6 +285,8 @@ def kernel_path(device: torch.device | str = "cpu", dtype: torch.dtype = torch.f
         return f"torch ({reason or f'the compiled kernel does not take {name}'})"
     if device.type == "cuda":
         ok, reason = _triton_status(device)
+        if ok and not _triton_supports(dtype):
+            ok, reason = False, f"the Triton kernel does not take {name}"
         return "triton-cuda" if ok else f"torch ({reason})"
     return f"torch (no compiled kernel for {device.type})"
 

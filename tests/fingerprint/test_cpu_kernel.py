@@ -184,3 +184,11 @@ def test_a_failing_compiled_call_falls_back_for_the_rest_of_the_process(monkeypa
     assert fp.digest == reference.digest_bytes(t.numpy())
     assert core.kernel_path("cpu").startswith("torch (the compiled kernel failed (OSError: cache file truncated)")
     assert any("cache file truncated" in r.getMessage() for r in caplog.records)
+
+
+def test_cuda_path_refuses_dtypes_the_triton_kernel_does_not_take(monkeypatch):
+    from sdc_forensics.fingerprint import triton_kernel
+
+    monkeypatch.setattr(triton_kernel, "available", lambda device: (True, ""))
+    assert core.kernel_path("cuda", torch.float32) == "triton-cuda"
+    assert core.kernel_path("cuda", torch.int64) == "torch (the Triton kernel does not take int64)"
