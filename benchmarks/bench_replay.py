@@ -1,91 +1,203 @@
-"""Replay cost and bisection efficiency on real demo runs (4-process gloo DDP on CPU).
+"""Replay cost and bisection efficiency on real recorded runs (``W``-process gloo DDP on CPU).
 
 Two figures:
 
-1. **Replay vs training, same device.** A clean demo run of ``--steps`` steps is recorded; then,
-   side by side and interleaved (repetition *i* of each contender, then *i + 1*), median of
+1. **Replay vs training, same device, two model sizes.** For the demo MLP (26,122 parameters)
+   and a wide MLP of the same job (``DemoRecipe(in_features=512, hidden=3072)``: 11,046,922
+   parameters, 44 MB of float32 gradients per rank), a clean run of ``S`` steps is recorded by
+   the real demo job (``W`` gloo processes, the recorder on, one thread each); then, side by
+   side and interleaved (repetition *i* of each contender, then *i + 1*), median of
    ``--repeat``:
 
-   * *train*: one rank's share of those steps on this device, as the job does it: the recipe's
-     microbatches, forward/backward with accumulation, ``optimizer.step()`` (no collective: on
-     one device a rank's compute is the baseline a replay is compared with);
-   * *replay*: ``replay_window`` over the same steps from checkpoint 0: all ``W`` ranks'
-     recomputation, the fingerprints of every rank's gradient, the average in gloo's ring order,
-     the optimizer step, the weights digest and every comparison with the trace.
+   * *train*: one rank's share of those ``S`` steps, in this process, as the job does it with
+     the recorder on: a one-process gloo group, ``DistributedDataParallel``, ``Recorder`` (local
+     and reduced gradient fingerprints, weights digest, trace written every step), the recipe's
+     microbatches of rank 0 accumulated under ``no_sync``, ``optimizer.step()``; from
+     checkpoint 0, at the recorded thread count. Set-up (process group, DDP, recorder) is not
+     timed; the all-reduce of one process moves nothing, so the baseline is a rank's compute
+     and the recorder, not the network (a stricter baseline than a real step);
+   * *replay*: ``replay_window`` over the same steps from checkpoint 0, everything included
+     (model build, checkpoint load, all ``W`` ranks' recomputation, fingerprints, the average
+     in gloo's ring order, the optimizer step, the weights digest, every comparison).
 
-   The ratio replay / train; replay recomputes all ``W`` ranks, so the goal is ``<= 1.2 x W``.
+   * *bare* (information only): the same share with no DDP and no recorder, the bare compute
+     (this benchmark's baseline before the 10 M model was added).
+
+   The figure: (replay seconds per replayed step) / (``W`` x training seconds per step); a
+   replay recomputes all ``W`` ranks, so 1.0 is the bare minimum and the goal is ``<= 1.2``.
+   Each replay must come out ``exact`` (bitwise) and clean, or the benchmark fails.
 
 2. **Steps replayed per localised incident.** Demo runs with one injected fault each (the
    locations of the recorder issue, and one fault the trace cannot see), then ``bisect``; the
    number of steps it replayed against the checkpoint interval (goal: at most one interval when
-   the trace has evidence).
+   the trace has evidence). Skipped by ``--quick``, ``--json`` and ``--skip-incidents``.
 
-    python benchmarks/bench_replay.py [--steps 12] [--repeat 3] [--incident-steps 20 --every 5]
+    python benchmarks/bench_replay.py [--repeat 5] [--quick] [--json] [--skip-incidents]
+
+``--json`` prints ``{"replay_vs_training_demo": {value, unit, goal, met, ...},
+"replay_vs_training_10m": {...}}`` on stdout (what ``benchmarks/run_all.py`` reads); people's
+lines go to stderr. ``--quick`` (about a minute on 2 cores): fewer steps and repetitions, and
+``W = 2`` for the wide model.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
 import json
 import platform
+import socket
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from sdc_forensics.demo.recipe import recipe as demo_recipe
-from sdc_forensics.demo.run import run_demo
-from sdc_forensics.forensics.bisect import BisectOptions, bisect
+from sdc_forensics.demo.recipe import DemoRecipe
+from sdc_forensics.demo.run import RECIPE_REFERENCE, run_demo, train_step
 from sdc_forensics.forensics.replay import ReplayOptions, replay_window
-from sdc_forensics.forensics.triage import triage_trace
-from sdc_forensics.recipe import after_step, before_step, load_trace_recipe
+from sdc_forensics.recipe import load_trace_recipe
 from sdc_forensics.trace.checkpoints import read_checkpoint_notes
 from sdc_forensics.trace.reader import Trace
 
+GOAL = 1.2  # replay seconds per step / (W x training seconds per step)
 
-def train_one_rank(checkpoint: Path, steps: int, world_size: int, rank: int = 0) -> float:
-    """Seconds to train ``steps`` steps of one rank's share, from a checkpoint, on this device."""
-    model, optimizer, scheduler = demo_recipe.build("cpu")
-    demo_recipe.load_checkpoint(checkpoint, model, optimizer, scheduler)
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Model:
+    """One model of the comparison: a name, the demo job's settings, its run's size."""
+
+    name: str
+    recipe_args: dict | None
+    world_size: int
+    steps: int
+
+    @property
+    def recipe(self) -> DemoRecipe:
+        return dataclasses.replace(DemoRecipe(), **(self.recipe_args or {}))
+
+    @property
+    def num_params(self) -> int:
+        model, _, _ = self.recipe.build("cpu")
+        return sum(p.numel() for p in model.parameters())
+
+
+WIDE = {"in_features": 512, "hidden": 3072}  # 11,046,922 parameters
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def record(work: Path, model: Model) -> Path:
+    """A clean recorded run of ``model.steps`` steps (checkpoint 0 and at the end)."""
+    out = work / model.name
+    run_demo(out, injections=("none",), steps=model.steps, checkpoint_every=model.steps, world_size=model.world_size,
+             recipe=RECIPE_REFERENCE, recipe_args=model.recipe_args)
+    return out
+
+
+def train_recorded(out: Path, model: Model, work: Path, index: int) -> float:
+    """Seconds for rank 0's share of the run's steps, from checkpoint 0, with the recorder on
+    (one-process gloo group already initialised)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from sdc_forensics.recorder import Recorder, RecorderOptions
+
+    recipe = model.recipe
+    net, optimizer, scheduler = recipe.build("cpu")
+    recipe.load_checkpoint(out / "checkpoints/step-00000000.pt", net, optimizer, scheduler)
+    ddp = DistributedDataParallel(net)
+    rec = Recorder(work / f"train-{model.name}-{index}", ddp, optimizer, recipe=RECIPE_REFERENCE, recipe_args=model.recipe_args,
+                   options=RecorderOptions(policy="continue", node_of_rank=(0,)))
+    try:
+        start = time.perf_counter()
+        for step in range(model.steps):
+            ids = recipe.microbatch_ids(step, 0, model.world_size)
+            with rec.step(step, microbatch_ids=ids) as handle:
+                train_step(ddp, optimizer, recipe, (recipe.fetch_microbatch(i, "cpu") for i in ids), len(ids), handle, scheduler)
+        return time.perf_counter() - start
+    finally:
+        rec.close()
+
+
+def train_bare(out: Path, model: Model) -> float:
+    """Seconds for rank 0's share of the steps with no DDP and no recorder: the bare compute
+    (the baseline of this benchmark's earlier figure, kept for comparison)."""
+    from sdc_forensics.recipe import after_step, before_step
+
+    recipe = model.recipe
+    net, optimizer, scheduler = recipe.build("cpu")
+    recipe.load_checkpoint(out / "checkpoints/step-00000000.pt", net, optimizer, scheduler)
     start = time.perf_counter()
-    for step in range(steps):
+    for step in range(model.steps):
         optimizer.zero_grad(set_to_none=True)
-        for mb_id in demo_recipe.microbatch_ids(step, rank, world_size):
-            demo_recipe.loss(model, demo_recipe.fetch_microbatch(mb_id)).backward()
-        before_step(demo_recipe, model, optimizer)
+        for mb_id in recipe.microbatch_ids(step, 0, model.world_size):
+            recipe.loss(net, recipe.fetch_microbatch(mb_id)).backward()
+        before_step(recipe, net, optimizer)
         optimizer.step()
-        after_step(demo_recipe, model, optimizer, scheduler)
+        after_step(recipe, net, optimizer, scheduler)
     return time.perf_counter() - start
 
 
-def replay_steps(trace_dir: Path, checkpoint: Path, steps: int) -> tuple[float, str]:
-    trace = Trace.open(trace_dir)
-    note = read_checkpoint_notes(trace_dir)[0]
-    options = ReplayOptions(start_step=0, stop_step=steps - 1, checkpoint_path=checkpoint, expected_weights_digest=note.weights_digest)
+def replay_steps(out: Path, steps: int) -> tuple[float, str]:
+    """Seconds of ``replay_window`` over steps ``0..steps-1``, and its comparison (must be clean)."""
+    trace = Trace.open(out / "trace")
+    note = read_checkpoint_notes(out / "trace")[0]
+    options = ReplayOptions(start_step=0, stop_step=steps - 1, checkpoint_path=out / "checkpoints/step-00000000.pt",
+                            expected_weights_digest=note.weights_digest)
     recipe = load_trace_recipe(trace.manifest)
     start = time.perf_counter()
     result = replay_window(trace, recipe, options)
     elapsed = time.perf_counter() - start
-    assert result.first_divergent_step is None and result.last_step == steps - 1, result
+    if result.first_divergent_step is not None or result.last_step != steps - 1 or result.evidence:
+        raise SystemExit(f"a clean replay of {out} found evidence: {result}")
     return elapsed, result.comparison
 
 
-def ratio(work: Path, steps: int, repeat: int, world_size: int) -> dict:
-    out = work / "clean"
-    run_demo(out, injections=("none",), steps=steps, checkpoint_every=steps, world_size=world_size)
-    checkpoint = out / "checkpoints/step-00000000.pt"
-    threads = json.loads((out / "trace/manifest.json").read_text())["attempts"][0]["determinism"].get("num_threads")
-    torch.set_num_threads(int(threads or torch.get_num_threads()))
-    train_s, replay_s, comparison = [], [], ""
-    for _ in range(repeat):
-        train_s.append(train_one_rank(checkpoint, steps, world_size))
-        seconds, comparison = replay_steps(out / "trace", checkpoint, steps)
-        replay_s.append(seconds)
-    t, r = statistics.median(train_s), statistics.median(replay_s)
-    return {"steps": steps, "world_size": world_size, "threads": torch.get_num_threads(), "train_s": t, "replay_s": r,
-            "ratio": r / t, "ratio_per_rank": r / t / world_size, "goal": 1.2 * world_size, "comparison": comparison}
+def ratios(work: Path, models: list[Model], repeat: int) -> dict:
+    """Record each model's run, then train and replay them interleaved; medians and ratios."""
+    import torch.distributed as dist
+
+    runs = {m.name: record(work, m) for m in models}
+    threads = {}
+    for m in models:
+        determinism = json.loads((runs[m.name] / "trace/manifest.json").read_text())["attempts"][0]["determinism"]
+        threads[m.name] = int(determinism.get("num_threads") or torch.get_num_threads())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=120))
+    times: dict[str, dict[str, list]] = {m.name: {"train": [], "bare": [], "replay": [], "comparison": []} for m in models}
+    try:
+        for i in range(repeat):
+            for m in models:
+                torch.set_num_threads(threads[m.name])  # training's count (replay applies the recorded one itself)
+                times[m.name]["train"].append(train_recorded(runs[m.name], m, work, i))
+                times[m.name]["bare"].append(train_bare(runs[m.name], m))
+                seconds, comparison = replay_steps(runs[m.name], m.steps)
+                times[m.name]["replay"].append(seconds)
+                times[m.name]["comparison"].append(comparison)
+            print(f"repetition {i + 1}/{repeat} done", file=sys.stderr)
+    finally:
+        dist.destroy_process_group()
+    figures = {}
+    for m in models:
+        t, r = statistics.median(times[m.name]["train"]), statistics.median(times[m.name]["replay"])
+        bare = statistics.median(times[m.name]["bare"])
+        value = (r / m.steps) / (m.world_size * t / m.steps)
+        comparisons = sorted(set(times[m.name]["comparison"]))
+        figures[f"replay_vs_training_{m.name}"] = {
+            "value": round(value, 3), "unit": "x W", "goal": GOAL, "goal_op": "<=", "met": value <= GOAL,
+            "params": m.num_params, "world_size": m.world_size, "steps": m.steps, "threads": threads[m.name], "repeat": repeat,
+            "train_s_per_step": round(t / m.steps, 5), "replay_s_per_step": round(r / m.steps, 5),
+            "bare_train_s_per_step": round(bare / m.steps, 5), "vs_bare_compute": round(r / (m.world_size * bare), 3),
+            "comparison": "/".join(comparisons),
+        }
+    return figures
 
 
 INCIDENTS = [
@@ -100,6 +212,9 @@ INCIDENTS = [
 
 
 def incidents(work: Path, steps: int, every: int) -> list[dict]:
+    from sdc_forensics.forensics.bisect import BisectOptions, bisect
+    from sdc_forensics.forensics.triage import triage_trace
+
     rows = []
     mid, on = 2 * every + every // 2, 2 * every
     for template in INCIDENTS:
@@ -117,26 +232,44 @@ def incidents(work: Path, steps: int, every: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=12, help="steps replayed and trained for the ratio")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=None, help="interleaved repetitions (default 5; --quick 3)")
+    parser.add_argument("--demo-steps", type=int, default=None, help="steps of the demo model's run (default 12; --quick 8)")
+    parser.add_argument("--wide-steps", type=int, default=None, help="steps of the 11 M-parameter model's run (default 4; --quick 3)")
+    parser.add_argument("--world-size", type=int, default=4, help="W of the demo model's run")
+    parser.add_argument("--wide-world-size", type=int, default=None, help="W of the 11 M model's run (default 4; --quick 2)")
+    parser.add_argument("--quick", action="store_true", help="fewer steps and repetitions, W = 2 for the wide model (about a minute)")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON document on stdout")
     parser.add_argument("--incident-steps", type=int, default=20)
     parser.add_argument("--every", type=int, default=5, help="checkpoint interval of the incident runs")
     parser.add_argument("--skip-incidents", action="store_true")
     args = parser.parse_args()
+    quick = args.quick
+    repeat = args.repeat or (3 if quick else 5)
+    models = [
+        Model(name="demo", recipe_args=None, world_size=args.world_size, steps=args.demo_steps or (8 if quick else 12)),
+        Model(name="10m", recipe_args=WIDE, world_size=args.wide_world_size or (2 if quick else 4), steps=args.wide_steps or (3 if quick else 4)),
+    ]
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        figures = {"machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}".strip(),
-                   "ratio": ratio(work, args.steps, args.repeat, args.world_size)}
-        if not args.skip_incidents:
-            figures["incidents"] = incidents(work, args.incident_steps, args.every)
-    r = figures["ratio"]
-    print(f"replay {r['steps']} steps: {r['replay_s']:.3f} s; train one rank's {r['steps']} steps: {r['train_s']:.3f} s; "
-          f"ratio {r['ratio']:.2f} (= {r['ratio_per_rank']:.2f} x W, goal <= {r['goal']:.1f}); comparison {r['comparison']}")
-    for row in figures.get("incidents", []):
+        figures = ratios(work, models, repeat)
+        rows = [] if quick or args.json or args.skip_incidents else incidents(work, args.incident_steps, args.every)
+    machine = f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}".strip()
+    for name, f in figures.items():
+        print(f"{name}: {f['params']:,} params, W={f['world_size']}, {f['steps']} steps, median of {f['repeat']}: replay "
+              f"{f['replay_s_per_step'] * 1e3:.1f} ms/step, train one rank {f['train_s_per_step'] * 1e3:.1f} ms/step (recorder on) "
+              f"-> {f['value']:.3f} x W (goal <= {GOAL}: {'met' if f['met'] else 'NOT met'}), comparison {f['comparison']}; "
+              f"vs bare compute (no DDP, no recorder: {f['bare_train_s_per_step'] * 1e3:.1f} ms/step) {f['vs_bare_compute']:.3f} x W",
+              file=sys.stderr)
+    for row in rows:
         print(f"{row['spec']:<40} evidence={'yes' if row['trace_evidence'] else 'no ':<3} found={row['found_step']} "
-              f"correct={row['correct']} replayed={row['steps_replayed']} (interval {row['interval']}) windows={row['windows']}")
-    print(json.dumps(figures, default=str))
+              f"correct={row['correct']} replayed={row['steps_replayed']} (interval {row['interval']}) windows={row['windows']}",
+              file=sys.stderr)
+    print(f"{machine}; {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    if args.json:
+        print(json.dumps(figures, sort_keys=True))
+    else:
+        print(json.dumps({"machine": machine, "figures": figures, "incidents": rows}, default=str, sort_keys=True))
 
 
 if __name__ == "__main__":
