@@ -143,9 +143,40 @@ def cold_first_call(trace_dir: Path, cache_dir: Path) -> tuple[float, str]:
     return float(out[0]), out[1]
 
 
-def make_trace(path: Path, ranks: int, steps: int, fault_step: int) -> Path:
+def make_trace(path: Path, ranks: int, steps: int, fault_step: int, audit_every: int = 0) -> Path:
     faults = (PlantedFault(kind="weights", step=fault_step, rank=ranks // 3), PlantedFault(kind="allreduce", step=fault_step + 1, rank=0))
-    return write_synthetic_trace(path, num_ranks=ranks, num_steps=steps, faults=faults)
+    trace_dir = write_synthetic_trace(path, num_ranks=ranks, num_steps=steps, faults=faults)
+    if audit_every:
+        add_audits(trace_dir, ranks, audit_every)
+    return trace_dir
+
+
+def add_audits(trace_dir: Path, ranks: int, audit_every: int) -> None:
+    """Interleave AUDIT records as a recorder writes them (rank r recomputes rank r + 1's
+    microbatch every ``audit_every`` steps, agreeing): files are no longer dense, so the scan
+    takes its cursor path, and triage reads the audited steps' input digests."""
+    from sdc_forensics.fingerprint import constants as C
+    from sdc_forensics.trace import format as F
+
+    dtype = F.record_dtype(8)
+    for rank in range(ranks):
+        path = trace_dir / f"rank-{rank:05d}.attempt-000.sdct"
+        header = path.read_bytes()[: F.HEADER_SIZE]
+        recs = np.fromfile(path, dtype=dtype, offset=F.HEADER_SIZE)
+        at = np.flatnonzero(recs["step"] % audit_every == 0)
+        subject = (rank + 1) % ranks
+        audit = recs[at].copy()
+        audit["kind"] = int(F.Kind.AUDIT)
+        audit["flags"] = int(F.Flag.CONTIGUOUS_IDS)
+        audit["aux_rank"] = subject
+        own = C.splitmix64(audit["step"].astype(np.uint64) * np.uint64(1000) + np.uint64(subject))  # the subject's local_digest
+        audit["aux_digest"] = own
+        audit["local_digest"] = own
+        audit["input_digest"] = 0
+        merged = np.insert(recs, at + 1, F.seal(audit))
+        with open(path, "wb") as fh:
+            fh.write(header)
+            fh.write(merged.tobytes())
 
 
 def main() -> None:
@@ -156,6 +187,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
     parser.add_argument("--trace", type=Path, default=None, help="an existing synthetic trace to scan (its fault at --baseline-steps // 2)")
+    parser.add_argument("--audit-every", type=int, default=0, help="interleave AUDIT records every N steps (files not dense)")
     parser.add_argument("--quick", action="store_true", help="256 ranks x 8,000 steps, 300 JSON steps: well under a minute")
     parser.add_argument("--json", action="store_true", help="print {name: {value, unit, goal, met}} on stdout")
     args = parser.parse_args()
@@ -170,7 +202,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
         t0 = time.perf_counter()
-        trace_dir = args.trace or make_trace(root / "trace", args.ranks, args.steps, fault_step)
+        trace_dir = args.trace or make_trace(root / "trace", args.ranks, args.steps, fault_step, args.audit_every)
         opened = Trace.open(trace_dir)
         ranks, (first, last) = opened.world_size, opened.step_range()
         steps = last - first + 1
@@ -208,7 +240,8 @@ def main() -> None:
         heaps = []
         for fraction in (4, 2, 1):
             part_steps = steps // fraction
-            part = trace_dir if fraction == 1 else make_trace(root / f"part{fraction}", ranks, part_steps, min(fault_step, part_steps - 2))
+            part = trace_dir if fraction == 1 else make_trace(root / f"part{fraction}", ranks, part_steps, min(fault_step, part_steps - 2),
+                                                              args.audit_every)
             heaps.append(heap_peak(part))
             say(f"  {part_steps:6d} steps: {heaps[-1] / 1e6:7.1f} MB")
             if part != trace_dir:

@@ -348,12 +348,15 @@ def _audits(trace: Trace, options: TriageOptions) -> list[Evidence]:
         audits = audits[audits["step"] <= options.stop_step]
     steps_needed = np.unique(audits["step"])
     subject_inputs: dict[tuple[int, int], int] = {}
-    for window in trace.step_windows(options.window_steps, int(steps_needed.min()) if len(steps_needed) else None,
-                                     int(steps_needed.max()) if len(steps_needed) else None, fields=("input_digest",)):
-        rows = np.flatnonzero(np.isin(window.steps, steps_needed))
-        for row in rows:
-            for rank in np.flatnonzero(window.present[row]):
-                subject_inputs[(int(window.steps[row]), int(rank))] = int(window.records["input_digest"][row, rank])
+    audit_steps, audit_subjects = audits["step"], audits["aux_rank"].astype(np.int64)
+    for window in _audited_windows(trace, options, steps_needed):
+        # the subject's own STEP record of each audit in this window, where present
+        row = np.minimum(np.searchsorted(window.steps, audit_steps), len(window.steps) - 1)
+        ok = (window.steps[row] == audit_steps) & (audit_subjects >= 0) & (audit_subjects < window.present.shape[1])
+        ok[ok] = window.present[row[ok], audit_subjects[ok]]
+        found = window.records["input_digest"][row[ok], audit_subjects[ok]]
+        for step, subject, value in zip(audit_steps[ok].tolist(), audit_subjects[ok].tolist(), found.tolist()):
+            subject_inputs[(step, subject)] = value
     out: list[Evidence] = []
     for step, subject, group, votes, winner, strict in audit_votes(audits):
         values = [v for _, v in votes]
@@ -381,6 +384,25 @@ def _audits(trace: Trace, options: TriageOptions) -> list[Evidence]:
                                     detail=f"rank {int(audit['rank'])} fetched rank {subject}'s microbatch with a different input digest"))
                 break
     return out
+
+
+def _audited_windows(trace: Trace, options: TriageOptions, steps_needed: np.ndarray):
+    """``StepWindow`` s (field ``input_digest``) holding the audited steps: every window of their
+    span from ``Trace.step_windows``, or, on the compiled path, only the audited steps' rows."""
+    lo = int(steps_needed.min()) if len(steps_needed) else None
+    hi = int(steps_needed.max()) if len(steps_needed) else None
+    scanner = None
+    if lo is not None and trace.kernels() is not None:
+        bounds = trace.step_range()
+        if bounds is not None and max(lo, bounds[0]) <= min(hi, bounds[1]):
+            scanner = scan.StepScan.open(trace, max(lo, bounds[0]), min(hi, bounds[1]), options.window_steps, full=False)
+    if scanner is None:
+        yield from trace.step_windows(options.window_steps, lo, hi, fields=("input_digest",))
+        return
+    for window in scanner:
+        rows = np.flatnonzero(np.isin(window.steps, steps_needed))
+        if rows.size:
+            yield scanner.exact_window(window, rows, ("input_digest",))
 
 
 def _robust_z(values: np.ndarray, axis: int) -> np.ndarray:
@@ -445,9 +467,14 @@ def audit_votes(audits: np.ndarray):
     auditors' recomputations. Yields ``(step, subject, group, votes, winner, strict)``: ``votes``
     ``[(rank, digest)]`` subject first, ``winner`` the most common digest, ``strict`` whether it
     holds a strict majority. The one rule for triage's audit evidence and the report's plots."""
-    keys = np.stack([audits["step"], audits["aux_rank"].astype(np.int64)], axis=1)
-    for step, subject in np.unique(keys, axis=0):
-        group = audits[(audits["step"] == step) & (audits["aux_rank"] == subject)]
+    steps, subjects = audits["step"], audits["aux_rank"].astype(np.int64)
+    order = np.lexsort((subjects, steps))  # stable: a group keeps its records' order in ``audits``
+    steps, subjects = steps[order], subjects[order]
+    starts = np.flatnonzero(np.r_[True, (steps[1:] != steps[:-1]) | (subjects[1:] != subjects[:-1])]) if len(order) else order
+    ends = np.r_[starts[1:], len(order)]
+    for start, end in zip(starts, ends):  # one group per (step, subject), in that order: O(N log N), not a scan per group
+        step, subject = steps[start], subjects[start]
+        group = audits[np.sort(order[start:end])]
         votes = [(int(subject), int(group["aux_digest"][0]))] + [(int(a["rank"]), int(a["local_digest"])) for a in group]
         values = [v for _, v in votes]
         winner = max(set(values), key=values.count)

@@ -295,7 +295,6 @@ class StepScan:
     def __iter__(self) -> Iterator[ScanWindow]:
         K = _import_kernels()
         R, k, full = self.num_ranks, self.k, self.full
-        out = np.zeros(2, dtype=np.int64)
         dummy_u64 = np.zeros((1, 1), dtype=np.uint64)
         dummy_sk = np.zeros((1, 4, 1), dtype=np.float64)
         dummy_f64 = np.zeros((1, 1), dtype=np.float64)
@@ -309,28 +308,37 @@ class StepScan:
             S = w_hi - w_lo
             bits = np.zeros((R, S), dtype=np.uint8)  # rank-major: each file fills a contiguous run
             cells = np.empty((R, S), dtype=np.int64)
-            racc = np.zeros((S, K.NUM_ACC), dtype=np.float64)
-            racc[:, K.A_MIN_RN] = np.inf
-            if full:
-                wdig = np.empty((R, S), dtype=np.uint64)
-                sk = np.zeros((S, 4, k), dtype=np.float64)
-                sk[:, 2] = -np.inf
-                sk[:, 3] = np.inf
-            else:
-                wdig, sk = dummy_u64, dummy_sk
-            rdig = np.zeros(S, dtype=np.uint64)
+            wdig = np.empty((R, S), dtype=np.uint64) if full else dummy_u64
             hints = full and self.outlier_z is not None
             if hints:
                 loss = np.zeros((R, S), dtype=np.float64)
                 local_norm = np.zeros((R, S), dtype=np.float32)
             else:
                 loss, local_norm = dummy_f64, dummy_f32
-            for code, f in enumerate(self.files):
-                if f.next < 0 or f.next >= w_hi:
-                    continue
-                K.gather(f.words, f.f32, f.f64, f.mask, f.all_valid, f.dense_first, f.index, w_lo, w_hi, f.rank_file.rank,
-                         code << K.CELL_SHIFT, k, full, hints, bits, wdig, cells, racc, sk, rdig, loss, local_norm, out)
-                f.index, f.next = int(out[0]), int(out[1])
+            active = [(code, f) for code, f in enumerate(self.files) if 0 <= f.next < w_hi]
+            # threads split the files by rank (a rank's attempts stay in one thread, latest first);
+            # each has its own per-step sums, merged below (cells are per rank: never shared)
+            groups = [[(c, f) for c, f in active if f.rank_file.rank % THREADS == t] for t in range(THREADS)]
+            groups = [g for g in groups if g] or [[]]
+
+            def run(group):
+                racc = np.zeros((S, K.NUM_ACC), dtype=np.float64)
+                racc[:, K.A_MIN_RN] = np.inf
+                if full:
+                    sk = np.zeros((S, 4, k), dtype=np.float64)
+                    sk[:, 2] = -np.inf
+                    sk[:, 3] = np.inf
+                else:
+                    sk = dummy_sk
+                rdig = np.zeros(S, dtype=np.uint64)
+                out = np.zeros(2, dtype=np.int64)
+                for code, f in group:
+                    K.gather(f.words, f.f32, f.f64, f.mask, f.all_valid, f.dense_first, f.index, w_lo, w_hi, f.rank_file.rank,
+                             code << K.CELL_SHIFT, k, full, hints, bits, wdig, cells, racc, sk, rdig, loss, local_norm, out)
+                    f.index, f.next = int(out[0]), int(out[1])
+                return racc, sk, rdig
+
+            racc, sk, rdig = _merge(K, map_files(run, groups) if len(groups) > 1 else [run(groups[0])], full)
             events = np.empty(S, dtype=np.uint8)
             pre_diverged = np.empty((R, S), dtype=bool) if full else np.zeros((1, 1), dtype=bool)
             pre_last = np.empty(S, dtype=np.int64)
@@ -360,3 +368,23 @@ class StepScan:
             attempt[take] = f.rank_file.attempt
         return StepWindow(steps=window.w_lo + np.asarray(rows, dtype=np.int64), present=present, attempt=attempt,
                           superseded=(bits & K.SUPERSEDED) != 0, records=table)
+
+
+def _merge(K, parts: list, full: bool):
+    """One thread's per-step sums, from several threads' ``(racc, sk, rdig)``."""
+    racc, sk, rdig = parts[0]
+    for other_racc, other_sk, other_rdig in parts[1:]:
+        both = (racc[:, K.A_RDIG_SEEN] != 0) & (other_racc[:, K.A_RDIG_SEEN] != 0)
+        differ = both & (rdig != other_rdig)
+        rdig = np.where(racc[:, K.A_RDIG_SEEN] != 0, rdig, other_rdig)
+        for column in (K.A_PRESENT, K.A_GRADS, K.A_SUM_LN, K.A_SUM_LN2):
+            racc[:, column] += other_racc[:, column]
+        for column in (K.A_NF_LOCAL, K.A_NF_REDUCED, K.A_NF_WEIGHTS, K.A_ODD, K.A_RDIG_SEEN, K.A_RDIG_DIFF):
+            racc[:, column] = np.maximum(racc[:, column], other_racc[:, column])
+        racc[:, K.A_RDIG_DIFF] = np.maximum(racc[:, K.A_RDIG_DIFF], differ)
+        racc[:, K.A_MIN_RN] = np.fmin(racc[:, K.A_MIN_RN], other_racc[:, K.A_MIN_RN])
+        if full:
+            sk[:, 0:2] += other_sk[:, 0:2]
+            sk[:, 2] = np.maximum(sk[:, 2], other_sk[:, 2])
+            sk[:, 3] = np.minimum(sk[:, 3], other_sk[:, 3])
+    return racc, sk, rdig
