@@ -1,8 +1,8 @@
 """Read a trace directory: manifest, rank files, damage, and vectorised step windows.
 
 Files are memory-mapped read-only and never changed. Records are validated (magic and
-checksum) in chunks with numpy; a torn tail or a corrupted record is reported as
-:class:`Damage` and never used. :meth:`Trace.step_windows` streams ``(steps x ranks)`` tables
+checksum) by the compiled kernels of ``trace/scan.py`` on large traces, else in chunks with
+numpy; a torn tail or a corrupted record is reported as :class:`Damage` and never used. :meth:`Trace.step_windows` streams ``(steps x ranks)`` tables
 of STEP records, window by window, so memory is bounded by the window, not by the trace.
 For a step recorded by several attempts (a resumed run), the latest attempt wins, and the
 window says which attempt each cell came from.
@@ -29,9 +29,9 @@ CHUNK_RECORDS = 1 << 16
 #: More ranks of the manifest's world size may lack a rank file than this (and than have one)
 #: only in a manifest that is not this directory's: ``Trace.open`` refuses it.
 MAX_MISSING_RANKS = 64
+_UNSET = object()
 #: Damage kinds after which the trace's evidence about replicas cannot be trusted in full
 #: (a record unread, a rank or steps absent): checkpoints are then ``unverified``, not clean.
-_UNSET = object()
 UNTRUSTED_DAMAGE = frozenset({"bad_checksum", "bad_header", "missing_rank", "missing_steps"})
 
 
