@@ -89,11 +89,18 @@ def scan_path(num_records: int = AUTO_MIN_RECORDS) -> str:
 THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
-@functools.lru_cache(maxsize=1)
+_POOL: dict[int, object] = {}
+
+
 def _pool():
+    """This process's thread pool (a forked child gets its own: the parent's threads are not in it)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    return ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="sdc-scan")
+    pid = os.getpid()
+    if pid not in _POOL:
+        _POOL.clear()
+        _POOL[pid] = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="sdc-scan")
+    return _POOL[pid]
 
 
 def _on_threads(kernel, num_steps: int, *args) -> None:
