@@ -132,20 +132,26 @@ class BucketTap:
         """This step's bucket layout: parameter indices per bucket, in bucket order."""
         return [self._layout[i] for i in sorted(self._layout)]
 
-    def fingerprints(self) -> tuple[Fingerprint | None, Fingerprint | None]:
-        """Combined ``(local, reduced)`` fingerprints of this step, None if no bucket was seen.
+    def fingerprints(
+        self, also: list[PendingFingerprint] = ()
+    ) -> tuple[Fingerprint | None, Fingerprint | None, list[Fingerprint]]:
+        """Combined ``(local, reduced)`` fingerprints of this step (None if no bucket was seen),
+        and the fingerprints of ``also``.
 
-        Resolves every bucket's pending fingerprints with one :func:`resolve
-        <sdc_forensics.fingerprint.core.resolve>` call: the step's one host sync on CUDA.
+        Every bucket's pending fingerprints, and ``also`` (the recorder's input digests), are
+        resolved by one :func:`resolve <sdc_forensics.fingerprint.core.resolve>` call: the
+        step's one host transfer for them on CUDA.
         """
         with self._lock:
             if self.error is not None:
                 raise self.error
-            if not self._local:
-                return None, None
             local_keys, reduced_keys = sorted(self._local), sorted(self._reduced)
             pending = [self._local[i] for i in local_keys] + [self._reduced[i] for i in reduced_keys]
-        done = fp_core.resolve(pending)
-        local = combine(done[: len(local_keys)])
-        reduced = combine(done[len(local_keys) :]) if reduced_keys else None
-        return local, reduced
+        also = list(also)
+        if not pending and not also:
+            return None, None, []
+        done = fp_core.resolve(pending + also)
+        n_local, n_buckets = len(local_keys), len(local_keys) + len(reduced_keys)
+        local = combine(done[:n_local]) if local_keys else None
+        reduced = combine(done[n_local:n_buckets]) if local_keys and reduced_keys else None
+        return local, reduced, done[n_buckets:]

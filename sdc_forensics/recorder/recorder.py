@@ -21,6 +21,22 @@ the update (and reads the step's intra-op CPU thread count, ``threads.py``); the
 digests the updated weights and compares replicas; leaving the ``with`` block writes the STEP
 record. Every check decides on gathered numbers, so all ranks raise (policy ``raise``) or
 continue together, and the trace is on disk before anything raises.
+
+Host syncs per step (device-to-host transfers that wait for the device; a model on CPU has
+none), on a step without audit or checkpoint:
+
+1. the optimizer pre-hook resolves every bucket's local and reduced fingerprints, and the
+   digests of the step's inputs, in one ``resolve`` (the comm hook itself never syncs);
+2. the check table's ``all_gather`` comes back to the host (NCCL only: gloo gathers host memory);
+3. the post-hook resolves the weights' digest, norm and NaN/Inf count, one pass of the kernel
+   per parameter and one ``resolve`` for all of them;
+4. the replica vote's ``all_gather`` (NCCL only, on steps that compare weights: every step by
+   default);
+5. the summed loss, read once when the STEP record is written: the device has drained at 3,
+   so it waits for nothing but what the caller queued since.
+
+At most 5 with NCCL, 3 with gloo; none depends on the number of buckets, parameters or
+microbatches. An audited step adds the audit's recomputation, a checkpoint its own digests.
 """
 
 from __future__ import annotations
@@ -39,7 +55,8 @@ import torch
 import torch.distributed as dist
 
 from sdc_forensics.errors import SdcAlarm, SdcError, UsageError
-from sdc_forensics.fingerprint.core import Fingerprint, combine_digests, digests
+from sdc_forensics.fingerprint import core as fp_core
+from sdc_forensics.fingerprint.core import Fingerprint, PendingFingerprint, combine_digests, digests
 from sdc_forensics.inject import FaultSpec, Injector, parse_spec
 from sdc_forensics.recorder import checks, records
 from sdc_forensics.recorder.audit import AuditOutcome, OwnResult, run_audit
@@ -49,7 +66,7 @@ from sdc_forensics.recorder.identity import complete_identities, local_identity,
 from sdc_forensics.recorder.options import RecorderOptions
 from sdc_forensics.recorder.threads import ThreadWatch
 from sdc_forensics.recipe import check_recipe_args
-from sdc_forensics.statedict import flatten_state, weights_digest
+from sdc_forensics.statedict import flatten_state
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace.manifest import FingerprintSettings, write_manifest
 from sdc_forensics.trace.writer import RankTraceWriter
@@ -96,6 +113,7 @@ class _StepState:
     ids: tuple[int, ...] | None
     losses: list = dataclasses.field(default_factory=list)
     input_digests: list[int] = dataclasses.field(default_factory=list)
+    input_pending: list[PendingFingerprint] = dataclasses.field(default_factory=list)  # off-CPU inputs, resolved with the hook's
     input_elements: int = 0
     flags: int = 0
     local: Fingerprint | None = None
@@ -103,6 +121,8 @@ class _StepState:
     weights: tuple[int, float, int] | None = None  # digest, norm, nonfinite count
     audit: AuditOutcome | None = None
     num_threads: int = 0  # intra-op CPU threads the step ran with (0: not read yet)
+    loss_value: float | None = None  # the summed loss, read from the device once
+    loss_value_count: int = 0  # losses it sums
     written: bool = False
 
 
@@ -300,8 +320,22 @@ class Recorder:
         tensors = list(flatten_state(microbatch).values())
         if self.injector:
             state.input_elements += self.injector.corrupt_input(state.step, tensors, state.input_elements)
-        state.input_digests.extend(digests(tensors, self.options.seed))
+        if all(t.device.type == "cpu" for t in tensors):
+            state.input_digests.extend(digests(tensors, self.options.seed))  # no device: the cheapest pass
+        else:  # read now (stream-ordered), pulled to the host with the comm hook's fingerprints: no sync here
+            self._resolve_inputs(state)  # keep the order of earlier CPU inputs
+            state.input_pending.extend(
+                fp_core.fingerprint_async(t, k=1, seed=self.options.seed) for t in tensors
+            )
         return microbatch
+
+    def _resolve_inputs(self, state: _StepState, resolved: list[Fingerprint] | None = None) -> None:
+        """Move pending input digests into ``state.input_digests`` (``resolved``: already pulled)."""
+        if not state.input_pending:
+            return
+        done = resolved if resolved is not None else fp_core.resolve(state.input_pending)
+        state.input_digests.extend(fp.digest for fp in done)
+        state.input_pending = []
 
     # ---------------------------------------------------------------- optimizer hooks
     def _before_update(self, optimizer, args, kwargs) -> None:
@@ -312,7 +346,9 @@ class Recorder:
             state.num_threads = ThreadWatch.current()
         failure: BaseException | None = None
         try:
-            state.local, state.reduced = self.tap.fingerprints()
+            inputs = state.input_pending
+            state.local, state.reduced, done = self.tap.fingerprints(also=inputs)  # the step's one hook sync
+            self._resolve_inputs(state, done)
             self._note_layout(state.step)
         except Exception as exc:  # noqa: BLE001 - the other ranks must learn it, or they wait forever
             failure = exc
@@ -455,12 +491,19 @@ class Recorder:
 
     # ---------------------------------------------------------------- helpers
     def _weights(self) -> tuple[int, float, int]:
+        """``(digest, L2 norm, NaN/Inf count)`` of the parameters, from one pass and one host transfer.
+
+        Each parameter's digest, sum of squares and NaN/Inf count come from the one-pass kernel
+        (``k=1``: the sketch is not used); the digest equals ``weights_digest(named_parameters)``.
+        """
+        if not self.params:
+            return combine_digests([]), 0.0, 0
+        seed = self.options.seed
         with torch.no_grad():
-            value = weights_digest(self.module.named_parameters(), self.options.seed)
-            norms = torch._foreach_norm([p.detach() for p in self.params]) if self.params else []
-            total = float(torch.linalg.vector_norm(torch.stack(norms)).item()) if norms else 0.0
-            nonfinite = 0 if np.isfinite(total) else int(sum((~torch.isfinite(p)).sum().item() for p in self.params))
-        return value, total, nonfinite
+            done = fp_core.resolve([fp_core.fingerprint_async(p, k=1, seed=seed) for p in self.params])
+        value = combine_digests([fp.digest for fp in done])
+        total = float(np.sqrt(sum(fp.norm * fp.norm for fp in done)))
+        return value, total, int(sum(fp.nonfinite for fp in done))
 
     def _all_gather_words(self, words: np.ndarray) -> np.ndarray:
         """``(W, n)`` int64 table of every rank's ``(n,)`` words."""
@@ -471,7 +514,11 @@ class Recorder:
 
     @staticmethod
     def _loss_value(state: _StepState) -> float:
-        return float(sum(float(loss) for loss in state.losses))
+        """The step's summed loss (float64 sum of the microbatch losses in order): one transfer, kept."""
+        if state.loss_value is None or state.loss_value_count != len(state.losses):
+            values = torch.stack([loss.reshape(()).to(torch.float64) for loss in state.losses]).tolist() if state.losses else []
+            state.loss_value, state.loss_value_count = float(sum(values)), len(state.losses)
+        return state.loss_value
 
     def _note_layout(self, step: int) -> None:
         layout = self.tap.layout()
@@ -484,6 +531,7 @@ class Recorder:
                 records.update_grad_dtype(self.trace_dir, self.tap.grad_dtype)
 
     def _write_step(self, state: _StepState) -> None:
+        self._resolve_inputs(state)  # no optimizer step ran (no pre-hook): pull them now
         rec = self.writer.new(F.Kind.STEP, state.step)
         rec["loss"] = self._loss_value(state)
         rec["input_digest"] = combine_digests(state.input_digests) % (1 << 64) if state.input_digests else 0
