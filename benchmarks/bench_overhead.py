@@ -1,8 +1,8 @@
-"""Recorder overhead: median optimizer-step time with and without the recorder, in the same run.
+"""Recorder overhead: step time with and without the recorder, side by side in the same run.
 
-Reference setting (printed with the figures):
+Reference setting on CPU (``--device cpu``, the default; printed with the figures):
 
-* ``W`` = 2 ``gloo`` processes on CPU, ``torch.set_num_threads(1)`` each (one core per rank).
+* ``W`` = 2 ``gloo`` processes, ``torch.set_num_threads(1)`` each (one core per rank).
 * Model: an MLP classifier of ``--layers`` square ``--width`` x ``--width`` linear layers with
   GELU (default 4 x 1024 x 1024: 4.2 M float32 parameters, 16.8 MB of gradients per rank),
   cross-entropy over ``--width`` classes.
@@ -12,20 +12,36 @@ Reference setting (printed with the figures):
   recorder's cost per step is fixed (a few passes over gradients and weights) plus the input
   digest, so its relative overhead falls as the work per step grows: ``--rows`` shows it.
 * Two identical DDP models in the same processes; steps alternate between the recorded one
-  and the bare one, so drift of the machine hits both equally. The recorder fingerprints every
-  step (local and reduced gradient, weights digest), runs the all-reduce and weights checks
-  every step and writes the trace; audits are off in the timed comparison.
+  and the bare one (pairs in alternating order), so drift of the machine hits both equally.
+  The recorder fingerprints every step (local and reduced gradient, weights digest), runs the
+  all-reduce and weights checks every step and writes the trace; audits are off in the timed
+  comparison. The figures are medians over every rank's pairs of ``recorded / bare`` step
+  times: wall clock, and CPU time of the rank's process (``time.process_time``: what the
+  recorder costs whatever else the machine runs).
 * Audits are timed separately: a few extra recorded steps with an audit each (one extra
   forward and backward of a rank's microbatches, plus a tiebreak only on a mismatch).
 
+GPU variant (``--device cuda``): one process per GPU when there are at least two (NCCL), else
+two processes sharing GPU 0 (gloo; NCCL refuses two ranks on one GPU); ``--backend`` and
+``--world-size`` override. Default model 4 x 4096^2 (67 M parameters), 2 x 8192 rows per
+rank-step; every timed step starts and ends with ``torch.cuda.synchronize()``. Goal on a GPU:
+<= 1 % (issue 11); on CPU <= 2 %. Nothing is downloaded: the model and data are synthetic.
+
 Usage::
 
-    python benchmarks/bench_overhead.py [--steps 15] [--width 1024] [--layers 4] [--rows 1024] [--json]
+    python benchmarks/bench_overhead.py [--device cpu|cuda] [--quick] [--json] [--runs N]
+        [--steps 15] [--audit-steps 3] [--width W] [--layers L] [--rows R] [--world-size W] [--backend auto|gloo|nccl]
+
+``--json`` prints ``{"recorder_overhead_cpu_pct": {value, unit, goal, goal_op, met, note,
+detail}, "recorder_overhead_wall_pct": {...}}`` (``benchmarks/run_all.py`` reads it);
+``--quick`` keeps the reference model and rows but times fewer steps (under a minute on 2 cores).
+Exit status 2 for a usage error (``--device cuda`` without a CUDA device, say).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -45,8 +61,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sdc_forensics.demo.run import train_step
 
-WORLD_SIZE = 2
 MICROBATCHES = 2
+GOAL_PCT = {"cpu": 2.0, "cuda": 1.0}  # issue 11: <= 2 % CPU time on CPU, <= 1 % on a GPU
 
 
 class BenchRecipe:
@@ -81,17 +97,43 @@ class BenchRecipe:
 recipe = BenchRecipe(
     width=int(os.environ.get("SDC_BENCH_WIDTH", 1024)),
     layers=int(os.environ.get("SDC_BENCH_LAYERS", 4)),
-    rows=int(os.environ.get("SDC_BENCH_ROWS", 1024)),
+    rows=int(os.environ.get("SDC_BENCH_ROWS", 8192)),
 )
 
 
-def _step(ddp, optimizer, batches, handle=None) -> None:
-    train_step(ddp, optimizer, recipe, batches, len(batches), handle)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Setting:
+    """What one run measures (built from the command line in the parent, handed to the workers)."""
+
+    device: str  # "cpu" or "cuda"
+    backend: str  # "gloo" or "nccl"
+    world_size: int
+    gpus: int  # CUDA devices used (rank r on cuda:r % gpus); 0 on CPU
+    threads: int  # intra-op CPU threads per rank
+    warmup: int
+    steps: int
+    audit_steps: int
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, not {self.device!r}")
+        if self.backend == "nccl" and (self.device != "cuda" or self.gpus < self.world_size):
+            raise ValueError("NCCL needs --device cuda and one GPU per process")
+        if self.world_size < 2 or self.steps < 1 or self.warmup < 1:
+            raise ValueError("need --world-size >= 2, --steps >= 1 and at least one warm-up step")
+
+    def rank_device(self, rank: int) -> torch.device:
+        return torch.device("cuda", rank % self.gpus) if self.device == "cuda" else torch.device("cpu")
 
 
-def _parts_ms(model: nn.Module) -> dict[str, float]:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _parts_ms(model: nn.Module, device: torch.device) -> dict[str, float]:
     """Median cost of the recorder's per-step passes over a model of this size, measured alone."""
-    from sdc_forensics.fingerprint.core import fingerprint
+    from sdc_forensics.fingerprint.core import fingerprint, kernel_path
     from sdc_forensics.statedict import weights_digest
 
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -100,104 +142,236 @@ def _parts_ms(model: nn.Module) -> dict[str, float]:
         fn()
         runs = []
         for _ in range(5):
+            _sync(device)
             start = time.perf_counter()
             fn()
+            _sync(device)
             runs.append(1000 * (time.perf_counter() - start))
         return round(statistics.median(runs), 2)
 
     return {
+        "fingerprint_path": kernel_path(device, flat.dtype),
         "fingerprint_of_gradient": _ms(lambda: fingerprint(flat)),  # x2 per step: local and reduced
         "weights_digest": _ms(lambda: weights_digest(model.named_parameters())),
         "one_read_pass_sum": _ms(lambda: flat.sum()),
     }
 
 
-def _worker(rank: int, port: int, args: argparse.Namespace, out: str, trace_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
+def _worker(rank: int, port: int, setting: Setting, out: str, trace_dir: str) -> None:
+    torch.set_num_threads(setting.threads)
+    device = setting.rank_device(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(setting.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=setting.world_size,
                             timeout=datetime.timedelta(seconds=600))
+    try:
+        _measure(rank, setting, device, out, trace_dir)
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(rank: int, setting: Setting, device: torch.device, out: str, trace_dir: str) -> None:
+    from sdc_forensics.fingerprint.core import warm_up
     from sdc_forensics.recorder import Recorder, RecorderOptions
 
-    model_rec, opt_rec, _ = recipe.build()
-    model_bare, opt_bare, _ = recipe.build()
-    ddp_rec, ddp_bare = DistributedDataParallel(model_rec), DistributedDataParallel(model_bare)
-    warmup, steps = 2, args.steps
-    audit_steps = tuple(range(warmup + steps, warmup + steps + args.audit_steps))
+    world_size = setting.world_size
+    warm_up(device, dtypes=(torch.float32,))  # compile or load the kernel before the first step
+    model_rec, opt_rec, _ = recipe.build(device)
+    model_bare, opt_bare, _ = recipe.build(device)
+    device_ids = [device.index] if device.type == "cuda" else None
+    ddp_rec = DistributedDataParallel(model_rec, device_ids=device_ids)
+    ddp_bare = DistributedDataParallel(model_bare, device_ids=device_ids)
+    warmup, steps = setting.warmup, setting.steps
+    audit_steps = tuple(range(warmup + steps, warmup + steps + setting.audit_steps))
     rec = Recorder(trace_dir, ddp_rec, opt_rec, recipe="bench_overhead:recipe",
-                   options=RecorderOptions(audit_steps=audit_steps, node_of_rank=tuple(range(WORLD_SIZE))))
+                   options=RecorderOptions(audit_steps=audit_steps, node_of_rank=tuple(range(world_size))))
     times: dict[str, list[float]] = {"recorded": [], "bare": [], "audited": []}
-    cpu: dict[str, list[float]] = {"recorded": [], "bare": [], "audited": []}  # process CPU seconds
-    for step in range(warmup + steps + args.audit_steps):
-        ids = [(step * WORLD_SIZE + rank) * MICROBATCHES + m for m in range(MICROBATCHES)]
-        batches = [recipe.fetch_microbatch(i) for i in ids]
-        order = ("recorded", "bare") if step % 2 == 0 else ("bare", "recorded")
-        for kind in order if step < warmup + steps else ("recorded",):
-            dist.barrier()
-            start, cpu_start = time.perf_counter(), time.process_time()
-            if kind == "bare":
-                _step(ddp_bare, opt_bare, batches)
-            else:
-                with rec.step(step, microbatch_ids=ids) as handle:
-                    _step(ddp_rec, opt_rec, batches, handle)
-            elapsed, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
-            if step >= warmup:
-                times["audited" if step in audit_steps else kind].append(elapsed)
-                cpu["audited" if step in audit_steps else kind].append(cpu_s)
-    rec.close()
-    dist.barrier()
+    cpu: dict[str, list[float]] = {"recorded": [], "bare": [], "audited": []}  # this process's CPU seconds
+    try:
+        for step in range(warmup + steps + setting.audit_steps):
+            ids = [(step * world_size + rank) * MICROBATCHES + m for m in range(MICROBATCHES)]
+            batches = [recipe.fetch_microbatch(i, device) for i in ids]
+            order = ("recorded", "bare") if step % 2 == 0 else ("bare", "recorded")
+            for kind in order if step < warmup + steps else ("recorded",):
+                _sync(device)
+                dist.barrier()
+                start, cpu_start = time.perf_counter(), time.process_time()
+                if kind == "bare":
+                    train_step(ddp_bare, opt_bare, recipe, batches, len(batches))
+                else:
+                    with rec.step(step, microbatch_ids=ids) as handle:
+                        train_step(ddp_rec, opt_rec, recipe, batches, len(batches), handle)
+                _sync(device)
+                elapsed, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+                if step >= warmup:
+                    times["audited" if step in audit_steps else kind].append(elapsed)
+                    cpu["audited" if step in audit_steps else kind].append(cpu_s)
+    finally:
+        rec.close()
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, {"times": times, "cpu": cpu})
     trace_bytes = sum(p.stat().st_size for p in Path(trace_dir).glob("rank-*.sdct"))
     if rank == 0:
-        params = sum(p.numel() for p in model_rec.parameters())
-        Path(out).write_text(json.dumps({"times": times, "cpu": cpu, "params": params, "trace_bytes": trace_bytes, "parts_ms": _parts_ms(model_rec)}))
-    dist.destroy_process_group()
+        Path(out).write_text(json.dumps({
+            "ranks": gathered, "params": sum(p.numel() for p in model_rec.parameters()), "trace_bytes": trace_bytes,
+            "parts_ms": _parts_ms(model_rec, device),
+        }))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=15, help="timed steps of each kind (interleaved)")
-    parser.add_argument("--audit-steps", type=int, default=3, help="extra recorded steps with an audit each")
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--rows", type=int, default=8192, help="rows per microbatch (2 microbatches per rank-step)")
-    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
-    args = parser.parse_args()
-    os.environ.update(SDC_BENCH_WIDTH=str(args.width), SDC_BENCH_LAYERS=str(args.layers), SDC_BENCH_ROWS=str(args.rows))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+def _paired_pct(recorded: list[float], bare: list[float]) -> float:
+    """Median over pairs of ``recorded / bare - 1``, in percent (a pair ran back to back)."""
+    return 100 * (statistics.median(r / b for r, b in zip(recorded, bare)) - 1)
+
+
+def run_once(setting: Setting) -> dict:
+    """Spawn the ranks, time the steps; the raw result of rank 0 (every rank's step times)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.json")
-        mp.spawn(_worker, args=(port, args, out, str(Path(tmp) / "trace")), nprocs=WORLD_SIZE)
-        result = json.loads(Path(out).read_text())
-    times = result["times"]
-    bare, recorded = statistics.median(times["bare"]), statistics.median(times["recorded"])
-    audited = statistics.median(times["audited"]) if times["audited"] else float("nan")
-    figures = {
-        "setting": f"W={WORLD_SIZE} gloo CPU, 1 thread/rank, MLP {args.layers}x{args.width}^2 ({result['params'] / 1e6:.2f} M params), "
-        f"{MICROBATCHES} x {args.rows} rows per rank-step, AdamW",
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        "steps_per_kind": len(times["bare"]),
-        "median_step_s_bare": round(bare, 4),
-        "median_step_s_recorded": round(recorded, 4),
-        "overhead_pct": round(100 * (recorded / bare - 1), 2),
-        # the two steps of a pair ran back to back: their ratio cancels the machine's slower drifts
-        "paired_overhead_pct": round(100 * (statistics.median(r / b for r, b in zip(times["recorded"], times["bare"])) - 1), 2),
-        # CPU seconds of rank 0's process: what the recorder costs, whatever else the machine runs
-        "median_step_cpu_s_bare": round(statistics.median(result["cpu"]["bare"]), 4),
-        "median_step_cpu_s_recorded": round(statistics.median(result["cpu"]["recorded"]), 4),
-        "cpu_overhead_pct": round(100 * (statistics.median(result["cpu"]["recorded"]) / statistics.median(result["cpu"]["bare"]) - 1), 2),
-        "median_step_s_audited": round(audited, 4),
-        "audit_overhead_pct": round(100 * (audited / bare - 1), 1),
-        "recorder_parts_ms": result["parts_ms"],
-        "trace_bytes_per_rank_step": result["trace_bytes"] // (WORLD_SIZE * (len(times["recorded"]) + len(times["audited"]) + 2)),
-        "note": "trace bytes include the file headers and the AUDIT records of the audited steps",
+        mp.spawn(_worker, args=(port, setting, out, str(Path(tmp) / "trace")), nprocs=setting.world_size)
+        return json.loads(Path(out).read_text())
+
+
+def summarise(result: dict) -> dict:
+    """One run's figures: paired medians over every rank's pairs, and the plain medians."""
+    ranks = result["ranks"]
+    pairs = {key: [x for r in ranks for x in r[key]["recorded"]] for key in ("times", "cpu")}
+    bares = {key: [x for r in ranks for x in r[key]["bare"]] for key in ("times", "cpu")}
+    audited = [x for r in ranks for x in r["times"]["audited"]]
+    bare_wall = statistics.median(bares["times"])
+    return {
+        "wall_pct": _paired_pct(pairs["times"], bares["times"]),
+        "cpu_pct": _paired_pct(pairs["cpu"], bares["cpu"]),
+        "median_step_s_bare": round(bare_wall, 4),
+        "median_step_s_recorded": round(statistics.median(pairs["times"]), 4),
+        "median_step_cpu_s_bare": round(statistics.median(bares["cpu"]), 4),
+        "median_step_cpu_s_recorded": round(statistics.median(pairs["cpu"]), 4),
+        "wall_pct_of_medians": round(100 * (statistics.median(pairs["times"]) / bare_wall - 1), 2),
+        "cpu_pct_of_medians": round(100 * (statistics.median(pairs["cpu"]) / statistics.median(bares["cpu"]) - 1), 2),
+        "audit_overhead_pct": round(100 * (statistics.median(audited) / bare_wall - 1), 1) if audited else None,
+        "pairs": len(pairs["times"]),
     }
-    if args.json:
-        print(json.dumps(figures, indent=2, sort_keys=True))
+
+
+def _machine(setting: Setting) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    text = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
+    if setting.device == "cuda":
+        text += f", {torch.cuda.get_device_name(0)} x {setting.gpus} (CUDA {torch.version.cuda})"
+    return text
+
+
+def figures(setting: Setting, args: argparse.Namespace, runs: list[dict], last: dict) -> dict:
+    """``{name: {value, unit, goal, goal_op, met, note, detail}}``: medians over runs of each run's paired figure."""
+    goal = GOAL_PCT[setting.device]
+    params = last["params"]
+    where = f"{setting.device}, W={setting.world_size} {setting.backend}" + (f" on {setting.gpus} GPU(s)" if setting.gpus else ", 1 thread/rank")
+    detail = {
+        "setting": f"{where}, MLP {args.layers}x{args.width}^2 ({params / 1e6:.2f} M params), "
+        f"{MICROBATCHES} x {args.rows} rows per rank-step, AdamW, {setting.steps} pairs per rank per run",
+        "machine": _machine(setting),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "runs": runs,
+        "recorder_parts_ms": last["parts_ms"],
+        "trace_bytes_per_rank_step": last["trace_bytes"]
+        // (setting.world_size * (setting.warmup + setting.steps + setting.audit_steps)),
+    }
+    out = {}
+    for name, key, unit in (("recorder_overhead_cpu_pct", "cpu_pct", "% CPU"), ("recorder_overhead_wall_pct", "wall_pct", "% wall")):
+        value = round(statistics.median(run[key] for run in runs), 2)
+        out[name] = {
+            "value": value, "unit": unit, "goal": goal, "goal_op": "<=", "met": bool(value <= goal),
+            "note": f"recorded vs bare steps side by side, {where}, median of {len(runs)} run(s)",
+            "detail": detail,
+        }
+    return out
+
+
+def parse_setting(args: argparse.Namespace) -> Setting:
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            _usage_error("--device cuda needs a CUDA device (torch.cuda.is_available() is False here)")
+        count = torch.cuda.device_count()
+        world_size = args.world_size or (count if count >= 2 else 2)
+        backend = args.backend
+        if backend == "auto":
+            backend = "nccl" if dist.is_nccl_available() and count >= world_size else "gloo"
+        gpus = min(count, world_size)
     else:
-        for key, value in figures.items():
-            print(f"{key:28s} {value}")
+        world_size, backend, gpus = args.world_size or 2, "gloo" if args.backend == "auto" else args.backend, 0
+    try:
+        return Setting(device=args.device, backend=backend, world_size=world_size, gpus=gpus, threads=args.threads,
+                       warmup=args.warmup, steps=args.steps, audit_steps=args.audit_steps)
+    except ValueError as exc:
+        _usage_error(str(exc))
+
+
+def _usage_error(message: str):
+    print(f"bench_overhead.py: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                        help="auto: NCCL with one GPU per process, else gloo")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="processes (default: 2 on CPU; on CUDA one per GPU, or 2 sharing one GPU)")
+    parser.add_argument("--quick", action="store_true", help="fewer timed steps, no audit (under a minute on 2 cores)")
+    parser.add_argument("--runs", type=int, default=1, help="independent runs; figures are the median of their paired figures")
+    parser.add_argument("--steps", type=int, default=None, help="timed pairs of steps per rank (default 15 CPU, 20 CUDA; 4/8 with --quick)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed pairs first (default 2 CPU, 3 CUDA; 1/2 with --quick)")
+    parser.add_argument("--audit-steps", type=int, default=None, help="extra recorded steps with an audit each (default 3 CPU, 2 CUDA; 0/1 with --quick)")
+    parser.add_argument("--width", type=int, default=None, help="default 1024 CPU, 4096 CUDA")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rows", type=int, default=8192, help="rows per microbatch (2 microbatches per rank-step)")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op CPU threads per rank")
+    parser.add_argument("--json", action="store_true", help="print {name: {value, unit, goal, met, ...}} as JSON on stdout")
+    args = parser.parse_args(argv)
+    cuda = args.device == "cuda"
+    defaults = {  # (full, quick)
+        "steps": ((20, 8) if cuda else (15, 4)),
+        "warmup": ((3, 2) if cuda else (2, 1)),
+        "audit_steps": ((2, 1) if cuda else (3, 0)),
+    }
+    for key, (full, quick) in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, quick if args.quick else full)
+    if args.width is None:
+        args.width = 4096 if cuda else 1024
+    setting = parse_setting(args)
+    os.environ.update(SDC_BENCH_WIDTH=str(args.width), SDC_BENCH_LAYERS=str(args.layers), SDC_BENCH_ROWS=str(args.rows))
+    recipe.width, recipe.layers, recipe.rows = args.width, args.layers, args.rows
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    runs, last = [], {}
+    for index in range(max(1, args.runs)):
+        last = run_once(setting)
+        runs.append(summarise(last))
+        print(f"run {index + 1}/{args.runs}: recorder overhead {runs[-1]['cpu_pct']:+.2f} % CPU, {runs[-1]['wall_pct']:+.2f} % wall "
+              f"({runs[-1]['pairs']} pairs)", file=sys.stderr)
+    for run in runs:
+        run["cpu_pct"], run["wall_pct"] = round(run["cpu_pct"], 2), round(run["wall_pct"], 2)
+    result = figures(setting, args, runs, last)
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+        return
+    detail = result["recorder_overhead_cpu_pct"]["detail"]
+    for name, fig in result.items():
+        print(f"{name:28s} {fig['value']:+.2f} {fig['unit']} (goal <= {fig['goal']}: {'met' if fig['met'] else 'NOT met'})")
+    for key in ("setting", "machine", "load_average", "recorder_parts_ms", "trace_bytes_per_rank_step"):
+        print(f"{key:28s} {detail[key]}")
+    for index, run in enumerate(runs):
+        print(f"{'run ' + str(index + 1):28s} {json.dumps(run)}")
 
 
 if __name__ == "__main__":
