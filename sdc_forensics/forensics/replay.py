@@ -176,11 +176,19 @@ class Replayer(StepComparisons):
         self.forced_threads = 0  # --threads
         self.default_threads = 0  # the manifest's count, for traces without per-step counts
         self.max_ratio = 0.0  # the largest tolerant residual / tolerance seen (clean artefacts are measured with it)
+        # flat gradient buffers reused from step to step (a fresh tensor per rank and step costs page
+        # faults on every touch): one per rank slot, one per reduction order
+        self._rank_buffers: dict[int, torch.Tensor] = {}
+        self._reduce_buffers: dict[str, torch.Tensor] = {}
 
     # -- one rank's local gradient -------------------------------------------------------------
-    def local_step(self, model, record, buckets_layout) -> _RankStep:
+    def local_step(self, model, record, buckets_layout, slot: int | None = None) -> _RankStep:
         """Recompute one rank's loss and local gradient (per bucket) at one step, with the CPU
-        thread count that rank's step ran with (reductions change order with it)."""
+        thread count that rank's step ran with (reductions change order with it).
+
+        ``slot``: the buffers to copy the gradient into, reused at every step (the rank's
+        index); the result is valid until the next call with the same slot. None: new buffers.
+        """
         self._use_threads(int(step_threads(record)))
         params = list(model.parameters())
         for p in params:
@@ -192,11 +200,40 @@ class Replayer(StepComparisons):
             loss.backward()
             total_loss += float(loss.detach())
             batches.append(batch)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        dtypes = {g.dtype for g in grads}
+        out = None
+        if slot is not None and len(dtypes) == 1:  # mixed dtypes: torch.cat promotes, no buffer to reuse
+            out = self._buffers(self._rank_buffers, slot, [sum(grads[i].numel() for i in b) for b in buckets_layout], dtypes.pop())
         buckets = [
-            torch.cat([(params[i].grad if params[i].grad is not None else torch.zeros_like(params[i])).reshape(-1) for i in bucket])
-            for bucket in buckets_layout
+            torch.cat([grads[i].reshape(-1) for i in bucket], out=out[b]) if out is not None
+            else torch.cat([grads[i].reshape(-1) for i in bucket])
+            for b, bucket in enumerate(buckets_layout)
         ]
         return _RankStep(self, buckets, batches, total_loss)
+
+    def _buffers(self, pool: dict, key, sizes: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Contiguous views of sizes ``sizes`` into one flat buffer ``pool[key]``, reallocated only
+        when it is too small or of another dtype (a new bucket layout reuses it)."""
+        total = sum(sizes)
+        flat = pool.get(key)
+        if flat is None or flat.dtype != dtype or flat.numel() < total:
+            flat = torch.empty(total, dtype=dtype, device=self.device)
+            pool[key] = flat
+        views, offset = [], 0
+        for n in sizes:
+            views.append(flat[offset : offset + n])
+            offset += n
+        return views
+
+    def reduce(self, per_rank: list[list[torch.Tensor]], order: str) -> list[torch.Tensor]:
+        """The ranks' average in ``order`` (``replay_env.reduce_buckets``), written into this
+        order's reused buffer: valid until the next step's reduction in the same order."""
+        dtypes = {t.dtype for t in per_rank[0]}
+        if len(dtypes) != 1:
+            return env.reduce_buckets(per_rank, order)
+        out = self._buffers(self._reduce_buffers, order, [t.numel() for t in per_rank[0]], dtypes.pop())
+        return env.reduce_buckets(per_rank, order, out=out)
 
     def _use_threads(self, recorded: int) -> None:
         if self.device.type != "cpu":
@@ -265,7 +302,7 @@ class Replayer(StepComparisons):
                 tolerant_from = step
                 notes.append("no bucket layout recorded: gradients compared by norm within tolerance only")
             drift = 0 if tolerant_from is None else step - tolerant_from
-            ranks = [self.local_step(model, recs[r], layout) for r in range(self.world_size)]
+            ranks = [self.local_step(model, recs[r], layout, slot=r) for r in range(self.world_size)]
             local_bad, step_evidence = self._compare_locals(step, recs, ranks, tolerant_from is not None, drift, recorded_layout)
             if local_bad is None:  # every rank differs within tolerance: not bitwise reproducible here
                 tolerant_from = step

@@ -124,14 +124,14 @@ class StepComparisons:
         """The replicas' average: the collective's order when one reproduces the record."""
         per_rank = [rs.buckets for rs in ranks]
         if not ((recs["flags"] & int(F.Flag.HAS_GRADS)) != 0).all():
-            return env.reduce_buckets(per_rank, env.REDUCTION_ORDERS[0]), "", [], ""  # nothing recorded to compare
+            return self.reduce(per_rank, env.REDUCTION_ORDERS[0]), "", [], ""  # nothing recorded to compare
         recorded = recs["reduced_digest"].astype(np.uint64)
         values, counts = np.unique(recorded, return_counts=True)
         majority = int(values[np.argmax(counts)]) if counts.max() * 2 > len(recorded) else None
         candidates = {}
         orders = (self.known_order,) if self.known_order and not tolerant else env.REDUCTION_ORDERS
         for order in orders:
-            reduced = env.reduce_buckets(per_rank, order)
+            reduced = self.reduce(per_rank, order)
             value = self.digest_of(reduced)
             candidates[order] = reduced
             if majority is not None and value == majority:

@@ -180,30 +180,55 @@ def _gloo_chunk_elements(numel: int, itemsize: int, world_size: int) -> int:
     return segments // world_size * -(-numel // segments)
 
 
-def reduce_buckets(per_rank: list[list[torch.Tensor]], order: str) -> list[torch.Tensor]:
-    """Average bucket buffers over ranks. ``per_rank[r][b]``: rank ``r``'s flat bucket ``b``."""
+#: Elements per slice of the CPU reduction: small enough that a slice of every rank's buffer stays
+#: in cache between the scaling and the sum (256 KB of float32).
+_CPU_SLICE_ELEMENTS = 1 << 16
+
+
+def _summation_plan(numel: int, itemsize: int, world_size: int, order: str) -> list[tuple[int, int, list[int]]]:
+    """``(lo, hi, ranks)`` per segment: elements ``lo..hi-1`` are ``ranks[0] + ranks[1] + ...``, left to right."""
+    if order == "sequential" or world_size == 1:
+        return [(0, numel, list(range(world_size)))]
+    if order != "gloo-ring":
+        raise ValueError(f"unknown reduction order {order!r}; one of {REDUCTION_ORDERS}")
+    span = _gloo_chunk_elements(numel, itemsize, world_size)
+    plan = []
+    for i in range(world_size):
+        lo, hi = min(i * span, numel), min((i + 1) * span, numel)
+        if lo < hi:
+            start = (i - 1) % world_size  # chunk i is reduce-scattered from rank i-1 backwards
+            plan.append((lo, hi, [(start - j) % world_size for j in range(world_size)]))
+    return plan
+
+
+def reduce_buckets(per_rank: list[list[torch.Tensor]], order: str, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Average bucket buffers over ranks. ``per_rank[r][b]``: rank ``r``'s flat bucket ``b``.
+
+    Each rank's buffer is multiplied by ``1 / W`` (as DDP does before its SUM), then the parts
+    are added in ``order``. Elementwise, so it is computed slice by slice on CPU (each slice of
+    the W buffers read once, while in cache, no scaled copies of whole buffers) with the same
+    roundings as whole-buffer operations. ``out``: buffers to write into (same shapes), reused
+    across steps; None allocates them.
+    """
     world_size = len(per_rank)
-    out = []
+    scale = 1.0 / world_size
+    result = []
     for bucket in range(len(per_rank[0])):
-        parts = [per_rank[r][bucket] * (1.0 / world_size) for r in range(world_size)]  # as DDP: times 1/W, then SUM
-        if order == "sequential" or world_size == 1:
-            acc = parts[0].clone()
-            for part in parts[1:]:
-                acc += part
-        elif order == "gloo-ring":
-            numel = parts[0].numel()
-            span = _gloo_chunk_elements(numel, parts[0].element_size(), world_size)
-            acc = torch.empty_like(parts[0])
-            for i in range(world_size):
-                lo, hi = min(i * span, numel), min((i + 1) * span, numel)
-                if lo >= hi:
-                    continue
-                start = (i - 1) % world_size  # chunk i is reduce-scattered from rank i-1 backwards
-                piece = parts[start][lo:hi].clone()
-                for j in range(1, world_size):
-                    piece += parts[(start - j) % world_size][lo:hi]
-                acc[lo:hi] = piece
-        else:
-            raise ValueError(f"unknown reduction order {order!r}; one of {REDUCTION_ORDERS}")
-        out.append(acc)
-    return out
+        src = [per_rank[r][bucket] for r in range(world_size)]
+        first = src[0]
+        numel = first.numel()
+        acc = out[bucket] if out is not None else torch.empty_like(first)
+        plan = _summation_plan(numel, first.element_size(), world_size, order)
+        step = _CPU_SLICE_ELEMENTS if first.device.type == "cpu" else max(numel, 1)
+        scratch = torch.empty(min(step, numel), dtype=first.dtype, device=first.device)
+        for lo, hi, ranks in plan:
+            for a in range(lo, hi, step):
+                b = min(a + step, hi)
+                piece = acc[a:b]
+                torch.mul(src[ranks[0]][a:b], scale, out=piece)
+                part = scratch[: b - a]
+                for r in ranks[1:]:
+                    torch.mul(src[r][a:b], scale, out=part)
+                    piece += part
+        result.append(acc)
+    return result
