@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from sdc_forensics.cli.common import EXIT_BY_VERDICT, run_analysis, trace_analysis_options
+from sdc_forensics.cli.common import EXIT_BY_VERDICT, distributed_replay, run_analysis, trace_analysis_options
 from sdc_forensics.cli.limits import read_limit_options
 from sdc_forensics.cli.output import emit_json, err
 
@@ -22,6 +22,7 @@ from sdc_forensics.cli.output import emit_json, err
               help="Stop widening backwards after this many replayed steps (checkpoints before stay unverified).")
 @click.option("--scan-recurrence", is_flag=True, help="Also replay the intervals after the first divergence: recurrences.")
 @read_limit_options
+@distributed_replay
 @click.pass_context
 def bisect_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: bool, **options) -> None:
     """Find the first divergent step, the suspect rank and the last clean checkpoint of TRACE_DIR.

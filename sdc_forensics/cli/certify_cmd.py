@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from sdc_forensics.cli.common import Bars, analysis_options, check_new_output, force_option
+from sdc_forensics.cli.common import Bars, analysis_options, check_new_output, distributed_replay, force_option
 from sdc_forensics.cli.limits import read_limit_options
 from sdc_forensics.cli.output import emit_json, err
 
@@ -26,6 +26,7 @@ from sdc_forensics.cli.output import emit_json, err
 @click.option("--max-replay-steps", type=click.IntRange(min=1), help="Replay at most this many steps (checkpoints before stay unverified).")
 @analysis_options
 @read_limit_options
+@distributed_replay
 @click.pass_context
 def certify_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, certificate_out: Path | None, force: bool, **options) -> None:
     """Certify every checkpoint of a run and name the last clean one: where to resume.
@@ -43,6 +44,7 @@ def certify_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, certificate_
     from sdc_forensics.errors import UsageError
     from sdc_forensics.forensics.bisect import BisectOptions
     from sdc_forensics.forensics.certify import certify, write_run_certificate
+    from sdc_forensics.forensics.distributed import is_lead
     from sdc_forensics.present.certify import certify_document, render_certify
 
     if certificate_out is not None and str(certificate_out) == "-":
@@ -50,7 +52,7 @@ def certify_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, certificate_
     check_new_output(certificate_out, force, "--certificate-out")
     with Bars(enabled=err.is_terminal) as bars:
         cert = certify(trace_dir, BisectOptions(**options), progress=bars)
-    if certificate_out is not None:
+    if certificate_out is not None and is_lead():  # under torchrun, process 0 alone writes
         write_run_certificate(certificate_out, cert, force=force)
     render_certify(cert, err, certificate_out)
     if as_json:

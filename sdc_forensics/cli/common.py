@@ -4,6 +4,7 @@ and the check that an output file may be written.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import click
@@ -17,7 +18,7 @@ class Bars:
     """Rich progress bars on stderr, one per replayed window (implements ``bisect.Progress``)."""
 
     def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
+        self.enabled = enabled and not err.quiet  # a follower of a distributed replay draws nothing
         self._progress = None
         self._task = None
 
@@ -57,7 +58,8 @@ def analysis_options(func):
                         help="Compare within the sketch tolerance even where the replay is bitwise exact.")(func)
     func = click.option("--threads", "num_threads", type=click.IntRange(min=1),
                         help="Replay CPU threads (default: the count each step recorded, which keeps a CPU replay bitwise exact).")(func)
-    func = click.option("--force-device", is_flag=True, help="Replay even on the suspect rank's GPU.")(func)
+    func = click.option("--force-device", is_flag=True,
+                        help="Replay even on the suspect rank's GPU (under torchrun: even with processes on a suspect's GPU or node).")(func)
     func = click.option("--device", default="cpu", show_default=True, help="Replay device: cpu, cuda or cuda:N.")(func)
     func = click.option("--recipe", metavar="MOD:ATTR", help="Replay recipe (default: the one the trace's manifest names).")(func)
     return click.option("--checkpoints", "checkpoints_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
@@ -94,3 +96,51 @@ def check_new_output(path: str | Path | None, force: bool, flag: str) -> None:
         raise UsageError(f"{flag} {target} exists: choose another path, or pass --force to overwrite it")
     if not target.parent.is_dir():
         raise UsageError(f"{flag} {target}: folder {target.parent} does not exist")
+
+
+def distributed_replay(func):
+    """``--replay-timeout`` and the replay across processes (docs/distributed.md).
+
+    Under ``torchrun`` (``WORLD_SIZE`` > 1) the command joins the process group before its work
+    (a bare ``--device cuda`` becomes this process's ``cuda:LOCAL_RANK``), every process runs the
+    same analysis, process 0 alone writes (followers' stdout and rich stderr are silenced), and
+    every process meets process 0 at a last barrier before it exits. Without a launcher the
+    command runs exactly as written. Place it directly above ``click.pass_context``.
+    """
+
+    @functools.wraps(func)
+    def wrapper(*args, replay_timeout: float, **kwargs):
+        from sdc_forensics.forensics import distributed
+
+        if not distributed.launched():
+            return func(*args, **kwargs)
+        if "device" in kwargs:
+            kwargs["device"] = distributed.process_device(kwargs["device"])
+        group = distributed.start(kwargs.get("device", "cpu"), replay_timeout)
+        if not group.lead:
+            silence_follower()
+        err.print(f"note: replaying across {group.size} processes ({group.backend}): original rank r on process r % {group.size}; "
+                  "process 0 writes the output", markup=False)
+        completed = False
+        try:
+            value = func(*args, **kwargs)
+            completed = True
+            return value
+        except click.exceptions.Exit:
+            completed = True
+            raise
+        finally:
+            distributed.finish(completed)
+
+    return click.option("--replay-timeout", type=click.FloatRange(min=1.0), default=300.0, show_default=True, metavar="SECONDS",
+                        help="Under torchrun: the longest wait for another replay process at any exchange; a process that "
+                             "died or hangs ends the run with exit 4 after at most this long.")(wrapper)
+
+
+def silence_follower() -> None:
+    """A follower of a distributed replay writes nothing: stdout to the null device, no rich stderr
+    (its error lines still come through ``cli/main.py``, as ``distributed.error_line`` decides)."""
+    from sdc_forensics.cli.output import stdout_closed
+
+    err.quiet = True
+    stdout_closed()

@@ -114,8 +114,11 @@ class _LazyGroup(click.Group):
             return super().invoke(ctx)
         except SdcError as exc:
             from sdc_forensics.cli.output import fatal
+            from sdc_forensics.forensics.distributed import error_line
 
-            fatal(str(exc))
+            line = error_line(exc)  # under torchrun, process 0 speaks for the group
+            if line is not None:
+                fatal(line)
             ctx.exit(exc.exit_code)
         except BrokenPipeError:  # stdout's reader went away outside emit_json (click would exit 1)
             from sdc_forensics.cli.output import stdout_closed

@@ -1,0 +1,354 @@
+"""Replay across processes launched by ``torchrun`` (or any launcher that sets the
+``torch.distributed`` environment): SPMD, one command run by every process (docs/distributed.md).
+
+* :func:`launched` tells whether this process is one of several (``WORLD_SIZE`` > 1 and ``RANK``
+  set); when it is not, nothing here changes anything: :func:`local_steps` is then exactly the
+  single-process loop over the original ranks.
+* :func:`start` joins the process group (gloo on CPU, nccl for a CUDA replay, one GPU per process)
+  with a timeout on every collective; :func:`finish` waits (with the same timeout) until process 0
+  has written the output, and leaves the group.
+* :func:`local_steps`, called from the replay's per-step loop: original rank ``r`` is computed by
+  process ``r % P``; each process packs its ranks' results (loss, exact gradient digest, input
+  digest and the gradient's bucket buffers, as raw bytes) into one flat ``uint8`` tensor and one
+  ``all_gather`` hands every process every rank's results, bit for bit. Every process then reduces
+  them in the recorded order, steps the optimizer and compares, exactly as the single-process
+  path does, so every process reaches the same evidence and the same decision.
+* :func:`check_placement`: before a replay, the processes exchange their host name and GPU UUID;
+  a process on a suspect's GPU, or on the node of a suspect's GPU, refuses, and every process
+  raises the same :class:`PlacementRefused` (``--force-device`` overrides).
+* A peer that exits, is killed or stops answering makes the collective fail (gloo: the peer's
+  socket closes, or the timeout passes); that is turned into :class:`ReplayProcessLost`, one line
+  and exit 4 (nothing was decided).
+
+Layout of one process's packed buffer (``uint8``; ``S = ceil(W / P)`` slots, padded so that every
+process sends the same size): slot ``i`` holds original rank ``p + i * P``:
+``[loss f64 | digest u64 | input digest u64 | 8 spare bytes][bucket 0 bytes, padded to 16]...``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import re
+import socket
+import time
+from typing import Any
+
+import numpy as np
+
+from sdc_forensics.errors import SdcError, UsageError
+
+#: Test-only hook (docs/distributed.md, "Failures"): ``PROCESS:STEP[:hang]`` makes replay process
+#: PROCESS end with ``os._exit(17)`` (or sleep forever with ``:hang``) just before it computes its
+#: ranks of replayed step STEP. Read only when several processes replay; never set it in production.
+TEST_FAIL_ENV = "SDC_FORENSICS_TEST_FAIL_REPLAY_PROCESS"
+
+DEFAULT_TIMEOUT_S = 300.0
+_HEADER_BYTES = 32
+_ALIGN = 16
+#: A follower waits this long after the last barrier before it exits, so that process 0's exit
+#: status is the first one a launcher (torchrun) observes.
+_FOLLOWER_EXIT_DELAY_S = 1.0
+
+
+class ReplayProcessLost(SdcError):
+    """A replay process exited, was killed or stopped answering: nothing was decided (exit 4)."""
+
+    exit_code = 4
+
+
+class PlacementRefused(UsageError):
+    """A replay process runs on a suspect's GPU or node (every process raises the same one)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplayGroup:
+    """The processes of one distributed replay.
+
+    Attributes:
+        rank: this process's index in ``[0, size)`` (process 0 writes the output).
+        size: the number of processes ``P``.
+        backend: ``gloo`` or ``nccl``.
+        timeout_s: the limit on every collective, in seconds.
+    """
+
+    rank: int
+    size: int
+    backend: str
+    timeout_s: float
+
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0
+
+
+_group: ReplayGroup | None = None
+#: This process's place once it joined a group; kept after :func:`finish` so that the error line
+#: printed on the way out (``error_line``) still knows who speaks.
+_role: ReplayGroup | None = None
+
+
+def launched() -> bool:
+    """True when a launcher started this process as one of several (``WORLD_SIZE`` > 1, ``RANK`` set)."""
+    size = os.environ.get("WORLD_SIZE", "").strip()
+    return size.isdigit() and int(size) > 1 and os.environ.get("RANK", "").strip().isdigit()
+
+
+def current() -> ReplayGroup | None:
+    """The group this process replays in, None on the single-process path."""
+    return _group
+
+
+def is_lead() -> bool:
+    """True on process 0 and on the single-process path: the process that writes the output."""
+    return _role is None or _role.lead
+
+
+def process_device(spec: str) -> str:
+    """The device one process replays on: a bare ``cuda`` becomes ``cuda:LOCAL_RANK`` (one GPU per
+    process) when several processes replay; anything else is kept as given."""
+    if not launched() or spec != "cuda":
+        return spec
+    local = os.environ.get("LOCAL_RANK", "0").strip()
+    return f"cuda:{int(local) if local.isdigit() else 0}"
+
+
+def start(device_spec: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> ReplayGroup | None:
+    """Join the launcher's process group (None when this process is not one of several).
+
+    Raises:
+        ReplayProcessLost: the rendezvous failed or timed out (a peer never came).
+    """
+    global _group, _role
+    if not launched():
+        return None
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    backend = "nccl" if device_spec.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(device_spec))
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise ReplayProcessLost(f"the replay processes could not form a group within {timeout_s:g} s ({_short(exc)}); "
+                                "check MASTER_ADDR/MASTER_PORT and that every process was started") from None
+    _group = _role = ReplayGroup(rank=dist.get_rank(), size=dist.get_world_size(), backend=backend, timeout_s=timeout_s)
+    signal.signal(signal.SIGTERM, _stopped_by_launcher)
+    return _group
+
+
+def _stopped_by_launcher(signum, frame) -> None:
+    """torchrun stops every worker (SIGTERM) once one fails: say so, as one line and exit 4."""
+    raise ReplayProcessLost("the launcher stopped this replay process (SIGTERM), usually because another replay process "
+                            "failed: nothing was decided; see the launcher's report and the other processes' logs, then rerun")
+
+
+def finish(completed: bool) -> None:
+    """Leave the group. ``completed``: this process finished its command (process 0 has written
+    its output before it comes here); every process then meets at a barrier, so that no process
+    exits (and makes the launcher stop the others) before process 0's output is written."""
+    global _group
+    group, _group = _group, None
+    if group is None:
+        return
+    import signal
+
+    import torch.distributed as dist
+
+    # on the way out (the output written, or an error to report): a stop from the launcher now
+    # changes nothing, and must not replace this process's exit status or line
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        if completed:
+            dist.barrier()
+    except RuntimeError:
+        pass  # a peer went away after the decision: the output is already written
+    finally:
+        try:
+            dist.destroy_process_group()
+        except (RuntimeError, ValueError):
+            pass
+    if completed and not group.lead:
+        time.sleep(_FOLLOWER_EXIT_DELAY_S)
+
+
+def error_line(exc: BaseException) -> str | None:
+    """The error line this process prints for ``exc``, None for none. Process 0 speaks for the
+    group; a follower is silent about what every process raised alike (a lost peer, a usage error
+    or a refused placement) and names itself for an error of its own (a file missing on its node)."""
+    role = _role
+    if role is None or role.lead:
+        return str(exc)
+    if isinstance(exc, (ReplayProcessLost, UsageError)):  # every process parsed the same command line
+        return None
+    return f"replay process {role.rank} of {role.size} (host {socket.gethostname()}): {exc}"
+
+
+# -- suspects kept out --------------------------------------------------------------------------
+def placement_refusals(places: list[tuple[str, str]], suspects: dict[str, tuple[int, str]]) -> list[str]:
+    """Why each refusing process refuses. ``places[p]``: process ``p``'s ``(host, gpu_uuid)``;
+    ``suspects``: ``{gpu_uuid: (rank, host)}`` of the suspects' recorded GPUs. A process on a
+    suspect's GPU, or on the node that holds it, refuses."""
+    hosts = {host: (rank, uuid) for uuid, (rank, host) in suspects.items() if host}
+    out = []
+    for p, (host, uuid) in enumerate(places):
+        if uuid and uuid in suspects:
+            out.append(f"replay process {p} runs on {uuid} (host {host}), the GPU of suspect rank {suspects[uuid][0]}")
+        elif host in hosts:
+            rank, gpu = hosts[host]
+            out.append(f"replay process {p} runs on host {host}, the node of suspect rank {rank} (GPU {gpu})")
+    return out
+
+
+def check_placement(device, trace, suspect_gpus: dict[str, int], force: bool) -> None:
+    """Refuse, on every process alike, a distributed replay with a process on a suspect's GPU or node.
+
+    Args:
+        device: this process's replay device (a ``torch.device``).
+        trace: the open trace (the suspects' host names come from its manifest).
+        suspect_gpus: ``{gpu_uuid: rank}`` the replay must not run on.
+        force: ``--force-device``: replay there anyway.
+
+    Raises:
+        PlacementRefused: on every process, naming the first refusing process (exit 2).
+    """
+    group = _group
+    if group is None or force or not suspect_gpus:
+        return
+    from sdc_forensics.forensics.replay_env import gpu_uuid
+
+    places = _all_gather_object((socket.gethostname(), gpu_uuid(device)))
+    suspects = {uuid: (rank, trace.manifest.identity(rank).host) for uuid, rank in suspect_gpus.items()}
+    refusals = placement_refusals(places, suspects)
+    if refusals:
+        more = f" (and {len(refusals) - 1} more)" if len(refusals) > 1 else ""
+        raise PlacementRefused(f"{refusals[0]}{more}: its results cannot be trusted to judge the suspect; launch the replay "
+                               "on other nodes (srun --exclude, a node selector), or pass --force-device to replay there anyway")
+
+
+# -- the ranks of one step, shared out ------------------------------------------------------------
+@dataclasses.dataclass
+class SharedRankStep:
+    """An original rank's step computed by another process: what the comparisons read
+    (``buckets``, ``loss``, ``digest``, ``input_digest``, ``fp`` on demand)."""
+
+    replayer: Any
+    buckets: list
+    loss: float
+    digest: int
+    input_digest: int
+    _fp: Any = None
+
+    @property
+    def fp(self):
+        if self._fp is None:
+            self._fp = self.replayer.fp_of(self.buckets)
+        return self._fp
+
+
+def owner(original_rank: int, num_processes: int) -> int:
+    """The process that computes ``original_rank``'s local steps."""
+    return original_rank % num_processes
+
+
+def local_steps(replayer, model, recs, layout, step: int) -> list:
+    """Every original rank's recomputed step ``step``, in rank order.
+
+    Single process: ``replayer.local_step`` for each rank in turn. Several: each process
+    computes its own ranks (``r % P``) and one ``all_gather`` shares the results bit for bit.
+
+    Raises:
+        ReplayProcessLost: a peer exited or did not answer within the timeout.
+    """
+    world_size = replayer.world_size
+    group = _group
+    if group is None:
+        return [replayer.local_step(model, recs[r], layout, slot=r) for r in range(world_size)]
+    _test_failure(group, step)
+    mine = {r: replayer.local_step(model, recs[r], layout, slot=r) for r in range(group.rank, world_size, group.size)}
+    first = next(iter(mine.values()))
+    specs = [(t.dtype, t.numel(), t.numel() * t.element_size()) for t in first.buckets]
+    stride = _HEADER_BYTES + sum(_padded(nbytes) for _, _, nbytes in specs)
+    slots = -(-world_size // group.size)
+    gathered = _exchange(replayer.device, mine, group, slots, stride)
+    out = []
+    for r in range(world_size):
+        if r in mine:
+            out.append(mine[r])
+            continue
+        row = gathered[owner(r, group.size)][(r // group.size) * stride:][:stride]
+        header = row[:_HEADER_BYTES].cpu().numpy().view(np.uint64)
+        buckets, offset = [], _HEADER_BYTES
+        for dtype, numel, nbytes in specs:
+            buckets.append(row[offset:offset + nbytes].view(dtype)[:numel])
+            offset += _padded(nbytes)
+        out.append(SharedRankStep(replayer=replayer, buckets=buckets, loss=float(header[:1].view(np.float64)[0]),
+                                  digest=int(header[1]), input_digest=int(header[2])))
+    return out
+
+
+def _exchange(device, mine: dict, group: ReplayGroup, slots: int, stride: int) -> list:
+    import torch
+    import torch.distributed as dist
+
+    send = torch.zeros(slots * stride, dtype=torch.uint8, device=device)
+    for i, r in enumerate(sorted(mine)):
+        rs = mine[r]
+        header = np.zeros(_HEADER_BYTES // 8, dtype=np.uint64)
+        header[:1] = np.array([rs.loss], dtype=np.float64).view(np.uint64)
+        header[1], header[2] = np.uint64(rs.digest), np.uint64(rs.input_digest)
+        base = i * stride
+        send[base:base + _HEADER_BYTES].copy_(torch.from_numpy(header.view(np.uint8)))
+        offset = base + _HEADER_BYTES
+        for bucket in rs.buckets:
+            raw = bucket.detach().contiguous().reshape(-1).view(torch.uint8)
+            send[offset:offset + raw.numel()].copy_(raw)
+            offset += _padded(raw.numel())
+    received = [torch.empty_like(send) for _ in range(group.size)]
+    _collective(lambda: dist.all_gather(received, send), group)
+    return received
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _all_gather_object(value) -> list:
+    import torch.distributed as dist
+
+    group = _group
+    out: list = [None] * group.size
+    _collective(lambda: dist.all_gather_object(out, value), group)
+    return out
+
+
+def _collective(call, group: ReplayGroup) -> None:
+    try:
+        call()
+    except (RuntimeError, OSError, ValueError) as exc:
+        raise ReplayProcessLost(
+            f"a replay process exited, was killed or did not answer within {group.timeout_s:g} s (--replay-timeout) "
+            f"during the replay across {group.size} processes ({_short(exc)}): nothing was decided; see the other "
+            "processes' logs and the launcher's report, then rerun"
+        ) from None
+
+
+def _short(exc: BaseException) -> str:
+    text = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\] ?", "", " ".join(str(exc).split()))  # gloo's source locations
+    return text[:160] + ("..." if len(text) > 160 else "")
+
+
+def _test_failure(group: ReplayGroup, step: int) -> None:
+    spec = os.environ.get(TEST_FAIL_ENV, "")
+    if not spec:
+        return
+    parts = spec.split(":")
+    if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit() and int(parts[0]) == group.rank and int(parts[1]) == step:
+        if len(parts) > 2 and parts[2] == "hang":
+            while True:
+                time.sleep(60)
+        os._exit(17)
