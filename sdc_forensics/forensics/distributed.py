@@ -295,7 +295,7 @@ def _exchange(device, mine: dict, group: ReplayGroup, slots: int, stride: int) -
     import torch
     import torch.distributed as dist
 
-    send = torch.zeros(slots * stride, dtype=torch.uint8, device=device)
+    send, received = _buffers(device, slots * stride, group.size)
     for i, r in enumerate(sorted(mine)):
         rs = mine[r]
         header = np.zeros(_HEADER_BYTES // 8, dtype=np.uint64)
@@ -308,9 +308,25 @@ def _exchange(device, mine: dict, group: ReplayGroup, slots: int, stride: int) -
             raw = bucket.detach().contiguous().reshape(-1).view(torch.uint8)
             send[offset:offset + raw.numel()].copy_(raw)
             offset += _padded(raw.numel())
-    received = [torch.empty_like(send) for _ in range(group.size)]
     _collective(lambda: dist.all_gather(received, send), group)
     return received
+
+
+#: ``(device, bytes) -> (send, [received per process])``, reused from step to step (fresh buffers
+#: of tens of MB per step cost page faults on every touch): what a step received is valid until
+#: the next step's exchange, as the replayer's own gradient buffers are.
+_BUFFERS: dict = {}
+
+
+def _buffers(device, nbytes: int, num_processes: int):
+    import torch
+
+    key = (str(device), nbytes, num_processes)
+    if key not in _BUFFERS:
+        _BUFFERS.clear()
+        send = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        _BUFFERS[key] = (send, [torch.empty_like(send) for _ in range(num_processes)])
+    return _BUFFERS[key]
 
 
 def _padded(nbytes: int) -> int:

@@ -1,5 +1,6 @@
 """One process of ``test_exchange.py``'s 3-process gloo runs (started by torchrun): exercises
-``forensics.distributed`` on its own, with a stand-in replayer, and prints one JSON line.
+``forensics.distributed`` on its own, with a stand-in replayer, and writes one JSON file
+(``OUT_DIR/RANK.json``). Arguments: ``MODE TIMEOUT_S OUT_DIR``.
 
 ``MODE`` (argv[1], parts joined by ``+``): ``exchange`` (5 original ranks over 3 processes, mixed dtypes and sizes, every
 result compared bit for bit with a local recomputation), ``placement`` (a suspect GPU's node is this
@@ -12,6 +13,7 @@ import json
 import socket
 import sys
 import types
+from pathlib import Path
 
 import torch
 
@@ -50,7 +52,7 @@ class _Replayer:
 
 def main() -> None:
     mode = sys.argv[1]
-    group = distributed.start("cpu", timeout_s=float(sys.argv[2]) if len(sys.argv) > 2 else 30.0)
+    group = distributed.start("cpu", timeout_s=float(sys.argv[2]))
     out = {"rank": group.rank, "size": group.size, "backend": group.backend}
     replayer = _Replayer()
     try:
@@ -77,7 +79,7 @@ def main() -> None:
             except distributed.PlacementRefused as exc:
                 out["refused"] = str(exc)
     finally:
-        print(json.dumps(out), flush=True)
+        (Path(sys.argv[3]) / f"{group.rank}.json").write_text(json.dumps(out))  # one pipe would interleave them
         distributed.finish(completed=True)
 
 

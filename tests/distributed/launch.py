@@ -37,3 +37,34 @@ def torchrun(nproc: int, args: list[str], *, timeout_s: float, env: dict[str, st
         proc.communicate()
         raise
     return proc.returncode, stdout, stderr, time.monotonic() - started
+
+
+def launch_direct(nproc: int, args: list[str], *, timeout_s: float, env: dict[str, str] | None = None, wait_for: tuple[int, ...] = ()):
+    """Start ``nproc`` processes of ``python ARGS`` with the ``torch.distributed`` environment set by
+    hand (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), as ``srun``
+    with one task per GPU would. Waits for the processes in ``wait_for`` (default: all) at most
+    ``timeout_s`` in all, then kills every one still running. Returns ``[(returncode or None,
+    stdout, stderr)]`` by process, and the seconds until the awaited ones ended."""
+    port = free_port()
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+    procs = []
+    for rank in range(nproc):
+        rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, *args], cwd=ROOT, env=rank_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, start_new_session=True))
+    started = time.monotonic()
+    awaited = wait_for or tuple(range(nproc))
+    try:
+        for rank in awaited:
+            procs[rank].wait(timeout=max(0.1, timeout_s - (time.monotonic() - started)))
+        elapsed = time.monotonic() - started
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+    results = []
+    for proc in procs:
+        out, err = proc.communicate()
+        results.append((proc.returncode if proc.returncode is not None and proc.returncode >= 0 else None, out, err))
+    return results, elapsed

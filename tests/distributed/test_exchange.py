@@ -27,13 +27,45 @@ def test_original_ranks_are_dealt_round_robin():
 
 
 @pytest.mark.slow
-def test_three_gloo_processes_exchange_bit_for_bit_and_refuse_alike():
-    code, out, err, _ = torchrun(3, ["tests/distributed/exchange_worker.py", "exchange+placement", "60"], timeout_s=180)
+def test_three_gloo_processes_exchange_bit_for_bit_and_refuse_alike(tmp_path):
+    code, _, err, _ = torchrun(3, ["tests/distributed/exchange_worker.py", "exchange+placement", "60", str(tmp_path)], timeout_s=180)
     assert code == 0, err[-3000:]
-    docs = sorted((json.loads(line) for line in out.splitlines() if line.startswith("{")), key=lambda d: d["rank"])
+    docs = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(3)]
     assert [d["rank"] for d in docs] == [0, 1, 2] and {d["backend"] for d in docs} == {"gloo"}
     assert all(d["bitwise"] for d in docs)
     assert [d["computed"] for d in docs] == [[0, 3], [1, 4], [2]]  # each process computed its own ranks only
     assert {d["forced"] for d in docs} == {"passed"}
     [refused] = {d["refused"] for d in docs}  # the same line on every process
     assert refused.startswith("replay process 0 runs on host ") and "suspect rank 2" in refused and "--force-device" in refused
+
+
+def test_process_0_speaks_for_the_group_and_a_follower_only_for_its_own_errors(monkeypatch):
+    from sdc_forensics.errors import CheckpointError, UsageError
+    from sdc_forensics.forensics import distributed
+
+    lost = distributed.ReplayProcessLost("a replay process exited")
+    assert distributed.error_line(lost) == "a replay process exited"  # single process: every line
+    monkeypatch.setattr(distributed, "_role", distributed.ReplayGroup(rank=0, size=3, backend="gloo", timeout_s=5.0))
+    assert distributed.error_line(UsageError("bad flag")) == "bad flag"
+    monkeypatch.setattr(distributed, "_role", distributed.ReplayGroup(rank=2, size=3, backend="gloo", timeout_s=5.0))
+    assert distributed.error_line(lost) is None and distributed.error_line(UsageError("bad flag")) is None
+    assert distributed.error_line(distributed.PlacementRefused("on the suspect's node")) is None
+    line = distributed.error_line(CheckpointError("checkpoint 3 does not exist"))
+    assert line.startswith("replay process 2 of 3 (host ") and line.endswith("checkpoint 3 does not exist")
+    assert (lost.exit_code, distributed.PlacementRefused.exit_code) == (4, 2)
+
+
+def test_without_a_launcher_nothing_changes(monkeypatch):
+    from sdc_forensics.forensics import distributed
+
+    for name in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert not distributed.launched() and distributed.start("cpu") is None and distributed.current() is None
+    assert distributed.process_device("cuda") == "cuda"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert not distributed.launched()  # torchrun --nproc-per-node 1: the single-process path
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert distributed.launched() and distributed.process_device("cuda") == "cuda:3"
+    assert distributed.process_device("cuda:1") == "cuda:1" and distributed.process_device("cpu") == "cpu"

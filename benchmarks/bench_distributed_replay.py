@@ -1,0 +1,142 @@
+"""Speed-up of a replay shared across processes (``torchrun``, gloo, CPU) over the single-process replay.
+
+A clean run of the demo job is recorded (``W`` = 6 gloo ranks, a wide MLP of the demo recipe,
+``DemoRecipe(in_features=512, hidden=1024, microbatch_size=512)``: 1.6 M parameters, two
+microbatches of 512 per rank and step, so that a rank's step is compute worth sharing, not only
+gradient bytes to move). Then the same replay (``replay_from_trace``, steps ``0..S-1`` from checkpoint 0:
+every rank's local gradient, the exchange, the average in gloo's ring order, the optimizer step,
+every comparison) runs with 1 process (no launcher: the single-process path) and under
+``torchrun --standalone --nproc-per-node P`` for P = 2 and 3, interleaved (repetition *i* of every
+P, then *i + 1*), ``--repeat`` times. Each process times the replay alone, between two barriers
+(process start, torch import and the rendezvous are not timed); process 0 reports. Every replay
+must come out ``exact`` and clean, or the benchmark fails.
+
+The figure: (median seconds with 1 process) / (median seconds with P processes). Original rank
+``r`` goes to process ``r % P``: with ``W`` = 6, two processes compute 3 ranks each and three
+compute 2, so the ideal is 2x and 3x; the average, the optimizer step and the comparisons are
+done by every process (not shared) and the exchange is added. **This machine has 2 cores**: the
+ceiling is 2x for any P (3 processes share 2 cores), less with the machine's other load, and each
+replay process runs at the thread count the steps recorded (1).
+
+    python benchmarks/bench_distributed_replay.py [--repeat 3] [--steps 6] [--quick] [--json]
+
+``--json`` prints ``{"replay_speedup_2proc": {"value", "unit": "x", "goal": null, "met": null, ...},
+"replay_speedup_3proc": {...}}`` on stdout; people's lines go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WIDE = {"in_features": 512, "hidden": 1024, "microbatch_size": 512}
+WORLD_SIZE = 6
+PROCESSES = (1, 2, 3)
+CEILING = 2.0  # cores of the machine these figures were measured on
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(trace: str, steps: int) -> None:
+    """One replay process (or the only one): time the replay between barriers, process 0 prints it."""
+    import torch
+    import torch._inductor  # noqa: F401  (torch.use_deterministic_algorithms imports it: seconds, not replay)
+    import torch.distributed as dist
+
+    from sdc_forensics.forensics import distributed, replay  # noqa: F401  (imported before the timer)
+    from sdc_forensics.forensics.replay_run import ReplayRequest, replay_from_trace
+
+    from sdc_forensics.fingerprint.core import digest
+
+    torch.use_deterministic_algorithms(False)
+    digest(torch.zeros(64), 0)  # the compiled digest kernel is loaded on first use: not replay either
+    group = distributed.start("cpu", 600.0)
+    if group is not None:
+        dist.barrier()
+    started = time.perf_counter()
+    run = replay_from_trace(trace, ReplayRequest(start_step=0, stop_step=steps - 1))
+    if group is not None:
+        dist.barrier()
+    seconds = time.perf_counter() - started
+    if distributed.is_lead():
+        print(json.dumps({"seconds": seconds, "verdict": run.decision.verdict.value, "comparison": run.result.comparison,
+                          "last_step": run.result.last_step}), flush=True)
+    distributed.finish(True)
+
+
+def _replay(trace: Path, steps: int, processes: int) -> float:
+    script = [str(Path(__file__).resolve()), "--worker", str(trace), "--steps", str(steps)]
+    cmd = [sys.executable, *script] if processes == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--rdzv-endpoint=localhost:{_free_port()}",
+        f"--nproc-per-node={processes}", *script]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or len(lines) != 1:
+        raise SystemExit(f"replay with {processes} process(es) failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    doc = json.loads(lines[0])
+    if (doc["verdict"], doc["comparison"], doc["last_step"]) != ("clean", "exact", steps - 1):
+        raise SystemExit(f"replay with {processes} process(es) was not an exact clean replay of steps 0..{steps - 1}: {doc}")
+    return float(doc["seconds"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3, help="runs per process count (median)")
+    parser.add_argument("--steps", type=int, default=6, help="steps recorded and replayed")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON on stdout")
+    parser.add_argument("--quick", action="store_true", help="2 repetitions, 3 steps")
+    parser.add_argument("--worker", metavar="TRACE", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        _worker(args.worker, args.steps)
+        return 0
+    if args.quick:
+        args.repeat, args.steps = 2, 3
+    from sdc_forensics.demo.run import RECIPE_REFERENCE, run_demo
+
+    with tempfile.TemporaryDirectory(prefix="bench-dist-replay-") as work:
+        out = Path(work) / "run"
+        print(f"recording a clean run: {WORLD_SIZE} ranks, {args.steps} steps, DemoRecipe({WIDE})", file=sys.stderr)
+        run_demo(out, injections=("none",), steps=args.steps, checkpoint_every=args.steps, world_size=WORLD_SIZE,
+                 recipe=RECIPE_REFERENCE, recipe_args=WIDE)
+        seconds: dict[int, list[float]] = {p: [] for p in PROCESSES}
+        for i in range(args.repeat):
+            for p in PROCESSES:
+                seconds[p].append(_replay(out / "trace", args.steps, p))
+                print(f"repetition {i + 1}: {p} process(es): {seconds[p][-1]:.2f} s", file=sys.stderr)
+    median = {p: statistics.median(v) for p, v in seconds.items()}
+    figures = {}
+    for p in PROCESSES[1:]:
+        figures[f"replay_speedup_{p}proc"] = {
+            "value": round(median[1] / median[p], 3), "unit": "x", "goal": None, "met": None,
+            "ideal": round(WORLD_SIZE / -(-WORLD_SIZE // p), 3), "ceiling_this_machine": CEILING,
+            "median_seconds": round(median[p], 3), "median_seconds_1proc": round(median[1], 3),
+            "runs_seconds": [round(s, 3) for s in seconds[p]], "steps": args.steps, "world_size": WORLD_SIZE,
+            "cpus": os.cpu_count(), "load_average_1min": round(os.getloadavg()[0], 2),
+        }
+    for name, fig in figures.items():
+        print(f"{name}: {fig['value']}x (ideal {fig['ideal']}x; this {fig['cpus']}-core machine caps it near {CEILING}x, "
+              f"less under its load {fig['load_average_1min']}); median {fig['median_seconds']} s vs {fig['median_seconds_1proc']} s",
+              file=sys.stderr)
+    if args.json:
+        print(json.dumps(figures, indent=2, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
