@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             "value": round(median[1] / median[p], 3), "unit": "x", "goal": None, "met": None,
             "ideal": round(WORLD_SIZE / -(-WORLD_SIZE // p), 3), "ceiling_this_machine": CEILING,
             "median_seconds": round(median[p], 3), "median_seconds_1proc": round(median[1], 3),
-            "runs_seconds": [round(s, 3) for s in seconds[p]], "steps": args.steps, "world_size": WORLD_SIZE,
+            "runs_seconds": [round(s, 3) for s in seconds[p]], "runs_seconds_1proc": [round(s, 3) for s in seconds[1]], "steps": args.steps, "world_size": WORLD_SIZE,
             "cpus": os.cpu_count(), "load_average_1min": round(os.getloadavg()[0], 2),
         }
     for name, fig in figures.items():

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from sdc_forensics.cli.common import EXIT_BY_VERDICT, check_new_output, force_option, run_analysis, trace_analysis_options
+from sdc_forensics.cli.common import EXIT_BY_VERDICT, check_new_output, distributed_replay, force_option, run_analysis, trace_analysis_options
 from sdc_forensics.newfile import write_new_file
 from sdc_forensics.cli.output import SCHEMA_VERSION, emit_json, err, write_stdout
 
@@ -19,6 +19,7 @@ from sdc_forensics.cli.output import SCHEMA_VERSION, emit_json, err, write_stdou
 @click.option("--format", "fmt", type=click.Choice(["html", "md", "json"]),
               help="Output format (default: from -o's suffix; Markdown on stdout).")
 @force_option
+@distributed_replay
 @click.pass_context
 def report_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: bool, output: str, fmt: str | None, force: bool,
                **options) -> None:
@@ -30,6 +31,7 @@ def report_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: b
     document goes to stdout and the review to -o FILE.
     """
     from sdc_forensics.errors import UsageError
+    from sdc_forensics.forensics.distributed import is_lead
     from sdc_forensics.present.report import ReportRequest, output_format
     from sdc_forensics.present.review import render_review
 
@@ -51,7 +53,7 @@ def report_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: b
         emit_json(review.document)
     elif output == "-":
         write_stdout(review.text)  # a reader that goes away (| head) is not an error
-    else:
+    elif is_lead():  # under torchrun, process 0 alone writes
         write_new_file(Path(output), force, lambda handle: handle.write(review.text), flag="-o")  # whole or nothing, never over a file that appeared meanwhile
         err.print(f"post-incident review ({fmt}) written to {output}", markup=False)
     if as_json and not (fmt == "json" and output == "-"):

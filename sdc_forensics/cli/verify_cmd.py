@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from sdc_forensics.cli.common import Bars, analysis_options
+from sdc_forensics.cli.common import Bars, analysis_options, distributed_replay
 from sdc_forensics.cli.limits import read_limit_options
 from sdc_forensics.cli.output import emit_json, err
 
@@ -26,6 +26,7 @@ from sdc_forensics.cli.output import emit_json, err
 @click.option("--json", "as_json", is_flag=True, help="Write one JSON document on stdout.")
 @analysis_options
 @read_limit_options
+@distributed_replay
 @click.pass_context
 def verify_cmd(ctx: click.Context, path: Path, trace_dir: Path | None, step: int | None, trace_only: bool, certificate_path: Path | None,
                as_json: bool, **options) -> None:
