@@ -52,14 +52,19 @@ def _free_port() -> int:
 
 def _worker(trace: str, steps: int) -> None:
     """One replay process (or the only one): time the replay between barriers, process 0 prints it."""
+    import importlib
+
     import torch
-    import torch._inductor  # noqa: F401  (torch.use_deterministic_algorithms imports it: seconds, not replay)
     import torch.distributed as dist
 
-    from sdc_forensics.forensics import distributed, replay  # noqa: F401  (imported before the timer)
-    from sdc_forensics.forensics.replay_run import ReplayRequest, replay_from_trace
+    # imported before the timer: the replay's modules, and torch's compiler stack, which
+    # torch.use_deterministic_algorithms imports on first use (seconds, not replay)
+    for name in ("sdc_forensics.forensics.replay", "torch._inductor"):
+        importlib.import_module(name)
 
     from sdc_forensics.fingerprint.core import digest
+    from sdc_forensics.forensics import distributed
+    from sdc_forensics.forensics.replay_run import ReplayRequest, replay_from_trace
 
     torch.use_deterministic_algorithms(False)
     digest(torch.zeros(64), 0)  # the compiled digest kernel is loaded on first use: not replay either
