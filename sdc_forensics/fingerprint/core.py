@@ -603,9 +603,17 @@ def num_sketch_blocks(numel: int) -> int:
 
 def combine_digests(digests) -> int:
     """Digest of a sequence of digests, in order (a model = its parameters in a fixed order)."""
+    words = np.asarray([d % (1 << 64) for d in digests], dtype="<u8")
+    if _cpu_kernel_ok():  # called several times per replayed step: the compiled loop, not numpy's
+        try:
+            low, high = cpu_kernel.digest_lanes(words.view(np.uint8))
+        except Exception as exc:  # noqa: BLE001 - a broken compiled path must not lose the answer
+            _compiled_failed(exc)
+        else:
+            return C.fmix64((low + (high << 32) + words.nbytes * C.digest_length_weight(C.DEFAULT_SEED)) % (1 << 64))
     from sdc_forensics.fingerprint.reference import digest_bytes
 
-    return digest_bytes(np.asarray([d % (1 << 64) for d in digests], dtype="<u8"))
+    return digest_bytes(words)
 
 
 def combine(parts: list[Fingerprint]) -> Fingerprint:

@@ -192,3 +192,12 @@ def test_cuda_path_refuses_dtypes_the_triton_kernel_does_not_take(monkeypatch):
     monkeypatch.setattr(triton_kernel, "available", lambda device: (True, ""))
     assert core.kernel_path("cuda", torch.float32) == "triton-cuda"
     assert core.kernel_path("cuda", torch.int64) == "torch (the Triton kernel does not take int64)"
+
+
+@pytest.mark.parametrize("count", [0, 1, 6, 600])
+def test_combine_digests_is_the_digest_of_the_words_on_both_paths(monkeypatch, count):
+    digests = [int(d) for d in np.random.default_rng(count).integers(0, 2**63, count, dtype=np.int64)] + [2**64 - 1] * (count > 0)
+    expected = reference.digest_bytes(np.asarray(digests, dtype="<u8"))
+    assert core.combine_digests(digests) == expected
+    monkeypatch.setenv(cpu_kernel.KERNELS_ENV, "off")
+    assert core.combine_digests(digests) == expected
