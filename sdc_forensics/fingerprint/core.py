@@ -174,8 +174,7 @@ class _Digester:
 
     def finish(self, low: int, high: int) -> int:
         """``D = fmix64(low + 2**32 high + c_len * N mod 2**64)`` from the host values of the lane totals."""
-        total = (low + (high << 32) + self.num_bytes * C.digest_length_weight(self.seed)) % (1 << 64)
-        return C.fmix64(total)
+        return _finish_digest(low, high, self.num_bytes, self.seed)
 
     def value(self) -> int:
         """The digest (one host transfer)."""
@@ -207,19 +206,19 @@ def digests(tensors, seed: int = C.DEFAULT_SEED) -> list[int]:
     Returns:
         ``[digest(t) for t in tensors]``, computed without a host sync per tensor.
     """
-    digesters, totals = [], []
+    sizes, totals = [], []
     for tensor in tensors:
         raw = _raw_bytes(tensor)
+        sizes.append(raw.numel())
+        lanes = _cpu_digest_lanes(raw, seed) if raw.device.type == "cpu" and _cpu_kernel_ok() else None
+        if lanes is not None:  # host values already: no buffers, no transfer
+            totals.append(lanes)
+            continue
         chunk_bytes = 4 * _chunk_elems(raw.device)
         digester = _Digester(raw.numel(), raw.device, seed, chunk_bytes // _BLOCK_BYTES)
-        lanes = _cpu_digest_lanes(raw, seed) if raw.device.type == "cpu" and _cpu_kernel_ok() else None
-        if lanes is not None:
-            totals.append(lanes)
-        else:
-            for start in range(0, raw.numel(), chunk_bytes):
-                digester.add(start // _BLOCK_BYTES, raw[start : start + chunk_bytes])
-            totals.append(digester.lane_totals())
-        digesters.append(digester)
+        for start in range(0, raw.numel(), chunk_bytes):
+            digester.add(start // _BLOCK_BYTES, raw[start : start + chunk_bytes])
+        totals.append(digester.lane_totals())
     by_device: dict[torch.device, list[int]] = {}
     for index, total in enumerate(totals):
         if isinstance(total, torch.Tensor):
@@ -229,7 +228,13 @@ def digests(tensors, seed: int = C.DEFAULT_SEED) -> list[int]:
         host = torch.stack([totals[i] for i in indices]).tolist()  # one transfer per device
         for i, (low, high) in zip(indices, host):
             values[i] = (low, high)
-    return [d.finish(low, high) for d, (low, high) in zip(digesters, values)]
+    return [_finish_digest(low, high, size, seed) for (low, high), size in zip(values, sizes)]
+
+
+def _finish_digest(low: int, high: int, num_bytes: int, seed: int) -> int:
+    """``D = fmix64(low + 2**32 high + c_len * N mod 2**64)`` from the lane totals."""
+    total = (low % (1 << 64) + ((high % (1 << 64)) << 32) + num_bytes * C.digest_length_weight(seed)) % (1 << 64)
+    return C.fmix64(total)
 
 
 # ---------------------------------------------------------------- which path runs
@@ -541,11 +546,7 @@ def resolve(pending: list[PendingFingerprint]) -> list[Fingerprint]:
 
 
 def _assemble(pending: PendingFingerprint, lanes, sketch, sumsq: float, max_abs: float, nonfinite: int) -> Fingerprint:
-    digest_value = 0
-    if pending.with_digest:
-        low, high = (int(v) % (1 << 64) for v in lanes)
-        total = (low + (high << 32) + pending.num_bytes * C.digest_length_weight(pending.seed)) % (1 << 64)
-        digest_value = C.fmix64(total)
+    digest_value = _finish_digest(int(lanes[0]), int(lanes[1]), pending.num_bytes, pending.seed) if pending.with_digest else 0
     return Fingerprint(
         digest=digest_value, sketch=np.asarray(sketch, dtype=np.float64), norm=float(np.sqrt(sumsq)), max_abs=float(max_abs),
         nonfinite=int(nonfinite), numel=pending.numel,
@@ -610,7 +611,7 @@ def combine_digests(digests) -> int:
         except Exception as exc:  # noqa: BLE001 - a broken compiled path must not lose the answer
             _compiled_failed(exc)
         else:
-            return C.fmix64((low + (high << 32) + words.nbytes * C.digest_length_weight(C.DEFAULT_SEED)) % (1 << 64))
+            return _finish_digest(low, high, words.nbytes, C.DEFAULT_SEED)
     from sdc_forensics.fingerprint.reference import digest_bytes
 
     return digest_bytes(words)
