@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from sdc_forensics.errors import SdcAlarm, SdcError, UsageError
 from sdc_forensics.fingerprint import core as fp_core
-from sdc_forensics.fingerprint.core import Fingerprint, PendingFingerprint, combine_digests, digests
+from sdc_forensics.fingerprint.core import Fingerprint, PendingFingerprint, combine_digests, digests, warm_up
 from sdc_forensics.inject import FaultSpec, Injector, parse_spec
 from sdc_forensics.recorder import checks, records
 from sdc_forensics.recorder.audit import AuditOutcome, OwnResult, run_audit
@@ -208,6 +208,8 @@ class Recorder:
         self.params = list(self.module.parameters())
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self._comm_device = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        # compile (or load from numba's disk cache) the fingerprint kernel now, not in step 1's hook
+        warm_up(self.device, dtypes=sorted({p.dtype for p in self.params if p.is_floating_point()}, key=str) or (torch.float32,))
         self.injector = Injector([s if isinstance(s, FaultSpec) else parse_spec(s) for s in inject], self.rank)
         self.alarms: list[checks.Finding] = []
         # (step, own weights digest, vote) of the last replica comparison: a checkpoint of
