@@ -185,7 +185,7 @@ def figures(results: dict, path: str) -> dict:
         short = SHORT[dtype_name]
         full = max(m["full"] / m["sum"] for m in rows)
         out[f"fingerprint_vs_sum_{short}"] = {
-            "value": round(full, 3), "unit": "x torch.sum", "goal": GOAL, "met": bool(full <= GOAL),
+            "value": round(full, 3), "unit": "x torch.sum", "goal": GOAL, "goal_op": "<=", "met": bool(full <= GOAL),
         }
         if path == "both":
             fallback = max(m["full_torch"] / m["sum"] for m in rows)
