@@ -32,7 +32,7 @@ from sdc_forensics import recipe as recipe_mod
 from sdc_forensics.errors import CheckpointError, InvalidInputError
 from sdc_forensics.fingerprint import tolerance
 from sdc_forensics.fingerprint.core import Fingerprint, combine, combine_digests, digest, fingerprint, num_sketch_blocks
-from sdc_forensics.forensics import replay_env as env
+from sdc_forensics.forensics import distributed, replay_env as env
 from sdc_forensics.trace.checkpoints import hex64
 from sdc_forensics.forensics.evidence import Evidence, EvidenceKind
 from sdc_forensics.forensics.replay_compare import StepComparisons
@@ -302,7 +302,7 @@ class Replayer(StepComparisons):
                 tolerant_from = step
                 notes.append("no bucket layout recorded: gradients compared by norm within tolerance only")
             drift = 0 if tolerant_from is None else step - tolerant_from
-            ranks = [self.local_step(model, recs[r], layout, slot=r) for r in range(self.world_size)]
+            ranks = distributed.local_steps(self, model, recs, layout, step)  # under torchrun: shared out, then exchanged
             local_bad, step_evidence = self._compare_locals(step, recs, ranks, tolerant_from is not None, drift, recorded_layout)
             if local_bad is None:  # every rank differs within tolerance: not bitwise reproducible here
                 tolerant_from = step
@@ -371,6 +371,7 @@ def replay_window(trace: Trace, recipe, options: ReplayOptions, on_step: Callabl
         StartStateMismatch: the checkpoint does not hold the weights the replicas agreed on.
     """
     device = env.resolve_device(options.device)
+    distributed.check_placement(device, trace, options.suspect_gpus, options.force_device)  # every process alike
     env.check_not_suspect(device, options.suspect_gpus, options.force_device)
     threads = options.num_threads or _recorded_threads(trace)  # per-step counts are applied step by step
     if not Path(options.checkpoint_path).is_file():

@@ -18,25 +18,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(nproc: int, args: list[str], *, timeout_s: float, env: dict[str, str] | None = None):
-    """``python -m torch.distributed.run --standalone --nproc-per-node NPROC ARGS`` (``-m MOD`` or a
-    script); ``(returncode, stdout, stderr, seconds)``. Raises ``subprocess.TimeoutExpired`` after
-    ``timeout_s`` (the whole process group is killed first)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--rdzv-endpoint=localhost:{port}",
+def start_torchrun(nproc: int, args: list[str], *, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``python -m torch.distributed.run --standalone --nproc-per-node NPROC ARGS`` (``-m MOD``
+    or a script) on a free rendezvous port, in its own process group; see :func:`wait`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--rdzv-endpoint=localhost:{free_port()}",
            f"--nproc-per-node={nproc}", "--monitor-interval=0.1"]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
-    full_env.pop("WORLD_SIZE", None)
-    started = time.monotonic()
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        full_env.pop(name, None)
     proc = subprocess.Popen(cmd + args, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
+    proc.started = time.monotonic()
+    return proc
+
+
+def wait(proc: subprocess.Popen, timeout_s: float):
+    """``(returncode, stdout, stderr, seconds)`` of a :func:`start_torchrun` process. Raises
+    ``subprocess.TimeoutExpired`` after ``timeout_s`` (the whole process group is killed first)."""
     try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
+        stdout, stderr = proc.communicate(timeout=max(0.1, timeout_s - (time.monotonic() - proc.started)))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         proc.communicate()
         raise
-    return proc.returncode, stdout, stderr, time.monotonic() - started
+    return proc.returncode, stdout, stderr, time.monotonic() - proc.started
+
+
+def torchrun(nproc: int, args: list[str], *, timeout_s: float, env: dict[str, str] | None = None):
+    """:func:`start_torchrun` then :func:`wait`: ``(returncode, stdout, stderr, seconds)``."""
+    return wait(start_torchrun(nproc, args, env=env), timeout_s)
 
 
 def launch_direct(nproc: int, args: list[str], *, timeout_s: float, env: dict[str, str] | None = None, wait_for: tuple[int, ...] = ()):
