@@ -15,6 +15,29 @@ import pytest
 
 from tests import factories
 
+#: The slowest tests (10-90 s each on 2 cores: torchrun launches, several recorded runs, the
+#: Triton interpreter), marked ``heavy``: the README's test command leaves them out to stay near
+#: 10 minutes, and ``.ci/run`` runs them right after it (``python -m pytest -q -m heavy``).
+#: Node-id prefixes, so that one line covers a folder, a file or a test.
+HEAVY = (
+    "tests/distributed/",
+    "tests/recorder/test_user_job.py",
+    "tests/fingerprint/test_triton_kernel.py::test_interpreter_suite",
+    "tests/forensics/test_replay.py::test_scan_finds_the_earlier_incident_and_the_recurrence",
+    "tests/forensics/test_replay.py::test_collective_fault_below_the_sketch_tolerance_is_found_once_the_order_is_known",
+    "tests/forensics/test_tolerant.py::test_weak_residual_is_inconclusive_names_its_candidate_and_certifies_nothing_after_it",
+    "tests/cli/test_checkpoint_paths.py::test_bisect_finds_the_checkpoints_from_anywhere",
+    "tests/cli/test_json_schemas.py::test_certify_and_verify_checkpoint_documents",
+    "tests/cli/test_report_demo.py::test_the_reproduce_commands_of_a_report_rerun_as_written",
+    "tests/test_factories.py::test_gloo_ring_reference_equals_a_real_gloo_all_reduce_bit_for_bit",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(HEAVY):
+            item.add_marker(pytest.mark.heavy)
+
 
 @pytest.fixture
 def make_trace(tmp_path):
