@@ -114,16 +114,6 @@ def table(rows: list[tuple[str, str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes: about 5 minutes on 2 cores")
@@ -150,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({name: figure for _, name, figure in rows}, indent=2, sort_keys=True))
     else:
+        sys.path.insert(0, str(HERE))
+        from bench_verify import _cpu_name  # one reading of the CPU's name for every benchmark
+
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
         print(f"machine: {_cpu_name()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
               f"{'--quick' if args.quick else 'goal-sized'} run; load average {load:.1f}")
