@@ -30,6 +30,13 @@ HEAVY = (
     "tests/cli/test_json_schemas.py::test_certify_and_verify_checkpoint_documents",
     "tests/cli/test_report_demo.py::test_the_reproduce_commands_of_a_report_rerun_as_written",
     "tests/test_factories.py::test_gloo_ring_reference_equals_a_real_gloo_all_reduce_bit_for_bit",
+    "tests/cli/test_report_demo.py",
+    "tests/cli/test_json_schemas.py::test_bisect_and_replay_documents",
+    "tests/cli/test_demo_inject_upfront.py::test_a_spec_at_the_edge_of_the_range_is_accepted",
+    "tests/trace/test_killed.py",
+    "tests/recorder/test_training.py::test_nonfinite_check_raises_with_step_rank_and_host_w3",
+    "tests/recorder/test_training.py::test_killed_rank_leaves_a_trace_readable_to_the_last_complete_step",
+    "tests/recorder/test_training.py::test_resumed_run_is_a_new_attempt_that_supersedes_the_re_executed_steps",
 )
 
 
