@@ -38,6 +38,7 @@ import torch
 
 from sdc_forensics.fingerprint import constants as C
 from sdc_forensics.fingerprint import cpu_kernel
+from sdc_forensics.fingerprint.tables import TableCache
 
 log = logging.getLogger("sdc_forensics.fingerprint")
 
@@ -70,23 +71,9 @@ class Fingerprint:
     numel: int
 
 
-def _cached(key: tuple, make) -> torch.Tensor:
-    with _lock:
-        value = _cache.get(key)
-        if value is None:
-            value = make()
-            _cache[key] = value
-        return value
-
-
-def _prefix_table(key: tuple, num_rows: int, make) -> torch.Tensor:
-    """A prefix-stable table, cached per key at the longest length seen (powers of two)."""
-    with _lock:
-        table = _cache.get(key)
-        if table is None or table.shape[0] < num_rows:
-            table = make(1 << max(10, (num_rows - 1).bit_length()))
-            _cache[key] = table
-    return table[:num_rows]
+_constants = TableCache()  # the torch path's device tables (a_i, b_i, c_j, alpha, beta)
+_cached = _constants.get
+_prefix_table = _constants.prefix
 
 
 def _block_weights(device: torch.device, num_blocks: int, seed: int, high: bool = False) -> torch.Tensor:

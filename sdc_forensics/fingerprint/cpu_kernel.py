@@ -26,11 +26,11 @@ import dataclasses
 import functools
 import math
 import os
-import threading
 
 import numpy as np
 
 from sdc_forensics.fingerprint import constants as C
+from sdc_forensics.fingerprint.tables import TableCache
 
 TILE_ROWS = 8
 GROUP_ROWS = 1024
@@ -38,8 +38,7 @@ GROUP_ROWS = 1024
 KERNELS_ENV = "SDC_FORENSICS_KERNELS"
 _TILE_ELEMS = TILE_ROWS * C.BLOCK_ELEMS
 _BLOCK_BYTES = 4 * C.BLOCK_WORDS
-_lock = threading.Lock()
-_tables: dict[tuple, np.ndarray] = {}
+_tables = TableCache()
 
 
 def kernels_disabled() -> bool:
@@ -86,12 +85,7 @@ def supports(dtype_name: str) -> bool:
 
 
 def _prefix(key: tuple, length: int, make) -> np.ndarray:
-    with _lock:
-        table = _tables.get(key)
-        if table is None or table.shape[0] < length:
-            table = make(1 << max(10, (length - 1).bit_length()))
-            _tables[key] = table
-    return table[:length]
+    return _tables.prefix(key, length, make)
 
 
 def _block_weights(length: int, seed: int, high: bool) -> np.ndarray:

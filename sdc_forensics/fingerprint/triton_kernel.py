@@ -41,6 +41,7 @@ import threading
 import torch
 
 from sdc_forensics.fingerprint import constants as C
+from sdc_forensics.fingerprint.tables import TableCache
 
 try:  # optional: Triton ships with the CUDA builds of torch, not with the CPU ones
     import triton
@@ -172,22 +173,9 @@ def _launch(flat, grid, numel, num_tiles, a, b, c_low, c_high, alpha, beta, num_
 # --- constant tables, on the device, cached (prefix-stable ones at power-of-two lengths) ------
 
 
-def _cached(key: tuple, make) -> torch.Tensor:
-    with _lock:
-        value = _tables.get(key)
-        if value is None:
-            value = make()
-            _tables[key] = value
-        return value
-
-
-def _prefix(key: tuple, rows: int, make) -> torch.Tensor:
-    with _lock:
-        table = _tables.get(key)
-        if table is None or table.shape[0] < rows:
-            table = make(1 << max(10, (rows - 1).bit_length()))
-            _tables[key] = table
-    return table[:rows]
+_constants = TableCache()
+_cached = _constants.get
+_prefix = _constants.prefix
 
 
 def _word_weights(device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
