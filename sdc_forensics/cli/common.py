@@ -45,6 +45,9 @@ class Bars:
         if self._progress is not None and self._task is not None:
             self._progress.advance(self._task)
 
+    def note(self, text: str) -> None:
+        err.print(f"note: {text}")
+
 
 def trace_analysis_options(func):
     """TRACE_DIR and the options every command that runs the analysis shares."""

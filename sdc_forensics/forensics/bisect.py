@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -235,6 +236,7 @@ def _replay(trace: Trace, tri: TriageResult, usable: list[CheckpointNote], recip
         reason = "widen backwards: every step before a checkpoint is examined before it is certified"
         if hi < first_step:
             break
+        runner.share(_intervals_below(starts, note, runner.budget_left()))
     else:
         if hi >= first_step and starts and runner.windows:
             runner.notes.append(f"no usable checkpoint at or before step {hi}: steps {first_step}..{hi} not replayed")
@@ -245,10 +247,27 @@ def _replay(trace: Trace, tri: TriageResult, usable: list[CheckpointNote], recip
     return summary, runner.evidence, runner.replayed, runner.tolerant
 
 
+def _intervals_below(starts: list[CheckpointNote], note: CheckpointNote, budget: int | None) -> list[tuple[CheckpointNote, int]]:
+    """The intervals the backward walk replays after ``note``'s, in its order (``(checkpoint, last
+    step)``), as far as ``budget`` steps reach (None: all); a checkpoint found not to hold the
+    replicas' weights changes the walk, which then replays what it needs itself."""
+    out: list[tuple[CheckpointNote, int]] = []
+    hi = note.step - 1
+    for below in reversed([n for n in starts if n.step < note.step]):
+        if budget is not None and budget <= 0:
+            break
+        out.append((below, hi))
+        if budget is not None:
+            budget -= hi - below.step + 1
+        hi = below.step - 1
+    return out
+
+
 def _scan_after(runner: "_WindowRunner", starts: list[CheckpointNote], found: int, last_step: int) -> None:
     """Replay the intervals after the first divergence, each up to its own first divergence:
     recurrences. An interval whose checkpoint was saved while a replica still diverged is skipped
     (that replica would mismatch at every step: the same event, not a recurrence)."""
+    plan = []
     for index, note in enumerate(starts):
         if note.step <= found:
             continue
@@ -258,7 +277,10 @@ def _scan_after(runner: "_WindowRunner", starts: list[CheckpointNote], found: in
             continue
         hi = starts[index + 1].step - 1 if index + 1 < len(starts) else last_step
         if hi >= note.step:
-            runner.replay(note, hi, "scan of the intervals after the first divergence (--scan-recurrence)")
+            plan.append((note, hi))
+    runner.share(plan)
+    for note, hi in plan:
+        runner.replay(note, hi, "scan of the intervals after the first divergence (--scan-recurrence)")
 
 
 class _WindowRunner:
@@ -272,6 +294,57 @@ class _WindowRunner:
         self.replayed: set[int] = set()
         self.tolerant: set[int] = set()
         self.device, self.order, self.settings, self.replayed_steps = None, "", {}, 0
+        # replays done ahead by the processes of a distributed replay (``share``), by ``_run``'s
+        # arguments; ``record`` collects this runner's own when it replays intervals alone
+        self.done: dict[tuple, object] = {}
+        self.record: dict[tuple, object] | None = None
+        self.last_window_s = 0.0
+
+    def budget_left(self) -> int | None:
+        """Steps ``--max-replay-steps`` still allows (None: no limit)."""
+        limit = self.options.max_replay_steps
+        return None if limit is None else limit - self.replayed_steps
+
+    def share(self, plan: list[tuple[CheckpointNote, int]]) -> None:
+        """Under ``torchrun``, replay the intervals of ``plan`` ahead, whole intervals dealt out
+        to the processes, when that ends sooner than sharing the ranks of each step (costs measured
+        on the rank-shared interval before, gathered from every process: every process decides
+        alike). The walk then takes each result from ``done``; whatever it needs that was not
+        done ahead (another reduction order, a checkpoint without the replicas' weights, an
+        error on the process that replayed it) it replays itself, ranks shared as before."""
+        from sdc_forensics.errors import SdcError
+        from sdc_forensics.forensics import distributed
+        from sdc_forensics.forensics.replay_env import resolve_device
+
+        group = distributed.current()
+        plan = [(note, hi) for note, hi in plan if (note.step, hi, self.options.num_threads, True, self.order) not in self.done]
+        if group is None or len(plan) < 2 or not self.windows:
+            return
+        costs = distributed.measured_costs(self.last_window_s, self.windows[-1].last - self.windows[-1].start + 1)
+        gathered = [c for c in distributed.exchange_objects(costs) if c is not None]
+        if not gathered:
+            return
+        mean = distributed.StepCosts(*(sum(getattr(c, f) for c in gathered) / len(gathered) for f in ("rank", "exchange", "rest")))
+        lengths = [hi - note.step + 1 for note, hi in plan]
+        if not distributed.intervals_pay(lengths, self.trace.world_size, group.size, mean):
+            return
+        distributed.check_placement(resolve_device(self.options.device), self.trace, self.suspect_gpus, self.options.force_device)
+        mine = distributed.deal([float(n) for n in lengths], group.size)[group.rank]
+        note_line = getattr(self.progress, "note", None)
+        if note_line is not None:
+            note_line(f"{len(plan)} checkpoint intervals ({sum(lengths)} steps) shared out whole across {group.size} processes, "
+                      "each replaying its own intervals alone")
+        scratch = _WindowRunner(self.trace, self.recipe, self.options, None, self.suspect_gpus)
+        scratch.order, scratch.record = self.order, {}
+        with distributed.alone():
+            for index in mine:
+                note, hi = plan[index]
+                try:
+                    scratch.replay(note, hi, "")
+                except SdcError:
+                    pass  # not recorded: the walk replays it on every process and reports the error as usual
+        for done in distributed.exchange_objects(scratch.record):
+            self.done.update(done)
 
     def replay(self, note: CheckpointNote, hi: int, reason: str):
         """Replay ``note.step..hi`` from checkpoint ``note``; None when it does not hold the replicas' weights."""
@@ -279,6 +352,7 @@ class _WindowRunner:
 
         if self.progress is not None:
             self.progress.window(note.step, hi, reason)
+        started = time.perf_counter()
         try:
             result = self._run(note, hi, self.options.num_threads)
         except StartStateMismatch as exc:
@@ -296,6 +370,7 @@ class _WindowRunner:
                                            max_residual_ratio=result.max_residual_ratio))
         self.evidence += evidence
         self.replayed_steps += result.num_steps
+        self.last_window_s = time.perf_counter() - started
         self.replayed.update(range(note.step, result.last_step + 1))
         if result.tolerant_from is not None:
             self.tolerant.update(range(result.tolerant_from, result.last_step + 1))
@@ -306,6 +381,29 @@ class _WindowRunner:
         return self.options.device == "cpu"
 
     def _run(self, note: CheckpointNote, hi: int, threads: int | None, stop_at_divergence: bool = True):
+        from sdc_forensics.forensics.replay import StartStateMismatch
+
+        key = (note.step, hi, threads, stop_at_divergence, self.order)
+        if key in self.done:  # replayed ahead by one of the processes (``share``)
+            outcome = self.done[key]
+            if isinstance(outcome, _NotTheReplicas):
+                raise StartStateMismatch(outcome.message, step=note.step, expected=outcome.expected, found=outcome.found)
+            if self.progress is not None:
+                for step in range(note.step, outcome.last_step + 1):
+                    self.progress.step(step)
+            # the device this process replays on names the replay, as for a window it replayed itself
+            return dataclasses.replace(outcome, device=self.device) if self.device else outcome
+        try:
+            result = self._replay_window(note, hi, threads, stop_at_divergence)
+        except StartStateMismatch as exc:
+            if self.record is not None:
+                self.record[key] = _NotTheReplicas(message=str(exc), expected=exc.expected, found=exc.found)
+            raise
+        if self.record is not None:
+            self.record[key] = result
+        return result
+
+    def _replay_window(self, note: CheckpointNote, hi: int, threads: int | None, stop_at_divergence: bool):
         from sdc_forensics.forensics.replay import ReplayOptions, replay_window
 
         options = ReplayOptions(start_step=note.step, stop_step=hi, checkpoint_path=_resolve(note, self.options, self.trace.path),
@@ -343,6 +441,15 @@ class _WindowRunner:
         if any(e.is_weak for e in kept):
             self.notes.append(f"steps {note.step}..{upto}: a second replay at {threads} threads reproduced the weak residual(s)")
         return kept
+
+
+@dataclasses.dataclass(frozen=True)
+class _NotTheReplicas:
+    """A replay done ahead found its checkpoint not holding the replicas' weights (``StartStateMismatch``)."""
+
+    message: str
+    expected: str
+    found: str
 
 
 def _suspect_gpus(trace: Trace, tri: TriageResult) -> dict[str, int]:

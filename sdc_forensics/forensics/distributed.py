@@ -16,6 +16,12 @@
 * :func:`check_placement`: before a replay, the processes exchange their host name and GPU UUID;
   a process on a suspect's GPU, or on the node of a suspect's GPU, refuses, and every process
   raises the same :class:`PlacementRefused` (``--force-device`` overrides).
+* Whole checkpoint intervals, when many must be examined (``bisect``/``certify`` widening
+  backwards, ``--scan-recurrence``): :func:`deal` hands them out (longest first, to the least
+  loaded process), each process replays its own intervals alone (:func:`alone`: no exchange per
+  step), and one :func:`exchange_objects` gives every process every interval's result. Whether
+  that beats sharing the ranks of each step is decided by :func:`intervals_pay` from the costs
+  measured on the first, rank-shared interval (:func:`measured_costs`), the same on every process.
 * A peer that exits, is killed or stops answering makes the collective fail (gloo: the peer's
   socket closes, or the timeout passes); that is turned into :class:`ReplayProcessLost`, one line
   and exit 4 (nothing was decided).
@@ -27,6 +33,7 @@ process sends the same size): slot ``i`` holds original rank ``p + i * P``:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -84,6 +91,10 @@ class ReplayGroup:
 
 
 _group: ReplayGroup | None = None
+#: The group while this process replays whole intervals alone (:func:`alone`); only the test hook reads it.
+_solo: ReplayGroup | None = None
+#: What the rank-shared steps cost this process so far (:func:`measured_costs`).
+_COSTS = {"rank_steps": 0, "steps": 0, "compute_s": 0.0, "exchange_s": 0.0}
 #: This process's place once it joined a group; kept after :func:`finish` so that the error line
 #: printed on the way out (``error_line``) still knows who speaks.
 _role: ReplayGroup | None = None
@@ -267,14 +278,22 @@ def local_steps(replayer, model, recs, layout, step: int) -> list:
     world_size = replayer.world_size
     group = _group
     if group is None:
+        if _solo is not None:
+            _test_failure(_solo, step)
         return [replayer.local_step(model, recs[r], layout, slot=r) for r in range(world_size)]
     _test_failure(group, step)
+    started = time.perf_counter()
     mine = {r: replayer.local_step(model, recs[r], layout, slot=r) for r in range(group.rank, world_size, group.size)}
+    computed = time.perf_counter()
     first = next(iter(mine.values()))
     specs = [(t.dtype, t.numel(), t.numel() * t.element_size()) for t in first.buckets]
     stride = _HEADER_BYTES + sum(_padded(nbytes) for _, _, nbytes in specs)
     slots = -(-world_size // group.size)
     gathered = _exchange(replayer.device, mine, group, slots, stride)
+    _COSTS["rank_steps"] += len(mine)
+    _COSTS["steps"] += 1
+    _COSTS["compute_s"] += computed - started
+    _COSTS["exchange_s"] += time.perf_counter() - computed
     out = []
     for r in range(world_size):
         if r in mine:
@@ -331,6 +350,73 @@ def _buffers(device, nbytes: int, num_processes: int):
 
 def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
+
+
+# -- whole checkpoint intervals, shared out -------------------------------------------------------
+@contextlib.contextmanager
+def alone():
+    """Replay in this process only, as the single-process path does (no exchange per step, no
+    placement exchange): for the intervals :func:`deal` gave this process."""
+    global _group, _solo
+    saved = _group
+    _group, _solo = None, saved
+    try:
+        yield
+    finally:
+        _group, _solo = saved, None
+
+
+def deal(costs: list[float], num_processes: int) -> list[list[int]]:
+    """Intervals (by index) per process: the costliest first, each to the least loaded process
+    (the lowest-numbered on a tie), so that every process computes the same dealing."""
+    loads = [0.0] * num_processes
+    out: list[list[int]] = [[] for _ in range(num_processes)]
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        p = min(range(num_processes), key=lambda q: (loads[q], q))
+        out[p].append(index)
+        loads[p] += costs[index]
+    return [sorted(indices) for indices in out]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+    """Seconds per replayed step: ``rank`` one original rank's local step, ``exchange`` the all_gather,
+    ``rest`` the average, optimizer step, comparisons (and the interval's start, spread over its steps)."""
+
+    rank: float
+    exchange: float
+    rest: float
+
+
+def measured_costs(window_s: float, window_steps: int) -> StepCosts | None:
+    """This process's costs, from the rank-shared steps so far and one window's wall time."""
+    c = _COSTS
+    if not c["steps"] or not c["rank_steps"] or window_steps < 1:
+        return None
+    rank = c["compute_s"] / c["rank_steps"]
+    exchange = c["exchange_s"] / c["steps"]
+    rest = max(0.0, window_s / window_steps - (c["compute_s"] + c["exchange_s"]) / c["steps"])
+    return StepCosts(rank=rank, exchange=exchange, rest=rest)
+
+
+def intervals_pay(lengths: list[int], world_size: int, num_processes: int, costs: StepCosts) -> bool:
+    """True when replaying whole intervals, one process each, ends sooner than sharing the ranks
+    of every step: ``max load x (W r + o)`` against ``total x (ceil(W/P) r + x + o)``."""
+    if len(lengths) < 2 or num_processes < 2:
+        return False
+    loads = [sum(lengths[i] for i in indices) for indices in deal([float(n) for n in lengths], num_processes)]
+    by_interval = max(loads) * (world_size * costs.rank + costs.rest)
+    by_rank = sum(lengths) * (-(-world_size // num_processes) * costs.rank + costs.exchange + costs.rest)
+    return by_interval < by_rank
+
+
+def exchange_objects(value) -> list:
+    """Every process's ``value`` (picklable; between the replay's own processes), in process order.
+
+    Raises:
+        ReplayProcessLost: a peer exited or did not answer within the timeout.
+    """
+    return _all_gather_object(value)
 
 
 def _all_gather_object(value) -> list:

@@ -100,3 +100,54 @@ def test_hung_replay_process_ends_the_run_after_the_timeout(demo_run):
     assert out0 == out2 == "" and err2 == ""
     [line] = _error_lines(err0)
     assert "did not answer within 5 s (--replay-timeout)" in line
+
+
+# Whole checkpoint intervals shared out: 14 steps, a checkpoint every 2: the walk replays 7
+# intervals; after the first (ranks of each step shared), 6 equal intervals are dealt 2 to each
+# process (bisect._WindowRunner.share). By the cost rule (distributed.intervals_pay) intervals win
+# for this shape whatever the measured costs: 2 intervals x (W r + o) < 6 intervals x (ceil(W/3) r + x + o).
+LONG_STEPS, LONG_EVERY = 14, 2
+SHARED_NOTE = "6 checkpoint intervals (12 steps) shared out whole across 3 processes"
+
+
+def test_torchrun_shares_whole_checkpoint_intervals_with_the_single_process_verdict(demo_run):
+    """A fault without trace evidence (a wrong local gradient at step 9: the walk starts from the
+    last interval and widens backwards over every checkpoint), the same with --scan-recurrence, and
+    a clean run: the same document as the single-process bisect, each interval replayed once."""
+    fault = demo_run("grad:step=9:rank=2:bit=31", steps=LONG_STEPS, checkpoint_every=LONG_EVERY) / "trace"
+    clean = demo_run((), steps=LONG_STEPS, checkpoint_every=LONG_EVERY) / "trace"
+    cases = {"fault": [str(fault)], "scan": [str(fault), "--scan-recurrence"], "clean": [str(clean)]}
+    launches = {name: start_torchrun(3, ["-m", "sdc_forensics", "bisect", *args, "--json"]) for name, args in cases.items()}
+    try:
+        singles = {name: CliRunner().invoke(cli, ["bisect", *args, "--json"]) for name, args in cases.items()}
+        done = {name: wait(proc, TIMEOUT_S) for name, proc in launches.items()}
+    finally:
+        for proc in launches.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+    for name in cases:
+        single, (code, out, err, _) = singles[name], done[name]
+        assert out, err[-3000:]
+        document = json.loads(out)
+        assert _strip_timing(document) == _strip_timing(json.loads(single.stdout)), name
+        assert document["verdict"] == ("clean" if name == "clean" else "corruption")
+        assert err.count(SHARED_NOTE) == 1, err[-2000:]
+        assert not _error_lines(err)
+        assert code == (0 if name == "clean" else 1)
+    fault_doc = json.loads(done["fault"][1])
+    assert fault_doc["first_divergent_step"] == 9
+    assert sorted(w["from"] for w in fault_doc["replayed"]["windows"]) == list(range(0, LONG_STEPS, LONG_EVERY))
+
+
+def test_process_lost_while_replaying_intervals_alone_ends_the_run_with_exit_4(demo_run):
+    """Process 1 is dealt intervals 8..9 and 2..3; it dies as it starts step 2, alone, with no
+    exchange under way: the others notice at the exchange of the intervals' results."""
+    trace = demo_run((), steps=LONG_STEPS, checkpoint_every=LONG_EVERY) / "trace"
+    code, out, err, _ = torchrun(3, ["-m", "sdc_forensics", "bisect", str(trace), "--json", "--replay-timeout", "600"],
+                                 timeout_s=TIMEOUT_S, env={TEST_FAIL_ENV: "1:2"})
+    assert code == 1 and out == "", err[-2000:]
+    assert err.count(SHARED_NOTE) == 1
+    [line] = _error_lines(err)
+    assert "a replay process exited, was killed or did not answer" in line
+    codes = _process_exit_codes(err)
+    assert codes[1] == 17 and codes[0] == 4, codes
