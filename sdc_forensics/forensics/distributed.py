@@ -294,39 +294,68 @@ def local_steps(replayer, model, recs, layout, step: int) -> list:
     _COSTS["steps"] += 1
     _COSTS["compute_s"] += computed - started
     _COSTS["exchange_s"] += time.perf_counter() - computed
-    out = []
-    for r in range(world_size):
-        if r in mine:
-            out.append(mine[r])
-            continue
-        row = gathered[owner(r, group.size)][(r // group.size) * stride:][:stride]
-        header = row[:_HEADER_BYTES].cpu().numpy().view(np.uint64)
-        buckets, offset = [], _HEADER_BYTES
-        for dtype, numel, nbytes in specs:
-            buckets.append(row[offset:offset + nbytes].view(dtype)[:numel])
-            offset += _padded(nbytes)
-        out.append(SharedRankStep(replayer=replayer, buckets=buckets, loss=float(header[:1].view(np.float64)[0]),
-                                  digest=int(header[1]), input_digest=int(header[2])))
-    return out
+    return [mine[r] if r in mine else _unpack(replayer, gathered[owner(r, group.size)][(r // group.size) * stride:][:stride], specs)
+            for r in range(world_size)]
+
+
+def recompute(replayer, model, record, layout, original_rank: int, template):
+    """The second, independent recomputation of ``original_rank``'s step (majority of three where
+    record and replay disagree). Several processes: computed by the process after the rank's
+    owner, another device than the first replay's, and broadcast bit for bit to every process.
+
+    Args:
+        template: the rank's first recomputation (its bucket dtypes and sizes).
+
+    Raises:
+        ReplayProcessLost: a peer exited or did not answer within the timeout.
+    """
+    group = _group
+    if group is None:
+        return replayer.local_step(model, record, layout)
+    import torch
+    import torch.distributed as dist
+
+    by = (owner(original_rank, group.size) + 1) % group.size
+    specs = [(t.dtype, t.numel(), t.numel() * t.element_size()) for t in template.buckets]
+    buffer = torch.zeros(_HEADER_BYTES + sum(_padded(nbytes) for _, _, nbytes in specs), dtype=torch.uint8, device=replayer.device)
+    second = None
+    if group.rank == by:
+        second = replayer.local_step(model, record, layout)
+        _pack(buffer, 0, second)
+    _collective(lambda: dist.broadcast(buffer, src=by), group)
+    return second if second is not None else _unpack(replayer, buffer, specs)
+
+
+def _unpack(replayer, row, specs) -> SharedRankStep:
+    header = row[:_HEADER_BYTES].cpu().numpy().view(np.uint64)
+    buckets, offset = [], _HEADER_BYTES
+    for dtype, numel, nbytes in specs:
+        buckets.append(row[offset:offset + nbytes].view(dtype)[:numel])
+        offset += _padded(nbytes)
+    return SharedRankStep(replayer=replayer, buckets=buckets, loss=float(header[:1].view(np.float64)[0]),
+                          digest=int(header[1]), input_digest=int(header[2]))
+
+
+def _pack(buffer, base: int, rs) -> None:
+    import torch
+
+    header = np.zeros(_HEADER_BYTES // 8, dtype=np.uint64)
+    header[:1] = np.array([rs.loss], dtype=np.float64).view(np.uint64)
+    header[1], header[2] = np.uint64(rs.digest), np.uint64(rs.input_digest)
+    buffer[base:base + _HEADER_BYTES].copy_(torch.from_numpy(header.view(np.uint8)))
+    offset = base + _HEADER_BYTES
+    for bucket in rs.buckets:
+        raw = bucket.detach().contiguous().reshape(-1).view(torch.uint8)
+        buffer[offset:offset + raw.numel()].copy_(raw)
+        offset += _padded(raw.numel())
 
 
 def _exchange(device, mine: dict, group: ReplayGroup, slots: int, stride: int) -> list:
-    import torch
     import torch.distributed as dist
 
     send, received = _buffers(device, slots * stride, group.size)
     for i, r in enumerate(sorted(mine)):
-        rs = mine[r]
-        header = np.zeros(_HEADER_BYTES // 8, dtype=np.uint64)
-        header[:1] = np.array([rs.loss], dtype=np.float64).view(np.uint64)
-        header[1], header[2] = np.uint64(rs.digest), np.uint64(rs.input_digest)
-        base = i * stride
-        send[base:base + _HEADER_BYTES].copy_(torch.from_numpy(header.view(np.uint8)))
-        offset = base + _HEADER_BYTES
-        for bucket in rs.buckets:
-            raw = bucket.detach().contiguous().reshape(-1).view(torch.uint8)
-            send[offset:offset + raw.numel()].copy_(raw)
-            offset += _padded(raw.numel())
+        _pack(send, i * stride, mine[r])
     _collective(lambda: dist.all_gather(received, send), group)
     return received
 

@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 
-from sdc_forensics.forensics import replay_env as env
+from sdc_forensics.forensics import distributed, replay_env as env
 from sdc_forensics.trace.checkpoints import hex64
 from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, Strength
 from sdc_forensics.statedict import weights_digest
@@ -104,7 +104,7 @@ class StepComparisons:
             if tolerant:
                 confirmed.append(r)  # digests are not comparable here; the sketch already decided
                 continue
-            second = self.local_step(model, recs[r], layout)
+            second = distributed.recompute(self, model, recs[r], layout, r, ranks[r])  # under torchrun: on another process
             again = second.digest
             recorded, first = int(recs[r]["local_digest"]), ranks[r].digest
             if again == first:

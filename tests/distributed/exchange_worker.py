@@ -3,7 +3,8 @@
 (``OUT_DIR/RANK.json``). Arguments: ``MODE TIMEOUT_S OUT_DIR``.
 
 ``MODE`` (argv[1], parts joined by ``+``): ``exchange`` (5 original ranks over 3 processes, mixed dtypes and sizes, every
-result compared bit for bit with a local recomputation), ``placement`` (a suspect GPU's node is this
+result compared bit for bit with a local recomputation), ``recompute`` (the second recomputation of
+original rank 4, owned by process 1, is computed by process 2 alone and arrives bit for bit), ``placement`` (a suspect GPU's node is this
 host: every process refuses alike; ``--force-device`` passes).
 """
 
@@ -68,6 +69,13 @@ def main() -> None:
                     if isinstance(rs, distributed.SharedRankStep):  # received: its fingerprint is computed here
                         ok &= rs.fp == replayer.fp_of(want.buckets)
             out.update(bitwise=bool(ok), computed=sorted(set(replayer.calls)))
+        if "recompute" in mode:
+            replayer.step, replayer.calls = 7, []
+            second = distributed.recompute(replayer, None, 4, None, 4, _Step(4, 0))  # the template: dtypes and sizes
+            want = _Step(4, 7)
+            same = all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(second.buckets, want.buckets))
+            same &= (second.loss, second.digest, second.input_digest) == (want.loss, want.digest, want.input_digest)
+            out.update(recomputed_bitwise=bool(same), recomputed_here=replayer.calls == [4])
         if "placement" in mode:
             trace = types.SimpleNamespace(manifest=types.SimpleNamespace(
                 identity=lambda rank: types.SimpleNamespace(host=socket.gethostname(), gpu_uuid="GPU-bad")))

@@ -1,5 +1,6 @@
 """``forensics.distributed`` on its own, in real 3-process gloo groups (torchrun, CPU): the exchange
-of one step's ranks is bit for bit (5 original ranks over 3 processes, mixed dtypes), the
+of one step's ranks is bit for bit (5 original ranks over 3 processes, mixed dtypes), so is a
+second recomputation done by another process than the rank's owner, the
 suspect check refuses alike on every process and ``--force-device`` passes, and the pure rule
 of placement names the right process. The CLI runs are ``test_torchrun_cli.py``'s."""
 
@@ -28,12 +29,14 @@ def test_original_ranks_are_dealt_round_robin():
 
 @pytest.mark.slow
 def test_three_gloo_processes_exchange_bit_for_bit_and_refuse_alike(tmp_path):
-    code, _, err, _ = torchrun(3, ["tests/distributed/exchange_worker.py", "exchange+placement", "60", str(tmp_path)], timeout_s=180)
+    code, _, err, _ = torchrun(3, ["tests/distributed/exchange_worker.py", "exchange+recompute+placement", "60", str(tmp_path)], timeout_s=180)
     assert code == 0, err[-3000:]
     docs = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(3)]
     assert [d["rank"] for d in docs] == [0, 1, 2] and {d["backend"] for d in docs} == {"gloo"}
     assert all(d["bitwise"] for d in docs)
     assert [d["computed"] for d in docs] == [[0, 3], [1, 4], [2]]  # each process computed its own ranks only
+    assert all(d["recomputed_bitwise"] for d in docs)
+    assert [d["recomputed_here"] for d in docs] == [False, False, True]  # rank 4's owner is process 1: the next one recomputes it
     assert {d["forced"] for d in docs} == {"passed"}
     [refused] = {d["refused"] for d in docs}  # the same line on every process
     assert refused.startswith("replay process 0 runs on host ") and "suspect rank 2" in refused and "--force-device" in refused
