@@ -136,8 +136,9 @@ def distributed_replay(func):
             distributed.finish(completed)
 
     return click.option("--replay-timeout", type=click.FloatRange(min=1.0), default=300.0, show_default=True, metavar="SECONDS",
-                        help="Under torchrun: the longest wait for another replay process at any exchange; a process that "
-                             "died or hangs ends the run with exit 4 after at most this long.")(wrapper)
+                        help="Under torchrun: the longest wait for another replay process at any exchange (plus the estimated "
+                             "work of whole checkpoint intervals shared out, docs/distributed.md); a process that died or "
+                             "hangs ends the run with exit 4.")(wrapper)
 
 
 def silence_follower() -> None:

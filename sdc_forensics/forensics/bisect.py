@@ -329,7 +329,12 @@ class _WindowRunner:
         if not distributed.intervals_pay(lengths, self.trace.world_size, group.size, mean):
             return
         distributed.check_placement(resolve_device(self.options.device), self.trace, self.suspect_gpus, self.options.force_device)
-        mine = distributed.deal([float(n) for n in lengths], group.size)[group.rank]
+        dealt = distributed.deal([float(n) for n in lengths], group.size)
+        mine = dealt[group.rank]
+        # a process that finishes first waits at the exchange for the others' work: allow three
+        # times the estimated longest share on top of --replay-timeout before calling a peer lost
+        longest_s = max(sum(lengths[i] for i in part) for part in dealt) * (self.trace.world_size * mean.rank + mean.rest)
+        patient = distributed.patient_group(3.0 * longest_s)
         note_line = getattr(self.progress, "note", None)
         if note_line is not None:
             note_line(f"{len(plan)} checkpoint intervals ({sum(lengths)} steps) shared out whole across {group.size} processes, "
@@ -343,7 +348,7 @@ class _WindowRunner:
                     scratch.replay(note, hi, "")
                 except SdcError:
                     pass  # not recorded: the walk replays it on every process and reports the error as usual
-        for done in distributed.exchange_objects(scratch.record):
+        for done in distributed.exchange_objects(scratch.record, patient):
             self.done.update(done)
 
     def replay(self, note: CheckpointNote, hi: int, reason: str):

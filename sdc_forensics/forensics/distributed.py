@@ -439,30 +439,62 @@ def intervals_pay(lengths: list[int], world_size: int, num_processes: int, costs
     return by_interval < by_rank
 
 
-def exchange_objects(value) -> list:
-    """Every process's ``value`` (picklable; between the replay's own processes), in process order.
+@dataclasses.dataclass(frozen=True)
+class PatientGroup:
+    """A gloo group whose collectives wait ``timeout_s``: ``--replay-timeout`` plus the work the
+    processes do alone before they meet (:func:`patient_group`)."""
+
+    handle: Any
+    timeout_s: float
+
+
+def patient_group(extra_s: float) -> PatientGroup:
+    """A group for the exchange after work done alone: a process that finishes its intervals first
+    waits for the others' remaining work (up to ``extra_s`` more than ``--replay-timeout``) rather
+    than calling them lost. Formed now, while every process is here.
+
+    Raises:
+        ReplayProcessLost: a peer did not join within the timeout.
+    """
+    import torch.distributed as dist
+
+    group = _group
+    timeout_s = group.timeout_s + max(0.0, extra_s)
+    handle: list = []
+    _collective(lambda: handle.append(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))), group)
+    return PatientGroup(handle=handle[0], timeout_s=timeout_s)
+
+
+def exchange_objects(value, patient: PatientGroup | None = None) -> list:
+    """Every process's ``value`` (picklable; between the replay's own processes), in process order,
+    over ``patient`` when given (work done alone comes before it), else the replay's group.
 
     Raises:
         ReplayProcessLost: a peer exited or did not answer within the timeout.
     """
-    return _all_gather_object(value)
+    return _all_gather_object(value, patient)
 
 
-def _all_gather_object(value) -> list:
+def _all_gather_object(value, patient: PatientGroup | None = None) -> list:
     import torch.distributed as dist
 
     group = _group
     out: list = [None] * group.size
-    _collective(lambda: dist.all_gather_object(out, value), group)
+    if patient is None:
+        _collective(lambda: dist.all_gather_object(out, value), group)
+    else:
+        _collective(lambda: dist.all_gather_object(out, value, group=patient.handle), group, patient.timeout_s)
     return out
 
 
-def _collective(call, group: ReplayGroup) -> None:
+def _collective(call, group: ReplayGroup, timeout_s: float | None = None) -> None:
     try:
         call()
     except (RuntimeError, OSError, ValueError) as exc:
+        within = f"{group.timeout_s:g} s (--replay-timeout)" if timeout_s is None else \
+            f"{timeout_s:.0f} s (--replay-timeout plus the estimated time of the intervals the processes replay alone)"
         raise ReplayProcessLost(
-            f"a replay process exited, was killed or did not answer within {group.timeout_s:g} s (--replay-timeout) "
+            f"a replay process exited, was killed or did not answer within {within} "
             f"during the replay across {group.size} processes ({_short(exc)}): nothing was decided; see the other "
             "processes' logs and the launcher's report, then rerun"
         ) from None
