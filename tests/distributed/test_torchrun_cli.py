@@ -151,3 +151,38 @@ def test_process_lost_while_replaying_intervals_alone_ends_the_run_with_exit_4(d
     assert "a replay process exited, was killed or did not answer" in line
     codes = _process_exit_codes(err)
     assert codes[1] == 17 and codes[0] == 4, codes
+
+
+def test_torchrun_certify_and_replay_print_the_single_process_documents(demo_run, tmp_path):
+    """``certify`` (the whole bisect, its intervals shared out; process 0 alone writes the
+    certificate) and ``replay --from --to`` (one window, its ranks shared) under torchrun."""
+    fault = demo_run("grad:step=9:rank=2:bit=31", steps=LONG_STEPS, checkpoint_every=LONG_EVERY) / "trace"
+    multi_cert, single_cert = tmp_path / "multi.json", tmp_path / "single.json"
+    cases = {
+        "certify": (["certify", str(fault), "--json", "--certificate-out", str(multi_cert)],
+                    ["certify", str(fault), "--json", "--certificate-out", str(single_cert)]),
+        "replay": (["replay", str(fault), "--from", "8", "--to", "11", "--json"],) * 2,
+    }
+    launches = {name: start_torchrun(3, ["-m", "sdc_forensics", *args[0]]) for name, args in cases.items()}
+    try:
+        singles = {name: CliRunner().invoke(cli, args[1]) for name, args in cases.items()}
+        done = {name: wait(proc, TIMEOUT_S) for name, proc in launches.items()}
+    finally:
+        for proc in launches.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+    for name in cases:
+        single, (code, out, err, _) = singles[name], done[name]
+        assert out, err[-3000:]
+        multi_doc, single_doc = json.loads(out), json.loads(single.stdout)
+        if name == "certify":
+            for doc in (multi_doc, single_doc):
+                doc.pop("certificate", None)  # names its own output file
+            assert json.loads(multi_cert.read_text())["checkpoints"] == json.loads(single_cert.read_text())["checkpoints"]
+            assert err.count(SHARED_NOTE) == 1
+        assert _strip_timing(multi_doc) == _strip_timing(single_doc), name
+        assert not _error_lines(err)
+        assert code == (0 if single.exit_code == 0 else 1)
+        if code:
+            assert set(_process_exit_codes(err).values()) == {single.exit_code}
+    assert json.loads(done["replay"][1])["verdict"] == "corruption"
