@@ -45,6 +45,22 @@ def _error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error: ")]
 
 
+def _side_by_side(cases: dict[str, tuple[list[str], list[str]]]):
+    """``(singles, done)``: every case's torchrun launch (3 processes, its first argument list)
+    started at once, each on its own port, then the single-process CLI runs (the second) in this
+    process while they work; ``done[name]`` is :func:`wait`'s tuple. A launch still running at the
+    end is killed."""
+    launches = {name: start_torchrun(3, ["-m", "sdc_forensics", *multi]) for name, (multi, _) in cases.items()}
+    try:
+        singles = {name: CliRunner().invoke(cli, single) for name, (_, single) in cases.items()}
+        done = {name: wait(proc, TIMEOUT_S) for name, proc in launches.items()}
+    finally:
+        for proc in launches.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+    return singles, done
+
+
 INCIDENTS = ("grad:step=4:rank=2:bit=31", "allreduce:step=3:rank=2:bit=31", "update:step=4:rank=2:bit=22", "none")
 
 
@@ -52,14 +68,7 @@ def test_torchrun_bisect_prints_the_single_process_document(demo_run):
     """A local-gradient, a collective and an optimizer-update incident, and a clean run. The four
     torchrun launches run side by side (each on its own port): one launch uses under a core."""
     traces = {spec: demo_run(spec, steps=STEPS, checkpoint_every=EVERY) / "trace" for spec in INCIDENTS}
-    launches = {spec: start_torchrun(3, ["-m", "sdc_forensics", "bisect", str(trace), "--json"]) for spec, trace in traces.items()}
-    try:
-        singles = {spec: CliRunner().invoke(cli, ["bisect", str(trace), "--json"]) for spec, trace in traces.items()}
-        done = {spec: wait(proc, TIMEOUT_S) for spec, proc in launches.items()}
-    finally:
-        for proc in launches.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
+    singles, done = _side_by_side({spec: (["bisect", str(trace), "--json"],) * 2 for spec, trace in traces.items()})
     for spec in INCIDENTS:
         single, (code, out, err, _) = singles[spec], done[spec]
         assert single.exit_code in (0, 1), single.output
@@ -117,14 +126,7 @@ def test_torchrun_shares_whole_checkpoint_intervals_with_the_single_process_verd
     fault = demo_run("grad:step=9:rank=2:bit=31", steps=LONG_STEPS, checkpoint_every=LONG_EVERY) / "trace"
     clean = demo_run((), steps=LONG_STEPS, checkpoint_every=LONG_EVERY) / "trace"
     cases = {"fault": [str(fault)], "scan": [str(fault), "--scan-recurrence"], "clean": [str(clean)]}
-    launches = {name: start_torchrun(3, ["-m", "sdc_forensics", "bisect", *args, "--json"]) for name, args in cases.items()}
-    try:
-        singles = {name: CliRunner().invoke(cli, ["bisect", *args, "--json"]) for name, args in cases.items()}
-        done = {name: wait(proc, TIMEOUT_S) for name, proc in launches.items()}
-    finally:
-        for proc in launches.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
+    singles, done = _side_by_side({name: (["bisect", *args, "--json"],) * 2 for name, args in cases.items()})
     for name in cases:
         single, (code, out, err, _) = singles[name], done[name]
         assert out, err[-3000:]
@@ -163,14 +165,7 @@ def test_torchrun_certify_and_replay_print_the_single_process_documents(demo_run
                     ["certify", str(fault), "--json", "--certificate-out", str(single_cert)]),
         "replay": (["replay", str(fault), "--from", "8", "--to", "11", "--json"],) * 2,
     }
-    launches = {name: start_torchrun(3, ["-m", "sdc_forensics", *args[0]]) for name, args in cases.items()}
-    try:
-        singles = {name: CliRunner().invoke(cli, args[1]) for name, args in cases.items()}
-        done = {name: wait(proc, TIMEOUT_S) for name, proc in launches.items()}
-    finally:
-        for proc in launches.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
+    singles, done = _side_by_side(cases)
     for name in cases:
         single, (code, out, err, _) = singles[name], done[name]
         assert out, err[-3000:]
