@@ -346,6 +346,8 @@ class _WindowRunner:
                 note, hi = plan[index]
                 try:
                     scratch.replay(note, hi, "")
+                except distributed.ReplayProcessLost:
+                    raise  # the launcher stopped this process (SIGTERM): one line and exit 4, now
                 except SdcError:
                     pass  # not recorded: the walk replays it on every process and reports the error as usual
         for done in distributed.exchange_objects(scratch.record, patient):
