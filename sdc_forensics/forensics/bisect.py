@@ -236,7 +236,7 @@ def _replay(trace: Trace, tri: TriageResult, usable: list[CheckpointNote], recip
         reason = "widen backwards: every step before a checkpoint is examined before it is certified"
         if hi < first_step:
             break
-        runner.share(_intervals_below(starts, note, runner.budget_left()))
+        runner.share(_intervals_below(starts, note, runner.budget_left(), first_step))
     else:
         if hi >= first_step and starts and runner.windows:
             runner.notes.append(f"no usable checkpoint at or before step {hi}: steps {first_step}..{hi} not replayed")
@@ -247,14 +247,16 @@ def _replay(trace: Trace, tri: TriageResult, usable: list[CheckpointNote], recip
     return summary, runner.evidence, runner.replayed, runner.tolerant
 
 
-def _intervals_below(starts: list[CheckpointNote], note: CheckpointNote, budget: int | None) -> list[tuple[CheckpointNote, int]]:
+def _intervals_below(starts: list[CheckpointNote], note: CheckpointNote, budget: int | None,
+                     first_step: int = 0) -> list[tuple[CheckpointNote, int]]:
     """The intervals the backward walk replays after ``note``'s, in its order (``(checkpoint, last
-    step)``), as far as ``budget`` steps reach (None: all); a checkpoint found not to hold the
-    replicas' weights changes the walk, which then replays what it needs itself."""
+    step)``), as far as ``budget`` steps reach (None: all) and down to the trace's ``first_step``;
+    a checkpoint found not to hold the replicas' weights changes the walk, which then replays
+    what it needs itself."""
     out: list[tuple[CheckpointNote, int]] = []
     hi = note.step - 1
     for below in reversed([n for n in starts if n.step < note.step]):
-        if budget is not None and budget <= 0:
+        if (budget is not None and budget <= 0) or hi < first_step:
             break
         out.append((below, hi))
         if budget is not None:
@@ -267,20 +269,20 @@ def _scan_after(runner: "_WindowRunner", starts: list[CheckpointNote], found: in
     """Replay the intervals after the first divergence, each up to its own first divergence:
     recurrences. An interval whose checkpoint was saved while a replica still diverged is skipped
     (that replica would mismatch at every step: the same event, not a recurrence)."""
-    plan = []
+    plan: list[tuple[CheckpointNote, int | None]] = []  # None: not scanned (its note goes in its place)
     for index, note in enumerate(starts):
         if note.step <= found:
             continue
-        if note.diverged_ranks:
+        hi = starts[index + 1].step - 1 if index + 1 < len(starts) else last_step
+        if note.diverged_ranks or hi >= note.step:
+            plan.append((note, None if note.diverged_ranks else hi))
+    runner.share([(note, hi) for note, hi in plan if hi is not None])
+    for note, hi in plan:
+        if hi is None:
             runner.notes.append(f"scan: checkpoint {note.step} was saved while rank(s) {', '.join(map(str, note.diverged_ranks))} "
                                 "still diverged; its interval is not scanned")
-            continue
-        hi = starts[index + 1].step - 1 if index + 1 < len(starts) else last_step
-        if hi >= note.step:
-            plan.append((note, hi))
-    runner.share(plan)
-    for note, hi in plan:
-        runner.replay(note, hi, "scan of the intervals after the first divergence (--scan-recurrence)")
+        else:
+            runner.replay(note, hi, "scan of the intervals after the first divergence (--scan-recurrence)")
 
 
 class _WindowRunner:
@@ -298,7 +300,7 @@ class _WindowRunner:
         # arguments; ``record`` collects this runner's own when it replays intervals alone
         self.done: dict[tuple, object] = {}
         self.record: dict[tuple, object] | None = None
-        self.last_window_s = 0.0
+        self.last_replayed: tuple[float, int] | None = None  # (seconds, steps) of the last window this process replayed
 
     def budget_left(self) -> int | None:
         """Steps ``--max-replay-steps`` still allows (None: no limit)."""
@@ -318,9 +320,9 @@ class _WindowRunner:
 
         group = distributed.current()
         plan = [(note, hi) for note, hi in plan if (note.step, hi, self.options.num_threads, True, self.order) not in self.done]
-        if group is None or len(plan) < 2 or not self.windows:
+        if group is None or len(plan) < 2 or self.last_replayed is None:
             return
-        costs = distributed.measured_costs(self.last_window_s, self.windows[-1].last - self.windows[-1].start + 1)
+        costs = distributed.measured_costs(*self.last_replayed)
         gathered = [c for c in distributed.exchange_objects(costs) if c is not None]
         if not gathered:
             return
@@ -332,8 +334,12 @@ class _WindowRunner:
         dealt = distributed.deal([float(n) for n in lengths], group.size)
         mine = dealt[group.rank]
         # a process that finishes first waits at the exchange for the others' work: allow three
-        # times the estimated longest share on top of --replay-timeout before calling a peer lost
-        longest_s = max(sum(lengths[i] for i in part) for part in dealt) * (self.trace.world_size * mean.rank + mean.rest)
+        # times the estimated longest share on top of --replay-timeout before calling a peer lost.
+        # Every interval is taken to pay the measured window's whole unshared time again (its
+        # checkpoint load and model build are in it): short intervals are not underestimated.
+        per_interval_s = mean.rest * self.last_replayed[1]
+        longest_s = max(sum(lengths[i] * (self.trace.world_size * mean.rank + mean.rest) + per_interval_s for i in part)
+                        for part in dealt)
         patient = distributed.patient_group(3.0 * longest_s)
         note_line = getattr(self.progress, "note", None)
         if note_line is not None:
@@ -359,7 +365,6 @@ class _WindowRunner:
 
         if self.progress is not None:
             self.progress.window(note.step, hi, reason)
-        started = time.perf_counter()
         try:
             result = self._run(note, hi, self.options.num_threads)
         except StartStateMismatch as exc:
@@ -377,7 +382,6 @@ class _WindowRunner:
                                            max_residual_ratio=result.max_residual_ratio))
         self.evidence += evidence
         self.replayed_steps += result.num_steps
-        self.last_window_s = time.perf_counter() - started
         self.replayed.update(range(note.step, result.last_step + 1))
         if result.tolerant_from is not None:
             self.tolerant.update(range(result.tolerant_from, result.last_step + 1))
@@ -400,8 +404,10 @@ class _WindowRunner:
                     self.progress.step(step)
             # the device this process replays on names the replay, as for a window it replayed itself
             return dataclasses.replace(outcome, device=self.device) if self.device else outcome
+        started = time.perf_counter()
         try:
             result = self._replay_window(note, hi, threads, stop_at_divergence)
+            self.last_replayed = (time.perf_counter() - started, result.num_steps)
         except StartStateMismatch as exc:
             if self.record is not None:
                 self.record[key] = _NotTheReplicas(message=str(exc), expected=exc.expected, found=exc.found)

@@ -59,6 +59,8 @@ def test_the_plan_is_the_backward_walk_within_the_step_budget():
     assert [(n.step, hi) for n, hi in _intervals_below(starts, starts[3], 3)] == [(4, 5), (2, 3)]  # 2 + 2 >= 3
     assert _intervals_below(starts, starts[3], 0) == []
     assert _intervals_below(starts, starts[0], None) == []
+    # the walk stops below the trace's first step: a checkpoint before it is not planned
+    assert [(n.step, hi) for n, hi in _intervals_below(starts, starts[3], None, first_step=3)] == [(4, 5), (2, 3)]
 
 
 class _Trace:

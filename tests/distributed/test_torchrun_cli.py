@@ -150,7 +150,10 @@ def test_process_lost_while_replaying_intervals_alone_ends_the_run_with_exit_4(d
     assert code == 1 and out == "", err[-2000:]
     assert err.count(SHARED_NOTE) == 1
     [line] = _error_lines(err)
-    assert "a replay process exited, was killed or did not answer" in line
+    # process 0 either reached the exchange first (the peer's sockets closed) or was still replaying
+    # its own intervals when torchrun stopped it (SIGTERM): both are the documented one line, exit 4
+    assert ("a replay process exited, was killed or did not answer" in line
+            or "the launcher stopped this replay process (SIGTERM)" in line), line
     codes = _process_exit_codes(err)
     assert codes[1] == 17 and codes[0] == 4, codes
 
