@@ -124,7 +124,7 @@ def distributed_replay(func):
             silence_follower()
         err.print(f"note: replaying across {group.size} processes ({group.backend}): original rank r on process r % {group.size}; "
                   "process 0 writes the output", markup=False)
-        completed = False
+        completed = lost = False
         try:
             value = func(*args, **kwargs)
             completed = True
@@ -132,8 +132,11 @@ def distributed_replay(func):
         except click.exceptions.Exit:
             completed = True
             raise
+        except distributed.ReplayProcessLost:
+            lost = True
+            raise
         finally:
-            distributed.finish(completed)
+            distributed.finish(completed, peer_lost=lost)
 
     return click.option("--replay-timeout", type=click.FloatRange(min=1.0), default=300.0, show_default=True, metavar="SECONDS",
                         help="Under torchrun: the longest wait for another replay process at any exchange (plus the estimated "

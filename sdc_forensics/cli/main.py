@@ -161,6 +161,10 @@ def main() -> None:
 
         stdout_closed()
         code = 0
+    except SystemExit as exc:
+        code = exc.code
+    if "sdc_forensics.forensics.distributed" in sys.modules:  # a replay across processes lost a peer: exit at once
+        sys.modules["sdc_forensics.forensics.distributed"].leave(0 if code is None else code if isinstance(code, int) else 1)
     sys.exit(code)
 
 

@@ -39,6 +39,7 @@ import datetime
 import os
 import re
 import socket
+import sys
 import time
 from typing import Any
 
@@ -98,6 +99,11 @@ _COSTS = {"rank_steps": 0, "steps": 0, "compute_s": 0.0, "exchange_s": 0.0}
 #: This process's place once it joined a group; kept after :func:`finish` so that the error line
 #: printed on the way out (``error_line``) still knows who speaks.
 _role: ReplayGroup | None = None
+#: Set by :func:`finish` when this process leaves a group in which a peer was lost: the group is
+#: not torn down (gloo's threads may still wait on the lost peer, and tearing it down at exit has
+#: aborted the interpreter with ``terminate called without an active exception``); :func:`leave`
+#: then ends the process at once with its exit status.
+_abandoned = False
 
 
 def launched() -> bool:
@@ -158,11 +164,13 @@ def _stopped_by_launcher(signum, frame) -> None:
                             "failed: nothing was decided; see the launcher's report and the other processes' logs, then rerun")
 
 
-def finish(completed: bool) -> None:
+def finish(completed: bool, peer_lost: bool = False) -> None:
     """Leave the group. ``completed``: this process finished its command (process 0 has written
     its output before it comes here); every process then meets at a barrier, so that no process
-    exits (and makes the launcher stop the others) before process 0's output is written."""
-    global _group
+    exits (and makes the launcher stop the others) before process 0's output is written.
+    ``peer_lost``: the command ended with :class:`ReplayProcessLost`; the group is abandoned, not
+    torn down, and :func:`leave` ends the process."""
+    global _group, _abandoned
     group, _group = _group, None
     if group is None:
         return
@@ -173,18 +181,34 @@ def finish(completed: bool) -> None:
     # on the way out (the output written, or an error to report): a stop from the launcher now
     # changes nothing, and must not replace this process's exit status or line
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if peer_lost:
+        _abandoned = True
+        return
     try:
         if completed:
             dist.barrier()
-    except RuntimeError:
-        pass  # a peer went away after the decision: the output is already written
-    finally:
-        try:
-            dist.destroy_process_group()
-        except (RuntimeError, ValueError):
-            pass
+    except RuntimeError:  # a peer went away after the decision: the output is already written
+        _abandoned = True
+        return
+    try:
+        dist.destroy_process_group()
+    except (RuntimeError, ValueError):
+        pass
     if completed and not group.lead:
         time.sleep(_FOLLOWER_EXIT_DELAY_S)
+
+
+def leave(code: int) -> None:
+    """End this process with exit status ``code`` at once (stdout and stderr flushed, no interpreter
+    teardown) when it abandoned a group whose peer was lost; otherwise return and let it exit as usual."""
+    if not _abandoned:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def error_line(exc: BaseException) -> str | None:
