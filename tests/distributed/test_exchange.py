@@ -7,6 +7,8 @@ of placement names the right process. The CLI runs are ``test_torchrun_cli.py``'
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -72,3 +74,19 @@ def test_without_a_launcher_nothing_changes(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert distributed.launched() and distributed.process_device("cuda") == "cuda:3"
     assert distributed.process_device("cuda:1") == "cuda:1" and distributed.process_device("cpu") == "cpu"
+
+
+def test_leave_ends_a_process_that_abandoned_its_group_with_its_code_and_output_flushed():
+    """After a lost peer (``finish(peer_lost=True)``) the process ends at once through ``leave``
+    with its exit status, stdout and stderr written out; without that, ``leave`` returns."""
+    script = (
+        "import sys\n"
+        "from sdc_forensics.forensics import distributed as d\n"
+        "d.leave(3)\n"  # nothing abandoned: returns
+        "sys.stdout.write('partial'); sys.stderr.write('error: lost')\n"
+        "d._abandoned = True\n"
+        "d.leave(4)\n"
+        "raise SystemExit(0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (4, "partial", "error: lost")
