@@ -20,11 +20,9 @@ or Inf, unless finite values overflow it; only a non-finite sum pays for the exa
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
-import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,13 +30,13 @@ import torch
 
 from sdc_forensics.checkpoint.base import CheckpointReader, MappedFile
 from sdc_forensics.fingerprint.core import digest, digests
+from sdc_forensics.intraop import intra_op_threads
 from sdc_forensics.trace.checkpoints import hex64
 
 _SCAN_ELEMS = 1 << 22  # sub-float32 tensors are upcast in chunks of 4 Mi elements
 _WIDE = (torch.float32, torch.float64, torch.complex64, torch.complex128)
 _SMALL_BYTES = 1 << 16  # tensors up to this size are digested in batches
 _BATCH_TENSORS = 256
-_threads_lock = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,21 +80,6 @@ def _exact_nonfinite(flat: torch.Tensor) -> int:
             chunk = chunk.to(torch.float32)
         total += int((~torch.isfinite(chunk)).sum())
     return total
-
-
-@contextlib.contextmanager
-def _intra_op_threads(count: int):
-    """Set torch's intra-op thread count for a block, and restore it."""
-    with _threads_lock:
-        previous = torch.get_num_threads()
-        if count != previous:
-            torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        with _threads_lock:
-            if torch.get_num_threads() != previous:
-                torch.set_num_threads(previous)
 
 
 def default_workers() -> int:
@@ -143,7 +126,7 @@ def measure(reader: CheckpointReader, *, seed: int, workers: int, file_checksums
     if workers <= 1:
         measured = _in_order((tensors_task(batch) for batch in _batches(reader, aliases)), aliases)
         return measured, tuple(file_task(path) for path in paths)
-    with _intra_op_threads(1), ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sdc-verify") as pool:
+    with intra_op_threads(1), ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sdc-verify") as pool:
         file_futures = [pool.submit(file_task, path) for path in paths]
         pending: deque = deque()
         done: list = []

@@ -12,7 +12,9 @@ Protocol at an audited step (every rank runs it, between the all-reduce and the 
    (``s`` if the tiebreaker agrees with ``a``, ``a`` if it agrees with ``s``). With fewer than
    three nodes there is no tiebreaker and the finding cannot name a rank.
 
-Recomputation uses ``torch.autograd.grad`` on the bare module: ``.grad`` fields, DDP's reducer
+On CPU the recomputation runs at the subject's intra-op thread count (gathered in step 1): its
+reductions are split by that count, so any other count would dispute a clean rank whose job runs
+ranks at different counts. Recomputation uses ``torch.autograd.grad`` on the bare module: ``.grad`` fields, DDP's reducer
 and the optimizer are never touched; the RNG state and module buffers (e.g. BatchNorm running
 statistics) are saved and restored, so training numerics are unchanged. The recipe must be
 deterministic (no dropout randomness that differs between calls), as replay also requires.
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from sdc_forensics.fingerprint.core import Fingerprint, combine, combine_digests, fingerprint, num_sketch_blocks
+from sdc_forensics.intraop import intra_op_threads
 from sdc_forensics.recorder.checks import AUDIT, Finding
 from sdc_forensics.statedict import tensor_digests
 from sdc_forensics.trace.format import Flag
@@ -40,6 +43,7 @@ class OwnResult:
     loss: float
     digest: int
     input_digest: int
+    num_threads: int = 0  # the intra-op CPU thread count that computed the gradient (0: unknown)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -155,7 +159,10 @@ def run_audit(
     dist.all_gather_object(owns, own, group=group)
 
     def _do(subject: int, tiebreak: bool) -> Recomputation:
-        loss, fp, in_digest = recompute(module, recipe, owns[subject].ids, layout, device=device, sketch_k=sketch_k, seed=seed)
+        # on CPU the subject's gradient is reproducible only at the thread count it ran with
+        threads = owns[subject].num_threads if device.type == "cpu" else 0
+        with intra_op_threads(threads):
+            loss, fp, in_digest = recompute(module, recipe, owns[subject].ids, layout, device=device, sketch_k=sketch_k, seed=seed)
         return Recomputation(
             auditor=rank, subject=subject, ids=owns[subject].ids, loss=loss, digest=fp.digest, fingerprint=fp, input_digest=in_digest,
             subject_digest=owns[subject].digest, tiebreak=tiebreak, mismatch=fp.digest != owns[subject].digest,

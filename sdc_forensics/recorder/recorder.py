@@ -429,6 +429,7 @@ class Recorder:
             loss=self._loss_value(state),
             digest=state.local.digest if state.local else 0,
             input_digest=combine_digests(state.input_digests) if state.input_digests else 0,
+            num_threads=state.num_threads or ThreadWatch.current(),
         )
         outcome = run_audit(
             step=state.step, own=own, module=self.module, recipe=self._recipe, layout=self.tap.layout(),

@@ -155,3 +155,22 @@ def test_ddp_ranks_record_their_own_threads_per_step_and_warn_at_the_change(tmp_
         for record, (step, old, new) in zip(warnings, changes):
             assert record["level"] == "WARNING" and record["logger"] == "sdc_forensics.recorder"
             assert f"rank {rank} changed its intra-op CPU threads from {old} (step {step - 1}) to {new} at step {step}" in record["message"]
+
+
+@pytest.mark.slow
+def test_audits_recompute_at_the_audited_ranks_thread_count(tmp_path):
+    """A clean conv net (convolution and GroupNorm reductions split by the thread count) with ranks
+    at 2, 1, 2, 1 threads, every step audited: an auditor at its own count disputed clean ranks
+    (this test failed on the development machine before the audit ran at the subject's count);
+    recomputed at the subject's count, no audit mismatches."""
+    from sdc_forensics.demo.run import run_demo
+    from sdc_forensics.trace.format import Flag
+
+    result = run_demo(tmp_path / "run", injections=("none",), steps=3, checkpoint_every=3, audit_every=1,
+                      recipe="sdc_forensics.demo.convnet:recipe", threads=(2, 1, 2, 1))
+    assert result.alarms == (), result.alarms
+    window = next(Trace.open(tmp_path / "run" / "trace").step_windows())
+    flags = window.records["flags"].astype(np.int64)
+    assert (flags & int(Flag.AUDITED)).all()  # every rank-step was audited: the check ran
+    assert not (flags & int(Flag.AUDIT_MISMATCH)).any()
+    np.testing.assert_array_equal(step_threads(window.records), np.tile([2, 1, 2, 1], (3, 1)))
