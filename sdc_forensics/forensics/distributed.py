@@ -309,8 +309,7 @@ def local_steps(replayer, model, recs, layout, step: int) -> list:
     started = time.perf_counter()
     mine = {r: replayer.local_step(model, recs[r], layout, slot=r) for r in range(group.rank, world_size, group.size)}
     computed = time.perf_counter()
-    first = next(iter(mine.values()))
-    specs = [(t.dtype, t.numel(), t.numel() * t.element_size()) for t in first.buckets]
+    specs = _bucket_specs(mine, layout, group, world_size)
     stride = _HEADER_BYTES + sum(_padded(nbytes) for _, _, nbytes in specs)
     slots = -(-world_size // group.size)
     gathered = _exchange(replayer.device, mine, group, slots, stride)
@@ -320,6 +319,28 @@ def local_steps(replayer, model, recs, layout, step: int) -> list:
     _COSTS["exchange_s"] += time.perf_counter() - computed
     return [mine[r] if r in mine else _unpack(replayer, gathered[owner(r, group.size)][(r // group.size) * stride:][:stride], specs)
             for r in range(world_size)]
+
+
+#: ``layout -> bucket specs`` for a process that owns no rank (more processes than the trace's ranks).
+_SPECS: dict = {}
+
+
+def _bucket_specs(mine: dict, layout, group: ReplayGroup, world_size: int) -> list:
+    """``[(dtype, numel, nbytes)]`` of one rank's gradient buckets. With more processes than
+    original ranks, a process that owns none learns them from process 0 (one broadcast per bucket
+    layout, on every process alike, so the collectives stay in step)."""
+    import torch.distributed as dist
+
+    own = [(t.dtype, t.numel(), t.numel() * t.element_size()) for t in next(iter(mine.values())).buckets] if mine else None
+    if group.size <= world_size:  # every process owns a rank
+        return own
+    key = tuple(tuple(int(i) for i in bucket) for bucket in layout)
+    if key not in _SPECS:
+        box = [own]
+        _collective(lambda: dist.broadcast_object_list(box, src=0), group)
+        _SPECS.clear()
+        _SPECS[key] = box[0]
+    return _SPECS[key]
 
 
 def recompute(replayer, model, record, layout, original_rank: int, template):

@@ -184,3 +184,17 @@ def test_torchrun_certify_and_replay_print_the_single_process_documents(demo_run
         if code:
             assert set(_process_exit_codes(err).values()) == {single.exit_code}
     assert json.loads(done["replay"][1])["verdict"] == "corruption"
+
+
+def test_more_processes_than_ranks_give_the_single_process_document(demo_run):
+    """5 processes for the demo's 4 ranks (``--nproc-per-node 8`` on a node for a small job): the
+    fifth owns no rank, learns the buckets' shapes from process 0 and takes part in every
+    exchange; the document is the single-process one."""
+    trace = demo_run("grad:step=4:rank=2:bit=31", steps=STEPS, checkpoint_every=EVERY) / "trace"
+    launch = start_torchrun(5, ["-m", "sdc_forensics", "bisect", str(trace), "--json"])
+    single = CliRunner().invoke(cli, ["bisect", str(trace), "--json"])
+    code, out, err, _ = wait(launch, TIMEOUT_S)
+    assert out, err[-3000:]
+    assert _strip_timing(json.loads(out)) == _strip_timing(json.loads(single.stdout))
+    assert json.loads(out)["first_divergent_step"] == 4
+    assert not _error_lines(err) and code == 1 and set(_process_exit_codes(err).values()) == {single.exit_code}
