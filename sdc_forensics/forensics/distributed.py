@@ -331,7 +331,7 @@ def _bucket_specs(mine: dict, layout, group: ReplayGroup, world_size: int) -> li
     layout, on every process alike, so the collectives stay in step)."""
     import torch.distributed as dist
 
-    own = [(t.dtype, t.numel(), t.numel() * t.element_size()) for t in next(iter(mine.values())).buckets] if mine else None
+    own = _specs_of(next(iter(mine.values()))) if mine else None
     if group.size <= world_size:  # every process owns a rank
         return own
     key = tuple(tuple(int(i) for i in bucket) for bucket in layout)
@@ -361,7 +361,7 @@ def recompute(replayer, model, record, layout, original_rank: int, template):
     import torch.distributed as dist
 
     by = (owner(original_rank, group.size) + 1) % group.size
-    specs = [(t.dtype, t.numel(), t.numel() * t.element_size()) for t in template.buckets]
+    specs = _specs_of(template)
     buffer = torch.zeros(_HEADER_BYTES + sum(_padded(nbytes) for _, _, nbytes in specs), dtype=torch.uint8, device=replayer.device)
     second = None
     if group.rank == by:
@@ -369,6 +369,11 @@ def recompute(replayer, model, record, layout, original_rank: int, template):
         _pack(buffer, 0, second)
     _collective(lambda: dist.broadcast(buffer, src=by), group)
     return second if second is not None else _unpack(replayer, buffer, specs)
+
+
+def _specs_of(rank_step) -> list:
+    """``[(dtype, numel, nbytes)]`` of a rank step's gradient buckets: what :func:`_unpack` needs."""
+    return [(t.dtype, t.numel(), t.numel() * t.element_size()) for t in rank_step.buckets]
 
 
 def _unpack(replayer, row, specs) -> SharedRankStep:
