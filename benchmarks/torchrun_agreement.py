@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import socket
 import subprocess
 import sys
@@ -25,20 +24,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.distributed.launch import strip_timing  # noqa: E402 - the comparison the torchrun tests make
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _strip_timing(value):
-    if isinstance(value, dict):
-        return {k: _strip_timing(v) for k, v in value.items() if not re.search(r"(^|_)(seconds|elapsed|time|duration)(_|$)", k)}
-    if isinstance(value, list):
-        return [_strip_timing(v) for v in value]
-    return value
 
 
 def _env() -> dict[str, str]:
@@ -81,7 +75,7 @@ def main(argv=None) -> int:
             multi = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
             seconds = time.monotonic() - started
             try:
-                agrees = _strip_timing(json.loads(multi.stdout)) == _strip_timing(single_doc)
+                agrees = strip_timing(json.loads(multi.stdout)) == strip_timing(single_doc)
             except json.JSONDecodeError:
                 agrees = False
             rows.append({"inject": spec, "processes": nproc, "verdict": single_doc.get("verdict"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -78,3 +79,12 @@ def launch_direct(nproc: int, args: list[str], *, timeout_s: float, env: dict[st
         out, err = proc.communicate()
         results.append((proc.returncode if proc.returncode is not None and proc.returncode >= 0 else None, out, err))
     return results, elapsed
+
+
+def strip_timing(value):
+    """The document without timing fields (none today; kept so that one added later does not break the comparison)."""
+    if isinstance(value, dict):
+        return {k: strip_timing(v) for k, v in value.items() if not re.search(r"(^|_)(seconds|elapsed|time|duration)(_|$)", k)}
+    if isinstance(value, list):
+        return [strip_timing(v) for v in value]
+    return value

@@ -18,21 +18,12 @@ from click.testing import CliRunner
 
 from sdc_forensics.cli.main import cli
 from sdc_forensics.forensics.distributed import TEST_FAIL_ENV
-from tests.distributed.launch import launch_direct, start_torchrun, torchrun, wait
+from tests.distributed.launch import launch_direct, start_torchrun, strip_timing, torchrun, wait
 
 pytestmark = pytest.mark.slow
 
 STEPS, EVERY = 6, 3
 TIMEOUT_S = 300  # one torchrun of a 6-step demo bisect takes 15-30 s on a loaded 2-core machine, four side by side ~60 s
-
-
-def _strip_timing(value):
-    """The document without timing fields (none today; kept so that one added later does not break the comparison)."""
-    if isinstance(value, dict):
-        return {k: _strip_timing(v) for k, v in value.items() if not re.search(r"(^|_)(seconds|elapsed|time|duration)(_|$)", k)}
-    if isinstance(value, list):
-        return [_strip_timing(v) for v in value]
-    return value
 
 
 def _process_exit_codes(stderr: str) -> dict[int, int]:
@@ -73,7 +64,7 @@ def test_torchrun_bisect_prints_the_single_process_document(demo_run):
         single, (code, out, err, _) = singles[spec], done[spec]
         assert single.exit_code in (0, 1), single.output
         assert out, err[-3000:]
-        assert _strip_timing(json.loads(out)) == _strip_timing(json.loads(single.stdout)), spec  # process 0 alone wrote stdout
+        assert strip_timing(json.loads(out)) == strip_timing(json.loads(single.stdout)), spec  # process 0 alone wrote stdout
         assert json.loads(out)["verdict"] == ("clean" if spec == "none" else "corruption")
         assert err.count("note: replaying across 3 processes (gloo)") == 1  # followers write nothing
         assert not _error_lines(err)
@@ -131,7 +122,7 @@ def test_torchrun_shares_whole_checkpoint_intervals_with_the_single_process_verd
         single, (code, out, err, _) = singles[name], done[name]
         assert out, err[-3000:]
         document = json.loads(out)
-        assert _strip_timing(document) == _strip_timing(json.loads(single.stdout)), name
+        assert strip_timing(document) == strip_timing(json.loads(single.stdout)), name
         assert document["verdict"] == ("clean" if name == "clean" else "corruption")
         assert err.count(SHARED_NOTE) == 1, err[-2000:]
         assert not _error_lines(err)
@@ -178,7 +169,7 @@ def test_torchrun_certify_and_replay_print_the_single_process_documents(demo_run
                 doc.pop("certificate", None)  # names its own output file
             assert json.loads(multi_cert.read_text())["checkpoints"] == json.loads(single_cert.read_text())["checkpoints"]
             assert err.count(SHARED_NOTE) == 1
-        assert _strip_timing(multi_doc) == _strip_timing(single_doc), name
+        assert strip_timing(multi_doc) == strip_timing(single_doc), name
         assert not _error_lines(err)
         assert code == (0 if single.exit_code == 0 else 1)
         if code:
@@ -195,6 +186,6 @@ def test_more_processes_than_ranks_give_the_single_process_document(demo_run):
     single = CliRunner().invoke(cli, ["bisect", str(trace), "--json"])
     code, out, err, _ = wait(launch, TIMEOUT_S)
     assert out, err[-3000:]
-    assert _strip_timing(json.loads(out)) == _strip_timing(json.loads(single.stdout))
+    assert strip_timing(json.loads(out)) == strip_timing(json.loads(single.stdout))
     assert json.loads(out)["first_divergent_step"] == 4
     assert not _error_lines(err) and code == 1 and set(_process_exit_codes(err).values()) == {single.exit_code}
