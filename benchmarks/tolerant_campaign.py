@@ -2,9 +2,10 @@
 
 Each run trains the conv net recipe (``sdc_forensics.demo.convnet``, a seeded variant per run)
 with 4-process ``gloo`` DDP on CPU at ``--train-threads`` intra-op threads, clean or with one
-bit flip drawn with ``--seed`` (location ``grad``/``allreduce``/``weights``/``update`` and the
-step on a checkpoint, right after one, mid-interval or just before the next, cycling through
-the pairs; bit 31, 30, 27, 22 or 20; rank 0..3). Then the CLI judges it, as subprocesses, replaying at ``--replay-threads``
+bit flip drawn with ``--seed`` (location ``grad``/``allreduce`` (one rank)/``allreduce-all``
+(inside the collective, every rank)/``weights``/``update``/``input`` and the step on a
+checkpoint, right after one, mid-interval or just before the next, cycling through the pairs;
+a bit from 16 to 31; rank 0..3). Then the CLI judges it, as subprocesses, replaying at ``--replay-threads``
 so that the replay is *not* bitwise the training::
 
     sdc-forensics bisect TRACE --json --threads R
@@ -20,8 +21,11 @@ Tallies (``--json`` prints them with one row per run): false alarms (a clean run
 ``corruption``, or any of its checkpoints ``corrupt``/``tainted``), false-clean certificates (an
 effective fault at step ``s`` and some command calling a checkpoint ``N > s`` clean), exact
 step+rank (``corruption`` at ``s`` with suspects exactly the fault's rank), inconclusive
-verdicts (and whether the earliest weak evidence names the fault), disagreements between the
-three commands' checkpoint statuses, seconds.
+verdicts (and whether the earliest weak evidence names the fault), healthy ranks named (a
+suspect rank that is not the faulted one, or any rank for a fault inside the collective or a
+clean run: issue 19, which this campaign did not count before), wrong-step verdicts
+(``corruption`` at another step than the fault's), disagreements between the three commands'
+checkpoint statuses, seconds.
 
     python benchmarks/tolerant_campaign.py --clean 10 --faulted 30 --seed 1 [--json] [--out DIR]
         [--steps 40] [--checkpoint-every 10] [--train-threads 1] [--replay-threads 2]
@@ -48,8 +52,12 @@ from pathlib import Path
 
 import numpy as np
 
-LOCATIONS = ("grad", "allreduce", "weights", "update")
-BITS = (31, 30, 27, 22, 20)  # sign, exponent (x 2**128, x 2**16), high mantissa
+LOCATIONS = ("grad", "allreduce", "allreduce-all", "weights", "update", "input")
+#: Bits drawn (float32): 31 sign, 23..30 exponent, 16..22 the high mantissa (a lower bit moves an
+#: element by less than 2**-7 of itself: below the sketch tolerance of any realistic gradient).
+BITS = tuple(range(16, 32))
+#: Faults that hit every rank alike: the answer names the collective, no rank.
+EVERY_RANK = ("allreduce-all",)
 STEP_KINDS = ("on_checkpoint", "after_checkpoint", "mid_interval", "before_checkpoint")
 WORLD_SIZE = 4
 CLEAN = "clean"
@@ -113,7 +121,8 @@ def draw_fault(rng: random.Random, steps: int, every: int, location: str, kind: 
         step = base + offset
         if step <= steps - 2:  # a later step exists to measure the effect on (and replay to see it)
             break
-    return f"{location}:step={step}:rank={rng.randrange(WORLD_SIZE)}:bit={rng.choice(BITS)}"
+    rank = rng.randrange(WORLD_SIZE)  # drawn for every location, so that the draws after it do not depend on the location
+    return f"{location}:step={step}:{'' if location in EVERY_RANK else f'rank={rank}:'}bit={rng.choice(BITS)}"
 
 
 def plan_runs(options: CampaignOptions) -> list[RunPlan]:
@@ -185,6 +194,7 @@ def _summarise_bisect(result: dict) -> dict:
         "verdict": doc.get("verdict"),
         "first_divergent_step": doc.get("first_divergent_step"),
         "suspect_ranks": sorted({s["rank"] for s in doc.get("suspects") or [] if s.get("rank") is not None}),
+        "suspect_recommendations": sorted({s.get("recommendation", "") for s in doc.get("suspects") or []}),
         "suspect_locations": sorted({s.get("location", "") for s in doc.get("suspects") or []}),
         "comparison": replayed.get("comparison"),
         "steps_replayed": replayed.get("steps_replayed"),
@@ -317,22 +327,30 @@ def judge(row: dict) -> dict:
     disagreeing = [n for n in steps if len({by[str(n)] for by in statuses.values() if str(n) in by}) > 1]
     verdict = row["bisect"]["verdict"]
     outcome = {"verdict": verdict, "inconclusive": verdict == "inconclusive", "disagreements": disagreeing}
+    named = row["bisect"]["suspect_ranks"]
+    drains = [r for r in row["bisect"].get("suspect_recommendations", []) if "drain node" in r]
     if row["kind"] == "clean":
         bad = [f"{c} {n}: {s}" for c, by in statuses.items() for n, s in by.items() if s in ("corrupt", "tainted")]
-        outcome |= {"false_alarm": verdict == "corruption" or bool(bad), "bad_statuses": bad}
+        outcome |= {"false_alarm": verdict == "corruption" or bool(bad), "bad_statuses": bad, "healthy_ranks_named": named,
+                    "drain_advice": bool(drains)}
         return outcome
     from sdc_forensics.inject import parse_spec
 
     spec = parse_spec(row["fault"])
+    faulty = [] if spec.location in EVERY_RANK else [spec.rank]
     clean_after = [f"{c} {n}" for c, by in statuses.items() for n, s in by.items() if int(n) > spec.step and s == CLEAN]
     candidate = row["bisect"]["weak_candidate"]
+    first = row["bisect"]["first_divergent_step"]
     outcome |= {
         "false_clean": clean_after,
-        "exact_step_rank": verdict == "corruption" and row["bisect"]["first_divergent_step"] == spec.step
-        and row["bisect"]["suspect_ranks"] == [spec.rank],
+        "exact_step_rank": verdict == "corruption" and first == spec.step and named == faulty
+        and (faulty or "collective" in row["bisect"].get("suspect_locations", [])),
         "missed": verdict == "clean",
         "weak_candidate_matches": None if verdict != "inconclusive" or candidate is None
-        else candidate["step"] == spec.step and candidate["ranks"] == [spec.rank],
+        else candidate["step"] == spec.step and candidate["ranks"] == faulty,
+        "healthy_ranks_named": [r for r in named if r not in faulty],
+        "wrong_step": verdict == "corruption" and first is not None and first != spec.step,
+        "drain_advice": bool(drains) and len(named) > 1,
     }
     return outcome
 
@@ -356,6 +374,11 @@ def tally(rows: list[dict], seconds: float) -> dict:
         "inconclusive": count(judged, "inconclusive"),
         "inconclusive_clean": count(clean, "inconclusive"), "inconclusive_faulted": count(faulted, "inconclusive"),
         "weak_candidate_matches": count(faulted, "weak_candidate_matches"),
+        # issue 19: a healthy rank named as a suspect, a verdict at another step, "drain" advice for several nodes
+        "runs_naming_healthy_ranks": count(judged, "healthy_ranks_named"),
+        "healthy_ranks_named": sum(len(r["outcome"].get("healthy_ranks_named") or []) for r in judged),
+        "wrong_step": count(faulted, "wrong_step"),
+        "drain_advice_for_several_nodes": count(faulted, "drain_advice"),
         "disagreements": count(judged, "disagreements"),
         "twins_valid": all(r["effect"]["identical_before_fault"] for r in faulted),
         # the largest tolerant residual / tolerance bisect's replay met on a clean run: the clean artefact

@@ -127,7 +127,7 @@ def bisect(trace_dir: str | os.PathLike, options: BisectOptions, progress: Progr
     first_step = tri.step_range[0] if tri.step_range else 0
     examined = Examined(first_step=first_step, replayed=frozenset(replayed), tolerant_steps=frozenset(tolerant),
                         trace_consistent=not any(d.kind in UNTRUSTED_DAMAGE for d in tri.damage),
-                        files_read=bool(files), trace_only=options.trace_only)
+                        files_read=bool(files), trace_only=options.trace_only, anchors=frozenset(w.start for w in summary.windows))
     majority = majority_weights_digests(trace, [n.step for n in notes]) if notes else {}
     decided = decision.decide(evidence, world_size=trace.world_size, identity=trace.manifest.identity, notes=notes,
                               files=files, majority=majority, examined=examined)
@@ -372,8 +372,11 @@ class _WindowRunner:
                               "replaying from the one before")
             return None
         evidence = list(result.evidence)
-        weak = [e for e in evidence if e.is_weak]
-        if weak and result.first_divergent_step is None and self.device_is_cpu:
+        # weak residuals before the replay's first strong divergence (or with none): a strong one right after a weak one may
+        # be its consequence (``common_mode``), so the weak one is checked in either case
+        first = result.first_divergent_step
+        weak = [e for e in evidence if e.is_weak and (first is None or e.step < first)]
+        if weak and self.device_is_cpu:
             evidence = self._second_opinion(note, result, evidence, weak)
         self.device, self.order, self.settings = result.device, self.order or result.reduction_order, result.settings
         self.notes += [n for n in result.notes if n not in self.notes]

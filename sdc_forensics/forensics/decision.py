@@ -37,6 +37,7 @@ import enum
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from sdc_forensics.forensics.common_mode import is_common_mode, shared_state
 from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, sort_key
 from sdc_forensics.trace.reader import step_ranges
 
@@ -122,9 +123,19 @@ class Suspect:
     recurring: bool
     steps: tuple[int, ...]
     evidence: tuple[Evidence, ...]
+    shared: bool = False
+    replicas: int = 0
 
     @property
     def recommendation(self) -> str:
+        if self.shared:
+            return ("every rank of the job is named at this step, so the cause is most likely shared, not one GPU each: the "
+                    "collective, the optimizer update, the input pipeline, or the replay itself; check the input pipeline and "
+                    "the collective (an all-reduce self-test), and replay exactly before draining any node")
+        if self.rank is None and self.replicas == 2 and self.location is Location.UNKNOWN:
+            return ("the two replicas disagree and two cannot form a majority, so neither rank can be blamed yet: a replay "
+                    "(sdc-forensics bisect with the recipe and checkpoints), an audit, or a third replica settles which one is "
+                    "wrong; then check that rank's GPU (and the interconnect if neither is)")
         if self.rank is None:
             return "check the interconnect and the collective library of every node in the job; rerun an all-reduce self-test"
         if self.location is Location.STORAGE:
@@ -155,6 +166,8 @@ class Examined:
         trace_consistent: False when trace damage makes its evidence untrustworthy.
         files_read: checkpoint files were read (False: trace-only).
         trace_only: the user asked for the trace alone.
+        anchors: the steps replays started from (checkpoints): a replay's state is the record's
+            again there (``common_mode``: its consequences end at the next anchor).
     """
 
     first_step: int = 0
@@ -163,6 +176,7 @@ class Examined:
     trace_consistent: bool = True
     files_read: bool = False
     trace_only: bool = False
+    anchors: frozenset[int] = frozenset()
 
     def unexamined_before(self, step: int) -> tuple[range, ...]:
         """Steps in ``[first_step, step)`` that no replay examined, as spans (empty: none). Built
@@ -220,7 +234,7 @@ def decide(
         majority: ``{N: hex}`` strict-majority weights digest of ``θ_N`` from the STEP records.
         examined: what was examined.
     """
-    evidence = sorted((_pinned(e, examined) for e in evidence), key=sort_key)
+    evidence = sorted(shared_state([_pinned(e, examined) for e in evidence], world_size, examined.anchors), key=sort_key)
     first = first_divergent_step(evidence)
     window = None
     if first is not None:
@@ -235,6 +249,11 @@ def decide(
     vague = [e for e in evidence if e.marks_divergence and not e.ranks and e.location is Location.UNKNOWN]
     if first is not None and localised:
         verdict = Verdict.CORRUPTION
+    elif vague and world_size == 2:
+        verdict = Verdict.INCONCLUSIVE
+        settle.append(f"ranks 0 and 1 disagree at step {vague[0].step} ({vague[0].detail}), and with two replicas no strict "
+                      "majority is possible: either may be the wrong one; a replay of that step (bisect with the recipe and "
+                      "checkpoints) is the third vote that settles it, as would an audit or a third replica")
     elif vague:
         verdict = Verdict.INCONCLUSIVE
         settle.append(f"evidence at step {vague[0].step} could not be localised ({vague[0].detail}); replay that step "
@@ -265,15 +284,34 @@ def decide(
         settle.insert(0, f"weak evidence at step {weak[0].step} precedes the first confirmed divergence at step {first}: "
                          "the fault may have begun there")
     if weak:
-        w = weak[0]
-        settle.insert(0, f"weak evidence at step {w.step}, rank(s) {', '.join(map(str, w.ranks)) or 'all'}: a tolerant replay residual "
-                         f"({w.found}) not far enough above what clean tolerant replays produce to tell a fault from replay drift; "
-                         "replay exactly (without --threads/--tolerant on CPU, or on the recorded GPU model), or from a checkpoint "
-                         "closer to the step, to settle it")
+        settle[:0] = _weak_lines(weak)
     statuses = tuple(checkpoint_status(n, files.get(n.step), first=first, weak=weak, majority=majority.get(n.step), examined=examined)
                      for n in sorted(notes, key=lambda n: n.step))
     return Decision(verdict=verdict, first_divergent_step=first, divergence_window=window, suspects=suspects,
                     checkpoints=statuses, weak=weak, settle=tuple(settle), evidence=tuple(evidence))
+
+
+_EXACTLY = ("replay exactly (without --threads/--tolerant on CPU, or on the recorded GPU model), or from a checkpoint closer "
+            "to the step, to settle it")
+
+
+def _weak_lines(weak: Sequence[Evidence]) -> list[str]:
+    """What to say about weak evidence: the earliest (the candidate), and a common-mode event after it."""
+    w = weak[0]
+    if is_common_mode(w):
+        return [f"weak evidence at step {w.step}: {w.detail}; {_EXACTLY}"]
+    lines = [f"weak evidence at step {w.step}, {_who(w)}: a tolerant replay residual ({w.found}) not far enough above what clean "
+             f"tolerant replays produce to tell a fault from replay drift; {_EXACTLY}"]
+    common = next((e for e in weak[1:] if is_common_mode(e)), None)
+    if common is not None:
+        lines.append(f"step {common.step}: {common.detail}")
+    return lines
+
+
+def _who(ev: Evidence) -> str:
+    if ev.ranks:
+        return f"rank(s) {', '.join(map(str, ev.ranks))}"
+    return "the collective" if ev.location is Location.COLLECTIVE else "no rank in particular"
 
 
 def _pinned(ev: Evidence, examined: Examined) -> Evidence:
@@ -322,7 +360,7 @@ def checkpoint_status(note, file: CheckpointFile | None, *, first: int | None, w
         why.append("the trace is damaged or inconsistent; its evidence cannot be trusted")
     early = [e for e in weak if e.step < step]
     if early:
-        why.append(f"weak evidence at step {early[0].step} (rank(s) {', '.join(map(str, early[0].ranks)) or 'all'}) is unresolved")
+        why.append(f"weak evidence at step {early[0].step} ({_who(early[0])}) is unresolved")
     missing = examined.unexamined_before(step)
     if missing:
         why.append(f"steps {_spans(missing)} were not replayed: a wrong local gradient there would not show in the trace")
@@ -369,6 +407,8 @@ def find_suspects(evidence: Sequence[Evidence], world_size: int, identity: Calla
             ranked.setdefault(rank, []).append(ev)
     if None in ranked and len(ranked) > 1:
         ranked.pop(None)  # rank-specific evidence explains the rank-less observation (its consequence)
+    # every rank named at once: one shared cause, never W independent faults (design brief, "Common-mode evidence")
+    shared = world_size >= 2 and set(range(world_size)) <= {r for r in ranked if r is not None}
     suspects = []
     for rank, evs in sorted(ranked.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
         location = min((e.location for e in evs), key=_LOCATION_ORDER.index)
@@ -378,12 +418,12 @@ def find_suspects(evidence: Sequence[Evidence], world_size: int, identity: Calla
             chain = [e for e in chain if e.location is Location.STORAGE]
             steps = tuple(sorted({e.step for e in chain}))
         else:
-            steps = fault_events([e for e in chain if e.location is not Location.STORAGE], rank, world_size)
+            steps = fault_events([e for e in chain if e.location is not Location.STORAGE], rank, world_size) or (first,)
         ident = identity(rank) if rank is not None else None
         suspects.append(Suspect(
             rank=rank, host=(ident.host or None) if ident else None, gpu=(ident.gpu or None) if ident and not storage_only else None,
-            location=location, recurring=rank is not None and not storage_only and len(steps) > 1, steps=steps,
-            evidence=tuple(chain),
+            location=location, recurring=rank is not None and not storage_only and not shared and len(steps) > 1, steps=steps,
+            evidence=tuple(chain), shared=shared and rank is not None, replicas=world_size,
         ))
     return tuple(suspects)
 
@@ -408,8 +448,8 @@ def fault_events(chain: Sequence[Evidence], rank: int | None, world_size: int) -
     for ev in sorted(chain, key=sort_key):
         if not ev.marks_divergence:
             continue
-        if rank is not None and len(ev.ranks) * 2 >= max(world_size, 2):
-            continue
+        if rank is not None and len(ev.ranks) > 1 and len(ev.ranks) * 2 >= world_size:
+            continue  # half the ranks or more at once: not this rank's own event
         if diverged:
             continue
         if not events or ev.step != events[-1]:

@@ -226,7 +226,7 @@ def dcgm_level(implicates: Implicates, recurring: bool) -> int | None:
 def _targets(result: BisectResult, manifest: Manifest) -> tuple[NodeTarget, ...]:
     out = []
     for suspect in result.suspects:
-        if suspect.rank is None:
+        if suspect.rank is None or suspect.shared:  # every rank named at once: a shared cause, no node to act on
             continue
         ident = manifest.identity(suspect.rank)
         name, source = node_name(manifest, suspect.rank)

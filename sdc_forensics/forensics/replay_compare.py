@@ -137,6 +137,11 @@ class StepComparisons:
             if majority is not None and value == majority:
                 self.known_order = order
                 return reduced, order, self._reduced_minority(step, recs, value, majority), ""
+            if majority is None and (recorded == np.uint64(value)).any():
+                # no strict majority among the records (two replicas that disagree, or a split): the
+                # replay's average is the third vote, and the ranks that recorded it are right
+                self.known_order = order
+                return reduced, order, self._reduced_minority(step, recs, value, value), ""
         reduced = candidates[orders[0]]
         fp = self.fp_of(reduced)
         if self.known_order and not tolerant and majority is not None:

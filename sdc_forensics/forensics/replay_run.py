@@ -124,6 +124,6 @@ def replay_from_trace(trace_dir: str | os.PathLike, request: ReplayRequest, prog
         progress.window(start, request.stop_step, "requested")
     result = replay_window(trace, recipe, options, progress.step if progress is not None else None)
     decided = decision.decide(result.evidence, world_size=trace.world_size, identity=trace.manifest.identity, notes=(), files={},
-                              majority={}, examined=decision.Examined(first_step=start,
+                              majority={}, examined=decision.Examined(first_step=start, anchors=frozenset({start}),
                                                                       replayed=frozenset(range(start, result.last_step + 1))))
     return ReplayRun(result=result, decision=decided)

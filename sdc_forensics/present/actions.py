@@ -216,10 +216,16 @@ def build_actions(result: BisectResult, incident: Incident, job_nodes: tuple[str
             platform="fabric",
         ))
     if not incident.nodes and not incident.collective:
+        shared = next((s for s in result.suspects if s.shared), None)
+        if shared is not None:
+            first = f"Every rank is named: {shared.recommendation}."
+        elif result.verdict is Verdict.INCONCLUSIVE:
+            first = "The evidence does not name a rank: nothing to drain until it is settled."
+        else:
+            first = "No suspect node was named."
         blocks.append(ActionBlock(
             title="No node action yet",
-            why=("The evidence does not name a rank: nothing to drain until it is settled." if result.verdict is Verdict.INCONCLUSIVE
-                 else "No suspect node was named.",) + tuple(f"To settle: {line}" for line in result.settle),
+            why=(first,) + tuple(f"To settle: {line}" for line in result.settle),
             platform="none",
         ))
     return tuple(blocks)

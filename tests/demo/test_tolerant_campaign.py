@@ -11,7 +11,7 @@ campaign = load_benchmark("tolerant_campaign")
 
 
 def _options(tmp_path, **kw):
-    return campaign.CampaignOptions(**{"clean": 3, "faulted": 20, "seed": 5, "out_dir": tmp_path} | kw)
+    return campaign.CampaignOptions(**{"clean": 3, "faulted": 30, "seed": 5, "out_dir": tmp_path} | kw)
 
 
 def test_plan_is_seeded_and_faults_stay_inside_the_grammar(tmp_path):
@@ -20,10 +20,12 @@ def test_plan_is_seeded_and_faults_stay_inside_the_grammar(tmp_path):
     assert plans != campaign.plan_runs(_options(tmp_path, seed=6))
     clean = [p for p in plans if p.kind == "clean"]
     faulted = [p for p in plans if p.kind == "faulted"]
-    assert len(clean) == 3 and len(faulted) == 20 and not [p for p in plans if p.kind == "twin"]
+    assert len(clean) == 3 and len(faulted) == 30 and not [p for p in plans if p.kind == "twin"]
     assert {p.variant for p in faulted} <= {p.variant for p in clean}  # every fault has a clean twin
     pairs = [(parse_spec(p.fault).location, p.step_kind) for p in faulted]
-    assert len(set(pairs[:16])) == 16 and pairs[16:] == pairs[:4]  # every (location, step kind) pair once, then again
+    assert len(set(pairs[:24])) == 24 and pairs[24:] == pairs[:6]  # every (location, step kind) pair once, then again
+    assert {spec.location for spec in map(parse_spec, (p.fault for p in faulted))} == {
+        "grad", "allreduce", "allreduce-all", "weights", "update", "input"}  # issue 19: every location
     for p in faulted:
         spec = parse_spec(p.fault)
         offset = spec.step % 10
@@ -39,11 +41,13 @@ def test_without_clean_runs_one_twin_is_planned(tmp_path):
     assert {p.variant for p in plans} == {twin.variant}
 
 
-def _row(kind, fault=None, verdict="clean", first=None, ranks=(), bisect=None, certify=None, verify=None, evidence=None):
+def _row(kind, fault=None, verdict="clean", first=None, ranks=(), bisect=None, certify=None, verify=None, evidence=None,
+         locations=(), recommendations=()):
     statuses = {"0": "clean", "10": "clean", "20": "clean"}
     return {
         "kind": kind, "fault": fault,
         "bisect": {"verdict": verdict, "first_divergent_step": first, "suspect_ranks": list(ranks),
+                   "suspect_locations": list(locations), "suspect_recommendations": list(recommendations),
                    "weak_candidate": evidence, "statuses": bisect or statuses},
         "certify": {"statuses": certify or statuses},
         "verify": {n: {"status": s} for n, s in (verify or statuses).items()},
@@ -84,3 +88,22 @@ def test_weak_candidate_is_the_earliest_weak_evidence():
                                              ("clean", "clean"), ("tainted", "tainted"), (None, None)])
 def test_old_and_new_clean_spellings_count_as_clean(status, expected):
     assert campaign.normalise_status(status) == expected
+
+
+def test_healthy_ranks_named_and_wrong_steps_are_counted():
+    """Issue 19: corruption one step after the fault, naming every rank with "drain node" advice,
+    was counted as nothing but "not exact"."""
+    fault = "grad:step=23:rank=2:bit=20"
+    tainted = {"0": "clean", "10": "clean", "20": "clean", "30": "tainted"}
+    drain = "recurring (3 independent events): drain node n0 and take GPU g0 out of service"
+    wrong = campaign.judge(_row("faulted", fault, "corruption", 24, [0, 1, 2, 3], tainted, tainted, tainted,
+                                recommendations=[drain]))
+    assert wrong["healthy_ranks_named"] == [0, 1, 3] and wrong["wrong_step"] and wrong["drain_advice"]
+    assert not wrong["exact_step_rank"]
+    right = campaign.judge(_row("faulted", fault, "corruption", 23, [2], tainted, tainted, tainted))
+    assert right["healthy_ranks_named"] == [] and not right["wrong_step"] and right["exact_step_rank"]
+    collective = "allreduce-all:step=23:bit=20"
+    inside = campaign.judge(_row("faulted", collective, "corruption", 23, [], tainted, tainted, tainted, locations=["collective"]))
+    assert inside["exact_step_rank"] and inside["healthy_ranks_named"] == []
+    assert campaign.judge(_row("faulted", collective, "corruption", 23, [1], tainted, tainted, tainted))["healthy_ranks_named"] == [1]
+    assert campaign.judge(_row("clean", verdict="corruption", first=5, ranks=[3]))["healthy_ranks_named"] == [3]
