@@ -154,12 +154,13 @@ def _cli(*args) -> tuple[int, dict]:
     return result.exit_code, json.loads(result.stdout)
 
 
-def assert_commands_agree(out: Path) -> None:
+def assert_commands_agree(out: Path, modes=((), ("--trace-only",))) -> None:
     """bisect, certify, verify-checkpoint --trace (each checkpoint) and report give one answer:
     the same first divergent step, suspects and status of every checkpoint, in replay and
-    trace-only modes (the design brief's "One decision")."""
+    trace-only modes (the design brief's "One decision"); ``modes`` can add a tolerant replay
+    (``("--threads", "2")``)."""
     trace, ckpts = out / "trace", out / "checkpoints"
-    for mode in ((), ("--trace-only",)):
+    for mode in modes:
         code, doc = _cli("bisect", trace, "--checkpoints", ckpts, "--json", *mode)
         statuses = {c["step"]: c["status"] for c in doc["checkpoints"]}
         suspects = [s["rank"] for s in doc["suspects"]]
@@ -176,7 +177,7 @@ def assert_commands_agree(out: Path) -> None:
             assert vdoc["certification"]["status"] == status, (step, vdoc["reasons"])
             assert vdoc["first_divergent_step"] == doc["first_divergent_step"]
             assert vcode == {"clean": 0, "unverified": 4}.get(status, 1)
-        if mode:  # the trace alone never certifies a file it did not read
+        if "--trace-only" in mode:  # the trace alone never certifies a file it did not read
             assert all(s != "clean" for s in statuses.values())
 
 

@@ -15,6 +15,7 @@ import pytest
 from sdc_forensics.demo.convnet import REFERENCE
 from sdc_forensics.forensics.bisect import BisectOptions, bisect
 from sdc_forensics.inject import parse_spec
+from tests.forensics.test_bisect_demo import assert_commands_agree
 
 pytestmark = pytest.mark.slow
 
@@ -65,3 +66,9 @@ def test_a_clean_run_replayed_at_another_thread_count_is_never_corruption(demo_r
     result = _bisect(_run(demo_run, ()))
     assert result.verdict.value == "inconclusive" and result.suspects == ()
     assert not {c.status.value for c in result.checkpoints} & {"corrupt", "tainted"}
+
+
+@pytest.mark.parametrize("fault", [FAULTS[1], FAULTS[5]])
+def test_commands_agree_on_tolerant_replays(demo_run, fault):
+    """bisect, certify, report and verify-checkpoint --trace give one answer on a tolerant replay too."""
+    assert_commands_agree(_run(demo_run, fault), modes=(("--threads", "2"),))
