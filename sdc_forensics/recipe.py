@@ -104,6 +104,27 @@ def _json_types(value: Any) -> bool:
     return value is None or isinstance(value, (str, int, float, bool))
 
 
+def import_reference(reference: str, what: str = "recipe") -> Any:
+    """The object ``module:attribute`` names (``attribute`` may be dotted).
+
+    Raises:
+        RecipeError: the reference is malformed, the import fails or the attribute is missing.
+    """
+    module_name, sep, attribute = str(reference).partition(":")
+    if not sep or not module_name or not attribute:
+        raise RecipeError(f"{what} reference {reference!r} is not of the form module:attribute (e.g. mytrain.recipe:Recipe)")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's module
+        raise RecipeError(f"cannot import {what} module {module_name!r} ({exc}); put it on PYTHONPATH or pass --recipe") from None
+    obj: Any = module
+    for part in attribute.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise RecipeError(f"{what} module {module_name!r} has no attribute {attribute!r}")
+    return obj
+
+
 def load_recipe(reference: str, search_path: str | Path | None = None, *, args: dict[str, Any] | None = None) -> Recipe:
     """Import ``module:attribute`` and return a recipe instance.
 
@@ -119,20 +140,9 @@ def load_recipe(reference: str, search_path: str | Path | None = None, *, args: 
         RecipeError: the reference is malformed, the import fails, the recipe does not accept
             ``args``, or the object lacks methods.
     """
-    module_name, sep, attribute = reference.partition(":")
-    if not sep or not module_name or not attribute:
-        raise RecipeError(f"recipe reference {reference!r} is not of the form module:attribute (e.g. mytrain.recipe:Recipe)")
     if search_path is not None and str(search_path) not in sys.path:
         sys.path.insert(0, str(search_path))
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the user's recipe
-        raise RecipeError(f"cannot import recipe module {module_name!r} ({exc}); put it on PYTHONPATH or pass --recipe") from None
-    obj: Any = module
-    for part in attribute.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            raise RecipeError(f"recipe module {module_name!r} has no attribute {attribute!r}")
+    obj = import_reference(reference)
     is_instance = not isinstance(obj, type) and all(hasattr(obj, m) for m in _REQUIRED)
     shown = ", ".join(f"{k}={v!r}" for k, v in (args or {}).items())
     if args is not None and is_instance:

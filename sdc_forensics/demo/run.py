@@ -103,6 +103,9 @@ class DemoConfig:
         recipe_args: job settings for the recipe (``Recorder(recipe_args=...)``: recorded in
             the manifest, handed back to the recipe at replay); None: the recipe as referenced.
         threads: intra-op CPU thread count of each rank (None: 1 for every rank).
+        reduction: the recorder's all-reduce mechanism (``native`` or ``ordered``, ``RecorderOptions.reduction``).
+        comm_hook: ``module:attribute`` of a DDP comm hook the job uses (passed as
+            ``Recorder(comm_hook=...)``); None: DDP's own mean all-reduce.
     """
 
     out_dir: Path
@@ -123,9 +126,17 @@ class DemoConfig:
     recipe: str = RECIPE_REFERENCE
     threads: tuple[int, ...] | None = None
     recipe_args: dict | None = None
+    reduction: str = "native"
+    comm_hook: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out_dir", Path(self.out_dir))
+        from sdc_forensics.reduction import REDUCTIONS
+
+        if self.reduction not in REDUCTIONS:
+            raise UsageError(f"--reduction must be one of {', '.join(REDUCTIONS)}, got {self.reduction!r}")
+        if self.comm_hook is not None:
+            recipe_mod.import_reference(self.comm_hook, "comm hook")  # an error now, not in every rank
         if self.threads is not None:
             object.__setattr__(self, "threads", tuple(int(t) for t in self.threads))
             if len(self.threads) != self.world_size or min(self.threads) < 1:
@@ -438,8 +449,12 @@ def train_rank(config: DemoConfig, rank: int) -> dict:
             options=RecorderOptions(
                 policy=config.policy, audit_every=config.audit_every, checkpoint_every=config.checkpoint_every,
                 node_of_rank=config.node_of_rank or tuple(range(world_size)), start_step=config.first_step,
+                reduction=config.reduction,
             ),
+            comm_hook=recipe_mod.import_reference(config.comm_hook) if config.comm_hook else None,
         )
+    elif config.comm_hook:
+        ddp.register_comm_hook(None, recipe_mod.import_reference(config.comm_hook))
     killer = Killer(config.kill_point, config.kill_step, armed=config.kill_rank == rank, kill_bytes=config.kill_bytes)
     killer.attach(model, rec)
 

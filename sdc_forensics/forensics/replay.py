@@ -298,6 +298,8 @@ class Replayer(StepComparisons):
             if attempt not in layouts:
                 layouts[attempt] = env.bucket_layouts(self.trace.path, attempt)
             layout, recorded_layout = env.layout_at(layouts[attempt], step, len(params))
+            if _recorded_reduction(self.trace, attempt) == env.ORDERED:
+                self.known_order = env.ORDERED  # the order is known before any step: exact on any device
             if not recorded_layout and tolerant_from is None:
                 tolerant_from = step
                 notes.append("no bucket layout recorded: gradients compared by norm within tolerance only")
@@ -387,3 +389,11 @@ def _recorded_threads(trace: Trace) -> int | None:
         if value:
             return int(value)
     return None
+
+
+def _recorded_reduction(trace: Trace, attempt: int) -> str:
+    """The all-reduce mechanism ``attempt`` recorded (``native`` for traces that predate the field)."""
+    for att in trace.manifest.attempts:
+        if att.attempt == attempt:
+            return str(att.determinism.get("reduction") or "native")
+    return "native"

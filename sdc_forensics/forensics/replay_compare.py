@@ -129,7 +129,10 @@ class StepComparisons:
         values, counts = np.unique(recorded, return_counts=True)
         majority = int(values[np.argmax(counts)]) if counts.max() * 2 > len(recorded) else None
         candidates = {}
-        orders = (self.known_order,) if self.known_order and not tolerant else env.REDUCTION_ORDERS
+        if self.known_order == env.ORDERED:  # recorded: the only order, exact or tolerant
+            orders = (env.ORDERED,)
+        else:
+            orders = (self.known_order,) if self.known_order and not tolerant else env.REDUCTION_ORDERS
         for order in orders:
             reduced = self.reduce(per_rank, order)
             value = self.digest_of(reduced)

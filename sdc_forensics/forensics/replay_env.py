@@ -10,7 +10,9 @@
   ``gloo-ring`` reproduces gloo's ring all-reduce bit for bit (the buffer is cut into ``W``
   equal segments, rounded up to 16 bytes; segment ``i`` is summed along the ring starting at rank ``i - 1`` and going
   backwards, after each rank divided its buffer by ``W`` as DDP does), ``sequential`` adds the
-  ranks in order. The replay picks the one whose digest equals the recorded reduced digest.
+  ranks in order. The replay picks the one whose digest equals the recorded reduced digest;
+  ``ordered`` (the recorder's ordered reduction, ``sdc_forensics/reduction.py``) is used, alone,
+  when the trace records it.
 """
 
 from __future__ import annotations
@@ -27,8 +29,13 @@ from typing import Any
 import torch
 
 from sdc_forensics.errors import InvalidInputError, UsageError
+from sdc_forensics.reduction import ordered_mean
 
+#: The summation orders the replay tries when the trace does not say which one the collective
+#: used (``native``). ``ordered`` is the recorder's ordered reduction (``sdc_forensics/reduction.py``),
+#: used whenever the trace records it and only then.
 REDUCTION_ORDERS = ("gloo-ring", "sequential")
+ORDERED = "ordered"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -211,6 +218,9 @@ def reduce_buckets(per_rank: list[list[torch.Tensor]], order: str, out: list[tor
     across steps; None allocates them.
     """
     world_size = len(per_rank)
+    if order == ORDERED:
+        return [ordered_mean([per_rank[r][b] for r in range(world_size)], out=out[b] if out is not None else None)
+                for b in range(len(per_rank[0]))]
     scale = 1.0 / world_size
     result = []
     for bucket in range(len(per_rank[0])):

@@ -117,14 +117,14 @@ def determinism_flags() -> dict[str, Any]:
     return flags
 
 
-def make_attempt(attempt: int, start_step: int, identities: list[RankIdentity]) -> Attempt:
-    """The manifest entry of this attempt."""
+def make_attempt(attempt: int, start_step: int, identities: list[RankIdentity], *, reduction: str = "native") -> Attempt:
+    """The manifest entry of this attempt (``reduction``: the all-reduce's mechanism, ``reduction.REDUCTIONS``)."""
     return Attempt(
         attempt=attempt,
         start_step=start_step,
         started_ns=time.time_ns(),
         torch_version=torch.__version__,
         cuda_version=str(torch.version.cuda or ""),
-        determinism=determinism_flags(),
+        determinism={**determinism_flags(), "reduction": reduction},
         ranks=tuple(identities),
     )

@@ -31,6 +31,11 @@ class RecorderOptions:
             pass e.g. ``(0, 1, 2, 3)`` to pretend each rank is a node.
         start_step: the first step of this attempt (a run resumed from checkpoint N starts at N).
         fsync: ``fsync`` the trace after every record (survives a machine crash; costs a sync).
+        reduction: ``native`` (the collective library's own summation order, which a replay
+            reproduces only for gloo's ring on CPU) or ``ordered`` (every element's ranks added
+            left to right, ``sdc_forensics/reduction.py``: any replay, on any device, reproduces
+            the reduced gradient bit for bit, so a GPU job can be certified; docs/recorder.md
+            gives its cost).
     """
 
     policy: str = "raise"
@@ -45,8 +50,13 @@ class RecorderOptions:
     node_of_rank: tuple[int, ...] | None = None
     start_step: int = 0
     fsync: bool = False
+    reduction: str = "native"
 
     def __post_init__(self) -> None:
+        from sdc_forensics.reduction import REDUCTIONS
+
+        if self.reduction not in REDUCTIONS:
+            raise UsageError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {self.reduction!r}")
         if self.policy not in POLICIES:
             raise UsageError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not 1 <= self.sketch_k <= 64:

@@ -58,7 +58,7 @@ from sdc_forensics.errors import SdcAlarm, SdcError, UsageError
 from sdc_forensics.fingerprint import core as fp_core
 from sdc_forensics.fingerprint.core import Fingerprint, PendingFingerprint, combine_digests, digests, warm_up
 from sdc_forensics.inject import FaultSpec, Injector, parse_spec
-from sdc_forensics.recorder import checks, records
+from sdc_forensics.recorder import checks, ordered, records
 from sdc_forensics.recorder.audit import AuditOutcome, OwnResult, run_audit
 from sdc_forensics.recorder.checkpointing import save_checkpoint
 from sdc_forensics.recorder.hooks import BucketTap
@@ -66,6 +66,7 @@ from sdc_forensics.recorder.identity import complete_identities, local_identity,
 from sdc_forensics.recorder.options import RecorderOptions
 from sdc_forensics.recorder.threads import ThreadWatch
 from sdc_forensics.recipe import check_recipe_args
+from sdc_forensics.reduction import ORDERED
 from sdc_forensics.statedict import flatten_state
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace.manifest import FingerprintSettings, write_manifest
@@ -233,7 +234,8 @@ class Recorder:
             param_index={id(p): i for i, p in enumerate(self.params)},
             grad_numel=sum(p.numel() for p in self.params if p.requires_grad),
             sketch_k=self.options.sketch_k, seed=self.options.seed, injector=self.injector,
-            inner_hook=comm_hook, inner_state=comm_state if comm_hook is not None else self.group,
+            inner_hook=_communicating_hook(comm_hook, self.options.reduction),
+            inner_state=comm_state if comm_hook is not None else self.group,
         )
         problem = None
         try:  # before anything is written; the tap passes buckets through until the first step
@@ -266,7 +268,7 @@ class Recorder:
                     self.trace_dir, world_size=self.world_size, settings=settings, recipe=self.recipe_ref, recipe_args=self.recipe_args,
                     checkpoint_every=self.options.checkpoint_every, audit_every=self.options.audit_every or None,
                     weights_every=self.options.weights_every, node_of_rank=self.nodes,
-                    attempt=make_attempt(attempt, self.options.start_step, self.identities),
+                    attempt=make_attempt(attempt, self.options.start_step, self.identities, reduction=self.options.reduction),
                 )
                 write_manifest(self.trace_dir, manifest)
                 outcome = [attempt, None]
@@ -590,3 +592,11 @@ class Recorder:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(on_error=exc_type is not None)
+
+
+def _communicating_hook(comm_hook: Callable | None, reduction: str) -> Callable | None:
+    """The hook that really communicates: the job's own (None: DDP's mean all-reduce), its
+    all-reduce carried out by the ordered reduction when ``reduction == "ordered"``."""
+    if reduction != ORDERED:
+        return comm_hook
+    return ordered.compose(comm_hook) if comm_hook is not None else ordered.ordered_mean_hook
