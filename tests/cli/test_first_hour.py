@@ -191,3 +191,16 @@ def test_the_alarm_line_names_the_next_command_once():
     assert line.startswith(f"sdc-forensics: training stopped by an online check (exit {ALARM_EXIT_CODE}): weights check fired at step 2")
     assert line.endswith("next, run: sdc-forensics bisect runs/job42/trace") and line.count("sdc-forensics bisect") == 1
     assert "`" not in line and "…" not in line
+
+
+def test_the_readme_says_where_scheduler_step_goes_and_what_torchrun_prints():
+    """Two of the issue's smaller items are documentation: where ``scheduler.step()`` belongs
+    relative to ``rec.step``, and torchrun's ChildFailedError traceback on a non-zero verdict."""
+    from pathlib import Path
+
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8").split())
+    job = readme[readme.index("**5. Record your own job.**"):readme.index("**6. Spread the replay")]
+    block = job[job.index("with rec.step(step"):job.index("if (step + 1) % every == 0")]
+    assert block.index("optimizer.step()") < block.index("scheduler.step()")  # inside the block, after the optimizer
+    assert "save(0)" in job and job.index("save(0)") < job.index("for step in range(")
+    assert "`ChildFailedError` traceback" in readme and "not a crash of sdc-forensics" in readme
