@@ -179,7 +179,9 @@ def weak_candidate(doc: dict) -> dict | None:
     records = list(doc.get("evidence") or []) + list(doc.get("hints") or [])
     for suspect in doc.get("suspects") or []:
         records += suspect.get("evidence") or []
-    weak = [e for e in records if isinstance(e, dict) and e.get("strength") == "weak" and e.get("step") is not None]
+    # a statistical hint (kind "outlier") is weak too, but never a candidate: it never carries a verdict
+    weak = [e for e in records if isinstance(e, dict) and e.get("strength") == "weak" and e.get("kind") != "outlier"
+            and e.get("step") is not None]
     if not weak:
         return None
     step = min(int(e["step"]) for e in weak)

@@ -22,6 +22,7 @@ from tests import factories
 HEAVY = (
     "tests/distributed/",
     "tests/recorder/test_user_job.py",
+    "tests/recorder/test_readme_job.py",
     "tests/fingerprint/test_triton_kernel.py::test_interpreter_suite",
     "tests/forensics/test_replay.py::test_scan_finds_the_earlier_incident_and_the_recurrence",
     "tests/forensics/test_replay.py::test_collective_fault_below_the_sketch_tolerance_is_found_once_the_order_is_known",

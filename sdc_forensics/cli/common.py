@@ -39,7 +39,8 @@ class Bars:
         if self._progress is not None:
             self._task = self._progress.add_task(f"replay {start}..{stop}", total=stop - start + 1)
         else:
-            err.print(f"[dim]replaying steps {start}..{stop}: {reason}[/]")
+            span = f"step {start}" if stop == start else f"steps {start}..{stop}"
+            err.print(f"[dim]replaying {span}: {reason}[/]")
 
     def step(self, step: int) -> None:
         if self._progress is not None and self._task is not None:
@@ -52,7 +53,7 @@ class Bars:
 def trace_analysis_options(func):
     """TRACE_DIR and the options every command that runs the analysis shares."""
     func = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")(func)
-    return analysis_options(click.argument("trace_dir", type=click.Path(file_okay=False, path_type=Path))(func))
+    return analysis_options(click.argument("trace_dir", type=click.Path(path_type=Path))(func))
 
 
 def analysis_options(func):

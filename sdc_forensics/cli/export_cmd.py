@@ -18,7 +18,7 @@ from sdc_forensics.newfile import write_new_file
 
 
 @click.command("export")
-@click.argument("trace_dir", type=click.Path(file_okay=False, path_type=str))
+@click.argument("trace_dir", type=click.Path(path_type=str))
 @click.option("-o", "--output", default="-", show_default=True, help="CSV file to write (it must not exist, unless --force), or - for stdout.")
 @force_option
 def export_cmd(trace_dir: str, output: str, force: bool) -> None:

@@ -8,7 +8,7 @@ from sdc_forensics.cli.output import emit_json, err
 
 
 @click.command("inspect")
-@click.argument("trace_dir", type=click.Path(file_okay=False, path_type=str))
+@click.argument("trace_dir", type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 def inspect_cmd(trace_dir: str, as_json: bool) -> None:
     """Summarise TRACE_DIR: ranks, steps, attempts, checkpoints, online alarms, fingerprint settings, damage.

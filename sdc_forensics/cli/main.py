@@ -7,6 +7,7 @@ documented exit code (0 clean, 1 corruption / not certifiable, 2 usage, 3 bad in
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import struct
@@ -78,6 +79,15 @@ class _LazyGroup(click.Group):
             return getattr(importlib.import_module(module), attribute)
         except (ImportError, AttributeError):
             return None
+
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        """click's, plus the suggestion click gives for a mistyped flag: ``bisec`` -> ``bisect``."""
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and name not in _COMMANDS:
+            close = difflib.get_close_matches(name, list(_COMMANDS), n=1, cutoff=0.6)
+            if close:
+                ctx.fail(f"No such command {name!r}. Did you mean {' or '.join(repr(c) for c in close)}?")
+        return super().resolve_command(ctx, args)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows = [(name, _COMMANDS[name][2]) for name in self.list_commands(ctx)]

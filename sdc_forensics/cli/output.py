@@ -11,6 +11,9 @@ Logs and pipes (docs/json.md, "Output for logs and pipes"):
 * When the reader of stdout goes away (``sdc-forensics export T | head -1``), the rest of stdout
   is discarded silently: no traceback, no "Exception ignored", and the command's exit status is
   its own (the verdict's code; 0 for ``export``).
+* The same holds for stderr (``sdc-forensics inspect T 2>&1 | head -2``): the rest of what people
+  would read is discarded and the exit status is still the command's own. (rich's default is to
+  raise ``SystemExit(1)``, "corruption found" in our table, so the status would depend on a pipe.)
 """
 
 from __future__ import annotations
@@ -46,6 +49,22 @@ class _Console(Console):
     def size(self, new_size: tuple[int, int]) -> None:  # pragma: no cover - rich API symmetry
         self._width, self._height = new_size
 
+    def on_broken_pipe(self) -> None:
+        """The reader of stderr went away: discard the rest quietly and let the command finish
+        with its own exit status (rich's default raises ``SystemExit(1)``)."""
+        self.quiet = True
+        _discard(self.file)
+
+
+def _discard(stream: Any) -> None:
+    """Point ``stream``'s file descriptor at the null device, so every later write and flush succeeds."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # not a real file (a test runner's buffer)
+        pass
+
 
 err = _Console(stderr=True, highlight=False, soft_wrap=False, emoji=False)
 
@@ -57,12 +76,7 @@ def stdout_closed() -> None:
     ``BrokenPipeError`` and print "Exception ignored"; pointing file descriptor 1 at
     ``/dev/null`` makes every later write and flush succeed.
     """
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError, AttributeError):  # stdout is not a real file (a test runner's buffer)
-        pass
+    _discard(sys.stdout)
 
 
 def write_stdout(text: str) -> bool:
@@ -103,5 +117,8 @@ def _default(value: Any) -> Any:
 
 def fatal(message: str) -> None:
     """One line on stderr saying what is wrong and what to do (never wrapped, never styled)."""
-    sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
-    sys.stderr.flush()
+    try:
+        sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
+        sys.stderr.flush()
+    except BrokenPipeError:  # nobody reads stderr any more (`2>&1 | head -1`): the exit status still says it
+        _discard(sys.stderr)

@@ -30,8 +30,9 @@ from sdc_forensics.forensics.decision import CheckpointFile, Examined
 from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, sort_key
 from sdc_forensics.forensics.triage import TriageResult, triage_trace
 from sdc_forensics.forensics.verdict import BisectResult, ReplayedWindow, ReplaySummary
-from sdc_forensics.trace.checkpoints import CheckpointNote, read_checkpoint_notes
+from sdc_forensics.trace.checkpoints import CheckpointNote, read_checkpoint_notes, unreplayable_steps, unreplayable_text
 from sdc_forensics.trace.consensus import majority_weights_digests
+from sdc_forensics.trace.manifest import audit_reach
 from sdc_forensics.trace.reader import UNTRUSTED_DAMAGE, Trace
 
 # the file differs from what was saved (storage), or holds NaN/Inf or not-the-majority content
@@ -83,6 +84,9 @@ class Progress(Protocol):
 
     def step(self, step: int) -> None: ...
 
+    def note(self, text: str) -> None:
+        """Say something people should know before the replay (optional: looked up with ``hasattr``)."""
+
 
 def bisect(trace_dir: str | os.PathLike, options: BisectOptions, progress: Progress | None = None) -> BisectResult:
     """Find the first divergent step, the suspects and the last clean checkpoint.
@@ -97,6 +101,11 @@ def bisect(trace_dir: str | os.PathLike, options: BisectOptions, progress: Progr
     evidence = list(tri.evidence)
     settle: list[str] = []
     notes_out: list[str] = []
+    gap = unreplayable_steps(tri.step_range[0] if tri.step_range else None, [n.step for n in notes])
+    if gap is not None:  # said up front, not only as an exit 4 after a replay that cannot help
+        notes_out.append(unreplayable_text(gap))
+        if progress is not None and hasattr(progress, "note"):
+            progress.note(unreplayable_text(gap))
     summary = ReplaySummary()
     files: dict[int, CheckpointFile] = {}
     mode = "trace-only"
@@ -128,6 +137,8 @@ def bisect(trace_dir: str | os.PathLike, options: BisectOptions, progress: Progr
     examined = Examined(first_step=first_step, replayed=frozenset(replayed), tolerant_steps=frozenset(tolerant),
                         trace_consistent=not any(d.kind in UNTRUSTED_DAMAGE for d in tri.damage),
                         files_read=bool(files), trace_only=options.trace_only, anchors=frozenset(w.start for w in summary.windows))
+    if options.trace_only:  # not read, but named: every checkpoint row has its path
+        files = {n.step: CheckpointFile(path=_where(n, options, trace.path)) for n in notes}
     majority = majority_weights_digests(trace, [n.step for n in notes]) if notes else {}
     decided = decision.decide(evidence, world_size=trace.world_size, identity=trace.manifest.identity, notes=notes,
                               files=files, majority=majority, examined=examined)
@@ -137,12 +148,18 @@ def bisect(trace_dir: str | os.PathLike, options: BisectOptions, progress: Progr
     if tri.superseded_cells:
         notes_out.append(f"{tri.superseded_cells} (step, rank) records were re-executed by a later attempt; the latest attempt is used")
     settle = list(decided.settle) + settle
+    reach = audit_reach(trace.manifest.node_of_rank)
+    if reach is not None and any("audit" in line for line in decided.settle):  # advice this job's audits could not follow
+        settle.append(f"audits cannot settle it in this job: {reach}")
     if mode == "replay":
         unexamined = [c.step for c in decided.checkpoints
                       if c.status is decision.Status.UNVERIFIED and examined.unexamined_before(c.step)]
-        if unexamined:
-            settle.append(f"checkpoint(s) {', '.join(map(str, unexamined))} stay unverified: replay every step before them "
-                          "(without --max-replay-steps) to certify them")
+        if unexamined and gap is not None:
+            settle.append(unreplayable_text(gap))
+        elif unexamined:
+            limit = " (without --max-replay-steps)" if options.max_replay_steps is not None else ""
+            settle.append(f"checkpoint(s) {', '.join(map(str, unexamined))} stay unverified: replay every step before them{limit} "
+                          "to certify them" + ("" if limit else " (the notes say what stopped the replay)"))
     return BisectResult(
         verdict=decided.verdict, first_divergent_step=decided.first_divergent_step, suspects=decided.suspects,
         last_clean_checkpoint=decided.last_clean, checkpoints=decided.checkpoints,
@@ -156,11 +173,16 @@ def bisect(trace_dir: str | os.PathLike, options: BisectOptions, progress: Progr
 def _scope(tri: TriageResult, summary: ReplaySummary) -> str:
     steps = f"steps {tri.step_range[0]}..{tri.step_range[1]}" if tri.step_range else "no steps"
     scope = f"trace checks over {steps}"
-    if summary.windows:
-        spans = ", ".join(f"{w.start}..{w.last}" for w in sorted(summary.windows, key=lambda w: w.start))
-        scope += f"; replayed {spans} ({summary.comparison}) on {summary.device}"
+    windows = sorted(summary.windows, key=lambda w: w.start)
+    done = [w for w in windows if w.last >= w.start]  # a window that stopped before its first step replayed nothing
+    if done:
+        spans = ", ".join(f"{w.start}..{w.last}" if w.last > w.start else str(w.start) for w in done)
+        scope += f"; replayed step{'s' if len(done) > 1 or done[0].last > done[0].start else ''} {spans} ({summary.comparison}) on {summary.device}"
     else:
         scope += "; nothing replayed"
+    empty = [w.start for w in windows if w.last < w.start]
+    if empty:
+        scope += f"; nothing replayable from checkpoint{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} (see the notes)"
     return scope
 
 
@@ -181,6 +203,14 @@ def _verify_files(notes: list[CheckpointNote], options: BisectOptions, trace_pat
                 error = str(exc)
         out[note.step] = CheckpointFile(path=str(path) if path else "", report=report, error=error)
     return out
+
+
+def _where(note: CheckpointNote, options: BisectOptions, trace_path: Path) -> str:
+    """The file checkpoint ``note`` names, found as replay would find it (nothing is read), else the noted path."""
+    from sdc_forensics.checkpoint.locate import locate_checkpoint
+
+    path = options.checkpoint_paths.get(note.step) or locate_checkpoint(note, options.checkpoints_dir, trace_path)
+    return str(path) if path is not None else note.path
 
 
 def _damaged(report) -> bool:

@@ -156,7 +156,8 @@ def describe_device(device: torch.device) -> str:
     """A human name of the replay device: ``cpu (x86_64, 2 threads)`` or ``cuda:0 (NAME, GPU-…)``."""
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)}, {gpu_uuid(device) or 'uuid unknown'})"
-    return f"cpu ({platform.machine() or 'unknown'}, {torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    return f"cpu ({platform.machine() or 'unknown'}, {threads} thread{'' if threads == 1 else 's'})"
 
 
 def check_not_suspect(device: torch.device, suspect_gpus: dict[str, int], force: bool) -> None:

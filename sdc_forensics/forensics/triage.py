@@ -30,7 +30,7 @@ import numpy as np
 
 from sdc_forensics.fingerprint import tolerance
 from sdc_forensics.trace.checkpoints import hex64
-from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, sort_key
+from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, Strength, sort_key
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace import scan
 from sdc_forensics.trace.consensus import strict_majority
@@ -439,7 +439,7 @@ def _outliers(window: StepWindow, threshold: float) -> list[Evidence]:
                 shown = f"{raw[row, rank]:.4g}" + ("" if overflow[row, rank] else f" (robust z {z[row, rank]:.1f})")
                 out.append(Evidence(kind=EvidenceKind.OUTLIER, step=int(window.steps[row]), ranks=(int(rank),),
                                     expected=f"{what} near the ranks' median {float(median[row, 0]):.4g}", found=shown,
-                                    location=Location.UNKNOWN, affects_state=False,
+                                    location=Location.UNKNOWN, affects_state=False, strength=Strength.WEAK,
                                     detail=f"{what} is an outlier across ranks (a hint only)"))
     return out
 

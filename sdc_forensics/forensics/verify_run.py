@@ -155,14 +155,15 @@ def verify_run(request: VerifyRequest, options=None, progress=None) -> VerifyOut
     if report is None:  # the analysis could not read it (its status says why): the file's own findings
         report = verify_checkpoint(path, options=VerifyOptions(seed=seed))
     cert_findings = tuple(check_against_certificate(report, entry)) if entry is not None else ()
-    reasons = [f"{f.kind.value} {f.subject}: {f.detail}" for f in report.findings]
+    # what the user asked about first: the certificate, when one was passed
+    reasons = [f"certificate: {f.kind.value} {f.subject}: {f.detail}" for f in cert_findings]
+    if entry is not None and not entry.status.clean:
+        reasons.append(f"certificate: it was certified {entry.status.value}, not clean")
+    reasons += [f"{f.kind.value} {f.subject}: {f.detail}" for f in report.findings]
     if status is not None and not status.clean:
         reasons += [f"{status.status.value}: {r}" for r in status.reasons if r not in reasons]
     if missing:
         reasons.append(f"not certified against the trace: {missing}")
-    reasons += [f"certificate: {f.kind.value} {f.subject}: {f.detail}" for f in cert_findings]
-    if entry is not None and not entry.status.clean:
-        reasons.append(f"certificate: it was certified {entry.status.value}, not clean")
     code = verify_exit(report, status, missing, cert_findings, entry.status if entry is not None else None)
     return VerifyOutcome(request=request, report=report, status=status, analysis=result, missing=missing,
                          certificate_status=entry.status if entry is not None else None, certificate_findings=cert_findings,

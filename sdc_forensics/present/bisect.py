@@ -61,7 +61,11 @@ def render_bisect(result: BisectResult, console) -> None:
         console.print(f"Replayed on {escape(replay.device or '?')}, comparison {replay.comparison}"
                       + (f", all-reduce order {replay.reduction_order}" if replay.reduction_order else "") + ":")
         for w in replay.windows:
-            console.print(f"  steps {w.start}..{w.last} from checkpoint {w.start} ({w.comparison}): {escape(w.reason)}")
+            if w.last < w.start:
+                console.print(f"  nothing from checkpoint {w.start} (its first step could not be replayed; see the notes): {escape(w.reason)}")
+            else:
+                span = f"step {w.start}" if w.last == w.start else f"steps {w.start}..{w.last}"
+                console.print(f"  {span} from checkpoint {w.start} ({w.comparison}): {escape(w.reason)}")
     for note in (*replay.notes, *result.notes):
         console.print(f"[dim]note: {escape(note)}[/]")
     for line in result.settle:
@@ -80,6 +84,6 @@ def evidence_table(console, evidence: list[Evidence], title: str) -> None:
             continue
         seen.add(key)
         table.add_row(str(e.step), e.kind.value, ranks_text(e.ranks), e.location.value, escape(e.expected), escape(e.found), e.source,
-                      e.strength.value if e.affects_state else "-")
+                      e.strength.value)
     console.print(table)
 

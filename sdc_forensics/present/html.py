@@ -79,7 +79,7 @@ def _list(items: list[str]) -> str:
 
 def _evidence_rows(evidence: list[Evidence]) -> list[tuple]:
     return [(e.step, e.kind.value, ", ".join(map(str, e.ranks)) or "all", e.location.value, e.source,
-             e.strength.value if e.affects_state else "-", e.expected, e.found, e.detail) for e in evidence]
+             e.strength.value, e.expected, e.found, e.detail) for e in evidence]
 
 
 def _summary(result: BisectResult, incident: Incident, manifest: Manifest | None) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 from rich.markup import escape
 
 from sdc_forensics.present.text import new_table, pairs_text
+from sdc_forensics.trace.checkpoints import unreplayable_steps, unreplayable_text
 from sdc_forensics.trace.ends import RunEnd
 from sdc_forensics.trace.summary import AlarmSummary, TraceSummary
 
@@ -77,12 +78,19 @@ def render_inspect(summary: TraceSummary, console) -> None:
         attempts.add_row(str(a.attempt), str(a.start_step), span, str(a.num_records))
     console.print(attempts)
     if summary.checkpoints:
-        cks = new_table(console, "checkpoints noted", ("step", "path", "attempt", "blessed", "weights digest"))
+        # what the recorder saw when it saved each one; whether the file is still as saved and the
+        # steps before it were clean is a status only certify (replay, files read) can give
+        cks = new_table(console, "checkpoints noted (as saved; statuses: sdc-forensics certify)",
+                        ("step", "path", "attempt", "saved from", "weights digest"))
         for c in summary.checkpoints:
-            cks.add_row(str(c.step), escape(c.path), str(c.attempt), "yes" if c.blessed else "[red]no[/]", escape(c.weights_digest or "-"))
+            cks.add_row(str(c.step), escape(c.path), str(c.attempt), "majority" if c.blessed else "[red]no majority[/]",
+                        escape(c.weights_digest or "-"))
         console.print(cks)
     else:
         console.print("checkpoints noted: none")
+    gap = unreplayable_steps(summary.first_step, [c.step for c in summary.checkpoints])
+    if gap is not None:
+        console.print(f"[bold yellow]warning:[/] {escape(unreplayable_text(gap))}")
     counts = ", ".join(f"{kind.lower()} {n}" for kind, n in summary.records_by_kind.items() if n)
     console.print(f"records: {counts}")
     _render_alarms(console, summary.alarms)

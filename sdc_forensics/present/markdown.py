@@ -64,7 +64,7 @@ def _table(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
 def _evidence_rows(evidence: list[Evidence]) -> list[tuple]:
     return [
         (e.step, e.kind.value, ", ".join(map(str, e.ranks)) or "all", e.location.value, e.source,
-         e.strength.value if e.affects_state else "-", e.expected, e.found, e.detail)
+         e.strength.value, e.expected, e.found, e.detail)
         for e in evidence
     ]
 

@@ -171,7 +171,11 @@ def checked(result: BisectResult) -> list[str]:
     out = [result.scope] if result.scope else []
     replay = result.replayed
     for w in replay.windows:
-        out.append(f"Replayed steps {w.start}..{w.last} from checkpoint {w.start} on {replay.device or '?'} "
+        if w.last < w.start:
+            out.append(f"Nothing replayed from checkpoint {w.start}: its first step could not be replayed (see the notes).")
+            continue
+        span = f"step {w.start}" if w.last == w.start else f"steps {w.start}..{w.last}"
+        out.append(f"Replayed {span} from checkpoint {w.start} on {replay.device or '?'} "
                    f"({w.comparison}" + (f" from step {w.tolerant_from}" if w.tolerant_from is not None else "") + f"): {w.reason}.")
     files = [c for c in result.checkpoints if c.report is not None or c.findings]
     if files:

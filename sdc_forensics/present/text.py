@@ -31,6 +31,24 @@ def new_table(console, title: str, columns: Iterable[str], **column_options) -> 
     return table
 
 
+def count_text(count: int, noun: str, plural: str | None = None) -> str:
+    """``1 thread``, ``2 threads`` (``plural`` for irregular nouns)."""
+    return f"{count} {noun if count == 1 else (plural or noun + 's')}"
+
+
+def rate_text(num_bytes: int, seconds: float) -> str:
+    """A read rate with a unit that keeps two or three significant digits: ``1.4 GB/s``,
+    ``37 MB/s``, ``820 kB/s``; ``-`` when the time is too short to measure."""
+    if seconds <= 0:
+        return "-"
+    rate = num_bytes / seconds
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if rate >= scale:
+            value = rate / scale
+            return f"{value:.1f} {unit}" if value < 10 else f"{value:.0f} {unit}"
+    return f"{rate:.0f} B/s"
+
+
 def ranks_text(ranks: Iterable[int]) -> str:
     """``2``, ``1, 3``, or ``all`` (for no rank in particular)."""
     ranks = list(ranks)

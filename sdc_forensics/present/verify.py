@@ -9,7 +9,7 @@ from rich.markup import escape
 
 from sdc_forensics.checkpoint.serialize import finding_to_json, report_to_json
 from sdc_forensics.forensics.verify_run import EXIT_UNVERIFIED, EXIT_VERIFIED, VerifyOutcome
-from sdc_forensics.present.text import new_table
+from sdc_forensics.present.text import count_text, new_table, rate_text
 
 _MAX_ROWS = 40
 
@@ -48,18 +48,25 @@ def render_verify(outcome: VerifyOutcome, console) -> None:
         for line in result.settle:
             console.print(f"[yellow]to settle:[/] {escape(line)}")
     path, reasons = escape(str(outcome.request.path)), outcome.reasons
-    more = f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else ""
     with_trace = outcome.request.trace_dir is not None
     if outcome.exit_code == EXIT_VERIFIED:
-        gbps = report.total_bytes / report.elapsed_s / 1e9 if report.elapsed_s > 0 else 0.0
         what = "CERTIFIED CLEAN" if with_trace else "VERIFIED"
-        alone = "" if with_trace or outcome.certificate_status is not None else \
-            ": structure and content only; pass --trace to certify it as part of its run"
-        console.print(f"[bold green]{what}[/] {path} ({report.total_bytes} bytes in {report.elapsed_s:.3f} s, {gbps:.2f} GB/s){alone}")
-    elif outcome.exit_code == EXIT_UNVERIFIED:
-        console.print(f"[bold yellow]NOT CERTIFIED[/] {path}: nothing wrong found, but {escape(reasons[0])}{more}")
+        size = f"{count_text(report.total_bytes, 'byte')} in {report.elapsed_s:.3f} s, {rate_text(report.total_bytes, report.elapsed_s)}"
+        if outcome.certificate_status is not None:
+            against = (f"; every file matches {escape(str(outcome.request.certificate_path))}, "
+                       f"which certified it {outcome.certificate_status.value}")
+        elif with_trace:
+            against = ""
+        else:
+            against = ": structure and content only; pass --trace to certify it as part of its run"
+        console.print(f"[bold green]{what}[/] {path} ({size}){against}")
+        return
+    if outcome.exit_code == EXIT_UNVERIFIED:
+        console.print(f"[bold yellow]NOT CERTIFIED[/] {path}: nothing wrong found, but {escape(reasons[0])}")
     else:
-        console.print(f"[bold red]NOT CERTIFIABLE[/] {path}: {escape(reasons[0])}{more}")
+        console.print(f"[bold red]NOT CERTIFIABLE[/] {path}: {escape(reasons[0])}")
+    for reason in reasons[1:]:  # every reason, each on its line: a certificate's is never hidden behind "+1 more"
+        console.print(f"  also: {escape(reason)}")
 
 
 def _tensor_table(report, console):

@@ -50,6 +50,6 @@ class exit_on_alarm(contextlib.ContextDecorator):  # noqa: N801 - used like a fu
         if exc_type is None or not issubclass(exc_type, SdcAlarm):
             return False
         message = " ".join(str(exc).split())
-        print(f"sdc-forensics: training stopped by an online check: {message} (exit {self.code}; "
-              "run sdc-forensics bisect on the trace)", file=sys.stderr, flush=True)
+        # the alarm's message already names the trace and the command to run next (Recorder._alarm)
+        print(f"sdc-forensics: training stopped by an online check (exit {self.code}): {message}", file=sys.stderr, flush=True)
         raise SystemExit(self.code)

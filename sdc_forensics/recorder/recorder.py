@@ -69,7 +69,8 @@ from sdc_forensics.recipe import check_recipe_args
 from sdc_forensics.reduction import ORDERED
 from sdc_forensics.statedict import flatten_state
 from sdc_forensics.trace import format as F
-from sdc_forensics.trace.manifest import FingerprintSettings, write_manifest
+from sdc_forensics.trace.checkpoints import read_checkpoint_notes, unreplayable_steps, unreplayable_text
+from sdc_forensics.trace.manifest import FingerprintSettings, audit_reach, write_manifest
 from sdc_forensics.trace.writer import RankTraceWriter
 
 log = logging.getLogger(__name__)
@@ -219,6 +220,8 @@ class Recorder:
         self._state: _StepState | None = None
         self._layouts: list[dict] = []
         self.threads = ThreadWatch(self.rank)
+        self._first_step: int | None = None  # the first step this attempt began (checkpoint advice)
+        self._checkpointed = False  # a checkpoint was saved in this attempt (the first one is checked once)
         self._steps_written = 0  # STEP records of this attempt, and the last one's step (END record)
         self._last_step_written = self.options.start_step
 
@@ -230,6 +233,9 @@ class Recorder:
         self.nodes = node_map(self.identities, self.options.node_of_rank)
         if len(self.nodes) != self.world_size:
             raise UsageError(f"node_of_rank has {len(self.nodes)} entries for {self.world_size} ranks")
+        reach = audit_reach(self.nodes) if (self.options.audit_every or self.options.audit_steps) else None
+        if reach is not None and self.rank == 0:  # once per job, at attach: not a silent no-op at every audited step
+            log.warning("sdc-forensics: audits are on (audit_every=%d), but %s", self.options.audit_every, reach)
         self.tap = BucketTap(
             param_index={id(p): i for i, p in enumerate(self.params)},
             grad_numel=sum(p.numel() for p in self.params if p.requires_grad),
@@ -296,6 +302,8 @@ class Recorder:
         if self._state is not None:
             raise UsageError(f"step {self._state.step} was not ended before step {step} began; call end_step()")
         state = _StepState(step=int(step), ids=tuple(int(i) for i in microbatch_ids) if microbatch_ids is not None else None)
+        if self._first_step is None:
+            self._first_step = state.step
         self._state = state
         self.tap.start(state.step)
         if self.injector:
@@ -468,7 +476,7 @@ class Recorder:
         where = f"rank {finding.rank} on host {ident.host} ({ident.gpu})" if ident else "no single rank (see detail)"
         return SdcAlarm(
             f"{finding.check} check fired at step {finding.step}: {finding.detail}. Suspect: {where}. "
-            f"The trace is in {self.trace_dir}; run `sdc-forensics bisect {self.trace_dir}`",
+            f"The trace is in {self.trace_dir}; next, run: sdc-forensics bisect {self.trace_dir}",
             step=finding.step, rank=finding.rank, host=ident.host if ident else "", check=finding.check,
         )
 
@@ -492,7 +500,27 @@ class Recorder:
         Returns:
             The :class:`~sdc_forensics.trace.checkpoints.CheckpointNote` (on every rank).
         """
+        if not self._checkpointed:
+            self._checkpointed = True
+            self._check_first_checkpoint(int(step))
         return save_checkpoint(self, int(step), Path(path), state, save)
+
+    def _check_first_checkpoint(self, step: int) -> None:
+        """Say once, at the attempt's first checkpoint, when the steps before it can never be
+        replayed: checkpoint ``N`` holds the state after ``N`` steps, so without a checkpoint of
+        the attempt's first step nothing before ``N`` can be re-executed and no checkpoint of the
+        run can be certified clean. (The recorder does not save the initial state itself: it
+        knows neither where nor how the job saves, and a note without its file certifies nothing.)"""
+        first = self._first_step if self._first_step is not None else self.options.start_step
+        if step <= first or self.rank != 0:
+            return
+        try:
+            noted = {note.step for note in read_checkpoint_notes(self.trace_dir)}  # a resumed attempt's start, saved earlier
+        except SdcError:
+            noted = set()
+        gap = unreplayable_steps(first, noted | {step})
+        if gap is not None:
+            log.warning("sdc-forensics: %s", unreplayable_text(gap))
 
     # ---------------------------------------------------------------- helpers
     def _weights(self) -> tuple[int, float, int]:

@@ -160,3 +160,28 @@ def read_checkpoint_notes(trace_dir: str | os.PathLike) -> list[CheckpointNote]:
         if note.step not in latest or note.attempt >= latest[note.step].attempt:
             latest[note.step] = note
     return [latest[s] for s in sorted(latest)]
+
+
+def unreplayable_steps(first_step: int | None, checkpoint_steps) -> tuple[int, int] | None:
+    """Steps ``(first, last)`` that come before the run's first checkpoint, or None.
+
+    Replay starts from a checkpoint, and checkpoint ``N`` holds the state *after* ``N`` steps, so
+    a run whose first checkpoint is ``N > first_step`` has steps ``first_step..N-1`` that no
+    replay can ever re-execute: nothing after them can be certified clean. The fix is a
+    checkpoint of ``first_step`` (the initial state: checkpoint 0), saved before the first step.
+    No checkpoint at all is not a gap here (every command says that on its own).
+    """
+    steps = sorted(int(s) for s in checkpoint_steps)
+    if first_step is None or not steps or steps[0] <= first_step:
+        return None
+    return int(first_step), steps[0] - 1
+
+
+def unreplayable_text(gap: tuple[int, int]) -> str:
+    """The one sentence every command and the recorder say about :func:`unreplayable_steps`."""
+    first, last = gap
+    steps = f"step {first}" if first == last else f"steps {first}..{last}"
+    return (f"the first checkpoint is {last + 1}, and none holds the state before step {first}: {steps} can "
+            f"never be replayed, so no checkpoint of this run can be certified clean; save checkpoint {first} before the "
+            f"first step runs (rec.checkpoint({first}, path, state) before the training loop; docs/recorder.md, \"Checkpoints\")")
+

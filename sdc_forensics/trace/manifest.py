@@ -117,6 +117,25 @@ class Manifest:
 
 
 #: Rank file names hold 5 digits of rank and 3 of attempt (``rank-RRRRR.attempt-AAA.sdct``).
+def audit_reach(node_of_rank: tuple[int, ...]) -> str | None:
+    """What audits cannot do in a job whose ranks span these nodes (one sentence), or None.
+
+    An audit recomputes a rank's microbatch on a rank of *another* node, and a mismatch is
+    resolved by a third recomputation on a third node (``recorder/audit.py``): on one node no
+    audit runs, on two a mismatch cannot name the rank. The recorder says it at attach and
+    ``bisect`` says it instead of "enable audits"; both call this.
+    """
+    nodes = len(set(node_of_rank))
+    if nodes >= 3 or not node_of_rank:
+        return None
+    if nodes == 1:
+        return ("every rank is on one node, so audits never run (an audit recomputes a rank's microbatch on another node); "
+                "they need ranks on 2 nodes, and 3 to name the rank that computed wrongly "
+                "(RecorderOptions(node_of_rank=...) pretends ranks are nodes, for tests)")
+    return ("the ranks span 2 nodes: an audit mismatch is recorded but cannot name the rank that computed wrongly "
+            "(the majority of three needs a third node)")
+
+
 MAX_WORLD_SIZE = 100_000
 MAX_ATTEMPT = 999
 MAX_FORMAT_MINOR = 0xFFFF
@@ -211,15 +230,31 @@ def parse_manifest(doc: Any, where: str = MANIFEST_NAME) -> Manifest:
 def read_manifest(trace_dir: str | os.PathLike) -> Manifest:
     """Read and validate ``TRACE_DIR/manifest.json``."""
     path = Path(trace_dir) / MANIFEST_NAME
-    if not Path(trace_dir).is_dir():
-        raise TraceError(f"{trace_dir} is not a directory; pass the trace directory the recorder wrote")
     if not path.is_file():
-        raise TraceError(f"{trace_dir} has no {MANIFEST_NAME}: not a trace directory (or the run never started)")
+        raise TraceError(_not_a_trace(Path(trace_dir)))
     try:
         doc = load_json(path.read_bytes())
     except (OSError, ValueError) as exc:
         raise TraceError(f"{path} is not valid JSON ({exc}); the manifest is damaged: restore it from the run") from None
     return parse_manifest(doc, str(path))
+
+
+def _not_a_trace(where: Path) -> str:
+    """Why ``where`` is not a trace directory, and the trace it most likely meant (every case exit 3)."""
+    if not where.exists():
+        return f"{where} does not exist; pass the trace directory the recorder wrote (the one that holds {MANIFEST_NAME})"
+    if not where.is_dir():
+        inside = where.parent if (where.parent / MANIFEST_NAME).is_file() else None
+        hint = f"pass the directory that holds it: {inside}" if inside is not None else "pass the trace directory the recorder wrote"
+        return f"{where} is a file, not a trace directory; {hint}"
+    try:
+        below = sorted(d for d in where.iterdir() if d.is_dir() and (d / MANIFEST_NAME).is_file())[:3]
+    except OSError:
+        below = []
+    if below:
+        return f"{where} has no {MANIFEST_NAME}, but {' and '.join(map(str, below))} {'has' if len(below) == 1 else 'have'} one: pass " + \
+            ("it" if len(below) == 1 else "one of them") + " (the trace directory, one level down)"
+    return f"{where} has no {MANIFEST_NAME}: not a trace directory (or the run never started)"
 
 
 def write_manifest(trace_dir: str | os.PathLike, manifest: Manifest) -> Path:

@@ -117,7 +117,8 @@ def test_an_alarm_under_policy_raise_exits_with_the_documented_code(tmp_path):
     for r in ranks:
         lines = [line for line in r.stderr.splitlines() if line.strip()]  # the recorder's logged alarm, then the exit line
         assert "Traceback" not in r.stderr
-        assert lines[-1].startswith("sdc-forensics: training stopped by an online check: weights check fired at step 2")
-        assert "rank(s) 2 differ" in lines[-1] and lines[-1].endswith(f"(exit {ALARM_EXIT_CODE}; run sdc-forensics bisect on the trace)")
+        assert lines[-1].startswith(f"sdc-forensics: training stopped by an online check (exit {ALARM_EXIT_CODE}): weights check fired at step 2")
+        assert "rank(s) 2 differ" in lines[-1] and lines[-1].endswith(f"; next, run: sdc-forensics bisect {root / 'trace'}")
+        assert lines[-1].count("sdc-forensics bisect") == 1 and "`" not in lines[-1]  # issue 25: said once, no markup
     ran = run_installed(["inspect", str(root / "trace")], tmp_path)
     assert ran.returncode == 0 and "weights" in ran.stderr
