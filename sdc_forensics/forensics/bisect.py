@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from sdc_forensics.forensics import decision
+from sdc_forensics.forensics import decision, preflight
 from sdc_forensics.forensics.decision import CheckpointFile, Examined
 from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, sort_key
 from sdc_forensics.forensics.triage import TriageResult, triage_trace
@@ -101,6 +101,7 @@ def bisect(trace_dir: str | os.PathLike, options: BisectOptions, progress: Progr
     evidence = list(tri.evidence)
     settle: list[str] = []
     notes_out: list[str] = []
+    flight = None
     gap = unreplayable_steps(tri.step_range[0] if tri.step_range else None, [n.step for n in notes])
     if gap is not None:  # said up front, not only as an exit 4 after a replay that cannot help
         notes_out.append(unreplayable_text(gap))
@@ -124,6 +125,11 @@ def bisect(trace_dir: str | os.PathLike, options: BisectOptions, progress: Progr
         if notes:
             files = _verify_files(notes, options, trace.path, seed)
             evidence += _storage_evidence(notes, files)
+        flight = preflight.check(trace.manifest, device=options.device, num_threads=options.num_threads,
+                                 force_tolerant=options.force_tolerant)
+        if progress is not None and hasattr(progress, "note"):
+            for line in flight.lines():  # before any replay: a run that cannot certify says so first
+                progress.note(line)
         if recipe_ref and notes:
             usable = [n for n in notes if files[n.step].report is not None and not _damaged(files[n.step].report)]
             if not usable:
@@ -148,6 +154,8 @@ def bisect(trace_dir: str | os.PathLike, options: BisectOptions, progress: Progr
     if tri.superseded_cells:
         notes_out.append(f"{tri.superseded_cells} (step, rank) records were re-executed by a later attempt; the latest attempt is used")
     settle = list(decided.settle) + settle
+    if flight is not None and not flight.exact and mode == "replay":
+        settle.append(f"this replay could not be exact ({flight.blockers[0]}): {flight.fix}")
     reach = audit_reach(trace.manifest.node_of_rank)
     if reach is not None and any("audit" in line for line in decided.settle):  # advice this job's audits could not follow
         settle.append(f"audits cannot settle it in this job: {reach}")
@@ -166,7 +174,7 @@ def bisect(trace_dir: str | os.PathLike, options: BisectOptions, progress: Progr
         replayed=summary, evidence=decided.evidence, mode=mode, scope=scope, settle=tuple(settle),
         trace_path=str(trace.path), world_size=trace.world_size, step_range=tri.step_range,
         damage=tuple(d.detail or d.kind for d in tri.damage), notes=tuple(notes_out),
-        divergence_window=decided.divergence_window, seed=seed,
+        divergence_window=decided.divergence_window, seed=seed, preflight=flight,
     )
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sdc_forensics import recipe as recipe_mod
+from sdc_forensics import numerics, recipe as recipe_mod
 from sdc_forensics.errors import CheckpointError, InvalidInputError
 from sdc_forensics.fingerprint import tolerance
 from sdc_forensics.fingerprint.core import Fingerprint, combine, combine_digests, digest, fingerprint, num_sketch_blocks
@@ -291,7 +291,7 @@ class Replayer(StepComparisons):
         for row, step in enumerate(window.steps.tolist()):
             present = window.present[row]
             if not present.all():
-                notes.append(f"step {step}: ranks {np.flatnonzero(~present).tolist()} have no record; replay stops before it")
+                notes.append(f"step {step}: rank(s) {', '.join(map(str, np.flatnonzero(~present).tolist()))} have no record; replay stops before it")
                 break
             recs = window.records[row]
             attempt = int(window.attempt[row, 0])
@@ -378,7 +378,7 @@ def replay_window(trace: Trace, recipe, options: ReplayOptions, on_step: Callabl
     threads = options.num_threads or _recorded_threads(trace)  # per-step counts are applied step by step
     if not Path(options.checkpoint_path).is_file():
         raise CheckpointError(f"checkpoint {options.checkpoint_path} (step {options.start_step}) does not exist; pass --checkpoints DIR")
-    with env.deterministic(device, threads) as settings:
+    with numerics.reproduce(_recorded_numerics(trace, options.start_step), device, threads) as settings:
         result = Replayer(trace, recipe, device).run(options, on_step)
     return dataclasses.replace(result, settings=settings)
 
@@ -397,3 +397,9 @@ def _recorded_reduction(trace: Trace, attempt: int) -> str:
         if att.attempt == attempt:
             return str(att.determinism.get("reduction") or "native")
     return "native"
+
+
+def _recorded_numerics(trace: Trace, step: int) -> dict:
+    """The numerics contract of the attempt that ran ``step`` (the latest attempt starting at or before it)."""
+    attempts = [a for a in trace.manifest.attempts if a.start_step <= step] or list(trace.manifest.attempts)
+    return dict(max(attempts, key=lambda a: a.attempt).determinism) if attempts else {}

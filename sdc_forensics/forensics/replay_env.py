@@ -1,8 +1,7 @@
 """The replay's environment: deterministic settings, the device it runs on, bucket layouts, reductions.
 
-* :func:`deterministic` applies (and afterwards restores) deterministic algorithms, the cuBLAS
-  workspace, TF32 off, cuDNN determinism and the thread count the manifest recorded, and returns
-  what it applied so the report can say so.
+* :func:`deterministic`: the settings imposed on a trace that recorded no numerics contract
+  (``sdc_forensics.numerics.reproduce`` applies a recorded one).
 * :func:`describe_device` names the replay device (with its GPU UUID on CUDA) and
   :func:`check_not_suspect` refuses a device that is the suspect's GPU.
 * :func:`bucket_layouts` reads ``buckets.attempt-AAA.json`` (docs/trace-format.md).
@@ -17,17 +16,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import platform
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from sdc_forensics import numerics
 from sdc_forensics.errors import InvalidInputError, UsageError
 from sdc_forensics.reduction import ordered_mean
 
@@ -79,48 +76,10 @@ def layout_at(layouts: tuple[BucketLayout, ...], step: int, num_params: int) -> 
     return chosen.buckets, True
 
 
-@contextlib.contextmanager
-def deterministic(device: torch.device, num_threads: int | None) -> Iterator[dict[str, Any]]:
-    """Apply deterministic settings for the duration of a replay; yields what was applied."""
-    saved = {
-        "deterministic": torch.are_deterministic_algorithms_enabled(),
-        "threads": torch.get_num_threads(),
-        "cublas": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
-        "cudnn_det": torch.backends.cudnn.deterministic,
-        "cudnn_bench": torch.backends.cudnn.benchmark,
-    }
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False
-    if num_threads:
-        torch.set_num_threads(int(num_threads))
-    applied = {
-        "deterministic_algorithms": True,
-        "cublas_workspace_config": os.environ["CUBLAS_WORKSPACE_CONFIG"],
-        "tf32": False,
-        "cudnn_deterministic": True,
-        "num_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-        "device_type": device.type,
-    }
-    try:
-        yield applied
-    finally:
-        torch.use_deterministic_algorithms(saved["deterministic"])
-        torch.set_num_threads(saved["threads"])
-        if saved["cublas"] is None:
-            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-        else:
-            os.environ["CUBLAS_WORKSPACE_CONFIG"] = saved["cublas"]
-        torch.backends.cuda.matmul.allow_tf32 = saved["tf32_matmul"]
-        torch.backends.cudnn.allow_tf32 = saved["tf32_cudnn"]
-        torch.backends.cudnn.deterministic = saved["cudnn_det"]
-        torch.backends.cudnn.benchmark = saved["cudnn_bench"]
+def deterministic(device: torch.device, num_threads: int | None):
+    """The settings replays imposed before the numerics contract (deterministic algorithms, the
+    cuBLAS workspace, TF32 off, cuDNN deterministic): what a trace that recorded none gets."""
+    return numerics.reproduce({}, device, num_threads)
 
 
 def resolve_device(spec: str) -> torch.device:

@@ -45,6 +45,7 @@ class ReplayRun:
 
     result: Any  # forensics.replay.ReplayResult
     decision: Decision
+    preflight: Any = None  # forensics.preflight.Preflight
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,7 +107,7 @@ def replay_from_trace(trace_dir: str | os.PathLike, request: ReplayRequest, prog
     window = check_window(trace_dir, request)
     from sdc_forensics.checkpoint.locate import locate_checkpoint
     from sdc_forensics.errors import CheckpointError
-    from sdc_forensics.forensics import decision
+    from sdc_forensics.forensics import decision, preflight
     from sdc_forensics.forensics.replay import ReplayOptions, replay_window
     from sdc_forensics.forensics.replay_env import resolve_device
     from sdc_forensics.recipe import load_trace_recipe
@@ -120,10 +121,14 @@ def replay_from_trace(trace_dir: str | os.PathLike, request: ReplayRequest, prog
                             expected_weights_digest=note.weights_digest, device=request.device, force_device=request.force_device,
                             num_threads=request.num_threads, force_tolerant=request.force_tolerant)
     recipe = load_trace_recipe(trace.manifest, request.recipe)  # with the job settings the manifest recorded
+    flight = preflight.check(trace.manifest, device=request.device, num_threads=request.num_threads,
+                             force_tolerant=request.force_tolerant)
     if progress is not None:
+        for line in flight.lines() if hasattr(progress, "note") else ():
+            progress.note(line)
         progress.window(start, request.stop_step, "requested")
     result = replay_window(trace, recipe, options, progress.step if progress is not None else None)
     decided = decision.decide(result.evidence, world_size=trace.world_size, identity=trace.manifest.identity, notes=(), files={},
                               majority={}, examined=decision.Examined(first_step=start, anchors=frozenset({start}),
                                                                       replayed=frozenset(range(start, result.last_step + 1))))
-    return ReplayRun(result=result, decision=decided)
+    return ReplayRun(result=result, decision=decided, preflight=flight)

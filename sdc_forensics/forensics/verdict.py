@@ -80,6 +80,7 @@ class BisectResult:
     notes: tuple[str, ...] = ()
     divergence_window: tuple[int, int] | None = None
     seed: int = 0
+    preflight: Any = None  # forensics.preflight.Preflight of the replay (None: trace-only)
 
     def to_json(self) -> dict[str, Any]:
         """The ``--json`` document (without ``schema_version``, which the CLI's emitter adds)."""
@@ -98,6 +99,7 @@ class BisectResult:
             "scope": self.scope,
             "settle": list(self.settle),
             "notes": list(self.notes),
+            "preflight": None if self.preflight is None else self.preflight.to_json(),
             "trace": {"path": self.trace_path, "world_size": self.world_size,
                       "steps": None if self.step_range is None else list(self.step_range), "damage": list(self.damage)},
         }

@@ -32,6 +32,7 @@ def certify_document(cert: Certification, certificate_out: str | Path | None = N
         "resume_path": resume.path if resume else None,
         "certificate": str(certificate_out) if certificate_out else None,
         "exit_code": cert.exit_code,
+        "preflight": None if result.preflight is None else result.preflight.to_json(),
     }
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from sdc_forensics.forensics import preflight
+
 from rich.markup import escape
 
 from sdc_forensics.present.text import new_table, pairs_text
@@ -45,6 +47,7 @@ def inspect_document(summary: TraceSummary) -> dict[str, Any]:
         ],
         "damage": [dataclasses.asdict(d) for d in summary.damage],
         "usable": True,
+        "preflight": preflight.check(m).to_json() if m.attempts else None,
     }
 
 
@@ -64,6 +67,9 @@ def render_inspect(summary: TraceSummary, console) -> None:
     )
     console.print(f"fingerprints: seed {fp.seed:#x}, sketch k={fp.sketch_k}, gradients in {escape(fp.grad_dtype)}")
     _render_end(console, summary.end)
+    if m.attempts:
+        for line in preflight.check(m).lines():
+            console.print(f"replay: {escape(line)}")
     if latest is not None:
         console.print(escape(f"torch {latest.torch_version or '?'}  cuda {latest.cuda_version or '-'}  "
                              f"determinism {pairs_text(latest.determinism)}"))

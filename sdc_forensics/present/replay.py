@@ -21,6 +21,7 @@ def replay_document(run: ReplayRun) -> dict[str, Any]:
         "max_residual_ratio": result.max_residual_ratio,
         "evidence": [e.to_json() for e in result.evidence],
         "verdict": decided.verdict.value, "settle": list(decided.settle),
+        "preflight": None if run.preflight is None else run.preflight.to_json(),
     }
 
 

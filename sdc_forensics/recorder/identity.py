@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from sdc_forensics import numerics
 from sdc_forensics.trace.manifest import Attempt, RankIdentity
 
 #: Environment variables that name the Kubernetes node a pod runs on (set via the downward API).
@@ -101,30 +102,22 @@ def node_map(identities: list[RankIdentity], override: tuple[int, ...] | None) -
     return tuple(nodes)
 
 
-def determinism_flags() -> dict[str, Any]:
-    """The settings that decide whether a replay can be bitwise exact."""
-    flags: dict[str, Any] = {
-        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-        "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
-        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
-        "cuda_matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
-        "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""),
-        "num_threads": torch.get_num_threads(),
-    }
-    return flags
+def determinism_flags(device: torch.device | None = None, backend: str = "", reduction: str = "native",
+                      comm_hook: str = "") -> dict[str, Any]:
+    """The settings that decide whether a replay can be bitwise exact (``sdc_forensics.numerics.record``)."""
+    return numerics.record(device, backend, reduction, comm_hook)
 
 
-def make_attempt(attempt: int, start_step: int, identities: list[RankIdentity], *, reduction: str = "native") -> Attempt:
-    """The manifest entry of this attempt (``reduction``: the all-reduce's mechanism, ``reduction.REDUCTIONS``)."""
+def make_attempt(attempt: int, start_step: int, identities: list[RankIdentity], *, device: torch.device | None = None,
+                 backend: str = "", reduction: str = "native", comm_hook: str = "") -> Attempt:
+    """The manifest entry of this attempt: identities and the numerics contract (``sdc_forensics.numerics``)
+    of this process (rank 0): its device, the process group's ``backend``, the all-reduce ``reduction``."""
     return Attempt(
         attempt=attempt,
         start_step=start_step,
         started_ns=time.time_ns(),
         torch_version=torch.__version__,
         cuda_version=str(torch.version.cuda or ""),
-        determinism={**determinism_flags(), "reduction": reduction},
+        determinism=determinism_flags(device, backend, reduction, comm_hook),
         ranks=tuple(identities),
     )

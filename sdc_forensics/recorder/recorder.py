@@ -236,6 +236,7 @@ class Recorder:
         reach = audit_reach(self.nodes) if (self.options.audit_every or self.options.audit_steps) else None
         if reach is not None and self.rank == 0:  # once per job, at attach: not a silent no-op at every audited step
             log.warning("sdc-forensics: audits are on (audit_every=%d), but %s", self.options.audit_every, reach)
+        self._comm_hook_name = "" if comm_hook is None else f"{getattr(comm_hook, '__module__', '?')}.{getattr(comm_hook, '__qualname__', repr(comm_hook))}"
         self.tap = BucketTap(
             param_index={id(p): i for i, p in enumerate(self.params)},
             grad_numel=sum(p.numel() for p in self.params if p.requires_grad),
@@ -274,7 +275,9 @@ class Recorder:
                     self.trace_dir, world_size=self.world_size, settings=settings, recipe=self.recipe_ref, recipe_args=self.recipe_args,
                     checkpoint_every=self.options.checkpoint_every, audit_every=self.options.audit_every or None,
                     weights_every=self.options.weights_every, node_of_rank=self.nodes,
-                    attempt=make_attempt(attempt, self.options.start_step, self.identities, reduction=self.options.reduction),
+                    attempt=make_attempt(attempt, self.options.start_step, self.identities, device=self.device,
+                                         backend=str(dist.get_backend(self.group)), reduction=self.options.reduction,
+                                         comm_hook=self._comm_hook_name),
                 )
                 write_manifest(self.trace_dir, manifest)
                 outcome = [attempt, None]
