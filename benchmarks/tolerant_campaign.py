@@ -446,6 +446,50 @@ def campaign(options: CampaignOptions, progress=print) -> dict:
     return summary | {"settings": settings, "rows": rows}
 
 
+def bit_class(bit: int) -> str:
+    """sign (31), exponent (23..30), high mantissa (16..22), low mantissa (below 16)."""
+    return "sign" if bit == 31 else "exponent" if bit >= 23 else "high mantissa" if bit >= 16 else "low mantissa"
+
+
+def markdown(result: dict) -> str:
+    """The summary and the per (location, bit class) table of a campaign result, as Markdown."""
+    from sdc_forensics.inject import parse_spec
+
+    lines = ["| | count |", "| --- | ---: |"]
+    rows = (("runs (clean + faulted)", f"{result['runs']} ({result['clean_runs']} + {result['faulted_runs']})"),
+            ("effective faults (ineffective, listed apart)", f"{result['effective']} ({result['ineffective']})"),
+            ("healthy ranks named as suspects (runs)", f"{result['healthy_ranks_named']} ({result['runs_naming_healthy_ranks']})"),
+            ("`corruption` at another step than the fault's", result["wrong_step"]),
+            ("\"drain\" advice for several nodes", result["drain_advice_for_several_nodes"]),
+            ("false alarms (clean run called `corruption`, or a checkpoint `corrupt`/`tainted`)", result["false_alarms"]),
+            ("false-clean certificates (a checkpoint `N > s` called clean after an effective fault at `s`)", result["false_clean_certificates"]),
+            ("exact step and rank (`corruption`, `s*` = fault step, suspects = fault rank or the collective)", f"{result['exact_step_rank']} of {result['effective']}"),
+            ("`inconclusive` faulted runs whose weak candidate names the fault's step and rank", f"{result['weak_candidate_matches']} of {result['inconclusive_faulted']}"),
+            ("missed (verdict `clean` on an effective fault)", result["missed"]),
+            ("inconclusive clean runs (a tolerant replay certifies nothing)", f"{result['inconclusive_clean']} of {result['clean_runs']}"),
+            ("runs where bisect, certify and verify-checkpoint disagree on a checkpoint", result["disagreements"]),
+            ("largest clean tolerant residual / replay tolerance", result["clean_max_residual_ratio"]),
+            ("seconds per run, mean (training; the three commands)", f"{result['train_s_mean']}; {result['cli_s_mean']}"))
+    lines += [f"| {name} | {value} |" for name, value in rows]
+    table: dict[tuple[str, str], dict[str, int]] = {}
+    for row in result["rows"]:
+        if row["kind"] != "faulted" or not row["effect"]["effective"]:
+            continue
+        spec = parse_spec(row["fault"])
+        cell = table.setdefault((spec.location, bit_class(spec.bit)), dict.fromkeys(("runs", "exact", "inconclusive", "named", "healthy"), 0))
+        outcome = row["outcome"]
+        cell["runs"] += 1
+        cell["exact"] += bool(outcome["exact_step_rank"])
+        cell["inconclusive"] += bool(outcome["inconclusive"])
+        cell["named"] += bool(outcome["weak_candidate_matches"])
+        cell["healthy"] += len(outcome.get("healthy_ranks_named") or [])
+    lines += ["", "| location | bit class | effective runs | exact step+rank | inconclusive (candidate named) | healthy ranks named |",
+              "| --- | --- | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {loc} | {cls} | {c['runs']} | {c['exact']} | {c['inconclusive']} ({c['named']}) | {c['healthy']} |"
+              for (loc, cls), c in sorted(table.items())]
+    return "\n".join(lines)
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clean", type=int, default=None, help="clean runs")
@@ -462,6 +506,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (1 or 2)")
     parser.add_argument("--verify", choices=("all", "around"), default="all",
                         help="verify-checkpoint --trace on every checkpoint, or around the fault (first, last, and either side of it)")
+    parser.add_argument("--markdown", action="store_true", help="print the summary and the per location / bit class table as Markdown")
     parser.add_argument("--rejudge", type=Path, default=None,
                         help="re-judge and re-tally the rows of an earlier --json output (no run is made)")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
@@ -483,7 +528,7 @@ def main(argv: list[str] | None = None) -> None:
             if row["kind"] != "twin":
                 row["outcome"] = judge(row)
         result = tally(rows, earlier.get("seconds", 0.0)) | {"settings": earlier.get("settings"), "rows": rows}
-        print(json.dumps(result, indent=1, sort_keys=True))
+        print(markdown(result) if args.markdown else json.dumps(result, indent=1, sort_keys=True))
         return
     preset = QUICK if args.quick else {"clean": None, "faulted": None, "steps": 40, "checkpoint_every": 10}
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else preset[name]  # noqa: E731

@@ -107,3 +107,16 @@ def test_healthy_ranks_named_and_wrong_steps_are_counted():
     assert inside["exact_step_rank"] and inside["healthy_ranks_named"] == []
     assert campaign.judge(_row("faulted", collective, "corruption", 23, [1], tainted, tainted, tainted))["healthy_ranks_named"] == [1]
     assert campaign.judge(_row("clean", verdict="corruption", first=5, ranks=[3]))["healthy_ranks_named"] == [3]
+
+
+def test_bit_classes_and_the_markdown_table():
+    assert [campaign.bit_class(b) for b in (31, 30, 23, 22, 16, 15)] == [
+        "sign", "exponent", "exponent", "high mantissa", "high mantissa", "low mantissa"]
+    fault = "grad:step=13:rank=2:bit=22"
+    tainted = {"0": "clean", "10": "clean", "20": "tainted"}
+    row = _row("faulted", fault, "corruption", 13, [2], tainted, tainted, tainted) | {
+        "effect": {"effective": True, "identical_before_fault": True}, "train_s": 1.0, "cli_s": 2.0}
+    row["outcome"] = campaign.judge(row)
+    text = campaign.markdown(campaign.tally([row], 1.0) | {"rows": [row]})
+    assert "| healthy ranks named as suspects (runs) | 0 (0) |" in text
+    assert "| grad | high mantissa | 1 | 1 | 0 (0) | 0 |" in text
