@@ -54,7 +54,7 @@ import torch
 
 from sdc_forensics.checkpoint.base import FileIssue, MappedFile, SingleFileReader, TensorInfo, unsupported_tensor
 from sdc_forensics.checkpoint.limits import INFLATE_HINT, TENSORS_HINT, ReadLimits, check_inside, inflate_member, resolve, size_text
-from sdc_forensics.errors import CheckpointError
+from sdc_forensics.errors import CheckpointError, reader
 from sdc_forensics.statedict import flatten_state
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # 30 bytes
@@ -121,6 +121,7 @@ def _numpy_names() -> set[str]:
     return set(NUMPY_GLOBALS) | {f"{cls.__module__}.{cls.__qualname__}" for cls in classes}
 
 
+@reader
 def pickle_globals(data: bytes) -> list[str]:
     """Every global (``module.name``) a pickle references, found without unpickling it.
 

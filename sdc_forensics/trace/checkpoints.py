@@ -23,7 +23,7 @@ import os
 import re
 from pathlib import Path
 
-from sdc_forensics.errors import TraceError
+from sdc_forensics.errors import TraceError, reader
 from sdc_forensics.trace.format import MAX_STEP
 from sdc_forensics.trace.manifest import MAX_ATTEMPT, MAX_WORLD_SIZE
 from sdc_forensics.untrusted import Fields, load_json
@@ -94,6 +94,7 @@ _HEX16 = re.compile(r"[0-9a-f]{16}")
 _HINT = "remove or restore it (it was not written by sdc-forensics, or is damaged)"
 
 
+@reader
 def parse_checkpoint_note(doc, where: str) -> CheckpointNote:
     """A decoded note, every field type- and range-checked; raises :class:`TraceError`."""
     f = Fields(doc, f"{where} (checkpoint note)", TraceError, _HINT)
@@ -141,6 +142,7 @@ def climbs_then_descends(path: str) -> bool:
         and all(p not in ("", ".", "..") for p in rest)
 
 
+@reader
 def read_checkpoint_notes(trace_dir: str | os.PathLike) -> list[CheckpointNote]:
     """All notes, sorted by step; for a step noted by several attempts, the latest attempt wins.
 

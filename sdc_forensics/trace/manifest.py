@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from sdc_forensics.errors import TraceError
+from sdc_forensics.errors import TraceError, reader
 from sdc_forensics.fingerprint.tolerance import REDUCTIONS, UNIT_ROUNDOFF
 from sdc_forensics.trace.format import FORMAT_VERSION, MAX_STEP
 from sdc_forensics.untrusted import Fields, describe, is_int, load_json
@@ -172,6 +172,7 @@ def _recipe_args(f: Fields) -> dict[str, Any] | None:
     return args
 
 
+@reader
 def parse_manifest(doc: Any, where: str = MANIFEST_NAME) -> Manifest:
     """Turn a decoded manifest document into a :class:`Manifest`, or raise :class:`TraceError`.
 
@@ -208,6 +209,7 @@ def parse_manifest(doc: Any, where: str = MANIFEST_NAME) -> Manifest:
     )
 
 
+@reader
 def read_manifest(trace_dir: str | os.PathLike) -> Manifest:
     """Read and validate ``TRACE_DIR/manifest.json``."""
     path = Path(trace_dir) / MANIFEST_NAME
