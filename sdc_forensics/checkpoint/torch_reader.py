@@ -89,6 +89,12 @@ class PickleRefused(CheckpointError):
 _STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING", "STRING"}
 
 
+class TensorNotReadable(CheckpointError):
+    """The file is intact as far as can be told, but holds a tensor verification cannot read as
+    dense bits (quantized, sparse, nested, meta, a packed dtype: ``base.unsupported_tensor``): its
+    content is not verified, which says nothing about whether it is damaged."""
+
+
 def _allowed_globals() -> set[str] | None:
     """``module.name`` of every global ``weights_only`` loading accepts; None if unknown."""
     try:
@@ -204,7 +210,7 @@ class TorchReader(SingleFileReader):
             for key, tensor in self._flat.items():
                 why = unsupported_tensor(tensor)
                 if why is not None:
-                    raise CheckpointError(f"{path}: tensor {key[:80]!r} is {why}: it cannot be verified; re-save the state as dense CPU tensors")
+                    raise TensorNotReadable(f"{path}: tensor {key[:80]!r} is {why}: it cannot be verified; re-save the state as dense CPU tensors")
             self._check_views()
         except CheckpointError:
             self._file.close()
