@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 
 from sdc_forensics.errors import TraceError, reader
+from sdc_forensics.newfile import write_atomic
 from sdc_forensics.trace.format import MAX_STEP
 from sdc_forensics.trace.manifest import MAX_ATTEMPT, MAX_WORLD_SIZE
 from sdc_forensics.untrusted import Fields, load_json
@@ -81,13 +82,10 @@ def write_checkpoint_note(trace_dir: str | os.PathLike, note: CheckpointNote) ->
     """Write a note atomically."""
     path = note_path(trace_dir, note.step, note.attempt)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
     doc = dataclasses.asdict(note)
     if not note.path_from_trace:  # an optional key: older notes (and the golden files) stay as they were
         del doc["path_from_trace"]
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return write_atomic(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
 
 _HEX16 = re.compile(r"[0-9a-f]{16}")

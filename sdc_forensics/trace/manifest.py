@@ -1,6 +1,6 @@
 """The run-level manifest ``manifest.json`` of a trace directory, as frozen dataclasses.
 
-The manifest is written by global rank 0, atomically (temporary file, then ``os.replace``), at
+The manifest is written by global rank 0, atomically (``newfile.write_atomic``), at
 the start of every attempt. It holds what every reader needs to interpret the rank files: world
 size, fingerprint settings and seed, the replay recipe, the reduction, and per attempt the
 environment and the identity of every rank. Parsing happens here; nothing past the reader digs
@@ -17,6 +17,7 @@ from typing import Any
 
 from sdc_forensics.errors import TraceError, reader
 from sdc_forensics.fingerprint.tolerance import REDUCTIONS, UNIT_ROUNDOFF
+from sdc_forensics.newfile import write_atomic
 from sdc_forensics.trace.format import FORMAT_VERSION, MAX_STEP
 from sdc_forensics.untrusted import Fields, describe, is_int, load_json
 
@@ -120,7 +121,7 @@ class Manifest:
 MAX_WORLD_SIZE = 100_000
 MAX_ATTEMPT = 999
 MAX_FORMAT_MINOR = 0xFFFF
-_HINT = "it was not written by sdc-forensics or is damaged: restore manifest.json from the run"
+_HINT = f"it was not written by sdc-forensics or is damaged: restore {MANIFEST_NAME} from the run"
 _IDENTITY_STRINGS = ("host", "gpu_uuid", "pci_bus_id", "device", "slurm_job_id", "slurm_node", "k8s_node")
 
 
@@ -226,8 +227,4 @@ def read_manifest(trace_dir: str | os.PathLike) -> Manifest:
 
 def write_manifest(trace_dir: str | os.PathLike, manifest: Manifest) -> Path:
     """Write the manifest atomically (readers never see half a manifest)."""
-    path = Path(trace_dir) / MANIFEST_NAME
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return write_atomic(Path(trace_dir) / MANIFEST_NAME, json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n")
