@@ -21,7 +21,7 @@ import numpy as np
 from sdc_forensics.errors import TraceError, reader, reader_class
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace import scan
-from sdc_forensics.trace.manifest import Manifest, read_manifest
+from sdc_forensics.trace.manifest import MANIFEST_NAME, Manifest, read_manifest
 from sdc_forensics.trace.windows import StepWindow, iter_windows
 
 _FILE_RE = re.compile(r"^rank-(\d{5})\.attempt-(\d{3})\.sdct$")
@@ -390,9 +390,9 @@ def _check_world_size(path: Path, world_size: int, ranks_with_files: set[int]) -
     if missing > max(present, MAX_MISSING_RANKS):
         shown = step_ranges(sorted(ranks_with_files)) or "none"
         raise TraceError(
-            f"{path / 'manifest.json'} declares world_size {world_size}, but only {present} rank(s) have a readable file here "
+            f"{path / MANIFEST_NAME} declares world_size {world_size}, but only {present} rank(s) have a readable file here "
             f"(ranks {shown}): {missing} ranks are missing, more than are present, so replicas cannot be compared; "
-            "restore manifest.json from the run, or copy every rank's rank-RRRRR.attempt-AAA.sdct files into the directory"
+            f"restore {MANIFEST_NAME} from the run, or copy every rank's rank-RRRRR.attempt-AAA.sdct files into the directory"
         )
 
 
