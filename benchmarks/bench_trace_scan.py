@@ -149,7 +149,7 @@ def cold_first_call(trace_dir: Path, cache_dir: Path) -> tuple[float, str]:
 
 
 def make_trace(path: Path, ranks: int, steps: int, fault_step: int, audit_every: int = 0) -> Path:
-    faults = (PlantedFault(kind="weights", step=fault_step, rank=ranks // 3), PlantedFault(kind="allreduce", step=fault_step + 1, rank=0))
+    faults = (PlantedFault(kind="weights", step=fault_step, rank=ranks // 3), PlantedFault(kind="allreduce-all", step=fault_step + 1, rank=0))
     trace_dir = write_synthetic_trace(path, num_ranks=ranks, num_steps=steps, faults=faults)
     if audit_every:
         add_audits(trace_dir, ranks, audit_every)

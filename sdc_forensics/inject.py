@@ -45,7 +45,9 @@ from sdc_forensics.errors import UsageError
 from sdc_forensics.fingerprint import constants as C
 
 LOCATIONS = ("grad", "allreduce", "allreduce-all", "weights", "update", "input", "checkpoint-file")
-_ALL_RANKS = ("allreduce-all", "checkpoint-file")
+#: Locations whose flip is not one rank's: the collective's result on every rank, and the
+#: checkpoint file (flipped by whichever rank saves it). ``rank`` is ignored for them.
+EVERY_RANK_LOCATIONS = frozenset({"allreduce-all", "checkpoint-file"})
 _SYNTAX = "LOCATION:step=S:rank=R:bit=B[:element=I]"
 
 
@@ -84,9 +86,14 @@ class FaultSpec:
         text = f"{self.location}:step={self.step}:rank={self.rank}:bit={self.bit}"
         return text if self.element is None else f"{text}:element={self.element}"
 
+    @property
+    def every_rank(self) -> bool:
+        """The flip is not one rank's (:data:`EVERY_RANK_LOCATIONS`): ``rank`` is ignored."""
+        return self.location in EVERY_RANK_LOCATIONS
+
     def applies_to(self, rank: int) -> bool:
         """Whether ``rank`` performs this flip (checkpoint-file: decided by who saves)."""
-        return self.location in _ALL_RANKS or self.rank == rank
+        return self.every_rank or self.rank == rank
 
     def choose_element(self, numel: int) -> int:
         """The element to flip among ``numel`` (the given one, else a deterministic choice)."""
@@ -96,7 +103,7 @@ class FaultSpec:
             if self.element >= numel:
                 raise UsageError(f"fault {self}: element {self.element} is out of range (0..{numel - 1})")
             return self.element
-        key = (LOCATIONS.index(self.location) << 48) ^ (self.step << 16) ^ (0 if self.location in _ALL_RANKS else self.rank)
+        key = (LOCATIONS.index(self.location) << 48) ^ (self.step << 16) ^ (0 if self.every_rank else self.rank)
         return int(C.splitmix64(np.array([key], dtype=np.uint64))[0] % np.uint64(numel))
 
 
@@ -119,7 +126,7 @@ def parse_spec(text: str) -> FaultSpec:
             fields[key] = int(value.strip(), 0)
         except ValueError:
             raise UsageError(f"fault spec {text!r}: {key}={value!r} is not an integer") from None
-    optional_rank = location in _ALL_RANKS
+    optional_rank = location in EVERY_RANK_LOCATIONS
     missing = [k for k in ("step", "rank", "bit") if k not in fields and not (k == "rank" and optional_rank)]
     if missing:
         raise UsageError(f"fault spec {text!r} lacks {', '.join(missing)}; the form is {_SYNTAX}")

@@ -1,18 +1,59 @@
-"""Writing a new output file whole or not at all, never over an existing one without ``force``.
+"""Writing a file whole or not at all: the one atomic write of the package.
 
-Used by every command that writes a file (``export -o``, ``report -o``, ``certify
---certificate-out``): the existence check before the work (``cli/common.check_new_output``) is not
-enough, because a replay can take minutes and a file can appear meanwhile.
+Every file sdc-forensics writes for someone else to read is written into a temporary file beside
+its target (same directory, so same file system), flushed and ``fsync``'ed, then moved into place
+in one step, so a reader (or a run killed mid-write, or a machine crash after the move) never
+sees half a file:
+
+* :func:`write_atomic` replaces the target: the trace's ``manifest.json``, checkpoint notes and
+  bucket layouts, the demo's per-rank reports;
+* :func:`write_new_file` never replaces a file without ``force``: every command that writes an
+  output file (``export -o``, ``report -o``, ``certify --certificate-out``). The existence check
+  before the work (``cli/common.check_new_output``) is not enough, because a replay can take
+  minutes and a file can appear meanwhile.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO, TypeVar
 
 T = TypeVar("T")
+
+
+def _write_beside(target: Path, write: Callable[[TextIO], T]) -> tuple[Path, T]:
+    """``write(handle)`` into a new temporary file beside ``target``, flushed and fsync'ed;
+    ``(its path, what write returned)``. Removed again if writing fails."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    handle = open(tmp, "x", newline="", encoding="utf-8")  # exclusive: never a file (or link) already there
+    try:
+        with handle:
+            result = write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp, result
+
+
+def write_atomic(target: str | os.PathLike, text: str) -> Path:
+    """Replace ``target`` with ``text`` (UTF-8) whole or not at all; returns ``target``.
+
+    A temporary file beside it is written and ``fsync``'ed, then ``os.replace``'d onto it: a
+    reader sees the old content or the new, never a mixture, and a failure leaves ``target``
+    untouched and no temporary file behind.
+    """
+    target = Path(target)
+    tmp, _ = _write_beside(target, lambda handle: handle.write(text))
+    try:
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
 
 
 def write_new_file(target: str | os.PathLike, force: bool, write: Callable[[TextIO], T], *, flag: str = "-o") -> T:
@@ -30,11 +71,8 @@ def write_new_file(target: str | os.PathLike, force: bool, write: Callable[[Text
 
     target = Path(target)
     exists = UsageError(f"{flag} {target} exists: choose another path, or pass --force to overwrite it")
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    handle = open(tmp, "x", newline="", encoding="utf-8")  # exclusive: never a file (or link) already there
+    tmp, result = _write_beside(target, write)
     try:
-        with handle:
-            result = write(handle)
         if force:
             os.replace(tmp, target)
         else:

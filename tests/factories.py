@@ -98,9 +98,8 @@ class Fault:
     rank: int = 0
 
 
-#: Fault kind here -> ``PlantedFault`` kind of ``sdc_forensics.trace.synthetic`` (its
-#: ``allreduce`` moves the reduced sketch on every rank: ``allreduce-all`` here).
-_BULK_KINDS = {"nonfinite": "nonfinite", "allreduce-all": "allreduce", "weights": "weights"}
+#: Fault kinds here that ``sdc_forensics.trace.synthetic`` plants in bulk (the same names).
+_BULK_KINDS = {"nonfinite": "nonfinite", "allreduce-all": "allreduce-all", "weights": "weights"}
 
 
 def write_trace(path: Path, *, ranks: int = 4, steps: int = 20, fault: Fault | tuple[Fault, ...] | None = None, bulk: bool = False,

@@ -108,3 +108,29 @@ def test_checkpoint_file_flip_lands_inside_tensor_data(tmp_path):
     assert len(changed) == 1 and loaded[changed[0]] > 1e30
     inj.corrupt_checkpoint_file(11, path)  # no spec for checkpoint 11: untouched
     assert len(inj.fired) == 1
+
+
+def test_which_locations_hit_every_rank_is_said_once():
+    """``allreduce-all`` and ``checkpoint-file`` ignore ``rank`` (parsing, who flips, the default
+    element, and the demo's check of the rank against the world size all ask ``every_rank``);
+    ``allreduce`` is one rank's reduced gradient."""
+    from sdc_forensics.inject import EVERY_RANK_LOCATIONS, LOCATIONS
+
+    assert EVERY_RANK_LOCATIONS == {"allreduce-all", "checkpoint-file"} and EVERY_RANK_LOCATIONS <= set(LOCATIONS)
+    for location in LOCATIONS:
+        spec = FaultSpec(location=location, step=1, rank=1, bit=3)
+        assert spec.every_rank == (location in EVERY_RANK_LOCATIONS)
+        assert [spec.applies_to(r) for r in range(3)] == ([True] * 3 if spec.every_rank else [False, True, False])
+    assert not FaultSpec(location="allreduce", step=1, rank=1, bit=3).every_rank
+
+
+@pytest.mark.parametrize("location, accepted", [("allreduce-all", True), ("allreduce", False), ("grad", False)])
+def test_the_demo_checks_the_rank_only_where_the_flip_is_one_ranks(tmp_path, location, accepted):
+    from sdc_forensics.demo.run import DemoConfig
+
+    spec = FaultSpec(location=location, step=2, rank=9, bit=30)
+    if accepted:
+        DemoConfig(out_dir=tmp_path, injections=(spec,))
+    else:
+        with pytest.raises(UsageError, match="rank 9 does not exist in a 4-rank run"):
+            DemoConfig(out_dir=tmp_path, injections=(spec,))

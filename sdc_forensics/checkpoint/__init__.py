@@ -13,7 +13,7 @@ import importlib
 
 _EXPORTS = {
     "detect_format": "formats", "open_checkpoint": "formats",
-    "Finding": "verify", "FindingKind": "verify", "VerificationReport": "verify", "VerifyOptions": "verify", "verify_checkpoint": "verify",
+    "Finding": "verify", "FindingKind": "findings", "VerificationReport": "verify", "VerifyOptions": "verify", "verify_checkpoint": "verify",
 }
 
 

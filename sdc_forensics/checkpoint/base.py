@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from sdc_forensics.errors import CheckpointError
+from sdc_forensics.errors import CheckpointError, reader, reader_class
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)  # slots: a file may list a million
@@ -50,6 +50,7 @@ class FileIssue:
     detail: str
 
 
+@reader_class
 class MappedFile:
     """A file mapped read-only, exposed as one ``uint8`` torch tensor without copying.
 
@@ -102,6 +103,7 @@ class MappedFile:
             self._mmap = None
 
 
+@reader
 def typed_view(raw: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """``raw`` (uint8 bytes) reinterpreted as ``dtype`` with ``shape``; zero-copy when aligned."""
     if not raw.numel():  # nothing to view (an empty slice may be misaligned: no copy needed)
@@ -124,6 +126,12 @@ class CheckpointReader(abc.ABC):
     """
 
     format: str = ""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        """Every reader's constructor and public methods raise :class:`InvalidInputError` for any
+        input they cannot parse (``errors.reader_class``): a new format needs no list anywhere."""
+        super().__init_subclass__(**kwargs)
+        reader_class(cls)
 
     def __init__(self, path: Path, root: Path) -> None:
         self.path = path

@@ -20,8 +20,9 @@ verified whole. Every regular file below it falls in exactly one class:
   ``.metadata`` as FSDP writes): read, digested and NaN/Inf-checked the same way, its tensors keyed
   ``FILE/KEY`` (``optimizer.pt/state.0.exp_avg``, ``pytorch_model_fsdp_0/model.w``) so that they
   never collide with model keys. One whose pickle needs a global outside the ``weights_only``
-  allow-list (a pickled dataclass, a numpy array) or is a legacy raw pickle is *not verifiable*;
-  one that is truncated or corrupt is *damaged* (a finding, not an exit-3 error: the rest of the
+  allow-list (a pickled dataclass, a numpy array) or is a legacy raw pickle, or that holds a
+  tensor verification cannot read as dense bits (a quantized or sparse optimizer state), is *not
+  verifiable*; one that is truncated or corrupt is *damaged* (a finding, not an exit-3 error: the rest of the
   folder is still reported);
 * **a metadata file** (``*.json`` must parse; ``*.txt``, ``*.md``, ``*.yaml``, ``*.yml``,
   ``.gitattributes``, ``.gitignore`` must be UTF-8): read and checksummed; one that does not
@@ -59,7 +60,7 @@ from sdc_forensics.checkpoint.dcp_reader import METADATA_NAME, DcpReader
 from sdc_forensics.checkpoint.formats import NOTHING_TO_READ, TORCH_SUFFIXES, main_format, open_file, sniff_file
 from sdc_forensics.checkpoint.hf_index import read_index
 from sdc_forensics.checkpoint.limits import ReadLimits, link_advice, link_bounds, outside, resolve
-from sdc_forensics.checkpoint.torch_reader import PickleRefused
+from sdc_forensics.checkpoint.torch_reader import PickleRefused, TensorNotReadable
 from sdc_forensics.errors import CheckpointError
 
 IGNORED = (".git", ".cache/huggingface")
@@ -192,6 +193,11 @@ class FolderReader(CheckpointReader):
         except PickleRefused as exc:
             self._other_files.append(path)
             self._unverifiable.append(FileIssue(file=rel, detail=_refusal(exc)))
+            return 1
+        except TensorNotReadable as exc:  # a quantized or sparse optimizer state: intact, just not readable as bits
+            self._other_files.append(path)
+            why = str(exc).removeprefix(f"{path}: ")
+            self._unverifiable.append(FileIssue(file=rel, detail=f"{why}; {_CHECKSUM_ONLY}"))
             return 1
         except CheckpointError as exc:
             self._other_files.append(path)

@@ -19,7 +19,7 @@ from sdc_forensics.checkpoint.hf_index import INDEX_SUFFIX, HfIndexReader, find_
 from sdc_forensics.checkpoint.limits import ReadLimits
 from sdc_forensics.checkpoint.safetensors_reader import SafetensorsReader
 from sdc_forensics.checkpoint.torch_reader import TorchReader
-from sdc_forensics.errors import CheckpointError
+from sdc_forensics.errors import CheckpointError, reader
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 #: The model file of a folder holding several ``.safetensors`` files, and the legacy HF model file.
@@ -27,6 +27,7 @@ MAIN_SAFETENSORS = "model.safetensors"
 LEGACY_TORCH_MODEL = "pytorch_model.bin"
 
 
+@reader
 def main_format(directory: Path) -> tuple[str, Path] | None:
     """The model checkpoint a directory holds at its top level, as ``(format, path)``, or None.
 
@@ -52,6 +53,7 @@ def main_format(directory: Path) -> tuple[str, Path] | None:
     return None
 
 
+@reader
 def detect_format(path: str | os.PathLike) -> str:
     """``safetensors``, ``hf-index``, ``torch``, ``dcp`` or (a directory without one model
     checkpoint at its top) ``folder``; raises :class:`CheckpointError`."""
@@ -71,6 +73,7 @@ def detect_format(path: str | os.PathLike) -> str:
     return found
 
 
+@reader
 def sniff_file(path: Path) -> str | None:
     """``torch`` or ``safetensors`` from the first bytes and the suffix of one file, else None."""
     with open(path, "rb") as fh:  # read-only
@@ -86,6 +89,7 @@ def sniff_file(path: Path) -> str | None:
     return None
 
 
+@reader
 def open_file(path: Path, kind: str, *, root: Path | None = None, populate: bool = False, limits: ReadLimits | None = None) -> CheckpointReader:
     """The reader of one checkpoint file (or of an HF index and its shards, or a DCP directory).
 
@@ -107,6 +111,7 @@ def open_file(path: Path, kind: str, *, root: Path | None = None, populate: bool
     raise CheckpointError(f"{path}: no reader for format {kind!r}")
 
 
+@reader
 def open_checkpoint(path: str | os.PathLike, *, populate: bool = False, limits: ReadLimits | None = None) -> CheckpointReader:
     """Open ``path`` with the right reader; structure is checked before this returns.
 

@@ -28,7 +28,7 @@ from sdc_forensics.checkpoint.base import CheckpointReader, FileIssue, MappedFil
 from sdc_forensics.checkpoint.limits import ReadLimits, check_inside, resolve
 from sdc_forensics.checkpoint.safetensors_reader import SafetensorsReader
 from sdc_forensics.checkpoint.torch_reader import TorchReader
-from sdc_forensics.errors import CheckpointError
+from sdc_forensics.errors import CheckpointError, reader
 from sdc_forensics.untrusted import MAX_DEPTH, depth, describe, load_json
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -42,6 +42,7 @@ def is_index_name(name: str) -> bool:
     return name.endswith(INDEX_SUFFIXES)
 
 
+@reader
 def find_index(directory: Path) -> Path | None:
     """The one HF index (``*.safetensors.index.json``, ``*.bin.index.json``) in ``directory``."""
     found = sorted(p for p in directory.glob("*.index.json") if is_index_name(p.name))
@@ -140,6 +141,7 @@ class HfIndexReader(CheckpointReader):
             reader.close()
 
 
+@reader
 def read_index(index_path: Path) -> tuple[dict[str, str], dict]:
     """``(weight_map, metadata)`` of an index file, checked; raises :class:`CheckpointError`."""
     if not index_path.is_file():

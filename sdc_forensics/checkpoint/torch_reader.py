@@ -54,7 +54,7 @@ import torch
 
 from sdc_forensics.checkpoint.base import FileIssue, MappedFile, SingleFileReader, TensorInfo, unsupported_tensor
 from sdc_forensics.checkpoint.limits import INFLATE_HINT, TENSORS_HINT, ReadLimits, check_inside, inflate_member, resolve, size_text
-from sdc_forensics.errors import CheckpointError
+from sdc_forensics.errors import CheckpointError, reader
 from sdc_forensics.statedict import flatten_state
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # 30 bytes
@@ -89,6 +89,12 @@ class PickleRefused(CheckpointError):
 _STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING", "STRING"}
 
 
+class TensorNotReadable(CheckpointError):
+    """The file is intact as far as can be told, but holds a tensor verification cannot read as
+    dense bits (quantized, sparse, nested, meta, a packed dtype: ``base.unsupported_tensor``): its
+    content is not verified, which says nothing about whether it is damaged."""
+
+
 def _allowed_globals() -> set[str] | None:
     """``module.name`` of every global ``weights_only`` loading accepts; None if unknown."""
     try:
@@ -121,6 +127,7 @@ def _numpy_names() -> set[str]:
     return set(NUMPY_GLOBALS) | {f"{cls.__module__}.{cls.__qualname__}" for cls in classes}
 
 
+@reader
 def pickle_globals(data: bytes) -> list[str]:
     """Every global (``module.name``) a pickle references, found without unpickling it.
 
@@ -203,7 +210,7 @@ class TorchReader(SingleFileReader):
             for key, tensor in self._flat.items():
                 why = unsupported_tensor(tensor)
                 if why is not None:
-                    raise CheckpointError(f"{path}: tensor {key[:80]!r} is {why}: it cannot be verified; re-save the state as dense CPU tensors")
+                    raise TensorNotReadable(f"{path}: tensor {key[:80]!r} is {why}: it cannot be verified; re-save the state as dense CPU tensors")
             self._check_views()
         except CheckpointError:
             self._file.close()

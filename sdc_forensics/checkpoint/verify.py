@@ -25,12 +25,12 @@ Findings are data (:class:`Finding`); whether they make a checkpoint clean is de
 from __future__ import annotations
 
 import dataclasses
-import enum
 import os
 import time
 from pathlib import Path
 
 from sdc_forensics.checkpoint.base import CheckpointReader
+from sdc_forensics.checkpoint.findings import FindingKind
 from sdc_forensics.checkpoint.formats import open_checkpoint
 from sdc_forensics.checkpoint.limits import ReadLimits
 from sdc_forensics.checkpoint.measure import FileChecksum, default_workers, measure
@@ -39,21 +39,6 @@ from sdc_forensics.fingerprint.core import combine_digests
 from sdc_forensics.trace.checkpoints import CheckpointNote, hex64
 
 _PARAM_PREFIXES = ("", "model.", "module.", "model.module.", "state_dict.", "model_state_dict.")
-
-
-class FindingKind(str, enum.Enum):
-    """Why a readable checkpoint is not certifiable."""
-
-    NONFINITE = "nonfinite"
-    DIGEST_MISMATCH = "digest-mismatch"
-    MISSING_TENSOR = "missing-tensor"
-    UNEXPECTED_TENSOR = "unexpected-tensor"
-    WEIGHTS_NOT_MAJORITY = "weights-not-majority"
-    FILE_DAMAGED = "file-damaged"
-    FILE_CHECKSUM_MISMATCH = "file-checksum-mismatch"
-    #: A file of the checkpoint whose content could not be checked (not loadable safely, unknown
-    #: format, a link not followed): nothing says it is corrupt, nothing says it is clean.
-    NOT_VERIFIABLE = "not-verifiable"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,6 +1,6 @@
 """The read-limit options of every command that reads checkpoint files.
 
-``verify-checkpoint``, ``certify`` and ``bisect`` take the same four options; this decorator adds
+``verify-checkpoint``, ``certify``, ``bisect`` and ``report`` take the same four options; this decorator adds
 them, builds one :class:`~sdc_forensics.checkpoint.limits.ReadLimits` and runs the command under
 it (``using_limits``), so every checkpoint the command opens, directly or through the analysis,
 is read under the user's limits without each call passing them on:

@@ -2,7 +2,9 @@
 
 Only this layer turns :class:`~sdc_forensics.errors.SdcError` into one line on stderr and the
 documented exit code (0 clean, 1 corruption / not certifiable, 2 usage, 3 bad input,
-4 inconclusive). Subcommand modules are imported lazily so ``inspect`` starts without torch.
+4 inconclusive): each error class carries its code, and every reader of untrusted input raises an
+``InvalidInputError`` (exit 3) for anything it cannot parse (``errors.reader``), so no list of
+readers is kept here. Subcommand modules are imported lazily so ``inspect`` starts without torch.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
-import struct
 import sys
 
 import click
@@ -31,40 +32,6 @@ _COMMANDS = {
     "report": ("sdc_forensics.cli.report_cmd", "report_cmd", "Write a post-incident review (HTML, Markdown or JSON)."),
     "export": ("sdc_forensics.cli.export_cmd", "export_cmd", "Export a trace's STEP records to CSV."),
 }
-
-
-#: The last line of defence, deliberately narrow. Readers validate what they parse and raise
-#: ``SdcError``s (fix a crash there, at the parse boundary). Should one of these exception types
-#: still escape while a reader below is on the stack (a malformed input no check caught yet),
-#: it means "unreadable input": one line and exit 3, never a traceback with exit 1 (the
-#: "corruption found" code). The same type raised anywhere else (analysis, rendering) is a bug
-#: and keeps its traceback. Module name -> the functions that count (None: all of the module).
-_READER_ERRORS = (RecursionError, UnicodeDecodeError, struct.error, OverflowError, ValueError, TypeError, AttributeError, KeyError, IndexError)
-_READERS: dict[str, frozenset[str] | None] = {
-    "sdc_forensics.untrusted": None,
-    "sdc_forensics.checkpoint.base": None,
-    "sdc_forensics.checkpoint.formats": None,
-    "sdc_forensics.checkpoint.folder": None,
-    "sdc_forensics.checkpoint.safetensors_reader": None,
-    "sdc_forensics.checkpoint.torch_reader": None,
-    "sdc_forensics.checkpoint.hf_index": None,
-    "sdc_forensics.checkpoint.dcp_reader": None,
-    "sdc_forensics.trace.manifest": frozenset({"read_manifest"}),
-    "sdc_forensics.trace.checkpoints": frozenset({"read_checkpoint_notes"}),
-    "sdc_forensics.trace.reader": None,
-    "sdc_forensics.forensics.certificate": frozenset({"read_certificate"}),
-}
-
-
-def _reader_frame(exc: BaseException) -> str | None:
-    """``module.function`` of the innermost reader frame the exception passed through, or None."""
-    found, tb = None, exc.__traceback__
-    while tb is not None:
-        module, function = tb.tb_frame.f_globals.get("__name__", ""), tb.tb_frame.f_code.co_name
-        if module in _READERS and (_READERS[module] is None or function in _READERS[module]):
-            found = f"{module}.{function}"
-        tb = tb.tb_next
-    return found
 
 
 class _LazyGroup(click.Group):
@@ -135,16 +102,6 @@ class _LazyGroup(click.Group):
 
             stdout_closed()
             ctx.exit(0)
-        except _READER_ERRORS as exc:
-            where = _reader_frame(exc)
-            if where is None:  # not raised under a reader: a bug, keep the traceback
-                raise
-            from sdc_forensics.cli.output import fatal
-
-            text = " ".join(str(exc).split())[:200]
-            fatal(f"an input file is malformed in a way sdc-forensics does not check yet ({type(exc).__name__} in {where}: {text}); "
-                  "check the file, and please report this with it")
-            ctx.exit(EXIT_INPUT)
 
 
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from sdc_forensics.cli.common import EXIT_BY_VERDICT, check_new_output, distributed_replay, force_option, run_analysis, trace_analysis_options
+from sdc_forensics.cli.limits import read_limit_options
 from sdc_forensics.newfile import write_new_file
 from sdc_forensics.cli.output import SCHEMA_VERSION, emit_json, err, write_stdout
 
@@ -19,6 +20,7 @@ from sdc_forensics.cli.output import SCHEMA_VERSION, emit_json, err, write_stdou
 @click.option("--format", "fmt", type=click.Choice(["html", "md", "json"]),
               help="Output format (default: from -o's suffix; Markdown on stdout).")
 @force_option
+@read_limit_options
 @distributed_replay
 @click.pass_context
 def report_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: bool, output: str, fmt: str | None, force: bool,

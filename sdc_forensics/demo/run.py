@@ -29,6 +29,8 @@ from sdc_forensics import recipe as recipe_mod
 from sdc_forensics.errors import SdcError, UsageError
 from sdc_forensics.demo.targets import check_injections
 from sdc_forensics.inject import FaultSpec, parse_specs
+from sdc_forensics.newfile import write_atomic
+from sdc_forensics.trace.manifest import MANIFEST_NAME
 
 RECIPE_REFERENCE = "sdc_forensics.demo.recipe:recipe"
 
@@ -152,13 +154,13 @@ class DemoConfig:
             raise UsageError(f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
         if not 2 <= self.world_size <= 16:
             raise UsageError(f"world size must be in 2..16, got {self.world_size}")
-        if self.resume_from is None and (self.trace_dir / "manifest.json").exists():
+        if self.resume_from is None and (self.trace_dir / MANIFEST_NAME).exists():
             raise UsageError(f"{self.out_dir} already holds a demo trace; pass a new --out directory")
         if self.resume_from is not None and not self.checkpoint_path(self.resume_from).is_file():
             raise UsageError(f"cannot resume from checkpoint {self.resume_from}: {self.checkpoint_path(self.resume_from)} does not exist")
         self._check_kill()
         for spec in self.injections:
-            if spec.rank >= self.world_size and spec.location not in ("allreduce-all", "checkpoint-file"):
+            if spec.rank >= self.world_size and not spec.every_rank:
                 raise UsageError(f"fault {spec}: rank {spec.rank} does not exist in a {self.world_size}-rank run (use rank=0..{self.world_size - 1})")
             if spec.location == "checkpoint-file" and spec.step not in self.checkpoint_steps:
                 raise UsageError(f"fault {spec}: no checkpoint {spec.step} is written (checkpoints: {', '.join(map(str, self.checkpoint_steps))})")
@@ -413,10 +415,7 @@ def _worker(rank: int, config: DemoConfig, port: int) -> None:
         try:
             report = train_rank(config, rank)
             alarm = report.pop("_alarm", None)
-            path = config.out_dir / "demo" / f"rank-{rank}.json"
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(report, indent=1, sort_keys=True), encoding="utf-8")
-            os.replace(tmp, path)
+            write_atomic(config.out_dir / "demo" / f"rank-{rank}.json", json.dumps(report, indent=1, sort_keys=True))
         finally:
             dist.destroy_process_group()
         if alarm is not None:

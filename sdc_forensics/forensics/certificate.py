@@ -28,7 +28,7 @@ from pathlib import Path
 
 from sdc_forensics import __version__
 from sdc_forensics.checkpoint.verify import FileChecksum, Finding, FindingKind, VerificationReport
-from sdc_forensics.errors import InvalidInputError
+from sdc_forensics.errors import InvalidInputError, reader
 from sdc_forensics.fingerprint import constants as C
 from sdc_forensics.forensics.decision import CheckpointStatus, Status, last_clean
 from sdc_forensics.trace.format import MAX_STEP
@@ -179,6 +179,7 @@ def _entry(doc, where: str) -> CertifiedCheckpoint:
     )
 
 
+@reader
 def read_certificate(path: str | os.PathLike) -> Certificate:
     """Read and validate a certificate; raises :class:`InvalidInputError` if it is not one.
 

@@ -37,14 +37,16 @@ import enum
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from sdc_forensics.checkpoint.findings import FindingKind
 from sdc_forensics.forensics.common_mode import is_common_mode, shared_state
 from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, sort_key
 from sdc_forensics.trace.reader import step_ranges
 
 # the file differs from what was saved (storage), or was saved from a wrong state
-STORAGE_FINDINGS = frozenset({"digest-mismatch", "file-damaged", "file-checksum-mismatch", "missing-tensor", "unexpected-tensor"})
-STATE_FINDINGS = frozenset({"nonfinite", "weights-not-majority"})
-UNVERIFIABLE_FINDINGS = frozenset({"not-verifiable"})
+STORAGE_FINDINGS = frozenset({FindingKind.DIGEST_MISMATCH, FindingKind.FILE_DAMAGED, FindingKind.FILE_CHECKSUM_MISMATCH,
+                              FindingKind.MISSING_TENSOR, FindingKind.UNEXPECTED_TENSOR})
+STATE_FINDINGS = frozenset({FindingKind.NONFINITE, FindingKind.WEIGHTS_NOT_MAJORITY})
+UNVERIFIABLE_FINDINGS = frozenset({FindingKind.NOT_VERIFIABLE})
 
 # most specific first: the location a suspect gets when several kinds of evidence name it
 _LOCATION_ORDER = (Location.INPUT_DATA, Location.COLLECTIVE, Location.LOCAL_COMPUTE, Location.OPTIMIZER_UPDATE,
@@ -332,7 +334,7 @@ def checkpoint_status(note, file: CheckpointFile | None, *, first: int | None, w
     findings = tuple(report.findings) if report is not None else ()
     if file is not None and file.error:
         return CheckpointStatus(step=step, path=path, status=Status.CORRUPT, reasons=(f"unreadable or malformed: {file.error}",))
-    bad = [f"{f.kind.value} {f.subject}: {f.detail}" for f in findings if f.kind.value not in UNVERIFIABLE_FINDINGS]
+    bad = [f"{f.kind.value} {f.subject}: {f.detail}" for f in findings if f.kind not in UNVERIFIABLE_FINDINGS]
     if not note.blessed and not note.agreeing_ranks:
         bad.insert(0, f"saved from rank {note.saved_by_rank} with no strict majority among the replicas: it may be a diverged "
                       "replica, and the recorder did not bless it")
@@ -353,7 +355,7 @@ def checkpoint_status(note, file: CheckpointFile | None, *, first: int | None, w
     if file is None or not file.read:
         why.append("the file was not read (trace-only)" if examined.trace_only or not examined.files_read
                    else f"checkpoint file {note.path} not found: pass --checkpoints DIR")
-    why += [f"not verifiable: {f.subject}: {f.detail}" for f in findings if f.kind.value in UNVERIFIABLE_FINDINGS]
+    why += [f"not verifiable: {f.subject}: {f.detail}" for f in findings if f.kind in UNVERIFIABLE_FINDINGS]
     if not note.weights_digest:
         why.append("no replicas' majority digest was recorded for this step, so its content cannot be confirmed")
     if not examined.trace_consistent:

@@ -370,6 +370,8 @@ def replay_window(trace: Trace, recipe, options: ReplayOptions, on_step: Callabl
 
     Raises:
         UsageError: the device is unavailable, or is a suspect's GPU and not forced.
+        CheckpointError: the checkpoint file is malformed, beyond the read limits, or needs a pickle
+            global outside the allow-list (checked by the package's readers before the recipe loads it).
         StartStateMismatch: the checkpoint does not hold the weights the replicas agreed on.
     """
     device = env.resolve_device(options.device)
@@ -378,6 +380,9 @@ def replay_window(trace: Trace, recipe, options: ReplayOptions, on_step: Callabl
     threads = options.num_threads or _recorded_threads(trace)  # per-step counts are applied step by step
     if not Path(options.checkpoint_path).is_file():
         raise CheckpointError(f"checkpoint {options.checkpoint_path} (step {options.start_step}) does not exist; pass --checkpoints DIR")
+    from sdc_forensics.checkpoint.formats import open_checkpoint
+
+    open_checkpoint(options.checkpoint_path).close()  # the hostile-input checks and read limits, before the recipe's own torch.load
     with numerics.reproduce(_recorded_numerics(trace, options.start_step), device, threads) as settings:
         result = Replayer(trace, recipe, device).run(options, on_step)
     return dataclasses.replace(result, settings=settings)

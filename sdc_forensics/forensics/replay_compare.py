@@ -126,8 +126,10 @@ class StepComparisons:
         if not ((recs["flags"] & int(F.Flag.HAS_GRADS)) != 0).all():
             return self.reduce(per_rank, env.REDUCTION_ORDERS[0]), "", [], ""  # nothing recorded to compare
         recorded = recs["reduced_digest"].astype(np.uint64)
-        values, counts = np.unique(recorded, return_counts=True)
-        majority = int(values[np.argmax(counts)]) if counts.max() * 2 > len(recorded) else None
+        from sdc_forensics.trace.consensus import vote  # the one strict-majority rule
+
+        majority, votes = vote(recorded)
+        counts = np.array([votes])  # how many ranks recorded the majority (named in the evidence below)
         candidates = {}
         if self.known_order == env.ORDERED:  # recorded: the only order, exact or tolerant
             orders = (env.ORDERED,)

@@ -4,7 +4,7 @@
   (``sdc_forensics.numerics.reproduce`` applies a recorded one).
 * :func:`describe_device` names the replay device (with its GPU UUID on CUDA) and
   :func:`check_not_suspect` refuses a device that is the suspect's GPU.
-* :func:`bucket_layouts` reads ``buckets.attempt-AAA.json`` (docs/trace-format.md).
+* :func:`bucket_layouts` reads ``buckets.attempt-AAA.json`` (``trace/layouts.py``, docs/trace-format.md).
 * :func:`reduce_buckets` averages the ranks' bucket buffers the way a collective does:
   ``gloo-ring`` reproduces gloo's ring all-reduce bit for bit (the buffer is cut into ``W``
   equal segments, rounded up to 16 bytes; segment ``i`` is summed along the ring starting at rank ``i - 1`` and going
@@ -16,17 +16,15 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import platform
-from pathlib import Path
 
 import torch
 
 from sdc_forensics import numerics
-from sdc_forensics.errors import InvalidInputError, UsageError
+from sdc_forensics.errors import TraceError, UsageError
 from sdc_forensics.reduction import ordered_mean
+from sdc_forensics.trace.layouts import BucketLayout, read_bucket_layouts
 
 #: The summation orders the replay tries when the trace does not say which one the collective
 #: used (``native``). ``ordered`` is the recorder's ordered reduction (``sdc_forensics/reduction.py``),
@@ -35,28 +33,10 @@ REDUCTION_ORDERS = ("gloo-ring", "sequential")
 ORDERED = "ordered"
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BucketLayout:
-    """Parameter indices per DDP bucket, in bucket order, valid from ``from_step`` on."""
-
-    from_step: int
-    buckets: tuple[tuple[int, ...], ...]
-
-
 def bucket_layouts(trace_dir: str | os.PathLike, attempt: int) -> tuple[BucketLayout, ...]:
-    """The bucket layouts the recorder saw in ``attempt`` (empty when the file is absent)."""
-    path = Path(trace_dir) / f"buckets.attempt-{attempt:03d}.json"
-    if not path.is_file():
-        return ()
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        layouts = tuple(
-            BucketLayout(from_step=int(item["from_step"]), buckets=tuple(tuple(int(i) for i in b) for b in item["buckets"]))
-            for item in doc["layouts"]
-        )
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise InvalidInputError(f"{path} is not a valid bucket layout file ({exc!r}); restore it from the run") from None
-    return tuple(sorted(layouts, key=lambda lay: lay.from_step))
+    """The bucket layouts the recorder saw in ``attempt`` (empty when the file is absent); read
+    and checked as untrusted input by ``trace/layouts.py`` (``TraceError`` when malformed)."""
+    return read_bucket_layouts(trace_dir, attempt)
 
 
 def layout_at(layouts: tuple[BucketLayout, ...], step: int, num_params: int) -> tuple[tuple[int, ...], bool]:
@@ -73,6 +53,11 @@ def layout_at(layouts: tuple[BucketLayout, ...], step: int, num_params: int) -> 
         chosen = layouts[0]
     if chosen is None:
         return (tuple(reversed(range(num_params))),), False
+    beyond = [i for bucket in chosen.buckets for i in bucket if i >= num_params]
+    if beyond:
+        raise TraceError(f"the recorded bucket layout from step {chosen.from_step} names parameter {beyond[0]}, but the recipe's model "
+                         f"has {num_params} parameters: the trace's buckets.attempt-*.json does not belong to this model; "
+                         "pass the recipe the run trained with, or restore the file from the run")
     return chosen.buckets, True
 
 

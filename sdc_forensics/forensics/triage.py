@@ -33,7 +33,7 @@ from sdc_forensics.trace.checkpoints import hex64
 from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, Strength, sort_key
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace import scan
-from sdc_forensics.trace.consensus import strict_majority
+from sdc_forensics.trace.consensus import strict_majority, vote
 from sdc_forensics.trace.reader import Damage, StepWindow, Trace
 
 log = logging.getLogger(__name__)
@@ -465,8 +465,9 @@ def _first_suspect(evidence: list[Evidence]) -> tuple[int | None, tuple[int, int
 def audit_votes(audits: np.ndarray):
     """The vote of each audited (step, subject): the subject's own gradient digest and its
     auditors' recomputations. Yields ``(step, subject, group, votes, winner, strict)``: ``votes``
-    ``[(rank, digest)]`` subject first, ``winner`` the most common digest, ``strict`` whether it
-    holds a strict majority. The one rule for triage's audit evidence and the report's plots."""
+    ``[(rank, digest)]`` subject first, ``winner`` the digest a strict majority of them computed
+    (``consensus.vote``; None without one), ``strict`` whether there is one. The one rule for
+    triage's audit evidence and the report's plots."""
     steps, subjects = audits["step"], audits["aux_rank"].astype(np.int64)
     order = np.lexsort((subjects, steps))  # stable: a group keeps its records' order in ``audits``
     steps, subjects = steps[order], subjects[order]
@@ -476,6 +477,5 @@ def audit_votes(audits: np.ndarray):
         step, subject = steps[start], subjects[start]
         group = audits[np.sort(order[start:end])]
         votes = [(int(subject), int(group["aux_digest"][0]))] + [(int(a["rank"]), int(a["local_digest"])) for a in group]
-        values = [v for _, v in votes]
-        winner = max(set(values), key=values.count)
-        yield int(step), int(subject), group, votes, winner, values.count(winner) * 2 > len(values)
+        winner, _ = vote([v for _, v in votes])
+        yield int(step), int(subject), group, votes, winner, winner is not None

@@ -90,7 +90,7 @@ def verify_exit(report, status: CheckpointStatus | None, missing: str, certifica
     if status is not None:  # the one decision: clean 0, unverified 4, tainted or corrupt 1
         return {Status.CLEAN: EXIT_VERIFIED, Status.UNVERIFIED: EXIT_UNVERIFIED}.get(status.status, EXIT_NOT_CERTIFIABLE)
     if missing:
-        damaged = [f for f in report.findings if f.kind.value not in UNVERIFIABLE_FINDINGS]
+        damaged = [f for f in report.findings if f.kind not in UNVERIFIABLE_FINDINGS]
         return EXIT_NOT_CERTIFIABLE if damaged else EXIT_UNVERIFIED
     return EXIT_NOT_CERTIFIABLE if report.findings else EXIT_VERIFIED
 

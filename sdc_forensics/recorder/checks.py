@@ -8,11 +8,11 @@ a collective that the others abandoned.
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 
 import numpy as np
 
 from sdc_forensics.fingerprint import tolerance
+from sdc_forensics.trace.consensus import vote
 from sdc_forensics.trace.format import Flag
 
 #: Check names as they appear in alarms and exceptions.
@@ -52,12 +52,12 @@ class Majority:
 
 
 def strict_majority(values) -> Majority:
-    """The value held by more than half of the ranks (index = rank), if any."""
+    """The value held by more than half of the ranks (index = rank), if any (``consensus.vote``)."""
     values = [int(v) for v in values]
     if not values:
         return Majority(value=None, agreeing=(), diverged=())
-    value, count = Counter(values).most_common(1)[0]
-    if 2 * count <= len(values):
+    value, _ = vote(values)
+    if value is None:
         return Majority(value=None, agreeing=(), diverged=tuple(range(len(values))))
     agreeing = tuple(r for r, v in enumerate(values) if v == value)
     diverged = tuple(r for r, v in enumerate(values) if v != value)

@@ -5,8 +5,6 @@ Field meanings are the contract of ``docs/trace-format.md``; this module only fi
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +13,7 @@ from sdc_forensics.errors import UsageError
 from sdc_forensics.fingerprint.core import Fingerprint
 from sdc_forensics.fingerprint.reference import digest_bytes
 from sdc_forensics.trace import format as F
+from sdc_forensics.trace.layouts import write_bucket_layouts
 from sdc_forensics.trace.manifest import MANIFEST_NAME, Attempt, FingerprintSettings, Manifest, read_manifest, write_manifest
 from sdc_forensics.trace.writer import RankTraceWriter
 
@@ -96,12 +95,8 @@ def update_attempt_threads(trace_dir: Path, attempt: int, num_threads: int) -> N
 
 
 def write_layouts(trace_dir: Path, attempt: int, layouts: list[dict]) -> Path:
-    """``buckets.attempt-AAA.json`` atomically: ``{"layouts": [{"from_step", "buckets"}]}``."""
-    path = trace_dir / f"buckets.attempt-{attempt:03d}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"layouts": layouts}, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    """This attempt's bucket layouts, ``[{"from_step", "buckets"}]``, written atomically (``trace/layouts.py``)."""
+    return write_bucket_layouts(trace_dir, attempt, layouts)
 
 
 def ids_digest(ids) -> int:

@@ -23,7 +23,8 @@ import os
 import re
 from pathlib import Path
 
-from sdc_forensics.errors import TraceError
+from sdc_forensics.errors import TraceError, reader
+from sdc_forensics.newfile import write_atomic
 from sdc_forensics.trace.format import MAX_STEP
 from sdc_forensics.trace.manifest import MAX_ATTEMPT, MAX_WORLD_SIZE
 from sdc_forensics.untrusted import Fields, load_json
@@ -81,19 +82,17 @@ def write_checkpoint_note(trace_dir: str | os.PathLike, note: CheckpointNote) ->
     """Write a note atomically."""
     path = note_path(trace_dir, note.step, note.attempt)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
     doc = dataclasses.asdict(note)
     if not note.path_from_trace:  # an optional key: older notes (and the golden files) stay as they were
         del doc["path_from_trace"]
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return write_atomic(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
 
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 _HINT = "remove or restore it (it was not written by sdc-forensics, or is damaged)"
 
 
+@reader
 def parse_checkpoint_note(doc, where: str) -> CheckpointNote:
     """A decoded note, every field type- and range-checked; raises :class:`TraceError`."""
     f = Fields(doc, f"{where} (checkpoint note)", TraceError, _HINT)
@@ -141,6 +140,7 @@ def climbs_then_descends(path: str) -> bool:
         and all(p not in ("", ".", "..") for p in rest)
 
 
+@reader
 def read_checkpoint_notes(trace_dir: str | os.PathLike) -> list[CheckpointNote]:
     """All notes, sorted by step; for a step noted by several attempts, the latest attempt wins.
 

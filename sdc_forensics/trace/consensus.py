@@ -1,8 +1,11 @@
-"""Replica consensus: strict-majority votes over per-rank digests, vectorised (numpy only).
+"""Replica consensus: the one strict-majority vote over per-rank digests, vectorised (numpy only).
 
-The recorder votes online, triage votes over whole traces, certification asks which weights
-digest the majority of replicas held at a checkpoint's step; the last two call this module.
-A strict majority is a value held by more than half of the valid cells of a row.
+A strict majority is a value held by more than half of the valid cells of a row. Every vote
+calls :func:`strict_majority` (rows of a table) or :func:`vote` (one row): the recorder's online
+checks (``recorder/checks.py``), triage and its audits (``forensics/triage.py``), the replay's
+reduced-gradient vote (``forensics/replay_compare.py``) and certification's majority weights
+(:func:`majority_weights_digests`). The compiled trace scan (``trace/scan_kernels.rows``) keeps
+its own Boyer-Moore pass for speed; ``tests/trace/test_consensus.py`` holds it to this one.
 """
 
 from __future__ import annotations
@@ -36,6 +39,27 @@ def strict_majority(values: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, 
     candidate = ordered[rows, np.minimum(num_valid // 2, max(values.shape[1] - 1, 0))] if values.shape[1] else np.zeros(0, np.uint64)
     votes = ((values == candidate[:, None]) & valid).sum(axis=1)
     return candidate, (votes * 2 > num_valid) & (num_valid > 0)
+
+
+def vote(values, valid=None) -> tuple[int | None, int]:
+    """One row's strict-majority vote (:func:`strict_majority` on a single row).
+
+    Args:
+        values: ``(R,)`` digests (anything ``np.uint64`` holds).
+        valid: ``(R,)`` bool, which cells vote (default: all).
+
+    Returns:
+        ``(value, votes)``: the value more than half of the valid cells hold and how many hold
+        it, or ``(None, 0)`` when there is no strict majority (or nothing votes).
+    """
+    row = np.asarray(values, dtype=np.uint64).reshape(1, -1)
+    if not row.size:
+        return None, 0
+    ok = np.ones(row.shape, dtype=bool) if valid is None else np.asarray(valid, dtype=bool).reshape(1, -1)
+    majority, has_majority = strict_majority(row, ok)
+    if not has_majority[0]:
+        return None, 0
+    return int(majority[0]), int(((row == majority[0]) & ok).sum())
 
 
 def majority_weights_digests(trace: Trace, checkpoint_steps: list[int], window: int = 4096) -> dict[int, str]:

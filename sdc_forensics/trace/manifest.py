@@ -1,6 +1,6 @@
 """The run-level manifest ``manifest.json`` of a trace directory, as frozen dataclasses.
 
-The manifest is written by global rank 0, atomically (temporary file, then ``os.replace``), at
+The manifest is written by global rank 0, atomically (``newfile.write_atomic``), at
 the start of every attempt. It holds what every reader needs to interpret the rank files: world
 size, fingerprint settings and seed, the replay recipe, the reduction, and per attempt the
 environment and the identity of every rank. Parsing happens here; nothing past the reader digs
@@ -15,8 +15,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from sdc_forensics.errors import TraceError
+from sdc_forensics.errors import TraceError, reader
 from sdc_forensics.fingerprint.tolerance import REDUCTIONS, UNIT_ROUNDOFF
+from sdc_forensics.newfile import write_atomic
 from sdc_forensics.trace.format import FORMAT_VERSION, MAX_STEP
 from sdc_forensics.untrusted import Fields, describe, is_int, load_json
 
@@ -139,7 +140,7 @@ def audit_reach(node_of_rank: tuple[int, ...]) -> str | None:
 MAX_WORLD_SIZE = 100_000
 MAX_ATTEMPT = 999
 MAX_FORMAT_MINOR = 0xFFFF
-_HINT = "it was not written by sdc-forensics or is damaged: restore manifest.json from the run"
+_HINT = f"it was not written by sdc-forensics or is damaged: restore {MANIFEST_NAME} from the run"
 _IDENTITY_STRINGS = ("host", "gpu_uuid", "pci_bus_id", "device", "slurm_job_id", "slurm_node", "k8s_node")
 
 
@@ -191,6 +192,7 @@ def _recipe_args(f: Fields) -> dict[str, Any] | None:
     return args
 
 
+@reader
 def parse_manifest(doc: Any, where: str = MANIFEST_NAME) -> Manifest:
     """Turn a decoded manifest document into a :class:`Manifest`, or raise :class:`TraceError`.
 
@@ -227,6 +229,7 @@ def parse_manifest(doc: Any, where: str = MANIFEST_NAME) -> Manifest:
     )
 
 
+@reader
 def read_manifest(trace_dir: str | os.PathLike) -> Manifest:
     """Read and validate ``TRACE_DIR/manifest.json``."""
     path = Path(trace_dir) / MANIFEST_NAME
@@ -259,8 +262,4 @@ def _not_a_trace(where: Path) -> str:
 
 def write_manifest(trace_dir: str | os.PathLike, manifest: Manifest) -> Path:
     """Write the manifest atomically (readers never see half a manifest)."""
-    path = Path(trace_dir) / MANIFEST_NAME
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return write_atomic(Path(trace_dir) / MANIFEST_NAME, json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n")

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from sdc_forensics.errors import TraceError
+from sdc_forensics.errors import TraceError, reader, reader_class
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace import scan
-from sdc_forensics.trace.manifest import Manifest, read_manifest
+from sdc_forensics.trace.manifest import MANIFEST_NAME, Manifest, read_manifest
 from sdc_forensics.trace.windows import StepWindow, iter_windows
 
 _FILE_RE = re.compile(r"^rank-(\d{5})\.attempt-(\d{3})\.sdct$")
@@ -57,6 +57,7 @@ class RankFile:
     torn_bytes: int
 
 
+@reader
 def step_threads(records: np.ndarray) -> np.ndarray:
     """Intra-op CPU thread count each STEP record's step ran with (``aux_value``); 0 = unknown.
 
@@ -75,6 +76,7 @@ def step_threads(records: np.ndarray) -> np.ndarray:
     return np.where(ok, np.rint(np.where(ok, value, 0.0)), 0).astype(np.int64)
 
 
+@reader_class
 class Trace:
     """An open trace directory. Use :meth:`open`."""
 
@@ -191,6 +193,7 @@ class Trace:
             mask[start : start + len(chunk)] = ok
         return mask
 
+    @reader  # also called by trace/scan.py
     def _dense_first_step(self, rank_file: RankFile) -> int | None:
         """First step when the file is dense (only valid STEP records, steps consecutive), else None.
 
@@ -387,9 +390,9 @@ def _check_world_size(path: Path, world_size: int, ranks_with_files: set[int]) -
     if missing > max(present, MAX_MISSING_RANKS):
         shown = step_ranges(sorted(ranks_with_files)) or "none"
         raise TraceError(
-            f"{path / 'manifest.json'} declares world_size {world_size}, but only {present} rank(s) have a readable file here "
+            f"{path / MANIFEST_NAME} declares world_size {world_size}, but only {present} rank(s) have a readable file here "
             f"(ranks {shown}): {missing} ranks are missing, more than are present, so replicas cannot be compared; "
-            "restore manifest.json from the run, or copy every rank's rank-RRRRR.attempt-AAA.sdct files into the directory"
+            f"restore {MANIFEST_NAME} from the run, or copy every rank's rank-RRRRR.attempt-AAA.sdct files into the directory"
         )
 
 

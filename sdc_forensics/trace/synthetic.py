@@ -17,18 +17,32 @@ import numpy as np
 
 from sdc_forensics.fingerprint import constants as C
 from sdc_forensics.trace import format as F
-from sdc_forensics.trace.manifest import Attempt, FingerprintSettings, Manifest, RankIdentity, write_manifest
+from sdc_forensics.trace.manifest import MANIFEST_NAME, Attempt, FingerprintSettings, Manifest, RankIdentity, write_manifest
 from sdc_forensics.trace.writer import make_header, rank_file_name
+
+
+#: What ``PlantedFault.kind`` may be. ``allreduce-all`` has the meaning of the injection location of
+#: that name (``inject.py``): the reduced result is wrong on every rank, ``rank`` is ignored.
+KINDS = ("weights", "nonfinite", "allreduce-all")
+#: Old spellings still read: ``allreduce`` planted on every rank (the injection location
+#: ``allreduce`` is one rank's reduced gradient).
+_OLD_KINDS = {"allreduce": "allreduce-all"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlantedFault:
-    """A fault to plant: ``kind`` is ``weights`` (diverged weights digest from ``step`` on),
-    ``nonfinite`` (NaN in the local gradient), or ``allreduce`` (reduced sketch off on all ranks)."""
+    """A fault to plant: ``kind`` is ``weights`` (diverged weights digest of ``rank`` from ``step``
+    on), ``nonfinite`` (NaN in ``rank``'s local gradient), or ``allreduce-all`` (reduced sketch off
+    on every rank: corruption inside the collective; ``allreduce`` is read as this)."""
 
     kind: str
     step: int
     rank: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", _OLD_KINDS.get(self.kind, self.kind))
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown planted fault kind {self.kind!r}; use one of {', '.join(KINDS)}")
 
 
 def write_synthetic_trace(
@@ -48,7 +62,7 @@ def write_synthetic_trace(
     trace_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed + attempt)
     manifest_attempts = []
-    manifest_path = trace_dir / "manifest.json"
+    manifest_path = trace_dir / MANIFEST_NAME
     if manifest_path.exists():
         from sdc_forensics.trace.manifest import read_manifest
 
@@ -120,8 +134,6 @@ def _plant(recs: np.ndarray, fault: PlantedFault, rank: int, steps: np.ndarray) 
         hit = steps == fault.step
         recs["nonfinite_local"][hit] = 1
         recs["local_norm"][hit] = np.nan
-    elif fault.kind == "allreduce":
+    elif fault.kind == "allreduce-all":
         hit = steps == fault.step
         recs["reduced_sketch"][hit, 0] += 1000.0
-    elif fault.kind not in ("weights", "nonfinite", "allreduce"):
-        raise ValueError(f"unknown planted fault kind {fault.kind!r}")

@@ -300,3 +300,29 @@ def test_file_inside_a_folder_is_verified_alone(tmp_path):
     np.save(folder / "foo.npy", np.zeros(2))
     assert verify_checkpoint(folder / "model.safetensors").ok
     assert not verify_checkpoint(folder).ok
+
+
+@pytest.mark.parametrize("kind", ["quantized", "sparse"])
+def test_quantized_or_sparse_optimizer_pt_is_not_verifiable_not_damaged(tmp_path, kind):
+    """A ``torch.save`` file beside the model holding a tensor verification cannot read as dense
+    bits (a quantized or sparse optimizer state) is intact as far as anyone can tell: not
+    verifiable (exit 1, never VERIFIED), not ``file-damaged``, and still checksummed."""
+    import warnings
+
+    folder = _hf_folder(tmp_path / "ckpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch deprecates quantized tensor creation
+        tensor = torch.quantize_per_tensor(torch.randn(8), 0.1, 0, torch.qint8) if kind == "quantized" else torch.eye(3).to_sparse()
+    torch.save({"state": {0: {"exp_avg": tensor}}, "param_groups": []}, folder / "optimizer.pt")
+    report = verify_checkpoint(folder)
+    assert _kinds(report) == {"optimizer.pt": FindingKind.NOT_VERIFIABLE}
+    (finding,) = report.findings
+    expected = "dtype qint8" if kind == "quantized" else "sparse_coo tensor"
+    assert expected in finding.detail and "checksummed" in finding.detail
+    assert "optimizer.pt" in {f.name for f in report.files}
+    before = tree_sha256(folder)
+    result = _invoke("verify-checkpoint", str(folder), "--json")
+    assert result.exit_code == 1, result.output
+    assert "not-verifiable optimizer.pt" in result.stderr and "file-damaged" not in result.stderr
+    assert json.loads(result.stdout)["report"]["unverifiable"] == ["optimizer.pt"]
+    assert tree_sha256(folder) == before

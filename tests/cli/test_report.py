@@ -149,3 +149,27 @@ def test_recurring_fault_calls_for_the_extended_diagnostic_and_a_replacement(mak
     assert titles["hyperpod"]["title"] == "SageMaker HyperPod: replace node0"  # now, not "if the diagnostic fails"
     assert titles["dcgm"]["commands"][1].startswith("dcgmi diag -r 4 -i ")
     assert "recurring SDC at step 4, rank 1" in titles["slurm"]["commands"][0]
+
+
+def test_report_reads_checkpoints_under_the_same_read_limits_as_bisect(make_run, tmp_path):
+    """``report`` takes ``--max-inflate-bytes``, ``--max-tensors``, ``--allow-root`` and
+    ``--allow-numpy`` (``cli/limits.py``) and its analysis reads every checkpoint under them: a file
+    listing more tensors than allowed is refused, named with the option that raises the limit, as
+    ``bisect`` refuses it."""
+    run = make_run(steps=2)
+    common = [run.trace_dir, "--checkpoints", run.checkpoints_dir, "--json"]
+    within = _report(*common, "-o", tmp_path / "within.md", "--max-inflate-bytes", "1GiB", "--allow-numpy")
+    assert within.exit_code == 4, within.output  # no recipe to replay with: inconclusive, files read
+    assert json.loads(within.stdout)["checkpoints"][0]["status"] == "clean"
+    beyond = _report(*common, "-o", tmp_path / "beyond.md", "--max-tensors", "1", "--allow-root", tmp_path)
+    bisected = CliRunner().invoke(cli, ["bisect", *map(str, common), "--max-tensors", "1", "--allow-root", str(tmp_path)])
+    assert beyond.exit_code == bisected.exit_code == 1, (beyond.output, bisected.output)
+    doc = json.loads(beyond.stdout)
+    for entry in doc["checkpoints"]:
+        assert entry["status"] == "corrupt" and "raise --max-tensors" in " ".join(entry["reasons"]), entry
+    assert doc["checkpoints"] == json.loads(bisected.stdout)["checkpoints"]
+
+
+def test_report_read_limit_options_are_validated_like_bisects(make_trace):
+    result = _report(make_trace(ranks=2, steps=4), "--trace-only", "--max-inflate-bytes", "lots")
+    assert result.exit_code == 2 and "is not a size" in result.stderr

@@ -172,3 +172,17 @@ def test_nothing_found_in_a_damaged_trace_is_inconclusive_never_clean():
     for damaged in ({"replayed": frozenset(range(8))}, {"trace_only": True}):
         decided = verdict(trace_consistent=False, **damaged)
         assert decided.verdict is Verdict.INCONCLUSIVE and "the trace is damaged" in decided.settle[-1]
+
+
+def test_finding_kind_sets_are_the_enum_and_classify_every_kind_once():
+    """The decision's sets hold ``FindingKind`` members (no copies of their strings): every kind is
+    storage damage, a wrong saved state, or not verifiable, exactly one of them."""
+    from sdc_forensics.checkpoint.findings import FindingKind
+    from sdc_forensics.forensics.decision import STATE_FINDINGS, STORAGE_FINDINGS, UNVERIFIABLE_FINDINGS
+
+    sets = (STORAGE_FINDINGS, STATE_FINDINGS, UNVERIFIABLE_FINDINGS)
+    assert all(type(kind) is FindingKind for group in sets for kind in group)
+    assert sorted(kind for group in sets for kind in group) == sorted(FindingKind)
+    assert STORAGE_FINDINGS == {FindingKind.DIGEST_MISMATCH, FindingKind.FILE_DAMAGED, FindingKind.FILE_CHECKSUM_MISMATCH,
+                                FindingKind.MISSING_TENSOR, FindingKind.UNEXPECTED_TENSOR}
+    assert UNVERIFIABLE_FINDINGS == {FindingKind.NOT_VERIFIABLE}

@@ -193,3 +193,68 @@ def test_other_kernel_with_a_fault_at_the_first_step_blames_only_the_faulty_rank
     faulty = _replay(sim(SimFault(where="grad", step=4, rank=2, bit=30)), 4, 7, recipe=_NoisyKernel())
     assert (faulty.comparison, faulty.tolerant_from, faulty.first_divergent_step) == ("tolerant", 4, 4)
     assert [e.ranks for e in faulty.evidence] == [(2,)]
+
+
+@dataclasses.dataclass(kw_only=True)
+class _CountingLoads(DemoRecipe):
+    """The demo recipe, counting the checkpoints it was handed to ``torch.load``."""
+
+    loads: list = dataclasses.field(default_factory=list)
+
+    def load_checkpoint(self, path, model, optimizer, scheduler):
+        self.loads.append(path)
+        super().load_checkpoint(path, model, optimizer, scheduler)
+
+
+@dataclasses.dataclass
+class _Pickled:
+    """A class outside torch's weights-only allow-list: loading it would run its constructor."""
+
+    note: str = "not loaded"
+
+
+def _copy_with_checkpoint(out, tmp_path, payload=None):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    if payload is not None:
+        path = copy / "checkpoints/step-00000004.pt"
+        state = torch.load(path, weights_only=True)
+        torch.save({**state, **payload}, path)
+    return copy
+
+
+def test_the_checkpoint_is_read_by_the_package_before_the_recipe_loads_it(sim, tmp_path):
+    """The recipe loads the checkpoint with its own ``torch.load``: the replay first opens the file
+    with the package's readers (pickle allow-list, structure) and under the read limits, and hands
+    the recipe nothing they refuse."""
+    from sdc_forensics.checkpoint.limits import ReadLimits, using_limits
+    from sdc_forensics.checkpoint.torch_reader import PickleRefused
+    from sdc_forensics.errors import CheckpointError
+
+    recipe = _CountingLoads()
+    out = _copy_with_checkpoint(sim(), tmp_path, {"extra": _Pickled()})
+    with pytest.raises(PickleRefused, match="_Pickled"):
+        _replay(out, 4, 5, recipe=recipe)
+    assert recipe.loads == []
+    clean = sim()
+    with using_limits(ReadLimits(max_tensors=1)), pytest.raises(CheckpointError, match="raise --max-tensors"):
+        _replay(clean, 4, 5, recipe=recipe)
+    assert recipe.loads == []
+    assert _replay(clean, 4, 5, recipe=recipe).first_divergent_step is None and len(recipe.loads) == 1
+
+
+def test_replay_command_refuses_a_hostile_checkpoint_with_exit_3(sim, tmp_path):
+    from click.testing import CliRunner
+
+    from sdc_forensics.cli.main import cli
+    from tests.factories import tree_sha256
+
+    out = _copy_with_checkpoint(sim(), tmp_path, {"extra": _Pickled()})
+    before = tree_sha256(out)
+    result = CliRunner().invoke(cli, ["replay", str(out / "trace"), "--from", "4", "--to", "5", "--checkpoints", str(out / "checkpoints")])
+    assert result.exit_code == 3 and result.stdout == "" and "Traceback" not in result.output, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "step-00000004.pt" in errors[0] and "_Pickled" in errors[0], result.stderr
+    assert tree_sha256(out) == before

@@ -162,3 +162,21 @@ def test_export_csv_round_trips_values(make_trace):
     assert int(rows[3]["weights_digest"], 16) == int(window.records["weights_digest"][1, 1])
     assert float(rows[3]["loss"]) == float(window.records["loss"][1, 1])
     assert float(rows[3]["local_sketch_2"]) == float(window.records["local_sketch"][1, 1, 2])
+
+
+def test_synthetic_allreduce_all_is_every_rank_and_the_old_spelling_still_reads(tmp_path):
+    """``PlantedFault(kind="allreduce-all")`` moves the reduced sketch on every rank, as the
+    injection location of that name does; the old spelling ``allreduce`` plants the same bytes."""
+    from sdc_forensics.trace.synthetic import PlantedFault, write_synthetic_trace
+
+    assert PlantedFault(kind="allreduce", step=3, rank=1) == PlantedFault(kind="allreduce-all", step=3, rank=1)
+    with pytest.raises(ValueError, match="unknown planted fault kind 'allreduce-one'"):
+        PlantedFault(kind="allreduce-one", step=3, rank=1)
+    new = write_synthetic_trace(tmp_path / "new", num_ranks=3, num_steps=6, faults=(PlantedFault(kind="allreduce-all", step=3, rank=1),))
+    old = write_synthetic_trace(tmp_path / "old", num_ranks=3, num_steps=6, faults=(PlantedFault(kind="allreduce", step=3, rank=1),))
+    for rank in range(3):
+        name = f"rank-{rank:05d}.attempt-000.sdct"
+        assert (new / name).read_bytes()[F.HEADER_SIZE:] == (old / name).read_bytes()[F.HEADER_SIZE:]  # records (the header has a time)
+    (window,) = list(Trace.open(new).step_windows())
+    moved = window.records["reduced_sketch"][:, :, 0] != window.records["reduced_sketch"][:, :1, 0]  # (S, R) vs rank 0: equal everywhere
+    assert not moved.any() and window.records["reduced_sketch"][3, :, 0].min() > 500  # every rank's sketch moved at step 3

@@ -236,6 +236,29 @@ def _crafted_range(make_trace) -> Path:
     return trace
 
 
+def test_records_scattered_over_the_whole_step_range_cost_what_the_records_cost(make_trace):
+    """Every record of 3 ranks at its own step, 2^40 apart (2^53 declared in all): one window per
+    record, the work bounded by the 1,500 records the files hold, not by the span between them;
+    bounded windows and a start/stop inside the span give the same cells."""
+    trace = make_trace(ranks=3, steps=500, bulk=True)
+    gap = 1 << 40
+    for rank in range(3):
+        path = _rank_file(trace, rank)
+        raw = path.read_bytes()
+        records = np.frombuffer(raw[F.HEADER_SIZE:], dtype=F.record_dtype(8)).copy()
+        records["step"] = records["step"] * gap
+        path.write_bytes(raw[: F.HEADER_SIZE] + F.seal(records).tobytes())
+    started = time.monotonic()
+    opened = Trace.open(trace)
+    windows = list(opened.step_windows())
+    assert [w.steps.tolist() for w in windows] == [[i * gap] for i in range(500)]
+    assert all(w.present.all() and (w.records["rank"] == [0, 1, 2]).all() for w in windows)
+    inside = list(opened.step_windows(window=F.MAX_STEP, start=100 * gap - 1, stop=102 * gap + 1))
+    assert [w.steps.tolist() for w in inside] == [[100 * gap], [101 * gap], [102 * gap]]
+    assert list(opened.step_windows(start=gap + 1, stop=2 * gap - 1)) == []  # the span between two records: nothing to visit
+    assert time.monotonic() - started < 60  # ~0.2 s; a walk of the declared span would never end
+
+
 def test_a_huge_step_range_costs_what_the_records_cost(make_trace):
     from sdc_forensics.forensics.bisect import BisectOptions, bisect
 
