@@ -274,7 +274,7 @@ def test_a_huge_step_range_costs_what_the_records_cost(make_trace):
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 60  # a loop over the span would take hours; a loaded CI machine takes seconds
     assert peak < 16 << 20, peak  # numpy's buffers are traced: a table by the span would be petabytes
     assert result.verdict.value == "clean"
     (note,) = result.checkpoints
@@ -311,7 +311,7 @@ def test_a_huge_world_size_is_refused_with_one_line_without_allocating_by_it(mak
     finally:
         tracemalloc.stop()
     assert "declares world_size 100000, but only 2 rank(s) have a readable file" in line
-    assert time.monotonic() - started < 10 and peak < 16 << 20, peak
+    assert time.monotonic() - started < 60 and peak < 16 << 20, peak  # seconds, not the hours of a loop over 100,000 ranks
 
 
 def test_a_world_size_within_the_missing_rank_bound_is_read(make_trace):
