@@ -125,6 +125,9 @@ def bisect(trace_dir: str | os.PathLike, options: BisectOptions, progress: Progr
         if notes:
             files = _verify_files(notes, options, trace.path, seed)
             evidence += _storage_evidence(notes, files)
+        from sdc_forensics.forensics.replay_env import resolve_device
+
+        resolve_device(options.device)  # an unknown or absent device is a usage error before anything is said or done
         flight = preflight.check(trace.manifest, device=options.device, num_threads=options.num_threads,
                                  force_tolerant=options.force_tolerant)
         if progress is not None and hasattr(progress, "note"):

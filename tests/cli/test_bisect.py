@@ -51,7 +51,8 @@ def test_exit_1_corruption_json_document(faulty_run):
     assert [(w["from"], w["last_replayed"]) for w in doc["replayed"]["windows"]] == [(0, 3), (4, 4)]
     # the documented schema (docs/bisect.md)
     assert set(doc) == {"schema_version", "verdict", "first_divergent_step", "suspects", "last_clean_checkpoint", "checkpoints",
-                        "replayed", "evidence", "hints", "mode", "scope", "settle", "notes", "trace", "divergence_window"}
+                        "replayed", "evidence", "hints", "mode", "scope", "settle", "notes", "trace", "divergence_window",
+                        "preflight"}  # issue 21: said before any replay
     assert set(suspect) == {"rank", "host", "gpu", "location", "recurring", "steps", "recommendation", "evidence"}
     assert set(suspect["evidence"][0]) == {"kind", "step", "ranks", "expected", "found", "location", "detail", "source", "affects_state",
                                             "strength", "earliest_step"}
