@@ -1,5 +1,5 @@
-"""What several commands share: the analysis options, the progress bars, exit codes by verdict,
-and the check that an output file may be written.
+"""What several commands share: the analysis options, the progress bars, and the check that an
+output file may be written.
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ from pathlib import Path
 import click
 
 from sdc_forensics.cli.output import err
-
-EXIT_BY_VERDICT = {"clean": 0, "corruption": 1, "inconclusive": 4}
 
 
 class Bars:

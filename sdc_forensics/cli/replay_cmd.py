@@ -10,8 +10,9 @@ from pathlib import Path
 
 import click
 
-from sdc_forensics.cli.common import EXIT_BY_VERDICT, Bars, distributed_replay, trace_analysis_options
+from sdc_forensics.cli.common import Bars, distributed_replay, trace_analysis_options
 from sdc_forensics.cli.output import emit_json, err
+from sdc_forensics.exitcodes import verdict_exit
 
 
 @click.command("replay")
@@ -36,4 +37,4 @@ def replay_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, start: int, s
     if as_json:
         emit_json(replay_document(run))
     render_replay(run, err)
-    ctx.exit(EXIT_BY_VERDICT[run.decision.verdict.value])
+    ctx.exit(verdict_exit(run.decision.verdict))
