@@ -28,10 +28,11 @@ def replay_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, start: int, s
     only mismatches are weak (tolerant residuals within what clean replays produce), 2 usage
     error (a window outside the trace's steps, N not a checkpoint step), 3 bad input.
     """
+    from sdc_forensics.forensics.options import AnalysisOptions
     from sdc_forensics.forensics.replay_run import ReplayRequest, replay_from_trace
     from sdc_forensics.present.replay import render_replay, replay_document
 
-    request = ReplayRequest(start_step=start, stop_step=stop, **options)
+    request = ReplayRequest(start_step=start, stop_step=stop, options=AnalysisOptions(**options))
     with Bars(enabled=err.is_terminal) as bars:
         run = replay_from_trace(trace_dir, request, progress=bars)
     if as_json:

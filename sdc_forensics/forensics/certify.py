@@ -68,7 +68,7 @@ def certify(trace_dir: str | os.PathLike, options, progress=None) -> Certificati
 
     Args:
         trace_dir: the trace directory.
-        options: :class:`~sdc_forensics.forensics.bisect.BisectOptions` (``checkpoints_dir``,
+        options: :class:`~sdc_forensics.forensics.options.AnalysisOptions` (``checkpoints_dir``,
             replay settings, ``trace_only``).
         progress: replay progress (``bisect.Progress``), or None.
 

@@ -101,7 +101,7 @@ def verify_run(request: VerifyRequest, options=None, progress=None) -> VerifyOut
 
     Args:
         request: what to verify.
-        options: :class:`~sdc_forensics.forensics.bisect.BisectOptions` for the run's analysis
+        options: :class:`~sdc_forensics.forensics.options.AnalysisOptions` for the run's analysis
             (replay settings); its ``trace_only`` and ``checkpoint_paths`` are set here.
         progress: replay progress (``bisect.Progress``), or None.
 
@@ -111,8 +111,9 @@ def verify_run(request: VerifyRequest, options=None, progress=None) -> VerifyOut
     """
     from sdc_forensics.checkpoint import VerifyOptions, open_checkpoint, verify_checkpoint
     from sdc_forensics.errors import UsageError
-    from sdc_forensics.forensics.bisect import BisectOptions, bisect
+    from sdc_forensics.forensics.bisect import bisect
     from sdc_forensics.forensics.certificate import check_against_certificate, read_certificate
+    from sdc_forensics.forensics.options import AnalysisOptions
     from sdc_forensics.trace.checkpoints import read_checkpoint_notes
     from sdc_forensics.trace.manifest import read_manifest
 
@@ -147,7 +148,7 @@ def verify_run(request: VerifyRequest, options=None, progress=None) -> VerifyOut
         if not noted:
             missing = f"no checkpoint note for step {wanted} in {trace_dir}"
         else:
-            base = options if options is not None else BisectOptions()
+            base = options if options is not None else AnalysisOptions()
             analysis = dataclasses.replace(base, trace_only=request.trace_only, checkpoint_paths={wanted: Path(path)})
             result = bisect(trace_dir, analysis, progress=progress)
             status = next(c for c in result.checkpoints if c.step == wanted)

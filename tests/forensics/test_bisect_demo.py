@@ -23,7 +23,8 @@ from click.testing import CliRunner
 
 from sdc_forensics.cli.main import cli
 from sdc_forensics.demo.recipe import recipe as demo_recipe
-from sdc_forensics.forensics.bisect import BisectOptions, bisect
+from sdc_forensics.forensics.bisect import bisect
+from sdc_forensics.forensics.options import BisectOptions
 from sdc_forensics.forensics.evidence import EvidenceKind
 from sdc_forensics.forensics.triage import triage_trace
 from sdc_forensics.statedict import weights_digest
