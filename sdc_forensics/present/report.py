@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from sdc_forensics.forensics.incident import Incident
 from sdc_forensics.forensics.options import AnalysisOptions
 from sdc_forensics.forensics.verdict import BisectResult, Verdict
+from sdc_forensics.present.bisect import bisect_document
 from sdc_forensics.trace.ends import STOPPED_EARLY
 
 if TYPE_CHECKING:
@@ -214,7 +215,7 @@ def report_document(result: BisectResult, incident: Incident, actions: "tuple[Ac
     notes, commands = reproduce_commands(request, result)
     lost = incident.lost
     return {
-        **result.to_json(),
+        **bisect_document(result),
         "trace_end": None if end is None else end.to_json(),
         "report": {
             "generated_utc": utc(generated_ns),

@@ -41,9 +41,9 @@ def read_trace(trace_dir: Path):
     from sdc_forensics.forensics.bisect import bisect
     from sdc_forensics.forensics.options import BisectOptions
     from sdc_forensics.present.bisect import bisect_document
+    from sdc_forensics.present.inspect import inspect_document as summary_document
     from sdc_forensics.trace.export import export_csv
     from sdc_forensics.trace.reader import Trace
-    from sdc_forensics.present.inspect import inspect_document as summary_document
     from sdc_forensics.trace.summary import summarize
 
     trace = Trace.open(trace_dir)
