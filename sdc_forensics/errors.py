@@ -8,7 +8,7 @@ certificates) raises an :class:`InvalidInputError` for anything it cannot use: i
 raise a specific subclass with a fix-it message, and the readers' entry points are marked with
 :func:`reader` (functions) or :func:`reader_class` (classes), which turn a Python error that
 escaped every check (a ``TypeError`` on a field of the wrong type, a ``KeyError``...) into a
-:class:`MalformedInputError`. The CLI maps the class to its exit code (``exit_code``), so a
+:class:`MalformedInputError`. The CLI maps the class to its exit code (``exit_code``, from ``exitcodes.ExitCode``), so a
 new reader needs no list anywhere: mark its entry points.
 """
 
@@ -20,6 +20,8 @@ import struct
 from collections.abc import Callable
 from typing import TypeVar
 
+from sdc_forensics.exitcodes import ExitCode
+
 _F = TypeVar("_F", bound=Callable)
 _C = TypeVar("_C", bound=type)
 
@@ -27,19 +29,19 @@ _C = TypeVar("_C", bound=type)
 class SdcError(Exception):
     """Base class of every error sdc-forensics raises on purpose."""
 
-    exit_code = 3
+    exit_code = ExitCode.BAD_INPUT
 
 
 class UsageError(SdcError):
     """The caller asked for something that cannot be done as asked (bad flag, bad spec)."""
 
-    exit_code = 2
+    exit_code = ExitCode.USAGE
 
 
 class InvalidInputError(SdcError):
     """An input file or directory is unreadable, malformed, or not what it claims to be."""
 
-    exit_code = 3
+    exit_code = ExitCode.BAD_INPUT
 
 
 class MalformedInputError(InvalidInputError):
@@ -62,7 +64,7 @@ class CheckpointError(InvalidInputError):
 class RecipeError(SdcError):
     """A replay recipe cannot be imported or does not follow the recipe protocol."""
 
-    exit_code = 3
+    exit_code = ExitCode.BAD_INPUT
 
 
 class SdcAlarm(SdcError):
@@ -75,7 +77,7 @@ class SdcAlarm(SdcError):
         check: the name of the check (``nonfinite``, ``audit``, ``weights``, ``allreduce``).
     """
 
-    exit_code = 1
+    exit_code = ExitCode.CORRUPTION
 
     def __init__(self, message: str, *, step: int, rank: int, host: str = "", check: str = "") -> None:
         super().__init__(message)

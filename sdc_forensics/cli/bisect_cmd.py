@@ -10,9 +10,10 @@ from pathlib import Path
 
 import click
 
-from sdc_forensics.cli.common import EXIT_BY_VERDICT, distributed_replay, run_analysis, trace_analysis_options
+from sdc_forensics.cli.common import distributed_replay, run_analysis, trace_analysis_options
 from sdc_forensics.cli.limits import read_limit_options
 from sdc_forensics.cli.output import emit_json, err
+from sdc_forensics.exitcodes import verdict_exit
 
 
 @click.command("bisect")
@@ -33,10 +34,11 @@ def bisect_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: b
 
     Exit 0 clean, 1 corruption, 2 usage error, 3 bad input, 4 inconclusive.
     """
+    from sdc_forensics.forensics.options import AnalysisOptions
     from sdc_forensics.present.bisect import bisect_document, render_bisect
 
-    result = run_analysis(trace_dir, trace_only=trace_only, **options)
+    result = run_analysis(trace_dir, AnalysisOptions(trace_only=trace_only, **options))
     if as_json:
         emit_json(bisect_document(result))
     render_bisect(result, err)
-    ctx.exit(EXIT_BY_VERDICT[result.verdict.value])
+    ctx.exit(verdict_exit(result.verdict))

@@ -42,16 +42,16 @@ def certify_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, certificate_
     3 bad input.
     """
     from sdc_forensics.errors import UsageError
-    from sdc_forensics.forensics.bisect import BisectOptions
     from sdc_forensics.forensics.certify import certify, write_run_certificate
     from sdc_forensics.forensics.distributed import is_lead
+    from sdc_forensics.forensics.options import AnalysisOptions
     from sdc_forensics.present.certify import certify_document, render_certify
 
     if certificate_out is not None and str(certificate_out) == "-":
         raise UsageError("--certificate-out - : a certificate is written to a file; name one (the JSON document is --json)")
     check_new_output(certificate_out, force, "--certificate-out")
     with Bars(enabled=err.is_terminal) as bars:
-        cert = certify(trace_dir, BisectOptions(**options), progress=bars)
+        cert = certify(trace_dir, AnalysisOptions(**options), progress=bars)
     if certificate_out is not None and is_lead():  # under torchrun, process 0 alone writes
         write_run_certificate(certificate_out, cert, force=force)
     render_certify(cert, err, certificate_out)

@@ -1,5 +1,5 @@
-"""What several commands share: the analysis options, the progress bars, exit codes by verdict,
-and the check that an output file may be written.
+"""What several commands share: the analysis options, the progress bars, and the check that an
+output file may be written.
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ from pathlib import Path
 import click
 
 from sdc_forensics.cli.output import err
-
-EXIT_BY_VERDICT = {"clean": 0, "corruption": 1, "inconclusive": 4}
 
 
 class Bars:
@@ -57,7 +55,11 @@ def trace_analysis_options(func):
 
 
 def analysis_options(func):
-    """Replay options (``bisect``, ``replay``, ``certify``, ``report``, ``verify-checkpoint --trace``)."""
+    """Replay options (``bisect``, ``replay``, ``certify``, ``report``, ``verify-checkpoint --trace``).
+
+    Their names are the fields of ``forensics.options.AnalysisOptions``: a command builds it once
+    from them (and its own ``--trace-only``, ``--max-replay-steps``...) and passes it down.
+    """
     func = click.option("--tolerant", "force_tolerant", is_flag=True,
                         help="Compare within the sketch tolerance even where the replay is bitwise exact.")(func)
     func = click.option("--threads", "num_threads", type=click.IntRange(min=1),
@@ -70,12 +72,17 @@ def analysis_options(func):
                         help="Directory holding the checkpoint files (default: found from the trace: the paths the job wrote, also relative to the trace directory).")(func)
 
 
-def run_analysis(trace_dir: Path, **options):
-    """``bisect`` with progress bars on stderr: the one analysis behind every command."""
-    from sdc_forensics.forensics.bisect import BisectOptions, bisect
+def run_analysis(trace_dir: Path, options):
+    """``bisect`` with progress bars on stderr: the one analysis behind every command.
+
+    Args:
+        trace_dir: the trace directory.
+        options: the command's ``forensics.options.AnalysisOptions``.
+    """
+    from sdc_forensics.forensics.bisect import bisect
 
     with Bars(enabled=err.is_terminal) as bars:
-        return bisect(trace_dir, BisectOptions(**options), progress=bars)
+        return bisect(trace_dir, options, progress=bars)
 
 
 def force_option(func):

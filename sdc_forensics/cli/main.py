@@ -2,7 +2,7 @@
 
 Only this layer turns :class:`~sdc_forensics.errors.SdcError` into one line on stderr and the
 documented exit code (0 clean, 1 corruption / not certifiable, 2 usage, 3 bad input,
-4 inconclusive): each error class carries its code, and every reader of untrusted input raises an
+4 inconclusive; the one table is ``exitcodes.ExitCode``): each error class carries its code, and every reader of untrusted input raises an
 ``InvalidInputError`` (exit 3) for anything it cannot parse (``errors.reader``), so no list of
 readers is kept here. Subcommand modules are imported lazily so ``inspect`` starts without torch.
 """
@@ -18,8 +18,7 @@ import click
 
 from sdc_forensics import __version__
 from sdc_forensics.errors import SdcError
-
-EXIT_CLEAN, EXIT_CORRUPTION, EXIT_USAGE, EXIT_INPUT, EXIT_INCONCLUSIVE = 0, 1, 2, 3, 4
+from sdc_forensics.exitcodes import ExitCode
 
 # command name -> (module, attribute, one-line help)
 _COMMANDS = {
@@ -80,11 +79,11 @@ class _LazyGroup(click.Group):
             sys.exit(exc.exit_code)
         except click.Abort:
             fatal("aborted")
-            sys.exit(1)
+            sys.exit(ExitCode.CORRUPTION)  # click's own code for an abort
         except BrokenPipeError:
             stdout_closed()
-            sys.exit(0)
-        sys.exit(code if isinstance(code, int) else 0)
+            sys.exit(ExitCode.CLEAN)
+        sys.exit(code if isinstance(code, int) else ExitCode.CLEAN)
 
     def invoke(self, ctx: click.Context):
         try:
@@ -101,7 +100,7 @@ class _LazyGroup(click.Group):
             from sdc_forensics.cli.output import stdout_closed
 
             stdout_closed()
-            ctx.exit(0)
+            ctx.exit(ExitCode.CLEAN)
 
 
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -127,11 +126,11 @@ def main() -> None:
         from sdc_forensics.cli.output import stdout_closed
 
         stdout_closed()
-        code = 0
+        code = ExitCode.CLEAN
     except SystemExit as exc:
         code = exc.code
     if "sdc_forensics.forensics.distributed" in sys.modules:  # a replay across processes lost a peer: exit at once
-        sys.modules["sdc_forensics.forensics.distributed"].leave(0 if code is None else code if isinstance(code, int) else 1)
+        sys.modules["sdc_forensics.forensics.distributed"].leave(ExitCode.CLEAN if code is None else code if isinstance(code, int) else ExitCode.CORRUPTION)
     sys.exit(code)
 
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import click
 
-from sdc_forensics.cli.common import EXIT_BY_VERDICT, Bars, distributed_replay, trace_analysis_options
+from sdc_forensics.cli.common import Bars, distributed_replay, trace_analysis_options
 from sdc_forensics.cli.output import emit_json, err
+from sdc_forensics.exitcodes import verdict_exit
 
 
 @click.command("replay")
@@ -27,13 +28,14 @@ def replay_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, start: int, s
     only mismatches are weak (tolerant residuals within what clean replays produce), 2 usage
     error (a window outside the trace's steps, N not a checkpoint step), 3 bad input.
     """
+    from sdc_forensics.forensics.options import AnalysisOptions
     from sdc_forensics.forensics.replay_run import ReplayRequest, replay_from_trace
     from sdc_forensics.present.replay import render_replay, replay_document
 
-    request = ReplayRequest(start_step=start, stop_step=stop, **options)
+    request = ReplayRequest(start_step=start, stop_step=stop, options=AnalysisOptions(**options))
     with Bars(enabled=err.is_terminal) as bars:
         run = replay_from_trace(trace_dir, request, progress=bars)
     if as_json:
         emit_json(replay_document(run))
     render_replay(run, err)
-    ctx.exit(EXIT_BY_VERDICT[run.decision.verdict.value])
+    ctx.exit(verdict_exit(run.decision.verdict))

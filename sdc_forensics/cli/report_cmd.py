@@ -6,10 +6,11 @@ from pathlib import Path
 
 import click
 
-from sdc_forensics.cli.common import EXIT_BY_VERDICT, check_new_output, distributed_replay, force_option, run_analysis, trace_analysis_options
+from sdc_forensics.cli.common import check_new_output, distributed_replay, force_option, run_analysis, trace_analysis_options
 from sdc_forensics.cli.limits import read_limit_options
-from sdc_forensics.newfile import write_new_file
 from sdc_forensics.cli.output import SCHEMA_VERSION, emit_json, err, write_stdout
+from sdc_forensics.exitcodes import verdict_exit
+from sdc_forensics.newfile import write_new_file
 
 
 @click.command("report")
@@ -32,8 +33,11 @@ def report_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: b
     without plots; JSON is the bisect document plus the report's facts. With --json the JSON
     document goes to stdout and the review to -o FILE.
     """
+    import dataclasses
+
     from sdc_forensics.errors import UsageError
     from sdc_forensics.forensics.distributed import is_lead
+    from sdc_forensics.forensics.options import AnalysisOptions
     from sdc_forensics.present.report import ReportRequest, output_format
     from sdc_forensics.present.review import render_review
 
@@ -41,13 +45,11 @@ def report_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: b
     if as_json and output == "-" and fmt != "json":
         raise UsageError("--json and the review cannot both go to stdout: pass -o FILE for the review")
     check_new_output(output, force, "-o")
-    request = ReportRequest(
-        trace_dir=trace_dir.absolute(), output=output if output == "-" else str(Path(output).absolute()), fmt=fmt,
-        checkpoints_dir=None if options["checkpoints_dir"] is None else options["checkpoints_dir"].absolute(),
-        recipe=options["recipe"], device=options["device"], num_threads=options["num_threads"],
-        force_tolerant=options["force_tolerant"], force_device=options["force_device"], trace_only=trace_only,
-    )
-    result = run_analysis(trace_dir, trace_only=trace_only, **options)
+    chosen = AnalysisOptions(trace_only=trace_only, **options)
+    absolute = None if chosen.checkpoints_dir is None else chosen.checkpoints_dir.absolute()  # commands that rerun it from anywhere
+    request = ReportRequest(trace_dir=trace_dir.absolute(), output=output if output == "-" else str(Path(output).absolute()), fmt=fmt,
+                            options=dataclasses.replace(chosen, checkpoints_dir=absolute))
+    result = run_analysis(trace_dir, chosen)
     review = render_review(result, request, SCHEMA_VERSION)
     for note in review.notes:
         err.print(f"note: {note}", markup=False)
@@ -60,4 +62,4 @@ def report_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: b
         err.print(f"post-incident review ({fmt}) written to {output}", markup=False)
     if as_json and not (fmt == "json" and output == "-"):
         emit_json(review.document)
-    ctx.exit(EXIT_BY_VERDICT[result.verdict.value])
+    ctx.exit(verdict_exit(result.verdict))

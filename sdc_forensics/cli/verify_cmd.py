@@ -38,13 +38,13 @@ def verify_cmd(ctx: click.Context, path: Path, trace_dir: Path | None, step: int
     but not every step before it examined). With --certificate: 1 when its files changed since
     they were certified, or it was not certified clean. 2 usage error, 3 unreadable input.
     """
-    from sdc_forensics.forensics.bisect import BisectOptions
+    from sdc_forensics.forensics.options import AnalysisOptions
     from sdc_forensics.forensics.verify_run import VerifyRequest, verify_run
     from sdc_forensics.present.verify import render_verify, verify_document
 
     request = VerifyRequest(path=path, trace_dir=trace_dir, step=step, trace_only=trace_only, certificate_path=certificate_path)
     with Bars(enabled=err.is_terminal) as bars:
-        outcome = verify_run(request, BisectOptions(**options), progress=bars)
+        outcome = verify_run(request, AnalysisOptions(**options), progress=bars)
     render_verify(outcome, err)
     if as_json:
         emit_json(verify_document(outcome))

@@ -28,6 +28,7 @@ from typing import Protocol
 from sdc_forensics.forensics import decision, preflight
 from sdc_forensics.forensics.decision import CheckpointFile, Examined
 from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, sort_key
+from sdc_forensics.forensics.options import AnalysisOptions, BisectOptions
 from sdc_forensics.forensics.triage import TriageResult, triage_trace
 from sdc_forensics.forensics.verdict import BisectResult, ReplayedWindow, ReplaySummary
 from sdc_forensics.trace.checkpoints import CheckpointNote, read_checkpoint_notes, unreplayable_steps, unreplayable_text
@@ -35,46 +36,12 @@ from sdc_forensics.trace.consensus import majority_weights_digests
 from sdc_forensics.trace.manifest import audit_reach
 from sdc_forensics.trace.reader import UNTRUSTED_DAMAGE, Trace
 
+# BisectOptions: the options' old name, still read here (forensics.options)
+__all__ = ["AnalysisOptions", "BisectOptions", "Progress", "bisect"]
+
 # the file differs from what was saved (storage), or holds NaN/Inf or not-the-majority content
 # (saved that way: a consequence of a divergence): never replayed from
 _NOT_A_START = decision.STORAGE_FINDINGS | decision.STATE_FINDINGS
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BisectOptions:
-    """What ``bisect`` may use.
-
-    Attributes:
-        checkpoints_dir: where the checkpoint files are (None: found from the trace, ``checkpoint.locate.locate_checkpoint``).
-        recipe: ``module:attribute`` overriding the manifest's recipe.
-        device: replay device (``cpu``, ``cuda``, ``cuda:N``).
-        trace_only: never replay, never read checkpoint files, never import torch.
-        force_device: replay even on a suspect's GPU.
-        max_replay_steps: stop widening backwards after this many replayed steps (None: no limit);
-            checkpoints whose earlier steps were not all replayed stay ``unverified``.
-        scan_recurrence: also replay the intervals after the first divergence (from checkpoints all
-            replicas agreed on): recurrences of the suspects.
-        num_threads: replay CPU threads for every step (None: each step's recorded count, which
-            makes a CPU replay of a CPU run bitwise exact).
-        force_tolerant: compare within tolerance even where the replay is bitwise reproducible.
-        checkpoint_paths: ``{N: path}`` files to use for checkpoint N instead of the noted one
-            (``verify-checkpoint PATH --trace``: the file being asked about).
-    """
-
-    checkpoints_dir: Path | None = None
-    recipe: str | None = None
-    device: str = "cpu"
-    trace_only: bool = False
-    force_device: bool = False
-    max_replay_steps: int | None = None
-    scan_recurrence: bool = False
-    num_threads: int | None = None
-    force_tolerant: bool = False
-    checkpoint_paths: dict[int, Path] = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError("num_threads must be >= 1")
 
 
 class Progress(Protocol):
@@ -88,7 +55,7 @@ class Progress(Protocol):
         """Say something people should know before the replay (optional: looked up with ``hasattr``)."""
 
 
-def bisect(trace_dir: str | os.PathLike, options: BisectOptions, progress: Progress | None = None) -> BisectResult:
+def bisect(trace_dir: str | os.PathLike, options: AnalysisOptions, progress: Progress | None = None) -> BisectResult:
     """Find the first divergent step, the suspects and the last clean checkpoint.
 
     Raises:
@@ -197,7 +164,7 @@ def _scope(tri: TriageResult, summary: ReplaySummary) -> str:
     return scope
 
 
-def _verify_files(notes: list[CheckpointNote], options: BisectOptions, trace_path: Path, seed: int) -> dict[int, CheckpointFile]:
+def _verify_files(notes: list[CheckpointNote], options: AnalysisOptions, trace_path: Path, seed: int) -> dict[int, CheckpointFile]:
     """``{N: CheckpointFile}`` for every noted checkpoint, digested with the trace's seed."""
     from sdc_forensics.checkpoint.locate import locate_checkpoint
     from sdc_forensics.checkpoint.verify import VerifyOptions, verify_checkpoint
@@ -216,7 +183,7 @@ def _verify_files(notes: list[CheckpointNote], options: BisectOptions, trace_pat
     return out
 
 
-def _where(note: CheckpointNote, options: BisectOptions, trace_path: Path) -> str:
+def _where(note: CheckpointNote, options: AnalysisOptions, trace_path: Path) -> str:
     """The file checkpoint ``note`` names, found as replay would find it (nothing is read), else the noted path."""
     from sdc_forensics.checkpoint.locate import locate_checkpoint
 
@@ -245,7 +212,7 @@ def _storage_evidence(notes: list[CheckpointNote], files: dict[int, CheckpointFi
     return out
 
 
-def _replay(trace: Trace, tri: TriageResult, usable: list[CheckpointNote], recipe_ref: str, options: BisectOptions, progress):
+def _replay(trace: Trace, tri: TriageResult, usable: list[CheckpointNote], recipe_ref: str, options: AnalysisOptions, progress):
     """Replay the intervals that decide the run; ``(summary, evidence, replayed steps, tolerant steps)``."""
     from sdc_forensics.forensics.replay_env import resolve_device
     from sdc_forensics.recipe import load_recipe
@@ -329,7 +296,7 @@ def _scan_after(runner: "_WindowRunner", starts: list[CheckpointNote], found: in
 class _WindowRunner:
     """Runs replay windows for one bisection and accumulates what they found."""
 
-    def __init__(self, trace: Trace, recipe, options: BisectOptions, progress, suspect_gpus: dict[str, int]) -> None:
+    def __init__(self, trace: Trace, recipe, options: AnalysisOptions, progress, suspect_gpus: dict[str, int]) -> None:
         self.trace, self.recipe, self.options, self.progress, self.suspect_gpus = trace, recipe, options, progress, suspect_gpus
         self.windows: list[ReplayedWindow] = []
         self.evidence: list[Evidence] = []
@@ -463,10 +430,10 @@ class _WindowRunner:
     def _replay_window(self, note: CheckpointNote, hi: int, threads: int | None, stop_at_divergence: bool):
         from sdc_forensics.forensics.replay import ReplayOptions, replay_window
 
-        options = ReplayOptions(start_step=note.step, stop_step=hi, checkpoint_path=_resolve(note, self.options, self.trace.path),
-                                expected_weights_digest=note.weights_digest, device=self.options.device,
-                                force_device=self.options.force_device, suspect_gpus=self.suspect_gpus, reduction_order=self.order,
-                                num_threads=threads, force_tolerant=self.options.force_tolerant, stop_at_divergence=stop_at_divergence)
+        options = ReplayOptions.of(self.options, start_step=note.step, stop_step=hi,
+                                   checkpoint_path=_resolve(note, self.options, self.trace.path),
+                                   expected_weights_digest=note.weights_digest, suspect_gpus=self.suspect_gpus,
+                                   reduction_order=self.order, num_threads=threads, stop_at_divergence=stop_at_divergence)
         return replay_window(self.trace, self.recipe, options, self.progress.step if self.progress is not None else None)
 
     def _second_opinion(self, note: CheckpointNote, first, evidence: list[Evidence], weak: list[Evidence]) -> list[Evidence]:
@@ -520,7 +487,7 @@ def _suspect_gpus(trace: Trace, tri: TriageResult) -> dict[str, int]:
     return out
 
 
-def _resolve(note: CheckpointNote, options: BisectOptions, trace_path: Path) -> Path:
+def _resolve(note: CheckpointNote, options: AnalysisOptions, trace_path: Path) -> Path:
     from sdc_forensics.checkpoint.locate import locate_checkpoint
 
     return options.checkpoint_paths.get(note.step) or locate_checkpoint(note, options.checkpoints_dir, trace_path) or Path(note.path)

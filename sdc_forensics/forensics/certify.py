@@ -2,7 +2,7 @@
 
 Every noted checkpoint gets its status from ``forensics.decision`` (through the analysis); this
 module adds what certification needs on top: the checkpoint-looking files no note names, the
-resume point, and the exit status (docs/bisect.md, "certify"):
+resume point, and the exit status (docs/bisect.md, "certify"; the codes are ``exitcodes.ExitCode``):
 
 * 0 — a checkpoint is certified clean: resume from the last clean one. Tainted or corrupt
   checkpoints after it are still listed, and the analysis verdict is in the JSON;
@@ -18,10 +18,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from sdc_forensics.forensics.decision import CheckpointStatus, Status, Verdict, last_clean
+from sdc_forensics.exitcodes import ExitCode, status_exit, verdict_exit
+from sdc_forensics.forensics.decision import CheckpointStatus, Verdict, last_clean
 from sdc_forensics.forensics.verdict import BisectResult
-
-EXIT_RESUME, EXIT_NOT_CERTIFIABLE, EXIT_UNVERIFIED = 0, 1, 4
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,7 +37,7 @@ class Certification:
     trace_dir: Path
     analysis: BisectResult
     unnoted: tuple[Path, ...] = ()
-    exit_code: int = EXIT_UNVERIFIED
+    exit_code: ExitCode = ExitCode.UNVERIFIED
 
     @property
     def checkpoints(self) -> tuple[CheckpointStatus, ...]:
@@ -50,13 +49,18 @@ class Certification:
         return last_clean(self.analysis.checkpoints)
 
 
-def certify_exit(statuses: Sequence[CheckpointStatus], verdict: Verdict) -> int:
-    """The exit status of ``certify``: it answers "is there a checkpoint to resume from?"."""
-    if any(s.clean for s in statuses):
-        return EXIT_RESUME
-    if verdict is Verdict.CORRUPTION or any(s.status in (Status.CORRUPT, Status.TAINTED) for s in statuses):
-        return EXIT_NOT_CERTIFIABLE
-    return EXIT_UNVERIFIED
+def certify_exit(statuses: Sequence[CheckpointStatus], verdict: Verdict) -> ExitCode:
+    """The exit status of ``certify``: it answers "is there a checkpoint to resume from?".
+
+    The code of the best checkpoint status (clean before unverified before not certifiable), but
+    with no clean checkpoint a verdict of corruption makes it not certifiable.
+    """
+    codes = [status_exit(s.status) for s in statuses]
+    if ExitCode.CLEAN in codes:
+        return ExitCode.CLEAN
+    if verdict_exit(verdict) == ExitCode.CORRUPTION or ExitCode.NOT_CERTIFIABLE in codes:
+        return ExitCode.NOT_CERTIFIABLE
+    return ExitCode.UNVERIFIED
 
 
 def certify(trace_dir: str | os.PathLike, options, progress=None) -> Certification:
@@ -64,7 +68,7 @@ def certify(trace_dir: str | os.PathLike, options, progress=None) -> Certificati
 
     Args:
         trace_dir: the trace directory.
-        options: :class:`~sdc_forensics.forensics.bisect.BisectOptions` (``checkpoints_dir``,
+        options: :class:`~sdc_forensics.forensics.options.AnalysisOptions` (``checkpoints_dir``,
             replay settings, ``trace_only``).
         progress: replay progress (``bisect.Progress``), or None.
 

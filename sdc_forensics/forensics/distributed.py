@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from sdc_forensics.errors import SdcError, UsageError
+from sdc_forensics.exitcodes import ExitCode
 
 #: Test-only hook (docs/distributed.md, "Failures"): ``PROCESS:STEP[:hang]`` makes replay process
 #: PROCESS end with ``os._exit(17)`` (or sleep forever with ``:hang``) just before it computes its
@@ -63,7 +64,7 @@ _FOLLOWER_EXIT_DELAY_S = 1.0
 class ReplayProcessLost(SdcError):
     """A replay process exited, was killed or stopped answering: nothing was decided (exit 4)."""
 
-    exit_code = 4
+    exit_code = ExitCode.INCONCLUSIVE
 
 
 class PlacementRefused(UsageError):

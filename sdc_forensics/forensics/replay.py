@@ -35,6 +35,7 @@ from sdc_forensics.fingerprint.core import Fingerprint, combine, combine_digests
 from sdc_forensics.forensics import distributed, replay_env as env
 from sdc_forensics.trace.checkpoints import hex64
 from sdc_forensics.forensics.evidence import Evidence, EvidenceKind
+from sdc_forensics.forensics.options import AnalysisOptions
 from sdc_forensics.forensics.replay_compare import StepComparisons
 from sdc_forensics.statedict import tensor_digests, weights_digest
 from sdc_forensics.trace.reader import Trace, step_threads
@@ -56,7 +57,7 @@ class StartStateMismatch(CheckpointError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReplayOptions:
-    """One replay window.
+    """One replay window (built from the user's :class:`~sdc_forensics.forensics.options.AnalysisOptions` by :meth:`of`).
 
     Attributes:
         start_step: N, the checkpoint the replay starts from (it holds theta_N).
@@ -92,6 +93,13 @@ class ReplayOptions:
     def __post_init__(self) -> None:
         if self.stop_step < self.start_step:
             raise InvalidInputError(f"replay window {self.start_step}..{self.stop_step} is empty: --to must be >= --from")
+
+    @classmethod
+    def of(cls, chosen: AnalysisOptions, **window) -> "ReplayOptions":
+        """The options of one window: the user's ``device``, ``force_device``, ``num_threads`` and
+        ``force_tolerant`` from ``chosen``, the window's own fields (and any override) from ``window``."""
+        return cls(**{"device": chosen.device, "force_device": chosen.force_device, "num_threads": chosen.num_threads,
+                      "force_tolerant": chosen.force_tolerant, **window})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sdc_forensics.forensics.decision import Decision
+from sdc_forensics.forensics.options import AnalysisOptions
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -24,19 +25,13 @@ class ReplayRequest:
     Attributes:
         start_step: checkpoint ``N`` to start from (it holds ``θ_N``).
         stop_step: the last step ``M`` replayed (inclusive).
-        checkpoints_dir: where the checkpoint files are (None: the noted paths, then relative to the trace).
-        recipe: ``module:attribute`` overriding the manifest's recipe.
-        device, force_device, num_threads, force_tolerant: as for ``bisect`` (``BisectOptions``).
+        options: what the user chose (``checkpoints_dir``, ``recipe``, ``device``, ``force_device``,
+            ``num_threads``, ``force_tolerant``), as for ``bisect``.
     """
 
     start_step: int
     stop_step: int
-    checkpoints_dir: Path | None = None
-    recipe: str | None = None
-    device: str = "cpu"
-    force_device: bool = False
-    num_threads: int | None = None
-    force_tolerant: bool = False
+    options: AnalysisOptions = AnalysisOptions()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,8 +67,8 @@ def check_window(trace_dir: str | os.PathLike, request: ReplayRequest) -> Window
     start, stop = request.start_step, request.stop_step
     if stop < start:
         raise UsageError(f"--to {stop} is before --from {start}: the window is steps N..M with N <= M")
-    if request.checkpoints_dir is not None and not Path(request.checkpoints_dir).is_dir():
-        raise UsageError(f"--checkpoints {request.checkpoints_dir} is not a directory")
+    if request.options.checkpoints_dir is not None and not Path(request.options.checkpoints_dir).is_dir():
+        raise UsageError(f"--checkpoints {request.options.checkpoints_dir} is not a directory")
     trace = Trace.open(trace_dir)
     bounds = trace.step_range()
     if bounds is None:
@@ -86,7 +81,7 @@ def check_window(trace_dir: str | os.PathLike, request: ReplayRequest) -> Window
     if start not in notes:
         have = ", ".join(map(str, sorted(notes))) or "none"
         raise UsageError(f"--from {start} is not a checkpoint step of this trace (checkpoints: {have})")
-    reference = request.recipe or trace.manifest.recipe
+    reference = request.options.recipe or trace.manifest.recipe
     if not reference:
         raise RecipeError("the trace names no replay recipe: pass --recipe MODULE:ATTR (docs/recipes.md)")
     return Window(trace=trace, recipe=reference, note=notes[start])
@@ -113,16 +108,16 @@ def replay_from_trace(trace_dir: str | os.PathLike, request: ReplayRequest, prog
     from sdc_forensics.recipe import load_trace_recipe
 
     trace, note, start = window.trace, window.note, request.start_step
-    resolve_device(request.device)  # an unknown or absent device: a usage error before the recipe is loaded
-    path = locate_checkpoint(note, request.checkpoints_dir, trace.path)
+    resolve_device(request.options.device)  # an unknown or absent device: a usage error before the recipe is loaded
+    path = locate_checkpoint(note, request.options.checkpoints_dir, trace.path)
     if path is None:
         raise CheckpointError(f"checkpoint file of step {start} ({Path(note.path).name}) not found: pass --checkpoints DIR")
-    options = ReplayOptions(start_step=start, stop_step=request.stop_step, checkpoint_path=path,
-                            expected_weights_digest=note.weights_digest, device=request.device, force_device=request.force_device,
-                            num_threads=request.num_threads, force_tolerant=request.force_tolerant)
-    recipe = load_trace_recipe(trace.manifest, request.recipe)  # with the job settings the manifest recorded
-    flight = preflight.check(trace.manifest, device=request.device, num_threads=request.num_threads,
-                             force_tolerant=request.force_tolerant)
+    chosen = request.options
+    options = ReplayOptions.of(chosen, start_step=start, stop_step=request.stop_step, checkpoint_path=path,
+                               expected_weights_digest=note.weights_digest)
+    recipe = load_trace_recipe(trace.manifest, chosen.recipe)  # with the job settings the manifest recorded
+    flight = preflight.check(trace.manifest, device=chosen.device, num_threads=chosen.num_threads,
+                             force_tolerant=chosen.force_tolerant)
     if progress is not None:
         for line in flight.lines() if hasattr(progress, "note") else ():
             progress.note(line)

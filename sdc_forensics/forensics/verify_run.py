@@ -10,7 +10,8 @@
 
 Exit status: 1 when the certificate disagrees or did not certify it clean; else the decision's
 status with a trace; else, with a trace that has no note for the step, 1 for a damaged file and
-4 otherwise; without a trace, 0 when the file has no findings and 1 when it has.
+4 otherwise; without a trace, 0 when the file has no findings and 1 when it has. The codes are
+``exitcodes.ExitCode``, a status's code ``exitcodes.EXIT_BY_STATUS``.
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from sdc_forensics.exitcodes import ExitCode, status_exit
 from sdc_forensics.forensics.decision import UNVERIFIABLE_FINDINGS, CheckpointStatus, Status
-
-EXIT_VERIFIED, EXIT_NOT_CERTIFIABLE, EXIT_UNVERIFIED = 0, 1, 4
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,26 +73,27 @@ class VerifyOutcome:
     certificate_status: Status | None = None
     certificate_findings: tuple[Any, ...] = ()
     reasons: tuple[str, ...] = ()
-    exit_code: int = EXIT_VERIFIED
+    exit_code: ExitCode = ExitCode.CLEAN
 
     @property
     def verdict(self) -> str:
         """``verified`` (file alone), ``certified-clean``, ``not-certifiable`` or ``unverified``."""
-        if self.exit_code == EXIT_VERIFIED:
+        if self.exit_code == ExitCode.CLEAN:
             return "verified" if self.request.trace_dir is None else "certified-clean"
-        return "unverified" if self.exit_code == EXIT_UNVERIFIED else "not-certifiable"
+        return "unverified" if self.exit_code == ExitCode.UNVERIFIED else "not-certifiable"
 
 
-def verify_exit(report, status: CheckpointStatus | None, missing: str, certificate_findings, certificate_status: Status | None) -> int:
+def verify_exit(report, status: CheckpointStatus | None, missing: str, certificate_findings,
+                certificate_status: Status | None) -> ExitCode:
     """The exit status of ``verify-checkpoint`` (module docstring); the trace's part is the decision's status."""
     if certificate_findings or (certificate_status is not None and not certificate_status.clean):
-        return EXIT_NOT_CERTIFIABLE
+        return ExitCode.NOT_CERTIFIABLE
     if status is not None:  # the one decision: clean 0, unverified 4, tainted or corrupt 1
-        return {Status.CLEAN: EXIT_VERIFIED, Status.UNVERIFIED: EXIT_UNVERIFIED}.get(status.status, EXIT_NOT_CERTIFIABLE)
+        return status_exit(status.status)
     if missing:
         damaged = [f for f in report.findings if f.kind not in UNVERIFIABLE_FINDINGS]
-        return EXIT_NOT_CERTIFIABLE if damaged else EXIT_UNVERIFIED
-    return EXIT_NOT_CERTIFIABLE if report.findings else EXIT_VERIFIED
+        return ExitCode.NOT_CERTIFIABLE if damaged else ExitCode.UNVERIFIED
+    return ExitCode.NOT_CERTIFIABLE if report.findings else ExitCode.CLEAN
 
 
 def verify_run(request: VerifyRequest, options=None, progress=None) -> VerifyOutcome:
@@ -100,7 +101,7 @@ def verify_run(request: VerifyRequest, options=None, progress=None) -> VerifyOut
 
     Args:
         request: what to verify.
-        options: :class:`~sdc_forensics.forensics.bisect.BisectOptions` for the run's analysis
+        options: :class:`~sdc_forensics.forensics.options.AnalysisOptions` for the run's analysis
             (replay settings); its ``trace_only`` and ``checkpoint_paths`` are set here.
         progress: replay progress (``bisect.Progress``), or None.
 
@@ -110,8 +111,9 @@ def verify_run(request: VerifyRequest, options=None, progress=None) -> VerifyOut
     """
     from sdc_forensics.checkpoint import VerifyOptions, open_checkpoint, verify_checkpoint
     from sdc_forensics.errors import UsageError
-    from sdc_forensics.forensics.bisect import BisectOptions, bisect
+    from sdc_forensics.forensics.bisect import bisect
     from sdc_forensics.forensics.certificate import check_against_certificate, read_certificate
+    from sdc_forensics.forensics.options import AnalysisOptions
     from sdc_forensics.trace.checkpoints import read_checkpoint_notes
     from sdc_forensics.trace.manifest import read_manifest
 
@@ -146,7 +148,7 @@ def verify_run(request: VerifyRequest, options=None, progress=None) -> VerifyOut
         if not noted:
             missing = f"no checkpoint note for step {wanted} in {trace_dir}"
         else:
-            base = options if options is not None else BisectOptions()
+            base = options if options is not None else AnalysisOptions()
             analysis = dataclasses.replace(base, trace_only=request.trace_only, checkpoint_paths={wanted: Path(path)})
             result = bisect(trace_dir, analysis, progress=progress)
             status = next(c for c in result.checkpoints if c.step == wanted)

@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from sdc_forensics.forensics.evidence import Evidence
 from sdc_forensics.forensics.decision import Status
-from sdc_forensics.forensics.verdict import BisectResult, Verdict
+from sdc_forensics.forensics.verdict import BisectResult, ReplayedWindow, ReplaySummary, Verdict
 from sdc_forensics.present.text import new_table, ranks_text
 from sdc_forensics.trace.ends import STOPPED_EARLY
 
@@ -21,8 +21,38 @@ _STATUS_STYLE = {Status.CLEAN: "green", Status.UNVERIFIED: "yellow", Status.TAIN
 
 
 def bisect_document(result: BisectResult) -> dict[str, Any]:
-    """The ``--json`` document of ``bisect`` (``schema_version`` is added by the emitter)."""
-    return result.to_json()
+    """The ``--json`` document of ``bisect`` (docs/json.md, ``docs/schemas/bisect.schema.json``;
+    ``schema_version`` is added by the emitter). ``report``'s JSON is this document plus its own."""
+    last = result.last_clean_checkpoint
+    return {
+        "verdict": result.verdict.value,
+        "first_divergent_step": result.first_divergent_step,
+        "divergence_window": None if result.divergence_window is None else list(result.divergence_window),
+        "suspects": [s.to_json() for s in result.suspects],
+        "last_clean_checkpoint": None if last is None else {"step": last.step, "path": last.path, "status": last.status.value},
+        "checkpoints": [c.to_json() for c in result.checkpoints],
+        "replayed": _replayed_document(result.replayed),
+        "evidence": [e.to_json() for e in result.evidence if not e.is_hint],
+        "hints": [e.to_json() for e in result.evidence if e.is_hint],
+        "mode": result.mode,
+        "scope": result.scope,
+        "settle": list(result.settle),
+        "notes": list(result.notes),
+        "preflight": None if result.preflight is None else result.preflight.to_json(),
+        "trace": {"path": result.trace_path, "world_size": result.world_size,
+                  "steps": None if result.step_range is None else list(result.step_range), "damage": list(result.damage)},
+    }
+
+
+def _replayed_document(replay: ReplaySummary) -> dict[str, Any]:
+    return {"windows": [_window_document(w) for w in replay.windows], "device": replay.device, "comparison": replay.comparison,
+            "steps_replayed": replay.steps_replayed, "reduction_order": replay.reduction_order or None,
+            "settings": replay.settings, "notes": list(replay.notes)}
+
+
+def _window_document(window: ReplayedWindow) -> dict[str, Any]:
+    return {"from": window.start, "to": window.stop, "last_replayed": window.last, "comparison": window.comparison,
+            "tolerant_from": window.tolerant_from, "reason": window.reason, "max_residual_ratio": window.max_residual_ratio}
 
 
 def render_bisect(result: BisectResult, console) -> None:

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sdc_forensics.forensics.incident import Incident
+from sdc_forensics.forensics.options import AnalysisOptions
 from sdc_forensics.forensics.verdict import BisectResult, Verdict
+from sdc_forensics.present.bisect import bisect_document
 from sdc_forensics.trace.ends import STOPPED_EARLY
 
 if TYPE_CHECKING:
@@ -35,18 +37,20 @@ PLOTS_HINT = "pip install 'sdc-forensics[report]' for plots"
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReportRequest:
-    """The ``report`` invocation, as given (paths absolute)."""
+    """The ``report`` invocation, as given (paths absolute).
+
+    Attributes:
+        trace_dir: the trace analysed.
+        output: the review's file, or ``-``.
+        fmt: ``html``, ``md`` or ``json``.
+        options: the analysis options the user chose (``checkpoints_dir`` absolute).
+        manifest_recipe: the recipe the trace names.
+    """
 
     trace_dir: Path
     output: str = "-"
     fmt: str = "md"
-    checkpoints_dir: Path | None = None
-    recipe: str | None = None
-    device: str = "cpu"
-    num_threads: int | None = None
-    force_tolerant: bool = False
-    force_device: bool = False
-    trace_only: bool = False
+    options: AnalysisOptions = AnalysisOptions()
     manifest_recipe: str | None = None  # the recipe the trace names (used when --recipe is not given)
 
 
@@ -134,27 +138,28 @@ def reproduce_commands(request: ReportRequest, result: BisectResult) -> tuple[li
     The report command overwrites its own output (``--force``): rerunning it must not fail on the
     file it wrote. Paths are absolute, so the commands work from any directory.
     """
+    chosen = request.options
     opts: list[str] = []
-    if request.trace_only:
+    if chosen.trace_only:
         opts.append("--trace-only")
-    if request.checkpoints_dir is not None:
-        opts += ["--checkpoints", str(request.checkpoints_dir)]
-    if request.recipe:
-        opts += ["--recipe", request.recipe]
-    if request.device != "cpu":
-        opts += ["--device", request.device]
-    if request.num_threads is not None:
-        opts += ["--threads", str(request.num_threads)]
-    if request.force_tolerant:
+    if chosen.checkpoints_dir is not None:
+        opts += ["--checkpoints", str(chosen.checkpoints_dir)]
+    if chosen.recipe:
+        opts += ["--recipe", chosen.recipe]
+    if chosen.device != "cpu":
+        opts += ["--device", chosen.device]
+    if chosen.num_threads is not None:
+        opts += ["--threads", str(chosen.num_threads)]
+    if chosen.force_tolerant:
         opts.append("--tolerant")
-    if request.force_device:
+    if chosen.force_device:
         opts.append("--force-device")
     trace = str(request.trace_dir)
     report = ["sdc-forensics", "report", trace, *opts, "--format", request.fmt]
     report += ["-o", request.output, "--force"] if request.output != "-" else []
     notes = []
     prefix = ""
-    recipe = request.recipe or request.manifest_recipe
+    recipe = chosen.recipe or request.manifest_recipe
     if result.mode == "replay" and result.replayed.windows:
         root = recipe_import_root(recipe)
         if root is not None:
@@ -210,7 +215,7 @@ def report_document(result: BisectResult, incident: Incident, actions: "tuple[Ac
     notes, commands = reproduce_commands(request, result)
     lost = incident.lost
     return {
-        **result.to_json(),
+        **bisect_document(result),
         "trace_end": None if end is None else end.to_json(),
         "report": {
             "generated_utc": utc(generated_ns),

@@ -8,7 +8,8 @@ from typing import Any
 from rich.markup import escape
 
 from sdc_forensics.checkpoint.serialize import finding_to_json, report_to_json
-from sdc_forensics.forensics.verify_run import EXIT_UNVERIFIED, EXIT_VERIFIED, VerifyOutcome
+from sdc_forensics.exitcodes import ExitCode
+from sdc_forensics.forensics.verify_run import VerifyOutcome
 from sdc_forensics.present.text import count_text, new_table, rate_text
 
 _MAX_ROWS = 40
@@ -49,7 +50,7 @@ def render_verify(outcome: VerifyOutcome, console) -> None:
             console.print(f"[yellow]to settle:[/] {escape(line)}")
     path, reasons = escape(str(outcome.request.path)), outcome.reasons
     with_trace = outcome.request.trace_dir is not None
-    if outcome.exit_code == EXIT_VERIFIED:
+    if outcome.exit_code == ExitCode.CLEAN:
         what = "CERTIFIED CLEAN" if with_trace else "VERIFIED"
         size = f"{count_text(report.total_bytes, 'byte')} in {report.elapsed_s:.3f} s, {rate_text(report.total_bytes, report.elapsed_s)}"
         if outcome.certificate_status is not None:
@@ -61,7 +62,7 @@ def render_verify(outcome: VerifyOutcome, console) -> None:
             against = ": structure and content only; pass --trace to certify it as part of its run"
         console.print(f"[bold green]{what}[/] {path} ({size}){against}")
         return
-    if outcome.exit_code == EXIT_UNVERIFIED:
+    if outcome.exit_code == ExitCode.UNVERIFIED:
         console.print(f"[bold yellow]NOT CERTIFIED[/] {path}: nothing wrong found, but {escape(reasons[0])}")
     else:
         console.print(f"[bold red]NOT CERTIFIABLE[/] {path}: {escape(reasons[0])}")

@@ -5,27 +5,64 @@ comparison the step that wrote ``θ_N`` just made is reused, not repeated), the
 state is saved from a rank of the strict majority, and the note holds the digests of the exact
 payload that was handed to ``save`` (so later storage corruption of the file is visible to
 ``verify-checkpoint``). Without a strict majority there is nothing trustworthy to save.
+
+The recorder hands :func:`save_checkpoint` what it needs as one :class:`CheckpointSite` (its
+identity in the group, its trace writer, the last weights vote, and two functions: gather a word
+from every rank, react to a finding); this module never imports the recorder.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from sdc_forensics.errors import SdcError, UsageError
+from sdc_forensics.inject import Injector
 from sdc_forensics.recorder import checks
 from sdc_forensics.statedict import flatten_state, state_digests, weights_digest
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace.checkpoints import CheckpointNote, climbs_then_descends, hex64, write_checkpoint_note
+from sdc_forensics.trace.writer import RankTraceWriter
 
-if TYPE_CHECKING:
-    from sdc_forensics.recorder.recorder import Recorder
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointSite:
+    """What saving a checkpoint needs from the recorder (``Recorder.checkpoint`` builds it).
+
+    Attributes:
+        module: the model (``ddp_model.module``): its parameters are digested and found in the state.
+        seed: the fingerprint seed.
+        policy: the recorder's policy (``raise`` refuses a checkpoint without a strict majority).
+        rank, world_size, group: this process in the data-parallel group.
+        attempt: the attempt number noted with the checkpoint.
+        trace_dir: the trace directory (the note is written under it).
+        writer: this rank's trace writer: the CHECKPOINT record.
+        injector: the fault injector (a test may corrupt the written file).
+        last_weights_vote: ``(step, my_digest, vote)`` of the last weights comparison, or None.
+        all_gather_words: ``(n,)`` int64 words of this rank -> ``(W, n)`` table of every rank's.
+        react: record findings as alarms (and raise under policy ``raise``).
+    """
+
+    module: torch.nn.Module
+    seed: int
+    policy: str
+    rank: int
+    world_size: int
+    group: Any
+    attempt: int
+    trace_dir: Path
+    writer: RankTraceWriter
+    injector: Injector
+    last_weights_vote: tuple[int, int, checks.Majority] | None
+    all_gather_words: Callable[[np.ndarray], np.ndarray]
+    react: Callable[[list[checks.Finding]], None]
 
 
 def param_keys(named_params: list[tuple[str, torch.Tensor]], state: Any) -> tuple[str, ...]:
@@ -62,64 +99,65 @@ def path_from_trace(trace_dir: Path, path: Path) -> str:
     return relative if climbs_then_descends(relative) else ""
 
 
-def save_checkpoint(rec: "Recorder", step: int, path: Path, state: Any, save: Callable[[Any, Path], None] | None) -> CheckpointNote:
-    """See :meth:`Recorder.checkpoint`."""
-    last = rec.last_weights_vote
+def save_checkpoint(site: CheckpointSite, step: int, path: Path, state: Any, save: Callable[[Any, Path], None] | None) -> CheckpointNote:
+    """Compare the replicas' weights, save ``state`` from a rank of the majority, note it and
+    record it (a collective; see ``Recorder.checkpoint``)."""
+    last = site.last_weights_vote
     if last is not None and last[0] == step - 1:  # theta_step was just compared (and any alarm raised)
         _, my_digest, vote = last
         finding = None
     else:
-        my_digest = weights_digest(rec.module.named_parameters(), rec.options.seed)
-        table = rec._all_gather_words(np.array([my_digest], dtype=np.uint64).view(np.int64))[:, 0].view(np.uint64)
+        my_digest = weights_digest(site.module.named_parameters(), site.seed)
+        table = site.all_gather_words(np.array([my_digest], dtype=np.uint64).view(np.int64))[:, 0].view(np.uint64)
         finding, vote = checks.check_weights(max(step - 1, 0), table)  # theta_step was written by step - 1
     blessed = vote.value is not None
     saver = 0 if (not blessed or 0 in vote.agreeing) else vote.agreeing[0]
-    refuse = not blessed and rec.options.policy == "raise"
+    refuse = not blessed and site.policy == "raise"
     outcome: list = [None]
-    if rec.rank == saver and not refuse:
+    if site.rank == saver and not refuse:
         try:
-            outcome = [_save_and_note(rec, step, path, state, save, vote, blessed, saver)]
+            outcome = [_save_and_note(site, step, path, state, save, vote, blessed, saver)]
         except Exception as exc:  # noqa: BLE001 - every rank must learn that the save failed
             outcome = [f"{type(exc).__name__}: {exc}"]
     if not refuse:
-        dist.broadcast_object_list(outcome, src=dist.get_global_rank(rec.group, saver), group=rec.group)
-    record = rec.writer.new(F.Kind.CHECKPOINT, step)
+        dist.broadcast_object_list(outcome, src=dist.get_global_rank(site.group, saver), group=site.group)
+    record = site.writer.new(F.Kind.CHECKPOINT, step)
     record["weights_digest"] = my_digest % (1 << 64)
     record["aux_digest"] = (vote.value or 0) % (1 << 64)
     record["aux_rank"] = saver
     record["flags"] = int(F.Flag.WEIGHTS_CHECKED) | (0 if blessed else int(F.Flag.CHECKPOINT_REFUSED | F.Flag.NO_MAJORITY))
-    if rec.rank in vote.diverged and blessed:
+    if site.rank in vote.diverged and blessed:
         record["flags"] |= int(F.Flag.WEIGHTS_DIVERGED)
-    rec.writer.append(record)
+    site.writer.append(record)
     if isinstance(outcome[0], str):
         raise SdcError(f"checkpoint {step} could not be saved to {path} by rank {saver}: {outcome[0]}")
     if finding is not None:
-        rec._react(None, [finding])
+        site.react([finding])
     return outcome[0]
 
 
-def _save_and_note(rec: "Recorder", step: int, path: Path, state: Any, save, vote, blessed: bool, saver: int) -> CheckpointNote:
-    seed = rec.options.seed
-    keys = param_keys(list(rec.module.named_parameters()), state)
+def _save_and_note(site: CheckpointSite, step: int, path: Path, state: Any, save, vote, blessed: bool, saver: int) -> CheckpointNote:
+    seed = site.seed
+    keys = param_keys(list(site.module.named_parameters()), state)
     tensors = state_digests(state, seed)  # of the payload, before it is written
     path.parent.mkdir(parents=True, exist_ok=True)
     (save or torch.save)(state, path)
     note = CheckpointNote(
         step=step,
         path=str(path),
-        attempt=rec.attempt,
+        attempt=site.attempt,
         weights_digest=hex64(vote.value) if vote.value is not None else "",
         param_names=keys,
         tensors=tensors,
         saved_by_rank=saver,
         agreeing_ranks=vote.agreeing,
-        diverged_ranks=vote.diverged if blessed else tuple(range(rec.world_size)),
+        diverged_ranks=vote.diverged if blessed else tuple(range(site.world_size)),
         blessed=blessed and saver in vote.agreeing,
         saved_ns=time.time_ns(),
-        path_from_trace=path_from_trace(rec.trace_dir, path),
+        path_from_trace=path_from_trace(site.trace_dir, path),
     )
-    write_checkpoint_note(rec.trace_dir, note)
-    if rec.injector:
-        rec.injector.corrupt_checkpoint_file(step, path)
+    write_checkpoint_note(site.trace_dir, note)
+    if site.injector:
+        site.injector.corrupt_checkpoint_file(step, path)
     return note
 

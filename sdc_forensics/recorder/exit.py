@@ -12,7 +12,8 @@ number: quarantine the node and run ``sdc-forensics bisect``" from "the script h
     @exit_on_alarm()
     def main(): ...            # or:  with exit_on_alarm(): train()
 
-Why 18: distinct from Python's 1 (uncaught exception) and 2 (usage), from the CLI's 0..4, from
+Why 18: distinct from Python's 1 (uncaught exception) and 2 (usage), from the CLI's 0..4
+(``sdc_forensics.exitcodes.ExitCode``, the commands' table, which this code stays outside), from
 the BSD sysexits range 64..78 and from 128+N (killed by signal N); and distinct from Megatron's
 16 and 17 (its rerun machinery: "resume to disambiguate" and "failed result validation"), so that
 a job running both can tell which one stopped it.

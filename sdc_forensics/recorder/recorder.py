@@ -60,7 +60,7 @@ from sdc_forensics.fingerprint.core import Fingerprint, PendingFingerprint, comb
 from sdc_forensics.inject import FaultSpec, Injector, parse_spec
 from sdc_forensics.recorder import checks, ordered, records
 from sdc_forensics.recorder.audit import AuditOutcome, OwnResult, run_audit
-from sdc_forensics.recorder.checkpointing import save_checkpoint
+from sdc_forensics.recorder.checkpointing import CheckpointSite, save_checkpoint
 from sdc_forensics.recorder.hooks import BucketTap
 from sdc_forensics.recorder.identity import complete_identities, local_identity, make_attempt, node_map
 from sdc_forensics.recorder.options import RecorderOptions
@@ -506,7 +506,11 @@ class Recorder:
         if not self._checkpointed:
             self._checkpointed = True
             self._check_first_checkpoint(int(step))
-        return save_checkpoint(self, int(step), Path(path), state, save)
+        site = CheckpointSite(module=self.module, seed=self.options.seed, policy=self.options.policy, rank=self.rank,
+                              world_size=self.world_size, group=self.group, attempt=self.attempt, trace_dir=self.trace_dir,
+                              writer=self.writer, injector=self.injector, last_weights_vote=self.last_weights_vote,
+                              all_gather_words=self._all_gather_words, react=lambda findings: self._react(None, findings))
+        return save_checkpoint(site, int(step), Path(path), state, save)
 
     def _check_first_checkpoint(self, step: int) -> None:
         """Say once, at the attempt's first checkpoint, when the steps before it can never be

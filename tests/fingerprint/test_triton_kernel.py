@@ -341,7 +341,8 @@ def test_cuda_replay_finds_a_demo_incident(demo_run):
     The demo itself trains on CPU only (``demo/run.py`` initialises gloo on CPU), so the incident
     is recorded there; the replay, the part that runs on a GPU in production, runs on CUDA.
     """
-    from sdc_forensics.forensics.bisect import BisectOptions, bisect
+    from sdc_forensics.forensics.bisect import bisect
+    from sdc_forensics.forensics.options import BisectOptions
 
     out = demo_run("grad:step=4:rank=2:bit=30", steps=6, checkpoint_every=3)
     result = bisect(out / "trace", BisectOptions(checkpoints_dir=out / "checkpoints", device="cuda"))
@@ -361,7 +362,8 @@ def test_cuda_replay_of_a_clean_demo_finds_nothing(demo_run):
     Compared within tolerance (another device than training's), a replay cannot certify the run
     bit for bit, so the verdict is "inconclusive", as a CPU replay forced to tolerant gives.
     """
-    from sdc_forensics.forensics.bisect import BisectOptions, bisect
+    from sdc_forensics.forensics.bisect import bisect
+    from sdc_forensics.forensics.options import BisectOptions
 
     out = demo_run("none", steps=6, checkpoint_every=3)
     result = bisect(out / "trace", BisectOptions(checkpoints_dir=out / "checkpoints", device="cuda"))

@@ -23,9 +23,11 @@ from click.testing import CliRunner
 
 from sdc_forensics.cli.main import cli
 from sdc_forensics.demo.recipe import recipe as demo_recipe
-from sdc_forensics.forensics.bisect import BisectOptions, bisect
+from sdc_forensics.forensics.bisect import bisect
 from sdc_forensics.forensics.evidence import EvidenceKind
+from sdc_forensics.forensics.options import BisectOptions
 from sdc_forensics.forensics.triage import triage_trace
+from sdc_forensics.present.bisect import bisect_document
 from sdc_forensics.statedict import weights_digest
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace.checkpoints import hex64
@@ -131,7 +133,7 @@ def test_clean_run_is_clean(demo_run):
     assert (result.verdict.value, result.first_divergent_step, result.suspects) == ("clean", None, ())
     assert result.replayed.comparison == "exact" and result.replayed.steps_replayed == STEPS
     assert result.last_clean_checkpoint.step == STEPS
-    doc = json.loads(json.dumps(result.to_json()))
+    doc = json.loads(json.dumps(bisect_document(result)))
     assert doc["verdict"] == "clean" and doc["replayed"]["comparison"] == "exact"
     assert_commands_agree(out)
 

@@ -8,9 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from sdc_forensics.forensics.bisect import BisectOptions, bisect
+from sdc_forensics.forensics.bisect import bisect
 from sdc_forensics.forensics.evidence import Location
 from sdc_forensics.forensics.incident import Implicates, Locality, build_incident, dcgm_level, node_name, path_locality
+from sdc_forensics.forensics.options import BisectOptions
 from sdc_forensics.forensics.series import Consensus, incident_series, plot_window
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace.reader import Trace

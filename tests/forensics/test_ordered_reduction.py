@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from sdc_forensics.forensics.bisect import BisectOptions, bisect
+from sdc_forensics.forensics.bisect import bisect
+from sdc_forensics.forensics.options import BisectOptions
 from sdc_forensics.inject import parse_spec
 
 pytestmark = pytest.mark.slow

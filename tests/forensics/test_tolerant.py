@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from sdc_forensics.forensics.bisect import BisectOptions, bisect
+from sdc_forensics.forensics.bisect import bisect
 from sdc_forensics.forensics.evidence import Strength
+from sdc_forensics.forensics.options import BisectOptions
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from sdc_forensics.forensics.bisect import BisectOptions, bisect
+from sdc_forensics.forensics.bisect import bisect
+from sdc_forensics.forensics.options import BisectOptions
 
 pytestmark = pytest.mark.slow
 

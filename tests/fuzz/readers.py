@@ -38,11 +38,12 @@ def read_trace(trace_dir: Path):
     Returns:
         ``(inspect's JSON document, bisect's verdict value)``.
     """
-    from sdc_forensics.forensics.bisect import BisectOptions, bisect
+    from sdc_forensics.forensics.bisect import bisect
+    from sdc_forensics.forensics.options import BisectOptions
     from sdc_forensics.present.bisect import bisect_document
+    from sdc_forensics.present.inspect import inspect_document as summary_document
     from sdc_forensics.trace.export import export_csv
     from sdc_forensics.trace.reader import Trace
-    from sdc_forensics.present.inspect import inspect_document as summary_document
     from sdc_forensics.trace.summary import summarize
 
     trace = Trace.open(trace_dir)

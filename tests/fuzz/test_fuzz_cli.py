@@ -18,14 +18,15 @@ from pathlib import Path
 from click.testing import CliRunner
 from hypothesis import given, settings
 
-from sdc_forensics.cli.main import EXIT_USAGE, cli
+from sdc_forensics.cli.main import cli
 from sdc_forensics.errors import SdcError
+from sdc_forensics.exitcodes import ExitCode
 from tests.factories import tree_sha256
 from tests.fuzz import test_fuzz_certificate, test_fuzz_dcp, test_fuzz_pt, test_fuzz_safetensors, test_fuzz_trace
 from tests.fuzz.conftest import CLI_EXAMPLES
 from tests.fuzz.readers import read_certificate_for, read_trace, verify
 
-EXIT_BY_VERDICT = {"clean": 0, "corruption": 1, "inconclusive": 4}  # bisect_cmd.EXIT_BY_VERDICT, written out: the contract
+EXIT_BY_VERDICT = {"clean": 0, "corruption": 1, "inconclusive": 4}  # exitcodes.EXIT_BY_VERDICT, written out: the contract
 
 
 def _expect(call) -> tuple[int | None, object]:
@@ -113,7 +114,7 @@ def test_cli_verify_checkpoint_certificate(scratch, edits):
         code, findings = _expect(lambda: read_certificate_for(cert, checkpoint))
         if code is None:
             entry = read_certificate(cert).entry_for(checkpoint)
-            code = EXIT_USAGE if entry is None else (1 if findings or not entry.status.clean or not verify(checkpoint).ok else 0)
+            code = ExitCode.USAGE if entry is None else (1 if findings or not entry.status.clean or not verify(checkpoint).ok else 0)
             refused = entry is None
         else:
             refused = True

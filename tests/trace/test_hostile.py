@@ -188,6 +188,6 @@ def test_a_directory_named_like_a_rank_file(trace, name):
     assert ("bad_header", f"{name} is not a regular file; ignored") in damage
     result = CliRunner().invoke(cli, ["bisect", str(trace), "--trace-only", "--json"])
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    from sdc_forensics.cli.common import EXIT_BY_VERDICT
+    from sdc_forensics.exitcodes import EXIT_BY_VERDICT
 
     assert result.exit_code == EXIT_BY_VERDICT[json.loads(result.stdout)["verdict"]]

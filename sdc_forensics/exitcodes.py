@@ -1,0 +1,69 @@
+"""The exit codes of the ``sdc-forensics`` commands: one table, and the two rules that choose one.
+
+Every command ends with one of :class:`ExitCode` (docs/bisect.md, the CLI's ``--help``):
+
+* 0 clean: nothing wrong found (``bisect``, ``replay``, ``report``), a checkpoint certified clean
+  to resume from (``certify``), a file verified or certified clean (``verify-checkpoint``);
+* 1 corruption found, or not certifiable;
+* 2 usage error (bad flag, bad value, an output that exists without ``--force``);
+* 3 unreadable or invalid input (every ``errors.InvalidInputError``);
+* 4 inconclusive: nothing wrong found, but not everything examined (unverified), or a replay
+  process lost under torchrun.
+
+The analysis' verdict chooses the code through :data:`EXIT_BY_VERDICT`, a checkpoint's status
+through :data:`EXIT_BY_STATUS`; both are keyed by the published spellings (the JSON ``verdict``
+and ``status`` values) and take the enums of ``forensics.decision`` too. A training job stopped by
+an online check exits with ``recorder.exit.ALARM_EXIT_CODE`` (18), outside this table on purpose:
+it is the training process's code, not a command's.
+
+This module imports nothing of the package (and no torch): ``errors.py`` and the CLI's entry
+point read it first.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+
+
+class ExitCode(enum.IntEnum):
+    """The documented exit codes of every command."""
+
+    CLEAN = 0
+    CORRUPTION = 1
+    USAGE = 2
+    BAD_INPUT = 3
+    INCONCLUSIVE = 4
+    # the same codes as ``certify`` and ``verify-checkpoint`` read them
+    NOT_CERTIFIABLE = 1
+    UNVERIFIED = 4
+
+
+#: The analysis verdict (``forensics.decision.Verdict``'s values) -> exit code.
+EXIT_BY_VERDICT: Mapping[str, ExitCode] = {
+    "clean": ExitCode.CLEAN,
+    "corruption": ExitCode.CORRUPTION,
+    "inconclusive": ExitCode.INCONCLUSIVE,
+}
+
+#: A checkpoint's status (``forensics.decision.Status``'s values) -> exit code.
+EXIT_BY_STATUS: Mapping[str, ExitCode] = {
+    "clean": ExitCode.CLEAN,
+    "unverified": ExitCode.UNVERIFIED,
+    "tainted": ExitCode.NOT_CERTIFIABLE,
+    "corrupt": ExitCode.NOT_CERTIFIABLE,
+}
+
+
+def _value(member) -> str:
+    return getattr(member, "value", member)
+
+
+def verdict_exit(verdict) -> ExitCode:
+    """The exit code of an analysis verdict (a ``Verdict`` or its value)."""
+    return EXIT_BY_VERDICT[_value(verdict)]
+
+
+def status_exit(status) -> ExitCode:
+    """The exit code of a checkpoint status (a ``Status`` or its value)."""
+    return EXIT_BY_STATUS[_value(status)]
