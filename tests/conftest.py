@@ -28,6 +28,8 @@ HEAVY = (
     "tests/forensics/test_replay.py::test_collective_fault_below_the_sketch_tolerance_is_found_once_the_order_is_known",
     "tests/forensics/test_tolerant.py::test_weak_residual_is_inconclusive_names_its_candidate_and_certifies_nothing_after_it",
     "tests/forensics/test_tolerant_locations.py",
+    "tests/forensics/test_ordered_reduction.py",
+    "tests/recorder/test_ordered.py::test_every_rank_receives_what_the_replay_computes",
     "tests/cli/test_checkpoint_paths.py::test_bisect_finds_the_checkpoints_from_anywhere",
     "tests/cli/test_json_schemas.py::test_certify_and_verify_checkpoint_documents",
     "tests/cli/test_report_demo.py::test_the_reproduce_commands_of_a_report_rerun_as_written",
