@@ -7,6 +7,10 @@ are evidence records, checkpoint notes and what was examined.
 
 The rules (design brief, "Conventions" and "Analysis and verdicts"; docs/bisect.md):
 
+* **Common mode first** (``forensics/common_mode.py``): what every rank shows at one step is one
+  event about the shared state entering it, pointing back to the step that made it; a replay's
+  observations after its state departed from the record are consequences, not evidence about
+  their ranks. Everything below sees the evidence after that rewrite.
 * **First divergent step** ``s*``: the earliest *onset* of strong, state-affecting evidence
   (``Evidence.onset``: a replica found diverged at a weights check may have gone wrong on any step
   after the previous check, so the earliest such step counts). Weak evidence (a tolerant replay
