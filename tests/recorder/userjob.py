@@ -19,6 +19,8 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -124,6 +126,14 @@ def main(argv: list[str] | None = None) -> None:
                 if (step + 1) % 2 == 0:
                     checkpoint(step + 1)
         dist.barrier()  # as a job ends: every rank done with its collectives before any rank tears down gloo
+    except Exception:  # noqa: BLE001 - the job fails as Python would (traceback, exit 1), but now
+        # tearing gloo down at interpreter exit while the DDP model still holds the group can abort
+        # the process ("terminate called without an active exception", exit -6) on a loaded machine:
+        # the flaky failure of test_a_model_with_a_comm_hook_is_refused_before_anything_is_written
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     finally:
         if notes:
             Path(args.checkpoints).parent.joinpath(f"notes-rank{rank}.json").write_text(json.dumps(notes))
