@@ -627,6 +627,11 @@ class Recorder:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(on_error=exc_type is not None)
+        if exc_type is None:
+            # every rank done with the recorder's collectives before any rank goes on to tear the
+            # group down: a rank that destroys gloo while a peer still finishes the last exchange
+            # can abort that peer at exit (SIGABRT, seen in a clean-clone CI run of the README job)
+            dist.barrier(group=self.group)
 
 
 def _communicating_hook(comm_hook: Callable | None, reduction: str) -> Callable | None:
