@@ -48,7 +48,9 @@ def test_a_tolerant_replay_names_the_injected_step_and_rank_or_is_inconclusive_a
     spec = parse_spec(fault)
     faulty = () if spec.location == "allreduce-all" else (spec.rank,)
     result = _bisect(_run(demo_run, fault))
-    assert result.replayed.comparison == "tolerant"
+    # tolerant wherever this CPU's kernels give other bits at 2 threads than at 1 (as on the
+    # reference machine: tests/demo/test_convnet.py); exact elsewhere, and the rules below hold both ways
+    assert result.replayed.comparison in ("tolerant", "exact")
     named = tuple(sorted(s.rank for s in result.suspects if s.rank is not None))
     assert set(named) <= set(faulty), f"{fault}: healthy rank(s) named: {named} ({result.verdict.value})"
     assert not [s for s in result.suspects if "drain node" in s.recommendation and len(result.suspects) > 1]
@@ -65,7 +67,8 @@ def test_a_tolerant_replay_names_the_injected_step_and_rank_or_is_inconclusive_a
 
 def test_a_clean_run_replayed_at_another_thread_count_is_never_corruption(demo_run):
     result = _bisect(_run(demo_run, ()))
-    assert result.verdict.value == "inconclusive" and result.suspects == ()
+    assert result.verdict.value == ("inconclusive" if result.replayed.comparison == "tolerant" else "clean")
+    assert result.suspects == ()
     assert not {c.status.value for c in result.checkpoints} & {"corrupt", "tainted"}
 
 
