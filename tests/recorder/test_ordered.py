@@ -81,6 +81,7 @@ def _ddp_worker(rank: int, world_size: int, port: int, out_dir: str, dtype_name:
     import torch.distributed as dist
     from torch import nn
 
+    from sdc_forensics.demo.hooks import reversed_mean
     from sdc_forensics.recorder import ordered
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
@@ -93,7 +94,7 @@ def _ddp_worker(rank: int, world_size: int, port: int, out_dir: str, dtype_name:
 
         def hook(state, bucket):  # fingerprint-free tap: keep the local and the reduced bucket
             locals_[bucket.index()] = bucket.buffer().clone()
-            inner = ordered.compose(_reversed_sum_hook) if with_hook else ordered.ordered_mean_hook
+            inner = ordered.compose(reversed_mean) if with_hook else ordered.ordered_mean_hook  # a job's own hook
             fut = inner(state, bucket)
             return fut.then(lambda f: reduced.setdefault(bucket.index(), f.value().clone() if isinstance(f.value(), torch.Tensor)
                                                           else f.value()[0].clone()))
@@ -111,17 +112,6 @@ def _ddp_worker(rank: int, world_size: int, port: int, out_dir: str, dtype_name:
             torch.save({"local": locals_[index], "reduced": reduced[index]}, f"{out_dir}/r{rank}-b{index}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def _reversed_sum_hook(process_group, bucket):
-    """A job's own hook: scale by 1/W, all-reduce (SUM) the reversed buffer, reverse back."""
-    import torch.distributed as dist
-
-    group = process_group if process_group is not None else dist.group.WORLD
-    buffer = bucket.buffer()
-    flipped = torch.flip(buffer, dims=(0,)).mul_(1.0 / dist.get_world_size(group))
-    fut = dist.all_reduce(flipped, group=group, async_op=True).get_future()
-    return fut.then(lambda f: buffer.copy_(torch.flip(f.value()[0], dims=(0,))))
 
 
 @pytest.mark.slow
