@@ -629,8 +629,7 @@ class Recorder:
         self.close(on_error=exc_type is not None)
         if exc_type is None:
             # every rank done with the recorder's collectives before any rank goes on to tear the
-            # group down: a rank that destroys gloo while a peer still finishes the last exchange
-            # can abort that peer at exit (SIGABRT, seen in a clean-clone CI run of the README job)
+            # group down (destroy_process_group, exit)
             dist.barrier(group=self.group)
 
 
