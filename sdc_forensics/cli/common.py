@@ -57,7 +57,7 @@ def trace_analysis_options(func):
 def analysis_options(func):
     """Replay options (``bisect``, ``replay``, ``certify``, ``report``, ``verify-checkpoint --trace``).
 
-    Their names are the fields of ``forensics.options.AnalysisOptions``: a command builds it once
+    Their names are the fields of ``replay.options.AnalysisOptions``: a command builds it once
     from them (and its own ``--trace-only``, ``--max-replay-steps``...) and passes it down.
     """
     func = click.option("--tolerant", "force_tolerant", is_flag=True,
@@ -72,12 +72,12 @@ def analysis_options(func):
                         help="Directory holding the checkpoint files (default: found from the trace: the paths the job wrote, also relative to the trace directory).")(func)
 
 
-def run_analysis(trace_dir: Path, options):
+def run_analysis(trace_dir, options):
     """``bisect`` with progress bars on stderr: the one analysis behind every command.
 
     Args:
-        trace_dir: the trace directory.
-        options: the command's ``forensics.options.AnalysisOptions``.
+        trace_dir: the trace directory, or the command's open ``Trace``.
+        options: the command's ``replay.options.AnalysisOptions``.
     """
     from sdc_forensics.forensics.bisect import bisect
 
@@ -121,7 +121,7 @@ def distributed_replay(func):
 
     @functools.wraps(func)
     def wrapper(*args, replay_timeout: float, **kwargs):
-        from sdc_forensics.forensics import distributed
+        from sdc_forensics.replay import distributed
 
         if not distributed.launched():
             return func(*args, **kwargs)

@@ -20,9 +20,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sdc_forensics.forensics.incident import Incident
-from sdc_forensics.forensics.options import AnalysisOptions
-from sdc_forensics.forensics.verdict import BisectResult, Verdict
+from sdc_forensics.decide.incident import Incident
+from sdc_forensics.replay.options import AnalysisOptions
+from sdc_forensics.decide.verdict import BisectResult, Verdict
 from sdc_forensics.present.bisect import bisect_document
 from sdc_forensics.trace.ends import STOPPED_EARLY
 

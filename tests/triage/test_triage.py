@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 
-from sdc_forensics.forensics.evidence import EvidenceKind, Location
-from sdc_forensics.forensics.triage import TriageOptions, triage_trace
+from sdc_forensics.triage.evidence import EvidenceKind, Location
+from sdc_forensics.triage.trace_only import TriageOptions, triage_trace
 from sdc_forensics.trace.reader import Trace
 from tests.factories import Fault
 
@@ -96,7 +96,7 @@ def test_windows_do_not_change_the_result(make_trace):
 def test_triage_does_not_import_torch(make_trace):
     path = make_trace(fault=Fault(kind="nonfinite", step=2, rank=0))
     code = (
-        "import sys; from sdc_forensics.trace.reader import Trace; from sdc_forensics.forensics.triage import triage_trace;"
+        "import sys; from sdc_forensics.trace.reader import Trace; from sdc_forensics.triage.trace_only import triage_trace;"
         f"r = triage_trace(Trace.open({str(path)!r})); assert r.first_suspect_step == 2; assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

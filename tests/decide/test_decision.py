@@ -1,4 +1,4 @@
-"""The decision module's checkpoint statuses (``forensics/decision.py``) on hand-made runs:
+"""The decision module's checkpoint statuses (``decide/decision.py``) on hand-made runs:
 clean, unverified, tainted, corrupt, and the resume point."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import dataclasses
 
 from sdc_forensics.checkpoint.locate import locate_checkpoint
 from sdc_forensics.checkpoint.verify import VerifyOptions, verify_checkpoint
-from sdc_forensics.forensics.decision import CheckpointFile, Examined, Status, Verdict, checkpoint_status, decide, last_clean
-from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, Strength
+from sdc_forensics.decide.decision import CheckpointFile, Examined, Status, Verdict, checkpoint_status, decide, last_clean
+from sdc_forensics.triage.evidence import Evidence, EvidenceKind, Location, Strength
 from sdc_forensics.trace.checkpoints import read_checkpoint_notes
 from tests.factories import flip_byte, zip_member_offset
 
@@ -178,7 +178,7 @@ def test_finding_kind_sets_are_the_enum_and_classify_every_kind_once():
     """The decision's sets hold ``FindingKind`` members (no copies of their strings): every kind is
     storage damage, a wrong saved state, or not verifiable, exactly one of them."""
     from sdc_forensics.checkpoint.findings import FindingKind
-    from sdc_forensics.forensics.decision import STATE_FINDINGS, STORAGE_FINDINGS, UNVERIFIABLE_FINDINGS
+    from sdc_forensics.decide.decision import STATE_FINDINGS, STORAGE_FINDINGS, UNVERIFIABLE_FINDINGS
 
     sets = (STORAGE_FINDINGS, STATE_FINDINGS, UNVERIFIABLE_FINDINGS)
     assert all(type(kind) is FindingKind for group in sets for kind in group)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sdc_forensics.forensics import replay_env as env
+from sdc_forensics.replay import env as env
 
 
 def _ranks(world_size: int, numel: int, dtype: torch.dtype, seed: int) -> list[list[torch.Tensor]]:

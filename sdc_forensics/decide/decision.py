@@ -7,7 +7,7 @@ are evidence records, checkpoint notes and what was examined.
 
 The rules (design brief, "Conventions" and "Analysis and verdicts"; docs/bisect.md):
 
-* **Common mode first** (``forensics/common_mode.py``): what every rank shows at one step is one
+* **Common mode first** (``decide/common_mode.py``): what every rank shows at one step is one
   event about the shared state entering it, pointing back to the step that made it; a replay's
   observations after its state departed from the record are consequences, not evidence about
   their ranks. Everything below sees the evidence after that rewrite.
@@ -32,6 +32,10 @@ The rules (design brief, "Conventions" and "Analysis and verdicts"; docs/bisect.
   A tolerant comparison cannot see a fault below the replay's drift (bit-20 gradient flips read
   4-9x the tolerance where clean drift on a conv net reaches 1,000x: docs/benchmarks.md), so it
   never certifies, and with nothing above tolerance the verdict is ``inconclusive``.
+
+Over 400 lines on purpose: every rule that names a first divergent step, a suspect or a checkpoint
+status is here and only here (docs/decisions.md), so that every command takes the same answer; its
+evidence vocabulary is ``triage/evidence.py``, its common-mode rule ``common_mode.py``.
 """
 
 from __future__ import annotations
@@ -42,8 +46,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from sdc_forensics.checkpoint.findings import FindingKind
-from sdc_forensics.forensics.common_mode import is_common_mode, shared_state
-from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, sort_key
+from sdc_forensics.decide.common_mode import is_common_mode, shared_state
+from sdc_forensics.triage.evidence import Evidence, EvidenceKind, Location, first_divergent_step, sort_key
 from sdc_forensics.trace.reader import step_ranges
 
 # the file differs from what was saved (storage), or was saved from a wrong state
@@ -211,12 +215,6 @@ class Decision:
     @property
     def last_clean(self) -> CheckpointStatus | None:
         return last_clean(self.checkpoints)
-
-
-def first_divergent_step(evidence: Iterable[Evidence]) -> int | None:
-    """The earliest onset of strong, state-affecting evidence (None when there is none)."""
-    onsets = [e.onset for e in evidence if e.marks_divergence]
-    return min(onsets) if onsets else None
 
 
 def decide(

@@ -18,6 +18,9 @@ trace is read window by window (:meth:`Trace.step_windows`, ``(S, R)`` tables); 
 The result names the first step at which the replicas' state is known to have gone wrong
 (:attr:`TriageResult.first_suspect_step`) and the window of steps a replay must examine to
 confirm it and localise it further.
+
+Over 400 lines on purpose: one vectorised pass per evidence kind over the same window tables; split
+by kind, each module would rebuild the tables or take them as a long argument list.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import numpy as np
 
 from sdc_forensics.fingerprint import tolerance
 from sdc_forensics.trace.checkpoints import hex64
-from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, Strength, sort_key
+from sdc_forensics.triage.evidence import Evidence, EvidenceKind, Location, Strength, first_divergent_step, sort_key
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace import scan
 from sdc_forensics.trace.consensus import strict_majority, vote
@@ -451,10 +454,8 @@ def _nanmedian_rows(values: np.ndarray) -> np.ndarray:
 
 
 def _first_suspect(evidence: list[Evidence]) -> tuple[int | None, tuple[int, int] | None]:
-    """``decision.first_divergent_step`` of the trace's evidence, and the window a replay must
-    examine to pin it, ``(onset, observed step)``."""
-    from sdc_forensics.forensics.decision import first_divergent_step
-
+    """``first_divergent_step`` of the trace's evidence (the decision's rule), and the window a
+    replay must examine to pin it, ``(onset, observed step)``."""
     first = first_divergent_step(evidence)
     if first is None:
         return None, None

@@ -1,4 +1,4 @@
-"""Common-mode evidence (``forensics/common_mode.py`` through ``decision.decide``): a mismatch that
+"""Common-mode evidence (``decide/common_mode.py`` through ``decision.decide``): a mismatch that
 every rank shows at one step is one event about the state entering it, never W faults (issue 19).
 
 The evidence is written by hand, shaped as a tolerant replay (``--threads N``) reports it: the
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from sdc_forensics.forensics.decision import Examined, Verdict, decide
-from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, Strength
+from sdc_forensics.decide.decision import Examined, Verdict, decide
+from sdc_forensics.triage.evidence import Evidence, EvidenceKind, Location, Strength
 
 W = 4
 

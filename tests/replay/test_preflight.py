@@ -1,4 +1,4 @@
-"""The exactness preflight (``forensics/preflight.py``) and the numerics contract it reads
+"""The exactness preflight (``replay/preflight.py``) and the numerics contract it reads
 (``sdc_forensics/numerics.py``): said before any replay, reapplied during it (issue 21)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from sdc_forensics import numerics
 from sdc_forensics.cli.main import cli
-from sdc_forensics.forensics import preflight
+from sdc_forensics.replay import preflight
 from sdc_forensics.trace.manifest import Attempt, FingerprintSettings, Manifest, RankIdentity
 
 H100 = "NVIDIA H100 80GB HBM3"

@@ -6,7 +6,7 @@ A replay that departs from the recorded state, for instance a tolerant replay th
 from its own reduced gradient, which lacks a fault the record holds, sees every rank's local
 gradient differ from the record at the next step. That is one observation about the state
 entering ``t``, never ``W`` independent faults (design brief, "Common-mode evidence"). The rules,
-applied by :func:`~sdc_forensics.forensics.decision.decide` before anything else (torch-free):
+applied by :func:`~sdc_forensics.decide.decision.decide` before anything else (torch-free):
 
 1. **Grouping.** Rank-local evidence (location ``local_compute`` or ``input_data``, weak or
    strong) at step ``t`` whose ranks together are every rank (``W >= 2``) becomes one
@@ -15,7 +15,7 @@ applied by :func:`~sdc_forensics.forensics.decision.decide` before anything else
    and to what that step's evidence names (a rank, or the collective): the *candidate*.
 3. **Confirmation.** A weak candidate (a tolerant residual) followed by a common-mode jump in
    which every rank stands far beyond the drift allowance (each observation strong: more than
-   ``STRONG_MARGIN * CLEAN_ARTEFACT_MAX`` times the tolerance, ``replay_compare``) is confirmed:
+   ``STRONG_MARGIN * CLEAN_ARTEFACT_MAX`` times the tolerance, ``replay.compare``) is confirmed:
    the fault changed training beyond what drift explains. The candidate becomes strong (its step
    and rank are the verdict) and the event is recorded as its consequence. A strong candidate
    keeps its verdict and the event is its consequence. Otherwise the event is weak: the answer is
@@ -34,7 +34,7 @@ import bisect as _bisect
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from sdc_forensics.forensics.evidence import Evidence, Location, Strength
+from sdc_forensics.triage.evidence import Evidence, Location, Strength
 
 #: Locations that belong to one rank alone: what a shared-state change shows up as on every rank.
 _RANK_LOCAL = (Location.LOCAL_COMPUTE, Location.INPUT_DATA)

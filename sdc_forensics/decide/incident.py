@@ -3,7 +3,7 @@ per-step series the report plots. Data only (numpy, no torch, no formatting).
 
 :func:`build_incident` reads a trace's STEP records for a handful of steps (the first divergent
 step and the one before it, the resume checkpoint's step, the last step) and the manifest's
-identities, and turns a :class:`~sdc_forensics.forensics.verdict.BisectResult` into:
+identities, and turns a :class:`~sdc_forensics.decide.verdict.BisectResult` into:
 
 * **times** (UTC epoch ns, as the ranks' clocks wrote them): a STEP record's ``time_ns`` is taken
   when the step's record is written, after its update and checks, so step ``s`` ran between the
@@ -19,7 +19,7 @@ identities, and turns a :class:`~sdc_forensics.forensics.verdict.BisectResult` i
 * **where checkpoints live**: node-local, shared, or unknown, from the paths the job wrote
   (:func:`path_locality`), and whether the resume checkpoint was written by a suspect node;
 
-The per-step series the report plots are in ``forensics/series.py``.
+The per-step series the report plots are in ``present/series.py``.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from pathlib import PurePosixPath
 
 import numpy as np
 
-from sdc_forensics.forensics.evidence import Location
-from sdc_forensics.forensics.verdict import BisectResult, Verdict
+from sdc_forensics.triage.evidence import Location
+from sdc_forensics.decide.verdict import BisectResult, Verdict
 from sdc_forensics.trace.manifest import Manifest
 from sdc_forensics.trace.reader import Trace
 
@@ -271,7 +271,6 @@ def _pick(times: np.ndarray | None, rank: int | None, reduce) -> int | None:
 def build_incident(result: BisectResult, trace: Trace) -> Incident:
     """The times, costs, nodes and checkpoint placement around ``result`` (see the module doc)."""
     from sdc_forensics.errors import TraceError
-    from sdc_forensics.trace.checkpoints import read_checkpoint_notes
 
     manifest = trace.manifest
     bounds = trace.step_range()
@@ -293,7 +292,7 @@ def build_incident(result: BisectResult, trace: Trace) -> Incident:
     last_ns = _latest(times.get(last_step))
 
     try:
-        notes = read_checkpoint_notes(trace.path)
+        notes = trace.checkpoint_notes()
     except TraceError:
         notes = []
     paths = tuple(dict.fromkeys(n.path for n in notes if n.path)) or tuple(c.path for c in result.checkpoints if c.path)

@@ -1,6 +1,6 @@
 """Replay's comparisons of one step with the trace: local gradients, the average, the weights.
 
-A mixin of :class:`~sdc_forensics.forensics.replay.Replayer` (it uses its trace, fingerprint
+A mixin of :class:`~sdc_forensics.replay.replayer.Replayer` (it uses its trace, fingerprint
 settings, tolerance and the summation order it learned). Each method returns evidence records;
 the rules (exact digests while bitwise reproducible, the sketch tolerance otherwise, majority of
 three, consequences not counted twice) are described in ``replay.py`` and ``docs/bisect.md``.
@@ -12,9 +12,10 @@ import dataclasses
 
 import numpy as np
 
-from sdc_forensics.forensics import distributed, replay_env as env
+from sdc_forensics.replay import distributed
+from sdc_forensics.replay import env as env
 from sdc_forensics.trace.checkpoints import hex64
-from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, Strength
+from sdc_forensics.triage.evidence import Evidence, EvidenceKind, Location, Strength
 from sdc_forensics.statedict import weights_digest
 from sdc_forensics.trace import format as F
 

@@ -1,6 +1,6 @@
 """The result of a bisection, as data: what was found, who is suspected, where to resume from.
 
-``forensics.bisect`` gathers the evidence and ``forensics.decision`` decides; this module holds
+``forensics.bisect`` gathers the evidence and ``decide.decision`` decides; this module holds
 the records the renderers in ``sdc_forensics.present`` read (the ``bisect --json`` document is
 ``present.bisect.bisect_document``'s). numpy-free and torch-free.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sdc_forensics.forensics.decision import CheckpointStatus, Suspect, Verdict
-from sdc_forensics.forensics.evidence import Evidence
+from sdc_forensics.decide.decision import CheckpointStatus, Suspect, Verdict
+from sdc_forensics.triage.evidence import Evidence
 
 __all__ = ["BisectResult", "ReplaySummary", "ReplayedWindow", "Suspect", "Verdict"]
 
@@ -72,4 +72,4 @@ class BisectResult:
     notes: tuple[str, ...] = ()
     divergence_window: tuple[int, int] | None = None
     seed: int = 0
-    preflight: Any = None  # forensics.preflight.Preflight of the replay (None: trace-only)
+    preflight: Any = None  # replay.preflight.Preflight of the replay (None: trace-only)

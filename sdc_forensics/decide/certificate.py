@@ -11,7 +11,7 @@ Layout (sorted keys, 1-space indent)::
                       "files": [{"name": "step-00000004.pt", "size_bytes": B, "digest": "hex16"}],
                       "evidence": [{"kind": ..., "subject": ..., "expected": ..., "found": ..., "detail": ...}]}]}
 
-Statuses are ``forensics.decision.Status`` values. Version 1 certificates (whose "clean" did not
+Statuses are ``decide.decision.Status`` values. Version 1 certificates (whose "clean" did not
 require every earlier step to be replayed) are refused with a line asking to certify again.
 A file's checksum is the exact digest of its bytes (``verify.FileChecksum``); confirming a file
 later means recomputing it with the certificate's seed and comparing, file by file.
@@ -30,12 +30,12 @@ from sdc_forensics import __version__
 from sdc_forensics.checkpoint.verify import FileChecksum, Finding, FindingKind, VerificationReport
 from sdc_forensics.errors import InvalidInputError, reader
 from sdc_forensics.fingerprint import constants as C
-from sdc_forensics.forensics.decision import CheckpointStatus, Status, last_clean
+from sdc_forensics.decide.decision import CheckpointStatus, Status, last_clean
 from sdc_forensics.trace.format import MAX_STEP
 from sdc_forensics.untrusted import Fields, describe, is_int, load_json
 
 FORMAT_NAME = "sdc-forensics-certificate"
-CERTIFICATE_VERSION = 2  # 2: statuses clean / unverified / tainted / corrupt from forensics.decision
+CERTIFICATE_VERSION = 2  # 2: statuses clean / unverified / tainted / corrupt from decide.decision
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,7 +78,7 @@ class Certificate:
 def build_certificate(
     statuses: Sequence[CheckpointStatus], *, trace_dir: str | os.PathLike, first_divergent_step: int | None, seed: int = C.DEFAULT_SEED
 ) -> Certificate:
-    """A :class:`Certificate` of ``statuses`` (``BisectResult.checkpoints``: ``forensics.decision``)."""
+    """A :class:`Certificate` of ``statuses`` (``BisectResult.checkpoints``: ``decide.decision``)."""
     resume = last_clean(statuses)
     entries = []
     for s in statuses:

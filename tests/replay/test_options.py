@@ -6,9 +6,9 @@ import dataclasses
 from pathlib import Path
 
 from sdc_forensics.cli.common import analysis_options
-from sdc_forensics.forensics.options import AnalysisOptions
-from sdc_forensics.forensics.replay import ReplayOptions
-from sdc_forensics.forensics.replay_run import ReplayRequest
+from sdc_forensics.replay.options import AnalysisOptions
+from sdc_forensics.replay.replayer import ReplayOptions
+from sdc_forensics.forensics.replay import ReplayRequest
 from sdc_forensics.present.report import ReportRequest, reproduce_commands
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -127,3 +128,9 @@ def sort_key(evidence: Evidence) -> tuple[int, int, int, tuple[int, ...]]:
     """Order: by step, hints after real evidence, then by kind's trust order, then ranks."""
     order = list(EvidenceKind).index(evidence.kind)
     return (evidence.step, int(evidence.is_hint), order, evidence.ranks)
+
+
+def first_divergent_step(evidence: Iterable[Evidence]) -> int | None:
+    """The earliest onset of strong, state-affecting evidence (None when there is none)."""
+    onsets = [e.onset for e in evidence if e.marks_divergence]
+    return min(onsets) if onsets else None

@@ -130,7 +130,7 @@ def incident_series(trace: Trace, window: tuple[int, int]) -> Series:
 def _audit_rows(trace: Trace, lo: int, hi: int) -> np.ndarray:
     """``(step, subject, lost)``: one row per audited (step, subject), lost = its own gradient is
     not what a strict majority of subject + auditors computed (``triage.audit_votes``)."""
-    from sdc_forensics.forensics.triage import audit_votes
+    from sdc_forensics.triage.trace_only import audit_votes
 
     audits = trace.records(F.Kind.AUDIT)
     audits = audits[(audits["step"] >= lo) & (audits["step"] <= hi)]

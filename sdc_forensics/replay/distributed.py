@@ -29,6 +29,10 @@
 Layout of one process's packed buffer (``uint8``; ``S = ceil(W / P)`` slots, padded so that every
 process sends the same size): slot ``i`` holds original rank ``p + i * P``:
 ``[loss f64 | digest u64 | input digest u64 | 8 spare bytes][bucket 0 bytes, padded to 16]...``.
+
+Over 400 lines on purpose: one SPMD protocol (who reads, who replays which window, how results,
+failures and signals travel back), which has to be read as a whole to see that no process can hang
+or exit alone.
 """
 
 from __future__ import annotations
@@ -255,7 +259,7 @@ def check_placement(device, trace, suspect_gpus: dict[str, int], force: bool) ->
     group = _group
     if group is None or force or not suspect_gpus:
         return
-    from sdc_forensics.forensics.replay_env import gpu_uuid
+    from sdc_forensics.replay.env import gpu_uuid
 
     places = _all_gather_object((socket.gethostname(), gpu_uuid(device)))
     suspects = {uuid: (rank, trace.manifest.identity(rank).host) for uuid, rank in suspect_gpus.items()}

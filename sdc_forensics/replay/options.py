@@ -5,7 +5,7 @@ choices (``cli/common.py``, ``analysis_options``): where the checkpoints are, wh
 device and how many threads, exact or tolerant comparison, how far to replay. The CLI builds one
 :class:`AnalysisOptions` from its flags and hands it down; ``bisect`` reads it, ``replay`` carries
 it in its ``ReplayRequest``, ``report`` writes the commands that rerun it from it, and each
-replayed window's ``forensics.replay.ReplayOptions`` is built from it (``ReplayOptions.of``).
+replayed window's ``replay.replayer.ReplayOptions`` is built from it (``ReplayOptions.of``).
 
 Torch-free: ``bisect --trace-only`` and ``inspect`` import it.
 """
