@@ -38,8 +38,9 @@ def stamp_file(path: str | os.PathLike, name: str | None = None) -> FileStamp:
         OSError: it cannot be read.
     """
     path = Path(path)
-    with open(path, "rb") as handle:
-        info = os.fstat(handle.fileno())
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO in its place never blocks
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise IsADirectoryError(f"{path} is not a regular file")
         sample = hashlib.sha256()
@@ -91,7 +92,9 @@ def checkpoint_ref(note: CheckpointNote, path: str | os.PathLike | None) -> Chec
 
     Raises:
         OSError: the file cannot be read.
-        InvalidInputError: a folder holds more than ``MAX_FILES`` files.
+        InvalidInputError: a folder holds more than ``MAX_FILES`` files; ``LedgerRecordError``
+            (one) when the note has no majority weights digest (nothing from or to it can be
+            certified, so no record cites it).
     """
     files = stamp_checkpoint(path) if path is not None else ()
     return CheckpointRef(step=note.step, path=note.path, weights_digest=note.weights_digest, tensors_digest=tensors_digest(note), files=files)

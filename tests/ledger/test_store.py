@@ -212,3 +212,13 @@ def test_a_writer_killed_at_a_random_moment_loses_no_complete_record(ledger_run)
     last = ledger_run.record(10, 20)
     append_record(ledger_run.ledger, last)
     assert read_ledger(ledger_run.ledger).records[-1] == last
+
+
+def test_stamps_never_block_on_a_fifo_and_refuse_it(tmp_path):
+    from sdc_forensics.ledger import stamp_checkpoint
+
+    fifo = tmp_path / "step-00000010.pt"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError):
+        stamp_checkpoint(fifo)
+    assert read_ledger(fifo).notes == (f"{fifo}: the ledger is not a regular file; nothing is reused from it",)
