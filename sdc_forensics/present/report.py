@@ -154,6 +154,8 @@ def reproduce_commands(request: ReportRequest, result: BisectResult) -> tuple[li
         opts.append("--tolerant")
     if chosen.force_device:
         opts.append("--force-device")
+    if chosen.collective:  # under torchrun, one process per recorded rank
+        opts.append("--collective")
     trace = str(request.trace_dir)
     report = ["sdc-forensics", "report", trace, *opts, "--format", request.fmt]
     report += ["-o", request.output, "--force"] if request.output != "-" else []

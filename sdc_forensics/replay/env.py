@@ -31,6 +31,9 @@ from sdc_forensics.trace.layouts import BucketLayout, read_bucket_layouts
 #: used whenever the trace records it and only then.
 REDUCTION_ORDERS = ("gloo-ring", "sequential")
 ORDERED = "ordered"
+#: The replay's own process group's all-reduce (``--collective``): not a model of the job's
+#: collective but the collective itself, checked against the recorded digest at every step.
+COLLECTIVE = "collective"
 
 
 def bucket_layouts(trace_dir: str | os.PathLike, attempt: int) -> tuple[BucketLayout, ...]:
@@ -187,3 +190,24 @@ def reduce_buckets(per_rank: list[list[torch.Tensor]], order: str, out: list[tor
                     piece += part
         result.append(acc)
     return result
+
+
+def collective_suspect(trace, attempt: int) -> str:
+    """The recorded setting most likely to make the replay's own collective add in another order
+    than the job's did (for the note of a step it does not reproduce)."""
+    recorded = next((dict(a.determinism) for a in trace.manifest.attempts if a.attempt == attempt), {})
+    hook = str(recorded.get("comm_hook") or "")
+    if hook:
+        return f"the job's own comm hook {hook}, which reduces in its own order (record with RecorderOptions(reduction=\"ordered\"))"
+    backend = str(recorded.get("backend") or "")
+    import torch.distributed as dist
+
+    replay_backend = dist.get_backend() if dist.is_initialized() else ""
+    if backend and replay_backend and backend != replay_backend:
+        return f"the backend: the job all-reduced with {backend}, this replay with {replay_backend}"
+    nccl = recorded.get("nccl_env") or {}
+    differ = [f"{k}={v!r} (here {os.environ.get(k)!r})" for k, v in sorted(nccl.items()) if isinstance(v, str) and os.environ.get(k) != v]
+    if differ:
+        return "the NCCL settings: " + ", ".join(differ)
+    return ("the collective's algorithm choice, which no recorded setting pins (bucket sizes, process placement, "
+            "NCCL_ALGO/NCCL_PROTO left to NCCL)")

@@ -81,6 +81,7 @@ class ReplayOptions:
             replay is bitwise reproducible (to exercise and measure the tolerant path).
         reduction_order: the summation order an earlier replay of this run found (``gloo-ring``,
             ``sequential``), "" if none yet.
+        collective: all-reduce with the replay's own process group (``AnalysisOptions.collective``).
     """
 
     start_step: int
@@ -94,6 +95,7 @@ class ReplayOptions:
     num_threads: int | None = None
     reduction_order: str = ""
     force_tolerant: bool = False
+    collective: bool = False
 
     def __post_init__(self) -> None:
         if self.stop_step < self.start_step:
@@ -104,7 +106,7 @@ class ReplayOptions:
         """The options of one window: the user's ``device``, ``force_device``, ``num_threads`` and
         ``force_tolerant`` from ``chosen``, the window's own fields (and any override) from ``window``."""
         return cls(**{"device": chosen.device, "force_device": chosen.force_device, "num_threads": chosen.num_threads,
-                      "force_tolerant": chosen.force_tolerant, **window})
+                      "force_tolerant": chosen.force_tolerant, "collective": chosen.collective, **window})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -186,6 +188,8 @@ class Replayer(StepComparisons):
         self.grad_dtype = trace.manifest.fingerprint.grad_dtype
         self.world_size = trace.world_size
         self.known_order = ""  # the summation order that reproduced this run's all-reduce, once seen
+        self.collective = False  # all-reduce with the replay's own process group (--collective)
+        self.collective_missed: str = ""  # why the own collective did not reproduce a step, once said
         self.forced_threads = 0  # --threads
         self.default_threads = 0  # the manifest's count, for traces without per-step counts
         self.max_ratio = 0.0  # the largest tolerant residual / tolerance seen (clean artefacts are measured with it)
@@ -277,6 +281,9 @@ class Replayer(StepComparisons):
     def run(self, options: ReplayOptions, on_step: Callable[[int], None] | None = None) -> ReplayResult:
         """Replay ``options.start_step .. options.stop_step`` and compare with the trace."""
         self.known_order = options.reduction_order
+        self.collective = options.collective
+        if self.collective:
+            distributed.check_collective(self.world_size)
         self.forced_threads = options.num_threads or 0
         self.default_threads = _recorded_threads(self.trace) or 0
         model, optimizer, scheduler = self.recipe.build(self.device)
@@ -333,6 +340,8 @@ class Replayer(StepComparisons):
             if local_bad or any(e.kind is EvidenceKind.INPUT_MISMATCH for e in step_evidence):
                 reduce_evidence = []  # the recorded average carries the bad local gradient: a consequence
             evidence += reduce_evidence
+            if self.collective_missed and self.collective_missed not in notes:
+                notes.append(self.collective_missed)
             if reduce_note and tolerant_from is None and not step_evidence:
                 tolerant_from = step + 1
                 notes.append(reduce_note)
