@@ -134,7 +134,7 @@ class StepComparisons:
         counts = np.array([votes])  # how many ranks recorded the majority (named in the evidence below)
         candidates = {}
         if self.collective and self.known_order != env.ORDERED:  # the job's own collective, checked against the record
-            reduced = distributed.collective_mean(per_rank, self.world_size)
+            reduced = distributed.collective_mean(per_rank, self.world_size, self.compress)
             value = self.digest_of(reduced)
             if (value == majority) if majority is not None else bool((recorded == np.uint64(value)).any()):
                 self.known_order = env.COLLECTIVE

@@ -304,11 +304,13 @@ def check_collective(world_size: int) -> None:
                          f"one per recorded rank (torchrun --nproc-per-node {world_size} -m sdc_forensics ...), not {have}")
 
 
-def collective_mean(per_rank: list, world_size: int) -> list:
+def collective_mean(per_rank: list, world_size: int, compress=None) -> list:
     """The ranks' average by the replay group's own all-reduce, as the job made it: process ``p``
     contributes original rank ``p``'s buckets, each multiplied by ``1 / W`` and summed with
     ``all_reduce(SUM)`` (DDP's built-in path), one collective per bucket in bucket order, so
-    the collective sees the job's bucket sizes. Every process returns the same bits.
+    the collective sees the job's bucket sizes. Every process returns the same bits. ``compress``:
+    the dtype the job's hook compressed to (``env.compression_of``): cast, divide by ``W`` and
+    all-reduce in it, then cast back, as that hook does.
 
     Raises:
         ReplayProcessLost: a peer exited or did not answer within the timeout.
@@ -318,10 +320,13 @@ def collective_mean(per_rank: list, world_size: int) -> list:
     group = _group
     out = []
     for bucket in per_rank[group.rank]:
-        buffer = bucket.clone()
-        buffer.mul_(1.0 / world_size)
+        if compress is not None:
+            buffer = bucket.to(compress).div_(world_size)
+        else:
+            buffer = bucket.clone()
+            buffer.mul_(1.0 / world_size)
         _collective(lambda b=buffer: dist.all_reduce(b), group)
-        out.append(buffer)
+        out.append(buffer.to(bucket.dtype) if compress is not None else buffer)
     return out
 
 

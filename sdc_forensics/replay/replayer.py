@@ -189,6 +189,7 @@ class Replayer(StepComparisons):
         self.world_size = trace.world_size
         self.known_order = ""  # the summation order that reproduced this run's all-reduce, once seen
         self.collective = False  # all-reduce with the replay's own process group (--collective)
+        self.compress: torch.dtype | None = None  # the dtype the job's comm hook compressed the all-reduce to
         self.collective_missed: str = ""  # why the own collective did not reproduce a step, once said
         self.forced_threads = 0  # --threads
         self.default_threads = 0  # the manifest's count, for traces without per-step counts
@@ -248,9 +249,9 @@ class Replayer(StepComparisons):
         order's reused buffer: valid until the next step's reduction in the same order."""
         dtypes = {t.dtype for t in per_rank[0]}
         if len(dtypes) != 1:
-            return env.reduce_buckets(per_rank, order)
+            return env.reduce_buckets(per_rank, order, compress=self.compress)
         out = self._buffers(self._reduce_buffers, order, [t.numel() for t in per_rank[0]], dtypes.pop())
-        return env.reduce_buckets(per_rank, order, out=out)
+        return env.reduce_buckets(per_rank, order, out=out, compress=self.compress)
 
     def _use_threads(self, recorded: int) -> None:
         if self.device.type != "cpu":
@@ -320,6 +321,7 @@ class Replayer(StepComparisons):
             layout, recorded_layout = env.layout_at(layouts[attempt], step, len(params))
             if _recorded_reduction(self.trace, attempt) == env.ORDERED:
                 self.known_order = env.ORDERED  # the order is known before any step: exact on any device
+            self.compress = env.compression_of(_attempt_determinism(self.trace, attempt))
             if not recorded_layout and tolerant_from is None:
                 tolerant_from = step
                 notes.append("no bucket layout recorded: gradients compared by norm within tolerance only")
@@ -418,12 +420,14 @@ def _recorded_threads(trace: Trace) -> int | None:
     return None
 
 
+def _attempt_determinism(trace: Trace, attempt: int) -> dict:
+    """The numerics contract ``attempt`` recorded ({} when it recorded none)."""
+    return next((dict(a.determinism) for a in trace.manifest.attempts if a.attempt == attempt), {})
+
+
 def _recorded_reduction(trace: Trace, attempt: int) -> str:
     """The all-reduce mechanism ``attempt`` recorded (``native`` for traces that predate the field)."""
-    for att in trace.manifest.attempts:
-        if att.attempt == attempt:
-            return str(att.determinism.get("reduction") or "native")
-    return "native"
+    return str(_attempt_determinism(trace, attempt).get("reduction") or "native")
 
 
 def _recorded_numerics(trace: Trace, step: int) -> dict:
