@@ -3,6 +3,7 @@ resume point for people, the ``certify --json`` document for programs."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,12 @@ def render_certify(cert: Certification, console, certificate_out: str | Path | N
         console.print(f"[yellow]unverified:[/] {escape(str(path))} has no checkpoint note in the trace; nothing can be certified about it")
     console.print(f"analysis: {result.verdict.value}; first divergent step: "
                   f"{'none found' if result.first_divergent_step is None else result.first_divergent_step}; {escape(result.scope)}")
+    said: set[str] = set()
+    for note in (*result.replayed.notes, *result.notes):  # what stopped or bent a replay, each reason once
+        reason = re.sub(r"^steps? [\d.]+(, rank \d+)?: ", "", note)
+        if reason not in said:
+            said.add(reason)
+            console.print(f"[dim]note: {escape(note)}[/]")
     for line in result.settle:
         console.print(f"[yellow]to settle:[/] {escape(line)}")
     if not cert.checkpoints:

@@ -28,7 +28,7 @@
 
 Layout of one process's packed buffer (``uint8``; ``S = ceil(W / P)`` slots, padded so that every
 process sends the same size): slot ``i`` holds original rank ``p + i * P``:
-``[loss f64 | digest u64 | input digest u64 | 8 spare bytes][bucket 0 bytes, padded to 16]...``.
+``[loss f64 | digest u64 | input digest u64 | RNG-dependent flag u64][bucket 0 bytes, padded to 16]...``.
 
 Over 400 lines on purpose: one SPMD protocol (who reads, who replays which window, how results,
 failures and signals travel back), which has to be read as a whole to see that no process can hang
@@ -281,6 +281,7 @@ class SharedRankStep:
     loss: float
     digest: int
     input_digest: int
+    rng_dependent: bool = False
     _fp: Any = None
 
     @property
@@ -448,7 +449,7 @@ def _unpack(replayer, row, specs) -> SharedRankStep:
         buckets.append(row[offset:offset + nbytes].view(dtype)[:numel])
         offset += _padded(nbytes)
     return SharedRankStep(replayer=replayer, buckets=buckets, loss=float(header[:1].view(np.float64)[0]),
-                          digest=int(header[1]), input_digest=int(header[2]))
+                          digest=int(header[1]), input_digest=int(header[2]), rng_dependent=bool(header[3]))
 
 
 def _pack(buffer, base: int, rs) -> None:
@@ -457,6 +458,7 @@ def _pack(buffer, base: int, rs) -> None:
     header = np.zeros(_HEADER_BYTES // 8, dtype=np.uint64)
     header[:1] = np.array([rs.loss], dtype=np.float64).view(np.uint64)
     header[1], header[2] = np.uint64(rs.digest), np.uint64(rs.input_digest)
+    header[3] = np.uint64(1 if rs.rng_dependent else 0)
     buffer[base:base + _HEADER_BYTES].copy_(torch.from_numpy(header.view(np.uint8)))
     offset = base + _HEADER_BYTES
     for bucket in rs.buckets:

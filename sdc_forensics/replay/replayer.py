@@ -152,6 +152,7 @@ class _RankStep:
 
     def __init__(self, replayer: "Replayer", buckets: list[torch.Tensor], batches: list, loss: float) -> None:
         self._replayer, self.buckets, self._batches, self.loss = replayer, buckets, batches, loss
+        self.rng_dependent = False  # the recomputation depends on the global RNG state the trace does not hold
         self._digest: int | None = None
         self._fp: Fingerprint | None = None
         self._input: int | None = None
@@ -198,6 +199,7 @@ class Replayer(StepComparisons):
         # faults on every touch): one per rank slot, one per reduction order
         self._rank_buffers: dict[int, torch.Tensor] = {}
         self._reduce_buffers: dict[str, torch.Tensor] = {}
+        self.rng_dependent: bool | None = None  # the recipe's step depends on the global RNG (None: not seen drawing yet)
 
     # -- one rank's local gradient -------------------------------------------------------------
     def local_step(self, model, record, buckets_layout, slot: int | None = None) -> _RankStep:
@@ -209,16 +211,20 @@ class Replayer(StepComparisons):
         """
         self._use_threads(int(step_threads(record)))
         params = list(model.parameters())
-        for p in params:
-            p.grad = None
-        batches, total_loss = [], 0.0
-        for mb_id in self.trace.microbatch_ids(record):
-            batch = self.recipe.fetch_microbatch(int(mb_id), self.device)
-            loss = self.recipe.loss(model, batch)
-            loss.backward()
-            total_loss += float(loss.detach())
-            batches.append(batch)
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        entry = _rng_states(self.device)
+        grads, batches, total_loss = self._gradients(model, params, record)
+        if self.rng_dependent is None and _rng_states(self.device) != entry:
+            # the step drew from the global RNG (dropout, augmentation not seeded from the microbatch
+            # ID): reproducible only if the recipe seeds it itself. Recompute once from another RNG
+            # state: a different gradient means the step depends on draws training made from an RNG
+            # state the trace does not hold, and no comparison of it can be trusted.
+            first = [None if g is None else g.clone() for g in grads]
+            _set_rng_states(self.device, _perturbed(entry))
+            again, _, _ = self._gradients(model, params, record)
+            self.rng_dependent = any((a is None) != (b is None) or (a is not None and not torch.equal(a, b)) for a, b in zip(first, again))
+            _set_rng_states(self.device, entry)
+            grads, batches, total_loss = self._gradients(model, params, record)
+        grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params)]
         dtypes = {g.dtype for g in grads}
         out = None
         if slot is not None and len(dtypes) == 1:  # mixed dtypes: torch.cat promotes, no buffer to reuse
@@ -228,7 +234,22 @@ class Replayer(StepComparisons):
             else torch.cat([grads[i].reshape(-1) for i in bucket])
             for b, bucket in enumerate(buckets_layout)
         ]
-        return _RankStep(self, buckets, batches, total_loss)
+        step = _RankStep(self, buckets, batches, total_loss)
+        step.rng_dependent = bool(self.rng_dependent)
+        return step
+
+    def _gradients(self, model, params, record):
+        """The rank's local gradient (per parameter, None where none), its batches and summed loss."""
+        for p in params:
+            p.grad = None
+        batches, total_loss = [], 0.0
+        for mb_id in self.trace.microbatch_ids(record):
+            batch = self.recipe.fetch_microbatch(int(mb_id), self.device)
+            loss = self.recipe.loss(model, batch)
+            loss.backward()
+            total_loss += float(loss.detach())
+            batches.append(batch)
+        return [p.grad for p in params], batches, total_loss
 
     def _buffers(self, pool: dict, key, sizes: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
         """Contiguous views of sizes ``sizes`` into one flat buffer ``pool[key]``, reallocated only
@@ -327,6 +348,11 @@ class Replayer(StepComparisons):
                 notes.append("no bucket layout recorded: gradients compared by norm within tolerance only")
             drift = 0 if tolerant_from is None else step - tolerant_from
             ranks = distributed.local_steps(self, model, recs, layout, step)  # under torchrun: shared out, then exchanged
+            if any(rs.rng_dependent for rs in ranks):
+                notes.append(f"step {step}: the recipe's step draws from the global RNG (dropout or augmentation not seeded "
+                             "from the microbatch ID): training's draws came from RNG states the trace does not hold, so no "
+                             "replayed step can be compared; seed them in the recipe (docs/recipes.md), nothing is judged here")
+                break
             local_bad, step_evidence = self._compare_locals(step, recs, ranks, tolerant_from is not None, drift, recorded_layout)
             if local_bad is None:  # every rank differs within tolerance: not bitwise reproducible here
                 tolerant_from = step
@@ -410,6 +436,32 @@ def replay_window(trace: Trace, recipe, options: ReplayOptions, on_step: Callabl
     with numerics.reproduce(_recorded_numerics(trace, options.start_step), device, threads) as settings:
         result = Replayer(trace, recipe, device).run(options, on_step)
     return dataclasses.replace(result, settings=settings)
+
+
+def _rng_states(device: torch.device) -> list[bytes]:
+    """The global RNG states a step can draw from: CPU, and the replay GPU's."""
+    states = [torch.random.get_rng_state().numpy().tobytes()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device).numpy().tobytes())
+    return states
+
+
+def _set_rng_states(device: torch.device, states: list[bytes]) -> None:
+    torch.random.set_rng_state(torch.frombuffer(bytearray(states[0]), dtype=torch.uint8))
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(states[1]), dtype=torch.uint8), device)
+
+
+def _perturbed(states: list[bytes]) -> list[bytes]:
+    """Other RNG states than ``states`` (a fixed seed, or another one if that is where they are)."""
+    saved = torch.random.get_rng_state()
+    for seed in (0x5DC, 0x5DD):
+        torch.manual_seed(seed)
+        other = [torch.random.get_rng_state().numpy().tobytes()] + ([torch.cuda.get_rng_state().numpy().tobytes()] if len(states) > 1 else [])
+        if other[0] != states[0]:
+            break
+    torch.random.set_rng_state(saved)
+    return other
 
 
 def _recorded_threads(trace: Trace) -> int | None:

@@ -15,7 +15,7 @@ from sdc_forensics.present.report import ReportRequest, reproduce_commands
 def test_the_analysis_flags_are_the_options_fields():
     params = analysis_options(lambda **kw: None).__click_params__
     names = {p.name for p in params}
-    assert names == {"checkpoints_dir", "recipe", "device", "force_device", "num_threads", "force_tolerant"}
+    assert names == {"checkpoints_dir", "recipe", "device", "force_device", "num_threads", "force_tolerant", "collective"}
     assert names <= {f.name for f in dataclasses.fields(AnalysisOptions)}
 
 
