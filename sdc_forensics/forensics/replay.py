@@ -33,6 +33,7 @@ from sdc_forensics.errors import CheckpointError, InvalidInputError
 from sdc_forensics.fingerprint import tolerance
 from sdc_forensics.fingerprint.core import Fingerprint, combine, combine_digests, digest, fingerprint, num_sketch_blocks
 from sdc_forensics.forensics import distributed, replay_env as env
+from sdc_forensics.forensics.replay_buffers import BufferBroadcast
 from sdc_forensics.trace.checkpoints import hex64
 from sdc_forensics.forensics.evidence import Evidence, EvidenceKind
 from sdc_forensics.forensics.options import AnalysisOptions
@@ -188,6 +189,7 @@ class Replayer(StepComparisons):
         # faults on every touch): one per rank slot, one per reduction order
         self._rank_buffers: dict[int, torch.Tensor] = {}
         self._reduce_buffers: dict[str, torch.Tensor] = {}
+        self.module_buffers: BufferBroadcast | None = None  # DDP's broadcast of module buffers, per window
 
     # -- one rank's local gradient -------------------------------------------------------------
     def local_step(self, model, record, buckets_layout, slot: int | None = None) -> _RankStep:
@@ -201,6 +203,8 @@ class Replayer(StepComparisons):
         params = list(model.parameters())
         for p in params:
             p.grad = None
+        if self.module_buffers is not None:
+            self.module_buffers.before_rank()  # every rank starts from rank 0's buffers, as DDP broadcasts them
         batches, total_loss = [], 0.0
         for mb_id in self.trace.microbatch_ids(record):
             batch = self.recipe.fetch_microbatch(int(mb_id), self.device)
@@ -208,6 +212,8 @@ class Replayer(StepComparisons):
             loss.backward()
             total_loss += float(loss.detach())
             batches.append(batch)
+        if self.module_buffers is not None:
+            self.module_buffers.after_rank(int(record["rank"]))
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         dtypes = {g.dtype for g in grads}
         out = None
@@ -276,6 +282,8 @@ class Replayer(StepComparisons):
         self.default_threads = _recorded_threads(self.trace) or 0
         model, optimizer, scheduler = self.recipe.build(self.device)
         self.recipe.load_checkpoint(str(options.checkpoint_path), model, optimizer, scheduler)
+        self.module_buffers = BufferBroadcast(model)
+        saved = _checkpoint_notes(self.trace) if self.module_buffers.active else {}
         start_digest = hex64(weights_digest(model.named_parameters(), self.seed))
         if options.expected_weights_digest and start_digest != options.expected_weights_digest:
             raise StartStateMismatch(
@@ -312,6 +320,7 @@ class Replayer(StepComparisons):
                 tolerant_from = step
                 notes.append("no bucket layout recorded: gradients compared by norm within tolerance only")
             drift = 0 if tolerant_from is None else step - tolerant_from
+            self.module_buffers.begin_step()
             ranks = distributed.local_steps(self, model, recs, layout, step)  # under torchrun: shared out, then exchanged
             local_bad, step_evidence = self._compare_locals(step, recs, ranks, tolerant_from is not None, drift, recorded_layout)
             if local_bad is None:  # every rank differs within tolerance: not bitwise reproducible here
@@ -332,6 +341,7 @@ class Replayer(StepComparisons):
                 tolerant_from = step + 1
                 notes.append(reduce_note)
             order_used = order_used or order
+            self.module_buffers.end_step()
             for bucket, flat in zip(layout, reduced):
                 offset = 0
                 for index in bucket:
@@ -351,6 +361,9 @@ class Replayer(StepComparisons):
                 tolerant_from = step + 1
                 notes.append(f"step {step}: the replayed weights are not bitwise the replicas' majority (an update or "
                              "reduction this replay does not reproduce): later steps are compared within the sketch tolerance")
+            buffers_note = self.module_buffers.check(saved[step + 1, attempt], self.seed) if (step + 1, attempt) in saved else ""
+            if buffers_note:
+                notes.append(buffers_note)
             last = step
             if on_step is not None:
                 on_step(step)
@@ -402,6 +415,13 @@ def _recorded_threads(trace: Trace) -> int | None:
         if value:
             return int(value)
     return None
+
+
+def _checkpoint_notes(trace: Trace) -> dict:
+    """``{(step, attempt): CheckpointNote}`` of the checkpoints noted in the trace."""
+    from sdc_forensics.trace.checkpoints import read_checkpoint_notes
+
+    return {(n.step, n.attempt): n for n in read_checkpoint_notes(trace.path)}
 
 
 def _recorded_reduction(trace: Trace, attempt: int) -> str:
