@@ -69,12 +69,12 @@ def _worker(trace: str, steps: int, mode: str) -> None:
 
     # imported before the timer: the replay's modules, and torch's compiler stack, which
     # torch.use_deterministic_algorithms imports on first use (seconds, not replay)
-    for name in ("sdc_forensics.forensics.replay", "torch._inductor"):
+    for name in ("sdc_forensics.replay.replayer", "torch._inductor"):
         importlib.import_module(name)
 
     from sdc_forensics.fingerprint.core import digest
-    from sdc_forensics.forensics import distributed
-    from sdc_forensics.forensics.replay_run import ReplayRequest, replay_from_trace
+    from sdc_forensics.replay import distributed
+    from sdc_forensics.forensics.replay import ReplayRequest, replay_from_trace
 
     torch.use_deterministic_algorithms(False)
     digest(torch.zeros(64), 0)  # the compiled digest kernel is loaded on first use: not replay either

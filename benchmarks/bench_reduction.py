@@ -102,7 +102,7 @@ def _median_step_s(trace_dir: Path, steps: int) -> float:
     """Median time between consecutive STEP records of the slowest rank (steps 2.., after warm-up)."""
     import numpy as np
 
-    from sdc_forensics.forensics.incident import step_times
+    from sdc_forensics.decide.incident import step_times
     from sdc_forensics.trace.reader import Trace
 
     times = step_times(Trace.open(trace_dir), range(steps))  # {step: (R,) ns}

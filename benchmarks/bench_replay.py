@@ -58,7 +58,7 @@ import torch
 
 from sdc_forensics.demo.recipe import DemoRecipe
 from sdc_forensics.demo.run import RECIPE_REFERENCE, run_demo, train_step
-from sdc_forensics.forensics.replay import ReplayOptions, replay_window
+from sdc_forensics.replay.replayer import ReplayOptions, replay_window
 from sdc_forensics.recipe import load_trace_recipe
 from sdc_forensics.trace.checkpoints import read_checkpoint_notes
 from sdc_forensics.trace.reader import Trace
@@ -213,7 +213,7 @@ INCIDENTS = [
 
 def incidents(work: Path, steps: int, every: int) -> list[dict]:
     from sdc_forensics.forensics.bisect import BisectOptions, bisect
-    from sdc_forensics.forensics.triage import triage_trace
+    from sdc_forensics.triage.trace_only import triage_trace
 
     rows = []
     mid, on = 2 * every + every // 2, 2 * every

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from sdc_forensics.fingerprint import tolerance
-from sdc_forensics.forensics.triage import TriageOptions, triage_trace
+from sdc_forensics.triage.trace_only import TriageOptions, triage_trace
 from sdc_forensics.trace import scan
 from sdc_forensics.trace.reader import Trace
 from sdc_forensics.trace.synthetic import PlantedFault, write_synthetic_trace
@@ -132,7 +132,7 @@ def heap_peak(trace_dir: Path) -> int:
 
 _COLD = """
 import sys, time
-from sdc_forensics.forensics.triage import triage_trace
+from sdc_forensics.triage.trace_only import triage_trace
 from sdc_forensics.trace.reader import Trace
 trace = Trace.open(sys.argv[1])
 start = time.perf_counter()

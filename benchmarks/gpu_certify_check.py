@@ -39,7 +39,7 @@ FAULTS = (None, "grad:step=4:rank=2:bit=30", "weights:step=4:rank=3:bit=30", "al
 def _certify(out: Path, device: str) -> dict:
     """What ``certify`` concluded, as plain values."""
     from sdc_forensics.forensics.certify import certify
-    from sdc_forensics.forensics.options import AnalysisOptions
+    from sdc_forensics.replay.options import AnalysisOptions
 
     cert = certify(out / "trace", AnalysisOptions(checkpoints_dir=out / "checkpoints", device=device))
     result = cert.analysis

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-HOOK = "SDC_FORENSICS_TEST_FAIL_REPLAY_PROCESS"  # sdc_forensics.forensics.distributed.TEST_FAIL_ENV
+HOOK = "SDC_FORENSICS_TEST_FAIL_REPLAY_PROCESS"  # sdc_forensics.replay.distributed.TEST_FAIL_ENV
 FAIL_STEP = 4
 
 

@@ -61,6 +61,11 @@ class CheckpointError(InvalidInputError):
     """A checkpoint is unreadable or structurally malformed."""
 
 
+class LedgerWriteError(UsageError):
+    """The ledger of examined intervals cannot be written where asked (a read-only trace
+    directory, a full disk): the message names the file and says to pass ``--ledger PATH``."""
+
+
 class RecipeError(SdcError):
     """A replay recipe cannot be imported or does not follow the recipe protocol."""
 

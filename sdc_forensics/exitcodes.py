@@ -12,7 +12,7 @@ Every command ends with one of :class:`ExitCode` (docs/bisect.md, the CLI's ``--
 
 The analysis' verdict chooses the code through :data:`EXIT_BY_VERDICT`, a checkpoint's status
 through :data:`EXIT_BY_STATUS`; both are keyed by the published spellings (the JSON ``verdict``
-and ``status`` values) and take the enums of ``forensics.decision`` too. A training job stopped by
+and ``status`` values) and take the enums of ``decide.decision`` too. A training job stopped by
 an online check exits with ``recorder.exit.ALARM_EXIT_CODE`` (18), outside this table on purpose:
 it is the training process's code, not a command's.
 
@@ -39,14 +39,14 @@ class ExitCode(enum.IntEnum):
     UNVERIFIED = 4
 
 
-#: The analysis verdict (``forensics.decision.Verdict``'s values) -> exit code.
+#: The analysis verdict (``decide.decision.Verdict``'s values) -> exit code.
 EXIT_BY_VERDICT: Mapping[str, ExitCode] = {
     "clean": ExitCode.CLEAN,
     "corruption": ExitCode.CORRUPTION,
     "inconclusive": ExitCode.INCONCLUSIVE,
 }
 
-#: A checkpoint's status (``forensics.decision.Status``'s values) -> exit code.
+#: A checkpoint's status (``decide.decision.Status``'s values) -> exit code.
 EXIT_BY_STATUS: Mapping[str, ExitCode] = {
     "clean": ExitCode.CLEAN,
     "unverified": ExitCode.UNVERIFIED,

@@ -4,7 +4,7 @@ The recorder writes :func:`record` into each attempt of the manifest (``Attempt.
 the replay applies the recorded values with :func:`reproduce` for the window it replays (not
 settings of its own: "Reproduce, don't impose", design brief) and restores the process's own
 afterwards. What cannot be applied on the replay device (a GPU model, a library version, an NCCL
-variable of a collective the replay does not run) is listed, and ``forensics/preflight.py`` says
+variable of a collective the replay does not run) is listed, and ``replay/preflight.py`` says
 before any replay whether the replay can be exact.
 
 Recorded keys (all optional: older traces hold a subset):

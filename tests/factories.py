@@ -9,7 +9,7 @@
 * :func:`simulate` (fixture ``sim``): the single-process twin of a recorded DDP run, for replay and
   bisect; its all-reduce is :func:`gloo_ring_sum`, an independent reference of gloo's ring
   summation order that ``tests/test_factories.py`` checks bit for bit against a real gloo
-  ``all_reduce`` (never the package's ``replay_env.reduce_buckets``, which replay tests judge).
+  ``all_reduce`` (never the package's ``replay.env.reduce_buckets``, which replay tests judge).
 * :class:`DemoRuns` (fixture ``demo_run``): real multi-process gloo demo runs, made once per
   arguments per session.
 * Files: :func:`tree_sha256`, :func:`write_safetensors_raw`, :func:`flip_byte`,
@@ -353,7 +353,7 @@ def gloo_ring_sum(buffers: Sequence[np.ndarray]) -> np.ndarray:
     """The float32 ``SUM`` all-reduce of ``buffers`` (one per rank) in gloo's ring order.
 
     An independent reference of what torch's gloo backend does (not of the package's
-    ``replay_env.reduce_buckets``): chunk ``c`` (:func:`gloo_ring_chunks`) is reduce-scattered
+    ``replay.env.reduce_buckets``): chunk ``c`` (:func:`gloo_ring_chunks`) is reduce-scattered
     along the ring starting at rank ``c - 1`` and going backwards, each rank adding its own
     value to what it received, ``((x[c-1] + x[c-2]) + ...) + x[c]``, every addition rounded to
     float32; the all-gather then copies every chunk to every rank. ``tests/test_factories.py``

@@ -96,7 +96,7 @@ def test_a_new_checkpoint_reader_is_covered_without_being_listed(tmp_path):
 
 def test_every_reader_class_and_entry_point_is_marked():
     from sdc_forensics.checkpoint import base, dcp_reader, folder, formats, hf_index, safetensors_reader, torch_reader
-    from sdc_forensics.forensics import certificate
+    from sdc_forensics.decide import certificate
     from sdc_forensics.trace import checkpoints, manifest
     from sdc_forensics.trace.reader import Trace, step_threads
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from sdc_forensics.exitcodes import EXIT_BY_STATUS, EXIT_BY_VERDICT, ExitCode, status_exit, verdict_exit
-from sdc_forensics.forensics.decision import Status, Verdict
+from sdc_forensics.decide.decision import Status, Verdict
 
 PACKAGE = Path(__file__).resolve().parents[1] / "sdc_forensics"
 

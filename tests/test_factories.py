@@ -1,6 +1,6 @@
 """The test factories themselves: the gloo ring reference that simulated runs reduce with is
 checked bit for bit against a real gloo ``all_reduce`` (so ``sim`` runs are anchored to gloo, not
-to the package's ``replay_env.reduce_buckets``), and ``make_trace``'s two writers refuse what
+to the package's ``replay.env.reduce_buckets``), and ``make_trace``'s two writers refuse what
 they cannot write."""
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Readers (one per format) check structure when a checkpoint is opened; ``verify`` measures
 content and compares it with the trace's checkpoint notes; ``locate`` finds a noted file.
-Whether a checkpoint is clean is decided in ``forensics/decision.py`` (``certify``, ``bisect``),
-and certificates are in ``forensics/certificate.py``. See ``docs/checkpoints.md``.
+Whether a checkpoint is clean is decided in ``decide/decision.py`` (``certify``, ``bisect``),
+and certificates are in ``decide/certificate.py``. See ``docs/checkpoints.md``.
 
 The names below are imported on first use, so that ``checkpoint.limits`` (no torch) can be
 imported by the CLI without importing torch (``bisect --trace-only`` starts without it).

@@ -1,6 +1,6 @@
 """Why a readable checkpoint is not certifiable: the kinds of finding verification reports.
 
-torch-free, so that the decision (``forensics/decision.py``) and trace-only commands can name
+torch-free, so that the decision (``decide/decision.py``) and trace-only commands can name
 the kinds without importing the readers (torch); ``verify.py`` makes the findings.
 """
 

@@ -1,7 +1,7 @@
 """Where a noted checkpoint's file is, and which checkpoint-looking files no note names.
 
 File-level helpers for ``bisect``/``certify``; nothing here decides about a run (that is
-``forensics/decision.py``).
+``decide/decision.py``).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def bisect_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: b
 
     Exit 0 clean, 1 corruption, 2 usage error, 3 bad input, 4 inconclusive.
     """
-    from sdc_forensics.forensics.options import AnalysisOptions
+    from sdc_forensics.replay.options import AnalysisOptions
     from sdc_forensics.present.bisect import bisect_document, render_bisect
 
     result = run_analysis(trace_dir, AnalysisOptions(trace_only=trace_only, **options))

@@ -43,8 +43,8 @@ def certify_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, certificate_
     """
     from sdc_forensics.errors import UsageError
     from sdc_forensics.forensics.certify import certify, write_run_certificate
-    from sdc_forensics.forensics.distributed import is_lead
-    from sdc_forensics.forensics.options import AnalysisOptions
+    from sdc_forensics.replay.distributed import is_lead
+    from sdc_forensics.replay.options import AnalysisOptions
     from sdc_forensics.present.certify import certify_document, render_certify
 
     if certificate_out is not None and str(certificate_out) == "-":

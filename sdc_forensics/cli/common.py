@@ -57,11 +57,15 @@ def trace_analysis_options(func):
 def analysis_options(func):
     """Replay options (``bisect``, ``replay``, ``certify``, ``report``, ``verify-checkpoint --trace``).
 
-    Their names are the fields of ``forensics.options.AnalysisOptions``: a command builds it once
+    Their names are the fields of ``replay.options.AnalysisOptions``: a command builds it once
     from them (and its own ``--trace-only``, ``--max-replay-steps``...) and passes it down.
     """
     func = click.option("--tolerant", "force_tolerant", is_flag=True,
                         help="Compare within the sketch tolerance even where the replay is bitwise exact.")(func)
+    func = click.option("--collective", is_flag=True,
+                        help="Under torchrun with one process per recorded rank: all-reduce every replayed step with the "
+                             "replay's own process group (the job's collective, recorded NCCL settings pinned), checked "
+                             "against the recorded reduced digest at every step (docs/distributed.md).")(func)
     func = click.option("--threads", "num_threads", type=click.IntRange(min=1),
                         help="Replay CPU threads (default: the count each step recorded, which keeps a CPU replay bitwise exact).")(func)
     func = click.option("--force-device", is_flag=True,
@@ -72,12 +76,12 @@ def analysis_options(func):
                         help="Directory holding the checkpoint files (default: found from the trace: the paths the job wrote, also relative to the trace directory).")(func)
 
 
-def run_analysis(trace_dir: Path, options):
+def run_analysis(trace_dir, options):
     """``bisect`` with progress bars on stderr: the one analysis behind every command.
 
     Args:
-        trace_dir: the trace directory.
-        options: the command's ``forensics.options.AnalysisOptions``.
+        trace_dir: the trace directory, or the command's open ``Trace``.
+        options: the command's ``replay.options.AnalysisOptions``.
     """
     from sdc_forensics.forensics.bisect import bisect
 
@@ -121,17 +125,20 @@ def distributed_replay(func):
 
     @functools.wraps(func)
     def wrapper(*args, replay_timeout: float, **kwargs):
-        from sdc_forensics.forensics import distributed
+        from sdc_forensics.replay import distributed
 
         if not distributed.launched():
             return func(*args, **kwargs)
         if "device" in kwargs:
             kwargs["device"] = distributed.process_device(kwargs["device"])
+        pinned = distributed.pin_recorded_nccl(kwargs["trace_dir"]) if kwargs.get("collective") and kwargs.get("trace_dir") else []
         group = distributed.start(kwargs.get("device", "cpu"), replay_timeout)
         if not group.lead:
             silence_follower()
         err.print(f"note: replaying across {group.size} processes ({group.backend}): original rank r on process r % {group.size}; "
                   "process 0 writes the output", markup=False)
+        if pinned:
+            err.print(f"note: --collective: the recorded NCCL settings pinned: {', '.join(pinned)}", markup=False)
         completed = lost = False
         try:
             value = func(*args, **kwargs)

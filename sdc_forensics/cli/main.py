@@ -90,7 +90,7 @@ class _LazyGroup(click.Group):
             return super().invoke(ctx)
         except SdcError as exc:
             from sdc_forensics.cli.output import fatal
-            from sdc_forensics.forensics.distributed import error_line
+            from sdc_forensics.replay.distributed import error_line
 
             line = error_line(exc)  # under torchrun, process 0 speaks for the group
             if line is not None:
@@ -129,8 +129,8 @@ def main() -> None:
         code = ExitCode.CLEAN
     except SystemExit as exc:
         code = exc.code
-    if "sdc_forensics.forensics.distributed" in sys.modules:  # a replay across processes lost a peer: exit at once
-        sys.modules["sdc_forensics.forensics.distributed"].leave(ExitCode.CLEAN if code is None else code if isinstance(code, int) else ExitCode.CORRUPTION)
+    if "sdc_forensics.replay.distributed" in sys.modules:  # a replay across processes lost a peer: exit at once
+        sys.modules["sdc_forensics.replay.distributed"].leave(ExitCode.CLEAN if code is None else code if isinstance(code, int) else ExitCode.CORRUPTION)
     sys.exit(code)
 
 

@@ -1,7 +1,7 @@
 """``sdc-forensics replay TRACE_DIR --from N --to M``: parse, replay one window, render.
 
 The window is checked against the trace before anything is imported or replayed
-(``forensics.replay_run.check_window``): a step outside the trace is a usage error, exit 2.
+(``forensics.replay.check_window``): a step outside the trace is a usage error, exit 2.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def replay_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, start: int, s
     only mismatches are weak (tolerant residuals within what clean replays produce), 2 usage
     error (a window outside the trace's steps, N not a checkpoint step), 3 bad input.
     """
-    from sdc_forensics.forensics.options import AnalysisOptions
-    from sdc_forensics.forensics.replay_run import ReplayRequest, replay_from_trace
+    from sdc_forensics.replay.options import AnalysisOptions
+    from sdc_forensics.forensics.replay import ReplayRequest, replay_from_trace
     from sdc_forensics.present.replay import render_replay, replay_document
 
     request = ReplayRequest(start_step=start, stop_step=stop, options=AnalysisOptions(**options))

@@ -36,10 +36,11 @@ def report_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: b
     import dataclasses
 
     from sdc_forensics.errors import UsageError
-    from sdc_forensics.forensics.distributed import is_lead
-    from sdc_forensics.forensics.options import AnalysisOptions
+    from sdc_forensics.replay.distributed import is_lead
+    from sdc_forensics.replay.options import AnalysisOptions
     from sdc_forensics.present.report import ReportRequest, output_format
     from sdc_forensics.present.review import render_review
+    from sdc_forensics.trace.reader import Trace
 
     fmt = output_format(output, fmt)
     if as_json and output == "-" and fmt != "json":
@@ -49,8 +50,9 @@ def report_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: b
     absolute = None if chosen.checkpoints_dir is None else chosen.checkpoints_dir.absolute()  # commands that rerun it from anywhere
     request = ReportRequest(trace_dir=trace_dir.absolute(), output=output if output == "-" else str(Path(output).absolute()), fmt=fmt,
                             options=dataclasses.replace(chosen, checkpoints_dir=absolute))
-    result = run_analysis(trace_dir, chosen)
-    review = render_review(result, request, SCHEMA_VERSION)
+    trace = Trace.open(trace_dir)  # once: the analysis and the review read the same open trace
+    result = run_analysis(trace, chosen)
+    review = render_review(result, request, SCHEMA_VERSION, trace)
     for note in review.notes:
         err.print(f"note: {note}", markup=False)
     if output == "-" and fmt == "json":

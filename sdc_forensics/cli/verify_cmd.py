@@ -1,7 +1,7 @@
 """``sdc-forensics verify-checkpoint PATH``: parse, verify (``forensics.verify_run``), render.
 
 Without --trace: the file's structure and content; with --trace: certified as part of its run
-(the status is ``forensics.decision``'s); with --certificate: confirmed against it. Exit codes
+(the status is ``decide.decision``'s); with --certificate: confirmed against it. Exit codes
 are ``forensics.verify_run``'s: 0 verified / certified clean, 1 not certifiable, 4 unverified
 (errors: 2 usage, 3 unreadable).
 """
@@ -38,7 +38,7 @@ def verify_cmd(ctx: click.Context, path: Path, trace_dir: Path | None, step: int
     but not every step before it examined). With --certificate: 1 when its files changed since
     they were certified, or it was not certified clean. 2 usage error, 3 unreadable input.
     """
-    from sdc_forensics.forensics.options import AnalysisOptions
+    from sdc_forensics.replay.options import AnalysisOptions
     from sdc_forensics.forensics.verify_run import VerifyRequest, verify_run
     from sdc_forensics.present.verify import render_verify, verify_document
 

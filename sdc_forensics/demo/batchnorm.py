@@ -7,7 +7,7 @@ its buffers (``running_mean``, ``running_var``, ``num_batches_tracked``) in plac
 (``broadcast_buffers=True``, its default) overwrites every rank's buffers with rank 0's before the
 first forward of each step. So the buffers a checkpoint holds are rank 0's, updated by rank 0's
 microbatches only, and a replay reproduces them only if it models that broadcast
-(``sdc_forensics.forensics.replay_buffers``).
+(``sdc_forensics.replay.buffers``).
 
 Referenced as ``sdc_forensics.demo.batchnorm:recipe``.
 """

@@ -10,6 +10,9 @@ replay runs them), writes ``OUT/trace/`` and a checkpoint every ``checkpoint_eve
 state, with the scheduler's state when the recipe has one), and returns the ground truth. Each process leaves a small
 JSON report in ``OUT/demo/``. Nothing is left running: on a failure, a hang past the timeout or a
 killed rank, every remaining process is killed before :func:`run_demo` returns or raises.
+
+Over 400 lines on purpose: the launcher and the worker of one job share its configuration type and
+its exit protocol (which rank failed, killed or hung, and how that is reported).
 """
 
 from __future__ import annotations

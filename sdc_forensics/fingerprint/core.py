@@ -24,6 +24,10 @@ each path in a process is logged (logger ``sdc_forensics.fingerprint``).
 Host syncs: :func:`fingerprint` makes at most one. :func:`fingerprint_async` makes none on CUDA
 and :func:`resolve` pulls any number of pending fingerprints with one transfer per device (the
 recorder's comm hook: one per step for all buckets).
+
+Over 400 lines on purpose: the public fingerprint API and its dispatch to the compiled kernels
+(``cpu_kernel.py``, ``triton_kernel.py``) or torch, which must agree bit for bit (``reference.py``);
+one place decides which path a tensor takes.
 """
 
 from __future__ import annotations

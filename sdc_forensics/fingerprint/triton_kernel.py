@@ -30,6 +30,9 @@ per call.
 Triton is optional: importing this module never fails; :func:`available` says why the kernel
 cannot run. Under ``TRITON_INTERPRET=1`` (set before this module is imported) the same kernels
 run on CPU tensors through Triton's numpy interpreter; the tests use that.
+
+Over 400 lines on purpose: Triton jit functions call each other only within a module's globals, and
+the launch wrappers set the constants the kernels are compiled with.
 """
 
 from __future__ import annotations

@@ -10,11 +10,14 @@
    clean. A strong divergence ends the search at it (only earlier intervals are still replayed);
    weak evidence (a tolerant residual) never ends it. A checkpoint that does not hold the
    replicas' weights is skipped for the one before.
-4. Decide with ``forensics.decision``: the first divergent step, the suspects, the verdict and
+4. Decide with ``decide.decision``: the first divergent step, the suspects, the verdict and
    every checkpoint's status with the last clean one. ``certify``, ``verify-checkpoint --trace``,
    ``replay`` and ``report`` go through the same function.
 
 ``trace_only`` stops after step 1 (and reads checkpoint notes, not files) and never imports torch.
+
+Over 400 lines on purpose: the flow of one command, stage by stage (triage, replay windows, decide),
+read top to bottom; the stages are their own packages.
 """
 
 from __future__ import annotations
@@ -25,18 +28,19 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from sdc_forensics.forensics import decision, preflight
-from sdc_forensics.forensics.decision import CheckpointFile, Examined
-from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location, sort_key
-from sdc_forensics.forensics.options import AnalysisOptions, BisectOptions
-from sdc_forensics.forensics.triage import TriageResult, triage_trace
-from sdc_forensics.forensics.verdict import BisectResult, ReplayedWindow, ReplaySummary
-from sdc_forensics.trace.checkpoints import CheckpointNote, read_checkpoint_notes, unreplayable_steps, unreplayable_text
+from sdc_forensics.decide import decision
+from sdc_forensics.replay import preflight
+from sdc_forensics.decide.decision import CheckpointFile, Examined
+from sdc_forensics.triage.evidence import Evidence, EvidenceKind, Location, sort_key
+from sdc_forensics.replay.options import AnalysisOptions, BisectOptions
+from sdc_forensics.triage.trace_only import TriageResult, triage_trace
+from sdc_forensics.decide.verdict import BisectResult, ReplayedWindow, ReplaySummary
+from sdc_forensics.trace.checkpoints import CheckpointNote, unreplayable_steps, unreplayable_text
 from sdc_forensics.trace.consensus import majority_weights_digests
 from sdc_forensics.trace.manifest import audit_reach
 from sdc_forensics.trace.reader import UNTRUSTED_DAMAGE, Trace
 
-# BisectOptions: the options' old name, still read here (forensics.options)
+# BisectOptions: the options' old name, still read here (replay.options)
 __all__ = ["AnalysisOptions", "BisectOptions", "Progress", "bisect"]
 
 # the file differs from what was saved (storage), or holds NaN/Inf or not-the-majority content
@@ -55,16 +59,16 @@ class Progress(Protocol):
         """Say something people should know before the replay (optional: looked up with ``hasattr``)."""
 
 
-def bisect(trace_dir: str | os.PathLike, options: AnalysisOptions, progress: Progress | None = None) -> BisectResult:
+def bisect(trace_dir: Trace | str | os.PathLike, options: AnalysisOptions, progress: Progress | None = None) -> BisectResult:
     """Find the first divergent step, the suspects and the last clean checkpoint.
 
     Raises:
         TraceError: the trace is unreadable. RecipeError: the recipe cannot be loaded.
         UsageError: the replay device is unavailable or a suspect's GPU (not forced).
     """
-    trace = Trace.open(trace_dir)
+    trace = Trace.of(trace_dir)  # a command that opened it already hands it down
     tri = triage_trace(trace)
-    notes = read_checkpoint_notes(trace.path)
+    notes = trace.checkpoint_notes()
     evidence = list(tri.evidence)
     settle: list[str] = []
     notes_out: list[str] = []
@@ -92,10 +96,10 @@ def bisect(trace_dir: str | os.PathLike, options: AnalysisOptions, progress: Pro
         if notes:
             files = _verify_files(notes, options, trace.path, seed)
             evidence += _storage_evidence(notes, files)
-        from sdc_forensics.forensics.replay_env import resolve_device
+        from sdc_forensics.replay.env import resolve_device
 
         resolve_device(options.device)  # an unknown or absent device is a usage error before anything is said or done
-        flight = preflight.check(trace.manifest, device=options.device, num_threads=options.num_threads,
+        flight = preflight.check(trace.manifest, device=options.device, num_threads=options.num_threads, collective=options.collective,
                                  force_tolerant=options.force_tolerant)
         if progress is not None and hasattr(progress, "note"):
             for line in flight.lines():  # before any replay: a run that cannot certify says so first
@@ -214,7 +218,7 @@ def _storage_evidence(notes: list[CheckpointNote], files: dict[int, CheckpointFi
 
 def _replay(trace: Trace, tri: TriageResult, usable: list[CheckpointNote], recipe_ref: str, options: AnalysisOptions, progress):
     """Replay the intervals that decide the run; ``(summary, evidence, replayed steps, tolerant steps)``."""
-    from sdc_forensics.forensics.replay_env import resolve_device
+    from sdc_forensics.replay.env import resolve_device
     from sdc_forensics.recipe import load_recipe
 
     resolve_device(options.device)  # a bad --device fails before any work
@@ -323,13 +327,13 @@ class _WindowRunner:
         done ahead (another reduction order, a checkpoint without the replicas' weights, an
         error on the process that replayed it) it replays itself, ranks shared as before."""
         from sdc_forensics.errors import SdcError
-        from sdc_forensics.forensics import distributed
-        from sdc_forensics.forensics.replay_env import resolve_device
+        from sdc_forensics.replay import distributed
+        from sdc_forensics.replay.env import resolve_device
 
         group = distributed.current()
         plan = [(note, hi) for note, hi in plan if (note.step, hi, self.options.num_threads, True, self.order) not in self.done]
-        if group is None or len(plan) < 2 or self.last_replayed is None:
-            return
+        if group is None or len(plan) < 2 or self.last_replayed is None or self.options.collective:
+            return  # --collective: every process replays every step together, one collective per bucket
         costs = distributed.measured_costs(*self.last_replayed)
         gathered = [c for c in distributed.exchange_objects(costs) if c is not None]
         if not gathered:
@@ -369,7 +373,7 @@ class _WindowRunner:
 
     def replay(self, note: CheckpointNote, hi: int, reason: str):
         """Replay ``note.step..hi`` from checkpoint ``note``; None when it does not hold the replicas' weights."""
-        from sdc_forensics.forensics.replay import StartStateMismatch
+        from sdc_forensics.replay.replayer import StartStateMismatch
 
         if self.progress is not None:
             self.progress.window(note.step, hi, reason)
@@ -403,7 +407,7 @@ class _WindowRunner:
         return self.options.device == "cpu"
 
     def _run(self, note: CheckpointNote, hi: int, threads: int | None, stop_at_divergence: bool = True):
-        from sdc_forensics.forensics.replay import StartStateMismatch
+        from sdc_forensics.replay.replayer import StartStateMismatch
 
         key = (note.step, hi, threads, stop_at_divergence, self.order)
         if key in self.done:  # replayed ahead by one of the processes (``share``)
@@ -428,7 +432,7 @@ class _WindowRunner:
         return result
 
     def _replay_window(self, note: CheckpointNote, hi: int, threads: int | None, stop_at_divergence: bool):
-        from sdc_forensics.forensics.replay import ReplayOptions, replay_window
+        from sdc_forensics.replay.replayer import ReplayOptions, replay_window
 
         options = ReplayOptions.of(self.options, start_step=note.step, stop_step=hi,
                                    checkpoint_path=_resolve(note, self.options, self.trace.path),

@@ -1,6 +1,6 @@
 """Certify a run's checkpoints: the analysis of ``bisect``, read as "where do I resume?".
 
-Every noted checkpoint gets its status from ``forensics.decision`` (through the analysis); this
+Every noted checkpoint gets its status from ``decide.decision`` (through the analysis); this
 module adds what certification needs on top: the checkpoint-looking files no note names, the
 resume point, and the exit status (docs/bisect.md, "certify"; the codes are ``exitcodes.ExitCode``):
 
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sdc_forensics.exitcodes import ExitCode, status_exit, verdict_exit
-from sdc_forensics.forensics.decision import CheckpointStatus, Verdict, last_clean
-from sdc_forensics.forensics.verdict import BisectResult
+from sdc_forensics.decide.decision import CheckpointStatus, Verdict, last_clean
+from sdc_forensics.decide.verdict import BisectResult
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,7 +68,7 @@ def certify(trace_dir: str | os.PathLike, options, progress=None) -> Certificati
 
     Args:
         trace_dir: the trace directory.
-        options: :class:`~sdc_forensics.forensics.options.AnalysisOptions` (``checkpoints_dir``,
+        options: :class:`~sdc_forensics.replay.options.AnalysisOptions` (``checkpoints_dir``,
             replay settings, ``trace_only``).
         progress: replay progress (``bisect.Progress``), or None.
 
@@ -78,22 +78,23 @@ def certify(trace_dir: str | os.PathLike, options, progress=None) -> Certificati
     from sdc_forensics.checkpoint.locate import unnoted_checkpoints
     from sdc_forensics.errors import UsageError
     from sdc_forensics.forensics.bisect import bisect
-    from sdc_forensics.trace.checkpoints import read_checkpoint_notes
+    from sdc_forensics.trace.reader import Trace
 
     folder = options.checkpoints_dir
     if folder is not None and not Path(folder).is_dir():
         raise UsageError(f"--checkpoints {folder} is not a directory")
-    result = bisect(trace_dir, options, progress=progress)
-    notes = read_checkpoint_notes(trace_dir)
+    trace = Trace.of(trace_dir)
+    result = bisect(trace, options, progress=progress)
+    notes = trace.checkpoint_notes()
     folders = {Path(folder)} if folder is not None else {Path(s.path).parent for s in result.checkpoints if s.path}
     unnoted = tuple(p for f in sorted(folders) if f.is_dir() for p in unnoted_checkpoints(notes, f))
-    return Certification(trace_dir=Path(trace_dir), analysis=result, unnoted=unnoted,
+    return Certification(trace_dir=Path(trace.path), analysis=result, unnoted=unnoted,
                          exit_code=certify_exit(result.checkpoints, result.verdict))
 
 
 def write_run_certificate(path: str | os.PathLike, certification: Certification, *, force: bool = False) -> Path:
-    """Write the certificate of ``certification`` to ``path`` (atomically; see ``forensics.certificate``)."""
-    from sdc_forensics.forensics.certificate import build_certificate, write_certificate
+    """Write the certificate of ``certification`` to ``path`` (atomically; see ``decide.certificate``)."""
+    from sdc_forensics.decide.certificate import build_certificate, write_certificate
 
     result = certification.analysis
     cert = build_certificate(result.checkpoints, trace_dir=certification.trace_dir,

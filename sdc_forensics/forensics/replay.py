@@ -1,438 +1,129 @@
-"""Replay: re-execute steps N..M from checkpoint N with DDP semantics on one device, and compare.
+"""Replay one window of a recorded run, named by its trace: ``sdc-forensics replay``.
 
-For each step ``s`` of the window, with the replay's weights theta_s:
-
-1. per rank ``r``: its microbatches (IDs from the trace) fetched through the recipe, the input
-   digest, the loss and the local gradient accumulated as in training (``backward()`` per
-   microbatch), fingerprinted per DDP bucket with the recorded layout (``buckets.attempt-AAA.json``),
-   so it is comparable with the recorded ``local_*`` exactly;
-2. the average over ranks, in the collective's summation order when one reproduces the recorded
-   reduced digest (``replay_env.reduce_buckets``);
-3. ``recipe.before_step``, ``optimizer.step()``, ``recipe.after_step``; the weights digest.
-
-Every recomputed fingerprint is compared with the recorded one per rank and step. Exact (digest)
-comparison is used while the replay is bitwise reproducible: from a checkpoint, and for as long
-as a reduction order reproduces the recorded reduced digest. When every rank's local digest
-differs but within the sketch tolerance (another device, another kernel), or when no reduction
-order reproduces the healthy ranks' reduced digest, the comparison of later steps switches to the
-sketch tolerance, and the result says from which step. A rank whose recomputation disagrees with
-the record while nothing else breaks the tie is recomputed a second time: majority of three.
+:func:`check_window` refuses a window the trace cannot answer (before torch is imported or
+anything is replayed); :func:`replay_from_trace` finds checkpoint ``N``'s note and file, replays
+steps ``N..M`` and hands the evidence to ``decide.decision`` for the verdict. Exit statuses
+follow the verdict: 0 the replay matches the trace, 1 it diverges (strong evidence), 4 only weak
+mismatches (tolerant residuals within what clean replays produce).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import os
 from pathlib import Path
+from typing import Any
 
-import numpy as np
-import torch
-
-from sdc_forensics import numerics, recipe as recipe_mod
-from sdc_forensics.errors import CheckpointError, InvalidInputError
-from sdc_forensics.fingerprint import tolerance
-from sdc_forensics.fingerprint.core import Fingerprint, combine, combine_digests, digest, fingerprint, num_sketch_blocks
-from sdc_forensics.forensics import distributed, replay_env as env
-from sdc_forensics.forensics.replay_buffers import BufferBroadcast
-from sdc_forensics.trace.checkpoints import hex64
-from sdc_forensics.forensics.evidence import Evidence, EvidenceKind
-from sdc_forensics.forensics.options import AnalysisOptions
-from sdc_forensics.forensics.replay_compare import StepComparisons
-from sdc_forensics.statedict import tensor_digests, weights_digest
-from sdc_forensics.trace.reader import Trace, step_threads
-
-#: Extra slack of replay-vs-record sketch comparisons once the replay's weights may differ from the
-#: recorded ones in the last bits: the drift of a few roundings per step, per step replayed since.
-DRIFT_PER_STEP = 4.0
-#: Recorded thread counts above this are ignored (the replay keeps its current count).
-_MAX_THREADS = 1024
-
-
-class StartStateMismatch(CheckpointError):
-    """The checkpoint a replay starts from does not hold the weights the replicas agreed on."""
-
-    def __init__(self, message: str, *, step: int, expected: str, found: str) -> None:
-        super().__init__(message)
-        self.step, self.expected, self.found = step, expected, found
+from sdc_forensics.decide.decision import Decision
+from sdc_forensics.replay.options import AnalysisOptions
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ReplayOptions:
-    """One replay window (built from the user's :class:`~sdc_forensics.forensics.options.AnalysisOptions` by :meth:`of`).
+class ReplayRequest:
+    """One window to replay.
 
     Attributes:
-        start_step: N, the checkpoint the replay starts from (it holds theta_N).
-        stop_step: M, the last step replayed (inclusive; step M writes theta_M+1).
-        checkpoint_path: the file of checkpoint N.
-        expected_weights_digest: hex digest the replicas agreed on for theta_N ("" to skip).
-        device: torch device spec.
-        force_device: replay even on a suspect's GPU.
-        suspect_gpus: ``{gpu_uuid: rank}`` the replay must not run on.
-        stop_at_divergence: stop after the first step with strong evidence of a mismatch (weak
-            tolerant residuals never stop a replay).
-        num_threads: CPU intra-op threads for every step (None: each rank-step's recorded count,
-            else the manifest's, else torch's default). Another count than training's makes a CPU
-            replay non-bitwise: the comparison goes tolerant.
-        force_tolerant: compare within the sketch tolerance from the first step, even where the
-            replay is bitwise reproducible (to exercise and measure the tolerant path).
-        reduction_order: the summation order an earlier replay of this run found (``gloo-ring``,
-            ``sequential``), "" if none yet.
+        start_step: checkpoint ``N`` to start from (it holds ``θ_N``).
+        stop_step: the last step ``M`` replayed (inclusive).
+        options: what the user chose (``checkpoints_dir``, ``recipe``, ``device``, ``force_device``,
+            ``num_threads``, ``force_tolerant``), as for ``bisect``.
     """
 
     start_step: int
     stop_step: int
-    checkpoint_path: Path
-    expected_weights_digest: str = ""
-    device: str = "cpu"
-    force_device: bool = False
-    suspect_gpus: dict[str, int] = dataclasses.field(default_factory=dict)
-    stop_at_divergence: bool = True
-    num_threads: int | None = None
-    reduction_order: str = ""
-    force_tolerant: bool = False
-
-    def __post_init__(self) -> None:
-        if self.stop_step < self.start_step:
-            raise InvalidInputError(f"replay window {self.start_step}..{self.stop_step} is empty: --to must be >= --from")
-
-    @classmethod
-    def of(cls, chosen: AnalysisOptions, **window) -> "ReplayOptions":
-        """The options of one window: the user's ``device``, ``force_device``, ``num_threads`` and
-        ``force_tolerant`` from ``chosen``, the window's own fields (and any override) from ``window``."""
-        return cls(**{"device": chosen.device, "force_device": chosen.force_device, "num_threads": chosen.num_threads,
-                      "force_tolerant": chosen.force_tolerant, **window})
+    options: AnalysisOptions = AnalysisOptions()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ReplayResult:
-    """What one replay found.
+class ReplayRun:
+    """A replayed window and the decision on its evidence."""
 
-    Attributes:
-        start_step, stop_step: the window asked for; ``last_step``: the last step replayed.
-        device: the device it ran on, named.
-        comparison: ``exact`` when every comparison was bitwise, else ``tolerant``.
-        tolerant_from: first step compared with the sketch tolerance (None when all exact).
-        reduction_order: the summation order that reproduced the recorded reduced digest.
-        evidence: replay and input mismatches found.
-        first_divergent_step: the first step with strong evidence of a mismatch, None if none
-            (weak tolerant residuals are in ``evidence`` but do not set it).
-        settings: the deterministic settings applied.
-        notes: sentences for the report (why the comparison switched, tie-breaks).
-        max_residual_ratio: the largest residual / tolerance of the tolerant comparisons (0 when
-            every comparison was exact); on clean runs it measures the replay's drift artefacts.
-    """
-
-    start_step: int
-    stop_step: int
-    last_step: int
-    device: str
-    comparison: str
-    tolerant_from: int | None
-    reduction_order: str
-    evidence: tuple[Evidence, ...]
-    first_divergent_step: int | None
-    settings: dict
-    notes: tuple[str, ...] = ()
-    max_residual_ratio: float = 0.0
-
-    @property
-    def num_steps(self) -> int:
-        return self.last_step - self.start_step + 1
+    result: Any  # replay.replayer.ReplayResult
+    decision: Decision
+    preflight: Any = None  # replay.preflight.Preflight
 
 
-class _RankStep:
-    """One rank's recomputed step; digests, sketches and input digests are computed on demand
-    (an exact match needs only the gradient digest, so the rest is paid for mismatches only)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Window:
+    """A window :func:`check_window` accepted: the trace, the recipe, checkpoint ``N``'s note."""
 
-    def __init__(self, replayer: "Replayer", buckets: list[torch.Tensor], batches: list, loss: float) -> None:
-        self._replayer, self.buckets, self._batches, self.loss = replayer, buckets, batches, loss
-        self._digest: int | None = None
-        self._fp: Fingerprint | None = None
-        self._input: int | None = None
-
-    @property
-    def digest(self) -> int:
-        if self._digest is None:
-            self._digest = self._fp.digest if self._fp is not None else self._replayer.digest_of(self.buckets)
-        return self._digest
-
-    @property
-    def fp(self) -> Fingerprint:
-        if self._fp is None:
-            self._fp = self._replayer.fp_of(self.buckets)
-        return self._fp
-
-    @property
-    def input_digest(self) -> int:
-        if self._input is None:
-            seed = self._replayer.seed
-            self._input = combine_digests([d for batch in self._batches for d in tensor_digests(batch, seed)])
-        return self._input
+    trace: Any  # trace.reader.Trace
+    recipe: str
+    note: Any  # trace.checkpoints.CheckpointNote
 
 
-class Replayer(StepComparisons):
-    """Replays windows of one trace with one recipe on one device."""
-
-    def __init__(self, trace: Trace, recipe, device: torch.device) -> None:
-        self.trace = trace
-        self.recipe = recipe
-        self.device = device
-        self.seed = trace.manifest.fingerprint.seed
-        self.k = trace.sketch_k
-        self.grad_dtype = trace.manifest.fingerprint.grad_dtype
-        self.world_size = trace.world_size
-        self.known_order = ""  # the summation order that reproduced this run's all-reduce, once seen
-        self.forced_threads = 0  # --threads
-        self.default_threads = 0  # the manifest's count, for traces without per-step counts
-        self.max_ratio = 0.0  # the largest tolerant residual / tolerance seen (clean artefacts are measured with it)
-        # flat gradient buffers reused from step to step (a fresh tensor per rank and step costs page
-        # faults on every touch): one per rank slot, one per reduction order
-        self._rank_buffers: dict[int, torch.Tensor] = {}
-        self._reduce_buffers: dict[str, torch.Tensor] = {}
-        self.module_buffers: BufferBroadcast | None = None  # DDP's broadcast of module buffers, per window
-
-    # -- one rank's local gradient -------------------------------------------------------------
-    def local_step(self, model, record, buckets_layout, slot: int | None = None) -> _RankStep:
-        """Recompute one rank's loss and local gradient (per bucket) at one step, with the CPU
-        thread count that rank's step ran with (reductions change order with it).
-
-        ``slot``: the buffers to copy the gradient into, reused at every step (the rank's
-        index); the result is valid until the next call with the same slot. None: new buffers.
-        """
-        self._use_threads(int(step_threads(record)))
-        params = list(model.parameters())
-        for p in params:
-            p.grad = None
-        if self.module_buffers is not None:
-            self.module_buffers.before_rank()  # every rank starts from rank 0's buffers, as DDP broadcasts them
-        batches, total_loss = [], 0.0
-        for mb_id in self.trace.microbatch_ids(record):
-            batch = self.recipe.fetch_microbatch(int(mb_id), self.device)
-            loss = self.recipe.loss(model, batch)
-            loss.backward()
-            total_loss += float(loss.detach())
-            batches.append(batch)
-        if self.module_buffers is not None:
-            self.module_buffers.after_rank(int(record["rank"]))
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        dtypes = {g.dtype for g in grads}
-        out = None
-        if slot is not None and len(dtypes) == 1:  # mixed dtypes: torch.cat promotes, no buffer to reuse
-            out = self._buffers(self._rank_buffers, slot, [sum(grads[i].numel() for i in b) for b in buckets_layout], dtypes.pop())
-        buckets = [
-            torch.cat([grads[i].reshape(-1) for i in bucket], out=out[b]) if out is not None
-            else torch.cat([grads[i].reshape(-1) for i in bucket])
-            for b, bucket in enumerate(buckets_layout)
-        ]
-        return _RankStep(self, buckets, batches, total_loss)
-
-    def _buffers(self, pool: dict, key, sizes: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Contiguous views of sizes ``sizes`` into one flat buffer ``pool[key]``, reallocated only
-        when it is too small or of another dtype (a new bucket layout reuses it)."""
-        total = sum(sizes)
-        flat = pool.get(key)
-        if flat is None or flat.dtype != dtype or flat.numel() < total:
-            flat = torch.empty(total, dtype=dtype, device=self.device)
-            pool[key] = flat
-        views, offset = [], 0
-        for n in sizes:
-            views.append(flat[offset : offset + n])
-            offset += n
-        return views
-
-    def reduce(self, per_rank: list[list[torch.Tensor]], order: str) -> list[torch.Tensor]:
-        """The ranks' average in ``order`` (``replay_env.reduce_buckets``), written into this
-        order's reused buffer: valid until the next step's reduction in the same order."""
-        dtypes = {t.dtype for t in per_rank[0]}
-        if len(dtypes) != 1:
-            return env.reduce_buckets(per_rank, order)
-        out = self._buffers(self._reduce_buffers, order, [t.numel() for t in per_rank[0]], dtypes.pop())
-        return env.reduce_buckets(per_rank, order, out=out)
-
-    def _use_threads(self, recorded: int) -> None:
-        if self.device.type != "cpu":
-            return
-        wanted = self.forced_threads or recorded or self.default_threads
-        if wanted > _MAX_THREADS:  # a damaged or hostile trace: not a count anyone trained with
-            wanted = 0
-        if wanted and torch.get_num_threads() != wanted:
-            torch.set_num_threads(wanted)
-
-    def digest_of(self, buckets: list[torch.Tensor]) -> int:
-        """The exact digest of a gradient held in bucket buffers (``combine`` of the buckets' digests)."""
-        return combine_digests([digest(flat, self.seed) for flat in buckets])
-
-    def fp_of(self, buckets: list[torch.Tensor]) -> Fingerprint:
-        """The full fingerprint, buckets sketched with consecutive block offsets, as the recorder does."""
-        parts, offset = [], 0
-        for flat in buckets:
-            parts.append(fingerprint(flat, k=self.k, seed=self.seed, block_offset=offset))
-            offset += num_sketch_blocks(flat.numel())
-        return combine(parts)
-
-    def _tol(self, norm: float, drift_steps: int) -> float:
-        rel = tolerance.relative_tolerance(self.grad_dtype, self.world_size)
-        return rel * max(norm, 1e-30) * (1.0 + DRIFT_PER_STEP * drift_steps)
-
-    # -- the window ---------------------------------------------------------------------------
-    def run(self, options: ReplayOptions, on_step: Callable[[int], None] | None = None) -> ReplayResult:
-        """Replay ``options.start_step .. options.stop_step`` and compare with the trace."""
-        self.known_order = options.reduction_order
-        self.forced_threads = options.num_threads or 0
-        self.default_threads = _recorded_threads(self.trace) or 0
-        model, optimizer, scheduler = self.recipe.build(self.device)
-        self.recipe.load_checkpoint(str(options.checkpoint_path), model, optimizer, scheduler)
-        self.module_buffers = BufferBroadcast(model)
-        saved = _checkpoint_notes(self.trace) if self.module_buffers.active else {}
-        start_digest = hex64(weights_digest(model.named_parameters(), self.seed))
-        if options.expected_weights_digest and start_digest != options.expected_weights_digest:
-            raise StartStateMismatch(
-                f"checkpoint {options.checkpoint_path} holds weights {start_digest}, not the replicas' {options.expected_weights_digest}",
-                step=options.start_step, expected=options.expected_weights_digest, found=start_digest,
-            )
-        windows = list(self.trace.step_windows(options.stop_step - options.start_step + 1, options.start_step, options.stop_step))
-        if not windows or windows[0].steps[0] != options.start_step:
-            raise InvalidInputError(f"the trace has no STEP records for steps {options.start_step}..{options.stop_step}")
-        window = windows[0]
-        evidence: list[Evidence] = []
-        notes: list[str] = []
-        tolerant_from: int | None = options.start_step if options.force_tolerant else None
-        if options.force_tolerant:
-            notes.append("--tolerant: every step compared within the sketch tolerance")
-        order_used = ""
-        last = options.start_step - 1
-        first_divergent: int | None = None
-        params = list(model.parameters())
-        layouts: dict[int, tuple] = {}
-        for row, step in enumerate(window.steps.tolist()):
-            present = window.present[row]
-            if not present.all():
-                notes.append(f"step {step}: rank(s) {', '.join(map(str, np.flatnonzero(~present).tolist()))} have no record; replay stops before it")
-                break
-            recs = window.records[row]
-            attempt = int(window.attempt[row, 0])
-            if attempt not in layouts:
-                layouts[attempt] = env.bucket_layouts(self.trace.path, attempt)
-            layout, recorded_layout = env.layout_at(layouts[attempt], step, len(params))
-            if _recorded_reduction(self.trace, attempt) == env.ORDERED:
-                self.known_order = env.ORDERED  # the order is known before any step: exact on any device
-            if not recorded_layout and tolerant_from is None:
-                tolerant_from = step
-                notes.append("no bucket layout recorded: gradients compared by norm within tolerance only")
-            drift = 0 if tolerant_from is None else step - tolerant_from
-            self.module_buffers.begin_step()
-            ranks = distributed.local_steps(self, model, recs, layout, step)  # under torchrun: shared out, then exchanged
-            local_bad, step_evidence = self._compare_locals(step, recs, ranks, tolerant_from is not None, drift, recorded_layout)
-            if local_bad is None:  # every rank differs within tolerance: not bitwise reproducible here
-                tolerant_from = step
-                notes.append(f"step {step}: every rank's local gradient differs in the last bits from the record "
-                             "(another device or kernel): compared within the sketch tolerance from here on")
-                local_bad, step_evidence = self._compare_locals(step, recs, ranks, True, 0, recorded_layout)
-            if local_bad:
-                local_bad, tie_notes = self._tie_break(model, step, recs, layout, ranks, local_bad, tolerant_from is not None)
-                notes += tie_notes
-                step_evidence = [e for e in step_evidence if e.kind is not EvidenceKind.REPLAY_MISMATCH or set(e.ranks) & set(local_bad)]
-            evidence += step_evidence
-            reduced, order, reduce_evidence, reduce_note = self._reduce(step, recs, ranks, tolerant_from is not None, drift, recorded_layout)
-            if local_bad or any(e.kind is EvidenceKind.INPUT_MISMATCH for e in step_evidence):
-                reduce_evidence = []  # the recorded average carries the bad local gradient: a consequence
-            evidence += reduce_evidence
-            if reduce_note and tolerant_from is None and not step_evidence:
-                tolerant_from = step + 1
-                notes.append(reduce_note)
-            order_used = order_used or order
-            self.module_buffers.end_step()
-            for bucket, flat in zip(layout, reduced):
-                offset = 0
-                for index in bucket:
-                    n = params[index].numel()
-                    params[index].grad = flat[offset : offset + n].view_as(params[index])  # a view, as DDP's bucket views
-                    offset += n
-            counts = step_threads(recs)  # (R,) 0 = not recorded
-            values, freq = np.unique(counts[counts > 0], return_counts=True)
-            self._use_threads(int(values[np.argmax(freq)]) if len(values) else 0)
-            recipe_mod.before_step(self.recipe, model, optimizer)
-            optimizer.step()
-            recipe_mod.after_step(self.recipe, model, optimizer, scheduler)
-            weights_evidence, majority_differs = self._compare_weights(step, recs, model, tolerant_from is not None,
-                                                                       bool(step_evidence or reduce_evidence))
-            evidence += weights_evidence
-            if majority_differs and tolerant_from is None and not step_evidence and not reduce_evidence:
-                tolerant_from = step + 1
-                notes.append(f"step {step}: the replayed weights are not bitwise the replicas' majority (an update or "
-                             "reduction this replay does not reproduce): later steps are compared within the sketch tolerance")
-            buffers_note = self.module_buffers.check(saved[step + 1, attempt], self.seed) if (step + 1, attempt) in saved else ""
-            if buffers_note:
-                notes.append(buffers_note)
-            last = step
-            if on_step is not None:
-                on_step(step)
-            if any(e.step == step and e.marks_divergence for e in evidence) and first_divergent is None:
-                first_divergent = step
-                if options.stop_at_divergence:
-                    break
-        return ReplayResult(
-            start_step=options.start_step, stop_step=options.stop_step, last_step=last,
-            device=env.describe_device(self.device), comparison="exact" if tolerant_from is None or tolerant_from > last else "tolerant",
-            tolerant_from=tolerant_from if tolerant_from is not None and tolerant_from <= last else None,
-            reduction_order=order_used, evidence=tuple(evidence), first_divergent_step=first_divergent, settings={},
-            notes=tuple(notes), max_residual_ratio=round(self.max_ratio, 4),
-        )
-
-
-def replay_window(trace: Trace, recipe, options: ReplayOptions, on_step: Callable[[int], None] | None = None) -> ReplayResult:
-    """Replay one window with deterministic settings on the requested device.
-
-    Args:
-        trace: the open trace.
-        recipe: a recipe object (``sdc_forensics.recipe.load_recipe``).
-        options: :class:`ReplayOptions`.
-        on_step: called after each replayed step (progress).
+def check_window(trace_dir: str | os.PathLike, request: ReplayRequest) -> Window:
+    """Check, before any work, that the trace can answer ``request``.
 
     Raises:
-        UsageError: the device is unavailable, or is a suspect's GPU and not forced.
-        CheckpointError: the checkpoint file is malformed, beyond the read limits, or needs a pickle
-            global outside the allow-list (checked by the package's readers before the recipe loads it).
-        StartStateMismatch: the checkpoint does not hold the weights the replicas agreed on.
+        UsageError: ``--to`` before ``--from``, a step outside the trace's steps, ``--from`` not a
+            checkpoint step, ``--checkpoints`` not a directory. RecipeError: no recipe named.
+            TraceError: the trace is unreadable.
     """
-    device = env.resolve_device(options.device)
-    distributed.check_placement(device, trace, options.suspect_gpus, options.force_device)  # every process alike
-    env.check_not_suspect(device, options.suspect_gpus, options.force_device)
-    threads = options.num_threads or _recorded_threads(trace)  # per-step counts are applied step by step
-    if not Path(options.checkpoint_path).is_file():
-        raise CheckpointError(f"checkpoint {options.checkpoint_path} (step {options.start_step}) does not exist; pass --checkpoints DIR")
-    from sdc_forensics.checkpoint.formats import open_checkpoint
+    from sdc_forensics.errors import RecipeError, UsageError
+    from sdc_forensics.trace.reader import Trace
 
-    open_checkpoint(options.checkpoint_path).close()  # the hostile-input checks and read limits, before the recipe's own torch.load
-    with numerics.reproduce(_recorded_numerics(trace, options.start_step), device, threads) as settings:
-        result = Replayer(trace, recipe, device).run(options, on_step)
-    return dataclasses.replace(result, settings=settings)
-
-
-def _recorded_threads(trace: Trace) -> int | None:
-    for attempt in sorted(trace.manifest.attempts, key=lambda a: a.attempt, reverse=True):
-        value = attempt.determinism.get("num_threads") or attempt.determinism.get("torch_num_threads")
-        if value:
-            return int(value)
-    return None
-
-
-def _checkpoint_notes(trace: Trace) -> dict:
-    """``{(step, attempt): CheckpointNote}`` of the checkpoints noted in the trace."""
-    from sdc_forensics.trace.checkpoints import read_checkpoint_notes
-
-    return {(n.step, n.attempt): n for n in read_checkpoint_notes(trace.path)}
+    start, stop = request.start_step, request.stop_step
+    if stop < start:
+        raise UsageError(f"--to {stop} is before --from {start}: the window is steps N..M with N <= M")
+    if request.options.checkpoints_dir is not None and not Path(request.options.checkpoints_dir).is_dir():
+        raise UsageError(f"--checkpoints {request.options.checkpoints_dir} is not a directory")
+    trace = Trace.open(trace_dir)
+    bounds = trace.step_range()
+    if bounds is None:
+        raise UsageError(f"{trace.path} records no step: there is nothing to replay")
+    first, last = bounds
+    if start < first or stop > last:
+        bad = f"--from {start}" if start < first else f"--to {stop}"
+        raise UsageError(f"{bad} is outside the trace's steps {first}..{last}: choose a window within them")
+    notes = {n.step: n for n in trace.checkpoint_notes()}
+    if start not in notes:
+        have = ", ".join(map(str, sorted(notes))) or "none"
+        raise UsageError(f"--from {start} is not a checkpoint step of this trace (checkpoints: {have})")
+    reference = request.options.recipe or trace.manifest.recipe
+    if not reference:
+        raise RecipeError("the trace names no replay recipe: pass --recipe MODULE:ATTR (docs/recipes.md)")
+    return Window(trace=trace, recipe=reference, note=notes[start])
 
 
-def _recorded_reduction(trace: Trace, attempt: int) -> str:
-    """The all-reduce mechanism ``attempt`` recorded (``native`` for traces that predate the field)."""
-    for att in trace.manifest.attempts:
-        if att.attempt == attempt:
-            return str(att.determinism.get("reduction") or "native")
-    return "native"
+def replay_from_trace(trace_dir: str | os.PathLike, request: ReplayRequest, progress=None) -> ReplayRun:
+    """Replay steps ``N..M`` of ``trace_dir`` from checkpoint ``N`` and decide on what differs.
 
+    Args:
+        trace_dir: the trace directory.
+        request: the window and replay settings.
+        progress: ``bisect.Progress`` (``window`` then ``step`` per replayed step), or None.
 
-def _recorded_numerics(trace: Trace, step: int) -> dict:
-    """The numerics contract of the attempt that ran ``step`` (the latest attempt starting at or before it)."""
-    attempts = [a for a in trace.manifest.attempts if a.start_step <= step] or list(trace.manifest.attempts)
-    return dict(max(attempts, key=lambda a: a.attempt).determinism) if attempts else {}
+    Raises:
+        Everything :func:`check_window` raises; CheckpointError: checkpoint ``N``'s file is not
+        found or is not the state the replicas agreed on; RecipeError: the recipe cannot be loaded.
+    """
+    window = check_window(trace_dir, request)
+    from sdc_forensics.checkpoint.locate import locate_checkpoint
+    from sdc_forensics.errors import CheckpointError
+    from sdc_forensics.decide import decision
+    from sdc_forensics.replay import preflight
+    from sdc_forensics.replay.replayer import ReplayOptions, replay_window
+    from sdc_forensics.replay.env import resolve_device
+    from sdc_forensics.recipe import load_trace_recipe
+
+    trace, note, start = window.trace, window.note, request.start_step
+    resolve_device(request.options.device)  # an unknown or absent device: a usage error before the recipe is loaded
+    path = locate_checkpoint(note, request.options.checkpoints_dir, trace.path)
+    if path is None:
+        raise CheckpointError(f"checkpoint file of step {start} ({Path(note.path).name}) not found: pass --checkpoints DIR")
+    chosen = request.options
+    options = ReplayOptions.of(chosen, start_step=start, stop_step=request.stop_step, checkpoint_path=path,
+                               expected_weights_digest=note.weights_digest)
+    recipe = load_trace_recipe(trace.manifest, chosen.recipe)  # with the job settings the manifest recorded
+    flight = preflight.check(trace.manifest, device=chosen.device, num_threads=chosen.num_threads, collective=chosen.collective,
+                             force_tolerant=chosen.force_tolerant)
+    if progress is not None:
+        for line in flight.lines() if hasattr(progress, "note") else ():
+            progress.note(line)
+        progress.window(start, request.stop_step, "requested")
+    result = replay_window(trace, recipe, options, progress.step if progress is not None else None)
+    decided = decision.decide(result.evidence, world_size=trace.world_size, identity=trace.manifest.identity, notes=(), files={},
+                              majority={}, examined=decision.Examined(first_step=start, anchors=frozenset({start}),
+                                                                      replayed=frozenset(range(start, result.last_step + 1))))
+    return ReplayRun(result=result, decision=decided, preflight=flight)

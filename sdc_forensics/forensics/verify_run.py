@@ -3,7 +3,7 @@
 ``verify-checkpoint PATH`` combines three sources into one outcome and exit status:
 
 * the file's own findings (``checkpoint.verify``: readable, every file read or listed, no NaN/Inf);
-* with a trace: the checkpoint's status from the run's analysis, which is ``forensics.decision``'s
+* with a trace: the checkpoint's status from the run's analysis, which is ``decide.decision``'s
   (``clean`` 0, ``unverified`` 4, ``tainted``/``corrupt`` 1): no checkpoint is called clean here
   unless the one decision module calls it clean;
 * with a certificate: the files are still what was certified, and it was certified clean.
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from sdc_forensics.exitcodes import ExitCode, status_exit
-from sdc_forensics.forensics.decision import UNVERIFIABLE_FINDINGS, CheckpointStatus, Status
+from sdc_forensics.decide.decision import UNVERIFIABLE_FINDINGS, CheckpointStatus, Status
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -101,7 +101,7 @@ def verify_run(request: VerifyRequest, options=None, progress=None) -> VerifyOut
 
     Args:
         request: what to verify.
-        options: :class:`~sdc_forensics.forensics.options.AnalysisOptions` for the run's analysis
+        options: :class:`~sdc_forensics.replay.options.AnalysisOptions` for the run's analysis
             (replay settings); its ``trace_only`` and ``checkpoint_paths`` are set here.
         progress: replay progress (``bisect.Progress``), or None.
 
@@ -112,16 +112,16 @@ def verify_run(request: VerifyRequest, options=None, progress=None) -> VerifyOut
     from sdc_forensics.checkpoint import VerifyOptions, open_checkpoint, verify_checkpoint
     from sdc_forensics.errors import UsageError
     from sdc_forensics.forensics.bisect import bisect
-    from sdc_forensics.forensics.certificate import check_against_certificate, read_certificate
-    from sdc_forensics.forensics.options import AnalysisOptions
-    from sdc_forensics.trace.checkpoints import read_checkpoint_notes
-    from sdc_forensics.trace.manifest import read_manifest
+    from sdc_forensics.decide.certificate import check_against_certificate, read_certificate
+    from sdc_forensics.replay.options import AnalysisOptions
+    from sdc_forensics.trace.reader import Trace
 
     path, trace_dir = request.path, request.trace_dir
     cert = read_certificate(request.certificate_path) if request.certificate_path is not None else None
     seed = cert.seed if cert else VerifyOptions().seed
-    if trace_dir is not None:
-        trace_seed = int(read_manifest(trace_dir).fingerprint.seed)
+    trace = Trace.open(trace_dir) if trace_dir is not None else None  # opened once, handed down
+    if trace is not None:
+        trace_seed = int(trace.manifest.fingerprint.seed)
         if cert and trace_seed != cert.seed:
             raise UsageError(f"the trace's fingerprint seed {trace_seed} differs from the certificate's {cert.seed}; check one at a time")
         seed = trace_seed
@@ -131,7 +131,7 @@ def verify_run(request: VerifyRequest, options=None, progress=None) -> VerifyOut
         if entry is None:
             raise UsageError(f"{request.certificate_path} has no entry for {path}; pass the certificate written when this checkpoint was certified")
 
-    notes = read_checkpoint_notes(trace_dir) if trace_dir is not None else []
+    notes = trace.checkpoint_notes() if trace is not None else []
     with open_checkpoint(path) as reader:
         wanted = request.step
         if trace_dir is not None and wanted is None:
@@ -150,7 +150,7 @@ def verify_run(request: VerifyRequest, options=None, progress=None) -> VerifyOut
         else:
             base = options if options is not None else AnalysisOptions()
             analysis = dataclasses.replace(base, trace_only=request.trace_only, checkpoint_paths={wanted: Path(path)})
-            result = bisect(trace_dir, analysis, progress=progress)
+            result = bisect(trace, analysis, progress=progress)
             status = next(c for c in result.checkpoints if c.step == wanted)
             if status.report is not None:
                 report = status.report  # read against its note (tensor digests as saved)

@@ -17,9 +17,9 @@ import dataclasses
 import re
 import shlex
 
-from sdc_forensics.forensics.decision import Status
-from sdc_forensics.forensics.incident import Implicates, Incident, Locality, NodeTarget
-from sdc_forensics.forensics.verdict import BisectResult, Verdict
+from sdc_forensics.decide.decision import Status
+from sdc_forensics.decide.incident import Implicates, Incident, Locality, NodeTarget
+from sdc_forensics.decide.verdict import BisectResult, Verdict
 
 _TAINT_KEY = "sdc-forensics/suspect"
 _DCGM_WHY = {
@@ -193,7 +193,7 @@ def build_actions(result: BisectResult, incident: Incident, job_nodes: tuple[str
 
     Args:
         result: the analysis.
-        incident: :func:`~sdc_forensics.forensics.incident.build_incident` of it.
+        incident: :func:`~sdc_forensics.decide.incident.build_incident` of it.
         job_nodes: every node of the job (for a collective fault's fabric check).
     """
     if result.verdict is Verdict.CLEAN:

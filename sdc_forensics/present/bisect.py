@@ -10,9 +10,9 @@ from typing import Any
 
 from rich.markup import escape
 
-from sdc_forensics.forensics.evidence import Evidence
-from sdc_forensics.forensics.decision import Status
-from sdc_forensics.forensics.verdict import BisectResult, ReplayedWindow, ReplaySummary, Verdict
+from sdc_forensics.triage.evidence import Evidence
+from sdc_forensics.decide.decision import Status
+from sdc_forensics.decide.verdict import BisectResult, ReplayedWindow, ReplaySummary, Verdict
 from sdc_forensics.present.text import new_table, ranks_text
 from sdc_forensics.trace.ends import STOPPED_EARLY
 

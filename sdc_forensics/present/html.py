@@ -14,9 +14,9 @@ import html
 from typing import TYPE_CHECKING
 
 from sdc_forensics import __version__
-from sdc_forensics.forensics.evidence import Evidence
-from sdc_forensics.forensics.incident import Incident
-from sdc_forensics.forensics.verdict import BisectResult, Verdict
+from sdc_forensics.triage.evidence import Evidence
+from sdc_forensics.decide.incident import Incident
+from sdc_forensics.decide.verdict import BisectResult, Verdict
 from sdc_forensics.present import report as R
 from sdc_forensics.present.plots import STATUS_COLOURS
 from sdc_forensics.trace.manifest import Manifest

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sdc_forensics.forensics import preflight
+from sdc_forensics.replay import preflight
 
 from rich.markup import escape
 

@@ -17,9 +17,9 @@ import datetime as _dt
 from typing import TYPE_CHECKING
 
 from sdc_forensics import __version__
-from sdc_forensics.forensics.evidence import Evidence
-from sdc_forensics.forensics.incident import Incident
-from sdc_forensics.forensics.verdict import BisectResult
+from sdc_forensics.triage.evidence import Evidence
+from sdc_forensics.decide.incident import Incident
+from sdc_forensics.decide.verdict import BisectResult
 from sdc_forensics.present import report as R
 from sdc_forensics.trace.manifest import Manifest
 
@@ -101,7 +101,7 @@ def render_markdown(result: BisectResult, manifest: Manifest | None, incident: I
     Args:
         result: what ``bisect`` concluded.
         manifest: the trace's manifest (environment and identities), or None.
-        incident: ``forensics.incident.build_incident`` of ``result`` (times, losses, nodes).
+        incident: ``decide.incident.build_incident`` of ``result`` (times, losses, nodes).
         actions: ``present.actions.build_actions`` of it.
         request: the invocation, for the commands that reproduce the analysis.
         now: the time to stamp (default: now, UTC).

@@ -6,7 +6,7 @@ from typing import Any
 
 from rich.markup import escape
 
-from sdc_forensics.forensics.replay_run import ReplayRun
+from sdc_forensics.forensics.replay import ReplayRun
 from sdc_forensics.present.bisect import evidence_table
 from sdc_forensics.present.text import pairs_text
 

@@ -20,9 +20,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sdc_forensics.forensics.incident import Incident
-from sdc_forensics.forensics.options import AnalysisOptions
-from sdc_forensics.forensics.verdict import BisectResult, Verdict
+from sdc_forensics.decide.incident import Incident
+from sdc_forensics.replay.options import AnalysisOptions
+from sdc_forensics.decide.verdict import BisectResult, Verdict
 from sdc_forensics.present.bisect import bisect_document
 from sdc_forensics.trace.ends import STOPPED_EARLY
 
@@ -154,6 +154,8 @@ def reproduce_commands(request: ReportRequest, result: BisectResult) -> tuple[li
         opts.append("--tolerant")
     if chosen.force_device:
         opts.append("--force-device")
+    if chosen.collective:  # under torchrun, one process per recorded rank
+        opts.append("--collective")
     trace = str(request.trace_dir)
     report = ["sdc-forensics", "report", trace, *opts, "--format", request.fmt]
     report += ["-o", request.output, "--force"] if request.output != "-" else []

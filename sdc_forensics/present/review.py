@@ -1,6 +1,6 @@
 """The post-incident review in the format asked for: the one entry the ``report`` command calls.
 
-:func:`render_review` opens the trace once, builds the incident (``forensics/incident.py``) and
+:func:`render_review` opens the trace once, builds the incident (``decide/incident.py``) and
 the actions (``present/actions.py``), and renders HTML (with the plots of ``present/plots.py``
 when matplotlib is installed), Markdown or the JSON document. It returns the text, the JSON
 document and the notes people must see on stderr (e.g. that plots were left out).
@@ -13,8 +13,8 @@ import json
 import time
 from typing import Any
 
-from sdc_forensics.forensics.incident import build_incident
-from sdc_forensics.forensics.verdict import BisectResult
+from sdc_forensics.decide.incident import build_incident
+from sdc_forensics.decide.verdict import BisectResult
 from sdc_forensics.present.actions import build_actions
 from sdc_forensics.present.report import PLOTS_HINT, ReportRequest, report_document
 from sdc_forensics.trace.reader import Trace
@@ -30,15 +30,16 @@ class Review:
     notes: tuple[str, ...] = ()
 
 
-def render_review(result: BisectResult, request: ReportRequest, schema_version: int) -> Review:
+def render_review(result: BisectResult, request: ReportRequest, schema_version: int, trace: Trace | None = None) -> Review:
     """Render ``result`` as ``request.fmt`` (``html``, ``md`` or ``json``).
 
     Args:
         result: what the analysis concluded about ``request.trace_dir``.
         request: the invocation (format, paths and options, for the reproduce commands).
         schema_version: stamped into the JSON text (``--format json`` to a file).
+        trace: the trace the analysis read (the command opens it once); None: opened here.
     """
-    trace = Trace.open(request.trace_dir)
+    trace = Trace.of(trace if trace is not None else request.trace_dir)
     request = dataclasses.replace(request, manifest_recipe=trace.manifest.recipe)
     end = trace.run_end()
     incident = build_incident(result, trace)
@@ -51,7 +52,7 @@ def render_review(result: BisectResult, request: ReportRequest, schema_version: 
         from sdc_forensics.present.markdown import render_markdown
 
         return Review(text=render_markdown(result, trace.manifest, incident, actions, request, end=end), document=document)
-    from sdc_forensics.forensics.series import incident_series, plot_window
+    from sdc_forensics.present.series import incident_series, plot_window
     from sdc_forensics.present.html import render_html
     from sdc_forensics.present.plots import matplotlib_available, render_svg
 

@@ -37,6 +37,10 @@ none), on a step without audit or checkpoint:
 
 At most 5 with NCCL, 3 with gloo; none depends on the number of buckets, parameters or
 microbatches. An audited step adds the audit's recomputation, a checkpoint its own digests.
+
+Over 400 lines on purpose: one class, ``Recorder``, whose step protocol (enter, hook, exit, checks,
+write) shares per-step state; the checks, hooks, records, checkpointing and audits are their own
+modules.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 A strict majority is a value held by more than half of the valid cells of a row. Every vote
 calls :func:`strict_majority` (rows of a table) or :func:`vote` (one row): the recorder's online
-checks (``recorder/checks.py``), triage and its audits (``forensics/triage.py``), the replay's
-reduced-gradient vote (``forensics/replay_compare.py``) and certification's majority weights
+checks (``recorder/checks.py``), triage and its audits (``triage/trace_only.py``), the replay's
+reduced-gradient vote (``replay/compare.py``) and certification's majority weights
 (:func:`majority_weights_digests`). The compiled trace scan (``trace/scan_kernels.rows``) keeps
 its own Boyer-Moore pass for speed; ``tests/trace/test_consensus.py`` holds it to this one.
 """

@@ -7,7 +7,7 @@ Layout of the file (docs/trace-format.md, "Bucket layouts")::
 For each DDP bucket, in bucket index order, the indices into ``list(model.parameters())`` of the
 parameters whose gradients it holds, in buffer order, valid from step ``from_step`` on. Rank 0's
 recorder writes it atomically whenever the layout changes (``recorder/records.py``); replay reads
-it to concatenate gradients as the recorded fingerprints did (``forensics/replay_env.py``). The
+it to concatenate gradients as the recorded fingerprints did (``replay/env.py``). The
 file is untrusted input like every file of a trace: decoded by ``untrusted.load_json`` and
 checked field by field, anything malformed is a :class:`~sdc_forensics.errors.TraceError`.
 """

@@ -6,6 +6,9 @@ numpy; a torn tail or a corrupted record is reported as :class:`Damage` and neve
 of STEP records, window by window, so memory is bounded by the window, not by the trace.
 For a step recorded by several attempts (a resumed run), the latest attempt wins, and the
 window says which attempt each cell came from.
+
+Over 400 lines on purpose: the one reader of the trace format (``format.py``): file validation,
+damage and the step windows share one view of a rank file's records.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ class Trace:
         self._summary: dict[tuple[int, int], scan.FileSummary] = {}
         self._kernels = _UNSET
         self._end = None
+        self._notes = None
 
     @classmethod
     def open(cls, trace_dir: str | os.PathLike) -> "Trace":
@@ -119,6 +123,20 @@ class Trace:
             if rank not in ranks_seen:
                 damage.append(Damage(kind="missing_rank", rank=rank, detail=f"no file for rank {rank}"))
         return cls(path, manifest, files, damage)
+
+    def checkpoint_notes(self) -> list:
+        """The run's checkpoint notes (``trace.checkpoints.read_checkpoint_notes``), read once."""
+        if self._notes is None:
+            from sdc_forensics.trace.checkpoints import read_checkpoint_notes
+
+            self._notes = read_checkpoint_notes(self.path)
+        return list(self._notes)
+
+    @classmethod
+    def of(cls, trace: "Trace | str | os.PathLike") -> "Trace":
+        """``trace`` itself when it is open already, else :meth:`open` it: a command opens the trace
+        once and hands it down to every stage."""
+        return trace if isinstance(trace, Trace) else cls.open(trace)
 
     @property
     def world_size(self) -> int:

@@ -1,6 +1,6 @@
 """The compiled trace scan: record checksums and step windows by numba loops, numpy as fallback.
 
-:mod:`~sdc_forensics.trace.reader` and :mod:`~sdc_forensics.forensics.triage` call this module;
+:mod:`~sdc_forensics.trace.reader` and :mod:`~sdc_forensics.triage.trace_only` call this module;
 ``docs/trace-scan.md`` says why it is built this way. Two loops over the rank files' raw words
 (``scan_kernels.py``):
 

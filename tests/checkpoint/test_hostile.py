@@ -241,7 +241,7 @@ def test_certificate_nested_deeper_than_python_decodes(tmp_path):
 
 
 def test_a_valid_certificate_still_reads(tmp_path):
-    from sdc_forensics.forensics.certificate import read_certificate
+    from sdc_forensics.decide.certificate import read_certificate
 
     checkpoint = tmp_path / "model.safetensors"
     save_file({"a": torch.ones(4)}, checkpoint)

@@ -8,7 +8,7 @@ import json
 from click.testing import CliRunner
 
 from sdc_forensics.cli.main import cli
-from sdc_forensics.forensics.certificate import read_certificate
+from sdc_forensics.decide.certificate import read_certificate
 from tests.factories import flip_byte, tree_sha256, zip_member_offset
 
 

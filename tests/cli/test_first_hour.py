@@ -95,7 +95,7 @@ def test_a_trace_missing_a_rank_file_reads_no_empty_ranges(sim, tmp_path):
 def test_units_and_plurals_read_right():
     import torch
 
-    from sdc_forensics.forensics.replay_env import describe_device
+    from sdc_forensics.replay.env import describe_device
     from sdc_forensics.present.text import count_text, rate_text
 
     before = torch.get_num_threads()

@@ -1,5 +1,5 @@
 """One process of ``test_exchange.py``'s 3-process gloo runs (started by torchrun): exercises
-``forensics.distributed`` on its own, with a stand-in replayer, and writes one JSON file
+``replay.distributed`` on its own, with a stand-in replayer, and writes one JSON file
 (``OUT_DIR/RANK.json``). Arguments: ``MODE TIMEOUT_S OUT_DIR``.
 
 ``MODE`` (argv[1], parts joined by ``+``): ``exchange`` (5 original ranks over 3 processes, mixed dtypes and sizes, every
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from sdc_forensics.forensics import distributed
+from sdc_forensics.replay import distributed
 
 WORLD = 5  # original ranks: 2 processes own 2, one owns 1
 

@@ -1,4 +1,4 @@
-"""``forensics.distributed`` on its own, in real 3-process gloo groups (torchrun, CPU): the exchange
+"""``replay.distributed`` on its own, in real 3-process gloo groups (torchrun, CPU): the exchange
 of one step's ranks is bit for bit (5 original ranks over 3 processes, mixed dtypes), so is a
 second recomputation done by another process than the rank's owner, the
 suspect check refuses alike on every process and ``--force-device`` passes, and the pure rule
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from sdc_forensics.forensics.distributed import owner, placement_refusals
+from sdc_forensics.replay.distributed import owner, placement_refusals
 from tests.distributed.launch import torchrun
 
 
@@ -46,7 +46,7 @@ def test_three_gloo_processes_exchange_bit_for_bit_and_refuse_alike(tmp_path):
 
 def test_process_0_speaks_for_the_group_and_a_follower_only_for_its_own_errors(monkeypatch):
     from sdc_forensics.errors import CheckpointError, UsageError
-    from sdc_forensics.forensics import distributed
+    from sdc_forensics.replay import distributed
 
     lost = distributed.ReplayProcessLost("a replay process exited")
     assert distributed.error_line(lost) == "a replay process exited"  # single process: every line
@@ -61,7 +61,7 @@ def test_process_0_speaks_for_the_group_and_a_follower_only_for_its_own_errors(m
 
 
 def test_without_a_launcher_nothing_changes(monkeypatch):
-    from sdc_forensics.forensics import distributed
+    from sdc_forensics.replay import distributed
 
     for name in ("WORLD_SIZE", "RANK"):
         monkeypatch.delenv(name, raising=False)
@@ -81,7 +81,7 @@ def test_leave_ends_a_process_that_abandoned_its_group_with_its_code_and_output_
     with its exit status, stdout and stderr written out; without that, ``leave`` returns."""
     script = (
         "import sys\n"
-        "from sdc_forensics.forensics import distributed as d\n"
+        "from sdc_forensics.replay import distributed as d\n"
         "d.leave(3)\n"  # nothing abandoned: returns
         "sys.stdout.write('partial'); sys.stderr.write('error: lost')\n"
         "d._abandoned = True\n"

@@ -11,9 +11,9 @@ import dataclasses
 import pytest
 
 from sdc_forensics.forensics.bisect import _intervals_below, _NotTheReplicas, _WindowRunner
-from sdc_forensics.forensics.distributed import StepCosts, deal, intervals_pay
-from sdc_forensics.forensics.options import BisectOptions
-from sdc_forensics.forensics.replay import ReplayResult, StartStateMismatch
+from sdc_forensics.replay.distributed import StepCosts, deal, intervals_pay
+from sdc_forensics.replay.options import BisectOptions
+from sdc_forensics.replay.replayer import ReplayResult, StartStateMismatch
 from sdc_forensics.trace.checkpoints import CheckpointNote
 
 

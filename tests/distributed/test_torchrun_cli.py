@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from sdc_forensics.cli.main import cli
-from sdc_forensics.forensics.distributed import TEST_FAIL_ENV
+from sdc_forensics.replay.distributed import TEST_FAIL_ENV
 from tests.distributed.launch import launch_direct, start_torchrun, strip_timing, torchrun, wait
 
 pytestmark = pytest.mark.slow

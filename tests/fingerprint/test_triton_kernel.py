@@ -342,7 +342,7 @@ def test_cuda_replay_finds_a_demo_incident(demo_run):
     is recorded there; the replay, the part that runs on a GPU in production, runs on CUDA.
     """
     from sdc_forensics.forensics.bisect import bisect
-    from sdc_forensics.forensics.options import BisectOptions
+    from sdc_forensics.replay.options import BisectOptions
 
     out = demo_run("grad:step=4:rank=2:bit=30", steps=6, checkpoint_every=3)
     result = bisect(out / "trace", BisectOptions(checkpoints_dir=out / "checkpoints", device="cuda"))
@@ -363,7 +363,7 @@ def test_cuda_replay_of_a_clean_demo_finds_nothing(demo_run):
     bit for bit, so the verdict is "inconclusive", as a CPU replay forced to tolerant gives.
     """
     from sdc_forensics.forensics.bisect import bisect
-    from sdc_forensics.forensics.options import BisectOptions
+    from sdc_forensics.replay.options import BisectOptions
 
     out = demo_run("none", steps=6, checkpoint_every=3)
     result = bisect(out / "trace", BisectOptions(checkpoints_dir=out / "checkpoints", device="cuda"))

@@ -14,8 +14,8 @@ import json
 from click.testing import CliRunner
 
 from sdc_forensics.cli.main import cli
-from sdc_forensics.forensics import decision
-from sdc_forensics.forensics.triage import triage_trace
+from sdc_forensics.decide import decision
+from sdc_forensics.triage.trace_only import triage_trace
 from sdc_forensics.trace.reader import Trace
 from tests.factories import Fault
 

@@ -2,7 +2,7 @@
 
 ``sdc_forensics.demo.batchnorm:recipe``: the conv net with ``BatchNorm2d``, trained by 4 gloo ranks
 with DDP's defaults (``broadcast_buffers=True``). The running statistics are in the state and the
-checkpoints; the replay reproduces them by modelling DDP's broadcast (``forensics/replay_buffers``),
+checkpoints; the replay reproduces them by modelling DDP's broadcast (``replay/buffers.py``),
 which the test checks against the digests the recorder noted for every saved tensor at save time,
 and, with the broadcast left out, sees fail. Faults at every location are found at their exact step
 and rank (heavy: a demo run each).
@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 
 from sdc_forensics.exitcodes import ExitCode
-from sdc_forensics.forensics import replay_buffers
 from sdc_forensics.forensics.bisect import bisect
 from sdc_forensics.forensics.certify import certify
-from sdc_forensics.forensics.options import AnalysisOptions
+from sdc_forensics.replay.buffers import BufferBroadcast
+from sdc_forensics.replay.options import AnalysisOptions
 from sdc_forensics.inject import parse_spec
 
 pytestmark = pytest.mark.slow
@@ -49,7 +49,7 @@ def test_without_the_broadcast_the_replayed_buffers_are_not_the_saved_ones(demo_
     stay exact (training-mode BatchNorm normalises with the batch's statistics), the buffers do not."""
     out = _run(demo_run)
     for method in ("before_rank", "after_rank", "end_step"):
-        monkeypatch.setattr(replay_buffers.BufferBroadcast, method, lambda self, *args: None)
+        monkeypatch.setattr(BufferBroadcast, method, lambda self, *args: None)
     result = bisect(out / "trace", _options(out))
     assert result.verdict.value == "clean" and result.replayed.comparison == "exact"
     differ = [n for n in result.replayed.notes if "the replayed module buffers differ from the saved ones" in n]

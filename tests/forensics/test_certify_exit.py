@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sdc_forensics.forensics.certify import certify_exit
-from sdc_forensics.forensics.decision import CheckpointStatus, Status, Verdict
+from sdc_forensics.decide.decision import CheckpointStatus, Status, Verdict
 
 
 def _statuses(*values: str) -> list[CheckpointStatus]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from sdc_forensics.forensics.bisect import bisect
-from sdc_forensics.forensics.options import BisectOptions
+from sdc_forensics.replay.options import BisectOptions
 from sdc_forensics.inject import parse_spec
 
 pytestmark = pytest.mark.slow

@@ -6,10 +6,10 @@ import io
 
 from rich.console import Console
 
-from sdc_forensics.forensics.decision import Examined, decide
-from sdc_forensics.forensics.evidence import Evidence, EvidenceKind, Location
+from sdc_forensics.decide.decision import Examined, decide
+from sdc_forensics.triage.evidence import Evidence, EvidenceKind, Location
 from sdc_forensics.present.bisect import render_bisect
-from sdc_forensics.forensics.verdict import BisectResult, ReplaySummary
+from sdc_forensics.decide.verdict import BisectResult, ReplaySummary
 
 
 class _Ident:

@@ -14,7 +14,7 @@ import pytest
 
 from sdc_forensics.demo.convnet import REFERENCE
 from sdc_forensics.forensics.bisect import bisect
-from sdc_forensics.forensics.options import BisectOptions
+from sdc_forensics.replay.options import BisectOptions
 from sdc_forensics.inject import parse_spec
 from tests.forensics.test_bisect_demo import assert_commands_agree
 

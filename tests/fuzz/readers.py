@@ -39,7 +39,7 @@ def read_trace(trace_dir: Path):
         ``(inspect's JSON document, bisect's verdict value)``.
     """
     from sdc_forensics.forensics.bisect import bisect
-    from sdc_forensics.forensics.options import BisectOptions
+    from sdc_forensics.replay.options import BisectOptions
     from sdc_forensics.present.bisect import bisect_document
     from sdc_forensics.present.inspect import inspect_document as summary_document
     from sdc_forensics.trace.export import export_csv
@@ -57,7 +57,7 @@ def read_trace(trace_dir: Path):
 
 def read_certificate_for(certificate: Path, checkpoint: Path):
     """What ``verify-checkpoint CHECKPOINT --certificate FILE`` does with the certificate."""
-    from sdc_forensics.forensics.certificate import check_against_certificate, read_certificate
+    from sdc_forensics.decide.certificate import check_against_certificate, read_certificate
 
     cert = read_certificate(certificate)
     entry = cert.entry_for(checkpoint)

@@ -1,4 +1,4 @@
-"""Fuzzing certificates (``forensics/certificate.py``), as ``verify-checkpoint CKPT --certificate
+"""Fuzzing certificates (``decide/certificate.py``), as ``verify-checkpoint CKPT --certificate
 FILE`` reads them: a valid certificate with fields replaced by any JSON value (paths with NUL or
 lone surrogates, huge numbers, unknown statuses and kinds), removed or added; its bytes damaged.
 Property: reading it, finding the checkpoint's entry and checking the checkpoint against it

@@ -104,7 +104,7 @@ def test_cli_inspect_and_bisect_trace(scratch, files):
 @settings(max_examples=CLI_EXAMPLES)
 @given(edits=test_fuzz_certificate.json_edits(3, values=test_fuzz_certificate._VALUES))
 def test_cli_verify_checkpoint_certificate(scratch, edits):
-    from sdc_forensics.forensics.certificate import read_certificate
+    from sdc_forensics.decide.certificate import read_certificate
 
     with scratch() as folder:
         checkpoint = folder / test_fuzz_certificate.CHECKPOINT

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sdc_forensics.forensics.verdict import BisectResult, ReplayedWindow, ReplaySummary, Verdict
+from sdc_forensics.decide.verdict import BisectResult, ReplayedWindow, ReplaySummary, Verdict
 from sdc_forensics.present.bisect import bisect_document
 
 

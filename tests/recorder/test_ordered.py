@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from sdc_forensics.forensics import replay_env
+from sdc_forensics.replay import env as replay_env
 from sdc_forensics.reduction import ordered_mean
 from tests.factories import free_port
 

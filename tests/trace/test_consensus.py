@@ -74,7 +74,7 @@ def test_the_recorders_vote_is_the_one_vote():
 
 
 def test_the_audit_vote_is_the_one_vote():
-    from sdc_forensics.forensics.triage import audit_votes
+    from sdc_forensics.triage.trace_only import audit_votes
     from sdc_forensics.trace import format as F
     from sdc_forensics.trace.consensus import vote
 
@@ -96,12 +96,12 @@ def test_the_audit_vote_is_the_one_vote():
 
 
 def test_the_replays_reduced_gradient_vote_is_the_one_vote():
-    """``replay_compare``'s vote over the recorded reduced digests: when the replay reproduces the
+    """``replay.compare``'s vote over the recorded reduced digests: when the replay reproduces the
     majority's digest, the ranks named are exactly those outside it; with no majority, the replay's
     digest is the third vote and the ranks that recorded something else are named."""
     from types import SimpleNamespace
 
-    from sdc_forensics.forensics.replay_compare import StepComparisons
+    from sdc_forensics.replay.compare import StepComparisons
     from sdc_forensics.trace import format as F
     from sdc_forensics.trace.consensus import vote
 

@@ -261,7 +261,7 @@ def test_records_scattered_over_the_whole_step_range_cost_what_the_records_cost(
 
 def test_a_huge_step_range_costs_what_the_records_cost(make_trace):
     from sdc_forensics.forensics.bisect import bisect
-    from sdc_forensics.forensics.options import BisectOptions
+    from sdc_forensics.replay.options import BisectOptions
 
     path = _crafted_range(make_trace)
     tracemalloc.start()

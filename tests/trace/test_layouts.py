@@ -24,7 +24,7 @@ def test_round_trip_sorted_by_from_step(tmp_path):
 
 
 def test_the_recorder_and_replay_name_the_same_file(tmp_path):
-    from sdc_forensics.forensics.replay_env import bucket_layouts
+    from sdc_forensics.replay.env import bucket_layouts
     from sdc_forensics.recorder.records import write_layouts
 
     path = write_layouts(tmp_path, 1, [{"from_step": 0, "buckets": [[0]]}])
@@ -60,7 +60,7 @@ def test_a_hostile_layout_file_is_a_trace_error_naming_it(tmp_path, name):
 
 
 def test_a_layout_naming_a_parameter_the_model_lacks_is_refused():
-    from sdc_forensics.forensics.replay_env import layout_at
+    from sdc_forensics.replay.env import layout_at
 
     layouts = (BucketLayout(from_step=0, buckets=((1, 0),)), BucketLayout(from_step=3, buckets=((7, 0),)))
     assert layout_at(layouts, 2, num_params=2) == (((1, 0),), True)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from sdc_forensics.errors import TraceError
-from sdc_forensics.forensics.triage import TriageOptions, triage_trace
+from sdc_forensics.triage.trace_only import TriageOptions, triage_trace
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace import scan
 from sdc_forensics.trace.reader import Trace
@@ -208,7 +208,7 @@ def test_fallback_is_taken_and_reported_when_the_kernels_are_off(make_trace, mon
     monkeypatch.setenv(scan.KERNELS_ENV, value)
     assert scan.kernels() is None and scan.scan_path() == scan.NUMPY
     assert scan.kernels_for(10**9) is None
-    with caplog.at_level(logging.INFO, logger="sdc_forensics.forensics.triage"):
+    with caplog.at_level(logging.INFO, logger="sdc_forensics.triage.trace_only"):
         result = triage_trace(Trace.open(trace))
     assert result.scan_path == scan.NUMPY
     assert "numpy scan path" in caplog.text
@@ -229,7 +229,7 @@ def test_auto_compiles_for_large_traces_only(make_trace, monkeypatch):
 def test_fast_path_is_reported_when_on(make_trace, monkeypatch, caplog):
     monkeypatch.setenv(scan.KERNELS_ENV, "on")
     trace = make_trace(ranks=4, steps=20, bulk=True)
-    with caplog.at_level(logging.INFO, logger="sdc_forensics.forensics.triage"):
+    with caplog.at_level(logging.INFO, logger="sdc_forensics.triage.trace_only"):
         result = triage_trace(Trace.open(trace))
     assert result.scan_path == scan.NUMBA == scan.scan_path(0)
     assert "numba scan path" in caplog.text

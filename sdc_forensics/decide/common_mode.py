@@ -1,0 +1,141 @@
+"""Common-mode evidence: what every rank shows at one step is one event about the shared state.
+
+DDP keeps the replicas equal: the weights, the optimizer state and the schedule that enter step
+``t`` are the same on every rank, made by step ``t - 1`` (its reduced gradient and its update).
+A replay that departs from the recorded state, for instance a tolerant replay that carried on
+from its own reduced gradient, which lacks a fault the record holds, sees every rank's local
+gradient differ from the record at the next step. That is one observation about the state
+entering ``t``, never ``W`` independent faults (design brief, "Common-mode evidence"). The rules,
+applied by :func:`~sdc_forensics.decide.decision.decide` before anything else (torch-free):
+
+1. **Grouping.** Rank-local evidence (location ``local_compute`` or ``input_data``, weak or
+   strong) at step ``t`` whose ranks together are every rank (``W >= 2``) becomes one
+   common-mode event at ``t``, naming no rank.
+2. **Pointing back.** The event points back to step ``t - 1``, the step that made that state,
+   and to what that step's evidence names (a rank, or the collective): the *candidate*.
+3. **Confirmation.** A weak candidate (a tolerant residual) followed by a common-mode jump in
+   which every rank stands far beyond the drift allowance (each observation strong: more than
+   ``STRONG_MARGIN * CLEAN_ARTEFACT_MAX`` times the tolerance, ``replay.compare``) is confirmed:
+   the fault changed training beyond what drift explains. The candidate becomes strong (its step
+   and rank are the verdict) and the event is recorded as its consequence. A strong candidate
+   keeps its verdict and the event is its consequence. Otherwise the event is weak: the answer is
+   ``inconclusive``, naming the candidate (if any) and what settles it.
+4. **Consequences.** Once a replay's state may differ from the record (weak or strong evidence,
+   or a common-mode event, at step ``s``), the replay's later observations up to the next step it
+   re-anchored at (a checkpoint it replayed from) are about that state, not about their ranks:
+   they are recorded as consequences (they neither set the first divergent step nor name a
+   suspect nor count as a recurrence). The trace's own evidence is about the recorded run and
+   is never rewritten.
+"""
+
+from __future__ import annotations
+
+import bisect as _bisect
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+from sdc_forensics.triage.evidence import Evidence, Location, Strength
+
+#: Locations that belong to one rank alone: what a shared-state change shows up as on every rank.
+_RANK_LOCAL = (Location.LOCAL_COMPUTE, Location.INPUT_DATA)
+#: Marks the detail of a common-mode record (renderers and the decision's settle lines read it).
+COMMON_MODE = "common mode"
+
+
+def is_common_mode(ev: Evidence) -> bool:
+    """True for the one record a common-mode group became."""
+    return ev.detail.startswith(COMMON_MODE)
+
+
+def _state_affecting(ev: Evidence) -> bool:
+    return ev.affects_state and not ev.is_hint
+
+
+def _rank_local(ev: Evidence) -> bool:
+    return _state_affecting(ev) and bool(ev.ranks) and ev.location in _RANK_LOCAL
+
+
+def _consequence(ev: Evidence, cause: Evidence) -> Evidence:
+    who = f"rank(s) {', '.join(map(str, cause.ranks))}" if cause.ranks else "no rank in particular"
+    return dataclasses.replace(
+        ev, affects_state=False, strength=Strength.WEAK,
+        detail=f"{ev.detail} (a consequence of the state change at step {cause.step}, {who}: the replay no longer follows "
+               "the recorded state, so this is not evidence about these ranks)")
+
+
+def shared_state(evidence: Sequence[Evidence], world_size: int, anchors: Iterable[int] = ()) -> list[Evidence]:
+    """Apply the rules of this module: evidence with common-mode groups and consequences rewritten.
+
+    Args:
+        evidence: every observation, any order.
+        world_size: ``W``.
+        anchors: the steps replays started from (a replay's state is the record's again there);
+            empty: none known, a departure lasts to the end.
+    """
+    starts = sorted(set(anchors))
+    by_step: dict[int, list[Evidence]] = {}
+    for ev in evidence:
+        by_step.setdefault(ev.step, []).append(ev)
+    out: list[Evidence] = []
+    departed_until, cause = -1, None  # the replay's state departs from the record before this step, since `cause`
+    for step in sorted(by_step):
+        evs = by_step[step]
+        local = [e for e in evs if _rank_local(e)]
+        covered = {r for e in local for r in e.ranks}
+        if world_size >= 2 and covered >= set(range(world_size)):
+            event = _common_event(step, local, out)
+            out += [e for e in evs if e not in local] + [event]
+            if any(e.source == "replay" for e in local):
+                departed_until, cause = _next_anchor(starts, step), event
+            continue
+        if step < departed_until and cause is not None:
+            evs = [_consequence(e, cause) if e.source == "replay" and _state_affecting(e) else e for e in evs]
+        else:
+            first = next((e for e in evs if e.source == "replay" and _state_affecting(e)), None)
+            if first is not None:
+                departed_until, cause = _next_anchor(starts, step), first
+        out += evs
+    return out
+
+
+def _next_anchor(starts: list[int], step: int) -> float:
+    i = _bisect.bisect_right(starts, step)
+    return starts[i] if i < len(starts) else float("inf")
+
+
+def _common_event(step: int, members: list[Evidence], earlier: list[Evidence]) -> Evidence:
+    """The one record a common-mode group at ``step`` becomes; confirms (rewrites in ``earlier``)
+    a weak candidate at ``step - 1`` when every member stands far beyond the drift allowance."""
+    candidates = [i for i, e in enumerate(earlier)
+                  if e.step == step - 1 and _state_affecting(e) and not is_common_mode(e)
+                  and (e.ranks or e.location is Location.COLLECTIVE)]
+    far = all(e.marks_divergence for e in members)
+    found = "; ".join(f"rank {', '.join(map(str, e.ranks))}: {e.found}" for e in sorted(members, key=lambda e: e.ranks))
+    base = dict(kind=members[0].kind, step=step, ranks=(), source=members[0].source, location=Location.UNKNOWN,
+                expected="the replicas' shared state entering this step as recorded", found=found)
+    what = (f"{COMMON_MODE}: every rank's local gradient at step {step} differs from the record: one event about the "
+            f"state entering step {step}, made by step {step - 1} (its reduced gradient, update or weights), not "
+            f"{len({r for e in members for r in e.ranks})} independent faults")
+    strong = [i for i in candidates if earlier[i].marks_divergence]
+    weak = [i for i in candidates if earlier[i].is_weak]
+    if strong or (weak and far):
+        for i in weak if not strong else ():
+            cand = earlier[i]
+            earlier[i] = dataclasses.replace(
+                cand, strength=Strength.STRONG,
+                detail=f"{cand.detail}; confirmed: at the next step every rank's local gradient differs from the record far "
+                       "beyond the drift allowance (more than any clean replay of its kind produces), so this fault changed "
+                       "training")
+        named = earlier[(strong or weak)[0]]
+        who = f"rank(s) {', '.join(map(str, named.ranks))}" if named.ranks else "the collective"
+        return Evidence(**base, affects_state=False, strength=Strength.WEAK,
+                        detail=f"{what}; it is the consequence of step {step - 1}'s fault on {who}")
+    if weak:
+        named = earlier[weak[0]]
+        who = f"rank(s) {', '.join(map(str, named.ranks))}" if named.ranks else "the collective"
+        why = (f"the candidate is step {step - 1}, {who} (weak); the jump is not far beyond the drift allowance on every "
+               "rank, so it does not confirm it")
+    else:
+        why = f"nothing at step {step - 1} names a rank or the collective: the cause is shared (collective, update, input " \
+              "pipeline, or the replay itself)"
+    return Evidence(**base, strength=Strength.WEAK, detail=f"{what}; {why}")

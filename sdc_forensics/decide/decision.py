@@ -1,0 +1,463 @@
+"""The one decision: evidence -> first divergent step -> suspects -> verdict -> checkpoint statuses.
+
+Every command that names a first divergent step or calls a checkpoint clean (``bisect``,
+``certify``, ``verify-checkpoint --trace``, ``replay``, ``report``) gets its answer from
+:func:`decide`; a trace-only answer is the same rules applied to less evidence. torch-free: the inputs
+are evidence records, checkpoint notes and what was examined.
+
+The rules (design brief, "Conventions" and "Analysis and verdicts"; docs/bisect.md):
+
+* **Common mode first** (``decide/common_mode.py``): what every rank shows at one step is one
+  event about the shared state entering it, pointing back to the step that made it; a replay's
+  observations after its state departed from the record are consequences, not evidence about
+  their ranks. Everything below sees the evidence after that rewrite.
+* **First divergent step** ``s*``: the earliest *onset* of strong, state-affecting evidence
+  (``Evidence.onset``: a replica found diverged at a weights check may have gone wrong on any step
+  after the previous check, so the earliest such step counts). Weak evidence (a tolerant replay
+  residual within the range clean replays produce) and hints never set it.
+* **Verdict**: ``corruption`` when strong evidence names a suspect; ``inconclusive`` when the
+  only evidence is weak, or strong but unlocalised, or a trace-only run has hints; ``clean``
+  otherwise, for the steps examined (said as such).
+* **Suspects**: the ranks strong evidence at ``s*`` names (or the collective); a storage-only
+  incident names the rank whose file was damaged, and its advice is about the disk, never the GPU.
+* **Recurring**: two or more independent fault events on one rank. A replica that stays
+  different after one event (its weights diverged) is one event until its weights are seen equal
+  to the majority again; storage damage is never a GPU event.
+* **Checkpoint status** (one :class:`CheckpointStatus` type for every command):
+  ``corrupt`` (unreadable, NaN/Inf, not as saved, not the replicas' majority), ``tainted``
+  (``N > s*``), ``unverified`` (not every step before ``N`` was examined and found clean, or
+  some only within tolerance; weak evidence before ``N``; files not read or not verifiable;
+  trace damaged), ``clean`` (none of those: the file is as saved, holds the replicas' majority
+  weights and no NaN/Inf, and every step before ``N`` was replayed bit for bit and matched).
+  A tolerant comparison cannot see a fault below the replay's drift (bit-20 gradient flips read
+  4-9x the tolerance where clean drift on a conv net reaches 1,000x: docs/benchmarks.md), so it
+  never certifies, and with nothing above tolerance the verdict is ``inconclusive``.
+
+Over 400 lines on purpose: every rule that names a first divergent step, a suspect or a checkpoint
+status is here and only here (docs/decisions.md), so that every command takes the same answer; its
+evidence vocabulary is ``triage/evidence.py``, its common-mode rule ``common_mode.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from sdc_forensics.checkpoint.findings import FindingKind
+from sdc_forensics.decide.common_mode import is_common_mode, shared_state
+from sdc_forensics.triage.evidence import Evidence, EvidenceKind, Location, first_divergent_step, sort_key
+from sdc_forensics.trace.reader import step_ranges
+
+# the file differs from what was saved (storage), or was saved from a wrong state
+STORAGE_FINDINGS = frozenset({FindingKind.DIGEST_MISMATCH, FindingKind.FILE_DAMAGED, FindingKind.FILE_CHECKSUM_MISMATCH,
+                              FindingKind.MISSING_TENSOR, FindingKind.UNEXPECTED_TENSOR})
+STATE_FINDINGS = frozenset({FindingKind.NONFINITE, FindingKind.WEIGHTS_NOT_MAJORITY})
+UNVERIFIABLE_FINDINGS = frozenset({FindingKind.NOT_VERIFIABLE})
+
+# most specific first: the location a suspect gets when several kinds of evidence name it
+_LOCATION_ORDER = (Location.INPUT_DATA, Location.COLLECTIVE, Location.LOCAL_COMPUTE, Location.OPTIMIZER_UPDATE,
+                   Location.STORAGE, Location.UNKNOWN)
+
+
+class Verdict(str, enum.Enum):
+    CLEAN = "clean"
+    CORRUPTION = "corruption"
+    INCONCLUSIVE = "inconclusive"
+
+
+class Status(str, enum.Enum):
+    """A checkpoint's certification status."""
+
+    CLEAN = "clean"
+    UNVERIFIED = "unverified"
+    TAINTED = "tainted"
+    CORRUPT = "corrupt"
+
+    @property
+    def clean(self) -> bool:
+        return self is Status.CLEAN
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointStatus:
+    """The decision about one checkpoint, with reasons (most important first).
+
+    Attributes:
+        step: ``N``, the completed steps it holds.
+        path: the file or directory examined ("" when not found or not read).
+        status: the :class:`Status`.
+        reasons: one sentence per reason.
+        findings: the file verification findings (``checkpoint.verify.Finding``).
+        report: the verification report (None when the file was not read).
+    """
+
+    step: int
+    path: str
+    status: Status
+    reasons: tuple[str, ...]
+    findings: tuple[Any, ...] = ()
+    report: Any = None
+
+    @property
+    def clean(self) -> bool:
+        return self.status.clean
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "path": self.path, "status": self.status.value, "reasons": list(self.reasons),
+                "findings": [f.to_json() for f in self.findings]}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointFile:
+    """What reading one noted checkpoint gave: the report, or the error that stopped it."""
+
+    path: str = ""
+    report: Any = None
+    error: str = ""
+
+    @property
+    def read(self) -> bool:
+        return self.report is not None or bool(self.error)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Suspect:
+    """A rank (or the collective as a whole, ``rank=None``) and why it is suspected."""
+
+    rank: int | None
+    host: str | None
+    gpu: str | None
+    location: Location
+    recurring: bool
+    steps: tuple[int, ...]
+    evidence: tuple[Evidence, ...]
+    shared: bool = False
+    replicas: int = 0
+
+    @property
+    def recommendation(self) -> str:
+        if self.shared:
+            return ("every rank of the job is named at this step, so the cause is most likely shared, not one GPU each: the "
+                    "collective, the optimizer update, the input pipeline, or the replay itself; check the input pipeline and "
+                    "the collective (an all-reduce self-test), and replay exactly before draining any node")
+        if self.rank is None and self.replicas == 2 and self.location is Location.UNKNOWN:
+            return ("the two replicas disagree and two cannot form a majority, so neither rank can be blamed yet: a replay "
+                    "(sdc-forensics bisect with the recipe and checkpoints), an audit, or a third replica settles which one is "
+                    "wrong; then check that rank's GPU (and the interconnect if neither is)")
+        if self.rank is None:
+            return "check the interconnect and the collective library of every node in the job; rerun an all-reduce self-test"
+        if self.location is Location.STORAGE:
+            many = "files on this node were" if len(self.steps) > 1 else "a checkpoint file was"
+            return (f"{many} damaged at rest: check the disk and file system of {self.host or '?'} (or the shared storage), "
+                    "rewrite or discard the file(s); the GPU is not implicated")
+        if self.recurring:
+            return f"recurring ({len(self.steps)} independent events): drain node {self.host or '?'} and take GPU {self.gpu or '?'} out of service"
+        return (f"one event: run the DCGM diagnostic on {self.host or '?'} / {self.gpu or '?'} before reusing it "
+                "(sdc-forensics report gives the commands)")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank, "host": self.host, "gpu": self.gpu, "location": self.location.value,
+            "recurring": self.recurring, "steps": list(self.steps), "recommendation": self.recommendation,
+            "evidence": [e.to_json() for e in self.evidence],
+        }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Examined:
+    """What the analysis looked at.
+
+    Attributes:
+        first_step: the first step the trace records (checkpoint ``first_step`` has no step before it).
+        replayed: steps replayed and compared (exactly or within tolerance).
+        tolerant_steps: the replayed steps compared within tolerance, not bitwise.
+        trace_consistent: False when trace damage makes its evidence untrustworthy.
+        files_read: checkpoint files were read (False: trace-only).
+        trace_only: the user asked for the trace alone.
+        anchors: the steps replays started from (checkpoints): a replay's state is the record's
+            again there (``common_mode``: its consequences end at the next anchor).
+    """
+
+    first_step: int = 0
+    replayed: frozenset[int] = frozenset()
+    tolerant_steps: frozenset[int] = frozenset()
+    trace_consistent: bool = True
+    files_read: bool = False
+    trace_only: bool = False
+    anchors: frozenset[int] = frozenset()
+
+    def unexamined_before(self, step: int) -> tuple[range, ...]:
+        """Steps in ``[first_step, step)`` that no replay examined, as spans (empty: none). Built
+        from the replayed steps, never by walking the span: a note's step may be crafted (2^53)."""
+        spans, lo = [], self.first_step
+        for s in sorted(s for s in self.replayed if self.first_step <= s < step):
+            if s > lo:
+                spans.append(range(lo, s))
+            lo = s + 1
+        return tuple(spans) + ((range(lo, step),) if step > lo else ())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Decision:
+    """Everything decided."""
+
+    verdict: Verdict
+    first_divergent_step: int | None
+    divergence_window: tuple[int, int] | None
+    suspects: tuple[Suspect, ...]
+    checkpoints: tuple[CheckpointStatus, ...]
+    weak: tuple[Evidence, ...]
+    settle: tuple[str, ...]
+    evidence: tuple[Evidence, ...] = ()
+
+    @property
+    def last_clean(self) -> CheckpointStatus | None:
+        return last_clean(self.checkpoints)
+
+
+def decide(
+    evidence: Sequence[Evidence],
+    *,
+    world_size: int,
+    identity: Callable[[int], Any],
+    notes: Sequence[Any],
+    files: Mapping[int, CheckpointFile],
+    majority: Mapping[int, str],
+    examined: Examined,
+) -> Decision:
+    """Apply the rules of this module to the evidence gathered.
+
+    Args:
+        evidence: every observation (trace, replay, checkpoint files), any order.
+        world_size: ``W``.
+        identity: ``rank -> RankIdentity`` (host, gpu).
+        notes: the run's checkpoint notes (``trace.checkpoints.CheckpointNote``).
+        files: ``{N: CheckpointFile}`` for the notes whose files were looked for (empty: trace-only).
+        majority: ``{N: hex}`` strict-majority weights digest of ``θ_N`` from the STEP records.
+        examined: what was examined.
+    """
+    evidence = sorted(shared_state([_pinned(e, examined) for e in evidence], world_size, examined.anchors), key=sort_key)
+    first = first_divergent_step(evidence)
+    window = None
+    if first is not None:
+        observed = min(e.step for e in evidence if e.marks_divergence and e.onset == first)
+        window = (first, observed)
+    suspects = find_suspects(evidence, world_size, identity)
+    weak = tuple(e for e in evidence if e.is_weak and (first is None or e.step < first))
+    settle: list[str] = []
+    if weak and first is not None:  # s* is the first *confirmed* divergence; the weak one may be earlier
+        window = (weak[0].step, window[1])
+    localised = [s for s in suspects if not (s.rank is None and s.location is Location.UNKNOWN)]
+    vague = [e for e in evidence if e.marks_divergence and not e.ranks and e.location is Location.UNKNOWN]
+    if first is not None and localised:
+        verdict = Verdict.CORRUPTION
+    elif vague and world_size == 2:
+        verdict = Verdict.INCONCLUSIVE
+        settle.append(f"ranks 0 and 1 disagree at step {vague[0].step} ({vague[0].detail}), and with two replicas no strict "
+                      "majority is possible: either may be the wrong one; a replay of that step (bisect with the recipe and "
+                      "checkpoints) is the third vote that settles it, as would an audit or a third replica")
+    elif vague:
+        verdict = Verdict.INCONCLUSIVE
+        settle.append(f"evidence at step {vague[0].step} could not be localised ({vague[0].detail}); replay that step "
+                      "with the recipe and checkpoints, or enable audits")
+    elif weak:
+        verdict = Verdict.INCONCLUSIVE
+    elif localised:  # storage only: no divergent step, but damaged files
+        verdict = Verdict.CORRUPTION
+    elif examined.trace_only and any(e.is_hint for e in evidence):
+        verdict = Verdict.INCONCLUSIVE
+        hinted = sorted({e.step for e in evidence if e.is_hint})
+        settle.append(f"outlier hints at step(s) {', '.join(map(str, hinted[:5]))}: a replay of those steps confirms or clears them")
+    elif not examined.trace_only and not examined.replayed:
+        verdict = Verdict.INCONCLUSIVE  # a replay was wanted and none could run: the trace alone is not a clean bill
+    elif not examined.trace_consistent:
+        verdict = Verdict.INCONCLUSIVE  # nothing found, but in a trace with holes: no clean bill for what is missing
+        settle.append("the trace is damaged (a rank file missing or unreadable, bad checksums, or steps missing): nothing was "
+                      "found in what could be read, but that is not every rank's every step; restore the damaged rank files "
+                      "(or bisect the checkpoints with a replay) to decide")
+    elif examined.tolerant_steps:
+        verdict = Verdict.INCONCLUSIVE  # nothing above tolerance; a fault below the replay's drift would not show
+        settle.append(f"steps {_spans(sorted(examined.tolerant_steps))} were compared within tolerance only (another thread count "
+                      "or device): nothing stood out, but a fault below the replay's drift would not show; replay exactly (the "
+                      "recorded thread counts, without --threads/--tolerant, or the recorded GPU model) to certify")
+    else:
+        verdict = Verdict.CLEAN
+    if weak and first is not None:
+        settle.insert(0, f"weak evidence at step {weak[0].step} precedes the first confirmed divergence at step {first}: "
+                         "the fault may have begun there")
+    if weak:
+        settle[:0] = _weak_lines(weak)
+    statuses = tuple(checkpoint_status(n, files.get(n.step), first=first, weak=weak, majority=majority.get(n.step), examined=examined)
+                     for n in sorted(notes, key=lambda n: n.step))
+    return Decision(verdict=verdict, first_divergent_step=first, divergence_window=window, suspects=suspects,
+                    checkpoints=statuses, weak=weak, settle=tuple(settle), evidence=tuple(evidence))
+
+
+_EXACTLY = ("replay exactly (without --threads/--tolerant on CPU, or on the recorded GPU model), or from a checkpoint closer "
+            "to the step, to settle it")
+
+
+def _weak_lines(weak: Sequence[Evidence]) -> list[str]:
+    """What to say about weak evidence: the earliest (the candidate), and a common-mode event after it."""
+    w = weak[0]
+    if is_common_mode(w):
+        return [f"weak evidence at step {w.step}: {w.detail}; {_EXACTLY}"]
+    lines = [f"weak evidence at step {w.step}, {_who(w)}: a tolerant replay residual ({w.found}) not far enough above what clean "
+             f"tolerant replays produce to tell a fault from replay drift; {_EXACTLY}"]
+    common = next((e for e in weak[1:] if is_common_mode(e)), None)
+    if common is not None:
+        lines.append(f"step {common.step}: {common.detail}")
+    return lines
+
+
+def _who(ev: Evidence) -> str:
+    if ev.ranks:
+        return f"rank(s) {', '.join(map(str, ev.ranks))}"
+    return "the collective" if ev.location is Location.COLLECTIVE else "no rank in particular"
+
+
+def _pinned(ev: Evidence, examined: Examined) -> Evidence:
+    """Evidence that only bounds its fault (replicas found different at a weights check, equal at
+    the one before) stops bounding it once a replay examined every step of the bound: the replay's
+    own evidence then says where it happened."""
+    if ev.earliest_step is None or any(s not in examined.replayed for s in range(ev.earliest_step, ev.step + 1)):
+        return ev
+    return dataclasses.replace(ev, earliest_step=None)
+
+
+def checkpoint_status(note, file: CheckpointFile | None, *, first: int | None, weak: Sequence[Evidence] = (),
+                      majority: str | None, examined: Examined) -> CheckpointStatus:
+    """The status of checkpoint ``note.step``: the one rule every command uses."""
+    step = note.step
+    path = (file.path if file is not None else "") or ""
+    report = file.report if file is not None else None
+    findings = tuple(report.findings) if report is not None else ()
+    if file is not None and file.error:
+        return CheckpointStatus(step=step, path=path, status=Status.CORRUPT, reasons=(f"unreadable or malformed: {file.error}",))
+    bad = [f"{f.kind.value} {f.subject}: {f.detail}" for f in findings if f.kind not in UNVERIFIABLE_FINDINGS]
+    if not note.blessed and not note.agreeing_ranks:
+        bad.insert(0, f"saved from rank {note.saved_by_rank} with no strict majority among the replicas: it may be a diverged "
+                      "replica, and the recorder did not bless it")
+    elif note.saved_by_rank in note.diverged_ranks:
+        bad.insert(0, f"saved from rank {note.saved_by_rank}, a diverged replica (not the majority's weights)")
+    elif not note.blessed:
+        bad.insert(0, "the recorder refused to bless it (no strict majority, or the saving rank was not in it)")
+    if majority and note.weights_digest and majority != note.weights_digest:
+        bad.append(f"the note's digest {note.weights_digest} is not the trace's replica majority {majority} for step {step}")
+    tainted = first is not None and step > first
+    taint = f"holds state after the first divergent step {first} (step {step} > {first})"
+    if bad:
+        return CheckpointStatus(step=step, path=path, status=Status.CORRUPT, reasons=tuple(bad + ([taint] if tainted else [])),
+                                findings=findings, report=report)
+    if tainted:
+        return CheckpointStatus(step=step, path=path, status=Status.TAINTED, reasons=(taint,), findings=findings, report=report)
+    why: list[str] = []
+    if file is None or not file.read:
+        why.append("the file was not read (trace-only)" if examined.trace_only or not examined.files_read
+                   else f"checkpoint file {note.path} not found: pass --checkpoints DIR")
+    why += [f"not verifiable: {f.subject}: {f.detail}" for f in findings if f.kind in UNVERIFIABLE_FINDINGS]
+    if not note.weights_digest:
+        why.append("no replicas' majority digest was recorded for this step, so its content cannot be confirmed")
+    if not examined.trace_consistent:
+        why.append("the trace is damaged or inconsistent; its evidence cannot be trusted")
+    early = [e for e in weak if e.step < step]
+    if early:
+        why.append(f"weak evidence at step {early[0].step} ({_who(early[0])}) is unresolved")
+    missing = examined.unexamined_before(step)
+    if missing:
+        why.append(f"steps {_spans(missing)} were not replayed: a wrong local gradient there would not show in the trace")
+    loose = sorted(s for s in examined.tolerant_steps if s < step)
+    if loose:
+        why.append(f"steps {_spans(loose)} were compared within tolerance only: a fault below the replay's drift would not show")
+    if why:
+        return CheckpointStatus(step=step, path=path, status=Status.UNVERIFIED, reasons=tuple(why), findings=findings, report=report)
+    where = "no divergence found" if first is None else f"step {step} <= first divergent step {first}"
+    before = "no step before it" if step <= examined.first_step else f"every step {examined.first_step}..{step - 1} replayed bit for bit"
+    return CheckpointStatus(step=step, path=path, status=Status.CLEAN, findings=findings, report=report,
+                            reasons=(where, "content as saved, equal to the replicas' majority, no NaN/Inf", before))
+
+
+def last_clean(statuses: Iterable[CheckpointStatus]) -> CheckpointStatus | None:
+    """The clean checkpoint with the highest step: the resume point (None if there is none)."""
+    clean = [s for s in statuses if s.clean]
+    return max(clean, key=lambda s: s.step) if clean else None
+
+
+def _spans(steps: Sequence[int]) -> str:
+    return step_ranges(steps, sep="..")
+
+
+# -- suspects -------------------------------------------------------------------------------------
+
+def find_suspects(evidence: Sequence[Evidence], world_size: int, identity: Callable[[int], Any]) -> tuple[Suspect, ...]:
+    """Suspects at the first divergent step, or of a storage-only incident.
+
+    Args:
+        evidence: all evidence (hints and weak evidence never name a suspect).
+        world_size: ``W``.
+        identity: ``rank -> RankIdentity`` (host, gpu).
+    """
+    first = first_divergent_step(evidence)
+    strong = [e for e in evidence if not e.is_hint and not e.is_weak]
+    if first is not None:
+        at_first = [e for e in strong if e.onset == first and e.marks_divergence]
+    else:
+        at_first = [e for e in strong if e.location is Location.STORAGE]
+    ranked: dict[int | None, list[Evidence]] = {}
+    for ev in at_first:
+        for rank in ev.ranks or (None,):
+            ranked.setdefault(rank, []).append(ev)
+    if None in ranked and len(ranked) > 1:
+        ranked.pop(None)  # rank-specific evidence explains the rank-less observation (its consequence)
+    # every rank named at once: one shared cause, never W independent faults (design brief, "Common-mode evidence")
+    shared = world_size >= 2 and set(range(world_size)) <= {r for r in ranked if r is not None}
+    suspects = []
+    for rank, evs in sorted(ranked.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
+        location = min((e.location for e in evs), key=_LOCATION_ORDER.index)
+        chain = sorted((e for e in strong if (rank in e.ranks) or (rank is None and not e.ranks)), key=sort_key)
+        storage_only = all(e.location is Location.STORAGE for e in evs)
+        if storage_only:
+            chain = [e for e in chain if e.location is Location.STORAGE]
+            steps = tuple(sorted({e.step for e in chain}))
+        else:
+            steps = fault_events([e for e in chain if e.location is not Location.STORAGE], rank, world_size) or (first,)
+        ident = identity(rank) if rank is not None else None
+        suspects.append(Suspect(
+            rank=rank, host=(ident.host or None) if ident else None, gpu=(ident.gpu or None) if ident and not storage_only else None,
+            location=location, recurring=rank is not None and not storage_only and not shared and len(steps) > 1, steps=steps,
+            evidence=tuple(chain), shared=shared and rank is not None, replicas=world_size,
+        ))
+    return tuple(suspects)
+
+
+# evidence after which a rank's replica stays different from the others (until seen equal again)
+_PERSISTENT = (EvidenceKind.WEIGHT_DIVERGENCE,)
+
+
+def fault_events(chain: Sequence[Evidence], rank: int | None, world_size: int) -> tuple[int, ...]:
+    """The steps of independent fault events in one rank's evidence chain.
+
+    An observation is a new event unless it is a consequence of an earlier one. Once the rank's
+    replica diverged (its weights differ from the majority, or its optimizer update or its
+    all-reduce result went wrong, both of which leave its weights different), every later
+    observation on it is the same event: DDP never re-synchronises replicas, and a resumed run
+    is a new attempt. A wrong local gradient is averaged into every replica, which stay equal, so
+    a later fault on the same rank is a new event. Evidence naming half the ranks or more is not
+    counted per rank.
+    """
+    events: list[int] = []
+    diverged = False
+    for ev in sorted(chain, key=sort_key):
+        if not ev.marks_divergence:
+            continue
+        if rank is not None and len(ev.ranks) > 1 and len(ev.ranks) * 2 >= world_size:
+            continue  # half the ranks or more at once: not this rank's own event
+        if diverged:
+            continue
+        if not events or ev.step != events[-1]:
+            events.append(ev.step)
+        if ev.kind in _PERSISTENT or ev.location in (Location.OPTIMIZER_UPDATE, Location.COLLECTIVE):
+            diverged = True
+    return tuple(events)

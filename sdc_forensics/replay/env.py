@@ -1,0 +1,213 @@
+"""The replay's environment: deterministic settings, the device it runs on, bucket layouts, reductions.
+
+* :func:`deterministic`: the settings imposed on a trace that recorded no numerics contract
+  (``sdc_forensics.numerics.reproduce`` applies a recorded one).
+* :func:`describe_device` names the replay device (with its GPU UUID on CUDA) and
+  :func:`check_not_suspect` refuses a device that is the suspect's GPU.
+* :func:`bucket_layouts` reads ``buckets.attempt-AAA.json`` (``trace/layouts.py``, docs/trace-format.md).
+* :func:`reduce_buckets` averages the ranks' bucket buffers the way a collective does:
+  ``gloo-ring`` reproduces gloo's ring all-reduce bit for bit (the buffer is cut into ``W``
+  equal segments, rounded up to 16 bytes; segment ``i`` is summed along the ring starting at rank ``i - 1`` and going
+  backwards, after each rank divided its buffer by ``W`` as DDP does), ``sequential`` adds the
+  ranks in order. The replay picks the one whose digest equals the recorded reduced digest;
+  ``ordered`` (the recorder's ordered reduction, ``sdc_forensics/reduction.py``) is used, alone,
+  when the trace records it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+from sdc_forensics import numerics
+from sdc_forensics.errors import TraceError, UsageError
+from sdc_forensics.reduction import ordered_mean
+from sdc_forensics.trace.layouts import BucketLayout, read_bucket_layouts
+
+#: The summation orders the replay tries when the trace does not say which one the collective
+#: used (``native``). ``ordered`` is the recorder's ordered reduction (``sdc_forensics/reduction.py``),
+#: used whenever the trace records it and only then.
+REDUCTION_ORDERS = ("gloo-ring", "sequential")
+ORDERED = "ordered"
+#: The replay's own process group's all-reduce (``--collective``): not a model of the job's
+#: collective but the collective itself, checked against the recorded digest at every step.
+COLLECTIVE = "collective"
+
+
+def bucket_layouts(trace_dir: str | os.PathLike, attempt: int) -> tuple[BucketLayout, ...]:
+    """The bucket layouts the recorder saw in ``attempt`` (empty when the file is absent); read
+    and checked as untrusted input by ``trace/layouts.py`` (``TraceError`` when malformed)."""
+    return read_bucket_layouts(trace_dir, attempt)
+
+
+def layout_at(layouts: tuple[BucketLayout, ...], step: int, num_params: int) -> tuple[tuple[int, ...], bool]:
+    """The layout in force at ``step``; ``(layout, recorded)``.
+
+    Without a recorded layout, DDP's default for a small model is assumed (one bucket, the
+    parameters in reverse order); ``recorded`` is then False and fingerprints cannot match exactly.
+    """
+    chosen = None
+    for layout in layouts:
+        if layout.from_step <= step:
+            chosen = layout
+    if chosen is None and layouts:
+        chosen = layouts[0]
+    if chosen is None:
+        return (tuple(reversed(range(num_params))),), False
+    beyond = [i for bucket in chosen.buckets for i in bucket if i >= num_params]
+    if beyond:
+        raise TraceError(f"the recorded bucket layout from step {chosen.from_step} names parameter {beyond[0]}, but the recipe's model "
+                         f"has {num_params} parameters: the trace's buckets.attempt-*.json does not belong to this model; "
+                         "pass the recipe the run trained with, or restore the file from the run")
+    return chosen.buckets, True
+
+
+def deterministic(device: torch.device, num_threads: int | None):
+    """The settings replays imposed before the numerics contract (deterministic algorithms, the
+    cuBLAS workspace, TF32 off, cuDNN deterministic): what a trace that recorded none gets."""
+    return numerics.reproduce({}, device, num_threads)
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``cpu``, ``cuda``, ``cuda:N``; raises :class:`UsageError` for a device this machine lacks."""
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise UsageError(f"--device {spec!r} is not a torch device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {spec}: no CUDA device on this machine; use --device cpu")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise UsageError(f"--device {spec}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        device = torch.device("cuda", index)
+    elif device.type != "cpu":
+        raise UsageError(f"--device {spec}: replay runs on cpu or cuda")
+    return device
+
+
+def gpu_uuid(device: torch.device) -> str:
+    """``GPU-xxxxxxxx-...`` of a CUDA device, "" on CPU or when torch cannot tell."""
+    if device.type != "cuda":
+        return ""
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    if uuid is None:
+        return ""
+    text = str(uuid)
+    return text if text.startswith("GPU-") else f"GPU-{text}"
+
+
+def describe_device(device: torch.device) -> str:
+    """A human name of the replay device: ``cpu (x86_64, 2 threads)`` or ``cuda:0 (NAME, GPU-…)``."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)}, {gpu_uuid(device) or 'uuid unknown'})"
+    threads = torch.get_num_threads()
+    return f"cpu ({platform.machine() or 'unknown'}, {threads} thread{'' if threads == 1 else 's'})"
+
+
+def check_not_suspect(device: torch.device, suspect_gpus: dict[str, int], force: bool) -> None:
+    """Refuse to replay on a suspect's GPU (``{uuid: rank}``) unless ``force``."""
+    uuid = gpu_uuid(device)
+    if uuid and uuid in suspect_gpus and not force:
+        raise UsageError(
+            f"replay device {device} is {uuid}, the GPU of suspect rank {suspect_gpus[uuid]}: its results cannot "
+            "be trusted to judge itself; pass another --device, or --force-device to replay there anyway"
+        )
+
+
+#: gloo's ring all-reduce pipelines segments of at most this many bytes
+_GLOO_SEGMENT_BYTES = 1 << 20
+
+
+def _gloo_chunk_elements(numel: int, itemsize: int, world_size: int) -> int:
+    """Elements in each rank's chunk of gloo's ring all-reduce (the last chunks may be short).
+
+    gloo cuts the buffer into ``S`` segments of ``ceil(numel / S)`` elements: as many 1 MiB
+    segments as it takes, at least two per rank (one in flight while the other is reduced), rounded
+    up to a multiple of ``W``; rank chunk ``i`` is ``S / W`` consecutive segments. Checked bit for
+    bit against a real gloo all_reduce (``tests/test_factories.py``, ``tests/forensics/test_replay.py``).
+    """
+    per_segment = max(1, _GLOO_SEGMENT_BYTES // itemsize)
+    segments = max(-(-numel // per_segment), 2 * world_size)
+    segments = -(-segments // world_size) * world_size
+    return segments // world_size * -(-numel // segments)
+
+
+#: Elements per slice of the CPU reduction: small enough that a slice of every rank's buffer stays
+#: in cache between the scaling and the sum (256 KB of float32).
+_CPU_SLICE_ELEMENTS = 1 << 16
+
+
+def _summation_plan(numel: int, itemsize: int, world_size: int, order: str) -> list[tuple[int, int, list[int]]]:
+    """``(lo, hi, ranks)`` per segment: elements ``lo..hi-1`` are ``ranks[0] + ranks[1] + ...``, left to right."""
+    if order == "sequential" or world_size == 1:
+        return [(0, numel, list(range(world_size)))]
+    if order != "gloo-ring":
+        raise ValueError(f"unknown reduction order {order!r}; one of {REDUCTION_ORDERS}")
+    span = _gloo_chunk_elements(numel, itemsize, world_size)
+    plan = []
+    for i in range(world_size):
+        lo, hi = min(i * span, numel), min((i + 1) * span, numel)
+        if lo < hi:
+            start = (i - 1) % world_size  # chunk i is reduce-scattered from rank i-1 backwards
+            plan.append((lo, hi, [(start - j) % world_size for j in range(world_size)]))
+    return plan
+
+
+def reduce_buckets(per_rank: list[list[torch.Tensor]], order: str, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Average bucket buffers over ranks. ``per_rank[r][b]``: rank ``r``'s flat bucket ``b``.
+
+    Each rank's buffer is multiplied by ``1 / W`` (as DDP does before its SUM), then the parts
+    are added in ``order``. Elementwise, so it is computed slice by slice on CPU (each slice of
+    the W buffers read once, while in cache, no scaled copies of whole buffers) with the same
+    roundings as whole-buffer operations. ``out``: buffers to write into (same shapes), reused
+    across steps; None allocates them.
+    """
+    world_size = len(per_rank)
+    if order == ORDERED:
+        return [ordered_mean([per_rank[r][b] for r in range(world_size)], out=out[b] if out is not None else None)
+                for b in range(len(per_rank[0]))]
+    scale = 1.0 / world_size
+    result = []
+    for bucket in range(len(per_rank[0])):
+        src = [per_rank[r][bucket] for r in range(world_size)]
+        first = src[0]
+        numel = first.numel()
+        acc = out[bucket] if out is not None else torch.empty_like(first)
+        plan = _summation_plan(numel, first.element_size(), world_size, order)
+        step = _CPU_SLICE_ELEMENTS if first.device.type == "cpu" else max(numel, 1)
+        scratch = torch.empty(min(step, numel), dtype=first.dtype, device=first.device)
+        for lo, hi, ranks in plan:
+            for a in range(lo, hi, step):
+                b = min(a + step, hi)
+                piece = acc[a:b]
+                torch.mul(src[ranks[0]][a:b], scale, out=piece)
+                part = scratch[: b - a]
+                for r in ranks[1:]:
+                    torch.mul(src[r][a:b], scale, out=part)
+                    piece += part
+        result.append(acc)
+    return result
+
+
+def collective_suspect(trace, attempt: int) -> str:
+    """The recorded setting most likely to make the replay's own collective add in another order
+    than the job's did (for the note of a step it does not reproduce)."""
+    recorded = next((dict(a.determinism) for a in trace.manifest.attempts if a.attempt == attempt), {})
+    hook = str(recorded.get("comm_hook") or "")
+    if hook:
+        return f"the job's own comm hook {hook}, which reduces in its own order (record with RecorderOptions(reduction=\"ordered\"))"
+    backend = str(recorded.get("backend") or "")
+    import torch.distributed as dist
+
+    replay_backend = dist.get_backend() if dist.is_initialized() else ""
+    if backend and replay_backend and backend != replay_backend:
+        return f"the backend: the job all-reduced with {backend}, this replay with {replay_backend}"
+    nccl = recorded.get("nccl_env") or {}
+    differ = [f"{k}={v!r} (here {os.environ.get(k)!r})" for k, v in sorted(nccl.items()) if isinstance(v, str) and os.environ.get(k) != v]
+    if differ:
+        return "the NCCL settings: " + ", ".join(differ)
+    return ("the collective's algorithm choice, which no recorded setting pins (bucket sizes, process placement, "
+            "NCCL_ALGO/NCCL_PROTO left to NCCL)")

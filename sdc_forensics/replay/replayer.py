@@ -1,0 +1,445 @@
+"""Replay: re-execute steps N..M from checkpoint N with DDP semantics on one device, and compare.
+
+For each step ``s`` of the window, with the replay's weights theta_s:
+
+1. per rank ``r``: its microbatches (IDs from the trace) fetched through the recipe, the input
+   digest, the loss and the local gradient accumulated as in training (``backward()`` per
+   microbatch), fingerprinted per DDP bucket with the recorded layout (``buckets.attempt-AAA.json``),
+   so it is comparable with the recorded ``local_*`` exactly;
+2. the average over ranks, in the collective's summation order when one reproduces the recorded
+   reduced digest (``replay.env.reduce_buckets``);
+3. ``recipe.before_step``, ``optimizer.step()``, ``recipe.after_step``; the weights digest.
+
+Every recomputed fingerprint is compared with the recorded one per rank and step. Exact (digest)
+comparison is used while the replay is bitwise reproducible: from a checkpoint, and for as long
+as a reduction order reproduces the recorded reduced digest. When every rank's local digest
+differs but within the sketch tolerance (another device, another kernel), or when no reduction
+order reproduces the healthy ranks' reduced digest, the comparison of later steps switches to the
+sketch tolerance, and the result says from which step. A rank whose recomputation disagrees with
+the record while nothing else breaks the tie is recomputed a second time: majority of three.
+
+Over 400 lines on purpose: one class, the step loop and the state it carries from step to step
+(weights, optimizer, learnt summation order, restored settings); the comparisons of a step are
+``compare.py``'s and the environment ``env.py``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sdc_forensics import numerics, recipe as recipe_mod
+from sdc_forensics.errors import CheckpointError, InvalidInputError
+from sdc_forensics.fingerprint import tolerance
+from sdc_forensics.fingerprint.core import Fingerprint, combine, combine_digests, digest, fingerprint, num_sketch_blocks
+from sdc_forensics.replay import distributed
+from sdc_forensics.replay import env as env
+from sdc_forensics.replay.buffers import BufferBroadcast
+from sdc_forensics.trace.checkpoints import hex64
+from sdc_forensics.triage.evidence import Evidence, EvidenceKind
+from sdc_forensics.replay.options import AnalysisOptions
+from sdc_forensics.replay.compare import StepComparisons
+from sdc_forensics.statedict import tensor_digests, weights_digest
+from sdc_forensics.trace.reader import Trace, step_threads
+
+#: Extra slack of replay-vs-record sketch comparisons once the replay's weights may differ from the
+#: recorded ones in the last bits: the drift of a few roundings per step, per step replayed since.
+DRIFT_PER_STEP = 4.0
+#: Recorded thread counts above this are ignored (the replay keeps its current count).
+_MAX_THREADS = 1024
+
+
+class StartStateMismatch(CheckpointError):
+    """The checkpoint a replay starts from does not hold the weights the replicas agreed on."""
+
+    def __init__(self, message: str, *, step: int, expected: str, found: str) -> None:
+        super().__init__(message)
+        self.step, self.expected, self.found = step, expected, found
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplayOptions:
+    """One replay window (built from the user's :class:`~sdc_forensics.replay.options.AnalysisOptions` by :meth:`of`).
+
+    Attributes:
+        start_step: N, the checkpoint the replay starts from (it holds theta_N).
+        stop_step: M, the last step replayed (inclusive; step M writes theta_M+1).
+        checkpoint_path: the file of checkpoint N.
+        expected_weights_digest: hex digest the replicas agreed on for theta_N ("" to skip).
+        device: torch device spec.
+        force_device: replay even on a suspect's GPU.
+        suspect_gpus: ``{gpu_uuid: rank}`` the replay must not run on.
+        stop_at_divergence: stop after the first step with strong evidence of a mismatch (weak
+            tolerant residuals never stop a replay).
+        num_threads: CPU intra-op threads for every step (None: each rank-step's recorded count,
+            else the manifest's, else torch's default). Another count than training's makes a CPU
+            replay non-bitwise: the comparison goes tolerant.
+        force_tolerant: compare within the sketch tolerance from the first step, even where the
+            replay is bitwise reproducible (to exercise and measure the tolerant path).
+        reduction_order: the summation order an earlier replay of this run found (``gloo-ring``,
+            ``sequential``), "" if none yet.
+        collective: all-reduce with the replay's own process group (``AnalysisOptions.collective``).
+    """
+
+    start_step: int
+    stop_step: int
+    checkpoint_path: Path
+    expected_weights_digest: str = ""
+    device: str = "cpu"
+    force_device: bool = False
+    suspect_gpus: dict[str, int] = dataclasses.field(default_factory=dict)
+    stop_at_divergence: bool = True
+    num_threads: int | None = None
+    reduction_order: str = ""
+    force_tolerant: bool = False
+    collective: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stop_step < self.start_step:
+            raise InvalidInputError(f"replay window {self.start_step}..{self.stop_step} is empty: --to must be >= --from")
+
+    @classmethod
+    def of(cls, chosen: AnalysisOptions, **window) -> "ReplayOptions":
+        """The options of one window: the user's ``device``, ``force_device``, ``num_threads`` and
+        ``force_tolerant`` from ``chosen``, the window's own fields (and any override) from ``window``."""
+        return cls(**{"device": chosen.device, "force_device": chosen.force_device, "num_threads": chosen.num_threads,
+                      "force_tolerant": chosen.force_tolerant, "collective": chosen.collective, **window})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplayResult:
+    """What one replay found.
+
+    Attributes:
+        start_step, stop_step: the window asked for; ``last_step``: the last step replayed.
+        device: the device it ran on, named.
+        comparison: ``exact`` when every comparison was bitwise, else ``tolerant``.
+        tolerant_from: first step compared with the sketch tolerance (None when all exact).
+        reduction_order: the summation order that reproduced the recorded reduced digest.
+        evidence: replay and input mismatches found.
+        first_divergent_step: the first step with strong evidence of a mismatch, None if none
+            (weak tolerant residuals are in ``evidence`` but do not set it).
+        settings: the deterministic settings applied.
+        notes: sentences for the report (why the comparison switched, tie-breaks).
+        max_residual_ratio: the largest residual / tolerance of the tolerant comparisons (0 when
+            every comparison was exact); on clean runs it measures the replay's drift artefacts.
+    """
+
+    start_step: int
+    stop_step: int
+    last_step: int
+    device: str
+    comparison: str
+    tolerant_from: int | None
+    reduction_order: str
+    evidence: tuple[Evidence, ...]
+    first_divergent_step: int | None
+    settings: dict
+    notes: tuple[str, ...] = ()
+    max_residual_ratio: float = 0.0
+
+    @property
+    def num_steps(self) -> int:
+        return self.last_step - self.start_step + 1
+
+
+class _RankStep:
+    """One rank's recomputed step; digests, sketches and input digests are computed on demand
+    (an exact match needs only the gradient digest, so the rest is paid for mismatches only)."""
+
+    def __init__(self, replayer: "Replayer", buckets: list[torch.Tensor], batches: list, loss: float) -> None:
+        self._replayer, self.buckets, self._batches, self.loss = replayer, buckets, batches, loss
+        self._digest: int | None = None
+        self._fp: Fingerprint | None = None
+        self._input: int | None = None
+
+    @property
+    def digest(self) -> int:
+        if self._digest is None:
+            self._digest = self._fp.digest if self._fp is not None else self._replayer.digest_of(self.buckets)
+        return self._digest
+
+    @property
+    def fp(self) -> Fingerprint:
+        if self._fp is None:
+            self._fp = self._replayer.fp_of(self.buckets)
+        return self._fp
+
+    @property
+    def input_digest(self) -> int:
+        if self._input is None:
+            seed = self._replayer.seed
+            self._input = combine_digests([d for batch in self._batches for d in tensor_digests(batch, seed)])
+        return self._input
+
+
+class Replayer(StepComparisons):
+    """Replays windows of one trace with one recipe on one device."""
+
+    def __init__(self, trace: Trace, recipe, device: torch.device) -> None:
+        self.trace = trace
+        self.recipe = recipe
+        self.device = device
+        self.seed = trace.manifest.fingerprint.seed
+        self.k = trace.sketch_k
+        self.grad_dtype = trace.manifest.fingerprint.grad_dtype
+        self.world_size = trace.world_size
+        self.known_order = ""  # the summation order that reproduced this run's all-reduce, once seen
+        self.collective = False  # all-reduce with the replay's own process group (--collective)
+        self.collective_missed: str = ""  # why the own collective did not reproduce a step, once said
+        self.forced_threads = 0  # --threads
+        self.default_threads = 0  # the manifest's count, for traces without per-step counts
+        self.max_ratio = 0.0  # the largest tolerant residual / tolerance seen (clean artefacts are measured with it)
+        # flat gradient buffers reused from step to step (a fresh tensor per rank and step costs page
+        # faults on every touch): one per rank slot, one per reduction order
+        self._rank_buffers: dict[int, torch.Tensor] = {}
+        self._reduce_buffers: dict[str, torch.Tensor] = {}
+        self.module_buffers: BufferBroadcast | None = None  # DDP's broadcast of module buffers, per window
+
+    # -- one rank's local gradient -------------------------------------------------------------
+    def local_step(self, model, record, buckets_layout, slot: int | None = None) -> _RankStep:
+        """Recompute one rank's loss and local gradient (per bucket) at one step, with the CPU
+        thread count that rank's step ran with (reductions change order with it).
+
+        ``slot``: the buffers to copy the gradient into, reused at every step (the rank's
+        index); the result is valid until the next call with the same slot. None: new buffers.
+        """
+        self._use_threads(int(step_threads(record)))
+        params = list(model.parameters())
+        for p in params:
+            p.grad = None
+        if self.module_buffers is not None:
+            self.module_buffers.before_rank()  # every rank starts from rank 0's buffers, as DDP broadcasts them
+        batches, total_loss = [], 0.0
+        for mb_id in self.trace.microbatch_ids(record):
+            batch = self.recipe.fetch_microbatch(int(mb_id), self.device)
+            loss = self.recipe.loss(model, batch)
+            loss.backward()
+            total_loss += float(loss.detach())
+            batches.append(batch)
+        if self.module_buffers is not None:
+            self.module_buffers.after_rank(int(record["rank"]))
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        dtypes = {g.dtype for g in grads}
+        out = None
+        if slot is not None and len(dtypes) == 1:  # mixed dtypes: torch.cat promotes, no buffer to reuse
+            out = self._buffers(self._rank_buffers, slot, [sum(grads[i].numel() for i in b) for b in buckets_layout], dtypes.pop())
+        buckets = [
+            torch.cat([grads[i].reshape(-1) for i in bucket], out=out[b]) if out is not None
+            else torch.cat([grads[i].reshape(-1) for i in bucket])
+            for b, bucket in enumerate(buckets_layout)
+        ]
+        return _RankStep(self, buckets, batches, total_loss)
+
+    def _buffers(self, pool: dict, key, sizes: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Contiguous views of sizes ``sizes`` into one flat buffer ``pool[key]``, reallocated only
+        when it is too small or of another dtype (a new bucket layout reuses it)."""
+        total = sum(sizes)
+        flat = pool.get(key)
+        if flat is None or flat.dtype != dtype or flat.numel() < total:
+            flat = torch.empty(total, dtype=dtype, device=self.device)
+            pool[key] = flat
+        views, offset = [], 0
+        for n in sizes:
+            views.append(flat[offset : offset + n])
+            offset += n
+        return views
+
+    def reduce(self, per_rank: list[list[torch.Tensor]], order: str) -> list[torch.Tensor]:
+        """The ranks' average in ``order`` (``replay.env.reduce_buckets``), written into this
+        order's reused buffer: valid until the next step's reduction in the same order."""
+        dtypes = {t.dtype for t in per_rank[0]}
+        if len(dtypes) != 1:
+            return env.reduce_buckets(per_rank, order)
+        out = self._buffers(self._reduce_buffers, order, [t.numel() for t in per_rank[0]], dtypes.pop())
+        return env.reduce_buckets(per_rank, order, out=out)
+
+    def _use_threads(self, recorded: int) -> None:
+        if self.device.type != "cpu":
+            return
+        wanted = self.forced_threads or recorded or self.default_threads
+        if wanted > _MAX_THREADS:  # a damaged or hostile trace: not a count anyone trained with
+            wanted = 0
+        if wanted and torch.get_num_threads() != wanted:
+            torch.set_num_threads(wanted)
+
+    def digest_of(self, buckets: list[torch.Tensor]) -> int:
+        """The exact digest of a gradient held in bucket buffers (``combine`` of the buckets' digests)."""
+        return combine_digests([digest(flat, self.seed) for flat in buckets])
+
+    def fp_of(self, buckets: list[torch.Tensor]) -> Fingerprint:
+        """The full fingerprint, buckets sketched with consecutive block offsets, as the recorder does."""
+        parts, offset = [], 0
+        for flat in buckets:
+            parts.append(fingerprint(flat, k=self.k, seed=self.seed, block_offset=offset))
+            offset += num_sketch_blocks(flat.numel())
+        return combine(parts)
+
+    def _tol(self, norm: float, drift_steps: int) -> float:
+        rel = tolerance.relative_tolerance(self.grad_dtype, self.world_size)
+        return rel * max(norm, 1e-30) * (1.0 + DRIFT_PER_STEP * drift_steps)
+
+    # -- the window ---------------------------------------------------------------------------
+    def run(self, options: ReplayOptions, on_step: Callable[[int], None] | None = None) -> ReplayResult:
+        """Replay ``options.start_step .. options.stop_step`` and compare with the trace."""
+        self.known_order = options.reduction_order
+        self.collective = options.collective
+        if self.collective:
+            distributed.check_collective(self.world_size)
+        self.forced_threads = options.num_threads or 0
+        self.default_threads = _recorded_threads(self.trace) or 0
+        model, optimizer, scheduler = self.recipe.build(self.device)
+        self.recipe.load_checkpoint(str(options.checkpoint_path), model, optimizer, scheduler)
+        self.module_buffers = BufferBroadcast(model)
+        saved = {(n.step, n.attempt): n for n in self.trace.checkpoint_notes()} if self.module_buffers.active else {}
+        start_digest = hex64(weights_digest(model.named_parameters(), self.seed))
+        if options.expected_weights_digest and start_digest != options.expected_weights_digest:
+            raise StartStateMismatch(
+                f"checkpoint {options.checkpoint_path} holds weights {start_digest}, not the replicas' {options.expected_weights_digest}",
+                step=options.start_step, expected=options.expected_weights_digest, found=start_digest,
+            )
+        windows = list(self.trace.step_windows(options.stop_step - options.start_step + 1, options.start_step, options.stop_step))
+        if not windows or windows[0].steps[0] != options.start_step:
+            raise InvalidInputError(f"the trace has no STEP records for steps {options.start_step}..{options.stop_step}")
+        window = windows[0]
+        evidence: list[Evidence] = []
+        notes: list[str] = []
+        tolerant_from: int | None = options.start_step if options.force_tolerant else None
+        if options.force_tolerant:
+            notes.append("--tolerant: every step compared within the sketch tolerance")
+        order_used = ""
+        last = options.start_step - 1
+        first_divergent: int | None = None
+        params = list(model.parameters())
+        layouts: dict[int, tuple] = {}
+        for row, step in enumerate(window.steps.tolist()):
+            present = window.present[row]
+            if not present.all():
+                notes.append(f"step {step}: rank(s) {', '.join(map(str, np.flatnonzero(~present).tolist()))} have no record; replay stops before it")
+                break
+            recs = window.records[row]
+            attempt = int(window.attempt[row, 0])
+            if attempt not in layouts:
+                layouts[attempt] = env.bucket_layouts(self.trace.path, attempt)
+            layout, recorded_layout = env.layout_at(layouts[attempt], step, len(params))
+            if _recorded_reduction(self.trace, attempt) == env.ORDERED:
+                self.known_order = env.ORDERED  # the order is known before any step: exact on any device
+            if not recorded_layout and tolerant_from is None:
+                tolerant_from = step
+                notes.append("no bucket layout recorded: gradients compared by norm within tolerance only")
+            drift = 0 if tolerant_from is None else step - tolerant_from
+            self.module_buffers.begin_step()
+            ranks = distributed.local_steps(self, model, recs, layout, step)  # under torchrun: shared out, then exchanged
+            local_bad, step_evidence = self._compare_locals(step, recs, ranks, tolerant_from is not None, drift, recorded_layout)
+            if local_bad is None:  # every rank differs within tolerance: not bitwise reproducible here
+                tolerant_from = step
+                notes.append(f"step {step}: every rank's local gradient differs in the last bits from the record "
+                             "(another device or kernel): compared within the sketch tolerance from here on")
+                local_bad, step_evidence = self._compare_locals(step, recs, ranks, True, 0, recorded_layout)
+            if local_bad:
+                local_bad, tie_notes = self._tie_break(model, step, recs, layout, ranks, local_bad, tolerant_from is not None)
+                notes += tie_notes
+                step_evidence = [e for e in step_evidence if e.kind is not EvidenceKind.REPLAY_MISMATCH or set(e.ranks) & set(local_bad)]
+            evidence += step_evidence
+            reduced, order, reduce_evidence, reduce_note = self._reduce(step, recs, ranks, tolerant_from is not None, drift, recorded_layout)
+            if local_bad or any(e.kind is EvidenceKind.INPUT_MISMATCH for e in step_evidence):
+                reduce_evidence = []  # the recorded average carries the bad local gradient: a consequence
+            evidence += reduce_evidence
+            if self.collective_missed and self.collective_missed not in notes:
+                notes.append(self.collective_missed)
+            if reduce_note and tolerant_from is None and not step_evidence:
+                tolerant_from = step + 1
+                notes.append(reduce_note)
+            order_used = order_used or order
+            self.module_buffers.end_step()
+            for bucket, flat in zip(layout, reduced):
+                offset = 0
+                for index in bucket:
+                    n = params[index].numel()
+                    params[index].grad = flat[offset : offset + n].view_as(params[index])  # a view, as DDP's bucket views
+                    offset += n
+            counts = step_threads(recs)  # (R,) 0 = not recorded
+            values, freq = np.unique(counts[counts > 0], return_counts=True)
+            self._use_threads(int(values[np.argmax(freq)]) if len(values) else 0)
+            recipe_mod.before_step(self.recipe, model, optimizer)
+            optimizer.step()
+            recipe_mod.after_step(self.recipe, model, optimizer, scheduler)
+            weights_evidence, majority_differs = self._compare_weights(step, recs, model, tolerant_from is not None,
+                                                                       bool(step_evidence or reduce_evidence))
+            evidence += weights_evidence
+            if majority_differs and tolerant_from is None and not step_evidence and not reduce_evidence:
+                tolerant_from = step + 1
+                notes.append(f"step {step}: the replayed weights are not bitwise the replicas' majority (an update or "
+                             "reduction this replay does not reproduce): later steps are compared within the sketch tolerance")
+            buffers_note = self.module_buffers.check(saved[step + 1, attempt], self.seed) if (step + 1, attempt) in saved else ""
+            if buffers_note:
+                notes.append(buffers_note)
+            last = step
+            if on_step is not None:
+                on_step(step)
+            if any(e.step == step and e.marks_divergence for e in evidence) and first_divergent is None:
+                first_divergent = step
+                if options.stop_at_divergence:
+                    break
+        return ReplayResult(
+            start_step=options.start_step, stop_step=options.stop_step, last_step=last,
+            device=env.describe_device(self.device), comparison="exact" if tolerant_from is None or tolerant_from > last else "tolerant",
+            tolerant_from=tolerant_from if tolerant_from is not None and tolerant_from <= last else None,
+            reduction_order=order_used, evidence=tuple(evidence), first_divergent_step=first_divergent, settings={},
+            notes=tuple(notes), max_residual_ratio=round(self.max_ratio, 4),
+        )
+
+
+def replay_window(trace: Trace, recipe, options: ReplayOptions, on_step: Callable[[int], None] | None = None) -> ReplayResult:
+    """Replay one window with deterministic settings on the requested device.
+
+    Args:
+        trace: the open trace.
+        recipe: a recipe object (``sdc_forensics.recipe.load_recipe``).
+        options: :class:`ReplayOptions`.
+        on_step: called after each replayed step (progress).
+
+    Raises:
+        UsageError: the device is unavailable, or is a suspect's GPU and not forced.
+        CheckpointError: the checkpoint file is malformed, beyond the read limits, or needs a pickle
+            global outside the allow-list (checked by the package's readers before the recipe loads it).
+        StartStateMismatch: the checkpoint does not hold the weights the replicas agreed on.
+    """
+    device = env.resolve_device(options.device)
+    distributed.check_placement(device, trace, options.suspect_gpus, options.force_device)  # every process alike
+    env.check_not_suspect(device, options.suspect_gpus, options.force_device)
+    threads = options.num_threads or _recorded_threads(trace)  # per-step counts are applied step by step
+    if not Path(options.checkpoint_path).is_file():
+        raise CheckpointError(f"checkpoint {options.checkpoint_path} (step {options.start_step}) does not exist; pass --checkpoints DIR")
+    from sdc_forensics.checkpoint.formats import open_checkpoint
+
+    open_checkpoint(options.checkpoint_path).close()  # the hostile-input checks and read limits, before the recipe's own torch.load
+    with numerics.reproduce(_recorded_numerics(trace, options.start_step), device, threads) as settings:
+        result = Replayer(trace, recipe, device).run(options, on_step)
+    return dataclasses.replace(result, settings=settings)
+
+
+def _recorded_threads(trace: Trace) -> int | None:
+    for attempt in sorted(trace.manifest.attempts, key=lambda a: a.attempt, reverse=True):
+        value = attempt.determinism.get("num_threads") or attempt.determinism.get("torch_num_threads")
+        if value:
+            return int(value)
+    return None
+
+
+def _recorded_reduction(trace: Trace, attempt: int) -> str:
+    """The all-reduce mechanism ``attempt`` recorded (``native`` for traces that predate the field)."""
+    for att in trace.manifest.attempts:
+        if att.attempt == attempt:
+            return str(att.determinism.get("reduction") or "native")
+    return "native"
+
+
+def _recorded_numerics(trace: Trace, step: int) -> dict:
+    """The numerics contract of the attempt that ran ``step`` (the latest attempt starting at or before it)."""
+    attempts = [a for a in trace.manifest.attempts if a.start_step <= step] or list(trace.manifest.attempts)
+    return dict(max(attempts, key=lambda a: a.attempt).determinism) if attempts else {}

@@ -1,0 +1,482 @@
+"""Triage: every piece of evidence the trace alone gives, vectorised over steps x ranks.
+
+numpy only (never imports torch), so ``bisect --trace-only`` and ``certify`` start fast. The
+trace is read window by window (:meth:`Trace.step_windows`, ``(S, R)`` tables); per window:
+
+* non-finite values in local gradients (the rank's compute), in the reduced gradient while every
+  local one was finite (the collective), in the weights while the reduced gradient was finite
+  (the update);
+* the all-reduce check: the reduced sketch of each rank against the mean of the ranks' local
+  sketches, within the calibrated tolerance (``fingerprint/tolerance.py``), and each rank's
+  reduced digest against the ranks' strict majority;
+* replica weight divergence: each rank's post-update weights digest against the strict majority,
+  reported at its onset;
+* audits: subject's own gradient digest and the auditors' recomputations, majority of three;
+  the auditor's input digest against the subject's;
+* outliers of loss and local gradient norm across ranks (hints only, never a verdict).
+
+The result names the first step at which the replicas' state is known to have gone wrong
+(:attr:`TriageResult.first_suspect_step`) and the window of steps a replay must examine to
+confirm it and localise it further.
+
+Over 400 lines on purpose: one vectorised pass per evidence kind over the same window tables; split
+by kind, each module would rebuild the tables or take them as a long argument list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+
+import numpy as np
+
+from sdc_forensics.fingerprint import tolerance
+from sdc_forensics.trace.checkpoints import hex64
+from sdc_forensics.triage.evidence import Evidence, EvidenceKind, Location, Strength, first_divergent_step, sort_key
+from sdc_forensics.trace import format as F
+from sdc_forensics.trace import scan
+from sdc_forensics.trace.consensus import strict_majority, vote
+from sdc_forensics.trace.reader import Damage, StepWindow, Trace
+
+log = logging.getLogger(__name__)
+_MAX_OUTLIERS = 20
+# the record fields the window scan reads: copying only these halves the bytes moved per window
+_FIELDS = ("flags", "loss", "nonfinite_local", "nonfinite_reduced", "nonfinite_weights", "local_norm", "reduced_norm",
+           "reduced_digest", "weights_digest", "local_sketch", "reduced_sketch")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TriageOptions:
+    """How to triage.
+
+    Attributes:
+        window_steps: steps per vectorised window (memory is bounded by it).
+        start_step, stop_step: limit the steps examined (inclusive), None for all.
+        outlier_z: robust z-score (median / MAD) above which a value is an outlier hint.
+        outliers: report outlier hints at all.
+    """
+
+    window_steps: int = 1024
+    start_step: int | None = None
+    stop_step: int | None = None
+    outlier_z: float = 12.0
+    outliers: bool = True
+
+    def __post_init__(self) -> None:
+        if self.window_steps < 1:
+            raise ValueError("window_steps must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TriageResult:
+    """What the trace alone says.
+
+    Attributes:
+        evidence: every observation, sorted by step (hints after real evidence at a step).
+        first_suspect_step: the first step whose evidence says the replicas' state went wrong
+            (theta_step is still clean, theta_step+1 may not be), None if the trace shows none.
+        suspect_window: ``(first, last)`` steps a replay must examine to confirm
+            ``first_suspect_step`` (wider than one step when weights were not compared every
+            step), None when there is nothing to confirm.
+        step_range: ``(first, last)`` step recorded, None for an empty trace.
+        world_size: number of ranks.
+        weights_checked: steps at which replica weights were compared.
+        superseded_cells: (step, rank) cells also recorded by an earlier attempt (latest used).
+        damage: problems found in the trace files.
+        has_gradients: the trace carries gradient fingerprints (replay can compare them).
+        scan_path: ``numba`` (the compiled kernels of ``trace/scan.py``) or ``numpy``: which scan
+            produced the evidence (the same evidence either way).
+    """
+
+    evidence: tuple[Evidence, ...]
+    first_suspect_step: int | None
+    suspect_window: tuple[int, int] | None
+    step_range: tuple[int, int] | None
+    world_size: int
+    weights_checked: int = 0
+    superseded_cells: int = 0
+    damage: tuple[Damage, ...] = ()
+    has_gradients: bool = True
+    scan_path: str = scan.NUMPY
+
+    @property
+    def hints(self) -> tuple[Evidence, ...]:
+        return tuple(e for e in self.evidence if e.is_hint)
+
+    @property
+    def findings(self) -> tuple[Evidence, ...]:
+        return tuple(e for e in self.evidence if not e.is_hint)
+
+
+def triage_trace(trace: Trace, options: TriageOptions | None = None) -> TriageResult:
+    """Scan a trace and return every piece of evidence it holds.
+
+    Args:
+        trace: an open trace.
+        options: :class:`TriageOptions` (defaults if None).
+
+    Returns:
+        A :class:`TriageResult`.
+    """
+    options = options or TriageOptions()
+    manifest = trace.manifest
+    grad_dtype = manifest.fingerprint.grad_dtype
+    fast = _scan_fast(trace, options, grad_dtype, manifest.reduction)
+    if fast is not None:
+        evidence, num_checked, superseded, has_grads = fast
+        path = scan.NUMBA
+    else:
+        evidence, num_checked, superseded, has_grads = _scan_numpy(trace, options, grad_dtype, manifest.reduction)
+        path = scan.NUMPY
+    log.info("triage: %s scan path", path)
+    evidence += _audits(trace, options)
+    evidence.sort(key=sort_key)
+    first, window_range = _first_suspect(evidence)
+    return TriageResult(
+        evidence=tuple(evidence),
+        first_suspect_step=first,
+        suspect_window=window_range,
+        step_range=trace.step_range(),
+        world_size=trace.world_size,
+        weights_checked=num_checked,
+        superseded_cells=superseded,
+        damage=tuple(trace.damage()),
+        has_gradients=has_grads,
+        scan_path=path,
+    )
+
+
+def _scan_numpy(trace: Trace, options: TriageOptions, grad_dtype: str, reduction: str):
+    """The window scan in numpy: ``(evidence, steps weights-checked, superseded cells, has gradients)``."""
+    evidence: list[Evidence] = []
+    state = _WeightState(world_size=trace.world_size)
+    superseded = 0
+    has_grads = False
+    outlier_count = 0
+    for window in trace.step_windows(options.window_steps, options.start_step, options.stop_step, fields=_FIELDS):
+        superseded += int(window.superseded.sum())
+        has_grads |= bool(((window.records["flags"] & int(F.Flag.HAS_GRADS)) != 0)[window.present].any())
+        evidence += _nonfinite(window)
+        evidence += _allreduce(window, grad_dtype, reduction)
+        evidence += state.scan(window)
+        if options.outliers and outlier_count < _MAX_OUTLIERS:
+            hints = _outliers(window, options.outlier_z)[: _MAX_OUTLIERS - outlier_count]
+            outlier_count += len(hints)
+            evidence += hints
+    return evidence, state.num_checked, superseded, has_grads
+
+
+def _scan_fast(trace: Trace, options: TriageOptions, grad_dtype: str, reduction: str):
+    """The same scan by the compiled kernels (``trace/scan.py``), or None where they cannot run.
+
+    The kernels flag the steps where a check may fire and run the weight vote; the numpy checks
+    above then run on those steps alone, so the evidence is theirs.
+    """
+    if trace.kernels() is None:
+        return None
+    bounds = trace.step_range()
+    if bounds is None:
+        return [], 0, 0, False
+    lo = bounds[0] if options.start_step is None else max(options.start_step, bounds[0])
+    hi = bounds[1] if options.stop_step is None else min(options.stop_step, bounds[1])
+    scanner = scan.StepScan.open(trace, lo, hi, options.window_steps)
+    if scanner is None:
+        return None
+    from sdc_forensics.trace.scan_kernels import EV_ALLREDUCE, EV_NONFINITE, EV_OUTLIER, EV_WEIGHTS
+
+    evidence: list[Evidence] = []
+    outlier_count = 0
+    scanner.outlier_z = options.outlier_z if options.outliers else None
+    for window in scanner:
+        rows = np.flatnonzero(window.events & (EV_NONFINITE | EV_ALLREDUCE | EV_WEIGHTS | EV_OUTLIER))
+        if not rows.size:
+            continue
+        exact = scanner.exact_window(window, rows, _FIELDS)
+        evidence += _nonfinite(exact)
+        evidence += _allreduce(exact, grad_dtype, reduction)
+        for i in np.flatnonzero(window.events[rows] & EV_WEIGHTS):
+            row = rows[i]
+            last = int(window.pre_last[row])
+            state = _WeightState(world_size=trace.world_size, diverged=window.pre_diverged[:, row].copy(),
+                                 last_checked=None if last < 0 else last, first_step=scanner.first_step)
+            evidence += state.scan(_row(exact, int(i)))
+        if options.outliers and outlier_count < _MAX_OUTLIERS:
+            hints = _outliers(exact, options.outlier_z)[: _MAX_OUTLIERS - outlier_count]
+            outlier_count += len(hints)
+            evidence += hints
+            if outlier_count >= _MAX_OUTLIERS:
+                scanner.outlier_z = None  # the numpy path stops looking too: from the next window on
+    return evidence, scanner.num_checked, scanner.superseded, scanner.has_gradients
+
+
+def _row(window: StepWindow, row: int) -> StepWindow:
+    pick = slice(row, row + 1)
+    return StepWindow(steps=window.steps[pick], present=window.present[pick], attempt=window.attempt[pick],
+                      superseded=window.superseded[pick], records=window.records[pick])
+
+
+def _ranks(mask_row: np.ndarray) -> tuple[int, ...]:
+    return tuple(int(r) for r in np.flatnonzero(mask_row))
+
+
+def _nonfinite(window: StepWindow) -> list[Evidence]:
+    rec, present = window.records, window.present  # (S, R)
+    local = (rec["nonfinite_local"] > 0) & present
+    reduced = (rec["nonfinite_reduced"] > 0) & present
+    has_w = ((rec["flags"] & int(F.Flag.HAS_WEIGHTS)) != 0) & present
+    weights = (rec["nonfinite_weights"] > 0) & has_w
+    out: list[Evidence] = []
+    any_local = local.any(axis=1)  # (S,)
+    for row in np.flatnonzero(any_local | reduced.any(axis=1) | weights.any(axis=1)):
+        step = int(window.steps[row])
+        if any_local[row]:
+            ranks = _ranks(local[row])
+            counts = ", ".join(f"rank {r}: {int(rec['nonfinite_local'][row, r])}" for r in ranks)
+            out.append(Evidence(kind=EvidenceKind.NONFINITE, step=step, ranks=ranks, expected="0 NaN/Inf in the local gradient",
+                                found=counts, location=Location.LOCAL_COMPUTE,
+                                detail="NaN/Inf in the local gradient before the all-reduce"))
+            continue  # the reduced gradient and the weights inherit it
+        if reduced[row].any():
+            ranks = _ranks(reduced[row])
+            everyone = len(ranks) == int(present[row].sum())
+            out.append(Evidence(kind=EvidenceKind.NONFINITE, step=step, ranks=() if everyone else ranks,
+                                expected="0 NaN/Inf in the reduced gradient (every local gradient was finite)",
+                                found=f"NaN/Inf on rank(s) {', '.join(map(str, ranks))}", location=Location.COLLECTIVE,
+                                detail="the all-reduce produced NaN/Inf from finite inputs"))
+            continue
+        ranks = _ranks(weights[row])
+        out.append(Evidence(kind=EvidenceKind.NONFINITE, step=step, ranks=ranks, expected="0 NaN/Inf in the updated weights",
+                            found=", ".join(f"rank {r}: {int(rec['nonfinite_weights'][row, r])}" for r in ranks),
+                            location=Location.OPTIMIZER_UPDATE,
+                            detail="NaN/Inf in the weights after an update with a finite reduced gradient"))
+    return out
+
+
+def _allreduce(window: StepWindow, grad_dtype: str, reduction: str) -> list[Evidence]:
+    rec, present = window.records, window.present
+    has_grads = ((rec["flags"] & int(F.Flag.HAS_GRADS)) != 0) & present  # (S, R)
+    full = has_grads.all(axis=1) & ((rec["nonfinite_local"] == 0) | ~present).all(axis=1)  # (S,)
+    if not full.any():
+        return []
+    local_sk = rec["local_sketch"]  # (S, R, k) float32, accumulated in float64 below
+    if reduction == "mean":
+        expected = local_sk.mean(axis=1, dtype=np.float64)  # (S, k)
+    else:
+        expected = local_sk.sum(axis=1, dtype=np.float64)
+    residual = np.abs(rec["reduced_sketch"] - expected[:, None, :]).max(axis=2)  # (S, R) float64
+    local_norms = np.where(present, rec["local_norm"], 0.0)[:, None, :]  # (S, 1, R)
+    tol = tolerance.allreduce_tolerance(grad_dtype, local_norms, rec["reduced_norm"], reduction)  # (S, R)
+    over = (residual > tol) & full[:, None]
+    majority, has_majority = strict_majority(rec["reduced_digest"], has_grads)
+    minority = (rec["reduced_digest"] != majority[:, None]) & has_grads & (has_majority & full)[:, None]
+    out: list[Evidence] = []
+    for row in np.flatnonzero((over | minority).any(axis=1)):
+        step = int(window.steps[row])
+        bad = over[row] | minority[row]
+        everyone = bool(bad[has_grads[row]].all())
+        ranks = () if everyone else _ranks(bad)
+        worst = int(np.argmax(np.where(bad, residual[row] / np.maximum(tol[row], 1e-300), -1)))
+        out.append(Evidence(
+            kind=EvidenceKind.ALLREDUCE_MISMATCH, step=step, ranks=ranks,
+            expected=f"reduced sketch = {reduction} of local sketches within {tol[row, worst]:.3g}; reduced digest "
+            f"{hex64(majority[row])} on every rank",
+            found=f"residual {residual[row, worst]:.3g} on rank {worst}"
+            + ("" if everyone else f"; reduced digest differs on rank(s) {', '.join(map(str, _ranks(minority[row]))) or 'none'}"),
+            location=Location.COLLECTIVE,
+            detail="every rank received the same wrong all-reduce result" if everyone
+            else "the all-reduce result on these ranks differs from what the local gradients sum to",
+        ))
+    return out
+
+
+@dataclasses.dataclass(kw_only=True)
+class _WeightState:
+    """Replica weight divergence across windows: onsets only, and the last checked step."""
+
+    world_size: int
+    diverged: np.ndarray | None = None  # (R,) bool, state at the last checked step
+    last_checked: int | None = None
+    first_step: int | None = None
+    num_checked: int = 0
+
+    def scan(self, window: StepWindow) -> list[Evidence]:
+        rec, present = window.records, window.present
+        has_w = ((rec["flags"] & int(F.Flag.HAS_WEIGHTS)) != 0) & present  # (S, R)
+        checked_rows = np.flatnonzero(has_w.sum(axis=1) >= 2)
+        if self.first_step is None and len(window.steps):
+            self.first_step = int(window.steps[0])
+        if self.diverged is None:
+            self.diverged = np.zeros(self.world_size, dtype=bool)
+        if not checked_rows.size:
+            return []
+        majority, has_majority = strict_majority(rec["weights_digest"], has_w)
+        out: list[Evidence] = []
+        for row in checked_rows:
+            step = int(window.steps[row])
+            self.num_checked += 1
+            if not has_majority[row]:
+                out.append(Evidence(kind=EvidenceKind.WEIGHT_DIVERGENCE, step=step, ranks=(),
+                                    expected="a strict majority of replicas with equal weights",
+                                    found=f"{len(set(rec['weights_digest'][row][has_w[row]].tolist()))} distinct digests",
+                                    location=Location.UNKNOWN, detail="no strict majority of replica weights"))
+                self.last_checked = step
+                continue
+            now = (rec["weights_digest"][row] != majority[row]) & has_w[row]  # (R,)
+            onset = now & ~self.diverged
+            if onset.any():
+                ranks = _ranks(onset)
+                # equal at the previous comparison: the fault happened after it
+                earliest = self.last_checked + 1 if self.last_checked is not None else self.first_step
+                found = ", ".join(f"rank {r}: {hex64(rec['weights_digest'][row, r])}" for r in ranks)
+                out.append(Evidence(
+                    kind=EvidenceKind.WEIGHT_DIVERGENCE, step=step, ranks=ranks,
+                    expected=f"weights digest {hex64(majority[row])} (strict majority)", found=found,
+                    location=Location.UNKNOWN, earliest_step=earliest if earliest is not None and earliest < step else None,
+                    detail="this replica's weights after the update differ from the majority: a wrong update, "
+                    "or wrong weights at rest; replay tells them apart",
+                ))
+            self.diverged = now | (self.diverged & ~has_w[row])
+            self.last_checked = step
+        return out
+
+
+def _audits(trace: Trace, options: TriageOptions) -> list[Evidence]:
+    audits = trace.records(F.Kind.AUDIT)
+    if not len(audits):
+        return []
+    if options.start_step is not None:
+        audits = audits[audits["step"] >= options.start_step]
+    if options.stop_step is not None:
+        audits = audits[audits["step"] <= options.stop_step]
+    steps_needed = np.unique(audits["step"])
+    subject_inputs: dict[tuple[int, int], int] = {}
+    audit_steps, audit_subjects = audits["step"], audits["aux_rank"].astype(np.int64)
+    for window in _audited_windows(trace, options, steps_needed):
+        # the subject's own STEP record of each audit in this window, where present
+        row = np.minimum(np.searchsorted(window.steps, audit_steps), len(window.steps) - 1)
+        ok = (window.steps[row] == audit_steps) & (audit_subjects >= 0) & (audit_subjects < window.present.shape[1])
+        ok[ok] = window.present[row[ok], audit_subjects[ok]]
+        found = window.records["input_digest"][row[ok], audit_subjects[ok]]
+        for step, subject, value in zip(audit_steps[ok].tolist(), audit_subjects[ok].tolist(), found.tolist()):
+            subject_inputs[(step, subject)] = value
+    out: list[Evidence] = []
+    for step, subject, group, votes, winner, strict in audit_votes(audits):
+        values = [v for _, v in votes]
+        losers = tuple(r for r, v in votes if v != winner)
+        if losers:
+            if not strict:
+                out.append(Evidence(kind=EvidenceKind.AUDIT_MISMATCH, step=step, ranks=(subject,),
+                                    expected="the subject and its auditor agree", found=f"{len(set(values))} different gradient digests, no third vote",
+                                    location=Location.UNKNOWN, detail=f"audit of rank {subject}'s microbatch is unresolved; a replay decides"))
+            elif subject in losers:
+                out.append(Evidence(kind=EvidenceKind.AUDIT_MISMATCH, step=step, ranks=(subject,), expected=hex64(winner),
+                                    found=hex64(votes[0][1]), location=Location.LOCAL_COMPUTE,
+                                    detail=f"rank {subject}'s own gradient lost the audit vote {values.count(winner)} to {len(values) - values.count(winner)}"))
+            else:
+                out.append(Evidence(kind=EvidenceKind.AUDIT_MISMATCH, step=step, ranks=losers, expected=hex64(winner),
+                                    found=", ".join(hex64(v) for r, v in votes if r in losers), location=Location.LOCAL_COMPUTE,
+                                    affects_state=False,
+                                    detail="the auditor's recomputation was wrong; the training state was not affected"))
+        subject_input = subject_inputs.get((step, subject))
+        for audit in group:
+            audited_input = int(audit["input_digest"])
+            if audited_input and subject_input is not None and audited_input != subject_input:
+                out.append(Evidence(kind=EvidenceKind.INPUT_MISMATCH, step=step, ranks=(subject,), expected=hex64(audited_input),
+                                    found=hex64(subject_input), location=Location.INPUT_DATA,
+                                    detail=f"rank {int(audit['rank'])} fetched rank {subject}'s microbatch with a different input digest"))
+                break
+    return out
+
+
+def _audited_windows(trace: Trace, options: TriageOptions, steps_needed: np.ndarray):
+    """``StepWindow`` s (field ``input_digest``) holding the audited steps: every window of their
+    span from ``Trace.step_windows``, or, on the compiled path, only the audited steps' rows."""
+    lo = int(steps_needed.min()) if len(steps_needed) else None
+    hi = int(steps_needed.max()) if len(steps_needed) else None
+    scanner = None
+    if lo is not None and trace.kernels() is not None:
+        bounds = trace.step_range()
+        if bounds is not None and max(lo, bounds[0]) <= min(hi, bounds[1]):
+            scanner = scan.StepScan.open(trace, max(lo, bounds[0]), min(hi, bounds[1]), options.window_steps, full=False)
+    if scanner is None:
+        yield from trace.step_windows(options.window_steps, lo, hi, fields=("input_digest",))
+        return
+    for window in scanner:
+        rows = np.flatnonzero(np.isin(window.steps, steps_needed))
+        if rows.size:
+            yield scanner.exact_window(window, rows, ("input_digest",))
+
+
+def _robust_z(values: np.ndarray, axis: int) -> np.ndarray:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows (a step where every rank blew up)
+        return _robust_z_inner(values, axis)
+
+
+def _robust_z_inner(values: np.ndarray, axis: int) -> np.ndarray:
+    median = np.nanmedian(values, axis=axis, keepdims=True)
+    mad = np.nanmedian(np.abs(values - median), axis=axis, keepdims=True)
+    scale = 1.4826 * mad + 1e-6 * np.abs(median) + 1e-30
+    return np.abs(values - median) / scale
+
+
+def _outliers(window: StepWindow, threshold: float) -> list[Evidence]:
+    """Loss and local gradient norm far from the ranks' median: robust z above ``threshold`` and
+    more than twice the median's distance from zero (a handful of ranks makes the MAD noisy).
+    A recorded value that overflowed (finite elements, infinite norm) is the most extreme outlier."""
+    rec, present = window.records, window.present
+    if present.shape[1] < 4:
+        return []
+    out: list[Evidence] = []
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        for field, what in (("loss", "loss"), ("local_norm", "local gradient norm")):
+            raw = np.where(present, rec[field].astype(np.float64), np.nan)  # (S, R)
+            overflow = present & np.isinf(raw)
+            values = np.where(np.isfinite(raw), raw, np.nan)
+            median = _nanmedian_rows(values)  # (S, 1)
+            z = np.nan_to_num(_robust_z(values, axis=1), nan=0.0)  # across ranks, per step
+            far = np.abs(values - median) > np.abs(median)
+            hit = ((z > threshold) & far) | overflow
+            for row, rank in zip(*np.nonzero(hit)):
+                shown = f"{raw[row, rank]:.4g}" + ("" if overflow[row, rank] else f" (robust z {z[row, rank]:.1f})")
+                out.append(Evidence(kind=EvidenceKind.OUTLIER, step=int(window.steps[row]), ranks=(int(rank),),
+                                    expected=f"{what} near the ranks' median {float(median[row, 0]):.4g}", found=shown,
+                                    location=Location.UNKNOWN, affects_state=False, strength=Strength.WEAK,
+                                    detail=f"{what} is an outlier across ranks (a hint only)"))
+    return out
+
+
+def _nanmedian_rows(values: np.ndarray) -> np.ndarray:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmedian(values, axis=1, keepdims=True)
+
+
+def _first_suspect(evidence: list[Evidence]) -> tuple[int | None, tuple[int, int] | None]:
+    """``first_divergent_step`` of the trace's evidence (the decision's rule), and the window a
+    replay must examine to pin it, ``(onset, observed step)``."""
+    first = first_divergent_step(evidence)
+    if first is None:
+        return None, None
+    observed = min(e.step for e in evidence if e.marks_divergence and e.onset == first)
+    return first, (first, observed)
+
+
+def audit_votes(audits: np.ndarray):
+    """The vote of each audited (step, subject): the subject's own gradient digest and its
+    auditors' recomputations. Yields ``(step, subject, group, votes, winner, strict)``: ``votes``
+    ``[(rank, digest)]`` subject first, ``winner`` the digest a strict majority of them computed
+    (``consensus.vote``; None without one), ``strict`` whether there is one. The one rule for
+    triage's audit evidence and the report's plots."""
+    steps, subjects = audits["step"], audits["aux_rank"].astype(np.int64)
+    order = np.lexsort((subjects, steps))  # stable: a group keeps its records' order in ``audits``
+    steps, subjects = steps[order], subjects[order]
+    starts = np.flatnonzero(np.r_[True, (steps[1:] != steps[:-1]) | (subjects[1:] != subjects[:-1])]) if len(order) else order
+    ends = np.r_[starts[1:], len(order)]
+    for start, end in zip(starts, ends):  # one group per (step, subject), in that order: O(N log N), not a scan per group
+        step, subject = steps[start], subjects[start]
+        group = audits[np.sort(order[start:end])]
+        votes = [(int(subject), int(group["aux_digest"][0]))] + [(int(a["rank"]), int(a["local_digest"])) for a in group]
+        winner, _ = vote([v for _, v in votes])
+        yield int(step), int(subject), group, votes, winner, winner is not None

@@ -1,0 +1,188 @@
+"""The decision module's checkpoint statuses (``decide/decision.py``) on hand-made runs:
+clean, unverified, tainted, corrupt, and the resume point."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sdc_forensics.checkpoint.locate import locate_checkpoint
+from sdc_forensics.checkpoint.verify import VerifyOptions, verify_checkpoint
+from sdc_forensics.decide.decision import CheckpointFile, Examined, Status, Verdict, checkpoint_status, decide, last_clean
+from sdc_forensics.triage.evidence import Evidence, EvidenceKind, Location, Strength
+from sdc_forensics.trace.checkpoints import read_checkpoint_notes
+from tests.factories import flip_byte, zip_member_offset
+
+
+def _file(note, checkpoints=None, base=None):
+    path = locate_checkpoint(note, checkpoints, base)
+    return CheckpointFile(path=str(path), report=verify_checkpoint(path, note=note, options=VerifyOptions())) if path else CheckpointFile()
+
+
+def _statuses(run, *, first="run", notes=None, replayed=None, weak=(), checkpoints=None, trace_consistent=True):
+    """The decision module's status of every checkpoint of ``run``; by default every step replayed clean."""
+    notes = notes or read_checkpoint_notes(run.trace_dir)
+    last = max(n.step for n in notes)
+    examined = Examined(first_step=0, replayed=frozenset(range(last) if replayed is None else replayed), files_read=True,
+                        trace_consistent=trace_consistent)
+    first = run.first_divergent_step if first == "run" else first
+    return {n.step: checkpoint_status(n, _file(n, checkpoints, run.trace_dir.parent), first=first, weak=weak, majority=None,
+                                      examined=examined) for n in notes}
+
+
+def test_no_divergence_every_step_replayed_every_checkpoint_clean(make_run):
+    run = make_run(steps=4)
+    statuses = _statuses(run)
+    assert {n: s.status for n, s in statuses.items()} == {0: Status.CLEAN, 2: Status.CLEAN, 4: Status.CLEAN}
+    assert last_clean(list(statuses.values())).step == 4
+
+
+def test_a_checkpoint_whose_earlier_steps_were_not_all_replayed_is_not_clean(make_run):
+    """Certified clean only when every step before it was examined (design brief)."""
+    run = make_run(steps=4)
+    statuses = _statuses(run, replayed={2, 3})
+    assert statuses[0].status == Status.CLEAN  # no step before it
+    assert statuses[2].status == Status.UNVERIFIED and "steps 0..1 were not replayed" in statuses[2].reasons[0]
+    assert statuses[4].status == Status.UNVERIFIED
+
+
+def test_weak_evidence_before_a_checkpoint_leaves_it_unverified(make_run):
+    run = make_run(steps=4)
+    weak = (Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=2, ranks=(1,), source="replay", location=Location.LOCAL_COMPUTE,
+                     strength=Strength.WEAK, found="residual 3x the tolerance"),)
+    statuses = _statuses(run, weak=weak)
+    assert [statuses[n].status for n in (0, 2, 4)] == [Status.CLEAN, Status.CLEAN, Status.UNVERIFIED]
+    assert "weak evidence at step 2" in statuses[4].reasons[0]
+
+
+def test_checkpoints_after_the_first_divergent_step_are_tainted(make_run):
+    run = make_run(steps=8, diverge=(3, 1))  # θ_4 on rank 1 is wrong; rank 0 (healthy) saves
+    statuses = _statuses(run)
+    assert statuses[0].status == Status.CLEAN and statuses[2].status == Status.CLEAN
+    for step in (4, 6, 8):
+        assert statuses[step].status == Status.TAINTED, statuses[step]
+        assert "first divergent step 3" in statuses[step].reasons[0]
+    assert last_clean(list(statuses.values())).step == 2
+
+
+def test_checkpoint_at_the_first_divergent_step_is_clean(make_run):
+    """N <= s*: θ_{s*} is still clean (checkpoint 4 with s* = 4)."""
+    run = make_run(steps=6, diverge=(4, 2))
+    assert _statuses(run)[4].status == Status.CLEAN
+    assert _statuses(run)[6].status == Status.TAINTED
+
+
+def test_checkpoint_saved_from_the_diverged_replica_is_not_certified(make_run):
+    """A weights injection on rank 1 at step 3, checkpoints saved by rank 1: never clean, even if
+    the divergence were not known (content is not the majority's)."""
+    run = make_run(steps=6, diverge=(3, 1), save_from=1)
+    statuses = _statuses(run)
+    assert statuses[4].status == Status.CORRUPT
+    assert any("diverged replica" in r for r in statuses[4].reasons)
+    unknown = _statuses(run, first=None)
+    assert unknown[4].status == Status.CORRUPT and unknown[6].status == Status.CORRUPT
+    assert last_clean(list(unknown.values())).step == 2
+
+
+def test_content_not_matching_majority_is_corrupt_even_if_note_blesses_it(make_run):
+    run = make_run(steps=6, diverge=(3, 1), save_from=1, blessed=True)
+    notes = [dataclasses.replace(n, diverged_ranks=()) for n in read_checkpoint_notes(run.trace_dir)]  # recorder missed it
+    statuses = _statuses(run, notes=notes, first=None)
+    assert statuses[4].status == Status.CORRUPT
+    assert any(f.kind.value == "weights-not-majority" for f in statuses[4].findings)
+
+
+def test_storage_corruption_makes_a_checkpoint_corrupt_and_moves_the_resume_point(make_run):
+    run = make_run(steps=4)
+    start, size = zip_member_offset(run.checkpoints[4], "/data/1")
+    flip_byte(run.checkpoints[4], start + size - 1, 0x40)
+    statuses = _statuses(run)
+    assert statuses[4].status == Status.CORRUPT
+    assert last_clean(list(statuses.values())).step == 2
+
+
+def test_missing_file_or_no_majority_digest_is_unverified(make_run, tmp_path):
+    run = make_run(steps=2)
+    run.checkpoints[2].unlink()
+    statuses = _statuses(run, first=None)
+    assert statuses[2].status == Status.UNVERIFIED and "not found" in statuses[2].reasons[0]
+    blank = [dataclasses.replace(n, weights_digest="") for n in read_checkpoint_notes(run.trace_dir)]
+    assert _statuses(run, notes=blank, first=None)[0].status == Status.UNVERIFIED
+    assert _statuses(run, first=None, trace_consistent=False)[0].status == Status.UNVERIFIED
+
+
+def test_checkpoints_found_in_another_directory(make_run, tmp_path):
+    run = make_run(steps=2)
+    moved = tmp_path / "moved"
+    run.checkpoints_dir.rename(moved)
+    assert [s.status for s in _statuses(run, first=None, checkpoints=moved).values()] == [Status.CLEAN] * 2
+
+
+class _Ident:
+    host, gpu = "node0", "GPU-0"
+
+
+def _ev(kind, step, ranks, location, **kw):
+    return Evidence(kind=kind, step=step, ranks=ranks, location=location, **kw)
+
+
+def test_a_replay_that_examined_a_weights_bound_pins_the_first_divergent_step():
+    """Replicas found different at step 12, equal at step 8: the fault is in 9..12 (s* = 9 from the
+    trace alone). Once a replay examined 9..12 and found the update going wrong at 11, s* is 11."""
+    bound = _ev(EvidenceKind.WEIGHT_DIVERGENCE, 12, (1,), Location.UNKNOWN, earliest_step=9)
+    replayed = _ev(EvidenceKind.REPLAY_MISMATCH, 11, (1,), Location.OPTIMIZER_UPDATE, source="replay")
+    common = dict(world_size=4, identity=lambda r: _Ident(), notes=(), files={}, majority={})
+    alone = decide([bound], examined=Examined(trace_only=True), **common)
+    assert (alone.first_divergent_step, alone.divergence_window) == (9, (9, 12))
+    pinned = decide([bound, replayed], examined=Examined(replayed=frozenset(range(13))), **common)
+    assert (pinned.verdict, pinned.first_divergent_step) == (Verdict.CORRUPTION, 11)
+    [suspect] = pinned.suspects
+    assert (suspect.rank, suspect.location, suspect.steps, suspect.recurring) == (1, Location.OPTIMIZER_UPDATE, (11,), False)
+    partly = decide([bound, replayed], examined=Examined(replayed=frozenset(range(10, 13))), **common)
+    assert partly.first_divergent_step == 9  # step 9 was not replayed: the bound still holds
+
+
+def test_weak_evidence_before_a_confirmed_divergence_widens_its_window():
+    weak = _ev(EvidenceKind.REPLAY_MISMATCH, 3, (2,), Location.LOCAL_COMPUTE, source="replay", strength=Strength.WEAK)
+    strong = _ev(EvidenceKind.NONFINITE, 7, (2,), Location.LOCAL_COMPUTE)
+    decided = decide([weak, strong], world_size=4, identity=lambda r: _Ident(), notes=(), files={}, majority={},
+                     examined=Examined(replayed=frozenset(range(8))))
+    assert (decided.verdict, decided.first_divergent_step, decided.divergence_window) == (Verdict.CORRUPTION, 7, (3, 7))
+    assert "precedes the first confirmed divergence" in " ".join(decided.settle)
+
+
+def test_weak_evidence_alone_is_inconclusive_never_corruption():
+    weak = _ev(EvidenceKind.REPLAY_MISMATCH, 3, (2,), Location.LOCAL_COMPUTE, source="replay", strength=Strength.WEAK,
+               found="residual 40x the tolerance")
+    decided = decide([weak], world_size=4, identity=lambda r: _Ident(), notes=(), files={}, majority={},
+                     examined=Examined(replayed=frozenset(range(8))))
+    assert (decided.verdict, decided.first_divergent_step, decided.suspects) == (Verdict.INCONCLUSIVE, None, ())
+    assert "replay exactly" in decided.settle[0]
+
+
+def test_nothing_found_in_a_damaged_trace_is_inconclusive_never_clean():
+    """A trace with holes (a rank file unreadable, bad checksums, missing steps) gives no clean
+    bill: nothing found in what could be read is not every rank's every step (issue #9: bisect
+    --trace-only said clean, exit 0, when rank 0's only file was garbage)."""
+    def verdict(**examined):
+        return decide([], world_size=4, identity=lambda r: _Ident(), notes=(), files={}, majority={},
+                      examined=Examined(**examined))
+
+    assert verdict(replayed=frozenset(range(8))).verdict is Verdict.CLEAN
+    assert verdict(trace_only=True).verdict is Verdict.CLEAN  # trace checks only, on an intact trace
+    for damaged in ({"replayed": frozenset(range(8))}, {"trace_only": True}):
+        decided = verdict(trace_consistent=False, **damaged)
+        assert decided.verdict is Verdict.INCONCLUSIVE and "the trace is damaged" in decided.settle[-1]
+
+
+def test_finding_kind_sets_are_the_enum_and_classify_every_kind_once():
+    """The decision's sets hold ``FindingKind`` members (no copies of their strings): every kind is
+    storage damage, a wrong saved state, or not verifiable, exactly one of them."""
+    from sdc_forensics.checkpoint.findings import FindingKind
+    from sdc_forensics.decide.decision import STATE_FINDINGS, STORAGE_FINDINGS, UNVERIFIABLE_FINDINGS
+
+    sets = (STORAGE_FINDINGS, STATE_FINDINGS, UNVERIFIABLE_FINDINGS)
+    assert all(type(kind) is FindingKind for group in sets for kind in group)
+    assert sorted(kind for group in sets for kind in group) == sorted(FindingKind)
+    assert STORAGE_FINDINGS == {FindingKind.DIGEST_MISMATCH, FindingKind.FILE_DAMAGED, FindingKind.FILE_CHECKSUM_MISMATCH,
+                                FindingKind.MISSING_TENSOR, FindingKind.UNEXPECTED_TENSOR}
+    assert UNVERIFIABLE_FINDINGS == {FindingKind.NOT_VERIFIABLE}
