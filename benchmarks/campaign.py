@@ -41,6 +41,16 @@ verify-checkpoint exit 1).
     python benchmarks/campaign.py --faults 200 --clean 20 --seed 1 [--json] [--jobs 2] [--out DIR]
         [--steps 12] [--checkpoint-every 4]
     python benchmarks/campaign.py --rejudge campaign.json     # re-tally an earlier --json output
+
+The job's collective (issue 21): ``--comm-hook MODULE:ATTR`` trains every run through that DDP comm
+hook (``sdc_forensics.demo.hooks:reversed_mean`` sums in an order the replay does not know) and
+``--reduction ordered`` records with the ordered reduction composed with it; ``--tolerant-threads 0``
+replays every clean run as recorded. ``clean_runs_certified`` counts the clean runs whose every
+checkpoint ``certify`` calls clean, ``certified_after_0`` the runs (clean or not) in which it calls
+any checkpoint after 0 clean::
+
+    python benchmarks/campaign.py --faults 21 --clean 10 --steps 8 --checkpoint-every 4 --tolerant-threads 0 \
+        --comm-hook sdc_forensics.demo.hooks:reversed_mean --reduction native    # then --reduction ordered
 """
 
 from __future__ import annotations
@@ -91,6 +101,8 @@ class Options:
     checkpoint_every: int = 4
     jobs: int = 1
     tolerant_threads: int = 2
+    comm_hook: str | None = None
+    reduction: str = "native"
 
     def __post_init__(self) -> None:
         if self.faults < 0 or self.clean < 1:
@@ -181,7 +193,8 @@ def run_one(plan: Plan, options: Options) -> dict:
     config = DemoConfig(
         out_dir=out, injections=parse_specs([plan.fault]) if plan.fault else (), steps=options.steps,
         checkpoint_every=options.checkpoint_every, world_size=WORLD_SIZE, audit_every=0, policy="continue",
-        recipe=variant_reference(plan.variant), threads=(1,) * WORLD_SIZE,
+        recipe=variant_reference(plan.variant), threads=(1,) * WORLD_SIZE, comm_hook=options.comm_hook,
+        reduction=options.reduction,
     )
     started = time.monotonic()
     result = run_config(config)
@@ -299,6 +312,8 @@ def tally(rows: list[dict], seconds: float) -> dict:
         "false_clean_ineffective": count(ineffective, "false_clean"),
         "detected_ineffective": count(ineffective, "detected"),
         "clean_runs": len(clean), "clean_runs_tolerant": sum(1 for r in clean if r["replay_threads"]),
+        "clean_runs_certified": sum(1 for r in clean if set(r["certify"]["statuses"].values()) == {"clean"}),
+        "certified_after_0": sum(1 for r in rows if any(int(n) > 0 and s == "clean" for n, s in r["certify"]["statuses"].items())),
         "false_alarms": count(clean, "false_alarm"),
         "inconclusive": count(rows, "inconclusive"),
         "inconclusive_clean_bitwise": count([r for r in clean if not r["replay_threads"]], "inconclusive"),
@@ -350,6 +365,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run")
     parser.add_argument("--checkpoint-every", type=int, default=4, help="checkpoint interval")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (1 or 2)")
+    parser.add_argument("--tolerant-threads", type=int, default=2, help="every other clean run's replay threads (0: all replayed as recorded)")
+    parser.add_argument("--comm-hook", default=None, help="MODULE:ATTR of the DDP comm hook every run trains with")
+    parser.add_argument("--reduction", choices=("native", "ordered"), default="native", help="the recorder's all-reduce mechanism")
     parser.add_argument("--rejudge", type=Path, default=None, help="re-judge and re-tally the rows of an earlier --json output")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     parser.add_argument("--_options", help=argparse.SUPPRESS)
@@ -384,7 +402,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         with tempfile.TemporaryDirectory(prefix="sdc-campaign-") as tmp:
             options = Options(faults=args.faults, clean=args.clean, seed=args.seed, out_dir=(args.out or Path(tmp)).resolve(),
-                              steps=args.steps, checkpoint_every=args.checkpoint_every, jobs=args.jobs)
+                              steps=args.steps, checkpoint_every=args.checkpoint_every, jobs=args.jobs,
+                              tolerant_threads=args.tolerant_threads, comm_hook=args.comm_hook, reduction=args.reduction)
             options.out_dir.mkdir(parents=True, exist_ok=True)
             result = campaign(options, progress=lambda line: print(line, file=sys.stderr))
     if args.json:

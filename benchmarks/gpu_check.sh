@@ -161,6 +161,11 @@ step "triton smoke" 90 "4 dtypes x 4 sizes, digest vs numpy" bash -c smoke
 step "cuda tests" 210 "pytest -m cuda (fingerprints, Triton kernel, CUDA replay of demo incidents)" \
     "$PYTHON" -m pytest -q -m cuda -p no:cacheprovider -rfEs --junitxml="$RESULTS/cuda-tests.xml" tests/
 
+# --- 4b. issue 21: a 4-rank DDP job on this GPU certified by an exact GPU replay, never by a CPU one
+# (without a GPU: the same on CPU, the plumbing only; the script says which parts it skipped)
+step "certify gpu job" 180 "4 ranks on one GPU (gloo over CUDA), default and replayable(): GPU replay exact, CPU replay tolerant" \
+    "$PYTHON" benchmarks/gpu_certify_check.py --out "$RESULTS"
+
 # --- 5. fingerprint throughput: chosen path vs torch path vs torch.sum ----------------------
 # shellcheck disable=SC2086 # SIZES_MB is a list of words
 step "bench fingerprint" 90 "sizes $SIZES_MB MB, fp32 and bf16, --path both" \
@@ -214,6 +219,12 @@ try:
               f"unroll {best['unroll']}, max registers {best['max_registers']}, {best['programs_per_sm']} programs/SM")
 except (OSError, ValueError, LookupError) as error:
     print(f"- sweep_triton.json: no figures ({type(error).__name__})")
+try:
+    cert = json.loads((results / "gpu_certify.json").read_text())
+    print(f"- certify gpu job: {cert['checks'] - cert['failed']}/{cert['checks']} checks passed on {cert['device']}"
+          + "".join(f"; {s}" for s in cert["skipped"]))
+except (OSError, ValueError, LookupError) as error:
+    print(f"- gpu_certify.json: no figures ({type(error).__name__})")
 for name in ("bench_fingerprint.json", "bench_overhead.json"):
     path = results / name
     try:

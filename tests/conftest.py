@@ -30,6 +30,7 @@ HEAVY = (
     "tests/forensics/test_tolerant_locations.py",
     "tests/forensics/test_ordered_reduction.py",
     "tests/forensics/test_compress_hooks.py",
+    "tests/forensics/test_batchnorm.py::test_faults_at_every_location_are_found_at_their_exact_step_and_rank",
     "tests/recorder/test_ordered.py::test_every_rank_receives_what_the_replay_computes",
     "tests/cli/test_checkpoint_paths.py::test_bisect_finds_the_checkpoints_from_anywhere",
     "tests/cli/test_json_schemas.py::test_certify_and_verify_checkpoint_documents",

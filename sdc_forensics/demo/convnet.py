@@ -59,15 +59,19 @@ class ConvNetRecipe(ClassifierJob):
         gen_state = torch.random.get_rng_state()
         torch.manual_seed(self.model_seed)
         model = nn.Sequential(
-            nn.Conv2d(3, c1, 3, padding=1), nn.GroupNorm(self.groups, c1), nn.ReLU(),
-            nn.Conv2d(c1, c2, 3, padding=1), nn.GroupNorm(self.groups, c2), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(c2, c3, 3, padding=1), nn.GroupNorm(self.groups, c3), nn.ReLU(),
+            nn.Conv2d(3, c1, 3, padding=1), self.norm(c1), nn.ReLU(),
+            nn.Conv2d(c1, c2, 3, padding=1), self.norm(c2), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(c2, c3, 3, padding=1), self.norm(c3), nn.ReLU(),
             nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(4 * c3, self.classes),
         ).to(device)
         torch.random.set_rng_state(gen_state)
         optimizer = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=self.lr_step_size, gamma=self.lr_gamma)
         return model, optimizer, scheduler
+
+    def norm(self, channels: int) -> nn.Module:
+        """The normalisation layer after each convolution: ``GroupNorm`` (no buffers)."""
+        return nn.GroupNorm(self.groups, channels)
 
     def before_step(self, model, optimizer) -> None:
         """Clip the averaged gradient to ``clip_norm`` (between the all-reduce and the update)."""

@@ -111,6 +111,10 @@ class DemoConfig:
         reduction: the recorder's all-reduce mechanism (``native`` or ``ordered``, ``RecorderOptions.reduction``).
         comm_hook: ``module:attribute`` of a DDP comm hook the job uses (passed as
             ``Recorder(comm_hook=...)``); None: DDP's own mean all-reduce.
+        device: ``cpu``, or ``cuda``: every rank on the one GPU ``cuda:0`` (gloo over CUDA tensors:
+            NCCL refuses two ranks on one GPU), microbatches fetched onto it.
+        replayable: every rank calls ``sdc_forensics.recorder.replayable()`` before joining the
+            process group (deterministic kernels, the ordered reduction: ``reduction`` is ignored).
     """
 
     out_dir: Path
@@ -133,8 +137,12 @@ class DemoConfig:
     recipe_args: dict | None = None
     reduction: str = "native"
     comm_hook: str | None = None
+    device: str = "cpu"
+    replayable: bool = False
 
     def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise UsageError(f"device must be cpu or cuda, got {self.device!r}")
         object.__setattr__(self, "out_dir", Path(self.out_dir))
         from sdc_forensics.reduction import REDUCTIONS
 
@@ -406,6 +414,10 @@ def _worker(rank: int, config: DemoConfig, port: int) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(config.threads_of(rank))  # before the recorder notes it in the manifest
+    if config.replayable:
+        from sdc_forensics.recorder import replayable
+
+        replayable()  # before init_process_group, as a job calls it
     logging.getLogger("sdc_forensics.recorder").setLevel(logging.ERROR)  # the demo reports alarms itself
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=config.world_size,
@@ -438,10 +450,11 @@ def train_rank(config: DemoConfig, rank: int) -> dict:
     from sdc_forensics.trace.checkpoints import hex64
 
     recipe = recipe_mod.load_recipe(config.recipe, args=config.recipe_args)
-    model, optimizer, scheduler = recipe.build("cpu")
+    device = torch.device("cuda:0" if config.device == "cuda" else "cpu")
+    model, optimizer, scheduler = recipe.build(device)
     if config.resume_from is not None:
         recipe.load_checkpoint(config.checkpoint_path(config.resume_from), model, optimizer, scheduler)
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     world_size = config.world_size
     report: dict = {"rank": rank, "fired": [], "alarms": [], "raised": None, "checkpoints": []}
     rec = None
@@ -451,7 +464,7 @@ def train_rank(config: DemoConfig, rank: int) -> dict:
             options=RecorderOptions(
                 policy=config.policy, audit_every=config.audit_every, checkpoint_every=config.checkpoint_every,
                 node_of_rank=config.node_of_rank or tuple(range(world_size)), start_step=config.first_step,
-                reduction=config.reduction,
+                reduction="ordered" if config.replayable else config.reduction,
             ),
             comm_hook=recipe_mod.import_reference(config.comm_hook) if config.comm_hook else None,
         )
@@ -479,7 +492,7 @@ def train_rank(config: DemoConfig, rank: int) -> dict:
             ids = recipe.microbatch_ids(step, rank, world_size)
             killer.begin(step, len(ids))
             with rec.step(step, microbatch_ids=ids) if rec is not None else contextlib.nullcontext() as s:
-                train_step(ddp, optimizer, recipe, (recipe.fetch_microbatch(i, "cpu") for i in ids), len(ids), s, scheduler)
+                train_step(ddp, optimizer, recipe, (recipe.fetch_microbatch(i, device) for i in ids), len(ids), s, scheduler)
             killer.after_record(step)
             if (step + 1) % config.checkpoint_every == 0:
                 checkpoint(step + 1)

@@ -409,6 +409,24 @@ def _bucket_specs(mine: dict, layout, group: ReplayGroup, world_size: int) -> li
     return _SPECS[key]
 
 
+def share_from_rank(tensors, original_rank: int) -> None:
+    """Give ``tensors`` (in place, on every process) the values of the process that computed
+    ``original_rank``'s local step; nothing to do on the single-process path. DDP's buffer broadcast
+    from rank 0 (``replay.buffers``) travels this way.
+
+    Raises:
+        ReplayProcessLost: a peer exited or did not answer within the timeout.
+    """
+    group = _group
+    if group is None:
+        return
+    import torch.distributed as dist
+
+    src = owner(original_rank, group.size)
+    for tensor in tensors:
+        _collective(lambda t=tensor: dist.broadcast(t, src=src), group)
+
+
 def recompute(replayer, model, record, layout, original_rank: int, template):
     """The second, independent recomputation of ``original_rank``'s step (majority of three where
     record and replay disagree). Several processes: computed by the process after the rank's

@@ -38,6 +38,7 @@ from sdc_forensics.fingerprint import tolerance
 from sdc_forensics.fingerprint.core import Fingerprint, combine, combine_digests, digest, fingerprint, num_sketch_blocks
 from sdc_forensics.replay import distributed
 from sdc_forensics.replay import env as env
+from sdc_forensics.replay.buffers import BufferBroadcast
 from sdc_forensics.trace.checkpoints import hex64
 from sdc_forensics.triage.evidence import Evidence, EvidenceKind
 from sdc_forensics.replay.options import AnalysisOptions
@@ -200,6 +201,7 @@ class Replayer(StepComparisons):
         self._rank_buffers: dict[int, torch.Tensor] = {}
         self._reduce_buffers: dict[str, torch.Tensor] = {}
         self.rng_dependent: bool | None = None  # the recipe's step depends on the global RNG (None: not seen drawing yet)
+        self.module_buffers: BufferBroadcast | None = None  # DDP's broadcast of module buffers, per window
 
     # -- one rank's local gradient -------------------------------------------------------------
     def local_step(self, model, record, buckets_layout, slot: int | None = None) -> _RankStep:
@@ -224,6 +226,8 @@ class Replayer(StepComparisons):
             self.rng_dependent = any((a is None) != (b is None) or (a is not None and not torch.equal(a, b)) for a, b in zip(first, again))
             _set_rng_states(self.device, entry)
             grads, batches, total_loss = self._gradients(model, params, record)
+        if self.module_buffers is not None:
+            self.module_buffers.after_rank(int(record["rank"]))
         grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params)]
         dtypes = {g.dtype for g in grads}
         out = None
@@ -242,6 +246,8 @@ class Replayer(StepComparisons):
         """The rank's local gradient (per parameter, None where none), its batches and summed loss."""
         for p in params:
             p.grad = None
+        if self.module_buffers is not None:
+            self.module_buffers.before_rank()  # every rank starts from rank 0's buffers, as DDP broadcasts them
         batches, total_loss = [], 0.0
         for mb_id in self.trace.microbatch_ids(record):
             batch = self.recipe.fetch_microbatch(int(mb_id), self.device)
@@ -310,6 +316,8 @@ class Replayer(StepComparisons):
         self.default_threads = _recorded_threads(self.trace) or 0
         model, optimizer, scheduler = self.recipe.build(self.device)
         self.recipe.load_checkpoint(str(options.checkpoint_path), model, optimizer, scheduler)
+        self.module_buffers = BufferBroadcast(model)
+        saved = {(n.step, n.attempt): n for n in self.trace.checkpoint_notes()} if self.module_buffers.active else {}
         start_digest = hex64(weights_digest(model.named_parameters(), self.seed))
         if options.expected_weights_digest and start_digest != options.expected_weights_digest:
             raise StartStateMismatch(
@@ -347,6 +355,7 @@ class Replayer(StepComparisons):
                 tolerant_from = step
                 notes.append("no bucket layout recorded: gradients compared by norm within tolerance only")
             drift = 0 if tolerant_from is None else step - tolerant_from
+            self.module_buffers.begin_step()
             ranks = distributed.local_steps(self, model, recs, layout, step)  # under torchrun: shared out, then exchanged
             if any(rs.rng_dependent for rs in ranks):
                 notes.append(f"step {step}: the recipe's step draws from the global RNG (dropout or augmentation not seeded "
@@ -374,6 +383,7 @@ class Replayer(StepComparisons):
                 tolerant_from = step + 1
                 notes.append(reduce_note)
             order_used = order_used or order
+            self.module_buffers.end_step()
             for bucket, flat in zip(layout, reduced):
                 offset = 0
                 for index in bucket:
@@ -393,6 +403,9 @@ class Replayer(StepComparisons):
                 tolerant_from = step + 1
                 notes.append(f"step {step}: the replayed weights are not bitwise the replicas' majority (an update or "
                              "reduction this replay does not reproduce): later steps are compared within the sketch tolerance")
+            buffers_note = self.module_buffers.check(saved[step + 1, attempt], self.seed) if (step + 1, attempt) in saved else ""
+            if buffers_note:
+                notes.append(buffers_note)
             last = step
             if on_step is not None:
                 on_step(step)

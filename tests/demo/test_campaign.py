@@ -88,6 +88,20 @@ def test_checkpoint_file_scoring():
     assert certified["false_clean"] == ["bisect 4", "certify 4", "verify 4"]  # the damaged file itself called clean
 
 
+def test_certified_runs_are_counted():
+    """Issue 21's tallies: a clean run counts as certified only when certify calls every checkpoint
+    clean; a run counts as certified after 0 when certify calls any later checkpoint clean."""
+    unverified = {"0": "clean", "4": "unverified", "8": "unverified"}
+    rows = [_row(), _row(statuses=unverified), _row("grad:step=5:rank=2:bit=30", "corruption", 5, [(2, "local_compute")],
+                                                   {"0": "clean", "4": "clean", "8": "tainted"})]
+    for row, plan in zip(rows, (0, 1, 0)):
+        row |= {"variant": plan, "replay_threads": 0, "train_s": 1.0, "cli_s": 1.0, "step_kind": "", "bit_class": "exponent"}
+        row["outcome"] = campaign.judge(row)
+        row["effect"] = {"effective": True, "effect": 9.0, "identical_before_fault": True}
+    result = campaign.tally(rows, 1.0)
+    assert (result["clean_runs"], result["clean_runs_certified"], result["certified_after_0"]) == (2, 1, 2)
+
+
 @pytest.mark.slow
 @pytest.mark.campaign
 def test_ci_sized_campaign(tmp_path):

@@ -61,3 +61,8 @@ def test_recipe_args_are_checked_and_size_the_injection_checks(tmp_path):
     with pytest.raises(UsageError, match="does not come back unchanged from JSON"):
         DemoConfig(out_dir=tmp_path / "c", recipe="sdc_forensics.demo.recipe:DemoRecipe", recipe_args={"hidden": (8,)})
     assert not any(tmp_path.iterdir())  # nothing written by a configuration
+
+
+def test_an_unknown_device_is_a_usage_error(tmp_path):
+    with pytest.raises(UsageError, match="device must be cpu or cuda, got 'gpu'"):
+        DemoConfig(out_dir=tmp_path, device="gpu")

@@ -1,0 +1,83 @@
+"""A BatchNorm job (buffers broadcast by DDP from rank 0) is replayed exactly and certified (issue 21).
+
+``sdc_forensics.demo.batchnorm:recipe``: the conv net with ``BatchNorm2d``, trained by 4 gloo ranks
+with DDP's defaults (``broadcast_buffers=True``). The running statistics are in the state and the
+checkpoints; the replay reproduces them by modelling DDP's broadcast (``replay/buffers.py``),
+which the test checks against the digests the recorder noted for every saved tensor at save time,
+and, with the broadcast left out, sees fail. Faults at every location are found at their exact step
+and rank (heavy: a demo run each).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sdc_forensics.exitcodes import ExitCode
+from sdc_forensics.forensics.bisect import bisect
+from sdc_forensics.forensics.certify import certify
+from sdc_forensics.replay.buffers import BufferBroadcast
+from sdc_forensics.replay.options import AnalysisOptions
+from sdc_forensics.inject import parse_spec
+
+pytestmark = pytest.mark.slow
+
+STEPS, EVERY = 6, 3
+RECIPE = "sdc_forensics.demo.batchnorm:recipe"
+SAME = "the replayed module buffers (e.g. BatchNorm running statistics) equal the saved ones bit for bit"
+
+
+def _run(demo_run, injections=()):
+    return demo_run(injections, steps=STEPS, checkpoint_every=EVERY, recipe=RECIPE)
+
+
+def _options(out):
+    return AnalysisOptions(checkpoints_dir=out / "checkpoints")
+
+
+def test_a_clean_batchnorm_run_is_certified_with_its_buffers_replayed_bit_for_bit(demo_run):
+    out = _run(demo_run)
+    cert = certify(out / "trace", _options(out))
+    assert cert.exit_code == ExitCode.CLEAN and cert.analysis.verdict.value == "clean"
+    assert cert.analysis.replayed.comparison == "exact"
+    assert {c.step: c.status.value for c in cert.checkpoints} == {0: "clean", 3: "clean", 6: "clean"}
+    notes = cert.analysis.replayed.notes
+    assert sorted(n for n in notes if SAME in n) == [f"checkpoint {n}: {SAME} (9 tensors)" for n in (3, 6)]
+
+
+def test_without_the_broadcast_the_replayed_buffers_are_not_the_saved_ones(demo_run, monkeypatch):
+    """Every rank's microbatches through one model's buffers, as the replay did before: the gradients
+    stay exact (training-mode BatchNorm normalises with the batch's statistics), the buffers do not."""
+    out = _run(demo_run)
+    for method in ("before_rank", "after_rank", "end_step"):
+        monkeypatch.setattr(BufferBroadcast, method, lambda self, *args: None)
+    result = bisect(out / "trace", _options(out))
+    assert result.verdict.value == "clean" and result.replayed.comparison == "exact"
+    differ = [n for n in result.replayed.notes if "the replayed module buffers differ from the saved ones" in n]
+    assert sorted(n.split(":")[0] for n in differ) == ["checkpoint 3", "checkpoint 6"]
+    assert not any(SAME in n for n in result.replayed.notes)
+
+
+# every location of sdc_forensics.inject, mid-interval and on a checkpoint step, several bit classes
+FAULTS = [
+    "grad:step=4:rank=2:bit=30", "allreduce:step=3:rank=1:bit=31", "allreduce-all:step=4:rank=0:bit=22",
+    "weights:step=3:rank=3:bit=22", "update:step=4:rank=0:bit=30", "input:step=4:rank=1:bit=30",
+    "checkpoint-file:step=3:rank=0:bit=30",
+]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_faults_at_every_location_are_found_at_their_exact_step_and_rank(demo_run, fault):
+    spec = parse_spec(fault)
+    out = _run(demo_run, fault)
+    result = bisect(out / "trace", _options(out))
+    assert result.verdict.value == "corruption", result.settle
+    statuses = {c.step: c.status.value for c in result.checkpoints}
+    [suspect] = result.suspects
+    if spec.location == "checkpoint-file":
+        assert result.first_divergent_step is None and statuses[spec.step] == "corrupt"
+        assert all(s == "clean" for n, s in statuses.items() if n != spec.step)
+        return
+    assert result.first_divergent_step == spec.step and result.replayed.comparison == "exact"
+    assert suspect.rank == (None if spec.location == "allreduce-all" else spec.rank)
+    assert all(s == "clean" for n, s in statuses.items() if n <= spec.step)
+    assert all(s in ("tainted", "corrupt") for n, s in statuses.items() if n > spec.step)
