@@ -50,6 +50,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.heavy)
 
 
+@pytest.fixture(autouse=True)
+def _ledger_off_unless_asked(request, monkeypatch):
+    """Analyses leave the ledger alone (``--no-ledger``) unless a test is marked ``ledger``.
+
+    The session's demo runs and simulated runs are shared by many tests: a ledger in their trace
+    directory would let one test's replays stand in for the next test's (and a torchrun run for
+    the single-process run it is compared with). In-process analyses get ``no_ledger``; CLI
+    processes started by the test inherit ``SDC_FORENSICS_NO_LEDGER=1`` (``--no-ledger``'s variable).
+    """
+    if request.node.get_closest_marker("ledger") is not None:
+        monkeypatch.delenv("SDC_FORENSICS_NO_LEDGER", raising=False)
+        return
+    from sdc_forensics.forensics import ledger_use
+
+    monkeypatch.setenv("SDC_FORENSICS_NO_LEDGER", "1")
+    monkeypatch.setattr(ledger_use.LedgerUse, "open", classmethod(lambda cls, *args, **kwargs: None))
+
+
 @pytest.fixture
 def make_trace(tmp_path):
     """``make_trace(ranks=4, steps=20, fault=None, *, bulk=False, path=None, attempt=0, start_step=0, seed=0,

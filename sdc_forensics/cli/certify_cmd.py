@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from sdc_forensics.cli.common import Bars, analysis_options, check_new_output, distributed_replay, force_option
+from sdc_forensics.cli.common import Bars, analysis_options, check_new_output, distributed_replay, force_option, ledger_options
 from sdc_forensics.cli.limits import read_limit_options
 from sdc_forensics.cli.output import emit_json, err
 
@@ -25,6 +25,7 @@ from sdc_forensics.cli.output import emit_json, err
 @click.option("--trace-only", is_flag=True, help="The trace's evidence alone: no replay, no files read (no checkpoint is then certified clean).")
 @click.option("--max-replay-steps", type=click.IntRange(min=1), help="Replay at most this many steps (checkpoints before stay unverified).")
 @analysis_options
+@ledger_options
 @read_limit_options
 @distributed_replay
 @click.pass_context

@@ -35,6 +35,9 @@ class AnalysisOptions:
             replicas agreed on): recurrences of the suspects.
         checkpoint_paths: ``{N: path}`` files to use for checkpoint N instead of the noted one
             (``verify-checkpoint PATH --trace``: the file being asked about).
+        ledger_path: the ledger of examined intervals (None: ``TRACE_DIR/ledger.jsonl``,
+            ``ledger.store.ledger_path``).
+        no_ledger: neither reuse nor append ledger records: replay everything the analysis needs.
     """
 
     checkpoints_dir: Path | None = None
@@ -47,6 +50,8 @@ class AnalysisOptions:
     max_replay_steps: int | None = None
     scan_recurrence: bool = False
     checkpoint_paths: dict[int, Path] = dataclasses.field(default_factory=dict)
+    ledger_path: Path | None = None
+    no_ledger: bool = False
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:
