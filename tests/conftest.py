@@ -41,6 +41,8 @@ HEAVY = (
     "tests/recorder/test_training.py::test_nonfinite_check_raises_with_step_rank_and_host_w3",
     "tests/recorder/test_training.py::test_killed_rank_leaves_a_trace_readable_to_the_last_complete_step",
     "tests/recorder/test_training.py::test_resumed_run_is_a_new_attempt_that_supersedes_the_re_executed_steps",
+    "tests/forensics/test_follow.py::test_a_follower_killed_and_restarted_certifies_every_checkpoint_with_no_record_lost_or_duplicated",
+    "tests/forensics/test_follow.py::test_the_follower_names_the_step_and_rank_of_a_fault_within_one_interval",
 )
 
 

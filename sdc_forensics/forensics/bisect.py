@@ -249,7 +249,15 @@ def _replay(trace: Trace, tri: TriageResult, usable: list[CheckpointNote], recip
     for note in reversed(starts):
         if note.step > hi:
             continue
-        if options.max_replay_steps is not None and runner.replayed_steps >= options.max_replay_steps:
+        if (options.max_replay_steps is not None and runner.replayed_steps >= options.max_replay_steps
+                and not (ledger is not None and ledger.covering(note.step, hi))):  # the limit is on replays, not on reuse
+            if ledger is not None and ledger.certifies_before(note.step):  # earlier intervals may still come from the ledger
+                runner.notes.append(f"steps {note.step}..{hi} not replayed (--max-replay-steps reached); earlier intervals "
+                                    "the ledger covers are still taken from it")
+                hi = note.step - 1
+                if hi < first_step:
+                    break
+                continue
             runner.notes.append(f"stopped widening after {runner.replayed_steps} replayed steps (--max-replay-steps): "
                                 f"steps {first_step}..{hi} not replayed")
             break
@@ -272,6 +280,17 @@ def _replay(trace: Trace, tri: TriageResult, usable: list[CheckpointNote], recip
                             reduction_order=runner.order, settings=runner.settings, notes=tuple(runner.notes),
                             ledger=ledger.summary() if ledger is not None else None)
     return summary, runner.evidence, runner.replayed, runner.tolerant
+
+
+def interval_runner(trace: Trace, options: AnalysisOptions, progress=None, ledger=None, recipe=None) -> "_WindowRunner":
+    """A runner of checkpoint-interval replays, as the walk above uses them: ``runner.replay(note, last_step, reason)``
+    reuses what ``ledger`` covers, replays the rest (second opinion on weak residuals included) and appends each
+    replay to the ledger. ``certify --follow`` replays interval by interval with it; ``recipe``: one loaded before."""
+    if recipe is None:
+        from sdc_forensics.recipe import load_recipe
+
+        recipe = load_recipe(options.recipe or trace.manifest.recipe, args=trace.manifest.recipe_args)
+    return _WindowRunner(trace, recipe, options, progress, _suspect_gpus(trace, triage_trace(trace)), ledger)
 
 
 def _intervals_below(starts: list[CheckpointNote], note: CheckpointNote, budget: int | None,

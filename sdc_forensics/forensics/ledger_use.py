@@ -20,7 +20,7 @@ Under ``torchrun`` only process 0 appends (every process reads alike and decides
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable
@@ -58,6 +58,8 @@ class LedgerUse:
         self.reused: list[ReusedWindow] = []
         self.appended: list[str] = []
         self.write_error = ""
+        #: context manager around each append (``certify --follow`` holds its stop signals off there)
+        self.guard: Callable[[], Any] = contextlib.nullcontext
         self._strong = {e.step for r in self.records for e in r.evidence if e.strength == STRONG}
 
     @classmethod
@@ -99,6 +101,10 @@ class LedgerUse:
                     return tuple(ids)
         return ()
 
+    def certifies_before(self, step: int) -> bool:
+        """True when some kept record replayed steps before ``step`` exactly and found them clean."""
+        return any(r.certifies and r.start_step < step for r in self.records)
+
     def reuse(self, start_step: int, last_step: int, reason: str) -> ReusedWindow | None:
         """Take steps ``start_step..last_step`` from the ledger when it covers them (:meth:`covering`)."""
         ids = self.covering(start_step, last_step)
@@ -135,7 +141,8 @@ class LedgerUse:
         from sdc_forensics.errors import LedgerWriteError
 
         try:
-            append_record(self.path, record)
+            with self.guard():
+                append_record(self.path, record)
         except LedgerWriteError as exc:
             self.write_error = str(exc)
             self._say(f"warning: {exc}")

@@ -63,3 +63,38 @@ def render_certify(cert: Certification, console, certificate_out: str | Path | N
         console.print(f"[bold green]resume from step {resume.step}[/]: {escape(resume.path)} ({resume.status.value}){after}")
     if certificate_out is not None:
         console.print(f"certificate written to {escape(str(certificate_out))}")
+
+
+def follow_document(outcome) -> dict[str, Any]:
+    """The ``certify --follow --json`` document: ``certify``'s document of the analysis the follower
+    ended with (the incident's, or the ledger's alone), plus ``follow``: what it replayed, its lag,
+    why it stopped, and the incident as ``bisect --json`` prints it (docs/json.md)."""
+    from sdc_forensics.present.bisect import bisect_document
+
+    incident = outcome.incidents[-1] if outcome.incidents else None
+    doc = certify_document(outcome.final) if outcome.final is not None else {"command": "certify"}
+    doc["follow"] = {
+        "stopped_by": outcome.stopped_by,
+        "lag": outcome.lag,
+        "exit_code": int(outcome.exit_code),
+        "intervals": [{"from": i.start, "last": i.last, "outcome": i.outcome, "comparison": i.comparison,
+                       "record": i.record_id or None, "lag": i.lag} for i in outcome.intervals],
+        "unreplayable": [list(span) for span in outcome.unreplayable],
+        "incident": None if incident is None else bisect_document(incident.analysis),
+    }
+    return doc
+
+
+def render_follow(outcome, console) -> None:
+    """The incident (as ``bisect`` prints it) or the final statuses, then one line on what the follower did."""
+    from sdc_forensics.present.bisect import render_bisect
+
+    if outcome.incidents:
+        console.print("[bold red]incident[/] found while following the run:")
+        render_bisect(outcome.incidents[-1].analysis, console)
+    elif outcome.final is not None:
+        render_certify(outcome.final, console)
+    replayed = [i for i in outcome.intervals if i.outcome != "reused"]
+    console.print(f"follower stopped ({outcome.stopped_by}): {len(replayed)} interval(s) replayed, "
+                  f"{len(outcome.intervals) - len(replayed)} already in the ledger, lag {outcome.lag} interval(s)"
+                  + (f", {len(outcome.unreplayable)} not replayable (checkpoint file gone)" if outcome.unreplayable else ""))

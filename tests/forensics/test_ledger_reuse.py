@@ -73,6 +73,11 @@ def test_a_clean_run_certified_twice_replays_nothing_the_second_time(demo_run, t
     assert json.loads(res.stdout)["replayed"]["steps_replayed"] == STEPS
     assert "ledger" not in json.loads(res.stdout)["replayed"]
 
+    # a ledger that cannot be written is one warning line, never a failure
+    res = runner.invoke(cli, ["certify", str(trace), "--json", "--ledger", str(trace.parent / "no-such-folder" / "ledger.jsonl")])
+    assert res.exit_code == 0 and res.stderr.count("cannot append to the ledger") == 1
+    assert [(c["step"], c["status"]) for c in json.loads(res.stdout)["checkpoints"]] == _statuses(first.analysis)
+
 
 def test_a_fault_run_bisected_twice_replays_at_most_one_interval_and_names_the_same_answer(demo_run, tmp_path):
     trace = _copy(demo_run, tmp_path, FAULT)
