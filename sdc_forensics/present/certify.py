@@ -33,7 +33,32 @@ def certify_document(cert: Certification, certificate_out: str | Path | None = N
         "certificate": str(certificate_out) if certificate_out else None,
         "exit_code": cert.exit_code,
         "preflight": None if result.preflight is None else result.preflight.to_json(),
+        "coverage": [coverage_document(c) for c in cert.coverage],
     }
+
+
+def coverage_document(c) -> dict[str, Any]:
+    """One checkpoint's coverage (``forensics.certify.Coverage``): step spans ``[first, last]`` by what examined them."""
+    def spans(values):
+        return [list(v) for v in values]
+
+    return {"step": c.step, "exact_now": spans(c.exact_now), "exact_ledger": spans(c.exact_ledger), "tolerant": spans(c.tolerant),
+            "online_only": spans(c.online_only), "nothing": spans(c.nothing), "lacking_replay": spans(c.lacking_replay),
+            "ledger_records": list(c.record_ids)}
+
+
+def coverage_text(c) -> str:
+    """One line: what examined the steps before checkpoint ``c.step``."""
+    def spans(values) -> str:
+        return ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in values)
+
+    parts = [f"{label} {spans(v)}" for label, v in (("exact now", c.exact_now), ("exact from the ledger", c.exact_ledger),
+                                                    ("tolerant", c.tolerant), ("online checks only", c.online_only),
+                                                    ("nothing", c.nothing)) if v]
+    text = f"checkpoint {c.step}: " + ("; ".join(parts) if parts else "no step before it")
+    if c.lacking_replay:
+        text += f" — lacks exact replay: steps {spans(c.lacking_replay)}"
+    return text
 
 
 def render_certify(cert: Certification, console, certificate_out: str | Path | None = None) -> None:
@@ -45,6 +70,8 @@ def render_certify(cert: Certification, console, certificate_out: str | Path | N
         table.add_row(str(s.step), f"[{style}]{s.status.value}[/]", escape(Path(s.path).name if s.path else "(not read)"),
                       escape("; ".join(s.reasons)))
     console.print(table)
+    for c in cert.coverage:
+        console.print(f"[dim]coverage:[/] {escape(coverage_text(c))}")
     for line in result.damage:
         console.print(f"[yellow]trace damage:[/] {escape(line)}")
     for path in cert.unnoted:

@@ -62,8 +62,14 @@ def test_a_clean_run_certified_twice_replays_nothing_the_second_time(demo_run, t
     assert {i for w in again.reused for i in w.record_ids} == set(ledger.appended)  # every record cited
     assert "from the ledger" in second.analysis.scope
 
-    # --no-ledger: everything replayed again, the ledger neither read nor extended
+    # coverage in plain view: every step before each checkpoint replayed exactly, earlier, by the records cited
     runner = CliRunner()
+    doc = assert_valid(runner.invoke(cli, ["certify", str(trace), "--json"]).stdout, "certify")
+    assert [(c["step"], c["exact_ledger"], c["exact_now"], c["lacking_replay"]) for c in doc["coverage"]] == \
+        [(n, [[0, n - 1]] if n else [], [], []) for n in range(0, STEPS + 1, EVERY)]
+    assert set(doc["coverage"][-1]["ledger_records"]) == set(ledger.appended)
+
+    # --no-ledger: everything replayed again, the ledger neither read nor extended
     res = runner.invoke(cli, ["certify", str(trace), "--json", "--no-ledger"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
