@@ -1,7 +1,8 @@
 """An analysis' use of the ledger: which intervals it need not replay, and the record of each it did.
 
-Every command that replays checkpoint intervals (``bisect``, ``certify``, ``verify-checkpoint
---trace``, ``report``, ``replay`` and ``certify --follow``) opens one :class:`LedgerUse`:
+Every command that walks checkpoint intervals (``bisect``, ``certify``, ``verify-checkpoint
+--trace``, ``report`` and ``certify --follow``; not ``replay``, which replays the one window it
+is asked for) opens one :class:`LedgerUse`:
 
 1. **Before replaying** it reads the ledger (``ledger.store.read_ledger``) and keeps the records
    that still apply to the trace (``ledger.reuse.reusable_records``: same checkpoint digests,
@@ -29,7 +30,6 @@ from sdc_forensics.decide.verdict import LedgerSummary, ReusedWindow
 from sdc_forensics.ledger import (Comparison, EvidenceEntry, IntervalRecord, Outcome, append_record, checkpoint_ref, exact_coverage,
                                   ledger_path, read_ledger, reusable_records)
 from sdc_forensics.ledger.record import MAX_EVIDENCE, LedgerRecordError
-from sdc_forensics.ledger.reuse import STRONG, CheckpointCoverage
 from sdc_forensics.trace.checkpoints import CheckpointNote
 
 
@@ -60,7 +60,6 @@ class LedgerUse:
         self.write_error = ""
         #: context manager around each append (``certify --follow`` holds its stop signals off there)
         self.guard: Callable[[], Any] = contextlib.nullcontext
-        self._strong = {e.step for r in self.records for e in r.evidence if e.strength == STRONG}
 
     @classmethod
     def open(cls, trace, notes: Sequence[CheckpointNote], options, say: Callable[[str], None] | None = None) -> "LedgerUse | None":
@@ -88,18 +87,12 @@ class LedgerUse:
 
     def covering(self, start_step: int, last_step: int) -> tuple[str, ...]:
         """The ids of the records that cover steps ``start_step..last_step`` exactly and clean
-        (empty when any step is not covered, or a reused record holds strong evidence in it)."""
-        if last_step < start_step or any(start_step <= s <= last_step for s in self._strong):
+        (empty when any step is not covered, or a reused record holds strong evidence in it):
+        ``ledger.reuse.exact_coverage``'s rule, for the steps between two checkpoints."""
+        if last_step < start_step:
             return ()
-        spans = sorted((r.start_step, r.last_step, r.record_id) for r in self.records if r.certifies)
-        cursor, ids = start_step, []
-        for first, last, record_id in spans:
-            if first <= cursor <= last:
-                ids.append(record_id)
-                cursor = last + 1
-                if cursor > last_step:
-                    return tuple(ids)
-        return ()
+        (span,) = exact_coverage(self.records, [last_step + 1], first_step=start_step)
+        return span.record_ids if span.exact else ()
 
     def certifies_before(self, step: int) -> bool:
         """True when some kept record replayed steps before ``step`` exactly and found them clean."""
@@ -113,10 +106,6 @@ class LedgerUse:
         window = ReusedWindow(start=start_step, last=last_step, record_ids=ids, reason=reason)
         self.reused.append(window)
         return window
-
-    def coverage(self, checkpoint_steps, first_step: int) -> tuple[CheckpointCoverage, ...]:
-        """``ledger.reuse.exact_coverage`` of the kept records and those appended by this run."""
-        return exact_coverage(self.records, checkpoint_steps, first_step=first_step)
 
     def append(self, note: CheckpointNote, stop_step: int, result, evidence: Sequence[Any], wall_s: float) -> IntervalRecord | None:
         """Append the record of a replay from checkpoint ``note`` asked to run through ``stop_step - 1``.
@@ -147,9 +136,9 @@ class LedgerUse:
             self.write_error = str(exc)
             self._say(f"warning: {exc}")
             return None
+        # not added to ``records``: what this analysis reuses is what every process of a distributed
+        # replay read at the start (only process 0 appends), so that they all walk alike
         self.appended.append(record.record_id)
-        self.records = (*self.records, record)
-        self._strong |= {e.step for e in record.evidence if e.strength == STRONG}
         return record
 
     def _record(self, note: CheckpointNote, stop_step: int, result, evidence: Sequence[Any], wall_s: float) -> IntervalRecord:
