@@ -180,6 +180,7 @@ class _Loop:
         self.last_change = time.monotonic()
         self.last_state: tuple = ()
         self.said_waiting = False
+        self.said: set[str] = set()
 
     def run(self) -> str:
         while True:
@@ -214,6 +215,10 @@ class _Loop:
         if state != self.last_state:
             self.last_state, self.last_change = state, time.monotonic()
         ledger = LedgerUse.open(trace, notes, self.options, say=None)
+        for line in ledger.lines:  # records not reused, each said once
+            if line not in self.said:
+                self.said.add(line)
+                self.say(line)
         closed = [(a, b) for a, b in zip(notes, notes[1:]) if b.step - 1 <= last_step and b.step > a.step]
         pending = [(a, b) for a, b in closed if not ledger.covering(a.step, b.step - 1)]
         for a, b in closed:
@@ -222,7 +227,8 @@ class _Loop:
                 ids = ledger.covering(a.step, b.step - 1)
                 self.done.append(IntervalDone(start=a.step, last=b.step - 1, outcome="reused", comparison="exact", record_id=ids[0]))
                 self.say(f"steps {a.step}..{b.step - 1}: already in the ledger (record {', '.join(ids)})")
-        replayable = [(a, b) for a, b in pending if (a.step, b.step) not in self.unreplayable]
+        # an interval this follower examined already (with evidence, under --keep-going) is not replayed again
+        replayable = [(a, b) for a, b in pending if (a.step, b.step) not in self.unreplayable and (a.step, b.step) not in self.seen]
         for a, b in replayable:
             if ledger.locate(a) is None:
                 self.unreplayable[(a.step, b.step)] = f"checkpoint {a.step}'s file is gone (rotated away?)"
@@ -239,13 +245,18 @@ class _Loop:
                 result = self._replay(runner, a, b)
                 self.seen.add((a.step, b.step))
                 self.lag = len(replayable) - index - 1
+                if result is None:  # checkpoint a does not hold the replicas' weights (runner's note says so)
+                    self.unreplayable[(a.step, b.step)] = f"checkpoint {a.step} does not hold the replicas' weights"
+                    self.say(f"steps {a.step}..{b.step - 1} cannot be replayed: checkpoint {a.step} does not hold the replicas' "
+                             "weights; they stay unexamined")
+                    continue
                 self.last_change = time.monotonic()
                 record = ledger.appended[-1] if len(ledger.appended) > appended else ""
                 appended = len(ledger.appended)
-                strong = result is not None and result.first_divergent_step is not None
-                weak = result is not None and not strong and any(e.is_weak for e in runner.evidence if a.step <= e.step < b.step)
+                strong = result.first_divergent_step is not None
+                weak = not strong and any(e.is_weak for e in runner.evidence if a.step <= e.step < b.step)
                 outcome = "evidence" if strong or weak else "clean"
-                comparison = result.comparison if result is not None and hasattr(result, "comparison") else "exact"
+                comparison = result.comparison
                 self.done.append(IntervalDone(start=a.step, last=b.step - 1, outcome=outcome, comparison=comparison,
                                               record_id=record, lag=self.lag))
                 self.say(f"steps {a.step}..{b.step - 1}: replayed ({comparison}), "
