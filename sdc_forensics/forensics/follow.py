@@ -267,6 +267,7 @@ class _Loop:
                     self.incidents.append(self._analyse(budget=None, progress=self.progress))
                     if not self.follow.keep_going:
                         return "incident"
+                    return None  # the analysis replayed and recorded intervals too: read the ledger again before going on
         until = self.follow.until_step
         if until is not None and any(n.step >= until for n in notes):
             wanted = [(a, b) for a, b in closed if b.step <= until]

@@ -142,3 +142,21 @@ def test_follow_flags_without_follow_are_a_usage_error(tmp_path):
     assert res.exit_code == 2 and "go with --follow" in res.stderr
     res = CliRunner().invoke(cli, ["certify", "--follow", str(tmp_path), "--no-ledger", "--idle-timeout", "1"])
     assert res.exit_code == 2 and "--no-ledger" in res.stderr
+
+
+def test_keep_going_reports_the_incident_and_examines_every_interval_once(demo_run, tmp_path):
+    """A finished run with a fault at step 7 (checkpoints 0, 3, 6, 9, 12): the follower names it and goes on."""
+    shutil.copytree(demo_run("grad:step=7:rank=2:bit=31", steps=12, checkpoint_every=3), tmp_path / "run")
+    trace = tmp_path / "run" / "trace"
+    res = CliRunner().invoke(cli, ["certify", "--follow", str(trace), "--poll", "0.1", "--idle-timeout", "2", "--keep-going", "--json",
+                                   "--checkpoints", str(tmp_path / "run" / "checkpoints")])
+    assert res.exit_code == 1, res.output
+    follow = assert_valid(json.loads(res.stdout), "certify")["follow"]
+    assert follow["stopped_by"] == "idle" and follow["incident"]["first_divergent_step"] == 7
+    assert [s["rank"] for s in follow["incident"]["suspects"]] == [2]
+    # 9..11: replayed by the incident's analysis (it walks back from the end), then found in the ledger
+    assert [(i["from"], i["outcome"]) for i in follow["intervals"]] == [(0, "clean"), (3, "clean"), (6, "evidence"), (9, "reused")]
+    # the follower's three records (its replay of 6.. stops at the divergence, 7) and the incident analysis': 6..7 again (the
+    # evidence a verdict rests on is always replayed by the analysis itself) and 9..11; no clean interval twice
+    records = sorted((r.start_step, r.last_step, r.outcome.value) for r in _records(trace))
+    assert records == [(0, 2, "clean"), (3, 5, "clean"), (6, 7, "evidence"), (6, 7, "evidence"), (9, 11, "clean")]
