@@ -200,9 +200,14 @@ def not_checked(result: BisectResult, end: "RunEnd | None" = None) -> list[str]:
     out: list[str] = []
     if result.mode == "trace-only":
         out.append("Nothing was replayed (--trace-only): faults the trace cannot see were not looked for, and no checkpoint file was read.")
+    from sdc_forensics.forensics.certify import coverage_of
+
+    lacking = {c.step: c.lacking_replay for c in coverage_of(result)}
     for c in result.checkpoints:
         if c.status.value == "unverified":
-            out.append(f"Checkpoint {c.step} is unverified: " + ("; ".join(c.reasons[:2]) or "not every step before it was examined") + ".")
+            spans = ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in lacking.get(c.step, ()))
+            out.append(f"Checkpoint {c.step} is unverified: " + ("; ".join(c.reasons[:2]) or "not every step before it was examined")
+                       + (f" (steps without an exact replay: {spans})" if spans else "") + ".")
     if result.replayed.comparison == "tolerant":
         out.append("Replay was compared within tolerance, not bit for bit: faults below the replay's drift are invisible to it.")
     if end is not None and end.stopped_early:
