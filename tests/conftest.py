@@ -29,6 +29,7 @@ HEAVY = (
     "tests/forensics/test_tolerant.py::test_weak_residual_is_inconclusive_names_its_candidate_and_certifies_nothing_after_it",
     "tests/forensics/test_tolerant_locations.py",
     "tests/forensics/test_ordered_reduction.py",
+    "tests/forensics/test_compress_hooks.py",
     "tests/recorder/test_ordered.py::test_every_rank_receives_what_the_replay_computes",
     "tests/cli/test_checkpoint_paths.py::test_bisect_finds_the_checkpoints_from_anywhere",
     "tests/cli/test_json_schemas.py::test_certify_and_verify_checkpoint_documents",

@@ -6,7 +6,7 @@ A training job rarely writes one file. Hugging Face's ``Trainer`` writes ``check
     model.safetensors        (or model-0000K-of-0000N.safetensors + model.safetensors.index.json)
     optimizer.pt  scheduler.pt  scaler.pt  rng_state.pth       torch.save files
     trainer_state.json  config.json  generation_config.json     JSON
-    training_args.bin                                           torch.save of a pickled dataclass
+    training_args.bin                                           torch.save of a pickled dataclass (configuration)
     tokenizer.json  tokenizer_config.json  special_tokens_map.json  merges.txt  ...
 
 A NaN in the optimizer state ruins a resumed run as surely as one in the weights, so a folder is
@@ -42,7 +42,9 @@ is opened: there is nothing to verify without it.
 
 Ignored, and listed in the report (:meth:`FolderReader.ignored`): ``.git/`` and
 ``.cache/huggingface/`` at the folder's top, version control and ``huggingface_hub`` download
-bookkeeping (lock files, etag ``*.metadata``) that no training job loads.
+bookkeeping (lock files, etag ``*.metadata``) that no training job loads; and the Trainer's
+``training_args.bin`` at the top when its pickle is refused (the job's arguments, never loaded at
+resume: checksummed, not unpickled, no state to verify).
 """
 
 from __future__ import annotations
@@ -191,8 +193,11 @@ class FolderReader(CheckpointReader):
         try:
             reader = open_file(path, kind, root=self.root, populate=populate, limits=self._limits)
         except PickleRefused as exc:
-            self._other_files.append(path)
-            self._unverifiable.append(FileIssue(file=rel, detail=_refusal(exc)))
+            self._other_files.append(path)  # checksummed either way: a certificate pins its bytes
+            if rel == TRAINER_ARGUMENTS:  # the job's configuration, never loaded at resume: no state to verify
+                self._ignored = (*self._ignored, rel)
+            else:
+                self._unverifiable.append(FileIssue(file=rel, detail=_refusal(exc)))
             return 1
         except TensorNotReadable as exc:  # a quantized or sparse optimizer state: intact, just not readable as bits
             self._other_files.append(path)
@@ -270,6 +275,13 @@ class FolderReader(CheckpointReader):
     def close(self) -> None:
         for _, part in self._parts:
             part.close()
+
+
+#: Hugging Face ``Trainer``'s pickled ``TrainingArguments``: the job's configuration, written for
+#: reference and never loaded by ``resume_from_checkpoint``. Its pickle needs transformers' classes
+#: (outside ``weights_only``), so it is not unpickled; it holds no training state, so that is no
+#: reason to call the folder unverified: it is checksummed and listed as ignored.
+TRAINER_ARGUMENTS = "training_args.bin"
 
 
 def _refusal(exc: PickleRefused) -> str:

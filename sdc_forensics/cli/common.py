@@ -62,6 +62,10 @@ def analysis_options(func):
     """
     func = click.option("--tolerant", "force_tolerant", is_flag=True,
                         help="Compare within the sketch tolerance even where the replay is bitwise exact.")(func)
+    func = click.option("--collective", is_flag=True,
+                        help="Under torchrun with one process per recorded rank: all-reduce every replayed step with the "
+                             "replay's own process group (the job's collective, recorded NCCL settings pinned), checked "
+                             "against the recorded reduced digest at every step (docs/distributed.md).")(func)
     func = click.option("--threads", "num_threads", type=click.IntRange(min=1),
                         help="Replay CPU threads (default: the count each step recorded, which keeps a CPU replay bitwise exact).")(func)
     func = click.option("--force-device", is_flag=True,
@@ -139,11 +143,14 @@ def distributed_replay(func):
             return func(*args, **kwargs)
         if "device" in kwargs:
             kwargs["device"] = distributed.process_device(kwargs["device"])
+        pinned = distributed.pin_recorded_nccl(kwargs["trace_dir"]) if kwargs.get("collective") and kwargs.get("trace_dir") else []
         group = distributed.start(kwargs.get("device", "cpu"), replay_timeout)
         if not group.lead:
             silence_follower()
         err.print(f"note: replaying across {group.size} processes ({group.backend}): original rank r on process r % {group.size}; "
                   "process 0 writes the output", markup=False)
+        if pinned:
+            err.print(f"note: --collective: the recorded NCCL settings pinned: {', '.join(pinned)}", markup=False)
         completed = lost = False
         try:
             value = func(*args, **kwargs)

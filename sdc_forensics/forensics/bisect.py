@@ -100,7 +100,7 @@ def bisect(trace_dir: Trace | str | os.PathLike, options: AnalysisOptions, progr
         from sdc_forensics.replay.env import resolve_device
 
         resolve_device(options.device)  # an unknown or absent device is a usage error before anything is said or done
-        flight = preflight.check(trace.manifest, device=options.device, num_threads=options.num_threads,
+        flight = preflight.check(trace.manifest, device=options.device, num_threads=options.num_threads, collective=options.collective,
                                  force_tolerant=options.force_tolerant)
         if progress is not None and hasattr(progress, "note"):
             for line in flight.lines():  # before any replay: a run that cannot certify says so first
@@ -368,8 +368,8 @@ class _WindowRunner:
         group = distributed.current()
         plan = [(note, hi) for note, hi in plan if (note.step, hi, self.options.num_threads, True, self.order) not in self.done
                 and not (self.ledger is not None and self.ledger.covering(note.step, hi))]
-        if group is None or len(plan) < 2 or self.last_replayed is None:
-            return
+        if group is None or len(plan) < 2 or self.last_replayed is None or self.options.collective:
+            return  # --collective: every process replays every step together, one collective per bucket
         costs = distributed.measured_costs(*self.last_replayed)
         gathered = [c for c in distributed.exchange_objects(costs) if c is not None]
         if not gathered:

@@ -116,7 +116,7 @@ def replay_from_trace(trace_dir: str | os.PathLike, request: ReplayRequest, prog
     options = ReplayOptions.of(chosen, start_step=start, stop_step=request.stop_step, checkpoint_path=path,
                                expected_weights_digest=note.weights_digest)
     recipe = load_trace_recipe(trace.manifest, chosen.recipe)  # with the job settings the manifest recorded
-    flight = preflight.check(trace.manifest, device=chosen.device, num_threads=chosen.num_threads,
+    flight = preflight.check(trace.manifest, device=chosen.device, num_threads=chosen.num_threads, collective=chosen.collective,
                              force_tolerant=chosen.force_tolerant)
     if progress is not None:
         for line in flight.lines() if hasattr(progress, "note") else ():

@@ -154,6 +154,8 @@ def reproduce_commands(request: ReportRequest, result: BisectResult) -> tuple[li
         opts.append("--tolerant")
     if chosen.force_device:
         opts.append("--force-device")
+    if chosen.collective:  # under torchrun, one process per recorded rank
+        opts.append("--collective")
     if chosen.ledger_path is not None and not (chosen.no_ledger or chosen.trace_only):  # a rerun without --no-ledger: same answer, less work
         opts += ["--ledger", str(chosen.ledger_path)]
     trace = str(request.trace_dir)

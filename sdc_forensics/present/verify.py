@@ -41,6 +41,8 @@ def render_verify(outcome: VerifyOutcome, console) -> None:
     console.print(_tensor_table(report, console))
     _print_findings(console, report.findings, "")
     _print_findings(console, outcome.certificate_findings, "certificate: ")
+    if report.ignored:  # no training state in them (docs/checkpoints.md): said, not held against the folder
+        console.print(f"[dim]not read (no training state): {escape(', '.join(report.ignored))}[/]")
     if status is not None:
         console.print(f"certification: [bold]{status.status.value}[/] — {escape('; '.join(status.reasons))}")
     if result is not None:

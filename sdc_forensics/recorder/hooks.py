@@ -32,6 +32,24 @@ import torch.distributed as dist
 from sdc_forensics.fingerprint import core as fp_core
 from sdc_forensics.fingerprint.core import Fingerprint, PendingFingerprint, combine, num_sketch_blocks
 from sdc_forensics.inject import Injector
+from sdc_forensics.reduction import COMPRESSING_HOOKS
+
+
+#: Hooks that reduce a lossy approximation of the gradient (low-rank, with error feedback): the
+#: reduced gradient is not the mean of the local ones within any rounding tolerance.
+LOSSY_HOOKS = ("powerSGD_hook", "batched_powerSGD_hook")
+
+
+def hook_name(hook) -> str:
+    """The function name of a comm hook (through ``functools.partial``)."""
+    while hasattr(hook, "func") and not hasattr(hook, "__name__"):
+        hook = hook.func
+    return str(getattr(hook, "__name__", ""))
+
+
+def compressed_dtype(hook) -> str | None:
+    """The dtype a known compressing hook all-reduces in (None: not one torch ships)."""
+    return COMPRESSING_HOOKS.get(hook_name(hook))
 
 
 def mean_allreduce_hook(process_group, bucket):

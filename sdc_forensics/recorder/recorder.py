@@ -65,7 +65,7 @@ from sdc_forensics.inject import FaultSpec, Injector, parse_spec
 from sdc_forensics.recorder import checks, ordered, records
 from sdc_forensics.recorder.audit import AuditOutcome, OwnResult, run_audit
 from sdc_forensics.recorder.checkpointing import CheckpointSite, save_checkpoint
-from sdc_forensics.recorder.hooks import BucketTap
+from sdc_forensics.recorder.hooks import LOSSY_HOOKS, BucketTap, compressed_dtype, hook_name
 from sdc_forensics.recorder.identity import complete_identities, local_identity, make_attempt, node_map
 from sdc_forensics.recorder.options import RecorderOptions
 from sdc_forensics.recorder.threads import ThreadWatch
@@ -240,6 +240,13 @@ class Recorder:
         reach = audit_reach(self.nodes) if (self.options.audit_every or self.options.audit_steps) else None
         if reach is not None and self.rank == 0:  # once per job, at attach: not a silent no-op at every audited step
             log.warning("sdc-forensics: audits are on (audit_every=%d), but %s", self.options.audit_every, reach)
+        if comm_hook is not None and hook_name(comm_hook) in LOSSY_HOOKS:  # every rank passes the same hook: all refuse alike
+            raise UsageError(f"comm_hook {hook_name(comm_hook)} (PowerSGD) all-reduces a low-rank approximation of the gradient: "
+                             "no check can tell its error from a fault, and no replay can reproduce it; record the job with "
+                             "DDP's all-reduce or a dtype-compressing hook (fp16_compress_hook, bf16_compress_hook)")
+        if comm_hook is not None and self.options.grad_dtype is None and compressed_dtype(comm_hook):
+            # the tolerance of the all-reduce checks is that of the dtype it adds in, said without the user having to
+            self.options = dataclasses.replace(self.options, grad_dtype=compressed_dtype(comm_hook))
         self._comm_hook_name = "" if comm_hook is None else f"{getattr(comm_hook, '__module__', '?')}.{getattr(comm_hook, '__qualname__', repr(comm_hook))}"
         self.tap = BucketTap(
             param_index={id(p): i for i, p in enumerate(self.params)},

@@ -133,11 +133,26 @@ class StepComparisons:
         majority, votes = vote(recorded)
         counts = np.array([votes])  # how many ranks recorded the majority (named in the evidence below)
         candidates = {}
+        if self.collective and self.known_order != env.ORDERED:  # the job's own collective, checked against the record
+            reduced = distributed.collective_mean(per_rank, self.world_size, self.compress)
+            value = self.digest_of(reduced)
+            if (value == majority) if majority is not None else bool((recorded == np.uint64(value)).any()):
+                self.known_order = env.COLLECTIVE
+                return reduced, env.COLLECTIVE, self._reduced_minority(step, recs, value, value if majority is None else majority), ""
+            candidates[env.COLLECTIVE] = reduced  # still the replay's average when nothing else reproduces
+            if self.known_order != env.COLLECTIVE and not self.collective_missed:
+                self.collective_missed = (f"step {step}: the replay's own collective does not reproduce the recorded reduced digest; "
+                                          f"most likely {env.collective_suspect(self.trace, int(recs[0]['attempt']))}; "
+                                          "the modelled summation orders are tried instead")
         if self.known_order == env.ORDERED:  # recorded: the only order, exact or tolerant
             orders = (env.ORDERED,)
+        elif self.known_order == env.COLLECTIVE and not tolerant:  # it reproduced earlier steps: a miss is evidence
+            orders = (env.COLLECTIVE,)
         else:
-            orders = (self.known_order,) if self.known_order and not tolerant else env.REDUCTION_ORDERS
+            orders = tuple(candidates) + ((self.known_order,) if self.known_order and not tolerant else env.REDUCTION_ORDERS)
         for order in orders:
+            if order in candidates:  # the own collective, already checked
+                continue
             reduced = self.reduce(per_rank, order)
             value = self.digest_of(reduced)
             candidates[order] = reduced

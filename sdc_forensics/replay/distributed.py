@@ -290,6 +290,66 @@ class SharedRankStep:
         return self._fp
 
 
+def check_collective(world_size: int) -> None:
+    """Refuse ``--collective`` unless this process is one of exactly ``world_size`` replay processes
+    replaying the ranks together (one process per recorded rank, not intervals dealt out).
+
+    Raises:
+        UsageError: one line saying what to launch.
+    """
+    group = _group
+    if group is None or group.size != world_size:
+        have = "one process" if group is None else f"{group.size} processes"
+        raise UsageError(f"--collective all-reduces with the replay's own process group: launch {world_size} processes, "
+                         f"one per recorded rank (torchrun --nproc-per-node {world_size} -m sdc_forensics ...), not {have}")
+
+
+def collective_mean(per_rank: list, world_size: int, compress=None) -> list:
+    """The ranks' average by the replay group's own all-reduce, as the job made it: process ``p``
+    contributes original rank ``p``'s buckets, each multiplied by ``1 / W`` and summed with
+    ``all_reduce(SUM)`` (DDP's built-in path), one collective per bucket in bucket order, so
+    the collective sees the job's bucket sizes. Every process returns the same bits. ``compress``:
+    the dtype the job's hook compressed to (``env.compression_of``): cast, divide by ``W`` and
+    all-reduce in it, then cast back, as that hook does.
+
+    Raises:
+        ReplayProcessLost: a peer exited or did not answer within the timeout.
+    """
+    import torch.distributed as dist
+
+    group = _group
+    out = []
+    for bucket in per_rank[group.rank]:
+        if compress is not None:
+            buffer = bucket.to(compress).div_(world_size)
+        else:
+            buffer = bucket.clone()
+            buffer.mul_(1.0 / world_size)
+        _collective(lambda b=buffer: dist.all_reduce(b), group)
+        out.append(buffer.to(bucket.dtype) if compress is not None else buffer)
+    return out
+
+
+def pin_recorded_nccl(trace_dir) -> list[str]:
+    """Set the NCCL variables the trace's last attempt recorded (``numerics`` ``nccl_env``) that
+    this process's environment leaves unset, before the process group starts: the replay's own
+    collective then runs with the job's algorithm choices. Returns ``NAME=VALUE`` of each one set.
+    A variable the user set is kept (and the self-check says so if it changes the sum)."""
+    from sdc_forensics.trace.manifest import read_manifest
+
+    try:
+        attempts = read_manifest(trace_dir).attempts
+    except SdcError:
+        return []  # the command itself reports the unreadable trace
+    recorded = dict(max(attempts, key=lambda a: a.attempt).determinism.get("nccl_env") or {}) if attempts else {}
+    pinned = []
+    for name, value in sorted(recorded.items()):
+        if isinstance(name, str) and name.startswith("NCCL_") and isinstance(value, str) and name not in os.environ:
+            os.environ[name] = value
+            pinned.append(f"{name}={value}")
+    return pinned
+
+
 def owner(original_rank: int, num_processes: int) -> int:
     """The process that computes ``original_rank``'s local steps."""
     return original_rank % num_processes

@@ -23,7 +23,7 @@ import torch
 
 from sdc_forensics import numerics
 from sdc_forensics.errors import TraceError, UsageError
-from sdc_forensics.reduction import ordered_mean
+from sdc_forensics.reduction import REPRODUCIBLE_COMPRESSION, ordered_mean
 from sdc_forensics.trace.layouts import BucketLayout, read_bucket_layouts
 
 #: The summation orders the replay tries when the trace does not say which one the collective
@@ -31,6 +31,9 @@ from sdc_forensics.trace.layouts import BucketLayout, read_bucket_layouts
 #: used whenever the trace records it and only then.
 REDUCTION_ORDERS = ("gloo-ring", "sequential")
 ORDERED = "ordered"
+#: The replay's own process group's all-reduce (``--collective``): not a model of the job's
+#: collective but the collective itself, checked against the recorded digest at every step.
+COLLECTIVE = "collective"
 
 
 def bucket_layouts(trace_dir: str | os.PathLike, attempt: int) -> tuple[BucketLayout, ...]:
@@ -153,16 +156,30 @@ def _summation_plan(numel: int, itemsize: int, world_size: int, order: str) -> l
     return plan
 
 
-def reduce_buckets(per_rank: list[list[torch.Tensor]], order: str, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+def compression_of(determinism: dict) -> torch.dtype | None:
+    """The dtype a recorded comm hook compressed the all-reduce to, when the replay can reproduce
+    it (torch's ``fp16_compress_hook``/``bf16_compress_hook``); None otherwise."""
+    hook = str(determinism.get("comm_hook") or "")
+    return REPRODUCIBLE_COMPRESSION.get(hook.rsplit(".", 1)[-1]) if hook else None
+
+
+def reduce_buckets(per_rank: list[list[torch.Tensor]], order: str, out: list[torch.Tensor] | None = None,
+                   compress: torch.dtype | None = None) -> list[torch.Tensor]:
     """Average bucket buffers over ranks. ``per_rank[r][b]``: rank ``r``'s flat bucket ``b``.
 
     Each rank's buffer is multiplied by ``1 / W`` (as DDP does before its SUM), then the parts
     are added in ``order``. Elementwise, so it is computed slice by slice on CPU (each slice of
     the W buffers read once, while in cache, no scaled copies of whole buffers) with the same
     roundings as whole-buffer operations. ``out``: buffers to write into (same shapes), reused
-    across steps; None allocates them.
+    across steps; None allocates them. ``compress``: the job's hook compressed to this dtype
+    (``compression_of``): each rank's buffer is cast and divided by ``W`` in it, the parts are
+    summed in it in ``order`` (segments cut by its element size), and the sum is cast back, as
+    ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks._compress_hook`` does.
     """
     world_size = len(per_rank)
+    if compress is not None and order != ORDERED:
+        return [_compressed_bucket([per_rank[r][b] for r in range(world_size)], order, compress, out[b] if out is not None else None)
+                for b in range(len(per_rank[0]))]
     if order == ORDERED:
         return [ordered_mean([per_rank[r][b] for r in range(world_size)], out=out[b] if out is not None else None)
                 for b in range(len(per_rank[0]))]
@@ -187,3 +204,37 @@ def reduce_buckets(per_rank: list[list[torch.Tensor]], order: str, out: list[tor
                     piece += part
         result.append(acc)
     return result
+
+
+def _compressed_bucket(src: list[torch.Tensor], order: str, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    world_size = len(src)
+    low = [t.to(dtype).div_(world_size) for t in src]
+    acc = torch.empty_like(low[0])
+    for lo, hi, ranks in _summation_plan(acc.numel(), acc.element_size(), world_size, order):
+        piece = acc[lo:hi]
+        piece.copy_(low[ranks[0]][lo:hi])
+        for r in ranks[1:]:
+            piece += low[r][lo:hi]
+    target = out if out is not None else torch.empty_like(src[0])
+    return target.copy_(acc)
+
+
+def collective_suspect(trace, attempt: int) -> str:
+    """The recorded setting most likely to make the replay's own collective add in another order
+    than the job's did (for the note of a step it does not reproduce)."""
+    recorded = next((dict(a.determinism) for a in trace.manifest.attempts if a.attempt == attempt), {})
+    hook = str(recorded.get("comm_hook") or "")
+    if hook:
+        return f"the job's own comm hook {hook}, which reduces in its own order (record with RecorderOptions(reduction=\"ordered\"))"
+    backend = str(recorded.get("backend") or "")
+    import torch.distributed as dist
+
+    replay_backend = dist.get_backend() if dist.is_initialized() else ""
+    if backend and replay_backend and backend != replay_backend:
+        return f"the backend: the job all-reduced with {backend}, this replay with {replay_backend}"
+    nccl = recorded.get("nccl_env") or {}
+    differ = [f"{k}={v!r} (here {os.environ.get(k)!r})" for k, v in sorted(nccl.items()) if isinstance(v, str) and os.environ.get(k) != v]
+    if differ:
+        return "the NCCL settings: " + ", ".join(differ)
+    return ("the collective's algorithm choice, which no recorded setting pins (bucket sizes, process placement, "
+            "NCCL_ALGO/NCCL_PROTO left to NCCL)")

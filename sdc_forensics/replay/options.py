@@ -35,6 +35,10 @@ class AnalysisOptions:
             replicas agreed on): recurrences of the suspects.
         checkpoint_paths: ``{N: path}`` files to use for checkpoint N instead of the noted one
             (``verify-checkpoint PATH --trace``: the file being asked about).
+        collective: all-reduce each replayed step with the replay's own process group (torchrun
+            with one process per recorded rank, the recorded NCCL settings pinned) instead of
+            modelling the sum; self-checked against the recorded reduced digest at every step
+            (``replay.distributed.collective_mean``).
         ledger_path: the ledger of examined intervals (None: ``TRACE_DIR/ledger.jsonl``,
             ``ledger.store.ledger_path``).
         no_ledger: neither reuse nor append ledger records: replay everything the analysis needs.
@@ -50,6 +54,7 @@ class AnalysisOptions:
     max_replay_steps: int | None = None
     scan_recurrence: bool = False
     checkpoint_paths: dict[int, Path] = dataclasses.field(default_factory=dict)
+    collective: bool = False
     ledger_path: Path | None = None
     no_ledger: bool = False
 

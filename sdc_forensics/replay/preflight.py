@@ -70,7 +70,7 @@ def _trained_type(attempt) -> str:
 
 
 def check(manifest, *, device: str = "cpu", device_name: str | None = None, num_threads: int | None = None,
-          force_tolerant: bool = False) -> Preflight:
+          force_tolerant: bool = False, collective: bool = False) -> Preflight:
     """The preflight of a replay of ``manifest``'s run on ``device``.
 
     Args:
@@ -79,6 +79,8 @@ def check(manifest, *, device: str = "cpu", device_name: str | None = None, num_
         device_name: the replay GPU's model, when known (None: not compared).
         num_threads: ``--threads`` (None: the recorded counts).
         force_tolerant: ``--tolerant``.
+        collective: ``--collective``: the replay all-reduces with its own process group, checked
+            against the recorded digest at every step, instead of reproducing a known order.
     """
     replay_type = device.split(":")[0]
     blockers: list[str] = []
@@ -107,6 +109,12 @@ def check(manifest, *, device: str = "cpu", device_name: str | None = None, num_
         backend = str(det.get("backend") or ("nccl" if kind == "cuda" else "gloo"))
         if reduction == "ordered":
             mechanisms.append("ordered")
+        elif collective:
+            mechanisms.append("collective")
+            caveats.append(f"--collective: the replay's own {backend if backend == 'gloo' else 'process group'} all-reduce stands in "
+                           "for the job's; each step's result is checked against the recorded reduced digest, and a step it "
+                           "does not reproduce is compared within tolerance from there, naming the setting most likely at fault"
+                           + (f" (the job's own comm hook {det['comm_hook']} is the first suspect)" if det.get("comm_hook") else ""))
         elif backend == "gloo" and kind == "cpu":
             mechanisms.append("gloo-ring")
             if det.get("comm_hook"):

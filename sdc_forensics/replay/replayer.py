@@ -81,6 +81,7 @@ class ReplayOptions:
             replay is bitwise reproducible (to exercise and measure the tolerant path).
         reduction_order: the summation order an earlier replay of this run found (``gloo-ring``,
             ``sequential``), "" if none yet.
+        collective: all-reduce with the replay's own process group (``AnalysisOptions.collective``).
     """
 
     start_step: int
@@ -94,6 +95,7 @@ class ReplayOptions:
     num_threads: int | None = None
     reduction_order: str = ""
     force_tolerant: bool = False
+    collective: bool = False
 
     def __post_init__(self) -> None:
         if self.stop_step < self.start_step:
@@ -104,7 +106,7 @@ class ReplayOptions:
         """The options of one window: the user's ``device``, ``force_device``, ``num_threads`` and
         ``force_tolerant`` from ``chosen``, the window's own fields (and any override) from ``window``."""
         return cls(**{"device": chosen.device, "force_device": chosen.force_device, "num_threads": chosen.num_threads,
-                      "force_tolerant": chosen.force_tolerant, **window})
+                      "force_tolerant": chosen.force_tolerant, "collective": chosen.collective, **window})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -186,6 +188,9 @@ class Replayer(StepComparisons):
         self.grad_dtype = trace.manifest.fingerprint.grad_dtype
         self.world_size = trace.world_size
         self.known_order = ""  # the summation order that reproduced this run's all-reduce, once seen
+        self.collective = False  # all-reduce with the replay's own process group (--collective)
+        self.compress: torch.dtype | None = None  # the dtype the job's comm hook compressed the all-reduce to
+        self.collective_missed: str = ""  # why the own collective did not reproduce a step, once said
         self.forced_threads = 0  # --threads
         self.default_threads = 0  # the manifest's count, for traces without per-step counts
         self.max_ratio = 0.0  # the largest tolerant residual / tolerance seen (clean artefacts are measured with it)
@@ -244,9 +249,9 @@ class Replayer(StepComparisons):
         order's reused buffer: valid until the next step's reduction in the same order."""
         dtypes = {t.dtype for t in per_rank[0]}
         if len(dtypes) != 1:
-            return env.reduce_buckets(per_rank, order)
+            return env.reduce_buckets(per_rank, order, compress=self.compress)
         out = self._buffers(self._reduce_buffers, order, [t.numel() for t in per_rank[0]], dtypes.pop())
-        return env.reduce_buckets(per_rank, order, out=out)
+        return env.reduce_buckets(per_rank, order, out=out, compress=self.compress)
 
     def _use_threads(self, recorded: int) -> None:
         if self.device.type != "cpu":
@@ -277,6 +282,9 @@ class Replayer(StepComparisons):
     def run(self, options: ReplayOptions, on_step: Callable[[int], None] | None = None) -> ReplayResult:
         """Replay ``options.start_step .. options.stop_step`` and compare with the trace."""
         self.known_order = options.reduction_order
+        self.collective = options.collective
+        if self.collective:
+            distributed.check_collective(self.world_size)
         self.forced_threads = options.num_threads or 0
         self.default_threads = _recorded_threads(self.trace) or 0
         model, optimizer, scheduler = self.recipe.build(self.device)
@@ -313,6 +321,7 @@ class Replayer(StepComparisons):
             layout, recorded_layout = env.layout_at(layouts[attempt], step, len(params))
             if _recorded_reduction(self.trace, attempt) == env.ORDERED:
                 self.known_order = env.ORDERED  # the order is known before any step: exact on any device
+            self.compress = env.compression_of(_attempt_determinism(self.trace, attempt))
             if not recorded_layout and tolerant_from is None:
                 tolerant_from = step
                 notes.append("no bucket layout recorded: gradients compared by norm within tolerance only")
@@ -333,6 +342,8 @@ class Replayer(StepComparisons):
             if local_bad or any(e.kind is EvidenceKind.INPUT_MISMATCH for e in step_evidence):
                 reduce_evidence = []  # the recorded average carries the bad local gradient: a consequence
             evidence += reduce_evidence
+            if self.collective_missed and self.collective_missed not in notes:
+                notes.append(self.collective_missed)
             if reduce_note and tolerant_from is None and not step_evidence:
                 tolerant_from = step + 1
                 notes.append(reduce_note)
@@ -409,12 +420,14 @@ def _recorded_threads(trace: Trace) -> int | None:
     return None
 
 
+def _attempt_determinism(trace: Trace, attempt: int) -> dict:
+    """The numerics contract ``attempt`` recorded ({} when it recorded none)."""
+    return next((dict(a.determinism) for a in trace.manifest.attempts if a.attempt == attempt), {})
+
+
 def _recorded_reduction(trace: Trace, attempt: int) -> str:
     """The all-reduce mechanism ``attempt`` recorded (``native`` for traces that predate the field)."""
-    for att in trace.manifest.attempts:
-        if att.attempt == attempt:
-            return str(att.determinism.get("reduction") or "native")
-    return "native"
+    return str(_attempt_determinism(trace, attempt).get("reduction") or "native")
 
 
 def _recorded_numerics(trace: Trace, step: int) -> dict:

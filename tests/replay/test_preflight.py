@@ -55,6 +55,17 @@ def test_gpu_job_with_nccl_s_own_order_cannot_be_exact_even_on_its_gpu():
     assert "replayable()" in flight.fix and any("NCCL_ALGO=Tree" in c for c in flight.caveats)
 
 
+def test_the_replays_own_collective_lifts_the_unknown_order_on_the_same_gpu():
+    """--collective: NCCL's order is not modelled but run; self-checked per step (a caveat, not a blocker)."""
+    flight = preflight.check(_manifest(_cuda(nccl_env={"NCCL_ALGO": "Tree"})), device="cuda", device_name=H100, collective=True)
+    assert flight.exact and flight.mechanism == "collective" and not flight.blockers
+    assert any("checked against the recorded reduced digest" in c for c in flight.caveats)
+    hooked = preflight.check(_manifest({"device_type": "cpu", "backend": "gloo", "comm_hook": "job.hooks.tree_mean"}), collective=True)
+    assert hooked.mechanism == "collective" and any("job.hooks.tree_mean is the first suspect" in c for c in hooked.caveats)
+    on_cpu = preflight.check(_manifest(_cuda()), device="cpu", collective=True)
+    assert not on_cpu.exact and on_cpu.blockers[0].startswith(f"trained on {H100}, replaying on cpu")
+
+
 def test_cudnn_benchmark_in_training_blocks_exactness():
     flight = preflight.check(_manifest(_cuda(reduction="ordered", cudnn_benchmark=True)), device="cuda", device_name=H100)
     assert not flight.exact and "cudnn.benchmark=True" in flight.blockers[0]
