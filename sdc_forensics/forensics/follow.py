@@ -155,7 +155,7 @@ def follow(trace_dir: str | os.PathLike, options, follow_options: FollowOptions,
     from sdc_forensics.errors import UsageError
 
     if options.no_ledger or options.trace_only:
-        raise UsageError("certify --follow records every interval in the ledger and replays: drop --no-ledger and --trace-only")
+        raise UsageError("certify --follow records every interval in the ledger and replays: drop --no-ledger (and SDC_FORENSICS_NO_LEDGER) and --trace-only")
     loop = _Loop(Path(trace_dir), options, follow_options, say or (lambda line: None), progress)
     with _Signals() as signals:
         loop.signals = signals
