@@ -10,6 +10,11 @@ Every command ends with one of :class:`ExitCode` (docs/bisect.md, the CLI's ``--
 * 4 inconclusive: nothing wrong found, but not everything examined (unverified), or a replay
   process lost under torchrun.
 
+``certify --follow`` reads them as a follower (``forensics/follow.py``): 1 it found an incident,
+4 it stopped (``--until-step``, ``--idle-timeout``, SIGTERM/SIGINT) with checkpoint intervals
+left unexamined, 0 every closed interval it saw was replayed exactly and clean. A signal is a
+clean stop, not an error: no 128+N code.
+
 The analysis' verdict chooses the code through :data:`EXIT_BY_VERDICT`, a checkpoint's status
 through :data:`EXIT_BY_STATUS`; both are keyed by the published spellings (the JSON ``verdict``
 and ``status`` values) and take the enums of ``decide.decision`` too. A training job stopped by

@@ -43,6 +43,8 @@ HEAVY = (
     "tests/recorder/test_training.py::test_nonfinite_check_raises_with_step_rank_and_host_w3",
     "tests/recorder/test_training.py::test_killed_rank_leaves_a_trace_readable_to_the_last_complete_step",
     "tests/recorder/test_training.py::test_resumed_run_is_a_new_attempt_that_supersedes_the_re_executed_steps",
+    "tests/forensics/test_follow.py::test_a_follower_killed_and_restarted_certifies_every_checkpoint_with_no_record_lost_or_duplicated",
+    "tests/forensics/test_follow.py::test_the_follower_names_the_step_and_rank_of_a_fault_within_one_interval",
 )
 
 
@@ -50,6 +52,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(HEAVY):
             item.add_marker(pytest.mark.heavy)
+
+
+@pytest.fixture(autouse=True)
+def _ledger_off_unless_asked(request, monkeypatch):
+    """Analyses leave the ledger alone (``--no-ledger``) unless a test is marked ``ledger``.
+
+    The session's demo runs and simulated runs are shared by many tests: a ledger in their trace
+    directory would let one test's replays stand in for the next test's (and a torchrun run for
+    the single-process run it is compared with). In-process analyses get ``no_ledger``; CLI
+    processes started by the test inherit ``SDC_FORENSICS_NO_LEDGER=1`` (``--no-ledger``'s variable).
+    """
+    if request.node.get_closest_marker("ledger") is not None:
+        monkeypatch.delenv("SDC_FORENSICS_NO_LEDGER", raising=False)
+        return
+    from sdc_forensics.forensics import ledger_use
+
+    monkeypatch.setenv("SDC_FORENSICS_NO_LEDGER", "1")
+    monkeypatch.setattr(ledger_use.LedgerUse, "open", classmethod(lambda cls, *args, **kwargs: None))
 
 
 @pytest.fixture

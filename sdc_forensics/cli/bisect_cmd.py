@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from sdc_forensics.cli.common import distributed_replay, run_analysis, trace_analysis_options
+from sdc_forensics.cli.common import distributed_replay, ledger_options, run_analysis, trace_analysis_options
 from sdc_forensics.cli.limits import read_limit_options
 from sdc_forensics.cli.output import emit_json, err
 from sdc_forensics.exitcodes import verdict_exit
@@ -18,6 +18,7 @@ from sdc_forensics.exitcodes import verdict_exit
 
 @click.command("bisect")
 @trace_analysis_options
+@ledger_options
 @click.option("--trace-only", is_flag=True, help="Use the trace alone: no replay, no checkpoint files, no torch.")
 @click.option("--max-replay-steps", type=click.IntRange(min=1),
               help="Stop widening backwards after this many replayed steps (checkpoints before stay unverified).")

@@ -76,6 +76,18 @@ def analysis_options(func):
                         help="Directory holding the checkpoint files (default: found from the trace: the paths the job wrote, also relative to the trace directory).")(func)
 
 
+def ledger_options(func):
+    """``--ledger PATH`` and ``--no-ledger`` (``bisect``, ``certify``, ``report``, ``verify-checkpoint --trace``):
+    the fields ``ledger_path`` and ``no_ledger`` of ``replay.options.AnalysisOptions``."""
+    func = click.option("--no-ledger", is_flag=True, envvar="SDC_FORENSICS_NO_LEDGER",
+                        help="Neither reuse nor append the ledger of examined intervals: replay every interval the analysis needs "
+                             "(also SDC_FORENSICS_NO_LEDGER=1).")(func)
+    func = click.option("--ledger", "ledger_path", type=click.Path(dir_okay=False, path_type=Path), metavar="PATH",
+                        help="The ledger of examined intervals (default: TRACE_DIR/ledger.jsonl): intervals it certifies are not "
+                             "replayed again, and every interval replayed now is appended (docs/checkpoints.md, 'The ledger').")(func)
+    return func
+
+
 def run_analysis(trace_dir, options):
     """``bisect`` with progress bars on stderr: the one analysis behind every command.
 

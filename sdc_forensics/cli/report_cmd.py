@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from sdc_forensics.cli.common import check_new_output, distributed_replay, force_option, run_analysis, trace_analysis_options
+from sdc_forensics.cli.common import check_new_output, distributed_replay, force_option, ledger_options, run_analysis, trace_analysis_options
 from sdc_forensics.cli.limits import read_limit_options
 from sdc_forensics.cli.output import SCHEMA_VERSION, emit_json, err, write_stdout
 from sdc_forensics.exitcodes import verdict_exit
@@ -15,6 +15,7 @@ from sdc_forensics.newfile import write_new_file
 
 @click.command("report")
 @trace_analysis_options
+@ledger_options
 @click.option("--trace-only", is_flag=True, help="Use the trace alone: no replay, no checkpoint files, no torch.")
 @click.option("-o", "--output", default="-", show_default=True,
               help="File to write (.html/.htm, .md or .json sets the format), or - for stdout.")

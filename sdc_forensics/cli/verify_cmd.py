@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from sdc_forensics.cli.common import Bars, analysis_options, distributed_replay
+from sdc_forensics.cli.common import Bars, analysis_options, distributed_replay, ledger_options
 from sdc_forensics.cli.limits import read_limit_options
 from sdc_forensics.cli.output import emit_json, err
 
@@ -25,6 +25,7 @@ from sdc_forensics.cli.output import emit_json, err
 @click.option("--certificate", "certificate_path", type=click.Path(path_type=Path), help="Certificate to confirm the file against.")
 @click.option("--json", "as_json", is_flag=True, help="Write one JSON document on stdout.")
 @analysis_options
+@ledger_options
 @read_limit_options
 @distributed_replay
 @click.pass_context

@@ -30,6 +30,38 @@ class ReplayedWindow:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ReusedWindow:
+    """Steps ``start..last`` taken from the ledger: replayed bit for bit and clean by an earlier
+    command (``record_ids``), not replayed now (``forensics/ledger_use.py``)."""
+
+    start: int
+    last: int
+    record_ids: tuple[str, ...]
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LedgerSummary:
+    """What an analysis took from the ledger and appended to it.
+
+    Attributes:
+        path: the ledger file.
+        reused: the windows taken from it instead of replayed.
+        appended: the ids of the records this analysis appended (one per replayed window).
+        notes: one line per record not reused, and a write failure.
+    """
+
+    path: str
+    reused: tuple[ReusedWindow, ...] = ()
+    appended: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def steps_reused(self) -> int:
+        return sum(w.last - w.start + 1 for w in self.reused)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ReplaySummary:
     """What was replayed, where, and how it was compared."""
 
@@ -38,6 +70,7 @@ class ReplaySummary:
     reduction_order: str = ""
     settings: dict = dataclasses.field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    ledger: LedgerSummary | None = None  # None: the ledger was not used (--no-ledger, trace-only)
 
     @property
     def comparison(self) -> str:

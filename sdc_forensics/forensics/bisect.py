@@ -83,6 +83,7 @@ def bisect(trace_dir: Trace | str | os.PathLike, options: AnalysisOptions, progr
     mode = "trace-only"
     replayed: set[int] = set()
     tolerant: set[int] = set()
+    reused: tuple = ()
     seed = int(trace.manifest.fingerprint.seed)
     if options.trace_only:
         settle.append("replay with the job's recipe and checkpoints (without --trace-only) to certify checkpoints and find "
@@ -110,13 +111,20 @@ def bisect(trace_dir: Trace | str | os.PathLike, options: AnalysisOptions, progr
                 settle.append("no checkpoint file was found intact: pass --checkpoints DIR")
             else:
                 mode = "replay"
-                summary, replay_evidence, replayed, tolerant = _replay(trace, tri, usable, recipe_ref, options, progress)
+                from sdc_forensics.forensics.ledger_use import LedgerUse
+
+                ledger = LedgerUse.open(trace, notes, options, say=getattr(progress, "note", None))
+                summary, replay_evidence, replayed, tolerant = _replay(trace, tri, usable, recipe_ref, options, progress, ledger)
                 evidence += replay_evidence
+                reused = summary.ledger.reused if summary.ledger is not None else ()
     evidence.sort(key=sort_key)
     first_step = tri.step_range[0] if tri.step_range else 0
-    examined = Examined(first_step=first_step, replayed=frozenset(replayed), tolerant_steps=frozenset(tolerant),
+    # steps the ledger certifies count as examined exactly, as if replayed now (ledger.reuse: a chain of exact clean records)
+    from_ledger = {s for w in reused for s in range(w.start, w.last + 1)}
+    examined = Examined(first_step=first_step, replayed=frozenset(replayed | from_ledger), tolerant_steps=frozenset(tolerant),
                         trace_consistent=not any(d.kind in UNTRUSTED_DAMAGE for d in tri.damage),
-                        files_read=bool(files), trace_only=options.trace_only, anchors=frozenset(w.start for w in summary.windows))
+                        files_read=bool(files), trace_only=options.trace_only,
+                        anchors=frozenset(w.start for w in summary.windows) | frozenset(w.start for w in reused))
     if options.trace_only:  # not read, but named: every checkpoint row has its path
         files = {n.step: CheckpointFile(path=_where(n, options, trace.path)) for n in notes}
     majority = majority_weights_digests(trace, [n.step for n in notes]) if notes else {}
@@ -157,11 +165,14 @@ def _scope(tri: TriageResult, summary: ReplaySummary) -> str:
     scope = f"trace checks over {steps}"
     windows = sorted(summary.windows, key=lambda w: w.start)
     done = [w for w in windows if w.last >= w.start]  # a window that stopped before its first step replayed nothing
+    reused = sorted(summary.ledger.reused, key=lambda w: w.start) if summary.ledger is not None else []
+    if reused:
+        scope += "; from the ledger steps " + ", ".join(f"{w.start}..{w.last}" for w in reused) + " (exact, replayed earlier)"
     if done:
         spans = ", ".join(f"{w.start}..{w.last}" if w.last > w.start else str(w.start) for w in done)
         scope += f"; replayed step{'s' if len(done) > 1 or done[0].last > done[0].start else ''} {spans} ({summary.comparison}) on {summary.device}"
     else:
-        scope += "; nothing replayed"
+        scope += "; nothing replayed" + (" now" if reused else "")
     empty = [w.start for w in windows if w.last < w.start]
     if empty:
         scope += f"; nothing replayable from checkpoint{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} (see the notes)"
@@ -216,13 +227,16 @@ def _storage_evidence(notes: list[CheckpointNote], files: dict[int, CheckpointFi
     return out
 
 
-def _replay(trace: Trace, tri: TriageResult, usable: list[CheckpointNote], recipe_ref: str, options: AnalysisOptions, progress):
-    """Replay the intervals that decide the run; ``(summary, evidence, replayed steps, tolerant steps)``."""
+def _replay(trace: Trace, tri: TriageResult, usable: list[CheckpointNote], recipe_ref: str, options: AnalysisOptions, progress,
+            ledger=None):
+    """Replay the intervals that decide the run, each one the ``ledger`` (``forensics.ledger_use.LedgerUse``, or
+    None) does not cover already; ``(summary, evidence, replayed steps, tolerant steps)``."""
     from sdc_forensics.replay.env import resolve_device
     from sdc_forensics.recipe import load_recipe
 
     resolve_device(options.device)  # a bad --device fails before any work
-    runner = _WindowRunner(trace, load_recipe(recipe_ref, args=trace.manifest.recipe_args), options, progress, _suspect_gpus(trace, tri))
+    runner = _WindowRunner(trace, load_recipe(recipe_ref, args=trace.manifest.recipe_args), options, progress, _suspect_gpus(trace, tri),
+                           ledger)
     starts = sorted(usable, key=lambda n: n.step)
     first_step, last_step = tri.step_range if tri.step_range else (0, -1)
     if tri.suspect_window is not None:
@@ -235,7 +249,15 @@ def _replay(trace: Trace, tri: TriageResult, usable: list[CheckpointNote], recip
     for note in reversed(starts):
         if note.step > hi:
             continue
-        if options.max_replay_steps is not None and runner.replayed_steps >= options.max_replay_steps:
+        if (options.max_replay_steps is not None and runner.replayed_steps >= options.max_replay_steps
+                and not (ledger is not None and ledger.covering(note.step, hi))):  # the limit is on replays, not on reuse
+            if ledger is not None and ledger.certifies_before(note.step):  # earlier intervals may still come from the ledger
+                runner.notes.append(f"steps {note.step}..{hi} not replayed (--max-replay-steps reached); earlier intervals "
+                                    "the ledger covers are still taken from it")
+                hi = note.step - 1
+                if hi < first_step:
+                    break
+                continue
             runner.notes.append(f"stopped widening after {runner.replayed_steps} replayed steps (--max-replay-steps): "
                                 f"steps {first_step}..{hi} not replayed")
             break
@@ -255,8 +277,20 @@ def _replay(trace: Trace, tri: TriageResult, usable: list[CheckpointNote], recip
     if options.scan_recurrence and found is not None:
         _scan_after(runner, starts, found, last_step)
     summary = ReplaySummary(windows=tuple(sorted(runner.windows, key=lambda w: w.start)), device=runner.device,
-                            reduction_order=runner.order, settings=runner.settings, notes=tuple(runner.notes))
+                            reduction_order=runner.order, settings=runner.settings, notes=tuple(runner.notes),
+                            ledger=ledger.summary() if ledger is not None else None)
     return summary, runner.evidence, runner.replayed, runner.tolerant
+
+
+def interval_runner(trace: Trace, options: AnalysisOptions, progress=None, ledger=None, recipe=None) -> "_WindowRunner":
+    """A runner of checkpoint-interval replays, as the walk above uses them: ``runner.replay(note, last_step, reason)``
+    reuses what ``ledger`` covers, replays the rest (second opinion on weak residuals included) and appends each
+    replay to the ledger. ``certify --follow`` replays interval by interval with it; ``recipe``: one loaded before."""
+    if recipe is None:
+        from sdc_forensics.recipe import load_recipe
+
+        recipe = load_recipe(options.recipe or trace.manifest.recipe, args=trace.manifest.recipe_args)
+    return _WindowRunner(trace, recipe, options, progress, _suspect_gpus(trace, triage_trace(trace)), ledger)
 
 
 def _intervals_below(starts: list[CheckpointNote], note: CheckpointNote, budget: int | None,
@@ -300,8 +334,9 @@ def _scan_after(runner: "_WindowRunner", starts: list[CheckpointNote], found: in
 class _WindowRunner:
     """Runs replay windows for one bisection and accumulates what they found."""
 
-    def __init__(self, trace: Trace, recipe, options: AnalysisOptions, progress, suspect_gpus: dict[str, int]) -> None:
+    def __init__(self, trace: Trace, recipe, options: AnalysisOptions, progress, suspect_gpus: dict[str, int], ledger=None) -> None:
         self.trace, self.recipe, self.options, self.progress, self.suspect_gpus = trace, recipe, options, progress, suspect_gpus
+        self.ledger = ledger  # forensics.ledger_use.LedgerUse: intervals it covers are not replayed; each replay is appended
         self.windows: list[ReplayedWindow] = []
         self.evidence: list[Evidence] = []
         self.notes: list[str] = []
@@ -331,7 +366,8 @@ class _WindowRunner:
         from sdc_forensics.replay.env import resolve_device
 
         group = distributed.current()
-        plan = [(note, hi) for note, hi in plan if (note.step, hi, self.options.num_threads, True, self.order) not in self.done]
+        plan = [(note, hi) for note, hi in plan if (note.step, hi, self.options.num_threads, True, self.order) not in self.done
+                and not (self.ledger is not None and self.ledger.covering(note.step, hi))]
         if group is None or len(plan) < 2 or self.last_replayed is None or self.options.collective:
             return  # --collective: every process replays every step together, one collective per bucket
         costs = distributed.measured_costs(*self.last_replayed)
@@ -375,8 +411,17 @@ class _WindowRunner:
         """Replay ``note.step..hi`` from checkpoint ``note``; None when it does not hold the replicas' weights."""
         from sdc_forensics.replay.replayer import StartStateMismatch
 
+        if self.ledger is not None:
+            reused = self.ledger.reuse(note.step, hi, reason)
+            if reused is not None:
+                say = getattr(self.progress, "note", None)
+                if say is not None:
+                    span = f"step {note.step}" if hi == note.step else f"steps {note.step}..{hi}"
+                    say(f"{span} not replayed: the ledger holds their exact clean replay (record {', '.join(reused.record_ids)})")
+                return _FROM_LEDGER
         if self.progress is not None:
             self.progress.window(note.step, hi, reason)
+        started = time.perf_counter()
         try:
             result = self._run(note, hi, self.options.num_threads)
         except StartStateMismatch as exc:
@@ -396,6 +441,8 @@ class _WindowRunner:
                                            tolerant_from=result.tolerant_from, reason=reason,
                                            max_residual_ratio=result.max_residual_ratio))
         self.evidence += evidence
+        if self.ledger is not None:
+            self.ledger.append(note, hi + 1, result, evidence, time.perf_counter() - started)
         self.replayed_steps += result.num_steps
         self.replayed.update(range(note.step, result.last_step + 1))
         if result.tolerant_from is not None:
@@ -469,6 +516,16 @@ class _WindowRunner:
         if any(e.is_weak for e in kept):
             self.notes.append(f"steps {note.step}..{upto}: a second replay at {threads} threads reproduced the weak residual(s)")
         return kept
+
+
+@dataclasses.dataclass(frozen=True)
+class _FromLedger:
+    """An interval taken from the ledger: replayed exactly and clean before, so no divergence in it."""
+
+    first_divergent_step: None = None
+
+
+_FROM_LEDGER = _FromLedger()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from sdc_forensics.triage.evidence import Evidence
 from sdc_forensics.decide.decision import Status
-from sdc_forensics.decide.verdict import BisectResult, ReplayedWindow, ReplaySummary, Verdict
+from sdc_forensics.decide.verdict import BisectResult, LedgerSummary, ReplayedWindow, ReplaySummary, Verdict
 from sdc_forensics.present.text import new_table, ranks_text
 from sdc_forensics.trace.ends import STOPPED_EARLY
 
@@ -45,9 +45,29 @@ def bisect_document(result: BisectResult) -> dict[str, Any]:
 
 
 def _replayed_document(replay: ReplaySummary) -> dict[str, Any]:
-    return {"windows": [_window_document(w) for w in replay.windows], "device": replay.device, "comparison": replay.comparison,
-            "steps_replayed": replay.steps_replayed, "reduction_order": replay.reduction_order or None,
-            "settings": replay.settings, "notes": list(replay.notes)}
+    doc = {"windows": [_window_document(w) for w in replay.windows], "device": replay.device, "comparison": replay.comparison,
+           "steps_replayed": replay.steps_replayed, "reduction_order": replay.reduction_order or None,
+           "settings": replay.settings, "notes": list(replay.notes)}
+    if replay.ledger is not None:
+        doc["ledger"] = ledger_document(replay.ledger)
+    return doc
+
+
+def ledger_document(ledger: LedgerSummary) -> dict[str, Any]:
+    """The ``ledger`` object of the JSON documents: what came from the ledger, what was appended (docs/json.md)."""
+    return {"path": ledger.path, "steps_reused": ledger.steps_reused, "appended": list(ledger.appended), "notes": list(ledger.notes),
+            "reused": [{"from": w.start, "last": w.last, "records": list(w.record_ids), "reason": w.reason} for w in ledger.reused]}
+
+
+def render_ledger(ledger: LedgerSummary | None, console) -> None:
+    """One line per window taken from the ledger, and one for what was appended."""
+    if ledger is None:
+        return
+    for w in sorted(ledger.reused, key=lambda w: w.start):
+        span = f"step {w.start}" if w.last == w.start else f"steps {w.start}..{w.last}"
+        console.print(f"  {span} from the ledger (exact, clean; record {', '.join(w.record_ids)})")
+    if ledger.appended:
+        console.print(f"[dim]ledger {escape(ledger.path)}: {len(ledger.appended)} record(s) appended[/]")
 
 
 def _window_document(window: ReplayedWindow) -> dict[str, Any]:
@@ -96,6 +116,9 @@ def render_bisect(result: BisectResult, console) -> None:
             else:
                 span = f"step {w.start}" if w.last == w.start else f"steps {w.start}..{w.last}"
                 console.print(f"  {span} from checkpoint {w.start} ({w.comparison}): {escape(w.reason)}")
+    elif replay.ledger is not None and replay.ledger.reused:
+        console.print("Nothing replayed now:")
+    render_ledger(replay.ledger, console)
     for note in (*replay.notes, *result.notes):
         console.print(f"[dim]note: {escape(note)}[/]")
     for line in result.settle:

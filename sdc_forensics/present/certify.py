@@ -34,7 +34,32 @@ def certify_document(cert: Certification, certificate_out: str | Path | None = N
         "certificate": str(certificate_out) if certificate_out else None,
         "exit_code": cert.exit_code,
         "preflight": None if result.preflight is None else result.preflight.to_json(),
+        "coverage": [coverage_document(c) for c in cert.coverage],
     }
+
+
+def coverage_document(c) -> dict[str, Any]:
+    """One checkpoint's coverage (``forensics.certify.Coverage``): step spans ``[first, last]`` by what examined them."""
+    def spans(values):
+        return [list(v) for v in values]
+
+    return {"step": c.step, "exact_now": spans(c.exact_now), "exact_ledger": spans(c.exact_ledger), "tolerant": spans(c.tolerant),
+            "online_only": spans(c.online_only), "nothing": spans(c.nothing), "lacking_replay": spans(c.lacking_replay),
+            "ledger_records": list(c.record_ids)}
+
+
+def coverage_text(c) -> str:
+    """One line: what examined the steps before checkpoint ``c.step``."""
+    def spans(values) -> str:
+        return ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in values)
+
+    parts = [f"{label} {spans(v)}" for label, v in (("exact now", c.exact_now), ("exact from the ledger", c.exact_ledger),
+                                                    ("tolerant", c.tolerant), ("online checks only", c.online_only),
+                                                    ("nothing", c.nothing)) if v]
+    text = f"checkpoint {c.step}: " + ("; ".join(parts) if parts else "no step before it")
+    if c.lacking_replay:
+        text += f" — lacks exact replay: steps {spans(c.lacking_replay)}"
+    return text
 
 
 def render_certify(cert: Certification, console, certificate_out: str | Path | None = None) -> None:
@@ -46,6 +71,8 @@ def render_certify(cert: Certification, console, certificate_out: str | Path | N
         table.add_row(str(s.step), f"[{style}]{s.status.value}[/]", escape(Path(s.path).name if s.path else "(not read)"),
                       escape("; ".join(s.reasons)))
     console.print(table)
+    for c in cert.coverage:
+        console.print(f"[dim]coverage:[/] {escape(coverage_text(c))}")
     for line in result.damage:
         console.print(f"[yellow]trace damage:[/] {escape(line)}")
     for path in cert.unnoted:
@@ -70,3 +97,38 @@ def render_certify(cert: Certification, console, certificate_out: str | Path | N
         console.print(f"[bold green]resume from step {resume.step}[/]: {escape(resume.path)} ({resume.status.value}){after}")
     if certificate_out is not None:
         console.print(f"certificate written to {escape(str(certificate_out))}")
+
+
+def follow_document(outcome) -> dict[str, Any]:
+    """The ``certify --follow --json`` document: ``certify``'s document of the analysis the follower
+    ended with (the incident's, or the ledger's alone), plus ``follow``: what it replayed, its lag,
+    why it stopped, and the incident as ``bisect --json`` prints it (docs/json.md)."""
+    from sdc_forensics.present.bisect import bisect_document
+
+    incident = outcome.incidents[-1] if outcome.incidents else None
+    doc = certify_document(outcome.final) if outcome.final is not None else {"command": "certify"}
+    doc["follow"] = {
+        "stopped_by": outcome.stopped_by,
+        "lag": outcome.lag,
+        "exit_code": int(outcome.exit_code),
+        "intervals": [{"from": i.start, "last": i.last, "outcome": i.outcome, "comparison": i.comparison,
+                       "record": i.record_id or None, "lag": i.lag} for i in outcome.intervals],
+        "unreplayable": [list(span) for span in outcome.unreplayable],
+        "incident": None if incident is None else bisect_document(incident.analysis),
+    }
+    return doc
+
+
+def render_follow(outcome, console) -> None:
+    """The incident (as ``bisect`` prints it) or the final statuses, then one line on what the follower did."""
+    from sdc_forensics.present.bisect import render_bisect
+
+    if outcome.incidents:
+        console.print("[bold red]incident[/] found while following the run:")
+        render_bisect(outcome.incidents[-1].analysis, console)
+    elif outcome.final is not None:
+        render_certify(outcome.final, console)
+    replayed = [i for i in outcome.intervals if i.outcome != "reused"]
+    console.print(f"follower stopped ({outcome.stopped_by}): {len(replayed)} interval(s) replayed, "
+                  f"{len(outcome.intervals) - len(replayed)} already in the ledger, lag {outcome.lag} interval(s)"
+                  + (f", {len(outcome.unreplayable)} not replayable (checkpoint file gone)" if outcome.unreplayable else ""))

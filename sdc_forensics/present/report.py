@@ -156,13 +156,15 @@ def reproduce_commands(request: ReportRequest, result: BisectResult) -> tuple[li
         opts.append("--force-device")
     if chosen.collective:  # under torchrun, one process per recorded rank
         opts.append("--collective")
+    if chosen.ledger_path is not None and not (chosen.no_ledger or chosen.trace_only):  # a rerun without --no-ledger: same answer, less work
+        opts += ["--ledger", str(chosen.ledger_path)]
     trace = str(request.trace_dir)
     report = ["sdc-forensics", "report", trace, *opts, "--format", request.fmt]
     report += ["-o", request.output, "--force"] if request.output != "-" else []
     notes = []
     prefix = ""
     recipe = chosen.recipe or request.manifest_recipe
-    if result.mode == "replay" and result.replayed.windows:
+    if result.mode == "replay" and (result.replayed.windows or (result.replayed.ledger and result.replayed.ledger.reused)):
         root = recipe_import_root(recipe)
         if root is not None:
             prefix = f"PYTHONPATH={shlex.quote(str(root))}${{PYTHONPATH:+:$PYTHONPATH}} "
@@ -184,6 +186,10 @@ def checked(result: BisectResult) -> list[str]:
         span = f"step {w.start}" if w.last == w.start else f"steps {w.start}..{w.last}"
         out.append(f"Replayed {span} from checkpoint {w.start} on {replay.device or '?'} "
                    f"({w.comparison}" + (f" from step {w.tolerant_from}" if w.tolerant_from is not None else "") + f"): {w.reason}.")
+    for w in sorted(replay.ledger.reused, key=lambda w: w.start) if replay.ledger is not None else ():
+        span = f"step {w.start}" if w.last == w.start else f"steps {w.start}..{w.last}"
+        out.append(f"Took {span} from the ledger {replay.ledger.path}: replayed exactly and found clean earlier "
+                   f"(record {', '.join(w.record_ids)}); not replayed again.")
     files = [c for c in result.checkpoints if c.report is not None or c.findings]
     if files:
         out.append("Checkpoint file(s) read and verified: " + ", ".join(str(c.step) for c in files) + ".")
@@ -196,9 +202,14 @@ def not_checked(result: BisectResult, end: "RunEnd | None" = None) -> list[str]:
     out: list[str] = []
     if result.mode == "trace-only":
         out.append("Nothing was replayed (--trace-only): faults the trace cannot see were not looked for, and no checkpoint file was read.")
+    from sdc_forensics.forensics.certify import coverage_of
+
+    lacking = {c.step: c.lacking_replay for c in coverage_of(result)}
     for c in result.checkpoints:
         if c.status.value == "unverified":
-            out.append(f"Checkpoint {c.step} is unverified: " + ("; ".join(c.reasons[:2]) or "not every step before it was examined") + ".")
+            spans = ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in lacking.get(c.step, ()))
+            out.append(f"Checkpoint {c.step} is unverified: " + ("; ".join(c.reasons[:2]) or "not every step before it was examined")
+                       + (f" (steps without an exact replay: {spans})" if spans else "") + ".")
     if result.replayed.comparison == "tolerant":
         out.append("Replay was compared within tolerance, not bit for bit: faults below the replay's drift are invisible to it.")
     if end is not None and end.stopped_early:

@@ -39,6 +39,9 @@ class AnalysisOptions:
             with one process per recorded rank, the recorded NCCL settings pinned) instead of
             modelling the sum; self-checked against the recorded reduced digest at every step
             (``replay.distributed.collective_mean``).
+        ledger_path: the ledger of examined intervals (None: ``TRACE_DIR/ledger.jsonl``,
+            ``ledger.store.ledger_path``).
+        no_ledger: neither reuse nor append ledger records: replay everything the analysis needs.
     """
 
     checkpoints_dir: Path | None = None
@@ -52,6 +55,8 @@ class AnalysisOptions:
     scan_recurrence: bool = False
     checkpoint_paths: dict[int, Path] = dataclasses.field(default_factory=dict)
     collective: bool = False
+    ledger_path: Path | None = None
+    no_ledger: bool = False
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:

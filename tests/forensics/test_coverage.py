@@ -1,0 +1,40 @@
+"""Coverage per checkpoint: each step before it counted once, under the strongest examination it had.
+
+Spans are checked against values worked out by hand for a run of steps 0..39, checkpoints every
+10: the ledger holds 0..9 exactly, this analysis replayed 10..19 exactly and 20..29 exactly up to
+step 24 then within tolerance, and 30..39 was not replayed.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from sdc_forensics.decide.verdict import LedgerSummary, ReplayedWindow, ReplaySummary, ReusedWindow
+from sdc_forensics.forensics.certify import coverage_of
+from sdc_forensics.present.certify import coverage_text
+
+RECORD = "a" * 32
+
+
+def _result():
+    windows = (ReplayedWindow(start=10, stop=19, last=19, comparison="exact", tolerant_from=None, reason=""),
+               ReplayedWindow(start=20, stop=29, last=29, comparison="tolerant", tolerant_from=25, reason=""))
+    ledger = LedgerSummary(path="ledger.jsonl", reused=(ReusedWindow(start=0, last=9, record_ids=(RECORD,)),))
+    checkpoints = tuple(SimpleNamespace(step=n) for n in (0, 10, 20, 30, 40, 50))
+    return SimpleNamespace(step_range=(0, 39), replayed=ReplaySummary(windows=windows, ledger=ledger), checkpoints=checkpoints)
+
+
+def test_each_step_counts_once_under_its_strongest_examination():
+    by_step = {c.step: c for c in coverage_of(_result())}
+    assert by_step[0].exact_now == by_step[0].exact_ledger == by_step[0].lacking_replay == ()
+    assert (by_step[10].exact_ledger, by_step[10].exact_now, by_step[10].record_ids) == (((0, 9),), (), (RECORD,))
+    assert by_step[20].exact_now == ((10, 19),) and by_step[20].lacking_replay == ()
+    assert by_step[30].exact_now == ((10, 24),) and by_step[30].tolerant == ((25, 29),)
+    assert by_step[40].online_only == ((30, 39),) and by_step[40].lacking_replay == ((25, 39),)
+    assert by_step[50].nothing == ((40, 49),) and by_step[50].lacking_replay == ((25, 49),)
+
+
+def test_the_line_for_people_names_what_lacks_replay():
+    line = coverage_text(coverage_of(_result())[4])
+    assert line == ("checkpoint 40: exact now 10..24; exact from the ledger 0..9; tolerant 25..29; online checks only 30..39"
+                    " — lacks exact replay: steps 25..39")

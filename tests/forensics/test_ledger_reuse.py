@@ -1,0 +1,125 @@
+"""Every analysis reuses the ledger: an interval replayed exactly and clean once is not replayed again.
+
+Real 4-process gloo demo runs (made once per session, copied before a ledger is written beside
+their trace). What is checked against something independent of the ledger code: the statuses and
+the answer of a run analysed without any ledger (``--no-ledger``), and the step counts of the
+intervals, from the checkpoint spacing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from sdc_forensics.cli.main import cli
+from sdc_forensics.forensics.bisect import bisect
+from sdc_forensics.forensics.certify import certify
+from sdc_forensics.ledger import read_ledger
+from sdc_forensics.replay.options import AnalysisOptions
+from tests.schema_check import assert_valid
+
+pytestmark = [pytest.mark.slow, pytest.mark.ledger]
+
+STEPS, EVERY = 12, 3  # checkpoints 0, 3, 6, 9, 12: four intervals of three steps
+FAULT = "grad:step=7:rank=2:bit=31"
+
+
+def _copy(demo_run, tmp_path: Path, spec) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(demo_run(spec, steps=STEPS, checkpoint_every=EVERY), out)
+    return out / "trace"
+
+
+def _statuses(result) -> list[tuple[int, str]]:
+    return [(c.step, c.status.value) for c in result.checkpoints]
+
+
+def _answer(result) -> tuple:
+    last = result.last_clean_checkpoint
+    return (result.verdict.value, result.first_divergent_step, tuple(s.rank for s in result.suspects),
+            None if last is None else last.step)
+
+
+def test_a_clean_run_certified_twice_replays_nothing_the_second_time(demo_run, tmp_path):
+    trace = _copy(demo_run, tmp_path, ())
+    first = certify(trace, AnalysisOptions())
+    assert first.analysis.replayed.steps_replayed == STEPS  # every step replayed once: 0..11
+    assert first.exit_code == 0 and first.resume is not None and first.resume.step == 12
+    ledger = first.analysis.replayed.ledger
+    assert ledger is not None and len(ledger.appended) == STEPS // EVERY and not ledger.reused
+    assert [r.record_id for r in read_ledger(trace / "ledger.jsonl").records] == list(ledger.appended)
+
+    second = certify(trace, AnalysisOptions())
+    assert second.analysis.replayed.steps_replayed == 0
+    assert _statuses(second.analysis) == _statuses(first.analysis)
+    again = second.analysis.replayed.ledger
+    assert not again.appended and again.steps_reused == STEPS
+    assert {i for w in again.reused for i in w.record_ids} == set(ledger.appended)  # every record cited
+    assert "from the ledger" in second.analysis.scope
+
+    # coverage in plain view: every step before each checkpoint replayed exactly, earlier, by the records cited
+    runner = CliRunner()
+    doc = assert_valid(runner.invoke(cli, ["certify", str(trace), "--json"]).stdout, "certify")
+    assert [(c["step"], c["exact_ledger"], c["exact_now"], c["lacking_replay"]) for c in doc["coverage"]] == \
+        [(n, [[0, n - 1]] if n else [], [], []) for n in range(0, STEPS + 1, EVERY)]
+    assert set(doc["coverage"][-1]["ledger_records"]) == set(ledger.appended)
+
+    # --no-ledger: everything replayed again, the ledger neither read nor extended
+    res = runner.invoke(cli, ["certify", str(trace), "--json", "--no-ledger"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert [(c["step"], c["status"]) for c in doc["checkpoints"]] == _statuses(first.analysis)
+    assert len(read_ledger(trace / "ledger.jsonl").records) == STEPS // EVERY
+    res = runner.invoke(cli, ["bisect", str(trace), "--json", "--no-ledger"])
+    assert json.loads(res.stdout)["replayed"]["steps_replayed"] == STEPS
+    assert "ledger" not in json.loads(res.stdout)["replayed"]
+
+    # a ledger that cannot be written is one warning line, never a failure
+    res = runner.invoke(cli, ["certify", str(trace), "--json", "--ledger", str(trace.parent / "no-such-folder" / "ledger.jsonl")])
+    assert res.exit_code == 0 and res.stderr.count("cannot append to the ledger") == 1
+    assert [(c["step"], c["status"]) for c in json.loads(res.stdout)["checkpoints"]] == _statuses(first.analysis)
+
+
+def test_a_fault_run_bisected_twice_replays_at_most_one_interval_and_names_the_same_answer(demo_run, tmp_path):
+    trace = _copy(demo_run, tmp_path, FAULT)
+    plain = bisect(trace, AnalysisOptions(no_ledger=True))
+    assert plain.first_divergent_step == 7 and [s.rank for s in plain.suspects] == [2]
+    assert not (trace / "ledger.jsonl").exists()
+
+    first = bisect(trace, AnalysisOptions())
+    second = bisect(trace, AnalysisOptions())
+    assert _answer(first) == _answer(second) == _answer(plain)
+    assert _statuses(second) == _statuses(plain)
+    assert second.replayed.steps_replayed <= EVERY  # the interval holding the evidence, at most
+    reused = {s for w in second.replayed.ledger.reused for s in range(w.start, w.last + 1)}
+    assert set(range(0, 6)) <= reused  # the clean intervals before the fault came from the ledger
+
+    # through the CLI, --json says which intervals came from the ledger (with their records)
+    res = CliRunner().invoke(cli, ["bisect", str(trace), "--json"])
+    doc = assert_valid(json.loads(res.stdout), "bisect")
+    assert res.exit_code == 1 and doc["first_divergent_step"] == 7
+    ids = {r.record_id for r in read_ledger(trace / "ledger.jsonl").records}
+    assert doc["replayed"]["ledger"]["reused"] and all(set(w["records"]) <= ids for w in doc["replayed"]["ledger"]["reused"])
+
+
+def test_a_record_citing_a_replaced_checkpoint_file_is_not_reused(demo_run, tmp_path):
+    trace = _copy(demo_run, tmp_path, ())
+    certify(trace, AnalysisOptions())
+    checkpoint = trace.parent / "checkpoints" / "step-00000003.pt"
+    info = checkpoint.stat()
+    os.utime(checkpoint, ns=(info.st_atime_ns, info.st_mtime_ns + 1_000_000_000))  # same bytes, saved again later
+    again = certify(trace, AnalysisOptions())
+    # the records from or to checkpoint 3 (steps 0..2 and 3..5) are replayed again; the others are reused
+    assert sorted((w.start, w.last) for w in again.analysis.replayed.windows) == [(0, 2), (3, 5)]
+    assert sorted((w.start, w.last) for w in again.analysis.replayed.ledger.reused) == [(6, 8), (9, 11)]
+    replaced = [n for n in again.analysis.replayed.ledger.notes if "was replaced" in n]
+    assert len(replaced) == 2 and all("step-00000003.pt" in n for n in replaced)
+    assert again.exit_code == 0 and again.resume.step == 12
+    # the new records cite the file as it is now: a third analysis replays nothing
+    res = CliRunner().invoke(cli, ["bisect", str(trace), "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["replayed"]["steps_replayed"] == 0
