@@ -50,6 +50,11 @@ def _strength(residual: float, tol: float, tolerant: bool, recorded_layout: bool
 class StepComparisons:
     """Comparison methods of the replayer (mixin)."""
 
+    #: Set by the replayer per window; these defaults are the plain single-process replay.
+    collective = False  # all-reduce with the replay's own process group (--collective)
+    compress = None  # the dtype the job's comm hook compressed the all-reduce to
+    collective_missed = ""  # why the own collective did not reproduce a step, once said
+
     def _compare_locals(self, step, recs, ranks, tolerant, drift, recorded_layout):
         """Ranks whose recomputation disagrees; None when all differ but only within tolerance."""
         bad, evidence, within = [], [], []
