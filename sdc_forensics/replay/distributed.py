@@ -476,7 +476,7 @@ def _pack(buffer, base: int, rs) -> None:
     header = np.zeros(_HEADER_BYTES // 8, dtype=np.uint64)
     header[:1] = np.array([rs.loss], dtype=np.float64).view(np.uint64)
     header[1], header[2] = np.uint64(rs.digest), np.uint64(rs.input_digest)
-    header[3] = np.uint64(1 if rs.rng_dependent else 0)
+    header[3] = np.uint64(1 if getattr(rs, "rng_dependent", False) else 0)  # a step object may predate the flag
     buffer[base:base + _HEADER_BYTES].copy_(torch.from_numpy(header.view(np.uint8)))
     offset = base + _HEADER_BYTES
     for bucket in rs.buckets:

@@ -357,7 +357,7 @@ class Replayer(StepComparisons):
             drift = 0 if tolerant_from is None else step - tolerant_from
             self.module_buffers.begin_step()
             ranks = distributed.local_steps(self, model, recs, layout, step)  # under torchrun: shared out, then exchanged
-            if any(rs.rng_dependent for rs in ranks):
+            if any(getattr(rs, "rng_dependent", False) for rs in ranks):
                 notes.append(f"step {step}: the recipe's step draws from the global RNG (dropout or augmentation not seeded "
                              "from the microbatch ID): training's draws came from RNG states the trace does not hold, so no "
                              "replayed step can be compared; seed them in the recipe (docs/recipes.md), nothing is judged here")
