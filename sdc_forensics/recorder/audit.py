@@ -35,6 +35,21 @@ from sdc_forensics.statedict import tensor_digests
 from sdc_forensics.trace.format import Flag
 
 
+def inexact_reason(device: torch.device) -> str | None:
+    """Why an audit recomputation on ``device`` cannot be bitwise exact under the job's current
+    settings (None when it can): on a GPU, non-deterministic kernels (atomics, the cuDNN autotuner)
+    may give another gradient for the same microbatch on a healthy GPU, so a mismatch is not a vote.
+    Read at every audited step, so a job that turns determinism on after attaching is audited."""
+    if device.type != "cuda":
+        return None  # CPU kernels are deterministic at a given thread count (the audit uses the subject's)
+    if not torch.are_deterministic_algorithms_enabled():
+        return ("the job allows non-deterministic GPU kernels (torch.use_deterministic_algorithms(False)): a "
+                "recomputation need not match a healthy rank bit for bit")
+    if torch.backends.cudnn.benchmark:
+        return "cudnn.benchmark=True lets the autotuner pick other kernels for a recomputation"
+    return None
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OwnResult:
     """What a rank computed itself at the audited step."""

@@ -63,7 +63,7 @@ from sdc_forensics.fingerprint import core as fp_core
 from sdc_forensics.fingerprint.core import Fingerprint, PendingFingerprint, combine_digests, digests, warm_up
 from sdc_forensics.inject import FaultSpec, Injector, parse_spec
 from sdc_forensics.recorder import checks, ordered, records
-from sdc_forensics.recorder.audit import AuditOutcome, OwnResult, run_audit
+from sdc_forensics.recorder.audit import AuditOutcome, OwnResult, inexact_reason, run_audit
 from sdc_forensics.recorder.checkpointing import CheckpointSite, save_checkpoint
 from sdc_forensics.recorder.hooks import LOSSY_HOOKS, BucketTap, compressed_dtype, hook_name
 from sdc_forensics.recorder.identity import complete_identities, local_identity, make_attempt, node_map
@@ -226,6 +226,7 @@ class Recorder:
         self.threads = ThreadWatch(self.rank)
         self._first_step: int | None = None  # the first step this attempt began (checkpoint advice)
         self._checkpointed = False  # a checkpoint was saved in this attempt (the first one is checked once)
+        self._said_inexact = False  # the audits skipped for non-deterministic GPU kernels were said once
         self._steps_written = 0  # STEP records of this attempt, and the last one's step (END record)
         self._last_step_written = self.options.start_step
 
@@ -416,7 +417,14 @@ class Recorder:
                 if bad[self.rank]:
                     state.flags |= int(F.Flag.ALLREDUCE_MISMATCH)
         if self.options.audits(state.step):
-            findings.extend(self._audit(state))
+            inexact = inexact_reason(self.device)  # the same on every rank: all skip, or none
+            if inexact is None:
+                findings.extend(self._audit(state))
+            elif not self._said_inexact:
+                self._said_inexact = True
+                if self.rank == 0:
+                    log.warning("sdc-forensics: audits are on, but %s: they are skipped, not voted; make the run "
+                                "replayable (sdc_forensics.recorder.replayable()) for audits that can name a rank", inexact)
         self._react(state, findings)
         return None
 
