@@ -219,10 +219,15 @@ def _compressed_bucket(src: list[torch.Tensor], order: str, dtype: torch.dtype, 
     return target.copy_(acc)
 
 
+def attempt_determinism(trace, attempt: int) -> dict:
+    """The numerics contract ``attempt`` recorded ({} when it recorded none)."""
+    return next((dict(a.determinism) for a in trace.manifest.attempts if a.attempt == attempt), {})
+
+
 def collective_suspect(trace, attempt: int) -> str:
     """The recorded setting most likely to make the replay's own collective add in another order
     than the job's did (for the note of a step it does not reproduce)."""
-    recorded = next((dict(a.determinism) for a in trace.manifest.attempts if a.attempt == attempt), {})
+    recorded = attempt_determinism(trace, attempt)
     hook = str(recorded.get("comm_hook") or "")
     if hook:
         return f"the job's own comm hook {hook}, which reduces in its own order (record with RecorderOptions(reduction=\"ordered\"))"

@@ -190,9 +190,6 @@ class Replayer(StepComparisons):
         self.grad_dtype = trace.manifest.fingerprint.grad_dtype
         self.world_size = trace.world_size
         self.known_order = ""  # the summation order that reproduced this run's all-reduce, once seen
-        self.collective = False  # all-reduce with the replay's own process group (--collective)
-        self.compress: torch.dtype | None = None  # the dtype the job's comm hook compressed the all-reduce to
-        self.collective_missed: str = ""  # why the own collective did not reproduce a step, once said
         self.forced_threads = 0  # --threads
         self.default_threads = 0  # the manifest's count, for traces without per-step counts
         self.max_ratio = 0.0  # the largest tolerant residual / tolerance seen (clean artefacts are measured with it)
@@ -221,7 +218,7 @@ class Replayer(StepComparisons):
             # state: a different gradient means the step depends on draws training made from an RNG
             # state the trace does not hold, and no comparison of it can be trusted.
             first = [None if g is None else g.clone() for g in grads]
-            _set_rng_states(self.device, _perturbed(entry))
+            _set_rng_states(self.device, _perturbed(self.device, entry))
             again, _, _ = self._gradients(model, params, record)
             self.rng_dependent = any((a is None) != (b is None) or (a is not None and not torch.equal(a, b)) for a, b in zip(first, again))
             _set_rng_states(self.device, entry)
@@ -350,7 +347,7 @@ class Replayer(StepComparisons):
             layout, recorded_layout = env.layout_at(layouts[attempt], step, len(params))
             if _recorded_reduction(self.trace, attempt) == env.ORDERED:
                 self.known_order = env.ORDERED  # the order is known before any step: exact on any device
-            self.compress = env.compression_of(_attempt_determinism(self.trace, attempt))
+            self.compress = env.compression_of(env.attempt_determinism(self.trace, attempt))
             if not recorded_layout and tolerant_from is None:
                 tolerant_from = step
                 notes.append("no bucket layout recorded: gradients compared by norm within tolerance only")
@@ -465,15 +462,16 @@ def _set_rng_states(device: torch.device, states: list[bytes]) -> None:
         torch.cuda.set_rng_state(torch.frombuffer(bytearray(states[1]), dtype=torch.uint8), device)
 
 
-def _perturbed(states: list[bytes]) -> list[bytes]:
-    """Other RNG states than ``states`` (a fixed seed, or another one if that is where they are)."""
-    saved = torch.random.get_rng_state()
+def _perturbed(device: torch.device, states: list[bytes]) -> list[bytes]:
+    """RNG states other than ``states`` (a fixed seed, or the next one if that is where they are);
+    the current states are left as they were."""
+    saved = _rng_states(device)
     for seed in (0x5DC, 0x5DD):
         torch.manual_seed(seed)
-        other = [torch.random.get_rng_state().numpy().tobytes()] + ([torch.cuda.get_rng_state().numpy().tobytes()] if len(states) > 1 else [])
+        other = _rng_states(device)
         if other[0] != states[0]:
             break
-    torch.random.set_rng_state(saved)
+    _set_rng_states(device, saved)
     return other
 
 
@@ -485,14 +483,9 @@ def _recorded_threads(trace: Trace) -> int | None:
     return None
 
 
-def _attempt_determinism(trace: Trace, attempt: int) -> dict:
-    """The numerics contract ``attempt`` recorded ({} when it recorded none)."""
-    return next((dict(a.determinism) for a in trace.manifest.attempts if a.attempt == attempt), {})
-
-
 def _recorded_reduction(trace: Trace, attempt: int) -> str:
     """The all-reduce mechanism ``attempt`` recorded (``native`` for traces that predate the field)."""
-    return str(_attempt_determinism(trace, attempt).get("reduction") or "native")
+    return str(env.attempt_determinism(trace, attempt).get("reduction") or "native")
 
 
 def _recorded_numerics(trace: Trace, step: int) -> dict:
