@@ -39,13 +39,19 @@ def certify_document(cert: Certification, certificate_out: str | Path | None = N
 
 
 def coverage_document(c) -> dict[str, Any]:
-    """One checkpoint's coverage (``forensics.certify.Coverage``): step spans ``[first, last]`` by what examined them."""
+    """One checkpoint's coverage (``decide.coverage.Coverage``): step spans ``[first, last]`` by what examined them,
+    the online checks of the steps no replay examined and what replaying what lacks replay costs."""
     def spans(values):
         return [list(v) for v in values]
 
+    online = None if c.online is None else {
+        "steps": c.online.steps, "complete": c.online.complete, "gradients": c.online.gradients, "weights": c.online.weights,
+        "audited": list(c.online.audited), "world_size": c.online.world_size, "text": c.online.describe()}
+    cost = None if c.cost is None else {"rank_steps": c.cost.rank_steps, "seconds_per_rank_step": c.cost.seconds_per_rank_step,
+                                        "seconds": c.cost.seconds, "ledger_records": c.cost.records}
     return {"step": c.step, "exact_now": spans(c.exact_now), "exact_ledger": spans(c.exact_ledger), "tolerant": spans(c.tolerant),
             "online_only": spans(c.online_only), "nothing": spans(c.nothing), "lacking_replay": spans(c.lacking_replay),
-            "ledger_records": list(c.record_ids)}
+            "ledger_records": list(c.record_ids), "online_checks": online, "replay_cost": cost}
 
 
 def coverage_text(c) -> str:
@@ -53,12 +59,16 @@ def coverage_text(c) -> str:
     def spans(values) -> str:
         return ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in values)
 
-    parts = [f"{label} {spans(v)}" for label, v in (("exact now", c.exact_now), ("exact from the ledger", c.exact_ledger),
-                                                    ("tolerant", c.tolerant), ("online checks only", c.online_only),
-                                                    ("nothing", c.nothing)) if v]
+    online = f"online checks only {spans(c.online_only)}" + (f" ({c.online.describe()})" if c.online is not None else "")
+    parts = [text for text, v in ((f"exact now {spans(c.exact_now)}", c.exact_now),
+                                  (f"exact from the ledger {spans(c.exact_ledger)}", c.exact_ledger),
+                                  (f"tolerant {spans(c.tolerant)}", c.tolerant), (online, c.online_only),
+                                  (f"nothing {spans(c.nothing)}", c.nothing)) if v]
     text = f"checkpoint {c.step}: " + ("; ".join(parts) if parts else "no step before it")
     if c.lacking_replay:
         text += f" — lacks exact replay: steps {spans(c.lacking_replay)}"
+        if c.cost is not None:
+            text += f"; {c.cost.describe()}"
     return text
 
 

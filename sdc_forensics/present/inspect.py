@@ -22,8 +22,11 @@ from sdc_forensics.trace.summary import AlarmSummary, TraceSummary
 _MAX_ROWS = 50
 
 
-def inspect_document(summary: TraceSummary) -> dict[str, Any]:
-    """The ``inspect --json`` document (docs/json.md; ``schema_version`` is added by the emitter)."""
+def inspect_document(summary: TraceSummary, covered=None) -> dict[str, Any]:
+    """The ``inspect --json`` document (docs/json.md; ``schema_version`` is added by the emitter);
+    ``covered``: the ledger's coverage (``forensics.ledger_coverage.LedgerCoverage``), or None."""
+    from sdc_forensics.present.certify import coverage_document
+
     m = summary.manifest
     latest = max(m.attempts, key=lambda a: a.attempt) if m.attempts else None
     return {
@@ -48,6 +51,10 @@ def inspect_document(summary: TraceSummary) -> dict[str, Any]:
         "damage": [dataclasses.asdict(d) for d in summary.damage],
         "usable": True,
         "preflight": preflight.check(m).to_json() if m.attempts else None,
+        "coverage": None if covered is None else [coverage_document(c) for c in covered.coverage],
+        "ledger": None if covered is None or covered.ledger is None else {
+            "path": str(covered.ledger), "strong_evidence": [{"step": s, "record": r} for s, r in covered.strong_evidence],
+            "notes": list(covered.notes)},
     }
 
 
@@ -57,8 +64,8 @@ def _alarm_json(alarm: AlarmSummary) -> dict[str, Any]:
     return doc
 
 
-def render_inspect(summary: TraceSummary, console) -> None:
-    """Print the summary: run, fingerprints, how it ended, ranks, attempts, checkpoints, alarms, damage."""
+def render_inspect(summary: TraceSummary, console, covered=None) -> None:
+    """Print the summary: run, fingerprints, how it ended, ranks, attempts, checkpoints, coverage, alarms, damage."""
     m, fp = summary.manifest, summary.manifest.fingerprint
     latest = max(m.attempts, key=lambda a: a.attempt) if m.attempts else None
     console.print(
@@ -97,6 +104,8 @@ def render_inspect(summary: TraceSummary, console) -> None:
     gap = unreplayable_steps(summary.first_step, [c.step for c in summary.checkpoints])
     if gap is not None:
         console.print(f"[bold yellow]warning:[/] {escape(unreplayable_text(gap))}")
+    if covered is not None:
+        _render_coverage(console, covered)
     counts = ", ".join(f"{kind.lower()} {n}" for kind, n in summary.records_by_kind.items() if n)
     console.print(f"records: {counts}")
     _render_alarms(console, summary.alarms)
@@ -109,6 +118,18 @@ def render_inspect(summary: TraceSummary, console) -> None:
             console.print(f"… {len(summary.damage) - _MAX_ROWS} more in --json")
     else:
         console.print("[green]no damage found[/]")
+
+
+def _render_coverage(console, covered) -> None:
+    """Per checkpoint, what examined the steps before it (the ledger's replays, the online checks), and the ledger's own lines."""
+    from sdc_forensics.present.certify import coverage_text
+
+    for line in covered.notes:
+        console.print(f"[yellow]ledger:[/] {escape(line)}")
+    for step, record in covered.strong_evidence:
+        console.print(f"[bold red]ledger:[/] strong evidence at step {step} (record {escape(record)}): run sdc-forensics bisect")
+    for c in covered.coverage:
+        console.print(f"[dim]coverage:[/] {escape(coverage_text(c))}")
 
 
 def _render_alarms(console, alarms: tuple[AlarmSummary, ...]) -> None:

@@ -1,0 +1,198 @@
+"""Coverage: what examined the steps before each checkpoint, and what replaying the rest costs.
+
+A checkpoint ``N`` is certified clean only when every step before it was replayed bit for bit
+(``decide.decision``); this module says, per checkpoint, how far short of that a run is, in
+plain steps. Each step before ``N`` counts once, under the strongest examination it had:
+
+1. exact replay now (this analysis) or earlier (a ledger record reused, ``ledger/reuse.py``);
+2. tolerant replay (within the tolerance model: certifies nothing);
+3. the online checks alone (recorded in the trace, never replayed): which checks ran on those
+   steps is ``trace.online.OnlineChecks``;
+4. nothing (no trace record of the step).
+
+Steps without an exact replay are what keeps ``N`` from being certified; their replay costs
+``steps x ranks x seconds per rank-step``, the seconds measured by the ledger's own records
+(:func:`seconds_per_rank_step`), so an ``unverified`` checkpoint says what settling it costs.
+
+``certify``, ``report`` and ``certify --follow`` build it from an analysis (:func:`coverage_of`);
+``inspect`` builds it from the ledger alone (:func:`coverage`), replaying nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+Span = tuple[int, int]  # (first, last) steps, inclusive
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplayCost:
+    """What an exact replay of some steps would cost, from measured replays.
+
+    Attributes:
+        rank_steps: steps x ranks to replay.
+        seconds_per_rank_step: the median over the ledger's records of ``wall_s / (steps x ranks)``.
+        records: how many records that median is over.
+    """
+
+    rank_steps: int
+    seconds_per_rank_step: float
+    records: int
+
+    @property
+    def seconds(self) -> float:
+        return self.rank_steps * self.seconds_per_rank_step
+
+    def describe(self) -> str:
+        return (f"replaying them costs about {_duration(self.seconds)} ({self.rank_steps} rank-steps x "
+                f"{self.seconds_per_rank_step:.3g} s measured per rank-step over {self.records} ledger record(s))")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Coverage:
+    """What examined the steps before checkpoint ``step`` (``first_step .. step - 1``), as step spans.
+
+    Attributes:
+        step: ``N``.
+        exact_now: replayed bit for bit by this analysis.
+        exact_ledger: replayed bit for bit earlier, taken from the ledger (``record_ids``).
+        tolerant: replayed and compared within tolerance only.
+        online_only: recorded in the trace (online checks ran) but not replayed.
+        nothing: not recorded in the trace at all.
+        record_ids: the ledger records behind ``exact_ledger``.
+        online: which online checks ran on the ``online_only`` steps (None: not looked up).
+        cost: what an exact replay of :attr:`lacking_replay` costs (None: nothing lacks replay,
+            or nothing measured yet).
+    """
+
+    step: int
+    exact_now: tuple[Span, ...] = ()
+    exact_ledger: tuple[Span, ...] = ()
+    tolerant: tuple[Span, ...] = ()
+    online_only: tuple[Span, ...] = ()
+    nothing: tuple[Span, ...] = ()
+    record_ids: tuple[str, ...] = ()
+    online: Any = None  # trace.online.OnlineChecks
+    cost: ReplayCost | None = None
+
+    @property
+    def lacking_replay(self) -> tuple[Span, ...]:
+        """Steps before ``N`` without an exact replay: what keeps it from being certified."""
+        return _merge([*self.tolerant, *self.online_only, *self.nothing])
+
+
+def coverage(checkpoint_steps: Iterable[int], *, step_range: Span | None, exact_now: Iterable[Span] = (),
+             exact_ledger: Iterable[tuple[int, int, Sequence[str]]] = (), tolerant: Iterable[Span] = ()) -> tuple[Coverage, ...]:
+    """:class:`Coverage` of each checkpoint step from what examined which steps.
+
+    Args:
+        checkpoint_steps: the checkpoints to answer for.
+        step_range: the trace's recorded steps (first, last), or None.
+        exact_now: spans this analysis replayed bit for bit.
+        exact_ledger: ``(first, last, record_ids)`` spans taken from the ledger.
+        tolerant: spans replayed within tolerance only.
+    """
+    first = step_range[0] if step_range else 0
+    traced = [step_range] if step_range else []
+    exact_now, tolerant = _merge(exact_now), _merge(tolerant)
+    reused = list(exact_ledger)
+    out = []
+    for n in sorted(set(checkpoint_steps)):
+        before = [(first, n - 1)] if n > first else []
+        now = _clip(exact_now, before)
+        ledger = _minus(_clip([(a, b) for a, b, _ in reused], before), now)
+        exact = _merge([*now, *ledger])
+        tol = _minus(_clip(tolerant, before), exact)
+        online = _minus(_minus(_clip(traced, before), exact), tol)
+        nothing = _minus(_minus(_minus(before, exact), tol), online)
+        ids = tuple(dict.fromkeys(i for a, b, rec in reused if a < n for i in rec))
+        out.append(Coverage(step=n, exact_now=now, exact_ledger=ledger, tolerant=tol, online_only=online, nothing=nothing,
+                            record_ids=ids))
+    return tuple(out)
+
+
+def coverage_of(result) -> tuple[Coverage, ...]:
+    """:class:`Coverage` of every checkpoint of ``result`` (a ``BisectResult``: its windows and the ledger windows it reused)."""
+    now_exact, now_tolerant = [], []
+    for w in result.replayed.windows:
+        if w.last < w.start:
+            continue
+        cut = w.last + 1 if w.tolerant_from is None else max(w.start, w.tolerant_from)
+        if cut > w.start:
+            now_exact.append((w.start, cut - 1))
+        if cut <= w.last:
+            now_tolerant.append((cut, w.last))
+    ledger = result.replayed.ledger
+    reused = [(w.start, w.last, w.record_ids) for w in ledger.reused] if ledger is not None else []
+    return coverage([c.step for c in result.checkpoints], step_range=result.step_range, exact_now=now_exact, exact_ledger=reused,
+                    tolerant=now_tolerant)
+
+
+def with_details(coverages: Sequence[Coverage], trace, records: Sequence[Any] = ()) -> tuple[Coverage, ...]:
+    """``coverages`` with the online checks of their ``online_only`` steps (read from ``trace``)
+    and the cost of replaying what lacks replay (measured by the ledger ``records``)."""
+    from sdc_forensics.trace.online import online_checks
+
+    per_step = seconds_per_rank_step(records, trace.world_size)
+    out = []
+    for c in coverages:
+        online = online_checks(trace, c.online_only) if c.online_only else None
+        lacking = sum(b - a + 1 for a, b in c.lacking_replay)
+        cost = None
+        if lacking and per_step is not None:
+            cost = ReplayCost(rank_steps=lacking * trace.world_size, seconds_per_rank_step=per_step[0], records=per_step[1])
+        out.append(dataclasses.replace(c, online=online, cost=cost))
+    return tuple(out)
+
+
+def seconds_per_rank_step(records: Sequence[Any], world_size: int) -> tuple[float, int] | None:
+    """The median seconds one rank-step took to replay over the ledger ``records`` (``IntervalRecord``)
+    that replayed steps, and how many records that is; None when none did.
+
+    The median, not the mean: a follower's first replay also builds the recipe's model and warms
+    torch up (seconds, where a later interval takes a tenth of one).
+    """
+    rates = [r.wall_s / ((r.last_step - r.start_step + 1) * max(1, world_size)) for r in records
+             if r.last_step >= r.start_step and r.wall_s > 0]
+    return (statistics.median(rates), len(rates)) if rates else None
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.3g} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.3g} min"
+    return f"{seconds / 3600:.3g} h"
+
+
+def _merge(spans) -> tuple[Span, ...]:
+    out: list[Span] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return tuple(out)
+
+
+def _clip(spans, within) -> tuple[Span, ...]:
+    return _merge((max(a, lo), min(b, hi)) for a, b in spans for lo, hi in within if max(a, lo) <= min(b, hi))
+
+
+def _minus(spans, taken) -> tuple[Span, ...]:
+    out = []
+    for a, b in _merge(spans):
+        for lo, hi in _merge(taken):
+            if hi < a or lo > b:
+                continue
+            if lo > a:
+                out.append((a, lo - 1))
+            a = max(a, hi + 1)
+            if a > b:
+                break
+        if a <= b:
+            out.append((a, b))
+    return tuple(out)
