@@ -45,6 +45,7 @@ HEAVY = (
     "tests/recorder/test_training.py::test_resumed_run_is_a_new_attempt_that_supersedes_the_re_executed_steps",
     "tests/forensics/test_follow.py::test_a_follower_killed_and_restarted_certifies_every_checkpoint_with_no_record_lost_or_duplicated",
     "tests/forensics/test_follow.py::test_the_follower_names_the_step_and_rank_of_a_fault_within_one_interval",
+    "tests/forensics/test_follow.py::test_a_follower_examines_a_resumed_attempts_steps_again",
 )
 
 

@@ -33,13 +33,17 @@ from sdc_forensics.cli.output import emit_json, err
 @click.option("--idle-timeout", "idle_s", type=click.FloatRange(min=0.01), metavar="SECONDS",
               help="With --follow: stop after this long with no new step or checkpoint and nothing left to replay.")
 @click.option("--keep-going", is_flag=True, help="With --follow: after an incident, go on following (exit 1 at the end).")
+@click.option("--budget", default="all", show_default=True, metavar="all|newest|sample:F",
+              help="With --follow, when it cannot keep up: replay every interval oldest first (all) or newest first (newest, "
+                   "a fresh fault alarms soonest), or only a fraction F of them (sample:F; the rest stay with the online checks, "
+                   "and coverage says so).")
 @analysis_options
 @ledger_options
 @read_limit_options
 @distributed_replay
 @click.pass_context
 def certify_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, certificate_out: Path | None, force: bool, follow: bool,
-                poll_s: float, until_step: int | None, idle_s: float | None, keep_going: bool, **options) -> None:
+                poll_s: float, until_step: int | None, idle_s: float | None, keep_going: bool, budget: str, **options) -> None:
     """Certify every checkpoint of a run and name the last clean one: where to resume.
 
     The same analysis as bisect: trace evidence, then a replay of every step before each
@@ -67,11 +71,12 @@ def certify_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, certificate_
     if certificate_out is not None and str(certificate_out) == "-":
         raise UsageError("--certificate-out - : a certificate is written to a file; name one (the JSON document is --json)")
     check_new_output(certificate_out, force, "--certificate-out")
-    if not follow and (until_step is not None or idle_s is not None or keep_going):
-        raise UsageError("--until-step, --idle-timeout and --keep-going go with --follow")
+    if not follow and (until_step is not None or idle_s is not None or keep_going or budget != "all"):
+        raise UsageError("--until-step, --idle-timeout, --keep-going and --budget go with --follow")
     if follow:
         return _follow(ctx, trace_dir, as_json, certificate_out, force, AnalysisOptions(**options),
-                       FollowOptions(poll_s=poll_s, until_step=until_step, idle_s=idle_s, keep_going=keep_going))
+                       FollowOptions(poll_s=poll_s, until_step=until_step, idle_s=idle_s, keep_going=keep_going,
+                                                budget=budget))
     with Bars(enabled=err.is_terminal) as bars:
         cert = certify(trace_dir, AnalysisOptions(**options), progress=bars)
     if certificate_out is not None and is_lead():  # under torchrun, process 0 alone writes

@@ -16,7 +16,8 @@ is asked for) opens one :class:`LedgerUse`:
    clean or with evidence. A ledger that cannot be written is one warning line, and the
    analysis goes on (the ledger can only save work, never stop a command).
 
-Under ``torchrun`` only process 0 appends (every process reads alike and decides alike).
+Under ``torchrun`` only process 0 appends, and every process takes process 0's reading of the
+ledger (a record another writer appends meanwhile must not make the processes walk apart).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class LedgerUse:
         if options.no_ledger or options.trace_only:
             return None
         from sdc_forensics.checkpoint.locate import locate_checkpoint
-        from sdc_forensics.replay.distributed import is_lead
+        from sdc_forensics.replay import distributed
 
         def locate(note: CheckpointNote) -> Path | None:
             return options.checkpoint_paths.get(note.step) or locate_checkpoint(note, options.checkpoints_dir, trace.path)
@@ -75,8 +76,11 @@ class LedgerUse:
         path = ledger_path(trace.path, options.ledger_path)
         contents = read_ledger(path)
         reuse = reusable_records(contents.records, notes, trace_dir=trace.path, attempts=trace.manifest.attempts, locate=locate)
-        use = cls(path=path, notes=notes, records=reuse.records, ignored=(*contents.notes, *reuse.notes),
-                  attempts=trace.manifest.attempts, locate=locate, say=say, write=is_lead())
+        records, ignored = reuse.records, (*contents.notes, *reuse.notes)
+        if distributed.current() is not None:  # every process walks on process 0's reading: a record appended meanwhile
+            records, ignored = distributed.exchange_objects((records, ignored))[0]  # (a follower's) must not split the walk
+        use = cls(path=path, notes=notes, records=records, ignored=ignored,
+                  attempts=trace.manifest.attempts, locate=locate, say=say, write=distributed.is_lead())
         for line in use.lines:
             use._say(line)
         return use

@@ -124,6 +124,8 @@ def follow_document(outcome) -> dict[str, Any]:
         "intervals": [{"from": i.start, "last": i.last, "outcome": i.outcome, "comparison": i.comparison,
                        "record": i.record_id or None, "lag": i.lag} for i in outcome.intervals],
         "unreplayable": [list(span) for span in outcome.unreplayable],
+        "budget": outcome.budget,
+        "skipped": [list(span) for span in outcome.skipped],
         "incident": None if incident is None else bisect_document(incident.analysis),
     }
     return doc
@@ -141,4 +143,5 @@ def render_follow(outcome, console) -> None:
     replayed = [i for i in outcome.intervals if i.outcome != "reused"]
     console.print(f"follower stopped ({outcome.stopped_by}): {len(replayed)} interval(s) replayed, "
                   f"{len(outcome.intervals) - len(replayed)} already in the ledger, lag {outcome.lag} interval(s)"
-                  + (f", {len(outcome.unreplayable)} not replayable (checkpoint file gone)" if outcome.unreplayable else ""))
+                  + (f", {len(outcome.unreplayable)} not replayable (checkpoint file gone)" if outcome.unreplayable else "")
+                  + (f", {len(outcome.skipped)} left to the online checks by --budget {outcome.budget}" if outcome.skipped else ""))
