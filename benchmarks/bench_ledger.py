@@ -14,7 +14,12 @@ process (``--poll 0.2``), as it would run on a spare node:
   ``bisect``: without the ledger, and with the ledger the follower left: replayed steps, seconds,
   and whether both name the same step, rank and last clean checkpoint.
 
-    python benchmarks/bench_ledger.py [--steps 60] [--checkpoint-every 10] [--fault grad:step=45:rank=2:bit=31] [--json]
+Also: per interval the follower's replay seconds over training's (the 4 ranks replayed by one
+process), the largest lag while training ran (closed intervals without a record, sampled every
+0.1 s once the follower's first record is there), and the alarm latency: the last step training
+had recorded when the follower's alarm came.
+
+    python benchmarks/bench_ledger.py [--steps 200] [--checkpoint-every 10] [--fault grad:step=145:rank=2:bit=31] [--json]
 """
 
 from __future__ import annotations
@@ -67,10 +72,11 @@ def clean_job(root: Path, steps: int, every: int) -> dict:
     started = time.monotonic()
     training = _train(out, steps, every, ())
     follower = _follower(trace, "--until-step", str(steps), "--idle-timeout", "600")
-    samples = []
+    lags = []  # (closed intervals - records) while training runs, once the follower's first record is there
     while training.poll() is None:
         count = _records(trace) if (trace / "ledger.jsonl").exists() else 0
-        samples.append((time.monotonic() - started, count))
+        if count:
+            lags.append(max(0, _closed(trace) - count))
         time.sleep(0.1)
     train_s = time.monotonic() - started
     at_end = _records(trace) if (trace / "ledger.jsonl").exists() else 0
@@ -82,6 +88,8 @@ def clean_job(root: Path, steps: int, every: int) -> dict:
     with_ledger, with_ledger_s, _ = _cli("certify", str(trace))
     return {
         "training_s": round(train_s, 1), "intervals": intervals, "interval_costs": costs,
+        "replay_over_training": _ratios(costs),
+        "max_lag_while_training": max(lags, default=None), "lag_samples": len(lags),
         "lag_at_training_end": intervals - at_end, "follower_done_after_training_s": round(caught_up_s, 1),
         "follower_exit": follower.returncode, "follower_statuses": sorted({c["status"] for c in follow["checkpoints"]}),
         "certify_steps_replayed_without_ledger": _steps(no_ledger, "exact_now"), "without_ledger_s": round(no_ledger_s, 1),
@@ -90,6 +98,35 @@ def clean_job(root: Path, steps: int, every: int) -> dict:
         "statuses_equal": [c["status"] for c in no_ledger["checkpoints"]] == [c["status"] for c in with_ledger["checkpoints"]],
         "with_ledger_s": round(with_ledger_s, 1),
     }
+
+
+def _closed(trace: Path) -> int:
+    """Checkpoint intervals closed so far (noted checkpoints after the first)."""
+    notes = trace / "checkpoints"
+    return max(0, len(list(notes.glob("step-*.json"))) - 1) if notes.is_dir() else 0
+
+
+def _last_step(trace: Path) -> int | None:
+    from sdc_forensics.errors import SdcError
+    from sdc_forensics.trace.reader import Trace
+
+    try:
+        bounds = Trace.open(trace).step_range()
+    except (SdcError, OSError):
+        return None
+    return None if bounds is None else bounds[1]
+
+
+def _ratios(costs: list[dict]) -> dict:
+    """The follower's replay seconds over training's, per interval (the first, with the model built and torch
+    warmed up, apart): median and range. Training ran W processes; the follower replays all W ranks in one."""
+    import statistics
+
+    later = [c["replay_s"] / c["training_s"] for c in costs[1:] if c["training_s"] > 0]
+    if not later:
+        return {}
+    return {"median": round(statistics.median(later), 3), "min": round(min(later), 3), "max": round(max(later), 3),
+            "intervals": len(later)}
 
 
 def _interval_costs(trace: Path) -> list[dict]:
@@ -116,7 +153,13 @@ def faulty_job(root: Path, steps: int, every: int, fault: str) -> dict:
     trace = out / "trace"
     training = _train(out, steps, every, (fault,))
     follower = _follower(trace, "--idle-timeout", "600")
+    alarm_step = None  # the last step training had recorded when the follower's alarm came (it exits with it)
+    while follower.poll() is None:
+        if training.poll() is None:
+            alarm_step = _last_step(trace)
+        time.sleep(0.1)
     stdout, _ = follower.communicate(timeout=TIMEOUT_S)
+    training_ended_first = training.poll() is not None and alarm_step is None
     training.wait(timeout=TIMEOUT_S)
     follow = json.loads(stdout)["follow"]
     alarm = follow["intervals"][-1]
@@ -127,6 +170,7 @@ def faulty_job(root: Path, steps: int, every: int, fault: str) -> dict:
     return {
         "fault": fault, "follower_exit": follower.returncode,
         "alarm_interval": [alarm["from"], alarm["last"]],
+        "training_step_at_alarm": alarm_step, "training_over_before_alarm": training_ended_first,
         "follower_names": _answer(follow["incident"]) if follow["incident"] else None,
         "bisect_without_ledger": {"steps_replayed": without["replayed"]["steps_replayed"], "seconds": round(without_s, 1),
                                   "answer": _answer(without), "exit": code_without},
@@ -138,9 +182,9 @@ def faulty_job(root: Path, steps: int, every: int, fault: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--checkpoint-every", type=int, default=10)
-    parser.add_argument("--fault", default="grad:step=45:rank=2:bit=31")
+    parser.add_argument("--fault", default="grad:step=145:rank=2:bit=31")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     import torch
@@ -163,7 +207,10 @@ def main() -> None:
     print(f"  certify without ledger: {clean['certify_steps_replayed_without_ledger']} steps replayed, {clean['without_ledger_s']} s; "
           f"with the follower's ledger: {clean['certify_exact_now_with_ledger']} replayed, {clean['certify_steps_from_ledger']} "
           f"from the ledger, {clean['with_ledger_s']} s; same statuses: {clean['statuses_equal']}")
-    print(f"faulty job ({faulty['fault']}): follower alarmed on interval {faulty['alarm_interval']}, naming {faulty['follower_names']}")
+    print(f"  follower replay / training per interval (after the first): {clean['replay_over_training']} (W = 4 ranks replayed "
+          f"by one process); largest lag while training: {clean['max_lag_while_training']} interval(s) over {clean['lag_samples']} samples")
+    print(f"faulty job ({faulty['fault']}): follower alarmed on interval {faulty['alarm_interval']}, naming {faulty['follower_names']}; "
+          f"training was at step {faulty['training_step_at_alarm']} then" + (" (training was over)" if faulty["training_over_before_alarm"] else ""))
     for name in ("bisect_without_ledger", "bisect_with_ledger"):
         row = faulty[name]
         print(f"  {name}: {row['steps_replayed']} steps replayed, {row['seconds']} s, answer {row['answer']}, exit {row['exit']}")

@@ -132,7 +132,7 @@ def _status_cell(status) -> str:
 
 def render_html(result: BisectResult, manifest: Manifest | None, incident: Incident, actions: "tuple[ActionBlock, ...]",
                 request: R.ReportRequest, *, plot_svg: str | None, plot_note: str = "", end: "RunEnd | None" = None,
-                now: _dt.datetime | None = None) -> str:
+                now: _dt.datetime | None = None, coverage=None) -> str:
     """The review as one HTML document.
 
     Args:
@@ -142,6 +142,7 @@ def render_html(result: BisectResult, manifest: Manifest | None, incident: Incid
             None when there are no plots; ``plot_note`` then says why.
         end: how the trace's latest attempt ended.
         now: the time to stamp (default: now, UTC).
+        coverage: per checkpoint, what examined the steps before it (``decide.coverage.with_details``), or None.
     """
     now = now or _dt.datetime.now(_dt.timezone.utc)
     title = f"Post-incident review: {R.headline(result.verdict)}"
@@ -191,7 +192,7 @@ def render_html(result: BisectResult, manifest: Manifest | None, incident: Incid
             raw_columns=frozenset({1, 2, 3})) + "</section>")
 
     parts.append("<section id=\"checked\"><h2>What was checked</h2>" + _list(R.checked(result))
-                 + "<h3>What could not be checked</h3>" + (_list(R.not_checked(result, end)) or "<p>Nothing left unexamined.</p>") + "</section>")
+                 + "<h3>What could not be checked</h3>" + (_list(R.not_checked(result, end, coverage)) or "<p>Nothing left unexamined.</p>") + "</section>")
 
     if manifest is not None:
         att = max(manifest.attempts, key=lambda a: a.attempt) if manifest.attempts else None

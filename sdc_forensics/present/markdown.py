@@ -95,7 +95,7 @@ def _stopped_early(end: "RunEnd") -> list[str]:
 
 
 def render_markdown(result: BisectResult, manifest: Manifest | None, incident: Incident, actions: "tuple[ActionBlock, ...]",
-                    request: R.ReportRequest, *, now: _dt.datetime | None = None, end: "RunEnd | None" = None) -> str:
+                    request: R.ReportRequest, *, now: _dt.datetime | None = None, end: "RunEnd | None" = None, coverage=None) -> str:
     """The review as Markdown.
 
     Args:
@@ -107,6 +107,7 @@ def render_markdown(result: BisectResult, manifest: Manifest | None, incident: I
         now: the time to stamp (default: now, UTC).
         end: how the trace's latest attempt ended (``Trace.run_end()``); when the run stopped
             early the review says so first, and where.
+        coverage: per checkpoint, what examined the steps before it (``decide.coverage.with_details``), or None.
     """
     now = now or _dt.datetime.now(_dt.timezone.utc)
     out = [f"# Post-incident review: {R.headline(result.verdict)}", ""]
@@ -184,7 +185,7 @@ def render_markdown(result: BisectResult, manifest: Manifest | None, incident: I
         out += ["Nothing was replayed (" + ("trace-only analysis" if result.mode == "trace-only" else "no window needed") + ").", ""]
 
     out += ["## What was checked", ""] + [f"- {_cell(line)}" for line in R.checked(result)] + [""]
-    missing = R.not_checked(result, end)
+    missing = R.not_checked(result, end, coverage)
     out += ["## What could not be checked", ""] + ([f"- {_cell(line)}" for line in missing] or ["Nothing left unexamined."]) + [""]
 
     if manifest is not None:

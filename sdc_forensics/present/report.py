@@ -197,19 +197,27 @@ def checked(result: BisectResult) -> list[str]:
     return out
 
 
-def not_checked(result: BisectResult, end: "RunEnd | None" = None) -> list[str]:
-    """What could not be examined or settled, one sentence each."""
+def not_checked(result: BisectResult, end: "RunEnd | None" = None, coverage=None) -> list[str]:
+    """What could not be examined or settled, one sentence each. ``coverage``: the coverage of
+    ``result``'s checkpoints with their online checks and replay cost (``decide.coverage.with_details``);
+    None: the spans alone (``coverage_of``)."""
+    from sdc_forensics.decide.coverage import coverage_of
+
     out: list[str] = []
     if result.mode == "trace-only":
         out.append("Nothing was replayed (--trace-only): faults the trace cannot see were not looked for, and no checkpoint file was read.")
-    from sdc_forensics.forensics.certify import coverage_of
-
-    lacking = {c.step: c.lacking_replay for c in coverage_of(result)}
+    by_step = {c.step: c for c in (coverage if coverage is not None else coverage_of(result))}
     for c in result.checkpoints:
         if c.status.value == "unverified":
-            spans = ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in lacking.get(c.step, ()))
+            cov = by_step.get(c.step)
+            spans = ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in (cov.lacking_replay if cov else ()))
+            extra = ""
+            if cov is not None and cov.online is not None:
+                extra += f"; online checks on the steps not replayed: {cov.online.describe()}"
+            if cov is not None and cov.cost is not None:
+                extra += f"; {cov.cost.describe()}"
             out.append(f"Checkpoint {c.step} is unverified: " + ("; ".join(c.reasons[:2]) or "not every step before it was examined")
-                       + (f" (steps without an exact replay: {spans})" if spans else "") + ".")
+                       + (f" (steps without an exact replay: {spans}{extra})" if spans else "") + ".")
     if result.replayed.comparison == "tolerant":
         out.append("Replay was compared within tolerance, not bit for bit: faults below the replay's drift are invisible to it.")
     if end is not None and end.stopped_early:
@@ -222,9 +230,9 @@ def not_checked(result: BisectResult, end: "RunEnd | None" = None) -> list[str]:
 
 
 def report_document(result: BisectResult, incident: Incident, actions: "tuple[ActionBlock, ...]", request: ReportRequest,
-                    end: "RunEnd | None", generated_ns: int) -> dict[str, Any]:
+                    end: "RunEnd | None", generated_ns: int, coverage=None) -> dict[str, Any]:
     """The ``report --format json`` document: the bisect document plus ``trace_end`` and ``report``
-    (without ``schema_version``, which the emitter adds)."""
+    (without ``schema_version``, which the emitter adds); ``coverage``: as for :func:`not_checked`."""
     notes, commands = reproduce_commands(request, result)
     lost = incident.lost
     return {
@@ -253,7 +261,7 @@ def report_document(result: BisectResult, incident: Incident, actions: "tuple[Ac
             "checkpoint_locality": incident.checkpoint_locality.value,
             "actions": [a.to_json() for a in actions],
             "checked": checked(result),
-            "not_checked": not_checked(result, end),
+            "not_checked": not_checked(result, end, coverage),
             "reproduce": {"notes": notes, "commands": commands},
         },
     }

@@ -45,13 +45,14 @@ def render_review(result: BisectResult, request: ReportRequest, schema_version: 
     incident = build_incident(result, trace)
     job_nodes = tuple(dict.fromkeys(i.slurm_node or i.k8s_node or i.host for a in trace.manifest.attempts for i in a.ranks if i.host))
     actions = build_actions(result, incident, job_nodes)
-    document = report_document(result, incident, actions, request, end, time.time_ns())
+    coverage = _coverage(result, trace, request)
+    document = report_document(result, incident, actions, request, end, time.time_ns(), coverage)
     if request.fmt == "json":
         return Review(text=json.dumps({"schema_version": schema_version, **document}, indent=2, sort_keys=True) + "\n", document=document)
     if request.fmt == "md":
         from sdc_forensics.present.markdown import render_markdown
 
-        return Review(text=render_markdown(result, trace.manifest, incident, actions, request, end=end), document=document)
+        return Review(text=render_markdown(result, trace.manifest, incident, actions, request, end=end, coverage=coverage), document=document)
     from sdc_forensics.present.series import incident_series, plot_window
     from sdc_forensics.present.html import render_html
     from sdc_forensics.present.plots import matplotlib_available, render_svg
@@ -65,5 +66,15 @@ def render_review(result: BisectResult, request: ReportRequest, schema_version: 
         svg = render_svg(incident_series(trace, window), result)
     else:
         note = "No plots: the trace holds no step."
-    html = render_html(result, trace.manifest, incident, actions, request, plot_svg=svg, plot_note=note, end=end)
+    html = render_html(result, trace.manifest, incident, actions, request, plot_svg=svg, plot_note=note, end=end, coverage=coverage)
     return Review(text=html, document=document, notes=notes)
+
+
+def _coverage(result: BisectResult, trace: Trace, request) -> tuple:
+    """The coverage of ``result``'s checkpoints with the online checks and the replay cost (the ledger's records measure it)."""
+    from sdc_forensics.decide.coverage import coverage_of, with_details
+    from sdc_forensics.ledger import ledger_path, read_ledger
+
+    options = request.options
+    records = () if options.no_ledger else read_ledger(ledger_path(trace.path, options.ledger_path)).records
+    return with_details(coverage_of(result), trace, records)
