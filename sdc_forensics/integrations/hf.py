@@ -48,6 +48,9 @@ def _import_transformers():
         import transformers
     except ImportError:
         raise UsageError("the Hugging Face adapter needs transformers: pip install 'sdc-forensics[hf]'") from None
+    if not transformers.__version__.startswith("5."):
+        raise UsageError(f"the Hugging Face adapter replays the Trainer of transformers 5 (the loss scaling and checkpoint layout "
+                         f"it reproduces); this is {transformers.__version__}: pip install 'sdc-forensics[hf]'")
     return transformers
 
 
