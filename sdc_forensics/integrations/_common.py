@@ -13,7 +13,9 @@ with two marks (int64, never negative)::
 
     bit 62 (END)   on the last index of each microbatch: the batch is complete, collate it
     bit 61 (META)  a step header, first in each rank-step: low 48 bits = the divisor training
-                   applied to each microbatch's loss (gradient accumulation), 0 = none
+                   applied to each microbatch's loss (gradient accumulation), 0 = none; with
+    bit 60 (ITEMS) set, the low 48 bits are instead the step's item count (the Trainer's
+                   ``num_items_in_batch``: label tokens over the accumulation window and ranks)
     bits 0..47     the sample index (datasets up to 2^48 samples)
 
 The replay recipe (:class:`SampleBatches`) groups the indices back into batches: ``fetch`` of an
@@ -36,6 +38,7 @@ from sdc_forensics.errors import RecipeError, SdcError, UsageError
 
 END = 1 << 62
 META = 1 << 61
+ITEMS = 1 << 60
 INDEX_MASK = (1 << 48) - 1
 
 
@@ -50,11 +53,12 @@ def framework_info(name: str, adapter: str) -> dict[str, str]:
     return {"name": name, "version": found, "adapter": adapter}
 
 
-def step_header(divisor: int) -> int:
-    """The META ID that opens a rank-step (``divisor``: what each microbatch's loss was divided by)."""
+def step_header(divisor: int, *, items: bool = False) -> int:
+    """The META ID that opens a rank-step: ``divisor``, what each microbatch's loss was divided by,
+    or with ``items`` the item count the loss was normalised by."""
     if not 0 <= int(divisor) <= INDEX_MASK:
-        raise UsageError(f"gradient accumulation divisor {divisor} does not fit a microbatch ID")
-    return META | int(divisor)
+        raise UsageError(f"loss divisor {divisor} does not fit a microbatch ID")
+    return META | (ITEMS if items else 0) | int(divisor)
 
 
 def batch_ids(indices) -> list[int]:
@@ -227,19 +231,21 @@ class SampleBatches:
         sample: ``sample(index)`` -> the dataset's sample (``dataset[index]``).
         collate: the collator training used (a list of samples -> a batch).
 
-    ``divisor`` is the current step header's value (set by ``fetch`` of a META ID).
+    ``divisor`` is the current step header's value, ``items`` whether it is an item count (set
+    by ``fetch`` of a META ID).
     """
 
     def __init__(self, sample: Callable[[int], Any], collate: Callable[[list], Any]) -> None:
         self.sample, self.collate = sample, collate
         self.pending: list[int] = []
         self.divisor = 0
+        self.items = False
 
     def fetch(self, microbatch_id: int, device: Any) -> Any:
         """``()`` for a header or an index inside a batch; the collated batch at its END index."""
         microbatch_id = int(microbatch_id)
         if microbatch_id & META:
-            self.pending, self.divisor = [], microbatch_id & INDEX_MASK
+            self.pending, self.divisor, self.items = [], microbatch_id & INDEX_MASK, bool(microbatch_id & ITEMS)
             return ()
         self.pending.append(microbatch_id & INDEX_MASK)
         if not microbatch_id & END:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sdc_forensics.errors import UsageError
+from sdc_forensics.errors import SdcError, UsageError
 from sdc_forensics.integrations import _common
 
 ADAPTER = "sdc_forensics.integrations.hf"
@@ -119,10 +119,10 @@ def _refusals(trainer: Any, transformers: Any) -> list[str]:
         out.append("label_smoothing_factor: the Trainer computes that loss itself; the adapter replays the model's own loss")
     if getattr(trainer, "compute_loss_func", None) is not None:
         out.append("compute_loss_func: a custom loss the replay recipe cannot call by reference")
-    if getattr(trainer, "model_accepts_loss_kwargs", False):
-        out.append("the model's forward takes **kwargs, so the Trainer normalises the loss by num_items_in_batch gathered "
-                   "across ranks; the adapter does not replay that yet (a forward without **kwargs divides by the "
-                   "accumulation count, which it does)")
+    if getattr(trainer, "loss_is_scaled_for_ga", None) is not None:
+        out.append("loss_is_scaled_for_ga is set by hand; the adapter replays the Trainer's own rule for scaling the loss")
+    if any(getattr(trainer, f"get_{kind}_size", lambda: 1)() != 1 for kind in ("tp", "cp", "sp")):
+        out.append("tensor, context or sequence parallelism: the recorder records data-parallel (DDP) jobs")
     if getattr(args, "save_only_model", False):
         out.append("save_only_model: checkpoints without optimizer and scheduler cannot be replayed from")
     if not isinstance(trainer.model, transformers.PreTrainedModel):
@@ -213,6 +213,8 @@ def _recipe_args(trainer: Any, dataset: str, optimizer: torch.optim.Optimizer, m
                       "warmup_steps": int(args.get_warmup_steps(max_steps)), "training_steps": int(max_steps),
                       "kwargs": dict(args.lr_scheduler_kwargs or {})},
         "max_grad_norm": float(args.max_grad_norm or 0.0),
+        # compute_loss multiplies an item-normalised loss by the processes that averaged the item count
+        "items_multiplier": int(trainer.accelerator.num_processes // trainer.get_tp_size()) if args.average_tokens_across_devices else 1,
     }
 
 
@@ -277,7 +279,15 @@ class SdcCallback:
         indices = inputs.pop(INDEX_KEY).tolist()
         if not self._step_started:
             self._step_started = True
-            self._step.add_microbatch_ids([_common.step_header(self.trainer.current_gradient_accumulation_steps)])
+            items = args[0] if args else kwargs.get("num_items_in_batch")
+            if self.trainer.model_accepts_loss_kwargs and items is not None:  # the loss is normalised by the item count
+                count = float(items)
+                if count != int(count):
+                    raise SdcError(f"num_items_in_batch = {count} is not a whole count; the adapter replays whole counts")
+                header = _common.step_header(int(count), items=True)
+            else:  # Trainer.training_step divides by the step's accumulation count
+                header = _common.step_header(self.trainer.current_gradient_accumulation_steps)
+            self._step.add_microbatch_ids([header])
         self._step.add_microbatch_ids(_common.batch_ids(indices))
         self._step.input(inputs)
         loss = original(model, inputs, *args, **kwargs)

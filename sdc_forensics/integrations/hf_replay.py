@@ -10,7 +10,11 @@
   Trainer's collator did it (``remove_unused_columns``), then the Trainer's collator;
 * the loss: the model's own (``outputs["loss"]``, else ``outputs[0]``), divided by the step's
   gradient accumulation count as ``Trainer.training_step`` does (the count is in the step header:
-  an epoch's last step may accumulate fewer microbatches);
+  an epoch's last step may accumulate fewer microbatches); or, for a model whose forward takes
+  ``**kwargs`` (``model_accepts_loss_kwargs``, most language models), given the step's
+  ``num_items_in_batch`` (in the step header: the label count over the window and all ranks, as a
+  float tensor as the Trainer makes it) and multiplied by the processes that averaged it
+  (``average_tokens_across_devices``), as ``Trainer.compute_loss`` does;
 * ``clip_grad_norm_`` with ``max_grad_norm`` (Accelerate calls torch's), then the optimizer the
   job built (class, groups and options recorded from the live object, state from
   ``optimizer.pt``), then the LR scheduler (``transformers.get_scheduler`` with the recorded type
@@ -42,6 +46,7 @@ class TrainerRecipe:
     collator: str | None = None
     columns: list | None = None
     max_grad_norm: float = 0.0
+    items_multiplier: int = 1
 
     def __post_init__(self) -> None:
         self._batches: _common.SampleBatches | None = None
@@ -89,10 +94,16 @@ class TrainerRecipe:
     def loss(self, model, microbatch):
         if _common.is_placeholder(microbatch):
             return _common.zero_loss()
-        outputs = model(**microbatch)
+        batches = self._sample_batches()
+        if batches.items:  # Trainer: num_items_in_batch = gathered int64 count / (tp * cp * sp), a float tensor
+            count = torch.tensor(batches.divisor, dtype=torch.int64, device=_device_of(microbatch)) / 1
+            outputs = model(**microbatch, num_items_in_batch=count)
+        else:
+            outputs = model(**microbatch)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
-        divisor = self._sample_batches().divisor
-        return loss / divisor if divisor else loss
+        if batches.items:
+            return loss * self.items_multiplier if self.items_multiplier != 1 else loss
+        return loss / batches.divisor if batches.divisor else loss
 
     def before_step(self, model, optimizer) -> None:
         if self.max_grad_norm > 0:
@@ -123,3 +134,10 @@ class TrainerRecipe:
 
             self._batches = _common.SampleBatches(sample, collate)
         return self._batches
+
+
+def _device_of(batch: Any) -> torch.device:
+    for value in batch.values() if isinstance(batch, dict) else ():
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
