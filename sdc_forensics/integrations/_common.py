@@ -77,10 +77,29 @@ def batch_ids(indices) -> list[int]:
 
 
 def reference(obj: Any) -> str | None:
-    """``module:qualname`` of a module-level function or class that imports back to ``obj``, else None."""
+    """``module:qualname`` of a module-level function or class that imports back to ``obj``, else None.
+
+    An object of the script being run (``torchrun mytrain.py``: module ``__main__``) is named by the
+    script's module name (``mytrain:Classifier``), which is how replay imports it (with the
+    script's directory on ``PYTHONPATH``), when that name finds the same file.
+    """
     module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
-    if not module or not qualname or "<" in qualname or module == "__main__":
+    if not module or not qualname or "<" in qualname:
         return None
+    if module == "__main__":
+        import sys
+        from importlib.util import find_spec
+
+        script = getattr(sys.modules.get("__main__"), "__file__", None)
+        if not script:
+            return None
+        stem = Path(script).stem
+        try:
+            spec = find_spec(stem)
+        except (ImportError, ValueError):
+            return None
+        same = spec is not None and spec.origin is not None and Path(spec.origin).resolve() == Path(script).resolve()
+        return f"{stem}:{qualname}" if same and getattr(sys.modules["__main__"], qualname.split(".")[0], None) is not None else None
     try:
         found: Any = importlib.import_module(module)
         for part in qualname.split("."):
