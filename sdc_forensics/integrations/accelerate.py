@@ -157,6 +157,9 @@ def record(accelerator: Any, trace_dir: str | os.PathLike, *, model: torch.nn.Mo
         raise UsageError(f"sdc-forensics cannot record this Accelerate job exactly: {problems[0]} (docs/integrations.md)")
     if any(str(s).startswith("input:") for s in inject):
         raise UsageError("the accelerate adapter does not inject input faults (the batch reaches the model before it is recorded)")
+    if any(str(s).startswith("checkpoint-file:") for s in inject):
+        raise UsageError("checkpoint-file injection flips a byte of one file; a save_state checkpoint is a folder (damage a "
+                         "file of it by hand to drill verify-checkpoint)")
     for what, ref in (("model function", model_fn), ("loss function", loss_fn), ("dataset function", dataset),
                       ("scheduler function", scheduler_fn)):
         if ref is not None:

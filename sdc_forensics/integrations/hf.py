@@ -166,6 +166,9 @@ def record(trainer: Any, trace_dir: str | os.PathLike, *, dataset: str, options:
     if not isinstance(trainer, transformers.Trainer):
         raise UsageError(f"hf.record needs a transformers.Trainer, got {type(trainer).__name__}")
     problems = _refusals(trainer, transformers)
+    if any(str(spec).startswith("checkpoint-file:") for spec in inject):
+        problems.append("checkpoint-file injection flips a byte of one file; a Trainer checkpoint is a folder (damage a file "
+                        "of it by hand to drill verify-checkpoint)")
     if problems:
         raise UsageError(f"sdc-forensics cannot record this Trainer exactly: {problems[0]} (docs/integrations.md)")
     try:

@@ -48,19 +48,6 @@ class TinyModel(PreTrainedModel):
         return {"loss": loss, "logits": logits}
 
 
-class TinyKwargsModel(TinyModel):
-    """The same model with a forward that takes ``**kwargs``, as language models' do: the Trainer
-    then normalises the loss by ``num_items_in_batch`` (labels over the window and all ranks)."""
-
-    def forward(self, x, labels=None, num_items_in_batch=None, **kwargs):
-        logits = self.out(torch.tanh(self.norm(self.inp(x))))
-        if labels is None:
-            return {"logits": logits}
-        if num_items_in_batch is None:
-            return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
-        return {"loss": nn.functional.cross_entropy(logits, labels, reduction="sum") / num_items_in_batch, "logits": logits}
-
-
 class Points(torch.utils.data.Dataset):
     """Sample ``i``: 8 features from a generator seeded with ``i``, and a label they decide."""
 
@@ -86,7 +73,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--accumulate", type=int, default=2)
     parser.add_argument("--inject", action="append", default=[])
     parser.add_argument("--resume", default=None)
-    parser.add_argument("--loss-kwargs", action="store_true", help="the model whose forward takes **kwargs")
     opts = parser.parse_args(argv)
     torch.manual_seed(0)
     args = TrainingArguments(
@@ -95,9 +81,8 @@ def main(argv: list[str] | None = None) -> None:
         lr_scheduler_type="linear", max_grad_norm=0.5, use_cpu=True, ddp_backend="gloo", report_to=[],
         logging_steps=1000, disable_tqdm=True, seed=0, dataloader_num_workers=0,
     )
-    model = (TinyKwargsModel if opts.loss_kwargs else TinyModel)(TinyConfig(width=16))
-    trainer = Trainer(model=model, args=args, train_dataset=make_dataset())
-    assert trainer.model_accepts_loss_kwargs == opts.loss_kwargs
+    trainer = Trainer(model=TinyModel(TinyConfig(width=16)), args=args, train_dataset=make_dataset())
+    assert not trainer.model_accepts_loss_kwargs  # the accumulation divisor path (docs/integrations.md's GPT-2 takes the other)
 
     from sdc_forensics.integrations import hf
     from sdc_forensics.recorder import RecorderOptions

@@ -119,18 +119,3 @@ def test_settings_the_adapter_cannot_replay_are_refused_with_one_line(tmp_path):
     problems = hf._refusals(trainer, __import__("transformers"))
     assert any("label_smoothing_factor" in p for p in problems) and any("mixed precision" in p for p in problems)
     assert not (tmp_path / "trace").exists()
-
-
-@pytest.mark.heavy
-def test_a_model_whose_loss_is_normalised_by_num_items_in_batch_is_certified(tmp_path):
-    """A forward with **kwargs (as language models have): the Trainer passes num_items_in_batch
-    (labels over the window and both ranks) and multiplies the loss by the processes; the step
-    header carries the count, and the replay is exact."""
-    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--loss-kwargs"], cwd=tmp_path))
-    exported = run_installed(["export", "trace", "-o", "-"], tmp_path, cwd=tmp_path)
-    first = exported.stdout.splitlines()[1].split(",")
-    header = int(first[exported.stdout.splitlines()[0].split(",").index("microbatch_first")])
-    assert header == (1 << 61) | (1 << 60) | 16  # META | ITEMS | 4 samples x 2 microbatches x 2 ranks
-    certified = run_installed(["certify", "trace", "--allow-numpy", "--json"], tmp_path, cwd=tmp_path, env=ENV)
-    assert certified.returncode == 0, certified.stderr
-    assert {c["step"]: c["status"] for c in json.loads(certified.stdout)["checkpoints"]} == {0: "clean", 3: "clean", 6: "clean"}
