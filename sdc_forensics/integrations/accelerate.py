@@ -235,10 +235,12 @@ class AccelerateRecording:
         return self._originals["backward"](loss, **kwargs)
 
     def _after_update(self, optimizer, args, kwargs) -> None:
-        if self._step is not None:
-            self.rec.end_step()
-            self._step = None
-            self.completed += 1
+        if self._step is None:  # an update whose microbatches the adapter never saw: refuse rather than leave a hole
+            raise SdcError("the optimizer stepped with no accelerator.backward since the last step: call accelerator.backward(loss), "
+                           "not loss.backward(), so that the adapter records the step's microbatches")
+        self.rec.end_step()
+        self._step = None
+        self.completed += 1
 
     def _clip_grad_norm(self, parameters, max_norm, norm_type=2):
         if float(max_norm) != self.max_grad_norm or norm_type != 2:

@@ -73,13 +73,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--accumulate", type=int, default=2)
     parser.add_argument("--inject", action="append", default=[])
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--workers", type=int, default=0, help="dataloader_num_workers: the indices cross process boundaries")
     opts = parser.parse_args(argv)
     torch.manual_seed(0)
     args = TrainingArguments(
         output_dir=opts.out, max_steps=opts.steps, save_steps=opts.save_steps, per_device_train_batch_size=4,
         gradient_accumulation_steps=opts.accumulate, learning_rate=5e-2, weight_decay=0.01, warmup_steps=2,
         lr_scheduler_type="linear", max_grad_norm=0.5, use_cpu=True, ddp_backend="gloo", report_to=[],
-        logging_steps=1000, disable_tqdm=True, seed=0, dataloader_num_workers=0,
+        logging_steps=1000, disable_tqdm=True, seed=0, dataloader_num_workers=opts.workers,
     )
     trainer = Trainer(model=TinyModel(TinyConfig(width=16)), args=args, train_dataset=make_dataset())
     assert not trainer.model_accepts_loss_kwargs  # the accumulation divisor path (docs/integrations.md's GPT-2 takes the other)
