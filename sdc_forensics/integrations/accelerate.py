@@ -110,6 +110,9 @@ def _refusals(accelerator: Any) -> list[str]:
                    "launch with accelerate launch / torchrun, 2 or more processes")
     if accelerator.mixed_precision != "no":
         out.append(f"mixed precision ({accelerator.mixed_precision}: autocast and a loss scaler) is not replayed by the adapter yet")
+    if accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
+        out.append("sync_each_batch all-reduces every microbatch; the recorder fingerprints the accumulated gradient DDP "
+                   "sends once per step")
     models, optimizers, loaders = accelerator._models, accelerator._optimizers, accelerator._dataloaders  # noqa: SLF001
     if len(models) != 1 or len(optimizers) != 1:
         out.append(f"prepare() was given {len(models)} model(s) and {len(optimizers)} optimizer(s); the adapter records one of each")

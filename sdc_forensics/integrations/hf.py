@@ -123,6 +123,9 @@ def _refusals(trainer: Any, transformers: Any) -> list[str]:
         out.append("loss_is_scaled_for_ga is set by hand; the adapter replays the Trainer's own rule for scaling the loss")
     if any(getattr(trainer, f"get_{kind}_size", lambda: 1)() != 1 for kind in ("tp", "cp", "sp")):
         out.append("tensor, context or sequence parallelism: the recorder records data-parallel (DDP) jobs")
+    if trainer.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
+        out.append("sync_each_batch all-reduces every microbatch, so a step's local gradient is never whole in one bucket "
+                   "pass; the recorder fingerprints the accumulated gradient DDP sends once per step")
     if getattr(args, "save_only_model", False):
         out.append("save_only_model: checkpoints without optimizer and scheduler cannot be replayed from")
     if not isinstance(trainer.model, transformers.PreTrainedModel):

@@ -117,6 +117,8 @@ def test_settings_the_adapter_cannot_replay_are_refused_with_one_line(tmp_path):
         hf.record(trainer, tmp_path / "trace", dataset="tests.integrations.hfjob:make_dataset")
     trainer.args.label_smoothing_factor = 0.1
     trainer.args.fp16 = True
+    trainer.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
     problems = hf._refusals(trainer, __import__("transformers"))
-    assert any("label_smoothing_factor" in p for p in problems) and any("mixed precision" in p for p in problems)
+    for setting in ("label_smoothing_factor", "mixed precision", "sync_each_batch"):
+        assert any(setting in p for p in problems), (setting, problems)
     assert not (tmp_path / "trace").exists()
