@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 from pathlib import Path
 
@@ -39,6 +40,10 @@ from sdc_forensics.fingerprint.core import combine_digests
 from sdc_forensics.trace.checkpoints import CheckpointNote, hex64
 
 _PARAM_PREFIXES = ("", "model.", "module.", "model.module.", "state_dict.", "model_state_dict.")
+#: Lightning's ModelCheckpoint keeps its scores in every .ckpt (``callbacks.ModelCheckpoint{...}.kth_value``):
+#: bookkeeping, not training state, and ±inf by design (kth_value starts at inf for mode "min"), so a
+#: non-finite value there is not a finding
+_SCORE_KEYS = re.compile(r"^callbacks\.ModelCheckpoint\{.*\}\.(kth_value|best_model_score|current_score)$")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -194,7 +199,7 @@ def verify_checkpoint(
         findings += [
             Finding(kind=FindingKind.NONFINITE, subject=r.key, expected="0", found=str(r.nonfinite), detail=f"{r.nonfinite} NaN/Inf value(s)")
             for r in results
-            if r.nonfinite
+            if r.nonfinite and not (_SCORE_KEYS.match(r.key) and r.shape in ((), (1,)))
         ]
         weights = ""
         if note is not None:

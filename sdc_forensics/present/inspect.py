@@ -34,6 +34,7 @@ def inspect_document(summary: TraceSummary, covered=None) -> dict[str, Any]:
         "format_version": m.format_version,
         "world_size": m.world_size,
         "recipe": m.recipe,
+        "framework": m.framework,
         "fingerprint": dataclasses.asdict(m.fingerprint),
         "steps": {"first": summary.first_step, "last": summary.last_step, "rank_steps": summary.num_rank_steps},
         "end": summary.end.to_json(),
@@ -72,6 +73,9 @@ def render_inspect(summary: TraceSummary, console, covered=None) -> None:
         f"[bold]{escape(str(summary.path))}[/]  format v{m.format_version}  world size {m.world_size}  "
         f"steps {summary.first_step}..{summary.last_step} ({summary.num_rank_steps} rank-steps)  recipe {escape(m.recipe or '-')}"
     )
+    if m.framework is not None:
+        fw = m.framework
+        console.print(f"written by: {escape(fw['name'])} {escape(fw['version'])} through {escape(fw['adapter'] or '-')}")
     console.print(f"fingerprints: seed {fp.seed:#x}, sketch k={fp.sketch_k}, gradients in {escape(fp.grad_dtype)}")
     _render_end(console, summary.end)
     if m.attempts:

@@ -151,6 +151,12 @@ class StepRecording:
         """Report a microbatch's loss as ``backward()`` saw it (summed over the step in the trace)."""
         self._state.losses.append(loss.detach())
 
+    def add_microbatch_ids(self, ids: Iterable[int]) -> None:
+        """Append microbatch IDs learned during the step (a framework's dataloader hands the
+        sample indices over with each batch, after the step began); recorded after those given
+        to ``rec.step(microbatch_ids=...)``."""
+        self._state.ids = (self._state.ids or ()) + tuple(int(i) for i in ids)
+
 
 class Recorder:
     """Records a DDP job's steps to ``trace_dir`` and runs the online checks.
@@ -170,6 +176,9 @@ class Recorder:
             The recorder registers its hook on the model and calls yours from it; a model that
             already has a hook is refused.
         inject: fault specs (``sdc_forensics.inject``) for drills and tests.
+        framework: the training framework whose adapter built this Recorder (``{"name":
+            "transformers", "version": ..., "adapter": "sdc_forensics.integrations.hf"}``),
+            written into the manifest for ``inspect``; None for a hand-written loop.
 
     Every check is made, on every rank, before anything is written: a Recorder that fails to
     attach leaves no manifest and no rank file behind (the next attempt is not renumbered).
@@ -191,6 +200,7 @@ class Recorder:
         comm_hook: Callable | None = None,
         comm_state: Any = None,
         inject: Iterable[FaultSpec | str] = (),
+        framework: dict[str, str] | None = None,
     ) -> None:
         if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
             raise UsageError("Recorder needs the DistributedDataParallel-wrapped model (got a bare module?)")
@@ -203,6 +213,7 @@ class Recorder:
         self.optimizer = optimizer
         self.recipe_ref = recipe
         self.recipe_args = None if recipe_args is None else check_recipe_args(recipe_args)
+        self.framework = None if framework is None else {k: str(framework.get(k, "")) for k in ("name", "version", "adapter")}
         self._recipe = None
         if (self.options.audit_every or self.options.audit_steps) and recipe is None:
             raise UsageError("audits recompute microbatches through the replay recipe: pass recipe='module:attribute' to the Recorder")
@@ -285,7 +296,7 @@ class Recorder:
                 settings = FingerprintSettings(seed=self.options.seed, sketch_k=self.options.sketch_k, grad_dtype=self.options.grad_dtype or "float32")
                 manifest = records.build_manifest(
                     self.trace_dir, world_size=self.world_size, settings=settings, recipe=self.recipe_ref, recipe_args=self.recipe_args,
-                    checkpoint_every=self.options.checkpoint_every, audit_every=self.options.audit_every or None,
+                    framework=self.framework, checkpoint_every=self.options.checkpoint_every, audit_every=self.options.audit_every or None,
                     weights_every=self.options.weights_every, node_of_rank=self.nodes,
                     attempt=make_attempt(attempt, self.options.start_step, self.identities, device=self.device,
                                          backend=str(dist.get_backend(self.group)), reduction=self.options.reduction,

@@ -438,7 +438,7 @@ def replay_window(trace: Trace, recipe, options: ReplayOptions, on_step: Callabl
     distributed.check_placement(device, trace, options.suspect_gpus, options.force_device)  # every process alike
     env.check_not_suspect(device, options.suspect_gpus, options.force_device)
     threads = options.num_threads or _recorded_threads(trace)  # per-step counts are applied step by step
-    if not Path(options.checkpoint_path).is_file():
+    if not (Path(options.checkpoint_path).is_file() or Path(options.checkpoint_path).is_dir()):  # a folder: a Trainer's checkpoint-N
         raise CheckpointError(f"checkpoint {options.checkpoint_path} (step {options.start_step}) does not exist; pass --checkpoints DIR")
     from sdc_forensics.checkpoint.formats import open_checkpoint
 

@@ -88,6 +88,10 @@ class Manifest:
     #: job settings handed to the recipe at replay (``Recorder(recipe_args=...)``); None in
     #: traces recorded without them (and before they existed): the recipe takes no arguments
     recipe_args: dict[str, Any] | None = None
+    #: the training framework whose adapter wrote the trace (``sdc_forensics.integrations``):
+    #: ``{"name": "transformers", "version": "5.24.0", "adapter": "sdc_forensics.integrations.hf"}``;
+    #: None for a loop that calls the recorder itself (and every trace written before it existed)
+    framework: dict[str, str] | None = None
     reduction: str = "mean"
     checkpoint_every: int | None = None
     audit_every: int | None = None
@@ -114,6 +118,8 @@ class Manifest:
             del doc["format_minor"]
         if self.recipe_args is None:  # an optional key: manifests without job settings stay as they were
             del doc["recipe_args"]
+        if self.framework is None:  # optional too: a hand-written loop's manifest is unchanged
+            del doc["framework"]
         return doc
 
 
@@ -192,6 +198,18 @@ def _recipe_args(f: Fields) -> dict[str, Any] | None:
     return args
 
 
+def _framework(f: Fields) -> dict[str, str] | None:
+    """``framework``: absent or null (None), else an object of short strings (name, version, adapter)."""
+    if f.doc.get("framework") is None:
+        return None
+    doc = f.obj("framework")
+    for key in ("name", "version", "adapter"):
+        value = doc.get(key, "")
+        if not isinstance(value, str) or len(value) > 200:
+            raise f.fail("framework", f'an object whose "{key}" is a string of at most 200 characters', value)
+    return {key: doc.get(key, "") for key in ("name", "version", "adapter")}
+
+
 @reader
 def parse_manifest(doc: Any, where: str = MANIFEST_NAME) -> Manifest:
     """Turn a decoded manifest document into a :class:`Manifest`, or raise :class:`TraceError`.
@@ -219,6 +237,7 @@ def parse_manifest(doc: Any, where: str = MANIFEST_NAME) -> Manifest:
         fingerprint=_fingerprint(f.doc.get("fingerprint"), f"{where}, \"fingerprint\""),
         recipe=f.str("recipe", None, none=True, max_len=1024),
         recipe_args=_recipe_args(f),
+        framework=_framework(f),
         reduction=reduction,
         checkpoint_every=f.int("checkpoint_every", None, lo=1, hi=MAX_STEP, none=True),
         audit_every=f.int("audit_every", None, lo=0, hi=MAX_STEP, none=True),

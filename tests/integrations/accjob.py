@@ -1,0 +1,106 @@
+"""An ``accelerate`` loop recorded with ``sdc_forensics.integrations.accelerate.record``: a tiny model
+made here, a synthetic map-style dataset, ``gradient_accumulation_steps=2``, clipping, AdamW and
+a warmup schedule, ``save_state`` every ``--save-steps`` optimizer steps (and once before the
+loop: checkpoint 0). One process per rank with the launcher's environment::
+
+    python -c 'import tests.integrations.accjob as j; j.run()' --trace T --out O [--steps 6] [--inject SPEC]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from torch import nn
+
+FEATURES, CLASSES, SAMPLES = 8, 4, 40
+
+
+def build_model() -> nn.Module:
+    """The model (its weights come from checkpoint 0 at replay)."""
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, CLASSES))
+
+
+class Points(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, index: int):
+        x = torch.randn(FEATURES, generator=torch.Generator().manual_seed(2000 + int(index)))
+        return x, x[:CLASSES].argmax()
+
+
+def make_dataset() -> Points:
+    return Points()
+
+
+def loss(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from accelerate import Accelerator
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trace", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--save-steps", type=int, default=3)
+    parser.add_argument("--inject", action="append", default=[])
+    opts = parser.parse_args(argv)
+    accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
+    torch.manual_seed(0)
+    model = build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.01)
+    loader = torch.utils.data.DataLoader(make_dataset(), batch_size=4, shuffle=True)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, make_scheduler(optimizer))
+
+    from sdc_forensics.integrations import accelerate as sdc
+    from sdc_forensics.recorder import RecorderOptions
+
+    recording = sdc.record(accelerator, opts.trace, model=model, model_fn="tests.integrations.accjob:build_model",
+                           loss_fn="tests.integrations.accjob:loss", dataset="tests.integrations.accjob:make_dataset",
+                           scheduler_fn="tests.integrations.accjob:make_scheduler", max_grad_norm=0.5,
+                           options=RecorderOptions(policy="continue"), inject=opts.inject)
+    with recording:
+        accelerator.save_state(os.path.join(opts.out, "step-0"))
+        done = 0
+        while done < opts.steps:
+            for batch in loader:
+                with accelerator.accumulate(model):
+                    accelerator.backward(loss(model, batch))
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(model.parameters(), 0.5)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+                if accelerator.sync_gradients:
+                    done += 1
+                    if done % opts.save_steps == 0:
+                        accelerator.save_state(os.path.join(opts.out, f"step-{done}"))
+                    if done == opts.steps:
+                        break
+
+
+def run() -> None:
+    """``main()`` as a launched rank runs it, then leave without the interpreter's teardown (gloo's race at exit)."""
+    code = 0
+    try:
+        main()
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    except BaseException:  # noqa: BLE001
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

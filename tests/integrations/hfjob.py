@@ -1,0 +1,115 @@
+"""A Hugging Face Trainer job recorded with the two lines of docs/integrations.md: a tiny model
+made here (no download), a synthetic map-style dataset, gradient accumulation, clipping, AdamW
+and a linear warmup schedule, checkpoints every ``--save-steps``. One process per rank with the
+launcher's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``)::
+
+    python -c 'import tests.integrations.hfjob as j; j.run()' --trace T --out O [--steps 6] [--save-steps 3] [--inject SPEC] [--resume DIR]
+
+The model class and the dataset function are referenced by the trace as
+``tests.integrations.hfjob:...``: replay imports them with ``PYTHONPATH`` set to the repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments
+
+FEATURES, CLASSES, SAMPLES = 8, 4, 48
+
+
+class TinyConfig(PretrainedConfig):
+    model_type = "sdc-tiny"
+
+    def __init__(self, width: int = 16, **kwargs) -> None:
+        self.width = width
+        super().__init__(**kwargs)
+
+
+class TinyModel(PreTrainedModel):
+    """Linear, LayerNorm, tanh, linear; its forward takes no **kwargs (the Trainer divides the loss
+    by the accumulation count)."""
+
+    config_class = TinyConfig
+
+    def __init__(self, config: TinyConfig) -> None:
+        super().__init__(config)
+        self.inp = nn.Linear(FEATURES, config.width)
+        self.norm = nn.LayerNorm(config.width)
+        self.out = nn.Linear(config.width, CLASSES)
+
+    def forward(self, x, labels=None):
+        logits = self.out(torch.tanh(self.norm(self.inp(x))))
+        loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
+        return {"loss": loss, "logits": logits}
+
+
+class Points(torch.utils.data.Dataset):
+    """Sample ``i``: 8 features from a generator seeded with ``i``, and a label they decide."""
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, index: int) -> dict:
+        x = torch.randn(FEATURES, generator=torch.Generator().manual_seed(1000 + int(index)))
+        return {"x": x, "labels": int(x[:CLASSES].argmax())}
+
+
+def make_dataset() -> Points:
+    """The training dataset, rebuilt by replay (the function ``hf.record(dataset=...)`` names)."""
+    return Points()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trace", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--save-steps", type=int, default=3)
+    parser.add_argument("--accumulate", type=int, default=2)
+    parser.add_argument("--inject", action="append", default=[])
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--workers", type=int, default=0, help="dataloader_num_workers: the indices cross process boundaries")
+    opts = parser.parse_args(argv)
+    torch.manual_seed(0)
+    args = TrainingArguments(
+        output_dir=opts.out, max_steps=opts.steps, save_steps=opts.save_steps, per_device_train_batch_size=4,
+        gradient_accumulation_steps=opts.accumulate, learning_rate=5e-2, weight_decay=0.01, warmup_steps=2,
+        lr_scheduler_type="linear", max_grad_norm=0.5, use_cpu=True, ddp_backend="gloo", report_to=[],
+        logging_steps=1000, disable_tqdm=True, seed=0, dataloader_num_workers=opts.workers,
+    )
+    trainer = Trainer(model=TinyModel(TinyConfig(width=16)), args=args, train_dataset=make_dataset())
+    assert not trainer.model_accepts_loss_kwargs  # the accumulation divisor path (docs/integrations.md's GPT-2 takes the other)
+
+    from sdc_forensics.integrations import hf
+    from sdc_forensics.recorder import RecorderOptions
+
+    hf.record(trainer, opts.trace, dataset="tests.integrations.hfjob:make_dataset",
+              options=RecorderOptions(policy="continue"), inject=opts.inject)
+    trainer.train(resume_from_checkpoint=opts.resume)
+
+
+def run() -> None:
+    """``main()`` as a launched rank runs it, then leave without the interpreter's teardown (gloo's
+    race at exit, docs/recorder.md "Limits"); a traceback goes to stderr, the exit code says it."""
+    code = 0
+    try:
+        main()
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    except BaseException:  # noqa: BLE001
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,90 @@
+"""A PyTorch Lightning job (``strategy="ddp"``) recorded with ``SdcCallback``: a tiny LightningModule
+made here, a synthetic map-style dataset, ``accumulate_grad_batches=2``, ``gradient_clip_val``,
+AdamW and a per-step warmup schedule, ``ModelCheckpoint`` every ``--save-steps`` optimizer steps.
+One process per rank with the launcher's environment::
+
+    python -c 'import tests.integrations.pljob as j; j.run()' --trace T --out O [--steps 6] [--inject SPEC]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import lightning as L
+import torch
+from torch import nn
+
+FEATURES, CLASSES, SAMPLES = 8, 4, 40
+
+
+class Tiny(L.LightningModule):
+    def __init__(self, width: int = 16, lr: float = 2e-2) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(FEATURES, width), nn.LayerNorm(width), nn.Tanh(), nn.Linear(width, CLASSES))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class Points(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, index: int):
+        x = torch.randn(FEATURES, generator=torch.Generator().manual_seed(3000 + int(index)))
+        return x, x[:CLASSES].argmax()
+
+
+def make_dataset() -> Points:
+    return Points()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trace", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--save-steps", type=int, default=3)
+    parser.add_argument("--inject", action="append", default=[])
+    parser.add_argument("--strategy", default="ddp")
+    opts = parser.parse_args(argv)
+
+    from sdc_forensics.integrations.lightning import SdcCallback
+    from sdc_forensics.recorder import RecorderOptions
+
+    L.seed_everything(0, verbose=False)
+    checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=opts.out, every_n_train_steps=opts.save_steps, save_top_k=-1,
+                                                      filename="{step}")
+    record = SdcCallback(opts.trace, dataset="tests.integrations.pljob:make_dataset", options=RecorderOptions(policy="continue"),
+                         inject=opts.inject)
+    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=opts.strategy, max_steps=opts.steps,
+                        accumulate_grad_batches=2, gradient_clip_val=0.5, callbacks=[checkpoints, record], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    loader = torch.utils.data.DataLoader(make_dataset(), batch_size=4, shuffle=True)
+    trainer.fit(Tiny(), train_dataloaders=loader)
+
+
+def run() -> None:
+    """``main()`` as a launched rank runs it, then leave without the interpreter's teardown (gloo's race at exit)."""
+    code = 0
+    try:
+        main()
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    except BaseException:  # noqa: BLE001
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

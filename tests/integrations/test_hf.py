@@ -1,0 +1,124 @@
+"""Issue 24: a Hugging Face ``Trainer`` job recorded with ``hf.record`` (tests/integrations/hfjob.py,
+2 gloo processes on CPU, a tiny model made here) is replayed exactly and judged by the unchanged
+CLI: a clean run certified clean (every checkpoint folder, by exact replay), its folders verified,
+a fault injected through the adapter found at its step and rank, a resumed run read as a second
+attempt. Skipped, with the reason, when the ``hf`` extra is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+pytest.importorskip("transformers", reason="the hf extra is not installed: pip install -e '.[hf]'")
+pytest.importorskip("accelerate", reason="the hf extra is not installed: pip install -e '.[hf]'")
+
+from tests.cli.installed import run_installed  # noqa: E402
+from tests.integrations.launch import REPO, assert_ok, run_ranks  # noqa: E402
+
+pytestmark = pytest.mark.slow
+JOB = "tests.integrations.hfjob"
+ENV = {"PYTHONPATH": str(REPO)}
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    """6 optimizer steps of 2 microbatches each (the epoch's last step too), checkpoints 0, 3 and 6."""
+    where = tmp_path_factory.mktemp("hf-clean")
+    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out"], cwd=where))
+    return where
+
+
+def test_a_clean_trainer_run_is_certified_by_exact_replay(clean_run, tmp_path):
+    inspected = run_installed(["inspect", "trace", "--json"], tmp_path, cwd=clean_run)
+    assert inspected.returncode == 0, inspected.stderr
+    doc = json.loads(inspected.stdout)
+    assert doc["framework"]["name"] == "transformers" and doc["framework"]["adapter"] == "sdc_forensics.integrations.hf"
+    import transformers
+
+    assert doc["framework"]["version"] == transformers.__version__
+    certified = run_installed(["certify", "trace", "--allow-numpy", "--json"], tmp_path, cwd=clean_run, env=ENV)
+    assert certified.returncode == 0, certified.stderr
+    result = json.loads(certified.stdout)
+    assert {c["step"]: c["status"] for c in result["checkpoints"]} == {0: "clean", 3: "clean", 6: "clean"}
+    assert result["resume_step"] == 6
+    assert "comparison exact" in certified.stderr or "(exact)" in certified.stderr, certified.stderr
+
+
+def test_the_trainers_checkpoint_folders_verify(clean_run, tmp_path):
+    for step in (0, 3, 6):
+        folder = clean_run / "out" / f"checkpoint-{step}"
+        assert (folder / "model.safetensors").is_file() and (folder / "optimizer.pt").is_file()
+        alone = run_installed(["verify-checkpoint", str(folder), "--allow-numpy"], tmp_path)
+        assert alone.returncode == 0, alone.stderr
+        assert "VERIFIED" in alone.stderr and "not verifiable" not in alone.stderr, alone.stderr
+    # with its run: the folder against its note and the replicas' majority, steps 0..2 replayed
+    with_trace = run_installed(["verify-checkpoint", "out/checkpoint-3", "--trace", "trace", "--allow-numpy"], tmp_path,
+                               cwd=clean_run, env=ENV)
+    assert with_trace.returncode == 0, with_trace.stderr
+    assert "content as saved" in with_trace.stderr, with_trace.stderr
+
+
+@pytest.mark.heavy
+def test_a_damaged_folder_is_caught_against_its_note(clean_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(clean_run, copy)
+    weights = copy / "out" / "checkpoint-3" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x40  # a bit in the last tensor's bytes
+    weights.write_bytes(bytes(data))
+    ran = run_installed(["verify-checkpoint", "out/checkpoint-3", "--trace", "trace", "--allow-numpy"], tmp_path, cwd=copy, env=ENV)
+    assert ran.returncode == 1, ran.stderr
+    assert "bytes differ from what was saved" in ran.stderr, ran.stderr
+
+
+@pytest.mark.heavy
+def test_a_fault_injected_through_the_adapter_is_found_at_its_step_and_rank(tmp_path):
+    # with a data worker per rank: the sample indices travel with each batch from the worker process
+    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=1:bit=30", "--workers", "1"], cwd=tmp_path))
+    ran = run_installed(["bisect", "trace", "--allow-numpy", "--json"], tmp_path, cwd=tmp_path, env=ENV)
+    assert ran.returncode == 1, ran.stderr
+    doc = json.loads(ran.stdout)
+    assert doc["verdict"] == "corruption"
+    assert doc["first_divergent_step"] == 4
+    assert [s["rank"] for s in doc["suspects"]] == [1]
+    statuses = {c["step"]: c["status"] for c in doc["checkpoints"]}
+    assert statuses == {0: "clean", 3: "clean", 6: "tainted"}
+
+
+@pytest.mark.heavy
+def test_a_resumed_trainer_run_is_a_second_attempt_that_bisect_reads(clean_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(clean_run, copy)
+    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--resume", "out/checkpoint-3"], cwd=copy))
+    inspected = json.loads(run_installed(["inspect", "trace", "--json"], tmp_path, cwd=copy).stdout)
+    assert [(a["attempt"], a["start_step"]) for a in inspected["attempts"]] == [(0, 0), (1, 3)]
+    ran = run_installed(["bisect", "trace", "--allow-numpy", "--json"], tmp_path, cwd=copy, env=ENV)
+    assert ran.returncode == 0, ran.stderr
+    doc = json.loads(ran.stdout)
+    assert doc["verdict"] == "clean"
+    assert any("re-executed by a later attempt" in note for note in doc["notes"]), doc["notes"]
+    assert {c["step"]: c["status"] for c in doc["checkpoints"]} == {0: "clean", 3: "clean", 6: "clean"}
+
+
+def test_settings_the_adapter_cannot_replay_are_refused_with_one_line(tmp_path):
+    """In one process (no launch): each refusal names its setting, and nothing is written."""
+    from transformers import Trainer, TrainingArguments
+
+    from sdc_forensics.errors import UsageError
+    from sdc_forensics.integrations import hf
+    from tests.integrations.hfjob import TinyConfig, TinyModel, make_dataset
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=2)
+    trainer = Trainer(model=TinyModel(TinyConfig()), args=args, train_dataset=make_dataset())
+    with pytest.raises(UsageError, match=r"runs 1 process: the recorder records data-parallel \(DDP\) jobs"):
+        hf.record(trainer, tmp_path / "trace", dataset="tests.integrations.hfjob:make_dataset")
+    trainer.args.label_smoothing_factor = 0.1
+    trainer.args.fp16 = True
+    trainer.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
+    problems = hf._refusals(trainer, __import__("transformers"))
+    for setting in ("label_smoothing_factor", "mixed precision", "sync_each_batch"):
+        assert any(setting in p for p in problems), (setting, problems)
+    assert not (tmp_path / "trace").exists()

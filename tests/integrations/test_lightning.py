@@ -1,0 +1,73 @@
+"""Issue 24: a PyTorch Lightning ``DDPStrategy`` job recorded with ``SdcCallback``
+(tests/integrations/pljob.py, 2 gloo processes on CPU, ``accumulate_grad_batches=2`` with an
+epoch that ends mid-cycle, ``gradient_clip_val``, AdamW, a per-step schedule, ``ModelCheckpoint``)
+is replayed exactly and judged by the unchanged CLI. Skipped, with the reason, without the
+``lightning`` extra.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+
+pytest.importorskip("lightning", reason="the lightning extra is not installed: pip install -e '.[lightning]'")
+
+from tests.cli.installed import run_installed  # noqa: E402
+from tests.integrations.launch import REPO, assert_ok, run_ranks  # noqa: E402
+
+JOB = "tests.integrations.pljob"
+ENV = {"PYTHONPATH": str(REPO)}
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_a_clean_lightning_run_is_certified_and_its_checkpoints_verify(tmp_path):
+    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out"], cwd=tmp_path))
+    import lightning
+
+    inspected = json.loads(run_installed(["inspect", "trace", "--json"], tmp_path, cwd=tmp_path).stdout)
+    assert inspected["framework"] == {"name": "lightning", "version": lightning.__version__,
+                                      "adapter": "sdc_forensics.integrations.lightning"}
+    certified = run_installed(["certify", "trace", "--json"], tmp_path, cwd=tmp_path, env=ENV)
+    assert certified.returncode == 0, certified.stderr
+    doc = json.loads(certified.stdout)
+    assert {c["step"]: c["status"] for c in doc["checkpoints"]} == {0: "clean", 3: "clean", 6: "clean"}
+    assert "(exact)" in certified.stderr, certified.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["sdc-step=0.ckpt", "step=3.ckpt", "step=6.ckpt"]
+    ran = run_installed(["verify-checkpoint", str(tmp_path / "out" / "step=3.ckpt")], tmp_path)  # the file alone
+    assert ran.returncode == 0 and "VERIFIED" in ran.stderr, ran.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_a_fault_injected_through_the_lightning_callback_is_found_at_its_step_and_rank(tmp_path):
+    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=1:bit=29"], cwd=tmp_path))
+    ran = run_installed(["bisect", "trace", "--json"], tmp_path, cwd=tmp_path, env=ENV)
+    assert ran.returncode == 1, ran.stderr
+    doc = json.loads(ran.stdout)
+    assert (doc["verdict"], doc["first_divergent_step"], [s["rank"] for s in doc["suspects"]]) == ("corruption", 4, [1])
+    assert {c["step"]: c["status"] for c in doc["checkpoints"]} == {0: "clean", 3: "clean", 6: "tainted"}
+
+
+def test_model_parallel_and_other_settings_are_refused_with_one_line():
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    from sdc_forensics.integrations.lightning import _refusals
+    from tests.integrations.pljob import Tiny
+
+    def trainer(strategy, **changes):
+        base = dict(strategy=strategy, world_size=2, precision="32-true", optimizers=[object()], lr_scheduler_configs=[],
+                    gradient_clip_val=0.0, gradient_clip_algorithm=None)
+        return types.SimpleNamespace(**{**base, **changes})
+
+    module = Tiny()
+    assert _refusals(trainer(DDPStrategy()), module) == []
+    (line,) = _refusals(trainer(ModelParallelStrategy()), module)
+    assert "ModelParallelStrategy" in line and "FSDP2" in line
+    assert any("precision '16-mixed'" in p for p in _refusals(trainer(DDPStrategy(), precision="16-mixed"), module))
+    epoch = types.SimpleNamespace(interval="epoch", frequency=1, reduce_on_plateau=False)
+    assert any("interval='step'" in p for p in _refusals(trainer(DDPStrategy(), lr_scheduler_configs=[epoch]), module))
+    hooked = DDPStrategy(ddp_comm_hook=lambda state, bucket: None)
+    assert any("SdcCallback(comm_hook=" in p for p in _refusals(trainer(hooked), module))

@@ -1,0 +1,46 @@
+"""Issue 24's changes outside the adapters, without any framework installed: the manifest's
+optional ``framework`` key (absent in older traces, which read as before; a damaged one refused),
+and ``verify-checkpoint`` reading Lightning's ModelCheckpoint scores (infinite by design) without
+calling them NaN/Inf while a NaN in training state is still found."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sdc_forensics.checkpoint.findings import FindingKind
+from sdc_forensics.checkpoint.verify import verify_checkpoint
+from sdc_forensics.errors import TraceError
+from sdc_forensics.trace.manifest import parse_manifest
+
+
+def _manifest(trace_dir, **extra) -> dict:
+    doc = json.loads((trace_dir / "manifest.json").read_text())
+    doc.update(extra)
+    return doc
+
+
+def test_the_framework_key_is_optional_and_checked(make_trace):
+    trace = make_trace(ranks=2, steps=3)
+    old = parse_manifest(_manifest(trace))
+    assert old.framework is None and "framework" not in old.to_json()
+    fw = {"name": "transformers", "version": "5.24.0", "adapter": "sdc_forensics.integrations.hf"}
+    new = parse_manifest(_manifest(trace, framework=fw))
+    assert new.framework == fw and new.to_json()["framework"] == fw
+    with pytest.raises(TraceError, match="framework"):
+        parse_manifest(_manifest(trace, framework={"name": 7}))
+
+
+def test_modelcheckpoint_scores_may_be_infinite_but_training_state_may_not(tmp_path):
+    key = "ModelCheckpoint{'monitor': None, 'mode': 'min', 'every_n_train_steps': 3}"
+    state = {"state_dict": {"w": torch.ones(3)}, "callbacks": {key: {"kth_value": torch.tensor(float("inf")),
+                                                                     "best_model_score": None}}}
+    torch.save(state, tmp_path / "a.ckpt")
+    assert not [f for f in verify_checkpoint(tmp_path / "a.ckpt").findings if f.kind is FindingKind.NONFINITE]
+    state["state_dict"]["w"][1] = float("nan")
+    state["callbacks"]["Other"] = {"kth_value": torch.tensor(float("inf"))}  # only ModelCheckpoint's scores are bookkeeping
+    torch.save(state, tmp_path / "b.ckpt")
+    found = {f.subject for f in verify_checkpoint(tmp_path / "b.ckpt").findings if f.kind is FindingKind.NONFINITE}
+    assert found == {"state_dict.w", "callbacks.Other.kth_value"}
