@@ -485,7 +485,8 @@ def machine() -> dict:
         commit = None
     return {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "cpu": cpu, "cores": os.cpu_count(),
             "ram_gib": round(pages / 2**30, 1), "python": platform.python_version(), "torch": torch.__version__,
-            "commit": commit, "command": " ".join(["python", "benchmarks/campaign.py", *sys.argv[1:]])}
+            "commit": commit,
+            "command": " ".join(["python", "benchmarks/campaign.py", *sys.argv[1:]]) if Path(sys.argv[0]).name == "campaign.py" else None}
 
 
 def write_rates(result: dict, path: Path) -> None:
