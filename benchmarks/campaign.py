@@ -294,11 +294,12 @@ def judge(row: dict) -> dict:
     else:
         held = [f"{c} {n}" for c, by in statuses.items() for n, s in by.items() if int(n) > spec.step and s == "clean"]
     candidate = row["bisect"]["weak_candidate"]
+    locations = {s["location"] for s in row["bisect"]["suspects"]}
     return outcome | {
         "detected": verdict == "corruption",
         "missed": verdict == "clean",
         "exact_step_rank": _exact(row["bisect"], row["location"], spec),
-        "location_correct": verdict == "corruption" and {s["location"] for s in row["bisect"]["suspects"]} == {EXPECTED_LOCATION[row["location"]]},
+        "location_correct": verdict == "corruption" and locations == {EXPECTED_LOCATION[row["location"]]},
         "false_clean": held,
         "weak_candidate_matches": None if verdict != "inconclusive" or candidate is None
         else candidate["step"] == spec.step and candidate["ranks"] == [spec.rank],
