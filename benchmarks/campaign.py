@@ -10,8 +10,10 @@ run) with 4-process ``gloo`` DDP on CPU, clean or with one bit flip. Faults cycl
 * steps: on a checkpoint, right after one, mid-interval (cycling); ranks 0..3 drawn.
 
 Then the three commands judge every run, in the run's own process (``click``'s test runner on
-``sdc_forensics.cli.main``, so torch is imported once per run, not once per command)::
+``sdc_forensics.cli.main``, so torch is imported once per run, not once per command), after the
+online checks' own answer, ``bisect --trace-only`` (the trace alone: no replay, no file read)::
 
+    sdc-forensics bisect TRACE --json --trace-only
     sdc-forensics bisect TRACE --json
     sdc-forensics certify TRACE --json
     sdc-forensics verify-checkpoint CKPT --trace TRACE --json     (every checkpoint)
@@ -38,9 +40,18 @@ effect: ``N > s`` for a training fault, ``N = s`` for a checkpoint file), and ov
 ``false_alarms`` (verdict ``corruption``, a checkpoint ``corrupt``/``tainted``, or a
 verify-checkpoint exit 1).
 
+The trace-only answer is judged by the same code (``_exact``): ``trace_only_detected`` (verdict
+``corruption``), ``trace_only_exact`` (the exact rule above, its own checkpoint statuses standing
+for the commands'), ``trace_only_wrong_rank`` (a ``corruption`` answer naming a rank the fault did
+not touch) and, over clean runs, ``trace_only_false_alarms`` (``corruption``, or a checkpoint
+``corrupt``/``tainted``). The tables per location and per bit class put them next to the replay's;
+``--rates FILE`` writes that summary with the machine and command as a small JSON file
+(``docs/measured/trace_only_rates.json``) for other code to quote. A ``--rejudge`` of a
+campaign.json from before these fields says "not measured".
+
     python benchmarks/campaign.py --faults 200 --clean 20 --seed 1 [--json] [--jobs 2] [--out DIR]
         [--steps 12] [--checkpoint-every 4]
-    python benchmarks/campaign.py --rejudge campaign.json     # re-tally an earlier --json output
+    python benchmarks/campaign.py --rejudge campaign.json [--rates FILE]    # re-tally an earlier --json output
 
 The job's collective (issue 21): ``--comm-hook MODULE:ATTR`` trains every run through that DDP comm
 hook (``sdc_forensics.demo.hooks:reversed_mean`` sums in an order the replay does not know) and
@@ -180,6 +191,19 @@ def _cli(runner, cli, args: list[str]) -> dict:
     return {"exit_code": result.exit_code, "doc": doc, "error": error, "seconds": round(time.monotonic() - started, 2)}
 
 
+def _bisect_answer(result: dict) -> dict:
+    """What the campaign keeps of a ``bisect --json`` run (with or without ``--trace-only``)."""
+    doc = result.pop("doc") or {}
+    return result | {
+        "verdict": doc.get("verdict"),
+        "first_divergent_step": doc.get("first_divergent_step"),
+        "suspects": [{"rank": s.get("rank"), "location": s.get("location")} for s in doc.get("suspects") or []],
+        "comparison": (doc.get("replayed") or {}).get("comparison"),
+        "weak_candidate": weak_candidate(doc),
+        "statuses": checkpoint_statuses(doc),
+    }
+
+
 def run_one(plan: Plan, options: Options) -> dict:
     """Train one run, then judge it with the three commands."""
     from click.testing import CliRunner
@@ -204,17 +228,10 @@ def run_one(plan: Plan, options: Options) -> dict:
         "checkpoints": {str(n): str(config.checkpoint_path(n)) for n in result.checkpoints},
     }
     runner, trace = CliRunner(), str(config.trace_dir)
+    # the online checks' answer first: it reads the trace alone (no files, no ledger), so the order does not matter
+    row["trace_only"] = _bisect_answer(_cli(runner, cli, ["bisect", trace, "--json", "--trace-only"]))
     replay = ["--threads", str(plan.replay_threads)] if plan.replay_threads else []
-    bisect = _cli(runner, cli, ["bisect", trace, "--json", *replay])
-    doc = bisect.pop("doc") or {}
-    row["bisect"] = bisect | {
-        "verdict": doc.get("verdict"),
-        "first_divergent_step": doc.get("first_divergent_step"),
-        "suspects": [{"rank": s.get("rank"), "location": s.get("location")} for s in doc.get("suspects") or []],
-        "comparison": (doc.get("replayed") or {}).get("comparison"),
-        "weak_candidate": weak_candidate(doc),
-        "statuses": checkpoint_statuses(doc),
-    }
+    row["bisect"] = _bisect_answer(_cli(runner, cli, ["bisect", trace, "--json", *replay]))
     certify = _cli(runner, cli, ["certify", trace, "--json", *replay])
     row["certify"] = certify | {"statuses": checkpoint_statuses(certify.pop("doc") or {})}
     row["verify"] = {}
@@ -250,7 +267,9 @@ def _all_statuses(row: dict) -> dict[str, dict[str, str | None]]:
 
 
 def judge(row: dict) -> dict:
-    """The outcome of one run (see the module docstring for each rule)."""
+    """The outcome of one run (see the module docstring for each rule); the trace-only answer
+    (``row["trace_only"]``) is judged by the same rules, its own statuses standing for every command's.
+    A row from before trace-only answers were kept has its ``trace_only_*`` outcomes None: not measured."""
     from sdc_forensics.inject import parse_spec
 
     statuses = _all_statuses(row)
@@ -258,51 +277,142 @@ def judge(row: dict) -> dict:
     disagreeing = [n for n in steps if len({by.get(str(n)) for by in statuses.values()}) > 1]
     errors = [f"{c}: {r['error']}" for c, r in (("bisect", row["bisect"]), ("certify", row["certify"])) if r["error"]]
     errors += [f"verify {n}: {v['error']}" for n, v in row["verify"].items() if v["error"] and v["exit_code"] not in (0, 1, 4)]
+    trace_only = row.get("trace_only")
+    if trace_only is not None and trace_only["error"]:
+        errors.append(f"bisect --trace-only: {trace_only['error']}")
     verdict = row["bisect"]["verdict"]
-    outcome = {"verdict": verdict, "inconclusive": verdict == "inconclusive", "disagreements": disagreeing, "errors": errors}
+    outcome = {"verdict": verdict, "inconclusive": verdict == "inconclusive", "disagreements": disagreeing, "errors": errors,
+               "trace_only_verdict": None if trace_only is None else trace_only["verdict"]}
     if row["fault"] is None:
         bad = [f"{c} {n}: {s}" for c, by in statuses.items() for n, s in by.items() if s in ("corrupt", "tainted")]
         bad += [f"verify {n}: exit 1" for n, v in row["verify"].items() if v["exit_code"] == 1]
-        return outcome | {"false_alarm": verdict == "corruption" or bool(bad), "bad_statuses": bad}
+        return outcome | {"false_alarm": verdict == "corruption" or bool(bad), "bad_statuses": bad,
+                          "trace_only_false_alarm": None if trace_only is None else _alarmed(trace_only)}
     spec = parse_spec(row["fault"])
-    suspects = row["bisect"]["suspects"]
-    ranks = sorted({s["rank"] for s in suspects if s["rank"] is not None})
-    locations = {s["location"] for s in suspects}
     if row["location"] == "checkpoint-file":
         held = [f"{c} {n}" for c, by in statuses.items() for n, s in by.items() if int(n) == spec.step and s == "clean"]
-        corrupt = {int(n) for n, s in statuses["bisect"].items() if s == "corrupt"}
-        exact = verdict == "corruption" and corrupt == {spec.step} and ranks == [WRITER_RANK]
     else:
         held = [f"{c} {n}" for c, by in statuses.items() for n, s in by.items() if int(n) > spec.step and s == "clean"]
-        want = [] if row["location"] == "allreduce-all" else [spec.rank]
-        exact = verdict == "corruption" and row["bisect"]["first_divergent_step"] == spec.step and ranks == want
     candidate = row["bisect"]["weak_candidate"]
+    locations = {s["location"] for s in row["bisect"]["suspects"]}
     return outcome | {
         "detected": verdict == "corruption",
         "missed": verdict == "clean",
-        "exact_step_rank": exact,
+        "exact_step_rank": _exact(row["bisect"], row["location"], spec),
         "location_correct": verdict == "corruption" and locations == {EXPECTED_LOCATION[row["location"]]},
         "false_clean": held,
         "weak_candidate_matches": None if verdict != "inconclusive" or candidate is None
         else candidate["step"] == spec.step and candidate["ranks"] == [spec.rank],
+        "trace_only_detected": None if trace_only is None else trace_only["verdict"] == "corruption",
+        "trace_only_exact": None if trace_only is None else _exact(trace_only, row["location"], spec),
+        "trace_only_wrong_ranks": None if trace_only is None else _wrong_ranks(trace_only, row["location"], spec),
+    }
+
+
+def _ranks(answer: dict) -> list[int]:
+    return sorted({s["rank"] for s in answer["suspects"] if s["rank"] is not None})
+
+
+def _expected_ranks(location: str, spec) -> list[int]:
+    """The ranks a right answer names: none for ``allreduce-all`` (the collective), the writer for a file."""
+    return {"allreduce-all": [], "checkpoint-file": [WRITER_RANK]}.get(location, [spec.rank])
+
+
+def _exact(answer: dict, location: str, spec) -> bool:
+    """The exact step-and-rank rule (module docstring) on one bisect answer: the replay's or the trace-only one."""
+    if answer["verdict"] != "corruption" or _ranks(answer) != _expected_ranks(location, spec):
+        return False
+    if location == "checkpoint-file":  # no divergent step: the flipped checkpoint is the one corrupt file
+        return {int(n) for n, s in answer["statuses"].items() if s == "corrupt"} == {spec.step}
+    return answer["first_divergent_step"] == spec.step
+
+
+def _wrong_ranks(answer: dict, location: str, spec) -> list[int]:
+    """The ranks a ``corruption`` answer names that the fault did not touch (empty: none, or no corruption)."""
+    if answer["verdict"] != "corruption":
+        return []
+    return sorted(set(_ranks(answer)) - set(_expected_ranks(location, spec)))
+
+
+def _alarmed(answer: dict) -> bool:
+    """A clean run's false alarm by one bisect answer: ``corruption``, or a checkpoint ``corrupt``/``tainted``."""
+    return answer["verdict"] == "corruption" or any(s in ("corrupt", "tainted") for s in answer["statuses"].values())
+
+
+_REPLAY_KEYS = ("detected", "exact_step_rank", "location_correct", "inconclusive", "missed", "false_clean")
+_TRACE_ONLY_KEYS = ("trace_only_detected", "trace_only_exact")
+
+
+def _cell(rows: list[dict], keys: tuple[str, ...]) -> dict[str, int]:
+    """Faults, effective faults, and each of ``keys`` counted over the effective ones."""
+    cell = Counter({"faults": len(rows), "effective": 0} | {key: 0 for key in keys})
+    for r in rows:
+        if r["effect"]["effective"]:
+            cell["effective"] += 1
+            for key in keys:
+                cell[key] += bool(r["outcome"].get(key))
+    return dict(cell)
+
+
+def _grouped(rows: list[dict], name, keys: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(name(r), []).append(r)
+    return {k: _cell(v, keys) for k, v in sorted(groups.items())}
+
+
+def trace_only_rates(faulted: list[dict], clean: list[dict]) -> dict:
+    """What the online checks alone caught (``bisect --trace-only``), next to the replay: the
+    summary ``--rates`` writes (docs/benchmarks.md, "What the online checks alone catch").
+    A rate is over the effective faults of its group (None where a group has none)."""
+    def rates(rows: list[dict]) -> dict:
+        cell = _cell(rows, ("detected", "exact_step_rank") + _TRACE_ONLY_KEYS)
+        n = cell["effective"]
+        return {"faults": cell["faults"], "effective": n, "replay_detected": cell["detected"], "replay_exact": cell["exact_step_rank"],
+                "trace_only_detected": cell["trace_only_detected"], "trace_only_exact": cell["trace_only_exact"],
+                "trace_only_detection_rate": round(cell["trace_only_detected"] / n, 4) if n else None,
+                "trace_only_exact_rate": round(cell["trace_only_exact"] / n, 4) if n else None}
+
+    by = lambda key: {k: rates([r for r in faulted if r[key] == k]) for k in sorted({r[key] for r in faulted})}  # noqa: E731
+    return {
+        "schema_version": 1,
+        "overall": rates(faulted),
+        # the coverage question is about the steps before a checkpoint: faults in training, not in a file at rest
+        "training_faults": rates([r for r in faulted if r["location"] != "checkpoint-file"]),
+        "by_location": by("location"),
+        "by_bit_class": by("bit_class"),
+        "clean_runs": len(clean),
+        "trace_only_false_alarms": sum(1 for r in clean if r["outcome"]["trace_only_false_alarm"]),
     }
 
 
 def tally(rows: list[dict], seconds: float) -> dict:
-    """The campaign's totals (the keys the issue asks for, and the per location / bit class table)."""
+    """The campaign's totals (the keys the issue asks for, and the per location / bit class tables).
+    The ``trace_only_*`` totals are None when some row has no trace-only answer (an older campaign)."""
     clean = [r for r in rows if r["fault"] is None]
     faulted = [r for r in rows if r["fault"] is not None]
     effective = [r for r in faulted if r["effect"]["effective"]]
     ineffective = [r for r in faulted if not r["effect"]["effective"]]
     count = lambda rs, key: sum(1 for r in rs if r["outcome"].get(key))  # noqa: E731
-    table: dict[str, dict[str, int]] = {}
-    for r in faulted:
-        cell = table.setdefault(f"{r['location']} / {r['bit_class']}", Counter())
-        cell["faults"] += 1
-        if r["effect"]["effective"]:
-            cell["effective"] += 1
-            for key in ("detected", "exact_step_rank", "location_correct", "inconclusive", "missed", "false_clean"):
-                cell[key] += bool(r["outcome"].get(key))
+    measured = all(r.get("trace_only") is not None for r in rows)  # False: rows of a campaign.json from before
+    keys = _REPLAY_KEYS + (_TRACE_ONLY_KEYS if measured else ())
+    table_keys = ("detected", "exact_step_rank") + (_TRACE_ONLY_KEYS if measured else ())
+    trace_only = {
+        "trace_only_measured": measured,
+        "trace_only_detected": count(effective, "trace_only_detected"),
+        "trace_only_exact": count(effective, "trace_only_exact"),
+        "trace_only_inconclusive": sum(1 for r in effective if r["outcome"]["trace_only_verdict"] == "inconclusive"),
+        "trace_only_detected_ineffective": count(ineffective, "trace_only_detected"),
+        "trace_only_wrong_rank": count(faulted, "trace_only_wrong_ranks"),
+        "trace_only_false_alarms": count(clean, "trace_only_false_alarm"),
+        "trace_only_rates": trace_only_rates(faulted, clean),
+        "trace_only_not_exact": [{"fault": r["fault"], "verdict": r["trace_only"]["verdict"],
+                                  "first_divergent_step": r["trace_only"]["first_divergent_step"],
+                                  "suspects": r["trace_only"]["suspects"]}
+                                 for r in effective if r["outcome"]["trace_only_detected"] and not r["outcome"]["trace_only_exact"]],
+    } if measured else {"trace_only_measured": False} | dict.fromkeys(
+        ("trace_only_detected", "trace_only_exact", "trace_only_inconclusive", "trace_only_detected_ineffective",
+         "trace_only_wrong_rank", "trace_only_false_alarms", "trace_only_rates", "trace_only_not_exact"))
     return {
         "faults": len(faulted), "effective": len(effective), "ineffective": len(ineffective),
         "detected": count(effective, "detected"), "missed": count(effective, "missed"),
@@ -324,14 +434,16 @@ def tally(rows: list[dict], seconds: float) -> dict:
         "seconds": round(seconds, 1),
         "train_s_mean": round(float(np.mean([r["train_s"] for r in rows])), 2) if rows else None,
         "cli_s_mean": round(float(np.mean([r["cli_s"] for r in rows])), 2) if rows else None,
-        "by_location_bits": {k: dict(v) for k, v in sorted(table.items())},
+        "by_location_bits": _grouped(faulted, lambda r: f"{r['location']} / {r['bit_class']}", keys),
+        "by_location": _grouped(faulted, lambda r: r["location"], table_keys),
+        "by_bit_class": _grouped(faulted, lambda r: r["bit_class"], table_keys),
         "not_exact": [{"fault": r["fault"], "step_kind": r["step_kind"], "verdict": r["outcome"]["verdict"],
                        "first_divergent_step": r["bisect"]["first_divergent_step"], "suspects": r["bisect"]["suspects"],
                        "effect": r["effect"]["effect"]}
                       for r in effective if not r["outcome"]["exact_step_rank"]],
         "ineffective_faults": [{"fault": r["fault"], "effect": r["effect"]["effect"], "verdict": r["outcome"]["verdict"],
                                 "final_loss_change": r["effect"].get("final_loss_change")} for r in ineffective],
-    }
+    } | trace_only
 
 
 # ---------------------------------------------------------------------------------- main
@@ -350,9 +462,43 @@ def campaign(options: Options, progress=print) -> dict:
     started = time.monotonic()
     rows = run_children(__file__, plan_runs(options), options, options.jobs, lambda row: progress(
         f"{row['index']:3d} {row.get('fault') or 'clean':40s} "
-        + (row.get("error") or f"{row['bisect']['verdict']} {row['seconds']} s")))
+        + (row.get("error") or f"{row['bisect']['verdict']} (trace-only {row['trace_only']['verdict']}) {row['seconds']} s")))
     summary = finish(rows, time.monotonic() - started)
-    return summary | {"settings": dataclasses.asdict(options) | {"out_dir": str(options.out_dir)}, "rows": rows}
+    return summary | {"settings": dataclasses.asdict(options) | {"out_dir": str(options.out_dir)}, "measured_on": machine(),
+                      "rows": rows}
+
+
+def machine() -> dict:
+    """Where and when a campaign ran (kept in its --json output and in the --rates file)."""
+    import os
+    import platform
+    import subprocess
+
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                                text=True).stdout.strip() or None
+    except OSError:  # no git: a copy of the script outside a checkout
+        commit = None
+    return {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "cpu": cpu, "cores": os.cpu_count(),
+            "ram_gib": round(pages / 2**30, 1), "python": platform.python_version(), "torch": torch.__version__,
+            "commit": commit,
+            "command": " ".join(["python", "benchmarks/campaign.py", *sys.argv[1:]]) if Path(sys.argv[0]).name == "campaign.py" else None}
+
+
+def write_rates(result: dict, path: Path) -> None:
+    """``--rates PATH``: the trace-only summary with where it was measured, as one small JSON file."""
+    if not result["trace_only_measured"]:
+        raise SystemExit(f"--rates {path}: these runs have no bisect --trace-only answer (a campaign.json from before it was "
+                         "measured); run the campaign again to measure it")
+    doc = result["trace_only_rates"] | {"measured_on": result.get("measured_on"), "settings": result.get("settings"),
+                                        "source": "benchmarks/campaign.py (docs/benchmarks.md, fault campaign)"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -369,22 +515,39 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--comm-hook", default=None, help="MODULE:ATTR of the DDP comm hook every run trains with")
     parser.add_argument("--reduction", choices=("native", "ordered"), default="native", help="the recorder's all-reduce mechanism")
     parser.add_argument("--rejudge", type=Path, default=None, help="re-judge and re-tally the rows of an earlier --json output")
+    parser.add_argument("--rates", type=Path, default=None,
+                        help="also write the trace-only detection rates to this JSON file (docs/measured/trace_only_rates.json)")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     parser.add_argument("--_options", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
+_NOT_SCALAR = ("rows", "settings", "measured_on", "by_location_bits", "by_location", "by_bit_class", "not_exact",
+               "ineffective_faults", "trace_only_rates", "trace_only_not_exact")
+
+
+def _table(title: str, cells: dict[str, dict], keys: tuple[str, ...], measured: bool = True) -> None:
+    """One markdown table; the trace-only columns say "not measured" for an older campaign."""
+    shown = keys + (() if measured else _TRACE_ONLY_KEYS)
+    print(f"\n| {title} | " + " | ".join(shown) + " |")
+    print("| --- |" + " ---: |" * len(shown))
+    for name, cell in cells.items():
+        print(f"| {name} | " + " | ".join(str(cell.get(k, 0)) if k in keys else "not measured" for k in shown) + " |")
+
+
 def _print(result: dict) -> None:
     for key, value in result.items():
-        if key not in ("rows", "settings", "by_location_bits", "not_exact", "ineffective_faults"):
-            print(f"{key:26s} {value}")
-    keys = ("faults", "effective", "detected", "exact_step_rank", "location_correct", "inconclusive", "missed", "false_clean")
-    print("\n| location / bit class | " + " | ".join(keys) + " |")
-    print("| --- |" + " ---: |" * len(keys))
-    for name, cell in result["by_location_bits"].items():
-        print(f"| {name} | " + " | ".join(str(cell.get(k, 0)) for k in keys) + " |")
+        if key not in _NOT_SCALAR:
+            print(f"{key:32s} {'not measured' if value is None and key.startswith('trace_only') else value}")
+    measured = result["trace_only_measured"]
+    to = _TRACE_ONLY_KEYS if measured else ()
+    _table("location", result["by_location"], ("faults", "effective", "detected", "exact_step_rank") + to, measured)
+    _table("bit class", result["by_bit_class"], ("faults", "effective", "detected", "exact_step_rank") + to, measured)
+    _table("location / bit class", result["by_location_bits"], ("faults", "effective") + _REPLAY_KEYS + to, measured)
     for miss in result["not_exact"]:
         print(f"not exact: {miss}")
+    for miss in result["trace_only_not_exact"] or ():
+        print(f"trace-only detected, not exact: {miss}")
     for fault in result["ineffective_faults"]:
         print(f"ineffective: {fault}")
 
@@ -398,7 +561,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.rejudge is not None:
         earlier = json.loads(args.rejudge.read_text(encoding="utf-8"))
-        result = finish(earlier["rows"], earlier.get("seconds", 0.0)) | {"settings": earlier.get("settings"), "rows": earlier["rows"]}
+        result = finish(earlier["rows"], earlier.get("seconds", 0.0)) | {
+            "settings": earlier.get("settings"), "measured_on": earlier.get("measured_on"), "rows": earlier["rows"]}
     else:
         with tempfile.TemporaryDirectory(prefix="sdc-campaign-") as tmp:
             options = Options(faults=args.faults, clean=args.clean, seed=args.seed, out_dir=(args.out or Path(tmp)).resolve(),
@@ -406,6 +570,8 @@ def main(argv: list[str] | None = None) -> None:
                               tolerant_threads=args.tolerant_threads, comm_hook=args.comm_hook, reduction=args.reduction)
             options.out_dir.mkdir(parents=True, exist_ok=True)
             result = campaign(options, progress=lambda line: print(line, file=sys.stderr))
+    if args.rates is not None:
+        write_rates(result, args.rates)
     if args.json:
         print(json.dumps(result, indent=1, sort_keys=True, default=str))
     else:
