@@ -46,7 +46,7 @@ for the commands'), ``trace_only_wrong_rank`` (a ``corruption`` answer naming a 
 not touch) and, over clean runs, ``trace_only_false_alarms`` (``corruption``, or a checkpoint
 ``corrupt``/``tainted``). The tables per location and per bit class put them next to the replay's;
 ``--rates FILE`` writes that summary with the machine and command as a small JSON file
-(``docs/measured/trace_only_rates.json``) for other code to quote. A ``--rejudge`` of a
+(``sdc_forensics/measured/trace_only_rates.json``) for other code to quote. A ``--rejudge`` of a
 campaign.json from before these fields says "not measured".
 
     python benchmarks/campaign.py --faults 200 --clean 20 --seed 1 [--json] [--jobs 2] [--out DIR]
@@ -516,7 +516,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reduction", choices=("native", "ordered"), default="native", help="the recorder's all-reduce mechanism")
     parser.add_argument("--rejudge", type=Path, default=None, help="re-judge and re-tally the rows of an earlier --json output")
     parser.add_argument("--rates", type=Path, default=None,
-                        help="also write the trace-only detection rates to this JSON file (docs/measured/trace_only_rates.json)")
+                        help="also write the trace-only detection rates to this JSON file (sdc_forensics/measured/trace_only_rates.json)")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     parser.add_argument("--_options", help=argparse.SUPPRESS)
     return parser.parse_args(argv)

@@ -160,6 +160,31 @@ def seconds_per_rank_step(records: Sequence[Any], world_size: int) -> tuple[floa
     return (statistics.median(rates), len(rates)) if rates else None
 
 
+def online_rate_line() -> str:
+    """One line quoting what the online checks alone caught in the fault campaign (the measured
+    rates ``benchmarks/campaign.py --rates`` wrote into ``sdc_forensics/measured/``), for a
+    coverage with steps that had the online checks only; "" when the figures cannot be read."""
+    import json
+    from importlib import resources
+
+    try:
+        doc = json.loads(resources.files("sdc_forensics").joinpath("measured/trace_only_rates.json").read_text(encoding="utf-8"))
+        training, where = doc["training_faults"], doc["by_location"]
+        local = [where[k] for k in ("grad", "input") if k in where]
+        local_caught = sum(int(g["trace_only_detected"]) for g in local)
+        local_effective = sum(int(g["effective"]) for g in local)
+        line = (f"in the fault campaign (docs/benchmarks.md) the online checks alone caught {int(training['trace_only_detected'])} "
+                f"of {int(training['effective'])} effective training faults, each at its exact step and rank" if
+                training["trace_only_exact"] == training["trace_only_detected"] else
+                f"in the fault campaign (docs/benchmarks.md) the online checks alone caught {int(training['trace_only_detected'])} "
+                f"of {int(training['effective'])} effective training faults")
+        if local_effective:
+            line += f", {local_caught} of the {local_effective} in a local gradient or an input: only a replay sees those"
+        return line
+    except (OSError, ValueError, KeyError, TypeError, ModuleNotFoundError):
+        return ""
+
+
 def _duration(seconds: float) -> str:
     if seconds < 90:
         return f"{seconds:.3g} s"

@@ -348,6 +348,11 @@ class _WindowRunner:
         self.done: dict[tuple, object] = {}
         self.record: dict[tuple, object] | None = None
         self.last_replayed: tuple[float, int] | None = None  # (seconds, steps) of the last window this process replayed
+        if ledger is not None:
+            # the run's summation order, as an earlier exact replay found it: without it the first window replayed
+            # learns it from its first step, which fails when that step's all-reduce is the one corrupted (a record
+            # of a later, clean interval then made the answer depend on what ran before)
+            self.order = ledger.known_reduction()
 
     def budget_left(self) -> int | None:
         """Steps ``--max-replay-steps`` still allows (None: no limit)."""

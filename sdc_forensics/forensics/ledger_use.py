@@ -98,6 +98,15 @@ class LedgerUse:
         (span,) = exact_coverage(self.records, [last_step + 1], first_step=start_step)
         return span.record_ids if span.exact else ()
 
+    def known_reduction(self) -> str:
+        """The summation order (``ReplayResult.reduction_order``) that the kept records' exact replays
+        reproduced the run's all-reduce with ("" when none names one): a property of the run, which a
+        replay need not learn again."""
+        for r in self.records:
+            if r.comparison is Comparison.EXACT and r.reduction and r.reduction != "unspecified":
+                return r.reduction
+        return ""
+
     def certifies_before(self, step: int) -> bool:
         """True when some kept record replayed steps before ``step`` exactly and found them clean."""
         return any(r.certifies and r.start_step < step for r in self.records)

@@ -72,6 +72,19 @@ def coverage_text(c) -> str:
     return text
 
 
+def render_coverage(console, coverage) -> None:
+    """One line per checkpoint (:func:`coverage_text`), then, when some steps had the online checks
+    only, what those checks alone caught in the fault campaign (measured, ``decide.coverage.online_rate_line``)."""
+    from sdc_forensics.decide.coverage import online_rate_line
+
+    for c in coverage:
+        console.print(f"[dim]coverage:[/] {escape(coverage_text(c))}")
+    if any(c.online_only for c in coverage):
+        line = online_rate_line()
+        if line:
+            console.print(f"[dim]coverage:[/] online checks only: {escape(line)}")
+
+
 def render_certify(cert: Certification, console, certificate_out: str | Path | None = None) -> None:
     """Print every checkpoint's status, what stays unverified, the analysis, and where to resume."""
     result, resume = cert.analysis, cert.resume
@@ -81,8 +94,7 @@ def render_certify(cert: Certification, console, certificate_out: str | Path | N
         table.add_row(str(s.step), f"[{style}]{s.status.value}[/]", escape(Path(s.path).name if s.path else "(not read)"),
                       escape("; ".join(s.reasons)))
     console.print(table)
-    for c in cert.coverage:
-        console.print(f"[dim]coverage:[/] {escape(coverage_text(c))}")
+    render_coverage(console, cert.coverage)
     for line in result.damage:
         console.print(f"[yellow]trace damage:[/] {escape(line)}")
     for path in cert.unnoted:

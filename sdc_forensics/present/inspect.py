@@ -126,14 +126,13 @@ def render_inspect(summary: TraceSummary, console, covered=None) -> None:
 
 def _render_coverage(console, covered) -> None:
     """Per checkpoint, what examined the steps before it (the ledger's replays, the online checks), and the ledger's own lines."""
-    from sdc_forensics.present.certify import coverage_text
+    from sdc_forensics.present.certify import render_coverage
 
     for line in covered.notes:
         console.print(f"[yellow]ledger:[/] {escape(line)}")
     for step, record in covered.strong_evidence:
         console.print(f"[bold red]ledger:[/] strong evidence at step {step} (record {escape(record)}): run sdc-forensics bisect")
-    for c in covered.coverage:
-        console.print(f"[dim]coverage:[/] {escape(coverage_text(c))}")
+    render_coverage(console, covered.coverage)
 
 
 def _render_alarms(console, alarms: tuple[AlarmSummary, ...]) -> None:

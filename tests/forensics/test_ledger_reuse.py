@@ -123,3 +123,21 @@ def test_a_record_citing_a_replaced_checkpoint_file_is_not_reused(demo_run, tmp_
     # the new records cite the file as it is now: a third analysis replays nothing
     res = CliRunner().invoke(cli, ["bisect", str(trace), "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout)["replayed"]["steps_replayed"] == 0
+
+
+def test_an_all_reduce_corrupted_at_the_first_step_gives_the_same_answer_whatever_ran_before(demo_run, tmp_path):
+    """Every rank's reduced gradient flipped at step 0: the replay cannot learn the run's summation order from that
+    step. Without a ledger the walk learns it from the last interval first; with one, the clean later intervals come
+    from the ledger, and the order must come with them (their records name it), or the replay of 0..2 turns tolerant
+    and the answer depends on which command ran first (found by the issue-22 campaign, runs 024 and 057)."""
+    trace = _copy(demo_run, tmp_path, "allreduce-all:step=0:rank=1:bit=3")  # below the online sketch check: no alarm
+    plain = bisect(trace, AnalysisOptions(no_ledger=True))
+    assert plain.first_divergent_step == 0 and plain.replayed.comparison == "exact"
+    first = bisect(trace, AnalysisOptions())
+    clean = [r for r in read_ledger(trace / "ledger.jsonl").records if r.certifies]
+    assert clean and all(r.reduction == plain.replayed.reduction_order != "" for r in clean)  # the later intervals name the order
+    then_certify = certify(trace, AnalysisOptions())
+    again = bisect(trace, AnalysisOptions())
+    for result in (first, then_certify.analysis, again):
+        assert _answer(result) == _answer(plain) and _statuses(result) == _statuses(plain)
+        assert result.replayed.comparison in ("exact", "none")  # never tolerant: the order came from the ledger

@@ -6,8 +6,11 @@ checkpoints 0, 10, 20, 30; each record replayed 10 steps in 1.25 s: 0.0625 s per
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+
+import sdc_forensics
 from click.testing import CliRunner
 
 from sdc_forensics.cli.main import cli
@@ -44,6 +47,12 @@ def test_without_a_ledger_every_recorded_step_had_the_online_checks_only(ledger_
     assert c30["online_only"] == [[0, 29]] and c30["replay_cost"] is None
     assert c30["online_checks"]["steps"] == 30 and c30["online_checks"]["gradients"] == 30
     assert _inspect(ledger_run, "--no-ledger")["ledger"] is None
+    # the measured rate of the online checks alone, quoted once, from the campaign's figures shipped in the package
+    rates = json.loads((Path(sdc_forensics.__file__).parent / "measured" / "trace_only_rates.json").read_text())
+    training = rates["training_faults"]
+    text = " ".join(CliRunner().invoke(cli, ["inspect", str(ledger_run.trace)]).stderr.split())
+    assert text.count("online checks only: in the fault campaign") == 1
+    assert f"caught {training['trace_only_detected']} of {training['effective']} effective training faults" in text
 
 
 def test_strong_evidence_in_the_ledger_is_said_and_covers_nothing(ledger_run):
