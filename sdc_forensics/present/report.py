@@ -218,6 +218,12 @@ def not_checked(result: BisectResult, end: "RunEnd | None" = None, coverage=None
                 extra += f"; {cov.cost.describe()}"
             out.append(f"Checkpoint {c.step} is unverified: " + ("; ".join(c.reasons[:2]) or "not every step before it was examined")
                        + (f" (steps without an exact replay: {spans}{extra})" if spans else "") + ".")
+    if any(c.status.value == "unverified" for c in result.checkpoints) and any(c.online_only for c in by_step.values()):
+        from sdc_forensics.decide.coverage import online_rate_line
+
+        line = online_rate_line()
+        if line:
+            out.append(f"For the steps the online checks alone examined: {line}.")
     if result.replayed.comparison == "tolerant":
         out.append("Replay was compared within tolerance, not bit for bit: faults below the replay's drift are invisible to it.")
     if end is not None and end.stopped_early:

@@ -7,6 +7,7 @@ step 24 then within tolerance, and 30..39 was not replayed.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 from sdc_forensics.decide.verdict import LedgerSummary, ReplayedWindow, ReplaySummary, ReusedWindow
@@ -38,3 +39,23 @@ def test_the_line_for_people_names_what_lacks_replay():
     line = coverage_text(coverage_of(_result())[4])
     assert line == ("checkpoint 40: exact now 10..24; exact from the ledger 0..9; tolerant 25..29; online checks only 30..39"
                     " — lacks exact replay: steps 25..39")
+
+
+def test_the_reports_unverified_checkpoint_names_its_online_checks_cost_and_the_measured_rate():
+    from sdc_forensics.decide.coverage import ReplayCost, coverage_of, online_rate_line
+    from sdc_forensics.present.report import not_checked
+    from sdc_forensics.trace.online import OnlineChecks
+
+    result = _result()
+    status = SimpleNamespace(value="unverified")
+    result.checkpoints = (SimpleNamespace(step=40, status=status, reasons=["steps 30..39 were not replayed"]),)
+    result.mode, result.damage, result.settle = "replay", (), ()
+    (c40,) = [c for c in coverage_of(result) if c.step == 40]
+    c40 = dataclasses.replace(c40, online=OnlineChecks(steps=10, complete=10, gradients=10, weights=10, world_size=4),
+                              cost=ReplayCost(rank_steps=60, seconds_per_rank_step=0.5, records=3))
+    lines = not_checked(result, None, (c40,))
+    assert lines[0] == ("Checkpoint 40 is unverified: steps 30..39 were not replayed (steps without an exact replay: 25..39; online "
+                        "checks on the steps not replayed: NaN/Inf and all-reduce sketch on every step; replica vote (4 replicas) on "
+                        "every step; replaying them costs about 30 s (60 rank-steps x 0.5 s measured per rank-step over 3 ledger "
+                        "record(s)))." )
+    assert online_rate_line() and lines[1] == f"For the steps the online checks alone examined: {online_rate_line()}."
