@@ -281,3 +281,17 @@ def is_placeholder(batch: Any) -> bool:
 def zero_loss() -> torch.Tensor:
     """The loss of a placeholder: a zero whose ``backward()`` reaches no parameter."""
     return torch.zeros((), requires_grad=True)
+
+
+def dataset_batches(dataset_ref: str, collator_ref: str | None) -> "SampleBatches":
+    """The :class:`SampleBatches` of the dataset function ``dataset_ref`` names (it returns the
+    dataset, or ``(dataset, collator)``), through ``collator_ref`` or torch's default collate."""
+    from torch.utils.data import default_collate
+
+    from sdc_forensics.recipe import import_reference
+
+    made = import_reference(dataset_ref, what="dataset function")()
+    dataset, collate = made if isinstance(made, tuple) else (made, None)
+    if collate is None:
+        collate = import_reference(collator_ref, what="collator") if collator_ref else default_collate
+    return SampleBatches(lambda i: dataset[i], collate)

@@ -322,15 +322,7 @@ class AccelerateRecipe:
 
     def fetch_microbatch(self, microbatch_id: int, device: Any = "cpu"):
         if self._batches is None:
-            from torch.utils.data import default_collate
-
-            from sdc_forensics.recipe import import_reference
-
-            made = import_reference(self.dataset, what="dataset function")()
-            dataset, collate = made if isinstance(made, tuple) else (made, None)
-            if collate is None:
-                collate = import_reference(self.collator, what="collator") if self.collator else default_collate
-            self._batches = _common.SampleBatches(lambda i: dataset[i], collate)
+            self._batches = _common.dataset_batches(self.dataset, self.collator)
         return self._batches.fetch(microbatch_id, device)
 
     def loss(self, model, microbatch):

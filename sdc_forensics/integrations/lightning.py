@@ -309,15 +309,7 @@ class LightningRecipe:
 
     def fetch_microbatch(self, microbatch_id: int, device: Any = "cpu"):
         if self._batches is None:
-            from torch.utils.data import default_collate
-
-            from sdc_forensics.recipe import import_reference
-
-            made = import_reference(self.dataset, what="dataset function")()
-            dataset, collate = made if isinstance(made, tuple) else (made, None)
-            if collate is None:
-                collate = import_reference(self.collator, what="collator") if self.collator else default_collate
-            self._batches = _common.SampleBatches(lambda i: dataset[i], collate)
+            self._batches = _common.dataset_batches(self.dataset, self.collator)
         batch = self._batches.fetch(microbatch_id, device)
         if _common.is_placeholder(batch) or self._model is None:
             return batch

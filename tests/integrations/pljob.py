@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import lightning as L
 import torch
 from torch import nn
+
+from tests.integrations.launch import run_and_leave
 
 FEATURES, CLASSES, SAMPLES = 8, 4, 40
 
@@ -74,17 +75,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run() -> None:
-    """``main()`` as a launched rank runs it, then leave without the interpreter's teardown (gloo's race at exit)."""
-    code = 0
-    try:
-        main()
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else 1
-    except BaseException:  # noqa: BLE001
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    """``main()`` as a launched rank runs it (``launch.run_and_leave``)."""
+    run_and_leave(main)
