@@ -245,6 +245,11 @@ def _replay(trace: Trace, tri: TriageResult, usable: list[CheckpointNote], recip
     else:
         hi = last_step
         reason = "no trace evidence: replay the last checkpoint interval, then widen backwards"
+    hint = ledger.strong_evidence() if ledger is not None else None
+    if hint is not None and first_step <= hint[0] < hi:
+        # an earlier exact replay (a follower's) found strong evidence there: replay it again (the evidence a verdict rests
+        # on is this run's) before the steps after it, which a confirmed divergence taints whatever they hold
+        hi, reason = hint[0], f"confirm the ledger's evidence at step {hint[0]} (record {hint[1]})"
     found: int | None = None
     for note in reversed(starts):
         if note.step > hi:

@@ -31,6 +31,7 @@ from sdc_forensics.decide.verdict import LedgerSummary, ReusedWindow
 from sdc_forensics.ledger import (Comparison, EvidenceEntry, IntervalRecord, Outcome, append_record, checkpoint_ref, exact_coverage,
                                   ledger_path, read_ledger, reusable_records)
 from sdc_forensics.ledger.record import MAX_EVIDENCE, LedgerRecordError
+from sdc_forensics.ledger.reuse import STRONG
 from sdc_forensics.trace.checkpoints import CheckpointNote
 
 
@@ -106,6 +107,13 @@ class LedgerUse:
             if r.comparison is Comparison.EXACT and r.reduction and r.reduction != "unspecified":
                 return r.reduction
         return ""
+
+    def strong_evidence(self) -> tuple[int, str] | None:
+        """``(step, record id)`` of the earliest strong evidence a kept exact record holds (None: none):
+        where a walk starts, to replay it again, instead of at the trace's end."""
+        found = [(e.step, r.record_id) for r in self.records if r.comparison is Comparison.EXACT
+                 for e in r.evidence if e.strength == STRONG]
+        return min(found) if found else None
 
     def certifies_before(self, step: int) -> bool:
         """True when some kept record replayed steps before ``step`` exactly and found them clean."""

@@ -141,3 +141,28 @@ def test_an_all_reduce_corrupted_at_the_first_step_gives_the_same_answer_whateve
     for result in (first, then_certify.analysis, again):
         assert _answer(result) == _answer(plain) and _statuses(result) == _statuses(plain)
         assert result.replayed.comparison in ("exact", "none")  # never tolerant: the order came from the ledger
+
+
+def test_a_followers_evidence_is_where_bisect_starts_when_the_trace_shows_none(demo_run, tmp_path):
+    """A local-gradient flip at step 7 leaves nothing in the trace, so without a ledger the walk starts at the run's end.
+    A follower that replayed 0..2, 3..5 and 6..7 (where it found the divergence) and stopped, while training went on,
+    left no record of 9..11: bisect then starts at the ledger's evidence, replays its interval again and nothing after
+    it, and names what a full replay names (the 200-step follower test found a walk from the end instead)."""
+    from sdc_forensics.forensics.bisect import interval_runner
+    from sdc_forensics.forensics.ledger_use import LedgerUse
+    from sdc_forensics.trace.reader import Trace
+
+    trace = _copy(demo_run, tmp_path, FAULT)
+    plain = bisect(trace, AnalysisOptions(no_ledger=True))
+    opened = Trace.open(trace)
+    notes = {n.step: n for n in opened.checkpoint_notes()}
+    ledger = LedgerUse.open(opened, sorted(notes.values(), key=lambda n: n.step), AnalysisOptions())
+    runner = interval_runner(opened, AnalysisOptions(), ledger=ledger)
+    for start in (0, 3, 6):  # what the follower replayed before its alarm
+        runner.replay(notes[start], start + EVERY - 1, "a follower's interval")
+    assert {(r.start_step, r.outcome.value) for r in read_ledger(trace / "ledger.jsonl").records} == \
+        {(0, "clean"), (3, "clean"), (6, "evidence")}
+    reused = bisect(trace, AnalysisOptions())
+    assert _answer(reused) == _answer(plain) and _statuses(reused) == _statuses(plain)
+    assert reused.replayed.steps_replayed == 2  # steps 6..7 again, up to the divergence; 0..5 from the ledger
+    assert "confirm the ledger's evidence at step 7" in reused.replayed.windows[0].reason
