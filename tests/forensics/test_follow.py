@@ -175,10 +175,10 @@ def test_keep_going_reports_the_incident_and_examines_every_interval_once(demo_r
     follow = assert_valid(json.loads(res.stdout), "certify")["follow"]
     assert follow["stopped_by"] == "idle" and follow["incident"]["first_divergent_step"] == 7
     assert [s["rank"] for s in follow["incident"]["suspects"]] == [2]
-    # 9..11: replayed by the incident's analysis (it walks back from the end), then found in the ledger
-    assert [(i["from"], i["outcome"]) for i in follow["intervals"]] == [(0, "clean"), (3, "clean"), (6, "evidence"), (9, "reused")]
-    # the follower's three records (its replay of 6.. stops at the divergence, 7) and the incident analysis': 6..7 again (the
-    # evidence a verdict rests on is always replayed by the analysis itself) and 9..11; no clean interval twice
+    # the incident's analysis starts at the follower's evidence (step 7) and replays nothing after it: 9..11 is the follower's
+    assert [(i["from"], i["outcome"]) for i in follow["intervals"]] == [(0, "clean"), (3, "clean"), (6, "evidence"), (9, "clean")]
+    # the follower's four records (its replay of 6.. stops at the divergence, 7) and the incident analysis': 6..7 again (the
+    # evidence a verdict rests on is always replayed by the analysis itself); no clean interval twice
     records = sorted((r.start_step, r.last_step, r.outcome.value) for r in _records(trace))
     assert records == [(0, 2, "clean"), (3, 5, "clean"), (6, 7, "evidence"), (6, 7, "evidence"), (9, 11, "clean")]
 
