@@ -31,6 +31,7 @@ def clean_run(tmp_path_factory):
     return where
 
 
+@pytest.mark.heavy  # a 2-process Trainer run and its replay: kept out of the README's command (under 8 min)
 def test_a_clean_trainer_run_is_certified_by_exact_replay(clean_run, tmp_path):
     inspected = run_installed(["inspect", "trace", "--json"], tmp_path, cwd=clean_run)
     assert inspected.returncode == 0, inspected.stderr
@@ -47,6 +48,7 @@ def test_a_clean_trainer_run_is_certified_by_exact_replay(clean_run, tmp_path):
     assert "comparison exact" in certified.stderr or "(exact)" in certified.stderr, certified.stderr
 
 
+@pytest.mark.heavy  # a 2-process Trainer run and its replay: kept out of the README's command (under 8 min)
 def test_the_trainers_checkpoint_folders_verify(clean_run, tmp_path):
     for step in (0, 3, 6):
         folder = clean_run / "out" / f"checkpoint-{step}"
