@@ -148,6 +148,15 @@ def with_details(coverages: Sequence[Coverage], trace, records: Sequence[Any] = 
     return tuple(out)
 
 
+def ledger_records(trace_path, ledger_file=None, no_ledger: bool = False) -> tuple:
+    """Every valid record of the ledger beside ``trace_path`` (or ``ledger_file``; none with
+    ``no_ledger``): what :func:`with_details` measures the replay cost on. Damaged records were
+    said by the analysis that read the ledger."""
+    from sdc_forensics.ledger import ledger_path, read_ledger
+
+    return () if no_ledger else tuple(read_ledger(ledger_path(trace_path, ledger_file)).records)
+
+
 def seconds_per_rank_step(records: Sequence[Any], world_size: int) -> tuple[float, int] | None:
     """The median seconds one rank-step took to replay over the ledger ``records`` (``IntervalRecord``)
     that replayed steps, and how many records that is; None when none did.

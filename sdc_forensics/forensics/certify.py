@@ -20,7 +20,7 @@ from pathlib import Path
 
 from sdc_forensics.exitcodes import ExitCode, status_exit, verdict_exit
 from sdc_forensics.decide.decision import CheckpointStatus, Verdict, last_clean
-from sdc_forensics.decide.coverage import Coverage, coverage_of, with_details
+from sdc_forensics.decide.coverage import Coverage, coverage_of, ledger_records, with_details
 from sdc_forensics.decide.verdict import BisectResult
 
 
@@ -91,19 +91,10 @@ def certify(trace_dir: str | os.PathLike, options, progress=None) -> Certificati
     notes = trace.checkpoint_notes()
     folders = {Path(folder)} if folder is not None else {Path(s.path).parent for s in result.checkpoints if s.path}
     unnoted = tuple(p for f in sorted(folders) if f.is_dir() for p in unnoted_checkpoints(notes, f))
-    coverage = with_details(coverage_of(result), trace, ledger_records(trace, options))
+    coverage = with_details(coverage_of(result), trace, ledger_records(trace.path, options.ledger_path, options.no_ledger))
     return Certification(trace_dir=Path(trace.path), analysis=result, unnoted=unnoted,
                          exit_code=certify_exit(result.checkpoints, result.verdict), coverage=coverage)
 
-
-def ledger_records(trace, options) -> tuple:
-    """Every valid record of ``trace``'s ledger as ``options`` name it (none with ``no_ledger``):
-    what the replay cost of a coverage is measured on. Damaged records were said by the analysis."""
-    from sdc_forensics.ledger import ledger_path, read_ledger
-
-    if options.no_ledger:
-        return ()
-    return tuple(read_ledger(ledger_path(trace.path, options.ledger_path)).records)
 
 
 def write_run_certificate(path: str | os.PathLike, certification: Certification, *, force: bool = False) -> Path:

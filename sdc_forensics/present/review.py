@@ -72,9 +72,7 @@ def render_review(result: BisectResult, request: ReportRequest, schema_version: 
 
 def _coverage(result: BisectResult, trace: Trace, request) -> tuple:
     """The coverage of ``result``'s checkpoints with the online checks and the replay cost (the ledger's records measure it)."""
-    from sdc_forensics.decide.coverage import coverage_of, with_details
-    from sdc_forensics.ledger import ledger_path, read_ledger
+    from sdc_forensics.decide.coverage import coverage_of, ledger_records, with_details
 
     options = request.options
-    records = () if options.no_ledger else read_ledger(ledger_path(trace.path, options.ledger_path)).records
-    return with_details(coverage_of(result), trace, records)
+    return with_details(coverage_of(result), trace, ledger_records(trace.path, options.ledger_path, options.no_ledger))
