@@ -3,7 +3,8 @@
 For each dtype (float32, bfloat16) and size (64 MB .. 1 GB of tensor), on the chosen device
 (``--device cpu``, ``cuda`` or ``cuda:N``), it times ``torch.sum`` (one read pass, the
 yardstick), ``core.digest``, ``core.fingerprint(with_digest=False)`` (sketch and stats) and
-``core.fingerprint`` (everything), interleaved run by run so that a noisy neighbour hits all
+``core.fingerprint`` (everything), ``shards.combine_pieces`` of the tensor cut in 4 uneven pieces as FSDP2 shards
+(rows of 1000 elements: every boundary cuts a block, whose ends take the small path), interleaved run by run so that a noisy neighbour hits all
 alike, and prints the median of ``--runs`` runs as milliseconds and as a multiple of the sum.
 The goal of the design brief: a full fingerprint costs at most 2x ``torch.sum``.
 
@@ -42,12 +43,14 @@ import time
 
 import torch
 
-from sdc_forensics.fingerprint import core
+from sdc_forensics.fingerprint import core, shards
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 KERNELS_ENV = "SDC_FORENSICS_KERNELS"
 GOAL = 2.0  # full fingerprint / torch.sum, the design brief's cost target
+SHARDS = 4  # pieces of the "full, 4 shards" column
+SHARDS_GOAL = 1.10  # issue 23: fingerprints that combine across shards cost at most 10 % more
 
 
 @contextlib.contextmanager
@@ -69,6 +72,7 @@ def _torch_path(enabled: bool):
 
 def _ops(tensor: torch.Tensor, path: str) -> dict:
     forced = path == "torch"
+    pieces = _pieces(tensor, SHARDS)
 
     def under(fn, torch_only: bool):
         def run():
@@ -81,10 +85,27 @@ def _ops(tensor: torch.Tensor, path: str) -> dict:
         "digest": under(lambda: core.digest(tensor), forced),
         "sketch": under(lambda: core.fingerprint(tensor, with_digest=False), forced),
         "full": under(lambda: core.fingerprint(tensor), forced),
+        # the same tensor as FSDP2's Shard(0) over 4 ranks: 4 uneven pieces, combined (fingerprint/shards.py)
+        "full_shards": under(lambda: shards.combine_pieces(
+            shards.fingerprint_piece(piece, offset=at) for piece, at in pieces), forced),
     }
     if path == "both":
         ops["full_torch"] = under(lambda: core.fingerprint(tensor), True)
     return ops
+
+
+def _pieces(tensor: torch.Tensor, world: int) -> list[tuple[torch.Tensor, int]]:
+    """``(piece, global offset)`` of FSDP2's ``Shard(0)`` over ``world`` ranks of the tensor seen as
+    rows of 1000 elements (``torch.chunk``: uneven, and 1000 is no block size, so every piece
+    boundary cuts a block). Each piece is its own allocation, as a rank's local shard is."""
+    rows = tensor.numel() // 1000
+    out, at = [], 0
+    for piece in torch.chunk(tensor[: rows * 1000].view(rows, 1000), world):
+        out.append((piece.clone(), at))
+        at += piece.numel()
+    if rows * 1000 < tensor.numel():
+        out.append((tensor[rows * 1000 :].clone(), at))
+    return out
 
 
 def _timed(fn, device: torch.device) -> float:
@@ -187,6 +208,11 @@ def figures(results: dict, path: str) -> dict:
         out[f"fingerprint_vs_sum_{short}"] = {
             "value": round(full, 3), "unit": "x torch.sum", "goal": GOAL, "goal_op": "<=", "met": bool(full <= GOAL),
         }
+        pieces = max(m["full_shards"] / m["full"] for m in rows)
+        out[f"fingerprint_shards_vs_whole_{short}"] = {
+            "value": round(pieces, 3), "unit": f"x (in {SHARDS} pieces / whole)", "goal": SHARDS_GOAL, "goal_op": "<=",
+            "met": bool(pieces <= SHARDS_GOAL),
+        }
         if path == "both":
             fallback = max(m["full_torch"] / m["sum"] for m in rows)
             out[f"fingerprint_torch_path_vs_sum_{short}"] = {
@@ -285,8 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"path for {dtype_name}: {chosen}")
     say()
     extra_column = " | full, torch path |" if args.path == "both" else " |"
-    say(f"| dtype | size | sum | digest | sketch | full{extra_column} sum GB/s | full GB/s | extra peak memory |")
-    say("| --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if args.path == "both" else "") + " ---: | ---: | ---: |")
+    say(f"| dtype | size | sum | digest | sketch | full | full, {SHARDS} shards{extra_column} sum GB/s | full GB/s | extra peak memory |")
+    say("| --- | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if args.path == "both" else "") + " ---: | ---: | ---: |")
     results = {}
     for dtype_name in args.dtypes:
         for size_mb in sizes:

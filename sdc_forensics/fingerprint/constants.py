@@ -80,6 +80,25 @@ def digest_high_weights(seed: int = DEFAULT_SEED) -> np.ndarray:
     return _structured_word_weights(seed, _STREAM_WORD_HIGH)
 
 
+def _stream_at(seed: int, stream: int, indices: np.ndarray) -> np.ndarray:
+    """Entries ``indices`` of a stream (``_stream(seed, stream, n)[indices]`` without the prefix)."""
+    base = splitmix64(np.array([seed & 0xFFFF_FFFF_FFFF_FFFF], dtype=np.uint64) ^ np.uint64(stream))[0]
+    with np.errstate(over="ignore"):
+        return splitmix64(np.asarray(indices, dtype=np.uint64) * _GOLDEN + base)
+
+
+def digest_block_weights_at(blocks: np.ndarray, seed: int = DEFAULT_SEED, high: bool = False) -> np.ndarray:
+    """``c_j`` (or ``c'_j``) of the given block indices, as ``uint64`` (a piece's cut blocks)."""
+    return _stream_at(seed, _STREAM_BLOCK_HIGH if high else _STREAM_BLOCK, blocks) | np.uint64(1)
+
+
+def sketch_block_signs_at(blocks: np.ndarray, k: int, seed: int = DEFAULT_SEED) -> np.ndarray:
+    """``beta`` rows of the given block indices, shape ``(len(blocks), k)``, as float32."""
+    blocks = np.asarray(blocks, dtype=np.uint64).reshape(-1, 1)
+    entries = (blocks * np.uint64(k) + np.arange(k, dtype=np.uint64)).reshape(-1)
+    return _signs(_stream_at(seed, _STREAM_SKETCH_BLOCK, entries)).reshape(-1, k)
+
+
 def digest_block_weights(num_blocks: int, seed: int = DEFAULT_SEED, high: bool = False) -> np.ndarray:
     """``c_j`` (or ``c'_j`` with ``high``): odd 64-bit multipliers for blocks ``0..num_blocks-1``, as ``int64``."""
     stream = _STREAM_BLOCK_HIGH if high else _STREAM_BLOCK

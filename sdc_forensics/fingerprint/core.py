@@ -65,6 +65,8 @@ class Fingerprint:
         max_abs: max |x|.
         nonfinite: count of NaN and Inf elements.
         numel: number of elements.
+        lanes: the digest's lane totals before it is finished (``sum_j c_j s_j``, ``sum_j c'_j t_j``
+            mod 2**64), which add across pieces (``fingerprint/shards.py``); None when combined.
     """
 
     digest: int
@@ -73,6 +75,7 @@ class Fingerprint:
     max_abs: float
     nonfinite: int
     numel: int
+    lanes: tuple[int, int] | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 _constants = TableCache()  # the torch path's device tables (a_i, b_i, c_j, alpha, beta)
@@ -151,16 +154,18 @@ class _Digester:
             buf.mul_(self.b)
             torch.sum(buf, dim=1, dtype=torch.int32, out=self.high_sums[rows])
 
-    def lane_totals(self) -> torch.Tensor:
-        """``(2,)`` int64 on the device: ``sum_j c_j s_j`` and ``sum_j c'_j t_j`` (wrapping)."""
+    def lane_totals(self, first_block: int = 0) -> torch.Tensor:
+        """``(2,)`` int64 on the device: ``sum_j c_j s_j`` and ``sum_j c'_j t_j`` (wrapping), the
+        bytes being blocks ``first_block ..`` of a longer vector (a shard of a parameter)."""
         n = self.num_blocks
         if not n:
             return torch.zeros(2, dtype=torch.int64, device=self.device)
         low_sums = self.sums[:n].to(torch.int64) & 0xFFFF_FFFF
         high_sums = self.high_sums[:n].to(torch.int64) & 0xFFFF_FFFF
+        end = first_block + n
         return torch.stack([
-            (low_sums * _block_weights(self.device, n, self.seed)).sum(),
-            (high_sums * _block_weights(self.device, n, self.seed, high=True)).sum(),
+            (low_sums * _block_weights(self.device, end, self.seed)[first_block:]).sum(),
+            (high_sums * _block_weights(self.device, end, self.seed, high=True)[first_block:]).sum(),
         ])
 
     def finish(self, low: int, high: int) -> int:
@@ -455,6 +460,7 @@ def fingerprint(
     seed: int = C.DEFAULT_SEED,
     block_offset: int = 0,
     with_digest: bool = True,
+    digest_block_offset: int = 0,
 ) -> Fingerprint:
     """Digest, sketch and stats of one tensor, on its own device, in one read of it.
 
@@ -466,11 +472,14 @@ def fingerprint(
             longer vector (a DDP bucket inside the whole gradient); keeps the pieces' sketches
             independent so that their sum is the sketch of the concatenation.
         with_digest: skip the exact digest when only the tolerant parts are needed.
+        digest_block_offset: index of this tensor's first digest block (4096 bytes) in a longer
+            vector; only its ``lanes`` are then meaningful (``fingerprint/shards.py`` adds them).
 
     Returns:
         A :class:`Fingerprint` (one host sync at most).
     """
-    return resolve([fingerprint_async(tensor, k=k, seed=seed, block_offset=block_offset, with_digest=with_digest)])[0]
+    return resolve([fingerprint_async(tensor, k=k, seed=seed, block_offset=block_offset, with_digest=with_digest,
+                                      digest_block_offset=digest_block_offset)])[0]
 
 
 def fingerprint_async(
@@ -480,6 +489,7 @@ def fingerprint_async(
     seed: int = C.DEFAULT_SEED,
     block_offset: int = 0,
     with_digest: bool = True,
+    digest_block_offset: int = 0,
 ) -> PendingFingerprint:
     """:func:`fingerprint` without the host sync: the tensor is read now, the numbers come later.
 
@@ -493,9 +503,13 @@ def fingerprint_async(
     pending = PendingFingerprint(numel=numel, num_bytes=numel * flat.element_size(), seed=seed, with_digest=with_digest)
     if numel == 0:
         pending.done = Fingerprint(
-            digest=digest(flat, seed) if with_digest else 0, sketch=np.zeros(k), norm=0.0, max_abs=0.0, nonfinite=0, numel=0
+            digest=digest(flat, seed) if with_digest else 0, sketch=np.zeros(k), norm=0.0, max_abs=0.0, nonfinite=0, numel=0,
+            lanes=(0, 0),
         )
         return pending
+    if digest_block_offset < 0:
+        raise ValueError(f"digest_block_offset must be >= 0 (got {digest_block_offset})")
+    off = digest_block_offset
     device = flat.device
     path = kernel_path(device, flat.dtype)
     _note_path(device, path)
@@ -503,20 +517,22 @@ def fingerprint_async(
         name = str(flat.dtype).removeprefix("torch.")
         values = flat.view(torch.int16).numpy().view(np.uint16) if flat.element_size() == 2 else flat.numpy()
         try:
-            part = cpu_kernel.partials(values, name, k=k, seed=seed, block_offset=block_offset, with_digest=with_digest)
+            part = cpu_kernel.partials(values, name, k=k, seed=seed, block_offset=block_offset, with_digest=with_digest,
+                                       digest_block_offset=off)
         except Exception as exc:  # noqa: BLE001 - a broken compiled path must not lose the answer
             _compiled_failed(exc)
-            pending.done = _torch_fingerprint(flat, k, seed, block_offset, with_digest)
+            pending.done = _torch_fingerprint(flat, k, seed, block_offset, with_digest, off)
         else:
             pending.done = _assemble(pending, part.lanes, part.sketch, part.sumsq, part.max_abs, part.nonfinite)
     elif path == "triton-cuda":
         from sdc_forensics.fingerprint import triton_kernel
 
-        pending.values = triton_kernel.partials(flat, k=k, seed=seed, block_offset=block_offset, with_digest=with_digest)
+        pending.values = triton_kernel.partials(flat, k=k, seed=seed, block_offset=block_offset, with_digest=with_digest,
+                                                digest_block_offset=off)
     elif device.type == "cpu":
-        pending.done = _torch_fingerprint(flat, k, seed, block_offset, with_digest)
+        pending.done = _torch_fingerprint(flat, k, seed, block_offset, with_digest, off)
     else:
-        pending.values = _torch_partials(flat, k, seed, block_offset, with_digest)
+        pending.values = _torch_partials(flat, k, seed, block_offset, with_digest, off)
     return pending
 
 
@@ -537,10 +553,11 @@ def resolve(pending: list[PendingFingerprint]) -> list[Fingerprint]:
 
 
 def _assemble(pending: PendingFingerprint, lanes, sketch, sumsq: float, max_abs: float, nonfinite: int) -> Fingerprint:
-    digest_value = _finish_digest(int(lanes[0]), int(lanes[1]), pending.num_bytes, pending.seed) if pending.with_digest else 0
+    low, high = int(lanes[0]) % (1 << 64), int(lanes[1]) % (1 << 64)
+    digest_value = _finish_digest(low, high, pending.num_bytes, pending.seed) if pending.with_digest else 0
     return Fingerprint(
         digest=digest_value, sketch=np.asarray(sketch, dtype=np.float64), norm=float(np.sqrt(sumsq)), max_abs=float(max_abs),
-        nonfinite=int(nonfinite), numel=pending.numel,
+        nonfinite=int(nonfinite), numel=pending.numel, lanes=(low, high) if pending.with_digest else None,
     )
 
 
@@ -560,7 +577,8 @@ def _torch_pass(flat: torch.Tensor, k: int, seed: int, block_offset: int, with_d
     return digester, sketcher
 
 
-def _torch_fingerprint(flat: torch.Tensor, k: int, seed: int, block_offset: int, with_digest: bool) -> Fingerprint:
+def _torch_fingerprint(flat: torch.Tensor, k: int, seed: int, block_offset: int, with_digest: bool,
+                       digest_block_offset: int = 0) -> Fingerprint:
     """The fallback on CPU: host values at once (NaN/Inf counted by a second pass only when present)."""
     digester, sketcher = _torch_pass(flat, k, seed, block_offset, with_digest)
     sketch, norm, max_abs = sketcher.result()
@@ -569,20 +587,26 @@ def _torch_fingerprint(flat: torch.Tensor, k: int, seed: int, block_offset: int,
         nonfinite = int((~torch.isfinite(flat)).sum().item())
         if nonfinite:
             max_abs = float("nan") if torch.isnan(flat).any() else float("inf")
+    lanes = None
+    if digester is not None:
+        low, high = digester.lane_totals(digest_block_offset).tolist()
+        lanes = (low % (1 << 64), high % (1 << 64))
     return Fingerprint(
-        digest=digester.value() if digester is not None else 0,
+        digest=digester.finish(*lanes) if lanes is not None else 0,
         sketch=sketch,
         norm=norm,
         max_abs=max_abs,
         nonfinite=nonfinite,
         numel=flat.numel(),
+        lanes=lanes,
     )
 
 
-def _torch_partials(flat: torch.Tensor, k: int, seed: int, block_offset: int, with_digest: bool) -> torch.Tensor:
+def _torch_partials(flat: torch.Tensor, k: int, seed: int, block_offset: int, with_digest: bool,
+                    digest_block_offset: int = 0) -> torch.Tensor:
     """The fallback on an accelerator: the pending vector, no host sync (NaN/Inf counted always)."""
     digester, sketcher = _torch_pass(flat, k, seed, block_offset, with_digest)
-    lanes = digester.lane_totals() if digester is not None else torch.zeros(2, dtype=torch.int64, device=flat.device)
+    lanes = digester.lane_totals(digest_block_offset) if digester is not None else torch.zeros(2, dtype=torch.int64, device=flat.device)
     sketch, sumsq, max_abs = sketcher.device_result()
     nonfinite = (~torch.isfinite(flat)).sum().to(torch.float64) if flat.is_floating_point() else torch.zeros((), dtype=torch.float64, device=flat.device)
     return torch.cat([lanes.view(torch.float64), sketch, torch.stack([sumsq, max_abs, nonfinite])])

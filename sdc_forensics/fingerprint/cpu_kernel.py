@@ -141,14 +141,16 @@ def digest_lanes(raw: np.ndarray, seed: int = C.DEFAULT_SEED) -> tuple[int, int]
     return int(lanes[0]), int(lanes[1])
 
 
-def partials(values: np.ndarray, dtype_name: str, *, k: int, seed: int, block_offset: int, with_digest: bool) -> Partials:
+def partials(values: np.ndarray, dtype_name: str, *, k: int, seed: int, block_offset: int, with_digest: bool,
+             digest_block_offset: int = 0) -> Partials:
     """Digest lanes, sketch and stats of a flat tensor's values, in one pass.
 
     Args:
         values: 1-D, C-contiguous: float32 / float64 values, or the uint16 bits of a bfloat16 /
             float16 tensor (``tensor.view(torch.int16).numpy().view(np.uint16)``).
         dtype_name: ``float32``, ``float64``, ``bfloat16`` or ``float16``.
-        k, seed, block_offset, with_digest: as :func:`sdc_forensics.fingerprint.core.fingerprint`.
+        k, seed, block_offset, with_digest, digest_block_offset: as
+            :func:`sdc_forensics.fingerprint.core.fingerprint`.
 
     Raises:
         RuntimeError: the kernel is not available (check :func:`available` first).
@@ -156,7 +158,7 @@ def partials(values: np.ndarray, dtype_name: str, *, k: int, seed: int, block_of
     module, reason = _loops()
     if module is None:
         raise RuntimeError(reason)
-    if values.ctypes.data % 8:  # a 16-bit view at an odd offset: words must be aligned
+    if values.ctypes.data % max(4, values.itemsize):  # a 16-bit view at an odd offset: words must be aligned
         values = values.copy()
     n = values.size
     widened = values.dtype == np.uint16
@@ -166,8 +168,8 @@ def partials(values: np.ndarray, dtype_name: str, *, k: int, seed: int, block_of
     beta = _beta(block_offset + num_rows + TILE_ROWS, k, seed, acc)[block_offset:]
     a, b = _word_weights(seed)
     num_blocks = -(-n * element // _BLOCK_BYTES) if with_digest else 0
-    c = _block_weights(max(num_blocks, 1), seed, False)
-    c2 = _block_weights(max(num_blocks, 1), seed, True)
+    c = _block_weights(digest_block_offset + max(num_blocks, 1), seed, False)[digest_block_offset:]
+    c2 = _block_weights(digest_block_offset + max(num_blocks, 1), seed, True)[digest_block_offset:]
     y = np.zeros((k, C.BLOCK_ELEMS), dtype=acc)
     y64 = np.zeros((k, C.BLOCK_ELEMS))
     q = np.zeros(C.BLOCK_ELEMS, dtype=acc)

@@ -98,7 +98,8 @@ def supports(dtype: torch.dtype) -> bool:
     return dtype in _SUPPORTED
 
 
-def partials(flat: torch.Tensor, *, k: int, seed: int, block_offset: int, with_digest: bool) -> torch.Tensor:
+def partials(flat: torch.Tensor, *, k: int, seed: int, block_offset: int, with_digest: bool,
+             digest_block_offset: int = 0) -> torch.Tensor:
     """Digest lanes, sketch and stats of a flat tensor, in one read, left on its device.
 
     Args:
@@ -108,6 +109,7 @@ def partials(flat: torch.Tensor, *, k: int, seed: int, block_offset: int, with_d
         seed: the fingerprint seed.
         block_offset: index of the first sketch block (``core.fingerprint``'s argument).
         with_digest: when False the two lane entries are 0 and the digest is not computed.
+        digest_block_offset: index of the first digest block (``core.fingerprint``'s argument).
 
     Returns:
         float64 tensor of shape ``(2 + k + 3,)`` on ``flat``'s device, laid out as in the module
@@ -122,8 +124,9 @@ def partials(flat: torch.Tensor, *, k: int, seed: int, block_offset: int, with_d
         raise RuntimeError(f"the Triton fingerprint kernel cannot run: {_IMPORT_ERROR}")
     if flat.dtype not in _SUPPORTED:
         raise TypeError(f"the Triton fingerprint kernel takes float32, bfloat16, float16 or float64, not {flat.dtype}")
-    if k < 1 or block_offset < 0:
-        raise ValueError(f"need k >= 1 and block_offset >= 0 (got k={k}, block_offset={block_offset})")
+    if k < 1 or block_offset < 0 or digest_block_offset < 0:
+        raise ValueError(f"need k >= 1 and block offsets >= 0 (got k={k}, block_offset={block_offset}, "
+                         f"digest_block_offset={digest_block_offset})")
     flat = flat.detach().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
@@ -140,8 +143,9 @@ def partials(flat: torch.Tensor, *, k: int, seed: int, block_offset: int, with_d
     kp = 1 << (k - 1).bit_length()  # k padded to a power of two (extra columns are zero)
 
     a, b = _word_weights(device, seed)
-    c_low = _block_weights(device, num_tiles, seed, high=False)
-    c_high = _block_weights(device, num_tiles, seed, high=True)
+    d0 = digest_block_offset
+    c_low = _block_weights(device, d0 + num_tiles, seed, high=False)[d0:]
+    c_high = _block_weights(device, d0 + num_tiles, seed, high=True)[d0:]
     alpha = _alpha(device, k, kp, seed)
     beta = _beta(device, block_offset + num_sblocks, k, kp, seed)[block_offset:]
     int_rows = torch.empty(programs, 4, dtype=torch.int64, device=device)  # low, high, NaN, Inf

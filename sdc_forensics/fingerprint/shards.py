@@ -1,0 +1,402 @@
+"""Fingerprints that add across shards: a tensor fingerprinted piece by piece gives the whole.
+
+An FSDP2 rank holds a shard of each parameter (``Shard(0)``: a run of rows, uneven where
+``torch.chunk`` is, the padding not part of it), a DDP bucket holds views of whole parameters at
+offsets of its own, a DCP checkpoint holds chunks, and a replay on fewer devices shards again.
+For their fingerprints to be compared, every element's terms must depend on *which element of
+which parameter* it is, never on where the element sits in some flat buffer. Here they do:
+
+* **The layout** (:class:`ParamLayout`) places the model's parameters, in the model's order, each
+  padded to whole blocks, in one virtual vector. Parameter ``p`` starts at digest block
+  ``D_p`` (4096 bytes) and sketch block ``S_p`` (1024 elements). Element ``g`` of the flattened
+  full parameter then has the terms of element ``g`` of a tensor fingerprinted with
+  ``digest_block_offset = D_p`` and ``block_offset = S_p`` (``docs/fingerprints.md``). The layout
+  is keyed by the parameter's name with wrapper prefixes removed (``module.``,
+  ``_fsdp_wrapped_module.``, ``_orig_mod.``, ``_checkpoint_wrapped_module.``), so DDP, FSDP2
+  and an unwrapped replay of one model share it.
+* **A piece** (:func:`fingerprint_piece`): the elements ``[offset, offset + n)`` of one parameter.
+  The piece's whole aligned chunks (``A`` elements: 1024, or one digest block where that is more,
+  so both block kinds align) go through :func:`core.fingerprint_async` with the two block offsets,
+  in one read: the same compiled kernels, no copy. Its cut ends (at most one chunk each, the
+  part before its first and after its last chunk boundary) are fingerprinted on their own, zero
+  padded in place, and their digest block sums ``s_j, t_j`` (mod 2**32) are kept per block:
+  the lane totals multiply ``s_j`` by ``c_j`` only after a block's pieces are added, since
+  ``c_j (s + s') != c_j s + c_j s'`` once ``s + s'`` wraps.
+* **Combining** (:func:`combine_pieces`): lane totals add (mod 2**64), cut blocks add their sums
+  (mod 2**32) and then enter the lanes, lengths add, and the digest is finished once:
+  ``D = fmix64(low + 2**32 high + c_len * N)``. Sketches and squared norms add, max |x| and
+  NaN/Inf counts combine as in :func:`core.combine`.
+
+So, exactly (tested): the pieces of one parameter, however cut, combine to
+``core.fingerprint(parameter)``'s digest (its layout offsets 0); the pieces of a whole model
+combine to the same digest whatever the sharding, bucketing, padding or world size; and the
+sketch is the same linear function, equal up to the float32 rounding of its block sums
+(``8 * 2**-24 * sqrt(1024) * ||x||`` per coordinate, the bound ``tests/fingerprint`` uses).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from sdc_forensics.fingerprint import constants as C
+from sdc_forensics.fingerprint import core
+from sdc_forensics.fingerprint.core import Fingerprint
+
+_BLOCK_BYTES = 4 * C.BLOCK_WORDS
+_MASK32 = 0xFFFF_FFFF
+_MASK64 = (1 << 64) - 1
+#: wrapper prefixes that DDP, FSDP1, torch.compile and activation checkpointing put in names
+_WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_module"})
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name with the wrappers' path components removed (``module.0.weight`` -> ``0.weight``)."""
+    parts = name.split(".")
+    if parts and parts[0] == "module":  # DDP (and DataParallel) put the model under "module"
+        parts = parts[1:]
+    return ".".join(p for p in parts if p not in _WRAPPER_COMPONENTS)
+
+
+def align_elems(itemsize: int) -> int:
+    """Elements per chunk at which both sketch blocks (1024 elements) and digest blocks (4096 bytes) align."""
+    return max(C.BLOCK_ELEMS, _BLOCK_BYTES // itemsize)
+
+
+def digest_blocks(numel: int, itemsize: int) -> int:
+    """Digest blocks a parameter occupies in the layout (at least one)."""
+    return max(1, -(-numel * itemsize // _BLOCK_BYTES))
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """The model's parameters in order, each at whole-block offsets of one virtual vector.
+
+    Attributes:
+        names: canonical names (:func:`canonical_name`), in the model's order.
+        numels: elements of each full (unsharded) parameter.
+        itemsizes: bytes per element of each.
+    """
+
+    names: tuple[str, ...]
+    numels: tuple[int, ...]
+    itemsizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not (len(self.names) == len(self.numels) == len(self.itemsizes)):
+            raise ValueError("a layout needs one numel and one itemsize per name")
+        if len(set(self.names)) != len(self.names):
+            raise ValueError("a layout's parameter names must be unique")
+        digest, sketch, bases = 0, 0, {}
+        for name, numel, itemsize in zip(self.names, self.numels, self.itemsizes):
+            bases[name] = (digest, sketch)
+            digest += digest_blocks(numel, itemsize)
+            sketch += core.num_sketch_blocks(numel)
+        object.__setattr__(self, "_bases", bases)
+
+    @classmethod
+    def of(cls, named: Iterable[tuple[str, torch.Tensor]], numels: dict[str, int] | None = None) -> ParamLayout:
+        """The layout of ``model.named_parameters()`` (full sizes from ``numels`` or the tensors;
+        a DTensor's full size is its global one)."""
+        names, sizes, items = [], [], []
+        for name, tensor in named:
+            key = canonical_name(name)
+            names.append(key)
+            sizes.append(int(numels[key]) if numels and key in numels else int(tensor.numel()))
+            items.append(int(tensor.element_size()))
+        return cls(tuple(names), tuple(sizes), tuple(items))
+
+    def bases(self, name: str) -> tuple[int, int]:
+        """``(digest block, sketch block)`` where parameter ``name`` starts."""
+        try:
+            return self._bases[canonical_name(name)]  # type: ignore[attr-defined]
+        except KeyError:
+            raise KeyError(f"parameter {name!r} is not in the layout") from None
+
+    def to_json(self) -> dict:
+        return {"names": list(self.names), "numels": list(self.numels), "itemsizes": list(self.itemsizes)}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> ParamLayout:
+        return cls(tuple(str(n) for n in doc["names"]), tuple(int(n) for n in doc["numels"]),
+                   tuple(int(n) for n in doc["itemsizes"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """The fingerprint terms of one piece of a tensor, to be added with its other pieces.
+
+    Attributes:
+        lanes: lane totals over the digest blocks the piece holds whole (mod 2**64).
+        edges: ``global digest block -> (s_j, t_j)`` (mod 2**32) for blocks its ends cut.
+        num_bytes, numel: of the piece.
+        sketch: ``(k,)`` the piece's terms of the sketch (zeros for a non-float tensor).
+        sumsq, max_abs, nonfinite: stats of the piece's elements.
+        seed: the fingerprint seed.
+    """
+
+    lanes: tuple[int, int]
+    edges: dict[int, tuple[int, int]]
+    num_bytes: int
+    numel: int
+    sketch: np.ndarray
+    sumsq: float
+    max_abs: float
+    nonfinite: int
+    seed: int
+
+    def to_json(self) -> dict:
+        return {
+            "lanes": [f"{self.lanes[0]:016x}", f"{self.lanes[1]:016x}"],
+            "edges": {str(j): [s, t] for j, (s, t) in sorted(self.edges.items())},
+            "num_bytes": self.num_bytes, "numel": self.numel, "sketch": [float(v) for v in self.sketch],
+            "sumsq": self.sumsq, "max_abs": self.max_abs, "nonfinite": self.nonfinite, "seed": self.seed,
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict) -> Piece:
+        return cls(
+            lanes=(int(doc["lanes"][0], 16), int(doc["lanes"][1], 16)),
+            edges={int(j): (int(s) & _MASK32, int(t) & _MASK32) for j, (s, t) in doc["edges"].items()},
+            num_bytes=int(doc["num_bytes"]), numel=int(doc["numel"]), sketch=np.asarray(doc["sketch"], dtype=np.float64),
+            sumsq=float(doc["sumsq"]), max_abs=float(doc["max_abs"]), nonfinite=int(doc["nonfinite"]), seed=int(doc["seed"]),
+        )
+
+
+def _empty(k: int, seed: int) -> Piece:
+    return Piece(lanes=(0, 0), edges={}, num_bytes=0, numel=0, sketch=np.zeros(k), sumsq=0.0, max_abs=0.0, nonfinite=0,
+                 seed=seed)
+
+
+def _merge(parts: list[Piece]) -> Piece:
+    """The terms of several pieces together, lanes and cut blocks kept apart (see :func:`combine_pieces`)."""
+    low = sum(p.lanes[0] for p in parts) & _MASK64
+    high = sum(p.lanes[1] for p in parts) & _MASK64
+    edges: dict[int, tuple[int, int]] = {}
+    for part in parts:
+        for j, (s, t) in part.edges.items():
+            s0, t0 = edges.get(j, (0, 0))
+            edges[j] = ((s0 + s) & _MASK32, (t0 + t) & _MASK32)
+    maxes = [p.max_abs for p in parts if p.numel]
+    max_abs = float(np.max(maxes)) if maxes else 0.0  # NaN wins
+    return Piece(
+        lanes=(low, high), edges=edges, num_bytes=sum(p.num_bytes for p in parts), numel=sum(p.numel for p in parts),
+        sketch=np.sum([p.sketch for p in parts], axis=0), sumsq=float(sum(p.sumsq for p in parts)), max_abs=max_abs,
+        nonfinite=sum(p.nonfinite for p in parts), seed=parts[0].seed,
+    )
+
+
+def _words_and_floats(values: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]:
+    """A CPU tensor's raw bytes and, for a float tensor, its values in float64 (numpy, no copy of the bytes)."""
+    raw = core._raw_bytes(values).numpy()
+    floats = values.detach().reshape(-1).to(torch.float64).numpy() if values.is_floating_point() else None
+    return raw, floats
+
+
+def _end_numbers_numpy(values: torch.Tensor, pos: int, align: int, first_elem: int, sketch_base: int, k: int, seed: int):
+    """:func:`_end_numbers_torch` in numpy for a CPU tensor: microseconds, where torch's ops cost tens each."""
+    raw, floats = _words_and_floats(values)
+    itemsize = values.element_size()
+    chunk = np.zeros(align * itemsize, dtype=np.uint8)
+    chunk[pos * itemsize : pos * itemsize + raw.size] = raw
+    signed = chunk.view("<i4").reshape(-1, C.BLOCK_WORDS)
+    a = C.digest_word_weights(seed).view(np.uint32)
+    b = C.digest_high_weights(seed).view(np.uint32)
+    with np.errstate(over="ignore"):
+        low = (signed.view("<u4") * a).sum(axis=1, dtype=np.uint32)  # wraps mod 2**32
+        high = ((signed >> 16).astype(np.uint32) * b).sum(axis=1, dtype=np.uint32)
+    numbers = [low.astype(np.float64), high.astype(np.float64)]
+    if floats is not None:
+        x = np.zeros(align)
+        x[pos : pos + floats.size] = floats
+        x = x.reshape(-1, C.BLOCK_ELEMS)
+        first_sketch = sketch_base + first_elem // C.BLOCK_ELEMS
+        beta = C.sketch_block_signs_at(np.arange(first_sketch, first_sketch + x.shape[0]), k, seed)
+        sketch = ((x @ C.sketch_in_block_signs(k, seed).astype(np.float64)) * beta).sum(axis=0)
+        with np.errstate(over="ignore", invalid="ignore"):
+            stats = [np.dot(floats, floats), np.max(np.abs(floats)), np.count_nonzero(~np.isfinite(floats))]
+        numbers += [sketch, np.asarray(stats, dtype=np.float64)]
+    return np.concatenate(numbers), signed.shape[0]
+
+
+def _end_numbers_torch(values: torch.Tensor, pos: int, align: int, first_elem: int, sketch_base: int, k: int, seed: int):
+    """``[s_j.., t_j.., sketch(k), sumsq, max_abs, nonfinite]`` of a cut end on its device, one transfer."""
+    device = values.device
+    chunk = torch.zeros(align, dtype=values.dtype, device=device)
+    chunk[pos : pos + values.numel()] = values
+    words = core._raw_bytes(chunk).view(torch.int32).view(-1, C.BLOCK_WORDS)  # (digest blocks, 1024)
+    a = core._cached(("a", device, seed), lambda: torch.from_numpy(C.digest_word_weights(seed)).to(device))
+    b = core._cached(("b", device, seed), lambda: torch.from_numpy(C.digest_high_weights(seed)).to(device))
+    low = (words * a).sum(dim=1, dtype=torch.int32)  # wraps mod 2**32, as core._Digester
+    high = (torch.bitwise_right_shift(words, 16) * b).sum(dim=1, dtype=torch.int32)
+    numbers = [low.to(torch.float64), high.to(torch.float64)]  # int32 values are exact in float64
+    if values.is_floating_point():
+        x = chunk.to(torch.float64).view(-1, C.BLOCK_ELEMS)  # (sketch blocks, 1024)
+        first_sketch = sketch_base + first_elem // C.BLOCK_ELEMS
+        alpha = core._alpha(device, k, seed, torch.float64)  # (1024, k)
+        beta = torch.from_numpy(C.sketch_block_signs_at(np.arange(first_sketch, first_sketch + x.shape[0]), k, seed))
+        sketch = ((x @ alpha) * beta.to(device=device, dtype=torch.float64)).sum(dim=0)
+        v = values.reshape(-1).to(torch.float64)
+        numbers += [sketch, (v * v).sum().reshape(1), v.abs().max().reshape(1), (~torch.isfinite(v)).sum().to(torch.float64).reshape(1)]
+    return torch.cat(numbers).cpu().numpy(), words.shape[0]
+
+
+def _padded_piece(values: torch.Tensor, pos: int, align: int, first_elem: int, digest_base: int, sketch_base: int,
+                  k: int, seed: int) -> Piece:
+    """A cut end: ``values`` placed at ``pos`` of a zeroed chunk of ``align`` elements whose first
+    element is element ``first_elem`` of the parameter; its digest blocks kept as sums.
+
+    Under one chunk (at most 4096 elements): numpy on CPU, a few tensor ops and one transfer of
+    ``2 * blocks + k + 3`` numbers elsewhere; cheaper than the kernels' set-up for so little.
+    """
+    device, itemsize = values.device, values.element_size()
+    if device.type == "cpu":
+        host, blocks = _end_numbers_numpy(values, pos, align, first_elem, sketch_base, k, seed)
+    else:
+        host, blocks = _end_numbers_torch(values, pos, align, first_elem, sketch_base, k, seed)
+    first_block = digest_base + first_elem * itemsize // _BLOCK_BYTES
+    edges = {first_block + i: (int(host[i]) & _MASK32, int(host[blocks + i]) & _MASK32) for i in range(blocks)}
+    if values.is_floating_point():
+        tail = host[2 * blocks :]
+        sketch, sumsq, max_abs, nonfinite = tail[:k].copy(), float(tail[k]), float(tail[k + 1]), int(tail[k + 2])
+    else:
+        sketch, sumsq, max_abs, nonfinite = np.zeros(k), 0.0, 0.0, 0
+    return Piece(lanes=(0, 0), edges=edges, num_bytes=values.numel() * itemsize, numel=values.numel(), sketch=sketch,
+                 sumsq=sumsq, max_abs=max_abs, nonfinite=nonfinite, seed=seed)
+
+
+def fingerprint_piece(
+    values: torch.Tensor,
+    *,
+    offset: int = 0,
+    digest_base: int = 0,
+    sketch_base: int = 0,
+    k: int = C.DEFAULT_SKETCH_K,
+    seed: int = C.DEFAULT_SEED,
+) -> Piece:
+    """The terms of elements ``[offset, offset + numel)`` of a flattened parameter.
+
+    Args:
+        values: the piece (any shape; flattened in row-major order), on any device.
+        offset: index of its first element in the flattened full parameter.
+        digest_base, sketch_base: where the parameter starts in the layout (:meth:`ParamLayout.bases`).
+        k, seed: the fingerprint settings.
+
+    Returns:
+        A :class:`Piece`; :func:`combine_pieces` of all pieces of a parameter (or a model) is
+        its fingerprint.
+    """
+    offset, digest_base, sketch_base = int(offset), int(digest_base), int(sketch_base)
+    if offset < 0 or digest_base < 0 or sketch_base < 0:
+        raise ValueError(f"offsets must be >= 0 (got offset={offset}, digest_base={digest_base}, sketch_base={sketch_base})")
+    flat = values.detach().reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        return _empty(k, seed)
+    align = align_elems(flat.element_size())
+    head = min(n, (-offset) % align)
+    body = (n - head) // align * align
+    parts = []
+    if head:
+        parts.append(_padded_piece(flat[:head], offset % align, align, offset - offset % align, digest_base, sketch_base, k, seed))
+    if body:
+        start = offset + head  # a chunk boundary: both block kinds align
+        middle = flat[head : head + body]
+        itemsize = flat.element_size()
+        if middle.is_floating_point():
+            fp = core.fingerprint(middle, k=k, seed=seed, block_offset=sketch_base + start // C.BLOCK_ELEMS,
+                                  digest_block_offset=digest_base + start * itemsize // _BLOCK_BYTES)
+            sketch, sumsq, max_abs, nonfinite = fp.sketch, fp.norm**2, fp.max_abs, fp.nonfinite
+            lanes = fp.lanes
+        else:
+            raw = core._raw_bytes(middle)
+            digester = core._Digester(raw.numel(), raw.device, seed, max(1, raw.numel() // _BLOCK_BYTES))
+            digester.add(0, raw)
+            low, high = digester.lane_totals(digest_base + start * itemsize // _BLOCK_BYTES).tolist()
+            lanes = (low & _MASK64, high & _MASK64)
+            sketch, sumsq, max_abs, nonfinite = np.zeros(k), 0.0, 0.0, 0
+        parts.append(Piece(lanes=lanes, edges={}, num_bytes=body * itemsize, numel=body, sketch=sketch, sumsq=float(sumsq),
+                           max_abs=float(max_abs), nonfinite=int(nonfinite), seed=seed))
+    tail = n - head - body
+    if tail:
+        first = offset + head + body
+        parts.append(_padded_piece(flat[head + body :], 0, align, first, digest_base, sketch_base, k, seed))
+    return _merge(parts)
+
+
+def combine_pieces(parts: Iterable[Piece]) -> Fingerprint:
+    """The fingerprint of everything the pieces hold: one parameter's shards, or a whole model's.
+
+    The digest is finished once over all of them; a piece must not be given twice (two ranks'
+    copies of one replicated shard are compared, not combined).
+    """
+    parts = list(parts)
+    if not parts:
+        raise ValueError("combine_pieces() needs at least one piece")
+    if len({p.seed for p in parts}) > 1:
+        raise ValueError("pieces fingerprinted with different seeds do not combine")
+    merged = _merge(parts)
+    seed = merged.seed
+    low, high = merged.lanes
+    if merged.edges:
+        blocks = np.fromiter(merged.edges, dtype=np.uint64, count=len(merged.edges))
+        c = C.digest_block_weights_at(blocks, seed)
+        c_high = C.digest_block_weights_at(blocks, seed, high=True)
+        for (s, t), cj, chj in zip(merged.edges.values(), c.tolist(), c_high.tolist()):
+            low = (low + cj * s) & _MASK64
+            high = (high + chj * t) & _MASK64
+    digest = core._finish_digest(low, high, merged.num_bytes, seed)
+    return Fingerprint(digest=digest, sketch=merged.sketch, norm=math.sqrt(merged.sumsq) if math.isfinite(merged.sumsq) else math.inf,
+                       max_abs=merged.max_abs, nonfinite=merged.nonfinite, numel=merged.numel, lanes=(low, high))
+
+
+def local_piece(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(this rank's elements, index of the first in the flattened full tensor)`` of a parameter.
+
+    A plain tensor is whole (offset 0). A DTensor gives its local shard and that shard's global
+    offset: FSDP2's ``Shard(0)`` (uneven ``torch.chunk`` splits included, its padding not part of
+    the local tensor), and HSDP's ``(Replicate(), Shard(0))``, whose replicas each give the same
+    piece (combine the pieces of one replica, compare the replicas). Any other placement (a shard
+    of dimension 1 or later is not one run of the flattened tensor) raises ValueError.
+    """
+    to_local = getattr(tensor, "to_local", None)
+    placements = getattr(tensor, "placements", None)
+    if to_local is None or placements is None:
+        return tensor.detach(), 0
+    local = to_local().detach()
+    sharded = [p for p in placements if hasattr(p, "dim")]
+    if not sharded:
+        return local, 0
+    if any(p.dim != 0 for p in sharded) or len(sharded) > 1:
+        raise ValueError(f"a parameter placed as {tuple(placements)} is not one run of its flattened elements: "
+                         "only Shard(0) (FSDP2's default) and Replicate are supported")
+    try:  # private in torch 2.x; the feature, not the version, decides
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # pragma: no cover - older torch
+        compute_local_shape_and_global_offset = None
+    if compute_local_shape_and_global_offset is not None:
+        _, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, placements)
+        row = int(offsets[0]) if len(offsets) else 0
+    else:  # pragma: no cover - torch.chunk's split, as Shard(0) uses
+        mesh_dim = next(i for i, p in enumerate(placements) if hasattr(p, "dim"))
+        size = tensor.device_mesh.size(mesh_dim)
+        coord = tensor.device_mesh.get_coordinate()[mesh_dim]
+        row = min(coord * -(-tensor.shape[0] // size), tensor.shape[0])
+    per_row = math.prod(tensor.shape[1:]) if tensor.dim() else 1
+    return local, row * per_row
+
+
+def model_pieces(named: Iterable[tuple[str, torch.Tensor]], layout: ParamLayout, *, k: int = C.DEFAULT_SKETCH_K,
+                 seed: int = C.DEFAULT_SEED) -> dict[str, Piece]:
+    """This rank's piece of every tensor in ``named`` (parameters, or their ``.grad``), by canonical name."""
+    out = {}
+    for name, tensor in named:
+        values, offset = local_piece(tensor)
+        digest_base, sketch_base = layout.bases(name)
+        out[canonical_name(name)] = fingerprint_piece(values, offset=offset, digest_base=digest_base, sketch_base=sketch_base,
+                                                      k=k, seed=seed)
+    return out
