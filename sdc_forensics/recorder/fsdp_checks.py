@@ -1,0 +1,272 @@
+"""Online checks for FSDP2 and HSDP jobs: the replicas of each shard, and the gathered parameters.
+
+FSDP2 (``fully_shard``) keeps one shard of each parameter per rank, so the DDP recorder's
+replica vote (every rank holds the same weights) has nothing to compare. Two checks do, from
+inside any ``fully_shard`` training loop, two lines after ``optimizer.step()``::
+
+    from sdc_forensics.recorder.fsdp_checks import check_shards
+    result = check_shards(model)            # every rank calls it (it gathers)
+    if result.suspects: ...                 # or check_shards(model, policy="raise")
+
+* **HSDP** (a 2-D mesh ``(replicate, shard)``): the ranks of one shard coordinate hold the same
+  shard. Every rank digests its shard of every parameter (``fingerprint/shards.py``: the digest
+  of a piece keyed by parameter and global element index); the digests are gathered, and per
+  shard coordinate and parameter a strict majority across the replicas names the rank whose
+  weights differ. With 2 replicas a difference is detected but not attributed (no majority),
+  and the result says so; with 3 or more the odd one is named.
+* **FSDP** (no replicas of a shard): :func:`check_gathered` all-gathers each parameter (every
+  rank then holds the same full tensor), digests it on every rank and votes across all ranks. A
+  rank whose gathered parameter differs from the majority received or holds it wrong (its
+  receive path or its memory). A shard that was already wrong on its owner is gathered wrong by
+  every rank alike: that is the replay's and the audits' case, not this vote's.
+
+Cost: one pass of the digest over this rank's shards (``check_shards``) or over every full
+parameter (``check_gathered``, plus the all-gather of the model, one parameter at a time, so
+the memory peak is one full parameter), and one ``all_gather_object`` of ``P`` 64-bit digests per
+rank. Both are collective: every rank must call them at the same point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from sdc_forensics.errors import SdcAlarm, UsageError
+from sdc_forensics.fingerprint import constants as C
+from sdc_forensics.fingerprint import core, shards
+from sdc_forensics.trace.consensus import vote
+
+
+@dataclasses.dataclass(frozen=True)
+class Disagreement:
+    """Ranks that hold one parameter's shard (or gathered parameter) differently.
+
+    Attributes:
+        param: canonical parameter name.
+        group: the ranks that should agree (one shard coordinate's replicas, or every rank).
+        suspects: ranks outside the strict majority (empty when there is no majority).
+        attributed: a strict majority existed, so ``suspects`` are named by a vote; False with
+            2 replicas (or a tie): a difference is detected and nobody is blamed.
+    """
+
+    param: str
+    group: tuple[int, ...]
+    suspects: tuple[int, ...]
+    attributed: bool
+
+    def line(self) -> str:
+        if self.attributed:
+            who = ", ".join(f"rank {r}" for r in self.suspects)
+            return f"{self.param}: {who} differ from the majority of ranks {list(self.group)}"
+        return (f"{self.param}: ranks {list(self.group)} disagree and no strict majority exists "
+                f"({len(self.group)} copies: detected, not attributed)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardCheck:
+    """What :func:`check_shards` or :func:`check_gathered` found.
+
+    Attributes:
+        kind: ``"replicas"`` (HSDP shards across the replicate dimension) or ``"gathered"``.
+        groups: the rank groups compared.
+        disagreements: one per parameter and group that does not agree.
+        note: a line when the check could compare nothing (one replica), else ``""``.
+    """
+
+    kind: str
+    groups: tuple[tuple[int, ...], ...]
+    disagreements: tuple[Disagreement, ...]
+    note: str = ""
+
+    @property
+    def suspects(self) -> tuple[int, ...]:
+        """Ranks named by a vote, over every parameter."""
+        return tuple(sorted({r for d in self.disagreements if d.attributed for r in d.suspects}))
+
+    @property
+    def clean(self) -> bool:
+        return not self.disagreements
+
+    def lines(self) -> list[str]:
+        return [d.line() for d in self.disagreements] or [self.note or f"{self.kind}: every group agrees"]
+
+
+def _dtensor_params(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    named = list(model.named_parameters())
+    plain = [name for name, p in named if not hasattr(p, "device_mesh")]
+    if plain:
+        raise UsageError(f"{len(plain)} parameter(s) are not sharded by fully_shard (first: {plain[0]}); "
+                         "call fully_shard on the model (and its blocks) before the checks")
+    return named
+
+
+def _replicate_dim(param: torch.Tensor) -> int | None:
+    """The mesh dimension a parameter is replicated over (HSDP), or None (FSDP: sharded only)."""
+    for dim, placement in enumerate(param.placements):
+        if placement.is_replicate():
+            return dim
+    return None
+
+
+def _gather_table(row: list[int]) -> np.ndarray:
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, row)
+    return np.asarray(gathered, dtype=np.uint64)  # (W, P)
+
+
+def _vote_groups(table: np.ndarray, names: list[str], groups: list[tuple[int, ...]]) -> list[Disagreement]:
+    found = []
+    for group in groups:
+        if len(group) < 2:
+            continue
+        rows = table[list(group)]  # (G, P)
+        for j, name in enumerate(names):
+            column = rows[:, j]
+            if (column == column[0]).all():
+                continue
+            majority, _ = vote(column)
+            if majority is None:
+                found.append(Disagreement(name, group, (), False))
+            else:
+                found.append(Disagreement(name, group, tuple(r for r, v in zip(group, column) if v != majority), True))
+    return found
+
+
+def _finish(result: ShardCheck, policy: str, step: int) -> ShardCheck:
+    if policy not in ("return", "raise"):
+        raise UsageError(f"policy must be 'return' or 'raise', not {policy!r}")
+    if policy == "raise" and not result.clean:
+        where = f"step {step}: " if step >= 0 else ""
+        rank = result.suspects[0] if len(result.suspects) == 1 else -1
+        raise SdcAlarm(where + "; ".join(result.lines()), step=step, rank=rank, check=result.kind)
+    return result
+
+
+def check_shards(model: torch.nn.Module, *, policy: str = "return", step: int = -1, seed: int = C.DEFAULT_SEED,
+                 corrupt: Callable[[str, torch.Tensor], None] | None = None) -> ShardCheck:
+    """Compares every shard with its replicas (HSDP); every rank calls it at the same point.
+
+    Args:
+        model: the ``fully_shard``-ed model (its parameters DTensors on a mesh with a replicate
+            dimension for a vote; a 1-D FSDP mesh has no replicas and gives a note).
+        policy: ``"return"`` the result, or ``"raise"`` :class:`~sdc_forensics.errors.SdcAlarm`
+            on every rank when any group disagrees (its rank: the one suspect, else -1).
+        step: the optimizer step, for the alarm's message (-1: not said).
+        seed: the fingerprint seed.
+        corrupt: fault drills only: called with ``(name, local shard)`` before digesting.
+
+    Returns:
+        A :class:`ShardCheck` whose groups are the replicas of each shard coordinate.
+    """
+    named = _dtensor_params(model)
+    names, row, groups = [], [], set()
+    layout = shards.ParamLayout.of(named)
+    for name, param in named:
+        local, offset = shards.local_piece(param)
+        if corrupt is not None:
+            corrupt(name, local)
+        digest_base, sketch_base = layout.bases(name)
+        piece = shards.fingerprint_piece(local, offset=offset, digest_base=digest_base, sketch_base=sketch_base, seed=seed)
+        names.append(shards.canonical_name(name))
+        row.append(shards.combine_pieces([piece]).digest)
+        dim = _replicate_dim(param)
+        if dim is not None:
+            mesh = param.device_mesh
+            groups.add(tuple(int(r) for r in _mesh_group(mesh, dim)))
+    table = _gather_table(row)
+    if not groups:
+        return ShardCheck("replicas", (), (), note="no replicate dimension (FSDP, not HSDP): no replica of a shard to "
+                                                    "compare; use check_gathered")
+    all_groups = _all_groups(groups)
+    return _finish(ShardCheck("replicas", all_groups, tuple(_vote_groups(table, names, list(all_groups)))), policy, step)
+
+
+def _mesh_group(mesh, dim: int) -> list[int]:
+    """Global ranks of this rank's group along mesh dimension ``dim``."""
+    coordinate = mesh.get_coordinate()
+    index = [slice(None) if d == dim else coordinate[d] for d in range(mesh.ndim)]
+    return mesh.mesh[tuple(index)].reshape(-1).tolist()
+
+
+def _all_groups(local_groups: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    """Every rank's groups (each rank sees only its own; the vote needs them all)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(local_groups))
+    return tuple(sorted({tuple(g) for groups in gathered for g in groups}))
+
+
+def check_gathered(model: torch.nn.Module, *, policy: str = "return", step: int = -1, seed: int = C.DEFAULT_SEED,
+                   corrupt: Callable[[str, torch.Tensor], None] | None = None) -> ShardCheck:
+    """All-gathers each parameter, digests it on every rank and votes across all ranks.
+
+    Args:
+        model, policy, step, seed: as :func:`check_shards`.
+        corrupt: fault drills only: called with ``(name, gathered full parameter)`` before digesting.
+
+    Returns:
+        A :class:`ShardCheck` with one group, every rank.
+    """
+    named = _dtensor_params(model)
+    names, row = [], []
+    for name, param in named:
+        with torch.no_grad():
+            full = param.full_tensor()  # every rank gathers the same full parameter
+        if corrupt is not None:
+            corrupt(name, full)
+        names.append(shards.canonical_name(name))
+        row.append(core.digest(full, seed))
+        del full
+    table = _gather_table(row)
+    group = tuple(range(dist.get_world_size()))
+    return _finish(ShardCheck("gathered", (group,), tuple(_vote_groups(table, names, [group]))), policy, step)
+
+
+def sharded_state_digests(state, *, seed: int = C.DEFAULT_SEED) -> dict[str, str]:
+    """``{key: hex digest}`` of every tensor of a sharded state, as if each were whole; no all-gather.
+
+    Every rank calls it with its part of the same state (``{"model": model.state_dict(),
+    "optim": ...}`` of a ``fully_shard`` job, before ``torch.distributed.checkpoint.save``). A
+    DTensor's digest is combined from every rank's piece (``fingerprint/shards.py``: the pieces'
+    terms, not their data, are gathered), so it equals ``core.digest`` of the full tensor: what
+    ``verify-checkpoint`` measures on the DCP directory, and on any re-save of it with another
+    sharding. HSDP replicas give the same piece once; replicas that differ raise
+    :class:`~sdc_forensics.errors.SdcAlarm` naming the tensor. A plain tensor (every rank holds it
+    whole, like a step counter) is digested where it is.
+
+    Returns:
+        The same mapping on every rank, keys as :func:`sdc_forensics.statedict.flatten_state` joins them.
+    """
+    from sdc_forensics.statedict import flatten_state
+    from sdc_forensics.trace.checkpoints import hex64
+
+    flat = flatten_state(state)
+    mine: dict[str, list | None] = {}
+    for key, tensor in flat.items():
+        if hasattr(tensor, "device_mesh"):
+            local, offset = shards.local_piece(tensor)
+            mine[key] = [offset, local.numel(), shards.fingerprint_piece(local, offset=offset, seed=seed).to_json()]
+        else:
+            mine[key] = None
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    out = {}
+    for key, tensor in flat.items():
+        if mine[key] is None:
+            out[key] = hex64(core.digest(tensor, seed))
+            continue
+        pieces: dict[tuple[int, int], tuple[int, dict]] = {}
+        for rank, theirs in enumerate(gathered):
+            offset, numel, piece = theirs[key]
+            if not numel:
+                continue
+            held = pieces.setdefault((offset, numel), (rank, piece))
+            if held[1] != piece:
+                raise SdcAlarm(f"{key}: ranks {held[0]} and {rank} hold elements {offset}..{offset + numel - 1} differently "
+                               "(replicas of one shard must be equal)", step=-1, rank=-1, check="replicas")
+        parts = [shards.Piece.from_json(piece) for _, piece in pieces.values()]
+        out[key] = hex64(shards.combine_pieces(parts).digest if parts else core.digest(torch.empty(0), seed))
+    return out
