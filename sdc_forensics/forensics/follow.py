@@ -34,6 +34,11 @@ a ledger append is never cut; the final statuses are then decided on the ledger,
 nothing, and a second signal ends that at once). Exit status (``exitcodes.ExitCode``): 1 when an incident was found;
 else 4 when it stopped with intervals still pending, some that cannot be replayed or some that
 ``--budget sample:F`` left out; else 0.
+
+Over 400 lines on purpose: one loop (look, pick, replay, record, stop) whose parts share the
+follower's state between polls (the look process 0 hands to every torchrun process, the
+intervals seen by attempt, the budget's choice, the signal handling); the walk, the ledger and
+the decision it calls are their own modules.
 """
 
 from __future__ import annotations
