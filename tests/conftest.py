@@ -49,6 +49,7 @@ HEAVY = (
     "tests/fingerprint/test_shards.py::test_fully_shard_pieces_on_every_rank_combine_to_the_single_process_fingerprint[hsdp2x2]",
     "tests/recorder/test_fsdp_checks.py",
     "tests/checkpoint/test_dcp_sharded.py",
+    "tests/recorder/test_fsdp_monitor.py",
 )
 
 

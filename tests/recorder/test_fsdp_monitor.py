@@ -1,0 +1,110 @@
+"""The FSDP2 reduce-scatter and NaN/Inf checks (``recorder/fsdp_monitor.py``) on a real ``fully_shard``
+job, 4 gloo processes: clean steps (momentum, LayerNorm, ReLU, gradient accumulation without
+sync, a bfloat16 reduce) pass; a flipped bit in one rank's reduce-scatter output, and a NaN in one
+rank's local gradient, are named at their step and rank; a finite local-gradient flip is summed
+consistently and passes, as the module says."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+
+import torch
+
+from tests.factories import free_port
+
+WORLD = 4
+STEPS = 6
+FAULTS = {  # step -> (location, rank, what)
+    2: ("reduce-scatter-output", 1, "flip"),
+    3: ("local-gradient", 2, "nan"),
+    4: ("local-gradient", 3, "flip"),
+}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, 96), torch.nn.ReLU(), torch.nn.LayerNorm(96), torch.nn.Linear(96, 5))
+
+
+def _worker(rank: int, port: int, out: str, mixed: bool) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from sdc_forensics.recorder.fsdp_monitor import watch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=120))
+    step_now = [0]
+
+    def inject(location: str, call: int, tensor: torch.Tensor) -> None:
+        fault = FAULTS.get(step_now[0])
+        if fault is None or (mixed and step_now[0] != 2) or fault[0] != location or fault[1] != rank or call != 0:
+            return
+        with torch.no_grad():
+            flat = tensor.reshape(-1)
+            if fault[2] == "nan":
+                flat[0] = float("nan")
+            elif flat.dtype == torch.float32:
+                flat.view(torch.int32)[0] ^= 1 << 29  # an exponent bit
+            else:
+                flat.view(torch.int16)[0] ^= 1 << 13  # bfloat16: an exponent bit
+
+    results = []
+    try:
+        model = _model()
+        kwargs = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)} if mixed else {}
+        for layer in (model[0], model[3]):
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        monitor = watch(model, inject=inject)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        gen = torch.Generator().manual_seed(rank)
+        for step in range(STEPS):
+            step_now[0] = step
+            for micro in range(2):  # accumulate without communication on the first microbatch
+                model.set_requires_gradient_sync(micro == 1)
+                model(torch.randn(6, 24, generator=gen)).square().mean().backward()
+            result = monitor.check(step)
+            results.append({"step": step, "calls": result.calls, "suspects": list(result.suspects),
+                            "checks": sorted({f.check for f in result.findings}), "lines": result.lines()})
+            if any(not torch.isfinite(p.grad.to_local()).all() for p in model.parameters() if p.grad is not None):
+                optimizer.zero_grad()  # a job would skip this step: keep the weights finite
+                continue
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def _run(tmp_path: Path, mixed: bool) -> list[list[dict]]:
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_worker, args=(free_port(), str(tmp_path), mixed), nprocs=WORLD, start_method="spawn")
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def test_faults_in_the_reduce_scatter_and_nan_gradients_are_named_at_their_step_and_rank(tmp_path):
+    ranks = _run(tmp_path, mixed=False)
+    assert all(r == ranks[0] for r in ranks), "every rank reaches the same result"
+    by_step = {r["step"]: r for r in ranks[0]}
+    assert all(r["calls"] == 3 for r in ranks[0])  # one reduce-scatter per fully_shard module, once per step
+    for step in range(STEPS):
+        found = by_step[step]
+        if step == 2:
+            assert found["suspects"] == [1] and found["checks"] == ["reduce-scatter"], found
+            assert "rank 1" in found["lines"][0] and "step 2" in found["lines"][0]
+        elif step == 3:
+            assert found["suspects"] == [2] and found["checks"] == ["nonfinite-before"], found
+        else:  # clean steps, and step 4's finite local-gradient flip (summed consistently: replay's case)
+            assert found["suspects"] == [] and "clean" in found["lines"][0], found
+
+
+def test_reducing_in_bfloat16_the_clean_steps_pass_and_a_flipped_output_is_named(tmp_path):
+    ranks = _run(tmp_path, mixed=True)
+    assert all(r == ranks[0] for r in ranks)
+    for found in ranks[0]:
+        assert found["suspects"] == ([1] if found["step"] == 2 else []), found
