@@ -14,6 +14,8 @@ counts their NaN/Inf. :meth:`FsdpMonitor.check`, called by every rank once per s
 * **The reduce-scatter itself**: rank ``r``'s output against the sum of every rank's chunk ``r``,
   by the calibrated all-reduce tolerance (``fingerprint/tolerance.py``, the dtype the collective
   adds in, ``W``, the norms): a rank whose output differs is named.
+* **HSDP's replica all-reduce** (``set_all_reduce_hook``, after the job's own hook is kept and
+  called): each rank's all-reduce output against the sum of its replicas' reduce-scatter outputs.
 
 A local-gradient fault that is finite is summed consistently and passes: as with DDP, only a
 replay or an audit sees it. Gradient accumulation with ``set_requires_gradient_sync(False)``
@@ -44,8 +46,8 @@ from sdc_forensics.fingerprint import constants as C
 from sdc_forensics.fingerprint import core, tolerance
 
 #: A fault drill: ``inject(location, call_index, tensor)`` may change ``tensor`` in place;
-#: locations ``"local-gradient"`` (the input, before it is read) and ``"reduce-scatter-output"``
-#: (this rank's output, after the collective).
+#: locations ``"local-gradient"`` (the input, before it is read), ``"reduce-scatter-output"``
+#: (this rank's output, after the collective) and, HSDP, ``"all-reduce-output"`` (after the replicas' all-reduce).
 Injector = Callable[[str, int, torch.Tensor], None]
 
 
@@ -53,7 +55,7 @@ Injector = Callable[[str, int, torch.Tensor], None]
 class FsdpFinding:
     """One check that fired: which, on which rank, in which reduce-scatter call of the step."""
 
-    check: str  # nonfinite-before | nonfinite-after | reduce-scatter
+    check: str  # nonfinite-before | nonfinite-after | reduce-scatter | all-reduce
     rank: int
     call: int
     detail: str
@@ -93,6 +95,10 @@ class _Call:
     out_sketch: np.ndarray | None = None  # (k,)
     out_norm: float = 0.0
     out_nonfinite: int = 0
+    ar_group: tuple[int, ...] = ()  # HSDP: global ranks of the replica all-reduce's group
+    ar_sketch: np.ndarray | None = None  # (k,) the all-reduce's output
+    ar_norm: float = 0.0
+    ar_nonfinite: int = 0
 
 
 def _reduction(op) -> str | None:
@@ -109,12 +115,14 @@ class _CheckedReduceScatter:
     def __init__(self, monitor: "FsdpMonitor", inner) -> None:
         self._monitor = monitor
         self._inner = inner
+        self.last = -1  # index of this group's latest call in the step (its all-reduce belongs to it)
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self._inner.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         index = self._monitor._before(input_tensor, group, op)
+        self.last = index
         work = self._inner(output_tensor, input_tensor, group, op, async_op)
         if work is not None and async_op:
             work.wait()  # the output is read below; on CUDA this orders the current stream, no host sync
@@ -158,6 +166,16 @@ class FsdpMonitor:
         fp = self._sketch(output_tensor)
         call = self._calls[index]
         call.out_sketch, call.out_norm, call.out_nonfinite = fp.sketch, fp.norm, fp.nonfinite
+
+    def _after_all_reduce(self, index: int, output: torch.Tensor, group) -> None:
+        if index < 0:
+            return
+        if self._inject is not None:
+            self._inject("all-reduce-output", index, output)
+        fp = self._sketch(output)
+        call = self._calls[index]
+        call.ar_group = tuple(dist.get_process_group_ranks(group))
+        call.ar_sketch, call.ar_norm, call.ar_nonfinite = fp.sketch, fp.norm, fp.nonfinite
 
     def check(self, step: int, *, policy: str = "return") -> StepCheck:
         """Gathers this step's numbers from every rank and checks every reduce-scatter call.
@@ -216,6 +234,34 @@ def _check_call(index: int, by_rank: dict[int, dict]) -> list[FsdpFinding]:
                 found.append(FsdpFinding("reduce-scatter", rank, index,
                                          f"its output differs from the {call['reduction']} of the ranks' chunks by {residual:.3g} "
                                          f"(tolerance {allowed:.3g}, {call['dtype']}, W={len(group)})"))
+    if not found:
+        found += _check_all_reduce(index, by_rank)
+    return found
+
+
+def _check_all_reduce(index: int, by_rank: dict[int, dict]) -> list[FsdpFinding]:
+    """HSDP: each replica's all-reduce output against the sum of its replicas' reduce-scatter outputs."""
+    found = []
+    groups = {tuple(call["ar_group"]) for call in by_rank.values() if call["ar_group"]}
+    for group in sorted(groups):
+        members = [by_rank[r] for r in group]
+        if any(m["ar_sketch"] is None or m["out_sketch"] is None for m in members):
+            continue
+        local = np.stack([np.asarray(m["out_sketch"]) for m in members])  # (R, k): the replicas' shards
+        norms = np.array([m["out_norm"] for m in members])
+        # FSDP2 all-reduces with AVG exactly when it reduce-scatters with AVG, else with SUM
+        reduction = "mean" if members[0]["reduction"] == "mean" else "sum"
+        for rank, call in zip(group, members):
+            if call["ar_nonfinite"]:
+                found.append(FsdpFinding("nonfinite-after", rank, index,
+                                         f"{call['ar_nonfinite']} NaN/Inf in its replica all-reduce output, from finite shards"))
+                continue
+            residual = float(tolerance.allreduce_residual(local, np.asarray(call["ar_sketch"]), reduction))
+            allowed = float(tolerance.allreduce_tolerance(call["dtype"], norms, np.float64(call["ar_norm"]), reduction))
+            if residual > allowed:
+                found.append(FsdpFinding("all-reduce", rank, index,
+                                         f"its replica all-reduce output differs from the {reduction} of the replicas' shards by "
+                                         f"{residual:.3g} (tolerance {allowed:.3g}, {call['dtype']}, {len(group)} replicas)"))
     return found
 
 
@@ -248,5 +294,17 @@ def watch(model: torch.nn.Module, *, sketch_k: int = C.DEFAULT_SKETCH_K, seed: i
                 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
                 inner = DefaultReduceScatter()
-            group._reduce_scatter_comm = _CheckedReduceScatter(monitor, inner)
+            checked = _CheckedReduceScatter(monitor, inner)
+            group._reduce_scatter_comm = checked
+            if getattr(group, "_is_hsdp", False):  # the replica all-reduce: checked after it, then the job's hook
+                user_hook = getattr(group, "_all_reduce_hook", None)
+                group._all_reduce_hook = _all_reduce_hook(monitor, checked, group._all_reduce_process_group, user_hook)
     return monitor
+
+
+def _all_reduce_hook(monitor: FsdpMonitor, checked: _CheckedReduceScatter, process_group, user_hook):
+    def hook(output: torch.Tensor) -> None:
+        monitor._after_all_reduce(checked.last, output, process_group)
+        if user_hook is not None:
+            user_hook(output)
+    return hook

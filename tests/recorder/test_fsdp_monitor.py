@@ -108,3 +108,56 @@ def test_reducing_in_bfloat16_the_clean_steps_pass_and_a_flipped_output_is_named
     assert all(r == ranks[0] for r in ranks)
     for found in ranks[0]:
         assert found["suspects"] == ([1] if found["step"] == 2 else []), found
+
+
+def _hsdp_worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from sdc_forensics.recorder.fsdp_monitor import watch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=120))
+    step_now = [0]
+    seen_by_user_hook = []
+
+    def inject(location: str, call: int, tensor: torch.Tensor) -> None:
+        if step_now[0] == 1 and location == "all-reduce-output" and rank == 3 and call == 0:
+            with torch.no_grad():
+                tensor.reshape(-1).view(torch.int32)[0] ^= 1 << 29
+
+    results = []
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        model = _model()
+        for layer in (model[0], model[3]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model[0].set_all_reduce_hook(lambda t: seen_by_user_hook.append(t.numel()))  # the job's own hook is kept
+        monitor = watch(model, inject=inject)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        gen = torch.Generator().manual_seed(rank)
+        for step in range(3):
+            step_now[0] = step
+            model(torch.randn(6, 24, generator=gen)).square().mean().backward()
+            result = monitor.check(step)
+            results.append({"step": step, "suspects": list(result.suspects), "checks": sorted({f.check for f in result.findings})})
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"results": results, "user_hook_calls": len(seen_by_user_hook)}))
+
+
+def test_hsdp_the_replica_all_reduce_is_checked_and_a_flipped_output_is_named(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_hsdp_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert all(r["results"] == ranks[0]["results"] for r in ranks)
+    assert all(r["user_hook_calls"] == 3 for r in ranks)  # once per step: the job's hook still runs
+    for found in ranks[0]["results"]:
+        expected = ([3], ["all-reduce"]) if found["step"] == 1 else ([], [])
+        assert (found["suspects"], found["checks"]) == expected, found
