@@ -46,7 +46,6 @@ HEAVY = (
     "tests/forensics/test_follow.py::test_a_follower_killed_and_restarted_certifies_every_checkpoint_with_no_record_lost_or_duplicated",
     "tests/forensics/test_follow.py::test_the_follower_names_the_step_and_rank_of_a_fault_within_one_interval",
     "tests/forensics/test_follow.py::test_a_follower_examines_a_resumed_attempts_steps_again",
-    "tests/fingerprint/test_shards.py::test_fully_shard_pieces_on_every_rank_combine_to_the_single_process_fingerprint[hsdp2x2]",
     "tests/recorder/test_fsdp_checks.py",
     "tests/checkpoint/test_dcp_sharded.py",
     "tests/recorder/test_fsdp_monitor.py",

@@ -169,50 +169,58 @@ def test_pieces_of_different_seeds_refuse_to_combine():
 
 # ---------------------------------------------------------------- a real fully_shard job, 4 processes
 
-def _fsdp_worker(rank: int, world: int, port: int, out: str, hsdp: bool) -> None:
+def _fsdp_pieces(world: int, hsdp: bool) -> list:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    layout = shards.ParamLayout.of(model.named_parameters())
+    kwargs = {}
+    if hsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kwargs["mesh"] = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    for layer in (model[0], model[3]):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    pieces = shards.model_pieces(model.named_parameters(), layout)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {n: p.to_json() for n, p in pieces.items()})
+    return gathered
+
+
+def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        model = _model()
-        layout = shards.ParamLayout.of(model.named_parameters())
-        kwargs = {}
-        if hsdp:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            kwargs["mesh"] = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-        for layer in (model[0], model[3]):
-            fully_shard(layer, **kwargs)
-        fully_shard(model, **kwargs)
-        pieces = shards.model_pieces(model.named_parameters(), layout)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, {n: p.to_json() for n, p in pieces.items()})
-        if rank == 0:
-            Path(out).write_text(json.dumps(gathered))
+        found = {"fsdp4": _fsdp_pieces(world, hsdp=False), "hsdp2x2": _fsdp_pieces(world, hsdp=True)}
     finally:
         dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(found))
 
 
-@pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp4", "hsdp2x2"])
-def test_fully_shard_pieces_on_every_rank_combine_to_the_single_process_fingerprint(tmp_path, hsdp):
+def test_fully_shard_pieces_on_every_rank_combine_to_the_single_process_fingerprint(tmp_path):
+    """FSDP over 4 ranks, and HSDP 2 x 2 (each replica's shards; the same shard in both replicas)."""
     import torch.multiprocessing as mp
 
     out = tmp_path / "pieces.json"
-    mp.start_processes(_fsdp_worker, args=(4, free_port(), str(out), hsdp), nprocs=4, start_method="spawn")
-    per_rank = [{n: shards.Piece.from_json(p) for n, p in rank.items()} for rank in json.loads(out.read_text())]
+    mp.start_processes(_fsdp_worker, args=(4, free_port(), str(out)), nprocs=4, start_method="spawn")
     model = _model()
     layout = shards.ParamLayout.of(model.named_parameters())
     whole = shards.combine_pieces(shards.model_pieces(model.named_parameters(), layout).values())
-    replicas = [[0, 1], [2, 3]] if hsdp else [[0, 1, 2, 3]]
-    for group in replicas:  # HSDP: each replica's shards make the whole model
-        got = shards.combine_pieces(p for r in group for p in per_rank[r].values())
-        assert got.digest == whole.digest
-    if hsdp:  # the same shard in the two replicas is the same piece
-        for name in per_rank[0]:
-            assert per_rank[0][name].to_json() == per_rank[2][name].to_json()
+    for job, gathered in json.loads(out.read_text()).items():
+        per_rank = [{n: shards.Piece.from_json(p) for n, p in rank.items()} for rank in gathered]
+        replicas = [[0, 1], [2, 3]] if job == "hsdp2x2" else [[0, 1, 2, 3]]
+        for group in replicas:  # HSDP: each replica's shards make the whole model
+            got = shards.combine_pieces(p for r in group for p in per_rank[r].values())
+            assert got.digest == whole.digest, job
+        if job == "hsdp2x2":  # the same shard in the two replicas is the same piece
+            for name in per_rank[0]:
+                assert per_rank[0][name].to_json() == per_rank[2][name].to_json()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

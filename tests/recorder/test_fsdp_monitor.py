@@ -10,6 +10,7 @@ import datetime
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.factories import free_port
@@ -28,15 +29,11 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(24, 96), torch.nn.ReLU(), torch.nn.LayerNorm(96), torch.nn.Linear(96, 5))
 
 
-def _worker(rank: int, port: int, out: str, mixed: bool) -> None:
-    import torch.distributed as dist
+def _fsdp(rank: int, mixed: bool) -> list[dict]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from sdc_forensics.recorder.fsdp_monitor import watch
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
     step_now = [0]
 
     def inject(location: str, call: int, tensor: torch.Tensor) -> None:
@@ -53,42 +50,32 @@ def _worker(rank: int, port: int, out: str, mixed: bool) -> None:
                 flat.view(torch.int16)[0] ^= 1 << 13  # bfloat16: an exponent bit
 
     results = []
-    try:
-        model = _model()
-        kwargs = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)} if mixed else {}
-        for layer in (model[0], model[3]):
-            fully_shard(layer, **kwargs)
-        fully_shard(model, **kwargs)
-        monitor = watch(model, inject=inject)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        gen = torch.Generator().manual_seed(rank)
-        for step in range(STEPS):
-            step_now[0] = step
-            for micro in range(2):  # accumulate without communication on the first microbatch
-                model.set_requires_gradient_sync(micro == 1)
-                model(torch.randn(6, 24, generator=gen)).square().mean().backward()
-            result = monitor.check(step)
-            results.append({"step": step, "calls": result.calls, "suspects": list(result.suspects),
-                            "checks": sorted({f.check for f in result.findings}), "lines": result.lines()})
-            if any(not torch.isfinite(p.grad.to_local()).all() for p in model.parameters() if p.grad is not None):
-                optimizer.zero_grad()  # a job would skip this step: keep the weights finite
-                continue
-            optimizer.step()
-            optimizer.zero_grad()
-    finally:
-        dist.destroy_process_group()
-    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    model = _model()
+    kwargs = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)} if mixed else {}
+    for layer in (model[0], model[3]):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    monitor = watch(model, inject=inject)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(STEPS):
+        step_now[0] = step
+        for micro in range(2):  # accumulate without communication on the first microbatch
+            model.set_requires_gradient_sync(micro == 1)
+            model(torch.randn(6, 24, generator=gen)).square().mean().backward()
+        result = monitor.check(step)
+        results.append({"step": step, "calls": result.calls, "suspects": list(result.suspects),
+                        "checks": sorted({f.check for f in result.findings}), "lines": result.lines()})
+        if any(not torch.isfinite(p.grad.to_local()).all() for p in model.parameters() if p.grad is not None):
+            optimizer.zero_grad()  # a job would skip this step: keep the weights finite
+            continue
+        optimizer.step()
+        optimizer.zero_grad()
+    return results
 
 
-def _run(tmp_path: Path, mixed: bool) -> list[list[dict]]:
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_worker, args=(free_port(), str(tmp_path), mixed), nprocs=WORLD, start_method="spawn")
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
-
-
-def test_faults_in_the_reduce_scatter_and_nan_gradients_are_named_at_their_step_and_rank(tmp_path):
-    ranks = _run(tmp_path, mixed=False)
+def test_faults_in_the_reduce_scatter_and_nan_gradients_are_named_at_their_step_and_rank(found):
+    ranks = [r["fsdp"] for r in found]
     assert all(r == ranks[0] for r in ranks), "every rank reaches the same result"
     by_step = {r["step"]: r for r in ranks[0]}
     assert all(r["calls"] == 3 for r in ranks[0])  # one reduce-scatter per fully_shard module, once per step
@@ -103,23 +90,19 @@ def test_faults_in_the_reduce_scatter_and_nan_gradients_are_named_at_their_step_
             assert found["suspects"] == [] and "clean" in found["lines"][0], found
 
 
-def test_reducing_in_bfloat16_the_clean_steps_pass_and_a_flipped_output_is_named(tmp_path):
-    ranks = _run(tmp_path, mixed=True)
+def test_reducing_in_bfloat16_the_clean_steps_pass_and_a_flipped_output_is_named(found):
+    ranks = [r["mixed"] for r in found]
     assert all(r == ranks[0] for r in ranks)
     for found in ranks[0]:
         assert found["suspects"] == ([1] if found["step"] == 2 else []), found
 
 
-def _hsdp_worker(rank: int, port: int, out: str) -> None:
-    import torch.distributed as dist
+def _hsdp(rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from sdc_forensics.recorder.fsdp_monitor import watch
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
     step_now = [0]
     seen_by_user_hook = []
 
@@ -129,33 +112,50 @@ def _hsdp_worker(rank: int, port: int, out: str) -> None:
                 tensor.reshape(-1).view(torch.int32)[0] ^= 1 << 29
 
     results = []
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _model()
+    for layer in (model[0], model[3]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model[0].set_all_reduce_hook(lambda t: seen_by_user_hook.append(t.numel()))  # the job's own hook is kept
+    monitor = watch(model, inject=inject)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(3):
+        step_now[0] = step
+        model(torch.randn(6, 24, generator=gen)).square().mean().backward()
+        result = monitor.check(step)
+        results.append({"step": step, "suspects": list(result.suspects), "checks": sorted({f.check for f in result.findings})})
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"results": results, "user_hook_calls": len(seen_by_user_hook)}
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    """The three jobs one after another in one process group: one spawn of 4 processes."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=120))
     try:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        model = _model()
-        for layer in (model[0], model[3]):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        model[0].set_all_reduce_hook(lambda t: seen_by_user_hook.append(t.numel()))  # the job's own hook is kept
-        monitor = watch(model, inject=inject)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        gen = torch.Generator().manual_seed(rank)
-        for step in range(3):
-            step_now[0] = step
-            model(torch.randn(6, 24, generator=gen)).square().mean().backward()
-            result = monitor.check(step)
-            results.append({"step": step, "suspects": list(result.suspects), "checks": sorted({f.check for f in result.findings})})
-            optimizer.step()
-            optimizer.zero_grad()
+        found = {"fsdp": _fsdp(rank, mixed=False), "mixed": _fsdp(rank, mixed=True), "hsdp": _hsdp(rank)}
     finally:
         dist.destroy_process_group()
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"results": results, "user_hook_calls": len(seen_by_user_hook)}))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(found))
 
 
-def test_hsdp_the_replica_all_reduce_is_checked_and_a_flipped_output_is_named(tmp_path):
+@pytest.fixture(scope="module")
+def found(tmp_path_factory) -> list[dict]:
     import torch.multiprocessing as mp
 
-    mp.start_processes(_hsdp_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    out = tmp_path_factory.mktemp("fsdp_monitor")
+    mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=WORLD, start_method="spawn")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def test_hsdp_the_replica_all_reduce_is_checked_and_a_flipped_output_is_named(found):
+    ranks = [r["hsdp"] for r in found]
     assert all(r["results"] == ranks[0]["results"] for r in ranks)
     assert all(r["user_hook_calls"] == 3 for r in ranks)  # once per step: the job's hook still runs
     for found in ranks[0]["results"]:
