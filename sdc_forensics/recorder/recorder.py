@@ -106,6 +106,15 @@ def existing_hook_problem(ddp_model: torch.nn.parallel.DistributedDataParallel) 
     return None
 
 
+def _is_fully_sharded(model) -> bool:
+    """Whether ``model`` is (or holds) an FSDP2 ``fully_shard`` module (by feature: torch without FSDP2 has none)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(model, torch.nn.Module) and any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 def _refuse_together(problems: list) -> None:
     """Raise the first rank's problem on every rank (each has the gathered list)."""
     first = next((p for p in problems if p), None)
@@ -203,6 +212,10 @@ class Recorder:
         framework: dict[str, str] | None = None,
     ) -> None:
         if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+            if _is_fully_sharded(ddp_model):
+                raise UsageError("Recorder records DDP jobs; this model is sharded by fully_shard (FSDP2): recording it is not "
+                                 "built yet, but its online checks are: sdc_forensics.recorder.fsdp_monitor.watch(model) and "
+                                 "fsdp_checks.check_shards (docs/recorder.md, 'FSDP2 and HSDP')")
             raise UsageError("Recorder needs the DistributedDataParallel-wrapped model (got a bare module?)")
         if not dist.is_initialized():
             raise UsageError("torch.distributed is not initialised: call init_process_group before creating the Recorder")

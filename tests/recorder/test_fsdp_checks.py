@@ -67,6 +67,14 @@ def _worker(rank: int, port: int, out: str) -> None:
     found = {}
     try:
         fsdp = _sharded()  # 1-D: no replicas of a shard
+        from sdc_forensics.errors import UsageError
+        from sdc_forensics.recorder.recorder import Recorder
+
+        try:
+            Recorder(Path(out, f"trace{rank}"), fsdp, torch.optim.SGD(fsdp.parameters(), lr=0.1))
+            found["recorder"] = None
+        except UsageError as refusal:
+            found["recorder"] = [str(refusal), Path(out, f"trace{rank}").exists()]
         _train_step(fsdp, rank)
         found["fsdp_shards"] = _summary(check_shards(fsdp))
         found["fsdp_gathered_clean"] = _summary(check_gathered(fsdp))
@@ -101,6 +109,12 @@ def found(tmp_path_factory) -> list[dict]:
 
 def test_every_rank_reaches_the_same_result(found):
     assert all(f == found[0] for f in found)
+
+
+def test_the_recorder_refuses_a_fully_sharded_model_in_one_line_that_points_at_its_checks(found):
+    message, wrote = found[0]["recorder"]
+    assert "fully_shard" in message and "fsdp_monitor.watch" in message and "\n" not in message
+    assert not wrote  # refused before anything was written
 
 
 def test_fsdp_without_replicas_says_so_and_the_gathered_vote_names_the_rank_that_gathered_wrong(found):
