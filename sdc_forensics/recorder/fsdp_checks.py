@@ -270,3 +270,15 @@ def sharded_state_digests(state, *, seed: int = C.DEFAULT_SEED) -> dict[str, str
         parts = [shards.Piece.from_json(piece) for _, piece in pieces.values()]
         out[key] = hex64(shards.combine_pieces(parts).digest if parts else core.digest(torch.empty(0), seed))
     return out
+
+
+def sharded_weights_digest(model: torch.nn.Module, *, seed: int = C.DEFAULT_SEED) -> int:
+    """The DDP recorder's weights digest (``statedict.weights_digest``: the parameters' digests
+    combined in model order) of a ``fully_shard`` model, from its shards; every rank calls it.
+
+    Equal to what a DDP job of the same model records at the same weights, so an FSDP2 job's
+    weights compare with a DDP trace's (and with a replay's on any number of devices).
+    """
+    named = list(model.named_parameters())
+    digests = sharded_state_digests({shards.canonical_name(n): p for n, p in named}, seed=seed)
+    return core.combine_digests(int(digests[shards.canonical_name(n)], 16) for n, _ in named)

@@ -29,7 +29,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from sdc_forensics.recorder.fsdp_checks import sharded_state_digests
+    from sdc_forensics.recorder.fsdp_checks import sharded_state_digests, sharded_weights_digest
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
@@ -39,6 +39,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         for layer in (model[0], model[3]):
             fully_shard(layer)
         fully_shard(model)
+        at_step_0 = sharded_weights_digest(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
         model(torch.randn(5, 13, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
         optimizer.step()
@@ -60,7 +61,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
     if rank == 0:
         torch.save(full, Path(out, "full.pt"))
-        Path(out, "noted.json").write_text(json.dumps({"fsdp4": noted, "hsdp2x2": resaved}))
+        Path(out, "noted.json").write_text(json.dumps({"fsdp4": noted, "hsdp2x2": resaved, "weights_at_step_0": str(at_step_0)}))
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +81,15 @@ def test_the_job_digests_equal_the_full_tensors_digests(job):
     full = torch.load(job / "full.pt", weights_only=True)
     assert noted["fsdp4"] == {f"model.{k}": hex64(core.digest(v)) for k, v in full.items()}
     assert noted["hsdp2x2"] == noted["fsdp4"]  # another sharding, the same digests
+
+
+def test_at_step_0_the_fsdp2_job_has_the_weights_digest_a_ddp_job_records(job):
+    """The DDP recorder's weights digest (statedict.weights_digest) of the same model, wrapped in DDP."""
+    from sdc_forensics.statedict import weights_digest
+
+    ddp_style = [(f"module.{n}", p) for n, p in _model().named_parameters()]  # as DDP names them
+    noted = json.loads((job / "noted.json").read_text())
+    assert int(noted["weights_at_step_0"]) == weights_digest(ddp_style)
 
 
 @pytest.mark.parametrize("saved", ["fsdp4", "hsdp2x2"])
