@@ -6,6 +6,9 @@ pulls a framework in:
 * :mod:`sdc_forensics.integrations.hf`: the Hugging Face ``Trainer`` (``pip install 'sdc-forensics[hf]'``);
 * :mod:`sdc_forensics.integrations.accelerate`: an ``accelerate.Accelerator`` loop
   (``pip install 'sdc-forensics[accelerate]'``);
+* :mod:`sdc_forensics.integrations.lightning`: a Lightning ``Trainer`` with ``DDPStrategy``;
+* :mod:`sdc_forensics.integrations.torchtitan`: the FSDP2 online checks in a torchtitan
+  ``Trainer`` (it records nothing yet: the FSDP2 recorder is not built);
 
 Each adapter builds the ordinary :class:`~sdc_forensics.recorder.Recorder` on the framework's DDP
 model and names a replay recipe generated from what the framework was configured with, so the

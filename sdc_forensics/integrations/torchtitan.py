@@ -1,0 +1,104 @@
+"""torchtitan: the FSDP2/HSDP online checks inside a torchtitan ``Trainer``, in two lines.
+
+::
+
+    from sdc_forensics.integrations import torchtitan as sdc
+
+    trainer = Trainer(config)            # torchtitan's, run with --training.disable_cuda_graphs on GPUs
+    sdc.watch(trainer, policy="raise")   # every rank
+    trainer.train()
+
+What it does (``docs/integrations.md``, "torchtitan"): :func:`~sdc_forensics.recorder.fsdp_monitor.watch`
+on each of ``trainer.model_parts`` (the reduce-scatter and HSDP all-reduce checks, NaN/Inf
+before and after), and a wrapper around ``trainer.optimizers.step`` that, on every rank before
+each optimizer step, runs the step's check and, every ``weights_every`` steps, the weights check
+(:func:`~sdc_forensics.recorder.fsdp_checks.check_shards` across HSDP replicas, or
+:func:`~sdc_forensics.recorder.fsdp_checks.check_gathered` on a 1-D FSDP mesh). The step named
+is ``trainer.step``. Every result is kept in ``trainer.sdc_results`` (``policy="return"``) or
+raised as :class:`~sdc_forensics.errors.SdcAlarm` (``policy="raise"``).
+
+Refused, in one line, before anything is wrapped:
+
+* CUDA graphs (torchtitan's default on GPUs): a captured graph replays its kernels without the
+  Python hooks the checks run in, so every step after the capture would go unchecked; run with
+  ``--training.disable_cuda_graphs``.
+* Pipeline parallelism: stages hold different parameters, and the checks are collectives every
+  rank must make alike.
+* A model part that is not ``fully_shard``-ed (torchtitan's ``replicate()`` data parallelism):
+  nothing here checks it yet.
+
+Not recorded: the FSDP2 recorder (a trace that ``bisect``/``certify`` read) is not built, so a
+fault is named online, at its step and rank, but no replay certifies a torchtitan checkpoint yet.
+Written against torchtitan 0.3.0's ``Trainer`` (``model_parts``, ``optimizers``, ``step``,
+``config.training``, ``parallel_dims``); torchtitan needs a PyTorch nightly to train, so it is
+tested here on a trainer-shaped object around a real ``fully_shard`` job
+(``tests/integrations/test_torchtitan.py``), not on torchtitan itself.
+"""
+
+from __future__ import annotations
+
+from sdc_forensics.errors import UsageError
+
+
+def _refusal(trainer) -> str | None:
+    config = getattr(trainer, "config", None)
+    training = getattr(config, "training", None)
+    device = getattr(trainer, "device", None)
+    on_gpu = getattr(device, "type", "cpu") == "cuda"
+    if on_gpu and training is not None and not getattr(training, "disable_cuda_graphs", True):
+        return ("torchtitan captures the forward and backward in CUDA graphs, which replay without the Python hooks the "
+                "checks run in: run with --training.disable_cuda_graphs")
+    parts = list(getattr(trainer, "model_parts", None) or ())
+    if not parts:
+        return "this trainer has no model_parts: pass torchtitan's Trainer after it is built"
+    dims = getattr(trainer, "parallel_dims", None)
+    if len(parts) > 1 or getattr(dims, "pp_enabled", False):
+        return "pipeline parallelism is not supported: its stages hold different parameters and the checks are collectives"
+    if not hasattr(getattr(trainer, "optimizers", None), "step"):
+        return "this trainer has no optimizers.step to check before"
+    return None
+
+
+def watch(trainer, *, policy: str = "return", weights_every: int = 1, inject=None):
+    """Installs the FSDP2 online checks in a torchtitan ``Trainer``; every rank calls it.
+
+    Args:
+        trainer: torchtitan's ``Trainer``, built (its model parts ``fully_shard``-ed).
+        policy: ``"return"`` (results in ``trainer.sdc_results``) or ``"raise"``.
+        weights_every: run the weights check every this many steps (0: never).
+        inject: fault drills, as :func:`sdc_forensics.recorder.fsdp_monitor.watch`'s.
+
+    Returns:
+        The :class:`~sdc_forensics.recorder.fsdp_monitor.FsdpMonitor` of the model part.
+    """
+    from sdc_forensics.recorder import fsdp_checks, fsdp_monitor
+
+    problem = _refusal(trainer)
+    if problem is not None:
+        raise UsageError(f"sdc-forensics cannot watch this torchtitan trainer: {problem}")
+    if policy not in ("return", "raise"):
+        raise UsageError(f"policy must be 'return' or 'raise', not {policy!r}")
+    if weights_every < 0:
+        raise UsageError(f"weights_every must be >= 0, not {weights_every}")
+    model = trainer.model_parts[0]
+    monitor = fsdp_monitor.watch(model, inject=inject)
+    replicated = any(_replicated(p) for p in model.parameters())
+    optimizers = trainer.optimizers
+    step_optimizers = optimizers.step
+    trainer.sdc_results = []
+
+    def checked_step(*args, **kwargs):
+        step = int(getattr(trainer, "step", -1))
+        results = [monitor.check(step, policy=policy)]
+        if weights_every and step % weights_every == 0:
+            weights = fsdp_checks.check_shards if replicated else fsdp_checks.check_gathered
+            results.append(weights(model, policy=policy, step=step))
+        trainer.sdc_results.append((step, results))
+        return step_optimizers(*args, **kwargs)
+
+    optimizers.step = checked_step
+    return monitor
+
+
+def _replicated(param) -> bool:
+    return any(p.is_replicate() for p in getattr(param, "placements", ()) or ())
