@@ -71,6 +71,7 @@ class StepCheck:
     step: int
     calls: int
     findings: tuple[FsdpFinding, ...]
+    note: str = ""  # a line when nothing could be checked although something should have been
 
     @property
     def clean(self) -> bool:
@@ -81,48 +82,67 @@ class StepCheck:
         return tuple(sorted({f.rank for f in self.findings}))
 
     def lines(self) -> list[str]:
-        return [f.line(self.step) for f in self.findings] or [f"step {self.step}: {self.calls} reduce-scatter(s) checked, clean"]
+        return [f.line(self.step) for f in self.findings] or [self.note or f"step {self.step}: {self.calls} reduce-scatter(s) checked, clean"]
 
 
 @dataclasses.dataclass
 class _Call:
+    """One reduce-scatter on this rank; the sketches stay pending (on the device) until ``check``."""
+
     group: tuple[int, ...]  # global ranks of the reduce-scatter's group, in group order
     dtype: str
-    reduction: str | None  # "sum" | "mean" | None (an op this check cannot model)
-    in_sketch: np.ndarray  # (W, k): this rank's chunk r, r < W
-    in_norm: np.ndarray  # (W,)
-    in_nonfinite: np.ndarray  # (W,)
-    out_sketch: np.ndarray | None = None  # (k,)
-    out_norm: float = 0.0
-    out_nonfinite: int = 0
+    scale: float | None  # output = scale * sum of the chunks (None: an op this check cannot model)
+    ar_scale: float  # HSDP: all-reduce output = ar_scale * sum of its inputs
+    inputs: list  # W pending fingerprints: this rank's chunk r, r < W
+    output: object = None  # pending fingerprint of the output
     ar_group: tuple[int, ...] = ()  # HSDP: global ranks of the replica all-reduce's group
-    ar_sketch: np.ndarray | None = None  # (k,) the all-reduce's output
-    ar_norm: float = 0.0
-    ar_nonfinite: int = 0
+    ar_output: object = None  # pending fingerprint of the all-reduce's output
+    ar_inputs: tuple[int, ...] = ()  # the calls whose outputs this all-reduce sums (accumulation adds earlier ones)
 
 
-def _reduction(op) -> str | None:
+def _row(fp: core.Fingerprint) -> list[float]:
+    return [*map(float, fp.sketch), float(fp.norm), float(fp.nonfinite)]
+
+
+def _scales(op, group_size: int, param_group) -> tuple[float | None, float]:
+    """``(reduce-scatter scale, all-reduce scale)``: the output is ``scale * sum``.
+
+    FSDP2 (torch's ``_get_gradient_divide_factors``) reduce-scatters with ``AVG``, ``SUM`` (after a
+    pre-division the input already carries) or ``PREMUL_SUM(1 / factor)``, and all-reduces HSDP
+    replicas with ``AVG`` exactly when it reduce-scatters with ``AVG`` and no divide factor is set,
+    else with ``SUM``.
+    """
+    factor = getattr(param_group, "gradient_divide_factor", None)
+    ar_size = 1
+    if getattr(param_group, "_is_hsdp", False):
+        try:
+            ar_size = param_group._all_reduce_process_group.size()
+        except Exception:  # noqa: BLE001 - private API; the all-reduce check then assumes SUM
+            ar_size = 1
     if op == dist.ReduceOp.SUM:
-        return "sum"
+        return 1.0, 1.0
     if op == dist.ReduceOp.AVG:
-        return "mean"
-    return None  # PREMUL_SUM and anything else: the factor is not visible here
+        return 1.0 / group_size, (1.0 / ar_size if factor is None else 1.0)
+    if factor:  # PREMUL_SUM(1 / factor)
+        return 1.0 / float(factor), 1.0
+    return None, 1.0
 
 
 class _CheckedReduceScatter:
-    """The custom reduce-scatter :func:`watch` installs: sketch the input, reduce, sketch the output."""
+    """The custom reduce-scatter :func:`watch` installs for one parameter group."""
 
-    def __init__(self, monitor: "FsdpMonitor", inner) -> None:
+    def __init__(self, monitor: "FsdpMonitor", inner, param_group) -> None:
         self._monitor = monitor
         self._inner = inner
-        self.last = -1  # index of this group's latest call in the step (its all-reduce belongs to it)
+        self._param_group = param_group
+        self.pending: list[int] = []  # this group's calls since its last all-reduce (HSDP accumulation)
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self._inner.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        index = self._monitor._before(input_tensor, group, op)
-        self.last = index
+        index = self._monitor._before(input_tensor, group, _scales(op, group.size(), self._param_group))
+        self.pending.append(index)
         work = self._inner(output_tensor, input_tensor, group, op, async_op)
         if work is not None and async_op:
             work.wait()  # the output is read below; on CUDA this orders the current stream, no host sync
@@ -131,7 +151,11 @@ class _CheckedReduceScatter:
 
 
 class FsdpMonitor:
-    """Per-step numbers of every reduce-scatter on this rank, and the collective check of them."""
+    """Per-step numbers of every reduce-scatter on this rank, and the collective check of them.
+
+    The sketches are started with ``fingerprint_async`` inside the collective's stream and
+    resolved together in :meth:`check`: one device-to-host transfer per step on CUDA (none on CPU).
+    """
 
     def __init__(self, *, sketch_k: int = C.DEFAULT_SKETCH_K, seed: int = C.DEFAULT_SEED, inject: Injector | None = None):
         self._k = sketch_k
@@ -140,47 +164,59 @@ class FsdpMonitor:
         self._lock = threading.Lock()
         self._calls: list[_Call] = []
 
-    def _sketch(self, x: torch.Tensor) -> core.Fingerprint:
-        return core.fingerprint(x, k=self._k, seed=self._seed, with_digest=False)
+    def _sketch(self, x: torch.Tensor):
+        return core.fingerprint_async(x, k=self._k, seed=self._seed, with_digest=False)
 
-    def _before(self, input_tensor: torch.Tensor, group, op) -> int:
-        with self._lock:
+    def _before(self, input_tensor: torch.Tensor, group, scales: tuple[float | None, float]) -> int:
+        ranks = tuple(dist.get_process_group_ranks(group))
+        call = _Call(group=ranks, dtype=str(input_tensor.dtype).removeprefix("torch."), scale=scales[0], ar_scale=scales[1],
+                     inputs=[])
+        with self._lock:  # the slot is reserved before anything reads the input
             index = len(self._calls)
+            self._calls.append(call)
         if self._inject is not None:
             self._inject("local-gradient", index, input_tensor)
-        ranks = tuple(dist.get_process_group_ranks(group))
-        chunks = input_tensor.reshape(-1).chunk(len(ranks))
-        prints = [self._sketch(c) for c in chunks]
-        call = _Call(
-            group=ranks, dtype=str(input_tensor.dtype).removeprefix("torch."), reduction=_reduction(op),
-            in_sketch=np.stack([p.sketch for p in prints]), in_norm=np.array([p.norm for p in prints]),
-            in_nonfinite=np.array([p.nonfinite for p in prints]),
-        )
-        with self._lock:
-            self._calls.append(call)
+        call.inputs = [self._sketch(c) for c in input_tensor.reshape(-1).chunk(len(ranks))]
         return index
 
     def _after(self, index: int, output_tensor: torch.Tensor) -> None:
         if self._inject is not None:
             self._inject("reduce-scatter-output", index, output_tensor)
-        fp = self._sketch(output_tensor)
-        call = self._calls[index]
-        call.out_sketch, call.out_norm, call.out_nonfinite = fp.sketch, fp.norm, fp.nonfinite
+        self._calls[index].output = self._sketch(output_tensor)
 
-    def _after_all_reduce(self, index: int, output: torch.Tensor, group) -> None:
-        if index < 0:
+    def _after_all_reduce(self, checked: _CheckedReduceScatter, output: torch.Tensor, group) -> None:
+        sums, checked.pending = tuple(checked.pending), []
+        if not sums:  # FSDP skipped the reduce-scatter (a shard group of one): nothing to compare with
             return
+        index = sums[-1]
         if self._inject is not None:
             self._inject("all-reduce-output", index, output)
-        fp = self._sketch(output)
         call = self._calls[index]
         call.ar_group = tuple(dist.get_process_group_ranks(group))
-        call.ar_sketch, call.ar_norm, call.ar_nonfinite = fp.sketch, fp.norm, fp.nonfinite
+        call.ar_inputs = sums
+        call.ar_output = self._sketch(output)
+
+    def _numbers(self, calls: list[_Call]) -> list[dict]:
+        """The calls' numbers on the host: one ``resolve`` for every pending sketch of the step."""
+        pending = []
+        for call in calls:
+            pending += call.inputs + [call.output] + ([call.ar_output] if call.ar_output is not None else [])
+        done = iter(core.resolve([p for p in pending if p is not None]))
+        out = []
+        for call in calls:
+            inputs = [_row(next(done)) for _ in call.inputs]
+            output = _row(next(done)) if call.output is not None else None
+            ar_output = _row(next(done)) if call.ar_output is not None else None
+            out.append({"group": list(call.group), "dtype": call.dtype, "scale": call.scale, "ar_scale": call.ar_scale,
+                        "inputs": inputs, "output": output, "ar_group": list(call.ar_group), "ar_output": ar_output,
+                        "ar_inputs": list(call.ar_inputs)})
+        return out
 
     def check(self, step: int, *, policy: str = "return") -> StepCheck:
         """Gathers this step's numbers from every rank and checks every reduce-scatter call.
 
-        Every rank calls it at the same point of every step (it is a collective).
+        Every rank calls it at the same point of every step, after the step's last backward
+        (it is a collective).
 
         Args:
             step: the optimizer step (for the findings and the alarm).
@@ -192,76 +228,98 @@ class FsdpMonitor:
         with self._lock:
             mine, self._calls = self._calls, []
         gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, [dataclasses.asdict(c) for c in mine])
+        dist.all_gather_object(gathered, self._numbers(mine))
         counts = {len(calls) for calls in gathered}
         if len(counts) > 1:
             raise UsageError(f"step {step}: ranks made different numbers of reduce-scatters ({sorted(counts)}): "
                              "call check() at the same point of the step on every rank")
         findings: list[FsdpFinding] = []
-        for index in range(counts.pop() if counts else 0):
-            findings += _check_call(index, {rank: calls[index] for rank, calls in enumerate(gathered)})
-        result = StepCheck(step=step, calls=len(mine), findings=tuple(findings))
+        calls = counts.pop() if counts else 0
+        for index in range(calls):
+            findings += _check_call(index, dict(enumerate(gathered)), self._k)
+        note = ""
+        if not calls and dist.get_world_size() > 1:
+            note = (f"step {step}: no reduce-scatter was seen: check() before backward, a shard group of one, or a comm set "
+                    "after watch() replaced the checked one (call watch() last)")
+        result = StepCheck(step=step, calls=calls, findings=tuple(findings), note=note)
         if policy == "raise" and not result.clean:
             rank = result.suspects[0] if len(result.suspects) == 1 else -1
             raise SdcAlarm("; ".join(result.lines()), step=step, rank=rank, check=result.findings[0].check)
         return result
 
 
-def _check_call(index: int, by_rank: dict[int, dict]) -> list[FsdpFinding]:
-    """Every group's reduce-scatter of call ``index``: NaN/Inf before and after, then the sums."""
+def _split(row: list[float], k: int) -> tuple[np.ndarray, float, int]:
+    return np.asarray(row[:k]), float(row[k]), int(row[k + 1])
+
+
+def _check_call(index: int, all_calls: dict[int, list[dict]], k: int) -> list[FsdpFinding]:
+    """Every group's reduce-scatter of call ``index`` (``all_calls``: every rank's calls of the step):
+    NaN/Inf before and after, then the sums."""
     found = []
-    groups = {tuple(call["group"]) for call in by_rank.values()}
-    for group in sorted(groups):
+    by_rank = {rank: calls[index] for rank, calls in all_calls.items()}
+    for group in sorted({tuple(call["group"]) for call in by_rank.values()}):
         members = [by_rank[r] for r in group]
+        bad_input = False
         for rank, call in zip(group, members):
-            if int(np.sum(call["in_nonfinite"])):
+            count = sum(_split(row, k)[2] for row in call["inputs"])
+            if count:
+                bad_input = True
                 found.append(FsdpFinding("nonfinite-before", rank, index,
-                                         f"{int(np.sum(call['in_nonfinite']))} NaN/Inf in its local gradient before the reduce-scatter"))
-        if any(f.check == "nonfinite-before" and f.call == index and f.rank in group for f in found):
+                                         f"{count} NaN/Inf in its local gradient before the reduce-scatter"))
+        if bad_input:
             continue  # a NaN/Inf input makes every output non-finite: the input's rank is the finding
         for position, (rank, call) in enumerate(zip(group, members)):
-            if call["out_nonfinite"]:
+            sketch, norm, nonfinite = _split(call["output"], k)
+            if nonfinite:
                 found.append(FsdpFinding("nonfinite-after", rank, index,
-                                         f"{call['out_nonfinite']} NaN/Inf in its reduce-scatter output, from finite inputs"))
+                                         f"{nonfinite} NaN/Inf in its reduce-scatter output, from finite inputs"))
                 continue
-            if call["reduction"] is None:
+            if call["scale"] is None:
                 continue
-            local = np.stack([np.asarray(m["in_sketch"])[position] for m in members])  # (W, k)
-            norms = np.array([np.asarray(m["in_norm"])[position] for m in members])  # (W,)
-            residual = float(tolerance.allreduce_residual(local, np.asarray(call["out_sketch"]), call["reduction"]))
-            allowed = float(tolerance.allreduce_tolerance(call["dtype"], norms, np.float64(call["out_norm"]), call["reduction"]))
-            if residual > allowed:
-                found.append(FsdpFinding("reduce-scatter", rank, index,
-                                         f"its output differs from the {call['reduction']} of the ranks' chunks by {residual:.3g} "
-                                         f"(tolerance {allowed:.3g}, {call['dtype']}, W={len(group)})"))
+            chunks = [_split(m["inputs"][position], k) for m in members]
+            finding = _sum_check(np.stack([c[0] for c in chunks]), np.array([c[1] for c in chunks]), call["scale"], sketch, norm,
+                                 call["dtype"])
+            if finding:
+                found.append(FsdpFinding("reduce-scatter", rank, index, f"its output {finding} (W={len(group)})"))
     if not found:
-        found += _check_all_reduce(index, by_rank)
+        found += _check_all_reduce(index, all_calls, k)
     return found
 
 
-def _check_all_reduce(index: int, by_rank: dict[int, dict]) -> list[FsdpFinding]:
-    """HSDP: each replica's all-reduce output against the sum of its replicas' reduce-scatter outputs."""
+def _sum_check(local: np.ndarray, norms: np.ndarray, scale: float, sketch: np.ndarray, norm: float, dtype: str) -> str:
+    """``""`` when ``sketch`` is ``scale * sum(local)`` within the calibrated tolerance, else what differs."""
+    residual = float(tolerance.allreduce_residual(local * scale, sketch, "sum"))
+    allowed = float(tolerance.allreduce_tolerance(dtype, norms * abs(scale), np.float64(norm), "sum"))
+    if residual > allowed:
+        return f"differs from {scale:.4g} x the sum of its inputs by {residual:.3g} (tolerance {allowed:.3g}, {dtype})"
+    return ""
+
+
+def _check_all_reduce(index: int, all_calls: dict[int, list[dict]], k: int) -> list[FsdpFinding]:
+    """HSDP: each replica's all-reduce output against the sum of its replicas' reduce-scatter outputs
+    (every reduce-scatter of the group since its last all-reduce: accumulation with
+    ``set_requires_all_reduce(False)`` adds the earlier ones into the last before the all-reduce)."""
     found = []
-    groups = {tuple(call["ar_group"]) for call in by_rank.values() if call["ar_group"]}
-    for group in sorted(groups):
+    by_rank = {rank: calls[index] for rank, calls in all_calls.items()}
+    for group in sorted({tuple(call["ar_group"]) for call in by_rank.values() if call["ar_group"]}):
         members = [by_rank[r] for r in group]
-        if any(m["ar_sketch"] is None or m["out_sketch"] is None for m in members):
+        if any(m["ar_output"] is None for m in members):
             continue
-        local = np.stack([np.asarray(m["out_sketch"]) for m in members])  # (R, k): the replicas' shards
-        norms = np.array([m["out_norm"] for m in members])
-        # FSDP2 all-reduces with AVG exactly when it reduce-scatters with AVG, else with SUM
-        reduction = "mean" if members[0]["reduction"] == "mean" else "sum"
         for rank, call in zip(group, members):
-            if call["ar_nonfinite"]:
+            sketch, norm, nonfinite = _split(call["ar_output"], k)
+            if nonfinite:
                 found.append(FsdpFinding("nonfinite-after", rank, index,
-                                         f"{call['ar_nonfinite']} NaN/Inf in its replica all-reduce output, from finite shards"))
+                                         f"{nonfinite} NaN/Inf in its replica all-reduce output, from finite shards"))
                 continue
-            residual = float(tolerance.allreduce_residual(local, np.asarray(call["ar_sketch"]), reduction))
-            allowed = float(tolerance.allreduce_tolerance(call["dtype"], norms, np.float64(call["ar_norm"]), reduction))
-            if residual > allowed:
+            rows = [all_calls[r][c]["output"] for r in group for c in by_rank[r]["ar_inputs"]]
+            if not rows or any(row is None for row in rows):
+                continue
+            parts = [_split(row, k) for row in rows]
+            finding = _sum_check(np.stack([p[0] for p in parts]), np.array([p[1] for p in parts]), call["ar_scale"], sketch, norm,
+                                 call["dtype"])
+            if finding:
                 found.append(FsdpFinding("all-reduce", rank, index,
-                                         f"its replica all-reduce output differs from the {reduction} of the replicas' shards by "
-                                         f"{residual:.3g} (tolerance {allowed:.3g}, {call['dtype']}, {len(group)} replicas)"))
+                                         f"its replica all-reduce output {finding} ({len(group)} replicas)"))
     return found
 
 
@@ -283,28 +341,37 @@ def watch(model: torch.nn.Module, *, sketch_k: int = C.DEFAULT_SKETCH_K, seed: i
     if not hasattr(FSDPModule, "set_custom_reduce_scatter"):
         raise UsageError("this torch's FSDP2 has no set_custom_reduce_scatter: the reduce-scatter check cannot be installed "
                          "(torch 2.8 or later has it)")
-    monitor = FsdpMonitor(sketch_k=sketch_k, seed=seed, inject=inject)
-    for module in modules:
+    groups = {}
+    for module in modules:  # fully_shard([a, b]) gives a and b one state: each group is wrapped once
         state = module._get_fsdp_state()
-        for group in getattr(state, "_fsdp_param_groups", None) or ():
-            inner = getattr(group, "_reduce_scatter_comm", None)
-            if isinstance(inner, _CheckedReduceScatter):
-                raise UsageError("this model is already watched: one watch() per model")
-            if inner is None:
-                from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+        found = list(getattr(state, "_fsdp_param_groups", None) or ())
+        if not found and getattr(state, "_fsdp_param_group", None) is not None:  # FSDP2 before multi-group states
+            found = [state._fsdp_param_group]
+        for group in found:
+            groups[id(group)] = group
+    if not groups:
+        raise UsageError("this torch's fully_shard keeps its parameter groups where watch() cannot find them: "
+                         "the reduce-scatter check cannot be installed")
+    monitor = FsdpMonitor(sketch_k=sketch_k, seed=seed, inject=inject)
+    for group in groups.values():
+        inner = getattr(group, "_reduce_scatter_comm", None)
+        if isinstance(inner, _CheckedReduceScatter):
+            raise UsageError("this model is already watched: one watch() per model")
+        if inner is None:
+            from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-                inner = DefaultReduceScatter()
-            checked = _CheckedReduceScatter(monitor, inner)
-            group._reduce_scatter_comm = checked
-            if getattr(group, "_is_hsdp", False):  # the replica all-reduce: checked after it, then the job's hook
-                user_hook = getattr(group, "_all_reduce_hook", None)
-                group._all_reduce_hook = _all_reduce_hook(monitor, checked, group._all_reduce_process_group, user_hook)
+            inner = DefaultReduceScatter()
+        checked = _CheckedReduceScatter(monitor, inner, group)
+        group._reduce_scatter_comm = checked
+        if getattr(group, "_is_hsdp", False):  # the replica all-reduce: checked after it, then the job's hook
+            user_hook = getattr(group, "_all_reduce_hook", None)
+            group._all_reduce_hook = _all_reduce_hook(monitor, checked, group._all_reduce_process_group, user_hook)
     return monitor
 
 
 def _all_reduce_hook(monitor: FsdpMonitor, checked: _CheckedReduceScatter, process_group, user_hook):
     def hook(output: torch.Tensor) -> None:
-        monitor._after_all_reduce(checked.last, output, process_group)
+        monitor._after_all_reduce(checked, output, process_group)
         if user_hook is not None:
             user_hook(output)
     return hook

@@ -131,15 +131,66 @@ def _hsdp(rank: int) -> dict:
     return {"results": results, "user_hook_calls": len(seen_by_user_hook)}
 
 
+def _variants(rank: int) -> dict:
+    """Settings that change what FSDP2 reduces, each run clean for 3 steps: nothing may fire.
+
+    HSDP accumulation without the replica all-reduce on early microbatches (the last adds the
+    earlier reduce-scatters before all-reducing), a gradient divide factor (reduce-scatter AVG,
+    all-reduce SUM on NCCL; SUM with divisions elsewhere), and fully_shard of two modules as one group.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from sdc_forensics.recorder.fsdp_monitor import watch
+
+    out = {}
+    for name in ("hsdp-accumulate", "hsdp-divide-factor", "grouped"):
+        model = _model()
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if name.startswith("hsdp") else None
+        kwargs = {"mesh": mesh} if mesh is not None else {}
+        if name == "grouped":
+            fully_shard([model[0], model[3]], **kwargs)
+        else:
+            for layer in (model[0], model[3]):
+                fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        if name == "hsdp-divide-factor":
+            model.set_gradient_divide_factor(2.0)
+        now = [0]
+
+        def flip_at_step_2(location, call, tensor, name=name, now=now):  # the accumulated all-reduce is checked too
+            if name == "hsdp-accumulate" and now[0] == 2 and location == "all-reduce-output" and rank == 2:
+                with torch.no_grad():
+                    tensor.reshape(-1).view(torch.int32)[0] ^= 1 << 29
+
+        monitor = watch(model, inject=flip_at_step_2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        gen = torch.Generator().manual_seed(rank % 2 if mesh is not None else rank)
+        results = []
+        for step in range(3):
+            now[0] = step
+            for micro in range(2):
+                if name == "hsdp-accumulate":
+                    model.set_requires_all_reduce(micro == 1)
+                model(torch.randn(6, 24, generator=gen)).square().mean().backward()
+            result = monitor.check(step)
+            results.append([result.calls, list(result.suspects), result.lines()])
+            optimizer.step()
+            optimizer.zero_grad()
+        out[name] = results
+    return out
+
+
 def _worker(rank: int, port: int, out: str) -> None:
-    """The three jobs one after another in one process group: one spawn of 4 processes."""
+    """The jobs one after another in one process group: one spawn of 4 processes."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        found = {"fsdp": _fsdp(rank, mixed=False), "mixed": _fsdp(rank, mixed=True), "hsdp": _hsdp(rank)}
+        found = {"fsdp": _fsdp(rank, mixed=False), "mixed": _fsdp(rank, mixed=True), "hsdp": _hsdp(rank),
+                 "variants": _variants(rank)}
     finally:
         dist.destroy_process_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps(found))
@@ -161,3 +212,15 @@ def test_hsdp_the_replica_all_reduce_is_checked_and_a_flipped_output_is_named(fo
     for found in ranks[0]["results"]:
         expected = ([3], ["all-reduce"]) if found["step"] == 1 else ([], [])
         assert (found["suspects"], found["checks"]) == expected, found
+
+
+def test_accumulation_divide_factors_and_grouped_modules_raise_no_false_alarm(found):
+    variants = found[0]["variants"]
+    assert all(f["variants"] == variants for f in found)
+    for name, steps in variants.items():
+        for step, (calls, suspects, lines) in enumerate(steps):
+            assert calls == (4 if name == "grouped" else 6), (name, calls)  # 2 microbatches x the parameter groups
+            if name == "hsdp-accumulate" and step == 2:  # the drill: a flipped all-reduce output on rank 2
+                assert suspects == [2] and "all-reduce" in lines[0], lines
+                continue
+            assert suspects == [] and "clean" in lines[0], (name, lines)
