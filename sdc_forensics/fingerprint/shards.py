@@ -350,7 +350,7 @@ def combine_pieces(parts: Iterable[Piece]) -> Fingerprint:
             low = (low + cj * s) & _MASK64
             high = (high + chj * t) & _MASK64
     digest = core._finish_digest(low, high, merged.num_bytes, seed)
-    return Fingerprint(digest=digest, sketch=merged.sketch, norm=math.sqrt(merged.sumsq) if math.isfinite(merged.sumsq) else math.inf,
+    return Fingerprint(digest=digest, sketch=merged.sketch, norm=float(np.sqrt(merged.sumsq)),  # NaN stays NaN, Inf Inf, as core
                        max_abs=merged.max_abs, nonfinite=merged.nonfinite, numel=merged.numel, lanes=(low, high))
 
 

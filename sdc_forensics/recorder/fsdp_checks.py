@@ -9,10 +9,9 @@ inside any ``fully_shard`` training loop, two lines after ``optimizer.step()``::
     if result.suspects: ...                 # or check_shards(model, policy="raise")
 
 * **HSDP** (a 2-D mesh ``(replicate, shard)``): the ranks of one shard coordinate hold the same
-  shard. Every rank digests its shard of every parameter (``fingerprint/shards.py``: the digest
-  of a piece keyed by parameter and global element index); the digests are gathered, and per
-  shard coordinate and parameter a strict majority across the replicas names the rank whose
-  weights differ. With 2 replicas a difference is detected but not attributed (no majority),
+  shard, whatever the placement. Every rank digests its local shard of every parameter; the
+  digests are gathered, and per parameter, within that parameter's own mesh's replica groups (a
+  model may mix meshes), a strict majority across the replicas names the rank whose weights differ. With 2 replicas a difference is detected but not attributed (no majority),
   and the result says so; with 3 or more the odd one is named.
 * **FSDP** (no replicas of a shard): :func:`check_gathered` all-gathers each parameter (every
   rank then holds the same full tensor), digests it on every rank and votes across all ranks. A
@@ -29,6 +28,7 @@ rank. Both are collective: every rank must call them at the same point.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 
 import numpy as np
@@ -39,6 +39,8 @@ from sdc_forensics.errors import SdcAlarm, UsageError
 from sdc_forensics.fingerprint import constants as C
 from sdc_forensics.fingerprint import core, shards
 from sdc_forensics.trace.consensus import vote
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,8 +139,7 @@ def _vote_groups(table: np.ndarray, names: list[str], groups: list[tuple[int, ..
 
 
 def _finish(result: ShardCheck, policy: str, step: int) -> ShardCheck:
-    if policy not in ("return", "raise"):
-        raise UsageError(f"policy must be 'return' or 'raise', not {policy!r}")
+    _check_policy(policy)
     if policy == "raise" and not result.clean:
         where = f"step {step}: " if step >= 0 else ""
         rank = result.suspects[0] if len(result.suspects) == 1 else -1
@@ -162,27 +163,35 @@ def check_shards(model: torch.nn.Module, *, policy: str = "return", step: int = 
     Returns:
         A :class:`ShardCheck` whose groups are the replicas of each shard coordinate.
     """
+    _check_policy(policy)
     named = _dtensor_params(model)
-    names, row, groups = [], [], set()
-    layout = shards.ParamLayout.of(named)
+    mine = []
     for name, param in named:
-        local, offset = shards.local_piece(param)
+        local = param.to_local()
         if corrupt is not None:
             corrupt(name, local)
-        digest_base, sketch_base = layout.bases(name)
-        piece = shards.fingerprint_piece(local, offset=offset, digest_base=digest_base, sketch_base=sketch_base, seed=seed)
-        names.append(shards.canonical_name(name))
-        row.append(shards.combine_pieces([piece]).digest)
+        # replicas of a shard hold the same local tensor, whatever the placement: its plain digest compares them
         dim = _replicate_dim(param)
-        if dim is not None:
-            mesh = param.device_mesh
-            groups.add(tuple(int(r) for r in _mesh_group(mesh, dim)))
-    table = _gather_table(row)
-    if not groups:
+        group = tuple(int(r) for r in _mesh_group(param.device_mesh, dim)) if dim is not None else ()
+        mine.append((shards.canonical_name(name), core.digest(local, seed), group))
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    names = [name for name, _, _ in mine]
+    table = np.asarray([[d for _, d, _ in rank] for rank in gathered], dtype=np.uint64)  # (W, P)
+    per_param = [sorted({rank[j][2] for rank in gathered if rank[j][2]}) for j in range(len(names))]
+    all_groups = tuple(sorted({g for groups in per_param for g in groups}))
+    if not all_groups:
         return ShardCheck("replicas", (), (), note="no replicate dimension (FSDP, not HSDP): no replica of a shard to "
                                                     "compare; use check_gathered")
-    all_groups = _all_groups(groups)
-    return _finish(ShardCheck("replicas", all_groups, tuple(_vote_groups(table, names, list(all_groups)))), policy, step)
+    found = []
+    for j, groups in enumerate(per_param):  # each parameter is voted within its own mesh's replica groups
+        found += _vote_groups(table[:, [j]], [names[j]], groups)
+    return _finish(ShardCheck("replicas", all_groups, tuple(found)), policy, step)
+
+
+def _check_policy(policy: str) -> None:
+    if policy not in ("return", "raise"):
+        raise UsageError(f"policy must be 'return' or 'raise', not {policy!r}")
 
 
 def _mesh_group(mesh, dim: int) -> list[int]:
@@ -190,13 +199,6 @@ def _mesh_group(mesh, dim: int) -> list[int]:
     coordinate = mesh.get_coordinate()
     index = [slice(None) if d == dim else coordinate[d] for d in range(mesh.ndim)]
     return mesh.mesh[tuple(index)].reshape(-1).tolist()
-
-
-def _all_groups(local_groups: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
-    """Every rank's groups (each rank sees only its own; the vote needs them all)."""
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, sorted(local_groups))
-    return tuple(sorted({tuple(g) for groups in gathered for g in groups}))
 
 
 def check_gathered(model: torch.nn.Module, *, policy: str = "return", step: int = -1, seed: int = C.DEFAULT_SEED,
@@ -210,6 +212,7 @@ def check_gathered(model: torch.nn.Module, *, policy: str = "return", step: int 
     Returns:
         A :class:`ShardCheck` with one group, every rank.
     """
+    _check_policy(policy)
     named = _dtensor_params(model)
     names, row = [], []
     for name, param in named:
@@ -244,32 +247,43 @@ def sharded_state_digests(state, *, seed: int = C.DEFAULT_SEED) -> dict[str, str
     from sdc_forensics.trace.checkpoints import hex64
 
     flat = flatten_state(state)
-    mine: dict[str, list | None] = {}
+    mine: dict[str, list] = {}
     for key, tensor in flat.items():
         if hasattr(tensor, "device_mesh"):
             local, offset = shards.local_piece(tensor)
-            mine[key] = [offset, local.numel(), shards.fingerprint_piece(local, offset=offset, seed=seed).to_json()]
+            mine[key] = ["piece", offset, local.numel(), shards.fingerprint_piece(local, offset=offset, seed=seed).to_json()]
         else:
-            mine[key] = None
+            mine[key] = ["whole", hex64(core.digest(tensor, seed))]
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
-    out = {}
-    for key, tensor in flat.items():
-        if mine[key] is None:
-            out[key] = hex64(core.digest(tensor, seed))
+    out, differ = {}, []
+    for key in flat:
+        if mine[key][0] == "whole":  # every rank holds it whole: the ranks must agree for a digest to stand
+            values = {theirs[key][1] for theirs in gathered}
+            if len(values) == 1:
+                out[key] = values.pop()
+            else:
+                differ.append(key)
             continue
         pieces: dict[tuple[int, int], tuple[int, dict]] = {}
         for rank, theirs in enumerate(gathered):
-            offset, numel, piece = theirs[key]
+            _, offset, numel, piece = theirs[key]
             if not numel:
                 continue
             held = pieces.setdefault((offset, numel), (rank, piece))
-            if held[1] != piece:
+            if _exact(held[1]) != _exact(piece):  # the digest's terms, not floats (NaN != NaN)
                 raise SdcAlarm(f"{key}: ranks {held[0]} and {rank} hold elements {offset}..{offset + numel - 1} differently "
                                "(replicas of one shard must be equal)", step=-1, rank=-1, check="replicas")
         parts = [shards.Piece.from_json(piece) for _, piece in pieces.values()]
         out[key] = hex64(shards.combine_pieces(parts).digest if parts else core.digest(torch.empty(0), seed))
+    if differ:
+        log.warning("not digested: %d plain tensor(s) differ across ranks (each rank saves its own; DCP keeps one): %s",
+                    len(differ), ", ".join(differ[:5]) + (" ..." if len(differ) > 5 else ""))
     return out
+
+
+def _exact(piece: dict) -> tuple:
+    return (tuple(piece["lanes"]), tuple(sorted((k, tuple(v)) for k, v in piece["edges"].items())), piece["num_bytes"], piece["numel"])
 
 
 def sharded_weights_digest(model: torch.nn.Module, *, seed: int = C.DEFAULT_SEED) -> int:

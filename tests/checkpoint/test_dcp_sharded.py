@@ -45,6 +45,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         optimizer.step()
         state = {"model": model.state_dict()}
         noted = sharded_state_digests(state)
+        plain = sharded_state_digests({"same": torch.ones(3), "per_rank": torch.full((2,), float(rank))})
         dcp.save(state, checkpoint_id=str(Path(out, "fsdp4")))
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -61,7 +62,8 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
     if rank == 0:
         torch.save(full, Path(out, "full.pt"))
-        Path(out, "noted.json").write_text(json.dumps({"fsdp4": noted, "hsdp2x2": resaved, "weights_at_step_0": str(at_step_0)}))
+        Path(out, "noted.json").write_text(json.dumps({"fsdp4": noted, "hsdp2x2": resaved, "weights_at_step_0": str(at_step_0),
+                                                       "plain": plain}))
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +83,14 @@ def test_the_job_digests_equal_the_full_tensors_digests(job):
     full = torch.load(job / "full.pt", weights_only=True)
     assert noted["fsdp4"] == {f"model.{k}": hex64(core.digest(v)) for k, v in full.items()}
     assert noted["hsdp2x2"] == noted["fsdp4"]  # another sharding, the same digests
+
+
+def test_a_plain_tensor_is_digested_when_every_rank_holds_the_same_and_left_out_when_they_differ(job):
+    from sdc_forensics.fingerprint import core
+    from sdc_forensics.trace.checkpoints import hex64
+
+    plain = json.loads((job / "noted.json").read_text())["plain"]
+    assert plain == {"same": hex64(core.digest(torch.ones(3)))}
 
 
 def test_at_step_0_the_fsdp2_job_has_the_weights_digest_a_ddp_job_records(job):

@@ -54,6 +54,19 @@ def test_the_pieces_of_a_tensor_however_cut_combine_to_its_fingerprint(dtype, n)
             assert got.max_abs == whole.max_abs
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_pieces_at_layout_offsets_combine_to_the_kernels_own_lanes_and_sketch(dtype):
+    """Against core.fingerprint with both block offsets directly, not only pieces against pieces."""
+    t = _values(dtype, 9000, torch.Generator().manual_seed(4))
+    d, s = 37, 11  # a parameter that starts at digest block 37 and sketch block 11 of the layout
+    direct = core.fingerprint(t, digest_block_offset=d, block_offset=s)
+    cuts = [0, 1, 2500, 4097, 9000]
+    got = shards.combine_pieces(shards.fingerprint_piece(t[a:b], offset=a, digest_base=d, sketch_base=s)
+                                for a, b in zip(cuts, cuts[1:]))
+    assert got.lanes == direct.lanes
+    assert np.max(np.abs(got.sketch - direct.sketch)) <= _sketch_bound(t)
+
+
 def test_every_cut_point_of_a_bfloat16_tensor_gives_the_same_digest():
     """16-bit elements at odd offsets split a 32-bit word of the digest between two pieces."""
     t = _values(torch.bfloat16, 4099, torch.Generator().manual_seed(1))

@@ -90,6 +90,16 @@ def _worker(rank: int, port: int, out: str) -> None:
         except SdcAlarm as alarm:
             found["hsdp3_raise"] = [str(alarm), alarm.rank, alarm.step]
 
+        from torch.distributed.fsdp import fully_shard
+
+        mixed = _model()  # blocks on an HSDP mesh, the root's parameters on the 1-D world mesh
+        hsdp_mesh = init_device_mesh("cpu", (3, 2), mesh_dim_names=("replicate", "shard"))
+        for layer in (mixed[0], mixed[3]):
+            fully_shard(layer, mesh=hsdp_mesh)
+        fully_shard(mixed)
+        _train_step(mixed, 0)
+        found["mixed_meshes"] = _summary(check_shards(mixed))
+
         two = _sharded(init_device_mesh("cpu", (2, 3), mesh_dim_names=("replicate", "shard")))
         _train_step(two, 0)
         found["hsdp2_bad"] = _summary(check_shards(two, corrupt=_flip(rank, 1, "2.bias")))
@@ -135,6 +145,12 @@ def test_hsdp_with_three_replicas_names_the_replica_whose_shard_flipped(found):
     assert bad["disagreements"] == [["3.weight", [0, 2, 4], [4], True]]
     message, rank, step = f["hsdp3_raise"]
     assert rank == 4 and step == 7 and "step 7" in message and "rank 4" in message
+
+
+def test_a_model_mixing_meshes_votes_each_parameter_within_its_own_mesh(found):
+    mixed = found[0]["mixed_meshes"]
+    assert mixed["clean"], mixed["lines"]  # the root's 1-D shards are not compared across HSDP replicas
+    assert sorted(map(sorted, mixed["groups"])) == [[0, 2, 4], [1, 3, 5]]
 
 
 def test_hsdp_with_two_replicas_detects_and_blames_nobody(found):
