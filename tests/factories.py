@@ -383,6 +383,36 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _gloo_job_worker(rank: int, fn, world: int, port: int, out: str, args: tuple) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        result = fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def gloo_job(fn, world: int, out: Path, *args) -> list:
+    """Runs ``fn(rank, *args)`` on ``world`` spawned processes joined in one gloo process group
+    (a free port, 1 CPU thread each); returns what each returned (JSON), by rank. ``fn`` must be
+    a module-level function of an importable module (the children import it)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_gloo_job_worker, args=(fn, world, free_port(), str(out), args), nprocs=world, start_method="spawn")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
 def ddp_mean(buffers: Sequence[np.ndarray]) -> np.ndarray:
     """DDP's average of float32 gradient buckets: every rank's bucket times ``1/W`` (in float32),
     then :func:`gloo_ring_sum`."""

@@ -4,7 +4,6 @@ checkpoint loaded into an HSDP 2 x 2 job and re-saved with that other sharding (
 
 from __future__ import annotations
 
-import datetime
 import json
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.factories import free_port
+from tests.factories import gloo_job
 
 WORLD = 4
 
@@ -23,43 +22,36 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(13, 70), torch.nn.ReLU(), torch.nn.LayerNorm(70), torch.nn.Linear(70, 3))
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    import torch.distributed as dist
+def _job(rank: int, out: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from sdc_forensics.recorder.fsdp_checks import sharded_state_digests, sharded_weights_digest
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        model = _model()
-        for layer in (model[0], model[3]):
-            fully_shard(layer)
-        fully_shard(model)
-        at_step_0 = sharded_weights_digest(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
-        model(torch.randn(5, 13, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
-        optimizer.step()
-        state = {"model": model.state_dict()}
-        noted = sharded_state_digests(state)
-        plain = sharded_state_digests({"same": torch.ones(3), "per_rank": torch.full((2,), float(rank))})
-        dcp.save(state, checkpoint_id=str(Path(out, "fsdp4")))
+    model = _model()
+    for layer in (model[0], model[3]):
+        fully_shard(layer)
+    fully_shard(model)
+    at_step_0 = sharded_weights_digest(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    model(torch.randn(5, 13, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
+    optimizer.step()
+    state = {"model": model.state_dict()}
+    noted = sharded_state_digests(state)
+    plain = sharded_state_digests({"same": torch.ones(3), "per_rank": torch.full((2,), float(rank))})
+    dcp.save(state, checkpoint_id=str(Path(out, "fsdp4")))
 
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        other = _model()
-        for layer in (other[0], other[3]):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(other, mesh=mesh)
-        again = {"model": other.state_dict()}
-        dcp.load(again, checkpoint_id=str(Path(out, "fsdp4")))  # resharded on load
-        resaved = sharded_state_digests(again)
-        dcp.save(again, checkpoint_id=str(Path(out, "hsdp2x2")))
-        full = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    other = _model()
+    for layer in (other[0], other[3]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(other, mesh=mesh)
+    again = {"model": other.state_dict()}
+    dcp.load(again, checkpoint_id=str(Path(out, "fsdp4")))  # resharded on load
+    resaved = sharded_state_digests(again)
+    dcp.save(again, checkpoint_id=str(Path(out, "hsdp2x2")))
+    full = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
     if rank == 0:
         torch.save(full, Path(out, "full.pt"))
         Path(out, "noted.json").write_text(json.dumps({"fsdp4": noted, "hsdp2x2": resaved, "weights_at_step_0": str(at_step_0),
@@ -68,10 +60,8 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> Path:
-    import torch.multiprocessing as mp
-
     out = tmp_path_factory.mktemp("dcp_sharded")
-    mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=WORLD, start_method="spawn")
+    gloo_job(_job, WORLD, out / "ranks", str(out))
     return out
 
 

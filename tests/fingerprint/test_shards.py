@@ -3,17 +3,15 @@ cut (FSDP2's uneven ``Shard(0)``, DDP buckets, fewer devices), the pieces combin
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from sdc_forensics.fingerprint import core, shards
-from tests.factories import free_port
+from tests.factories import gloo_job
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.uint8)
 
@@ -202,30 +200,17 @@ def _fsdp_pieces(world: int, hsdp: bool) -> list:
     return gathered
 
 
-def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        found = {"fsdp4": _fsdp_pieces(world, hsdp=False), "hsdp2x2": _fsdp_pieces(world, hsdp=True)}
-    finally:
-        dist.destroy_process_group()
-    if rank == 0:
-        Path(out).write_text(json.dumps(found))
+def _fsdp_job(rank: int, world: int) -> dict:
+    return {"fsdp4": _fsdp_pieces(world, hsdp=False), "hsdp2x2": _fsdp_pieces(world, hsdp=True)}
 
 
 def test_fully_shard_pieces_on_every_rank_combine_to_the_single_process_fingerprint(tmp_path):
     """FSDP over 4 ranks, and HSDP 2 x 2 (each replica's shards; the same shard in both replicas)."""
-    import torch.multiprocessing as mp
-
-    out = tmp_path / "pieces.json"
-    mp.start_processes(_fsdp_worker, args=(4, free_port(), str(out)), nprocs=4, start_method="spawn")
+    found = gloo_job(_fsdp_job, 4, tmp_path, 4)[0]
     model = _model()
     layout = shards.ParamLayout.of(model.named_parameters())
     whole = shards.combine_pieces(shards.model_pieces(model.named_parameters(), layout).values())
-    for job, gathered in json.loads(out.read_text()).items():
+    for job, gathered in found.items():
         per_rank = [{n: shards.Piece.from_json(p) for n, p in rank.items()} for rank in gathered]
         replicas = [[0, 1], [2, 3]] if job == "hsdp2x2" else [[0, 1, 2, 3]]
         for group in replicas:  # HSDP: each replica's shards make the whole model

@@ -4,9 +4,6 @@ run before each optimizer step of a torchtitan-shaped trainer around a real ``fu
 
 from __future__ import annotations
 
-import datetime
-import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +11,7 @@ import torch
 
 from sdc_forensics.errors import UsageError
 from sdc_forensics.integrations import torchtitan as sdc
-from tests.factories import free_port
+from tests.factories import gloo_job
 
 WORLD = 4
 
@@ -48,54 +45,44 @@ def test_a_model_that_is_not_fully_sharded_is_refused():
         sdc.watch(_trainer())  # a plain Linear: torchtitan's replicate() or no data parallelism
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    import torch.distributed as dist
+def _job(rank: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     from sdc_forensics.errors import SdcAlarm
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
     found = {}
-    try:
-        for policy in ("return", "raise"):
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.ReLU(), torch.nn.Linear(48, 4))
-            fully_shard(model[0])
-            fully_shard(model)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            trainer = _trainer(model_parts=[model], optimizers=optimizer)
+    for policy in ("return", "raise"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.ReLU(), torch.nn.Linear(48, 4))
+        fully_shard(model[0])
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        trainer = _trainer(model_parts=[model], optimizers=optimizer)
 
-            def inject(location, call, tensor, trainer=trainer):
-                if trainer.step == 2 and rank == 1 and location == "reduce-scatter-output" and call == 0:
-                    with torch.no_grad():
-                        tensor.reshape(-1).view(torch.int32)[0] ^= 1 << 29
+        def inject(location, call, tensor, trainer=trainer):
+            if trainer.step == 2 and rank == 1 and location == "reduce-scatter-output" and call == 0:
+                with torch.no_grad():
+                    tensor.reshape(-1).view(torch.int32)[0] ^= 1 << 29
 
-            sdc.watch(trainer, policy=policy, inject=inject)
-            gen = torch.Generator().manual_seed(rank)
-            alarm = None
-            for step in range(1, 4):  # torchtitan's loop: step += 1, then train_step
-                trainer.step = step
-                trainer.optimizers.zero_grad()
-                model(torch.randn(4, 16, generator=gen)).square().mean().backward()
-                try:
-                    trainer.optimizers.step()
-                except SdcAlarm as raised:
-                    alarm = [raised.step, raised.rank, raised.check]
-                    break
-            found[policy] = {"results": [[step, [list(r.suspects) for r in results]] for step, results in trainer.sdc_results],
-                             "alarm": alarm}
-    finally:
-        dist.destroy_process_group()
-    Path(out, f"rank{rank}.json").write_text(json.dumps(found))
+        sdc.watch(trainer, policy=policy, inject=inject)
+        gen = torch.Generator().manual_seed(rank)
+        alarm = None
+        for step in range(1, 4):  # torchtitan's loop: step += 1, then train_step
+            trainer.step = step
+            trainer.optimizers.zero_grad()
+            model(torch.randn(4, 16, generator=gen)).square().mean().backward()
+            try:
+                trainer.optimizers.step()
+            except SdcAlarm as raised:
+                alarm = [raised.step, raised.rank, raised.check]
+                break
+        found[policy] = {"results": [[step, [list(r.suspects) for r in results]] for step, results in trainer.sdc_results],
+                         "alarm": alarm}
+    return found
 
 
 def test_the_checks_run_before_each_optimizer_step_and_name_the_faulty_rank(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    ranks = gloo_job(_job, WORLD, tmp_path)
     assert all(r == ranks[0] for r in ranks)
     returned = ranks[0]["return"]
     assert returned["alarm"] is None

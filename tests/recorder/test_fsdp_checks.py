@@ -4,14 +4,12 @@ blame (2 replicas); a rank that gathers a parameter wrong is named among all ran
 
 from __future__ import annotations
 
-import datetime
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.factories import free_port
+from tests.factories import gloo_job
 
 WORLD = 6
 
@@ -54,67 +52,57 @@ def _summary(result) -> dict:
             "disagreements": [[d.param, list(d.group), list(d.suspects), d.attributed] for d in result.disagreements]}
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    import torch.distributed as dist
+def _job(rank: int, out: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from sdc_forensics.errors import SdcAlarm
     from sdc_forensics.recorder.fsdp_checks import check_gathered, check_shards
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
     found = {}
+    fsdp = _sharded()  # 1-D: no replicas of a shard
+    from sdc_forensics.errors import UsageError
+    from sdc_forensics.recorder.recorder import Recorder
+
     try:
-        fsdp = _sharded()  # 1-D: no replicas of a shard
-        from sdc_forensics.errors import UsageError
-        from sdc_forensics.recorder.recorder import Recorder
+        Recorder(Path(out, f"trace{rank}"), fsdp, torch.optim.SGD(fsdp.parameters(), lr=0.1))
+        found["recorder"] = None
+    except UsageError as refusal:
+        found["recorder"] = [str(refusal), Path(out, f"trace{rank}").exists()]
+    _train_step(fsdp, rank)
+    found["fsdp_shards"] = _summary(check_shards(fsdp))
+    found["fsdp_gathered_clean"] = _summary(check_gathered(fsdp))
+    found["fsdp_gathered_bad"] = _summary(check_gathered(fsdp, corrupt=_flip(rank, 3, "0.weight")))
 
-        try:
-            Recorder(Path(out, f"trace{rank}"), fsdp, torch.optim.SGD(fsdp.parameters(), lr=0.1))
-            found["recorder"] = None
-        except UsageError as refusal:
-            found["recorder"] = [str(refusal), Path(out, f"trace{rank}").exists()]
-        _train_step(fsdp, rank)
-        found["fsdp_shards"] = _summary(check_shards(fsdp))
-        found["fsdp_gathered_clean"] = _summary(check_gathered(fsdp))
-        found["fsdp_gathered_bad"] = _summary(check_gathered(fsdp, corrupt=_flip(rank, 3, "0.weight")))
+    three = _sharded(init_device_mesh("cpu", (3, 2), mesh_dim_names=("replicate", "shard")))
+    _train_step(three, 0)  # every replica must see the same data to stay equal
+    found["hsdp3_clean"] = _summary(check_shards(three))
+    found["hsdp3_bad"] = _summary(check_shards(three, corrupt=_flip(rank, 4, "3.weight")))
+    try:
+        check_shards(three, policy="raise", step=7)  # rank 4's shard is still flipped
+        found["hsdp3_raise"] = None
+    except SdcAlarm as alarm:
+        found["hsdp3_raise"] = [str(alarm), alarm.rank, alarm.step]
 
-        three = _sharded(init_device_mesh("cpu", (3, 2), mesh_dim_names=("replicate", "shard")))
-        _train_step(three, 0)  # every replica must see the same data to stay equal
-        found["hsdp3_clean"] = _summary(check_shards(three))
-        found["hsdp3_bad"] = _summary(check_shards(three, corrupt=_flip(rank, 4, "3.weight")))
-        try:
-            check_shards(three, policy="raise", step=7)  # rank 4's shard is still flipped
-            found["hsdp3_raise"] = None
-        except SdcAlarm as alarm:
-            found["hsdp3_raise"] = [str(alarm), alarm.rank, alarm.step]
+    from torch.distributed.fsdp import fully_shard
 
-        from torch.distributed.fsdp import fully_shard
+    mixed = _model()  # blocks on an HSDP mesh, the root's parameters on the 1-D world mesh
+    hsdp_mesh = init_device_mesh("cpu", (3, 2), mesh_dim_names=("replicate", "shard"))
+    for layer in (mixed[0], mixed[3]):
+        fully_shard(layer, mesh=hsdp_mesh)
+    fully_shard(mixed)
+    _train_step(mixed, 0)
+    found["mixed_meshes"] = _summary(check_shards(mixed))
 
-        mixed = _model()  # blocks on an HSDP mesh, the root's parameters on the 1-D world mesh
-        hsdp_mesh = init_device_mesh("cpu", (3, 2), mesh_dim_names=("replicate", "shard"))
-        for layer in (mixed[0], mixed[3]):
-            fully_shard(layer, mesh=hsdp_mesh)
-        fully_shard(mixed)
-        _train_step(mixed, 0)
-        found["mixed_meshes"] = _summary(check_shards(mixed))
-
-        two = _sharded(init_device_mesh("cpu", (2, 3), mesh_dim_names=("replicate", "shard")))
-        _train_step(two, 0)
-        found["hsdp2_bad"] = _summary(check_shards(two, corrupt=_flip(rank, 1, "2.bias")))
-    finally:
-        dist.destroy_process_group()
-    Path(out, f"rank{rank}.json").write_text(json.dumps(found))
+    two = _sharded(init_device_mesh("cpu", (2, 3), mesh_dim_names=("replicate", "shard")))
+    _train_step(two, 0)
+    found["hsdp2_bad"] = _summary(check_shards(two, corrupt=_flip(rank, 1, "2.bias")))
+    return found
 
 
 @pytest.fixture(scope="module")
 def found(tmp_path_factory) -> list[dict]:
-    import torch.multiprocessing as mp
-
     out = tmp_path_factory.mktemp("fsdp_checks")
-    mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=WORLD, start_method="spawn")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return gloo_job(_job, WORLD, out, str(out))
 
 
 def test_every_rank_reaches_the_same_result(found):

@@ -6,14 +6,11 @@ consistently and passes, as the module says."""
 
 from __future__ import annotations
 
-import datetime
-import json
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.factories import free_port
+from tests.factories import gloo_job
 
 WORLD = 4
 STEPS = 6
@@ -181,28 +178,14 @@ def _variants(rank: int) -> dict:
     return out
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _job(rank: int) -> dict:
     """The jobs one after another in one process group: one spawn of 4 processes."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        found = {"fsdp": _fsdp(rank, mixed=False), "mixed": _fsdp(rank, mixed=True), "hsdp": _hsdp(rank),
-                 "variants": _variants(rank)}
-    finally:
-        dist.destroy_process_group()
-    Path(out, f"rank{rank}.json").write_text(json.dumps(found))
+    return {"fsdp": _fsdp(rank, mixed=False), "mixed": _fsdp(rank, mixed=True), "hsdp": _hsdp(rank), "variants": _variants(rank)}
 
 
 @pytest.fixture(scope="module")
 def found(tmp_path_factory) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("fsdp_monitor")
-    mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=WORLD, start_method="spawn")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return gloo_job(_job, WORLD, tmp_path_factory.mktemp("fsdp_monitor"))
 
 
 def test_hsdp_the_replica_all_reduce_is_checked_and_a_flipped_output_is_named(found):
