@@ -157,28 +157,37 @@ def judge(fault: dict | None, fired: dict) -> str:
     return "exact" if at == [fault["rank"]] and len(fired) >= 1 and min(int(s) for s in fired) == fault["step"] else "detected"
 
 
+def run(faults: int, clean: int, seed: int) -> tuple[list[dict | None], list[dict] | None]:
+    """``(trials, what fired in each)`` of a campaign; ``None`` for the second when ranks disagree."""
+    import torch.multiprocessing as mp
+
+    here = Path(__file__).resolve()
+    for path in (str(here.parents[1]), str(here.parent)):  # the children import this module by name
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    from tests.factories import free_port
+
+    trials = plan(faults, clean, seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_path = Path(tmp, "plan.json")
+        plan_path.write_text(json.dumps(trials))
+        mp.start_processes(_worker, args=(free_port(), str(plan_path), tmp), nprocs=WORLD, start_method="spawn")
+        per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return trials, (per_rank[0] if all(r == per_rank[0] for r in per_rank) else None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--faults", type=int, default=120)
     parser.add_argument("--clean", type=int, default=10)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
-    import torch.multiprocessing as mp
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.factories import free_port
-
-    trials = plan(args.faults, args.clean, args.seed)
     started = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        plan_path = Path(tmp, "plan.json")
-        plan_path.write_text(json.dumps(trials))
-        mp.start_processes(_worker, args=(free_port(), str(plan_path), tmp), nprocs=WORLD, start_method="spawn")
-        per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(WORLD)]
-    if any(r != per_rank[0] for r in per_rank):
+    trials, fired = run(args.faults, args.clean, args.seed)
+    if fired is None:
         print("fsdp_campaign: ranks disagree on a result (the checks must decide together)", file=sys.stderr)
         return 1
-    outcomes = [judge(f, fired) for f, fired in zip(trials, per_rank[0])]
+    outcomes = [judge(f, seen) for f, seen in zip(trials, fired)]
     by_location: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     by_bits: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for fault, outcome in zip(trials, outcomes):

@@ -49,6 +49,7 @@ HEAVY = (
     "tests/recorder/test_fsdp_checks.py",
     "tests/checkpoint/test_dcp_sharded.py",
     "tests/recorder/test_fsdp_monitor.py",
+    "tests/recorder/test_fsdp_campaign.py",
     "tests/integrations/test_torchtitan.py::test_the_checks_run_before_each_optimizer_step_and_name_the_faulty_rank",
 )
 
