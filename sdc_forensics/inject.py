@@ -48,6 +48,9 @@ LOCATIONS = ("grad", "allreduce", "allreduce-all", "weights", "update", "input",
 #: Locations whose flip is not one rank's: the collective's result on every rank, and the
 #: checkpoint file (flipped by whichever rank saves it). ``rank`` is ignored for them.
 EVERY_RANK_LOCATIONS = frozenset({"allreduce-all", "checkpoint-file"})
+#: Where the FSDP2 online checks' drills flip (``recorder/fsdp_monitor.py``): this rank's local
+#: gradient before the reduce-scatter, its reduce-scatter output, its HSDP replica all-reduce output.
+FSDP_LOCATIONS = ("local-gradient", "reduce-scatter-output", "all-reduce-output")
 _SYNTAX = "LOCATION:step=S:rank=R:bit=B[:element=I]"
 
 
@@ -71,8 +74,8 @@ class FaultSpec:
     element: int | None = None
 
     def __post_init__(self) -> None:
-        if self.location not in LOCATIONS:
-            raise UsageError(f"unknown fault location {self.location!r}; use one of {', '.join(LOCATIONS)}")
+        if self.location not in LOCATIONS + FSDP_LOCATIONS:
+            raise UsageError(f"unknown fault location {self.location!r}; use one of {', '.join(LOCATIONS + FSDP_LOCATIONS)}")
         if self.step < 0:
             raise UsageError(f"fault step must be >= 0, got {self.step}")
         if self.rank < 0:
@@ -107,14 +110,17 @@ class FaultSpec:
         return int(C.splitmix64(np.array([key], dtype=np.uint64))[0] % np.uint64(numel))
 
 
-def parse_spec(text: str) -> FaultSpec:
-    """Parse ``LOCATION:step=S:rank=R:bit=B[:element=I]``; raises :class:`UsageError` if malformed."""
+def parse_spec(text: str, locations: tuple[str, ...] = LOCATIONS) -> FaultSpec:
+    """Parse ``LOCATION:step=S:rank=R:bit=B[:element=I]``; raises :class:`UsageError` if malformed.
+
+    ``locations``: the ones allowed (the DDP recorder's by default; ``fsdp_monitor`` passes its own).
+    """
     parts = [p.strip() for p in str(text).strip().split(":")]
     if len(parts) < 2 or not parts[0]:
         raise UsageError(f"fault spec {text!r} is not of the form {_SYNTAX} (e.g. grad:step=12:rank=1:bit=30)")
     location, fields = parts[0].lower(), {}
-    if location not in LOCATIONS:
-        raise UsageError(f"fault spec {text!r}: unknown location {location!r}; use one of {', '.join(LOCATIONS)}")
+    if location not in locations:
+        raise UsageError(f"fault spec {text!r}: unknown location {location!r}; use one of {', '.join(locations)}")
     for part in parts[1:]:
         key, sep, value = part.partition("=")
         key = key.strip().lower()

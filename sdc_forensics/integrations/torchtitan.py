@@ -66,7 +66,8 @@ def watch(trainer, *, policy: str = "return", weights_every: int = 1, inject=Non
         trainer: torchtitan's ``Trainer``, built (its model parts ``fully_shard``-ed).
         policy: ``"return"`` (results in ``trainer.sdc_results``) or ``"raise"``.
         weights_every: run the weights check every this many steps (0: never).
-        inject: fault drills, as :func:`sdc_forensics.recorder.fsdp_monitor.watch`'s.
+        inject: fault drills, as :func:`sdc_forensics.recorder.fsdp_monitor.watch`'s (specs count
+            torchtitan's steps).
 
     Returns:
         The :class:`~sdc_forensics.recorder.fsdp_monitor.FsdpMonitor` of the model part.
@@ -81,7 +82,8 @@ def watch(trainer, *, policy: str = "return", weights_every: int = 1, inject=Non
     if weights_every < 0:
         raise UsageError(f"weights_every must be >= 0, not {weights_every}")
     model = trainer.model_parts[0]
-    monitor = fsdp_monitor.watch(model, inject=inject)
+    # torchtitan counts steps from 1 and adds one before each train_step: the next is trainer.step + 1
+    monitor = fsdp_monitor.watch(model, inject=inject, start_step=int(getattr(trainer, "step", 0)) + 1)
     replicated = any(_replicated(p) for p in model.parameters())
     optimizers = trainer.optimizers
     step_optimizers = optimizers.step

@@ -44,6 +44,10 @@ import torch.distributed as dist
 from sdc_forensics.errors import SdcAlarm, UsageError
 from sdc_forensics.fingerprint import constants as C
 from sdc_forensics.fingerprint import core, tolerance
+from sdc_forensics.inject import FSDP_LOCATIONS
+
+#: The locations a fault drill can hit (``watch(model, inject=["reduce-scatter-output:step=2:rank=1:bit=29"])``).
+LOCATIONS = FSDP_LOCATIONS
 
 #: A fault drill: ``inject(location, call_index, tensor)`` may change ``tensor`` in place;
 #: locations ``"local-gradient"`` (the input, before it is read), ``"reduce-scatter-output"``
@@ -157,10 +161,12 @@ class FsdpMonitor:
     resolved together in :meth:`check`: one device-to-host transfer per step on CUDA (none on CPU).
     """
 
-    def __init__(self, *, sketch_k: int = C.DEFAULT_SKETCH_K, seed: int = C.DEFAULT_SEED, inject: Injector | None = None):
+    def __init__(self, *, sketch_k: int = C.DEFAULT_SKETCH_K, seed: int = C.DEFAULT_SEED, inject: Injector | None = None,
+                 start_step: int = 0):
         self._k = sketch_k
         self._seed = seed
         self._inject = inject
+        self.step = start_step  # the step the reduce-scatters now running belong to: the last checked + 1
         self._lock = threading.Lock()
         self._calls: list[_Call] = []
 
@@ -242,6 +248,7 @@ class FsdpMonitor:
             note = (f"step {step}: no reduce-scatter was seen: check() before backward, a shard group of one, or a comm set "
                     "after watch() replaced the checked one (call watch() last)")
         result = StepCheck(step=step, calls=calls, findings=tuple(findings), note=note)
+        self.step = step + 1
         if policy == "raise" and not result.clean:
             rank = result.suspects[0] if len(result.suspects) == 1 else -1
             raise SdcAlarm("; ".join(result.lines()), step=step, rank=rank, check=result.findings[0].check)
@@ -323,9 +330,28 @@ def _check_all_reduce(index: int, all_calls: dict[int, list[dict]], k: int) -> l
     return found
 
 
+def spec_injector(specs, monitor_step: Callable[[], int]) -> Injector:
+    """A drill from fault specs ``LOCATION:step=S:rank=R:bit=B[:element=I]`` (``LOCATIONS``; the
+    first reduce-scatter of the step, the element 0 unless given), as the DDP recorder's ``--inject``."""
+    from sdc_forensics.inject import flip_bit_, parse_spec
+
+    parsed = [parse_spec(text, LOCATIONS) for text in ([specs] if isinstance(specs, str) else specs)]
+    rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def inject(location: str, call: int, tensor: torch.Tensor) -> None:
+        for spec in parsed:
+            if spec.location == location and spec.rank == rank and spec.step == monitor_step() and call == 0:
+                flat = tensor.reshape(-1)
+                flip_bit_(flat, (spec.element or 0) % flat.numel(), spec.bit)
+    return inject
+
+
 def watch(model: torch.nn.Module, *, sketch_k: int = C.DEFAULT_SKETCH_K, seed: int = C.DEFAULT_SEED,
-          inject: Injector | None = None) -> FsdpMonitor:
+          inject=None, start_step: int = 0) -> FsdpMonitor:
     """Installs the checked reduce-scatter on every ``fully_shard`` module of ``model``.
+
+    ``inject``: fault drills, a callable (:data:`Injector`) or fault specs (:func:`spec_injector`);
+    ``start_step``: the step of the first reduce-scatters (a resumed job's), which the specs count from.
 
     Wraps the comm each module's parameter group already has (the default, or one the job set
     with ``set_custom_reduce_scatter``). Refuses, in one line, a model without ``fully_shard``
@@ -352,7 +378,10 @@ def watch(model: torch.nn.Module, *, sketch_k: int = C.DEFAULT_SKETCH_K, seed: i
     if not groups:
         raise UsageError("this torch's fully_shard keeps its parameter groups where watch() cannot find them: "
                          "the reduce-scatter check cannot be installed")
-    monitor = FsdpMonitor(sketch_k=sketch_k, seed=seed, inject=inject)
+    monitor = FsdpMonitor(sketch_k=sketch_k, seed=seed, start_step=start_step)
+    if inject is not None and not callable(inject):
+        inject = spec_injector(inject, lambda: monitor.step)
+    monitor._inject = inject
     for group in groups.values():
         inner = getattr(group, "_reduce_scatter_comm", None)
         if isinstance(inner, _CheckedReduceScatter):

@@ -178,9 +178,31 @@ def _variants(rank: int) -> dict:
     return out
 
 
+def _spec(rank: int) -> list:
+    """A drill given as a fault spec, as the DDP recorder's --inject takes them."""
+    from torch.distributed.fsdp import fully_shard
+
+    from sdc_forensics.recorder.fsdp_monitor import watch
+
+    model = _model()
+    fully_shard(model[0])
+    fully_shard(model)
+    monitor = watch(model, inject=["reduce-scatter-output:step=1:rank=3:bit=29"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(rank)
+    suspects = []
+    for step in range(3):
+        model(torch.randn(6, 24, generator=gen)).square().mean().backward()
+        suspects.append(list(monitor.check(step).suspects))
+        optimizer.step()
+        optimizer.zero_grad()
+    return suspects
+
+
 def _job(rank: int) -> dict:
     """The jobs one after another in one process group: one spawn of 4 processes."""
-    return {"fsdp": _fsdp(rank, mixed=False), "mixed": _fsdp(rank, mixed=True), "hsdp": _hsdp(rank), "variants": _variants(rank)}
+    return {"fsdp": _fsdp(rank, mixed=False), "mixed": _fsdp(rank, mixed=True), "hsdp": _hsdp(rank), "variants": _variants(rank),
+            "spec": _spec(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -207,3 +229,16 @@ def test_accumulation_divide_factors_and_grouped_modules_raise_no_false_alarm(fo
                 assert suspects == [2] and "all-reduce" in lines[0], lines
                 continue
             assert suspects == [] and "clean" in lines[0], (name, lines)
+
+
+def test_a_fault_spec_drill_is_named_at_its_step_and_rank(found):
+    assert all(f["spec"] == [[], [3], []] for f in found)
+
+
+def test_a_fault_spec_at_a_location_the_monitor_does_not_have_is_refused_in_one_line():
+    from sdc_forensics.errors import UsageError
+    from sdc_forensics.recorder.fsdp_monitor import LOCATIONS, spec_injector
+
+    with pytest.raises(UsageError, match="unknown location 'grad'.*reduce-scatter-output"):
+        spec_injector(["grad:step=1:rank=0:bit=3"], lambda: 0)
+    assert "all-reduce-output" in LOCATIONS
