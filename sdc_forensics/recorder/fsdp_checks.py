@@ -59,10 +59,12 @@ class Disagreement:
     group: tuple[int, ...]
     suspects: tuple[int, ...]
     attributed: bool
+    where: tuple[str, ...] = ()  # per suspect: host, device and mesh coordinates (:func:`rank_place`)
 
     def line(self) -> str:
         if self.attributed:
-            who = ", ".join(f"rank {r}" for r in self.suspects)
+            places = self.where or ("",) * len(self.suspects)
+            who = ", ".join(f"rank {r}" + (f" ({w})" if w else "") for r, w in zip(self.suspects, places))
             return f"{self.param}: {who} differ from the majority of ranks {list(self.group)}"
         return (f"{self.param}: ranks {list(self.group)} disagree and no strict majority exists "
                 f"({len(self.group)} copies: detected, not attributed)")
@@ -97,6 +99,24 @@ class ShardCheck:
         return [d.line() for d in self.disagreements] or [self.note or f"{self.kind}: every group agrees"]
 
 
+def rank_place(model: torch.nn.Module | None = None) -> str:
+    """Where this rank runs, for a finding's line: ``host H, DEVICE[, mesh dim=coordinate ...]``."""
+    import socket
+
+    device, mesh = "cpu", None
+    for param in (model.parameters() if model is not None else ()):
+        device = str(param.device)
+        mesh = getattr(param, "device_mesh", None)
+        break
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    text = f"host {socket.gethostname()}, {device}"
+    if mesh is not None and mesh.get_coordinate() is not None:
+        names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+        text += ", mesh " + " ".join(f"{n}={c}" for n, c in zip(names, mesh.get_coordinate()))
+    return text
+
+
 def _dtensor_params(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     named = list(model.named_parameters())
     plain = [name for name, p in named if not hasattr(p, "device_mesh")]
@@ -114,13 +134,13 @@ def _replicate_dim(param: torch.Tensor) -> int | None:
     return None
 
 
-def _gather_table(row: list[int]) -> np.ndarray:
+def _gather_table(row: list[int], place: str) -> tuple[np.ndarray, list[str]]:
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, row)
-    return np.asarray(gathered, dtype=np.uint64)  # (W, P)
+    dist.all_gather_object(gathered, [place, row])
+    return np.asarray([r for _, r in gathered], dtype=np.uint64), [p for p, _ in gathered]  # (W, P), (W,)
 
 
-def _vote_groups(table: np.ndarray, names: list[str], groups: list[tuple[int, ...]]) -> list[Disagreement]:
+def _vote_groups(table: np.ndarray, names: list[str], groups: list[tuple[int, ...]], places: list[str]) -> list[Disagreement]:
     found = []
     for group in groups:
         if len(group) < 2:
@@ -134,7 +154,8 @@ def _vote_groups(table: np.ndarray, names: list[str], groups: list[tuple[int, ..
             if majority is None:
                 found.append(Disagreement(name, group, (), False))
             else:
-                found.append(Disagreement(name, group, tuple(r for r, v in zip(group, column) if v != majority), True))
+                suspects = tuple(r for r, v in zip(group, column) if v != majority)
+                found.append(Disagreement(name, group, suspects, True, tuple(places[r] for r in suspects)))
     return found
 
 
@@ -175,7 +196,9 @@ def check_shards(model: torch.nn.Module, *, policy: str = "return", step: int = 
         group = tuple(int(r) for r in _mesh_group(param.device_mesh, dim)) if dim is not None else ()
         mine.append((shards.canonical_name(name), core.digest(local, seed), group))
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+    dist.all_gather_object(gathered, [rank_place(model), mine])
+    places = [place for place, _ in gathered]
+    gathered = [rows for _, rows in gathered]
     names = [name for name, _, _ in mine]
     table = np.asarray([[d for _, d, _ in rank] for rank in gathered], dtype=np.uint64)  # (W, P)
     per_param = [sorted({rank[j][2] for rank in gathered if rank[j][2]}) for j in range(len(names))]
@@ -185,7 +208,7 @@ def check_shards(model: torch.nn.Module, *, policy: str = "return", step: int = 
                                                     "compare; use check_gathered")
     found = []
     for j, groups in enumerate(per_param):  # each parameter is voted within its own mesh's replica groups
-        found += _vote_groups(table[:, [j]], [names[j]], groups)
+        found += _vote_groups(table[:, [j]], [names[j]], groups, places)
     return _finish(ShardCheck("replicas", all_groups, tuple(found)), policy, step)
 
 
@@ -223,9 +246,9 @@ def check_gathered(model: torch.nn.Module, *, policy: str = "return", step: int 
         names.append(shards.canonical_name(name))
         row.append(core.digest(full, seed))
         del full
-    table = _gather_table(row)
+    table, places = _gather_table(row, rank_place(model))
     group = tuple(range(dist.get_world_size()))
-    return _finish(ShardCheck("gathered", (group,), tuple(_vote_groups(table, names, [group]))), policy, step)
+    return _finish(ShardCheck("gathered", (group,), tuple(_vote_groups(table, names, [group], places))), policy, step)
 
 
 def sharded_state_digests(state, *, seed: int = C.DEFAULT_SEED) -> dict[str, str]:

@@ -63,9 +63,11 @@ class FsdpFinding:
     rank: int
     call: int
     detail: str
+    where: str = ""  # host, device and mesh coordinates of the rank (``fsdp_checks.rank_place``)
 
     def line(self, step: int) -> str:
-        return f"step {step}, reduce-scatter {self.call}: rank {self.rank}: {self.detail}"
+        where = f" ({self.where})" if self.where else ""
+        return f"step {step}, reduce-scatter {self.call}: rank {self.rank}{where}: {self.detail}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +169,8 @@ class FsdpMonitor:
         self._seed = seed
         self._inject = inject
         self.step = start_step  # the step the reduce-scatters now running belong to: the last checked + 1
+        self.place = ""  # this rank's host, device and mesh coordinates (set by watch)
+        self._places: list[str] | None = None  # every rank's, gathered at the first check
         self._lock = threading.Lock()
         self._calls: list[_Call] = []
 
@@ -234,7 +238,10 @@ class FsdpMonitor:
         with self._lock:
             mine, self._calls = self._calls, []
         gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, self._numbers(mine))
+        dist.all_gather_object(gathered, [self.place if self._places is None else None, self._numbers(mine)])
+        if self._places is None:
+            self._places = [place for place, _ in gathered]
+        gathered = [numbers for _, numbers in gathered]
         counts = {len(calls) for calls in gathered}
         if len(counts) > 1:
             raise UsageError(f"step {step}: ranks made different numbers of reduce-scatters ({sorted(counts)}): "
@@ -247,6 +254,7 @@ class FsdpMonitor:
         if not calls and dist.get_world_size() > 1:
             note = (f"step {step}: no reduce-scatter was seen: check() before backward, a shard group of one, or a comm set "
                     "after watch() replaced the checked one (call watch() last)")
+        findings = [dataclasses.replace(f, where=self._places[f.rank]) for f in findings]
         result = StepCheck(step=step, calls=calls, findings=tuple(findings), note=note)
         self.step = step + 1
         if policy == "raise" and not result.clean:
@@ -378,7 +386,10 @@ def watch(model: torch.nn.Module, *, sketch_k: int = C.DEFAULT_SKETCH_K, seed: i
     if not groups:
         raise UsageError("this torch's fully_shard keeps its parameter groups where watch() cannot find them: "
                          "the reduce-scatter check cannot be installed")
+    from sdc_forensics.recorder.fsdp_checks import rank_place
+
     monitor = FsdpMonitor(sketch_k=sketch_k, seed=seed, start_step=start_step)
+    monitor.place = rank_place(model)
     if inject is not None and not callable(inject):
         inject = spec_injector(inject, lambda: monitor.step)
     monitor._inject = inject

@@ -7,6 +7,8 @@ consistently and passes, as the module says."""
 from __future__ import annotations
 
 
+import socket
+
 import pytest
 import torch
 
@@ -80,7 +82,7 @@ def test_faults_in_the_reduce_scatter_and_nan_gradients_are_named_at_their_step_
         found = by_step[step]
         if step == 2:
             assert found["suspects"] == [1] and found["checks"] == ["reduce-scatter"], found
-            assert "rank 1" in found["lines"][0] and "step 2" in found["lines"][0]
+            assert "step 2" in found["lines"][0] and f"rank 1 (host {socket.gethostname()}, cpu" in found["lines"][0]
         elif step == 3:
             assert found["suspects"] == [2] and found["checks"] == ["nonfinite-before"], found
         else:  # clean steps, and step 4's finite local-gradient flip (summed consistently: replay's case)
