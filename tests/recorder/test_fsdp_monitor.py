@@ -6,7 +6,6 @@ consistently and passes, as the module says."""
 
 from __future__ import annotations
 
-
 import socket
 
 import pytest
