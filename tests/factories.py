@@ -36,6 +36,7 @@ from sdc_forensics.trace.checkpoints import CheckpointNote, hex64, write_checkpo
 from sdc_forensics.trace.manifest import Attempt, FingerprintSettings, Manifest, RankIdentity, write_manifest
 from sdc_forensics.trace.synthetic import PlantedFault, write_synthetic_trace
 from sdc_forensics.trace.writer import RankTraceWriter
+from sdc_forensics.demo import forked
 
 # torch is imported inside the builders that need it: traces stay numpy-only.
 
@@ -405,11 +406,9 @@ def gloo_job(fn, world: int, out: Path, *args) -> list:
     a module-level function of an importable module (the children import it)."""
     import json
 
-    import torch.multiprocessing as mp
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_gloo_job_worker, args=(fn, world, free_port(), str(out), args), nprocs=world, start_method="spawn")
+    forked.start(_gloo_job_worker, (fn, world, free_port(), str(out), args), world)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 

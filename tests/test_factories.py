@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.factories import Fault, ddp_mean, free_port, gloo_ring_chunks, gloo_ring_sum
+from sdc_forensics.demo import forked
 
 #: Buffer sizes: less than one element per segment, sizes where a 16-byte cut and gloo's cut
 #: differ (5, 6, 14, 4096, ...), the demo recipe's gradient (26 122), and 10 MB: more than two
@@ -65,9 +66,7 @@ def _gloo_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_gloo_ring_reference_equals_a_real_gloo_all_reduce_bit_for_bit(tmp_path, world_size):
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_gloo_worker, args=(world_size, free_port(), str(tmp_path)), nprocs=world_size, start_method="spawn")
+    forked.start(_gloo_worker, (world_size, free_port(), str(tmp_path)), world_size)
     hashes = [np.load(tmp_path / f"hashes-{r}.npy") for r in range(world_size)]
     assert all((h == hashes[0]).all() for h in hashes), "ranks got different results"
     for numel in SIZES:

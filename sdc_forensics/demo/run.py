@@ -30,6 +30,7 @@ from pathlib import Path
 
 from sdc_forensics import recipe as recipe_mod
 from sdc_forensics.errors import SdcError, UsageError
+from sdc_forensics.demo import forked
 from sdc_forensics.demo.targets import check_injections
 from sdc_forensics.inject import FaultSpec, parse_specs
 from sdc_forensics.newfile import write_atomic
@@ -306,12 +307,9 @@ def _free_port() -> int:
 
 def _launch(config: DemoConfig) -> tuple[int | None, ...]:
     """Run the ranks; their exit codes (each 0 or the alarm exit code, unless it raises)."""
-    import torch.multiprocessing as mp
-
     port = _free_port()
-    # A fork server imports torch once and forks the ranks from it: ~2 s instead of W imports.
-    mp.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", "sdc_forensics.demo.run", "sdc_forensics.recorder"])
-    context = mp.start_processes(_worker, args=(config, port), nprocs=config.world_size, join=False, start_method="forkserver")
+    # the ranks fork from a server that imported torch, torch._dynamo and the kernels once
+    context = forked.start(_worker, (config, port), config.world_size, join=False)
     try:
         failed = _wait(context.processes, time.monotonic() + config.timeout_s, config.timeout_s)
     finally:
@@ -319,7 +317,6 @@ def _launch(config: DemoConfig) -> tuple[int | None, ...]:
             if process.is_alive():
                 process.kill()
             process.join(timeout=10)
-        _stop_forkserver()
     if config.kill_rank is not None:
         # a planned kill: the others then fail on a collective or are ended here; what
         # matters is that the armed rank died of its SIGKILL
@@ -376,16 +373,6 @@ def _failure_text(context, index: int) -> str:
             return f"rank {index}: {lines[-1].strip()}"
     code = context.processes[index].exitcode
     return f"rank {index} " + (f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}")
-
-
-def _stop_forkserver() -> None:
-    """Stop the fork server so that nothing of the demo outlives it (private API, best effort)."""
-    from multiprocessing import forkserver
-
-    stop = getattr(forkserver._forkserver, "_stop", None)
-    if stop is not None:
-        with contextlib.suppress(Exception):
-            stop()
 
 
 def _collect(config: DemoConfig, wall_s: float) -> DemoResult:

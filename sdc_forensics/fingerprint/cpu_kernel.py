@@ -208,6 +208,20 @@ def partials(values: np.ndarray, dtype_name: str, *, k: int, seed: int, block_of
     return Partials(lanes=(int(lanes[0]), int(lanes[1])), sketch=sketch, sumsq=float(sumsq), max_abs=max_abs, nonfinite=nonfinite)
 
 
+def warm_up(dtype_names=("float32", "bfloat16", "float64")) -> bool:
+    """Compile (or load from numba's cache) the loops for these dtypes on numpy zeros: no torch
+    operator runs, so a fork server may call this before it forks (``demo/_preload.py``).
+    ``False`` where the kernel is not available."""
+    if not available()[0]:
+        return False
+    for name in dtype_names:
+        dtype = np.uint16 if name in ("bfloat16", "float16") else np.dtype(name)
+        partials(np.zeros(C.BLOCK_ELEMS + 1, dtype=dtype), name, k=C.DEFAULT_SKETCH_K, seed=C.DEFAULT_SEED, block_offset=0,
+                 with_digest=True)
+    digest_lanes(np.zeros(8, dtype=np.uint8))
+    return True
+
+
 @functools.lru_cache(maxsize=16)
 def _alpha(k: int, seed: int) -> np.ndarray:
     return C.sketch_in_block_signs(k, seed).astype(np.float64)

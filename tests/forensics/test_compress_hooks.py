@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from sdc_forensics.cli.main import cli
 from sdc_forensics.replay import env
 from tests.factories import free_port
+from sdc_forensics.demo import forked
 
 pytestmark = pytest.mark.slow
 
@@ -64,10 +65,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, dtype_name: str
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_the_replay_reproduces_torch_s_compress_hook_on_gloo_bit_for_bit(tmp_path, dtype):
-    import torch.multiprocessing as mp
-
     world_size = 3
-    mp.start_processes(_worker, args=(world_size, free_port(), str(tmp_path), dtype), nprocs=world_size, start_method="spawn")
+    forked.start(_worker, (world_size, free_port(), str(tmp_path), dtype), world_size)
     buckets = sorted({p.name.split("-b")[1] for p in tmp_path.glob("r0-b*.pt")})
     assert len(buckets) > 1
     compress = getattr(torch, dtype)

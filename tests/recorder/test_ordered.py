@@ -11,6 +11,7 @@ import torch
 from sdc_forensics.replay import env as replay_env
 from sdc_forensics.reduction import ordered_mean
 from tests.factories import free_port
+from sdc_forensics.demo import forked
 
 SIZES = (1, 7, 1000, 10 * 2**20 // 4)  # 1 element .. 10 MB of float32
 
@@ -118,10 +119,7 @@ def _ddp_worker(rank: int, world_size: int, port: int, out_dir: str, dtype_name:
 @pytest.mark.parametrize("world_size,dtype,with_hook", [(3, "float32", False), (4, "float32", True), (3, "bfloat16", False),
                                                         (2, "float16", False)])
 def test_every_rank_receives_what_the_replay_computes(tmp_path, world_size, dtype, with_hook):
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_ddp_worker, args=(world_size, free_port(), str(tmp_path), dtype, with_hook), nprocs=world_size,
-                       start_method="spawn")
+    forked.start(_ddp_worker, (world_size, free_port(), str(tmp_path), dtype, with_hook), world_size)
     buckets = sorted({p.name.split("-b")[1] for p in tmp_path.glob("r0-b*.pt")})
     assert len(buckets) > 1
     for bucket in buckets:

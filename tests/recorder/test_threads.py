@@ -22,6 +22,7 @@ from sdc_forensics.trace.manifest import read_manifest
 from sdc_forensics.trace.reader import Trace, step_threads
 from sdc_forensics.trace.synthetic import write_synthetic_trace
 from tests.factories import num_threads
+from sdc_forensics.demo import forked
 
 NUM_STEPS = 6
 # (S, R) the count each rank sets before its step: rank 0 sets 1 only after building the recorder
@@ -136,10 +137,8 @@ def _worker(rank: int, trace_dir: str, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_ddp_ranks_record_their_own_threads_per_step_and_warn_at_the_change(tmp_path):
-    import torch.multiprocessing as mp
-
     trace_dir = tmp_path / "trace"
-    mp.start_processes(_worker, args=(str(trace_dir), _free_port(), str(tmp_path)), nprocs=PLAN.shape[1], start_method="spawn")
+    forked.start(_worker, (str(trace_dir), _free_port(), str(tmp_path)), PLAN.shape[1])
     trace = Trace.open(trace_dir)
     assert trace.damage() == []
     window = next(trace.step_windows())

@@ -1,0 +1,13 @@
+"""Imported by the fork server of :mod:`sdc_forensics.demo.forked`, once, before it forks the ranks.
+
+Loads what every rank would otherwise load by itself: ``torch._dynamo`` (which ``torch.optim``
+imports on a process's first optimizer) and the fingerprint kernels from numba's cache. No torch
+operator runs here, so no intra-op thread pool exists when the ranks are forked.
+"""
+
+import importlib
+
+from sdc_forensics.fingerprint import cpu_kernel
+
+importlib.import_module("torch._dynamo")
+cpu_kernel.warm_up()
