@@ -15,9 +15,9 @@ import pytest
 
 from tests import factories
 
-#: The slowest tests (10-90 s each on 2 cores: torchrun launches, several recorded runs, the
+#: The slowest tests (5-50 s each on 2 cores: torchrun launches, several recorded runs, the
 #: Triton interpreter), marked ``heavy``: the README's test command leaves them out to stay near
-#: 10 minutes, and ``.ci/run`` runs them right after it (``python -m pytest -q -m heavy``).
+#: 4 minutes, and ``.ci/run`` runs them right after it (``python -m pytest -q -m heavy``).
 #: Node-id prefixes, so that one line covers a folder, a file or a test.
 HEAVY = (
     "tests/distributed/",
@@ -51,11 +51,6 @@ HEAVY = (
     "tests/recorder/test_fsdp_monitor.py",
     "tests/recorder/test_fsdp_campaign.py",
     "tests/integrations/test_torchtitan.py::test_the_checks_run_before_each_optimizer_step_and_name_the_faulty_rank",
-    # the four slowest of the README command (9-21 s each), moved to keep it near 8 minutes
-    "tests/cli/test_first_hour.py::test_exit_status_does_not_depend_on_stderr_being_a_closed_pipe",
-    "tests/forensics/test_rng_recipes.py::test_a_step_that_depends_on_the_global_rng_is_never_judged[global-rng]",
-    "tests/cli/test_logs_and_pipes.py::test_certify_exit_codes_answer_where_to_resume",
-    "tests/forensics/test_follow.py::test_sigterm_stops_the_follower_cleanly",
 )
 
 
