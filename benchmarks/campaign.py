@@ -62,6 +62,9 @@ any checkpoint after 0 clean::
 
     python benchmarks/campaign.py --faults 21 --clean 10 --steps 8 --checkpoint-every 4 --tolerant-threads 0 \
         --comm-hook sdc_forensics.demo.hooks:reversed_mean --reduction native    # then --reduction ordered
+
+Over 400 lines on purpose: the plan, the run, the judge and the tally of one campaign share its row
+format; the scoring tests (tests/demo/test_campaign.py) load this one file.
 """
 
 from __future__ import annotations

@@ -34,6 +34,9 @@ checkpoint statuses, seconds.
 
 ``--replay-threads 0`` omits ``--threads`` (replay at the recorded count: the bitwise control).
 Runs go ``--jobs`` at a time (at most 2; each run is a subprocess of this script).
+
+Over 400 lines on purpose: one campaign (plan, runs, judge, tally) whose parts share the row
+format; split, the scoring rules would be read apart from the rows they score.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@
   arguments per session.
 * Files: :func:`tree_sha256`, :func:`write_safetensors_raw`, :func:`flip_byte`,
   :func:`zip_member_offset`.
+
+Over 400 lines on purpose: every builder the suite shares, in one module that the fixtures wrap
+(tests/conftest.py); one file is where a test's author looks for them.
 """
 
 from __future__ import annotations

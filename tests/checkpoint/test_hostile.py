@@ -1,6 +1,9 @@
 """Hostile checkpoints and certificates (issue #9): each crash site found by mutation ends in one
 line on stderr and exit 3 (unreadable or invalid input), never a traceback or exit 1, and the
-input is left unchanged. One test per site, each building its file in ``tmp_path``."""
+input is left unchanged. One test per site, each building its file in ``tmp_path``.
+
+Over 400 lines on purpose: one list of hostile checkpoint files, each a few lines, read as a catalogue.
+"""
 
 from __future__ import annotations
 

@@ -17,6 +17,9 @@ it to :func:`hostile_call`, which asserts the contract of issue #9 in-process:
   hook watches ``open``, ``os.open``, ``os.remove``...), and every file is byte-identical after.
 
 Timings and counts per input kind go to :data:`STATS`, which ``benchmarks/fuzz.py`` prints.
+
+Over 400 lines on purpose: the mutators and the one rule every command must keep under them
+(one line, a documented exit code, nothing written), together.
 """
 
 from __future__ import annotations
