@@ -3,7 +3,7 @@
 Each launch starts ``W`` ranks that do what the demo's ranks do before their first step: join a
 gloo process group, build a small model and its SGD optimizer (``torch.optim`` imports
 ``torch._dynamo`` on a process's first optimizer), fingerprint a gradient (numba loads the
-kernels), then leave. Three ways, alternating, ``--reps`` launches each, in one run:
+kernels), then leave. Four ways, alternating, ``--reps`` launches each, in one run:
 
 * ``spawn``: ``torch.multiprocessing.start_processes(..., start_method="spawn")``, each rank
   importing everything itself (what the tests' gloo jobs did);

@@ -9,5 +9,11 @@ import importlib
 
 from sdc_forensics.fingerprint import cpu_kernel
 
-importlib.import_module("torch._dynamo")
-cpu_kernel.warm_up()
+# Best effort: the fork server survives only an ImportError in its preload list, and a server
+# that died would fail every launch; a rank then loads what failed here itself, as a spawned
+# one would (and a broken numba cache falls back to the torch path in that rank, as it says).
+try:
+    importlib.import_module("torch._dynamo")
+    cpu_kernel.warm_up()
+except Exception:  # noqa: BLE001 - nothing here may stop the server
+    pass

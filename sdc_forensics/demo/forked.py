@@ -9,7 +9,9 @@ launches several runs (a test session, a campaign) pays it once (``benchmarks/be
 The server is kept for the next launch only while the environment is the one it started with:
 its children inherit the server's ``os.environ`` and what torch, numba and this package read from
 it at import, so a changed variable (``OMP_NUM_THREADS``, ``NUMBA_*``, ``SDC_FORENSICS_*``) starts a
-new server. The server ends with the process that started it (multiprocessing's own rule).
+new server. The server exits once the process that started it and every rank it forked have
+exited; torch's parent-death signal of a rank then points at the server, so a rank of a launcher
+that was killed runs on until its own collective times out (the demo's ranks have a timeout).
 """
 
 from __future__ import annotations
