@@ -404,3 +404,35 @@ def model_pieces(named: Iterable[tuple[str, torch.Tensor]], layout: ParamLayout,
         out[canonical_name(name)] = fingerprint_piece(values, offset=offset, digest_base=digest_base, sketch_base=sketch_base,
                                                       k=k, seed=seed)
     return out
+
+
+def fingerprint_runs(runs: Iterable[tuple[torch.Tensor, int]], *, k: int = C.DEFAULT_SKETCH_K,
+                     seed: int = C.DEFAULT_SEED) -> Fingerprint:
+    """The fingerprint of the elements a rank holds of one flat vector: ``runs`` are ``(values,
+    index of the first in the vector)``, disjoint.
+
+    A sharded job's per-rank gradient and weights fingerprints (``recorder/fsdp_recorder.py``)
+    and the replay's recomputation of them (``replay/compare.py``) are this one function of the
+    same elements at the same places, so they are equal bit for bit when the elements are; the
+    runs of all ranks of a replica together give ``core.fingerprint`` of the whole vector's
+    digest and sketch (:func:`combine_pieces`).
+    """
+    parts = [fingerprint_piece(values, offset=offset, k=k, seed=seed) for values, offset in runs]
+    return combine_pieces(parts or [_empty(k, seed)])
+
+
+def shard_runs(tensors: Iterable[torch.Tensor], shard: int, num_shards: int) -> list[tuple[torch.Tensor, int]]:
+    """The runs a rank holding shard ``shard`` of ``num_shards`` holds of ``tensors`` (whole, in
+    order, one flat vector; FSDP2's ``Shard(0)`` cut, ``trace/mesh.shard_rows``): the replay's
+    recomputation of a sharded job's per-rank fingerprints (:func:`fingerprint_runs`)."""
+    from sdc_forensics.trace.mesh import shard_rows
+
+    runs, offset = [], 0
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1)
+        rows = tensor.shape[0] if tensor.dim() else 1
+        per_row = flat.numel() // rows if rows else 0
+        first, stop = shard_rows(rows, shard, num_shards)
+        runs.append((flat[first * per_row : stop * per_row], offset + first * per_row))
+        offset += flat.numel()
+    return runs

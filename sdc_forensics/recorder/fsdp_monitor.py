@@ -152,7 +152,7 @@ class _CheckedReduceScatter:
         return self._inner.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        index = self._monitor._before(input_tensor, group, _scales(op, group.size(), self._param_group))
+        index = self._monitor._before(input_tensor, group, _scales(op, group.size(), self._param_group), self._param_group)
         self.pending.append(index)
         work = self._inner(output_tensor, input_tensor, group, op, async_op)
         if work is not None and async_op:
@@ -182,7 +182,7 @@ class FsdpMonitor:
     def _sketch(self, x: torch.Tensor):
         return core.fingerprint_async(x, k=self._k, seed=self._seed, with_digest=False)
 
-    def _before(self, input_tensor: torch.Tensor, group, scales: tuple[float | None, float]) -> int:
+    def _before(self, input_tensor: torch.Tensor, group, scales: tuple[float | None, float], param_group=None) -> int:
         ranks = tuple(dist.get_process_group_ranks(group))
         call = _Call(group=ranks, dtype=str(input_tensor.dtype).removeprefix("torch."), scale=scales[0], ar_scale=scales[1],
                      inputs=[])
@@ -370,18 +370,38 @@ def watch(model: torch.nn.Module, *, sketch_k: int = C.DEFAULT_SKETCH_K, seed: i
     with ``set_custom_reduce_scatter``). Refuses, in one line, a model without ``fully_shard``
     modules and a torch whose FSDP2 has no ``set_custom_reduce_scatter`` (checked by feature).
     """
+    require_fsdp2(model, "watch()")
+    from sdc_forensics.recorder.fsdp_checks import rank_place
+
+    monitor = FsdpMonitor(sketch_k=sketch_k, seed=seed, start_step=start_step)
+    monitor.place = rank_place(model)
+    if inject is not None and not callable(inject):
+        inject = spec_injector(inject, lambda: monitor.step)
+    monitor._inject = inject
+    install(model, monitor)
+    return monitor
+
+
+def require_fsdp2(model: torch.nn.Module, what: str) -> None:
+    """Refuse, in one line, a model without ``fully_shard`` modules and a torch whose FSDP2 has no
+    ``set_custom_reduce_scatter`` (checked by feature, not version)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch without FSDP2
         raise UsageError("this torch has no FSDP2 (torch.distributed.fsdp.FSDPModule): the FSDP checks need it") from None
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not modules:
-        raise UsageError("no fully_shard module in this model: call fully_shard on it (and its blocks) before watch()")
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise UsageError(f"no fully_shard module in this model: call fully_shard on it (and its blocks) before {what}")
     if not hasattr(FSDPModule, "set_custom_reduce_scatter"):
         raise UsageError("this torch's FSDP2 has no set_custom_reduce_scatter: the reduce-scatter check cannot be installed "
                          "(torch 2.8 or later has it)")
+
+
+def param_groups(model: torch.nn.Module) -> list:
+    """Every FSDP2 parameter group of ``model`` once (``fully_shard([a, b])`` gives a and b one state)."""
+    from torch.distributed.fsdp import FSDPModule
+
     groups = {}
-    for module in modules:  # fully_shard([a, b]) gives a and b one state: each group is wrapped once
+    for module in (m for m in model.modules() if isinstance(m, FSDPModule)):
         state = module._get_fsdp_state()
         found = list(getattr(state, "_fsdp_param_groups", None) or ())
         if not found and getattr(state, "_fsdp_param_group", None) is not None:  # FSDP2 before multi-group states
@@ -391,18 +411,19 @@ def watch(model: torch.nn.Module, *, sketch_k: int = C.DEFAULT_SKETCH_K, seed: i
     if not groups:
         raise UsageError("this torch's fully_shard keeps its parameter groups where watch() cannot find them: "
                          "the reduce-scatter check cannot be installed")
-    from sdc_forensics.recorder.fsdp_checks import rank_place
+    return list(groups.values())
 
-    monitor = FsdpMonitor(sketch_k=sketch_k, seed=seed, start_step=start_step)
-    monitor.place = rank_place(model)
-    if inject is not None and not callable(inject):
-        inject = spec_injector(inject, lambda: monitor.step)
-    monitor._inject = inject
-    for group in groups.values():
+
+def install(model: torch.nn.Module, monitor: FsdpMonitor, comm=None) -> None:
+    """Put ``monitor``'s checked reduce-scatter on every parameter group of ``model``, around the
+    comm the group has (or ``comm``, which replaces it: the recorder's ordered reduce-scatter)."""
+    for group in param_groups(model):
         inner = getattr(group, "_reduce_scatter_comm", None)
         if isinstance(inner, _CheckedReduceScatter):
-            raise UsageError("this model is already watched: one watch() per model")
-        if inner is None:
+            raise UsageError("this model is already watched: one watch() (or Recorder) per model")
+        if comm is not None:
+            inner = comm
+        elif inner is None:
             from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
             inner = DefaultReduceScatter()
@@ -411,7 +432,6 @@ def watch(model: torch.nn.Module, *, sketch_k: int = C.DEFAULT_SKETCH_K, seed: i
         if getattr(group, "_is_hsdp", False):  # the replica all-reduce: checked after it, then the job's hook
             user_hook = getattr(group, "_all_reduce_hook", None)
             group._all_reduce_hook = _all_reduce_hook(monitor, checked, group._all_reduce_process_group, user_hook)
-    return monitor
 
 
 def _all_reduce_hook(monitor: FsdpMonitor, checked: _CheckedReduceScatter, process_group, user_hook):

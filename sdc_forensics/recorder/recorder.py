@@ -61,7 +61,7 @@ import torch.distributed as dist
 from sdc_forensics.errors import SdcAlarm, SdcError, UsageError
 from sdc_forensics.fingerprint import core as fp_core
 from sdc_forensics.fingerprint.core import Fingerprint, PendingFingerprint, combine_digests, digests, warm_up
-from sdc_forensics.inject import FaultSpec, Injector, parse_spec
+from sdc_forensics.inject import LOCATIONS, FaultSpec, Injector, parse_spec
 from sdc_forensics.recorder import checks, ordered, records
 from sdc_forensics.recorder.audit import AuditOutcome, OwnResult, inexact_reason, run_audit
 from sdc_forensics.recorder.checkpointing import CheckpointSite, save_checkpoint
@@ -113,6 +113,12 @@ def _is_fully_sharded(model) -> bool:
     except ImportError:  # pragma: no cover - torch without FSDP2
         return False
     return isinstance(model, torch.nn.Module) and any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part (a plain tensor as it is)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None and hasattr(tensor, "device_mesh") else tensor
 
 
 def _refuse_together(problems: list) -> None:
@@ -197,6 +203,15 @@ class Recorder:
             ``recipe_args``, a comm hook already registered on the model.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Recorder":
+        """A ``fully_shard`` model gets the sharded job's recorder (``recorder/fsdp_recorder.py``)."""
+        model = args[1] if len(args) > 1 else kwargs.get("ddp_model", kwargs.get("model"))
+        if cls is Recorder and _is_fully_sharded(model):
+            from sdc_forensics.recorder.fsdp_recorder import FsdpRecorder
+
+            return super().__new__(FsdpRecorder)
+        return super().__new__(cls)
+
     def __init__(
         self,
         trace_dir: str | os.PathLike,
@@ -212,59 +227,12 @@ class Recorder:
         framework: dict[str, str] | None = None,
     ) -> None:
         if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
-            if _is_fully_sharded(ddp_model):
-                raise UsageError("Recorder records DDP jobs; this model is sharded by fully_shard (FSDP2): recording it is not "
-                                 "built yet, but its online checks are: sdc_forensics.recorder.fsdp_monitor.watch(model) and "
-                                 "fsdp_checks.check_shards (docs/recorder.md, 'FSDP2 and HSDP')")
-            raise UsageError("Recorder needs the DistributedDataParallel-wrapped model (got a bare module?)")
-        if not dist.is_initialized():
-            raise UsageError("torch.distributed is not initialised: call init_process_group before creating the Recorder")
-        self.options = options or RecorderOptions()
-        self.trace_dir = Path(trace_dir)
+            raise UsageError("Recorder needs the DistributedDataParallel-wrapped model, or a model sharded by fully_shard "
+                             "(got a bare module?)")
         self.ddp = ddp_model
-        self.module = ddp_model.module
-        self.optimizer = optimizer
-        self.recipe_ref = recipe
-        self.recipe_args = None if recipe_args is None else check_recipe_args(recipe_args)
-        self.framework = None if framework is None else {k: str(framework.get(k, "")) for k in ("name", "version", "adapter")}
-        self._recipe = None
-        if (self.options.audit_every or self.options.audit_steps) and recipe is None:
-            raise UsageError("audits recompute microbatches through the replay recipe: pass recipe='module:attribute' to the Recorder")
-        if recipe_args is not None and recipe is None:
-            raise UsageError("recipe_args are handed to the replay recipe: pass recipe='module:attribute' with them")
-        self.group = getattr(ddp_model, "process_group", None) or dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
-        self.params = list(self.module.parameters())
-        self.device = self.params[0].device if self.params else torch.device("cpu")
-        self._comm_device = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-        # compile (or load from numba's disk cache) the fingerprint kernel now, not in step 1's hook
-        warm_up(self.device, dtypes=sorted({p.dtype for p in self.params if p.is_floating_point()}, key=str) or (torch.float32,))
-        self.injector = Injector([s if isinstance(s, FaultSpec) else parse_spec(s) for s in inject], self.rank)
-        self.alarms: list[checks.Finding] = []
-        # (step, own weights digest, vote) of the last replica comparison: a checkpoint of
-        # theta_{step+1} written right after it reuses the vote instead of voting again
-        self.last_weights_vote: tuple[int, int, checks.Majority] | None = None
-        self._state: _StepState | None = None
-        self._layouts: list[dict] = []
-        self.threads = ThreadWatch(self.rank)
-        self._first_step: int | None = None  # the first step this attempt began (checkpoint advice)
-        self._checkpointed = False  # a checkpoint was saved in this attempt (the first one is checked once)
-        self._said_inexact = False  # the audits skipped for non-deterministic GPU kernels were said once
-        self._steps_written = 0  # STEP records of this attempt, and the last one's step (END record)
-        self._last_step_written = self.options.start_step
-
-        # every rank's identity and what it found wrong, in one collective: all ranks refuse together
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, (local_identity(self.rank, self.device), existing_hook_problem(ddp_model)), group=self.group)
-        _refuse_together([problem for _, problem in gathered])
-        self.identities = complete_identities([identity for identity, _ in gathered])
-        self.nodes = node_map(self.identities, self.options.node_of_rank)
-        if len(self.nodes) != self.world_size:
-            raise UsageError(f"node_of_rank has {len(self.nodes)} entries for {self.world_size} ranks")
-        reach = audit_reach(self.nodes) if (self.options.audit_every or self.options.audit_steps) else None
-        if reach is not None and self.rank == 0:  # once per job, at attach: not a silent no-op at every audited step
-            log.warning("sdc-forensics: audits are on (audit_every=%d), but %s", self.options.audit_every, reach)
+        self._setup(trace_dir, ddp_model.module, optimizer, group=getattr(ddp_model, "process_group", None) or dist.group.WORLD,
+                    recipe=recipe, recipe_args=recipe_args, options=options, inject=inject, framework=framework)
+        self._gather_identities(existing_hook_problem(ddp_model))
         if comm_hook is not None and hook_name(comm_hook) in LOSSY_HOOKS:  # every rank passes the same hook: all refuse alike
             raise UsageError(f"comm_hook {hook_name(comm_hook)} (PowerSGD) all-reduces a low-rank approximation of the gradient: "
                              "no check can tell its error from a fault, and no replay can reproduce it; record the job with "
@@ -288,14 +256,72 @@ class Recorder:
         problems: list = [None] * self.world_size
         dist.all_gather_object(problems, problem, group=self.group)
         _refuse_together(problems)
+        self._open_trace()
+
+    def _setup(self, trace_dir, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, group, recipe, recipe_args,
+               options, inject, framework, locations: tuple[str, ...] = LOCATIONS) -> None:
+        """What every recorder holds, checked before anything is written (the DDP and the sharded one)."""
+        if not dist.is_initialized():
+            raise UsageError("torch.distributed is not initialised: call init_process_group before creating the Recorder")
+        self.options = options or RecorderOptions()
+        self.trace_dir = Path(trace_dir)
+        self.module = module
+        self.optimizer = optimizer
+        self.recipe_ref = recipe
+        self.recipe_args = None if recipe_args is None else check_recipe_args(recipe_args)
+        self.framework = None if framework is None else {k: str(framework.get(k, "")) for k in ("name", "version", "adapter")}
+        self._recipe = None
+        if (self.options.audit_every or self.options.audit_steps) and recipe is None:
+            raise UsageError("audits recompute microbatches through the replay recipe: pass recipe='module:attribute' to the Recorder")
+        if recipe_args is not None and recipe is None:
+            raise UsageError("recipe_args are handed to the replay recipe: pass recipe='module:attribute' with them")
+        self.group = group
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.params = list(self.module.parameters())
+        self.device = _local(self.params[0]).device if self.params else torch.device("cpu")
+        self._comm_device = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        # compile (or load from numba's disk cache) the fingerprint kernel now, not in step 1's hook
+        warm_up(self.device, dtypes=sorted({p.dtype for p in self.params if p.is_floating_point()}, key=str) or (torch.float32,))
+        self.injector = Injector([s if isinstance(s, FaultSpec) else parse_spec(s, locations) for s in inject], self.rank)
+        self.alarms: list[checks.Finding] = []
+        # (step, own weights digest, vote) of the last replica comparison: a checkpoint of
+        # theta_{step+1} written right after it reuses the vote instead of voting again
+        self.last_weights_vote: tuple[int, int, checks.Majority] | None = None
+        self._state: _StepState | None = None
+        self._layouts: list[dict] = []
+        self.threads = ThreadWatch(self.rank)
+        self._first_step: int | None = None  # the first step this attempt began (checkpoint advice)
+        self._checkpointed = False  # a checkpoint was saved in this attempt (the first one is checked once)
+        self._said_inexact = False  # the audits skipped for non-deterministic GPU kernels were said once
+        self._steps_written = 0  # STEP records of this attempt, and the last one's step (END record)
+        self._last_step_written = self.options.start_step
+        self._comm_hook_name = ""
+        self.mesh = None  # a sharded job's mesh (trace/mesh.py), written into the manifest
+
+    def _gather_identities(self, problem: str | None) -> None:
+        """Every rank's identity and what it found wrong, in one collective: all ranks refuse together."""
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, (local_identity(self.rank, self.device), problem), group=self.group)
+        _refuse_together([found for _, found in gathered])
+        self.identities = complete_identities([identity for identity, _ in gathered])
+        self.nodes = node_map(self.identities, self.options.node_of_rank)
+        if len(self.nodes) != self.world_size:
+            raise UsageError(f"node_of_rank has {len(self.nodes)} entries for {self.world_size} ranks")
+        reach = audit_reach(self.nodes) if (self.options.audit_every or self.options.audit_steps) else None
+        if reach is not None and self.rank == 0:  # once per job, at attach: not a silent no-op at every audited step
+            log.warning("sdc-forensics: audits are on (audit_every=%d), but %s", self.options.audit_every, reach)
+
+    def _open_trace(self) -> None:
+        """Number the attempt, write the manifest, open this rank's file and hook the optimizer."""
         self.attempt = self._start_attempt()
         self.writer = RankTraceWriter(
             self.trace_dir, rank=self.rank, attempt=self.attempt, world_size=self.world_size,
             sketch_k=self.options.sketch_k, seed=self.options.seed, fsync=self.options.fsync,
         )
         self._handles = [
-            optimizer.register_step_pre_hook(self._before_update),
-            optimizer.register_step_post_hook(self._after_update),
+            self.optimizer.register_step_pre_hook(self._before_update),
+            self.optimizer.register_step_post_hook(self._after_update),
         ]
 
     # ---------------------------------------------------------------- attempt and manifest
@@ -310,7 +336,7 @@ class Recorder:
                 manifest = records.build_manifest(
                     self.trace_dir, world_size=self.world_size, settings=settings, recipe=self.recipe_ref, recipe_args=self.recipe_args,
                     framework=self.framework, checkpoint_every=self.options.checkpoint_every, audit_every=self.options.audit_every or None,
-                    weights_every=self.options.weights_every, node_of_rank=self.nodes,
+                    weights_every=self.options.weights_every, node_of_rank=self.nodes, parallel=self.mesh,
                     attempt=make_attempt(attempt, self.options.start_step, self.identities, device=self.device,
                                          backend=str(dist.get_backend(self.group)), reduction=self.options.reduction,
                                          comm_hook=self._comm_hook_name),
@@ -347,7 +373,7 @@ class Recorder:
         self.tap.start(state.step)
         if self.injector:
             with torch.no_grad():
-                self.injector.corrupt_tensors("weights", state.step, [p.data for p in self.params])
+                self.injector.corrupt_tensors("weights", state.step, [_local(p).data for p in self.params])
         return StepRecording(self, state)
 
     def end_step(self) -> None:
@@ -458,7 +484,7 @@ class Recorder:
             return None
         if self.injector:
             with torch.no_grad():
-                self.injector.corrupt_tensors("update", state.step, [p.data for p in self.params])
+                self.injector.corrupt_tensors("update", state.step, [_local(p).data for p in self.params])
         state.weights = self._weights()
         state.flags |= int(F.Flag.HAS_WEIGHTS)
         if self.options.compares_weights(state.step):

@@ -39,6 +39,7 @@ def build_manifest(
     weights_every: int,
     node_of_rank: tuple[int, ...],
     attempt: Attempt,
+    parallel=None,
 ) -> Manifest:
     """This attempt's manifest: the previous attempts of a resumed run are kept."""
     previous: tuple[Attempt, ...] = ()
@@ -66,6 +67,7 @@ def build_manifest(
         weights_every=weights_every,
         node_of_rank=node_of_rank,
         attempts=previous + (attempt,),
+        parallel=parallel,
     )
 
 

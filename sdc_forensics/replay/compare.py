@@ -138,12 +138,12 @@ class StepComparisons:
         majority, votes = vote(recorded)
         counts = np.array([votes])  # how many ranks recorded the majority (named in the evidence below)
         candidates = {}
-        if self.collective and self.known_order != env.ORDERED:  # the job's own collective, checked against the record
+        if self.collective and self.known_order != env.ORDERED and self.mesh is None:  # the job's own collective, checked against the record
             reduced = distributed.collective_mean(per_rank, self.world_size, self.compress)
             value = self.digest_of(reduced)
             if (value == majority) if majority is not None else bool((recorded == np.uint64(value)).any()):
                 self.known_order = env.COLLECTIVE
-                return reduced, env.COLLECTIVE, self._reduced_minority(step, recs, value, value if majority is None else majority), ""
+                return reduced, env.COLLECTIVE, self._reduced_minority(step, recs, self._expected_reduced(reduced, len(recorded))), ""
             candidates[env.COLLECTIVE] = reduced  # still the replay's average when nothing else reproduces
             if self.known_order != env.COLLECTIVE and not self.collective_missed:
                 self.collective_missed = (f"step {step}: the replay's own collective does not reproduce the recorded reduced digest; "
@@ -159,31 +159,32 @@ class StepComparisons:
             if order in candidates:  # the own collective, already checked
                 continue
             reduced = self.reduce(per_rank, order)
-            value = self.digest_of(reduced)
             candidates[order] = reduced
-            if majority is not None and value == majority:
+            expected = self._expected_reduced(reduced, len(recorded))  # (R,) what each rank should have recorded
+            agree = recorded == expected
+            # a strict majority of ranks recorded the replayed average; or, with no strict majority
+            # among the records (two replicas that disagree, a split, or a sharded job's shards, which
+            # differ by design), the replay is the third vote and the ranks that recorded it are right
+            if agree.sum() * 2 > len(agree) or (agree.any() and (majority is None or self.mesh is not None)):
                 self.known_order = order
-                return reduced, order, self._reduced_minority(step, recs, value, majority), ""
-            if majority is None and (recorded == np.uint64(value)).any():
-                # no strict majority among the records (two replicas that disagree, or a split): the
-                # replay's average is the third vote, and the ranks that recorded it are right
-                self.known_order = order
-                return reduced, order, self._reduced_minority(step, recs, value, value), ""
+                return reduced, order, self._reduced_minority(step, recs, expected), ""
         reduced = candidates[orders[0]]
-        fp = self.fp_of(reduced)
-        if self.known_order and not tolerant and majority is not None:
+        fps = self._expected_fps(reduced)
+        if self.known_order and not tolerant and (majority is not None or self.mesh is not None):
             # every local gradient replayed bit for bit, and the order that reproduced this run's
             # all-reduce before does not reproduce this one: the collective changed bits, even
             # below the sketch tolerance (the blind spot of the trace's all-reduce check)
+            found = (f"{hex64(majority)} on {int(counts.max())} of {len(recorded)} ranks" if self.mesh is None
+                     else "no rank's shard as replayed")
             return reduced, self.known_order, [Evidence(
                 kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=(), source="replay", location=Location.COLLECTIVE,
                 expected=f"reduced gradient {hex64(self.digest_of(reduced))} ({self.known_order} order, as at earlier steps)",
-                found=f"{hex64(majority)} on {int(counts.max())} of {len(recorded)} ranks",
-                detail="the all-reduce result every rank received is not the average of the replayed local gradients",
+                found=found, detail="the all-reduce result every rank received is not the average of the replayed local gradients",
             )], ""
         evidence, worst = [], 0.0
-        tol = self._tol(fp.norm, drift)
+        tol = self._tol(fps[0].norm if self.mesh is None else self.fp_of(reduced).norm, drift)  # the whole gradient's norm
         for r in range(len(ranks)):
+            fp = fps[r]
             if recorded_layout:
                 residual = float(np.abs(fp.sketch - recs[r]["reduced_sketch"].astype(np.float64)).max())
             else:  # the sketch depends on the unknown bucket layout: compare norms
@@ -198,7 +199,7 @@ class StepComparisons:
             return reduced, "", [Evidence(
                 kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=() if everyone else tuple(evidence), source="replay",
                 strength=_strength(worst, tol, tolerant, recorded_layout),
-                expected=f"reduced gradient {'sketch' if recorded_layout else 'norm'} of the replayed average ({hex64(fp.digest)}) within {tol:.3g}",
+                expected=f"reduced gradient {'sketch' if recorded_layout else 'norm'} of the replayed average ({hex64(self.digest_of(reduced))}) within {tol:.3g}",
                 found=f"recorded reduced sketch off by {worst:.3g} ({worst / tol:.3g}x the tolerance)" + (" on every rank" if everyone else ""),
                 location=Location.COLLECTIVE, detail="the all-reduce result does not match the average of the replayed local gradients",
             )], ""
@@ -206,25 +207,70 @@ class StepComparisons:
                 "later steps are compared within the sketch tolerance")
         return reduced, "", [], note
 
-    def _reduced_minority(self, step, recs, replayed_digest, majority):
-        ranks = tuple(int(r) for r in np.flatnonzero(recs["reduced_digest"] != np.uint64(majority)))
+    def _reduced_minority(self, step, recs, expected):
+        """Evidence naming the ranks whose recorded reduced digest is not the replay's (``expected``, per rank)."""
+        ranks = tuple(int(r) for r in np.flatnonzero(recs["reduced_digest"] != expected))
         if not ranks:
             return []
-        return [Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=ranks, source="replay", expected=hex64(replayed_digest),
+        shown = sorted({hex64(int(expected[r])) for r in ranks})
+        what = "all-reduce result" if self.mesh is None else "shard of the reduced gradient"
+        return [Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=ranks, source="replay", expected=", ".join(shown),
                          found=", ".join(hex64(int(recs[r]["reduced_digest"])) for r in ranks), location=Location.COLLECTIVE,
-                         detail="these ranks' all-reduce result differs from the replayed average the other ranks received")]
+                         detail=f"these ranks' {what} differs from the replayed average the other ranks received"
+                         + ("" if self.mesh is None else f" ({'; '.join(self.mesh.where(r) for r in ranks)})"))]
+
+    # -- a sharded job's records are per shard (recorder/fsdp_recorder.py) ------------------------
+    mesh = None  # the trace's ShardMesh (None: DDP, every rank records the whole)
+    bucket_shapes: tuple = ()  # a sharded job: the shapes of the parameters of its one bucket, in order
+
+    def _shard_fp(self, flat, shapes, shard: int, k: int):
+        from sdc_forensics.fingerprint import shards
+
+        views, offset = [], 0
+        for shape in shapes:
+            n = int(np.prod(shape)) if len(shape) else 1
+            views.append(flat[offset : offset + n].view(shape))
+            offset += n
+        return shards.fingerprint_runs(shards.shard_runs(views, shard, self.mesh.shard_size), k=k, seed=self.seed)
+
+    def _expected_fps(self, reduced) -> list:
+        """Per rank, the fingerprint it should have recorded of ``reduced`` (the whole, or its shard)."""
+        if self.mesh is None:
+            return [self.fp_of(reduced)] * self.world_size
+        cache = {}
+        for shard in {self.mesh.shard_of(r) for r in range(self.world_size)}:
+            cache[shard] = self._shard_fp(reduced[0], self.bucket_shapes, shard, self.k)
+        return [cache[self.mesh.shard_of(r)] for r in range(self.world_size)]
+
+    def _expected_reduced(self, reduced, num_ranks: int) -> np.ndarray:
+        """``(R,)`` uint64: each rank's expected reduced digest (DDP: one value for all)."""
+        if self.mesh is None:
+            return np.full(num_ranks, self.digest_of(reduced), dtype=np.uint64)
+        return np.array([fp.digest for fp in self._expected_fps(reduced)], dtype=np.uint64)
+
+    def _expected_weights(self, model) -> np.ndarray:
+        """``(R,)`` uint64: each rank's expected weights digest (DDP: one value for all)."""
+        if self.mesh is None:
+            return np.full(self.world_size, weights_digest(model.named_parameters(), self.seed), dtype=np.uint64)
+        from sdc_forensics.fingerprint import shards
+
+        params = [p.detach() for p in model.parameters()]
+        cache = {shard: shards.fingerprint_runs(shards.shard_runs(params, shard, self.mesh.shard_size), k=1, seed=self.seed).digest
+                 for shard in {self.mesh.shard_of(r) for r in range(self.world_size)}}
+        return np.array([cache[self.mesh.shard_of(r)] for r in range(self.world_size)], dtype=np.uint64)
 
     def _compare_weights(self, step, recs, model, tolerant, explained):
         """Replica weights vs the replay's; ``(evidence, replay differs from the majority)``."""
         has_w = (recs["flags"] & int(F.Flag.HAS_WEIGHTS)) != 0
         if not has_w.any() or tolerant:
             return [], False
-        replayed = weights_digest(model.named_parameters(), self.seed)
-        off = tuple(int(r) for r in np.flatnonzero(has_w & (recs["weights_digest"] != np.uint64(replayed))))
+        replayed = self._expected_weights(model)
+        off = tuple(int(r) for r in np.flatnonzero(has_w & (recs["weights_digest"] != replayed)))
         if not off or explained:
             return [], False
         if len(off) * 2 >= int(has_w.sum()):
             return [], True
-        return [Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=off, source="replay", expected=hex64(replayed),
+        return [Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=off, source="replay",
+                         expected=", ".join(sorted({hex64(int(replayed[r])) for r in off})),
                          found=", ".join(hex64(int(recs[r]["weights_digest"])) for r in off), location=Location.OPTIMIZER_UPDATE,
                          detail="same gradients in, different weights out: this replica's optimizer update went wrong")], False

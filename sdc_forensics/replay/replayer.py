@@ -199,6 +199,7 @@ class Replayer(StepComparisons):
         self._reduce_buffers: dict[str, torch.Tensor] = {}
         self.rng_dependent: bool | None = None  # the recipe's step depends on the global RNG (None: not seen drawing yet)
         self.module_buffers: BufferBroadcast | None = None  # DDP's broadcast of module buffers, per window
+        self.mesh = trace.manifest.parallel  # a sharded job: reduced gradients and weights are recorded per shard
 
     # -- one rank's local gradient -------------------------------------------------------------
     def local_step(self, model, record, buckets_layout, slot: int | None = None) -> _RankStep:
@@ -370,6 +371,8 @@ class Replayer(StepComparisons):
                 notes += tie_notes
                 step_evidence = [e for e in step_evidence if e.kind is not EvidenceKind.REPLAY_MISMATCH or set(e.ranks) & set(local_bad)]
             evidence += step_evidence
+            if self.mesh is not None:
+                self.bucket_shapes = tuple(tuple(params[i].shape) for i in layout[0]) if layout else ()
             reduced, order, reduce_evidence, reduce_note = self._reduce(step, recs, ranks, tolerant_from is not None, drift, recorded_layout)
             if local_bad or any(e.kind is EvidenceKind.INPUT_MISMATCH for e in step_evidence):
                 reduce_evidence = []  # the recorded average carries the bad local gradient: a consequence

@@ -19,6 +19,7 @@ from sdc_forensics.errors import TraceError, reader
 from sdc_forensics.fingerprint.tolerance import REDUCTIONS, UNIT_ROUNDOFF
 from sdc_forensics.newfile import write_atomic
 from sdc_forensics.trace.format import FORMAT_VERSION, MAX_STEP
+from sdc_forensics.trace.mesh import ShardMesh
 from sdc_forensics.untrusted import Fields, describe, is_int, load_json
 
 MANIFEST_NAME = "manifest.json"
@@ -99,6 +100,9 @@ class Manifest:
     node_of_rank: tuple[int, ...] = ()
     attempts: tuple[Attempt, ...] = ()
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: the mesh of a sharded job (FSDP2, HSDP; ``trace/mesh.py``); None for DDP and every trace
+    #: written before sharded jobs were recorded
+    parallel: ShardMesh | None = None
 
     def identity(self, rank: int, attempt: int | None = None) -> RankIdentity:
         """Identity of ``rank`` in ``attempt`` (default: the latest attempt that lists it)."""
@@ -120,6 +124,10 @@ class Manifest:
             del doc["recipe_args"]
         if self.framework is None:  # optional too: a hand-written loop's manifest is unchanged
             del doc["framework"]
+        if self.parallel is None:  # and a DDP job's
+            del doc["parallel"]
+        else:
+            doc["parallel"] = self.parallel.to_json()
         return doc
 
 
@@ -210,6 +218,16 @@ def _framework(f: Fields) -> dict[str, str] | None:
     return {key: doc.get(key, "") for key in ("name", "version", "adapter")}
 
 
+def _parallel(f: Fields, world_size: int) -> ShardMesh | None:
+    """``parallel``: absent or null (None: DDP), else the mesh of a sharded job."""
+    if f.doc.get("parallel") is None:
+        return None
+    try:
+        return ShardMesh.from_json(f.doc["parallel"], world_size)
+    except ValueError as exc:
+        raise f.error(f"{f.where}: \"parallel\" {exc}; {f.hint}") from None
+
+
 @reader
 def parse_manifest(doc: Any, where: str = MANIFEST_NAME) -> Manifest:
     """Turn a decoded manifest document into a :class:`Manifest`, or raise :class:`TraceError`.
@@ -245,6 +263,7 @@ def parse_manifest(doc: Any, where: str = MANIFEST_NAME) -> Manifest:
         node_of_rank=f.ints("node_of_rank", (), lo=0),
         attempts=tuple(_attempt(a, f"{where}, attempt entry {i}") for i, a in enumerate(f.list("attempts", ()))),
         extra=f.obj("extra", {}),
+        parallel=_parallel(f, world_size),
     )
 
 

@@ -37,6 +37,7 @@ from sdc_forensics.triage.evidence import Evidence, EvidenceKind, Location, Stre
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace import scan
 from sdc_forensics.trace.consensus import strict_majority, vote
+from sdc_forensics.trace.mesh import ShardMesh
 from sdc_forensics.trace.reader import Damage, StepWindow, Trace
 
 log = logging.getLogger(__name__)
@@ -122,12 +123,13 @@ def triage_trace(trace: Trace, options: TriageOptions | None = None) -> TriageRe
     options = options or TriageOptions()
     manifest = trace.manifest
     grad_dtype = manifest.fingerprint.grad_dtype
-    fast = _scan_fast(trace, options, grad_dtype, manifest.reduction)
+    # a sharded job's records are per shard: its checks group ranks by mesh (the numpy scan's)
+    fast = _scan_fast(trace, options, grad_dtype, manifest.reduction) if manifest.parallel is None else None
     if fast is not None:
         evidence, num_checked, superseded, has_grads = fast
         path = scan.NUMBA
     else:
-        evidence, num_checked, superseded, has_grads = _scan_numpy(trace, options, grad_dtype, manifest.reduction)
+        evidence, num_checked, superseded, has_grads = _scan_numpy(trace, options, grad_dtype, manifest.reduction, manifest.parallel)
         path = scan.NUMPY
     log.info("triage: %s scan path", path)
     evidence += _audits(trace, options)
@@ -147,10 +149,10 @@ def triage_trace(trace: Trace, options: TriageOptions | None = None) -> TriageRe
     )
 
 
-def _scan_numpy(trace: Trace, options: TriageOptions, grad_dtype: str, reduction: str):
+def _scan_numpy(trace: Trace, options: TriageOptions, grad_dtype: str, reduction: str, mesh: ShardMesh | None = None):
     """The window scan in numpy: ``(evidence, steps weights-checked, superseded cells, has gradients)``."""
     evidence: list[Evidence] = []
-    state = _WeightState(world_size=trace.world_size)
+    state = _WeightState(world_size=trace.world_size, groups=None if mesh is None else mesh.same_shard())
     superseded = 0
     has_grads = False
     outlier_count = 0
@@ -158,7 +160,7 @@ def _scan_numpy(trace: Trace, options: TriageOptions, grad_dtype: str, reduction
         superseded += int(window.superseded.sum())
         has_grads |= bool(((window.records["flags"] & int(F.Flag.HAS_GRADS)) != 0)[window.present].any())
         evidence += _nonfinite(window)
-        evidence += _allreduce(window, grad_dtype, reduction)
+        evidence += _allreduce(window, grad_dtype, reduction) if mesh is None else _reduce_scatter(window, grad_dtype, reduction, mesh)
         evidence += state.scan(window)
         if options.outliers and outlier_count < _MAX_OUTLIERS:
             hints = _outliers(window, options.outlier_z)[: _MAX_OUTLIERS - outlier_count]
@@ -290,11 +292,61 @@ def _allreduce(window: StepWindow, grad_dtype: str, reduction: str) -> list[Evid
     return out
 
 
+def _reduce_scatter(window: StepWindow, grad_dtype: str, reduction: str, mesh: ShardMesh) -> list[Evidence]:
+    """A sharded job's reduction (``recorder/fsdp_recorder.py``): each rank's ``reduced_*`` is its
+    shard. The shards of one replica add up (sketches are linear) to the reduction of every rank's
+    local gradient; the replicas of one shard hold equal digests; and the recorder's own check of
+    each rank's shard against the chunks it sums set ``ALLREDUCE_MISMATCH`` on that rank's record
+    (it names the rank; the sums here name the replica)."""
+    rec, present = window.records, window.present
+    has_grads = ((rec["flags"] & int(F.Flag.HAS_GRADS)) != 0) & present  # (S, R)
+    full = has_grads.all(axis=1) & ((rec["nonfinite_local"] == 0) | ~present).all(axis=1)  # (S,)
+    flagged = ((rec["flags"] & int(F.Flag.ALLREDUCE_MISMATCH)) != 0) & present
+    local_sk = rec["local_sketch"]
+    expected = local_sk.mean(axis=1, dtype=np.float64) if reduction == "mean" else local_sk.sum(axis=1, dtype=np.float64)
+    local_norms = np.where(present, rec["local_norm"], 0.0)[:, None, :]  # (S, 1, R)
+    over = np.zeros(has_grads.shape, dtype=bool)  # (S, R): the rank's replica does not add up
+    residuals = np.zeros(has_grads.shape)
+    for group in mesh.replicas():
+        g = list(group)
+        summed = rec["reduced_sketch"][:, g, :].sum(axis=1, dtype=np.float64)  # (S, k)
+        norm = np.sqrt((rec["reduced_norm"][:, g].astype(np.float64) ** 2).sum(axis=1))[:, None]  # (S, 1)
+        tol = tolerance.allreduce_tolerance(grad_dtype, local_norms, norm, reduction)[:, 0]  # (S,)
+        residual = np.abs(summed - expected).max(axis=1)
+        residuals[:, g] = (residual / np.maximum(tol, 1e-300))[:, None]
+        over[:, g] = ((residual > tol) & full)[:, None]
+    minority = np.zeros(has_grads.shape, dtype=bool)  # (S, R): a replica of a shard that disagrees with the others
+    for group in mesh.same_shard():
+        if len(group) < 2:
+            continue
+        g = list(group)
+        majority, has_majority = strict_majority(rec["reduced_digest"][:, g], has_grads[:, g])
+        minority[:, g] = (rec["reduced_digest"][:, g] != majority[:, None]) & has_grads[:, g] & has_majority[:, None]
+    out: list[Evidence] = []
+    for row in np.flatnonzero((flagged | over | minority).any(axis=1)):
+        named = flagged[row] | minority[row]
+        bad = named if named.any() else over[row]
+        everyone = bool(bad[has_grads[row]].all())
+        ranks = () if everyone else _ranks(bad)
+        where = "; ".join(f"rank {r}: {mesh.where(r)}" for r in ranks)
+        out.append(Evidence(
+            kind=EvidenceKind.ALLREDUCE_MISMATCH, step=int(window.steps[row]), ranks=ranks, location=Location.COLLECTIVE,
+            expected=f"each shard of the reduced gradient = the {reduction} of that chunk of every rank's local gradient",
+            found=(f"the recorder's reduce-scatter check fired on {where}" if flagged[row].any() else
+                   f"the replicas of a shard hold different reduced digests ({where})" if minority[row].any() else
+                   f"the shards of a replica do not add up (residual {residuals[row].max():.3g}x the tolerance)"),
+            detail="the reduce-scatter (or the replicas' all-reduce) output on these ranks differs from what the local "
+                   "gradients sum to" if ranks else "the reduced gradient differs from what the local gradients sum to",
+        ))
+    return out
+
+
 @dataclasses.dataclass(kw_only=True)
 class _WeightState:
     """Replica weight divergence across windows: onsets only, and the last checked step."""
 
     world_size: int
+    groups: list[tuple[int, ...]] | None = None  # ranks that hold the same weights (a sharded job's replicas of a shard); None: all
     diverged: np.ndarray | None = None  # (R,) bool, state at the last checked step
     last_checked: int | None = None
     first_step: int | None = None
@@ -303,26 +355,30 @@ class _WeightState:
     def scan(self, window: StepWindow) -> list[Evidence]:
         rec, present = window.records, window.present
         has_w = ((rec["flags"] & int(F.Flag.HAS_WEIGHTS)) != 0) & present  # (S, R)
-        checked_rows = np.flatnonzero(has_w.sum(axis=1) >= 2)
+        voting = self._voting(has_w)  # (S, R): the rank's group has 2 or more weights to compare
+        checked_rows = np.flatnonzero(voting.any(axis=1))
         if self.first_step is None and len(window.steps):
             self.first_step = int(window.steps[0])
         if self.diverged is None:
             self.diverged = np.zeros(self.world_size, dtype=bool)
         if not checked_rows.size:
             return []
-        majority, has_majority = strict_majority(rec["weights_digest"], has_w)
+        majority, has_majority = self._majority(rec["weights_digest"], has_w)  # (S, R) each: per rank's group
         out: list[Evidence] = []
         for row in checked_rows:
             step = int(window.steps[row])
             self.num_checked += 1
-            if not has_majority[row]:
-                out.append(Evidence(kind=EvidenceKind.WEIGHT_DIVERGENCE, step=step, ranks=(),
+            split = voting[row] & ~has_majority[row]
+            if split.any():
+                out.append(Evidence(kind=EvidenceKind.WEIGHT_DIVERGENCE, step=step, ranks=() if self.groups is None else _ranks(split),
                                     expected="a strict majority of replicas with equal weights",
-                                    found=f"{len(set(rec['weights_digest'][row][has_w[row]].tolist()))} distinct digests",
-                                    location=Location.UNKNOWN, detail="no strict majority of replica weights"))
-                self.last_checked = step
-                continue
-            now = (rec["weights_digest"][row] != majority[row]) & has_w[row]  # (R,)
+                                    found=f"{len(set(rec['weights_digest'][row][split].tolist()))} distinct digests",
+                                    location=Location.UNKNOWN, detail="no strict majority of replica weights"
+                                    + ("" if self.groups is None else " (2 replicas of a shard: detected, no vote can name the rank)")))
+                if self.groups is None or split.all():
+                    self.last_checked = step
+                    continue
+            now = (rec["weights_digest"][row] != majority[row]) & has_w[row] & has_majority[row] & voting[row]  # (R,)
             onset = now & ~self.diverged
             if onset.any():
                 ranks = _ranks(onset)
@@ -331,13 +387,34 @@ class _WeightState:
                 found = ", ".join(f"rank {r}: {hex64(rec['weights_digest'][row, r])}" for r in ranks)
                 out.append(Evidence(
                     kind=EvidenceKind.WEIGHT_DIVERGENCE, step=step, ranks=ranks,
-                    expected=f"weights digest {hex64(majority[row])} (strict majority)", found=found,
+                    expected=f"weights digest {hex64(majority[row, ranks[0]])} (strict majority)", found=found,
                     location=Location.UNKNOWN, earliest_step=earliest if earliest is not None and earliest < step else None,
                     detail="this replica's weights after the update differ from the majority: a wrong update, "
                     "or wrong weights at rest; replay tells them apart",
                 ))
             self.diverged = now | (self.diverged & ~has_w[row])
             self.last_checked = step
+        return out
+
+    def _majority(self, digests: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(S, R)`` majority digest and whether there is one, of each rank's group."""
+        if self.groups is None:
+            majority, has = strict_majority(digests, valid)
+            return np.repeat(majority[:, None], digests.shape[1], axis=1), np.repeat(has[:, None], digests.shape[1], axis=1)
+        majority, has = np.zeros(digests.shape, dtype=np.uint64), np.zeros(digests.shape, dtype=bool)
+        for group in self.groups:
+            g = list(group)
+            value, ok = strict_majority(digests[:, g], valid[:, g])
+            majority[:, g], has[:, g] = value[:, None], ok[:, None]
+        return majority, has
+
+    def _voting(self, valid: np.ndarray) -> np.ndarray:
+        if self.groups is None:
+            return np.repeat((valid.sum(axis=1) >= 2)[:, None], valid.shape[1], axis=1) & valid
+        out = np.zeros(valid.shape, dtype=bool)
+        for group in self.groups:
+            g = list(group)
+            out[:, g] = ((valid[:, g].sum(axis=1) >= 2)[:, None]) & valid[:, g]
         return out
 
 

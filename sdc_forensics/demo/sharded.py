@@ -1,0 +1,150 @@
+"""A sharded training job and its replay recipe: FSDP2 ``fully_shard`` on a 1-D mesh, or HSDP.
+
+The model (a small conv net with BatchNorm-free normalisation: Linear, ReLU, LayerNorm, Linear,
+each block its own ``fully_shard`` group), the data (microbatch ``i`` is generated from ``i``)
+and the optimizer (SGD with momentum) are what a user's job would have; the recorder is the two
+lines every job adds. ``sdc-forensics demo --parallel fsdp|hsdp`` runs it on gloo processes, and
+the tests run it with faults at every sharded location.
+
+``recipe`` replays it on one process: the plain model (the same parameter names and order), the
+DCP checkpoint loaded into it whole (``load_dcp``: torch.distributed.checkpoint reshards on load).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+IN_FEATURES, HIDDEN, CLASSES, MICROBATCH = 24, 96, 5, 6
+REFERENCE = "sdc_forensics.demo.sharded:recipe"
+
+
+def build_model(seed: int = 0) -> nn.Sequential:
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, CLASSES))
+    torch.random.set_rng_state(state)
+    return model
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def microbatch(microbatch_id: int, device: Any = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(20_011 + int(microbatch_id))
+    inputs = torch.randn(MICROBATCH, IN_FEATURES, generator=gen)
+    labels = (inputs[:, :CLASSES].argmax(dim=1) + (inputs[:, -1] > 0).long()) % CLASSES
+    return inputs.to(device), labels.to(device)
+
+
+def loss_of(model: nn.Module, batch) -> torch.Tensor:
+    inputs, labels = batch
+    return nn.functional.cross_entropy(model(inputs), labels)
+
+
+def load_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load a DCP directory saved as ``{"model": ..., "optim": ...}`` (``get_model_state_dict``,
+    ``get_optimizer_state_dict``) into a model and optimizer of any sharding, a plain one included."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [])
+    state = {"model": model_state}
+    if optimizer is not None:
+        state["optim"] = optim_state
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
+                   optim_state_dict=state.get("optim", {}))
+
+
+def dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """What the job saves: the model's and the optimizer's state, sharded as they are."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state}
+
+
+@dataclasses.dataclass(kw_only=True)
+class ShardedRecipe:
+    """The replay recipe of :func:`train` (``sdc_forensics.recipe``'s protocol)."""
+
+    seed: int = 0
+
+    def build(self, device: Any = "cpu"):
+        model = build_model(self.seed).to(device)
+        return model, make_optimizer(model), None
+
+    def load_checkpoint(self, path: str, model, optimizer, scheduler) -> None:
+        load_dcp(path, model, optimizer)
+
+    def fetch_microbatch(self, microbatch_id: int, device: Any = "cpu"):
+        return microbatch(microbatch_id, device)
+
+    def loss(self, model, batch):
+        return loss_of(model, batch)
+
+
+recipe = ShardedRecipe()
+
+
+def shard(model: nn.Module, mesh=None) -> nn.Module:
+    """``fully_shard`` each block, then the whole model (the usual FSDP2 wrapping)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in (model[0], model[3]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def train(rank: int, world: int, trace_dir: str, checkpoint_dir: str, *, steps: int = 6, hsdp: tuple[int, int] | None = None,
+          inject: tuple[str, ...] = (), reduction: str = "ordered", checkpoint_every: int = 3, accumulate: int = 2,
+          policy: str = "continue") -> dict:
+    """One rank of the sharded job, recorded; every rank calls it inside an initialised process group.
+
+    Microbatch ``step * world * accumulate + rank * accumulate + m`` is rank ``rank``'s ``m``-th of
+    ``step``. Checkpoints (DCP directories) are written at step 0 and every ``checkpoint_every``.
+    Returns what the recorder raised or found, for tests.
+    """
+    import torch.distributed as dist
+
+    from sdc_forensics.errors import SdcAlarm
+    from sdc_forensics.recorder import Recorder, RecorderOptions
+
+    mesh = None
+    if hsdp is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", hsdp, mesh_dim_names=("replicate", "shard"))
+    model = shard(build_model(), mesh)
+    optimizer = make_optimizer(model)
+    options = RecorderOptions(policy=policy, reduction=reduction)
+    alarms: list = []
+    with Recorder(trace_dir, model, optimizer, recipe=REFERENCE, options=options, inject=inject) as rec:
+        for step in range(steps):
+            if step % checkpoint_every == 0:
+                rec.checkpoint(step, Path(checkpoint_dir) / f"step-{step:08d}", dcp_state(model, optimizer))
+            first = (step * world + rank) * accumulate
+            ids = list(range(first, first + accumulate))
+            try:
+                with rec.step(step, microbatch_ids=ids) as h:
+                    for m, mb in enumerate(ids):
+                        model.set_requires_gradient_sync(m == accumulate - 1)
+                        batch = h.input(microbatch(mb))
+                        loss = loss_of(model, batch)
+                        h.loss(loss)
+                        loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+            except SdcAlarm as alarm:
+                alarms.append({"step": alarm.step, "rank": alarm.rank, "check": alarm.check})
+                break
+        alarms += [{"step": a.step, "rank": a.rank, "check": a.check} for a in rec.alarms if a.check]
+    dist.barrier()
+    return {"alarms": alarms}

@@ -1,0 +1,446 @@
+"""Recording a sharded job: FSDP2's ``fully_shard`` on a 1-D mesh, and HSDP (replicate x shard).
+
+``Recorder(trace_dir, model, optimizer)`` with a ``fully_shard`` model builds this recorder; the
+step protocol (``with rec.step(s) as h: ...``), the alarms, the trace files and the commands that
+read them are the DDP recorder's. What a STEP record holds differs only where sharding makes it
+(``docs/trace-format.md``, "Sharded jobs"): the model's gradient-carrying parameters, in model
+order, are one flat vector ``g`` (a DDP trace with one bucket holding all of them), and
+
+* ``local_*`` is this rank's whole local gradient ``g_r``, read from its reduce-scatter inputs
+  (the rank's full unsharded gradient, cut into ``S`` chunks) as pieces placed by their index in
+  ``g`` (``fingerprint/shards.py``): the same digest as a DDP trace's one-bucket local gradient, and
+  what a replay on any number of devices recomputes;
+* ``reduced_*`` is this rank's *shard* of the reduced gradient (what its optimizer uses), and
+  ``weights_*`` its shard of the updated weights (the parameters, all of them, as one flat vector
+  likewise): ``shards.fingerprint_runs`` of the elements it holds, at their places. The ranks that
+  hold the same shard (HSDP's replicas) must agree; a replay recomputes every rank's shard.
+
+Online, per step: the reduce-scatter and replica all-reduce checks and the NaN/Inf checks of
+``fsdp_monitor`` (they name the rank and its mesh coordinates), and the weights vote per shard
+across replicas (HSDP with 3 or more replicas names the rank; 2 replicas detect without a vote;
+pure FSDP has no replicas to vote). ``RecorderOptions(reduction="ordered")`` replaces the
+reduce-scatter by an ordered one (an all-to-all, then ``reduction.ordered_mean`` in rank order) so
+that a replay reproduces the reduced gradient bit for bit on any device (pure FSDP; HSDP's
+replica all-reduce stays the collective's own).
+
+Checkpoints: :meth:`FsdpRecorder.checkpoint` digests the sharded state as if whole
+(``fsdp_checks.sharded_state_digests``: the pieces' terms are gathered, not the data), votes the
+weight shards, saves with ``torch.distributed.checkpoint`` (every rank its shards) and notes the
+digests that ``verify-checkpoint`` measures on the DCP directory, resharded or not.
+
+Not yet recorded (refused in one line): mixed precision (a ``MixedPrecisionPolicy`` with
+``param_dtype`` or ``reduce_dtype``), audits, a shard placement other than ``Shard(0)``, a mesh
+that is not the whole world (FSDP with tensor parallelism), and DDP's fault locations.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from sdc_forensics.errors import SdcError, UsageError
+from sdc_forensics.fingerprint import shards
+from sdc_forensics.fingerprint.core import Fingerprint, combine_digests
+from sdc_forensics.inject import FSDP_LOCATIONS, LOCATIONS, FaultSpec
+from sdc_forensics.recorder import checks, records
+from sdc_forensics.recorder import fsdp_monitor as fm
+from sdc_forensics.recorder.checkpointing import path_from_trace
+from sdc_forensics.recorder.recorder import Recorder, _local
+from sdc_forensics.recorder.threads import ThreadWatch
+from sdc_forensics.reduction import ORDERED, ordered_mean, ordered_sum
+from sdc_forensics.trace import format as F
+from sdc_forensics.trace.checkpoints import CheckpointNote, hex64, write_checkpoint_note
+from sdc_forensics.trace.mesh import ShardMesh, shard_rows
+
+log = logging.getLogger("sdc_forensics.recorder")
+
+#: DDP's fault locations that have no meaning in a sharded job (the FSDP ones replace them)
+_DDP_ONLY = ("grad", "allreduce", "allreduce-all")
+#: the online check's names -> the trace flag and the recorder's check name
+_FLAGS = {"nonfinite-before": (F.Flag.NONFINITE_LOCAL, "nonfinite"), "nonfinite-after": (F.Flag.NONFINITE_REDUCED, "nonfinite"),
+          "reduce-scatter": (F.Flag.ALLREDUCE_MISMATCH, "allreduce"), "all-reduce": (F.Flag.ALLREDUCE_MISMATCH, "allreduce")}
+
+
+def mesh_of(model: torch.nn.Module, world_size: int) -> ShardMesh:
+    """The mesh the model's parameters are sharded on, with every rank's coordinates."""
+    sharded = [p for p in model.parameters() if hasattr(p, "device_mesh")]
+    if not sharded:
+        raise UsageError("no parameter of this model is sharded (no DTensor): call fully_shard on it before the Recorder")
+    mesh, placements = sharded[0].device_mesh, tuple(sharded[0].placements)
+    layout = mesh.mesh.cpu()
+    if layout.numel() != world_size:
+        raise UsageError(f"the model is sharded on a mesh of {layout.numel()} ranks in a job of {world_size}: the recorder "
+                         "records data parallelism over the whole world (FSDP or HSDP), not FSDP combined with tensor or "
+                         "pipeline parallelism")
+    shard_dims = [i for i, p in enumerate(placements) if hasattr(p, "dim")]
+    if len(shard_dims) != 1 or placements[shard_dims[0]].dim != 0:
+        raise UsageError(f"parameters placed as {placements}: the recorder records FSDP2's Shard(0) (and HSDP's Replicate, "
+                         "Shard(0)); pass no shard_placement_fn to fully_shard")
+    coords: list = [None] * world_size
+    for index in np.ndindex(*layout.shape):
+        coords[int(layout[index])] = tuple(int(i) for i in index)
+    names = tuple(mesh.mesh_dim_names or ("",) * layout.dim())
+    return ShardMesh(kind="fsdp" if layout.dim() == 1 else "hsdp", shape=tuple(layout.shape), dim_names=names,
+                     shard_dim=shard_dims[0], coords=tuple(coords))
+
+
+def flat_offsets(params: Iterable[torch.Tensor]) -> dict[int, int]:
+    """``{id(param): index of its first element}`` in the flat vector of ``params`` (full sizes)."""
+    out, offset = {}, 0
+    for param in params:
+        out[id(param)] = offset
+        offset += param.numel()  # a DTensor's numel is its global one
+    return out
+
+
+def rank_runs(tensors: Iterable[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, int]]:
+    """``(this rank's elements, their index in the flat vector)`` of ``(tensor, its offset)`` pairs
+    (a DTensor gives its local shard at its global place, a plain tensor itself)."""
+    runs = []
+    for tensor, offset in tensors:
+        values, first = shards.local_piece(tensor)
+        runs.append((values, offset + first))
+    return runs
+
+
+class OrderedReduceScatter:
+    """A reduce-scatter any replay reproduces: an all-to-all, then the chunks added in rank order
+    (``reduction.ordered_mean`` for ``AVG``, ``ordered_sum`` for ``SUM``), elementwise."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        size = group.size()
+        received = torch.empty_like(input_tensor)
+        dist.all_to_all_single(received, input_tensor, group=group)
+        parts = received.view(size, -1).unbind(0)
+        if op == dist.ReduceOp.AVG:
+            ordered_mean(parts, out=output_tensor)
+        elif op == dist.ReduceOp.SUM:
+            ordered_sum(parts, out=output_tensor)
+        else:
+            raise UsageError("the ordered reduce-scatter adds with AVG or SUM; this job's FSDP2 reduces with a factor "
+                             "(set_gradient_divide_factor): record it with reduction='native'")
+        return None
+
+
+class _Tap(fm.FsdpMonitor):
+    """The online checks' monitor, which also fingerprints each reduce-scatter input as pieces of
+    the rank's whole local gradient (``g``, by element index)."""
+
+    def __init__(self, *, offsets: dict[int, int], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._offsets = offsets
+        self.recording = False
+        self.pieces: list[shards.Piece] = []
+        self.error: BaseException | None = None
+
+    def start(self, step: int | None) -> None:
+        self.recording = step is not None
+        self.pieces = []
+        self.error = None
+        if step is not None:
+            self.step = step
+
+    def _before(self, input_tensor, group, scales, param_group=None) -> int:
+        index = super()._before(input_tensor, group, scales, param_group)  # a drill flips the input first
+        if self.recording and self.error is None:
+            try:
+                self.pieces += self._input_pieces(input_tensor, group.size(), param_group)
+            except Exception as exc:  # noqa: BLE001 - said at the step's end, on every rank, never inside FSDP
+                self.error = exc
+        return index
+
+    def _input_pieces(self, flat: torch.Tensor, size: int, param_group) -> list[shards.Piece]:
+        """FSDP2's reduce-scatter input: ``size`` chunks; chunk ``c`` holds, per parameter in
+        the group's order, its rows of shard ``c`` padded to ``ceil(rows / size)`` rows."""
+        plan, width = [], 0
+        for fsdp_param in param_group.fsdp_params:
+            param = fsdp_param.sharded_param
+            if not param.requires_grad:
+                continue
+            shape = tuple(fsdp_param._orig_size)
+            rows = shape[0] if shape else 1
+            per_row = math.prod(shape[1:]) if shape else 1
+            chunk = -(-rows // size)
+            plan.append((self._offsets[id(param)], rows, per_row))
+            width += chunk * per_row
+        if width * size != flat.numel():
+            raise UsageError(f"a reduce-scatter input of {flat.numel()} elements where the group's parameters fill "
+                             f"{width * size}: a parameter without a gradient at this step; the recorder needs every "
+                             "trainable parameter to get one (freeze the others: requires_grad_(False))")
+        chunks = flat.detach().view(size, width)
+        pieces = []
+        for c in range(size):
+            position = 0
+            for offset, rows, per_row in plan:
+                first, stop = shard_rows(rows, c, size)
+                n = (stop - first) * per_row
+                if n:
+                    pieces.append(shards.fingerprint_piece(chunks[c, position : position + n], offset=offset + first * per_row,
+                                                           k=self._k, seed=self._seed))
+                position += -(-rows // size) * per_row
+        return pieces
+
+    def local(self) -> Fingerprint | None:
+        """The step's whole local gradient, as a DDP trace's one bucket (``combine`` of one digest)."""
+        if self.error is not None:
+            raise self.error
+        if not self.pieces:
+            return None
+        whole = shards.combine_pieces(self.pieces)
+        return Fingerprint(digest=combine_digests([whole.digest]), sketch=whole.sketch, norm=whole.norm,
+                           max_abs=whole.max_abs, nonfinite=whole.nonfinite, numel=whole.numel)
+
+
+class FsdpRecorder(Recorder):
+    """Records an FSDP2 or HSDP job (``Recorder(trace_dir, model, optimizer)`` builds it for a
+    ``fully_shard`` model; the arguments are the :class:`Recorder`'s, ``comm_hook`` excepted)."""
+
+    def __init__(
+        self,
+        trace_dir: str | os.PathLike,
+        ddp_model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        recipe: str | None = None,
+        recipe_args: dict[str, Any] | None = None,
+        options=None,
+        comm_hook: Callable | None = None,
+        comm_state: Any = None,
+        inject: Iterable[FaultSpec | str] = (),
+        framework: dict[str, str] | None = None,
+    ) -> None:
+        model = ddp_model
+        if comm_hook is not None or comm_state is not None:
+            raise UsageError("comm_hook is DDP's: an FSDP2 job keeps its own reduce-scatter (set_custom_reduce_scatter "
+                             "before the Recorder), which the recorder wraps")
+        fm.require_fsdp2(model, "the Recorder")
+        self._setup(trace_dir, model, optimizer, group=dist.group.WORLD, recipe=recipe, recipe_args=recipe_args,
+                    options=options, inject=inject, framework=framework, locations=LOCATIONS + FSDP_LOCATIONS)
+        specs = [s for s in self.injector.specs] if hasattr(self.injector, "specs") else []
+        problem = self._problem(model, specs)
+        self._gather_identities(problem)
+        self.mesh = mesh_of(model, self.world_size)
+        self.grad_params = [p for p in self.params if p.requires_grad]
+        self._grad_offsets = flat_offsets(self.grad_params)
+        self._weight_offsets = flat_offsets(self.params)
+        self.tap = _Tap(offsets=self._grad_offsets, sketch_k=self.options.sketch_k, seed=self.options.seed,
+                        start_step=self.options.start_step)
+        from sdc_forensics.recorder.fsdp_checks import rank_place
+
+        self.tap.place = rank_place(model)
+        fsdp_specs = [str(s) for s in specs if s.location in FSDP_LOCATIONS]
+        if fsdp_specs:
+            self.tap._inject = fm.spec_injector(fsdp_specs, lambda: self.tap.step)
+        fm.install(model, self.tap, OrderedReduceScatter() if self.options.reduction == ORDERED else None)
+        self._comm_hook_name = "sdc_forensics.recorder.fsdp_recorder.OrderedReduceScatter" if self.options.reduction == ORDERED else ""
+        self._open_trace()
+
+    def _problem(self, model: torch.nn.Module, specs: list) -> str | None:
+        """What this rank cannot record, in one line (None: nothing)."""
+        if self.options.audit_every or self.options.audit_steps:
+            return "audits are not built for sharded jobs yet: record without audit_every (the replay recomputes every rank)"
+        wrong = sorted({s.location for s in specs if s.location in _DDP_ONLY})
+        if wrong:
+            return (f"fault location(s) {', '.join(wrong)} are DDP's; a sharded job's are "
+                    f"{', '.join(FSDP_LOCATIONS)}, weights, update, input")
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) > 1:
+            return f"parameters of several dtypes ({', '.join(sorted(map(str, dtypes)))}): the recorder needs one"
+        for group in fm.param_groups(model):
+            policy = getattr(group, "mp_policy", None)
+            if policy is not None and (policy.param_dtype is not None or policy.reduce_dtype is not None):
+                return ("a MixedPrecisionPolicy with param_dtype or reduce_dtype: mixed precision is not recorded for "
+                        "sharded jobs yet; record in the parameters' dtype")
+        return None
+
+    # ---------------------------------------------------------------- per step
+    def _before_update(self, optimizer, args, kwargs) -> None:
+        state = self._state
+        if state is None:
+            return None
+        if not state.num_threads:
+            state.num_threads = ThreadWatch.current()
+        failure: BaseException | None = None
+        try:
+            state.local = self.tap.local()
+            grads = [(p.grad, self._grad_offsets[id(p)]) for p in self.grad_params if p.grad is not None]
+            if state.local is not None and len(grads) == len(self.grad_params):
+                state.reduced = shards.fingerprint_runs(rank_runs(grads), k=self.options.sketch_k, seed=self.options.seed)
+            self._resolve_inputs(state)
+            self._note_layout(state.step)
+        except Exception as exc:  # noqa: BLE001 - the other ranks must learn it, or they wait forever
+            failure = exc
+        table = self._all_gather_words(np.array([-1 if failure else int(state.reduced is not None)], dtype=np.int64))[:, 0]
+        if (table < 0).any():
+            if failure is not None:
+                raise failure
+            failed = ", ".join(str(int(r)) for r in np.flatnonzero(table < 0))
+            raise SdcError(f"the recorder failed on rank(s) {failed} at step {state.step}; see their logs")
+        result = self.tap.check(state.step, policy="return")
+        if table.all():
+            state.flags |= int(F.Flag.HAS_GRADS)
+        findings = []
+        for found in result.findings:
+            flag, check = _FLAGS.get(found.check, (F.Flag.ALLREDUCE_MISMATCH, "allreduce"))
+            where = self.mesh.where(found.rank) if self.mesh is not None else ""
+            findings.append(checks.Finding(check=check, step=state.step, rank=found.rank, flag=flag, ranks=(found.rank,),
+                                           detail=f"rank {found.rank} ({where}): {found.detail}"))
+            if found.rank == self.rank:
+                state.flags |= int(flag)
+        self._react(state, findings)
+        return None
+
+    def _after_update(self, optimizer, args, kwargs) -> None:
+        state = self._state
+        if state is None:
+            return None
+        if self.injector:
+            with torch.no_grad():
+                self.injector.corrupt_tensors("update", state.step, [_local(p).data for p in self.params])
+        state.weights = self._weights()
+        state.flags |= int(F.Flag.HAS_WEIGHTS)
+        if self.options.compares_weights(state.step):
+            findings, vote = self._vote_shards(state.step, state.weights[0])
+            self.last_weights_vote = (state.step, state.weights[0], vote)
+            state.flags |= int(F.Flag.WEIGHTS_CHECKED)
+            for finding in findings:
+                if finding.flag == F.Flag.NO_MAJORITY and self.rank in finding.ranks:
+                    state.flags |= int(F.Flag.NO_MAJORITY)
+                elif self.rank in finding.ranks:
+                    state.flags |= int(F.Flag.WEIGHTS_DIVERGED)
+            self._react(state, findings)
+        return None
+
+    def _weights(self) -> tuple[int, float, int]:
+        """This rank's shard of the weights: ``(digest, L2 norm, NaN/Inf count)``."""
+        with torch.no_grad():
+            fp = shards.fingerprint_runs(rank_runs((p, self._weight_offsets[id(p)]) for p in self.params), k=1,
+                                         seed=self.options.seed)
+        return fp.digest, float(fp.norm), int(fp.nonfinite)
+
+    def _vote_shards(self, step: int, digest: int) -> tuple[list[checks.Finding], checks.Majority]:
+        """The weights vote, per shard across the ranks that hold it (a collective)."""
+        table = self._all_gather_words(np.array([digest], dtype=np.uint64).view(np.int64))[:, 0].view(np.uint64)
+        findings, agreeing, diverged, blessed = [], [], [], True
+        for group in self.mesh.same_shard():
+            if len(group) < 2:
+                agreeing += group
+                continue
+            vote = checks.strict_majority([table[r] for r in group])
+            shard = self.mesh.shard_of(group[0])
+            if vote.value is None:
+                blessed = False
+                diverged += group
+                findings.append(checks.Finding(
+                    check="weights", step=step, rank=-1, flag=F.Flag.NO_MAJORITY, ranks=group,
+                    detail=f"the {len(group)} replicas of shard {shard} (ranks {', '.join(map(str, group))}) hold different "
+                    "weights and no strict majority: detected, but no vote can name the rank; a replay can"))
+                continue
+            agreeing += [group[i] for i in vote.agreeing]
+            bad = tuple(group[i] for i in vote.diverged)
+            diverged += bad
+            if bad:
+                findings.append(checks.Finding(
+                    check="weights", step=step, rank=bad[0], flag=F.Flag.WEIGHTS_DIVERGED, ranks=bad,
+                    detail=f"rank(s) {', '.join(map(str, bad))} ({self.mesh.where(bad[0])}) hold shard {shard} differently "
+                    f"from the majority of its {len(group)} replicas"))
+        majority = checks.Majority(value=digest if blessed else None, agreeing=tuple(sorted(agreeing)),
+                                   diverged=tuple(sorted(diverged)))
+        return findings, majority
+
+    def _note_layout(self, step: int) -> None:
+        """One bucket holding every gradient-carrying parameter in model order, once per attempt."""
+        if self._layouts:
+            return
+        index = {id(p): i for i, p in enumerate(self.params)}
+        self._layouts.append({"from_step": step, "buckets": [[index[id(p)] for p in self.grad_params]]})
+        if self.rank == 0:
+            records.write_layouts(self.trace_dir, self.attempt, self._layouts)
+            if self.options.grad_dtype is None and self.grad_params:
+                records.update_grad_dtype(self.trace_dir, str(self.grad_params[0].dtype).removeprefix("torch."))
+
+    # ---------------------------------------------------------------- checkpoints
+    def checkpoint(self, step: int, path: str | os.PathLike, state: Any, *, save: Callable[[Any, Path], None] | None = None):
+        """Save checkpoint ``step`` (it holds theta_step) with ``torch.distributed.checkpoint``:
+        every rank calls it with its part of the state (``{"model": model.state_dict(), ...}``).
+
+        The state's tensors are digested as if whole (no all-gather), the weight shards voted
+        across replicas, the directory written by every rank (``save(state, path)``; default
+        ``torch.distributed.checkpoint.save``), and rank 0 notes it. Returns the note on every rank.
+        """
+        from sdc_forensics.recorder.fsdp_checks import sharded_state_digests
+
+        step, path = int(step), Path(path)
+        if not self._checkpointed:
+            self._checkpointed = True
+            self._check_first_checkpoint(step)
+        last = self.last_weights_vote
+        if last is not None and last[0] == step - 1:
+            _, my_digest, vote = last
+            findings = []
+        else:
+            my_digest = self._weights()[0]
+            findings, vote = self._vote_shards(max(step - 1, 0), my_digest)
+        blessed = vote.value is not None
+        if not blessed and self.options.policy == "raise":
+            self._react(None, findings)
+        tensors = sharded_state_digests(state, seed=self.options.seed)  # a collective, before the files exist
+        keys = _param_keys([n for n, _ in self.module.named_parameters()], tensors)
+        whole = combine_digests(int(tensors[key], 16) for key in keys)
+        failure = ""
+        try:
+            if save is not None:
+                save(state, path)
+            else:
+                import torch.distributed.checkpoint as dcp
+
+                dcp.save(state, checkpoint_id=str(path))
+        except Exception as exc:  # noqa: BLE001 - every rank must learn that the save failed
+            failure = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        failures: list = [None] * self.world_size
+        dist.all_gather_object(failures, failure, group=self.group)
+        failed = next((f for f in failures if f), "")
+        note = CheckpointNote(
+            step=step, path=str(path), attempt=self.attempt, weights_digest=hex64(whole), param_names=keys, tensors=tensors,
+            saved_by_rank=0, agreeing_ranks=vote.agreeing, diverged_ranks=vote.diverged, blessed=blessed,
+            saved_ns=time.time_ns(), path_from_trace=path_from_trace(self.trace_dir, path),
+        )
+        if self.rank == 0 and not failed:
+            write_checkpoint_note(self.trace_dir, note)
+        record = self.writer.new(F.Kind.CHECKPOINT, step)
+        record["weights_digest"] = my_digest % (1 << 64)
+        record["aux_digest"] = whole % (1 << 64)
+        record["aux_rank"] = 0
+        record["flags"] = int(F.Flag.WEIGHTS_CHECKED) | (0 if blessed else int(F.Flag.CHECKPOINT_REFUSED | F.Flag.NO_MAJORITY))
+        if self.rank in vote.diverged and blessed:
+            record["flags"] |= int(F.Flag.WEIGHTS_DIVERGED)
+        self.writer.append(record)
+        if failed:
+            raise SdcError(f"checkpoint {step} could not be saved to {path}: {failed}")
+        if findings:
+            self._react(None, findings)
+        return note
+
+
+def _param_keys(names: list[str], tensors: dict[str, str]) -> tuple[str, ...]:
+    """The key of every parameter in the flattened state (``model.0.weight`` for ``0.weight``)."""
+    keys = []
+    for name in names:
+        matches = [k for k in tensors if k == name or k.endswith("." + name)]
+        if len(matches) != 1:
+            raise UsageError(f"the checkpoint state does not hold parameter {name!r} (or holds it ambiguously); pass a state "
+                             "built from model.state_dict() so the recorder can note the weights digest")
+        keys.append(matches[0])
+    return tuple(keys)

@@ -1,0 +1,124 @@
+"""The device mesh of a sharded job (FSDP2 ``fully_shard``, HSDP), as a trace records it.
+
+The manifest's optional ``"parallel"`` key holds it (``docs/trace-format.md``); a DDP trace has
+none. Every rank holds one shard of every parameter: the ranks that share a *shard coordinate*
+hold the same elements (HSDP's replicas of one shard: their weights are voted), the ranks that
+share a *replica coordinate* hold the whole model between them (one replica).
+
+A parameter of ``d0`` rows is cut as FSDP2's ``Shard(0)`` cuts it (``torch.chunk``): shard
+``c`` of ``S`` holds rows ``[c * ceil(d0 / S), min((c + 1) * ceil(d0 / S), d0))``, possibly none.
+Numpy-free and torch-free: triage reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+KINDS = ("fsdp", "hsdp")
+_MAX_DIMS = 4
+_MAX_NAME = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardMesh:
+    """The mesh of a sharded job.
+
+    Attributes:
+        kind: ``"fsdp"`` (one mesh dimension, every rank one shard) or ``"hsdp"`` (replicate x shard).
+        shape: mesh sizes, e.g. ``(4,)`` or ``(2, 2)``.
+        dim_names: the mesh's dimension names (``("dp_replicate", "dp_shard")``; "" where unnamed).
+        shard_dim: the dimension that shards the parameters (the last, as FSDP2 uses it).
+        coords: every global rank's coordinates, rank order.
+    """
+
+    kind: str
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...]
+    shard_dim: int
+    coords: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, not {self.kind!r}")
+        if not 1 <= len(self.shape) <= _MAX_DIMS or any(s < 1 for s in self.shape):
+            raise ValueError(f"a mesh shape of 1 to {_MAX_DIMS} positive sizes, not {self.shape}")
+        if len(self.dim_names) != len(self.shape) or not 0 <= self.shard_dim < len(self.shape):
+            raise ValueError("one name per mesh dimension, and a shard dimension among them")
+        total = 1
+        for size in self.shape:
+            total *= size
+        if len(self.coords) != total or len(set(self.coords)) != total:
+            raise ValueError(f"a {self.shape} mesh needs {total} distinct rank coordinates, found {len(self.coords)}")
+        for coord in self.coords:
+            if len(coord) != len(self.shape) or any(not 0 <= c < s for c, s in zip(coord, self.shape)):
+                raise ValueError(f"coordinate {coord} is outside the {self.shape} mesh")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.coords)
+
+    @property
+    def shard_size(self) -> int:
+        """Shards of each parameter (the shard dimension's size)."""
+        return self.shape[self.shard_dim]
+
+    def shard_of(self, rank: int) -> int:
+        """The shard coordinate of ``rank``: which rows of each parameter it holds."""
+        return self.coords[rank][self.shard_dim]
+
+    def same_shard(self) -> list[tuple[int, ...]]:
+        """Groups of ranks that hold the same shard (HSDP replicas of it; groups of one in FSDP)."""
+        return self._groups(lambda coord: coord[self.shard_dim])
+
+    def replicas(self) -> list[tuple[int, ...]]:
+        """Groups of ranks that hold one whole model between them (a replica; one group in FSDP)."""
+        return self._groups(lambda coord: coord[: self.shard_dim] + coord[self.shard_dim + 1 :])
+
+    def _groups(self, key) -> list[tuple[int, ...]]:
+        groups: dict[Any, list[int]] = {}
+        for rank, coord in enumerate(self.coords):
+            groups.setdefault(key(coord), []).append(rank)
+        return [tuple(ranks) for _, ranks in sorted(groups.items())]
+
+    def where(self, rank: int) -> str:
+        """``"mesh (dp_replicate=1, dp_shard=0)"`` for a message."""
+        if not 0 <= rank < self.world_size:
+            return ""
+        names = [n or f"dim{i}" for i, n in enumerate(self.dim_names)]
+        return "mesh (" + ", ".join(f"{n}={c}" for n, c in zip(names, self.coords[rank])) + ")"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "shape": list(self.shape), "dim_names": list(self.dim_names), "shard_dim": self.shard_dim,
+                "coords": [list(c) for c in self.coords]}
+
+    @classmethod
+    def from_json(cls, doc: Any, world_size: int) -> ShardMesh:
+        """Parse the manifest's ``"parallel"`` object (untrusted): ValueError says what is wrong."""
+        if not isinstance(doc, dict):
+            raise ValueError("must be an object")
+        kind, shape, names, dim, coords = (doc.get(k) for k in ("kind", "shape", "dim_names", "shard_dim", "coords"))
+        if not isinstance(shape, list) or not all(_small_int(s) for s in shape):
+            raise ValueError('"shape" must be a list of positive integers')
+        if not isinstance(names, list) or not all(isinstance(n, str) and len(n) <= _MAX_NAME for n in names):
+            raise ValueError(f'"dim_names" must be a list of strings of at most {_MAX_NAME} characters')
+        if not _small_int(dim, 0):
+            raise ValueError('"shard_dim" must be an integer')
+        if not isinstance(coords, list) or len(coords) != world_size:
+            raise ValueError(f'"coords" must list the coordinates of all {world_size} ranks')
+        if not all(isinstance(c, list) and all(_small_int(x, 0) for x in c) for c in coords):
+            raise ValueError('"coords" must be lists of integers')
+        return cls(kind=str(kind), shape=tuple(shape), dim_names=tuple(names), shard_dim=int(dim),
+                   coords=tuple(tuple(c) for c in coords))
+
+
+def _small_int(value: Any, lo: int = 1) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value < (1 << 31)
+
+
+def shard_rows(rows: int, shard: int, shards: int) -> tuple[int, int]:
+    """``(first, stop)`` rows of shard ``shard`` of ``shards`` of a parameter of ``rows`` rows
+    (FSDP2's ``Shard(0)``, ``torch.chunk``'s split; empty shards at the end)."""
+    chunk = -(-rows // shards) if rows else 0
+    first = min(shard * chunk, rows)
+    return first, min(first + chunk, rows)
