@@ -52,7 +52,7 @@ def _state_affecting(ev: Evidence) -> bool:
 
 
 def _rank_local(ev: Evidence) -> bool:
-    return _state_affecting(ev) and bool(ev.ranks) and ev.location in _RANK_LOCAL
+    return _state_affecting(ev) and bool(ev.ranks) and ev.location in _RANK_LOCAL and not ev.shared
 
 
 def _consequence(ev: Evidence, cause: Evidence) -> Evidence:
@@ -83,7 +83,7 @@ def shared_state(evidence: Sequence[Evidence], world_size: int, anchors: Iterabl
         local = [e for e in evs if _rank_local(e)]
         covered = {r for e in local for r in e.ranks}
         if world_size >= 2 and covered >= set(range(world_size)):
-            event = _common_event(step, local, out)
+            event = _common_event(step, local, out, [e for e in evs if e.shared and e.marks_divergence])
             out += [e for e in evs if e not in local] + [event]
             if any(e.source == "replay" for e in local):
                 departed_until, cause = _next_anchor(starts, step), event
@@ -103,9 +103,11 @@ def _next_anchor(starts: list[int], step: int) -> float:
     return starts[i] if i < len(starts) else float("inf")
 
 
-def _common_event(step: int, members: list[Evidence], earlier: list[Evidence]) -> Evidence:
+def _common_event(step: int, members: list[Evidence], earlier: list[Evidence], shared: Sequence[Evidence] = ()) -> Evidence:
     """The one record a common-mode group at ``step`` becomes; confirms (rewrites in ``earlier``)
-    a weak candidate at ``step - 1`` when every member stands far beyond the drift allowance."""
+    a weak candidate at ``step - 1`` when every member stands far beyond the drift allowance.
+    ``shared``: strong evidence at ``step`` itself of a fault every rank computed with (a sharded
+    job's weight shard changed at rest): the event is its consequence."""
     candidates = [i for i, e in enumerate(earlier)
                   if e.step == step - 1 and _state_affecting(e) and not is_common_mode(e)
                   and (e.ranks or e.location is Location.COLLECTIVE)]
@@ -116,6 +118,10 @@ def _common_event(step: int, members: list[Evidence], earlier: list[Evidence]) -
     what = (f"{COMMON_MODE}: every rank's local gradient at step {step} differs from the record: one event about the "
             f"state entering step {step}, made by step {step - 1} (its reduced gradient, update or weights), not "
             f"{len({r for e in members for r in e.ranks})} independent faults")
+    if shared:
+        who = ", ".join(f"rank(s) {', '.join(map(str, e.ranks))}" for e in shared)
+        return Evidence(**base, affects_state=False, strength=Strength.WEAK,
+                        detail=f"{what}; it is the consequence of the state {who} held at step {step}, which every rank computed with")
     strong = [i for i in candidates if earlier[i].marks_divergence]
     weak = [i for i in candidates if earlier[i].is_weak]
     if strong or (weak and far):

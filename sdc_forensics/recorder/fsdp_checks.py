@@ -251,7 +251,7 @@ def check_gathered(model: torch.nn.Module, *, policy: str = "return", step: int 
     return _finish(ShardCheck("gathered", (group,), tuple(_vote_groups(table, names, [group], places))), policy, step)
 
 
-def sharded_state_digests(state, *, seed: int = C.DEFAULT_SEED) -> dict[str, str]:
+def sharded_state_digests(state, *, seed: int = C.DEFAULT_SEED, trusted: tuple[int, ...] | None = None) -> dict[str, str]:
     """``{key: hex digest}`` of every tensor of a sharded state, as if each were whole; no all-gather.
 
     Every rank calls it with its part of the same state (``{"model": model.state_dict(),
@@ -262,6 +262,10 @@ def sharded_state_digests(state, *, seed: int = C.DEFAULT_SEED) -> dict[str, str
     sharding. HSDP replicas give the same piece once; replicas that differ raise
     :class:`~sdc_forensics.errors.SdcAlarm` naming the tensor. A plain tensor (every rank holds it
     whole, like a step counter) is digested where it is.
+
+    ``trusted``: the ranks whose copies count (the recorder's weights vote: a replica that
+    diverged is outvoted, not an error); where they hold a range, another rank's different copy
+    is ignored, and the digest is theirs.
 
     Returns:
         The same mapping on every rank, keys as :func:`sdc_forensics.statedict.flatten_state` joins them.
@@ -289,11 +293,16 @@ def sharded_state_digests(state, *, seed: int = C.DEFAULT_SEED) -> dict[str, str
                 differ.append(key)
             continue
         pieces: dict[tuple[int, int], tuple[int, dict]] = {}
-        for rank, theirs in enumerate(gathered):
-            _, offset, numel, piece = theirs[key]
+        order = list(range(len(gathered)))
+        if trusted is not None:
+            order = [r for r in order if r in trusted] + [r for r in order if r not in trusted]
+        for rank in order:
+            _, offset, numel, piece = gathered[rank][key]
             if not numel:
                 continue
             held = pieces.setdefault((offset, numel), (rank, piece))
+            if trusted is not None and held[0] in trusted and rank not in trusted:
+                continue  # an outvoted replica's copy
             if _exact(held[1]) != _exact(piece):  # the digest's terms, not floats (NaN != NaN)
                 raise SdcAlarm(f"{key}: ranks {held[0]} and {rank} hold elements {offset}..{offset + numel - 1} differently "
                                "(replicas of one shard must be equal)", step=-1, rank=-1, check="replicas")

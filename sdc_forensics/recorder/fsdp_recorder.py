@@ -233,6 +233,7 @@ class FsdpRecorder(Recorder):
         self._gather_identities(problem)
         self.mesh = mesh_of(model, self.world_size)
         self.grad_params = [p for p in self.params if p.requires_grad]
+        self._last_update: int | None = None  # this rank's weight shard digest after the last update
         self._grad_offsets = flat_offsets(self.grad_params)
         self._weight_offsets = flat_offsets(self.params)
         self.tap = _Tap(offsets=self._grad_offsets, sketch_k=self.options.sketch_k, seed=self.options.seed,
@@ -266,6 +267,14 @@ class FsdpRecorder(Recorder):
         return None
 
     # ---------------------------------------------------------------- per step
+    def begin_step(self, step: int, *, microbatch_ids: Iterable[int] | None = None):
+        """Start step ``step``; the weight shard is digested now, before FSDP gathers it for the
+        forward: a change at rest since the last update (which every rank then computes with) is
+        seen on the rank that holds it."""
+        handle = super().begin_step(step, microbatch_ids=microbatch_ids)  # a "weights" drill flips the shard first
+        self._state.rest_weights = self._weights()[0]
+        return handle
+
     def _before_update(self, optimizer, args, kwargs) -> None:
         state = self._state
         if state is None:
@@ -282,7 +291,9 @@ class FsdpRecorder(Recorder):
             self._note_layout(state.step)
         except Exception as exc:  # noqa: BLE001 - the other ranks must learn it, or they wait forever
             failure = exc
-        table = self._all_gather_words(np.array([-1 if failure else int(state.reduced is not None)], dtype=np.int64))[:, 0]
+        changed = int(self._last_update is not None and state.rest_weights is not None and self._last_update != state.rest_weights)
+        words = self._all_gather_words(np.array([-1 if failure else int(state.reduced is not None), changed], dtype=np.int64))
+        table = words[:, 0]
         if (table < 0).any():
             if failure is not None:
                 raise failure
@@ -292,6 +303,13 @@ class FsdpRecorder(Recorder):
         if table.all():
             state.flags |= int(F.Flag.HAS_GRADS)
         findings = []
+        for rank in np.flatnonzero(words[:, 1]).tolist():
+            findings.append(checks.Finding(
+                check="weights", step=state.step, rank=rank, flag=F.Flag.WEIGHTS_DIVERGED, ranks=(rank,),
+                detail=f"rank {rank} ({self.mesh.where(rank)}): its weight shard changed at rest, between the update of "
+                f"step {state.step - 1} and step {state.step} (every rank gathered it for this step's forward)"))
+            if rank == self.rank:
+                state.flags |= int(F.Flag.WEIGHTS_DIVERGED)
         for found in result.findings:
             flag, check = _FLAGS.get(found.check, (F.Flag.ALLREDUCE_MISMATCH, "allreduce"))
             where = self.mesh.where(found.rank) if self.mesh is not None else ""
@@ -310,6 +328,7 @@ class FsdpRecorder(Recorder):
             with torch.no_grad():
                 self.injector.corrupt_tensors("update", state.step, [_local(p).data for p in self.params])
         state.weights = self._weights()
+        self._last_update = state.weights[0]
         state.flags |= int(F.Flag.HAS_WEIGHTS)
         if self.options.compares_weights(state.step):
             findings, vote = self._vote_shards(state.step, state.weights[0])
@@ -396,7 +415,10 @@ class FsdpRecorder(Recorder):
         blessed = vote.value is not None
         if not blessed and self.options.policy == "raise":
             self._react(None, findings)
-        tensors = sharded_state_digests(state, seed=self.options.seed)  # a collective, before the files exist
+        # a collective, before the files exist; an outvoted replica's copies do not count, and
+        # without a majority the lowest rank's count (the checkpoint is then not blessed)
+        trusted = vote.agreeing if blessed else tuple(g[0] for g in self.mesh.same_shard())
+        tensors = sharded_state_digests(state, seed=self.options.seed, trusted=trusted)
         keys = _param_keys([n for n, _ in self.module.named_parameters()], tensors)
         whole = combine_digests(int(tensors[key], 16) for key in keys)
         failure = ""

@@ -140,6 +140,7 @@ class _StepState:
     local: Fingerprint | None = None
     reduced: Fingerprint | None = None
     weights: tuple[int, float, int] | None = None  # digest, norm, nonfinite count
+    rest_weights: int | None = None  # a sharded job: the rank's weight shard digest when the step began (aux_digest)
     audit: AuditOutcome | None = None
     num_threads: int = 0  # intra-op CPU threads the step ran with (0: not read yet)
     loss_value: float | None = None  # the summed loss, read from the device once
@@ -650,6 +651,9 @@ class Recorder:
             records.fill_grads(rec, "reduced", state.reduced)
         if state.weights is not None:
             rec["weights_digest"], rec["weights_norm"], rec["nonfinite_weights"] = state.weights[0] % (1 << 64), state.weights[1], state.weights[2]
+        if state.rest_weights is not None:
+            rec["aux_digest"] = state.rest_weights % (1 << 64)
+            rec["flags"] |= int(F.Flag.REST_WEIGHTS)
         rec["flags"] |= state.flags
         rec["aux_value"] = self._note_threads(state)
         records.append_with_ids(self.writer, rec, state.ids, state.step)

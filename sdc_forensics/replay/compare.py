@@ -149,7 +149,7 @@ class StepComparisons:
                 self.collective_missed = (f"step {step}: the replay's own collective does not reproduce the recorded reduced digest; "
                                           f"most likely {env.collective_suspect(self.trace, int(recs[0]['attempt']))}; "
                                           "the modelled summation orders are tried instead")
-        if self.known_order == env.ORDERED:  # recorded: the only order, exact or tolerant
+        if self.known_order == env.ORDERED or self.mesh is not None:  # recorded (or a sharded job's one model): exact or tolerant
             orders = (env.ORDERED,)
         elif self.known_order == env.COLLECTIVE and not tolerant:  # it reproduced earlier steps: a miss is evidence
             orders = (env.COLLECTIVE,)

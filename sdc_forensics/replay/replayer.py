@@ -272,11 +272,29 @@ class Replayer(StepComparisons):
     def reduce(self, per_rank: list[list[torch.Tensor]], order: str) -> list[torch.Tensor]:
         """The ranks' average in ``order`` (``replay.env.reduce_buckets``), written into this
         order's reused buffer: valid until the next step's reduction in the same order."""
+        if self.mesh is not None and len(self.mesh.replicas()) > 1 and order == env.ORDERED:
+            return self._hsdp_ordered(per_rank)
         dtypes = {t.dtype for t in per_rank[0]}
         if len(dtypes) != 1:
             return env.reduce_buckets(per_rank, order, compress=self.compress)
         out = self._buffers(self._reduce_buffers, order, [t.numel() for t in per_rank[0]], dtypes.pop())
         return env.reduce_buckets(per_rank, order, out=out, compress=self.compress)
+
+    def _hsdp_ordered(self, per_rank: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """HSDP recorded with the ordered reduce-scatter: each replica's ordered mean of its ranks,
+        then the replicas' all-reduce (the collective's own): their sum in replica order over
+        ``R``. Exact for 2 replicas in any order (halving is exact); a guess for more, which the
+        record confirms or not (the comparison then goes tolerant)."""
+        from sdc_forensics.reduction import ordered_mean
+
+        means = [[ordered_mean([per_rank[r][b] for r in group]) for b in range(len(per_rank[0]))] for group in self.mesh.replicas()]
+        out = []
+        for b in range(len(per_rank[0])):
+            acc = means[0][b].clone()
+            for mean in means[1:]:
+                acc += mean[b]
+            out.append(acc.div_(len(means)))
+        return out
 
     def _use_threads(self, recorded: int) -> None:
         if self.device.type != "cpu":
@@ -346,8 +364,10 @@ class Replayer(StepComparisons):
             if attempt not in layouts:
                 layouts[attempt] = env.bucket_layouts(self.trace.path, attempt)
             layout, recorded_layout = env.layout_at(layouts[attempt], step, len(params))
-            if _recorded_reduction(self.trace, attempt) == env.ORDERED:
-                self.known_order = env.ORDERED  # the order is known before any step: exact on any device
+            if _recorded_reduction(self.trace, attempt) == env.ORDERED and (self.mesh is None or len(self.mesh.replicas()) <= 2):
+                # the order is known before any step: exact on any device (HSDP over 3 or more
+                # replicas all-reduces them in the collective's order: learnt, not known)
+                self.known_order = env.ORDERED
             self.compress = env.compression_of(env.attempt_determinism(self.trace, attempt))
             if not recorded_layout and tolerant_from is None:
                 tolerant_from = step

@@ -87,6 +87,7 @@ class Flag(enum.IntFlag):
     HAS_WEIGHTS = 1 << 11  # weights_digest holds this step's post-update weights
     HAS_GRADS = 1 << 12  # local/reduced gradient fields are filled
     CLOSED_ON_ERROR = 1 << 13  # END record: the recorder was closed while an exception propagated
+    REST_WEIGHTS = 1 << 14  # STEP record of a sharded job: aux_digest holds the weight shard digest when the step began
 
 
 HEADER_DTYPE = np.dtype(

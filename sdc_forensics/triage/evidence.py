@@ -72,6 +72,9 @@ class Evidence:
         earliest_step: when the observation only bounds the fault (replica weights found
             different at ``step`` but last compared equal earlier), the earliest step the fault
             can have happened at; None when it happened at ``step``.
+        shared: the fault sits on ``ranks`` but every rank computed with it at ``step`` (a sharded
+            job's weight shard that changed at rest, then gathered by all): a cause of what every
+            rank shows at that step (``decide/common_mode.py``), not one of its members.
     """
 
     kind: EvidenceKind
@@ -85,6 +88,7 @@ class Evidence:
     affects_state: bool = True
     strength: Strength = Strength.STRONG
     earliest_step: int | None = None
+    shared: bool = False
 
     @property
     def is_hint(self) -> bool:
@@ -120,6 +124,7 @@ class Evidence:
             "affects_state": self.affects_state,
             "strength": self.strength.value,
             "earliest_step": self.earliest_step,
+            **({"shared": True} if self.shared else {}),
         }
 
 

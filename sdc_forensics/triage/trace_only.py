@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 _MAX_OUTLIERS = 20
 # the record fields the window scan reads: copying only these halves the bytes moved per window
 _FIELDS = ("flags", "loss", "nonfinite_local", "nonfinite_reduced", "nonfinite_weights", "local_norm", "reduced_norm",
-           "reduced_digest", "weights_digest", "local_sketch", "reduced_sketch")
+           "reduced_digest", "weights_digest", "local_sketch", "reduced_sketch", "aux_digest")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -153,6 +153,7 @@ def _scan_numpy(trace: Trace, options: TriageOptions, grad_dtype: str, reduction
     """The window scan in numpy: ``(evidence, steps weights-checked, superseded cells, has gradients)``."""
     evidence: list[Evidence] = []
     state = _WeightState(world_size=trace.world_size, groups=None if mesh is None else mesh.same_shard())
+    rest = _RestState(world_size=trace.world_size, mesh=mesh) if mesh is not None else None
     superseded = 0
     has_grads = False
     outlier_count = 0
@@ -162,6 +163,8 @@ def _scan_numpy(trace: Trace, options: TriageOptions, grad_dtype: str, reduction
         evidence += _nonfinite(window)
         evidence += _allreduce(window, grad_dtype, reduction) if mesh is None else _reduce_scatter(window, grad_dtype, reduction, mesh)
         evidence += state.scan(window)
+        if rest is not None:
+            evidence += rest.scan(window)
         if options.outliers and outlier_count < _MAX_OUTLIERS:
             hints = _outliers(window, options.outlier_z)[: _MAX_OUTLIERS - outlier_count]
             outlier_count += len(hints)
@@ -342,6 +345,46 @@ def _reduce_scatter(window: StepWindow, grad_dtype: str, reduction: str, mesh: S
 
 
 @dataclasses.dataclass(kw_only=True)
+class _RestState:
+    """A sharded job's weights at rest: each rank's shard digest when step ``s`` began (STEP
+    ``aux_digest``) against its digest after step ``s - 1``'s update. A change between them is a
+    change at rest on the rank holding the shard, which every rank then gathered and computed with
+    (so every rank's gradient differs at ``s``: only this names the rank)."""
+
+    world_size: int
+    mesh: ShardMesh
+    last: np.ndarray | None = None  # (R,) uint64 digest after the last update seen per rank
+    last_step: np.ndarray | None = None  # (R,) int64 its step (-2: none)
+    last_attempt: np.ndarray | None = None
+
+    def scan(self, window: StepWindow) -> list[Evidence]:
+        rec, present = window.records, window.present
+        if self.last is None:
+            self.last = np.zeros(self.world_size, dtype=np.uint64)
+            self.last_step = np.full(self.world_size, -2, dtype=np.int64)
+            self.last_attempt = np.full(self.world_size, -1, dtype=np.int64)
+        has_w = ((rec["flags"] & int(F.Flag.HAS_WEIGHTS)) != 0) & present
+        out: list[Evidence] = []
+        for row, step in enumerate(window.steps.tolist()):
+            rest = (rec["flags"][row] & int(F.Flag.REST_WEIGHTS)) != 0
+            follows = present[row] & rest & (self.last_step == step - 1) & (self.last_attempt == window.attempt[row])
+            changed = follows & (rec["aux_digest"][row] != self.last)
+            if changed.any():
+                ranks = _ranks(changed)
+                out.append(Evidence(
+                    kind=EvidenceKind.WEIGHT_DIVERGENCE, step=step, ranks=ranks, location=Location.LOCAL_COMPUTE, shared=True,
+                    expected=", ".join(f"rank {r}: {hex64(int(self.last[r]))} (after step {step - 1}'s update)" for r in ranks),
+                    found=", ".join(f"rank {r}: {hex64(int(rec['aux_digest'][row, r]))} when step {step} began" for r in ranks),
+                    detail="this rank's weight shard changed at rest between two steps; every rank gathered it for the "
+                    f"forward, so every rank's gradient at step {step} carries it ({'; '.join(self.mesh.where(r) for r in ranks)})",
+                ))
+            self.last = np.where(has_w[row], rec["weights_digest"][row], self.last)
+            self.last_step = np.where(has_w[row], step, self.last_step)
+            self.last_attempt = np.where(has_w[row], window.attempt[row], self.last_attempt)
+        return out
+
+
+@dataclasses.dataclass(kw_only=True)
 class _WeightState:
     """Replica weight divergence across windows: onsets only, and the last checked step."""
 
@@ -370,11 +413,13 @@ class _WeightState:
             self.num_checked += 1
             split = voting[row] & ~has_majority[row]
             if split.any():
-                out.append(Evidence(kind=EvidenceKind.WEIGHT_DIVERGENCE, step=step, ranks=() if self.groups is None else _ranks(split),
+                out.append(Evidence(kind=EvidenceKind.WEIGHT_DIVERGENCE, step=step, ranks=(),
                                     expected="a strict majority of replicas with equal weights",
-                                    found=f"{len(set(rec['weights_digest'][row][split].tolist()))} distinct digests",
+                                    found=f"{len(set(rec['weights_digest'][row][split].tolist()))} distinct digests"
+                                    + ("" if self.groups is None else f" among ranks {', '.join(map(str, _ranks(split)))}"),
                                     location=Location.UNKNOWN, detail="no strict majority of replica weights"
-                                    + ("" if self.groups is None else " (2 replicas of a shard: detected, no vote can name the rank)")))
+                                    + ("" if self.groups is None else " (the replicas of a shard disagree and no vote can name "
+                                       "one: a replay can)")))
                 if self.groups is None or split.all():
                     self.last_checked = step
                     continue
