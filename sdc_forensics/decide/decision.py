@@ -135,6 +135,7 @@ class Suspect:
     evidence: tuple[Evidence, ...]
     shared: bool = False
     replicas: int = 0
+    mesh: str = ""  # a sharded job: the rank's mesh coordinates ("replicate=1, shard=0"); "" otherwise
 
     @property
     def recommendation(self) -> str:
@@ -162,6 +163,7 @@ class Suspect:
             "rank": self.rank, "host": self.host, "gpu": self.gpu, "location": self.location.value,
             "recurring": self.recurring, "steps": list(self.steps), "recommendation": self.recommendation,
             "evidence": [e.to_json() for e in self.evidence],
+            **({"mesh": self.mesh} if self.mesh else {}),
         }
 
 

@@ -150,8 +150,12 @@ def bisect(trace_dir: Trace | str | os.PathLike, options: AnalysisOptions, progr
             limit = " (without --max-replay-steps)" if options.max_replay_steps is not None else ""
             settle.append(f"checkpoint(s) {', '.join(map(str, unexamined))} stay unverified: replay every step before them{limit} "
                           "to certify them" + ("" if limit else " (the notes say what stopped the replay)"))
+    suspects = decided.suspects
+    mesh = trace.manifest.parallel
+    if mesh is not None:  # a sharded job: where in the mesh each suspect sits
+        suspects = tuple(dataclasses.replace(s, mesh=mesh.coordinates(s.rank)) if s.rank is not None else s for s in suspects)
     return BisectResult(
-        verdict=decided.verdict, first_divergent_step=decided.first_divergent_step, suspects=decided.suspects,
+        verdict=decided.verdict, first_divergent_step=decided.first_divergent_step, suspects=suspects,
         last_clean_checkpoint=decided.last_clean, checkpoints=decided.checkpoints,
         replayed=summary, evidence=decided.evidence, mode=mode, scope=scope, settle=tuple(settle),
         trace_path=str(trace.path), world_size=trace.world_size, step_range=tri.step_range,

@@ -87,9 +87,12 @@ def render_bisect(result: BisectResult, console) -> None:
     for line in stopped:
         console.print(f"[bold yellow]{escape(line[0].upper() + line[1:])}[/]")
     if result.suspects:
-        table = new_table(console, "Suspects", ("rank", "host", "gpu", "location", "steps", "recurrence", "recommendation"))
+        sharded = any(s.mesh for s in result.suspects)  # a sharded job: the mesh coordinates say which shard and replica
+        table = new_table(console, "Suspects", ("rank", "host", "gpu") + (("mesh",) if sharded else ())
+                          + ("location", "steps", "recurrence", "recommendation"))
         for s in result.suspects:
             table.add_row("all (collective)" if s.rank is None else str(s.rank), escape(s.host or "-"), escape(s.gpu or "-"),
+                          *((escape(s.mesh or "-"),) if sharded else ()),
                           s.location.value, ", ".join(map(str, s.steps)), "recurring" if s.recurring else "one event",
                           escape(s.recommendation))
         console.print(table)

@@ -35,6 +35,7 @@ def inspect_document(summary: TraceSummary, covered=None) -> dict[str, Any]:
         "world_size": m.world_size,
         "recipe": m.recipe,
         "framework": m.framework,
+        "parallel": None if m.parallel is None else m.parallel.to_json(),
         "fingerprint": dataclasses.asdict(m.fingerprint),
         "steps": {"first": summary.first_step, "last": summary.last_step, "rank_steps": summary.num_rank_steps},
         "end": summary.end.to_json(),
@@ -76,6 +77,8 @@ def render_inspect(summary: TraceSummary, console, covered=None) -> None:
     if m.framework is not None:
         fw = m.framework
         console.print(f"written by: {escape(fw['name'])} {escape(fw['version'])} through {escape(fw['adapter'] or '-')}")
+    if m.parallel is not None:
+        console.print(f"sharded: {escape(m.parallel.describe())}; reduced gradients and weights recorded per shard")
     console.print(f"fingerprints: seed {fp.seed:#x}, sketch k={fp.sketch_k}, gradients in {escape(fp.grad_dtype)}")
     _render_end(console, summary.end)
     if m.attempts:
@@ -84,10 +87,12 @@ def render_inspect(summary: TraceSummary, console, covered=None) -> None:
     if latest is not None:
         console.print(escape(f"torch {latest.torch_version or '?'}  cuda {latest.cuda_version or '-'}  "
                              f"determinism {pairs_text(latest.determinism)}"))
-    ranks = new_table(console, "ranks (latest attempt)", ("rank", "host", "node", "local", "gpu", "job / node"))
+    ranks = new_table(console, "ranks (latest attempt)", ("rank", "host", "node", "local", "gpu", "job / node")
+                      + (("mesh",) if m.parallel is not None else ()))
     for r in latest.ranks if latest else ():
         job = " ".join(x for x in (r.slurm_job_id, r.slurm_node or r.k8s_node) if x) or "-"
-        ranks.add_row(str(r.rank), escape(r.host), str(r.node_rank), str(r.local_rank), escape(r.gpu), escape(job))
+        ranks.add_row(str(r.rank), escape(r.host), str(r.node_rank), str(r.local_rank), escape(r.gpu), escape(job),
+                      *((escape(m.parallel.coordinates(r.rank)),) if m.parallel is not None else ()))
     console.print(ranks)
     attempts = new_table(console, "attempts", ("attempt", "resumed at step", "steps recorded", "records"))
     for a in summary.attempts:

@@ -81,12 +81,21 @@ class ShardMesh:
             groups.setdefault(key(coord), []).append(rank)
         return [tuple(ranks) for _, ranks in sorted(groups.items())]
 
-    def where(self, rank: int) -> str:
-        """``"mesh (dp_replicate=1, dp_shard=0)"`` for a message."""
+    def coordinates(self, rank: int) -> str:
+        """``"replicate=1, shard=0"`` ("" for a rank outside the mesh)."""
         if not 0 <= rank < self.world_size:
             return ""
         names = [n or f"dim{i}" for i, n in enumerate(self.dim_names)]
-        return "mesh (" + ", ".join(f"{n}={c}" for n, c in zip(names, self.coords[rank])) + ")"
+        return ", ".join(f"{n}={c}" for n, c in zip(names, self.coords[rank]))
+
+    def where(self, rank: int) -> str:
+        """``"mesh (replicate=1, shard=0)"`` for a message."""
+        return f"mesh ({self.coordinates(rank)})" if 0 <= rank < self.world_size else ""
+
+    def describe(self) -> str:
+        """``"hsdp, mesh 2 x 2 (replicate, shard)"``."""
+        names = [n or f"dim{i}" for i, n in enumerate(self.dim_names)]
+        return f"{self.kind}, mesh {' x '.join(map(str, self.shape))} ({', '.join(names)})"
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "shape": list(self.shape), "dim_names": list(self.dim_names), "shard_dim": self.shard_dim,

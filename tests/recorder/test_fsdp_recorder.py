@@ -100,12 +100,19 @@ def test_a_clean_hsdp_job_with_two_replicas_is_certified_exactly(runs):
 
 @pytest.mark.parametrize("name", sorted(FAULTS))
 def test_a_fault_at_each_sharded_location_is_found_at_its_step_and_rank(runs, name):
+    from tests.schema_check import assert_valid
+
     root, _ = runs
     _, step, rank = FAULTS[name]
     code, doc = _bisect(root / name / "trace")
     assert code == 1, doc
     assert doc["first_divergent_step"] == step, doc
     assert [s["rank"] for s in doc["suspects"]] == [rank], doc["suspects"]
+    assert doc["suspects"][0]["mesh"] == f"dim0={rank}"  # where in the mesh (this 1-D mesh has no dimension name)
+    assert_valid(doc, "bisect")
+    code, doc = _bisect(root / name / "trace", "inspect")
+    assert doc["parallel"]["kind"] == "fsdp" and doc["parallel"]["coords"] == [[r] for r in range(WORLD)]
+    assert_valid(doc, "inspect")
 
 
 def test_two_hsdp_replicas_that_disagree_are_detected_and_the_exact_replay_names_the_rank(runs):
