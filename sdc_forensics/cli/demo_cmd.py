@@ -30,10 +30,14 @@ from sdc_forensics.cli.output import emit_json, err
               "last bits depend on the thread count.")
 @click.option("--threads", default=None, metavar="N|N0,N1,N2,N3",
               help="Intra-op CPU threads per rank: one count for all, or one per rank.  [default: 1]")
+@click.option("--parallel", type=click.Choice(["ddp", "fsdp", "hsdp"]), default="ddp", show_default=True,
+              help="How the 4 processes split the model: DDP replicas, FSDP2 shards (fully_shard), or HSDP (2 replicas "
+              "x 2 shards). Sharded locations: local-gradient, reduce-scatter-output, all-reduce-output (hsdp), weights, "
+              "update, input.")
 @click.option("--json", "as_json", is_flag=True, help="Print the ground truth as JSON on stdout.")
 def demo_cmd(out_dir: Path, injections: tuple[str, ...], steps: int, checkpoint_every: int, audit_every: int, policy: str,
-             recipe: str | None, threads: str | None, as_json: bool) -> None:
-    """Run a 4-process DDP job on CPU with an injected fault, recorded for bisect."""
+             recipe: str | None, threads: str | None, parallel: str, as_json: bool) -> None:
+    """Run a 4-process DDP (or FSDP2, HSDP) job on CPU with an injected fault, recorded for bisect."""
     from sdc_forensics.demo.run import RECIPE_REFERENCE, DemoConfig, default_injection, run_config
     from sdc_forensics.errors import UsageError
     from sdc_forensics.inject import parse_specs
@@ -41,6 +45,9 @@ def demo_cmd(out_dir: Path, injections: tuple[str, ...], steps: int, checkpoint_
 
     if steps < 1 or checkpoint_every < 1:
         raise UsageError(f"--steps and --checkpoint-every must be >= 1 (got {steps} and {checkpoint_every})")
+    if parallel != "ddp":
+        _sharded_demo(out_dir, parallel, injections, steps, checkpoint_every, policy, recipe, threads, as_json)
+        return
     specs = parse_specs(injections or (default_injection(steps, checkpoint_every),))
     config = DemoConfig(out_dir=out_dir, injections=specs, steps=steps, checkpoint_every=checkpoint_every, world_size=4,
                         audit_every=audit_every, policy=policy, recipe=recipe or RECIPE_REFERENCE,
@@ -50,6 +57,39 @@ def demo_cmd(out_dir: Path, injections: tuple[str, ...], steps: int, checkpoint_
     render_demo(result, err)
     if as_json:
         emit_json(demo_document(result))
+
+
+def _sharded_demo(out_dir: Path, parallel: str, injections: tuple[str, ...], steps: int, checkpoint_every: int, policy: str,
+                  recipe: str | None, threads: str | None, as_json: bool) -> None:
+    """``--parallel fsdp|hsdp``: the sharded job (``demo/sharded.py``), then what to run next."""
+    from sdc_forensics.demo import sharded
+    from sdc_forensics.errors import UsageError
+    from sdc_forensics.inject import FSDP_LOCATIONS, LOCATIONS, parse_spec
+
+    refused = [flag for flag, given in (("--recipe", recipe), ("--threads", threads), ("--json", as_json)) if given]
+    if refused:
+        raise UsageError(f"{', '.join(refused)} go with the DDP demo; the sharded demo trains its own model on 1 thread per rank")
+    texts = [t for t in injections if t.strip().lower() != "none"] if injections else [sharded.default_injection(steps, checkpoint_every)]
+    for text in texts:  # every spec checked before anything runs
+        spec = parse_spec(text, LOCATIONS + FSDP_LOCATIONS)
+        if spec.location in ("grad", "allreduce", "allreduce-all", "checkpoint-file"):
+            raise UsageError(f"fault spec {text!r}: {spec.location} is a DDP location; a sharded job's are "
+                             f"{', '.join(FSDP_LOCATIONS)}, weights, update, input")
+        if not 0 <= spec.step < steps or not 0 <= spec.rank < 4:
+            raise UsageError(f"fault spec {text!r}: step must be in 0..{steps - 1} and rank in 0..3")
+    err.print(f"[bold]sdc-forensics demo[/]: 4 processes on CPU, {parallel.upper()} "
+              f"({'mesh 4' if parallel == 'fsdp' else 'mesh 2 replicas x 2 shards'}), {steps} steps, DCP checkpoints every "
+              f"{checkpoint_every}; fault: {', '.join(texts) or 'none'}")
+    found = sharded.run_demo(out_dir, parallel, tuple(texts), steps=steps, checkpoint_every=checkpoint_every, policy=policy)
+    for alarm in found["alarms"][:3]:
+        who = f"rank {alarm['rank']}" if alarm["rank"] >= 0 else "no single rank"
+        err.print(f"online check fired: {alarm['check']} at step {alarm['step']}, {who}")
+    if len(found["alarms"]) > 3:
+        err.print(f"... and {len(found['alarms']) - 3} more alarm(s) (the trace holds them all: sdc-forensics inspect)")
+    if not found["alarms"]:
+        err.print("online checks: nothing fired (a finite local-gradient flip is summed consistently: only a replay sees it)")
+    err.print(f"trace: {out_dir / 'trace'}   checkpoints: {out_dir / 'checkpoints'}")
+    err.print(f"next: sdc-forensics bisect {out_dir / 'trace'}")
 
 
 def _parse_threads(text: str | None, world_size: int) -> tuple[int, ...] | None:

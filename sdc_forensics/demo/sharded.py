@@ -117,11 +117,12 @@ def train(rank: int, world: int, trace_dir: str, checkpoint_dir: str, *, steps: 
     from sdc_forensics.errors import SdcAlarm
     from sdc_forensics.recorder import Recorder, RecorderOptions
 
-    mesh = None
-    if hsdp is not None:
-        from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh
 
+    if hsdp is not None:
         mesh = init_device_mesh("cpu", hsdp, mesh_dim_names=("replicate", "shard"))
+    else:  # fully_shard's default mesh, named: a suspect is then "shard=2", not "dim0=2"
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     model = shard(build_model(), mesh)
     optimizer = make_optimizer(model)
     options = RecorderOptions(policy=policy, reduction=reduction)
@@ -148,3 +149,57 @@ def train(rank: int, world: int, trace_dir: str, checkpoint_dir: str, *, steps: 
         alarms += [{"step": a.step, "rank": a.rank, "check": a.check} for a in rec.alarms if a.check]
     dist.barrier()
     return {"alarms": alarms}
+
+
+def default_injection(steps: int, checkpoint_every: int) -> str:
+    """The tour's fault: a finite flip in rank 2's local gradient, which every online check passes
+    (it is summed consistently) and only the replay names, at the step the DDP demo uses."""
+    from sdc_forensics.demo.run import default_injection as ddp_default
+
+    return ddp_default(steps, checkpoint_every).replace("grad:", "local-gradient:", 1)
+
+
+def _demo_rank(rank: int, world: int, port: int, out_dir: str, kwargs: dict) -> None:
+    import datetime
+    import json
+    import logging
+
+    import torch.distributed as dist
+
+    from sdc_forensics.newfile import write_atomic
+
+    torch.set_num_threads(1)
+    logging.getLogger("sdc_forensics.recorder").setLevel(logging.ERROR)  # the demo says what fired itself
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        found = train(rank, world, str(Path(out_dir, "trace")), str(Path(out_dir, "checkpoints")), **kwargs)
+    finally:
+        dist.destroy_process_group()
+    write_atomic(Path(out_dir, "demo", f"rank-{rank}.json"), json.dumps(found))
+
+
+def run_demo(out_dir: str | Path, parallel: str, injections: tuple[str, ...], *, steps: int = 40, checkpoint_every: int = 10,
+             policy: str = "continue") -> dict:
+    """``sdc-forensics demo --parallel fsdp|hsdp``: the sharded job on 4 gloo processes (FSDP over 4
+    ranks, or HSDP 2 replicas x 2 shards), recorded with the ordered reduce-scatter; returns rank 0's
+    findings (the online alarms)."""
+    import json
+    import socket
+
+    from sdc_forensics.demo import forked
+    from sdc_forensics.errors import UsageError
+
+    if parallel not in ("fsdp", "hsdp"):
+        raise UsageError(f"--parallel must be ddp, fsdp or hsdp, not {parallel!r}")
+    out = Path(out_dir)
+    if (out / "trace" / "manifest.json").exists():
+        raise UsageError(f"{out} already holds a demo trace: pass another --out, or remove it")
+    (out / "demo").mkdir(parents=True, exist_ok=True)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    kwargs = {"steps": steps, "checkpoint_every": checkpoint_every, "policy": policy, "inject": tuple(injections),
+              "hsdp": (2, 2) if parallel == "hsdp" else None}
+    forked.start(_demo_rank, (4, port, str(out), kwargs), 4)
+    return json.loads((out / "demo" / "rank-0.json").read_text())

@@ -108,7 +108,7 @@ def test_a_fault_at_each_sharded_location_is_found_at_its_step_and_rank(runs, na
     assert code == 1, doc
     assert doc["first_divergent_step"] == step, doc
     assert [s["rank"] for s in doc["suspects"]] == [rank], doc["suspects"]
-    assert doc["suspects"][0]["mesh"] == f"dim0={rank}"  # where in the mesh (this 1-D mesh has no dimension name)
+    assert doc["suspects"][0]["mesh"] == f"shard={rank}"  # where in the mesh
     assert_valid(doc, "bisect")
     code, doc = _bisect(root / name / "trace", "inspect")
     assert doc["parallel"]["kind"] == "fsdp" and doc["parallel"]["coords"] == [[r] for r in range(WORLD)]
