@@ -98,7 +98,13 @@ STEP_KINDS = ("on_checkpoint", "after_checkpoint", "mid_interval")
 EXPECTED_LOCATION = {
     "grad": "local_compute", "weights": "local_compute", "allreduce": "collective", "allreduce-all": "collective",
     "update": "optimizer_update", "input": "input_data", "checkpoint-file": "storage",
+    # a sharded job's (--parallel fsdp|hsdp)
+    "local-gradient": "local_compute", "reduce-scatter-output": "collective", "all-reduce-output": "collective",
 }
+#: --parallel: the locations a sharded job's faults are drawn from (its checkpoints are DCP
+#: directories: a flipped file there is verify-checkpoint's own test, tests/checkpoint/test_dcp_sharded.py)
+SHARDED_LOCATIONS = {"fsdp": ("local-gradient", "reduce-scatter-output", "weights", "update", "input"),
+                     "hsdp": ("local-gradient", "reduce-scatter-output", "all-reduce-output", "weights", "update", "input")}
 #: checkpoint-file: the rank that writes checkpoints (the demo saves on rank 0).
 WRITER_RANK = 0
 
@@ -117,6 +123,7 @@ class Options:
     tolerant_threads: int = 2
     comm_hook: str | None = None
     reduction: str = "native"
+    parallel: str = "ddp"  # ddp (the conv net), fsdp (FSDP2 over 4 ranks) or hsdp (2 x 2): demo/sharded.py
 
     def __post_init__(self) -> None:
         if self.faults < 0 or self.clean < 1:
@@ -125,6 +132,8 @@ class Options:
             raise SystemExit("need --checkpoint-every >= 3 and --steps >= 2 intervals")
         if not 1 <= self.jobs <= 2:
             raise SystemExit("--jobs must be 1 or 2 (runs share 2 cores)")
+        if self.parallel != "ddp" and (self.comm_hook or self.reduction != "native"):
+            raise SystemExit("--comm-hook and --reduction are DDP's; a sharded job records with the ordered reduce-scatter")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -153,7 +162,8 @@ def plan_runs(options: Options) -> list[Plan]:
     rng = random.Random(options.seed)
     plans = [Plan(index=i, variant=rng.randrange(1, 100_000), replay_threads=options.tolerant_threads if i % 2 else 0)
              for i in range(options.clean)]
-    pairs = [(location, bits) for location in LOCATIONS for bits in BIT_CLASSES]
+    locations = LOCATIONS if options.parallel == "ddp" else SHARDED_LOCATIONS[options.parallel]
+    pairs = [(location, bits) for location in locations for bits in BIT_CLASSES]
     rng.shuffle(pairs)
     checkpoints = list(range(0, options.steps + 1, options.checkpoint_every))
     for j in range(options.faults):
@@ -207,30 +217,48 @@ def _bisect_answer(result: dict) -> dict:
     }
 
 
-def run_one(plan: Plan, options: Options) -> dict:
-    """Train one run, then judge it with the three commands."""
-    from click.testing import CliRunner
+def _train(plan: Plan, options: Options) -> dict:
+    """Train one run: the row's training part (trace, checkpoints, what fired online)."""
+    out = options.out_dir / plan.name
+    started = time.monotonic()
+    if options.parallel != "ddp":
+        from sdc_forensics.demo import sharded
 
-    from sdc_forensics.cli.main import cli
+        found = sharded.run_demo(out, options.parallel, (plan.fault,) if plan.fault else (), steps=options.steps,
+                                 checkpoint_every=options.checkpoint_every, seed=plan.variant)
+        steps = range(0, options.steps, options.checkpoint_every)
+        return {"recipe": f"{sharded.SEEDED_REFERENCE} seed={plan.variant}", "trace": str(out / "trace"),
+                "train_s": round(time.monotonic() - started, 2), "fired": [],
+                "online_alarms": sorted({a["check"] for a in found["alarms"]}),
+                "checkpoints": {str(n): str(out / "checkpoints" / f"step-{n:08d}") for n in steps}}
     from sdc_forensics.demo.convnet import variant_reference
     from sdc_forensics.demo.run import DemoConfig, run_config
     from sdc_forensics.inject import parse_specs
 
-    out = options.out_dir / plan.name
     config = DemoConfig(
         out_dir=out, injections=parse_specs([plan.fault]) if plan.fault else (), steps=options.steps,
         checkpoint_every=options.checkpoint_every, world_size=WORLD_SIZE, audit_every=0, policy="continue",
         recipe=variant_reference(plan.variant), threads=(1,) * WORLD_SIZE, comm_hook=options.comm_hook,
         reduction=options.reduction,
     )
-    started = time.monotonic()
     result = run_config(config)
-    row = dataclasses.asdict(plan) | {
+    return {
         "recipe": config.recipe, "trace": str(config.trace_dir), "train_s": round(result.wall_s, 2),
         "fired": [dict(f) for f in result.fired], "online_alarms": sorted({a["check"] for a in result.alarms}),
         "checkpoints": {str(n): str(config.checkpoint_path(n)) for n in result.checkpoints},
     }
-    runner, trace = CliRunner(), str(config.trace_dir)
+
+
+def run_one(plan: Plan, options: Options) -> dict:
+    """Train one run, then judge it with the three commands."""
+    from click.testing import CliRunner
+
+    from sdc_forensics.cli.main import cli
+
+    started = time.monotonic()
+    row = dataclasses.asdict(plan) | _train(plan, options)
+    result = argparse.Namespace(wall_s=row["train_s"])
+    runner, trace = CliRunner(), row["trace"]
     # the online checks' answer first: it reads the trace alone (no files, no ledger), so the order does not matter
     row["trace_only"] = _bisect_answer(_cli(runner, cli, ["bisect", trace, "--json", "--trace-only"]))
     replay = ["--threads", str(plan.replay_threads)] if plan.replay_threads else []
@@ -250,11 +278,11 @@ def run_one(plan: Plan, options: Options) -> dict:
 # ---------------------------------------------------------------------------------- effect (parent)
 def effect(row: dict, twin: dict) -> dict:
     """Whether the fault changed the training state beyond tolerance (see the module docstring)."""
-    from sdc_forensics.inject import parse_spec
+    from sdc_forensics.inject import ALL_LOCATIONS, parse_spec
 
     if row["location"] != "checkpoint-file":
         return measure_effect(Path(row["trace"]), Path(twin["trace"]), row["fault"])
-    step = str(parse_spec(row["fault"]).step)
+    step = str(parse_spec(row["fault"], ALL_LOCATIONS).step)
     mine = np.fromfile(row["checkpoints"][step], dtype=np.uint8)
     theirs = np.fromfile(twin["checkpoints"][step], dtype=np.uint8)
     common = min(mine.size, theirs.size)
@@ -273,7 +301,7 @@ def judge(row: dict) -> dict:
     """The outcome of one run (see the module docstring for each rule); the trace-only answer
     (``row["trace_only"]``) is judged by the same rules, its own statuses standing for every command's.
     A row from before trace-only answers were kept has its ``trace_only_*`` outcomes None: not measured."""
-    from sdc_forensics.inject import parse_spec
+    from sdc_forensics.inject import ALL_LOCATIONS, parse_spec
 
     statuses = _all_statuses(row)
     steps = sorted({int(n) for by in statuses.values() for n in by})
@@ -291,7 +319,7 @@ def judge(row: dict) -> dict:
         bad += [f"verify {n}: exit 1" for n, v in row["verify"].items() if v["exit_code"] == 1]
         return outcome | {"false_alarm": verdict == "corruption" or bool(bad), "bad_statuses": bad,
                           "trace_only_false_alarm": None if trace_only is None else _alarmed(trace_only)}
-    spec = parse_spec(row["fault"])
+    spec = parse_spec(row["fault"], ALL_LOCATIONS)
     if row["location"] == "checkpoint-file":
         held = [f"{c} {n}" for c, by in statuses.items() for n, s in by.items() if int(n) == spec.step and s == "clean"]
     else:
@@ -517,6 +545,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tolerant-threads", type=int, default=2, help="every other clean run's replay threads (0: all replayed as recorded)")
     parser.add_argument("--comm-hook", default=None, help="MODULE:ATTR of the DDP comm hook every run trains with")
     parser.add_argument("--reduction", choices=("native", "ordered"), default="native", help="the recorder's all-reduce mechanism")
+    parser.add_argument("--parallel", choices=("ddp", "fsdp", "hsdp"), default="ddp",
+                        help="the job: DDP (the conv net), or the sharded job of demo/sharded.py (FSDP2 over 4 ranks, HSDP 2 x 2)")
     parser.add_argument("--rejudge", type=Path, default=None, help="re-judge and re-tally the rows of an earlier --json output")
     parser.add_argument("--rates", type=Path, default=None,
                         help="also write the trace-only detection rates to this JSON file (sdc_forensics/measured/trace_only_rates.json)")
@@ -570,7 +600,8 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory(prefix="sdc-campaign-") as tmp:
             options = Options(faults=args.faults, clean=args.clean, seed=args.seed, out_dir=(args.out or Path(tmp)).resolve(),
                               steps=args.steps, checkpoint_every=args.checkpoint_every, jobs=args.jobs,
-                              tolerant_threads=args.tolerant_threads, comm_hook=args.comm_hook, reduction=args.reduction)
+                              tolerant_threads=args.tolerant_threads, comm_hook=args.comm_hook, reduction=args.reduction,
+                              parallel=args.parallel)
             options.out_dir.mkdir(parents=True, exist_ok=True)
             result = campaign(options, progress=lambda line: print(line, file=sys.stderr))
     if args.rates is not None:

@@ -271,7 +271,7 @@ def _checkpoints_to_verify(plan: RunPlan, checkpoints: list[int], mode: str) -> 
         return checkpoints
     chosen = {checkpoints[0], checkpoints[-1]}
     if plan.fault is not None:
-        from sdc_forensics.inject import parse_spec
+        from sdc_forensics.inject import ALL_LOCATIONS, parse_spec
 
         step = parse_spec(plan.fault).step
         chosen |= {max((n for n in checkpoints if n <= step), default=checkpoints[0]),
@@ -289,10 +289,10 @@ def measure_effect(faulted_trace: Path, twin_trace: Path, fault: str) -> dict:
     bitwise identical before the fault (the twin is a valid reference), and the final loss of both.
     """
     from sdc_forensics.fingerprint.tolerance import relative_tolerance
-    from sdc_forensics.inject import parse_spec
+    from sdc_forensics.inject import ALL_LOCATIONS, parse_spec
     from sdc_forensics.trace.reader import Trace
 
-    spec = parse_spec(fault)
+    spec = parse_spec(fault, ALL_LOCATIONS)
     faulted, twin = Trace.open(faulted_trace), Trace.open(twin_trace)
     rel = relative_tolerance(twin.manifest.fingerprint.grad_dtype, twin.world_size)
     last = twin.step_range()[1]
@@ -339,9 +339,9 @@ def judge(row: dict) -> dict:
         outcome |= {"false_alarm": verdict == "corruption" or bool(bad), "bad_statuses": bad, "healthy_ranks_named": named,
                     "drain_advice": bool(drains)}
         return outcome
-    from sdc_forensics.inject import parse_spec
+    from sdc_forensics.inject import ALL_LOCATIONS, parse_spec
 
-    spec = parse_spec(row["fault"])
+    spec = parse_spec(row["fault"], ALL_LOCATIONS)
     faulty = [] if spec.location in EVERY_RANK else [spec.rank]
     clean_after = [f"{c} {n}" for c, by in statuses.items() for n, s in by.items() if int(n) > spec.step and s == CLEAN]
     candidate = row["bisect"]["weak_candidate"]
@@ -456,7 +456,7 @@ def bit_class(bit: int) -> str:
 
 def markdown(result: dict) -> str:
     """The summary and the per (location, bit class) table of a campaign result, as Markdown."""
-    from sdc_forensics.inject import parse_spec
+    from sdc_forensics.inject import ALL_LOCATIONS, parse_spec
 
     lines = ["| | count |", "| --- | ---: |"]
     rows = (("runs (clean + faulted)", f"{result['runs']} ({result['clean_runs']} + {result['faulted_runs']})"),
@@ -478,7 +478,7 @@ def markdown(result: dict) -> str:
     for row in result["rows"]:
         if row["kind"] != "faulted" or not row["effect"]["effective"]:
             continue
-        spec = parse_spec(row["fault"])
+        spec = parse_spec(row["fault"], ALL_LOCATIONS)
         cell = table.setdefault((spec.location, bit_class(spec.bit)), dict.fromkeys(("runs", "exact", "inconclusive", "named", "healthy"), 0))
         outcome = row["outcome"]
         cell["runs"] += 1

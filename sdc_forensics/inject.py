@@ -51,6 +51,8 @@ EVERY_RANK_LOCATIONS = frozenset({"allreduce-all", "checkpoint-file"})
 #: Where the FSDP2 online checks' drills flip (``recorder/fsdp_monitor.py``): this rank's local
 #: gradient before the reduce-scatter, its reduce-scatter output, its HSDP replica all-reduce output.
 FSDP_LOCATIONS = ("local-gradient", "reduce-scatter-output", "all-reduce-output")
+#: every location some recorder knows (a tool that reads specs of DDP and sharded runs alike)
+ALL_LOCATIONS = LOCATIONS + FSDP_LOCATIONS
 _SYNTAX = "LOCATION:step=S:rank=R:bit=B[:element=I]"
 
 

@@ -21,6 +21,8 @@ from torch import nn
 
 IN_FEATURES, HIDDEN, CLASSES, MICROBATCH = 24, 96, 5, 6
 REFERENCE = "sdc_forensics.demo.sharded:recipe"
+#: the recipe as a class: a job with a seed of its own records it with ``recipe_args={"seed": s}``
+SEEDED_REFERENCE = "sdc_forensics.demo.sharded:ShardedRecipe"
 
 
 def build_model(seed: int = 0) -> nn.Sequential:
@@ -35,8 +37,8 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
-def microbatch(microbatch_id: int, device: Any = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(20_011 + int(microbatch_id))
+def microbatch(microbatch_id: int, device: Any = "cpu", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(20_011 + int(microbatch_id) + 1_000_003 * int(seed))
     inputs = torch.randn(MICROBATCH, IN_FEATURES, generator=gen)
     labels = (inputs[:, :CLASSES].argmax(dim=1) + (inputs[:, -1] > 0).long()) % CLASSES
     return inputs.to(device), labels.to(device)
@@ -84,7 +86,7 @@ class ShardedRecipe:
         load_dcp(path, model, optimizer)
 
     def fetch_microbatch(self, microbatch_id: int, device: Any = "cpu"):
-        return microbatch(microbatch_id, device)
+        return microbatch(microbatch_id, device, self.seed)
 
     def loss(self, model, batch):
         return loss_of(model, batch)
@@ -105,12 +107,13 @@ def shard(model: nn.Module, mesh=None) -> nn.Module:
 
 def train(rank: int, world: int, trace_dir: str, checkpoint_dir: str, *, steps: int = 6, hsdp: tuple[int, int] | None = None,
           inject: tuple[str, ...] = (), reduction: str = "ordered", checkpoint_every: int = 3, accumulate: int = 2,
-          policy: str = "continue") -> dict:
+          policy: str = "continue", seed: int = 0) -> dict:
     """One rank of the sharded job, recorded; every rank calls it inside an initialised process group.
 
     Microbatch ``step * world * accumulate + rank * accumulate + m`` is rank ``rank``'s ``m``-th of
     ``step``. Checkpoints (DCP directories) are written at step 0 and every ``checkpoint_every``.
-    Returns what the recorder raised or found, for tests.
+    ``seed`` draws the model's initial weights and the data (a variant of the job; recorded as
+    ``recipe_args``). Returns what the recorder raised or found, for tests.
     """
     import torch.distributed as dist
 
@@ -123,11 +126,12 @@ def train(rank: int, world: int, trace_dir: str, checkpoint_dir: str, *, steps: 
         mesh = init_device_mesh("cpu", hsdp, mesh_dim_names=("replicate", "shard"))
     else:  # fully_shard's default mesh, named: a suspect is then "shard=2", not "dim0=2"
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-    model = shard(build_model(), mesh)
+    model = shard(build_model(seed), mesh)
     optimizer = make_optimizer(model)
     options = RecorderOptions(policy=policy, reduction=reduction)
     alarms: list = []
-    with Recorder(trace_dir, model, optimizer, recipe=REFERENCE, options=options, inject=inject) as rec:
+    recorded = {"recipe": REFERENCE} if not seed else {"recipe": SEEDED_REFERENCE, "recipe_args": {"seed": seed}}
+    with Recorder(trace_dir, model, optimizer, options=options, inject=inject, **recorded) as rec:
         for step in range(steps):
             if step % checkpoint_every == 0:
                 rec.checkpoint(step, Path(checkpoint_dir) / f"step-{step:08d}", dcp_state(model, optimizer))
@@ -137,7 +141,7 @@ def train(rank: int, world: int, trace_dir: str, checkpoint_dir: str, *, steps: 
                 with rec.step(step, microbatch_ids=ids) as h:
                     for m, mb in enumerate(ids):
                         model.set_requires_gradient_sync(m == accumulate - 1)
-                        batch = h.input(microbatch(mb))
+                        batch = h.input(microbatch(mb, seed=seed))
                         loss = loss_of(model, batch)
                         h.loss(loss)
                         loss.backward()
@@ -180,10 +184,11 @@ def _demo_rank(rank: int, world: int, port: int, out_dir: str, kwargs: dict) -> 
 
 
 def run_demo(out_dir: str | Path, parallel: str, injections: tuple[str, ...], *, steps: int = 40, checkpoint_every: int = 10,
-             policy: str = "continue") -> dict:
+             policy: str = "continue", seed: int = 0) -> dict:
     """``sdc-forensics demo --parallel fsdp|hsdp``: the sharded job on 4 gloo processes (FSDP over 4
     ranks, or HSDP 2 replicas x 2 shards), recorded with the ordered reduce-scatter; returns rank 0's
-    findings (the online alarms)."""
+    findings (the online alarms). The trace is ``OUT/trace``, checkpoint ``N`` ``OUT/checkpoints/step-N``
+    (8 digits); ``benchmarks/campaign.py --parallel`` runs it with ``seed`` as the variant."""
     import json
     import socket
 
@@ -200,6 +205,6 @@ def run_demo(out_dir: str | Path, parallel: str, injections: tuple[str, ...], *,
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     kwargs = {"steps": steps, "checkpoint_every": checkpoint_every, "policy": policy, "inject": tuple(injections),
-              "hsdp": (2, 2) if parallel == "hsdp" else None}
+              "hsdp": (2, 2) if parallel == "hsdp" else None, "seed": seed}
     forked.start(_demo_rank, (4, port, str(out), kwargs), 4)
     return json.loads((out / "demo" / "rank-0.json").read_text())
