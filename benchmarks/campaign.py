@@ -100,11 +100,13 @@ EXPECTED_LOCATION = {
     "update": "optimizer_update", "input": "input_data", "checkpoint-file": "storage",
     # a sharded job's (--parallel fsdp|hsdp)
     "local-gradient": "local_compute", "reduce-scatter-output": "collective", "all-reduce-output": "collective",
+    "all-gather-output": "local_compute",
 }
 #: --parallel: the locations a sharded job's faults are drawn from (its checkpoints are DCP
 #: directories: a flipped file there is verify-checkpoint's own test, tests/checkpoint/test_dcp_sharded.py)
-SHARDED_LOCATIONS = {"fsdp": ("local-gradient", "reduce-scatter-output", "weights", "update", "input"),
-                     "hsdp": ("local-gradient", "reduce-scatter-output", "all-reduce-output", "weights", "update", "input")}
+SHARDED_LOCATIONS = {"fsdp": ("local-gradient", "reduce-scatter-output", "all-gather-output", "weights", "update", "input"),
+                     "hsdp": ("local-gradient", "reduce-scatter-output", "all-reduce-output", "all-gather-output", "weights",
+                              "update", "input")}
 #: checkpoint-file: the rank that writes checkpoints (the demo saves on rank 0).
 WRITER_RANK = 0
 

@@ -32,7 +32,7 @@ from sdc_forensics.cli.output import emit_json, err
               help="Intra-op CPU threads per rank: one count for all, or one per rank.  [default: 1]")
 @click.option("--parallel", type=click.Choice(["ddp", "fsdp", "hsdp"]), default="ddp", show_default=True,
               help="How the 4 processes split the model: DDP replicas, FSDP2 shards (fully_shard), or HSDP (2 replicas "
-              "x 2 shards). Sharded locations: local-gradient, reduce-scatter-output, all-reduce-output (hsdp), weights, "
+              "x 2 shards). Sharded locations: local-gradient, reduce-scatter-output, all-reduce-output (hsdp), all-gather-output, weights, "
               "update, input.")
 @click.option("--json", "as_json", is_flag=True, help="Print the ground truth as JSON on stdout.")
 def demo_cmd(out_dir: Path, injections: tuple[str, ...], steps: int, checkpoint_every: int, audit_every: int, policy: str,

@@ -349,6 +349,9 @@ def spec_injector(specs, monitor_step: Callable[[], int]) -> Injector:
     from sdc_forensics.inject import flip_bit_, parse_spec
 
     parsed = [parse_spec(text, LOCATIONS) for text in ([specs] if isinstance(specs, str) else specs)]
+    if any(spec.location == "all-gather-output" for spec in parsed):
+        raise UsageError("all-gather-output drills are the Recorder's (Recorder(..., inject=[...])): watch() sees only "
+                         "the reduce-scatter and the all-reduce")
     rank = dist.get_rank() if dist.is_initialized() else 0
 
     def inject(location: str, call: int, tensor: torch.Tensor) -> None:

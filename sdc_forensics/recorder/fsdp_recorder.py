@@ -241,12 +241,54 @@ class FsdpRecorder(Recorder):
         from sdc_forensics.recorder.fsdp_checks import rank_place
 
         self.tap.place = rank_place(model)
-        fsdp_specs = [str(s) for s in specs if s.location in FSDP_LOCATIONS]
+        fsdp_specs = [str(s) for s in specs if s.location in FSDP_LOCATIONS and s.location != "all-gather-output"]
         if fsdp_specs:
             self.tap._inject = fm.spec_injector(fsdp_specs, lambda: self.tap.step)
+        gathered = [s for s in specs if s.location == "all-gather-output"]
+        if gathered:
+            self._drill_gathered(model, gathered)
         fm.install(model, self.tap, OrderedReduceScatter() if self.options.reduction == ORDERED else None)
         self._comm_hook_name = "sdc_forensics.recorder.fsdp_recorder.OrderedReduceScatter" if self.options.reduction == ORDERED else ""
         self._open_trace()
+
+    def _drill_gathered(self, model: torch.nn.Module, specs: list) -> None:
+        """``all-gather-output`` drills: at the first forward of a ``fully_shard`` module in the step,
+        after FSDP gathered its parameters, flip a bit of this rank's gathered copy of the group's
+        first parameter (the forward computes with it; the backward gathers again)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        fired: set = set()
+
+        def hook(module, args, kwargs):
+            state = self._state
+            if state is None:
+                return None
+            for spec in specs:
+                if spec.step != state.step or spec.rank != self.rank or id(spec) in fired:
+                    continue
+                group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+                if group is None or not group.fsdp_params:
+                    continue
+                fired.add(id(spec))
+                from sdc_forensics.inject import flip_bit_
+
+                with torch.no_grad():
+                    flat = group.fsdp_params[0].unsharded_param.data.reshape(-1)
+                    flip_bit_(flat, (spec.element or 0) % flat.numel(), spec.bit)
+            return None
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):  # registered after FSDP's own pre-forward: the parameters are gathered
+                self._handles_gathered = getattr(self, "_handles_gathered", []) + [
+                    module.register_forward_pre_hook(hook, with_kwargs=True)]
+
+    def close(self, *, on_error: bool | None = None) -> None:
+        import sys
+
+        for handle in getattr(self, "_handles_gathered", []):
+            handle.remove()
+        self._handles_gathered = []
+        super().close(on_error=sys.exc_info()[0] is not None if on_error is None else on_error)
 
     def _problem(self, model: torch.nn.Module, specs: list) -> str | None:
         """What this rank cannot record, in one line (None: nothing)."""
@@ -306,8 +348,8 @@ class FsdpRecorder(Recorder):
         for rank in np.flatnonzero(words[:, 1]).tolist():
             findings.append(checks.Finding(
                 check="weights", step=state.step, rank=rank, flag=F.Flag.WEIGHTS_DIVERGED, ranks=(rank,),
-                detail=f"rank {rank} ({self.mesh.where(rank)}): its weight shard changed at rest, between the update of "
-                f"step {state.step - 1} and step {state.step} (every rank gathered it for this step's forward)"))
+                detail=f"rank {rank} ({self.mesh.where(rank)}): its weight shard changed at rest before step {state.step} "
+                "began, since the last update (or the checkpoint that saved it); every rank gathered it for this step's forward"))
             if rank == self.rank:
                 state.flags |= int(F.Flag.WEIGHTS_DIVERGED)
         for found in result.findings:
@@ -412,6 +454,7 @@ class FsdpRecorder(Recorder):
         else:
             my_digest = self._weights()[0]
             findings, vote = self._vote_shards(max(step - 1, 0), my_digest)
+        self._last_update = my_digest  # theta_step as saved: a change at rest before step `step` begins shows against it
         blessed = vote.value is not None
         if not blessed and self.options.policy == "raise":
             self._react(None, findings)

@@ -153,7 +153,7 @@ def _scan_numpy(trace: Trace, options: TriageOptions, grad_dtype: str, reduction
     """The window scan in numpy: ``(evidence, steps weights-checked, superseded cells, has gradients)``."""
     evidence: list[Evidence] = []
     state = _WeightState(world_size=trace.world_size, groups=None if mesh is None else mesh.same_shard())
-    rest = _RestState(world_size=trace.world_size, mesh=mesh) if mesh is not None else None
+    rest = _RestState(world_size=trace.world_size, mesh=mesh, saved=_saved_shards(trace)) if mesh is not None else None
     superseded = 0
     has_grads = False
     outlier_count = 0
@@ -344,6 +344,19 @@ def _reduce_scatter(window: StepWindow, grad_dtype: str, reduction: str, mesh: S
     return out
 
 
+_NO_DIGEST = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
+
+
+def _saved_shards(trace: Trace) -> dict[tuple[int, int], np.ndarray]:
+    """``(attempt, N) -> (R,)`` each rank's weight shard digest as its CHECKPOINT record of ``N`` noted it."""
+    out: dict[tuple[int, int], np.ndarray] = {}
+    for rec in trace.records(F.Kind.CHECKPOINT):
+        row = out.setdefault((int(rec["attempt"]), int(rec["step"])), np.full(trace.world_size, _NO_DIGEST, dtype=np.uint64))
+        if 0 <= int(rec["rank"]) < trace.world_size:
+            row[int(rec["rank"])] = rec["weights_digest"]
+    return out
+
+
 @dataclasses.dataclass(kw_only=True)
 class _RestState:
     """A sharded job's weights at rest: each rank's shard digest when step ``s`` began (STEP
@@ -353,6 +366,7 @@ class _RestState:
 
     world_size: int
     mesh: ShardMesh
+    saved: dict[tuple[int, int], np.ndarray] = dataclasses.field(default_factory=dict)  # (attempt, N) -> (R,) shards at checkpoint N
     last: np.ndarray | None = None  # (R,) uint64 digest after the last update seen per rank
     last_step: np.ndarray | None = None  # (R,) int64 its step (-2: none)
     last_attempt: np.ndarray | None = None
@@ -368,12 +382,19 @@ class _RestState:
         for row, step in enumerate(window.steps.tolist()):
             rest = (rec["flags"][row] & int(F.Flag.REST_WEIGHTS)) != 0
             follows = present[row] & rest & (self.last_step == step - 1) & (self.last_attempt == window.attempt[row])
-            changed = follows & (rec["aux_digest"][row] != self.last)
+            before = self.last.copy()
+            # the first step of an attempt (or after a gap): the shards its checkpoint noted are the baseline
+            for r in np.flatnonzero(present[row] & rest & ~follows).tolist():
+                noted = self.saved.get((int(window.attempt[row, r]), step))
+                if noted is not None and noted[r] != _NO_DIGEST:
+                    before[r], follows[r] = noted[r], True
+            changed = follows & (rec["aux_digest"][row] != before)
             if changed.any():
                 ranks = _ranks(changed)
                 out.append(Evidence(
                     kind=EvidenceKind.WEIGHT_DIVERGENCE, step=step, ranks=ranks, location=Location.LOCAL_COMPUTE, shared=True,
-                    expected=", ".join(f"rank {r}: {hex64(int(self.last[r]))} (after step {step - 1}'s update)" for r in ranks),
+                    expected=", ".join(f"rank {r}: {hex64(int(before[r]))} (after step {step - 1}'s update, or as checkpoint "
+                                       f"{step} noted it)" for r in ranks),
                     found=", ".join(f"rank {r}: {hex64(int(rec['aux_digest'][row, r]))} when step {step} began" for r in ranks),
                     detail="this rank's weight shard changed at rest between two steps; every rank gathered it for the "
                     f"forward, so every rank's gradient at step {step} carries it ({'; '.join(self.mesh.where(r) for r in ranks)})",

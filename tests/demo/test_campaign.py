@@ -190,3 +190,32 @@ def test_ci_sized_campaign(tmp_path):
             assert row["outcome"]["trace_only_wrong_ranks"] == [], row["fault"]
         if row["location"] == "checkpoint-file":  # the flip is made after the save, in the file, which trace-only never reads
             assert row["outcome"]["trace_only_detected"] is False, row["fault"]
+
+
+def test_a_sharded_plan_draws_the_sharded_locations_only(tmp_path):
+    for parallel in ("fsdp", "hsdp"):
+        plans = campaign.plan_runs(_options(tmp_path, parallel=parallel))
+        drawn = {p.location for p in plans if p.fault is not None}
+        assert drawn == set(campaign.SHARDED_LOCATIONS[parallel])
+        for plan in plans:
+            if plan.fault is not None:
+                assert campaign.EXPECTED_LOCATION[plan.location]  # every drawn location has an expected blame
+    with pytest.raises(SystemExit, match="DDP's"):
+        _options(tmp_path, parallel="fsdp", reduction="ordered")
+
+
+@pytest.mark.slow
+@pytest.mark.campaign
+def test_ci_sized_sharded_campaign(tmp_path):
+    """10 faults and 2 clean runs of the FSDP2 job (4 gloo ranks, the ordered reduce-scatter) through
+    the same commands and rules: the issue's bar, asserted."""
+    options = campaign.Options(faults=10, clean=2, seed=2027, out_dir=tmp_path, steps=8, checkpoint_every=4, jobs=2, parallel="fsdp")
+    result = campaign.campaign(options, progress=lambda line: None)
+    print({k: v for k, v in result.items() if k not in ("rows", "settings")})
+    assert result["errors"] == 0 and result["disagreements"] == 0 and result["twins_valid"]
+    assert result["effective"] >= 6
+    assert result["detected"] == result["effective"]
+    assert result["exact_step_rank"] >= 0.98 * result["effective"]
+    assert result["false_clean_certificates"] == 0 and result["false_alarms"] == 0
+    assert result["inconclusive_clean_bitwise"] == 0  # the bitwise replay of a clean sharded run certifies it
+    assert result["trace_only_false_alarms"] == 0

@@ -5,8 +5,9 @@ then analysed by the unchanged commands:
 
 * a clean FSDP job and a clean HSDP 2 x 2 job are certified (every step replayed bit for bit,
   the ordered reduce-scatter), and a DCP checkpoint re-saved with another sharding still certifies;
-* a fault at each sharded location (a rank's local gradient, its reduce-scatter output, its weight
-  shard at rest, its update, its input) is found at its exact step and rank;
+* a fault at each sharded location (a rank's local gradient, its reduce-scatter output, its
+  all-gathered copy of a parameter, its weight shard at rest, its update, its input) is found at
+  its exact step and rank;
 * the same job under DDP and under FSDP2 gives equal whole-model digests at step 0;
 * HSDP's two replicas of a shard that disagree are detected (no vote can name the rank) and the
   exact replay names it; with three replicas (6 processes, heavy) the vote names it online.
@@ -29,6 +30,8 @@ FAULTS = {  # name -> (spec, step, rank): each location at a step and rank of it
     "weights": ("weights:step=2:rank=3:bit=20", 2, 3),
     "update": ("update:step=4:rank=1:bit=20", 4, 1),
     "input": ("input:step=1:rank=0:bit=20", 1, 0),
+    "all-gather-output": ("all-gather-output:step=3:rank=2:bit=27", 3, 2),
+    "weights-at-0": ("weights:step=0:rank=1:bit=21", 0, 1),  # before any update: against checkpoint 0's shard
 }
 
 
