@@ -95,25 +95,28 @@ class ShardedRecipe:
 recipe = ShardedRecipe()
 
 
-def shard(model: nn.Module, mesh=None) -> nn.Module:
-    """``fully_shard`` each block, then the whole model (the usual FSDP2 wrapping)."""
-    from torch.distributed.fsdp import fully_shard
+def shard(model: nn.Module, mesh=None, reduce_dtype: torch.dtype | None = None) -> nn.Module:
+    """``fully_shard`` each block, then the whole model (the usual FSDP2 wrapping); ``reduce_dtype``:
+    reduce gradients in it (``MixedPrecisionPolicy``)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    kwargs = {"mesh": mesh} | ({"mp_policy": MixedPrecisionPolicy(reduce_dtype=reduce_dtype)} if reduce_dtype else {})
     for layer in (model[0], model[3]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
     return model
 
 
 def train(rank: int, world: int, trace_dir: str, checkpoint_dir: str, *, steps: int = 6, hsdp: tuple[int, int] | None = None,
           inject: tuple[str, ...] = (), reduction: str = "ordered", checkpoint_every: int = 3, accumulate: int = 2,
-          policy: str = "continue", seed: int = 0) -> dict:
+          policy: str = "continue", seed: int = 0, reduce_dtype: str = "") -> dict:
     """One rank of the sharded job, recorded; every rank calls it inside an initialised process group.
 
     Microbatch ``step * world * accumulate + rank * accumulate + m`` is rank ``rank``'s ``m``-th of
     ``step``. Checkpoints (DCP directories) are written at step 0 and every ``checkpoint_every``.
     ``seed`` draws the model's initial weights and the data (a variant of the job; recorded as
-    ``recipe_args``). Returns what the recorder raised or found, for tests.
+    ``recipe_args``). ``reduce_dtype`` ("bfloat16"): FSDP2 reduces gradients in it. Returns what the
+    recorder raised or found, for tests.
     """
     import torch.distributed as dist
 
@@ -126,7 +129,7 @@ def train(rank: int, world: int, trace_dir: str, checkpoint_dir: str, *, steps: 
         mesh = init_device_mesh("cpu", hsdp, mesh_dim_names=("replicate", "shard"))
     else:  # fully_shard's default mesh, named: a suspect is then "shard=2", not "dim0=2"
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-    model = shard(build_model(seed), mesh)
+    model = shard(build_model(seed), mesh, getattr(torch, reduce_dtype) if reduce_dtype else None)
     optimizer = make_optimizer(model)
     options = RecorderOptions(policy=policy, reduction=reduction)
     alarms: list = []
@@ -184,7 +187,7 @@ def _demo_rank(rank: int, world: int, port: int, out_dir: str, kwargs: dict) -> 
 
 
 def run_demo(out_dir: str | Path, parallel: str, injections: tuple[str, ...], *, steps: int = 40, checkpoint_every: int = 10,
-             policy: str = "continue", seed: int = 0) -> dict:
+             policy: str = "continue", seed: int = 0, reduce_dtype: str = "") -> dict:
     """``sdc-forensics demo --parallel fsdp|hsdp``: the sharded job on 4 gloo processes (FSDP over 4
     ranks, or HSDP 2 replicas x 2 shards), recorded with the ordered reduce-scatter; returns rank 0's
     findings (the online alarms). The trace is ``OUT/trace``, checkpoint ``N`` ``OUT/checkpoints/step-N``

@@ -35,6 +35,7 @@ that is not the whole world (FSDP with tensor parallelism), and DDP's fault loca
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -229,9 +230,15 @@ class FsdpRecorder(Recorder):
         self._setup(trace_dir, model, optimizer, group=dist.group.WORLD, recipe=recipe, recipe_args=recipe_args,
                     options=options, inject=inject, framework=framework, locations=LOCATIONS + FSDP_LOCATIONS)
         specs = [s for s in self.injector.specs] if hasattr(self.injector, "specs") else []
+        self._reduce_dtype = None
         problem = self._problem(model, specs)
         self._gather_identities(problem)
         self.mesh = mesh_of(model, self.world_size)
+        if self._reduce_dtype is not None and self.params and self._reduce_dtype != self.params[0].dtype:
+            # the local gradient is recorded, and reduced, in this dtype (MixedPrecisionPolicy(reduce_dtype=...))
+            self.mesh = dataclasses.replace(self.mesh, reduce_dtype=str(self._reduce_dtype).removeprefix("torch."))
+            if self.options.grad_dtype is None:
+                self.options = dataclasses.replace(self.options, grad_dtype=self.mesh.reduce_dtype)
         self.grad_params = [p for p in self.params if p.requires_grad]
         self._last_update: int | None = None  # this rank's weight shard digest after the last update
         self._grad_offsets = flat_offsets(self.grad_params)
@@ -301,11 +308,19 @@ class FsdpRecorder(Recorder):
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) > 1:
             return f"parameters of several dtypes ({', '.join(sorted(map(str, dtypes)))}): the recorder needs one"
+        reduce = set()
         for group in fm.param_groups(model):
             policy = getattr(group, "mp_policy", None)
-            if policy is not None and (policy.param_dtype is not None or policy.reduce_dtype is not None):
-                return ("a MixedPrecisionPolicy with param_dtype or reduce_dtype: mixed precision is not recorded for "
-                        "sharded jobs yet; record in the parameters' dtype")
+            if policy is not None and policy.param_dtype is not None and policy.param_dtype not in dtypes:
+                return ("a MixedPrecisionPolicy with param_dtype: the forward and backward in another dtype than the "
+                        "parameters' is not recorded for sharded jobs yet (reduce_dtype is); record in the parameters' dtype")
+            reduce.add(getattr(policy, "reduce_dtype", None) or next(iter(dtypes)))
+        if len(reduce) > 1:
+            return f"parameter groups reduce in several dtypes ({', '.join(sorted(map(str, reduce)))}): the recorder needs one"
+        if reduce and next(iter(reduce)) not in (torch.float32, torch.bfloat16):
+            return (f"reduce_dtype {next(iter(reduce))}: FSDP2 pre- and post-divides a float16 reduction, which the replay does "
+                    "not model yet; reduce in bfloat16 or float32")
+        self._reduce_dtype = next(iter(reduce)) if reduce else None
         return None
 
     # ---------------------------------------------------------------- per step
@@ -429,7 +444,7 @@ class FsdpRecorder(Recorder):
         self._layouts.append({"from_step": step, "buckets": [[index[id(p)] for p in self.grad_params]]})
         if self.rank == 0:
             records.write_layouts(self.trace_dir, self.attempt, self._layouts)
-            if self.options.grad_dtype is None and self.grad_params:
+            if self.options.grad_dtype is None and self.grad_params:  # (a reduce_dtype already set it: the manifest has it)
                 records.update_grad_dtype(self.trace_dir, str(self.grad_params[0].dtype).removeprefix("torch."))
 
     # ---------------------------------------------------------------- checkpoints

@@ -212,12 +212,45 @@ class StepComparisons:
         ranks = tuple(int(r) for r in np.flatnonzero(recs["reduced_digest"] != expected))
         if not ranks:
             return []
+        if self.mesh is not None and len(self.mesh.replicas()) > 1:
+            return self._replicas_received(step, recs, expected, ranks)
         shown = sorted({hex64(int(expected[r])) for r in ranks})
         what = "all-reduce result" if self.mesh is None else "shard of the reduced gradient"
         return [Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=ranks, source="replay", expected=", ".join(shown),
                          found=", ".join(hex64(int(recs[r]["reduced_digest"])) for r in ranks), location=Location.COLLECTIVE,
                          detail=f"these ranks' {what} differs from the replayed average the other ranks received"
                          + ("" if self.mesh is None else f" ({'; '.join(self.mesh.where(r) for r in ranks)})"))]
+
+    def _replicas_received(self, step, recs, expected, ranks):
+        """HSDP: the replicas of a shard all-reduce their reduce-scatter outputs, so one replica's wrong
+        output reaches every replica of that shard alike. A shard whose every replica recorded the
+        same wrong digest names no rank (which replica's reduce-scatter, or the all-reduce, made it is
+        the recorder's online check's to say: the trace flags it); a replica that differs alone is named."""
+        wrong = set(ranks)
+        alike, alone = [], []
+        for group in self.mesh.same_shard():
+            bad = [r for r in group if r in wrong]
+            if len(bad) == len(group) > 1 and len({int(recs[r]["reduced_digest"]) for r in bad}) == 1:
+                alike.append(group)
+            else:
+                alone += bad
+        out = []
+        if alone:
+            out.append(Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=tuple(sorted(alone)), source="replay",
+                                expected=", ".join(sorted({hex64(int(expected[r])) for r in alone})),
+                                found=", ".join(hex64(int(recs[r]["reduced_digest"])) for r in sorted(alone)),
+                                location=Location.COLLECTIVE,
+                                detail="these ranks' shard of the reduced gradient differs from the replayed average "
+                                       f"({'; '.join(self.mesh.where(r) for r in sorted(alone))})"))
+        for group in alike:
+            out.append(Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=(), source="replay",
+                                expected=hex64(int(expected[group[0]])), found=hex64(int(recs[group[0]]["reduced_digest"])),
+                                location=Location.COLLECTIVE,
+                                detail=f"every replica of shard {self.mesh.shard_of(group[0])} (ranks {', '.join(map(str, group))}) "
+                                       "received the same wrong reduced shard: one replica's reduce-scatter output or the "
+                                       "replicas' all-reduce made it (the recorder's reduce-scatter check names the rank when "
+                                       "it saw it)"))
+        return out
 
     # -- a sharded job's records are per shard (recorder/fsdp_recorder.py) ------------------------
     mesh = None  # the trace's ShardMesh (None: DDP, every rank records the whole)

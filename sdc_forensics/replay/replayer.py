@@ -200,6 +200,7 @@ class Replayer(StepComparisons):
         self.rng_dependent: bool | None = None  # the recipe's step depends on the global RNG (None: not seen drawing yet)
         self.module_buffers: BufferBroadcast | None = None  # DDP's broadcast of module buffers, per window
         self.mesh = trace.manifest.parallel  # a sharded job: reduced gradients and weights are recorded per shard
+        self.param_dtype: torch.dtype | None = None  # the recipe model's (a sharded job's reduction is cast back to it)
 
     # -- one rank's local gradient -------------------------------------------------------------
     def local_step(self, model, record, buckets_layout, slot: int | None = None) -> _RankStep:
@@ -236,6 +237,9 @@ class Replayer(StepComparisons):
             else torch.cat([grads[i].reshape(-1) for i in bucket])
             for b, bucket in enumerate(buckets_layout)
         ]
+        if self.mesh is not None and self.mesh.reduce_dtype:  # FSDP2 reduced (and the recorder read) it in this dtype
+            low = getattr(torch, self.mesh.reduce_dtype)
+            buckets = [b.to(low) for b in buckets]
         step = _RankStep(self, buckets, batches, total_loss)
         step.rng_dependent = bool(self.rng_dependent)
         return step
@@ -247,12 +251,21 @@ class Replayer(StepComparisons):
         if self.module_buffers is not None:
             self.module_buffers.before_rank()  # every rank starts from rank 0's buffers, as DDP broadcasts them
         batches, total_loss = [], 0.0
+        low = getattr(torch, self.mesh.reduce_dtype) if self.mesh is not None and self.mesh.reduce_dtype else None
+        accumulated: list = [None] * len(params)
         for mb_id in self.trace.microbatch_ids(record):
             batch = self.recipe.fetch_microbatch(int(mb_id), self.device)
             loss = self.recipe.loss(model, batch)
             loss.backward()
             total_loss += float(loss.detach())
             batches.append(batch)
+            if low is not None:  # FSDP2 accumulates across microbatches in the reduce dtype (FSDPParam.to_accumulated_grad_if_needed)
+                for i, p in enumerate(params):
+                    if p.grad is not None:
+                        accumulated[i] = p.grad.to(low) if accumulated[i] is None else accumulated[i].add_(p.grad)
+                        p.grad = None
+        if low is not None:
+            return accumulated, batches, total_loss
         return [p.grad for p in params], batches, total_loss
 
     def _buffers(self, pool: dict, key, sizes: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -273,12 +286,19 @@ class Replayer(StepComparisons):
         """The ranks' average in ``order`` (``replay.env.reduce_buckets``), written into this
         order's reused buffer: valid until the next step's reduction in the same order."""
         if self.mesh is not None and len(self.mesh.replicas()) > 1 and order == env.ORDERED:
-            return self._hsdp_ordered(per_rank)
+            return self._to_params(self._hsdp_ordered(per_rank))
         dtypes = {t.dtype for t in per_rank[0]}
         if len(dtypes) != 1:
-            return env.reduce_buckets(per_rank, order, compress=self.compress)
+            return self._to_params(env.reduce_buckets(per_rank, order, compress=self.compress))
         out = self._buffers(self._reduce_buffers, order, [t.numel() for t in per_rank[0]], dtypes.pop())
-        return env.reduce_buckets(per_rank, order, out=out, compress=self.compress)
+        return self._to_params(env.reduce_buckets(per_rank, order, out=out, compress=self.compress))
+
+    def _to_params(self, reduced: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A sharded job that reduced in another dtype: FSDP2 casts the reduced shard back to the
+        parameters' dtype before the optimizer (and the recorder) read it."""
+        if self.mesh is None or not self.mesh.reduce_dtype or self.param_dtype is None:
+            return reduced
+        return [r.to(self.param_dtype) for r in reduced]
 
     def _hsdp_ordered(self, per_rank: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         """HSDP recorded with the ordered reduce-scatter: each replica's ordered mean of its ranks,
@@ -332,6 +352,7 @@ class Replayer(StepComparisons):
         self.default_threads = _recorded_threads(self.trace) or 0
         model, optimizer, scheduler = self.recipe.build(self.device)
         self.recipe.load_checkpoint(str(options.checkpoint_path), model, optimizer, scheduler)
+        self.param_dtype = next((p.dtype for p in model.parameters()), None)
         self.module_buffers = BufferBroadcast(model)
         saved = {(n.step, n.attempt): n for n in self.trace.checkpoint_notes()} if self.module_buffers.active else {}
         start_digest = hex64(weights_digest(model.named_parameters(), self.seed))

@@ -16,6 +16,8 @@ import dataclasses
 from typing import Any
 
 KINDS = ("fsdp", "hsdp")
+#: the dtypes a sharded job's reduction may be recorded in besides the parameters' own ("")
+REDUCE_DTYPES = ("", "bfloat16", "float32")
 _MAX_DIMS = 4
 _MAX_NAME = 64
 
@@ -30,6 +32,9 @@ class ShardMesh:
         dim_names: the mesh's dimension names (``("dp_replicate", "dp_shard")``; "" where unnamed).
         shard_dim: the dimension that shards the parameters (the last, as FSDP2 uses it).
         coords: every global rank's coordinates, rank order.
+        reduce_dtype: the dtype FSDP2 reduced gradients in when it is not the parameters'
+            (``MixedPrecisionPolicy(reduce_dtype=...)``): the local gradient is recorded in it, and
+            the replay casts to it before reducing; "" when the parameters' own.
     """
 
     kind: str
@@ -37,12 +42,15 @@ class ShardMesh:
     dim_names: tuple[str, ...]
     shard_dim: int
     coords: tuple[tuple[int, ...], ...]
+    reduce_dtype: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, not {self.kind!r}")
         if not 1 <= len(self.shape) <= _MAX_DIMS or any(s < 1 for s in self.shape):
             raise ValueError(f"a mesh shape of 1 to {_MAX_DIMS} positive sizes, not {self.shape}")
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"reduce_dtype must be one of {REDUCE_DTYPES}, not {self.reduce_dtype!r}")
         if len(self.dim_names) != len(self.shape) or not 0 <= self.shard_dim < len(self.shape):
             raise ValueError("one name per mesh dimension, and a shard dimension among them")
         total = 1
@@ -98,8 +106,11 @@ class ShardMesh:
         return f"{self.kind}, mesh {' x '.join(map(str, self.shape))} ({', '.join(names)})"
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "shape": list(self.shape), "dim_names": list(self.dim_names), "shard_dim": self.shard_dim,
-                "coords": [list(c) for c in self.coords]}
+        doc = {"kind": self.kind, "shape": list(self.shape), "dim_names": list(self.dim_names), "shard_dim": self.shard_dim,
+               "coords": [list(c) for c in self.coords]}
+        if self.reduce_dtype:  # optional: a job reducing in its parameters' dtype writes none
+            doc["reduce_dtype"] = self.reduce_dtype
+        return doc
 
     @classmethod
     def from_json(cls, doc: Any, world_size: int) -> ShardMesh:
@@ -117,8 +128,11 @@ class ShardMesh:
             raise ValueError(f'"coords" must list the coordinates of all {world_size} ranks')
         if not all(isinstance(c, list) and all(_small_int(x, 0) for x in c) for c in coords):
             raise ValueError('"coords" must be lists of integers')
+        reduce_dtype = doc.get("reduce_dtype", "")
+        if reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f'"reduce_dtype" must be one of {", ".join(repr(d) for d in REDUCE_DTYPES)}')
         return cls(kind=str(kind), shape=tuple(shape), dim_names=tuple(names), shard_dim=int(dim),
-                   coords=tuple(tuple(c) for c in coords))
+                   coords=tuple(tuple(c) for c in coords), reduce_dtype=reduce_dtype)
 
 
 def _small_int(value: Any, lo: int = 1) -> bool:
