@@ -53,7 +53,9 @@ def _jobs(rank: int, root: str, runs: list) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp_recorder")
-    todo = [("clean", {}), ("hsdp-clean", {"hsdp": [2, 2]}), ("hsdp-update", {"hsdp": [2, 2], "inject": ["update:step=2:rank=1:bit=20"]})]
+    todo = [("clean", {}), ("hsdp-clean", {"hsdp": [2, 2]}), ("hsdp-update", {"hsdp": [2, 2], "inject": ["update:step=2:rank=1:bit=20"]}),
+            ("bf16-clean", {"reduce_dtype": "bfloat16"}),
+            ("bf16-hsdp-rs", {"hsdp": [2, 2], "reduce_dtype": "bfloat16", "inject": ["reduce-scatter-output:step=4:rank=3:bit=10"]})]
     todo += [(name, {"inject": [spec]}) for name, (spec, _, _) in FAULTS.items()]
     found = gloo_job(_jobs, WORLD, root / "results", str(root), todo)
     return root, found
@@ -116,6 +118,25 @@ def test_a_fault_at_each_sharded_location_is_found_at_its_step_and_rank(runs, na
     code, doc = _bisect(root / name / "trace", "inspect")
     assert doc["parallel"]["kind"] == "fsdp" and doc["parallel"]["coords"] == [[r] for r in range(WORLD)]
     assert_valid(doc, "inspect")
+
+
+def test_a_job_reducing_in_bfloat16_is_certified_exactly(runs):
+    root, found = runs
+    assert all(f["bf16-clean"]["alarms"] == [] for f in found)
+    code, doc = _bisect(root / "bf16-clean" / "trace", "certify")
+    assert code == 0 and [c["status"] for c in doc["checkpoints"]] == ["clean", "clean"], doc
+    manifest = json.loads((root / "bf16-clean" / "trace" / "manifest.json").read_text())
+    assert manifest["parallel"]["reduce_dtype"] == "bfloat16" and manifest["fingerprint"]["grad_dtype"] == "bfloat16"
+
+
+def test_a_wrong_hsdp_reduce_scatter_output_reaches_both_replicas_and_only_its_rank_is_named(runs):
+    """Rank 3's reduce-scatter output is all-reduced with rank 1's (the other replica of shard 1):
+    both record the same wrong shard; the recorder's own check saw rank 3's output."""
+    root, found = runs
+    assert {(a["step"], a["rank"], a["check"]) for a in found[0]["bf16-hsdp-rs"]["alarms"]} == {(4, 3, "allreduce")}
+    code, doc = _bisect(root / "bf16-hsdp-rs" / "trace")
+    assert code == 1 and doc["first_divergent_step"] == 4, doc
+    assert [(s["rank"], s["mesh"]) for s in doc["suspects"]] == [(3, "replicate=1, shard=1")], doc["suspects"]
 
 
 def test_two_hsdp_replicas_that_disagree_are_detected_and_the_exact_replay_names_the_rank(runs):
