@@ -50,7 +50,7 @@ HEAVY = (
     "tests/checkpoint/test_dcp_sharded.py",
     "tests/recorder/test_fsdp_monitor.py",
     "tests/recorder/test_fsdp_campaign.py",
-    "tests/recorder/test_fsdp_recorder.py::test_with_three_hsdp_replicas_the_vote_names_the_rank_whose_shard_diverged",
+    "tests/recorder/test_fsdp_recorder.py::test_with_three_hsdp_replicas_the_vote_names_the_rank_online_and_a_clean_run_certifies",
     "tests/integrations/test_torchtitan.py::test_the_checks_run_before_each_optimizer_step_and_name_the_faulty_rank",
 )
 

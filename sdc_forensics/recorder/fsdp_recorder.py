@@ -19,9 +19,9 @@ Online, per step: the reduce-scatter and replica all-reduce checks and the NaN/I
 ``fsdp_monitor`` (they name the rank and its mesh coordinates), and the weights vote per shard
 across replicas (HSDP with 3 or more replicas names the rank; 2 replicas detect without a vote;
 pure FSDP has no replicas to vote). ``RecorderOptions(reduction="ordered")`` replaces the
-reduce-scatter by an ordered one (an all-to-all, then ``reduction.ordered_mean`` in rank order) so
-that a replay reproduces the reduced gradient bit for bit on any device (pure FSDP; HSDP's
-replica all-reduce stays the collective's own).
+reduce-scatter by an ordered one (an all-to-all, then ``reduction.ordered_mean`` in rank order) and,
+in HSDP, redoes the replicas' all-reduce as the ``ordered_mean`` of their outputs in replica order,
+so that a replay reproduces the reduced gradient bit for bit on any device and mesh.
 
 Checkpoints: :meth:`FsdpRecorder.checkpoint` digests the sharded state as if whole
 (``fsdp_checks.sharded_state_digests``: the pieces' terms are gathered, not the data), votes the
@@ -139,14 +139,18 @@ class _Tap(fm.FsdpMonitor):
     """The online checks' monitor, which also fingerprints each reduce-scatter input as pieces of
     the rank's whole local gradient (``g``, by element index)."""
 
-    def __init__(self, *, offsets: dict[int, int], **kwargs: Any) -> None:
+    def __init__(self, *, offsets: dict[int, int], ordered_replicas: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._offsets = offsets
         self.recording = False
         self.pieces: list[shards.Piece] = []
         self.error: BaseException | None = None
+        # HSDP recorded with the ordered reduction: the replicas' all-reduce is redone in replica order
+        self.ordered_replicas = ordered_replicas
+        self._outputs: dict[int, torch.Tensor] = {}  # reduce-scatter call -> its output (as the job then held it)
 
     def start(self, step: int | None) -> None:
+        self._outputs = {}
         self.recording = step is not None
         self.pieces = []
         self.error = None
@@ -161,6 +165,28 @@ class _Tap(fm.FsdpMonitor):
             except Exception as exc:  # noqa: BLE001 - said at the step's end, on every rank, never inside FSDP
                 self.error = exc
         return index
+
+    def _after(self, index: int, output_tensor: torch.Tensor) -> None:
+        super()._after(index, output_tensor)  # a drill flips the output first
+        if self.ordered_replicas:
+            self._outputs[index] = output_tensor.detach().clone()
+
+    def _after_all_reduce(self, checked, output: torch.Tensor, group) -> None:
+        """HSDP, ordered: the collective's all-reduce of the replicas' reduce-scatter outputs is
+        replaced, in place, by their ``ordered_mean`` in replica order (an all-gather of the outputs
+        this rank's replicas held): a replay reproduces it bit for bit for any number of replicas."""
+        if self.ordered_replicas and checked.pending:
+            calls, index = len(checked.pending), checked.pending[-1]
+            mine = self._outputs.pop(index, None)
+            if calls > 1 or mine is None:
+                self.error = self.error or UsageError(
+                    "HSDP recorded with reduction='ordered' all-reduces every reduce-scatter on its own: "
+                    "set_requires_all_reduce(False) accumulates several first; record it with reduction='native'")
+            else:
+                parts = [torch.empty_like(mine) for _ in range(group.size())]
+                dist.all_gather(parts, mine, group=group)  # group rank order: the replicate coordinate's
+                ordered_mean(parts, out=output)
+        super()._after_all_reduce(checked, output, group)  # then the all-reduce-output drill, and its check
 
     def _input_pieces(self, flat: torch.Tensor, size: int, param_group) -> list[shards.Piece]:
         """FSDP2's reduce-scatter input: ``size`` chunks; chunk ``c`` holds, per parameter in
@@ -244,7 +270,8 @@ class FsdpRecorder(Recorder):
         self._grad_offsets = flat_offsets(self.grad_params)
         self._weight_offsets = flat_offsets(self.params)
         self.tap = _Tap(offsets=self._grad_offsets, sketch_k=self.options.sketch_k, seed=self.options.seed,
-                        start_step=self.options.start_step)
+                        start_step=self.options.start_step,
+                        ordered_replicas=self.options.reduction == ORDERED and len(self.mesh.replicas()) > 1)
         from sdc_forensics.recorder.fsdp_checks import rank_place
 
         self.tap.place = rank_place(model)

@@ -301,20 +301,14 @@ class Replayer(StepComparisons):
         return [r.to(self.param_dtype) for r in reduced]
 
     def _hsdp_ordered(self, per_rank: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        """HSDP recorded with the ordered reduce-scatter: each replica's ordered mean of its ranks,
-        then the replicas' all-reduce (the collective's own): their sum in replica order over
-        ``R``. Exact for 2 replicas in any order (halving is exact); a guess for more, which the
-        record confirms or not (the comparison then goes tolerant)."""
+        """HSDP recorded with the ordered reduction: each replica's ordered mean of its ranks (the
+        reduce-scatter), then the ordered mean of the replicas' in replica order (the recorder redoes
+        the replicas' all-reduce so: ``fsdp_recorder._Tap._after_all_reduce``), elementwise, so the
+        shards of the result are what every rank received, bit for bit."""
         from sdc_forensics.reduction import ordered_mean
 
         means = [[ordered_mean([per_rank[r][b] for r in group]) for b in range(len(per_rank[0]))] for group in self.mesh.replicas()]
-        out = []
-        for b in range(len(per_rank[0])):
-            acc = means[0][b].clone()
-            for mean in means[1:]:
-                acc += mean[b]
-            out.append(acc.div_(len(means)))
-        return out
+        return [ordered_mean([mean[b] for mean in means]) for b in range(len(per_rank[0]))]
 
     def _use_threads(self, recorded: int) -> None:
         if self.device.type != "cpu":
@@ -385,10 +379,8 @@ class Replayer(StepComparisons):
             if attempt not in layouts:
                 layouts[attempt] = env.bucket_layouts(self.trace.path, attempt)
             layout, recorded_layout = env.layout_at(layouts[attempt], step, len(params))
-            if _recorded_reduction(self.trace, attempt) == env.ORDERED and (self.mesh is None or len(self.mesh.replicas()) <= 2):
-                # the order is known before any step: exact on any device (HSDP over 3 or more
-                # replicas all-reduces them in the collective's order: learnt, not known)
-                self.known_order = env.ORDERED
+            if _recorded_reduction(self.trace, attempt) == env.ORDERED:
+                self.known_order = env.ORDERED  # the order is known before any step: exact on any device
             self.compress = env.compression_of(env.attempt_determinism(self.trace, attempt))
             if not recorded_layout and tolerant_from is None:
                 tolerant_from = step

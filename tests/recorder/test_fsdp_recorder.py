@@ -10,7 +10,8 @@ then analysed by the unchanged commands:
   its exact step and rank;
 * the same job under DDP and under FSDP2 gives equal whole-model digests at step 0;
 * HSDP's two replicas of a shard that disagree are detected (no vote can name the rank) and the
-  exact replay names it; with three replicas (6 processes, heavy) the vote names it online.
+  exact replay names it; with three replicas (6 processes, heavy) the vote names it online, the
+  exact replay names its location, and a clean run certifies.
 """
 
 from __future__ import annotations
@@ -179,17 +180,19 @@ def test_the_same_job_under_ddp_and_fsdp2_gives_equal_whole_digests_at_step_0(ru
 def _hsdp3(rank: int, root: str) -> dict:
     from sdc_forensics.demo.sharded import train
 
-    return train(rank, 6, str(Path(root, "trace")), str(Path(root, "ckpt")), hsdp=(3, 2), steps=4,
-                 inject=("update:step=1:rank=4:bit=22",))
+    return {name: train(rank, 6, str(Path(root, name, "trace")), str(Path(root, name, "ckpt")), hsdp=(3, 2), steps=5,
+                        inject=inject)
+            for name, inject in (("clean", ()), ("update", ("update:step=1:rank=4:bit=22",)))}
 
 
-def test_with_three_hsdp_replicas_the_vote_names_the_rank_whose_shard_diverged(tmp_path):
+def test_with_three_hsdp_replicas_the_vote_names_the_rank_online_and_a_clean_run_certifies(tmp_path):
+    """HSDP 3 x 2 (6 processes): the ordered reduction redoes the replicas' all-reduce in replica
+    order, so the replay is exact for any number of replicas."""
     found = gloo_job(_hsdp3, 6, tmp_path / "results", str(tmp_path))
-    assert {(a["step"], a["rank"]) for a in found[0]["alarms"]} >= {(1, 4)}
-    from click.testing import CliRunner
-
-    from sdc_forensics.cli.main import cli
-
-    result = CliRunner().invoke(cli, ["bisect", str(tmp_path / "trace"), "--trace-only", "--json"])
-    doc = json.loads(result.stdout)
-    assert doc["first_divergent_step"] == 1 and [s["rank"] for s in doc["suspects"]] == [4], doc
+    assert found[0]["clean"]["alarms"] == []
+    assert {(a["step"], a["rank"]) for a in found[0]["update"]["alarms"]} >= {(1, 4)}
+    code, doc = _bisect(tmp_path / "clean" / "trace", "certify")
+    assert code == 0 and [c["status"] for c in doc["checkpoints"]] == ["clean", "clean"], doc
+    code, doc = _bisect(tmp_path / "update" / "trace")
+    assert code == 1 and doc["first_divergent_step"] == 1, doc
+    assert [(s["rank"], s["location"], s["mesh"]) for s in doc["suspects"]] == [(4, "optimizer_update", "replicate=2, shard=0")]
