@@ -148,9 +148,11 @@ class _Tap(fm.FsdpMonitor):
         # HSDP recorded with the ordered reduction: the replicas' all-reduce is redone in replica order
         self.ordered_replicas = ordered_replicas
         self._outputs: dict[int, torch.Tensor] = {}  # reduce-scatter call -> its output (as the job then held it)
+        self._groups_seen: set[int] = set()  # parameter groups that reduce-scattered in this step
 
     def start(self, step: int | None) -> None:
         self._outputs = {}
+        self._groups_seen: set[int] = set()
         self.recording = step is not None
         self.pieces = []
         self.error = None
@@ -159,6 +161,12 @@ class _Tap(fm.FsdpMonitor):
 
     def _before(self, input_tensor, group, scales, param_group=None) -> int:
         index = super()._before(input_tensor, group, scales, param_group)  # a drill flips the input first
+        if self.recording and self.error is None and id(param_group) in self._groups_seen:
+            self.error = UsageError(
+                "a parameter group reduce-scattered twice in one step (gradient accumulation that communicates every "
+                "microbatch): call model.set_requires_gradient_sync(False) on every microbatch but the last, as "
+                "FSDP2 recommends; the recorder records one reduce-scatter of the summed local gradient per step")
+        self._groups_seen.add(id(param_group))
         if self.recording and self.error is None:
             try:
                 self.pieces += self._input_pieces(input_tensor, group.size(), param_group)

@@ -196,3 +196,28 @@ def test_with_three_hsdp_replicas_the_vote_names_the_rank_online_and_a_clean_run
     code, doc = _bisect(tmp_path / "update" / "trace")
     assert code == 1 and doc["first_divergent_step"] == 1, doc
     assert [(s["rank"], s["location"], s["mesh"]) for s in doc["suspects"]] == [(4, "optimizer_update", "replicate=2, shard=0")]
+
+
+def _communicating_accumulation(rank: int, root: str) -> str:
+    from sdc_forensics.demo import sharded
+    from sdc_forensics.errors import UsageError
+    from sdc_forensics.recorder import Recorder, RecorderOptions
+
+    model = sharded.shard(sharded.build_model())
+    optimizer = sharded.make_optimizer(model)
+    with Recorder(Path(root, "trace"), model, optimizer, recipe=sharded.REFERENCE, options=RecorderOptions(policy="continue")) as rec:
+        try:
+            with rec.step(0, microbatch_ids=[2 * rank, 2 * rank + 1]):
+                for mb in (2 * rank, 2 * rank + 1):  # no set_requires_gradient_sync(False): a reduce-scatter per microbatch
+                    sharded.loss_of(model, sharded.microbatch(mb)).backward()
+                optimizer.step()
+            return "recorded"
+        except UsageError as refusal:
+            return str(refusal)
+
+
+def test_accumulation_that_reduce_scatters_every_microbatch_is_refused_on_every_rank(tmp_path):
+    """Two reduce-scatters of one group in a step would record the sum of two pieces' terms, not
+    the summed gradient's: every rank raises one line instead of writing a wrong record."""
+    found = gloo_job(_communicating_accumulation, WORLD, tmp_path / "results", str(tmp_path))
+    assert all("reduce-scattered twice in one step" in f and "set_requires_gradient_sync(False)" in f for f in found), found
