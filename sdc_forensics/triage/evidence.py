@@ -72,9 +72,10 @@ class Evidence:
         earliest_step: when the observation only bounds the fault (replica weights found
             different at ``step`` but last compared equal earlier), the earliest step the fault
             can have happened at; None when it happened at ``step``.
-        shared: the fault sits on ``ranks`` but every rank computed with it at ``step`` (a sharded
-            job's weight shard that changed at rest, then gathered by all): a cause of what every
-            rank shows at that step (``decide/common_mode.py``), not one of its members.
+        shared: the fault sits on ``ranks`` but other ranks computed with it at ``step`` (a sharded
+            job's weight shard that changed at rest, then gathered by its replica): a cause of what
+            those ranks show at that step (``decide/common_mode.py``), not one of its members.
+        reach: with ``shared``, the ranks that computed with it (every rank when empty).
     """
 
     kind: EvidenceKind
@@ -89,6 +90,7 @@ class Evidence:
     strength: Strength = Strength.STRONG
     earliest_step: int | None = None
     shared: bool = False
+    reach: tuple[int, ...] = ()
 
     @property
     def is_hint(self) -> bool:
@@ -124,7 +126,7 @@ class Evidence:
             "affects_state": self.affects_state,
             "strength": self.strength.value,
             "earliest_step": self.earliest_step,
-            **({"shared": True} if self.shared else {}),
+            **({"shared": True, "reach": list(self.reach)} if self.shared else {}),
         }
 
 

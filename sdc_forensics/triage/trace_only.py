@@ -393,11 +393,12 @@ class _RestState:
                 ranks = _ranks(changed)
                 out.append(Evidence(
                     kind=EvidenceKind.WEIGHT_DIVERGENCE, step=step, ranks=ranks, location=Location.LOCAL_COMPUTE, shared=True,
+                    reach=tuple(sorted({m for g in self.mesh.replicas() if set(g) & set(ranks) for m in g})),
                     expected=", ".join(f"rank {r}: {hex64(int(before[r]))} (after step {step - 1}'s update, or as checkpoint "
                                        f"{step} noted it)" for r in ranks),
                     found=", ".join(f"rank {r}: {hex64(int(rec['aux_digest'][row, r]))} when step {step} began" for r in ranks),
-                    detail="this rank's weight shard changed at rest between two steps; every rank gathered it for the "
-                    f"forward, so every rank's gradient at step {step} carries it ({'; '.join(self.mesh.where(r) for r in ranks)})",
+                    detail="this rank's weight shard changed at rest between two steps; its replica's ranks gathered it for "
+                    f"the forward, so their gradients at step {step} carry it ({'; '.join(self.mesh.where(r) for r in ranks)})",
                 ))
             self.last = np.where(has_w[row], rec["weights_digest"][row], self.last)
             self.last_step = np.where(has_w[row], step, self.last_step)

@@ -36,6 +36,12 @@ FAULTS = {  # name -> (spec, step, rank): each location at a step and rank of it
 }
 
 
+HSDP_FAULTS = {  # HSDP 2 x 2: a shard at rest is gathered by its own replica only; an all-reduce output is one rank's
+    "hsdp-weights": ("weights:step=5:rank=3:bit=31", 5, 3),
+    "hsdp-all-reduce-output": ("all-reduce-output:step=2:rank=2:bit=20", 2, 2),
+}
+
+
 def _jobs(rank: int, root: str, runs: list) -> dict:
     """Every run of ``runs`` (name, keyword arguments of ``train``) in one process group, in turn."""
     from sdc_forensics.demo.sharded import train
@@ -58,6 +64,7 @@ def runs(tmp_path_factory):
             ("bf16-clean", {"reduce_dtype": "bfloat16"}),
             ("bf16-hsdp-rs", {"hsdp": [2, 2], "reduce_dtype": "bfloat16", "inject": ["reduce-scatter-output:step=4:rank=3:bit=10"]})]
     todo += [(name, {"inject": [spec]}) for name, (spec, _, _) in FAULTS.items()]
+    todo += [(name, {"hsdp": [2, 2], "inject": [spec]}) for name, (spec, _, _) in HSDP_FAULTS.items()]
     found = gloo_job(_jobs, WORLD, root / "results", str(root), todo)
     return root, found
 
@@ -119,6 +126,15 @@ def test_a_fault_at_each_sharded_location_is_found_at_its_step_and_rank(runs, na
     code, doc = _bisect(root / name / "trace", "inspect")
     assert doc["parallel"]["kind"] == "fsdp" and doc["parallel"]["coords"] == [[r] for r in range(WORLD)]
     assert_valid(doc, "inspect")
+
+
+@pytest.mark.parametrize("name", sorted(HSDP_FAULTS))
+def test_hsdp_faults_are_found_at_their_step_and_rank(runs, name):
+    root, _ = runs
+    _, step, rank = HSDP_FAULTS[name]
+    code, doc = _bisect(root / name / "trace")
+    assert code == 1 and doc["first_divergent_step"] == step, doc
+    assert [s["rank"] for s in doc["suspects"]] == [rank], doc["suspects"]
 
 
 def test_a_job_reducing_in_bfloat16_is_certified_exactly(runs):
