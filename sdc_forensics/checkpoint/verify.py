@@ -42,8 +42,8 @@ from sdc_forensics.trace.checkpoints import CheckpointNote, hex64
 _PARAM_PREFIXES = ("", "model.", "module.", "model.module.", "state_dict.", "model_state_dict.")
 #: Lightning's ModelCheckpoint keeps its scores in every .ckpt (``callbacks.ModelCheckpoint{...}.kth_value``):
 #: bookkeeping, not training state, and ±inf by design (kth_value starts at inf for mode "min"), so a
-#: non-finite value there is not a finding
-_SCORE_KEYS = re.compile(r"^callbacks\.ModelCheckpoint\{.*\}\.(kth_value|best_model_score|current_score)$")
+#: non-finite value there is not a finding (in a distributed checkpoint, its ``meta.pt/`` file holds them)
+_SCORE_KEYS = re.compile(r"^(?:[^/]+/)?callbacks\.ModelCheckpoint\{.*\}\.(kth_value|best_model_score|current_score)$")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -26,8 +26,13 @@ applies the batch transfer hooks, clips as the precision plugin clips (``gradien
 norm 2, over the optimizer's parameters in group order), and steps a ``"step"``-interval scheduler
 once per optimizer step.
 
-Refused with one line when the callback attaches: another strategy (DeepSpeed, FSDP,
-``ModelParallelStrategy``: sharded training needs the FSDP2 issue), mixed precision, manual
+``ModelParallelStrategy`` (FSDP2 or HSDP applied in ``configure_model`` on the data-parallel mesh)
+is recorded as a sharded job (``recorder/fsdp_recorder.py``): its distributed checkpoints (DCP
+directories every rank writes) are digested as if whole before the save, and the recipe loads them
+into the unsharded module. Refused for it: tensor parallelism, ``accumulate_grad_batches`` above 1
+(Lightning reduce-scatters every microbatch there), ``save_distributed_checkpoint=False``.
+
+Refused with one line when the callback attaches: another strategy (DeepSpeed, FSDP1), mixed precision, manual
 optimization, several optimizers, a scheduler on an ``"epoch"`` interval or a frequency above 1,
 a comm hook given to ``DDPStrategy`` (pass it as ``SdcCallback(comm_hook=...)``), a module whose
 constructor arguments ``hparams`` does not hold.
@@ -62,7 +67,7 @@ def _refusals(trainer: Any, pl_module: Any) -> list[str]:
     strategy = trainer.strategy
     out = []
     if type(strategy).__name__ == "ModelParallelStrategy":
-        out.append("ModelParallelStrategy shards the model (FSDP2/tensor parallel); recording sharded jobs waits for the FSDP2 issue")
+        out += _model_parallel_refusals(trainer, strategy)
     elif not isinstance(strategy, DDPStrategy):
         out.append(f"the strategy is {type(strategy).__name__}; the adapter records DDPStrategy (strategy='ddp') jobs")
     elif getattr(strategy, "_ddp_comm_hook", None) is not None:
@@ -83,8 +88,39 @@ def _refusals(trainer: Any, pl_module: Any) -> list[str]:
                        "when it stepped; use interval='step', frequency=1")
     if trainer.gradient_clip_val and trainer.gradient_clip_algorithm not in (None, "norm"):
         out.append(f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}; the recipe replays clipping by norm")
-    if _common.reference(type(pl_module)) is None:
-        out.append(f"the LightningModule class {type(pl_module).__qualname__} is not importable as module:name; define it in a module")
+    if _common.reference(_module_class(pl_module)) is None:
+        out.append(f"the LightningModule class {_module_class(pl_module).__qualname__} is not importable as module:name; define it "
+                   "in a module")
+    return out
+
+
+def _module_class(pl_module: Any) -> type:
+    """The LightningModule's own class: ``fully_shard(module)`` swaps in a subclass made on the fly
+    (``FSDP<Name>``, bases ``FSDPModule`` and the class), which no import can name."""
+    cls = type(pl_module)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return cls
+    if issubclass(cls, FSDPModule):
+        cls = next((c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule) and c is not object), cls)
+    return cls
+
+
+def _model_parallel_refusals(trainer: Any, strategy: Any) -> list[str]:
+    """``ModelParallelStrategy`` is recorded as an FSDP2/HSDP job (``configure_model`` applies
+    ``fully_shard`` on the data-parallel mesh) when nothing else shards the model."""
+    out = []
+    mesh = getattr(strategy, "_device_mesh", None)
+    if mesh is not None and "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() != 1:
+        out.append(f"ModelParallelStrategy with tensor parallelism (tensor_parallel_size={mesh['tensor_parallel'].size()}): "
+                   "the recorder records data parallelism (FSDP2, HSDP); use tensor_parallel_size=1")
+    if trainer.accumulate_grad_batches != 1:
+        out.append("ModelParallelStrategy reduce-scatters every microbatch of an accumulation (Lightning blocks no sync "
+                   "there), and the recorder records one reduce-scatter per step: use accumulate_grad_batches=1")
+    if not getattr(strategy, "_save_distributed_checkpoint", True):
+        out.append("ModelParallelStrategy(save_distributed_checkpoint=False) gathers the state on rank 0; the adapter "
+                   "notes distributed (DCP) checkpoints: keep save_distributed_checkpoint=True")
     return out
 
 
@@ -131,7 +167,7 @@ class SdcCallback(_Base):
             raise UsageError(str(exc)) from None
         ddp = trainer.strategy.model
         optimizer = trainer.optimizers[0]
-        settings = {"module_class": _common.reference(type(pl_module)), "hparams": _json_hparams(pl_module),
+        settings = {"module_class": _common.reference(_module_class(pl_module)), "hparams": _json_hparams(pl_module),
                     "dataset": self.dataset, "collator": None, "clip": float(trainer.gradient_clip_val or 0.0),
                     "scheduler": bool(trainer.lr_scheduler_configs)}
         source = trainer.fit_loop._data_source  # noqa: SLF001 - where the training loader comes from (fit() or a *_dataloader hook)
@@ -179,10 +215,19 @@ class SdcCallback(_Base):
         optimizer.step = step
         self._handle = optimizer.register_step_post_hook(lambda opt, args, kwargs: self._end_step())
         original_save = trainer.save_checkpoint
+        sharded = type(trainer.strategy).__name__ == "ModelParallelStrategy"
 
         def save_checkpoint(filepath, *args, **kwargs):
             if self._step is not None:
                 raise UsageError("a checkpoint saved in the middle of an accumulation cycle: save after the optimizer step")
+            if sharded:  # a DCP directory every rank writes: its tensors digested as if whole, before the save
+                from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+                state = {"state_dict": get_model_state_dict(pl_module), "optimizer_0": get_optimizer_state_dict(pl_module, optimizer)}
+                out = []
+                self.rec.checkpoint(int(trainer.global_step), filepath, state,
+                                    save=lambda _state, _path: out.append(original_save(filepath, *args, **kwargs)))
+                return out[0] if out else None
             out = original_save(filepath, *args, **kwargs)
             trainer.strategy.barrier("sdc-forensics checkpoint note")
             _common.note_folder(self.rec, int(trainer.global_step), filepath, pl_module, is_writer=trainer.is_global_zero)
@@ -301,11 +346,27 @@ class LightningRecipe:
         return model, optimizers[0], scheduler
 
     def load_checkpoint(self, path: str, model, optimizer, scheduler) -> None:
+        if Path(path).is_dir():  # ModelParallelStrategy's distributed checkpoint: DCP reshards it into this one process
+            self._load_distributed(Path(path), model, optimizer, scheduler)
+            return
         state = torch.load(Path(path), map_location="cpu", weights_only=True)
         model.load_state_dict(state["state_dict"])
         optimizer.load_state_dict(state["optimizer_states"][0])
         if scheduler is not None:
             scheduler.load_state_dict(state["lr_schedulers"][0])
+
+    @staticmethod
+    def _load_distributed(path: Path, model, optimizer, scheduler) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"state_dict": model_state, "optimizer_0": optim_state}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=state["state_dict"], optim_state_dict=state["optimizer_0"])
+        if scheduler is not None:  # the rest of Lightning's checkpoint (loops, schedulers) is rank 0's meta.pt
+            meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
+            scheduler.load_state_dict(meta["lr_schedulers"][0])
 
     def fetch_microbatch(self, microbatch_id: int, device: Any = "cpu"):
         if self._batches is None:

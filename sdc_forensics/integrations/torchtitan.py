@@ -27,8 +27,10 @@ Refused, in one line, before anything is wrapped:
 * A model part that is not ``fully_shard``-ed (torchtitan's ``replicate()`` data parallelism):
   nothing here checks it yet.
 
-Not recorded: the FSDP2 recorder (a trace that ``bisect``/``certify`` read) is not built, so a
-fault is named online, at its step and rank, but no replay certifies a torchtitan checkpoint yet.
+Not recorded: the sharded recorder exists (``recorder/fsdp_recorder.py``), but a replay of a
+torchtitan job needs a recipe that rebuilds its model and its streamed, tokenised data by
+microbatch ID, which this adapter does not generate; so a fault is named online, at its step and
+rank, and no replay certifies a torchtitan checkpoint yet.
 Written against torchtitan 0.3.0's ``Trainer`` (``model_parts``, ``optimizers``, ``step``,
 ``config.training``, ``parallel_dims``); torchtitan needs a PyTorch nightly to train, so it is
 tested here on a trainer-shaped object around a real ``fully_shard`` job

@@ -527,6 +527,11 @@ class FsdpRecorder(Recorder):
         failures: list = [None] * self.world_size
         dist.all_gather_object(failures, failure, group=self.group)
         failed = next((f for f in failures if f), "")
+        if self.rank == 0 and not failed:
+            try:  # a framework's own file beside the DCP shards (Lightning's meta.pt): noted as written
+                tensors = {**_beside(path, tensors, self.options.seed), **tensors}
+            except Exception as exc:  # noqa: BLE001 - the note is still right for the state; verify then lists the file
+                log.warning("sdc-forensics: checkpoint %s: the files beside its DCP shards were not read back: %s", path, exc)
         note = CheckpointNote(
             step=step, path=str(path), attempt=self.attempt, weights_digest=hex64(whole), param_names=keys, tensors=tensors,
             saved_by_rank=0, agreeing_ranks=vote.agreeing, diverged_ranks=vote.diverged, blessed=blessed,
@@ -547,6 +552,23 @@ class FsdpRecorder(Recorder):
         if findings:
             self._react(None, findings)
         return note
+
+
+def _beside(path: Path, tensors: dict[str, str], seed: int) -> dict[str, str]:
+    """``{key: hex}`` of the tensors ``verify-checkpoint`` reads in the saved directory that the
+    state did not hold: a file a framework writes beside the shards (Lightning's ``meta.pt``, with
+    its loops' and callbacks' state), read back by rank 0 right after the save."""
+    from sdc_forensics.checkpoint.formats import open_checkpoint
+    from sdc_forensics.statedict import state_digests
+
+    if not path.is_dir():
+        return {}
+    reader = open_checkpoint(path)
+    try:
+        extra = {key: tensor for key, tensor in reader.tensors() if key not in tensors}
+        return state_digests(extra, seed) if extra else {}
+    finally:
+        reader.close()
 
 
 def _param_keys(names: list[str], tensors: dict[str, str]) -> tuple[str, ...]:

@@ -36,6 +36,18 @@ class Tiny(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class TinySharded(Tiny):
+    """The same module sharded in ``configure_model`` (``ModelParallelStrategy``: FSDP2 on the data-parallel mesh)."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        fully_shard(self.net[0], mesh=mesh)
+        fully_shard(self.net[3], mesh=mesh)
+        fully_shard(self.net, mesh=mesh)  # the module training_step calls: its forward gathers the rest
+
+
 class Points(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return SAMPLES
@@ -65,13 +77,21 @@ def main(argv: list[str] | None = None) -> None:
     L.seed_everything(0, verbose=False)
     checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=opts.out, every_n_train_steps=opts.save_steps, save_top_k=-1,
                                                       filename="{step}")
-    record = SdcCallback(opts.trace, dataset="tests.integrations.pljob:make_dataset", options=RecorderOptions(policy="continue"),
-                         inject=opts.inject)
-    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=opts.strategy, max_steps=opts.steps,
-                        accumulate_grad_batches=2, gradient_clip_val=0.5, callbacks=[checkpoints, record], logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    world = int(os.environ["WORLD_SIZE"])
+    sharded = opts.strategy == "model_parallel"  # FSDP2 through Lightning: the ordered reduce-scatter certifies it
+    record = SdcCallback(opts.trace, dataset="tests.integrations.pljob:make_dataset",
+                         options=RecorderOptions(policy="continue", reduction="ordered" if sharded else "native"), inject=opts.inject)
+    strategy = opts.strategy
+    if sharded:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=opts.steps,
+                        accumulate_grad_batches=1 if sharded else 2, gradient_clip_val=0.0 if sharded else 0.5,
+                        callbacks=[checkpoints, record], logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0)
     loader = torch.utils.data.DataLoader(make_dataset(), batch_size=4, shuffle=True)
-    trainer.fit(Tiny(), train_dataloaders=loader)
+    trainer.fit(TinySharded() if sharded else Tiny(), train_dataloaders=loader)
 
 
 def run() -> None:

@@ -1,8 +1,9 @@
 """Issue 24: a PyTorch Lightning ``DDPStrategy`` job recorded with ``SdcCallback``
 (tests/integrations/pljob.py, 2 gloo processes on CPU, ``accumulate_grad_batches=2`` with an
 epoch that ends mid-cycle, ``gradient_clip_val``, AdamW, a per-step schedule, ``ModelCheckpoint``)
-is replayed exactly and judged by the unchanged CLI. Skipped, with the reason, without the
-``lightning`` extra.
+is replayed exactly and judged by the unchanged CLI; so is the same module sharded with FSDP2 in
+``configure_model`` under ``ModelParallelStrategy`` (its checkpoints distributed DCP directories).
+Skipped, with the reason, without the ``lightning`` extra.
 """
 
 from __future__ import annotations
@@ -51,6 +52,27 @@ def test_a_fault_injected_through_the_lightning_callback_is_found_at_its_step_an
     assert {c["step"]: c["status"] for c in doc["checkpoints"]} == {0: "clean", 3: "clean", 6: "tainted"}
 
 
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_a_model_parallel_fsdp2_run_is_certified_and_a_fault_in_it_found(tmp_path):
+    """ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), fully_shard in configure_model,
+    the ordered reduce-scatter: the clean run's DCP checkpoints (with Lightning's meta.pt) certify, and
+    a flip in rank 1's local gradient at step 4 is named with its mesh coordinate."""
+    clean, faulty = tmp_path / "clean", tmp_path / "faulty"
+    for where, extra in ((clean, []), (faulty, ["--inject", "local-gradient:step=4:rank=1:bit=29"])):
+        where.mkdir()
+        assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--strategy", "model_parallel", *extra], cwd=where))
+    certified = run_installed(["certify", "trace", "--json"], clean, cwd=clean, env=ENV)
+    assert certified.returncode == 0, certified.stderr
+    assert {c["step"]: c["status"] for c in json.loads(certified.stdout)["checkpoints"]} == {0: "clean", 3: "clean", 6: "clean"}
+    assert (clean / "out" / "step=3.ckpt" / "meta.pt").is_file()  # a distributed checkpoint, Lightning's own file beside
+    ran = run_installed(["bisect", "trace", "--json"], faulty, cwd=faulty, env=ENV)
+    doc = json.loads(ran.stdout)
+    assert (ran.returncode, doc["first_divergent_step"]) == (1, 4), ran.stderr
+    assert [(s["rank"], s["mesh"]) for s in doc["suspects"]] == [(1, "data_parallel=1")]
+    assert {c["step"]: c["status"] for c in doc["checkpoints"]} == {0: "clean", 3: "clean", 6: "tainted"}
+
+
 def test_model_parallel_and_other_settings_are_refused_with_one_line():
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
@@ -64,8 +86,11 @@ def test_model_parallel_and_other_settings_are_refused_with_one_line():
 
     module = Tiny()
     assert _refusals(trainer(DDPStrategy()), module) == []
-    (line,) = _refusals(trainer(ModelParallelStrategy()), module)
-    assert "ModelParallelStrategy" in line and "FSDP2" in line
+    assert _refusals(trainer(ModelParallelStrategy(), accumulate_grad_batches=1), module) == []  # FSDP2: recorded
+    (line,) = _refusals(trainer(ModelParallelStrategy(), accumulate_grad_batches=2), module)
+    assert "reduce-scatters every microbatch" in line and "accumulate_grad_batches=1" in line
+    (line,) = _refusals(trainer(ModelParallelStrategy(save_distributed_checkpoint=False), accumulate_grad_batches=1), module)
+    assert "save_distributed_checkpoint=True" in line
     assert any("precision '16-mixed'" in p for p in _refusals(trainer(DDPStrategy(), precision="16-mixed"), module))
     epoch = types.SimpleNamespace(interval="epoch", frequency=1, reduce_on_plateau=False)
     assert any("interval='step'" in p for p in _refusals(trainer(DDPStrategy(), lr_scheduler_configs=[epoch]), module))
