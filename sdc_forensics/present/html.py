@@ -97,6 +97,8 @@ def _summary(result: BisectResult, incident: Incident, manifest: Manifest | None
         else:
             ident = manifest.identity(suspect.rank) if manifest is not None else None
             parts = [f"<strong>rank {suspect.rank}</strong>", f"host <code>{_e(suspect.host or '?')}</code>"]
+            if suspect.mesh:  # a sharded job: which shard and replica
+                parts.append(f"mesh <code>{_e(suspect.mesh)}</code>")
             if ident is not None:
                 parts.append(f"GPU UUID <code>{_e(ident.gpu_uuid or '-')}</code>")
                 parts.append(f"PCI bus <code>{_e(ident.pci_bus_id or '-')}</code>")

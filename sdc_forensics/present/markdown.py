@@ -139,6 +139,8 @@ def render_markdown(result: BisectResult, manifest: Manifest | None, incident: I
             if manifest is not None:
                 ident = manifest.identity(suspect.rank)
                 who += f" (UUID {_code(ident.gpu_uuid or '-')}, PCI bus {_code(ident.pci_bus_id or '-')})"
+            if suspect.mesh:  # a sharded job: which shard and replica
+                who += f", mesh {_code(suspect.mesh)}"
         out.append(f"- **Suspect: {who}**; location `{suspect.location.value}`; "
                    f"{'recurring' if suspect.recurring else 'transient, one event'} (steps {', '.join(map(str, suspect.steps))}).")
     last = result.last_clean_checkpoint

@@ -137,6 +137,20 @@ def test_hsdp_faults_are_found_at_their_step_and_rank(runs, name):
     assert [s["rank"] for s in doc["suspects"]] == [rank], doc["suspects"]
 
 
+def test_the_report_names_a_sharded_suspect_with_its_mesh_coordinates(runs, tmp_path):
+    from click.testing import CliRunner
+
+    from sdc_forensics.cli.main import cli
+    from tests.schema_check import assert_valid
+
+    root, _ = runs
+    for suffix in ("md", "json"):
+        result = CliRunner().invoke(cli, ["report", str(root / "hsdp-weights" / "trace"), "-o", str(tmp_path / f"review.{suffix}")])
+        assert result.exit_code == 1, result.output
+    assert "rank 3 on host" in (tmp_path / "review.md").read_text() and "mesh `replicate=1, shard=1`" in (tmp_path / "review.md").read_text()
+    assert_valid(json.loads((tmp_path / "review.json").read_text()), "report")
+
+
 def test_a_job_reducing_in_bfloat16_is_certified_exactly(runs):
     root, found = runs
     assert all(f["bf16-clean"]["alarms"] == [] for f in found)
