@@ -437,6 +437,10 @@ class Replayer(StepComparisons):
                 notes.append(f"step {step}: the replayed weights are not bitwise the replicas' majority (an update or "
                              "reduction this replay does not reproduce): later steps are compared within the sketch tolerance")
             buffers_note = self.module_buffers.check(saved[step + 1, attempt], self.seed) if (step + 1, attempt) in saved else ""
+            if buffers_note and self.mesh is not None and "differ" in buffers_note:
+                buffers_note = (f"checkpoint {step + 1}: FSDP2 keeps every rank's module buffers (BatchNorm running statistics) "
+                                "apart, never broadcast, and the checkpoint holds one rank's: this replay does not reproduce them "
+                                "(the weights and the optimizer state it confirms)")
             if buffers_note:
                 notes.append(buffers_note)
             last = step

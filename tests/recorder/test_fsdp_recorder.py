@@ -251,3 +251,14 @@ def test_accumulation_that_reduce_scatters_every_microbatch_is_refused_on_every_
     the summed gradient's: every rank raises one line instead of writing a wrong record."""
     found = gloo_job(_communicating_accumulation, WORLD, tmp_path / "results", str(tmp_path))
     assert all("reduce-scattered twice in one step" in f and "set_requires_gradient_sync(False)" in f for f in found), found
+
+
+def test_a_users_conv_net_with_batchnorm_certifies_though_fsdp2_keeps_each_ranks_running_statistics(tmp_path):
+    """BatchNorm's buffers are not sharded and FSDP2 never broadcasts them: every rank keeps its own,
+    the checkpoint holds one rank's. The weights and optimizer state replay exactly; the note says
+    the buffers are not confirmed, and nothing is blamed for them."""
+    from tests.recorder.fsdp_convjob import job
+
+    assert gloo_job(job, WORLD, tmp_path / "results", str(tmp_path)) == ["ok"] * WORLD
+    code, doc = _bisect(tmp_path / "trace", "certify")
+    assert code == 0 and [c["status"] for c in doc["checkpoints"]] == ["clean"] * 3, doc
