@@ -1,12 +1,13 @@
 """What recording a sharded job costs: the FSDP2 (or HSDP) job of ``sdc_forensics/demo/sharded.py``
 with the recorder against the same loop without it, side by side on 4 gloo processes.
 
-Each repetition runs, in one process group, the job bare and recorded (alternating which goes
-first), ``--steps`` steps each with a model ``--width`` wide (checkpoints off: their cost is DCP's
+Each repetition runs, in one process group of ``--world`` ranks, the job bare and recorded
+(alternating which goes first), ``--steps`` steps each with a model ``--width`` wide (checkpoints off: their cost is DCP's
 and the digest of the state, measured apart by ``bench_verify.py``); the figure is the median over
 repetitions of (recorded step time / bare step time) per rank, then the median over ranks.
 
-    python benchmarks/bench_fsdp_overhead.py [--parallel fsdp|hsdp] [--width 512] [--steps 20] [--reps 5]
+    python benchmarks/bench_fsdp_overhead.py [--parallel fsdp|hsdp] [--width 512] [--steps 20] [--reps 5] [--world 4]
+        [--reduction ordered|native]
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--reduction", choices=("native", "ordered"), default="ordered")
+    parser.add_argument("--world", type=int, default=4, help="ranks (HSDP needs 4: 2 x 2); 2 on a 2-core machine gives each its core")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     from tests.factories import gloo_job
@@ -87,16 +89,16 @@ def main(argv: list[str] | None = None) -> None:
     ratios, bare_ms = [], []
     with tempfile.TemporaryDirectory(prefix="sdc-fsdp-overhead-") as tmp:
         for rep in range(args.reps):
-            found = gloo_job(_rep, 4, Path(tmp, f"rep{rep}"), tmp, args.width, args.steps, args.parallel == "hsdp", args.reduction,
+            found = gloo_job(_rep, args.world, Path(tmp, f"rep{rep}"), tmp, args.width, args.steps, args.parallel == "hsdp", args.reduction,
                              rep % 2 == 1)
             ratios.append(statistics.median(r["recorded"] / r["bare"] for r in found))
             bare_ms.append(statistics.median(r["bare"] for r in found) * 1e3)
     params = args.width * (24 + 1) + 2 * args.width + args.width * (args.width + 1) + 5 * (args.width + 1)
-    doc = {"parallel": args.parallel, "reduction": args.reduction, "width": args.width, "parameters": params, "steps": args.steps,
+    doc = {"world": args.world, "parallel": args.parallel, "reduction": args.reduction, "width": args.width, "parameters": params, "steps": args.steps,
            "reps": args.reps, "ratio_median": round(statistics.median(ratios), 3), "ratios": [round(r, 3) for r in ratios],
            "bare_step_ms_median": round(statistics.median(bare_ms), 2)}
     print(json.dumps(doc, indent=1) if args.json else
-          f"{args.parallel} ({args.reduction}), {params:,} parameters, 4 gloo ranks: recorded / bare step time = "
+          f"{args.parallel} ({args.reduction}), {params:,} parameters, {args.world} gloo ranks: recorded / bare step time = "
           f"{doc['ratio_median']} (median of {args.reps}; each {doc['ratios']}), bare step {doc['bare_step_ms_median']} ms")
 
 
