@@ -271,7 +271,7 @@ def _checkpoints_to_verify(plan: RunPlan, checkpoints: list[int], mode: str) -> 
         return checkpoints
     chosen = {checkpoints[0], checkpoints[-1]}
     if plan.fault is not None:
-        from sdc_forensics.inject import ALL_LOCATIONS, parse_spec
+        from sdc_forensics.inject import parse_spec
 
         step = parse_spec(plan.fault).step
         chosen |= {max((n for n in checkpoints if n <= step), default=checkpoints[0]),

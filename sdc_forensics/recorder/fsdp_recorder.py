@@ -18,8 +18,10 @@ order, are one flat vector ``g`` (a DDP trace with one bucket holding all of the
 Online, per step: the reduce-scatter and replica all-reduce checks and the NaN/Inf checks of
 ``fsdp_monitor`` (they name the rank and its mesh coordinates), and the weights vote per shard
 across replicas (HSDP with 3 or more replicas names the rank; 2 replicas detect without a vote;
-pure FSDP has no replicas to vote). ``RecorderOptions(reduction="ordered")`` replaces the
-reduce-scatter by an ordered one (an all-to-all, then ``reduction.ordered_mean`` in rank order) and,
+pure FSDP has no replicas to vote), and each rank's weight shard at rest (digested when a step
+begins, against the last update's: FSDP gathers it for everybody's forward).
+
+``RecorderOptions(reduction="ordered")`` replaces the reduce-scatter by an ordered one (an all-to-all, then ``reduction.ordered_mean`` in rank order) and,
 in HSDP, redoes the replicas' all-reduce as the ``ordered_mean`` of their outputs in replica order,
 so that a replay reproduces the reduced gradient bit for bit on any device and mesh.
 
@@ -28,9 +30,16 @@ Checkpoints: :meth:`FsdpRecorder.checkpoint` digests the sharded state as if who
 weight shards, saves with ``torch.distributed.checkpoint`` (every rank its shards) and notes the
 digests that ``verify-checkpoint`` measures on the DCP directory, resharded or not.
 
-Not yet recorded (refused in one line): mixed precision (a ``MixedPrecisionPolicy`` with
-``param_dtype`` or ``reduce_dtype``), audits, a shard placement other than ``Shard(0)``, a mesh
-that is not the whole world (FSDP with tensor parallelism), and DDP's fault locations.
+Mixed precision: ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` is recorded (the local
+gradient in bfloat16, as FSDP2 accumulates and reduces it; the mesh notes ``reduce_dtype``).
+Not yet recorded (refused in one line): ``param_dtype``, a float16 ``reduce_dtype``, audits, a
+shard placement other than ``Shard(0)``, a mesh that is not the whole world (FSDP with tensor
+parallelism), a group reduce-scattered twice in a step, and DDP's fault locations.
+
+Over 400 lines on purpose: the tap that reads the reduce-scatter, the ordered collectives, the
+per-step record, the shard vote and the DCP checkpoint are one recorder's view of one mesh and one
+flat layout of the parameters; split, the rule placing a piece of a shard in the whole would be
+repeated in every part.
 """
 
 from __future__ import annotations
@@ -55,7 +64,7 @@ from sdc_forensics.inject import FSDP_LOCATIONS, LOCATIONS, FaultSpec
 from sdc_forensics.recorder import checks, records
 from sdc_forensics.recorder import fsdp_monitor as fm
 from sdc_forensics.recorder.checkpointing import path_from_trace
-from sdc_forensics.recorder.recorder import Recorder, _local
+from sdc_forensics.recorder.recorder import Recorder
 from sdc_forensics.recorder.threads import ThreadWatch
 from sdc_forensics.reduction import ORDERED, ordered_mean, ordered_sum
 from sdc_forensics.trace import format as F
@@ -412,16 +421,8 @@ class FsdpRecorder(Recorder):
         self._react(state, findings)
         return None
 
-    def _after_update(self, optimizer, args, kwargs) -> None:
-        state = self._state
-        if state is None:
-            return None
-        if self.injector:
-            with torch.no_grad():
-                self.injector.corrupt_tensors("update", state.step, [_local(p).data for p in self.params])
-        state.weights = self._weights()
+    def _after_weights(self, state) -> None:
         self._last_update = state.weights[0]
-        state.flags |= int(F.Flag.HAS_WEIGHTS)
         if self.options.compares_weights(state.step):
             findings, vote = self._vote_shards(state.step, state.weights[0])
             self.last_weights_vote = (state.step, state.weights[0], vote)

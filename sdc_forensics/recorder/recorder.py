@@ -488,6 +488,11 @@ class Recorder:
                 self.injector.corrupt_tensors("update", state.step, [_local(p).data for p in self.params])
         state.weights = self._weights()
         state.flags |= int(F.Flag.HAS_WEIGHTS)
+        self._after_weights(state)
+        return None
+
+    def _after_weights(self, state: _StepState) -> None:
+        """The replicas' weights vote after the update (a sharded job votes per shard)."""
         if self.options.compares_weights(state.step):
             digests = self._all_gather_words(np.array([state.weights[0]], dtype=np.uint64).view(np.int64))[:, 0]
             finding, vote = checks.check_weights(state.step, digests.view(np.uint64))

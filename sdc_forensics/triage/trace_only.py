@@ -13,7 +13,11 @@ trace is read window by window (:meth:`Trace.step_windows`, ``(S, R)`` tables); 
   reported at its onset;
 * audits: subject's own gradient digest and the auditors' recomputations, majority of three;
   the auditor's input digest against the subject's;
-* outliers of loss and local gradient norm across ranks (hints only, never a verdict).
+* outliers of loss and local gradient norm across ranks (hints only, never a verdict);
+* a sharded job's (the manifest's ``parallel`` mesh; ``recorder/fsdp_recorder.py``): the shards of a
+  replica adding up to the reduction and the replicas of a shard agreeing (instead of the per-rank
+  all-reduce check), the weights voted per shard across replicas, and each weight shard at rest
+  (its digest when a step began against the last update's).
 
 The result names the first step at which the replicas' state is known to have gone wrong
 (:attr:`TriageResult.first_suspect_step`) and the window of steps a replay must examine to
