@@ -95,6 +95,12 @@ def mesh_of(model: torch.nn.Module, world_size: int) -> ShardMesh:
     if len(shard_dims) != 1 or placements[shard_dims[0]].dim != 0:
         raise UsageError(f"parameters placed as {placements}: the recorder records FSDP2's Shard(0) (and HSDP's Replicate, "
                          "Shard(0)); pass no shard_placement_fn to fully_shard")
+    if layout.dim() > 2:
+        raise UsageError(f"the model is sharded on a {layout.dim()}-D mesh: the recorder records FSDP (1-D) and HSDP "
+                         "(replicate x shard)")
+    if layout.shape[shard_dims[0]] == 1:
+        raise UsageError("the shard dimension of the mesh has size 1: FSDP2 then reduce-scatters nothing (each rank holds "
+                         "whole parameters, replicated); record such a job as DDP")
     coords: list = [None] * world_size
     for index in np.ndindex(*layout.shape):
         coords[int(layout[index])] = tuple(int(i) for i in index)

@@ -262,3 +262,24 @@ def test_a_users_conv_net_with_batchnorm_certifies_though_fsdp2_keeps_each_ranks
     assert gloo_job(job, WORLD, tmp_path / "results", str(tmp_path)) == ["ok"] * WORLD
     code, doc = _bisect(tmp_path / "trace", "certify")
     assert code == 0 and [c["status"] for c in doc["checkpoints"]] == ["clean"] * 3, doc
+
+
+def _one_shard_mesh(rank: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from sdc_forensics.demo import sharded
+    from sdc_forensics.errors import UsageError
+    from sdc_forensics.recorder import Recorder
+
+    model = sharded.shard(sharded.build_model(), init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard")))
+    try:
+        Recorder("unused", model, sharded.make_optimizer(model))
+        return "recorded"
+    except UsageError as refusal:
+        return str(refusal)
+
+
+def test_a_mesh_whose_shard_dimension_is_one_is_refused(tmp_path):
+    """HSDP (4, 1) holds whole parameters on every rank and reduce-scatters nothing: not a sharded job."""
+    found = gloo_job(_one_shard_mesh, WORLD, tmp_path / "results")
+    assert all("shard dimension of the mesh has size 1" in f for f in found), found
