@@ -301,6 +301,7 @@ class FsdpRecorder(Recorder):
         fsdp_specs = [str(s) for s in specs if s.location in FSDP_LOCATIONS and s.location != "all-gather-output"]
         if fsdp_specs:
             self.tap._inject = fm.spec_injector(fsdp_specs, lambda: self.tap.step)
+        self._handles_gathered: list = []  # the all-gather-output drills' forward hooks (removed by close)
         gathered = [s for s in specs if s.location == "all-gather-output"]
         if gathered:
             self._drill_gathered(model, gathered)
@@ -336,16 +337,13 @@ class FsdpRecorder(Recorder):
 
         for module in model.modules():
             if isinstance(module, FSDPModule):  # registered after FSDP's own pre-forward: the parameters are gathered
-                self._handles_gathered = getattr(self, "_handles_gathered", []) + [
-                    module.register_forward_pre_hook(hook, with_kwargs=True)]
+                self._handles_gathered.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 
     def close(self, *, on_error: bool | None = None) -> None:
-        import sys
-
-        for handle in getattr(self, "_handles_gathered", []):
+        for handle in self._handles_gathered:
             handle.remove()
         self._handles_gathered = []
-        super().close(on_error=sys.exc_info()[0] is not None if on_error is None else on_error)
+        super().close(on_error=on_error)
 
     def _problem(self, model: torch.nn.Module, specs: list) -> str | None:
         """What this rank cannot record, in one line (None: nothing)."""
