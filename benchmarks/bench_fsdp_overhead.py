@@ -7,7 +7,10 @@ and the digest of the state, measured apart by ``bench_verify.py``); the figure 
 repetitions of (recorded step time / bare step time) per rank, then the median over ranks.
 
     python benchmarks/bench_fsdp_overhead.py [--parallel fsdp|hsdp] [--width 512] [--steps 20] [--reps 5] [--world 4]
-        [--reduction ordered|native]
+        [--reduction ordered|native] [--profile]
+
+``--profile``: instead, rank 0's recorded steps under cProfile (the recorder's functions, by
+cumulative time): where the overhead goes.
 """
 
 from __future__ import annotations
@@ -31,7 +34,23 @@ def _rep(rank: int, root: str, width: int, steps: int, hsdp: bool, reduction: st
             for name in (("recorded", "bare") if first_recorded else ("bare", "recorded"))}
 
 
-def _loop_one(rank, world, root, width, steps, hsdp, reduction, recorded) -> float:
+def _profiled(rank: int, root: str, width: int, steps: int, hsdp: bool, reduction: str) -> str:
+    import cProfile
+    import io
+    import pstats
+
+    import torch.distributed as dist
+
+    profile = cProfile.Profile() if rank == 0 else None
+    _loop_one(rank, dist.get_world_size(), root, width, steps, hsdp, reduction, True, profile)
+    if profile is None:
+        return ""
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats("sdc_forensics", 25)
+    return text.getvalue()
+
+
+def _loop_one(rank, world, root, width, steps, hsdp, reduction, recorded, profile=None) -> float:
     import torch
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
@@ -54,6 +73,8 @@ def _loop_one(rank, world, root, width, steps, hsdp, reduction, recorded) -> flo
         rec = Recorder(trace, model, optimizer, recipe=sharded.REFERENCE, options=RecorderOptions(policy="continue", reduction=reduction))
     times = []
     for step in range(steps):
+        if profile is not None and step == 2:  # after the first steps' buffers and caches
+            profile.enable()
         mb = step * world + rank
         started = time.perf_counter()
         if rec is not None:
@@ -69,6 +90,8 @@ def _loop_one(rank, world, root, width, steps, hsdp, reduction, recorded) -> flo
             optimizer.step()
             optimizer.zero_grad()
         times.append(time.perf_counter() - started)
+    if profile is not None:
+        profile.disable()
     if rec is not None:
         rec.close()
     return statistics.median(times[2:])
@@ -83,8 +106,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reduction", choices=("native", "ordered"), default="ordered")
     parser.add_argument("--world", type=int, default=4, help="ranks (HSDP needs 4: 2 x 2); 2 on a 2-core machine gives each its core")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="print rank 0's profile of the recorded steps instead")
     args = parser.parse_args(argv)
     from tests.factories import gloo_job
+
+    if args.profile:
+        with tempfile.TemporaryDirectory(prefix="sdc-fsdp-profile-") as tmp:
+            print(gloo_job(_profiled, args.world, Path(tmp, "out"), tmp, args.width, args.steps, args.parallel == "hsdp",
+                           args.reduction)[0])
+        return
 
     ratios, bare_ms = [], []
     with tempfile.TemporaryDirectory(prefix="sdc-fsdp-overhead-") as tmp:

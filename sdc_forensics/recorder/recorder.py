@@ -206,7 +206,7 @@ class Recorder:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Recorder":
         """A ``fully_shard`` model gets the sharded job's recorder (``recorder/fsdp_recorder.py``)."""
-        model = args[1] if len(args) > 1 else kwargs.get("ddp_model", kwargs.get("model"))
+        model = args[1] if len(args) > 1 else kwargs.get("ddp_model")
         if cls is Recorder and _is_fully_sharded(model):
             from sdc_forensics.recorder.fsdp_recorder import FsdpRecorder
 

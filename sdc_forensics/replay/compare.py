@@ -266,14 +266,16 @@ class StepComparisons:
             offset += n
         return shards.fingerprint_runs(shards.shard_runs(views, shard, self.mesh.shard_size), k=k, seed=self.seed)
 
+    def _per_rank(self, of_shard) -> list:
+        """``of_shard(shard)`` for every rank's shard, computed once per shard (replicas share it)."""
+        done = {shard: of_shard(shard) for shard in {self.mesh.shard_of(r) for r in range(self.world_size)}}
+        return [done[self.mesh.shard_of(r)] for r in range(self.world_size)]
+
     def _expected_fps(self, reduced) -> list:
         """Per rank, the fingerprint it should have recorded of ``reduced`` (the whole, or its shard)."""
         if self.mesh is None:
             return [self.fp_of(reduced)] * self.world_size
-        cache = {}
-        for shard in {self.mesh.shard_of(r) for r in range(self.world_size)}:
-            cache[shard] = self._shard_fp(reduced[0], self.bucket_shapes, shard, self.k)
-        return [cache[self.mesh.shard_of(r)] for r in range(self.world_size)]
+        return self._per_rank(lambda shard: self._shard_fp(reduced[0], self.bucket_shapes, shard, self.k))
 
     def _expected_reduced(self, reduced, num_ranks: int) -> np.ndarray:
         """``(R,)`` uint64: each rank's expected reduced digest (DDP: one value for all)."""
@@ -288,9 +290,8 @@ class StepComparisons:
         from sdc_forensics.fingerprint import shards
 
         params = [p.detach() for p in model.parameters()]
-        cache = {shard: shards.fingerprint_runs(shards.shard_runs(params, shard, self.mesh.shard_size), k=1, seed=self.seed).digest
-                 for shard in {self.mesh.shard_of(r) for r in range(self.world_size)}}
-        return np.array([cache[self.mesh.shard_of(r)] for r in range(self.world_size)], dtype=np.uint64)
+        return np.array(self._per_rank(lambda shard: shards.fingerprint_runs(
+            shards.shard_runs(params, shard, self.mesh.shard_size), k=1, seed=self.seed).digest), dtype=np.uint64)
 
     def _compare_weights(self, step, recs, model, tolerant, explained):
         """Replica weights vs the replay's; ``(evidence, replay differs from the majority)``."""
