@@ -107,6 +107,9 @@ EXPECTED_LOCATION = {
 SHARDED_LOCATIONS = {"fsdp": ("local-gradient", "reduce-scatter-output", "all-gather-output", "weights", "update", "input"),
                      "hsdp": ("local-gradient", "reduce-scatter-output", "all-reduce-output", "all-gather-output", "weights",
                               "update", "input")}
+#: --mixed-precision: where a fault flips a bfloat16 (the all-gathered parameters, cast before the
+#: all-gather); every other location holds float32 (the gradient is reduced in float32)
+SIXTEEN_BIT = ("all-gather-output",)
 #: checkpoint-file: the rank that writes checkpoints (the demo saves on rank 0).
 WRITER_RANK = 0
 
@@ -126,6 +129,7 @@ class Options:
     comm_hook: str | None = None
     reduction: str = "native"
     parallel: str = "ddp"  # ddp (the conv net), fsdp (FSDP2 over 4 ranks) or hsdp (2 x 2): demo/sharded.py
+    mixed_precision: bool = False  # a sharded job computes in bfloat16 and reduces in float32 (torchtitan's default)
 
     def __post_init__(self) -> None:
         if self.faults < 0 or self.clean < 1:
@@ -136,6 +140,8 @@ class Options:
             raise SystemExit("--jobs must be 1 or 2 (runs share 2 cores)")
         if self.parallel != "ddp" and (self.comm_hook or self.reduction != "native"):
             raise SystemExit("--comm-hook and --reduction are DDP's; a sharded job records with the ordered reduce-scatter")
+        if self.mixed_precision and self.parallel == "ddp":
+            raise SystemExit("--mixed-precision is a sharded job's MixedPrecisionPolicy: pass --parallel fsdp or hsdp")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -172,7 +178,10 @@ def plan_runs(options: Options) -> list[Plan]:
         location, bits = pairs[j % len(pairs)]
         kind = STEP_KINDS[j % len(STEP_KINDS)] if location != "checkpoint-file" else "on_checkpoint"
         step = _draw_step(rng, options, kind, checkpoints, location)
-        spec = f"{location}:step={step}:rank={rng.randrange(WORLD_SIZE)}:bit={rng.choice(BIT_CLASSES[bits])}"
+        bit = rng.choice(BIT_CLASSES[bits])
+        if options.mixed_precision and location in SIXTEEN_BIT:  # the same class of bfloat16's bits
+            bit = bit - 16 if bit >= 16 else bit % 4
+        spec = f"{location}:step={step}:rank={rng.randrange(WORLD_SIZE)}:bit={bit}"
         plans.append(Plan(index=len(plans), variant=plans[j % options.clean].variant, fault=spec, location=location,
                           bit_class=bits, step_kind=kind))
     return plans
@@ -227,7 +236,8 @@ def _train(plan: Plan, options: Options) -> dict:
         from sdc_forensics.demo import sharded
 
         found = sharded.run_demo(out, options.parallel, (plan.fault,) if plan.fault else (), steps=options.steps,
-                                 checkpoint_every=options.checkpoint_every, seed=plan.variant)
+                                 checkpoint_every=options.checkpoint_every, seed=plan.variant,
+                                 **({"param_dtype": "bfloat16", "reduce_dtype": "float32"} if options.mixed_precision else {}))
         steps = range(0, options.steps, options.checkpoint_every)
         return {"recipe": f"{sharded.SEEDED_REFERENCE} seed={plan.variant}", "trace": str(out / "trace"),
                 "train_s": round(time.monotonic() - started, 2), "fired": [],
@@ -549,6 +559,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reduction", choices=("native", "ordered"), default="native", help="the recorder's all-reduce mechanism")
     parser.add_argument("--parallel", choices=("ddp", "fsdp", "hsdp"), default="ddp",
                         help="the job: DDP (the conv net), or the sharded job of demo/sharded.py (FSDP2 over 4 ranks, HSDP 2 x 2)")
+    parser.add_argument("--mixed-precision", action="store_true",
+                        help="sharded jobs compute in bfloat16 and reduce in float32 (MixedPrecisionPolicy, torchtitan's default)")
     parser.add_argument("--rejudge", type=Path, default=None, help="re-judge and re-tally the rows of an earlier --json output")
     parser.add_argument("--rates", type=Path, default=None,
                         help="also write the trace-only detection rates to this JSON file (sdc_forensics/measured/trace_only_rates.json)")
@@ -603,7 +615,7 @@ def main(argv: list[str] | None = None) -> None:
             options = Options(faults=args.faults, clean=args.clean, seed=args.seed, out_dir=(args.out or Path(tmp)).resolve(),
                               steps=args.steps, checkpoint_every=args.checkpoint_every, jobs=args.jobs,
                               tolerant_threads=args.tolerant_threads, comm_hook=args.comm_hook, reduction=args.reduction,
-                              parallel=args.parallel)
+                              parallel=args.parallel, mixed_precision=args.mixed_precision)
             options.out_dir.mkdir(parents=True, exist_ok=True)
             result = campaign(options, progress=lambda line: print(line, file=sys.stderr))
     if args.rates is not None:

@@ -95,12 +95,14 @@ class ShardedRecipe:
 recipe = ShardedRecipe()
 
 
-def shard(model: nn.Module, mesh=None, reduce_dtype: torch.dtype | None = None) -> nn.Module:
-    """``fully_shard`` each block, then the whole model (the usual FSDP2 wrapping); ``reduce_dtype``:
-    reduce gradients in it (``MixedPrecisionPolicy``)."""
+def shard(model: nn.Module, mesh=None, reduce_dtype: torch.dtype | None = None, param_dtype: torch.dtype | None = None) -> nn.Module:
+    """``fully_shard`` each block, then the whole model (the usual FSDP2 wrapping); ``param_dtype``:
+    compute in it, ``reduce_dtype``: reduce gradients in it (``MixedPrecisionPolicy``; torchtitan's
+    default is bfloat16 and float32)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    kwargs = {"mesh": mesh} | ({"mp_policy": MixedPrecisionPolicy(reduce_dtype=reduce_dtype)} if reduce_dtype else {})
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    kwargs = {"mesh": mesh} | ({"mp_policy": policy} if reduce_dtype or param_dtype else {})
     for layer in (model[0], model[3]):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
@@ -109,13 +111,14 @@ def shard(model: nn.Module, mesh=None, reduce_dtype: torch.dtype | None = None) 
 
 def train(rank: int, world: int, trace_dir: str, checkpoint_dir: str, *, steps: int = 6, hsdp: tuple[int, int] | None = None,
           inject: tuple[str, ...] = (), reduction: str = "ordered", checkpoint_every: int = 3, accumulate: int = 2,
-          policy: str = "continue", seed: int = 0, reduce_dtype: str = "") -> dict:
+          policy: str = "continue", seed: int = 0, reduce_dtype: str = "", param_dtype: str = "") -> dict:
     """One rank of the sharded job, recorded; every rank calls it inside an initialised process group.
 
     Microbatch ``step * world * accumulate + rank * accumulate + m`` is rank ``rank``'s ``m``-th of
     ``step``. Checkpoints (DCP directories) are written at step 0 and every ``checkpoint_every``.
     ``seed`` draws the model's initial weights and the data (a variant of the job; recorded as
-    ``recipe_args``). ``reduce_dtype`` ("bfloat16"): FSDP2 reduces gradients in it. Returns what the
+    ``recipe_args``). ``reduce_dtype`` ("bfloat16"): FSDP2 reduces gradients in it; ``param_dtype`` ("bfloat16"):
+    it computes in it. Returns what the
     recorder raised or found, for tests.
     """
     import torch.distributed as dist
@@ -129,7 +132,8 @@ def train(rank: int, world: int, trace_dir: str, checkpoint_dir: str, *, steps: 
         mesh = init_device_mesh("cpu", hsdp, mesh_dim_names=("replicate", "shard"))
     else:  # fully_shard's default mesh, named: a suspect is then "shard=2", not "dim0=2"
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-    model = shard(build_model(seed), mesh, getattr(torch, reduce_dtype) if reduce_dtype else None)
+    model = shard(build_model(seed), mesh, getattr(torch, reduce_dtype) if reduce_dtype else None,
+                  getattr(torch, param_dtype) if param_dtype else None)
     optimizer = make_optimizer(model)
     options = RecorderOptions(policy=policy, reduction=reduction)
     alarms: list = []
@@ -187,7 +191,7 @@ def _demo_rank(rank: int, world: int, port: int, out_dir: str, kwargs: dict) -> 
 
 
 def run_demo(out_dir: str | Path, parallel: str, injections: tuple[str, ...], *, steps: int = 40, checkpoint_every: int = 10,
-             policy: str = "continue", seed: int = 0, reduce_dtype: str = "") -> dict:
+             policy: str = "continue", seed: int = 0, reduce_dtype: str = "", param_dtype: str = "") -> dict:
     """``sdc-forensics demo --parallel fsdp|hsdp``: the sharded job on 4 gloo processes (FSDP over 4
     ranks, or HSDP 2 replicas x 2 shards), recorded with the ordered reduce-scatter; returns rank 0's
     findings (the online alarms). The trace is ``OUT/trace``, checkpoint ``N`` ``OUT/checkpoints/step-N``
@@ -208,6 +212,7 @@ def run_demo(out_dir: str | Path, parallel: str, injections: tuple[str, ...], *,
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     kwargs = {"steps": steps, "checkpoint_every": checkpoint_every, "policy": policy, "inject": tuple(injections),
-              "hsdp": (2, 2) if parallel == "hsdp" else None, "seed": seed}
+              "hsdp": (2, 2) if parallel == "hsdp" else None, "seed": seed, "reduce_dtype": reduce_dtype,
+              "param_dtype": param_dtype}
     forked.start(_demo_rank, (4, port, str(out), kwargs), 4)
     return json.loads((out / "demo" / "rank-0.json").read_text())

@@ -30,9 +30,11 @@ Checkpoints: :meth:`FsdpRecorder.checkpoint` digests the sharded state as if who
 weight shards, saves with ``torch.distributed.checkpoint`` (every rank its shards) and notes the
 digests that ``verify-checkpoint`` measures on the DCP directory, resharded or not.
 
-Mixed precision: ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` is recorded (the local
-gradient in bfloat16, as FSDP2 accumulates and reduces it; the mesh notes ``reduce_dtype``).
-Not yet recorded (refused in one line): ``param_dtype``, a float16 ``reduce_dtype``, audits, a
+Mixed precision: ``MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)`` is recorded (the
+local gradient in the reduce dtype, as FSDP2 accumulates and reduces it; the mesh notes
+``param_dtype``, ``reduce_dtype`` and each module's input and output casts, which
+``replay/mixed.py`` applies to the recipe's model).
+Not yet recorded (refused in one line): a float16 reduction, audits, a
 shard placement other than ``Shard(0)``, a mesh that is not the whole world (FSDP with tensor
 parallelism), a group reduce-scattered twice in a step, and DDP's fault locations.
 
@@ -107,6 +109,35 @@ def mesh_of(model: torch.nn.Module, world_size: int) -> ShardMesh:
     names = tuple(mesh.mesh_dim_names or ("",) * layout.dim())
     return ShardMesh(kind="fsdp" if layout.dim() == 1 else "hsdp", shape=tuple(layout.shape), dim_names=names,
                      shard_dim=shard_dims[0], coords=tuple(coords))
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _effective(param_dtype: torch.dtype | None, orig: torch.dtype) -> torch.dtype:
+    """The dtype FSDP2 computes a floating-point parameter in (``FSDPParam.init_dtype_attrs``)."""
+    return orig if param_dtype is None or not orig.is_floating_point else param_dtype
+
+
+def _casts(model: torch.nn.Module) -> tuple[tuple[str, str, str], ...] | None:
+    """``(module name, inputs dtype, outputs dtype)`` for every ``fully_shard`` module whose policy
+    casts its forward inputs (``cast_forward_inputs`` with a ``param_dtype``) or outputs
+    (``output_dtype``); None where a module's policy cannot be read."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        policy = getattr(module._get_fsdp_state(), "_mp_policy", None)
+        if policy is None:
+            return None
+        inputs = policy.param_dtype if policy.cast_forward_inputs and policy.param_dtype is not None else None
+        outputs = policy.output_dtype
+        if inputs is not None or outputs is not None:
+            out.append((name, _name(inputs) if inputs is not None else "", _name(outputs) if outputs is not None else ""))
+    return tuple(out)
 
 
 def flat_offsets(params: Iterable[torch.Tensor]) -> dict[int, int]:
@@ -279,13 +310,17 @@ class FsdpRecorder(Recorder):
         self._setup(trace_dir, model, optimizer, group=dist.group.WORLD, recipe=recipe, recipe_args=recipe_args,
                     options=options, inject=inject, framework=framework, locations=LOCATIONS + FSDP_LOCATIONS)
         specs = [s for s in self.injector.specs] if hasattr(self.injector, "specs") else []
-        self._reduce_dtype = None
+        self._reduce_dtype = self._param_dtype = None
+        self._casts: tuple = ()
         problem = self._problem(model, specs)
         self._gather_identities(problem)
         self.mesh = mesh_of(model, self.world_size)
-        if self._reduce_dtype is not None and self.params and self._reduce_dtype != self.params[0].dtype:
-            # the local gradient is recorded, and reduced, in this dtype (MixedPrecisionPolicy(reduce_dtype=...))
-            self.mesh = dataclasses.replace(self.mesh, reduce_dtype=str(self._reduce_dtype).removeprefix("torch."))
+        self.mesh = dataclasses.replace(self.mesh, casts=self._casts)  # what FSDP2 casts, replayed as it did
+        if self._reduce_dtype is not None and self.params and (self._reduce_dtype != self.params[0].dtype or self._param_dtype):
+            # the local gradient is recorded, and reduced, in this dtype (MixedPrecisionPolicy(reduce_dtype=...)); with a
+            # param_dtype, computed in another (the replay casts the parameters and the modules' inputs as FSDP2 did)
+            self.mesh = dataclasses.replace(self.mesh, reduce_dtype=_name(self._reduce_dtype),
+                                            param_dtype=_name(self._param_dtype) if self._param_dtype else "")
             if self.options.grad_dtype is None:
                 self.options = dataclasses.replace(self.options, grad_dtype=self.mesh.reduce_dtype)
         self.grad_params = [p for p in self.params if p.requires_grad]
@@ -356,18 +391,30 @@ class FsdpRecorder(Recorder):
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) > 1:
             return f"parameters of several dtypes ({', '.join(sorted(map(str, dtypes)))}): the recorder needs one"
-        reduce = set()
+        orig = next(iter(dtypes))
+        computes, reduce = set(), set()
         for group in fm.param_groups(model):
             policy = getattr(group, "mp_policy", None)
-            if policy is not None and policy.param_dtype is not None and policy.param_dtype not in dtypes:
-                return ("a MixedPrecisionPolicy with param_dtype: the forward and backward in another dtype than the "
-                        "parameters' is not recorded for sharded jobs yet (reduce_dtype is); record in the parameters' dtype")
-            reduce.add(getattr(policy, "reduce_dtype", None) or next(iter(dtypes)))
+            computes.add(_effective(getattr(policy, "param_dtype", None), orig))
+            reduce.add(getattr(policy, "reduce_dtype", None) or getattr(policy, "param_dtype", None) or orig)
+        if len(computes) > 1:
+            return f"parameter groups compute in several dtypes ({', '.join(sorted(map(str, computes)))}): the recorder needs one"
         if len(reduce) > 1:
             return f"parameter groups reduce in several dtypes ({', '.join(sorted(map(str, reduce)))}): the recorder needs one"
         if reduce and next(iter(reduce)) not in (torch.float32, torch.bfloat16):
             return (f"reduce_dtype {next(iter(reduce))}: FSDP2 pre- and post-divides a float16 reduction, which the replay does "
-                    "not model yet; reduce in bfloat16 or float32")
+                    "not model yet; reduce in bfloat16 or float32 (MixedPrecisionPolicy(reduce_dtype=torch.float32))")
+        compute = next(iter(computes)) if computes else orig
+        casts = _casts(model)
+        if compute != orig:
+            if orig != torch.float32 or compute not in (torch.bfloat16, torch.float16):
+                return (f"parameters in {orig} computed in {compute}: the recorder records float32 parameters computed in "
+                        "bfloat16 or float16")
+            if casts is None:
+                return ("this torch's fully_shard keeps each module's MixedPrecisionPolicy where the recorder cannot read it: "
+                        "the replay could not cast as the job did; record without param_dtype")
+            self._param_dtype = compute
+        self._casts = casts or ()
         self._reduce_dtype = next(iter(reduce)) if reduce else None
         return None
 

@@ -39,6 +39,7 @@ from sdc_forensics.fingerprint.core import Fingerprint, combine, combine_digests
 from sdc_forensics.replay import distributed
 from sdc_forensics.replay import env as env
 from sdc_forensics.replay.buffers import BufferBroadcast
+from sdc_forensics.replay.mixed import computing_as_recorded
 from sdc_forensics.trace.checkpoints import hex64
 from sdc_forensics.triage.evidence import Evidence, EvidenceKind
 from sdc_forensics.replay.options import AnalysisOptions
@@ -253,17 +254,18 @@ class Replayer(StepComparisons):
         batches, total_loss = [], 0.0
         low = getattr(torch, self.mesh.reduce_dtype) if self.mesh is not None and self.mesh.reduce_dtype else None
         accumulated: list = [None] * len(params)
-        for mb_id in self.trace.microbatch_ids(record):
-            batch = self.recipe.fetch_microbatch(int(mb_id), self.device)
-            loss = self.recipe.loss(model, batch)
-            loss.backward()
-            total_loss += float(loss.detach())
-            batches.append(batch)
-            if low is not None:  # FSDP2 accumulates across microbatches in the reduce dtype (FSDPParam.to_accumulated_grad_if_needed)
-                for i, p in enumerate(params):
-                    if p.grad is not None:
-                        accumulated[i] = p.grad.to(low) if accumulated[i] is None else accumulated[i].add_(p.grad)
-                        p.grad = None
+        with computing_as_recorded(model, self.mesh):  # a sharded job's param_dtype and casts, as FSDP2 applied them
+            for mb_id in self.trace.microbatch_ids(record):
+                batch = self.recipe.fetch_microbatch(int(mb_id), self.device)
+                loss = self.recipe.loss(model, batch)
+                loss.backward()
+                total_loss += float(loss.detach())
+                batches.append(batch)
+                if low is not None:  # FSDP2 accumulates across microbatches in the reduce dtype (FSDPParam.to_accumulated_grad_if_needed)
+                    for i, p in enumerate(params):
+                        if p.grad is not None:
+                            accumulated[i] = p.grad.to(low) if accumulated[i] is None else accumulated[i].add_(p.grad)
+                            p.grad = None
         if low is not None:
             return accumulated, batches, total_loss
         return [p.grad for p in params], batches, total_loss

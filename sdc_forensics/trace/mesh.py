@@ -18,6 +18,12 @@ from typing import Any
 KINDS = ("fsdp", "hsdp")
 #: the dtypes a sharded job's reduction may be recorded in besides the parameters' own ("")
 REDUCE_DTYPES = ("", "bfloat16", "float32")
+#: the dtypes a sharded job may compute in (``MixedPrecisionPolicy(param_dtype=...)``; "": the parameters')
+PARAM_DTYPES = ("", "bfloat16", "float16")
+#: the dtypes FSDP2 may cast a module's forward inputs or outputs to
+CAST_DTYPES = ("", "bfloat16", "float16", "float32")
+_MAX_CASTS = 100_000
+_MAX_FQN = 1024
 _MAX_DIMS = 4
 _MAX_NAME = 64
 
@@ -34,7 +40,14 @@ class ShardMesh:
         coords: every global rank's coordinates, rank order.
         reduce_dtype: the dtype FSDP2 reduced gradients in when it is not the parameters'
             (``MixedPrecisionPolicy(reduce_dtype=...)``): the local gradient is recorded in it, and
-            the replay casts to it before reducing; "" when the parameters' own.
+            the replay casts to it before reducing; "" when the parameters' own. Always written
+            when ``param_dtype`` is (the gradient is then computed in another dtype than reduced).
+        param_dtype: the dtype FSDP2 all-gathered the parameters in for the forward and backward
+            (``MixedPrecisionPolicy(param_dtype=...)``); "" when the parameters' own.
+        casts: ``(module, inputs, outputs)`` per ``fully_shard`` module (its name in the model,
+            "" for the root) whose policy casts its floating-point forward inputs to ``inputs``
+            (``cast_forward_inputs``) or its outputs to ``outputs`` (``output_dtype``), "" where it
+            does not: the replay applies the same casts to the recipe's model.
     """
 
     kind: str
@@ -43,6 +56,8 @@ class ShardMesh:
     shard_dim: int
     coords: tuple[tuple[int, ...], ...]
     reduce_dtype: str = ""
+    param_dtype: str = ""
+    casts: tuple[tuple[str, str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -51,6 +66,15 @@ class ShardMesh:
             raise ValueError(f"a mesh shape of 1 to {_MAX_DIMS} positive sizes, not {self.shape}")
         if self.reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f"reduce_dtype must be one of {REDUCE_DTYPES}, not {self.reduce_dtype!r}")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise ValueError(f"param_dtype must be one of {PARAM_DTYPES}, not {self.param_dtype!r}")
+        if self.param_dtype and not self.reduce_dtype:
+            raise ValueError("a param_dtype needs the reduce_dtype it was reduced in")
+        if len(self.casts) > _MAX_CASTS or not all(
+                isinstance(c, tuple) and len(c) == 3 and isinstance(c[0], str) and len(c[0]) <= _MAX_FQN
+                and c[1] in CAST_DTYPES and c[2] in CAST_DTYPES for c in self.casts):
+            raise ValueError(f"casts must be at most {_MAX_CASTS} (module, inputs, outputs) triples of a module name and "
+                             f"dtypes among {', '.join(repr(d) for d in CAST_DTYPES)}")
         if len(self.dim_names) != len(self.shape) or not 0 <= self.shard_dim < len(self.shape):
             raise ValueError("one name per mesh dimension, and a shard dimension among them")
         total = 1
@@ -110,6 +134,10 @@ class ShardMesh:
                "coords": [list(c) for c in self.coords]}
         if self.reduce_dtype:  # optional: a job reducing in its parameters' dtype writes none
             doc["reduce_dtype"] = self.reduce_dtype
+        if self.param_dtype:  # optional, as reduce_dtype
+            doc["param_dtype"] = self.param_dtype
+        if self.casts:
+            doc["casts"] = [list(c) for c in self.casts]
         return doc
 
     @classmethod
@@ -131,8 +159,14 @@ class ShardMesh:
         reduce_dtype = doc.get("reduce_dtype", "")
         if reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f'"reduce_dtype" must be one of {", ".join(repr(d) for d in REDUCE_DTYPES)}')
+        param_dtype, casts = doc.get("param_dtype", ""), doc.get("casts", [])
+        if param_dtype not in PARAM_DTYPES:
+            raise ValueError(f'"param_dtype" must be one of {", ".join(repr(d) for d in PARAM_DTYPES)}')
+        if not isinstance(casts, list) or not all(isinstance(c, list) for c in casts):
+            raise ValueError('"casts" must be a list of [module, inputs, outputs] lists')
         return cls(kind=str(kind), shape=tuple(shape), dim_names=tuple(names), shard_dim=int(dim),
-                   coords=tuple(tuple(c) for c in coords), reduce_dtype=reduce_dtype)
+                   coords=tuple(tuple(c) for c in coords), reduce_dtype=reduce_dtype, param_dtype=param_dtype,
+                   casts=tuple(tuple(c) for c in casts))
 
 
 def _small_int(value: Any, lo: int = 1) -> bool:

@@ -16,6 +16,7 @@ then analysed by the unchanged commands:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -62,7 +63,9 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp_recorder")
     todo = [("clean", {}), ("hsdp-clean", {"hsdp": [2, 2]}), ("hsdp-update", {"hsdp": [2, 2], "inject": ["update:step=2:rank=1:bit=20"]}),
             ("bf16-clean", {"reduce_dtype": "bfloat16"}),
-            ("bf16-hsdp-rs", {"hsdp": [2, 2], "reduce_dtype": "bfloat16", "inject": ["reduce-scatter-output:step=4:rank=3:bit=10"]})]
+            ("bf16-hsdp-rs", {"hsdp": [2, 2], "reduce_dtype": "bfloat16", "inject": ["reduce-scatter-output:step=4:rank=3:bit=10"]}),
+            ("mp-clean", {"param_dtype": "bfloat16", "reduce_dtype": "float32"}),  # torchtitan's default policy
+            ("mp-local", {"param_dtype": "bfloat16", "inject": ["local-gradient:step=2:rank=1:bit=10"]})]
     todo += [(name, {"inject": [spec]}) for name, (spec, _, _) in FAULTS.items()]
     todo += [(name, {"hsdp": [2, 2], "inject": [spec]}) for name, (spec, _, _) in HSDP_FAULTS.items()]
     found = gloo_job(_jobs, WORLD, root / "results", str(root), todo)
@@ -158,6 +161,37 @@ def test_a_job_reducing_in_bfloat16_is_certified_exactly(runs):
     assert code == 0 and [c["status"] for c in doc["checkpoints"]] == ["clean", "clean"], doc
     manifest = json.loads((root / "bf16-clean" / "trace" / "manifest.json").read_text())
     assert manifest["parallel"]["reduce_dtype"] == "bfloat16" and manifest["fingerprint"]["grad_dtype"] == "bfloat16"
+
+
+def test_a_job_computing_in_bfloat16_is_certified_exactly_and_a_fault_in_it_found(runs):
+    """``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``: the replay casts the
+    parameters and each fully_shard module's inputs as FSDP2 did, so every step replays bit for bit."""
+    root, found = runs
+    assert all(f["mp-clean"]["alarms"] == [] for f in found)
+    code, doc = _bisect(root / "mp-clean" / "trace", "certify")
+    assert code == 0 and [c["status"] for c in doc["checkpoints"]] == ["clean", "clean"], doc
+    mesh = json.loads((root / "mp-clean" / "trace" / "manifest.json").read_text())["parallel"]
+    assert (mesh["param_dtype"], mesh["reduce_dtype"]) == ("bfloat16", "float32")
+    assert mesh["casts"] == [["", "bfloat16", ""], ["0", "bfloat16", ""], ["3", "bfloat16", ""]]
+    code, doc = _bisect(root / "mp-local" / "trace")
+    assert code == 1 and doc["first_divergent_step"] == 2 and [s["rank"] for s in doc["suspects"]] == [1], doc
+
+
+def test_a_recipe_model_without_a_module_the_job_cast_is_refused_in_one_line():
+    from sdc_forensics.errors import RecipeError
+    from sdc_forensics.replay.mixed import computing_as_recorded
+    from sdc_forensics.trace.mesh import ShardMesh
+
+    mesh = ShardMesh(kind="fsdp", shape=(2,), dim_names=("shard",), shard_dim=0, coords=((0,), (1,)), reduce_dtype="float32",
+                     param_dtype="bfloat16", casts=(("", "bfloat16", ""), ("blocks.0", "bfloat16", "")))
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    with pytest.raises(RecipeError, match="'blocks.0'"):
+        with computing_as_recorded(model, mesh):
+            pass
+    mesh = dataclasses.replace(mesh, casts=mesh.casts[:1])
+    with computing_as_recorded(model, mesh):  # inside: bfloat16 copies, the input cast by the root's hook
+        assert model[0].weight.dtype == torch.bfloat16 and model(torch.ones(1, 3)).dtype == torch.bfloat16
+    assert model[0].weight.dtype == torch.float32 and model(torch.ones(1, 3)).dtype == torch.float32
 
 
 def test_a_wrong_hsdp_reduce_scatter_output_reaches_both_replicas_and_only_its_rank_is_named(runs):

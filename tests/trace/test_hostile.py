@@ -64,7 +64,20 @@ MANIFEST_MUTATIONS = {
     "determinism-a-list": lambda d: d["attempts"][0].__setitem__("determinism", [1]),
     "extra-nested-900-deep": lambda d: d.__setitem__("extra", {"x": json.loads("[" * 900 + "]" * 900)}),
     "format-version-a-list": lambda d: d.__setitem__("format_version", [1]),
+    # trace/mesh.py: a sharded job's mixed precision (the replay casts the recipe's model by it)
+    "casts-an-unknown-dtype": lambda d: _sharded(d, casts=[["", "float7", ""]]),
+    "casts-not-triples": lambda d: _sharded(d, casts=[["0"]]),
+    "casts-a-string": lambda d: _sharded(d, casts="0"),
+    "casts-module-a-number": lambda d: _sharded(d, casts=[[0, "bfloat16", ""]]),
+    "casts-module-name-of-5000-characters": lambda d: _sharded(d, casts=[["a" * 5000, "bfloat16", ""]]),
+    "param-dtype-unknown": lambda d: _sharded(d, param_dtype="int8", reduce_dtype="float32"),
+    "param-dtype-without-reduce-dtype": lambda d: _sharded(d, param_dtype="bfloat16"),
 }
+
+
+def _sharded(doc: dict, **fields) -> None:
+    """Make the (2-rank) manifest a sharded job's, with ``fields`` in its mesh."""
+    doc["parallel"] = {"kind": "fsdp", "shape": [2], "dim_names": ["shard"], "shard_dim": 0, "coords": [[0], [1]]} | fields
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
