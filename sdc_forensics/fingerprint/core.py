@@ -33,6 +33,7 @@ one place decides which path a tensor takes.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import threading
@@ -248,9 +249,18 @@ def _compiled_failed(exc: BaseException) -> None:
     cpu_kernel.disable(reason)
 
 
+def _host_bytes(raw: torch.Tensor) -> np.ndarray:
+    """A numpy view of a contiguous CPU uint8 tensor, made without ``Tensor.numpy()``, which marks
+    the storage not resizable for good: FSDP2 frees and re-allocates its all-gathered parameters
+    by resizing their storage, and the recorder digests them. Valid while ``raw`` lives."""
+    if raw.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return np.frombuffer((ctypes.c_uint8 * raw.numel()).from_address(raw.data_ptr()), dtype=np.uint8)
+
+
 def _cpu_digest_lanes(raw: torch.Tensor, seed: int) -> tuple[int, int] | None:
     try:
-        return cpu_kernel.digest_lanes(raw.numpy(), seed)
+        return cpu_kernel.digest_lanes(_host_bytes(raw), seed)
     except Exception as exc:  # noqa: BLE001 - a broken compiled path must not lose the answer
         _compiled_failed(exc)
         return None

@@ -399,17 +399,22 @@ def require_fsdp2(model: torch.nn.Module, what: str) -> None:
                          "(torch 2.8 or later has it)")
 
 
+def groups_of(module: torch.nn.Module) -> list:
+    """The FSDP2 parameter groups of one ``fully_shard`` module's state."""
+    state = module._get_fsdp_state()
+    found = list(getattr(state, "_fsdp_param_groups", None) or ())
+    if not found and getattr(state, "_fsdp_param_group", None) is not None:  # FSDP2 before multi-group states
+        found = [state._fsdp_param_group]
+    return found
+
+
 def param_groups(model: torch.nn.Module) -> list:
     """Every FSDP2 parameter group of ``model`` once (``fully_shard([a, b])`` gives a and b one state)."""
     from torch.distributed.fsdp import FSDPModule
 
     groups = {}
     for module in (m for m in model.modules() if isinstance(m, FSDPModule)):
-        state = module._get_fsdp_state()
-        found = list(getattr(state, "_fsdp_param_groups", None) or ())
-        if not found and getattr(state, "_fsdp_param_group", None) is not None:  # FSDP2 before multi-group states
-            found = [state._fsdp_param_group]
-        for group in found:
+        for group in groups_of(module):
             groups[id(group)] = group
     if not groups:
         raise UsageError("this torch's fully_shard keeps its parameter groups where watch() cannot find them: "

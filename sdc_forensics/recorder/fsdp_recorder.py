@@ -340,6 +340,7 @@ class FsdpRecorder(Recorder):
         gathered = [s for s in specs if s.location == "all-gather-output"]
         if gathered:
             self._drill_gathered(model, gathered)
+        self._watch_gathered(model)  # after the drills: it digests what the forward computes with
         fm.install(model, self.tap, OrderedReduceScatter() if self.options.reduction == ORDERED else None)
         self._comm_hook_name = "sdc_forensics.recorder.fsdp_recorder.OrderedReduceScatter" if self.options.reduction == ORDERED else ""
         self._open_trace()
@@ -372,6 +373,28 @@ class FsdpRecorder(Recorder):
 
         for module in model.modules():
             if isinstance(module, FSDPModule):  # registered after FSDP's own pre-forward: the parameters are gathered
+                self._handles_gathered.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+
+    def _watch_gathered(self, model: torch.nn.Module) -> None:
+        """The consensus a sharded job has without replicas: every rank gathers the same whole
+        parameters for its forward. At each forward of a ``fully_shard`` module (after FSDP gathered
+        its group) this rank's copies are digested, on the steps whose weights are compared
+        (``weights_every``); ``_before_update`` votes the ranks' combined digests."""
+        from torch.distributed.fsdp import FSDPModule
+
+        from sdc_forensics.fingerprint.core import digests
+
+        def hook(module, args, kwargs):
+            state = self._state
+            if state is None or not self.options.compares_weights(state.step):
+                return None
+            for group in fm.groups_of(module):
+                params = [fp.unsharded_param.detach().reshape(-1) for fp in group.fsdp_params]
+                state.gathered.append(combine_digests(digests(params, self.options.seed)))
+            return None
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):  # appended: FSDP's own pre-forward (prepended) has gathered the group
                 self._handles_gathered.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 
     def close(self, *, on_error: bool | None = None) -> None:
@@ -444,7 +467,9 @@ class FsdpRecorder(Recorder):
         except Exception as exc:  # noqa: BLE001 - the other ranks must learn it, or they wait forever
             failure = exc
         changed = int(self._last_update is not None and state.rest_weights is not None and self._last_update != state.rest_weights)
-        words = self._all_gather_words(np.array([-1 if failure else int(state.reduced is not None), changed], dtype=np.int64))
+        gathered = np.array([combine_digests(state.gathered) if state.gathered else 0], dtype=np.uint64).view(np.int64)[0]
+        words = self._all_gather_words(np.array([-1 if failure else int(state.reduced is not None), changed, gathered],
+                                                dtype=np.int64))
         table = words[:, 0]
         if (table < 0).any():
             if failure is not None:
@@ -462,6 +487,7 @@ class FsdpRecorder(Recorder):
                 "began, since the last update (or the checkpoint that saved it); every rank gathered it for this step's forward"))
             if rank == self.rank:
                 state.flags |= int(F.Flag.WEIGHTS_DIVERGED)
+        findings += self._vote_gathered(state, words[:, 2].view(np.uint64), explained=bool(words[:, 1].any()))
         for found in result.findings:
             flag, check = _FLAGS.get(found.check, (F.Flag.ALLREDUCE_MISMATCH, "allreduce"))
             where = self.mesh.where(found.rank) if self.mesh is not None else ""
@@ -471,6 +497,30 @@ class FsdpRecorder(Recorder):
                 state.flags |= int(flag)
         self._react(state, findings)
         return None
+
+    def _vote_gathered(self, state, table: np.ndarray, *, explained: bool) -> list[checks.Finding]:
+        """The ranks' digests of the parameters they gathered this step (0: none taken) voted: a
+        strict majority names the ranks that computed with other parameters (``GATHER_DIVERGED``);
+        without one (2 ranks, or HSDP's replicas split evenly, as a shard changed at rest makes
+        them) the finding names no rank, and the rest check or the replay settles it; ``explained``:
+        the rest check named a shard changed at rest this step, which splits the replicas so."""
+        if not table.any() or not table.all():
+            return []
+        vote = checks.strict_majority(table)
+        if not vote.diverged or (vote.value is None and explained):
+            return []
+        if vote.value is None:
+            return [checks.Finding(
+                check="weights", step=state.step, rank=-1, flag=F.Flag.NO_MAJORITY, ranks=(),
+                detail=f"the ranks gathered different parameters for step {state.step}'s forward and no strict majority "
+                f"agrees ({', '.join(f'rank {r}: {hex64(int(v))}' for r, v in enumerate(table))})")]
+        if self.rank in vote.diverged:
+            state.flags |= int(F.Flag.GATHER_DIVERGED)
+        return [checks.Finding(
+            check="weights", step=state.step, rank=rank, flag=F.Flag.GATHER_DIVERGED, ranks=(rank,),
+            detail=f"rank {rank} ({self.mesh.where(rank)}): the parameters it gathered for step {state.step}'s forward differ "
+            f"from the {len(vote.agreeing)} ranks' that agree ({hex64(int(table[rank]))}, not {hex64(int(vote.value))})")
+            for rank in vote.diverged]
 
     def _after_weights(self, state) -> None:
         self._last_update = state.weights[0]

@@ -141,6 +141,7 @@ class _StepState:
     reduced: Fingerprint | None = None
     weights: tuple[int, float, int] | None = None  # digest, norm, nonfinite count
     rest_weights: int | None = None  # a sharded job: the rank's weight shard digest when the step began (aux_digest)
+    gathered: list[int] = dataclasses.field(default_factory=list)  # a sharded job: digests of the parameters FSDP gathered
     audit: AuditOutcome | None = None
     num_threads: int = 0  # intra-op CPU threads the step ran with (0: not read yet)
     loss_value: float | None = None  # the summed loss, read from the device once

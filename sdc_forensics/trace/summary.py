@@ -35,7 +35,8 @@ _CHECKS = (
     (F.Flag.ALLREDUCE_MISMATCH, "allreduce", "the reduced gradient is not the mean of the local gradients' sketches (or its bits differ between ranks)"),
     (F.Flag.AUDIT_MISMATCH, "audit", "an audit recomputation of a microbatch gave another gradient"),
     (F.Flag.WEIGHTS_DIVERGED, "weights", "replica weights differ from the strict majority after the step"),
-    (F.Flag.NO_MAJORITY, "weights", "replica weights have no strict majority after the step"),
+    (F.Flag.NO_MAJORITY, "weights", "replica weights (or the parameters the ranks gathered) have no strict majority"),
+    (F.Flag.GATHER_DIVERGED, "weights", "a rank's all-gathered parameters differ from the strict majority's (a sharded job)"),
 )
 
 

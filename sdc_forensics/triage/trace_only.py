@@ -366,7 +366,9 @@ class _RestState:
     """A sharded job's weights at rest: each rank's shard digest when step ``s`` began (STEP
     ``aux_digest``) against its digest after step ``s - 1``'s update. A change between them is a
     change at rest on the rank holding the shard, which every rank then gathered and computed with
-    (so every rank's gradient differs at ``s``: only this names the rank)."""
+    (so every rank's gradient differs at ``s``: only this names the rank). And the weights as
+    gathered: a rank whose all-gathered parameters the recorder's vote set apart
+    (``GATHER_DIVERGED``) computed step ``s`` with other weights than the majority."""
 
     world_size: int
     mesh: ShardMesh
@@ -403,6 +405,16 @@ class _RestState:
                     found=", ".join(f"rank {r}: {hex64(int(rec['aux_digest'][row, r]))} when step {step} began" for r in ranks),
                     detail="this rank's weight shard changed at rest between two steps; its replica's ranks gathered it for "
                     f"the forward, so their gradients at step {step} carry it ({'; '.join(self.mesh.where(r) for r in ranks)})",
+                ))
+            gathered = present[row] & ((rec["flags"][row] & int(F.Flag.GATHER_DIVERGED)) != 0)
+            if gathered.any():
+                ranks = _ranks(gathered)
+                out.append(Evidence(
+                    kind=EvidenceKind.WEIGHT_DIVERGENCE, step=step, ranks=ranks, location=Location.LOCAL_COMPUTE,
+                    expected=f"every rank gathers the same whole parameters for step {step}'s forward",
+                    found=f"the recorder's vote of the gathered parameters named {', '.join(f'rank {r}' for r in ranks)}",
+                    detail=f"these ranks computed step {step} with other parameters than the majority gathered (an all-gather "
+                    f"output, or a copy of it, changed on them: {'; '.join(self.mesh.where(r) for r in ranks)})",
                 ))
             self.last = np.where(has_w[row], rec["weights_digest"][row], self.last)
             self.last_step = np.where(has_w[row], step, self.last_step)

@@ -22,6 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
+
+from sdc_forensics.cli.main import cli
 
 from tests.factories import gloo_job
 
@@ -40,6 +43,7 @@ FAULTS = {  # name -> (spec, step, rank): each location at a step and rank of it
 HSDP_FAULTS = {  # HSDP 2 x 2: a shard at rest is gathered by its own replica only; an all-reduce output is one rank's
     "hsdp-weights": ("weights:step=5:rank=3:bit=31", 5, 3),
     "hsdp-all-reduce-output": ("all-reduce-output:step=2:rank=2:bit=20", 2, 2),
+    "hsdp-all-gather-output": ("all-gather-output:step=2:rank=1:bit=20", 2, 1),
 }
 
 
@@ -72,12 +76,8 @@ def runs(tmp_path_factory):
     return root, found
 
 
-def _bisect(trace: Path, command: str = "bisect") -> tuple[int, dict]:
-    from click.testing import CliRunner
-
-    from sdc_forensics.cli.main import cli
-
-    result = CliRunner().invoke(cli, [command, str(trace), "--json"])
+def _bisect(trace: Path, command: str = "bisect", *flags: str) -> tuple[int, dict]:
+    result = CliRunner().invoke(cli, [command, str(trace), "--json", *flags])
     return result.exit_code, json.loads(result.stdout)
 
 
@@ -138,6 +138,23 @@ def test_hsdp_faults_are_found_at_their_step_and_rank(runs, name):
     code, doc = _bisect(root / name / "trace")
     assert code == 1 and doc["first_divergent_step"] == step, doc
     assert [s["rank"] for s in doc["suspects"]] == [rank], doc["suspects"]
+
+
+@pytest.mark.parametrize("name", ["all-gather-output", "hsdp-all-gather-output", "hsdp-weights"])
+def test_the_gathered_parameters_vote_names_the_rank_online_and_in_the_trace(runs, name):
+    """No replicas to vote in pure FSDP, but every rank gathers the same whole parameters: their
+    digests are voted each step. A rank whose gathered copy changed is named online and by the
+    trace alone; a shard changed at rest (gathered wrong by its whole replica) is named by the rest
+    check, and the even split it makes of the gathered copies raises nothing more."""
+    root, found = runs
+    _, step, rank = {**FAULTS, **HSDP_FAULTS}[name]
+    alarms = [{"step": step, "rank": rank, "check": "weights"}]
+    if name == "hsdp-weights":  # and after the update, the shard's two replicas disagree (no vote names one)
+        alarms.append({"step": step, "rank": -1, "check": "weights"})
+    assert all(f[name]["alarms"] == alarms for f in found), [f[name] for f in found]
+    code, doc = _bisect(root / name / "trace", "bisect", "--trace-only")
+    assert code == 1 and doc["first_divergent_step"] == step, doc
+    assert [(s["rank"], s["location"]) for s in doc["suspects"]] == [(rank, "local_compute")], doc["suspects"]
 
 
 def test_the_report_names_a_sharded_suspect_with_its_mesh_coordinates(runs, tmp_path):
