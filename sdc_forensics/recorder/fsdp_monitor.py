@@ -385,16 +385,16 @@ def watch(model: torch.nn.Module, *, sketch_k: int = C.DEFAULT_SKETCH_K, seed: i
     return monitor
 
 
-def require_fsdp2(model: torch.nn.Module, what: str) -> None:
-    """Refuse, in one line, a model without ``fully_shard`` modules and a torch whose FSDP2 has no
-    ``set_custom_reduce_scatter`` (checked by feature, not version)."""
+def require_fsdp2(model: torch.nn.Module, what: str, *, custom_reduce_scatter: bool = True) -> None:
+    """Refuse, in one line, a model without ``fully_shard`` modules and (``custom_reduce_scatter``)
+    a torch whose FSDP2 has no ``set_custom_reduce_scatter`` (checked by feature, not version)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch without FSDP2
         raise UsageError("this torch has no FSDP2 (torch.distributed.fsdp.FSDPModule): the FSDP checks need it") from None
     if not any(isinstance(m, FSDPModule) for m in model.modules()):
         raise UsageError(f"no fully_shard module in this model: call fully_shard on it (and its blocks) before {what}")
-    if not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+    if custom_reduce_scatter and not hasattr(FSDPModule, "set_custom_reduce_scatter"):
         raise UsageError("this torch's FSDP2 has no set_custom_reduce_scatter: the reduce-scatter check cannot be installed "
                          "(torch 2.8 or later has it)")
 

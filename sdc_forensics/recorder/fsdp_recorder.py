@@ -306,7 +306,10 @@ class FsdpRecorder(Recorder):
         if comm_hook is not None or comm_state is not None:
             raise UsageError("comm_hook is DDP's: an FSDP2 job keeps its own reduce-scatter (set_custom_reduce_scatter "
                              "before the Recorder), which the recorder wraps")
-        fm.require_fsdp2(model, "the Recorder")
+        from sdc_forensics.recorder import fsdp_fallback
+
+        self._fallback = fsdp_fallback.wanted()  # no custom reduce-scatter to wrap: read the gradients in post_backward
+        fm.require_fsdp2(model, "the Recorder", custom_reduce_scatter=False)
         self._setup(trace_dir, model, optimizer, group=dist.group.WORLD, recipe=recipe, recipe_args=recipe_args,
                     options=options, inject=inject, framework=framework, locations=LOCATIONS + FSDP_LOCATIONS)
         specs = [s for s in self.injector.specs] if hasattr(self.injector, "specs") else []
@@ -327,9 +330,13 @@ class FsdpRecorder(Recorder):
         self._last_update: int | None = None  # this rank's weight shard digest after the last update
         self._grad_offsets = flat_offsets(self.grad_params)
         self._weight_offsets = flat_offsets(self.params)
-        self.tap = _Tap(offsets=self._grad_offsets, sketch_k=self.options.sketch_k, seed=self.options.seed,
-                        start_step=self.options.start_step,
-                        ordered_replicas=self.options.reduction == ORDERED and len(self.mesh.replicas()) > 1)
+        if self._fallback:
+            self.tap = fsdp_fallback.PostBackwardTap(offsets=self._grad_offsets, mesh=self.mesh, sketch_k=self.options.sketch_k,
+                                                     seed=self.options.seed, start_step=self.options.start_step)
+        else:
+            self.tap = _Tap(offsets=self._grad_offsets, sketch_k=self.options.sketch_k, seed=self.options.seed,
+                            start_step=self.options.start_step,
+                            ordered_replicas=self.options.reduction == ORDERED and len(self.mesh.replicas()) > 1)
         from sdc_forensics.recorder.fsdp_checks import rank_place
 
         self.tap.place = rank_place(model)
@@ -341,7 +348,10 @@ class FsdpRecorder(Recorder):
         if gathered:
             self._drill_gathered(model, gathered)
         self._watch_gathered(model)  # after the drills: it digests what the forward computes with
-        fm.install(model, self.tap, OrderedReduceScatter() if self.options.reduction == ORDERED else None)
+        if self._fallback:
+            self.tap.install(model)
+        else:
+            fm.install(model, self.tap, OrderedReduceScatter() if self.options.reduction == ORDERED else None)
         self._comm_hook_name = "sdc_forensics.recorder.fsdp_recorder.OrderedReduceScatter" if self.options.reduction == ORDERED else ""
         self._open_trace()
 
@@ -411,6 +421,19 @@ class FsdpRecorder(Recorder):
         if wrong:
             return (f"fault location(s) {', '.join(wrong)} are DDP's; a sharded job's are "
                     f"{', '.join(FSDP_LOCATIONS)}, weights, update, input")
+        if self._fallback:
+            from sdc_forensics.recorder import fsdp_fallback
+
+            lacking = fsdp_fallback.missing(model)
+            if lacking:
+                return f"{lacking}: the recorder cannot read a sharded job's gradients with this torch (2.8 or later can)"
+            if self.options.reduction == ORDERED:
+                return ("reduction='ordered' replaces FSDP2's reduce-scatter through set_custom_reduce_scatter, which this "
+                        "torch's FSDP2 lacks (2.8 or later has it): record with reduction='native' (replayed within tolerance)")
+            wrong = sorted({s.location for s in specs if s.location in ("reduce-scatter-output", "all-reduce-output")})
+            if wrong:
+                return (f"fault location(s) {', '.join(wrong)} need set_custom_reduce_scatter, which this torch's FSDP2 "
+                        "lacks; local-gradient, all-gather-output, weights, update and input work")
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) > 1:
             return f"parameters of several dtypes ({', '.join(sorted(map(str, dtypes)))}): the recorder needs one"
@@ -476,7 +499,7 @@ class FsdpRecorder(Recorder):
                 raise failure
             failed = ", ".join(str(int(r)) for r in np.flatnonzero(table < 0))
             raise SdcError(f"the recorder failed on rank(s) {failed} at step {state.step}; see their logs")
-        result = self.tap.check(state.step, policy="return")
+        result = self.tap.check(state.step, **({"reduced": state.reduced} if self._fallback else {}))
         if table.all():
             state.flags |= int(F.Flag.HAS_GRADS)
         findings = []

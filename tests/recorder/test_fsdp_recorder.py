@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -51,14 +52,20 @@ def _jobs(rank: int, root: str, runs: list) -> dict:
     """Every run of ``runs`` (name, keyword arguments of ``train``) in one process group, in turn."""
     from sdc_forensics.demo.sharded import train
 
+    from sdc_forensics.recorder.fsdp_fallback import TAP_ENV
+
     out = {}
     for name, kwargs in runs:
         kwargs = dict(kwargs)
         if kwargs.get("hsdp"):
             kwargs["hsdp"] = tuple(kwargs["hsdp"])
         kwargs["inject"] = tuple(kwargs.get("inject", ()))
-        out[name] = train(rank, kwargs.pop("world", WORLD), str(Path(root, name, "trace")), str(Path(root, name, "ckpt")),
-                          **kwargs)
+        os.environ[TAP_ENV] = kwargs.pop("tap", "")  # "post-backward": as on a torch without set_custom_reduce_scatter
+        try:
+            out[name] = train(rank, kwargs.pop("world", WORLD), str(Path(root, name, "trace")), str(Path(root, name, "ckpt")),
+                              **kwargs)
+        finally:
+            os.environ.pop(TAP_ENV, None)
     return out
 
 
@@ -69,7 +76,10 @@ def runs(tmp_path_factory):
             ("bf16-clean", {"reduce_dtype": "bfloat16"}),
             ("bf16-hsdp-rs", {"hsdp": [2, 2], "reduce_dtype": "bfloat16", "inject": ["reduce-scatter-output:step=4:rank=3:bit=10"]}),
             ("mp-clean", {"param_dtype": "bfloat16", "reduce_dtype": "float32"}),  # torchtitan's default policy
-            ("mp-local", {"param_dtype": "bfloat16", "inject": ["local-gradient:step=2:rank=1:bit=10"]})]
+            ("mp-local", {"param_dtype": "bfloat16", "inject": ["local-gradient:step=2:rank=1:bit=10"]}),
+            ("fb-native", {"tap": "post-backward", "reduction": "native"}),
+            ("fb-hsdp-local", {"tap": "post-backward", "reduction": "native", "hsdp": [2, 2],
+                               "inject": ["local-gradient:step=3:rank=2:bit=30"]})]
     todo += [(name, {"inject": [spec]}) for name, (spec, _, _) in FAULTS.items()]
     todo += [(name, {"hsdp": [2, 2], "inject": [spec]}) for name, (spec, _, _) in HSDP_FAULTS.items()]
     found = gloo_job(_jobs, WORLD, root / "results", str(root), todo)
@@ -209,6 +219,72 @@ def test_a_recipe_model_without_a_module_the_job_cast_is_refused_in_one_line():
     with computing_as_recorded(model, mesh):  # inside: bfloat16 copies, the input cast by the root's hook
         assert model[0].weight.dtype == torch.bfloat16 and model(torch.ones(1, 3)).dtype == torch.bfloat16
     assert model[0].weight.dtype == torch.float32 and model(torch.ones(1, 3)).dtype == torch.float32
+
+
+def test_without_a_custom_reduce_scatter_the_gradients_read_in_post_backward_are_the_same(runs):
+    """The post_backward tap (a torch without set_custom_reduce_scatter; forced here) records the
+    same local gradients as the reduce-scatter tap, bit for bit, and a fault in one is named."""
+    from sdc_forensics.trace.reader import Trace
+
+    root, found = runs
+    assert all(f["fb-native"]["alarms"] == [] for f in found)
+    steps = {}
+    for name in ("clean", "fb-native"):
+        window = next(Trace.open(root / name / "trace").step_windows(1, 0, 0))
+        steps[name] = window.records[0]["local_digest"].tolist()
+    assert steps["clean"] == steps["fb-native"], steps  # step 0: the same weights, gradients and digests
+    code, doc = _bisect(root / "fb-hsdp-local" / "trace")
+    assert code == 1 and doc["first_divergent_step"] == 3 and [s["rank"] for s in doc["suspects"]] == [2], doc
+
+
+def test_the_post_backward_taps_reduction_check_names_the_rank_whose_shard_is_wrong():
+    """``fsdp_fallback._check_shards``: each rank's reduced shard against the mean of every rank's
+    rows of it, from sketches (numbers made here, 4 ranks, HSDP 2 x 2)."""
+    from sdc_forensics.fingerprint.core import fingerprint
+    from sdc_forensics.recorder.fsdp_fallback import _check_shards
+    from sdc_forensics.trace.mesh import ShardMesh
+
+    k, gen = 8, torch.Generator().manual_seed(0)
+    mesh = ShardMesh(kind="hsdp", shape=(2, 2), dim_names=("replicate", "shard"), shard_dim=1,
+                     coords=((0, 0), (0, 1), (1, 0), (1, 1)))
+    grads = [torch.randn(2, 5000, generator=gen) for _ in range(4)]  # each rank's local gradient, by shard
+    row = lambda t: [*map(float, (fp := fingerprint(t, k=k)).sketch), float(fp.norm), float(fp.nonfinite)]  # noqa: E731
+    local = [[row(g[c]) for c in range(2)] for g in grads]
+    mean = [sum(g[c] for g in grads) / 4 for c in range(2)]
+    reduced = [row(mean[mesh.shard_of(r)]) for r in range(4)]
+    assert _check_shards(mesh, local, reduced, "float32", k, 0.25) == []
+    wrong = mean[1].clone()
+    wrong[17] += 1e-2 * float(wrong.norm())
+    reduced[3] = row(wrong)
+    assert [(f.check, f.rank) for f in _check_shards(mesh, local, reduced, "float32", k, 0.25)] == [("reduce-scatter", 3)]
+
+
+def _fallback_refusals(rank: int, root: str) -> list[str]:
+    from sdc_forensics.demo import sharded
+    from sdc_forensics.errors import UsageError
+    from sdc_forensics.recorder import Recorder, RecorderOptions
+    from sdc_forensics.recorder.fsdp_fallback import TAP_ENV
+
+    os.environ[TAP_ENV] = "post-backward"
+    out = []
+    for n, kwargs in enumerate([{"options": RecorderOptions(reduction="ordered")},
+                                {"inject": ["reduce-scatter-output:step=1:rank=0:bit=3"]}]):
+        model = sharded.shard(sharded.build_model())
+        try:
+            Recorder(Path(root, f"trace-{n}"), model, sharded.make_optimizer(model), recipe=sharded.REFERENCE, **kwargs).close()
+            out.append("recorded")
+        except UsageError as refusal:
+            out.append(str(refusal))
+    out.append(_communicating_accumulation(rank, str(Path(root, "accumulating"))))
+    return out
+
+
+def test_what_the_post_backward_tap_cannot_record_is_refused_in_one_line_on_every_rank(tmp_path):
+    found = gloo_job(_fallback_refusals, WORLD, tmp_path / "results", str(tmp_path))
+    for ordered, drill, accumulating in found:
+        assert "reduction='ordered'" in ordered and "set_custom_reduce_scatter" in ordered, ordered
+        assert "reduce-scatter-output" in drill and "set_custom_reduce_scatter" in drill, drill
+        assert "reduce-scattered twice in one step" in accumulating, accumulating
 
 
 def test_a_wrong_hsdp_reduce_scatter_output_reaches_both_replicas_and_only_its_rank_is_named(runs):

@@ -1,0 +1,216 @@
+"""Reading a sharded job where FSDP2 has no reduce-scatter to wrap.
+
+The FSDP recorder reads a rank's local gradient from its reduce-scatter input, through the
+parameter group's custom reduce-scatter (``FSDPModule.set_custom_reduce_scatter``). A torch
+whose FSDP2 lacks it calls the collective directly, so there the recorder takes the gradient one
+moment earlier: each parameter group's ``post_backward`` (which FSDP2 runs once the group's
+unsharded gradients are complete, and which reduce-scatters them) is wrapped on the group, and
+when it is about to reduce, the unsharded gradients are read (the accumulated one where FSDP2
+accumulates in the reduce dtype, cast to the reduce dtype otherwise: what the collective would be
+given) and fingerprinted as pieces of the whole local gradient, by element index. The trace is
+the same as the reduce-scatter tap's.
+
+The online check of the reduction then runs on the step's results instead of on each call: rank
+``r``'s reduced shard (``reduced_*``, which it reads after the backward) must be the mean over every
+rank of their local gradients' rows of that shard (sketches are linear), so a wrong reduce-scatter
+or HSDP all-reduce output is named on the rank that holds it. The reduction itself is the job's:
+``reduction="ordered"`` needs the custom reduce-scatter and is refused, so the replay compares the
+reduced gradient within tolerance (detection, no certificate).
+
+``SDC_FORENSICS_FSDP_TAP=post-backward`` in the environment takes this path on any torch (the
+tests do, to run it where the custom reduce-scatter exists).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from sdc_forensics.errors import UsageError
+from sdc_forensics.fingerprint import shards
+from sdc_forensics.fingerprint.core import Fingerprint, combine_digests
+from sdc_forensics.recorder import fsdp_monitor as fm
+from sdc_forensics.trace.mesh import ShardMesh
+
+TAP_ENV = "SDC_FORENSICS_FSDP_TAP"
+
+
+def wanted() -> bool:
+    """Whether the recorder reads gradients in ``post_backward`` (no custom reduce-scatter here, or asked)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return os.environ.get(TAP_ENV, "") == "post-backward" or not hasattr(FSDPModule, "set_custom_reduce_scatter")
+
+
+def missing(model: torch.nn.Module) -> str | None:
+    """What this torch's FSDP2 lacks for the ``post_backward`` tap, in one line (None: nothing)."""
+    for group in fm.param_groups(model):
+        if not callable(getattr(group, "post_backward", None)) or not hasattr(group, "fsdp_params"):
+            return "this torch's FSDP2 parameter groups have no post_backward to read the gradients in"
+        for fsdp_param in group.fsdp_params:
+            if not all(hasattr(fsdp_param, a) for a in ("unsharded_accumulated_grad", "sharded_param")):
+                return "this torch's FSDP2 parameters keep their unsharded gradients where the recorder cannot read them"
+    return None
+
+
+class PostBackwardTap:
+    """The local gradient, as pieces, read in each parameter group's ``post_backward``; and the
+    reduction's check from the step's results (see the module)."""
+
+    def __init__(self, *, offsets: dict[int, int], mesh: ShardMesh, sketch_k: int, seed: int, start_step: int = 0) -> None:
+        self._offsets = offsets
+        self._mesh = mesh
+        self._k = sketch_k
+        self._seed = seed
+        self.step = start_step
+        self.place = ""
+        self._places: list[str] | None = None
+        self._inject: Callable | None = None  # fsdp_monitor.spec_injector: the local-gradient drill
+        self.recording = False
+        self.pieces: list[shards.Piece] = []
+        self._per_shard: list[list[shards.Piece]] = [[] for _ in range(mesh.shard_size)]
+        self._groups_seen: set[int] = set()
+        self._calls = 0
+        self.error: BaseException | None = None
+        self.dtype = ""
+        self.scale = 1.0 / mesh.world_size  # FSDP2's mean over every rank (reduce-scatter, then HSDP's all-reduce)
+
+    def install(self, model: torch.nn.Module) -> None:
+        for group in fm.param_groups(model):
+            factor = getattr(group, "gradient_divide_factor", None)
+            if factor:  # FSDP2 reduces to sum / factor instead of the mean
+                self.scale = 1.0 / float(factor)
+            if getattr(group, "_sdc_post_backward", None) is not None:
+                raise UsageError("this model is already recorded: one Recorder per model")
+            original = group.post_backward
+            group._sdc_post_backward = original
+            group.post_backward = self._wrap(group, original)
+
+    def _wrap(self, group, original):
+        def post_backward(*args: Any, **kwargs: Any):
+            if getattr(group, "reduce_grads", True):
+                self._read(group)
+            return original(*args, **kwargs)
+        return post_backward
+
+    def start(self, step: int | None) -> None:
+        self.recording = step is not None
+        self.pieces = []
+        self._per_shard = [[] for _ in range(self._mesh.shard_size)]
+        self._groups_seen = set()
+        self._calls = 0
+        self.error = None
+        if step is not None:
+            self.step = step
+
+    def _read(self, group) -> None:
+        """The group's unsharded gradients, as FSDP2 is about to reduce-scatter them."""
+        grads = []
+        for fsdp_param in group.fsdp_params:
+            add = getattr(fsdp_param, "accumulate_unsharded_grad_if_needed", None)
+            if add is not None:  # FSDP2's own first act in post_backward (then a no-op there): this microbatch added
+                add()
+            grad = fsdp_param.unsharded_accumulated_grad
+            if grad is None:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                grad = None if unsharded is None else unsharded.grad
+            if grad is not None:
+                grads.append((fsdp_param, grad))
+        if not grads:  # the group took no part in this backward (FSDP2 calls post_backward idempotently)
+            return
+        if self._inject is not None:
+            self._inject("local-gradient", self._calls, grads[0][1])  # in place: what FSDP2 then reduces
+        self._calls += 1
+        if not self.recording or self.error is not None:
+            return
+        if id(group) in self._groups_seen:
+            self.error = UsageError(
+                "a parameter group reduce-scattered twice in one step (gradient accumulation that communicates every "
+                "microbatch): call model.set_requires_gradient_sync(False) on every microbatch but the last, as "
+                "FSDP2 recommends; the recorder records one reduce-scatter of the summed local gradient per step")
+            return
+        self._groups_seen.add(id(group))
+        try:
+            for fsdp_param, grad in grads:
+                reduce_dtype = getattr(fsdp_param, "reduce_dtype", None)
+                values = grad.detach() if reduce_dtype is None else grad.detach().to(reduce_dtype)
+                self.dtype = str(values.dtype).removeprefix("torch.")
+                offset = self._offsets[id(fsdp_param.sharded_param)]
+                rows = values.shape[0] if values.dim() else 1
+                per_row = values.numel() // max(rows, 1)
+                step = -(-rows // self._mesh.shard_size)
+                flat = values.reshape(-1)
+                for shard in range(self._mesh.shard_size):
+                    first, stop = min(shard * step, rows), min((shard + 1) * step, rows)
+                    if stop <= first:
+                        continue
+                    piece = shards.fingerprint_piece(flat[first * per_row : stop * per_row], offset=offset + first * per_row,
+                                                     k=self._k, seed=self._seed)
+                    self.pieces.append(piece)
+                    self._per_shard[shard].append(piece)
+        except Exception as exc:  # noqa: BLE001 - said at the step's end, on every rank, never inside FSDP
+            self.error = exc
+
+    def local(self) -> Fingerprint | None:
+        """The step's whole local gradient, as a DDP trace's one bucket."""
+        if self.error is not None:
+            raise self.error
+        if not self.pieces:
+            return None
+        whole = shards.combine_pieces(self.pieces)
+        return Fingerprint(digest=combine_digests([whole.digest]), sketch=whole.sketch, norm=whole.norm,
+                           max_abs=whole.max_abs, nonfinite=whole.nonfinite, numel=whole.numel)
+
+    def check(self, step: int, *, reduced: Fingerprint | None = None, policy: str = "return") -> fm.StepCheck:
+        """Every rank's reduced shard against the mean of every rank's local rows of it (a collective)."""
+        rows = []
+        for pieces in self._per_shard:
+            if pieces:
+                fp = shards.combine_pieces(pieces)
+                rows.append([*map(float, fp.sketch), float(fp.norm), float(fp.nonfinite)])
+            else:
+                rows.append(None)
+        own = None if reduced is None else [*map(float, reduced.sketch), float(reduced.norm), float(reduced.nonfinite)]
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, [self.place if self._places is None else None, rows, own, self.dtype])
+        if self._places is None:
+            self._places = [g[0] for g in gathered]
+        self.step = step + 1
+        findings = _check_shards(self._mesh, [g[1] for g in gathered], [g[2] for g in gathered],
+                                 next((g[3] for g in gathered if g[3]), "float32"), self._k, self.scale)
+        findings = [fm.FsdpFinding(f.check, f.rank, f.call, f.detail, where=self._places[f.rank]) for f in findings]
+        return fm.StepCheck(step=step, calls=1 if any(r is not None for r in gathered[0][1]) else 0, findings=tuple(findings))
+
+
+def _check_shards(mesh: ShardMesh, local: list, reduced: list, dtype: str, k: int, scale: float) -> list[fm.FsdpFinding]:
+    """NaN/Inf in a rank's local gradient (the rank) or in a reduced shard from finite inputs (the
+    rank holding it); else each rank's reduced shard against ``scale`` times every rank's rows of it."""
+    world = mesh.world_size
+    found = []
+    for rank in range(world):
+        count = sum(int(row[k + 1]) for row in local[rank] if row is not None)
+        if count:
+            found.append(fm.FsdpFinding("nonfinite-before", rank, 0, f"{count} NaN/Inf in its local gradient before the reduce-scatter"))
+    if found:
+        return found
+    for rank in range(world):
+        own = reduced[rank]
+        if own is None:
+            continue
+        sketch, norm, nonfinite = np.asarray(own[:k]), float(own[k]), int(own[k + 1])
+        if nonfinite:
+            found.append(fm.FsdpFinding("nonfinite-after", rank, 0, f"{nonfinite} NaN/Inf in its reduced shard, from finite inputs"))
+            continue
+        parts = [local[q][mesh.shard_of(rank)] for q in range(world)]
+        if any(p is None for p in parts):
+            continue  # an empty shard (a parameter of fewer rows than shards) on every rank: nothing to sum
+        problem = fm._sum_check(np.stack([np.asarray(p[:k]) for p in parts]), np.array([p[k] for p in parts]), scale,
+                                sketch, norm, dtype)
+        if problem:
+            found.append(fm.FsdpFinding("reduce-scatter", rank, 0, f"its reduced shard {problem} (W={world})"))
+    return found
