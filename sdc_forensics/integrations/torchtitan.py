@@ -27,10 +27,14 @@ Refused, in one line, before anything is wrapped:
 * A model part that is not ``fully_shard``-ed (torchtitan's ``replicate()`` data parallelism):
   nothing here checks it yet.
 
-Not recorded: the sharded recorder exists (``recorder/fsdp_recorder.py``), but a replay of a
-torchtitan job needs a recipe that rebuilds its model and its streamed, tokenised data by
-microbatch ID, which this adapter does not generate; so a fault is named online, at its step and
-rank, and no replay certifies a torchtitan checkpoint yet.
+Recorded, with :func:`record` instead of :func:`watch`: the sharded recorder
+(``recorder/fsdp_recorder.py``) around ``trainer.train_step``, so every torchtitan step is a trace
+step (its online checks included), with the microbatch IDs a function of yours gives (torchtitan's
+loader is a stateful iterator over a streamed dataset and has no sample index to record), and,
+every ``checkpoint_every`` steps, a DCP checkpoint the recorder writes and notes (``{"model",
+"optim"}`` from ``get_state_dict``; torchtitan's own checkpoints are not read). ``bisect
+--trace-only`` works on any such trace; a replay needs your recipe (``docs/integrations.md``
+gives its shape): one that rebuilds the model and fetches a microbatch by the IDs you recorded.
 Written against torchtitan 0.3.0's ``Trainer`` (``model_parts``, ``optimizers``, ``step``,
 ``config.training``, ``parallel_dims``); torchtitan needs a PyTorch nightly to train, so it is
 tested here on a trainer-shaped object around a real ``fully_shard`` job
@@ -102,6 +106,71 @@ def watch(trainer, *, policy: str = "return", weights_every: int = 1, inject=Non
 
     optimizers.step = checked_step
     return monitor
+
+
+def record(trainer, trace_dir, *, microbatch_ids=None, recipe: str | None = None, recipe_args: dict | None = None,
+           checkpoint_every: int = 0, checkpoint_dir=None, options=None, inject=()):
+    """Records a torchtitan ``Trainer``'s job as a trace; every rank calls it, before ``train()``.
+
+    Args:
+        trainer: torchtitan's ``Trainer``, built (its model parts ``fully_shard``-ed).
+        trace_dir: where the trace goes (the same on every rank).
+        microbatch_ids: ``f(trainer) -> list[int]``, the IDs of the microbatches this rank trains
+            on in step ``trainer.step`` (what your recipe's ``fetch_microbatch`` takes); None: no
+            IDs (``bisect --trace-only`` and the online checks, no replay).
+        recipe, recipe_args: your replay recipe (``"module:attr"``) and its arguments, recorded in
+            the manifest.
+        checkpoint_every: every this many steps, before the step, the recorder saves and notes a
+            DCP checkpoint of the model and optimizer under ``checkpoint_dir`` (``step-N``: the state
+            entering step N); 0: none (a replay then has nothing to start from).
+        options, inject: the :class:`~sdc_forensics.recorder.Recorder`'s.
+
+    Returns:
+        The recorder (a context manager: ``with sdc.record(...): trainer.train()`` closes it).
+    """
+    from pathlib import Path
+
+    import torch
+
+    from sdc_forensics.integrations import _common
+    from sdc_forensics.recorder import Recorder
+
+    problem = _refusal(trainer)
+    if problem is None and not callable(getattr(trainer, "train_step", None)):
+        problem = "this trainer has no train_step to record each step around"
+    if problem is None and not isinstance(trainer.optimizers, torch.optim.Optimizer):
+        problem = "trainer.optimizers is not a torch Optimizer (torchtitan's OptimizersContainer is one)"
+    if problem is None and checkpoint_every and checkpoint_dir is None:
+        problem = "checkpoint_every needs a checkpoint_dir to write the checkpoints to"
+    if problem is None and checkpoint_every < 0:
+        problem = f"checkpoint_every must be >= 0, not {checkpoint_every}"
+    if problem is not None:
+        raise UsageError(f"sdc-forensics cannot record this torchtitan trainer: {problem}")
+    model, optimizers = trainer.model_parts[0], trainer.optimizers
+    import dataclasses
+
+    from sdc_forensics.recorder import RecorderOptions
+
+    start = int(getattr(trainer, "step", 0)) + 1  # torchtitan adds one before each train_step (a resumed run: after its step)
+    options = dataclasses.replace(options or RecorderOptions(), start_step=start)
+    rec = Recorder(trace_dir, model, optimizers, recipe=recipe, recipe_args=recipe_args, options=options, inject=inject,
+                   framework=_common.framework_info("torchtitan", "sdc_forensics.integrations.torchtitan"))
+    train_step = trainer.train_step
+
+    def recorded_step(*args, **kwargs):
+        step = int(trainer.step)
+        if checkpoint_every and (step - start) % checkpoint_every == 0:
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_state, optim_state = get_state_dict(model, optimizers)
+            rec.checkpoint(step, Path(checkpoint_dir) / f"step-{step:08d}", {"model": model_state, "optim": optim_state})
+        ids = None if microbatch_ids is None else [int(i) for i in microbatch_ids(trainer)]
+        with rec.step(step, microbatch_ids=ids):
+            return train_step(*args, **kwargs)
+
+    trainer.train_step = recorded_step
+    trainer.sdc_recorder = rec
+    return rec
 
 
 def _replicated(param) -> bool:

@@ -88,3 +88,63 @@ def test_the_checks_run_before_each_optimizer_step_and_name_the_faulty_rank(tmp_
     assert returned["alarm"] is None
     assert returned["results"] == [[1, [[], []]], [2, [[1], []]], [3, [[], []]]]  # step check, then the weights check
     assert ranks[0]["raise"]["alarm"] == [2, 1, "reduce-scatter"]
+
+
+def _recorded_job(rank: int, root: str, inject: tuple) -> str:
+    """torchtitan's loop (``step += 1``, then ``train_step``) around the sharded demo job, recorded
+    with ``record``: two microbatches per step accumulated without sync, IDs from the step."""
+    from pathlib import Path
+
+    from sdc_forensics.demo import sharded
+    from sdc_forensics.recorder import RecorderOptions
+
+    model = sharded.shard(sharded.build_model())
+    optimizer = sharded.make_optimizer(model)
+    trainer = _trainer(model_parts=[model], optimizers=optimizer)
+
+    def ids(trainer) -> list[int]:
+        first = ((trainer.step - 1) * WORLD + rank) * 2
+        return [first, first + 1]
+
+    def train_step(trainer=trainer):
+        for m, mb in enumerate(ids(trainer)):
+            model.set_requires_gradient_sync(m == 1)
+            sharded.loss_of(model, sharded.microbatch(mb)).backward()
+        trainer.optimizers.step()
+        trainer.optimizers.zero_grad()
+
+    trainer.train_step = train_step
+    with sdc.record(trainer, Path(root, "trace"), microbatch_ids=ids, recipe=sharded.REFERENCE, checkpoint_every=3,
+                    checkpoint_dir=Path(root, "ckpt"), inject=inject, options=RecorderOptions(reduction="ordered")):
+        for step in range(1, 7):
+            trainer.step = step
+            trainer.train_step()
+    return "ok"
+
+
+@pytest.mark.parametrize("inject, expected", [((), None), (("local-gradient:step=3:rank=1:bit=20",), (3, 1))])
+def test_a_recorded_torchtitan_loop_certifies_clean_and_names_a_fault(tmp_path, inject, expected):
+    import json
+
+    from click.testing import CliRunner
+
+    from sdc_forensics.cli.main import cli
+
+    assert gloo_job(_recorded_job, WORLD, tmp_path / "results", str(tmp_path), inject) == ["ok"] * WORLD
+    result = CliRunner().invoke(cli, ["certify" if expected is None else "bisect", str(tmp_path / "trace"), "--json"])
+    doc = json.loads(result.stdout)
+    if expected is None:
+        assert result.exit_code == 0 and [(c["step"], c["status"]) for c in doc["checkpoints"]] == [(1, "clean"), (4, "clean")], doc
+    else:
+        assert result.exit_code == 1 and doc["first_divergent_step"] == expected[0], doc
+        assert [s["rank"] for s in doc["suspects"]] == [expected[1]], doc["suspects"]
+    result = CliRunner().invoke(cli, ["inspect", str(tmp_path / "trace"), "--json"])
+    assert json.loads(result.stdout)["framework"]["name"] == "torchtitan"
+
+
+def test_recording_without_a_train_step_or_a_checkpoint_directory_is_refused():
+    with pytest.raises(UsageError, match="train_step"):
+        sdc.record(_trainer(optimizers=torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)), "unused")
+    trainer = _trainer(optimizers=torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), train_step=lambda: None)
+    with pytest.raises(UsageError, match="checkpoint_dir"):
+        sdc.record(trainer, "unused", checkpoint_every=5)
