@@ -358,6 +358,15 @@ def combine_pieces(parts: Iterable[Piece]) -> Fingerprint:
                        max_abs=merged.max_abs, nonfinite=merged.nonfinite, numel=merged.numel, lanes=(low, high))
 
 
+def one_bucket(pieces: list[Piece]) -> Fingerprint | None:
+    """The pieces' whole as a DDP trace's gradient of one bucket (``combine_digests`` of its one
+    digest): what a sharded recorder writes as a rank's ``local_*`` (None: no pieces)."""
+    if not pieces:
+        return None
+    whole = combine_pieces(pieces)
+    return Fingerprint(digest=core.combine_digests([whole.digest]), sketch=whole.sketch, norm=whole.norm,
+                       max_abs=whole.max_abs, nonfinite=whole.nonfinite, numel=whole.numel)
+
 def local_piece(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``(this rank's elements, index of the first in the flattened full tensor)`` of a parameter.
 

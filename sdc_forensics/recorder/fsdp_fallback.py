@@ -33,9 +33,9 @@ import torch.distributed as dist
 
 from sdc_forensics.errors import UsageError
 from sdc_forensics.fingerprint import shards
-from sdc_forensics.fingerprint.core import Fingerprint, combine_digests
+from sdc_forensics.fingerprint.core import Fingerprint
 from sdc_forensics.recorder import fsdp_monitor as fm
-from sdc_forensics.trace.mesh import ShardMesh
+from sdc_forensics.trace.mesh import ShardMesh, shard_rows
 
 TAP_ENV = "SDC_FORENSICS_FSDP_TAP"
 
@@ -143,10 +143,9 @@ class PostBackwardTap:
                 offset = self._offsets[id(fsdp_param.sharded_param)]
                 rows = values.shape[0] if values.dim() else 1
                 per_row = values.numel() // max(rows, 1)
-                step = -(-rows // self._mesh.shard_size)
                 flat = values.reshape(-1)
                 for shard in range(self._mesh.shard_size):
-                    first, stop = min(shard * step, rows), min((shard + 1) * step, rows)
+                    first, stop = shard_rows(rows, shard, self._mesh.shard_size)
                     if stop <= first:
                         continue
                     piece = shards.fingerprint_piece(flat[first * per_row : stop * per_row], offset=offset + first * per_row,
@@ -160,11 +159,7 @@ class PostBackwardTap:
         """The step's whole local gradient, as a DDP trace's one bucket."""
         if self.error is not None:
             raise self.error
-        if not self.pieces:
-            return None
-        whole = shards.combine_pieces(self.pieces)
-        return Fingerprint(digest=combine_digests([whole.digest]), sketch=whole.sketch, norm=whole.norm,
-                           max_abs=whole.max_abs, nonfinite=whole.nonfinite, numel=whole.numel)
+        return shards.one_bucket(self.pieces)
 
     def check(self, step: int, *, reduced: Fingerprint | None = None, policy: str = "return") -> fm.StepCheck:
         """Every rank's reduced shard against the mean of every rank's local rows of it (a collective)."""

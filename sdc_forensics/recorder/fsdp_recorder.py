@@ -277,11 +277,7 @@ class _Tap(fm.FsdpMonitor):
         """The step's whole local gradient, as a DDP trace's one bucket (``combine`` of one digest)."""
         if self.error is not None:
             raise self.error
-        if not self.pieces:
-            return None
-        whole = shards.combine_pieces(self.pieces)
-        return Fingerprint(digest=combine_digests([whole.digest]), sketch=whole.sketch, norm=whole.norm,
-                           max_abs=whole.max_abs, nonfinite=whole.nonfinite, numel=whole.numel)
+        return shards.one_bucket(self.pieces)
 
 
 class FsdpRecorder(Recorder):
