@@ -111,14 +111,15 @@ def shard(model: nn.Module, mesh=None, reduce_dtype: torch.dtype | None = None, 
 
 def train(rank: int, world: int, trace_dir: str, checkpoint_dir: str, *, steps: int = 6, hsdp: tuple[int, int] | None = None,
           inject: tuple[str, ...] = (), reduction: str = "ordered", checkpoint_every: int = 3, accumulate: int = 2,
-          policy: str = "continue", seed: int = 0, reduce_dtype: str = "", param_dtype: str = "") -> dict:
+          policy: str = "continue", seed: int = 0, reduce_dtype: str = "", param_dtype: str = "", audit_every: int = 0) -> dict:
     """One rank of the sharded job, recorded; every rank calls it inside an initialised process group.
 
     Microbatch ``step * world * accumulate + rank * accumulate + m`` is rank ``rank``'s ``m``-th of
     ``step``. Checkpoints (DCP directories) are written at step 0 and every ``checkpoint_every``.
     ``seed`` draws the model's initial weights and the data (a variant of the job; recorded as
     ``recipe_args``). ``reduce_dtype`` ("bfloat16"): FSDP2 reduces gradients in it; ``param_dtype`` ("bfloat16"):
-    it computes in it. Returns what the
+    it computes in it. ``audit_every``: audit every this many steps, each rank its own node (one
+    host pretends to be several, so that every rank has an auditor). Returns what the
     recorder raised or found, for tests.
     """
     import torch.distributed as dist
@@ -135,7 +136,8 @@ def train(rank: int, world: int, trace_dir: str, checkpoint_dir: str, *, steps: 
     model = shard(build_model(seed), mesh, getattr(torch, reduce_dtype) if reduce_dtype else None,
                   getattr(torch, param_dtype) if param_dtype else None)
     optimizer = make_optimizer(model)
-    options = RecorderOptions(policy=policy, reduction=reduction)
+    options = RecorderOptions(policy=policy, reduction=reduction, audit_every=audit_every,
+                              node_of_rank=tuple(range(world)) if audit_every else None)
     alarms: list = []
     recorded = {"recipe": REFERENCE} if not seed else {"recipe": SEEDED_REFERENCE, "recipe_args": {"seed": seed}}
     with Recorder(trace_dir, model, optimizer, options=options, inject=inject, **recorded) as rec:

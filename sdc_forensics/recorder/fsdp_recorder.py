@@ -34,7 +34,9 @@ Mixed precision: ``MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)`` is 
 local gradient in the reduce dtype, as FSDP2 accumulates and reduces it; the mesh notes
 ``param_dtype``, ``reduce_dtype`` and each module's input and output casts, which
 ``replay/mixed.py`` applies to the recipe's model).
-Not yet recorded (refused in one line): a float16 reduction, audits, a
+Audits (``audit_every``) recompute another rank's microbatches on a whole copy of the model, built
+by the recipe and filled by all-gathering the parameters (``_audit_module``), as DDP's do.
+Not yet recorded (refused in one line): a float16 reduction, audits of a mixed-precision job, a
 shard placement other than ``Shard(0)``, a mesh that is not the whole world (FSDP with tensor
 parallelism), a group reduce-scattered twice in a step, and DDP's fault locations.
 
@@ -46,6 +48,7 @@ repeated in every part.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -411,8 +414,7 @@ class FsdpRecorder(Recorder):
 
     def _problem(self, model: torch.nn.Module, specs: list) -> str | None:
         """What this rank cannot record, in one line (None: nothing)."""
-        if self.options.audit_every or self.options.audit_steps:
-            return "audits are not built for sharded jobs yet: record without audit_every (the replay recomputes every rank)"
+        audits = bool(self.options.audit_every or self.options.audit_steps)
         wrong = sorted({s.location for s in specs if s.location in _DDP_ONLY})
         if wrong:
             return (f"fault location(s) {', '.join(wrong)} are DDP's; a sharded job's are "
@@ -447,6 +449,10 @@ class FsdpRecorder(Recorder):
             return (f"reduce_dtype {next(iter(reduce))}: FSDP2 pre- and post-divides a float16 reduction, which the replay does "
                     "not model yet; reduce in bfloat16 or float32 (MixedPrecisionPolicy(reduce_dtype=torch.float32))")
         compute = next(iter(computes)) if computes else orig
+        if audits and (compute != orig or (reduce and next(iter(reduce)) != orig)):
+            return ("audits recompute a rank's microbatches on a whole copy of the model in the parameters' dtype; this "
+                    "job computes or reduces in another (MixedPrecisionPolicy): record without audit_every (the replay "
+                    "recomputes every rank as the job did)")
         casts = _casts(model)
         if compute != orig:
             if orig != torch.float32 or compute not in (torch.bfloat16, torch.float16):
@@ -507,6 +513,7 @@ class FsdpRecorder(Recorder):
             if rank == self.rank:
                 state.flags |= int(F.Flag.WEIGHTS_DIVERGED)
         findings += self._vote_gathered(state, words[:, 2].view(np.uint64), explained=bool(words[:, 1].any()))
+        findings += self._audit_if_due(state)
         for found in result.findings:
             flag, check = _FLAGS.get(found.check, (F.Flag.ALLREDUCE_MISMATCH, "allreduce"))
             where = self.mesh.where(found.rank) if self.mesh is not None else ""
@@ -540,6 +547,32 @@ class FsdpRecorder(Recorder):
             detail=f"rank {rank} ({self.mesh.where(rank)}): the parameters it gathered for step {state.step}'s forward differ "
             f"from the {len(vote.agreeing)} ranks' that agree ({hex64(int(table[rank]))}, not {hex64(int(vote.value))})")
             for rank in vote.diverged]
+
+    @contextlib.contextmanager
+    def _audit_module(self):
+        """A whole copy of the model at theta_s for an audit: the recipe's model with every
+        parameter all-gathered (``full_tensor``, in model order on every rank: collectives) and this
+        rank's buffers (FSDP2 keeps them per rank). It lives for the audit only: for its length
+        every rank holds the whole model once more."""
+        model = self._recipe.build(self.device)[0]
+        with torch.no_grad():
+            gathered = [(name, p.full_tensor() if hasattr(p, "full_tensor") else p.detach())
+                        for name, p in self.module.named_parameters()]
+            params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+            missing = [name for name, _ in gathered if name not in params or params[name].shape != _.shape]
+            if missing:
+                raise UsageError(f"the recipe's model has no parameter {missing[0]!r} of the job's shape: audits recompute on "
+                                 "the recipe's model, which must be the job's, unsharded")
+            for name, full in gathered:
+                params[name].copy_(full)
+            for name, buf in self.module.named_buffers():
+                if name in buffers and buffers[name].shape == buf.shape:
+                    buffers[name].copy_(buf)
+        trainable = [i for i, p in enumerate(model.parameters()) if p.requires_grad]
+        try:
+            yield model, [trainable]
+        finally:
+            del model, gathered
 
     def _after_weights(self, state) -> None:
         self._last_update = state.weights[0]

@@ -468,17 +468,23 @@ class Recorder:
                 findings.append(finding)
                 if bad[self.rank]:
                     state.flags |= int(F.Flag.ALLREDUCE_MISMATCH)
-        if self.options.audits(state.step):
-            inexact = inexact_reason(self.device)  # the same on every rank: all skip, or none
-            if inexact is None:
-                findings.extend(self._audit(state))
-            elif not self._said_inexact:
-                self._said_inexact = True
-                if self.rank == 0:
-                    log.warning("sdc-forensics: audits are on, but %s: they are skipped, not voted; make the run "
-                                "replayable (sdc_forensics.recorder.replayable()) for audits that can name a rank", inexact)
+        findings += self._audit_if_due(state)
         self._react(state, findings)
         return None
+
+    def _audit_if_due(self, state: _StepState) -> list[checks.Finding]:
+        """The audit of an audited step (a collective), or nothing."""
+        if not self.options.audits(state.step):
+            return []
+        inexact = inexact_reason(self.device)  # the same on every rank: all skip, or none
+        if inexact is None:
+            return self._audit(state)
+        if not self._said_inexact:
+            self._said_inexact = True
+            if self.rank == 0:
+                log.warning("sdc-forensics: audits are on, but %s: they are skipped, not voted; make the run "
+                            "replayable (sdc_forensics.recorder.replayable()) for audits that can name a rank", inexact)
+        return []
 
     def _after_update(self, optimizer, args, kwargs) -> None:
         state = self._state
@@ -520,10 +526,11 @@ class Recorder:
             input_digest=combine_digests(state.input_digests) if state.input_digests else 0,
             num_threads=state.num_threads or ThreadWatch.current(),
         )
-        outcome = run_audit(
-            step=state.step, own=own, module=self.module, recipe=self._recipe, layout=self.tap.layout(),
-            nodes=self.nodes, group=self.group, device=self.device, sketch_k=self.options.sketch_k, seed=self.options.seed,
-        )
+        with self._audit_module() as (module, layout):
+            outcome = run_audit(
+                step=state.step, own=own, module=module, recipe=self._recipe, layout=layout,
+                nodes=self.nodes, group=self.group, device=self.device, sketch_k=self.options.sketch_k, seed=self.options.seed,
+            )
         state.audit = outcome
         if outcome.audited_me:
             state.flags |= int(F.Flag.AUDITED)
@@ -531,6 +538,11 @@ class Recorder:
             state.flags |= int(F.Flag.AUDIT_MISMATCH)
         records.append_audits(self.writer, state.step, outcome.recomputations)
         return list(outcome.findings)
+
+    @contextlib.contextmanager
+    def _audit_module(self):
+        """``(module, bucket layout)`` an audit recomputes with: DDP's own module, at theta_s."""
+        yield self.module, self.tap.layout()
 
     def _react(self, state: _StepState | None, findings: list[checks.Finding]) -> None:
         """Record findings as ALARM records; raise if the policy says so (after writing the step, if any)."""

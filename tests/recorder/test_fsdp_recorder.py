@@ -78,6 +78,8 @@ def runs(tmp_path_factory):
             ("mp-clean", {"param_dtype": "bfloat16", "reduce_dtype": "float32"}),  # torchtitan's default policy
             ("mp-local", {"param_dtype": "bfloat16", "inject": ["local-gradient:step=2:rank=1:bit=10"]}),
             ("fb-native", {"tap": "post-backward", "reduction": "native"}),
+            ("audited", {"audit_every": 2, "inject": ["local-gradient:step=2:rank=1:bit=20"]}),
+            ("audited-hsdp-clean", {"audit_every": 2, "hsdp": [2, 2]}),
             ("fb-hsdp-local", {"tap": "post-backward", "reduction": "native", "hsdp": [2, 2],
                                "inject": ["local-gradient:step=3:rank=2:bit=30"]})]
     todo += [(name, {"inject": [spec]}) for name, (spec, _, _) in FAULTS.items()]
@@ -202,6 +204,19 @@ def test_a_job_computing_in_bfloat16_is_certified_exactly_and_a_fault_in_it_foun
     assert mesh["casts"] == [["", "bfloat16", ""], ["0", "bfloat16", ""], ["3", "bfloat16", ""]]
     code, doc = _bisect(root / "mp-local" / "trace")
     assert code == 1 and doc["first_divergent_step"] == 2 and [s["rank"] for s in doc["suspects"]] == [1], doc
+
+
+def test_audits_recompute_another_ranks_microbatches_and_name_the_rank_online(runs):
+    """``audit_every=2`` (each rank its own node): at step 2 rank 0 recomputes rank 1's
+    microbatches on a whole copy of the model, disagrees with rank 1's flipped local gradient, and
+    rank 2 breaks the tie; a clean HSDP job's audits all agree."""
+    root, found = runs
+    assert all(f["audited"]["alarms"] == [{"step": 2, "rank": 1, "check": "audit"}] for f in found), [f["audited"] for f in found]
+    assert all(f["audited-hsdp-clean"]["alarms"] == [] for f in found)
+    code, doc = _bisect(root / "audited" / "trace", "bisect", "--trace-only")
+    assert code == 1 and doc["first_divergent_step"] == 2 and [s["rank"] for s in doc["suspects"]] == [1], doc
+    code, doc = _bisect(root / "audited-hsdp-clean" / "trace", "certify")
+    assert code == 0 and [c["status"] for c in doc["checkpoints"]] == ["clean", "clean"], doc
 
 
 def test_a_recipe_model_without_a_module_the_job_cast_is_refused_in_one_line():
