@@ -126,14 +126,10 @@ def record(trainer, trace_dir, *, microbatch_ids=None, recipe: str | None = None
         options, inject: the :class:`~sdc_forensics.recorder.Recorder`'s.
 
     Returns:
-        The recorder (a context manager: ``with sdc.record(...): trainer.train()`` closes it).
+        The :class:`TitanRecording` (a context manager: ``with sdc.record(...): trainer.train()``
+        closes its recorder), also ``trainer.sdc_recorder``.
     """
-    from pathlib import Path
-
     import torch
-
-    from sdc_forensics.integrations import _common
-    from sdc_forensics.recorder import Recorder
 
     problem = _refusal(trainer)
     if problem is None and not callable(getattr(trainer, "train_step", None)):
@@ -146,31 +142,80 @@ def record(trainer, trace_dir, *, microbatch_ids=None, recipe: str | None = None
         problem = f"checkpoint_every must be >= 0, not {checkpoint_every}"
     if problem is not None:
         raise UsageError(f"sdc-forensics cannot record this torchtitan trainer: {problem}")
-    model, optimizers = trainer.model_parts[0], trainer.optimizers
-    import dataclasses
+    recording = TitanRecording(trainer, trace_dir, microbatch_ids=microbatch_ids, recipe=recipe, recipe_args=recipe_args,
+                               checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir, options=options, inject=inject)
+    trainer.train_step = recording.train_step
+    trainer.sdc_recorder = recording
+    return recording
 
-    from sdc_forensics.recorder import RecorderOptions
 
-    start = int(getattr(trainer, "step", 0)) + 1  # torchtitan adds one before each train_step (a resumed run: after its step)
-    options = dataclasses.replace(options or RecorderOptions(), start_step=start)
-    rec = Recorder(trace_dir, model, optimizers, recipe=recipe, recipe_args=recipe_args, options=options, inject=inject,
-                   framework=_common.framework_info("torchtitan", "sdc_forensics.integrations.torchtitan"))
-    train_step = trainer.train_step
+class TitanRecording:
+    """What :func:`record` installs: the recorder, made at the first step, around ``train_step``.
 
-    def recorded_step(*args, **kwargs):
+    The recorder is built when the first step begins, not when ``record`` is called: torchtitan's
+    ``train()`` loads its checkpoint first, so only then does ``trainer.step`` say where a resumed
+    run starts (the attempt's first step). A context manager: leaving it closes the recorder.
+    """
+
+    def __init__(self, trainer, trace_dir, *, microbatch_ids, recipe, recipe_args, checkpoint_every, checkpoint_dir, options,
+                 inject) -> None:
+        self.trainer, self.trace_dir = trainer, trace_dir
+        self.recorder = None
+        self._ids, self._every, self._dir = microbatch_ids, checkpoint_every, checkpoint_dir
+        self._kwargs = {"recipe": recipe, "recipe_args": recipe_args, "inject": inject}
+        self._options = options
+        self._start = 0
+        self._train_step = trainer.train_step
+
+    def _open(self):
+        import dataclasses
+
+        from sdc_forensics.integrations import _common
+        from sdc_forensics.recorder import Recorder, RecorderOptions
+
+        trainer = self.trainer
+        self._start = int(trainer.step)  # torchtitan adds one before each train_step: this is the attempt's first
+        options = dataclasses.replace(self._options or RecorderOptions(), start_step=self._start)
+        self.recorder = Recorder(self.trace_dir, trainer.model_parts[0], trainer.optimizers, options=options,
+                                 framework=_common.framework_info("torchtitan", "sdc_forensics.integrations.torchtitan"),
+                                 **self._kwargs)
+
+    def train_step(self, *args, **kwargs):
+        from pathlib import Path
+
+        if self.recorder is None:
+            self._open()
+        trainer, rec = self.trainer, self.recorder
         step = int(trainer.step)
-        if checkpoint_every and (step - start) % checkpoint_every == 0:
-            from torch.distributed.checkpoint.state_dict import get_state_dict
-
-            model_state, optim_state = get_state_dict(model, optimizers)
-            rec.checkpoint(step, Path(checkpoint_dir) / f"step-{step:08d}", {"model": model_state, "optim": optim_state})
-        ids = None if microbatch_ids is None else [int(i) for i in microbatch_ids(trainer)]
+        if self._every and (step - self._start) % self._every == 0:
+            rec.checkpoint(step, Path(self._dir) / f"step-{step:08d}", _state(trainer))
+        ids = None if self._ids is None else [int(i) for i in self._ids(trainer)]
         with rec.step(step, microbatch_ids=ids):
-            return train_step(*args, **kwargs)
+            return self._train_step(*args, **kwargs)
 
-    trainer.train_step = recorded_step
-    trainer.sdc_recorder = rec
-    return rec
+    def close(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _state(trainer) -> dict:
+    """What a forensic checkpoint saves: ``{"model", "optim"}``. The optimizer's state is
+    torchtitan's own flat, name-keyed one where its container defines it (``OptimizersContainer``
+    overrides ``state_dict``, which ``get_state_dict`` cannot read), else ``get_state_dict``'s."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict, get_model_state_dict
+
+    model, optimizers = trainer.model_parts[0], trainer.optimizers
+    if type(optimizers).state_dict is not torch.optim.Optimizer.state_dict:
+        return {"model": get_model_state_dict(model), "optim": optimizers.state_dict()}
+    model_state, optim_state = get_state_dict(model, optimizers)
+    return {"model": model_state, "optim": optim_state}
 
 
 def _replicated(param) -> bool:
