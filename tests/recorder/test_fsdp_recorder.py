@@ -76,6 +76,7 @@ def runs(tmp_path_factory):
             ("bf16-clean", {"reduce_dtype": "bfloat16"}),
             ("bf16-hsdp-rs", {"hsdp": [2, 2], "reduce_dtype": "bfloat16", "inject": ["reduce-scatter-output:step=4:rank=3:bit=10"]}),
             ("mp-clean", {"param_dtype": "bfloat16", "reduce_dtype": "float32"}),  # torchtitan's default policy
+            ("mp-f16", {"param_dtype": "float16", "reduce_dtype": "float32"}),
             ("mp-local", {"param_dtype": "bfloat16", "inject": ["local-gradient:step=2:rank=1:bit=10"]}),
             ("fb-native", {"tap": "post-backward", "reduction": "native"}),
             ("audited", {"audit_every": 2, "inject": ["local-gradient:step=2:rank=1:bit=20"]}),
@@ -204,6 +205,8 @@ def test_a_job_computing_in_bfloat16_is_certified_exactly_and_a_fault_in_it_foun
     assert mesh["casts"] == [["", "bfloat16", ""], ["0", "bfloat16", ""], ["3", "bfloat16", ""]]
     code, doc = _bisect(root / "mp-local" / "trace")
     assert code == 1 and doc["first_divergent_step"] == 2 and [s["rank"] for s in doc["suspects"]] == [1], doc
+    code, doc = _bisect(root / "mp-f16" / "trace", "certify")  # float16 compute, float32 reduction
+    assert code == 0 and [c["status"] for c in doc["checkpoints"]] == ["clean", "clean"], doc
 
 
 def test_audits_recompute_another_ranks_microbatches_and_name_the_rank_online(runs):
