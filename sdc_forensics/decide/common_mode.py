@@ -84,14 +84,16 @@ def shared_state(evidence: Sequence[Evidence], world_size: int, anchors: Iterabl
         causes = [e for e in evs if e.shared and e.marks_divergence]
         reach = {r for e in causes for r in (e.reach or range(world_size))}
         within = [e for e in local if set(e.ranks) <= reach]
-        if within and (reach != set(range(world_size)) or world_size < 2):
+        covered = {r for e in local for r in e.ranks}
+        everyone = set(range(world_size))
+        if within and (reach != everyone or world_size < 2 or not covered >= everyone):
             # a sharded job's weight shard changed at rest and its replica computed with it: what
-            # those ranks show at this step is that one fault's consequence, not theirs
+            # those ranks show at this step is that one fault's consequence, not theirs (some of them
+            # only: a small change can leave a rank's gradient bit for bit, computed in bfloat16)
             out += [e for e in evs if e not in within] + [_consequence(e, causes[0]) for e in within]
             if any(e.source == "replay" for e in within):
                 departed_until, cause = _next_anchor(starts, step), causes[0]
             continue
-        covered = {r for e in local for r in e.ranks}
         if world_size >= 2 and covered >= set(range(world_size)):
             event = _common_event(step, local, out, [e for e in evs if e.shared and e.marks_divergence])
             out += [e for e in evs if e not in local] + [event]

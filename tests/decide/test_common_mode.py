@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from sdc_forensics.decide.decision import Examined, Verdict, decide
 from sdc_forensics.triage.evidence import Evidence, EvidenceKind, Location, Strength
 
@@ -116,3 +118,22 @@ def test_a_collective_candidate_is_confirmed_by_the_jump():
     assert (decided.verdict, decided.first_divergent_step) == (Verdict.CORRUPTION, 23)
     [suspect] = decided.suspects
     assert (suspect.rank, suspect.location) == (None, Location.COLLECTIVE)
+
+
+def _rest(step, rank, reach):
+    """A sharded job's weight shard changed at rest on ``rank`` (``triage/trace_only._RestState``):
+    shared with every rank of ``reach``, which gathered it."""
+    return Evidence(kind=EvidenceKind.WEIGHT_DIVERGENCE, step=step, ranks=(rank,), source="trace", location=Location.LOCAL_COMPUTE,
+                    strength=Strength.STRONG, shared=True, reach=tuple(reach), detail=f"rank {rank}'s shard changed at rest")
+
+
+@pytest.mark.parametrize("mismatched", [(0, 2), (0, 1, 2, 3), (3,)])
+def test_a_shard_changed_at_rest_is_the_one_suspect_whichever_ranks_its_replica_computed_differently(mismatched):
+    """Pure FSDP: the replica is the whole world. Every rank gathered rank 1's changed shard, but
+    computed in bfloat16 a small change can leave some ranks' gradients bit for bit (the campaign's
+    weights:step=5:rank=1:bit=19 changed ranks 0 and 2 only): whichever ranks differ, the shard's
+    owner is the one suspect (an exact replay, so strong mismatches)."""
+    evidence = [_rest(5, 1, range(W))] + [_local(5, r, 10**6) for r in mismatched]
+    decided = _decide(evidence, anchors=(4,), replayed=range(4, 6))
+    assert decided.verdict is Verdict.CORRUPTION and decided.first_divergent_step == 5
+    assert [(s.rank, s.location) for s in decided.suspects] == [(1, Location.LOCAL_COMPUTE)]
