@@ -79,8 +79,10 @@ class PostBackwardTap:
         self.error: BaseException | None = None
         self.dtype = ""
         self.scale = 1.0 / mesh.world_size  # FSDP2's mean over every rank (reduce-scatter, then HSDP's all-reduce)
+        self.device = torch.device("cpu")  # where the check's numbers are all-reduced (the model's device)
 
     def install(self, model: torch.nn.Module) -> None:
+        self.device = next((p.device for p in model.parameters()), self.device)
         for group in fm.param_groups(model):
             factor = getattr(group, "gradient_divide_factor", None)
             if factor:  # FSDP2 reduces to sum / factor instead of the mean
@@ -162,50 +164,44 @@ class PostBackwardTap:
         return shards.one_bucket(self.pieces)
 
     def check(self, step: int, *, reduced: Fingerprint | None = None, policy: str = "return") -> fm.StepCheck:
-        """Every rank's reduced shard against the mean of every rank's local rows of it (a collective)."""
+        """This rank's reduced shard against the mean of every rank's local rows of it: each rank's
+        per-shard numbers summed over the world (one all-reduce of ``S x (k + 3)`` numbers), each
+        rank's verdict on its own shard, then the verdicts gathered (a collective)."""
+        k = self._k
         rows = []
         for pieces in self._per_shard:
-            if pieces:
-                fp = shards.combine_pieces(pieces)
-                rows.append([*map(float, fp.sketch), float(fp.norm), float(fp.nonfinite)])
-            else:
-                rows.append(None)
+            fp = shards.combine_pieces(pieces) if pieces else None
+            rows.append([*map(float, fp.sketch), float(fp.norm), float(fp.nonfinite)] if fp is not None else [0.0] * (k + 2))
         own = None if reduced is None else [*map(float, reduced.sketch), float(reduced.norm), float(reduced.nonfinite)]
+        total = fm._sum_over(rows, None, self.device, k)  # (S, k + 3), over the world
+        rank = dist.get_rank()
+        dtype = self.dtype or "float32"
+        mine = own_verdict(rank, self._mesh, total, sum(int(r[k + 1]) for r in rows), own, dtype, k, self.scale)
         gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, [self.place if self._places is None else None, rows, own, self.dtype])
+        dist.all_gather_object(gathered, [self.place if self._places is None else None, mine])
         if self._places is None:
             self._places = [g[0] for g in gathered]
         self.step = step + 1
-        findings = _check_shards(self._mesh, [g[1] for g in gathered], [g[2] for g in gathered],
-                                 next((g[3] for g in gathered if g[3]), "float32"), self._k, self.scale)
+        findings = sorted((f for g in gathered for f in g[1]), key=lambda f: (f.check != "nonfinite-before", f.rank))
+        if any(f.check == "nonfinite-before" for f in findings):  # a NaN/Inf input: its rank is the finding
+            findings = [f for f in findings if f.check == "nonfinite-before"]
         findings = [fm.FsdpFinding(f.check, f.rank, f.call, f.detail, where=self._places[f.rank]) for f in findings]
-        return fm.StepCheck(step=step, calls=1 if any(r is not None for r in gathered[0][1]) else 0, findings=tuple(findings))
+        return fm.StepCheck(step=step, calls=1 if any(self._per_shard) else 0, findings=tuple(findings))
 
 
-def _check_shards(mesh: ShardMesh, local: list, reduced: list, dtype: str, k: int, scale: float) -> list[fm.FsdpFinding]:
-    """NaN/Inf in a rank's local gradient (the rank) or in a reduced shard from finite inputs (the
-    rank holding it); else each rank's reduced shard against ``scale`` times every rank's rows of it."""
-    world = mesh.world_size
-    found = []
-    for rank in range(world):
-        count = sum(int(row[k + 1]) for row in local[rank] if row is not None)
-        if count:
-            found.append(fm.FsdpFinding("nonfinite-before", rank, 0, f"{count} NaN/Inf in its local gradient before the reduce-scatter"))
-    if found:
-        return found
-    for rank in range(world):
-        own = reduced[rank]
-        if own is None:
-            continue
-        sketch, norm, nonfinite = np.asarray(own[:k]), float(own[k]), int(own[k + 1])
-        if nonfinite:
-            found.append(fm.FsdpFinding("nonfinite-after", rank, 0, f"{nonfinite} NaN/Inf in its reduced shard, from finite inputs"))
-            continue
-        parts = [local[q][mesh.shard_of(rank)] for q in range(world)]
-        if any(p is None for p in parts):
-            continue  # an empty shard (a parameter of fewer rows than shards) on every rank: nothing to sum
-        problem = fm._sum_check(np.stack([np.asarray(p[:k]) for p in parts]), np.array([p[k] for p in parts]), scale,
-                                sketch, norm, dtype)
-        if problem:
-            found.append(fm.FsdpFinding("reduce-scatter", rank, 0, f"its reduced shard {problem} (W={world})"))
-    return found
+def own_verdict(rank: int, mesh: ShardMesh, total: np.ndarray, own_nan: int, reduced: list | None, dtype: str, k: int,
+                scale: float) -> list[fm.FsdpFinding]:
+    """Rank ``rank``'s findings: NaN/Inf in its local gradient; else, when every rank's was finite
+    (``total``: every rank's per-shard terms summed, ``fsdp_monitor._terms``), NaN/Inf in its
+    reduced shard, or that shard against ``scale`` times the sum of every rank's rows of it."""
+    if own_nan:
+        return [fm.FsdpFinding("nonfinite-before", rank, 0, f"{own_nan} NaN/Inf in its local gradient before the reduce-scatter")]
+    if reduced is None or total[:, k + 2].sum():
+        return []
+    sketch, norm, nonfinite = np.asarray(reduced[:k]), float(reduced[k]), int(reduced[k + 1])
+    if nonfinite:
+        return [fm.FsdpFinding("nonfinite-after", rank, 0, f"{nonfinite} NaN/Inf in its reduced shard, from finite inputs")]
+    problem = fm.sum_check(total[mesh.shard_of(rank)], mesh.world_size, scale, sketch, norm, dtype, k)
+    if problem:
+        return [fm.FsdpFinding("reduce-scatter", rank, 0, f"its reduced shard {problem} (W={mesh.world_size})")]
+    return []

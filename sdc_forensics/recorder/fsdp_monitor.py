@@ -7,7 +7,9 @@ reduce-scatter (``set_custom_reduce_scatter``, around whatever comm the job set)
 every rank sketches the ``W`` chunks of its input and its output (``docs/fingerprints.md``: the
 same linear sketch as DDP's all-reduce check, chunk and output at the same block offsets) and
 counts their NaN/Inf. :meth:`FsdpMonitor.check`, called by every rank once per step (after
-``backward``, before ``optimizer.step()``), gathers those numbers and decides together:
+``backward``, before ``optimizer.step()``), sums each chunk's numbers over the group (one
+all-reduce of ``W x (k + 3)`` numbers per call: linear in ``W``), lets each rank judge its own
+output, and gathers the verdicts:
 
 * **NaN/Inf before the reduce-scatter**: a rank whose local gradient holds NaN/Inf is named.
 * **NaN/Inf after it** with finite inputs: the rank whose output turned non-finite is named.
@@ -109,6 +111,9 @@ class _Call:
     ar_group: tuple[int, ...] = ()  # HSDP: global ranks of the replica all-reduce's group
     ar_output: object = None  # pending fingerprint of the all-reduce's output
     ar_inputs: tuple[int, ...] = ()  # the calls whose outputs this all-reduce sums (accumulation adds earlier ones)
+    pg: object = None  # the reduce-scatter's process group (the check all-reduces the chunks' numbers over it)
+    ar_pg: object = None  # HSDP: the replica all-reduce's
+    device: object = None  # where the collective ran (the check's numbers travel there: gloo on CPU, NCCL on CUDA)
 
 
 def _row(fp: core.Fingerprint) -> list[float]:
@@ -185,7 +190,7 @@ class FsdpMonitor:
     def _before(self, input_tensor: torch.Tensor, group, scales: tuple[float | None, float], param_group=None) -> int:
         ranks = tuple(dist.get_process_group_ranks(group))
         call = _Call(group=ranks, dtype=str(input_tensor.dtype).removeprefix("torch."), scale=scales[0], ar_scale=scales[1],
-                     inputs=[])
+                     inputs=[], pg=group, device=input_tensor.device)
         with self._lock:  # the slot is reserved before anything reads the input
             index = len(self._calls)
             self._calls.append(call)
@@ -208,6 +213,7 @@ class FsdpMonitor:
             self._inject("all-reduce-output", index, output)
         call = self._calls[index]
         call.ar_group = tuple(dist.get_process_group_ranks(group))
+        call.ar_pg = group
         call.ar_inputs = sums
         call.ar_output = self._sketch(output)
 
@@ -242,19 +248,22 @@ class FsdpMonitor:
             raise UsageError(f"policy must be 'return' or 'raise', not {policy!r}")
         with self._lock:
             mine, self._calls = self._calls, []
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, [self.place if self._places is None else None, self._numbers(mine)])
+        numbers = self._numbers(mine)
+        ar_calls = tuple(i for i, call in enumerate(mine) if call.ar_output is not None)
+        first: list = [None] * dist.get_world_size()
+        dist.all_gather_object(first, [self.place if self._places is None else None, len(mine), ar_calls])
         if self._places is None:
-            self._places = [place for place, _ in gathered]
-        gathered = [numbers for _, numbers in gathered]
-        counts = {len(calls) for calls in gathered}
+            self._places = [place for place, _, _ in first]
+        counts = {count for _, count, _ in first}
         if len(counts) > 1:
             raise UsageError(f"step {step}: ranks made different numbers of reduce-scatters ({sorted(counts)}): "
                              "call check() at the same point of the step on every rank")
-        findings: list[FsdpFinding] = []
         calls = counts.pop() if counts else 0
-        for index in range(calls):
-            findings += _check_call(index, dict(enumerate(gathered)), self._k)
+        with_all_reduce = ar_calls if len({a for _, _, a in first}) == 1 else ()  # else unpaired: not checked
+        own = _own_findings(mine, numbers, with_all_reduce, self._k)
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, own)
+        findings = _ordered([f for per_rank in everyone for f in per_rank])
         note = ""
         if not calls and dist.get_world_size() > 1:
             note = (f"step {step}: no reduce-scatter was seen: check() before backward, a shard group of one, or a comm set "
@@ -272,74 +281,83 @@ def _split(row: list[float], k: int) -> tuple[np.ndarray, float, int]:
     return np.asarray(row[:k]), float(row[k]), int(row[k + 1])
 
 
-def _check_call(index: int, all_calls: dict[int, list[dict]], k: int) -> list[FsdpFinding]:
-    """Every group's reduce-scatter of call ``index`` (``all_calls``: every rank's calls of the step):
-    NaN/Inf before and after, then the sums."""
-    found = []
-    by_rank = {rank: calls[index] for rank, calls in all_calls.items()}
-    for group in sorted({tuple(call["group"]) for call in by_rank.values()}):
-        members = [by_rank[r] for r in group]
-        bad_input = False
-        for rank, call in zip(group, members):
-            count = sum(_split(row, k)[2] for row in call["inputs"])
-            if count:
-                bad_input = True
-                found.append(FsdpFinding("nonfinite-before", rank, index,
-                                         f"{count} NaN/Inf in its local gradient before the reduce-scatter"))
-        if bad_input:
-            continue  # a NaN/Inf input makes every output non-finite: the input's rank is the finding
-        for position, (rank, call) in enumerate(zip(group, members)):
-            sketch, norm, nonfinite = _split(call["output"], k)
-            if nonfinite:
-                found.append(FsdpFinding("nonfinite-after", rank, index,
-                                         f"{nonfinite} NaN/Inf in its reduce-scatter output, from finite inputs"))
-                continue
-            if call["scale"] is None:
-                continue
-            chunks = [_split(m["inputs"][position], k) for m in members]
-            finding = _sum_check(np.stack([c[0] for c in chunks]), np.array([c[1] for c in chunks]), call["scale"], sketch, norm,
-                                 call["dtype"])
-            if finding:
-                found.append(FsdpFinding("reduce-scatter", rank, index, f"its output {finding} (W={len(group)})"))
-    if not found:
-        found += _check_all_reduce(index, all_calls, k)
-    return found
+def _terms(row: list[float], k: int) -> list[float]:
+    """A row's numbers that add across ranks: the sketch, the squared norm, the norm, the NaN/Inf count."""
+    return [*row[:k], row[k] * row[k], row[k], row[k + 1]]
 
 
-def _sum_check(local: np.ndarray, norms: np.ndarray, scale: float, sketch: np.ndarray, norm: float, dtype: str) -> str:
-    """``""`` when ``sketch`` is ``scale * sum(local)`` within the calibrated tolerance, else what differs."""
-    residual = float(tolerance.allreduce_residual(local * scale, sketch, "sum"))
-    allowed = float(tolerance.allreduce_tolerance(dtype, norms * abs(scale), np.float64(norm), "sum"))
+def _sum_over(rows: list[list[float]], group, device, k: int) -> np.ndarray:
+    """``rows`` (the same shape on every rank of ``group``) summed over the group: one all-reduce."""
+    table = torch.tensor([_terms(row, k) for row in rows], dtype=torch.float64, device=device)
+    dist.all_reduce(table, group=group)
+    return table.cpu().numpy()
+
+
+def sum_check(total: np.ndarray, count: int, scale: float, sketch: np.ndarray, norm: float, dtype: str, k: int) -> str:
+    """``""`` when ``sketch`` is ``scale`` times the sum of ``count`` inputs whose terms add to
+    ``total`` (``[sketch.., sum of squared norms, sum of norms, NaN/Inf]``), within the calibrated
+    tolerance (``tolerance.allreduce_tolerance`` from the same sums), else what differs."""
+    residual = float(np.abs(np.asarray(sketch, dtype=np.float64) - scale * total[:k]).max())
+    if np.isnan(residual):
+        residual = float("inf")
+    s = abs(scale)
+    reduced = float(np.fmin(abs(norm), s * total[k + 1] * (1.0 + 1e-2)))
+    allowed = tolerance.relative_tolerance(dtype, count) * float(np.sqrt(reduced**2 + s * s * total[k]))
     if residual > allowed:
         return f"differs from {scale:.4g} x the sum of its inputs by {residual:.3g} (tolerance {allowed:.3g}, {dtype})"
     return ""
 
 
-def _check_all_reduce(index: int, all_calls: dict[int, list[dict]], k: int) -> list[FsdpFinding]:
-    """HSDP: each replica's all-reduce output against the sum of its replicas' reduce-scatter outputs
-    (every reduce-scatter of the group since its last all-reduce: accumulation with
-    ``set_requires_all_reduce(False)`` adds the earlier ones into the last before the all-reduce)."""
-    found = []
-    by_rank = {rank: calls[index] for rank, calls in all_calls.items()}
-    for group in sorted({tuple(call["ar_group"]) for call in by_rank.values() if call["ar_group"]}):
-        members = [by_rank[r] for r in group]
-        if any(m["ar_output"] is None for m in members):
+def _ordered(pairs: list[tuple[int, FsdpFinding]]) -> list[FsdpFinding]:
+    """Every rank's ``(phase, finding)`` pairs as one list, in one order (call, phase, rank); an
+    all-reduce finding (phase 2) only for a call whose reduce-scatter was clean (phases 0 and 1:
+    a NaN/Inf input, or a wrong output, makes the all-reduce wrong too)."""
+    scattered = {f.call for phase, f in pairs if phase < 2}
+    kept = [(phase, f) for phase, f in pairs if phase < 2 or f.call not in scattered]
+    return [f for _, f in sorted(kept, key=lambda pair: (pair[1].call, pair[0], pair[1].rank))]
+
+
+def _own_findings(calls: list[_Call], numbers: list[dict], with_all_reduce: tuple[int, ...], k: int) -> list[tuple[int, FsdpFinding]]:
+    """This rank's ``(phase, finding)`` pairs of the step (collectives: every rank of a group runs
+    them alike; phase 0 a NaN/Inf input, 1 the reduce-scatter output, 2 the all-reduce output).
+
+    Each reduce-scatter group's chunk numbers are summed over the group (one all-reduce of
+    ``W x (k + 3)`` numbers per call, not a gather of everybody's: the traffic grows with the
+    group, not with its square); each rank then checks its own output against its chunk's sum.
+    HSDP: each rank's all-reduce output against the sum, over the replicas, of the reduce-scatter
+    outputs it adds (one all-reduce of ``k + 3`` numbers)."""
+    rank = dist.get_rank()
+    found: list[tuple[int, FsdpFinding]] = []
+    for index, (call, nums) in enumerate(zip(calls, numbers)):
+        own_nan = sum(int(row[k + 1]) for row in nums["inputs"])
+        if own_nan:
+            found.append((0, FsdpFinding("nonfinite-before", rank, index, f"{own_nan} NaN/Inf in its local gradient before the reduce-scatter")))
+        total = _sum_over(nums["inputs"], call.pg, call.device, k)  # (W, k + 3): chunk c summed over the group
+        if total[:, k + 2].sum() or nums["output"] is None:
+            continue  # a NaN/Inf input makes every output non-finite: the input's rank is the finding
+        sketch, norm, nonfinite = _split(nums["output"], k)
+        if nonfinite:
+            found.append((1, FsdpFinding("nonfinite-after", rank, index, f"{nonfinite} NaN/Inf in its reduce-scatter output, from finite inputs")))
+        elif call.scale is not None:
+            problem = sum_check(total[call.group.index(rank)], len(call.group), call.scale, sketch, norm, call.dtype, k)
+            if problem:
+                found.append((1, FsdpFinding("reduce-scatter", rank, index, f"its output {problem} (W={len(call.group)})")))
+    for index in with_all_reduce:
+        call, nums = calls[index], numbers[index]
+        parts = [numbers[i]["output"] for i in call.ar_inputs]
+        if any(p is None for p in parts):
             continue
-        for rank, call in zip(group, members):
-            sketch, norm, nonfinite = _split(call["ar_output"], k)
-            if nonfinite:
-                found.append(FsdpFinding("nonfinite-after", rank, index,
-                                         f"{nonfinite} NaN/Inf in its replica all-reduce output, from finite shards"))
-                continue
-            rows = [all_calls[r][c]["output"] for r in group for c in by_rank[r]["ar_inputs"]]
-            if not rows or any(row is None for row in rows):
-                continue
-            parts = [_split(row, k) for row in rows]
-            finding = _sum_check(np.stack([p[0] for p in parts]), np.array([p[1] for p in parts]), call["ar_scale"], sketch, norm,
-                                 call["dtype"])
-            if finding:
-                found.append(FsdpFinding("all-reduce", rank, index,
-                                         f"its replica all-reduce output {finding} ({len(group)} replicas)"))
+        mine = [sum(_terms(p, k)[j] for p in parts) for j in range(k + 3)]
+        table = torch.tensor([mine], dtype=torch.float64, device=call.device)
+        dist.all_reduce(table, group=call.ar_pg)
+        total = table.cpu().numpy()[0]
+        sketch, norm, nonfinite = _split(nums["ar_output"], k)
+        if nonfinite and not total[k + 2]:
+            found.append((2, FsdpFinding("nonfinite-after", rank, index, f"{nonfinite} NaN/Inf in its replica all-reduce output, from finite shards")))
+        elif not nonfinite and not total[k + 2]:
+            problem = sum_check(total, len(call.ar_group) * len(parts), call.ar_scale, sketch, norm, call.dtype, k)
+            if problem:
+                found.append((2, FsdpFinding("all-reduce", rank, index, f"its replica all-reduce output {problem} ({len(call.ar_group)} replicas)")))
     return found
 
 

@@ -74,7 +74,7 @@ from sdc_forensics.recorder.threads import ThreadWatch
 from sdc_forensics.reduction import ORDERED, ordered_mean, ordered_sum
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace.checkpoints import CheckpointNote, hex64, write_checkpoint_note
-from sdc_forensics.trace.mesh import ShardMesh, shard_rows
+from sdc_forensics.trace.mesh import ShardMesh
 
 log = logging.getLogger("sdc_forensics.recorder")
 
@@ -264,16 +264,16 @@ class _Tap(fm.FsdpMonitor):
                              f"{width * size}: a parameter without a gradient at this step; the recorder needs every "
                              "trainable parameter to get one (freeze the others: requires_grad_(False))")
         chunks = flat.detach().view(size, width)
-        pieces = []
-        for c in range(size):
-            position = 0
-            for offset, rows, per_row in plan:
-                first, stop = shard_rows(rows, c, size)
-                n = (stop - first) * per_row
-                if n:
-                    pieces.append(shards.fingerprint_piece(chunks[c, position : position + n], offset=offset + first * per_row,
-                                                           k=self._k, seed=self._seed))
-                position += -(-rows // size) * per_row
+        pieces, position = [], 0
+        for offset, rows, per_row in plan:
+            # the parameter's rows, shard after shard: its padded rows sit at the end, so the first `rows`
+            # of its (size x padded rows) block are the whole gradient, in order; one piece per parameter
+            # (a copy of its gradient), not one per parameter and shard: the cost does not grow with the shards
+            padded = -(-rows // size) * per_row
+            whole = chunks[:, position : position + padded].reshape(-1, per_row)[:rows] if padded else chunks[:, :0]
+            if whole.numel():
+                pieces.append(shards.fingerprint_piece(whole, offset=offset, k=self._k, seed=self._seed))
+            position += padded
         return pieces
 
     def local(self) -> Fingerprint | None:

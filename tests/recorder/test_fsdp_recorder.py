@@ -256,10 +256,14 @@ def test_without_a_custom_reduce_scatter_the_gradients_read_in_post_backward_are
 
 
 def test_the_post_backward_taps_reduction_check_names_the_rank_whose_shard_is_wrong():
-    """``fsdp_fallback._check_shards``: each rank's reduced shard against the mean of every rank's
-    rows of it, from sketches (numbers made here, 4 ranks, HSDP 2 x 2)."""
+    """``fsdp_fallback.own_verdict``: each rank's reduced shard against the mean of every rank's
+    rows of it, from the sums an all-reduce of the ranks' terms gives (numbers made here, 4 ranks,
+    HSDP 2 x 2)."""
+    import numpy as np
+
     from sdc_forensics.fingerprint.core import fingerprint
-    from sdc_forensics.recorder.fsdp_fallback import _check_shards
+    from sdc_forensics.recorder.fsdp_fallback import own_verdict
+    from sdc_forensics.recorder.fsdp_monitor import _terms
     from sdc_forensics.trace.mesh import ShardMesh
 
     k, gen = 8, torch.Generator().manual_seed(0)
@@ -267,14 +271,15 @@ def test_the_post_backward_taps_reduction_check_names_the_rank_whose_shard_is_wr
                      coords=((0, 0), (0, 1), (1, 0), (1, 1)))
     grads = [torch.randn(2, 5000, generator=gen) for _ in range(4)]  # each rank's local gradient, by shard
     row = lambda t: [*map(float, (fp := fingerprint(t, k=k)).sketch), float(fp.norm), float(fp.nonfinite)]  # noqa: E731
-    local = [[row(g[c]) for c in range(2)] for g in grads]
+    total = np.array([[_terms(row(g[c]), k) for c in range(2)] for g in grads]).sum(axis=0)  # what the all-reduce sums
     mean = [sum(g[c] for g in grads) / 4 for c in range(2)]
     reduced = [row(mean[mesh.shard_of(r)]) for r in range(4)]
-    assert _check_shards(mesh, local, reduced, "float32", k, 0.25) == []
+    verdicts = lambda: [(f.check, f.rank) for r in range(4) for f in own_verdict(r, mesh, total, 0, reduced[r], "float32", k, 0.25)]  # noqa: E731
+    assert verdicts() == []
     wrong = mean[1].clone()
     wrong[17] += 1e-2 * float(wrong.norm())
     reduced[3] = row(wrong)
-    assert [(f.check, f.rank) for f in _check_shards(mesh, local, reduced, "float32", k, 0.25)] == [("reduce-scatter", 3)]
+    assert verdicts() == [("reduce-scatter", 3)]
 
 
 def _fallback_refusals(rank: int, root: str) -> list[str]:
