@@ -286,6 +286,21 @@ def _terms(row: list[float], k: int) -> list[float]:
     return [*row[:k], row[k] * row[k], row[k], row[k + 1]]
 
 
+def _summed_by_group(calls: list[_Call], rows: list[list[list[float]]], k: int) -> list[np.ndarray]:
+    """Each call's rows summed over its reduce-scatter group: the calls of one group (every call of
+    a step, in FSDP and HSDP alike) in one all-reduce, groups in the order of their first call."""
+    by_group: dict[tuple[int, ...], list[int]] = {}
+    for index, call in enumerate(calls):
+        by_group.setdefault(call.group, []).append(index)
+    out: list = [None] * len(calls)
+    for indices in by_group.values():  # insertion order: first calls' order, the same on every rank of a group
+        width = len(rows[indices[0]])
+        summed = _sum_over([row for i in indices for row in rows[i]], calls[indices[0]].pg, calls[indices[0]].device, k)
+        for n, i in enumerate(indices):
+            out[i] = summed[n * width : (n + 1) * width]
+    return out
+
+
 def _sum_over(rows: list[list[float]], group, device, k: int) -> np.ndarray:
     """``rows`` (the same shape on every rank of ``group``) summed over the group: one all-reduce."""
     table = torch.tensor([_terms(row, k) for row in rows], dtype=torch.float64, device=device)
@@ -328,11 +343,12 @@ def _own_findings(calls: list[_Call], numbers: list[dict], with_all_reduce: tupl
     outputs it adds (one all-reduce of ``k + 3`` numbers)."""
     rank = dist.get_rank()
     found: list[tuple[int, FsdpFinding]] = []
+    totals = _summed_by_group(calls, [nums["inputs"] for nums in numbers], k)
     for index, (call, nums) in enumerate(zip(calls, numbers)):
         own_nan = sum(int(row[k + 1]) for row in nums["inputs"])
         if own_nan:
             found.append((0, FsdpFinding("nonfinite-before", rank, index, f"{own_nan} NaN/Inf in its local gradient before the reduce-scatter")))
-        total = _sum_over(nums["inputs"], call.pg, call.device, k)  # (W, k + 3): chunk c summed over the group
+        total = totals[index]  # (W, k + 3): chunk c summed over the group
         if total[:, k + 2].sum() or nums["output"] is None:
             continue  # a NaN/Inf input makes every output non-finite: the input's rank is the finding
         sketch, norm, nonfinite = _split(nums["output"], k)
@@ -342,15 +358,25 @@ def _own_findings(calls: list[_Call], numbers: list[dict], with_all_reduce: tupl
             problem = sum_check(total[call.group.index(rank)], len(call.group), call.scale, sketch, norm, call.dtype, k)
             if problem:
                 found.append((1, FsdpFinding("reduce-scatter", rank, index, f"its output {problem} (W={len(call.group)})")))
-    for index in with_all_reduce:
+    paired = [i for i in with_all_reduce if all(numbers[j]["output"] is not None for j in calls[i].ar_inputs)]
+    by_replicas: dict[tuple[int, ...], list[int]] = {}
+    for index in paired:
+        by_replicas.setdefault(calls[index].ar_group, []).append(index)
+    ar_totals: dict[int, np.ndarray] = {}
+    for indices in by_replicas.values():  # one all-reduce per replica group: each call's summed reduce-scatter outputs
+        rows = []
+        for i in indices:
+            parts = [numbers[j]["output"] for j in calls[i].ar_inputs]
+            summed = np.sum([_terms(p, k) for p in parts], axis=0)  # the terms of the outputs it adds
+            rows.append(summed)
+        table = torch.tensor(np.array(rows), dtype=torch.float64, device=calls[indices[0]].device)
+        dist.all_reduce(table, group=calls[indices[0]].ar_pg)
+        for n, i in enumerate(indices):
+            ar_totals[i] = table[n].cpu().numpy()
+    for index in paired:
         call, nums = calls[index], numbers[index]
-        parts = [numbers[i]["output"] for i in call.ar_inputs]
-        if any(p is None for p in parts):
-            continue
-        mine = [sum(_terms(p, k)[j] for p in parts) for j in range(k + 3)]
-        table = torch.tensor([mine], dtype=torch.float64, device=call.device)
-        dist.all_reduce(table, group=call.ar_pg)
-        total = table.cpu().numpy()[0]
+        parts = call.ar_inputs
+        total = ar_totals[index]
         sketch, norm, nonfinite = _split(nums["ar_output"], k)
         if nonfinite and not total[k + 2]:
             found.append((2, FsdpFinding("nonfinite-after", rank, index, f"{nonfinite} NaN/Inf in its replica all-reduce output, from finite shards")))
