@@ -326,6 +326,10 @@ class FsdpRecorder(Recorder):
             if self.options.grad_dtype is None:
                 self.options = dataclasses.replace(self.options, grad_dtype=self.mesh.reduce_dtype)
         self.grad_params = [p for p in self.params if p.requires_grad]
+        index = {id(p): i for i, p in enumerate(self.grad_params)}
+        groups = tuple(tuple(index[id(fp.sharded_param)] for fp in g.fsdp_params if id(fp.sharded_param) in index)
+                       for g in fm.param_groups(model))
+        self.mesh = dataclasses.replace(self.mesh, groups=tuple(g for g in groups if g))  # the reduce-scatters' buffers
         self._last_update: int | None = None  # this rank's weight shard digest after the last update
         self._grad_offsets = flat_offsets(self.grad_params)
         self._weight_offsets = flat_offsets(self.params)

@@ -149,8 +149,11 @@ class StepComparisons:
                 self.collective_missed = (f"step {step}: the replay's own collective does not reproduce the recorded reduced digest; "
                                           f"most likely {env.collective_suspect(self.trace, int(recs[0]['attempt']))}; "
                                           "the modelled summation orders are tried instead")
-        if self.known_order == env.ORDERED or self.mesh is not None:  # recorded (or a sharded job's one model): exact or tolerant
+        if self.known_order == env.ORDERED:  # recorded: exact or tolerant
             orders = (env.ORDERED,)
+        elif self.mesh is not None:  # a sharded job's own reduce-scatter: gloo's ring where the trace says how it was cut
+            orders = ((self.known_order,) if self.known_order and not tolerant else
+                      ((env.SHARDED_GLOO,) if self.mesh.groups else ()) + (env.ORDERED,))
         elif self.known_order == env.COLLECTIVE and not tolerant:  # it reproduced earlier steps: a miss is evidence
             orders = (env.COLLECTIVE,)
         else:

@@ -156,6 +156,25 @@ def _summation_plan(numel: int, itemsize: int, world_size: int, order: str) -> l
     return plan
 
 
+#: a sharded job's own reduce-scatter on gloo: its ring all-reduce of each whole input buffer
+#: (FSDP2's padded chunks of one parameter group), sliced, then divided (``AVG``)
+SHARDED_GLOO = "sharded-gloo-ring"
+
+
+def ring_sum(src: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of equal-shaped flat buffers in gloo's ring order for ``len(src)`` ranks (no
+    scaling: gloo's ``AVG`` divides the sum afterwards). Checked bit for bit against gloo's
+    ``reduce_scatter_tensor`` (``tests/replay/test_sharded_gloo.py``)."""
+    first = src[0]
+    acc = torch.empty_like(first)
+    for lo, hi, ranks in _summation_plan(first.numel(), first.element_size(), len(src), "gloo-ring"):
+        part = acc[lo:hi]
+        part.copy_(src[ranks[0]][lo:hi])
+        for r in ranks[1:]:
+            part += src[r][lo:hi]
+    return acc
+
+
 def compression_of(determinism: dict) -> torch.dtype | None:
     """The dtype a recorded comm hook compressed the all-reduce to, when the replay can reproduce
     it (torch's ``fp16_compress_hook``/``bf16_compress_hook``); None otherwise."""

@@ -289,6 +289,8 @@ class Replayer(StepComparisons):
         order's reused buffer: valid until the next step's reduction in the same order."""
         if self.mesh is not None and len(self.mesh.replicas()) > 1 and order == env.ORDERED:
             return self._to_params(self._hsdp_ordered(per_rank))
+        if order == env.SHARDED_GLOO:
+            return self._to_params([self._sharded_gloo([buckets[0] for buckets in per_rank])])
         dtypes = {t.dtype for t in per_rank[0]}
         if len(dtypes) != 1:
             return self._to_params(env.reduce_buckets(per_rank, order, compress=self.compress))
@@ -311,6 +313,54 @@ class Replayer(StepComparisons):
 
         means = [[ordered_mean([per_rank[r][b] for r in group]) for b in range(len(per_rank[0]))] for group in self.mesh.replicas()]
         return [ordered_mean([mean[b] for mean in means]) for b in range(len(per_rank[0]))]
+
+    def _sharded_gloo(self, flats: list[torch.Tensor]) -> torch.Tensor:
+        """A sharded job's own reduction on gloo, rebuilt: for each FSDP2 parameter group (the
+        mesh's ``groups``), every rank's reduce-scatter input (each parameter's rows of shard ``c``,
+        padded to ``ceil(rows / S)``, in chunk ``c``), summed within each replica in gloo's ring order
+        (its reduce-scatter is its ring all-reduce of the whole input, sliced) and divided (``AVG``);
+        in HSDP the replicas' outputs of one shard then all-reduced likewise (ring over the replicas,
+        divided). Returns the mean as one flat gradient."""
+        mesh, size = self.mesh, self.mesh.shard_size
+        shapes = self._grad_shapes
+        starts = [0]
+        for rows, per_row in shapes:
+            starts.append(starts[-1] + rows * per_row)
+        if any(i >= len(shapes) for g in mesh.groups for i in g):
+            raise InvalidInputError("the trace's FSDP groups name more parameters than the recipe's model trains: the recipe "
+                                    "builds another model than the job trained")
+        out = torch.zeros_like(flats[0])
+        coord = {r: mesh.coords[r] for r in range(mesh.world_size)}
+        other = [d for d in range(len(mesh.shape)) if d != mesh.shard_dim]
+        for group in mesh.groups:
+            padded = [-(-shapes[i][0] // size) * shapes[i][1] for i in group]
+
+            def rs_input(flat: torch.Tensor) -> torch.Tensor:
+                parts = []
+                for i, width in zip(group, padded):
+                    rows, per_row = shapes[i]
+                    whole = torch.zeros(size * width // per_row if per_row else 0, per_row, dtype=flat.dtype, device=flat.device)
+                    whole[:rows] = flat[starts[i] : starts[i + 1]].view(rows, per_row)
+                    parts.append(whole.view(size, width))
+                return torch.cat(parts, dim=1).reshape(-1)
+
+            inputs = [rs_input(f) for f in flats]
+            by_replica = {}
+            for replica in mesh.replicas():  # the reduce-scatter's group: ring order is the shard coordinate's
+                members = sorted(replica, key=mesh.shard_of)
+                by_replica[replica] = (env.ring_sum([inputs[r] for r in members]) / len(members)).view(size, -1)
+            if len(by_replica) > 1:  # HSDP: each shard's replica outputs, all-reduced in replicate-coordinate order
+                replicas = sorted(by_replica, key=lambda rep: tuple(coord[rep[0]][d] for d in other))
+                mean = torch.stack([env.ring_sum([by_replica[rep][c] for rep in replicas]) / len(replicas) for c in range(size)])
+            else:
+                mean = next(iter(by_replica.values()))
+            column = 0
+            for i, width in zip(group, padded):
+                rows, per_row = shapes[i]
+                block = mean[:, column : column + width].reshape(-1, per_row)[:rows] if width else mean[:, :0]
+                out[starts[i] : starts[i + 1]] = block.reshape(-1)
+                column += width
+        return out
 
     def _use_threads(self, recorded: int) -> None:
         if self.device.type != "cpu":
@@ -349,6 +399,8 @@ class Replayer(StepComparisons):
         model, optimizer, scheduler = self.recipe.build(self.device)
         self.recipe.load_checkpoint(str(options.checkpoint_path), model, optimizer, scheduler)
         self.param_dtype = next((p.dtype for p in model.parameters()), None)
+        self._grad_shapes = [(p.shape[0] if p.dim() else 1, p[0].numel() if p.dim() else 1)
+                             for p in model.parameters() if p.requires_grad]  # (rows, elements per row), flat-gradient order
         self.module_buffers = BufferBroadcast(model)
         saved = {(n.step, n.attempt): n for n in self.trace.checkpoint_notes()} if self.module_buffers.active else {}
         start_digest = hex64(weights_digest(model.named_parameters(), self.seed))

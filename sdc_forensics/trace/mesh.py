@@ -48,6 +48,10 @@ class ShardMesh:
             "" for the root) whose policy casts its floating-point forward inputs to ``inputs``
             (``cast_forward_inputs``) or its outputs to ``outputs`` (``output_dtype``), "" where it
             does not: the replay applies the same casts to the recipe's model.
+        groups: the indices (in the flat gradient's order: the model's parameters that train)
+            of each FSDP2 parameter group's parameters, each group reduce-scattered as one buffer
+            of padded chunks: a replay that models the job's own reduce-scatter (gloo's ring)
+            needs that buffer's layout. Empty: not recorded.
     """
 
     kind: str
@@ -58,6 +62,7 @@ class ShardMesh:
     reduce_dtype: str = ""
     param_dtype: str = ""
     casts: tuple[tuple[str, str, str], ...] = ()
+    groups: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -75,6 +80,10 @@ class ShardMesh:
                 and c[1] in CAST_DTYPES and c[2] in CAST_DTYPES for c in self.casts):
             raise ValueError(f"casts must be at most {_MAX_CASTS} (module, inputs, outputs) triples of a module name and "
                              f"dtypes among {', '.join(repr(d) for d in CAST_DTYPES)}")
+        indices = [i for g in self.groups for i in g] if all(isinstance(g, tuple) for g in self.groups) else None
+        if indices is None or len(indices) > _MAX_CASTS or not all(_small_int(i, 0) for i in indices) \
+                or len(set(indices)) != len(indices):
+            raise ValueError(f"groups must be lists of distinct parameter indices (at most {_MAX_CASTS} in all)")
         if len(self.dim_names) != len(self.shape) or not 0 <= self.shard_dim < len(self.shape):
             raise ValueError("one name per mesh dimension, and a shard dimension among them")
         total = 1
@@ -138,6 +147,8 @@ class ShardMesh:
             doc["param_dtype"] = self.param_dtype
         if self.casts:
             doc["casts"] = [list(c) for c in self.casts]
+        if self.groups:
+            doc["groups"] = [list(g) for g in self.groups]
         return doc
 
     @classmethod
@@ -159,14 +170,16 @@ class ShardMesh:
         reduce_dtype = doc.get("reduce_dtype", "")
         if reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f'"reduce_dtype" must be one of {", ".join(repr(d) for d in REDUCE_DTYPES)}')
-        param_dtype, casts = doc.get("param_dtype", ""), doc.get("casts", [])
+        param_dtype, casts, groups = doc.get("param_dtype", ""), doc.get("casts", []), doc.get("groups", [])
         if param_dtype not in PARAM_DTYPES:
             raise ValueError(f'"param_dtype" must be one of {", ".join(repr(d) for d in PARAM_DTYPES)}')
         if not isinstance(casts, list) or not all(isinstance(c, list) for c in casts):
             raise ValueError('"casts" must be a list of [module, inputs, outputs] lists')
+        if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
+            raise ValueError('"groups" must be a list of lists of parameter indices')
         return cls(kind=str(kind), shape=tuple(shape), dim_names=tuple(names), shard_dim=int(dim),
                    coords=tuple(tuple(c) for c in coords), reduce_dtype=reduce_dtype, param_dtype=param_dtype,
-                   casts=tuple(tuple(c) for c in casts))
+                   casts=tuple(tuple(c) for c in casts), groups=tuple(tuple(g) for g in groups))
 
 
 def _small_int(value: Any, lo: int = 1) -> bool:

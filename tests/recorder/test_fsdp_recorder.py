@@ -79,6 +79,8 @@ def runs(tmp_path_factory):
             ("mp-f16", {"param_dtype": "float16", "reduce_dtype": "float32"}),
             ("mp-local", {"param_dtype": "bfloat16", "inject": ["local-gradient:step=2:rank=1:bit=10"]}),
             ("fb-native", {"tap": "post-backward", "reduction": "native"}),
+            ("native", {"reduction": "native"}),
+            ("native-hsdp", {"reduction": "native", "hsdp": [2, 2], "reduce_dtype": "bfloat16"}),
             ("audited", {"audit_every": 2, "inject": ["local-gradient:step=2:rank=1:bit=20"]}),
             ("audited-hsdp-clean", {"audit_every": 2, "hsdp": [2, 2]}),
             ("fb-hsdp-local", {"tap": "post-backward", "reduction": "native", "hsdp": [2, 2],
@@ -209,6 +211,19 @@ def test_a_job_computing_in_bfloat16_is_certified_exactly_and_a_fault_in_it_foun
     assert code == 0 and [c["status"] for c in doc["checkpoints"]] == ["clean", "clean"], doc
 
 
+@pytest.mark.parametrize("name", ["native", "native-hsdp"])
+def test_a_job_keeping_gloos_own_reduce_scatter_is_certified_exactly(runs, name):
+    """``reduction="native"``: gloo reduce-scatters by its ring all-reduce of each parameter
+    group's padded buffer; the trace notes the groups (the mesh's ``groups``) and the replay
+    rebuilds those buffers and that order (HSDP: then the replicas' all-reduce, in bfloat16 here)."""
+    root, found = runs
+    assert all(f[name]["alarms"] == [] for f in found)
+    groups = json.loads((root / name / "trace" / "manifest.json").read_text())["parallel"]["groups"]
+    assert sorted(groups) == [[0, 1], [2, 3], [4, 5]]  # the two blocks, and the root holding the LayerNorm
+    code, doc = _bisect(root / name / "trace", "certify")
+    assert code == 0 and [c["status"] for c in doc["checkpoints"]] == ["clean", "clean"], doc
+
+
 def test_audits_recompute_another_ranks_microbatches_and_name_the_rank_online(runs):
     """``audit_every=2`` (each rank its own node): at step 2 rank 0 recomputes rank 1's
     microbatches on a whole copy of the model, disagrees with rank 1's flipped local gradient, and
@@ -251,6 +266,8 @@ def test_without_a_custom_reduce_scatter_the_gradients_read_in_post_backward_are
         window = next(Trace.open(root / name / "trace").step_windows(1, 0, 0))
         steps[name] = window.records[0]["local_digest"].tolist()
     assert steps["clean"] == steps["fb-native"], steps  # step 0: the same weights, gradients and digests
+    code, doc = _bisect(root / "fb-native" / "trace", "certify")  # gloo's own reduce-scatter, rebuilt by the replay
+    assert code == 0 and [c["status"] for c in doc["checkpoints"]] == ["clean", "clean"], doc
     code, doc = _bisect(root / "fb-hsdp-local" / "trace")
     assert code == 1 and doc["first_divergent_step"] == 3 and [s["rank"] for s in doc["suspects"]] == [2], doc
 
