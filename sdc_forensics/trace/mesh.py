@@ -134,9 +134,15 @@ class ShardMesh:
         return f"mesh ({self.coordinates(rank)})" if 0 <= rank < self.world_size else ""
 
     def describe(self) -> str:
-        """``"hsdp, mesh 2 x 2 (replicate, shard)"``."""
+        """``"hsdp, mesh 2 x 2 (replicate, shard)"`` (``", computed in bfloat16, reduced in float32"``
+        after it for a mixed-precision job)."""
         names = [n or f"dim{i}" for i, n in enumerate(self.dim_names)]
-        return f"{self.kind}, mesh {' x '.join(map(str, self.shape))} ({', '.join(names)})"
+        text = f"{self.kind}, mesh {' x '.join(map(str, self.shape))} ({', '.join(names)})"
+        if self.param_dtype:
+            text += f", computed in {self.param_dtype}"
+        if self.reduce_dtype:
+            text += f", reduced in {self.reduce_dtype}"
+        return text
 
     def to_json(self) -> dict[str, Any]:
         doc = {"kind": self.kind, "shape": list(self.shape), "dim_names": list(self.dim_names), "shard_dim": self.shard_dim,
