@@ -17,9 +17,10 @@ order, are one flat vector ``g`` (a DDP trace with one bucket holding all of the
 
 Online, per step: the reduce-scatter and replica all-reduce checks and the NaN/Inf checks of
 ``fsdp_monitor`` (they name the rank and its mesh coordinates), and the weights vote per shard
-across replicas (HSDP with 3 or more replicas names the rank; 2 replicas detect without a vote;
-pure FSDP has no replicas to vote), and each rank's weight shard at rest (digested when a step
-begins, against the last update's: FSDP gathers it for everybody's forward).
+across replicas (HSDP with 3 or more replicas names the rank; 2 replicas detect without a vote),
+the vote of the parameters every rank all-gathered for its forward (the consensus pure FSDP has),
+each rank's weight shard at rest (digested when a step begins, against the last update's: FSDP
+gathers it for everybody's forward), and audits (``audit_every``) on a whole copy of the model.
 
 ``RecorderOptions(reduction="ordered")`` replaces the reduce-scatter by an ordered one (an all-to-all, then ``reduction.ordered_mean`` in rank order) and,
 in HSDP, redoes the replicas' all-reduce as the ``ordered_mean`` of their outputs in replica order,
