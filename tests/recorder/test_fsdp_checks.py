@@ -67,7 +67,7 @@ def _job(rank: int, out: str) -> dict:
 
     try:  # what the sharded recorder does not do yet, it refuses before writing anything
         Recorder(Path(out, f"trace{rank}"), fsdp, torch.optim.SGD(fsdp.parameters(), lr=0.1), recipe="no.such:recipe",
-                 options=RecorderOptions(audit_every=2))
+                 options=RecorderOptions(audit_every=2), inject=["grad:step=1:rank=0:bit=3"])
         found["recorder"] = None
     except UsageError as refusal:
         found["recorder"] = [str(refusal), Path(out, f"trace{rank}").exists()]
@@ -114,7 +114,7 @@ def test_every_rank_reaches_the_same_result(found):
 
 def test_the_sharded_recorder_refuses_what_it_cannot_record_in_one_line_before_writing(found):
     message, wrote = found[0]["recorder"]
-    assert "audits are not built for sharded jobs" in message and "\n" not in message
+    assert "grad are DDP's" in message and "local-gradient" in message and "\n" not in message
     assert not wrote  # refused before anything was written
 
 
