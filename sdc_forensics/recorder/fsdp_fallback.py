@@ -93,6 +93,13 @@ class PostBackwardTap:
             group._sdc_post_backward = original
             group.post_backward = self._wrap(group, original)
 
+    def uninstall(self, model: torch.nn.Module) -> None:
+        """Give every parameter group its own ``post_backward`` back."""
+        for group in fm.param_groups(model):
+            if getattr(group, "_sdc_post_backward", None) is not None:
+                del group.post_backward  # the instance's wrapper: the class's method again
+                group._sdc_post_backward = None
+
     def _wrap(self, group, original):
         def post_backward(*args: Any, **kwargs: Any):
             if getattr(group, "reduce_grads", True):

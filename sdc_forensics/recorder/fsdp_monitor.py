@@ -152,6 +152,7 @@ class _CheckedReduceScatter:
         self._inner = inner
         self._param_group = param_group
         self.pending: list[int] = []  # this group's calls since its last all-reduce (HSDP accumulation)
+        self.restore: tuple = (None, None)  # the group's own comm and all-reduce hook, given back by uninstall
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self._inner.allocate(size, dtype=dtype, device=device)
@@ -480,10 +481,22 @@ def install(model: torch.nn.Module, monitor: FsdpMonitor, comm=None) -> None:
 
             inner = DefaultReduceScatter()
         checked = _CheckedReduceScatter(monitor, inner, group)
+        checked.restore = (getattr(group, "_reduce_scatter_comm", None), getattr(group, "_all_reduce_hook", None))
         group._reduce_scatter_comm = checked
         if getattr(group, "_is_hsdp", False):  # the replica all-reduce: checked after it, then the job's hook
             user_hook = getattr(group, "_all_reduce_hook", None)
             group._all_reduce_hook = _all_reduce_hook(monitor, checked, group._all_reduce_process_group, user_hook)
+
+
+def uninstall(model: torch.nn.Module) -> None:
+    """Give every parameter group of ``model`` back the reduce-scatter and all-reduce hook it had
+    before :func:`install` (a closed recorder reads and changes nothing more)."""
+    for group in param_groups(model):
+        checked = getattr(group, "_reduce_scatter_comm", None)
+        if isinstance(checked, _CheckedReduceScatter):
+            group._reduce_scatter_comm, hook = checked.restore
+            if getattr(group, "_is_hsdp", False):
+                group._all_reduce_hook = hook
 
 
 def _all_reduce_hook(monitor: FsdpMonitor, checked: _CheckedReduceScatter, process_group, user_hook):

@@ -415,6 +415,11 @@ class FsdpRecorder(Recorder):
         for handle in self._handles_gathered:
             handle.remove()
         self._handles_gathered = []
+        try:  # the job's own reduce-scatter (and post_backward) again: a closed recorder costs nothing more
+            if getattr(self, "tap", None) is not None:
+                self.tap.uninstall(self.module) if self._fallback else fm.uninstall(self.module)
+        except Exception as exc:  # noqa: BLE001 - closing must finish (the trace's END record) whatever FSDP2 holds
+            log.warning("sdc-forensics: could not give the model its own reduce-scatter back: %s", exc)
         super().close(on_error=on_error)
 
     def _problem(self, model: torch.nn.Module, specs: list) -> str | None:

@@ -319,6 +319,33 @@ def _fallback_refusals(rank: int, root: str) -> list[str]:
     return out
 
 
+def _closed(rank: int, root: str) -> list[bool]:
+    """Record one step with each tap, close, and say whether the groups have their own collective
+    (and post_backward) back."""
+    from sdc_forensics.demo import sharded
+    from sdc_forensics.recorder import Recorder
+    from sdc_forensics.recorder import fsdp_monitor as fm
+    from sdc_forensics.recorder.fsdp_fallback import TAP_ENV
+
+    out = []
+    for tap in ("", "post-backward"):
+        os.environ[TAP_ENV] = tap
+        model = sharded.shard(sharded.build_model())
+        own = [(g._reduce_scatter_comm, "post_backward" in vars(g)) for g in fm.param_groups(model)]
+        optimizer = sharded.make_optimizer(model)
+        with Recorder(Path(root, f"trace-{tap or 'comm'}"), model, optimizer, recipe=sharded.REFERENCE) as rec:
+            with rec.step(0, microbatch_ids=[rank]):
+                sharded.loss_of(model, sharded.microbatch(rank)).backward()
+                optimizer.step()
+        out.append(own == [(g._reduce_scatter_comm, "post_backward" in vars(g)) for g in fm.param_groups(model)])
+    os.environ.pop(TAP_ENV, None)
+    return out
+
+
+def test_a_closed_recorder_gives_the_model_its_own_reduce_scatter_back(tmp_path):
+    assert gloo_job(_closed, WORLD, tmp_path / "results", str(tmp_path)) == [[True, True]] * WORLD
+
+
 def test_what_the_post_backward_tap_cannot_record_is_refused_in_one_line_on_every_rank(tmp_path):
     found = gloo_job(_fallback_refusals, WORLD, tmp_path / "results", str(tmp_path))
     for ordered, drill, accumulating in found:
