@@ -37,7 +37,10 @@ local gradient in the reduce dtype, as FSDP2 accumulates and reduces it; the mes
 ``replay/mixed.py`` applies to the recipe's model).
 Audits (``audit_every``) recompute another rank's microbatches on a whole copy of the model, built
 by the recipe and filled by all-gathering the parameters (``_audit_module``), as DDP's do.
-Not yet recorded (refused in one line): a float16 reduction, audits of a mixed-precision job, a
+A float16 reduction is recorded as FSDP2 runs it (the input divided by a pre-factor, summed, divided
+by a post-factor: ``ShardMesh.divide_factors``).
+Not yet recorded (refused in one line): a float16 reduction with a custom divide factor, audits of
+a mixed-precision job, a
 shard placement other than ``Shard(0)``, a mesh that is not the whole world (FSDP with tensor
 parallelism), a group reduce-scattered twice in a step, and DDP's fault locations.
 
@@ -243,7 +246,10 @@ class _Tap(fm.FsdpMonitor):
             else:
                 parts = [torch.empty_like(mine) for _ in range(group.size())]
                 dist.all_gather(parts, mine, group=group)  # group rank order: the replicate coordinate's
-                ordered_mean(parts, out=output)
+                if self._calls[index].ar_scale == 1.0:  # FSDP2 all-reduces with SUM (a float16 reduction divides after)
+                    ordered_sum(parts, out=output)
+                else:
+                    ordered_mean(parts, out=output)
         super()._after_all_reduce(checked, output, group)  # then the all-reduce-output drill, and its check
 
     def _input_pieces(self, flat: torch.Tensor, size: int, param_group) -> list[shards.Piece]:
@@ -455,9 +461,12 @@ class FsdpRecorder(Recorder):
             return f"parameter groups compute in several dtypes ({', '.join(sorted(map(str, computes)))}): the recorder needs one"
         if len(reduce) > 1:
             return f"parameter groups reduce in several dtypes ({', '.join(sorted(map(str, reduce)))}): the recorder needs one"
-        if reduce and next(iter(reduce)) not in (torch.float32, torch.bfloat16):
-            return (f"reduce_dtype {next(iter(reduce))}: FSDP2 pre- and post-divides a float16 reduction, which the replay does "
-                    "not model yet; reduce in bfloat16 or float32 (MixedPrecisionPolicy(reduce_dtype=torch.float32))")
+        if reduce and next(iter(reduce)) not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"reduce_dtype {next(iter(reduce))}: the recorder records reductions in float32, bfloat16 or float16"
+        if reduce and next(iter(reduce)) == torch.float16 and any(
+                getattr(g, "gradient_divide_factor", None) is not None for g in fm.param_groups(model)):
+            return ("a float16 reduction with set_gradient_divide_factor: FSDP2 then divides by factors the replay does not "
+                    "model; reduce in float32, or keep FSDP2's own factor")
         compute = next(iter(computes)) if computes else orig
         if audits and (compute != orig or (reduce and next(iter(reduce)) != orig)):
             return ("audits recompute a rank's microbatches on a whole copy of the model in the parameters' dtype; this "

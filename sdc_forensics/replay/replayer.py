@@ -241,6 +241,9 @@ class Replayer(StepComparisons):
         if self.mesh is not None and self.mesh.reduce_dtype:  # FSDP2 reduced (and the recorder read) it in this dtype
             low = getattr(torch, self.mesh.reduce_dtype)
             buckets = [b.to(low) for b in buckets]
+            factors = self.mesh.divide_factors()
+            if factors is not None and factors[0] != 1:  # a float16 reduction: FSDP2 divides its input first
+                buckets = [b.div_(factors[0]) for b in buckets]
         step = _RankStep(self, buckets, batches, total_loss)
         step.rng_dependent = bool(self.rng_dependent)
         return step
@@ -291,6 +294,10 @@ class Replayer(StepComparisons):
             return self._to_params(self._hsdp_ordered(per_rank))
         if order == env.SHARDED_GLOO:
             return self._to_params([self._sharded_gloo([buckets[0] for buckets in per_rank])])
+        if self.mesh is not None and self.mesh.divide_factors() is not None and order == env.ORDERED:
+            from sdc_forensics.reduction import ordered_sum  # a float16 reduction sums (divided before and after)
+
+            return self._to_params([ordered_sum([per_rank[r][b] for r in range(len(per_rank))]) for b in range(len(per_rank[0]))])
         dtypes = {t.dtype for t in per_rank[0]}
         if len(dtypes) != 1:
             return self._to_params(env.reduce_buckets(per_rank, order, compress=self.compress))
@@ -298,10 +305,14 @@ class Replayer(StepComparisons):
         return self._to_params(env.reduce_buckets(per_rank, order, out=out, compress=self.compress))
 
     def _to_params(self, reduced: list[torch.Tensor]) -> list[torch.Tensor]:
-        """A sharded job that reduced in another dtype: FSDP2 casts the reduced shard back to the
-        parameters' dtype before the optimizer (and the recorder) read it."""
+        """A sharded job that reduced in another dtype: FSDP2 divides a float16 sum by its
+        post-factor, then casts the reduced shard back to the parameters' dtype before the optimizer
+        (and the recorder) read it."""
         if self.mesh is None or not self.mesh.reduce_dtype or self.param_dtype is None:
             return reduced
+        factors = self.mesh.divide_factors()
+        if factors is not None and factors[1] != 1:
+            reduced = [r.div(factors[1]) for r in reduced]
         return [r.to(self.param_dtype) for r in reduced]
 
     def _hsdp_ordered(self, per_rank: list[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -309,10 +320,11 @@ class Replayer(StepComparisons):
         reduce-scatter), then the ordered mean of the replicas' in replica order (the recorder redoes
         the replicas' all-reduce so: ``fsdp_recorder._Tap._after_all_reduce``), elementwise, so the
         shards of the result are what every rank received, bit for bit."""
-        from sdc_forensics.reduction import ordered_mean
+        from sdc_forensics.reduction import ordered_mean, ordered_sum
 
-        means = [[ordered_mean([per_rank[r][b] for r in group]) for b in range(len(per_rank[0]))] for group in self.mesh.replicas()]
-        return [ordered_mean([mean[b] for mean in means]) for b in range(len(per_rank[0]))]
+        add = ordered_sum if self.mesh.divide_factors() is not None else ordered_mean  # float16: sums, divided around them
+        means = [[add([per_rank[r][b] for r in group]) for b in range(len(per_rank[0]))] for group in self.mesh.replicas()]
+        return [add([mean[b] for mean in means]) for b in range(len(per_rank[0]))]
 
     def _sharded_gloo(self, flats: list[torch.Tensor]) -> torch.Tensor:
         """A sharded job's own reduction on gloo, rebuilt: for each FSDP2 parameter group (the
@@ -346,12 +358,15 @@ class Replayer(StepComparisons):
 
             inputs = [rs_input(f) for f in flats]
             by_replica = {}
+            summing = mesh.divide_factors() is not None  # a float16 reduction sums (SUM), FSDP2 divides around it
             for replica in mesh.replicas():  # the reduce-scatter's group: ring order is the shard coordinate's
                 members = sorted(replica, key=mesh.shard_of)
-                by_replica[replica] = (env.ring_sum([inputs[r] for r in members]) / len(members)).view(size, -1)
+                total = env.ring_sum([inputs[r] for r in members])
+                by_replica[replica] = (total if summing else total / len(members)).view(size, -1)
             if len(by_replica) > 1:  # HSDP: each shard's replica outputs, all-reduced in replicate-coordinate order
                 replicas = sorted(by_replica, key=lambda rep: tuple(coord[rep[0]][d] for d in other))
-                mean = torch.stack([env.ring_sum([by_replica[rep][c] for rep in replicas]) / len(replicas) for c in range(size)])
+                sums = [env.ring_sum([by_replica[rep][c] for rep in replicas]) for c in range(size)]
+                mean = torch.stack(sums if summing else [t / len(replicas) for t in sums])
             else:
                 mean = next(iter(by_replica.values()))
             column = 0

@@ -17,7 +17,7 @@ from typing import Any
 
 KINDS = ("fsdp", "hsdp")
 #: the dtypes a sharded job's reduction may be recorded in besides the parameters' own ("")
-REDUCE_DTYPES = ("", "bfloat16", "float32")
+REDUCE_DTYPES = ("", "bfloat16", "float32", "float16")
 #: the dtypes a sharded job may compute in (``MixedPrecisionPolicy(param_dtype=...)``; "": the parameters')
 PARAM_DTYPES = ("", "bfloat16", "float16")
 #: the dtypes FSDP2 may cast a module's forward inputs or outputs to
@@ -103,6 +103,17 @@ class ShardMesh:
     def shard_size(self) -> int:
         """Shards of each parameter (the shard dimension's size)."""
         return self.shape[self.shard_dim]
+
+    def divide_factors(self) -> tuple[int, float] | None:
+        """``(pre, post)``: FSDP2 divides a float16 reduction's input by ``pre`` and its output by
+        ``post`` (sums both ways, ``pre * post`` the data-parallel size; torch's
+        ``_get_gradient_divide_factors``), against overflow; None for another dtype (it averages)."""
+        if self.reduce_dtype != "float16":
+            return None
+        factor, pre = float(self.world_size), 1
+        while factor % pre == 0 and factor / pre > pre:
+            pre *= 2
+        return pre, factor / pre
 
     def shard_of(self, rank: int) -> int:
         """The shard coordinate of ``rank``: which rows of each parameter it holds."""

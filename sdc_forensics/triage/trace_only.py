@@ -309,9 +309,12 @@ def _reduce_scatter(window: StepWindow, grad_dtype: str, reduction: str, mesh: S
     has_grads = ((rec["flags"] & int(F.Flag.HAS_GRADS)) != 0) & present  # (S, R)
     full = has_grads.all(axis=1) & ((rec["nonfinite_local"] == 0) | ~present).all(axis=1)  # (S,)
     flagged = ((rec["flags"] & int(F.Flag.ALLREDUCE_MISMATCH)) != 0) & present
-    local_sk = rec["local_sketch"]
+    # a float16 reduction: the recorded local gradient is divided by FSDP2's pre-factor (a power of
+    # two, undone exactly here), the sum divided by the post-factor: a mean all the same
+    undo = float(mesh.divide_factors()[0]) if mesh.divide_factors() is not None else 1.0
+    local_sk = rec["local_sketch"].astype(np.float64) * undo
     expected = local_sk.mean(axis=1, dtype=np.float64) if reduction == "mean" else local_sk.sum(axis=1, dtype=np.float64)
-    local_norms = np.where(present, rec["local_norm"], 0.0)[:, None, :]  # (S, 1, R)
+    local_norms = np.where(present, rec["local_norm"].astype(np.float64) * undo, 0.0)[:, None, :]  # (S, 1, R)
     over = np.zeros(has_grads.shape, dtype=bool)  # (S, R): the rank's replica does not add up
     residuals = np.zeros(has_grads.shape)
     for group in mesh.replicas():

@@ -77,6 +77,8 @@ def runs(tmp_path_factory):
             ("bf16-hsdp-rs", {"hsdp": [2, 2], "reduce_dtype": "bfloat16", "inject": ["reduce-scatter-output:step=4:rank=3:bit=10"]}),
             ("mp-clean", {"param_dtype": "bfloat16", "reduce_dtype": "float32"}),  # torchtitan's default policy
             ("mp-f16", {"param_dtype": "float16", "reduce_dtype": "float32"}),
+            ("f16-reduce", {"param_dtype": "float16"}),  # float16 reduction: FSDP2 divides before and after summing
+            ("f16-reduce-hsdp-native", {"param_dtype": "float16", "hsdp": [2, 2], "reduction": "native"}),
             ("mp-local", {"param_dtype": "bfloat16", "inject": ["local-gradient:step=2:rank=1:bit=10"]}),
             ("fb-native", {"tap": "post-backward", "reduction": "native"}),
             ("native", {"reduction": "native"}),
@@ -209,6 +211,12 @@ def test_a_job_computing_in_bfloat16_is_certified_exactly_and_a_fault_in_it_foun
     assert code == 1 and doc["first_divergent_step"] == 2 and [s["rank"] for s in doc["suspects"]] == [1], doc
     code, doc = _bisect(root / "mp-f16" / "trace", "certify")  # float16 compute, float32 reduction
     assert code == 0 and [c["status"] for c in doc["checkpoints"]] == ["clean", "clean"], doc
+    for name in ("f16-reduce", "f16-reduce-hsdp-native"):  # float16 reduction, pre- and post-divided; the trace alone agrees
+        assert all(f[name]["alarms"] == [] for f in found)
+        code, doc = _bisect(root / name / "trace", "certify")
+        assert code == 0 and [c["status"] for c in doc["checkpoints"]] == ["clean", "clean"], (name, doc)
+        code, doc = _bisect(root / name / "trace", "bisect", "--trace-only")
+        assert code == 0 and doc["verdict"] == "clean", (name, doc)
 
 
 @pytest.mark.parametrize("name", ["native", "native-hsdp"])
