@@ -32,7 +32,8 @@ Recorded, with :func:`record` instead of :func:`watch`: the sharded recorder
 step (its online checks included), with the microbatch IDs a function of yours gives (torchtitan's
 loader is a stateful iterator over a streamed dataset and has no sample index to record), and,
 every ``checkpoint_every`` steps, a DCP checkpoint the recorder writes and notes (``{"model",
-"optim"}`` from ``get_state_dict``; torchtitan's own checkpoints are not read). ``bisect
+"optim"}``: the model's state dict, the optimizer container's own; torchtitan's checkpoints are not
+read). ``bisect
 --trace-only`` works on any such trace; a replay needs your recipe (``docs/integrations.md``
 gives its shape): one that rebuilds the model and fetches a microbatch by the IDs you recorded.
 Written against torchtitan 0.3.0's ``Trainer`` (``model_parts``, ``optimizers``, ``step``,
@@ -194,6 +195,8 @@ class TitanRecording:
             return self._train_step(*args, **kwargs)
 
     def close(self) -> None:
+        """Close the recorder and give the trainer its own ``train_step`` back."""
+        self.trainer.train_step = self._train_step
         if self.recorder is not None:
             self.recorder.close()
 

@@ -443,7 +443,8 @@ class FsdpRecorder(Recorder):
                 return f"{lacking}: the recorder cannot read a sharded job's gradients with this torch (2.8 or later can)"
             if self.options.reduction == ORDERED:
                 return ("reduction='ordered' replaces FSDP2's reduce-scatter through set_custom_reduce_scatter, which this "
-                        "torch's FSDP2 lacks (2.8 or later has it): record with reduction='native' (replayed within tolerance)")
+                        "torch's FSDP2 lacks (2.8 or later has it): record with reduction='native' (on gloo the replay "
+                        "reproduces it; elsewhere it compares within tolerance)")
             wrong = sorted({s.location for s in specs if s.location in ("reduce-scatter-output", "all-reduce-output")})
             if wrong:
                 return (f"fault location(s) {', '.join(wrong)} need set_custom_reduce_scatter, which this torch's FSDP2 "
@@ -578,7 +579,7 @@ class FsdpRecorder(Recorder):
             gathered = [(name, p.full_tensor() if hasattr(p, "full_tensor") else p.detach())
                         for name, p in self.module.named_parameters()]
             params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
-            missing = [name for name, _ in gathered if name not in params or params[name].shape != _.shape]
+            missing = [name for name, full in gathered if name not in params or params[name].shape != full.shape]
             if missing:
                 raise UsageError(f"the recipe's model has no parameter {missing[0]!r} of the job's shape: audits recompute on "
                                  "the recipe's model, which must be the job's, unsharded")

@@ -26,6 +26,7 @@ Over 400 lines on purpose: one class, the step loop and the state it carries fro
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -344,6 +345,7 @@ class Replayer(StepComparisons):
         out = torch.zeros_like(flats[0])
         coord = {r: mesh.coords[r] for r in range(mesh.world_size)}
         other = [d for d in range(len(mesh.shape)) if d != mesh.shard_dim]
+        summing = mesh.divide_factors() is not None  # a float16 reduction sums (SUM), FSDP2 divides around it
         for group in mesh.groups:
             padded = [-(-shapes[i][0] // size) * shapes[i][1] for i in group]
 
@@ -358,7 +360,6 @@ class Replayer(StepComparisons):
 
             inputs = [rs_input(f) for f in flats]
             by_replica = {}
-            summing = mesh.divide_factors() is not None  # a float16 reduction sums (SUM), FSDP2 divides around it
             for replica in mesh.replicas():  # the reduce-scatter's group: ring order is the shard coordinate's
                 members = sorted(replica, key=mesh.shard_of)
                 total = env.ring_sum([inputs[r] for r in members])
@@ -414,7 +415,7 @@ class Replayer(StepComparisons):
         model, optimizer, scheduler = self.recipe.build(self.device)
         self.recipe.load_checkpoint(str(options.checkpoint_path), model, optimizer, scheduler)
         self.param_dtype = next((p.dtype for p in model.parameters()), None)
-        self._grad_shapes = [(p.shape[0] if p.dim() else 1, p[0].numel() if p.dim() else 1)
+        self._grad_shapes = [(p.shape[0] if p.dim() else 1, math.prod(p.shape[1:]))
                              for p in model.parameters() if p.requires_grad]  # (rows, elements per row), flat-gradient order
         self.module_buffers = BufferBroadcast(model)
         saved = {(n.step, n.attempt): n for n in self.trace.checkpoint_notes()} if self.module_buffers.active else {}

@@ -119,7 +119,7 @@ def _recorded_job(rank: int, root: str, inject: tuple) -> str:
         for step in range(1, 7):
             trainer.step = step
             trainer.train_step()
-    return "ok"
+    return "ok" if trainer.train_step is train_step else "closing did not give the trainer its train_step back"
 
 
 @pytest.mark.parametrize("inject, expected", [((), None), (("local-gradient:step=3:rank=1:bit=20",), (3, 1))])

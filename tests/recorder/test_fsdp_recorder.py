@@ -245,6 +245,25 @@ def test_audits_recompute_another_ranks_microbatches_and_name_the_rank_online(ru
     assert code == 0 and [c["status"] for c in doc["checkpoints"]] == ["clean", "clean"], doc
 
 
+def test_a_bfloat16_job_replayed_without_its_casts_blames_no_rank_and_certifies_nothing(runs, tmp_path):
+    """What the recorded casts are for: the same trace with ``param_dtype`` and ``casts`` struck
+    from its manifest replays in float32, so every rank differs at step 0, which the common-mode
+    rule names as one shared event, not four faults."""
+    import shutil
+
+    root, _ = runs
+    job = tmp_path / "mp"
+    shutil.copytree(root / "mp-clean", job)
+    manifest = json.loads((job / "trace" / "manifest.json").read_text())
+    del manifest["parallel"]["param_dtype"], manifest["parallel"]["casts"]
+    (job / "trace" / "manifest.json").write_text(json.dumps(manifest))
+    (job / "trace" / "ledger.jsonl").unlink(missing_ok=True)  # the certify of the original recorded its intervals
+    _, doc = _bisect(job / "trace", "certify")
+    assert doc["verdict"] == "inconclusive" and [c["status"] for c in doc["checkpoints"]] == ["clean", "unverified"], doc
+    _, doc = _bisect(job / "trace", "bisect")
+    assert doc["verdict"] == "inconclusive" and doc["suspects"] == [], doc
+
+
 def test_a_recipe_model_without_a_module_the_job_cast_is_refused_in_one_line():
     from sdc_forensics.errors import RecipeError
     from sdc_forensics.replay.mixed import computing_as_recorded
@@ -413,13 +432,16 @@ def _hsdp3(rank: int, root: str) -> dict:
     from sdc_forensics.demo.sharded import train
 
     return {name: train(rank, 6, str(Path(root, name, "trace")), str(Path(root, name, "ckpt")), hsdp=(3, 2), steps=5,
-                        inject=inject)
-            for name, inject in (("clean", ()), ("update", ("update:step=1:rank=4:bit=22",)))}
+                        inject=inject, reduction=reduction)
+            for name, inject, reduction in (("clean", (), "ordered"), ("update", ("update:step=1:rank=4:bit=22",), "ordered"),
+                                            ("native", (), "native"))}
 
 
 def test_with_three_hsdp_replicas_the_vote_names_the_rank_online_and_a_clean_run_certifies(tmp_path):
     """HSDP 3 x 2 (6 processes): the ordered reduction redoes the replicas' all-reduce in replica
-    order, so the replay is exact for any number of replicas."""
+    order, so the replay is exact for any number of replicas; and a job keeping gloo's own
+    collectives certifies too (three replicas: the ring order of their all-reduce matters, where two
+    terms add alike either way)."""
     found = gloo_job(_hsdp3, 6, tmp_path / "results", str(tmp_path))
     assert found[0]["clean"]["alarms"] == []
     assert {(a["step"], a["rank"]) for a in found[0]["update"]["alarms"]} >= {(1, 4)}
@@ -428,6 +450,9 @@ def test_with_three_hsdp_replicas_the_vote_names_the_rank_online_and_a_clean_run
     code, doc = _bisect(tmp_path / "update" / "trace")
     assert code == 1 and doc["first_divergent_step"] == 1, doc
     assert [(s["rank"], s["location"], s["mesh"]) for s in doc["suspects"]] == [(4, "optimizer_update", "replicate=2, shard=0")]
+    assert found[0]["native"]["alarms"] == []
+    code, doc = _bisect(tmp_path / "native" / "trace", "certify")
+    assert code == 0 and [c["status"] for c in doc["checkpoints"]] == ["clean", "clean"], doc
 
 
 def _communicating_accumulation(rank: int, root: str) -> str:
