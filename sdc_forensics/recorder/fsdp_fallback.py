@@ -180,7 +180,7 @@ class PostBackwardTap:
             fp = shards.combine_pieces(pieces) if pieces else None
             rows.append([*map(float, fp.sketch), float(fp.norm), float(fp.nonfinite)] if fp is not None else [0.0] * (k + 2))
         own = None if reduced is None else [*map(float, reduced.sketch), float(reduced.norm), float(reduced.nonfinite)]
-        total = fm._sum_over(rows, None, self.device, k)  # (S, k + 3), over the world
+        total = fm.sum_over(rows, None, self.device, k)  # (S, k + 3), over the world
         rank = dist.get_rank()
         dtype = self.dtype or "float32"
         mine = own_verdict(rank, self._mesh, total, sum(int(r[k + 1]) for r in rows), own, dtype, k, self.scale)

@@ -296,13 +296,13 @@ def _summed_by_group(calls: list[_Call], rows: list[list[list[float]]], k: int) 
     out: list = [None] * len(calls)
     for indices in by_group.values():  # insertion order: first calls' order, the same on every rank of a group
         width = len(rows[indices[0]])
-        summed = _sum_over([row for i in indices for row in rows[i]], calls[indices[0]].pg, calls[indices[0]].device, k)
+        summed = sum_over([row for i in indices for row in rows[i]], calls[indices[0]].pg, calls[indices[0]].device, k)
         for n, i in enumerate(indices):
             out[i] = summed[n * width : (n + 1) * width]
     return out
 
 
-def _sum_over(rows: list[list[float]], group, device, k: int) -> np.ndarray:
+def sum_over(rows: list[list[float]], group, device, k: int) -> np.ndarray:
     """``rows`` (the same shape on every rank of ``group``) summed over the group: one all-reduce."""
     table = torch.tensor([_terms(row, k) for row in rows], dtype=torch.float64, device=device)
     dist.all_reduce(table, group=group)
