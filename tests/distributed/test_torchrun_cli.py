@@ -82,7 +82,12 @@ def test_killed_replay_process_ends_the_run_with_one_error_and_exit_4(demo_run):
                                        timeout_s=TIMEOUT_S, env={TEST_FAIL_ENV: "1:4"})
     assert code == 1 and out == ""
     [line] = _error_lines(err)
-    assert "a replay process exited, was killed or did not answer" in line and "nothing was decided" in line
+    # process 0 either sees the lost peer itself or is stopped first by torchrun's agent, which
+    # SIGTERMs the others once process 1 exits (a race: under load the agent can win, as it did in
+    # one clean-clone CI run); both are one line, nothing decided, exit 4
+    assert ("a replay process exited, was killed or did not answer" in line
+            or "the launcher stopped this replay process (SIGTERM)" in line), line
+    assert "nothing was decided" in line
     codes = _process_exit_codes(err)
     assert codes[1] == 17 and codes[0] == 4, codes
     assert "Traceback" not in err.split("error: ")[0]  # no traceback from sdc-forensics (torchrun prints its own report)
