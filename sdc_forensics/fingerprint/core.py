@@ -554,7 +554,10 @@ def resolve(pending: list[PendingFingerprint]) -> list[Fingerprint]:
             by_device.setdefault(item.values.device, []).append(index)
     out: list[Fingerprint | None] = [item.done for item in pending]
     for indices in by_device.values():
-        host = torch.stack([pending[i].values for i in indices]).cpu()  # the one sync for this device
+        # one flat vector per device (the calls' sketch widths k may differ: the recorder's
+        # tensors with k=8 beside a one-number sketch), moved in the one sync for this device
+        rows = [pending[i].values.reshape(-1).to(torch.float64) for i in indices]
+        host = torch.cat(rows).cpu().split([row.numel() for row in rows])
         for i, row in zip(indices, host):
             lanes = row[:2].view(torch.int64).tolist()
             tail = row[2:].numpy()

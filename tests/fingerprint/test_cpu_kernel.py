@@ -172,6 +172,22 @@ def test_async_and_resolve_equal_fingerprint():
         _assert_bitwise(fp, p, block_offset=i)
 
 
+def test_resolve_takes_device_vectors_of_different_sketch_widths():
+    # an accelerator's pending vectors are 2 + k + 3 long: the recorder resolves its k=8 tensors
+    # beside one-number sketches in one sync (this broke torch.stack on the first H200 run)
+    parts = [(torch.randn(3000), 8), (torch.randn(700), 1), (torch.randn(5000), 4)]
+    pending = []
+    for tensor, k in parts:
+        item = core.PendingFingerprint(numel=tensor.numel(), num_bytes=tensor.numel() * 4, seed=C.DEFAULT_SEED, with_digest=True)
+        item.values = core._torch_partials(tensor, k, C.DEFAULT_SEED, 0, True)
+        pending.append(item)
+    for (tensor, k), fp in zip(parts, core.resolve(pending)):
+        expected = core._torch_fingerprint(tensor, k, C.DEFAULT_SEED, 0, True)  # the same pass, resolved on the host
+        assert fp.digest == expected.digest == reference.digest_bytes(tensor.numpy())
+        assert fp.sketch.shape == (k,)
+        np.testing.assert_array_equal(fp.sketch, expected.sketch)
+
+
 def test_a_failing_compiled_call_falls_back_for_the_rest_of_the_process(monkeypatch, caplog):
     def broken(*args, **kwargs):
         raise OSError("cache file truncated")
