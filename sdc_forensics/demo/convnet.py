@@ -62,7 +62,9 @@ class ConvNetRecipe(ClassifierJob):
             nn.Conv2d(3, c1, 3, padding=1), self.norm(c1), nn.ReLU(),
             nn.Conv2d(c1, c2, 3, padding=1), self.norm(c2), nn.ReLU(), nn.MaxPool2d(2),
             nn.Conv2d(c2, c3, 3, padding=1), self.norm(c3), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(4 * c3, self.classes),
+            # a plain 2 x 2 average pool: AdaptiveAvgPool2d's CUDA backward has no deterministic
+            # kernel, so replayable() training refused it on the first H200 run
+            nn.AvgPool2d(self.image_size // 4), nn.Flatten(), nn.Linear(4 * c3, self.classes),
         ).to(device)
         torch.random.set_rng_state(gen_state)
         optimizer = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)

@@ -43,6 +43,10 @@ UNIT_ROUNDOFF = {
     "float32": 2.0**-24,
     "bfloat16": 2.0**-8,
     "float16": 2.0**-11,
+    # not a storage dtype: float32 tensors multiplied with 10 explicit mantissa bits, as cuDNN
+    # convolutions (torch.backends.cudnn.allow_tf32, on by default) and TF32 matmuls compute on
+    # Ampere and later GPUs; the roundoff of a recomputation elsewhere (replay/env.py)
+    "tfloat32": 2.0**-11,
 }
 #: Standard deviations tolerated. Calibrated by benchmarks/calibrate_sketch.py (docs/fingerprints.md):
 #: over 4,000 simulated all-reduces (seeds 2 and 3) the largest residual was 2.09 sigma, so 5 keeps

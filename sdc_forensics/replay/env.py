@@ -243,6 +243,31 @@ def attempt_determinism(trace, attempt: int) -> dict:
     return next((dict(a.determinism) for a in trace.manifest.attempts if a.attempt == attempt), {})
 
 
+def recompute_dtype(trace, grad_dtype: str, device: torch.device, model) -> str:
+    """The roundoff a recomputation of ``trace``'s float32 gradients on ``device`` is compared with.
+
+    A GPU job computes its float32 convolutions in TF32 when cuDNN allows it (PyTorch's default)
+    and its matmuls when ``allow_tf32``/``float32_matmul_precision`` say so: 10 mantissa bits,
+    not 23. A replay on the same GPU model runs the same kernels (bit for bit: this is never
+    used), but on a CPU or another GPU model the recomputed gradients differ from the recorded
+    ones by TF32's roundoff, thousands of float32 tolerances (the first H200 trace replayed on a
+    CPU: 54 of them at step 0, every rank): compared in float32 terms every such step would be a
+    weak common-mode mismatch that hides any real fault after it.
+    """
+    if grad_dtype != "float32":
+        return grad_dtype
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    has_conv = any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
+    for attempt in trace.manifest.attempts:
+        det = attempt.determinism
+        if det.get("device_type") != "cuda" or (device.type == "cuda" and det.get("device_name") == name):
+            continue
+        matmul_tf32 = bool(det.get("cuda_matmul_allow_tf32")) or det.get("float32_matmul_precision") in ("high", "medium")
+        if matmul_tf32 or (has_conv and det.get("cudnn_allow_tf32", True)):
+            return "tfloat32"
+    return grad_dtype
+
+
 def collective_suspect(trace, attempt: int) -> str:
     """The recorded setting most likely to make the replay's own collective add in another order
     than the job's did (for the note of a step it does not reproduce)."""

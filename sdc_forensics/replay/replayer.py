@@ -190,6 +190,7 @@ class Replayer(StepComparisons):
         self.seed = trace.manifest.fingerprint.seed
         self.k = trace.sketch_k
         self.grad_dtype = trace.manifest.fingerprint.grad_dtype
+        self.tolerance_dtype = self.grad_dtype  # the roundoff tolerant comparisons use (run(): env.recompute_dtype)
         self.world_size = trace.world_size
         self.known_order = ""  # the summation order that reproduced this run's all-reduce, once seen
         self.forced_threads = 0  # --threads
@@ -400,7 +401,7 @@ class Replayer(StepComparisons):
         return combine(parts)
 
     def _tol(self, norm: float, drift_steps: int) -> float:
-        rel = tolerance.relative_tolerance(self.grad_dtype, self.world_size)
+        rel = tolerance.relative_tolerance(self.tolerance_dtype, self.world_size)
         return rel * max(norm, 1e-30) * (1.0 + DRIFT_PER_STEP * drift_steps)
 
     # -- the window ---------------------------------------------------------------------------
@@ -415,6 +416,7 @@ class Replayer(StepComparisons):
         model, optimizer, scheduler = self.recipe.build(self.device)
         self.recipe.load_checkpoint(str(options.checkpoint_path), model, optimizer, scheduler)
         self.param_dtype = next((p.dtype for p in model.parameters()), None)
+        self.tolerance_dtype = env.recompute_dtype(self.trace, self.grad_dtype, self.device, model)
         self._grad_shapes = [(p.shape[0] if p.dim() else 1, math.prod(p.shape[1:]))
                              for p in model.parameters() if p.requires_grad]  # (rows, elements per row), flat-gradient order
         self.module_buffers = BufferBroadcast(model)
