@@ -489,11 +489,17 @@ class Replayer(StepComparisons):
                 notes.append(reduce_note)
             order_used = order_used or order
             self.module_buffers.end_step()
+            own_grads = self.device.type != "cpu"
             for bucket, flat in zip(layout, reduced):
                 offset = 0
                 for index in bucket:
                     n = params[index].numel()
-                    params[index].grad = flat[offset : offset + n].view_as(params[index])  # a view, as DDP's bucket views
+                    grad = flat[offset : offset + n].view_as(params[index])  # a view, as DDP's bucket views
+                    # on a GPU each parameter gets its own gradient tensor, as DDP's default
+                    # (gradient_as_bucket_view=False) copies the bucket out: foreach kernels
+                    # (clip_grad_norm_'s norms) take another, vectorised path for aligned tensors
+                    # than for views at odd offsets, and their sums differ in the last bits
+                    params[index].grad = grad.clone() if own_grads else grad
                     offset += n
             counts = step_threads(recs)  # (R,) 0 = not recorded
             values, freq = np.unique(counts[counts > 0], return_counts=True)
