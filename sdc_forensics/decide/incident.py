@@ -75,7 +75,8 @@ class NodeTarget:
         implicates: :class:`Implicates`.
         recurring: two or more independent events on this rank.
         steps: the steps of its events.
-        dcgm_level: the ``dcgmi diag -r`` level to run (None: no GPU diagnostic is called for).
+        dcgm_level: the ``dcgmi diag -r`` level to run (None: no GPU diagnostic is called for: a
+            disk, or a rank that ran on a CPU).
     """
 
     rank: int
@@ -106,6 +107,8 @@ class Lost:
             (None when the records hold no times); restarts in between are included.
         gpu_hours: ``wall_clock_s × world_size / 3600`` (one GPU per rank), None with it.
         world_size: ranks.
+        on_gpu: the job's ranks ran on GPUs (a CPU job gets host diagnostics, not DCGM's, and
+            its lost time is counted in rank-hours).
         basis: ``resume_checkpoint`` or ``first_step`` (no checkpoint certified clean).
     """
 
@@ -163,6 +166,7 @@ class Incident:
     checkpoint_paths: tuple[str, ...]
     resume_on_suspect_node: bool
     world_size: int
+    on_gpu: bool = True
 
 
 def path_locality(paths) -> Locality:
@@ -212,6 +216,16 @@ def _implicates(location: Location) -> Implicates:
     return Implicates.GPU
 
 
+def on_gpu(ident) -> bool:
+    """Whether a rank's identity names a GPU (its device, UUID or PCI bus id)."""
+    return str(ident.device or "").startswith("cuda") or bool(ident.gpu_uuid or ident.pci_bus_id)
+
+
+def job_on_gpu(manifest: Manifest) -> bool:
+    """Whether any rank of any attempt ran on a GPU."""
+    return any(on_gpu(ident) for attempt in manifest.attempts for ident in attempt.ranks)
+
+
 def dcgm_level(implicates: Implicates, recurring: bool) -> int | None:
     """The ``dcgmi diag -r`` level for a suspect: 4 (extended) for a recurring GPU fault, 3 (long
     hardware diagnostics, ~15 min) for one event, 2 (includes the PCIe test) for a host data path
@@ -235,7 +249,7 @@ def _targets(result: BisectResult, manifest: Manifest) -> tuple[NodeTarget, ...]
             rank=suspect.rank, node=name or (suspect.host or ""), node_source=source, host=ident.host or (suspect.host or ""),
             gpu_uuid=ident.gpu_uuid, pci_bus_id=ident.pci_bus_id, local_rank=ident.local_rank, device=ident.device,
             slurm_job_id=ident.slurm_job_id, location=suspect.location, implicates=implicates, recurring=suspect.recurring,
-            steps=tuple(suspect.steps), dcgm_level=dcgm_level(implicates, suspect.recurring),
+            steps=tuple(suspect.steps), dcgm_level=dcgm_level(implicates, suspect.recurring) if on_gpu(ident) else None,
         ))
     return tuple(out)
 
@@ -328,5 +342,5 @@ def build_incident(result: BisectResult, trace: Trace) -> Incident:
         lost=lost, nodes=nodes,
         collective=any(s.rank is None for s in result.suspects), checkpoint_locality=path_locality(paths),
         checkpoint_paths=paths, resume_on_suspect_node=bool(nodes) and (resume_node in suspect_nodes or resume_host in suspect_nodes),
-        world_size=manifest.world_size,
+        world_size=manifest.world_size, on_gpu=job_on_gpu(manifest),
     )

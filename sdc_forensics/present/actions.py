@@ -37,7 +37,7 @@ class ActionBlock:
     title: str
     why: tuple[str, ...]
     commands: tuple[str, ...] = ()
-    platform: str = ""  # resume | slurm | kubernetes | hyperpod | dcgm | storage | fabric | none
+    platform: str = ""  # resume | slurm | kubernetes | hyperpod | dcgm | host | storage | fabric | none
 
     def to_json(self) -> dict:
         return {"title": self.title, "why": list(self.why), "commands": list(self.commands), "platform": self.platform}
@@ -93,6 +93,21 @@ def _dcgm(target: NodeTarget) -> ActionBlock:
     )
 
 
+def _host_check(target: NodeTarget) -> ActionBlock:
+    """A CPU rank's diagnostic: DCGM tests GPUs, so the host's machine-check and EDAC logs and a
+    verifying CPU and memory stress stand in for it."""
+    node = _arg(target.node)
+    return ActionBlock(
+        title=f"Check the CPU and memory of {target.node}",
+        why=(f"Rank {target.rank} computed on the CPU (device {target.device or 'cpu'}): no GPU diagnostic applies. Look for "
+             "machine-check and ECC (EDAC) errors, then run a stress test that verifies its results, on the node itself with no job "
+             "on it.",),
+        commands=(f"ssh {node} 'dmesg -T | grep -iE \"mce|machine check|hardware error|edac\"'",
+                  f"ssh {node} 'stress-ng --cpu 0 --vm 2 --vm-bytes 75% --verify --timeout 15m --metrics-brief'"),
+        platform="host",
+    )
+
+
 def _node_blocks(target: NodeTarget, incident: Incident) -> list[ActionBlock]:
     node, reason = _arg(target.node), drain_reason(target, incident)
     named = {"slurm": "the manifest's Slurm node name", "kubernetes": "the manifest's Kubernetes node name",
@@ -122,7 +137,7 @@ def _node_blocks(target: NodeTarget, incident: Incident) -> list[ActionBlock]:
             title=f"Slurm: drain {target.node}",
             why=(f"Stops new jobs on the node of rank {target.rank} (GPU {_gpu_label(target)}); running jobs finish. "
                  f"Node name from {named}.",
-                 "Return it with state=resume only after the DCGM diagnostic passes"
+                 f"Return it with state=resume only after the {'DCGM' if target.dcgm_level is not None else 'host'} diagnostic passes"
                  + (" (the fault recurred: replace the GPU or the node instead)." if target.recurring else " and the event stays single.")),
             commands=(f"scontrol update nodename={node} state=drain reason={_q(reason)}",),
             platform="slurm",
@@ -143,7 +158,7 @@ def _node_blocks(target: NodeTarget, incident: Incident) -> list[ActionBlock]:
                       "aws sagemaker batch-replace-cluster-nodes --cluster-name CLUSTER --node-ids INSTANCE_ID"),
             platform="hyperpod",
         ),
-        _dcgm(target),
+        _dcgm(target) if target.dcgm_level is not None else _host_check(target),
     ]
 
 
@@ -205,7 +220,16 @@ def build_actions(result: BisectResult, incident: Incident, job_nodes: tuple[str
         blocks.append(resume)
     for target in incident.nodes:
         blocks += _node_blocks(target, incident)
-    if incident.collective:
+    if incident.collective and not incident.on_gpu:
+        blocks.append(ActionBlock(
+            title="Collective fault: no single node to drain",
+            why=("Every rank received the same wrong all-reduce result, so no rank is to blame. The ranks ran on CPUs (gloo over "
+                 "the network): check the network interfaces of every node in the job for errors and drops "
+                 "(ip -s link, ethtool -S) and the hosts' machine-check logs; no GPU diagnostic applies.",),
+            commands=("ip -s link; dmesg -T | grep -iE 'mce|machine check|hardware error|edac'   # on every node of the job",),
+            platform="fabric",
+        ))
+    elif incident.collective:
         nodes = ",".join(_arg(n) for n in job_nodes)
         blocks.append(ActionBlock(
             title="Collective fault: no single node to drain",

@@ -98,9 +98,10 @@ def lost_sentence(incident: Incident) -> str:
     start = (f"the resume checkpoint {lost.from_step}" if lost.basis == "resume_checkpoint"
              else f"the first recorded step {lost.from_step} (no checkpoint certified clean)")
     hours = "unknown" if lost.gpu_hours is None else f"{lost.gpu_hours:.3g}"
+    unit, per = ("GPU-hours", "one GPU per rank") if incident.on_gpu else ("rank-hours", "a CPU job: one process per rank")
     return (f"{lost.num_steps} step(s) ({lost.from_step}..{lost.to_step}) and {duration(lost.wall_clock_s)} of wall-clock, "
-            f"{hours} GPU-hours: from {start} to the last recorded step {lost.to_step}; GPU-hours = wall-clock × "
-            f"{lost.world_size} ranks (one GPU per rank).")
+            f"{hours} {unit}: from {start} to the last recorded step {lost.to_step}; {unit} = wall-clock × "
+            f"{lost.world_size} ranks ({per}).")
 
 
 def when_sentence(incident: Incident) -> str:

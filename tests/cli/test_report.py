@@ -173,3 +173,23 @@ def test_report_reads_checkpoints_under_the_same_read_limits_as_bisect(make_run,
 def test_report_read_limit_options_are_validated_like_bisects(make_trace):
     result = _report(make_trace(ranks=2, steps=4), "--trace-only", "--max-inflate-bytes", "lots")
     assert result.exit_code == 2 and "is not a size" in result.stderr
+
+
+def test_a_cpu_job_gets_host_diagnostics_not_dcgm_and_counts_rank_hours(make_trace, tmp_path):
+    trace = make_trace(ranks=4, steps=30, fault=Fault(kind="nonfinite", step=17, rank=3))
+    manifest_path = trace / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    for attempt in manifest["attempts"]:
+        for ident in attempt["ranks"]:
+            ident["gpu_uuid"], ident["pci_bus_id"], ident["device"] = "", "", "cpu"
+    manifest_path.write_text(json.dumps(manifest))
+    out = tmp_path / "review.md"
+    result = _report(trace, "--trace-only", "-o", out, "--json")
+    assert result.exit_code == 1, result.output
+    text = out.read_text()
+    assert "dcgmi" not in text and "nvidia-smi" not in text and "GPU-hours" not in text
+    assert "Check the CPU and memory of node1" in text and "stress-ng" in text and "rank-hours" in text
+    assert "only after the host diagnostic passes" in text
+    platforms = [a["platform"] for a in json.loads(result.stdout)["report"]["actions"]]
+    assert "host" in platforms and "dcgm" not in platforms
+    assert_valid(result.stdout, "report")
