@@ -68,6 +68,7 @@ from sdc_forensics.recorder.checkpointing import CheckpointSite, save_checkpoint
 from sdc_forensics.recorder.hooks import LOSSY_HOOKS, BucketTap, compressed_dtype, hook_name
 from sdc_forensics.recorder.identity import complete_identities, local_identity, make_attempt, node_map
 from sdc_forensics.recorder.options import RecorderOptions
+from sdc_forensics.recorder.rng_watch import RngWatch
 from sdc_forensics.recorder.threads import ThreadWatch
 from sdc_forensics.recipe import check_recipe_args
 from sdc_forensics.reduction import ORDERED
@@ -321,7 +322,9 @@ class Recorder:
             self.trace_dir, rank=self.rank, attempt=self.attempt, world_size=self.world_size,
             sketch_k=self.options.sketch_k, seed=self.options.seed, fsync=self.options.fsync,
         )
+        self.rng_watch = RngWatch(self.rank, self.device)
         self._handles = [
+            self.optimizer.register_step_pre_hook(self.rng_watch.check),  # first: before an audit's recomputation draws
             self.optimizer.register_step_pre_hook(self._before_update),
             self.optimizer.register_step_post_hook(self._after_update),
         ]
@@ -372,6 +375,7 @@ class Recorder:
         if self._first_step is None:
             self._first_step = state.step
         self._state = state
+        self.rng_watch.begin(state.step)
         self.tap.start(state.step)
         if self.injector:
             with torch.no_grad():

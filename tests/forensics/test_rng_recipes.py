@@ -39,6 +39,9 @@ def _with_dropout(seeded: bool) -> str:
 def test_a_step_that_depends_on_the_global_rng_is_never_judged(tmp_path, seeded):
     ranks = _launch(tmp_path, _with_dropout(seeded))
     assert [r.returncode for r in ranks] == [0] * WORLD, [r.stderr for r in ranks]
+    # said while training, once, on rank 0 (recorder/rng_watch.py): not left to the analysis
+    said = ["drew from the global RNG without seeding it" in r.stderr for r in ranks]
+    assert said == ([False] * WORLD if seeded else [True] + [False] * (WORLD - 1)), [r.stderr for r in ranks]
     env = {"PYTHONPATH": str(tmp_path)}
     certified = run_installed(["certify", "runs/job42/trace", "--json"], tmp_path, cwd=tmp_path, env=env)
     doc = json.loads(certified.stdout)
