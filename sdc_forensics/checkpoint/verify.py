@@ -203,7 +203,7 @@ def verify_checkpoint(
         ]
         weights = ""
         if note is not None:
-            findings += _against_note(note, results, files)
+            findings += _against_note(note, results, files, declined=[i.file for i in reader.unverifiable()])
             weights, weight_findings = _weights_vs_majority(note, {m.key: m.digest for m in measured})
             findings += weight_findings
         step = note.step if note is not None else reader.step()
@@ -225,9 +225,13 @@ def verify_checkpoint(
             reader.close()
 
 
-def _against_note(note: CheckpointNote, results: list[TensorResult], files: tuple[FileChecksum, ...]) -> list[Finding]:
+def _against_note(note: CheckpointNote, results: list[TensorResult], files: tuple[FileChecksum, ...],
+                  declined: list[str] = ()) -> list[Finding]:
+    """Findings against the save-time note. ``declined``: files the reader did not load (a
+    NOT_VERIFIABLE finding each): their noted tensors are not verified, never "absent"."""
     findings = []
     present = {r.key for r in results}
+    unread = tuple(f"{name}/" for name in declined)
     for r in results:
         if r.expected_digest and r.expected_digest != r.digest:
             findings.append(
@@ -239,7 +243,7 @@ def _against_note(note: CheckpointNote, results: list[TensorResult], files: tupl
         elif note.tensors and r.key not in note.tensors:
             findings.append(Finding(kind=FindingKind.UNEXPECTED_TENSOR, subject=r.key, found=r.digest, detail="not in the checkpoint note"))
     for key, value in note.tensors.items():
-        if key not in present:
+        if key not in present and not key.startswith(unread) and key not in declined:
             findings.append(Finding(kind=FindingKind.MISSING_TENSOR, subject=key, expected=value, detail="noted at save time, absent from the file"))
     by_name = {Path(f.name).name: f for f in files}
     for name, value in note.file_digests.items():

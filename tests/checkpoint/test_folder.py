@@ -331,3 +331,26 @@ def test_quantized_or_sparse_optimizer_pt_is_not_verifiable_not_damaged(tmp_path
     assert "not-verifiable optimizer.pt" in result.stderr and "file-damaged" not in result.stderr
     assert json.loads(result.stdout)["report"]["unverifiable"] == ["optimizer.pt"]
     assert tree_sha256(folder) == before
+
+
+def test_a_noted_file_the_reader_declined_is_not_verified_never_missing(tmp_path):
+    # a clean Trainer job's checkpoint read without --allow-numpy: rng_state.pth (numpy's RNG state)
+    # is declined, and its noted tensors are "not verified", not "noted at save time, absent"
+    # (which bisect read as storage damage: "corruption, check the disk" on a clean run)
+    from sdc_forensics.checkpoint.limits import ReadLimits
+    from sdc_forensics.trace.checkpoints import CheckpointNote
+
+    folder = _trainer_checkpoint(tmp_path / "checkpoint-500")
+    reader = open_checkpoint(folder, limits=ReadLimits(allow_numpy=True))
+    try:
+        everything = verify_checkpoint(reader)
+    finally:
+        reader.close()
+    assert any(t.key.startswith("rng_state.pth/") for t in everything.tensors)
+    note = CheckpointNote(step=500, path=str(folder), tensors={t.key: t.digest for t in everything.tensors})
+    report = verify_checkpoint(folder, note=note)
+    kinds = {f.kind for f in report.findings}
+    assert FindingKind.MISSING_TENSOR not in kinds and FindingKind.DIGEST_MISMATCH not in kinds
+    if not _weights_only_loads(folder / "rng_state.pth"):
+        assert [f.subject for f in report.findings] == ["rng_state.pth"] and kinds == {FindingKind.NOT_VERIFIABLE}
+        assert "--allow-numpy" in report.findings[0].detail
