@@ -3,9 +3,9 @@
 An FSDP2/HSDP job clips with ``torch.nn.utils.clip_grad_norm_`` on its DTensor parameters. In
 torch 2.13 that is ``_get_total_norm`` on DTensors, whose arithmetic is not the unsharded one:
 
-1. every rank takes ``torch.linalg.vector_norm(g, p)`` of the local shard of each gradient (a
-   DTensor is not a type ``_foreach_norm`` takes unless ``foreach=True``: the per-tensor path),
-   a ``_NormPartial(p)`` each;
+1. every rank takes ``torch._foreach_norm`` of the local shards of the gradients (DTensor is a
+   type the foreach path takes; ``foreach=False``: ``vector_norm`` of each), a ``_NormPartial(p)``
+   each;
 2. ``torch.stack`` keeps them partial: one vector of the rank's per-parameter norms;
 3. ``vector_norm`` of that vector first makes it whole: ``x ** p`` elementwise, one all-reduce
    (``SUM``) of the vector over the shard dimension's group (in HSDP the replicas agree: each
@@ -72,7 +72,7 @@ def sharded_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], num_shard
     per_shard = []  # (S,) each rank's vector of its per-tensor local norms, in the order given
     for shard in range(num_shards):
         local = [_local_shard(t, shard, num_shards) for t in tensors]
-        norms = torch._foreach_norm(local, norm_type) if foreach else [torch.linalg.vector_norm(t, norm_type) for t in local]
+        norms = [torch.linalg.vector_norm(t, norm_type) for t in local] if foreach is False else torch._foreach_norm(local, norm_type)
         per_shard.append(torch.stack([n.to(first_device) for n in norms]))
     if norm_type == math.inf:
         whole = torch.stack(per_shard).amax(dim=0)
