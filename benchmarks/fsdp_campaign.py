@@ -2,16 +2,20 @@
 
 One process group of 4 ranks runs every trial one after another (a fresh model, mesh and
 monitor per trial, so no spawn per trial): ``--faults`` single-bit (or NaN) faults at a random
-location, rank, step and bit, and ``--clean`` runs with none. Locations:
+location, rank, step and bit, and ``--clean`` runs with none. The job is ``demo/sharded.py``'s
+tied-head transformer (its embedding is its head: one parameter, in the root's group) trained
+with AdamW (two parameter groups) and ``clip_grad_norm_(model.parameters(), MAX_NORM)`` on its
+DTensor parameters between the checks and the update, a limit far below its gradient norm, so
+clipping engages on every step (the output says on how many). Locations:
 
 * ``local-gradient``: a bit of the rank's local gradient before the reduce-scatter (a finite
   flip is summed consistently: no online check can see it, only a replay or an audit);
 * ``local-gradient-nan``: a NaN there;
 * ``reduce-scatter-output``: a bit of the rank's reduce-scatter output (``watch``/``check``);
 * ``all-reduce-output``: HSDP 2 x 2, a bit of the rank's replica all-reduce output;
-* ``gathered``: a bit of the rank's all-gathered copy of a parameter (``check_gathered``);
-* ``weights-shard``: HSDP 2 x 2, a bit of the rank's weight shard (``check_shards``: 2 replicas
-  detect, cannot attribute).
+* ``gathered``: a bit of the rank's all-gathered copy of the tied embedding (``check_gathered``);
+* ``weights-shard``: HSDP 2 x 2, a bit of the rank's shard of the tied embedding
+  (``check_shards``: 2 replicas detect, cannot attribute).
 
 A trial is **exact** when the check names exactly the faulty rank at the fault's step,
 **detected** when it fires at that step but names another set (or nobody, by design with 2
@@ -41,11 +45,10 @@ import torch
 WORLD = 4
 STEPS = 3
 LOCATIONS = ("local-gradient", "local-gradient-nan", "reduce-scatter-output", "all-reduce-output", "gathered", "weights-shard")
-
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.LayerNorm(128), torch.nn.Linear(128, 8))
+#: the clipping limit: the tied transformer's gradient norm is several times larger at every step
+MAX_NORM = 0.05
+#: the parameter the weight drills flip: the embedding, which is also the head
+TIED = "embed.weight"
 
 
 def bit_class(bit: int) -> str:
@@ -67,19 +70,19 @@ def _flip(tensor: torch.Tensor, index: int, bit: int, nan: bool) -> None:
 
 
 def _trial(rank: int, fault: dict | None) -> dict:
-    """One short job with the checks on; returns ``{step: suspects}`` of the steps whose checks fired."""
+    """One short job with the checks on; returns ``{"fired": {step: suspects} of the steps whose
+    checks fired, "updated": steps that updated the weights, "clipped": those on which clipping
+    scaled the gradients down}``."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
+    from sdc_forensics.demo import sharded
     from sdc_forensics.recorder.fsdp_checks import check_gathered, check_shards
     from sdc_forensics.recorder.fsdp_monitor import watch
 
     hsdp = fault is not None and fault["location"] in ("all-reduce-output", "weights-shard")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
-    model = _model()
-    for layer in (model[0], model[3]):
-        fully_shard(layer, **({"mesh": mesh} if mesh is not None else {}))
-    fully_shard(model, **({"mesh": mesh} if mesh is not None else {}))
+    model = sharded.shard(sharded.build_model(0, "tied-lm"), mesh)
     now = [0]
 
     def hits(location: str) -> bool:
@@ -91,17 +94,16 @@ def _trial(rank: int, fault: dict | None) -> dict:
             _flip(tensor, fault["index"], fault["bit"], nan=name.endswith("nan"))
 
     def corrupt(name: str, tensor: torch.Tensor) -> None:
-        if name == "0.weight" and (hits("gathered") or hits("weights-shard")):
+        if name == TIED and (hits("gathered") or hits("weights-shard")):
             _flip(tensor, fault["index"], fault["bit"], nan=False)
 
     fault_call = fault["call"] if fault else 0
     monitor = watch(model, inject=inject)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
-    gen = torch.Generator().manual_seed(1000 + rank)
-    fired = {}
+    optimizer = sharded.make_optimizer(model, "adamw")
+    fired, clipped, updated = {}, 0, 0
     for step in range(STEPS):
         now[0] = step
-        model(torch.randn(8, 32, generator=gen)).square().mean().backward()
+        sharded.loss_of(model, sharded.microbatch(step * WORLD + rank, model="tied-lm")).backward()
         suspects = set(monitor.check(step).suspects)
         found = monitor_fired = bool(suspects)
         gathered = check_gathered(model, corrupt=corrupt if fault and fault["location"] == "gathered" else None)
@@ -112,12 +114,18 @@ def _trial(rank: int, fault: dict | None) -> dict:
                 suspects |= set(result.suspects)
         if found:
             fired[step] = sorted(suspects)
-        if monitor_fired and not all(torch.isfinite(p.grad.to_local()).all() for p in model.parameters() if p.grad is not None):
+        finite = all(torch.isfinite(p.grad.to_local()).all() for p in model.parameters() if p.grad is not None)
+        skip = torch.tensor([float(monitor_fired and not finite)])
+        dist.all_reduce(skip, op=dist.ReduceOp.MAX)  # every rank skips alike: the clipping below is a collective
+        if skip.item():
             optimizer.zero_grad()
             continue
+        norm = sharded.clip(model, MAX_NORM)  # after the checks, as a job's loop clips after backward
+        clipped += int(norm.full_tensor().item() > MAX_NORM)
+        updated += 1
         optimizer.step()
         optimizer.zero_grad()
-    return fired
+    return {"fired": fired, "clipped": clipped, "updated": updated}
 
 
 def _worker(rank: int, port: int, plan_path: str, out_dir: str) -> None:
@@ -157,8 +165,9 @@ def judge(fault: dict | None, fired: dict) -> str:
     return "exact" if at == [fault["rank"]] and len(fired) >= 1 and min(int(s) for s in fired) == fault["step"] else "detected"
 
 
-def run(faults: int, clean: int, seed: int) -> tuple[list[dict | None], list[dict] | None]:
-    """``(trials, what fired in each)`` of a campaign; ``None`` for the second when ranks disagree."""
+def run(faults: int, clean: int, seed: int) -> tuple[list[dict | None], list[dict] | None, list[tuple[int, int]]]:
+    """``(trials, what fired in each, (steps clipped, steps updated) in each)`` of a campaign;
+    ``None`` for the second when ranks disagree."""
     import torch.multiprocessing as mp
 
     here = Path(__file__).resolve()
@@ -173,7 +182,8 @@ def run(faults: int, clean: int, seed: int) -> tuple[list[dict | None], list[dic
         plan_path.write_text(json.dumps(trials))
         mp.start_processes(_worker, args=(free_port(), str(plan_path), tmp), nprocs=WORLD, start_method="spawn")
         per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(WORLD)]
-    return trials, (per_rank[0] if all(r == per_rank[0] for r in per_rank) else None)
+    agreed = all(r == per_rank[0] for r in per_rank)
+    return trials, ([t["fired"] for t in per_rank[0]] if agreed else None), [(t["clipped"], t["updated"]) for t in per_rank[0]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
     started = time.time()
-    trials, fired = run(args.faults, args.clean, args.seed)
+    trials, fired, clipped = run(args.faults, args.clean, args.seed)
     if fired is None:
         print("fsdp_campaign: ranks disagree on a result (the checks must decide together)", file=sys.stderr)
         return 1
@@ -198,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     cpu = os.cpu_count()
     print(f"# FSDP2/HSDP online checks: {args.faults} faults, {args.clean} clean runs, seed {args.seed}, "
           f"{WORLD} gloo ranks, torch {torch.__version__}, {cpu} CPUs, {time.time() - started:.0f} s")
+    print(f"# tied-head transformer, AdamW, clip_grad_norm_ to {MAX_NORM}: clipping engaged on "
+          f"{sum(c for c, _ in clipped)} of the {sum(u for _, u in clipped)} steps that updated")
     print()
     print("| location | trials | exact | detected, other ranks | missed | false alarm |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")

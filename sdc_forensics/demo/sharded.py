@@ -1,10 +1,13 @@
 """A sharded training job and its replay recipe: FSDP2 ``fully_shard`` on a 1-D mesh, or HSDP.
 
-The model (a small conv net with BatchNorm-free normalisation: Linear, ReLU, LayerNorm, Linear,
-each block its own ``fully_shard`` group), the data (microbatch ``i`` is generated from ``i``)
-and the optimizer (SGD with momentum) are what a user's job would have; the recorder is the two
-lines every job adds. ``sdc-forensics demo --parallel fsdp|hsdp`` runs it on gloo processes, and
-the tests run it with faults at every sharded location.
+The model (a small MLP with BatchNorm-free normalisation: Linear, ReLU, LayerNorm, Linear, each
+block its own ``fully_shard`` group; or ``model="tied-lm"``, a one-block causal transformer whose
+head is tied to its embedding, as nanoGPT's), the data (microbatch ``i`` is generated from ``i``)
+and the optimizer (SGD with momentum, or ``optimizer="adamw"`` with nanoGPT's two parameter
+groups) are what a user's job would have, with ``clip_grad_norm_`` on the DTensor parameters
+inside the step when ``max_norm`` is set; the recorder is the two lines every job adds.
+``sdc-forensics demo --parallel fsdp|hsdp`` runs it on gloo processes, and the tests run it with
+faults at every sharded location.
 
 ``recipe`` replays it on one process: the plain model (the same parameter names and order), the
 DCP checkpoint loaded into it whole (``load_dcp``: torch.distributed.checkpoint reshards on load).
@@ -20,25 +23,77 @@ import torch
 from torch import nn
 
 IN_FEATURES, HIDDEN, CLASSES, MICROBATCH = 24, 96, 5, 6
+VOCAB, DIM, CONTEXT = 40, 16, 8  # the tied-head transformer's
+MODELS = ("mlp", "tied-lm")
+OPTIMIZERS = ("sgd", "adamw")
 REFERENCE = "sdc_forensics.demo.sharded:recipe"
 #: the recipe as a class: a job with a seed of its own records it with ``recipe_args={"seed": s}``
 SEEDED_REFERENCE = "sdc_forensics.demo.sharded:ShardedRecipe"
 
 
-def build_model(seed: int = 0) -> nn.Sequential:
+class CausalAttention(nn.Module):
+    """Single-head causal self-attention, pre-norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.qkv, self.proj = nn.LayerNorm(DIM), nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, DIM) -> (B, T, DIM)
+        q, k, v = self.qkv(self.norm(x)).split(DIM, dim=-1)
+        scores = (q @ k.transpose(-2, -1)) / DIM**0.5  # (B, T, T)
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
+        return self.proj(scores.masked_fill(~causal, float("-inf")).softmax(dim=-1) @ v)
+
+
+class TiedLM(nn.Module):
+    """A one-block causal transformer (single-head attention, MLP, pre-norm residuals) whose head
+    shares the embedding's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.attn = CausalAttention()
+        self.mlp = nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, VOCAB)
+        x = self.embed(ids)
+        x = x + self.attn(x)
+        x = x + self.mlp(x)
+        return self.head(self.norm(x))
+
+
+def build_model(seed: int = 0, model: str = "mlp") -> nn.Module:
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {MODELS}, not {model!r}")
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, CLASSES))
+    if model == "tied-lm":
+        built: nn.Module = TiedLM()
+    else:
+        built = nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, CLASSES))
     torch.random.set_rng_state(state)
-    return model
+    return built
 
 
-def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, optimizer: str = "sgd") -> torch.optim.Optimizer:
+    if optimizer == "adamw":  # nanoGPT's groups: weight decay on matrices (and the tied embedding), none on the rest
+        params = list(model.parameters())
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95))
+    if optimizer != "sgd":
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, not {optimizer!r}")
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
-def microbatch(microbatch_id: int, device: Any = "cpu", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def microbatch(microbatch_id: int, device: Any = "cpu", seed: int = 0, model: str = "mlp") -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(20_011 + int(microbatch_id) + 1_000_003 * int(seed))
+    if model == "tied-lm":
+        ids = torch.randint(VOCAB, (MICROBATCH, CONTEXT + 1), generator=gen)
+        return ids[:, :-1].to(device), ids[:, 1:].to(device)
     inputs = torch.randn(MICROBATCH, IN_FEATURES, generator=gen)
     labels = (inputs[:, :CLASSES].argmax(dim=1) + (inputs[:, -1] > 0).long()) % CLASSES
     return inputs.to(device), labels.to(device)
@@ -46,7 +101,17 @@ def microbatch(microbatch_id: int, device: Any = "cpu", seed: int = 0) -> tuple[
 
 def loss_of(model: nn.Module, batch) -> torch.Tensor:
     inputs, labels = batch
-    return nn.functional.cross_entropy(model(inputs), labels)
+    logits = model(inputs)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def clip(model: nn.Module, max_norm: float) -> torch.Tensor | None:
+    """The job's clipping (and the recipe's ``before_step``): torch's ``clip_grad_norm_``, on the
+    DTensor parameters in the job; returns the total norm it clipped with (None for ``max_norm`` 0:
+    no clipping)."""
+    if not max_norm:
+        return None
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
 def load_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -77,19 +142,25 @@ class ShardedRecipe:
     """The replay recipe of :func:`train` (``sdc_forensics.recipe``'s protocol)."""
 
     seed: int = 0
+    model: str = "mlp"
+    optimizer: str = "sgd"
+    max_norm: float = 0.0
 
     def build(self, device: Any = "cpu"):
-        model = build_model(self.seed).to(device)
-        return model, make_optimizer(model), None
+        model = build_model(self.seed, self.model).to(device)
+        return model, make_optimizer(model, self.optimizer), None
 
     def load_checkpoint(self, path: str, model, optimizer, scheduler) -> None:
         load_dcp(path, model, optimizer)
 
     def fetch_microbatch(self, microbatch_id: int, device: Any = "cpu"):
-        return microbatch(microbatch_id, device, self.seed)
+        return microbatch(microbatch_id, device, self.seed, self.model)
 
     def loss(self, model, batch):
         return loss_of(model, batch)
+
+    def before_step(self, model, optimizer) -> None:
+        clip(model, self.max_norm)
 
 
 recipe = ShardedRecipe()
@@ -103,7 +174,8 @@ def shard(model: nn.Module, mesh=None, reduce_dtype: torch.dtype | None = None, 
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kwargs = {"mesh": mesh} | ({"mp_policy": policy} if reduce_dtype or param_dtype else {})
-    for layer in (model[0], model[3]):
+    # the tied embedding and head stay in the root's group: one parameter, one shard
+    for layer in (model.attn, model.mlp) if isinstance(model, TiedLM) else (model[0], model[3]):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
@@ -111,7 +183,8 @@ def shard(model: nn.Module, mesh=None, reduce_dtype: torch.dtype | None = None, 
 
 def train(rank: int, world: int, trace_dir: str, checkpoint_dir: str, *, steps: int = 6, hsdp: tuple[int, int] | None = None,
           inject: tuple[str, ...] = (), reduction: str = "ordered", checkpoint_every: int = 3, accumulate: int = 2,
-          policy: str = "continue", seed: int = 0, reduce_dtype: str = "", param_dtype: str = "", audit_every: int = 0) -> dict:
+          policy: str = "continue", seed: int = 0, reduce_dtype: str = "", param_dtype: str = "", audit_every: int = 0,
+          model: str = "mlp", optimizer: str = "sgd", max_norm: float = 0.0) -> dict:
     """One rank of the sharded job, recorded; every rank calls it inside an initialised process group.
 
     Microbatch ``step * world * accumulate + rank * accumulate + m`` is rank ``rank``'s ``m``-th of
@@ -119,8 +192,9 @@ def train(rank: int, world: int, trace_dir: str, checkpoint_dir: str, *, steps: 
     ``seed`` draws the model's initial weights and the data (a variant of the job; recorded as
     ``recipe_args``). ``reduce_dtype`` ("bfloat16"): FSDP2 reduces gradients in it; ``param_dtype`` ("bfloat16"):
     it computes in it. ``audit_every``: audit every this many steps, each rank its own node (one
-    host pretends to be several, so that every rank has an auditor). Returns what the
-    recorder raised or found, for tests.
+    host pretends to be several, so that every rank has an auditor). ``model``, ``optimizer``:
+    the variants above; ``max_norm``: clip the gradients to it inside the step (0: no clipping).
+    Returns what the recorder raised or found and the norms clipping saw, for tests.
     """
     import torch.distributed as dist
 
@@ -133,13 +207,18 @@ def train(rank: int, world: int, trace_dir: str, checkpoint_dir: str, *, steps: 
         mesh = init_device_mesh("cpu", hsdp, mesh_dim_names=("replicate", "shard"))
     else:  # fully_shard's default mesh, named: a suspect is then "shard=2", not "dim0=2"
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-    model = shard(build_model(seed), mesh, getattr(torch, reduce_dtype) if reduce_dtype else None,
+    kind, chosen, max_norm = model, optimizer, float(max_norm)
+    model = shard(build_model(seed, kind), mesh, getattr(torch, reduce_dtype) if reduce_dtype else None,
                   getattr(torch, param_dtype) if param_dtype else None)
-    optimizer = make_optimizer(model)
+    optimizer = make_optimizer(model, chosen)
     options = RecorderOptions(policy=policy, reduction=reduction, audit_every=audit_every,
                               node_of_rank=tuple(range(world)) if audit_every else None)
     alarms: list = []
-    recorded = {"recipe": REFERENCE} if not seed else {"recipe": SEEDED_REFERENCE, "recipe_args": {"seed": seed}}
+    norms: list[float] = []  # the total gradient norm clipping saw, per step
+    defaults = ShardedRecipe()
+    args = {name: value for name, value in (("seed", seed), ("model", kind), ("optimizer", chosen),
+                                            ("max_norm", max_norm)) if value != getattr(defaults, name)}
+    recorded = {"recipe": REFERENCE} if not args else {"recipe": SEEDED_REFERENCE, "recipe_args": args}
     with Recorder(trace_dir, model, optimizer, options=options, inject=inject, **recorded) as rec:
         for step in range(steps):
             if step % checkpoint_every == 0:
@@ -150,10 +229,13 @@ def train(rank: int, world: int, trace_dir: str, checkpoint_dir: str, *, steps: 
                 with rec.step(step, microbatch_ids=ids) as h:
                     for m, mb in enumerate(ids):
                         model.set_requires_gradient_sync(m == accumulate - 1)
-                        batch = h.input(microbatch(mb, seed=seed))
+                        batch = h.input(microbatch(mb, seed=seed, model=kind))
                         loss = loss_of(model, batch)
                         h.loss(loss)
                         loss.backward()
+                    norm = clip(model, max_norm)
+                    if norm is not None:  # the tests check that clipping engaged (a host sync the demo can afford)
+                        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
                     optimizer.step()
                     optimizer.zero_grad()
             except SdcAlarm as alarm:
@@ -161,7 +243,7 @@ def train(rank: int, world: int, trace_dir: str, checkpoint_dir: str, *, steps: 
                 break
         alarms += [{"step": a.step, "rank": a.rank, "check": a.check} for a in rec.alarms if a.check]
     dist.barrier()
-    return {"alarms": alarms}
+    return {"alarms": alarms, "grad_norms": norms}
 
 
 def default_injection(steps: int, checkpoint_every: int) -> str:

@@ -164,6 +164,11 @@ class PostBackwardTap:
         except Exception as exc:  # noqa: BLE001 - said at the step's end, on every rank, never inside FSDP
             self.error = exc
 
+    @property
+    def groups_reduced(self) -> int:
+        """Parameter groups read for their reduce-scatter in this step so far."""
+        return len(self._groups_seen)
+
     def local(self) -> Fingerprint | None:
         """The step's whole local gradient, as a DDP trace's one bucket."""
         if self.error is not None:

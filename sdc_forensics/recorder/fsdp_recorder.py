@@ -10,7 +10,8 @@ order, are one flat vector ``g`` (a DDP trace with one bucket holding all of the
   (the rank's full unsharded gradient, cut into ``S`` chunks) as pieces placed by their index in
   ``g`` (``fingerprint/shards.py``): the same digest as a DDP trace's one-bucket local gradient, and
   what a replay on any number of devices recomputes;
-* ``reduced_*`` is this rank's *shard* of the reduced gradient (what its optimizer uses), and
+* ``reduced_*`` is this rank's *shard* of the reduced gradient as the reduction wrote it into
+  ``.grad`` (read at the end of the backward, before the loop clips it: ``_follow_backward``), and
   ``weights_*`` its shard of the updated weights (the parameters, all of them, as one flat vector
   likewise): ``shards.fingerprint_runs`` of the elements it holds, at their places. The ranks that
   hold the same shard (HSDP's replicas) must agree; a replay recomputes every rank's shard.
@@ -283,6 +284,11 @@ class _Tap(fm.FsdpMonitor):
             position += padded
         return pieces
 
+    @property
+    def groups_reduced(self) -> int:
+        """Parameter groups that reduce-scattered in this step so far."""
+        return len(self._groups_seen)
+
     def local(self) -> Fingerprint | None:
         """The step's whole local gradient, as a DDP trace's one bucket (``combine`` of one digest)."""
         if self.error is not None:
@@ -358,6 +364,8 @@ class FsdpRecorder(Recorder):
         if gathered:
             self._drill_gathered(model, gathered)
         self._watch_gathered(model)  # after the drills: it digests what the forward computes with
+        self._reduced_error: BaseException | None = None
+        self._follow_backward(model)
         if self._fallback:
             self.tap.install(model)
         else:
@@ -417,10 +425,53 @@ class FsdpRecorder(Recorder):
             if isinstance(module, FSDPModule):  # appended: FSDP's own pre-forward (prepended) has gathered the group
                 self._handles_gathered.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 
+    def _follow_backward(self, model: torch.nn.Module) -> None:
+        """The reduced gradient is fingerprinted where the collective left it: right after FSDP2's
+        end-of-backward callback (``FSDPState._root_post_backward_final_callback``, which every
+        state's pre-backward may queue: each is wrapped), once its reduce-scatters (and HSDP's
+        all-reduce) are done and written into ``.grad``, before the job's loop clips or unscales
+        them (as DDP's comm hook reads its bucket). A torch without that callback leaves it to the
+        optimizer pre-hook, after any clipping."""
+        from torch.distributed.fsdp import FSDPModule
+
+        self._wrapped_states: list = []
+        for module in model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            fsdp_state = module._get_fsdp_state()
+            original = getattr(fsdp_state, "_root_post_backward_final_callback", None)
+            if original is None or not callable(original) or any(s is fsdp_state for s in self._wrapped_states):
+                continue
+
+            def callback(original=original, fsdp_state=fsdp_state) -> None:
+                original()
+                ctx = getattr(fsdp_state, "_state_ctx", None)
+                if getattr(ctx, "is_last_backward", True):  # else FSDP2 has not finalised the gradients yet
+                    self._after_backward()
+
+            fsdp_state._root_post_backward_final_callback = callback  # an instance attribute: queue_callback reads it
+            self._wrapped_states.append(fsdp_state)
+
+    def _after_backward(self) -> None:
+        """This rank's shard of the reduced gradient, as the reduction wrote it (a backward in
+        which the tap saw this step's reduce-scatters, every trainable parameter with a gradient)."""
+        state = self._state
+        if state is None or state.reduced is not None or not self.tap.recording or not self.tap.groups_reduced:
+            return
+        try:
+            grads = [(p.grad, self._grad_offsets[id(p)]) for p in self.grad_params if p.grad is not None]
+            if len(grads) == len(self.grad_params):
+                state.reduced = shards.fingerprint_runs(rank_runs(grads), k=self.options.sketch_k, seed=self.options.seed)
+        except Exception as exc:  # noqa: BLE001 - said at the step's end, on every rank, never inside autograd
+            self._reduced_error = exc
+
     def close(self, *, on_error: bool | None = None) -> None:
         for handle in self._handles_gathered:
             handle.remove()
         self._handles_gathered = []
+        for fsdp_state in getattr(self, "_wrapped_states", ()):
+            fsdp_state.__dict__.pop("_root_post_backward_final_callback", None)  # the class's method again
+        self._wrapped_states = []
         try:  # the job's own reduce-scatter (and post_backward) again: a closed recorder costs nothing more
             if getattr(self, "tap", None) is not None:
                 self.tap.uninstall(self.module) if self._fallback else fm.uninstall(self.module)
@@ -491,6 +542,7 @@ class FsdpRecorder(Recorder):
         """Start step ``step``; the weight shard is digested now, before FSDP gathers it for the
         forward: a change at rest since the last update (which every rank then computes with) is
         seen on the rank that holds it."""
+        self._reduced_error = None
         handle = super().begin_step(step, microbatch_ids=microbatch_ids)  # a "weights" drill flips the shard first
         self._state.rest_weights = self._weights()[0]
         return handle
@@ -504,9 +556,14 @@ class FsdpRecorder(Recorder):
         failure: BaseException | None = None
         try:
             state.local = self.tap.local()
-            grads = [(p.grad, self._grad_offsets[id(p)]) for p in self.grad_params if p.grad is not None]
-            if state.local is not None and len(grads) == len(self.grad_params):
-                state.reduced = shards.fingerprint_runs(rank_runs(grads), k=self.options.sketch_k, seed=self.options.seed)
+            if self._reduced_error is not None:
+                raise self._reduced_error
+            if state.local is None:
+                state.reduced = None
+            elif state.reduced is None:  # no end-of-backward callback was seen: read now (after any clipping)
+                grads = [(p.grad, self._grad_offsets[id(p)]) for p in self.grad_params if p.grad is not None]
+                if len(grads) == len(self.grad_params):
+                    state.reduced = shards.fingerprint_runs(rank_runs(grads), k=self.options.sketch_k, seed=self.options.seed)
             self._resolve_inputs(state)
             self._note_layout(state.step)
         except Exception as exc:  # noqa: BLE001 - the other ranks must learn it, or they wait forever
@@ -750,6 +807,8 @@ def _param_keys(names: list[str], tensors: dict[str, str]) -> tuple[str, ...]:
     keys = []
     for name in names:
         matches = [k for k in tensors if k == name or k.endswith("." + name)]
+        if len(matches) > 1:  # "norm.weight" also ends "model.attn.norm.weight": the one under a top-level key
+            matches = [k for k in matches if k == name or "." not in k[: -len(name) - 1]]
         if len(matches) != 1:
             raise UsageError(f"the checkpoint state does not hold parameter {name!r} (or holds it ambiguously); pass a state "
                              "built from model.state_dict() so the recorder can note the weights digest")

@@ -40,6 +40,7 @@ from sdc_forensics.fingerprint.core import Fingerprint, combine, combine_digests
 from sdc_forensics.replay import distributed
 from sdc_forensics.replay import env as env
 from sdc_forensics.replay.buffers import BufferBroadcast
+from sdc_forensics.replay.clipping import clipping_as_recorded
 from sdc_forensics.replay.mixed import computing_as_recorded
 from sdc_forensics.trace.checkpoints import hex64
 from sdc_forensics.triage.evidence import Evidence, EvidenceKind
@@ -504,7 +505,8 @@ class Replayer(StepComparisons):
             counts = step_threads(recs)  # (R,) 0 = not recorded
             values, freq = np.unique(counts[counts > 0], return_counts=True)
             self._use_threads(int(values[np.argmax(freq)]) if len(values) else 0)
-            recipe_mod.before_step(self.recipe, model, optimizer)
+            with clipping_as_recorded(self.mesh):  # a sharded job's clipping norm, as its ranks computed it
+                recipe_mod.before_step(self.recipe, model, optimizer)
             optimizer.step()
             recipe_mod.after_step(self.recipe, model, optimizer, scheduler)
             weights_evidence, majority_differs = self._compare_weights(step, recs, model, tolerant_from is not None,

@@ -348,7 +348,7 @@ def _fallback_refusals(rank: int, root: str) -> list[str]:
 
 def _closed(rank: int, root: str) -> list[bool]:
     """Record one step with each tap, close, and say whether the groups have their own collective
-    (and post_backward) back."""
+    (and post_backward) back, and the FSDP states their own end-of-backward callback."""
     from sdc_forensics.demo import sharded
     from sdc_forensics.recorder import Recorder
     from sdc_forensics.recorder import fsdp_monitor as fm
@@ -358,13 +358,16 @@ def _closed(rank: int, root: str) -> list[bool]:
     for tap in ("", "post-backward"):
         os.environ[TAP_ENV] = tap
         model = sharded.shard(sharded.build_model())
+        states = [m._get_fsdp_state() for m in model.modules() if hasattr(m, "_get_fsdp_state")]
         own = [(g._reduce_scatter_comm, "post_backward" in vars(g)) for g in fm.param_groups(model)]
         optimizer = sharded.make_optimizer(model)
         with Recorder(Path(root, f"trace-{tap or 'comm'}"), model, optimizer, recipe=sharded.REFERENCE) as rec:
             with rec.step(0, microbatch_ids=[rank]):
                 sharded.loss_of(model, sharded.microbatch(rank)).backward()
                 optimizer.step()
-        out.append(own == [(g._reduce_scatter_comm, "post_backward" in vars(g)) for g in fm.param_groups(model)])
+            wrapped = all("_root_post_backward_final_callback" in vars(state) for state in states)
+        out.append(own == [(g._reduce_scatter_comm, "post_backward" in vars(g)) for g in fm.param_groups(model)]
+                   and wrapped and not any("_root_post_backward_final_callback" in vars(state) for state in states))
     os.environ.pop(TAP_ENV, None)
     return out
 

@@ -1,0 +1,108 @@
+"""A sharded job's gradient clipping, replayed as its ranks computed it.
+
+An FSDP2/HSDP job clips with ``torch.nn.utils.clip_grad_norm_`` on its DTensor parameters. In
+torch 2.13 that is ``_get_total_norm`` on DTensors, whose arithmetic is not the unsharded one:
+
+1. every rank takes ``torch._foreach_norm`` of the local shards of the gradients (DTensor is a
+   type the foreach path takes; ``foreach=False``: ``vector_norm`` of each), a ``_NormPartial(p)``
+   each;
+2. ``torch.stack`` keeps them partial: one vector of the rank's per-parameter norms;
+3. ``vector_norm`` of that vector first makes it whole: ``x ** p`` elementwise, one all-reduce
+   (``SUM``) of the vector over the shard dimension's group (in HSDP the replicas agree: each
+   replica reduces its own shards), ``** (1 / p)`` (``p = inf``: ``Partial("max")``, an
+   all-reduce ``MAX``, exact in any order), then the norm of the replicated vector;
+4. ``clip_grads_with_norm_``: every gradient times ``min(max_norm / (total + 1e-6), 1)``.
+
+So the total norm is a function of each rank's shard of each gradient and of the all-reduce's
+summation order, not of the whole gradients: the unsharded ``clip_grad_norm_`` of a one-process
+replay differs in its last bits (0.43311017751693726 against 0.4331101179122925), and so does
+every update after it. :func:`sharded_total_norm` recomputes it from the whole gradients the
+replay holds, cut as the job's ranks held them (``trace/mesh.shard_rows``, FSDP2's ``Shard(0)``),
+step by step as above, the all-reduce in gloo's ring order for the shard group
+(``replay.env.ring_sum``: checked bit for bit against real FSDP2 jobs in
+``tests/replay/test_sharded_clipping.py``). An NCCL job's all-reduce order is not modelled.
+
+:func:`clipping_as_recorded` is how the replay learns of it: the recipe's ``before_step`` clips
+as the job's loop did (``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``: the
+protocol is the DDP one), and a sharded replay runs it with torch's total norm
+(``torch.nn.utils.clip_grad._get_total_norm``, which ``clip_grad_norm_`` calls, and the public
+``torch.nn.utils.get_total_norm`` that torchtitan's clipping calls) computed as the job's
+ranks did, for the length of the hook only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.utils.clip_grad as _clip_grad
+
+from sdc_forensics.errors import RecipeError
+from sdc_forensics.replay.env import ring_sum
+from sdc_forensics.trace.mesh import ShardMesh, shard_rows
+
+def _local_shard(tensor: torch.Tensor, shard: int, num_shards: int) -> torch.Tensor:
+    """The rows of ``tensor`` that the rank holding shard ``shard`` of ``num_shards`` held."""
+    whole = tensor if tensor.dim() else tensor.reshape(1)
+    first, stop = shard_rows(whole.shape[0], shard, num_shards)
+    return whole[first:stop]
+
+
+@torch.no_grad()
+def sharded_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], num_shards: int, norm_type: float = 2.0,
+                       error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+    """The total ``norm_type``-norm of ``tensors`` (whole gradients) as ``clip_grad_norm_`` on
+    FSDP2's ``Shard(0)`` DTensors over ``num_shards`` ranks computed it (see the module).
+
+    Raises:
+        RecipeError: a norm type other than a positive one or ``inf`` (torch reduces those with
+            placements this replay does not model).
+        RuntimeError: ``error_if_nonfinite`` and the norm is NaN or infinite (torch's own error).
+    """
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    norm_type = float(norm_type)
+    if not tensors:
+        return torch.tensor(0.0)
+    if not (norm_type > 0 or norm_type == math.inf):
+        raise RecipeError(f"the recipe clips with norm_type={norm_type}: a sharded job's replay reproduces the total norm "
+                          "for a positive norm type or inf")
+    first_device = tensors[0].device
+    per_shard = []  # (S,) each rank's vector of its per-tensor local norms, in the order given
+    for shard in range(num_shards):
+        local = [_local_shard(t, shard, num_shards) for t in tensors]
+        norms = [torch.linalg.vector_norm(t, norm_type) for t in local] if foreach is False else torch._foreach_norm(local, norm_type)
+        per_shard.append(torch.stack([n.to(first_device) for n in norms]))
+    if norm_type == math.inf:
+        whole = torch.stack(per_shard).amax(dim=0)
+    else:
+        whole = ring_sum([v**norm_type for v in per_shard]) ** (1.0 / norm_type)
+    total = torch.linalg.vector_norm(whole, norm_type)
+    if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+        raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot "
+                           "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+                           "`error_if_nonfinite=False`")
+    return total
+
+
+@contextlib.contextmanager
+def clipping_as_recorded(mesh: ShardMesh | None) -> Iterator[None]:
+    """Within it, torch's total gradient norm (``clip_grad_norm_``, ``get_total_norm``) is the
+    sharded job's (:func:`sharded_total_norm` over ``mesh``'s shard dimension); outside, and for
+    ``mesh`` None (a DDP trace), torch's own."""
+    if mesh is None:
+        yield
+        return
+    size = mesh.shard_size
+
+    def total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None):
+        return sharded_total_norm(tensors, size, norm_type, error_if_nonfinite, foreach)
+
+    saved = (_clip_grad._get_total_norm, torch.nn.utils.get_total_norm)
+    _clip_grad._get_total_norm = total_norm
+    torch.nn.utils.get_total_norm = total_norm
+    try:
+        yield
+    finally:
+        _clip_grad._get_total_norm, torch.nn.utils.get_total_norm = saved
