@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from sdc_forensics.checkpoint.findings import FindingKind
-from sdc_forensics.decide.common_mode import is_common_mode, shared_state
+from sdc_forensics.decide.common_mode import is_common_mode, is_unreproduced_update, shared_state
 from sdc_forensics.triage.evidence import Evidence, EvidenceKind, Location, first_divergent_step, sort_key
 from sdc_forensics.trace.reader import step_ranges
 
@@ -252,6 +252,7 @@ def decide(
     if weak and first is not None:  # s* is the first *confirmed* divergence; the weak one may be earlier
         window = (weak[0].step, window[1])
     localised = [s for s in suspects if not (s.rank is None and s.location is Location.UNKNOWN)]
+    unreproduced = tuple(sorted({e.step for e in evidence if is_unreproduced_update(e)}))
     vague = [e for e in evidence if e.marks_divergence and not e.ranks and e.location is Location.UNKNOWN]
     if first is not None and localised:
         verdict = Verdict.CORRUPTION
@@ -264,7 +265,7 @@ def decide(
         verdict = Verdict.INCONCLUSIVE
         settle.append(f"evidence at step {vague[0].step} could not be localised ({vague[0].detail}); replay that step "
                       "with the recipe and checkpoints, or enable audits")
-    elif weak:
+    elif weak or unreproduced:  # weak evidence, or a replay that did not reproduce an update: nothing certifies past it
         verdict = Verdict.INCONCLUSIVE
     elif localised:  # storage only: no divergent step, but damaged files
         verdict = Verdict.CORRUPTION
@@ -291,7 +292,10 @@ def decide(
                          "the fault may have begun there")
     if weak:
         settle[:0] = _weak_lines(weak)
-    statuses = tuple(checkpoint_status(n, files.get(n.step), first=first, weak=weak, majority=majority.get(n.step), examined=examined)
+    if unreproduced:
+        settle.insert(0, _recipe_line(unreproduced))
+    statuses = tuple(checkpoint_status(n, files.get(n.step), first=first, weak=weak, majority=majority.get(n.step), examined=examined,
+                                       unreproduced=unreproduced)
                      for n in sorted(notes, key=lambda n: n.step))
     return Decision(verdict=verdict, first_divergent_step=first, divergence_window=window, suspects=suspects,
                     checkpoints=statuses, weak=weak, settle=tuple(settle), evidence=tuple(evidence))
@@ -299,6 +303,15 @@ def decide(
 
 _EXACTLY = ("replay exactly (without --threads/--tolerant on CPU, or on the recorded GPU model), or from a checkpoint closer "
             "to the step, to settle it")
+
+
+def _recipe_line(steps: Sequence[int]) -> str:
+    """What to say when the replay did not reproduce the update of ``steps`` on any rank (``common_mode`` rule 5)."""
+    return (f"the replay does not reproduce the update of step(s) {_spans(steps)}: the local and reduced gradients matched bit "
+            "for bit, the weights after the update differ on every rank alike, so the recipe most likely rebuilds the update "
+            "wrong: check its optimizer (type, hyper-parameters, parameter groups), gradient clipping (before_step), learning "
+            "rate (one the loop sets by hand each step must be set from the step number: docs/bisect.md) and LR scheduler "
+            "(after_step); no checkpoint after it is certified until a replay reproduces every step")
 
 
 def _weak_lines(weak: Sequence[Evidence]) -> list[str]:
@@ -330,8 +343,9 @@ def _pinned(ev: Evidence, examined: Examined) -> Evidence:
 
 
 def checkpoint_status(note, file: CheckpointFile | None, *, first: int | None, weak: Sequence[Evidence] = (),
-                      majority: str | None, examined: Examined) -> CheckpointStatus:
-    """The status of checkpoint ``note.step``: the one rule every command uses."""
+                      majority: str | None, examined: Examined, unreproduced: Sequence[int] = ()) -> CheckpointStatus:
+    """The status of checkpoint ``note.step``: the one rule every command uses (``unreproduced``: steps
+    whose update the replay did not reproduce on any rank, so they were not replayed exactly)."""
     step = note.step
     path = (file.path if file is not None else "") or ""
     report = file.report if file is not None else None
@@ -367,6 +381,10 @@ def checkpoint_status(note, file: CheckpointFile | None, *, first: int | None, w
     early = [e for e in weak if e.step < step]
     if early:
         why.append(f"weak evidence at step {early[0].step} ({_who(early[0])}) is unresolved")
+    off = [s for s in unreproduced if s < step]
+    if off:
+        why.append(f"the replay did not reproduce the update of step(s) {_spans(off)} (the weights after it differ on every "
+                   "rank while its gradients matched): those steps were not replayed exactly; check the recipe")
     missing = examined.unexamined_before(step)
     if missing:
         why.append(f"steps {_spans(missing)} were not replayed: a wrong local gradient there would not show in the trace")

@@ -1,0 +1,74 @@
+"""Exactness is shown at every step or not claimed (issue 33).
+
+Clean demo runs replayed with a recipe that rebuilds the update wrong (a hand-set learning rate
+1 % off, or clipping forgotten: ``tests/forensics/wrong_recipes.py``): every local and reduced
+gradient still reproduces bit for bit, but the weights after each window's update do not. No
+checkpoint after 0 may be certified, nothing may say "bit for bit", and the answer names the
+update and the recipe; with the right recipe the same runs certify every checkpoint.
+"""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from sdc_forensics.cli.main import cli
+from sdc_forensics.decide.decision import Status, Verdict
+from sdc_forensics.forensics.bisect import bisect
+from sdc_forensics.replay.options import BisectOptions
+from tests.forensics import wrong_recipes
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+MLP = "sdc_forensics.demo.recipe:recipe"
+CONVNET = "sdc_forensics.demo.convnet:recipe"
+JOBS = {  # the job trained, its settings, and the recipe that rebuilds its update wrong
+    "lr_off": (MLP, None, "tests.forensics.wrong_recipes:lr_off"),
+    "no_clip": (CONVNET, {"clip_norm": wrong_recipes.CLIP_NORM}, "tests.forensics.wrong_recipes:no_clip"),
+}
+
+
+def _run(demo_run, job: str, every: int):
+    trained, args, _ = JOBS[job]
+    return demo_run((), steps=STEPS, checkpoint_every=every, world_size=2, recipe=trained, recipe_args=args)
+
+
+@pytest.mark.parametrize("every", [1, 5])
+@pytest.mark.parametrize("job", sorted(JOBS))
+def test_a_recipe_that_rebuilds_the_update_wrong_certifies_nothing_after_checkpoint_0(demo_run, job, every):
+    out = _run(demo_run, job, every)
+    result = bisect(out / "trace", BisectOptions(checkpoints_dir=out / "checkpoints", recipe=JOBS[job][2]))
+    assert result.verdict is Verdict.INCONCLUSIVE and result.suspects == () and result.first_divergent_step is None
+    statuses = {c.step: c.status for c in result.checkpoints}
+    assert statuses[0] is Status.CLEAN
+    assert all(s is Status.UNVERIFIED for n, s in statuses.items() if n > 0), statuses
+    # every window's first step: the gradients reproduced, its update did not
+    windows = sorted(n for n in statuses if n < STEPS)
+    off = sorted(e.step for e in result.evidence if e.location.value == "optimizer_update" and not e.ranks)
+    assert off == windows
+    assert any("update" in line and "recipe" in line and "learning rate" in line and "clipping" in line for line in result.settle)
+    for c in result.checkpoints:
+        if c.step > 0:
+            assert not any("bit for bit" in r for r in c.reasons) and any("update" in r for r in c.reasons), c.reasons
+
+
+@pytest.mark.parametrize("job", sorted(JOBS))
+def test_the_answer_on_the_command_line_names_the_update_and_the_recipe(demo_run, job):
+    out = _run(demo_run, job, 1)
+    done = CliRunner().invoke(cli, ["bisect", str(out / "trace"), "--recipe", JOBS[job][2]])
+    assert done.exit_code == 4, done.output  # inconclusive: no verdict on any rank
+    text = " ".join(done.output.split())
+    assert "bit for bit replayed" not in text and "replayed bit for bit" not in text
+    assert "does not reproduce the update" in text and "recipe" in text
+    assert "CORRUPTION" not in text
+
+
+@pytest.mark.parametrize("every", [1, 5])
+@pytest.mark.parametrize("job", sorted(JOBS))
+def test_the_right_recipe_still_certifies_every_checkpoint(demo_run, job, every):
+    out = _run(demo_run, job, every)
+    result = bisect(out / "trace", BisectOptions(checkpoints_dir=out / "checkpoints"))
+    assert result.verdict is Verdict.CLEAN, result.settle
+    assert all(c.status is Status.CLEAN for c in result.checkpoints), [(c.step, c.reasons) for c in result.checkpoints]
+    assert not any(e.location.value == "optimizer_update" for e in result.evidence)
