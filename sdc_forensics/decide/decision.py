@@ -57,8 +57,8 @@ STATE_FINDINGS = frozenset({FindingKind.NONFINITE, FindingKind.WEIGHTS_NOT_MAJOR
 UNVERIFIABLE_FINDINGS = frozenset({FindingKind.NOT_VERIFIABLE})
 
 # most specific first: the location a suspect gets when several kinds of evidence name it
-_LOCATION_ORDER = (Location.INPUT_DATA, Location.COLLECTIVE, Location.LOCAL_COMPUTE, Location.OPTIMIZER_UPDATE,
-                   Location.STORAGE, Location.UNKNOWN)
+_LOCATION_ORDER = (Location.INPUT_DATA, Location.COLLECTIVE, Location.STATE_AT_REST, Location.LOCAL_COMPUTE,
+                   Location.OPTIMIZER_UPDATE, Location.STORAGE, Location.UNKNOWN)
 
 
 class Verdict(str, enum.Enum):
@@ -228,6 +228,7 @@ def decide(
     files: Mapping[int, CheckpointFile],
     majority: Mapping[int, str],
     examined: Examined,
+    sharded: bool = False,
 ) -> Decision:
     """Apply the rules of this module to the evidence gathered.
 
@@ -239,8 +240,9 @@ def decide(
         files: ``{N: CheckpointFile}`` for the notes whose files were looked for (empty: trace-only).
         majority: ``{N: hex}`` strict-majority weights digest of ``θ_N`` from the STEP records.
         examined: what was examined.
+        sharded: the job is sharded (FSDP2/HSDP): any replica of a shard may have written it to a checkpoint.
     """
-    evidence = sorted(shared_state([_pinned(e, examined) for e in evidence], world_size, examined.anchors), key=sort_key)
+    evidence = sorted(shared_state([_pinned(e, examined) for e in _at_rest(evidence)], world_size, examined.anchors), key=sort_key)
     first = first_divergent_step(evidence)
     window = None
     if first is not None:
@@ -295,7 +297,7 @@ def decide(
     if unreproduced:
         settle.insert(0, _recipe_line(unreproduced))
     statuses = tuple(checkpoint_status(n, files.get(n.step), first=first, weak=weak, majority=majority.get(n.step), examined=examined,
-                                       unreproduced=unreproduced)
+                                       unreproduced=unreproduced, sharded=sharded)
                      for n in sorted(notes, key=lambda n: n.step))
     return Decision(verdict=verdict, first_divergent_step=first, divergence_window=window, suspects=suspects,
                     checkpoints=statuses, weak=weak, settle=tuple(settle), evidence=tuple(evidence))
@@ -333,6 +335,28 @@ def _who(ev: Evidence) -> str:
     return "the collective" if ev.location is Location.COLLECTIVE else "no rank in particular"
 
 
+def _at_rest(evidence: Sequence[Evidence]) -> list[Evidence]:
+    """A DDP replica whose weights changed at rest: the replay finds rank ``r``'s local gradient of step
+    ``s`` wrong (computed with other weights than the replicas'), and the trace finds ``r``'s weights after
+    ``s`` different from the majority's while they were equal after the check before (``WEIGHT_DIVERGENCE``
+    whose bound holds ``s``). A wrong local gradient alone is averaged into every replica, which stay
+    equal; a wrong update leaves the local gradient right. Both together: ``r``'s state changed between
+    the update before ``s`` and its forward, so the replay's evidence is located there (a sharded job's
+    rest digest says so directly: ``triage/trace_only.py``)."""
+    diverged = [e for e in evidence if e.kind is EvidenceKind.WEIGHT_DIVERGENCE and e.source == "trace" and e.marks_divergence]
+    if not diverged:
+        return list(evidence)
+    out = []
+    for ev in evidence:
+        if (ev.kind is EvidenceKind.REPLAY_MISMATCH and ev.location is Location.LOCAL_COMPUTE and ev.marks_divergence and ev.ranks
+                and all(any(r in d.ranks and d.onset <= ev.step <= d.step for d in diverged) for r in ev.ranks)):
+            ev = dataclasses.replace(ev, location=Location.STATE_AT_REST, detail=(
+                f"{ev.detail}, and its weights after the step differ from the other replicas' though they were equal before "
+                "it: its weights changed in memory between the update before this step and its forward (at rest)"))
+        out.append(ev)
+    return out
+
+
 def _pinned(ev: Evidence, examined: Examined) -> Evidence:
     """Evidence that only bounds its fault (replicas found different at a weights check, equal at
     the one before) stops bounding it once a replay examined every step of the bound: the replay's
@@ -343,7 +367,8 @@ def _pinned(ev: Evidence, examined: Examined) -> Evidence:
 
 
 def checkpoint_status(note, file: CheckpointFile | None, *, first: int | None, weak: Sequence[Evidence] = (),
-                      majority: str | None, examined: Examined, unreproduced: Sequence[int] = ()) -> CheckpointStatus:
+                      majority: str | None, examined: Examined, unreproduced: Sequence[int] = (),
+                      sharded: bool = False) -> CheckpointStatus:
     """The status of checkpoint ``note.step``: the one rule every command uses (``unreproduced``: steps
     whose update the replay did not reproduce on any rank, so they were not replayed exactly)."""
     step = note.step
@@ -353,6 +378,17 @@ def checkpoint_status(note, file: CheckpointFile | None, *, first: int | None, w
     if file is not None and file.error:
         return CheckpointStatus(step=step, path=path, status=Status.CORRUPT, reasons=(f"unreadable or malformed: {file.error}",))
     bad = [f"{f.kind.value} {f.subject}: {f.detail}" for f in findings if f.kind not in UNVERIFIABLE_FINDINGS]
+    copied = [f for f in findings if f.kind in _REPLICA_COPY_FINDINGS] if diverged_replica_copy(note, sharded) else []
+    if copied:
+        # the shards written are not the majority's: a diverged replica's copy, which the trace names (not the disk)
+        bad = [f"{f.kind.value} {f.subject}: {f.detail}" for f in findings
+               if f.kind not in UNVERIFIABLE_FINDINGS and f.kind not in _REPLICA_COPY_FINDINGS]
+        who = (f"rank(s) {', '.join(map(str, note.diverged_ranks))} had diverged from their replicas when it was saved (the "
+               "recorder's vote)" if note.blessed and note.diverged_ranks else
+               "the replicas of a shard disagreed when it was saved (no strict majority)")
+        bad.insert(0, f"holds a diverged replica's weights: {who}, and {len(copied)} of its tensors (e.g. {copied[0].subject}) are "
+                      "not the copy noted at save time: a sharded checkpoint's shard is written by one replica of it, here one "
+                      "whose weights had diverged (the evidence names the rank); not storage damage")
     if not note.blessed and not note.agreeing_ranks:
         bad.insert(0, f"saved from rank {note.saved_by_rank} with no strict majority among the replicas: it may be a diverged "
                       "replica, and the recorder did not bless it")
@@ -397,6 +433,17 @@ def checkpoint_status(note, file: CheckpointFile | None, *, first: int | None, w
     before = "no step before it" if step <= examined.first_step else f"every step {examined.first_step}..{step - 1} replayed bit for bit"
     return CheckpointStatus(step=step, path=path, status=Status.CLEAN, findings=findings, report=report,
                             reasons=(where, "content as saved, equal to the replicas' majority, no NaN/Inf", before))
+
+
+#: What a diverged replica's shard written to a sharded checkpoint looks like against its note.
+_REPLICA_COPY_FINDINGS = frozenset({FindingKind.DIGEST_MISMATCH, FindingKind.WEIGHTS_NOT_MAJORITY})
+
+
+def diverged_replica_copy(note, sharded: bool) -> bool:
+    """True when checkpoint ``note``'s content differing from the note is explained by a diverged
+    replica, not storage: a sharded job (each shard written by one of its replicas, any of them)
+    whose recorder found ranks diverged when it saved, or no majority among the replicas."""
+    return sharded and (bool(note.diverged_ranks) or not note.blessed)
 
 
 def last_clean(statuses: Iterable[CheckpointStatus]) -> CheckpointStatus | None:
@@ -478,6 +525,6 @@ def fault_events(chain: Sequence[Evidence], rank: int | None, world_size: int) -
             continue
         if not events or ev.step != events[-1]:
             events.append(ev.step)
-        if ev.kind in _PERSISTENT or ev.location in (Location.OPTIMIZER_UPDATE, Location.COLLECTIVE):
+        if ev.kind in _PERSISTENT or ev.location in (Location.OPTIMIZER_UPDATE, Location.COLLECTIVE, Location.STATE_AT_REST):
             diverged = True
     return tuple(events)
