@@ -72,3 +72,19 @@ def test_the_right_recipe_still_certifies_every_checkpoint(demo_run, job, every)
     assert result.verdict is Verdict.CLEAN, result.settle
     assert all(c.status is Status.CLEAN for c in result.checkpoints), [(c.step, c.reasons) for c in result.checkpoints]
     assert not any(e.location.value == "optimizer_update" for e in result.evidence)
+
+
+def test_a_sharded_job_replayed_with_a_wrong_learning_rate_certifies_nothing_after_checkpoint_0(tmp_path):
+    """The FSDP2 demo (4 gloo ranks, 4 steps, DCP checkpoints 0 and 2): the replay compares each rank's
+    shard of the weights after the update (``replay.compare._expected_weights``); with the learning rate
+    1 % off every shard differs: the same answer as DDP's. The right recipe certifies every checkpoint."""
+    from sdc_forensics.demo import sharded
+
+    sharded.run_demo(tmp_path, "fsdp", (), steps=4, checkpoint_every=2)
+    options = dict(checkpoints_dir=tmp_path / "checkpoints")
+    wrong = bisect(tmp_path / "trace", BisectOptions(recipe="tests.forensics.wrong_recipes:sharded_lr_off", **options))
+    assert wrong.verdict is Verdict.INCONCLUSIVE and wrong.suspects == () and wrong.first_divergent_step is None
+    assert {c.step: c.status for c in wrong.checkpoints} == {0: Status.CLEAN, 2: Status.UNVERIFIED}
+    assert any("does not reproduce the update" in line for line in wrong.settle)
+    right = bisect(tmp_path / "trace", BisectOptions(**options))
+    assert right.verdict is Verdict.CLEAN and all(c.status is Status.CLEAN for c in right.checkpoints)
