@@ -496,9 +496,9 @@ class Replayer(StepComparisons):
             counts = step_threads(recs)  # (R,) 0 = not recorded
             values, freq = np.unique(counts[counts > 0], return_counts=True)
             self._use_threads(int(values[np.argmax(freq)]) if len(values) else 0)
-            recipe_mod.before_step(self.recipe, model, optimizer)
+            recipe_mod.before_step(self.recipe, model, optimizer, step=step)
             optimizer.step()
-            recipe_mod.after_step(self.recipe, model, optimizer, scheduler)
+            recipe_mod.after_step(self.recipe, model, optimizer, scheduler, step=step)
             weights_evidence, departed = self._compare_weights(step, recs, model, tolerant_from is not None,
                                                                bool(step_evidence or reduce_evidence))
             evidence += weights_evidence

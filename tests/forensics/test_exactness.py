@@ -88,3 +88,18 @@ def test_a_sharded_job_replayed_with_a_wrong_learning_rate_certifies_nothing_aft
     assert any("does not reproduce the update" in line for line in wrong.settle)
     right = bisect(tmp_path / "trace", BisectOptions(**options))
     assert right.verdict is Verdict.CLEAN and all(c.status is Status.CLEAN for c in right.checkpoints)
+
+
+def test_a_learning_rate_set_by_hand_from_the_step_is_reproduced_when_the_recipe_takes_the_step(demo_run):
+    """nanoGPT's ``param_group["lr"] = get_lr(it)``: a ``before_step`` that declares ``step`` is handed the
+    optimizer step (``sdc_forensics.recipe``), so every checkpoint certifies; a recipe that counts steps
+    itself from each window's start gets the window from checkpoint 0 right and sets step 0's rate at
+    step 2, the first step of the window from checkpoint 2: checkpoint 4 is not certified."""
+    out = demo_run((), steps=4, checkpoint_every=2, world_size=2, recipe="tests.forensics.wrong_recipes:hand_set_lr")
+    options = dict(checkpoints_dir=out / "checkpoints")
+    right = bisect(out / "trace", BisectOptions(**options))
+    assert right.verdict is Verdict.CLEAN and all(c.status is Status.CLEAN for c in right.checkpoints), right.settle
+    wrong = bisect(out / "trace", BisectOptions(recipe="tests.forensics.wrong_recipes:own_counter", **options))
+    assert {c.step: c.status for c in wrong.checkpoints} == {0: Status.CLEAN, 2: Status.CLEAN, 4: Status.UNVERIFIED}
+    assert wrong.verdict is Verdict.INCONCLUSIVE and wrong.suspects == ()
+    assert sorted(e.step for e in wrong.evidence if e.location.value == "optimizer_update") == [2]
