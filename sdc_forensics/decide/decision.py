@@ -16,8 +16,11 @@ The rules (design brief, "Conventions" and "Analysis and verdicts"; docs/bisect.
   after the previous check, so the earliest such step counts). Weak evidence (a tolerant replay
   residual within the range clean replays produce) and hints never set it.
 * **Verdict**: ``corruption`` when strong evidence names a suspect; ``inconclusive`` when the
-  only evidence is weak, or strong but unlocalised, or a trace-only run has hints; ``clean``
-  otherwise, for the steps examined (said as such).
+  only evidence is weak, or strong but unlocalised, or the replay did not reproduce an update on
+  any rank (``common_mode`` rule 5: most likely the recipe; ``settle`` says what to check), or a
+  trace-only run has hints; ``clean`` otherwise, for the steps examined (said as such).
+* **Location at rest**: a replay's wrong local gradient on a rank whose weights the trace finds
+  diverged from the other replicas' at that step is ``state_at_rest`` (:func:`_at_rest`).
 * **Suspects**: the ranks strong evidence at ``s*`` names (or the collective); a storage-only
   incident names the rank whose file was damaged, and its advice is about the disk, never the GPU.
 * **Recurring**: two or more independent fault events on one rank. A replica that stays
@@ -27,8 +30,9 @@ The rules (design brief, "Conventions" and "Analysis and verdicts"; docs/bisect.
   ``corrupt`` (unreadable, NaN/Inf, not as saved, not the replicas' majority), ``tainted``
   (``N > s*``), ``unverified`` (not every step before ``N`` was examined and found clean, or
   some only within tolerance; weak evidence before ``N``; files not read or not verifiable;
-  trace damaged), ``clean`` (none of those: the file is as saved, holds the replicas' majority
-  weights and no NaN/Inf, and every step before ``N`` was replayed bit for bit and matched).
+  trace damaged; an update before ``N`` the replay did not reproduce), ``clean`` (none of those:
+  the file is as saved, holds the replicas' majority weights and no NaN/Inf, and every step before
+  ``N`` was replayed exactly: local gradients, reduced gradient and weights after the update).
   A tolerant comparison cannot see a fault below the replay's drift (bit-20 gradient flips read
   4-9x the tolerance where clean drift on a conv net reaches 1,000x: docs/benchmarks.md), so it
   never certifies, and with nothing above tolerance the verdict is ``inconclusive``.
