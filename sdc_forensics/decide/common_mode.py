@@ -77,8 +77,8 @@ def _unreproduced(evs: list[Evidence], world_size: int) -> list[Evidence]:
     event = dataclasses.replace(
         ev, ranks=(), affects_state=False,
         found=f"{ev.found} recorded on rank(s) {', '.join(map(str, ev.ranks))}",
-        detail=f"{UPDATE_NOT_REPRODUCED}: the local gradients and the reduced gradient of step {ev.step} reproduced bit for "
-               f"bit, but the weights after its update differ from what every rank recorded; every replica ran the same update "
+        detail=f"{UPDATE_NOT_REPRODUCED}: the local gradients and the reduced gradient of step {ev.step} reproduced exactly, "
+               f"but the weights after its update differ from what every rank recorded; every replica ran the same update "
                "on the same gradient, so the replay most likely rebuilds the update wrong (the recipe's optimizer, gradient "
                "clipping, learning rate or LR scheduler), not a fault on any rank")
     return [e for e in evs if e not in update] + [event]

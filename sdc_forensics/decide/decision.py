@@ -313,11 +313,11 @@ _EXACTLY = ("replay exactly (without --threads/--tolerant on CPU, or on the reco
 
 def _recipe_line(steps: Sequence[int]) -> str:
     """What to say when the replay did not reproduce the update of ``steps`` on any rank (``common_mode`` rule 5)."""
-    return (f"the replay does not reproduce the update of step(s) {_spans(steps)}: the local and reduced gradients matched bit "
-            "for bit, the weights after the update differ on every rank alike, so the recipe most likely rebuilds the update "
+    return (f"the replay does not reproduce the update of step(s) {_spans(steps)}: the local and reduced gradients matched "
+            "exactly, the weights after the update differ on every rank alike, so the recipe most likely rebuilds the update "
             "wrong: check its optimizer (type, hyper-parameters, parameter groups), gradient clipping (before_step), learning "
-            "rate (one the loop sets by hand each step must be set from the step number: docs/bisect.md) and LR scheduler "
-            "(after_step); no checkpoint after it is certified until a replay reproduces every step")
+            "rate (one the loop sets by hand: set it in before_step from the step it is handed, docs/recipes.md) and LR "
+            "scheduler (after_step); no checkpoint after it is certified until a replay reproduces every step")
 
 
 def _weak_lines(weak: Sequence[Evidence]) -> list[str]:

@@ -316,8 +316,8 @@ class StepComparisons:
             return [Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=off, source="replay", expected=expected,
                              found=found, location=Location.OPTIMIZER_UPDATE,
                              detail="every rank's weights after the update differ from the replay's, though its local and reduced "
-                                    "gradients reproduced bit for bit")], True
+                                    "gradients reproduced exactly")], True
         return [Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=off, source="replay", expected=expected,
                          found=found, location=Location.OPTIMIZER_UPDATE,
                          detail="same gradients in, different weights out: this replica's optimizer update went wrong "
-                                "(the other replicas' weights equal the replay's bit for bit)")], False
+                                "(the other replicas' weights equal the exact replay's)")], False
