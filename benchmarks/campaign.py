@@ -33,7 +33,7 @@ Tallies over effective faults: ``detected`` (verdict ``corruption``), ``exact_st
 first divergent step is the fault step and the suspects are exactly the fault's rank; for
 ``allreduce-all`` no single rank, for ``checkpoint-file`` checkpoint N is the one corrupt file
 and the suspect is the rank that wrote it), ``location_correct`` (every suspect's location is
-the injection's: grad/weights -> ``local_compute``, allreduce/allreduce-all -> ``collective``,
+the injection's: grad -> ``local_compute``, weights -> ``state_at_rest``, allreduce/allreduce-all -> ``collective``,
 update -> ``optimizer_update``, input -> ``input_data``, checkpoint-file -> ``storage``),
 ``false_clean_certificates`` (some command calls a checkpoint clean that holds the fault's
 effect: ``N > s`` for a training fault, ``N = s`` for a checkpoint file), and over clean runs
@@ -96,7 +96,7 @@ BIT_CLASSES = {
 STEP_KINDS = ("on_checkpoint", "after_checkpoint", "mid_interval")
 #: The suspect location each injection location should be blamed on (docs/bisect.md).
 EXPECTED_LOCATION = {
-    "grad": "local_compute", "weights": "local_compute", "allreduce": "collective", "allreduce-all": "collective",
+    "grad": "local_compute", "weights": "state_at_rest", "allreduce": "collective", "allreduce-all": "collective",
     "update": "optimizer_update", "input": "input_data", "checkpoint-file": "storage",
     # a sharded job's (--parallel fsdp|hsdp)
     "local-gradient": "local_compute", "reduce-scatter-output": "collective", "all-reduce-output": "collective",

@@ -45,9 +45,12 @@ class Recipe(Protocol):
     * ``loss(model, microbatch)`` returns the scalar whose ``backward()`` the training job called
       for that microbatch (already divided by the accumulation count, if the job does so).
     * ``before_step(model, optimizer)`` (optional) runs between the all-reduce and
-      ``optimizer.step()``: gradient clipping, unscaling. Default: nothing.
+      ``optimizer.step()``: gradient clipping, unscaling, a learning rate set by hand. Default: nothing.
     * ``after_step(model, optimizer, scheduler)`` (optional) runs after ``optimizer.step()``:
       ``scheduler.step()``. Default: ``scheduler.step()`` when a scheduler exists.
+    * Either hook that declares a ``step`` parameter (``before_step(self, model, optimizer, step)``)
+      is handed the optimizer step it belongs to (step ``s`` reads theta_s): what a loop that sets
+      ``param_group["lr"] = get_lr(it)`` by hand needs to set the same rate in replay.
     """
 
     def build(self, device: Any) -> tuple[Any, Any, Any]: ...
@@ -181,17 +184,32 @@ def load_trace_recipe(manifest: Any, override: str | None = None) -> Recipe:
     return load_recipe(reference, args=manifest.recipe_args)
 
 
-def before_step(recipe: Any, model: Any, optimizer: Any) -> None:
-    """Run the recipe's optional ``before_step`` hook."""
+def before_step(recipe: Any, model: Any, optimizer: Any, step: int | None = None) -> None:
+    """Run the recipe's optional ``before_step`` hook (handed ``step`` when it declares that parameter)."""
     hook = getattr(recipe, "before_step", None)
     if hook is not None:
-        hook(model, optimizer)
+        hook(model, optimizer, **_step_argument(hook, step))
 
 
-def after_step(recipe: Any, model: Any, optimizer: Any, scheduler: Any) -> None:
-    """Run the recipe's optional ``after_step`` hook, else step the scheduler."""
+def after_step(recipe: Any, model: Any, optimizer: Any, scheduler: Any, step: int | None = None) -> None:
+    """Run the recipe's optional ``after_step`` hook (handed ``step`` when it declares that parameter),
+    else step the scheduler."""
     hook = getattr(recipe, "after_step", None)
     if hook is not None:
-        hook(model, optimizer, scheduler)
+        hook(model, optimizer, scheduler, **_step_argument(hook, step))
     elif scheduler is not None:
         scheduler.step()
+
+
+def _step_argument(hook: Any, step: int | None) -> dict[str, int]:
+    """``{"step": step}`` when ``hook`` declares a ``step`` parameter, else nothing (hooks written
+    before the step was handed keep working)."""
+    import inspect
+
+    if step is None:
+        return {}
+    try:
+        params = inspect.signature(hook).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: the plain call
+        return {}
+    return {"step": int(step)} if "step" in params else {}

@@ -52,6 +52,7 @@ HEAVY = (
     "tests/recorder/test_fsdp_campaign.py",
     "tests/recorder/test_fsdp_recorder.py::test_with_three_hsdp_replicas_the_vote_names_the_rank_online_and_a_clean_run_certifies",
     "tests/integrations/test_torchtitan.py::test_the_checks_run_before_each_optimizer_step_and_name_the_faulty_rank",
+    "tests/forensics/test_exactness.py::test_a_sharded_job_replayed_with_a_wrong_learning_rate_certifies_nothing_after_checkpoint_0",
 )
 
 

@@ -102,3 +102,26 @@ def test_manifest_recipe_args_are_checked_as_hostile_input(value, ok):
     else:
         with pytest.raises(TraceError, match="recipe_args"):
             parse_manifest(doc)
+
+
+def test_hooks_that_declare_step_are_handed_it_and_the_others_are_called_as_before():
+    from sdc_forensics.recipe import after_step, before_step
+
+    calls = []
+
+    class WithStep:
+        def before_step(self, model, optimizer, step):
+            calls.append(("before", step))
+
+        def after_step(self, model, optimizer, scheduler, step=None):
+            calls.append(("after", step))
+
+    class Plain:
+        def before_step(self, model, optimizer):
+            calls.append(("before", "plain"))
+
+    before_step(WithStep(), None, None, step=7)
+    after_step(WithStep(), None, None, None, step=7)
+    before_step(Plain(), None, None, step=7)
+    after_step(Plain(), None, None, None, step=7)  # no hook, no scheduler: nothing
+    assert calls == [("before", 7), ("after", 7), ("before", "plain")]

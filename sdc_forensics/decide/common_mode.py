@@ -26,6 +26,15 @@ applied by :func:`~sdc_forensics.decide.decision.decide` before anything else (t
    they are recorded as consequences (they neither set the first divergent step nor name a
    suspect nor count as a recurrence). The trace's own evidence is about the recorded run and
    is never rewritten.
+5. **An update the replay does not reproduce.** A replay whose local and reduced gradients of
+   step ``s`` reproduced bit for bit, and whose weights after the update differ from what every
+   rank recorded (``replay.compare``), with nothing else strong at ``s``, is one event about the
+   replay's update, not ``W`` faults: every replica ran the same update on the same gradient and
+   got the same weights, so the likeliest cause is a recipe that rebuilds the update wrong (its
+   optimizer, clipping, learning rate, scheduler). It names no rank and does not set the first
+   divergent step (:func:`is_unreproduced_update`); the decision leaves every checkpoint after
+   it uncertified and answers ``inconclusive``, saying what to check. Where some replicas equal
+   the replay and others do not, those others are named (an update that went wrong on them).
 """
 
 from __future__ import annotations
@@ -45,6 +54,34 @@ COMMON_MODE = "common mode"
 def is_common_mode(ev: Evidence) -> bool:
     """True for the one record a common-mode group became."""
     return ev.detail.startswith(COMMON_MODE)
+
+
+#: Marks the detail of the event an update the replay does not reproduce became (rule 5).
+UPDATE_NOT_REPRODUCED = "update not reproduced"
+
+
+def is_unreproduced_update(ev: Evidence) -> bool:
+    """True for the one record that an update mismatch on every rank became (rule 5)."""
+    return (ev.source == "replay" and ev.location is Location.OPTIMIZER_UPDATE and not ev.ranks and not ev.affects_state
+            and ev.detail.startswith(UPDATE_NOT_REPRODUCED))
+
+
+def _unreproduced(evs: list[Evidence], world_size: int) -> list[Evidence]:
+    """Rule 5 at one step: an update mismatch the replay found on every rank, with nothing else
+    strong at that step, becomes one event naming no rank (the other evidence is kept)."""
+    update = [e for e in evs if e.source == "replay" and e.location is Location.OPTIMIZER_UPDATE and e.marks_divergence
+              and set(e.ranks) >= set(range(world_size))]
+    if not update or any(e.marks_divergence for e in evs if e not in update):
+        return evs
+    ev = update[0]
+    event = dataclasses.replace(
+        ev, ranks=(), affects_state=False,
+        found=f"{ev.found} recorded on rank(s) {', '.join(map(str, ev.ranks))}",
+        detail=f"{UPDATE_NOT_REPRODUCED}: the local gradients and the reduced gradient of step {ev.step} reproduced exactly, "
+               f"but the weights after its update differ from what every rank recorded; every replica ran the same update "
+               "on the same gradient, so the replay most likely rebuilds the update wrong (the recipe's optimizer, gradient "
+               "clipping, learning rate or LR scheduler), not a fault on any rank")
+    return [e for e in evs if e not in update] + [event]
 
 
 def _state_affecting(ev: Evidence) -> bool:
@@ -79,7 +116,13 @@ def shared_state(evidence: Sequence[Evidence], world_size: int, anchors: Iterabl
     out: list[Evidence] = []
     departed_until, cause = -1, None  # the replay's state departs from the record before this step, since `cause`
     for step in sorted(by_step):
-        evs = by_step[step]
+        evs = _unreproduced(by_step[step], world_size)
+        if step < departed_until and cause is not None:
+            pass  # a consequence of an earlier departure: rewritten below as such
+        elif any(is_unreproduced_update(e) for e in evs):
+            out += evs  # the replay's weights left the record's here: what it sees next is about its own update
+            departed_until, cause = _next_anchor(starts, step), next(e for e in evs if is_unreproduced_update(e))
+            continue
         local = [e for e in evs if _rank_local(e)]
         causes = [e for e in evs if e.shared and e.marks_divergence]
         reach = {r for e in causes for r in (e.reach or range(world_size))}

@@ -4,11 +4,14 @@ A checkpoint ``N`` is certified clean only when every step before it was replaye
 (``decide.decision``); this module says, per checkpoint, how far short of that a run is, in
 plain steps. Each step before ``N`` counts once, under the strongest examination it had:
 
-1. exact replay now (this analysis) or earlier (a ledger record reused, ``ledger/reuse.py``);
-2. tolerant replay (within the tolerance model: certifies nothing);
-3. the online checks alone (recorded in the trace, never replayed): which checks ran on those
+1. exact replay now (this analysis) or earlier (a ledger record reused, ``ledger/reuse.py``):
+   every digest of the step reproduced, its update included;
+2. replayed, but its update not reproduced (the weights after it differ on every rank while its
+   gradients matched: ``decide/common_mode.py`` rule 5): certifies nothing;
+3. tolerant replay (within the tolerance model: certifies nothing);
+4. the online checks alone (recorded in the trace, never replayed): which checks ran on those
    steps is ``trace.online.OnlineChecks``;
-4. nothing (no trace record of the step).
+5. nothing (no trace record of the step).
 
 Steps without an exact replay are what keeps ``N`` from being certified; their replay costs
 ``steps x ranks x seconds per rank-step``, the seconds measured by the ledger's own records
@@ -60,6 +63,7 @@ class Coverage:
         exact_now: replayed bit for bit by this analysis.
         exact_ledger: replayed bit for bit earlier, taken from the ledger (``record_ids``).
         tolerant: replayed and compared within tolerance only.
+        unreproduced: replayed, but the replay did not reproduce the step's update (not exact).
         online_only: recorded in the trace (online checks ran) but not replayed.
         nothing: not recorded in the trace at all.
         record_ids: the ledger records behind ``exact_ledger``.
@@ -72,6 +76,7 @@ class Coverage:
     exact_now: tuple[Span, ...] = ()
     exact_ledger: tuple[Span, ...] = ()
     tolerant: tuple[Span, ...] = ()
+    unreproduced: tuple[Span, ...] = ()
     online_only: tuple[Span, ...] = ()
     nothing: tuple[Span, ...] = ()
     record_ids: tuple[str, ...] = ()
@@ -81,11 +86,12 @@ class Coverage:
     @property
     def lacking_replay(self) -> tuple[Span, ...]:
         """Steps before ``N`` without an exact replay: what keeps it from being certified."""
-        return _merge([*self.tolerant, *self.online_only, *self.nothing])
+        return _merge([*self.unreproduced, *self.tolerant, *self.online_only, *self.nothing])
 
 
 def coverage(checkpoint_steps: Iterable[int], *, step_range: Span | None, exact_now: Iterable[Span] = (),
-             exact_ledger: Iterable[tuple[int, int, Sequence[str]]] = (), tolerant: Iterable[Span] = ()) -> tuple[Coverage, ...]:
+             exact_ledger: Iterable[tuple[int, int, Sequence[str]]] = (), tolerant: Iterable[Span] = (),
+             unreproduced: Iterable[Span] = ()) -> tuple[Coverage, ...]:
     """:class:`Coverage` of each checkpoint step from what examined which steps.
 
     Args:
@@ -94,10 +100,12 @@ def coverage(checkpoint_steps: Iterable[int], *, step_range: Span | None, exact_
         exact_now: spans this analysis replayed bit for bit.
         exact_ledger: ``(first, last, record_ids)`` spans taken from the ledger.
         tolerant: spans replayed within tolerance only.
+        unreproduced: spans replayed whose update the replay did not reproduce (taken out of ``exact_now``).
     """
     first = step_range[0] if step_range else 0
     traced = [step_range] if step_range else []
-    exact_now, tolerant = _merge(exact_now), _merge(tolerant)
+    unreproduced = _merge(unreproduced)
+    exact_now, tolerant = _minus(_merge(exact_now), unreproduced), _merge(tolerant)
     reused = list(exact_ledger)
     out = []
     for n in sorted(set(checkpoint_steps)):
@@ -105,12 +113,13 @@ def coverage(checkpoint_steps: Iterable[int], *, step_range: Span | None, exact_
         now = _clip(exact_now, before)
         ledger = _minus(_clip([(a, b) for a, b, _ in reused], before), now)
         exact = _merge([*now, *ledger])
-        tol = _minus(_clip(tolerant, before), exact)
-        online = _minus(_minus(_clip(traced, before), exact), tol)
-        nothing = _minus(_minus(_minus(before, exact), tol), online)
+        off = _minus(_clip(unreproduced, before), exact)
+        tol = _minus(_minus(_clip(tolerant, before), exact), off)
+        online = _minus(_minus(_minus(_clip(traced, before), exact), tol), off)
+        nothing = _minus(_minus(_minus(_minus(before, exact), tol), online), off)
         ids = tuple(dict.fromkeys(i for a, b, rec in reused if a < n for i in rec))
-        out.append(Coverage(step=n, exact_now=now, exact_ledger=ledger, tolerant=tol, online_only=online, nothing=nothing,
-                            record_ids=ids))
+        out.append(Coverage(step=n, exact_now=now, exact_ledger=ledger, tolerant=tol, unreproduced=off, online_only=online,
+                            nothing=nothing, record_ids=ids))
     return tuple(out)
 
 
@@ -127,8 +136,11 @@ def coverage_of(result) -> tuple[Coverage, ...]:
             now_tolerant.append((cut, w.last))
     ledger = result.replayed.ledger
     reused = [(w.start, w.last, w.record_ids) for w in ledger.reused] if ledger is not None else []
+    from sdc_forensics.decide.common_mode import is_unreproduced_update
+
+    off = [(e.step, e.step) for e in result.evidence if is_unreproduced_update(e)]
     return coverage([c.step for c in result.checkpoints], step_range=result.step_range, exact_now=now_exact, exact_ledger=reused,
-                    tolerant=now_tolerant)
+                    tolerant=now_tolerant, unreproduced=off)
 
 
 def with_details(coverages: Sequence[Coverage], trace, records: Sequence[Any] = ()) -> tuple[Coverage, ...]:

@@ -16,8 +16,11 @@ The rules (design brief, "Conventions" and "Analysis and verdicts"; docs/bisect.
   after the previous check, so the earliest such step counts). Weak evidence (a tolerant replay
   residual within the range clean replays produce) and hints never set it.
 * **Verdict**: ``corruption`` when strong evidence names a suspect; ``inconclusive`` when the
-  only evidence is weak, or strong but unlocalised, or a trace-only run has hints; ``clean``
-  otherwise, for the steps examined (said as such).
+  only evidence is weak, or strong but unlocalised, or the replay did not reproduce an update on
+  any rank (``common_mode`` rule 5: most likely the recipe; ``settle`` says what to check), or a
+  trace-only run has hints; ``clean`` otherwise, for the steps examined (said as such).
+* **Location at rest**: a replay's wrong local gradient on a rank whose weights the trace finds
+  diverged from the other replicas' at that step is ``state_at_rest`` (:func:`_at_rest`).
 * **Suspects**: the ranks strong evidence at ``s*`` names (or the collective); a storage-only
   incident names the rank whose file was damaged, and its advice is about the disk, never the GPU.
 * **Recurring**: two or more independent fault events on one rank. A replica that stays
@@ -27,8 +30,9 @@ The rules (design brief, "Conventions" and "Analysis and verdicts"; docs/bisect.
   ``corrupt`` (unreadable, NaN/Inf, not as saved, not the replicas' majority), ``tainted``
   (``N > s*``), ``unverified`` (not every step before ``N`` was examined and found clean, or
   some only within tolerance; weak evidence before ``N``; files not read or not verifiable;
-  trace damaged), ``clean`` (none of those: the file is as saved, holds the replicas' majority
-  weights and no NaN/Inf, and every step before ``N`` was replayed bit for bit and matched).
+  trace damaged; an update before ``N`` the replay did not reproduce), ``clean`` (none of those:
+  the file is as saved, holds the replicas' majority weights and no NaN/Inf, and every step before
+  ``N`` was replayed exactly: local gradients, reduced gradient and weights after the update).
   A tolerant comparison cannot see a fault below the replay's drift (bit-20 gradient flips read
   4-9x the tolerance where clean drift on a conv net reaches 1,000x: docs/benchmarks.md), so it
   never certifies, and with nothing above tolerance the verdict is ``inconclusive``.
@@ -46,7 +50,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from sdc_forensics.checkpoint.findings import FindingKind
-from sdc_forensics.decide.common_mode import is_common_mode, shared_state
+from sdc_forensics.decide.common_mode import is_common_mode, is_unreproduced_update, shared_state
 from sdc_forensics.triage.evidence import Evidence, EvidenceKind, Location, first_divergent_step, sort_key
 from sdc_forensics.trace.reader import step_ranges
 
@@ -57,8 +61,8 @@ STATE_FINDINGS = frozenset({FindingKind.NONFINITE, FindingKind.WEIGHTS_NOT_MAJOR
 UNVERIFIABLE_FINDINGS = frozenset({FindingKind.NOT_VERIFIABLE})
 
 # most specific first: the location a suspect gets when several kinds of evidence name it
-_LOCATION_ORDER = (Location.INPUT_DATA, Location.COLLECTIVE, Location.LOCAL_COMPUTE, Location.OPTIMIZER_UPDATE,
-                   Location.STORAGE, Location.UNKNOWN)
+_LOCATION_ORDER = (Location.INPUT_DATA, Location.COLLECTIVE, Location.STATE_AT_REST, Location.LOCAL_COMPUTE,
+                   Location.OPTIMIZER_UPDATE, Location.STORAGE, Location.UNKNOWN)
 
 
 class Verdict(str, enum.Enum):
@@ -228,6 +232,7 @@ def decide(
     files: Mapping[int, CheckpointFile],
     majority: Mapping[int, str],
     examined: Examined,
+    sharded: bool = False,
 ) -> Decision:
     """Apply the rules of this module to the evidence gathered.
 
@@ -239,8 +244,9 @@ def decide(
         files: ``{N: CheckpointFile}`` for the notes whose files were looked for (empty: trace-only).
         majority: ``{N: hex}`` strict-majority weights digest of ``θ_N`` from the STEP records.
         examined: what was examined.
+        sharded: the job is sharded (FSDP2/HSDP): any replica of a shard may have written it to a checkpoint.
     """
-    evidence = sorted(shared_state([_pinned(e, examined) for e in evidence], world_size, examined.anchors), key=sort_key)
+    evidence = sorted(shared_state([_pinned(e, examined) for e in _at_rest(evidence)], world_size, examined.anchors), key=sort_key)
     first = first_divergent_step(evidence)
     window = None
     if first is not None:
@@ -252,6 +258,7 @@ def decide(
     if weak and first is not None:  # s* is the first *confirmed* divergence; the weak one may be earlier
         window = (weak[0].step, window[1])
     localised = [s for s in suspects if not (s.rank is None and s.location is Location.UNKNOWN)]
+    unreproduced = tuple(sorted({e.step for e in evidence if is_unreproduced_update(e)}))
     vague = [e for e in evidence if e.marks_divergence and not e.ranks and e.location is Location.UNKNOWN]
     if first is not None and localised:
         verdict = Verdict.CORRUPTION
@@ -264,7 +271,7 @@ def decide(
         verdict = Verdict.INCONCLUSIVE
         settle.append(f"evidence at step {vague[0].step} could not be localised ({vague[0].detail}); replay that step "
                       "with the recipe and checkpoints, or enable audits")
-    elif weak:
+    elif weak or unreproduced:  # weak evidence, or a replay that did not reproduce an update: nothing certifies past it
         verdict = Verdict.INCONCLUSIVE
     elif localised:  # storage only: no divergent step, but damaged files
         verdict = Verdict.CORRUPTION
@@ -291,7 +298,10 @@ def decide(
                          "the fault may have begun there")
     if weak:
         settle[:0] = _weak_lines(weak)
-    statuses = tuple(checkpoint_status(n, files.get(n.step), first=first, weak=weak, majority=majority.get(n.step), examined=examined)
+    if unreproduced:
+        settle.insert(0, _recipe_line(unreproduced))
+    statuses = tuple(checkpoint_status(n, files.get(n.step), first=first, weak=weak, majority=majority.get(n.step), examined=examined,
+                                       unreproduced=unreproduced, sharded=sharded)
                      for n in sorted(notes, key=lambda n: n.step))
     return Decision(verdict=verdict, first_divergent_step=first, divergence_window=window, suspects=suspects,
                     checkpoints=statuses, weak=weak, settle=tuple(settle), evidence=tuple(evidence))
@@ -299,6 +309,15 @@ def decide(
 
 _EXACTLY = ("replay exactly (without --threads/--tolerant on CPU, or on the recorded GPU model), or from a checkpoint closer "
             "to the step, to settle it")
+
+
+def _recipe_line(steps: Sequence[int]) -> str:
+    """What to say when the replay did not reproduce the update of ``steps`` on any rank (``common_mode`` rule 5)."""
+    return (f"the replay does not reproduce the update of step(s) {_spans(steps)}: the local and reduced gradients matched "
+            "exactly, the weights after the update differ on every rank alike, so the recipe most likely rebuilds the update "
+            "wrong: check its optimizer (type, hyper-parameters, parameter groups), gradient clipping (before_step), learning "
+            "rate (one the loop sets by hand: set it in before_step from the step it is handed, docs/recipes.md) and LR "
+            "scheduler (after_step); no checkpoint after it is certified until a replay reproduces every step")
 
 
 def _weak_lines(weak: Sequence[Evidence]) -> list[str]:
@@ -320,6 +339,28 @@ def _who(ev: Evidence) -> str:
     return "the collective" if ev.location is Location.COLLECTIVE else "no rank in particular"
 
 
+def _at_rest(evidence: Sequence[Evidence]) -> list[Evidence]:
+    """A DDP replica whose weights changed at rest: the replay finds rank ``r``'s local gradient of step
+    ``s`` wrong (computed with other weights than the replicas'), and the trace finds ``r``'s weights after
+    ``s`` different from the majority's while they were equal after the check before (``WEIGHT_DIVERGENCE``
+    whose bound holds ``s``). A wrong local gradient alone is averaged into every replica, which stay
+    equal; a wrong update leaves the local gradient right. Both together: ``r``'s state changed between
+    the update before ``s`` and its forward, so the replay's evidence is located there (a sharded job's
+    rest digest says so directly: ``triage/trace_only.py``)."""
+    diverged = [e for e in evidence if e.kind is EvidenceKind.WEIGHT_DIVERGENCE and e.source == "trace" and e.marks_divergence]
+    if not diverged:
+        return list(evidence)
+    out = []
+    for ev in evidence:
+        if (ev.kind is EvidenceKind.REPLAY_MISMATCH and ev.location is Location.LOCAL_COMPUTE and ev.marks_divergence and ev.ranks
+                and all(any(r in d.ranks and d.onset <= ev.step <= d.step for d in diverged) for r in ev.ranks)):
+            ev = dataclasses.replace(ev, location=Location.STATE_AT_REST, detail=(
+                f"{ev.detail}, and its weights after the step differ from the other replicas' though they were equal before "
+                "it: its weights changed in memory between the update before this step and its forward (at rest)"))
+        out.append(ev)
+    return out
+
+
 def _pinned(ev: Evidence, examined: Examined) -> Evidence:
     """Evidence that only bounds its fault (replicas found different at a weights check, equal at
     the one before) stops bounding it once a replay examined every step of the bound: the replay's
@@ -330,8 +371,10 @@ def _pinned(ev: Evidence, examined: Examined) -> Evidence:
 
 
 def checkpoint_status(note, file: CheckpointFile | None, *, first: int | None, weak: Sequence[Evidence] = (),
-                      majority: str | None, examined: Examined) -> CheckpointStatus:
-    """The status of checkpoint ``note.step``: the one rule every command uses."""
+                      majority: str | None, examined: Examined, unreproduced: Sequence[int] = (),
+                      sharded: bool = False) -> CheckpointStatus:
+    """The status of checkpoint ``note.step``: the one rule every command uses (``unreproduced``: steps
+    whose update the replay did not reproduce on any rank, so they were not replayed exactly)."""
     step = note.step
     path = (file.path if file is not None else "") or ""
     report = file.report if file is not None else None
@@ -339,6 +382,17 @@ def checkpoint_status(note, file: CheckpointFile | None, *, first: int | None, w
     if file is not None and file.error:
         return CheckpointStatus(step=step, path=path, status=Status.CORRUPT, reasons=(f"unreadable or malformed: {file.error}",))
     bad = [f"{f.kind.value} {f.subject}: {f.detail}" for f in findings if f.kind not in UNVERIFIABLE_FINDINGS]
+    copied = [f for f in findings if f.kind in _REPLICA_COPY_FINDINGS] if diverged_replica_copy(note, sharded) else []
+    if copied:
+        # the shards written are not the majority's: a diverged replica's copy, which the trace names (not the disk)
+        bad = [f"{f.kind.value} {f.subject}: {f.detail}" for f in findings
+               if f.kind not in UNVERIFIABLE_FINDINGS and f.kind not in _REPLICA_COPY_FINDINGS]
+        who = (f"rank(s) {', '.join(map(str, note.diverged_ranks))} had diverged from their replicas when it was saved (the "
+               "recorder's vote)" if note.blessed and note.diverged_ranks else
+               "the replicas of a shard disagreed when it was saved (no strict majority)")
+        bad.insert(0, f"holds a diverged replica's weights: {who}, and {len(copied)} of its tensors (e.g. {copied[0].subject}) are "
+                      "not the copy noted at save time: a sharded checkpoint's shard is written by one replica of it, here one "
+                      "whose weights had diverged (the evidence names the rank); not storage damage")
     if not note.blessed and not note.agreeing_ranks:
         bad.insert(0, f"saved from rank {note.saved_by_rank} with no strict majority among the replicas: it may be a diverged "
                       "replica, and the recorder did not bless it")
@@ -367,6 +421,10 @@ def checkpoint_status(note, file: CheckpointFile | None, *, first: int | None, w
     early = [e for e in weak if e.step < step]
     if early:
         why.append(f"weak evidence at step {early[0].step} ({_who(early[0])}) is unresolved")
+    off = [s for s in unreproduced if s < step]
+    if off:
+        why.append(f"the replay did not reproduce the update of step(s) {_spans(off)} (the weights after it differ on every "
+                   "rank while its gradients matched): those steps were not replayed exactly; check the recipe")
     missing = examined.unexamined_before(step)
     if missing:
         why.append(f"steps {_spans(missing)} were not replayed: a wrong local gradient there would not show in the trace")
@@ -379,6 +437,17 @@ def checkpoint_status(note, file: CheckpointFile | None, *, first: int | None, w
     before = "no step before it" if step <= examined.first_step else f"every step {examined.first_step}..{step - 1} replayed bit for bit"
     return CheckpointStatus(step=step, path=path, status=Status.CLEAN, findings=findings, report=report,
                             reasons=(where, "content as saved, equal to the replicas' majority, no NaN/Inf", before))
+
+
+#: What a diverged replica's shard written to a sharded checkpoint looks like against its note.
+_REPLICA_COPY_FINDINGS = frozenset({FindingKind.DIGEST_MISMATCH, FindingKind.WEIGHTS_NOT_MAJORITY})
+
+
+def diverged_replica_copy(note, sharded: bool) -> bool:
+    """True when checkpoint ``note``'s content differing from the note is explained by a diverged
+    replica, not storage: a sharded job (each shard written by one of its replicas, any of them)
+    whose recorder found ranks diverged when it saved, or no majority among the replicas."""
+    return sharded and (bool(note.diverged_ranks) or not note.blessed)
 
 
 def last_clean(statuses: Iterable[CheckpointStatus]) -> CheckpointStatus | None:
@@ -460,6 +529,6 @@ def fault_events(chain: Sequence[Evidence], rank: int | None, world_size: int) -
             continue
         if not events or ev.step != events[-1]:
             events.append(ev.step)
-        if ev.kind in _PERSISTENT or ev.location in (Location.OPTIMIZER_UPDATE, Location.COLLECTIVE):
+        if ev.kind in _PERSISTENT or ev.location in (Location.OPTIMIZER_UPDATE, Location.COLLECTIVE, Location.STATE_AT_REST):
             diverged = True
     return tuple(events)

@@ -39,7 +39,7 @@ from sdc_forensics.trace.manifest import MANIFEST_NAME
 RECIPE_REFERENCE = "sdc_forensics.demo.recipe:recipe"
 
 
-def train_step(ddp, optimizer, recipe, microbatches, count: int, handle=None, scheduler=None) -> None:
+def train_step(ddp, optimizer, recipe, microbatches, count: int, handle=None, scheduler=None, step: int | None = None) -> None:
     """One DDP optimizer step: ``count`` microbatches accumulated under ``no_sync`` but the last.
 
     The update is ``recipe.before_step`` (clipping), ``optimizer.step()``, ``recipe.after_step``
@@ -53,6 +53,7 @@ def train_step(ddp, optimizer, recipe, microbatches, count: int, handle=None, sc
         count: how many there are.
         handle: the recorder's step handle (``Recorder.step``), or None for an unrecorded step.
         scheduler: the recipe's scheduler (``build``'s third value), or None.
+        step: the optimizer step, handed to hooks that declare a ``step`` parameter (as replay does).
     """
     for i, batch in enumerate(microbatches):
         if handle is not None:
@@ -62,9 +63,9 @@ def train_step(ddp, optimizer, recipe, microbatches, count: int, handle=None, sc
             loss.backward()
         if handle is not None:
             handle.loss(loss)
-    recipe_mod.before_step(recipe, ddp.module, optimizer)
+    recipe_mod.before_step(recipe, ddp.module, optimizer, step=step)
     optimizer.step()
-    recipe_mod.after_step(recipe, ddp.module, optimizer, scheduler)
+    recipe_mod.after_step(recipe, ddp.module, optimizer, scheduler, step=step)
     optimizer.zero_grad(set_to_none=True)
 
 def default_injection(steps: int = 40, checkpoint_every: int = 10) -> str:
@@ -479,7 +480,7 @@ def train_rank(config: DemoConfig, rank: int) -> dict:
             ids = recipe.microbatch_ids(step, rank, world_size)
             killer.begin(step, len(ids))
             with rec.step(step, microbatch_ids=ids) if rec is not None else contextlib.nullcontext() as s:
-                train_step(ddp, optimizer, recipe, (recipe.fetch_microbatch(i, device) for i in ids), len(ids), s, scheduler)
+                train_step(ddp, optimizer, recipe, (recipe.fetch_microbatch(i, device) for i in ids), len(ids), s, scheduler, step=step)
             killer.after_record(step)
             if (step + 1) % config.checkpoint_every == 0:
                 checkpoint(step + 1)

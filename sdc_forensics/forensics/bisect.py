@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from sdc_forensics.checkpoint.findings import FindingKind
 from sdc_forensics.decide import decision
 from sdc_forensics.replay import preflight
 from sdc_forensics.decide.decision import CheckpointFile, Examined
@@ -96,7 +97,7 @@ def bisect(trace_dir: Trace | str | os.PathLike, options: AnalysisOptions, progr
             settle.append("the trace notes no checkpoint: replay needs one; pass a trace whose run saved checkpoints")
         if notes:
             files = _verify_files(notes, options, trace.path, seed)
-            evidence += _storage_evidence(notes, files)
+            evidence += _storage_evidence(notes, files, sharded=trace.manifest.parallel is not None)
         from sdc_forensics.replay.env import resolve_device
 
         resolve_device(options.device)  # an unknown or absent device is a usage error before anything is said or done
@@ -129,7 +130,7 @@ def bisect(trace_dir: Trace | str | os.PathLike, options: AnalysisOptions, progr
         files = {n.step: CheckpointFile(path=_where(n, options, trace.path)) for n in notes}
     majority = majority_weights_digests(trace, [n.step for n in notes]) if notes else {}
     decided = decision.decide(evidence, world_size=trace.world_size, identity=trace.manifest.identity, notes=notes,
-                              files=files, majority=majority, examined=examined)
+                              files=files, majority=majority, examined=examined, sharded=trace.manifest.parallel is not None)
     scope = _scope(tri, summary)
     if decided.verdict is decision.Verdict.CLEAN and mode == "trace-only":
         scope += " (trace-only: a wrong finite local gradient on a step without an audit would not show)"
@@ -214,11 +215,13 @@ def _damaged(report) -> bool:
     return any(f.kind.value in _NOT_A_START for f in report.findings)
 
 
-def _storage_evidence(notes: list[CheckpointNote], files: dict[int, CheckpointFile]) -> list[Evidence]:
+def _storage_evidence(notes: list[CheckpointNote], files: dict[int, CheckpointFile], sharded: bool = False) -> list[Evidence]:
     out = []
     for note in notes:
         file = files[note.step]
         findings = [f for f in file.report.findings if f.kind.value in decision.STORAGE_FINDINGS] if file.report is not None else []
+        if decision.diverged_replica_copy(note, sharded):  # a diverged replica's shard, written as it was: not the disk
+            findings = [f for f in findings if f.kind is not FindingKind.DIGEST_MISMATCH]
         if file.error or findings:
             first = findings[0] if findings else None
             out.append(Evidence(

@@ -31,8 +31,9 @@ It stops at ``until_step`` (every interval up to that checkpoint examined), afte
 seconds with nothing new in the trace and nothing pending, or at SIGTERM/SIGINT (a replay in
 progress is abandoned: its interval has no record and is replayed again by the next follower;
 a ledger append is never cut; the final statuses are then decided on the ledger, replaying
-nothing, and a second signal ends that at once). Exit status (``exitcodes.ExitCode``): 1 when an incident was found;
-else 4 when it stopped with intervals still pending, some that cannot be replayed or some that
+nothing, and a second signal ends that at once). Exit status (``exitcodes.ExitCode``): 1 when an incident's analysis found corruption;
+else 4 when an incident's analysis was inconclusive (a replay that does not reproduce the update:
+the recipe), or it stopped with intervals still pending, some that cannot be replayed or some that
 ``--budget sample:F`` left out; else 0.
 
 Over 400 lines on purpose: one loop (look, pick, replay, record, stop) whose parts share the
@@ -445,9 +446,13 @@ class _Loop:
                 self.say(f"no final analysis: {exc}")
         elif self.incidents:
             final = self.incidents[-1]
-        if self.incidents:
+        from sdc_forensics.decide.decision import Verdict
+
+        if any(c.analysis.verdict is Verdict.CORRUPTION for c in self.incidents):
             code = ExitCode.CORRUPTION
-        elif self.lag or self.unreplayable or self.skipped:
+        elif self.incidents or self.lag or self.unreplayable or self.skipped:
+            # strong evidence that the analysis could not pin on a rank (a replay that does not reproduce the
+            # update, most likely the recipe): nothing after it is certified, and it is no corruption verdict
             code = ExitCode.INCONCLUSIVE
         else:
             code = ExitCode.CLEAN

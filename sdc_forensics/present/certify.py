@@ -50,7 +50,7 @@ def coverage_document(c) -> dict[str, Any]:
     cost = None if c.cost is None else {"rank_steps": c.cost.rank_steps, "seconds_per_rank_step": c.cost.seconds_per_rank_step,
                                         "seconds": c.cost.seconds, "ledger_records": c.cost.records}
     return {"step": c.step, "exact_now": spans(c.exact_now), "exact_ledger": spans(c.exact_ledger), "tolerant": spans(c.tolerant),
-            "online_only": spans(c.online_only), "nothing": spans(c.nothing), "lacking_replay": spans(c.lacking_replay),
+            "unreproduced": spans(c.unreproduced), "online_only": spans(c.online_only), "nothing": spans(c.nothing), "lacking_replay": spans(c.lacking_replay),
             "ledger_records": list(c.record_ids), "online_checks": online, "replay_cost": cost}
 
 
@@ -62,6 +62,7 @@ def coverage_text(c) -> str:
     online = f"online checks only {spans(c.online_only)}" + (f" ({c.online.describe()})" if c.online is not None else "")
     parts = [text for text, v in ((f"exact now {spans(c.exact_now)}", c.exact_now),
                                   (f"exact from the ledger {spans(c.exact_ledger)}", c.exact_ledger),
+                                  (f"replayed, update not reproduced {spans(c.unreproduced)}", c.unreproduced),
                                   (f"tolerant {spans(c.tolerant)}", c.tolerant), (online, c.online_only),
                                   (f"nothing {spans(c.nothing)}", c.nothing)) if v]
     text = f"checkpoint {c.step}: " + ("; ".join(parts) if parts else "no step before it")

@@ -297,7 +297,12 @@ class StepComparisons:
             shards.shard_runs(params, shard, self.mesh.shard_size), k=1, seed=self.seed).digest), dtype=np.uint64)
 
     def _compare_weights(self, step, recs, model, tolerant, explained):
-        """Replica weights vs the replay's; ``(evidence, replay differs from the majority)``."""
+        """Replica weights after the update vs the replay's; ``(evidence, the replay's weights left the record)``.
+
+        Every rank's recorded weights differing from the replay's (its gradients reproduced bit for
+        bit) is evidence naming every rank: the decision (``decide/common_mode.py``) reads it as the
+        replay not reproducing the update (most likely the recipe), never as a note. Some ranks
+        differing while others equal the exact replay: those ranks' updates went wrong."""
         has_w = (recs["flags"] & int(F.Flag.HAS_WEIGHTS)) != 0
         if not has_w.any() or tolerant:
             return [], False
@@ -305,9 +310,14 @@ class StepComparisons:
         off = tuple(int(r) for r in np.flatnonzero(has_w & (recs["weights_digest"] != replayed)))
         if not off or explained:
             return [], False
-        if len(off) * 2 >= int(has_w.sum()):
-            return [], True
-        return [Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=off, source="replay",
-                         expected=", ".join(sorted({hex64(int(replayed[r])) for r in off})),
-                         found=", ".join(hex64(int(recs[r]["weights_digest"])) for r in off), location=Location.OPTIMIZER_UPDATE,
-                         detail="same gradients in, different weights out: this replica's optimizer update went wrong")], False
+        expected = ", ".join(sorted({hex64(int(replayed[r])) for r in off}))
+        found = ", ".join(hex64(int(recs[r]["weights_digest"])) for r in off)
+        if len(off) == int(has_w.sum()):
+            return [Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=off, source="replay", expected=expected,
+                             found=found, location=Location.OPTIMIZER_UPDATE,
+                             detail="every rank's weights after the update differ from the replay's, though its local and reduced "
+                                    "gradients reproduced exactly")], True
+        return [Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=off, source="replay", expected=expected,
+                         found=found, location=Location.OPTIMIZER_UPDATE,
+                         detail="same gradients in, different weights out: this replica's optimizer update went wrong "
+                                "(the other replicas' weights equal the exact replay's)")], False

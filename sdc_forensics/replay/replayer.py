@@ -486,7 +486,7 @@ class Replayer(StepComparisons):
             if self.collective_missed and self.collective_missed not in notes:
                 notes.append(self.collective_missed)
             if reduce_note and tolerant_from is None and not step_evidence:
-                tolerant_from = step + 1
+                tolerant_from = step  # this step's reduced gradient matched within tolerance only: not exact
                 notes.append(reduce_note)
             order_used = order_used or order
             self.module_buffers.end_step()
@@ -506,16 +506,14 @@ class Replayer(StepComparisons):
             values, freq = np.unique(counts[counts > 0], return_counts=True)
             self._use_threads(int(values[np.argmax(freq)]) if len(values) else 0)
             with clipping_as_recorded(self.mesh):  # a sharded job's clipping norm, as its ranks computed it
-                recipe_mod.before_step(self.recipe, model, optimizer)
+                recipe_mod.before_step(self.recipe, model, optimizer, step=step)
             optimizer.step()
-            recipe_mod.after_step(self.recipe, model, optimizer, scheduler)
-            weights_evidence, majority_differs = self._compare_weights(step, recs, model, tolerant_from is not None,
-                                                                       bool(step_evidence or reduce_evidence))
+            recipe_mod.after_step(self.recipe, model, optimizer, scheduler, step=step)
+            weights_evidence, departed = self._compare_weights(step, recs, model, tolerant_from is not None,
+                                                               bool(step_evidence or reduce_evidence))
             evidence += weights_evidence
-            if majority_differs and tolerant_from is None and not step_evidence and not reduce_evidence:
+            if departed:  # the replay's weights are no longer the record's: later steps cannot compare bit for bit
                 tolerant_from = step + 1
-                notes.append(f"step {step}: the replayed weights are not bitwise the replicas' majority (an update or "
-                             "reduction this replay does not reproduce): later steps are compared within the sketch tolerance")
             buffers_note = self.module_buffers.check(saved[step + 1, attempt], self.seed) if (step + 1, attempt) in saved else ""
             if buffers_note and self.mesh is not None and "differ" in buffers_note:
                 buffers_note = (f"checkpoint {step + 1}: FSDP2 keeps every rank's module buffers (BatchNorm running statistics) "

@@ -44,7 +44,8 @@ class Strength(str, enum.Enum):
 class Location(str, enum.Enum):
     """Where a fault sits."""
 
-    LOCAL_COMPUTE = "local_compute"  # the rank's forward/backward, or its own state (weights at rest)
+    LOCAL_COMPUTE = "local_compute"  # the rank's forward/backward
+    STATE_AT_REST = "state_at_rest"  # the rank's weights changed in memory between two steps (after one update, before the next forward)
     COLLECTIVE = "collective"  # inside the all-reduce
     OPTIMIZER_UPDATE = "optimizer_update"  # the rank's optimizer step
     INPUT_DATA = "input_data"  # the rank's input microbatch

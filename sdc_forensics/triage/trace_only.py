@@ -401,7 +401,7 @@ class _RestState:
             if changed.any():
                 ranks = _ranks(changed)
                 out.append(Evidence(
-                    kind=EvidenceKind.WEIGHT_DIVERGENCE, step=step, ranks=ranks, location=Location.LOCAL_COMPUTE, shared=True,
+                    kind=EvidenceKind.WEIGHT_DIVERGENCE, step=step, ranks=ranks, location=Location.STATE_AT_REST, shared=True,
                     reach=tuple(sorted({m for g in self.mesh.replicas() if set(g) & set(ranks) for m in g})),
                     expected=", ".join(f"rank {r}: {hex64(int(before[r]))} (after step {step - 1}'s update, or as checkpoint "
                                        f"{step} noted it)" for r in ranks),

@@ -123,7 +123,7 @@ def test_a_collective_candidate_is_confirmed_by_the_jump():
 def _rest(step, rank, reach):
     """A sharded job's weight shard changed at rest on ``rank`` (``triage/trace_only._RestState``):
     shared with every rank of ``reach``, which gathered it."""
-    return Evidence(kind=EvidenceKind.WEIGHT_DIVERGENCE, step=step, ranks=(rank,), source="trace", location=Location.LOCAL_COMPUTE,
+    return Evidence(kind=EvidenceKind.WEIGHT_DIVERGENCE, step=step, ranks=(rank,), source="trace", location=Location.STATE_AT_REST,
                     strength=Strength.STRONG, shared=True, reach=tuple(reach), detail=f"rank {rank}'s shard changed at rest")
 
 
@@ -136,4 +136,4 @@ def test_a_shard_changed_at_rest_is_the_one_suspect_whichever_ranks_its_replica_
     evidence = [_rest(5, 1, range(W))] + [_local(5, r, 10**6) for r in mismatched]
     decided = _decide(evidence, anchors=(4,), replayed=range(4, 6))
     assert decided.verdict is Verdict.CORRUPTION and decided.first_divergent_step == 5
-    assert [(s.rank, s.location) for s in decided.suspects] == [(1, Location.LOCAL_COMPUTE)]
+    assert [(s.rank, s.location) for s in decided.suspects] == [(1, Location.STATE_AT_REST)]

@@ -186,3 +186,78 @@ def test_finding_kind_sets_are_the_enum_and_classify_every_kind_once():
     assert STORAGE_FINDINGS == {FindingKind.DIGEST_MISMATCH, FindingKind.FILE_DAMAGED, FindingKind.FILE_CHECKSUM_MISMATCH,
                                 FindingKind.MISSING_TENSOR, FindingKind.UNEXPECTED_TENSOR}
     assert UNVERIFIABLE_FINDINGS == {FindingKind.NOT_VERIFIABLE}
+
+
+def _update_everywhere(step, ranks=(0, 1, 2, 3)):
+    """What the replay reports when every rank's weights after ``step`` differ from its exact update."""
+    return _ev(EvidenceKind.REPLAY_MISMATCH, step, ranks, Location.OPTIMIZER_UPDATE, source="replay",
+               expected="0x1", found=", ".join("0x2" for _ in ranks))
+
+
+def test_an_update_no_rank_reproduces_is_inconclusive_names_the_recipe_and_certifies_nothing_after_it(make_run):
+    """Issue 33: the gradients of step 2 reproduced bit for bit, the weights after its update differ on
+    every rank alike (a recipe with a wrong learning rate, or without its clipping): no rank is named,
+    no divergent step is set, checkpoint 2 (before it) stays clean and checkpoint 4 is not certified."""
+    run = make_run(steps=4)
+    notes = read_checkpoint_notes(run.trace_dir)
+    files = {n.step: _file(n, None, run.trace_dir.parent) for n in notes}
+    decided = decide([_update_everywhere(2)], world_size=4, identity=lambda r: _Ident(), notes=notes, files=files, majority={},
+                     examined=Examined(replayed=frozenset(range(4)), files_read=True))
+    assert (decided.verdict, decided.first_divergent_step, decided.suspects) == (Verdict.INCONCLUSIVE, None, ())
+    statuses = {c.step: c for c in decided.checkpoints}
+    assert [statuses[n].status for n in (0, 2, 4)] == [Status.CLEAN, Status.CLEAN, Status.UNVERIFIED]
+    assert "did not reproduce the update of step(s) 2" in statuses[4].reasons[0]
+    assert not any("bit for bit" in r for r in statuses[4].reasons)
+    line = decided.settle[0]
+    assert "does not reproduce the update of step(s) 2" in line
+    assert all(word in line for word in ("recipe", "optimizer", "clipping", "learning rate", "scheduler"))
+
+
+def test_an_update_mismatch_with_other_strong_evidence_at_its_step_is_not_called_the_recipe():
+    """Rule 5 holds only with nothing else strong at the step: a NaN in rank 1's local gradient there
+    is the verdict, and the update mismatch is no recipe event."""
+    nan = _ev(EvidenceKind.NONFINITE, 2, (1,), Location.LOCAL_COMPUTE)
+    decided = decide([_update_everywhere(2), nan], world_size=4, identity=lambda r: _Ident(), notes=(), files={}, majority={},
+                     examined=Examined(replayed=frozenset(range(4))))
+    assert decided.verdict is Verdict.CORRUPTION and decided.first_divergent_step == 2
+    assert not any("does not reproduce the update" in line for line in decided.settle)
+
+
+def test_weights_changed_at_rest_are_located_at_rest_not_in_local_compute():
+    """DDP: rank 2's local gradient of step 3 is wrong (replay) and its weights after step 3 differ from
+    the majority's while they were equal after step 2 (trace): its weights changed at rest. The same
+    wrong gradient without the divergence is local compute (averaged into every replica alike)."""
+    local = _ev(EvidenceKind.REPLAY_MISMATCH, 3, (2,), Location.LOCAL_COMPUTE, source="replay")
+    diverged = _ev(EvidenceKind.WEIGHT_DIVERGENCE, 3, (2,), Location.UNKNOWN)
+    common = dict(world_size=4, identity=lambda r: _Ident(), notes=(), files={}, majority={},
+                  examined=Examined(replayed=frozenset(range(6))))
+    [at_rest] = decide([local, diverged], **common).suspects
+    assert (at_rest.rank, at_rest.location, at_rest.steps) == (2, Location.STATE_AT_REST, (3,))
+    [compute] = decide([local], **common).suspects
+    assert (compute.rank, compute.location) == (2, Location.LOCAL_COMPUTE)
+    later = _ev(EvidenceKind.WEIGHT_DIVERGENCE, 5, (2,), Location.UNKNOWN)  # diverged only after another, later step
+    assert {s.location for s in decide([local, later], **common).suspects} == {Location.LOCAL_COMPUTE}
+
+
+def test_a_sharded_checkpoint_holding_a_diverged_replicas_shard_says_so_not_storage():
+    """Issue 33: an HSDP checkpoint saved after rank 3's weights diverged holds rank 3's shard (DCP writes
+    one replica's copy): its tensor digests differ from the note, and the reason names the diverged
+    replica, not the disk. The same findings in a DDP checkpoint saved by a healthy rank stay storage."""
+    from types import SimpleNamespace
+
+    from sdc_forensics.checkpoint.findings import FindingKind
+    from sdc_forensics.checkpoint.verify import Finding
+    from sdc_forensics.trace.checkpoints import CheckpointNote
+
+    findings = (Finding(kind=FindingKind.DIGEST_MISMATCH, subject="model.3.weight", expected="0x1", found="0x2",
+                        detail="bytes differ from what was saved (storage corruption)"),)
+    file = CheckpointFile(path="step-4", report=SimpleNamespace(findings=findings))
+    for note in (CheckpointNote(step=4, path="step-4", weights_digest="0x9", saved_by_rank=0, blessed=False),
+                 CheckpointNote(step=4, path="step-4", weights_digest="0x9", saved_by_rank=0, blessed=True,
+                                agreeing_ranks=(0, 1, 2), diverged_ranks=(3,))):
+        status = checkpoint_status(note, file, first=3, majority=None, examined=Examined(replayed=frozenset(range(4))), sharded=True)
+        assert status.status is Status.CORRUPT
+        text = " ".join(status.reasons)
+        assert "holds a diverged replica's weights" in text and "storage" not in text.replace("not storage damage", "")
+        ddp = checkpoint_status(note, file, first=3, majority=None, examined=Examined(replayed=frozenset(range(4))))
+        assert "storage corruption" in " ".join(ddp.reasons) and "diverged replica's weights" not in " ".join(ddp.reasons)

@@ -88,6 +88,18 @@ def test_training_fault_scoring():
     assert everyone["exact_step_rank"] and everyone["location_correct"]  # no single rank to name
 
 
+def test_a_weight_changed_at_rest_is_located_at_rest_not_in_the_compute():
+    """A ``weights`` fault (a parameter flipped after one update, before the next forward) is only
+    located right as ``state_at_rest``: the step and rank alone, blamed on the forward/backward
+    (``local_compute``, what bisect said before issue 33), score as the wrong place."""
+    tainted = {"0": "clean", "4": "clean", "8": "tainted"}
+    fault = "weights:step=5:rank=2:bit=30"
+    at_rest = campaign.judge(_row(fault, "corruption", 5, [(2, "state_at_rest")], tainted))
+    assert at_rest["exact_step_rank"] and at_rest["location_correct"] and at_rest["false_clean"] == []
+    in_compute = campaign.judge(_row(fault, "corruption", 5, [(2, "local_compute")], tainted))
+    assert in_compute["exact_step_rank"] and not in_compute["location_correct"]
+
+
 def test_checkpoint_file_scoring():
     fault = "checkpoint-file:step=4:rank=3:bit=30"
     corrupt = {"0": "clean", "4": "corrupt", "8": "clean"}

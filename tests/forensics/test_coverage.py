@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 from types import SimpleNamespace
 
+from sdc_forensics.decide.common_mode import UPDATE_NOT_REPRODUCED
 from sdc_forensics.decide.verdict import LedgerSummary, ReplayedWindow, ReplaySummary, ReusedWindow
 from sdc_forensics.forensics.certify import coverage_of
 from sdc_forensics.present.certify import coverage_text
+from sdc_forensics.triage.evidence import Evidence, EvidenceKind, Location
 
 RECORD = "a" * 32
 
@@ -22,7 +24,8 @@ def _result():
                ReplayedWindow(start=20, stop=29, last=29, comparison="tolerant", tolerant_from=25, reason=""))
     ledger = LedgerSummary(path="ledger.jsonl", reused=(ReusedWindow(start=0, last=9, record_ids=(RECORD,)),))
     checkpoints = tuple(SimpleNamespace(step=n) for n in (0, 10, 20, 30, 40, 50))
-    return SimpleNamespace(step_range=(0, 39), replayed=ReplaySummary(windows=windows, ledger=ledger), checkpoints=checkpoints)
+    return SimpleNamespace(step_range=(0, 39), replayed=ReplaySummary(windows=windows, ledger=ledger), checkpoints=checkpoints,
+                           evidence=())
 
 
 def test_each_step_counts_once_under_its_strongest_examination():
@@ -33,6 +36,24 @@ def test_each_step_counts_once_under_its_strongest_examination():
     assert by_step[30].exact_now == ((10, 24),) and by_step[30].tolerant == ((25, 29),)
     assert by_step[40].online_only == ((30, 39),) and by_step[40].lacking_replay == ((25, 39),)
     assert by_step[50].nothing == ((40, 49),) and by_step[50].lacking_replay == ((25, 49),)
+
+
+def test_a_step_whose_update_the_replay_did_not_reproduce_is_not_exact():
+    """Step 12 replayed, its gradients matched, its update not (``decide/common_mode.py`` rule 5): it
+    lacks exact replay, under its own heading, and the steps around it stay exact."""
+    off = Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=12, location=Location.OPTIMIZER_UPDATE, source="replay",
+                   affects_state=False, detail=f"{UPDATE_NOT_REPRODUCED}: ...")
+    by_step = {c.step: c for c in coverage_of(_with(off))}
+    assert by_step[10].unreproduced == () and by_step[20].unreproduced == ((12, 12),)
+    assert by_step[20].exact_now == ((10, 11), (13, 19)) and by_step[20].lacking_replay == ((12, 12),)
+    assert by_step[40].lacking_replay == ((12, 12), (25, 39))
+    assert "replayed, update not reproduced 12" in coverage_text(by_step[20])
+
+
+def _with(*evidence):
+    result = _result()
+    result.evidence = evidence
+    return result
 
 
 def test_the_line_for_people_names_what_lacks_replay():

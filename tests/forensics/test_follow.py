@@ -273,3 +273,20 @@ def test_a_follower_examines_a_resumed_attempts_steps_again(demo_run, tmp_path):
     assert [(c["step"], c["status"]) for c in doc["checkpoints"]] == [(n, "clean") for n in range(0, 16, 3)]
     again = certify(trace, AnalysisOptions())
     assert again.analysis.replayed.steps_replayed == 0 and again.resume.step == 15
+
+
+def test_a_follower_with_a_recipe_that_rebuilds_the_update_wrong_certifies_nothing_and_exits_4(demo_run, tmp_path):
+    """Issue 33: a clean run followed with a recipe whose hand-set learning rate is 1 % off. The first
+    interval's gradients reproduce, its update does not: that is evidence (the interval's ledger record
+    certifies nothing), the analysis is inconclusive and names the recipe, and the follower exits 4,
+    not 1 (no rank is to blame) and not 0 (nothing after checkpoint 0 is certified)."""
+    shutil.copytree(demo_run((), steps=6, checkpoint_every=3), tmp_path / "run")
+    trace = tmp_path / "run" / "trace"
+    res, doc = _follow_finished(trace, "--recipe", "tests.forensics.wrong_recipes:lr_off")
+    assert res.exit_code == 4, res.output
+    assert doc["follow"]["intervals"][0]["outcome"] == "evidence"
+    incident = doc["follow"]["incident"]
+    assert incident["verdict"] == "inconclusive" and incident["suspects"] == []
+    assert any("does not reproduce the update" in line for line in incident["settle"])
+    assert [c["status"] for c in doc["checkpoints"]][1:] == ["unverified"] * (len(doc["checkpoints"]) - 1)
+    assert not any(r.certifies for r in _records(trace))

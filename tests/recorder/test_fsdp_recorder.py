@@ -12,6 +12,8 @@ then analysed by the unchanged commands:
 * HSDP's two replicas of a shard that disagree are detected (no vote can name the rank) and the
   exact replay names it; with three replicas (6 processes, heavy) the vote names it online, the
   exact replay names its location, and a clean run certifies.
+* a weight shard changed at rest is located at rest (``state_at_rest``), by the replay and by the
+  trace alone.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ HSDP_FAULTS = {  # HSDP 2 x 2: a shard at rest is gathered by its own replica on
     "hsdp-all-reduce-output": ("all-reduce-output:step=2:rank=2:bit=20", 2, 2),
     "hsdp-all-gather-output": ("all-gather-output:step=2:rank=1:bit=20", 2, 1),
 }
+#: faults of a weight shard at rest: located there (the rest digest), not in the rank's forward/backward
+AT_REST = frozenset({"weights", "weights-at-0", "hsdp-weights"})
 
 
 def _jobs(rank: int, root: str, runs: list) -> dict:
@@ -142,6 +146,8 @@ def test_a_fault_at_each_sharded_location_is_found_at_its_step_and_rank(runs, na
     assert doc["first_divergent_step"] == step, doc
     assert [s["rank"] for s in doc["suspects"]] == [rank], doc["suspects"]
     assert doc["suspects"][0]["mesh"] == f"shard={rank}"  # where in the mesh
+    if name in AT_REST:
+        assert doc["suspects"][0]["location"] == "state_at_rest", doc["suspects"]
     assert_valid(doc, "bisect")
     code, doc = _bisect(root / name / "trace", "inspect")
     assert doc["parallel"]["kind"] == "fsdp" and doc["parallel"]["coords"] == [[r] for r in range(WORLD)]
@@ -155,6 +161,8 @@ def test_hsdp_faults_are_found_at_their_step_and_rank(runs, name):
     code, doc = _bisect(root / name / "trace")
     assert code == 1 and doc["first_divergent_step"] == step, doc
     assert [s["rank"] for s in doc["suspects"]] == [rank], doc["suspects"]
+    if name in AT_REST:
+        assert doc["suspects"][0]["location"] == "state_at_rest", doc["suspects"]
 
 
 @pytest.mark.parametrize("name", ["all-gather-output", "hsdp-all-gather-output", "hsdp-weights"])
@@ -171,7 +179,8 @@ def test_the_gathered_parameters_vote_names_the_rank_online_and_in_the_trace(run
     assert all(f[name]["alarms"] == alarms for f in found), [f[name] for f in found]
     code, doc = _bisect(root / name / "trace", "bisect", "--trace-only")
     assert code == 1 and doc["first_divergent_step"] == step, doc
-    assert [(s["rank"], s["location"]) for s in doc["suspects"]] == [(rank, "local_compute")], doc["suspects"]
+    where = "state_at_rest" if name in AT_REST else "local_compute"  # a gathered copy changed: the rank's compute
+    assert [(s["rank"], s["location"]) for s in doc["suspects"]] == [(rank, where)], doc["suspects"]
 
 
 def test_the_report_names_a_sharded_suspect_with_its_mesh_coordinates(runs, tmp_path):
