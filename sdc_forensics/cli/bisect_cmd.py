@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from sdc_forensics.cli.common import distributed_replay, ledger_options, run_analysis, trace_analysis_options
+from sdc_forensics.cli.common import distributed_replay, ledger_options, run_analysis, stdout_is_data, trace_analysis_options
 from sdc_forensics.cli.limits import read_limit_options
 from sdc_forensics.cli.output import emit_json, err
 from sdc_forensics.exitcodes import verdict_exit
@@ -24,6 +24,7 @@ from sdc_forensics.exitcodes import verdict_exit
               help="Stop widening backwards after this many replayed steps (checkpoints before stay unverified).")
 @click.option("--scan-recurrence", is_flag=True, help="Also replay the intervals after the first divergence: recurrences.")
 @read_limit_options
+@stdout_is_data
 @distributed_replay
 @click.pass_context
 def bisect_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: bool, **options) -> None:

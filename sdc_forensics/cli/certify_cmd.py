@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from sdc_forensics.cli.common import Bars, analysis_options, check_new_output, distributed_replay, force_option, ledger_options
+from sdc_forensics.cli.common import Bars, analysis_options, check_new_output, distributed_replay, force_option, ledger_options, stdout_is_data
 from sdc_forensics.cli.limits import read_limit_options
 from sdc_forensics.cli.output import emit_json, err
 
@@ -40,6 +40,7 @@ from sdc_forensics.cli.output import emit_json, err
 @analysis_options
 @ledger_options
 @read_limit_options
+@stdout_is_data
 @distributed_replay
 @click.pass_context
 def certify_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, certificate_out: Path | None, force: bool, follow: bool,
