@@ -13,7 +13,7 @@ import click
 from sdc_forensics.cli.common import distributed_replay, ledger_options, run_analysis, stdout_is_data, trace_analysis_options
 from sdc_forensics.cli.limits import read_limit_options
 from sdc_forensics.cli.output import emit_json, err
-from sdc_forensics.exitcodes import verdict_exit
+from sdc_forensics.exitcodes import analysis_exit
 
 
 @click.command("bisect")
@@ -43,4 +43,4 @@ def bisect_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: b
     if as_json:
         emit_json(bisect_document(result))
     render_bisect(result, err)
-    ctx.exit(verdict_exit(result.verdict))
+    ctx.exit(analysis_exit(result.verdict, result.mode))

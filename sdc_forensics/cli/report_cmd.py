@@ -9,7 +9,7 @@ import click
 from sdc_forensics.cli.common import check_new_output, distributed_replay, force_option, ledger_options, run_analysis, stdout_is_data, trace_analysis_options
 from sdc_forensics.cli.limits import read_limit_options
 from sdc_forensics.cli.output import SCHEMA_VERSION, emit_json, err, write_stdout
-from sdc_forensics.exitcodes import verdict_exit
+from sdc_forensics.exitcodes import analysis_exit
 from sdc_forensics.newfile import write_new_file
 
 
@@ -66,4 +66,4 @@ def report_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: b
         err.print(f"post-incident review ({fmt}) written to {output}", markup=False)
     if as_json and not (fmt == "json" and output == "-"):
         emit_json(review.document)
-    ctx.exit(verdict_exit(result.verdict))
+    ctx.exit(analysis_exit(result.verdict, result.mode))

@@ -47,8 +47,11 @@ def test_a_step_that_depends_on_the_global_rng_is_never_judged(tmp_path, seeded)
         assert certified.returncode == 0, certified.stderr
         assert set(statuses.values()) == {"clean"} and doc["resume_step"] == 20
         return
-    assert certified.returncode == 0, certified.stderr  # nothing wrong found; only checkpoint 0 is certain
+    # nothing wrong found and only checkpoint 0 is certain: inconclusive, so exit 4, not 0 (issue 33: `certify && resume`
+    # would have thrown the run away), and the last line says so
+    assert certified.returncode == 4 and doc["verdict"] == "inconclusive" and doc["exit_code"] == 4, certified.stderr
     assert statuses[0] == "clean" and {statuses[s] for s in (5, 10, 15, 20)} == {"unverified"} and doc["resume_step"] == 0
+    assert "no resume point named (exit 4)" in " ".join(certified.stderr.split())
     assert "draws from the global RNG" in certified.stderr and "seed them in the recipe" in certified.stderr
     bisected = run_installed(["bisect", "runs/job42/trace", "--json"], tmp_path, cwd=tmp_path, env=env)
     found = json.loads(bisected.stdout)
