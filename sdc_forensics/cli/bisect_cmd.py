@@ -1,6 +1,7 @@
 """``sdc-forensics bisect TRACE_DIR``: parse, run the analysis, render.
 
-Exit 0 clean, 1 corruption, 4 inconclusive (errors: 2 usage, 3 bad input, via ``cli/main.py``).
+Exit 0 clean, 1 corruption, 4 inconclusive, and 4 for a clean verdict of ``--trace-only``
+(``exitcodes.analysis_exit``; errors: 2 usage, 3 bad input, via ``cli/main.py``).
 ``bisect --trace-only`` never imports torch: the replay modules are imported only when used.
 """
 
@@ -34,7 +35,8 @@ def bisect_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: b
     one checkpoint interval at a time down to the first step (every step before a checkpoint is
     examined before it is called clean).
 
-    Exit 0 clean, 1 corruption, 2 usage error, 3 bad input, 4 inconclusive.
+    Exit 0 clean, 1 corruption, 2 usage error, 3 bad input, 4 inconclusive; with --trace-only,
+    a clean verdict exits 4 (nothing was replayed: not a clean bill).
     """
     from sdc_forensics.replay.options import AnalysisOptions
     from sdc_forensics.present.bisect import bisect_document, render_bisect
