@@ -33,7 +33,8 @@ progress is abandoned: its interval has no record and is replayed again by the n
 a ledger append is never cut; the final statuses are then decided on the ledger, replaying
 nothing, and a second signal ends that at once). Exit status (``exitcodes.ExitCode``): 1 when an incident was found;
 else 4 when it stopped with intervals still pending, some that cannot be replayed or some that
-``--budget sample:F`` left out; else 0.
+``--budget sample:F`` left out, or when the final analysis is 4 by ``certify``'s own rule (an
+inconclusive analysis names no resume point: replays that judged nothing); else 0.
 
 Over 400 lines on purpose: one loop (look, pick, replay, record, stop) whose parts share the
 follower's state between polls (the look process 0 hands to every torchrun process, the
@@ -448,6 +449,10 @@ class _Loop:
         if self.incidents:
             code = ExitCode.CORRUPTION
         elif self.lag or self.unreplayable or self.skipped:
+            code = ExitCode.INCONCLUSIVE
+        elif final is not None and final.exit_code == ExitCode.INCONCLUSIVE:
+            # certify's rule on the final statuses (forensics/certify.py, certify_exit): replays that judged
+            # nothing (a step drawing from the unseeded global RNG) name no resume point, so not 0 either
             code = ExitCode.INCONCLUSIVE
         else:
             code = ExitCode.CLEAN
