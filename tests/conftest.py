@@ -37,6 +37,7 @@ HEAVY = (
     "tests/cli/test_report_demo.py::test_the_reproduce_commands_of_a_report_rerun_as_written",
     "tests/test_factories.py::test_gloo_ring_reference_equals_a_real_gloo_all_reduce_bit_for_bit",
     "tests/cli/test_report_demo.py",
+    "tests/cli/test_stdout_document.py",
     "tests/cli/test_json_schemas.py::test_bisect_and_replay_documents",
     "tests/cli/test_demo_inject_upfront.py::test_a_spec_at_the_edge_of_the_range_is_accepted",
     "tests/trace/test_killed.py",

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sdc_forensics.exitcodes import EXIT_BY_STATUS, EXIT_BY_VERDICT, ExitCode, status_exit, verdict_exit
+from sdc_forensics.exitcodes import EXIT_BY_STATUS, EXIT_BY_VERDICT, ExitCode, analysis_exit, status_exit, verdict_exit
 from sdc_forensics.decide.decision import Status, Verdict
 
 PACKAGE = Path(__file__).resolve().parents[1] / "sdc_forensics"
@@ -19,6 +19,12 @@ def test_codes_are_the_documented_ones():
     assert {v.value: int(verdict_exit(v)) for v in Verdict} == {"clean": 0, "corruption": 1, "inconclusive": 4}
     assert {s.value: int(status_exit(s)) for s in Status} == {"clean": 0, "unverified": 4, "tainted": 1, "corrupt": 1}
     assert set(EXIT_BY_VERDICT) == {v.value for v in Verdict} and set(EXIT_BY_STATUS) == {s.value for s in Status}
+
+
+def test_a_clean_answer_of_the_trace_alone_is_4():
+    # issue 33: `bisect --trace-only` replays nothing, so "clean" must not read as 0 in a script
+    assert {v.value: int(analysis_exit(v, "trace-only")) for v in Verdict} == {"clean": 4, "corruption": 1, "inconclusive": 4}
+    assert {v.value: int(analysis_exit(v, "replay")) for v in Verdict} == {"clean": 0, "corruption": 1, "inconclusive": 4}
 
 
 def test_no_exit_code_is_written_outside_the_table():

@@ -1,8 +1,9 @@
 """``sdc-forensics certify TRACE_DIR``: parse, certify (``forensics.certify``), render.
 
-Every noted checkpoint gets a status; the last clean one is the resume point. Exit 0 when a
-checkpoint is certified clean to resume from, 1 when none is and something is wrong, 4 when none
-is and nothing wrong was found (``forensics.certify.certify_exit``; errors: 2 usage, 3 bad input).
+Every noted checkpoint gets a status; the last clean one is the resume point. Exit 0 when the
+analysis reached a verdict and a checkpoint is certified clean to resume from, 1 when none is and
+something is wrong, 4 when the analysis is inconclusive or none is clean and nothing wrong was
+found (``forensics.certify.certify_exit``; errors: 2 usage, 3 bad input).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from sdc_forensics.cli.common import Bars, analysis_options, check_new_output, distributed_replay, force_option, ledger_options
+from sdc_forensics.cli.common import Bars, analysis_options, check_new_output, distributed_replay, force_option, ledger_options, stdout_is_data
 from sdc_forensics.cli.limits import read_limit_options
 from sdc_forensics.cli.output import emit_json, err
 
@@ -40,6 +41,7 @@ from sdc_forensics.cli.output import emit_json, err
 @analysis_options
 @ledger_options
 @read_limit_options
+@stdout_is_data
 @distributed_replay
 @click.pass_context
 def certify_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, certificate_out: Path | None, force: bool, follow: bool,
@@ -51,10 +53,11 @@ def certify_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, certificate_
     checkpoint is clean only when its file is as saved, holds the replicas' majority weights and
     no NaN/Inf, and every step before it was examined and found clean.
 
-    Exit 0 when a checkpoint is certified clean to resume from (tainted or corrupt later ones
-    are still listed), 1 when none is clean and corruption was found or a checkpoint is tainted
-    or corrupt, 4 when none is clean and nothing wrong was found (unverified), 2 usage error,
-    3 bad input.
+    Exit 0 when the analysis reached a verdict and a checkpoint is certified clean to resume from
+    (tainted or corrupt later ones are still listed), 1 when none is clean and corruption was
+    found or a checkpoint is tainted or corrupt, 4 when the analysis is inconclusive (even with
+    checkpoint 0 clean: no resume point is named) or none is clean and nothing wrong was found
+    (unverified), 2 usage error, 3 bad input.
 
     With --follow, beside a training run: each checkpoint interval is replayed as soon as its
     closing checkpoint is noted and recorded in the ledger; exit 1 with the incident on strong

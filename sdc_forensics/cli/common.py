@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from sdc_forensics.cli.output import err
+from sdc_forensics.cli.output import err, stdout_reserved
 
 
 class Bars:
@@ -46,6 +46,20 @@ class Bars:
 
     def note(self, text: str) -> None:
         err.print(f"note: {text}")
+
+
+def stdout_is_data(func):
+    """Run the command with stdout kept for its document (``output.stdout_reserved``): what the
+    recipe, training code, a C extension or a subprocess prints goes to stderr. Place it above
+    ``distributed_replay`` (or directly above ``click.pass_context``), so that it covers the whole
+    command body but not click's own ``--help``."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        with stdout_reserved():
+            return func(*args, **kwargs)
+
+    return wrapper
 
 
 def trace_analysis_options(func):

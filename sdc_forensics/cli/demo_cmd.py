@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from sdc_forensics.cli.common import stdout_is_data
 from sdc_forensics.cli.output import emit_json, err
 
 
@@ -35,6 +36,7 @@ from sdc_forensics.cli.output import emit_json, err
               "x 2 shards). Sharded locations: local-gradient, reduce-scatter-output, all-reduce-output (hsdp), all-gather-output, weights, "
               "update, input.")
 @click.option("--json", "as_json", is_flag=True, help="Print the ground truth as JSON on stdout.")
+@stdout_is_data
 def demo_cmd(out_dir: Path, injections: tuple[str, ...], steps: int, checkpoint_every: int, audit_every: int, policy: str,
              recipe: str | None, threads: str | None, parallel: str, as_json: bool) -> None:
     """Run a 4-process DDP (or FSDP2, HSDP) job on CPU with an injected fault, recorded for bisect."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from sdc_forensics.cli.common import ledger_options
+from sdc_forensics.cli.common import ledger_options, stdout_is_data
 from sdc_forensics.cli.output import emit_json, err
 
 
@@ -12,6 +12,7 @@ from sdc_forensics.cli.output import emit_json, err
 @click.argument("trace_dir", type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 @ledger_options
+@stdout_is_data
 def inspect_cmd(trace_dir: str, as_json: bool, ledger_path, no_ledger: bool) -> None:
     """Summarise TRACE_DIR: ranks, steps, attempts, checkpoints, online alarms, fingerprint settings, damage,
     and per checkpoint what examined the steps before it (the ledger's replays, the online checks), replaying nothing.

@@ -14,14 +14,21 @@ Logs and pipes (docs/json.md, "Output for logs and pipes"):
 * The same holds for stderr (``sdc-forensics inspect T 2>&1 | head -2``): the rest of what people
   would read is discarded and the exit status is still the command's own. (rich's default is to
   raise ``SystemExit(1)``, "corruption found" in our table, so the status would depend on a pipe.)
+
+stdout belongs to the document (:func:`stdout_reserved`): while a command runs, whatever else
+writes to stdout (a recipe's ``print``, training code, a C extension or a subprocess writing file
+descriptor 1) goes to stderr; only :func:`write_stdout` and :func:`emit_json` reach the real stdout.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import sys
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, TextIO
 
 from rich.console import Console, ConsoleDimensions
 
@@ -68,6 +75,57 @@ def _discard(stream: Any) -> None:
 
 err = _Console(stderr=True, highlight=False, soft_wrap=False, emoji=False)
 
+#: While :func:`stdout_reserved` runs: the stream on the real stdout, kept for the document.
+_document: TextIO | None = None
+
+
+def _document_stream() -> TextIO:
+    return sys.stdout if _document is None else _document
+
+
+@contextlib.contextmanager
+def stdout_reserved() -> Iterator[None]:
+    """Keep stdout for the command's document: everything else written to it goes to stderr.
+
+    A recipe or training code that prints (nanoGPT prints the parameter count when it builds the
+    model) would put its lines before the ``--json`` document. Inside this block the real stdout
+    is a duplicate of file descriptor 1 that only :func:`write_stdout` and :func:`emit_json` use,
+    and descriptor 1 itself points at stderr, so ``print``, C extensions and subprocesses (which
+    inherit descriptor 1) all write to stderr. Where stdout is not a real file (click's
+    ``CliRunner``) only ``sys.stdout`` is swapped for ``sys.stderr``. Both are put back at the end.
+    Nested use is a no-op.
+    """
+    global _document
+    if _document is not None:
+        yield
+        return
+    original = sys.stdout
+    try:
+        original.flush()
+        fd, err_fd = original.fileno(), sys.stderr.fileno()
+    except (AttributeError, ValueError, OSError, io.UnsupportedOperation):  # not a real file (a test runner's buffer)
+        fd = err_fd = None
+    saved = None
+    if fd is None:
+        _document = original
+    else:
+        saved = os.dup(fd)
+        os.dup2(err_fd, fd)
+        _document = open(saved, "w", encoding=getattr(original, "encoding", None) or "utf-8", closefd=False)
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        sys.stdout = original
+        with contextlib.suppress(OSError, ValueError):
+            original.flush()  # what user code wrote through Python's stdout: still to stderr
+        if saved is not None:
+            with contextlib.suppress(OSError, ValueError):
+                _document.close()  # flushes; the descriptor is closed below, after it is put back
+            os.dup2(saved, fd)
+            os.close(saved)
+        _document = None
+
 
 def stdout_closed() -> None:
     """The reader of stdout went away: send the rest of stdout to the null device, quietly.
@@ -76,18 +134,24 @@ def stdout_closed() -> None:
     ``BrokenPipeError`` and print "Exception ignored"; pointing file descriptor 1 at
     ``/dev/null`` makes every later write and flush succeed.
     """
-    _discard(sys.stdout)
+    _discard(_document_stream())
 
 
 def write_stdout(text: str) -> bool:
     """Write ``text`` to stdout and flush; False (and stdout silenced) when its reader went away."""
+    stream = _document_stream()
     try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        stream.write(text)
+        stream.flush()
     except BrokenPipeError:
         stdout_closed()
         return False
     return True
+
+
+def stdout_text() -> TextIO:
+    """The stream a command writes its data to (the real stdout, also inside :func:`stdout_reserved`)."""
+    return _document_stream()
 
 
 def emit_json(document: dict[str, Any]) -> None:

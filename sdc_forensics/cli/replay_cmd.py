@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from sdc_forensics.cli.common import Bars, distributed_replay, trace_analysis_options
+from sdc_forensics.cli.common import Bars, distributed_replay, stdout_is_data, trace_analysis_options
 from sdc_forensics.cli.output import emit_json, err
 from sdc_forensics.exitcodes import verdict_exit
 
@@ -19,6 +19,7 @@ from sdc_forensics.exitcodes import verdict_exit
 @trace_analysis_options
 @click.option("--from", "start", type=click.IntRange(min=0), required=True, help="Checkpoint step N to start from (holds θ_N).")
 @click.option("--to", "stop", type=click.IntRange(min=0), required=True, help="Last step M to replay (inclusive).")
+@stdout_is_data
 @distributed_replay
 @click.pass_context
 def replay_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, start: int, stop: int, **options) -> None:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import click
 
-from sdc_forensics.cli.common import check_new_output, distributed_replay, force_option, ledger_options, run_analysis, trace_analysis_options
+from sdc_forensics.cli.common import check_new_output, distributed_replay, force_option, ledger_options, run_analysis, stdout_is_data, trace_analysis_options
 from sdc_forensics.cli.limits import read_limit_options
 from sdc_forensics.cli.output import SCHEMA_VERSION, emit_json, err, write_stdout
-from sdc_forensics.exitcodes import verdict_exit
+from sdc_forensics.exitcodes import analysis_exit
 from sdc_forensics.newfile import write_new_file
 
 
@@ -23,6 +23,7 @@ from sdc_forensics.newfile import write_new_file
               help="Output format (default: from -o's suffix; Markdown on stdout).")
 @force_option
 @read_limit_options
+@stdout_is_data
 @distributed_replay
 @click.pass_context
 def report_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: bool, output: str, fmt: str | None, force: bool,
@@ -65,4 +66,4 @@ def report_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: b
         err.print(f"post-incident review ({fmt}) written to {output}", markup=False)
     if as_json and not (fmt == "json" and output == "-"):
         emit_json(review.document)
-    ctx.exit(verdict_exit(result.verdict))
+    ctx.exit(analysis_exit(result.verdict, result.mode))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from sdc_forensics.cli.common import Bars, analysis_options, distributed_replay, ledger_options
+from sdc_forensics.cli.common import Bars, analysis_options, distributed_replay, ledger_options, stdout_is_data
 from sdc_forensics.cli.limits import read_limit_options
 from sdc_forensics.cli.output import emit_json, err
 
@@ -27,6 +27,7 @@ from sdc_forensics.cli.output import emit_json, err
 @analysis_options
 @ledger_options
 @read_limit_options
+@stdout_is_data
 @distributed_replay
 @click.pass_context
 def verify_cmd(ctx: click.Context, path: Path, trace_dir: Path | None, step: int | None, trace_only: bool, certificate_path: Path | None,

@@ -4,11 +4,13 @@ Every noted checkpoint gets its status from ``decide.decision`` (through the ana
 module adds what certification needs on top: the checkpoint-looking files no note names, the
 resume point, and the exit status (docs/bisect.md, "certify"; the codes are ``exitcodes.ExitCode``):
 
-* 0 — a checkpoint is certified clean: resume from the last clean one. Tainted or corrupt
-  checkpoints after it are still listed, and the analysis verdict is in the JSON;
+* 0 — the analysis reached a verdict (clean or corruption) and a checkpoint is certified clean:
+  resume from the last clean one. Tainted or corrupt checkpoints after it are still listed, and
+  the analysis verdict is in the JSON;
 * 1 — no checkpoint is clean, and corruption was found or some checkpoint is tainted or corrupt
   (with no checkpoint notes at all: corruption was found);
-* 4 — no checkpoint is clean and nothing wrong was found: unverified (with no notes: nothing found).
+* 4 — the analysis is inconclusive (even with checkpoint 0 clean: no resume point is named), or
+  no checkpoint is clean and nothing wrong was found: unverified (with no notes: nothing found).
 """
 
 from __future__ import annotations
@@ -55,9 +57,14 @@ class Certification:
 def certify_exit(statuses: Sequence[CheckpointStatus], verdict: Verdict) -> ExitCode:
     """The exit status of ``certify``: it answers "is there a checkpoint to resume from?".
 
-    The code of the best checkpoint status (clean before unverified before not certifiable), but
-    with no clean checkpoint a verdict of corruption makes it not certifiable.
+    0 only when the analysis reached a verdict (clean or corruption) and a checkpoint is certified
+    clean: an ``inconclusive`` analysis is 4 even when checkpoint 0 is clean (a wrong recipe or a
+    run with dropout certifies nothing after it, and ``certify && resume`` would throw the run
+    away). Otherwise the code of the best checkpoint status (clean before unverified before not
+    certifiable), but with no clean checkpoint a verdict of corruption makes it not certifiable.
     """
+    if verdict_exit(verdict) == ExitCode.INCONCLUSIVE:
+        return ExitCode.INCONCLUSIVE
     codes = [status_exit(s.status) for s in statuses]
     if ExitCode.CLEAN in codes:
         return ExitCode.CLEAN

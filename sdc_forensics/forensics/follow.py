@@ -34,7 +34,8 @@ a ledger append is never cut; the final statuses are then decided on the ledger,
 nothing, and a second signal ends that at once). Exit status (``exitcodes.ExitCode``): 1 when an incident's analysis found corruption;
 else 4 when an incident's analysis was inconclusive (a replay that does not reproduce the update:
 the recipe), or it stopped with intervals still pending, some that cannot be replayed or some that
-``--budget sample:F`` left out; else 0.
+``--budget sample:F`` left out, or when the final analysis is 4 by ``certify``'s own rule (an
+inconclusive analysis names no resume point: replays that judged nothing); else 0.
 
 Over 400 lines on purpose: one loop (look, pick, replay, record, stop) whose parts share the
 follower's state between polls (the look process 0 hands to every torchrun process, the
@@ -453,6 +454,10 @@ class _Loop:
         elif self.incidents or self.lag or self.unreplayable or self.skipped:
             # strong evidence that the analysis could not pin on a rank (a replay that does not reproduce the
             # update, most likely the recipe): nothing after it is certified, and it is no corruption verdict
+            code = ExitCode.INCONCLUSIVE
+        elif final is not None and final.exit_code == ExitCode.INCONCLUSIVE:
+            # certify's rule on the final statuses (forensics/certify.py, certify_exit): replays that judged
+            # nothing (a step drawing from the unseeded global RNG) name no resume point, so not 0 either
             code = ExitCode.INCONCLUSIVE
         else:
             code = ExitCode.CLEAN

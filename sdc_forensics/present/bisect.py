@@ -10,6 +10,7 @@ from typing import Any
 
 from rich.markup import escape
 
+from sdc_forensics.exitcodes import analysis_exit, verdict_exit
 from sdc_forensics.triage.evidence import Evidence
 from sdc_forensics.decide.decision import Status
 from sdc_forensics.decide.verdict import BisectResult, LedgerSummary, ReplayedWindow, ReplaySummary, Verdict
@@ -26,6 +27,7 @@ def bisect_document(result: BisectResult) -> dict[str, Any]:
     last = result.last_clean_checkpoint
     return {
         "verdict": result.verdict.value,
+        "exit_code": int(analysis_exit(result.verdict, result.mode)),
         "first_divergent_step": result.first_divergent_step,
         "divergence_window": None if result.divergence_window is None else list(result.divergence_window),
         "suspects": [s.to_json() for s in result.suspects],
@@ -83,6 +85,9 @@ def render_bisect(result: BisectResult, console) -> None:
         headline += f"  first divergent step {result.first_divergent_step} (θ_{result.first_divergent_step} clean, θ_{result.first_divergent_step + 1} not)"
     console.print(headline)
     console.print(f"[dim]{escape(result.scope)}[/]")
+    if analysis_exit(result.verdict, result.mode) != verdict_exit(result.verdict):  # a clean verdict of the trace alone
+        console.print("[yellow]exit 4, not 0[/]: the trace's checks found nothing, but no step was replayed and no checkpoint "
+                      "file read: not a clean bill; bisect without --trace-only (with the recipe and checkpoints) to certify")
     stopped = [line for line in result.damage if line.startswith(STOPPED_EARLY)]  # trace.ends.RunEnd.describe()
     for line in stopped:
         console.print(f"[bold yellow]{escape(line[0].upper() + line[1:])}[/]")

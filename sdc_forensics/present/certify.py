@@ -9,6 +9,7 @@ from typing import Any
 
 from rich.markup import escape
 
+from sdc_forensics.exitcodes import ExitCode
 from sdc_forensics.forensics.certify import Certification
 from sdc_forensics.present.text import new_table
 
@@ -114,6 +115,10 @@ def render_certify(cert: Certification, console, certificate_out: str | Path | N
         console.print("[bold red]no checkpoint notes[/] in this trace: nothing to certify")
     elif resume is None:
         console.print("[bold red]no checkpoint certified clean[/]: none can be resumed from safely")
+    elif cert.exit_code == ExitCode.INCONCLUSIVE:  # certify_exit: no resume point without a verdict
+        console.print(f"[bold yellow]no resume point named (exit 4)[/]: the analysis is inconclusive (see 'to settle'); "
+                      f"checkpoint {resume.step} is the last certified clean ({escape(resume.path)}), and resuming there "
+                      f"re-runs every step after it")
     else:
         later = [s for s in cert.checkpoints if s.step > resume.step and not s.clean]
         after = f"; {len(later)} later checkpoint(s) not clean, listed above" if later else ""

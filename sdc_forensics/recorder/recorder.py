@@ -65,6 +65,7 @@ from sdc_forensics.inject import LOCATIONS, FaultSpec, Injector, parse_spec
 from sdc_forensics.recorder import checks, ordered, records
 from sdc_forensics.recorder.audit import AuditOutcome, OwnResult, inexact_reason, run_audit
 from sdc_forensics.recorder.checkpointing import CheckpointSite, save_checkpoint
+from sdc_forensics.recorder.exit import brace_for_alarm_exit
 from sdc_forensics.recorder.hooks import LOSSY_HOOKS, BucketTap, compressed_dtype, hook_name
 from sdc_forensics.recorder.identity import complete_identities, local_identity, make_attempt, node_map
 from sdc_forensics.recorder.options import RecorderOptions
@@ -721,6 +722,10 @@ class Recorder:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and issubclass(exc_type, SdcAlarm):
+            # on its way to exit_on_alarm (if the job uses it): a peer that exits first must not
+            # have the launcher SIGTERM this rank while it closes the trace (every rank exits 18)
+            brace_for_alarm_exit()
         self.close(on_error=exc_type is not None)
         if exc_type is None:
             # every rank done with the recorder's collectives before any rank goes on to tear the

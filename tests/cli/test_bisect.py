@@ -41,7 +41,7 @@ def test_exit_1_corruption_json_document(faulty_run):
     result = _run("bisect", faulty_run / "trace", "--checkpoints", faulty_run / "checkpoints", "--json")
     assert result.exit_code == 1, result.output
     doc = json.loads(result.stdout)
-    assert (doc["verdict"], doc["first_divergent_step"]) == ("corruption", 4)
+    assert (doc["verdict"], doc["first_divergent_step"], doc["exit_code"]) == ("corruption", 4, 1)
     [suspect] = doc["suspects"]
     assert {k: suspect[k] for k in ("rank", "host", "gpu", "location", "recurring")} == {
         "rank": 3, "host": "sim1", "gpu": "GPU-sim-3", "location": "local_compute", "recurring": False}
@@ -52,7 +52,7 @@ def test_exit_1_corruption_json_document(faulty_run):
     # the documented schema (docs/bisect.md)
     assert set(doc) == {"schema_version", "verdict", "first_divergent_step", "suspects", "last_clean_checkpoint", "checkpoints",
                         "replayed", "evidence", "hints", "mode", "scope", "settle", "notes", "trace", "divergence_window",
-                        "preflight"}  # issue 21: said before any replay
+                        "preflight", "exit_code"}  # issue 21: said before any replay
     assert set(suspect) == {"rank", "host", "gpu", "location", "recurring", "steps", "recommendation", "evidence"}
     assert set(suspect["evidence"][0]) == {"kind", "step", "ranks", "expected", "found", "location", "detail", "source", "affects_state",
                                             "strength", "earliest_step"}

@@ -37,12 +37,16 @@ def test_certify_command_and_certificate_round_trip(make_run, tmp_path):
     assert json.loads(changed.stdout)["certificate"]["findings"][0]["kind"] == "file-checksum-mismatch"
 
 
-def test_certify_unreplayed_resumes_from_0_and_bad_trace_exits_3(make_run, tmp_path):
+def test_certify_unreplayed_names_no_resume_point_and_bad_trace_exits_3(make_run, tmp_path):
     run = make_run(steps=2)
     result = CliRunner().invoke(cli, ["certify", str(run.trace_dir), "--json"])
-    # checkpoint 2 stays unverified (steps 0..1 not replayed: no recipe); checkpoint 0 has no step before it
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["resume_step"] == 0
+    # checkpoint 2 stays unverified (steps 0..1 not replayed: no recipe); checkpoint 0 has no step before it,
+    # but the analysis is inconclusive: exit 4, not 0 (issue 33: `certify && resume` would throw the run away)
+    assert result.exit_code == 4, result.output
+    doc = json.loads(result.stdout)
+    assert doc["verdict"] == "inconclusive" and doc["exit_code"] == 4
+    assert doc["resume_step"] == 0 and [c["status"] for c in doc["checkpoints"]] == ["clean", "unverified"]
+    assert "no resume point named (exit 4): the analysis is inconclusive" in " ".join(result.stderr.split())
     bad = CliRunner().invoke(cli, ["certify", str(tmp_path / "nowhere")])
     assert bad.exit_code == 3 and "Traceback" not in bad.output
 
@@ -70,7 +74,7 @@ def test_certify_command_with_moved_checkpoints(make_run, tmp_path):
     assert lost.exit_code == 4
     assert {c["status"] for c in json.loads(lost.stdout)["checkpoints"]} == {"unverified"}
     found = CliRunner().invoke(cli, ["certify", str(run.trace_dir), "--checkpoints", str(moved), "--json"])
-    assert found.exit_code == 0, found.output
+    assert found.exit_code == 4, found.output  # found and read, but nothing replayable (no recipe): inconclusive
     assert json.loads(found.stdout)["checkpoints"][0]["status"] == "clean"  # checkpoint 0: read, nothing before it
     assert CliRunner().invoke(cli, ["certify", str(run.trace_dir), "--checkpoints", str(tmp_path / "none")]).exit_code == 2
 
@@ -80,7 +84,7 @@ def test_certify_lists_checkpoint_files_without_a_note(make_run):
     stray = run.checkpoints_dir / "manual-save.pt"
     stray.write_bytes(run.checkpoints[2].read_bytes())
     result = CliRunner().invoke(cli, ["certify", str(run.trace_dir), "--json"])
-    assert result.exit_code == 0  # checkpoint 0 is a resume point; the stray file is listed, not certified
+    assert result.exit_code == 4  # no recipe: inconclusive; the stray file is listed, not certified
     assert json.loads(result.stdout)["unnoted"] == [str(stray)]
     assert "has no checkpoint note in the trace" in " ".join(result.stderr.split())
 

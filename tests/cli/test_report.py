@@ -59,19 +59,20 @@ def test_the_format_follows_the_suffix(make_trace, tmp_path, suffix, fmt, start)
 def test_format_overrides_the_suffix_and_stdout_defaults_to_markdown(make_trace, tmp_path):
     trace = make_trace(ranks=4, steps=12)
     out = tmp_path / "review.txt"
-    assert _report(trace, "--trace-only", "-o", out, "--format", "html").exit_code == 0
+    assert _report(trace, "--trace-only", "-o", out, "--format", "html").exit_code == 4  # clean for the trace alone: not 0
     assert out.read_text().startswith("<!DOCTYPE html>")
     result = _report(trace, "--trace-only")
-    assert result.exit_code == 0 and result.stdout.startswith("# Post-incident review: No corruption found")
+    assert result.exit_code == 4 and result.stdout.startswith("# Post-incident review: No corruption found")
     result = _report(trace, "--trace-only", "--format", "json")
     doc = assert_valid(result.stdout, "report")
-    assert doc["verdict"] == "clean" and doc["report"]["nodes"] == [] and doc["report"]["lost"] is None
+    assert doc["verdict"] == "clean" and doc["exit_code"] == result.exit_code == 4
+    assert doc["report"]["nodes"] == [] and doc["report"]["lost"] is None
     assert [a["platform"] for a in doc["report"]["actions"]] == ["none"]
 
 
 def test_json_flag_with_format_json_on_stdout_prints_one_document(make_trace):
     result = _report(make_trace(ranks=4, steps=8), "--trace-only", "--format", "json", "--json")
-    assert result.exit_code == 0
+    assert result.exit_code == 4
     assert_valid(json.loads(result.stdout), "report")  # one document, not two concatenated
 
 
@@ -83,7 +84,7 @@ def test_existing_output_refused_before_any_work_unless_force(make_trace, tmp_pa
     assert result.exit_code == 2 and "exists" in result.stderr and "--force" in result.stderr
     assert existing.read_text() == "keep me" and result.stdout == ""
     result = _report(trace, "--trace-only", "-o", existing, "--force")
-    assert result.exit_code == 0 and existing.read_text().startswith("# Post-incident review")
+    assert result.exit_code == 4 and existing.read_text().startswith("# Post-incident review")
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # written through a renamed temporary
     result = _report(trace, "--trace-only", "--json")
     assert result.exit_code == 2 and "-o FILE" in result.stderr

@@ -19,15 +19,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_torchrun(nproc: int, args: list[str], *, env: dict[str, str] | None = None) -> subprocess.Popen:
+def start_torchrun(nproc: int, args: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.Popen:
     """Start ``python -m torch.distributed.run --standalone --nproc-per-node NPROC ARGS`` (``-m MOD``
-    or a script) on a free rendezvous port, in its own process group; see :func:`wait`."""
+    or a script) on a free rendezvous port, in its own process group, in ``cwd`` (default: the
+    repository); see :func:`wait`."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--rdzv-endpoint=localhost:{free_port()}",
            f"--nproc-per-node={nproc}", "--monitor-interval=0.1"]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(name, None)
-    proc = subprocess.Popen(cmd + args, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd + args, cwd=cwd or ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     proc.started = time.monotonic()
     return proc
@@ -45,9 +46,9 @@ def wait(proc: subprocess.Popen, timeout_s: float):
     return proc.returncode, stdout, stderr, time.monotonic() - proc.started
 
 
-def torchrun(nproc: int, args: list[str], *, timeout_s: float, env: dict[str, str] | None = None):
+def torchrun(nproc: int, args: list[str], *, timeout_s: float, env: dict[str, str] | None = None, cwd: Path | None = None):
     """:func:`start_torchrun` then :func:`wait`: ``(returncode, stdout, stderr, seconds)``."""
-    return wait(start_torchrun(nproc, args, env=env), timeout_s)
+    return wait(start_torchrun(nproc, args, env=env, cwd=cwd), timeout_s)
 
 
 def launch_direct(nproc: int, args: list[str], *, timeout_s: float, env: dict[str, str] | None = None, wait_for: tuple[int, ...] = ()):

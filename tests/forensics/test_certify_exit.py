@@ -1,4 +1,5 @@
-"""certify's exit rule (forensics/certify.certify_exit): it answers "is there a checkpoint to resume from?"."""
+"""certify's exit rule (forensics/certify.certify_exit): it answers "is there a checkpoint to resume from?",
+and exits 0 only when the analysis reached a verdict (issue 33: an inconclusive analysis is 4)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ def _statuses(*values: str) -> list[CheckpointStatus]:
 @pytest.mark.parametrize("statuses, verdict, code", [
     (("clean", "tainted", "tainted"), Verdict.CORRUPTION, 0),  # resume from 0; later ones listed, not a failure
     (("clean", "corrupt", "clean"), Verdict.CORRUPTION, 0),  # a damaged file, but a clean checkpoint to resume from
-    (("clean", "unverified"), Verdict.INCONCLUSIVE, 0),
+    (("clean", "unverified"), Verdict.INCONCLUSIVE, 4),  # no verdict: no resume point named, even with checkpoint 0 clean
+    (("clean", "clean", "unverified"), Verdict.INCONCLUSIVE, 4),
+    (("clean", "tainted"), Verdict.INCONCLUSIVE, 4),  # a divergence nobody could be blamed for: still no verdict
     (("clean", "clean"), Verdict.CLEAN, 0),
     (("unverified", "tainted"), Verdict.CORRUPTION, 1),  # nothing clean, something tainted
     (("corrupt", "unverified"), Verdict.CLEAN, 1),  # nothing clean, a corrupt file

@@ -10,6 +10,8 @@ The same job seeding dropout from the microbatch ID is certified clean, draws an
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +21,7 @@ from tests.recorder.test_readme_job import WORLD, _launch, readme_job
 pytestmark = pytest.mark.slow
 
 DROPOUT = "nn.Tanh(), nn.Dropout(0.2), nn.Linear"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _with_dropout(seeded: bool) -> str:
@@ -42,7 +45,8 @@ def test_a_step_that_depends_on_the_global_rng_is_never_judged(tmp_path, seeded)
     # said while training, once, on rank 0 (recorder/rng_watch.py): not left to the analysis
     said = ["drew from the global RNG without seeding it" in r.stderr for r in ranks]
     assert said == ([False] * WORLD if seeded else [True] + [False] * (WORLD - 1)), [r.stderr for r in ranks]
-    env = {"PYTHONPATH": str(tmp_path)}
+    # the job's recipe module, and this tree's sdc_forensics before any installed one
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     certified = run_installed(["certify", "runs/job42/trace", "--json"], tmp_path, cwd=tmp_path, env=env)
     doc = json.loads(certified.stdout)
     statuses = {c["step"]: c["status"] for c in doc["checkpoints"]}
@@ -50,9 +54,19 @@ def test_a_step_that_depends_on_the_global_rng_is_never_judged(tmp_path, seeded)
         assert certified.returncode == 0, certified.stderr
         assert set(statuses.values()) == {"clean"} and doc["resume_step"] == 20
         return
-    assert certified.returncode == 0, certified.stderr  # nothing wrong found; only checkpoint 0 is certain
+    # nothing wrong found and only checkpoint 0 is certain: inconclusive, so exit 4, not 0 (issue 33: `certify && resume`
+    # would have thrown the run away), and the last line says so
+    assert certified.returncode == 4 and doc["verdict"] == "inconclusive" and doc["exit_code"] == 4, certified.stderr
     assert statuses[0] == "clean" and {statuses[s] for s in (5, 10, 15, 20)} == {"unverified"} and doc["resume_step"] == 0
+    assert "no resume point named (exit 4)" in " ".join(certified.stderr.split())
     assert "draws from the global RNG" in certified.stderr and "seed them in the recipe" in certified.stderr
     bisected = run_installed(["bisect", "runs/job42/trace", "--json"], tmp_path, cwd=tmp_path, env=env)
     found = json.loads(bisected.stdout)
     assert found["verdict"] != "corruption" and found["suspects"] == []  # no healthy rank blamed
+    # the follower is certify too: replaying every interval judged nothing, so it must not exit 0 either
+    followed = run_installed(["certify", "runs/job42/trace", "--follow", "--json", "--ledger", str(tmp_path / "ledger.jsonl"),
+                              "--idle-timeout", "1", "--poll", "0.2"], tmp_path, cwd=tmp_path,
+                             env={**env, "SDC_FORENSICS_NO_LEDGER": ""})  # its own ledger file, the others' untouched
+    doc = json.loads(followed.stdout)
+    assert followed.returncode == 4 and doc["follow"]["exit_code"] == 4 and doc["exit_code"] == 4, followed.stderr
+    assert doc["follow"]["stopped_by"] == "idle" and doc["resume_step"] == 0

@@ -14,7 +14,7 @@ def test_the_result_is_data_and_present_builds_its_document():
                           replayed=ReplaySummary(windows=(window,), device="cpu", settings={"threads": 1}, notes=("n",)),
                           trace_path="/t", world_size=4, step_range=(0, 9), damage=("d",), notes=("m",), divergence_window=(5, 6))
     assert bisect_document(result) == {
-        "verdict": "inconclusive", "first_divergent_step": None, "divergence_window": [5, 6], "suspects": [],
+        "verdict": "inconclusive", "exit_code": 4, "first_divergent_step": None, "divergence_window": [5, 6], "suspects": [],
         "last_clean_checkpoint": None, "checkpoints": [], "evidence": [], "hints": [], "mode": "replay", "scope": "steps 4..6",
         "settle": ["replay 6"], "notes": ["m"], "preflight": None,
         "replayed": {"windows": [{"from": 4, "to": 7, "last_replayed": 6, "comparison": "tolerant", "tolerant_from": 5,

@@ -137,9 +137,9 @@ def test_inspect_says_the_run_stopped_early_and_where(finished):
 def test_bisect_answers_on_what_was_recorded_and_says_the_trace_ends_early(finished):
     _kill_rank_1(finished, 7)
     result = _invoke("bisect", finished, "--trace-only", "--json")
-    assert result.exit_code == 0, result.output  # clean: the exit code of its verdict
+    assert result.exit_code == 4, result.output  # clean for the trace alone: 4, nothing was replayed (issue 33)
     doc = json.loads(result.stdout)
-    assert doc["verdict"] == "clean"
+    assert doc["verdict"] == "clean" and doc["exit_code"] == 4
     assert doc["trace"]["damage"][0].startswith("the run stopped early; last complete step 3")
     # the ragged end is where the run stopped, not damage that makes the trace's evidence untrustworthy
     (note,) = doc["checkpoints"]
@@ -152,7 +152,7 @@ def test_report_says_the_run_stopped_early_and_where(finished, tmp_path):
     _kill_rank_1(finished, 50)
     out = tmp_path / "review.md"
     result = _invoke("report", finished, "--trace-only", "--json", "-o", out)
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 4, result.output  # clean for the trace alone
     assert json.loads(result.stdout)["trace_end"]["last_complete_step"] == 3
     text = out.read_text()
     assert "**The run stopped early** at step 4: the last step every rank recorded is 3" in text
@@ -201,7 +201,7 @@ def test_sigkill_in_backward_while_the_allreduce_is_in_flight(demo_run):
     assert all(r["last_step"] == 1 and r["torn_bytes"] == 0 for r in end["ranks"])
     assert not end["ranks"][1]["closed"]
     review = _invoke("report", out / "trace", "--trace-only")
-    assert review.exit_code == 0 and "**Last complete step: 1**" in review.stdout
+    assert review.exit_code == 4 and "**Last complete step: 1**" in review.stdout  # clean for the trace alone
 
 
 @pytest.mark.slow
@@ -212,7 +212,7 @@ def test_sigkill_while_rank_0_writes_a_checkpoint(demo_run):
     assert end["last_complete_step"] == 2 and 0 in end["stopped_ranks"]
     assert (out / "checkpoints" / "step-00000003.pt").is_file()  # the torn file is there, unnoted
     result = _invoke("bisect", out / "trace", "--trace-only", "--json")
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 4, result.output  # clean for the trace alone
     doc = json.loads(result.stdout)
     assert [c["step"] for c in doc["checkpoints"]] == [0]  # only what was noted counts
     assert doc["trace"]["damage"][0].startswith("the run stopped early; last complete step 2")
