@@ -222,6 +222,38 @@ def note_folder(rec, step: int, folder: str | os.PathLike, module: torch.nn.Modu
         return rec.checkpoint(step, folder, state=payload.tensors, save=save)
 
 
+def taken(path: str | os.PathLike) -> bool:
+    """Whether writing a checkpoint at ``path`` would write over something: a file, or a folder
+    that holds anything (an empty folder made beforehand is free)."""
+    path = Path(path)
+    if path.is_dir():
+        return any(path.iterdir())
+    return path.exists() or path.is_symlink()
+
+
+def refuse_existing(path: str | os.PathLike, is_taken: bool) -> None:
+    """Refuse a checkpoint save at ``path`` when ``is_taken`` (:func:`taken`, decided by the
+    writing rank and shared, so every rank refuses alike): the adapters never write over a file.
+
+    Raises:
+        UsageError: one line naming the path and what to do.
+    """
+    if is_taken:
+        raise UsageError(f"checkpoint {path} exists already, and sdc-forensics never lets a recorded job write over a checkpoint "
+                         "(its note, and the evidence of an earlier attempt, would be lost): save to a new path, or move the old "
+                         "one away first")
+
+
+def unused_path(path: Path) -> Path:
+    """``path``, or the first of ``stem-v1.suffix``, ``stem-v2.suffix``, ... that is not :func:`taken`
+    (the path the adapter picks for a checkpoint of its own, as Lightning's version counter does)."""
+    candidate, version = path, 0
+    while taken(candidate):
+        version += 1
+        candidate = path.with_name(f"{path.stem}-v{version}{path.suffix}")
+    return candidate
+
+
 def _saved(state: Any, path: Path) -> None:
     """The framework wrote the folder already: nothing to save."""
 

@@ -3,7 +3,7 @@ made here, a synthetic map-style dataset, ``accumulate_grad_batches=2``, ``gradi
 AdamW and a per-step warmup schedule, ``ModelCheckpoint`` every ``--save-steps`` optimizer steps.
 One process per rank with the launcher's environment::
 
-    python -c 'import tests.integrations.pljob as j; j.run()' --trace T --out O [--steps 6] [--inject SPEC]
+    python -c 'import tests.integrations.pljob as j; j.run()' --trace T --out O [--steps 6] [--inject SPEC] [--resume CKPT]
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save-steps", type=int, default=3)
     parser.add_argument("--inject", action="append", default=[])
     parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--resume", default=None, help="fit(ckpt_path=...): a checkpoint to resume from")
     opts = parser.parse_args(argv)
 
     from sdc_forensics.integrations.lightning import SdcCallback
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
                         callbacks=[checkpoints, record], logger=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0)
     loader = torch.utils.data.DataLoader(make_dataset(), batch_size=4, shuffle=True)
-    trainer.fit(TinySharded() if sharded else Tiny(), train_dataloaders=loader)
+    trainer.fit(TinySharded() if sharded else Tiny(), train_dataloaders=loader, ckpt_path=opts.resume)
 
 
 def run() -> None:
