@@ -28,18 +28,52 @@ loss are then exactly training's, and the trace stays self-contained (no side ta
 from __future__ import annotations
 
 import importlib
+import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from sdc_forensics.errors import RecipeError, SdcError, UsageError
+from sdc_forensics.recorder.checkpointing import taken, unused_path  # noqa: F401 - the adapters' names for them
+
+log = logging.getLogger(__name__)
 
 END = 1 << 62
 META = 1 << 61
 ITEMS = 1 << 60
 INDEX_MASK = (1 << 48) - 1
+
+
+class Refusal(UsageError, SystemExit):
+    """What an adapter refuses inside the training script: a :class:`UsageError` (``except
+    SdcError`` catches it) that is also a ``SystemExit`` with code 2 (``ExitCode.USAGE``), so that,
+    left uncaught, every rank exits 2 without a traceback. :func:`refuse` prints the one line,
+    on rank 0 only (a thousand ranks, one line)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = int(self.exit_code)
+
+
+def refuse(message: str) -> Refusal:
+    """The :class:`Refusal` of ``message``, printed once (rank 0) on stderr as the one line a user
+    reads: ``raise refuse("...")``."""
+    import sys
+
+    if _global_rank() == 0:
+        print(f"sdc-forensics: {message}", file=sys.stderr, flush=True)
+    return Refusal(message)
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0") or 0)
 
 
 def framework_info(name: str, adapter: str) -> dict[str, str]:
@@ -222,13 +256,53 @@ def note_folder(rec, step: int, folder: str | os.PathLike, module: torch.nn.Modu
         return rec.checkpoint(step, folder, state=payload.tensors, save=save)
 
 
-def taken(path: str | os.PathLike) -> bool:
-    """Whether writing a checkpoint at ``path`` would write over something: a file, or a folder
-    that holds anything (an empty folder made beforehand is free)."""
-    path = Path(path)
-    if path.is_dir():
-        return any(path.iterdir())
-    return path.exists() or path.is_symlink()
+def compiled_parts(module: torch.nn.Module) -> list[str]:
+    """The names of ``module``'s parts that ``torch.compile`` wrapped (an ``OptimizedModule``, whose
+    state dict keys gain ``_orig_mod.``, or ``nn.Module.compile()`` in place): the replay runs
+    eager kernels, and rebuilds the model without the wrapper."""
+    found = []
+    for name, part in module.named_modules():
+        if hasattr(part, "_orig_mod") or getattr(part, "_compiled_call_impl", None) is not None \
+                or getattr(getattr(part, "forward", None), "_torchdynamo_orig_callable", None) is not None:
+            found.append(name or "the model itself")
+    return found
+
+
+def compile_refusal(module: torch.nn.Module) -> list[str]:
+    """The refusal line of a model with compiled parts (empty when none)."""
+    parts = compiled_parts(module)
+    if not parts:
+        return []
+    return [f"torch.compile wraps {parts[0]!r}{f' (and {len(parts) - 1} more)' if len(parts) > 1 else ''}: the replay rebuilds "
+            "the model eagerly and cannot reproduce compiled kernels, nor load their '_orig_mod.' state; compile nothing in a "
+            "recorded run"]
+
+
+def random_parts(module: torch.nn.Module) -> list[str]:
+    """The names of ``module``'s dropout layers with ``p > 0``: they draw masks from the global RNG
+    each step, which the trace does not hold."""
+    return [name for name, part in module.named_modules()
+            if isinstance(part, torch.nn.modules.dropout._DropoutNd) and float(part.p) > 0]  # noqa: SLF001
+
+
+def warn_unreplayable(module: torch.nn.Module) -> None:
+    """Say at attach (rank 0, one line) that a model with dropout records steps no replay can
+    reproduce, so nothing of the run will certify, and how to change it."""
+    parts = random_parts(module)
+    if parts and _global_rank() == 0:
+        log.warning("sdc-forensics: %d dropout layer(s) with p > 0 (%s...) draw random masks the replay cannot reproduce: the "
+                    "online checks still run, but no step replays exactly and no checkpoint of this run will certify; set "
+                    "dropout to 0 for a certified run (GPT-2: GPT2Config(resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))",
+                    len(parts), parts[0])
+
+
+def warn_rotation(setting: str) -> None:
+    """Say at attach (rank 0, one line) that the job deletes old checkpoints (``setting``), so
+    only a follower running beside it can certify the intervals before they are gone."""
+    if _global_rank() == 0:
+        log.warning("sdc-forensics: %s deletes early checkpoints, and a replay starts from one: run `sdc-forensics certify "
+                    "--follow TRACE_DIR` beside the job to certify each interval before its checkpoint rotates away "
+                    "(docs/integrations.md)", setting)
 
 
 def refuse_existing(path: str | os.PathLike, is_taken: bool) -> None:
@@ -239,19 +313,9 @@ def refuse_existing(path: str | os.PathLike, is_taken: bool) -> None:
         UsageError: one line naming the path and what to do.
     """
     if is_taken:
-        raise UsageError(f"checkpoint {path} exists already, and sdc-forensics never lets a recorded job write over a checkpoint "
+        raise refuse(f"checkpoint {path} exists already, and sdc-forensics never lets a recorded job write over a checkpoint "
                          "(its note, and the evidence of an earlier attempt, would be lost): save to a new path, or move the old "
                          "one away first")
-
-
-def unused_path(path: Path) -> Path:
-    """``path``, or the first of ``stem-v1.suffix``, ``stem-v2.suffix``, ... that is not :func:`taken`
-    (the path the adapter picks for a checkpoint of its own, as Lightning's version counter does)."""
-    candidate, version = path, 0
-    while taken(candidate):
-        version += 1
-        candidate = path.with_name(f"{path.stem}-v{version}{path.suffix}")
-    return candidate
 
 
 def _saved(state: Any, path: Path) -> None:
@@ -268,7 +332,7 @@ def _refuse(why: str) -> Callable[[Any, Path], None]:
 def _to_device(obj: Any, device: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
-    if isinstance(obj, dict):
+    if isinstance(obj, Mapping):  # a dict, or a collator's BatchEncoding: a dict of the moved values
         return {k: _to_device(v, device) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_device(v, device) for v in obj)

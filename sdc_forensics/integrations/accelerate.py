@@ -108,6 +108,10 @@ def _refusals(accelerator: Any) -> list[str]:
     if accelerator.num_processes < 2:
         out.append(f"the job runs {accelerator.num_processes} process: the recorder records data-parallel (DDP) jobs; "
                    "launch with accelerate launch / torchrun, 2 or more processes")
+    dynamo = getattr(getattr(accelerator.state, "dynamo_plugin", None), "backend", None)
+    if dynamo is not None and str(getattr(dynamo, "value", dynamo)).upper() != "NO":
+        out.append(f"dynamo_backend={str(getattr(dynamo, 'value', dynamo)).lower()} compiles the model in prepare(): the replay runs "
+                   "eager kernels and cannot reproduce compiled ones; record without a dynamo backend")
     if accelerator.mixed_precision != "no":
         out.append(f"mixed precision ({accelerator.mixed_precision}: autocast and a loss scaler) is not replayed by the adapter yet")
     if accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
@@ -121,6 +125,8 @@ def _refusals(accelerator: Any) -> list[str]:
                    "evaluation loader after record(), or pass it through prepare separately later)")
     elif isinstance(loaders[0].dataset, torch.utils.data.IterableDataset):
         out.append("the training dataset is not map-style (an IterableDataset has no indices to record as microbatch IDs)")
+    for model in models:
+        out += _common.compile_refusal(model)
     for scheduler in accelerator._schedulers:  # noqa: SLF001
         inner = getattr(scheduler, "scheduler", scheduler)
         if hasattr(inner, "total_steps"):
@@ -157,11 +163,11 @@ def record(accelerator: Any, trace_dir: str | os.PathLike, *, model: torch.nn.Mo
 
     problems = _refusals(accelerator)
     if problems:
-        raise UsageError(f"sdc-forensics cannot record this Accelerate job exactly: {problems[0]} (docs/integrations.md)")
+        raise _common.refuse(f"sdc-forensics cannot record this Accelerate job exactly: {problems[0]} (docs/integrations.md)")
     if any(str(s).startswith("input:") for s in inject):
-        raise UsageError("the accelerate adapter does not inject input faults (the batch reaches the model before it is recorded)")
+        raise _common.refuse("the accelerate adapter does not inject input faults (the batch reaches the model before it is recorded)")
     if any(str(s).startswith("checkpoint-file:") for s in inject):
-        raise UsageError("checkpoint-file injection flips a byte of one file; a save_state checkpoint is a folder (damage a "
+        raise _common.refuse("checkpoint-file injection flips a byte of one file; a save_state checkpoint is a folder (damage a "
                          "file of it by hand to drill verify-checkpoint)")
     for what, ref in (("model function", model_fn), ("loss function", loss_fn), ("dataset function", dataset),
                       ("scheduler function", scheduler_fn)):
@@ -169,16 +175,20 @@ def record(accelerator: Any, trace_dir: str | os.PathLike, *, model: torch.nn.Mo
             try:
                 import_reference(ref, what=what)
             except RecipeError as exc:
-                raise UsageError(str(exc)) from None
+                raise _common.refuse(str(exc)) from None
+    _common.warn_unreplayable(accelerator._models[0])  # noqa: SLF001
+    limit = getattr(getattr(accelerator, "project_configuration", None), "total_limit", None)
+    if limit:
+        _common.warn_rotation(f"ProjectConfiguration(total_limit={limit})")
     ddp = model
     if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel) or ddp.module is not accelerator._models[0]:  # noqa: SLF001
-        raise UsageError("pass model= the model accelerator.prepare() returned (its DistributedDataParallel wrapper)")
+        raise _common.refuse("pass model= the model accelerator.prepare() returned (its DistributedDataParallel wrapper)")
     optimizer = getattr(accelerator._optimizers[0], "optimizer", accelerator._optimizers[0])  # noqa: SLF001
     module = getattr(ddp, "module", ddp)
     loader = accelerator._dataloaders[0]  # noqa: SLF001
     schedulers = accelerator._schedulers  # noqa: SLF001
     if scheduler_fn is None and schedulers:
-        raise UsageError("the loop has an LR scheduler: name the function that builds it, scheduler_fn='module:make(optimizer)'")
+        raise _common.refuse("the loop has an LR scheduler: name the function that builds it, scheduler_fn='module:make(optimizer)'")
     base = getattr(loader, "base_dataloader", loader)
     settings = {
         "model_fn": model_fn, "loss_fn": loss_fn, "dataset": dataset, "scheduler_fn": scheduler_fn,
@@ -254,11 +264,19 @@ class AccelerateRecording:
     def _save_state(self, output_dir: str | None = None, *args, **kwargs):
         if self._step is not None:
             raise UsageError("accelerator.save_state in the middle of an accumulation cycle: save after the optimizer step")
+        if output_dir is not None:
+            _common.refuse_existing(output_dir, self._main_says(_common.taken(output_dir)))
         where = self._originals["save_state"](output_dir, *args, **kwargs)
         folder = Path(where if where is not None else output_dir)
         self.accelerator.wait_for_everyone()  # every rank's random_states_R.pkl is written before the folder is read back
         _common.note_folder(self.rec, self.completed, folder, self.module, is_writer=self.accelerator.is_main_process)
         return where
+
+    def _main_says(self, flag: bool) -> bool:
+        """The main process's ``flag`` on every process (a file check made where Accelerate writes)."""
+        from accelerate.utils import broadcast_object_list
+
+        return bool(broadcast_object_list([flag], from_process=0)[0])
 
     def close(self) -> None:
         """End the trace (the END record) and give the accelerator its own methods back."""

@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +129,7 @@ class TrainerRecipe:
 
             def sample(index: int):
                 item = dataset[index]
-                if columns is not None and isinstance(item, dict):  # the Trainer's RemoveColumnsCollator
+                if columns is not None and isinstance(item, Mapping):  # the Trainer's RemoveColumnsCollator
                     item = {k: v for k, v in item.items() if k in columns}
                 return item
 
@@ -137,7 +138,7 @@ class TrainerRecipe:
 
 
 def _device_of(batch: Any) -> torch.device:
-    for value in batch.values() if isinstance(batch, dict) else ():
+    for value in batch.values() if isinstance(batch, Mapping) else ():
         if isinstance(value, torch.Tensor):
             return value.device
     return torch.device("cpu")

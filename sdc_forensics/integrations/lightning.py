@@ -90,6 +90,7 @@ def _refusals(trainer: Any, pl_module: Any) -> list[str]:
                        "when it stepped; use interval='step', frequency=1")
     if trainer.gradient_clip_val and trainer.gradient_clip_algorithm not in (None, "norm"):
         out.append(f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}; the recipe replays clipping by norm")
+    out += _common.compile_refusal(pl_module)
     if _common.reference(_module_class(pl_module)) is None:
         out.append(f"the LightningModule class {_module_class(pl_module).__qualname__} is not importable as module:name; define it "
                    "in a module")
@@ -163,11 +164,15 @@ class SdcCallback(_Base):
 
         problems = _refusals(trainer, pl_module)
         if problems:
-            raise UsageError(f"sdc-forensics cannot record this Lightning job exactly: {problems[0]} (docs/integrations.md)")
+            raise _common.refuse(f"sdc-forensics cannot record this Lightning job exactly: {problems[0]} (docs/integrations.md)")
         try:
             import_reference(self.dataset, what="dataset function")
         except _RecipeError as exc:
-            raise UsageError(str(exc)) from None
+            raise _common.refuse(str(exc)) from None
+        _common.warn_unreplayable(pl_module)
+        rotating = [c for c in trainer.checkpoint_callbacks if getattr(c, "save_top_k", -1) != -1]
+        if rotating:
+            _common.warn_rotation(f"ModelCheckpoint(save_top_k={rotating[0].save_top_k})")
         optimizer = trainer.optimizers[0]
         settings = {"module_class": _common.reference(_module_class(pl_module)), "hparams": _json_hparams(pl_module),
                     "dataset": self.dataset, "collator": None, "clip": float(trainer.gradient_clip_val or 0.0),
@@ -177,7 +182,7 @@ class SdcCallback(_Base):
         if isinstance(given, torch.utils.data.DataLoader):
             settings["collator"] = _common.reference(given.collate_fn)
         elif given is None or not callable(getattr(given, getattr(source, "name", ""), None)):
-            raise UsageError("the adapter finds no training DataLoader (pass train_dataloaders= to fit, or define train_dataloader())")
+            raise _common.refuse("the adapter finds no training DataLoader (pass train_dataloaders= to fit, or define train_dataloader())")
         self._collator = settings["collator"]
         self._settings = settings
         self._wire(trainer, pl_module, optimizer)

@@ -189,7 +189,11 @@ class TitanRecording:
         trainer, rec = self.trainer, self.recorder
         step = int(trainer.step)
         if self._every and (step - self._start) % self._every == 0:
-            rec.checkpoint(step, Path(self._dir) / f"step-{step:08d}", _state(trainer))
+            from sdc_forensics.integrations import _common
+
+            # a resumed run re-saving a step of an earlier attempt: a new name, as rank 0 finds it (never over the old one)
+            path = _rank0_says(_common.unused_path(Path(self._dir) / f"step-{step:08d}"))
+            rec.checkpoint(step, path, _state(trainer))
         ids = None if self._ids is None else [int(i) for i in self._ids(trainer)]
         with rec.step(step, microbatch_ids=ids):
             return self._train_step(*args, **kwargs)
@@ -219,6 +223,15 @@ def _state(trainer) -> dict:
         return {"model": get_model_state_dict(model), "optim": optimizers.state_dict()}
     model_state, optim_state = get_state_dict(model, optimizers)
     return {"model": model_state, "optim": optim_state}
+
+
+def _rank0_says(value):
+    """Rank 0's ``value`` on every rank."""
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _replicated(param) -> bool:

@@ -124,3 +124,83 @@ def test_settings_the_adapter_cannot_replay_are_refused_with_one_line(tmp_path):
     for setting in ("label_smoothing_factor", "mixed precision", "sync_each_batch"):
         assert any(setting in p for p in problems), (setting, problems)
     assert not (tmp_path / "trace").exists()
+
+
+def _tokenizer():
+    """A word-level tokenizer built here (no download): the stock collators need one to pad."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = "the a cat dog sat ran on mat".split()
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[MASK]": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", mask_token="[MASK]")
+
+
+SENTENCES = ["the cat sat", "a dog ran on the mat", "the dog"]
+
+
+def _stock_collators(tokenizer):
+    from transformers import DataCollatorForLanguageModeling, DataCollatorForSeq2Seq, DataCollatorWithPadding
+
+    return {"language-modeling": DataCollatorForLanguageModeling(tokenizer, mlm=False),
+            "with-padding": DataCollatorWithPadding(tokenizer), "seq2seq": DataCollatorForSeq2Seq(tokenizer)}
+
+
+def _features(name, tokenizer):
+    rows = [dict(tokenizer(s)) for s in SENTENCES]
+    if name == "seq2seq":  # labels of their own length, padded with -100 by the collator
+        rows = [{**r, "labels": list(reversed(r["input_ids"]))} for r in rows]
+    return rows
+
+
+@pytest.mark.parametrize("name", ["language-modeling", "with-padding", "seq2seq"])
+def test_the_stock_collators_batch_encoding_carries_the_indices_and_the_replay_rebuilds_it(name):
+    """Issue 40: each stock collator returns a BatchEncoding (a Mapping, not a dict). Training's
+    IndexedCollate gives the collator's own batch plus the indices; the replay's SampleBatches
+    regroups the same indices into the same batch."""
+    import torch
+    from transformers import BatchEncoding
+
+    from sdc_forensics.integrations import _common
+    from sdc_forensics.integrations.hf import INDEX_KEY, IndexedCollate, IndexedDataset
+
+    tokenizer = _tokenizer()
+    collator = _stock_collators(tokenizer)[name]
+    rows = _features(name, tokenizer)
+    expected = collator([rows[2], rows[0]])  # the collator alone, on the samples a sampler drew as [2, 0]
+    assert isinstance(expected, BatchEncoding) and not isinstance(expected, dict)
+    batch = IndexedCollate(collator)(IndexedDataset(rows).__getitems__([2, 0]))
+    assert batch[INDEX_KEY].tolist() == [2, 0]
+    assert set(batch) - {INDEX_KEY} == set(expected)
+    for key, value in expected.items():
+        assert torch.equal(batch[key], value), key
+    replay = _common.SampleBatches(lambda i: rows[i], collator)
+    ids = _common.batch_ids([2, 0])
+    assert replay.fetch(_common.step_header(1), "cpu") == () and replay.fetch(ids[0], "cpu") == ()
+    rebuilt = replay.fetch(ids[1], "cpu")
+    assert set(rebuilt) == set(expected) and all(torch.equal(rebuilt[k], v) for k, v in expected.items())
+
+
+def test_the_trainers_default_collator_from_a_tokenizer_carries_the_indices(tmp_path):
+    """Trainer(processing_class=tokenizer) collates with DataCollatorWithPadding behind its column
+    remover: the loader the adapter tags gives padded batches with the indices."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from sdc_forensics.integrations.hf import INDEX_KEY, IndexedCollate, IndexedDataset
+
+    tokenizer = _tokenizer()
+    rows = [{**dict(tokenizer(s)), "text": s} for s in SENTENCES]  # sentences of 3, 6 and 2 words: any two pad
+    config = GPT2Config(vocab_size=16, n_positions=16, n_embd=8, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=1,
+                             per_device_train_batch_size=2)
+    trainer = Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=rows, processing_class=tokenizer)
+    assert type(trainer.data_collator).__name__ == "DataCollatorWithPadding"
+    trainer.train_dataset = IndexedDataset(trainer.train_dataset)  # what hf.record wires (it refuses one process)
+    loader = trainer.get_train_dataloader()
+    inner = getattr(loader, "base_dataloader", loader)
+    inner.collate_fn = IndexedCollate(inner.collate_fn)
+    batch = next(iter(loader))
+    assert sorted(batch[INDEX_KEY].tolist()) in ([0, 1], [0, 2], [1, 2])
+    assert "text" not in batch and batch["input_ids"].shape[0] == 2 and bool((batch["attention_mask"] == 0).any())
