@@ -3,7 +3,7 @@ made here (no download), a synthetic map-style dataset, gradient accumulation, c
 and a linear warmup schedule, checkpoints every ``--save-steps``. One process per rank with the
 launcher's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``)::
 
-    python -c 'import tests.integrations.hfjob as j; j.run()' --trace T --out O [--steps 6] [--save-steps 3] [--inject SPEC] [--resume DIR]
+    python -c 'import tests.integrations.hfjob as j; j.run()' --trace T --out O [--steps 6] [--save-steps 3] [--inject SPEC] [--resume DIR] [--policy raise]
 
 The model class and the dataset function are referenced by the trace as
 ``tests.integrations.hfjob:...``: replay imports them with ``PYTHONPATH`` set to the repository.
@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--accumulate", type=int, default=2)
     parser.add_argument("--inject", action="append", default=[])
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--policy", default="continue", help="the recorder's policy: raise stops training at an alarm (exit 18)")
     parser.add_argument("--workers", type=int, default=0, help="dataloader_num_workers: the indices cross process boundaries")
     opts = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -86,11 +87,12 @@ def main(argv: list[str] | None = None) -> None:
     assert not trainer.model_accepts_loss_kwargs  # the accumulation divisor path (docs/integrations.md's GPT-2 takes the other)
 
     from sdc_forensics.integrations import hf
-    from sdc_forensics.recorder import RecorderOptions
+    from sdc_forensics.recorder import RecorderOptions, exit_on_alarm
 
     hf.record(trainer, opts.trace, dataset="tests.integrations.hfjob:make_dataset",
-              options=RecorderOptions(policy="continue"), inject=opts.inject)
-    trainer.train(resume_from_checkpoint=opts.resume)
+              options=RecorderOptions(policy=opts.policy), inject=opts.inject)
+    with exit_on_alarm():  # an online check's alarm: one line and exit 18, the trace closed by the adapter
+        trainer.train(resume_from_checkpoint=opts.resume)
 
 
 def run() -> None:

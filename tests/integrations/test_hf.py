@@ -90,19 +90,50 @@ def test_a_fault_injected_through_the_adapter_is_found_at_its_step_and_rank(tmp_
     assert statuses == {0: "clean", 3: "clean", 6: "tainted"}
 
 
+def _hashes(folder) -> dict:
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 @pytest.mark.heavy
-def test_a_resumed_trainer_run_is_a_second_attempt_that_bisect_reads(clean_run, tmp_path):
-    copy = tmp_path / "run"
-    shutil.copytree(clean_run, copy)
-    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--resume", "out/checkpoint-3"], cwd=copy))
-    inspected = json.loads(run_installed(["inspect", "trace", "--json"], tmp_path, cwd=copy).stdout)
+def test_a_resumed_trainer_run_is_a_second_attempt_and_writes_over_no_checkpoint(tmp_path):
+    """Issue 40: attempt 0 with a flip at step 4 saves checkpoint-0, -3, -6. Resuming into the same
+    output_dir would have the Trainer write checkpoint-6 over attempt 0's: refused at attach, one
+    line, exit 2 on every rank, nothing written. Resumed into a new output_dir from checkpoint-3,
+    attempt 1 starts at step 3, writes no checkpoint 0, leaves every file of attempt 0 byte for
+    byte, and its checkpoint 6 certifies."""
+    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=1:bit=30"], cwd=tmp_path))
+    before = _hashes(tmp_path / "out")
+    assert {name.split("/")[0] for name in before} == {"checkpoint-0", "checkpoint-3", "checkpoint-6"}
+    refused = run_ranks(JOB, ["--trace", "trace", "--out", "out", "--resume", "out/checkpoint-3"], cwd=tmp_path)
+    assert [r.returncode for r in refused] == [2, 2], [r.stderr[-2000:] for r in refused]
+    lines = [line for line in refused[0].stderr.splitlines() if line.startswith("sdc-forensics:")]
+    assert len(lines) == 1 and "checkpoint-6" in lines[0] and "new folder" in lines[0], refused[0].stderr
+    assert "Traceback" not in refused[0].stderr + refused[1].stderr and "sdc-forensics:" not in refused[1].stderr
+    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out2", "--resume", "out/checkpoint-3"], cwd=tmp_path))
+    assert _hashes(tmp_path / "out") == before
+    assert sorted(p.name for p in (tmp_path / "out2").iterdir()) == ["checkpoint-6"]
+    inspected = json.loads(run_installed(["inspect", "trace", "--json"], tmp_path, cwd=tmp_path).stdout)
     assert [(a["attempt"], a["start_step"]) for a in inspected["attempts"]] == [(0, 0), (1, 3)]
-    ran = run_installed(["bisect", "trace", "--allow-numpy", "--json"], tmp_path, cwd=copy, env=ENV)
-    assert ran.returncode == 0, ran.stderr
+    ran = run_installed(["bisect", "trace", "--allow-numpy", "--json"], tmp_path, cwd=tmp_path, env=ENV)
     doc = json.loads(ran.stdout)
-    assert doc["verdict"] == "clean"
+    statuses = {(c["step"], c["path"].split("/")[-2]): c["status"] for c in doc["checkpoints"]}
+    assert statuses[(3, "out")] == "clean" and statuses[(6, "out2")] == "clean", (statuses, ran.stderr)
     assert any("re-executed by a later attempt" in note for note in doc["notes"]), doc["notes"]
-    assert {c["step"]: c["status"] for c in doc["checkpoints"]} == {0: "clean", 3: "clean", 6: "clean"}
+
+
+@pytest.mark.heavy
+def test_an_alarm_stops_the_trainer_with_exit_18_and_every_rank_closes_its_trace(tmp_path):
+    """Issue 40: policy raise, a flip inside the all-reduce at step 2: the online check raises on
+    every rank inside trainer.train(); the adapter closes the trace (END record, on an exception)
+    before exit_on_alarm turns the alarm into exit 18. Before, the HF adapter left it open."""
+    ranks = run_ranks(JOB, ["--trace", "trace", "--out", "out", "--policy", "raise", "--inject", "allreduce:step=2:rank=1:bit=30"],
+                      cwd=tmp_path)
+    assert [r.returncode for r in ranks] == [18, 18], [r.stderr[-2000:] for r in ranks]
+    end = json.loads(run_installed(["inspect", "trace", "--json"], tmp_path, cwd=tmp_path).stdout)["end"]
+    assert [(r["closed"], r["closed_on_error"]) for r in end["ranks"]] == [(True, True), (True, True)], end
+    assert "no rank closed its trace" not in end["summary"] and end["last_step"] == 2, end
 
 
 def test_settings_the_adapter_cannot_replay_are_refused_with_one_line(tmp_path):
@@ -120,8 +151,10 @@ def test_settings_the_adapter_cannot_replay_are_refused_with_one_line(tmp_path):
     trainer.args.label_smoothing_factor = 0.1
     trainer.args.fp16 = True
     trainer.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
+    trainer.args.torch_compile = True
+    trainer.model.norm = __import__("torch").compile(trainer.model.norm)
     problems = hf._refusals(trainer, __import__("transformers"))
-    for setting in ("label_smoothing_factor", "mixed precision", "sync_each_batch"):
+    for setting in ("label_smoothing_factor", "mixed precision", "sync_each_batch", "torch_compile", "torch.compile wraps 'norm'"):
         assert any(setting in p for p in problems), (setting, problems)
     assert not (tmp_path / "trace").exists()
 

@@ -92,6 +92,13 @@ def test_model_parallel_and_other_settings_are_refused_with_one_line():
     (line,) = _refusals(trainer(ModelParallelStrategy(save_distributed_checkpoint=False), accumulate_grad_batches=1), module)
     assert "save_distributed_checkpoint=True" in line
     assert any("precision '16-mixed'" in p for p in _refusals(trainer(DDPStrategy(), precision="16-mixed"), module))
+    assert any("precision 'bf16-mixed'" in p for p in _refusals(trainer(DDPStrategy(), precision="bf16-mixed"), module))
+    import torch
+
+    compiled = Tiny()
+    compiled.net[0] = torch.compile(compiled.net[0])  # torch.compile on a submodule (issue 40: replay failed on _orig_mod.)
+    (line,) = _refusals(trainer(DDPStrategy()), compiled)
+    assert "torch.compile wraps 'net.0'" in line
     epoch = types.SimpleNamespace(interval="epoch", frequency=1, reduce_on_plateau=False)
     assert any("interval='step'" in p for p in _refusals(trainer(DDPStrategy(), lr_scheduler_configs=[epoch]), module))
     hooked = DDPStrategy(ddp_comm_hook=lambda state, bucket: None)
