@@ -197,26 +197,63 @@ def record(accelerator: Any, trace_dir: str | os.PathLike, *, model: torch.nn.Mo
         "max_grad_norm": float(max_grad_norm),
     }
     options = options or RecorderOptions()
-    rec = Recorder(trace_dir, ddp, optimizer, recipe=RECIPE, recipe_args=settings, options=options, inject=tuple(inject),
-                   framework=_common.framework_info("accelerate", ADAPTER))
-    return AccelerateRecording(accelerator, rec, loader, optimizer, module, float(max_grad_norm))
+
+    def make_recorder(start_step: int):
+        return Recorder(trace_dir, ddp, optimizer, recipe=RECIPE, recipe_args=settings, inject=tuple(inject),
+                        options=dataclasses.replace(options, start_step=start_step),
+                        framework=_common.framework_info("accelerate", ADAPTER))
+
+    return AccelerateRecording(accelerator, make_recorder, loader, optimizer, module, float(max_grad_norm),
+                               trace_dir=Path(trace_dir), start_step=options.start_step)
 
 
 class AccelerateRecording:
     """What :func:`record` returns: the recorder and the wiring into the accelerator (module docstring)."""
 
-    def __init__(self, accelerator: Any, rec: Any, loader: Any, optimizer: torch.optim.Optimizer, module: torch.nn.Module,
-                 max_grad_norm: float) -> None:
-        self.accelerator, self.rec, self.module, self.max_grad_norm = accelerator, rec, module, max_grad_norm
-        self.completed = rec.options.start_step  # optimizer steps done: the next step's number, a checkpoint's step
+    def __init__(self, accelerator: Any, make_recorder: Any, loader: Any, optimizer: torch.optim.Optimizer,
+                 module: torch.nn.Module, max_grad_norm: float, *, trace_dir: Path, start_step: int = 0) -> None:
+        self.accelerator, self.module, self.max_grad_norm = accelerator, module, max_grad_norm
+        # made at the first backward or save_state: after an accelerator.load_state(dir) said where the run resumes
+        self.rec = None
+        self._make_recorder, self._optimizer, self._trace_dir, self._handle = make_recorder, optimizer, trace_dir, None
+        self.completed = start_step  # optimizer steps done: the next step's number, a checkpoint's step
         self._seen: list = []  # (indices, batch) handed out by the loader, not yet backpropagated
         self._step = None
         self.track(loader)
-        self._originals = {name: getattr(accelerator, name) for name in ("backward", "save_state", "clip_grad_norm_")}
+        self._originals = {name: getattr(accelerator, name) for name in ("backward", "save_state", "clip_grad_norm_", "load_state")}
         accelerator.backward = self._backward
         accelerator.save_state = self._save_state
         accelerator.clip_grad_norm_ = self._clip_grad_norm
-        self._handle = optimizer.register_step_post_hook(self._after_update)  # after the recorder's own post-hook
+        accelerator.load_state = self._load_state
+
+    def _open(self) -> Any:
+        """The recorder, made once, its attempt starting at :attr:`completed`."""
+        if self.rec is None:
+            self.rec = self._make_recorder(self.completed)
+            self._handle = self._optimizer.register_step_post_hook(self._after_update)  # after the recorder's own post-hook
+        return self.rec
+
+    def _load_state(self, input_dir: str | None = None, *args, **kwargs):
+        """``accelerator.load_state``: a resumed run's attempt starts at the step the trace noted for that folder."""
+        if self.rec is not None:
+            raise _common.refuse("accelerator.load_state after the recorded training began: load the state before the first "
+                                 "step, so the resumed attempt starts at its step")
+        out = self._originals["load_state"](input_dir, *args, **kwargs)
+        if input_dir is None:
+            raise _common.refuse("accelerator.load_state() without a folder: name the folder, so the adapter finds its noted step")
+        from sdc_forensics.trace.checkpoints import read_checkpoint_notes
+
+        try:
+            notes = read_checkpoint_notes(self._trace_dir) if (self._trace_dir / "checkpoints").is_dir() else []
+        except SdcError:
+            notes = []
+        found = Path(input_dir).resolve()
+        steps = sorted({n.step for n in notes if Path(n.path).resolve() == found})
+        if len(steps) != 1:
+            raise _common.refuse(f"the trace {self._trace_dir} notes no checkpoint at {input_dir}, so the adapter cannot tell "
+                                 "which step the run resumes at: resume from a save_state folder this trace recorded")
+        self.completed = steps[0]
+        return out
 
     def track(self, loader: Any) -> Any:
         """Record the sample indices of a loader Accelerate prepared (the one ``record`` found, or the
@@ -240,7 +277,7 @@ class AccelerateRecording:
                            "each backward with the batch the loader handed out before it")
         indices, batch = self._seen.pop(0)
         if self._step is None:
-            self._step = self.rec.begin_step(self.completed)
+            self._step = self._open().begin_step(self.completed)
             self._step.add_microbatch_ids([_common.step_header(self.accelerator.gradient_accumulation_steps)])
         self._step.add_microbatch_ids(_common.batch_ids(indices))
         self._step.input(batch)
@@ -266,6 +303,7 @@ class AccelerateRecording:
             raise UsageError("accelerator.save_state in the middle of an accumulation cycle: save after the optimizer step")
         if output_dir is not None:
             _common.refuse_existing(output_dir, self._main_says(_common.taken(output_dir)))
+        self._open()
         where = self._originals["save_state"](output_dir, *args, **kwargs)
         folder = Path(where if where is not None else output_dir)
         self.accelerator.wait_for_everyone()  # every rank's random_states_R.pkl is written before the folder is read back
@@ -280,11 +318,17 @@ class AccelerateRecording:
 
     def close(self) -> None:
         """End the trace (the END record) and give the accelerator its own methods back."""
-        self._handle.remove()
+        self._restore()
+        if self.rec is not None:
+            self.rec.close()
+        self.accelerator.wait_for_everyone()
+
+    def _restore(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
         for name, original in self._originals.items():
             setattr(self.accelerator, name, original)
-        self.rec.close()
-        self.accelerator.wait_for_everyone()
 
     def __enter__(self) -> "AccelerateRecording":
         return self
@@ -292,8 +336,10 @@ class AccelerateRecording:
     def __exit__(self, *exc) -> None:
         if exc[0] is None:
             self.close()
-        else:
-            self.rec.close(on_error=True)
+        else:  # an exception, an alarm, KeyboardInterrupt: the END record says so; no collective waited on
+            self._restore()
+            if self.rec is not None:
+                self.rec.close(on_error=True)
 
 
 @dataclasses.dataclass(kw_only=True)
