@@ -16,7 +16,15 @@ with two marks (int64, never negative)::
                    applied to each microbatch's loss (gradient accumulation), 0 = none; with
     bit 60 (ITEMS) set, the low 48 bits are instead the step's item count (the Trainer's
                    ``num_items_in_batch``: label tokens over the accumulation window and ranks)
+    bit 59 (RNG)   with META, a second header: low 48 bits = the rank-step's RNG seed (below)
     bits 0..47     the sample index (datasets up to 2^48 samples)
+
+**Dropout replays.** The Trainer and Lightning adapters run each microbatch's forward with the
+global RNG (CPU, and the model's GPU) seeded from ``(rank-step seed, microbatch number)``, inside
+``torch.random.fork_rng`` (the job's own RNG stream is left where it was), and write the rank-step
+seed in the RNG header (:func:`step_seed`: a hash of the fingerprint seed, the step and the
+rank). The recipes seed their forward alike (:func:`seeded`), so dropout masks, and any other draw
+the forward makes, are the ones training drew.
 
 The replay recipe (:class:`SampleBatches`) groups the indices back into batches: ``fetch`` of an
 index without END (or of a header) returns an empty tuple (no tensors: nothing to digest), and
@@ -44,6 +52,7 @@ log = logging.getLogger(__name__)
 END = 1 << 62
 META = 1 << 61
 ITEMS = 1 << 60
+RNG = 1 << 59
 INDEX_MASK = (1 << 48) - 1
 
 
@@ -93,6 +102,47 @@ def step_header(divisor: int, *, items: bool = False) -> int:
     if not 0 <= int(divisor) <= INDEX_MASK:
         raise UsageError(f"loss divisor {divisor} does not fit a microbatch ID")
     return META | (ITEMS if items else 0) | int(divisor)
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The RNG seed of a rank-step's forwards (48 bits): distinct per step and rank, the same in any replay."""
+    import hashlib
+
+    digest = hashlib.blake2b(f"sdc-forensics rng {int(seed)} {int(step)} {int(rank)}".encode(), digest_size=6).digest()
+    return int.from_bytes(digest, "little")
+
+
+def rng_header(seed48: int) -> int:
+    """The META|RNG ID that carries a rank-step's :func:`step_seed`."""
+    return META | RNG | (int(seed48) & INDEX_MASK)
+
+
+class seeded:  # noqa: N801 - used like a function: `with seeded(seed, m, device):`
+    """Run a block with the global RNG of the CPU (and of ``device`` when it is a GPU) seeded from
+    ``(seed48, microbatch)``, restored afterwards; ``seed48`` None: the block runs unchanged."""
+
+    def __init__(self, seed48: int | None, microbatch: int, device: Any) -> None:
+        self.value = None if seed48 is None else (int(seed48) << 16) | (int(microbatch) & 0xFFFF)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._fork = None
+
+    def __enter__(self) -> "seeded":
+        if self.value is None:
+            return self
+        cuda = self.device.type == "cuda"
+        index = self.device.index if self.device.index is not None else (torch.cuda.current_device() if cuda else 0)
+        self._fork = torch.random.fork_rng(devices=[index] if cuda else [])
+        self._fork.__enter__()
+        torch.random.default_generator.manual_seed(self.value)
+        if cuda:
+            with torch.cuda.device(self.device):
+                torch.cuda.manual_seed(self.value)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fork is not None:
+            self._fork.__exit__(*exc)
+            self._fork = None
 
 
 def batch_ids(indices) -> list[int]:
@@ -355,18 +405,29 @@ class SampleBatches:
         self.pending: list[int] = []
         self.divisor = 0
         self.items = False
+        self.rng: int | None = None  # the rank-step's RNG seed (an RNG header), None: training did not seed
+        self.batches = 0  # complete batches fetched in this rank-step; the last one's number is batches - 1
 
     def fetch(self, microbatch_id: int, device: Any) -> Any:
         """``()`` for a header or an index inside a batch; the collated batch at its END index."""
         microbatch_id = int(microbatch_id)
         if microbatch_id & META:
+            if microbatch_id & RNG:
+                self.rng = microbatch_id & INDEX_MASK
+                return ()
             self.pending, self.divisor, self.items = [], microbatch_id & INDEX_MASK, bool(microbatch_id & ITEMS)
+            self.rng, self.batches = None, 0
             return ()
         self.pending.append(microbatch_id & INDEX_MASK)
         if not microbatch_id & END:
             return ()
         indices, self.pending = self.pending, []
+        self.batches += 1
         return _to_device(self.collate([self.sample(i) for i in indices]), device)
+
+    def seeded(self, device: Any) -> "seeded":
+        """The RNG the forward of the batch just fetched ran with in training (:class:`seeded`)."""
+        return seeded(self.rng, self.batches - 1, device)
 
 
 def is_placeholder(batch: Any) -> bool:

@@ -182,7 +182,6 @@ def record(trainer: Any, trace_dir: str | os.PathLike, *, dataset: str, options:
         raise _common.refuse(str(exc)) from None
     if not callable(made):
         raise _common.refuse(f"dataset {dataset} is not a function: name a zero-argument function that returns the training dataset")
-    _common.warn_unreplayable(trainer.model)
     if getattr(trainer.args, "save_total_limit", None):
         _common.warn_rotation(f"save_total_limit={trainer.args.save_total_limit}")
     callback = SdcCallback(trainer, trace_dir, dataset=dataset, options=options, inject=inject)
@@ -226,6 +225,10 @@ def record(trainer: Any, trace_dir: str | os.PathLike, *, dataset: str, options:
     trainer._save_checkpoint = save_checkpoint  # noqa: SLF001 - every folder the Trainer saves, checked before it writes
     trainer.add_callback(callback)
     return callback
+
+
+def _device_of_params(model: torch.nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def _rank0_says(flag: bool) -> bool:
@@ -299,6 +302,8 @@ class SdcCallback:
         self.resuming = False  # train(resume_from_checkpoint=...) was called with a checkpoint
         self._step = None  # the StepRecording of the optimizer step in progress
         self._step_started = False  # its first microbatch was seen (the step header is written)
+        self._step_number = 0
+        self._seed, self._microbatch = None, 0  # the rank-step's RNG seed, and the next microbatch's number
 
     # ---- TrainerCallback protocol (duck-typed: every event the handler may call) ----
     def __getattr__(self, name: str):
@@ -348,15 +353,21 @@ class SdcCallback:
                 header = _common.step_header(int(count), items=True)
             else:  # Trainer.training_step divides by the step's accumulation count
                 header = _common.step_header(self.trainer.current_gradient_accumulation_steps)
-            self._step.add_microbatch_ids([header])
+            seed = _common.step_seed(self.rec.options.seed, self._step_number, dist.get_rank())
+            self._step.add_microbatch_ids([header, _common.rng_header(seed)])
+            self._seed, self._microbatch = seed, 0
         self._step.add_microbatch_ids(_common.batch_ids(indices))
         self._step.input(inputs)
-        loss = original(model, inputs, *args, **kwargs)
+        # the forward's draws (dropout) from a seed the trace holds: the recipe draws the same masks
+        with _common.seeded(self._seed, self._microbatch, _device_of_params(model)):
+            loss = original(model, inputs, *args, **kwargs)
+        self._microbatch += 1
         self._step.loss(loss)
         return loss
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._step = self.rec.begin_step(state.global_step)
+        self._step_number = int(state.global_step)
         self._step_started = False
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -96,11 +96,12 @@ class TrainerRecipe:
         if _common.is_placeholder(microbatch):
             return _common.zero_loss()
         batches = self._sample_batches()
-        if batches.items:  # Trainer: num_items_in_batch = gathered int64 count / (tp * cp * sp), a float tensor
-            count = torch.tensor(batches.divisor, dtype=torch.int64, device=_device_of(microbatch)) / 1
-            outputs = model(**microbatch, num_items_in_batch=count)
-        else:
-            outputs = model(**microbatch)
+        with batches.seeded(_device_of(microbatch)):  # the forward's RNG as training seeded it (dropout)
+            if batches.items:  # Trainer: num_items_in_batch = gathered int64 count / (tp * cp * sp), a float tensor
+                count = torch.tensor(batches.divisor, dtype=torch.int64, device=_device_of(microbatch)) / 1
+                outputs = model(**microbatch, num_items_in_batch=count)
+            else:
+                outputs = model(**microbatch)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
         if batches.items:
             return loss * self.items_multiplier if self.items_multiplier != 1 else loss

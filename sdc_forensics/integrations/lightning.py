@@ -156,6 +156,7 @@ class SdcCallback(_Base):
         self._step = None
         self._batch = None  # (indices, batch) of the batch on its way to training_step
         self._collator = None  # the collator named in the trace (None: the dataset function's, or torch's default)
+        self._seed, self._microbatch = None, 0  # the rank-step's RNG seed, and the next microbatch's number
 
     def on_fit_start(self, trainer, pl_module) -> None:
         """Refuse what cannot be replayed and wire the data, optimizer and checkpoint hooks; the
@@ -169,7 +170,6 @@ class SdcCallback(_Base):
             import_reference(self.dataset, what="dataset function")
         except _RecipeError as exc:
             raise _common.refuse(str(exc)) from None
-        _common.warn_unreplayable(pl_module)
         rotating = [c for c in trainer.checkpoint_callbacks if getattr(c, "save_top_k", -1) != -1]
         if rotating:
             _common.warn_rotation(f"ModelCheckpoint(save_top_k={rotating[0].save_top_k})")
@@ -220,6 +220,18 @@ class SdcCallback(_Base):
             return original_transfer(batch, dataloader_idx)
 
         pl_module.on_before_batch_transfer = on_before_batch_transfer
+        original_training_step = pl_module.training_step
+
+        def training_step(*args, **kwargs):
+            if self._step is None:  # not a recorded microbatch
+                return original_training_step(*args, **kwargs)
+            # the forward's draws (dropout) from a seed the trace holds: the recipe draws the same masks
+            with _common.seeded(self._seed, self._microbatch, pl_module.device):
+                out = original_training_step(*args, **kwargs)
+            self._microbatch += 1
+            return out
+
+        pl_module.training_step = training_step
         hooked_step = optimizer.step
 
         def step(closure=None, **kwargs):
@@ -285,7 +297,8 @@ class SdcCallback(_Base):
         indices, self._batch = self._batch[0], None
         if self._step is None:
             self._step = self.rec.begin_step(int(trainer.global_step))
-            self._step.add_microbatch_ids([_common.step_header(trainer.accumulate_grad_batches)])
+            self._seed, self._microbatch = _common.step_seed(self.rec.options.seed, trainer.global_step, trainer.global_rank), 0
+            self._step.add_microbatch_ids([_common.step_header(trainer.accumulate_grad_batches), _common.rng_header(self._seed)])
         self._step.add_microbatch_ids(_common.batch_ids(indices))
         self._step.input(batch)
 
@@ -406,7 +419,8 @@ class LightningRecipe:
     def loss(self, model, microbatch):
         if _common.is_placeholder(microbatch):
             return _common.zero_loss()
-        out = model.training_step(microbatch, 0)
+        with self._batches.seeded(next((p.device for p in model.parameters()), "cpu")):  # dropout, as training seeded it
+            out = model.training_step(microbatch, 0)
         loss = out["loss"] if isinstance(out, dict) else out
         divisor = self._batches.divisor if self._batches is not None else 0
         return loss / divisor if divisor else loss

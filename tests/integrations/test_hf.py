@@ -136,6 +136,18 @@ def test_an_alarm_stops_the_trainer_with_exit_18_and_every_rank_closes_its_trace
     assert "no rank closed its trace" not in end["summary"] and end["last_step"] == 2, end
 
 
+@pytest.mark.heavy
+def test_a_trainer_job_with_dropout_replays_its_masks_and_certifies(tmp_path):
+    """Issue 40: dropout 0.1 (GPT2Config's default rate): the adapter seeds each microbatch's forward
+    from (step seed, microbatch) and the recipe seeds its forward alike, so every step replays bit
+    for bit and every checkpoint certifies."""
+    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--dropout", "0.1"], cwd=tmp_path))
+    certified = run_installed(["certify", "trace", "--allow-numpy", "--json"], tmp_path, cwd=tmp_path, env=ENV)
+    assert certified.returncode == 0, certified.stderr
+    assert {c["step"]: c["status"] for c in json.loads(certified.stdout)["checkpoints"]} == {0: "clean", 3: "clean", 6: "clean"}
+    assert "(exact)" in certified.stderr or "comparison exact" in certified.stderr, certified.stderr
+
+
 def test_settings_the_adapter_cannot_replay_are_refused_with_one_line(tmp_path):
     """In one process (no launch): each refusal names its setting, and nothing is written."""
     from transformers import Trainer, TrainingArguments

@@ -133,3 +133,15 @@ def test_a_resumed_fit_starts_its_attempt_at_the_restored_step_and_writes_over_n
     # the resumed attempt's steps 3..5 replay bit for bit from step=3.ckpt: its checkpoint 6 is certified
     assert statuses[(3, "step=3.ckpt")] == "clean" and statuses[(6, "step=6-v1.ckpt")] == "clean", statuses
     assert (0, "sdc-step=0.ckpt") in statuses, statuses  # the first attempt's checkpoint 0, not a resumed one
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_a_lightning_job_with_dropout_replays_its_masks_and_certifies(tmp_path):
+    """Issue 40: nn.Dropout(0.1) in the module: the callback seeds each microbatch's training_step
+    from (step seed, microbatch), the recipe seeds its training_step alike: certified exactly."""
+    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--dropout", "0.1"], cwd=tmp_path))
+    certified = run_installed(["certify", "trace", "--json"], tmp_path, cwd=tmp_path, env=ENV)
+    assert certified.returncode == 0, certified.stderr
+    assert {c["step"]: c["status"] for c in json.loads(certified.stdout)["checkpoints"]} == {0: "clean", 3: "clean", 6: "clean"}
+    assert "(exact)" in certified.stderr, certified.stderr
