@@ -16,7 +16,15 @@ with two marks (int64, never negative)::
                    applied to each microbatch's loss (gradient accumulation), 0 = none; with
     bit 60 (ITEMS) set, the low 48 bits are instead the step's item count (the Trainer's
                    ``num_items_in_batch``: label tokens over the accumulation window and ranks)
+    bit 59 (RNG)   with META, a second header: low 48 bits = the rank-step's RNG seed (below)
     bits 0..47     the sample index (datasets up to 2^48 samples)
+
+**Dropout replays.** The Trainer and Lightning adapters run each microbatch's forward with the
+global RNG (CPU, and the model's GPU) seeded from ``(rank-step seed, microbatch number)``, inside
+``torch.random.fork_rng`` (the job's own RNG stream is left where it was), and write the rank-step
+seed in the RNG header (:func:`step_seed`: a hash of the fingerprint seed, the step and the
+rank). The recipes seed their forward alike (:func:`seeded`), so dropout masks, and any other draw
+the forward makes, are the ones training drew.
 
 The replay recipe (:class:`SampleBatches`) groups the indices back into batches: ``fetch`` of an
 index without END (or of a header) returns an empty tuple (no tensors: nothing to digest), and
@@ -28,18 +36,53 @@ loss are then exactly training's, and the trace stays self-contained (no side ta
 from __future__ import annotations
 
 import importlib
+import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from sdc_forensics.errors import RecipeError, SdcError, UsageError
+from sdc_forensics.recorder.checkpointing import taken, unused_path  # noqa: F401 - the adapters' names for them
+
+log = logging.getLogger(__name__)
 
 END = 1 << 62
 META = 1 << 61
 ITEMS = 1 << 60
+RNG = 1 << 59
 INDEX_MASK = (1 << 48) - 1
+
+
+class Refusal(UsageError, SystemExit):
+    """What an adapter refuses inside the training script: a :class:`UsageError` (``except
+    SdcError`` catches it) that is also a ``SystemExit`` with code 2 (``ExitCode.USAGE``), so that,
+    left uncaught, every rank exits 2 without a traceback. :func:`refuse` prints the one line,
+    on rank 0 only (a thousand ranks, one line)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = int(self.exit_code)
+
+
+def refuse(message: str) -> Refusal:
+    """The :class:`Refusal` of ``message``, printed once (rank 0) on stderr as the one line a user
+    reads: ``raise refuse("...")``."""
+    import sys
+
+    if _global_rank() == 0:
+        print(f"sdc-forensics: {message}", file=sys.stderr, flush=True)
+    return Refusal(message)
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0") or 0)
 
 
 def framework_info(name: str, adapter: str) -> dict[str, str]:
@@ -59,6 +102,47 @@ def step_header(divisor: int, *, items: bool = False) -> int:
     if not 0 <= int(divisor) <= INDEX_MASK:
         raise UsageError(f"loss divisor {divisor} does not fit a microbatch ID")
     return META | (ITEMS if items else 0) | int(divisor)
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The RNG seed of a rank-step's forwards (48 bits): distinct per step and rank, the same in any replay."""
+    import hashlib
+
+    digest = hashlib.blake2b(f"sdc-forensics rng {int(seed)} {int(step)} {int(rank)}".encode(), digest_size=6).digest()
+    return int.from_bytes(digest, "little")
+
+
+def rng_header(seed48: int) -> int:
+    """The META|RNG ID that carries a rank-step's :func:`step_seed`."""
+    return META | RNG | (int(seed48) & INDEX_MASK)
+
+
+class seeded:  # noqa: N801 - used like a function: `with seeded(seed, m, device):`
+    """Run a block with the global RNG of the CPU (and of ``device`` when it is a GPU) seeded from
+    ``(seed48, microbatch)``, restored afterwards; ``seed48`` None: the block runs unchanged."""
+
+    def __init__(self, seed48: int | None, microbatch: int, device: Any) -> None:
+        self.value = None if seed48 is None else (int(seed48) << 16) | (int(microbatch) & 0xFFFF)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._fork = None
+
+    def __enter__(self) -> "seeded":
+        if self.value is None:
+            return self
+        cuda = self.device.type == "cuda"
+        index = self.device.index if self.device.index is not None else (torch.cuda.current_device() if cuda else 0)
+        self._fork = torch.random.fork_rng(devices=[index] if cuda else [])
+        self._fork.__enter__()
+        torch.random.default_generator.manual_seed(self.value)
+        if cuda:
+            with torch.cuda.device(self.device):
+                torch.cuda.manual_seed(self.value)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fork is not None:
+            self._fork.__exit__(*exc)
+            self._fork = None
 
 
 def batch_ids(indices) -> list[int]:
@@ -222,6 +306,68 @@ def note_folder(rec, step: int, folder: str | os.PathLike, module: torch.nn.Modu
         return rec.checkpoint(step, folder, state=payload.tensors, save=save)
 
 
+def compiled_parts(module: torch.nn.Module) -> list[str]:
+    """The names of ``module``'s parts that ``torch.compile`` wrapped (an ``OptimizedModule``, whose
+    state dict keys gain ``_orig_mod.``, or ``nn.Module.compile()`` in place): the replay runs
+    eager kernels, and rebuilds the model without the wrapper."""
+    found = []
+    for name, part in module.named_modules():
+        if hasattr(part, "_orig_mod") or getattr(part, "_compiled_call_impl", None) is not None \
+                or getattr(getattr(part, "forward", None), "_torchdynamo_orig_callable", None) is not None:
+            found.append(name or "the model itself")
+    return found
+
+
+def compile_refusal(module: torch.nn.Module) -> list[str]:
+    """The refusal line of a model with compiled parts (empty when none)."""
+    parts = compiled_parts(module)
+    if not parts:
+        return []
+    return [f"torch.compile wraps {parts[0]!r}{f' (and {len(parts) - 1} more)' if len(parts) > 1 else ''}: the replay rebuilds "
+            "the model eagerly and cannot reproduce compiled kernels, nor load their '_orig_mod.' state; compile nothing in a "
+            "recorded run"]
+
+
+def random_parts(module: torch.nn.Module) -> list[str]:
+    """The names of ``module``'s dropout layers with ``p > 0``: they draw masks from the global RNG
+    each step, which the trace does not hold."""
+    return [name for name, part in module.named_modules()
+            if isinstance(part, torch.nn.modules.dropout._DropoutNd) and float(part.p) > 0]  # noqa: SLF001
+
+
+def warn_unreplayable(module: torch.nn.Module) -> None:
+    """Say at attach (rank 0, one line) that a model with dropout records steps no replay can
+    reproduce, so nothing of the run will certify, and how to change it."""
+    parts = random_parts(module)
+    if parts and _global_rank() == 0:
+        log.warning("sdc-forensics: %d dropout layer(s) with p > 0 (%s...) draw random masks the replay cannot reproduce: the "
+                    "online checks still run, but no step replays exactly and no checkpoint of this run will certify; set "
+                    "dropout to 0 for a certified run (GPT-2: GPT2Config(resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))",
+                    len(parts), parts[0])
+
+
+def warn_rotation(setting: str) -> None:
+    """Say at attach (rank 0, one line) that the job deletes old checkpoints (``setting``), so
+    only a follower running beside it can certify the intervals before they are gone."""
+    if _global_rank() == 0:
+        log.warning("sdc-forensics: %s deletes early checkpoints, and a replay starts from one: run `sdc-forensics certify "
+                    "--follow TRACE_DIR` beside the job to certify each interval before its checkpoint rotates away "
+                    "(docs/integrations.md)", setting)
+
+
+def refuse_existing(path: str | os.PathLike, is_taken: bool) -> None:
+    """Refuse a checkpoint save at ``path`` when ``is_taken`` (:func:`taken`, decided by the
+    writing rank and shared, so every rank refuses alike): the adapters never write over a file.
+
+    Raises:
+        UsageError: one line naming the path and what to do.
+    """
+    if is_taken:
+        raise refuse(f"checkpoint {path} exists already, and sdc-forensics never lets a recorded job write over a checkpoint "
+                         "(its note, and the evidence of an earlier attempt, would be lost): save to a new path, or move the old "
+                         "one away first")
+
+
 def _saved(state: Any, path: Path) -> None:
     """The framework wrote the folder already: nothing to save."""
 
@@ -236,7 +382,7 @@ def _refuse(why: str) -> Callable[[Any, Path], None]:
 def _to_device(obj: Any, device: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
-    if isinstance(obj, dict):
+    if isinstance(obj, Mapping):  # a dict, or a collator's BatchEncoding: a dict of the moved values
         return {k: _to_device(v, device) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_device(v, device) for v in obj)
@@ -259,18 +405,29 @@ class SampleBatches:
         self.pending: list[int] = []
         self.divisor = 0
         self.items = False
+        self.rng: int | None = None  # the rank-step's RNG seed (an RNG header), None: training did not seed
+        self.batches = 0  # complete batches fetched in this rank-step; the last one's number is batches - 1
 
     def fetch(self, microbatch_id: int, device: Any) -> Any:
         """``()`` for a header or an index inside a batch; the collated batch at its END index."""
         microbatch_id = int(microbatch_id)
         if microbatch_id & META:
+            if microbatch_id & RNG:
+                self.rng = microbatch_id & INDEX_MASK
+                return ()
             self.pending, self.divisor, self.items = [], microbatch_id & INDEX_MASK, bool(microbatch_id & ITEMS)
+            self.rng, self.batches = None, 0
             return ()
         self.pending.append(microbatch_id & INDEX_MASK)
         if not microbatch_id & END:
             return ()
         indices, self.pending = self.pending, []
+        self.batches += 1
         return _to_device(self.collate([self.sample(i) for i in indices]), device)
+
+    def seeded(self, device: Any) -> "seeded":
+        """The RNG the forward of the batch just fetched ran with in training (:class:`seeded`)."""
+        return seeded(self.rng, self.batches - 1, device)
 
 
 def is_placeholder(batch: Any) -> bool:

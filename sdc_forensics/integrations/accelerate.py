@@ -108,6 +108,10 @@ def _refusals(accelerator: Any) -> list[str]:
     if accelerator.num_processes < 2:
         out.append(f"the job runs {accelerator.num_processes} process: the recorder records data-parallel (DDP) jobs; "
                    "launch with accelerate launch / torchrun, 2 or more processes")
+    dynamo = getattr(getattr(accelerator.state, "dynamo_plugin", None), "backend", None)
+    if dynamo is not None and str(getattr(dynamo, "value", dynamo)).upper() != "NO":
+        out.append(f"dynamo_backend={str(getattr(dynamo, 'value', dynamo)).lower()} compiles the model in prepare(): the replay runs "
+                   "eager kernels and cannot reproduce compiled ones; record without a dynamo backend")
     if accelerator.mixed_precision != "no":
         out.append(f"mixed precision ({accelerator.mixed_precision}: autocast and a loss scaler) is not replayed by the adapter yet")
     if accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
@@ -121,6 +125,8 @@ def _refusals(accelerator: Any) -> list[str]:
                    "evaluation loader after record(), or pass it through prepare separately later)")
     elif isinstance(loaders[0].dataset, torch.utils.data.IterableDataset):
         out.append("the training dataset is not map-style (an IterableDataset has no indices to record as microbatch IDs)")
+    for model in models:
+        out += _common.compile_refusal(model)
     for scheduler in accelerator._schedulers:  # noqa: SLF001
         inner = getattr(scheduler, "scheduler", scheduler)
         if hasattr(inner, "total_steps"):
@@ -157,11 +163,11 @@ def record(accelerator: Any, trace_dir: str | os.PathLike, *, model: torch.nn.Mo
 
     problems = _refusals(accelerator)
     if problems:
-        raise UsageError(f"sdc-forensics cannot record this Accelerate job exactly: {problems[0]} (docs/integrations.md)")
+        raise _common.refuse(f"sdc-forensics cannot record this Accelerate job exactly: {problems[0]} (docs/integrations.md)")
     if any(str(s).startswith("input:") for s in inject):
-        raise UsageError("the accelerate adapter does not inject input faults (the batch reaches the model before it is recorded)")
+        raise _common.refuse("the accelerate adapter does not inject input faults (the batch reaches the model before it is recorded)")
     if any(str(s).startswith("checkpoint-file:") for s in inject):
-        raise UsageError("checkpoint-file injection flips a byte of one file; a save_state checkpoint is a folder (damage a "
+        raise _common.refuse("checkpoint-file injection flips a byte of one file; a save_state checkpoint is a folder (damage a "
                          "file of it by hand to drill verify-checkpoint)")
     for what, ref in (("model function", model_fn), ("loss function", loss_fn), ("dataset function", dataset),
                       ("scheduler function", scheduler_fn)):
@@ -169,16 +175,20 @@ def record(accelerator: Any, trace_dir: str | os.PathLike, *, model: torch.nn.Mo
             try:
                 import_reference(ref, what=what)
             except RecipeError as exc:
-                raise UsageError(str(exc)) from None
+                raise _common.refuse(str(exc)) from None
+    _common.warn_unreplayable(accelerator._models[0])  # noqa: SLF001
+    limit = getattr(getattr(accelerator, "project_configuration", None), "total_limit", None)
+    if limit:
+        _common.warn_rotation(f"ProjectConfiguration(total_limit={limit})")
     ddp = model
     if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel) or ddp.module is not accelerator._models[0]:  # noqa: SLF001
-        raise UsageError("pass model= the model accelerator.prepare() returned (its DistributedDataParallel wrapper)")
+        raise _common.refuse("pass model= the model accelerator.prepare() returned (its DistributedDataParallel wrapper)")
     optimizer = getattr(accelerator._optimizers[0], "optimizer", accelerator._optimizers[0])  # noqa: SLF001
     module = getattr(ddp, "module", ddp)
     loader = accelerator._dataloaders[0]  # noqa: SLF001
     schedulers = accelerator._schedulers  # noqa: SLF001
     if scheduler_fn is None and schedulers:
-        raise UsageError("the loop has an LR scheduler: name the function that builds it, scheduler_fn='module:make(optimizer)'")
+        raise _common.refuse("the loop has an LR scheduler: name the function that builds it, scheduler_fn='module:make(optimizer)'")
     base = getattr(loader, "base_dataloader", loader)
     settings = {
         "model_fn": model_fn, "loss_fn": loss_fn, "dataset": dataset, "scheduler_fn": scheduler_fn,
@@ -187,26 +197,63 @@ def record(accelerator: Any, trace_dir: str | os.PathLike, *, model: torch.nn.Mo
         "max_grad_norm": float(max_grad_norm),
     }
     options = options or RecorderOptions()
-    rec = Recorder(trace_dir, ddp, optimizer, recipe=RECIPE, recipe_args=settings, options=options, inject=tuple(inject),
-                   framework=_common.framework_info("accelerate", ADAPTER))
-    return AccelerateRecording(accelerator, rec, loader, optimizer, module, float(max_grad_norm))
+
+    def make_recorder(start_step: int):
+        return Recorder(trace_dir, ddp, optimizer, recipe=RECIPE, recipe_args=settings, inject=tuple(inject),
+                        options=dataclasses.replace(options, start_step=start_step),
+                        framework=_common.framework_info("accelerate", ADAPTER))
+
+    return AccelerateRecording(accelerator, make_recorder, loader, optimizer, module, float(max_grad_norm),
+                               trace_dir=Path(trace_dir), start_step=options.start_step)
 
 
 class AccelerateRecording:
     """What :func:`record` returns: the recorder and the wiring into the accelerator (module docstring)."""
 
-    def __init__(self, accelerator: Any, rec: Any, loader: Any, optimizer: torch.optim.Optimizer, module: torch.nn.Module,
-                 max_grad_norm: float) -> None:
-        self.accelerator, self.rec, self.module, self.max_grad_norm = accelerator, rec, module, max_grad_norm
-        self.completed = rec.options.start_step  # optimizer steps done: the next step's number, a checkpoint's step
+    def __init__(self, accelerator: Any, make_recorder: Any, loader: Any, optimizer: torch.optim.Optimizer,
+                 module: torch.nn.Module, max_grad_norm: float, *, trace_dir: Path, start_step: int = 0) -> None:
+        self.accelerator, self.module, self.max_grad_norm = accelerator, module, max_grad_norm
+        # made at the first backward or save_state: after an accelerator.load_state(dir) said where the run resumes
+        self.rec = None
+        self._make_recorder, self._optimizer, self._trace_dir, self._handle = make_recorder, optimizer, trace_dir, None
+        self.completed = start_step  # optimizer steps done: the next step's number, a checkpoint's step
         self._seen: list = []  # (indices, batch) handed out by the loader, not yet backpropagated
         self._step = None
         self.track(loader)
-        self._originals = {name: getattr(accelerator, name) for name in ("backward", "save_state", "clip_grad_norm_")}
+        self._originals = {name: getattr(accelerator, name) for name in ("backward", "save_state", "clip_grad_norm_", "load_state")}
         accelerator.backward = self._backward
         accelerator.save_state = self._save_state
         accelerator.clip_grad_norm_ = self._clip_grad_norm
-        self._handle = optimizer.register_step_post_hook(self._after_update)  # after the recorder's own post-hook
+        accelerator.load_state = self._load_state
+
+    def _open(self) -> Any:
+        """The recorder, made once, its attempt starting at :attr:`completed`."""
+        if self.rec is None:
+            self.rec = self._make_recorder(self.completed)
+            self._handle = self._optimizer.register_step_post_hook(self._after_update)  # after the recorder's own post-hook
+        return self.rec
+
+    def _load_state(self, input_dir: str | None = None, *args, **kwargs):
+        """``accelerator.load_state``: a resumed run's attempt starts at the step the trace noted for that folder."""
+        if self.rec is not None:
+            raise _common.refuse("accelerator.load_state after the recorded training began: load the state before the first "
+                                 "step, so the resumed attempt starts at its step")
+        out = self._originals["load_state"](input_dir, *args, **kwargs)
+        if input_dir is None:
+            raise _common.refuse("accelerator.load_state() without a folder: name the folder, so the adapter finds its noted step")
+        from sdc_forensics.trace.checkpoints import read_checkpoint_notes
+
+        try:
+            notes = read_checkpoint_notes(self._trace_dir) if (self._trace_dir / "checkpoints").is_dir() else []
+        except SdcError:
+            notes = []
+        found = Path(input_dir).resolve()
+        steps = sorted({n.step for n in notes if Path(n.path).resolve() == found})
+        if len(steps) != 1:
+            raise _common.refuse(f"the trace {self._trace_dir} notes no checkpoint at {input_dir}, so the adapter cannot tell "
+                                 "which step the run resumes at: resume from a save_state folder this trace recorded")
+        self.completed = steps[0]
+        return out
 
     def track(self, loader: Any) -> Any:
         """Record the sample indices of a loader Accelerate prepared (the one ``record`` found, or the
@@ -230,7 +277,7 @@ class AccelerateRecording:
                            "each backward with the batch the loader handed out before it")
         indices, batch = self._seen.pop(0)
         if self._step is None:
-            self._step = self.rec.begin_step(self.completed)
+            self._step = self._open().begin_step(self.completed)
             self._step.add_microbatch_ids([_common.step_header(self.accelerator.gradient_accumulation_steps)])
         self._step.add_microbatch_ids(_common.batch_ids(indices))
         self._step.input(batch)
@@ -254,19 +301,34 @@ class AccelerateRecording:
     def _save_state(self, output_dir: str | None = None, *args, **kwargs):
         if self._step is not None:
             raise UsageError("accelerator.save_state in the middle of an accumulation cycle: save after the optimizer step")
+        if output_dir is not None:
+            _common.refuse_existing(output_dir, self._main_says(_common.taken(output_dir)))
+        self._open()
         where = self._originals["save_state"](output_dir, *args, **kwargs)
         folder = Path(where if where is not None else output_dir)
         self.accelerator.wait_for_everyone()  # every rank's random_states_R.pkl is written before the folder is read back
         _common.note_folder(self.rec, self.completed, folder, self.module, is_writer=self.accelerator.is_main_process)
         return where
 
+    def _main_says(self, flag: bool) -> bool:
+        """The main process's ``flag`` on every process (a file check made where Accelerate writes)."""
+        from accelerate.utils import broadcast_object_list
+
+        return bool(broadcast_object_list([flag], from_process=0)[0])
+
     def close(self) -> None:
         """End the trace (the END record) and give the accelerator its own methods back."""
-        self._handle.remove()
+        self._restore()
+        if self.rec is not None:
+            self.rec.close()
+        self.accelerator.wait_for_everyone()
+
+    def _restore(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
         for name, original in self._originals.items():
             setattr(self.accelerator, name, original)
-        self.rec.close()
-        self.accelerator.wait_for_everyone()
 
     def __enter__(self) -> "AccelerateRecording":
         return self
@@ -274,8 +336,10 @@ class AccelerateRecording:
     def __exit__(self, *exc) -> None:
         if exc[0] is None:
             self.close()
-        else:
-            self.rec.close(on_error=True)
+        else:  # an exception, an alarm, KeyboardInterrupt: the END record says so; no collective waited on
+            self._restore()
+            if self.rec is not None:
+                self.rec.close(on_error=True)
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -90,9 +91,9 @@ class IndexedCollate:
         if not features or not isinstance(features[0], _Indexed):
             return self.collate(features)
         batch = self.collate([f.item for f in features])
-        if not isinstance(batch, dict):
-            raise UsageError(f"the Trainer's collator returned a {type(batch).__name__}, not a dict of model inputs; "
-                             "the HF adapter carries the sample indices in the batch dict")
+        if not isinstance(batch, Mapping):  # a dict, a BatchEncoding (the stock collators'), any mapping of model inputs
+            raise _common.refuse(f"the Trainer's collator returned a {type(batch).__name__}, not a mapping of model inputs "
+                                 "(the Trainer calls model(**batch)); the HF adapter carries the sample indices in that mapping")
         batch = dict(batch)
         batch[INDEX_KEY] = torch.tensor([f.index for f in features], dtype=torch.int64)
         return batch
@@ -128,6 +129,7 @@ def _refusals(trainer: Any, transformers: Any) -> list[str]:
                    "pass; the recorder fingerprints the accumulated gradient DDP sends once per step")
     if getattr(args, "save_only_model", False):
         out.append("save_only_model: checkpoints without optimizer and scheduler cannot be replayed from")
+    out += _common.compile_refusal(trainer.model)
     if not isinstance(trainer.model, transformers.PreTrainedModel):
         out.append(f"the model is a {type(trainer.model).__name__}, not a transformers PreTrainedModel: the recipe rebuilds "
                    "the model from its class and config")
@@ -173,13 +175,15 @@ def record(trainer: Any, trace_dir: str | os.PathLike, *, dataset: str, options:
         problems.append("checkpoint-file injection flips a byte of one file; a Trainer checkpoint is a folder (damage a file "
                         "of it by hand to drill verify-checkpoint)")
     if problems:
-        raise UsageError(f"sdc-forensics cannot record this Trainer exactly: {problems[0]} (docs/integrations.md)")
+        raise _common.refuse(f"sdc-forensics cannot record this Trainer exactly: {problems[0]} (docs/integrations.md)")
     try:
         made = import_reference(dataset, what="dataset function")
     except Exception as exc:  # noqa: BLE001 - RecipeError: say it as a usage error at record time
-        raise UsageError(str(exc)) from None
+        raise _common.refuse(str(exc)) from None
     if not callable(made):
-        raise UsageError(f"dataset {dataset} is not a function: name a zero-argument function that returns the training dataset")
+        raise _common.refuse(f"dataset {dataset} is not a function: name a zero-argument function that returns the training dataset")
+    if getattr(trainer.args, "save_total_limit", None):
+        _common.warn_rotation(f"save_total_limit={trainer.args.save_total_limit}")
     callback = SdcCallback(trainer, trace_dir, dataset=dataset, options=options, inject=inject)
     trainer.train_dataset = IndexedDataset(trainer.train_dataset)
     original_loader = trainer.get_train_dataloader
@@ -197,8 +201,55 @@ def record(trainer: Any, trace_dir: str | os.PathLike, *, dataset: str, options:
         return callback.training_step(original_step, model, inputs, *args, **kwargs)
 
     trainer.training_step = training_step
+    original_train = trainer.train
+
+    def train(resume_from_checkpoint=None, *args, **kwargs):
+        # whether this run resumes (then it writes no checkpoint 0); the trace closed however train() ends
+        callback.resuming = bool(resume_from_checkpoint)
+        try:
+            return original_train(resume_from_checkpoint, *args, **kwargs)
+        except BaseException:
+            callback.close(on_error=True)
+            raise
+
+    trainer.train = train
+    original_save = trainer._save_checkpoint  # noqa: SLF001
+
+    def save_checkpoint(model, trial, *args, **kwargs):
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        folder = Path(trainer._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"  # noqa: SLF001
+        _common.refuse_existing(folder, _rank0_says(_common.taken(folder)))
+        return original_save(model, trial, *args, **kwargs)
+
+    trainer._save_checkpoint = save_checkpoint  # noqa: SLF001 - every folder the Trainer saves, checked before it writes
     trainer.add_callback(callback)
     return callback
+
+
+def _device_of_params(model: torch.nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def _rank0_says(flag: bool) -> bool:
+    """Rank 0's ``flag`` on every rank (a file check made where the Trainer writes)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    box = [flag]
+    dist.broadcast_object_list(box, src=0)
+    return bool(box[0])
+
+
+def _later_folders(args: Any, start: int, max_steps: int) -> list[Path]:
+    """The ``checkpoint-N`` folders a run resumed at step ``start`` will save that exist already
+    (``save_strategy="steps"``: every ``save_steps``, and the last step)."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    if str(getattr(args.save_strategy, "value", args.save_strategy)) != "steps" or not args.save_steps or args.save_steps < 1:
+        return []
+    every = int(args.save_steps)
+    steps = {n for n in range(start + 1, max_steps + 1) if n % every == 0} | ({max_steps} if max_steps > start else set())
+    return [f for f in (Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{n}" for n in sorted(steps)) if _common.taken(f)]
 
 
 def _recipe_args(trainer: Any, dataset: str, optimizer: torch.optim.Optimizer, max_steps: int) -> dict[str, Any]:
@@ -248,8 +299,11 @@ class SdcCallback:
         self.options = options or RecorderOptions()
         self.inject = tuple(inject)
         self.rec = None
+        self.resuming = False  # train(resume_from_checkpoint=...) was called with a checkpoint
         self._step = None  # the StepRecording of the optimizer step in progress
         self._step_started = False  # its first microbatch was seen (the step header is written)
+        self._step_number = 0
+        self._seed, self._microbatch = None, 0  # the rank-step's RNG seed, and the next microbatch's number
 
     # ---- TrainerCallback protocol (duck-typed: every event the handler may call) ----
     def __getattr__(self, name: str):
@@ -261,9 +315,15 @@ class SdcCallback:
         from sdc_forensics.recorder import Recorder
 
         trainer = self.trainer
+        if self.resuming:  # the Trainer has loaded its state: the attempt starts at state.global_step
+            later = _later_folders(args, int(state.global_step), int(state.max_steps))
+            if _rank0_says(bool(later)):
+                raise _common.refuse(f"the run resumes at step {state.global_step} into {args.output_dir}, which holds {later[0].name if later else 'a later checkpoint'} "
+                                     "of an earlier attempt, and the Trainer would write over it: set output_dir to a new folder "
+                                     "(resume_from_checkpoint= still names the old checkpoint)")
         ddp = trainer.model_wrapped
         if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
-            raise UsageError(f"the Trainer did not wrap the model in DistributedDataParallel (got {type(ddp).__name__}); "
+            raise _common.refuse(f"the Trainer did not wrap the model in DistributedDataParallel (got {type(ddp).__name__}); "
                              "the recorder records DDP jobs")
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside Accelerate's wrapper
         settings = _json_safe(_recipe_args(trainer, self.dataset, optimizer, state.max_steps))
@@ -272,7 +332,7 @@ class SdcCallback:
                                       checkpoint_every=int(every) if every and every >= 1 else self.options.checkpoint_every)
         self.rec = Recorder(self.trace_dir, ddp, optimizer, recipe=RECIPE, recipe_args=settings, options=options,
                             inject=self.inject, framework=_common.framework_info("transformers", ADAPTER))
-        if state.global_step == 0:  # replay starts from a checkpoint: checkpoint 0 is the initial state
+        if not self.resuming and state.global_step == 0:  # replay starts from a checkpoint: checkpoint 0 is the initial state
             trainer._save_checkpoint(ddp, trial=None)  # noqa: SLF001 - the Trainer's own folder layout, checkpoint-0
             self.on_save(args, state, control)
 
@@ -293,15 +353,21 @@ class SdcCallback:
                 header = _common.step_header(int(count), items=True)
             else:  # Trainer.training_step divides by the step's accumulation count
                 header = _common.step_header(self.trainer.current_gradient_accumulation_steps)
-            self._step.add_microbatch_ids([header])
+            seed = _common.step_seed(self.rec.options.seed, self._step_number, dist.get_rank())
+            self._step.add_microbatch_ids([header, _common.rng_header(seed)])
+            self._seed, self._microbatch = seed, 0
         self._step.add_microbatch_ids(_common.batch_ids(indices))
         self._step.input(inputs)
-        loss = original(model, inputs, *args, **kwargs)
+        # the forward's draws (dropout) from a seed the trace holds: the recipe draws the same masks
+        with _common.seeded(self._seed, self._microbatch, _device_of_params(model)):
+            loss = original(model, inputs, *args, **kwargs)
+        self._microbatch += 1
         self._step.loss(loss)
         return loss
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._step = self.rec.begin_step(state.global_step)
+        self._step_number = int(state.global_step)
         self._step_started = False
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -320,3 +386,10 @@ class SdcCallback:
             self.rec.close()
             dist.barrier()
             self.rec = None
+
+    def close(self, *, on_error: bool = True) -> None:
+        """Close the trace if training left without ``on_train_end`` (an exception, an alarm,
+        KeyboardInterrupt): the END record says how it ended, and no collective is waited on."""
+        if self.rec is not None:
+            rec, self.rec, self._step = self.rec, None, None
+            rec.close(on_error=on_error)

@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -95,11 +96,12 @@ class TrainerRecipe:
         if _common.is_placeholder(microbatch):
             return _common.zero_loss()
         batches = self._sample_batches()
-        if batches.items:  # Trainer: num_items_in_batch = gathered int64 count / (tp * cp * sp), a float tensor
-            count = torch.tensor(batches.divisor, dtype=torch.int64, device=_device_of(microbatch)) / 1
-            outputs = model(**microbatch, num_items_in_batch=count)
-        else:
-            outputs = model(**microbatch)
+        with batches.seeded(_device_of(microbatch)):  # the forward's RNG as training seeded it (dropout)
+            if batches.items:  # Trainer: num_items_in_batch = gathered int64 count / (tp * cp * sp), a float tensor
+                count = torch.tensor(batches.divisor, dtype=torch.int64, device=_device_of(microbatch)) / 1
+                outputs = model(**microbatch, num_items_in_batch=count)
+            else:
+                outputs = model(**microbatch)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
         if batches.items:
             return loss * self.items_multiplier if self.items_multiplier != 1 else loss
@@ -128,7 +130,7 @@ class TrainerRecipe:
 
             def sample(index: int):
                 item = dataset[index]
-                if columns is not None and isinstance(item, dict):  # the Trainer's RemoveColumnsCollator
+                if columns is not None and isinstance(item, Mapping):  # the Trainer's RemoveColumnsCollator
                     item = {k: v for k, v in item.items() if k in columns}
                 return item
 
@@ -137,7 +139,7 @@ class TrainerRecipe:
 
 
 def _device_of(batch: Any) -> torch.device:
-    for value in batch.values() if isinstance(batch, dict) else ():
+    for value in batch.values() if isinstance(batch, Mapping) else ():
         if isinstance(value, torch.Tensor):
             return value.device
     return torch.device("cpu")

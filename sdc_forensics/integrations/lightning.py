@@ -41,6 +41,7 @@ constructor arguments ``hparams`` does not hold.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ from sdc_forensics.integrations import _common
 from sdc_forensics.integrations.accelerate import _TagBatch, _TagItems
 from sdc_forensics.integrations.hf import INDEX_KEY
 
+log = logging.getLogger(__name__)
 ADAPTER = "sdc_forensics.integrations.lightning"
 RECIPE = "sdc_forensics.integrations.lightning:LightningRecipe"
 
@@ -88,6 +90,7 @@ def _refusals(trainer: Any, pl_module: Any) -> list[str]:
                        "when it stepped; use interval='step', frequency=1")
     if trainer.gradient_clip_val and trainer.gradient_clip_algorithm not in (None, "norm"):
         out.append(f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}; the recipe replays clipping by norm")
+    out += _common.compile_refusal(pl_module)
     if _common.reference(_module_class(pl_module)) is None:
         out.append(f"the LightningModule class {_module_class(pl_module).__qualname__} is not importable as module:name; define it "
                    "in a module")
@@ -153,19 +156,23 @@ class SdcCallback(_Base):
         self._step = None
         self._batch = None  # (indices, batch) of the batch on its way to training_step
         self._collator = None  # the collator named in the trace (None: the dataset function's, or torch's default)
+        self._seed, self._microbatch = None, 0  # the rank-step's RNG seed, and the next microbatch's number
 
     def on_fit_start(self, trainer, pl_module) -> None:
+        """Refuse what cannot be replayed and wire the data, optimizer and checkpoint hooks; the
+        recorder itself starts in :meth:`on_train_start`, once Lightning restored a resumed run."""
         from sdc_forensics.recipe import RecipeError as _RecipeError, import_reference
-        from sdc_forensics.recorder import Recorder
 
         problems = _refusals(trainer, pl_module)
         if problems:
-            raise UsageError(f"sdc-forensics cannot record this Lightning job exactly: {problems[0]} (docs/integrations.md)")
+            raise _common.refuse(f"sdc-forensics cannot record this Lightning job exactly: {problems[0]} (docs/integrations.md)")
         try:
             import_reference(self.dataset, what="dataset function")
         except _RecipeError as exc:
-            raise UsageError(str(exc)) from None
-        ddp = trainer.strategy.model
+            raise _common.refuse(str(exc)) from None
+        rotating = [c for c in trainer.checkpoint_callbacks if getattr(c, "save_top_k", -1) != -1]
+        if rotating:
+            _common.warn_rotation(f"ModelCheckpoint(save_top_k={rotating[0].save_top_k})")
         optimizer = trainer.optimizers[0]
         settings = {"module_class": _common.reference(_module_class(pl_module)), "hparams": _json_hparams(pl_module),
                     "dataset": self.dataset, "collator": None, "clip": float(trainer.gradient_clip_val or 0.0),
@@ -175,22 +182,32 @@ class SdcCallback(_Base):
         if isinstance(given, torch.utils.data.DataLoader):
             settings["collator"] = _common.reference(given.collate_fn)
         elif given is None or not callable(getattr(given, getattr(source, "name", ""), None)):
-            raise UsageError("the adapter finds no training DataLoader (pass train_dataloaders= to fit, or define train_dataloader())")
+            raise _common.refuse("the adapter finds no training DataLoader (pass train_dataloaders= to fit, or define train_dataloader())")
         self._collator = settings["collator"]
-        options = dataclasses.replace(self.options, start_step=int(trainer.global_step))
-        self.rec = Recorder(self.trace_dir, ddp, optimizer, recipe=RECIPE, recipe_args=settings, options=options,
-                            comm_hook=self.comm_hook, comm_state=self.comm_state, inject=self.inject,
-                            framework=_common.framework_info("lightning", ADAPTER))
+        self._settings = settings
         self._wire(trainer, pl_module, optimizer)
         if isinstance(given, torch.utils.data.DataLoader):
             self._tag(given)  # before fit_loop.setup_data rebuilds it with a DistributedSampler and starts iterating
         else:  # a LightningModule's or DataModule's train_dataloader(): tag what it returns
             hook = getattr(given, source.name)
             setattr(given, source.name, lambda: self._tag(hook()))
-        if trainer.global_step == 0:  # replay starts from a checkpoint: checkpoint 0 is the initial state
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        """Start the attempt at the step Lightning restored: ``fit(ckpt_path=...)`` loads the loops'
+        state (``global_step``) after ``on_fit_start``, so a recorder made there would number a
+        resumed attempt 0 and write checkpoint 0 over the run's own. A fresh run (no ``ckpt_path``)
+        saves checkpoint 0, under a name no file has yet."""
+        from sdc_forensics.recorder import Recorder
+
+        start = int(trainer.global_step)
+        options = dataclasses.replace(self.options, start_step=start)
+        self.rec = Recorder(self.trace_dir, trainer.strategy.model, trainer.optimizers[0], recipe=RECIPE,
+                            recipe_args=self._settings, options=options, comm_hook=self.comm_hook, comm_state=self.comm_state,
+                            inject=self.inject, framework=_common.framework_info("lightning", ADAPTER))
+        if trainer.ckpt_path is None and start == 0:  # replay starts from a checkpoint: checkpoint 0 is the initial state
             folder = Path(trainer.checkpoint_callback.dirpath) if getattr(trainer.checkpoint_callback, "dirpath", None) \
                 else Path(trainer.default_root_dir) / "checkpoints"
-            trainer.save_checkpoint(folder / "sdc-step=0.ckpt")
+            trainer.save_checkpoint(trainer.strategy.broadcast(_common.unused_path(folder / "sdc-step=0.ckpt"), src=0))
 
     def _wire(self, trainer, pl_module, optimizer) -> None:
         """Indices through the dataset and collator; the batch hook that takes them off; the
@@ -203,6 +220,18 @@ class SdcCallback(_Base):
             return original_transfer(batch, dataloader_idx)
 
         pl_module.on_before_batch_transfer = on_before_batch_transfer
+        original_training_step = pl_module.training_step
+
+        def training_step(*args, **kwargs):
+            if self._step is None:  # not a recorded microbatch
+                return original_training_step(*args, **kwargs)
+            # the forward's draws (dropout) from a seed the trace holds: the recipe draws the same masks
+            with _common.seeded(self._seed, self._microbatch, pl_module.device):
+                out = original_training_step(*args, **kwargs)
+            self._microbatch += 1
+            return out
+
+        pl_module.training_step = training_step
         hooked_step = optimizer.step
 
         def step(closure=None, **kwargs):
@@ -218,6 +247,14 @@ class SdcCallback(_Base):
         sharded = type(trainer.strategy).__name__ == "ModelParallelStrategy"
 
         def save_checkpoint(filepath, *args, **kwargs):
+            if self._step is not None and trainer.ckpt_path is not None and trainer.global_step == self.rec.options.start_step:
+                # ModelCheckpoint does not restore the step it last saved at, so a resumed fit saves the restored step
+                # again after its first microbatch, over the file it resumed from (save_top_k=-1): that state is on disk
+                if trainer.is_global_zero:
+                    log.warning("sdc-forensics: not saving %s: it would repeat checkpoint %d, which the run resumed from (%s)",
+                                filepath, trainer.global_step, trainer.ckpt_path)
+                return None
+            _common.refuse_existing(filepath, trainer.strategy.broadcast(_common.taken(filepath), src=0))
             if self._step is not None:
                 raise UsageError("a checkpoint saved in the middle of an accumulation cycle: save after the optimizer step")
             if sharded:  # a DCP directory every rank writes: its tensors digested as if whole, before the save
@@ -260,7 +297,8 @@ class SdcCallback(_Base):
         indices, self._batch = self._batch[0], None
         if self._step is None:
             self._step = self.rec.begin_step(int(trainer.global_step))
-            self._step.add_microbatch_ids([_common.step_header(trainer.accumulate_grad_batches)])
+            self._seed, self._microbatch = _common.step_seed(self.rec.options.seed, trainer.global_step, trainer.global_rank), 0
+            self._step.add_microbatch_ids([_common.step_header(trainer.accumulate_grad_batches), _common.rng_header(self._seed)])
         self._step.add_microbatch_ids(_common.batch_ids(indices))
         self._step.input(batch)
 
@@ -381,7 +419,8 @@ class LightningRecipe:
     def loss(self, model, microbatch):
         if _common.is_placeholder(microbatch):
             return _common.zero_loss()
-        out = model.training_step(microbatch, 0)
+        with self._batches.seeded(next((p.device for p in model.parameters()), "cpu")):  # dropout, as training seeded it
+            out = model.training_step(microbatch, 0)
         loss = out["loss"] if isinstance(out, dict) else out
         divisor = self._batches.divisor if self._batches is not None else 0
         return loss / divisor if divisor else loss

@@ -63,7 +63,10 @@ def _refusal(trainer) -> str | None:
         return "pipeline parallelism is not supported: its stages hold different parameters and the checks are collectives"
     if not hasattr(getattr(trainer, "optimizers", None), "step"):
         return "this trainer has no optimizers.step to check before"
-    return None
+    from sdc_forensics.integrations._common import compile_refusal
+
+    compiled = compile_refusal(parts[0])  # torchtitan's --compile.enable: the hooks and the replay need eager modules
+    return compiled[0] if compiled else None
 
 
 def watch(trainer, *, policy: str = "return", weights_every: int = 1, inject=None):
@@ -83,7 +86,9 @@ def watch(trainer, *, policy: str = "return", weights_every: int = 1, inject=Non
 
     problem = _refusal(trainer)
     if problem is not None:
-        raise UsageError(f"sdc-forensics cannot watch this torchtitan trainer: {problem}")
+        from sdc_forensics.integrations._common import refuse
+
+        raise refuse(f"sdc-forensics cannot watch this torchtitan trainer: {problem}")
     if policy not in ("return", "raise"):
         raise UsageError(f"policy must be 'return' or 'raise', not {policy!r}")
     if weights_every < 0:
@@ -142,11 +147,25 @@ def record(trainer, trace_dir, *, microbatch_ids=None, recipe: str | None = None
     if problem is None and checkpoint_every < 0:
         problem = f"checkpoint_every must be >= 0, not {checkpoint_every}"
     if problem is not None:
-        raise UsageError(f"sdc-forensics cannot record this torchtitan trainer: {problem}")
+        from sdc_forensics.integrations._common import refuse
+
+        raise refuse(f"sdc-forensics cannot record this torchtitan trainer: {problem}")
     recording = TitanRecording(trainer, trace_dir, microbatch_ids=microbatch_ids, recipe=recipe, recipe_args=recipe_args,
                                checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir, options=options, inject=inject)
     trainer.train_step = recording.train_step
     trainer.sdc_recorder = recording
+    train = getattr(trainer, "train", None)
+    if callable(train):  # the trace closed however train() ends (an exception, an alarm, KeyboardInterrupt)
+        def closing_train(*args, **kwargs):
+            try:
+                out = train(*args, **kwargs)
+            except BaseException:
+                recording.close(on_error=True)
+                raise
+            recording.close()
+            return out
+
+        trainer.train = closing_train
     return recording
 
 
@@ -189,22 +208,27 @@ class TitanRecording:
         trainer, rec = self.trainer, self.recorder
         step = int(trainer.step)
         if self._every and (step - self._start) % self._every == 0:
-            rec.checkpoint(step, Path(self._dir) / f"step-{step:08d}", _state(trainer))
+            from sdc_forensics.integrations import _common
+
+            # a resumed run re-saving a step of an earlier attempt: a new name, as rank 0 finds it (never over the old one)
+            path = _rank0_says(_common.unused_path(Path(self._dir) / f"step-{step:08d}"))
+            rec.checkpoint(step, path, _state(trainer))
         ids = None if self._ids is None else [int(i) for i in self._ids(trainer)]
         with rec.step(step, microbatch_ids=ids):
             return self._train_step(*args, **kwargs)
 
-    def close(self) -> None:
-        """Close the recorder and give the trainer its own ``train_step`` back."""
+    def close(self, *, on_error: bool = False) -> None:
+        """Close the recorder (``on_error``: training is leaving on an exception) and give the
+        trainer its own ``train_step`` back. Idempotent."""
         self.trainer.train_step = self._train_step
         if self.recorder is not None:
-            self.recorder.close()
+            self.recorder.close(on_error=on_error)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.close(on_error=exc[0] is not None)
 
 
 def _state(trainer) -> dict:
@@ -219,6 +243,15 @@ def _state(trainer) -> dict:
         return {"model": get_model_state_dict(model), "optim": optimizers.state_dict()}
     model_state, optim_state = get_state_dict(model, optimizers)
     return {"model": model_state, "optim": optim_state}
+
+
+def _rank0_says(value):
+    """Rank 0's ``value`` on every rank."""
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _replicated(param) -> bool:

@@ -14,6 +14,7 @@ from every rank, react to a finding); this module never imports the recorder.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from pathlib import Path
@@ -30,6 +31,8 @@ from sdc_forensics.statedict import flatten_state, state_digests, weights_digest
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace.checkpoints import CheckpointNote, climbs_then_descends, hex64, write_checkpoint_note
 from sdc_forensics.trace.writer import RankTraceWriter
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -88,6 +91,26 @@ def param_keys(named_params: list[tuple[str, torch.Tensor]], state: Any) -> tupl
     return tuple(keys)
 
 
+def taken(path: str | os.PathLike) -> bool:
+    """Whether writing a checkpoint at ``path`` would write over something: a file (or link), or
+    a folder that holds anything (an empty folder made beforehand is free)."""
+    path = Path(path)
+    if path.is_dir():
+        return any(path.iterdir())
+    return os.path.lexists(path)
+
+
+def unused_path(path: str | os.PathLike) -> Path:
+    """``path``, or the first of ``stem-v1.suffix``, ``stem-v2.suffix``, ... that is not :func:`taken`
+    (Lightning's version counter's names): where a checkpoint goes when an earlier one holds its name."""
+    path = candidate = Path(path)
+    version = 0
+    while taken(candidate):
+        version += 1
+        candidate = path.with_name(f"{path.stem}-v{version}{path.suffix}")
+    return candidate
+
+
 def path_from_trace(trace_dir: Path, path: Path) -> str:
     """``path`` relative to the trace directory (``../checkpoints/x.pt``), "" when there is none
     (another drive) or it would not climb-then-descend (a symbolic link in between)."""
@@ -141,6 +164,11 @@ def _save_and_note(site: CheckpointSite, step: int, path: Path, state: Any, save
     keys = param_keys(list(site.module.named_parameters()), state)
     tensors = state_digests(state, seed)  # of the payload, before it is written
     path.parent.mkdir(parents=True, exist_ok=True)
+    if save is None:  # the recorder writes the file itself: never over one (an earlier attempt's evidence, its note)
+        free = unused_path(path)
+        if free != path:
+            log.warning("sdc-forensics: %s exists (an earlier attempt's checkpoint); checkpoint %d is saved as %s", path, step, free.name)
+        path = free
     (save or torch.save)(state, path)
     note = CheckpointNote(
         step=step,

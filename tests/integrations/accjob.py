@@ -3,7 +3,7 @@ made here, a synthetic map-style dataset, ``gradient_accumulation_steps=2``, cli
 a warmup schedule, ``save_state`` every ``--save-steps`` optimizer steps (and once before the
 loop: checkpoint 0). One process per rank with the launcher's environment::
 
-    python -c 'import tests.integrations.accjob as j; j.run()' --trace T --out O [--steps 6] [--inject SPEC]
+    python -c 'import tests.integrations.accjob as j; j.run()' --trace T --out O [--steps 6] [--inject SPEC] [--resume DIR]
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--save-steps", type=int, default=3)
     parser.add_argument("--inject", action="append", default=[])
+    parser.add_argument("--resume", default=None, help="a save_state folder to load_state from (a resumed attempt)")
     opts = parser.parse_args(argv)
     accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
     torch.manual_seed(0)
@@ -71,8 +72,11 @@ def main(argv: list[str] | None = None) -> None:
                            scheduler_fn="tests.integrations.accjob:make_scheduler", max_grad_norm=0.5,
                            options=RecorderOptions(policy="continue"), inject=opts.inject)
     with recording:
-        accelerator.save_state(os.path.join(opts.out, "step-0"))
-        done = 0
+        if opts.resume is None:
+            accelerator.save_state(os.path.join(opts.out, "step-0"))
+        else:  # the adapter reads the folder's step from the trace: the resumed attempt starts there
+            accelerator.load_state(opts.resume)
+        done = recording.completed
         while done < opts.steps:
             for batch in loader:
                 with accelerator.accumulate(model):

@@ -3,7 +3,7 @@ made here (no download), a synthetic map-style dataset, gradient accumulation, c
 and a linear warmup schedule, checkpoints every ``--save-steps``. One process per rank with the
 launcher's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``)::
 
-    python -c 'import tests.integrations.hfjob as j; j.run()' --trace T --out O [--steps 6] [--save-steps 3] [--inject SPEC] [--resume DIR]
+    python -c 'import tests.integrations.hfjob as j; j.run()' --trace T --out O [--steps 6] [--save-steps 3] [--inject SPEC] [--resume DIR] [--policy raise]
 
 The model class and the dataset function are referenced by the trace as
 ``tests.integrations.hfjob:...``: replay imports them with ``PYTHONPATH`` set to the repository.
@@ -25,13 +25,13 @@ FEATURES, CLASSES, SAMPLES = 8, 4, 48
 class TinyConfig(PretrainedConfig):
     model_type = "sdc-tiny"
 
-    def __init__(self, width: int = 16, **kwargs) -> None:
-        self.width = width
+    def __init__(self, width: int = 16, dropout: float = 0.0, **kwargs) -> None:
+        self.width, self.dropout = width, dropout
         super().__init__(**kwargs)
 
 
 class TinyModel(PreTrainedModel):
-    """Linear, LayerNorm, tanh, linear; its forward takes no **kwargs (the Trainer divides the loss
+    """Linear, LayerNorm, tanh, dropout (p=0 unless asked), linear; its forward takes no **kwargs (the Trainer divides the loss
     by the accumulation count)."""
 
     config_class = TinyConfig
@@ -40,10 +40,11 @@ class TinyModel(PreTrainedModel):
         super().__init__(config)
         self.inp = nn.Linear(FEATURES, config.width)
         self.norm = nn.LayerNorm(config.width)
+        self.drop = nn.Dropout(config.dropout)
         self.out = nn.Linear(config.width, CLASSES)
 
     def forward(self, x, labels=None):
-        logits = self.out(torch.tanh(self.norm(self.inp(x))))
+        logits = self.out(self.drop(torch.tanh(self.norm(self.inp(x)))))
         loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
         return {"loss": loss, "logits": logits}
 
@@ -73,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--accumulate", type=int, default=2)
     parser.add_argument("--inject", action="append", default=[])
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout after the hidden layer (replayed: the adapter seeds it)")
+    parser.add_argument("--policy", default="continue", help="the recorder's policy: raise stops training at an alarm (exit 18)")
     parser.add_argument("--workers", type=int, default=0, help="dataloader_num_workers: the indices cross process boundaries")
     opts = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -82,15 +85,16 @@ def main(argv: list[str] | None = None) -> None:
         lr_scheduler_type="linear", max_grad_norm=0.5, use_cpu=True, ddp_backend="gloo", report_to=[],
         logging_steps=1000, disable_tqdm=True, seed=0, dataloader_num_workers=opts.workers,
     )
-    trainer = Trainer(model=TinyModel(TinyConfig(width=16)), args=args, train_dataset=make_dataset())
+    trainer = Trainer(model=TinyModel(TinyConfig(width=16, dropout=opts.dropout)), args=args, train_dataset=make_dataset())
     assert not trainer.model_accepts_loss_kwargs  # the accumulation divisor path (docs/integrations.md's GPT-2 takes the other)
 
     from sdc_forensics.integrations import hf
-    from sdc_forensics.recorder import RecorderOptions
+    from sdc_forensics.recorder import RecorderOptions, exit_on_alarm
 
     hf.record(trainer, opts.trace, dataset="tests.integrations.hfjob:make_dataset",
-              options=RecorderOptions(policy="continue"), inject=opts.inject)
-    trainer.train(resume_from_checkpoint=opts.resume)
+              options=RecorderOptions(policy=opts.policy), inject=opts.inject)
+    with exit_on_alarm():  # an online check's alarm: one line and exit 18, the trace closed by the adapter
+        trainer.train(resume_from_checkpoint=opts.resume)
 
 
 def run() -> None:

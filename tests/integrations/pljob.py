@@ -3,7 +3,7 @@ made here, a synthetic map-style dataset, ``accumulate_grad_batches=2``, ``gradi
 AdamW and a per-step warmup schedule, ``ModelCheckpoint`` every ``--save-steps`` optimizer steps.
 One process per rank with the launcher's environment::
 
-    python -c 'import tests.integrations.pljob as j; j.run()' --trace T --out O [--steps 6] [--inject SPEC]
+    python -c 'import tests.integrations.pljob as j; j.run()' --trace T --out O [--steps 6] [--inject SPEC] [--resume CKPT]
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ FEATURES, CLASSES, SAMPLES = 8, 4, 40
 
 
 class Tiny(L.LightningModule):
-    def __init__(self, width: int = 16, lr: float = 2e-2) -> None:
+    def __init__(self, width: int = 16, lr: float = 2e-2, dropout: float = 0.0) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(FEATURES, width), nn.LayerNorm(width), nn.Tanh(), nn.Linear(width, CLASSES))
+        self.net = nn.Sequential(nn.Linear(FEATURES, width), nn.LayerNorm(width), nn.Tanh(), nn.Dropout(dropout),
+                                 nn.Linear(width, CLASSES))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -44,7 +45,7 @@ class TinySharded(Tiny):
 
         mesh = self.device_mesh["data_parallel"]
         fully_shard(self.net[0], mesh=mesh)
-        fully_shard(self.net[3], mesh=mesh)
+        fully_shard(self.net[4], mesh=mesh)
         fully_shard(self.net, mesh=mesh)  # the module training_step calls: its forward gathers the rest
 
 
@@ -69,6 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save-steps", type=int, default=3)
     parser.add_argument("--inject", action="append", default=[])
     parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--resume", default=None, help="fit(ckpt_path=...): a checkpoint to resume from")
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout before the last layer (replayed: the callback seeds it)")
     opts = parser.parse_args(argv)
 
     from sdc_forensics.integrations.lightning import SdcCallback
@@ -91,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
                         callbacks=[checkpoints, record], logger=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0)
     loader = torch.utils.data.DataLoader(make_dataset(), batch_size=4, shuffle=True)
-    trainer.fit(TinySharded() if sharded else Tiny(), train_dataloaders=loader)
+    module = (TinySharded if sharded else Tiny)(dropout=opts.dropout)
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=opts.resume)
 
 
 def run() -> None:

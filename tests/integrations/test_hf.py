@@ -90,19 +90,62 @@ def test_a_fault_injected_through_the_adapter_is_found_at_its_step_and_rank(tmp_
     assert statuses == {0: "clean", 3: "clean", 6: "tainted"}
 
 
+def _hashes(folder) -> dict:
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 @pytest.mark.heavy
-def test_a_resumed_trainer_run_is_a_second_attempt_that_bisect_reads(clean_run, tmp_path):
-    copy = tmp_path / "run"
-    shutil.copytree(clean_run, copy)
-    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--resume", "out/checkpoint-3"], cwd=copy))
-    inspected = json.loads(run_installed(["inspect", "trace", "--json"], tmp_path, cwd=copy).stdout)
+def test_a_resumed_trainer_run_is_a_second_attempt_and_writes_over_no_checkpoint(tmp_path):
+    """Issue 40: attempt 0 with a flip at step 4 saves checkpoint-0, -3, -6. Resuming into the same
+    output_dir would have the Trainer write checkpoint-6 over attempt 0's: refused at attach, one
+    line, exit 2 on every rank, nothing written. Resumed into a new output_dir from checkpoint-3,
+    attempt 1 starts at step 3, writes no checkpoint 0, leaves every file of attempt 0 byte for
+    byte, and its checkpoint 6 certifies."""
+    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=1:bit=30"], cwd=tmp_path))
+    before = _hashes(tmp_path / "out")
+    assert {name.split("/")[0] for name in before} == {"checkpoint-0", "checkpoint-3", "checkpoint-6"}
+    refused = run_ranks(JOB, ["--trace", "trace", "--out", "out", "--resume", "out/checkpoint-3"], cwd=tmp_path)
+    assert [r.returncode for r in refused] == [2, 2], [r.stderr[-2000:] for r in refused]
+    lines = [line for line in refused[0].stderr.splitlines() if line.startswith("sdc-forensics:")]
+    assert len(lines) == 1 and "checkpoint-6" in lines[0] and "new folder" in lines[0], refused[0].stderr
+    assert "Traceback" not in refused[0].stderr + refused[1].stderr and "sdc-forensics:" not in refused[1].stderr
+    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out2", "--resume", "out/checkpoint-3"], cwd=tmp_path))
+    assert _hashes(tmp_path / "out") == before
+    assert sorted(p.name for p in (tmp_path / "out2").iterdir()) == ["checkpoint-6"]
+    inspected = json.loads(run_installed(["inspect", "trace", "--json"], tmp_path, cwd=tmp_path).stdout)
     assert [(a["attempt"], a["start_step"]) for a in inspected["attempts"]] == [(0, 0), (1, 3)]
-    ran = run_installed(["bisect", "trace", "--allow-numpy", "--json"], tmp_path, cwd=copy, env=ENV)
-    assert ran.returncode == 0, ran.stderr
+    ran = run_installed(["bisect", "trace", "--allow-numpy", "--json"], tmp_path, cwd=tmp_path, env=ENV)
     doc = json.loads(ran.stdout)
-    assert doc["verdict"] == "clean"
+    statuses = {(c["step"], c["path"].split("/")[-2]): c["status"] for c in doc["checkpoints"]}
+    assert statuses[(3, "out")] == "clean" and statuses[(6, "out2")] == "clean", (statuses, ran.stderr)
     assert any("re-executed by a later attempt" in note for note in doc["notes"]), doc["notes"]
-    assert {c["step"]: c["status"] for c in doc["checkpoints"]} == {0: "clean", 3: "clean", 6: "clean"}
+
+
+@pytest.mark.heavy
+def test_an_alarm_stops_the_trainer_with_exit_18_and_every_rank_closes_its_trace(tmp_path):
+    """Issue 40: policy raise, a flip inside the all-reduce at step 2: the online check raises on
+    every rank inside trainer.train(); the adapter closes the trace (END record, on an exception)
+    before exit_on_alarm turns the alarm into exit 18. Before, the HF adapter left it open."""
+    ranks = run_ranks(JOB, ["--trace", "trace", "--out", "out", "--policy", "raise", "--inject", "allreduce:step=2:rank=1:bit=30"],
+                      cwd=tmp_path)
+    assert [r.returncode for r in ranks] == [18, 18], [r.stderr[-2000:] for r in ranks]
+    end = json.loads(run_installed(["inspect", "trace", "--json"], tmp_path, cwd=tmp_path).stdout)["end"]
+    assert [(r["closed"], r["closed_on_error"]) for r in end["ranks"]] == [(True, True), (True, True)], end
+    assert "no rank closed its trace" not in end["summary"] and end["last_step"] == 2, end
+
+
+@pytest.mark.heavy
+def test_a_trainer_job_with_dropout_replays_its_masks_and_certifies(tmp_path):
+    """Issue 40: dropout 0.1 (GPT2Config's default rate): the adapter seeds each microbatch's forward
+    from (step seed, microbatch) and the recipe seeds its forward alike, so every step replays bit
+    for bit and every checkpoint certifies."""
+    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--dropout", "0.1"], cwd=tmp_path))
+    certified = run_installed(["certify", "trace", "--allow-numpy", "--json"], tmp_path, cwd=tmp_path, env=ENV)
+    assert certified.returncode == 0, certified.stderr
+    assert {c["step"]: c["status"] for c in json.loads(certified.stdout)["checkpoints"]} == {0: "clean", 3: "clean", 6: "clean"}
+    assert "(exact)" in certified.stderr or "comparison exact" in certified.stderr, certified.stderr
 
 
 def test_settings_the_adapter_cannot_replay_are_refused_with_one_line(tmp_path):
@@ -120,7 +163,89 @@ def test_settings_the_adapter_cannot_replay_are_refused_with_one_line(tmp_path):
     trainer.args.label_smoothing_factor = 0.1
     trainer.args.fp16 = True
     trainer.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
+    trainer.args.torch_compile = True
+    trainer.model.norm = __import__("torch").compile(trainer.model.norm)
     problems = hf._refusals(trainer, __import__("transformers"))
-    for setting in ("label_smoothing_factor", "mixed precision", "sync_each_batch"):
+    for setting in ("label_smoothing_factor", "mixed precision", "sync_each_batch", "torch_compile", "torch.compile wraps 'norm'"):
         assert any(setting in p for p in problems), (setting, problems)
     assert not (tmp_path / "trace").exists()
+
+
+def _tokenizer():
+    """A word-level tokenizer built here (no download): the stock collators need one to pad."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = "the a cat dog sat ran on mat".split()
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[MASK]": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", mask_token="[MASK]")
+
+
+SENTENCES = ["the cat sat", "a dog ran on the mat", "the dog"]
+
+
+def _stock_collators(tokenizer):
+    from transformers import DataCollatorForLanguageModeling, DataCollatorForSeq2Seq, DataCollatorWithPadding
+
+    return {"language-modeling": DataCollatorForLanguageModeling(tokenizer, mlm=False),
+            "with-padding": DataCollatorWithPadding(tokenizer), "seq2seq": DataCollatorForSeq2Seq(tokenizer)}
+
+
+def _features(name, tokenizer):
+    rows = [dict(tokenizer(s)) for s in SENTENCES]
+    if name == "seq2seq":  # labels of their own length, padded with -100 by the collator
+        rows = [{**r, "labels": list(reversed(r["input_ids"]))} for r in rows]
+    return rows
+
+
+@pytest.mark.parametrize("name", ["language-modeling", "with-padding", "seq2seq"])
+def test_the_stock_collators_batch_encoding_carries_the_indices_and_the_replay_rebuilds_it(name):
+    """Issue 40: each stock collator returns a BatchEncoding (a Mapping, not a dict). Training's
+    IndexedCollate gives the collator's own batch plus the indices; the replay's SampleBatches
+    regroups the same indices into the same batch."""
+    import torch
+    from transformers import BatchEncoding
+
+    from sdc_forensics.integrations import _common
+    from sdc_forensics.integrations.hf import INDEX_KEY, IndexedCollate, IndexedDataset
+
+    tokenizer = _tokenizer()
+    collator = _stock_collators(tokenizer)[name]
+    rows = _features(name, tokenizer)
+    expected = collator([rows[2], rows[0]])  # the collator alone, on the samples a sampler drew as [2, 0]
+    assert isinstance(expected, BatchEncoding) and not isinstance(expected, dict)
+    batch = IndexedCollate(collator)(IndexedDataset(rows).__getitems__([2, 0]))
+    assert batch[INDEX_KEY].tolist() == [2, 0]
+    assert set(batch) - {INDEX_KEY} == set(expected)
+    for key, value in expected.items():
+        assert torch.equal(batch[key], value), key
+    replay = _common.SampleBatches(lambda i: rows[i], collator)
+    ids = _common.batch_ids([2, 0])
+    assert replay.fetch(_common.step_header(1), "cpu") == () and replay.fetch(ids[0], "cpu") == ()
+    rebuilt = replay.fetch(ids[1], "cpu")
+    assert set(rebuilt) == set(expected) and all(torch.equal(rebuilt[k], v) for k, v in expected.items())
+
+
+def test_the_trainers_default_collator_from_a_tokenizer_carries_the_indices(tmp_path):
+    """Trainer(processing_class=tokenizer) collates with DataCollatorWithPadding behind its column
+    remover: the loader the adapter tags gives padded batches with the indices."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from sdc_forensics.integrations.hf import INDEX_KEY, IndexedCollate, IndexedDataset
+
+    tokenizer = _tokenizer()
+    rows = [{**dict(tokenizer(s)), "text": s} for s in SENTENCES]  # sentences of 3, 6 and 2 words: any two pad
+    config = GPT2Config(vocab_size=16, n_positions=16, n_embd=8, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=1,
+                             per_device_train_batch_size=2)
+    trainer = Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=rows, processing_class=tokenizer)
+    assert type(trainer.data_collator).__name__ == "DataCollatorWithPadding"
+    trainer.train_dataset = IndexedDataset(trainer.train_dataset)  # what hf.record wires (it refuses one process)
+    loader = trainer.get_train_dataloader()
+    inner = getattr(loader, "base_dataloader", loader)
+    inner.collate_fn = IndexedCollate(inner.collate_fn)
+    batch = next(iter(loader))
+    assert sorted(batch[INDEX_KEY].tolist()) in ([0, 1], [0, 2], [1, 2])
+    assert "text" not in batch and batch["input_ids"].shape[0] == 2 and bool((batch["attention_mask"] == 0).any())

@@ -44,3 +44,37 @@ def test_modelcheckpoint_scores_may_be_infinite_but_training_state_may_not(tmp_p
     torch.save(state, tmp_path / "b.ckpt")
     found = {f.subject for f in verify_checkpoint(tmp_path / "b.ckpt").findings if f.kind is FindingKind.NONFINITE}
     assert found == {"state_dict.w", "callbacks.Other.kth_value"}
+
+
+def test_a_refusal_is_one_line_on_rank_0_and_exit_2_without_a_traceback(tmp_path):
+    """Issue 40: an adapter's refusal is a UsageError that is also a SystemExit(2): uncaught, the
+    process exits 2 with the one line rank 0 printed, no traceback; other ranks print nothing."""
+    import subprocess
+    import sys
+
+    from sdc_forensics.errors import UsageError
+    from sdc_forensics.integrations._common import Refusal
+    from tests.integrations.launch import REPO
+
+    assert issubclass(Refusal, UsageError) and issubclass(Refusal, SystemExit)
+    script = "from sdc_forensics.integrations._common import refuse\nraise refuse('bf16 is not replayed: train in float32')\n"
+    for rank, expected in (("0", "sdc-forensics: bf16 is not replayed: train in float32\n"), ("1", "")):
+        ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
+                             env={"PYTHONPATH": str(REPO), "RANK": rank, "PATH": "/usr/bin:/bin"}, timeout=120)
+        assert (ran.returncode, ran.stderr) == (2, expected), ran.stderr
+
+
+def test_a_compiled_submodule_anywhere_in_the_model_is_found():
+    from sdc_forensics.integrations._common import compile_refusal, compiled_parts, random_parts
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1)))
+    assert compiled_parts(model) == [] and compile_refusal(model) == []
+    assert random_parts(model) == ["1.1"]
+    model[1][0] = torch.compile(model[1][0])  # an OptimizedModule: its state dict keys gain "_orig_mod."
+    assert compiled_parts(model) == ["1.0"]
+    (line,) = compile_refusal(model)
+    assert "torch.compile wraps '1.0'" in line and "_orig_mod" in line
+    inplace = torch.nn.Linear(2, 2)
+    inplace.compile()  # nn.Module.compile(): the module itself, in place
+    assert compiled_parts(inplace) == ["the model itself"]
+    assert random_parts(torch.nn.Dropout(0.0)) == []

@@ -90,9 +90,11 @@ def test_the_checks_run_before_each_optimizer_step_and_name_the_faulty_rank(tmp_
     assert ranks[0]["raise"]["alarm"] == [2, 1, "reduce-scatter"]
 
 
-def _recorded_job(rank: int, root: str, inject: tuple) -> str:
+def _recorded_job(rank: int, root: str, inject: tuple, resume: int = 0, last: int = 6) -> str:
     """torchtitan's loop (``step += 1``, then ``train_step``) around the sharded demo job, recorded
-    with ``record``: two microbatches per step accumulated without sync, IDs from the step."""
+    with ``record``: two microbatches per step accumulated without sync, IDs from the step.
+    ``resume``: load ``ckpt/step-<resume>`` first, as torchtitan's train() loads its checkpoint,
+    and run steps ``resume .. last``."""
     from pathlib import Path
 
     from sdc_forensics.demo import sharded
@@ -101,6 +103,8 @@ def _recorded_job(rank: int, root: str, inject: tuple) -> str:
     model = sharded.shard(sharded.build_model())
     optimizer = sharded.make_optimizer(model)
     trainer = _trainer(model_parts=[model], optimizers=optimizer)
+    if resume:
+        sharded.load_dcp(Path(root, "ckpt", f"step-{resume:08d}"), model, optimizer)
 
     def ids(trainer) -> list[int]:
         first = ((trainer.step - 1) * WORLD + rank) * 2
@@ -116,7 +120,7 @@ def _recorded_job(rank: int, root: str, inject: tuple) -> str:
     trainer.train_step = train_step
     with sdc.record(trainer, Path(root, "trace"), microbatch_ids=ids, recipe=sharded.REFERENCE, checkpoint_every=3,
                     checkpoint_dir=Path(root, "ckpt"), inject=inject, options=RecorderOptions(reduction="ordered")):
-        for step in range(1, 7):
+        for step in range(resume or 1, last + 1):
             trainer.step = step
             trainer.train_step()
     return "ok" if trainer.train_step is train_step else "closing did not give the trainer its train_step back"
@@ -148,3 +152,35 @@ def test_recording_without_a_train_step_or_a_checkpoint_directory_is_refused():
     trainer = _trainer(optimizers=torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), train_step=lambda: None)
     with pytest.raises(UsageError, match="checkpoint_dir"):
         sdc.record(trainer, "unused", checkpoint_every=5)
+
+
+@pytest.mark.heavy  # two 4-process runs and a replay
+def test_a_resumed_torchtitan_loop_starts_its_attempt_at_its_step_and_writes_over_no_checkpoint(tmp_path):
+    """Issue 40: attempt 0 (steps 1..6, a flip at step 5, checkpoints 1 and 4); attempt 1 loads
+    checkpoint 4 and runs steps 4..7. Its first step's checkpoint, step-00000004, exists: it goes
+    to step-00000004-v1, attempt 0's files stay byte for byte, and attempt 1's checkpoint 7 certifies."""
+    import hashlib
+    import json
+
+    from click.testing import CliRunner
+
+    from sdc_forensics.cli.main import cli
+
+    def hashes():
+        ckpt = tmp_path / "ckpt"
+        return {str(p.relative_to(ckpt)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(ckpt.rglob("*")) if p.is_file()}
+
+    inject = ("local-gradient:step=5:rank=1:bit=20",)
+    assert gloo_job(_recorded_job, WORLD, tmp_path / "results0", str(tmp_path), inject) == ["ok"] * WORLD
+    before = hashes()
+    assert gloo_job(_recorded_job, WORLD, tmp_path / "results1", str(tmp_path), (), 4, 7) == ["ok"] * WORLD
+    after = hashes()
+    assert {k: after[k] for k in before} == before
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000001", "step-00000004", "step-00000004-v1",
+                                                                     "step-00000007"]
+    doc = json.loads(CliRunner().invoke(cli, ["inspect", str(tmp_path / "trace"), "--json"]).stdout)
+    assert [(a["attempt"], a["start_step"]) for a in doc["attempts"]] == [(0, 1), (1, 4)]
+    result = CliRunner().invoke(cli, ["bisect", str(tmp_path / "trace"), "--json"])
+    doc = json.loads(result.stdout)
+    statuses = {(c["step"], c["path"].rsplit("/", 1)[-1]): c["status"] for c in doc["checkpoints"]}
+    assert statuses.get((7, "step-00000007")) == "clean", (statuses, result.stderr)
