@@ -71,6 +71,10 @@ def drain_reason(target: NodeTarget, incident: Incident) -> str:
     what = "recurring SDC" if target.recurring else "SDC"
     job = f" job {_arg(target.slurm_job_id, 'JOB')}" if target.slurm_job_id else ""
     named = target.gpu_uuid or target.pci_bus_id
+    if not named and target.dcgm_level is None:
+        # a rank that computed on the CPU: no GPU to name (the Slurm drill's reason read "GPU local rank 0")
+        local = f" (local rank {target.local_rank})" if target.local_rank >= 0 else ""
+        return f"sdc-forensics: {what} at step {step}, rank {target.rank}, {_arg(target.device or 'cpu', 'cpu')}{local}{job}"
     gpu = _arg(named, "unnamed") if named else _gpu_label(target)
     return f"sdc-forensics: {what} at step {step}, rank {target.rank}, GPU {gpu}{job}"
 
