@@ -76,7 +76,7 @@ def _check_clean(root: Path, found: list, name: str) -> None:
     assert code == 0 and doc["comparison"] == "exact", doc
     assert doc["notes"] == [] and doc["evidence"] == [], doc  # every update reproduced, through both checkpoint windows
     code, doc = _cli("bisect", trace, "--trace-only")
-    assert code == 0 and doc["verdict"] != "corruption" and doc["evidence"] == [], doc
+    assert code == 4 and doc["verdict"] != "corruption" and doc["evidence"] == [], doc  # trace-only finding nothing: 4
     code, doc = _cli("certify", trace)
     assert code == 0, doc
     assert [c["status"] for c in doc["checkpoints"]] == ["clean", "clean"] and doc["resume_step"] == 3, doc
