@@ -38,7 +38,9 @@ def test_grad_incident_html_shows_step_rank_host_and_resume_point_in_a_browser(d
     assert ran.stderr_lines[-1] == f"post-incident review (html) written to {out}"
     assert tree_sha256(out_dir) == before  # the trace and checkpoints are never touched
     page = out.read_text()
-    assert "dcgmi diag -r 3" in page and "Keep checkpoints off the replaced node".lower() in page.lower()
+    # the demo's ranks compute on the CPU: the host check stands in for DCGM, which tests GPUs only
+    assert "stress-ng" in page and "dcgmi diag" not in page
+    assert "Keep checkpoints off the replaced node".lower() in page.lower()
     if CHROMIUM is None:
         pytest.skip("no chromium/chromium-browser/google-chrome on PATH: the browser half of this test cannot run")
     shown = open_page(out, CHROMIUM)
