@@ -19,7 +19,11 @@ the torch optimizer inside Accelerate's, then follows the loop through Accelerat
 * ``accelerator.save_state(dir)``: the folder (``model.safetensors``, ``optimizer.bin``,
   ``scheduler.bin``, ``random_states_R.pkl``) is noted as checkpoint ``N`` = optimizer steps
   completed, read back by the main process. Save once before the loop: checkpoint 0;
-* ``accelerator.clip_grad_norm_``: checked against the ``max_grad_norm`` the recipe replays.
+* ``accelerator.clip_grad_norm_``: checked against the ``max_grad_norm`` the recipe replays;
+* ``accelerator.load_state(dir)`` before the first step: the recorder (made at the first backward
+  or ``save_state``) starts the resumed attempt at the step the trace noted for ``dir``.
+
+No ``save_state`` writes into a folder that holds files (refused in one line).
 
 The sample indices come from the prepared loader's dataset (``__getitems__``, what a DataLoader
 fetches a batch with) and travel with each batch through the collator and any data workers; the

@@ -5,10 +5,11 @@
     from sdc_forensics.integrations.lightning import SdcCallback
     trainer = L.Trainer(strategy="ddp", callbacks=[SdcCallback("runs/job42/trace", dataset="mytrain:make_dataset"), ...])
 
-:class:`SdcCallback` builds the :class:`~sdc_forensics.recorder.Recorder` in ``on_fit_start`` (the
-strategy has wrapped the LightningModule in DistributedDataParallel and built the optimizer by
-then), saves checkpoint 0 (``trainer.save_checkpoint``) unless the run resumes, and records every
-optimizer step: the first ``on_train_batch_start`` of an accumulation cycle begins it; each batch
+:class:`SdcCallback` checks and wires the job in ``on_fit_start`` (the strategy has wrapped the
+LightningModule in DistributedDataParallel and built the optimizer by then) and builds the
+:class:`~sdc_forensics.recorder.Recorder` in ``on_train_start``, after ``fit(ckpt_path=...)``
+restored ``global_step`` (a resumed fit's attempt starts there); a fresh fit saves checkpoint 0
+(``trainer.save_checkpoint``, a name no file has yet). It records every optimizer step: the first ``on_train_batch_start`` of an accumulation cycle begins it; each batch
 adds its sample indices and input digest; ``on_before_backward`` gives the loss as backward sees
 it (divided by ``accumulate_grad_batches``); the optimizer step ends it. Every checkpoint the job
 saves through ``trainer.save_checkpoint`` (``ModelCheckpoint`` included) is noted as checkpoint
