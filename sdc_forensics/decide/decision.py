@@ -140,6 +140,8 @@ class Suspect:
     shared: bool = False
     replicas: int = 0
     mesh: str = ""  # a sharded job: the rank's mesh coordinates ("replicate=1, shard=0"); "" otherwise
+    # the earlier attempt of a resumed run whose steps (re-executed later) this suspect went wrong on; None: the latest lineage
+    attempt: int | None = None
 
     @property
     def recommendation(self) -> str:
@@ -168,6 +170,7 @@ class Suspect:
             "recurring": self.recurring, "steps": list(self.steps), "recommendation": self.recommendation,
             "evidence": [e.to_json() for e in self.evidence],
             **({"mesh": self.mesh} if self.mesh else {}),
+            **({"attempt": self.attempt} if self.attempt is not None else {}),
         }
 
 
@@ -305,6 +308,63 @@ def decide(
                      for n in sorted(notes, key=lambda n: n.step))
     return Decision(verdict=verdict, first_divergent_step=first, divergence_window=window, suspects=suspects,
                     checkpoints=statuses, weak=weak, settle=tuple(settle), evidence=tuple(evidence))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EarlierAttempt:
+    """An earlier attempt of a resumed run, judged on the steps a later attempt re-executed.
+
+    Attributes:
+        attempt: the attempt judged.
+        resumed_by: the attempt that re-executed its steps from ``steps[0]`` on.
+        steps: ``(first, last)`` of the re-executed steps judged (its own records).
+        decision: :func:`decide` applied to that attempt's own records of those steps (no checkpoints: its later ones are
+            superseded, judged with the latest attempt's).
+    """
+
+    attempt: int
+    resumed_by: int
+    steps: tuple[int, int]
+    decision: Decision
+
+
+def with_earlier_attempts(latest: Decision, earlier: Sequence[EarlierAttempt]) -> Decision:
+    """The run's decision once the earlier attempts of a resumed run are judged too (design brief: every attempt).
+
+    A fault in steps a later attempt re-executed does not end with the re-execution: the GPU that made it is still
+    suspect. So an earlier attempt's suspects join the answer (each with its ``attempt``) and a corruption there is
+    the run's verdict; but the latest attempt resumed from a checkpoint before that fault, so the first divergent
+    step and every checkpoint status stay those of the latest attempt's lineage (its own replay). What an earlier
+    attempt could not settle is said, and changes nothing else.
+    """
+    suspects, settle, evidence = list(latest.suspects), [], list(latest.evidence)
+    verdict = latest.verdict
+    for past in sorted(earlier, key=lambda p: p.attempt):
+        span = f"steps {past.steps[0]}..{past.steps[1]}" if past.steps[1] > past.steps[0] else f"step {past.steps[0]}"
+        decided = past.decision
+        if decided.verdict is Verdict.CORRUPTION and decided.suspects:
+            named = [dataclasses.replace(s, attempt=past.attempt) for s in decided.suspects]
+            suspects += named
+            evidence += decided.evidence
+            verdict = Verdict.CORRUPTION
+            who = "; ".join(f"{_suspect_words(s)} ({s.location.value})" for s in named)
+            settle.append(f"attempt {past.attempt} went wrong at step {decided.first_divergent_step}: {who}; attempt "
+                          f"{past.resumed_by} re-executed its {span} from a checkpoint before the fault, so its checkpoints are "
+                          "judged on their own replay, but that hardware is still suspect: a re-execution does not clear it")
+        elif decided.verdict is Verdict.INCONCLUSIVE:
+            settle.append(f"attempt {past.attempt}'s {span}, re-executed by attempt {past.resumed_by}, could not be settled: "
+                          + "; ".join(decided.settle[:1] or ("see its evidence",)))
+    if not settle:
+        return latest
+    return dataclasses.replace(latest, verdict=verdict, suspects=tuple(suspects), settle=tuple(settle) + latest.settle,
+                               evidence=tuple(sorted(evidence, key=sort_key)))
+
+
+def _suspect_words(suspect: Suspect) -> str:
+    if suspect.rank is None:
+        return "the collective"
+    where = ", ".join(x for x in (suspect.host, suspect.gpu) if x)
+    return f"rank {suspect.rank}" + (f" ({where})" if where else "")
 
 
 _EXACTLY = ("replay exactly (without --threads/--tolerant on CPU, or on the recorded GPU model), or from a checkpoint closer "

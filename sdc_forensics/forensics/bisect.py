@@ -86,6 +86,7 @@ def bisect(trace_dir: Trace | str | os.PathLike, options: AnalysisOptions, progr
     tolerant: set[int] = set()
     reused: tuple = ()
     seed = int(trace.manifest.fingerprint.seed)
+    recipe_ref = None
     if options.trace_only:
         settle.append("replay with the job's recipe and checkpoints (without --trace-only) to certify checkpoints and find "
                       "faults the trace cannot see")
@@ -131,6 +132,9 @@ def bisect(trace_dir: Trace | str | os.PathLike, options: AnalysisOptions, progr
     majority = majority_weights_digests(trace, [n.step for n in notes]) if notes else {}
     decided = decision.decide(evidence, world_size=trace.world_size, identity=trace.manifest.identity, notes=notes,
                               files=files, majority=majority, examined=examined, sharded=trace.manifest.parallel is not None)
+    if len(trace.manifest.attempts) > 1:  # a resumed run: every attempt is judged, not only the latest lineage
+        earlier = _earlier_attempts(trace, options, progress, (recipe_ref if mode == "replay" else None), files, notes_out)
+        decided = decision.with_earlier_attempts(decided, earlier)
     scope = _scope(tri, summary)
     if decided.verdict is decision.Verdict.CLEAN and mode == "trace-only":
         scope += " (trace-only: a wrong finite local gradient on a step without an audit would not show)"
@@ -163,6 +167,58 @@ def bisect(trace_dir: Trace | str | os.PathLike, options: AnalysisOptions, progr
         damage=tuple(d.detail or d.kind for d in tri.damage), notes=tuple(notes_out),
         divergence_window=decided.divergence_window, seed=seed, preflight=flight,
     )
+
+
+def _earlier_attempts(trace: Trace, options: AnalysisOptions, progress, recipe_ref: str | None,
+                      files: dict[int, CheckpointFile], notes_out: list[str]) -> list[decision.EarlierAttempt]:
+    """Each earlier attempt of a resumed run, judged on its own records of the steps a later attempt re-executed.
+
+    The latest lineage (every step's latest record) hides them: a fault that made the job stop, and the resume from
+    a checkpoint before it, would otherwise leave no trace in the answer, and its GPU would go back into service. Each
+    attempt is read as it stood (``Trace.as_of``): its trace evidence over those steps, and, with a recipe, a replay
+    of them from its last checkpoint at or before the resume step, compared with its own records.
+    """
+    attempts = sorted(trace.manifest.attempts, key=lambda a: a.attempt)
+    seed = int(trace.manifest.fingerprint.seed)
+    recipe = None
+    latest_attempt = {n.step: n.attempt for n in trace.checkpoint_notes()}
+    out: list[decision.EarlierAttempt] = []
+    for past, later in zip(attempts, attempts[1:]):
+        own = trace.step_range(attempt=past.attempt)
+        lo, hi = later.start_step, (own[1] if own is not None else -1)
+        if hi < lo:
+            continue  # it stopped before the step the next attempt resumed from: nothing of it was re-executed
+        view = trace.as_of(past.attempt)
+        tri = triage_trace(view)
+        evidence = [e for e in tri.evidence if lo <= e.step <= hi]
+        replayed, tolerant, anchors = set(), set(), set()
+        if recipe_ref is not None:
+            if recipe is None:
+                from sdc_forensics.recipe import load_recipe
+
+                recipe = load_recipe(recipe_ref, args=trace.manifest.recipe_args)
+            for note in sorted((n for n in view.checkpoint_notes() if n.step <= lo), key=lambda n: n.step, reverse=True):
+                # the file the latest lineage verified, when its note is this attempt's too; else this note's own
+                known = files.get(note.step) if latest_attempt.get(note.step) == note.attempt else None
+                file = known if known is not None else _verify_files([note], options, trace.path, seed)[note.step]
+                if file.report is None or _damaged(file.report):
+                    continue
+                runner = _WindowRunner(view, recipe, options, progress, _suspect_gpus(view, tri))
+                reason = f"judge attempt {past.attempt}'s steps {lo}..{hi}, re-executed by attempt {later.attempt}"
+                if runner.replay(note, hi, reason) is None:
+                    continue  # it does not hold the replicas' weights: the one before
+                evidence += [e for e in runner.evidence if lo <= e.step <= hi]
+                replayed, tolerant, anchors = runner.replayed, runner.tolerant, {note.step}
+                break
+        examined = Examined(first_step=lo, replayed=frozenset(s for s in replayed if s >= lo), tolerant_steps=frozenset(tolerant),
+                            files_read=bool(replayed), trace_only=recipe_ref is None, anchors=frozenset(anchors))
+        decided = decision.decide(evidence, world_size=view.world_size, identity=view.manifest.identity, notes=(), files={},
+                                  majority={}, examined=examined, sharded=view.manifest.parallel is not None)
+        how = "replayed and compared with its own records" if replayed else "checked in the trace"
+        notes_out.append(f"attempt {past.attempt}'s steps {lo}..{hi}, re-executed by attempt {later.attempt}, were {how}: "
+                         f"{decided.verdict.value}")
+        out.append(decision.EarlierAttempt(attempt=past.attempt, resumed_by=later.attempt, steps=(lo, hi), decision=decided))
+    return out
 
 
 def _scope(tri: TriageResult, summary: ReplaySummary) -> str:

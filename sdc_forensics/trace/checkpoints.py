@@ -141,8 +141,10 @@ def climbs_then_descends(path: str) -> bool:
 
 
 @reader
-def read_checkpoint_notes(trace_dir: str | os.PathLike) -> list[CheckpointNote]:
+def read_checkpoint_notes(trace_dir: str | os.PathLike, max_attempt: int | None = None) -> list[CheckpointNote]:
     """All notes, sorted by step; for a step noted by several attempts, the latest attempt wins.
+
+    ``max_attempt``: the notes as they stood when that attempt was the latest (a later attempt's are left out).
 
     Raises:
         TraceError: a note is not valid JSON or a field has the wrong type or range.
@@ -157,6 +159,8 @@ def read_checkpoint_notes(trace_dir: str | os.PathLike) -> list[CheckpointNote]:
         except (OSError, ValueError) as exc:
             raise TraceError(f"{path} is not a valid checkpoint note ({exc}); {_HINT}") from None
         note = parse_checkpoint_note(doc, str(path))
+        if max_attempt is not None and note.attempt > max_attempt:
+            continue
         if note.step not in latest or note.attempt >= latest[note.step].attempt:
             latest[note.step] = note
     return [latest[s] for s in sorted(latest)]

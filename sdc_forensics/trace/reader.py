@@ -132,6 +132,18 @@ class Trace:
             self._notes = read_checkpoint_notes(self.path)
         return list(self._notes)
 
+    def as_of(self, attempt: int) -> "Trace":
+        """The trace as it stood while ``attempt`` was the latest: its rank files, notes and
+        attempts, none of a later one. A resumed run's earlier attempt is judged on this view: the
+        steps a later attempt re-executed are read from ``attempt``'s own records."""
+        from sdc_forensics.trace.checkpoints import read_checkpoint_notes
+
+        manifest = dataclasses.replace(self.manifest, attempts=tuple(a for a in self.manifest.attempts if a.attempt <= attempt))
+        view = Trace(self.path, manifest, [f for f in self.files if f.attempt <= attempt],
+                     [d for d in self._damage if d.attempt <= attempt])
+        view._notes = read_checkpoint_notes(self.path, max_attempt=attempt)
+        return view
+
     @classmethod
     def of(cls, trace: "Trace | str | os.PathLike") -> "Trace":
         """``trace`` itself when it is open already, else :meth:`open` it: a command opens the trace
@@ -318,8 +330,8 @@ class Trace:
             return np.zeros(0, dtype=F.record_dtype(self.sketch_k))
         return np.concatenate(parts)
 
-    def step_range(self) -> tuple[int, int] | None:
-        """``(first, last)`` step of any valid STEP record, or None.
+    def step_range(self, attempt: int | None = None) -> tuple[int, int] | None:
+        """``(first, last)`` step of any valid STEP record (of ``attempt``'s files only, when given), or None.
 
         Rank files are in step order, so only each file's first and last valid STEP records are
         read (no full scan).
@@ -327,6 +339,8 @@ class Trace:
         lo, hi = None, None
         self._validate_all()
         for rank_file in self.files:
+            if attempt is not None and rank_file.attempt != attempt:
+                continue
             recs = rank_file.records
             mask = self.valid_mask(rank_file)
             summary = self.file_summary(rank_file)
