@@ -261,3 +261,37 @@ def test_a_sharded_checkpoint_holding_a_diverged_replicas_shard_says_so_not_stor
         assert "holds a diverged replica's weights" in text and "storage" not in text.replace("not storage damage", "")
         ddp = checkpoint_status(note, file, first=3, majority=None, examined=Examined(replayed=frozenset(range(4))))
         assert "storage corruption" in " ".join(ddp.reasons) and "diverged replica's weights" not in " ".join(ddp.reasons)
+
+
+def _decision(verdict, first=None, suspects=(), settle=()):
+    from sdc_forensics.decide.decision import Decision
+
+    return Decision(verdict=verdict, first_divergent_step=first, divergence_window=None, suspects=suspects, checkpoints=(),
+                    weak=(), settle=settle)
+
+
+def test_an_earlier_attempts_corruption_is_the_runs_verdict_but_not_its_lineages_first_step():
+    """Issue 33: a resumed run's earlier attempt went wrong at step 5 on rank 1; the latest lineage is
+    clean. The verdict is corruption with rank 1 named for attempt 0; s* and the checkpoints stay the
+    lineage's. An earlier attempt that could not be settled only says so."""
+    from sdc_forensics.decide.decision import EarlierAttempt, with_earlier_attempts
+
+    wrong = _ev(EvidenceKind.REPLAY_MISMATCH, 5, (1,), Location.LOCAL_COMPUTE, source="replay")
+    common = dict(world_size=3, identity=lambda r: _Ident(), notes=(), files={}, majority={})
+    past = decide([wrong], examined=Examined(first_step=4, replayed=frozenset(range(4, 8)), files_read=True), **common)
+    latest = _decision(Verdict.CLEAN)
+    merged = with_earlier_attempts(latest, [EarlierAttempt(attempt=0, resumed_by=1, steps=(4, 7), decision=past)])
+    assert merged.verdict is Verdict.CORRUPTION and merged.first_divergent_step is None and merged.checkpoints == ()
+    assert [(s.rank, s.attempt, s.steps) for s in merged.suspects] == [(1, 0, (5,))]
+    assert merged.suspects[0].to_json()["attempt"] == 0 and "attempt" not in past.suspects[0].to_json()
+    assert merged.settle[0].startswith("attempt 0 went wrong at step 5: rank 1 (node0, GPU-0) (local_compute)")
+    assert wrong in merged.evidence
+    # a clean earlier attempt changes nothing; an unsettled one adds a line and keeps the verdict
+    assert with_earlier_attempts(latest, [EarlierAttempt(attempt=0, resumed_by=1, steps=(4, 7), decision=_decision(Verdict.CLEAN))]) is latest
+    unsettled = with_earlier_attempts(latest, [EarlierAttempt(attempt=0, resumed_by=1, steps=(4, 4),
+                                                              decision=_decision(Verdict.INCONCLUSIVE, settle=("replay it",)))])
+    assert unsettled.verdict is Verdict.CLEAN and unsettled.settle == ("attempt 0's step 4, re-executed by attempt 1, could not be settled: replay it",)
+    # the latest lineage's own corruption keeps its first step, and both suspects are named
+    own = _decision(Verdict.CORRUPTION, first=9, suspects=past.suspects)
+    both = with_earlier_attempts(own, [EarlierAttempt(attempt=0, resumed_by=1, steps=(4, 7), decision=past)])
+    assert both.first_divergent_step == 9 and [s.attempt for s in both.suspects] == [None, 0]

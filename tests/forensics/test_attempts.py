@@ -1,0 +1,81 @@
+"""Every attempt is judged (issue 33): a resumed run's earlier attempt, whose steps a later attempt
+re-executed, is still checked and replayed against its own records.
+
+A 3-rank demo with a flipped local gradient at step 5 on rank 1 runs 8 steps (checkpoint every
+2); it is then resumed from checkpoint 4 clean, as an on-call engineer would after the alarm. The
+latest lineage (steps 0..3 of attempt 0, 4..7 of attempt 1) is clean, so before this rule bisect
+said ``clean`` and rank 1's GPU went back into service. Now the run's verdict is corruption with
+rank 1 named for attempt 0 at step 5, while every checkpoint of the lineage the resumed job
+continues from certifies on its own replay.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from sdc_forensics.cli.main import cli
+from sdc_forensics.decide.decision import Status, Verdict
+from sdc_forensics.demo.run import run_demo
+from sdc_forensics.forensics.bisect import bisect
+from sdc_forensics.replay.options import BisectOptions
+from tests.schema_check import assert_valid
+
+pytestmark = pytest.mark.slow
+
+RUN = dict(steps=8, checkpoint_every=2, world_size=3)
+
+
+def _resumed(out, injections):
+    run_demo(out, injections=injections, **RUN)
+    run_demo(out, injections=(), resume_from=4, **RUN)
+    return out / "trace"
+
+
+@pytest.fixture(scope="module")
+def faulted(tmp_path_factory):
+    return _resumed(tmp_path_factory.mktemp("attempts") / "run", ("grad:step=5:rank=1:bit=30",))
+
+
+def test_a_fault_in_the_re_executed_steps_of_an_earlier_attempt_is_reported(faulted):
+    result = bisect(faulted, BisectOptions())
+    assert result.verdict is Verdict.CORRUPTION
+    assert [(s.rank, s.attempt, s.steps, s.location.value) for s in result.suspects] == [(1, 0, (5,), "local_compute")]
+    assert result.first_divergent_step is None  # the latest lineage did not diverge
+    # the resumed attempt's checkpoints (6 and 8 written again by attempt 1) certify on their own replay
+    assert [(c.step, c.status) for c in result.checkpoints] == [(s, Status.CLEAN) for s in (0, 2, 4, 6, 8)]
+    assert result.last_clean_checkpoint.step == 8
+    assert any(line.startswith("attempt 0 went wrong at step 5: rank 1") for line in result.settle), result.settle
+    assert any("attempt 0's steps 4..7, re-executed by attempt 1, were replayed" in n for n in result.notes), result.notes
+
+
+def test_the_cli_documents_say_so_and_certify_still_names_the_resume_point(faulted):
+    runner = CliRunner()
+    ran = runner.invoke(cli, ["bisect", str(faulted), "--json"])
+    assert ran.exit_code == 1, ran.output
+    doc = json.loads(ran.stdout)
+    assert_valid(doc, "bisect")
+    assert [(s["rank"], s["attempt"], s["steps"]) for s in doc["suspects"]] == [(1, 0, [5])]
+    certified = runner.invoke(cli, ["certify", str(faulted), "--json"])
+    assert certified.exit_code == 0, certified.output  # a resume point is certified; the corruption is in the document
+    cert = json.loads(certified.stdout)
+    assert cert["verdict"] == "corruption" and cert["resume_step"] == 8, cert
+
+
+def test_a_clean_resumed_run_stays_clean(tmp_path):
+    trace = _resumed(tmp_path / "run", ())
+    result = bisect(trace, BisectOptions())
+    assert result.verdict is Verdict.CLEAN and result.suspects == ()
+    assert [c.status for c in result.checkpoints] == [Status.CLEAN] * 5
+    assert any("attempt 0's steps 4..7, re-executed by attempt 1, were replayed and compared with its own records: clean" in n
+               for n in result.notes), result.notes
+
+
+def test_trace_evidence_of_an_earlier_attempt_is_reported_without_a_replay(tmp_path):
+    """A wrong all-reduce result on one rank shows in the trace itself: --trace-only names it too."""
+    trace = _resumed(tmp_path / "run", ("allreduce:step=6:rank=2:bit=30",))
+    result = bisect(trace, BisectOptions(trace_only=True))
+    assert result.verdict is Verdict.CORRUPTION
+    assert [(s.rank, s.attempt) for s in result.suspects] == [(2, 0)] and 6 in result.suspects[0].steps
