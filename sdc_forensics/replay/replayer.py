@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from sdc_forensics import numerics, recipe as recipe_mod
-from sdc_forensics.errors import CheckpointError, InvalidInputError
+from sdc_forensics.errors import CheckpointError, InvalidInputError, RecipeError, SdcError
 from sdc_forensics.fingerprint import tolerance
 from sdc_forensics.fingerprint.core import Fingerprint, combine, combine_digests, digest, fingerprint, num_sketch_blocks
 from sdc_forensics.replay import distributed
@@ -414,8 +414,9 @@ class Replayer(StepComparisons):
             distributed.check_collective(self.world_size)
         self.forced_threads = options.num_threads or 0
         self.default_threads = _recorded_threads(self.trace) or 0
-        model, optimizer, scheduler = self.recipe.build(self.device)
-        self.recipe.load_checkpoint(str(options.checkpoint_path), model, optimizer, scheduler)
+        model, optimizer, scheduler = _recipe_call("build", self.recipe.build, self.device)
+        _recipe_call(f"load_checkpoint({options.checkpoint_path})", self.recipe.load_checkpoint, str(options.checkpoint_path), model,
+                     optimizer, scheduler)
         self.param_dtype = next((p.dtype for p in model.parameters()), None)
         self.tolerance_dtype = env.recompute_dtype(self.trace, self.grad_dtype, self.device, model)
         self._grad_shapes = [(p.shape[0] if p.dim() else 1, math.prod(p.shape[1:]))
@@ -610,3 +611,19 @@ def _recorded_numerics(trace: Trace, step: int) -> dict:
     """The numerics contract of the attempt that ran ``step`` (the latest attempt starting at or before it)."""
     attempts = [a for a in trace.manifest.attempts if a.start_step <= step] or list(trace.manifest.attempts)
     return dict(max(attempts, key=lambda a: a.attempt).determinism) if attempts else {}
+
+
+def _recipe_call(what: str, hook: Callable, *args):
+    """``hook(*args)``, a recipe's own code: what it raises (a state dict that does not fit its model, a file it cannot
+    read) is the recipe's problem, said in one line with exit 3, never a traceback that reads as a crash, or exit 1,
+    which means corruption."""
+    try:
+        return hook(*args)
+    except (SdcError, KeyboardInterrupt, SystemExit, MemoryError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure of user code, reported as such
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise RecipeError(f"the recipe's {what} failed: {type(exc).__name__}: {first[:300]}; the recipe must rebuild the job's "
+                          "model and load its checkpoints (docs/recipes.md): check its model against the checkpoint's keys "
+                          "(a compiled module saves '_orig_mod.' ones)") from None
+
