@@ -7,7 +7,9 @@ last bits depend on the thread count) with gradient accumulation (``no_sync`` on
 last microbatch) and the recipe's ``before_step``/``after_step`` hooks around the update (as
 replay runs them), writes ``OUT/trace/`` and a checkpoint every ``checkpoint_every`` steps to
 ``OUT/checkpoints/step-NNNNNNNN.pt`` (checkpoint N holds theta_N; checkpoint 0 is the initial
-state, with the scheduler's state when the recipe has one), and returns the ground truth. Each process leaves a small
+state, with the scheduler's state when the recipe has one), and returns the ground truth. A run
+resumed from checkpoint N > 0 gives its new DDP the bucket layout of the uninterrupted run first
+(:func:`rebuild_buckets`), so that it re-executes steps N.. bit for bit. Each process leaves a small
 JSON report in ``OUT/demo/``. Nothing is left running: on a failure, a hang past the timeout or a
 killed rank, every remaining process is killed before :func:`run_demo` returns or raises.
 
@@ -67,6 +69,35 @@ def train_step(ddp, optimizer, recipe, microbatches, count: int, handle=None, sc
     optimizer.step()
     recipe_mod.after_step(recipe, ddp.module, optimizer, scheduler, step=step)
     optimizer.zero_grad(set_to_none=True)
+
+
+def rebuild_buckets(ddp, recipe, microbatch) -> None:
+    """Bring a new DDP to the gradient bucket layout a run has from its second step on, with no
+    trace of the pass that does it: what a resumed run needs to re-execute its steps bit for bit.
+
+    DDP reduces its first iteration with one bucket in parameter order and then rebuilds its
+    buckets in the order the gradients became ready; gloo's ring all-reduce adds the ranks in an
+    order that depends on an element's offset in the bucket, so a run resumed at step N > 0 with a
+    new DDP would reduce step N in the wrong layout and differ from the uninterrupted run in the
+    last bits. One forward and backward of ``microbatch`` (synced, so the reducer notes the order)
+    gives DDP that order, as step 0 gave it to the uninterrupted run; its gradients are dropped,
+    the module's buffers (BatchNorm's statistics) and the RNG put back, the optimizer untouched.
+    A collective: every rank calls it, before the recorder or a comm hook is attached.
+    """
+    import torch
+
+    module = ddp.module
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    device = next(module.parameters()).device
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        recipe.loss(ddp, microbatch).backward()
+    with torch.no_grad():
+        for buffer, saved in buffers:
+            buffer.copy_(saved)
+    for param in module.parameters():
+        param.grad = None
+
 
 def default_injection(steps: int = 40, checkpoint_every: int = 10) -> str:
     """The fault ``sdc-forensics demo`` injects unless told otherwise.
@@ -444,6 +475,8 @@ def train_rank(config: DemoConfig, rank: int) -> dict:
         recipe.load_checkpoint(config.checkpoint_path(config.resume_from), model, optimizer, scheduler)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     world_size = config.world_size
+    if config.first_step > 0:  # before the recorder and the comm hook: nothing of it is recorded
+        rebuild_buckets(ddp, recipe, recipe.fetch_microbatch(recipe.microbatch_ids(config.first_step, rank, world_size)[0], device))
     report: dict = {"rank": rank, "fired": [], "alarms": [], "raised": None, "checkpoints": []}
     rec = None
     if config.record:
