@@ -100,3 +100,18 @@ def test_torchrun_fan_out_keeps_stdout_for_the_document(printing_run):
     doc = _document(out, err, "torchrun bisect --json")
     assert code == 1 and doc["verdict"] == "corruption" and doc["first_divergent_step"] == 4, err[-3000:]
     assert err.count(f"{MARK} number of parameters: 26.1K (fd 1)") >= 2  # both processes built the model and printed
+
+
+@pytest.mark.heavy
+def test_torchrun_certify_and_verify_keep_stdout_for_the_document(printing_run):
+    """The other fan-out commands a script parses: ``certify --json`` and ``verify-checkpoint
+    --trace --json`` under two replay processes print one document and none of the recipe's lines."""
+    code, out, err, _ = torchrun(2, ["-m", "sdc_forensics", "certify", str(printing_run / "trace"), "--json"], timeout_s=TIMEOUT_S)
+    doc = _document(out, err, "torchrun certify --json")
+    assert code == 0 and doc["resume_step"] == 3, err[-3000:]  # the fault is at step 4: checkpoint 3 is the resume point
+    assert f"{MARK} fetch " in err
+    checkpoint = printing_run / "checkpoints" / "step-00000006.pt"
+    code, out, err, _ = torchrun(2, ["-m", "sdc_forensics", "verify-checkpoint", str(checkpoint), "--trace", str(printing_run / "trace"),
+                                     "--json"], timeout_s=TIMEOUT_S)
+    doc = _document(out, err, "torchrun verify-checkpoint --trace --json")
+    assert code == 1 and doc["certification"]["status"] == "tainted", err[-3000:]
