@@ -355,6 +355,22 @@ def warn_rotation(setting: str) -> None:
                     "(docs/integrations.md)", setting)
 
 
+def close_on_error(rec: Any, exc: BaseException | None) -> None:
+    """Close ``rec`` (a recorder, or None: nothing to close) as training leaves on ``exc`` (an
+    exception, an alarm, KeyboardInterrupt): the END record says it ended on an exception, and no
+    collective is waited on. For an :class:`~sdc_forensics.errors.SdcAlarm` the process is first
+    braced for :func:`~sdc_forensics.recorder.exit_on_alarm` (SIGTERM ignored), as the recorder's
+    own ``with`` block does: under torchrun a peer that exits 18 first must not get this rank
+    killed while it closes its trace."""
+    from sdc_forensics.errors import SdcAlarm
+    from sdc_forensics.recorder.exit import brace_for_alarm_exit
+
+    if isinstance(exc, SdcAlarm):
+        brace_for_alarm_exit()
+    if rec is not None:
+        rec.close(on_error=True)
+
+
 def refuse_existing(path: str | os.PathLike, is_taken: bool) -> None:
     """Refuse a checkpoint save at ``path`` when ``is_taken`` (:func:`taken`, decided by the
     writing rank and shared, so every rank refuses alike): the adapters never write over a file.

@@ -342,8 +342,8 @@ class AccelerateRecording:
             self.close()
         else:  # an exception, an alarm, KeyboardInterrupt: the END record says so; no collective waited on
             self._restore()
-            if self.rec is not None:
-                self.rec.close(on_error=True)
+            rec, self.rec, self._step = self.rec, None, None
+            _common.close_on_error(rec, exc[1])
 
 
 @dataclasses.dataclass(kw_only=True)

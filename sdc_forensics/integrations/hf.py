@@ -208,8 +208,8 @@ def record(trainer: Any, trace_dir: str | os.PathLike, *, dataset: str, options:
         callback.resuming = bool(resume_from_checkpoint)
         try:
             return original_train(resume_from_checkpoint, *args, **kwargs)
-        except BaseException:
-            callback.close(on_error=True)
+        except BaseException as exc:
+            callback.close(on_error=True, exc=exc)
             raise
 
     trainer.train = train
@@ -387,9 +387,11 @@ class SdcCallback:
             dist.barrier()
             self.rec = None
 
-    def close(self, *, on_error: bool = True) -> None:
-        """Close the trace if training left without ``on_train_end`` (an exception, an alarm,
-        KeyboardInterrupt): the END record says how it ended, and no collective is waited on."""
-        if self.rec is not None:
-            rec, self.rec, self._step = self.rec, None, None
-            rec.close(on_error=on_error)
+    def close(self, *, on_error: bool = True, exc: BaseException | None = None) -> None:
+        """Close the trace if training left without ``on_train_end`` (an exception ``exc``, an
+        alarm, KeyboardInterrupt): the END record says how it ended, and no collective is waited on."""
+        rec, self.rec, self._step = self.rec, None, None
+        if on_error:
+            _common.close_on_error(rec, exc)
+        elif rec is not None:
+            rec.close(on_error=False)

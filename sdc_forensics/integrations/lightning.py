@@ -320,9 +320,12 @@ class SdcCallback(_Base):
             self.rec = None
 
     def on_exception(self, trainer, pl_module, exception) -> None:
-        if self.rec is not None:
-            self.rec.close(on_error=True)
-            self.rec = None
+        """Training leaves on ``exception`` (an error, an alarm, KeyboardInterrupt, which Lightning
+        also hands here before it exits 1): the END record says so; no collective is waited on."""
+        rec, self.rec, self._step = self.rec, None, None
+        if rec is not None:
+            self._handle.remove()
+        _common.close_on_error(rec, exception)
 
 
 def _train_loaders(trainer) -> list:

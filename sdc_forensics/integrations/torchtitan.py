@@ -36,6 +36,9 @@ every ``checkpoint_every`` steps, a DCP checkpoint the recorder writes and notes
 read). ``bisect
 --trace-only`` works on any such trace; a replay needs your recipe (``docs/integrations.md``
 gives its shape): one that rebuilds the model and fetches a microbatch by the IDs you recorded.
+Said at attach (rank 0, one line): a ``checkpoint_dir`` that is torchtitan's own checkpoint folder
+while its ``checkpoint.keep_latest_k`` purges it (``_rotation``). However ``train()`` ends (an
+exception, an alarm, KeyboardInterrupt), the trace is closed.
 Written against torchtitan 0.3.0's ``Trainer`` (``model_parts``, ``optimizers``, ``step``,
 ``config.training``, ``parallel_dims``); torchtitan needs a PyTorch nightly to train, so it is
 tested here on a trainer-shaped object around a real ``fully_shard`` job
@@ -67,6 +70,28 @@ def _refusal(trainer) -> str | None:
 
     compiled = compile_refusal(parts[0])  # torchtitan's --compile.enable: the hooks and the replay need eager modules
     return compiled[0] if compiled else None
+
+
+def _rotation(trainer, checkpoint_dir) -> str | None:
+    """The setting, when torchtitan's own checkpointing rotates the forensic checkpoints away:
+    ``checkpoint.keep_latest_k`` > 0 (torchtitan's default is 10) with checkpointing enabled and
+    ``checkpoint_dir`` its checkpoint folder (``job.dump_folder``/``checkpoint.folder``), where its
+    purge deletes every ``step-N`` entry but the latest k, the recorder's ``step-N`` included. A
+    ``checkpoint_dir`` of its own is not rotated: nothing to say."""
+    from pathlib import Path
+
+    config = getattr(trainer, "config", None)
+    checkpoint = getattr(config, "checkpoint", None)
+    if checkpoint is None or checkpoint_dir is None:
+        return None
+    enabled = getattr(checkpoint, "enable", getattr(checkpoint, "enable_checkpoint", False))  # 0.3.0: enable; older: enable_checkpoint
+    keep = int(getattr(checkpoint, "keep_latest_k", 0) or 0)
+    if not enabled or keep <= 0:
+        return None
+    folder = Path(str(getattr(getattr(config, "job", None), "dump_folder", "") or "."), str(getattr(checkpoint, "folder", "checkpoint")))
+    if Path(checkpoint_dir).resolve() != folder.resolve():
+        return None
+    return f"torchtitan's checkpoint.keep_latest_k={keep} in {folder} (record's checkpoint_dir: give it a folder of its own)"
 
 
 def watch(trainer, *, policy: str = "return", weights_every: int = 1, inject=None):
@@ -150,6 +175,11 @@ def record(trainer, trace_dir, *, microbatch_ids=None, recipe: str | None = None
         from sdc_forensics.integrations._common import refuse
 
         raise refuse(f"sdc-forensics cannot record this torchtitan trainer: {problem}")
+    rotating = _rotation(trainer, checkpoint_dir) if checkpoint_every else None
+    if rotating is not None:
+        from sdc_forensics.integrations._common import warn_rotation
+
+        warn_rotation(rotating)
     recording = TitanRecording(trainer, trace_dir, microbatch_ids=microbatch_ids, recipe=recipe, recipe_args=recipe_args,
                                checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir, options=options, inject=inject)
     trainer.train_step = recording.train_step
@@ -159,8 +189,8 @@ def record(trainer, trace_dir, *, microbatch_ids=None, recipe: str | None = None
         def closing_train(*args, **kwargs):
             try:
                 out = train(*args, **kwargs)
-            except BaseException:
-                recording.close(on_error=True)
+            except BaseException as exc:
+                recording.close(on_error=True, exc=exc)
                 raise
             recording.close()
             return out
@@ -217,18 +247,22 @@ class TitanRecording:
         with rec.step(step, microbatch_ids=ids):
             return self._train_step(*args, **kwargs)
 
-    def close(self, *, on_error: bool = False) -> None:
-        """Close the recorder (``on_error``: training is leaving on an exception) and give the
-        trainer its own ``train_step`` back. Idempotent."""
+    def close(self, *, on_error: bool = False, exc: BaseException | None = None) -> None:
+        """Close the recorder (``on_error``: training is leaving on an exception, ``exc`` when
+        known) and give the trainer its own ``train_step`` back. Idempotent."""
+        from sdc_forensics.integrations import _common
+
         self.trainer.train_step = self._train_step
-        if self.recorder is not None:
-            self.recorder.close(on_error=on_error)
+        if on_error:
+            _common.close_on_error(self.recorder, exc)
+        elif self.recorder is not None:
+            self.recorder.close(on_error=False)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close(on_error=exc[0] is not None)
+        self.close(on_error=exc[0] is not None, exc=exc[1])
 
 
 def _state(trainer) -> dict:

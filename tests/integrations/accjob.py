@@ -4,6 +4,7 @@ a warmup schedule, ``save_state`` every ``--save-steps`` optimizer steps (and on
 loop: checkpoint 0). One process per rank with the launcher's environment::
 
     python -c 'import tests.integrations.accjob as j; j.run()' --trace T --out O [--steps 6] [--inject SPEC] [--resume DIR]
+        [--policy raise] [--interrupt-at STEP]
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save-steps", type=int, default=3)
     parser.add_argument("--inject", action="append", default=[])
     parser.add_argument("--resume", default=None, help="a save_state folder to load_state from (a resumed attempt)")
+    parser.add_argument("--policy", default="continue", help="the recorder's policy: raise stops training at an alarm (exit 18)")
+    parser.add_argument("--interrupt-at", type=int, default=None,
+                        help="raise KeyboardInterrupt on every rank inside this step, after its first backward (Ctrl+C)")
     opts = parser.parse_args(argv)
     accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
     torch.manual_seed(0)
@@ -65,13 +69,14 @@ def main(argv: list[str] | None = None) -> None:
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, make_scheduler(optimizer))
 
     from sdc_forensics.integrations import accelerate as sdc
-    from sdc_forensics.recorder import RecorderOptions
+    from sdc_forensics.recorder import RecorderOptions, exit_on_alarm
 
     recording = sdc.record(accelerator, opts.trace, model=model, model_fn="tests.integrations.accjob:build_model",
                            loss_fn="tests.integrations.accjob:loss", dataset="tests.integrations.accjob:make_dataset",
                            scheduler_fn="tests.integrations.accjob:make_scheduler", max_grad_norm=0.5,
-                           options=RecorderOptions(policy="continue"), inject=opts.inject)
-    with recording:
+                           options=RecorderOptions(policy=opts.policy), inject=opts.inject)
+    # an online check's alarm: one line and exit 18, the trace closed by the recording's block first
+    with exit_on_alarm(), recording:
         if opts.resume is None:
             accelerator.save_state(os.path.join(opts.out, "step-0"))
         else:  # the adapter reads the folder's step from the trace: the resumed attempt starts there
@@ -81,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
             for batch in loader:
                 with accelerator.accumulate(model):
                     accelerator.backward(loss(model, batch))
+                    if done == opts.interrupt_at:  # step `done` is open in the recorder: Ctrl+C mid-step
+                        raise KeyboardInterrupt
                     if accelerator.sync_gradients:
                         accelerator.clip_grad_norm_(model.parameters(), 0.5)
                     optimizer.step()

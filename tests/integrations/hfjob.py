@@ -3,7 +3,7 @@ made here (no download), a synthetic map-style dataset, gradient accumulation, c
 and a linear warmup schedule, checkpoints every ``--save-steps``. One process per rank with the
 launcher's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``)::
 
-    python -c 'import tests.integrations.hfjob as j; j.run()' --trace T --out O [--steps 6] [--save-steps 3] [--inject SPEC] [--resume DIR] [--policy raise]
+    python -c 'import tests.integrations.hfjob as j; j.run()' --trace T --out O [--steps 6] [--save-steps 3] [--inject SPEC] [--resume DIR] [--policy raise] [--interrupt-at STEP]
 
 The model class and the dataset function are referenced by the trace as
 ``tests.integrations.hfjob:...``: replay imports them with ``PYTHONPATH`` set to the repository.
@@ -15,7 +15,7 @@ import argparse
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments
+from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 
 from tests.integrations.launch import run_and_leave
 
@@ -60,6 +60,17 @@ class Points(torch.utils.data.Dataset):
         return {"x": x, "labels": int(x[:CLASSES].argmax())}
 
 
+class Interrupt(TrainerCallback):
+    """Ctrl+C inside optimizer step ``step`` (after the recording callback began it), on every rank."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise KeyboardInterrupt
+
+
 def make_dataset() -> Points:
     """The training dataset, rebuilt by replay (the function ``hf.record(dataset=...)`` names)."""
     return Points()
@@ -77,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout after the hidden layer (replayed: the adapter seeds it)")
     parser.add_argument("--policy", default="continue", help="the recorder's policy: raise stops training at an alarm (exit 18)")
     parser.add_argument("--workers", type=int, default=0, help="dataloader_num_workers: the indices cross process boundaries")
+    parser.add_argument("--interrupt-at", type=int, default=None, help="raise KeyboardInterrupt on every rank inside this step")
     opts = parser.parse_args(argv)
     torch.manual_seed(0)
     args = TrainingArguments(
@@ -93,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
 
     hf.record(trainer, opts.trace, dataset="tests.integrations.hfjob:make_dataset",
               options=RecorderOptions(policy=opts.policy), inject=opts.inject)
+    if opts.interrupt_at is not None:
+        trainer.add_callback(Interrupt(opts.interrupt_at))  # after hf.record's callback: the step has begun
     with exit_on_alarm():  # an online check's alarm: one line and exit 18, the trace closed by the adapter
         trainer.train(resume_from_checkpoint=opts.resume)
 

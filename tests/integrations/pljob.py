@@ -4,6 +4,7 @@ AdamW and a per-step warmup schedule, ``ModelCheckpoint`` every ``--save-steps``
 One process per rank with the launcher's environment::
 
     python -c 'import tests.integrations.pljob as j; j.run()' --trace T --out O [--steps 6] [--inject SPEC] [--resume CKPT]
+        [--policy raise] [--interrupt-at STEP]
 """
 
 from __future__ import annotations
@@ -49,6 +50,17 @@ class TinySharded(Tiny):
         fully_shard(self.net, mesh=mesh)  # the module training_step calls: its forward gathers the rest
 
 
+class Interrupt(L.Callback):
+    """Ctrl+C inside optimizer step ``step`` (after the recording callback began it), on every rank."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise KeyboardInterrupt
+
+
 class Points(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return SAMPLES
@@ -72,10 +84,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--strategy", default="ddp")
     parser.add_argument("--resume", default=None, help="fit(ckpt_path=...): a checkpoint to resume from")
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout before the last layer (replayed: the callback seeds it)")
+    parser.add_argument("--policy", default="continue", help="the recorder's policy: raise stops training at an alarm (exit 18)")
+    parser.add_argument("--interrupt-at", type=int, default=None, help="raise KeyboardInterrupt on every rank inside this step")
     opts = parser.parse_args(argv)
 
     from sdc_forensics.integrations.lightning import SdcCallback
-    from sdc_forensics.recorder import RecorderOptions
+    from sdc_forensics.recorder import RecorderOptions, exit_on_alarm
 
     L.seed_everything(0, verbose=False)
     checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=opts.out, every_n_train_steps=opts.save_steps, save_top_k=-1,
@@ -83,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     world = int(os.environ["WORLD_SIZE"])
     sharded = opts.strategy == "model_parallel"  # FSDP2 through Lightning: the ordered reduce-scatter certifies it
     record = SdcCallback(opts.trace, dataset="tests.integrations.pljob:make_dataset",
-                         options=RecorderOptions(policy="continue", reduction="ordered" if sharded else "native"), inject=opts.inject)
+                         options=RecorderOptions(policy=opts.policy, reduction="ordered" if sharded else "native"), inject=opts.inject)
     strategy = opts.strategy
     if sharded:
         from lightning.pytorch.strategies import ModelParallelStrategy
@@ -91,11 +105,13 @@ def main(argv: list[str] | None = None) -> None:
         strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=opts.steps,
                         accumulate_grad_batches=1 if sharded else 2, gradient_clip_val=0.0 if sharded else 0.5,
-                        callbacks=[checkpoints, record], logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[checkpoints, record, *([Interrupt(opts.interrupt_at)] if opts.interrupt_at is not None else [])],
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0)
     loader = torch.utils.data.DataLoader(make_dataset(), batch_size=4, shuffle=True)
     module = (TinySharded if sharded else Tiny)(dropout=opts.dropout)
-    trainer.fit(module, train_dataloaders=loader, ckpt_path=opts.resume)
+    with exit_on_alarm():  # an online check's alarm: one line and exit 18 (on_exception closed the trace)
+        trainer.fit(module, train_dataloaders=loader, ckpt_path=opts.resume)
 
 
 def run() -> None:

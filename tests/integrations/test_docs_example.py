@@ -3,6 +3,7 @@ read out of the page (so page and test cannot drift), run as a 2-process gloo jo
 ``python`` per rank as a launcher starts them, and certified with the installed command as the
 page says. Its model (GPT-2 from a config, forward with ``**kwargs``) takes the Trainer's
 item-normalised loss path, so this also checks that the step header carries the item count.
+Every adapter's example shows ``exit_on_alarm`` around training (checked without running them).
 """
 
 from __future__ import annotations
@@ -13,12 +14,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers", reason="the hf extra is not installed: pip install -e '.[hf]'")
+from tests.cli.installed import run_installed
+from tests.integrations.launch import assert_ok, run_script
 
-from tests.cli.installed import run_installed  # noqa: E402
-from tests.integrations.launch import assert_ok, run_script  # noqa: E402
-
-pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
 
 
@@ -28,7 +26,31 @@ def page_example(heading: str) -> str:
     return re.search(r"```python\n(.*?)```", text[text.index(heading):], re.S).group(1)
 
 
+#: each adapter's example: its section of the page, and the call that training runs in
+EXAMPLES = {"## Hugging Face `Trainer`": "main()", "## Accelerate": "main()", "## PyTorch Lightning (`DDPStrategy`)": "main()",
+            "## torchtitan": "trainer.train()"}
+
+
+@pytest.mark.parametrize("heading", list(EXAMPLES))
+def test_every_adapters_example_runs_training_inside_exit_on_alarm(heading):
+    """Issue 40: each example imports exit_on_alarm and runs training inside ``with exit_on_alarm():``
+    (an alarm: one line and exit 18, after the adapter closed the trace); each is valid Python."""
+    import ast
+
+    code = page_example(heading)
+    tree = ast.parse(code)
+    assert any(isinstance(node, ast.ImportFrom) and node.module == "sdc_forensics.recorder"
+               and "exit_on_alarm" in [a.name for a in node.names] for node in ast.walk(tree)), heading
+    blocks = [node for node in ast.walk(tree) if isinstance(node, ast.With)
+              and any(ast.unparse(item.context_expr) == "exit_on_alarm()" for item in node.items)]
+    assert blocks and any(ast.unparse(inner) == EXAMPLES[heading] for block in blocks for inner in ast.walk(block)
+                          if isinstance(inner, ast.Call)), heading
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_trainer_example_runs_as_written_and_certifies(tmp_path):
+    pytest.importorskip("transformers", reason="the hf extra is not installed: pip install -e '.[hf]'")
     (tmp_path / "mytrain.py").write_text(page_example("## Hugging Face `Trainer`"), encoding="utf-8")
     assert_ok(run_script(tmp_path, "mytrain.py"))
     exported = run_installed(["export", "runs/job42/trace", "-o", "-"], tmp_path, cwd=tmp_path).stdout.splitlines()

@@ -102,7 +102,9 @@ def test_a_resumed_trainer_run_is_a_second_attempt_and_writes_over_no_checkpoint
     output_dir would have the Trainer write checkpoint-6 over attempt 0's: refused at attach, one
     line, exit 2 on every rank, nothing written. Resumed into a new output_dir from checkpoint-3,
     attempt 1 starts at step 3, writes no checkpoint 0, leaves every file of attempt 0 byte for
-    byte, and its checkpoint 6 certifies."""
+    byte, and its checkpoint 6 certifies. bisect still reports attempt 0's fault: rank 1 at step 4
+    with its attempt, verdict corruption, while the latest lineage (steps 3..5 re-run clean) has no
+    divergent step."""
     assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=1:bit=30"], cwd=tmp_path))
     before = _hashes(tmp_path / "out")
     assert {name.split("/")[0] for name in before} == {"checkpoint-0", "checkpoint-3", "checkpoint-6"}
@@ -121,6 +123,9 @@ def test_a_resumed_trainer_run_is_a_second_attempt_and_writes_over_no_checkpoint
     statuses = {(c["step"], c["path"].split("/")[-2]): c["status"] for c in doc["checkpoints"]}
     assert statuses[(3, "out")] == "clean" and statuses[(6, "out2")] == "clean", (statuses, ran.stderr)
     assert any("re-executed by a later attempt" in note for note in doc["notes"]), doc["notes"]
+    # the first attempt's fault, judged on its own records: its rank, its attempt, its step
+    assert (ran.returncode, doc["verdict"], doc["first_divergent_step"]) == (1, "corruption", None), ran.stderr
+    assert [(s["rank"], s.get("attempt"), s["steps"]) for s in doc["suspects"]] == [(1, 0, [4])], doc["suspects"]
 
 
 @pytest.mark.heavy
@@ -134,6 +139,18 @@ def test_an_alarm_stops_the_trainer_with_exit_18_and_every_rank_closes_its_trace
     end = json.loads(run_installed(["inspect", "trace", "--json"], tmp_path, cwd=tmp_path).stdout)["end"]
     assert [(r["closed"], r["closed_on_error"]) for r in end["ranks"]] == [(True, True), (True, True)], end
     assert "no rank closed its trace" not in end["summary"] and end["last_step"] == 2, end
+
+
+@pytest.mark.heavy
+def test_a_keyboard_interrupt_inside_a_step_stops_the_trainer_and_every_rank_closes_its_trace(tmp_path):
+    """Issue 40: Ctrl+C inside step 2 (KeyboardInterrupt on every rank, after the step began): the
+    adapter's train() wrapper closes the trace on the way out (END record, on an exception)."""
+    ranks = run_ranks(JOB, ["--trace", "trace", "--out", "out", "--interrupt-at", "2"], cwd=tmp_path)
+    assert [r.returncode for r in ranks] == [1, 1], [r.stderr[-2000:] for r in ranks]
+    assert all("KeyboardInterrupt" in r.stderr for r in ranks)
+    end = json.loads(run_installed(["inspect", "trace", "--json"], tmp_path, cwd=tmp_path).stdout)["end"]
+    assert [(r["closed"], r["closed_on_error"]) for r in end["ranks"]] == [(True, True), (True, True)], end
+    assert "no rank closed its trace" not in end["summary"] and end["last_step"] == 1, end
 
 
 @pytest.mark.heavy
@@ -169,6 +186,33 @@ def test_settings_the_adapter_cannot_replay_are_refused_with_one_line(tmp_path):
     for setting in ("label_smoothing_factor", "mixed precision", "sync_each_batch", "torch_compile", "torch.compile wraps 'norm'"):
         assert any(setting in p for p in problems), (setting, problems)
     assert not (tmp_path / "trace").exists()
+
+
+@pytest.mark.parametrize("limit, said", [(2, True), (None, False)])
+def test_a_save_total_limit_is_said_at_attach(tmp_path, monkeypatch, caplog, limit, said):
+    """Issue 40: save_total_limit deletes early checkpoint folders: hf.record says so on rank 0, one
+    line naming the setting and `certify --follow`. One process stands in for rank 0 of a DDP job
+    (its own refusal, one process, is set aside); record only wires the trainer, nothing trains."""
+    from transformers import Trainer, TrainingArguments
+
+    from sdc_forensics.integrations import hf
+    from tests.integrations.hfjob import TinyConfig, TinyModel, make_dataset
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=2, save_steps=1,
+                             save_total_limit=limit)
+    trainer = Trainer(model=TinyModel(TinyConfig()), args=args, train_dataset=make_dataset())
+    real = hf._refusals
+    assert [p[:22] for p in real(trainer, __import__("transformers"))] == ["the job runs 1 process"]
+    monkeypatch.setattr(hf, "_refusals", lambda *a: [p for p in real(*a) if not p.startswith("the job runs 1 process")])
+    monkeypatch.delenv("RANK", raising=False)
+    with caplog.at_level("WARNING"):
+        hf.record(trainer, tmp_path / "trace", dataset="tests.integrations.hfjob:make_dataset")
+    lines = [r.getMessage() for r in caplog.records if "deletes early checkpoints" in r.getMessage()]
+    if said:
+        (line,) = lines
+        assert line.startswith("sdc-forensics: save_total_limit=2 deletes early checkpoints") and "certify --follow" in line
+    else:
+        assert lines == []
 
 
 def _tokenizer():

@@ -116,7 +116,9 @@ def _hashes(folder) -> dict:
 def test_a_resumed_fit_starts_its_attempt_at_the_restored_step_and_writes_over_no_checkpoint(tmp_path):
     """Issue 40: fit(ckpt_path=step=3.ckpt) after a first attempt with a flip at step 4. Lightning
     restores global_step after on_fit_start; the callback starts attempt 1 at step 3, saves no
-    checkpoint 0, and every file of attempt 0 stays byte for byte (step 6 goes to step=6-v1.ckpt)."""
+    checkpoint 0, and every file of attempt 0 stays byte for byte (step 6 goes to step=6-v1.ckpt).
+    bisect still reports attempt 0's fault (rank 1 at step 4, with its attempt: corruption), while
+    the resumed attempt's checkpoint certifies on its own replay."""
     assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=1:bit=29"], cwd=tmp_path))
     before = _hashes(tmp_path / "out")
     assert sorted(before) == ["sdc-step=0.ckpt", "step=3.ckpt", "step=6.ckpt"]
@@ -133,6 +135,9 @@ def test_a_resumed_fit_starts_its_attempt_at_the_restored_step_and_writes_over_n
     # the resumed attempt's steps 3..5 replay bit for bit from step=3.ckpt: its checkpoint 6 is certified
     assert statuses[(3, "step=3.ckpt")] == "clean" and statuses[(6, "step=6-v1.ckpt")] == "clean", statuses
     assert (0, "sdc-step=0.ckpt") in statuses, statuses  # the first attempt's checkpoint 0, not a resumed one
+    # the first attempt's fault, judged on its own records: its rank, its attempt, its step
+    assert (ran.returncode, doc["verdict"], doc["first_divergent_step"]) == (1, "corruption", None), ran.stderr
+    assert [(s["rank"], s.get("attempt"), s["steps"]) for s in doc["suspects"]] == [(1, 0, [4])], doc["suspects"]
 
 
 @pytest.mark.slow
@@ -145,3 +150,60 @@ def test_a_lightning_job_with_dropout_replays_its_masks_and_certifies(tmp_path):
     assert certified.returncode == 0, certified.stderr
     assert {c["step"]: c["status"] for c in json.loads(certified.stdout)["checkpoints"]} == {0: "clean", 3: "clean", 6: "clean"}
     assert "(exact)" in certified.stderr, certified.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+@pytest.mark.parametrize("argv, code, last_step", [
+    (["--policy", "raise", "--inject", "allreduce:step=2:rank=1:bit=30"], 18, 2),  # the alarm, through exit_on_alarm
+    (["--interrupt-at", "2"], 1, 1),  # KeyboardInterrupt inside step 2: Lightning calls on_exception, then exits 1
+], ids=["alarm", "keyboard-interrupt"])
+def test_a_fit_stopped_by_an_alarm_or_ctrl_c_closes_every_ranks_trace(tmp_path, argv, code, last_step):
+    """Issue 40: however fit() ends, the callback closes the trace (END record, on an exception)."""
+    ranks = run_ranks(JOB, ["--trace", "trace", "--out", "out", *argv], cwd=tmp_path)
+    assert [r.returncode for r in ranks] == [code, code], [r.stderr[-2000:] for r in ranks]
+    end = json.loads(run_installed(["inspect", "trace", "--json"], tmp_path, cwd=tmp_path).stdout)["end"]
+    assert [(r["closed"], r["closed_on_error"]) for r in end["ranks"]] == [(True, True), (True, True)], end
+    assert "no rank closed its trace" not in end["summary"] and end["last_step"] == last_step, end
+
+
+def _attaching_trainer(tmp_path, checkpoint_callbacks):
+    """What ``SdcCallback.on_fit_start`` reads of a 2-process ``DDPStrategy`` fit, without launching one."""
+    import torch
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from tests.integrations.pljob import Tiny, make_dataset
+
+    module = Tiny()
+    trainer = types.SimpleNamespace(
+        strategy=DDPStrategy(), world_size=2, precision="32-true", optimizers=[torch.optim.AdamW(module.parameters())],
+        lr_scheduler_configs=[], gradient_clip_val=0.0, gradient_clip_algorithm=None, checkpoint_callbacks=checkpoint_callbacks,
+        fit_loop=types.SimpleNamespace(_data_source=types.SimpleNamespace(
+            instance=torch.utils.data.DataLoader(make_dataset(), batch_size=4), name="train_dataloader")),
+        save_checkpoint=lambda *args, **kwargs: None, default_root_dir=str(tmp_path))
+    return trainer, module
+
+
+@pytest.mark.parametrize("save_top_k, said", [(1, True), (-1, False)])  # 1: ModelCheckpoint's default, the last one kept
+def test_a_modelcheckpoint_that_rotates_is_said_when_the_callback_attaches(tmp_path, monkeypatch, caplog, save_top_k, said):
+    """Issue 40: a ModelCheckpoint with save_top_k other than -1 deletes early checkpoints: on_fit_start
+    says so on rank 0 (one line naming the setting and `certify --follow`), and nothing on rank 1."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from sdc_forensics.integrations.lightning import SdcCallback
+
+    checkpoints = ModelCheckpoint(dirpath=str(tmp_path / "out"), every_n_train_steps=3, save_top_k=save_top_k)
+    for rank, expected in (("0", said), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        trainer, module = _attaching_trainer(tmp_path, [checkpoints])
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            SdcCallback(tmp_path / "trace", dataset="tests.integrations.pljob:make_dataset").on_fit_start(trainer, module)
+        lines = [r.getMessage() for r in caplog.records if "deletes early checkpoints" in r.getMessage()]
+        if expected:
+            (line,) = lines
+            assert line.startswith(f"sdc-forensics: ModelCheckpoint(save_top_k={save_top_k}) deletes early checkpoints")
+            assert "certify --follow" in line
+        else:
+            assert lines == [], rank
+    assert not (tmp_path / "trace").exists()  # the recorder starts in on_train_start

@@ -78,3 +78,30 @@ def test_a_compiled_submodule_anywhere_in_the_model_is_found():
     inplace.compile()  # nn.Module.compile(): the module itself, in place
     assert compiled_parts(inplace) == ["the model itself"]
     assert random_parts(torch.nn.Dropout(0.0)) == []
+
+
+def test_an_adapter_closing_on_an_alarm_braces_the_rank_for_exit_on_alarm_first():
+    """Issue 40: each adapter closes its trace on the way out through ``_common.close_on_error``. On an
+    SdcAlarm inside an ``exit_on_alarm`` block it first ignores SIGTERM, as the recorder's own ``with``
+    does, so that under torchrun a peer exiting 18 first cannot have this rank killed mid-close; on
+    anything else (KeyboardInterrupt) SIGTERM stays the job's. Leaving the block gives SIGTERM back."""
+    import signal
+
+    from sdc_forensics.errors import SdcAlarm
+    from sdc_forensics.integrations._common import close_on_error
+    from sdc_forensics.recorder import exit_on_alarm
+
+    seen = []
+
+    class Recorder:
+        def close(self, *, on_error):
+            seen.append((on_error, signal.getsignal(signal.SIGTERM)))
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert before is not signal.SIG_IGN
+    with exit_on_alarm():
+        close_on_error(Recorder(), KeyboardInterrupt())
+        close_on_error(None, KeyboardInterrupt())  # training left before the recorder was made: nothing to close
+        close_on_error(Recorder(), SdcAlarm("allreduce check fired", step=2, rank=1))
+    assert seen == [(True, before), (True, signal.SIG_IGN)]
+    assert signal.getsignal(signal.SIGTERM) == before

@@ -45,6 +45,50 @@ def test_a_model_that_is_not_fully_sharded_is_refused():
         sdc.watch(_trainer())  # a plain Linear: torchtitan's replicate() or no data parallelism
 
 
+def test_a_compiled_model_part_is_refused_in_one_line_by_watch_and_record():
+    """Issue 40: torchtitan's --compile.enable compiles the blocks of the model part: refused before
+    anything is wrapped (the hooks and the replay need eager modules), in one line."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model[1] = torch.compile(model[1])  # a compiled submodule: its state dict keys gain "_orig_mod."
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for attach in (lambda t: sdc.watch(t), lambda t: sdc.record(t, "unused", checkpoint_every=3, checkpoint_dir="unused")):
+        trainer = _trainer(model_parts=[model], optimizers=optimizer, train_step=lambda: None)
+        with pytest.raises(UsageError) as refused:
+            attach(trainer)
+        assert "torch.compile wraps '1'" in str(refused.value) and "\n" not in str(refused.value)
+        assert trainer.train_step is not None and not hasattr(trainer, "sdc_results") and not hasattr(trainer, "sdc_recorder")
+
+
+def _titan_config(dump_folder, *, enable=True, keep_latest_k=10, folder="checkpoint"):
+    """torchtitan's ``config.training``, ``config.job.dump_folder`` and ``config.checkpoint`` (enable, folder, keep_latest_k)."""
+    return SimpleNamespace(training=SimpleNamespace(disable_cuda_graphs=True), job=SimpleNamespace(dump_folder=str(dump_folder)),
+                           checkpoint=SimpleNamespace(enable=enable, folder=folder, keep_latest_k=keep_latest_k))
+
+
+@pytest.mark.parametrize("checkpoint_dir, config, said", [
+    ("outputs/checkpoint", {}, True),  # torchtitan purges its folder: the recorder's step-N entries too
+    ("forensic-ckpt", {}, False),  # a folder of its own: nothing rotates it
+    ("outputs/checkpoint", {"keep_latest_k": 0}, False),  # torchtitan keeps every checkpoint
+    ("outputs/checkpoint", {"enable": False}, False),  # torchtitan writes no checkpoint
+])
+def test_keep_latest_k_purging_the_forensic_checkpoints_is_said_at_attach(tmp_path, monkeypatch, caplog, checkpoint_dir, config,
+                                                                          said):
+    """Issue 40: torchtitan's checkpoint.keep_latest_k deletes all but the latest k ``step-N`` entries of
+    its checkpoint folder; record's checkpoints there (``step-N`` too) would go: said on rank 0, one line."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RANK", raising=False)
+    trainer = _trainer(config=_titan_config("outputs", **config), optimizers=torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
+                       train_step=lambda: None)
+    with caplog.at_level("WARNING"):
+        sdc.record(trainer, "trace", checkpoint_every=3, checkpoint_dir=tmp_path / checkpoint_dir)
+    lines = [r.getMessage() for r in caplog.records if "deletes early checkpoints" in r.getMessage()]
+    if said:
+        (line,) = lines
+        assert line.startswith("sdc-forensics: torchtitan's checkpoint.keep_latest_k=10 in outputs/checkpoint") and "certify --follow" in line
+    else:
+        assert lines == []
+
+
 def _job(rank: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
@@ -158,7 +202,8 @@ def test_recording_without_a_train_step_or_a_checkpoint_directory_is_refused():
 def test_a_resumed_torchtitan_loop_starts_its_attempt_at_its_step_and_writes_over_no_checkpoint(tmp_path):
     """Issue 40: attempt 0 (steps 1..6, a flip at step 5, checkpoints 1 and 4); attempt 1 loads
     checkpoint 4 and runs steps 4..7. Its first step's checkpoint, step-00000004, exists: it goes
-    to step-00000004-v1, attempt 0's files stay byte for byte, and attempt 1's checkpoint 7 certifies."""
+    to step-00000004-v1, attempt 0's files stay byte for byte, and attempt 1's checkpoint 7 certifies.
+    bisect still reports attempt 0's fault (rank 1 at step 5, with its attempt: corruption)."""
     import hashlib
     import json
 
@@ -184,3 +229,69 @@ def test_a_resumed_torchtitan_loop_starts_its_attempt_at_its_step_and_writes_ove
     doc = json.loads(result.stdout)
     statuses = {(c["step"], c["path"].rsplit("/", 1)[-1]): c["status"] for c in doc["checkpoints"]}
     assert statuses.get((7, "step-00000007")) == "clean", (statuses, result.stderr)
+    # the first attempt's fault, judged on its own records: its rank, its attempt, its step
+    assert (result.exit_code, doc["verdict"], doc["first_divergent_step"]) == (1, "corruption", None), result.stderr
+    assert [(s["rank"], s.get("attempt"), s["steps"]) for s in doc["suspects"]] == [(1, 0, [5])], doc["suspects"]
+
+
+def _stopped_job(rank: int, root: str, how: str) -> dict:
+    """torchtitan's ``train()`` (its loop: ``step += 1``, then ``train_step``) around the sharded demo
+    job, recorded with ``record`` and no ``with`` block, stopped inside step 3 on every rank:
+    ``how="interrupt"``, KeyboardInterrupt after the step's first backward (Ctrl+C); ``how="alarm"``,
+    the alarm a flip of rank 1's reduce-scatter output raises under policy ``raise``."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from sdc_forensics.demo import sharded
+    from sdc_forensics.recorder import RecorderOptions
+
+    model = sharded.shard(sharded.build_model())
+    trainer = _trainer(model_parts=[model], optimizers=sharded.make_optimizer(model))
+    world = dist.get_world_size()
+
+    def ids(trainer) -> list[int]:
+        first = ((trainer.step - 1) * world + rank) * 2
+        return [first, first + 1]
+
+    def train_step(trainer=trainer):
+        for m, mb in enumerate(ids(trainer)):
+            model.set_requires_gradient_sync(m == 1)
+            sharded.loss_of(model, sharded.microbatch(mb)).backward()
+            if how == "interrupt" and trainer.step == 3:
+                raise KeyboardInterrupt
+        trainer.optimizers.step()
+        trainer.optimizers.zero_grad()
+
+    def train(trainer=trainer):
+        for step in range(1, 7):
+            trainer.step = step
+            trainer.train_step()
+
+    trainer.train_step, trainer.train = train_step, train
+    inject = ("reduce-scatter-output:step=3:rank=1:bit=29",) if how == "alarm" else ()
+    sdc.record(trainer, Path(root, "trace"), microbatch_ids=ids, recipe=sharded.REFERENCE, checkpoint_every=3,
+               checkpoint_dir=Path(root, "ckpt"), inject=inject, options=RecorderOptions(reduction="ordered", policy="raise"))
+    try:
+        trainer.train()
+    except BaseException as exc:  # noqa: BLE001 - what train() raised, for the test to check
+        return {"raised": type(exc).__name__, "train_step given back": trainer.train_step is train_step}
+    return {"raised": None}
+
+
+@pytest.mark.heavy  # two 2-process runs, about 8 s each
+@pytest.mark.parametrize("how, raised, last_step", [("interrupt", "KeyboardInterrupt", 2), ("alarm", "SdcAlarm", 3)])
+def test_train_closes_the_trace_however_it_ends(tmp_path, how, raised, last_step):
+    """Issue 40: ``record`` wraps ``trainer.train()``; a KeyboardInterrupt inside step 3, or an
+    alarm at step 3, leaves it with every rank's trace closed on an exception (END record)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from sdc_forensics.cli.main import cli
+
+    found = gloo_job(_stopped_job, 2, tmp_path / "results", str(tmp_path), how)
+    assert found == [{"raised": raised, "train_step given back": True}] * 2
+    end = json.loads(CliRunner().invoke(cli, ["inspect", str(tmp_path / "trace"), "--json"]).stdout)["end"]
+    assert [(r["closed"], r["closed_on_error"]) for r in end["ranks"]] == [(True, True)] * 2, end
+    assert "no rank closed its trace" not in end["summary"] and end["last_step"] == last_step, end
