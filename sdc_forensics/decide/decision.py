@@ -407,7 +407,10 @@ def _at_rest(evidence: Sequence[Evidence]) -> list[Evidence]:
     equal; a wrong update leaves the local gradient right. Both together: ``r``'s state changed between
     the update before ``s`` and its forward, so the replay's evidence is located there (a sharded job's
     rest digest says so directly: ``triage/trace_only.py``)."""
-    diverged = [e for e in evidence if e.kind is EvidenceKind.WEIGHT_DIVERGENCE and e.source == "trace" and e.marks_divergence]
+    # a sharded job's vote of the gathered parameters (located local_compute) found a transient copy different, not the
+    # rank's own weights: the state at rest was right, and its wrong gradient stays local compute
+    diverged = [e for e in evidence if e.kind is EvidenceKind.WEIGHT_DIVERGENCE and e.source == "trace" and e.marks_divergence
+                and e.location is not Location.LOCAL_COMPUTE]
     if not diverged:
         return list(evidence)
     out = []

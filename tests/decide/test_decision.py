@@ -295,3 +295,18 @@ def test_an_earlier_attempts_corruption_is_the_runs_verdict_but_not_its_lineages
     own = _decision(Verdict.CORRUPTION, first=9, suspects=past.suspects)
     both = with_earlier_attempts(own, [EarlierAttempt(attempt=0, resumed_by=1, steps=(4, 7), decision=past)])
     assert both.first_divergent_step == 9 and [s.attempt for s in both.suspects] == [None, 0]
+
+
+def test_a_gathered_copy_found_different_leaves_the_wrong_gradient_in_local_compute():
+    """A sharded job's vote of the all-gathered parameters names rank 1 at step 4 (its gathered copy,
+    not its own shard, differed: located local_compute), and the replay finds rank 1's local gradient
+    of step 4 wrong: the fault is its compute on a transient copy, not weights changed at rest (the
+    clipped tied-head FSDP campaign's all-gather fault was blamed at rest before). A DDP replica's
+    weights found diverged at the same step still moves it at rest."""
+    gathered = _ev(EvidenceKind.WEIGHT_DIVERGENCE, 4, (1,), Location.LOCAL_COMPUTE)
+    replayed = _ev(EvidenceKind.REPLAY_MISMATCH, 4, (1,), Location.LOCAL_COMPUTE, source="replay")
+    common = dict(world_size=4, identity=lambda r: _Ident(), notes=(), files={}, majority={},
+                  examined=Examined(replayed=frozenset(range(8)), files_read=True))
+    assert [(s.rank, s.location) for s in decide([gathered, replayed], **common).suspects] == [(1, Location.LOCAL_COMPUTE)]
+    replica = _ev(EvidenceKind.WEIGHT_DIVERGENCE, 4, (1,), Location.UNKNOWN, earliest_step=4)
+    assert [(s.rank, s.location) for s in decide([replica, replayed], **common).suspects] == [(1, Location.STATE_AT_REST)]
