@@ -49,6 +49,18 @@ def test_a_clean_trainer_run_is_certified_by_exact_replay(clean_run, tmp_path):
 
 
 @pytest.mark.heavy  # a 2-process Trainer run and its replay: kept out of the README's command (under 8 min)
+def test_a_clean_trainer_run_without_allow_numpy_is_never_called_corrupt(clean_run, tmp_path):
+    """Issue 33: the Trainer's rng_state files hold numpy arrays, which the reader declines without
+    --allow-numpy. Those tensors are not verified, never "absent from the file": no corrupt
+    checkpoint, no storage suspect, no corruption verdict, and the answer says to pass --allow-numpy."""
+    ran = run_installed(["bisect", "trace", "--json"], tmp_path, cwd=clean_run, env=ENV)
+    doc = json.loads(ran.stdout)
+    assert ran.returncode != 1 and doc["verdict"] != "corruption", (doc["verdict"], doc["suspects"], ran.stderr[-2000:])
+    assert doc["suspects"] == [] and all(c["status"] != "corrupt" for c in doc["checkpoints"]), doc["checkpoints"]
+    assert "--allow-numpy" in ran.stderr + json.dumps(doc), ran.stderr[-2000:]
+
+
+@pytest.mark.heavy  # a 2-process Trainer run and its replay: kept out of the README's command (under 8 min)
 def test_the_trainers_checkpoint_folders_verify(clean_run, tmp_path):
     for step in (0, 3, 6):
         folder = clean_run / "out" / f"checkpoint-{step}"
