@@ -102,6 +102,10 @@ EXPECTED_LOCATION = {
     "local-gradient": "local_compute", "reduce-scatter-output": "collective", "all-reduce-output": "collective",
     "all-gather-output": "local_compute",
 }
+#: --job: the sharded job's model, optimizer and clipping (demo/sharded.py's train): clipped-lm's gradient norm is several
+#: times MAX_NORM on every step, so every update is clipped (tests/recorder/test_fsdp_clipping.py checks it engages)
+SHARDED_JOBS = {"mlp": {}, "clipped-lm": {"model": "tied-lm", "optimizer": "adamw", "max_norm": 0.05}}
+
 #: --parallel: the locations a sharded job's faults are drawn from (its checkpoints are DCP
 #: directories: a flipped file there is verify-checkpoint's own test, tests/checkpoint/test_dcp_sharded.py)
 SHARDED_LOCATIONS = {"fsdp": ("local-gradient", "reduce-scatter-output", "all-gather-output", "weights", "update", "input"),
@@ -130,6 +134,7 @@ class Options:
     reduction: str = "native"
     parallel: str = "ddp"  # ddp (the conv net), fsdp (FSDP2 over 4 ranks) or hsdp (2 x 2): demo/sharded.py
     mixed_precision: bool = False  # a sharded job computes in bfloat16 and reduces in float32 (torchtitan's default)
+    job: str = "mlp"  # a sharded job's model: the MLP with SGD, or clipped-lm (the tied-head transformer, AdamW, clipping that engages)
 
     def __post_init__(self) -> None:
         if self.faults < 0 or self.clean < 1:
@@ -140,6 +145,10 @@ class Options:
             raise SystemExit("--jobs must be 1 or 2 (runs share 2 cores)")
         if self.parallel != "ddp" and (self.comm_hook or self.reduction != "native"):
             raise SystemExit("--comm-hook and --reduction are DDP's; a sharded job records with the ordered reduce-scatter")
+        if self.job not in SHARDED_JOBS:
+            raise SystemExit(f"--job must be one of {', '.join(SHARDED_JOBS)}")
+        if self.job != "mlp" and self.parallel == "ddp":
+            raise SystemExit("--job is the sharded job's model: pass --parallel fsdp or hsdp")
         if self.mixed_precision and self.parallel == "ddp":
             raise SystemExit("--mixed-precision is a sharded job's MixedPrecisionPolicy: pass --parallel fsdp or hsdp")
 
@@ -171,6 +180,8 @@ def plan_runs(options: Options) -> list[Plan]:
     plans = [Plan(index=i, variant=rng.randrange(1, 100_000), replay_threads=options.tolerant_threads if i % 2 else 0)
              for i in range(options.clean)]
     locations = LOCATIONS if options.parallel == "ddp" else SHARDED_LOCATIONS[options.parallel]
+    if options.job == "clipped-lm":  # its input is token ids (int64): there is no float of it to flip
+        locations = tuple(loc for loc in locations if loc != "input")
     pairs = [(location, bits) for location in locations for bits in BIT_CLASSES]
     rng.shuffle(pairs)
     checkpoints = list(range(0, options.steps + 1, options.checkpoint_every))
@@ -236,7 +247,7 @@ def _train(plan: Plan, options: Options) -> dict:
         from sdc_forensics.demo import sharded
 
         found = sharded.run_demo(out, options.parallel, (plan.fault,) if plan.fault else (), steps=options.steps,
-                                 checkpoint_every=options.checkpoint_every, seed=plan.variant,
+                                 checkpoint_every=options.checkpoint_every, seed=plan.variant, **SHARDED_JOBS[options.job],
                                  **({"param_dtype": "bfloat16", "reduce_dtype": "float32"} if options.mixed_precision else {}))
         steps = range(0, options.steps, options.checkpoint_every)
         return {"recipe": f"{sharded.SEEDED_REFERENCE} seed={plan.variant}", "trace": str(out / "trace"),
@@ -559,6 +570,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reduction", choices=("native", "ordered"), default="native", help="the recorder's all-reduce mechanism")
     parser.add_argument("--parallel", choices=("ddp", "fsdp", "hsdp"), default="ddp",
                         help="the job: DDP (the conv net), or the sharded job of demo/sharded.py (FSDP2 over 4 ranks, HSDP 2 x 2)")
+    parser.add_argument("--job", choices=tuple(SHARDED_JOBS), default="mlp",
+                        help="the sharded job's model: the MLP with SGD, or clipped-lm (a tied-head transformer with AdamW and "
+                             "clip_grad_norm_ engaging on every step, as nanoGPT trains)")
     parser.add_argument("--mixed-precision", action="store_true",
                         help="sharded jobs compute in bfloat16 and reduce in float32 (MixedPrecisionPolicy, torchtitan's default)")
     parser.add_argument("--rejudge", type=Path, default=None, help="re-judge and re-tally the rows of an earlier --json output")
@@ -615,7 +629,7 @@ def main(argv: list[str] | None = None) -> None:
             options = Options(faults=args.faults, clean=args.clean, seed=args.seed, out_dir=(args.out or Path(tmp)).resolve(),
                               steps=args.steps, checkpoint_every=args.checkpoint_every, jobs=args.jobs,
                               tolerant_threads=args.tolerant_threads, comm_hook=args.comm_hook, reduction=args.reduction,
-                              parallel=args.parallel, mixed_precision=args.mixed_precision)
+                              parallel=args.parallel, mixed_precision=args.mixed_precision, job=args.job)
             options.out_dir.mkdir(parents=True, exist_ok=True)
             result = campaign(options, progress=lambda line: print(line, file=sys.stderr))
     if args.rates is not None:

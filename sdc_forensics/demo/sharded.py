@@ -275,11 +275,13 @@ def _demo_rank(rank: int, world: int, port: int, out_dir: str, kwargs: dict) -> 
 
 
 def run_demo(out_dir: str | Path, parallel: str, injections: tuple[str, ...], *, steps: int = 40, checkpoint_every: int = 10,
-             policy: str = "continue", seed: int = 0, reduce_dtype: str = "", param_dtype: str = "") -> dict:
+             policy: str = "continue", seed: int = 0, reduce_dtype: str = "", param_dtype: str = "", model: str = "mlp",
+             optimizer: str = "sgd", max_norm: float = 0.0) -> dict:
     """``sdc-forensics demo --parallel fsdp|hsdp``: the sharded job on 4 gloo processes (FSDP over 4
     ranks, or HSDP 2 replicas x 2 shards), recorded with the ordered reduce-scatter; returns rank 0's
     findings (the online alarms). The trace is ``OUT/trace``, checkpoint ``N`` ``OUT/checkpoints/step-N``
-    (8 digits); ``benchmarks/campaign.py --parallel`` runs it with ``seed`` as the variant."""
+    (8 digits); ``benchmarks/campaign.py --parallel`` runs it with ``seed`` as the variant, and ``model``,
+    ``optimizer`` and ``max_norm`` as :func:`train` takes them (the clipped tied-head AdamW job: ``--job clipped-lm``)."""
     import json
     import socket
 
@@ -297,6 +299,6 @@ def run_demo(out_dir: str | Path, parallel: str, injections: tuple[str, ...], *,
         port = sock.getsockname()[1]
     kwargs = {"steps": steps, "checkpoint_every": checkpoint_every, "policy": policy, "inject": tuple(injections),
               "hsdp": (2, 2) if parallel == "hsdp" else None, "seed": seed, "reduce_dtype": reduce_dtype,
-              "param_dtype": param_dtype}
+              "param_dtype": param_dtype, "model": model, "optimizer": optimizer, "max_norm": max_norm}
     forked.start(_demo_rank, (4, port, str(out), kwargs), 4)
     return json.loads((out / "demo" / "rank-0.json").read_text())

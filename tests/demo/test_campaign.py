@@ -220,8 +220,12 @@ def test_a_sharded_plan_draws_the_sharded_locations_only(tmp_path):
 @pytest.mark.campaign
 def test_ci_sized_sharded_campaign(tmp_path):
     """10 faults and 2 clean runs of the FSDP2 job (4 gloo ranks, the ordered reduce-scatter) through
-    the same commands and rules: the issue's bar, asserted."""
-    options = campaign.Options(faults=10, clean=2, seed=2027, out_dir=tmp_path, steps=8, checkpoint_every=4, jobs=2, parallel="fsdp")
+    the same commands and rules: the issue's bar, asserted. The job is the one people run (issue 33):
+    a tied-head transformer with AdamW whose clip_grad_norm_ engages on every step; every effective
+    fault must also be blamed on the right place (an all-gather output changed on one rank is its
+    local compute, not its weights at rest)."""
+    options = campaign.Options(faults=10, clean=2, seed=2027, out_dir=tmp_path, steps=8, checkpoint_every=4, jobs=2, parallel="fsdp",
+                               job="clipped-lm")
     result = campaign.campaign(options, progress=lambda line: None)
     print({k: v for k, v in result.items() if k not in ("rows", "settings")})
     assert result["errors"] == 0 and result["disagreements"] == 0 and result["twins_valid"]
@@ -231,3 +235,4 @@ def test_ci_sized_sharded_campaign(tmp_path):
     assert result["false_clean_certificates"] == 0 and result["false_alarms"] == 0
     assert result["inconclusive_clean_bitwise"] == 0  # the bitwise replay of a clean sharded run certifies it
     assert result["trace_only_false_alarms"] == 0
+    assert result["location_correct"] == result["effective"], result["not_exact"]
