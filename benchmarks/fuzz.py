@@ -48,7 +48,8 @@ def _properties(only: set[str] | None):
 def _describe(exc: BaseException) -> list[str]:
     """One text per distinct failure (hypothesis groups several): the exception, where it was
     raised, and hypothesis's notes (the minimal input)."""
-    if isinstance(exc, BaseExceptionGroup):
+    # BaseExceptionGroup is Python 3.11's; hypothesis groups failures with it only there
+    if sys.version_info >= (3, 11) and isinstance(exc, BaseExceptionGroup):  # noqa: F821 - a 3.11 builtin
         return [text for sub in exc.exceptions for text in _describe(sub)]
     where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
     text = "".join(traceback.format_exception_only(type(exc), exc)).strip()[:1500]

@@ -117,28 +117,28 @@ class HfIndexReader(CheckpointReader):
         return dict(self._shards)
 
     def infos(self) -> list[TensorInfo]:
-        return [info for reader in self._shards.values() for info in reader.infos()]
+        return [info for shard in self._shards.values() for info in shard.infos()]
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for reader in self._shards.values():
-            yield from reader.tensors()
+        for shard in self._shards.values():
+            yield from shard.tensors()
 
     def file_issues(self) -> list[FileIssue]:
-        return [issue for reader in self._shards.values() for issue in reader.file_issues()]
+        return [issue for shard in self._shards.values() for issue in shard.file_issues()]
 
     def aliases(self) -> dict[str, str]:
-        return {key: first for reader in self._shards.values() for key, first in reader.aliases().items()}
+        return {key: first for shard in self._shards.values() for key, first in shard.aliases().items()}
 
     def step(self) -> int | None:
         value = self.metadata.get("step")
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        steps = {reader.step() for reader in self._shards.values()} - {None}
+        steps = {shard.step() for shard in self._shards.values()} - {None}
         return steps.pop() if len(steps) == 1 else None
 
     def close(self) -> None:
-        for reader in self._shards.values():
-            reader.close()
+        for shard in self._shards.values():
+            shard.close()
 
 
 @reader
