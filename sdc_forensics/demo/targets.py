@@ -15,13 +15,10 @@ import dataclasses
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sdc_forensics.errors import UsageError
 from sdc_forensics.inject import FaultSpec
-
-if TYPE_CHECKING:
-    from sdc_forensics.demo.run import DemoConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,7 +66,7 @@ def _segments(tensors: Sequence[Any]) -> tuple[tuple[int, int, str], ...]:
     return tuple((t.numel(), 8 * t.element_size(), str(t.dtype).removeprefix("torch.")) for t in tensors)
 
 
-def check_injections(config: "DemoConfig", recipe: Any) -> None:
+def check_injections(config, recipe: Any) -> None:  # config: a demo.run.DemoConfig (run.py imports this module)
     """Check every fault of ``config`` against the job ``recipe`` builds; raises :class:`UsageError`.
 
     Steps and ranks are checked by :class:`~sdc_forensics.demo.run.DemoConfig` itself; this

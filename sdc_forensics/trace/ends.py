@@ -17,14 +17,11 @@ numpy only.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from sdc_forensics.trace import format as F
-
-if TYPE_CHECKING:
-    from sdc_forensics.trace.reader import Trace
 
 #: How :meth:`RunEnd.describe` begins (renderers find the line among a result's damage by it).
 STOPPED_EARLY = "the run stopped early"
@@ -98,7 +95,7 @@ class RunEnd:
 
     def describe(self) -> str:
         """One sentence for people: that the run stopped early, and where (empty if it did not)."""
-        from sdc_forensics.trace.reader import step_ranges
+        from sdc_forensics.trace.spans import step_ranges
 
         if not self.stopped_early:
             return ""
@@ -152,7 +149,7 @@ class RunEnd:
         }
 
 
-def run_end(trace: "Trace") -> RunEnd:
+def run_end(trace) -> RunEnd:  # trace: an open trace.reader.Trace (not imported: the reader imports this module)
     """How ``trace``'s latest attempt ended (reads each file's tail, and a few steps of tables)."""
     manifest = trace.manifest
     attempt = max(f.attempt for f in trace.files)
@@ -208,7 +205,7 @@ def _tail(records: np.ndarray, mask: np.ndarray) -> tuple[int | None, np.void | 
         probe *= 8
 
 
-def _last_complete(trace: "Trace", ranks: list[RankEnd], attempt: int) -> int | None:
+def _last_complete(trace, ranks: list[RankEnd], attempt: int) -> int | None:
     """The last step every rank recorded, at or before the ranks' common last step of the attempt."""
     if any(r.last_step is None for r in ranks):
         start = next((a.start_step for a in trace.manifest.attempts if a.attempt == attempt), None)
@@ -230,7 +227,7 @@ def _last_complete(trace: "Trace", ranks: list[RankEnd], attempt: int) -> int | 
 
 def _who(ranks: tuple[int, ...], by_rank: dict[int, RankEnd]) -> str:
     """``rank 1 (host h1)``, ``ranks 0, 2 (hosts h0, h2)`` or ``every rank``."""
-    from sdc_forensics.trace.reader import step_ranges
+    from sdc_forensics.trace.spans import step_ranges
 
     if len(ranks) == len(by_rank):
         return "every rank"

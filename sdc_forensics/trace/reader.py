@@ -25,6 +25,8 @@ from sdc_forensics.errors import TraceError, reader, reader_class
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace import scan
 from sdc_forensics.trace.manifest import MANIFEST_NAME, Manifest, read_manifest
+# ``step_ranges`` is written in trace/spans.py (trace/ends.py needs it below this module); imported from here too
+from sdc_forensics.trace.spans import step_ranges as step_ranges
 from sdc_forensics.trace.windows import StepWindow, iter_windows
 
 _FILE_RE = re.compile(r"^rank-(\d{5})\.attempt-(\d{3})\.sdct$")
@@ -478,25 +480,3 @@ def _open_rank_file(path: Path, rank: int, attempt: int, manifest: Manifest, dty
             f"the {count} complete records before it are used",
         )
     return rank_file, problem
-
-
-def step_ranges(values, sep: str = "-") -> str:
-    """``0-3, 7, 9-12`` for a set of steps (at most 10 ranges written out).
-
-    Args:
-        values: steps, each an int or a ``range`` of consecutive steps (a span of any length costs
-            nothing: spans are merged, never enumerated).
-        sep: between the first and last step of a range.
-    """
-    spans = sorted((v.start, v.stop) if isinstance(v, range) else (int(v), int(v) + 1) for v in values)
-    merged: list[list[int]] = []
-    for lo, hi in spans:
-        if hi <= lo:
-            continue
-        if merged and lo <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], hi)
-        else:
-            merged.append([lo, hi])
-    out = [f"{lo}" if hi == lo + 1 else f"{lo}{sep}{hi - 1}" for lo, hi in merged]
-    text = ", ".join(out[:10])
-    return text + (f", … ({len(out) - 10} more ranges)" if len(out) > 10 else "")
