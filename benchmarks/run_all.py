@@ -36,6 +36,7 @@ BENCHMARKS: list[tuple[str, list[str], list[str]]] = [
     ("bench_overhead.py", ["--quick", "--steps", "8"], []),  # 3 pairs (its own --quick) swing by +-10 points
     ("bench_replay.py", ["--quick"], []),
     ("bench_verify.py", ["--quick"], []),
+    ("bench_adapter_overhead.py", ["--quick", "--jobs", "hf-small", "lightning"], []),  # the 3.3 M GPT-2 job only in the full run
 ]
 
 
