@@ -205,6 +205,9 @@ class SdcCallback(_Base):
         self.rec = Recorder(self.trace_dir, trainer.strategy.model, trainer.optimizers[0], recipe=RECIPE,
                             recipe_args=self._settings, options=options, comm_hook=self.comm_hook, comm_state=self.comm_state,
                             inject=self.inject, framework=_common.framework_info("lightning", ADAPTER))
+        # post-hooks run in registration order: the recorder's (the weights after the update, their vote) must run before
+        # this one closes the step, or no step would carry its weights digest and the update would go unchecked
+        self._handle = trainer.optimizers[0].register_step_post_hook(lambda opt, args, kwargs: self._end_step())
         if trainer.ckpt_path is None and start == 0:  # replay starts from a checkpoint: checkpoint 0 is the initial state
             folder = Path(trainer.checkpoint_callback.dirpath) if getattr(trainer.checkpoint_callback, "dirpath", None) \
                 else Path(trainer.default_root_dir) / "checkpoints"
@@ -243,7 +246,7 @@ class SdcCallback(_Base):
         if hasattr(hooked_step, "_wrapped_by_lr_sched"):  # the scheduler's step counter is still inside: say so to Lightning
             step._wrapped_by_lr_sched = True
         optimizer.step = step
-        self._handle = optimizer.register_step_post_hook(lambda opt, args, kwargs: self._end_step())
+        self._handle = None  # the step-closing post-hook: registered in on_train_start, after the recorder's own
         original_save = trainer.save_checkpoint
         sharded = type(trainer.strategy).__name__ == "ModelParallelStrategy"
 

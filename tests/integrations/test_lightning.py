@@ -43,6 +43,25 @@ def test_a_clean_lightning_run_is_certified_and_its_checkpoints_verify(tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.heavy
+def test_every_recorded_lightning_step_carries_its_weights_after_the_update(tmp_path):
+    """The weights digest after each update is what makes a replay's update checked (issue 33,
+    "exact means every digest of the step"). The adapter closed each step in an optimizer post-hook
+    registered before the recorder's own, so no Lightning step had one (found by
+    benchmarks/bench_adapter_overhead.py); a recipe with the learning rate off then certified."""
+    import numpy as np
+
+    from sdc_forensics.trace import format as F
+    from sdc_forensics.trace.reader import Trace
+
+    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--steps", "4"], cwd=tmp_path))
+    records = Trace.open(tmp_path / "trace").records(F.Kind.STEP)
+    assert len(records) == 2 * 4, len(records)
+    flags = records["flags"].astype(np.int64)
+    assert ((flags & int(F.Flag.HAS_WEIGHTS)) != 0).all() and ((flags & int(F.Flag.WEIGHTS_CHECKED)) != 0).all(), flags
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_fault_injected_through_the_lightning_callback_is_found_at_its_step_and_rank(tmp_path):
     assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=1:bit=29"], cwd=tmp_path))
     ran = run_installed(["bisect", "trace", "--json"], tmp_path, cwd=tmp_path, env=ENV)
