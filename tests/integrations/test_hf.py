@@ -228,15 +228,11 @@ def test_a_save_total_limit_is_said_at_attach(tmp_path, monkeypatch, caplog, lim
 
 
 def _tokenizer():
-    """A word-level tokenizer built here (no download): the stock collators need one to pad."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """A word-level tokenizer built here (no download): the stock collators need one to pad. The
+    job's own (hfjob.make_tokenizer): its launched ranks and the replay build it too."""
+    from tests.integrations.hfjob import make_tokenizer
 
-    words = "the a cat dog sat ran on mat".split()
-    vocab = {"[PAD]": 0, "[UNK]": 1, "[MASK]": 2, **{w: i + 3 for i, w in enumerate(words)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", mask_token="[MASK]")
+    return make_tokenizer()
 
 
 SENTENCES = ["the cat sat", "a dog ran on the mat", "the dog"]
@@ -305,3 +301,39 @@ def test_the_trainers_default_collator_from_a_tokenizer_carries_the_indices(tmp_
     batch = next(iter(loader))
     assert sorted(batch[INDEX_KEY].tolist()) in ([0, 1], [0, 2], [1, 2])
     assert "text" not in batch and batch["input_ids"].shape[0] == 2 and bool((batch["attention_mask"] == 0).any())
+
+
+@pytest.mark.heavy  # two 2-process Trainer runs and their replays per collator: kept out of the README's command
+@pytest.mark.parametrize("collator", ["padding", "lm"])
+def test_a_trainer_run_through_a_stock_collator_is_certified_and_its_fault_found(tmp_path, collator):
+    """Issue 40, end to end: a GPT-2 (tiny config, default dropout 0.1) trained by 2 ranks on
+    sentences of 1 to 8 words through a stock collator, whose batch is a BatchEncoding: ``padding``
+    is the Trainer's default given processing_class=tokenizer and no collator (DataCollatorWithPadding
+    behind its column remover, a ``label`` column renamed ``labels``), ``lm`` is
+    DataCollatorForLanguageModeling(mlm=False). The clean run certifies every checkpoint by exact
+    replay (the dataset function returns the rows and the collator); a flip in rank 1's gradient at
+    step 4 is named by bisect at its step and rank."""
+    from tests.integrations.hfjob import make_lm_text, make_padded_text
+
+    rows, made = (make_padded_text if collator == "padding" else make_lm_text)()
+    assert len({len(r["input_ids"]) for r in rows}) > 4 and "text" in rows[0]  # variable length: every batch pads
+    assert type(made).__name__ == {"padding": "DataCollatorWithPadding", "lm": "DataCollatorForLanguageModeling"}[collator]
+    clean, faulty = tmp_path / "clean", tmp_path / "faulty"
+    clean.mkdir()
+    faulty.mkdir()
+    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--collator", collator], cwd=clean))
+    certified = run_installed(["certify", "trace", "--allow-numpy", "--json"], tmp_path, cwd=clean, env=ENV)
+    assert certified.returncode == 0, certified.stderr
+    result = json.loads(certified.stdout)
+    assert {c["step"]: c["status"] for c in result["checkpoints"]} == {0: "clean", 3: "clean", 6: "clean"}, certified.stderr
+    assert result["resume_step"] == 6
+    assert "(exact)" in certified.stderr or "comparison exact" in certified.stderr, certified.stderr
+
+    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--collator", collator, "--inject", "grad:step=4:rank=1:bit=30"],
+                        cwd=faulty))
+    ran = run_installed(["bisect", "trace", "--allow-numpy", "--json"], tmp_path, cwd=faulty, env=ENV)
+    assert ran.returncode == 1, ran.stderr
+    doc = json.loads(ran.stdout)
+    assert (doc["verdict"], doc["first_divergent_step"]) == ("corruption", 4), ran.stderr[-2000:]
+    assert [(s["rank"], s["steps"]) for s in doc["suspects"]] == [(1, [4])], doc["suspects"]
+    assert {c["step"]: c["status"] for c in doc["checkpoints"]} == {0: "clean", 3: "clean", 6: "tainted"}
