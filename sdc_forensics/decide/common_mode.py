@@ -138,7 +138,9 @@ def shared_state(evidence: Sequence[Evidence], world_size: int, anchors: Iterabl
                 departed_until, cause = _next_anchor(starts, step), causes[0]
             continue
         if world_size >= 2 and covered >= set(range(world_size)):
-            event = _common_event(step, local, out, [e for e in evs if e.shared and e.marks_divergence])
+            # at a step a replay started from, the state entering it is the checkpoint's, checked against the record
+            anchored = step in starts and all(e.source == "replay" for e in local)
+            event = _common_event(step, local, out, [e for e in evs if e.shared and e.marks_divergence], anchored)
             out += [e for e in evs if e not in local] + [event]
             if any(e.source == "replay" for e in local):
                 departed_until, cause = _next_anchor(starts, step), event
@@ -158,11 +160,14 @@ def _next_anchor(starts: list[int], step: int) -> float:
     return starts[i] if i < len(starts) else float("inf")
 
 
-def _common_event(step: int, members: list[Evidence], earlier: list[Evidence], shared: Sequence[Evidence] = ()) -> Evidence:
+def _common_event(step: int, members: list[Evidence], earlier: list[Evidence], shared: Sequence[Evidence] = (),
+                  anchored: bool = False) -> Evidence:
     """The one record a common-mode group at ``step`` becomes; confirms (rewrites in ``earlier``)
     a weak candidate at ``step - 1`` when every member stands far beyond the drift allowance.
     ``shared``: strong evidence at ``step`` itself of a fault every rank computed with (a sharded
-    job's weight shard changed at rest): the event is its consequence."""
+    job's weight shard changed at rest): the event is its consequence. ``anchored``: ``step`` is
+    where the replay started, from a checkpoint whose weights equal the record's, so nothing before
+    it made the difference: the replay itself does not compute what the job computed."""
     candidates = [i for i, e in enumerate(earlier)
                   if e.step == step - 1 and _state_affecting(e) and not is_common_mode(e)
                   and (e.ranks or e.location is Location.COLLECTIVE)]
@@ -196,6 +201,12 @@ def _common_event(step: int, members: list[Evidence], earlier: list[Evidence], s
         who = f"rank(s) {', '.join(map(str, named.ranks))}" if named.ranks else "the collective"
         why = (f"the candidate is step {step - 1}, {who} (weak); the jump is not far beyond the drift allowance on every "
                "rank, so it does not confirm it")
+    elif anchored:
+        what = (f"{COMMON_MODE}: every rank's local gradient at step {step}, the first step replayed from checkpoint {step} "
+                "(whose weights equal the record's), differs from the record")
+        why = ("the replay does not compute what the job computed: most likely the recipe (fetch_microbatch must give the same "
+               "bytes for a microbatch ID, loss the same value and scaling, the model the same forward, dropout or other "
+               "randomness seeded as the job did: docs/recipes.md), else the replay's environment (thread count, device)")
     else:
         why = f"nothing at step {step - 1} names a rank or the collective: the cause is shared (collective, update, input " \
               "pipeline, or the replay itself)"

@@ -26,10 +26,10 @@ def _local(step, rank, ratio, *, source="replay"):
                     strength=strength, found=f"residual ({ratio}x the tolerance)", detail=f"rank {rank}'s local gradient")
 
 
-def _decide(evidence, *, world_size=W, anchors=(20,), replayed=range(20, 25)):
+def _decide(evidence, *, world_size=W, anchors=(20,), replayed=range(20, 25), tolerant=True):
     identity = lambda r: SimpleNamespace(host=f"node{r}", gpu=f"GPU-{r}")  # noqa: E731
     return decide(evidence, world_size=world_size, identity=identity, notes=(), files={}, majority={},
-                  examined=Examined(first_step=0, replayed=frozenset(replayed), tolerant_steps=frozenset(replayed),
+                  examined=Examined(first_step=0, replayed=frozenset(replayed), tolerant_steps=frozenset(replayed if tolerant else ()),
                                     anchors=frozenset(anchors)))
 
 
@@ -137,3 +137,15 @@ def test_a_shard_changed_at_rest_is_the_one_suspect_whichever_ranks_its_replica_
     decided = _decide(evidence, anchors=(4,), replayed=range(4, 6))
     assert decided.verdict is Verdict.CORRUPTION and decided.first_divergent_step == 5
     assert [(s.rank, s.location) for s in decided.suspects] == [(1, Location.STATE_AT_REST)]
+
+
+def test_every_rank_wrong_at_the_step_a_replay_started_from_names_the_recipe_not_the_step_before():
+    """A replay from checkpoint 20, whose weights equal the record's, finds every rank's local
+    gradient of step 20 wrong (a recipe that fetches the wrong microbatch, or scales its loss):
+    nothing before step 20 made it, so the event names the recipe; before, it blamed "step 19",
+    which no replay ran. Inconclusive, never a rank."""
+    decided = _decide([_local(20, r, 9000) for r in range(W)], tolerant=False)
+    assert decided.verdict is Verdict.INCONCLUSIVE and decided.suspects == ()
+    [event] = decided.evidence
+    assert "the first step replayed from checkpoint 20" in event.detail and "recipe" in event.detail
+    assert "step 19" not in event.detail
