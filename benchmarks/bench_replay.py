@@ -58,7 +58,8 @@ import torch
 
 from sdc_forensics.demo.recipe import DemoRecipe
 from sdc_forensics.demo.run import RECIPE_REFERENCE, run_demo, train_step
-from sdc_forensics.replay.replayer import ReplayOptions, replay_window
+from sdc_forensics.replay.replayer import ReplayOptions
+from sdc_forensics.replay.window import replay_window
 from sdc_forensics.recipe import load_trace_recipe
 from sdc_forensics.trace.checkpoints import read_checkpoint_notes
 from sdc_forensics.trace.reader import Trace

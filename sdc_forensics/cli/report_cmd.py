@@ -40,7 +40,8 @@ def report_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: b
     from sdc_forensics.errors import UsageError
     from sdc_forensics.replay.distributed import is_lead
     from sdc_forensics.replay.options import AnalysisOptions
-    from sdc_forensics.present.report import ReportRequest, output_format
+    from sdc_forensics.forensics.review import ReportRequest, review
+    from sdc_forensics.present.report import output_format
     from sdc_forensics.present.review import render_review
     from sdc_forensics.trace.reader import Trace
 
@@ -54,16 +55,16 @@ def report_cmd(ctx: click.Context, trace_dir: Path, as_json: bool, trace_only: b
                             options=dataclasses.replace(chosen, checkpoints_dir=absolute))
     trace = Trace.open(trace_dir)  # once: the analysis and the review read the same open trace
     result = run_analysis(trace, chosen)
-    review = render_review(result, request, SCHEMA_VERSION, trace)
-    for note in review.notes:
+    rendered = render_review(review(result, request, trace), SCHEMA_VERSION)
+    for note in rendered.notes:
         err.print(f"note: {note}", markup=False)
     if output == "-" and fmt == "json":
-        emit_json(review.document)
+        emit_json(rendered.document)
     elif output == "-":
-        write_stdout(review.text)  # a reader that goes away (| head) is not an error
+        write_stdout(rendered.text)  # a reader that goes away (| head) is not an error
     elif is_lead():  # under torchrun, process 0 alone writes
-        write_new_file(Path(output), force, lambda handle: handle.write(review.text), flag="-o")  # whole or nothing, never over a file that appeared meanwhile
+        write_new_file(Path(output), force, lambda handle: handle.write(rendered.text), flag="-o")  # whole or nothing, never over a file that appeared meanwhile
         err.print(f"post-incident review ({fmt}) written to {output}", markup=False)
     if as_json and not (fmt == "json" and output == "-"):
-        emit_json(review.document)
+        emit_json(rendered.document)
     ctx.exit(analysis_exit(result.verdict, result.mode))

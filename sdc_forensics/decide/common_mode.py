@@ -43,7 +43,7 @@ import bisect as _bisect
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from sdc_forensics.triage.evidence import Evidence, Location, Strength
+from sdc_forensics.evidence import Evidence, Location, Strength
 
 #: Locations that belong to one rank alone: what a shared-state change shows up as on every rank.
 _RANK_LOCAL = (Location.LOCAL_COMPUTE, Location.INPUT_DATA)

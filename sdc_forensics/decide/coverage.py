@@ -18,7 +18,9 @@ Steps without an exact replay are what keeps ``N`` from being certified; their r
 (:func:`seconds_per_rank_step`), so an ``unverified`` checkpoint says what settling it costs.
 
 ``certify``, ``report`` and ``certify --follow`` build it from an analysis (:func:`coverage_of`);
-``inspect`` builds it from the ledger alone (:func:`coverage`), replaying nothing.
+``inspect`` builds it from the ledger alone (:func:`coverage`), replaying nothing. The flows read
+the ledger (``forensics/intervals.py``, ``forensics/ledger_coverage.py``) and hand its records in;
+this module returns data, and ``present/coverage.py`` writes the sentences.
 """
 
 from __future__ import annotations
@@ -48,10 +50,6 @@ class ReplayCost:
     @property
     def seconds(self) -> float:
         return self.rank_steps * self.seconds_per_rank_step
-
-    def describe(self) -> str:
-        return (f"replaying them costs about {_duration(self.seconds)} ({self.rank_steps} rank-steps x "
-                f"{self.seconds_per_rank_step:.3g} s measured per rank-step over {self.records} ledger record(s))")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -160,15 +158,6 @@ def with_details(coverages: Sequence[Coverage], trace, records: Sequence[Any] = 
     return tuple(out)
 
 
-def ledger_records(trace_path, ledger_file=None, no_ledger: bool = False) -> tuple:
-    """Every valid record of the ledger beside ``trace_path`` (or ``ledger_file``; none with
-    ``no_ledger``): what :func:`with_details` measures the replay cost on. Damaged records were
-    said by the analysis that read the ledger."""
-    from sdc_forensics.ledger import ledger_path, read_ledger
-
-    return () if no_ledger else tuple(read_ledger(ledger_path(trace_path, ledger_file)).records)
-
-
 def seconds_per_rank_step(records: Sequence[Any], world_size: int) -> tuple[float, int] | None:
     """The median seconds one rank-step took to replay over the ledger ``records`` (``IntervalRecord``)
     that replayed steps, and how many records that is; None when none did.
@@ -181,10 +170,28 @@ def seconds_per_rank_step(records: Sequence[Any], world_size: int) -> tuple[floa
     return (statistics.median(rates), len(rates)) if rates else None
 
 
-def online_rate_line() -> str:
-    """One line quoting what the online checks alone caught in the fault campaign (the measured
-    rates ``benchmarks/campaign.py --rates`` wrote into ``sdc_forensics/measured/``), for a
-    coverage with steps that had the online checks only; "" when the figures cannot be read."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CampaignRates:
+    """What the online checks alone caught in the fault campaign (``benchmarks/campaign.py --rates``,
+    shipped in ``sdc_forensics/measured/``): quoted by a coverage with steps that had the online checks only.
+
+    Attributes:
+        detected: effective training faults the online checks alone detected.
+        effective: effective training faults (ones that changed the training).
+        all_exact: every one detected was named at its exact step and rank.
+        local_detected: of the effective faults in a local gradient or an input, those detected.
+        local_effective: effective faults in a local gradient or an input (only a replay sees the rest).
+    """
+
+    detected: int
+    effective: int
+    all_exact: bool
+    local_detected: int
+    local_effective: int
+
+
+def campaign_rates() -> CampaignRates | None:
+    """The measured :class:`CampaignRates` shipped with the package; None when they cannot be read."""
     import json
     from importlib import resources
 
@@ -192,26 +199,12 @@ def online_rate_line() -> str:
         doc = json.loads(resources.files("sdc_forensics").joinpath("measured/trace_only_rates.json").read_text(encoding="utf-8"))
         training, where = doc["training_faults"], doc["by_location"]
         local = [where[k] for k in ("grad", "input") if k in where]
-        local_caught = sum(int(g["trace_only_detected"]) for g in local)
-        local_effective = sum(int(g["effective"]) for g in local)
-        line = (f"in the fault campaign (docs/benchmarks.md) the online checks alone caught {int(training['trace_only_detected'])} "
-                f"of {int(training['effective'])} effective training faults, each at its exact step and rank" if
-                training["trace_only_exact"] == training["trace_only_detected"] else
-                f"in the fault campaign (docs/benchmarks.md) the online checks alone caught {int(training['trace_only_detected'])} "
-                f"of {int(training['effective'])} effective training faults")
-        if local_effective:
-            line += f", {local_caught} of the {local_effective} in a local gradient or an input: only a replay sees those"
-        return line
+        return CampaignRates(detected=int(training["trace_only_detected"]), effective=int(training["effective"]),
+                             all_exact=training["trace_only_exact"] == training["trace_only_detected"],
+                             local_detected=sum(int(g["trace_only_detected"]) for g in local),
+                             local_effective=sum(int(g["effective"]) for g in local))
     except (OSError, ValueError, KeyError, TypeError, ModuleNotFoundError):
-        return ""
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 90:
-        return f"{seconds:.3g} s"
-    if seconds < 2 * 3600:
-        return f"{seconds / 60:.3g} min"
-    return f"{seconds / 3600:.3g} h"
+        return None
 
 
 def _merge(spans) -> tuple[Span, ...]:

@@ -39,7 +39,8 @@ The rules (design brief, "Conventions" and "Analysis and verdicts"; docs/bisect.
 
 Over 400 lines on purpose: every rule that names a first divergent step, a suspect or a checkpoint
 status is here and only here (docs/decisions.md), so that every command takes the same answer; its
-evidence vocabulary is ``triage/evidence.py``, its common-mode rule ``common_mode.py``.
+evidence vocabulary and its divergence-window rule are ``sdc_forensics/evidence.py``, its common-mode rule
+``common_mode.py``.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from typing import Any
 
 from sdc_forensics.checkpoint.findings import FindingKind
 from sdc_forensics.decide.common_mode import is_common_mode, is_unreproduced_update, shared_state
-from sdc_forensics.triage.evidence import Evidence, EvidenceKind, Location, first_divergent_step, sort_key
+from sdc_forensics.evidence import Evidence, EvidenceKind, Location, divergence_window, first_divergent_step, sort_key
 from sdc_forensics.trace.reader import step_ranges
 
 # the file differs from what was saved (storage), or was saved from a wrong state
@@ -250,11 +251,8 @@ def decide(
         sharded: the job is sharded (FSDP2/HSDP): any replica of a shard may have written it to a checkpoint.
     """
     evidence = sorted(shared_state([_pinned(e, examined) for e in _at_rest(evidence)], world_size, examined.anchors), key=sort_key)
-    first = first_divergent_step(evidence)
-    window = None
-    if first is not None:
-        observed = min(e.step for e in evidence if e.marks_divergence and e.onset == first)
-        window = (first, observed)
+    window = divergence_window(evidence)
+    first = window[0] if window is not None else None
     suspects = find_suspects(evidence, world_size, identity)
     weak = tuple(e for e in evidence if e.is_weak and (first is None or e.step < first))
     settle: list[str] = []

@@ -19,7 +19,7 @@ identities, and turns a :class:`~sdc_forensics.decide.verdict.BisectResult` into
 * **where checkpoints live**: node-local, shared, or unknown, from the paths the job wrote
   (:func:`path_locality`), and whether the resume checkpoint was written by a suspect node;
 
-The per-step series the report plots are in ``present/series.py``.
+The per-step series the report plots are in ``triage/series.py``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import PurePosixPath
 
 import numpy as np
 
-from sdc_forensics.triage.evidence import Location
+from sdc_forensics.evidence import Location
 from sdc_forensics.decide.verdict import BisectResult, Verdict
 from sdc_forensics.trace.manifest import Manifest
 from sdc_forensics.trace.reader import Trace

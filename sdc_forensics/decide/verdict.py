@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from sdc_forensics.decide.decision import CheckpointStatus, Suspect, Verdict
-from sdc_forensics.triage.evidence import Evidence
+from sdc_forensics.evidence import Evidence
 
 __all__ = ["BisectResult", "ReplaySummary", "ReplayedWindow", "Suspect", "Verdict"]
 

@@ -22,8 +22,9 @@ from pathlib import Path
 
 from sdc_forensics.exitcodes import ExitCode, status_exit, verdict_exit
 from sdc_forensics.decide.decision import CheckpointStatus, Verdict, last_clean
-from sdc_forensics.decide.coverage import Coverage, coverage_of, ledger_records, with_details
+from sdc_forensics.decide.coverage import Coverage, coverage_of, with_details
 from sdc_forensics.decide.verdict import BisectResult
+from sdc_forensics.forensics.intervals import ledger_records
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -101,7 +102,6 @@ def certify(trace_dir: str | os.PathLike, options, progress=None) -> Certificati
     coverage = with_details(coverage_of(result), trace, ledger_records(trace.path, options.ledger_path, options.no_ledger))
     return Certification(trace_dir=Path(trace.path), analysis=result, unnoted=unnoted,
                          exit_code=certify_exit(result.checkpoints, result.verdict), coverage=coverage)
-
 
 
 def write_run_certificate(path: str | os.PathLike, certification: Certification, *, force: bool = False) -> Path:

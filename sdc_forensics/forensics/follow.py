@@ -3,7 +3,7 @@
 The loop, every ``poll_s`` seconds:
 
 1. Open the trace afresh (it grows while training runs) and read its checkpoint notes and the
-   ledger (``forensics/ledger_use.py``: records of an earlier follower, of a follower that was
+   ledger (``intervals.open_ledger``: records of an earlier follower, of a follower that was
    killed and restarted, or of a ``bisect`` run meanwhile, all count).
 2. A checkpoint interval ``[a, b)`` is *closed* when the note of checkpoint ``b`` exists (the
    recorder writes it after the file is saved in full, so a half-written checkpoint is never
@@ -15,12 +15,12 @@ The loop, every ``poll_s`` seconds:
    of the intervals, picked by a hash of the starting checkpoint's step and digest so that a
    restarted follower picks the same, the others said once and left to the online checks),
    with the walk's own runner
-   (``bisect.interval_runner``: the same replay, second opinion and ledger record as ``bisect``).
+   (``intervals.interval_runner``: the same replay, second opinion and ledger record as ``bisect``).
    An interval whose starting checkpoint file is gone (rotated away before it was replayed) is
    said once and left: nothing can replay it.
    Under ``torchrun`` process 0 takes each look and hands it to every process (``_View``), so
    all replay the same intervals: whole intervals dealt out to the processes when that pays
-   (``_WindowRunner.share``, issue 12's machinery), else each step's ranks shared; process 0
+   (``IntervalRunner.share``, issue 12's machinery), else each step's ranks shared; process 0
    appends the records.
 4. Strong evidence in an interval: the incident is the analysis of ``certify`` (the one
    decision, ``decide.decision``; it reuses everything the ledger covers: it replays the
@@ -290,7 +290,8 @@ class _Loop:
     def _look(self) -> _View:
         """Process 0's look at the trace and the ledger (every process's, without torchrun)."""
         from sdc_forensics.errors import TraceError
-        from sdc_forensics.forensics.ledger_use import LedgerUse
+        from sdc_forensics.forensics.files import checkpoint_file
+        from sdc_forensics.forensics.intervals import open_ledger
         from sdc_forensics.trace.reader import Trace
 
         try:
@@ -303,7 +304,7 @@ class _Loop:
         state = (last_step, tuple(n.step for n in notes))
         if state != self.last_state:
             self.last_state, self.last_change = state, time.monotonic()
-        ledger = LedgerUse.open(trace, notes, self.options, say=None)
+        ledger = open_ledger(trace, notes, self.options)
         closed = [(a, b) for a, b in zip(notes, notes[1:]) if b.step - 1 <= last_step and b.step > a.step]
         covered, gone, todo, skipped = [], [], [], []
         for a, b in closed:
@@ -315,7 +316,7 @@ class _Loop:
                 continue  # examined by this follower already (with evidence, under --keep-going), or said
             elif self.follow.sample is not None and not sampled(a, self.follow.sample):
                 skipped.append(span)
-            elif ledger.locate(a) is None:
+            elif checkpoint_file(a, trace.path, self.options) is None:
                 gone.append(span)
             else:
                 todo.append(span)
@@ -340,8 +341,7 @@ class _Loop:
 
     def _poll(self) -> str | None:
         """One look at the trace and the replay of every interval to replay; a reason to stop, or None."""
-        from sdc_forensics.forensics.bisect import interval_runner
-        from sdc_forensics.forensics.ledger_use import LedgerUse
+        from sdc_forensics.forensics.intervals import interval_runner, open_ledger
         from sdc_forensics.trace.reader import Trace
 
         view = self._shared_look()
@@ -374,14 +374,15 @@ class _Loop:
             wanted = set(view.notes)
             by_step = {n.step: n for n in trace.checkpoint_notes() if n.weights_digest and (n.step, n.attempt) in wanted}
             notes = [by_step[step] for step, _ in view.notes if step in by_step]
-            ledger = LedgerUse.open(trace, notes, self.options, say=None)
+            # a ledger append is never cut by a stop signal: the handlers hold it off until the append ends
+            ledger = open_ledger(trace, notes, self.options, guard=self.signals.protected if self.signals is not None else None)
             runner = interval_runner(trace, self.options, self.progress, ledger, recipe=self.recipe)
             self.recipe = runner.recipe
             plan = [(by_step[a], by_step[b]) for a, b, _ in view.todo]
             runner.share([(a, b.step - 1) for a, b in plan])  # under torchrun: whole intervals dealt out, when that pays
-            appended = len(ledger.appended)
+            appended = len(runner.appended)
             for index, (a, b) in enumerate(plan):
-                result = self._replay(runner, a, b)
+                result = runner.replay(a, b.step - 1, "certify --follow: a checkpoint interval closed")
                 self.seen.add((a.step, b.step, b.attempt))
                 self.lag = len(plan) - index - 1
                 if result is None:  # checkpoint a does not hold the replicas' weights (runner's note says so)
@@ -390,8 +391,8 @@ class _Loop:
                              "weights; they stay unexamined")
                     continue
                 self.last_change = time.monotonic()
-                record = ledger.appended[-1] if len(ledger.appended) > appended else ""
-                appended = len(ledger.appended)
+                record = runner.appended[-1] if len(runner.appended) > appended else ""
+                appended = len(runner.appended)
                 strong = result.first_divergent_step is not None
                 weak = not strong and any(e.is_weak for e in runner.evidence if a.step <= e.step < b.step)
                 outcome = "evidence" if strong or weak else "clean"
@@ -416,12 +417,6 @@ class _Loop:
         if view.idle:
             return "idle"
         return None
-
-    def _replay(self, runner, a, b):
-        """Replay ``a.step .. b.step - 1``; a ledger append is never cut by a signal."""
-        if self.signals is not None:
-            runner.ledger.guard = self.signals.protected
-        return runner.replay(a, b.step - 1, "certify --follow: a checkpoint interval closed")
 
     def _analyse(self, budget: int | None, progress=None):
         """``certify``'s analysis of the run as it stands, reusing the ledger (``budget``: ``max_replay_steps``)."""

@@ -41,7 +41,7 @@ def ledger_coverage(trace, ledger_file: Path | None = None, no_ledger: bool = Fa
         ledger_file: the ledger (``--ledger``), or None for ``TRACE_DIR/ledger.jsonl``.
         no_ledger: ignore the ledger: every recorded step counts as checked online only.
     """
-    from sdc_forensics.checkpoint.locate import locate_checkpoint
+    from sdc_forensics.forensics.files import checkpoint_file
     from sdc_forensics.ledger import Comparison, ledger_path, read_ledger, reusable_records
     from sdc_forensics.ledger.reuse import STRONG
 
@@ -52,7 +52,7 @@ def ledger_coverage(trace, ledger_file: Path | None = None, no_ledger: bool = Fa
         contents = read_ledger(path)
         valid = contents.records
         reuse = reusable_records(valid, notes, trace_dir=trace.path, attempts=trace.manifest.attempts,
-                                 locate=lambda note: locate_checkpoint(note, None, trace.path))
+                                 locate=lambda note: checkpoint_file(note, trace.path))
         records, lines = reuse.records, (*contents.notes, *reuse.notes)
     exact = [(r.start_step, r.last_step, (r.record_id,)) for r in records if r.certifies and r.last_step >= r.start_step]
     tolerant = [(r.start_step, r.last_step) for r in records if not r.certifies and r.comparison is Comparison.TOLERANT

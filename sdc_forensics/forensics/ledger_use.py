@@ -2,13 +2,14 @@
 
 Every command that walks checkpoint intervals (``bisect``, ``certify``, ``verify-checkpoint
 --trace``, ``report`` and ``certify --follow``; not ``replay``, which replays the one window it
-is asked for) opens one :class:`LedgerUse`:
+is asked for) has one :class:`LedgerUse`, opened and asked by its interval runner
+(``forensics/intervals.py``, the only module that imports this one):
 
 1. **Before replaying** it reads the ledger (``ledger.store.read_ledger``) and keeps the records
    that still apply to the trace (``ledger.reuse.reusable_records``: same checkpoint digests,
    same files or rotated away, same attempt). An interval whose every step a kept record
    replayed bit for bit and found clean, and at which no kept record holds strong evidence, is
-   *covered*: the walk takes it from the ledger (:meth:`LedgerUse.covering`) instead of
+   *covered*: the runner takes it from the ledger (:meth:`LedgerUse.covering`) instead of
    replaying it, and the decision counts its steps as examined exactly
    (``decide.decision.Examined.replayed``). Evidence records are never reused as evidence:
    their interval is replayed again, so the evidence a verdict rests on is always this run's.
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sdc_forensics.decide.verdict import LedgerSummary, ReusedWindow
+from sdc_forensics.forensics.files import checkpoint_file
 from sdc_forensics.ledger import (Comparison, EvidenceEntry, IntervalRecord, Outcome, append_record, checkpoint_ref, exact_coverage,
                                   ledger_path, read_ledger, reusable_records)
 from sdc_forensics.ledger.record import MAX_EVIDENCE, LedgerRecordError
@@ -47,11 +49,12 @@ class LedgerUse:
         locate: finds a note's checkpoint file (the one a replay from it loads).
         say: prints one line for people (the progress' ``note``), or None.
         write: False: reuse only, never append (a process of a distributed replay that does not lead).
+        guard: a context manager around each append (``certify --follow`` holds its stop signals off there).
     """
 
     def __init__(self, *, path: Path, notes: Sequence[CheckpointNote], records: Sequence[IntervalRecord], ignored: Sequence[str],
                  attempts: Sequence[Any], locate: Callable[[CheckpointNote], Path | None], say: Callable[[str], None] | None,
-                 write: bool = True) -> None:
+                 write: bool = True, guard: Callable[[], Any] | None = None) -> None:
         self.path, self.locate, self.say, self.write = path, locate, say, write
         self.notes_by_step = {n.step: n for n in notes}
         self.records = tuple(records)
@@ -60,19 +63,18 @@ class LedgerUse:
         self.reused: list[ReusedWindow] = []
         self.appended: list[str] = []
         self.write_error = ""
-        #: context manager around each append (``certify --follow`` holds its stop signals off there)
-        self.guard: Callable[[], Any] = contextlib.nullcontext
+        self.guard: Callable[[], Any] = guard if guard is not None else contextlib.nullcontext
 
     @classmethod
-    def open(cls, trace, notes: Sequence[CheckpointNote], options, say: Callable[[str], None] | None = None) -> "LedgerUse | None":
+    def open(cls, trace, notes: Sequence[CheckpointNote], options, say: Callable[[str], None] | None = None,
+             guard: Callable[[], Any] | None = None) -> "LedgerUse | None":
         """The ledger of ``trace`` as ``options`` (``AnalysisOptions``) name it; None with ``no_ledger`` or ``trace_only``."""
         if options.no_ledger or options.trace_only:
             return None
-        from sdc_forensics.checkpoint.locate import locate_checkpoint
         from sdc_forensics.replay import distributed
 
         def locate(note: CheckpointNote) -> Path | None:
-            return options.checkpoint_paths.get(note.step) or locate_checkpoint(note, options.checkpoints_dir, trace.path)
+            return checkpoint_file(note, trace.path, options)
 
         path = ledger_path(trace.path, options.ledger_path)
         contents = read_ledger(path)
@@ -81,7 +83,7 @@ class LedgerUse:
         if distributed.current() is not None:  # every process walks on process 0's reading: a record appended meanwhile
             records, ignored = distributed.exchange_objects((records, ignored))[0]  # (a follower's) must not split the walk
         use = cls(path=path, notes=notes, records=records, ignored=ignored,
-                  attempts=trace.manifest.attempts, locate=locate, say=say, write=distributed.is_lead())
+                  attempts=trace.manifest.attempts, locate=locate, say=say, write=distributed.is_lead(), guard=guard)
         for line in use.lines:
             use._say(line)
         return use

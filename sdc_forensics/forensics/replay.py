@@ -99,17 +99,18 @@ def replay_from_trace(trace_dir: str | os.PathLike, request: ReplayRequest, prog
         found or is not the state the replicas agreed on; RecipeError: the recipe cannot be loaded.
     """
     window = check_window(trace_dir, request)
-    from sdc_forensics.checkpoint.locate import locate_checkpoint
     from sdc_forensics.errors import CheckpointError
     from sdc_forensics.decide import decision
+    from sdc_forensics.forensics.files import checkpoint_file
     from sdc_forensics.replay import preflight
-    from sdc_forensics.replay.replayer import ReplayOptions, replay_window
+    from sdc_forensics.replay.replayer import ReplayOptions
+    from sdc_forensics.replay.window import replay_window
     from sdc_forensics.replay.env import resolve_device
     from sdc_forensics.recipe import load_trace_recipe
 
     trace, note, start = window.trace, window.note, request.start_step
     resolve_device(request.options.device)  # an unknown or absent device: a usage error before the recipe is loaded
-    path = locate_checkpoint(note, request.options.checkpoints_dir, trace.path)
+    path = checkpoint_file(note, trace.path, request.options)
     if path is None:
         raise CheckpointError(f"checkpoint file of step {start} ({Path(note.path).name}) not found: pass --checkpoints DIR")
     chosen = request.options

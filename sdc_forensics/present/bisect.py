@@ -11,7 +11,7 @@ from typing import Any
 from rich.markup import escape
 
 from sdc_forensics.exitcodes import analysis_exit, verdict_exit
-from sdc_forensics.triage.evidence import Evidence
+from sdc_forensics.evidence import Evidence
 from sdc_forensics.decide.decision import Status
 from sdc_forensics.decide.verdict import BisectResult, LedgerSummary, ReplayedWindow, ReplaySummary, Verdict
 from sdc_forensics.present.text import new_table, ranks_text

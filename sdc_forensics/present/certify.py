@@ -11,6 +11,7 @@ from rich.markup import escape
 
 from sdc_forensics.exitcodes import ExitCode
 from sdc_forensics.forensics.certify import Certification
+from sdc_forensics.present.coverage import coverage_document, render_coverage
 from sdc_forensics.present.text import new_table
 
 _STYLE = {"clean": "green", "unverified": "yellow"}
@@ -37,54 +38,6 @@ def certify_document(cert: Certification, certificate_out: str | Path | None = N
         "preflight": None if result.preflight is None else result.preflight.to_json(),
         "coverage": [coverage_document(c) for c in cert.coverage],
     }
-
-
-def coverage_document(c) -> dict[str, Any]:
-    """One checkpoint's coverage (``decide.coverage.Coverage``): step spans ``[first, last]`` by what examined them,
-    the online checks of the steps no replay examined and what replaying what lacks replay costs."""
-    def spans(values):
-        return [list(v) for v in values]
-
-    online = None if c.online is None else {
-        "steps": c.online.steps, "complete": c.online.complete, "gradients": c.online.gradients, "weights": c.online.weights,
-        "audited": list(c.online.audited), "world_size": c.online.world_size, "text": c.online.describe()}
-    cost = None if c.cost is None else {"rank_steps": c.cost.rank_steps, "seconds_per_rank_step": c.cost.seconds_per_rank_step,
-                                        "seconds": c.cost.seconds, "ledger_records": c.cost.records}
-    return {"step": c.step, "exact_now": spans(c.exact_now), "exact_ledger": spans(c.exact_ledger), "tolerant": spans(c.tolerant),
-            "unreproduced": spans(c.unreproduced), "online_only": spans(c.online_only), "nothing": spans(c.nothing), "lacking_replay": spans(c.lacking_replay),
-            "ledger_records": list(c.record_ids), "online_checks": online, "replay_cost": cost}
-
-
-def coverage_text(c) -> str:
-    """One line: what examined the steps before checkpoint ``c.step``."""
-    def spans(values) -> str:
-        return ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in values)
-
-    online = f"online checks only {spans(c.online_only)}" + (f" ({c.online.describe()})" if c.online is not None else "")
-    parts = [text for text, v in ((f"exact now {spans(c.exact_now)}", c.exact_now),
-                                  (f"exact from the ledger {spans(c.exact_ledger)}", c.exact_ledger),
-                                  (f"replayed, update not reproduced {spans(c.unreproduced)}", c.unreproduced),
-                                  (f"tolerant {spans(c.tolerant)}", c.tolerant), (online, c.online_only),
-                                  (f"nothing {spans(c.nothing)}", c.nothing)) if v]
-    text = f"checkpoint {c.step}: " + ("; ".join(parts) if parts else "no step before it")
-    if c.lacking_replay:
-        text += f" — lacks exact replay: steps {spans(c.lacking_replay)}"
-        if c.cost is not None:
-            text += f"; {c.cost.describe()}"
-    return text
-
-
-def render_coverage(console, coverage) -> None:
-    """One line per checkpoint (:func:`coverage_text`), then, when some steps had the online checks
-    only, what those checks alone caught in the fault campaign (measured, ``decide.coverage.online_rate_line``)."""
-    from sdc_forensics.decide.coverage import online_rate_line
-
-    for c in coverage:
-        console.print(f"[dim]coverage:[/] {escape(coverage_text(c))}")
-    if any(c.online_only for c in coverage):
-        line = online_rate_line()
-        if line:
-            console.print(f"[dim]coverage:[/] online checks only: {escape(line)}")
 
 
 def render_certify(cert: Certification, console, certificate_out: str | Path | None = None) -> None:

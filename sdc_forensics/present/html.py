@@ -14,7 +14,7 @@ import html
 from typing import TYPE_CHECKING
 
 from sdc_forensics import __version__
-from sdc_forensics.triage.evidence import Evidence
+from sdc_forensics.evidence import Evidence
 from sdc_forensics.decide.incident import Incident
 from sdc_forensics.decide.verdict import BisectResult, Verdict
 from sdc_forensics.present import report as R

@@ -25,7 +25,7 @@ _MAX_ROWS = 50
 def inspect_document(summary: TraceSummary, covered=None) -> dict[str, Any]:
     """The ``inspect --json`` document (docs/json.md; ``schema_version`` is added by the emitter);
     ``covered``: the ledger's coverage (``forensics.ledger_coverage.LedgerCoverage``), or None."""
-    from sdc_forensics.present.certify import coverage_document
+    from sdc_forensics.present.coverage import coverage_document
 
     m = summary.manifest
     latest = max(m.attempts, key=lambda a: a.attempt) if m.attempts else None
@@ -84,6 +84,10 @@ def render_inspect(summary: TraceSummary, console, covered=None) -> None:
     if m.attempts:
         for line in preflight.check(m).lines():
             console.print(f"replay: {escape(line)}")
+        from sdc_forensics.replay import memory as replay_memory  # the memory plan (issue 35): imports torch for the sizes
+
+        for line in replay_memory.inspect_lines(summary.path, m):
+            console.print(f"replay: {escape(line)}")
     if latest is not None:
         console.print(escape(f"torch {latest.torch_version or '?'}  cuda {latest.cuda_version or '-'}  "
                              f"determinism {pairs_text(latest.determinism)}"))
@@ -131,7 +135,7 @@ def render_inspect(summary: TraceSummary, console, covered=None) -> None:
 
 def _render_coverage(console, covered) -> None:
     """Per checkpoint, what examined the steps before it (the ledger's replays, the online checks), and the ledger's own lines."""
-    from sdc_forensics.present.certify import render_coverage
+    from sdc_forensics.present.coverage import render_coverage
 
     for line in covered.notes:
         console.print(f"[yellow]ledger:[/] {escape(line)}")

@@ -20,7 +20,7 @@ import warnings
 import numpy as np
 
 from sdc_forensics.decide.decision import Status
-from sdc_forensics.present.series import Consensus, Series
+from sdc_forensics.triage.series import Consensus, Series
 from sdc_forensics.decide.verdict import BisectResult
 
 STATUS_COLOURS = {Status.CLEAN: "#2e7d32", Status.UNVERIFIED: "#f9a825", Status.TAINTED: "#e65100", Status.CORRUPT: "#b71c1c"}

@@ -1,9 +1,9 @@
 """What every format of the post-incident review says: the pieces the HTML, Markdown and JSON
 renderers share, so the three never disagree.
 
-* :class:`ReportRequest`: how the analysis was asked for (absolute paths, the options given), to
-  write commands that reproduce it and that work when rerun (``--force``, absolute paths, the
-  recipe's import path);
+* :func:`reproduce_commands`: from how the analysis was asked for (``forensics.review.ReportRequest``:
+  absolute paths, the options given), commands that reproduce it and that work when rerun
+  (``--force``, absolute paths, the recipe's import path);
 * :func:`output_format`: the format from ``--format`` or ``-o``'s suffix;
 * :func:`checked` / :func:`not_checked`: what the analysis examined and what it could not;
 * :func:`report_document`: the ``report --format json`` document (the bisect document, plus the
@@ -13,17 +13,18 @@ renderers share, so the three never disagree.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
 import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sdc_forensics.decide.coverage import coverage_of
 from sdc_forensics.decide.incident import Incident
-from sdc_forensics.replay.options import AnalysisOptions
 from sdc_forensics.decide.verdict import BisectResult, Verdict
+from sdc_forensics.forensics.review import ReportRequest
 from sdc_forensics.present.bisect import bisect_document
+from sdc_forensics.present.coverage import cost_text, online_rate_line
 from sdc_forensics.trace.ends import STOPPED_EARLY
 
 if TYPE_CHECKING:
@@ -33,25 +34,6 @@ if TYPE_CHECKING:
 FORMATS = ("html", "md", "json")
 _SUFFIXES = {".html": "html", ".htm": "html", ".md": "md", ".markdown": "md", ".json": "json"}
 PLOTS_HINT = "pip install 'sdc-forensics[report]' for plots"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ReportRequest:
-    """The ``report`` invocation, as given (paths absolute).
-
-    Attributes:
-        trace_dir: the trace analysed.
-        output: the review's file, or ``-``.
-        fmt: ``html``, ``md`` or ``json``.
-        options: the analysis options the user chose (``checkpoints_dir`` absolute).
-        manifest_recipe: the recipe the trace names.
-    """
-
-    trace_dir: Path
-    output: str = "-"
-    fmt: str = "md"
-    options: AnalysisOptions = AnalysisOptions()
-    manifest_recipe: str | None = None  # the recipe the trace names (used when --recipe is not given)
 
 
 def output_format(output: str, fmt: str | None) -> str:
@@ -202,8 +184,6 @@ def not_checked(result: BisectResult, end: "RunEnd | None" = None, coverage=None
     """What could not be examined or settled, one sentence each. ``coverage``: the coverage of
     ``result``'s checkpoints with their online checks and replay cost (``decide.coverage.with_details``);
     None: the spans alone (``coverage_of``)."""
-    from sdc_forensics.decide.coverage import coverage_of
-
     out: list[str] = []
     if result.mode == "trace-only":
         out.append("Nothing was replayed (--trace-only): faults the trace cannot see were not looked for, and no checkpoint file was read.")
@@ -216,12 +196,10 @@ def not_checked(result: BisectResult, end: "RunEnd | None" = None, coverage=None
             if cov is not None and cov.online is not None:
                 extra += f"; online checks on the steps not replayed: {cov.online.describe()}"
             if cov is not None and cov.cost is not None:
-                extra += f"; {cov.cost.describe()}"
+                extra += f"; {cost_text(cov.cost)}"
             out.append(f"Checkpoint {c.step} is unverified: " + ("; ".join(c.reasons[:2]) or "not every step before it was examined")
                        + (f" (steps without an exact replay: {spans}{extra})" if spans else "") + ".")
     if any(c.status.value == "unverified" for c in result.checkpoints) and any(c.online_only for c in by_step.values()):
-        from sdc_forensics.decide.coverage import online_rate_line
-
         line = online_rate_line()
         if line:
             out.append(f"For the steps the online checks alone examined: {line}.")

@@ -37,7 +37,7 @@ import numpy as np
 
 from sdc_forensics.fingerprint import tolerance
 from sdc_forensics.trace.checkpoints import hex64
-from sdc_forensics.triage.evidence import Evidence, EvidenceKind, Location, Strength, first_divergent_step, sort_key
+from sdc_forensics.evidence import Evidence, EvidenceKind, Location, Strength, divergence_window, sort_key
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace import scan
 from sdc_forensics.trace.consensus import strict_majority, vote
@@ -138,10 +138,11 @@ def triage_trace(trace: Trace, options: TriageOptions | None = None) -> TriageRe
     log.info("triage: %s scan path", path)
     evidence += _audits(trace, options)
     evidence.sort(key=sort_key)
-    first, window_range = _first_suspect(evidence)
+    # the decision's rule on the trace's evidence: s* and the steps a replay must examine to pin it
+    window_range = divergence_window(evidence)
     return TriageResult(
         evidence=tuple(evidence),
-        first_suspect_step=first,
+        first_suspect_step=window_range[0] if window_range is not None else None,
         suspect_window=window_range,
         step_range=trace.step_range(),
         world_size=trace.world_size,
@@ -614,16 +615,6 @@ def _nanmedian_rows(values: np.ndarray) -> np.ndarray:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         return np.nanmedian(values, axis=1, keepdims=True)
-
-
-def _first_suspect(evidence: list[Evidence]) -> tuple[int | None, tuple[int, int] | None]:
-    """``first_divergent_step`` of the trace's evidence (the decision's rule), and the window a
-    replay must examine to pin it, ``(onset, observed step)``."""
-    first = first_divergent_step(evidence)
-    if first is None:
-        return None, None
-    observed = min(e.step for e in evidence if e.marks_divergence and e.onset == first)
-    return first, (first, observed)
 
 
 def audit_votes(audits: np.ndarray):

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from sdc_forensics.decide.decision import Examined, Verdict, decide
-from sdc_forensics.triage.evidence import Evidence, EvidenceKind, Location, Strength
+from sdc_forensics.evidence import Evidence, EvidenceKind, Location, Strength
 
 W = 4
 

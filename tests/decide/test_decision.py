@@ -8,7 +8,7 @@ import dataclasses
 from sdc_forensics.checkpoint.locate import locate_checkpoint
 from sdc_forensics.checkpoint.verify import VerifyOptions, verify_checkpoint
 from sdc_forensics.decide.decision import CheckpointFile, Examined, Status, Verdict, checkpoint_status, decide, last_clean
-from sdc_forensics.triage.evidence import Evidence, EvidenceKind, Location, Strength
+from sdc_forensics.evidence import Evidence, EvidenceKind, Location, Strength
 from sdc_forensics.trace.checkpoints import read_checkpoint_notes
 from tests.factories import flip_byte, zip_member_offset
 

@@ -1,4 +1,4 @@
-"""``decide.incident`` and ``present.series``: times, losses, nodes to act on, checkpoint placement and the plotted
+"""``decide.incident`` and ``triage.series``: times, losses, nodes to act on, checkpoint placement and the plotted
 series, checked against the raw records (read here with numpy, not through the step windows)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from sdc_forensics.forensics.bisect import bisect
-from sdc_forensics.triage.evidence import Location
+from sdc_forensics.evidence import Location
 from sdc_forensics.decide.incident import Implicates, Locality, build_incident, dcgm_level, node_name, path_locality
 from sdc_forensics.replay.options import BisectOptions
-from sdc_forensics.present.series import Consensus, incident_series, plot_window
+from sdc_forensics.triage.series import Consensus, incident_series, plot_window
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace.reader import Trace
 from tests.factories import Fault, SimFault

@@ -24,7 +24,7 @@ from click.testing import CliRunner
 from sdc_forensics.cli.main import cli
 from sdc_forensics.demo.recipe import recipe as demo_recipe
 from sdc_forensics.forensics.bisect import bisect
-from sdc_forensics.triage.evidence import EvidenceKind
+from sdc_forensics.evidence import EvidenceKind
 from sdc_forensics.replay.options import BisectOptions
 from sdc_forensics.triage.trace_only import triage_trace
 from sdc_forensics.present.bisect import bisect_document

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 from sdc_forensics.decide.common_mode import UPDATE_NOT_REPRODUCED
 from sdc_forensics.decide.verdict import LedgerSummary, ReplayedWindow, ReplaySummary, ReusedWindow
 from sdc_forensics.forensics.certify import coverage_of
-from sdc_forensics.present.certify import coverage_text
-from sdc_forensics.triage.evidence import Evidence, EvidenceKind, Location
+from sdc_forensics.present.coverage import coverage_text
+from sdc_forensics.evidence import Evidence, EvidenceKind, Location
 
 RECORD = "a" * 32
 
@@ -63,7 +63,8 @@ def test_the_line_for_people_names_what_lacks_replay():
 
 
 def test_the_reports_unverified_checkpoint_names_its_online_checks_cost_and_the_measured_rate():
-    from sdc_forensics.decide.coverage import ReplayCost, coverage_of, online_rate_line
+    from sdc_forensics.decide.coverage import ReplayCost, coverage_of
+    from sdc_forensics.present.coverage import online_rate_line
     from sdc_forensics.present.report import not_checked
     from sdc_forensics.trace.online import OnlineChecks
 

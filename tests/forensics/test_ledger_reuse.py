@@ -148,7 +148,7 @@ def test_a_followers_evidence_is_where_bisect_starts_when_the_trace_shows_none(d
     A follower that replayed 0..2, 3..5 and 6..7 (where it found the divergence) and stopped, while training went on,
     left no record of 9..11: bisect then starts at the ledger's evidence, replays its interval again and nothing after
     it, and names what a full replay names (the 200-step follower test found a walk from the end instead)."""
-    from sdc_forensics.forensics.bisect import interval_runner
+    from sdc_forensics.forensics.intervals import interval_runner
     from sdc_forensics.forensics.ledger_use import LedgerUse
     from sdc_forensics.trace.reader import Trace
 

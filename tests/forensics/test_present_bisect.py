@@ -7,7 +7,7 @@ import io
 from rich.console import Console
 
 from sdc_forensics.decide.decision import Examined, decide
-from sdc_forensics.triage.evidence import Evidence, EvidenceKind, Location
+from sdc_forensics.evidence import Evidence, EvidenceKind, Location
 from sdc_forensics.present.bisect import render_bisect
 from sdc_forensics.decide.verdict import BisectResult, ReplaySummary
 

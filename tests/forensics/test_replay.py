@@ -12,9 +12,10 @@ from sdc_forensics.demo.recipe import DemoRecipe
 from sdc_forensics.errors import UsageError
 from sdc_forensics.replay import env as env
 from sdc_forensics.forensics.bisect import bisect
-from sdc_forensics.triage.evidence import EvidenceKind, Location
+from sdc_forensics.evidence import EvidenceKind, Location
 from sdc_forensics.replay.options import BisectOptions
-from sdc_forensics.replay.replayer import ReplayOptions, StartStateMismatch, replay_window
+from sdc_forensics.replay.replayer import ReplayOptions, StartStateMismatch
+from sdc_forensics.replay.window import replay_window
 from sdc_forensics.triage.trace_only import triage_trace
 from sdc_forensics.recipe import load_recipe
 from sdc_forensics.trace.checkpoints import read_checkpoint_notes

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from sdc_forensics.forensics.bisect import bisect
-from sdc_forensics.triage.evidence import Strength
+from sdc_forensics.evidence import Strength
 from sdc_forensics.replay.options import BisectOptions
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 
-from sdc_forensics.triage.evidence import EvidenceKind, Location
+from sdc_forensics.evidence import EvidenceKind, Location
 from sdc_forensics.triage.trace_only import TriageOptions, triage_trace
 from sdc_forensics.trace.reader import Trace
 from tests.factories import Fault

@@ -10,7 +10,9 @@ import dataclasses
 
 import pytest
 
-from sdc_forensics.forensics.bisect import _intervals_below, _NotTheReplicas, _WindowRunner
+from sdc_forensics.forensics.bisect import _intervals_below
+from sdc_forensics.forensics.intervals import IntervalRunner as _WindowRunner
+from sdc_forensics.forensics.intervals import _NotTheReplicas
 from sdc_forensics.replay.distributed import StepCosts, deal, intervals_pay
 from sdc_forensics.replay.options import BisectOptions
 from sdc_forensics.replay.replayer import ReplayResult, StartStateMismatch

@@ -1,4 +1,5 @@
-"""The per-step series the post-incident review plots, over a bounded window of steps (numpy only).
+"""The per-step series the post-incident review plots, read from the trace alone over a bounded window of steps
+(numpy only). The report's flow (``forensics/review.py``) reads them; ``present/plots.py`` draws them.
 
 :func:`plot_window` picks the steps (the whole run when short; else the steps around the first
 divergent step, or the last steps of a run without one), and :func:`incident_series` reads them:

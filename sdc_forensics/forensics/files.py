@@ -1,0 +1,87 @@
+"""The checkpoint files an analysis reads: which file is checkpoint ``N``, and what reading it gave.
+
+:func:`checkpoint_file` is the one answer to "which file is checkpoint N" (the file verified, the
+interval replayed from it, the ledger's record of it, the follower's "is it still there?");
+:func:`verify_files` reads every noted file against its note (``checkpoint.verify``), and
+:func:`storage_evidence` turns a file that differs from what was saved into evidence. A file that
+is damaged, or saved from a wrong state, is never replayed from (:func:`replayable`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from sdc_forensics.checkpoint.findings import FindingKind
+from sdc_forensics.decide import decision
+from sdc_forensics.decide.decision import CheckpointFile
+from sdc_forensics.evidence import Evidence, EvidenceKind, Location
+from sdc_forensics.replay.options import AnalysisOptions
+from sdc_forensics.trace.checkpoints import CheckpointNote
+
+__all__ = ["checkpoint_file", "replayable", "storage_evidence", "verify_files"]
+
+# the file differs from what was saved (storage), or holds NaN/Inf or not-the-majority content
+# (saved that way: a consequence of a divergence): never replayed from
+_NOT_A_START = decision.STORAGE_FINDINGS | decision.STATE_FINDINGS
+
+
+def checkpoint_file(note: CheckpointNote, trace_path: str | os.PathLike, options: AnalysisOptions | None = None) -> Path | None:
+    """Which file is checkpoint ``note.step``: the one ``options.checkpoint_paths`` names for it (the file
+    ``verify-checkpoint PATH --trace`` asks about), else the one ``--checkpoints`` or the note leads to from the
+    trace directory (``checkpoint.locate.locate_checkpoint``); None when none is found.
+
+    Args:
+        note: the checkpoint's note.
+        trace_path: the trace directory (relative note paths are found from it).
+        options: the analysis options (None: the note's own paths, as ``inspect`` reads them).
+    """
+    from sdc_forensics.checkpoint.locate import locate_checkpoint
+
+    if options is None:
+        return locate_checkpoint(note, None, trace_path)
+    return options.checkpoint_paths.get(note.step) or locate_checkpoint(note, options.checkpoints_dir, trace_path)
+
+
+def verify_files(notes: Sequence[CheckpointNote], options: AnalysisOptions, trace_path: Path, seed: int) -> dict[int, CheckpointFile]:
+    """``{N: CheckpointFile}`` for every noted checkpoint, digested with the trace's seed."""
+    from sdc_forensics.checkpoint.verify import VerifyOptions, verify_checkpoint
+    from sdc_forensics.errors import CheckpointError
+
+    out = {}
+    for note in notes:
+        path = checkpoint_file(note, trace_path, options)
+        report, error = None, ""
+        if path is not None:
+            try:
+                report = verify_checkpoint(path, note=note, options=VerifyOptions(seed=seed))
+            except CheckpointError as exc:
+                error = str(exc)
+        out[note.step] = CheckpointFile(path=str(path) if path else "", report=report, error=error)
+    return out
+
+
+def replayable(file: CheckpointFile) -> bool:
+    """True when ``file`` was read and is neither damaged nor saved from a wrong state: a replay may start from it."""
+    return file.report is not None and not any(f.kind.value in _NOT_A_START for f in file.report.findings)
+
+
+def storage_evidence(notes: Sequence[CheckpointNote], files: Mapping[int, CheckpointFile], sharded: bool = False) -> list[Evidence]:
+    """Evidence of each noted file that differs from what its rank saved, or cannot be read (storage)."""
+    out = []
+    for note in notes:
+        file = files[note.step]
+        findings = [f for f in file.report.findings if f.kind.value in decision.STORAGE_FINDINGS] if file.report is not None else []
+        if decision.diverged_replica_copy(note, sharded):  # a diverged replica's shard, written as it was: not the disk
+            findings = [f for f in findings if f.kind is not FindingKind.DIGEST_MISMATCH]
+        if file.error or findings:
+            first = findings[0] if findings else None
+            out.append(Evidence(
+                kind=EvidenceKind.CHECKPOINT_MISMATCH, step=note.step, ranks=(note.saved_by_rank,), source="checkpoint",
+                expected=first.expected if first else "a readable checkpoint", found=first.found if first else file.error,
+                location=Location.STORAGE, affects_state=False,
+                detail=f"checkpoint {Path(file.path or note.path).name}: " + (f"{first.kind.value} in {first.subject}" if first else "unreadable")
+                + "; the file differs from what rank {} saved".format(note.saved_by_rank),
+            ))
+    return out
