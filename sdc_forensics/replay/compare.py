@@ -15,7 +15,7 @@ import numpy as np
 from sdc_forensics.replay import distributed
 from sdc_forensics.replay import env as env
 from sdc_forensics.trace.checkpoints import hex64
-from sdc_forensics.triage.evidence import Evidence, EvidenceKind, Location, Strength
+from sdc_forensics.evidence import Evidence, EvidenceKind, Location, Strength
 from sdc_forensics.statedict import weights_digest
 from sdc_forensics.trace import format as F
 

@@ -45,6 +45,7 @@ class Preflight:
     blockers: tuple[str, ...] = ()
     caveats: tuple[str, ...] = ()
     fix: str = ""
+    memory: Any = None  # replay.memory.MemoryPlan, when the trace's checkpoint could be sized (check(trace_dir=...))
 
     def lines(self) -> list[str]:
         """Sentences for people, first the verdict."""
@@ -54,11 +55,12 @@ class Preflight:
         else:
             head = (f"no exact replay on {self.device}: {'; '.join(self.blockers)}; steps can only be compared within "
                     f"tolerance and nothing can be certified; to make it exact: {self.fix}")
-        return [head] + [f"caveat: {c}" for c in self.caveats]
+        return [head] + [f"caveat: {c}" for c in self.caveats] + (self.memory.lines() if self.memory is not None else [])
 
     def to_json(self) -> dict[str, Any]:
         return {"exact": self.exact, "device": self.device, "trained_on": self.trained_on, "mechanism": self.mechanism,
-                "blockers": list(self.blockers), "caveats": list(self.caveats), "fix": self.fix}
+                "blockers": list(self.blockers), "caveats": list(self.caveats), "fix": self.fix,
+                **({"memory": self.memory.to_json()} if self.memory is not None else {})}
 
 
 def _trained_type(attempt) -> str:
@@ -70,7 +72,7 @@ def _trained_type(attempt) -> str:
 
 
 def check(manifest, *, device: str = "cpu", device_name: str | None = None, num_threads: int | None = None,
-          force_tolerant: bool = False, collective: bool = False) -> Preflight:
+          force_tolerant: bool = False, collective: bool = False, trace_dir=None, memory=None) -> Preflight:
     """The preflight of a replay of ``manifest``'s run on ``device``.
 
     Args:
@@ -81,7 +83,15 @@ def check(manifest, *, device: str = "cpu", device_name: str | None = None, num_
         force_tolerant: ``--tolerant``.
         collective: ``--collective``: the replay all-reduces with its own process group, checked
             against the recorded digest at every step, instead of reproducing a known order.
+        trace_dir: the trace's directory: the memory plan (``replay/memory.py``: bytes per process,
+            the processes needed on ``device`` under its budget) is sized from its latest checkpoint
+            found. None: no memory line (``manifest`` alone holds no sizes).
+        memory: a ``MemoryPlan`` already made (it takes the place of ``trace_dir``'s).
     """
+    if memory is None and trace_dir is not None:
+        from sdc_forensics.replay import memory as memory_mod  # imports torch to read the checkpoint's metadata
+
+        memory = memory_mod.plan_trace(trace_dir, manifest, device=device)
     replay_type = device.split(":")[0]
     blockers: list[str] = []
     caveats: list[str] = []
@@ -139,4 +149,5 @@ def check(manifest, *, device: str = "cpu", device_name: str | None = None, num_
     unique = lambda items: tuple(dict.fromkeys(items))  # noqa: E731 - keep the first of each, in order
     mechanism = "unknown" if "unknown" in mechanisms else (mechanisms[-1] if mechanisms else "unknown")
     return Preflight(exact=not blockers, device=device, trained_on=", ".join(unique(trained)) or "an unknown device",
-                     mechanism=mechanism, blockers=unique(blockers), caveats=unique(caveats), fix=(unique(fixes) or ("",))[0])
+                     mechanism=mechanism, blockers=unique(blockers), caveats=unique(caveats), fix=(unique(fixes) or ("",))[0],
+                     memory=memory)

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sdc_forensics import numerics, recipe as recipe_mod
+from sdc_forensics import recipe as recipe_mod
 from sdc_forensics.errors import CheckpointError, InvalidInputError, RecipeError, SdcError
 from sdc_forensics.fingerprint import tolerance
 from sdc_forensics.fingerprint.core import Fingerprint, combine, combine_digests, digest, fingerprint, num_sketch_blocks
@@ -43,7 +43,7 @@ from sdc_forensics.replay.buffers import BufferBroadcast
 from sdc_forensics.replay.clipping import clipping_as_recorded
 from sdc_forensics.replay.mixed import computing_as_recorded
 from sdc_forensics.trace.checkpoints import hex64
-from sdc_forensics.triage.evidence import Evidence, EvidenceKind
+from sdc_forensics.evidence import Evidence, EvidenceKind
 from sdc_forensics.replay.options import AnalysisOptions
 from sdc_forensics.replay.compare import StepComparisons
 from sdc_forensics.statedict import tensor_digests, weights_digest
@@ -536,35 +536,6 @@ class Replayer(StepComparisons):
             reduction_order=order_used, evidence=tuple(evidence), first_divergent_step=first_divergent, settings={},
             notes=tuple(notes), max_residual_ratio=round(self.max_ratio, 4),
         )
-
-
-def replay_window(trace: Trace, recipe, options: ReplayOptions, on_step: Callable[[int], None] | None = None) -> ReplayResult:
-    """Replay one window with deterministic settings on the requested device.
-
-    Args:
-        trace: the open trace.
-        recipe: a recipe object (``sdc_forensics.recipe.load_recipe``).
-        options: :class:`ReplayOptions`.
-        on_step: called after each replayed step (progress).
-
-    Raises:
-        UsageError: the device is unavailable, or is a suspect's GPU and not forced.
-        CheckpointError: the checkpoint file is malformed, beyond the read limits, or needs a pickle
-            global outside the allow-list (checked by the package's readers before the recipe loads it).
-        StartStateMismatch: the checkpoint does not hold the weights the replicas agreed on.
-    """
-    device = env.resolve_device(options.device)
-    distributed.check_placement(device, trace, options.suspect_gpus, options.force_device)  # every process alike
-    env.check_not_suspect(device, options.suspect_gpus, options.force_device)
-    threads = options.num_threads or _recorded_threads(trace)  # per-step counts are applied step by step
-    if not (Path(options.checkpoint_path).is_file() or Path(options.checkpoint_path).is_dir()):  # a folder: a Trainer's checkpoint-N
-        raise CheckpointError(f"checkpoint {options.checkpoint_path} (step {options.start_step}) does not exist; pass --checkpoints DIR")
-    from sdc_forensics.checkpoint.formats import open_checkpoint
-
-    open_checkpoint(options.checkpoint_path).close()  # the hostile-input checks and read limits, before the recipe's own torch.load
-    with numerics.reproduce(_recorded_numerics(trace, options.start_step), device, threads) as settings:
-        result = Replayer(trace, recipe, device).run(options, on_step)
-    return dataclasses.replace(result, settings=settings)
 
 
 def _rng_states(device: torch.device) -> list[bytes]:

@@ -1,0 +1,73 @@
+"""Issue 35, a sharded replay under torchrun: an FSDP job over 4 gloo ranks (the demo MLP, SGD with
+momentum, ordered reduce-scatter, float32, no clipping) replayed with the model fully_shard-ed over
+k = 2 and k = 4 processes: the clean run certified bit for bit under a memory budget that refuses
+the one-process replay, and a local-gradient fault found at its step and rank, with the evidence
+of the one-process replay."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from sdc_forensics.cli.main import cli
+from sdc_forensics.replay import memory, sharded
+
+from tests.distributed.launch import torchrun
+
+pytestmark = pytest.mark.heavy  # torchrun launches of 2 and 4 processes, about 2.5 minutes in all
+
+FAULT = ("local-gradient:step=4:rank=2:bit=20", 4, 2)
+SMALL = {memory.BUDGET_ENV: "60K", memory.ACTIVATIONS_ENV: "0"}  # the whole model's replay needs 96 KiB, k = 2 needs 36 KiB
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> dict[str, Path]:
+    from sdc_forensics.demo.sharded import run_demo
+
+    root = tmp_path_factory.mktemp("sharded_replay")
+    run_demo(root / "clean", "fsdp", (), steps=6, checkpoint_every=3)
+    run_demo(root / "fault", "fsdp", (FAULT[0],), steps=6, checkpoint_every=3)
+    return {"clean": root / "clean" / "trace", "fault": root / "fault" / "trace"}
+
+
+def _bisect(trace: Path, k: int, env=None) -> tuple[int, dict]:
+    (trace / "ledger.jsonl").unlink(missing_ok=True)  # every run replays, none reuses another's records
+    if k == 1:
+        result = CliRunner().invoke(cli, ["bisect", str(trace), "--json"], env=env)
+        return result.exit_code, json.loads(result.stdout)
+    rc, out, err, _ = torchrun(k, ["-m", "sdc_forensics", "bisect", str(trace), "--json"], timeout_s=240, env=env)
+    assert out.strip(), err[-3000:]
+    return rc, json.loads(out)
+
+
+def _evidence(doc: dict) -> list:
+    return sorted((e["kind"], e["step"], tuple(e["ranks"]), e.get("location")) for e in doc["evidence"])
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_sharded_replay_certifies_under_a_budget_one_process_cannot_meet(jobs, k):
+    rc, doc = _bisect(jobs["clean"], k, env=SMALL)
+    assert rc == 0 and doc["verdict"] == "clean", doc
+    assert all(c["status"] == "clean" for c in doc["checkpoints"])
+    assert f"x {k} processes (sharded)" in json.dumps(doc)
+
+
+def test_a_model_that_fits_one_process_keeps_the_whole_model_replay_under_torchrun(jobs):
+    """The sharded replay is for what does not fit (or asked for): under torchrun with no budget the
+    replay every sharded layout certifies on (the whole model per process) runs, as before."""
+    rc, doc = _bisect(jobs["clean"], 2)
+    assert rc == 0 and doc["verdict"] == "clean", doc
+    assert "(sharded)" not in json.dumps(doc)
+
+
+def test_local_gradient_fault_found_as_by_one_process(jobs):
+    rc1, one = _bisect(jobs["fault"], 1)
+    assert rc1 == 1
+    for k in (2, 4):
+        rc, doc = _bisect(jobs["fault"], k, env={sharded.SHARDED_ENV: "1"})  # asked for: the whole model would fit
+        assert rc == 1 and doc["verdict"] == one["verdict"] == "corruption"
+        assert _evidence(doc) == _evidence(one)
+        assert ("replay_mismatch", FAULT[1], (FAULT[2],), "local_compute") in _evidence(doc)
