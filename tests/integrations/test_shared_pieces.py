@@ -97,11 +97,16 @@ def test_an_adapter_closing_on_an_alarm_braces_the_rank_for_exit_on_alarm_first(
         def close(self, *, on_error):
             seen.append((on_error, signal.getsignal(signal.SIGTERM)))
 
-    before = signal.getsignal(signal.SIGTERM)
-    assert before is not signal.SIG_IGN
-    with exit_on_alarm():
-        close_on_error(Recorder(), KeyboardInterrupt())
-        close_on_error(None, KeyboardInterrupt())  # training left before the recorder was made: nothing to close
-        close_on_error(Recorder(), SdcAlarm("allreduce check fired", step=2, rank=1))
-    assert seen == [(True, before), (True, signal.SIG_IGN)]
-    assert signal.getsignal(signal.SIGTERM) == before
+    # the job's own handler, whatever an earlier in-process test left (an alarm that left exit_on_alarm keeps ignoring it)
+    outer = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        before = signal.getsignal(signal.SIGTERM)
+        assert before is not signal.SIG_IGN
+        with exit_on_alarm():
+            close_on_error(Recorder(), KeyboardInterrupt())
+            close_on_error(None, KeyboardInterrupt())  # training left before the recorder was made: nothing to close
+            close_on_error(Recorder(), SdcAlarm("allreduce check fired", step=2, rank=1))
+        assert seen == [(True, before), (True, signal.SIG_IGN)]
+        assert signal.getsignal(signal.SIGTERM) == before
+    finally:
+        signal.signal(signal.SIGTERM, outer)
