@@ -12,7 +12,7 @@ A training job rarely writes one file. Hugging Face's ``Trainer`` writes ``check
 A NaN in the optimizer state ruins a resumed run as surely as one in the weights, so a folder is
 verified whole. Every regular file below it falls in exactly one class:
 
-* **the model checkpoint** (:func:`~sdc_forensics.checkpoint.formats.main_format`: a DCP
+* **the model checkpoint** (:func:`~sdc_forensics.checkpoint.kinds.main_format`: a DCP
   directory, an HF index and its shards, one ``.safetensors`` (``model.safetensors`` among
   several), or ``pytorch_model.bin``): read by its reader, tensors keyed as that reader keys them,
   so parameter names still match the trace's checkpoint note;
@@ -59,7 +59,7 @@ import torch
 
 from sdc_forensics.checkpoint.base import CheckpointReader, FileIssue, MappedFile, TensorInfo
 from sdc_forensics.checkpoint.dcp_reader import METADATA_NAME, DcpReader
-from sdc_forensics.checkpoint.formats import NOTHING_TO_READ, TORCH_SUFFIXES, main_format, open_file, sniff_file
+from sdc_forensics.checkpoint.kinds import NOTHING_TO_READ, TORCH_SUFFIXES, main_format, open_file, sniff_file
 from sdc_forensics.checkpoint.hf_index import read_index
 from sdc_forensics.checkpoint.limits import ReadLimits, link_advice, link_bounds, outside, resolve
 from sdc_forensics.checkpoint.torch_reader import PickleRefused, TensorNotReadable
