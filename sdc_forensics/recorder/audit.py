@@ -22,7 +22,10 @@ deterministic (no dropout randomness that differs between calls), as replay also
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,6 +36,9 @@ from sdc_forensics.intraop import intra_op_threads
 from sdc_forensics.recorder.checks import AUDIT, Finding
 from sdc_forensics.statedict import tensor_digests
 from sdc_forensics.trace.format import Flag
+from sdc_forensics.trace.manifest import audit_reach
+
+log = logging.getLogger("sdc_forensics.recorder")
 
 
 def inexact_reason(device: torch.device) -> str | None:
@@ -41,7 +47,8 @@ def inexact_reason(device: torch.device) -> str | None:
     may give another gradient for the same microbatch on a healthy GPU, so a mismatch is not a vote.
     Read at every audited step, so a job that turns determinism on after attaching is audited."""
     if device.type != "cuda":
-        return None  # CPU kernels are deterministic at a given thread count (the audit uses the subject's)
+        # CPU kernels are deterministic at a given thread count (the audit uses the subject's)
+        return None
     if not torch.are_deterministic_algorithms_enabled():
         return ("the job allows non-deterministic GPU kernels (torch.use_deterministic_algorithms(False)): a "
                 "recomputation need not match a healthy rank bit for bit")
@@ -58,7 +65,8 @@ class OwnResult:
     loss: float
     digest: int
     input_digest: int
-    num_threads: int = 0  # the intra-op CPU thread count that computed the gradient (0: unknown)
+    # the intra-op CPU thread count that computed the gradient (0: unknown)
+    num_threads: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,7 +80,8 @@ class Recomputation:
     digest: int
     input_digest: int
     subject_digest: int
-    fingerprint: Fingerprint | None = None  # kept by the rank that computed it, not gathered
+    # kept by the rank that computed it, not gathered
+    fingerprint: Fingerprint | None = None
     tiebreak: bool = False
     mismatch: bool = False
 
@@ -81,7 +90,8 @@ class Recomputation:
 class AuditOutcome:
     """What one audited step produced, as seen by one rank."""
 
-    recomputations: tuple[Recomputation, ...]  # the ones this rank performed
+    # the ones this rank performed
+    recomputations: tuple[Recomputation, ...]
     audited_me: bool
     disputed_me: bool
     findings: tuple[Finding, ...]
@@ -229,3 +239,52 @@ def _verdict(step: int, dispute: Recomputation, breaker: int | None, tiebreaks: 
     return Finding(check=AUDIT, step=step, rank=culprit, ranks=(culprit,) if culprit >= 0 else (a, s),
                    flag=Flag.AUDIT_MISMATCH, detail=f"{base}; {why}{input_note}")
 
+
+class Auditor:
+    """A recorder's audits: which steps are due, the recipe they recompute with (loaded at the
+    first), and the run itself on the module its layout lends (``Layout.audit_module``).
+
+    Args:
+        recipe, recipe_args: the replay recipe's ``module:attribute`` and arguments.
+        options: the recorder's options (``audit_every``, ``audit_steps``, fingerprint settings).
+        rank, nodes, group, device: this rank, every rank's node, the group, the model's device.
+    """
+
+    def __init__(self, *, recipe: str | None, recipe_args: dict | None, options: Any, rank: int, nodes: tuple[int, ...],
+                 group: Any, device: torch.device) -> None:
+        self.recipe_ref, self.recipe_args, self.options = recipe, recipe_args, options
+        self.rank, self.nodes, self.group, self.device = rank, nodes, group, device
+        self.recipe = None
+        # the audits skipped for non-deterministic GPU kernels were said once
+        self.said_inexact = False
+        reach = audit_reach(nodes) if (options.audit_every or options.audit_steps) else None
+        # once per job, at attach: not a silent no-op at every audited step
+        if reach is not None and rank == 0:
+            log.warning("sdc-forensics: audits are on (audit_every=%d), but %s", options.audit_every, reach)
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is audited now: due by the options, and exact on this device (else
+        skipped, not voted, and said once). The same answer on every rank."""
+        if not self.options.audits(step):
+            return False
+        inexact = inexact_reason(self.device)
+        if inexact is None:
+            return True
+        if not self.said_inexact:
+            self.said_inexact = True
+            if self.rank == 0:
+                log.warning("sdc-forensics: audits are on, but %s: they are skipped, not voted; make the run "
+                            "replayable (sdc_forensics.recorder.replayable()) for audits that can name a rank", inexact)
+        return False
+
+    def run(self, step: int, own: OwnResult,
+            module_for: Callable[[Any], contextlib.AbstractContextManager[tuple[torch.nn.Module, list[list[int]]]]]) -> AuditOutcome:
+        """The audit protocol at ``step`` (:func:`run_audit`, a collective) on the module and buckets
+        ``module_for(recipe)`` lends for its length."""
+        if self.recipe is None:
+            from sdc_forensics.recipe import load_recipe
+
+            self.recipe = load_recipe(self.recipe_ref, args=self.recipe_args)
+        with module_for(self.recipe) as (module, buckets):
+            return run_audit(step=step, own=own, module=module, recipe=self.recipe, layout=buckets, nodes=self.nodes,
+                             group=self.group, device=self.device, sketch_k=self.options.sketch_k, seed=self.options.seed)

@@ -3,20 +3,73 @@
 Every rank runs the same decision on the same gathered numbers, so every rank reaches the
 same verdict at the same time and raises (or continues) together: no rank is left waiting in
 a collective that the others abandoned.
+
+What lives here once, for every layout (``ddp_layout.py``, ``fsdp_layout.py``) and for the
+stand-alone FSDP checks (``fsdp_monitor.py``, ``fsdp_fallback.py``, ``fsdp_checks.py``):
+
+* :class:`Check`, the closed set of checks, and :class:`Finding`, the one type of what a check
+  found. A sharded job's reduce-scatter checks are members too, each knowing the check it
+  reports as (:attr:`Check.family`) and the trace flag it sets (:attr:`Check.flag`).
+* :func:`majority_within` and :func:`vote_within`: the strict-majority vote within groups of
+  ranks that must agree (every rank in DDP, the replicas of one shard in HSDP), built on
+  ``trace/consensus.py``'s vote. Triage's per-group weights vote is the same question asked of
+  a window of steps: :func:`majority_within` answers both (numpy only, like this whole module).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from sdc_forensics.fingerprint import tolerance
-from sdc_forensics.trace.consensus import vote
+from sdc_forensics.recorder.options import Choice
+from sdc_forensics.trace.consensus import strict_majority as _strict_majority_rows
 from sdc_forensics.trace.format import Flag
 
-#: Check names as they appear in alarms and exceptions.
-NONFINITE, ALLREDUCE, AUDIT, WEIGHTS = "nonfinite", "allreduce", "audit", "weights"
+
+class Check(Choice):
+    """The online checks, by the names alarms and exceptions give them.
+
+    The first four are the recorder's alarm names; the last four are the finer names the FSDP
+    monitor gives its findings (``fsdp_monitor.StepCheck``), each reported by the recorder as
+    its :attr:`family`.
+    """
+
+    NONFINITE = "nonfinite"
+    ALLREDUCE = "allreduce"
+    AUDIT = "audit"
+    WEIGHTS = "weights"
+    #: NaN/Inf in a rank's local gradient, before its reduce-scatter
+    NONFINITE_BEFORE = "nonfinite-before"
+    #: NaN/Inf in a reduce-scatter (or replica all-reduce) output from finite inputs
+    NONFINITE_AFTER = "nonfinite-after"
+    #: a rank's reduce-scatter output is not the sum of every rank's chunk for it
+    REDUCE_SCATTER = "reduce-scatter"
+    #: HSDP: a rank's replica all-reduce output is not the sum of its replicas' shards
+    REPLICA_ALL_REDUCE = "all-reduce"
+
+    @property
+    def family(self) -> "Check":
+        """The recorder's alarm name for this check (itself for the first four)."""
+        return _FAMILY.get(self, self)
+
+    @property
+    def flag(self) -> Flag:
+        """The trace flag an ALARM of this check carries unless its finding names another."""
+        return _FLAG[self]
+
+
+_FAMILY = {Check.NONFINITE_BEFORE: Check.NONFINITE, Check.NONFINITE_AFTER: Check.NONFINITE,
+           Check.REDUCE_SCATTER: Check.ALLREDUCE, Check.REPLICA_ALL_REDUCE: Check.ALLREDUCE}
+_FLAG = {Check.NONFINITE: Flag.NONFINITE_LOCAL, Check.NONFINITE_BEFORE: Flag.NONFINITE_LOCAL,
+         Check.NONFINITE_AFTER: Flag.NONFINITE_REDUCED, Check.ALLREDUCE: Flag.ALLREDUCE_MISMATCH,
+         Check.REDUCE_SCATTER: Flag.ALLREDUCE_MISMATCH, Check.REPLICA_ALL_REDUCE: Flag.ALLREDUCE_MISMATCH,
+         Check.AUDIT: Flag.AUDIT_MISMATCH, Check.WEIGHTS: Flag.WEIGHTS_DIVERGED}
+
+#: The recorder's check names (the members; each equals its old string).
+NONFINITE, ALLREDUCE, AUDIT, WEIGHTS = Check.NONFINITE, Check.ALLREDUCE, Check.AUDIT, Check.WEIGHTS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -24,44 +77,123 @@ class Finding:
     """One check that fired.
 
     Attributes:
-        check: ``nonfinite``, ``allreduce``, ``audit`` or ``weights``.
-        step: the optimizer step.
+        check: the :class:`Check` (a string naming one is accepted and becomes it).
+        step: the optimizer step (-1 where the finder does not know it: the FSDP monitor's
+            per-call findings, whose step is their ``StepCheck``'s).
         rank: the global rank found at fault, -1 when the check cannot name one.
-        flag: the trace flag that names the check in the ALARM record.
+        flag: the trace flag that names the check in the ALARM record (default: the check's).
         detail: one human sentence: what was compared and what was found.
         ranks: every rank implicated (``rank`` is the first of them).
         value: a number backing the finding (residual, count), 0 if none.
+        call: which reduce-scatter of the step (the FSDP monitor's findings), else 0.
+        where: host, device and mesh coordinates of ``rank`` when the finder knows them.
     """
 
-    check: str
-    step: int
+    check: Check
+    step: int = -1
     rank: int
-    flag: Flag
+    flag: Flag | None = None
     detail: str
     ranks: tuple[int, ...] = ()
     value: float = 0.0
+    call: int = 0
+    where: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "check", Check(self.check))
+        if self.flag is None:
+            object.__setattr__(self, "flag", self.check.flag)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Majority:
     """Outcome of a strict-majority vote over per-rank values."""
 
-    value: int | None  # None when no value has more than half the votes
+    # None when no value has more than half the votes
+    value: int | None
     agreeing: tuple[int, ...]
     diverged: tuple[int, ...]
 
 
+#: ``(group of global ranks, its vote in global ranks)``, one per group (:func:`vote_within`)
+GroupVote = tuple[tuple[int, ...], Majority]
+
+
+def majority_within(values: np.ndarray, valid: np.ndarray,
+                    groups: Iterable[Sequence[int]] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, each group's strict-majority value, spread over the group's columns.
+
+    Args:
+        values: ``(S, R)`` uint64, a row per step, a column per rank.
+        valid: ``(S, R)`` bool, which cells vote.
+        groups: the groups of ranks that must agree (columns); None: every rank is one group.
+
+    Returns:
+        ``(majority (S, R) uint64, has_majority (S, R) bool)``: for each cell, its group's
+        majority in that row and whether there is one (``trace.consensus.strict_majority``
+        within each group).
+    """
+    values = np.asarray(values, dtype=np.uint64)
+    valid = np.asarray(valid, dtype=bool)
+    if groups is None:
+        majority, has = _strict_majority_rows(values, valid)
+        return np.repeat(majority[:, None], values.shape[1], axis=1), np.repeat(has[:, None], values.shape[1], axis=1)
+    majority, has = np.zeros(values.shape, dtype=np.uint64), np.zeros(values.shape, dtype=bool)
+    for group in groups:
+        g = list(group)
+        value, ok = _strict_majority_rows(values[:, g], valid[:, g])
+        majority[:, g], has[:, g] = value[:, None], ok[:, None]
+    return majority, has
+
+
+def vote_within(values, groups: Iterable[Sequence[int]]) -> list[GroupVote]:
+    """The vote of each group of ranks over its members' values (``values[r]``: rank ``r``'s).
+
+    A group of one agrees with itself. Without a strict majority the whole group is ``diverged``
+    and the vote's value is None.
+    """
+    row = np.asarray(values, dtype=np.uint64).reshape(1, -1)
+    groups = [tuple(int(r) for r in group) for group in groups]
+    majority, has = majority_within(row, np.ones(row.shape, dtype=bool), groups)
+    out = []
+    for group in groups:
+        if not group:
+            continue
+        if not has[0, group[0]]:
+            out.append((group, Majority(value=None, agreeing=(), diverged=group)))
+            continue
+        value = int(majority[0, group[0]])
+        out.append((group, Majority(value=value, agreeing=tuple(r for r in group if int(row[0, r]) == value),
+                                    diverged=tuple(r for r in group if int(row[0, r]) != value))))
+    return out
+
+
+def overall(votes: list[GroupVote], rank: int) -> Majority:
+    """Every group's vote as one: its ``value`` is the majority of ``rank``'s own group, None as
+    soon as any group has none (nothing may then be blessed); ranks sorted."""
+    blessed = all(vote.value is not None for _, vote in votes)
+    own = next((vote.value for group, vote in votes if rank in group), None)
+    return Majority(value=own if blessed else None, agreeing=tuple(sorted(r for _, v in votes for r in v.agreeing)),
+                    diverged=tuple(sorted(r for _, v in votes for r in v.diverged)))
+
+
+def own_weights_flag(votes: list[GroupVote], rank: int) -> int:
+    """The flag ``rank``'s STEP record gets from a weights vote: ``NO_MAJORITY`` when its group
+    has no majority, ``WEIGHTS_DIVERGED`` when it is outside it, else 0."""
+    for group, vote in votes:
+        if rank in group:
+            if vote.value is None:
+                return int(Flag.NO_MAJORITY)
+            return int(Flag.WEIGHTS_DIVERGED) if rank in vote.diverged else 0
+    return 0
+
+
 def strict_majority(values) -> Majority:
-    """The value held by more than half of the ranks (index = rank), if any (``consensus.vote``)."""
+    """The value held by more than half of the ranks (index = rank), if any (one group of all)."""
     values = [int(v) for v in values]
     if not values:
         return Majority(value=None, agreeing=(), diverged=())
-    value, _ = vote(values)
-    if value is None:
-        return Majority(value=None, agreeing=(), diverged=tuple(range(len(values))))
-    agreeing = tuple(r for r, v in enumerate(values) if v == value)
-    diverged = tuple(r for r, v in enumerate(values) if v != value)
-    return Majority(value=value, agreeing=agreeing, diverged=diverged)
+    return vote_within(values, [range(len(values))])[0][1]
 
 
 def check_nonfinite(step: int, nonfinite_local: np.ndarray, nonfinite_reduced: np.ndarray) -> Finding | None:
@@ -119,7 +251,8 @@ def check_allreduce(
     world_size = len(local_norm)
     residual = np.array([tolerance.allreduce_residual(local_sketch, reduced_sketch[r], reduction) for r in range(world_size)])
     tol = np.array([tolerance.allreduce_tolerance(grad_dtype, local_norm, reduced_norm[r], reduction) for r in range(world_size)])
-    sketch_bad = residual > tol  # (W,)
+    # (W,)
+    sketch_bad = residual > tol
     vote = strict_majority(np.asarray(reduced_digest).astype(np.uint64))
     digest_bad = np.zeros(world_size, dtype=bool)
     if vote.value is not None:
@@ -142,17 +275,22 @@ def check_allreduce(
     ), bad
 
 
-def check_weights(step: int, digests: np.ndarray) -> tuple[Finding | None, Majority]:
-    """Replica weight digests after the update: a replica outside the strict majority is the suspect."""
-    vote = strict_majority(np.asarray(digests).astype(np.uint64))
+def replica_weights_finding(step: int, vote: Majority, count: int) -> Finding | None:
+    """What a vote of ``count`` whole replicas' weight digests after ``step``'s update found."""
     if vote.value is None:
         return Finding(
             check=WEIGHTS, step=step, rank=-1, flag=Flag.NO_MAJORITY,
-            detail=f"replica weights after step {step} have no strict majority among {len(digests)} ranks",
-        ), vote
+            detail=f"replica weights after step {step} have no strict majority among {count} ranks",
+        )
     if vote.diverged:
         return Finding(
             check=WEIGHTS, step=step, rank=vote.diverged[0], ranks=vote.diverged, flag=Flag.WEIGHTS_DIVERGED,
             detail=f"replica weights of rank(s) {', '.join(map(str, vote.diverged))} differ from the strict majority after step {step}",
-        ), vote
-    return None, vote
+        )
+    return None
+
+
+def check_weights(step: int, digests: np.ndarray) -> tuple[Finding | None, Majority]:
+    """Replica weight digests after the update: a replica outside the strict majority is the suspect."""
+    vote = strict_majority(np.asarray(digests).astype(np.uint64))
+    return replica_weights_finding(step, vote, len(digests)), vote

@@ -103,8 +103,10 @@ class exit_on_alarm(contextlib.ContextDecorator):  # noqa: N801 - used like a fu
             if _armed <= 0:
                 _unbrace()
             return False
-        brace_for_alarm_exit()  # while still armed; the recorder's block braced already when it was inside it
-        _exiting = True  # this process exits 18: an outer block seeing the SystemExit does not unbrace
+        # while still armed; the recorder's block braced already when it was inside it
+        brace_for_alarm_exit()
+        # this process exits 18: an outer block seeing the SystemExit does not unbrace
+        _exiting = True
         _armed -= 1
         message = " ".join(str(exc).split())
         # the alarm's message already names the trace and the command to run next (Recorder._alarm)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from sdc_forensics.errors import SdcAlarm, UsageError
 from sdc_forensics.fingerprint import constants as C
 from sdc_forensics.fingerprint import core, shards
-from sdc_forensics.trace.consensus import vote
+from sdc_forensics.recorder import checks
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ class Disagreement:
     group: tuple[int, ...]
     suspects: tuple[int, ...]
     attributed: bool
-    where: tuple[str, ...] = ()  # per suspect: host, device and mesh coordinates (:func:`rank_place`)
+    # per suspect: host, device and mesh coordinates (:func:`rank_place`)
+    where: tuple[str, ...] = ()
 
     def line(self) -> str:
         if self.attributed:
@@ -137,25 +138,24 @@ def _replicate_dim(param: torch.Tensor) -> int | None:
 def _gather_table(row: list[int], place: str) -> tuple[np.ndarray, list[str]]:
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, [place, row])
-    return np.asarray([r for _, r in gathered], dtype=np.uint64), [p for p, _ in gathered]  # (W, P), (W,)
+    # (W, P), (W,)
+    return np.asarray([r for _, r in gathered], dtype=np.uint64), [p for p, _ in gathered]
 
 
 def _vote_groups(table: np.ndarray, names: list[str], groups: list[tuple[int, ...]], places: list[str]) -> list[Disagreement]:
+    """Each parameter's column voted within each group (``checks.vote_within``, the recorder's
+    one vote within groups): a group outside agreement gives one :class:`Disagreement`."""
+    votes = [checks.vote_within(table[:, j], groups) for j in range(len(names))]
     found = []
-    for group in groups:
-        if len(group) < 2:
-            continue
-        rows = table[list(group)]  # (G, P)
+    for g in range(len(groups)):
         for j, name in enumerate(names):
-            column = rows[:, j]
-            if (column == column[0]).all():
+            group, majority = votes[j][g]
+            if len(group) < 2 or not majority.diverged:
                 continue
-            majority, _ = vote(column)
-            if majority is None:
+            if majority.value is None:
                 found.append(Disagreement(name, group, (), False))
             else:
-                suspects = tuple(r for r, v in zip(group, column) if v != majority)
-                found.append(Disagreement(name, group, suspects, True, tuple(places[r] for r in suspects)))
+                found.append(Disagreement(name, group, majority.diverged, True, tuple(places[r] for r in majority.diverged)))
     return found
 
 
@@ -200,14 +200,16 @@ def check_shards(model: torch.nn.Module, *, policy: str = "return", step: int = 
     places = [place for place, _ in gathered]
     gathered = [rows for _, rows in gathered]
     names = [name for name, _, _ in mine]
-    table = np.asarray([[d for _, d, _ in rank] for rank in gathered], dtype=np.uint64)  # (W, P)
+    # (W, P)
+    table = np.asarray([[d for _, d, _ in rank] for rank in gathered], dtype=np.uint64)
     per_param = [sorted({rank[j][2] for rank in gathered if rank[j][2]}) for j in range(len(names))]
     all_groups = tuple(sorted({g for groups in per_param for g in groups}))
     if not all_groups:
         return ShardCheck("replicas", (), (), note="no replicate dimension (FSDP, not HSDP): no replica of a shard to "
                                                     "compare; use check_gathered")
     found = []
-    for j, groups in enumerate(per_param):  # each parameter is voted within its own mesh's replica groups
+    # each parameter is voted within its own mesh's replica groups
+    for j, groups in enumerate(per_param):
         found += _vote_groups(table[:, [j]], [names[j]], groups, places)
     return _finish(ShardCheck("replicas", all_groups, tuple(found)), policy, step)
 
@@ -240,7 +242,8 @@ def check_gathered(model: torch.nn.Module, *, policy: str = "return", step: int 
     names, row = [], []
     for name, param in named:
         with torch.no_grad():
-            full = param.full_tensor()  # every rank gathers the same full parameter
+            # every rank gathers the same full parameter
+            full = param.full_tensor()
         if corrupt is not None:
             corrupt(name, full)
         names.append(shards.canonical_name(name))
@@ -285,7 +288,8 @@ def sharded_state_digests(state, *, seed: int = C.DEFAULT_SEED, trusted: tuple[i
     dist.all_gather_object(gathered, mine)
     out, differ = {}, []
     for key in flat:
-        if mine[key][0] == "whole":  # every rank holds it whole: the ranks must agree for a digest to stand
+        # every rank holds it whole: the ranks must agree for a digest to stand
+        if mine[key][0] == "whole":
             values = {theirs[key][1] for theirs in gathered}
             if len(values) == 1:
                 out[key] = values.pop()
@@ -302,8 +306,10 @@ def sharded_state_digests(state, *, seed: int = C.DEFAULT_SEED, trusted: tuple[i
                 continue
             held = pieces.setdefault((offset, numel), (rank, piece))
             if trusted is not None and held[0] in trusted and rank not in trusted:
-                continue  # an outvoted replica's copy
-            if _exact(held[1]) != _exact(piece):  # the digest's terms, not floats (NaN != NaN)
+                # an outvoted replica's copy
+                continue
+            # the digest's terms, not floats (NaN != NaN)
+            if _exact(held[1]) != _exact(piece):
                 raise SdcAlarm(f"{key}: ranks {held[0]} and {rank} hold elements {offset}..{offset + numel - 1} differently "
                                "(replicas of one shard must be equal)", step=-1, rank=-1, check="replicas")
         parts = [shards.Piece.from_json(piece) for _, piece in pieces.values()]

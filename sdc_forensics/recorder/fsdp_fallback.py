@@ -23,6 +23,7 @@ tests do, to run it where the custom reduce-scatter exists).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,7 @@ from sdc_forensics.errors import UsageError
 from sdc_forensics.fingerprint import shards
 from sdc_forensics.fingerprint.core import Fingerprint
 from sdc_forensics.recorder import fsdp_monitor as fm
+from sdc_forensics.recorder.checks import Check, Finding
 from sdc_forensics.trace.mesh import ShardMesh, shard_rows
 
 TAP_ENV = "SDC_FORENSICS_FSDP_TAP"
@@ -58,6 +60,23 @@ def missing(model: torch.nn.Module) -> str | None:
     return None
 
 
+def refusal(model: torch.nn.Module, ordered: bool, specs: list) -> str | None:
+    """What the recorder cannot record through this tap, in one line (None: nothing); ``ordered``:
+    the job asked for the ordered reduction; ``specs``: its fault drills."""
+    lacking = missing(model)
+    if lacking:
+        return f"{lacking}: the recorder cannot read a sharded job's gradients with this torch (2.8 or later can)"
+    if ordered:
+        return ("reduction='ordered' replaces FSDP2's reduce-scatter through set_custom_reduce_scatter, which this "
+                "torch's FSDP2 lacks (2.8 or later has it): record with reduction='native' (on gloo the replay "
+                "reproduces it; elsewhere it compares within tolerance)")
+    wrong = sorted({s.location for s in specs if s.location in ("reduce-scatter-output", "all-reduce-output")})
+    if wrong:
+        return (f"fault location(s) {', '.join(wrong)} need set_custom_reduce_scatter, which this torch's FSDP2 "
+                "lacks; local-gradient, all-gather-output, weights, update and input work")
+    return None
+
+
 class PostBackwardTap:
     """The local gradient, as pieces, read in each parameter group's ``post_backward``; and the
     reduction's check from the step's results (see the module)."""
@@ -70,7 +89,8 @@ class PostBackwardTap:
         self.step = start_step
         self.place = ""
         self._places: list[str] | None = None
-        self._inject: Callable | None = None  # fsdp_monitor.spec_injector: the local-gradient drill
+        # fsdp_monitor.spec_injector: the local-gradient drill
+        self._inject: Callable | None = None
         self.recording = False
         self.pieces: list[shards.Piece] = []
         self._per_shard: list[list[shards.Piece]] = [[] for _ in range(mesh.shard_size)]
@@ -78,14 +98,17 @@ class PostBackwardTap:
         self._calls = 0
         self.error: BaseException | None = None
         self.dtype = ""
-        self.scale = 1.0 / mesh.world_size  # FSDP2's mean over every rank (reduce-scatter, then HSDP's all-reduce)
-        self.device = torch.device("cpu")  # where the check's numbers are all-reduced (the model's device)
+        # FSDP2's mean over every rank (reduce-scatter, then HSDP's all-reduce)
+        self.scale = 1.0 / mesh.world_size
+        # where the check's numbers are all-reduced (the model's device)
+        self.device = torch.device("cpu")
 
     def install(self, model: torch.nn.Module) -> None:
         self.device = next((p.device for p in model.parameters()), self.device)
         for group in fm.param_groups(model):
             factor = getattr(group, "gradient_divide_factor", None)
-            if factor:  # FSDP2 reduces to sum / factor instead of the mean
+            # FSDP2 reduces to sum / factor instead of the mean
+            if factor:
                 self.scale = 1.0 / float(factor)
             if getattr(group, "_sdc_post_backward", None) is not None:
                 raise UsageError("this model is already recorded: one Recorder per model")
@@ -97,7 +120,8 @@ class PostBackwardTap:
         """Give every parameter group its own ``post_backward`` back."""
         for group in fm.param_groups(model):
             if getattr(group, "_sdc_post_backward", None) is not None:
-                del group.post_backward  # the instance's wrapper: the class's method again
+                # the instance's wrapper: the class's method again
+                del group.post_backward
                 group._sdc_post_backward = None
 
     def _wrap(self, group, original):
@@ -122,7 +146,8 @@ class PostBackwardTap:
         grads = []
         for fsdp_param in group.fsdp_params:
             add = getattr(fsdp_param, "accumulate_unsharded_grad_if_needed", None)
-            if add is not None:  # FSDP2's own first act in post_backward (then a no-op there): this microbatch added
+            # FSDP2's own first act in post_backward (then a no-op there): this microbatch added
+            if add is not None:
                 add()
             grad = fsdp_param.unsharded_accumulated_grad
             if grad is None:
@@ -130,10 +155,12 @@ class PostBackwardTap:
                 grad = None if unsharded is None else unsharded.grad
             if grad is not None:
                 grads.append((fsdp_param, grad))
-        if not grads:  # the group took no part in this backward (FSDP2 calls post_backward idempotently)
+        # the group took no part in this backward (FSDP2 calls post_backward idempotently)
+        if not grads:
             return
         if self._inject is not None:
-            self._inject("local-gradient", self._calls, grads[0][1])  # in place: what FSDP2 then reduces
+            # in place: what FSDP2 then reduces
+            self._inject("local-gradient", self._calls, grads[0][1])
         self._calls += 1
         if not self.recording or self.error is not None:
             return
@@ -185,7 +212,8 @@ class PostBackwardTap:
             fp = shards.combine_pieces(pieces) if pieces else None
             rows.append([*map(float, fp.sketch), float(fp.norm), float(fp.nonfinite)] if fp is not None else [0.0] * (k + 2))
         own = None if reduced is None else [*map(float, reduced.sketch), float(reduced.norm), float(reduced.nonfinite)]
-        total = fm.sum_over(rows, None, self.device, k)  # (S, k + 3), over the world
+        # (S, k + 3), over the world
+        total = fm.sum_over(rows, None, self.device, k)
         rank = dist.get_rank()
         dtype = self.dtype or "float32"
         mine = own_verdict(rank, self._mesh, total, sum(int(r[k + 1]) for r in rows), own, dtype, k, self.scale)
@@ -194,26 +222,27 @@ class PostBackwardTap:
         if self._places is None:
             self._places = [g[0] for g in gathered]
         self.step = step + 1
-        findings = sorted((f for g in gathered for f in g[1]), key=lambda f: (f.check != "nonfinite-before", f.rank))
-        if any(f.check == "nonfinite-before" for f in findings):  # a NaN/Inf input: its rank is the finding
-            findings = [f for f in findings if f.check == "nonfinite-before"]
-        findings = [fm.FsdpFinding(f.check, f.rank, f.call, f.detail, where=self._places[f.rank]) for f in findings]
+        findings = sorted((f for g in gathered for f in g[1]), key=lambda f: (f.check != Check.NONFINITE_BEFORE, f.rank))
+        # a NaN/Inf input: its rank is the finding
+        if any(f.check == Check.NONFINITE_BEFORE for f in findings):
+            findings = [f for f in findings if f.check == Check.NONFINITE_BEFORE]
+        findings = [dataclasses.replace(f, where=self._places[f.rank]) for f in findings]
         return fm.StepCheck(step=step, calls=1 if any(self._per_shard) else 0, findings=tuple(findings))
 
 
 def own_verdict(rank: int, mesh: ShardMesh, total: np.ndarray, own_nan: int, reduced: list | None, dtype: str, k: int,
-                scale: float) -> list[fm.FsdpFinding]:
+                scale: float) -> list[Finding]:
     """Rank ``rank``'s findings: NaN/Inf in its local gradient; else, when every rank's was finite
     (``total``: every rank's per-shard terms summed, ``fsdp_monitor._terms``), NaN/Inf in its
     reduced shard, or that shard against ``scale`` times the sum of every rank's rows of it."""
     if own_nan:
-        return [fm.FsdpFinding("nonfinite-before", rank, 0, f"{own_nan} NaN/Inf in its local gradient before the reduce-scatter")]
+        return [Finding(check=Check.NONFINITE_BEFORE, rank=rank, detail=f"{own_nan} NaN/Inf in its local gradient before the reduce-scatter")]
     if reduced is None or total[:, k + 2].sum():
         return []
     sketch, norm, nonfinite = np.asarray(reduced[:k]), float(reduced[k]), int(reduced[k + 1])
     if nonfinite:
-        return [fm.FsdpFinding("nonfinite-after", rank, 0, f"{nonfinite} NaN/Inf in its reduced shard, from finite inputs")]
+        return [Finding(check=Check.NONFINITE_AFTER, rank=rank, detail=f"{nonfinite} NaN/Inf in its reduced shard, from finite inputs")]
     problem = fm.sum_check(total[mesh.shard_of(rank)], mesh.world_size, scale, sketch, norm, dtype, k)
     if problem:
-        return [fm.FsdpFinding("reduce-scatter", rank, 0, f"its reduced shard {problem} (W={mesh.world_size})")]
+        return [Finding(check=Check.REDUCE_SCATTER, rank=rank, detail=f"its reduced shard {problem} (W={mesh.world_size})")]
     return []

@@ -52,6 +52,7 @@ from sdc_forensics.errors import SdcAlarm, UsageError
 from sdc_forensics.fingerprint import constants as C
 from sdc_forensics.fingerprint import core, tolerance
 from sdc_forensics.inject import FSDP_LOCATIONS
+from sdc_forensics.recorder.checks import Check, Finding
 
 #: The locations a fault drill can hit (``watch(model, inject=["reduce-scatter-output:step=2:rank=1:bit=29"])``).
 LOCATIONS = FSDP_LOCATIONS
@@ -62,19 +63,16 @@ LOCATIONS = FSDP_LOCATIONS
 Injector = Callable[[str, int, torch.Tensor], None]
 
 
-@dataclasses.dataclass(frozen=True)
-class FsdpFinding:
-    """One check that fired: which, on which rank, in which reduce-scatter call of the step."""
+#: The monitor's findings are the recorder's one finding type, with the finer checks
+#: (``Check.NONFINITE_BEFORE``, ``NONFINITE_AFTER``, ``REDUCE_SCATTER``, ``REPLICA_ALL_REDUCE``), the
+#: reduce-scatter ``call`` of the step and the rank's ``where``; the old name stays importable.
+FsdpFinding = Finding
 
-    check: str  # nonfinite-before | nonfinite-after | reduce-scatter | all-reduce
-    rank: int
-    call: int
-    detail: str
-    where: str = ""  # host, device and mesh coordinates of the rank (``fsdp_checks.rank_place``)
 
-    def line(self, step: int) -> str:
-        where = f" ({self.where})" if self.where else ""
-        return f"step {step}, reduce-scatter {self.call}: rank {self.rank}{where}: {self.detail}"
+def _line(finding: Finding, step: int) -> str:
+    """One finding of the monitor as a line: which step, which reduce-scatter call, which rank."""
+    where = f" ({finding.where})" if finding.where else ""
+    return f"step {step}, reduce-scatter {finding.call}: rank {finding.rank}{where}: {finding.detail}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +81,9 @@ class StepCheck:
 
     step: int
     calls: int
-    findings: tuple[FsdpFinding, ...]
-    note: str = ""  # a line when nothing could be checked although something should have been
+    findings: tuple[Finding, ...]
+    # a line when nothing could be checked although something should have been
+    note: str = ""
 
     @property
     def clean(self) -> bool:
@@ -95,25 +94,36 @@ class StepCheck:
         return tuple(sorted({f.rank for f in self.findings}))
 
     def lines(self) -> list[str]:
-        return [f.line(self.step) for f in self.findings] or [self.note or f"step {self.step}: {self.calls} reduce-scatter(s) checked, clean"]
+        return [_line(f, self.step) for f in self.findings] or [self.note or f"step {self.step}: {self.calls} reduce-scatter(s) checked, clean"]
 
 
 @dataclasses.dataclass
 class _Call:
     """One reduce-scatter on this rank; the sketches stay pending (on the device) until ``check``."""
 
-    group: tuple[int, ...]  # global ranks of the reduce-scatter's group, in group order
+    # global ranks of the reduce-scatter's group, in group order
+    group: tuple[int, ...]
     dtype: str
-    scale: float | None  # output = scale * sum of the chunks (None: an op this check cannot model)
-    ar_scale: float  # HSDP: all-reduce output = ar_scale * sum of its inputs
-    inputs: list  # W pending fingerprints: this rank's chunk r, r < W
-    output: object = None  # pending fingerprint of the output
-    ar_group: tuple[int, ...] = ()  # HSDP: global ranks of the replica all-reduce's group
-    ar_output: object = None  # pending fingerprint of the all-reduce's output
-    ar_inputs: tuple[int, ...] = ()  # the calls whose outputs this all-reduce sums (accumulation adds earlier ones)
-    pg: object = None  # the reduce-scatter's process group (the check all-reduces the chunks' numbers over it)
-    ar_pg: object = None  # HSDP: the replica all-reduce's
-    device: object = None  # where the collective ran (the check's numbers travel there: gloo on CPU, NCCL on CUDA)
+    # output = scale * sum of the chunks (None: an op this check cannot model)
+    scale: float | None
+    # HSDP: all-reduce output = ar_scale * sum of its inputs
+    ar_scale: float
+    # W pending fingerprints: this rank's chunk r, r < W
+    inputs: list
+    # pending fingerprint of the output
+    output: object = None
+    # HSDP: global ranks of the replica all-reduce's group
+    ar_group: tuple[int, ...] = ()
+    # pending fingerprint of the all-reduce's output
+    ar_output: object = None
+    # the calls whose outputs this all-reduce sums (accumulation adds earlier ones)
+    ar_inputs: tuple[int, ...] = ()
+    # the reduce-scatter's process group (the check all-reduces the chunks' numbers over it)
+    pg: object = None
+    # HSDP: the replica all-reduce's
+    ar_pg: object = None
+    # where the collective ran (the check's numbers travel there: gloo on CPU, NCCL on CUDA)
+    device: object = None
 
 
 def _row(fp: core.Fingerprint) -> list[float]:
@@ -139,7 +149,8 @@ def _scales(op, group_size: int, param_group) -> tuple[float | None, float]:
         return 1.0, 1.0
     if op == dist.ReduceOp.AVG:
         return 1.0 / group_size, (1.0 / ar_size if factor is None else 1.0)
-    if factor:  # PREMUL_SUM(1 / factor)
+    # PREMUL_SUM(1 / factor)
+    if factor:
         return 1.0 / float(factor), 1.0
     return None, 1.0
 
@@ -151,8 +162,10 @@ class _CheckedReduceScatter:
         self._monitor = monitor
         self._inner = inner
         self._param_group = param_group
-        self.pending: list[int] = []  # this group's calls since its last all-reduce (HSDP accumulation)
-        self.restore: tuple = (None, None)  # the group's own comm and all-reduce hook, given back by uninstall
+        # this group's calls since its last all-reduce (HSDP accumulation)
+        self.pending: list[int] = []
+        # the group's own comm and all-reduce hook, given back by uninstall
+        self.restore: tuple = (None, None)
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self._inner.allocate(size, dtype=dtype, device=device)
@@ -162,7 +175,8 @@ class _CheckedReduceScatter:
         self.pending.append(index)
         work = self._inner(output_tensor, input_tensor, group, op, async_op)
         if work is not None and async_op:
-            work.wait()  # the output is read below; on CUDA this orders the current stream, no host sync
+            # the output is read below; on CUDA this orders the current stream, no host sync
+            work.wait()
         self._monitor._after(index, output_tensor)
         return work
 
@@ -179,9 +193,12 @@ class FsdpMonitor:
         self._k = sketch_k
         self._seed = seed
         self._inject = inject
-        self.step = start_step  # the step the reduce-scatters now running belong to: the last checked + 1
-        self.place = ""  # this rank's host, device and mesh coordinates (set by watch)
-        self._places: list[str] | None = None  # every rank's, gathered at the first check
+        # the step the reduce-scatters now running belong to: the last checked + 1
+        self.step = start_step
+        # this rank's host, device and mesh coordinates (set by watch)
+        self.place = ""
+        # every rank's, gathered at the first check
+        self._places: list[str] | None = None
         self._lock = threading.Lock()
         self._calls: list[_Call] = []
 
@@ -192,7 +209,8 @@ class FsdpMonitor:
         ranks = tuple(dist.get_process_group_ranks(group))
         call = _Call(group=ranks, dtype=str(input_tensor.dtype).removeprefix("torch."), scale=scales[0], ar_scale=scales[1],
                      inputs=[], pg=group, device=input_tensor.device)
-        with self._lock:  # the slot is reserved before anything reads the input
+        # the slot is reserved before anything reads the input
+        with self._lock:
             index = len(self._calls)
             self._calls.append(call)
         if self._inject is not None:
@@ -207,7 +225,8 @@ class FsdpMonitor:
 
     def _after_all_reduce(self, checked: _CheckedReduceScatter, output: torch.Tensor, group) -> None:
         sums, checked.pending = tuple(checked.pending), []
-        if not sums:  # FSDP skipped the reduce-scatter (a shard group of one): nothing to compare with
+        # FSDP skipped the reduce-scatter (a shard group of one): nothing to compare with
+        if not sums:
             return
         index = sums[-1]
         if self._inject is not None:
@@ -260,7 +279,8 @@ class FsdpMonitor:
             raise UsageError(f"step {step}: ranks made different numbers of reduce-scatters ({sorted(counts)}): "
                              "call check() at the same point of the step on every rank")
         calls = counts.pop() if counts else 0
-        with_all_reduce = ar_calls if len({a for _, _, a in first}) == 1 else ()  # else unpaired: not checked
+        # else unpaired: not checked
+        with_all_reduce = ar_calls if len({a for _, _, a in first}) == 1 else ()
         own = _own_findings(mine, numbers, with_all_reduce, self._k)
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, own)
@@ -294,7 +314,8 @@ def _summed_by_group(calls: list[_Call], rows: list[list[list[float]]], k: int) 
     for index, call in enumerate(calls):
         by_group.setdefault(call.group, []).append(index)
     out: list = [None] * len(calls)
-    for indices in by_group.values():  # insertion order: first calls' order, the same on every rank of a group
+    # insertion order: first calls' order, the same on every rank of a group
+    for indices in by_group.values():
         width = len(rows[indices[0]])
         summed = sum_over([row for i in indices for row in rows[i]], calls[indices[0]].pg, calls[indices[0]].device, k)
         for n, i in enumerate(indices):
@@ -324,7 +345,7 @@ def sum_check(total: np.ndarray, count: int, scale: float, sketch: np.ndarray, n
     return ""
 
 
-def _ordered(pairs: list[tuple[int, FsdpFinding]]) -> list[FsdpFinding]:
+def _ordered(pairs: list[tuple[int, Finding]]) -> list[Finding]:
     """Every rank's ``(phase, finding)`` pairs as one list, in one order (call, phase, rank); an
     all-reduce finding (phase 2) only for a call whose reduce-scatter was clean (phases 0 and 1:
     a NaN/Inf input, or a wrong output, makes the all-reduce wrong too)."""
@@ -333,7 +354,7 @@ def _ordered(pairs: list[tuple[int, FsdpFinding]]) -> list[FsdpFinding]:
     return [f for _, f in sorted(kept, key=lambda pair: (pair[1].call, pair[0], pair[1].rank))]
 
 
-def _own_findings(calls: list[_Call], numbers: list[dict], with_all_reduce: tuple[int, ...], k: int) -> list[tuple[int, FsdpFinding]]:
+def _own_findings(calls: list[_Call], numbers: list[dict], with_all_reduce: tuple[int, ...], k: int) -> list[tuple[int, Finding]]:
     """This rank's ``(phase, finding)`` pairs of the step (collectives: every rank of a group runs
     them alike; phase 0 a NaN/Inf input, 1 the reduce-scatter output, 2 the all-reduce output).
 
@@ -343,32 +364,39 @@ def _own_findings(calls: list[_Call], numbers: list[dict], with_all_reduce: tupl
     HSDP: each rank's all-reduce output against the sum, over the replicas, of the reduce-scatter
     outputs it adds (one all-reduce of ``k + 3`` numbers)."""
     rank = dist.get_rank()
-    found: list[tuple[int, FsdpFinding]] = []
+    found: list[tuple[int, Finding]] = []
     totals = _summed_by_group(calls, [nums["inputs"] for nums in numbers], k)
     for index, (call, nums) in enumerate(zip(calls, numbers)):
         own_nan = sum(int(row[k + 1]) for row in nums["inputs"])
         if own_nan:
-            found.append((0, FsdpFinding("nonfinite-before", rank, index, f"{own_nan} NaN/Inf in its local gradient before the reduce-scatter")))
-        total = totals[index]  # (W, k + 3): chunk c summed over the group
+            found.append((0, Finding(check=Check.NONFINITE_BEFORE, rank=rank, call=index,
+                                     detail=f"{own_nan} NaN/Inf in its local gradient before the reduce-scatter")))
+        # (W, k + 3): chunk c summed over the group
+        total = totals[index]
         if total[:, k + 2].sum() or nums["output"] is None:
-            continue  # a NaN/Inf input makes every output non-finite: the input's rank is the finding
+            # a NaN/Inf input makes every output non-finite: the input's rank is the finding
+            continue
         sketch, norm, nonfinite = _split(nums["output"], k)
         if nonfinite:
-            found.append((1, FsdpFinding("nonfinite-after", rank, index, f"{nonfinite} NaN/Inf in its reduce-scatter output, from finite inputs")))
+            found.append((1, Finding(check=Check.NONFINITE_AFTER, rank=rank, call=index,
+                                     detail=f"{nonfinite} NaN/Inf in its reduce-scatter output, from finite inputs")))
         elif call.scale is not None:
             problem = sum_check(total[call.group.index(rank)], len(call.group), call.scale, sketch, norm, call.dtype, k)
             if problem:
-                found.append((1, FsdpFinding("reduce-scatter", rank, index, f"its output {problem} (W={len(call.group)})")))
+                found.append((1, Finding(check=Check.REDUCE_SCATTER, rank=rank, call=index,
+                                         detail=f"its output {problem} (W={len(call.group)})")))
     paired = [i for i in with_all_reduce if all(numbers[j]["output"] is not None for j in calls[i].ar_inputs)]
     by_replicas: dict[tuple[int, ...], list[int]] = {}
     for index in paired:
         by_replicas.setdefault(calls[index].ar_group, []).append(index)
     ar_totals: dict[int, np.ndarray] = {}
-    for indices in by_replicas.values():  # one all-reduce per replica group: each call's summed reduce-scatter outputs
+    # one all-reduce per replica group: each call's summed reduce-scatter outputs
+    for indices in by_replicas.values():
         rows = []
         for i in indices:
             parts = [numbers[j]["output"] for j in calls[i].ar_inputs]
-            summed = np.sum([_terms(p, k) for p in parts], axis=0)  # the terms of the outputs it adds
+            # the terms of the outputs it adds
+            summed = np.sum([_terms(p, k) for p in parts], axis=0)
             rows.append(summed)
         table = torch.tensor(np.array(rows), dtype=torch.float64, device=calls[indices[0]].device)
         dist.all_reduce(table, group=calls[indices[0]].ar_pg)
@@ -380,11 +408,13 @@ def _own_findings(calls: list[_Call], numbers: list[dict], with_all_reduce: tupl
         total = ar_totals[index]
         sketch, norm, nonfinite = _split(nums["ar_output"], k)
         if nonfinite and not total[k + 2]:
-            found.append((2, FsdpFinding("nonfinite-after", rank, index, f"{nonfinite} NaN/Inf in its replica all-reduce output, from finite shards")))
+            found.append((2, Finding(check=Check.NONFINITE_AFTER, rank=rank, call=index,
+                                     detail=f"{nonfinite} NaN/Inf in its replica all-reduce output, from finite shards")))
         elif not nonfinite and not total[k + 2]:
             problem = sum_check(total, len(call.ar_group) * len(parts), call.ar_scale, sketch, norm, call.dtype, k)
             if problem:
-                found.append((2, FsdpFinding("all-reduce", rank, index, f"its replica all-reduce output {problem} ({len(call.ar_group)} replicas)")))
+                found.append((2, Finding(check=Check.REPLICA_ALL_REDUCE, rank=rank, call=index,
+                                         detail=f"its replica all-reduce output {problem} ({len(call.ar_group)} replicas)")))
     return found
 
 
@@ -448,7 +478,8 @@ def groups_of(module: torch.nn.Module) -> list:
     """The FSDP2 parameter groups of one ``fully_shard`` module's state."""
     state = module._get_fsdp_state()
     found = list(getattr(state, "_fsdp_param_groups", None) or ())
-    if not found and getattr(state, "_fsdp_param_group", None) is not None:  # FSDP2 before multi-group states
+    # FSDP2 before multi-group states
+    if not found and getattr(state, "_fsdp_param_group", None) is not None:
         found = [state._fsdp_param_group]
     return found
 
@@ -483,7 +514,8 @@ def install(model: torch.nn.Module, monitor: FsdpMonitor, comm=None) -> None:
         checked = _CheckedReduceScatter(monitor, inner, group)
         checked.restore = (getattr(group, "_reduce_scatter_comm", None), getattr(group, "_all_reduce_hook", None))
         group._reduce_scatter_comm = checked
-        if getattr(group, "_is_hsdp", False):  # the replica all-reduce: checked after it, then the job's hook
+        # the replica all-reduce: checked after it, then the job's hook
+        if getattr(group, "_is_hsdp", False):
             user_hook = getattr(group, "_all_reduce_hook", None)
             group._all_reduce_hook = _all_reduce_hook(monitor, checked, group._all_reduce_process_group, user_hook)
 

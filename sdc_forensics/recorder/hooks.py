@@ -109,14 +109,16 @@ class BucketTap:
             self.step = step
             self._reset()
 
-    def hook(self, state, bucket):  # unannotated: DDP rejects string annotations
+    # unannotated: DDP rejects string annotations
+    def hook(self, state, bucket):
         """The comm hook DDP calls per bucket: fingerprint, communicate, fingerprint the result."""
         step = self.step
         if step is None:
             return self._inner_hook(self._inner_state, bucket)
         index = bucket.index()
         buffer = bucket.buffer()
-        if index == 0:  # a new all-reduce round (a second backward in the same step restarts)
+        # a new all-reduce round (a second backward in the same step restarts)
+        if index == 0:
             self._reset()
         block_offset, element_offset = self._next_block, self._next_element
         self._next_block += num_sketch_blocks(buffer.numel())

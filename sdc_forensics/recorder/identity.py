@@ -35,7 +35,8 @@ def gpu_identity(device: torch.device) -> tuple[str, str]:
         return "", ""
     try:
         props = torch.cuda.get_device_properties(device)
-    except (RuntimeError, AssertionError):  # a broken driver must not stop training
+    # a broken driver must not stop training
+    except (RuntimeError, AssertionError):
         return "", ""
     uuid = str(getattr(props, "uuid", "") or "")
     if uuid and not uuid.startswith("GPU-"):

@@ -1,13 +1,50 @@
-"""Options of the recorder, validated when built (the CLI and user code build them; the recorder never sees flags)."""
+"""Options of the recorder, validated when built (the CLI and user code build them; the recorder never sees flags).
+
+The closed sets among them (what an alarm does, how the gradient is reduced) are enums that are
+also strings: callers pass ``policy="raise"`` as they always did, the option then holds
+:attr:`Policy.RAISE`, which equals ``"raise"``, prints as ``raise`` and is written to JSON as
+``"raise"``; the recorder compares members, never spelled strings.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 from sdc_forensics.errors import UsageError
 from sdc_forensics.fingerprint import constants as C
 
-POLICIES = ("raise", "continue")
+
+class Choice(str, enum.Enum):
+    """A member of a closed set that is also its string: equal to it, hashed, formatted and
+    serialised as it (``str`` and ``format`` give the value on every Python, not ``Class.NAME``)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    __format__ = str.__format__
+
+
+class Policy(Choice):
+    """What the recorder does when an online check fires (the trace is on disk first, either way)."""
+
+    #: raise :class:`~sdc_forensics.errors.SdcAlarm` on every rank
+    RAISE = "raise"
+    #: record the ALARM and train on
+    CONTINUE = "continue"
+
+
+class Reduction(Choice):
+    """How the gradient is reduced (``sdc_forensics/reduction.py`` holds the arithmetic)."""
+
+    #: the collective library's own summation order
+    NATIVE = "native"
+    #: every element's ranks added left to right, so that any replay reproduces it bit for bit
+    ORDERED = "ordered"
+
+
+POLICIES = tuple(p.value for p in Policy)
+REDUCTIONS = tuple(r.value for r in Reduction)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,7 +75,7 @@ class RecorderOptions:
             gives its cost).
     """
 
-    policy: str = "raise"
+    policy: Policy | str = Policy.RAISE
     seed: int = C.DEFAULT_SEED
     sketch_k: int = C.DEFAULT_SKETCH_K
     grad_dtype: str | None = None
@@ -50,15 +87,16 @@ class RecorderOptions:
     node_of_rank: tuple[int, ...] | None = None
     start_step: int = 0
     fsync: bool = False
-    reduction: str = "native"
+    reduction: Reduction | str = Reduction.NATIVE
 
     def __post_init__(self) -> None:
-        from sdc_forensics.reduction import REDUCTIONS
-
         if self.reduction not in REDUCTIONS:
             raise UsageError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {self.reduction!r}")
         if self.policy not in POLICIES:
             raise UsageError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        # a string from the caller becomes its member (a member stays itself)
+        object.__setattr__(self, "reduction", Reduction(self.reduction))
+        object.__setattr__(self, "policy", Policy(self.policy))
         if not 1 <= self.sketch_k <= 64:
             raise UsageError(f"sketch_k must be in 1..64, got {self.sketch_k}")
         for name in ("audit_every", "weights_every", "start_step"):

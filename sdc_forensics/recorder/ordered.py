@@ -43,7 +43,8 @@ def _ordered_all_reduce(tensor: torch.Tensor, group, average: bool) -> torch.Ten
     send[:numel] = flat
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    parts = list(recv.view(world_size, chunk))  # parts[r]: rank r's copy of this rank's chunk
+    # parts[r]: rank r's copy of this rank's chunk
+    parts = list(recv.view(world_size, chunk))
     mine = ordered_mean(parts) if average else ordered_sum(parts)
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(gathered, mine, group=group)

@@ -5,19 +5,43 @@ Field meanings are the contract of ``docs/trace-format.md``; this module only fi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch.distributed as dist
 
 from sdc_forensics.errors import UsageError
-from sdc_forensics.fingerprint.core import Fingerprint
+from sdc_forensics.fingerprint.core import Fingerprint, combine_digests
 from sdc_forensics.fingerprint.reference import digest_bytes
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace.layouts import write_bucket_layouts
 from sdc_forensics.trace.manifest import MANIFEST_NAME, Attempt, FingerprintSettings, Manifest, read_manifest, write_manifest
 from sdc_forensics.trace.writer import RankTraceWriter
 
+if TYPE_CHECKING:
+    from sdc_forensics.recorder.step import StepState
+
 _ATTEMPT_GLOB = "rank-*.attempt-*.sdct"
+
+
+def start_attempt(trace_dir: Path, rank: int, group: Any, manifest: Callable[[int], Manifest]) -> int:
+    """Rank 0 numbers the attempt and writes its ``manifest(attempt)``; every rank learns the
+    outcome (a collective: a failure is raised on every rank, as a ``UsageError``)."""
+    outcome: list = [None, None]
+    if rank == 0:
+        try:
+            trace_dir.mkdir(parents=True, exist_ok=True)
+            attempt = next_attempt(trace_dir)
+            write_manifest(trace_dir, manifest(attempt))
+            outcome = [attempt, None]
+        except Exception as exc:  # noqa: BLE001 - every rank must learn it, not only rank 0
+            outcome = [None, exc if isinstance(exc, UsageError) else UsageError(f"cannot write the trace manifest in {trace_dir}: {exc}")]
+    dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0), group=group)
+    if outcome[1] is not None:
+        raise outcome[1]
+    return int(outcome[0])
 
 
 def next_attempt(trace_dir: Path) -> int:
@@ -128,6 +152,26 @@ def fill_grads(record: np.ndarray, prefix: str, fp: Fingerprint) -> None:
     record[f"{prefix}_max_abs"] = fp.max_abs
     record[f"{prefix}_sketch"] = fp.sketch.astype(np.float32)
     record[f"nonfinite_{prefix}"] = min(fp.nonfinite, 0xFFFF_FFFF)
+
+
+def step_record(writer: RankTraceWriter, state: StepState) -> np.ndarray:
+    """The STEP record of ``state`` (its thread count, ``aux_value``, is the caller's to fill)."""
+    rec = writer.new(F.Kind.STEP, state.step)
+    rec["loss"] = state.summed_loss()
+    rec["input_digest"] = combine_digests(state.input_digests) % (1 << 64) if state.input_digests else 0
+    if state.local is not None:
+        fill_grads(rec, "local", state.local)
+    if state.reduced is not None:
+        fill_grads(rec, "reduced", state.reduced)
+    if state.weights is not None:
+        digest, norm, nonfinite = state.weights
+        rec["weights_digest"], rec["weights_norm"], rec["nonfinite_weights"] = digest % (1 << 64), norm, nonfinite
+    # a sharded job: the weight shard as the step found it
+    if state.rest_weights is not None:
+        rec["aux_digest"] = state.rest_weights % (1 << 64)
+        rec["flags"] |= int(F.Flag.REST_WEIGHTS)
+    rec["flags"] |= state.flags
+    return rec
 
 
 def append_with_ids(writer: RankTraceWriter, record: np.ndarray, ids, step: int) -> None:

@@ -14,8 +14,12 @@ at ``end_step`` for a step without an optimizer step.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
+
+from sdc_forensics.errors import SdcError
+from sdc_forensics.recorder import records
 
 #: The recorder package's logger (the demo and users tune ``sdc_forensics.recorder`` as a whole).
 log = logging.getLogger("sdc_forensics.recorder")
@@ -30,7 +34,8 @@ class ThreadWatch:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self.first: int | None = None  # the count of the first recorded step of this attempt
+        # the count of the first recorded step of this attempt
+        self.first: int | None = None
         self.last: int | None = None
         self.last_step: int | None = None
 
@@ -57,3 +62,15 @@ class ThreadWatch:
             self.first = num_threads
         self.last, self.last_step = num_threads, step
         return changed
+
+    def note(self, step: int, num_threads: int, trace_dir: Path, attempt: int) -> int:
+        """:meth:`observe`, and rank 0 puts the attempt's first count into the manifest; returns the count."""
+        first = self.first is None
+        self.observe(step, num_threads)
+        if first and self.rank == 0:
+            try:
+                records.update_attempt_threads(trace_dir, attempt, num_threads)
+            # a nicety: the STEP records hold the counts anyway
+            except (OSError, SdcError) as exc:
+                log.warning("sdc-forensics: could not update num_threads in the manifest: %s", exc)
+        return num_threads

@@ -1,4 +1,4 @@
-"""The sharded recorder end to end (``recorder/fsdp_recorder.py``): real ``fully_shard`` jobs on 4
+"""The sharded recorder end to end (``recorder/fsdp_layout.py``): real ``fully_shard`` jobs on 4
 gloo processes (``sdc_forensics/demo/sharded.py``: Linear, ReLU, LayerNorm, Linear, SGD with
 momentum, two microbatches accumulated without sync, DCP checkpoints at steps 0 and 3), recorded,
 then analysed by the unchanged commands:
