@@ -25,7 +25,8 @@ import numpy as np
 
 from sdc_forensics.fingerprint import tolerance
 from sdc_forensics.recorder.options import Choice
-from sdc_forensics.trace.consensus import strict_majority as _strict_majority_rows
+# the vote within groups is written once, in trace/consensus.py (numpy only: triage takes it from there too)
+from sdc_forensics.trace.consensus import majority_within as majority_within
 from sdc_forensics.trace.format import Flag
 
 
@@ -117,33 +118,6 @@ class Majority:
 
 #: ``(group of global ranks, its vote in global ranks)``, one per group (:func:`vote_within`)
 GroupVote = tuple[tuple[int, ...], Majority]
-
-
-def majority_within(values: np.ndarray, valid: np.ndarray,
-                    groups: Iterable[Sequence[int]] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Per row, each group's strict-majority value, spread over the group's columns.
-
-    Args:
-        values: ``(S, R)`` uint64, a row per step, a column per rank.
-        valid: ``(S, R)`` bool, which cells vote.
-        groups: the groups of ranks that must agree (columns); None: every rank is one group.
-
-    Returns:
-        ``(majority (S, R) uint64, has_majority (S, R) bool)``: for each cell, its group's
-        majority in that row and whether there is one (``trace.consensus.strict_majority``
-        within each group).
-    """
-    values = np.asarray(values, dtype=np.uint64)
-    valid = np.asarray(valid, dtype=bool)
-    if groups is None:
-        majority, has = _strict_majority_rows(values, valid)
-        return np.repeat(majority[:, None], values.shape[1], axis=1), np.repeat(has[:, None], values.shape[1], axis=1)
-    majority, has = np.zeros(values.shape, dtype=np.uint64), np.zeros(values.shape, dtype=bool)
-    for group in groups:
-        g = list(group)
-        value, ok = _strict_majority_rows(values[:, g], valid[:, g])
-        majority[:, g], has[:, g] = value[:, None], ok[:, None]
-    return majority, has
 
 
 def vote_within(values, groups: Iterable[Sequence[int]]) -> list[GroupVote]:

@@ -10,6 +10,8 @@ its own Boyer-Moore pass for speed; ``tests/trace/test_consensus.py`` holds it t
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import numpy as np
 
 from sdc_forensics.trace import format as F
@@ -39,6 +41,34 @@ def strict_majority(values: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, 
     candidate = ordered[rows, np.minimum(num_valid // 2, max(values.shape[1] - 1, 0))] if values.shape[1] else np.zeros(0, np.uint64)
     votes = ((values == candidate[:, None]) & valid).sum(axis=1)
     return candidate, (votes * 2 > num_valid) & (num_valid > 0)
+
+
+def majority_within(values: np.ndarray, valid: np.ndarray,
+                    groups: Iterable[Sequence[int]] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, each group's strict-majority value, spread over the group's columns.
+
+    Args:
+        values: ``(S, R)`` uint64, a row per step, a column per rank.
+        valid: ``(S, R)`` bool, which cells vote.
+        groups: the groups of ranks that must agree (columns); None: every rank is one group.
+
+    Returns:
+        ``(majority (S, R) uint64, has_majority (S, R) bool)``: for each cell, its group's
+        majority in that row and whether there is one (``trace.consensus.strict_majority``
+        within each group).
+    """
+    values = np.asarray(values, dtype=np.uint64)
+    valid = np.asarray(valid, dtype=bool)
+    if groups is None:
+        majority, has = strict_majority(values, valid)
+        return np.repeat(majority[:, None], values.shape[1], axis=1), np.repeat(has[:, None], values.shape[1], axis=1)
+    majority, has = np.zeros(values.shape, dtype=np.uint64), np.zeros(values.shape, dtype=bool)
+    for group in groups:
+        g = list(group)
+        value, ok = strict_majority(values[:, g], valid[:, g])
+        majority[:, g], has[:, g] = value[:, None], ok[:, None]
+    return majority, has
+
 
 
 def vote(values, valid=None) -> tuple[int | None, int]:

@@ -40,7 +40,7 @@ from sdc_forensics.trace.checkpoints import hex64
 from sdc_forensics.evidence import Evidence, EvidenceKind, Location, Strength, divergence_window, sort_key
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace import scan
-from sdc_forensics.trace.consensus import strict_majority, vote
+from sdc_forensics.trace.consensus import majority_within, strict_majority, vote
 from sdc_forensics.trace.mesh import ShardMesh
 from sdc_forensics.trace.reader import Damage, StepWindow, Trace
 
@@ -484,16 +484,8 @@ class _WeightState:
         return out
 
     def _majority(self, digests: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(S, R)`` majority digest and whether there is one, of each rank's group."""
-        if self.groups is None:
-            majority, has = strict_majority(digests, valid)
-            return np.repeat(majority[:, None], digests.shape[1], axis=1), np.repeat(has[:, None], digests.shape[1], axis=1)
-        majority, has = np.zeros(digests.shape, dtype=np.uint64), np.zeros(digests.shape, dtype=bool)
-        for group in self.groups:
-            g = list(group)
-            value, ok = strict_majority(digests[:, g], valid[:, g])
-            majority[:, g], has[:, g] = value[:, None], ok[:, None]
-        return majority, has
+        """``(S, R)`` majority digest and whether there is one, of each rank's group (the recorder's vote, once)."""
+        return majority_within(digests, valid, self.groups)
 
     def _voting(self, valid: np.ndarray) -> np.ndarray:
         if self.groups is None:
