@@ -48,7 +48,7 @@ LOCATIONS = ("grad", "allreduce", "allreduce-all", "weights", "update", "input",
 #: Locations whose flip is not one rank's: the collective's result on every rank, and the
 #: checkpoint file (flipped by whichever rank saves it). ``rank`` is ignored for them.
 EVERY_RANK_LOCATIONS = frozenset({"allreduce-all", "checkpoint-file"})
-#: Where the FSDP2 drills flip (``recorder/fsdp_monitor.py``, ``recorder/fsdp_recorder.py``): this
+#: Where the FSDP2 drills flip (``recorder/fsdp_monitor.py``, ``recorder/fsdp_layout.py``): this
 #: rank's local gradient before the reduce-scatter, its reduce-scatter output, its HSDP replica
 #: all-reduce output, and (the recorder's only) its all-gathered copy of a parameter in the forward.
 FSDP_LOCATIONS = ("local-gradient", "reduce-scatter-output", "all-reduce-output", "all-gather-output")

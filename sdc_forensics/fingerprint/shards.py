@@ -420,7 +420,7 @@ def fingerprint_runs(runs: Iterable[tuple[torch.Tensor, int]], *, k: int = C.DEF
     """The fingerprint of the elements a rank holds of one flat vector: ``runs`` are ``(values,
     index of the first in the vector)``, disjoint.
 
-    A sharded job's per-rank gradient and weights fingerprints (``recorder/fsdp_recorder.py``)
+    A sharded job's per-rank gradient and weights fingerprints (``recorder/fsdp_layout.py``)
     and the replay's recomputation of them (``replay/compare.py``) are this one function of the
     same elements at the same places, so they are equal bit for bit when the elements are; the
     runs of all ranks of a replica together give ``core.fingerprint`` of the whole vector's

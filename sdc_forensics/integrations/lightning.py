@@ -28,7 +28,7 @@ norm 2, over the optimizer's parameters in group order), and steps a ``"step"``-
 once per optimizer step.
 
 ``ModelParallelStrategy`` (FSDP2 or HSDP applied in ``configure_model`` on the data-parallel mesh)
-is recorded as a sharded job (``recorder/fsdp_recorder.py``): its distributed checkpoints (DCP
+is recorded as a sharded job (``recorder/fsdp_layout.py``): its distributed checkpoints (DCP
 directories every rank writes) are digested as if whole before the save, and the recipe loads them
 into the unsharded module. Refused for it: tensor parallelism, ``accumulate_grad_batches`` above 1
 (Lightning reduce-scatters every microbatch there), ``save_distributed_checkpoint=False``.

@@ -28,7 +28,7 @@ Refused, in one line, before anything is wrapped:
   nothing here checks it yet.
 
 Recorded, with :func:`record` instead of :func:`watch`: the sharded recorder
-(``recorder/fsdp_recorder.py``) around ``trainer.train_step``, so every torchtitan step is a trace
+(``recorder/fsdp_layout.py``) around ``trainer.train_step``, so every torchtitan step is a trace
 step (its online checks included), with the microbatch IDs a function of yours gives (torchtitan's
 loader is a stateful iterator over a streamed dataset and has no sample index to record), and,
 every ``checkpoint_every`` steps, a DCP checkpoint the recorder writes and notes (``{"model",

@@ -255,7 +255,7 @@ class StepComparisons:
                                        "it saw it)"))
         return out
 
-    # -- a sharded job's records are per shard (recorder/fsdp_recorder.py) ------------------------
+    # -- a sharded job's records are per shard (recorder/fsdp_layout.py) ------------------------
     mesh = None  # the trace's ShardMesh (None: DDP, every rank records the whole)
     bucket_shapes: tuple = ()  # a sharded job: the shapes of the parameters of its one bucket, in order
 

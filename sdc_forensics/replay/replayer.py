@@ -321,7 +321,7 @@ class Replayer(StepComparisons):
     def _hsdp_ordered(self, per_rank: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         """HSDP recorded with the ordered reduction: each replica's ordered mean of its ranks (the
         reduce-scatter), then the ordered mean of the replicas' in replica order (the recorder redoes
-        the replicas' all-reduce so: ``fsdp_recorder._Tap._after_all_reduce``), elementwise, so the
+        the replicas' all-reduce so: ``fsdp_tap.ReduceScatterTap._after_all_reduce``), elementwise, so the
         shards of the result are what every rank received, bit for bit."""
         from sdc_forensics.reduction import ordered_mean, ordered_sum
 

@@ -14,7 +14,7 @@ trace is read window by window (:meth:`Trace.step_windows`, ``(S, R)`` tables); 
 * audits: subject's own gradient digest and the auditors' recomputations, majority of three;
   the auditor's input digest against the subject's;
 * outliers of loss and local gradient norm across ranks (hints only, never a verdict);
-* a sharded job's (the manifest's ``parallel`` mesh; ``recorder/fsdp_recorder.py``): the shards of a
+* a sharded job's (the manifest's ``parallel`` mesh; ``recorder/fsdp_layout.py``): the shards of a
   replica adding up to the reduction and the replicas of a shard agreeing (instead of the per-rank
   all-reduce check), the weights voted per shard across replicas, and each weight shard at rest
   (its digest when a step began against the last update's).
@@ -301,7 +301,7 @@ def _allreduce(window: StepWindow, grad_dtype: str, reduction: str) -> list[Evid
 
 
 def _reduce_scatter(window: StepWindow, grad_dtype: str, reduction: str, mesh: ShardMesh) -> list[Evidence]:
-    """A sharded job's reduction (``recorder/fsdp_recorder.py``): each rank's ``reduced_*`` is its
+    """A sharded job's reduction (``recorder/fsdp_layout.py``): each rank's ``reduced_*`` is its
     shard. The shards of one replica add up (sketches are linear) to the reduction of every rank's
     local gradient; the replicas of one shard hold equal digests; and the recorder's own check of
     each rank's shard against the chunks it sums set ``ALLREDUCE_MISMATCH`` on that rank's record
