@@ -35,13 +35,16 @@ HSDP = {"hsdp": [2, 2]}
 FAST_CLEAN = {"fsdp": {}}
 FAST_FAULTS = {"hsdp-bf16-spike": ({**HSDP, **BF16}, "local-gradient:step=2:rank=1:bit=27", 2, 1)}
 HEAVY_CLEAN = {"hsdp": HSDP, "fsdp-bf16": BF16, "hsdp-bf16": {**HSDP, **BF16}, "fsdp-native": {"reduction": "native"},
-               "hsdp-native": {**HSDP, "reduction": "native"}}
+               "hsdp-native": {**HSDP, "reduction": "native"}, "fsdp-bf16-native": {**BF16, "reduction": "native"}}
 HEAVY_FAULTS = {
     "fsdp-grad": ({}, "local-gradient:step=2:rank=1:bit=20", 2, 1),
     "fsdp-weights": ({}, "weights:step=2:rank=3:bit=20", 2, 3),
     "fsdp-bf16-weights": (BF16, "weights:step=4:rank=2:bit=21", 4, 2),
     "hsdp-grad": (HSDP, "local-gradient:step=3:rank=2:bit=20", 3, 2),
     "hsdp-weights": (HSDP, "weights:step=4:rank=3:bit=31", 4, 3),
+    # gloo's own reduce-scatter order (native), as most jobs keep it
+    "fsdp-native-grad": ({"reduction": "native"}, "local-gradient:step=3:rank=2:bit=20", 3, 2),
+    "hsdp-native-weights": ({**HSDP, "reduction": "native"}, "weights:step=2:rank=1:bit=21", 2, 1),
 }
 
 
