@@ -86,14 +86,21 @@ def _worker(trace: str, steps: int, mode: str) -> None:
     started = time.perf_counter()
     if mode == "replay":
         run = replay_from_trace(trace, ReplayRequest(start_step=0, stop_step=steps - 1))
-        outcome = {"verdict": run.decision.verdict.value, "comparison": run.result.comparison, "last_step": run.result.last_step}
+        outcome = {
+            "verdict": run.decision.verdict.value,
+            "comparison": run.result.comparison,
+            "last_step": run.result.last_step,
+        }
     else:
         from sdc_forensics.forensics.bisect import BisectOptions, bisect
 
         result = bisect(trace, BisectOptions())
         windows = result.replayed.windows
-        outcome = {"verdict": result.verdict.value, "comparison": "exact" if all(w.comparison == "exact" for w in windows) else "tolerant",
-                   "last_step": max(w.last for w in windows) if windows else -1}
+        outcome = {
+            "verdict": result.verdict.value,
+            "comparison": "exact" if all(w.comparison == "exact" for w in windows) else "tolerant",
+            "last_step": max(w.last for w in windows) if windows else -1,
+        }
     if group is not None:
         dist.barrier()
     seconds = time.perf_counter() - started
@@ -104,10 +111,24 @@ def _worker(trace: str, steps: int, mode: str) -> None:
 
 def _replay(trace: Path, steps: int, processes: int, mode: str = "replay") -> float:
     script = [str(Path(__file__).resolve()), "--worker", str(trace), "--steps", str(steps), "--mode", mode]
-    cmd = [sys.executable, *script] if processes == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--rdzv-endpoint=localhost:{_free_port()}",
-        f"--nproc-per-node={processes}", *script]
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = (
+        [sys.executable, *script]
+        if processes == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--rdzv-endpoint=localhost:{_free_port()}",
+            f"--nproc-per-node={processes}",
+            *script,
+        ]
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -115,7 +136,9 @@ def _replay(trace: Path, steps: int, processes: int, mode: str = "replay") -> fl
         raise SystemExit(f"replay with {processes} process(es) failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     doc = json.loads(lines[0])
     if (doc["verdict"], doc["comparison"], doc["last_step"]) != ("clean", "exact", steps - 1):
-        raise SystemExit(f"replay with {processes} process(es) was not an exact clean replay of steps 0..{steps - 1}: {doc}")
+        raise SystemExit(
+            f"replay with {processes} process(es) was not an exact clean replay of steps 0..{steps - 1}: {doc}"
+        )
     return float(doc["seconds"])
 
 
@@ -125,10 +148,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6, help="steps recorded and replayed")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON on stdout")
     parser.add_argument("--quick", action="store_true", help="2 repetitions, 3 steps")
-    parser.add_argument("--intervals", type=int, default=0, metavar="K",
-                        help="time the whole bisect over K+1 checkpoint intervals of --steps steps: intervals shared out whole vs ranks only")
+    parser.add_argument(
+        "--intervals",
+        type=int,
+        default=0,
+        metavar="K",
+        help="time the whole bisect over K+1 checkpoint intervals of --steps steps: intervals shared out whole vs ranks only",
+    )
     parser.add_argument("--worker", metavar="TRACE", help=argparse.SUPPRESS)
-    parser.add_argument("--mode", default="replay", choices=("replay", "bisect", "bisect-ranks"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--mode", default="replay", choices=("replay", "bisect", "bisect-ranks"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     if args.worker:
         _worker(args.worker, args.steps, args.mode)
@@ -142,8 +172,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-dist-replay-") as work:
         out = Path(work) / "run"
         print(f"recording a clean run: {WORLD_SIZE} ranks, {args.steps} steps, DemoRecipe({WIDE})", file=sys.stderr)
-        run_demo(out, injections=("none",), steps=args.steps, checkpoint_every=args.steps, world_size=WORLD_SIZE,
-                 recipe=RECIPE_REFERENCE, recipe_args=WIDE)
+        run_demo(
+            out,
+            injections=("none",),
+            steps=args.steps,
+            checkpoint_every=args.steps,
+            world_size=WORLD_SIZE,
+            recipe=RECIPE_REFERENCE,
+            recipe_args=WIDE,
+        )
         seconds: dict[int, list[float]] = {p: [] for p in PROCESSES}
         for i in range(args.repeat):
             for p in PROCESSES:
@@ -153,16 +190,27 @@ def main(argv: list[str] | None = None) -> int:
     figures = {}
     for p in PROCESSES[1:]:
         figures[f"replay_speedup_{p}proc"] = {
-            "value": round(median[1] / median[p], 3), "unit": "x", "goal": None, "met": None,
-            "ideal": round(WORLD_SIZE / -(-WORLD_SIZE // p), 3), "ceiling_this_machine": CEILING,
-            "median_seconds": round(median[p], 3), "median_seconds_1proc": round(median[1], 3),
-            "runs_seconds": [round(s, 3) for s in seconds[p]], "runs_seconds_1proc": [round(s, 3) for s in seconds[1]], "steps": args.steps, "world_size": WORLD_SIZE,
-            "cpus": os.cpu_count(), "load_average_1min": round(os.getloadavg()[0], 2),
+            "value": round(median[1] / median[p], 3),
+            "unit": "x",
+            "goal": None,
+            "met": None,
+            "ideal": round(WORLD_SIZE / -(-WORLD_SIZE // p), 3),
+            "ceiling_this_machine": CEILING,
+            "median_seconds": round(median[p], 3),
+            "median_seconds_1proc": round(median[1], 3),
+            "runs_seconds": [round(s, 3) for s in seconds[p]],
+            "runs_seconds_1proc": [round(s, 3) for s in seconds[1]],
+            "steps": args.steps,
+            "world_size": WORLD_SIZE,
+            "cpus": os.cpu_count(),
+            "load_average_1min": round(os.getloadavg()[0], 2),
         }
     for name, fig in figures.items():
-        print(f"{name}: {fig['value']}x (ideal {fig['ideal']}x; this {fig['cpus']}-core machine caps it near {CEILING}x, "
-              f"less under its load {fig['load_average_1min']}); median {fig['median_seconds']} s vs {fig['median_seconds_1proc']} s",
-              file=sys.stderr)
+        print(
+            f"{name}: {fig['value']}x (ideal {fig['ideal']}x; this {fig['cpus']}-core machine caps it near {CEILING}x, "
+            f"less under its load {fig['load_average_1min']}); median {fig['median_seconds']} s vs {fig['median_seconds_1proc']} s",
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps(figures, indent=2, sort_keys=True))
     return 0
@@ -176,10 +224,19 @@ def _intervals(args) -> int:
     seconds: dict[tuple, list[float]] = {run: [] for run in runs}
     with tempfile.TemporaryDirectory(prefix="bench-dist-bisect-") as work:
         out = Path(work) / "run"
-        print(f"recording a clean run: {WORLD_SIZE} ranks, {total} steps, a checkpoint every {args.steps}, DemoRecipe({WIDE})",
-              file=sys.stderr)
-        run_demo(out, injections=("none",), steps=total, checkpoint_every=args.steps, world_size=WORLD_SIZE,
-                 recipe=RECIPE_REFERENCE, recipe_args=WIDE)
+        print(
+            f"recording a clean run: {WORLD_SIZE} ranks, {total} steps, a checkpoint every {args.steps}, DemoRecipe({WIDE})",
+            file=sys.stderr,
+        )
+        run_demo(
+            out,
+            injections=("none",),
+            steps=total,
+            checkpoint_every=args.steps,
+            world_size=WORLD_SIZE,
+            recipe=RECIPE_REFERENCE,
+            recipe_args=WIDE,
+        )
         for i in range(args.repeat):
             for p, mode in runs:
                 seconds[(p, mode)].append(_replay(out / "trace", total, p, mode))
@@ -190,14 +247,25 @@ def _intervals(args) -> int:
     for p, mode in runs[1:]:
         name = f"bisect_speedup_{p}proc" + ("_ranks_only" if mode == "bisect-ranks" else "")
         figures[name] = {
-            "value": round(base / median[(p, mode)], 3), "unit": "x", "goal": None, "met": None, "ceiling_this_machine": CEILING,
-            "median_seconds": round(median[(p, mode)], 3), "median_seconds_1proc": round(base, 3),
-            "runs_seconds": [round(x, 3) for x in seconds[(p, mode)]], "runs_seconds_1proc": [round(x, 3) for x in seconds[(1, "bisect")]],
-            "intervals_shared": args.intervals, "steps_per_interval": args.steps, "world_size": WORLD_SIZE,
-            "cpus": os.cpu_count(), "load_average_1min": round(os.getloadavg()[0], 2),
+            "value": round(base / median[(p, mode)], 3),
+            "unit": "x",
+            "goal": None,
+            "met": None,
+            "ceiling_this_machine": CEILING,
+            "median_seconds": round(median[(p, mode)], 3),
+            "median_seconds_1proc": round(base, 3),
+            "runs_seconds": [round(x, 3) for x in seconds[(p, mode)]],
+            "runs_seconds_1proc": [round(x, 3) for x in seconds[(1, "bisect")]],
+            "intervals_shared": args.intervals,
+            "steps_per_interval": args.steps,
+            "world_size": WORLD_SIZE,
+            "cpus": os.cpu_count(),
+            "load_average_1min": round(os.getloadavg()[0], 2),
         }
-        print(f"{name}: {figures[name]['value']}x; median {figures[name]['median_seconds']} s vs {base:.2f} s with 1 process",
-              file=sys.stderr)
+        print(
+            f"{name}: {figures[name]['value']}x; median {figures[name]['median_seconds']} s vs {base:.2f} s with 1 process",
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps(figures, indent=2, sort_keys=True))
     return 0

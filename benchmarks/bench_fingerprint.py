@@ -78,6 +78,7 @@ def _ops(tensor: torch.Tensor, path: str) -> dict:
         def run():
             with _torch_path(torch_only):
                 return fn()
+
         return run
 
     ops = {
@@ -86,8 +87,9 @@ def _ops(tensor: torch.Tensor, path: str) -> dict:
         "sketch": under(lambda: core.fingerprint(tensor, with_digest=False), forced),
         "full": under(lambda: core.fingerprint(tensor), forced),
         # the same tensor as FSDP2's Shard(0) over 4 ranks: 4 uneven pieces, combined (fingerprint/shards.py)
-        "full_shards": under(lambda: shards.combine_pieces(
-            shards.fingerprint_piece(piece, offset=at) for piece, at in pieces), forced),
+        "full_shards": under(
+            lambda: shards.combine_pieces(shards.fingerprint_piece(piece, offset=at) for piece, at in pieces), forced
+        ),
     }
     if path == "both":
         ops["full_torch"] = under(lambda: core.fingerprint(tensor), True)
@@ -206,21 +208,34 @@ def figures(results: dict, path: str) -> dict:
         short = SHORT[dtype_name]
         full = max(m["full"] / m["sum"] for m in rows)
         out[f"fingerprint_vs_sum_{short}"] = {
-            "value": round(full, 3), "unit": "x torch.sum", "goal": GOAL, "goal_op": "<=", "met": bool(full <= GOAL),
+            "value": round(full, 3),
+            "unit": "x torch.sum",
+            "goal": GOAL,
+            "goal_op": "<=",
+            "met": bool(full <= GOAL),
         }
         pieces = max(m["full_shards"] / m["full"] for m in rows)
         out[f"fingerprint_shards_vs_whole_{short}"] = {
-            "value": round(pieces, 3), "unit": f"x (in {SHARDS} pieces / whole)", "goal": SHARDS_GOAL, "goal_op": "<=",
+            "value": round(pieces, 3),
+            "unit": f"x (in {SHARDS} pieces / whole)",
+            "goal": SHARDS_GOAL,
+            "goal_op": "<=",
             "met": bool(pieces <= SHARDS_GOAL),
         }
         if path == "both":
             fallback = max(m["full_torch"] / m["sum"] for m in rows)
             out[f"fingerprint_torch_path_vs_sum_{short}"] = {
-                "value": round(fallback, 3), "unit": "x torch.sum", "goal": None, "met": None,
+                "value": round(fallback, 3),
+                "unit": "x torch.sum",
+                "goal": None,
+                "met": None,
             }
             speedup = min(m["full_torch"] / m["full"] for m in rows)
             out[f"fingerprint_speedup_over_torch_path_{short}"] = {
-                "value": round(speedup, 3), "unit": "x (torch path time / chosen path time)", "goal": None, "met": None,
+                "value": round(speedup, 3),
+                "unit": "x (torch path time / chosen path time)",
+                "goal": None,
+                "met": None,
             }
     return out
 
@@ -258,10 +273,14 @@ def sweep_triton(device: torch.device, size_mb: int, runs: int, say) -> dict:
                 seconds = statistics.median(_timed(run, device) for _ in range(runs))
                 setting = {"warps": warps, "unroll": unroll, "max_registers": registers, "programs_per_sm": per_sm}
                 rows.append((size_mb / 1e3 / seconds, seconds / sum_s, setting))
-                say(f"| {dtype_name} | {warps} | {unroll} | {registers} | {per_sm} | {rows[-1][0]:.0f} | {rows[-1][1]:.2f} |")
+                say(
+                    f"| {dtype_name} | {warps} | {unroll} | {registers} | {per_sm} | {rows[-1][0]:.0f} | {rows[-1][1]:.2f} |"
+                )
             results[dtype_name] = sorted(rows, key=lambda row: -row[0])
             best = results[dtype_name][0]
-            say(f"best for {dtype_name}: {best[2]} at {best[0]:.0f} GB/s = {best[1]:.2f}x torch.sum ({size_mb / 1e3 / sum_s:.0f} GB/s)")
+            say(
+                f"best for {dtype_name}: {best[2]} at {best[0]:.0f} GB/s = {best[1]:.2f}x torch.sum ({size_mb / 1e3 / sum_s:.0f} GB/s)"
+            )
             del tensor, total, run
     finally:
         tk._NUM_WARPS, tk._UNROLL, tk._MAX_REGISTERS, tk._PROGRAMS_PER_SM = saved
@@ -277,12 +296,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--runs", type=int, default=None, help="timed runs per op (default 5)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
-    parser.add_argument("--path", choices=("both", "auto", "torch"), default="both",
-                        help="auto: the path core picks; torch: the fallback only; both: auto plus a torch-path column")
+    parser.add_argument(
+        "--path",
+        choices=("both", "auto", "torch"),
+        default="both",
+        help="auto: the path core picks; torch: the fallback only; both: auto plus a torch-path column",
+    )
     parser.add_argument("--quick", action="store_true", help="one 64 MB size and 3 runs (unless given)")
     parser.add_argument("--json", action="store_true", help="print {name: {value, unit, goal, met}} on stdout")
-    parser.add_argument("--sweep-triton", action="store_true",
-                        help="CUDA: time the Triton kernel under each launch setting instead (first size)")
+    parser.add_argument(
+        "--sweep-triton",
+        action="store_true",
+        help="CUDA: time the Triton kernel under each launch setting instead (first size)",
+    )
     args = parser.parse_args(argv)
     sizes = args.sizes_mb or ([64] if args.quick else [64, 256, 1024])
     runs = args.runs or (3 if args.quick else 5)
@@ -300,8 +326,16 @@ def main(argv: list[str] | None = None) -> int:
         say(f"# Triton kernel launch settings, {sizes[0]} MB, {torch.cuda.get_device_name(device)}, median of {runs}")
         best = sweep_triton(device, sizes[0], runs, say)
         if args.json:
-            print(json.dumps({name: [{"gb_per_s": round(r[0], 1), "x_sum": round(r[1], 3), **r[2]} for r in rows]
-                              for name, rows in best.items()}, indent=2, sort_keys=True))
+            print(
+                json.dumps(
+                    {
+                        name: [{"gb_per_s": round(r[0], 1), "x_sum": round(r[1], 3), **r[2]} for r in rows]
+                        for name, rows in best.items()
+                    },
+                    indent=2,
+                    sort_keys=True,
+                )
+            )
         return 0
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{_cpu_model()}, {os.cpu_count()} cores"
     load_before = os.getloadavg()[0]
@@ -311,8 +345,14 @@ def main(argv: list[str] | None = None) -> int:
         say(f"path for {dtype_name}: {chosen}")
     say()
     extra_column = " | full, torch path |" if args.path == "both" else " |"
-    say(f"| dtype | size | sum | digest | sketch | full | full, {SHARDS} shards{extra_column} sum GB/s | full GB/s | extra peak memory |")
-    say("| --- | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if args.path == "both" else "") + " ---: | ---: | ---: |")
+    say(
+        f"| dtype | size | sum | digest | sketch | full | full, {SHARDS} shards{extra_column} sum GB/s | full GB/s | extra peak memory |"
+    )
+    say(
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+        + (" ---: |" if args.path == "both" else "")
+        + " ---: | ---: | ---: |"
+    )
     results = {}
     for dtype_name in args.dtypes:
         for size_mb in sizes:

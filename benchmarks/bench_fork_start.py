@@ -47,8 +47,13 @@ def _rank(rank: int, world: int, port: int) -> None:
     from sdc_forensics.fingerprint.core import fingerprint
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     try:
         model = torch.nn.Linear(64, 64)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -91,15 +96,23 @@ def main() -> None:
     median = {w: statistics.median(t) for w, t in times.items()}
     from campaign import machine  # benchmarks/campaign.py: CPU model, cores, memory, torch, commit
 
-    result = {"machine": machine(), "python": sys.version.split()[0],
-              "world": args.world, "reps": args.reps, "median_s": median,
-              "ratio_to_spawn": {w: median[w] / median["spawn"] for w in ways}, "runs_s": times}
+    result = {
+        "machine": machine(),
+        "python": sys.version.split()[0],
+        "world": args.world,
+        "reps": args.reps,
+        "median_s": median,
+        "ratio_to_spawn": {w: median[w] / median["spawn"] for w in ways},
+        "runs_s": times,
+    }
     if args.json:
         print(json.dumps(result, indent=1))
         return
     where = result["machine"]
-    print(f"{args.world} ranks, median of {args.reps} launches each (alternating); {where['cpu']}, {where['cores']} cores, "
-          f"torch {where['torch']}, commit {where['commit']}")
+    print(
+        f"{args.world} ranks, median of {args.reps} launches each (alternating); {where['cpu']}, {where['cores']} cores, "
+        f"torch {where['torch']}, commit {where['commit']}"
+    )
     print(f"{'way':<15}{'median s':>10}{'vs spawn':>10}")
     for way in ways:
         print(f"{way:<15}{median[way]:>10.2f}{median[way] / median['spawn']:>10.2f}")

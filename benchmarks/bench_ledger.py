@@ -38,14 +38,22 @@ TIMEOUT_S = 1200
 
 
 def _train(out: Path, steps: int, every: int, injections: tuple[str, ...]) -> subprocess.Popen:
-    code = ("import sys; from sdc_forensics.demo.run import run_demo; "
-            f"run_demo(sys.argv[1], injections={injections!r}, steps={steps}, checkpoint_every={every})")
-    return subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    code = (
+        "import sys; from sdc_forensics.demo.run import run_demo; "
+        f"run_demo(sys.argv[1], injections={injections!r}, steps={steps}, checkpoint_every={every})"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code, str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
 
 
 def _follower(trace: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "sdc_forensics", "certify", "--follow", str(trace), "--poll", "0.2", "--json", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "sdc_forensics", "certify", "--follow", str(trace), "--poll", "0.2", "--json", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
 
 
 def _records(trace: Path) -> int:
@@ -56,7 +64,9 @@ def _records(trace: Path) -> int:
 
 def _cli(*args: str) -> tuple[dict, float, int]:
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "sdc_forensics", *args, "--json"], capture_output=True, text=True, timeout=TIMEOUT_S)
+    done = subprocess.run(
+        [sys.executable, "-m", "sdc_forensics", *args, "--json"], capture_output=True, text=True, timeout=TIMEOUT_S
+    )
     return json.loads(done.stdout), time.monotonic() - started, done.returncode
 
 
@@ -87,15 +97,22 @@ def clean_job(root: Path, steps: int, every: int) -> dict:
     no_ledger, no_ledger_s, _ = _cli("certify", str(trace), "--no-ledger")
     with_ledger, with_ledger_s, _ = _cli("certify", str(trace))
     return {
-        "training_s": round(train_s, 1), "intervals": intervals, "interval_costs": costs,
+        "training_s": round(train_s, 1),
+        "intervals": intervals,
+        "interval_costs": costs,
         "replay_over_training": _ratios(costs),
-        "max_lag_while_training": max(lags, default=None), "lag_samples": len(lags),
-        "lag_at_training_end": intervals - at_end, "follower_done_after_training_s": round(caught_up_s, 1),
-        "follower_exit": follower.returncode, "follower_statuses": sorted({c["status"] for c in follow["checkpoints"]}),
-        "certify_steps_replayed_without_ledger": _steps(no_ledger, "exact_now"), "without_ledger_s": round(no_ledger_s, 1),
+        "max_lag_while_training": max(lags, default=None),
+        "lag_samples": len(lags),
+        "lag_at_training_end": intervals - at_end,
+        "follower_done_after_training_s": round(caught_up_s, 1),
+        "follower_exit": follower.returncode,
+        "follower_statuses": sorted({c["status"] for c in follow["checkpoints"]}),
+        "certify_steps_replayed_without_ledger": _steps(no_ledger, "exact_now"),
+        "without_ledger_s": round(no_ledger_s, 1),
         "certify_steps_from_ledger": _steps(with_ledger, "exact_ledger"),
         "certify_exact_now_with_ledger": _steps(with_ledger, "exact_now"),
-        "statuses_equal": [c["status"] for c in no_ledger["checkpoints"]] == [c["status"] for c in with_ledger["checkpoints"]],
+        "statuses_equal": [c["status"] for c in no_ledger["checkpoints"]]
+        == [c["status"] for c in with_ledger["checkpoints"]],
         "with_ledger_s": round(with_ledger_s, 1),
     }
 
@@ -125,8 +142,12 @@ def _ratios(costs: list[dict]) -> dict:
     later = [c["replay_s"] / c["training_s"] for c in costs[1:] if c["training_s"] > 0]
     if not later:
         return {}
-    return {"median": round(statistics.median(later), 3), "min": round(min(later), 3), "max": round(max(later), 3),
-            "intervals": len(later)}
+    return {
+        "median": round(statistics.median(later), 3),
+        "min": round(min(later), 3),
+        "max": round(max(later), 3),
+        "intervals": len(later),
+    }
 
 
 def _interval_costs(trace: Path) -> list[dict]:
@@ -139,7 +160,9 @@ def _interval_costs(trace: Path) -> list[dict]:
     out = []
     for r in sorted(read_ledger(trace / "ledger.jsonl").records, key=lambda r: r.start_step):
         train_s = (saved[r.stop_step] - saved[r.start_step]) / 1e9
-        out.append({"interval": [r.start_step, r.stop_step], "training_s": round(train_s, 3), "replay_s": round(r.wall_s, 3)})
+        out.append(
+            {"interval": [r.start_step, r.stop_step], "training_s": round(train_s, 3), "replay_s": round(r.wall_s, 3)}
+        )
     return out
 
 
@@ -165,18 +188,30 @@ def faulty_job(root: Path, steps: int, every: int, fault: str) -> dict:
     alarm = follow["intervals"][-1]
     spare = root / "faulty-no-ledger"
     shutil.copytree(out, spare, ignore=shutil.ignore_patterns("ledger.jsonl"))
-    without, without_s, code_without = _cli("bisect", str(spare / "trace"), "--no-ledger", "--checkpoints", str(spare / "checkpoints"))
+    without, without_s, code_without = _cli(
+        "bisect", str(spare / "trace"), "--no-ledger", "--checkpoints", str(spare / "checkpoints")
+    )
     with_ledger, with_s, code_with = _cli("bisect", str(trace))
     return {
-        "fault": fault, "follower_exit": follower.returncode,
+        "fault": fault,
+        "follower_exit": follower.returncode,
         "alarm_interval": [alarm["from"], alarm["last"]],
-        "training_step_at_alarm": alarm_step, "training_over_before_alarm": training_ended_first,
+        "training_step_at_alarm": alarm_step,
+        "training_over_before_alarm": training_ended_first,
         "follower_names": _answer(follow["incident"]) if follow["incident"] else None,
-        "bisect_without_ledger": {"steps_replayed": without["replayed"]["steps_replayed"], "seconds": round(without_s, 1),
-                                  "answer": _answer(without), "exit": code_without},
-        "bisect_with_ledger": {"steps_replayed": with_ledger["replayed"]["steps_replayed"], "seconds": round(with_s, 1),
-                               "steps_reused": with_ledger["replayed"].get("ledger", {}).get("steps_reused"),
-                               "answer": _answer(with_ledger), "exit": code_with},
+        "bisect_without_ledger": {
+            "steps_replayed": without["replayed"]["steps_replayed"],
+            "seconds": round(without_s, 1),
+            "answer": _answer(without),
+            "exit": code_without,
+        },
+        "bisect_with_ledger": {
+            "steps_replayed": with_ledger["replayed"]["steps_replayed"],
+            "seconds": round(with_s, 1),
+            "steps_reused": with_ledger["replayed"].get("ledger", {}).get("steps_reused"),
+            "answer": _answer(with_ledger),
+            "exit": code_with,
+        },
     }
 
 
@@ -191,29 +226,42 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench-ledger-") as tmp:
         root = Path(tmp)
-        result = {"machine": f"{platform.processor() or platform.machine()}, {platform.python_version()}, torch {torch.__version__}",
-                  "clean": clean_job(root, args.steps, args.checkpoint_every),
-                  "faulty": faulty_job(root, args.steps, args.checkpoint_every, args.fault)}
+        result = {
+            "machine": f"{platform.processor() or platform.machine()}, {platform.python_version()}, torch {torch.__version__}",
+            "clean": clean_job(root, args.steps, args.checkpoint_every),
+            "faulty": faulty_job(root, args.steps, args.checkpoint_every, args.fault),
+        }
     if args.json:
         print(json.dumps(result, indent=2))
         return
     clean, faulty = result["clean"], result["faulty"]
     print(f"machine: {result['machine']}")
-    print(f"clean job: training {clean['training_s']} s, {clean['intervals']} intervals; follower lag when training ended: "
-          f"{clean['lag_at_training_end']} interval(s); follower done {clean['follower_done_after_training_s']} s after training "
-          f"(exit {clean['follower_exit']}, statuses {clean['follower_statuses']})")
+    print(
+        f"clean job: training {clean['training_s']} s, {clean['intervals']} intervals; follower lag when training ended: "
+        f"{clean['lag_at_training_end']} interval(s); follower done {clean['follower_done_after_training_s']} s after training "
+        f"(exit {clean['follower_exit']}, statuses {clean['follower_statuses']})"
+    )
     for row in clean["interval_costs"]:
         print(f"  interval {row['interval']}: training {row['training_s']} s, follower's replay {row['replay_s']} s")
-    print(f"  certify without ledger: {clean['certify_steps_replayed_without_ledger']} steps replayed, {clean['without_ledger_s']} s; "
-          f"with the follower's ledger: {clean['certify_exact_now_with_ledger']} replayed, {clean['certify_steps_from_ledger']} "
-          f"from the ledger, {clean['with_ledger_s']} s; same statuses: {clean['statuses_equal']}")
-    print(f"  follower replay / training per interval (after the first): {clean['replay_over_training']} (W = 4 ranks replayed "
-          f"by one process); largest lag while training: {clean['max_lag_while_training']} interval(s) over {clean['lag_samples']} samples")
-    print(f"faulty job ({faulty['fault']}): follower alarmed on interval {faulty['alarm_interval']}, naming {faulty['follower_names']}; "
-          f"training was at step {faulty['training_step_at_alarm']} then" + (" (training was over)" if faulty["training_over_before_alarm"] else ""))
+    print(
+        f"  certify without ledger: {clean['certify_steps_replayed_without_ledger']} steps replayed, {clean['without_ledger_s']} s; "
+        f"with the follower's ledger: {clean['certify_exact_now_with_ledger']} replayed, {clean['certify_steps_from_ledger']} "
+        f"from the ledger, {clean['with_ledger_s']} s; same statuses: {clean['statuses_equal']}"
+    )
+    print(
+        f"  follower replay / training per interval (after the first): {clean['replay_over_training']} (W = 4 ranks replayed "
+        f"by one process); largest lag while training: {clean['max_lag_while_training']} interval(s) over {clean['lag_samples']} samples"
+    )
+    print(
+        f"faulty job ({faulty['fault']}): follower alarmed on interval {faulty['alarm_interval']}, naming {faulty['follower_names']}; "
+        f"training was at step {faulty['training_step_at_alarm']} then"
+        + (" (training was over)" if faulty["training_over_before_alarm"] else "")
+    )
     for name in ("bisect_without_ledger", "bisect_with_ledger"):
         row = faulty[name]
-        print(f"  {name}: {row['steps_replayed']} steps replayed, {row['seconds']} s, answer {row['answer']}, exit {row['exit']}")
+        print(
+            f"  {name}: {row['steps_replayed']} steps replayed, {row['seconds']} s, answer {row['answer']}, exit {row['exit']}"
+        )
 
 
 if __name__ == "__main__":

@@ -163,8 +163,13 @@ def _worker(rank: int, port: int, setting: Setting, out: str, trace_dir: str) ->
     device = setting.rank_device(rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(setting.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=setting.world_size,
-                            timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        setting.backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=setting.world_size,
+        timeout=datetime.timedelta(seconds=600),
+    )
     try:
         _measure(rank, setting, device, out, trace_dir)
     finally:
@@ -184,8 +189,13 @@ def _measure(rank: int, setting: Setting, device: torch.device, out: str, trace_
     ddp_bare = DistributedDataParallel(model_bare, device_ids=device_ids)
     warmup, steps = setting.warmup, setting.steps
     audit_steps = tuple(range(warmup + steps, warmup + steps + setting.audit_steps))
-    rec = Recorder(trace_dir, ddp_rec, opt_rec, recipe="bench_overhead:recipe",
-                   options=RecorderOptions(audit_steps=audit_steps, node_of_rank=tuple(range(world_size))))
+    rec = Recorder(
+        trace_dir,
+        ddp_rec,
+        opt_rec,
+        recipe="bench_overhead:recipe",
+        options=RecorderOptions(audit_steps=audit_steps, node_of_rank=tuple(range(world_size))),
+    )
     times: dict[str, list[float]] = {"recorded": [], "bare": [], "audited": []}
     cpu: dict[str, list[float]] = {"recorded": [], "bare": [], "audited": []}  # this process's CPU seconds
     try:
@@ -213,10 +223,16 @@ def _measure(rank: int, setting: Setting, device: torch.device, out: str, trace_
     dist.all_gather_object(gathered, {"times": times, "cpu": cpu})
     trace_bytes = sum(p.stat().st_size for p in Path(trace_dir).glob("rank-*.sdct"))
     if rank == 0:
-        Path(out).write_text(json.dumps({
-            "ranks": gathered, "params": sum(p.numel() for p in model_rec.parameters()), "trace_bytes": trace_bytes,
-            "parts_ms": _parts_ms(model_rec, device),
-        }))
+        Path(out).write_text(
+            json.dumps(
+                {
+                    "ranks": gathered,
+                    "params": sum(p.numel() for p in model_rec.parameters()),
+                    "trace_bytes": trace_bytes,
+                    "parts_ms": _parts_ms(model_rec, device),
+                }
+            )
+        )
 
 
 def _paired_pct(recorded: list[float], bare: list[float]) -> float:
@@ -275,7 +291,9 @@ def figures(setting: Setting, args: argparse.Namespace, runs: list[dict], last: 
     """``{name: {value, unit, goal, goal_op, met, note, detail}}``: medians over runs of each run's paired figure."""
     goal = GOAL_PCT[setting.device]
     params = last["params"]
-    where = f"{setting.device}, W={setting.world_size} {setting.backend}" + (f" on {setting.gpus} GPU(s)" if setting.gpus else ", 1 thread/rank")
+    where = f"{setting.device}, W={setting.world_size} {setting.backend}" + (
+        f" on {setting.gpus} GPU(s)" if setting.gpus else ", 1 thread/rank"
+    )
     detail = {
         "setting": f"{where}, MLP {args.layers}x{args.width}^2 ({params / 1e6:.2f} M params), "
         f"{MICROBATCHES} x {args.rows} rows per rank-step, AdamW, {setting.steps} pairs per rank per run",
@@ -287,10 +305,17 @@ def figures(setting: Setting, args: argparse.Namespace, runs: list[dict], last: 
         // (setting.world_size * (setting.warmup + setting.steps + setting.audit_steps)),
     }
     out = {}
-    for name, key, unit in (("recorder_overhead_cpu_pct", "cpu_pct", "% CPU"), ("recorder_overhead_wall_pct", "wall_pct", "% wall")):
+    for name, key, unit in (
+        ("recorder_overhead_cpu_pct", "cpu_pct", "% CPU"),
+        ("recorder_overhead_wall_pct", "wall_pct", "% wall"),
+    ):
         value = round(statistics.median(run[key] for run in runs), 2)
         out[name] = {
-            "value": value, "unit": unit, "goal": goal, "goal_op": "<=", "met": bool(value <= goal),
+            "value": value,
+            "unit": unit,
+            "goal": goal,
+            "goal_op": "<=",
+            "met": bool(value <= goal),
             "note": f"recorded vs bare steps side by side, {where}, median of {len(runs)} run(s)",
             "detail": detail,
         }
@@ -310,8 +335,16 @@ def parse_setting(args: argparse.Namespace) -> Setting:
     else:
         world_size, backend, gpus = args.world_size or 2, "gloo" if args.backend == "auto" else args.backend, 0
     try:
-        return Setting(device=args.device, backend=backend, world_size=world_size, gpus=gpus, threads=args.threads,
-                       warmup=args.warmup, steps=args.steps, audit_steps=args.audit_steps)
+        return Setting(
+            device=args.device,
+            backend=backend,
+            world_size=world_size,
+            gpus=gpus,
+            threads=args.threads,
+            warmup=args.warmup,
+            steps=args.steps,
+            audit_steps=args.audit_steps,
+        )
     except ValueError as exc:
         _usage_error(str(exc))
 
@@ -324,20 +357,44 @@ def _usage_error(message: str):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
-                        help="auto: NCCL with one GPU per process, else gloo")
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="processes (default: 2 on CPU; on CUDA one per GPU, or 2 sharing one GPU)")
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "gloo", "nccl"),
+        default="auto",
+        help="auto: NCCL with one GPU per process, else gloo",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="processes (default: 2 on CPU; on CUDA one per GPU, or 2 sharing one GPU)",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer timed steps, no audit (under a minute on 2 cores)")
-    parser.add_argument("--runs", type=int, default=1, help="independent runs; figures are the median of their paired figures")
-    parser.add_argument("--steps", type=int, default=None, help="timed pairs of steps per rank (default 15 CPU, 12 CUDA; 3/6 with --quick)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed pairs first (default 2 CPU, 3 CUDA; 1/2 with --quick)")
-    parser.add_argument("--audit-steps", type=int, default=None, help="extra recorded steps with an audit each (default 3 CPU, 1 CUDA; none with --quick)")
+    parser.add_argument(
+        "--runs", type=int, default=1, help="independent runs; figures are the median of their paired figures"
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed pairs of steps per rank (default 15 CPU, 12 CUDA; 3/6 with --quick)",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="untimed pairs first (default 2 CPU, 3 CUDA; 1/2 with --quick)"
+    )
+    parser.add_argument(
+        "--audit-steps",
+        type=int,
+        default=None,
+        help="extra recorded steps with an audit each (default 3 CPU, 1 CUDA; none with --quick)",
+    )
     parser.add_argument("--width", type=int, default=None, help="default 1024 CPU, 4096 CUDA")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rows", type=int, default=8192, help="rows per microbatch (2 microbatches per rank-step)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op CPU threads per rank")
-    parser.add_argument("--json", action="store_true", help="print {name: {value, unit, goal, met, ...}} as JSON on stdout")
+    parser.add_argument(
+        "--json", action="store_true", help="print {name: {value, unit, goal, met, ...}} as JSON on stdout"
+    )
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
     defaults = {  # (full, quick)
@@ -358,8 +415,11 @@ def main(argv: list[str] | None = None) -> None:
     for index in range(max(1, args.runs)):
         last = run_once(setting)
         runs.append(summarise(last))
-        print(f"run {index + 1}/{args.runs}: recorder overhead {runs[-1]['cpu_pct']:+.2f} % CPU, {runs[-1]['wall_pct']:+.2f} % wall "
-              f"({runs[-1]['pairs']} pairs)", file=sys.stderr)
+        print(
+            f"run {index + 1}/{args.runs}: recorder overhead {runs[-1]['cpu_pct']:+.2f} % CPU, {runs[-1]['wall_pct']:+.2f} % wall "
+            f"({runs[-1]['pairs']} pairs)",
+            file=sys.stderr,
+        )
     for run in runs:
         run["cpu_pct"], run["wall_pct"] = round(run["cpu_pct"], 2), round(run["wall_pct"], 2)
     result = figures(setting, args, runs, last)
@@ -368,7 +428,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     detail = result["recorder_overhead_cpu_pct"]["detail"]
     for name, fig in result.items():
-        print(f"{name:28s} {fig['value']:+.2f} {fig['unit']} (goal <= {fig['goal']}: {'met' if fig['met'] else 'NOT met'})")
+        print(
+            f"{name:28s} {fig['value']:+.2f} {fig['unit']} (goal <= {fig['goal']}: {'met' if fig['met'] else 'NOT met'})"
+        )
     for key in ("setting", "machine", "load_average", "recorder_parts_ms", "trace_bytes_per_rank_step"):
         print(f"{key:28s} {detail[key]}")
     for index, run in enumerate(runs):

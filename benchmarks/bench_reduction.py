@@ -86,15 +86,26 @@ def measure_reduction(world_size: int, sizes_mb: list[float], reps: int) -> list
     """Rows ``{world_size, size_mb, native_s, ordered_s, ratio}`` for one world size."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "times.json")
-        mp.start_processes(_worker, args=(world_size, _free_port(), sizes_mb, reps, out), nprocs=world_size, start_method="spawn")
+        mp.start_processes(
+            _worker, args=(world_size, _free_port(), sizes_mb, reps, out), nprocs=world_size, start_method="spawn"
+        )
         per_rank = json.loads(Path(out).read_text())
     rows = []
     for size_mb in sizes_mb:
         key = str(size_mb)
-        slowest = {kind: [max(r[key][kind][i] for r in per_rank) for i in range(reps)] for kind in ("native", "ordered")}
+        slowest = {
+            kind: [max(r[key][kind][i] for r in per_rank) for i in range(reps)] for kind in ("native", "ordered")
+        }
         native, ordered = statistics.median(slowest["native"]), statistics.median(slowest["ordered"])
-        rows.append({"world_size": world_size, "size_mb": size_mb, "native_s": round(native, 5), "ordered_s": round(ordered, 5),
-                     "ratio": round(ordered / native, 2)})
+        rows.append(
+            {
+                "world_size": world_size,
+                "size_mb": size_mb,
+                "native_s": round(native, 5),
+                "ordered_s": round(ordered, 5),
+                "ratio": round(ordered / native, 2),
+            }
+        )
     return rows
 
 
@@ -119,13 +130,23 @@ def measure_step(steps: int, blocks: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for block in range(blocks):
             for kind in ("native", "ordered") if block % 2 == 0 else ("ordered", "native"):
-                config = DemoConfig(out_dir=Path(tmp) / f"{kind}-{block}", steps=steps, checkpoint_every=steps,
-                                    recipe="sdc_forensics.demo.convnet:recipe", reduction=kind)
+                config = DemoConfig(
+                    out_dir=Path(tmp) / f"{kind}-{block}",
+                    steps=steps,
+                    checkpoint_every=steps,
+                    recipe="sdc_forensics.demo.convnet:recipe",
+                    reduction=kind,
+                )
                 run_config(config)
                 times[kind].append(_median_step_s(config.trace_dir, steps))
     native, ordered = statistics.median(times["native"]), statistics.median(times["ordered"])
-    return {"native_step_s": round(native, 4), "ordered_step_s": round(ordered, 4), "ratio": round(ordered / native, 3),
-            "steps": steps, "blocks": blocks}
+    return {
+        "native_step_s": round(native, 4),
+        "ordered_step_s": round(ordered, 4),
+        "ratio": round(ordered / native, 3),
+        "steps": steps,
+        "blocks": blocks,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -133,12 +154,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 25, 100])
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--step", action="store_true", help="also the whole-step cost of replayable() on the conv net demo")
+    parser.add_argument(
+        "--step", action="store_true", help="also the whole-step cost of replayable() on the conv net demo"
+    )
     parser.add_argument("--step-blocks", type=int, default=4)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     rows = [row for w in args.world_sizes for row in measure_reduction(w, args.sizes_mb, args.reps)]
-    doc = {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}", "reps": args.reps, "rows": rows}
+    doc = {
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "reps": args.reps,
+        "rows": rows,
+    }
     if args.step:
         doc["step"] = measure_step(steps=20, blocks=args.step_blocks)
     if args.json:
@@ -148,11 +175,15 @@ def main(argv: list[str] | None = None) -> None:
     print("| W | bucket | native all-reduce | ordered | ordered / native |")
     print("| ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['world_size']} | {r['size_mb']:g} MB | {r['native_s'] * 1e3:.1f} ms | {r['ordered_s'] * 1e3:.1f} ms | {r['ratio']:.2f}x |")
+        print(
+            f"| {r['world_size']} | {r['size_mb']:g} MB | {r['native_s'] * 1e3:.1f} ms | {r['ordered_s'] * 1e3:.1f} ms | {r['ratio']:.2f}x |"
+        )
     if args.step:
         s = doc["step"]
-        print(f"conv net step, 4 ranks recorded: native {s['native_step_s'] * 1e3:.1f} ms, ordered {s['ordered_step_s'] * 1e3:.1f} ms, "
-              f"ratio {s['ratio']:.3f} (median over {s['blocks']} alternating runs of {s['steps']} steps)")
+        print(
+            f"conv net step, 4 ranks recorded: native {s['native_step_s'] * 1e3:.1f} ms, ordered {s['ordered_step_s'] * 1e3:.1f} ms, "
+            f"ratio {s['ratio']:.3f} (median over {s['blocks']} alternating runs of {s['steps']} steps)"
+        )
 
 
 if __name__ == "__main__":

@@ -98,8 +98,15 @@ def _free_port() -> int:
 def record(work: Path, model: Model) -> Path:
     """A clean recorded run of ``model.steps`` steps (checkpoint 0 and at the end)."""
     out = work / model.name
-    run_demo(out, injections=("none",), steps=model.steps, checkpoint_every=model.steps, world_size=model.world_size,
-             recipe=RECIPE_REFERENCE, recipe_args=model.recipe_args)
+    run_demo(
+        out,
+        injections=("none",),
+        steps=model.steps,
+        checkpoint_every=model.steps,
+        world_size=model.world_size,
+        recipe=RECIPE_REFERENCE,
+        recipe_args=model.recipe_args,
+    )
     return out
 
 
@@ -114,14 +121,28 @@ def train_recorded(out: Path, model: Model, work: Path, index: int) -> float:
     net, optimizer, scheduler = recipe.build("cpu")
     recipe.load_checkpoint(out / "checkpoints/step-00000000.pt", net, optimizer, scheduler)
     ddp = DistributedDataParallel(net)
-    rec = Recorder(work / f"train-{model.name}-{index}", ddp, optimizer, recipe=RECIPE_REFERENCE, recipe_args=model.recipe_args,
-                   options=RecorderOptions(policy="continue", node_of_rank=(0,)))
+    rec = Recorder(
+        work / f"train-{model.name}-{index}",
+        ddp,
+        optimizer,
+        recipe=RECIPE_REFERENCE,
+        recipe_args=model.recipe_args,
+        options=RecorderOptions(policy="continue", node_of_rank=(0,)),
+    )
     try:
         start = time.perf_counter()
         for step in range(model.steps):
             ids = recipe.microbatch_ids(step, 0, model.world_size)
             with rec.step(step, microbatch_ids=ids) as handle:
-                train_step(ddp, optimizer, recipe, (recipe.fetch_microbatch(i, "cpu") for i in ids), len(ids), handle, scheduler)
+                train_step(
+                    ddp,
+                    optimizer,
+                    recipe,
+                    (recipe.fetch_microbatch(i, "cpu") for i in ids),
+                    len(ids),
+                    handle,
+                    scheduler,
+                )
         return time.perf_counter() - start
     finally:
         rec.close()
@@ -150,8 +171,12 @@ def replay_steps(out: Path, steps: int) -> tuple[float, str]:
     """Seconds of ``replay_window`` over steps ``0..steps-1``, and its comparison (must be clean)."""
     trace = Trace.open(out / "trace")
     note = read_checkpoint_notes(out / "trace")[0]
-    options = ReplayOptions(start_step=0, stop_step=steps - 1, checkpoint_path=out / "checkpoints/step-00000000.pt",
-                            expected_weights_digest=note.weights_digest)
+    options = ReplayOptions(
+        start_step=0,
+        stop_step=steps - 1,
+        checkpoint_path=out / "checkpoints/step-00000000.pt",
+        expected_weights_digest=note.weights_digest,
+    )
     recipe = load_trace_recipe(trace.manifest)
     start = time.perf_counter()
     result = replay_window(trace, recipe, options)
@@ -170,9 +195,16 @@ def ratios(work: Path, models: list[Model], repeat: int) -> dict:
     for m in models:
         determinism = json.loads((runs[m.name] / "trace/manifest.json").read_text())["attempts"][0]["determinism"]
         threads[m.name] = int(determinism.get("num_threads") or torch.get_num_threads())
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=120))
-    times: dict[str, dict[str, list]] = {m.name: {"train": [], "bare": [], "replay": [], "comparison": []} for m in models}
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    times: dict[str, dict[str, list]] = {
+        m.name: {"train": [], "bare": [], "replay": [], "comparison": []} for m in models
+    }
     try:
         for i in range(repeat):
             for m in models:
@@ -192,10 +224,20 @@ def ratios(work: Path, models: list[Model], repeat: int) -> dict:
         value = (r / m.steps) / (m.world_size * t / m.steps)
         comparisons = sorted(set(times[m.name]["comparison"]))
         figures[f"replay_vs_training_{m.name}"] = {
-            "value": round(value, 3), "unit": "x W", "goal": GOAL, "goal_op": "<=", "met": value <= GOAL,
-            "params": m.num_params, "world_size": m.world_size, "steps": m.steps, "threads": threads[m.name], "repeat": repeat,
-            "train_s_per_step": round(t / m.steps, 5), "replay_s_per_step": round(r / m.steps, 5),
-            "bare_train_s_per_step": round(bare / m.steps, 5), "vs_bare_compute": round(r / (m.world_size * bare), 3),
+            "value": round(value, 3),
+            "unit": "x W",
+            "goal": GOAL,
+            "goal_op": "<=",
+            "met": value <= GOAL,
+            "params": m.num_params,
+            "world_size": m.world_size,
+            "steps": m.steps,
+            "threads": threads[m.name],
+            "repeat": repeat,
+            "train_s_per_step": round(t / m.steps, 5),
+            "replay_s_per_step": round(r / m.steps, 5),
+            "bare_train_s_per_step": round(bare / m.steps, 5),
+            "vs_bare_compute": round(r / (m.world_size * bare), 3),
             "comparison": "/".join(comparisons),
         }
     return figures
@@ -225,20 +267,36 @@ def incidents(work: Path, steps: int, every: int) -> list[dict]:
         evidence = bool(triage_trace(Trace.open(out / "trace")).findings)
         result = bisect(out / "trace", BisectOptions(checkpoints_dir=out / "checkpoints"))
         injected_step = int(spec.split("step=")[1].split(":")[0])
-        rows.append({"spec": spec, "trace_evidence": evidence, "found_step": result.first_divergent_step,
-                     "correct": result.first_divergent_step == injected_step, "steps_replayed": result.replayed.steps_replayed,
-                     "windows": [(w.start, w.last) for w in result.replayed.windows], "interval": every})
+        rows.append(
+            {
+                "spec": spec,
+                "trace_evidence": evidence,
+                "found_step": result.first_divergent_step,
+                "correct": result.first_divergent_step == injected_step,
+                "steps_replayed": result.replayed.steps_replayed,
+                "windows": [(w.start, w.last) for w in result.replayed.windows],
+                "interval": every,
+            }
+        )
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=None, help="interleaved repetitions (default 5; --quick 3)")
-    parser.add_argument("--demo-steps", type=int, default=None, help="steps of the demo model's run (default 12; --quick 6)")
-    parser.add_argument("--wide-steps", type=int, default=None, help="steps of the 11 M-parameter model's run (default 4; --quick 3)")
+    parser.add_argument(
+        "--demo-steps", type=int, default=None, help="steps of the demo model's run (default 12; --quick 6)"
+    )
+    parser.add_argument(
+        "--wide-steps", type=int, default=None, help="steps of the 11 M-parameter model's run (default 4; --quick 3)"
+    )
     parser.add_argument("--world-size", type=int, default=4, help="W of the demo model's run")
-    parser.add_argument("--wide-world-size", type=int, default=None, help="W of the 11 M model's run (default 4; --quick 2)")
-    parser.add_argument("--quick", action="store_true", help="fewer steps and repetitions, W = 2 for the wide model (about a minute)")
+    parser.add_argument(
+        "--wide-world-size", type=int, default=None, help="W of the 11 M model's run (default 4; --quick 2)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer steps and repetitions, W = 2 for the wide model (about a minute)"
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON document on stdout")
     parser.add_argument("--incident-steps", type=int, default=20)
     parser.add_argument("--every", type=int, default=5, help="checkpoint interval of the incident runs")
@@ -248,7 +306,12 @@ def main() -> None:
     repeat = args.repeat or (3 if quick else 5)
     models = [
         Model(name="demo", recipe_args=None, world_size=args.world_size, steps=args.demo_steps or (6 if quick else 12)),
-        Model(name="10m", recipe_args=WIDE, world_size=args.wide_world_size or (2 if quick else 4), steps=args.wide_steps or (3 if quick else 4)),
+        Model(
+            name="10m",
+            recipe_args=WIDE,
+            world_size=args.wide_world_size or (2 if quick else 4),
+            steps=args.wide_steps or (3 if quick else 4),
+        ),
     ]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -257,15 +320,19 @@ def main() -> None:
         rows = [] if quick or args.json or args.skip_incidents else incidents(work, args.incident_steps, args.every)
     machine = f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}".strip()
     for name, f in figures.items():
-        print(f"{name}: {f['params']:,} params, W={f['world_size']}, {f['steps']} steps, median of {f['repeat']}: replay "
-              f"{f['replay_s_per_step'] * 1e3:.1f} ms/step, train one rank {f['train_s_per_step'] * 1e3:.1f} ms/step (recorder on) "
-              f"-> {f['value']:.3f} x W (goal <= {GOAL}: {'met' if f['met'] else 'NOT met'}), comparison {f['comparison']}; "
-              f"vs bare compute (no DDP, no recorder: {f['bare_train_s_per_step'] * 1e3:.1f} ms/step) {f['vs_bare_compute']:.3f} x W",
-              file=sys.stderr)
+        print(
+            f"{name}: {f['params']:,} params, W={f['world_size']}, {f['steps']} steps, median of {f['repeat']}: replay "
+            f"{f['replay_s_per_step'] * 1e3:.1f} ms/step, train one rank {f['train_s_per_step'] * 1e3:.1f} ms/step (recorder on) "
+            f"-> {f['value']:.3f} x W (goal <= {GOAL}: {'met' if f['met'] else 'NOT met'}), comparison {f['comparison']}; "
+            f"vs bare compute (no DDP, no recorder: {f['bare_train_s_per_step'] * 1e3:.1f} ms/step) {f['vs_bare_compute']:.3f} x W",
+            file=sys.stderr,
+        )
     for row in rows:
-        print(f"{row['spec']:<40} evidence={'yes' if row['trace_evidence'] else 'no ':<3} found={row['found_step']} "
-              f"correct={row['correct']} replayed={row['steps_replayed']} (interval {row['interval']}) windows={row['windows']}",
-              file=sys.stderr)
+        print(
+            f"{row['spec']:<40} evidence={'yes' if row['trace_evidence'] else 'no ':<3} found={row['found_step']} "
+            f"correct={row['correct']} replayed={row['steps_replayed']} (interval {row['interval']}) windows={row['windows']}",
+            file=sys.stderr,
+        )
     print(f"{machine}; {time.perf_counter() - started:.0f} s", file=sys.stderr)
     if args.json:
         print(json.dumps(figures, sort_keys=True))

@@ -45,8 +45,12 @@ def main() -> None:
     exe = str(Path(sys.executable).parent / "sdc-forensics")
     with tempfile.TemporaryDirectory(prefix="sdc-bench-report-") as tmp:
         trace = Path(tmp) / "trace"
-        write_synthetic_trace(trace, num_ranks=args.ranks, num_steps=args.steps,
-                              faults=(PlantedFault(kind="nonfinite", step=args.steps * 7 // 9, rank=9 % args.ranks),))
+        write_synthetic_trace(
+            trace,
+            num_ranks=args.ranks,
+            num_steps=args.steps,
+            faults=(PlantedFault(kind="nonfinite", step=args.steps * 7 // 9, rank=9 % args.ranks),),
+        )
         commands = {
             "bisect": [exe, "bisect", str(trace), "--trace-only"],
             "report_md": [exe, "report", str(trace), "--trace-only", "-o", str(Path(tmp) / "review.md"), "--force"],
@@ -59,7 +63,9 @@ def main() -> None:
         html_bytes = (Path(tmp) / "review.html").stat().st_size
     median = {name: statistics.median(values) for name, values in times.items()}
     result = {
-        "ranks": args.ranks, "steps": args.steps, "repeat": args.repeat,
+        "ranks": args.ranks,
+        "steps": args.steps,
+        "repeat": args.repeat,
         "median_s": median,
         "report_md_over_bisect": median["report_md"] / median["bisect"],
         "report_html_over_bisect": median["report_html"] / median["bisect"],

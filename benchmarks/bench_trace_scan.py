@@ -54,7 +54,9 @@ GOAL_COLD_S = 15.0
 CPU_SECONDS: dict[str, list[float]] = {}
 
 
-def ours(trace_dir: Path, *, kernels: bool, outliers: bool = False, stop_step: int | None = None) -> tuple[float, int, object]:
+def ours(
+    trace_dir: Path, *, kernels: bool, outliers: bool = False, stop_step: int | None = None
+) -> tuple[float, int, object]:
     """One ``Trace.open`` + ``triage_trace``: (seconds, rank-steps, result). The process's CPU
     seconds go to :data:`CPU_SECONDS` (a figure that a busy shared machine disturbs less)."""
     os.environ[scan.KERNELS_ENV] = "on" if kernels else "off"
@@ -63,7 +65,9 @@ def ours(trace_dir: Path, *, kernels: bool, outliers: bool = False, stop_step: i
         trace = Trace.open(trace_dir)
         result = triage_trace(trace, TriageOptions(outliers=outliers, stop_step=stop_step))
         seconds = time.perf_counter() - start
-        CPU_SECONDS.setdefault(f"{result.scan_path}{' hints' if outliers else ''}", []).append(time.process_time() - cpu)
+        CPU_SECONDS.setdefault(f"{result.scan_path}{' hints' if outliers else ''}", []).append(
+            time.process_time() - cpu
+        )
     finally:
         del os.environ[scan.KERNELS_ENV]
     bounds = result.step_range
@@ -82,12 +86,22 @@ def write_jsonl(trace_dir: Path, out_dir: Path, num_steps: int) -> None:
         for row in range(len(window.steps)):
             for rank, handle in enumerate(handles):
                 r = rec[row, rank]
-                handle.write(orjson.dumps({
-                    "step": int(r["step"]), "rank": rank, "loss": float(r["loss"]),
-                    "weights_digest": f"{int(r['weights_digest']):016x}", "reduced_digest": f"{int(r['reduced_digest']):016x}",
-                    "local_norm": float(r["local_norm"]), "reduced_norm": float(r["reduced_norm"]),
-                    "local_sketch": r["local_sketch"].tolist(), "reduced_sketch": r["reduced_sketch"].tolist(),
-                }) + b"\n")
+                handle.write(
+                    orjson.dumps(
+                        {
+                            "step": int(r["step"]),
+                            "rank": rank,
+                            "loss": float(r["loss"]),
+                            "weights_digest": f"{int(r['weights_digest']):016x}",
+                            "reduced_digest": f"{int(r['reduced_digest']):016x}",
+                            "local_norm": float(r["local_norm"]),
+                            "reduced_norm": float(r["reduced_norm"]),
+                            "local_sketch": r["local_sketch"].tolist(),
+                            "reduced_sketch": r["reduced_sketch"].tolist(),
+                        }
+                    )
+                    + b"\n"
+                )
     for handle in handles:
         handle.close()
 
@@ -144,12 +158,17 @@ print(time.perf_counter() - start, result.scan_path)
 def cold_first_call(trace_dir: Path, cache_dir: Path) -> tuple[float, str]:
     """Seconds of the first ``triage_trace`` in a fresh process with an empty numba cache."""
     env = dict(os.environ, NUMBA_CACHE_DIR=str(cache_dir), **{scan.KERNELS_ENV: "on"})
-    out = subprocess.run([sys.executable, "-c", _COLD, str(trace_dir)], env=env, check=True, capture_output=True, text=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", _COLD, str(trace_dir)], env=env, check=True, capture_output=True, text=True
+    ).stdout.split()
     return float(out[0]), out[1]
 
 
 def make_trace(path: Path, ranks: int, steps: int, fault_step: int, audit_every: int = 0) -> Path:
-    faults = (PlantedFault(kind="weights", step=fault_step, rank=ranks // 3), PlantedFault(kind="allreduce-all", step=fault_step + 1, rank=0))
+    faults = (
+        PlantedFault(kind="weights", step=fault_step, rank=ranks // 3),
+        PlantedFault(kind="allreduce-all", step=fault_step + 1, rank=0),
+    )
     trace_dir = write_synthetic_trace(path, num_ranks=ranks, num_steps=steps, faults=faults)
     if audit_every:
         add_audits(trace_dir, ranks, audit_every)
@@ -174,7 +193,9 @@ def add_audits(trace_dir: Path, ranks: int, audit_every: int) -> None:
         audit["kind"] = int(F.Kind.AUDIT)
         audit["flags"] = int(F.Flag.CONTIGUOUS_IDS)
         audit["aux_rank"] = subject
-        own = C.splitmix64(audit["step"].astype(np.uint64) * np.uint64(1000) + np.uint64(subject))  # the subject's local_digest
+        own = C.splitmix64(
+            audit["step"].astype(np.uint64) * np.uint64(1000) + np.uint64(subject)
+        )  # the subject's local_digest
         audit["aux_digest"] = own
         audit["local_digest"] = own
         audit["input_digest"] = 0
@@ -191,9 +212,18 @@ def main() -> None:
     parser.add_argument("--baseline-steps", type=int, default=1_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
-    parser.add_argument("--trace", type=Path, default=None, help="an existing synthetic trace to scan (its fault at --baseline-steps // 2)")
-    parser.add_argument("--audit-every", type=int, default=0, help="interleave AUDIT records every N steps (files not dense)")
-    parser.add_argument("--quick", action="store_true", help="256 ranks x 8,000 steps, 300 JSON steps: well under a minute")
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="an existing synthetic trace to scan (its fault at --baseline-steps // 2)",
+    )
+    parser.add_argument(
+        "--audit-every", type=int, default=0, help="interleave AUDIT records every N steps (files not dense)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="256 ranks x 8,000 steps, 300 JSON steps: well under a minute"
+    )
     parser.add_argument("--json", action="store_true", help="print {name: {value, unit, goal, met}} on stdout")
     args = parser.parse_args()
     if args.quick:
@@ -212,9 +242,14 @@ def main() -> None:
         ranks, (first, last) = opened.world_size, opened.step_range()
         steps = last - first + 1
         size_mb = sum(p.stat().st_size for p in Path(trace_dir).iterdir() if p.is_file()) / 1e6
-        say(f"trace: {ranks} ranks x {steps} steps, {size_mb:.0f} MB" + ("" if args.trace else f", written in {time.perf_counter() - t0:.1f} s"))
+        say(
+            f"trace: {ranks} ranks x {steps} steps, {size_mb:.0f} MB"
+            + ("" if args.trace else f", written in {time.perf_counter() - t0:.1f} s")
+        )
         write_jsonl(trace_dir, root / "jsonl", args.baseline_steps)
-        say(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs; numba {'present' if scan._import_kernels() else 'missing'}")
+        say(
+            f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs; numba {'present' if scan._import_kernels() else 'missing'}"
+        )
 
         cold_s, cold_path = cold_first_call(make_trace(root / "small", 8, 64, 10), root / "numba-cache")
         fast, fast_hints, slow, base = [], [], [], []
@@ -229,25 +264,43 @@ def main() -> None:
             base.append(b_count / b_seconds)
         path = result.scan_path
         assert reference.scan_path == scan.NUMPY
-        assert result.evidence == reference.evidence and result.damage == reference.damage, "the fast path disagrees with numpy"
-        assert result.first_suspect_step is not None and result.first_suspect_step <= fault_step, result.first_suspect_step
+        assert result.evidence == reference.evidence and result.damage == reference.damage, (
+            "the fast path disagrees with numpy"
+        )
+        assert result.first_suspect_step is not None and result.first_suspect_step <= fault_step, (
+            result.first_suspect_step
+        )
         assert b_div and b_div[0] == fault_step and b_bad == [fault_step + 1], (b_div[:3], b_bad[:3])
         fast_med, hints_med, slow_med, base_med = (statistics.median(v) for v in (fast, fast_hints, slow, base))
         runs = lambda values: ", ".join(f"{v / 1e6:.2f}" for v in values)  # noqa: E731
-        say(f"fast ({path}), no hints:     {fast_med / 1e6:8.2f} M rank-steps/s  (median of {args.repeat}: {runs(fast)})")
-        say(f"fast ({hinted.scan_path}), outlier hints: {hints_med / 1e6:5.2f} M rank-steps/s  (median of {args.repeat}: {runs(fast_hints)})")
-        say(f"numpy path (kernels off):   {slow_med / 1e6:8.2f} M rank-steps/s  (median of {args.repeat}: {runs(slow)})")
+        say(
+            f"fast ({path}), no hints:     {fast_med / 1e6:8.2f} M rank-steps/s  (median of {args.repeat}: {runs(fast)})"
+        )
+        say(
+            f"fast ({hinted.scan_path}), outlier hints: {hints_med / 1e6:5.2f} M rank-steps/s  (median of {args.repeat}: {runs(fast_hints)})"
+        )
+        say(
+            f"numpy path (kernels off):   {slow_med / 1e6:8.2f} M rank-steps/s  (median of {args.repeat}: {runs(slow)})"
+        )
         say(f"orjson JSON lines + numpy:  {base_med / 1e6:8.3f} M rank-steps/s  (first {args.baseline_steps} steps)")
         say(f"fast / numpy: {fast_med / slow_med:.1f} x;  fast / orjson: {fast_med / base_med:.1f} x")
-        say("CPU seconds per run (both cores together): " + "; ".join(f"{k}: {', '.join(f'{v:.2f}' for v in vs)}" for k, vs in CPU_SECONDS.items()))
+        say(
+            "CPU seconds per run (both cores together): "
+            + "; ".join(f"{k}: {', '.join(f'{v:.2f}' for v in vs)}" for k, vs in CPU_SECONDS.items())
+        )
         say(f"first call on a machine (empty numba cache, {cold_path}): {cold_s:.1f} s")
 
         say("peak traced heap of the fast path, traces of 1/4, 1/2 and all of the steps (window 1,024 steps):")
         heaps = []
         for fraction in (4, 2, 1):
             part_steps = steps // fraction
-            part = trace_dir if fraction == 1 else make_trace(root / f"part{fraction}", ranks, part_steps, min(fault_step, part_steps - 2),
-                                                              args.audit_every)
+            part = (
+                trace_dir
+                if fraction == 1
+                else make_trace(
+                    root / f"part{fraction}", ranks, part_steps, min(fault_step, part_steps - 2), args.audit_every
+                )
+            )
             heaps.append(heap_peak(part))
             say(f"  {part_steps:6d} steps: {heaps[-1] / 1e6:7.1f} MB")
             if part != trace_dir:
@@ -256,14 +309,37 @@ def main() -> None:
         growth = heaps[-1] / heaps[0]
 
     figures = {
-        "trace_scan_rank_steps_per_s": {"value": fast_med, "unit": "rank-steps/s", "goal": GOAL_RANK_STEPS_PER_S, "goal_op": ">=", "met": fast_med >= GOAL_RANK_STEPS_PER_S},
-        "trace_scan_with_hints_rank_steps_per_s": {"value": hints_med, "unit": "rank-steps/s", "goal": GOAL_RANK_STEPS_PER_S, "goal_op": ">=",
-                                                   "met": hints_med >= GOAL_RANK_STEPS_PER_S},
+        "trace_scan_rank_steps_per_s": {
+            "value": fast_med,
+            "unit": "rank-steps/s",
+            "goal": GOAL_RANK_STEPS_PER_S,
+            "goal_op": ">=",
+            "met": fast_med >= GOAL_RANK_STEPS_PER_S,
+        },
+        "trace_scan_with_hints_rank_steps_per_s": {
+            "value": hints_med,
+            "unit": "rank-steps/s",
+            "goal": GOAL_RANK_STEPS_PER_S,
+            "goal_op": ">=",
+            "met": hints_med >= GOAL_RANK_STEPS_PER_S,
+        },
         "trace_scan_fast_over_numpy": {"value": fast_med / slow_med, "unit": "x", "goal": None, "met": None},
         "trace_scan_fast_over_orjson": {"value": fast_med / base_med, "unit": "x", "goal": None, "met": None},
-        "trace_scan_heap_growth_quarter_to_all": {"value": growth, "unit": "x", "goal": GOAL_HEAP_GROWTH, "goal_op": "<=", "met": growth <= GOAL_HEAP_GROWTH},
+        "trace_scan_heap_growth_quarter_to_all": {
+            "value": growth,
+            "unit": "x",
+            "goal": GOAL_HEAP_GROWTH,
+            "goal_op": "<=",
+            "met": growth <= GOAL_HEAP_GROWTH,
+        },
         "trace_scan_heap_peak_bytes": {"value": heaps[-1], "unit": "bytes", "goal": None, "met": None},
-        "trace_scan_first_call_cold_s": {"value": cold_s, "unit": "s", "goal": GOAL_COLD_S, "goal_op": "<", "met": cold_s < GOAL_COLD_S},
+        "trace_scan_first_call_cold_s": {
+            "value": cold_s,
+            "unit": "s",
+            "goal": GOAL_COLD_S,
+            "goal_op": "<",
+            "met": cold_s < GOAL_COLD_S,
+        },
         "trace_scan_path": {"value": path, "unit": "", "goal": scan.NUMBA, "goal_op": "=", "met": path == scan.NUMBA},
         "trace_scan_size": {"value": f"{ranks} ranks x {steps} steps", "unit": "", "goal": None, "met": None},
     }

@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         contenders = {
             "verify (structure + digests + NaN/Inf + file checksum)": lambda: verify_checkpoint(path, options=options),
             "verify, no file checksum": lambda: verify_checkpoint(path, options=VerifyOptions(file_checksums=False)),
-            "verify, torch intra-op threads (workers=1)": lambda: verify_checkpoint(path, options=VerifyOptions(workers=1)),
+            "verify, torch intra-op threads (workers=1)": lambda: verify_checkpoint(
+                path, options=VerifyOptions(workers=1)
+            ),
             "sha256sum": lambda: subprocess.run(["sha256sum", str(path)], check=True, stdout=subprocess.DEVNULL),
             "cat > /dev/null": lambda: subprocess.run(f"cat '{path}' > /dev/null", shell=True, check=True),
         }
@@ -122,39 +124,63 @@ def main(argv: list[str] | None = None) -> int:
     verify_s = medians["verify (structure + digests + NaN/Inf + file checksum)"]
     rows = [
         {
-            "what": name, "median_s": round(t, 4), "GB_per_s": round(size / t / 1e9, 3), "vs_verify": round(t / verify_s, 2),
+            "what": name,
+            "median_s": round(t, 4),
+            "GB_per_s": round(size / t / 1e9, 3),
+            "vs_verify": round(t / verify_s, 2),
             "cpu_s_per_GB": round(cpu_medians[name] / (size / 1e9), 4),
         }
         for name, t in medians.items()
     ]
     machine = {
-        "cpu": _cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-        "torch": torch.__version__, "file_bytes": size, "tensors": len(report.tensors), "runs": args.runs,
-        "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        "cpu": _cpu_name(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "file_bytes": size,
+        "tensors": len(report.tensors),
+        "runs": args.runs,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
     }
     cat_s, sha_s = medians["cat > /dev/null"], medians["sha256sum"]
     figures = {
         "verify_speed_vs_cat": {
-            "value": round(cat_s / verify_s, 3), "unit": "x the speed of cat", "goal": 0.5, "goal_op": ">=", "met": cat_s / verify_s >= 0.5,
+            "value": round(cat_s / verify_s, 3),
+            "unit": "x the speed of cat",
+            "goal": 0.5,
+            "goal_op": ">=",
+            "met": cat_s / verify_s >= 0.5,
         },
         "verify_speed_vs_sha256sum": {
-            "value": round(sha_s / verify_s, 2), "unit": "x the speed of sha256sum", "goal": 5.0, "goal_op": ">=", "met": sha_s / verify_s >= 5.0,
+            "value": round(sha_s / verify_s, 2),
+            "unit": "x the speed of sha256sum",
+            "goal": 5.0,
+            "goal_op": ">=",
+            "met": sha_s / verify_s >= 5.0,
         },
     }
     if args.json:
         print(json.dumps({"figures": figures, "machine": machine, "results": rows}, indent=2, sort_keys=True))
     else:
         print(f"file: {size / 1e9:.3f} GB, {len(report.tensors)} tensors; median of {args.runs} runs, warm page cache")
-        print(f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} ({machine['torch_threads']} threads)")
+        print(
+            f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} ({machine['torch_threads']} threads)"
+        )
         print(f"load average before/after: {load_before[0]:.2f} / {machine['load_average_after'][0]:.2f}")
         print(f"{'what':58s} {'median s':>9s} {'GB/s':>8s} {'time / verify':>14s} {'CPU s/GB':>9s}")
         for row in rows:
-            print(f"{row['what']:58s} {row['median_s']:9.4f} {row['GB_per_s']:8.3f} {row['vs_verify']:14.2f} {row['cpu_s_per_GB']:9.3f}")
+            print(
+                f"{row['what']:58s} {row['median_s']:9.4f} {row['GB_per_s']:8.3f} {row['vs_verify']:14.2f} {row['cpu_s_per_GB']:9.3f}"
+            )
         verify_cpu = cpu_medians["verify (structure + digests + NaN/Inf + file checksum)"] / (size / 1e9)
         cores = os.cpu_count() or 1
         print(f"verify needs {verify_cpu:.3f} CPU s per GB: {cores / verify_cpu:.2f} GB/s on {cores} idle cores")
         sha = medians["sha256sum"]
-        print(f"verify is {sha / verify_s:.1f}x faster than sha256sum; cat reads at {size / medians['cat > /dev/null'] / 1e9:.2f} GB/s")
+        print(
+            f"verify is {sha / verify_s:.1f}x faster than sha256sum; cat reads at {size / medians['cat > /dev/null'] / 1e9:.2f} GB/s"
+        )
     return 0
 
 

@@ -135,7 +135,9 @@ def main(argv: list[str] | None = None) -> None:
         f"ratio residual/sigma: median {np.median(ratios):.2f}, p90 {np.percentile(ratios, 90):.2f}, "
         f"p99 {np.percentile(ratios, 99):.2f}, p99.9 {np.percentile(ratios, 99.9):.2f}, max {ratios.max():.2f}"
     )
-    print(f"margin KAPPA / max ratio: {tolerance.KAPPA / ratios.max():.2f}x; false alarms at KAPPA: {(ratios > tolerance.KAPPA).sum()}")
+    print(
+        f"margin KAPPA / max ratio: {tolerance.KAPPA / ratios.max():.2f}x; false alarms at KAPPA: {(ratios > tolerance.KAPPA).sum()}"
+    )
     for key in ("W", "size", "correlation", "division", "accumulation"):
         print()
         print("\n".join(_summary(rows, key)))

@@ -96,10 +96,17 @@ BIT_CLASSES = {
 STEP_KINDS = ("on_checkpoint", "after_checkpoint", "mid_interval")
 #: The suspect location each injection location should be blamed on (docs/bisect.md).
 EXPECTED_LOCATION = {
-    "grad": "local_compute", "weights": "state_at_rest", "allreduce": "collective", "allreduce-all": "collective",
-    "update": "optimizer_update", "input": "input_data", "checkpoint-file": "storage",
+    "grad": "local_compute",
+    "weights": "state_at_rest",
+    "allreduce": "collective",
+    "allreduce-all": "collective",
+    "update": "optimizer_update",
+    "input": "input_data",
+    "checkpoint-file": "storage",
     # a sharded job's (--parallel fsdp|hsdp)
-    "local-gradient": "local_compute", "reduce-scatter-output": "collective", "all-reduce-output": "collective",
+    "local-gradient": "local_compute",
+    "reduce-scatter-output": "collective",
+    "all-reduce-output": "collective",
     "all-gather-output": "local_compute",
 }
 #: --job: the sharded job's model, optimizer and clipping (demo/sharded.py's train): clipped-lm's gradient norm is several
@@ -108,9 +115,18 @@ SHARDED_JOBS = {"mlp": {}, "clipped-lm": {"model": "tied-lm", "optimizer": "adam
 
 #: --parallel: the locations a sharded job's faults are drawn from (its checkpoints are DCP
 #: directories: a flipped file there is verify-checkpoint's own test, tests/checkpoint/test_dcp_sharded.py)
-SHARDED_LOCATIONS = {"fsdp": ("local-gradient", "reduce-scatter-output", "all-gather-output", "weights", "update", "input"),
-                     "hsdp": ("local-gradient", "reduce-scatter-output", "all-reduce-output", "all-gather-output", "weights",
-                              "update", "input")}
+SHARDED_LOCATIONS = {
+    "fsdp": ("local-gradient", "reduce-scatter-output", "all-gather-output", "weights", "update", "input"),
+    "hsdp": (
+        "local-gradient",
+        "reduce-scatter-output",
+        "all-reduce-output",
+        "all-gather-output",
+        "weights",
+        "update",
+        "input",
+    ),
+}
 #: --mixed-precision: where a fault flips a bfloat16 (the all-gathered parameters, cast before the
 #: all-gather); every other location holds float32 (the gradient is reduced in float32)
 SIXTEEN_BIT = ("all-gather-output",)
@@ -144,7 +160,9 @@ class Options:
         if not 1 <= self.jobs <= 2:
             raise SystemExit("--jobs must be 1 or 2 (runs share 2 cores)")
         if self.parallel != "ddp" and (self.comm_hook or self.reduction != "native"):
-            raise SystemExit("--comm-hook and --reduction are DDP's; a sharded job records with the ordered reduce-scatter")
+            raise SystemExit(
+                "--comm-hook and --reduction are DDP's; a sharded job records with the ordered reduce-scatter"
+            )
         if self.job not in SHARDED_JOBS:
             raise SystemExit(f"--job must be one of {', '.join(SHARDED_JOBS)}")
         if self.job != "mlp" and self.parallel == "ddp":
@@ -177,8 +195,10 @@ def plan_runs(options: Options) -> list[Plan]:
     order and, independently, through the step kinds (28 pairs, 3 kinds: every pair meets every
     kind within 84 faults)."""
     rng = random.Random(options.seed)
-    plans = [Plan(index=i, variant=rng.randrange(1, 100_000), replay_threads=options.tolerant_threads if i % 2 else 0)
-             for i in range(options.clean)]
+    plans = [
+        Plan(index=i, variant=rng.randrange(1, 100_000), replay_threads=options.tolerant_threads if i % 2 else 0)
+        for i in range(options.clean)
+    ]
     locations = LOCATIONS if options.parallel == "ddp" else SHARDED_LOCATIONS[options.parallel]
     if options.job == "clipped-lm":  # its input is token ids (int64): there is no float of it to flip
         locations = tuple(loc for loc in locations if loc != "input")
@@ -193,8 +213,16 @@ def plan_runs(options: Options) -> list[Plan]:
         if options.mixed_precision and location in SIXTEEN_BIT:  # the same class of bfloat16's bits
             bit = bit - 16 if bit >= 16 else bit % 4
         spec = f"{location}:step={step}:rank={rng.randrange(WORLD_SIZE)}:bit={bit}"
-        plans.append(Plan(index=len(plans), variant=plans[j % options.clean].variant, fault=spec, location=location,
-                          bit_class=bits, step_kind=kind))
+        plans.append(
+            Plan(
+                index=len(plans),
+                variant=plans[j % options.clean].variant,
+                fault=spec,
+                location=location,
+                bit_class=bits,
+                step_kind=kind,
+            )
+        )
     return plans
 
 
@@ -204,8 +232,12 @@ def _draw_step(rng: random.Random, options: Options, kind: str, checkpoints: lis
         return rng.choice(checkpoints[1:])
     while True:
         base = rng.choice(checkpoints)
-        step = base + {"on_checkpoint": 0, "after_checkpoint": 1,
-                       "mid_interval": rng.randrange(2, options.checkpoint_every)}[kind]
+        step = (
+            base
+            + {"on_checkpoint": 0, "after_checkpoint": 1, "mid_interval": rng.randrange(2, options.checkpoint_every)}[
+                kind
+            ]
+        )
         if step <= options.steps - 2:
             return step
 
@@ -246,28 +278,49 @@ def _train(plan: Plan, options: Options) -> dict:
     if options.parallel != "ddp":
         from sdc_forensics.demo import sharded
 
-        found = sharded.run_demo(out, options.parallel, (plan.fault,) if plan.fault else (), steps=options.steps,
-                                 checkpoint_every=options.checkpoint_every, seed=plan.variant, **SHARDED_JOBS[options.job],
-                                 **({"param_dtype": "bfloat16", "reduce_dtype": "float32"} if options.mixed_precision else {}))
+        found = sharded.run_demo(
+            out,
+            options.parallel,
+            (plan.fault,) if plan.fault else (),
+            steps=options.steps,
+            checkpoint_every=options.checkpoint_every,
+            seed=plan.variant,
+            **SHARDED_JOBS[options.job],
+            **({"param_dtype": "bfloat16", "reduce_dtype": "float32"} if options.mixed_precision else {}),
+        )
         steps = range(0, options.steps, options.checkpoint_every)
-        return {"recipe": f"{sharded.SEEDED_REFERENCE} seed={plan.variant}", "trace": str(out / "trace"),
-                "train_s": round(time.monotonic() - started, 2), "fired": [],
-                "online_alarms": sorted({a["check"] for a in found["alarms"]}),
-                "checkpoints": {str(n): str(out / "checkpoints" / f"step-{n:08d}") for n in steps}}
+        return {
+            "recipe": f"{sharded.SEEDED_REFERENCE} seed={plan.variant}",
+            "trace": str(out / "trace"),
+            "train_s": round(time.monotonic() - started, 2),
+            "fired": [],
+            "online_alarms": sorted({a["check"] for a in found["alarms"]}),
+            "checkpoints": {str(n): str(out / "checkpoints" / f"step-{n:08d}") for n in steps},
+        }
     from sdc_forensics.demo.convnet import variant_reference
     from sdc_forensics.demo.run import DemoConfig, run_config
     from sdc_forensics.inject import parse_specs
 
     config = DemoConfig(
-        out_dir=out, injections=parse_specs([plan.fault]) if plan.fault else (), steps=options.steps,
-        checkpoint_every=options.checkpoint_every, world_size=WORLD_SIZE, audit_every=0, policy="continue",
-        recipe=variant_reference(plan.variant), threads=(1,) * WORLD_SIZE, comm_hook=options.comm_hook,
+        out_dir=out,
+        injections=parse_specs([plan.fault]) if plan.fault else (),
+        steps=options.steps,
+        checkpoint_every=options.checkpoint_every,
+        world_size=WORLD_SIZE,
+        audit_every=0,
+        policy="continue",
+        recipe=variant_reference(plan.variant),
+        threads=(1,) * WORLD_SIZE,
+        comm_hook=options.comm_hook,
         reduction=options.reduction,
     )
     result = run_config(config)
     return {
-        "recipe": config.recipe, "trace": str(config.trace_dir), "train_s": round(result.wall_s, 2),
-        "fired": [dict(f) for f in result.fired], "online_alarms": sorted({a["check"] for a in result.alarms}),
+        "recipe": config.recipe,
+        "trace": str(config.trace_dir),
+        "train_s": round(result.wall_s, 2),
+        "fired": [dict(f) for f in result.fired],
+        "online_alarms": sorted({a["check"] for a in result.alarms}),
         "checkpoints": {str(n): str(config.checkpoint_path(n)) for n in result.checkpoints},
     }
 
@@ -310,14 +363,22 @@ def effect(row: dict, twin: dict) -> dict:
     theirs = np.fromfile(twin["checkpoints"][step], dtype=np.uint8)
     common = min(mine.size, theirs.size)
     differing = int((mine[:common] != theirs[:common]).sum()) + abs(mine.size - theirs.size)
-    return {"effect": differing, "effective": differing > 0, "where": f"checkpoint {step}: {differing} byte(s) differ",
-            "identical_before_fault": True, "final_loss_change": 0.0}
+    return {
+        "effect": differing,
+        "effective": differing > 0,
+        "where": f"checkpoint {step}: {differing} byte(s) differ",
+        "identical_before_fault": True,
+        "final_loss_change": 0.0,
+    }
 
 
 # ---------------------------------------------------------------------------------- judging
 def _all_statuses(row: dict) -> dict[str, dict[str, str | None]]:
-    return {"bisect": row["bisect"]["statuses"], "certify": row["certify"]["statuses"],
-            "verify": {n: v["status"] for n, v in row["verify"].items()}}
+    return {
+        "bisect": row["bisect"]["statuses"],
+        "certify": row["certify"]["statuses"],
+        "verify": {n: v["status"] for n, v in row["verify"].items()},
+    }
 
 
 def judge(row: dict) -> dict:
@@ -330,18 +391,28 @@ def judge(row: dict) -> dict:
     steps = sorted({int(n) for by in statuses.values() for n in by})
     disagreeing = [n for n in steps if len({by.get(str(n)) for by in statuses.values()}) > 1]
     errors = [f"{c}: {r['error']}" for c, r in (("bisect", row["bisect"]), ("certify", row["certify"])) if r["error"]]
-    errors += [f"verify {n}: {v['error']}" for n, v in row["verify"].items() if v["error"] and v["exit_code"] not in (0, 1, 4)]
+    errors += [
+        f"verify {n}: {v['error']}" for n, v in row["verify"].items() if v["error"] and v["exit_code"] not in (0, 1, 4)
+    ]
     trace_only = row.get("trace_only")
     if trace_only is not None and trace_only["error"]:
         errors.append(f"bisect --trace-only: {trace_only['error']}")
     verdict = row["bisect"]["verdict"]
-    outcome = {"verdict": verdict, "inconclusive": verdict == "inconclusive", "disagreements": disagreeing, "errors": errors,
-               "trace_only_verdict": None if trace_only is None else trace_only["verdict"]}
+    outcome = {
+        "verdict": verdict,
+        "inconclusive": verdict == "inconclusive",
+        "disagreements": disagreeing,
+        "errors": errors,
+        "trace_only_verdict": None if trace_only is None else trace_only["verdict"],
+    }
     if row["fault"] is None:
         bad = [f"{c} {n}: {s}" for c, by in statuses.items() for n, s in by.items() if s in ("corrupt", "tainted")]
         bad += [f"verify {n}: exit 1" for n, v in row["verify"].items() if v["exit_code"] == 1]
-        return outcome | {"false_alarm": verdict == "corruption" or bool(bad), "bad_statuses": bad,
-                          "trace_only_false_alarm": None if trace_only is None else _alarmed(trace_only)}
+        return outcome | {
+            "false_alarm": verdict == "corruption" or bool(bad),
+            "bad_statuses": bad,
+            "trace_only_false_alarm": None if trace_only is None else _alarmed(trace_only),
+        }
     spec = parse_spec(row["fault"], ALL_LOCATIONS)
     if row["location"] == "checkpoint-file":
         held = [f"{c} {n}" for c, by in statuses.items() for n, s in by.items() if int(n) == spec.step and s == "clean"]
@@ -355,7 +426,8 @@ def judge(row: dict) -> dict:
         "exact_step_rank": _exact(row["bisect"], row["location"], spec),
         "location_correct": verdict == "corruption" and locations == {EXPECTED_LOCATION[row["location"]]},
         "false_clean": held,
-        "weak_candidate_matches": None if verdict != "inconclusive" or candidate is None
+        "weak_candidate_matches": None
+        if verdict != "inconclusive" or candidate is None
         else candidate["step"] == spec.step and candidate["ranks"] == [spec.rank],
         "trace_only_detected": None if trace_only is None else trace_only["verdict"] == "corruption",
         "trace_only_exact": None if trace_only is None else _exact(trace_only, row["location"], spec),
@@ -419,13 +491,20 @@ def trace_only_rates(faulted: list[dict], clean: list[dict]) -> dict:
     """What the online checks alone caught (``bisect --trace-only``), next to the replay: the
     summary ``--rates`` writes (docs/benchmarks.md, "What the online checks alone catch").
     A rate is over the effective faults of its group (None where a group has none)."""
+
     def rates(rows: list[dict]) -> dict:
         cell = _cell(rows, ("detected", "exact_step_rank") + _TRACE_ONLY_KEYS)
         n = cell["effective"]
-        return {"faults": cell["faults"], "effective": n, "replay_detected": cell["detected"], "replay_exact": cell["exact_step_rank"],
-                "trace_only_detected": cell["trace_only_detected"], "trace_only_exact": cell["trace_only_exact"],
-                "trace_only_detection_rate": round(cell["trace_only_detected"] / n, 4) if n else None,
-                "trace_only_exact_rate": round(cell["trace_only_exact"] / n, 4) if n else None}
+        return {
+            "faults": cell["faults"],
+            "effective": n,
+            "replay_detected": cell["detected"],
+            "replay_exact": cell["exact_step_rank"],
+            "trace_only_detected": cell["trace_only_detected"],
+            "trace_only_exact": cell["trace_only_exact"],
+            "trace_only_detection_rate": round(cell["trace_only_detected"] / n, 4) if n else None,
+            "trace_only_exact_rate": round(cell["trace_only_exact"] / n, 4) if n else None,
+        }
 
     by = lambda key: {k: rates([r for r in faulted if r[key] == k]) for k in sorted({r[key] for r in faulted})}  # noqa: E731
     return {
@@ -451,33 +530,61 @@ def tally(rows: list[dict], seconds: float) -> dict:
     measured = all(r.get("trace_only") is not None for r in rows)  # False: rows of a campaign.json from before
     keys = _REPLAY_KEYS + (_TRACE_ONLY_KEYS if measured else ())
     table_keys = ("detected", "exact_step_rank") + (_TRACE_ONLY_KEYS if measured else ())
-    trace_only = {
-        "trace_only_measured": measured,
-        "trace_only_detected": count(effective, "trace_only_detected"),
-        "trace_only_exact": count(effective, "trace_only_exact"),
-        "trace_only_inconclusive": sum(1 for r in effective if r["outcome"]["trace_only_verdict"] == "inconclusive"),
-        "trace_only_detected_ineffective": count(ineffective, "trace_only_detected"),
-        "trace_only_wrong_rank": count(faulted, "trace_only_wrong_ranks"),
-        "trace_only_false_alarms": count(clean, "trace_only_false_alarm"),
-        "trace_only_rates": trace_only_rates(faulted, clean),
-        "trace_only_not_exact": [{"fault": r["fault"], "verdict": r["trace_only"]["verdict"],
-                                  "first_divergent_step": r["trace_only"]["first_divergent_step"],
-                                  "suspects": r["trace_only"]["suspects"]}
-                                 for r in effective if r["outcome"]["trace_only_detected"] and not r["outcome"]["trace_only_exact"]],
-    } if measured else {"trace_only_measured": False} | dict.fromkeys(
-        ("trace_only_detected", "trace_only_exact", "trace_only_inconclusive", "trace_only_detected_ineffective",
-         "trace_only_wrong_rank", "trace_only_false_alarms", "trace_only_rates", "trace_only_not_exact"))
+    trace_only = (
+        {
+            "trace_only_measured": measured,
+            "trace_only_detected": count(effective, "trace_only_detected"),
+            "trace_only_exact": count(effective, "trace_only_exact"),
+            "trace_only_inconclusive": sum(
+                1 for r in effective if r["outcome"]["trace_only_verdict"] == "inconclusive"
+            ),
+            "trace_only_detected_ineffective": count(ineffective, "trace_only_detected"),
+            "trace_only_wrong_rank": count(faulted, "trace_only_wrong_ranks"),
+            "trace_only_false_alarms": count(clean, "trace_only_false_alarm"),
+            "trace_only_rates": trace_only_rates(faulted, clean),
+            "trace_only_not_exact": [
+                {
+                    "fault": r["fault"],
+                    "verdict": r["trace_only"]["verdict"],
+                    "first_divergent_step": r["trace_only"]["first_divergent_step"],
+                    "suspects": r["trace_only"]["suspects"],
+                }
+                for r in effective
+                if r["outcome"]["trace_only_detected"] and not r["outcome"]["trace_only_exact"]
+            ],
+        }
+        if measured
+        else {"trace_only_measured": False}
+        | dict.fromkeys(
+            (
+                "trace_only_detected",
+                "trace_only_exact",
+                "trace_only_inconclusive",
+                "trace_only_detected_ineffective",
+                "trace_only_wrong_rank",
+                "trace_only_false_alarms",
+                "trace_only_rates",
+                "trace_only_not_exact",
+            )
+        )
+    )
     return {
-        "faults": len(faulted), "effective": len(effective), "ineffective": len(ineffective),
-        "detected": count(effective, "detected"), "missed": count(effective, "missed"),
+        "faults": len(faulted),
+        "effective": len(effective),
+        "ineffective": len(ineffective),
+        "detected": count(effective, "detected"),
+        "missed": count(effective, "missed"),
         "exact_step_rank": count(effective, "exact_step_rank"),
         "location_correct": count(effective, "location_correct"),
         "false_clean_certificates": count(effective, "false_clean"),
         "false_clean_ineffective": count(ineffective, "false_clean"),
         "detected_ineffective": count(ineffective, "detected"),
-        "clean_runs": len(clean), "clean_runs_tolerant": sum(1 for r in clean if r["replay_threads"]),
+        "clean_runs": len(clean),
+        "clean_runs_tolerant": sum(1 for r in clean if r["replay_threads"]),
         "clean_runs_certified": sum(1 for r in clean if set(r["certify"]["statuses"].values()) == {"clean"}),
-        "certified_after_0": sum(1 for r in rows if any(int(n) > 0 and s == "clean" for n, s in r["certify"]["statuses"].items())),
+        "certified_after_0": sum(
+            1 for r in rows if any(int(n) > 0 and s == "clean" for n, s in r["certify"]["statuses"].items())
+        ),
         "false_alarms": count(clean, "false_alarm"),
         "inconclusive": count(rows, "inconclusive"),
         "inconclusive_clean_bitwise": count([r for r in clean if not r["replay_threads"]], "inconclusive"),
@@ -491,12 +598,27 @@ def tally(rows: list[dict], seconds: float) -> dict:
         "by_location_bits": _grouped(faulted, lambda r: f"{r['location']} / {r['bit_class']}", keys),
         "by_location": _grouped(faulted, lambda r: r["location"], table_keys),
         "by_bit_class": _grouped(faulted, lambda r: r["bit_class"], table_keys),
-        "not_exact": [{"fault": r["fault"], "step_kind": r["step_kind"], "verdict": r["outcome"]["verdict"],
-                       "first_divergent_step": r["bisect"]["first_divergent_step"], "suspects": r["bisect"]["suspects"],
-                       "effect": r["effect"]["effect"]}
-                      for r in effective if not r["outcome"]["exact_step_rank"]],
-        "ineffective_faults": [{"fault": r["fault"], "effect": r["effect"]["effect"], "verdict": r["outcome"]["verdict"],
-                                "final_loss_change": r["effect"].get("final_loss_change")} for r in ineffective],
+        "not_exact": [
+            {
+                "fault": r["fault"],
+                "step_kind": r["step_kind"],
+                "verdict": r["outcome"]["verdict"],
+                "first_divergent_step": r["bisect"]["first_divergent_step"],
+                "suspects": r["bisect"]["suspects"],
+                "effect": r["effect"]["effect"],
+            }
+            for r in effective
+            if not r["outcome"]["exact_step_rank"]
+        ],
+        "ineffective_faults": [
+            {
+                "fault": r["fault"],
+                "effect": r["effect"]["effect"],
+                "verdict": r["outcome"]["verdict"],
+                "final_loss_change": r["effect"].get("final_loss_change"),
+            }
+            for r in ineffective
+        ],
     } | trace_only
 
 
@@ -514,12 +636,25 @@ def finish(rows: list[dict], seconds: float) -> dict:
 def campaign(options: Options, progress=print) -> dict:
     """Plan, run (``jobs`` at a time: clean runs first, they are the twins), judge and tally."""
     started = time.monotonic()
-    rows = run_children(__file__, plan_runs(options), options, options.jobs, lambda row: progress(
-        f"{row['index']:3d} {row.get('fault') or 'clean':40s} "
-        + (row.get("error") or f"{row['bisect']['verdict']} (trace-only {row['trace_only']['verdict']}) {row['seconds']} s")))
+    rows = run_children(
+        __file__,
+        plan_runs(options),
+        options,
+        options.jobs,
+        lambda row: progress(
+            f"{row['index']:3d} {row.get('fault') or 'clean':40s} "
+            + (
+                row.get("error")
+                or f"{row['bisect']['verdict']} (trace-only {row['trace_only']['verdict']}) {row['seconds']} s"
+            )
+        ),
+    )
     summary = finish(rows, time.monotonic() - started)
-    return summary | {"settings": dataclasses.asdict(options) | {"out_dir": str(options.out_dir)}, "measured_on": machine(),
-                      "rows": rows}
+    return summary | {
+        "settings": dataclasses.asdict(options) | {"out_dir": str(options.out_dir)},
+        "measured_on": machine(),
+        "rows": rows,
+    }
 
 
 def machine() -> dict:
@@ -530,61 +665,128 @@ def machine() -> dict:
 
     import torch
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    cpu = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if Path("/proc/cpuinfo").exists()
+        else platform.processor()
+    )
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                                text=True).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True
+            ).stdout.strip()
+            or None
+        )
     except OSError:  # no git: a copy of the script outside a checkout
         commit = None
-    return {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "cpu": cpu, "cores": os.cpu_count(),
-            "ram_gib": round(pages / 2**30, 1), "python": platform.python_version(), "torch": torch.__version__,
-            "commit": commit,
-            "command": " ".join(["python", "benchmarks/campaign.py", *sys.argv[1:]]) if Path(sys.argv[0]).name == "campaign.py" else None}
+    return {
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "ram_gib": round(pages / 2**30, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "commit": commit,
+        "command": " ".join(["python", "benchmarks/campaign.py", *sys.argv[1:]])
+        if Path(sys.argv[0]).name == "campaign.py"
+        else None,
+    }
 
 
 def write_rates(result: dict, path: Path) -> None:
     """``--rates PATH``: the trace-only summary with where it was measured, as one small JSON file."""
     if not result["trace_only_measured"]:
-        raise SystemExit(f"--rates {path}: these runs have no bisect --trace-only answer (a campaign.json from before it was "
-                         "measured); run the campaign again to measure it")
-    doc = result["trace_only_rates"] | {"measured_on": result.get("measured_on"), "settings": result.get("settings"),
-                                        "source": "benchmarks/campaign.py (docs/benchmarks.md, fault campaign)"}
+        raise SystemExit(
+            f"--rates {path}: these runs have no bisect --trace-only answer (a campaign.json from before it was "
+            "measured); run the campaign again to measure it"
+        )
+    doc = result["trace_only_rates"] | {
+        "measured_on": result.get("measured_on"),
+        "settings": result.get("settings"),
+        "source": "benchmarks/campaign.py (docs/benchmarks.md, fault campaign)",
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--faults", type=int, default=20, help="runs with one injected fault each")
-    parser.add_argument("--clean", type=int, default=3, help="clean runs (the twins; every other one replayed at --threads 2)")
+    parser.add_argument(
+        "--clean", type=int, default=3, help="clean runs (the twins; every other one replayed at --threads 2)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="draws variants and faults")
     parser.add_argument("--json", action="store_true", help="print the summary and rows as one JSON object on stdout")
-    parser.add_argument("--out", type=Path, default=None, help="directory for the runs (default: a temporary one, removed)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="directory for the runs (default: a temporary one, removed)"
+    )
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run")
     parser.add_argument("--checkpoint-every", type=int, default=4, help="checkpoint interval")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (1 or 2)")
-    parser.add_argument("--tolerant-threads", type=int, default=2, help="every other clean run's replay threads (0: all replayed as recorded)")
+    parser.add_argument(
+        "--tolerant-threads",
+        type=int,
+        default=2,
+        help="every other clean run's replay threads (0: all replayed as recorded)",
+    )
     parser.add_argument("--comm-hook", default=None, help="MODULE:ATTR of the DDP comm hook every run trains with")
-    parser.add_argument("--reduction", choices=("native", "ordered"), default="native", help="the recorder's all-reduce mechanism")
-    parser.add_argument("--parallel", choices=("ddp", "fsdp", "hsdp"), default="ddp",
-                        help="the job: DDP (the conv net), or the sharded job of demo/sharded.py (FSDP2 over 4 ranks, HSDP 2 x 2)")
-    parser.add_argument("--job", choices=tuple(SHARDED_JOBS), default="mlp",
-                        help="the sharded job's model: the MLP with SGD, or clipped-lm (a tied-head transformer with AdamW and "
-                             "clip_grad_norm_ engaging on every step, as nanoGPT trains)")
-    parser.add_argument("--mixed-precision", action="store_true",
-                        help="sharded jobs compute in bfloat16 and reduce in float32 (MixedPrecisionPolicy, torchtitan's default)")
-    parser.add_argument("--rejudge", type=Path, default=None, help="re-judge and re-tally the rows of an earlier --json output")
-    parser.add_argument("--rates", type=Path, default=None,
-                        help="also write the trace-only detection rates to this JSON file (sdc_forensics/measured/trace_only_rates.json)")
+    parser.add_argument(
+        "--reduction", choices=("native", "ordered"), default="native", help="the recorder's all-reduce mechanism"
+    )
+    parser.add_argument(
+        "--parallel",
+        choices=("ddp", "fsdp", "hsdp"),
+        default="ddp",
+        help="the job: DDP (the conv net), or the sharded job of demo/sharded.py (FSDP2 over 4 ranks, HSDP 2 x 2)",
+    )
+    parser.add_argument(
+        "--job",
+        choices=tuple(SHARDED_JOBS),
+        default="mlp",
+        help="the sharded job's model: the MLP with SGD, or clipped-lm (a tied-head transformer with AdamW and "
+        "clip_grad_norm_ engaging on every step, as nanoGPT trains)",
+    )
+    parser.add_argument(
+        "--mixed-precision",
+        action="store_true",
+        help="sharded jobs compute in bfloat16 and reduce in float32 (MixedPrecisionPolicy, torchtitan's default)",
+    )
+    parser.add_argument(
+        "--rejudge", type=Path, default=None, help="re-judge and re-tally the rows of an earlier --json output"
+    )
+    parser.add_argument(
+        "--rates",
+        type=Path,
+        default=None,
+        help="also write the trace-only detection rates to this JSON file (sdc_forensics/measured/trace_only_rates.json)",
+    )
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     parser.add_argument("--_options", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
-_NOT_SCALAR = ("rows", "settings", "measured_on", "by_location_bits", "by_location", "by_bit_class", "not_exact",
-               "ineffective_faults", "trace_only_rates", "trace_only_not_exact")
+_NOT_SCALAR = (
+    "rows",
+    "settings",
+    "measured_on",
+    "by_location_bits",
+    "by_location",
+    "by_bit_class",
+    "not_exact",
+    "ineffective_faults",
+    "trace_only_rates",
+    "trace_only_not_exact",
+)
 
 
 def _table(title: str, cells: dict[str, dict], keys: tuple[str, ...], measured: bool = True) -> None:
@@ -623,13 +825,27 @@ def main(argv: list[str] | None = None) -> None:
     if args.rejudge is not None:
         earlier = json.loads(args.rejudge.read_text(encoding="utf-8"))
         result = finish(earlier["rows"], earlier.get("seconds", 0.0)) | {
-            "settings": earlier.get("settings"), "measured_on": earlier.get("measured_on"), "rows": earlier["rows"]}
+            "settings": earlier.get("settings"),
+            "measured_on": earlier.get("measured_on"),
+            "rows": earlier["rows"],
+        }
     else:
         with tempfile.TemporaryDirectory(prefix="sdc-campaign-") as tmp:
-            options = Options(faults=args.faults, clean=args.clean, seed=args.seed, out_dir=(args.out or Path(tmp)).resolve(),
-                              steps=args.steps, checkpoint_every=args.checkpoint_every, jobs=args.jobs,
-                              tolerant_threads=args.tolerant_threads, comm_hook=args.comm_hook, reduction=args.reduction,
-                              parallel=args.parallel, mixed_precision=args.mixed_precision, job=args.job)
+            options = Options(
+                faults=args.faults,
+                clean=args.clean,
+                seed=args.seed,
+                out_dir=(args.out or Path(tmp)).resolve(),
+                steps=args.steps,
+                checkpoint_every=args.checkpoint_every,
+                jobs=args.jobs,
+                tolerant_threads=args.tolerant_threads,
+                comm_hook=args.comm_hook,
+                reduction=args.reduction,
+                parallel=args.parallel,
+                mixed_precision=args.mixed_precision,
+                job=args.job,
+            )
             options.out_dir.mkdir(parents=True, exist_ok=True)
             result = campaign(options, progress=lambda line: print(line, file=sys.stderr))
     if args.rates is not None:

@@ -44,7 +44,14 @@ import torch
 
 WORLD = 4
 STEPS = 3
-LOCATIONS = ("local-gradient", "local-gradient-nan", "reduce-scatter-output", "all-reduce-output", "gathered", "weights-shard")
+LOCATIONS = (
+    "local-gradient",
+    "local-gradient-nan",
+    "reduce-scatter-output",
+    "all-reduce-output",
+    "gathered",
+    "weights-shard",
+)
 #: the clipping limit: the tied transformer's gradient norm is several times larger at every step
 MAX_NORM = 0.05
 #: the parameter the weight drills flip: the embedding, which is also the head
@@ -89,7 +96,11 @@ def _trial(rank: int, fault: dict | None) -> dict:
         return fault is not None and fault["step"] == now[0] and fault["rank"] == rank and fault["location"] == location
 
     def inject(location: str, call: int, tensor: torch.Tensor) -> None:
-        name = "local-gradient-nan" if fault and fault["location"] == "local-gradient-nan" and location == "local-gradient" else location
+        name = (
+            "local-gradient-nan"
+            if fault and fault["location"] == "local-gradient-nan" and location == "local-gradient"
+            else location
+        )
         if call == fault_call and hits(name):
             _flip(tensor, fault["index"], fault["bit"], nan=name.endswith("nan"))
 
@@ -132,8 +143,13 @@ def _worker(rank: int, port: int, plan_path: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=300),
+    )
     results = []
     try:
         for fault in json.loads(Path(plan_path).read_text()):
@@ -148,10 +164,16 @@ def plan(faults: int, clean: int, seed: int) -> list[dict | None]:
     trials: list[dict | None] = [None] * clean
     for i in range(faults):
         location = LOCATIONS[i % len(LOCATIONS)]
-        trials.append({
-            "location": location, "rank": rng.randrange(WORLD), "step": rng.randrange(STEPS), "call": rng.randrange(3),
-            "bit": rng.randrange(32), "index": rng.randrange(1 << 20),
-        })
+        trials.append(
+            {
+                "location": location,
+                "rank": rng.randrange(WORLD),
+                "step": rng.randrange(STEPS),
+                "call": rng.randrange(3),
+                "bit": rng.randrange(32),
+                "index": rng.randrange(1 << 20),
+            }
+        )
     rng.shuffle(trials)
     return trials
 
@@ -162,7 +184,11 @@ def judge(fault: dict | None, fired: dict) -> str:
     at = fired.get(str(fault["step"]), fired.get(fault["step"]))
     if at is None:
         return "missed"
-    return "exact" if at == [fault["rank"]] and len(fired) >= 1 and min(int(s) for s in fired) == fault["step"] else "detected"
+    return (
+        "exact"
+        if at == [fault["rank"]] and len(fired) >= 1 and min(int(s) for s in fired) == fault["step"]
+        else "detected"
+    )
 
 
 def run(faults: int, clean: int, seed: int) -> tuple[list[dict | None], list[dict] | None, list[tuple[int, int]]]:
@@ -183,7 +209,11 @@ def run(faults: int, clean: int, seed: int) -> tuple[list[dict | None], list[dic
         mp.start_processes(_worker, args=(free_port(), str(plan_path), tmp), nprocs=WORLD, start_method="spawn")
         per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(WORLD)]
     agreed = all(r == per_rank[0] for r in per_rank)
-    return trials, ([t["fired"] for t in per_rank[0]] if agreed else None), [(t["clipped"], t["updated"]) for t in per_rank[0]]
+    return (
+        trials,
+        ([t["fired"] for t in per_rank[0]] if agreed else None),
+        [(t["clipped"], t["updated"]) for t in per_rank[0]],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,10 +236,14 @@ def main(argv: list[str] | None = None) -> int:
         if fault is not None and fault["location"] not in ("local-gradient-nan",):
             by_bits[f"{fault['location']} / {bit_class(fault['bit'])}"][outcome] += 1
     cpu = os.cpu_count()
-    print(f"# FSDP2/HSDP online checks: {args.faults} faults, {args.clean} clean runs, seed {args.seed}, "
-          f"{WORLD} gloo ranks, torch {torch.__version__}, {cpu} CPUs, {time.time() - started:.0f} s")
-    print(f"# tied-head transformer, AdamW, clip_grad_norm_ to {MAX_NORM}: clipping engaged on "
-          f"{sum(c for c, _ in clipped)} of the {sum(u for _, u in clipped)} steps that updated")
+    print(
+        f"# FSDP2/HSDP online checks: {args.faults} faults, {args.clean} clean runs, seed {args.seed}, "
+        f"{WORLD} gloo ranks, torch {torch.__version__}, {cpu} CPUs, {time.time() - started:.0f} s"
+    )
+    print(
+        f"# tied-head transformer, AdamW, clip_grad_norm_ to {MAX_NORM}: clipping engaged on "
+        f"{sum(c for c, _ in clipped)} of the {sum(u for _, u in clipped)} steps that updated"
+    )
     print()
     print("| location | trials | exact | detected, other ranks | missed | false alarm |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")

@@ -60,7 +60,9 @@ def _describe(exc: BaseException) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--examples", type=int, default=20_000, help="examples in all, split evenly over the properties")
+    parser.add_argument(
+        "--examples", type=int, default=20_000, help="examples in all, split evenly over the properties"
+    )
     parser.add_argument("--seed", type=int, default=None, help="hypothesis seed (default: a random one, printed)")
     parser.add_argument("--only", default="", help=f"comma-separated modules among {', '.join(MODULES)}")
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of the table")
@@ -80,8 +82,15 @@ def main(argv: list[str] | None = None) -> int:
 
     properties = list(_properties(only))
     per_property = max(1, args.examples // max(1, len(properties)))
-    bench = settings(max_examples=per_property, derandomize=False, database=None, deadline=timedelta(seconds=5), print_blob=True,
-                     suppress_health_check=list(HealthCheck), phases=list(Phase))
+    bench = settings(
+        max_examples=per_property,
+        derandomize=False,
+        database=None,
+        deadline=timedelta(seconds=5),
+        print_blob=True,
+        suppress_health_check=list(HealthCheck),
+        phases=list(Phase),
+    )
     failures: dict[str, list[str]] = {}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="sdc-fuzz-") as tmp, warnings.catch_warnings():
@@ -95,23 +104,53 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # noqa: BLE001 - a failing property is the finding to report
                 failures.setdefault(module, []).extend(f"{name}: {text}" for text in _describe(exc))
                 status = "FAILED"
-            print(f"[{time.perf_counter() - started:7.1f} s] {module}.{name}: {status} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
-    command = " ".join(shlex.quote(a) for a in [sys.executable, "benchmarks/fuzz.py", "--examples", str(args.examples), "--seed", str(seed)]
-                       + (["--only", args.only] if args.only else []))
-    rows = {kind: {"inputs_read": s.examples, "refused": s.refused, "max_s": round(s.max_s, 3),
-                   "mean_s": round(s.total_s / s.examples, 4) if s.examples else 0.0} for kind, s in sorted(harness.STATS.items())}
+            print(
+                f"[{time.perf_counter() - started:7.1f} s] {module}.{name}: {status} ({time.perf_counter() - t0:.1f} s)",
+                file=sys.stderr,
+            )
+    command = " ".join(
+        shlex.quote(a)
+        for a in [sys.executable, "benchmarks/fuzz.py", "--examples", str(args.examples), "--seed", str(seed)]
+        + (["--only", args.only] if args.only else [])
+    )
+    rows = {
+        kind: {
+            "inputs_read": s.examples,
+            "refused": s.refused,
+            "max_s": round(s.max_s, 3),
+            "mean_s": round(s.total_s / s.examples, 4) if s.examples else 0.0,
+        }
+        for kind, s in sorted(harness.STATS.items())
+    }
     failed = sum(len(v) for v in failures.values())
     if args.json:
-        print(json.dumps({"command": command, "seed": seed, "examples_per_property": per_property, "properties": len(properties),
-                          "wall_s": round(time.perf_counter() - started, 1), "kinds": rows, "failures": failures}, indent=2, sort_keys=True))
+        print(
+            json.dumps(
+                {
+                    "command": command,
+                    "seed": seed,
+                    "examples_per_property": per_property,
+                    "properties": len(properties),
+                    "wall_s": round(time.perf_counter() - started, 1),
+                    "kinds": rows,
+                    "failures": failures,
+                },
+                indent=2,
+                sort_keys=True,
+            )
+        )
     else:
         print(f"{'kind':<12} {'inputs read':>11} {'refused':>8} {'failures':>8} {'max s/example':>13} {'mean s':>8}")
         for kind, row in rows.items():
             module = {"hf-index": "hf_index", "manifest": "trace"}.get(kind, kind)
-            print(f"{kind:<12} {row['inputs_read']:>11} {row['refused']:>8} {len(failures.get(module, [])) if kind != 'manifest' else '':>8} "
-                  f"{row['max_s']:>13.3f} {row['mean_s']:>8.4f}")
-        print(f"\n{len(properties)} properties x {per_property} examples, {failed} failing, "
-              f"{time.perf_counter() - started:.0f} s wall; inputs read include hypothesis's shrinking and replayed examples")
+            print(
+                f"{kind:<12} {row['inputs_read']:>11} {row['refused']:>8} {len(failures.get(module, [])) if kind != 'manifest' else '':>8} "
+                f"{row['max_s']:>13.3f} {row['mean_s']:>8.4f}"
+            )
+        print(
+            f"\n{len(properties)} properties x {per_property} examples, {failed} failing, "
+            f"{time.perf_counter() - started:.0f} s wall; inputs read include hypothesis's shrinking and replayed examples"
+        )
         for module, found in failures.items():
             for text in found:
                 print(f"\nFAILED {module}: {text}")

@@ -33,8 +33,13 @@ from pathlib import Path
 
 RECIPE = "sdc_forensics.demo.batchnorm:recipe"
 STEPS, EVERY, WORLD_SIZE = 6, 3, 4
-FAULTS = (None, "grad:step=4:rank=2:bit=30", "weights:step=4:rank=3:bit=30", "allreduce-all:step=4:rank=0:bit=30",
-          "update:step=4:rank=1:bit=30")
+FAULTS = (
+    None,
+    "grad:step=4:rank=2:bit=30",
+    "weights:step=4:rank=3:bit=30",
+    "allreduce-all:step=4:rank=0:bit=30",
+    "update:step=4:rank=1:bit=30",
+)
 
 
 def _certify(out: Path, device: str) -> dict:
@@ -44,11 +49,14 @@ def _certify(out: Path, device: str) -> dict:
 
     # the 4 ranks share this machine's one GPU, so a fault's suspect GPU is the only CUDA device
     # there is: the replay on it is forced (a real job replays on a GPU no suspect used)
-    cert = certify(out / "trace", AnalysisOptions(checkpoints_dir=out / "checkpoints", device=device,
-                                                  force_device=device.startswith("cuda")))
+    cert = certify(
+        out / "trace",
+        AnalysisOptions(checkpoints_dir=out / "checkpoints", device=device, force_device=device.startswith("cuda")),
+    )
     result = cert.analysis
     return {
-        "verdict": result.verdict.value, "first_divergent_step": result.first_divergent_step,
+        "verdict": result.verdict.value,
+        "first_divergent_step": result.first_divergent_step,
         "ranks": sorted({s.rank for s in result.suspects if s.rank is not None}),
         "named_no_rank": any(s.rank is None for s in result.suspects),
         "comparison": result.replayed.comparison if result.replayed is not None else None,
@@ -70,7 +78,9 @@ def expect_exact(fault, found: dict) -> list[str]:
     want = [] if spec.location == "allreduce-all" else [spec.rank]
     if (found["verdict"], found["first_divergent_step"], found["ranks"]) != ("corruption", spec.step, want):
         wrong.append(f"found {found['verdict']} at step {found['first_divergent_step']} ranks {found['ranks']}")
-    if any(s != "clean" for n, s in statuses.items() if n <= spec.step) or any(s == "clean" for n, s in statuses.items() if n > spec.step):
+    if any(s != "clean" for n, s in statuses.items() if n <= spec.step) or any(
+        s == "clean" for n, s in statuses.items() if n > spec.step
+    ):
         wrong.append(f"checkpoints {statuses}")
     return wrong
 
@@ -110,16 +120,26 @@ def main(argv: list[str] | None = None) -> int:
     runs_dir = Path(tempfile.mkdtemp(prefix="gpu-certify-runs-"))
     checks, skipped = [], []
     if not cuda:
-        skipped.append("no CUDA device: trained and replayed on the CPU (plumbing only); the GPU training, the exact "
-                       "GPU replay and the tolerant CPU replay of a GPU trace were skipped")
+        skipped.append(
+            "no CUDA device: trained and replayed on the CPU (plumbing only); the GPU training, the exact "
+            "GPU replay and the tolerant CPU replay of a GPU trace were skipped"
+        )
         print(f"gpu_certify_check: {skipped[0]}")
     started = time.monotonic()
     for mode in args.modes:
         for index, fault in enumerate(FAULTS):
             out = runs_dir / f"{mode}-{index}"
             t0 = time.monotonic()
-            run_demo(out, injections=(fault,) if fault else (), steps=STEPS, checkpoint_every=EVERY, world_size=WORLD_SIZE,
-                     recipe=RECIPE, device=device, replayable=mode == "replayable")
+            run_demo(
+                out,
+                injections=(fault,) if fault else (),
+                steps=STEPS,
+                checkpoint_every=EVERY,
+                world_size=WORLD_SIZE,
+                recipe=RECIPE,
+                device=device,
+                replayable=mode == "replayable",
+            )
             train_s = time.monotonic() - t0
             # PyTorch's default settings let CUDA pick non-deterministic kernels (cuDNN's, atomics):
             # a replay of such a job on its own GPU may be tolerant, and then must certify nothing
@@ -129,21 +149,50 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     found = _certify(out, replay_device)
                 except SdcError as error:  # one check failed: record it, go on with the rest
-                    found = {"verdict": f"error: {error}", "first_divergent_step": None, "ranks": [], "named_no_rank": False,
-                             "comparison": None, "statuses": {}}
+                    found = {
+                        "verdict": f"error: {error}",
+                        "first_divergent_step": None,
+                        "ranks": [],
+                        "named_no_rank": False,
+                        "comparison": None,
+                        "statuses": {},
+                    }
                 wrong = expect(fault, found)
-                checks.append({"mode": mode, "fault": fault, "trained_on": device, "replayed_on": replay_device,
-                               "expected": expect.__name__.removeprefix("expect_"), "found": found, "wrong": wrong,
-                               "train_s": round(train_s, 1)})
-                print(f"{'ok  ' if not wrong else 'FAIL'} {mode:10s} {fault or 'clean':38s} {device} -> {replay_device}: "
-                      f"{found['verdict']} {found['comparison']} {found['statuses']}" + (f"  {'; '.join(wrong)}" if wrong else ""))
+                checks.append(
+                    {
+                        "mode": mode,
+                        "fault": fault,
+                        "trained_on": device,
+                        "replayed_on": replay_device,
+                        "expected": expect.__name__.removeprefix("expect_"),
+                        "found": found,
+                        "wrong": wrong,
+                        "train_s": round(train_s, 1),
+                    }
+                )
+                print(
+                    f"{'ok  ' if not wrong else 'FAIL'} {mode:10s} {fault or 'clean':38s} {device} -> {replay_device}: "
+                    f"{found['verdict']} {found['comparison']} {found['statuses']}"
+                    + (f"  {'; '.join(wrong)}" if wrong else "")
+                )
     failed = sum(1 for c in checks if c["wrong"])
-    summary = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "checks": len(checks), "failed": failed,
-               "skipped": skipped, "seconds": round(time.monotonic() - started, 1), "rows": checks}
+    summary = {
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "checks": len(checks),
+        "failed": failed,
+        "skipped": skipped,
+        "seconds": round(time.monotonic() - started, 1),
+        "rows": checks,
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "gpu_certify.json").write_text(json.dumps(summary, indent=1, sort_keys=True, default=str), encoding="utf-8")
-    print(f"gpu_certify_check: {len(checks) - failed}/{len(checks)} checks passed in {summary['seconds']} s"
-          + (" (CUDA parts skipped: no GPU)" if not cuda else "") + f"; {out_dir / 'gpu_certify.json'}")
+    (out_dir / "gpu_certify.json").write_text(
+        json.dumps(summary, indent=1, sort_keys=True, default=str), encoding="utf-8"
+    )
+    print(
+        f"gpu_certify_check: {len(checks) - failed}/{len(checks)} checks passed in {summary['seconds']} s"
+        + (" (CUDA parts skipped: no GPU)" if not cuda else "")
+        + f"; {out_dir / 'gpu_certify.json'}"
+    )
     return 1 if failed else 0
 
 

@@ -87,7 +87,9 @@ def ring_allreduce(grads: list[torch.Tensor], *, division: str = "post", rotatio
     world_size = len(grads)
     if division == "pre":
         inverse = torch.tensor(1.0 / world_size, dtype=torch.float32)
-        grads = [(g.to(torch.float32) * inverse).to(g.dtype) if g.dtype != torch.float64 else g / world_size for g in grads]
+        grads = [
+            (g.to(torch.float32) * inverse).to(g.dtype) if g.dtype != torch.float64 else g / world_size for g in grads
+        ]
     chunks = [torch.tensor_split(g, world_size) for g in grads]  # [rank][chunk]
     out = []
     for c in range(world_size):

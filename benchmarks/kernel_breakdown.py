@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     x = np.random.default_rng(0).standard_normal((64, C.BLOCK_ELEMS)).astype(np.float32)  # 256 KiB: in L2
     rows = {
-        "all parts (digest, k=8 sketch, stats)": kernel_ns_per_element(module, x, C.DEFAULT_SKETCH_K, True, args.repeat),
+        "all parts (digest, k=8 sketch, stats)": kernel_ns_per_element(
+            module, x, C.DEFAULT_SKETCH_K, True, args.repeat
+        ),
         "no digest": kernel_ns_per_element(module, x, C.DEFAULT_SKETCH_K, False, args.repeat),
         "k=1, digest": kernel_ns_per_element(module, x, 1, True, args.repeat),
         "k=1, no digest (pairs, stats, one projection)": kernel_ns_per_element(module, x, 1, False, args.repeat),

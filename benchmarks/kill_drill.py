@@ -82,11 +82,20 @@ class Outcome:
         return self.inspect_ok and self.bisect_ok and self.report_ok
 
     def to_json(self) -> dict:
-        return {**dataclasses.asdict(self.plan), "expected_last_complete": self.plan.expected_last_complete,
-                "read_last_complete": self.read_last_complete, "stopped_ranks": list(self.stopped_ranks),
-                "inspect_ok": self.inspect_ok, "bisect_verdict": self.bisect_verdict, "bisect_exit": self.bisect_exit,
-                "bisect_ok": self.bisect_ok, "report_ok": self.report_ok, "ok": self.ok, "problems": self.problems,
-                "seconds": round(self.seconds, 1)}
+        return {
+            **dataclasses.asdict(self.plan),
+            "expected_last_complete": self.plan.expected_last_complete,
+            "read_last_complete": self.read_last_complete,
+            "stopped_ranks": list(self.stopped_ranks),
+            "inspect_ok": self.inspect_ok,
+            "bisect_verdict": self.bisect_verdict,
+            "bisect_exit": self.bisect_exit,
+            "bisect_ok": self.bisect_ok,
+            "report_ok": self.report_ok,
+            "ok": self.ok,
+            "problems": self.problems,
+            "seconds": round(self.seconds, 1),
+        }
 
 
 def plans(kills: int, seed: int, steps: int, checkpoint_every: int) -> list[Plan]:
@@ -118,8 +127,18 @@ def drill(plan: Plan, out_dir: Path, steps: int, checkpoint_every: int) -> Outco
     started = time.monotonic()
     outcome = Outcome(plan=plan)
     run_dir = out_dir / f"drill-{plan.index:02d}-{plan.point}"
-    run_demo(run_dir, injections=(), steps=steps, checkpoint_every=checkpoint_every, world_size=WORLD_SIZE,
-             kill_rank=plan.rank, kill_step=plan.step, kill_point=plan.point, kill_bytes=plan.cut, timeout_s=180)
+    run_demo(
+        run_dir,
+        injections=(),
+        steps=steps,
+        checkpoint_every=checkpoint_every,
+        world_size=WORLD_SIZE,
+        kill_rank=plan.rank,
+        kill_step=plan.step,
+        kill_point=plan.point,
+        kill_bytes=plan.cut,
+        timeout_s=180,
+    )
     trace = run_dir / "trace"
     expected = plan.expected_last_complete
     problems = outcome.problems
@@ -152,7 +171,8 @@ def drill(plan: Plan, out_dir: Path, steps: int, checkpoint_every: int) -> Outco
         outcome.bisect_verdict, outcome.bisect_exit = result["verdict"], bisected.returncode
         said = [line for line in result["trace"]["damage"] if line.startswith("the run stopped early")]
         checks = {
-            "a clean verdict with its exit code": result["verdict"] == "clean" and bisected.returncode == EXIT_BY_VERDICT["clean"],
+            "a clean verdict with its exit code": result["verdict"] == "clean"
+            and bisected.returncode == EXIT_BY_VERDICT["clean"],
             "says the run stopped early": bool(said),
             f"says last complete step {expected}": any(f"last complete step {expected} " in line for line in said),
         }
@@ -181,22 +201,28 @@ def drill(plan: Plan, out_dir: Path, steps: int, checkpoint_every: int) -> Outco
 def table(outcomes: list[Outcome]) -> str:
     """The Markdown table of ``docs/benchmarks.md``."""
     yes = {True: "yes", False: "**no**"}
-    rows = ["| # | kill point | rank | step | last complete step: expected / read | stopped ranks read | inspect ok | "
-            "bisect verdict (exit) | bisect says stopped early | report says it | seconds |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| # | kill point | rank | step | last complete step: expected / read | stopped ranks read | inspect ok | "
+        "bisect verdict (exit) | bisect says stopped early | report says it | seconds |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for o in outcomes:
         p = o.plan
         point = p.point + (f" ({p.cut} B)" if p.cut is not None else "")
         step = f"ckpt {p.step}" if p.point == "checkpoint" else str(p.step)
         stopped = "all" if len(o.stopped_ranks) == WORLD_SIZE else ", ".join(map(str, o.stopped_ranks)) or "-"
-        rows.append(f"| {p.index} | {point} | {p.rank} | {step} | {p.expected_last_complete} / {o.read_last_complete} | {stopped} | "
-                    f"{yes[o.inspect_ok]} | {o.bisect_verdict} ({o.bisect_exit}) | {yes[o.bisect_ok]} | {yes[o.report_ok]} | "
-                    f"{o.seconds:.0f} |")
+        rows.append(
+            f"| {p.index} | {point} | {p.rank} | {step} | {p.expected_last_complete} / {o.read_last_complete} | {stopped} | "
+            f"{yes[o.inspect_ok]} | {o.bisect_verdict} ({o.bisect_exit}) | {yes[o.bisect_ok]} | {yes[o.report_ok]} | "
+            f"{o.seconds:.0f} |"
+        )
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--kills", type=int, default=10, help="number of drills (default 10)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--steps", type=int, default=8)
@@ -214,15 +240,31 @@ def main(argv: list[str] | None = None) -> int:
             outcome = drill(plan, out_dir, args.steps, args.checkpoint_every)
             outcomes.append(outcome)
             status = "ok" if outcome.ok else "FAILED: " + "; ".join(outcome.problems)
-            print(f"drill {plan.index}: {plan.point} rank {plan.rank} step {plan.step}: {status} ({outcome.seconds:.0f} s)",
-                  file=sys.stderr)
+            print(
+                f"drill {plan.index}: {plan.point} rank {plan.rank} step {plan.step}: {status} ({outcome.seconds:.0f} s)",
+                file=sys.stderr,
+            )
     passed = sum(o.ok for o in outcomes)
     machine = f"{platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}"
     if args.json:
-        print(json.dumps({"schema_version": 1, "seed": args.seed, "kills": args.kills, "steps": args.steps,
-                          "checkpoint_every": args.checkpoint_every, "world_size": WORLD_SIZE, "machine": machine,
-                          "passed": passed, "seconds": round(time.monotonic() - started, 1),
-                          "drills": [o.to_json() for o in outcomes]}, indent=2, sort_keys=True))
+        print(
+            json.dumps(
+                {
+                    "schema_version": 1,
+                    "seed": args.seed,
+                    "kills": args.kills,
+                    "steps": args.steps,
+                    "checkpoint_every": args.checkpoint_every,
+                    "world_size": WORLD_SIZE,
+                    "machine": machine,
+                    "passed": passed,
+                    "seconds": round(time.monotonic() - started, 1),
+                    "drills": [o.to_json() for o in outcomes],
+                },
+                indent=2,
+                sort_keys=True,
+            )
+        )
     else:
         print(table(outcomes))
         print(f"\n{passed}/{len(outcomes)} drills passed in {time.monotonic() - started:.0f} s ({machine})")

@@ -51,11 +51,34 @@ def _launch(trace: Path, mode: str, replay_timeout: float, timeout_s: float):
     base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), HOOK: hook}
     procs = []
     for rank in range(3):
-        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "3",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "sdc_forensics", "bisect", str(trace), "--json",
-                                       "--replay-timeout", f"{replay_timeout:g}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, start_new_session=True))
+        env = {
+            **base,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "3",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "sdc_forensics",
+                    "bisect",
+                    str(trace),
+                    "--json",
+                    "--replay-timeout",
+                    f"{replay_timeout:g}",
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        )
     started = time.monotonic()
     for rank in (0, 2):
         try:
@@ -102,17 +125,28 @@ def main(argv=None) -> int:
         if not _passed(statuses, errs):
             failures.append({"launch": i, "statuses": statuses, "stderr_0": errs[0][-600:], "stderr_2": errs[2][-600:]})
             if not args.json:
-                print(f"launch {i}: statuses {statuses}\n  process 0: {errs[0][-300:]!r}\n  process 2: {errs[2][-300:]!r}", flush=True)
+                print(
+                    f"launch {i}: statuses {statuses}\n  process 0: {errs[0][-300:]!r}\n  process 2: {errs[2][-300:]!r}",
+                    flush=True,
+                )
     seconds.sort()
-    result = {"machine": f"{platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}",
-              "mode": args.mode, "launches": args.launches, "passed": counts["passed"], "failed": counts["failed"],
-              "process_2_statuses": {k.split()[-1]: v for k, v in counts.items() if k.startswith("process 2")},
-              "median_launch_s": round(seconds[len(seconds) // 2], 1) if seconds else None, "failures": failures}
+    result = {
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}",
+        "mode": args.mode,
+        "launches": args.launches,
+        "passed": counts["passed"],
+        "failed": counts["failed"],
+        "process_2_statuses": {k.split()[-1]: v for k, v in counts.items() if k.startswith("process 2")},
+        "median_launch_s": round(seconds[len(seconds) // 2], 1) if seconds else None,
+        "failures": failures,
+    }
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"{args.mode}: {result['passed']} of {args.launches} launches ended with exit 4 on processes 0 and 2 "
-              f"(process 2 statuses {result['process_2_statuses']}; median launch {result['median_launch_s']} s) on {result['machine']}")
+        print(
+            f"{args.mode}: {result['passed']} of {args.launches} launches ended with exit 4 on processes 0 and 2 "
+            f"(process 2 statuses {result['process_2_statuses']}; median launch {result['median_launch_s']} s) on {result['machine']}"
+        )
     return 0 if counts["failed"] == 0 else 1
 
 

@@ -29,7 +29,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1100)
     parser.add_argument("--height", type=int, default=1900)
     args = parser.parse_args()
-    browser = next((found for name in ("chromium", "chromium-browser", "google-chrome") if (found := shutil.which(name))), None)
+    browser = next(
+        (found for name in ("chromium", "chromium-browser", "google-chrome") if (found := shutil.which(name))), None
+    )
     if browser is None:
         sys.exit("error: no chromium, chromium-browser or google-chrome on PATH (Debian: apt-get install chromium)")
     command = str(Path(sys.executable).parent / "sdc-forensics")
@@ -40,9 +42,22 @@ def main() -> None:
         done = subprocess.run([command, "report", str(run / "trace"), "-o", str(review)], stderr=subprocess.DEVNULL)
         if done.returncode != 1:
             sys.exit(f"error: report exited {done.returncode}, expected 1 (corruption)")
-        subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--user-data-dir={tmp}/profile",
-                        f"--window-size={args.width},{args.height}", f"--screenshot={args.out}", review.as_uri()],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                browser,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--hide-scrollbars",
+                f"--user-data-dir={tmp}/profile",
+                f"--window-size={args.width},{args.height}",
+                f"--screenshot={args.out}",
+                review.as_uri(),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
     print(f"{args.out} ({args.out.stat().st_size // 1024} KiB)")
 
 

@@ -36,7 +36,11 @@ BENCHMARKS: list[tuple[str, list[str], list[str]]] = [
     ("bench_overhead.py", ["--quick", "--steps", "8"], []),  # 3 pairs (its own --quick) swing by +-10 points
     ("bench_replay.py", ["--quick"], []),
     ("bench_verify.py", ["--quick"], []),
-    ("bench_adapter_overhead.py", ["--quick", "--jobs", "hf-small", "lightning"], []),  # the 3.3 M GPT-2 job only in the full run
+    (
+        "bench_adapter_overhead.py",
+        ["--quick", "--jobs", "hf-small", "lightning"],
+        [],
+    ),  # the 3.3 M GPT-2 job only in the full run
 ]
 
 
@@ -80,7 +84,11 @@ def _cuda_rows() -> dict:
         pass
     return {
         "cuda_figures": {
-            "value": None, "unit": "", "goal": "measured on a GPU", "goal_op": "", "met": None,
+            "value": None,
+            "unit": "",
+            "goal": "measured on a GPU",
+            "goal_op": "",
+            "met": None,
             "note": "no CUDA device on this machine: run benchmarks/gpu_check.sh on one (docs/gpu.md)",
         }
     }
@@ -111,19 +119,27 @@ def table(rows: list[tuple[str, str, dict]]) -> str:
     for script, name, figure in rows:
         met = {True: "yes", False: "**no**", None: "-"}[figure.get("met")]
         note = f" ({figure['note']})" if figure.get("note") else ""
-        lines.append(f"| {name} | {_format_value(figure)} | {figure.get('unit', '')} | {_format_goal(figure)} | {met}{note} | {script} |")
+        lines.append(
+            f"| {name} | {_format_value(figure)} | {figure.get('unit', '')} | {_format_goal(figure)} | {met}{note} | {script} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes: about 5 minutes on 2 cores")
-    parser.add_argument("--json", action="store_true", help="print {name: {value, unit, goal, met}} instead of the table")
+    parser.add_argument(
+        "--json", action="store_true", help="print {name: {value, unit, goal, met}} instead of the table"
+    )
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these benchmarks (e.g. bench_verify)")
-    parser.add_argument("--timeout", type=float, default=None, help="seconds per benchmark (default 300 quick, 1800 full)")
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="seconds per benchmark (default 300 quick, 1800 full)"
+    )
     args = parser.parse_args(argv)
     timeout = args.timeout or (300.0 if args.quick else 1800.0)
-    chosen = [b for b in BENCHMARKS if not args.only or b[0].removesuffix(".py") in {o.removesuffix(".py") for o in args.only}]
+    chosen = [
+        b for b in BENCHMARKS if not args.only or b[0].removesuffix(".py") in {o.removesuffix(".py") for o in args.only}
+    ]
     if not chosen:
         parser.error(f"--only matched no benchmark; known: {', '.join(b[0].removesuffix('.py') for b in BENCHMARKS)}")
 
@@ -131,10 +147,18 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for script, quick_args, full_args in chosen:
         figures, error, seconds = run_one(script, quick_args if args.quick else full_args, timeout)
-        print(f"{script}: {'failed: ' + error if error else f'{len(figures)} figures'} ({seconds:.0f} s)", file=sys.stderr)
+        print(
+            f"{script}: {'failed: ' + error if error else f'{len(figures)} figures'} ({seconds:.0f} s)", file=sys.stderr
+        )
         if error:
             failed = True
-            rows.append((script, script.removesuffix(".py"), {"value": None, "unit": "", "goal": None, "met": False, "note": error}))
+            rows.append(
+                (
+                    script,
+                    script.removesuffix(".py"),
+                    {"value": None, "unit": "", "goal": None, "met": False, "note": error},
+                )
+            )
         rows.extend((script, name, figure) for name, figure in figures.items())
     rows.extend(("gpu_check.sh", name, figure) for name, figure in _cuda_rows().items())
 
@@ -145,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench_verify import _cpu_name  # one reading of the CPU's name for every benchmark
 
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-        print(f"machine: {_cpu_name()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
-              f"{'--quick' if args.quick else 'goal-sized'} run; load average {load:.1f}")
+        print(
+            f"machine: {_cpu_name()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+            f"{'--quick' if args.quick else 'goal-sized'} run; load average {load:.1f}"
+        )
         print(table(rows))
     return 1 if failed else 0
 

@@ -64,7 +64,13 @@ EVERY_RANK = ("allreduce-all",)
 STEP_KINDS = ("on_checkpoint", "after_checkpoint", "mid_interval", "before_checkpoint")
 WORLD_SIZE = 4
 CLEAN = "clean"
-_CLEAN_ALIASES = {"clean", "clean-replay-verified", "clean-trace-consistent", "clean_replay_verified", "clean_trace_consistent"}
+_CLEAN_ALIASES = {
+    "clean",
+    "clean-replay-verified",
+    "clean-trace-consistent",
+    "clean_replay_verified",
+    "clean_trace_consistent",
+}
 QUICK = {"clean": 2, "faulted": 2, "steps": 12, "checkpoint_every": 4}
 
 
@@ -89,7 +95,9 @@ class CampaignOptions:
         if self.clean < 0 or self.faulted < 0 or self.clean + self.faulted == 0:
             raise SystemExit("--clean and --faulted must be >= 0 and not both 0")
         if self.checkpoint_every < 4 or self.steps < 2 * self.checkpoint_every:
-            raise SystemExit("need --checkpoint-every >= 4 and --steps >= 2 intervals (faults go mid-interval and before checkpoints)")
+            raise SystemExit(
+                "need --checkpoint-every >= 4 and --steps >= 2 intervals (faults go mid-interval and before checkpoints)"
+            )
         if not 1 <= self.jobs <= 2:
             raise SystemExit("--jobs must be 1 or 2 (runs share 2 cores)")
         if self.verify not in ("all", "around"):
@@ -119,12 +127,18 @@ def draw_fault(rng: random.Random, steps: int, every: int, location: str, kind: 
     intervals = math.ceil(steps / every)
     while True:
         base = rng.randrange(intervals) * every
-        offset = {"on_checkpoint": 0, "after_checkpoint": 1, "mid_interval": rng.randrange(2, every - 1),
-                  "before_checkpoint": every - 1}[kind]
+        offset = {
+            "on_checkpoint": 0,
+            "after_checkpoint": 1,
+            "mid_interval": rng.randrange(2, every - 1),
+            "before_checkpoint": every - 1,
+        }[kind]
         step = base + offset
         if step <= steps - 2:  # a later step exists to measure the effect on (and replay to see it)
             break
-    rank = rng.randrange(WORLD_SIZE)  # drawn for every location, so that the draws after it do not depend on the location
+    rank = rng.randrange(
+        WORLD_SIZE
+    )  # drawn for every location, so that the draws after it do not depend on the location
     return f"{location}:step={step}:{'' if location in EVERY_RANK else f'rank={rank}:'}bit={rng.choice(BITS)}"
 
 
@@ -142,7 +156,9 @@ def plan_runs(options: CampaignOptions) -> list[RunPlan]:
     for j in range(options.faulted):
         location, kind = pairs[j % len(pairs)]
         fault = draw_fault(rng, options.steps, options.checkpoint_every, location, kind)
-        plans.append(RunPlan(index=len(plans), kind="faulted", variant=pool[j % len(pool)], fault=fault, step_kind=kind))
+        plans.append(
+            RunPlan(index=len(plans), kind="faulted", variant=pool[j % len(pool)], fault=fault, step_kind=kind)
+        )
     if not options.clean and options.faulted:
         plans.append(RunPlan(index=len(plans), kind="twin", variant=pool[0]))
     return plans
@@ -152,9 +168,16 @@ def plan_runs(options: CampaignOptions) -> list[RunPlan]:
 def _cli(args: list[str], timeout_s: float) -> dict:
     started = time.monotonic()
     try:
-        proc = subprocess.run([sys.executable, "-m", "sdc_forensics.cli.main", *args], capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(
+            [sys.executable, "-m", "sdc_forensics.cli.main", *args], capture_output=True, text=True, timeout=timeout_s
+        )
     except subprocess.TimeoutExpired:
-        return {"exit_code": None, "doc": None, "error": f"timed out after {timeout_s:.0f} s", "seconds": round(time.monotonic() - started, 2)}
+        return {
+            "exit_code": None,
+            "doc": None,
+            "error": f"timed out after {timeout_s:.0f} s",
+            "seconds": round(time.monotonic() - started, 2),
+        }
     doc, error = None, None
     try:
         doc = json.loads(proc.stdout) if proc.stdout.strip() else None
@@ -183,8 +206,14 @@ def weak_candidate(doc: dict) -> dict | None:
     for suspect in doc.get("suspects") or []:
         records += suspect.get("evidence") or []
     # a statistical hint (kind "outlier") is weak too, but never a candidate: it never carries a verdict
-    weak = [e for e in records if isinstance(e, dict) and e.get("strength") == "weak" and e.get("kind") != "outlier"
-            and e.get("step") is not None]
+    weak = [
+        e
+        for e in records
+        if isinstance(e, dict)
+        and e.get("strength") == "weak"
+        and e.get("kind") != "outlier"
+        and e.get("step") is not None
+    ]
     if not weak:
         return None
     step = min(int(e["step"]) for e in weak)
@@ -203,7 +232,9 @@ def _summarise_bisect(result: dict) -> dict:
         "suspect_locations": sorted({s.get("location", "") for s in doc.get("suspects") or []}),
         "comparison": replayed.get("comparison"),
         "steps_replayed": replayed.get("steps_replayed"),
-        "max_residual_ratio": max((w.get("max_residual_ratio") or 0.0 for w in replayed.get("windows") or []), default=0.0),
+        "max_residual_ratio": max(
+            (w.get("max_residual_ratio") or 0.0 for w in replayed.get("windows") or []), default=0.0
+        ),
         "weak_candidate": weak_candidate(doc),
         "statuses": checkpoint_statuses(doc),
     }
@@ -235,15 +266,24 @@ def run_one(plan: RunPlan, options: CampaignOptions) -> dict:
 
     out = options.out_dir / plan.name
     config = DemoConfig(
-        out_dir=out, injections=parse_specs([plan.fault]) if plan.fault else (), steps=options.steps,
-        checkpoint_every=options.checkpoint_every, world_size=WORLD_SIZE, audit_every=0, policy="continue",
-        recipe=variant_reference(plan.variant), threads=(options.train_threads,) * WORLD_SIZE,
+        out_dir=out,
+        injections=parse_specs([plan.fault]) if plan.fault else (),
+        steps=options.steps,
+        checkpoint_every=options.checkpoint_every,
+        world_size=WORLD_SIZE,
+        audit_every=0,
+        policy="continue",
+        recipe=variant_reference(plan.variant),
+        threads=(options.train_threads,) * WORLD_SIZE,
     )
     started = time.monotonic()
     result = run_config(config)
     row = dataclasses.asdict(plan) | {
-        "recipe": config.recipe, "trace": str(config.trace_dir), "train_s": round(result.wall_s, 2),
-        "fired": bool(result.fired), "online_alarms": sorted({a["check"] for a in result.alarms}),
+        "recipe": config.recipe,
+        "trace": str(config.trace_dir),
+        "train_s": round(result.wall_s, 2),
+        "fired": bool(result.fired),
+        "online_alarms": sorted({a["check"] for a in result.alarms}),
         "checkpoints": list(result.checkpoints),
     }
     if plan.kind == "twin":
@@ -255,8 +295,16 @@ def run_one(plan: RunPlan, options: CampaignOptions) -> dict:
     row["certify"] = _summarise_certify(_cli(["certify", trace, "--json", *replay], options.timeout_s))
     row["verify"] = {}
     for step in _checkpoints_to_verify(plan, list(result.checkpoints), options.verify):
-        res = _cli(["verify-checkpoint", str(config.checkpoint_path(step)), "--trace", trace, "--json", *replay], options.timeout_s)
-        row["verify"][str(step)] = {"exit_code": res["exit_code"], "status": _verify_status(res), "error": res["error"], "seconds": res["seconds"]}
+        res = _cli(
+            ["verify-checkpoint", str(config.checkpoint_path(step)), "--trace", trace, "--json", *replay],
+            options.timeout_s,
+        )
+        row["verify"][str(step)] = {
+            "exit_code": res["exit_code"],
+            "status": _verify_status(res),
+            "error": res["error"],
+            "seconds": res["seconds"],
+        }
     row["cli_s"] = round(time.monotonic() - started - result.wall_s, 2)
     row["seconds"] = round(time.monotonic() - started, 2)
     return row
@@ -274,8 +322,10 @@ def _checkpoints_to_verify(plan: RunPlan, checkpoints: list[int], mode: str) -> 
         from sdc_forensics.inject import parse_spec
 
         step = parse_spec(plan.fault).step
-        chosen |= {max((n for n in checkpoints if n <= step), default=checkpoints[0]),
-                   min((n for n in checkpoints if n > step), default=checkpoints[-1])}
+        chosen |= {
+            max((n for n in checkpoints if n <= step), default=checkpoints[0]),
+            min((n for n in checkpoints if n > step), default=checkpoints[-1]),
+        }
     return sorted(chosen)
 
 
@@ -297,27 +347,42 @@ def measure_effect(faulted_trace: Path, twin_trace: Path, fault: str) -> dict:
     rel = relative_tolerance(twin.manifest.fingerprint.grad_dtype, twin.world_size)
     last = twin.step_range()[1]
     hi = min(spec.step + 1, last)
-    fw, tw = next(faulted.step_windows(hi - spec.step + 1, spec.step, hi)), next(twin.step_windows(hi - spec.step + 1, spec.step, hi))
+    fw, tw = (
+        next(faulted.step_windows(hi - spec.step + 1, spec.step, hi)),
+        next(twin.step_windows(hi - spec.step + 1, spec.step, hi)),
+    )
     effect, where = 0.0, None
     for row, step in enumerate(tw.steps.tolist()):
         for sketch, norm in (("local_sketch", "local_norm"), ("reduced_sketch", "reduced_norm")):
             a = fw.records[row, spec.rank][sketch].astype(np.float64)
             b = tw.records[row, spec.rank][sketch].astype(np.float64)
             residual = float(np.abs(a - b).max())
-            ratio = residual / (rel * max(float(tw.records[row, spec.rank][norm]), 1e-30)) if np.isfinite(residual) else math.inf
+            ratio = (
+                residual / (rel * max(float(tw.records[row, spec.rank][norm]), 1e-30))
+                if np.isfinite(residual)
+                else math.inf
+            )
             if ratio > effect or where is None:
                 effect, where = max(ratio, effect), f"step {step} {sketch.split('_')[0]}"
     identical_before = True
     if spec.step > 0:
-        fb, tb = next(faulted.step_windows(spec.step, 0, spec.step - 1)), next(twin.step_windows(spec.step, 0, spec.step - 1))
-        identical_before = bool((fb.records["local_digest"] == tb.records["local_digest"]).all()
-                                and (fb.records["weights_digest"] == tb.records["weights_digest"]).all())
+        fb, tb = (
+            next(faulted.step_windows(spec.step, 0, spec.step - 1)),
+            next(twin.step_windows(spec.step, 0, spec.step - 1)),
+        )
+        identical_before = bool(
+            (fb.records["local_digest"] == tb.records["local_digest"]).all()
+            and (fb.records["weights_digest"] == tb.records["weights_digest"]).all()
+        )
     f_last, t_last = next(faulted.step_windows(1, last, last)), next(twin.step_windows(1, last, last))
     loss_f, loss_t = float(f_last.records["loss"].mean()), float(t_last.records["loss"].mean())
     return {
-        "effect": effect if math.isfinite(effect) else "inf", "effective": effect > 1.0, "where": where,
+        "effect": effect if math.isfinite(effect) else "inf",
+        "effective": effect > 1.0,
+        "where": where,
         "identical_before_fault": identical_before,
-        "final_loss": loss_f if math.isfinite(loss_f) else str(loss_f), "twin_final_loss": loss_t,
+        "final_loss": loss_f if math.isfinite(loss_f) else str(loss_f),
+        "twin_final_loss": loss_t,
         "final_loss_change": (loss_f - loss_t) / loss_t if math.isfinite(loss_f) and loss_t else None,
     }
 
@@ -325,8 +390,11 @@ def measure_effect(faulted_trace: Path, twin_trace: Path, fault: str) -> dict:
 # ---------------------------------------------------------------------------------- tally
 def judge(row: dict) -> dict:
     """The outcome of one judged run (see the module docstring for each tally's rule)."""
-    statuses = {"bisect": row["bisect"]["statuses"], "certify": row["certify"]["statuses"],
-                "verify": {n: v["status"] for n, v in row["verify"].items()}}
+    statuses = {
+        "bisect": row["bisect"]["statuses"],
+        "certify": row["certify"]["statuses"],
+        "verify": {n: v["status"] for n, v in row["verify"].items()},
+    }
     steps = sorted({int(n) for s in statuses.values() for n in s})
     # a checkpoint verify-checkpoint did not look at (--verify around) is no disagreement
     disagreeing = [n for n in steps if len({by[str(n)] for by in statuses.values() if str(n) in by}) > 1]
@@ -336,8 +404,12 @@ def judge(row: dict) -> dict:
     drains = [r for r in row["bisect"].get("suspect_recommendations", []) if "drain node" in r]
     if row["kind"] == "clean":
         bad = [f"{c} {n}: {s}" for c, by in statuses.items() for n, s in by.items() if s in ("corrupt", "tainted")]
-        outcome |= {"false_alarm": verdict == "corruption" or bool(bad), "bad_statuses": bad, "healthy_ranks_named": named,
-                    "drain_advice": bool(drains)}
+        outcome |= {
+            "false_alarm": verdict == "corruption" or bool(bad),
+            "bad_statuses": bad,
+            "healthy_ranks_named": named,
+            "drain_advice": bool(drains),
+        }
         return outcome
     from sdc_forensics.inject import ALL_LOCATIONS, parse_spec
 
@@ -348,10 +420,13 @@ def judge(row: dict) -> dict:
     first = row["bisect"]["first_divergent_step"]
     outcome |= {
         "false_clean": clean_after,
-        "exact_step_rank": verdict == "corruption" and first == spec.step and named == faulty
+        "exact_step_rank": verdict == "corruption"
+        and first == spec.step
+        and named == faulty
         and (faulty or "collective" in row["bisect"].get("suspect_locations", [])),
         "missed": verdict == "clean",
-        "weak_candidate_matches": None if verdict != "inconclusive" or candidate is None
+        "weak_candidate_matches": None
+        if verdict != "inconclusive" or candidate is None
         else candidate["step"] == spec.step and candidate["ranks"] == faulty,
         "healthy_ranks_named": [r for r in named if r not in faulty],
         "wrong_step": verdict == "corruption" and first is not None and first != spec.step,
@@ -369,15 +444,19 @@ def tally(rows: list[dict], seconds: float) -> dict:
     ineffective = [r for r in faulted if not r["effect"]["effective"]]
     count = lambda rs, key: sum(1 for r in rs if r["outcome"].get(key))  # noqa: E731
     return {
-        "runs": len(judged), "clean_runs": len(clean), "faulted_runs": len(faulted),
-        "effective": len(effective), "ineffective": len(ineffective),
+        "runs": len(judged),
+        "clean_runs": len(clean),
+        "faulted_runs": len(faulted),
+        "effective": len(effective),
+        "ineffective": len(ineffective),
         "false_alarms": count(clean, "false_alarm"),
         "false_clean_certificates": count(effective, "false_clean"),
         "false_clean_ineffective": count(ineffective, "false_clean"),
         "exact_step_rank": count(effective, "exact_step_rank"),
         "missed": count(effective, "missed"),
         "inconclusive": count(judged, "inconclusive"),
-        "inconclusive_clean": count(clean, "inconclusive"), "inconclusive_faulted": count(faulted, "inconclusive"),
+        "inconclusive_clean": count(clean, "inconclusive"),
+        "inconclusive_faulted": count(faulted, "inconclusive"),
         "weak_candidate_matches": count(faulted, "weak_candidate_matches"),
         # issue 19: a healthy rank named as a suspect, a verdict at another step, "drain" advice for several nodes
         "runs_naming_healthy_ranks": count(judged, "healthy_ranks_named"),
@@ -401,9 +480,16 @@ def run_children(script: str, plans: list, options, jobs: int, describe) -> list
     """Run each plan in a fresh interpreter of ``script`` (``--_child PLAN --_options OPTIONS``:
     its own fork server and torch threads), ``jobs`` at a time; report each row with
     ``describe(row)``. Raises SystemExit naming the first run that failed."""
+
     def child(plan) -> dict:
-        args = [sys.executable, script, "--_child", json.dumps(dataclasses.asdict(plan)), "--_options",
-                json.dumps(dataclasses.asdict(options) | {"out_dir": str(options.out_dir)})]
+        args = [
+            sys.executable,
+            script,
+            "--_child",
+            json.dumps(dataclasses.asdict(plan)),
+            "--_options",
+            json.dumps(dataclasses.asdict(options) | {"out_dir": str(options.out_dir)}),
+        ]
         proc = subprocess.run(args, capture_output=True, text=True)
         if proc.returncode != 0:
             tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
@@ -424,20 +510,31 @@ def run_children(script: str, plans: list, options, jobs: int, describe) -> list
 def _check_cli(options: CampaignOptions) -> None:
     flags = (["--threads"] if options.replay_threads else []) + (["--tolerant"] if options.tolerant else [])
     for command in ("bisect", "certify", "verify-checkpoint"):
-        text = subprocess.run([sys.executable, "-m", "sdc_forensics.cli.main", command, "--help"], capture_output=True, text=True).stdout
+        text = subprocess.run(
+            [sys.executable, "-m", "sdc_forensics.cli.main", command, "--help"], capture_output=True, text=True
+        ).stdout
         missing = [f for f in flags if f not in text]
         if missing:
-            raise SystemExit(f"sdc-forensics {command} has no {', '.join(missing)} option yet; "
-                             "run with --replay-threads 0 (bitwise control) or update the package")
+            raise SystemExit(
+                f"sdc-forensics {command} has no {', '.join(missing)} option yet; "
+                "run with --replay-threads 0 (bitwise control) or update the package"
+            )
 
 
 def campaign(options: CampaignOptions, progress=print) -> dict:
     """Plan, run (``jobs`` at a time), measure each fault against its twin, and tally."""
     _check_cli(options)
     started = time.monotonic()
-    rows = run_children(__file__, plan_runs(options), options, options.jobs, lambda row: progress(
-        f"{row['index']:3d} {row['kind']:7s} {row.get('fault') or '':36s} "
-        + (row.get("error") or f"{row.get('bisect', {}).get('verdict', '')} {row.get('seconds', '')} s")))
+    rows = run_children(
+        __file__,
+        plan_runs(options),
+        options,
+        options.jobs,
+        lambda row: progress(
+            f"{row['index']:3d} {row['kind']:7s} {row.get('fault') or '':36s} "
+            + (row.get("error") or f"{row.get('bisect', {}).get('verdict', '')} {row.get('seconds', '')} s")
+        ),
+    )
     twins = {r["variant"]: r["trace"] for r in rows if r["kind"] in ("clean", "twin")}
     for row in rows:
         if row["kind"] != "twin":
@@ -459,59 +556,104 @@ def markdown(result: dict) -> str:
     from sdc_forensics.inject import ALL_LOCATIONS, parse_spec
 
     lines = ["| | count |", "| --- | ---: |"]
-    rows = (("runs (clean + faulted)", f"{result['runs']} ({result['clean_runs']} + {result['faulted_runs']})"),
-            ("effective faults (ineffective, listed apart)", f"{result['effective']} ({result['ineffective']})"),
-            ("healthy ranks named as suspects (runs)", f"{result['healthy_ranks_named']} ({result['runs_naming_healthy_ranks']})"),
-            ("`corruption` at another step than the fault's", result["wrong_step"]),
-            ("\"drain\" advice for several nodes", result["drain_advice_for_several_nodes"]),
-            ("false alarms (clean run called `corruption`, or a checkpoint `corrupt`/`tainted`)", result["false_alarms"]),
-            ("false-clean certificates (a checkpoint `N > s` called clean after an effective fault at `s`)", result["false_clean_certificates"]),
-            ("exact step and rank (`corruption`, `s*` = fault step, suspects = fault rank or the collective)", f"{result['exact_step_rank']} of {result['effective']}"),
-            ("`inconclusive` faulted runs whose weak candidate names the fault's step and rank", f"{result['weak_candidate_matches']} of {result['inconclusive_faulted']}"),
-            ("missed (verdict `clean` on an effective fault)", result["missed"]),
-            ("inconclusive clean runs (a tolerant replay certifies nothing)", f"{result['inconclusive_clean']} of {result['clean_runs']}"),
-            ("runs where bisect, certify and verify-checkpoint disagree on a checkpoint", result["disagreements"]),
-            ("largest clean tolerant residual / replay tolerance", result["clean_max_residual_ratio"]),
-            ("seconds per run, mean (training; the three commands)", f"{result['train_s_mean']}; {result['cli_s_mean']}"))
+    rows = (
+        ("runs (clean + faulted)", f"{result['runs']} ({result['clean_runs']} + {result['faulted_runs']})"),
+        ("effective faults (ineffective, listed apart)", f"{result['effective']} ({result['ineffective']})"),
+        (
+            "healthy ranks named as suspects (runs)",
+            f"{result['healthy_ranks_named']} ({result['runs_naming_healthy_ranks']})",
+        ),
+        ("`corruption` at another step than the fault's", result["wrong_step"]),
+        ('"drain" advice for several nodes', result["drain_advice_for_several_nodes"]),
+        ("false alarms (clean run called `corruption`, or a checkpoint `corrupt`/`tainted`)", result["false_alarms"]),
+        (
+            "false-clean certificates (a checkpoint `N > s` called clean after an effective fault at `s`)",
+            result["false_clean_certificates"],
+        ),
+        (
+            "exact step and rank (`corruption`, `s*` = fault step, suspects = fault rank or the collective)",
+            f"{result['exact_step_rank']} of {result['effective']}",
+        ),
+        (
+            "`inconclusive` faulted runs whose weak candidate names the fault's step and rank",
+            f"{result['weak_candidate_matches']} of {result['inconclusive_faulted']}",
+        ),
+        ("missed (verdict `clean` on an effective fault)", result["missed"]),
+        (
+            "inconclusive clean runs (a tolerant replay certifies nothing)",
+            f"{result['inconclusive_clean']} of {result['clean_runs']}",
+        ),
+        ("runs where bisect, certify and verify-checkpoint disagree on a checkpoint", result["disagreements"]),
+        ("largest clean tolerant residual / replay tolerance", result["clean_max_residual_ratio"]),
+        ("seconds per run, mean (training; the three commands)", f"{result['train_s_mean']}; {result['cli_s_mean']}"),
+    )
     lines += [f"| {name} | {value} |" for name, value in rows]
     table: dict[tuple[str, str], dict[str, int]] = {}
     for row in result["rows"]:
         if row["kind"] != "faulted" or not row["effect"]["effective"]:
             continue
         spec = parse_spec(row["fault"], ALL_LOCATIONS)
-        cell = table.setdefault((spec.location, bit_class(spec.bit)), dict.fromkeys(("runs", "exact", "inconclusive", "named", "healthy"), 0))
+        cell = table.setdefault(
+            (spec.location, bit_class(spec.bit)),
+            dict.fromkeys(("runs", "exact", "inconclusive", "named", "healthy"), 0),
+        )
         outcome = row["outcome"]
         cell["runs"] += 1
         cell["exact"] += bool(outcome["exact_step_rank"])
         cell["inconclusive"] += bool(outcome["inconclusive"])
         cell["named"] += bool(outcome["weak_candidate_matches"])
         cell["healthy"] += len(outcome.get("healthy_ranks_named") or [])
-    lines += ["", "| location | bit class | effective runs | exact step+rank | inconclusive (candidate named) | healthy ranks named |",
-              "| --- | --- | ---: | ---: | ---: | ---: |"]
-    lines += [f"| {loc} | {cls} | {c['runs']} | {c['exact']} | {c['inconclusive']} ({c['named']}) | {c['healthy']} |"
-              for (loc, cls), c in sorted(table.items())]
+    lines += [
+        "",
+        "| location | bit class | effective runs | exact step+rank | inconclusive (candidate named) | healthy ranks named |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    lines += [
+        f"| {loc} | {cls} | {c['runs']} | {c['exact']} | {c['inconclusive']} ({c['named']}) | {c['healthy']} |"
+        for (loc, cls), c in sorted(table.items())
+    ]
     return "\n".join(lines)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--clean", type=int, default=None, help="clean runs")
     parser.add_argument("--faulted", type=int, default=None, help="runs with one injected fault each")
     parser.add_argument("--seed", type=int, default=0, help="draws variants and faults")
     parser.add_argument("--quick", action="store_true", help=f"preset: {QUICK}")
     parser.add_argument("--json", action="store_true", help="print the summary and rows as one JSON object on stdout")
-    parser.add_argument("--out", type=Path, default=None, help="directory for the runs (default: a temporary one, removed)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="directory for the runs (default: a temporary one, removed)"
+    )
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 40; 12 with --quick)")
-    parser.add_argument("--checkpoint-every", type=int, default=None, help="checkpoint interval (default 10; 4 with --quick)")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=None, help="checkpoint interval (default 10; 4 with --quick)"
+    )
     parser.add_argument("--train-threads", type=int, default=1, help="intra-op threads of every rank in training")
-    parser.add_argument("--replay-threads", type=int, default=2, help="the CLI's --threads (0: omit it, replay as recorded)")
-    parser.add_argument("--tolerant", action="store_true", help="pass --tolerant to the CLI (force the tolerant comparison)")
+    parser.add_argument(
+        "--replay-threads", type=int, default=2, help="the CLI's --threads (0: omit it, replay as recorded)"
+    )
+    parser.add_argument(
+        "--tolerant", action="store_true", help="pass --tolerant to the CLI (force the tolerant comparison)"
+    )
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (1 or 2)")
-    parser.add_argument("--verify", choices=("all", "around"), default="all",
-                        help="verify-checkpoint --trace on every checkpoint, or around the fault (first, last, and either side of it)")
-    parser.add_argument("--markdown", action="store_true", help="print the summary and the per location / bit class table as Markdown")
-    parser.add_argument("--rejudge", type=Path, default=None,
-                        help="re-judge and re-tally the rows of an earlier --json output (no run is made)")
+    parser.add_argument(
+        "--verify",
+        choices=("all", "around"),
+        default="all",
+        help="verify-checkpoint --trace on every checkpoint, or around the fault (first, last, and either side of it)",
+    )
+    parser.add_argument(
+        "--markdown", action="store_true", help="print the summary and the per location / bit class table as Markdown"
+    )
+    parser.add_argument(
+        "--rejudge",
+        type=Path,
+        default=None,
+        help="re-judge and re-tally the rows of an earlier --json output (no run is made)",
+    )
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     parser.add_argument("--_options", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -539,9 +681,17 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("give --clean N --faulted M, or --quick")
     with tempfile.TemporaryDirectory(prefix="sdc-campaign-") as tmp:
         options = CampaignOptions(
-            clean=pick("clean"), faulted=pick("faulted"), seed=args.seed, out_dir=(args.out or Path(tmp)).resolve(),
-            steps=pick("steps"), checkpoint_every=pick("checkpoint_every"), train_threads=args.train_threads,
-            replay_threads=args.replay_threads, tolerant=args.tolerant, jobs=args.jobs, verify=args.verify,
+            clean=pick("clean"),
+            faulted=pick("faulted"),
+            seed=args.seed,
+            out_dir=(args.out or Path(tmp)).resolve(),
+            steps=pick("steps"),
+            checkpoint_every=pick("checkpoint_every"),
+            train_threads=args.train_threads,
+            replay_threads=args.replay_threads,
+            tolerant=args.tolerant,
+            jobs=args.jobs,
+            verify=args.verify,
         )
         options.out_dir.mkdir(parents=True, exist_ok=True)
         result = campaign(options, progress=lambda line: print(line, file=sys.stderr))

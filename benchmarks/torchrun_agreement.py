@@ -45,7 +45,9 @@ def _env() -> dict[str, str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--inject", action="append", required=True, help="a demo fault spec (repeatable; 'none' for a clean run)")
+    parser.add_argument(
+        "--inject", action="append", required=True, help="a demo fault spec (repeatable; 'none' for a clean run)"
+    )
     parser.add_argument("--nproc", default="2,3", help="comma-separated process counts")
     parser.add_argument("--recipe", default=None)
     parser.add_argument("--threads", default=None, help="the demo's --threads (one count, or one per rank)")
@@ -60,17 +62,38 @@ def main(argv=None) -> int:
     rows = []
     for index, spec in enumerate(args.inject):
         run = out / f"run-{index}"
-        demo = [sys.executable, "-m", "sdc_forensics", "demo", "--out", str(run), "--inject", spec,
-                "--steps", str(args.steps), "--checkpoint-every", str(args.checkpoint_every)]
+        demo = [
+            sys.executable,
+            "-m",
+            "sdc_forensics",
+            "demo",
+            "--out",
+            str(run),
+            "--inject",
+            spec,
+            "--steps",
+            str(args.steps),
+            "--checkpoint-every",
+            str(args.checkpoint_every),
+        ]
         demo += ["--recipe", args.recipe] if args.recipe else []
         demo += ["--threads", args.threads] if args.threads else []
         subprocess.run(demo, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout, check=True)
         bisect = ["-m", "sdc_forensics", "bisect", str(run / "trace"), "--json"]
-        single = subprocess.run([sys.executable, *bisect], env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+        single = subprocess.run(
+            [sys.executable, *bisect], env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout
+        )
         single_doc = json.loads(single.stdout)
         for nproc in (int(n) for n in args.nproc.split(",")):
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--rdzv-endpoint=localhost:{_free_port()}",
-                   f"--nproc-per-node={nproc}", *bisect]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--rdzv-endpoint=localhost:{_free_port()}",
+                f"--nproc-per-node={nproc}",
+                *bisect,
+            ]
             started = time.monotonic()
             multi = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
             seconds = time.monotonic() - started
@@ -78,19 +101,39 @@ def main(argv=None) -> int:
                 agrees = strip_timing(json.loads(multi.stdout)) == strip_timing(single_doc)
             except json.JSONDecodeError:
                 agrees = False
-            rows.append({"inject": spec, "processes": nproc, "verdict": single_doc.get("verdict"),
-                         "first_divergent_step": single_doc.get("first_divergent_step"), "single_exit": single.returncode,
-                         "agrees": agrees, "torchrun_s": round(seconds, 1),
-                         **({} if agrees else {"stderr_tail": multi.stderr[-1500:]})})
+            rows.append(
+                {
+                    "inject": spec,
+                    "processes": nproc,
+                    "verdict": single_doc.get("verdict"),
+                    "first_divergent_step": single_doc.get("first_divergent_step"),
+                    "single_exit": single.returncode,
+                    "agrees": agrees,
+                    "torchrun_s": round(seconds, 1),
+                    **({} if agrees else {"stderr_tail": multi.stderr[-1500:]}),
+                }
+            )
             if not args.json:
                 r = rows[-1]
-                print(f"{spec:<40} P={nproc}  single: {r['verdict']} step {r['first_divergent_step']} (exit {r['single_exit']})  "
-                      f"torchrun: {'same document' if agrees else 'DIFFERENT'}  {seconds:.0f} s", flush=True)
+                print(
+                    f"{spec:<40} P={nproc}  single: {r['verdict']} step {r['first_divergent_step']} (exit {r['single_exit']})  "
+                    f"torchrun: {'same document' if agrees else 'DIFFERENT'}  {seconds:.0f} s",
+                    flush=True,
+                )
                 if not agrees:
                     print(multi.stderr[-1500:])
     if args.json:
-        print(json.dumps({"machine": f"{platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}",
-                          "recipe": args.recipe, "threads": args.threads, "rows": rows}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "machine": f"{platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}",
+                    "recipe": args.recipe,
+                    "threads": args.threads,
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
     return 0 if all(r["agrees"] for r in rows) else 1
 
 

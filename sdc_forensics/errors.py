@@ -94,8 +94,17 @@ class SdcAlarm(SdcError):
 
 #: What a parse raises on malformed input that no check caught first (decoding, unpacking,
 #: indexing or converting a value of the wrong type or size, nesting beyond Python's stack).
-UNCHECKED_PARSE_ERRORS = (RecursionError, UnicodeDecodeError, struct.error, OverflowError, ValueError, TypeError, AttributeError,
-                          KeyError, IndexError)
+UNCHECKED_PARSE_ERRORS = (
+    RecursionError,
+    UnicodeDecodeError,
+    struct.error,
+    OverflowError,
+    ValueError,
+    TypeError,
+    AttributeError,
+    KeyError,
+    IndexError,
+)
 
 
 def _malformed(exc: BaseException, func: Callable) -> MalformedInputError:
@@ -124,6 +133,7 @@ def reader(func: _F) -> _F:
     if getattr(func, "__sdc_reader__", False):
         return func
     if inspect.isgeneratorfunction(func):
+
         @functools.wraps(func)
         def wrapper(*args, **kwargs):
             try:
@@ -131,12 +141,14 @@ def reader(func: _F) -> _F:
             except UNCHECKED_PARSE_ERRORS as exc:
                 raise _malformed(exc, func) from exc
     else:
+
         @functools.wraps(func)
         def wrapper(*args, **kwargs):
             try:
                 return func(*args, **kwargs)
             except UNCHECKED_PARSE_ERRORS as exc:
                 raise _malformed(exc, func) from exc
+
     wrapper.__sdc_reader__ = True
     return wrapper  # type: ignore[return-value]
 
@@ -149,7 +161,9 @@ def reader_class(cls: _C) -> _C:
         if name.startswith("_") and name != "__init__":
             continue
         if isinstance(value, property):
-            wrapped = property(*(None if f is None else reader(f) for f in (value.fget, value.fset, value.fdel)), value.__doc__)
+            wrapped = property(
+                *(None if f is None else reader(f) for f in (value.fget, value.fset, value.fdel)), value.__doc__
+            )
         elif isinstance(value, (classmethod, staticmethod)):
             wrapped = type(value)(reader(value.__func__))
         elif inspect.isfunction(value):

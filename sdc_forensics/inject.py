@@ -78,7 +78,9 @@ class FaultSpec:
 
     def __post_init__(self) -> None:
         if self.location not in LOCATIONS + FSDP_LOCATIONS:
-            raise UsageError(f"unknown fault location {self.location!r}; use one of {', '.join(LOCATIONS + FSDP_LOCATIONS)}")
+            raise UsageError(
+                f"unknown fault location {self.location!r}; use one of {', '.join(LOCATIONS + FSDP_LOCATIONS)}"
+            )
         if self.step < 0:
             raise UsageError(f"fault step must be >= 0, got {self.step}")
         if self.rank < 0:
@@ -139,7 +141,13 @@ def parse_spec(text: str, locations: tuple[str, ...] = LOCATIONS) -> FaultSpec:
     missing = [k for k in ("step", "rank", "bit") if k not in fields and not (k == "rank" and optional_rank)]
     if missing:
         raise UsageError(f"fault spec {text!r} lacks {', '.join(missing)}; the form is {_SYNTAX}")
-    return FaultSpec(location=location, step=fields["step"], rank=fields.get("rank", 0), bit=fields["bit"], element=fields.get("element"))
+    return FaultSpec(
+        location=location,
+        step=fields["step"],
+        rank=fields.get("rank", 0),
+        bit=fields["bit"],
+        element=fields.get("element"),
+    )
 
 
 def parse_specs(texts: Iterable[str]) -> tuple[FaultSpec, ...]:
@@ -216,7 +224,18 @@ class Injector:
             element = spec.choose_element(total_numel)
             if start <= element < start + segment.numel():
                 old, new = flip_bit_(segment, element - start, spec.bit)
-                self.fired.append(Fired(spec=str(spec), location=location, step=step, rank=self.rank, element=element, bit=spec.bit, old=old, new=new))
+                self.fired.append(
+                    Fired(
+                        spec=str(spec),
+                        location=location,
+                        step=step,
+                        rank=self.rank,
+                        element=element,
+                        bit=spec.bit,
+                        old=old,
+                        new=new,
+                    )
+                )
 
     def corrupt_tensors(self, location: str, step: int, tensors: list) -> None:
         """Flip bits in a list of tensors viewed as one concatenated vector (each contiguous)."""
@@ -243,7 +262,18 @@ class Injector:
                 flat = t.detach().view(-1)
                 if offset <= element < offset + flat.numel():
                     old, new = flip_bit_(flat, element - offset, spec.bit)
-                    self.fired.append(Fired(spec=str(spec), location="input", step=step, rank=self.rank, element=element, bit=spec.bit, old=old, new=new))
+                    self.fired.append(
+                        Fired(
+                            spec=str(spec),
+                            location="input",
+                            step=step,
+                            rank=self.rank,
+                            element=element,
+                            bit=spec.bit,
+                            old=old,
+                            new=new,
+                        )
+                    )
                 offset += flat.numel()
         return numel
 
@@ -259,8 +289,17 @@ class Injector:
             data[byte] ^= 1 << (spec.bit % 8)
             Path(path).write_bytes(bytes(data))
             self.fired.append(
-                Fired(spec=str(spec), location=spec.location, step=step, rank=self.rank, element=offset, bit=spec.bit,
-                      old=float(old), new=float(data[byte]), detail=f"byte {byte} of {Path(path).name}")
+                Fired(
+                    spec=str(spec),
+                    location=spec.location,
+                    step=step,
+                    rank=self.rank,
+                    element=offset,
+                    bit=spec.bit,
+                    old=float(old),
+                    new=float(data[byte]),
+                    detail=f"byte {byte} of {Path(path).name}",
+                )
             )
 
 

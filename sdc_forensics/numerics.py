@@ -42,8 +42,17 @@ from typing import Any
 import torch
 
 #: NCCL variables that change the summation order or the algorithm of a collective.
-NCCL_VARS = ("NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_NVLS_ENABLE",
-             "NCCL_NVLSTREE_MAX_CHUNKSIZE", "NCCL_COLLNET_ENABLE", "NCCL_P2P_LEVEL", "NCCL_SHM_DISABLE")
+NCCL_VARS = (
+    "NCCL_ALGO",
+    "NCCL_PROTO",
+    "NCCL_MIN_NCHANNELS",
+    "NCCL_MAX_NCHANNELS",
+    "NCCL_NVLS_ENABLE",
+    "NCCL_NVLSTREE_MAX_CHUNKSIZE",
+    "NCCL_COLLNET_ENABLE",
+    "NCCL_P2P_LEVEL",
+    "NCCL_SHM_DISABLE",
+)
 _SDPA = ("flash", "mem_efficient", "math", "cudnn")
 
 
@@ -70,7 +79,9 @@ def _device_name(device: torch.device) -> str:
     return f"cpu ({platform.machine() or 'unknown'})"
 
 
-def record(device: torch.device | None = None, backend: str = "", reduction: str = "native", comm_hook: str = "") -> dict[str, Any]:
+def record(
+    device: torch.device | None = None, backend: str = "", reduction: str = "native", comm_hook: str = ""
+) -> dict[str, Any]:
     """The settings that decide a step's bits, on this process (rank 0's, for the manifest);
     ``comm_hook``: the qualified name of the job's own DDP comm hook ("" for DDP's mean all-reduce)."""
     device = device or torch.device("cpu")
@@ -78,7 +89,9 @@ def record(device: torch.device | None = None, backend: str = "", reduction: str
     flags: dict[str, Any] = {
         "device_type": device.type,
         "device_name": _device_name(device),
-        "compute_capability": ".".join(map(str, _safe(lambda: torch.cuda.get_device_capability(device), ()))) if device.type == "cuda" else "",
+        "compute_capability": ".".join(map(str, _safe(lambda: torch.cuda.get_device_capability(device), ())))
+        if device.type == "cuda"
+        else "",
         "cuda_version": str(torch.version.cuda or ""),
         "cudnn_version": str(_safe(torch.backends.cudnn.version, "")) if device.type == "cuda" else "",
         "nccl_version": ".".join(map(str, _safe(torch.cuda.nccl.version, ()))) if device.type == "cuda" else "",
@@ -123,14 +136,17 @@ def _set(values: dict[str, Any]) -> None:
     """Set the process-wide flags in ``values`` (keys of :func:`_current`; absent keys untouched)."""
     matmul = torch.backends.cuda.matmul
     if "deterministic_algorithms" in values:
-        torch.use_deterministic_algorithms(bool(values["deterministic_algorithms"]),
-                                           warn_only=bool(values.get("deterministic_warn_only", False)))
-    for key, target, attr in (("cudnn_deterministic", torch.backends.cudnn, "deterministic"),
-                              ("cudnn_benchmark", torch.backends.cudnn, "benchmark"),
-                              ("cuda_matmul_allow_tf32", matmul, "allow_tf32"),
-                              ("cudnn_allow_tf32", torch.backends.cudnn, "allow_tf32"),
-                              ("fp16_reduced_precision_reduction", matmul, "allow_fp16_reduced_precision_reduction"),
-                              ("bf16_reduced_precision_reduction", matmul, "allow_bf16_reduced_precision_reduction")):
+        torch.use_deterministic_algorithms(
+            bool(values["deterministic_algorithms"]), warn_only=bool(values.get("deterministic_warn_only", False))
+        )
+    for key, target, attr in (
+        ("cudnn_deterministic", torch.backends.cudnn, "deterministic"),
+        ("cudnn_benchmark", torch.backends.cudnn, "benchmark"),
+        ("cuda_matmul_allow_tf32", matmul, "allow_tf32"),
+        ("cudnn_allow_tf32", torch.backends.cudnn, "allow_tf32"),
+        ("fp16_reduced_precision_reduction", matmul, "allow_fp16_reduced_precision_reduction"),
+        ("bf16_reduced_precision_reduction", matmul, "allow_bf16_reduced_precision_reduction"),
+    ):
         if key in values and hasattr(target, attr):
             setattr(target, attr, bool(values[key]))
     if values.get("float32_matmul_precision") in ("highest", "high", "medium"):
@@ -145,9 +161,15 @@ def _set(values: dict[str, Any]) -> None:
 
 
 #: What the replay applies when a trace recorded none of the flags (traces before the contract).
-_IMPOSED = {"deterministic_algorithms": True, "deterministic_warn_only": True, "cudnn_deterministic": True,
-            "cudnn_benchmark": False, "cuda_matmul_allow_tf32": False, "cudnn_allow_tf32": False,
-            "cublas_workspace_config": ":4096:8"}
+_IMPOSED = {
+    "deterministic_algorithms": True,
+    "deterministic_warn_only": True,
+    "cudnn_deterministic": True,
+    "cudnn_benchmark": False,
+    "cuda_matmul_allow_tf32": False,
+    "cudnn_allow_tf32": False,
+    "cublas_workspace_config": ":4096:8",
+}
 _APPLIED_KEYS = tuple(k for k in _current() if k != "threads")
 
 
@@ -198,7 +220,10 @@ def not_reproduced(recorded: dict[str, Any], device: torch.device) -> list[str]:
         here = _device_name(device)
         if recorded.get("device_name") and recorded["device_name"] != here:
             out.append(f"trained on {recorded['device_name']}, replaying on {here}")
-        for key, now in (("cuda_version", str(torch.version.cuda or "")), ("cudnn_version", str(_safe(torch.backends.cudnn.version, "")))):
+        for key, now in (
+            ("cuda_version", str(torch.version.cuda or "")),
+            ("cudnn_version", str(_safe(torch.backends.cudnn.version, ""))),
+        ):
             if recorded.get(key) and str(recorded[key]) != now:
                 out.append(f"{key.replace('_', ' ')} {recorded[key]} in training, {now or 'none'} here")
     if recorded.get("nccl_env") and recorded.get("reduction") != "ordered":

@@ -84,18 +84,24 @@ def check_recipe_args(args: Any) -> dict[str, Any]:
         raise UsageError(f"recipe_args must be a dict of keyword arguments for the recipe, got {type(args).__name__}")
     for key, value in args.items():
         if not isinstance(key, str) or not key.isidentifier():
-            raise UsageError(f"recipe_args key {key!r} is not a Python identifier: the recipe receives recipe_args as keyword arguments")
+            raise UsageError(
+                f"recipe_args key {key!r} is not a Python identifier: the recipe receives recipe_args as keyword arguments"
+            )
         try:
             same = json.loads(json.dumps(value, allow_nan=False)) == value and _json_types(value)
         except (TypeError, ValueError, RecursionError):
             same = False
         if not same:
-            raise UsageError(f"recipe_args[{key!r}] = {value!r:.80} does not come back unchanged from JSON, which is how the manifest "
-                             "stores it: use dict, list, str, int, float (finite), bool or None (a list, not a tuple)")
+            raise UsageError(
+                f"recipe_args[{key!r}] = {value!r:.80} does not come back unchanged from JSON, which is how the manifest "
+                "stores it: use dict, list, str, int, float (finite), bool or None (a list, not a tuple)"
+            )
     size = len(json.dumps(args, separators=(",", ":")))
     if size > MAX_RECIPE_ARGS_BYTES:
-        raise UsageError(f"recipe_args take {size} bytes as JSON, more than {MAX_RECIPE_ARGS_BYTES}: pass settings, not data "
-                         "(a path to a config file, for example)")
+        raise UsageError(
+            f"recipe_args take {size} bytes as JSON, more than {MAX_RECIPE_ARGS_BYTES}: pass settings, not data "
+            "(a path to a config file, for example)"
+        )
     return dict(args)
 
 
@@ -115,11 +121,15 @@ def import_reference(reference: str, what: str = "recipe") -> Any:
     """
     module_name, sep, attribute = str(reference).partition(":")
     if not sep or not module_name or not attribute:
-        raise RecipeError(f"{what} reference {reference!r} is not of the form module:attribute (e.g. mytrain.recipe:Recipe)")
+        raise RecipeError(
+            f"{what} reference {reference!r} is not of the form module:attribute (e.g. mytrain.recipe:Recipe)"
+        )
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - any import failure is the user's module
-        raise RecipeError(f"cannot import {what} module {module_name!r} ({exc}); put it on PYTHONPATH or pass --recipe") from None
+        raise RecipeError(
+            f"cannot import {what} module {module_name!r} ({exc}); put it on PYTHONPATH or pass --recipe"
+        ) from None
     obj: Any = module
     for part in attribute.split("."):
         obj = getattr(obj, part, None)
@@ -150,8 +160,10 @@ def load_recipe(reference: str, search_path: str | Path | None = None, *, args: 
     shown = ", ".join(f"{k}={v!r}" for k, v in (args or {}).items())
     if args is not None and is_instance:
         if not (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
-            raise RecipeError(f"recipe {reference} is an instance, so it cannot take the job's recipe_args ({shown:.200}): reference "
-                              "its class or a factory function that accepts them (docs/recipes.md)")
+            raise RecipeError(
+                f"recipe {reference} is an instance, so it cannot take the job's recipe_args ({shown:.200}): reference "
+                "its class or a factory function that accepts them (docs/recipes.md)"
+            )
         try:
             obj = dataclasses.replace(obj, **args)
         except (TypeError, ValueError) as exc:

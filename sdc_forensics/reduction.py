@@ -34,8 +34,12 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 #: dtype their all-reduce adds in: the recorder derives the all-reduce tolerance from it, and the
 #: replay reproduces the hook (cast, divide by ``W`` in that dtype, sum in it, cast back). The
 #: ``*_wrapper_hook`` variants wrap another hook, whose sum the replay cannot know: tolerance only.
-COMPRESSING_HOOKS = {"fp16_compress_hook": "float16", "fp16_compress_wrapper_hook": "float16",
-                     "bf16_compress_hook": "bfloat16", "bf16_compress_wrapper_hook": "bfloat16"}
+COMPRESSING_HOOKS = {
+    "fp16_compress_hook": "float16",
+    "fp16_compress_wrapper_hook": "float16",
+    "bf16_compress_hook": "bfloat16",
+    "bf16_compress_wrapper_hook": "bfloat16",
+}
 #: The compressing hooks whose whole arithmetic is known (``_compress_hook``): the replay reproduces them.
 REPRODUCIBLE_COMPRESSION = {"fp16_compress_hook": torch.float16, "bf16_compress_hook": torch.bfloat16}
 

@@ -57,6 +57,8 @@ def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]], seed: int 
     return combine_digests(digests([t for _, t in named_tensors], seed))
 
 
-def weights_digest_from_state(tensors: Mapping[str, torch.Tensor], param_names: Iterable[str], seed: int = C.DEFAULT_SEED) -> int:
+def weights_digest_from_state(
+    tensors: Mapping[str, torch.Tensor], param_names: Iterable[str], seed: int = C.DEFAULT_SEED
+) -> int:
     """The replica weights digest recomputed from a checkpoint's tensors, by parameter name."""
     return combine_digests(digests([tensors[name] for name in param_names], seed))

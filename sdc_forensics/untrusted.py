@@ -80,13 +80,21 @@ def describe(value: Any) -> str:
     if isinstance(value, dict):
         return f"an object of {len(value)} keys"
     if isinstance(value, list):
-        if len(value) <= 8 and all(isinstance(v, (str, float, bool, type(None))) or (is_int(v) and abs(v) < 10**30) for v in value):
+        if len(value) <= 8 and all(
+            isinstance(v, (str, float, bool, type(None))) or (is_int(v) and abs(v) < 10**30) for v in value
+        ):
             text = repr(value)
             return f"the list {text[:60]}{'…' if len(text) > 60 else ''}"
         return f"a list of {len(value)} items"
     if is_int(value) and abs(value) >= 10**30:
-        return f"an integer of {len(str(abs(value)))} digits" if abs(value) < 10**4000 else "an integer of thousands of digits"
-    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(type(value), type(value).__name__)
+        return (
+            f"an integer of {len(str(abs(value)))} digits"
+            if abs(value) < 10**4000
+            else "an integer of thousands of digits"
+        )
+    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(
+        type(value), type(value).__name__
+    )
     text = repr(value)
     return f"{kind} {text[:40]}{'…' if len(text) > 40 else ''}"
 
@@ -117,16 +125,18 @@ class Fields:
 
     def fail(self, key: str, expected: str, value: Any) -> Exception:
         """The error for field ``key``, which should be ``expected`` but is ``value``."""
-        return self.error(f"{self.where}: \"{key}\" must be {expected}, found {describe(value)}; {self.hint}")
+        return self.error(f'{self.where}: "{key}" must be {expected}, found {describe(value)}; {self.hint}')
 
     def _get(self, key: str, default: Any) -> Any:
         if key in self.doc:
             return self.doc[key]
         if default is _REQUIRED:
-            raise self.error(f"{self.where} has no \"{key}\"; {self.hint}")
+            raise self.error(f'{self.where} has no "{key}"; {self.hint}')
         return default
 
-    def int(self, key: str, default: Any = _REQUIRED, *, lo: int | None = None, hi: int | None = None, none: bool = False):
+    def int(
+        self, key: str, default: Any = _REQUIRED, *, lo: int | None = None, hi: int | None = None, none: bool = False
+    ):
         """An integer in ``[lo, hi]`` (or null, when ``none``)."""
         value = self._get(key, default)
         if value is None and none:
@@ -148,7 +158,9 @@ class Fields:
         if not isinstance(value, str):
             raise self.fail(key, "a string" + (" or null" if none else ""), value)
         if len(value) > max_len:
-            raise self.error(f"{self.where}: \"{key}\" is a string of {len(value)} characters, longer than {max_len}; {self.hint}")
+            raise self.error(
+                f'{self.where}: "{key}" is a string of {len(value)} characters, longer than {max_len}; {self.hint}'
+            )
         return value
 
     def bool(self, key: str, default: Any = _REQUIRED) -> bool:
@@ -187,7 +199,7 @@ class Fields:
         if not isinstance(value, dict):
             raise self.fail(key, "an object", value)
         if depth(value, max_depth + 1) > max_depth:
-            raise self.error(f"{self.where}: \"{key}\" is nested more than {max_depth} levels deep; {self.hint}")
+            raise self.error(f'{self.where}: "{key}" is nested more than {max_depth} levels deep; {self.hint}')
         return dict(value)
 
     def str_map(self, key: str, default: Any = _REQUIRED) -> dict[str, str]:

@@ -110,12 +110,21 @@ def sim(tmp_path_factory):
     """``sim(fault=None, steps=8, checkpoint_every=4, world_size=4)`` -> dir of a :func:`tests.factories.simulate` run."""
     cache = {}
 
-    def _sim(fault: factories.SimFault | tuple[factories.SimFault, ...] | None = None, steps: int = 8, checkpoint_every: int = 4,
-             world_size: int = 4):
+    def _sim(
+        fault: factories.SimFault | tuple[factories.SimFault, ...] | None = None,
+        steps: int = 8,
+        checkpoint_every: int = 4,
+        world_size: int = 4,
+    ):
         key = (fault, steps, checkpoint_every, world_size)
         if key not in cache:
-            cache[key] = factories.simulate(tmp_path_factory.mktemp("sim"), steps=steps, checkpoint_every=checkpoint_every,
-                                            world_size=world_size, fault=fault)
+            cache[key] = factories.simulate(
+                tmp_path_factory.mktemp("sim"),
+                steps=steps,
+                checkpoint_every=checkpoint_every,
+                world_size=world_size,
+                fault=fault,
+            )
         return cache[key]
 
     return _sim

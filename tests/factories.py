@@ -106,9 +106,20 @@ class Fault:
 _BULK_KINDS = {"nonfinite": "nonfinite", "allreduce-all": "allreduce-all", "weights": "weights"}
 
 
-def write_trace(path: Path, *, ranks: int = 4, steps: int = 20, fault: Fault | tuple[Fault, ...] | None = None, bulk: bool = False,
-                attempt: int = 0, start_step: int = 0, seed: int = 0, audit_every: int | None = None, weights_every: int = 1,
-                recipe: str | None = None) -> Path:
+def write_trace(
+    path: Path,
+    *,
+    ranks: int = 4,
+    steps: int = 20,
+    fault: Fault | tuple[Fault, ...] | None = None,
+    bulk: bool = False,
+    attempt: int = 0,
+    start_step: int = 0,
+    seed: int = 0,
+    audit_every: int | None = None,
+    weights_every: int = 1,
+    recipe: str | None = None,
+) -> Path:
     """Write a synthetic trace to ``path`` and return it.
 
     Its records are consistent the way a healthy DDP run's are (local sketches average to the
@@ -131,11 +142,21 @@ def write_trace(path: Path, *, ranks: int = 4, steps: int = 20, fault: Fault | t
         if unknown:
             raise ValueError(f"bulk traces cannot plant {unknown}; they know {sorted(_BULK_KINDS)}")
         planted = tuple(PlantedFault(kind=_BULK_KINDS[f.kind], step=f.step, rank=f.rank) for f in faults)
-        return write_synthetic_trace(path, num_ranks=ranks, num_steps=steps, faults=planted, attempt=attempt, start_step=start_step, seed=seed)
+        return write_synthetic_trace(
+            path, num_ranks=ranks, num_steps=steps, faults=planted, attempt=attempt, start_step=start_step, seed=seed
+        )
     if attempt or start_step:
         raise ValueError("only bulk traces add attempts: pass bulk=True")
-    return _write_records(Path(path), ranks=ranks, steps=steps, faults=faults, audit_every=audit_every, weights_every=weights_every,
-                          recipe=recipe, seed=seed)
+    return _write_records(
+        Path(path),
+        ranks=ranks,
+        steps=steps,
+        faults=faults,
+        audit_every=audit_every,
+        weights_every=weights_every,
+        recipe=recipe,
+        seed=seed,
+    )
 
 
 def _digest(*parts: int) -> int:
@@ -145,18 +166,40 @@ def _digest(*parts: int) -> int:
     return int(value)
 
 
-def _write_records(path: Path, *, ranks: int, steps: int, faults: tuple[Fault, ...], audit_every: int | None, weights_every: int,
-                   recipe: str | None, seed: int) -> Path:
+def _write_records(
+    path: Path,
+    *,
+    ranks: int,
+    steps: int,
+    faults: tuple[Fault, ...],
+    audit_every: int | None,
+    weights_every: int,
+    recipe: str | None,
+    seed: int,
+) -> Path:
     rng = np.random.default_rng(seed)
     path.mkdir(parents=True, exist_ok=True)
     k = C.DEFAULT_SKETCH_K
-    idents = tuple(RankIdentity(rank=r, host=f"node{r // 2}", node_rank=r // 2, gpu_uuid=f"GPU-{r:04d}") for r in range(ranks))
-    write_manifest(path, Manifest(
-        format_version=F.FORMAT_VERSION, world_size=ranks, fingerprint=FingerprintSettings(seed=C.DEFAULT_SEED, sketch_k=k),
-        recipe=recipe, audit_every=audit_every, weights_every=weights_every, node_of_rank=tuple(r // 2 for r in range(ranks)),
-        attempts=(Attempt(attempt=0, start_step=0, ranks=idents),),
-    ))
-    writers = [RankTraceWriter(path, rank=r, attempt=0, world_size=ranks, sketch_k=k, seed=C.DEFAULT_SEED) for r in range(ranks)]
+    idents = tuple(
+        RankIdentity(rank=r, host=f"node{r // 2}", node_rank=r // 2, gpu_uuid=f"GPU-{r:04d}") for r in range(ranks)
+    )
+    write_manifest(
+        path,
+        Manifest(
+            format_version=F.FORMAT_VERSION,
+            world_size=ranks,
+            fingerprint=FingerprintSettings(seed=C.DEFAULT_SEED, sketch_k=k),
+            recipe=recipe,
+            audit_every=audit_every,
+            weights_every=weights_every,
+            node_of_rank=tuple(r // 2 for r in range(ranks)),
+            attempts=(Attempt(attempt=0, start_step=0, ranks=idents),),
+        ),
+    )
+    writers = [
+        RankTraceWriter(path, rank=r, attempt=0, world_size=ranks, sketch_k=k, seed=C.DEFAULT_SEED)
+        for r in range(ranks)
+    ]
     diverged = np.zeros(ranks, dtype=bool)
     for step in range(steps):
         fault = next((f for f in faults if f.step == step), None)
@@ -218,7 +261,11 @@ def _write_audit(writers, step: int, ranks: int, fault: Fault | None) -> None:
         votes = [(auditor, own ^ 0x2, False), ((subject + 3) % ranks, own, True)]
     for who, value, tiebreak in votes:
         rec = writers[who].new(F.Kind.AUDIT, step)
-        flags = F.Flag.CONTIGUOUS_IDS | (F.Flag.AUDIT_TIEBREAK if tiebreak else 0) | (F.Flag.AUDIT_MISMATCH if value != own else 0)
+        flags = (
+            F.Flag.CONTIGUOUS_IDS
+            | (F.Flag.AUDIT_TIEBREAK if tiebreak else 0)
+            | (F.Flag.AUDIT_MISMATCH if value != own else 0)
+        )
         rec["flags"] = int(flags)
         rec["aux_rank"] = subject
         rec["aux_digest"] = own
@@ -251,8 +298,16 @@ def _flip_first_weight(model) -> None:
         param.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 30)  # an exponent bit
 
 
-def write_run(root: Path, *, ranks: int = 3, steps: int = 8, checkpoint_every: int = 2, diverge: tuple[int, int] | None = None,
-              save_from: int = 0, blessed: bool | None = None) -> Run:
+def write_run(
+    root: Path,
+    *,
+    ranks: int = 3,
+    steps: int = 8,
+    checkpoint_every: int = 2,
+    diverge: tuple[int, int] | None = None,
+    save_from: int = 0,
+    blessed: bool | None = None,
+) -> Run:
     """Train the demo recipe for ``steps`` steps and write trace, notes and checkpoints under ``root``.
 
     STEP records hold the real weights digest of every replica; with ``diverge=(step, rank)`` that
@@ -271,11 +326,20 @@ def write_run(root: Path, *, ranks: int = 3, steps: int = 8, checkpoint_every: i
     seed = C.DEFAULT_SEED
     idents = tuple(RankIdentity(rank=r, host=f"node{r}") for r in range(ranks))
     trace_dir.mkdir(parents=True)
-    write_manifest(trace_dir, Manifest(
-        format_version=F.FORMAT_VERSION, world_size=ranks, fingerprint=FingerprintSettings(seed=seed, sketch_k=C.DEFAULT_SKETCH_K),
-        checkpoint_every=checkpoint_every, attempts=(Attempt(attempt=0, start_step=0, ranks=idents),),
-    ))
-    writers = [RankTraceWriter(trace_dir, rank=r, attempt=0, world_size=ranks, sketch_k=C.DEFAULT_SKETCH_K, seed=seed) for r in range(ranks)]
+    write_manifest(
+        trace_dir,
+        Manifest(
+            format_version=F.FORMAT_VERSION,
+            world_size=ranks,
+            fingerprint=FingerprintSettings(seed=seed, sketch_k=C.DEFAULT_SKETCH_K),
+            checkpoint_every=checkpoint_every,
+            attempts=(Attempt(attempt=0, start_step=0, ranks=idents),),
+        ),
+    )
+    writers = [
+        RankTraceWriter(trace_dir, rank=r, attempt=0, world_size=ranks, sketch_k=C.DEFAULT_SKETCH_K, seed=seed)
+        for r in range(ranks)
+    ]
     model, optimizer, _ = recipe.build()
     names = tuple(name for name, _ in model.named_parameters())
     checkpoints: dict[int, Path] = {}
@@ -298,11 +362,20 @@ def write_run(root: Path, *, ranks: int = 3, steps: int = 8, checkpoint_every: i
         payload = {"model": source.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
         torch.save(payload, path)
         checkpoints[step] = path
-        write_checkpoint_note(trace_dir, CheckpointNote(
-            step=step, path=str(path), weights_digest=hex64(healthy), param_names=names, tensors=state_digests(payload, seed),
-            saved_by_rank=save_from, agreeing_ranks=tuple(r for r in range(ranks) if r not in diverged), diverged_ranks=diverged,
-            blessed=(save_from not in diverged) if blessed is None else blessed,
-        ))
+        write_checkpoint_note(
+            trace_dir,
+            CheckpointNote(
+                step=step,
+                path=str(path),
+                weights_digest=hex64(healthy),
+                param_names=names,
+                tensors=state_digests(payload, seed),
+                saved_by_rank=save_from,
+                agreeing_ranks=tuple(r for r in range(ranks) if r not in diverged),
+                diverged_ranks=diverged,
+                blessed=(save_from not in diverged) if blessed is None else blessed,
+            ),
+        )
 
     n_done = 0
     save(0)
@@ -326,7 +399,12 @@ def write_run(root: Path, *, ranks: int = 3, steps: int = 8, checkpoint_every: i
             save(n_done)
     for writer in writers:
         writer.close()
-    return Run(trace_dir=trace_dir, checkpoints_dir=ckpt_dir, checkpoints=checkpoints, first_divergent_step=diverge[0] if diverge else None)
+    return Run(
+        trace_dir=trace_dir,
+        checkpoints_dir=ckpt_dir,
+        checkpoints=checkpoints,
+        first_divergent_step=diverge[0] if diverge else None,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,8 +472,13 @@ def _gloo_job_worker(rank: int, fn, world: int, port: int, out: str, args: tuple
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     try:
         result = fn(rank, *args)
     finally:
@@ -449,8 +532,14 @@ def flip(tensor, index: int, bit: int) -> None:
     view[index] ^= torch.tensor(1 << bit if bit < 31 else -(1 << 31), dtype=torch.int32)
 
 
-def simulate(out_dir: Path, *, steps: int = 10, checkpoint_every: int = 4, world_size: int = 4,
-             fault: SimFault | tuple[SimFault, ...] | None = None) -> Path:
+def simulate(
+    out_dir: Path,
+    *,
+    steps: int = 10,
+    checkpoint_every: int = 4,
+    world_size: int = 4,
+    fault: SimFault | tuple[SimFault, ...] | None = None,
+) -> Path:
     """Write ``out_dir/trace`` and ``out_dir/checkpoints`` of a simulated DDP run; returns ``out_dir``.
 
     One replica per rank: each rank's local gradient is computed on its microbatches, averaged
@@ -470,13 +559,24 @@ def simulate(out_dir: Path, *, steps: int = 10, checkpoint_every: int = 4, world
     trace_dir, ckpt_dir = Path(out_dir) / "trace", Path(out_dir) / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     k, seed = C.DEFAULT_SKETCH_K, C.DEFAULT_SEED
-    idents = tuple(RankIdentity(rank=r, host=f"sim{r // 2}", node_rank=r // 2, gpu_uuid=f"GPU-sim-{r}") for r in range(world_size))
+    idents = tuple(
+        RankIdentity(rank=r, host=f"sim{r // 2}", node_rank=r // 2, gpu_uuid=f"GPU-sim-{r}") for r in range(world_size)
+    )
     trace_dir.mkdir(parents=True, exist_ok=True)
-    write_manifest(trace_dir, Manifest(
-        format_version=F.FORMAT_VERSION, world_size=world_size, fingerprint=FingerprintSettings(seed=seed, sketch_k=k),
-        recipe=RECIPE_REF, checkpoint_every=checkpoint_every, node_of_rank=tuple(r // 2 for r in range(world_size)),
-        attempts=(Attempt(attempt=0, start_step=0, ranks=idents, determinism={"num_threads": torch.get_num_threads()}),),
-    ))
+    write_manifest(
+        trace_dir,
+        Manifest(
+            format_version=F.FORMAT_VERSION,
+            world_size=world_size,
+            fingerprint=FingerprintSettings(seed=seed, sketch_k=k),
+            recipe=RECIPE_REF,
+            checkpoint_every=checkpoint_every,
+            node_of_rank=tuple(r // 2 for r in range(world_size)),
+            attempts=(
+                Attempt(attempt=0, start_step=0, ranks=idents, determinism={"num_threads": torch.get_num_threads()}),
+            ),
+        ),
+    )
     model, optimizer, _ = recipe.build("cpu")
     replicas = [(copy.deepcopy(model), None) for _ in range(world_size)]
     replicas = [(m, torch.optim.AdamW(m.parameters(), lr=recipe.lr, weight_decay=0.01)) for m, _ in replicas]
@@ -484,7 +584,10 @@ def simulate(out_dir: Path, *, steps: int = 10, checkpoint_every: int = 4, world
     layout = [list(reversed(range(len(names))))]
     (trace_dir / "buckets.attempt-000.json").write_text(json.dumps({"layouts": [{"from_step": 0, "buckets": layout}]}))
     faults = fault if isinstance(fault, tuple) else (fault,) if fault is not None else ()
-    writers = [RankTraceWriter(trace_dir, rank=r, attempt=0, world_size=world_size, sketch_k=k, seed=seed) for r in range(world_size)]
+    writers = [
+        RankTraceWriter(trace_dir, rank=r, attempt=0, world_size=world_size, sketch_k=k, seed=seed)
+        for r in range(world_size)
+    ]
     for step in range(steps):
         fault = next((f for f in faults if f.step == step), None)  # at most one per step
         hit = fault is not None
@@ -565,11 +668,18 @@ def _sim_checkpoint(recipe, replicas, step, trace_dir, ckpt_dir, names, seed) ->
     path = ckpt_dir / f"step-{step:08d}.pt"
     model, opt = replicas[saver]
     recipe.save_checkpoint(path, model, opt, None, step)
-    write_checkpoint_note(trace_dir, CheckpointNote(
-        step=step, path=str(path), weights_digest=hex64(majority), param_names=tuple(names), saved_by_rank=saver,
-        agreeing_ranks=tuple(r for r, d in enumerate(digests) if d == majority),
-        diverged_ranks=tuple(r for r, d in enumerate(digests) if d != majority),
-    ))
+    write_checkpoint_note(
+        trace_dir,
+        CheckpointNote(
+            step=step,
+            path=str(path),
+            weights_digest=hex64(majority),
+            param_names=tuple(names),
+            saved_by_rank=saver,
+            agreeing_ranks=tuple(r for r, d in enumerate(digests) if d == majority),
+            diverged_ranks=tuple(r for r, d in enumerate(digests) if d != majority),
+        ),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -597,14 +707,24 @@ class DemoRuns:
         self._tmp = tmp_path_factory
         self._cache: dict[tuple, object] = {}
 
-    def __call__(self, injections: str | tuple = (), steps: int = 6, checkpoint_every: int = 3, *, result: bool = False, **options):
+    def __call__(
+        self,
+        injections: str | tuple = (),
+        steps: int = 6,
+        checkpoint_every: int = 3,
+        *,
+        result: bool = False,
+        **options,
+    ):
         from sdc_forensics.demo.run import run_demo
 
         injections = (injections,) if isinstance(injections, str) else tuple(injections)
         key = (injections, steps, checkpoint_every, _frozen(options))
         if key not in self._cache:
             out = self._tmp.mktemp("demo")
-            self._cache[key] = run_demo(out, injections=injections, steps=steps, checkpoint_every=checkpoint_every, **options)
+            self._cache[key] = run_demo(
+                out, injections=injections, steps=steps, checkpoint_every=checkpoint_every, **options
+            )
         done = self._cache[key]
         return done if result else done.config.out_dir
 

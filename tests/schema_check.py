@@ -23,5 +23,6 @@ def assert_valid(document: dict | str, name: str) -> dict:
     doc = json.loads(document) if isinstance(document, str) else document
     errors = sorted(Draft202012Validator(schema(name)).iter_errors(doc), key=lambda e: list(e.path))
     assert not errors, f"{name} document does not match docs/schemas/{name}.schema.json:\n" + "\n".join(
-        f"  at /{'/'.join(map(str, e.path))}: {e.message}" for e in errors[:20])
+        f"  at /{'/'.join(map(str, e.path))}: {e.message}" for e in errors[:20]
+    )
     return doc

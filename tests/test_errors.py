@@ -100,14 +100,33 @@ def test_every_reader_class_and_entry_point_is_marked():
     from sdc_forensics.trace import checkpoints, manifest
     from sdc_forensics.trace.reader import Trace, step_threads
 
-    classes = (folder.FolderReader, dcp_reader.DcpReader, hf_index.HfIndexReader, safetensors_reader.SafetensorsReader,
-               torch_reader.TorchReader, base.MappedFile, Trace)
+    classes = (
+        folder.FolderReader,
+        dcp_reader.DcpReader,
+        hf_index.HfIndexReader,
+        safetensors_reader.SafetensorsReader,
+        torch_reader.TorchReader,
+        base.MappedFile,
+        Trace,
+    )
     for cls in classes:
         assert getattr(cls.__init__, "__sdc_reader__", False), cls
     assert getattr(vars(Trace)["open"].__func__, "__sdc_reader__", False)
-    functions = (formats.open_checkpoint, formats.open_file, formats.detect_format, formats.sniff_file, formats.main_format,
-                 hf_index.read_index, torch_reader.pickle_globals, manifest.read_manifest, checkpoints.read_checkpoint_notes,
-                 certificate.read_certificate, step_threads, Trace.step_windows, Trace.records)
+    functions = (
+        formats.open_checkpoint,
+        formats.open_file,
+        formats.detect_format,
+        formats.sniff_file,
+        formats.main_format,
+        hf_index.read_index,
+        torch_reader.pickle_globals,
+        manifest.read_manifest,
+        checkpoints.read_checkpoint_notes,
+        certificate.read_certificate,
+        step_threads,
+        Trace.step_windows,
+        Trace.records,
+    )
     for function in functions:
         assert getattr(function, "__sdc_reader__", False), function
 

@@ -42,8 +42,13 @@ def _gloo_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=120),
+    )
     hashes = {}
     try:
         for numel in SIZES:
@@ -77,7 +82,9 @@ def test_gloo_ring_reference_equals_a_real_gloo_all_reduce_bit_for_bit(tmp_path,
                 got = np.load(tmp_path / f"{kind}-{name}-{numel}.npy")
                 assert got.dtype == np.float32 and got.shape == (numel,)
                 differ = np.flatnonzero(got.view(np.uint32) != reference.view(np.uint32))
-                assert differ.size == 0, f"{kind} of {name}, W={world_size}, {numel} elements: {differ.size} differ, first {differ[:5]}"
+                assert differ.size == 0, (
+                    f"{kind} of {name}, W={world_size}, {numel} elements: {differ.size} differ, first {differ[:5]}"
+                )
 
 
 @pytest.mark.parametrize("world_size", sorted(PROBES))

@@ -76,7 +76,9 @@ def test_trace_files_are_written_through_the_one_helper(tmp_path, calls):
     from sdc_forensics.trace.manifest import FingerprintSettings, Manifest, write_manifest
 
     written = [
-        write_manifest(tmp_path, Manifest(format_version=1, world_size=2, fingerprint=FingerprintSettings(seed=1, sketch_k=8))),
+        write_manifest(
+            tmp_path, Manifest(format_version=1, world_size=2, fingerprint=FingerprintSettings(seed=1, sketch_k=8))
+        ),
         write_checkpoint_note(tmp_path, CheckpointNote(step=2, path="x.pt", weights_digest="0123456789abcdef")),
         write_bucket_layouts(tmp_path, 0, [{"from_step": 0, "buckets": [[1, 0]]}]),
     ]
@@ -88,5 +90,7 @@ def test_no_other_module_replaces_a_file_itself():
     """One atomic write: ``os.replace``/``os.rename`` and ``fsync`` of a whole file appear in
     ``newfile.py`` only (the trace writer's per-record ``fsync`` option appends, it replaces nothing)."""
     pattern = re.compile(r"\bos\.(replace|rename)\(")
-    users = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if pattern.search(p.read_text(encoding="utf-8")))
+    users = sorted(
+        str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if pattern.search(p.read_text(encoding="utf-8"))
+    )
     assert users == ["newfile.py"]

@@ -26,7 +26,9 @@ def test_a_class_or_factory_is_called_with_the_args_and_a_dataclass_instance_is_
     assert (from_class.hidden, from_class.model_seed) == (96, 3)
     assert from_class.build("cpu")[0][0].weight.shape == (96, 64)
     copied = load_recipe("sdc_forensics.demo.recipe:recipe", args={"hidden": 32})
-    assert copied.hidden == 32 and copied is not demo_recipe and demo_recipe.hidden == 128  # the module's object is untouched
+    assert (
+        copied.hidden == 32 and copied is not demo_recipe and demo_recipe.hidden == 128
+    )  # the module's object is untouched
     assert load_recipe("sdc_forensics.demo.recipe:recipe", args={}) == demo_recipe
 
 
@@ -49,20 +51,25 @@ plain = _Plain()
 
 def test_a_plain_instance_cannot_take_args_and_says_what_to_reference():
     assert load_recipe("tests.test_recipe:plain") is plain
-    with pytest.raises(RecipeError, match="is an instance, so it cannot take the job's recipe_args .*class or a factory"):
+    with pytest.raises(
+        RecipeError, match="is an instance, so it cannot take the job's recipe_args .*class or a factory"
+    ):
         load_recipe("tests.test_recipe:plain", args={"width": 2})
 
 
-@pytest.mark.parametrize("args, message", [
-    ([("width", 3)], "must be a dict"),
-    ({"not-an-identifier": 1}, "is not a Python identifier"),
-    ({1: 2}, "is not a Python identifier"),
-    ({"channels": (8, 16)}, r"recipe_args\['channels'\] = \(8, 16\) does not come back unchanged from JSON"),
-    ({"lr": math.nan}, "does not come back unchanged"),
-    ({"path": object()}, "does not come back unchanged"),
-    ({"nested": {1: "a"}}, "does not come back unchanged"),
-    ({"blob": "x" * 70_000}, "more than 65536"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([("width", 3)], "must be a dict"),
+        ({"not-an-identifier": 1}, "is not a Python identifier"),
+        ({1: 2}, "is not a Python identifier"),
+        ({"channels": (8, 16)}, r"recipe_args\['channels'\] = \(8, 16\) does not come back unchanged from JSON"),
+        ({"lr": math.nan}, "does not come back unchanged"),
+        ({"path": object()}, "does not come back unchanged"),
+        ({"nested": {1: "a"}}, "does not come back unchanged"),
+        ({"blob": "x" * 70_000}, "more than 65536"),
+    ],
+)
 def test_recipe_args_must_be_json_settings(args, message):
     with pytest.raises(UsageError, match=message):
         check_recipe_args(args)
@@ -74,8 +81,13 @@ def test_recipe_args_that_are_json_pass_unchanged():
 
 
 def _manifest(**kw) -> Manifest:
-    return Manifest(format_version=1, world_size=2, fingerprint=FingerprintSettings(seed=1, sketch_k=8),
-                    recipe="sdc_forensics.demo.recipe:DemoRecipe", **kw)
+    return Manifest(
+        format_version=1,
+        world_size=2,
+        fingerprint=FingerprintSettings(seed=1, sketch_k=8),
+        recipe="sdc_forensics.demo.recipe:DemoRecipe",
+        **kw,
+    )
 
 
 def test_manifest_round_trip_and_old_manifests_unchanged(tmp_path):
@@ -86,14 +98,26 @@ def test_manifest_round_trip_and_old_manifests_unchanged(tmp_path):
     manifest = read_manifest(tmp_path)
     assert manifest.recipe_args == {"hidden": 48}
     assert load_trace_recipe(manifest).hidden == 48
-    assert load_trace_recipe(manifest, override="sdc_forensics.demo.recipe:recipe").hidden == 48  # --recipe keeps the settings
+    assert (
+        load_trace_recipe(manifest, override="sdc_forensics.demo.recipe:recipe").hidden == 48
+    )  # --recipe keeps the settings
     assert load_trace_recipe(dataclasses.replace(manifest, recipe_args=None)).hidden == 128
     with pytest.raises(RecipeError, match="names no replay recipe"):
         load_trace_recipe(dataclasses.replace(manifest, recipe=None))
 
 
-@pytest.mark.parametrize("value, ok", [(None, True), ({}, True), ({"a": [1, {"b": 2}]}, True), ([1], False), ("w=3", False),
-                                       ({"not ident": 1}, False), (3, False)])
+@pytest.mark.parametrize(
+    "value, ok",
+    [
+        (None, True),
+        ({}, True),
+        ({"a": [1, {"b": 2}]}, True),
+        ([1], False),
+        ("w=3", False),
+        ({"not ident": 1}, False),
+        (3, False),
+    ],
+)
 def test_manifest_recipe_args_are_checked_as_hostile_input(value, ok):
     doc = _manifest().to_json()
     doc["recipe_args"] = value

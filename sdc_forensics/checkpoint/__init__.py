@@ -12,8 +12,13 @@ imported by the CLI without importing torch (``bisect --trace-only`` starts with
 import importlib
 
 _EXPORTS = {
-    "detect_format": "formats", "open_checkpoint": "formats",
-    "Finding": "verify", "FindingKind": "findings", "VerificationReport": "verify", "VerifyOptions": "verify", "verify_checkpoint": "verify",
+    "detect_format": "formats",
+    "open_checkpoint": "formats",
+    "Finding": "verify",
+    "FindingKind": "findings",
+    "VerificationReport": "verify",
+    "VerifyOptions": "verify",
+    "verify_checkpoint": "verify",
 }
 
 

@@ -73,7 +73,9 @@ class MappedFile:
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
             self._mmap = mmap.mmap(fd, self.size, flags=flags, prot=mmap.PROT_READ)
         except (OSError, ValueError) as exc:
-            raise CheckpointError(f"cannot map {path} for reading ({exc}); check that it is a regular, readable file") from None
+            raise CheckpointError(
+                f"cannot map {path} for reading ({exc}); check that it is a regular, readable file"
+            ) from None
         finally:
             os.close(fd)
         with warnings.catch_warnings():
@@ -216,9 +218,34 @@ class SingleFileReader(CheckpointReader):
 #: ``float4_e2m1fn_x2``) cannot be read as plain bits: torch crashes the process on some of them.
 PLAIN_DTYPES = frozenset(
     getattr(torch, name)
-    for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16", "bfloat16", "float32",
-                 "float64", "complex32", "complex64", "complex128", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
-                 "float8_e8m0fnu", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2")
+    for name in (
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "complex32",
+        "complex64",
+        "complex128",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "bits8",
+        "bits16",
+        "bits1x8",
+        "bits2x4",
+        "bits4x2",
+    )
     if isinstance(getattr(torch, name, None), torch.dtype)
 )
 
@@ -229,7 +256,9 @@ def unsupported_tensor(tensor: torch.Tensor) -> str | None:
     if tensor.is_meta or tensor.device.type != "cpu":
         return f"a tensor on device {tensor.device.type} (no data in the file)"
     if tensor.layout != torch.strided or tensor.is_nested:
-        return f"a {'nested' if tensor.is_nested else str(tensor.layout).removeprefix('torch.')} tensor, not a dense one"
+        return (
+            f"a {'nested' if tensor.is_nested else str(tensor.layout).removeprefix('torch.')} tensor, not a dense one"
+        )
     if tensor.is_quantized or tensor.dtype not in PLAIN_DTYPES:
         return f"a tensor of dtype {str(tensor.dtype).removeprefix('torch.')}, which verification does not read"
     return None

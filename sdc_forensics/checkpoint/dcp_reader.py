@@ -48,7 +48,14 @@ from typing import Any
 
 import torch
 
-from sdc_forensics.checkpoint.base import PLAIN_DTYPES, CheckpointReader, FileIssue, MappedFile, TensorInfo, unsupported_tensor
+from sdc_forensics.checkpoint.base import (
+    PLAIN_DTYPES,
+    CheckpointReader,
+    FileIssue,
+    MappedFile,
+    TensorInfo,
+    unsupported_tensor,
+)
 from sdc_forensics.checkpoint.limits import MAX_DIMS, TENSORS_HINT, ReadLimits, check_inside, inflate_member, resolve
 from sdc_forensics.errors import CheckpointError
 
@@ -130,7 +137,9 @@ class DcpReader(CheckpointReader):
         for index, info in storage.items():
             rel = str(getattr(info, "relative_path", ""))
             if getattr(info, "transform_descriptors", None):
-                raise CheckpointError(f"{self.root}: item {index.fqn!r} uses storage transforms {info.transform_descriptors}, which this reader does not support")
+                raise CheckpointError(
+                    f"{self.root}: item {index.fqn!r} uses storage transforms {info.transform_descriptors}, which this reader does not support"
+                )
             if rel not in items:  # each file checked once, however many items name it
                 self._check_file(rel, index.fqn)
                 items[rel] = []
@@ -142,7 +151,13 @@ class DcpReader(CheckpointReader):
                 )
             if info.length:
                 offset = getattr(index, "offset", None)
-                items[rel].append((info.offset, info.offset + info.length, f"{index.fqn[:80]!r}" + (f" at {tuple(offset)}" if offset is not None else "")))
+                items[rel].append(
+                    (
+                        info.offset,
+                        info.offset + info.length,
+                        f"{index.fqn[:80]!r}" + (f" at {tuple(offset)}" if offset is not None else ""),
+                    )
+                )
         for rel, spans in items.items():
             spans.sort()
             for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
@@ -173,16 +188,23 @@ class DcpReader(CheckpointReader):
     def _check_file(self, rel: str, fqn: str) -> None:
         """A data file named by the metadata: inside DIR (links resolved), existing; then mapped."""
         if not rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
-            raise CheckpointError(f"{self.root}: item {fqn!r} is stored in {rel[:200]!r}, outside the checkpoint directory")
+            raise CheckpointError(
+                f"{self.root}: item {fqn!r} is stored in {rel[:200]!r}, outside the checkpoint directory"
+            )
         path = self.root / rel
         try:
             found = path.is_file()
         except OSError as exc:  # ENAMETOOLONG, EACCES
-            raise CheckpointError(f"{self.root}: file {rel[:200]!r} named by the metadata for {fqn!r} cannot be looked up ({exc.strerror})") from None
+            raise CheckpointError(
+                f"{self.root}: file {rel[:200]!r} named by the metadata for {fqn!r} cannot be looked up ({exc.strerror})"
+            ) from None
         if not found:
-            raise CheckpointError(f"{self.root}: file {rel} named by the metadata for {fqn!r} does not exist: the checkpoint is incomplete")
+            raise CheckpointError(
+                f"{self.root}: file {rel} named by the metadata for {fqn!r} does not exist: the checkpoint is incomplete"
+            )
         check_inside(path, self.root, self._limits, "data file")
         self._mapped(rel)
+
     @property
     def files(self) -> tuple[Path, ...]:
         names = {METADATA_NAME} | {str(info.relative_path) for info in self.metadata.storage_data.values()}
@@ -197,7 +219,14 @@ class DcpReader(CheckpointReader):
         for fqn, chunks in self._plan.items():
             meta = state[fqn]
             files = sorted({str(info.relative_path) for _, info in chunks})
-            out.append(TensorInfo(key=fqn, dtype=str(meta.properties.dtype).removeprefix("torch."), shape=tuple(meta.size), file=",".join(files)))
+            out.append(
+                TensorInfo(
+                    key=fqn,
+                    dtype=str(meta.properties.dtype).removeprefix("torch."),
+                    shape=tuple(meta.size),
+                    file=",".join(files),
+                )
+            )
         return out
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -224,12 +253,18 @@ class DcpReader(CheckpointReader):
         try:
             tensor = torch.load(data, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - any failure means this item is unreadable
-            raise CheckpointError(f"{self.root}: chunk of {fqn!r} in {info.relative_path} cannot be read ({type(exc).__name__}): damaged") from None
+            raise CheckpointError(
+                f"{self.root}: chunk of {fqn!r} in {info.relative_path} cannot be read ({type(exc).__name__}): damaged"
+            ) from None
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(chunk.sizes) or tensor.dtype != dtype:
-            raise CheckpointError(f"{self.root}: chunk of {fqn!r} in {info.relative_path} does not match its metadata (shape or dtype)")
+            raise CheckpointError(
+                f"{self.root}: chunk of {fqn!r} in {info.relative_path} does not match its metadata (shape or dtype)"
+            )
         why = unsupported_tensor(tensor)
         if why is not None:
-            raise CheckpointError(f"{self.root}: chunk of {fqn!r} in {info.relative_path} is {why}: it cannot be verified")
+            raise CheckpointError(
+                f"{self.root}: chunk of {fqn!r} in {info.relative_path} is {why}: it cannot be verified"
+            )
         return tensor
 
     def _check_crc(self, fqn: str, chunk, info, data: io.BytesIO) -> None:
@@ -254,9 +289,14 @@ class DcpReader(CheckpointReader):
             ) from None
         except zipfile.BadZipFile as exc:
             if "CRC" not in str(exc):
-                raise CheckpointError(f"{self.root}: chunk of {fqn!r} in {info.relative_path} is not a torch.save archive ({str(exc)[:200]})") from None
+                raise CheckpointError(
+                    f"{self.root}: chunk of {fqn!r} in {info.relative_path} is not a torch.save archive ({str(exc)[:200]})"
+                ) from None
             self._issues.append(
-                FileIssue(file=str(info.relative_path), detail=f"zip CRC-32 of the chunk of {fqn!r} at offsets {tuple(chunk.offsets)} does not match: its bytes changed after saving")
+                FileIssue(
+                    file=str(info.relative_path),
+                    detail=f"zip CRC-32 of the chunk of {fqn!r} at offsets {tuple(chunk.offsets)} does not match: its bytes changed after saving",
+                )
             )
         data.seek(0)
 
@@ -296,12 +336,14 @@ def _load_metadata(meta_path: Path, limits: ReadLimits):
         with open(meta_path, "rb") as fh:
             data = fh.read()
         for _ in pickletools.genops(data):  # lengths checked first: a bytearray8 claiming exabytes made CPython's
-            pass                            # unpickler print "SystemError: deallocated bytearray..." to stderr
+            pass  # unpickler print "SystemError: deallocated bytearray..." to stderr
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as exc:  # noqa: BLE001 - only allow-listed classes are built; any failure means "damaged metadata"
         # (UnpicklingError, EOFError, a RuntimeError from TensorProperties.__setstate__, RecursionError, ...)
         text = " ".join(str(exc).split())[:200]
-        raise CheckpointError(f"{meta_path} cannot be loaded safely ({type(exc).__name__}: {text}): damaged or not DCP metadata") from None
+        raise CheckpointError(
+            f"{meta_path} cannot be loaded safely ({type(exc).__name__}: {text}): damaged or not DCP metadata"
+        ) from None
     if type(metadata).__name__ != "Metadata":
         raise CheckpointError(f"{meta_path} does not hold DCP Metadata (found {type(metadata).__name__})")
     _check_types(meta_path, metadata, limits)
@@ -314,7 +356,11 @@ _INT64_MAX = (1 << 63) - 1
 
 def _dims(value: Any) -> tuple[int, ...] | None:
     """``value`` as a tuple of at most ``MAX_DIMS`` integers in 0..2^63-1 (a torch.Size, tuple or list), else None."""
-    if not isinstance(value, (tuple, list)) or len(value) > MAX_DIMS or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= _INT64_MAX for d in value):
+    if (
+        not isinstance(value, (tuple, list))
+        or len(value) > MAX_DIMS
+        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= _INT64_MAX for d in value)
+    ):
         return None
     return tuple(value)
 
@@ -326,11 +372,18 @@ def _check_types(meta_path: Path, metadata, limits: ReadLimits) -> None:
     offset, a None chunk list, a missing attribute); this is checked once here, at the parse
     boundary, so the checks and reads after it never meet a wrong type.
     """
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
 
     def bad(what: str, expected: str, value: Any) -> CheckpointError:
         found = "nothing" if value is _MISSING or value is None else f"a value of type {type(value).__name__}"
-        return CheckpointError(f"{meta_path}: {what} must be {expected}, found {found}: the metadata is damaged or not DCP's")
+        return CheckpointError(
+            f"{meta_path}: {what} must be {expected}, found {found}: the metadata is damaged or not DCP's"
+        )
 
     dims = f"a tuple of at most {MAX_DIMS} integers in 0..2^63-1"
     state = getattr(metadata, "state_dict_metadata", _MISSING)
@@ -338,7 +391,9 @@ def _check_types(meta_path: Path, metadata, limits: ReadLimits) -> None:
     if not isinstance(state, dict) or not isinstance(storage, dict):
         raise CheckpointError(f"{meta_path} lacks storage_data or state_dict_metadata: damaged")
     if len(state) > limits.max_tensors:
-        raise CheckpointError(f"{meta_path} lists {len(state)} items, more than {limits.max_tensors}; raise {TENSORS_HINT} if you trust the file")
+        raise CheckpointError(
+            f"{meta_path} lists {len(state)} items, more than {limits.max_tensors}; raise {TENSORS_HINT} if you trust the file"
+        )
     chunk_lists: set[int] = set()
     for fqn, meta in state.items():
         if not isinstance(fqn, str):
@@ -348,16 +403,22 @@ def _check_types(meta_path: Path, metadata, limits: ReadLimits) -> None:
         if not isinstance(meta, TensorStorageMetadata):
             raise CheckpointError(f"{meta_path}: {fqn!r} has unknown metadata type {type(meta).__name__}")
         dtype = getattr(getattr(meta, "properties", None), "dtype", None)
-        if not isinstance(dtype, torch.dtype) or dtype not in PLAIN_DTYPES:  # a quantized dtype crashes torch when read as bits
+        if (
+            not isinstance(dtype, torch.dtype) or dtype not in PLAIN_DTYPES
+        ):  # a quantized dtype crashes torch when read as bits
             raise bad(f"the dtype of {fqn!r}", "a plain torch dtype (not quantized)", dtype)
         size = _dims(getattr(meta, "size", None))
         if size is None or math.prod(d for d in size if d) > _INT64_MAX:
-            raise bad(f"the size of {fqn!r}", dims + " with a product that fits in 64 bits", getattr(meta, "size", None))
+            raise bad(
+                f"the size of {fqn!r}", dims + " with a product that fits in 64 bits", getattr(meta, "size", None)
+            )
         chunks = getattr(meta, "chunks", None)
         if not isinstance(chunks, list):
             raise bad(f"the chunk list of {fqn!r}", "a list", chunks)
         if id(chunks) in chunk_lists:
-            raise CheckpointError(f"{meta_path}: {fqn!r} shares its chunk list with another tensor; DCP writes one per tensor: crafted metadata")
+            raise CheckpointError(
+                f"{meta_path}: {fqn!r} shares its chunk list with another tensor; DCP writes one per tensor: crafted metadata"
+            )
         chunk_lists.add(id(chunks))
         for chunk in chunks:
             if not isinstance(chunk, ChunkStorageMetadata):
@@ -368,7 +429,9 @@ def _check_types(meta_path: Path, metadata, limits: ReadLimits) -> None:
     for index, info in storage.items():
         if not isinstance(index, MetadataIndex) or not isinstance(getattr(index, "fqn", None), str):
             raise bad("a storage_data key", "a MetadataIndex with a string fqn", index)
-        if getattr(index, "offset", None) is not None and _dims(index.offset) is None:  # a chunk's offsets: how chunks find their item
+        if (
+            getattr(index, "offset", None) is not None and _dims(index.offset) is None
+        ):  # a chunk's offsets: how chunks find their item
             raise bad(f"the offset of storage key {index.fqn[:80]!r}", dims + " or nothing", index.offset)
         rel = getattr(info, "relative_path", None)
         if not isinstance(rel, (str, pathlib.PurePath)):
@@ -396,16 +459,26 @@ def _check_coverage(root: Path, fqn: str, size: tuple[int, ...], chunks) -> None
     boxes = []
     for chunk, info in chunks:
         offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-        if len(offsets) != len(size) or len(sizes) != len(size) or any(o + s > d for o, s, d in zip(offsets, sizes, size)):
-            raise CheckpointError(f"{root}: a chunk of {fqn!r} (offsets {offsets}, sizes {sizes}) lies outside its size {size}")
+        if (
+            len(offsets) != len(size)
+            or len(sizes) != len(size)
+            or any(o + s > d for o, s, d in zip(offsets, sizes, size))
+        ):
+            raise CheckpointError(
+                f"{root}: a chunk of {fqn!r} (offsets {offsets}, sizes {sizes}) lies outside its size {size}"
+            )
         if info is None:
-            raise CheckpointError(f"{root}: the chunk of {fqn!r} at offsets {offsets} has no storage entry: the metadata is incomplete")
+            raise CheckpointError(
+                f"{root}: the chunk of {fqn!r} at offsets {offsets} has no storage entry: the metadata is incomplete"
+            )
         if math.prod(sizes):
             boxes.append((offsets, sizes))
     total = math.prod(size)
     covered = sum(math.prod(s) for _, s in boxes)
     if covered != total:
-        raise CheckpointError(f"{root}: the chunks of {fqn!r} cover {covered} of its {total} elements: the checkpoint is incomplete")
+        raise CheckpointError(
+            f"{root}: the chunks of {fqn!r} cover {covered} of its {total} elements: the checkpoint is incomplete"
+        )
     split = [d for d in range(len(size)) if any(o[d] or s[d] != size[d] for o, s in boxes)]
     if not total or not split:
         return  # nothing to cover, or one chunk spanning the whole tensor (volumes sum to numel)
@@ -419,13 +492,19 @@ def _check_coverage(root: Path, fqn: str, size: tuple[int, ...], chunks) -> None
         spans = sorted((o[d], o[d] + s[d], o) for o, s in boxes)
         for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
             if start < end:
-                raise CheckpointError(f"{root}: chunks of {fqn!r} at offsets {first} and {second} overlap: the metadata is inconsistent")
+                raise CheckpointError(
+                    f"{root}: chunks of {fqn!r} at offsets {first} and {second} overlap: the metadata is inconsistent"
+                )
             if start > end:
-                raise CheckpointError(f"{root}: the chunks of {fqn!r} leave {end}..{start} of dimension {d} uncovered and overlap elsewhere: "
-                                      "the metadata is inconsistent")
+                raise CheckpointError(
+                    f"{root}: the chunks of {fqn!r} leave {end}..{start} of dimension {d} uncovered and overlap elsewhere: "
+                    "the metadata is inconsistent"
+                )
         return
     corners: set[tuple[int, ...]] = set()
     for o, s in boxes:
         corners.symmetric_difference_update(itertools.product(*((o[d], o[d] + s[d]) for d in split)))
     if corners != set(itertools.product(*((0, size[d]) for d in split))):
-        raise CheckpointError(f"{root}: chunks of {fqn!r} overlap (their corners do not tile its size {size}): the metadata is inconsistent")
+        raise CheckpointError(
+            f"{root}: chunks of {fqn!r} overlap (their corners do not tile its size {size}): the metadata is inconsistent"
+        )

@@ -141,13 +141,17 @@ class FolderReader(CheckpointReader):
         if kind == "hf-index":
             for shard in sorted(set(read_index(path)[0].values())):
                 check(shard)
-        main = open_file(path, kind, root=self.root, populate=populate, limits=self._limits)  # links checked before opening
+        main = open_file(
+            path, kind, root=self.root, populate=populate, limits=self._limits
+        )  # links checked before opening
         self._parts.append(("", main))
         for file in main.files:
             check(self.relative(file))
             real = outside(file, self._bounds)
             if real is not None:  # not reachable: every reader checks its files before opening them
-                raise CheckpointError(f"{self.root}: its model checkpoint file {self.relative(file)} lies outside the folder ({real}); not followed")
+                raise CheckpointError(
+                    f"{self.root}: its model checkpoint file {self.relative(file)} lies outside the folder ({real}); not followed"
+                )
 
     def _open_nested_dcp(self, sub: Path, files: list[Path]) -> set[str]:
         """A DCP checkpoint in a sub-directory; the names it accounts for (all of the sub-directory's when unreadable)."""
@@ -173,22 +177,30 @@ class FolderReader(CheckpointReader):
         if kind is None:
             self._other_files.append(path)
             what = _WHAT.get(path.suffix.lower(), f"a file of unknown format ({path.suffix or 'no suffix'})")
-            self._unverifiable.append(FileIssue(
-                file=rel, detail=f"{what}, a format sdc-forensics does not read: {_CHECKSUM_ONLY}. "
-                "Move it out of the checkpoint folder if it is not part of the checkpoint, or verify it by other means",
-            ))
+            self._unverifiable.append(
+                FileIssue(
+                    file=rel,
+                    detail=f"{what}, a format sdc-forensics does not read: {_CHECKSUM_ONLY}. "
+                    "Move it out of the checkpoint folder if it is not part of the checkpoint, or verify it by other means",
+                )
+            )
             return 0
         with open(path, "rb") as fh:  # read-only
             head = fh.read(2)
         if kind == "torch" and head != b"PK" and head[:1] != b"\x80":
             self._other_files.append(path)
             if not head:
-                self._issues.append(FileIssue(file=rel, detail="the file is empty: the save was interrupted or the file was truncated"))
+                self._issues.append(
+                    FileIssue(file=rel, detail="the file is empty: the save was interrupted or the file was truncated")
+                )
             else:
-                self._unverifiable.append(FileIssue(
-                    file=rel, detail=f"a {path.suffix} file that is not a torch.save zip archive; {_CHECKSUM_ONLY}. "
-                    "Move it out of the checkpoint folder if it is not part of the checkpoint",
-                ))
+                self._unverifiable.append(
+                    FileIssue(
+                        file=rel,
+                        detail=f"a {path.suffix} file that is not a torch.save zip archive; {_CHECKSUM_ONLY}. "
+                        "Move it out of the checkpoint folder if it is not part of the checkpoint",
+                    )
+                )
             return 1
         try:
             reader = open_file(path, kind, root=self.root, populate=populate, limits=self._limits)
@@ -210,7 +222,9 @@ class FolderReader(CheckpointReader):
             if path.suffix in (*TORCH_SUFFIXES, ".safetensors"):  # it says what it is, and is not that any more
                 self._issues.append(FileIssue(file=rel, detail=why))
             else:  # only its first bytes looked like a checkpoint (a plain zip archive, ...)
-                self._unverifiable.append(FileIssue(file=rel, detail=f"not readable as a {kind} checkpoint ({why}); {_CHECKSUM_ONLY}"))
+                self._unverifiable.append(
+                    FileIssue(file=rel, detail=f"not readable as a {kind} checkpoint ({why}); {_CHECKSUM_ONLY}")
+                )
             return 1
         self._parts.append((f"{rel}/", reader))
         return 1
@@ -222,7 +236,9 @@ class FolderReader(CheckpointReader):
             doc = json.loads(text) if path.name.endswith(".json") else None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             kind = "JSON" if path.name.endswith(".json") else "UTF-8 text"
-            self._issues.append(FileIssue(file=rel, detail=f"is not valid {kind} ({exc}): the file is damaged or truncated"))
+            self._issues.append(
+                FileIssue(file=rel, detail=f"is not valid {kind} ({exc}): the file is damaged or truncated")
+            )
             return
         if rel == "trainer_state.json" and isinstance(doc, dict):
             step = doc.get("global_step")
@@ -260,7 +276,11 @@ class FolderReader(CheckpointReader):
         return step if step is not None else self._trainer_step
 
     def file_issues(self) -> list[FileIssue]:
-        parts = [FileIssue(file=self._full(part, i.file), detail=i.detail) for _, part in self._parts for i in part.file_issues()]
+        parts = [
+            FileIssue(file=self._full(part, i.file), detail=i.detail)
+            for _, part in self._parts
+            for i in part.file_issues()
+        ]
         return parts + self._issues
 
     def unverifiable(self) -> list[FileIssue]:
@@ -291,10 +311,14 @@ def _refusal(exc: PickleRefused) -> str:
     else:
         why = f"its pickle needs {', '.join(exc.refused[:5])}, outside torch's weights_only allow-list"
         if exc.numpy:
-            why += (" (numpy arrays or scalars, such as the numpy RNG state transformers' Trainer saves in rng_state.pth: "
-                    "pass --allow-numpy to load them with torch's weights-only unpickler)")
-    return (f"{why}, so it is not loaded (that could run code); {_CHECKSUM_ONLY}. "
-            "Re-save it with tensors and plain Python values only, or accept the checkpoint as unverified")
+            why += (
+                " (numpy arrays or scalars, such as the numpy RNG state transformers' Trainer saves in rng_state.pth: "
+                "pass --allow-numpy to load them with torch's weights-only unpickler)"
+            )
+    return (
+        f"{why}, so it is not loaded (that could run code); {_CHECKSUM_ONLY}. "
+        "Re-save it with tensors and plain Python values only, or accept the checkpoint as unverified"
+    )
 
 
 def _link_refusal(path: Path, bounds: tuple[Path, ...]) -> str:
@@ -303,8 +327,10 @@ def _link_refusal(path: Path, bounds: tuple[Path, ...]) -> str:
     if not target.exists():
         return f"dangling symbolic link (its target {target} does not exist): the checkpoint is incomplete; restore the target"
     if outside(path, bounds) is not None:
-        return (f"symbolic link to {target}, outside the checkpoint folder (and not a huggingface_hub cache blob): not followed, "
-                f"not verified; {link_advice(target)}, or verify it on its own")
+        return (
+            f"symbolic link to {target}, outside the checkpoint folder (and not a huggingface_hub cache blob): not followed, "
+            f"not verified; {link_advice(target)}, or verify it on its own"
+        )
     if target.is_dir():
         return "symbolic link to a directory: not followed, not verified; verify that directory on its own"
     if not target.is_file():
@@ -330,7 +356,9 @@ def _scan(root: Path, bounds: tuple[Path, ...]) -> tuple[list[Path], list[FileIs
             with os.scandir(directory) as it:
                 entries = sorted(it, key=lambda e: e.name)
         except OSError as exc:
-            refused.append(FileIssue(file=prefix or ".", detail=f"cannot list this directory ({exc.strerror}): not verified"))
+            refused.append(
+                FileIssue(file=prefix or ".", detail=f"cannot list this directory ({exc.strerror}): not verified")
+            )
             return
         for entry in entries:
             rel, path = prefix + entry.name, directory / entry.name
@@ -349,8 +377,13 @@ def _scan(root: Path, bounds: tuple[Path, ...]) -> tuple[list[Path], list[FileIs
             elif entry.is_file(follow_symlinks=False):
                 files.append(path)
             else:
-                refused.append(FileIssue(file=rel, detail="not a regular file (a FIFO, socket or device): not opened, not verified; "
-                                                          "remove it from the checkpoint folder"))
+                refused.append(
+                    FileIssue(
+                        file=rel,
+                        detail="not a regular file (a FIFO, socket or device): not opened, not verified; "
+                        "remove it from the checkpoint folder",
+                    )
+                )
 
     walk(root, "")
     return files, refused, tuple(ignored), dcp_dirs

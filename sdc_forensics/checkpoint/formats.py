@@ -30,7 +30,9 @@ from sdc_forensics.errors import reader
 
 
 @reader
-def open_checkpoint(path: str | os.PathLike, *, populate: bool = False, limits: ReadLimits | None = None) -> CheckpointReader:
+def open_checkpoint(
+    path: str | os.PathLike, *, populate: bool = False, limits: ReadLimits | None = None
+) -> CheckpointReader:
     """Open ``path`` with the right reader; structure is checked before this returns.
 
     Args:

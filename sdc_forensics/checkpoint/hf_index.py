@@ -77,14 +77,18 @@ class HfIndexReader(CheckpointReader):
                 try:
                     found = shard_path.is_file()
                 except OSError as exc:  # is_file() answers False only for a few errnos (ENAMETOOLONG, EACCES raise)
-                    raise CheckpointError(f"{index_path} names shard {shard[:80]!r}, which cannot be looked up ({exc.strerror}): check the index") from None
+                    raise CheckpointError(
+                        f"{index_path} names shard {shard[:80]!r}, which cannot be looked up ({exc.strerror}): check the index"
+                    ) from None
                 if not found:
                     raise CheckpointError(
                         f"{index_path} names shard {shard!r}, which does not exist in {self.root}: the checkpoint is incomplete"
                     )
                 check_inside(shard_path, self.root, limits, "shard")
                 if shard_path.suffix == ".safetensors":
-                    self._shards[shard] = SafetensorsReader(shard_path, root=self.root, populate=populate, limits=limits)
+                    self._shards[shard] = SafetensorsReader(
+                        shard_path, root=self.root, populate=populate, limits=limits
+                    )
                 else:
                     self._shards[shard] = TorchReader(shard_path, root=self.root, limits=limits)
             self._check_completeness()
@@ -96,13 +100,17 @@ class HfIndexReader(CheckpointReader):
         keys = {shard: {info.key for info in reader.infos()} for shard, reader in self._shards.items()}
         for name, shard in self.weight_map.items():
             if name not in keys[shard]:
-                raise CheckpointError(f"{self.path} puts tensor {name!r} in shard {shard!r}, but that shard does not hold it")
+                raise CheckpointError(
+                    f"{self.path} puts tensor {name!r} in shard {shard!r}, but that shard does not hold it"
+                )
         for shard in self._shards:
             for name in sorted(keys[shard]):
                 listed = self.weight_map.get(name)
                 if listed != shard:
                     where = "does not list it" if listed is None else f"puts it in {listed!r}"
-                    raise CheckpointError(f"shard {shard!r} holds tensor {name!r} but {self.path.name} {where}: index and shards disagree")
+                    raise CheckpointError(
+                        f"shard {shard!r} holds tensor {name!r} but {self.path.name} {where}: index and shards disagree"
+                    )
 
     @property
     def files(self) -> tuple[Path, ...]:
@@ -153,9 +161,16 @@ def read_index(index_path: Path) -> tuple[dict[str, str], dict]:
         raise CheckpointError(f"{index_path} is not valid JSON ({exc}): the index is damaged") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"{index_path} has no non-empty \"weight_map\" object: not a safetensors index")
+        raise CheckpointError(f'{index_path} has no non-empty "weight_map" object: not a safetensors index')
     for name, shard in weight_map.items():
-        if not isinstance(shard, str) or not shard or "/" in shard or "\\" in shard or "\0" in shard or shard in (".", ".."):
+        if (
+            not isinstance(shard, str)
+            or not shard
+            or "/" in shard
+            or "\\" in shard
+            or "\0" in shard
+            or shard in (".", "..")
+        ):
             raise CheckpointError(
                 f"{index_path}: tensor {name[:80]!r} maps to {describe(shard)}; shards must be plain file names next to the index"
             )
@@ -166,5 +181,7 @@ def read_index(index_path: Path) -> tuple[dict[str, str], dict]:
             )
     metadata = doc.get("metadata") or {}
     if not isinstance(metadata, dict) or depth(metadata, MAX_DEPTH + 1) > MAX_DEPTH:
-        raise CheckpointError(f"{index_path}: \"metadata\" must be an object nested at most {MAX_DEPTH} levels: the index is damaged")
+        raise CheckpointError(
+            f'{index_path}: "metadata" must be an object nested at most {MAX_DEPTH} levels: the index is damaged'
+        )
     return dict(weight_map), metadata

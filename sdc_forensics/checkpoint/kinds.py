@@ -66,7 +66,9 @@ def detect_format(path: str | os.PathLike) -> str:
         return "hf-index"
     found = sniff_file(path)
     if found is None:
-        raise CheckpointError(f"{path}: unknown checkpoint format (expected .safetensors, an HF index .json, a torch.save file or a DCP directory)")
+        raise CheckpointError(
+            f"{path}: unknown checkpoint format (expected .safetensors, an HF index .json, a torch.save file or a DCP directory)"
+        )
     return found
 
 
@@ -87,7 +89,9 @@ def sniff_file(path: Path) -> str | None:
 
 
 @reader
-def open_file(path: Path, kind: str, *, root: Path | None = None, populate: bool = False, limits: ReadLimits | None = None) -> CheckpointReader:
+def open_file(
+    path: Path, kind: str, *, root: Path | None = None, populate: bool = False, limits: ReadLimits | None = None
+) -> CheckpointReader:
     """The reader of one checkpoint file (or of an HF index and its shards, or a DCP directory).
 
     Args:

@@ -155,7 +155,9 @@ def check_inside(path: Path, root: Path, limits: ReadLimits, what: str = "file")
 # Compressed zip members
 
 
-def inflate_member(archive: zipfile.ZipFile, member: zipfile.ZipInfo, limits: ReadLimits, where: str, *, keep: bool = False) -> tuple[bool, bytes]:
+def inflate_member(
+    archive: zipfile.ZipFile, member: zipfile.ZipInfo, limits: ReadLimits, where: str, *, keep: bool = False
+) -> tuple[bool, bytes]:
     """Check a compressed zip member without trusting its declared size.
 
     The declared (inflated) size is checked against ``limits.max_inflate_bytes`` before
@@ -193,7 +195,11 @@ def inflate_member(archive: zipfile.ZipFile, member: zipfile.ZipInfo, limits: Re
                     parts.append(piece)
     except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as exc:
         # RuntimeError: an encrypted member; NotImplementedError: an unknown compression method
-        raise CheckpointError(f"{where}: zip member {member.filename} cannot be decompressed ({type(exc).__name__}: {str(exc)[:200]})") from None
+        raise CheckpointError(
+            f"{where}: zip member {member.filename} cannot be decompressed ({type(exc).__name__}: {str(exc)[:200]})"
+        ) from None
     if total != declared:
-        raise CheckpointError(f"{where}: zip member {member.filename} inflates to {total} bytes, not the {declared} it declares: the archive is damaged")
+        raise CheckpointError(
+            f"{where}: zip member {member.filename} inflates to {total} bytes, not the {declared} it declares: the archive is damaged"
+        )
     return (crc & 0xFFFFFFFF) == member.CRC, b"".join(parts)

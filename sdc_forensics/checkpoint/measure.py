@@ -87,7 +87,9 @@ def default_workers() -> int:
     return max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
 
 
-def measure(reader: CheckpointReader, *, seed: int, workers: int, file_checksums: bool, populate: bool) -> tuple[list[Measured], tuple[FileChecksum, ...]]:
+def measure(
+    reader: CheckpointReader, *, seed: int, workers: int, file_checksums: bool, populate: bool
+) -> tuple[list[Measured], tuple[FileChecksum, ...]]:
     """Measure every tensor (in :meth:`CheckpointReader.tensors` order) and every file.
 
     Args:
@@ -103,7 +105,9 @@ def measure(reader: CheckpointReader, *, seed: int, workers: int, file_checksums
         own = maps.get(path)
         mapped = own if own is not None else MappedFile(path, populate=populate)
         try:
-            return FileChecksum(name=reader.relative(path), size_bytes=mapped.size, digest=hex64(digest(mapped.bytes, seed)))
+            return FileChecksum(
+                name=reader.relative(path), size_bytes=mapped.size, digest=hex64(digest(mapped.bytes, seed))
+            )
         finally:
             if own is None:
                 mapped.close()
@@ -115,8 +119,11 @@ def measure(reader: CheckpointReader, *, seed: int, workers: int, file_checksums
         values = iter(digests(full, seed) if full else ())
         return [
             Measured(
-                key=key, dtype=_dtype_name(tensor.dtype), shape=tuple(tensor.shape),
-                digest=next(values) if tensor.numel() else _empty_digest(seed), nonfinite=count_nonfinite(tensor),
+                key=key,
+                dtype=_dtype_name(tensor.dtype),
+                shape=tuple(tensor.shape),
+                digest=next(values) if tensor.numel() else _empty_digest(seed),
+                nonfinite=count_nonfinite(tensor),
             )
             for key, tensor in batch
         ]

@@ -72,7 +72,9 @@ class SafetensorsReader(SingleFileReader):
 
     format = "safetensors"
 
-    def __init__(self, path: str | Path, *, root: Path | None = None, populate: bool = False, limits: ReadLimits | None = None) -> None:
+    def __init__(
+        self, path: str | Path, *, root: Path | None = None, populate: bool = False, limits: ReadLimits | None = None
+    ) -> None:
         path = Path(path)
         super().__init__(path, root if root is not None else path.parent)
         limits = resolve(limits)
@@ -92,7 +94,10 @@ class SafetensorsReader(SingleFileReader):
 
     def infos(self) -> list[TensorInfo]:
         rel = self.relative(self.path)
-        return [TensorInfo(key=name, dtype=_NAMES[code], shape=shape, file=rel) for name, (code, shape, _) in self._entries.items()]
+        return [
+            TensorInfo(key=name, dtype=_NAMES[code], shape=shape, file=rel)
+            for name, (code, shape, _) in self._entries.items()
+        ]
 
     def tensor(self, name: str) -> torch.Tensor:
         """One tensor by name, a zero-copy view of the map when its offset is aligned."""
@@ -136,14 +141,24 @@ class _Header:
         if len(pairs) == 3 and obj.keys() == _SPEC_KEYS:
             self.count += 1
             if self.count > self.max_tensors:
-                raise CheckpointError(f"{self.path}: the header lists more than {self.max_tensors} tensors; raise {TENSORS_HINT} if you trust the file")
+                raise CheckpointError(
+                    f"{self.path}: the header lists more than {self.max_tensors} tensors; raise {TENSORS_HINT} if you trust the file"
+                )
             code, shape, offsets = obj["dtype"], obj["shape"], obj["data_offsets"]
             code = _CODES.get(code, code) if type(code) is str else code  # one shared string per dtype
-            return _Spec((code, tuple(shape) if isinstance(shape, list) else shape, tuple(offsets) if isinstance(offsets, list) else offsets))
+            return _Spec(
+                (
+                    code,
+                    tuple(shape) if isinstance(shape, list) else shape,
+                    tuple(offsets) if isinstance(offsets, list) else offsets,
+                )
+            )
         if len(obj) != len(pairs):
             seen: set[str] = set()
             repeated = next(key for key, _ in pairs if key in seen or seen.add(key))
-            raise CheckpointError(f"{self.path}: the header repeats the key {repeated[:80]!r} in one object: damaged or crafted")
+            raise CheckpointError(
+                f"{self.path}: the header repeats the key {repeated[:80]!r} in one object: damaged or crafted"
+            )
         return obj
 
 
@@ -153,27 +168,41 @@ def _parse(path: Path, mapped: MappedFile, max_tensors: int):
     size = mapped.size
     buf = mapped.buffer()
     if size < 8:
-        raise CheckpointError(f"{path} is {size} bytes, too short for a safetensors header (8-byte length): truncated or not safetensors")
+        raise CheckpointError(
+            f"{path} is {size} bytes, too short for a safetensors header (8-byte length): truncated or not safetensors"
+        )
     header_len = int.from_bytes(buf[:8], "little")
     if header_len > size - 8:
         raise CheckpointError(
             f"{path}: header length {header_len} is larger than the file ({size} bytes): truncated or not safetensors"
         )
     if header_len > MAX_HEADER_BYTES:
-        raise CheckpointError(f"{path}: header length {header_len} exceeds the 100 MB safetensors limit: not a valid file")
+        raise CheckpointError(
+            f"{path}: header length {header_len} exceeds the 100 MB safetensors limit: not a valid file"
+        )
     try:
         text = str(buf[8 : 8 + header_len], "utf-8")  # one copy, straight from the map
     except UnicodeDecodeError as exc:
-        raise CheckpointError(f"{path}: the header is not valid UTF-8 JSON (not UTF-8: {exc.reason} at byte {exc.start}): "
-                              "the file is damaged or not safetensors") from None
-    keys = text.count('"data_offsets"')  # at least one per entry as writers spell it: refuse a huge header before parsing it
+        raise CheckpointError(
+            f"{path}: the header is not valid UTF-8 JSON (not UTF-8: {exc.reason} at byte {exc.start}): "
+            "the file is damaged or not safetensors"
+        ) from None
+    keys = text.count(
+        '"data_offsets"'
+    )  # at least one per entry as writers spell it: refuse a huge header before parsing it
     if keys > max_tensors:
-        raise CheckpointError(f"{path}: the header names \"data_offsets\" {keys} times: more than the {max_tensors} tensors allowed; "
-                              f"raise {TENSORS_HINT} if you trust the file")
+        raise CheckpointError(
+            f'{path}: the header names "data_offsets" {keys} times: more than the {max_tensors} tensors allowed; '
+            f"raise {TENSORS_HINT} if you trust the file"
+        )
     try:
-        header = load_json(text, object_pairs_hook=_Header(path, max_tensors))  # ValueError: bad JSON, deep nesting, 5,000-digit integers
+        header = load_json(
+            text, object_pairs_hook=_Header(path, max_tensors)
+        )  # ValueError: bad JSON, deep nesting, 5,000-digit integers
     except ValueError as exc:
-        raise CheckpointError(f"{path}: the header is not valid UTF-8 JSON ({exc}): the file is damaged or not safetensors") from None
+        raise CheckpointError(
+            f"{path}: the header is not valid UTF-8 JSON ({exc}): the file is damaged or not safetensors"
+        ) from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: the header is JSON but not an object: the file is damaged or not safetensors")
     metadata = header.pop("__metadata__", None) or {}
@@ -193,18 +222,28 @@ def _entry(path: Path, name: str, spec, data_len: int) -> None:
         raise CheckpointError(f"{path}: tensor {name[:80]!r} needs exactly dtype, shape and data_offsets in the header")
     code, shape, offsets = spec
     if not isinstance(code, str) or code not in DTYPES:
-        raise CheckpointError(f"{path}: tensor {name[:80]!r} has unknown dtype {describe(code)} (known: {', '.join(DTYPES)})")
-    if type(shape) is not tuple or not all(is_int(d) and 0 <= d <= _INT64_MAX for d in shape):  # a JSON list, made a tuple
-        raise CheckpointError(f"{path}: tensor {name[:80]!r} has an invalid shape {_describe(shape)} (a list of integers in 0..2^63-1)")
+        raise CheckpointError(
+            f"{path}: tensor {name[:80]!r} has unknown dtype {describe(code)} (known: {', '.join(DTYPES)})"
+        )
+    if type(shape) is not tuple or not all(
+        is_int(d) and 0 <= d <= _INT64_MAX for d in shape
+    ):  # a JSON list, made a tuple
+        raise CheckpointError(
+            f"{path}: tensor {name[:80]!r} has an invalid shape {_describe(shape)} (a list of integers in 0..2^63-1)"
+        )
     if math.prod(d for d in shape if d) > _INT64_MAX:  # torch multiplies every dimension, zeros last or not
-        raise CheckpointError(f"{path}: tensor {name[:80]!r} has shape dimensions whose product overflows 64 bits: the header is damaged")
+        raise CheckpointError(
+            f"{path}: tensor {name[:80]!r} has shape dimensions whose product overflows 64 bits: the header is damaged"
+        )
     if (
         type(offsets) is not tuple
         or len(offsets) != 2
         or not all(is_int(o) and 0 <= o <= _INT64_MAX for o in offsets)
         or offsets[0] > offsets[1]
     ):
-        raise CheckpointError(f"{path}: tensor {name[:80]!r} has invalid data_offsets {_describe(offsets)} (two integers, begin <= end)")
+        raise CheckpointError(
+            f"{path}: tensor {name[:80]!r} has invalid data_offsets {_describe(offsets)} (two integers, begin <= end)"
+        )
     itemsize = DTYPES[code][1]
     begin, end = offsets
     expected = math.prod(shape) * itemsize
@@ -236,7 +275,9 @@ def _check_tiling(path: Path, entries: dict, data_len: int) -> None:
                 f"{path}: tensors {previous[:80]!r} and {name[:80]!r} overlap (bytes {begin}..{cursor} of the data buffer): the header is inconsistent"
             )
         if begin > cursor:
-            raise CheckpointError(f"{path}: bytes {cursor}..{begin} of the data buffer belong to no tensor: the header is inconsistent")
+            raise CheckpointError(
+                f"{path}: bytes {cursor}..{begin} of the data buffer belong to no tensor: the header is inconsistent"
+            )
         cursor, previous = end, name
     if cursor != data_len:
         raise CheckpointError(

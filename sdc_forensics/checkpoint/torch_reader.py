@@ -56,7 +56,15 @@ from typing import Any
 import torch
 
 from sdc_forensics.checkpoint.base import FileIssue, MappedFile, SingleFileReader, TensorInfo, unsupported_tensor
-from sdc_forensics.checkpoint.limits import INFLATE_HINT, TENSORS_HINT, ReadLimits, check_inside, inflate_member, resolve, size_text
+from sdc_forensics.checkpoint.limits import (
+    INFLATE_HINT,
+    TENSORS_HINT,
+    ReadLimits,
+    check_inside,
+    inflate_member,
+    resolve,
+    size_text,
+)
 from sdc_forensics.errors import CheckpointError, reader
 from sdc_forensics.statedict import flatten_state
 
@@ -68,9 +76,12 @@ _MAX_KEY_CHARS = 1 << 16
 #: ``--allow-numpy``: what ``np.random.get_state()`` and numpy arrays/scalars pickle to (numpy 1
 #: and 2 spellings), as transformers' ``Trainer`` allow-lists them to load ``rng_state.pth``.
 NUMPY_GLOBALS = (
-    "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
-    "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar",
-    "numpy.ndarray", "numpy.dtype",
+    "numpy.core.multiarray._reconstruct",
+    "numpy._core.multiarray._reconstruct",
+    "numpy.core.multiarray.scalar",
+    "numpy._core.multiarray.scalar",
+    "numpy.ndarray",
+    "numpy.dtype",
 )
 NUMPY_HINT = "--allow-numpy"
 _NUMPY_DTYPE_CODES = "?bBhHiIlLqQefdgFDG"  # numpy's numeric dtypes (no object, string or void dtype class)
@@ -89,6 +100,8 @@ class PickleRefused(CheckpointError):
         super().__init__(message)
         self.refused = refused
         self.numpy = numpy
+
+
 _STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING", "STRING"}
 
 
@@ -118,7 +131,10 @@ def _numpy_safe_globals() -> list:
     core = getattr(np, "_core", None) or np.core
     found: list = [np.ndarray, np.dtype, *(type(np.dtype(code)) for code in _NUMPY_DTYPE_CODES)]
     for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
-        found += [(core.multiarray._reconstruct, f"{module}._reconstruct"), (core.multiarray.scalar, f"{module}.scalar")]
+        found += [
+            (core.multiarray._reconstruct, f"{module}._reconstruct"),
+            (core.multiarray.scalar, f"{module}.scalar"),
+        ]
     return found
 
 
@@ -164,7 +180,9 @@ def _scan_pickle(data: bytes) -> tuple[list[str], int]:
                 pushed.append(None)
             elif name == "STACK_GLOBAL":
                 module, attr = (pushed[-2], pushed[-1]) if len(pushed) >= 2 else (None, None)
-                found.append(f"{module}.{attr}" if isinstance(module, str) and isinstance(attr, str) else "<unresolved>")
+                found.append(
+                    f"{module}.{attr}" if isinstance(module, str) and isinstance(attr, str) else "<unresolved>"
+                )
                 pushed.append(None)
             elif name in ("INST", "OBJ", "EXT1", "EXT2", "EXT4"):
                 found.append(f"<{name} opcode>" if name != "INST" else str(arg).replace(" ", "."))
@@ -209,11 +227,15 @@ class TorchReader(SingleFileReader):
                 self._walk(num_ops)
                 self._flat = flatten_state(self._payload)
             except RecursionError:
-                raise CheckpointError(f"{path}: its state is nested deeper than Python can walk: damaged or not a training checkpoint") from None
+                raise CheckpointError(
+                    f"{path}: its state is nested deeper than Python can walk: damaged or not a training checkpoint"
+                ) from None
             for key, tensor in self._flat.items():
                 why = unsupported_tensor(tensor)
                 if why is not None:
-                    raise TensorNotReadable(f"{path}: tensor {key[:80]!r} is {why}: it cannot be verified; re-save the state as dense CPU tensors")
+                    raise TensorNotReadable(
+                        f"{path}: tensor {key[:80]!r} is {why}: it cannot be verified; re-save the state as dense CPU tensors"
+                    )
             self._check_views()
         except CheckpointError:
             self._file.close()
@@ -229,18 +251,30 @@ class TorchReader(SingleFileReader):
             raise CheckpointError(
                 f"{path}: the zip entry name {exc.object[:80]!r} is not valid UTF-8: the archive's directory is damaged"
             ) from None
-        except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, struct.error, EOFError, NotImplementedError) as exc:
+        except (
+            zipfile.BadZipFile,
+            zipfile.LargeZipFile,
+            OSError,
+            ValueError,
+            struct.error,
+            EOFError,
+            NotImplementedError,
+        ) as exc:
             if head[:1] == b"\x80":
                 raise PickleRefused(
                     f"{path} is a raw (legacy) pickle, not a torch.save zip archive; it is refused because loading it would "
                     "run its pickle: re-save it with torch.save from a trusted environment"
                 ) from None
-            raise CheckpointError(f"{path} is not a complete torch.save zip archive ({exc}): truncated or not a torch checkpoint") from None
+            raise CheckpointError(
+                f"{path} is not a complete torch.save zip archive ({exc}): truncated or not a torch checkpoint"
+            ) from None
         with archive:
             members = archive.infolist()
             pkl = [m for m in members if m.filename.endswith("/data.pkl") and m.filename.count("/") == 1]
             if len(pkl) != 1:
-                raise CheckpointError(f"{path} is a zip archive but not a torch.save checkpoint (no single PREFIX/data.pkl member)")
+                raise CheckpointError(
+                    f"{path} is a zip archive but not a torch.save checkpoint (no single PREFIX/data.pkl member)"
+                )
             self._prefix = pkl[0].filename[: -len("data.pkl")]
             pickle_bytes = b""
             for member in members:
@@ -260,28 +294,43 @@ class TorchReader(SingleFileReader):
                     pickle_bytes = data
                 if not crc_ok:
                     if rel.startswith("data/"):
-                        self._issues.append(FileIssue(file=self.relative(path), detail=f"zip CRC-32 of storage member {member.filename} does not match: its bytes changed after saving"))
+                        self._issues.append(
+                            FileIssue(
+                                file=self.relative(path),
+                                detail=f"zip CRC-32 of storage member {member.filename} does not match: its bytes changed after saving",
+                            )
+                        )
                     else:
-                        raise CheckpointError(f"{path}: zip CRC-32 of member {member.filename} does not match: the archive is damaged")
+                        raise CheckpointError(
+                            f"{path}: zip CRC-32 of member {member.filename} does not match: the archive is damaged"
+                        )
             return self._check_pickle(pickle_bytes)
 
     def _member_bytes(self, archive: zipfile.ZipFile, member: zipfile.ZipInfo):
         """A stored member's bytes as a view of the map; None for a compressed one (whose
         compressed bytes are checked to lie inside the file)."""
         size, buf = self._file.size, self._file.buffer()
-        start = member.header_offset  # zipfile adds the offset of the archive in the file: negative when bytes are missing at the start
+        start = (
+            member.header_offset
+        )  # zipfile adds the offset of the archive in the file: negative when bytes are missing at the start
         if start < 0:
             raise CheckpointError(
                 f"{self.path}: member {member.filename} would start {-start} byte(s) before the file: bytes are missing at its start"
             )
         if start + _LOCAL_HEADER.size > size:
-            raise CheckpointError(f"{self.path}: member {member.filename} starts beyond the end of the file: the archive is truncated")
+            raise CheckpointError(
+                f"{self.path}: member {member.filename} starts beyond the end of the file: the archive is truncated"
+            )
         fields = _LOCAL_HEADER.unpack(buf[start : start + _LOCAL_HEADER.size])
         if fields[0] != b"PK\x03\x04":
-            raise CheckpointError(f"{self.path}: member {member.filename} has no local header at offset {start}: the archive is damaged")
+            raise CheckpointError(
+                f"{self.path}: member {member.filename} has no local header at offset {start}: the archive is damaged"
+            )
         data_start = start + _LOCAL_HEADER.size + fields[9] + fields[10]
         if data_start + member.compress_size > size:
-            raise CheckpointError(f"{self.path}: member {member.filename} extends beyond the end of the file: the archive is truncated")
+            raise CheckpointError(
+                f"{self.path}: member {member.filename} extends beyond the end of the file: the archive is truncated"
+            )
         if member.compress_type == zipfile.ZIP_STORED:
             return buf[data_start : data_start + member.compress_size]
         return None
@@ -303,7 +352,8 @@ class TorchReader(SingleFileReader):
             raise PickleRefused(
                 f"{self.path}: its pickle holds numpy arrays or scalars ({', '.join(refused[:5])}), outside torch's weights-only "
                 f"allow-list; pass {NUMPY_HINT} to load them (the numpy RNG state of a training checkpoint) with torch's weights-only unpickler",
-                tuple(refused), numpy=True,
+                tuple(refused),
+                numpy=True,
             )
         if refused:
             raise PickleRefused(
@@ -314,10 +364,16 @@ class TorchReader(SingleFileReader):
         return num_ops
 
     def _load(self) -> Any:
-        allow = torch.serialization.safe_globals(_numpy_safe_globals()) if self._limits.allow_numpy else contextlib.nullcontext()
+        allow = (
+            torch.serialization.safe_globals(_numpy_safe_globals())
+            if self._limits.allow_numpy
+            else contextlib.nullcontext()
+        )
         try:
             with allow, warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # torch's deprecation notes (TypedStorage, pickle protocol) are not the user's concern
+                warnings.simplefilter(
+                    "ignore"
+                )  # torch's deprecation notes (TypedStorage, pickle protocol) are not the user's concern
                 return torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:  # noqa: BLE001 - torch raises many types; all mean "unreadable"
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -345,11 +401,15 @@ class TorchReader(SingleFileReader):
                     f"{num_ops} pickle opcodes): a pickle bomb, not a training checkpoint"
                 )
             if chars > _MAX_KEY_CHARS:
-                raise CheckpointError(f"{path}: a key path of its state is longer than {_MAX_KEY_CHARS} characters: damaged or crafted")
+                raise CheckpointError(
+                    f"{path}: a key path of its state is longer than {_MAX_KEY_CHARS} characters: damaged or crafted"
+                )
             if isinstance(obj, torch.Tensor):
                 tensors += 1
                 if tensors > limits.max_tensors:
-                    raise CheckpointError(f"{path} holds more than {limits.max_tensors} tensors; raise {TENSORS_HINT} if you trust the file")
+                    raise CheckpointError(
+                        f"{path} holds more than {limits.max_tensors} tensors; raise {TENSORS_HINT} if you trust the file"
+                    )
             elif isinstance(obj, Mapping):
                 stack.extend((value, chars + 1 + _key_chars(path, key)) for key, value in obj.items())
             elif isinstance(obj, (list, tuple)):
@@ -363,7 +423,14 @@ class TorchReader(SingleFileReader):
         view_bytes = 0
         for key, tensor in self._flat.items():
             storage = tensor.untyped_storage()
-            ident = (storage.data_ptr(), storage.nbytes(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+            ident = (
+                storage.data_ptr(),
+                storage.nbytes(),
+                tensor.storage_offset(),
+                tuple(tensor.shape),
+                tensor.stride(),
+                tensor.dtype,
+            )
             if ident in views:
                 self._aliases[key] = views[ident]
                 continue
@@ -372,7 +439,10 @@ class TorchReader(SingleFileReader):
             view_bytes += tensor.numel() * tensor.element_size()
         stored = sum(storages.values())
         if view_bytes - stored > self._limits.max_inflate_bytes:
-            key, worst = max(self._flat.items(), key=lambda kv: kv[1].numel() * kv[1].element_size() - kv[1].untyped_storage().nbytes())
+            key, worst = max(
+                self._flat.items(),
+                key=lambda kv: kv[1].numel() * kv[1].element_size() - kv[1].untyped_storage().nbytes(),
+            )
             raise CheckpointError(
                 f"{self.path}: its tensor views repeat stored bytes ({key[:80]!r} is {tuple(worst.shape)} "
                 f"{str(worst.dtype).removeprefix('torch.')} over {size_text(worst.untyped_storage().nbytes())} of storage): "
@@ -391,7 +461,10 @@ class TorchReader(SingleFileReader):
 
     def infos(self) -> list[TensorInfo]:
         name = self.relative(self.path)
-        return [TensorInfo(key=k, dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape), file=name) for k, t in self._flat.items()]
+        return [
+            TensorInfo(key=k, dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape), file=name)
+            for k, t in self._flat.items()
+        ]
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self._flat.items()
@@ -416,4 +489,6 @@ def _key_chars(path: Path, key: Any) -> int:
     try:
         return len(str(key))
     except ValueError:  # an integer beyond Python's int_max_str_digits
-        raise CheckpointError(f"{path}: a key of its state is an integer too long to print: damaged or crafted") from None
+        raise CheckpointError(
+            f"{path}: a key of its state is an integer too long to print: damaged or crafted"
+        ) from None

@@ -58,7 +58,13 @@ class Finding:
 
     def to_json(self) -> dict:
         """A JSON-ready dict (the kind as its value)."""
-        return {"kind": self.kind.value, "subject": self.subject, "expected": self.expected, "found": self.found, "detail": self.detail}
+        return {
+            "kind": self.kind.value,
+            "subject": self.subject,
+            "expected": self.expected,
+            "found": self.found,
+            "detail": self.detail,
+        }
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)  # slots: one per tensor, a file may list a million
@@ -179,25 +185,47 @@ def verify_checkpoint(
         CheckpointError: the checkpoint is unreadable or malformed.
     """
     started = time.perf_counter()
-    reader = source if isinstance(source, CheckpointReader) else open_checkpoint(source, populate=options.populate, limits=options.limits)
+    reader = (
+        source
+        if isinstance(source, CheckpointReader)
+        else open_checkpoint(source, populate=options.populate, limits=options.limits)
+    )
     try:
         infos = {info.key: info for info in reader.infos()}
         expected = note.tensors if note is not None else {}
         measured, files = measure(
-            reader, seed=options.seed, workers=options.workers or default_workers(),
-            file_checksums=options.file_checksums, populate=options.populate,
+            reader,
+            seed=options.seed,
+            workers=options.workers or default_workers(),
+            file_checksums=options.file_checksums,
+            populate=options.populate,
         )
         results = [
             TensorResult(
-                key=m.key, dtype=m.dtype, shape=m.shape, file=infos[m.key].file if m.key in infos else "",
-                digest=hex64(m.digest), nonfinite=m.nonfinite, expected_digest=expected.get(m.key, ""),
+                key=m.key,
+                dtype=m.dtype,
+                shape=m.shape,
+                file=infos[m.key].file if m.key in infos else "",
+                digest=hex64(m.digest),
+                nonfinite=m.nonfinite,
+                expected_digest=expected.get(m.key, ""),
             )
             for m in measured
         ]
-        findings = [Finding(kind=FindingKind.FILE_DAMAGED, subject=i.file, detail=i.detail) for i in reader.file_issues()]
-        findings += [Finding(kind=FindingKind.NOT_VERIFIABLE, subject=i.file, detail=i.detail) for i in reader.unverifiable()]
+        findings = [
+            Finding(kind=FindingKind.FILE_DAMAGED, subject=i.file, detail=i.detail) for i in reader.file_issues()
+        ]
         findings += [
-            Finding(kind=FindingKind.NONFINITE, subject=r.key, expected="0", found=str(r.nonfinite), detail=f"{r.nonfinite} NaN/Inf value(s)")
+            Finding(kind=FindingKind.NOT_VERIFIABLE, subject=i.file, detail=i.detail) for i in reader.unverifiable()
+        ]
+        findings += [
+            Finding(
+                kind=FindingKind.NONFINITE,
+                subject=r.key,
+                expected="0",
+                found=str(r.nonfinite),
+                detail=f"{r.nonfinite} NaN/Inf value(s)",
+            )
             for r in results
             if r.nonfinite and not (_SCORE_KEYS.match(r.key) and r.shape in ((), (1,)))
         ]
@@ -225,8 +253,9 @@ def verify_checkpoint(
             reader.close()
 
 
-def _against_note(note: CheckpointNote, results: list[TensorResult], files: tuple[FileChecksum, ...],
-                  declined: list[str] = ()) -> list[Finding]:
+def _against_note(
+    note: CheckpointNote, results: list[TensorResult], files: tuple[FileChecksum, ...], declined: list[str] = ()
+) -> list[Finding]:
     """Findings against the save-time note. ``declined``: files the reader did not load (a
     NOT_VERIFIABLE finding each): their noted tensors are not verified, never "absent"."""
     findings = []
@@ -236,21 +265,44 @@ def _against_note(note: CheckpointNote, results: list[TensorResult], files: tupl
         if r.expected_digest and r.expected_digest != r.digest:
             findings.append(
                 Finding(
-                    kind=FindingKind.DIGEST_MISMATCH, subject=r.key, expected=r.expected_digest, found=r.digest,
+                    kind=FindingKind.DIGEST_MISMATCH,
+                    subject=r.key,
+                    expected=r.expected_digest,
+                    found=r.digest,
                     detail="bytes differ from what was saved (storage corruption)",
                 )
             )
         elif note.tensors and r.key not in note.tensors:
-            findings.append(Finding(kind=FindingKind.UNEXPECTED_TENSOR, subject=r.key, found=r.digest, detail="not in the checkpoint note"))
+            findings.append(
+                Finding(
+                    kind=FindingKind.UNEXPECTED_TENSOR,
+                    subject=r.key,
+                    found=r.digest,
+                    detail="not in the checkpoint note",
+                )
+            )
     for key, value in note.tensors.items():
         if key not in present and not key.startswith(unread) and key not in declined:
-            findings.append(Finding(kind=FindingKind.MISSING_TENSOR, subject=key, expected=value, detail="noted at save time, absent from the file"))
+            findings.append(
+                Finding(
+                    kind=FindingKind.MISSING_TENSOR,
+                    subject=key,
+                    expected=value,
+                    detail="noted at save time, absent from the file",
+                )
+            )
     by_name = {Path(f.name).name: f for f in files}
     for name, value in note.file_digests.items():
         mine = by_name.get(Path(name).name)
         if mine is not None and mine.digest != value:
             findings.append(
-                Finding(kind=FindingKind.FILE_CHECKSUM_MISMATCH, subject=mine.name, expected=value, found=mine.digest, detail="file bytes changed since saving")
+                Finding(
+                    kind=FindingKind.FILE_CHECKSUM_MISMATCH,
+                    subject=mine.name,
+                    expected=value,
+                    found=mine.digest,
+                    detail="file bytes changed since saving",
+                )
             )
     return findings
 
@@ -264,7 +316,9 @@ def _weights_vs_majority(note: CheckpointNote, digests: dict[str, int]) -> tuple
         missing = [n for n in note.param_names if not any(p + n in digests for p in _PARAM_PREFIXES)]
         return "", [
             Finding(
-                kind=FindingKind.WEIGHTS_NOT_MAJORITY, subject="parameters", expected=note.weights_digest,
+                kind=FindingKind.WEIGHTS_NOT_MAJORITY,
+                subject="parameters",
+                expected=note.weights_digest,
                 detail=f"{len(missing)} noted parameter(s) not found in the checkpoint, e.g. {missing[:3]}",
             )
         ]
@@ -272,7 +326,10 @@ def _weights_vs_majority(note: CheckpointNote, digests: dict[str, int]) -> tuple
     if note.weights_digest and combined != note.weights_digest:
         return combined, [
             Finding(
-                kind=FindingKind.WEIGHTS_NOT_MAJORITY, subject="parameters", expected=note.weights_digest, found=combined,
+                kind=FindingKind.WEIGHTS_NOT_MAJORITY,
+                subject="parameters",
+                expected=note.weights_digest,
+                found=combined,
                 detail="parameters are not the replicas' majority weights for this step",
             )
         ]

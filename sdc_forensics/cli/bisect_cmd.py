@@ -11,7 +11,13 @@ from pathlib import Path
 
 import click
 
-from sdc_forensics.cli.common import distributed_replay, ledger_options, run_analysis, stdout_is_data, trace_analysis_options
+from sdc_forensics.cli.common import (
+    distributed_replay,
+    ledger_options,
+    run_analysis,
+    stdout_is_data,
+    trace_analysis_options,
+)
 from sdc_forensics.cli.limits import read_limit_options
 from sdc_forensics.cli.output import emit_json, err
 from sdc_forensics.exitcodes import analysis_exit
@@ -21,9 +27,14 @@ from sdc_forensics.exitcodes import analysis_exit
 @trace_analysis_options
 @ledger_options
 @click.option("--trace-only", is_flag=True, help="Use the trace alone: no replay, no checkpoint files, no torch.")
-@click.option("--max-replay-steps", type=click.IntRange(min=1),
-              help="Stop widening backwards after this many replayed steps (checkpoints before stay unverified).")
-@click.option("--scan-recurrence", is_flag=True, help="Also replay the intervals after the first divergence: recurrences.")
+@click.option(
+    "--max-replay-steps",
+    type=click.IntRange(min=1),
+    help="Stop widening backwards after this many replayed steps (checkpoints before stay unverified).",
+)
+@click.option(
+    "--scan-recurrence", is_flag=True, help="Also replay the intervals after the first divergence: recurrences."
+)
 @read_limit_options
 @stdout_is_data
 @distributed_replay

@@ -24,8 +24,14 @@ class Bars:
         if self.enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                      console=err, transient=False)
+            self._progress = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=err,
+                transient=False,
+            )
             self._progress.start()
         return self
 
@@ -74,31 +80,60 @@ def analysis_options(func):
     Their names are the fields of ``replay.options.AnalysisOptions``: a command builds it once
     from them (and its own ``--trace-only``, ``--max-replay-steps``...) and passes it down.
     """
-    func = click.option("--tolerant", "force_tolerant", is_flag=True,
-                        help="Compare within the sketch tolerance even where the replay is bitwise exact.")(func)
-    func = click.option("--collective", is_flag=True,
-                        help="Under torchrun with one process per recorded rank: all-reduce every replayed step with the "
-                             "replay's own process group (the job's collective, recorded NCCL settings pinned), checked "
-                             "against the recorded reduced digest at every step (docs/distributed.md).")(func)
-    func = click.option("--threads", "num_threads", type=click.IntRange(min=1),
-                        help="Replay CPU threads (default: the count each step recorded, which keeps a CPU replay bitwise exact).")(func)
-    func = click.option("--force-device", is_flag=True,
-                        help="Replay even on the suspect rank's GPU (under torchrun: even with processes on a suspect's GPU or node).")(func)
+    func = click.option(
+        "--tolerant",
+        "force_tolerant",
+        is_flag=True,
+        help="Compare within the sketch tolerance even where the replay is bitwise exact.",
+    )(func)
+    func = click.option(
+        "--collective",
+        is_flag=True,
+        help="Under torchrun with one process per recorded rank: all-reduce every replayed step with the "
+        "replay's own process group (the job's collective, recorded NCCL settings pinned), checked "
+        "against the recorded reduced digest at every step (docs/distributed.md).",
+    )(func)
+    func = click.option(
+        "--threads",
+        "num_threads",
+        type=click.IntRange(min=1),
+        help="Replay CPU threads (default: the count each step recorded, which keeps a CPU replay bitwise exact).",
+    )(func)
+    func = click.option(
+        "--force-device",
+        is_flag=True,
+        help="Replay even on the suspect rank's GPU (under torchrun: even with processes on a suspect's GPU or node).",
+    )(func)
     func = click.option("--device", default="cpu", show_default=True, help="Replay device: cpu, cuda or cuda:N.")(func)
-    func = click.option("--recipe", metavar="MOD:ATTR", help="Replay recipe (default: the one the trace's manifest names).")(func)
-    return click.option("--checkpoints", "checkpoints_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
-                        help="Directory holding the checkpoint files (default: found from the trace: the paths the job wrote, also relative to the trace directory).")(func)
+    func = click.option(
+        "--recipe", metavar="MOD:ATTR", help="Replay recipe (default: the one the trace's manifest names)."
+    )(func)
+    return click.option(
+        "--checkpoints",
+        "checkpoints_dir",
+        type=click.Path(exists=True, file_okay=False, path_type=Path),
+        help="Directory holding the checkpoint files (default: found from the trace: the paths the job wrote, also relative to the trace directory).",
+    )(func)
 
 
 def ledger_options(func):
     """``--ledger PATH`` and ``--no-ledger`` (``bisect``, ``certify``, ``report``, ``verify-checkpoint --trace``):
     the fields ``ledger_path`` and ``no_ledger`` of ``replay.options.AnalysisOptions``."""
-    func = click.option("--no-ledger", is_flag=True, envvar="SDC_FORENSICS_NO_LEDGER",
-                        help="Neither reuse nor append the ledger of examined intervals: replay every interval the analysis needs "
-                             "(also SDC_FORENSICS_NO_LEDGER=1).")(func)
-    func = click.option("--ledger", "ledger_path", type=click.Path(dir_okay=False, path_type=Path), metavar="PATH",
-                        help="The ledger of examined intervals (default: TRACE_DIR/ledger.jsonl): intervals it certifies are not "
-                             "replayed again, and every interval replayed now is appended (docs/checkpoints.md, 'The ledger').")(func)
+    func = click.option(
+        "--no-ledger",
+        is_flag=True,
+        envvar="SDC_FORENSICS_NO_LEDGER",
+        help="Neither reuse nor append the ledger of examined intervals: replay every interval the analysis needs "
+        "(also SDC_FORENSICS_NO_LEDGER=1).",
+    )(func)
+    func = click.option(
+        "--ledger",
+        "ledger_path",
+        type=click.Path(dir_okay=False, path_type=Path),
+        metavar="PATH",
+        help="The ledger of examined intervals (default: TRACE_DIR/ledger.jsonl): intervals it certifies are not "
+        "replayed again, and every interval replayed now is appended (docs/checkpoints.md, 'The ledger').",
+    )(func)
     return func
 
 
@@ -157,12 +192,19 @@ def distributed_replay(func):
             return func(*args, **kwargs)
         if "device" in kwargs:
             kwargs["device"] = distributed.process_device(kwargs["device"])
-        pinned = distributed.pin_recorded_nccl(kwargs["trace_dir"]) if kwargs.get("collective") and kwargs.get("trace_dir") else []
+        pinned = (
+            distributed.pin_recorded_nccl(kwargs["trace_dir"])
+            if kwargs.get("collective") and kwargs.get("trace_dir")
+            else []
+        )
         group = distributed.start(kwargs.get("device", "cpu"), replay_timeout)
         if not group.lead:
             silence_follower()
-        err.print(f"note: replaying across {group.size} processes ({group.backend}): original rank r on process r % {group.size}; "
-                  "process 0 writes the output", markup=False)
+        err.print(
+            f"note: replaying across {group.size} processes ({group.backend}): original rank r on process r % {group.size}; "
+            "process 0 writes the output",
+            markup=False,
+        )
         if pinned:
             err.print(f"note: --collective: the recorded NCCL settings pinned: {', '.join(pinned)}", markup=False)
         completed = lost = False
@@ -179,10 +221,16 @@ def distributed_replay(func):
         finally:
             distributed.finish(completed, peer_lost=lost)
 
-    return click.option("--replay-timeout", type=click.FloatRange(min=1.0), default=300.0, show_default=True, metavar="SECONDS",
-                        help="Under torchrun: the longest wait for another replay process at any exchange (plus the estimated "
-                             "work of whole checkpoint intervals shared out, docs/distributed.md); a process that died or "
-                             "hangs ends the run with exit 4.")(wrapper)
+    return click.option(
+        "--replay-timeout",
+        type=click.FloatRange(min=1.0),
+        default=300.0,
+        show_default=True,
+        metavar="SECONDS",
+        help="Under torchrun: the longest wait for another replay process at any exchange (plus the estimated "
+        "work of whole checkpoint intervals shared out, docs/distributed.md); a process that died or "
+        "hangs ends the run with exit 4.",
+    )(wrapper)
 
 
 def silence_follower() -> None:

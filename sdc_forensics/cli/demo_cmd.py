@@ -15,30 +15,75 @@ from sdc_forensics.cli.output import emit_json, err
 
 
 @click.command("demo")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("sdc-demo"), show_default=True,
-              help="Output directory (trace/, checkpoints/); must not hold a previous demo.")
-@click.option("--inject", "injections", multiple=True, metavar="SPEC",
-              help="Fault LOCATION:step=S:rank=R:bit=B[:element=I], repeatable; 'none' for a clean run. "
-              "Locations: grad, allreduce, allreduce-all, weights, update, input, checkpoint-file. "
-              "Default: grad:step=23:rank=2:bit=30 (scaled to --steps).")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("sdc-demo"),
+    show_default=True,
+    help="Output directory (trace/, checkpoints/); must not hold a previous demo.",
+)
+@click.option(
+    "--inject",
+    "injections",
+    multiple=True,
+    metavar="SPEC",
+    help="Fault LOCATION:step=S:rank=R:bit=B[:element=I], repeatable; 'none' for a clean run. "
+    "Locations: grad, allreduce, allreduce-all, weights, update, input, checkpoint-file. "
+    "Default: grad:step=23:rank=2:bit=30 (scaled to --steps).",
+)
 @click.option("--steps", type=int, default=40, show_default=True, help="Optimizer steps.")
-@click.option("--checkpoint-every", type=int, default=10, show_default=True, help="Checkpoint interval (checkpoint 0 is the initial state).")
+@click.option(
+    "--checkpoint-every",
+    type=int,
+    default=10,
+    show_default=True,
+    help="Checkpoint interval (checkpoint 0 is the initial state).",
+)
 @click.option("--audit-every", type=int, default=5, show_default=True, help="Audit every N-th step (0: no audits).")
-@click.option("--policy", type=click.Choice(["continue", "raise"]), default="continue", show_default=True,
-              help="On an online alarm: record and continue (so bisect has a run to examine), or stop.")
-@click.option("--recipe", default=None, metavar="MOD:ATTR",
-              help="Recipe to train (default: the demo MLP). sdc_forensics.demo.convnet:recipe is a conv net whose "
-              "last bits depend on the thread count.")
-@click.option("--threads", default=None, metavar="N|N0,N1,N2,N3",
-              help="Intra-op CPU threads per rank: one count for all, or one per rank.  [default: 1]")
-@click.option("--parallel", type=click.Choice(["ddp", "fsdp", "hsdp"]), default="ddp", show_default=True,
-              help="How the 4 processes split the model: DDP replicas, FSDP2 shards (fully_shard), or HSDP (2 replicas "
-              "x 2 shards). Sharded locations: local-gradient, reduce-scatter-output, all-reduce-output (hsdp), all-gather-output, weights, "
-              "update, input.")
+@click.option(
+    "--policy",
+    type=click.Choice(["continue", "raise"]),
+    default="continue",
+    show_default=True,
+    help="On an online alarm: record and continue (so bisect has a run to examine), or stop.",
+)
+@click.option(
+    "--recipe",
+    default=None,
+    metavar="MOD:ATTR",
+    help="Recipe to train (default: the demo MLP). sdc_forensics.demo.convnet:recipe is a conv net whose "
+    "last bits depend on the thread count.",
+)
+@click.option(
+    "--threads",
+    default=None,
+    metavar="N|N0,N1,N2,N3",
+    help="Intra-op CPU threads per rank: one count for all, or one per rank.  [default: 1]",
+)
+@click.option(
+    "--parallel",
+    type=click.Choice(["ddp", "fsdp", "hsdp"]),
+    default="ddp",
+    show_default=True,
+    help="How the 4 processes split the model: DDP replicas, FSDP2 shards (fully_shard), or HSDP (2 replicas "
+    "x 2 shards). Sharded locations: local-gradient, reduce-scatter-output, all-reduce-output (hsdp), all-gather-output, weights, "
+    "update, input.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the ground truth as JSON on stdout.")
 @stdout_is_data
-def demo_cmd(out_dir: Path, injections: tuple[str, ...], steps: int, checkpoint_every: int, audit_every: int, policy: str,
-             recipe: str | None, threads: str | None, parallel: str, as_json: bool) -> None:
+def demo_cmd(
+    out_dir: Path,
+    injections: tuple[str, ...],
+    steps: int,
+    checkpoint_every: int,
+    audit_every: int,
+    policy: str,
+    recipe: str | None,
+    threads: str | None,
+    parallel: str,
+    as_json: bool,
+) -> None:
     """Run a 4-process DDP (or FSDP2, HSDP) job on CPU with an injected fault, recorded for bisect."""
     from sdc_forensics.demo.run import RECIPE_REFERENCE, DemoConfig, default_injection, run_config
     from sdc_forensics.errors import UsageError
@@ -51,9 +96,17 @@ def demo_cmd(out_dir: Path, injections: tuple[str, ...], steps: int, checkpoint_
         _sharded_demo(out_dir, parallel, injections, steps, checkpoint_every, policy, recipe, threads, as_json)
         return
     specs = parse_specs(injections or (default_injection(steps, checkpoint_every),))
-    config = DemoConfig(out_dir=out_dir, injections=specs, steps=steps, checkpoint_every=checkpoint_every, world_size=4,
-                        audit_every=audit_every, policy=policy, recipe=recipe or RECIPE_REFERENCE,
-                        threads=_parse_threads(threads, 4))  # every usage error (specs against the model too) surfaces here, before anything runs
+    config = DemoConfig(
+        out_dir=out_dir,
+        injections=specs,
+        steps=steps,
+        checkpoint_every=checkpoint_every,
+        world_size=4,
+        audit_every=audit_every,
+        policy=policy,
+        recipe=recipe or RECIPE_REFERENCE,
+        threads=_parse_threads(threads, 4),
+    )  # every usage error (specs against the model too) surfaces here, before anything runs
     render_demo_start(config, err)
     result = run_config(config)
     render_demo(result, err)
@@ -61,8 +114,17 @@ def demo_cmd(out_dir: Path, injections: tuple[str, ...], steps: int, checkpoint_
         emit_json(demo_document(result))
 
 
-def _sharded_demo(out_dir: Path, parallel: str, injections: tuple[str, ...], steps: int, checkpoint_every: int, policy: str,
-                  recipe: str | None, threads: str | None, as_json: bool) -> None:
+def _sharded_demo(
+    out_dir: Path,
+    parallel: str,
+    injections: tuple[str, ...],
+    steps: int,
+    checkpoint_every: int,
+    policy: str,
+    recipe: str | None,
+    threads: str | None,
+    as_json: bool,
+) -> None:
     """``--parallel fsdp|hsdp``: the sharded job (``demo/sharded.py``), then what to run next."""
     from sdc_forensics.demo import sharded
     from sdc_forensics.errors import UsageError
@@ -70,26 +132,40 @@ def _sharded_demo(out_dir: Path, parallel: str, injections: tuple[str, ...], ste
 
     refused = [flag for flag, given in (("--recipe", recipe), ("--threads", threads), ("--json", as_json)) if given]
     if refused:
-        raise UsageError(f"{', '.join(refused)} go with the DDP demo; the sharded demo trains its own model on 1 thread per rank")
-    texts = [t for t in injections if t.strip().lower() != "none"] if injections else [sharded.default_injection(steps, checkpoint_every)]
+        raise UsageError(
+            f"{', '.join(refused)} go with the DDP demo; the sharded demo trains its own model on 1 thread per rank"
+        )
+    texts = (
+        [t for t in injections if t.strip().lower() != "none"]
+        if injections
+        else [sharded.default_injection(steps, checkpoint_every)]
+    )
     for text in texts:  # every spec checked before anything runs
         spec = parse_spec(text, LOCATIONS + FSDP_LOCATIONS)
         if spec.location in ("grad", "allreduce", "allreduce-all", "checkpoint-file"):
-            raise UsageError(f"fault spec {text!r}: {spec.location} is a DDP location; a sharded job's are "
-                             f"{', '.join(FSDP_LOCATIONS)}, weights, update, input")
+            raise UsageError(
+                f"fault spec {text!r}: {spec.location} is a DDP location; a sharded job's are "
+                f"{', '.join(FSDP_LOCATIONS)}, weights, update, input"
+            )
         if not 0 <= spec.step < steps or not 0 <= spec.rank < 4:
             raise UsageError(f"fault spec {text!r}: step must be in 0..{steps - 1} and rank in 0..3")
-    err.print(f"[bold]sdc-forensics demo[/]: 4 processes on CPU, {parallel.upper()} "
-              f"({'mesh 4' if parallel == 'fsdp' else 'mesh 2 replicas x 2 shards'}), {steps} steps, DCP checkpoints every "
-              f"{checkpoint_every}; fault: {', '.join(texts) or 'none'}")
-    found = sharded.run_demo(out_dir, parallel, tuple(texts), steps=steps, checkpoint_every=checkpoint_every, policy=policy)
+    err.print(
+        f"[bold]sdc-forensics demo[/]: 4 processes on CPU, {parallel.upper()} "
+        f"({'mesh 4' if parallel == 'fsdp' else 'mesh 2 replicas x 2 shards'}), {steps} steps, DCP checkpoints every "
+        f"{checkpoint_every}; fault: {', '.join(texts) or 'none'}"
+    )
+    found = sharded.run_demo(
+        out_dir, parallel, tuple(texts), steps=steps, checkpoint_every=checkpoint_every, policy=policy
+    )
     for alarm in found["alarms"][:3]:
         who = f"rank {alarm['rank']}" if alarm["rank"] >= 0 else "no single rank"
         err.print(f"online check fired: {alarm['check']} at step {alarm['step']}, {who}")
     if len(found["alarms"]) > 3:
         err.print(f"... and {len(found['alarms']) - 3} more alarm(s) (the trace holds them all: sdc-forensics inspect)")
     if not found["alarms"]:
-        err.print("online checks: nothing fired (a finite local-gradient flip is summed consistently: only a replay sees it)")
+        err.print(
+            "online checks: nothing fired (a finite local-gradient flip is summed consistently: only a replay sees it)"
+        )
     err.print(f"trace: {out_dir / 'trace'}   checkpoints: {out_dir / 'checkpoints'}")
     err.print(f"next: sdc-forensics bisect {out_dir / 'trace'}")
 
@@ -103,5 +179,7 @@ def _parse_threads(text: str | None, world_size: int) -> tuple[int, ...] | None:
     try:
         counts = tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise UsageError(f"--threads {text!r} is not a count or a comma-separated count per rank (e.g. 2 or 1,2,1,1)") from None
+        raise UsageError(
+            f"--threads {text!r} is not a count or a comma-separated count per rank (e.g. 2 or 1,2,1,1)"
+        ) from None
     return counts * world_size if len(counts) == 1 else counts

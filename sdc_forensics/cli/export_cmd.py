@@ -19,7 +19,13 @@ from sdc_forensics.newfile import write_new_file
 
 @click.command("export")
 @click.argument("trace_dir", type=click.Path(path_type=str))
-@click.option("-o", "--output", default="-", show_default=True, help="CSV file to write (it must not exist, unless --force), or - for stdout.")
+@click.option(
+    "-o",
+    "--output",
+    default="-",
+    show_default=True,
+    help="CSV file to write (it must not exist, unless --force), or - for stdout.",
+)
 @force_option
 def export_cmd(trace_dir: str, output: str, force: bool) -> None:
     """Export TRACE_DIR's STEP records (latest attempt per step) as CSV, one row per rank-step.
@@ -43,4 +49,3 @@ def export_cmd(trace_dir: str, output: str, force: bool) -> None:
         return
     rows = write_new_file(Path(output), force, lambda handle: export_csv(trace, handle), flag="-o")
     err.print(f"exported {rows} rank-steps to {output}")
-

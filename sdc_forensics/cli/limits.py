@@ -22,7 +22,17 @@ from pathlib import Path
 
 import click
 
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+_UNITS = {
+    "": 1,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "ki": 1 << 10,
+    "mi": 1 << 20,
+    "gi": 1 << 30,
+    "ti": 1 << 40,
+}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
 
 
@@ -45,31 +55,51 @@ def read_limit_options(func):
     click command callback (place it above ``@click.pass_context``) and run it under their limits."""
 
     @functools.wraps(func)
-    def run(*args, max_inflate_bytes: int | None, max_tensors: int | None, allow_roots: tuple[Path, ...], allow_numpy: bool, **kwargs):
+    def run(
+        *args,
+        max_inflate_bytes: int | None,
+        max_tensors: int | None,
+        allow_roots: tuple[Path, ...],
+        allow_numpy: bool,
+        **kwargs,
+    ):
         from sdc_forensics.checkpoint.limits import ReadLimits, using_limits
 
         given = {"max_inflate_bytes": max_inflate_bytes, "max_tensors": max_tensors}
-        limits = ReadLimits(**{k: v for k, v in given.items() if v is not None}, allow_roots=allow_roots, allow_numpy=allow_numpy)
+        limits = ReadLimits(
+            **{k: v for k, v in given.items() if v is not None}, allow_roots=allow_roots, allow_numpy=allow_numpy
+        )
         with using_limits(limits):
             return func(*args, **kwargs)
 
     run = click.option(
-        "--allow-numpy", is_flag=True,
+        "--allow-numpy",
+        is_flag=True,
         help="Load numpy arrays and scalars (the numpy RNG state of rng_state.pth) from torch.save files, with torch's "
-             "weights-only unpickler; nothing else is ever unpickled.",
+        "weights-only unpickler; nothing else is ever unpickled.",
     )(run)
     run = click.option(
-        "--allow-root", "allow_roots", multiple=True, envvar="SDC_FORENSICS_ALLOW_ROOTS", show_envvar=True,
+        "--allow-root",
+        "allow_roots",
+        multiple=True,
+        envvar="SDC_FORENSICS_ALLOW_ROOTS",
+        show_envvar=True,
         type=click.Path(exists=True, file_okay=False, path_type=Path),
         help="A directory that symbolic links in a checkpoint may lead into, besides the checkpoint itself (repeatable).",
     )(run)
     run = click.option(
-        "--max-tensors", type=click.IntRange(min=1), show_default="1000000",  # checkpoint.limits.DEFAULT_MAX_TENSORS
-        envvar="SDC_FORENSICS_MAX_TENSORS", show_envvar=True,
+        "--max-tensors",
+        type=click.IntRange(min=1),
+        show_default="1000000",  # checkpoint.limits.DEFAULT_MAX_TENSORS
+        envvar="SDC_FORENSICS_MAX_TENSORS",
+        show_envvar=True,
         help="Tensors one file may list (a safetensors header, a torch.save payload, a DCP .metadata).",
     )(run)
     return click.option(
-        "--max-inflate-bytes", type=ByteSize(), show_default="256MiB",  # checkpoint.limits.DEFAULT_MAX_INFLATE_BYTES
-        envvar="SDC_FORENSICS_MAX_INFLATE_BYTES", show_envvar=True,
+        "--max-inflate-bytes",
+        type=ByteSize(),
+        show_default="256MiB",  # checkpoint.limits.DEFAULT_MAX_INFLATE_BYTES
+        envvar="SDC_FORENSICS_MAX_INFLATE_BYTES",
+        show_envvar=True,
         help="Bytes verification may process beyond a file's own: compressed zip members, tensor views that repeat stored bytes.",
     )(run)

@@ -22,12 +22,24 @@ from sdc_forensics.exitcodes import ExitCode
 
 # command name -> (module, attribute, one-line help)
 _COMMANDS = {
-    "inspect": ("sdc_forensics.cli.inspect_cmd", "inspect_cmd", "Summarise a trace directory: alarms, checkpoints and any damage in it."),
+    "inspect": (
+        "sdc_forensics.cli.inspect_cmd",
+        "inspect_cmd",
+        "Summarise a trace directory: alarms, checkpoints and any damage in it.",
+    ),
     "demo": ("sdc_forensics.cli.demo_cmd", "demo_cmd", "Run a 4-process DDP job on CPU with an injected fault."),
-    "bisect": ("sdc_forensics.cli.bisect_cmd", "bisect_cmd", "Find the first divergent step, the suspect rank and the last clean checkpoint."),
+    "bisect": (
+        "sdc_forensics.cli.bisect_cmd",
+        "bisect_cmd",
+        "Find the first divergent step, the suspect rank and the last clean checkpoint.",
+    ),
     "replay": ("sdc_forensics.cli.replay_cmd", "replay_cmd", "Replay one window of steps and compare with the trace."),
     "verify-checkpoint": ("sdc_forensics.cli.verify_cmd", "verify_cmd", "Verify a checkpoint's structure and content."),
-    "certify": ("sdc_forensics.cli.certify_cmd", "certify_cmd", "Certify every checkpoint of a run; name the resume point."),
+    "certify": (
+        "sdc_forensics.cli.certify_cmd",
+        "certify_cmd",
+        "Certify every checkpoint of a run; name the resume point.",
+    ),
     "report": ("sdc_forensics.cli.report_cmd", "report_cmd", "Write a post-incident review (HTML, Markdown or JSON)."),
     "export": ("sdc_forensics.cli.export_cmd", "export_cmd", "Export a trace's STEP records to CSV."),
 }
@@ -130,7 +142,9 @@ def main() -> None:
     except SystemExit as exc:
         code = exc.code
     if "sdc_forensics.replay.distributed" in sys.modules:  # a replay across processes lost a peer: exit at once
-        sys.modules["sdc_forensics.replay.distributed"].leave(ExitCode.CLEAN if code is None else code if isinstance(code, int) else ExitCode.CORRUPTION)
+        sys.modules["sdc_forensics.replay.distributed"].leave(
+            ExitCode.CLEAN if code is None else code if isinstance(code, int) else ExitCode.CORRUPTION
+        )
     sys.exit(code)
 
 

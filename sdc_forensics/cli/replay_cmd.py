@@ -17,7 +17,9 @@ from sdc_forensics.exitcodes import verdict_exit
 
 @click.command("replay")
 @trace_analysis_options
-@click.option("--from", "start", type=click.IntRange(min=0), required=True, help="Checkpoint step N to start from (holds θ_N).")
+@click.option(
+    "--from", "start", type=click.IntRange(min=0), required=True, help="Checkpoint step N to start from (holds θ_N)."
+)
 @click.option("--to", "stop", type=click.IntRange(min=0), required=True, help="Last step M to replay (inclusive).")
 @stdout_is_data
 @distributed_replay

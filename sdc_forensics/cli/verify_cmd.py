@@ -19,10 +19,28 @@ from sdc_forensics.cli.output import emit_json, err
 
 @click.command("verify-checkpoint")
 @click.argument("path", type=click.Path(path_type=Path))
-@click.option("--trace", "trace_dir", type=click.Path(path_type=Path), help="Trace directory: certify it as part of that run (runs the analysis of certify).")
-@click.option("--step", type=click.IntRange(min=0), help="Checkpoint step N (default: from the note whose path matches, or the payload's 'step').")
-@click.option("--trace-only", is_flag=True, help="With --trace: the trace's evidence alone, no replay (a clean answer is then 'unverified').")
-@click.option("--certificate", "certificate_path", type=click.Path(path_type=Path), help="Certificate to confirm the file against.")
+@click.option(
+    "--trace",
+    "trace_dir",
+    type=click.Path(path_type=Path),
+    help="Trace directory: certify it as part of that run (runs the analysis of certify).",
+)
+@click.option(
+    "--step",
+    type=click.IntRange(min=0),
+    help="Checkpoint step N (default: from the note whose path matches, or the payload's 'step').",
+)
+@click.option(
+    "--trace-only",
+    is_flag=True,
+    help="With --trace: the trace's evidence alone, no replay (a clean answer is then 'unverified').",
+)
+@click.option(
+    "--certificate",
+    "certificate_path",
+    type=click.Path(path_type=Path),
+    help="Certificate to confirm the file against.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Write one JSON document on stdout.")
 @analysis_options
 @ledger_options
@@ -30,8 +48,16 @@ from sdc_forensics.cli.output import emit_json, err
 @stdout_is_data
 @distributed_replay
 @click.pass_context
-def verify_cmd(ctx: click.Context, path: Path, trace_dir: Path | None, step: int | None, trace_only: bool, certificate_path: Path | None,
-               as_json: bool, **options) -> None:
+def verify_cmd(
+    ctx: click.Context,
+    path: Path,
+    trace_dir: Path | None,
+    step: int | None,
+    trace_only: bool,
+    certificate_path: Path | None,
+    as_json: bool,
+    **options,
+) -> None:
     """Verify a checkpoint's structure and content; with --trace, certify it as part of its run.
 
     Without --trace: exit 0 when the file is readable, complete and free of NaN/Inf, 1 when it
@@ -44,7 +70,9 @@ def verify_cmd(ctx: click.Context, path: Path, trace_dir: Path | None, step: int
     from sdc_forensics.forensics.verify_run import VerifyRequest, verify_run
     from sdc_forensics.present.verify import render_verify, verify_document
 
-    request = VerifyRequest(path=path, trace_dir=trace_dir, step=step, trace_only=trace_only, certificate_path=certificate_path)
+    request = VerifyRequest(
+        path=path, trace_dir=trace_dir, step=step, trace_only=trace_only, certificate_path=certificate_path
+    )
     with Bars(enabled=err.is_terminal) as bars:
         outcome = verify_run(request, AnalysisOptions(**options), progress=bars)
     render_verify(outcome, err)

@@ -76,7 +76,11 @@ class Certificate:
 
 
 def build_certificate(
-    statuses: Sequence[CheckpointStatus], *, trace_dir: str | os.PathLike, first_divergent_step: int | None, seed: int = C.DEFAULT_SEED
+    statuses: Sequence[CheckpointStatus],
+    *,
+    trace_dir: str | os.PathLike,
+    first_divergent_step: int | None,
+    seed: int = C.DEFAULT_SEED,
 ) -> Certificate:
     """A :class:`Certificate` of ``statuses`` (``BisectResult.checkpoints``: ``decide.decision``)."""
     resume = last_clean(statuses)
@@ -126,8 +130,12 @@ def write_certificate(path: str | os.PathLike, cert: Certificate, *, force: bool
     from sdc_forensics.newfile import write_new_file
 
     path = Path(path)
-    write_new_file(path, force, lambda handle: handle.write(json.dumps(certificate_to_json(cert), indent=1, sort_keys=True) + "\n"),
-                   flag="--certificate-out")
+    write_new_file(
+        path,
+        force,
+        lambda handle: handle.write(json.dumps(certificate_to_json(cert), indent=1, sort_keys=True) + "\n"),
+        flag="--certificate-out",
+    )
     return path
 
 
@@ -157,12 +165,17 @@ def _path(f: Fields, key: str, *args, **kwargs) -> str | None:
 
 def _file_checksum(doc, where: str) -> FileChecksum:
     f = Fields(doc, where, InvalidInputError, _HINT)
-    return FileChecksum(name=f.str("name"), size_bytes=f.int("size_bytes", lo=0, hi=(1 << 63) - 1), digest=f.str("digest", max_len=64))
+    return FileChecksum(
+        name=f.str("name"), size_bytes=f.int("size_bytes", lo=0, hi=(1 << 63) - 1), digest=f.str("digest", max_len=64)
+    )
 
 
 def _finding(doc, where: str) -> Finding:
     f = Fields(doc, where, InvalidInputError, _HINT)
-    return Finding(kind=_enum(f, "kind", FindingKind), **{key: f.str(key, "") for key in ("subject", "expected", "found", "detail")})
+    return Finding(
+        kind=_enum(f, "kind", FindingKind),
+        **{key: f.str(key, "") for key in ("subject", "expected", "found", "detail")},
+    )
 
 
 def _entry(doc, where: str) -> CertifiedCheckpoint:
@@ -192,11 +205,13 @@ def read_certificate(path: str | os.PathLike) -> Certificate:
     except (OSError, ValueError) as exc:
         raise InvalidInputError(f"{path} is not a readable JSON certificate ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-        raise InvalidInputError(f"{path} is not an sdc-forensics certificate (no \"format\": \"{FORMAT_NAME}\")")
+        raise InvalidInputError(f'{path} is not an sdc-forensics certificate (no "format": "{FORMAT_NAME}")')
     version = doc.get("certificate_version")
     if not is_int(version) or version != CERTIFICATE_VERSION:
-        raise InvalidInputError(f"{path} has certificate version {version if is_int(version) else describe(version)}; this tool reads "
-                                f"{CERTIFICATE_VERSION}: run `sdc-forensics certify TRACE_DIR --certificate-out FILE` again")
+        raise InvalidInputError(
+            f"{path} has certificate version {version if is_int(version) else describe(version)}; this tool reads "
+            f"{CERTIFICATE_VERSION}: run `sdc-forensics certify TRACE_DIR --certificate-out FILE` again"
+        )
     f = Fields(doc, str(path), InvalidInputError, _HINT)
     return Certificate(
         tool_version=f.str("tool_version", "", max_len=256),
@@ -217,14 +232,30 @@ def check_against_certificate(report: VerificationReport, entry: CertifiedCheckp
     for certified in entry.files:
         now = mine.get(certified.name)
         if now is None:
-            findings.append(Finding(kind=FindingKind.FILE_CHECKSUM_MISMATCH, subject=certified.name, expected=certified.digest, detail="certified file is missing now"))
+            findings.append(
+                Finding(
+                    kind=FindingKind.FILE_CHECKSUM_MISMATCH,
+                    subject=certified.name,
+                    expected=certified.digest,
+                    detail="certified file is missing now",
+                )
+            )
         elif now.digest != certified.digest or now.size_bytes != certified.size_bytes:
             findings.append(
                 Finding(
-                    kind=FindingKind.FILE_CHECKSUM_MISMATCH, subject=certified.name, expected=certified.digest, found=now.digest,
+                    kind=FindingKind.FILE_CHECKSUM_MISMATCH,
+                    subject=certified.name,
+                    expected=certified.digest,
+                    found=now.digest,
                     detail="file changed since it was certified",
                 )
             )
     if not entry.files:
-        findings.append(Finding(kind=FindingKind.FILE_CHECKSUM_MISMATCH, subject=entry.path, detail="the certificate holds no file checksums for it"))
+        findings.append(
+            Finding(
+                kind=FindingKind.FILE_CHECKSUM_MISMATCH,
+                subject=entry.path,
+                detail="the certificate holds no file checksums for it",
+            )
+        )
     return findings

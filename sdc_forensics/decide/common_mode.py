@@ -62,25 +62,39 @@ UPDATE_NOT_REPRODUCED = "update not reproduced"
 
 def is_unreproduced_update(ev: Evidence) -> bool:
     """True for the one record that an update mismatch on every rank became (rule 5)."""
-    return (ev.source == "replay" and ev.location is Location.OPTIMIZER_UPDATE and not ev.ranks and not ev.affects_state
-            and ev.detail.startswith(UPDATE_NOT_REPRODUCED))
+    return (
+        ev.source == "replay"
+        and ev.location is Location.OPTIMIZER_UPDATE
+        and not ev.ranks
+        and not ev.affects_state
+        and ev.detail.startswith(UPDATE_NOT_REPRODUCED)
+    )
 
 
 def _unreproduced(evs: list[Evidence], world_size: int) -> list[Evidence]:
     """Rule 5 at one step: an update mismatch the replay found on every rank, with nothing else
     strong at that step, becomes one event naming no rank (the other evidence is kept)."""
-    update = [e for e in evs if e.source == "replay" and e.location is Location.OPTIMIZER_UPDATE and e.marks_divergence
-              and set(e.ranks) >= set(range(world_size))]
+    update = [
+        e
+        for e in evs
+        if e.source == "replay"
+        and e.location is Location.OPTIMIZER_UPDATE
+        and e.marks_divergence
+        and set(e.ranks) >= set(range(world_size))
+    ]
     if not update or any(e.marks_divergence for e in evs if e not in update):
         return evs
     ev = update[0]
     event = dataclasses.replace(
-        ev, ranks=(), affects_state=False,
+        ev,
+        ranks=(),
+        affects_state=False,
         found=f"{ev.found} recorded on rank(s) {', '.join(map(str, ev.ranks))}",
         detail=f"{UPDATE_NOT_REPRODUCED}: the local gradients and the reduced gradient of step {ev.step} reproduced exactly, "
-               f"but the weights after its update differ from what every rank recorded; every replica ran the same update "
-               "on the same gradient, so the replay most likely rebuilds the update wrong (the recipe's optimizer, gradient "
-               "clipping, learning rate or LR scheduler), not a fault on any rank")
+        f"but the weights after its update differ from what every rank recorded; every replica ran the same update "
+        "on the same gradient, so the replay most likely rebuilds the update wrong (the recipe's optimizer, gradient "
+        "clipping, learning rate or LR scheduler), not a fault on any rank",
+    )
     return [e for e in evs if e not in update] + [event]
 
 
@@ -95,9 +109,12 @@ def _rank_local(ev: Evidence) -> bool:
 def _consequence(ev: Evidence, cause: Evidence) -> Evidence:
     who = f"rank(s) {', '.join(map(str, cause.ranks))}" if cause.ranks else "no rank in particular"
     return dataclasses.replace(
-        ev, affects_state=False, strength=Strength.WEAK,
+        ev,
+        affects_state=False,
+        strength=Strength.WEAK,
         detail=f"{ev.detail} (a consequence of the state change at step {cause.step}, {who}: the replay no longer follows "
-               "the recorded state, so this is not evidence about these ranks)")
+        "the recorded state, so this is not evidence about these ranks)",
+    )
 
 
 def shared_state(evidence: Sequence[Evidence], world_size: int, anchors: Iterable[int] = ()) -> list[Evidence]:
@@ -160,54 +177,87 @@ def _next_anchor(starts: list[int], step: int) -> float:
     return starts[i] if i < len(starts) else float("inf")
 
 
-def _common_event(step: int, members: list[Evidence], earlier: list[Evidence], shared: Sequence[Evidence] = (),
-                  anchored: bool = False) -> Evidence:
+def _common_event(
+    step: int, members: list[Evidence], earlier: list[Evidence], shared: Sequence[Evidence] = (), anchored: bool = False
+) -> Evidence:
     """The one record a common-mode group at ``step`` becomes; confirms (rewrites in ``earlier``)
     a weak candidate at ``step - 1`` when every member stands far beyond the drift allowance.
     ``shared``: strong evidence at ``step`` itself of a fault every rank computed with (a sharded
     job's weight shard changed at rest): the event is its consequence. ``anchored``: ``step`` is
     where the replay started, from a checkpoint whose weights equal the record's, so nothing before
     it made the difference: the replay itself does not compute what the job computed."""
-    candidates = [i for i, e in enumerate(earlier)
-                  if e.step == step - 1 and _state_affecting(e) and not is_common_mode(e)
-                  and (e.ranks or e.location is Location.COLLECTIVE)]
+    candidates = [
+        i
+        for i, e in enumerate(earlier)
+        if e.step == step - 1
+        and _state_affecting(e)
+        and not is_common_mode(e)
+        and (e.ranks or e.location is Location.COLLECTIVE)
+    ]
     far = all(e.marks_divergence for e in members)
     found = "; ".join(f"rank {', '.join(map(str, e.ranks))}: {e.found}" for e in sorted(members, key=lambda e: e.ranks))
-    base = dict(kind=members[0].kind, step=step, ranks=(), source=members[0].source, location=Location.UNKNOWN,
-                expected="the replicas' shared state entering this step as recorded", found=found)
-    what = (f"{COMMON_MODE}: every rank's local gradient at step {step} differs from the record: one event about the "
-            f"state entering step {step}, made by step {step - 1} (its reduced gradient, update or weights), not "
-            f"{len({r for e in members for r in e.ranks})} independent faults")
+    base = dict(
+        kind=members[0].kind,
+        step=step,
+        ranks=(),
+        source=members[0].source,
+        location=Location.UNKNOWN,
+        expected="the replicas' shared state entering this step as recorded",
+        found=found,
+    )
+    what = (
+        f"{COMMON_MODE}: every rank's local gradient at step {step} differs from the record: one event about the "
+        f"state entering step {step}, made by step {step - 1} (its reduced gradient, update or weights), not "
+        f"{len({r for e in members for r in e.ranks})} independent faults"
+    )
     if shared:
         who = ", ".join(f"rank(s) {', '.join(map(str, e.ranks))}" for e in shared)
-        return Evidence(**base, affects_state=False, strength=Strength.WEAK,
-                        detail=f"{what}; it is the consequence of the state {who} held at step {step}, which every rank computed with")
+        return Evidence(
+            **base,
+            affects_state=False,
+            strength=Strength.WEAK,
+            detail=f"{what}; it is the consequence of the state {who} held at step {step}, which every rank computed with",
+        )
     strong = [i for i in candidates if earlier[i].marks_divergence]
     weak = [i for i in candidates if earlier[i].is_weak]
     if strong or (weak and far):
         for i in weak if not strong else ():
             cand = earlier[i]
             earlier[i] = dataclasses.replace(
-                cand, strength=Strength.STRONG,
+                cand,
+                strength=Strength.STRONG,
                 detail=f"{cand.detail}; confirmed: at the next step every rank's local gradient differs from the record far "
-                       "beyond the drift allowance (more than any clean replay of its kind produces), so this fault changed "
-                       "training")
+                "beyond the drift allowance (more than any clean replay of its kind produces), so this fault changed "
+                "training",
+            )
         named = earlier[(strong or weak)[0]]
         who = f"rank(s) {', '.join(map(str, named.ranks))}" if named.ranks else "the collective"
-        return Evidence(**base, affects_state=False, strength=Strength.WEAK,
-                        detail=f"{what}; it is the consequence of step {step - 1}'s fault on {who}")
+        return Evidence(
+            **base,
+            affects_state=False,
+            strength=Strength.WEAK,
+            detail=f"{what}; it is the consequence of step {step - 1}'s fault on {who}",
+        )
     if weak:
         named = earlier[weak[0]]
         who = f"rank(s) {', '.join(map(str, named.ranks))}" if named.ranks else "the collective"
-        why = (f"the candidate is step {step - 1}, {who} (weak); the jump is not far beyond the drift allowance on every "
-               "rank, so it does not confirm it")
+        why = (
+            f"the candidate is step {step - 1}, {who} (weak); the jump is not far beyond the drift allowance on every "
+            "rank, so it does not confirm it"
+        )
     elif anchored:
-        what = (f"{COMMON_MODE}: every rank's local gradient at step {step}, the first step replayed from checkpoint {step} "
-                "(whose weights equal the record's), differs from the record")
-        why = ("the replay does not compute what the job computed: most likely the recipe (fetch_microbatch must give the same "
-               "bytes for a microbatch ID, loss the same value and scaling, the model the same forward, dropout or other "
-               "randomness seeded as the job did: docs/recipes.md), else the replay's environment (thread count, device)")
+        what = (
+            f"{COMMON_MODE}: every rank's local gradient at step {step}, the first step replayed from checkpoint {step} "
+            "(whose weights equal the record's), differs from the record"
+        )
+        why = (
+            "the replay does not compute what the job computed: most likely the recipe (fetch_microbatch must give the same "
+            "bytes for a microbatch ID, loss the same value and scaling, the model the same forward, dropout or other "
+            "randomness seeded as the job did: docs/recipes.md), else the replay's environment (thread count, device)"
+        )
     else:
-        why = f"nothing at step {step - 1} names a rank or the collective: the cause is shared (collective, update, input " \
-              "pipeline, or the replay itself)"
+        why = (
+            f"nothing at step {step - 1} names a rank or the collective: the cause is shared (collective, update, input "
+            "pipeline, or the replay itself)"
+        )
     return Evidence(**base, strength=Strength.WEAK, detail=f"{what}; {why}")

@@ -87,9 +87,15 @@ class Coverage:
         return _merge([*self.unreproduced, *self.tolerant, *self.online_only, *self.nothing])
 
 
-def coverage(checkpoint_steps: Iterable[int], *, step_range: Span | None, exact_now: Iterable[Span] = (),
-             exact_ledger: Iterable[tuple[int, int, Sequence[str]]] = (), tolerant: Iterable[Span] = (),
-             unreproduced: Iterable[Span] = ()) -> tuple[Coverage, ...]:
+def coverage(
+    checkpoint_steps: Iterable[int],
+    *,
+    step_range: Span | None,
+    exact_now: Iterable[Span] = (),
+    exact_ledger: Iterable[tuple[int, int, Sequence[str]]] = (),
+    tolerant: Iterable[Span] = (),
+    unreproduced: Iterable[Span] = (),
+) -> tuple[Coverage, ...]:
     """:class:`Coverage` of each checkpoint step from what examined which steps.
 
     Args:
@@ -116,8 +122,18 @@ def coverage(checkpoint_steps: Iterable[int], *, step_range: Span | None, exact_
         online = _minus(_minus(_minus(_clip(traced, before), exact), tol), off)
         nothing = _minus(_minus(_minus(_minus(before, exact), tol), online), off)
         ids = tuple(dict.fromkeys(i for a, b, rec in reused if a < n for i in rec))
-        out.append(Coverage(step=n, exact_now=now, exact_ledger=ledger, tolerant=tol, unreproduced=off, online_only=online,
-                            nothing=nothing, record_ids=ids))
+        out.append(
+            Coverage(
+                step=n,
+                exact_now=now,
+                exact_ledger=ledger,
+                tolerant=tol,
+                unreproduced=off,
+                online_only=online,
+                nothing=nothing,
+                record_ids=ids,
+            )
+        )
     return tuple(out)
 
 
@@ -137,8 +153,14 @@ def coverage_of(result) -> tuple[Coverage, ...]:
     from sdc_forensics.decide.common_mode import is_unreproduced_update
 
     off = [(e.step, e.step) for e in result.evidence if is_unreproduced_update(e)]
-    return coverage([c.step for c in result.checkpoints], step_range=result.step_range, exact_now=now_exact, exact_ledger=reused,
-                    tolerant=now_tolerant, unreproduced=off)
+    return coverage(
+        [c.step for c in result.checkpoints],
+        step_range=result.step_range,
+        exact_now=now_exact,
+        exact_ledger=reused,
+        tolerant=now_tolerant,
+        unreproduced=off,
+    )
 
 
 def with_details(coverages: Sequence[Coverage], trace, records: Sequence[Any] = ()) -> tuple[Coverage, ...]:
@@ -153,7 +175,9 @@ def with_details(coverages: Sequence[Coverage], trace, records: Sequence[Any] = 
         lacking = sum(b - a + 1 for a, b in c.lacking_replay)
         cost = None
         if lacking and per_step is not None:
-            cost = ReplayCost(rank_steps=lacking * trace.world_size, seconds_per_rank_step=per_step[0], records=per_step[1])
+            cost = ReplayCost(
+                rank_steps=lacking * trace.world_size, seconds_per_rank_step=per_step[0], records=per_step[1]
+            )
         out.append(dataclasses.replace(c, online=online, cost=cost))
     return tuple(out)
 
@@ -165,8 +189,11 @@ def seconds_per_rank_step(records: Sequence[Any], world_size: int) -> tuple[floa
     The median, not the mean: a follower's first replay also builds the recipe's model and warms
     torch up (seconds, where a later interval takes a tenth of one).
     """
-    rates = [r.wall_s / ((r.last_step - r.start_step + 1) * max(1, world_size)) for r in records
-             if r.last_step >= r.start_step and r.wall_s > 0]
+    rates = [
+        r.wall_s / ((r.last_step - r.start_step + 1) * max(1, world_size))
+        for r in records
+        if r.last_step >= r.start_step and r.wall_s > 0
+    ]
     return (statistics.median(rates), len(rates)) if rates else None
 
 
@@ -196,13 +223,18 @@ def campaign_rates() -> CampaignRates | None:
     from importlib import resources
 
     try:
-        doc = json.loads(resources.files("sdc_forensics").joinpath("measured/trace_only_rates.json").read_text(encoding="utf-8"))
+        doc = json.loads(
+            resources.files("sdc_forensics").joinpath("measured/trace_only_rates.json").read_text(encoding="utf-8")
+        )
         training, where = doc["training_faults"], doc["by_location"]
         local = [where[k] for k in ("grad", "input") if k in where]
-        return CampaignRates(detected=int(training["trace_only_detected"]), effective=int(training["effective"]),
-                             all_exact=training["trace_only_exact"] == training["trace_only_detected"],
-                             local_detected=sum(int(g["trace_only_detected"]) for g in local),
-                             local_effective=sum(int(g["effective"]) for g in local))
+        return CampaignRates(
+            detected=int(training["trace_only_detected"]),
+            effective=int(training["effective"]),
+            all_exact=training["trace_only_exact"] == training["trace_only_detected"],
+            local_detected=sum(int(g["trace_only_detected"]) for g in local),
+            local_effective=sum(int(g["effective"]) for g in local),
+        )
     except (OSError, ValueError, KeyError, TypeError, ModuleNotFoundError):
         return None
 

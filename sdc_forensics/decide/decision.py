@@ -56,14 +56,28 @@ from sdc_forensics.evidence import Evidence, EvidenceKind, Location, divergence_
 from sdc_forensics.trace.reader import step_ranges
 
 # the file differs from what was saved (storage), or was saved from a wrong state
-STORAGE_FINDINGS = frozenset({FindingKind.DIGEST_MISMATCH, FindingKind.FILE_DAMAGED, FindingKind.FILE_CHECKSUM_MISMATCH,
-                              FindingKind.MISSING_TENSOR, FindingKind.UNEXPECTED_TENSOR})
+STORAGE_FINDINGS = frozenset(
+    {
+        FindingKind.DIGEST_MISMATCH,
+        FindingKind.FILE_DAMAGED,
+        FindingKind.FILE_CHECKSUM_MISMATCH,
+        FindingKind.MISSING_TENSOR,
+        FindingKind.UNEXPECTED_TENSOR,
+    }
+)
 STATE_FINDINGS = frozenset({FindingKind.NONFINITE, FindingKind.WEIGHTS_NOT_MAJORITY})
 UNVERIFIABLE_FINDINGS = frozenset({FindingKind.NOT_VERIFIABLE})
 
 # most specific first: the location a suspect gets when several kinds of evidence name it
-_LOCATION_ORDER = (Location.INPUT_DATA, Location.COLLECTIVE, Location.STATE_AT_REST, Location.LOCAL_COMPUTE,
-                   Location.OPTIMIZER_UPDATE, Location.STORAGE, Location.UNKNOWN)
+_LOCATION_ORDER = (
+    Location.INPUT_DATA,
+    Location.COLLECTIVE,
+    Location.STATE_AT_REST,
+    Location.LOCAL_COMPUTE,
+    Location.OPTIMIZER_UPDATE,
+    Location.STORAGE,
+    Location.UNKNOWN,
+)
 
 
 class Verdict(str, enum.Enum):
@@ -110,8 +124,13 @@ class CheckpointStatus:
         return self.status.clean
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "path": self.path, "status": self.status.value, "reasons": list(self.reasons),
-                "findings": [f.to_json() for f in self.findings]}
+        return {
+            "step": self.step,
+            "path": self.path,
+            "status": self.status.value,
+            "reasons": list(self.reasons),
+            "findings": [f.to_json() for f in self.findings],
+        }
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -147,28 +166,41 @@ class Suspect:
     @property
     def recommendation(self) -> str:
         if self.shared:
-            return ("every rank of the job is named at this step, so the cause is most likely shared, not one GPU each: the "
-                    "collective, the optimizer update, the input pipeline, or the replay itself; check the input pipeline and "
-                    "the collective (an all-reduce self-test), and replay exactly before draining any node")
+            return (
+                "every rank of the job is named at this step, so the cause is most likely shared, not one GPU each: the "
+                "collective, the optimizer update, the input pipeline, or the replay itself; check the input pipeline and "
+                "the collective (an all-reduce self-test), and replay exactly before draining any node"
+            )
         if self.rank is None and self.replicas == 2 and self.location is Location.UNKNOWN:
-            return ("the two replicas disagree and two cannot form a majority, so neither rank can be blamed yet: a replay "
-                    "(sdc-forensics bisect with the recipe and checkpoints), an audit, or a third replica settles which one is "
-                    "wrong; then check that rank's GPU (and the interconnect if neither is)")
+            return (
+                "the two replicas disagree and two cannot form a majority, so neither rank can be blamed yet: a replay "
+                "(sdc-forensics bisect with the recipe and checkpoints), an audit, or a third replica settles which one is "
+                "wrong; then check that rank's GPU (and the interconnect if neither is)"
+            )
         if self.rank is None:
             return "check the interconnect and the collective library of every node in the job; rerun an all-reduce self-test"
         if self.location is Location.STORAGE:
             many = "files on this node were" if len(self.steps) > 1 else "a checkpoint file was"
-            return (f"{many} damaged at rest: check the disk and file system of {self.host or '?'} (or the shared storage), "
-                    "rewrite or discard the file(s); the GPU is not implicated")
+            return (
+                f"{many} damaged at rest: check the disk and file system of {self.host or '?'} (or the shared storage), "
+                "rewrite or discard the file(s); the GPU is not implicated"
+            )
         if self.recurring:
             return f"recurring ({len(self.steps)} independent events): drain node {self.host or '?'} and take GPU {self.gpu or '?'} out of service"
-        return (f"one event: run the DCGM diagnostic on {self.host or '?'} / {self.gpu or '?'} before reusing it "
-                "(sdc-forensics report gives the commands)")
+        return (
+            f"one event: run the DCGM diagnostic on {self.host or '?'} / {self.gpu or '?'} before reusing it "
+            "(sdc-forensics report gives the commands)"
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "rank": self.rank, "host": self.host, "gpu": self.gpu, "location": self.location.value,
-            "recurring": self.recurring, "steps": list(self.steps), "recommendation": self.recommendation,
+            "rank": self.rank,
+            "host": self.host,
+            "gpu": self.gpu,
+            "location": self.location.value,
+            "recurring": self.recurring,
+            "steps": list(self.steps),
+            "recommendation": self.recommendation,
             "evidence": [e.to_json() for e in self.evidence],
             **({"mesh": self.mesh} if self.mesh else {}),
             **({"attempt": self.attempt} if self.attempt is not None else {}),
@@ -250,7 +282,9 @@ def decide(
         examined: what was examined.
         sharded: the job is sharded (FSDP2/HSDP): any replica of a shard may have written it to a checkpoint.
     """
-    evidence = sorted(shared_state([_pinned(e, examined) for e in _at_rest(evidence)], world_size, examined.anchors), key=sort_key)
+    evidence = sorted(
+        shared_state([_pinned(e, examined) for e in _at_rest(evidence)], world_size, examined.anchors), key=sort_key
+    )
     window = divergence_window(evidence)
     first = window[0] if window is not None else None
     suspects = find_suspects(evidence, world_size, identity)
@@ -265,13 +299,17 @@ def decide(
         verdict = Verdict.CORRUPTION
     elif vague and world_size == 2:
         verdict = Verdict.INCONCLUSIVE
-        settle.append(f"ranks 0 and 1 disagree at step {vague[0].step} ({vague[0].detail}), and with two replicas no strict "
-                      "majority is possible: either may be the wrong one; a replay of that step (bisect with the recipe and "
-                      "checkpoints) is the third vote that settles it, as would an audit or a third replica")
+        settle.append(
+            f"ranks 0 and 1 disagree at step {vague[0].step} ({vague[0].detail}), and with two replicas no strict "
+            "majority is possible: either may be the wrong one; a replay of that step (bisect with the recipe and "
+            "checkpoints) is the third vote that settles it, as would an audit or a third replica"
+        )
     elif vague:
         verdict = Verdict.INCONCLUSIVE
-        settle.append(f"evidence at step {vague[0].step} could not be localised ({vague[0].detail}); replay that step "
-                      "with the recipe and checkpoints, or enable audits")
+        settle.append(
+            f"evidence at step {vague[0].step} could not be localised ({vague[0].detail}); replay that step "
+            "with the recipe and checkpoints, or enable audits"
+        )
     elif weak or unreproduced:  # weak evidence, or a replay that did not reproduce an update: nothing certifies past it
         verdict = Verdict.INCONCLUSIVE
     elif localised:  # storage only: no divergent step, but damaged files
@@ -279,33 +317,60 @@ def decide(
     elif examined.trace_only and any(e.is_hint for e in evidence):
         verdict = Verdict.INCONCLUSIVE
         hinted = sorted({e.step for e in evidence if e.is_hint})
-        settle.append(f"outlier hints at step(s) {', '.join(map(str, hinted[:5]))}: a replay of those steps confirms or clears them")
+        settle.append(
+            f"outlier hints at step(s) {', '.join(map(str, hinted[:5]))}: a replay of those steps confirms or clears them"
+        )
     elif not examined.trace_only and not examined.replayed:
         verdict = Verdict.INCONCLUSIVE  # a replay was wanted and none could run: the trace alone is not a clean bill
     elif not examined.trace_consistent:
         verdict = Verdict.INCONCLUSIVE  # nothing found, but in a trace with holes: no clean bill for what is missing
-        settle.append("the trace is damaged (a rank file missing or unreadable, bad checksums, or steps missing): nothing was "
-                      "found in what could be read, but that is not every rank's every step; restore the damaged rank files "
-                      "(or bisect the checkpoints with a replay) to decide")
+        settle.append(
+            "the trace is damaged (a rank file missing or unreadable, bad checksums, or steps missing): nothing was "
+            "found in what could be read, but that is not every rank's every step; restore the damaged rank files "
+            "(or bisect the checkpoints with a replay) to decide"
+        )
     elif examined.tolerant_steps:
         verdict = Verdict.INCONCLUSIVE  # nothing above tolerance; a fault below the replay's drift would not show
-        settle.append(f"steps {_spans(sorted(examined.tolerant_steps))} were compared within tolerance only (another thread count "
-                      "or device): nothing stood out, but a fault below the replay's drift would not show; replay exactly (the "
-                      "recorded thread counts, without --threads/--tolerant, or the recorded GPU model) to certify")
+        settle.append(
+            f"steps {_spans(sorted(examined.tolerant_steps))} were compared within tolerance only (another thread count "
+            "or device): nothing stood out, but a fault below the replay's drift would not show; replay exactly (the "
+            "recorded thread counts, without --threads/--tolerant, or the recorded GPU model) to certify"
+        )
     else:
         verdict = Verdict.CLEAN
     if weak and first is not None:
-        settle.insert(0, f"weak evidence at step {weak[0].step} precedes the first confirmed divergence at step {first}: "
-                         "the fault may have begun there")
+        settle.insert(
+            0,
+            f"weak evidence at step {weak[0].step} precedes the first confirmed divergence at step {first}: "
+            "the fault may have begun there",
+        )
     if weak:
         settle[:0] = _weak_lines(weak)
     if unreproduced:
         settle.insert(0, _recipe_line(unreproduced))
-    statuses = tuple(checkpoint_status(n, files.get(n.step), first=first, weak=weak, majority=majority.get(n.step), examined=examined,
-                                       unreproduced=unreproduced, sharded=sharded)
-                     for n in sorted(notes, key=lambda n: n.step))
-    return Decision(verdict=verdict, first_divergent_step=first, divergence_window=window, suspects=suspects,
-                    checkpoints=statuses, weak=weak, settle=tuple(settle), evidence=tuple(evidence))
+    statuses = tuple(
+        checkpoint_status(
+            n,
+            files.get(n.step),
+            first=first,
+            weak=weak,
+            majority=majority.get(n.step),
+            examined=examined,
+            unreproduced=unreproduced,
+            sharded=sharded,
+        )
+        for n in sorted(notes, key=lambda n: n.step)
+    )
+    return Decision(
+        verdict=verdict,
+        first_divergent_step=first,
+        divergence_window=window,
+        suspects=suspects,
+        checkpoints=statuses,
+        weak=weak,
+        settle=tuple(settle),
+        evidence=tuple(evidence),
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -346,16 +411,25 @@ def with_earlier_attempts(latest: Decision, earlier: Sequence[EarlierAttempt]) -
             evidence += decided.evidence
             verdict = Verdict.CORRUPTION
             who = "; ".join(f"{_suspect_words(s)} ({s.location.value})" for s in named)
-            settle.append(f"attempt {past.attempt} went wrong at step {decided.first_divergent_step}: {who}; attempt "
-                          f"{past.resumed_by} re-executed its {span} from a checkpoint before the fault, so its checkpoints are "
-                          "judged on their own replay, but that hardware is still suspect: a re-execution does not clear it")
+            settle.append(
+                f"attempt {past.attempt} went wrong at step {decided.first_divergent_step}: {who}; attempt "
+                f"{past.resumed_by} re-executed its {span} from a checkpoint before the fault, so its checkpoints are "
+                "judged on their own replay, but that hardware is still suspect: a re-execution does not clear it"
+            )
         elif decided.verdict is Verdict.INCONCLUSIVE:
-            settle.append(f"attempt {past.attempt}'s {span}, re-executed by attempt {past.resumed_by}, could not be settled: "
-                          + "; ".join(decided.settle[:1] or ("see its evidence",)))
+            settle.append(
+                f"attempt {past.attempt}'s {span}, re-executed by attempt {past.resumed_by}, could not be settled: "
+                + "; ".join(decided.settle[:1] or ("see its evidence",))
+            )
     if not settle:
         return latest
-    return dataclasses.replace(latest, verdict=verdict, suspects=tuple(suspects), settle=tuple(settle) + latest.settle,
-                               evidence=tuple(sorted(evidence, key=sort_key)))
+    return dataclasses.replace(
+        latest,
+        verdict=verdict,
+        suspects=tuple(suspects),
+        settle=tuple(settle) + latest.settle,
+        evidence=tuple(sorted(evidence, key=sort_key)),
+    )
 
 
 def _suspect_words(suspect: Suspect) -> str:
@@ -365,17 +439,21 @@ def _suspect_words(suspect: Suspect) -> str:
     return f"rank {suspect.rank}" + (f" ({where})" if where else "")
 
 
-_EXACTLY = ("replay exactly (without --threads/--tolerant on CPU, or on the recorded GPU model), or from a checkpoint closer "
-            "to the step, to settle it")
+_EXACTLY = (
+    "replay exactly (without --threads/--tolerant on CPU, or on the recorded GPU model), or from a checkpoint closer "
+    "to the step, to settle it"
+)
 
 
 def _recipe_line(steps: Sequence[int]) -> str:
     """What to say when the replay did not reproduce the update of ``steps`` on any rank (``common_mode`` rule 5)."""
-    return (f"the replay does not reproduce the update of step(s) {_spans(steps)}: the local and reduced gradients matched "
-            "exactly, the weights after the update differ on every rank alike, so the recipe most likely rebuilds the update "
-            "wrong: check its optimizer (type, hyper-parameters, parameter groups), gradient clipping (before_step), learning "
-            "rate (one the loop sets by hand: set it in before_step from the step it is handed, docs/recipes.md) and LR "
-            "scheduler (after_step); no checkpoint after it is certified until a replay reproduces every step")
+    return (
+        f"the replay does not reproduce the update of step(s) {_spans(steps)}: the local and reduced gradients matched "
+        "exactly, the weights after the update differ on every rank alike, so the recipe most likely rebuilds the update "
+        "wrong: check its optimizer (type, hyper-parameters, parameter groups), gradient clipping (before_step), learning "
+        "rate (one the loop sets by hand: set it in before_step from the step it is handed, docs/recipes.md) and LR "
+        "scheduler (after_step); no checkpoint after it is certified until a replay reproduces every step"
+    )
 
 
 def _weak_lines(weak: Sequence[Evidence]) -> list[str]:
@@ -383,8 +461,10 @@ def _weak_lines(weak: Sequence[Evidence]) -> list[str]:
     w = weak[0]
     if is_common_mode(w):
         return [f"weak evidence at step {w.step}: {w.detail}; {_EXACTLY}"]
-    lines = [f"weak evidence at step {w.step}, {_who(w)}: a tolerant replay residual ({w.found}) not far enough above what clean "
-             f"tolerant replays produce to tell a fault from replay drift; {_EXACTLY}"]
+    lines = [
+        f"weak evidence at step {w.step}, {_who(w)}: a tolerant replay residual ({w.found}) not far enough above what clean "
+        f"tolerant replays produce to tell a fault from replay drift; {_EXACTLY}"
+    ]
     common = next((e for e in weak[1:] if is_common_mode(e)), None)
     if common is not None:
         lines.append(f"step {common.step}: {common.detail}")
@@ -407,17 +487,33 @@ def _at_rest(evidence: Sequence[Evidence]) -> list[Evidence]:
     rest digest says so directly: ``triage/trace_only.py``)."""
     # a sharded job's vote of the gathered parameters (located local_compute) found a transient copy different, not the
     # rank's own weights: the state at rest was right, and its wrong gradient stays local compute
-    diverged = [e for e in evidence if e.kind is EvidenceKind.WEIGHT_DIVERGENCE and e.source == "trace" and e.marks_divergence
-                and e.location is not Location.LOCAL_COMPUTE]
+    diverged = [
+        e
+        for e in evidence
+        if e.kind is EvidenceKind.WEIGHT_DIVERGENCE
+        and e.source == "trace"
+        and e.marks_divergence
+        and e.location is not Location.LOCAL_COMPUTE
+    ]
     if not diverged:
         return list(evidence)
     out = []
     for ev in evidence:
-        if (ev.kind is EvidenceKind.REPLAY_MISMATCH and ev.location is Location.LOCAL_COMPUTE and ev.marks_divergence and ev.ranks
-                and all(any(r in d.ranks and d.onset <= ev.step <= d.step for d in diverged) for r in ev.ranks)):
-            ev = dataclasses.replace(ev, location=Location.STATE_AT_REST, detail=(
-                f"{ev.detail}, and its weights after the step differ from the other replicas' though they were equal before "
-                "it: its weights changed in memory between the update before this step and its forward (at rest)"))
+        if (
+            ev.kind is EvidenceKind.REPLAY_MISMATCH
+            and ev.location is Location.LOCAL_COMPUTE
+            and ev.marks_divergence
+            and ev.ranks
+            and all(any(r in d.ranks and d.onset <= ev.step <= d.step for d in diverged) for r in ev.ranks)
+        ):
+            ev = dataclasses.replace(
+                ev,
+                location=Location.STATE_AT_REST,
+                detail=(
+                    f"{ev.detail}, and its weights after the step differ from the other replicas' though they were equal before "
+                    "it: its weights changed in memory between the update before this step and its forward (at rest)"
+                ),
+            )
         out.append(ev)
     return out
 
@@ -431,9 +527,17 @@ def _pinned(ev: Evidence, examined: Examined) -> Evidence:
     return dataclasses.replace(ev, earliest_step=None)
 
 
-def checkpoint_status(note, file: CheckpointFile | None, *, first: int | None, weak: Sequence[Evidence] = (),
-                      majority: str | None, examined: Examined, unreproduced: Sequence[int] = (),
-                      sharded: bool = False) -> CheckpointStatus:
+def checkpoint_status(
+    note,
+    file: CheckpointFile | None,
+    *,
+    first: int | None,
+    weak: Sequence[Evidence] = (),
+    majority: str | None,
+    examined: Examined,
+    unreproduced: Sequence[int] = (),
+    sharded: bool = False,
+) -> CheckpointStatus:
     """The status of checkpoint ``note.step``: the one rule every command uses (``unreproduced``: steps
     whose update the replay did not reproduce on any rank, so they were not replayed exactly)."""
     step = note.step
@@ -441,39 +545,66 @@ def checkpoint_status(note, file: CheckpointFile | None, *, first: int | None, w
     report = file.report if file is not None else None
     findings = tuple(report.findings) if report is not None else ()
     if file is not None and file.error:
-        return CheckpointStatus(step=step, path=path, status=Status.CORRUPT, reasons=(f"unreadable or malformed: {file.error}",))
+        return CheckpointStatus(
+            step=step, path=path, status=Status.CORRUPT, reasons=(f"unreadable or malformed: {file.error}",)
+        )
     bad = [f"{f.kind.value} {f.subject}: {f.detail}" for f in findings if f.kind not in UNVERIFIABLE_FINDINGS]
     copied = [f for f in findings if f.kind in _REPLICA_COPY_FINDINGS] if diverged_replica_copy(note, sharded) else []
     if copied:
         # the shards written are not the majority's: a diverged replica's copy, which the trace names (not the disk)
-        bad = [f"{f.kind.value} {f.subject}: {f.detail}" for f in findings
-               if f.kind not in UNVERIFIABLE_FINDINGS and f.kind not in _REPLICA_COPY_FINDINGS]
-        who = (f"rank(s) {', '.join(map(str, note.diverged_ranks))} had diverged from their replicas when it was saved (the "
-               "recorder's vote)" if note.blessed and note.diverged_ranks else
-               "the replicas of a shard disagreed when it was saved (no strict majority)")
-        bad.insert(0, f"holds a diverged replica's weights: {who}, and {len(copied)} of its tensors (e.g. {copied[0].subject}) are "
-                      "not the copy noted at save time: a sharded checkpoint's shard is written by one replica of it, here one "
-                      "whose weights had diverged (the evidence names the rank); not storage damage")
+        bad = [
+            f"{f.kind.value} {f.subject}: {f.detail}"
+            for f in findings
+            if f.kind not in UNVERIFIABLE_FINDINGS and f.kind not in _REPLICA_COPY_FINDINGS
+        ]
+        who = (
+            f"rank(s) {', '.join(map(str, note.diverged_ranks))} had diverged from their replicas when it was saved (the "
+            "recorder's vote)"
+            if note.blessed and note.diverged_ranks
+            else "the replicas of a shard disagreed when it was saved (no strict majority)"
+        )
+        bad.insert(
+            0,
+            f"holds a diverged replica's weights: {who}, and {len(copied)} of its tensors (e.g. {copied[0].subject}) are "
+            "not the copy noted at save time: a sharded checkpoint's shard is written by one replica of it, here one "
+            "whose weights had diverged (the evidence names the rank); not storage damage",
+        )
     if not note.blessed and not note.agreeing_ranks:
-        bad.insert(0, f"saved from rank {note.saved_by_rank} with no strict majority among the replicas: it may be a diverged "
-                      "replica, and the recorder did not bless it")
+        bad.insert(
+            0,
+            f"saved from rank {note.saved_by_rank} with no strict majority among the replicas: it may be a diverged "
+            "replica, and the recorder did not bless it",
+        )
     elif note.saved_by_rank in note.diverged_ranks:
         bad.insert(0, f"saved from rank {note.saved_by_rank}, a diverged replica (not the majority's weights)")
     elif not note.blessed:
         bad.insert(0, "the recorder refused to bless it (no strict majority, or the saving rank was not in it)")
     if majority and note.weights_digest and majority != note.weights_digest:
-        bad.append(f"the note's digest {note.weights_digest} is not the trace's replica majority {majority} for step {step}")
+        bad.append(
+            f"the note's digest {note.weights_digest} is not the trace's replica majority {majority} for step {step}"
+        )
     tainted = first is not None and step > first
     taint = f"holds state after the first divergent step {first} (step {step} > {first})"
     if bad:
-        return CheckpointStatus(step=step, path=path, status=Status.CORRUPT, reasons=tuple(bad + ([taint] if tainted else [])),
-                                findings=findings, report=report)
+        return CheckpointStatus(
+            step=step,
+            path=path,
+            status=Status.CORRUPT,
+            reasons=tuple(bad + ([taint] if tainted else [])),
+            findings=findings,
+            report=report,
+        )
     if tainted:
-        return CheckpointStatus(step=step, path=path, status=Status.TAINTED, reasons=(taint,), findings=findings, report=report)
+        return CheckpointStatus(
+            step=step, path=path, status=Status.TAINTED, reasons=(taint,), findings=findings, report=report
+        )
     why: list[str] = []
     if file is None or not file.read:
-        why.append("the file was not read (trace-only)" if examined.trace_only or not examined.files_read
-                   else f"checkpoint file {note.path} not found: pass --checkpoints DIR")
+        why.append(
+            "the file was not read (trace-only)"
+            if examined.trace_only or not examined.files_read
+            else f"checkpoint file {note.path} not found: pass --checkpoints DIR"
+        )
     why += [f"not verifiable: {f.subject}: {f.detail}" for f in findings if f.kind in UNVERIFIABLE_FINDINGS]
     if not note.weights_digest:
         why.append("no replicas' majority digest was recorded for this step, so its content cannot be confirmed")
@@ -484,20 +615,38 @@ def checkpoint_status(note, file: CheckpointFile | None, *, first: int | None, w
         why.append(f"weak evidence at step {early[0].step} ({_who(early[0])}) is unresolved")
     off = [s for s in unreproduced if s < step]
     if off:
-        why.append(f"the replay did not reproduce the update of step(s) {_spans(off)} (the weights after it differ on every "
-                   "rank while its gradients matched): those steps were not replayed exactly; check the recipe")
+        why.append(
+            f"the replay did not reproduce the update of step(s) {_spans(off)} (the weights after it differ on every "
+            "rank while its gradients matched): those steps were not replayed exactly; check the recipe"
+        )
     missing = examined.unexamined_before(step)
     if missing:
-        why.append(f"steps {_spans(missing)} were not replayed: a wrong local gradient there would not show in the trace")
+        why.append(
+            f"steps {_spans(missing)} were not replayed: a wrong local gradient there would not show in the trace"
+        )
     loose = sorted(s for s in examined.tolerant_steps if s < step)
     if loose:
-        why.append(f"steps {_spans(loose)} were compared within tolerance only: a fault below the replay's drift would not show")
+        why.append(
+            f"steps {_spans(loose)} were compared within tolerance only: a fault below the replay's drift would not show"
+        )
     if why:
-        return CheckpointStatus(step=step, path=path, status=Status.UNVERIFIED, reasons=tuple(why), findings=findings, report=report)
+        return CheckpointStatus(
+            step=step, path=path, status=Status.UNVERIFIED, reasons=tuple(why), findings=findings, report=report
+        )
     where = "no divergence found" if first is None else f"step {step} <= first divergent step {first}"
-    before = "no step before it" if step <= examined.first_step else f"every step {examined.first_step}..{step - 1} replayed bit for bit"
-    return CheckpointStatus(step=step, path=path, status=Status.CLEAN, findings=findings, report=report,
-                            reasons=(where, "content as saved, equal to the replicas' majority, no NaN/Inf", before))
+    before = (
+        "no step before it"
+        if step <= examined.first_step
+        else f"every step {examined.first_step}..{step - 1} replayed bit for bit"
+    )
+    return CheckpointStatus(
+        step=step,
+        path=path,
+        status=Status.CLEAN,
+        findings=findings,
+        report=report,
+        reasons=(where, "content as saved, equal to the replicas' majority, no NaN/Inf", before),
+    )
 
 
 #: What a diverged replica's shard written to a sharded checkpoint looks like against its note.
@@ -522,6 +671,7 @@ def _spans(steps: Sequence[int]) -> str:
 
 
 # -- suspects -------------------------------------------------------------------------------------
+
 
 def find_suspects(evidence: Sequence[Evidence], world_size: int, identity: Callable[[int], Any]) -> tuple[Suspect, ...]:
     """Suspects at the first divergent step, or of a storage-only incident.
@@ -556,11 +706,19 @@ def find_suspects(evidence: Sequence[Evidence], world_size: int, identity: Calla
         else:
             steps = fault_events([e for e in chain if e.location is not Location.STORAGE], rank, world_size) or (first,)
         ident = identity(rank) if rank is not None else None
-        suspects.append(Suspect(
-            rank=rank, host=(ident.host or None) if ident else None, gpu=(ident.gpu or None) if ident and not storage_only else None,
-            location=location, recurring=rank is not None and not storage_only and not shared and len(steps) > 1, steps=steps,
-            evidence=tuple(chain), shared=shared and rank is not None, replicas=world_size,
-        ))
+        suspects.append(
+            Suspect(
+                rank=rank,
+                host=(ident.host or None) if ident else None,
+                gpu=(ident.gpu or None) if ident and not storage_only else None,
+                location=location,
+                recurring=rank is not None and not storage_only and not shared and len(steps) > 1,
+                steps=steps,
+                evidence=tuple(chain),
+                shared=shared and rank is not None,
+                replicas=world_size,
+            )
+        )
     return tuple(suspects)
 
 
@@ -590,6 +748,10 @@ def fault_events(chain: Sequence[Evidence], rank: int | None, world_size: int) -
             continue
         if not events or ev.step != events[-1]:
             events.append(ev.step)
-        if ev.kind in _PERSISTENT or ev.location in (Location.OPTIMIZER_UPDATE, Location.COLLECTIVE, Location.STATE_AT_REST):
+        if ev.kind in _PERSISTENT or ev.location in (
+            Location.OPTIMIZER_UPDATE,
+            Location.COLLECTIVE,
+            Location.STATE_AT_REST,
+        ):
             diverged = True
     return tuple(events)

@@ -39,11 +39,44 @@ from sdc_forensics.trace.reader import Trace
 # Path prefixes of node-local disks (temporary directories, local NVMe/RAID mounts of common
 # images: DGX /raid, AWS DLAMI /opt/dlami/nvme, Azure /mnt/resource, Databricks /local_disk0) and
 # of shared file systems (FSx/Lustre/GPFS/NFS/EFS mounts, home directories on a cluster).
-_LOCAL_PREFIXES = ("/tmp", "/var/tmp", "/dev/shm", "/local", "/localscratch", "/local_scratch", "/lscratch", "/scratch/local",
-                   "/mnt/local", "/mnt/localssd", "/mnt/nvme", "/nvme", "/raid", "/opt/dlami/nvme", "/mnt/resource",
-                   "/local_disk0", "/ssd", "/mnt/ssd")
-_SHARED_PREFIXES = ("/fsx", "/lustre", "/gpfs", "/nfs", "/efs", "/mnt/nfs", "/mnt/lustre", "/mnt/fsx", "/mnt/efs", "/shared",
-                    "/home", "/p/", "/project", "/projects", "/work", "/cluster")
+_LOCAL_PREFIXES = (
+    "/tmp",
+    "/var/tmp",
+    "/dev/shm",
+    "/local",
+    "/localscratch",
+    "/local_scratch",
+    "/lscratch",
+    "/scratch/local",
+    "/mnt/local",
+    "/mnt/localssd",
+    "/mnt/nvme",
+    "/nvme",
+    "/raid",
+    "/opt/dlami/nvme",
+    "/mnt/resource",
+    "/local_disk0",
+    "/ssd",
+    "/mnt/ssd",
+)
+_SHARED_PREFIXES = (
+    "/fsx",
+    "/lustre",
+    "/gpfs",
+    "/nfs",
+    "/efs",
+    "/mnt/nfs",
+    "/mnt/lustre",
+    "/mnt/fsx",
+    "/mnt/efs",
+    "/shared",
+    "/home",
+    "/p/",
+    "/project",
+    "/projects",
+    "/work",
+    "/cluster",
+)
 _URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
 
 
@@ -245,12 +278,24 @@ def _targets(result: BisectResult, manifest: Manifest) -> tuple[NodeTarget, ...]
         ident = manifest.identity(suspect.rank)
         name, source = node_name(manifest, suspect.rank)
         implicates = _implicates(suspect.location)
-        out.append(NodeTarget(
-            rank=suspect.rank, node=name or (suspect.host or ""), node_source=source, host=ident.host or (suspect.host or ""),
-            gpu_uuid=ident.gpu_uuid, pci_bus_id=ident.pci_bus_id, local_rank=ident.local_rank, device=ident.device,
-            slurm_job_id=ident.slurm_job_id, location=suspect.location, implicates=implicates, recurring=suspect.recurring,
-            steps=tuple(suspect.steps), dcgm_level=dcgm_level(implicates, suspect.recurring) if on_gpu(ident) else None,
-        ))
+        out.append(
+            NodeTarget(
+                rank=suspect.rank,
+                node=name or (suspect.host or ""),
+                node_source=source,
+                host=ident.host or (suspect.host or ""),
+                gpu_uuid=ident.gpu_uuid,
+                pci_bus_id=ident.pci_bus_id,
+                local_rank=ident.local_rank,
+                device=ident.device,
+                slurm_job_id=ident.slurm_job_id,
+                location=suspect.location,
+                implicates=implicates,
+                recurring=suspect.recurring,
+                steps=tuple(suspect.steps),
+                dcgm_level=dcgm_level(implicates, suspect.recurring) if on_gpu(ident) else None,
+            )
+        )
     return tuple(out)
 
 
@@ -331,16 +376,35 @@ def build_incident(result: BisectResult, trace: Trace) -> Incident:
         wall = (last_ns - reached) / 1e9 if last_ns is not None and reached is not None and last_ns >= reached else None
         if num == 0:
             wall = 0.0
-        lost = Lost(from_step=from_step, to_step=last_step, num_steps=num, wall_clock_s=wall,
-                    gpu_hours=None if wall is None else wall * manifest.world_size / 3600.0, world_size=manifest.world_size, basis=basis)
+        lost = Lost(
+            from_step=from_step,
+            to_step=last_step,
+            num_steps=num,
+            wall_clock_s=wall,
+            gpu_hours=None if wall is None else wall * manifest.world_size / 3600.0,
+            world_size=manifest.world_size,
+            basis=basis,
+        )
 
     return Incident(
-        verdict=result.verdict, first_divergent_step=s_star, divergent_started_ns=started, divergent_ended_ns=ended,
-        run_started_ns=run_started, last_step=last_step, last_step_ns=last_ns,
-        resume_step=None if last is None else last.step, resume_path=None if last is None else last.path,
-        resume_saved_by=saved_by, resume_host=resume_host, resume_job_path=None if resume_note is None else resume_note.path,
-        lost=lost, nodes=nodes,
-        collective=any(s.rank is None for s in result.suspects), checkpoint_locality=path_locality(paths),
-        checkpoint_paths=paths, resume_on_suspect_node=bool(nodes) and (resume_node in suspect_nodes or resume_host in suspect_nodes),
-        world_size=manifest.world_size, on_gpu=job_on_gpu(manifest),
+        verdict=result.verdict,
+        first_divergent_step=s_star,
+        divergent_started_ns=started,
+        divergent_ended_ns=ended,
+        run_started_ns=run_started,
+        last_step=last_step,
+        last_step_ns=last_ns,
+        resume_step=None if last is None else last.step,
+        resume_path=None if last is None else last.path,
+        resume_saved_by=saved_by,
+        resume_host=resume_host,
+        resume_job_path=None if resume_note is None else resume_note.path,
+        lost=lost,
+        nodes=nodes,
+        collective=any(s.rank is None for s in result.suspects),
+        checkpoint_locality=path_locality(paths),
+        checkpoint_paths=paths,
+        resume_on_suspect_node=bool(nodes) and (resume_node in suspect_nodes or resume_host in suspect_nodes),
+        world_size=manifest.world_size,
+        on_gpu=job_on_gpu(manifest),
     )

@@ -59,15 +59,26 @@ class ConvNetRecipe(ClassifierJob):
         gen_state = torch.random.get_rng_state()
         torch.manual_seed(self.model_seed)
         model = nn.Sequential(
-            nn.Conv2d(3, c1, 3, padding=1), self.norm(c1), nn.ReLU(),
-            nn.Conv2d(c1, c2, 3, padding=1), self.norm(c2), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(c2, c3, 3, padding=1), self.norm(c3), nn.ReLU(),
+            nn.Conv2d(3, c1, 3, padding=1),
+            self.norm(c1),
+            nn.ReLU(),
+            nn.Conv2d(c1, c2, 3, padding=1),
+            self.norm(c2),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(c2, c3, 3, padding=1),
+            self.norm(c3),
+            nn.ReLU(),
             # a plain 2 x 2 average pool: AdaptiveAvgPool2d's CUDA backward has no deterministic
             # kernel, so replayable() training refused it on the first H200 run
-            nn.AvgPool2d(self.image_size // 4), nn.Flatten(), nn.Linear(4 * c3, self.classes),
+            nn.AvgPool2d(self.image_size // 4),
+            nn.Flatten(),
+            nn.Linear(4 * c3, self.classes),
         ).to(device)
         torch.random.set_rng_state(gen_state)
-        optimizer = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        optimizer = torch.optim.SGD(
+            model.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
+        )
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=self.lr_step_size, gamma=self.lr_gamma)
         return model, optimizer, scheduler
 
@@ -99,7 +110,12 @@ class ConvNetRecipe(ClassifierJob):
 
     def save_checkpoint(self, path, model, optimizer, scheduler, step: int) -> None:
         """``torch.save`` of ``{"model", "optimizer", "scheduler", "step"}``."""
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step}
+        state = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "step": step,
+        }
         torch.save(state, Path(path))
 
     def load_checkpoint(self, path, model, optimizer, scheduler) -> None:
@@ -122,7 +138,9 @@ class _Seeded:
     def __getattr__(self, name: str) -> ConvNetRecipe:
         if name.startswith("s") and name[1:].isdigit():
             offset = int(name[1:])
-            return ConvNetRecipe(model_seed=ConvNetRecipe.model_seed + offset, data_seed=ConvNetRecipe.data_seed + offset)
+            return ConvNetRecipe(
+                model_seed=ConvNetRecipe.model_seed + offset, data_seed=ConvNetRecipe.data_seed + offset
+            )
         raise AttributeError(f"seeded.{name}: use seeded.s<N> with N a non-negative integer")
 
 

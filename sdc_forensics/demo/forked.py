@@ -22,7 +22,13 @@ from collections.abc import Callable
 
 #: Modules the fork server imports before it forks a rank. ``_preload`` imports torch._dynamo
 #: and loads the numba kernels (no torch operator runs, so no thread pool exists at the fork).
-PRELOAD = ("torch", "torch.distributed", "sdc_forensics.demo._preload", "sdc_forensics.recorder", "sdc_forensics.demo.run")
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "sdc_forensics.demo._preload",
+    "sdc_forensics.recorder",
+    "sdc_forensics.demo.run",
+)
 
 #: Variables that change while a process runs and that nothing reads at import (pytest's test id).
 _VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})

@@ -41,7 +41,9 @@ from sdc_forensics.trace.manifest import MANIFEST_NAME
 RECIPE_REFERENCE = "sdc_forensics.demo.recipe:recipe"
 
 
-def train_step(ddp, optimizer, recipe, microbatches, count: int, handle=None, scheduler=None, step: int | None = None) -> None:
+def train_step(
+    ddp, optimizer, recipe, microbatches, count: int, handle=None, scheduler=None, step: int | None = None
+) -> None:
     """One DDP optimizer step: ``count`` microbatches accumulated under ``no_sync`` but the last.
 
     The update is ``recipe.before_step`` (clipping), ``optimizer.step()``, ``recipe.after_step``
@@ -186,12 +188,16 @@ class DemoConfig:
         if self.threads is not None:
             object.__setattr__(self, "threads", tuple(int(t) for t in self.threads))
             if len(self.threads) != self.world_size or min(self.threads) < 1:
-                raise UsageError(f"threads must give a count >= 1 for each of the {self.world_size} ranks, got {', '.join(map(str, self.threads))}")
+                raise UsageError(
+                    f"threads must give a count >= 1 for each of the {self.world_size} ranks, got {', '.join(map(str, self.threads))}"
+                )
         if self.recipe_args is not None:
             object.__setattr__(self, "recipe_args", recipe_mod.check_recipe_args(self.recipe_args))
         recipe = recipe_mod.load_recipe(self.recipe, args=self.recipe_args)
         if not callable(getattr(recipe, "microbatch_ids", None)):
-            raise UsageError(f"recipe {self.recipe} has no microbatch_ids(step, rank, world_size); the demo needs it to pick each rank's data")
+            raise UsageError(
+                f"recipe {self.recipe} has no microbatch_ids(step, rank, world_size); the demo needs it to pick each rank's data"
+            )
         if self.steps < 1:
             raise UsageError(f"--steps must be >= 1, got {self.steps}")
         if self.checkpoint_every < 1:
@@ -201,15 +207,23 @@ class DemoConfig:
         if self.resume_from is None and (self.trace_dir / MANIFEST_NAME).exists():
             raise UsageError(f"{self.out_dir} already holds a demo trace; pass a new --out directory")
         if self.resume_from is not None and not self.checkpoint_path(self.resume_from).is_file():
-            raise UsageError(f"cannot resume from checkpoint {self.resume_from}: {self.checkpoint_path(self.resume_from)} does not exist")
+            raise UsageError(
+                f"cannot resume from checkpoint {self.resume_from}: {self.checkpoint_path(self.resume_from)} does not exist"
+            )
         self._check_kill()
         for spec in self.injections:
             if spec.rank >= self.world_size and not spec.every_rank:
-                raise UsageError(f"fault {spec}: rank {spec.rank} does not exist in a {self.world_size}-rank run (use rank=0..{self.world_size - 1})")
+                raise UsageError(
+                    f"fault {spec}: rank {spec.rank} does not exist in a {self.world_size}-rank run (use rank=0..{self.world_size - 1})"
+                )
             if spec.location == "checkpoint-file" and spec.step not in self.checkpoint_steps:
-                raise UsageError(f"fault {spec}: no checkpoint {spec.step} is written (checkpoints: {', '.join(map(str, self.checkpoint_steps))})")
+                raise UsageError(
+                    f"fault {spec}: no checkpoint {spec.step} is written (checkpoints: {', '.join(map(str, self.checkpoint_steps))})"
+                )
             elif spec.location != "checkpoint-file" and not self.first_step <= spec.step < self.steps:
-                raise UsageError(f"fault {spec}: step {spec.step} is outside the run (steps {self.first_step}..{self.steps - 1})")
+                raise UsageError(
+                    f"fault {spec}: step {spec.step} is outside the run (steps {self.first_step}..{self.steps - 1})"
+                )
         check_injections(self, recipe)  # elements and bits, against the model the recipe builds
 
     def _check_kill(self) -> None:
@@ -224,9 +238,13 @@ class DemoConfig:
             raise UsageError(f"kill_rank {self.kill_rank} needs a rank in 0..{self.world_size - 1} and a kill_step")
         if self.kill_point == KillPoint.CHECKPOINT.value:
             if self.kill_step not in self.checkpoint_steps or self.kill_step == 0:
-                raise UsageError(f"kill_step {self.kill_step} is not a checkpoint written after a step (checkpoints: {', '.join(map(str, self.checkpoint_steps))})")
+                raise UsageError(
+                    f"kill_step {self.kill_step} is not a checkpoint written after a step (checkpoints: {', '.join(map(str, self.checkpoint_steps))})"
+                )
         elif not self.first_step <= self.kill_step < self.steps:
-            raise UsageError(f"kill_step {self.kill_step} is outside the run (steps {self.first_step}..{self.steps - 1})")
+            raise UsageError(
+                f"kill_step {self.kill_step} is outside the run (steps {self.first_step}..{self.steps - 1})"
+            )
         if self.kill_point == KillPoint.RECORD_WRITE.value and not self.record:
             raise UsageError("kill point record-write needs the recorder (record=True)")
 
@@ -241,7 +259,11 @@ class DemoConfig:
     @property
     def checkpoint_steps(self) -> tuple[int, ...]:
         """Checkpoints written: 0, K, 2K, ... up to ``steps`` (a resumed run: only those after N)."""
-        return tuple(s for s in range(0, self.steps + 1, self.checkpoint_every) if self.resume_from is None or s > self.resume_from)
+        return tuple(
+            s
+            for s in range(0, self.steps + 1, self.checkpoint_every)
+            if self.resume_from is None or s > self.resume_from
+        )
 
     @property
     def trace_dir(self) -> Path:
@@ -317,8 +339,17 @@ def run_demo(
     Raises:
         UsageError: bad arguments. SdcError: a process failed or the run timed out.
     """
-    specs = tuple(s for s in injections if isinstance(s, FaultSpec)) + parse_specs([s for s in injections if not isinstance(s, FaultSpec)])
-    config = DemoConfig(out_dir=Path(out_dir), injections=specs, steps=steps, checkpoint_every=checkpoint_every, world_size=world_size, **options)
+    specs = tuple(s for s in injections if isinstance(s, FaultSpec)) + parse_specs(
+        [s for s in injections if not isinstance(s, FaultSpec)]
+    )
+    config = DemoConfig(
+        out_dir=Path(out_dir),
+        injections=specs,
+        steps=steps,
+        checkpoint_every=checkpoint_every,
+        world_size=world_size,
+        **options,
+    )
     return run_config(config)
 
 
@@ -355,10 +386,14 @@ def _launch(config: DemoConfig) -> tuple[int | None, ...]:
         code = context.processes[config.kill_rank].exitcode
         if code != -signal.SIGKILL:
             detail = f" ({_failure_text(context, failed)})" if failed is not None else ""
-            raise SdcError(f"rank {config.kill_rank} was to be killed at {config.kill_point} of step {config.kill_step} "
-                           f"but exited with code {code}{detail}")
+            raise SdcError(
+                f"rank {config.kill_rank} was to be killed at {config.kill_point} of step {config.kill_step} "
+                f"but exited with code {code}{detail}"
+            )
     elif failed is not None:
-        raise SdcError(f"a demo process failed: {_failure_text(context, failed)}; all its processes were killed") from None
+        raise SdcError(
+            f"a demo process failed: {_failure_text(context, failed)}; all its processes were killed"
+        ) from None
     return tuple(p.exitcode for p in context.processes)
 
 
@@ -388,8 +423,10 @@ def _wait(processes, deadline: float, timeout_s: float) -> int | None:
         if now > deadline:
             raise SdcError(f"the demo run did not finish within {timeout_s:.0f} s; all its processes were killed")
         if stopped_at is not None and now - stopped_at > _ALARM_GRACE_S:
-            raise SdcError(f"ranks stopped on an alarm but rank(s) {', '.join(str(processes.index(p)) for p in alive)} did not within "
-                           f"{_ALARM_GRACE_S:.0f} s; all its processes were killed")
+            raise SdcError(
+                f"ranks stopped on an alarm but rank(s) {', '.join(str(processes.index(p)) for p in alive)} did not within "
+                f"{_ALARM_GRACE_S:.0f} s; all its processes were killed"
+            )
         wait([p.sentinel for p in alive], timeout=0.5)
 
 
@@ -404,7 +441,9 @@ def _failure_text(context, index: int) -> str:
         if lines:
             return f"rank {index}: {lines[-1].strip()}"
     code = context.processes[index].exitcode
-    return f"rank {index} " + (f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}")
+    return f"rank {index} " + (
+        f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+    )
 
 
 def _collect(config: DemoConfig, wall_s: float) -> DemoResult:
@@ -439,7 +478,10 @@ def _worker(rank: int, config: DemoConfig, port: int) -> None:
         replayable()  # before init_process_group, as a job calls it
     logging.getLogger("sdc_forensics.recorder").setLevel(logging.ERROR)  # the demo reports alarms itself
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=config.world_size,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=config.world_size,
         timeout=datetime.timedelta(seconds=max(30.0, config.timeout_s / 2)),
     )
     from sdc_forensics.recorder.exit import exit_on_alarm
@@ -476,15 +518,25 @@ def train_rank(config: DemoConfig, rank: int) -> dict:
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     world_size = config.world_size
     if config.first_step > 0:  # before the recorder and the comm hook: nothing of it is recorded
-        rebuild_buckets(ddp, recipe, recipe.fetch_microbatch(recipe.microbatch_ids(config.first_step, rank, world_size)[0], device))
+        rebuild_buckets(
+            ddp, recipe, recipe.fetch_microbatch(recipe.microbatch_ids(config.first_step, rank, world_size)[0], device)
+        )
     report: dict = {"rank": rank, "fired": [], "alarms": [], "raised": None, "checkpoints": []}
     rec = None
     if config.record:
         rec = Recorder(
-            config.trace_dir, ddp, optimizer, recipe=config.recipe, recipe_args=config.recipe_args, inject=config.injections,
+            config.trace_dir,
+            ddp,
+            optimizer,
+            recipe=config.recipe,
+            recipe_args=config.recipe_args,
+            inject=config.injections,
             options=RecorderOptions(
-                policy=config.policy, audit_every=config.audit_every, checkpoint_every=config.checkpoint_every,
-                node_of_rank=config.node_of_rank or tuple(range(world_size)), start_step=config.first_step,
+                policy=config.policy,
+                audit_every=config.audit_every,
+                checkpoint_every=config.checkpoint_every,
+                node_of_rank=config.node_of_rank or tuple(range(world_size)),
+                start_step=config.first_step,
                 reduction="ordered" if config.replayable else config.reduction,
             ),
             comm_hook=recipe_mod.import_reference(config.comm_hook) if config.comm_hook else None,
@@ -513,18 +565,34 @@ def train_rank(config: DemoConfig, rank: int) -> dict:
             ids = recipe.microbatch_ids(step, rank, world_size)
             killer.begin(step, len(ids))
             with rec.step(step, microbatch_ids=ids) if rec is not None else contextlib.nullcontext() as s:
-                train_step(ddp, optimizer, recipe, (recipe.fetch_microbatch(i, device) for i in ids), len(ids), s, scheduler, step=step)
+                train_step(
+                    ddp,
+                    optimizer,
+                    recipe,
+                    (recipe.fetch_microbatch(i, device) for i in ids),
+                    len(ids),
+                    s,
+                    scheduler,
+                    step=step,
+                )
             killer.after_record(step)
             if (step + 1) % config.checkpoint_every == 0:
                 checkpoint(step + 1)
     except SdcAlarm as alarm:
-        report["raised"] = {"check": alarm.check, "step": alarm.step, "rank": alarm.rank, "host": alarm.host, "message": str(alarm)}
+        report["raised"] = {
+            "check": alarm.check,
+            "step": alarm.step,
+            "rank": alarm.rank,
+            "host": alarm.host,
+            "message": str(alarm),
+        }
         report["_alarm"] = alarm  # re-raised by the worker once its report is written
     finally:
         if rec is not None:
             report["fired"] = [dataclasses.asdict(f) for f in rec.injector.fired]
             report["alarms"] = [
-                {"check": a.check, "step": a.step, "rank": a.rank, "ranks": list(a.ranks), "detail": a.detail} for a in rec.alarms
+                {"check": a.check, "step": a.step, "rank": a.rank, "ranks": list(a.ranks), "detail": a.detail}
+                for a in rec.alarms
             ]
             rec.close()
     report["final_weights_digest"] = hex64(weights_digest(model.named_parameters()))

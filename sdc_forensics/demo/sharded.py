@@ -73,7 +73,9 @@ def build_model(seed: int = 0, model: str = "mlp") -> nn.Module:
     if model == "tied-lm":
         built: nn.Module = TiedLM()
     else:
-        built = nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, CLASSES))
+        built = nn.Sequential(
+            nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, CLASSES)
+        )
     torch.random.set_rng_state(state)
     return built
 
@@ -81,8 +83,10 @@ def build_model(seed: int = 0, model: str = "mlp") -> nn.Module:
 def make_optimizer(model: nn.Module, optimizer: str = "sgd") -> torch.optim.Optimizer:
     if optimizer == "adamw":  # nanoGPT's groups: weight decay on matrices (and the tied embedding), none on the rest
         params = list(model.parameters())
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
         return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95))
     if optimizer != "sgd":
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, not {optimizer!r}")
@@ -125,8 +129,12 @@ def load_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimize
     if optimizer is not None:
         state["optim"] = optim_state
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
-                   optim_state_dict=state.get("optim", {}))
+    set_state_dict(
+        model,
+        optimizer if optimizer is not None else [],
+        model_state_dict=state["model"],
+        optim_state_dict=state.get("optim", {}),
+    )
 
 
 def dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -166,7 +174,9 @@ class ShardedRecipe:
 recipe = ShardedRecipe()
 
 
-def shard(model: nn.Module, mesh=None, reduce_dtype: torch.dtype | None = None, param_dtype: torch.dtype | None = None) -> nn.Module:
+def shard(
+    model: nn.Module, mesh=None, reduce_dtype: torch.dtype | None = None, param_dtype: torch.dtype | None = None
+) -> nn.Module:
     """``fully_shard`` each block, then the whole model (the usual FSDP2 wrapping); ``param_dtype``:
     compute in it, ``reduce_dtype``: reduce gradients in it (``MixedPrecisionPolicy``; torchtitan's
     default is bfloat16 and float32)."""
@@ -181,10 +191,27 @@ def shard(model: nn.Module, mesh=None, reduce_dtype: torch.dtype | None = None, 
     return model
 
 
-def train(rank: int, world: int, trace_dir: str, checkpoint_dir: str, *, steps: int = 6, hsdp: tuple[int, int] | None = None,
-          inject: tuple[str, ...] = (), reduction: str = "ordered", checkpoint_every: int = 3, accumulate: int = 2,
-          policy: str = "continue", seed: int = 0, reduce_dtype: str = "", param_dtype: str = "", audit_every: int = 0,
-          model: str = "mlp", optimizer: str = "sgd", max_norm: float = 0.0) -> dict:
+def train(
+    rank: int,
+    world: int,
+    trace_dir: str,
+    checkpoint_dir: str,
+    *,
+    steps: int = 6,
+    hsdp: tuple[int, int] | None = None,
+    inject: tuple[str, ...] = (),
+    reduction: str = "ordered",
+    checkpoint_every: int = 3,
+    accumulate: int = 2,
+    policy: str = "continue",
+    seed: int = 0,
+    reduce_dtype: str = "",
+    param_dtype: str = "",
+    audit_every: int = 0,
+    model: str = "mlp",
+    optimizer: str = "sgd",
+    max_norm: float = 0.0,
+) -> dict:
     """One rank of the sharded job, recorded; every rank calls it inside an initialised process group.
 
     Microbatch ``step * world * accumulate + rank * accumulate + m`` is rank ``rank``'s ``m``-th of
@@ -208,16 +235,27 @@ def train(rank: int, world: int, trace_dir: str, checkpoint_dir: str, *, steps: 
     else:  # fully_shard's default mesh, named: a suspect is then "shard=2", not "dim0=2"
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     kind, chosen, max_norm = model, optimizer, float(max_norm)
-    model = shard(build_model(seed, kind), mesh, getattr(torch, reduce_dtype) if reduce_dtype else None,
-                  getattr(torch, param_dtype) if param_dtype else None)
+    model = shard(
+        build_model(seed, kind),
+        mesh,
+        getattr(torch, reduce_dtype) if reduce_dtype else None,
+        getattr(torch, param_dtype) if param_dtype else None,
+    )
     optimizer = make_optimizer(model, chosen)
-    options = RecorderOptions(policy=policy, reduction=reduction, audit_every=audit_every,
-                              node_of_rank=tuple(range(world)) if audit_every else None)
+    options = RecorderOptions(
+        policy=policy,
+        reduction=reduction,
+        audit_every=audit_every,
+        node_of_rank=tuple(range(world)) if audit_every else None,
+    )
     alarms: list = []
     norms: list[float] = []  # the total gradient norm clipping saw, per step
     defaults = ShardedRecipe()
-    args = {name: value for name, value in (("seed", seed), ("model", kind), ("optimizer", chosen),
-                                            ("max_norm", max_norm)) if value != getattr(defaults, name)}
+    args = {
+        name: value
+        for name, value in (("seed", seed), ("model", kind), ("optimizer", chosen), ("max_norm", max_norm))
+        if value != getattr(defaults, name)
+    }
     recorded = {"recipe": REFERENCE} if not args else {"recipe": SEEDED_REFERENCE, "recipe_args": args}
     with Recorder(trace_dir, model, optimizer, options=options, inject=inject, **recorded) as rec:
         for step in range(steps):
@@ -265,8 +303,13 @@ def _demo_rank(rank: int, world: int, port: int, out_dir: str, kwargs: dict) -> 
 
     torch.set_num_threads(1)
     logging.getLogger("sdc_forensics.recorder").setLevel(logging.ERROR)  # the demo says what fired itself
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     try:
         found = train(rank, world, str(Path(out_dir, "trace")), str(Path(out_dir, "checkpoints")), **kwargs)
     finally:
@@ -274,9 +317,21 @@ def _demo_rank(rank: int, world: int, port: int, out_dir: str, kwargs: dict) -> 
     write_atomic(Path(out_dir, "demo", f"rank-{rank}.json"), json.dumps(found))
 
 
-def run_demo(out_dir: str | Path, parallel: str, injections: tuple[str, ...], *, steps: int = 40, checkpoint_every: int = 10,
-             policy: str = "continue", seed: int = 0, reduce_dtype: str = "", param_dtype: str = "", model: str = "mlp",
-             optimizer: str = "sgd", max_norm: float = 0.0) -> dict:
+def run_demo(
+    out_dir: str | Path,
+    parallel: str,
+    injections: tuple[str, ...],
+    *,
+    steps: int = 40,
+    checkpoint_every: int = 10,
+    policy: str = "continue",
+    seed: int = 0,
+    reduce_dtype: str = "",
+    param_dtype: str = "",
+    model: str = "mlp",
+    optimizer: str = "sgd",
+    max_norm: float = 0.0,
+) -> dict:
     """``sdc-forensics demo --parallel fsdp|hsdp``: the sharded job on 4 gloo processes (FSDP over 4
     ranks, or HSDP 2 replicas x 2 shards), recorded with the ordered reduce-scatter; returns rank 0's
     findings (the online alarms). The trace is ``OUT/trace``, checkpoint ``N`` ``OUT/checkpoints/step-N``
@@ -297,8 +352,18 @@ def run_demo(out_dir: str | Path, parallel: str, injections: tuple[str, ...], *,
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    kwargs = {"steps": steps, "checkpoint_every": checkpoint_every, "policy": policy, "inject": tuple(injections),
-              "hsdp": (2, 2) if parallel == "hsdp" else None, "seed": seed, "reduce_dtype": reduce_dtype,
-              "param_dtype": param_dtype, "model": model, "optimizer": optimizer, "max_norm": max_norm}
+    kwargs = {
+        "steps": steps,
+        "checkpoint_every": checkpoint_every,
+        "policy": policy,
+        "inject": tuple(injections),
+        "hsdp": (2, 2) if parallel == "hsdp" else None,
+        "seed": seed,
+        "reduce_dtype": reduce_dtype,
+        "param_dtype": param_dtype,
+        "model": model,
+        "optimizer": optimizer,
+        "max_norm": max_norm,
+    }
     forked.start(_demo_rank, (4, port, str(out), kwargs), 4)
     return json.loads((out / "demo" / "rank-0.json").read_text())

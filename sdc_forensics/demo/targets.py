@@ -56,10 +56,16 @@ def check_spec(spec: FaultSpec, target: Target) -> None:
     if numel == 0:
         raise UsageError(f"fault {spec}: {target.what} has no elements to corrupt")
     if spec.element is not None and spec.element >= numel:
-        raise UsageError(f"fault {spec}: element {spec.element} is beyond {target.what} ({numel} elements: use element=0..{numel - 1})")
-    bits, dtype = target.width_at(spec.element if spec.element is not None else spec.choose_element(target.default_pool or numel))
+        raise UsageError(
+            f"fault {spec}: element {spec.element} is beyond {target.what} ({numel} elements: use element=0..{numel - 1})"
+        )
+    bits, dtype = target.width_at(
+        spec.element if spec.element is not None else spec.choose_element(target.default_pool or numel)
+    )
     if spec.bit >= bits:
-        raise UsageError(f"fault {spec}: bit {spec.bit} does not exist in a {dtype} element of {target.what} (use bit=0..{bits - 1})")
+        raise UsageError(
+            f"fault {spec}: bit {spec.bit} does not exist in a {dtype} element of {target.what} (use bit=0..{bits - 1})"
+        )
 
 
 def _segments(tensors: Sequence[Any]) -> tuple[tuple[int, int, str], ...]:
@@ -78,8 +84,11 @@ def check_injections(config, recipe: Any) -> None:  # config: a demo.run.DemoCon
     params = list(model.parameters())
     for spec in config.injections:
         if spec.location in ("grad", "allreduce", "allreduce-all"):
-            who = "the reduced gradient" if spec.location == "allreduce-all" else f"rank {spec.rank}'s " + (
-                "local gradient" if spec.location == "grad" else "reduced gradient")
+            who = (
+                "the reduced gradient"
+                if spec.location == "allreduce-all"
+                else f"rank {spec.rank}'s " + ("local gradient" if spec.location == "grad" else "reduced gradient")
+            )
             check_spec(spec, Target(what=who, segments=_segments([p for p in params if p.requires_grad])))
         elif spec.location in ("weights", "update"):
             check_spec(spec, Target(what=f"rank {spec.rank}'s parameters", segments=_segments(params)))
@@ -87,15 +96,37 @@ def check_injections(config, recipe: Any) -> None:  # config: a demo.run.DemoCon
             ids = recipe.microbatch_ids(spec.step, spec.rank, config.world_size)
             from sdc_forensics.statedict import flatten_state
 
-            floats = [t for i in ids for t in flatten_state(recipe.fetch_microbatch(i, "cpu")).values() if t.is_floating_point()]
-            first = sum(t.numel() for t in flatten_state(recipe.fetch_microbatch(ids[0], "cpu")).values() if t.is_floating_point()) if ids else 0
-            check_spec(spec, Target(what=f"rank {spec.rank}'s inputs at step {spec.step}", segments=_segments(floats), default_pool=first))
+            floats = [
+                t
+                for i in ids
+                for t in flatten_state(recipe.fetch_microbatch(i, "cpu")).values()
+                if t.is_floating_point()
+            ]
+            first = (
+                sum(
+                    t.numel()
+                    for t in flatten_state(recipe.fetch_microbatch(ids[0], "cpu")).values()
+                    if t.is_floating_point()
+                )
+                if ids
+                else 0
+            )
+            check_spec(
+                spec,
+                Target(
+                    what=f"rank {spec.rank}'s inputs at step {spec.step}",
+                    segments=_segments(floats),
+                    default_pool=first,
+                ),
+            )
         elif spec.location == "checkpoint-file" and spec.element is not None:
             size = _checkpoint_size(model, optimizer, scheduler, params, spec.step)
             byte = spec.element + spec.bit // 8
             if byte >= size:
-                raise UsageError(f"fault {spec}: byte {byte} is beyond the end of checkpoint {spec.step}'s file ({size} bytes: "
-                                 f"use element=0..{size - 1 - spec.bit // 8})")
+                raise UsageError(
+                    f"fault {spec}: byte {byte} is beyond the end of checkpoint {spec.step}'s file ({size} bytes: "
+                    f"use element=0..{size - 1 - spec.bit // 8})"
+                )
 
 
 def _checkpoint_size(model, optimizer, scheduler, params, step: int) -> int:

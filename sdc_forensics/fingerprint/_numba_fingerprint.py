@@ -149,7 +149,9 @@ def _after_tile(row, y, y64, q, q64):
 
 
 @nb.njit(**_jit)
-def run_direct(values, words, num_blocks, blocks_per_tile, row_base, a, b, c, c2, beta, y, y64, q, q64, mx, lanes, pairs):
+def run_direct(
+    values, words, num_blocks, blocks_per_tile, row_base, a, b, c, c2, beta, y, y64, q, q64, mx, lanes, pairs
+):
     """Digest, sketch and stats of float32 or float64 ``values`` (whole tiles), into the state arrays.
 
     Args:
@@ -171,7 +173,27 @@ def run_direct(values, words, num_blocks, blocks_per_tile, row_base, a, b, c, c2
 
 
 @nb.njit(**_jit)
-def run_widened(values, is_f16, words, num_blocks, blocks_per_tile, row_base, a, b, c, c2, beta, tile, y, y64, q, q64, mx, lanes, pairs):
+def run_widened(
+    values,
+    is_f16,
+    words,
+    num_blocks,
+    blocks_per_tile,
+    row_base,
+    a,
+    b,
+    c,
+    c2,
+    beta,
+    tile,
+    y,
+    y64,
+    q,
+    q64,
+    mx,
+    lanes,
+    pairs,
+):
     """:func:`run_direct` for 16-bit ``values`` (uint16 bits), widened tile by tile into float32 ``tile``."""
     done = 0
     for r0 in range(0, values.shape[0], TILE_ROWS):

@@ -86,7 +86,8 @@ _prefix_table = _constants.prefix
 
 def _block_weights(device: torch.device, num_blocks: int, seed: int, high: bool = False) -> torch.Tensor:
     return _prefix_table(
-        ("c", device, seed, high), num_blocks,
+        ("c", device, seed, high),
+        num_blocks,
         lambda size: torch.from_numpy(C.digest_block_weights(size, seed, high=high)).to(device),
     )
 
@@ -164,10 +165,12 @@ class _Digester:
         low_sums = self.sums[:n].to(torch.int64) & 0xFFFF_FFFF
         high_sums = self.high_sums[:n].to(torch.int64) & 0xFFFF_FFFF
         end = first_block + n
-        return torch.stack([
-            (low_sums * _block_weights(self.device, end, self.seed)[first_block:]).sum(),
-            (high_sums * _block_weights(self.device, end, self.seed, high=True)[first_block:]).sum(),
-        ])
+        return torch.stack(
+            [
+                (low_sums * _block_weights(self.device, end, self.seed)[first_block:]).sum(),
+                (high_sums * _block_weights(self.device, end, self.seed, high=True)[first_block:]).sum(),
+            ]
+        )
 
     def finish(self, low: int, high: int) -> int:
         """``D = fmix64(low + 2**32 high + c_len * N mod 2**64)`` from the host values of the lane totals."""
@@ -379,7 +382,9 @@ def _project(beta_t: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype | Non
     if full == rows and rows == group:
         total = torch.mm(beta_t, x, **kwargs).to(torch.float64)
     else:
-        batched = torch.bmm(beta_t[:, :full].unflatten(1, (-1, group)).transpose(0, 1), x[:full].unflatten(0, (-1, group)), **kwargs)
+        batched = torch.bmm(
+            beta_t[:, :full].unflatten(1, (-1, group)).transpose(0, 1), x[:full].unflatten(0, (-1, group)), **kwargs
+        )
         total = batched.sum(dim=0, dtype=torch.float64)  # (k, 1024)
         if full < rows:
             total += torch.mm(beta_t[:, full:], x[full:], **kwargs)
@@ -488,8 +493,18 @@ def fingerprint(
     Returns:
         A :class:`Fingerprint` (one host sync at most).
     """
-    return resolve([fingerprint_async(tensor, k=k, seed=seed, block_offset=block_offset, with_digest=with_digest,
-                                      digest_block_offset=digest_block_offset)])[0]
+    return resolve(
+        [
+            fingerprint_async(
+                tensor,
+                k=k,
+                seed=seed,
+                block_offset=block_offset,
+                with_digest=with_digest,
+                digest_block_offset=digest_block_offset,
+            )
+        ]
+    )[0]
 
 
 def fingerprint_async(
@@ -513,7 +528,12 @@ def fingerprint_async(
     pending = PendingFingerprint(numel=numel, num_bytes=numel * flat.element_size(), seed=seed, with_digest=with_digest)
     if numel == 0:
         pending.done = Fingerprint(
-            digest=digest(flat, seed) if with_digest else 0, sketch=np.zeros(k), norm=0.0, max_abs=0.0, nonfinite=0, numel=0,
+            digest=digest(flat, seed) if with_digest else 0,
+            sketch=np.zeros(k),
+            norm=0.0,
+            max_abs=0.0,
+            nonfinite=0,
+            numel=0,
             lanes=(0, 0),
         )
         return pending
@@ -527,8 +547,15 @@ def fingerprint_async(
         name = str(flat.dtype).removeprefix("torch.")
         values = flat.view(torch.int16).numpy().view(np.uint16) if flat.element_size() == 2 else flat.numpy()
         try:
-            part = cpu_kernel.partials(values, name, k=k, seed=seed, block_offset=block_offset, with_digest=with_digest,
-                                       digest_block_offset=off)
+            part = cpu_kernel.partials(
+                values,
+                name,
+                k=k,
+                seed=seed,
+                block_offset=block_offset,
+                with_digest=with_digest,
+                digest_block_offset=off,
+            )
         except Exception as exc:  # noqa: BLE001 - a broken compiled path must not lose the answer
             _compiled_failed(exc)
             pending.done = _torch_fingerprint(flat, k, seed, block_offset, with_digest, off)
@@ -537,8 +564,9 @@ def fingerprint_async(
     elif path == "triton-cuda":
         from sdc_forensics.fingerprint import triton_kernel
 
-        pending.values = triton_kernel.partials(flat, k=k, seed=seed, block_offset=block_offset, with_digest=with_digest,
-                                                digest_block_offset=off)
+        pending.values = triton_kernel.partials(
+            flat, k=k, seed=seed, block_offset=block_offset, with_digest=with_digest, digest_block_offset=off
+        )
     elif device.type == "cpu":
         pending.done = _torch_fingerprint(flat, k, seed, block_offset, with_digest, off)
     else:
@@ -561,7 +589,9 @@ def resolve(pending: list[PendingFingerprint]) -> list[Fingerprint]:
         for i, row in zip(indices, host):
             lanes = row[:2].view(torch.int64).tolist()
             tail = row[2:].numpy()
-            out[i] = _assemble(pending[i], tuple(lanes), tail[:-3].copy(), float(tail[-3]), float(tail[-2]), int(tail[-1]))
+            out[i] = _assemble(
+                pending[i], tuple(lanes), tail[:-3].copy(), float(tail[-3]), float(tail[-2]), int(tail[-1])
+            )
     return out  # type: ignore[return-value]
 
 
@@ -569,8 +599,13 @@ def _assemble(pending: PendingFingerprint, lanes, sketch, sumsq: float, max_abs:
     low, high = int(lanes[0]) % (1 << 64), int(lanes[1]) % (1 << 64)
     digest_value = _finish_digest(low, high, pending.num_bytes, pending.seed) if pending.with_digest else 0
     return Fingerprint(
-        digest=digest_value, sketch=np.asarray(sketch, dtype=np.float64), norm=float(np.sqrt(sumsq)), max_abs=float(max_abs),
-        nonfinite=int(nonfinite), numel=pending.numel, lanes=(low, high) if pending.with_digest else None,
+        digest=digest_value,
+        sketch=np.asarray(sketch, dtype=np.float64),
+        norm=float(np.sqrt(sumsq)),
+        max_abs=float(max_abs),
+        nonfinite=int(nonfinite),
+        numel=pending.numel,
+        lanes=(low, high) if pending.with_digest else None,
     )
 
 
@@ -585,13 +620,16 @@ def _torch_pass(flat: torch.Tensor, k: int, seed: int, block_offset: int, with_d
     with _full_precision_matmul(device):
         for start in range(0, flat.numel(), chunk):
             if digester is not None:
-                digester.add(start * element_bytes // _BLOCK_BYTES, raw[start * element_bytes : (start + chunk) * element_bytes])
+                digester.add(
+                    start * element_bytes // _BLOCK_BYTES, raw[start * element_bytes : (start + chunk) * element_bytes]
+                )
             sketcher.add(start, flat[start : start + chunk])
     return digester, sketcher
 
 
-def _torch_fingerprint(flat: torch.Tensor, k: int, seed: int, block_offset: int, with_digest: bool,
-                       digest_block_offset: int = 0) -> Fingerprint:
+def _torch_fingerprint(
+    flat: torch.Tensor, k: int, seed: int, block_offset: int, with_digest: bool, digest_block_offset: int = 0
+) -> Fingerprint:
     """The fallback on CPU: host values at once (NaN/Inf counted by a second pass only when present)."""
     digester, sketcher = _torch_pass(flat, k, seed, block_offset, with_digest)
     sketch, norm, max_abs = sketcher.result()
@@ -615,13 +653,22 @@ def _torch_fingerprint(flat: torch.Tensor, k: int, seed: int, block_offset: int,
     )
 
 
-def _torch_partials(flat: torch.Tensor, k: int, seed: int, block_offset: int, with_digest: bool,
-                    digest_block_offset: int = 0) -> torch.Tensor:
+def _torch_partials(
+    flat: torch.Tensor, k: int, seed: int, block_offset: int, with_digest: bool, digest_block_offset: int = 0
+) -> torch.Tensor:
     """The fallback on an accelerator: the pending vector, no host sync (NaN/Inf counted always)."""
     digester, sketcher = _torch_pass(flat, k, seed, block_offset, with_digest)
-    lanes = digester.lane_totals(digest_block_offset) if digester is not None else torch.zeros(2, dtype=torch.int64, device=flat.device)
+    lanes = (
+        digester.lane_totals(digest_block_offset)
+        if digester is not None
+        else torch.zeros(2, dtype=torch.int64, device=flat.device)
+    )
     sketch, sumsq, max_abs = sketcher.device_result()
-    nonfinite = (~torch.isfinite(flat)).sum().to(torch.float64) if flat.is_floating_point() else torch.zeros((), dtype=torch.float64, device=flat.device)
+    nonfinite = (
+        (~torch.isfinite(flat)).sum().to(torch.float64)
+        if flat.is_floating_point()
+        else torch.zeros((), dtype=torch.float64, device=flat.device)
+    )
     return torch.cat([lanes.view(torch.float64), sketch, torch.stack([sumsq, max_abs, nonfinite])])
 
 

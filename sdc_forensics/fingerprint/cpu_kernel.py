@@ -93,7 +93,9 @@ def _block_weights(length: int, seed: int, high: bool) -> np.ndarray:
 
 
 def _beta(length: int, k: int, seed: int, dtype) -> np.ndarray:
-    return _prefix(("beta", k, seed, np.dtype(dtype).str), length, lambda n: C.sketch_block_signs(n, k, seed).astype(dtype))
+    return _prefix(
+        ("beta", k, seed, np.dtype(dtype).str), length, lambda n: C.sketch_block_signs(n, k, seed).astype(dtype)
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -141,8 +143,16 @@ def digest_lanes(raw: np.ndarray, seed: int = C.DEFAULT_SEED) -> tuple[int, int]
     return int(lanes[0]), int(lanes[1])
 
 
-def partials(values: np.ndarray, dtype_name: str, *, k: int, seed: int, block_offset: int, with_digest: bool,
-             digest_block_offset: int = 0) -> Partials:
+def partials(
+    values: np.ndarray,
+    dtype_name: str,
+    *,
+    k: int,
+    seed: int,
+    block_offset: int,
+    with_digest: bool,
+    digest_block_offset: int = 0,
+) -> Partials:
     """Digest lanes, sketch and stats of a flat tensor's values, in one pass.
 
     Args:
@@ -205,7 +215,9 @@ def partials(values: np.ndarray, dtype_name: str, *, k: int, seed: int, block_of
         nonfinite = _count_nonfinite(values, dtype_name)
         if nonfinite:
             max_abs = math.nan if _has_nan(values, dtype_name) else math.inf
-    return Partials(lanes=(int(lanes[0]), int(lanes[1])), sketch=sketch, sumsq=float(sumsq), max_abs=max_abs, nonfinite=nonfinite)
+    return Partials(
+        lanes=(int(lanes[0]), int(lanes[1])), sketch=sketch, sumsq=float(sumsq), max_abs=max_abs, nonfinite=nonfinite
+    )
 
 
 def warm_up(dtype_names=("float32", "bfloat16", "float64")) -> bool:
@@ -216,8 +228,14 @@ def warm_up(dtype_names=("float32", "bfloat16", "float64")) -> bool:
         return False
     for name in dtype_names:
         dtype = np.uint16 if name in ("bfloat16", "float16") else np.dtype(name)
-        partials(np.zeros(C.BLOCK_ELEMS + 1, dtype=dtype), name, k=C.DEFAULT_SKETCH_K, seed=C.DEFAULT_SEED, block_offset=0,
-                 with_digest=True)
+        partials(
+            np.zeros(C.BLOCK_ELEMS + 1, dtype=dtype),
+            name,
+            k=C.DEFAULT_SKETCH_K,
+            seed=C.DEFAULT_SEED,
+            block_offset=0,
+            with_digest=True,
+        )
     digest_lanes(np.zeros(8, dtype=np.uint8))
     return True
 

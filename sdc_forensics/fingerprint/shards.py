@@ -126,8 +126,11 @@ class ParamLayout:
 
     @classmethod
     def from_json(cls, doc: dict) -> ParamLayout:
-        return cls(tuple(str(n) for n in doc["names"]), tuple(int(n) for n in doc["numels"]),
-                   tuple(int(n) for n in doc["itemsizes"]))
+        return cls(
+            tuple(str(n) for n in doc["names"]),
+            tuple(int(n) for n in doc["numels"]),
+            tuple(int(n) for n in doc["itemsizes"]),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,8 +160,13 @@ class Piece:
         return {
             "lanes": [f"{self.lanes[0]:016x}", f"{self.lanes[1]:016x}"],
             "edges": {str(j): [s, t] for j, (s, t) in sorted(self.edges.items())},
-            "num_bytes": self.num_bytes, "numel": self.numel, "sketch": [float(v) for v in self.sketch],
-            "sumsq": self.sumsq, "max_abs": self.max_abs, "nonfinite": self.nonfinite, "seed": self.seed,
+            "num_bytes": self.num_bytes,
+            "numel": self.numel,
+            "sketch": [float(v) for v in self.sketch],
+            "sumsq": self.sumsq,
+            "max_abs": self.max_abs,
+            "nonfinite": self.nonfinite,
+            "seed": self.seed,
         }
 
     @classmethod
@@ -166,14 +174,20 @@ class Piece:
         return cls(
             lanes=(int(doc["lanes"][0], 16), int(doc["lanes"][1], 16)),
             edges={int(j): (int(s) & _MASK32, int(t) & _MASK32) for j, (s, t) in doc["edges"].items()},
-            num_bytes=int(doc["num_bytes"]), numel=int(doc["numel"]), sketch=np.asarray(doc["sketch"], dtype=np.float64),
-            sumsq=float(doc["sumsq"]), max_abs=float(doc["max_abs"]), nonfinite=int(doc["nonfinite"]), seed=int(doc["seed"]),
+            num_bytes=int(doc["num_bytes"]),
+            numel=int(doc["numel"]),
+            sketch=np.asarray(doc["sketch"], dtype=np.float64),
+            sumsq=float(doc["sumsq"]),
+            max_abs=float(doc["max_abs"]),
+            nonfinite=int(doc["nonfinite"]),
+            seed=int(doc["seed"]),
         )
 
 
 def _empty(k: int, seed: int) -> Piece:
-    return Piece(lanes=(0, 0), edges={}, num_bytes=0, numel=0, sketch=np.zeros(k), sumsq=0.0, max_abs=0.0, nonfinite=0,
-                 seed=seed)
+    return Piece(
+        lanes=(0, 0), edges={}, num_bytes=0, numel=0, sketch=np.zeros(k), sumsq=0.0, max_abs=0.0, nonfinite=0, seed=seed
+    )
 
 
 def _merge(parts: list[Piece]) -> Piece:
@@ -188,9 +202,15 @@ def _merge(parts: list[Piece]) -> Piece:
     maxes = [p.max_abs for p in parts if p.numel]
     max_abs = float(np.max(maxes)) if maxes else 0.0  # NaN wins
     return Piece(
-        lanes=(low, high), edges=edges, num_bytes=sum(p.num_bytes for p in parts), numel=sum(p.numel for p in parts),
-        sketch=np.sum([p.sketch for p in parts], axis=0), sumsq=float(sum(p.sumsq for p in parts)), max_abs=max_abs,
-        nonfinite=sum(p.nonfinite for p in parts), seed=parts[0].seed,
+        lanes=(low, high),
+        edges=edges,
+        num_bytes=sum(p.num_bytes for p in parts),
+        numel=sum(p.numel for p in parts),
+        sketch=np.sum([p.sketch for p in parts], axis=0),
+        sumsq=float(sum(p.sumsq for p in parts)),
+        max_abs=max_abs,
+        nonfinite=sum(p.nonfinite for p in parts),
+        seed=parts[0].seed,
     )
 
 
@@ -201,7 +221,9 @@ def _words_and_floats(values: torch.Tensor) -> tuple[np.ndarray, np.ndarray | No
     return raw, floats
 
 
-def _end_numbers_numpy(values: torch.Tensor, pos: int, align: int, first_elem: int, sketch_base: int, k: int, seed: int):
+def _end_numbers_numpy(
+    values: torch.Tensor, pos: int, align: int, first_elem: int, sketch_base: int, k: int, seed: int
+):
     """:func:`_end_numbers_torch` in numpy for a CPU tensor: microseconds, where torch's ops cost tens each."""
     raw, floats = _words_and_floats(values)
     itemsize = values.element_size()
@@ -227,7 +249,9 @@ def _end_numbers_numpy(values: torch.Tensor, pos: int, align: int, first_elem: i
     return np.concatenate(numbers), signed.shape[0]
 
 
-def _end_numbers_torch(values: torch.Tensor, pos: int, align: int, first_elem: int, sketch_base: int, k: int, seed: int):
+def _end_numbers_torch(
+    values: torch.Tensor, pos: int, align: int, first_elem: int, sketch_base: int, k: int, seed: int
+):
     """``[s_j.., t_j.., sketch(k), sumsq, max_abs, nonfinite]`` of a cut end on its device, one transfer."""
     device = values.device
     chunk = torch.zeros(align, dtype=values.dtype, device=device)
@@ -245,12 +269,18 @@ def _end_numbers_torch(values: torch.Tensor, pos: int, align: int, first_elem: i
         beta = torch.from_numpy(C.sketch_block_signs_at(np.arange(first_sketch, first_sketch + x.shape[0]), k, seed))
         sketch = ((x @ alpha) * beta.to(device=device, dtype=torch.float64)).sum(dim=0)
         v = values.reshape(-1).to(torch.float64)
-        numbers += [sketch, (v * v).sum().reshape(1), v.abs().max().reshape(1), (~torch.isfinite(v)).sum().to(torch.float64).reshape(1)]
+        numbers += [
+            sketch,
+            (v * v).sum().reshape(1),
+            v.abs().max().reshape(1),
+            (~torch.isfinite(v)).sum().to(torch.float64).reshape(1),
+        ]
     return torch.cat(numbers).cpu().numpy(), words.shape[0]
 
 
-def _padded_piece(values: torch.Tensor, pos: int, align: int, first_elem: int, digest_base: int, sketch_base: int,
-                  k: int, seed: int) -> Piece:
+def _padded_piece(
+    values: torch.Tensor, pos: int, align: int, first_elem: int, digest_base: int, sketch_base: int, k: int, seed: int
+) -> Piece:
     """A cut end: ``values`` placed at ``pos`` of a zeroed chunk of ``align`` elements whose first
     element is element ``first_elem`` of the parameter; its digest blocks kept as sums.
 
@@ -269,8 +299,17 @@ def _padded_piece(values: torch.Tensor, pos: int, align: int, first_elem: int, d
         sketch, sumsq, max_abs, nonfinite = tail[:k].copy(), float(tail[k]), float(tail[k + 1]), int(tail[k + 2])
     else:
         sketch, sumsq, max_abs, nonfinite = np.zeros(k), 0.0, 0.0, 0
-    return Piece(lanes=(0, 0), edges=edges, num_bytes=values.numel() * itemsize, numel=values.numel(), sketch=sketch,
-                 sumsq=sumsq, max_abs=max_abs, nonfinite=nonfinite, seed=seed)
+    return Piece(
+        lanes=(0, 0),
+        edges=edges,
+        num_bytes=values.numel() * itemsize,
+        numel=values.numel(),
+        sketch=sketch,
+        sumsq=sumsq,
+        max_abs=max_abs,
+        nonfinite=nonfinite,
+        seed=seed,
+    )
 
 
 def fingerprint_piece(
@@ -296,7 +335,9 @@ def fingerprint_piece(
     """
     offset, digest_base, sketch_base = int(offset), int(digest_base), int(sketch_base)
     if offset < 0 or digest_base < 0 or sketch_base < 0:
-        raise ValueError(f"offsets must be >= 0 (got offset={offset}, digest_base={digest_base}, sketch_base={sketch_base})")
+        raise ValueError(
+            f"offsets must be >= 0 (got offset={offset}, digest_base={digest_base}, sketch_base={sketch_base})"
+        )
     flat = values.detach().reshape(-1)
     n = flat.numel()
     if n == 0:
@@ -306,14 +347,23 @@ def fingerprint_piece(
     body = (n - head) // align * align
     parts = []
     if head:
-        parts.append(_padded_piece(flat[:head], offset % align, align, offset - offset % align, digest_base, sketch_base, k, seed))
+        parts.append(
+            _padded_piece(
+                flat[:head], offset % align, align, offset - offset % align, digest_base, sketch_base, k, seed
+            )
+        )
     if body:
         start = offset + head  # a chunk boundary: both block kinds align
         middle = flat[head : head + body]
         itemsize = flat.element_size()
         if middle.is_floating_point():
-            fp = core.fingerprint(middle, k=k, seed=seed, block_offset=sketch_base + start // C.BLOCK_ELEMS,
-                                  digest_block_offset=digest_base + start * itemsize // _BLOCK_BYTES)
+            fp = core.fingerprint(
+                middle,
+                k=k,
+                seed=seed,
+                block_offset=sketch_base + start // C.BLOCK_ELEMS,
+                digest_block_offset=digest_base + start * itemsize // _BLOCK_BYTES,
+            )
             sketch, sumsq, max_abs, nonfinite = fp.sketch, fp.norm**2, fp.max_abs, fp.nonfinite
             lanes = fp.lanes
         else:
@@ -323,8 +373,19 @@ def fingerprint_piece(
             low, high = digester.lane_totals(digest_base + start * itemsize // _BLOCK_BYTES).tolist()
             lanes = (low & _MASK64, high & _MASK64)
             sketch, sumsq, max_abs, nonfinite = np.zeros(k), 0.0, 0.0, 0
-        parts.append(Piece(lanes=lanes, edges={}, num_bytes=body * itemsize, numel=body, sketch=sketch, sumsq=float(sumsq),
-                           max_abs=float(max_abs), nonfinite=int(nonfinite), seed=seed))
+        parts.append(
+            Piece(
+                lanes=lanes,
+                edges={},
+                num_bytes=body * itemsize,
+                numel=body,
+                sketch=sketch,
+                sumsq=float(sumsq),
+                max_abs=float(max_abs),
+                nonfinite=int(nonfinite),
+                seed=seed,
+            )
+        )
     tail = n - head - body
     if tail:
         first = offset + head + body
@@ -354,8 +415,15 @@ def combine_pieces(parts: Iterable[Piece]) -> Fingerprint:
             low = (low + cj * s) & _MASK64
             high = (high + chj * t) & _MASK64
     digest = core._finish_digest(low, high, merged.num_bytes, seed)
-    return Fingerprint(digest=digest, sketch=merged.sketch, norm=float(np.sqrt(merged.sumsq)),  # NaN stays NaN, Inf Inf, as core
-                       max_abs=merged.max_abs, nonfinite=merged.nonfinite, numel=merged.numel, lanes=(low, high))
+    return Fingerprint(
+        digest=digest,
+        sketch=merged.sketch,
+        norm=float(np.sqrt(merged.sumsq)),  # NaN stays NaN, Inf Inf, as core
+        max_abs=merged.max_abs,
+        nonfinite=merged.nonfinite,
+        numel=merged.numel,
+        lanes=(low, high),
+    )
 
 
 def one_bucket(pieces: list[Piece]) -> Fingerprint | None:
@@ -364,8 +432,15 @@ def one_bucket(pieces: list[Piece]) -> Fingerprint | None:
     if not pieces:
         return None
     whole = combine_pieces(pieces)
-    return Fingerprint(digest=core.combine_digests([whole.digest]), sketch=whole.sketch, norm=whole.norm,
-                       max_abs=whole.max_abs, nonfinite=whole.nonfinite, numel=whole.numel)
+    return Fingerprint(
+        digest=core.combine_digests([whole.digest]),
+        sketch=whole.sketch,
+        norm=whole.norm,
+        max_abs=whole.max_abs,
+        nonfinite=whole.nonfinite,
+        numel=whole.numel,
+    )
+
 
 def local_piece(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``(this rank's elements, index of the first in the flattened full tensor)`` of a parameter.
@@ -385,8 +460,10 @@ def local_piece(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
     if not sharded:
         return local, 0
     if any(p.dim != 0 for p in sharded) or len(sharded) > 1:
-        raise ValueError(f"a parameter placed as {tuple(placements)} is not one run of its flattened elements: "
-                         "only Shard(0) (FSDP2's default) and Replicate are supported")
+        raise ValueError(
+            f"a parameter placed as {tuple(placements)} is not one run of its flattened elements: "
+            "only Shard(0) (FSDP2's default) and Replicate are supported"
+        )
     try:  # private in torch 2.x; the feature, not the version, decides
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     except ImportError:  # pragma: no cover - older torch
@@ -403,20 +480,27 @@ def local_piece(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
     return local, row * per_row
 
 
-def model_pieces(named: Iterable[tuple[str, torch.Tensor]], layout: ParamLayout, *, k: int = C.DEFAULT_SKETCH_K,
-                 seed: int = C.DEFAULT_SEED) -> dict[str, Piece]:
+def model_pieces(
+    named: Iterable[tuple[str, torch.Tensor]],
+    layout: ParamLayout,
+    *,
+    k: int = C.DEFAULT_SKETCH_K,
+    seed: int = C.DEFAULT_SEED,
+) -> dict[str, Piece]:
     """This rank's piece of every tensor in ``named`` (parameters, or their ``.grad``), by canonical name."""
     out = {}
     for name, tensor in named:
         values, offset = local_piece(tensor)
         digest_base, sketch_base = layout.bases(name)
-        out[canonical_name(name)] = fingerprint_piece(values, offset=offset, digest_base=digest_base, sketch_base=sketch_base,
-                                                      k=k, seed=seed)
+        out[canonical_name(name)] = fingerprint_piece(
+            values, offset=offset, digest_base=digest_base, sketch_base=sketch_base, k=k, seed=seed
+        )
     return out
 
 
-def fingerprint_runs(runs: Iterable[tuple[torch.Tensor, int]], *, k: int = C.DEFAULT_SKETCH_K,
-                     seed: int = C.DEFAULT_SEED) -> Fingerprint:
+def fingerprint_runs(
+    runs: Iterable[tuple[torch.Tensor, int]], *, k: int = C.DEFAULT_SKETCH_K, seed: int = C.DEFAULT_SEED
+) -> Fingerprint:
     """The fingerprint of the elements a rank holds of one flat vector: ``runs`` are ``(values,
     index of the first in the vector)``, disjoint.
 

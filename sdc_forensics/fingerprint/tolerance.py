@@ -71,7 +71,9 @@ def _unit_roundoff(grad_dtype: str) -> tuple[float, float]:
     try:
         u_grad = UNIT_ROUNDOFF[grad_dtype]
     except KeyError:
-        raise ValueError(f"no roundoff model for gradient dtype {grad_dtype!r}; one of {sorted(UNIT_ROUNDOFF)}") from None
+        raise ValueError(
+            f"no roundoff model for gradient dtype {grad_dtype!r}; one of {sorted(UNIT_ROUNDOFF)}"
+        ) from None
     u_acc = UNIT_ROUNDOFF["float64" if grad_dtype == "float64" else "float32"]
     return u_grad, u_acc
 

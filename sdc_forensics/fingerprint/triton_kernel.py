@@ -98,8 +98,9 @@ def supports(dtype: torch.dtype) -> bool:
     return dtype in _SUPPORTED
 
 
-def partials(flat: torch.Tensor, *, k: int, seed: int, block_offset: int, with_digest: bool,
-             digest_block_offset: int = 0) -> torch.Tensor:
+def partials(
+    flat: torch.Tensor, *, k: int, seed: int, block_offset: int, with_digest: bool, digest_block_offset: int = 0
+) -> torch.Tensor:
     """Digest lanes, sketch and stats of a flat tensor, in one read, left on its device.
 
     Args:
@@ -125,8 +126,10 @@ def partials(flat: torch.Tensor, *, k: int, seed: int, block_offset: int, with_d
     if flat.dtype not in _SUPPORTED:
         raise TypeError(f"the Triton fingerprint kernel takes float32, bfloat16, float16 or float64, not {flat.dtype}")
     if k < 1 or block_offset < 0 or digest_block_offset < 0:
-        raise ValueError(f"need k >= 1 and block offsets >= 0 (got k={k}, block_offset={block_offset}, "
-                         f"digest_block_offset={digest_block_offset})")
+        raise ValueError(
+            f"need k >= 1 and block offsets >= 0 (got k={k}, block_offset={block_offset}, "
+            f"digest_block_offset={digest_block_offset})"
+        )
     flat = flat.detach().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
@@ -154,27 +157,98 @@ def partials(flat: torch.Tensor, *, k: int, seed: int, block_offset: int, with_d
     grid = (programs,)
     # Triton launches on the current CUDA device: make it the tensor's
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        _launch(flat, grid, numel, num_tiles, a, b, c_low, c_high, alpha, beta, num_sblocks, int_rows, float_rows,
-                common, dict(UNROLL=_UNROLL, **common))
+        _launch(
+            flat,
+            grid,
+            numel,
+            num_tiles,
+            a,
+            b,
+            c_low,
+            c_high,
+            alpha,
+            beta,
+            num_sblocks,
+            int_rows,
+            float_rows,
+            common,
+            dict(UNROLL=_UNROLL, **common),
+        )
         out = torch.empty(2 + k + 3, dtype=torch.float64, device=device)
         _finish[(1,)](int_rows, float_rows, out, programs, K=k, KP=kp, ROWS=_FINISH_ROWS, num_warps=4)
     return out
 
 
-def _launch(flat, grid, numel, num_tiles, a, b, c_low, c_high, alpha, beta, num_sblocks, int_rows, float_rows,
-            common: dict, unrolled: dict) -> None:
+def _launch(
+    flat,
+    grid,
+    numel,
+    num_tiles,
+    a,
+    b,
+    c_low,
+    c_high,
+    alpha,
+    beta,
+    num_sblocks,
+    int_rows,
+    float_rows,
+    common: dict,
+    unrolled: dict,
+) -> None:
     """The dtype's kernel on ``flat``'s integer view (float32/float64/16-bit)."""
     if flat.dtype == torch.float32:
-        _kernel32[grid](flat.view(torch.int32), numel, num_tiles, a, b, c_low, c_high, alpha, beta, num_sblocks,
-                        int_rows, float_rows, **unrolled)
+        _kernel32[grid](
+            flat.view(torch.int32),
+            numel,
+            num_tiles,
+            a,
+            b,
+            c_low,
+            c_high,
+            alpha,
+            beta,
+            num_sblocks,
+            int_rows,
+            float_rows,
+            **unrolled,
+        )
     elif flat.dtype == torch.float64:
-        _kernel64[grid](flat.view(torch.int64), numel, num_tiles, a, b, c_low, c_high, alpha, beta, num_sblocks,
-                        int_rows, float_rows, **common)
+        _kernel64[grid](
+            flat.view(torch.int64),
+            numel,
+            num_tiles,
+            a,
+            b,
+            c_low,
+            c_high,
+            alpha,
+            beta,
+            num_sblocks,
+            int_rows,
+            float_rows,
+            **common,
+        )
     else:
         paired = numel % 2 == 1 or flat.storage_offset() % 2 == 1  # no int32 view: load 16-bit pairs
         data = flat.view(torch.int16) if paired else flat.view(torch.int32)
-        _kernel16[grid](data, numel, num_tiles, a, b, c_low, c_high, alpha, beta, num_sblocks,
-                        int_rows, float_rows, IS_BF16=flat.dtype == torch.bfloat16, PAIRED=paired, **unrolled)
+        _kernel16[grid](
+            data,
+            numel,
+            num_tiles,
+            a,
+            b,
+            c_low,
+            c_high,
+            alpha,
+            beta,
+            num_sblocks,
+            int_rows,
+            float_rows,
+            IS_BF16=flat.dtype == torch.bfloat16,
+            PAIRED=paired,
+            **unrolled,
+        )
 
 
 # --- constant tables, on the device, cached (prefix-stable ones at power-of-two lengths) ------
@@ -192,8 +266,11 @@ def _word_weights(device: torch.device, seed: int) -> tuple[torch.Tensor, torch.
 
 
 def _block_weights(device: torch.device, rows: int, seed: int, *, high: bool) -> torch.Tensor:
-    return _prefix(("c", device, seed, high), rows,
-                   lambda size: torch.from_numpy(C.digest_block_weights(size, seed, high=high)).to(device))
+    return _prefix(
+        ("c", device, seed, high),
+        rows,
+        lambda size: torch.from_numpy(C.digest_block_weights(size, seed, high=high)).to(device),
+    )
 
 
 def _padded(signs, kp: int) -> torch.Tensor:
@@ -207,7 +284,9 @@ def _alpha(device: torch.device, k: int, kp: int, seed: int) -> torch.Tensor:
 
 
 def _beta(device: torch.device, rows: int, k: int, kp: int, seed: int) -> torch.Tensor:
-    return _prefix(("beta", device, k, seed), rows, lambda size: _padded(C.sketch_block_signs(size, k, seed), kp).to(device))
+    return _prefix(
+        ("beta", device, k, seed), rows, lambda size: _padded(C.sketch_block_signs(size, k, seed), kp).to(device)
+    )
 
 
 def _launch_options(device: torch.device) -> dict:
@@ -283,8 +362,25 @@ if triton is not None:
         return tl.load(words_ptr + e, mask=e < numel, other=0)
 
     @triton.jit
-    def _tile32(w, tile, num_tiles, a, b, c_ptr, ch_ptr, beta_ptr, low, high, y, sq, max_bits, nan, inf,
-                KP: tl.constexpr, WITH_DIGEST: tl.constexpr):
+    def _tile32(
+        w,
+        tile,
+        num_tiles,
+        a,
+        b,
+        c_ptr,
+        ch_ptr,
+        beta_ptr,
+        low,
+        high,
+        y,
+        sq,
+        max_bits,
+        nan,
+        inf,
+        KP: tl.constexpr,
+        WITH_DIGEST: tl.constexpr,
+    ):
         """Adds one float32 tile (words ``w``; all zero past the end) to a program's accumulators."""
         if WITH_DIGEST:
             s = tl.sum(w * a)  # wrapping int32: s_j mod 2**32
@@ -299,8 +395,23 @@ if triton is not None:
         return low, high, y, sq, max_bits, nan, inf
 
     @triton.jit
-    def _kernel32(words_ptr, numel, num_tiles, a_ptr, b_ptr, c_ptr, ch_ptr, alpha_ptr, beta_ptr, num_sblocks,
-                  int_ptr, float_ptr, KP: tl.constexpr, WITH_DIGEST: tl.constexpr, UNROLL: tl.constexpr):
+    def _kernel32(
+        words_ptr,
+        numel,
+        num_tiles,
+        a_ptr,
+        b_ptr,
+        c_ptr,
+        ch_ptr,
+        alpha_ptr,
+        beta_ptr,
+        num_sblocks,
+        int_ptr,
+        float_ptr,
+        KP: tl.constexpr,
+        WITH_DIGEST: tl.constexpr,
+        UNROLL: tl.constexpr,
+    ):
         """float32: a tile is 1024 elements, one digest block and one sketch block.
 
         ``UNROLL`` (1 or 2) tiles per loop iteration, each loaded one iteration ahead.
@@ -330,16 +441,60 @@ if triton is not None:
             if UNROLL == 2:
                 w_b = next_b
                 next_b = _load32(words_ptr, numel, tile + programs + stride)
-            low, high, y, sq, max_bits, nan, inf = _tile32(w_a, tile, num_tiles, a, b, c_ptr, ch_ptr, beta_ptr, low, high,
-                                                           y, sq, max_bits, nan, inf, KP, WITH_DIGEST)
+            low, high, y, sq, max_bits, nan, inf = _tile32(
+                w_a,
+                tile,
+                num_tiles,
+                a,
+                b,
+                c_ptr,
+                ch_ptr,
+                beta_ptr,
+                low,
+                high,
+                y,
+                sq,
+                max_bits,
+                nan,
+                inf,
+                KP,
+                WITH_DIGEST,
+            )
             if UNROLL == 2:
-                low, high, y, sq, max_bits, nan, inf = _tile32(w_b, tile + programs, num_tiles, a, b, c_ptr, ch_ptr, beta_ptr,
-                                                               low, high, y, sq, max_bits, nan, inf, KP, WITH_DIGEST)
+                low, high, y, sq, max_bits, nan, inf = _tile32(
+                    w_b,
+                    tile + programs,
+                    num_tiles,
+                    a,
+                    b,
+                    c_ptr,
+                    ch_ptr,
+                    beta_ptr,
+                    low,
+                    high,
+                    y,
+                    sq,
+                    max_bits,
+                    nan,
+                    inf,
+                    KP,
+                    WITH_DIGEST,
+                )
         alpha = tl.load(alpha_ptr + i[:, None] * KP + m[None, :]).to(tl.float64)
         sketch = tl.sum(alpha * y.to(tl.float64), axis=0)
         max_abs = tl.max(max_bits, axis=0).to(tl.float32, bitcast=True).to(tl.float64)
-        _store(int_ptr, float_ptr, low, high, tl.sum(nan.to(tl.int64), axis=0), tl.sum(inf.to(tl.int64), axis=0),
-               sketch, tl.sum(sq.to(tl.float64), axis=0), max_abs, KP)
+        _store(
+            int_ptr,
+            float_ptr,
+            low,
+            high,
+            tl.sum(nan.to(tl.int64), axis=0),
+            tl.sum(inf.to(tl.int64), axis=0),
+            sketch,
+            tl.sum(sq.to(tl.float64), axis=0),
+            max_abs,
+            KP,
+        )
 
     @triton.jit
     def _words16(data_ptr, numel, tile, half, PAIRED: tl.constexpr):
@@ -366,8 +521,31 @@ if triton is not None:
         return even, odd
 
     @triton.jit
-    def _tile16(w0, w1, tile, num_tiles, num_sblocks, a0, a1, b0, b1, c_ptr, ch_ptr, beta_ptr, low, high, y_even, y_odd,
-                sq, max_bits, nan, inf, KP: tl.constexpr, WITH_DIGEST: tl.constexpr, IS_BF16: tl.constexpr):
+    def _tile16(
+        w0,
+        w1,
+        tile,
+        num_tiles,
+        num_sblocks,
+        a0,
+        a1,
+        b0,
+        b1,
+        c_ptr,
+        ch_ptr,
+        beta_ptr,
+        low,
+        high,
+        y_even,
+        y_odd,
+        sq,
+        max_bits,
+        nan,
+        inf,
+        KP: tl.constexpr,
+        WITH_DIGEST: tl.constexpr,
+        IS_BF16: tl.constexpr,
+    ):
         """Adds one 16-bit tile (halves ``w0``, ``w1``; all zero past the end) to a program's accumulators."""
         if WITH_DIGEST:
             s = tl.sum(w0 * a0 + w1 * a1)  # wrapping int32: s_j mod 2**32
@@ -391,9 +569,25 @@ if triton is not None:
         return low, high, y_even, y_odd, sq, max_bits, nan, inf
 
     @triton.jit
-    def _kernel16(data_ptr, numel, num_tiles, a_ptr, b_ptr, c_ptr, ch_ptr, alpha_ptr, beta_ptr, num_sblocks,
-                  int_ptr, float_ptr, KP: tl.constexpr, WITH_DIGEST: tl.constexpr, IS_BF16: tl.constexpr,
-                  PAIRED: tl.constexpr, UNROLL: tl.constexpr):
+    def _kernel16(
+        data_ptr,
+        numel,
+        num_tiles,
+        a_ptr,
+        b_ptr,
+        c_ptr,
+        ch_ptr,
+        alpha_ptr,
+        beta_ptr,
+        num_sblocks,
+        int_ptr,
+        float_ptr,
+        KP: tl.constexpr,
+        WITH_DIGEST: tl.constexpr,
+        IS_BF16: tl.constexpr,
+        PAIRED: tl.constexpr,
+        UNROLL: tl.constexpr,
+    ):
         """bfloat16/float16: a tile is 1024 words = 2048 elements, one digest block, two sketch blocks.
 
         Word ``w`` holds elements ``2w`` (low half) and ``2w + 1``. The tile is handled as two
@@ -439,22 +633,90 @@ if triton is not None:
                 next_b0 = _words16(data_ptr, numel, tile + programs + stride, 0, PAIRED)
                 next_b1 = _words16(data_ptr, numel, tile + programs + stride, 1, PAIRED)
             low, high, y_even, y_odd, sq, max_bits, nan, inf = _tile16(
-                w_a0, w_a1, tile, num_tiles, num_sblocks, a0, a1, b0, b1, c_ptr, ch_ptr, beta_ptr, low, high,
-                y_even, y_odd, sq, max_bits, nan, inf, KP, WITH_DIGEST, IS_BF16)
+                w_a0,
+                w_a1,
+                tile,
+                num_tiles,
+                num_sblocks,
+                a0,
+                a1,
+                b0,
+                b1,
+                c_ptr,
+                ch_ptr,
+                beta_ptr,
+                low,
+                high,
+                y_even,
+                y_odd,
+                sq,
+                max_bits,
+                nan,
+                inf,
+                KP,
+                WITH_DIGEST,
+                IS_BF16,
+            )
             if UNROLL == 2:
                 low, high, y_even, y_odd, sq, max_bits, nan, inf = _tile16(
-                    w_b0, w_b1, tile + programs, num_tiles, num_sblocks, a0, a1, b0, b1, c_ptr, ch_ptr, beta_ptr, low,
-                    high, y_even, y_odd, sq, max_bits, nan, inf, KP, WITH_DIGEST, IS_BF16)
+                    w_b0,
+                    w_b1,
+                    tile + programs,
+                    num_tiles,
+                    num_sblocks,
+                    a0,
+                    a1,
+                    b0,
+                    b1,
+                    c_ptr,
+                    ch_ptr,
+                    beta_ptr,
+                    low,
+                    high,
+                    y_even,
+                    y_odd,
+                    sq,
+                    max_bits,
+                    nan,
+                    inf,
+                    KP,
+                    WITH_DIGEST,
+                    IS_BF16,
+                )
         alpha_even = tl.load(alpha_ptr + (2 * i)[:, None] * KP + m[None, :]).to(tl.float64)
         alpha_odd = tl.load(alpha_ptr + (2 * i + 1)[:, None] * KP + m[None, :]).to(tl.float64)
         sketch = tl.sum(alpha_even * y_even.to(tl.float64) + alpha_odd * y_odd.to(tl.float64), axis=0)
         max_abs = tl.max(max_bits, axis=0).to(tl.float32, bitcast=True).to(tl.float64)
-        _store(int_ptr, float_ptr, low, high, tl.sum(nan.to(tl.int64), axis=0), tl.sum(inf.to(tl.int64), axis=0),
-               sketch, tl.sum(sq.to(tl.float64), axis=0), max_abs, KP)
+        _store(
+            int_ptr,
+            float_ptr,
+            low,
+            high,
+            tl.sum(nan.to(tl.int64), axis=0),
+            tl.sum(inf.to(tl.int64), axis=0),
+            sketch,
+            tl.sum(sq.to(tl.float64), axis=0),
+            max_abs,
+            KP,
+        )
 
     @triton.jit
-    def _kernel64(data_ptr, numel, num_tiles, a_ptr, b_ptr, c_ptr, ch_ptr, alpha_ptr, beta_ptr, num_sblocks,
-                  int_ptr, float_ptr, KP: tl.constexpr, WITH_DIGEST: tl.constexpr):
+    def _kernel64(
+        data_ptr,
+        numel,
+        num_tiles,
+        a_ptr,
+        b_ptr,
+        c_ptr,
+        ch_ptr,
+        alpha_ptr,
+        beta_ptr,
+        num_sblocks,
+        int_ptr,
+        float_ptr,
+        KP: tl.constexpr,
+        WITH_DIGEST: tl.constexpr,
+    ):
         """float64: a tile is 512 elements (1024 words, low word first), half a sketch block.
 
         The sketch accumulates in float64 directly: a per-tile sum of 512 terms times ``beta``.
@@ -499,8 +761,18 @@ if triton is not None:
             nan += (bits > 0x7FF0000000000000).to(tl.int32)
             inf += (bits == 0x7FF0000000000000).to(tl.int32)
         max_abs = tl.max(max_bits, axis=0).to(tl.float64, bitcast=True)
-        _store(int_ptr, float_ptr, low, high, tl.sum(nan.to(tl.int64), axis=0), tl.sum(inf.to(tl.int64), axis=0),
-               sketch, tl.sum(sq, axis=0), max_abs, KP)
+        _store(
+            int_ptr,
+            float_ptr,
+            low,
+            high,
+            tl.sum(nan.to(tl.int64), axis=0),
+            tl.sum(inf.to(tl.int64), axis=0),
+            sketch,
+            tl.sum(sq, axis=0),
+            max_abs,
+            KP,
+        )
 
     @triton.jit
     def _finish(int_ptr, float_ptr, out_ptr, programs, K: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr):

@@ -27,6 +27,15 @@ from sdc_forensics.evidence import Evidence, EvidenceKind, Location
 from sdc_forensics.triage.trace_only import TriageOptions, TriageResult, triage_trace
 
 __all__ = [
-    "AnalysisOptions", "BisectOptions", "BisectResult", "Evidence", "EvidenceKind", "Location", "TriageOptions", "TriageResult", "Verdict",
-    "bisect", "triage_trace",
+    "AnalysisOptions",
+    "BisectOptions",
+    "BisectResult",
+    "Evidence",
+    "EvidenceKind",
+    "Location",
+    "TriageOptions",
+    "TriageResult",
+    "Verdict",
+    "bisect",
+    "triage_trace",
 ]

@@ -54,7 +54,9 @@ class Progress(Protocol):
         """Say something people should know before the replay (optional: looked up with ``hasattr``)."""
 
 
-def bisect(trace_dir: Trace | str | os.PathLike, options: AnalysisOptions, progress: Progress | None = None) -> BisectResult:
+def bisect(
+    trace_dir: Trace | str | os.PathLike, options: AnalysisOptions, progress: Progress | None = None
+) -> BisectResult:
     """Find the first divergent step, the suspects and the last clean checkpoint.
 
     Raises:
@@ -82,8 +84,10 @@ def bisect(trace_dir: Trace | str | os.PathLike, options: AnalysisOptions, progr
     seed = int(trace.manifest.fingerprint.seed)
     recipe_ref = None
     if options.trace_only:
-        settle.append("replay with the job's recipe and checkpoints (without --trace-only) to certify checkpoints and find "
-                      "faults the trace cannot see")
+        settle.append(
+            "replay with the job's recipe and checkpoints (without --trace-only) to certify checkpoints and find "
+            "faults the trace cannot see"
+        )
     else:
         recipe_ref = options.recipe or trace.manifest.recipe
         if not recipe_ref:
@@ -96,8 +100,13 @@ def bisect(trace_dir: Trace | str | os.PathLike, options: AnalysisOptions, progr
         from sdc_forensics.replay.env import resolve_device
 
         resolve_device(options.device)  # an unknown or absent device is a usage error before anything is said or done
-        flight = preflight.check(trace.manifest, device=options.device, num_threads=options.num_threads, collective=options.collective,
-                                 force_tolerant=options.force_tolerant)
+        flight = preflight.check(
+            trace.manifest,
+            device=options.device,
+            num_threads=options.num_threads,
+            collective=options.collective,
+            force_tolerant=options.force_tolerant,
+        )
         if progress is not None and hasattr(progress, "note"):
             for line in flight.lines():  # before any replay: a run that cannot certify says so first
                 progress.note(line)
@@ -117,54 +126,98 @@ def bisect(trace_dir: Trace | str | os.PathLike, options: AnalysisOptions, progr
     first_step = tri.step_range[0] if tri.step_range else 0
     # steps the ledger certifies count as examined exactly, as if replayed now (ledger.reuse: a chain of exact clean records)
     from_ledger = {s for w in reused for s in range(w.start, w.last + 1)}
-    examined = Examined(first_step=first_step, replayed=frozenset(replayed | from_ledger), tolerant_steps=frozenset(tolerant),
-                        trace_consistent=not any(d.kind in UNTRUSTED_DAMAGE for d in tri.damage),
-                        files_read=bool(files), trace_only=options.trace_only,
-                        anchors=frozenset(w.start for w in summary.windows) | frozenset(w.start for w in reused))
+    examined = Examined(
+        first_step=first_step,
+        replayed=frozenset(replayed | from_ledger),
+        tolerant_steps=frozenset(tolerant),
+        trace_consistent=not any(d.kind in UNTRUSTED_DAMAGE for d in tri.damage),
+        files_read=bool(files),
+        trace_only=options.trace_only,
+        anchors=frozenset(w.start for w in summary.windows) | frozenset(w.start for w in reused),
+    )
     if options.trace_only:  # not read, but named: every checkpoint row has its path
         files = {n.step: CheckpointFile(path=str(checkpoint_file(n, trace.path, options) or n.path)) for n in notes}
     majority = majority_weights_digests(trace, [n.step for n in notes]) if notes else {}
-    decided = decision.decide(evidence, world_size=trace.world_size, identity=trace.manifest.identity, notes=notes,
-                              files=files, majority=majority, examined=examined, sharded=trace.manifest.parallel is not None)
+    decided = decision.decide(
+        evidence,
+        world_size=trace.world_size,
+        identity=trace.manifest.identity,
+        notes=notes,
+        files=files,
+        majority=majority,
+        examined=examined,
+        sharded=trace.manifest.parallel is not None,
+    )
     if len(trace.manifest.attempts) > 1:  # a resumed run: every attempt is judged, not only the latest lineage
-        earlier = _earlier_attempts(trace, options, progress, (recipe_ref if mode == "replay" else None), files, notes_out)
+        earlier = _earlier_attempts(
+            trace, options, progress, (recipe_ref if mode == "replay" else None), files, notes_out
+        )
         decided = decision.with_earlier_attempts(decided, earlier)
     scope = _scope(tri, summary)
     if decided.verdict is decision.Verdict.CLEAN and mode == "trace-only":
         scope += " (trace-only: a wrong finite local gradient on a step without an audit would not show)"
     if tri.superseded_cells:
-        notes_out.append(f"{tri.superseded_cells} (step, rank) records were re-executed by a later attempt; the latest attempt is used")
+        notes_out.append(
+            f"{tri.superseded_cells} (step, rank) records were re-executed by a later attempt; the latest attempt is used"
+        )
     settle = list(decided.settle) + settle
     if flight is not None and not flight.exact and mode == "replay":
         settle.append(f"this replay could not be exact ({flight.blockers[0]}): {flight.fix}")
     reach = audit_reach(trace.manifest.node_of_rank)
-    if reach is not None and any("audit" in line for line in decided.settle):  # advice this job's audits could not follow
+    if reach is not None and any(
+        "audit" in line for line in decided.settle
+    ):  # advice this job's audits could not follow
         settle.append(f"audits cannot settle it in this job: {reach}")
     if mode == "replay":
-        unexamined = [c.step for c in decided.checkpoints
-                      if c.status is decision.Status.UNVERIFIED and examined.unexamined_before(c.step)]
+        unexamined = [
+            c.step
+            for c in decided.checkpoints
+            if c.status is decision.Status.UNVERIFIED and examined.unexamined_before(c.step)
+        ]
         if unexamined and gap is not None:
             settle.append(unreplayable_text(gap))
         elif unexamined:
             limit = " (without --max-replay-steps)" if options.max_replay_steps is not None else ""
-            settle.append(f"checkpoint(s) {', '.join(map(str, unexamined))} stay unverified: replay every step before them{limit} "
-                          "to certify them" + ("" if limit else " (the notes say what stopped the replay)"))
+            settle.append(
+                f"checkpoint(s) {', '.join(map(str, unexamined))} stay unverified: replay every step before them{limit} "
+                "to certify them" + ("" if limit else " (the notes say what stopped the replay)")
+            )
     suspects = decided.suspects
     mesh = trace.manifest.parallel
     if mesh is not None:  # a sharded job: where in the mesh each suspect sits
-        suspects = tuple(dataclasses.replace(s, mesh=mesh.coordinates(s.rank)) if s.rank is not None else s for s in suspects)
+        suspects = tuple(
+            dataclasses.replace(s, mesh=mesh.coordinates(s.rank)) if s.rank is not None else s for s in suspects
+        )
     return BisectResult(
-        verdict=decided.verdict, first_divergent_step=decided.first_divergent_step, suspects=suspects,
-        last_clean_checkpoint=decided.last_clean, checkpoints=decided.checkpoints,
-        replayed=summary, evidence=decided.evidence, mode=mode, scope=scope, settle=tuple(settle),
-        trace_path=str(trace.path), world_size=trace.world_size, step_range=tri.step_range,
-        damage=tuple(d.detail or d.kind for d in tri.damage), notes=tuple(notes_out),
-        divergence_window=decided.divergence_window, seed=seed, preflight=flight,
+        verdict=decided.verdict,
+        first_divergent_step=decided.first_divergent_step,
+        suspects=suspects,
+        last_clean_checkpoint=decided.last_clean,
+        checkpoints=decided.checkpoints,
+        replayed=summary,
+        evidence=decided.evidence,
+        mode=mode,
+        scope=scope,
+        settle=tuple(settle),
+        trace_path=str(trace.path),
+        world_size=trace.world_size,
+        step_range=tri.step_range,
+        damage=tuple(d.detail or d.kind for d in tri.damage),
+        notes=tuple(notes_out),
+        divergence_window=decided.divergence_window,
+        seed=seed,
+        preflight=flight,
     )
 
 
-def _earlier_attempts(trace: Trace, options: AnalysisOptions, progress, recipe_ref: str | None,
-                      files: dict[int, CheckpointFile], notes_out: list[str]) -> list[decision.EarlierAttempt]:
+def _earlier_attempts(
+    trace: Trace,
+    options: AnalysisOptions,
+    progress,
+    recipe_ref: str | None,
+    files: dict[int, CheckpointFile],
+    notes_out: list[str],
+) -> list[decision.EarlierAttempt]:
     """Each earlier attempt of a resumed run, judged on its own records of the steps a later attempt re-executed.
 
     The latest lineage (every step's latest record) hides them: a fault that made the job stop, and the resume from
@@ -191,7 +244,9 @@ def _earlier_attempts(trace: Trace, options: AnalysisOptions, progress, recipe_r
                 from sdc_forensics.recipe import load_recipe
 
                 recipe = load_recipe(recipe_ref, args=trace.manifest.recipe_args)
-            for note in sorted((n for n in view.checkpoint_notes() if n.step <= lo), key=lambda n: n.step, reverse=True):
+            for note in sorted(
+                (n for n in view.checkpoint_notes() if n.step <= lo), key=lambda n: n.step, reverse=True
+            ):
                 # the file the latest lineage verified, when its note is this attempt's too; else this note's own
                 known = files.get(note.step) if latest_attempt.get(note.step) == note.attempt else None
                 file = known if known is not None else verify_files([note], options, trace.path, seed)[note.step]
@@ -204,14 +259,32 @@ def _earlier_attempts(trace: Trace, options: AnalysisOptions, progress, recipe_r
                 evidence += [e for e in runner.evidence if lo <= e.step <= hi]
                 replayed, tolerant, anchors = runner.replayed, runner.tolerant, {note.step}
                 break
-        examined = Examined(first_step=lo, replayed=frozenset(s for s in replayed if s >= lo), tolerant_steps=frozenset(tolerant),
-                            files_read=bool(replayed), trace_only=recipe_ref is None, anchors=frozenset(anchors))
-        decided = decision.decide(evidence, world_size=view.world_size, identity=view.manifest.identity, notes=(), files={},
-                                  majority={}, examined=examined, sharded=view.manifest.parallel is not None)
+        examined = Examined(
+            first_step=lo,
+            replayed=frozenset(s for s in replayed if s >= lo),
+            tolerant_steps=frozenset(tolerant),
+            files_read=bool(replayed),
+            trace_only=recipe_ref is None,
+            anchors=frozenset(anchors),
+        )
+        decided = decision.decide(
+            evidence,
+            world_size=view.world_size,
+            identity=view.manifest.identity,
+            notes=(),
+            files={},
+            majority={},
+            examined=examined,
+            sharded=view.manifest.parallel is not None,
+        )
         how = "replayed and compared with its own records" if replayed else "checked in the trace"
-        notes_out.append(f"attempt {past.attempt}'s steps {lo}..{hi}, re-executed by attempt {later.attempt}, were {how}: "
-                         f"{decided.verdict.value}")
-        out.append(decision.EarlierAttempt(attempt=past.attempt, resumed_by=later.attempt, steps=(lo, hi), decision=decided))
+        notes_out.append(
+            f"attempt {past.attempt}'s steps {lo}..{hi}, re-executed by attempt {later.attempt}, were {how}: "
+            f"{decided.verdict.value}"
+        )
+        out.append(
+            decision.EarlierAttempt(attempt=past.attempt, resumed_by=later.attempt, steps=(lo, hi), decision=decided)
+        )
     return out
 
 
@@ -222,7 +295,11 @@ def _scope(tri: TriageResult, summary: ReplaySummary) -> str:
     done = [w for w in windows if w.last >= w.start]  # a window that stopped before its first step replayed nothing
     reused = sorted(summary.ledger.reused, key=lambda w: w.start) if summary.ledger is not None else []
     if reused:
-        scope += "; from the ledger steps " + ", ".join(f"{w.start}..{w.last}" for w in reused) + " (exact, replayed earlier)"
+        scope += (
+            "; from the ledger steps "
+            + ", ".join(f"{w.start}..{w.last}" for w in reused)
+            + " (exact, replayed earlier)"
+        )
     if done:
         spans = ", ".join(f"{w.start}..{w.last}" if w.last > w.start else str(w.start) for w in done)
         scope += f"; replayed step{'s' if len(done) > 1 or done[0].last > done[0].start else ''} {spans} ({summary.comparison}) on {summary.device}"
@@ -234,7 +311,9 @@ def _scope(tri: TriageResult, summary: ReplaySummary) -> str:
     return scope
 
 
-def _walk(tri: TriageResult, usable: list[CheckpointNote], options: AnalysisOptions, runner: IntervalRunner) -> ReplaySummary:
+def _walk(
+    tri: TriageResult, usable: list[CheckpointNote], options: AnalysisOptions, runner: IntervalRunner
+) -> ReplaySummary:
     """The backward walk: hand ``runner`` the intervals that decide the run, one at a time, from the
     one that can confirm the trace's evidence (or the last) down to the first step; the runner takes
     from the ledger what it covers and replays the rest. What it found stays on the runner."""
@@ -255,17 +334,24 @@ def _walk(tri: TriageResult, usable: list[CheckpointNote], options: AnalysisOpti
     for note in reversed(starts):
         if note.step > hi:
             continue
-        if (options.max_replay_steps is not None and runner.replayed_steps >= options.max_replay_steps
-                and not runner.covered(note.step, hi)):  # the limit is on replays, not on reuse
+        if (
+            options.max_replay_steps is not None
+            and runner.replayed_steps >= options.max_replay_steps
+            and not runner.covered(note.step, hi)
+        ):  # the limit is on replays, not on reuse
             if runner.ledger_certifies_before(note.step):  # earlier intervals may still come from the ledger
-                runner.notes.append(f"steps {note.step}..{hi} not replayed (--max-replay-steps reached); earlier intervals "
-                                    "the ledger covers are still taken from it")
+                runner.notes.append(
+                    f"steps {note.step}..{hi} not replayed (--max-replay-steps reached); earlier intervals "
+                    "the ledger covers are still taken from it"
+                )
                 hi = note.step - 1
                 if hi < first_step:
                     break
                 continue
-            runner.notes.append(f"stopped widening after {runner.replayed_steps} replayed steps (--max-replay-steps): "
-                                f"steps {first_step}..{hi} not replayed")
+            runner.notes.append(
+                f"stopped widening after {runner.replayed_steps} replayed steps (--max-replay-steps): "
+                f"steps {first_step}..{hi} not replayed"
+            )
             break
         result = runner.replay(note, hi, reason)
         if result is None:
@@ -285,8 +371,9 @@ def _walk(tri: TriageResult, usable: list[CheckpointNote], options: AnalysisOpti
     return runner.summary()
 
 
-def _intervals_below(starts: list[CheckpointNote], note: CheckpointNote, budget: int | None,
-                     first_step: int = 0) -> list[tuple[CheckpointNote, int]]:
+def _intervals_below(
+    starts: list[CheckpointNote], note: CheckpointNote, budget: int | None, first_step: int = 0
+) -> list[tuple[CheckpointNote, int]]:
     """The intervals the backward walk replays after ``note``'s, in its order (``(checkpoint, last
     step)``), as far as ``budget`` steps reach (None: all) and down to the trace's ``first_step``;
     a checkpoint found not to hold the replicas' weights changes the walk, which then replays
@@ -317,7 +404,9 @@ def _scan_after(runner: IntervalRunner, starts: list[CheckpointNote], found: int
     runner.share([(note, hi) for note, hi in plan if hi is not None])
     for note, hi in plan:
         if hi is None:
-            runner.notes.append(f"scan: checkpoint {note.step} was saved while rank(s) {', '.join(map(str, note.diverged_ranks))} "
-                                "still diverged; its interval is not scanned")
+            runner.notes.append(
+                f"scan: checkpoint {note.step} was saved while rank(s) {', '.join(map(str, note.diverged_ranks))} "
+                "still diverged; its interval is not scanned"
+            )
         else:
             runner.replay(note, hi, "scan of the intervals after the first divergence (--scan-recurrence)")

@@ -99,9 +99,16 @@ def certify(trace_dir: str | os.PathLike, options, progress=None) -> Certificati
     notes = trace.checkpoint_notes()
     folders = {Path(folder)} if folder is not None else {Path(s.path).parent for s in result.checkpoints if s.path}
     unnoted = tuple(p for f in sorted(folders) if f.is_dir() for p in unnoted_checkpoints(notes, f))
-    coverage = with_details(coverage_of(result), trace, ledger_records(trace.path, options.ledger_path, options.no_ledger))
-    return Certification(trace_dir=Path(trace.path), analysis=result, unnoted=unnoted,
-                         exit_code=certify_exit(result.checkpoints, result.verdict), coverage=coverage)
+    coverage = with_details(
+        coverage_of(result), trace, ledger_records(trace.path, options.ledger_path, options.no_ledger)
+    )
+    return Certification(
+        trace_dir=Path(trace.path),
+        analysis=result,
+        unnoted=unnoted,
+        exit_code=certify_exit(result.checkpoints, result.verdict),
+        coverage=coverage,
+    )
 
 
 def write_run_certificate(path: str | os.PathLike, certification: Certification, *, force: bool = False) -> Path:
@@ -109,6 +116,10 @@ def write_run_certificate(path: str | os.PathLike, certification: Certification,
     from sdc_forensics.decide.certificate import build_certificate, write_certificate
 
     result = certification.analysis
-    cert = build_certificate(result.checkpoints, trace_dir=certification.trace_dir,
-                             first_divergent_step=result.first_divergent_step, seed=result.seed)
+    cert = build_certificate(
+        result.checkpoints,
+        trace_dir=certification.trace_dir,
+        first_divergent_step=result.first_divergent_step,
+        seed=result.seed,
+    )
     return write_certificate(path, cert, force=force)

@@ -27,7 +27,9 @@ __all__ = ["checkpoint_file", "replayable", "storage_evidence", "verify_files"]
 _NOT_A_START = decision.STORAGE_FINDINGS | decision.STATE_FINDINGS
 
 
-def checkpoint_file(note: CheckpointNote, trace_path: str | os.PathLike, options: AnalysisOptions | None = None) -> Path | None:
+def checkpoint_file(
+    note: CheckpointNote, trace_path: str | os.PathLike, options: AnalysisOptions | None = None
+) -> Path | None:
     """Which file is checkpoint ``note.step``: the one ``options.checkpoint_paths`` names for it (the file
     ``verify-checkpoint PATH --trace`` asks about), else the one ``--checkpoints`` or the note leads to from the
     trace directory (``checkpoint.locate.locate_checkpoint``); None when none is found.
@@ -44,7 +46,9 @@ def checkpoint_file(note: CheckpointNote, trace_path: str | os.PathLike, options
     return options.checkpoint_paths.get(note.step) or locate_checkpoint(note, options.checkpoints_dir, trace_path)
 
 
-def verify_files(notes: Sequence[CheckpointNote], options: AnalysisOptions, trace_path: Path, seed: int) -> dict[int, CheckpointFile]:
+def verify_files(
+    notes: Sequence[CheckpointNote], options: AnalysisOptions, trace_path: Path, seed: int
+) -> dict[int, CheckpointFile]:
     """``{N: CheckpointFile}`` for every noted checkpoint, digested with the trace's seed."""
     from sdc_forensics.checkpoint.verify import VerifyOptions, verify_checkpoint
     from sdc_forensics.errors import CheckpointError
@@ -67,21 +71,35 @@ def replayable(file: CheckpointFile) -> bool:
     return file.report is not None and not any(f.kind.value in _NOT_A_START for f in file.report.findings)
 
 
-def storage_evidence(notes: Sequence[CheckpointNote], files: Mapping[int, CheckpointFile], sharded: bool = False) -> list[Evidence]:
+def storage_evidence(
+    notes: Sequence[CheckpointNote], files: Mapping[int, CheckpointFile], sharded: bool = False
+) -> list[Evidence]:
     """Evidence of each noted file that differs from what its rank saved, or cannot be read (storage)."""
     out = []
     for note in notes:
         file = files[note.step]
-        findings = [f for f in file.report.findings if f.kind.value in decision.STORAGE_FINDINGS] if file.report is not None else []
+        findings = (
+            [f for f in file.report.findings if f.kind.value in decision.STORAGE_FINDINGS]
+            if file.report is not None
+            else []
+        )
         if decision.diverged_replica_copy(note, sharded):  # a diverged replica's shard, written as it was: not the disk
             findings = [f for f in findings if f.kind is not FindingKind.DIGEST_MISMATCH]
         if file.error or findings:
             first = findings[0] if findings else None
-            out.append(Evidence(
-                kind=EvidenceKind.CHECKPOINT_MISMATCH, step=note.step, ranks=(note.saved_by_rank,), source="checkpoint",
-                expected=first.expected if first else "a readable checkpoint", found=first.found if first else file.error,
-                location=Location.STORAGE, affects_state=False,
-                detail=f"checkpoint {Path(file.path or note.path).name}: " + (f"{first.kind.value} in {first.subject}" if first else "unreadable")
-                + "; the file differs from what rank {} saved".format(note.saved_by_rank),
-            ))
+            out.append(
+                Evidence(
+                    kind=EvidenceKind.CHECKPOINT_MISMATCH,
+                    step=note.step,
+                    ranks=(note.saved_by_rank,),
+                    source="checkpoint",
+                    expected=first.expected if first else "a readable checkpoint",
+                    found=first.found if first else file.error,
+                    location=Location.STORAGE,
+                    affects_state=False,
+                    detail=f"checkpoint {Path(file.path or note.path).name}: "
+                    + (f"{first.kind.value} in {first.subject}" if first else "unreadable")
+                    + "; the file differs from what rank {} saved".format(note.saved_by_rank),
+                )
+            )
     return out

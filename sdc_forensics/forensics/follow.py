@@ -113,8 +113,10 @@ def parse_budget(text: str) -> tuple[str, float | None]:
             fraction = float("nan")
         if 0 < fraction <= 1:
             return kind, fraction
-    raise UsageError(f"--budget {text!r}: use all (every interval, oldest first), newest (every interval, newest first) or "
-                     "sample:F with 0 < F <= 1 (that fraction of the intervals, the rest left to the online checks)")
+    raise UsageError(
+        f"--budget {text!r}: use all (every interval, oldest first), newest (every interval, newest first) or "
+        "sample:F with 0 < F <= 1 (that fraction of the intervals, the rest left to the online checks)"
+    )
 
 
 def sampled(note, fraction: float) -> bool:
@@ -204,8 +206,13 @@ class _Signals:
             raise _Stop()
 
 
-def follow(trace_dir: str | os.PathLike, options, follow_options: FollowOptions, say: Callable[[str], None] | None = None,
-           progress=None) -> FollowOutcome:
+def follow(
+    trace_dir: str | os.PathLike,
+    options,
+    follow_options: FollowOptions,
+    say: Callable[[str], None] | None = None,
+    progress=None,
+) -> FollowOutcome:
     """Certify ``trace_dir`` while it grows (module docstring).
 
     Args:
@@ -221,7 +228,9 @@ def follow(trace_dir: str | os.PathLike, options, follow_options: FollowOptions,
     from sdc_forensics.errors import UsageError
 
     if options.no_ledger or options.trace_only:
-        raise UsageError("certify --follow records every interval in the ledger and replays: drop --no-ledger (and SDC_FORENSICS_NO_LEDGER) and --trace-only")
+        raise UsageError(
+            "certify --follow records every interval in the ledger and replays: drop --no-ledger (and SDC_FORENSICS_NO_LEDGER) and --trace-only"
+        )
     loop = _Loop(Path(trace_dir), options, follow_options, say or (lambda line: None), progress)
     with _Signals() as signals:
         loop.signals = signals
@@ -229,7 +238,9 @@ def follow(trace_dir: str | os.PathLike, options, follow_options: FollowOptions,
             stopped_by = loop.run()
         except _Stop:
             stopped_by = "signal"
-            loop.say(f"stopping: {signal.Signals(signals.received).name} received; every record appended so far is whole")
+            loop.say(
+                f"stopping: {signal.Signals(signals.received).name} received; every record appended so far is whole"
+            )
     return loop.outcome(stopped_by)
 
 
@@ -264,7 +275,13 @@ class _View:
 
 class _Loop:
     def __init__(self, trace_dir: Path, options, follow_options: FollowOptions, say, progress) -> None:
-        self.trace_dir, self.options, self.follow, self.say, self.progress = trace_dir, options, follow_options, say, progress
+        self.trace_dir, self.options, self.follow, self.say, self.progress = (
+            trace_dir,
+            options,
+            follow_options,
+            say,
+            progress,
+        )
         self.signals: _Signals | None = None
         self.done: list[IntervalDone] = []
         # intervals by (start, stop, attempt of the closing checkpoint's note): a resumed attempt that
@@ -322,10 +339,22 @@ class _Loop:
                 todo.append(span)
         if self.follow.newest_first:
             todo.reverse()
-        idle = (self.follow.idle_s is not None and not todo and self.lag == 0
-                and time.monotonic() - self.last_change > self.follow.idle_s)
-        return _View(last_step=last_step, notes=tuple((n.step, n.attempt) for n in notes), covered=tuple(covered), gone=tuple(gone),
-                     todo=tuple(todo), skipped=tuple(skipped), lines=tuple(ledger.lines), idle=idle)
+        idle = (
+            self.follow.idle_s is not None
+            and not todo
+            and self.lag == 0
+            and time.monotonic() - self.last_change > self.follow.idle_s
+        )
+        return _View(
+            last_step=last_step,
+            notes=tuple((n.step, n.attempt) for n in notes),
+            covered=tuple(covered),
+            gone=tuple(gone),
+            todo=tuple(todo),
+            skipped=tuple(skipped),
+            lines=tuple(ledger.lines),
+            idle=idle,
+        )
 
     def _shared_look(self) -> _View:
         """:meth:`_look` on process 0, handed to every process under torchrun."""
@@ -335,7 +364,9 @@ class _Loop:
             return self._look()
         view = None
         if distributed.is_lead():
-            with distributed.alone():  # process 0 reads alone (its ledger reading is not exchanged): the view is what is shared
+            with (
+                distributed.alone()
+            ):  # process 0 reads alone (its ledger reading is not exchanged): the view is what is shared
                 view = self._look()
         return distributed.exchange_objects(view)[0]
 
@@ -357,38 +388,54 @@ class _Loop:
         for a, b, attempt, ids in view.covered:
             if (a, b, attempt) not in self.seen:
                 self.seen.add((a, b, attempt))
-                self.done.append(IntervalDone(start=a, last=b - 1, outcome="reused", comparison="exact", record_id=ids[0]))
+                self.done.append(
+                    IntervalDone(start=a, last=b - 1, outcome="reused", comparison="exact", record_id=ids[0])
+                )
                 self.say(f"steps {a}..{b - 1}: already in the ledger (record {', '.join(ids)})")
         for a, b, attempt in view.gone:
             self.unreplayable[(a, b, attempt)] = f"checkpoint {a}'s file is gone (rotated away?)"
-            self.say(f"steps {a}..{b - 1} cannot be replayed: checkpoint {a}'s file is gone (rotated away before "
-                     "it was replayed); they stay unexamined")
+            self.say(
+                f"steps {a}..{b - 1} cannot be replayed: checkpoint {a}'s file is gone (rotated away before "
+                "it was replayed); they stay unexamined"
+            )
         for a, b, attempt in view.skipped:
             self.skipped.add((a, b, attempt))
             self.say(f"steps {a}..{b - 1}: left to the online checks by --budget {self.follow.budget} (not replayed)")
         self.lag = len(view.todo)
         if view.todo:
-            self.say(f"lag: {len(view.todo)} interval(s) behind training (trace at step {view.last_step})"
-                     + (", newest first" if self.follow.newest_first and len(view.todo) > 1 else ""))
+            self.say(
+                f"lag: {len(view.todo)} interval(s) behind training (trace at step {view.last_step})"
+                + (", newest first" if self.follow.newest_first and len(view.todo) > 1 else "")
+            )
             trace = Trace.open(self.trace_dir)
             wanted = set(view.notes)
-            by_step = {n.step: n for n in trace.checkpoint_notes() if n.weights_digest and (n.step, n.attempt) in wanted}
+            by_step = {
+                n.step: n for n in trace.checkpoint_notes() if n.weights_digest and (n.step, n.attempt) in wanted
+            }
             notes = [by_step[step] for step, _ in view.notes if step in by_step]
             # a ledger append is never cut by a stop signal: the handlers hold it off until the append ends
-            ledger = open_ledger(trace, notes, self.options, guard=self.signals.protected if self.signals is not None else None)
+            ledger = open_ledger(
+                trace, notes, self.options, guard=self.signals.protected if self.signals is not None else None
+            )
             runner = interval_runner(trace, self.options, self.progress, ledger, recipe=self.recipe)
             self.recipe = runner.recipe
             plan = [(by_step[a], by_step[b]) for a, b, _ in view.todo]
-            runner.share([(a, b.step - 1) for a, b in plan])  # under torchrun: whole intervals dealt out, when that pays
+            runner.share(
+                [(a, b.step - 1) for a, b in plan]
+            )  # under torchrun: whole intervals dealt out, when that pays
             appended = len(runner.appended)
             for index, (a, b) in enumerate(plan):
                 result = runner.replay(a, b.step - 1, "certify --follow: a checkpoint interval closed")
                 self.seen.add((a.step, b.step, b.attempt))
                 self.lag = len(plan) - index - 1
                 if result is None:  # checkpoint a does not hold the replicas' weights (runner's note says so)
-                    self.unreplayable[(a.step, b.step, b.attempt)] = f"checkpoint {a.step} does not hold the replicas' weights"
-                    self.say(f"steps {a.step}..{b.step - 1} cannot be replayed: checkpoint {a.step} does not hold the replicas' "
-                             "weights; they stay unexamined")
+                    self.unreplayable[(a.step, b.step, b.attempt)] = (
+                        f"checkpoint {a.step} does not hold the replicas' weights"
+                    )
+                    self.say(
+                        f"steps {a.step}..{b.step - 1} cannot be replayed: checkpoint {a.step} does not hold the replicas' "
+                        "weights; they stay unexamined"
+                    )
                     continue
                 self.last_change = time.monotonic()
                 record = runner.appended[-1] if len(runner.appended) > appended else ""
@@ -397,21 +444,37 @@ class _Loop:
                 weak = not strong and any(e.is_weak for e in runner.evidence if a.step <= e.step < b.step)
                 outcome = "evidence" if strong or weak else "clean"
                 comparison = result.comparison
-                self.done.append(IntervalDone(start=a.step, last=b.step - 1, outcome=outcome, comparison=comparison,
-                                              record_id=record, lag=self.lag))
-                self.say(f"steps {a.step}..{b.step - 1}: replayed ({comparison}), "
-                         + ("STRONG EVIDENCE" if strong else "weak evidence only" if weak else "clean")
-                         + (f", record {record}" if record else "") + f"; lag {self.lag}")
+                self.done.append(
+                    IntervalDone(
+                        start=a.step,
+                        last=b.step - 1,
+                        outcome=outcome,
+                        comparison=comparison,
+                        record_id=record,
+                        lag=self.lag,
+                    )
+                )
+                self.say(
+                    f"steps {a.step}..{b.step - 1}: replayed ({comparison}), "
+                    + ("STRONG EVIDENCE" if strong else "weak evidence only" if weak else "clean")
+                    + (f", record {record}" if record else "")
+                    + f"; lag {self.lag}"
+                )
                 if strong:
                     self.say(f"incident: strong evidence at step {result.first_divergent_step}; analysing the run")
                     self.incidents.append(self._analyse(budget=None, progress=self.progress))
                     if not self.follow.keep_going:
                         return "incident"
-                    return None  # the analysis replayed and recorded intervals too: read the ledger again before going on
+                    return (
+                        None  # the analysis replayed and recorded intervals too: read the ledger again before going on
+                    )
         until = self.follow.until_step
         if until is not None and any(n >= until for n, _ in view.notes):
-            wanted = [(a, b, attempt) for (a, _), (b, attempt) in zip(view.notes, view.notes[1:])
-                      if b <= until and b - 1 <= view.last_step and b > a]
+            wanted = [
+                (a, b, attempt)
+                for (a, _), (b, attempt) in zip(view.notes, view.notes[1:])
+                if b <= until and b - 1 <= view.last_step and b > a
+            ]
             if all(span in self.seen or span in self.unreplayable or span in self.skipped for span in wanted):
                 return "until-step"
         if view.idle:
@@ -431,9 +494,13 @@ class _Loop:
         final = None
         if stopped_by == "signal" and distributed.current() is not None:
             # each process was stopped wherever it was: they cannot meet for an analysis together
-            self.say("no final analysis under torchrun after a stop signal: run sdc-forensics certify TRACE_DIR for the statuses "
-                     "(it reuses every record appended)")
-        elif stopped_by != "incident":  # after a signal too: a second SIGTERM/SIGINT ends it at once (the handlers are gone)
+            self.say(
+                "no final analysis under torchrun after a stop signal: run sdc-forensics certify TRACE_DIR for the statuses "
+                "(it reuses every record appended)"
+            )
+        elif (
+            stopped_by != "incident"
+        ):  # after a signal too: a second SIGTERM/SIGINT ends it at once (the handlers are gone)
             from sdc_forensics.errors import SdcError
 
             try:  # every checkpoint's status from the one decision, on the ledger alone (replays nothing)
@@ -456,7 +523,14 @@ class _Loop:
             code = ExitCode.INCONCLUSIVE
         else:
             code = ExitCode.CLEAN
-        return FollowOutcome(intervals=tuple(self.done), stopped_by=stopped_by, lag=self.lag,
-                             unreplayable=tuple(sorted({(a, b) for a, b, _ in self.unreplayable})), incidents=tuple(self.incidents),
-                             final=final, exit_code=code, skipped=tuple(sorted({(a, b) for a, b, _ in self.skipped})),
-                             budget=self.follow.budget)
+        return FollowOutcome(
+            intervals=tuple(self.done),
+            stopped_by=stopped_by,
+            lag=self.lag,
+            unreplayable=tuple(sorted({(a, b) for a, b, _ in self.unreplayable})),
+            incidents=tuple(self.incidents),
+            final=final,
+            exit_code=code,
+            skipped=tuple(sorted({(a, b) for a, b, _ in self.skipped})),
+            budget=self.follow.budget,
+        )

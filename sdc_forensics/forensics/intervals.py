@@ -41,8 +41,13 @@ from sdc_forensics.triage.trace_only import TriageResult, triage_trace
 __all__ = ["IntervalRunner", "interval_runner", "ledger_records", "open_ledger", "suspect_gpus"]
 
 
-def open_ledger(trace: Trace, notes: Sequence[CheckpointNote], options: AnalysisOptions, say: Callable[[str], None] | None = None,
-                guard: Callable[[], Any] | None = None) -> LedgerUse | None:
+def open_ledger(
+    trace: Trace,
+    notes: Sequence[CheckpointNote],
+    options: AnalysisOptions,
+    say: Callable[[str], None] | None = None,
+    guard: Callable[[], Any] | None = None,
+) -> LedgerUse | None:
     """The ledger of ``trace`` as one analysis reads and extends it (None with ``no_ledger`` or ``trace_only``).
 
     Args:
@@ -55,7 +60,9 @@ def open_ledger(trace: Trace, notes: Sequence[CheckpointNote], options: Analysis
     return LedgerUse.open(trace, notes, options, say=say, guard=guard)
 
 
-def ledger_records(trace_path: str | os.PathLike, ledger_file: str | os.PathLike | None = None, no_ledger: bool = False) -> tuple:
+def ledger_records(
+    trace_path: str | os.PathLike, ledger_file: str | os.PathLike | None = None, no_ledger: bool = False
+) -> tuple:
     """Every valid record of the ledger beside ``trace_path`` (or ``ledger_file``; none with ``no_ledger``):
     what ``decide.coverage.with_details`` measures the replay cost on. Damaged records were said by the
     analysis that read the ledger."""
@@ -64,8 +71,15 @@ def ledger_records(trace_path: str | os.PathLike, ledger_file: str | os.PathLike
     return () if no_ledger else tuple(read_ledger(ledger_path(trace_path, ledger_file)).records)
 
 
-def interval_runner(trace: Trace, options: AnalysisOptions, progress=None, ledger: LedgerUse | None = None, recipe=None, *,
-                    triage: TriageResult | None = None) -> "IntervalRunner":
+def interval_runner(
+    trace: Trace,
+    options: AnalysisOptions,
+    progress=None,
+    ledger: LedgerUse | None = None,
+    recipe=None,
+    *,
+    triage: TriageResult | None = None,
+) -> "IntervalRunner":
     """A runner of checkpoint-interval replays: ``runner.replay(note, last_step, reason)`` takes what ``ledger``
     (:func:`open_ledger`) covers from it, replays the rest (second opinion on weak residuals included) and appends
     each replay to the ledger.
@@ -79,8 +93,14 @@ def interval_runner(trace: Trace, options: AnalysisOptions, progress=None, ledge
         from sdc_forensics.recipe import load_recipe
 
         recipe = load_recipe(options.recipe or trace.manifest.recipe, args=trace.manifest.recipe_args)
-    return IntervalRunner(trace, recipe, options, progress, suspect_gpus(trace, triage if triage is not None else triage_trace(trace)),
-                          ledger)
+    return IntervalRunner(
+        trace,
+        recipe,
+        options,
+        progress,
+        suspect_gpus(trace, triage if triage is not None else triage_trace(trace)),
+        ledger,
+    )
 
 
 class IntervalRunner:
@@ -96,8 +116,16 @@ class IntervalRunner:
             intervals it covers are not replayed, and each replay is appended to it.
     """
 
-    def __init__(self, trace: Trace, recipe, options: AnalysisOptions, progress, suspect_gpus: dict[str, int], ledger=None) -> None:
-        self.trace, self.recipe, self.options, self.progress, self.suspect_gpus = trace, recipe, options, progress, suspect_gpus
+    def __init__(
+        self, trace: Trace, recipe, options: AnalysisOptions, progress, suspect_gpus: dict[str, int], ledger=None
+    ) -> None:
+        self.trace, self.recipe, self.options, self.progress, self.suspect_gpus = (
+            trace,
+            recipe,
+            options,
+            progress,
+            suspect_gpus,
+        )
         self.ledger = ledger
         self.windows: list[ReplayedWindow] = []
         self.evidence: list[Evidence] = []
@@ -144,9 +172,14 @@ class IntervalRunner:
 
     def summary(self) -> ReplaySummary:
         """What the replays did (windows in step order, device, summation order, notes) and what the ledger gave and got."""
-        return ReplaySummary(windows=tuple(sorted(self.windows, key=lambda w: w.start)), device=self.device,
-                             reduction_order=self.order, settings=self.settings, notes=tuple(self.notes),
-                             ledger=self.ledger.summary() if self.ledger is not None else None)
+        return ReplaySummary(
+            windows=tuple(sorted(self.windows, key=lambda w: w.start)),
+            device=self.device,
+            reduction_order=self.order,
+            settings=self.settings,
+            notes=tuple(self.notes),
+            ledger=self.ledger.summary() if self.ledger is not None else None,
+        )
 
     def share(self, plan: list[tuple[CheckpointNote, int]]) -> None:
         """Under ``torchrun``, replay the intervals of ``plan`` ahead, whole intervals dealt out
@@ -160,19 +193,27 @@ class IntervalRunner:
         from sdc_forensics.replay.env import resolve_device
 
         group = distributed.current()
-        plan = [(note, hi) for note, hi in plan if (note.step, hi, self.options.num_threads, True, self.order) not in self.done
-                and not (self.ledger is not None and self.ledger.covering(note.step, hi))]
+        plan = [
+            (note, hi)
+            for note, hi in plan
+            if (note.step, hi, self.options.num_threads, True, self.order) not in self.done
+            and not (self.ledger is not None and self.ledger.covering(note.step, hi))
+        ]
         if group is None or len(plan) < 2 or self.last_replayed is None or self.options.collective:
             return  # --collective: every process replays every step together, one collective per bucket
         costs = distributed.measured_costs(*self.last_replayed)
         gathered = [c for c in distributed.exchange_objects(costs) if c is not None]
         if not gathered:
             return
-        mean = distributed.StepCosts(*(sum(getattr(c, f) for c in gathered) / len(gathered) for f in ("rank", "exchange", "rest")))
+        mean = distributed.StepCosts(
+            *(sum(getattr(c, f) for c in gathered) / len(gathered) for f in ("rank", "exchange", "rest"))
+        )
         lengths = [hi - note.step + 1 for note, hi in plan]
         if not distributed.intervals_pay(lengths, self.trace.world_size, group.size, mean):
             return
-        distributed.check_placement(resolve_device(self.options.device), self.trace, self.suspect_gpus, self.options.force_device)
+        distributed.check_placement(
+            resolve_device(self.options.device), self.trace, self.suspect_gpus, self.options.force_device
+        )
         dealt = distributed.deal([float(n) for n in lengths], group.size)
         mine = dealt[group.rank]
         # a process that finishes first waits at the exchange for the others' work: allow three
@@ -180,13 +221,17 @@ class IntervalRunner:
         # Every interval is taken to pay the measured window's whole unshared time again (its
         # checkpoint load and model build are in it): short intervals are not underestimated.
         per_interval_s = mean.rest * self.last_replayed[1]
-        longest_s = max(sum(lengths[i] * (self.trace.world_size * mean.rank + mean.rest) + per_interval_s for i in part)
-                        for part in dealt)
+        longest_s = max(
+            sum(lengths[i] * (self.trace.world_size * mean.rank + mean.rest) + per_interval_s for i in part)
+            for part in dealt
+        )
         patient = distributed.patient_group(3.0 * longest_s)
         note_line = getattr(self.progress, "note", None)
         if note_line is not None:
-            note_line(f"{len(plan)} checkpoint intervals ({sum(lengths)} steps) shared out whole across {group.size} processes, "
-                      "each replaying its own intervals alone")
+            note_line(
+                f"{len(plan)} checkpoint intervals ({sum(lengths)} steps) shared out whole across {group.size} processes, "
+                "each replaying its own intervals alone"
+            )
         scratch = IntervalRunner(self.trace, self.recipe, self.options, None, self.suspect_gpus)
         scratch.order, scratch.record = self.order, {}
         with distributed.alone():
@@ -211,7 +256,9 @@ class IntervalRunner:
                 say = getattr(self.progress, "note", None)
                 if say is not None:
                     span = f"step {note.step}" if hi == note.step else f"steps {note.step}..{hi}"
-                    say(f"{span} not replayed: the ledger holds their exact clean replay (record {', '.join(reused.record_ids)})")
+                    say(
+                        f"{span} not replayed: the ledger holds their exact clean replay (record {', '.join(reused.record_ids)})"
+                    )
                 return _FROM_LEDGER
         if self.progress is not None:
             self.progress.window(note.step, hi, reason)
@@ -219,8 +266,10 @@ class IntervalRunner:
         try:
             result = self._run(note, hi, self.options.num_threads)
         except StartStateMismatch as exc:
-            self.notes.append(f"checkpoint {note.step} does not hold the replicas' weights ({exc.found} != {exc.expected}); "
-                              "replaying from the one before")
+            self.notes.append(
+                f"checkpoint {note.step} does not hold the replicas' weights ({exc.found} != {exc.expected}); "
+                "replaying from the one before"
+            )
             return None
         evidence = list(result.evidence)
         # weak residuals before the replay's first strong divergence (or with none): a strong one right after a weak one may
@@ -231,9 +280,17 @@ class IntervalRunner:
             evidence = self._second_opinion(note, result, evidence, weak)
         self.device, self.order, self.settings = result.device, self.order or result.reduction_order, result.settings
         self.notes += [n for n in result.notes if n not in self.notes]
-        self.windows.append(ReplayedWindow(start=note.step, stop=hi, last=result.last_step, comparison=result.comparison,
-                                           tolerant_from=result.tolerant_from, reason=reason,
-                                           max_residual_ratio=result.max_residual_ratio))
+        self.windows.append(
+            ReplayedWindow(
+                start=note.step,
+                stop=hi,
+                last=result.last_step,
+                comparison=result.comparison,
+                tolerant_from=result.tolerant_from,
+                reason=reason,
+                max_residual_ratio=result.max_residual_ratio,
+            )
+        )
         self.evidence += evidence
         if self.ledger is not None:
             self.ledger.append(note, hi + 1, result, evidence, time.perf_counter() - started)
@@ -254,7 +311,9 @@ class IntervalRunner:
         if key in self.done:  # replayed ahead by one of the processes (``share``)
             outcome = self.done[key]
             if isinstance(outcome, _NotTheReplicas):
-                raise StartStateMismatch(outcome.message, step=note.step, expected=outcome.expected, found=outcome.found)
+                raise StartStateMismatch(
+                    outcome.message, step=note.step, expected=outcome.expected, found=outcome.found
+                )
             if self.progress is not None:
                 for step in range(note.step, outcome.last_step + 1):
                     self.progress.step(step)
@@ -276,13 +335,24 @@ class IntervalRunner:
         from sdc_forensics.replay.replayer import ReplayOptions
         from sdc_forensics.replay.window import replay_window
 
-        options = ReplayOptions.of(self.options, start_step=note.step, stop_step=hi,
-                                   checkpoint_path=checkpoint_file(note, self.trace.path, self.options) or Path(note.path),
-                                   expected_weights_digest=note.weights_digest, suspect_gpus=self.suspect_gpus,
-                                   reduction_order=self.order, num_threads=threads, stop_at_divergence=stop_at_divergence)
-        return replay_window(self.trace, self.recipe, options, self.progress.step if self.progress is not None else None)
+        options = ReplayOptions.of(
+            self.options,
+            start_step=note.step,
+            stop_step=hi,
+            checkpoint_path=checkpoint_file(note, self.trace.path, self.options) or Path(note.path),
+            expected_weights_digest=note.weights_digest,
+            suspect_gpus=self.suspect_gpus,
+            reduction_order=self.order,
+            num_threads=threads,
+            stop_at_divergence=stop_at_divergence,
+        )
+        return replay_window(
+            self.trace, self.recipe, options, self.progress.step if self.progress is not None else None
+        )
 
-    def _second_opinion(self, note: CheckpointNote, first, evidence: list[Evidence], weak: list[Evidence]) -> list[Evidence]:
+    def _second_opinion(
+        self, note: CheckpointNote, first, evidence: list[Evidence], weak: list[Evidence]
+    ) -> list[Evidence]:
         """Majority of three for weak tolerant residuals: a second, independent replay of the same
         steps at another thread count (its last-bit drift differs). A residual that a fault caused is
         in the record and shows again; one that the first replay's drift caused does not. Only the
@@ -303,13 +373,21 @@ class IntervalRunner:
             return any((e.step, r) in again or (e.step, None) in again for r in e.ranks)
 
         kept = [e for e in evidence if not e.is_weak or reproduced(e)]
-        kept += [e for e in second.evidence if e.marks_divergence and all((e.step, e.ranks) != (k.step, k.ranks) for k in kept)]
+        kept += [
+            e
+            for e in second.evidence
+            if e.marks_divergence and all((e.step, e.ranks) != (k.step, k.ranks) for k in kept)
+        ]
         cleared = len(evidence) - len([e for e in kept if e in evidence])
         if cleared:
-            self.notes.append(f"steps {note.step}..{second.last_step}: {cleared} weak tolerant residual(s) not reproduced by a "
-                              f"second replay at {threads} threads: replay drift, not a fault")
+            self.notes.append(
+                f"steps {note.step}..{second.last_step}: {cleared} weak tolerant residual(s) not reproduced by a "
+                f"second replay at {threads} threads: replay drift, not a fault"
+            )
         if any(e.is_weak for e in kept):
-            self.notes.append(f"steps {note.step}..{upto}: a second replay at {threads} threads reproduced the weak residual(s)")
+            self.notes.append(
+                f"steps {note.step}..{upto}: a second replay at {threads} threads reproduced the weak residual(s)"
+            )
         return kept
 
 

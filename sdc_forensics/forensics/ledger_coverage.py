@@ -51,12 +51,24 @@ def ledger_coverage(trace, ledger_file: Path | None = None, no_ledger: bool = Fa
         path = ledger_path(trace.path, ledger_file)
         contents = read_ledger(path)
         valid = contents.records
-        reuse = reusable_records(valid, notes, trace_dir=trace.path, attempts=trace.manifest.attempts,
-                                 locate=lambda note: checkpoint_file(note, trace.path))
+        reuse = reusable_records(
+            valid,
+            notes,
+            trace_dir=trace.path,
+            attempts=trace.manifest.attempts,
+            locate=lambda note: checkpoint_file(note, trace.path),
+        )
         records, lines = reuse.records, (*contents.notes, *reuse.notes)
-    exact = [(r.start_step, r.last_step, (r.record_id,)) for r in records if r.certifies and r.last_step >= r.start_step]
-    tolerant = [(r.start_step, r.last_step) for r in records if not r.certifies and r.comparison is Comparison.TOLERANT
-                and r.last_step >= r.start_step]
+    exact = [
+        (r.start_step, r.last_step, (r.record_id,)) for r in records if r.certifies and r.last_step >= r.start_step
+    ]
+    tolerant = [
+        (r.start_step, r.last_step)
+        for r in records
+        if not r.certifies and r.comparison is Comparison.TOLERANT and r.last_step >= r.start_step
+    ]
     spans = coverage([n.step for n in notes], step_range=trace.step_range(), exact_ledger=exact, tolerant=tolerant)
     strong = tuple(sorted({(e.step, r.record_id) for r in records for e in r.evidence if e.strength == STRONG}))
-    return LedgerCoverage(ledger=path, coverage=with_details(spans, trace, valid), strong_evidence=strong, notes=tuple(lines))
+    return LedgerCoverage(
+        ledger=path, coverage=with_details(spans, trace, valid), strong_evidence=strong, notes=tuple(lines)
+    )

@@ -30,8 +30,18 @@ from typing import Any, Callable
 
 from sdc_forensics.decide.verdict import LedgerSummary, ReusedWindow
 from sdc_forensics.forensics.files import checkpoint_file
-from sdc_forensics.ledger import (Comparison, EvidenceEntry, IntervalRecord, Outcome, append_record, checkpoint_ref, exact_coverage,
-                                  ledger_path, read_ledger, reusable_records)
+from sdc_forensics.ledger import (
+    Comparison,
+    EvidenceEntry,
+    IntervalRecord,
+    Outcome,
+    append_record,
+    checkpoint_ref,
+    exact_coverage,
+    ledger_path,
+    read_ledger,
+    reusable_records,
+)
 from sdc_forensics.ledger.record import MAX_EVIDENCE, LedgerRecordError
 from sdc_forensics.ledger.reuse import STRONG
 from sdc_forensics.trace.checkpoints import CheckpointNote
@@ -52,9 +62,19 @@ class LedgerUse:
         guard: a context manager around each append (``certify --follow`` holds its stop signals off there).
     """
 
-    def __init__(self, *, path: Path, notes: Sequence[CheckpointNote], records: Sequence[IntervalRecord], ignored: Sequence[str],
-                 attempts: Sequence[Any], locate: Callable[[CheckpointNote], Path | None], say: Callable[[str], None] | None,
-                 write: bool = True, guard: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        path: Path,
+        notes: Sequence[CheckpointNote],
+        records: Sequence[IntervalRecord],
+        ignored: Sequence[str],
+        attempts: Sequence[Any],
+        locate: Callable[[CheckpointNote], Path | None],
+        say: Callable[[str], None] | None,
+        write: bool = True,
+        guard: Callable[[], Any] | None = None,
+    ) -> None:
         self.path, self.locate, self.say, self.write = path, locate, say, write
         self.notes_by_step = {n.step: n for n in notes}
         self.records = tuple(records)
@@ -66,8 +86,14 @@ class LedgerUse:
         self.guard: Callable[[], Any] = guard if guard is not None else contextlib.nullcontext
 
     @classmethod
-    def open(cls, trace, notes: Sequence[CheckpointNote], options, say: Callable[[str], None] | None = None,
-             guard: Callable[[], Any] | None = None) -> "LedgerUse | None":
+    def open(
+        cls,
+        trace,
+        notes: Sequence[CheckpointNote],
+        options,
+        say: Callable[[str], None] | None = None,
+        guard: Callable[[], Any] | None = None,
+    ) -> "LedgerUse | None":
         """The ledger of ``trace`` as ``options`` (``AnalysisOptions``) name it; None with ``no_ledger`` or ``trace_only``."""
         if options.no_ledger or options.trace_only:
             return None
@@ -78,12 +104,25 @@ class LedgerUse:
 
         path = ledger_path(trace.path, options.ledger_path)
         contents = read_ledger(path)
-        reuse = reusable_records(contents.records, notes, trace_dir=trace.path, attempts=trace.manifest.attempts, locate=locate)
+        reuse = reusable_records(
+            contents.records, notes, trace_dir=trace.path, attempts=trace.manifest.attempts, locate=locate
+        )
         records, ignored = reuse.records, (*contents.notes, *reuse.notes)
         if distributed.current() is not None:  # every process walks on process 0's reading: a record appended meanwhile
-            records, ignored = distributed.exchange_objects((records, ignored))[0]  # (a follower's) must not split the walk
-        use = cls(path=path, notes=notes, records=records, ignored=ignored,
-                  attempts=trace.manifest.attempts, locate=locate, say=say, write=distributed.is_lead(), guard=guard)
+            records, ignored = distributed.exchange_objects((records, ignored))[
+                0
+            ]  # (a follower's) must not split the walk
+        use = cls(
+            path=path,
+            notes=notes,
+            records=records,
+            ignored=ignored,
+            attempts=trace.manifest.attempts,
+            locate=locate,
+            say=say,
+            write=distributed.is_lead(),
+            guard=guard,
+        )
         for line in use.lines:
             use._say(line)
         return use
@@ -113,8 +152,13 @@ class LedgerUse:
     def strong_evidence(self) -> tuple[int, str] | None:
         """``(step, record id)`` of the earliest strong evidence a kept exact record holds (None: none):
         where a walk starts, to replay it again, instead of at the trace's end."""
-        found = [(e.step, r.record_id) for r in self.records if r.comparison is Comparison.EXACT
-                 for e in r.evidence if e.strength == STRONG]
+        found = [
+            (e.step, r.record_id)
+            for r in self.records
+            if r.comparison is Comparison.EXACT
+            for e in r.evidence
+            if e.strength == STRONG
+        ]
         return min(found) if found else None
 
     def certifies_before(self, step: int) -> bool:
@@ -130,7 +174,9 @@ class LedgerUse:
         self.reused.append(window)
         return window
 
-    def append(self, note: CheckpointNote, stop_step: int, result, evidence: Sequence[Any], wall_s: float) -> IntervalRecord | None:
+    def append(
+        self, note: CheckpointNote, stop_step: int, result, evidence: Sequence[Any], wall_s: float
+    ) -> IntervalRecord | None:
         """Append the record of a replay from checkpoint ``note`` asked to run through ``stop_step - 1``.
 
         Args:
@@ -164,21 +210,35 @@ class LedgerUse:
         self.appended.append(record.record_id)
         return record
 
-    def _record(self, note: CheckpointNote, stop_step: int, result, evidence: Sequence[Any], wall_s: float) -> IntervalRecord:
-        entries = tuple(EvidenceEntry(kind=e.kind.value, step=e.step, ranks=tuple(e.ranks), strength=e.strength.value,
-                                      detail=e.detail[:4096])
-                        for e in evidence if note.step <= e.step <= result.last_step and not e.is_hint)[:MAX_EVIDENCE]
+    def _record(
+        self, note: CheckpointNote, stop_step: int, result, evidence: Sequence[Any], wall_s: float
+    ) -> IntervalRecord:
+        entries = tuple(
+            EvidenceEntry(
+                kind=e.kind.value, step=e.step, ranks=tuple(e.ranks), strength=e.strength.value, detail=e.detail[:4096]
+            )
+            for e in evidence
+            if note.step <= e.step <= result.last_step and not e.is_hint
+        )[:MAX_EVIDENCE]
         exact = result.comparison == "exact" and result.tolerant_from is None
         if not entries:
             stop_step = result.last_step + 1  # clean as far as it went: the record claims no more
         stop_note = self.notes_by_step.get(stop_step)
         return IntervalRecord(
-            attempt=self._attempt(note.step), start_step=note.step, stop_step=stop_step, last_step=result.last_step,
+            attempt=self._attempt(note.step),
+            start_step=note.step,
+            stop_step=stop_step,
+            last_step=result.last_step,
             start=checkpoint_ref(note, self.locate(note)),
             stop=None if stop_note is None else checkpoint_ref(stop_note, self.locate(stop_note)),
-            comparison=Comparison.EXACT if exact else Comparison.TOLERANT, reduction=result.reduction_order or "unspecified",
-            device=str(result.device), settings=_json_safe(result.settings), outcome=Outcome.EVIDENCE if entries else Outcome.CLEAN,
-            evidence=entries, wall_s=max(0.0, float(wall_s)), device_s=max(0.0, float(wall_s)),
+            comparison=Comparison.EXACT if exact else Comparison.TOLERANT,
+            reduction=result.reduction_order or "unspecified",
+            device=str(result.device),
+            settings=_json_safe(result.settings),
+            outcome=Outcome.EVIDENCE if entries else Outcome.CLEAN,
+            evidence=entries,
+            wall_s=max(0.0, float(wall_s)),
+            device_s=max(0.0, float(wall_s)),
         )
 
     def _attempt(self, step: int) -> int:
@@ -188,8 +248,12 @@ class LedgerUse:
 
     def summary(self) -> LedgerSummary:
         """What this analysis took from and gave to the ledger, for the result."""
-        return LedgerSummary(path=str(self.path), reused=tuple(self.reused), appended=tuple(self.appended),
-                             notes=tuple(self.lines) + ((self.write_error,) if self.write_error else ()))
+        return LedgerSummary(
+            path=str(self.path),
+            reused=tuple(self.reused),
+            appended=tuple(self.appended),
+            notes=tuple(self.lines) + ((self.write_error,) if self.write_error else ()),
+        )
 
 
 def _json_safe(settings: dict) -> dict:

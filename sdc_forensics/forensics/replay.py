@@ -112,19 +112,39 @@ def replay_from_trace(trace_dir: str | os.PathLike, request: ReplayRequest, prog
     resolve_device(request.options.device)  # an unknown or absent device: a usage error before the recipe is loaded
     path = checkpoint_file(note, trace.path, request.options)
     if path is None:
-        raise CheckpointError(f"checkpoint file of step {start} ({Path(note.path).name}) not found: pass --checkpoints DIR")
+        raise CheckpointError(
+            f"checkpoint file of step {start} ({Path(note.path).name}) not found: pass --checkpoints DIR"
+        )
     chosen = request.options
-    options = ReplayOptions.of(chosen, start_step=start, stop_step=request.stop_step, checkpoint_path=path,
-                               expected_weights_digest=note.weights_digest)
+    options = ReplayOptions.of(
+        chosen,
+        start_step=start,
+        stop_step=request.stop_step,
+        checkpoint_path=path,
+        expected_weights_digest=note.weights_digest,
+    )
     recipe = load_trace_recipe(trace.manifest, chosen.recipe)  # with the job settings the manifest recorded
-    flight = preflight.check(trace.manifest, device=chosen.device, num_threads=chosen.num_threads, collective=chosen.collective,
-                             force_tolerant=chosen.force_tolerant)
+    flight = preflight.check(
+        trace.manifest,
+        device=chosen.device,
+        num_threads=chosen.num_threads,
+        collective=chosen.collective,
+        force_tolerant=chosen.force_tolerant,
+    )
     if progress is not None:
         for line in flight.lines() if hasattr(progress, "note") else ():
             progress.note(line)
         progress.window(start, request.stop_step, "requested")
     result = replay_window(trace, recipe, options, progress.step if progress is not None else None)
-    decided = decision.decide(result.evidence, world_size=trace.world_size, identity=trace.manifest.identity, notes=(), files={},
-                              majority={}, examined=decision.Examined(first_step=start, anchors=frozenset({start}),
-                                                                      replayed=frozenset(range(start, result.last_step + 1))))
+    decided = decision.decide(
+        result.evidence,
+        world_size=trace.world_size,
+        identity=trace.manifest.identity,
+        notes=(),
+        files={},
+        majority={},
+        examined=decision.Examined(
+            first_step=start, anchors=frozenset({start}), replayed=frozenset(range(start, result.last_step + 1))
+        ),
+    )
     return ReplayRun(result=result, decision=decided, preflight=flight)

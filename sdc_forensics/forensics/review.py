@@ -83,12 +83,24 @@ def review(result: BisectResult, request: ReportRequest, trace: Trace | None = N
     request = dataclasses.replace(request, manifest_recipe=trace.manifest.recipe)
     end = trace.run_end()
     incident = build_incident(result, trace)
-    job_nodes = tuple(dict.fromkeys(i.slurm_node or i.k8s_node or i.host for a in trace.manifest.attempts for i in a.ranks if i.host))
+    job_nodes = tuple(
+        dict.fromkeys(i.slurm_node or i.k8s_node or i.host for a in trace.manifest.attempts for i in a.ranks if i.host)
+    )
     options = request.options
-    coverage = with_details(coverage_of(result), trace, ledger_records(trace.path, options.ledger_path, options.no_ledger))
+    coverage = with_details(
+        coverage_of(result), trace, ledger_records(trace.path, options.ledger_path, options.no_ledger)
+    )
     series = None
     if request.fmt == "html":  # only the HTML review has plots
         window = plot_window(trace.step_range(), result.first_divergent_step)
         series = incident_series(trace, window) if window is not None else None
-    return IncidentReview(result=result, request=request, manifest=trace.manifest, incident=incident, job_nodes=job_nodes, end=end,
-                          coverage=coverage, series=series)
+    return IncidentReview(
+        result=result,
+        request=request,
+        manifest=trace.manifest,
+        incident=incident,
+        job_nodes=job_nodes,
+        end=end,
+        coverage=coverage,
+        series=series,
+    )

@@ -83,8 +83,9 @@ class VerifyOutcome:
         return "unverified" if self.exit_code == ExitCode.UNVERIFIED else "not-certifiable"
 
 
-def verify_exit(report, status: CheckpointStatus | None, missing: str, certificate_findings,
-                certificate_status: Status | None) -> ExitCode:
+def verify_exit(
+    report, status: CheckpointStatus | None, missing: str, certificate_findings, certificate_status: Status | None
+) -> ExitCode:
     """The exit status of ``verify-checkpoint`` (module docstring); the trace's part is the decision's status."""
     if certificate_findings or (certificate_status is not None and not certificate_status.clean):
         return ExitCode.NOT_CERTIFIABLE
@@ -123,13 +124,17 @@ def verify_run(request: VerifyRequest, options=None, progress=None) -> VerifyOut
     if trace is not None:
         trace_seed = int(trace.manifest.fingerprint.seed)
         if cert and trace_seed != cert.seed:
-            raise UsageError(f"the trace's fingerprint seed {trace_seed} differs from the certificate's {cert.seed}; check one at a time")
+            raise UsageError(
+                f"the trace's fingerprint seed {trace_seed} differs from the certificate's {cert.seed}; check one at a time"
+            )
         seed = trace_seed
     entry = None
     if cert is not None:
         entry = cert.entry_for(path)
         if entry is None:
-            raise UsageError(f"{request.certificate_path} has no entry for {path}; pass the certificate written when this checkpoint was certified")
+            raise UsageError(
+                f"{request.certificate_path} has no entry for {path}; pass the certificate written when this checkpoint was certified"
+            )
 
     notes = trace.checkpoint_notes() if trace is not None else []
     with open_checkpoint(path) as reader:
@@ -139,12 +144,16 @@ def verify_run(request: VerifyRequest, options=None, progress=None) -> VerifyOut
             wanted = named[0].step if len(named) == 1 else reader.step()
         noted = wanted is not None and any(n.step == wanted for n in notes)
         # with a note and files read, the analysis verifies the file against its note: read it once
-        report = None if noted and not request.trace_only else verify_checkpoint(reader, options=VerifyOptions(seed=seed))
+        report = (
+            None if noted and not request.trace_only else verify_checkpoint(reader, options=VerifyOptions(seed=seed))
+        )
 
     status, result, missing = None, None, ""
     if trace_dir is not None:
         if wanted is None:
-            raise UsageError(f"cannot tell which step {path} holds (no note names this file, no 'step' in it): pass --step N")
+            raise UsageError(
+                f"cannot tell which step {path} holds (no note names this file, no 'step' in it): pass --step N"
+            )
         if not noted:
             missing = f"no checkpoint note for step {wanted} in {trace_dir}"
         else:
@@ -167,7 +176,14 @@ def verify_run(request: VerifyRequest, options=None, progress=None) -> VerifyOut
     if missing:
         reasons.append(f"not certified against the trace: {missing}")
     code = verify_exit(report, status, missing, cert_findings, entry.status if entry is not None else None)
-    return VerifyOutcome(request=request, report=report, status=status, analysis=result, missing=missing,
-                         certificate_status=entry.status if entry is not None else None, certificate_findings=cert_findings,
-                         reasons=tuple(reasons), exit_code=code)
-
+    return VerifyOutcome(
+        request=request,
+        report=report,
+        status=status,
+        analysis=result,
+        missing=missing,
+        certificate_status=entry.status if entry is not None else None,
+        certificate_findings=cert_findings,
+        reasons=tuple(reasons),
+        exit_code=code,
+    )

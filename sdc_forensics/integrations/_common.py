@@ -183,7 +183,11 @@ def reference(obj: Any) -> str | None:
         except (ImportError, ValueError):
             return None
         same = spec is not None and spec.origin is not None and Path(spec.origin).resolve() == Path(script).resolve()
-        return f"{stem}:{qualname}" if same and getattr(sys.modules["__main__"], qualname.split(".")[0], None) is not None else None
+        return (
+            f"{stem}:{qualname}"
+            if same and getattr(sys.modules["__main__"], qualname.split(".")[0], None) is not None
+            else None
+        )
     try:
         found: Any = importlib.import_module(module)
         for part in qualname.split("."):
@@ -196,7 +200,9 @@ def reference(obj: Any) -> str | None:
 def _json_option(key: str, value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise UsageError(f"optimizer option {key!r} is a tensor of {value.numel()} elements; the adapter records scalar options only")
+            raise UsageError(
+                f"optimizer option {key!r} is a tensor of {value.numel()} elements; the adapter records scalar options only"
+            )
         return value.item()
     if isinstance(value, tuple):
         return [_json_option(key, v) for v in value]
@@ -204,7 +210,9 @@ def _json_option(key: str, value: Any) -> Any:
         return value
     if isinstance(value, list) and all(isinstance(v, (bool, int, float, str)) for v in value):
         return list(value)
-    raise UsageError(f"optimizer option {key!r} = {value!r:.60} cannot be recorded for replay (not a number, string or None)")
+    raise UsageError(
+        f"optimizer option {key!r} = {value!r:.60} cannot be recorded for replay (not a number, string or None)"
+    )
 
 
 def optimizer_spec(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> dict[str, Any]:
@@ -216,15 +224,19 @@ def optimizer_spec(optimizer: torch.optim.Optimizer, module: torch.nn.Module) ->
     """
     ref = reference(type(optimizer))
     if ref is None:
-        raise UsageError(f"the optimizer's class {type(optimizer).__qualname__} is not importable by module:name, so replay "
-                         "cannot rebuild it; define it at module level")
+        raise UsageError(
+            f"the optimizer's class {type(optimizer).__qualname__} is not importable by module:name, so replay "
+            "cannot rebuild it; define it at module level"
+        )
     names = {id(p): n for n, p in module.named_parameters()}
     groups = []
     for index, group in enumerate(optimizer.param_groups):
         missing = [p for p in group["params"] if id(p) not in names]
         if missing:
-            raise UsageError(f"optimizer group {index} holds {len(missing)} tensor(s) that are not parameters of the model; "
-                             "replay rebuilds the optimizer over the model's parameters only")
+            raise UsageError(
+                f"optimizer group {index} holds {len(missing)} tensor(s) that are not parameters of the model; "
+                "replay rebuilds the optimizer over the model's parameters only"
+            )
         options = {k: _json_option(k, v) for k, v in group.items() if k != "params"}
         groups.append({"params": [names[id(p)] for p in group["params"]], "options": options})
     defaults = {k: _json_option(k, v) for k, v in optimizer.defaults.items()}
@@ -250,8 +262,12 @@ def build_optimizer(spec: dict[str, Any], model: torch.nn.Module) -> torch.optim
         unknown = [n for n in group["params"] if n not in params]
         if unknown:
             raise RecipeError(f"the recorded optimizer names parameter(s) the rebuilt model lacks: {unknown[:3]}")
-        groups.append({"params": [params[n] for n in group["params"]],
-                       **{k: _python_option(k, v) for k, v in group["options"].items()}})
+        groups.append(
+            {
+                "params": [params[n] for n in group["params"]],
+                **{k: _python_option(k, v) for k, v in group["options"].items()},
+            }
+        )
     # defaults the constructor takes (AdamW lists decoupled_weight_decay among its defaults, not its
     # arguments); every group carries all its options anyway, and the checkpoint restores them
     import inspect
@@ -300,9 +316,14 @@ def note_folder(rec, step: int, folder: str | os.PathLike, module: torch.nn.Modu
     except SdcError as exc:
         return rec.checkpoint(step, folder, state=own, save=_refuse(f"it cannot be read back ({exc})"))
     with payload:
-        save = _saved if not payload.problems else _refuse(
-            f"it holds what verify-checkpoint cannot verify ({payload.problems[0]}): keep such files out of the "
-            "checkpoint folder, or it will never certify")
+        save = (
+            _saved
+            if not payload.problems
+            else _refuse(
+                f"it holds what verify-checkpoint cannot verify ({payload.problems[0]}): keep such files out of the "
+                "checkpoint folder, or it will never certify"
+            )
+        )
         return rec.checkpoint(step, folder, state=payload.tensors, save=save)
 
 
@@ -312,8 +333,11 @@ def compiled_parts(module: torch.nn.Module) -> list[str]:
     eager kernels, and rebuilds the model without the wrapper."""
     found = []
     for name, part in module.named_modules():
-        if hasattr(part, "_orig_mod") or getattr(part, "_compiled_call_impl", None) is not None \
-                or getattr(getattr(part, "forward", None), "_torchdynamo_orig_callable", None) is not None:
+        if (
+            hasattr(part, "_orig_mod")
+            or getattr(part, "_compiled_call_impl", None) is not None
+            or getattr(getattr(part, "forward", None), "_torchdynamo_orig_callable", None) is not None
+        ):
             found.append(name or "the model itself")
     return found
 
@@ -323,16 +347,21 @@ def compile_refusal(module: torch.nn.Module) -> list[str]:
     parts = compiled_parts(module)
     if not parts:
         return []
-    return [f"torch.compile wraps {parts[0]!r}{f' (and {len(parts) - 1} more)' if len(parts) > 1 else ''}: the replay rebuilds "
-            "the model eagerly and cannot reproduce compiled kernels, nor load their '_orig_mod.' state; compile nothing in a "
-            "recorded run"]
+    return [
+        f"torch.compile wraps {parts[0]!r}{f' (and {len(parts) - 1} more)' if len(parts) > 1 else ''}: the replay rebuilds "
+        "the model eagerly and cannot reproduce compiled kernels, nor load their '_orig_mod.' state; compile nothing in a "
+        "recorded run"
+    ]
 
 
 def random_parts(module: torch.nn.Module) -> list[str]:
     """The names of ``module``'s dropout layers with ``p > 0``: they draw masks from the global RNG
     each step, which the trace does not hold."""
-    return [name for name, part in module.named_modules()
-            if isinstance(part, torch.nn.modules.dropout._DropoutNd) and float(part.p) > 0]  # noqa: SLF001
+    return [
+        name
+        for name, part in module.named_modules()
+        if isinstance(part, torch.nn.modules.dropout._DropoutNd) and float(part.p) > 0
+    ]  # noqa: SLF001
 
 
 def warn_unreplayable(module: torch.nn.Module) -> None:
@@ -340,19 +369,25 @@ def warn_unreplayable(module: torch.nn.Module) -> None:
     reproduce, so nothing of the run will certify, and how to change it."""
     parts = random_parts(module)
     if parts and _global_rank() == 0:
-        log.warning("sdc-forensics: %d dropout layer(s) with p > 0 (%s...) draw random masks the replay cannot reproduce: the "
-                    "online checks still run, but no step replays exactly and no checkpoint of this run will certify; set "
-                    "dropout to 0 for a certified run (GPT-2: GPT2Config(resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))",
-                    len(parts), parts[0])
+        log.warning(
+            "sdc-forensics: %d dropout layer(s) with p > 0 (%s...) draw random masks the replay cannot reproduce: the "
+            "online checks still run, but no step replays exactly and no checkpoint of this run will certify; set "
+            "dropout to 0 for a certified run (GPT-2: GPT2Config(resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))",
+            len(parts),
+            parts[0],
+        )
 
 
 def warn_rotation(setting: str) -> None:
     """Say at attach (rank 0, one line) that the job deletes old checkpoints (``setting``), so
     only a follower running beside it can certify the intervals before they are gone."""
     if _global_rank() == 0:
-        log.warning("sdc-forensics: %s deletes early checkpoints, and a replay starts from one: run `sdc-forensics certify "
-                    "--follow TRACE_DIR` beside the job to certify each interval before its checkpoint rotates away "
-                    "(docs/integrations.md)", setting)
+        log.warning(
+            "sdc-forensics: %s deletes early checkpoints, and a replay starts from one: run `sdc-forensics certify "
+            "--follow TRACE_DIR` beside the job to certify each interval before its checkpoint rotates away "
+            "(docs/integrations.md)",
+            setting,
+        )
 
 
 def close_on_error(rec: Any, exc: BaseException | None) -> None:
@@ -379,9 +414,11 @@ def refuse_existing(path: str | os.PathLike, is_taken: bool) -> None:
         UsageError: one line naming the path and what to do.
     """
     if is_taken:
-        raise refuse(f"checkpoint {path} exists already, and sdc-forensics never lets a recorded job write over a checkpoint "
-                         "(its note, and the evidence of an earlier attempt, would be lost): save to a new path, or move the old "
-                         "one away first")
+        raise refuse(
+            f"checkpoint {path} exists already, and sdc-forensics never lets a recorded job write over a checkpoint "
+            "(its note, and the evidence of an earlier attempt, would be lost): save to a new path, or move the old "
+            "one away first"
+        )
 
 
 def _saved(state: Any, path: Path) -> None:

@@ -84,8 +84,10 @@ class _Untag:
     def __iter__(self):
         for batch in self._loader:
             if not isinstance(batch, dict) or INDEX_KEY not in batch:
-                raise SdcError("a batch came out of the recorded loader without its sample indices; the loader's dataset "
-                               "or collator was replaced after sdc_forensics.integrations.accelerate.record")
+                raise SdcError(
+                    "a batch came out of the recorded loader without its sample indices; the loader's dataset "
+                    "or collator was replaced after sdc_forensics.integrations.accelerate.record"
+                )
             indices, batch = batch[INDEX_KEY].tolist(), batch["batch"]
             self._seen.append((indices, batch))
             yield batch
@@ -108,38 +110,67 @@ def _refusals(accelerator: Any) -> list[str]:
     if kind in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
         out.append(f"{kind.value} owns the gradient reduction and the optimizer step; the recorder needs DDP's")
     elif kind in (DistributedType.FSDP,):
-        out.append("FSDP shards parameters and gradients; the recorder records DDP (replicated) jobs, FSDP2 support is a later issue")
+        out.append(
+            "FSDP shards parameters and gradients; the recorder records DDP (replicated) jobs, FSDP2 support is a later issue"
+        )
     if accelerator.num_processes < 2:
-        out.append(f"the job runs {accelerator.num_processes} process: the recorder records data-parallel (DDP) jobs; "
-                   "launch with accelerate launch / torchrun, 2 or more processes")
+        out.append(
+            f"the job runs {accelerator.num_processes} process: the recorder records data-parallel (DDP) jobs; "
+            "launch with accelerate launch / torchrun, 2 or more processes"
+        )
     dynamo = getattr(getattr(accelerator.state, "dynamo_plugin", None), "backend", None)
     if dynamo is not None and str(getattr(dynamo, "value", dynamo)).upper() != "NO":
-        out.append(f"dynamo_backend={str(getattr(dynamo, 'value', dynamo)).lower()} compiles the model in prepare(): the replay runs "
-                   "eager kernels and cannot reproduce compiled ones; record without a dynamo backend")
+        out.append(
+            f"dynamo_backend={str(getattr(dynamo, 'value', dynamo)).lower()} compiles the model in prepare(): the replay runs "
+            "eager kernels and cannot reproduce compiled ones; record without a dynamo backend"
+        )
     if accelerator.mixed_precision != "no":
-        out.append(f"mixed precision ({accelerator.mixed_precision}: autocast and a loss scaler) is not replayed by the adapter yet")
+        out.append(
+            f"mixed precision ({accelerator.mixed_precision}: autocast and a loss scaler) is not replayed by the adapter yet"
+        )
     if accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
-        out.append("sync_each_batch all-reduces every microbatch; the recorder fingerprints the accumulated gradient DDP "
-                   "sends once per step")
+        out.append(
+            "sync_each_batch all-reduces every microbatch; the recorder fingerprints the accumulated gradient DDP "
+            "sends once per step"
+        )
     models, optimizers, loaders = accelerator._models, accelerator._optimizers, accelerator._dataloaders  # noqa: SLF001
     if len(models) != 1 or len(optimizers) != 1:
-        out.append(f"prepare() was given {len(models)} model(s) and {len(optimizers)} optimizer(s); the adapter records one of each")
+        out.append(
+            f"prepare() was given {len(models)} model(s) and {len(optimizers)} optimizer(s); the adapter records one of each"
+        )
     if len(loaders) != 1:
-        out.append(f"prepare() was given {len(loaders)} dataloaders; the adapter needs exactly the training one (prepare the "
-                   "evaluation loader after record(), or pass it through prepare separately later)")
+        out.append(
+            f"prepare() was given {len(loaders)} dataloaders; the adapter needs exactly the training one (prepare the "
+            "evaluation loader after record(), or pass it through prepare separately later)"
+        )
     elif isinstance(loaders[0].dataset, torch.utils.data.IterableDataset):
-        out.append("the training dataset is not map-style (an IterableDataset has no indices to record as microbatch IDs)")
+        out.append(
+            "the training dataset is not map-style (an IterableDataset has no indices to record as microbatch IDs)"
+        )
     for model in models:
         out += _common.compile_refusal(model)
     for scheduler in accelerator._schedulers:  # noqa: SLF001
         inner = getattr(scheduler, "scheduler", scheduler)
         if hasattr(inner, "total_steps"):
-            out.append(f"{type(inner).__name__} counts steps through Accelerate's accumulation bookkeeping; the adapter does not replay it")
+            out.append(
+                f"{type(inner).__name__} counts steps through Accelerate's accumulation bookkeeping; the adapter does not replay it"
+            )
     return out
 
 
-def record(accelerator: Any, trace_dir: str | os.PathLike, *, model: torch.nn.Module, model_fn: str, loss_fn: str, dataset: str,
-           scheduler_fn: str | None = None, max_grad_norm: float = 0.0, options: Any = None, inject=()) -> "AccelerateRecording":
+def record(
+    accelerator: Any,
+    trace_dir: str | os.PathLike,
+    *,
+    model: torch.nn.Module,
+    model_fn: str,
+    loss_fn: str,
+    dataset: str,
+    scheduler_fn: str | None = None,
+    max_grad_norm: float = 0.0,
+    options: Any = None,
+    inject=(),
+) -> "AccelerateRecording":
     """Record the loop of ``accelerator`` (call after ``prepare``, before the first step).
 
     Args:
@@ -167,14 +198,24 @@ def record(accelerator: Any, trace_dir: str | os.PathLike, *, model: torch.nn.Mo
 
     problems = _refusals(accelerator)
     if problems:
-        raise _common.refuse(f"sdc-forensics cannot record this Accelerate job exactly: {problems[0]} (docs/integrations.md)")
+        raise _common.refuse(
+            f"sdc-forensics cannot record this Accelerate job exactly: {problems[0]} (docs/integrations.md)"
+        )
     if any(str(s).startswith("input:") for s in inject):
-        raise _common.refuse("the accelerate adapter does not inject input faults (the batch reaches the model before it is recorded)")
+        raise _common.refuse(
+            "the accelerate adapter does not inject input faults (the batch reaches the model before it is recorded)"
+        )
     if any(str(s).startswith("checkpoint-file:") for s in inject):
-        raise _common.refuse("checkpoint-file injection flips a byte of one file; a save_state checkpoint is a folder (damage a "
-                         "file of it by hand to drill verify-checkpoint)")
-    for what, ref in (("model function", model_fn), ("loss function", loss_fn), ("dataset function", dataset),
-                      ("scheduler function", scheduler_fn)):
+        raise _common.refuse(
+            "checkpoint-file injection flips a byte of one file; a save_state checkpoint is a folder (damage a "
+            "file of it by hand to drill verify-checkpoint)"
+        )
+    for what, ref in (
+        ("model function", model_fn),
+        ("loss function", loss_fn),
+        ("dataset function", dataset),
+        ("scheduler function", scheduler_fn),
+    ):
         if ref is not None:
             try:
                 import_reference(ref, what=what)
@@ -186,36 +227,71 @@ def record(accelerator: Any, trace_dir: str | os.PathLike, *, model: torch.nn.Mo
         _common.warn_rotation(f"ProjectConfiguration(total_limit={limit})")
     ddp = model
     if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel) or ddp.module is not accelerator._models[0]:  # noqa: SLF001
-        raise _common.refuse("pass model= the model accelerator.prepare() returned (its DistributedDataParallel wrapper)")
+        raise _common.refuse(
+            "pass model= the model accelerator.prepare() returned (its DistributedDataParallel wrapper)"
+        )
     optimizer = getattr(accelerator._optimizers[0], "optimizer", accelerator._optimizers[0])  # noqa: SLF001
     module = getattr(ddp, "module", ddp)
     loader = accelerator._dataloaders[0]  # noqa: SLF001
     schedulers = accelerator._schedulers  # noqa: SLF001
     if scheduler_fn is None and schedulers:
-        raise _common.refuse("the loop has an LR scheduler: name the function that builds it, scheduler_fn='module:make(optimizer)'")
+        raise _common.refuse(
+            "the loop has an LR scheduler: name the function that builds it, scheduler_fn='module:make(optimizer)'"
+        )
     base = getattr(loader, "base_dataloader", loader)
     settings = {
-        "model_fn": model_fn, "loss_fn": loss_fn, "dataset": dataset, "scheduler_fn": scheduler_fn,
-        "collator": _common.reference(base.collate_fn), "optimizer": _common.optimizer_spec(optimizer, module),
-        "scheduler_steps": 1 if accelerator.split_batches or not accelerator.step_scheduler_with_optimizer else accelerator.num_processes,
+        "model_fn": model_fn,
+        "loss_fn": loss_fn,
+        "dataset": dataset,
+        "scheduler_fn": scheduler_fn,
+        "collator": _common.reference(base.collate_fn),
+        "optimizer": _common.optimizer_spec(optimizer, module),
+        "scheduler_steps": 1
+        if accelerator.split_batches or not accelerator.step_scheduler_with_optimizer
+        else accelerator.num_processes,
         "max_grad_norm": float(max_grad_norm),
     }
     options = options or RecorderOptions()
 
     def make_recorder(start_step: int):
-        return Recorder(trace_dir, ddp, optimizer, recipe=RECIPE, recipe_args=settings, inject=tuple(inject),
-                        options=dataclasses.replace(options, start_step=start_step),
-                        framework=_common.framework_info("accelerate", ADAPTER))
+        return Recorder(
+            trace_dir,
+            ddp,
+            optimizer,
+            recipe=RECIPE,
+            recipe_args=settings,
+            inject=tuple(inject),
+            options=dataclasses.replace(options, start_step=start_step),
+            framework=_common.framework_info("accelerate", ADAPTER),
+        )
 
-    return AccelerateRecording(accelerator, make_recorder, loader, optimizer, module, float(max_grad_norm),
-                               trace_dir=Path(trace_dir), start_step=options.start_step)
+    return AccelerateRecording(
+        accelerator,
+        make_recorder,
+        loader,
+        optimizer,
+        module,
+        float(max_grad_norm),
+        trace_dir=Path(trace_dir),
+        start_step=options.start_step,
+    )
 
 
 class AccelerateRecording:
     """What :func:`record` returns: the recorder and the wiring into the accelerator (module docstring)."""
 
-    def __init__(self, accelerator: Any, make_recorder: Any, loader: Any, optimizer: torch.optim.Optimizer,
-                 module: torch.nn.Module, max_grad_norm: float, *, trace_dir: Path, start_step: int = 0) -> None:
+    def __init__(
+        self,
+        accelerator: Any,
+        make_recorder: Any,
+        loader: Any,
+        optimizer: torch.optim.Optimizer,
+        module: torch.nn.Module,
+        max_grad_norm: float,
+        *,
+        trace_dir: Path,
+        start_step: int = 0,
+    ) -> None:
         self.accelerator, self.module, self.max_grad_norm = accelerator, module, max_grad_norm
         # made at the first backward or save_state: after an accelerator.load_state(dir) said where the run resumes
         self.rec = None
@@ -224,7 +300,9 @@ class AccelerateRecording:
         self._seen: list = []  # (indices, batch) handed out by the loader, not yet backpropagated
         self._step = None
         self.track(loader)
-        self._originals = {name: getattr(accelerator, name) for name in ("backward", "save_state", "clip_grad_norm_", "load_state")}
+        self._originals = {
+            name: getattr(accelerator, name) for name in ("backward", "save_state", "clip_grad_norm_", "load_state")
+        }
         accelerator.backward = self._backward
         accelerator.save_state = self._save_state
         accelerator.clip_grad_norm_ = self._clip_grad_norm
@@ -234,17 +312,23 @@ class AccelerateRecording:
         """The recorder, made once, its attempt starting at :attr:`completed`."""
         if self.rec is None:
             self.rec = self._make_recorder(self.completed)
-            self._handle = self._optimizer.register_step_post_hook(self._after_update)  # after the recorder's own post-hook
+            self._handle = self._optimizer.register_step_post_hook(
+                self._after_update
+            )  # after the recorder's own post-hook
         return self.rec
 
     def _load_state(self, input_dir: str | None = None, *args, **kwargs):
         """``accelerator.load_state``: a resumed run's attempt starts at the step the trace noted for that folder."""
         if self.rec is not None:
-            raise _common.refuse("accelerator.load_state after the recorded training began: load the state before the first "
-                                 "step, so the resumed attempt starts at its step")
+            raise _common.refuse(
+                "accelerator.load_state after the recorded training began: load the state before the first "
+                "step, so the resumed attempt starts at its step"
+            )
         out = self._originals["load_state"](input_dir, *args, **kwargs)
         if input_dir is None:
-            raise _common.refuse("accelerator.load_state() without a folder: name the folder, so the adapter finds its noted step")
+            raise _common.refuse(
+                "accelerator.load_state() without a folder: name the folder, so the adapter finds its noted step"
+            )
         from sdc_forensics.trace.checkpoints import read_checkpoint_notes
 
         try:
@@ -254,8 +338,10 @@ class AccelerateRecording:
         found = Path(input_dir).resolve()
         steps = sorted({n.step for n in notes if Path(n.path).resolve() == found})
         if len(steps) != 1:
-            raise _common.refuse(f"the trace {self._trace_dir} notes no checkpoint at {input_dir}, so the adapter cannot tell "
-                                 "which step the run resumes at: resume from a save_state folder this trace recorded")
+            raise _common.refuse(
+                f"the trace {self._trace_dir} notes no checkpoint at {input_dir}, so the adapter cannot tell "
+                "which step the run resumes at: resume from a save_state folder this trace recorded"
+            )
         self.completed = steps[0]
         return out
 
@@ -264,7 +350,9 @@ class AccelerateRecording:
         one ``accelerator.skip_first_batches`` returns on resume); returns it."""
         base = getattr(loader, "base_dataloader", None)
         if base is None:
-            raise UsageError("record the loader accelerator.prepare() returned (a DataLoaderShard), not a plain DataLoader")
+            raise UsageError(
+                "record the loader accelerator.prepare() returned (a DataLoaderShard), not a plain DataLoader"
+            )
         if not isinstance(base, _Untag):
             dataset = base.dataset
             dataset.__getitems__ = _TagItems(dataset)  # what the DataLoader's fetcher calls for a batch
@@ -274,37 +362,49 @@ class AccelerateRecording:
 
     def _backward(self, loss, **kwargs):
         if not self._seen:
-            raise SdcError("accelerator.backward was called with no batch from the recorded loader; the adapter records "
-                           "microbatches that come from the prepared training loader")
+            raise SdcError(
+                "accelerator.backward was called with no batch from the recorded loader; the adapter records "
+                "microbatches that come from the prepared training loader"
+            )
         if len(self._seen) > 2:  # the prepared loader looks one batch ahead; more means batches were skipped or dropped
-            raise SdcError(f"{len(self._seen) - 1} batches came out of the loader since the last backward; the adapter pairs "
-                           "each backward with the batch the loader handed out before it")
+            raise SdcError(
+                f"{len(self._seen) - 1} batches came out of the loader since the last backward; the adapter pairs "
+                "each backward with the batch the loader handed out before it"
+            )
         indices, batch = self._seen.pop(0)
         if self._step is None:
             self._step = self._open().begin_step(self.completed)
             self._step.add_microbatch_ids([_common.step_header(self.accelerator.gradient_accumulation_steps)])
         self._step.add_microbatch_ids(_common.batch_ids(indices))
         self._step.input(batch)
-        self._step.loss(loss.detach() / self.accelerator.gradient_accumulation_steps)  # what Accelerate's backward divides
+        self._step.loss(
+            loss.detach() / self.accelerator.gradient_accumulation_steps
+        )  # what Accelerate's backward divides
         return self._originals["backward"](loss, **kwargs)
 
     def _after_update(self, optimizer, args, kwargs) -> None:
         if self._step is None:  # an update whose microbatches the adapter never saw: refuse rather than leave a hole
-            raise SdcError("the optimizer stepped with no accelerator.backward since the last step: call accelerator.backward(loss), "
-                           "not loss.backward(), so that the adapter records the step's microbatches")
+            raise SdcError(
+                "the optimizer stepped with no accelerator.backward since the last step: call accelerator.backward(loss), "
+                "not loss.backward(), so that the adapter records the step's microbatches"
+            )
         self.rec.end_step()
         self._step = None
         self.completed += 1
 
     def _clip_grad_norm(self, parameters, max_norm, norm_type=2):
         if float(max_norm) != self.max_grad_norm or norm_type != 2:
-            raise UsageError(f"accelerator.clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}) is not what the recipe "
-                             f"replays (max_grad_norm={self.max_grad_norm}, norm 2): pass record(..., max_grad_norm={max_norm})")
+            raise UsageError(
+                f"accelerator.clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}) is not what the recipe "
+                f"replays (max_grad_norm={self.max_grad_norm}, norm 2): pass record(..., max_grad_norm={max_norm})"
+            )
         return self._originals["clip_grad_norm_"](parameters, max_norm, norm_type)
 
     def _save_state(self, output_dir: str | None = None, *args, **kwargs):
         if self._step is not None:
-            raise UsageError("accelerator.save_state in the middle of an accumulation cycle: save after the optimizer step")
+            raise UsageError(
+                "accelerator.save_state in the middle of an accumulation cycle: save after the optimizer step"
+            )
         if output_dir is not None:
             _common.refuse_existing(output_dir, self._main_says(_common.taken(output_dir)))
         self._open()
@@ -373,7 +473,9 @@ class AccelerateRecipe:
         torch.random.set_rng_state(rng)
         model.train()
         optimizer = _common.build_optimizer(self.optimizer, model)
-        scheduler = import_reference(self.scheduler_fn, what="scheduler function")(optimizer) if self.scheduler_fn else None
+        scheduler = (
+            import_reference(self.scheduler_fn, what="scheduler function")(optimizer) if self.scheduler_fn else None
+        )
         return model, optimizer, scheduler
 
     def load_checkpoint(self, path: str, model, optimizer, scheduler) -> None:

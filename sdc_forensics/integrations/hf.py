@@ -50,8 +50,10 @@ def _import_transformers():
     except ImportError:
         raise UsageError("the Hugging Face adapter needs transformers: pip install 'sdc-forensics[hf]'") from None
     if not transformers.__version__.startswith("5."):
-        raise UsageError(f"the Hugging Face adapter replays the Trainer of transformers 5 (the loss scaling and checkpoint layout "
-                         f"it reproduces); this is {transformers.__version__}: pip install 'sdc-forensics[hf]'")
+        raise UsageError(
+            f"the Hugging Face adapter replays the Trainer of transformers 5 (the loss scaling and checkpoint layout "
+            f"it reproduces); this is {transformers.__version__}: pip install 'sdc-forensics[hf]'"
+        )
     return transformers
 
 
@@ -91,9 +93,13 @@ class IndexedCollate:
         if not features or not isinstance(features[0], _Indexed):
             return self.collate(features)
         batch = self.collate([f.item for f in features])
-        if not isinstance(batch, Mapping):  # a dict, a BatchEncoding (the stock collators'), any mapping of model inputs
-            raise _common.refuse(f"the Trainer's collator returned a {type(batch).__name__}, not a mapping of model inputs "
-                                 "(the Trainer calls model(**batch)); the HF adapter carries the sample indices in that mapping")
+        if not isinstance(
+            batch, Mapping
+        ):  # a dict, a BatchEncoding (the stock collators'), any mapping of model inputs
+            raise _common.refuse(
+                f"the Trainer's collator returned a {type(batch).__name__}, not a mapping of model inputs "
+                "(the Trainer calls model(**batch)); the HF adapter carries the sample indices in that mapping"
+            )
         batch = dict(batch)
         batch[INDEX_KEY] = torch.tensor([f.index for f in features], dtype=torch.int64)
         return batch
@@ -106,46 +112,72 @@ def _refusals(trainer: Any, transformers: Any) -> list[str]:
     if getattr(trainer, "is_deepspeed_enabled", False):
         out.append("DeepSpeed owns the gradient reduction and the optimizer step; the recorder needs DDP's")
     if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False):
-        out.append("FSDP shards parameters and gradients; the recorder records DDP (replicated) jobs, FSDP2 support is a later issue")
+        out.append(
+            "FSDP shards parameters and gradients; the recorder records DDP (replicated) jobs, FSDP2 support is a later issue"
+        )
     if args.world_size < 2:
-        out.append(f"the job runs {args.world_size} process: the recorder records data-parallel (DDP) jobs; launch with "
-                   "torchrun --nproc-per-node N, N >= 2")
+        out.append(
+            f"the job runs {args.world_size} process: the recorder records data-parallel (DDP) jobs; launch with "
+            "torchrun --nproc-per-node N, N >= 2"
+        )
     if getattr(args, "n_gpu", 1) > 1:
-        out.append("torch.nn.DataParallel (several GPUs in one process) is not DDP: launch one process per GPU with torchrun")
+        out.append(
+            "torch.nn.DataParallel (several GPUs in one process) is not DDP: launch one process per GPU with torchrun"
+        )
     if args.fp16 or args.bf16:
-        out.append("mixed precision (fp16/bf16: autocast and a loss scaler) is not replayed by the HF adapter yet; train in float32")
+        out.append(
+            "mixed precision (fp16/bf16: autocast and a loss scaler) is not replayed by the HF adapter yet; train in float32"
+        )
     if getattr(args, "torch_compile", False):
-        out.append("torch_compile changes the kernels the replay would have to reproduce; turn it off for a recorded run")
+        out.append(
+            "torch_compile changes the kernels the replay would have to reproduce; turn it off for a recorded run"
+        )
     if getattr(args, "label_smoothing_factor", 0):
-        out.append("label_smoothing_factor: the Trainer computes that loss itself; the adapter replays the model's own loss")
+        out.append(
+            "label_smoothing_factor: the Trainer computes that loss itself; the adapter replays the model's own loss"
+        )
     if getattr(trainer, "compute_loss_func", None) is not None:
         out.append("compute_loss_func: a custom loss the replay recipe cannot call by reference")
     if getattr(trainer, "loss_is_scaled_for_ga", None) is not None:
-        out.append("loss_is_scaled_for_ga is set by hand; the adapter replays the Trainer's own rule for scaling the loss")
+        out.append(
+            "loss_is_scaled_for_ga is set by hand; the adapter replays the Trainer's own rule for scaling the loss"
+        )
     if any(getattr(trainer, f"get_{kind}_size", lambda: 1)() != 1 for kind in ("tp", "cp", "sp")):
         out.append("tensor, context or sequence parallelism: the recorder records data-parallel (DDP) jobs")
     if trainer.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
-        out.append("sync_each_batch all-reduces every microbatch, so a step's local gradient is never whole in one bucket "
-                   "pass; the recorder fingerprints the accumulated gradient DDP sends once per step")
+        out.append(
+            "sync_each_batch all-reduces every microbatch, so a step's local gradient is never whole in one bucket "
+            "pass; the recorder fingerprints the accumulated gradient DDP sends once per step"
+        )
     if getattr(args, "save_only_model", False):
         out.append("save_only_model: checkpoints without optimizer and scheduler cannot be replayed from")
     out += _common.compile_refusal(trainer.model)
     if not isinstance(trainer.model, transformers.PreTrainedModel):
-        out.append(f"the model is a {type(trainer.model).__name__}, not a transformers PreTrainedModel: the recipe rebuilds "
-                   "the model from its class and config")
+        out.append(
+            f"the model is a {type(trainer.model).__name__}, not a transformers PreTrainedModel: the recipe rebuilds "
+            "the model from its class and config"
+        )
     elif _common.reference(type(trainer.model)) is None:
-        out.append(f"the model class {type(trainer.model).__qualname__} is not importable as module:name; define it at module level")
+        out.append(
+            f"the model class {type(trainer.model).__qualname__} is not importable as module:name; define it at module level"
+        )
     dataset = trainer.train_dataset
     if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
-        out.append("the training dataset is not map-style (an IterableDataset has no indices to record as microbatch IDs)")
+        out.append(
+            "the training dataset is not map-style (an IterableDataset has no indices to record as microbatch IDs)"
+        )
     if getattr(trainer, "lr_scheduler", None) is not None:
-        out.append("a scheduler passed in optimizers=(...) cannot be rebuilt by the recipe; let the Trainer create it (lr_scheduler_type)")
+        out.append(
+            "a scheduler passed in optimizers=(...) cannot be rebuilt by the recipe; let the Trainer create it (lr_scheduler_type)"
+        )
     if args.lr_scheduler_type in ("reduce_lr_on_plateau", "greedy"):
         out.append(f"lr_scheduler_type {args.lr_scheduler_type!r} steps on evaluation metrics the trace does not hold")
     return out
 
 
-def record(trainer: Any, trace_dir: str | os.PathLike, *, dataset: str, options: Any = None, inject=()) -> "SdcCallback":
+def record(
+    trainer: Any, trace_dir: str | os.PathLike, *, dataset: str, options: Any = None, inject=()
+) -> "SdcCallback":
     """Record ``trainer``'s training in ``trace_dir`` (call before ``trainer.train()``).
 
     Args:
@@ -172,8 +204,10 @@ def record(trainer: Any, trace_dir: str | os.PathLike, *, dataset: str, options:
         raise UsageError(f"hf.record needs a transformers.Trainer, got {type(trainer).__name__}")
     problems = _refusals(trainer, transformers)
     if any(str(spec).startswith("checkpoint-file:") for spec in inject):
-        problems.append("checkpoint-file injection flips a byte of one file; a Trainer checkpoint is a folder (damage a file "
-                        "of it by hand to drill verify-checkpoint)")
+        problems.append(
+            "checkpoint-file injection flips a byte of one file; a Trainer checkpoint is a folder (damage a file "
+            "of it by hand to drill verify-checkpoint)"
+        )
     if problems:
         raise _common.refuse(f"sdc-forensics cannot record this Trainer exactly: {problems[0]} (docs/integrations.md)")
     try:
@@ -181,7 +215,9 @@ def record(trainer: Any, trace_dir: str | os.PathLike, *, dataset: str, options:
     except Exception as exc:  # noqa: BLE001 - RecipeError: say it as a usage error at record time
         raise _common.refuse(str(exc)) from None
     if not callable(made):
-        raise _common.refuse(f"dataset {dataset} is not a function: name a zero-argument function that returns the training dataset")
+        raise _common.refuse(
+            f"dataset {dataset} is not a function: name a zero-argument function that returns the training dataset"
+        )
     if getattr(trainer.args, "save_total_limit", None):
         _common.warn_rotation(f"save_total_limit={trainer.args.save_total_limit}")
     callback = SdcCallback(trainer, trace_dir, dataset=dataset, options=options, inject=inject)
@@ -190,7 +226,9 @@ def record(trainer: Any, trace_dir: str | os.PathLike, *, dataset: str, options:
 
     def get_train_dataloader():
         loader = original_loader()
-        inner = getattr(loader, "base_dataloader", loader)  # Accelerate's DataLoaderShard iterates the DataLoader it wraps
+        inner = getattr(
+            loader, "base_dataloader", loader
+        )  # Accelerate's DataLoaderShard iterates the DataLoader it wraps
         inner.collate_fn = IndexedCollate(inner.collate_fn)
         return loader
 
@@ -245,11 +283,19 @@ def _later_folders(args: Any, start: int, max_steps: int) -> list[Path]:
     (``save_strategy="steps"``: every ``save_steps``, and the last step)."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-    if str(getattr(args.save_strategy, "value", args.save_strategy)) != "steps" or not args.save_steps or args.save_steps < 1:
+    if (
+        str(getattr(args.save_strategy, "value", args.save_strategy)) != "steps"
+        or not args.save_steps
+        or args.save_steps < 1
+    ):
         return []
     every = int(args.save_steps)
-    steps = {n for n in range(start + 1, max_steps + 1) if n % every == 0} | ({max_steps} if max_steps > start else set())
-    return [f for f in (Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{n}" for n in sorted(steps)) if _common.taken(f)]
+    steps = {n for n in range(start + 1, max_steps + 1) if n % every == 0} | (
+        {max_steps} if max_steps > start else set()
+    )
+    return [
+        f for f in (Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{n}" for n in sorted(steps)) if _common.taken(f)
+    ]
 
 
 def _recipe_args(trainer: Any, dataset: str, optimizer: torch.optim.Optimizer, max_steps: int) -> dict[str, Any]:
@@ -266,12 +312,17 @@ def _recipe_args(trainer: Any, dataset: str, optimizer: torch.optim.Optimizer, m
         "collator": _common.reference(trainer.data_collator),
         "columns": columns,
         "optimizer": _common.optimizer_spec(optimizer, model),
-        "scheduler": {"type": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
-                      "warmup_steps": int(args.get_warmup_steps(max_steps)), "training_steps": int(max_steps),
-                      "kwargs": dict(args.lr_scheduler_kwargs or {})},
+        "scheduler": {
+            "type": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
+            "warmup_steps": int(args.get_warmup_steps(max_steps)),
+            "training_steps": int(max_steps),
+            "kwargs": dict(args.lr_scheduler_kwargs or {}),
+        },
         "max_grad_norm": float(args.max_grad_norm or 0.0),
         # compute_loss multiplies an item-normalised loss by the processes that averaged the item count
-        "items_multiplier": int(trainer.accelerator.num_processes // trainer.get_tp_size()) if args.average_tokens_across_devices else 1,
+        "items_multiplier": int(trainer.accelerator.num_processes // trainer.get_tp_size())
+        if args.average_tokens_across_devices
+        else 1,
     }
 
 
@@ -318,29 +369,48 @@ class SdcCallback:
         if self.resuming:  # the Trainer has loaded its state: the attempt starts at state.global_step
             later = _later_folders(args, int(state.global_step), int(state.max_steps))
             if _rank0_says(bool(later)):
-                raise _common.refuse(f"the run resumes at step {state.global_step} into {args.output_dir}, which holds {later[0].name if later else 'a later checkpoint'} "
-                                     "of an earlier attempt, and the Trainer would write over it: set output_dir to a new folder "
-                                     "(resume_from_checkpoint= still names the old checkpoint)")
+                raise _common.refuse(
+                    f"the run resumes at step {state.global_step} into {args.output_dir}, which holds {later[0].name if later else 'a later checkpoint'} "
+                    "of an earlier attempt, and the Trainer would write over it: set output_dir to a new folder "
+                    "(resume_from_checkpoint= still names the old checkpoint)"
+                )
         ddp = trainer.model_wrapped
         if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
-            raise _common.refuse(f"the Trainer did not wrap the model in DistributedDataParallel (got {type(ddp).__name__}); "
-                             "the recorder records DDP jobs")
+            raise _common.refuse(
+                f"the Trainer did not wrap the model in DistributedDataParallel (got {type(ddp).__name__}); "
+                "the recorder records DDP jobs"
+            )
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside Accelerate's wrapper
         settings = _json_safe(_recipe_args(trainer, self.dataset, optimizer, state.max_steps))
         every = args.save_steps if str(getattr(args.save_strategy, "value", args.save_strategy)) == "steps" else None
-        options = dataclasses.replace(self.options, start_step=int(state.global_step),
-                                      checkpoint_every=int(every) if every and every >= 1 else self.options.checkpoint_every)
-        self.rec = Recorder(self.trace_dir, ddp, optimizer, recipe=RECIPE, recipe_args=settings, options=options,
-                            inject=self.inject, framework=_common.framework_info("transformers", ADAPTER))
-        if not self.resuming and state.global_step == 0:  # replay starts from a checkpoint: checkpoint 0 is the initial state
+        options = dataclasses.replace(
+            self.options,
+            start_step=int(state.global_step),
+            checkpoint_every=int(every) if every and every >= 1 else self.options.checkpoint_every,
+        )
+        self.rec = Recorder(
+            self.trace_dir,
+            ddp,
+            optimizer,
+            recipe=RECIPE,
+            recipe_args=settings,
+            options=options,
+            inject=self.inject,
+            framework=_common.framework_info("transformers", ADAPTER),
+        )
+        if (
+            not self.resuming and state.global_step == 0
+        ):  # replay starts from a checkpoint: checkpoint 0 is the initial state
             trainer._save_checkpoint(ddp, trial=None)  # noqa: SLF001 - the Trainer's own folder layout, checkpoint-0
             self.on_save(args, state, control)
 
     def training_step(self, original, model, inputs, *args, **kwargs):
         """The Trainer's ``training_step`` for one microbatch, with its indices, input and loss recorded."""
         if self._step is None or INDEX_KEY not in inputs:
-            raise UsageError("a training batch reached training_step outside a recorded step or without its sample indices; "
-                             "the HF adapter needs the Trainer's own train dataloader (get_train_dataloader not overridden)")
+            raise UsageError(
+                "a training batch reached training_step outside a recorded step or without its sample indices; "
+                "the HF adapter needs the Trainer's own train dataloader (get_train_dataloader not overridden)"
+            )
         inputs = dict(inputs)
         indices = inputs.pop(INDEX_KEY).tolist()
         if not self._step_started:
@@ -349,7 +419,9 @@ class SdcCallback:
             if self.trainer.model_accepts_loss_kwargs and items is not None:  # the loss is normalised by the item count
                 count = float(items)
                 if count != int(count):
-                    raise SdcError(f"num_items_in_batch = {count} is not a whole count; the adapter replays whole counts")
+                    raise SdcError(
+                        f"num_items_in_batch = {count} is not a whole count; the adapter replays whole counts"
+                    )
                 header = _common.step_header(int(count), items=True)
             else:  # Trainer.training_step divides by the step's accumulation count
                 header = _common.step_header(self.trainer.current_gradient_accumulation_steps)

@@ -60,13 +60,20 @@ class TrainerRecipe:
         cls = import_reference(self.model_class, what="model class")
         config = cls.config_class.from_dict(dict(self.config))
         rng = torch.random.get_rng_state()
-        model = cls(config).to(device)  # weights come from the checkpoint; initialisation must not move the caller's RNG
+        model = cls(config).to(
+            device
+        )  # weights come from the checkpoint; initialisation must not move the caller's RNG
         torch.random.set_rng_state(rng)
         model.train()
         optimizer = _common.build_optimizer(self.optimizer, model)
         s = self.scheduler
-        scheduler = transformers.get_scheduler(s["type"], optimizer=optimizer, num_warmup_steps=s["warmup_steps"],
-                                               num_training_steps=s["training_steps"], scheduler_specific_kwargs=s["kwargs"] or None)
+        scheduler = transformers.get_scheduler(
+            s["type"],
+            optimizer=optimizer,
+            num_warmup_steps=s["warmup_steps"],
+            num_training_steps=s["training_steps"],
+            scheduler_specific_kwargs=s["kwargs"] or None,
+        )
         return model, optimizer, scheduler
 
     def load_checkpoint(self, path: str, model, optimizer, scheduler) -> None:
@@ -80,11 +87,16 @@ class TrainerRecipe:
         for shard in shards:
             weights.update(load_file(str(shard)))
         missing, unexpected = model.load_state_dict(weights, strict=False)
-        tied = {k for k in missing if k in getattr(model, "_tied_weights_keys", None) or ()} if isinstance(
-            getattr(model, "_tied_weights_keys", None), (list, tuple, set, dict)) else set()
+        tied = (
+            {k for k in missing if k in getattr(model, "_tied_weights_keys", None) or ()}
+            if isinstance(getattr(model, "_tied_weights_keys", None), (list, tuple, set, dict))
+            else set()
+        )
         if unexpected or set(missing) - tied:
-            raise RecipeError(f"{folder}: the weights do not fit the rebuilt model (missing {sorted(set(missing) - tied)[:3]}, "
-                              f"unexpected {sorted(unexpected)[:3]})")
+            raise RecipeError(
+                f"{folder}: the weights do not fit the rebuilt model (missing {sorted(set(missing) - tied)[:3]}, "
+                f"unexpected {sorted(unexpected)[:3]})"
+            )
         device = next(model.parameters()).device
         optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location=device, weights_only=True))
         scheduler.load_state_dict(torch.load(folder / "scheduler.pt", map_location="cpu", weights_only=True))
@@ -123,8 +135,10 @@ class TrainerRecipe:
             dataset, collate = made if isinstance(made, tuple) else (made, None)
             if collate is None:
                 if self.collator is None:
-                    raise RecipeError(f"the job's collator is an object the trace cannot name: have {self.dataset} return "
-                                      "(dataset, collator) (docs/integrations.md)")
+                    raise RecipeError(
+                        f"the job's collator is an object the trace cannot name: have {self.dataset} return "
+                        "(dataset, collator) (docs/integrations.md)"
+                    )
                 collate = import_reference(self.collator, what="collator")
             columns = set(self.columns) if self.columns is not None else None
 

@@ -74,27 +74,37 @@ def _refusals(trainer: Any, pl_module: Any) -> list[str]:
     elif not isinstance(strategy, DDPStrategy):
         out.append(f"the strategy is {type(strategy).__name__}; the adapter records DDPStrategy (strategy='ddp') jobs")
     elif getattr(strategy, "_ddp_comm_hook", None) is not None:
-        out.append("DDPStrategy(ddp_comm_hook=...) registers a comm hook the recorder must wrap: pass it as "
-                   "SdcCallback(comm_hook=..., comm_state=...) instead")
+        out.append(
+            "DDPStrategy(ddp_comm_hook=...) registers a comm hook the recorder must wrap: pass it as "
+            "SdcCallback(comm_hook=..., comm_state=...) instead"
+        )
     if trainer.world_size < 2:
-        out.append(f"the job runs {trainer.world_size} process: the recorder records data-parallel (DDP) jobs (devices >= 2)")
+        out.append(
+            f"the job runs {trainer.world_size} process: the recorder records data-parallel (DDP) jobs (devices >= 2)"
+        )
     precision = str(trainer.precision)
     if precision not in ("32-true", "32"):
-        out.append(f"precision {precision!r} (autocast, a loss scaler) is not replayed by the adapter yet; train with precision='32-true'")
+        out.append(
+            f"precision {precision!r} (autocast, a loss scaler) is not replayed by the adapter yet; train with precision='32-true'"
+        )
     if not pl_module.automatic_optimization:
         out.append("manual optimization: the adapter follows Lightning's automatic optimization loop")
     if len(trainer.optimizers) != 1:
         out.append(f"{len(trainer.optimizers)} optimizers; the adapter records one")
     for config in trainer.lr_scheduler_configs:
         if config.interval != "step" or config.frequency != 1 or config.reduce_on_plateau:
-            out.append("an LR scheduler that steps per epoch, every few steps or on a metric: the trace cannot tell the replay "
-                       "when it stepped; use interval='step', frequency=1")
+            out.append(
+                "an LR scheduler that steps per epoch, every few steps or on a metric: the trace cannot tell the replay "
+                "when it stepped; use interval='step', frequency=1"
+            )
     if trainer.gradient_clip_val and trainer.gradient_clip_algorithm not in (None, "norm"):
         out.append(f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}; the recipe replays clipping by norm")
     out += _common.compile_refusal(pl_module)
     if _common.reference(_module_class(pl_module)) is None:
-        out.append(f"the LightningModule class {_module_class(pl_module).__qualname__} is not importable as module:name; define it "
-                   "in a module")
+        out.append(
+            f"the LightningModule class {_module_class(pl_module).__qualname__} is not importable as module:name; define it "
+            "in a module"
+        )
     return out
 
 
@@ -117,14 +127,20 @@ def _model_parallel_refusals(trainer: Any, strategy: Any) -> list[str]:
     out = []
     mesh = getattr(strategy, "_device_mesh", None)
     if mesh is not None and "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() != 1:
-        out.append(f"ModelParallelStrategy with tensor parallelism (tensor_parallel_size={mesh['tensor_parallel'].size()}): "
-                   "the recorder records data parallelism (FSDP2, HSDP); use tensor_parallel_size=1")
+        out.append(
+            f"ModelParallelStrategy with tensor parallelism (tensor_parallel_size={mesh['tensor_parallel'].size()}): "
+            "the recorder records data parallelism (FSDP2, HSDP); use tensor_parallel_size=1"
+        )
     if trainer.accumulate_grad_batches != 1:
-        out.append("ModelParallelStrategy reduce-scatters every microbatch of an accumulation (Lightning blocks no sync "
-                   "there), and the recorder records one reduce-scatter per step: use accumulate_grad_batches=1")
+        out.append(
+            "ModelParallelStrategy reduce-scatters every microbatch of an accumulation (Lightning blocks no sync "
+            "there), and the recorder records one reduce-scatter per step: use accumulate_grad_batches=1"
+        )
     if not getattr(strategy, "_save_distributed_checkpoint", True):
-        out.append("ModelParallelStrategy(save_distributed_checkpoint=False) gathers the state on rank 0; the adapter "
-                   "notes distributed (DCP) checkpoints: keep save_distributed_checkpoint=True")
+        out.append(
+            "ModelParallelStrategy(save_distributed_checkpoint=False) gathers the state on rank 0; the adapter "
+            "notes distributed (DCP) checkpoints: keep save_distributed_checkpoint=True"
+        )
     return out
 
 
@@ -144,8 +160,16 @@ class SdcCallback(_Base):
             cannot record or replay (one line, on every rank, before anything is written).
     """
 
-    def __init__(self, trace_dir: str | os.PathLike, *, dataset: str, options: Any = None, comm_hook=None, comm_state=None,
-                 inject=()) -> None:
+    def __init__(
+        self,
+        trace_dir: str | os.PathLike,
+        *,
+        dataset: str,
+        options: Any = None,
+        comm_hook=None,
+        comm_state=None,
+        inject=(),
+    ) -> None:
         if _Base is object:
             raise UsageError("the Lightning adapter needs lightning: pip install 'sdc-forensics[lightning]'")
         from sdc_forensics.recorder import RecorderOptions
@@ -166,7 +190,9 @@ class SdcCallback(_Base):
 
         problems = _refusals(trainer, pl_module)
         if problems:
-            raise _common.refuse(f"sdc-forensics cannot record this Lightning job exactly: {problems[0]} (docs/integrations.md)")
+            raise _common.refuse(
+                f"sdc-forensics cannot record this Lightning job exactly: {problems[0]} (docs/integrations.md)"
+            )
         try:
             import_reference(self.dataset, what="dataset function")
         except _RecipeError as exc:
@@ -175,15 +201,22 @@ class SdcCallback(_Base):
         if rotating:
             _common.warn_rotation(f"ModelCheckpoint(save_top_k={rotating[0].save_top_k})")
         optimizer = trainer.optimizers[0]
-        settings = {"module_class": _common.reference(_module_class(pl_module)), "hparams": _json_hparams(pl_module),
-                    "dataset": self.dataset, "collator": None, "clip": float(trainer.gradient_clip_val or 0.0),
-                    "scheduler": bool(trainer.lr_scheduler_configs)}
+        settings = {
+            "module_class": _common.reference(_module_class(pl_module)),
+            "hparams": _json_hparams(pl_module),
+            "dataset": self.dataset,
+            "collator": None,
+            "clip": float(trainer.gradient_clip_val or 0.0),
+            "scheduler": bool(trainer.lr_scheduler_configs),
+        }
         source = trainer.fit_loop._data_source  # noqa: SLF001 - where the training loader comes from (fit() or a *_dataloader hook)
         given = getattr(source, "instance", None)
         if isinstance(given, torch.utils.data.DataLoader):
             settings["collator"] = _common.reference(given.collate_fn)
         elif given is None or not callable(getattr(given, getattr(source, "name", ""), None)):
-            raise _common.refuse("the adapter finds no training DataLoader (pass train_dataloaders= to fit, or define train_dataloader())")
+            raise _common.refuse(
+                "the adapter finds no training DataLoader (pass train_dataloaders= to fit, or define train_dataloader())"
+            )
         self._collator = settings["collator"]
         self._settings = settings
         self._wire(trainer, pl_module, optimizer)
@@ -202,15 +235,29 @@ class SdcCallback(_Base):
 
         start = int(trainer.global_step)
         options = dataclasses.replace(self.options, start_step=start)
-        self.rec = Recorder(self.trace_dir, trainer.strategy.model, trainer.optimizers[0], recipe=RECIPE,
-                            recipe_args=self._settings, options=options, comm_hook=self.comm_hook, comm_state=self.comm_state,
-                            inject=self.inject, framework=_common.framework_info("lightning", ADAPTER))
+        self.rec = Recorder(
+            self.trace_dir,
+            trainer.strategy.model,
+            trainer.optimizers[0],
+            recipe=RECIPE,
+            recipe_args=self._settings,
+            options=options,
+            comm_hook=self.comm_hook,
+            comm_state=self.comm_state,
+            inject=self.inject,
+            framework=_common.framework_info("lightning", ADAPTER),
+        )
         # post-hooks run in registration order: the recorder's (the weights after the update, their vote) must run before
         # this one closes the step, or no step would carry its weights digest and the update would go unchecked
         self._handle = trainer.optimizers[0].register_step_post_hook(lambda opt, args, kwargs: self._end_step())
-        if trainer.ckpt_path is None and start == 0:  # replay starts from a checkpoint: checkpoint 0 is the initial state
-            folder = Path(trainer.checkpoint_callback.dirpath) if getattr(trainer.checkpoint_callback, "dirpath", None) \
+        if (
+            trainer.ckpt_path is None and start == 0
+        ):  # replay starts from a checkpoint: checkpoint 0 is the initial state
+            folder = (
+                Path(trainer.checkpoint_callback.dirpath)
+                if getattr(trainer.checkpoint_callback, "dirpath", None)
                 else Path(trainer.default_root_dir) / "checkpoints"
+            )
             trainer.save_checkpoint(trainer.strategy.broadcast(_common.unused_path(folder / "sdc-step=0.ckpt"), src=0))
 
     def _wire(self, trainer, pl_module, optimizer) -> None:
@@ -243,7 +290,9 @@ class SdcCallback(_Base):
             hooked_step(**kwargs)
             return loss
 
-        if hasattr(hooked_step, "_wrapped_by_lr_sched"):  # the scheduler's step counter is still inside: say so to Lightning
+        if hasattr(
+            hooked_step, "_wrapped_by_lr_sched"
+        ):  # the scheduler's step counter is still inside: say so to Lightning
             step._wrapped_by_lr_sched = True
         optimizer.step = step
         self._handle = None  # the step-closing post-hook: registered in on_train_start, after the recorder's own
@@ -251,27 +300,46 @@ class SdcCallback(_Base):
         sharded = type(trainer.strategy).__name__ == "ModelParallelStrategy"
 
         def save_checkpoint(filepath, *args, **kwargs):
-            if self._step is not None and trainer.ckpt_path is not None and trainer.global_step == self.rec.options.start_step:
+            if (
+                self._step is not None
+                and trainer.ckpt_path is not None
+                and trainer.global_step == self.rec.options.start_step
+            ):
                 # ModelCheckpoint does not restore the step it last saved at, so a resumed fit saves the restored step
                 # again after its first microbatch, over the file it resumed from (save_top_k=-1): that state is on disk
                 if trainer.is_global_zero:
-                    log.warning("sdc-forensics: not saving %s: it would repeat checkpoint %d, which the run resumed from (%s)",
-                                filepath, trainer.global_step, trainer.ckpt_path)
+                    log.warning(
+                        "sdc-forensics: not saving %s: it would repeat checkpoint %d, which the run resumed from (%s)",
+                        filepath,
+                        trainer.global_step,
+                        trainer.ckpt_path,
+                    )
                 return None
             _common.refuse_existing(filepath, trainer.strategy.broadcast(_common.taken(filepath), src=0))
             if self._step is not None:
-                raise UsageError("a checkpoint saved in the middle of an accumulation cycle: save after the optimizer step")
+                raise UsageError(
+                    "a checkpoint saved in the middle of an accumulation cycle: save after the optimizer step"
+                )
             if sharded:  # a DCP directory every rank writes: its tensors digested as if whole, before the save
                 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-                state = {"state_dict": get_model_state_dict(pl_module), "optimizer_0": get_optimizer_state_dict(pl_module, optimizer)}
+                state = {
+                    "state_dict": get_model_state_dict(pl_module),
+                    "optimizer_0": get_optimizer_state_dict(pl_module, optimizer),
+                }
                 out = []
-                self.rec.checkpoint(int(trainer.global_step), filepath, state,
-                                    save=lambda _state, _path: out.append(original_save(filepath, *args, **kwargs)))
+                self.rec.checkpoint(
+                    int(trainer.global_step),
+                    filepath,
+                    state,
+                    save=lambda _state, _path: out.append(original_save(filepath, *args, **kwargs)),
+                )
                 return out[0] if out else None
             out = original_save(filepath, *args, **kwargs)
             trainer.strategy.barrier("sdc-forensics checkpoint note")
-            _common.note_folder(self.rec, int(trainer.global_step), filepath, pl_module, is_writer=trainer.is_global_zero)
+            _common.note_folder(
+                self.rec, int(trainer.global_step), filepath, pl_module, is_writer=trainer.is_global_zero
+            )
             return out
 
         trainer.save_checkpoint = save_checkpoint
@@ -283,26 +351,37 @@ class SdcCallback(_Base):
             raise UsageError(f"the training data is a {type(loader).__name__}; the adapter records a torch DataLoader")
         dataset = loader.dataset
         if isinstance(dataset, torch.utils.data.IterableDataset):
-            raise UsageError("the training dataset is not map-style (an IterableDataset has no indices to record as microbatch IDs)")
+            raise UsageError(
+                "the training dataset is not map-style (an IterableDataset has no indices to record as microbatch IDs)"
+            )
         if not isinstance(getattr(dataset, "__getitems__", None), _TagItems):
             dataset.__getitems__ = _TagItems(dataset)  # what the DataLoader's fetcher calls for a batch
         if not isinstance(loader.collate_fn, _TagBatch):
             named = _common.reference(loader.collate_fn)
             if named is not None and named != (self._collator or "torch.utils.data._utils.collate:default_collate"):
-                raise UsageError(f"the training loader collates with {named}, which the trace does not name: pass the "
-                                 "DataLoader to trainer.fit(), or have the dataset function return (dataset, collator)")
+                raise UsageError(
+                    f"the training loader collates with {named}, which the trace does not name: pass the "
+                    "DataLoader to trainer.fit(), or have the dataset function return (dataset, collator)"
+                )
             loader.collate_fn = _TagBatch(loader.collate_fn)
         return loader
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._batch is None:
-            raise SdcError("a training batch reached the LightningModule without its sample indices; the adapter needs the "
-                           "training DataLoader Lightning built (no custom sampler wrapper that drops __getitems__)")
+            raise SdcError(
+                "a training batch reached the LightningModule without its sample indices; the adapter needs the "
+                "training DataLoader Lightning built (no custom sampler wrapper that drops __getitems__)"
+            )
         indices, self._batch = self._batch[0], None
         if self._step is None:
             self._step = self.rec.begin_step(int(trainer.global_step))
-            self._seed, self._microbatch = _common.step_seed(self.rec.options.seed, trainer.global_step, trainer.global_rank), 0
-            self._step.add_microbatch_ids([_common.step_header(trainer.accumulate_grad_batches), _common.rng_header(self._seed)])
+            self._seed, self._microbatch = (
+                _common.step_seed(self.rec.options.seed, trainer.global_step, trainer.global_rank),
+                0,
+            )
+            self._step.add_microbatch_ids(
+                [_common.step_header(trainer.accumulate_grad_batches), _common.rng_header(self._seed)]
+            )
         self._step.add_microbatch_ids(_common.batch_ids(indices))
         self._step.input(batch)
 
@@ -342,12 +421,17 @@ def _json_hparams(pl_module) -> dict:
     import inspect
 
     hparams = dict(pl_module.hparams)
-    required = [n for n, p in inspect.signature(type(pl_module).__init__).parameters.items()
-                if n != "self" and p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    required = [
+        n
+        for n, p in inspect.signature(type(pl_module).__init__).parameters.items()
+        if n != "self" and p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
     missing = [n for n in required if n not in hparams]
     if missing:
-        raise UsageError(f"{type(pl_module).__qualname__}({', '.join(missing)}) cannot be rebuilt for replay: call "
-                         "self.save_hyperparameters() in its __init__")
+        raise UsageError(
+            f"{type(pl_module).__qualname__}({', '.join(missing)}) cannot be rebuilt for replay: call "
+            "self.save_hyperparameters() in its __init__"
+        )
     from sdc_forensics.recipe import check_recipe_args
 
     try:
@@ -426,7 +510,9 @@ class LightningRecipe:
     def loss(self, model, microbatch):
         if _common.is_placeholder(microbatch):
             return _common.zero_loss()
-        with self._batches.seeded(next((p.device for p in model.parameters()), "cpu")):  # dropout, as training seeded it
+        with self._batches.seeded(
+            next((p.device for p in model.parameters()), "cpu")
+        ):  # dropout, as training seeded it
             out = model.training_step(microbatch, 0)
         loss = out["loss"] if isinstance(out, dict) else out
         divisor = self._batches.divisor if self._batches is not None else 0

@@ -56,14 +56,18 @@ def _refusal(trainer) -> str | None:
     device = getattr(trainer, "device", None)
     on_gpu = getattr(device, "type", "cpu") == "cuda"
     if on_gpu and training is not None and not getattr(training, "disable_cuda_graphs", True):
-        return ("torchtitan captures the forward and backward in CUDA graphs, which replay without the Python hooks the "
-                "checks run in: run with --training.disable_cuda_graphs")
+        return (
+            "torchtitan captures the forward and backward in CUDA graphs, which replay without the Python hooks the "
+            "checks run in: run with --training.disable_cuda_graphs"
+        )
     parts = list(getattr(trainer, "model_parts", None) or ())
     if not parts:
         return "this trainer has no model_parts: pass torchtitan's Trainer after it is built"
     dims = getattr(trainer, "parallel_dims", None)
     if len(parts) > 1 or getattr(dims, "pp_enabled", False):
-        return "pipeline parallelism is not supported: its stages hold different parameters and the checks are collectives"
+        return (
+            "pipeline parallelism is not supported: its stages hold different parameters and the checks are collectives"
+        )
     if not hasattr(getattr(trainer, "optimizers", None), "step"):
         return "this trainer has no optimizers.step to check before"
     from sdc_forensics.integrations._common import compile_refusal
@@ -84,11 +88,16 @@ def _rotation(trainer, checkpoint_dir) -> str | None:
     checkpoint = getattr(config, "checkpoint", None)
     if checkpoint is None or checkpoint_dir is None:
         return None
-    enabled = getattr(checkpoint, "enable", getattr(checkpoint, "enable_checkpoint", False))  # 0.3.0: enable; older: enable_checkpoint
+    enabled = getattr(
+        checkpoint, "enable", getattr(checkpoint, "enable_checkpoint", False)
+    )  # 0.3.0: enable; older: enable_checkpoint
     keep = int(getattr(checkpoint, "keep_latest_k", 0) or 0)
     if not enabled or keep <= 0:
         return None
-    folder = Path(str(getattr(getattr(config, "job", None), "dump_folder", "") or "."), str(getattr(checkpoint, "folder", "checkpoint")))
+    folder = Path(
+        str(getattr(getattr(config, "job", None), "dump_folder", "") or "."),
+        str(getattr(checkpoint, "folder", "checkpoint")),
+    )
     if Path(checkpoint_dir).resolve() != folder.resolve():
         return None
     return f"torchtitan's checkpoint.keep_latest_k={keep} in {folder} (record's checkpoint_dir: give it a folder of its own)"
@@ -139,8 +148,18 @@ def watch(trainer, *, policy: str = "return", weights_every: int = 1, inject=Non
     return monitor
 
 
-def record(trainer, trace_dir, *, microbatch_ids=None, recipe: str | None = None, recipe_args: dict | None = None,
-           checkpoint_every: int = 0, checkpoint_dir=None, options=None, inject=()):
+def record(
+    trainer,
+    trace_dir,
+    *,
+    microbatch_ids=None,
+    recipe: str | None = None,
+    recipe_args: dict | None = None,
+    checkpoint_every: int = 0,
+    checkpoint_dir=None,
+    options=None,
+    inject=(),
+):
     """Records a torchtitan ``Trainer``'s job as a trace; every rank calls it, before ``train()``.
 
     Args:
@@ -180,12 +199,22 @@ def record(trainer, trace_dir, *, microbatch_ids=None, recipe: str | None = None
         from sdc_forensics.integrations._common import warn_rotation
 
         warn_rotation(rotating)
-    recording = TitanRecording(trainer, trace_dir, microbatch_ids=microbatch_ids, recipe=recipe, recipe_args=recipe_args,
-                               checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir, options=options, inject=inject)
+    recording = TitanRecording(
+        trainer,
+        trace_dir,
+        microbatch_ids=microbatch_ids,
+        recipe=recipe,
+        recipe_args=recipe_args,
+        checkpoint_every=checkpoint_every,
+        checkpoint_dir=checkpoint_dir,
+        options=options,
+        inject=inject,
+    )
     trainer.train_step = recording.train_step
     trainer.sdc_recorder = recording
     train = getattr(trainer, "train", None)
     if callable(train):  # the trace closed however train() ends (an exception, an alarm, KeyboardInterrupt)
+
         def closing_train(*args, **kwargs):
             try:
                 out = train(*args, **kwargs)
@@ -207,8 +236,19 @@ class TitanRecording:
     run starts (the attempt's first step). A context manager: leaving it closes the recorder.
     """
 
-    def __init__(self, trainer, trace_dir, *, microbatch_ids, recipe, recipe_args, checkpoint_every, checkpoint_dir, options,
-                 inject) -> None:
+    def __init__(
+        self,
+        trainer,
+        trace_dir,
+        *,
+        microbatch_ids,
+        recipe,
+        recipe_args,
+        checkpoint_every,
+        checkpoint_dir,
+        options,
+        inject,
+    ) -> None:
         self.trainer, self.trace_dir = trainer, trace_dir
         self.recorder = None
         self._ids, self._every, self._dir = microbatch_ids, checkpoint_every, checkpoint_dir
@@ -226,9 +266,14 @@ class TitanRecording:
         trainer = self.trainer
         self._start = int(trainer.step)  # torchtitan adds one before each train_step: this is the attempt's first
         options = dataclasses.replace(self._options or RecorderOptions(), start_step=self._start)
-        self.recorder = Recorder(self.trace_dir, trainer.model_parts[0], trainer.optimizers, options=options,
-                                 framework=_common.framework_info("torchtitan", "sdc_forensics.integrations.torchtitan"),
-                                 **self._kwargs)
+        self.recorder = Recorder(
+            self.trace_dir,
+            trainer.model_parts[0],
+            trainer.optimizers,
+            options=options,
+            framework=_common.framework_info("torchtitan", "sdc_forensics.integrations.torchtitan"),
+            **self._kwargs,
+        )
 
     def train_step(self, *args, **kwargs):
         from pathlib import Path

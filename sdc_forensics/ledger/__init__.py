@@ -7,14 +7,39 @@ still apply to the trace, and which checkpoints they cover exactly). Format: doc
 "Ledger"; reuse rules: docs/checkpoints.md, "The ledger". numpy- and torch-free.
 """
 
-from sdc_forensics.ledger.record import (LEDGER_VERSION, CheckpointRef, Comparison, EvidenceEntry, FileStamp, IntervalRecord,
-                                         LedgerRecordError, Outcome)
+from sdc_forensics.ledger.record import (
+    LEDGER_VERSION,
+    CheckpointRef,
+    Comparison,
+    EvidenceEntry,
+    FileStamp,
+    IntervalRecord,
+    LedgerRecordError,
+    Outcome,
+)
 from sdc_forensics.ledger.reuse import CheckpointCoverage, Reuse, exact_coverage, reusable_records
 from sdc_forensics.ledger.stamp import checkpoint_ref, stamp_checkpoint, tensors_digest
 from sdc_forensics.ledger.store import LEDGER_NAME, LedgerContents, append_record, ledger_path, read_ledger
 
 __all__ = [
-    "LEDGER_NAME", "LEDGER_VERSION", "CheckpointCoverage", "CheckpointRef", "Comparison", "EvidenceEntry", "FileStamp",
-    "IntervalRecord", "LedgerContents", "LedgerRecordError", "Outcome", "Reuse", "append_record", "checkpoint_ref",
-    "exact_coverage", "ledger_path", "read_ledger", "reusable_records", "stamp_checkpoint", "tensors_digest",
+    "LEDGER_NAME",
+    "LEDGER_VERSION",
+    "CheckpointCoverage",
+    "CheckpointRef",
+    "Comparison",
+    "EvidenceEntry",
+    "FileStamp",
+    "IntervalRecord",
+    "LedgerContents",
+    "LedgerRecordError",
+    "Outcome",
+    "Reuse",
+    "append_record",
+    "checkpoint_ref",
+    "exact_coverage",
+    "ledger_path",
+    "read_ledger",
+    "reusable_records",
+    "stamp_checkpoint",
+    "tensors_digest",
 ]

@@ -117,8 +117,10 @@ class CheckpointRef:
 
     def __post_init__(self) -> None:
         if not _HEX16.fullmatch(self.weights_digest):
-            raise LedgerRecordError(f"checkpoint {self.step} has no majority weights digest in the trace "
-                                    f"({self.weights_digest!r}): no interval from or to it can be recorded")
+            raise LedgerRecordError(
+                f"checkpoint {self.step} has no majority weights digest in the trace "
+                f"({self.weights_digest!r}): no interval from or to it can be recorded"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -169,15 +171,36 @@ class IntervalRecord:
             object.__setattr__(self, "device_s", float(self.device_s))
         problems = [
             (self.stop_step <= self.start_step, f"the interval [{self.start_step}, {self.stop_step}] holds no step"),
-            (not self.start_step <= self.last_step < self.stop_step, f"last_step {self.last_step} is outside [{self.start_step}, {self.stop_step})"),
-            (self.start.step != self.start_step, f"start checkpoint {self.start.step} is not start_step {self.start_step}"),
-            (self.stop is not None and self.stop.step != self.stop_step, f"stop checkpoint is not stop_step {self.stop_step}"),
+            (
+                not self.start_step <= self.last_step < self.stop_step,
+                f"last_step {self.last_step} is outside [{self.start_step}, {self.stop_step})",
+            ),
+            (
+                self.start.step != self.start_step,
+                f"start checkpoint {self.start.step} is not start_step {self.start_step}",
+            ),
+            (
+                self.stop is not None and self.stop.step != self.stop_step,
+                f"stop checkpoint is not stop_step {self.stop_step}",
+            ),
             (self.outcome is Outcome.CLEAN and bool(self.evidence), "a clean outcome lists evidence"),
-            (self.outcome is Outcome.CLEAN and self.last_step != self.stop_step - 1, "a clean outcome did not replay the whole interval"),
+            (
+                self.outcome is Outcome.CLEAN and self.last_step != self.stop_step - 1,
+                "a clean outcome did not replay the whole interval",
+            ),
             (self.outcome is Outcome.EVIDENCE and not self.evidence, "an evidence outcome lists none"),
-            (self.comparison is Comparison.EXACT and not self.reduction, "an exact comparison names no reduction mechanism"),
-            (any(not self.start_step <= e.step <= self.last_step for e in self.evidence), "evidence outside the steps replayed"),
-            (not all(math.isfinite(s) and s >= 0 for s in (self.wall_s, self.device_s)), "seconds are not finite and >= 0"),
+            (
+                self.comparison is Comparison.EXACT and not self.reduction,
+                "an exact comparison names no reduction mechanism",
+            ),
+            (
+                any(not self.start_step <= e.step <= self.last_step for e in self.evidence),
+                "evidence outside the steps replayed",
+            ),
+            (
+                not all(math.isfinite(s) and s >= 0 for s in (self.wall_s, self.device_s)),
+                "seconds are not finite and >= 0",
+            ),
         ]
         bad = [why for failed, why in problems if failed]
         if bad:
@@ -229,8 +252,10 @@ def decode_record(doc: Any, where: str) -> IntervalRecord:
         raise LedgerRecordError(f"{where}: not a JSON object; {_HINT}")
     version = doc.get("ledger_version")
     if version != LEDGER_VERSION or isinstance(version, bool):
-        raise LedgerRecordError(f"{where}: ledger record version {str(version)[:20]}, this sdc-forensics reads version "
-                                f"{LEDGER_VERSION}; the record is ignored (upgrade sdc-forensics to reuse it)")
+        raise LedgerRecordError(
+            f"{where}: ledger record version {str(version)[:20]}, this sdc-forensics reads version "
+            f"{LEDGER_VERSION}; the record is ignored (upgrade sdc-forensics to reuse it)"
+        )
     stored = doc.get(CHECKSUM_KEY)
     if not isinstance(stored, str) or stored != record_checksum(doc):
         raise LedgerRecordError(f"{where}: checksum mismatch (the record was damaged or edited); {_HINT}")
@@ -242,14 +267,16 @@ def decode_record(doc: Any, where: str) -> IntervalRecord:
         start_step=f.int("start_step", lo=0, hi=MAX_STEP),
         stop_step=f.int("stop_step", lo=0, hi=MAX_STEP),
         last_step=f.int("last_step", lo=0, hi=MAX_STEP),
-        start=_checkpoint(f.doc.get("start"), f"{where}, \"start\""),
-        stop=None if stop is None else _checkpoint(stop, f"{where}, \"stop\""),
+        start=_checkpoint(f.doc.get("start"), f'{where}, "start"'),
+        stop=None if stop is None else _checkpoint(stop, f'{where}, "stop"'),
         comparison=_enum(f, "comparison", Comparison),
         reduction=f.str("reduction", max_len=64),
         device=f.str("device", max_len=1024),
         settings=f.obj("settings"),
         outcome=_enum(f, "outcome", Outcome),
-        evidence=tuple(_evidence(e, f"{where}, evidence {i}") for i, e in enumerate(_bounded(f, "evidence", MAX_EVIDENCE))),
+        evidence=tuple(
+            _evidence(e, f"{where}, evidence {i}") for i, e in enumerate(_bounded(f, "evidence", MAX_EVIDENCE))
+        ),
         tool_version=f.str("tool_version", max_len=256),
         wall_s=_seconds(f, "wall_s"),
         device_s=_seconds(f, "device_s"),
@@ -261,7 +288,7 @@ def _checkpoint(doc: Any, where: str) -> CheckpointRef:
     f = Fields(doc, where, LedgerRecordError, _HINT)
     tensors = f.str("tensors_digest", "", max_len=64)
     if tensors and not _HEX64.fullmatch(tensors):
-        raise f.fail("tensors_digest", "64 lowercase hex digits or \"\"", tensors)
+        raise f.fail("tensors_digest", '64 lowercase hex digits or ""', tensors)
     return CheckpointRef(
         step=f.int("step", lo=0, hi=MAX_STEP),
         path=f.str("path", max_len=4096),
@@ -273,9 +300,12 @@ def _checkpoint(doc: Any, where: str) -> CheckpointRef:
 
 def _stamp(doc: Any, where: str) -> FileStamp:
     f = Fields(doc, where, LedgerRecordError, _HINT)
-    return FileStamp(name=f.str("name", max_len=4096), size_bytes=f.int("size_bytes", lo=0, hi=(1 << 63) - 1),
-                     mtime_ns=f.int("mtime_ns", lo=-(1 << 63), hi=(1 << 63) - 1),
-                     sample_sha256=_match(f, "sample_sha256", _HEX64, "64 lowercase hex digits"))
+    return FileStamp(
+        name=f.str("name", max_len=4096),
+        size_bytes=f.int("size_bytes", lo=0, hi=(1 << 63) - 1),
+        mtime_ns=f.int("mtime_ns", lo=-(1 << 63), hi=(1 << 63) - 1),
+        sample_sha256=_match(f, "sample_sha256", _HEX64, "64 lowercase hex digits"),
+    )
 
 
 def _evidence(doc: Any, where: str) -> EvidenceEntry:
@@ -283,8 +313,13 @@ def _evidence(doc: Any, where: str) -> EvidenceEntry:
     ranks = f.ints("ranks", (), lo=0)
     if len(ranks) > MAX_WORLD_SIZE or any(r >= MAX_WORLD_SIZE for r in ranks):
         raise f.fail("ranks", f"at most {MAX_WORLD_SIZE} ranks below {MAX_WORLD_SIZE}", list(ranks))
-    return EvidenceEntry(kind=_match(f, "kind", _WORD, "a lowercase evidence kind"), step=f.int("step", lo=0, hi=MAX_STEP), ranks=ranks,
-                         strength=_match(f, "strength", _WORD, "a lowercase strength"), detail=f.str("detail", "", max_len=4096))
+    return EvidenceEntry(
+        kind=_match(f, "kind", _WORD, "a lowercase evidence kind"),
+        step=f.int("step", lo=0, hi=MAX_STEP),
+        ranks=ranks,
+        strength=_match(f, "strength", _WORD, "a lowercase strength"),
+        detail=f.str("detail", "", max_len=4096),
+    )
 
 
 def _bounded(f: Fields, key: str, most: int) -> list:

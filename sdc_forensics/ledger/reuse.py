@@ -82,9 +82,15 @@ class CheckpointCoverage:
     evidence_steps: tuple[int, ...] = ()
 
 
-def reusable_records(records: Iterable[IntervalRecord], notes: Sequence[CheckpointNote], *, trace_dir: str | os.PathLike,
-                     attempts: Sequence[Attempt] = (), checkpoints: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
-                     locate: Callable[[CheckpointNote], Path | None] | None = None) -> Reuse:
+def reusable_records(
+    records: Iterable[IntervalRecord],
+    notes: Sequence[CheckpointNote],
+    *,
+    trace_dir: str | os.PathLike,
+    attempts: Sequence[Attempt] = (),
+    checkpoints: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+    locate: Callable[[CheckpointNote], Path | None] | None = None,
+) -> Reuse:
     """The records that still apply to the trace (rules 1 to 3 of the module docstring).
 
     Args:
@@ -115,7 +121,9 @@ def reusable_records(records: Iterable[IntervalRecord], notes: Sequence[Checkpoi
             lines.append(f"ledger record {record.record_id} ({_interval(record)}) not reused: {why}")
             continue
         kept.append(record)
-        rotated.update(ref.step for ref in (record.start, record.stop) if ref is not None and files.gone(by_step[ref.step]))
+        rotated.update(
+            ref.step for ref in (record.start, record.stop) if ref is not None and files.gone(by_step[ref.step])
+        )
     return Reuse(records=tuple(kept), rotated=tuple(sorted(rotated)), notes=tuple(lines))
 
 
@@ -154,8 +162,10 @@ def _checkpoint_problem(ref: CheckpointRef, note: CheckpointNote | None, files: 
         return f"the record holds no file checksums for checkpoint {ref.step}, whose file exists"
     if found != ref.files:
         changed = next((f"{a.name}" for a, b in zip(found, ref.files) if a != b), files.path(note).name)
-        return (f"checkpoint {ref.step}'s file {files.path(note)} was replaced since it was examined ({changed}: size, time or "
-                "bytes differ)")
+        return (
+            f"checkpoint {ref.step}'s file {files.path(note)} was replaced since it was examined ({changed}: size, time or "
+            "bytes differ)"
+        )
     return None
 
 
@@ -189,7 +199,9 @@ class _FileCheck:
         return self._get(note)[0] is None
 
 
-def exact_coverage(records: Iterable[IntervalRecord], checkpoint_steps: Iterable[int], *, first_step: int = 0) -> tuple[CheckpointCoverage, ...]:
+def exact_coverage(
+    records: Iterable[IntervalRecord], checkpoint_steps: Iterable[int], *, first_step: int = 0
+) -> tuple[CheckpointCoverage, ...]:
     """For each checkpoint step, whether the reused ``records`` cover every step before it exactly.
 
     Args:
@@ -215,7 +227,11 @@ def exact_coverage(records: Iterable[IntervalRecord], checkpoint_steps: Iterable
             gaps.append((cursor, n - 1))
         evidence = tuple(s for s in strong if first_step <= s < n)
         ids = tuple(r.record_id for r in records if r.certifies and r.start_step < n and r.stop_step > first_step)
-        out.append(CheckpointCoverage(step=n, exact=not gaps and not evidence, gaps=tuple(gaps), record_ids=ids, evidence_steps=evidence))
+        out.append(
+            CheckpointCoverage(
+                step=n, exact=not gaps and not evidence, gaps=tuple(gaps), record_ids=ids, evidence_steps=evidence
+            )
+        )
     return tuple(out)
 
 

@@ -50,8 +50,12 @@ def stamp_file(path: str | os.PathLike, name: str | None = None) -> FileStamp:
             sample.update(handle.read(SAMPLE_BYTES))
             handle.seek(info.st_size - SAMPLE_BYTES)
             sample.update(handle.read(SAMPLE_BYTES))
-    return FileStamp(name=path.name if name is None else name, size_bytes=info.st_size, mtime_ns=info.st_mtime_ns,
-                     sample_sha256=sample.hexdigest())
+    return FileStamp(
+        name=path.name if name is None else name,
+        size_bytes=info.st_size,
+        mtime_ns=info.st_mtime_ns,
+        sample_sha256=sample.hexdigest(),
+    )
 
 
 def stamp_checkpoint(path: str | os.PathLike) -> tuple[FileStamp, ...]:
@@ -97,4 +101,10 @@ def checkpoint_ref(note: CheckpointNote, path: str | os.PathLike | None) -> Chec
             certified, so no record cites it).
     """
     files = stamp_checkpoint(path) if path is not None else ()
-    return CheckpointRef(step=note.step, path=note.path, weights_digest=note.weights_digest, tensors_digest=tensors_digest(note), files=files)
+    return CheckpointRef(
+        step=note.step,
+        path=note.path,
+        weights_digest=note.weights_digest,
+        tensors_digest=tensors_digest(note),
+        files=files,
+    )

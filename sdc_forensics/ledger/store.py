@@ -87,7 +87,7 @@ def append_record(path: str | os.PathLike, record: IntervalRecord) -> None:
             line = b"\n" + line  # a torn tail stays its own (ignored) line
         view = memoryview(line)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
         if size == 0:
             _fsync_dir(path.parent)
@@ -99,8 +99,10 @@ def append_record(path: str | os.PathLike, record: IntervalRecord) -> None:
 
 def _unwritable(path: Path, exc: OSError) -> LedgerWriteError:
     reason = exc.strerror or str(exc)
-    return LedgerWriteError(f"cannot append to the ledger {path} ({reason}); pass --ledger PATH to keep it on a writable "
-                            "file system (the trace and checkpoints are never written)")
+    return LedgerWriteError(
+        f"cannot append to the ledger {path} ({reason}); pass --ledger PATH to keep it on a writable "
+        "file system (the trace and checkpoints are never written)"
+    )
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -127,14 +129,20 @@ def read_ledger(path: str | os.PathLike) -> LedgerContents:
     path = Path(path)
     notes = _Notes(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO in its place never blocks
+        fd = os.open(
+            path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+        )  # a FIFO in its place never blocks
     except FileNotFoundError:
         return LedgerContents(path=path)
     except OSError as exc:
-        return LedgerContents(path=path, notes=(f"{path}: the ledger cannot be read ({exc.strerror or exc}); nothing is reused from it",))
+        return LedgerContents(
+            path=path, notes=(f"{path}: the ledger cannot be read ({exc.strerror or exc}); nothing is reused from it",)
+        )
     with os.fdopen(fd, "rb") as handle:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return LedgerContents(path=path, notes=(f"{path}: the ledger is not a regular file; nothing is reused from it",))
+            return LedgerContents(
+                path=path, notes=(f"{path}: the ledger is not a regular file; nothing is reused from it",)
+            )
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # wait for a writer's record to be whole
         except OSError:
@@ -156,7 +164,10 @@ def _read_lines(handle, notes: "_Notes") -> list[IntervalRecord]:
             notes.add(number, f"longer than {MAX_RECORD_BYTES} bytes")
             continue
         if not line.endswith(b"\n"):
-            notes.add(number, f"a torn record at the end of the file ({len(line)} bytes without an end of line: a write was cut short)")
+            notes.add(
+                number,
+                f"a torn record at the end of the file ({len(line)} bytes without an end of line: a write was cut short)",
+            )
             return records
         if not line.strip():
             continue

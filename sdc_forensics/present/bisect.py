@@ -31,7 +31,9 @@ def bisect_document(result: BisectResult) -> dict[str, Any]:
         "first_divergent_step": result.first_divergent_step,
         "divergence_window": None if result.divergence_window is None else list(result.divergence_window),
         "suspects": [s.to_json() for s in result.suspects],
-        "last_clean_checkpoint": None if last is None else {"step": last.step, "path": last.path, "status": last.status.value},
+        "last_clean_checkpoint": None
+        if last is None
+        else {"step": last.step, "path": last.path, "status": last.status.value},
         "checkpoints": [c.to_json() for c in result.checkpoints],
         "replayed": _replayed_document(result.replayed),
         "evidence": [e.to_json() for e in result.evidence if not e.is_hint],
@@ -41,15 +43,25 @@ def bisect_document(result: BisectResult) -> dict[str, Any]:
         "settle": list(result.settle),
         "notes": list(result.notes),
         "preflight": None if result.preflight is None else result.preflight.to_json(),
-        "trace": {"path": result.trace_path, "world_size": result.world_size,
-                  "steps": None if result.step_range is None else list(result.step_range), "damage": list(result.damage)},
+        "trace": {
+            "path": result.trace_path,
+            "world_size": result.world_size,
+            "steps": None if result.step_range is None else list(result.step_range),
+            "damage": list(result.damage),
+        },
     }
 
 
 def _replayed_document(replay: ReplaySummary) -> dict[str, Any]:
-    doc = {"windows": [_window_document(w) for w in replay.windows], "device": replay.device, "comparison": replay.comparison,
-           "steps_replayed": replay.steps_replayed, "reduction_order": replay.reduction_order or None,
-           "settings": replay.settings, "notes": list(replay.notes)}
+    doc = {
+        "windows": [_window_document(w) for w in replay.windows],
+        "device": replay.device,
+        "comparison": replay.comparison,
+        "steps_replayed": replay.steps_replayed,
+        "reduction_order": replay.reduction_order or None,
+        "settings": replay.settings,
+        "notes": list(replay.notes),
+    }
     if replay.ledger is not None:
         doc["ledger"] = ledger_document(replay.ledger)
     return doc
@@ -57,8 +69,15 @@ def _replayed_document(replay: ReplaySummary) -> dict[str, Any]:
 
 def ledger_document(ledger: LedgerSummary) -> dict[str, Any]:
     """The ``ledger`` object of the JSON documents: what came from the ledger, what was appended (docs/json.md)."""
-    return {"path": ledger.path, "steps_reused": ledger.steps_reused, "appended": list(ledger.appended), "notes": list(ledger.notes),
-            "reused": [{"from": w.start, "last": w.last, "records": list(w.record_ids), "reason": w.reason} for w in ledger.reused]}
+    return {
+        "path": ledger.path,
+        "steps_reused": ledger.steps_reused,
+        "appended": list(ledger.appended),
+        "notes": list(ledger.notes),
+        "reused": [
+            {"from": w.start, "last": w.last, "records": list(w.record_ids), "reason": w.reason} for w in ledger.reused
+        ],
+    }
 
 
 def render_ledger(ledger: LedgerSummary | None, console) -> None:
@@ -73,8 +92,15 @@ def render_ledger(ledger: LedgerSummary | None, console) -> None:
 
 
 def _window_document(window: ReplayedWindow) -> dict[str, Any]:
-    return {"from": window.start, "to": window.stop, "last_replayed": window.last, "comparison": window.comparison,
-            "tolerant_from": window.tolerant_from, "reason": window.reason, "max_residual_ratio": window.max_residual_ratio}
+    return {
+        "from": window.start,
+        "to": window.stop,
+        "last_replayed": window.last,
+        "comparison": window.comparison,
+        "tolerant_from": window.tolerant_from,
+        "reason": window.reason,
+        "max_residual_ratio": window.max_residual_ratio,
+    }
 
 
 def render_bisect(result: BisectResult, console) -> None:
@@ -86,41 +112,74 @@ def render_bisect(result: BisectResult, console) -> None:
     console.print(headline)
     console.print(f"[dim]{escape(result.scope)}[/]")
     if analysis_exit(result.verdict, result.mode) != verdict_exit(result.verdict):  # a clean verdict of the trace alone
-        console.print("[yellow]exit 4, not 0[/]: the trace's checks found nothing, but no step was replayed and no checkpoint "
-                      "file read: not a clean bill; bisect without --trace-only (with the recipe and checkpoints) to certify")
+        console.print(
+            "[yellow]exit 4, not 0[/]: the trace's checks found nothing, but no step was replayed and no checkpoint "
+            "file read: not a clean bill; bisect without --trace-only (with the recipe and checkpoints) to certify"
+        )
     stopped = [line for line in result.damage if line.startswith(STOPPED_EARLY)]  # trace.ends.RunEnd.describe()
     for line in stopped:
         console.print(f"[bold yellow]{escape(line[0].upper() + line[1:])}[/]")
     if result.suspects:
-        sharded = any(s.mesh for s in result.suspects)  # a sharded job: the mesh coordinates say which shard and replica
-        table = new_table(console, "Suspects", ("rank", "host", "gpu") + (("mesh",) if sharded else ())
-                          + ("location", "steps", "recurrence", "recommendation"))
+        sharded = any(
+            s.mesh for s in result.suspects
+        )  # a sharded job: the mesh coordinates say which shard and replica
+        table = new_table(
+            console,
+            "Suspects",
+            ("rank", "host", "gpu")
+            + (("mesh",) if sharded else ())
+            + ("location", "steps", "recurrence", "recommendation"),
+        )
         for s in result.suspects:
-            table.add_row("all (collective)" if s.rank is None else str(s.rank), escape(s.host or "-"), escape(s.gpu or "-"),
-                          *((escape(s.mesh or "-"),) if sharded else ()),
-                          s.location.value, ", ".join(map(str, s.steps)), "recurring" if s.recurring else "one event",
-                          escape(s.recommendation))
+            table.add_row(
+                "all (collective)" if s.rank is None else str(s.rank),
+                escape(s.host or "-"),
+                escape(s.gpu or "-"),
+                *((escape(s.mesh or "-"),) if sharded else ()),
+                s.location.value,
+                ", ".join(map(str, s.steps)),
+                "recurring" if s.recurring else "one event",
+                escape(s.recommendation),
+            )
         console.print(table)
         evidence_table(console, [e for s in result.suspects for e in s.evidence], "Evidence chain")
     elif [e for e in result.evidence if not e.is_hint]:
         evidence_table(console, [e for e in result.evidence if not e.is_hint], "Evidence")
     hints = [e for e in result.evidence if e.is_hint]
     if hints:
-        console.print(f"[dim]{len(hints)} statistical hint(s), not a verdict: " + "; ".join(f"step {e.step} rank {ranks_text(e.ranks)}" for e in hints[:5]) + "[/]")
+        console.print(
+            f"[dim]{len(hints)} statistical hint(s), not a verdict: "
+            + "; ".join(f"step {e.step} rank {ranks_text(e.ranks)}" for e in hints[:5])
+            + "[/]"
+        )
     if result.checkpoints:
         table = new_table(console, "Checkpoints", ("step", "status", "reasons", "path"))
         for c in result.checkpoints:
-            table.add_row(str(c.step), f"[{_STATUS_STYLE[c.status]}]{c.status.value}[/]", escape("; ".join(c.reasons[:3])), escape(c.path))
+            table.add_row(
+                str(c.step),
+                f"[{_STATUS_STYLE[c.status]}]{c.status.value}[/]",
+                escape("; ".join(c.reasons[:3])),
+                escape(c.path),
+            )
         console.print(table)
     last = result.last_clean_checkpoint
-    console.print(f"Resume from: [bold]{escape(last.path)}[/] (step {last.step}, {last.status.value})" if last else "Resume from: [yellow]no checkpoint certified clean[/]")
+    console.print(
+        f"Resume from: [bold]{escape(last.path)}[/] (step {last.step}, {last.status.value})"
+        if last
+        else "Resume from: [yellow]no checkpoint certified clean[/]"
+    )
     replay = result.replayed
     if replay.windows:
-        console.print(f"Replayed on {escape(replay.device or '?')}, comparison {replay.comparison}"
-                      + (f", all-reduce order {replay.reduction_order}" if replay.reduction_order else "") + ":")
+        console.print(
+            f"Replayed on {escape(replay.device or '?')}, comparison {replay.comparison}"
+            + (f", all-reduce order {replay.reduction_order}" if replay.reduction_order else "")
+            + ":"
+        )
         for w in replay.windows:
             if w.last < w.start:
-                console.print(f"  nothing from checkpoint {w.start} (its first step could not be replayed; see the notes): {escape(w.reason)}")
+                console.print(
+                    f"  nothing from checkpoint {w.start} (its first step could not be replayed; see the notes): {escape(w.reason)}"
+                )
             else:
                 span = f"step {w.start}" if w.last == w.start else f"steps {w.start}..{w.last}"
                 console.print(f"  {span} from checkpoint {w.start} ({w.comparison}): {escape(w.reason)}")
@@ -137,14 +196,26 @@ def render_bisect(result: BisectResult, console) -> None:
 
 def evidence_table(console, evidence: list[Evidence], title: str) -> None:
     """Print ``evidence`` as a table (one row per step, kind, ranks and source)."""
-    table = new_table(console, title, ("step", "kind", "ranks", "location", "expected", "found", "source", "strength"), overflow="fold")
+    table = new_table(
+        console,
+        title,
+        ("step", "kind", "ranks", "location", "expected", "found", "source", "strength"),
+        overflow="fold",
+    )
     seen = set()
     for e in evidence:
         key = (e.step, e.kind, e.ranks, e.source)
         if key in seen:
             continue
         seen.add(key)
-        table.add_row(str(e.step), e.kind.value, ranks_text(e.ranks), e.location.value, escape(e.expected), escape(e.found), e.source,
-                      e.strength.value)
+        table.add_row(
+            str(e.step),
+            e.kind.value,
+            ranks_text(e.ranks),
+            e.location.value,
+            escape(e.expected),
+            escape(e.found),
+            e.source,
+            e.strength.value,
+        )
     console.print(table)
-

@@ -46,16 +46,24 @@ def render_certify(cert: Certification, console, certificate_out: str | Path | N
     table = new_table(console, f"checkpoints of {escape(str(cert.trace_dir))}", ("step", "status", "path", "reasons"))
     for s in cert.checkpoints:
         style = _STYLE.get(s.status.value, "bold red")
-        table.add_row(str(s.step), f"[{style}]{s.status.value}[/]", escape(Path(s.path).name if s.path else "(not read)"),
-                      escape("; ".join(s.reasons)))
+        table.add_row(
+            str(s.step),
+            f"[{style}]{s.status.value}[/]",
+            escape(Path(s.path).name if s.path else "(not read)"),
+            escape("; ".join(s.reasons)),
+        )
     console.print(table)
     render_coverage(console, cert.coverage)
     for line in result.damage:
         console.print(f"[yellow]trace damage:[/] {escape(line)}")
     for path in cert.unnoted:
-        console.print(f"[yellow]unverified:[/] {escape(str(path))} has no checkpoint note in the trace; nothing can be certified about it")
-    console.print(f"analysis: {result.verdict.value}; first divergent step: "
-                  f"{'none found' if result.first_divergent_step is None else result.first_divergent_step}; {escape(result.scope)}")
+        console.print(
+            f"[yellow]unverified:[/] {escape(str(path))} has no checkpoint note in the trace; nothing can be certified about it"
+        )
+    console.print(
+        f"analysis: {result.verdict.value}; first divergent step: "
+        f"{'none found' if result.first_divergent_step is None else result.first_divergent_step}; {escape(result.scope)}"
+    )
     said: set[str] = set()
     for note in (*result.replayed.notes, *result.notes):  # what stopped or bent a replay, each reason once
         reason = re.sub(r"^steps? [\d.]+(, rank \d+)?: ", "", note)
@@ -69,13 +77,17 @@ def render_certify(cert: Certification, console, certificate_out: str | Path | N
     elif resume is None:
         console.print("[bold red]no checkpoint certified clean[/]: none can be resumed from safely")
     elif cert.exit_code == ExitCode.INCONCLUSIVE:  # certify_exit: no resume point without a verdict
-        console.print(f"[bold yellow]no resume point named (exit 4)[/]: the analysis is inconclusive (see 'to settle'); "
-                      f"checkpoint {resume.step} is the last certified clean ({escape(resume.path)}), and resuming there "
-                      f"re-runs every step after it")
+        console.print(
+            f"[bold yellow]no resume point named (exit 4)[/]: the analysis is inconclusive (see 'to settle'); "
+            f"checkpoint {resume.step} is the last certified clean ({escape(resume.path)}), and resuming there "
+            f"re-runs every step after it"
+        )
     else:
         later = [s for s in cert.checkpoints if s.step > resume.step and not s.clean]
         after = f"; {len(later)} later checkpoint(s) not clean, listed above" if later else ""
-        console.print(f"[bold green]resume from step {resume.step}[/]: {escape(resume.path)} ({resume.status.value}){after}")
+        console.print(
+            f"[bold green]resume from step {resume.step}[/]: {escape(resume.path)} ({resume.status.value}){after}"
+        )
     if certificate_out is not None:
         console.print(f"certificate written to {escape(str(certificate_out))}")
 
@@ -92,8 +104,17 @@ def follow_document(outcome) -> dict[str, Any]:
         "stopped_by": outcome.stopped_by,
         "lag": outcome.lag,
         "exit_code": int(outcome.exit_code),
-        "intervals": [{"from": i.start, "last": i.last, "outcome": i.outcome, "comparison": i.comparison,
-                       "record": i.record_id or None, "lag": i.lag} for i in outcome.intervals],
+        "intervals": [
+            {
+                "from": i.start,
+                "last": i.last,
+                "outcome": i.outcome,
+                "comparison": i.comparison,
+                "record": i.record_id or None,
+                "lag": i.lag,
+            }
+            for i in outcome.intervals
+        ],
         "unreplayable": [list(span) for span in outcome.unreplayable],
         "budget": outcome.budget,
         "skipped": [list(span) for span in outcome.skipped],
@@ -112,7 +133,13 @@ def render_follow(outcome, console) -> None:
     elif outcome.final is not None:
         render_certify(outcome.final, console)
     replayed = [i for i in outcome.intervals if i.outcome != "reused"]
-    console.print(f"follower stopped ({outcome.stopped_by}): {len(replayed)} interval(s) replayed, "
-                  f"{len(outcome.intervals) - len(replayed)} already in the ledger, lag {outcome.lag} interval(s)"
-                  + (f", {len(outcome.unreplayable)} not replayable (checkpoint file gone)" if outcome.unreplayable else "")
-                  + (f", {len(outcome.skipped)} left to the online checks by --budget {outcome.budget}" if outcome.skipped else ""))
+    console.print(
+        f"follower stopped ({outcome.stopped_by}): {len(replayed)} interval(s) replayed, "
+        f"{len(outcome.intervals) - len(replayed)} already in the ledger, lag {outcome.lag} interval(s)"
+        + (f", {len(outcome.unreplayable)} not replayable (checkpoint file gone)" if outcome.unreplayable else "")
+        + (
+            f", {len(outcome.skipped)} left to the online checks by --budget {outcome.budget}"
+            if outcome.skipped
+            else ""
+        )
+    )

@@ -14,8 +14,10 @@ from sdc_forensics.demo.run import DemoConfig, DemoResult
 
 def render_demo_start(config: DemoConfig, console) -> None:
     """One line before the run starts: its size and where it writes."""
-    console.print(f"[bold]sdc-forensics demo[/]: {config.world_size} ranks, gloo on CPU, {config.steps} steps, "
-                  f"checkpoint every {config.checkpoint_every} → {escape(str(config.out_dir))}")
+    console.print(
+        f"[bold]sdc-forensics demo[/]: {config.world_size} ranks, gloo on CPU, {config.steps} steps, "
+        f"checkpoint every {config.checkpoint_every} → {escape(str(config.out_dir))}"
+    )
 
 
 def render_demo(result: DemoResult, console) -> None:
@@ -25,8 +27,10 @@ def render_demo(result: DemoResult, console) -> None:
     cfg = result.config
     if cfg.injections:
         for fired in result.fired:
-            console.print(f"  injected [bold]{escape(fired['spec'])}[/]: element {fired['element']} went {fired['old']:.6g} → {fired['new']:.6g}"
-                          + (f" ({escape(fired['detail'])})" if fired["detail"] else ""))
+            console.print(
+                f"  injected [bold]{escape(fired['spec'])}[/]: element {fired['element']} went {fired['old']:.6g} → {fired['new']:.6g}"
+                + (f" ({escape(fired['detail'])})" if fired["detail"] else "")
+            )
         unfired = {str(s) for s in cfg.injections} - {f["spec"] for f in result.fired}
         for spec in sorted(unfired):
             console.print(f"  [yellow]not injected[/] {escape(spec)} (the run stopped before it, or nothing was there)")
@@ -34,19 +38,29 @@ def render_demo(result: DemoResult, console) -> None:
         console.print("  no fault injected (clean run)")
     if result.alarms:
         for alarm in result.alarms:
-            console.print(f"  [red]online {alarm['check']} check fired[/] at step {alarm['step']}: {escape(alarm['detail'])}")
+            console.print(
+                f"  [red]online {alarm['check']} check fired[/] at step {alarm['step']}: {escape(alarm['detail'])}"
+            )
     else:
-        console.print(f"  online checks: no alarm (policy: {'stop' if cfg.policy == 'raise' else 'record and continue'})")
+        console.print(
+            f"  online checks: no alarm (policy: {'stop' if cfg.policy == 'raise' else 'record and continue'})"
+        )
     if result.raised:
         console.print(f"  [red]training stopped[/]: {escape(result.raised['message'])}")
         stopped = [rank for rank, code in enumerate(result.exit_codes) if code == ALARM_EXIT_CODE]
         if stopped:
-            console.print(f"  rank(s) {', '.join(map(str, stopped))} exited with code {ALARM_EXIT_CODE} "
-                          "(sdc_forensics.recorder.exit_on_alarm, for launchers and epilogs)")
-    console.print(f"  checkpoints: {', '.join(str(s) for s in result.checkpoints)} in {escape(str(cfg.checkpoint_dir))}")
+            console.print(
+                f"  rank(s) {', '.join(map(str, stopped))} exited with code {ALARM_EXIT_CODE} "
+                "(sdc_forensics.recorder.exit_on_alarm, for launchers and epilogs)"
+            )
+    console.print(
+        f"  checkpoints: {', '.join(str(s) for s in result.checkpoints)} in {escape(str(cfg.checkpoint_dir))}"
+    )
     console.print(f"  finished in {result.wall_s:.1f} s")
-    console.print(f"\nNext: [bold]sdc-forensics bisect {escape(str(cfg.trace_dir))}[/]  "
-                  "(finds the first divergent step, the rank and the last clean checkpoint)")
+    console.print(
+        f"\nNext: [bold]sdc-forensics bisect {escape(str(cfg.trace_dir))}[/]  "
+        "(finds the first divergent step, the rank and the last clean checkpoint)"
+    )
 
 
 def demo_document(result: DemoResult) -> dict:

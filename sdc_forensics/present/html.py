@@ -69,7 +69,10 @@ def _e(value: object) -> str:
 
 def _table(header: tuple[str, ...], rows: list[tuple], raw_columns: frozenset[int] = frozenset()) -> str:
     head = "".join(f"<th>{_e(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{c if i in raw_columns else _e(c)}</td>" for i, c in enumerate(row)) + "</tr>" for row in rows)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{c if i in raw_columns else _e(c)}</td>" for i, c in enumerate(row)) + "</tr>"
+        for row in rows
+    )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
@@ -78,22 +81,43 @@ def _list(items: list[str]) -> str:
 
 
 def _evidence_rows(evidence: list[Evidence]) -> list[tuple]:
-    return [(e.step, e.kind.value, ", ".join(map(str, e.ranks)) or "all", e.location.value, e.source,
-             e.strength.value, e.expected, e.found, e.detail) for e in evidence]
+    return [
+        (
+            e.step,
+            e.kind.value,
+            ", ".join(map(str, e.ranks)) or "all",
+            e.location.value,
+            e.source,
+            e.strength.value,
+            e.expected,
+            e.found,
+            e.detail,
+        )
+        for e in evidence
+    ]
 
 
 def _summary(result: BisectResult, incident: Incident, manifest: Manifest | None) -> str:
-    facts: list[tuple[str, str]] = [("Verdict", f'<span class="verdict {_VERDICT_CLASS[result.verdict]}">{_e(result.verdict.value.upper())}</span>')]
+    facts: list[tuple[str, str]] = [
+        ("Verdict", f'<span class="verdict {_VERDICT_CLASS[result.verdict]}">{_e(result.verdict.value.upper())}</span>')
+    ]
     s = result.first_divergent_step
     if s is not None:
-        facts.append(("First divergent step", f"<strong>{s}</strong> <span class=\"muted\">(θ_{s} is still clean, θ_{s + 1} is not: only "
-                                               f"checkpoints N ≤ {s} can be clean)</span>"))
+        facts.append(
+            (
+                "First divergent step",
+                f'<strong>{s}</strong> <span class="muted">(θ_{s} is still clean, θ_{s + 1} is not: only '
+                f"checkpoints N ≤ {s} can be clean)</span>",
+            )
+        )
         facts.append(("When (UTC)", _e(R.when_sentence(incident))))
     else:
         facts.append(("First divergent step", "none found: " + _e(result.scope)))
     for suspect in result.suspects:
         if suspect.rank is None:
-            facts.append(("Suspect", "the collective: every rank received the same wrong all-reduce result (no single rank)"))
+            facts.append(
+                ("Suspect", "the collective: every rank received the same wrong all-reduce result (no single rank)")
+            )
         else:
             ident = manifest.identity(suspect.rank) if manifest is not None else None
             parts = [f"<strong>rank {suspect.rank}</strong>", f"host <code>{_e(suspect.host or '?')}</code>"]
@@ -107,24 +131,47 @@ def _summary(result: BisectResult, incident: Incident, manifest: Manifest | None
                 parts.append(f"device <code>{_e(ident.device)}</code>")
             facts.append(("Suspect", ", ".join(parts)))
         facts.append(("Location", f"<code>{_e(suspect.location.value)}</code>"))
-        facts.append(("Transient or recurring", ("recurring" if suspect.recurring else "transient (one event)")
-                      + f", step(s) {_e(', '.join(map(str, suspect.steps)))}"))
+        facts.append(
+            (
+                "Transient or recurring",
+                ("recurring" if suspect.recurring else "transient (one event)")
+                + f", step(s) {_e(', '.join(map(str, suspect.steps)))}",
+            )
+        )
     last = result.last_clean_checkpoint
-    facts.append(("Resume from", f"<strong>checkpoint {last.step}</strong> <code>{_e(last.path)}</code> ({_e(last.status.value)})" if last
-                  else "<strong>no checkpoint could be certified clean</strong>"))
+    facts.append(
+        (
+            "Resume from",
+            f"<strong>checkpoint {last.step}</strong> <code>{_e(last.path)}</code> ({_e(last.status.value)})"
+            if last
+            else "<strong>no checkpoint could be certified clean</strong>",
+        )
+    )
     facts.append(("Lost", _e(R.lost_sentence(incident))))
     weak = [e for e in result.evidence if e.is_weak]
     if weak and s is None:
-        facts.append(("Weak evidence", _e(f"step {weak[0].step}, rank(s) {', '.join(map(str, weak[0].ranks)) or 'all'}: "
-                                          f"{weak[0].found} (not a verdict; see what would settle it)")))
-    return "<dl class=\"facts\">" + "".join(f"<dt>{_e(k)}</dt><dd>{v}</dd>" for k, v in facts) + "</dl>"
+        facts.append(
+            (
+                "Weak evidence",
+                _e(
+                    f"step {weak[0].step}, rank(s) {', '.join(map(str, weak[0].ranks)) or 'all'}: "
+                    f"{weak[0].found} (not a verdict; see what would settle it)"
+                ),
+            )
+        )
+    return '<dl class="facts">' + "".join(f"<dt>{_e(k)}</dt><dd>{v}</dd>" for k, v in facts) + "</dl>"
 
 
 def _actions(actions: "tuple[ActionBlock, ...]") -> str:
     out = []
     for block in actions:
-        out.append('<div class="action">' f"<h3>{_e(block.title)}</h3>" + "".join(f"<p>{_e(w)}</p>" for w in block.why)
-                   + (f"<pre><code>{_e(chr(10).join(block.commands))}</code></pre>" if block.commands else "") + "</div>")
+        out.append(
+            '<div class="action">'
+            f"<h3>{_e(block.title)}</h3>"
+            + "".join(f"<p>{_e(w)}</p>" for w in block.why)
+            + (f"<pre><code>{_e(chr(10).join(block.commands))}</code></pre>" if block.commands else "")
+            + "</div>"
+        )
     return "".join(out)
 
 
@@ -132,9 +179,19 @@ def _status_cell(status) -> str:
     return f'<span class="status" style="color:{STATUS_COLOURS[status]}">{_e(status.value)}</span>'
 
 
-def render_html(result: BisectResult, manifest: Manifest | None, incident: Incident, actions: "tuple[ActionBlock, ...]",
-                request: R.ReportRequest, *, plot_svg: str | None, plot_note: str = "", end: "RunEnd | None" = None,
-                now: _dt.datetime | None = None, coverage=None) -> str:
+def render_html(
+    result: BisectResult,
+    manifest: Manifest | None,
+    incident: Incident,
+    actions: "tuple[ActionBlock, ...]",
+    request: R.ReportRequest,
+    *,
+    plot_svg: str | None,
+    plot_note: str = "",
+    end: "RunEnd | None" = None,
+    now: _dt.datetime | None = None,
+    coverage=None,
+) -> str:
     """The review as one HTML document.
 
     Args:
@@ -149,75 +206,155 @@ def render_html(result: BisectResult, manifest: Manifest | None, incident: Incid
     now = now or _dt.datetime.now(_dt.timezone.utc)
     title = f"Post-incident review: {R.headline(result.verdict)}"
     steps = "-" if result.step_range is None else f"{result.step_range[0]}..{result.step_range[1]}"
-    parts = [f"<header><h1>{_e(title)}</h1><p class=\"meta\">Trace <code>{_e(result.trace_path)}</code> ({result.world_size} ranks, "
-             f"steps {_e(steps)}); analysed {_e(f'{now:%Y-%m-%d %H:%M}')} UTC by sdc-forensics {_e(__version__)}, mode "
-             f"<code>{_e(result.mode)}</code>.</p></header>"]
+    parts = [
+        f'<header><h1>{_e(title)}</h1><p class="meta">Trace <code>{_e(result.trace_path)}</code> ({result.world_size} ranks, '
+        f"steps {_e(steps)}); analysed {_e(f'{now:%Y-%m-%d %H:%M}')} UTC by sdc-forensics {_e(__version__)}, mode "
+        f"<code>{_e(result.mode)}</code>.</p></header>"
+    ]
     if end is not None and end.stopped_early:
-        parts.append(f"<p class=\"note\"><strong>The run stopped early</strong> at step {_e(end.stop_step)}: {_e(end.describe())}.</p>")
-    parts.append("<section id=\"summary\"><h2>Summary</h2>" + _summary(result, incident, manifest) + "</section>")
+        parts.append(
+            f'<p class="note"><strong>The run stopped early</strong> at step {_e(end.stop_step)}: {_e(end.describe())}.</p>'
+        )
+    parts.append('<section id="summary"><h2>Summary</h2>' + _summary(result, incident, manifest) + "</section>")
 
-    parts.append("<section id=\"plots\"><h2>Around the incident</h2>")
+    parts.append('<section id="plots"><h2>Around the incident</h2>')
     if plot_svg:
         parts.append(f"<figure>{plot_svg}</figure>")
     else:
-        parts.append(f"<p class=\"note\">{_e(plot_note or R.PLOTS_HINT)}</p>")
+        parts.append(f'<p class="note">{_e(plot_note or R.PLOTS_HINT)}</p>')
     parts.append("</section>")
 
-    parts.append("<section id=\"actions\"><h2>Actions ready to paste</h2>" + _actions(actions) + "</section>")
+    parts.append('<section id="actions"><h2>Actions ready to paste</h2>' + _actions(actions) + "</section>")
 
     real = [e for e in result.evidence if not e.is_hint]
-    parts.append("<section id=\"evidence\"><h2>Evidence</h2>")
+    parts.append('<section id="evidence"><h2>Evidence</h2>')
     replay = result.replayed
     if replay.windows:
-        parts.append(f"<p>Replay confirmation on <code>{_e(replay.device or '?')}</code>, comparison <strong>{_e(replay.comparison)}</strong>"
-                     + (f", all-reduce summation order <code>{_e(replay.reduction_order)}</code>" if replay.reduction_order else "")
-                     + f"; {replay.steps_replayed} step(s) replayed.</p>")
+        parts.append(
+            f"<p>Replay confirmation on <code>{_e(replay.device or '?')}</code>, comparison <strong>{_e(replay.comparison)}</strong>"
+            + (
+                f", all-reduce summation order <code>{_e(replay.reduction_order)}</code>"
+                if replay.reduction_order
+                else ""
+            )
+            + f"; {replay.steps_replayed} step(s) replayed.</p>"
+        )
     else:
-        parts.append("<p>Nothing was replayed (" + ("trace-only analysis" if result.mode == "trace-only" else "no window needed") + ").</p>")
-    parts.append(_table(("step", "kind", "ranks", "location", "source", "strength", "expected", "found", "detail"), _evidence_rows(real))
-                 if real else "<p>No evidence of corruption.</p>")
+        parts.append(
+            "<p>Nothing was replayed ("
+            + ("trace-only analysis" if result.mode == "trace-only" else "no window needed")
+            + ").</p>"
+        )
+    parts.append(
+        _table(
+            ("step", "kind", "ranks", "location", "source", "strength", "expected", "found", "detail"),
+            _evidence_rows(real),
+        )
+        if real
+        else "<p>No evidence of corruption.</p>"
+    )
     hints = [e for e in result.evidence if e.is_hint]
     if hints:
-        parts.append("<h3>Statistical hints (not a verdict)</h3>"
-                     + _table(("step", "kind", "ranks", "location", "source", "strength", "expected", "found", "detail"), _evidence_rows(hints[:20])))
+        parts.append(
+            "<h3>Statistical hints (not a verdict)</h3>"
+            + _table(
+                ("step", "kind", "ranks", "location", "source", "strength", "expected", "found", "detail"),
+                _evidence_rows(hints[:20]),
+            )
+        )
     if replay.windows:
-        parts.append("<h3>Replayed windows</h3>" + _table(
-            ("from checkpoint", "to step", "last replayed", "comparison", "why"),
-            [(w.start, w.stop, w.last, w.comparison + (f" from step {w.tolerant_from}" if w.tolerant_from is not None else ""), w.reason)
-             for w in replay.windows]))
+        parts.append(
+            "<h3>Replayed windows</h3>"
+            + _table(
+                ("from checkpoint", "to step", "last replayed", "comparison", "why"),
+                [
+                    (
+                        w.start,
+                        w.stop,
+                        w.last,
+                        w.comparison + (f" from step {w.tolerant_from}" if w.tolerant_from is not None else ""),
+                        w.reason,
+                    )
+                    for w in replay.windows
+                ],
+            )
+        )
     parts.append("</section>")
 
     if result.checkpoints:
-        parts.append("<section id=\"checkpoints\"><h2>Checkpoints</h2>" + _table(
-            ("step", "status", "path", "reasons"),
-            [(c.step, _status_cell(c.status), f"<code>{_e(c.path or '-')}</code>", _e("; ".join(c.reasons))) for c in result.checkpoints],
-            raw_columns=frozenset({1, 2, 3})) + "</section>")
+        parts.append(
+            '<section id="checkpoints"><h2>Checkpoints</h2>'
+            + _table(
+                ("step", "status", "path", "reasons"),
+                [
+                    (c.step, _status_cell(c.status), f"<code>{_e(c.path or '-')}</code>", _e("; ".join(c.reasons)))
+                    for c in result.checkpoints
+                ],
+                raw_columns=frozenset({1, 2, 3}),
+            )
+            + "</section>"
+        )
 
-    parts.append("<section id=\"checked\"><h2>What was checked</h2>" + _list(R.checked(result))
-                 + "<h3>What could not be checked</h3>" + (_list(R.not_checked(result, end, coverage)) or "<p>Nothing left unexamined.</p>") + "</section>")
+    parts.append(
+        '<section id="checked"><h2>What was checked</h2>'
+        + _list(R.checked(result))
+        + "<h3>What could not be checked</h3>"
+        + (_list(R.not_checked(result, end, coverage)) or "<p>Nothing left unexamined.</p>")
+        + "</section>"
+    )
 
     if manifest is not None:
         att = max(manifest.attempts, key=lambda a: a.attempt) if manifest.attempts else None
-        env = [f"World size {manifest.world_size}, recipe {manifest.recipe or '-'}, gradients in {manifest.fingerprint.grad_dtype}, "
-               f"sketch k={manifest.fingerprint.sketch_k}."]
+        env = [
+            f"World size {manifest.world_size}, recipe {manifest.recipe or '-'}, gradients in {manifest.fingerprint.grad_dtype}, "
+            f"sketch k={manifest.fingerprint.sketch_k}."
+        ]
         if att is not None:
             det = ", ".join(f"{k}={v}" for k, v in sorted(att.determinism.items())) or "-"
-            env.append(f"Latest attempt {att.attempt} (from step {att.start_step}): torch {att.torch_version or '?'}, "
-                       f"CUDA {att.cuda_version or '-'}, determinism: {det}.")
+            env.append(
+                f"Latest attempt {att.attempt} (from step {att.start_step}): torch {att.torch_version or '?'}, "
+                f"CUDA {att.cuda_version or '-'}, determinism: {det}."
+            )
         ranks = sorted({s.rank for s in result.suspects if s.rank is not None})
         rows = []
         for rank in ranks:
             ident = manifest.identity(rank)
-            rows.append((rank, ident.host or "?", ident.node_rank, ident.local_rank, ident.gpu_uuid or "-", ident.pci_bus_id or "-",
-                         ident.slurm_job_id or "-", ident.slurm_node or ident.k8s_node or "-"))
-        parts.append("<section id=\"environment\"><h2>Job environment</h2>" + _list(env)
-                     + (_table(("rank", "host", "node", "local rank", "GPU UUID", "PCI bus", "Slurm job", "node name"), rows) if rows else "")
-                     + "</section>")
+            rows.append(
+                (
+                    rank,
+                    ident.host or "?",
+                    ident.node_rank,
+                    ident.local_rank,
+                    ident.gpu_uuid or "-",
+                    ident.pci_bus_id or "-",
+                    ident.slurm_job_id or "-",
+                    ident.slurm_node or ident.k8s_node or "-",
+                )
+            )
+        parts.append(
+            '<section id="environment"><h2>Job environment</h2>'
+            + _list(env)
+            + (
+                _table(("rank", "host", "node", "local rank", "GPU UUID", "PCI bus", "Slurm job", "node name"), rows)
+                if rows
+                else ""
+            )
+            + "</section>"
+        )
 
     notes, commands = R.reproduce_commands(request, result)
-    parts.append("<section id=\"reproduce\"><h2>Reproduce this analysis</h2>" + "".join(f"<p>{_e(n)}</p>" for n in notes)
-                 + f"<pre><code>{_e(chr(10).join(commands))}</code></pre></section>")
-    parts.append(f"<footer class=\"muted\"><p>sdc-forensics {_e(__version__)}: docs/report.md says how every figure is computed.</p></footer>")
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-            f"<title>{_e(title)}</title><style>{_CSS}</style></head><body><main>" + "\n".join(parts) + "</main></body></html>\n")
+    parts.append(
+        '<section id="reproduce"><h2>Reproduce this analysis</h2>'
+        + "".join(f"<p>{_e(n)}</p>" for n in notes)
+        + f"<pre><code>{_e(chr(10).join(commands))}</code></pre></section>"
+    )
+    parts.append(
+        f'<footer class="muted"><p>sdc-forensics {_e(__version__)}: docs/report.md says how every figure is computed.</p></footer>'
+    )
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body><main>"
+        + "\n".join(parts)
+        + "</main></body></html>\n"
+    )

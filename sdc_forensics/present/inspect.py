@@ -47,16 +47,26 @@ def inspect_document(summary: TraceSummary, covered=None) -> dict[str, Any]:
         if latest is None
         else {"torch": latest.torch_version, "cuda": latest.cuda_version, "determinism": latest.determinism},
         "checkpoints": [
-            {"step": c.step, "path": c.path, "attempt": c.attempt, "blessed": c.blessed, "weights_digest": c.weights_digest}
+            {
+                "step": c.step,
+                "path": c.path,
+                "attempt": c.attempt,
+                "blessed": c.blessed,
+                "weights_digest": c.weights_digest,
+            }
             for c in summary.checkpoints
         ],
         "damage": [dataclasses.asdict(d) for d in summary.damage],
         "usable": True,
         "preflight": preflight.check(m).to_json() if m.attempts else None,
         "coverage": None if covered is None else [coverage_document(c) for c in covered.coverage],
-        "ledger": None if covered is None or covered.ledger is None else {
-            "path": str(covered.ledger), "strong_evidence": [{"step": s, "record": r} for s, r in covered.strong_evidence],
-            "notes": list(covered.notes)},
+        "ledger": None
+        if covered is None or covered.ledger is None
+        else {
+            "path": str(covered.ledger),
+            "strong_evidence": [{"step": s, "record": r} for s, r in covered.strong_evidence],
+            "notes": list(covered.notes),
+        },
     }
 
 
@@ -76,7 +86,9 @@ def render_inspect(summary: TraceSummary, console, covered=None) -> None:
     )
     if m.framework is not None:
         fw = m.framework
-        console.print(f"written by: {escape(fw['name'])} {escape(fw['version'])} through {escape(fw['adapter'] or '-')}")
+        console.print(
+            f"written by: {escape(fw['name'])} {escape(fw['version'])} through {escape(fw['adapter'] or '-')}"
+        )
     if m.parallel is not None:
         console.print(f"sharded: {escape(m.parallel.describe())}; reduced gradients and weights recorded per shard")
     console.print(f"fingerprints: seed {fp.seed:#x}, sketch k={fp.sketch_k}, gradients in {escape(fp.grad_dtype)}")
@@ -84,19 +96,35 @@ def render_inspect(summary: TraceSummary, console, covered=None) -> None:
     if m.attempts:
         for line in preflight.check(m).lines():
             console.print(f"replay: {escape(line)}")
-        from sdc_forensics.replay import memory as replay_memory  # the memory plan (issue 35): imports torch for the sizes
+        from sdc_forensics.replay import (
+            memory as replay_memory,
+        )  # the memory plan (issue 35): imports torch for the sizes
 
         for line in replay_memory.inspect_lines(summary.path, m):
             console.print(f"replay: {escape(line)}")
     if latest is not None:
-        console.print(escape(f"torch {latest.torch_version or '?'}  cuda {latest.cuda_version or '-'}  "
-                             f"determinism {pairs_text(latest.determinism)}"))
-    ranks = new_table(console, "ranks (latest attempt)", ("rank", "host", "node", "local", "gpu", "job / node")
-                      + (("mesh",) if m.parallel is not None else ()))
+        console.print(
+            escape(
+                f"torch {latest.torch_version or '?'}  cuda {latest.cuda_version or '-'}  "
+                f"determinism {pairs_text(latest.determinism)}"
+            )
+        )
+    ranks = new_table(
+        console,
+        "ranks (latest attempt)",
+        ("rank", "host", "node", "local", "gpu", "job / node") + (("mesh",) if m.parallel is not None else ()),
+    )
     for r in latest.ranks if latest else ():
         job = " ".join(x for x in (r.slurm_job_id, r.slurm_node or r.k8s_node) if x) or "-"
-        ranks.add_row(str(r.rank), escape(r.host), str(r.node_rank), str(r.local_rank), escape(r.gpu), escape(job),
-                      *((escape(m.parallel.coordinates(r.rank)),) if m.parallel is not None else ()))
+        ranks.add_row(
+            str(r.rank),
+            escape(r.host),
+            str(r.node_rank),
+            str(r.local_rank),
+            escape(r.gpu),
+            escape(job),
+            *((escape(m.parallel.coordinates(r.rank)),) if m.parallel is not None else ()),
+        )
     console.print(ranks)
     attempts = new_table(console, "attempts", ("attempt", "resumed at step", "steps recorded", "records"))
     for a in summary.attempts:
@@ -106,11 +134,19 @@ def render_inspect(summary: TraceSummary, console, covered=None) -> None:
     if summary.checkpoints:
         # what the recorder saw when it saved each one; whether the file is still as saved and the
         # steps before it were clean is a status only certify (replay, files read) can give
-        cks = new_table(console, "checkpoints noted (as saved; statuses: sdc-forensics certify)",
-                        ("step", "path", "attempt", "saved from", "weights digest"))
+        cks = new_table(
+            console,
+            "checkpoints noted (as saved; statuses: sdc-forensics certify)",
+            ("step", "path", "attempt", "saved from", "weights digest"),
+        )
         for c in summary.checkpoints:
-            cks.add_row(str(c.step), escape(c.path), str(c.attempt), "majority" if c.blessed else "[red]no majority[/]",
-                        escape(c.weights_digest or "-"))
+            cks.add_row(
+                str(c.step),
+                escape(c.path),
+                str(c.attempt),
+                "majority" if c.blessed else "[red]no majority[/]",
+                escape(c.weights_digest or "-"),
+            )
         console.print(cks)
     else:
         console.print("checkpoints noted: none")
@@ -123,7 +159,9 @@ def render_inspect(summary: TraceSummary, console, covered=None) -> None:
     console.print(f"records: {counts}")
     _render_alarms(console, summary.alarms)
     if summary.damage:
-        dmg = new_table(console, f"[yellow]damage ({len(summary.damage)})[/]", ("kind", "rank", "attempt", "record", "detail"))
+        dmg = new_table(
+            console, f"[yellow]damage ({len(summary.damage)})[/]", ("kind", "rank", "attempt", "record", "detail")
+        )
         for d in summary.damage[:_MAX_ROWS]:
             dmg.add_row(d.kind, str(d.rank), str(d.attempt), str(d.record_index), escape(d.detail))
         console.print(dmg)
@@ -140,7 +178,9 @@ def _render_coverage(console, covered) -> None:
     for line in covered.notes:
         console.print(f"[yellow]ledger:[/] {escape(line)}")
     for step, record in covered.strong_evidence:
-        console.print(f"[bold red]ledger:[/] strong evidence at step {step} (record {escape(record)}): run sdc-forensics bisect")
+        console.print(
+            f"[bold red]ledger:[/] strong evidence at step {step} (record {escape(record)}): run sdc-forensics bisect"
+        )
     render_coverage(console, covered.coverage)
 
 
@@ -149,10 +189,18 @@ def _render_alarms(console, alarms: tuple[AlarmSummary, ...]) -> None:
     if not alarms:
         console.print("online alarms: none")
         return
-    table = new_table(console, f"[red]online alarms ({len(alarms)})[/]", ("step", "rank", "check", "detail", "attempt", "recorded by"))
+    table = new_table(
+        console, f"[red]online alarms ({len(alarms)})[/]", ("step", "rank", "check", "detail", "attempt", "recorded by")
+    )
     for a in alarms[:_MAX_ROWS]:
-        table.add_row(str(a.step), "none named" if a.rank is None else str(a.rank), a.check, escape(a.detail), str(a.attempt),
-                      f"{len(a.recorded_by)} rank(s)")
+        table.add_row(
+            str(a.step),
+            "none named" if a.rank is None else str(a.rank),
+            a.check,
+            escape(a.detail),
+            str(a.attempt),
+            f"{len(a.recorded_by)} rank(s)",
+        )
     console.print(table)
     if len(alarms) > _MAX_ROWS:
         console.print(f"… {len(alarms) - _MAX_ROWS} more alarms in --json")
@@ -166,10 +214,25 @@ def _render_end(console, end: RunEnd) -> None:
         return
     summary = end.describe()
     console.print(f"[bold yellow]{escape(summary[0].upper() + summary[1:])}[/]")
-    ends = new_table(console, f"where each rank's file ends (attempt {end.attempt})", ("rank", "host", "last step", "closed", "torn bytes"))
+    ends = new_table(
+        console,
+        f"where each rank's file ends (attempt {end.attempt})",
+        ("rank", "host", "last step", "closed", "torn bytes"),
+    )
     for r in end.ranks:
-        closed = "-" if r.closed is None else ("on an exception" if r.closed_on_error else "yes") if r.closed else "[red]no[/]"
+        closed = (
+            "-"
+            if r.closed is None
+            else ("on an exception" if r.closed_on_error else "yes")
+            if r.closed
+            else "[red]no[/]"
+        )
         last = "-" if r.last_step is None else str(r.last_step)
-        ends.add_row(f"[bold]{r.rank}[/]" if r.rank in end.stopped_ranks else str(r.rank), escape(r.host or "-"),
-                     last if r.has_file else "[red]no file[/]", closed, str(r.torn_bytes) if r.torn_bytes else "-")
+        ends.add_row(
+            f"[bold]{r.rank}[/]" if r.rank in end.stopped_ranks else str(r.rank),
+            escape(r.host or "-"),
+            last if r.has_file else "[red]no file[/]",
+            closed,
+            str(r.torn_bytes) if r.torn_bytes else "-",
+        )
     console.print(ends)

@@ -63,8 +63,17 @@ def _table(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
 
 def _evidence_rows(evidence: list[Evidence]) -> list[tuple]:
     return [
-        (e.step, e.kind.value, ", ".join(map(str, e.ranks)) or "all", e.location.value, e.source,
-         e.strength.value, e.expected, e.found, e.detail)
+        (
+            e.step,
+            e.kind.value,
+            ", ".join(map(str, e.ranks)) or "all",
+            e.location.value,
+            e.source,
+            e.strength.value,
+            e.expected,
+            e.found,
+            e.detail,
+        )
         for e in evidence
     ]
 
@@ -73,29 +82,57 @@ def _stopped_early(end: "RunEnd") -> list[str]:
     """The section that says the run stopped early, where, and what the analysis could read."""
     out = ["## The run stopped early", ""]
     stopped = [r for r in end.ranks if r.rank in end.stopped_ranks]
-    who = "every rank" if len(stopped) == len(end.ranks) else ", ".join(f"rank {r.rank} (host {_code(r.host or '?')})" for r in stopped)
+    who = (
+        "every rank"
+        if len(stopped) == len(end.ranks)
+        else ", ".join(f"rank {r.rank} (host {_code(r.host or '?')})" for r in stopped)
+    )
     after = stopped[0].last_step if stopped else None
-    out.append(f"- **Where:** {who} stopped " + (f"after step {after}" if after is not None else "before recording any step")
-               + (f" (attempt {end.attempt})" if end.attempt else "") + f"; the run stopped at step {end.stop_step}.")
+    out.append(
+        f"- **Where:** {who} stopped "
+        + (f"after step {after}" if after is not None else "before recording any step")
+        + (f" (attempt {end.attempt})" if end.attempt else "")
+        + f"; the run stopped at step {end.stop_step}."
+    )
     if end.last_complete_step is None:
         out.append("- **Last complete step:** none: no step was recorded by every rank.")
     else:
-        out.append(f"- **Last complete step: {end.last_complete_step}** (recorded by every rank). Every rank is read up to it; "
-                   "a replay stops there, and the steps after it hold some ranks' records only.")
+        out.append(
+            f"- **Last complete step: {end.last_complete_step}** (recorded by every rank). Every rank is read up to it; "
+            "a replay stops there, and the steps after it hold some ranks' records only."
+        )
     if end.finalised is None:
         out.append("- **Trace finalised:** unknown (the trace predates END records, format 1.0).")
     else:
-        out.append(f"- **Trace finalised:** {'yes' if end.finalised else 'no'}: "
-                   + f"{sum(1 for r in end.ranks if r.closed)} of {len(end.ranks)} ranks closed their trace file.")
+        out.append(
+            f"- **Trace finalised:** {'yes' if end.finalised else 'no'}: "
+            + f"{sum(1 for r in end.ranks if r.closed)} of {len(end.ranks)} ranks closed their trace file."
+        )
     out += [f"- {end.describe()[0].upper()}{end.describe()[1:]}.", ""]
-    rows = [(r.rank, r.host or "-", "no file" if not r.has_file else "-" if r.last_step is None else r.last_step,
-             "-" if r.closed is None else ("on an exception" if r.closed_on_error else "yes") if r.closed else "**no**",
-             r.torn_bytes or "-") for r in end.ranks]
+    rows = [
+        (
+            r.rank,
+            r.host or "-",
+            "no file" if not r.has_file else "-" if r.last_step is None else r.last_step,
+            "-" if r.closed is None else ("on an exception" if r.closed_on_error else "yes") if r.closed else "**no**",
+            r.torn_bytes or "-",
+        )
+        for r in end.ranks
+    ]
     return out + _table(("rank", "host", "last step recorded", "closed its trace", "torn bytes at the tail"), rows)
 
 
-def render_markdown(result: BisectResult, manifest: Manifest | None, incident: Incident, actions: "tuple[ActionBlock, ...]",
-                    request: R.ReportRequest, *, now: _dt.datetime | None = None, end: "RunEnd | None" = None, coverage=None) -> str:
+def render_markdown(
+    result: BisectResult,
+    manifest: Manifest | None,
+    incident: Incident,
+    actions: "tuple[ActionBlock, ...]",
+    request: R.ReportRequest,
+    *,
+    now: _dt.datetime | None = None,
+    end: "RunEnd | None" = None,
+    coverage=None,
+) -> str:
     """The review as Markdown.
 
     Args:
@@ -111,26 +148,36 @@ def render_markdown(result: BisectResult, manifest: Manifest | None, incident: I
     """
     now = now or _dt.datetime.now(_dt.timezone.utc)
     out = [f"# Post-incident review: {R.headline(result.verdict)}", ""]
-    out += [f"Trace {_code(result.trace_path)} ({result.world_size} ranks, steps "
-            f"{'-' if result.step_range is None else f'{result.step_range[0]}..{result.step_range[1]}'}); "
-            f"analysed {now:%Y-%m-%d %H:%M} UTC by sdc-forensics {__version__}, mode `{result.mode}`.", ""]
+    out += [
+        f"Trace {_code(result.trace_path)} ({result.world_size} ranks, steps "
+        f"{'-' if result.step_range is None else f'{result.step_range[0]}..{result.step_range[1]}'}); "
+        f"analysed {now:%Y-%m-%d %H:%M} UTC by sdc-forensics {__version__}, mode `{result.mode}`.",
+        "",
+    ]
 
     stopped = end is not None and end.stopped_early
     if stopped:
-        out += [f"**The run stopped early** at step {end.stop_step}: the last step every rank recorded is "
-                f"{'none' if end.last_complete_step is None else end.last_complete_step}; this review covers what was recorded.", ""]
+        out += [
+            f"**The run stopped early** at step {end.stop_step}: the last step every rank recorded is "
+            f"{'none' if end.last_complete_step is None else end.last_complete_step}; this review covers what was recorded.",
+            "",
+        ]
 
     out += ["## Summary", ""]
     if result.first_divergent_step is not None:
         s = result.first_divergent_step
-        out.append(f"- **First divergent step: {s}.** θ_{s} is still clean, θ_{s + 1} is not: only checkpoints N <= {s} can be clean.")
+        out.append(
+            f"- **First divergent step: {s}.** θ_{s} is still clean, θ_{s + 1} is not: only checkpoints N <= {s} can be clean."
+        )
         out.append(f"- **When:** {R.when_sentence(incident)}")
     else:
         out.append(f"- First divergent step: none found. {result.scope}")
     weak = [e for e in result.evidence if e.is_weak]
     if weak and result.first_divergent_step is None:
-        out.append(f"- **Weak evidence, not a verdict:** step {weak[0].step}, rank(s) {', '.join(map(str, weak[0].ranks)) or 'all'} "
-                   f"({_cell(weak[0].found)}); see \"To settle\" below.")
+        out.append(
+            f"- **Weak evidence, not a verdict:** step {weak[0].step}, rank(s) {', '.join(map(str, weak[0].ranks)) or 'all'} "
+            f'({_cell(weak[0].found)}); see "To settle" below.'
+        )
     for suspect in result.suspects:
         if suspect.rank is None:
             who = "the collective (every rank received the same wrong result; no single rank)"
@@ -141,11 +188,16 @@ def render_markdown(result: BisectResult, manifest: Manifest | None, incident: I
                 who += f" (UUID {_code(ident.gpu_uuid or '-')}, PCI bus {_code(ident.pci_bus_id or '-')})"
             if suspect.mesh:  # a sharded job: which shard and replica
                 who += f", mesh {_code(suspect.mesh)}"
-        out.append(f"- **Suspect: {who}**; location `{suspect.location.value}`; "
-                   f"{'recurring' if suspect.recurring else 'transient, one event'} (steps {', '.join(map(str, suspect.steps))}).")
+        out.append(
+            f"- **Suspect: {who}**; location `{suspect.location.value}`; "
+            f"{'recurring' if suspect.recurring else 'transient, one event'} (steps {', '.join(map(str, suspect.steps))})."
+        )
     last = result.last_clean_checkpoint
-    out.append(f"- **Resume from:** {_code(last.path)} (checkpoint {last.step}, {last.status.value})." if last
-               else "- **Resume from:** no checkpoint could be certified clean.")
+    out.append(
+        f"- **Resume from:** {_code(last.path)} (checkpoint {last.step}, {last.status.value})."
+        if last
+        else "- **Resume from:** no checkpoint could be certified clean."
+    )
     out.append(f"- **Lost:** {R.lost_sentence(incident)}")
     out.append("")
     if stopped:
@@ -160,52 +212,98 @@ def render_markdown(result: BisectResult, manifest: Manifest | None, incident: I
     real = [e for e in result.evidence if not e.is_hint]
     if real:
         out += ["## Evidence chain", ""]
-        out += _table(("step", "kind", "ranks", "location", "source", "strength", "expected", "found", "detail"), _evidence_rows(real))
+        out += _table(
+            ("step", "kind", "ranks", "location", "source", "strength", "expected", "found", "detail"),
+            _evidence_rows(real),
+        )
     hints = [e for e in result.evidence if e.is_hint]
     if hints:
         out += ["## Statistical hints (not a verdict)", ""]
-        out += _table(("step", "kind", "ranks", "location", "source", "strength", "expected", "found", "detail"), _evidence_rows(hints[:20]))
+        out += _table(
+            ("step", "kind", "ranks", "location", "source", "strength", "expected", "found", "detail"),
+            _evidence_rows(hints[:20]),
+        )
 
     if result.checkpoints:
         out += ["## Checkpoints", ""]
-        out += _table(("step", "status", "path", "reasons"),
-                      [(c.step, c.status.value, _code(c.path), "; ".join(c.reasons)) for c in result.checkpoints])
+        out += _table(
+            ("step", "status", "path", "reasons"),
+            [(c.step, c.status.value, _code(c.path), "; ".join(c.reasons)) for c in result.checkpoints],
+        )
 
     replay = result.replayed
     out += ["## What was replayed", ""]
     if replay.windows:
-        out.append(f"On {_code(replay.device)}, comparison **{replay.comparison}**"
-                   + (f", all-reduce summation order {_code(replay.reduction_order)}" if replay.reduction_order else "")
-                   + f"; {replay.steps_replayed} step(s) replayed.")
+        out.append(
+            f"On {_code(replay.device)}, comparison **{replay.comparison}**"
+            + (f", all-reduce summation order {_code(replay.reduction_order)}" if replay.reduction_order else "")
+            + f"; {replay.steps_replayed} step(s) replayed."
+        )
         out.append("")
-        out += _table(("from checkpoint", "to step", "last replayed", "comparison", "why"),
-                      [(w.start, w.stop, w.last, w.comparison + (f" from step {w.tolerant_from}" if w.tolerant_from is not None else ""),
-                        w.reason) for w in replay.windows])
+        out += _table(
+            ("from checkpoint", "to step", "last replayed", "comparison", "why"),
+            [
+                (
+                    w.start,
+                    w.stop,
+                    w.last,
+                    w.comparison + (f" from step {w.tolerant_from}" if w.tolerant_from is not None else ""),
+                    w.reason,
+                )
+                for w in replay.windows
+            ],
+        )
         if replay.settings:
-            out += ["Deterministic settings: " + ", ".join(f"`{k}={v}`" for k, v in sorted(replay.settings.items())), ""]
+            out += [
+                "Deterministic settings: " + ", ".join(f"`{k}={v}`" for k, v in sorted(replay.settings.items())),
+                "",
+            ]
     else:
-        out += ["Nothing was replayed (" + ("trace-only analysis" if result.mode == "trace-only" else "no window needed") + ").", ""]
+        out += [
+            "Nothing was replayed ("
+            + ("trace-only analysis" if result.mode == "trace-only" else "no window needed")
+            + ").",
+            "",
+        ]
 
     out += ["## What was checked", ""] + [f"- {_cell(line)}" for line in R.checked(result)] + [""]
     missing = R.not_checked(result, end, coverage)
-    out += ["## What could not be checked", ""] + ([f"- {_cell(line)}" for line in missing] or ["Nothing left unexamined."]) + [""]
+    out += (
+        ["## What could not be checked", ""]
+        + ([f"- {_cell(line)}" for line in missing] or ["Nothing left unexamined."])
+        + [""]
+    )
 
     if manifest is not None:
         out += ["## Job environment", ""]
         att = max(manifest.attempts, key=lambda a: a.attempt) if manifest.attempts else None
-        out.append(f"- World size {manifest.world_size}, recipe {_code(manifest.recipe or '-')}, gradients in "
-                   f"{_code(manifest.fingerprint.grad_dtype)}, sketch k={manifest.fingerprint.sketch_k}.")
+        out.append(
+            f"- World size {manifest.world_size}, recipe {_code(manifest.recipe or '-')}, gradients in "
+            f"{_code(manifest.fingerprint.grad_dtype)}, sketch k={manifest.fingerprint.sketch_k}."
+        )
         if att is not None:
             det = ", ".join(f"{k}={v}" for k, v in sorted(att.determinism.items())) or "-"
-            out.append(f"- Latest attempt {att.attempt} (from step {att.start_step}): torch {_code(att.torch_version or '?')}, "
-                       f"CUDA {_code(att.cuda_version or '-')}, determinism: {det}.")
+            out.append(
+                f"- Latest attempt {att.attempt} (from step {att.start_step}): torch {_code(att.torch_version or '?')}, "
+                f"CUDA {_code(att.cuda_version or '-')}, determinism: {det}."
+            )
         suspects = [s.rank for s in result.suspects if s.rank is not None]
         if suspects:
             rows = []
             for rank in suspects:
                 ident = manifest.identity(rank)
-                rows.append((rank, ident.host or "?", ident.node_rank, ident.local_rank, ident.gpu_uuid or "-",
-                             ident.pci_bus_id or "-", ident.slurm_job_id or "-", ident.slurm_node or ident.k8s_node or "-"))
+                rows.append(
+                    (
+                        rank,
+                        ident.host or "?",
+                        ident.node_rank,
+                        ident.local_rank,
+                        ident.gpu_uuid or "-",
+                        ident.pci_bus_id or "-",
+                        ident.slurm_job_id or "-",
+                        ident.slurm_node or ident.k8s_node or "-",
+                    )
+                )
             out.append("")
             out += _table(("rank", "host", "node", "local rank", "GPU UUID", "PCI bus", "Slurm job", "node name"), rows)
         else:

@@ -23,7 +23,12 @@ from sdc_forensics.decide.decision import Status
 from sdc_forensics.triage.series import Consensus, Series
 from sdc_forensics.decide.verdict import BisectResult
 
-STATUS_COLOURS = {Status.CLEAN: "#2e7d32", Status.UNVERIFIED: "#f9a825", Status.TAINTED: "#e65100", Status.CORRUPT: "#b71c1c"}
+STATUS_COLOURS = {
+    Status.CLEAN: "#2e7d32",
+    Status.UNVERIFIED: "#f9a825",
+    Status.TAINTED: "#e65100",
+    Status.CORRUPT: "#b71c1c",
+}
 _SUSPECT = "#d32f2f"
 _MAX_RANK_LINES = 16  # more ranks: the ranks' median and min-max band, plus the suspects' lines
 
@@ -56,23 +61,51 @@ def render_svg(series: Series, result: BisectResult) -> str | None:
 def _figure(series: Series, result: BisectResult, matplotlib, plt, ListedColormap) -> str:
     suspects = sorted({s.rank for s in result.suspects if s.rank is not None})
     steps = series.steps
-    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "sdc-forensics", "font.size": 8,
-                                "axes.spines.top": False, "axes.spines.right": False}):
-        fig, axes = plt.subplots(5, 1, sharex=True, figsize=(9.5, 9.0), height_ratios=(2, 2, 2, 2, 0.6), constrained_layout=True)
+    with matplotlib.rc_context(
+        {
+            "svg.fonttype": "none",
+            "svg.hashsalt": "sdc-forensics",
+            "font.size": 8,
+            "axes.spines.top": False,
+            "axes.spines.right": False,
+        }
+    ):
+        fig, axes = plt.subplots(
+            5, 1, sharex=True, figsize=(9.5, 9.0), height_ratios=(2, 2, 2, 2, 0.6), constrained_layout=True
+        )
         ax_loss, ax_norm, ax_res, ax_cons, ax_ckpt = axes
         _rank_lines(ax_loss, steps, series.loss, suspects, "loss (per rank)", log=False)
         _rank_lines(ax_norm, steps, series.grad_norm, suspects, "local gradient norm", log=True)
         _rank_lines(ax_res, steps, series.residual_ratio, suspects, "all-reduce residual / tolerance", log=True)
         ax_res.axhline(1.0, color="#000000", linewidth=1.0, linestyle=":")
-        ax_res.annotate("tolerance", xy=(0.995, 1.0), xycoords=("axes fraction", "data"), ha="right", va="bottom", fontsize=7)
-        colours = {Consensus.NOT_CHECKED: "#eeeeee", Consensus.AGREES: "#a5d6a7", Consensus.DIFFERS: _SUSPECT, Consensus.NO_MAJORITY: "#ffb74d"}
+        ax_res.annotate(
+            "tolerance", xy=(0.995, 1.0), xycoords=("axes fraction", "data"), ha="right", va="bottom", fontsize=7
+        )
+        colours = {
+            Consensus.NOT_CHECKED: "#eeeeee",
+            Consensus.AGREES: "#a5d6a7",
+            Consensus.DIFFERS: _SUSPECT,
+            Consensus.NO_MAJORITY: "#ffb74d",
+        }
         cmap = ListedColormap([colours[code] for code in sorted(Consensus)])  # index = the code
         if len(steps):
             extent = (steps[0] - 0.5, steps[-1] + 0.5, series.consensus.shape[1] - 0.5, -0.5)
-            ax_cons.imshow(series.consensus.T, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=len(Consensus) - 1, extent=extent)
+            ax_cons.imshow(
+                series.consensus.T,
+                aspect="auto",
+                interpolation="nearest",
+                cmap=cmap,
+                vmin=0,
+                vmax=len(Consensus) - 1,
+                extent=extent,
+            )
         ax_cons.set_ylabel("rank")
-        ax_cons.set_title("replica weights vs strict majority: green agrees, red differs, orange no majority, grey not compared; "
-                          "audits: ○ ok, ✕ lost the vote", loc="left", fontsize=8)
+        ax_cons.set_title(
+            "replica weights vs strict majority: green agrees, red differs, orange no majority, grey not compared; "
+            "audits: ○ ok, ✕ lost the vote",
+            loc="left",
+            fontsize=8,
+        )
         if len(series.audits):
             ok = series.audits[series.audits[:, 2] == 0]
             bad = series.audits[series.audits[:, 2] == 1]
@@ -81,7 +114,9 @@ def _figure(series: Series, result: BisectResult, matplotlib, plt, ListedColorma
         if series.consensus.shape[1] <= 16:
             ax_cons.set_yticks(range(series.consensus.shape[1]))
         ax_ckpt.set_yticks([])
-        ax_ckpt.set_title("checkpoints: green clean, yellow unverified, orange tainted, red corrupt", loc="left", fontsize=8)
+        ax_ckpt.set_title(
+            "checkpoints: green clean, yellow unverified, orange tainted, red corrupt", loc="left", fontsize=8
+        )
         lo, hi = series.window
         for c in result.checkpoints:
             if lo <= c.step <= hi + 1:
@@ -89,13 +124,22 @@ def _figure(series: Series, result: BisectResult, matplotlib, plt, ListedColorma
                 for ax in axes[:4]:
                     ax.axvline(c.step - 0.5, color=colour, linewidth=1.0, alpha=0.7)
                 ax_ckpt.axvline(c.step - 0.5, color=colour, linewidth=3)
-                ax_ckpt.text(c.step - 0.5, 0.5, f" {c.step} {c.status.value}", color=colour, fontsize=7, va="center", rotation=0)
+                ax_ckpt.text(
+                    c.step - 0.5, 0.5, f" {c.step} {c.status.value}", color=colour, fontsize=7, va="center", rotation=0
+                )
         s_star = result.first_divergent_step
         if s_star is not None and lo <= s_star <= hi:
             for ax in axes:
                 ax.axvline(s_star, color="#000000", linestyle="--", linewidth=1.0)
-            ax_loss.annotate(f"first divergent step {s_star}", xy=(s_star, 1.0), xycoords=("data", "axes fraction"),
-                             ha="left", va="top", fontsize=8, fontweight="bold")
+            ax_loss.annotate(
+                f"first divergent step {s_star}",
+                xy=(s_star, 1.0),
+                xycoords=("data", "axes fraction"),
+                ha="left",
+                va="top",
+                fontsize=8,
+                fontweight="bold",
+            )
         for alarm_step, _rank in series.alarms:
             ax_res.axvline(alarm_step, color="#6a1b9a", linewidth=0.6, alpha=0.5)
         ax_ckpt.set_xlabel("step" + ("" if series.whole_run else f" (steps {lo}..{hi} of the run)"))
@@ -104,9 +148,14 @@ def _figure(series: Series, result: BisectResult, matplotlib, plt, ListedColorma
         fig.savefig(buffer, format="svg")
         plt.close(fig)
     svg = buffer.getvalue()
-    svg = svg[svg.index("<svg"):]
+    svg = svg[svg.index("<svg") :]
     # a fixed width breaks small screens and print: let the page size it
-    return re.sub(r'<svg([^>]*?) width="[^"]*" height="[^"]*"', r'<svg\1 class="plot" role="img" aria-label="plots around the incident"', svg, count=1)
+    return re.sub(
+        r'<svg([^>]*?) width="[^"]*" height="[^"]*"',
+        r'<svg\1 class="plot" role="img" aria-label="plots around the incident"',
+        svg,
+        count=1,
+    )
 
 
 def _rank_lines(ax, steps: np.ndarray, values: np.ndarray, suspects: list[int], title: str, log: bool) -> None:
@@ -123,15 +172,28 @@ def _rank_lines(ax, steps: np.ndarray, values: np.ndarray, suspects: list[int], 
                 continue
             ax.plot(steps, finite[:, rank], linewidth=0.9, alpha=0.8, label=f"rank {rank}")
     else:
-        ax.fill_between(steps, np.nanmin(finite, axis=1), np.nanmax(finite, axis=1), color="#90a4ae", alpha=0.4, label="min-max of ranks")
+        ax.fill_between(
+            steps,
+            np.nanmin(finite, axis=1),
+            np.nanmax(finite, axis=1),
+            color="#90a4ae",
+            alpha=0.4,
+            label="min-max of ranks",
+        )
         ax.plot(steps, np.nanmedian(finite, axis=1), color="#455a64", linewidth=0.9, label="median of ranks")
     for rank in suspects:
         if rank < num_ranks:
             ax.plot(steps, finite[:, rank], color=_SUSPECT, linewidth=1.8, label=f"rank {rank} (suspect)")
             blown = ~np.isfinite(values[:, rank]) & ~np.isnan(values[:, rank])
             if blown.any():  # an infinite value would vanish from the line: mark it at the top
-                ax.scatter(steps[blown], np.full(int(blown.sum()), np.nanmax(finite) if np.isfinite(np.nanmax(finite)) else 1.0),
-                           marker="^", color=_SUSPECT, s=30, zorder=5)
+                ax.scatter(
+                    steps[blown],
+                    np.full(int(blown.sum()), np.nanmax(finite) if np.isfinite(np.nanmax(finite)) else 1.0),
+                    marker="^",
+                    color=_SUSPECT,
+                    s=30,
+                    zorder=5,
+                )
     if log and np.isfinite(finite).any():
         ax.set_yscale("log")
     if np.isfinite(finite).any():

@@ -15,12 +15,20 @@ def replay_document(run: ReplayRun) -> dict[str, Any]:
     """The ``replay --json`` document (docs/json.md; ``schema_version`` is added by the emitter)."""
     result, decided = run.result, run.decision
     return {
-        "from": result.start_step, "to": result.stop_step, "last_replayed": result.last_step, "device": result.device,
-        "comparison": result.comparison, "tolerant_from": result.tolerant_from, "reduction_order": result.reduction_order or None,
-        "first_divergent_step": result.first_divergent_step, "settings": dict(result.settings), "notes": list(result.notes),
+        "from": result.start_step,
+        "to": result.stop_step,
+        "last_replayed": result.last_step,
+        "device": result.device,
+        "comparison": result.comparison,
+        "tolerant_from": result.tolerant_from,
+        "reduction_order": result.reduction_order or None,
+        "first_divergent_step": result.first_divergent_step,
+        "settings": dict(result.settings),
+        "notes": list(result.notes),
         "max_residual_ratio": result.max_residual_ratio,
         "evidence": [e.to_json() for e in result.evidence],
-        "verdict": decided.verdict.value, "settle": list(decided.settle),
+        "verdict": decided.verdict.value,
+        "settle": list(decided.settle),
         "preflight": None if run.preflight is None else run.preflight.to_json(),
     }
 
@@ -28,8 +36,14 @@ def replay_document(run: ReplayRun) -> dict[str, Any]:
 def render_replay(run: ReplayRun, console) -> None:
     """Print one replay window's outcome: matches or diverges, mismatches, settings, what would settle it."""
     result = run.result
-    status = "[bold green]matches the trace[/]" if result.first_divergent_step is None else f"[bold red]diverges at step {result.first_divergent_step}[/]"
-    console.print(f"Replay of steps {result.start_step}..{result.last_step} on {escape(result.device)} ({result.comparison}): {status}")
+    status = (
+        "[bold green]matches the trace[/]"
+        if result.first_divergent_step is None
+        else f"[bold red]diverges at step {result.first_divergent_step}[/]"
+    )
+    console.print(
+        f"Replay of steps {result.start_step}..{result.last_step} on {escape(result.device)} ({result.comparison}): {status}"
+    )
     if result.evidence:
         evidence_table(console, list(result.evidence), "Mismatches")
     if result.settings:

@@ -77,13 +77,20 @@ def lost_sentence(incident: Incident) -> str:
         return "Nothing lost: no rollback is needed."
     if lost.num_steps == 0:
         return f"No step lost: checkpoint {lost.from_step} holds the state after the last recorded step {lost.to_step}."
-    start = (f"the resume checkpoint {lost.from_step}" if lost.basis == "resume_checkpoint"
-             else f"the first recorded step {lost.from_step} (no checkpoint certified clean)")
+    start = (
+        f"the resume checkpoint {lost.from_step}"
+        if lost.basis == "resume_checkpoint"
+        else f"the first recorded step {lost.from_step} (no checkpoint certified clean)"
+    )
     hours = "unknown" if lost.gpu_hours is None else f"{lost.gpu_hours:.3g}"
-    unit, per = ("GPU-hours", "one GPU per rank") if incident.on_gpu else ("rank-hours", "a CPU job: one process per rank")
-    return (f"{lost.num_steps} step(s) ({lost.from_step}..{lost.to_step}) and {duration(lost.wall_clock_s)} of wall-clock, "
-            f"{hours} {unit}: from {start} to the last recorded step {lost.to_step}; {unit} = wall-clock × "
-            f"{lost.world_size} ranks ({per}).")
+    unit, per = (
+        ("GPU-hours", "one GPU per rank") if incident.on_gpu else ("rank-hours", "a CPU job: one process per rank")
+    )
+    return (
+        f"{lost.num_steps} step(s) ({lost.from_step}..{lost.to_step}) and {duration(lost.wall_clock_s)} of wall-clock, "
+        f"{hours} {unit}: from {start} to the last recorded step {lost.to_step}; {unit} = wall-clock × "
+        f"{lost.world_size} ranks ({per})."
+    )
 
 
 def when_sentence(incident: Incident) -> str:
@@ -139,7 +146,9 @@ def reproduce_commands(request: ReportRequest, result: BisectResult) -> tuple[li
         opts.append("--force-device")
     if chosen.collective:  # under torchrun, one process per recorded rank
         opts.append("--collective")
-    if chosen.ledger_path is not None and not (chosen.no_ledger or chosen.trace_only):  # a rerun without --no-ledger: same answer, less work
+    if chosen.ledger_path is not None and not (
+        chosen.no_ledger or chosen.trace_only
+    ):  # a rerun without --no-ledger: same answer, less work
         opts += ["--ledger", str(chosen.ledger_path)]
     trace = str(request.trace_dir)
     report = ["sdc-forensics", "report", trace, *opts, "--format", request.fmt]
@@ -147,14 +156,20 @@ def reproduce_commands(request: ReportRequest, result: BisectResult) -> tuple[li
     notes = []
     prefix = ""
     recipe = chosen.recipe or request.manifest_recipe
-    if result.mode == "replay" and (result.replayed.windows or (result.replayed.ledger and result.replayed.ledger.reused)):
+    if result.mode == "replay" and (
+        result.replayed.windows or (result.replayed.ledger and result.replayed.ledger.reused)
+    ):
         root = recipe_import_root(recipe)
         if root is not None:
             prefix = f"PYTHONPATH={shlex.quote(str(root))}${{PYTHONPATH:+:$PYTHONPATH}} "
-        notes.append(f"The replay imports the recipe {recipe}: its module must be importable (the job's code on PYTHONPATH, "
-                     "or run from the job's code directory)" + (f"; it was imported from {root}." if root else "."))
-    commands = [prefix + " ".join(shlex.quote(c) for c in ["sdc-forensics", "bisect", trace, *opts]),
-                prefix + " ".join(shlex.quote(c) for c in report)]
+        notes.append(
+            f"The replay imports the recipe {recipe}: its module must be importable (the job's code on PYTHONPATH, "
+            "or run from the job's code directory)" + (f"; it was imported from {root}." if root else ".")
+        )
+    commands = [
+        prefix + " ".join(shlex.quote(c) for c in ["sdc-forensics", "bisect", trace, *opts]),
+        prefix + " ".join(shlex.quote(c) for c in report),
+    ]
     return notes, commands
 
 
@@ -164,15 +179,23 @@ def checked(result: BisectResult) -> list[str]:
     replay = result.replayed
     for w in replay.windows:
         if w.last < w.start:
-            out.append(f"Nothing replayed from checkpoint {w.start}: its first step could not be replayed (see the notes).")
+            out.append(
+                f"Nothing replayed from checkpoint {w.start}: its first step could not be replayed (see the notes)."
+            )
             continue
         span = f"step {w.start}" if w.last == w.start else f"steps {w.start}..{w.last}"
-        out.append(f"Replayed {span} from checkpoint {w.start} on {replay.device or '?'} "
-                   f"({w.comparison}" + (f" from step {w.tolerant_from}" if w.tolerant_from is not None else "") + f"): {w.reason}.")
+        out.append(
+            f"Replayed {span} from checkpoint {w.start} on {replay.device or '?'} "
+            f"({w.comparison}"
+            + (f" from step {w.tolerant_from}" if w.tolerant_from is not None else "")
+            + f"): {w.reason}."
+        )
     for w in sorted(replay.ledger.reused, key=lambda w: w.start) if replay.ledger is not None else ():
         span = f"step {w.start}" if w.last == w.start else f"steps {w.start}..{w.last}"
-        out.append(f"Took {span} from the ledger {replay.ledger.path}: replayed exactly and found clean earlier "
-                   f"(record {', '.join(w.record_ids)}); not replayed again.")
+        out.append(
+            f"Took {span} from the ledger {replay.ledger.path}: replayed exactly and found clean earlier "
+            f"(record {', '.join(w.record_ids)}); not replayed again."
+        )
     files = [c for c in result.checkpoints if c.report is not None or c.findings]
     if files:
         out.append("Checkpoint file(s) read and verified: " + ", ".join(str(c.step) for c in files) + ".")
@@ -186,7 +209,9 @@ def not_checked(result: BisectResult, end: "RunEnd | None" = None, coverage=None
     None: the spans alone (``coverage_of``)."""
     out: list[str] = []
     if result.mode == "trace-only":
-        out.append("Nothing was replayed (--trace-only): faults the trace cannot see were not looked for, and no checkpoint file was read.")
+        out.append(
+            "Nothing was replayed (--trace-only): faults the trace cannot see were not looked for, and no checkpoint file was read."
+        )
     by_step = {c.step: c for c in (coverage if coverage is not None else coverage_of(result))}
     for c in result.checkpoints:
         if c.status.value == "unverified":
@@ -197,14 +222,20 @@ def not_checked(result: BisectResult, end: "RunEnd | None" = None, coverage=None
                 extra += f"; online checks on the steps not replayed: {cov.online.describe()}"
             if cov is not None and cov.cost is not None:
                 extra += f"; {cost_text(cov.cost)}"
-            out.append(f"Checkpoint {c.step} is unverified: " + ("; ".join(c.reasons[:2]) or "not every step before it was examined")
-                       + (f" (steps without an exact replay: {spans}{extra})" if spans else "") + ".")
+            out.append(
+                f"Checkpoint {c.step} is unverified: "
+                + ("; ".join(c.reasons[:2]) or "not every step before it was examined")
+                + (f" (steps without an exact replay: {spans}{extra})" if spans else "")
+                + "."
+            )
     if any(c.status.value == "unverified" for c in result.checkpoints) and any(c.online_only for c in by_step.values()):
         line = online_rate_line()
         if line:
             out.append(f"For the steps the online checks alone examined: {line}.")
     if result.replayed.comparison == "tolerant":
-        out.append("Replay was compared within tolerance, not bit for bit: faults below the replay's drift are invisible to it.")
+        out.append(
+            "Replay was compared within tolerance, not bit for bit: faults below the replay's drift are invisible to it."
+        )
     if end is not None and end.stopped_early:
         out.append(end.describe()[0].upper() + end.describe()[1:] + ".")
     else:
@@ -214,8 +245,15 @@ def not_checked(result: BisectResult, end: "RunEnd | None" = None, coverage=None
     return out
 
 
-def report_document(result: BisectResult, incident: Incident, actions: "tuple[ActionBlock, ...]", request: ReportRequest,
-                    end: "RunEnd | None", generated_ns: int, coverage=None) -> dict[str, Any]:
+def report_document(
+    result: BisectResult,
+    incident: Incident,
+    actions: "tuple[ActionBlock, ...]",
+    request: ReportRequest,
+    end: "RunEnd | None",
+    generated_ns: int,
+    coverage=None,
+) -> dict[str, Any]:
     """The ``report --format json`` document: the bisect document plus ``trace_end`` and ``report``
     (without ``schema_version``, which the emitter adds); ``coverage``: as for :func:`not_checked`."""
     notes, commands = reproduce_commands(request, result)
@@ -226,22 +264,50 @@ def report_document(result: BisectResult, incident: Incident, actions: "tuple[Ac
         "report": {
             "generated_utc": utc(generated_ns),
             "first_divergent_step": incident.first_divergent_step,
-            "first_divergent_step_utc": None if incident.first_divergent_step is None else {
-                "started": _iso(incident.divergent_started_ns), "ended": _iso(incident.divergent_ended_ns)},
+            "first_divergent_step_utc": None
+            if incident.first_divergent_step is None
+            else {"started": _iso(incident.divergent_started_ns), "ended": _iso(incident.divergent_ended_ns)},
             "run_started_utc": _iso(incident.run_started_ns),
             "last_step": incident.last_step,
             "last_step_utc": _iso(incident.last_step_ns),
-            "resume": None if incident.resume_step is None else {
-                "step": incident.resume_step, "path": incident.resume_path, "job_path": incident.resume_job_path,
+            "resume": None
+            if incident.resume_step is None
+            else {
+                "step": incident.resume_step,
+                "path": incident.resume_path,
+                "job_path": incident.resume_job_path,
                 "saved_by_rank": incident.resume_saved_by,
-                "host": incident.resume_host, "on_suspect_node": incident.resume_on_suspect_node},
-            "lost": None if lost is None else {
-                "from_step": lost.from_step, "to_step": lost.to_step, "steps": lost.num_steps, "wall_clock_s": lost.wall_clock_s,
-                "gpu_hours": lost.gpu_hours, "world_size": lost.world_size, "basis": lost.basis},
-            "nodes": [{"rank": t.rank, "node": t.node, "node_source": t.node_source, "host": t.host, "gpu_uuid": t.gpu_uuid,
-                       "pci_bus_id": t.pci_bus_id, "local_rank": t.local_rank, "location": t.location.value,
-                       "implicates": t.implicates.value, "recurring": t.recurring, "steps": list(t.steps), "dcgm_level": t.dcgm_level}
-                      for t in incident.nodes],
+                "host": incident.resume_host,
+                "on_suspect_node": incident.resume_on_suspect_node,
+            },
+            "lost": None
+            if lost is None
+            else {
+                "from_step": lost.from_step,
+                "to_step": lost.to_step,
+                "steps": lost.num_steps,
+                "wall_clock_s": lost.wall_clock_s,
+                "gpu_hours": lost.gpu_hours,
+                "world_size": lost.world_size,
+                "basis": lost.basis,
+            },
+            "nodes": [
+                {
+                    "rank": t.rank,
+                    "node": t.node,
+                    "node_source": t.node_source,
+                    "host": t.host,
+                    "gpu_uuid": t.gpu_uuid,
+                    "pci_bus_id": t.pci_bus_id,
+                    "local_rank": t.local_rank,
+                    "location": t.location.value,
+                    "implicates": t.implicates.value,
+                    "recurring": t.recurring,
+                    "steps": list(t.steps),
+                    "dcgm_level": t.dcgm_level,
+                }
+                for t in incident.nodes
+            ],
             "collective": incident.collective,
             "checkpoint_locality": incident.checkpoint_locality.value,
             "actions": [a.to_json() for a in actions],
@@ -257,5 +323,8 @@ def _iso(ns: int | None) -> str | None:
 
 
 def headline(verdict: Verdict) -> str:
-    return {Verdict.CORRUPTION: "Silent data corruption found", Verdict.CLEAN: "No corruption found in the window examined",
-            Verdict.INCONCLUSIVE: "Inconclusive: evidence that could not be localised"}[verdict]
+    return {
+        Verdict.CORRUPTION: "Silent data corruption found",
+        Verdict.CLEAN: "No corruption found in the window examined",
+        Verdict.INCONCLUSIVE: "Inconclusive: evidence that could not be localised",
+    }[verdict]

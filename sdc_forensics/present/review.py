@@ -36,16 +36,27 @@ def render_review(review: IncidentReview, schema_version: int) -> Review:
         review: what the report's flow gathered (``forensics.review.review``).
         schema_version: stamped into the JSON text (``--format json`` to a file).
     """
-    result, request, incident, end, coverage = review.result, review.request, review.incident, review.end, review.coverage
+    result, request, incident, end, coverage = (
+        review.result,
+        review.request,
+        review.incident,
+        review.end,
+        review.coverage,
+    )
     actions = build_actions(result, incident, review.job_nodes)
     document = report_document(result, incident, actions, request, end, time.time_ns(), coverage)
     if request.fmt == "json":
-        return Review(text=json.dumps({"schema_version": schema_version, **document}, indent=2, sort_keys=True) + "\n", document=document)
+        return Review(
+            text=json.dumps({"schema_version": schema_version, **document}, indent=2, sort_keys=True) + "\n",
+            document=document,
+        )
     if request.fmt == "md":
         from sdc_forensics.present.markdown import render_markdown
 
-        return Review(text=render_markdown(result, review.manifest, incident, actions, request, end=end, coverage=coverage),
-                      document=document)
+        return Review(
+            text=render_markdown(result, review.manifest, incident, actions, request, end=end, coverage=coverage),
+            document=document,
+        )
     from sdc_forensics.present.html import render_html
     from sdc_forensics.present.plots import matplotlib_available, render_svg
 
@@ -57,5 +68,7 @@ def render_review(review: IncidentReview, schema_version: int) -> Review:
         svg = render_svg(review.series, result)
     else:
         note = "No plots: the trace holds no step."
-    html = render_html(result, review.manifest, incident, actions, request, plot_svg=svg, plot_note=note, end=end, coverage=coverage)
+    html = render_html(
+        result, review.manifest, incident, actions, request, plot_svg=svg, plot_note=note, end=end, coverage=coverage
+    )
     return Review(text=html, document=document, notes=notes)

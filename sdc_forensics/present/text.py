@@ -25,7 +25,9 @@ def new_table(console, title: str, columns: Iterable[str], **column_options) -> 
     if console.is_terminal:
         table = Table(title=title, title_justify="left")
     else:
-        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, safe_box=True)
+        table = Table(
+            title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, safe_box=True
+        )
     for column in columns:
         table.add_column(column, no_wrap=not console.is_terminal, **column_options)
     return table

@@ -26,10 +26,19 @@ def verify_document(outcome: VerifyOutcome) -> dict[str, Any]:
         "report": report_to_json(outcome.report),
         "certification": outcome.status.to_json() if outcome.status is not None else None,
         "first_divergent_step": result.first_divergent_step if result else None,
-        "analysis": None if result is None else {"verdict": result.verdict.value, "mode": result.mode, "scope": result.scope,
-                                                 "settle": list(result.settle)},
-        "certificate": None if outcome.certificate_status is None else {
-            "path": str(request.certificate_path), "status": outcome.certificate_status.value,
+        "analysis": None
+        if result is None
+        else {
+            "verdict": result.verdict.value,
+            "mode": result.mode,
+            "scope": result.scope,
+            "settle": list(result.settle),
+        },
+        "certificate": None
+        if outcome.certificate_status is None
+        else {
+            "path": str(request.certificate_path),
+            "status": outcome.certificate_status.value,
             "findings": [finding_to_json(f) for f in outcome.certificate_findings],
         },
     }
@@ -46,8 +55,10 @@ def render_verify(outcome: VerifyOutcome, console) -> None:
     if status is not None:
         console.print(f"certification: [bold]{status.status.value}[/] — {escape('; '.join(status.reasons))}")
     if result is not None:
-        console.print(f"first divergent step: {'none found' if result.first_divergent_step is None else result.first_divergent_step}"
-                      f" ({result.verdict.value}; {escape(result.scope)})")
+        console.print(
+            f"first divergent step: {'none found' if result.first_divergent_step is None else result.first_divergent_step}"
+            f" ({result.verdict.value}; {escape(result.scope)})"
+        )
         for line in result.settle:
             console.print(f"[yellow]to settle:[/] {escape(line)}")
     path, reasons = escape(str(outcome.request.path)), outcome.reasons
@@ -56,8 +67,10 @@ def render_verify(outcome: VerifyOutcome, console) -> None:
         what = "CERTIFIED CLEAN" if with_trace else "VERIFIED"
         size = f"{count_text(report.total_bytes, 'byte')} in {report.elapsed_s:.3f} s, {rate_text(report.total_bytes, report.elapsed_s)}"
         if outcome.certificate_status is not None:
-            against = (f"; every file matches {escape(str(outcome.request.certificate_path))}, "
-                       f"which certified it {outcome.certificate_status.value}")
+            against = (
+                f"; every file matches {escape(str(outcome.request.certificate_path))}, "
+                f"which certified it {outcome.certificate_status.value}"
+            )
         elif with_trace:
             against = ""
         else:
@@ -74,15 +87,28 @@ def render_verify(outcome: VerifyOutcome, console) -> None:
 
 def _tensor_table(report, console):
     rows = sorted(report.tensors, key=lambda t: t.status == "ok")  # problems first, stable
-    table = new_table(console, f"{escape(report.path)} ({report.format}, {len(report.tensors)} tensors)",
-                      ("tensor", "dtype", "shape", "digest", "noted", "NaN/Inf", "status"))
+    table = new_table(
+        console,
+        f"{escape(report.path)} ({report.format}, {len(report.tensors)} tensors)",
+        ("tensor", "dtype", "shape", "digest", "noted", "NaN/Inf", "status"),
+    )
     for t in rows[:_MAX_ROWS]:
         style = "green" if t.status == "ok" else "bold red"
-        table.add_row(escape(t.key), t.dtype, "×".join(map(str, t.shape)) or "scalar", t.digest, t.expected_digest or "-",
-                      str(t.nonfinite), f"[{style}]{t.status}[/]")
+        table.add_row(
+            escape(t.key),
+            t.dtype,
+            "×".join(map(str, t.shape)) or "scalar",
+            t.digest,
+            t.expected_digest or "-",
+            str(t.nonfinite),
+            f"[{style}]{t.status}[/]",
+        )
     if len(rows) > _MAX_ROWS:
-        table.caption = (f"{len(rows) - _MAX_ROWS} more tensor(s) not shown, all ok" if rows[_MAX_ROWS].status == "ok"
-                         else f"{len(rows) - _MAX_ROWS} more not shown; use --json")
+        table.caption = (
+            f"{len(rows) - _MAX_ROWS} more tensor(s) not shown, all ok"
+            if rows[_MAX_ROWS].status == "ok"
+            else f"{len(rows) - _MAX_ROWS} more not shown; use --json"
+        )
     return table
 
 

@@ -50,8 +50,10 @@ def inexact_reason(device: torch.device) -> str | None:
         # CPU kernels are deterministic at a given thread count (the audit uses the subject's)
         return None
     if not torch.are_deterministic_algorithms_enabled():
-        return ("the job allows non-deterministic GPU kernels (torch.use_deterministic_algorithms(False)): a "
-                "recomputation need not match a healthy rank bit for bit")
+        return (
+            "the job allows non-deterministic GPU kernels (torch.use_deterministic_algorithms(False)): a "
+            "recomputation need not match a healthy rank bit for bit"
+        )
     if torch.backends.cudnn.benchmark:
         return "cudnn.benchmark=True lets the autotuner pick other kernels for a recomputation"
     return None
@@ -159,7 +161,14 @@ def recompute(
                 buf.copy_(saved)
     parts, offset = [], 0
     for bucket in layout:
-        flat = torch.cat([grads[i].reshape(-1) if i in grads else torch.zeros(params[i].numel(), dtype=params[i].dtype, device=device) for i in bucket])
+        flat = torch.cat(
+            [
+                grads[i].reshape(-1)
+                if i in grads
+                else torch.zeros(params[i].numel(), dtype=params[i].dtype, device=device)
+                for i in bucket
+            ]
+        )
         parts.append(fingerprint(flat, k=sketch_k, seed=seed, block_offset=offset))
         offset += num_sketch_blocks(flat.numel())
     return loss_sum, combine(parts), combine_digests(input_digests)
@@ -187,10 +196,20 @@ def run_audit(
         # on CPU the subject's gradient is reproducible only at the thread count it ran with
         threads = owns[subject].num_threads if device.type == "cpu" else 0
         with intra_op_threads(threads):
-            loss, fp, in_digest = recompute(module, recipe, owns[subject].ids, layout, device=device, sketch_k=sketch_k, seed=seed)
+            loss, fp, in_digest = recompute(
+                module, recipe, owns[subject].ids, layout, device=device, sketch_k=sketch_k, seed=seed
+            )
         return Recomputation(
-            auditor=rank, subject=subject, ids=owns[subject].ids, loss=loss, digest=fp.digest, fingerprint=fp, input_digest=in_digest,
-            subject_digest=owns[subject].digest, tiebreak=tiebreak, mismatch=fp.digest != owns[subject].digest,
+            auditor=rank,
+            subject=subject,
+            ids=owns[subject].ids,
+            loss=loss,
+            digest=fp.digest,
+            fingerprint=fp,
+            input_digest=in_digest,
+            subject_digest=owns[subject].digest,
+            tiebreak=tiebreak,
+            mismatch=fp.digest != owns[subject].digest,
         )
 
     subjects = [pick_subject(r, nodes) for r in range(world_size)]
@@ -206,7 +225,9 @@ def run_audit(
             if breaker == rank:
                 mine.append(_do(dispute.subject, True))
         second: list[list[Recomputation] | None] = [None] * world_size
-        dist.all_gather_object(second, [dataclasses.replace(m, fingerprint=None) for m in mine if m.tiebreak], group=group)
+        dist.all_gather_object(
+            second, [dataclasses.replace(m, fingerprint=None) for m in mine if m.tiebreak], group=group
+        )
         tiebreaks_flat = [r for per in second for r in per]
     findings = []
     for dispute, breaker in jobs:
@@ -227,8 +248,14 @@ def _verdict(step: int, dispute: Recomputation, breaker: int | None, tiebreaks: 
     third = next((t for t in tiebreaks if t.subject == s and t.auditor == breaker), None)
     base = f"rank {a} recomputed rank {s}'s microbatches {', '.join(map(str, dispute.ids))} at step {step} and got a different gradient"
     if third is None:
-        return Finding(check=AUDIT, step=step, rank=-1, ranks=(a, s), flag=Flag.AUDIT_MISMATCH,
-                       detail=base + "; no rank on a third node to break the tie" + input_note)
+        return Finding(
+            check=AUDIT,
+            step=step,
+            rank=-1,
+            ranks=(a, s),
+            flag=Flag.AUDIT_MISMATCH,
+            detail=base + "; no rank on a third node to break the tie" + input_note,
+        )
     t_digest, a_digest, s_digest = third.digest, dispute.digest, owns[s].digest
     if t_digest == a_digest != s_digest:
         culprit, why = s, f"rank {breaker} agrees with rank {a}: rank {s} computed its gradient wrongly"
@@ -236,8 +263,14 @@ def _verdict(step: int, dispute: Recomputation, breaker: int | None, tiebreaks: 
         culprit, why = a, f"rank {breaker} agrees with rank {s}: the auditor, rank {a}, computed wrongly"
     else:
         culprit, why = -1, f"rank {breaker} agrees with neither: no majority of three"
-    return Finding(check=AUDIT, step=step, rank=culprit, ranks=(culprit,) if culprit >= 0 else (a, s),
-                   flag=Flag.AUDIT_MISMATCH, detail=f"{base}; {why}{input_note}")
+    return Finding(
+        check=AUDIT,
+        step=step,
+        rank=culprit,
+        ranks=(culprit,) if culprit >= 0 else (a, s),
+        flag=Flag.AUDIT_MISMATCH,
+        detail=f"{base}; {why}{input_note}",
+    )
 
 
 class Auditor:
@@ -250,8 +283,17 @@ class Auditor:
         rank, nodes, group, device: this rank, every rank's node, the group, the model's device.
     """
 
-    def __init__(self, *, recipe: str | None, recipe_args: dict | None, options: Any, rank: int, nodes: tuple[int, ...],
-                 group: Any, device: torch.device) -> None:
+    def __init__(
+        self,
+        *,
+        recipe: str | None,
+        recipe_args: dict | None,
+        options: Any,
+        rank: int,
+        nodes: tuple[int, ...],
+        group: Any,
+        device: torch.device,
+    ) -> None:
         self.recipe_ref, self.recipe_args, self.options = recipe, recipe_args, options
         self.rank, self.nodes, self.group, self.device = rank, nodes, group, device
         self.recipe = None
@@ -273,12 +315,19 @@ class Auditor:
         if not self.said_inexact:
             self.said_inexact = True
             if self.rank == 0:
-                log.warning("sdc-forensics: audits are on, but %s: they are skipped, not voted; make the run "
-                            "replayable (sdc_forensics.recorder.replayable()) for audits that can name a rank", inexact)
+                log.warning(
+                    "sdc-forensics: audits are on, but %s: they are skipped, not voted; make the run "
+                    "replayable (sdc_forensics.recorder.replayable()) for audits that can name a rank",
+                    inexact,
+                )
         return False
 
-    def run(self, step: int, own: OwnResult,
-            module_for: Callable[[Any], contextlib.AbstractContextManager[tuple[torch.nn.Module, list[list[int]]]]]) -> AuditOutcome:
+    def run(
+        self,
+        step: int,
+        own: OwnResult,
+        module_for: Callable[[Any], contextlib.AbstractContextManager[tuple[torch.nn.Module, list[list[int]]]]],
+    ) -> AuditOutcome:
         """The audit protocol at ``step`` (:func:`run_audit`, a collective) on the module and buckets
         ``module_for(recipe)`` lends for its length."""
         if self.recipe is None:
@@ -286,5 +335,15 @@ class Auditor:
 
             self.recipe = load_recipe(self.recipe_ref, args=self.recipe_args)
         with module_for(self.recipe) as (module, buckets):
-            return run_audit(step=step, own=own, module=module, recipe=self.recipe, layout=buckets, nodes=self.nodes,
-                             group=self.group, device=self.device, sketch_k=self.options.sketch_k, seed=self.options.seed)
+            return run_audit(
+                step=step,
+                own=own,
+                module=module,
+                recipe=self.recipe,
+                layout=buckets,
+                nodes=self.nodes,
+                group=self.group,
+                device=self.device,
+                sketch_k=self.options.sketch_k,
+                seed=self.options.seed,
+            )

@@ -124,16 +124,24 @@ class Saver(abc.ABC):
     """How a layout writes its state and notes it (a collective: every rank calls :meth:`save`)."""
 
     @abc.abstractmethod
-    def save(self, site: CheckpointSite, step: int, path: Path, state: Any, save: Callable[[Any, Path], None] | None,
-             vote: checks.Majority) -> Saved:
+    def save(
+        self,
+        site: CheckpointSite,
+        step: int,
+        path: Path,
+        state: Any,
+        save: Callable[[Any, Path], None] | None,
+        vote: checks.Majority,
+    ) -> Saved:
         """Write ``state`` to ``path`` (with ``save(state, path)`` when given), note its digests
         under the trace directory and say what was done; ``vote`` is the weights vote (its value
         None: no strict majority, the checkpoint is saved unblessed). Never raises for a failed
         save: every rank must learn it, so it comes back in :attr:`Saved.failure`."""
 
 
-def save_checkpoint(site: CheckpointSite, step: int, path: Path, state: Any,
-                    save: Callable[[Any, Path], None] | None) -> CheckpointNote | None:
+def save_checkpoint(
+    site: CheckpointSite, step: int, path: Path, state: Any, save: Callable[[Any, Path], None] | None
+) -> CheckpointNote | None:
     """Compare the replicas' weights, save ``state`` through ``site.saver``, note it and record
     it (a collective; see ``Recorder.checkpoint``)."""
     last = site.last_weights_vote
@@ -153,7 +161,9 @@ def save_checkpoint(site: CheckpointSite, step: int, path: Path, state: Any,
     record["weights_digest"] = my_digest % (1 << 64)
     record["aux_digest"] = saved.digest % (1 << 64)
     record["aux_rank"] = saved.saved_by
-    record["flags"] = int(F.Flag.WEIGHTS_CHECKED) | (0 if blessed else int(F.Flag.CHECKPOINT_REFUSED | F.Flag.NO_MAJORITY))
+    record["flags"] = int(F.Flag.WEIGHTS_CHECKED) | (
+        0 if blessed else int(F.Flag.CHECKPOINT_REFUSED | F.Flag.NO_MAJORITY)
+    )
     if site.rank in vote.diverged and blessed:
         record["flags"] |= int(F.Flag.WEIGHTS_DIVERGED)
     site.writer.append(record)
@@ -192,10 +202,16 @@ def param_keys(named_params: list[tuple[str, torch.Tensor]], state: Any) -> tupl
     ``model.attn.norm.weight``), the one under a top-level key.
     """
     flat = flatten_state(state)
-    by_storage = {(t.data_ptr(), tuple(t.shape), t.dtype): key for key, t in flat.items() if t.numel() and not _sharded(t)}
+    by_storage = {
+        (t.data_ptr(), tuple(t.shape), t.dtype): key for key, t in flat.items() if t.numel() and not _sharded(t)
+    }
     keys = []
     for name, param in named_params:
-        key = by_storage.get((param.data_ptr(), tuple(param.shape), param.dtype)) if param.numel() and not _sharded(param) else None
+        key = (
+            by_storage.get((param.data_ptr(), tuple(param.shape), param.dtype))
+            if param.numel() and not _sharded(param)
+            else None
+        )
         if key is None:
             matches = [k for k in flat if k == name or k.endswith("." + name)]
             if len(matches) > 1:
@@ -261,13 +277,17 @@ class WholeFileSaver(Saver):
                 outcome = [f"{type(exc).__name__}: {exc}"]
         dist.broadcast_object_list(outcome, src=dist.get_global_rank(site.group, saver), group=site.group)
         if isinstance(outcome[0], str):
-            return Saved(saved_by=saver, digest=vote.value or 0,
-                         failure=f"checkpoint {step} could not be saved to {path} by rank {saver}: {outcome[0]}")
+            return Saved(
+                saved_by=saver,
+                digest=vote.value or 0,
+                failure=f"checkpoint {step} could not be saved to {path} by rank {saver}: {outcome[0]}",
+            )
         return Saved(note=outcome[0], saved_by=saver, digest=vote.value or 0)
 
 
-def _save_and_note(site: CheckpointSite, step: int, path: Path, state: Any, save, vote: checks.Majority,
-                   saver: int) -> CheckpointNote:
+def _save_and_note(
+    site: CheckpointSite, step: int, path: Path, state: Any, save, vote: checks.Majority, saver: int
+) -> CheckpointNote:
     """The saving rank's part of :class:`WholeFileSaver`: digest the payload, write it, note it."""
     blessed = vote.value is not None
     keys = param_keys(list(site.module.named_parameters()), state)
@@ -278,8 +298,12 @@ def _save_and_note(site: CheckpointSite, step: int, path: Path, state: Any, save
     if save is None:
         free = unused_path(path)
         if free != path:
-            log.warning("sdc-forensics: %s exists (an earlier attempt's checkpoint); checkpoint %d is saved as %s",
-                        path, step, free.name)
+            log.warning(
+                "sdc-forensics: %s exists (an earlier attempt's checkpoint); checkpoint %d is saved as %s",
+                path,
+                step,
+                free.name,
+            )
         path = free
     (save or torch.save)(state, path)
     note = CheckpointNote(
@@ -339,11 +363,22 @@ class ShardedSaver(Saver):
             try:
                 tensors = {**_beside(path, tensors, site.seed), **tensors}
             except Exception as exc:  # noqa: BLE001 - the note is still right for the state; verify then lists the file
-                log.warning("sdc-forensics: checkpoint %s: the files beside its DCP shards were not read back: %s", path, exc)
+                log.warning(
+                    "sdc-forensics: checkpoint %s: the files beside its DCP shards were not read back: %s", path, exc
+                )
         note = CheckpointNote(
-            step=step, path=str(path), attempt=site.attempt, weights_digest=hex64(whole), param_names=keys, tensors=tensors,
-            saved_by_rank=0, agreeing_ranks=vote.agreeing, diverged_ranks=vote.diverged, blessed=blessed,
-            saved_ns=time.time_ns(), path_from_trace=path_from_trace(site.trace_dir, path),
+            step=step,
+            path=str(path),
+            attempt=site.attempt,
+            weights_digest=hex64(whole),
+            param_names=keys,
+            tensors=tensors,
+            saved_by_rank=0,
+            agreeing_ranks=vote.agreeing,
+            diverged_ranks=vote.diverged,
+            blessed=blessed,
+            saved_ns=time.time_ns(),
+            path_from_trace=path_from_trace(site.trace_dir, path),
         )
         if site.rank == 0 and not failed:
             write_checkpoint_note(site.trace_dir, note)

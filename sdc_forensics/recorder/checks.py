@@ -25,6 +25,7 @@ import numpy as np
 
 from sdc_forensics.fingerprint import tolerance
 from sdc_forensics.recorder.options import Choice
+
 # the vote within groups is written once, in trace/consensus.py (numpy only: triage takes it from there too)
 from sdc_forensics.trace.consensus import majority_within as majority_within
 from sdc_forensics.trace.format import Flag
@@ -62,12 +63,22 @@ class Check(Choice):
         return _FLAG[self]
 
 
-_FAMILY = {Check.NONFINITE_BEFORE: Check.NONFINITE, Check.NONFINITE_AFTER: Check.NONFINITE,
-           Check.REDUCE_SCATTER: Check.ALLREDUCE, Check.REPLICA_ALL_REDUCE: Check.ALLREDUCE}
-_FLAG = {Check.NONFINITE: Flag.NONFINITE_LOCAL, Check.NONFINITE_BEFORE: Flag.NONFINITE_LOCAL,
-         Check.NONFINITE_AFTER: Flag.NONFINITE_REDUCED, Check.ALLREDUCE: Flag.ALLREDUCE_MISMATCH,
-         Check.REDUCE_SCATTER: Flag.ALLREDUCE_MISMATCH, Check.REPLICA_ALL_REDUCE: Flag.ALLREDUCE_MISMATCH,
-         Check.AUDIT: Flag.AUDIT_MISMATCH, Check.WEIGHTS: Flag.WEIGHTS_DIVERGED}
+_FAMILY = {
+    Check.NONFINITE_BEFORE: Check.NONFINITE,
+    Check.NONFINITE_AFTER: Check.NONFINITE,
+    Check.REDUCE_SCATTER: Check.ALLREDUCE,
+    Check.REPLICA_ALL_REDUCE: Check.ALLREDUCE,
+}
+_FLAG = {
+    Check.NONFINITE: Flag.NONFINITE_LOCAL,
+    Check.NONFINITE_BEFORE: Flag.NONFINITE_LOCAL,
+    Check.NONFINITE_AFTER: Flag.NONFINITE_REDUCED,
+    Check.ALLREDUCE: Flag.ALLREDUCE_MISMATCH,
+    Check.REDUCE_SCATTER: Flag.ALLREDUCE_MISMATCH,
+    Check.REPLICA_ALL_REDUCE: Flag.ALLREDUCE_MISMATCH,
+    Check.AUDIT: Flag.AUDIT_MISMATCH,
+    Check.WEIGHTS: Flag.WEIGHTS_DIVERGED,
+}
 
 #: The recorder's check names (the members; each equals its old string).
 NONFINITE, ALLREDUCE, AUDIT, WEIGHTS = Check.NONFINITE, Check.ALLREDUCE, Check.AUDIT, Check.WEIGHTS
@@ -137,8 +148,16 @@ def vote_within(values, groups: Iterable[Sequence[int]]) -> list[GroupVote]:
             out.append((group, Majority(value=None, agreeing=(), diverged=group)))
             continue
         value = int(majority[0, group[0]])
-        out.append((group, Majority(value=value, agreeing=tuple(r for r in group if int(row[0, r]) == value),
-                                    diverged=tuple(r for r in group if int(row[0, r]) != value))))
+        out.append(
+            (
+                group,
+                Majority(
+                    value=value,
+                    agreeing=tuple(r for r in group if int(row[0, r]) == value),
+                    diverged=tuple(r for r in group if int(row[0, r]) != value),
+                ),
+            )
+        )
     return out
 
 
@@ -147,8 +166,11 @@ def overall(votes: list[GroupVote], rank: int) -> Majority:
     soon as any group has none (nothing may then be blessed); ranks sorted."""
     blessed = all(vote.value is not None for _, vote in votes)
     own = next((vote.value for group, vote in votes if rank in group), None)
-    return Majority(value=own if blessed else None, agreeing=tuple(sorted(r for _, v in votes for r in v.agreeing)),
-                    diverged=tuple(sorted(r for _, v in votes for r in v.diverged)))
+    return Majority(
+        value=own if blessed else None,
+        agreeing=tuple(sorted(r for _, v in votes for r in v.agreeing)),
+        diverged=tuple(sorted(r for _, v in votes for r in v.diverged)),
+    )
 
 
 def own_weights_flag(votes: list[GroupVote], rank: int) -> int:
@@ -181,7 +203,11 @@ def check_nonfinite(step: int, nonfinite_local: np.ndarray, nonfinite_reduced: n
     if local.size:
         ranks = tuple(int(r) for r in local)
         return Finding(
-            check=NONFINITE, step=step, rank=ranks[0], ranks=ranks, flag=Flag.NONFINITE_LOCAL,
+            check=NONFINITE,
+            step=step,
+            rank=ranks[0],
+            ranks=ranks,
+            flag=Flag.NONFINITE_LOCAL,
             value=float(np.asarray(nonfinite_local)[local].sum()),
             detail=f"NaN/Inf in the local gradient of rank(s) {', '.join(map(str, ranks))} before the all-reduce",
         )
@@ -190,11 +216,18 @@ def check_nonfinite(step: int, nonfinite_local: np.ndarray, nonfinite_reduced: n
         everywhere = reduced.size == len(nonfinite_reduced)
         ranks = tuple(int(r) for r in reduced)
         return Finding(
-            check=NONFINITE, step=step, rank=-1 if everywhere else ranks[0], ranks=() if everywhere else ranks,
-            flag=Flag.NONFINITE_REDUCED, value=float(np.asarray(nonfinite_reduced)[reduced].sum()),
+            check=NONFINITE,
+            step=step,
+            rank=-1 if everywhere else ranks[0],
+            ranks=() if everywhere else ranks,
+            flag=Flag.NONFINITE_REDUCED,
+            value=float(np.asarray(nonfinite_reduced)[reduced].sum()),
             detail="NaN/Inf appeared in the reduced gradient on "
-            + ("every rank although all local gradients were finite: inside the collective" if everywhere
-               else f"rank(s) {', '.join(map(str, ranks))} only, after the all-reduce"),
+            + (
+                "every rank although all local gradients were finite: inside the collective"
+                if everywhere
+                else f"rank(s) {', '.join(map(str, ranks))} only, after the all-reduce"
+            ),
         )
     return None
 
@@ -223,8 +256,12 @@ def check_allreduce(
         The finding (or None) and a ``(W,)`` bool mask of ranks whose reduced gradient is wrong.
     """
     world_size = len(local_norm)
-    residual = np.array([tolerance.allreduce_residual(local_sketch, reduced_sketch[r], reduction) for r in range(world_size)])
-    tol = np.array([tolerance.allreduce_tolerance(grad_dtype, local_norm, reduced_norm[r], reduction) for r in range(world_size)])
+    residual = np.array(
+        [tolerance.allreduce_residual(local_sketch, reduced_sketch[r], reduction) for r in range(world_size)]
+    )
+    tol = np.array(
+        [tolerance.allreduce_tolerance(grad_dtype, local_norm, reduced_norm[r], reduction) for r in range(world_size)]
+    )
     # (W,)
     sketch_bad = residual > tol
     vote = strict_majority(np.asarray(reduced_digest).astype(np.uint64))
@@ -237,14 +274,27 @@ def check_allreduce(
     worst = float(np.max(residual / np.maximum(tol, 1e-300)))
     if bad.all():
         return Finding(
-            check=ALLREDUCE, step=step, rank=-1, flag=Flag.ALLREDUCE_MISMATCH, value=worst,
+            check=ALLREDUCE,
+            step=step,
+            rank=-1,
+            flag=Flag.ALLREDUCE_MISMATCH,
+            value=worst,
             detail=f"the reduced gradient differs from the mean of the local sketches on every rank "
             f"(residual {worst:.3g}x the tolerance): corruption inside the collective",
         ), bad
     ranks = tuple(int(r) for r in np.flatnonzero(bad))
-    how = "sketch beyond tolerance" if sketch_bad[list(ranks)].any() else "bits differ from the other ranks' reduced gradient"
+    how = (
+        "sketch beyond tolerance"
+        if sketch_bad[list(ranks)].any()
+        else "bits differ from the other ranks' reduced gradient"
+    )
     return Finding(
-        check=ALLREDUCE, step=step, rank=ranks[0], ranks=ranks, flag=Flag.ALLREDUCE_MISMATCH, value=worst,
+        check=ALLREDUCE,
+        step=step,
+        rank=ranks[0],
+        ranks=ranks,
+        flag=Flag.ALLREDUCE_MISMATCH,
+        value=worst,
         detail=f"the reduced gradient on rank(s) {', '.join(map(str, ranks))} is not what the collective produced elsewhere ({how})",
     ), bad
 
@@ -253,12 +303,19 @@ def replica_weights_finding(step: int, vote: Majority, count: int) -> Finding | 
     """What a vote of ``count`` whole replicas' weight digests after ``step``'s update found."""
     if vote.value is None:
         return Finding(
-            check=WEIGHTS, step=step, rank=-1, flag=Flag.NO_MAJORITY,
+            check=WEIGHTS,
+            step=step,
+            rank=-1,
+            flag=Flag.NO_MAJORITY,
             detail=f"replica weights after step {step} have no strict majority among {count} ranks",
         )
     if vote.diverged:
         return Finding(
-            check=WEIGHTS, step=step, rank=vote.diverged[0], ranks=vote.diverged, flag=Flag.WEIGHTS_DIVERGED,
+            check=WEIGHTS,
+            step=step,
+            rank=vote.diverged[0],
+            ranks=vote.diverged,
+            flag=Flag.WEIGHTS_DIVERGED,
             detail=f"replica weights of rank(s) {', '.join(map(str, vote.diverged))} differ from the strict majority after step {step}",
         )
     return None

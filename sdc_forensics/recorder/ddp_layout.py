@@ -40,8 +40,10 @@ from sdc_forensics.recorder.options import Reduction
 from sdc_forensics.recorder.step import StepState
 from sdc_forensics.trace import format as F
 
-_HOOK_FIX = ("DDP takes one comm hook per model: do not register yours, pass it as Recorder(..., comm_hook=hook, comm_state=state) "
-             "and the recorder wraps it (docs/recorder.md)")
+_HOOK_FIX = (
+    "DDP takes one comm hook per model: do not register yours, pass it as Recorder(..., comm_hook=hook, comm_state=state) "
+    "and the recorder wraps it (docs/recorder.md)"
+)
 
 
 def existing_hook_problem(ddp_model: torch.nn.parallel.DistributedDataParallel) -> str | None:
@@ -53,8 +55,10 @@ def existing_hook_problem(ddp_model: torch.nn.parallel.DistributedDataParallel) 
     """
     hooks = list(getattr(ddp_model, "_comm_hooks", None) or ())
     if any(isinstance(getattr(hook, "__self__", None), BucketTap) for hook, _ in hooks):
-        return ("this model already carries the comm hook of an earlier sdc-forensics Recorder: one Recorder per DDP model "
-                "(keep using it, or wrap the module in a new DistributedDataParallel)")
+        return (
+            "this model already carries the comm hook of an earlier sdc-forensics Recorder: one Recorder per DDP model "
+            "(keep using it, or wrap the module in a new DistributedDataParallel)"
+        )
     if hooks:
         name = getattr(hooks[0][0], "__qualname__", None) or type(hooks[0][0]).__name__
         return f"the model already has a DDP comm hook ({name}); {_HOOK_FIX}"
@@ -78,8 +82,12 @@ def communicating_hook(comm_hook: Callable | None, reduction: Reduction) -> Call
 class DdpLayout(Layout):
     """``DistributedDataParallel``: whole replicas, a comm hook per bucket (see the module)."""
 
-    def __init__(self, ddp_model: torch.nn.parallel.DistributedDataParallel, comm_hook: Callable | None = None,
-                 comm_state: Any = None) -> None:
+    def __init__(
+        self,
+        ddp_model: torch.nn.parallel.DistributedDataParallel,
+        comm_hook: Callable | None = None,
+        comm_state: Any = None,
+    ) -> None:
         self.ddp = ddp_model
         self._comm_hook = comm_hook
         self._comm_state = comm_state
@@ -102,9 +110,11 @@ class DdpLayout(Layout):
         problem = existing_hook_problem(self.ddp)
         # every rank passes the same hook: all refuse alike
         if problem is None and self._comm_hook is not None and hook_name(self._comm_hook) in LOSSY_HOOKS:
-            problem = (f"comm_hook {hook_name(self._comm_hook)} (PowerSGD) all-reduces a low-rank approximation of the "
-                       "gradient: no check can tell its error from a fault, and no replay can reproduce it; record the "
-                       "job with DDP's all-reduce or a dtype-compressing hook (fp16_compress_hook, bf16_compress_hook)")
+            problem = (
+                f"comm_hook {hook_name(self._comm_hook)} (PowerSGD) all-reduces a low-rank approximation of the "
+                "gradient: no check can tell its error from a fault, and no replay can reproduce it; record the "
+                "job with DDP's all-reduce or a dtype-compressing hook (fp16_compress_hook, bf16_compress_hook)"
+            )
         return problem
 
     def declared_grad_dtype(self) -> str | None:
@@ -117,7 +127,9 @@ class DdpLayout(Layout):
         self.tap = BucketTap(
             param_index={id(p): i for i, p in enumerate(job.params)},
             grad_numel=sum(p.numel() for p in job.params if p.requires_grad),
-            sketch_k=options.sketch_k, seed=options.seed, injector=job.injector,
+            sketch_k=options.sketch_k,
+            seed=options.seed,
+            injector=job.injector,
             inner_hook=communicating_hook(self._comm_hook, options.reduction),
             inner_state=self._comm_state if self._comm_hook is not None else job.group,
         )
@@ -126,7 +138,9 @@ class DdpLayout(Layout):
         try:
             self.ddp.register_comm_hook(None, self.tap.hook)
         except RuntimeError as exc:
-            problem = f"rank {job.rank}: DDP refused the recorder's comm hook ({' '.join(str(exc).split())}); {_HOOK_FIX}"
+            problem = (
+                f"rank {job.rank}: DDP refused the recorder's comm hook ({' '.join(str(exc).split())}); {_HOOK_FIX}"
+            )
         problems: list = [None] * job.world_size
         dist.all_gather_object(problems, problem, group=job.group)
         refuse_together(problems)
@@ -184,8 +198,13 @@ class DdpLayout(Layout):
         elif options.check_allreduce:
             as_float = table[:, : 2 * k + 2].copy().view(np.float64)
             finding, bad = checks.check_allreduce(
-                state.step, as_float[:, :k], as_float[:, 2 * k], as_float[:, k : 2 * k], as_float[:, 2 * k + 1],
-                table[:, 2 * k + 4].view(np.uint64), options.grad_dtype or self.tap.grad_dtype or "float32",
+                state.step,
+                as_float[:, :k],
+                as_float[:, 2 * k],
+                as_float[:, k : 2 * k],
+                as_float[:, 2 * k + 1],
+                table[:, 2 * k + 4].view(np.uint64),
+                options.grad_dtype or self.tap.grad_dtype or "float32",
             )
             if finding is not None:
                 findings.append(finding)

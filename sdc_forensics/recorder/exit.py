@@ -110,5 +110,9 @@ class exit_on_alarm(contextlib.ContextDecorator):  # noqa: N801 - used like a fu
         _armed -= 1
         message = " ".join(str(exc).split())
         # the alarm's message already names the trace and the command to run next (Recorder._alarm)
-        print(f"sdc-forensics: training stopped by an online check (exit {self.code}): {message}", file=sys.stderr, flush=True)
+        print(
+            f"sdc-forensics: training stopped by an online check (exit {self.code}): {message}",
+            file=sys.stderr,
+            flush=True,
+        )
         raise SystemExit(self.code)

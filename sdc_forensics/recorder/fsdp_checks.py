@@ -67,8 +67,10 @@ class Disagreement:
             places = self.where or ("",) * len(self.suspects)
             who = ", ".join(f"rank {r}" + (f" ({w})" if w else "") for r, w in zip(self.suspects, places))
             return f"{self.param}: {who} differ from the majority of ranks {list(self.group)}"
-        return (f"{self.param}: ranks {list(self.group)} disagree and no strict majority exists "
-                f"({len(self.group)} copies: detected, not attributed)")
+        return (
+            f"{self.param}: ranks {list(self.group)} disagree and no strict majority exists "
+            f"({len(self.group)} copies: detected, not attributed)"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +107,7 @@ def rank_place(model: torch.nn.Module | None = None) -> str:
     import socket
 
     device, mesh = "cpu", None
-    for param in (model.parameters() if model is not None else ()):
+    for param in model.parameters() if model is not None else ():
         device = str(param.device)
         mesh = getattr(param, "device_mesh", None)
         break
@@ -122,8 +124,10 @@ def _dtensor_params(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     named = list(model.named_parameters())
     plain = [name for name, p in named if not hasattr(p, "device_mesh")]
     if plain:
-        raise UsageError(f"{len(plain)} parameter(s) are not sharded by fully_shard (first: {plain[0]}); "
-                         "call fully_shard on the model (and its blocks) before the checks")
+        raise UsageError(
+            f"{len(plain)} parameter(s) are not sharded by fully_shard (first: {plain[0]}); "
+            "call fully_shard on the model (and its blocks) before the checks"
+        )
     return named
 
 
@@ -142,7 +146,9 @@ def _gather_table(row: list[int], place: str) -> tuple[np.ndarray, list[str]]:
     return np.asarray([r for _, r in gathered], dtype=np.uint64), [p for p, _ in gathered]
 
 
-def _vote_groups(table: np.ndarray, names: list[str], groups: list[tuple[int, ...]], places: list[str]) -> list[Disagreement]:
+def _vote_groups(
+    table: np.ndarray, names: list[str], groups: list[tuple[int, ...]], places: list[str]
+) -> list[Disagreement]:
     """Each parameter's column voted within each group (``checks.vote_within``, the recorder's
     one vote within groups): a group outside agreement gives one :class:`Disagreement`."""
     votes = [checks.vote_within(table[:, j], groups) for j in range(len(names))]
@@ -155,7 +161,9 @@ def _vote_groups(table: np.ndarray, names: list[str], groups: list[tuple[int, ..
             if majority.value is None:
                 found.append(Disagreement(name, group, (), False))
             else:
-                found.append(Disagreement(name, group, majority.diverged, True, tuple(places[r] for r in majority.diverged)))
+                found.append(
+                    Disagreement(name, group, majority.diverged, True, tuple(places[r] for r in majority.diverged))
+                )
     return found
 
 
@@ -168,8 +176,14 @@ def _finish(result: ShardCheck, policy: str, step: int) -> ShardCheck:
     return result
 
 
-def check_shards(model: torch.nn.Module, *, policy: str = "return", step: int = -1, seed: int = C.DEFAULT_SEED,
-                 corrupt: Callable[[str, torch.Tensor], None] | None = None) -> ShardCheck:
+def check_shards(
+    model: torch.nn.Module,
+    *,
+    policy: str = "return",
+    step: int = -1,
+    seed: int = C.DEFAULT_SEED,
+    corrupt: Callable[[str, torch.Tensor], None] | None = None,
+) -> ShardCheck:
     """Compares every shard with its replicas (HSDP); every rank calls it at the same point.
 
     Args:
@@ -205,8 +219,12 @@ def check_shards(model: torch.nn.Module, *, policy: str = "return", step: int = 
     per_param = [sorted({rank[j][2] for rank in gathered if rank[j][2]}) for j in range(len(names))]
     all_groups = tuple(sorted({g for groups in per_param for g in groups}))
     if not all_groups:
-        return ShardCheck("replicas", (), (), note="no replicate dimension (FSDP, not HSDP): no replica of a shard to "
-                                                    "compare; use check_gathered")
+        return ShardCheck(
+            "replicas",
+            (),
+            (),
+            note="no replicate dimension (FSDP, not HSDP): no replica of a shard to compare; use check_gathered",
+        )
     found = []
     # each parameter is voted within its own mesh's replica groups
     for j, groups in enumerate(per_param):
@@ -226,8 +244,14 @@ def _mesh_group(mesh, dim: int) -> list[int]:
     return mesh.mesh[tuple(index)].reshape(-1).tolist()
 
 
-def check_gathered(model: torch.nn.Module, *, policy: str = "return", step: int = -1, seed: int = C.DEFAULT_SEED,
-                   corrupt: Callable[[str, torch.Tensor], None] | None = None) -> ShardCheck:
+def check_gathered(
+    model: torch.nn.Module,
+    *,
+    policy: str = "return",
+    step: int = -1,
+    seed: int = C.DEFAULT_SEED,
+    corrupt: Callable[[str, torch.Tensor], None] | None = None,
+) -> ShardCheck:
     """All-gathers each parameter, digests it on every rank and votes across all ranks.
 
     Args:
@@ -254,7 +278,9 @@ def check_gathered(model: torch.nn.Module, *, policy: str = "return", step: int 
     return _finish(ShardCheck("gathered", (group,), tuple(_vote_groups(table, names, [group], places))), policy, step)
 
 
-def sharded_state_digests(state, *, seed: int = C.DEFAULT_SEED, trusted: tuple[int, ...] | None = None) -> dict[str, str]:
+def sharded_state_digests(
+    state, *, seed: int = C.DEFAULT_SEED, trusted: tuple[int, ...] | None = None
+) -> dict[str, str]:
     """``{key: hex digest}`` of every tensor of a sharded state, as if each were whole; no all-gather.
 
     Every rank calls it with its part of the same state (``{"model": model.state_dict(),
@@ -281,7 +307,12 @@ def sharded_state_digests(state, *, seed: int = C.DEFAULT_SEED, trusted: tuple[i
     for key, tensor in flat.items():
         if hasattr(tensor, "device_mesh"):
             local, offset = shards.local_piece(tensor)
-            mine[key] = ["piece", offset, local.numel(), shards.fingerprint_piece(local, offset=offset, seed=seed).to_json()]
+            mine[key] = [
+                "piece",
+                offset,
+                local.numel(),
+                shards.fingerprint_piece(local, offset=offset, seed=seed).to_json(),
+            ]
         else:
             mine[key] = ["whole", hex64(core.digest(tensor, seed))]
     gathered: list = [None] * dist.get_world_size()
@@ -310,18 +341,31 @@ def sharded_state_digests(state, *, seed: int = C.DEFAULT_SEED, trusted: tuple[i
                 continue
             # the digest's terms, not floats (NaN != NaN)
             if _exact(held[1]) != _exact(piece):
-                raise SdcAlarm(f"{key}: ranks {held[0]} and {rank} hold elements {offset}..{offset + numel - 1} differently "
-                               "(replicas of one shard must be equal)", step=-1, rank=-1, check="replicas")
+                raise SdcAlarm(
+                    f"{key}: ranks {held[0]} and {rank} hold elements {offset}..{offset + numel - 1} differently "
+                    "(replicas of one shard must be equal)",
+                    step=-1,
+                    rank=-1,
+                    check="replicas",
+                )
         parts = [shards.Piece.from_json(piece) for _, piece in pieces.values()]
         out[key] = hex64(shards.combine_pieces(parts).digest if parts else core.digest(torch.empty(0), seed))
     if differ:
-        log.warning("not digested: %d plain tensor(s) differ across ranks (each rank saves its own; DCP keeps one): %s",
-                    len(differ), ", ".join(differ[:5]) + (" ..." if len(differ) > 5 else ""))
+        log.warning(
+            "not digested: %d plain tensor(s) differ across ranks (each rank saves its own; DCP keeps one): %s",
+            len(differ),
+            ", ".join(differ[:5]) + (" ..." if len(differ) > 5 else ""),
+        )
     return out
 
 
 def _exact(piece: dict) -> tuple:
-    return (tuple(piece["lanes"]), tuple(sorted((k, tuple(v)) for k, v in piece["edges"].items())), piece["num_bytes"], piece["numel"])
+    return (
+        tuple(piece["lanes"]),
+        tuple(sorted((k, tuple(v)) for k, v in piece["edges"].items())),
+        piece["num_bytes"],
+        piece["numel"],
+    )
 
 
 def sharded_weights_digest(model: torch.nn.Module, *, seed: int = C.DEFAULT_SEED) -> int:

@@ -56,7 +56,9 @@ def missing(model: torch.nn.Module) -> str | None:
             return "this torch's FSDP2 parameter groups have no post_backward to read the gradients in"
         for fsdp_param in group.fsdp_params:
             if not all(hasattr(fsdp_param, a) for a in ("unsharded_accumulated_grad", "sharded_param")):
-                return "this torch's FSDP2 parameters keep their unsharded gradients where the recorder cannot read them"
+                return (
+                    "this torch's FSDP2 parameters keep their unsharded gradients where the recorder cannot read them"
+                )
     return None
 
 
@@ -67,13 +69,17 @@ def refusal(model: torch.nn.Module, ordered: bool, specs: list) -> str | None:
     if lacking:
         return f"{lacking}: the recorder cannot read a sharded job's gradients with this torch (2.8 or later can)"
     if ordered:
-        return ("reduction='ordered' replaces FSDP2's reduce-scatter through set_custom_reduce_scatter, which this "
-                "torch's FSDP2 lacks (2.8 or later has it): record with reduction='native' (on gloo the replay "
-                "reproduces it; elsewhere it compares within tolerance)")
+        return (
+            "reduction='ordered' replaces FSDP2's reduce-scatter through set_custom_reduce_scatter, which this "
+            "torch's FSDP2 lacks (2.8 or later has it): record with reduction='native' (on gloo the replay "
+            "reproduces it; elsewhere it compares within tolerance)"
+        )
     wrong = sorted({s.location for s in specs if s.location in ("reduce-scatter-output", "all-reduce-output")})
     if wrong:
-        return (f"fault location(s) {', '.join(wrong)} need set_custom_reduce_scatter, which this torch's FSDP2 "
-                "lacks; local-gradient, all-gather-output, weights, update and input work")
+        return (
+            f"fault location(s) {', '.join(wrong)} need set_custom_reduce_scatter, which this torch's FSDP2 "
+            "lacks; local-gradient, all-gather-output, weights, update and input work"
+        )
     return None
 
 
@@ -81,7 +87,9 @@ class PostBackwardTap:
     """The local gradient, as pieces, read in each parameter group's ``post_backward``; and the
     reduction's check from the step's results (see the module)."""
 
-    def __init__(self, *, offsets: dict[int, int], mesh: ShardMesh, sketch_k: int, seed: int, start_step: int = 0) -> None:
+    def __init__(
+        self, *, offsets: dict[int, int], mesh: ShardMesh, sketch_k: int, seed: int, start_step: int = 0
+    ) -> None:
         self._offsets = offsets
         self._mesh = mesh
         self._k = sketch_k
@@ -129,6 +137,7 @@ class PostBackwardTap:
             if getattr(group, "reduce_grads", True):
                 self._read(group)
             return original(*args, **kwargs)
+
         return post_backward
 
     def start(self, step: int | None) -> None:
@@ -168,7 +177,8 @@ class PostBackwardTap:
             self.error = UsageError(
                 "a parameter group reduce-scattered twice in one step (gradient accumulation that communicates every "
                 "microbatch): call model.set_requires_gradient_sync(False) on every microbatch but the last, as "
-                "FSDP2 recommends; the recorder records one reduce-scatter of the summed local gradient per step")
+                "FSDP2 recommends; the recorder records one reduce-scatter of the summed local gradient per step"
+            )
             return
         self._groups_seen.add(id(group))
         try:
@@ -184,8 +194,12 @@ class PostBackwardTap:
                     first, stop = shard_rows(rows, shard, self._mesh.shard_size)
                     if stop <= first:
                         continue
-                    piece = shards.fingerprint_piece(flat[first * per_row : stop * per_row], offset=offset + first * per_row,
-                                                     k=self._k, seed=self._seed)
+                    piece = shards.fingerprint_piece(
+                        flat[first * per_row : stop * per_row],
+                        offset=offset + first * per_row,
+                        k=self._k,
+                        seed=self._seed,
+                    )
                     self.pieces.append(piece)
                     self._per_shard[shard].append(piece)
         except Exception as exc:  # noqa: BLE001 - said at the step's end, on every rank, never inside FSDP
@@ -210,7 +224,9 @@ class PostBackwardTap:
         rows = []
         for pieces in self._per_shard:
             fp = shards.combine_pieces(pieces) if pieces else None
-            rows.append([*map(float, fp.sketch), float(fp.norm), float(fp.nonfinite)] if fp is not None else [0.0] * (k + 2))
+            rows.append(
+                [*map(float, fp.sketch), float(fp.norm), float(fp.nonfinite)] if fp is not None else [0.0] * (k + 2)
+            )
         own = None if reduced is None else [*map(float, reduced.sketch), float(reduced.norm), float(reduced.nonfinite)]
         # (S, k + 3), over the world
         total = fm.sum_over(rows, None, self.device, k)
@@ -222,7 +238,9 @@ class PostBackwardTap:
         if self._places is None:
             self._places = [g[0] for g in gathered]
         self.step = step + 1
-        findings = sorted((f for g in gathered for f in g[1]), key=lambda f: (f.check != Check.NONFINITE_BEFORE, f.rank))
+        findings = sorted(
+            (f for g in gathered for f in g[1]), key=lambda f: (f.check != Check.NONFINITE_BEFORE, f.rank)
+        )
         # a NaN/Inf input: its rank is the finding
         if any(f.check == Check.NONFINITE_BEFORE for f in findings):
             findings = [f for f in findings if f.check == Check.NONFINITE_BEFORE]
@@ -230,19 +248,34 @@ class PostBackwardTap:
         return fm.StepCheck(step=step, calls=1 if any(self._per_shard) else 0, findings=tuple(findings))
 
 
-def own_verdict(rank: int, mesh: ShardMesh, total: np.ndarray, own_nan: int, reduced: list | None, dtype: str, k: int,
-                scale: float) -> list[Finding]:
+def own_verdict(
+    rank: int, mesh: ShardMesh, total: np.ndarray, own_nan: int, reduced: list | None, dtype: str, k: int, scale: float
+) -> list[Finding]:
     """Rank ``rank``'s findings: NaN/Inf in its local gradient; else, when every rank's was finite
     (``total``: every rank's per-shard terms summed, ``fsdp_monitor._terms``), NaN/Inf in its
     reduced shard, or that shard against ``scale`` times the sum of every rank's rows of it."""
     if own_nan:
-        return [Finding(check=Check.NONFINITE_BEFORE, rank=rank, detail=f"{own_nan} NaN/Inf in its local gradient before the reduce-scatter")]
+        return [
+            Finding(
+                check=Check.NONFINITE_BEFORE,
+                rank=rank,
+                detail=f"{own_nan} NaN/Inf in its local gradient before the reduce-scatter",
+            )
+        ]
     if reduced is None or total[:, k + 2].sum():
         return []
     sketch, norm, nonfinite = np.asarray(reduced[:k]), float(reduced[k]), int(reduced[k + 1])
     if nonfinite:
-        return [Finding(check=Check.NONFINITE_AFTER, rank=rank, detail=f"{nonfinite} NaN/Inf in its reduced shard, from finite inputs")]
+        return [
+            Finding(
+                check=Check.NONFINITE_AFTER,
+                rank=rank,
+                detail=f"{nonfinite} NaN/Inf in its reduced shard, from finite inputs",
+            )
+        ]
     problem = fm.sum_check(total[mesh.shard_of(rank)], mesh.world_size, scale, sketch, norm, dtype, k)
     if problem:
-        return [Finding(check=Check.REDUCE_SCATTER, rank=rank, detail=f"its reduced shard {problem} (W={mesh.world_size})")]
+        return [
+            Finding(check=Check.REDUCE_SCATTER, rank=rank, detail=f"its reduced shard {problem} (W={mesh.world_size})")
+        ]
     return []

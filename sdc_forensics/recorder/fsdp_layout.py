@@ -102,8 +102,10 @@ class FsdpLayout(Layout):
 
     def __init__(self, model: torch.nn.Module, comm_hook: Any = None, comm_state: Any = None) -> None:
         if comm_hook is not None or comm_state is not None:
-            raise UsageError("comm_hook is DDP's: an FSDP2 job keeps its own reduce-scatter (set_custom_reduce_scatter "
-                             "before the Recorder), which the recorder wraps")
+            raise UsageError(
+                "comm_hook is DDP's: an FSDP2 job keeps its own reduce-scatter (set_custom_reduce_scatter "
+                "before the Recorder), which the recorder wraps"
+            )
         # no custom reduce-scatter to wrap: read the gradients in post_backward
         self._fallback = fsdp_fallback.wanted()
         fm.require_fsdp2(model, "the Recorder", custom_reduce_scatter=False)
@@ -144,8 +146,10 @@ class FsdpLayout(Layout):
         specs = list(getattr(job.injector, "specs", ()))
         wrong = sorted({s.location for s in specs if s.location in _DDP_ONLY})
         if wrong:
-            return (f"fault location(s) {', '.join(wrong)} are DDP's; a sharded job's are "
-                    f"{', '.join(FSDP_LOCATIONS)}, weights, update, input")
+            return (
+                f"fault location(s) {', '.join(wrong)} are DDP's; a sharded job's are "
+                f"{', '.join(FSDP_LOCATIONS)}, weights, update, input"
+            )
         if self._fallback:
             problem = fsdp_fallback.refusal(model, options.reduction == Reduction.ORDERED, specs)
             if problem:
@@ -166,23 +170,34 @@ class FsdpLayout(Layout):
         reduced_in = next(iter(reduce)) if reduce else None
         if reduced_in is not None and reduced_in not in (torch.float32, torch.bfloat16, torch.float16):
             return f"reduce_dtype {reduced_in}: the recorder records reductions in float32, bfloat16 or float16"
-        if reduced_in == torch.float16 and any(getattr(g, "gradient_divide_factor", None) is not None
-                                               for g in fm.param_groups(model)):
-            return ("a float16 reduction with set_gradient_divide_factor: FSDP2 then divides by factors the replay does not "
-                    "model; reduce in float32, or keep FSDP2's own factor")
+        if reduced_in == torch.float16 and any(
+            getattr(g, "gradient_divide_factor", None) is not None for g in fm.param_groups(model)
+        ):
+            return (
+                "a float16 reduction with set_gradient_divide_factor: FSDP2 then divides by factors the replay does not "
+                "model; reduce in float32, or keep FSDP2's own factor"
+            )
         compute = next(iter(computes)) if computes else orig
-        if (options.audit_every or options.audit_steps) and (compute != orig or (reduced_in is not None and reduced_in != orig)):
-            return ("audits recompute a rank's microbatches on a whole copy of the model in the parameters' dtype; this "
-                    "job computes or reduces in another (MixedPrecisionPolicy): record without audit_every (the replay "
-                    "recomputes every rank as the job did)")
+        if (options.audit_every or options.audit_steps) and (
+            compute != orig or (reduced_in is not None and reduced_in != orig)
+        ):
+            return (
+                "audits recompute a rank's microbatches on a whole copy of the model in the parameters' dtype; this "
+                "job computes or reduces in another (MixedPrecisionPolicy): record without audit_every (the replay "
+                "recomputes every rank as the job did)"
+            )
         found = casts(model)
         if compute != orig:
             if orig != torch.float32 or compute not in (torch.bfloat16, torch.float16):
-                return (f"parameters in {orig} computed in {compute}: the recorder records float32 parameters computed in "
-                        "bfloat16 or float16")
+                return (
+                    f"parameters in {orig} computed in {compute}: the recorder records float32 parameters computed in "
+                    "bfloat16 or float16"
+                )
             if found is None:
-                return ("this torch's fully_shard keeps each module's MixedPrecisionPolicy where the recorder cannot read it: "
-                        "the replay could not cast as the job did; record without param_dtype")
+                return (
+                    "this torch's fully_shard keeps each module's MixedPrecisionPolicy where the recorder cannot read it: "
+                    "the replay could not cast as the job did; record without param_dtype"
+                )
             self._param_dtype = compute
         self._casts = found or ()
         self._reduce_dtype = reduced_in
@@ -191,7 +206,9 @@ class FsdpLayout(Layout):
 
     def _mixed(self) -> bool:
         """The gradient is recorded and reduced in another dtype than the parameters' (or computed in one)."""
-        return self._reduce_dtype is not None and (self._reduce_dtype != self._orig_dtype or self._param_dtype is not None)
+        return self._reduce_dtype is not None and (
+            self._reduce_dtype != self._orig_dtype or self._param_dtype is not None
+        )
 
     def declared_grad_dtype(self) -> str | None:
         # the local gradient is recorded, and reduced, in this dtype (MixedPrecisionPolicy(reduce_dtype=...))
@@ -204,24 +221,38 @@ class FsdpLayout(Layout):
         # what FSDP2 casts, replayed as it did; with a param_dtype, the replay casts the parameters too
         mesh = dataclasses.replace(mesh_of(model, job.world_size), casts=self._casts)
         if self._mixed():
-            mesh = dataclasses.replace(mesh, reduce_dtype=dtype_name(self._reduce_dtype),
-                                       param_dtype=dtype_name(self._param_dtype) if self._param_dtype else "")
+            mesh = dataclasses.replace(
+                mesh,
+                reduce_dtype=dtype_name(self._reduce_dtype),
+                param_dtype=dtype_name(self._param_dtype) if self._param_dtype else "",
+            )
         self.grad_params = [p for p in job.params if p.requires_grad]
         index = {id(p): i for i, p in enumerate(self.grad_params)}
-        groups = tuple(tuple(index[id(fp.sharded_param)] for fp in g.fsdp_params if id(fp.sharded_param) in index)
-                       for g in fm.param_groups(model))
+        groups = tuple(
+            tuple(index[id(fp.sharded_param)] for fp in g.fsdp_params if id(fp.sharded_param) in index)
+            for g in fm.param_groups(model)
+        )
         # the reduce-scatters' buffers
         self._mesh = dataclasses.replace(mesh, groups=tuple(g for g in groups if g))
         self._grad_offsets = flat_offsets(self.grad_params)
         self._weight_offsets = flat_offsets(job.params)
         ordered = options.reduction == Reduction.ORDERED
         if self._fallback:
-            self.tap = fsdp_fallback.PostBackwardTap(offsets=self._grad_offsets, mesh=self._mesh, sketch_k=options.sketch_k,
-                                                     seed=options.seed, start_step=options.start_step)
+            self.tap = fsdp_fallback.PostBackwardTap(
+                offsets=self._grad_offsets,
+                mesh=self._mesh,
+                sketch_k=options.sketch_k,
+                seed=options.seed,
+                start_step=options.start_step,
+            )
         else:
-            self.tap = ReduceScatterTap(offsets=self._grad_offsets, sketch_k=options.sketch_k, seed=options.seed,
-                                        start_step=options.start_step,
-                                        ordered_replicas=ordered and len(self._mesh.replicas()) > 1)
+            self.tap = ReduceScatterTap(
+                offsets=self._grad_offsets,
+                sketch_k=options.sketch_k,
+                seed=options.seed,
+                start_step=options.start_step,
+                ordered_replicas=ordered and len(self._mesh.replicas()) > 1,
+            )
         self.tap.place = rank_place(model)
         fsdp_specs = [str(s) for s in specs if s.location in FSDP_LOCATIONS and s.location != "all-gather-output"]
         if fsdp_specs:
@@ -376,8 +407,12 @@ class FsdpLayout(Layout):
 
     def words(self, state: StepState) -> np.ndarray:
         """``[its shard changed at rest (0/1), digest of the parameters it gathered (0: none)]``."""
-        changed = int(self._last_update is not None and state.rest_weights is not None and self._last_update != state.rest_weights)
-        gathered = np.array([combine_digests(state.gathered) if state.gathered else 0], dtype=np.uint64).view(np.int64)[0]
+        changed = int(
+            self._last_update is not None and state.rest_weights is not None and self._last_update != state.rest_weights
+        )
+        gathered = np.array([combine_digests(state.gathered) if state.gathered else 0], dtype=np.uint64).view(np.int64)[
+            0
+        ]
         return np.array([changed, gathered], dtype=np.int64)
 
     def check(self, state: StepState, table: np.ndarray, has_grads: np.ndarray) -> list[Finding] | None:
@@ -387,17 +422,32 @@ class FsdpLayout(Layout):
             state.flags |= int(F.Flag.HAS_GRADS)
         findings = []
         for bad in np.flatnonzero(table[:, 0]).tolist():
-            findings.append(Finding(
-                check=Check.WEIGHTS, step=state.step, rank=bad, flag=F.Flag.WEIGHTS_DIVERGED, ranks=(bad,),
-                detail=f"rank {bad} ({mesh.where(bad)}): its weight shard changed at rest before step {state.step} "
-                "began, since the last update (or the checkpoint that saved it); every rank gathered it for this step's forward"))
+            findings.append(
+                Finding(
+                    check=Check.WEIGHTS,
+                    step=state.step,
+                    rank=bad,
+                    flag=F.Flag.WEIGHTS_DIVERGED,
+                    ranks=(bad,),
+                    detail=f"rank {bad} ({mesh.where(bad)}): its weight shard changed at rest before step {state.step} "
+                    "began, since the last update (or the checkpoint that saved it); every rank gathered it for this step's forward",
+                )
+            )
             if bad == rank:
                 state.flags |= int(F.Flag.WEIGHTS_DIVERGED)
         findings += self._vote_gathered(state, table[:, 1].view(np.uint64), explained=bool(table[:, 0].any()))
         # the monitor's finer checks, reported as the recorder's (Check.family) with their flag
         for found in result.findings:
-            findings.append(Finding(check=found.check.family, step=state.step, rank=found.rank, flag=found.check.flag,
-                                    ranks=(found.rank,), detail=f"rank {found.rank} ({mesh.where(found.rank)}): {found.detail}"))
+            findings.append(
+                Finding(
+                    check=found.check.family,
+                    step=state.step,
+                    rank=found.rank,
+                    flag=found.check.flag,
+                    ranks=(found.rank,),
+                    detail=f"rank {found.rank} ({mesh.where(found.rank)}): {found.detail}",
+                )
+            )
             if found.rank == rank:
                 state.flags |= int(found.check.flag)
         return findings
@@ -414,23 +464,38 @@ class FsdpLayout(Layout):
         if not vote.diverged or (vote.value is None and explained):
             return []
         if vote.value is None:
-            return [Finding(
-                check=Check.WEIGHTS, step=state.step, rank=-1, flag=F.Flag.NO_MAJORITY, ranks=(),
-                detail=f"the ranks gathered different parameters for step {state.step}'s forward and no strict majority "
-                f"agrees ({', '.join(f'rank {r}: {hex64(int(v))}' for r, v in enumerate(table))})")]
+            return [
+                Finding(
+                    check=Check.WEIGHTS,
+                    step=state.step,
+                    rank=-1,
+                    flag=F.Flag.NO_MAJORITY,
+                    ranks=(),
+                    detail=f"the ranks gathered different parameters for step {state.step}'s forward and no strict majority "
+                    f"agrees ({', '.join(f'rank {r}: {hex64(int(v))}' for r, v in enumerate(table))})",
+                )
+            ]
         if self.job.rank in vote.diverged:
             state.flags |= int(F.Flag.GATHER_DIVERGED)
-        return [Finding(
-            check=Check.WEIGHTS, step=state.step, rank=rank, flag=F.Flag.GATHER_DIVERGED, ranks=(rank,),
-            detail=f"rank {rank} ({self._mesh.where(rank)}): the parameters it gathered for step {state.step}'s forward "
-            f"differ from the {len(vote.agreeing)} ranks' that agree ({hex64(int(table[rank]))}, not {hex64(int(vote.value))})")
-            for rank in vote.diverged]
+        return [
+            Finding(
+                check=Check.WEIGHTS,
+                step=state.step,
+                rank=rank,
+                flag=F.Flag.GATHER_DIVERGED,
+                ranks=(rank,),
+                detail=f"rank {rank} ({self._mesh.where(rank)}): the parameters it gathered for step {state.step}'s forward "
+                f"differ from the {len(vote.agreeing)} ranks' that agree ({hex64(int(table[rank]))}, not {hex64(int(vote.value))})",
+            )
+            for rank in vote.diverged
+        ]
 
     def weights(self) -> tuple[int, float, int]:
         """This rank's shard of the weights: ``(digest, L2 norm, NaN/Inf count)``."""
         with torch.no_grad():
-            fp = shards.fingerprint_runs(rank_runs((p, self._weight_offsets[id(p)]) for p in self.job.params), k=1,
-                                         seed=self.job.options.seed)
+            fp = shards.fingerprint_runs(
+                rank_runs((p, self._weight_offsets[id(p)]) for p in self.job.params), k=1, seed=self.job.options.seed
+            )
         return fp.digest, float(fp.norm), int(fp.nonfinite)
 
     def settled(self, digest: int) -> None:
@@ -447,16 +512,30 @@ class FsdpLayout(Layout):
                 continue
             shard = self._mesh.shard_of(group[0])
             if vote.value is None:
-                findings.append(Finding(
-                    check=Check.WEIGHTS, step=step, rank=-1, flag=F.Flag.NO_MAJORITY, ranks=group,
-                    detail=f"the {len(group)} replicas of shard {shard} (ranks {', '.join(map(str, group))}) hold different "
-                    "weights and no strict majority: detected, but no vote can name the rank; a replay can"))
+                findings.append(
+                    Finding(
+                        check=Check.WEIGHTS,
+                        step=step,
+                        rank=-1,
+                        flag=F.Flag.NO_MAJORITY,
+                        ranks=group,
+                        detail=f"the {len(group)} replicas of shard {shard} (ranks {', '.join(map(str, group))}) hold different "
+                        "weights and no strict majority: detected, but no vote can name the rank; a replay can",
+                    )
+                )
             elif vote.diverged:
                 bad = vote.diverged
-                findings.append(Finding(
-                    check=Check.WEIGHTS, step=step, rank=bad[0], flag=F.Flag.WEIGHTS_DIVERGED, ranks=bad,
-                    detail=f"rank(s) {', '.join(map(str, bad))} ({self._mesh.where(bad[0])}) hold shard {shard} differently "
-                    f"from the majority of its {len(group)} replicas"))
+                findings.append(
+                    Finding(
+                        check=Check.WEIGHTS,
+                        step=step,
+                        rank=bad[0],
+                        flag=F.Flag.WEIGHTS_DIVERGED,
+                        ranks=bad,
+                        detail=f"rank(s) {', '.join(map(str, bad))} ({self._mesh.where(bad[0])}) hold shard {shard} differently "
+                        f"from the majority of its {len(group)} replicas",
+                    )
+                )
         return findings
 
     # ---------------------------------------------------------------- audits and checkpoints
@@ -468,13 +547,17 @@ class FsdpLayout(Layout):
         every rank holds the whole model once more."""
         model = recipe.build(self.job.device)[0]
         with torch.no_grad():
-            gathered = [(name, p.full_tensor() if hasattr(p, "full_tensor") else p.detach())
-                        for name, p in self.model.named_parameters()]
+            gathered = [
+                (name, p.full_tensor() if hasattr(p, "full_tensor") else p.detach())
+                for name, p in self.model.named_parameters()
+            ]
             params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
             missing = [name for name, full in gathered if name not in params or params[name].shape != full.shape]
             if missing:
-                raise UsageError(f"the recipe's model has no parameter {missing[0]!r} of the job's shape: audits recompute on "
-                                 "the recipe's model, which must be the job's, unsharded")
+                raise UsageError(
+                    f"the recipe's model has no parameter {missing[0]!r} of the job's shape: audits recompute on "
+                    "the recipe's model, which must be the job's, unsharded"
+                )
             for name, full in gathered:
                 params[name].copy_(full)
             for name, buf in self.model.named_buffers():
@@ -488,4 +571,3 @@ class FsdpLayout(Layout):
 
     def saver(self) -> Saver:
         return ShardedSaver(self._mesh.same_shard())
-

@@ -94,7 +94,9 @@ class StepCheck:
         return tuple(sorted({f.rank for f in self.findings}))
 
     def lines(self) -> list[str]:
-        return [_line(f, self.step) for f in self.findings] or [self.note or f"step {self.step}: {self.calls} reduce-scatter(s) checked, clean"]
+        return [_line(f, self.step) for f in self.findings] or [
+            self.note or f"step {self.step}: {self.calls} reduce-scatter(s) checked, clean"
+        ]
 
 
 @dataclasses.dataclass
@@ -171,7 +173,9 @@ class _CheckedReduceScatter:
         return self._inner.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        index = self._monitor._before(input_tensor, group, _scales(op, group.size(), self._param_group), self._param_group)
+        index = self._monitor._before(
+            input_tensor, group, _scales(op, group.size(), self._param_group), self._param_group
+        )
         self.pending.append(index)
         work = self._inner(output_tensor, input_tensor, group, op, async_op)
         if work is not None and async_op:
@@ -188,8 +192,14 @@ class FsdpMonitor:
     resolved together in :meth:`check`: one device-to-host transfer per step on CUDA (none on CPU).
     """
 
-    def __init__(self, *, sketch_k: int = C.DEFAULT_SKETCH_K, seed: int = C.DEFAULT_SEED, inject: Injector | None = None,
-                 start_step: int = 0):
+    def __init__(
+        self,
+        *,
+        sketch_k: int = C.DEFAULT_SKETCH_K,
+        seed: int = C.DEFAULT_SEED,
+        inject: Injector | None = None,
+        start_step: int = 0,
+    ):
         self._k = sketch_k
         self._seed = seed
         self._inject = inject
@@ -207,8 +217,15 @@ class FsdpMonitor:
 
     def _before(self, input_tensor: torch.Tensor, group, scales: tuple[float | None, float], param_group=None) -> int:
         ranks = tuple(dist.get_process_group_ranks(group))
-        call = _Call(group=ranks, dtype=str(input_tensor.dtype).removeprefix("torch."), scale=scales[0], ar_scale=scales[1],
-                     inputs=[], pg=group, device=input_tensor.device)
+        call = _Call(
+            group=ranks,
+            dtype=str(input_tensor.dtype).removeprefix("torch."),
+            scale=scales[0],
+            ar_scale=scales[1],
+            inputs=[],
+            pg=group,
+            device=input_tensor.device,
+        )
         # the slot is reserved before anything reads the input
         with self._lock:
             index = len(self._calls)
@@ -248,9 +265,19 @@ class FsdpMonitor:
             inputs = [_row(next(done)) for _ in call.inputs]
             output = _row(next(done)) if call.output is not None else None
             ar_output = _row(next(done)) if call.ar_output is not None else None
-            out.append({"group": list(call.group), "dtype": call.dtype, "scale": call.scale, "ar_scale": call.ar_scale,
-                        "inputs": inputs, "output": output, "ar_group": list(call.ar_group), "ar_output": ar_output,
-                        "ar_inputs": list(call.ar_inputs)})
+            out.append(
+                {
+                    "group": list(call.group),
+                    "dtype": call.dtype,
+                    "scale": call.scale,
+                    "ar_scale": call.ar_scale,
+                    "inputs": inputs,
+                    "output": output,
+                    "ar_group": list(call.ar_group),
+                    "ar_output": ar_output,
+                    "ar_inputs": list(call.ar_inputs),
+                }
+            )
         return out
 
     def check(self, step: int, *, policy: str = "return") -> StepCheck:
@@ -276,8 +303,10 @@ class FsdpMonitor:
             self._places = [place for place, _, _ in first]
         counts = {count for _, count, _ in first}
         if len(counts) > 1:
-            raise UsageError(f"step {step}: ranks made different numbers of reduce-scatters ({sorted(counts)}): "
-                             "call check() at the same point of the step on every rank")
+            raise UsageError(
+                f"step {step}: ranks made different numbers of reduce-scatters ({sorted(counts)}): "
+                "call check() at the same point of the step on every rank"
+            )
         calls = counts.pop() if counts else 0
         # else unpaired: not checked
         with_all_reduce = ar_calls if len({a for _, _, a in first}) == 1 else ()
@@ -287,8 +316,10 @@ class FsdpMonitor:
         findings = _ordered([f for per_rank in everyone for f in per_rank])
         note = ""
         if not calls and dist.get_world_size() > 1:
-            note = (f"step {step}: no reduce-scatter was seen: check() before backward, a shard group of one, or a comm set "
-                    "after watch() replaced the checked one (call watch() last)")
+            note = (
+                f"step {step}: no reduce-scatter was seen: check() before backward, a shard group of one, or a comm set "
+                "after watch() replaced the checked one (call watch() last)"
+            )
         findings = [dataclasses.replace(f, where=self._places[f.rank]) for f in findings]
         result = StepCheck(step=step, calls=calls, findings=tuple(findings), note=note)
         self.step = step + 1
@@ -354,7 +385,9 @@ def _ordered(pairs: list[tuple[int, Finding]]) -> list[Finding]:
     return [f for _, f in sorted(kept, key=lambda pair: (pair[1].call, pair[0], pair[1].rank))]
 
 
-def _own_findings(calls: list[_Call], numbers: list[dict], with_all_reduce: tuple[int, ...], k: int) -> list[tuple[int, Finding]]:
+def _own_findings(
+    calls: list[_Call], numbers: list[dict], with_all_reduce: tuple[int, ...], k: int
+) -> list[tuple[int, Finding]]:
     """This rank's ``(phase, finding)`` pairs of the step (collectives: every rank of a group runs
     them alike; phase 0 a NaN/Inf input, 1 the reduce-scatter output, 2 the all-reduce output).
 
@@ -369,8 +402,17 @@ def _own_findings(calls: list[_Call], numbers: list[dict], with_all_reduce: tupl
     for index, (call, nums) in enumerate(zip(calls, numbers)):
         own_nan = sum(int(row[k + 1]) for row in nums["inputs"])
         if own_nan:
-            found.append((0, Finding(check=Check.NONFINITE_BEFORE, rank=rank, call=index,
-                                     detail=f"{own_nan} NaN/Inf in its local gradient before the reduce-scatter")))
+            found.append(
+                (
+                    0,
+                    Finding(
+                        check=Check.NONFINITE_BEFORE,
+                        rank=rank,
+                        call=index,
+                        detail=f"{own_nan} NaN/Inf in its local gradient before the reduce-scatter",
+                    ),
+                )
+            )
         # (W, k + 3): chunk c summed over the group
         total = totals[index]
         if total[:, k + 2].sum() or nums["output"] is None:
@@ -378,13 +420,31 @@ def _own_findings(calls: list[_Call], numbers: list[dict], with_all_reduce: tupl
             continue
         sketch, norm, nonfinite = _split(nums["output"], k)
         if nonfinite:
-            found.append((1, Finding(check=Check.NONFINITE_AFTER, rank=rank, call=index,
-                                     detail=f"{nonfinite} NaN/Inf in its reduce-scatter output, from finite inputs")))
+            found.append(
+                (
+                    1,
+                    Finding(
+                        check=Check.NONFINITE_AFTER,
+                        rank=rank,
+                        call=index,
+                        detail=f"{nonfinite} NaN/Inf in its reduce-scatter output, from finite inputs",
+                    ),
+                )
+            )
         elif call.scale is not None:
             problem = sum_check(total[call.group.index(rank)], len(call.group), call.scale, sketch, norm, call.dtype, k)
             if problem:
-                found.append((1, Finding(check=Check.REDUCE_SCATTER, rank=rank, call=index,
-                                         detail=f"its output {problem} (W={len(call.group)})")))
+                found.append(
+                    (
+                        1,
+                        Finding(
+                            check=Check.REDUCE_SCATTER,
+                            rank=rank,
+                            call=index,
+                            detail=f"its output {problem} (W={len(call.group)})",
+                        ),
+                    )
+                )
     paired = [i for i in with_all_reduce if all(numbers[j]["output"] is not None for j in calls[i].ar_inputs)]
     by_replicas: dict[tuple[int, ...], list[int]] = {}
     for index in paired:
@@ -408,13 +468,31 @@ def _own_findings(calls: list[_Call], numbers: list[dict], with_all_reduce: tupl
         total = ar_totals[index]
         sketch, norm, nonfinite = _split(nums["ar_output"], k)
         if nonfinite and not total[k + 2]:
-            found.append((2, Finding(check=Check.NONFINITE_AFTER, rank=rank, call=index,
-                                     detail=f"{nonfinite} NaN/Inf in its replica all-reduce output, from finite shards")))
+            found.append(
+                (
+                    2,
+                    Finding(
+                        check=Check.NONFINITE_AFTER,
+                        rank=rank,
+                        call=index,
+                        detail=f"{nonfinite} NaN/Inf in its replica all-reduce output, from finite shards",
+                    ),
+                )
+            )
         elif not nonfinite and not total[k + 2]:
             problem = sum_check(total, len(call.ar_group) * len(parts), call.ar_scale, sketch, norm, call.dtype, k)
             if problem:
-                found.append((2, Finding(check=Check.REPLICA_ALL_REDUCE, rank=rank, call=index,
-                                         detail=f"its replica all-reduce output {problem} ({len(call.ar_group)} replicas)")))
+                found.append(
+                    (
+                        2,
+                        Finding(
+                            check=Check.REPLICA_ALL_REDUCE,
+                            rank=rank,
+                            call=index,
+                            detail=f"its replica all-reduce output {problem} ({len(call.ar_group)} replicas)",
+                        ),
+                    )
+                )
     return found
 
 
@@ -425,8 +503,10 @@ def spec_injector(specs, monitor_step: Callable[[], int]) -> Injector:
 
     parsed = [parse_spec(text, LOCATIONS) for text in ([specs] if isinstance(specs, str) else specs)]
     if any(spec.location == "all-gather-output" for spec in parsed):
-        raise UsageError("all-gather-output drills are the Recorder's (Recorder(..., inject=[...])): watch() sees only "
-                         "the reduce-scatter and the all-reduce")
+        raise UsageError(
+            "all-gather-output drills are the Recorder's (Recorder(..., inject=[...])): watch() sees only "
+            "the reduce-scatter and the all-reduce"
+        )
     rank = dist.get_rank() if dist.is_initialized() else 0
 
     def inject(location: str, call: int, tensor: torch.Tensor) -> None:
@@ -434,11 +514,18 @@ def spec_injector(specs, monitor_step: Callable[[], int]) -> Injector:
             if spec.location == location and spec.rank == rank and spec.step == monitor_step() and call == 0:
                 flat = tensor.reshape(-1)
                 flip_bit_(flat, (spec.element or 0) % flat.numel(), spec.bit)
+
     return inject
 
 
-def watch(model: torch.nn.Module, *, sketch_k: int = C.DEFAULT_SKETCH_K, seed: int = C.DEFAULT_SEED,
-          inject=None, start_step: int = 0) -> FsdpMonitor:
+def watch(
+    model: torch.nn.Module,
+    *,
+    sketch_k: int = C.DEFAULT_SKETCH_K,
+    seed: int = C.DEFAULT_SEED,
+    inject=None,
+    start_step: int = 0,
+) -> FsdpMonitor:
     """Installs the checked reduce-scatter on every ``fully_shard`` module of ``model``.
 
     ``inject``: fault drills, a callable (:data:`Injector`) or fault specs (:func:`spec_injector`);
@@ -466,12 +553,16 @@ def require_fsdp2(model: torch.nn.Module, what: str, *, custom_reduce_scatter: b
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch without FSDP2
-        raise UsageError("this torch has no FSDP2 (torch.distributed.fsdp.FSDPModule): the FSDP checks need it") from None
+        raise UsageError(
+            "this torch has no FSDP2 (torch.distributed.fsdp.FSDPModule): the FSDP checks need it"
+        ) from None
     if not any(isinstance(m, FSDPModule) for m in model.modules()):
         raise UsageError(f"no fully_shard module in this model: call fully_shard on it (and its blocks) before {what}")
     if custom_reduce_scatter and not hasattr(FSDPModule, "set_custom_reduce_scatter"):
-        raise UsageError("this torch's FSDP2 has no set_custom_reduce_scatter: the reduce-scatter check cannot be installed "
-                         "(torch 2.8 or later has it)")
+        raise UsageError(
+            "this torch's FSDP2 has no set_custom_reduce_scatter: the reduce-scatter check cannot be installed "
+            "(torch 2.8 or later has it)"
+        )
 
 
 def groups_of(module: torch.nn.Module) -> list:
@@ -493,8 +584,10 @@ def param_groups(model: torch.nn.Module) -> list:
         for group in groups_of(module):
             groups[id(group)] = group
     if not groups:
-        raise UsageError("this torch's fully_shard keeps its parameter groups where watch() cannot find them: "
-                         "the reduce-scatter check cannot be installed")
+        raise UsageError(
+            "this torch's fully_shard keeps its parameter groups where watch() cannot find them: "
+            "the reduce-scatter check cannot be installed"
+        )
     return list(groups.values())
 
 
@@ -536,4 +629,5 @@ def _all_reduce_hook(monitor: FsdpMonitor, checked: _CheckedReduceScatter, proce
         monitor._after_all_reduce(checked, output, process_group)
         if user_hook is not None:
             user_hook(output)
+
     return hook

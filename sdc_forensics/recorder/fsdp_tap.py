@@ -44,29 +44,44 @@ def mesh_of(model: torch.nn.Module, world_size: int) -> ShardMesh:
     """The mesh the model's parameters are sharded on, with every rank's coordinates."""
     sharded = [p for p in model.parameters() if hasattr(p, "device_mesh")]
     if not sharded:
-        raise UsageError("no parameter of this model is sharded (no DTensor): call fully_shard on it before the Recorder")
+        raise UsageError(
+            "no parameter of this model is sharded (no DTensor): call fully_shard on it before the Recorder"
+        )
     mesh, placements = sharded[0].device_mesh, tuple(sharded[0].placements)
     layout = mesh.mesh.cpu()
     if layout.numel() != world_size:
-        raise UsageError(f"the model is sharded on a mesh of {layout.numel()} ranks in a job of {world_size}: the recorder "
-                         "records data parallelism over the whole world (FSDP or HSDP), not FSDP combined with tensor or "
-                         "pipeline parallelism")
+        raise UsageError(
+            f"the model is sharded on a mesh of {layout.numel()} ranks in a job of {world_size}: the recorder "
+            "records data parallelism over the whole world (FSDP or HSDP), not FSDP combined with tensor or "
+            "pipeline parallelism"
+        )
     shard_dims = [i for i, p in enumerate(placements) if hasattr(p, "dim")]
     if len(shard_dims) != 1 or placements[shard_dims[0]].dim != 0:
-        raise UsageError(f"parameters placed as {placements}: the recorder records FSDP2's Shard(0) (and HSDP's Replicate, "
-                         "Shard(0)); pass no shard_placement_fn to fully_shard")
+        raise UsageError(
+            f"parameters placed as {placements}: the recorder records FSDP2's Shard(0) (and HSDP's Replicate, "
+            "Shard(0)); pass no shard_placement_fn to fully_shard"
+        )
     if layout.dim() > 2:
-        raise UsageError(f"the model is sharded on a {layout.dim()}-D mesh: the recorder records FSDP (1-D) and HSDP "
-                         "(replicate x shard)")
+        raise UsageError(
+            f"the model is sharded on a {layout.dim()}-D mesh: the recorder records FSDP (1-D) and HSDP "
+            "(replicate x shard)"
+        )
     if layout.shape[shard_dims[0]] == 1:
-        raise UsageError("the shard dimension of the mesh has size 1: FSDP2 then reduce-scatters nothing (each rank holds "
-                         "whole parameters, replicated); record such a job as DDP")
+        raise UsageError(
+            "the shard dimension of the mesh has size 1: FSDP2 then reduce-scatters nothing (each rank holds "
+            "whole parameters, replicated); record such a job as DDP"
+        )
     coords: list = [None] * world_size
     for index in np.ndindex(*layout.shape):
         coords[int(layout[index])] = tuple(int(i) for i in index)
     names = tuple(mesh.mesh_dim_names or ("",) * layout.dim())
-    return ShardMesh(kind="fsdp" if layout.dim() == 1 else "hsdp", shape=tuple(layout.shape), dim_names=names,
-                     shard_dim=shard_dims[0], coords=tuple(coords))
+    return ShardMesh(
+        kind="fsdp" if layout.dim() == 1 else "hsdp",
+        shape=tuple(layout.shape),
+        dim_names=names,
+        shard_dim=shard_dims[0],
+        coords=tuple(coords),
+    )
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -94,7 +109,13 @@ def casts(model: torch.nn.Module) -> tuple[tuple[str, str, str], ...] | None:
         inputs = policy.param_dtype if policy.cast_forward_inputs and policy.param_dtype is not None else None
         outputs = policy.output_dtype
         if inputs is not None or outputs is not None:
-            out.append((name, dtype_name(inputs) if inputs is not None else "", dtype_name(outputs) if outputs is not None else ""))
+            out.append(
+                (
+                    name,
+                    dtype_name(inputs) if inputs is not None else "",
+                    dtype_name(outputs) if outputs is not None else "",
+                )
+            )
     return tuple(out)
 
 
@@ -135,8 +156,10 @@ class OrderedReduceScatter:
         elif op == dist.ReduceOp.SUM:
             ordered_sum(parts, out=output_tensor)
         else:
-            raise UsageError("the ordered reduce-scatter adds with AVG or SUM; this job's FSDP2 reduces with a factor "
-                             "(set_gradient_divide_factor): record it with reduction='native'")
+            raise UsageError(
+                "the ordered reduce-scatter adds with AVG or SUM; this job's FSDP2 reduces with a factor "
+                "(set_gradient_divide_factor): record it with reduction='native'"
+            )
         return None
 
 
@@ -173,7 +196,8 @@ class ReduceScatterTap(fm.FsdpMonitor):
             self.error = UsageError(
                 "a parameter group reduce-scattered twice in one step (gradient accumulation that communicates every "
                 "microbatch): call model.set_requires_gradient_sync(False) on every microbatch but the last, as "
-                "FSDP2 recommends; the recorder records one reduce-scatter of the summed local gradient per step")
+                "FSDP2 recommends; the recorder records one reduce-scatter of the summed local gradient per step"
+            )
         self._groups_seen.add(id(param_group))
         if self.recording and self.error is None:
             try:
@@ -198,7 +222,8 @@ class ReduceScatterTap(fm.FsdpMonitor):
             if calls > 1 or mine is None:
                 self.error = self.error or UsageError(
                     "HSDP recorded with reduction='ordered' all-reduces every reduce-scatter on its own: "
-                    "set_requires_all_reduce(False) accumulates several first; record it with reduction='native'")
+                    "set_requires_all_reduce(False) accumulates several first; record it with reduction='native'"
+                )
             else:
                 parts = [torch.empty_like(mine) for _ in range(group.size())]
                 # group rank order: the replicate coordinate's
@@ -226,9 +251,11 @@ class ReduceScatterTap(fm.FsdpMonitor):
             plan.append((self._offsets[id(param)], rows, per_row))
             width += chunk * per_row
         if width * size != flat.numel():
-            raise UsageError(f"a reduce-scatter input of {flat.numel()} elements where the group's parameters fill "
-                             f"{width * size}: a parameter without a gradient at this step; the recorder needs every "
-                             "trainable parameter to get one (freeze the others: requires_grad_(False))")
+            raise UsageError(
+                f"a reduce-scatter input of {flat.numel()} elements where the group's parameters fill "
+                f"{width * size}: a parameter without a gradient at this step; the recorder needs every "
+                "trainable parameter to get one (freeze the others: requires_grad_(False))"
+            )
         chunks = flat.detach().view(size, width)
         pieces, position = [], 0
         for offset, rows, per_row in plan:
@@ -252,4 +279,3 @@ class ReduceScatterTap(fm.FsdpMonitor):
         if self.error is not None:
             raise self.error
         return shards.one_bucket(self.pieces)
-

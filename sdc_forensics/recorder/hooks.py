@@ -138,7 +138,9 @@ class BucketTap:
             try:
                 if self._injector:
                     for location in ("allreduce", "allreduce-all"):
-                        self._injector.corrupt_segment(location, step, reduced.view(-1), element_offset, self._grad_numel)
+                        self._injector.corrupt_segment(
+                            location, step, reduced.view(-1), element_offset, self._grad_numel
+                        )
                 fp = fp_core.fingerprint_async(reduced, k=self._k, seed=self._seed, block_offset=block_offset)
                 with self._lock:
                     self._reduced[index] = fp

@@ -54,7 +54,11 @@ def local_identity(rank: int, device: torch.device) -> RankIdentity:
     """This process's identity (node rank and local rank from the launcher's environment, if set)."""
     uuid, pci = gpu_identity(device)
     k8s = next((os.environ[v] for v in K8S_NODE_VARS if os.environ.get(v)), "")
-    device_label = str(device) if device.type != "cuda" else f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    device_label = (
+        str(device)
+        if device.type != "cuda"
+        else f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    )
     return RankIdentity(
         rank=rank,
         host=socket.gethostname(),
@@ -103,14 +107,23 @@ def node_map(identities: list[RankIdentity], override: tuple[int, ...] | None) -
     return tuple(nodes)
 
 
-def determinism_flags(device: torch.device | None = None, backend: str = "", reduction: str = "native",
-                      comm_hook: str = "") -> dict[str, Any]:
+def determinism_flags(
+    device: torch.device | None = None, backend: str = "", reduction: str = "native", comm_hook: str = ""
+) -> dict[str, Any]:
     """The settings that decide whether a replay can be bitwise exact (``sdc_forensics.numerics.record``)."""
     return numerics.record(device, backend, reduction, comm_hook)
 
 
-def make_attempt(attempt: int, start_step: int, identities: list[RankIdentity], *, device: torch.device | None = None,
-                 backend: str = "", reduction: str = "native", comm_hook: str = "") -> Attempt:
+def make_attempt(
+    attempt: int,
+    start_step: int,
+    identities: list[RankIdentity],
+    *,
+    device: torch.device | None = None,
+    backend: str = "",
+    reduction: str = "native",
+    comm_hook: str = "",
+) -> Attempt:
     """The manifest entry of this attempt: identities and the numerics contract (``sdc_forensics.numerics``)
     of this process (rank 0): its device, the process group's ``backend``, the all-reduce ``reduction``."""
     return Attempt(

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from sdc_forensics.errors import UsageError
 from sdc_forensics.reduction import ordered_mean, ordered_sum
 
+
 def _ordered_all_reduce(tensor: torch.Tensor, group, average: bool) -> torch.Tensor:
     """All-reduce ``tensor`` in place with the ordered sum (mean when ``average``, else sum)."""
     world_size = dist.get_world_size(group)
@@ -89,8 +90,10 @@ def _ordered_all_reduce_calls() -> Iterator[None]:
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            raise UsageError(f"RecorderOptions(reduction='ordered') reduces SUM and AVG only; the comm hook asked for {op}: "
-                             "use reduction='native' with this hook")
+            raise UsageError(
+                f"RecorderOptions(reduction='ordered') reduces SUM and AVG only; the comm hook asked for {op}: "
+                "use reduction='native' with this hook"
+            )
         _ordered_all_reduce(tensor, group if group is not None else dist.group.WORLD, average=op == dist.ReduceOp.AVG)
         return _Done(tensor) if async_op else None
 

@@ -90,8 +90,10 @@ def make_layout(model: Any, comm_hook: Callable | None = None, comm_state: Any =
         return FsdpLayout(model, comm_hook, comm_state)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return DdpLayout(model, comm_hook, comm_state)
-    raise UsageError("Recorder needs the DistributedDataParallel-wrapped model, or a model sharded by fully_shard "
-                     "(got a bare module?)")
+    raise UsageError(
+        "Recorder needs the DistributedDataParallel-wrapped model, or a model sharded by fully_shard "
+        "(got a bare module?)"
+    )
 
 
 class Recorder:
@@ -143,8 +145,15 @@ class Recorder:
         self.layout = make_layout(ddp_model, comm_hook, comm_state)
         if isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
             self.ddp = ddp_model
-        self._setup(trace_dir, optimizer, recipe=recipe, recipe_args=recipe_args, options=options, inject=inject,
-                    framework=framework)
+        self._setup(
+            trace_dir,
+            optimizer,
+            recipe=recipe,
+            recipe_args=recipe_args,
+            options=options,
+            inject=inject,
+            framework=framework,
+        )
         self._gather_identities(self.layout.validate(self._job()))
         declared = self.layout.declared_grad_dtype()
         if self.options.grad_dtype is None and declared:
@@ -155,19 +164,27 @@ class Recorder:
         self._comm_hook_name = self.layout.comm_hook_name
         self._open_trace()
 
-    def _setup(self, trace_dir, optimizer: torch.optim.Optimizer, *, recipe, recipe_args, options, inject, framework) -> None:
+    def _setup(
+        self, trace_dir, optimizer: torch.optim.Optimizer, *, recipe, recipe_args, options, inject, framework
+    ) -> None:
         """What the recorder holds, checked before anything is written."""
         if not dist.is_initialized():
-            raise UsageError("torch.distributed is not initialised: call init_process_group before creating the Recorder")
+            raise UsageError(
+                "torch.distributed is not initialised: call init_process_group before creating the Recorder"
+            )
         self.options = options or RecorderOptions()
         self.trace_dir = Path(trace_dir)
         self.module = self.layout.module
         self.optimizer = optimizer
         self.recipe_ref = recipe
         self.recipe_args = None if recipe_args is None else check_recipe_args(recipe_args)
-        self.framework = None if framework is None else {k: str(framework.get(k, "")) for k in ("name", "version", "adapter")}
+        self.framework = (
+            None if framework is None else {k: str(framework.get(k, "")) for k in ("name", "version", "adapter")}
+        )
         if (self.options.audit_every or self.options.audit_steps) and recipe is None:
-            raise UsageError("audits recompute microbatches through the replay recipe: pass recipe='module:attribute' to the Recorder")
+            raise UsageError(
+                "audits recompute microbatches through the replay recipe: pass recipe='module:attribute' to the Recorder"
+            )
         if recipe_args is not None and recipe is None:
             raise UsageError("recipe_args are handed to the replay recipe: pass recipe='module:attribute' with them")
         self.group = self.layout.group
@@ -177,8 +194,13 @@ class Recorder:
         self.device = local_tensor(self.params[0]).device if self.params else torch.device("cpu")
         self._comm_device = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
         # compile (or load from numba's disk cache) the fingerprint kernel now, not in step 1's hook
-        warm_up(self.device, dtypes=sorted({p.dtype for p in self.params if p.is_floating_point()}, key=str) or (torch.float32,))
-        self.injector = Injector([s if isinstance(s, FaultSpec) else parse_spec(s, self.layout.locations) for s in inject], self.rank)
+        warm_up(
+            self.device,
+            dtypes=sorted({p.dtype for p in self.params if p.is_floating_point()}, key=str) or (torch.float32,),
+        )
+        self.injector = Injector(
+            [s if isinstance(s, FaultSpec) else parse_spec(s, self.layout.locations) for s in inject], self.rank
+        )
         self.alarms: list[checks.Finding] = []
         # (step, own weights digest, vote) of the last replica comparison: a checkpoint of
         # theta_{step+1} written right after it reuses the vote instead of voting again
@@ -194,8 +216,16 @@ class Recorder:
         self._last_step_written = self.options.start_step
 
     def _job(self) -> Job:
-        return Job(options=self.options, rank=self.rank, world_size=self.world_size, group=self.group, params=self.params,
-                   device=self.device, injector=self.injector, current=lambda: self._state)
+        return Job(
+            options=self.options,
+            rank=self.rank,
+            world_size=self.world_size,
+            group=self.group,
+            params=self.params,
+            device=self.device,
+            injector=self.injector,
+            current=lambda: self._state,
+        )
 
     def _gather_identities(self, problem: str | None) -> None:
         """Every rank's identity and what it found wrong, in one collective: all ranks refuse together."""
@@ -211,12 +241,24 @@ class Recorder:
         """Number the attempt, write the manifest, open this rank's file and hook the optimizer."""
         self.attempt = records.start_attempt(self.trace_dir, self.rank, self.group, self._manifest)
         self.writer = RankTraceWriter(
-            self.trace_dir, rank=self.rank, attempt=self.attempt, world_size=self.world_size,
-            sketch_k=self.options.sketch_k, seed=self.options.seed, fsync=self.options.fsync,
+            self.trace_dir,
+            rank=self.rank,
+            attempt=self.attempt,
+            world_size=self.world_size,
+            sketch_k=self.options.sketch_k,
+            seed=self.options.seed,
+            fsync=self.options.fsync,
         )
         self.rng_watch = RngWatch(self.rank, self.device)
-        self.auditor = Auditor(recipe=self.recipe_ref, recipe_args=self.recipe_args, options=self.options, rank=self.rank,
-                               nodes=self.nodes, group=self.group, device=self.device)
+        self.auditor = Auditor(
+            recipe=self.recipe_ref,
+            recipe_args=self.recipe_args,
+            options=self.options,
+            rank=self.rank,
+            nodes=self.nodes,
+            group=self.group,
+            device=self.device,
+        )
         self._handles = [
             # first: before an audit's recomputation draws
             self.optimizer.register_step_pre_hook(self.rng_watch.check),
@@ -227,14 +269,30 @@ class Recorder:
     def _manifest(self, attempt: int):
         """The manifest of attempt ``attempt`` (rank 0 writes it: ``records.start_attempt``)."""
         options = self.options
-        settings = FingerprintSettings(seed=options.seed, sketch_k=options.sketch_k, grad_dtype=options.grad_dtype or "float32")
+        settings = FingerprintSettings(
+            seed=options.seed, sketch_k=options.sketch_k, grad_dtype=options.grad_dtype or "float32"
+        )
         return records.build_manifest(
-            self.trace_dir, world_size=self.world_size, settings=settings, recipe=self.recipe_ref, recipe_args=self.recipe_args,
-            framework=self.framework, checkpoint_every=options.checkpoint_every, audit_every=options.audit_every or None,
-            weights_every=options.weights_every, node_of_rank=self.nodes, parallel=self.mesh,
-            attempt=make_attempt(attempt, options.start_step, self.identities, device=self.device,
-                                 backend=str(dist.get_backend(self.group)), reduction=options.reduction.value,
-                                 comm_hook=self._comm_hook_name),
+            self.trace_dir,
+            world_size=self.world_size,
+            settings=settings,
+            recipe=self.recipe_ref,
+            recipe_args=self.recipe_args,
+            framework=self.framework,
+            checkpoint_every=options.checkpoint_every,
+            audit_every=options.audit_every or None,
+            weights_every=options.weights_every,
+            node_of_rank=self.nodes,
+            parallel=self.mesh,
+            attempt=make_attempt(
+                attempt,
+                options.start_step,
+                self.identities,
+                device=self.device,
+                backend=str(dist.get_backend(self.group)),
+                reduction=options.reduction.value,
+                comm_hook=self._comm_hook_name,
+            ),
         )
 
     # ---------------------------------------------------------------- step lifecycle
@@ -253,7 +311,9 @@ class Recorder:
         """Start step ``step`` (the explicit form of :meth:`step`)."""
         if self._state is not None:
             raise UsageError(f"step {self._state.step} was not ended before step {step} began; call end_step()")
-        state = StepState(step=int(step), ids=tuple(int(i) for i in microbatch_ids) if microbatch_ids is not None else None)
+        state = StepState(
+            step=int(step), ids=tuple(int(i) for i in microbatch_ids) if microbatch_ids is not None else None
+        )
         if self._first_step is None:
             self._first_step = state.step
         self._state = state
@@ -312,7 +372,9 @@ class Recorder:
         if failed.size:
             if failure is not None:
                 raise failure
-            raise SdcError(f"the recorder failed on rank(s) {', '.join(str(int(r)) for r in failed)} at step {step}; see their logs")
+            raise SdcError(
+                f"the recorder failed on rank(s) {', '.join(str(int(r)) for r in failed)} at step {step}; see their logs"
+            )
         return table
 
     def _audit_if_due(self, state: StepState) -> list[checks.Finding]:
@@ -383,11 +445,16 @@ class Recorder:
         return SdcAlarm(
             f"{finding.check} check fired at step {finding.step}: {finding.detail}. Suspect: {where}. "
             f"The trace is in {self.trace_dir}; next, run: sdc-forensics bisect {self.trace_dir}",
-            step=finding.step, rank=finding.rank, host=ident.host if ident else "", check=finding.check,
+            step=finding.step,
+            rank=finding.rank,
+            host=ident.host if ident else "",
+            check=finding.check,
         )
 
     # ---------------------------------------------------------------- checkpoints
-    def checkpoint(self, step: int, path: str | os.PathLike, state: Any, *, save: Callable[[Any, Path], None] | None = None):
+    def checkpoint(
+        self, step: int, path: str | os.PathLike, state: Any, *, save: Callable[[Any, Path], None] | None = None
+    ):
         """Save checkpoint ``step`` (it holds theta_step) after checking replica consensus.
 
         A collective: every rank calls it. Replica weight digests are compared first (the vote
@@ -414,10 +481,21 @@ class Recorder:
             warn_unreplayable(self.trace_dir, first, int(step))
         self._checkpointed = True
         site = CheckpointSite(
-            module=self.module, seed=self.options.seed, policy=self.options.policy, rank=self.rank, world_size=self.world_size,
-            group=self.group, attempt=self.attempt, trace_dir=self.trace_dir, writer=self.writer, injector=self.injector,
-            last_weights_vote=self.last_weights_vote, weights_digest=lambda: self.layout.weights()[0],
-            vote=self._checkpoint_vote, settled=self.layout.settled, react=lambda findings: self._react(None, findings),
+            module=self.module,
+            seed=self.options.seed,
+            policy=self.options.policy,
+            rank=self.rank,
+            world_size=self.world_size,
+            group=self.group,
+            attempt=self.attempt,
+            trace_dir=self.trace_dir,
+            writer=self.writer,
+            injector=self.injector,
+            last_weights_vote=self.last_weights_vote,
+            weights_digest=lambda: self.layout.weights()[0],
+            vote=self._checkpoint_vote,
+            settled=self.layout.settled,
+            react=lambda findings: self._react(None, findings),
             saver=self.layout.saver(),
         )
         return save_checkpoint(site, int(step), Path(path), state, save)

@@ -17,7 +17,14 @@ from sdc_forensics.fingerprint.core import Fingerprint, combine_digests
 from sdc_forensics.fingerprint.reference import digest_bytes
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace.layouts import write_bucket_layouts
-from sdc_forensics.trace.manifest import MANIFEST_NAME, Attempt, FingerprintSettings, Manifest, read_manifest, write_manifest
+from sdc_forensics.trace.manifest import (
+    MANIFEST_NAME,
+    Attempt,
+    FingerprintSettings,
+    Manifest,
+    read_manifest,
+    write_manifest,
+)
 from sdc_forensics.trace.writer import RankTraceWriter
 
 if TYPE_CHECKING:
@@ -37,7 +44,12 @@ def start_attempt(trace_dir: Path, rank: int, group: Any, manifest: Callable[[in
             write_manifest(trace_dir, manifest(attempt))
             outcome = [attempt, None]
         except Exception as exc:  # noqa: BLE001 - every rank must learn it, not only rank 0
-            outcome = [None, exc if isinstance(exc, UsageError) else UsageError(f"cannot write the trace manifest in {trace_dir}: {exc}")]
+            outcome = [
+                None,
+                exc
+                if isinstance(exc, UsageError)
+                else UsageError(f"cannot write the trace manifest in {trace_dir}: {exc}"),
+            ]
     dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0), group=group)
     if outcome[1] is not None:
         raise outcome[1]
@@ -75,7 +87,9 @@ def build_manifest(
                 "Use a new trace directory for a job with a different world size"
             )
         if (old.fingerprint.seed, old.fingerprint.sketch_k) != (settings.seed, settings.sketch_k):
-            raise UsageError(f"{trace_dir} was recorded with other fingerprint settings (seed, sketch_k); use the same or a new directory")
+            raise UsageError(
+                f"{trace_dir} was recorded with other fingerprint settings (seed, sketch_k); use the same or a new directory"
+            )
         previous = tuple(a for a in old.attempts if a.attempt != attempt.attempt)
     return Manifest(
         format_version=F.FORMAT_VERSION,
@@ -101,7 +115,10 @@ def update_grad_dtype(trace_dir: Path, grad_dtype: str) -> None:
 
     manifest = read_manifest(trace_dir)
     if manifest.fingerprint.grad_dtype != grad_dtype:
-        write_manifest(trace_dir, dataclasses.replace(manifest, fingerprint=dataclasses.replace(manifest.fingerprint, grad_dtype=grad_dtype)))
+        write_manifest(
+            trace_dir,
+            dataclasses.replace(manifest, fingerprint=dataclasses.replace(manifest.fingerprint, grad_dtype=grad_dtype)),
+        )
 
 
 def update_attempt_threads(trace_dir: Path, attempt: int, num_threads: int) -> None:
@@ -115,7 +132,8 @@ def update_attempt_threads(trace_dir: Path, attempt: int, num_threads: int) -> N
     manifest = read_manifest(trace_dir)
     attempts = tuple(
         dataclasses.replace(a, determinism={**a.determinism, "num_threads": int(num_threads)})
-        if a.attempt == attempt and a.determinism.get("num_threads") != num_threads else a
+        if a.attempt == attempt and a.determinism.get("num_threads") != num_threads
+        else a
         for a in manifest.attempts
     )
     if attempts != manifest.attempts:

@@ -23,10 +23,12 @@ log = logging.getLogger(__name__)
 #: Steps of each attempt watched (the first ones: a loop's RNG use does not change later).
 WATCHED_STEPS = 3
 
-MESSAGE = ("sdc-forensics: step {step} drew from the global RNG without seeding it (dropout, or a random augmentation): "
-           "a replay cannot reproduce those draws, so no checkpoint of this run can be certified; seed the draws from the "
-           "microbatch ID in training and in the recipe (torch.manual_seed(K + microbatch_id) before each microbatch's forward, "
-           "docs/recipes.md), or turn dropout off (p=0 / model.eval() for the layers that draw)")
+MESSAGE = (
+    "sdc-forensics: step {step} drew from the global RNG without seeding it (dropout, or a random augmentation): "
+    "a replay cannot reproduce those draws, so no checkpoint of this run can be certified; seed the draws from the "
+    "microbatch ID in training and in the recipe (torch.manual_seed(K + microbatch_id) before each microbatch's forward, "
+    "docs/recipes.md), or turn dropout off (p=0 / model.eval() for the layers that draw)"
+)
 
 
 def _snapshot(device: torch.device) -> tuple:

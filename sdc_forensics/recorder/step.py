@@ -77,7 +77,11 @@ class StepState:
     def summed_loss(self) -> float:
         """The step's summed loss (float64 sum of the microbatch losses in order): one transfer, kept."""
         if self.loss_value is None or self.loss_value_count != len(self.losses):
-            values = torch.stack([loss.reshape(()).to(torch.float64) for loss in self.losses]).tolist() if self.losses else []
+            values = (
+                torch.stack([loss.reshape(()).to(torch.float64) for loss in self.losses]).tolist()
+                if self.losses
+                else []
+            )
             self.loss_value, self.loss_value_count = float(sum(values)), len(self.losses)
         return self.loss_value
 

@@ -56,7 +56,11 @@ class ThreadWatch:
                 "sdc-forensics: rank %d changed its intra-op CPU threads from %d (step %s) to %d at step %d; "
                 "the trace records the count of every step and replay follows it, but a replay that "
                 "ignores per-step counts will not be bitwise exact",
-                self.rank, self.last, self.last_step, num_threads, step,
+                self.rank,
+                self.last,
+                self.last_step,
+                num_threads,
+                step,
             )
         if self.first is None:
             self.first = num_threads

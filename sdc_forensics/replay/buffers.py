@@ -100,9 +100,13 @@ class BufferBroadcast:
         if not found:
             return ""
         if not differ:
-            return (f"checkpoint {note.step}: the replayed module buffers (e.g. BatchNorm running statistics) equal the "
-                    f"saved ones bit for bit ({found} tensors)")
+            return (
+                f"checkpoint {note.step}: the replayed module buffers (e.g. BatchNorm running statistics) equal the "
+                f"saved ones bit for bit ({found} tensors)"
+            )
         shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
-        return (f"checkpoint {note.step}: the replayed module buffers differ from the saved ones ({shown}; saved by rank "
-                f"{note.saved_by_rank}): the job may not broadcast its buffers (DDP broadcast_buffers=False) or they "
-                "changed outside the steps; they are not confirmed by this replay")
+        return (
+            f"checkpoint {note.step}: the replayed module buffers differ from the saved ones ({shown}; saved by rank "
+            f"{note.saved_by_rank}): the job may not broadcast its buffers (DDP broadcast_buffers=False) or they "
+            "changed outside the steps; they are not confirmed by this replay"
+        )

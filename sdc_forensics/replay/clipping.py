@@ -43,6 +43,7 @@ from sdc_forensics.errors import RecipeError
 from sdc_forensics.replay.env import ring_sum
 from sdc_forensics.trace.mesh import ShardMesh, shard_rows
 
+
 def _local_shard(tensor: torch.Tensor, shard: int, num_shards: int) -> torch.Tensor:
     """The rows of ``tensor`` that the rank holding shard ``shard`` of ``num_shards`` held."""
     whole = tensor if tensor.dim() else tensor.reshape(1)
@@ -51,8 +52,13 @@ def _local_shard(tensor: torch.Tensor, shard: int, num_shards: int) -> torch.Ten
 
 
 @torch.no_grad()
-def sharded_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], num_shards: int, norm_type: float = 2.0,
-                       error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+def sharded_total_norm(
+    tensors: torch.Tensor | Iterable[torch.Tensor],
+    num_shards: int,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
     """The total ``norm_type``-norm of ``tensors`` (whole gradients) as ``clip_grad_norm_`` on
     FSDP2's ``Shard(0)`` DTensors over ``num_shards`` ranks computed it (see the module).
 
@@ -66,13 +72,19 @@ def sharded_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], num_shard
     if not tensors:
         return torch.tensor(0.0)
     if not (norm_type > 0 or norm_type == math.inf):
-        raise RecipeError(f"the recipe clips with norm_type={norm_type}: a sharded job's replay reproduces the total norm "
-                          "for a positive norm type or inf")
+        raise RecipeError(
+            f"the recipe clips with norm_type={norm_type}: a sharded job's replay reproduces the total norm "
+            "for a positive norm type or inf"
+        )
     first_device = tensors[0].device
     per_shard = []  # (S,) each rank's vector of its per-tensor local norms, in the order given
     for shard in range(num_shards):
         local = [_local_shard(t, shard, num_shards) for t in tensors]
-        norms = [torch.linalg.vector_norm(t, norm_type) for t in local] if foreach is False else torch._foreach_norm(local, norm_type)
+        norms = (
+            [torch.linalg.vector_norm(t, norm_type) for t in local]
+            if foreach is False
+            else torch._foreach_norm(local, norm_type)
+        )
         per_shard.append(torch.stack([n.to(first_device) for n in norms]))
     if norm_type == math.inf:
         whole = torch.stack(per_shard).amax(dim=0)
@@ -80,9 +92,11 @@ def sharded_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], num_shard
         whole = ring_sum([v**norm_type for v in per_shard]) ** (1.0 / norm_type)
     total = torch.linalg.vector_norm(whole, norm_type)
     if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
-        raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot "
-                           "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
-                           "`error_if_nonfinite=False`")
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot "
+            "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            "`error_if_nonfinite=False`"
+        )
     return total
 
 

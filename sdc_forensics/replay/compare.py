@@ -81,18 +81,34 @@ class StepComparisons:
             recorded_input = int(rec["input_digest"])
             input_off = bool(recorded_input) and rs.input_digest != recorded_input
             if input_off:
-                evidence.append(Evidence(kind=EvidenceKind.INPUT_MISMATCH, step=step, ranks=(r,), expected=hex64(rs.input_digest),
-                                         found=hex64(recorded_input), location=Location.INPUT_DATA, source="replay",
-                                         detail=f"rank {r}'s input bytes differ from microbatches {self.trace.microbatch_ids(rec).tolist()} fetched again"))
-            evidence.append(Evidence(
-                kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=(r,), source="replay",
-                strength=_strength(residual, tol, tolerant, recorded_layout),
-                expected=f"local gradient {hex64(rs.digest)} (replayed)" if not tolerant
-                else f"local {'sketch' if recorded_layout else 'norm'} within {tol:.3g}",
-                found=f"{hex64(int(rec['local_digest']))} recorded" + ("" if not tolerant else f", residual {residual:.3g} ({residual / tol:.3g}x the tolerance)"),
-                location=Location.INPUT_DATA if input_off else Location.LOCAL_COMPUTE,
-                detail=f"rank {r}'s recorded local gradient is not what its microbatches give with the replicas' weights",
-            ))
+                evidence.append(
+                    Evidence(
+                        kind=EvidenceKind.INPUT_MISMATCH,
+                        step=step,
+                        ranks=(r,),
+                        expected=hex64(rs.input_digest),
+                        found=hex64(recorded_input),
+                        location=Location.INPUT_DATA,
+                        source="replay",
+                        detail=f"rank {r}'s input bytes differ from microbatches {self.trace.microbatch_ids(rec).tolist()} fetched again",
+                    )
+                )
+            evidence.append(
+                Evidence(
+                    kind=EvidenceKind.REPLAY_MISMATCH,
+                    step=step,
+                    ranks=(r,),
+                    source="replay",
+                    strength=_strength(residual, tol, tolerant, recorded_layout),
+                    expected=f"local gradient {hex64(rs.digest)} (replayed)"
+                    if not tolerant
+                    else f"local {'sketch' if recorded_layout else 'norm'} within {tol:.3g}",
+                    found=f"{hex64(int(rec['local_digest']))} recorded"
+                    + ("" if not tolerant else f", residual {residual:.3g} ({residual / tol:.3g}x the tolerance)"),
+                    location=Location.INPUT_DATA if input_off else Location.LOCAL_COMPUTE,
+                    detail=f"rank {r}'s recorded local gradient is not what its microbatches give with the replicas' weights",
+                )
+            )
         graded = int(((recs["flags"] & int(F.Flag.HAS_GRADS)) != 0).sum())
         if not tolerant and graded > 1 and len(bad) == graded and len(within) * 2 > graded:
             # every rank differs, most only in the last bits: this environment is not bitwise
@@ -101,7 +117,11 @@ class StepComparisons:
         inputs_off = [e for e in evidence if e.kind is EvidenceKind.INPUT_MISMATCH]
         if len(ranks) > 1 and len(inputs_off) == len(ranks):
             # every rank's input "differs": the recorder digests inputs differently; not evidence
-            evidence = [dataclasses.replace(e, location=Location.LOCAL_COMPUTE) for e in evidence if e.kind is not EvidenceKind.INPUT_MISMATCH]
+            evidence = [
+                dataclasses.replace(e, location=Location.LOCAL_COMPUTE)
+                for e in evidence
+                if e.kind is not EvidenceKind.INPUT_MISMATCH
+            ]
         return bad, evidence
 
     def _tie_break(self, model, step, recs, layout, ranks, bad, tolerant):
@@ -111,20 +131,28 @@ class StepComparisons:
             if tolerant:
                 confirmed.append(r)  # digests are not comparable here; the sketch already decided
                 continue
-            second = distributed.recompute(self, model, recs[r], layout, r, ranks[r])  # under torchrun: on another process
+            second = distributed.recompute(
+                self, model, recs[r], layout, r, ranks[r]
+            )  # under torchrun: on another process
             again = second.digest
             recorded, first = int(recs[r]["local_digest"]), ranks[r].digest
             if again == first:
                 confirmed.append(r)
-                notes.append(f"step {step}, rank {r}: a second replay agrees with the first (2 votes to 1 against the record)")
+                notes.append(
+                    f"step {step}, rank {r}: a second replay agrees with the first (2 votes to 1 against the record)"
+                )
             elif again == recorded:
                 ranks[r] = second  # the majority's result is what the replicas go on with
-                notes.append(f"step {step}, rank {r}: a second replay agrees with the record; the first replay was wrong "
-                             f"(the replay device is suspect), rank {r} is not blamed")
+                notes.append(
+                    f"step {step}, rank {r}: a second replay agrees with the record; the first replay was wrong "
+                    f"(the replay device is suspect), rank {r} is not blamed"
+                )
             else:
                 confirmed.append(r)
-                notes.append(f"step {step}, rank {r}: record and two replays all differ: this device is not bitwise "
-                             "reproducible; confirm on another device")
+                notes.append(
+                    f"step {step}, rank {r}: record and two replays all differ: this device is not bitwise "
+                    "reproducible; confirm on another device"
+                )
         return confirmed, notes
 
     def _reduce(self, step, recs, ranks, tolerant, drift, recorded_layout=True):
@@ -138,26 +166,42 @@ class StepComparisons:
         majority, votes = vote(recorded)
         counts = np.array([votes])  # how many ranks recorded the majority (named in the evidence below)
         candidates = {}
-        if self.collective and self.known_order != env.ORDERED and self.mesh is None:  # the job's own collective, checked against the record
+        if (
+            self.collective and self.known_order != env.ORDERED and self.mesh is None
+        ):  # the job's own collective, checked against the record
             reduced = distributed.collective_mean(per_rank, self.world_size, self.compress)
             value = self.digest_of(reduced)
             if (value == majority) if majority is not None else bool((recorded == np.uint64(value)).any()):
                 self.known_order = env.COLLECTIVE
-                return reduced, env.COLLECTIVE, self._reduced_minority(step, recs, self._expected_reduced(reduced, len(recorded))), ""
+                return (
+                    reduced,
+                    env.COLLECTIVE,
+                    self._reduced_minority(step, recs, self._expected_reduced(reduced, len(recorded))),
+                    "",
+                )
             candidates[env.COLLECTIVE] = reduced  # still the replay's average when nothing else reproduces
             if self.known_order != env.COLLECTIVE and not self.collective_missed:
-                self.collective_missed = (f"step {step}: the replay's own collective does not reproduce the recorded reduced digest; "
-                                          f"most likely {env.collective_suspect(self.trace, int(recs[0]['attempt']))}; "
-                                          "the modelled summation orders are tried instead")
+                self.collective_missed = (
+                    f"step {step}: the replay's own collective does not reproduce the recorded reduced digest; "
+                    f"most likely {env.collective_suspect(self.trace, int(recs[0]['attempt']))}; "
+                    "the modelled summation orders are tried instead"
+                )
         if self.known_order == env.ORDERED:  # recorded: exact or tolerant
             orders = (env.ORDERED,)
-        elif self.mesh is not None:  # a sharded job's own reduce-scatter: gloo's ring where the trace says how it was cut
-            orders = ((self.known_order,) if self.known_order and not tolerant else
-                      ((env.SHARDED_GLOO,) if self.mesh.groups else ()) + (env.ORDERED,))
+        elif (
+            self.mesh is not None
+        ):  # a sharded job's own reduce-scatter: gloo's ring where the trace says how it was cut
+            orders = (
+                (self.known_order,)
+                if self.known_order and not tolerant
+                else ((env.SHARDED_GLOO,) if self.mesh.groups else ()) + (env.ORDERED,)
+            )
         elif self.known_order == env.COLLECTIVE and not tolerant:  # it reproduced earlier steps: a miss is evidence
             orders = (env.COLLECTIVE,)
         else:
-            orders = tuple(candidates) + ((self.known_order,) if self.known_order and not tolerant else env.REDUCTION_ORDERS)
+            orders = tuple(candidates) + (
+                (self.known_order,) if self.known_order and not tolerant else env.REDUCTION_ORDERS
+            )
         for order in orders:
             if order in candidates:  # the own collective, already checked
                 continue
@@ -177,15 +221,32 @@ class StepComparisons:
             # every local gradient replayed bit for bit, and the order that reproduced this run's
             # all-reduce before does not reproduce this one: the collective changed bits, even
             # below the sketch tolerance (the blind spot of the trace's all-reduce check)
-            found = (f"{hex64(majority)} on {int(counts.max())} of {len(recorded)} ranks" if self.mesh is None
-                     else "no rank's shard as replayed")
-            return reduced, self.known_order, [Evidence(
-                kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=(), source="replay", location=Location.COLLECTIVE,
-                expected=f"reduced gradient {hex64(self.digest_of(reduced))} ({self.known_order} order, as at earlier steps)",
-                found=found, detail="the all-reduce result every rank received is not the average of the replayed local gradients",
-            )], ""
+            found = (
+                f"{hex64(majority)} on {int(counts.max())} of {len(recorded)} ranks"
+                if self.mesh is None
+                else "no rank's shard as replayed"
+            )
+            return (
+                reduced,
+                self.known_order,
+                [
+                    Evidence(
+                        kind=EvidenceKind.REPLAY_MISMATCH,
+                        step=step,
+                        ranks=(),
+                        source="replay",
+                        location=Location.COLLECTIVE,
+                        expected=f"reduced gradient {hex64(self.digest_of(reduced))} ({self.known_order} order, as at earlier steps)",
+                        found=found,
+                        detail="the all-reduce result every rank received is not the average of the replayed local gradients",
+                    )
+                ],
+                "",
+            )
         evidence, worst = [], 0.0
-        tol = self._tol(fps[0].norm if self.mesh is None else self.fp_of(reduced).norm, drift)  # the whole gradient's norm
+        tol = self._tol(
+            fps[0].norm if self.mesh is None else self.fp_of(reduced).norm, drift
+        )  # the whole gradient's norm
         for r in range(len(ranks)):
             fp = fps[r]
             if recorded_layout:
@@ -199,15 +260,29 @@ class StepComparisons:
                 worst = residual if not np.isfinite(residual) else max(worst, residual)
         if evidence:
             everyone = len(evidence) == len(ranks)
-            return reduced, "", [Evidence(
-                kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=() if everyone else tuple(evidence), source="replay",
-                strength=_strength(worst, tol, tolerant, recorded_layout),
-                expected=f"reduced gradient {'sketch' if recorded_layout else 'norm'} of the replayed average ({hex64(self.digest_of(reduced))}) within {tol:.3g}",
-                found=f"recorded reduced sketch off by {worst:.3g} ({worst / tol:.3g}x the tolerance)" + (" on every rank" if everyone else ""),
-                location=Location.COLLECTIVE, detail="the all-reduce result does not match the average of the replayed local gradients",
-            )], ""
-        note = (f"step {step}: no summation order reproduces the recorded reduced digest bit for bit (within tolerance): "
-                "later steps are compared within the sketch tolerance")
+            return (
+                reduced,
+                "",
+                [
+                    Evidence(
+                        kind=EvidenceKind.REPLAY_MISMATCH,
+                        step=step,
+                        ranks=() if everyone else tuple(evidence),
+                        source="replay",
+                        strength=_strength(worst, tol, tolerant, recorded_layout),
+                        expected=f"reduced gradient {'sketch' if recorded_layout else 'norm'} of the replayed average ({hex64(self.digest_of(reduced))}) within {tol:.3g}",
+                        found=f"recorded reduced sketch off by {worst:.3g} ({worst / tol:.3g}x the tolerance)"
+                        + (" on every rank" if everyone else ""),
+                        location=Location.COLLECTIVE,
+                        detail="the all-reduce result does not match the average of the replayed local gradients",
+                    )
+                ],
+                "",
+            )
+        note = (
+            f"step {step}: no summation order reproduces the recorded reduced digest bit for bit (within tolerance): "
+            "later steps are compared within the sketch tolerance"
+        )
         return reduced, "", [], note
 
     def _reduced_minority(self, step, recs, expected):
@@ -219,10 +294,19 @@ class StepComparisons:
             return self._replicas_received(step, recs, expected, ranks)
         shown = sorted({hex64(int(expected[r])) for r in ranks})
         what = "all-reduce result" if self.mesh is None else "shard of the reduced gradient"
-        return [Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=ranks, source="replay", expected=", ".join(shown),
-                         found=", ".join(hex64(int(recs[r]["reduced_digest"])) for r in ranks), location=Location.COLLECTIVE,
-                         detail=f"these ranks' {what} differs from the replayed average the other ranks received"
-                         + ("" if self.mesh is None else f" ({'; '.join(self.mesh.where(r) for r in ranks)})"))]
+        return [
+            Evidence(
+                kind=EvidenceKind.REPLAY_MISMATCH,
+                step=step,
+                ranks=ranks,
+                source="replay",
+                expected=", ".join(shown),
+                found=", ".join(hex64(int(recs[r]["reduced_digest"])) for r in ranks),
+                location=Location.COLLECTIVE,
+                detail=f"these ranks' {what} differs from the replayed average the other ranks received"
+                + ("" if self.mesh is None else f" ({'; '.join(self.mesh.where(r) for r in ranks)})"),
+            )
+        ]
 
     def _replicas_received(self, step, recs, expected, ranks):
         """HSDP: the replicas of a shard all-reduce their reduce-scatter outputs, so one replica's wrong
@@ -239,20 +323,35 @@ class StepComparisons:
                 alone += bad
         out = []
         if alone:
-            out.append(Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=tuple(sorted(alone)), source="replay",
-                                expected=", ".join(sorted({hex64(int(expected[r])) for r in alone})),
-                                found=", ".join(hex64(int(recs[r]["reduced_digest"])) for r in sorted(alone)),
-                                location=Location.COLLECTIVE,
-                                detail="these ranks' shard of the reduced gradient differs from the replayed average "
-                                       f"({'; '.join(self.mesh.where(r) for r in sorted(alone))})"))
+            out.append(
+                Evidence(
+                    kind=EvidenceKind.REPLAY_MISMATCH,
+                    step=step,
+                    ranks=tuple(sorted(alone)),
+                    source="replay",
+                    expected=", ".join(sorted({hex64(int(expected[r])) for r in alone})),
+                    found=", ".join(hex64(int(recs[r]["reduced_digest"])) for r in sorted(alone)),
+                    location=Location.COLLECTIVE,
+                    detail="these ranks' shard of the reduced gradient differs from the replayed average "
+                    f"({'; '.join(self.mesh.where(r) for r in sorted(alone))})",
+                )
+            )
         for group in alike:
-            out.append(Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=(), source="replay",
-                                expected=hex64(int(expected[group[0]])), found=hex64(int(recs[group[0]]["reduced_digest"])),
-                                location=Location.COLLECTIVE,
-                                detail=f"every replica of shard {self.mesh.shard_of(group[0])} (ranks {', '.join(map(str, group))}) "
-                                       "received the same wrong reduced shard: one replica's reduce-scatter output or the "
-                                       "replicas' all-reduce made it (the recorder's reduce-scatter check names the rank when "
-                                       "it saw it)"))
+            out.append(
+                Evidence(
+                    kind=EvidenceKind.REPLAY_MISMATCH,
+                    step=step,
+                    ranks=(),
+                    source="replay",
+                    expected=hex64(int(expected[group[0]])),
+                    found=hex64(int(recs[group[0]]["reduced_digest"])),
+                    location=Location.COLLECTIVE,
+                    detail=f"every replica of shard {self.mesh.shard_of(group[0])} (ranks {', '.join(map(str, group))}) "
+                    "received the same wrong reduced shard: one replica's reduce-scatter output or the "
+                    "replicas' all-reduce made it (the recorder's reduce-scatter check names the rank when "
+                    "it saw it)",
+                )
+            )
         return out
 
     # -- a sharded job's records are per shard (recorder/fsdp_layout.py) ------------------------
@@ -293,8 +392,16 @@ class StepComparisons:
         from sdc_forensics.fingerprint import shards
 
         params = [p.detach() for p in model.parameters()]
-        return np.array(self._per_rank(lambda shard: shards.fingerprint_runs(
-            shards.shard_runs(params, shard, self.mesh.shard_size), k=1, seed=self.seed).digest), dtype=np.uint64)
+        return np.array(
+            self._per_rank(
+                lambda shard: (
+                    shards.fingerprint_runs(
+                        shards.shard_runs(params, shard, self.mesh.shard_size), k=1, seed=self.seed
+                    ).digest
+                )
+            ),
+            dtype=np.uint64,
+        )
 
     def _compare_weights(self, step, recs, model, tolerant, explained):
         """Replica weights after the update vs the replay's; ``(evidence, the replay's weights left the record)``.
@@ -313,11 +420,29 @@ class StepComparisons:
         expected = ", ".join(sorted({hex64(int(replayed[r])) for r in off}))
         found = ", ".join(hex64(int(recs[r]["weights_digest"])) for r in off)
         if len(off) == int(has_w.sum()):
-            return [Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=off, source="replay", expected=expected,
-                             found=found, location=Location.OPTIMIZER_UPDATE,
-                             detail="every rank's weights after the update differ from the replay's, though its local and reduced "
-                                    "gradients reproduced exactly")], True
-        return [Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=off, source="replay", expected=expected,
-                         found=found, location=Location.OPTIMIZER_UPDATE,
-                         detail="same gradients in, different weights out: this replica's optimizer update went wrong "
-                                "(the other replicas' weights equal the exact replay's)")], False
+            return [
+                Evidence(
+                    kind=EvidenceKind.REPLAY_MISMATCH,
+                    step=step,
+                    ranks=off,
+                    source="replay",
+                    expected=expected,
+                    found=found,
+                    location=Location.OPTIMIZER_UPDATE,
+                    detail="every rank's weights after the update differ from the replay's, though its local and reduced "
+                    "gradients reproduced exactly",
+                )
+            ], True
+        return [
+            Evidence(
+                kind=EvidenceKind.REPLAY_MISMATCH,
+                step=step,
+                ranks=off,
+                source="replay",
+                expected=expected,
+                found=found,
+                location=Location.OPTIMIZER_UPDATE,
+                detail="same gradients in, different weights out: this replica's optimizer update went wrong "
+                "(the other replicas' weights equal the exact replay's)",
+            )
+        ], False

@@ -156,8 +156,10 @@ def start(device_spec: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> ReplayGroup
     try:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, ValueError, OSError) as exc:
-        raise ReplayProcessLost(f"the replay processes could not form a group within {timeout_s:g} s ({_short(exc)}); "
-                                "check MASTER_ADDR/MASTER_PORT and that every process was started") from None
+        raise ReplayProcessLost(
+            f"the replay processes could not form a group within {timeout_s:g} s ({_short(exc)}); "
+            "check MASTER_ADDR/MASTER_PORT and that every process was started"
+        ) from None
     _group = _role = ReplayGroup(rank=dist.get_rank(), size=dist.get_world_size(), backend=backend, timeout_s=timeout_s)
     signal.signal(signal.SIGTERM, _stopped_by_launcher)
     return _group
@@ -165,8 +167,10 @@ def start(device_spec: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> ReplayGroup
 
 def _stopped_by_launcher(signum, frame) -> None:
     """torchrun stops every worker (SIGTERM) once one fails: say so, as one line and exit 4."""
-    raise ReplayProcessLost("the launcher stopped this replay process (SIGTERM), usually because another replay process "
-                            "failed: nothing was decided; see the launcher's report and the other processes' logs, then rerun")
+    raise ReplayProcessLost(
+        "the launcher stopped this replay process (SIGTERM), usually because another replay process "
+        "failed: nothing was decided; see the launcher's report and the other processes' logs, then rerun"
+    )
 
 
 def finish(completed: bool, peer_lost: bool = False) -> None:
@@ -266,8 +270,10 @@ def check_placement(device, trace, suspect_gpus: dict[str, int], force: bool) ->
     refusals = placement_refusals(places, suspects)
     if refusals:
         more = f" (and {len(refusals) - 1} more)" if len(refusals) > 1 else ""
-        raise PlacementRefused(f"{refusals[0]}{more}: its results cannot be trusted to judge the suspect; launch the replay "
-                               "on other nodes (srun --exclude, a node selector), or pass --force-device to replay there anyway")
+        raise PlacementRefused(
+            f"{refusals[0]}{more}: its results cannot be trusted to judge the suspect; launch the replay "
+            "on other nodes (srun --exclude, a node selector), or pass --force-device to replay there anyway"
+        )
 
 
 # -- the ranks of one step, shared out ------------------------------------------------------------
@@ -301,8 +307,10 @@ def check_collective(world_size: int) -> None:
     group = _group
     if group is None or group.size != world_size:
         have = "one process" if group is None else f"{group.size} processes"
-        raise UsageError(f"--collective all-reduces with the replay's own process group: launch {world_size} processes, "
-                         f"one per recorded rank (torchrun --nproc-per-node {world_size} -m sdc_forensics ...), not {have}")
+        raise UsageError(
+            f"--collective all-reduces with the replay's own process group: launch {world_size} processes, "
+            f"one per recorded rank (torchrun --nproc-per-node {world_size} -m sdc_forensics ...), not {have}"
+        )
 
 
 def collective_mean(per_rank: list, world_size: int, compress=None) -> list:
@@ -383,8 +391,12 @@ def local_steps(replayer, model, recs, layout, step: int) -> list:
     _COSTS["steps"] += 1
     _COSTS["compute_s"] += computed - started
     _COSTS["exchange_s"] += time.perf_counter() - computed
-    return [mine[r] if r in mine else _unpack(replayer, gathered[owner(r, group.size)][(r // group.size) * stride:][:stride], specs)
-            for r in range(world_size)]
+    return [
+        mine[r]
+        if r in mine
+        else _unpack(replayer, gathered[owner(r, group.size)][(r // group.size) * stride :][:stride], specs)
+        for r in range(world_size)
+    ]
 
 
 #: ``layout -> bucket specs`` for a process that owns no rank (more processes than the trace's ranks).
@@ -446,7 +458,9 @@ def recompute(replayer, model, record, layout, original_rank: int, template):
 
     by = (owner(original_rank, group.size) + 1) % group.size
     specs = _specs_of(template)
-    buffer = torch.zeros(_HEADER_BYTES + sum(_padded(nbytes) for _, _, nbytes in specs), dtype=torch.uint8, device=replayer.device)
+    buffer = torch.zeros(
+        _HEADER_BYTES + sum(_padded(nbytes) for _, _, nbytes in specs), dtype=torch.uint8, device=replayer.device
+    )
     second = None
     if group.rank == by:
         second = replayer.local_step(model, record, layout)
@@ -464,10 +478,16 @@ def _unpack(replayer, row, specs) -> SharedRankStep:
     header = row[:_HEADER_BYTES].cpu().numpy().view(np.uint64)
     buckets, offset = [], _HEADER_BYTES
     for dtype, numel, nbytes in specs:
-        buckets.append(row[offset:offset + nbytes].view(dtype)[:numel])
+        buckets.append(row[offset : offset + nbytes].view(dtype)[:numel])
         offset += _padded(nbytes)
-    return SharedRankStep(replayer=replayer, buckets=buckets, loss=float(header[:1].view(np.float64)[0]),
-                          digest=int(header[1]), input_digest=int(header[2]), rng_dependent=bool(header[3]))
+    return SharedRankStep(
+        replayer=replayer,
+        buckets=buckets,
+        loss=float(header[:1].view(np.float64)[0]),
+        digest=int(header[1]),
+        input_digest=int(header[2]),
+        rng_dependent=bool(header[3]),
+    )
 
 
 def _pack(buffer, base: int, rs) -> None:
@@ -477,11 +497,11 @@ def _pack(buffer, base: int, rs) -> None:
     header[:1] = np.array([rs.loss], dtype=np.float64).view(np.uint64)
     header[1], header[2] = np.uint64(rs.digest), np.uint64(rs.input_digest)
     header[3] = np.uint64(1 if getattr(rs, "rng_dependent", False) else 0)  # a step object may predate the flag
-    buffer[base:base + _HEADER_BYTES].copy_(torch.from_numpy(header.view(np.uint8)))
+    buffer[base : base + _HEADER_BYTES].copy_(torch.from_numpy(header.view(np.uint8)))
     offset = base + _HEADER_BYTES
     for bucket in rs.buckets:
         raw = bucket.detach().contiguous().reshape(-1).view(torch.uint8)
-        buffer[offset:offset + raw.numel()].copy_(raw)
+        buffer[offset : offset + raw.numel()].copy_(raw)
         offset += _padded(raw.numel())
 
 
@@ -596,7 +616,9 @@ def patient_group(extra_s: float) -> PatientGroup:
     group = _group
     timeout_s = group.timeout_s + max(0.0, extra_s)
     handle: list = []
-    _collective(lambda: handle.append(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))), group)
+    _collective(
+        lambda: handle.append(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))), group
+    )
     return PatientGroup(handle=handle[0], timeout_s=timeout_s)
 
 
@@ -626,8 +648,11 @@ def _collective(call, group: ReplayGroup, timeout_s: float | None = None) -> Non
     try:
         call()
     except (RuntimeError, OSError, ValueError) as exc:
-        within = f"{group.timeout_s:g} s (--replay-timeout)" if timeout_s is None else \
-            f"{timeout_s:.0f} s (--replay-timeout plus the estimated time of the intervals the processes replay alone)"
+        within = (
+            f"{group.timeout_s:g} s (--replay-timeout)"
+            if timeout_s is None
+            else f"{timeout_s:.0f} s (--replay-timeout plus the estimated time of the intervals the processes replay alone)"
+        )
         raise ReplayProcessLost(
             f"a replay process exited, was killed or did not answer within {within} "
             f"during the replay across {group.size} processes ({_short(exc)}): nothing was decided; see the other "
@@ -645,7 +670,13 @@ def _test_failure(group: ReplayGroup, step: int) -> None:
     if not spec:
         return
     parts = spec.split(":")
-    if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit() and int(parts[0]) == group.rank and int(parts[1]) == step:
+    if (
+        len(parts) >= 2
+        and parts[0].isdigit()
+        and parts[1].isdigit()
+        and int(parts[0]) == group.rank
+        and int(parts[1]) == step
+    ):
         if len(parts) > 2 and parts[2] == "hang":
             while True:
                 time.sleep(60)

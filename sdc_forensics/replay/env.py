@@ -58,9 +58,11 @@ def layout_at(layouts: tuple[BucketLayout, ...], step: int, num_params: int) -> 
         return (tuple(reversed(range(num_params))),), False
     beyond = [i for bucket in chosen.buckets for i in bucket if i >= num_params]
     if beyond:
-        raise TraceError(f"the recorded bucket layout from step {chosen.from_step} names parameter {beyond[0]}, but the recipe's model "
-                         f"has {num_params} parameters: the trace's buckets.attempt-*.json does not belong to this model; "
-                         "pass the recipe the run trained with, or restore the file from the run")
+        raise TraceError(
+            f"the recorded bucket layout from step {chosen.from_step} names parameter {beyond[0]}, but the recipe's model "
+            f"has {num_params} parameters: the trace's buckets.attempt-*.json does not belong to this model; "
+            "pass the recipe the run trained with, or restore the file from the run"
+        )
     return chosen.buckets, True
 
 
@@ -182,8 +184,12 @@ def compression_of(determinism: dict) -> torch.dtype | None:
     return REPRODUCIBLE_COMPRESSION.get(hook.rsplit(".", 1)[-1]) if hook else None
 
 
-def reduce_buckets(per_rank: list[list[torch.Tensor]], order: str, out: list[torch.Tensor] | None = None,
-                   compress: torch.dtype | None = None) -> list[torch.Tensor]:
+def reduce_buckets(
+    per_rank: list[list[torch.Tensor]],
+    order: str,
+    out: list[torch.Tensor] | None = None,
+    compress: torch.dtype | None = None,
+) -> list[torch.Tensor]:
     """Average bucket buffers over ranks. ``per_rank[r][b]``: rank ``r``'s flat bucket ``b``.
 
     Each rank's buffer is multiplied by ``1 / W`` (as DDP does before its SUM), then the parts
@@ -197,11 +203,17 @@ def reduce_buckets(per_rank: list[list[torch.Tensor]], order: str, out: list[tor
     """
     world_size = len(per_rank)
     if compress is not None and order != ORDERED:
-        return [_compressed_bucket([per_rank[r][b] for r in range(world_size)], order, compress, out[b] if out is not None else None)
-                for b in range(len(per_rank[0]))]
+        return [
+            _compressed_bucket(
+                [per_rank[r][b] for r in range(world_size)], order, compress, out[b] if out is not None else None
+            )
+            for b in range(len(per_rank[0]))
+        ]
     if order == ORDERED:
-        return [ordered_mean([per_rank[r][b] for r in range(world_size)], out=out[b] if out is not None else None)
-                for b in range(len(per_rank[0]))]
+        return [
+            ordered_mean([per_rank[r][b] for r in range(world_size)], out=out[b] if out is not None else None)
+            for b in range(len(per_rank[0]))
+        ]
     scale = 1.0 / world_size
     result = []
     for bucket in range(len(per_rank[0])):
@@ -225,7 +237,9 @@ def reduce_buckets(per_rank: list[list[torch.Tensor]], order: str, out: list[tor
     return result
 
 
-def _compressed_bucket(src: list[torch.Tensor], order: str, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+def _compressed_bucket(
+    src: list[torch.Tensor], order: str, dtype: torch.dtype, out: torch.Tensor | None
+) -> torch.Tensor:
     world_size = len(src)
     low = [t.to(dtype).div_(world_size) for t in src]
     acc = torch.empty_like(low[0])
@@ -262,7 +276,10 @@ def recompute_dtype(trace, grad_dtype: str, device: torch.device, model) -> str:
         det = attempt.determinism
         if det.get("device_type") != "cuda" or (device.type == "cuda" and det.get("device_name") == name):
             continue
-        matmul_tf32 = bool(det.get("cuda_matmul_allow_tf32")) or det.get("float32_matmul_precision") in ("high", "medium")
+        matmul_tf32 = bool(det.get("cuda_matmul_allow_tf32")) or det.get("float32_matmul_precision") in (
+            "high",
+            "medium",
+        )
         if matmul_tf32 or (has_conv and det.get("cudnn_allow_tf32", True)):
             return "tfloat32"
     return grad_dtype
@@ -274,7 +291,7 @@ def collective_suspect(trace, attempt: int) -> str:
     recorded = attempt_determinism(trace, attempt)
     hook = str(recorded.get("comm_hook") or "")
     if hook:
-        return f"the job's own comm hook {hook}, which reduces in its own order (record with RecorderOptions(reduction=\"ordered\"))"
+        return f'the job\'s own comm hook {hook}, which reduces in its own order (record with RecorderOptions(reduction="ordered"))'
     backend = str(recorded.get("backend") or "")
     import torch.distributed as dist
 
@@ -282,8 +299,14 @@ def collective_suspect(trace, attempt: int) -> str:
     if backend and replay_backend and backend != replay_backend:
         return f"the backend: the job all-reduced with {backend}, this replay with {replay_backend}"
     nccl = recorded.get("nccl_env") or {}
-    differ = [f"{k}={v!r} (here {os.environ.get(k)!r})" for k, v in sorted(nccl.items()) if isinstance(v, str) and os.environ.get(k) != v]
+    differ = [
+        f"{k}={v!r} (here {os.environ.get(k)!r})"
+        for k, v in sorted(nccl.items())
+        if isinstance(v, str) and os.environ.get(k) != v
+    ]
     if differ:
         return "the NCCL settings: " + ", ".join(differ)
-    return ("the collective's algorithm choice, which no recorded setting pins (bucket sizes, process placement, "
-            "NCCL_ALGO/NCCL_PROTO left to NCCL)")
+    return (
+        "the collective's algorithm choice, which no recorded setting pins (bucket sizes, process placement, "
+        "NCCL_ALGO/NCCL_PROTO left to NCCL)"
+    )

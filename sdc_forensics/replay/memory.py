@@ -37,8 +37,22 @@ from sdc_forensics.errors import UsageError
 BUDGET_ENV = "SDC_FORENSICS_REPLAY_MEMORY"
 ACTIVATIONS_ENV = "SDC_FORENSICS_REPLAY_ACTIVATIONS"
 MIN_ACTIVATIONS = 64 << 20
-_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
-             "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1}
+_ITEMSIZE = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
 _OPTIM_PREFIXES = ("optim.", "optimizer.", "optim_state", "state.", "optimizer_state")
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -132,8 +146,9 @@ class MemoryPlan:
         """Bytes per process of a replay on ``k`` processes (``k`` = 1: :meth:`one_process`)."""
         if k <= 1:
             return self.one_process()
-        return (-(-self.state_bytes // k) + -(-4 * self.numel // k) + self.numel * self.reduce_itemsize
-                + self.activations)
+        return (
+            -(-self.state_bytes // k) + -(-4 * self.numel // k) + self.numel * self.reduce_itemsize + self.activations
+        )
 
     def candidates(self) -> list[int]:
         """Process counts the sharded replay can use: 1, then the divisors of ``W`` (rounds of ``k`` recorded ranks)."""
@@ -152,11 +167,17 @@ class MemoryPlan:
 
     def lines(self) -> list[str]:
         """Sentences for the preflight and ``inspect``."""
-        opt = (f"optimizer {human(self.optimizer_bytes)} (assumed: AdamW's two float32 moments; the checkpoint holds no "
-               "optimizer state)" if self.optimizer_assumed else f"optimizer {human(self.optimizer_bytes)} (from the checkpoint)")
-        head = (f"memory: {self.numel:,} parameter elements, model state {human(self.state_bytes)} (parameters "
-                f"{human(self.params_bytes)}, gradients {human(self.grads_bytes)}, {opt}); activation allowance "
-                f"{human(self.activations)} per process ({ACTIVATIONS_ENV})")
+        opt = (
+            f"optimizer {human(self.optimizer_bytes)} (assumed: AdamW's two float32 moments; the checkpoint holds no "
+            "optimizer state)"
+            if self.optimizer_assumed
+            else f"optimizer {human(self.optimizer_bytes)} (from the checkpoint)"
+        )
+        head = (
+            f"memory: {self.numel:,} parameter elements, model state {human(self.state_bytes)} (parameters "
+            f"{human(self.params_bytes)}, gradients {human(self.grads_bytes)}, {opt}); activation allowance "
+            f"{human(self.activations)} per process ({ACTIVATIONS_ENV})"
+        )
         one = f"one process needs {human(self.one_process())}"
         if self.budget is None:
             return [head, f"{one}; budget unknown ({self.budget_source}): set {BUDGET_ENV}"]
@@ -166,20 +187,33 @@ class MemoryPlan:
             tail = f"{one}, {budget}: fits one process"
         elif need is None:
             k = self.candidates()[-1]
-            tail = (f"{one}, {budget}: does not fit" + (f", nor {k} processes ({human(self.per_process(k))} each)" if k > 1 else "")
-                    + ("" if self.sharded else " (a DDP job's model is replayed whole)"))
+            tail = (
+                f"{one}, {budget}: does not fit"
+                + (f", nor {k} processes ({human(self.per_process(k))} each)" if k > 1 else "")
+                + ("" if self.sharded else " (a DDP job's model is replayed whole)")
+            )
         else:
-            tail = (f"{one}, {budget}: the replay needs {need} processes (torchrun --standalone --nproc-per-node {need}: "
-                    f"{human(self.per_process(need))} each, the model sharded over them)")
+            tail = (
+                f"{one}, {budget}: the replay needs {need} processes (torchrun --standalone --nproc-per-node {need}: "
+                f"{human(self.per_process(need))} each, the model sharded over them)"
+            )
         return [head, tail]
 
     def to_json(self) -> dict[str, Any]:
-        return {"numel": self.numel, "params_bytes": self.params_bytes, "grads_bytes": self.grads_bytes,
-                "optimizer_bytes": self.optimizer_bytes, "optimizer_assumed": self.optimizer_assumed,
-                "activations_bytes": self.activations, "one_process_bytes": self.one_process(),
-                "per_process_bytes": {str(k): self.per_process(k) for k in self.candidates()},
-                "budget_bytes": self.budget, "budget_source": self.budget_source,
-                "processes_needed": self.processes_needed(), "checkpoint": self.checkpoint}
+        return {
+            "numel": self.numel,
+            "params_bytes": self.params_bytes,
+            "grads_bytes": self.grads_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
+            "optimizer_assumed": self.optimizer_assumed,
+            "activations_bytes": self.activations,
+            "one_process_bytes": self.one_process(),
+            "per_process_bytes": {str(k): self.per_process(k) for k in self.candidates()},
+            "budget_bytes": self.budget,
+            "budget_source": self.budget_source,
+            "processes_needed": self.processes_needed(),
+            "checkpoint": self.checkpoint,
+        }
 
     def refusal(self, processes: int = 1) -> str:
         """The one line a replay on ``processes`` that cannot fit says ("" when it fits)."""
@@ -187,13 +221,20 @@ class MemoryPlan:
             return ""
         need = self.processes_needed()
         what = "one-process replay" if processes == 1 else f"replay on {processes} processes"
-        head = (f"the {what} needs {human(self.per_process(processes))} per process and the budget is {human(self.budget)} "
-                f"({self.budget_source})")
+        head = (
+            f"the {what} needs {human(self.per_process(processes))} per process and the budget is {human(self.budget)} "
+            f"({self.budget_source})"
+        )
         if need is None:
-            return head + (f": it does not fit even on {self.candidates()[-1]} processes; raise {BUDGET_ENV} or use a larger device"
-                           if self.sharded else f": a DDP job's model is replayed whole; use a larger device or raise {BUDGET_ENV}")
-        return head + (f": it needs {need} processes: torchrun --standalone --nproc-per-node {need} -m sdc_forensics ... "
-                       f"({human(self.per_process(need))} each, the model sharded over them)")
+            return head + (
+                f": it does not fit even on {self.candidates()[-1]} processes; raise {BUDGET_ENV} or use a larger device"
+                if self.sharded
+                else f": a DDP job's model is replayed whole; use a larger device or raise {BUDGET_ENV}"
+            )
+        return head + (
+            f": it needs {need} processes: torchrun --standalone --nproc-per-node {need} -m sdc_forensics ... "
+            f"({human(self.per_process(need))} each, the model sharded over them)"
+        )
 
 
 def plan_from_infos(infos, manifest, param_names=(), *, device: str = "cpu", checkpoint: str = "") -> MemoryPlan | None:
@@ -220,11 +261,22 @@ def plan_from_infos(infos, manifest, param_names=(), *, device: str = "cpu", che
     reduce_itemsize = reduce_itemsize or max(1, params_bytes // max(numel, 1))
     activations = os.environ.get(ACTIVATIONS_ENV, "").strip()
     budget, source = device_budget(device)
-    return MemoryPlan(numel=numel, params_bytes=params_bytes, grads_bytes=params_bytes, optimizer_bytes=optim_bytes,
-                      optimizer_assumed=assumed, reduce_itemsize=reduce_itemsize, world_size=int(manifest.world_size),
-                      activations=parse_bytes(activations, ACTIVATIONS_ENV) if activations and activations != "0" else
-                      (0 if activations == "0" else max(MIN_ACTIVATIONS, params_bytes // 4)),
-                      budget=budget, budget_source=source, sharded=mesh is not None, checkpoint=checkpoint)
+    return MemoryPlan(
+        numel=numel,
+        params_bytes=params_bytes,
+        grads_bytes=params_bytes,
+        optimizer_bytes=optim_bytes,
+        optimizer_assumed=assumed,
+        reduce_itemsize=reduce_itemsize,
+        world_size=int(manifest.world_size),
+        activations=parse_bytes(activations, ACTIVATIONS_ENV)
+        if activations and activations != "0"
+        else (0 if activations == "0" else max(MIN_ACTIVATIONS, params_bytes // 4)),
+        budget=budget,
+        budget_source=source,
+        sharded=mesh is not None,
+        checkpoint=checkpoint,
+    )
 
 
 def plan_checkpoint(path, manifest, param_names=(), *, device: str = "cpu") -> MemoryPlan | None:
@@ -266,7 +318,11 @@ def inspect_lines(trace_dir, manifest=None) -> list[str]:
         det = max(manifest.attempts, key=lambda a: a.attempt).determinism
         device = "cuda" if str(det.get("device_type") or "cpu") == "cuda" else "cpu"
     found = plan_trace(trace_dir, manifest, device=device)
-    return found.lines() if found is not None else ["memory: no estimate (no noted checkpoint found to size the model from)"]
+    return (
+        found.lines()
+        if found is not None
+        else ["memory: no estimate (no noted checkpoint found to size the model from)"]
+    )
 
 
 def _prod(shape) -> int:

@@ -54,15 +54,22 @@ def computing_as_recorded(model: torch.nn.Module, mesh: ShardMesh | None) -> Ite
     modules = dict(model.named_modules())
     missing = [name for name, _, _ in mesh.casts if name not in modules]
     if missing:
-        raise RecipeError(f"the trace's job cast the forward of module {missing[0]!r} (its MixedPrecisionPolicy), which the "
-                          "recipe's model does not have: the recipe builds another model than the job trained")
+        raise RecipeError(
+            f"the trace's job cast the forward of module {missing[0]!r} (its MixedPrecisionPolicy), which the "
+            "recipe's model does not have: the recipe builds another model than the job trained"
+        )
     handles = []
     for name, inputs, outputs in mesh.casts:
         module = modules[name]
         if inputs:
             cast = functools.partial(_cast, getattr(torch, inputs))
-            handles.append(module.register_forward_pre_hook(
-                lambda _m, args, kwargs, cast=cast: (_apply(cast, args), _apply(cast, kwargs)), prepend=True, with_kwargs=True))
+            handles.append(
+                module.register_forward_pre_hook(
+                    lambda _m, args, kwargs, cast=cast: (_apply(cast, args), _apply(cast, kwargs)),
+                    prepend=True,
+                    with_kwargs=True,
+                )
+            )
         if outputs:
             cast = functools.partial(_cast, getattr(torch, outputs))
             handles.append(module.register_forward_hook(lambda _m, _args, output, cast=cast: _apply(cast, output)))

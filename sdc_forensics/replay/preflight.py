@@ -50,17 +50,30 @@ class Preflight:
     def lines(self) -> list[str]:
         """Sentences for people, first the verdict."""
         if self.exact:
-            head = (f"exact replay possible on {self.device}: trained on {self.trained_on}, all-reduce reproduced by "
-                    f"{self.mechanism}; a clean replay certifies")
+            head = (
+                f"exact replay possible on {self.device}: trained on {self.trained_on}, all-reduce reproduced by "
+                f"{self.mechanism}; a clean replay certifies"
+            )
         else:
-            head = (f"no exact replay on {self.device}: {'; '.join(self.blockers)}; steps can only be compared within "
-                    f"tolerance and nothing can be certified; to make it exact: {self.fix}")
-        return [head] + [f"caveat: {c}" for c in self.caveats] + (self.memory.lines() if self.memory is not None else [])
+            head = (
+                f"no exact replay on {self.device}: {'; '.join(self.blockers)}; steps can only be compared within "
+                f"tolerance and nothing can be certified; to make it exact: {self.fix}"
+            )
+        return (
+            [head] + [f"caveat: {c}" for c in self.caveats] + (self.memory.lines() if self.memory is not None else [])
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"exact": self.exact, "device": self.device, "trained_on": self.trained_on, "mechanism": self.mechanism,
-                "blockers": list(self.blockers), "caveats": list(self.caveats), "fix": self.fix,
-                **({"memory": self.memory.to_json()} if self.memory is not None else {})}
+        return {
+            "exact": self.exact,
+            "device": self.device,
+            "trained_on": self.trained_on,
+            "mechanism": self.mechanism,
+            "blockers": list(self.blockers),
+            "caveats": list(self.caveats),
+            "fix": self.fix,
+            **({"memory": self.memory.to_json()} if self.memory is not None else {}),
+        }
 
 
 def _trained_type(attempt) -> str:
@@ -71,8 +84,17 @@ def _trained_type(attempt) -> str:
     return "cuda" if "cuda" in devices else "cpu"
 
 
-def check(manifest, *, device: str = "cpu", device_name: str | None = None, num_threads: int | None = None,
-          force_tolerant: bool = False, collective: bool = False, trace_dir=None, memory=None) -> Preflight:
+def check(
+    manifest,
+    *,
+    device: str = "cpu",
+    device_name: str | None = None,
+    num_threads: int | None = None,
+    force_tolerant: bool = False,
+    collective: bool = False,
+    trace_dir=None,
+    memory=None,
+) -> Preflight:
     """The preflight of a replay of ``manifest``'s run on ``device``.
 
     Args:
@@ -103,8 +125,10 @@ def check(manifest, *, device: str = "cpu", device_name: str | None = None, num_
         name = str(det.get("device_name") or kind)
         trained.append(name)
         if kind != replay_type:
-            blockers.append(f"trained on {name}, replaying on {replay_type}: local gradients are not bitwise the same across "
-                            "device classes")
+            blockers.append(
+                f"trained on {name}, replaying on {replay_type}: local gradients are not bitwise the same across "
+                "device classes"
+            )
             fixes.append(f"replay with --device {kind}" + (f" on an {name}" if kind == "cuda" else ""))
         elif kind == "cuda" and device_name and det.get("device_name") and det["device_name"] != device_name:
             blockers.append(f"trained on {det['device_name']}, replaying on {device_name}: other kernels")
@@ -113,41 +137,71 @@ def check(manifest, *, device: str = "cpu", device_name: str | None = None, num_
             blockers.append("training ran with cudnn.benchmark=True: the autotuner may pick other kernels on every run")
             fixes.append(REPLAYABLE)
         if kind == "cuda" and det.get("deterministic_algorithms") is False:
-            caveats.append("training allowed non-deterministic algorithms (torch.use_deterministic_algorithms(False)): some "
-                           "kernels (atomics) may not reproduce; the per-step digests will tell")
+            caveats.append(
+                "training allowed non-deterministic algorithms (torch.use_deterministic_algorithms(False)): some "
+                "kernels (atomics) may not reproduce; the per-step digests will tell"
+            )
         reduction = str(det.get("reduction") or "native")
         backend = str(det.get("backend") or ("nccl" if kind == "cuda" else "gloo"))
         if reduction == "ordered":
             mechanisms.append("ordered")
         elif collective:
             mechanisms.append("collective")
-            caveats.append(f"--collective: the replay's own {backend if backend == 'gloo' else 'process group'} all-reduce stands in "
-                           "for the job's; each step's result is checked against the recorded reduced digest, and a step it "
-                           "does not reproduce is compared within tolerance from there, naming the setting most likely at fault"
-                           + (f" (the job's own comm hook {det['comm_hook']} is the first suspect)" if det.get("comm_hook") else ""))
+            caveats.append(
+                f"--collective: the replay's own {backend if backend == 'gloo' else 'process group'} all-reduce stands in "
+                "for the job's; each step's result is checked against the recorded reduced digest, and a step it "
+                "does not reproduce is compared within tolerance from there, naming the setting most likely at fault"
+                + (
+                    f" (the job's own comm hook {det['comm_hook']} is the first suspect)"
+                    if det.get("comm_hook")
+                    else ""
+                )
+            )
         elif backend == "gloo" and kind == "cpu":
             mechanisms.append("gloo-ring")
             if det.get("comm_hook"):
-                caveats.append(f"the job reduced through its own comm hook ({det['comm_hook']}): gloo's ring is reproduced only if "
-                               "the hook all-reduces the bucket as it is; record with RecorderOptions(reduction='ordered') to be sure")
+                caveats.append(
+                    f"the job reduced through its own comm hook ({det['comm_hook']}): gloo's ring is reproduced only if "
+                    "the hook all-reduces the bucket as it is; record with RecorderOptions(reduction='ordered') to be sure"
+                )
         else:
             mechanisms.append("unknown")
-            blockers.append(f"the all-reduce ran on {backend} in its own summation order, which the replay cannot reproduce: "
-                            "from the first replayed step on, the reduced gradient and the weights are compared within tolerance")
+            blockers.append(
+                f"the all-reduce ran on {backend} in its own summation order, which the replay cannot reproduce: "
+                "from the first replayed step on, the reduced gradient and the weights are compared within tolerance"
+            )
             fixes.append(REPLAYABLE)
             if det.get("nccl_env"):
-                caveats.append("NCCL variables were set (" + ", ".join(f"{k}={v}" for k, v in sorted(det["nccl_env"].items()))
-                               + "): they change its order further")
+                caveats.append(
+                    "NCCL variables were set ("
+                    + ", ".join(f"{k}={v}" for k, v in sorted(det["nccl_env"].items()))
+                    + "): they change its order further"
+                )
         recorded_threads = det.get("num_threads")
-        if num_threads and kind == "cpu" and replay_type == "cpu" and recorded_threads and int(recorded_threads) != int(num_threads):
-            blockers.append(f"--threads {num_threads}: training ran at {recorded_threads} intra-op thread(s), and a CPU replay is "
-                            "bitwise only at the recorded counts")
+        if (
+            num_threads
+            and kind == "cpu"
+            and replay_type == "cpu"
+            and recorded_threads
+            and int(recorded_threads) != int(num_threads)
+        ):
+            blockers.append(
+                f"--threads {num_threads}: training ran at {recorded_threads} intra-op thread(s), and a CPU replay is "
+                "bitwise only at the recorded counts"
+            )
             fixes.append("replay without --threads")
     if force_tolerant:
         blockers.append("--tolerant asks for a comparison within tolerance")
         fixes.append("replay without --tolerant")
     unique = lambda items: tuple(dict.fromkeys(items))  # noqa: E731 - keep the first of each, in order
     mechanism = "unknown" if "unknown" in mechanisms else (mechanisms[-1] if mechanisms else "unknown")
-    return Preflight(exact=not blockers, device=device, trained_on=", ".join(unique(trained)) or "an unknown device",
-                     mechanism=mechanism, blockers=unique(blockers), caveats=unique(caveats), fix=(unique(fixes) or ("",))[0],
-                     memory=memory)
+    return Preflight(
+        exact=not blockers,
+        device=device,
+        trained_on=", ".join(unique(trained)) or "an unknown device",
+        mechanism=mechanism,
+        blockers=unique(blockers),
+        caveats=unique(caveats),
+        fix=(unique(fixes) or ("",))[0],
+        memory=memory,
+    )

@@ -103,14 +103,24 @@ class ReplayOptions:
 
     def __post_init__(self) -> None:
         if self.stop_step < self.start_step:
-            raise InvalidInputError(f"replay window {self.start_step}..{self.stop_step} is empty: --to must be >= --from")
+            raise InvalidInputError(
+                f"replay window {self.start_step}..{self.stop_step} is empty: --to must be >= --from"
+            )
 
     @classmethod
     def of(cls, chosen: AnalysisOptions, **window) -> "ReplayOptions":
         """The options of one window: the user's ``device``, ``force_device``, ``num_threads`` and
         ``force_tolerant`` from ``chosen``, the window's own fields (and any override) from ``window``."""
-        return cls(**{"device": chosen.device, "force_device": chosen.force_device, "num_threads": chosen.num_threads,
-                      "force_tolerant": chosen.force_tolerant, "collective": chosen.collective, **window})
+        return cls(
+            **{
+                "device": chosen.device,
+                "force_device": chosen.force_device,
+                "num_threads": chosen.num_threads,
+                "force_tolerant": chosen.force_tolerant,
+                "collective": chosen.collective,
+                **window,
+            }
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -201,7 +211,9 @@ class Replayer(StepComparisons):
         # faults on every touch): one per rank slot, one per reduction order
         self._rank_buffers: dict[int, torch.Tensor] = {}
         self._reduce_buffers: dict[str, torch.Tensor] = {}
-        self.rng_dependent: bool | None = None  # the recipe's step depends on the global RNG (None: not seen drawing yet)
+        self.rng_dependent: bool | None = (
+            None  # the recipe's step depends on the global RNG (None: not seen drawing yet)
+        )
         self.module_buffers: BufferBroadcast | None = None  # DDP's broadcast of module buffers, per window
         self.mesh = trace.manifest.parallel  # a sharded job: reduced gradients and weights are recorded per shard
         self.param_dtype: torch.dtype | None = None  # the recipe model's (a sharded job's reduction is cast back to it)
@@ -226,7 +238,9 @@ class Replayer(StepComparisons):
             first = [None if g is None else g.clone() for g in grads]
             _set_rng_states(self.device, _perturbed(self.device, entry))
             again, _, _ = self._gradients(model, params, record)
-            self.rng_dependent = any((a is None) != (b is None) or (a is not None and not torch.equal(a, b)) for a, b in zip(first, again))
+            self.rng_dependent = any(
+                (a is None) != (b is None) or (a is not None and not torch.equal(a, b)) for a, b in zip(first, again)
+            )
             _set_rng_states(self.device, entry)
             grads, batches, total_loss = self._gradients(model, params, record)
         if self.module_buffers is not None:
@@ -235,9 +249,12 @@ class Replayer(StepComparisons):
         dtypes = {g.dtype for g in grads}
         out = None
         if slot is not None and len(dtypes) == 1:  # mixed dtypes: torch.cat promotes, no buffer to reuse
-            out = self._buffers(self._rank_buffers, slot, [sum(grads[i].numel() for i in b) for b in buckets_layout], dtypes.pop())
+            out = self._buffers(
+                self._rank_buffers, slot, [sum(grads[i].numel() for i in b) for b in buckets_layout], dtypes.pop()
+            )
         buckets = [
-            torch.cat([grads[i].reshape(-1) for i in bucket], out=out[b]) if out is not None
+            torch.cat([grads[i].reshape(-1) for i in bucket], out=out[b])
+            if out is not None
             else torch.cat([grads[i].reshape(-1) for i in bucket])
             for b, bucket in enumerate(buckets_layout)
         ]
@@ -267,7 +284,9 @@ class Replayer(StepComparisons):
                 loss.backward()
                 total_loss += float(loss.detach())
                 batches.append(batch)
-                if low is not None:  # FSDP2 accumulates across microbatches in the reduce dtype (FSDPParam.to_accumulated_grad_if_needed)
+                if (
+                    low is not None
+                ):  # FSDP2 accumulates across microbatches in the reduce dtype (FSDPParam.to_accumulated_grad_if_needed)
                     for i, p in enumerate(params):
                         if p.grad is not None:
                             accumulated[i] = p.grad.to(low) if accumulated[i] is None else accumulated[i].add_(p.grad)
@@ -300,7 +319,9 @@ class Replayer(StepComparisons):
         if self.mesh is not None and self.mesh.divide_factors() is not None and order == env.ORDERED:
             from sdc_forensics.reduction import ordered_sum  # a float16 reduction sums (divided before and after)
 
-            return self._to_params([ordered_sum([per_rank[r][b] for r in range(len(per_rank))]) for b in range(len(per_rank[0]))])
+            return self._to_params(
+                [ordered_sum([per_rank[r][b] for r in range(len(per_rank))]) for b in range(len(per_rank[0]))]
+            )
         dtypes = {t.dtype for t in per_rank[0]}
         if len(dtypes) != 1:
             return self._to_params(env.reduce_buckets(per_rank, order, compress=self.compress))
@@ -325,8 +346,12 @@ class Replayer(StepComparisons):
         shards of the result are what every rank received, bit for bit."""
         from sdc_forensics.reduction import ordered_mean, ordered_sum
 
-        add = ordered_sum if self.mesh.divide_factors() is not None else ordered_mean  # float16: sums, divided around them
-        means = [[add([per_rank[r][b] for r in group]) for b in range(len(per_rank[0]))] for group in self.mesh.replicas()]
+        add = (
+            ordered_sum if self.mesh.divide_factors() is not None else ordered_mean
+        )  # float16: sums, divided around them
+        means = [
+            [add([per_rank[r][b] for r in group]) for b in range(len(per_rank[0]))] for group in self.mesh.replicas()
+        ]
         return [add([mean[b] for mean in means]) for b in range(len(per_rank[0]))]
 
     def _sharded_gloo(self, flats: list[torch.Tensor]) -> torch.Tensor:
@@ -342,8 +367,10 @@ class Replayer(StepComparisons):
         for rows, per_row in shapes:
             starts.append(starts[-1] + rows * per_row)
         if any(i >= len(shapes) for g in mesh.groups for i in g):
-            raise InvalidInputError("the trace's FSDP groups name more parameters than the recipe's model trains: the recipe "
-                                    "builds another model than the job trained")
+            raise InvalidInputError(
+                "the trace's FSDP groups name more parameters than the recipe's model trains: the recipe "
+                "builds another model than the job trained"
+            )
         out = torch.zeros_like(flats[0])
         coord = {r: mesh.coords[r] for r in range(mesh.world_size)}
         other = [d for d in range(len(mesh.shape)) if d != mesh.shard_dim]
@@ -355,7 +382,9 @@ class Replayer(StepComparisons):
                 parts = []
                 for i, width in zip(group, padded):
                     rows, per_row = shapes[i]
-                    whole = torch.zeros(size * width // per_row if per_row else 0, per_row, dtype=flat.dtype, device=flat.device)
+                    whole = torch.zeros(
+                        size * width // per_row if per_row else 0, per_row, dtype=flat.dtype, device=flat.device
+                    )
                     whole[:rows] = flat[starts[i] : starts[i + 1]].view(rows, per_row)
                     parts.append(whole.view(size, width))
                 return torch.cat(parts, dim=1).reshape(-1)
@@ -415,23 +444,36 @@ class Replayer(StepComparisons):
         self.forced_threads = options.num_threads or 0
         self.default_threads = _recorded_threads(self.trace) or 0
         model, optimizer, scheduler = _recipe_call("build", self.recipe.build, self.device)
-        _recipe_call(f"load_checkpoint({options.checkpoint_path})", self.recipe.load_checkpoint, str(options.checkpoint_path), model,
-                     optimizer, scheduler)
+        _recipe_call(
+            f"load_checkpoint({options.checkpoint_path})",
+            self.recipe.load_checkpoint,
+            str(options.checkpoint_path),
+            model,
+            optimizer,
+            scheduler,
+        )
         self.param_dtype = next((p.dtype for p in model.parameters()), None)
         self.tolerance_dtype = env.recompute_dtype(self.trace, self.grad_dtype, self.device, model)
-        self._grad_shapes = [(p.shape[0] if p.dim() else 1, math.prod(p.shape[1:]))
-                             for p in model.parameters() if p.requires_grad]  # (rows, elements per row), flat-gradient order
+        self._grad_shapes = [
+            (p.shape[0] if p.dim() else 1, math.prod(p.shape[1:])) for p in model.parameters() if p.requires_grad
+        ]  # (rows, elements per row), flat-gradient order
         self.module_buffers = BufferBroadcast(model)
         saved = {(n.step, n.attempt): n for n in self.trace.checkpoint_notes()} if self.module_buffers.active else {}
         start_digest = hex64(weights_digest(model.named_parameters(), self.seed))
         if options.expected_weights_digest and start_digest != options.expected_weights_digest:
             raise StartStateMismatch(
                 f"checkpoint {options.checkpoint_path} holds weights {start_digest}, not the replicas' {options.expected_weights_digest}",
-                step=options.start_step, expected=options.expected_weights_digest, found=start_digest,
+                step=options.start_step,
+                expected=options.expected_weights_digest,
+                found=start_digest,
             )
-        windows = list(self.trace.step_windows(options.stop_step - options.start_step + 1, options.start_step, options.stop_step))
+        windows = list(
+            self.trace.step_windows(options.stop_step - options.start_step + 1, options.start_step, options.stop_step)
+        )
         if not windows or windows[0].steps[0] != options.start_step:
-            raise InvalidInputError(f"the trace has no STEP records for steps {options.start_step}..{options.stop_step}")
+            raise InvalidInputError(
+                f"the trace has no STEP records for steps {options.start_step}..{options.stop_step}"
+            )
         window = windows[0]
         evidence: list[Evidence] = []
         notes: list[str] = []
@@ -446,7 +488,9 @@ class Replayer(StepComparisons):
         for row, step in enumerate(window.steps.tolist()):
             present = window.present[row]
             if not present.all():
-                notes.append(f"step {step}: rank(s) {', '.join(map(str, np.flatnonzero(~present).tolist()))} have no record; replay stops before it")
+                notes.append(
+                    f"step {step}: rank(s) {', '.join(map(str, np.flatnonzero(~present).tolist()))} have no record; replay stops before it"
+                )
                 break
             recs = window.records[row]
             attempt = int(window.attempt[row, 0])
@@ -461,26 +505,42 @@ class Replayer(StepComparisons):
                 notes.append("no bucket layout recorded: gradients compared by norm within tolerance only")
             drift = 0 if tolerant_from is None else step - tolerant_from
             self.module_buffers.begin_step()
-            ranks = distributed.local_steps(self, model, recs, layout, step)  # under torchrun: shared out, then exchanged
+            ranks = distributed.local_steps(
+                self, model, recs, layout, step
+            )  # under torchrun: shared out, then exchanged
             if any(getattr(rs, "rng_dependent", False) for rs in ranks):
-                notes.append(f"step {step}: the recipe's step draws from the global RNG (dropout or augmentation not seeded "
-                             "from the microbatch ID): training's draws came from RNG states the trace does not hold, so no "
-                             "replayed step can be compared; seed them in the recipe (docs/recipes.md), nothing is judged here")
+                notes.append(
+                    f"step {step}: the recipe's step draws from the global RNG (dropout or augmentation not seeded "
+                    "from the microbatch ID): training's draws came from RNG states the trace does not hold, so no "
+                    "replayed step can be compared; seed them in the recipe (docs/recipes.md), nothing is judged here"
+                )
                 break
-            local_bad, step_evidence = self._compare_locals(step, recs, ranks, tolerant_from is not None, drift, recorded_layout)
+            local_bad, step_evidence = self._compare_locals(
+                step, recs, ranks, tolerant_from is not None, drift, recorded_layout
+            )
             if local_bad is None:  # every rank differs within tolerance: not bitwise reproducible here
                 tolerant_from = step
-                notes.append(f"step {step}: every rank's local gradient differs in the last bits from the record "
-                             "(another device or kernel): compared within the sketch tolerance from here on")
+                notes.append(
+                    f"step {step}: every rank's local gradient differs in the last bits from the record "
+                    "(another device or kernel): compared within the sketch tolerance from here on"
+                )
                 local_bad, step_evidence = self._compare_locals(step, recs, ranks, True, 0, recorded_layout)
             if local_bad:
-                local_bad, tie_notes = self._tie_break(model, step, recs, layout, ranks, local_bad, tolerant_from is not None)
+                local_bad, tie_notes = self._tie_break(
+                    model, step, recs, layout, ranks, local_bad, tolerant_from is not None
+                )
                 notes += tie_notes
-                step_evidence = [e for e in step_evidence if e.kind is not EvidenceKind.REPLAY_MISMATCH or set(e.ranks) & set(local_bad)]
+                step_evidence = [
+                    e
+                    for e in step_evidence
+                    if e.kind is not EvidenceKind.REPLAY_MISMATCH or set(e.ranks) & set(local_bad)
+                ]
             evidence += step_evidence
             if self.mesh is not None:
                 self.bucket_shapes = tuple(tuple(params[i].shape) for i in layout[0]) if layout else ()
-            reduced, order, reduce_evidence, reduce_note = self._reduce(step, recs, ranks, tolerant_from is not None, drift, recorded_layout)
+            reduced, order, reduce_evidence, reduce_note = self._reduce(
+                step, recs, ranks, tolerant_from is not None, drift, recorded_layout
+            )
             if local_bad or any(e.kind is EvidenceKind.INPUT_MISMATCH for e in step_evidence):
                 reduce_evidence = []  # the recorded average carries the bad local gradient: a consequence
             evidence += reduce_evidence
@@ -510,16 +570,21 @@ class Replayer(StepComparisons):
                 recipe_mod.before_step(self.recipe, model, optimizer, step=step)
             optimizer.step()
             recipe_mod.after_step(self.recipe, model, optimizer, scheduler, step=step)
-            weights_evidence, departed = self._compare_weights(step, recs, model, tolerant_from is not None,
-                                                               bool(step_evidence or reduce_evidence))
+            weights_evidence, departed = self._compare_weights(
+                step, recs, model, tolerant_from is not None, bool(step_evidence or reduce_evidence)
+            )
             evidence += weights_evidence
             if departed:  # the replay's weights are no longer the record's: later steps cannot compare bit for bit
                 tolerant_from = step + 1
-            buffers_note = self.module_buffers.check(saved[step + 1, attempt], self.seed) if (step + 1, attempt) in saved else ""
+            buffers_note = (
+                self.module_buffers.check(saved[step + 1, attempt], self.seed) if (step + 1, attempt) in saved else ""
+            )
             if buffers_note and self.mesh is not None and "differ" in buffers_note:
-                buffers_note = (f"checkpoint {step + 1}: FSDP2 keeps every rank's module buffers (BatchNorm running statistics) "
-                                "apart, never broadcast, and the checkpoint holds one rank's: this replay does not reproduce them "
-                                "(the weights and the optimizer state it confirms)")
+                buffers_note = (
+                    f"checkpoint {step + 1}: FSDP2 keeps every rank's module buffers (BatchNorm running statistics) "
+                    "apart, never broadcast, and the checkpoint holds one rank's: this replay does not reproduce them "
+                    "(the weights and the optimizer state it confirms)"
+                )
             if buffers_note:
                 notes.append(buffers_note)
             last = step
@@ -530,11 +595,18 @@ class Replayer(StepComparisons):
                 if options.stop_at_divergence:
                     break
         return ReplayResult(
-            start_step=options.start_step, stop_step=options.stop_step, last_step=last,
-            device=env.describe_device(self.device), comparison="exact" if tolerant_from is None or tolerant_from > last else "tolerant",
+            start_step=options.start_step,
+            stop_step=options.stop_step,
+            last_step=last,
+            device=env.describe_device(self.device),
+            comparison="exact" if tolerant_from is None or tolerant_from > last else "tolerant",
             tolerant_from=tolerant_from if tolerant_from is not None and tolerant_from <= last else None,
-            reduction_order=order_used, evidence=tuple(evidence), first_divergent_step=first_divergent, settings={},
-            notes=tuple(notes), max_residual_ratio=round(self.max_ratio, 4),
+            reduction_order=order_used,
+            evidence=tuple(evidence),
+            first_divergent_step=first_divergent,
+            settings={},
+            notes=tuple(notes),
+            max_residual_ratio=round(self.max_ratio, 4),
         )
 
 
@@ -594,7 +666,8 @@ def _recipe_call(what: str, hook: Callable, *args):
         raise
     except Exception as exc:  # noqa: BLE001 - any failure of user code, reported as such
         first = (str(exc).strip().splitlines() or [""])[0]
-        raise RecipeError(f"the recipe's {what} failed: {type(exc).__name__}: {first[:300]}; the recipe must rebuild the job's "
-                          "model and load its checkpoints (docs/recipes.md): check its model against the checkpoint's keys "
-                          "(a compiled module saves '_orig_mod.' ones)") from None
-
+        raise RecipeError(
+            f"the recipe's {what} failed: {type(exc).__name__}: {first[:300]}; the recipe must rebuild the job's "
+            "model and load its checkpoints (docs/recipes.md): check its model against the checkpoint's keys "
+            "(a compiled module saves '_orig_mod.' ones)"
+        ) from None

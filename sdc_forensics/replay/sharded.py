@@ -42,7 +42,9 @@ def dispatch(trace, options, device, infos):
     from sdc_forensics.replay import distributed
 
     names = next((n.param_names for n in trace.checkpoint_notes() if n.step == options.start_step), ())
-    plan = memory.plan_from_infos(infos, trace.manifest, names, device=str(device), checkpoint=str(options.checkpoint_path))
+    plan = memory.plan_from_infos(
+        infos, trace.manifest, names, device=str(device), checkpoint=str(options.checkpoint_path)
+    )
     shard = wanted(trace)
     if shard and os.environ.get(SHARDED_ENV, "").strip() != "1" and (plan is None or plan.fits(1)):
         # the whole model fits each process: the replay every sharded layout certifies on today (HSDP, gloo's own order,
@@ -54,11 +56,15 @@ def dispatch(trace, options, device, infos):
 
         why = supported(trace.manifest.parallel, trace)
         if why and os.environ.get(SHARDED_ENV, "").strip() == "1":
-            raise UsageError(f"{SHARDED_ENV}=1 asks for a sharded replay, but {why}: unset it to replay the whole model on "
-                             "each process")
+            raise UsageError(
+                f"{SHARDED_ENV}=1 asks for a sharded replay, but {why}: unset it to replay the whole model on "
+                "each process"
+            )
         if why:
-            raise UsageError(f"the model does not fit one replay process and {why}: replay on a device with more memory "
-                             f"(or raise {memory.BUDGET_ENV})")
+            raise UsageError(
+                f"the model does not fit one replay process and {why}: replay on a device with more memory "
+                f"(or raise {memory.BUDGET_ENV})"
+            )
     group = distributed.current()
     processes = group.size if shard and group is not None else 1
     if plan is not None:

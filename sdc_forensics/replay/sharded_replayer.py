@@ -114,8 +114,14 @@ class ShardedReplayer(Replayer):
         model.to_empty(device=self.device)
         params = list(model.parameters())
         optimizer = _same_optimizer(meta_opt, meta_params, params)
-        _recipe_call(f"load_checkpoint({options.checkpoint_path})", self.recipe.load_checkpoint, str(options.checkpoint_path),
-                     model, optimizer, scheduler)
+        _recipe_call(
+            f"load_checkpoint({options.checkpoint_path})",
+            self.recipe.load_checkpoint,
+            str(options.checkpoint_path),
+            model,
+            optimizer,
+            scheduler,
+        )
         self.param_dtype = params[0].dtype if params else None
         self.tolerance_dtype = self.grad_dtype
         self._shapes = [tuple(p.shape) for p in params]
@@ -123,15 +129,28 @@ class ShardedReplayer(Replayer):
         self._fsdp = _fsdp_params(model, params)
         start_digest = hex64(self._weights_digest(params))
         if options.expected_weights_digest and start_digest != options.expected_weights_digest:
-            raise StartStateMismatch(f"checkpoint {options.checkpoint_path} holds weights {start_digest}, not the replicas' "
-                                     f"{options.expected_weights_digest}", step=options.start_step,
-                                     expected=options.expected_weights_digest, found=start_digest)
-        windows = list(self.trace.step_windows(options.stop_step - options.start_step + 1, options.start_step, options.stop_step))
+            raise StartStateMismatch(
+                f"checkpoint {options.checkpoint_path} holds weights {start_digest}, not the replicas' "
+                f"{options.expected_weights_digest}",
+                step=options.start_step,
+                expected=options.expected_weights_digest,
+                found=start_digest,
+            )
+        windows = list(
+            self.trace.step_windows(options.stop_step - options.start_step + 1, options.start_step, options.stop_step)
+        )
         if not windows or windows[0].steps[0] != options.start_step:
-            raise InvalidInputError(f"the trace has no STEP records for steps {options.start_step}..{options.stop_step}")
+            raise InvalidInputError(
+                f"the trace has no STEP records for steps {options.start_step}..{options.stop_step}"
+            )
         window = windows[0]
-        evidence, notes = [], [f"sharded replay: the model fully_shard-ed over {self.k_proc} processes, the recorded "
-                                f"{self.world_size} ranks replayed in rounds of {self.k_proc}"]
+        evidence, notes = (
+            [],
+            [
+                f"sharded replay: the model fully_shard-ed over {self.k_proc} processes, the recorded "
+                f"{self.world_size} ranks replayed in rounds of {self.k_proc}"
+            ],
+        )
         last, first_divergent, departed_from = options.start_step - 1, None, None
         for row, step in enumerate(window.steps.tolist()):
             if not window.present[row].all():
@@ -148,7 +167,11 @@ class ShardedReplayer(Replayer):
             if local_bad and not tolerant:
                 local_bad, tie_notes = self._tie_break_sharded(model, step, recs, ranks, local_bad)
                 notes += tie_notes
-                step_evidence = [e for e in step_evidence if e.kind is not EvidenceKind.REPLAY_MISMATCH or set(e.ranks) & set(local_bad)]
+                step_evidence = [
+                    e
+                    for e in step_evidence
+                    if e.kind is not EvidenceKind.REPLAY_MISMATCH or set(e.ranks) & set(local_bad)
+                ]
             evidence += step_evidence
             reduce_evidence = self._compare_reduced(step, recs, acc) if not tolerant else []
             if local_bad or any(e.kind is EvidenceKind.INPUT_MISMATCH for e in step_evidence):
@@ -166,7 +189,9 @@ class ShardedReplayer(Replayer):
             optimizer.step()
             recipe_mod.after_step(self.recipe, model, optimizer, scheduler, step=step)
             optimizer.zero_grad(set_to_none=True)
-            weights_evidence, departed = self._compare_weights(step, recs, model, tolerant, bool(step_evidence or reduce_evidence))
+            weights_evidence, departed = self._compare_weights(
+                step, recs, model, tolerant, bool(step_evidence or reduce_evidence)
+            )
             evidence += weights_evidence
             if departed and departed_from is None:
                 departed_from = step + 1
@@ -179,11 +204,20 @@ class ShardedReplayer(Replayer):
                     break
         dist.barrier()
         tolerant_from = departed_from if departed_from is not None and departed_from <= last else None
-        return ReplayResult(start_step=options.start_step, stop_step=options.stop_step, last_step=last,
-                            device=env.describe_device(self.device) + f" x {self.k_proc} processes (sharded)",
-                            comparison="exact" if tolerant_from is None else "tolerant", tolerant_from=tolerant_from,
-                            reduction_order=env.ORDERED, evidence=tuple(evidence), first_divergent_step=first_divergent,
-                            settings={}, notes=tuple(notes), max_residual_ratio=round(self.max_ratio, 4))
+        return ReplayResult(
+            start_step=options.start_step,
+            stop_step=options.stop_step,
+            last_step=last,
+            device=env.describe_device(self.device) + f" x {self.k_proc} processes (sharded)",
+            comparison="exact" if tolerant_from is None else "tolerant",
+            tolerant_from=tolerant_from,
+            reduction_order=env.ORDERED,
+            evidence=tuple(evidence),
+            first_divergent_step=first_divergent,
+            settings={},
+            notes=tuple(notes),
+            max_residual_ratio=round(self.max_ratio, 4),
+        )
 
     # -- one round: k recorded ranks, one per process --------------------------------------------
     def _local(self, model, record):
@@ -203,8 +237,11 @@ class ShardedReplayer(Replayer):
         grads = []
         for i, fp in enumerate(self._fsdp):
             g = fp.unsharded_accumulated_grad if fp.unsharded_accumulated_grad is not None else fp._unsharded_param.grad
-            grads.append(torch.zeros(self._shapes[i], dtype=self.param_dtype, device=self.device) if g is None
-                         else g.detach().reshape(self._shapes[i]).clone())
+            grads.append(
+                torch.zeros(self._shapes[i], dtype=self.param_dtype, device=self.device)
+                if g is None
+                else g.detach().reshape(self._shapes[i]).clone()
+            )
             fp.unsharded_accumulated_grad = None
             fp._unsharded_param.grad = None
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -221,7 +258,13 @@ class ShardedReplayer(Replayer):
         for j in range(-(-W // k)):
             r = min(j * k + self.me, W - 1)
             loss, flat, inputs = self._local(model, recs[r])
-            mine = {"rank": r, "loss": loss, "digest": self.digest_of([flat]), "input": inputs, "fp": self.fp_of([flat])}
+            mine = {
+                "rank": r,
+                "loss": loss,
+                "digest": self.digest_of([flat]),
+                "input": inputs,
+                "fp": self.fp_of([flat]),
+            }
             received = self._all_to_all(flat)
             for q in range(k):
                 rr = j * k + q
@@ -236,8 +279,15 @@ class ShardedReplayer(Replayer):
                 results.setdefault(got["rank"], got)
             del flat, received
         dist.barrier()
-        ranks = [_Step(loss=results[r]["loss"], digest=results[r]["digest"], input_digest=results[r]["input"], fp=results[r]["fp"])
-                 for r in range(W)]
+        ranks = [
+            _Step(
+                loss=results[r]["loss"],
+                digest=results[r]["digest"],
+                input_digest=results[r]["input"],
+                fp=results[r]["fp"],
+            )
+            for r in range(W)
+        ]
         return ranks, acc.to(self.param_dtype)
 
     def _tie_break_sharded(self, model, step, recs, ranks, bad):
@@ -249,12 +299,18 @@ class ShardedReplayer(Replayer):
             again = seconds[(r % self.k_proc + 1) % self.k_proc]
             if again == ranks[r].digest:
                 confirmed.append(r)
-                notes.append(f"step {step}, rank {r}: a second replay agrees with the first (2 votes to 1 against the record)")
+                notes.append(
+                    f"step {step}, rank {r}: a second replay agrees with the first (2 votes to 1 against the record)"
+                )
             elif again == int(recs[r]["local_digest"]):
-                notes.append(f"step {step}, rank {r}: a second replay agrees with the record; the first replay was wrong")
+                notes.append(
+                    f"step {step}, rank {r}: a second replay agrees with the record; the first replay was wrong"
+                )
             else:
                 confirmed.append(r)
-                notes.append(f"step {step}, rank {r}: record and two replays all differ: this device is not bitwise reproducible")
+                notes.append(
+                    f"step {step}, rank {r}: record and two replays all differ: this device is not bitwise reproducible"
+                )
         return confirmed, notes
 
     # -- the replay's own cut (k) and the recorded one (W) ----------------------------------------
@@ -276,12 +332,13 @@ class ShardedReplayer(Replayer):
             for i, s in enumerate(self._shapes):
                 first, stop = shard_rows(s[0] if s else 1, q, k)
                 per = self._per_row(i)
-                parts.append(flat[self._starts[i] + first * per: self._starts[i] + stop * per])
+                parts.append(flat[self._starts[i] + first * per : self._starts[i] + stop * per])
             sends.append(torch.cat(parts))
         mine = sends[self.me].numel()
         out = torch.empty(k * mine, dtype=flat.dtype, device=flat.device)
-        dist.all_to_all_single(out, torch.cat(sends), output_split_sizes=[mine] * k,
-                               input_split_sizes=[t.numel() for t in sends])
+        dist.all_to_all_single(
+            out, torch.cat(sends), output_split_sizes=[mine] * k, input_split_sizes=[t.numel() for t in sends]
+        )
         return out.view(k, mine) if mine else out.view(k, 0)
 
     def _recorded_pieces(self, values_of, k: int):
@@ -299,16 +356,24 @@ class ShardedReplayer(Replayer):
                 a, b = shard_rows(rows, c, W)
                 lo, hi = max(a, first), min(b, stop)
                 if lo < hi:
-                    out[c].append(shards.fingerprint_piece(values[(lo - first) * per:(hi - first) * per],
-                                                           offset=self._starts[i] + lo * per, k=k, seed=self.seed))
+                    out[c].append(
+                        shards.fingerprint_piece(
+                            values[(lo - first) * per : (hi - first) * per],
+                            offset=self._starts[i] + lo * per,
+                            k=k,
+                            seed=self.seed,
+                        )
+                    )
         return out
 
     def _combined(self, pieces_by_shard, k: int) -> dict:
         from sdc_forensics.fingerprint import shards
 
         gathered = distributed.exchange_objects(pieces_by_shard)
-        return {c: shards.combine_pieces([p for part in gathered for p in part[c]] or [shards._empty(k, self.seed)])
-                for c in range(self.mesh.shard_size)}
+        return {
+            c: shards.combine_pieces([p for part in gathered for p in part[c]] or [shards._empty(k, self.seed)])
+            for c in range(self.mesh.shard_size)
+        }
 
     def _compare_reduced(self, step, recs, acc):
         """Each recorded rank's shard of the replayed mean against its recorded reduced digest."""
@@ -321,9 +386,18 @@ class ShardedReplayer(Replayer):
         agree = recs["reduced_digest"].astype(np.uint64) == expected
         if agree.any():
             return self._reduced_minority(step, recs, expected)
-        return [Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=(), source="replay", location=Location.COLLECTIVE,
-                         expected="every rank's shard of the replayed ordered mean", found="no rank's shard as replayed",
-                         detail="the reduce-scatter result every rank received is not the mean of the replayed local gradients")]
+        return [
+            Evidence(
+                kind=EvidenceKind.REPLAY_MISMATCH,
+                step=step,
+                ranks=(),
+                source="replay",
+                location=Location.COLLECTIVE,
+                expected="every rank's shard of the replayed ordered mean",
+                found="no rank's shard as replayed",
+                detail="the reduce-scatter result every rank received is not the mean of the replayed local gradients",
+            )
+        ]
 
     def _acc_slice(self, i):
         return slice(self._acc_starts[i], self._acc_starts[i + 1])
@@ -349,7 +423,9 @@ class ShardedReplayer(Replayer):
             values, offset = shards.local_piece(p)
             mine.append(shards.fingerprint_piece(values.reshape(-1), offset=offset, k=1, seed=self.seed))
         gathered = distributed.exchange_objects(mine)
-        return combine_digests([shards.combine_pieces([part[i] for part in gathered]).digest for i in range(len(params))])
+        return combine_digests(
+            [shards.combine_pieces([part[i] for part in gathered]).digest for i in range(len(params))]
+        )
 
 
 def _fsdp_params(model, params) -> list:
@@ -373,6 +449,8 @@ def _fsdp_params(model, params) -> list:
 def _same_optimizer(meta_opt, meta_params, params):
     """The recipe's optimizer (class, hyperparameters, groups) rebuilt over the sharded parameters."""
     where = {id(p): i for i, p in enumerate(meta_params)}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[where[id(p)]] for p in g["params"]]}
-              for g in meta_opt.param_groups]
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [params[where[id(p)]] for p in g["params"]]}
+        for g in meta_opt.param_groups
+    ]
     return type(meta_opt)(groups, **meta_opt.defaults)

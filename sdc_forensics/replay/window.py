@@ -21,7 +21,9 @@ from sdc_forensics.replay.sharded_replayer import ShardedReplayer
 from sdc_forensics.trace.reader import Trace
 
 
-def replay_window(trace: Trace, recipe, options: ReplayOptions, on_step: Callable[[int], None] | None = None) -> ReplayResult:
+def replay_window(
+    trace: Trace, recipe, options: ReplayOptions, on_step: Callable[[int], None] | None = None
+) -> ReplayResult:
     """Replay one window with deterministic settings on the requested device.
 
     Args:
@@ -40,9 +42,15 @@ def replay_window(trace: Trace, recipe, options: ReplayOptions, on_step: Callabl
     distributed.check_placement(device, trace, options.suspect_gpus, options.force_device)  # every process alike
     env.check_not_suspect(device, options.suspect_gpus, options.force_device)
     threads = options.num_threads or replayer._recorded_threads(trace)  # per-step counts are applied step by step
-    if not (Path(options.checkpoint_path).is_file() or Path(options.checkpoint_path).is_dir()):  # a folder: a Trainer's checkpoint-N
-        raise CheckpointError(f"checkpoint {options.checkpoint_path} (step {options.start_step}) does not exist; pass --checkpoints DIR")
-    with open_checkpoint(options.checkpoint_path) as opened:  # the hostile-input checks and read limits, before the recipe's own torch.load
+    if not (
+        Path(options.checkpoint_path).is_file() or Path(options.checkpoint_path).is_dir()
+    ):  # a folder: a Trainer's checkpoint-N
+        raise CheckpointError(
+            f"checkpoint {options.checkpoint_path} (step {options.start_step}) does not exist; pass --checkpoints DIR"
+        )
+    with open_checkpoint(
+        options.checkpoint_path
+    ) as opened:  # the hostile-input checks and read limits, before the recipe's own torch.load
         infos = opened.infos()
     # the memory plan refuses a replay that cannot fit; a sharded job that does not fit one process is replayed sharded
     replayer_class = ShardedReplayer if sharded.dispatch(trace, options, device, infos) else Replayer

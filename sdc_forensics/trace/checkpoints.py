@@ -98,8 +98,11 @@ def parse_checkpoint_note(doc, where: str) -> CheckpointNote:
     f = Fields(doc, f"{where} (checkpoint note)", TraceError, _HINT)
     weights_digest = f.str("weights_digest", "", max_len=64)
     tensors, file_digests = f.str_map("tensors", {}), f.str_map("file_digests", {})
-    for key, digests in (("weights_digest", [weights_digest] if weights_digest else []), ("tensors", tensors.values()),
-                         ("file_digests", file_digests.values())):
+    for key, digests in (
+        ("weights_digest", [weights_digest] if weights_digest else []),
+        ("tensors", tensors.values()),
+        ("file_digests", file_digests.values()),
+    ):
         bad = next((d for d in digests if not _HEX16.fullmatch(d)), None)
         if bad is not None:  # digests are 16 lowercase hex digits (hex64); anything else is not a digest
             raise f.fail(key, "16 lowercase hex digits per digest", bad)
@@ -123,7 +126,9 @@ def parse_checkpoint_note(doc, where: str) -> CheckpointNote:
 def _relative_path(f: Fields, key: str) -> str:
     value = f.str(key, "", max_len=4096)
     if value and not climbs_then_descends(value):
-        raise f.fail(key, "a relative path: leading '..' components, then names (e.g. ../checkpoints/step-00000010.pt)", value)
+        raise f.fail(
+            key, "a relative path: leading '..' components, then names (e.g. ../checkpoints/step-00000010.pt)", value
+        )
     return value
 
 
@@ -136,8 +141,13 @@ def climbs_then_descends(path: str) -> bool:
     while climbs < len(parts) and parts[climbs] == "..":
         climbs += 1
     rest = parts[climbs:]
-    return bool(rest) and "\0" not in path and not path.startswith("/") and ":" not in parts[0] \
+    return (
+        bool(rest)
+        and "\0" not in path
+        and not path.startswith("/")
+        and ":" not in parts[0]
         and all(p not in ("", ".", "..") for p in rest)
+    )
 
 
 @reader
@@ -185,7 +195,8 @@ def unreplayable_text(gap: tuple[int, int]) -> str:
     """The one sentence every command and the recorder say about :func:`unreplayable_steps`."""
     first, last = gap
     steps = f"step {first}" if first == last else f"steps {first}..{last}"
-    return (f"the first checkpoint is {last + 1}, and none holds the state before step {first}: {steps} can "
-            f"never be replayed, so no checkpoint of this run can be certified clean; save checkpoint {first} before the "
-            f"first step runs (rec.checkpoint({first}, path, state) before the training loop; docs/recorder.md, \"Checkpoints\")")
-
+    return (
+        f"the first checkpoint is {last + 1}, and none holds the state before step {first}: {steps} can "
+        f"never be replayed, so no checkpoint of this run can be certified clean; save checkpoint {first} before the "
+        f'first step runs (rec.checkpoint({first}, path, state) before the training loop; docs/recorder.md, "Checkpoints")'
+    )

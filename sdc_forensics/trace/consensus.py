@@ -38,13 +38,18 @@ def strict_majority(values: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, 
     num_valid = valid.sum(axis=1)  # (S,)
     ordered = np.sort(np.where(valid, values, _SENTINEL), axis=1)  # valid values first
     rows = np.arange(values.shape[0])
-    candidate = ordered[rows, np.minimum(num_valid // 2, max(values.shape[1] - 1, 0))] if values.shape[1] else np.zeros(0, np.uint64)
+    candidate = (
+        ordered[rows, np.minimum(num_valid // 2, max(values.shape[1] - 1, 0))]
+        if values.shape[1]
+        else np.zeros(0, np.uint64)
+    )
     votes = ((values == candidate[:, None]) & valid).sum(axis=1)
     return candidate, (votes * 2 > num_valid) & (num_valid > 0)
 
 
-def majority_within(values: np.ndarray, valid: np.ndarray,
-                    groups: Iterable[Sequence[int]] | None = None) -> tuple[np.ndarray, np.ndarray]:
+def majority_within(
+    values: np.ndarray, valid: np.ndarray, groups: Iterable[Sequence[int]] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Per row, each group's strict-majority value, spread over the group's columns.
 
     Args:
@@ -68,7 +73,6 @@ def majority_within(values: np.ndarray, valid: np.ndarray,
         value, ok = strict_majority(values[:, g], valid[:, g])
         majority[:, g], has[:, g] = value[:, None], ok[:, None]
     return majority, has
-
 
 
 def vote(values, valid=None) -> tuple[int | None, int]:

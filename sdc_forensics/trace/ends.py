@@ -108,9 +108,14 @@ class RunEnd:
             parts.append(f"last complete step {self.last_complete_step} (recorded by every rank)")
         if self.stopped_ranks:
             after = by_rank[self.stopped_ranks[0]].last_step
-            parts.append(f"{where} stopped " + (f"after step {after}" if after is not None else "before recording any step"))
-        ahead = [r for r in self.ranks if r.last_step is not None and self.last_complete_step is not None
-                 and r.last_step > self.last_complete_step]
+            parts.append(
+                f"{where} stopped " + (f"after step {after}" if after is not None else "before recording any step")
+            )
+        ahead = [
+            r
+            for r in self.ranks
+            if r.last_step is not None and self.last_complete_step is not None and r.last_step > self.last_complete_step
+        ]
         if ahead:
             steps = step_ranges([range(self.last_complete_step + 1, max(r.last_step for r in ahead) + 1)])
             parts.append(f"step(s) {steps} recorded by rank(s) {step_ranges([r.rank for r in ahead])} only")
@@ -163,11 +168,16 @@ def run_end(trace) -> RunEnd:  # trace: an open trace.reader.Trace (not imported
             ranks.append(RankEnd(rank=rank, host=host, has_file=False, closed=False if knows_end else None))
             continue
         last_step, end = _tail(rank_file.records, trace.valid_mask(rank_file))
-        ranks.append(RankEnd(
-            rank=rank, host=host, last_step=last_step, torn_bytes=rank_file.torn_bytes,
-            closed=(end is not None) if knows_end else None,
-            closed_on_error=end is not None and bool(int(end["flags"]) & F.Flag.CLOSED_ON_ERROR),
-        ))
+        ranks.append(
+            RankEnd(
+                rank=rank,
+                host=host,
+                last_step=last_step,
+                torn_bytes=rank_file.torn_bytes,
+                closed=(end is not None) if knows_end else None,
+                closed_on_error=end is not None and bool(int(end["flags"]) & F.Flag.CLOSED_ON_ERROR),
+            )
+        )
     steps = [r.last_step for r in ranks if r.last_step is not None]
     last_step = max(steps) if steps else None
     complete = _last_complete(trace, ranks, attempt)
@@ -179,8 +189,15 @@ def run_end(trace) -> RunEnd:  # trace: an open trace.reader.Trace (not imported
         behind = [r for r in ranks if r.last_step is None or complete is None or r.last_step <= complete]
         short = [r for r in behind if r.cut_short]
         stopped_ranks = tuple(r.rank for r in (short if short and len(short) < len(behind) else behind))
-    return RunEnd(attempt=attempt, ranks=tuple(ranks), last_step=last_step, last_complete_step=complete,
-                  finalised=finalised, stopped_early=stopped, stopped_ranks=stopped_ranks)
+    return RunEnd(
+        attempt=attempt,
+        ranks=tuple(ranks),
+        last_step=last_step,
+        last_complete_step=complete,
+        finalised=finalised,
+        stopped_early=stopped,
+        stopped_ranks=stopped_ranks,
+    )
 
 
 def _tail(records: np.ndarray, mask: np.ndarray) -> tuple[int | None, np.void | None]:
@@ -216,7 +233,9 @@ def _last_complete(trace, ranks: list[RankEnd], attempt: int) -> int | None:
         return None
     for lookback in (64, _LOOKBACK_STEPS):  # the candidate itself, nearly always: a small table first
         found = None
-        for window in trace.step_windows(window=lookback, start=max(0, candidate - lookback + 1), stop=candidate, fields=()):
+        for window in trace.step_windows(
+            window=lookback, start=max(0, candidate - lookback + 1), stop=candidate, fields=()
+        ):
             rows = np.flatnonzero(window.present.all(axis=1))
             if rows.size:
                 found = int(window.steps[rows[-1]])

@@ -14,9 +14,22 @@ import numpy as np
 from sdc_forensics.trace.reader import Trace
 
 _SCALARS = (
-    "step", "rank", "attempt", "time_ns", "loss", "flags", "microbatch_first", "microbatch_count",
-    "nonfinite_local", "nonfinite_reduced", "nonfinite_weights",
-    "local_norm", "reduced_norm", "local_max_abs", "reduced_max_abs", "weights_norm",
+    "step",
+    "rank",
+    "attempt",
+    "time_ns",
+    "loss",
+    "flags",
+    "microbatch_first",
+    "microbatch_count",
+    "nonfinite_local",
+    "nonfinite_reduced",
+    "nonfinite_weights",
+    "local_norm",
+    "reduced_norm",
+    "local_max_abs",
+    "reduced_max_abs",
+    "weights_norm",
 )
 _DIGESTS = ("input_digest", "microbatch_digest", "local_digest", "reduced_digest", "weights_digest")
 
@@ -40,5 +53,3 @@ def export_csv(trace: Trace, handle: TextIO, window: int = 4096) -> int:
             writer.writerow([repr(float(v)) if isinstance(v, (float, np.floating)) else v for v in row])
         rows += len(recs)
     return rows
-
-

@@ -88,7 +88,9 @@ class Flag(enum.IntFlag):
     HAS_GRADS = 1 << 12  # local/reduced gradient fields are filled
     CLOSED_ON_ERROR = 1 << 13  # END record: the recorder was closed while an exception propagated
     REST_WEIGHTS = 1 << 14  # STEP record of a sharded job: aux_digest holds the weight shard digest when the step began
-    GATHER_DIVERGED = 1 << 15  # STEP record of a sharded job: this rank's all-gathered parameters differed from the majority's
+    GATHER_DIVERGED = (
+        1 << 15
+    )  # STEP record of a sharded job: this rank's all-gathered parameters differed from the majority's
 
 
 HEADER_DTYPE = np.dtype(

@@ -44,7 +44,9 @@ def layouts_path(trace_dir: str | os.PathLike, attempt: int) -> Path:
 
 def write_bucket_layouts(trace_dir: str | os.PathLike, attempt: int, layouts: list[dict]) -> Path:
     """Write ``{"layouts": layouts}`` (dicts of ``from_step`` and ``buckets``) atomically."""
-    return write_atomic(layouts_path(trace_dir, attempt), json.dumps({"layouts": layouts}, indent=1, sort_keys=True) + "\n")
+    return write_atomic(
+        layouts_path(trace_dir, attempt), json.dumps({"layouts": layouts}, indent=1, sort_keys=True) + "\n"
+    )
 
 
 @reader
@@ -72,9 +74,13 @@ def _layout(doc, where: str) -> BucketLayout:
     buckets = []
     for i, bucket in enumerate(f.list("buckets")):
         if not isinstance(bucket, list):
-            raise TraceError(f"{where}: bucket {i} must be a list of parameter indices, found {describe(bucket)}; {_HINT}")
+            raise TraceError(
+                f"{where}: bucket {i} must be a list of parameter indices, found {describe(bucket)}; {_HINT}"
+            )
         bad = [v for v in bucket if not is_int(v) or not 0 <= v <= MAX_PARAM_INDEX]
         if bad:
-            raise TraceError(f"{where}: bucket {i} must hold parameter indices in 0..{MAX_PARAM_INDEX}, found {describe(bad[0])}; {_HINT}")
+            raise TraceError(
+                f"{where}: bucket {i} must hold parameter indices in 0..{MAX_PARAM_INDEX}, found {describe(bad[0])}; {_HINT}"
+            )
         buckets.append(tuple(bucket))
     return BucketLayout(from_step=from_step, buckets=tuple(buckets))

@@ -144,11 +144,15 @@ def audit_reach(node_of_rank: tuple[int, ...]) -> str | None:
     if nodes >= 3 or not node_of_rank:
         return None
     if nodes == 1:
-        return ("every rank is on one node, so audits never run (an audit recomputes a rank's microbatch on another node); "
-                "they need ranks on 2 nodes, and 3 to name the rank that computed wrongly "
-                "(RecorderOptions(node_of_rank=...) pretends ranks are nodes, for tests)")
-    return ("the ranks span 2 nodes: an audit mismatch is recorded but cannot name the rank that computed wrongly "
-            "(the majority of three needs a third node)")
+        return (
+            "every rank is on one node, so audits never run (an audit recomputes a rank's microbatch on another node); "
+            "they need ranks on 2 nodes, and 3 to name the rank that computed wrongly "
+            "(RecorderOptions(node_of_rank=...) pretends ranks are nodes, for tests)"
+        )
+    return (
+        "the ranks span 2 nodes: an audit mismatch is recorded but cannot name the rank that computed wrongly "
+        "(the majority of three needs a third node)"
+    )
 
 
 MAX_WORLD_SIZE = 100_000
@@ -225,7 +229,7 @@ def _parallel(f: Fields, world_size: int) -> ShardMesh | None:
     try:
         return ShardMesh.from_json(f.doc["parallel"], world_size)
     except ValueError as exc:
-        raise f.error(f"{f.where}: \"parallel\" {exc}; {f.hint}") from None
+        raise f.error(f'{f.where}: "parallel" {exc}; {f.hint}') from None
 
 
 @reader
@@ -236,7 +240,7 @@ def parse_manifest(doc: Any, where: str = MANIFEST_NAME) -> Manifest:
     where it expects a string (a renderer) or a step that does not fit in 64 bits.
     """
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-        raise TraceError(f"{where} is not an sdc-forensics trace manifest (no \"format\": \"{FORMAT_NAME}\")")
+        raise TraceError(f'{where} is not an sdc-forensics trace manifest (no "format": "{FORMAT_NAME}")')
     version = doc.get("format_version")
     if not is_int(version) or version != FORMAT_VERSION:
         raise TraceError(
@@ -252,7 +256,7 @@ def parse_manifest(doc: Any, where: str = MANIFEST_NAME) -> Manifest:
         format_version=version,
         world_size=world_size,
         format_minor=f.int("format_minor", 0, lo=0, hi=MAX_FORMAT_MINOR),
-        fingerprint=_fingerprint(f.doc.get("fingerprint"), f"{where}, \"fingerprint\""),
+        fingerprint=_fingerprint(f.doc.get("fingerprint"), f'{where}, "fingerprint"'),
         recipe=f.str("recipe", None, none=True, max_len=1024),
         recipe_args=_recipe_args(f),
         framework=_framework(f),
@@ -276,28 +280,41 @@ def read_manifest(trace_dir: str | os.PathLike) -> Manifest:
     try:
         doc = load_json(path.read_bytes())
     except (OSError, ValueError) as exc:
-        raise TraceError(f"{path} is not valid JSON ({exc}); the manifest is damaged: restore it from the run") from None
+        raise TraceError(
+            f"{path} is not valid JSON ({exc}); the manifest is damaged: restore it from the run"
+        ) from None
     return parse_manifest(doc, str(path))
 
 
 def _not_a_trace(where: Path) -> str:
     """Why ``where`` is not a trace directory, and the trace it most likely meant (every case exit 3)."""
     if not where.exists():
-        return f"{where} does not exist; pass the trace directory the recorder wrote (the one that holds {MANIFEST_NAME})"
+        return (
+            f"{where} does not exist; pass the trace directory the recorder wrote (the one that holds {MANIFEST_NAME})"
+        )
     if not where.is_dir():
         inside = where.parent if (where.parent / MANIFEST_NAME).is_file() else None
-        hint = f"pass the directory that holds it: {inside}" if inside is not None else "pass the trace directory the recorder wrote"
+        hint = (
+            f"pass the directory that holds it: {inside}"
+            if inside is not None
+            else "pass the trace directory the recorder wrote"
+        )
         return f"{where} is a file, not a trace directory; {hint}"
     try:
         below = sorted(d for d in where.iterdir() if d.is_dir() and (d / MANIFEST_NAME).is_file())[:3]
     except OSError:
         below = []
     if below:
-        return f"{where} has no {MANIFEST_NAME}, but {' and '.join(map(str, below))} {'has' if len(below) == 1 else 'have'} one: pass " + \
-            ("it" if len(below) == 1 else "one of them") + " (the trace directory, one level down)"
+        return (
+            f"{where} has no {MANIFEST_NAME}, but {' and '.join(map(str, below))} {'has' if len(below) == 1 else 'have'} one: pass "
+            + ("it" if len(below) == 1 else "one of them")
+            + " (the trace directory, one level down)"
+        )
     return f"{where} has no {MANIFEST_NAME}: not a trace directory (or the run never started)"
 
 
 def write_manifest(trace_dir: str | os.PathLike, manifest: Manifest) -> Path:
     """Write the manifest atomically (readers never see half a manifest)."""
-    return write_atomic(Path(trace_dir) / MANIFEST_NAME, json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n")
+    return write_atomic(
+        Path(trace_dir) / MANIFEST_NAME, json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n"
+    )

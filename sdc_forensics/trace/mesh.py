@@ -76,13 +76,25 @@ class ShardMesh:
         if self.param_dtype and not self.reduce_dtype:
             raise ValueError("a param_dtype needs the reduce_dtype it was reduced in")
         if len(self.casts) > _MAX_CASTS or not all(
-                isinstance(c, tuple) and len(c) == 3 and isinstance(c[0], str) and len(c[0]) <= _MAX_FQN
-                and c[1] in CAST_DTYPES and c[2] in CAST_DTYPES for c in self.casts):
-            raise ValueError(f"casts must be at most {_MAX_CASTS} (module, inputs, outputs) triples of a module name and "
-                             f"dtypes among {', '.join(repr(d) for d in CAST_DTYPES)}")
+            isinstance(c, tuple)
+            and len(c) == 3
+            and isinstance(c[0], str)
+            and len(c[0]) <= _MAX_FQN
+            and c[1] in CAST_DTYPES
+            and c[2] in CAST_DTYPES
+            for c in self.casts
+        ):
+            raise ValueError(
+                f"casts must be at most {_MAX_CASTS} (module, inputs, outputs) triples of a module name and "
+                f"dtypes among {', '.join(repr(d) for d in CAST_DTYPES)}"
+            )
         indices = [i for g in self.groups for i in g] if all(isinstance(g, tuple) for g in self.groups) else None
-        if indices is None or len(indices) > _MAX_CASTS or not all(_small_int(i, 0) for i in indices) \
-                or len(set(indices)) != len(indices):
+        if (
+            indices is None
+            or len(indices) > _MAX_CASTS
+            or not all(_small_int(i, 0) for i in indices)
+            or len(set(indices)) != len(indices)
+        ):
             raise ValueError(f"groups must be lists of distinct parameter indices (at most {_MAX_CASTS} in all)")
         if len(self.dim_names) != len(self.shape) or not 0 <= self.shard_dim < len(self.shape):
             raise ValueError("one name per mesh dimension, and a shard dimension among them")
@@ -156,8 +168,13 @@ class ShardMesh:
         return text
 
     def to_json(self) -> dict[str, Any]:
-        doc = {"kind": self.kind, "shape": list(self.shape), "dim_names": list(self.dim_names), "shard_dim": self.shard_dim,
-               "coords": [list(c) for c in self.coords]}
+        doc = {
+            "kind": self.kind,
+            "shape": list(self.shape),
+            "dim_names": list(self.dim_names),
+            "shard_dim": self.shard_dim,
+            "coords": [list(c) for c in self.coords],
+        }
         if self.reduce_dtype:  # optional: a job reducing in its parameters' dtype writes none
             doc["reduce_dtype"] = self.reduce_dtype
         if self.param_dtype:  # optional, as reduce_dtype
@@ -194,9 +211,17 @@ class ShardMesh:
             raise ValueError('"casts" must be a list of [module, inputs, outputs] lists')
         if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
             raise ValueError('"groups" must be a list of lists of parameter indices')
-        return cls(kind=str(kind), shape=tuple(shape), dim_names=tuple(names), shard_dim=int(dim),
-                   coords=tuple(tuple(c) for c in coords), reduce_dtype=reduce_dtype, param_dtype=param_dtype,
-                   casts=tuple(tuple(c) for c in casts), groups=tuple(tuple(g) for g in groups))
+        return cls(
+            kind=str(kind),
+            shape=tuple(shape),
+            dim_names=tuple(names),
+            shard_dim=int(dim),
+            coords=tuple(tuple(c) for c in coords),
+            reduce_dtype=reduce_dtype,
+            param_dtype=param_dtype,
+            casts=tuple(tuple(c) for c in casts),
+            groups=tuple(tuple(g) for g in groups),
+        )
 
 
 def _small_int(value: Any, lo: int = 1) -> bool:

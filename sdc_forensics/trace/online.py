@@ -47,6 +47,7 @@ class OnlineChecks:
         """One clause for people: which check ran on how many of the steps."""
         if not self.steps:
             return "no step recorded"
+
         def of(n: int) -> str:
             return "every step" if n == self.steps else f"{n} of {self.steps} steps"
 
@@ -54,8 +55,11 @@ class OnlineChecks:
         if self.gradients:
             parts.append(f"NaN/Inf and all-reduce sketch on {of(self.gradients)}")
         if self.weights:
-            vote = f"replica vote ({self.world_size} replicas)" if self.world_size >= 3 else \
-                f"replica comparison ({self.world_size} replicas: detects, cannot vote)"
+            vote = (
+                f"replica vote ({self.world_size} replicas)"
+                if self.world_size >= 3
+                else f"replica comparison ({self.world_size} replicas: detects, cannot vote)"
+            )
             parts.append(f"{vote} on {of(self.weights)}")
         if self.audited:
             shown = ", ".join(str(s) for s in self.audited[:6]) + (", ..." if len(self.audited) > 6 else "")
@@ -92,5 +96,11 @@ def online_checks(trace, spans: Iterable[tuple[int, int]]) -> OnlineChecks:
         if audit_steps is None:  # the recomputations themselves (AUDIT records), should a STEP record lack the flag
             audit_steps = trace.records(F.Kind.AUDIT)["step"]
         audited += [int(s) for s in audit_steps[(audit_steps >= first) & (audit_steps <= last)]]
-    return OnlineChecks(steps=steps, complete=complete, gradients=gradients, weights=weights, audited=tuple(sorted(set(audited))),
-                        world_size=trace.world_size)
+    return OnlineChecks(
+        steps=steps,
+        complete=complete,
+        gradients=gradients,
+        weights=weights,
+        audited=tuple(sorted(set(audited))),
+        world_size=trace.world_size,
+    )

@@ -25,6 +25,7 @@ from sdc_forensics.errors import TraceError, reader, reader_class
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace import scan
 from sdc_forensics.trace.manifest import MANIFEST_NAME, Manifest, read_manifest
+
 # ``step_ranges`` is written in trace/spans.py (trace/ends.py needs it below this module); imported from here too
 from sdc_forensics.trace.spans import step_ranges as step_ranges
 from sdc_forensics.trace.windows import StepWindow, iter_windows
@@ -140,9 +141,15 @@ class Trace:
         steps a later attempt re-executed are read from ``attempt``'s own records."""
         from sdc_forensics.trace.checkpoints import read_checkpoint_notes
 
-        manifest = dataclasses.replace(self.manifest, attempts=tuple(a for a in self.manifest.attempts if a.attempt <= attempt))
-        view = Trace(self.path, manifest, [f for f in self.files if f.attempt <= attempt],
-                     [d for d in self._damage if d.attempt <= attempt])
+        manifest = dataclasses.replace(
+            self.manifest, attempts=tuple(a for a in self.manifest.attempts if a.attempt <= attempt)
+        )
+        view = Trace(
+            self.path,
+            manifest,
+            [f for f in self.files if f.attempt <= attempt],
+            [d for d in self._damage if d.attempt <= attempt],
+        )
         view._notes = read_checkpoint_notes(self.path, max_attempt=attempt)
         return view
 
@@ -217,7 +224,11 @@ class Trace:
         mask = np.empty(len(recs), dtype=bool)
         for start in range(0, len(recs), CHUNK_RECORDS):
             chunk = recs[start : start + CHUNK_RECORDS]
-            ok = (F.checksums(chunk) == chunk["checksum"]) & (chunk["magic"] == F.RECORD_MAGIC) & (chunk["rank"] == rank_file.rank)
+            ok = (
+                (F.checksums(chunk) == chunk["checksum"])
+                & (chunk["magic"] == F.RECORD_MAGIC)
+                & (chunk["rank"] == rank_file.rank)
+            )
             steps = chunk["step"]
             wild = np.flatnonzero(ok & ((steps < 0) | (steps > F.MAX_STEP)))
             if wild.size:
@@ -270,8 +281,15 @@ class Trace:
                     )
             end = self.run_end()
             if end.stopped_early:  # first: renderers that show a few damage lines show this one
-                self._damage.insert(0, Damage(kind="stopped_early", rank=end.stopped_ranks[0] if len(end.stopped_ranks) == 1 else -1,
-                                              attempt=end.attempt, detail=end.describe()))
+                self._damage.insert(
+                    0,
+                    Damage(
+                        kind="stopped_early",
+                        rank=end.stopped_ranks[0] if len(end.stopped_ranks) == 1 else -1,
+                        attempt=end.attempt,
+                        detail=end.describe(),
+                    ),
+                )
             self._damage.extend(self._missing_steps(end.stopped_early))
             self._validated = True
         return list(self._damage)
@@ -296,11 +314,16 @@ class Trace:
             holes = window.present[any_present] == False  # noqa: E712  (S', R)
             steps = window.steps[any_present]
             seen = window.present.any(axis=0)
-            last_present[seen] = window.steps[window.present.shape[0] - 1 - np.argmax(window.present[::-1], axis=0)][seen]
+            last_present[seen] = window.steps[window.present.shape[0] - 1 - np.argmax(window.present[::-1], axis=0)][
+                seen
+            ]
             for rank in np.flatnonzero(holes.any(axis=0)):
                 missing.setdefault(int(rank), []).extend(int(s) for s in steps[holes[:, rank]])
         if stopped_early:
-            missing = {rank: [s for s in steps if last_present[rank] < 0 or s < last_present[rank]] for rank, steps in missing.items()}
+            missing = {
+                rank: [s for s in steps if last_present[rank] < 0 or s < last_present[rank]]
+                for rank, steps in missing.items()
+            }
             missing = {rank: steps for rank, steps in missing.items() if steps}
         return [
             Damage(
@@ -446,10 +469,14 @@ def _first_step_record(recs: np.ndarray, mask: np.ndarray, reverse: bool = False
 
 def _open_rank_file(path: Path, rank: int, attempt: int, manifest: Manifest, dtype: np.dtype):
     if not path.is_file():  # a directory or a FIFO under a rank file's name: never written by the recorder
-        return None, Damage(kind="bad_header", rank=rank, attempt=attempt, detail=f"{path.name} is not a regular file; ignored")
+        return None, Damage(
+            kind="bad_header", rank=rank, attempt=attempt, detail=f"{path.name} is not a regular file; ignored"
+        )
     size = path.stat().st_size
     if size < F.HEADER_SIZE:
-        return None, Damage(kind="bad_header", rank=rank, attempt=attempt, detail=f"{path.name} is shorter than its header")
+        return None, Damage(
+            kind="bad_header", rank=rank, attempt=attempt, detail=f"{path.name} is shorter than its header"
+        )
     header = np.fromfile(path, dtype=F.HEADER_DTYPE, count=1)
     ok = (
         header["magic"][0] == F.FILE_MAGIC
@@ -460,7 +487,9 @@ def _open_rank_file(path: Path, rank: int, attempt: int, manifest: Manifest, dty
     )
     if not ok:
         return None, Damage(
-            kind="bad_header", rank=rank, attempt=attempt,
+            kind="bad_header",
+            rank=rank,
+            attempt=attempt,
             detail=f"{path.name} has a damaged or foreign header (version/record size/rank do not match the manifest); file ignored",
         )
     body = size - F.HEADER_SIZE
@@ -475,7 +504,10 @@ def _open_rank_file(path: Path, rank: int, attempt: int, manifest: Manifest, dty
     problem = None
     if torn:
         problem = Damage(
-            kind="torn_tail", rank=rank, attempt=attempt, record_index=count,
+            kind="torn_tail",
+            rank=rank,
+            attempt=attempt,
+            record_index=count,
             detail=f"{path.name} ends with {torn} bytes of an incomplete record (process killed mid-write?); "
             f"the {count} complete records before it are used",
         )

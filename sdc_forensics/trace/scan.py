@@ -174,7 +174,7 @@ def validate(records: np.ndarray, rank: int) -> tuple[np.ndarray, FileSummary]:
         last_step_index=int(summary[K.S_LAST_STEP_INDEX]) if len(records) else -1,
         dense=bool(summary[K.S_DENSE]),
         ordered=bool(summary[K.S_ORDERED]) or not len(records),
-        kind_counts=tuple(int(c) for c in summary[K.S_KINDS:]),
+        kind_counts=tuple(int(c) for c in summary[K.S_KINDS :]),
     )
 
 
@@ -340,8 +340,31 @@ class StepScan:
                 rdig = np.zeros(S, dtype=np.uint64)
                 out = np.zeros(2, dtype=np.int64)
                 for code, f in group:
-                    K.gather(f.words, f.f32, f.f64, f.mask, f.all_valid, f.dense_first, f.index, w_lo, w_hi, f.rank_file.rank,
-                             code << K.CELL_SHIFT, k, full, hints, bits, wdig, cells, racc, sk, rdig, loss, local_norm, out)
+                    K.gather(
+                        f.words,
+                        f.f32,
+                        f.f64,
+                        f.mask,
+                        f.all_valid,
+                        f.dense_first,
+                        f.index,
+                        w_lo,
+                        w_hi,
+                        f.rank_file.rank,
+                        code << K.CELL_SHIFT,
+                        k,
+                        full,
+                        hints,
+                        bits,
+                        wdig,
+                        cells,
+                        racc,
+                        sk,
+                        rdig,
+                        loss,
+                        local_norm,
+                        out,
+                    )
                     f.index, f.next = int(out[0]), int(out[1])
                 return racc, sk, rdig
 
@@ -349,10 +372,26 @@ class StepScan:
             events = np.empty(S, dtype=np.uint8)
             pre_diverged = np.empty((R, S), dtype=bool) if full else np.zeros((1, 1), dtype=bool)
             pre_last = np.empty(S, dtype=np.int64)
-            K.rows(w_lo, bits, wdig, racc, sk, self._rel_tol, self._mean, full, self._state, self._diverged, events, pre_diverged, pre_last)
+            K.rows(
+                w_lo,
+                bits,
+                wdig,
+                racc,
+                sk,
+                self._rel_tol,
+                self._mean,
+                full,
+                self._state,
+                self._diverged,
+                events,
+                pre_diverged,
+                pre_last,
+            )
             if hints and R >= 4:  # triage gives no outlier hints below 4 ranks
                 _on_threads(K.outlier_rows, S, bits, loss, local_norm, float(self.outlier_z), events)
-            yield ScanWindow(w_lo=w_lo, bits=bits, cells=cells, events=events, pre_diverged=pre_diverged, pre_last=pre_last)
+            yield ScanWindow(
+                w_lo=w_lo, bits=bits, cells=cells, events=events, pre_diverged=pre_diverged, pre_last=pre_last
+            )
 
     def exact_window(self, window: ScanWindow, rows: np.ndarray, fields: tuple[str, ...]) -> StepWindow:
         """The :class:`StepWindow` of ``rows`` of ``window`` with ``fields``, exactly as
@@ -373,8 +412,13 @@ class StepScan:
             f = self.files[int(code)]
             table[take] = f.rank_file.records[cells[take] & ((1 << K.CELL_SHIFT) - 1)][names]
             attempt[take] = f.rank_file.attempt
-        return StepWindow(steps=window.w_lo + np.asarray(rows, dtype=np.int64), present=present, attempt=attempt,
-                          superseded=(bits & K.SUPERSEDED) != 0, records=table)
+        return StepWindow(
+            steps=window.w_lo + np.asarray(rows, dtype=np.int64),
+            present=present,
+            attempt=attempt,
+            superseded=(bits & K.SUPERSEDED) != 0,
+            records=table,
+        )
 
 
 def _merge(K, parts: list, full: bool):

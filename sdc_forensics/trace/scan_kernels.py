@@ -57,7 +57,19 @@ EV_WEIGHTS = 4
 EV_HOLE = 8
 EV_OUTLIER = 16
 # columns of the per-row accumulators ``racc`` (float64)
-A_PRESENT, A_GRADS, A_NF_LOCAL, A_NF_REDUCED, A_NF_WEIGHTS, A_SUM_LN, A_SUM_LN2, A_MIN_RN, A_ODD, A_RDIG_DIFF, A_RDIG_SEEN = range(11)
+(
+    A_PRESENT,
+    A_GRADS,
+    A_NF_LOCAL,
+    A_NF_REDUCED,
+    A_NF_WEIGHTS,
+    A_SUM_LN,
+    A_SUM_LN2,
+    A_MIN_RN,
+    A_ODD,
+    A_RDIG_DIFF,
+    A_RDIG_SEEN,
+) = range(11)
 NUM_ACC = 11
 # the summary of a file (``validate``'s int64 output)
 S_BAD, S_WILD, S_FIRST_STEP_INDEX, S_LAST_STEP_INDEX, S_DENSE, S_ORDERED, S_KINDS = 0, 1, 2, 3, 4, 5, 6
@@ -141,8 +153,31 @@ def next_step(words, mask, all_valid, index, pos):  # pragma: no cover - compile
 
 
 @numba.njit(cache=True, nogil=True)
-def gather(words, f32, f64, mask, all_valid, dense_first, index, w_lo, w_hi, col, code, k, full, hints,
-           bits, wdig, cell, racc, sk, rdig, loss, local_norm_cells, out):  # pragma: no cover - compiled
+def gather(
+    words,
+    f32,
+    f64,
+    mask,
+    all_valid,
+    dense_first,
+    index,
+    w_lo,
+    w_hi,
+    col,
+    code,
+    k,
+    full,
+    hints,
+    bits,
+    wdig,
+    cell,
+    racc,
+    sk,
+    rdig,
+    loss,
+    local_norm_cells,
+    out,
+):  # pragma: no cover - compiled
     """Put one file's STEP records of steps ``[w_lo, w_hi)`` into the window's cells and rows.
 
     A dense file (``dense_first >= 0``) is indexed by arithmetic; any other (ordered: steps of
@@ -245,7 +280,9 @@ def gather(words, f32, f64, mask, all_valid, dense_first, index, w_lo, w_hi, col
 
 
 @numba.njit(cache=True, nogil=True)
-def rows(w_lo, bits, wdig, racc, sk, rel_tol, mean, full, state, diverged, events, pre_diverged, pre_last):  # pragma: no cover - compiled
+def rows(
+    w_lo, bits, wdig, racc, sk, rel_tol, mean, full, state, diverged, events, pre_diverged, pre_last
+):  # pragma: no cover - compiled
     """Per step of a window: which checks may fire (``events``), and replica weight divergence.
 
     Cells are ``(R, S)`` (rank-major, as the files fill them). The all-reduce test is a filter:

@@ -32,11 +32,19 @@ class AttemptSummary:
 _CHECKS = (
     (F.Flag.NONFINITE_LOCAL, "nonfinite", "NaN/Inf value(s) in a local gradient before the all-reduce"),
     (F.Flag.NONFINITE_REDUCED, "nonfinite", "NaN/Inf value(s) in the reduced gradient after the all-reduce"),
-    (F.Flag.ALLREDUCE_MISMATCH, "allreduce", "the reduced gradient is not the mean of the local gradients' sketches (or its bits differ between ranks)"),
+    (
+        F.Flag.ALLREDUCE_MISMATCH,
+        "allreduce",
+        "the reduced gradient is not the mean of the local gradients' sketches (or its bits differ between ranks)",
+    ),
     (F.Flag.AUDIT_MISMATCH, "audit", "an audit recomputation of a microbatch gave another gradient"),
     (F.Flag.WEIGHTS_DIVERGED, "weights", "replica weights differ from the strict majority after the step"),
     (F.Flag.NO_MAJORITY, "weights", "replica weights (or the parameters the ranks gathered) have no strict majority"),
-    (F.Flag.GATHER_DIVERGED, "weights", "a rank's all-gathered parameters differ from the strict majority's (a sharded job)"),
+    (
+        F.Flag.GATHER_DIVERGED,
+        "weights",
+        "a rank's all-gathered parameters differ from the strict majority's (a sharded job)",
+    ),
 )
 
 
@@ -136,13 +144,26 @@ def alarms(trace: Trace) -> tuple[AlarmSummary, ...]:
         key = (int(rec["attempt"]), int(rec["step"]), int(rec["flags"]), int(rec["aux_rank"]), float(rec["aux_value"]))
         seen.setdefault(key, []).append(int(rec["rank"]))
     out = []
-    for (attempt, step, flags, aux_rank, value), ranks in sorted(seen.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2], kv[0][3])):
-        check, what = next(((c, w) for flag, c, w in _CHECKS if flags & int(flag)), ("unknown", f"an online check with flags {flags:#x}"))
+    for (attempt, step, flags, aux_rank, value), ranks in sorted(
+        seen.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2], kv[0][3])
+    ):
+        check, what = next(
+            ((c, w) for flag, c, w in _CHECKS if flags & int(flag)),
+            ("unknown", f"an online check with flags {flags:#x}"),
+        )
         if value and check == "nonfinite":
             what = f"{value:g} " + what
         elif value and check == "allreduce":
             what += f"; worst residual {value:.3g}x the tolerance"
-        out.append(AlarmSummary(step=step, attempt=attempt, check=check, rank=aux_rank if aux_rank >= 0 else None, detail=what,
-                                value=value, recorded_by=tuple(sorted(set(ranks)))))
+        out.append(
+            AlarmSummary(
+                step=step,
+                attempt=attempt,
+                check=check,
+                rank=aux_rank if aux_rank >= 0 else None,
+                detail=what,
+                value=value,
+                recorded_by=tuple(sorted(set(ranks))),
+            )
+        )
     return tuple(out)
-

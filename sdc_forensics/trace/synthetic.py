@@ -17,7 +17,14 @@ import numpy as np
 
 from sdc_forensics.fingerprint import constants as C
 from sdc_forensics.trace import format as F
-from sdc_forensics.trace.manifest import MANIFEST_NAME, Attempt, FingerprintSettings, Manifest, RankIdentity, write_manifest
+from sdc_forensics.trace.manifest import (
+    MANIFEST_NAME,
+    Attempt,
+    FingerprintSettings,
+    Manifest,
+    RankIdentity,
+    write_manifest,
+)
 from sdc_forensics.trace.writer import make_header, rank_file_name
 
 
@@ -68,10 +75,16 @@ def write_synthetic_trace(
 
         manifest_attempts = list(read_manifest(trace_dir).attempts)
     ranks = tuple(
-        RankIdentity(rank=r, host=f"node{r // 8:03d}", node_rank=r // 8, local_rank=r % 8, gpu_uuid=f"GPU-synthetic-{r:04d}")
+        RankIdentity(
+            rank=r, host=f"node{r // 8:03d}", node_rank=r // 8, local_rank=r % 8, gpu_uuid=f"GPU-synthetic-{r:04d}"
+        )
         for r in range(num_ranks)
     )
-    manifest_attempts.append(Attempt(attempt=attempt, start_step=start_step, started_ns=time.time_ns(), torch_version="synthetic", ranks=ranks))
+    manifest_attempts.append(
+        Attempt(
+            attempt=attempt, start_step=start_step, started_ns=time.time_ns(), torch_version="synthetic", ranks=ranks
+        )
+    )
     write_manifest(
         trace_dir,
         Manifest(
@@ -86,7 +99,11 @@ def write_synthetic_trace(
     files = []
     for rank in range(num_ranks):
         handle = open(trace_dir / rank_file_name(rank, attempt), "xb")
-        handle.write(make_header(rank=rank, attempt=attempt, world_size=num_ranks, sketch_k=sketch_k, seed=C.DEFAULT_SEED).tobytes())
+        handle.write(
+            make_header(
+                rank=rank, attempt=attempt, world_size=num_ranks, sketch_k=sketch_k, seed=C.DEFAULT_SEED
+            ).tobytes()
+        )
         files.append(handle)
     try:
         for lo in range(start_step, start_step + num_steps, chunk_steps):

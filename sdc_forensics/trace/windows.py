@@ -78,7 +78,9 @@ class _Cursor:
         while self.index < n:
             end = min(n, self.index + probe)
             steps = self.recs["step"][self.index : end]
-            hits = np.flatnonzero(self.mask[self.index : end] & (self.recs["kind"][self.index : end] == _STEP) & (steps >= pos))
+            hits = np.flatnonzero(
+                self.mask[self.index : end] & (self.recs["kind"][self.index : end] == _STEP) & (steps >= pos)
+            )
             if hits.size:
                 self.index += int(hits[0])
                 return int(steps[hits[0]])
@@ -92,7 +94,9 @@ class _Cursor:
         Returns a slice of record indices for a dense file, else a :class:`_Part`.
         """
         if self.dense_first is not None:
-            return slice(max(lo - self.dense_first, self.index), max(min(hi - self.dense_first, len(self.recs)), self.index))
+            return slice(
+                max(lo - self.dense_first, self.index), max(min(hi - self.dense_first, len(self.recs)), self.index)
+            )
         n, end, probe = len(self.recs), self.index, 4096
         while end < n:
             chunk = min(n, end + probe)

@@ -73,7 +73,9 @@ class RankTraceWriter:
         Path(trace_dir).mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
         self._file = open(self.path, "xb", buffering=0)  # never overwrite an earlier attempt
-        self._file.write(make_header(rank=rank, attempt=attempt, world_size=world_size, sketch_k=sketch_k, seed=seed).tobytes())
+        self._file.write(
+            make_header(rank=rank, attempt=attempt, world_size=world_size, sketch_k=sketch_k, seed=seed).tobytes()
+        )
 
     def new(self, kind: F.Kind, step: int, count: int = 1) -> np.ndarray:
         """Zeroed records of ``kind`` for ``step`` with the identity fields filled."""

@@ -64,8 +64,9 @@ class Series:
     whole_run: bool
 
 
-def plot_window(step_range: tuple[int, int] | None, first_divergent_step: int | None,
-                max_steps: int = MAX_PLOT_STEPS) -> tuple[int, int] | None:
+def plot_window(
+    step_range: tuple[int, int] | None, first_divergent_step: int | None, max_steps: int = MAX_PLOT_STEPS
+) -> tuple[int, int] | None:
     """The steps to plot: the whole run when it holds at most ``max_steps``; else a window of
     ``max_steps`` around the first divergent step (three quarters before it), or the last
     ``max_steps`` steps when there is none."""
@@ -82,7 +83,16 @@ def plot_window(step_range: tuple[int, int] | None, first_divergent_step: int | 
     return start, min(hi, start + max_steps - 1)
 
 
-_SERIES_FIELDS = ("flags", "loss", "local_norm", "reduced_norm", "nonfinite_local", "local_sketch", "reduced_sketch", "weights_digest")
+_SERIES_FIELDS = (
+    "flags",
+    "loss",
+    "local_norm",
+    "reduced_norm",
+    "nonfinite_local",
+    "local_sketch",
+    "reduced_sketch",
+    "weights_digest",
+)
 
 
 def incident_series(trace: Trace, window: tuple[int, int]) -> Series:
@@ -101,7 +111,9 @@ def incident_series(trace: Trace, window: tuple[int, int]) -> Series:
             loss = np.where(present, rec["loss"], np.nan)
             norm = np.where(has_grads, rec["local_norm"].astype(np.float64), np.nan)
             full = has_grads.all(axis=1) & ((rec["nonfinite_local"] == 0) | ~present).all(axis=1)  # (S,)
-            residual = tolerance.allreduce_residual(rec["local_sketch"][:, None, :, :], rec["reduced_sketch"], reduction)  # (S, R)
+            residual = tolerance.allreduce_residual(
+                rec["local_sketch"][:, None, :, :], rec["reduced_sketch"], reduction
+            )  # (S, R)
             local_norms = np.where(present, rec["local_norm"], 0.0)[:, None, :]  # (S, 1, R)
             tol = tolerance.allreduce_tolerance(grad_dtype, local_norms, rec["reduced_norm"], reduction)  # (S, R)
             ratio = np.where(full[:, None] & has_grads, residual / np.maximum(tol, 1e-300), np.nan)
@@ -123,9 +135,18 @@ def incident_series(trace: Trace, window: tuple[int, int]) -> Series:
         loss = norm = ratio = np.zeros((0, world))
         consensus = np.zeros((0, world), np.int8)
     bounds = trace.step_range()
-    return Series(steps=steps, present=present, loss=loss, grad_norm=norm, residual_ratio=ratio, consensus=consensus,
-                  audits=_audit_rows(trace, lo, hi), alarms=_alarm_rows(trace, lo, hi), window=(lo, hi),
-                  whole_run=bounds is not None and bounds[0] >= lo and bounds[1] <= hi)
+    return Series(
+        steps=steps,
+        present=present,
+        loss=loss,
+        grad_norm=norm,
+        residual_ratio=ratio,
+        consensus=consensus,
+        audits=_audit_rows(trace, lo, hi),
+        alarms=_alarm_rows(trace, lo, hi),
+        window=(lo, hi),
+        whole_run=bounds is not None and bounds[0] >= lo and bounds[1] <= hi,
+    )
 
 
 def _audit_rows(trace: Trace, lo: int, hi: int) -> np.ndarray:

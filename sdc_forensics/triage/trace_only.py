@@ -47,8 +47,20 @@ from sdc_forensics.trace.reader import Damage, StepWindow, Trace
 log = logging.getLogger(__name__)
 _MAX_OUTLIERS = 20
 # the record fields the window scan reads: copying only these halves the bytes moved per window
-_FIELDS = ("flags", "loss", "nonfinite_local", "nonfinite_reduced", "nonfinite_weights", "local_norm", "reduced_norm",
-           "reduced_digest", "weights_digest", "local_sketch", "reduced_sketch", "aux_digest")
+_FIELDS = (
+    "flags",
+    "loss",
+    "nonfinite_local",
+    "nonfinite_reduced",
+    "nonfinite_weights",
+    "local_norm",
+    "reduced_norm",
+    "reduced_digest",
+    "weights_digest",
+    "local_sketch",
+    "reduced_sketch",
+    "aux_digest",
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -133,7 +145,9 @@ def triage_trace(trace: Trace, options: TriageOptions | None = None) -> TriageRe
         evidence, num_checked, superseded, has_grads = fast
         path = scan.NUMBA
     else:
-        evidence, num_checked, superseded, has_grads = _scan_numpy(trace, options, grad_dtype, manifest.reduction, manifest.parallel)
+        evidence, num_checked, superseded, has_grads = _scan_numpy(
+            trace, options, grad_dtype, manifest.reduction, manifest.parallel
+        )
         path = scan.NUMPY
     log.info("triage: %s scan path", path)
     evidence += _audits(trace, options)
@@ -166,7 +180,11 @@ def _scan_numpy(trace: Trace, options: TriageOptions, grad_dtype: str, reduction
         superseded += int(window.superseded.sum())
         has_grads |= bool(((window.records["flags"] & int(F.Flag.HAS_GRADS)) != 0)[window.present].any())
         evidence += _nonfinite(window)
-        evidence += _allreduce(window, grad_dtype, reduction) if mesh is None else _reduce_scatter(window, grad_dtype, reduction, mesh)
+        evidence += (
+            _allreduce(window, grad_dtype, reduction)
+            if mesh is None
+            else _reduce_scatter(window, grad_dtype, reduction, mesh)
+        )
         evidence += state.scan(window)
         if rest is not None:
             evidence += rest.scan(window)
@@ -208,8 +226,12 @@ def _scan_fast(trace: Trace, options: TriageOptions, grad_dtype: str, reduction:
         for i in np.flatnonzero(window.events[rows] & EV_WEIGHTS):
             row = rows[i]
             last = int(window.pre_last[row])
-            state = _WeightState(world_size=trace.world_size, diverged=window.pre_diverged[:, row].copy(),
-                                 last_checked=None if last < 0 else last, first_step=scanner.first_step)
+            state = _WeightState(
+                world_size=trace.world_size,
+                diverged=window.pre_diverged[:, row].copy(),
+                last_checked=None if last < 0 else last,
+                first_step=scanner.first_step,
+            )
             evidence += state.scan(_row(exact, int(i)))
         if options.outliers and outlier_count < _MAX_OUTLIERS:
             hints = _outliers(exact, options.outlier_z)[: _MAX_OUTLIERS - outlier_count]
@@ -222,8 +244,13 @@ def _scan_fast(trace: Trace, options: TriageOptions, grad_dtype: str, reduction:
 
 def _row(window: StepWindow, row: int) -> StepWindow:
     pick = slice(row, row + 1)
-    return StepWindow(steps=window.steps[pick], present=window.present[pick], attempt=window.attempt[pick],
-                      superseded=window.superseded[pick], records=window.records[pick])
+    return StepWindow(
+        steps=window.steps[pick],
+        present=window.present[pick],
+        attempt=window.attempt[pick],
+        superseded=window.superseded[pick],
+        records=window.records[pick],
+    )
 
 
 def _ranks(mask_row: np.ndarray) -> tuple[int, ...]:
@@ -243,23 +270,45 @@ def _nonfinite(window: StepWindow) -> list[Evidence]:
         if any_local[row]:
             ranks = _ranks(local[row])
             counts = ", ".join(f"rank {r}: {int(rec['nonfinite_local'][row, r])}" for r in ranks)
-            out.append(Evidence(kind=EvidenceKind.NONFINITE, step=step, ranks=ranks, expected="0 NaN/Inf in the local gradient",
-                                found=counts, location=Location.LOCAL_COMPUTE,
-                                detail="NaN/Inf in the local gradient before the all-reduce"))
+            out.append(
+                Evidence(
+                    kind=EvidenceKind.NONFINITE,
+                    step=step,
+                    ranks=ranks,
+                    expected="0 NaN/Inf in the local gradient",
+                    found=counts,
+                    location=Location.LOCAL_COMPUTE,
+                    detail="NaN/Inf in the local gradient before the all-reduce",
+                )
+            )
             continue  # the reduced gradient and the weights inherit it
         if reduced[row].any():
             ranks = _ranks(reduced[row])
             everyone = len(ranks) == int(present[row].sum())
-            out.append(Evidence(kind=EvidenceKind.NONFINITE, step=step, ranks=() if everyone else ranks,
-                                expected="0 NaN/Inf in the reduced gradient (every local gradient was finite)",
-                                found=f"NaN/Inf on rank(s) {', '.join(map(str, ranks))}", location=Location.COLLECTIVE,
-                                detail="the all-reduce produced NaN/Inf from finite inputs"))
+            out.append(
+                Evidence(
+                    kind=EvidenceKind.NONFINITE,
+                    step=step,
+                    ranks=() if everyone else ranks,
+                    expected="0 NaN/Inf in the reduced gradient (every local gradient was finite)",
+                    found=f"NaN/Inf on rank(s) {', '.join(map(str, ranks))}",
+                    location=Location.COLLECTIVE,
+                    detail="the all-reduce produced NaN/Inf from finite inputs",
+                )
+            )
             continue
         ranks = _ranks(weights[row])
-        out.append(Evidence(kind=EvidenceKind.NONFINITE, step=step, ranks=ranks, expected="0 NaN/Inf in the updated weights",
-                            found=", ".join(f"rank {r}: {int(rec['nonfinite_weights'][row, r])}" for r in ranks),
-                            location=Location.OPTIMIZER_UPDATE,
-                            detail="NaN/Inf in the weights after an update with a finite reduced gradient"))
+        out.append(
+            Evidence(
+                kind=EvidenceKind.NONFINITE,
+                step=step,
+                ranks=ranks,
+                expected="0 NaN/Inf in the updated weights",
+                found=", ".join(f"rank {r}: {int(rec['nonfinite_weights'][row, r])}" for r in ranks),
+                location=Location.OPTIMIZER_UPDATE,
+                detail="NaN/Inf in the weights after an update with a finite reduced gradient",
+            )
+        )
     return out
 
 
@@ -287,16 +336,25 @@ def _allreduce(window: StepWindow, grad_dtype: str, reduction: str) -> list[Evid
         everyone = bool(bad[has_grads[row]].all())
         ranks = () if everyone else _ranks(bad)
         worst = int(np.argmax(np.where(bad, residual[row] / np.maximum(tol[row], 1e-300), -1)))
-        out.append(Evidence(
-            kind=EvidenceKind.ALLREDUCE_MISMATCH, step=step, ranks=ranks,
-            expected=f"reduced sketch = {reduction} of local sketches within {tol[row, worst]:.3g}; reduced digest "
-            f"{hex64(majority[row])} on every rank",
-            found=f"residual {residual[row, worst]:.3g} on rank {worst}"
-            + ("" if everyone else f"; reduced digest differs on rank(s) {', '.join(map(str, _ranks(minority[row]))) or 'none'}"),
-            location=Location.COLLECTIVE,
-            detail="every rank received the same wrong all-reduce result" if everyone
-            else "the all-reduce result on these ranks differs from what the local gradients sum to",
-        ))
+        out.append(
+            Evidence(
+                kind=EvidenceKind.ALLREDUCE_MISMATCH,
+                step=step,
+                ranks=ranks,
+                expected=f"reduced sketch = {reduction} of local sketches within {tol[row, worst]:.3g}; reduced digest "
+                f"{hex64(majority[row])} on every rank",
+                found=f"residual {residual[row, worst]:.3g} on rank {worst}"
+                + (
+                    ""
+                    if everyone
+                    else f"; reduced digest differs on rank(s) {', '.join(map(str, _ranks(minority[row]))) or 'none'}"
+                ),
+                location=Location.COLLECTIVE,
+                detail="every rank received the same wrong all-reduce result"
+                if everyone
+                else "the all-reduce result on these ranks differs from what the local gradients sum to",
+            )
+        )
     return out
 
 
@@ -314,7 +372,9 @@ def _reduce_scatter(window: StepWindow, grad_dtype: str, reduction: str, mesh: S
     # two, undone exactly here), the sum divided by the post-factor: a mean all the same
     undo = float(mesh.divide_factors()[0]) if mesh.divide_factors() is not None else 1.0
     local_sk = rec["local_sketch"].astype(np.float64) * undo
-    expected = local_sk.mean(axis=1, dtype=np.float64) if reduction == "mean" else local_sk.sum(axis=1, dtype=np.float64)
+    expected = (
+        local_sk.mean(axis=1, dtype=np.float64) if reduction == "mean" else local_sk.sum(axis=1, dtype=np.float64)
+    )
     local_norms = np.where(present, rec["local_norm"].astype(np.float64) * undo, 0.0)[:, None, :]  # (S, 1, R)
     over = np.zeros(has_grads.shape, dtype=bool)  # (S, R): the rank's replica does not add up
     residuals = np.zeros(has_grads.shape)
@@ -340,15 +400,26 @@ def _reduce_scatter(window: StepWindow, grad_dtype: str, reduction: str, mesh: S
         everyone = bool(bad[has_grads[row]].all())
         ranks = () if everyone else _ranks(bad)
         where = "; ".join(f"rank {r}: {mesh.where(r)}" for r in ranks)
-        out.append(Evidence(
-            kind=EvidenceKind.ALLREDUCE_MISMATCH, step=int(window.steps[row]), ranks=ranks, location=Location.COLLECTIVE,
-            expected=f"each shard of the reduced gradient = the {reduction} of that chunk of every rank's local gradient",
-            found=(f"the recorder's reduce-scatter check fired on {where}" if flagged[row].any() else
-                   f"the replicas of a shard hold different reduced digests ({where})" if minority[row].any() else
-                   f"the shards of a replica do not add up (residual {residuals[row].max():.3g}x the tolerance)"),
-            detail="the reduce-scatter (or the replicas' all-reduce) output on these ranks differs from what the local "
-                   "gradients sum to" if ranks else "the reduced gradient differs from what the local gradients sum to",
-        ))
+        out.append(
+            Evidence(
+                kind=EvidenceKind.ALLREDUCE_MISMATCH,
+                step=int(window.steps[row]),
+                ranks=ranks,
+                location=Location.COLLECTIVE,
+                expected=f"each shard of the reduced gradient = the {reduction} of that chunk of every rank's local gradient",
+                found=(
+                    f"the recorder's reduce-scatter check fired on {where}"
+                    if flagged[row].any()
+                    else f"the replicas of a shard hold different reduced digests ({where})"
+                    if minority[row].any()
+                    else f"the shards of a replica do not add up (residual {residuals[row].max():.3g}x the tolerance)"
+                ),
+                detail="the reduce-scatter (or the replicas' all-reduce) output on these ranks differs from what the local "
+                "gradients sum to"
+                if ranks
+                else "the reduced gradient differs from what the local gradients sum to",
+            )
+        )
     return out
 
 
@@ -359,7 +430,9 @@ def _saved_shards(trace: Trace) -> dict[tuple[int, int], np.ndarray]:
     """``(attempt, N) -> (R,)`` each rank's weight shard digest as its CHECKPOINT record of ``N`` noted it."""
     out: dict[tuple[int, int], np.ndarray] = {}
     for rec in trace.records(F.Kind.CHECKPOINT):
-        row = out.setdefault((int(rec["attempt"]), int(rec["step"])), np.full(trace.world_size, _NO_DIGEST, dtype=np.uint64))
+        row = out.setdefault(
+            (int(rec["attempt"]), int(rec["step"])), np.full(trace.world_size, _NO_DIGEST, dtype=np.uint64)
+        )
         if 0 <= int(rec["rank"]) < trace.world_size:
             row[int(rec["rank"])] = rec["weights_digest"]
     return out
@@ -376,7 +449,9 @@ class _RestState:
 
     world_size: int
     mesh: ShardMesh
-    saved: dict[tuple[int, int], np.ndarray] = dataclasses.field(default_factory=dict)  # (attempt, N) -> (R,) shards at checkpoint N
+    saved: dict[tuple[int, int], np.ndarray] = dataclasses.field(
+        default_factory=dict
+    )  # (attempt, N) -> (R,) shards at checkpoint N
     last: np.ndarray | None = None  # (R,) uint64 digest after the last update seen per rank
     last_step: np.ndarray | None = None  # (R,) int64 its step (-2: none)
     last_attempt: np.ndarray | None = None
@@ -401,25 +476,41 @@ class _RestState:
             changed = follows & (rec["aux_digest"][row] != before)
             if changed.any():
                 ranks = _ranks(changed)
-                out.append(Evidence(
-                    kind=EvidenceKind.WEIGHT_DIVERGENCE, step=step, ranks=ranks, location=Location.STATE_AT_REST, shared=True,
-                    reach=tuple(sorted({m for g in self.mesh.replicas() if set(g) & set(ranks) for m in g})),
-                    expected=", ".join(f"rank {r}: {hex64(int(before[r]))} (after step {step - 1}'s update, or as checkpoint "
-                                       f"{step} noted it)" for r in ranks),
-                    found=", ".join(f"rank {r}: {hex64(int(rec['aux_digest'][row, r]))} when step {step} began" for r in ranks),
-                    detail="this rank's weight shard changed at rest between two steps; its replica's ranks gathered it for "
-                    f"the forward, so their gradients at step {step} carry it ({'; '.join(self.mesh.where(r) for r in ranks)})",
-                ))
+                out.append(
+                    Evidence(
+                        kind=EvidenceKind.WEIGHT_DIVERGENCE,
+                        step=step,
+                        ranks=ranks,
+                        location=Location.STATE_AT_REST,
+                        shared=True,
+                        reach=tuple(sorted({m for g in self.mesh.replicas() if set(g) & set(ranks) for m in g})),
+                        expected=", ".join(
+                            f"rank {r}: {hex64(int(before[r]))} (after step {step - 1}'s update, or as checkpoint "
+                            f"{step} noted it)"
+                            for r in ranks
+                        ),
+                        found=", ".join(
+                            f"rank {r}: {hex64(int(rec['aux_digest'][row, r]))} when step {step} began" for r in ranks
+                        ),
+                        detail="this rank's weight shard changed at rest between two steps; its replica's ranks gathered it for "
+                        f"the forward, so their gradients at step {step} carry it ({'; '.join(self.mesh.where(r) for r in ranks)})",
+                    )
+                )
             gathered = present[row] & ((rec["flags"][row] & int(F.Flag.GATHER_DIVERGED)) != 0)
             if gathered.any():
                 ranks = _ranks(gathered)
-                out.append(Evidence(
-                    kind=EvidenceKind.WEIGHT_DIVERGENCE, step=step, ranks=ranks, location=Location.LOCAL_COMPUTE,
-                    expected=f"every rank gathers the same whole parameters for step {step}'s forward",
-                    found=f"the recorder's vote of the gathered parameters named {', '.join(f'rank {r}' for r in ranks)}",
-                    detail=f"these ranks computed step {step} with other parameters than the majority gathered (an all-gather "
-                    f"output, or a copy of it, changed on them: {'; '.join(self.mesh.where(r) for r in ranks)})",
-                ))
+                out.append(
+                    Evidence(
+                        kind=EvidenceKind.WEIGHT_DIVERGENCE,
+                        step=step,
+                        ranks=ranks,
+                        location=Location.LOCAL_COMPUTE,
+                        expected=f"every rank gathers the same whole parameters for step {step}'s forward",
+                        found=f"the recorder's vote of the gathered parameters named {', '.join(f'rank {r}' for r in ranks)}",
+                        detail=f"these ranks computed step {step} with other parameters than the majority gathered (an all-gather "
+                        f"output, or a copy of it, changed on them: {'; '.join(self.mesh.where(r) for r in ranks)})",
+                    )
+                )
             self.last = np.where(has_w[row], rec["weights_digest"][row], self.last)
             self.last_step = np.where(has_w[row], step, self.last_step)
             self.last_attempt = np.where(has_w[row], window.attempt[row], self.last_attempt)
@@ -431,7 +522,9 @@ class _WeightState:
     """Replica weight divergence across windows: onsets only, and the last checked step."""
 
     world_size: int
-    groups: list[tuple[int, ...]] | None = None  # ranks that hold the same weights (a sharded job's replicas of a shard); None: all
+    groups: list[tuple[int, ...]] | None = (
+        None  # ranks that hold the same weights (a sharded job's replicas of a shard); None: all
+    )
     diverged: np.ndarray | None = None  # (R,) bool, state at the last checked step
     last_checked: int | None = None
     first_step: int | None = None
@@ -455,13 +548,23 @@ class _WeightState:
             self.num_checked += 1
             split = voting[row] & ~has_majority[row]
             if split.any():
-                out.append(Evidence(kind=EvidenceKind.WEIGHT_DIVERGENCE, step=step, ranks=(),
-                                    expected="a strict majority of replicas with equal weights",
-                                    found=f"{len(set(rec['weights_digest'][row][split].tolist()))} distinct digests"
-                                    + ("" if self.groups is None else f" among ranks {', '.join(map(str, _ranks(split)))}"),
-                                    location=Location.UNKNOWN, detail="no strict majority of replica weights"
-                                    + ("" if self.groups is None else " (the replicas of a shard disagree and no vote can name "
-                                       "one: a replay can)")))
+                out.append(
+                    Evidence(
+                        kind=EvidenceKind.WEIGHT_DIVERGENCE,
+                        step=step,
+                        ranks=(),
+                        expected="a strict majority of replicas with equal weights",
+                        found=f"{len(set(rec['weights_digest'][row][split].tolist()))} distinct digests"
+                        + ("" if self.groups is None else f" among ranks {', '.join(map(str, _ranks(split)))}"),
+                        location=Location.UNKNOWN,
+                        detail="no strict majority of replica weights"
+                        + (
+                            ""
+                            if self.groups is None
+                            else " (the replicas of a shard disagree and no vote can name one: a replay can)"
+                        ),
+                    )
+                )
                 if self.groups is None or split.all():
                     self.last_checked = step
                     continue
@@ -472,13 +575,19 @@ class _WeightState:
                 # equal at the previous comparison: the fault happened after it
                 earliest = self.last_checked + 1 if self.last_checked is not None else self.first_step
                 found = ", ".join(f"rank {r}: {hex64(rec['weights_digest'][row, r])}" for r in ranks)
-                out.append(Evidence(
-                    kind=EvidenceKind.WEIGHT_DIVERGENCE, step=step, ranks=ranks,
-                    expected=f"weights digest {hex64(majority[row, ranks[0]])} (strict majority)", found=found,
-                    location=Location.UNKNOWN, earliest_step=earliest if earliest is not None and earliest < step else None,
-                    detail="this replica's weights after the update differ from the majority: a wrong update, "
-                    "or wrong weights at rest; replay tells them apart",
-                ))
+                out.append(
+                    Evidence(
+                        kind=EvidenceKind.WEIGHT_DIVERGENCE,
+                        step=step,
+                        ranks=ranks,
+                        expected=f"weights digest {hex64(majority[row, ranks[0]])} (strict majority)",
+                        found=found,
+                        location=Location.UNKNOWN,
+                        earliest_step=earliest if earliest is not None and earliest < step else None,
+                        detail="this replica's weights after the update differ from the majority: a wrong update, "
+                        "or wrong weights at rest; replay tells them apart",
+                    )
+                )
             self.diverged = now | (self.diverged & ~has_w[row])
             self.last_checked = step
         return out
@@ -522,25 +631,57 @@ def _audits(trace: Trace, options: TriageOptions) -> list[Evidence]:
         losers = tuple(r for r, v in votes if v != winner)
         if losers:
             if not strict:
-                out.append(Evidence(kind=EvidenceKind.AUDIT_MISMATCH, step=step, ranks=(subject,),
-                                    expected="the subject and its auditor agree", found=f"{len(set(values))} different gradient digests, no third vote",
-                                    location=Location.UNKNOWN, detail=f"audit of rank {subject}'s microbatch is unresolved; a replay decides"))
+                out.append(
+                    Evidence(
+                        kind=EvidenceKind.AUDIT_MISMATCH,
+                        step=step,
+                        ranks=(subject,),
+                        expected="the subject and its auditor agree",
+                        found=f"{len(set(values))} different gradient digests, no third vote",
+                        location=Location.UNKNOWN,
+                        detail=f"audit of rank {subject}'s microbatch is unresolved; a replay decides",
+                    )
+                )
             elif subject in losers:
-                out.append(Evidence(kind=EvidenceKind.AUDIT_MISMATCH, step=step, ranks=(subject,), expected=hex64(winner),
-                                    found=hex64(votes[0][1]), location=Location.LOCAL_COMPUTE,
-                                    detail=f"rank {subject}'s own gradient lost the audit vote {values.count(winner)} to {len(values) - values.count(winner)}"))
+                out.append(
+                    Evidence(
+                        kind=EvidenceKind.AUDIT_MISMATCH,
+                        step=step,
+                        ranks=(subject,),
+                        expected=hex64(winner),
+                        found=hex64(votes[0][1]),
+                        location=Location.LOCAL_COMPUTE,
+                        detail=f"rank {subject}'s own gradient lost the audit vote {values.count(winner)} to {len(values) - values.count(winner)}",
+                    )
+                )
             else:
-                out.append(Evidence(kind=EvidenceKind.AUDIT_MISMATCH, step=step, ranks=losers, expected=hex64(winner),
-                                    found=", ".join(hex64(v) for r, v in votes if r in losers), location=Location.LOCAL_COMPUTE,
-                                    affects_state=False,
-                                    detail="the auditor's recomputation was wrong; the training state was not affected"))
+                out.append(
+                    Evidence(
+                        kind=EvidenceKind.AUDIT_MISMATCH,
+                        step=step,
+                        ranks=losers,
+                        expected=hex64(winner),
+                        found=", ".join(hex64(v) for r, v in votes if r in losers),
+                        location=Location.LOCAL_COMPUTE,
+                        affects_state=False,
+                        detail="the auditor's recomputation was wrong; the training state was not affected",
+                    )
+                )
         subject_input = subject_inputs.get((step, subject))
         for audit in group:
             audited_input = int(audit["input_digest"])
             if audited_input and subject_input is not None and audited_input != subject_input:
-                out.append(Evidence(kind=EvidenceKind.INPUT_MISMATCH, step=step, ranks=(subject,), expected=hex64(audited_input),
-                                    found=hex64(subject_input), location=Location.INPUT_DATA,
-                                    detail=f"rank {int(audit['rank'])} fetched rank {subject}'s microbatch with a different input digest"))
+                out.append(
+                    Evidence(
+                        kind=EvidenceKind.INPUT_MISMATCH,
+                        step=step,
+                        ranks=(subject,),
+                        expected=hex64(audited_input),
+                        found=hex64(subject_input),
+                        location=Location.INPUT_DATA,
+                        detail=f"rank {int(audit['rank'])} fetched rank {subject}'s microbatch with a different input digest",
+                    )
+                )
                 break
     return out
 
@@ -554,7 +695,9 @@ def _audited_windows(trace: Trace, options: TriageOptions, steps_needed: np.ndar
     if lo is not None and trace.kernels() is not None:
         bounds = trace.step_range()
         if bounds is not None and max(lo, bounds[0]) <= min(hi, bounds[1]):
-            scanner = scan.StepScan.open(trace, max(lo, bounds[0]), min(hi, bounds[1]), options.window_steps, full=False)
+            scanner = scan.StepScan.open(
+                trace, max(lo, bounds[0]), min(hi, bounds[1]), options.window_steps, full=False
+            )
     if scanner is None:
         yield from trace.step_windows(options.window_steps, lo, hi, fields=("input_digest",))
         return
@@ -596,10 +739,19 @@ def _outliers(window: StepWindow, threshold: float) -> list[Evidence]:
             hit = ((z > threshold) & far) | overflow
             for row, rank in zip(*np.nonzero(hit)):
                 shown = f"{raw[row, rank]:.4g}" + ("" if overflow[row, rank] else f" (robust z {z[row, rank]:.1f})")
-                out.append(Evidence(kind=EvidenceKind.OUTLIER, step=int(window.steps[row]), ranks=(int(rank),),
-                                    expected=f"{what} near the ranks' median {float(median[row, 0]):.4g}", found=shown,
-                                    location=Location.UNKNOWN, affects_state=False, strength=Strength.WEAK,
-                                    detail=f"{what} is an outlier across ranks (a hint only)"))
+                out.append(
+                    Evidence(
+                        kind=EvidenceKind.OUTLIER,
+                        step=int(window.steps[row]),
+                        ranks=(int(rank),),
+                        expected=f"{what} near the ranks' median {float(median[row, 0]):.4g}",
+                        found=shown,
+                        location=Location.UNKNOWN,
+                        affects_state=False,
+                        strength=Strength.WEAK,
+                        detail=f"{what} is an outlier across ranks (a hint only)",
+                    )
+                )
     return out
 
 
@@ -618,11 +770,19 @@ def audit_votes(audits: np.ndarray):
     steps, subjects = audits["step"], audits["aux_rank"].astype(np.int64)
     order = np.lexsort((subjects, steps))  # stable: a group keeps its records' order in ``audits``
     steps, subjects = steps[order], subjects[order]
-    starts = np.flatnonzero(np.r_[True, (steps[1:] != steps[:-1]) | (subjects[1:] != subjects[:-1])]) if len(order) else order
+    starts = (
+        np.flatnonzero(np.r_[True, (steps[1:] != steps[:-1]) | (subjects[1:] != subjects[:-1])])
+        if len(order)
+        else order
+    )
     ends = np.r_[starts[1:], len(order)]
-    for start, end in zip(starts, ends):  # one group per (step, subject), in that order: O(N log N), not a scan per group
+    for start, end in zip(
+        starts, ends
+    ):  # one group per (step, subject), in that order: O(N log N), not a scan per group
         step, subject = steps[start], subjects[start]
         group = audits[np.sort(order[start:end])]
-        votes = [(int(subject), int(group["aux_digest"][0]))] + [(int(a["rank"]), int(a["local_digest"])) for a in group]
+        votes = [(int(subject), int(group["aux_digest"][0]))] + [
+            (int(a["rank"]), int(a["local_digest"])) for a in group
+        ]
         winner, _ = vote([v for _, v in votes])
         yield int(step), int(subject), group, votes, winner, winner is not None

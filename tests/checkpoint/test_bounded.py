@@ -81,7 +81,14 @@ class _Tensor:
     def __reduce__(self):
         import collections
 
-        return torch._utils._rebuild_tensor_v2, (self.storage, 0, (self.storage.numel,), (1,), False, collections.OrderedDict())
+        return torch._utils._rebuild_tensor_v2, (
+            self.storage,
+            0,
+            (self.storage.numel,),
+            (1,),
+            False,
+            collections.OrderedDict(),
+        )
 
 
 class _RunsCode:
@@ -115,7 +122,9 @@ def _deflated_zeros(num_mib: int) -> tuple[bytes, int]:
     return one * num_mib + compressor.flush(), crc
 
 
-def _torch_zip(path: Path, *, numel: int, storage: bytes, pkl: bytes | None = None, deflate: str = "", zeros_mib: int = 0) -> Path:
+def _torch_zip(
+    path: Path, *, numel: int, storage: bytes, pkl: bytes | None = None, deflate: str = "", zeros_mib: int = 0
+) -> Path:
     """A torch.save-layout archive written member by member. ``deflate`` names the member
     (``data/0`` or ``data.pkl``) to compress; with ``zeros_mib`` it holds that many MiB of zeros,
     written pre-compressed (0.5 MB for 512 MiB)."""
@@ -227,10 +236,28 @@ def corpus(tmp_path_factory) -> dict[str, Case]:
     tmp = tmp_path_factory.mktemp("bounded")
     cases: list[Case] = []
 
-    def add(name: str, target: Path, code: int, says: str, *, extra: tuple[str, ...] = (), max_mb: float = 64, max_s: float = 20,
-            watch: Path | None = None) -> None:
-        cases.append(Case(name=name, args=("verify-checkpoint", str(target), *extra), code=code, says=says, max_mb=max_mb, max_s=max_s,
-                          watch=watch or target))
+    def add(
+        name: str,
+        target: Path,
+        code: int,
+        says: str,
+        *,
+        extra: tuple[str, ...] = (),
+        max_mb: float = 64,
+        max_s: float = 20,
+        watch: Path | None = None,
+    ) -> None:
+        cases.append(
+            Case(
+                name=name,
+                args=("verify-checkpoint", str(target), *extra),
+                code=code,
+                says=says,
+                max_mb=max_mb,
+                max_s=max_s,
+                watch=watch or target,
+            )
+        )
 
     add("small-valid-file", _save(tmp / "small.pt", {"w": torch.ones(8)}), 0, "VERIFIED")
 
@@ -245,14 +272,18 @@ def corpus(tmp_path_factory) -> dict[str, Case]:
     add("expand-2^24-over-a-lower-limit", path, 3, "--max-inflate-bytes", extra=("--max-inflate-bytes", "32MiB"))
 
     # zip bombs: never inflated in full
-    bomb = _torch_zip(tmp / "bomb.pt", numel=2**27, storage=b"", deflate="data/0", zeros_mib=512)  # the issue's 0.5 MB -> 512 MiB
+    bomb = _torch_zip(
+        tmp / "bomb.pt", numel=2**27, storage=b"", deflate="data/0", zeros_mib=512
+    )  # the issue's 0.5 MB -> 512 MiB
     add("zip-storage-0.5MB-to-512MiB", bomb, 3, "is compressed")
     path = _torch_zip(tmp / "pkl-declared.pt", numel=4, storage=bytes(16), deflate="data.pkl")
     _patch_member(path, "archive/data.pkl", size=512 * MiB)
     add("zip-pickle-declares-512MiB", path, 3, "declares 512.0 MiB")
     path = _torch_zip(tmp / "pkl-lying.pt", numel=4, storage=bytes(16), pkl=b"", deflate="data.pkl", zeros_mib=64)
     _patch_member(path, "archive/data.pkl", size=1024)
-    add("zip-pickle-inflates-past-its-declared-size", path, 3, "CRC-32 of member archive/data.pkl does not match")  # read to 1 KiB only
+    add(
+        "zip-pickle-inflates-past-its-declared-size", path, 3, "CRC-32 of member archive/data.pkl does not match"
+    )  # read to 1 KiB only
 
     # many tensors: linear, and refused past --max-tensors before the parse
     many_small = _safetensors_many(tmp / "many25k.safetensors", 25_000)
@@ -261,22 +292,42 @@ def corpus(tmp_path_factory) -> dict[str, Case]:
     add("safetensors-100k-empty-tensors", many, 0, "VERIFIED", max_mb=150, max_s=60)
     add("safetensors-100k-over-max-tensors", many, 3, "--max-tensors", extra=("--max-tensors", "50000"))
     huge = _safetensors_many(tmp / "many1500k.safetensors", 1_500_000)  # the issue's ~99 MB header (here 90 MB)
-    add("safetensors-1.5M-entry-90MB-header", huge, 3, "--max-tensors", max_mb=2.5 * huge.stat().st_size / MiB + 64, max_s=30)
+    add(
+        "safetensors-1.5M-entry-90MB-header",
+        huge,
+        3,
+        "--max-tensors",
+        max_mb=2.5 * huge.stat().st_size / MiB + 64,
+        max_s=30,
+    )
 
     # DCP: the issue's 20,000 one-element chunks (2.4 MB of metadata): the tiling check is linear now;
     # and our own: items sharing bytes, tensors sharing one chunk list, chunks larger than their items
-    for layout, chunks, says in (("overlap", 20_000, "overlap"), ("tiling", 20_000, "not a torch.save archive"), ("shared", 2_000, "share bytes"),
-                                 ("shared-list", 2_000, "shares its chunk list"), ("bigger-than-item", 2, "more than the 4 bytes of its item")):
+    for layout, chunks, says in (
+        ("overlap", 20_000, "overlap"),
+        ("tiling", 20_000, "not a torch.save archive"),
+        ("shared", 2_000, "share bytes"),
+        ("shared-list", 2_000, "shares its chunk list"),
+        ("bigger-than-item", 2, "more than the 4 bytes of its item"),
+    ):
         add(f"dcp-{chunks}-chunks-{layout}", _dcp(tmp / f"dcp-{layout}", chunks=chunks, layout=layout), 3, says)
 
     # a pickle that refers to the same lists over and over: 2^30 paths to walk from a 2 KB file
     add("pickle-bomb-shared-lists", _pickle_bomb(tmp / "bomb-lists.pt"), 3, "pickle bomb")
 
     # numpy RNG state: refused by default, naming the opt-in; accepted with it; the opt-in allows nothing else
-    rng = _save(tmp / "rng_state.pth", {"python": __import__("random").getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()})
+    rng = _save(
+        tmp / "rng_state.pth",
+        {"python": __import__("random").getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()},
+    )
     add("numpy-rng-refused-by-default", rng, 3, "--allow-numpy")
     add("numpy-rng-with-allow-numpy", rng, 0, "VERIFIED", extra=("--allow-numpy",))
-    evil = _torch_zip(tmp / "numpy-and-os.pt", numel=4, storage=bytes(16), pkl=pickle.dumps({"rng": np.random.get_state(), "x": _RunsCode()}, protocol=2))
+    evil = _torch_zip(
+        tmp / "numpy-and-os.pt",
+        numel=4,
+        storage=bytes(16),
+        pkl=pickle.dumps({"rng": np.random.get_state(), "x": _RunsCode()}, protocol=2),
+    )
     add("allow-numpy-still-refuses-os-system", evil, 3, f"{os.system.__module__}.system", extra=("--allow-numpy",))
 
     # symbolic links: a hub cache snapshot is followed; a link out of the checkpoint only into --allow-root
@@ -290,13 +341,28 @@ def corpus(tmp_path_factory) -> dict[str, Case]:
     linked.mkdir()
     os.symlink(outside / "model.safetensors", linked / "model.safetensors")
     add("model-linked-out-of-the-folder", linked, 3, "--allow-root", watch=tmp / "elsewhere")
-    add("model-linked-out-with-allow-root", linked, 0, "VERIFIED", extra=("--allow-root", str(outside)), watch=tmp / "elsewhere")
+    add(
+        "model-linked-out-with-allow-root",
+        linked,
+        0,
+        "VERIFIED",
+        extra=("--allow-root", str(outside)),
+        watch=tmp / "elsewhere",
+    )
     sharded = tmp / "sharded"
     sharded.mkdir()
     save_file({"w": torch.ones(3)}, outside / "model-00001-of-00001.safetensors")
     os.symlink(outside / "model-00001-of-00001.safetensors", sharded / "model-00001-of-00001.safetensors")
-    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "model-00001-of-00001.safetensors"}}))
-    add("hf-index-shard-linked-out", sharded / "model.safetensors.index.json", 3, "--allow-root", watch=tmp / "elsewhere")
+    (sharded / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"w": "model-00001-of-00001.safetensors"}})
+    )
+    add(
+        "hf-index-shard-linked-out",
+        sharded / "model.safetensors.index.json",
+        3,
+        "--allow-root",
+        watch=tmp / "elsewhere",
+    )
     dcp_linked = tmp / "dcp-linked"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -307,7 +373,14 @@ def corpus(tmp_path_factory) -> dict[str, Case]:
     shutil.move(data, outside / data.name)
     os.symlink(outside / data.name, data)
     add("dcp-data-file-linked-out", dcp_linked, 3, "--allow-root", watch=tmp / "elsewhere")
-    add("dcp-data-file-linked-out-with-allow-root", dcp_linked, 0, "VERIFIED", extra=("--allow-root", str(outside)), watch=tmp / "elsewhere")
+    add(
+        "dcp-data-file-linked-out-with-allow-root",
+        dcp_linked,
+        0,
+        "VERIFIED",
+        extra=("--allow-root", str(outside)),
+        watch=tmp / "elsewhere",
+    )
     return {case.name: case for case in cases}
 
 
@@ -394,28 +467,58 @@ def ran(corpus, tmp_path_factory) -> dict[str, Ran]:
     before = {name: tree_sha256(corpus[name].watch) for name in names}
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "COLUMNS": "200"}  # numpy's BLAS pool: no idle thread across fork
     warm = [list(corpus[n].args) for n in names if corpus[n].code == 0]
-    subprocess.run([sys.executable, "-c", _DRIVER, json.dumps([list(corpus[n].args) for n in names]), str(out), json.dumps(warm)],
-                   check=True, env=env, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    subprocess.run(
+        [sys.executable, "-c", _DRIVER, json.dumps([list(corpus[n].args) for n in names]), str(out), json.dumps(warm)],
+        check=True,
+        env=env,
+        timeout=600,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     results = {}
     for i, name in enumerate(names):
         doc = json.loads((out / f"{i}.json").read_text())
-        results[name] = Ran(code=doc["code"], peak_mb=doc["peak_mb"], wall_s=doc["wall_s"], stdout=(out / f"{i}.stdout").read_text(),
-                            stderr=(out / f"{i}.stderr").read_text(), unchanged=tree_sha256(corpus[name].watch) == before[name])
+        results[name] = Ran(
+            code=doc["code"],
+            peak_mb=doc["peak_mb"],
+            wall_s=doc["wall_s"],
+            stdout=(out / f"{i}.stdout").read_text(),
+            stderr=(out / f"{i}.stderr").read_text(),
+            unchanged=tree_sha256(corpus[name].watch) == before[name],
+        )
     lines = [f"{name:45s} exit {r.code}  peak {r.peak_mb:7.1f} MiB  {r.wall_s:6.2f} s" for name, r in results.items()]
     print("\n" + "\n".join(lines))  # the figures, with -s
     return results
 
 
 CASE_NAMES = [
-    "small-valid-file", "expand-2^28", "expand-2^36", "expand-2^24-under-the-limit", "expand-2^24-over-a-lower-limit",
-    "zip-storage-0.5MB-to-512MiB", "zip-pickle-declares-512MiB", "zip-pickle-inflates-past-its-declared-size",
-    "safetensors-25k-empty-tensors", "safetensors-100k-empty-tensors", "safetensors-100k-over-max-tensors",
+    "small-valid-file",
+    "expand-2^28",
+    "expand-2^36",
+    "expand-2^24-under-the-limit",
+    "expand-2^24-over-a-lower-limit",
+    "zip-storage-0.5MB-to-512MiB",
+    "zip-pickle-declares-512MiB",
+    "zip-pickle-inflates-past-its-declared-size",
+    "safetensors-25k-empty-tensors",
+    "safetensors-100k-empty-tensors",
+    "safetensors-100k-over-max-tensors",
     "safetensors-1.5M-entry-90MB-header",
-    "dcp-20000-chunks-overlap", "dcp-20000-chunks-tiling", "dcp-2000-chunks-shared", "dcp-2000-chunks-shared-list",
-    "dcp-2-chunks-bigger-than-item", "pickle-bomb-shared-lists",
-    "numpy-rng-refused-by-default", "numpy-rng-with-allow-numpy", "allow-numpy-still-refuses-os-system",
-    "hub-snapshot-folder", "hub-snapshot-file", "model-linked-out-of-the-folder", "model-linked-out-with-allow-root",
-    "hf-index-shard-linked-out", "dcp-data-file-linked-out", "dcp-data-file-linked-out-with-allow-root",
+    "dcp-20000-chunks-overlap",
+    "dcp-20000-chunks-tiling",
+    "dcp-2000-chunks-shared",
+    "dcp-2000-chunks-shared-list",
+    "dcp-2-chunks-bigger-than-item",
+    "pickle-bomb-shared-lists",
+    "numpy-rng-refused-by-default",
+    "numpy-rng-with-allow-numpy",
+    "allow-numpy-still-refuses-os-system",
+    "hub-snapshot-folder",
+    "hub-snapshot-file",
+    "model-linked-out-of-the-folder",
+    "model-linked-out-with-allow-root",
+    "hf-index-shard-linked-out",
+    "dcp-data-file-linked-out",
+    "dcp-data-file-linked-out-with-allow-root",
 ]
 
 
@@ -440,7 +543,9 @@ def test_hostile_case_exit_code_memory_and_time(corpus, ran, name):
         assert result.peak_mb < BASELINE_MAX_MB, f"{name}: peak {result.peak_mb:.1f} MiB >= {BASELINE_MAX_MB} MiB"
     else:  # what the input costs beyond verifying a tiny valid file through the same CLI, in this environment
         excess = result.peak_mb - ran[BASELINE].peak_mb
-        assert excess < case.max_mb, f"{name}: peak {result.peak_mb:.1f} MiB, {excess:.1f} over {BASELINE} >= {case.max_mb} MiB"
+        assert excess < case.max_mb, (
+            f"{name}: peak {result.peak_mb:.1f} MiB, {excess:.1f} over {BASELINE} >= {case.max_mb} MiB"
+        )
     assert result.wall_s < case.max_s, f"{name}: {result.wall_s:.1f} s >= {case.max_s} s"
     assert result.unchanged, "the input files changed"
 

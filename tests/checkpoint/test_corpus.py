@@ -49,8 +49,24 @@ def good_st(tmp_path) -> Path:
 def test_truncated_safetensors_at_many_offsets(good_st, tmp_path):
     raw = good_st.read_bytes()
     header_len = struct.unpack("<Q", raw[:8])[0]
-    offsets = sorted({0, 1, 4, 7, 8, 9, 8 + header_len // 2, 8 + header_len - 1, 8 + header_len, 8 + header_len + 1,
-                      8 + header_len + 100, (len(raw) + 8 + header_len) // 2, len(raw) - 4, len(raw) - 1})
+    offsets = sorted(
+        {
+            0,
+            1,
+            4,
+            7,
+            8,
+            9,
+            8 + header_len // 2,
+            8 + header_len - 1,
+            8 + header_len,
+            8 + header_len + 1,
+            8 + header_len + 100,
+            (len(raw) + 8 + header_len) // 2,
+            len(raw) - 4,
+            len(raw) - 1,
+        }
+    )
     for cut in offsets:
         path = tmp_path / f"cut-{cut}.safetensors"
         path.write_bytes(raw[:cut])
@@ -99,7 +115,9 @@ def _index(tmp_path: Path, weight_map: dict) -> Path:
     folder.mkdir()
     save_file({"a": torch.ones(4)}, folder / "model-00001-of-00002.safetensors")
     save_file({"b": torch.ones(2)}, folder / "model-00002-of-00002.safetensors")
-    (folder / "model.safetensors.index.json").write_text(__import__("json").dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "model.safetensors.index.json").write_text(
+        __import__("json").dumps({"metadata": {}, "weight_map": weight_map})
+    )
     return folder
 
 
@@ -111,8 +129,14 @@ def test_index_naming_missing_shard(tmp_path):
 
 
 def test_index_naming_tensor_absent_from_its_shard(tmp_path):
-    folder = _index(tmp_path, {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors",
-                               "c": "model-00002-of-00002.safetensors"})
+    folder = _index(
+        tmp_path,
+        {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00002-of-00002.safetensors",
+            "c": "model-00002-of-00002.safetensors",
+        },
+    )
     line = _run_bad(folder)
     assert "'c'" in line and "does not hold it" in line
 
@@ -128,7 +152,9 @@ def _dcp(tmp_path: Path) -> Path:
 
     folder = tmp_path / "dcp"
     with pytest.warns(UserWarning):
-        dcp.save({"model": {"w": torch.randn(8, 4), "b": torch.zeros(4)}, "step": 3}, checkpoint_id=str(folder), no_dist=True)
+        dcp.save(
+            {"model": {"w": torch.randn(8, 4), "b": torch.zeros(4)}, "step": 3}, checkpoint_id=str(folder), no_dist=True
+        )
     return folder
 
 
@@ -175,8 +201,7 @@ def test_raw_pickle_pt_is_never_unpickled(tmp_path):
 
 def test_evil_pickle_hidden_with_memo_is_still_seen():
     """STACK_GLOBAL whose module string comes through the memo (BINGET) is resolved too."""
-    payload = (b"\x80\x04" b"\x8c\x02os\x94" b"\x8c\x06getcwd\x94" b"\x93" b"0"
-               b"h\x00" b"\x8c\x06system\x94" b"\x93" b"0" b"N.")
+    payload = b"\x80\x04\x8c\x02os\x94\x8c\x06getcwd\x94\x930h\x00\x8c\x06system\x94\x930N."
     assert pickle_globals(payload) == ["os.getcwd", "os.system"]
 
 

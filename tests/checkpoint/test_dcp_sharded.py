@@ -54,8 +54,9 @@ def _job(rank: int, out: str) -> None:
     full = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
     if rank == 0:
         torch.save(full, Path(out, "full.pt"))
-        Path(out, "noted.json").write_text(json.dumps({"fsdp4": noted, "hsdp2x2": resaved, "weights_at_step_0": str(at_step_0),
-                                                       "plain": plain}))
+        Path(out, "noted.json").write_text(
+            json.dumps({"fsdp4": noted, "hsdp2x2": resaved, "weights_at_step_0": str(at_step_0), "plain": plain})
+        )
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +105,12 @@ def test_each_dcp_directory_verifies_against_the_digests_noted_in_the_job(job, s
 
 
 def test_verify_checkpoint_reads_the_resharded_directory(job):
-    result = subprocess.run([sys.executable, "-m", "sdc_forensics", "verify-checkpoint", str(job / "hsdp2x2"), "--json"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "sdc_forensics", "verify-checkpoint", str(job / "hsdp2x2"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
     noted = json.loads((job / "noted.json").read_text())["fsdp4"]

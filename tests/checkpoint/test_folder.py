@@ -72,10 +72,16 @@ def _trainer_checkpoint(folder: Path, step: int = 500) -> Path:
     save_file(model.state_dict(), folder / "model.safetensors", metadata={"format": "pt"})
     torch.save(optimizer.state_dict(), folder / "optimizer.pt")
     torch.save(scheduler.state_dict(), folder / "scheduler.pt")
-    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}, folder / "rng_state.pth")
-    (folder / "trainer_state.json").write_text(json.dumps(
-        {"global_step": step, "epoch": 1.0, "log_history": [{"loss": 1.5, "step": step}], "best_metric": None}, indent=2
-    ))
+    torch.save(
+        {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()},
+        folder / "rng_state.pth",
+    )
+    (folder / "trainer_state.json").write_text(
+        json.dumps(
+            {"global_step": step, "epoch": 1.0, "log_history": [{"loss": 1.5, "step": step}], "best_metric": None},
+            indent=2,
+        )
+    )
     torch.save(TrainingArguments(), folder / "training_args.bin")
     (folder / "config.json").write_text(json.dumps({"architectures": ["Mlp"], "torch_dtype": "float32"}))
     return folder
@@ -118,7 +124,9 @@ def test_nan_in_optimizer_pt_of_a_folder_is_not_certifiable(tmp_path):
     assert result.exit_code == 1
     assert "NOT CERTIFIABLE" in result.stderr and "optimizer.pt" in result.stderr.split("NOT CERTIFIABLE")[1]
     doc = json.loads(result.stdout)
-    assert [(f["kind"], f["subject"]) for f in doc["report"]["findings"]] == [("nonfinite", "optimizer.pt/state.0.exp_avg")]
+    assert [(f["kind"], f["subject"]) for f in doc["report"]["findings"]] == [
+        ("nonfinite", "optimizer.pt/state.0.exp_avg")
+    ]
 
 
 def test_unknown_binary_file_is_not_verifiable(tmp_path):
@@ -142,7 +150,13 @@ def test_transformers_trainer_checkpoint_folder(tmp_path):
     report = verify_checkpoint(folder)
     assert report.step == 500  # from trainer_state.json: the safetensors file does not say
     assert {f.name for f in report.files} == {
-        "model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json", "training_args.bin", "config.json",
+        "model.safetensors",
+        "optimizer.pt",
+        "scheduler.pt",
+        "rng_state.pth",
+        "trainer_state.json",
+        "training_args.bin",
+        "config.json",
     }
     kinds = _kinds(report)
     # the pickled TrainingArguments: the job's configuration, never loaded at resume; checksummed
@@ -170,17 +184,25 @@ def test_hf_index_folder_with_trainer_files(tmp_path):
     folder.mkdir()
     save_file({"a": torch.ones(4)}, folder / "model-00001-of-00002.safetensors")
     save_file({"b": torch.zeros(2, 2)}, folder / "model-00002-of-00002.safetensors")
-    (folder / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": 32}, "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
-    ))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "metadata": {"total_size": 32},
+                "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"},
+            }
+        )
+    )
     torch.save({"state": {0: {"exp_avg": torch.tensor([1.0, float("inf")])}}}, folder / "optimizer.pt")
     torch.save({"last_epoch": 7}, folder / "scheduler.pt")
-    (folder / "generation_config.json").write_text("{\"do_sample\": false}")
-    (folder / "trainer_state.json").write_text("{\"global_step\": 7, \"log_hist")  # truncated
+    (folder / "generation_config.json").write_text('{"do_sample": false}')
+    (folder / "trainer_state.json").write_text('{"global_step": 7, "log_hist')  # truncated
     report = verify_checkpoint(folder)
     assert report.format == "hf-index"
     assert {"a", "b", "optimizer.pt/state.0.exp_avg"} <= {t.key for t in report.tensors}
-    assert _kinds(report) == {"trainer_state.json": FindingKind.FILE_DAMAGED, "optimizer.pt/state.0.exp_avg": FindingKind.NONFINITE}
+    assert _kinds(report) == {
+        "trainer_state.json": FindingKind.FILE_DAMAGED,
+        "optimizer.pt/state.0.exp_avg": FindingKind.NONFINITE,
+    }
     assert len(report.files) == 7
 
 
@@ -193,8 +215,10 @@ def test_damaged_and_refused_torch_files_are_findings_not_errors(tmp_path):
     torch.save({"x": torch.ones(3)}, folder / "legacy.pt", _use_new_zipfile_serialization=False)
     report = verify_checkpoint(folder)
     assert _kinds(report) == {
-        "optimizer.pt": FindingKind.FILE_DAMAGED, "scaler.pt": FindingKind.FILE_DAMAGED,
-        "notes.bin": FindingKind.NOT_VERIFIABLE, "legacy.pt": FindingKind.NOT_VERIFIABLE,
+        "optimizer.pt": FindingKind.FILE_DAMAGED,
+        "scaler.pt": FindingKind.FILE_DAMAGED,
+        "notes.bin": FindingKind.NOT_VERIFIABLE,
+        "legacy.pt": FindingKind.NOT_VERIFIABLE,
     }
     assert "legacy raw pickle" in next(f.detail for f in report.findings if f.subject == "legacy.pt")
 
@@ -317,7 +341,11 @@ def test_quantized_or_sparse_optimizer_pt_is_not_verifiable_not_damaged(tmp_path
     folder = _hf_folder(tmp_path / "ckpt")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch deprecates quantized tensor creation
-        tensor = torch.quantize_per_tensor(torch.randn(8), 0.1, 0, torch.qint8) if kind == "quantized" else torch.eye(3).to_sparse()
+        tensor = (
+            torch.quantize_per_tensor(torch.randn(8), 0.1, 0, torch.qint8)
+            if kind == "quantized"
+            else torch.eye(3).to_sparse()
+        )
     torch.save({"state": {0: {"exp_avg": tensor}}, "param_groups": []}, folder / "optimizer.pt")
     report = verify_checkpoint(folder)
     assert _kinds(report) == {"optimizer.pt": FindingKind.NOT_VERIFIABLE}

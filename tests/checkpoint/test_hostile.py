@@ -72,8 +72,11 @@ def _raw_safetensors(path: Path, header: bytes, data: bytes = b"") -> Path:
     return path
 
 
-@pytest.mark.parametrize("header", [b"[" * 100_000 + b"]" * 100_000, b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"],
-                         ids=["top-level", "in-an-entry"])
+@pytest.mark.parametrize(
+    "header",
+    [b"[" * 100_000 + b"]" * 100_000, b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"],
+    ids=["top-level", "in-an-entry"],
+)
 def test_safetensors_header_nested_deeper_than_python_decodes(tmp_path, header):
     """``safetensors_reader._parse``: was ``RecursionError``."""
     assert "nested too deeply" in _run_bad(_raw_safetensors(tmp_path / "x.safetensors", header))
@@ -133,7 +136,9 @@ def dcp_source(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("dcp") / "src"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save({"model": {"w": torch.randn(8, 4), "b": torch.zeros(4)}, "step": 3}, checkpoint_id=str(folder), no_dist=True)
+        dcp.save(
+            {"model": {"w": torch.randn(8, 4), "b": torch.zeros(4)}, "step": 3}, checkpoint_id=str(folder), no_dist=True
+        )
     return folder
 
 
@@ -149,11 +154,19 @@ def _set(obj, name, value):
 DCP_MUTATIONS = {
     "offset-a-string": lambda m: _set(_info(m), "offset", "0"),  # _check: '<' between str and int
     "length-a-float": lambda m: _set(_info(m), "length", 10.5),  # _read_chunk: slice indices
-    "file-name-missing": lambda m: m.storage_data.__setitem__(next(k for k in m.storage_data if k.fqn == "model.w"), None),
+    "file-name-missing": lambda m: m.storage_data.__setitem__(
+        next(k for k in m.storage_data if k.fqn == "model.w"), None
+    ),
     "chunks-none": lambda m: _set(m.state_dict_metadata["model.w"], "chunks", None),  # _check: not iterable
-    "chunk-not-a-chunk": lambda m: m.state_dict_metadata["model.w"].chunks.__setitem__(0, 5),  # _check_coverage: AttributeError
-    "chunk-offsets-none": lambda m: _set(m.state_dict_metadata["model.w"].chunks[0], "offsets", None),  # _check_coverage
-    "chunk-sizes-a-string": lambda m: _set(m.state_dict_metadata["model.w"].chunks[0], "sizes", "ab"),  # _check_coverage
+    "chunk-not-a-chunk": lambda m: m.state_dict_metadata["model.w"].chunks.__setitem__(
+        0, 5
+    ),  # _check_coverage: AttributeError
+    "chunk-offsets-none": lambda m: _set(
+        m.state_dict_metadata["model.w"].chunks[0], "offsets", None
+    ),  # _check_coverage
+    "chunk-sizes-a-string": lambda m: _set(
+        m.state_dict_metadata["model.w"].chunks[0], "sizes", "ab"
+    ),  # _check_coverage
     "size-an-int": lambda m: _set(m.state_dict_metadata["model.w"], "size", 5),  # _check: tuple(5)
     "size-of-strings": lambda m: _set(m.state_dict_metadata["model.w"], "size", ("8", "4")),
     "properties-none": lambda m: _set(m.state_dict_metadata["model.w"], "properties", None),  # tensors: .dtype of None
@@ -192,11 +205,28 @@ def test_dcp_chunk_zip_entry_name_with_a_flipped_byte(dcp_source, tmp_path):
 
 
 def _certificate(tmp_path: Path, checkpoint: Path) -> dict:
-    entry = {"step": 2, "path": str(checkpoint.resolve()), "status": "clean", "reasons": [], "format": "safetensors",
-             "weights_digest": "", "files": [{"name": checkpoint.name, "size_bytes": 1, "digest": "0" * 16}],
-             "evidence": [{"kind": "nonfinite", "subject": "a", "expected": "", "found": "", "detail": ""}]}
-    return {"format": "sdc-forensics-certificate", "certificate_version": 2, "tool_version": "0", "created_utc": "", "seed": 7,
-            "trace_dir": "", "first_divergent_step": None, "resume_step": 2, "resume_path": str(checkpoint), "checkpoints": [entry]}
+    entry = {
+        "step": 2,
+        "path": str(checkpoint.resolve()),
+        "status": "clean",
+        "reasons": [],
+        "format": "safetensors",
+        "weights_digest": "",
+        "files": [{"name": checkpoint.name, "size_bytes": 1, "digest": "0" * 16}],
+        "evidence": [{"kind": "nonfinite", "subject": "a", "expected": "", "found": "", "detail": ""}],
+    }
+    return {
+        "format": "sdc-forensics-certificate",
+        "certificate_version": 2,
+        "tool_version": "0",
+        "created_utc": "",
+        "seed": 7,
+        "trace_dir": "",
+        "first_divergent_step": None,
+        "resume_step": 2,
+        "resume_path": str(checkpoint),
+        "checkpoints": [entry],
+    }
 
 
 def _entry(doc: dict) -> dict:
@@ -240,7 +270,9 @@ def test_certificate_nested_deeper_than_python_decodes(tmp_path):
     save_file({"a": torch.ones(4)}, checkpoint)
     cert = tmp_path / "cert.json"
     cert.write_text('{"format": "sdc-forensics-certificate", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
-    assert "nested too deeply" in _run_bad(tmp_path, args=("verify-checkpoint", str(checkpoint), "--certificate", str(cert)))
+    assert "nested too deeply" in _run_bad(
+        tmp_path, args=("verify-checkpoint", str(checkpoint), "--certificate", str(cert))
+    )
 
 
 def test_a_valid_certificate_still_reads(tmp_path):
@@ -291,15 +323,24 @@ def test_the_same_error_outside_the_readers_stays_a_bug(tmp_path, monkeypatch):
 # raises CheckpointError, never anything else.
 
 _json = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats(allow_nan=False) | st.text(max_size=8),
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
     max_leaves=12,
 )
-_entry_spec = st.fixed_dictionaries(
-    {"dtype": st.sampled_from(["F32", "I64", "BOOL", "F31"]) | _json,
-     "shape": st.lists(st.integers(min_value=-2, max_value=2**64) | _json, max_size=3) | _json,
-     "data_offsets": st.lists(st.integers(min_value=-2, max_value=2**64), min_size=0, max_size=3) | _json}
-) | _json
+_entry_spec = (
+    st.fixed_dictionaries(
+        {
+            "dtype": st.sampled_from(["F32", "I64", "BOOL", "F31"]) | _json,
+            "shape": st.lists(st.integers(min_value=-2, max_value=2**64) | _json, max_size=3) | _json,
+            "data_offsets": st.lists(st.integers(min_value=-2, max_value=2**64), min_size=0, max_size=3) | _json,
+        }
+    )
+    | _json
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -333,8 +374,10 @@ def _pt_with_payload_pickle(tmp_path: Path, pkl: bytes) -> Path:
 def test_pt_meta_tensor_without_data(tmp_path):
     """``_rebuild_meta_tensor_no_storage`` is on the weights-only allow-list: a 124-byte pickle made a
     tensor with no data, and verification's digest raised ``NotImplementedError`` (traceback, exit 1)."""
-    pkl = (b"\x80\x02}q\x00X\x05\x00\x00\x00modelq\x01ctorch._utils\n_rebuild_meta_tensor_no_storage\nq\x02"
-           b"(ctorch\nfloat32\nq\x03))\x89tq\x04Rq\x05s.")
+    pkl = (
+        b"\x80\x02}q\x00X\x05\x00\x00\x00modelq\x01ctorch._utils\n_rebuild_meta_tensor_no_storage\nq\x02"
+        b"(ctorch\nfloat32\nq\x03))\x89tq\x04Rq\x05s."
+    )
     assert "device meta" in _run_bad(_pt_with_payload_pickle(tmp_path, pkl))
 
 
@@ -342,8 +385,11 @@ def test_pt_meta_tensor_without_data(tmp_path):
 def test_pt_tensor_that_is_not_dense(tmp_path, kind):
     """Sparse and nested tensors, and a packed float4 dtype, load with ``weights_only``; verification
     raised (``RuntimeError``/``NotImplementedError``, a traceback) instead of saying why."""
-    tensor = {"sparse": lambda: torch.eye(3).to_sparse(), "nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
-              "float4": lambda: torch.zeros(4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}[kind]()
+    tensor = {
+        "sparse": lambda: torch.eye(3).to_sparse(),
+        "nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+        "float4": lambda: torch.zeros(4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
+    }[kind]()
     path = tmp_path / "x.pt"
     torch.save({"t": tensor}, path)
     assert "cannot be verified" in _run_bad(path)
@@ -358,8 +404,12 @@ def test_pt_quantized_tensor_does_not_crash_the_process(tmp_path):
     path = tmp_path / "q.pt"
     torch.save({"q": torch.quantize_per_tensor(torch.randn(8), 0.1, 0, torch.qint8)}, path)
     before = path.read_bytes()
-    done = subprocess.run([sys.executable, "-m", "sdc_forensics.cli.main", "verify-checkpoint", str(path)], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "sdc_forensics.cli.main", "verify-checkpoint", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 3, (done.returncode, done.stderr[-2000:])
     assert len(lines) == 1 and lines[0].startswith("error: ") and "dtype qint8" in lines[0], done.stderr
@@ -396,8 +446,11 @@ def test_certificate_path_that_is_no_path(tmp_path, field, value):
     assert "cert.json" in line and "a file path" in line
 
 
-@pytest.mark.parametrize("spec", [{"dtype": "F31", "shape": [4], "data_offsets": [0, 16]},
-                                  {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}], ids=["unknown-dtype", "offsets-disagree"])
+@pytest.mark.parametrize(
+    "spec",
+    [{"dtype": "F31", "shape": [4], "data_offsets": [0, 16]}, {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}],
+    ids=["unknown-dtype", "offsets-disagree"],
+)
 def test_safetensors_tensor_name_of_10000_characters(tmp_path, spec):
     """Found by tests/fuzz/test_fuzz_safetensors.py: the messages printed the whole name, so one
     crafted header made a 10,000-character "line". Names are clipped to 80 characters."""
@@ -441,7 +494,9 @@ def test_pt_compressed_member_whose_local_header_name_swallows_the_data(tmp_path
     path = tmp_path / "x.pt"
     with zipfile.ZipFile(path, "w") as archive:
         for name, data in sorted(members, key=lambda m: not m[0].endswith("/byteorder")):  # byteorder first, deflated
-            archive.writestr(name, data, compress_type=zipfile.ZIP_DEFLATED if name.endswith("/byteorder") else zipfile.ZIP_STORED)
+            archive.writestr(
+                name, data, compress_type=zipfile.ZIP_DEFLATED if name.endswith("/byteorder") else zipfile.ZIP_STORED
+            )
     raw = bytearray(path.read_bytes())
     raw[26:28] = struct.pack("<H", 900)  # the first local header's name length
     raw[6:8] = struct.pack("<H", struct.unpack("<H", raw[6:8])[0] & ~0x800)

@@ -12,7 +12,13 @@ import pytest
 
 from sdc_forensics.checkpoint.locate import locate_checkpoint
 from sdc_forensics.errors import TraceError
-from sdc_forensics.trace.checkpoints import CheckpointNote, climbs_then_descends, parse_checkpoint_note, read_checkpoint_notes, write_checkpoint_note
+from sdc_forensics.trace.checkpoints import (
+    CheckpointNote,
+    climbs_then_descends,
+    parse_checkpoint_note,
+    read_checkpoint_notes,
+    write_checkpoint_note,
+)
 
 
 def _job(root: Path) -> Path:
@@ -24,7 +30,9 @@ def _job(root: Path) -> Path:
     return trace
 
 
-NOTE = CheckpointNote(step=4, path="sdc-demo/checkpoints/step-00000004.pt", path_from_trace="../checkpoints/step-00000004.pt")
+NOTE = CheckpointNote(
+    step=4, path="sdc-demo/checkpoints/step-00000004.pt", path_from_trace="../checkpoints/step-00000004.pt"
+)
 
 
 def test_found_from_the_trace_directory_whatever_the_current_directory(tmp_path, monkeypatch):
@@ -42,9 +50,13 @@ def test_found_after_the_whole_folder_was_moved_and_renamed(tmp_path, monkeypatc
     shutil.move(tmp_path / "a" / "sdc-demo", tmp_path / "incident-42")
     monkeypatch.chdir(tmp_path)
     moved = tmp_path / "incident-42" / "trace"
-    assert locate_checkpoint(CheckpointNote(step=4, path=NOTE.path), None, moved) is None  # the written path no longer fits
+    assert (
+        locate_checkpoint(CheckpointNote(step=4, path=NOTE.path), None, moved) is None
+    )  # the written path no longer fits
     assert locate_checkpoint(NOTE, None, moved) == tmp_path / "incident-42" / "checkpoints" / "step-00000004.pt"
-    absolute = CheckpointNote(step=4, path="/nonexistent/job/sdc-demo/checkpoints/step-00000004.pt", path_from_trace=NOTE.path_from_trace)
+    absolute = CheckpointNote(
+        step=4, path="/nonexistent/job/sdc-demo/checkpoints/step-00000004.pt", path_from_trace=NOTE.path_from_trace
+    )
     assert locate_checkpoint(absolute, None, moved) == tmp_path / "incident-42" / "checkpoints" / "step-00000004.pt"
     del trace
 
@@ -82,11 +94,23 @@ def test_a_hostile_note_path_is_not_joined_anywhere(tmp_path, monkeypatch):
         parse_checkpoint_note({"step": 4, "path": "x.pt", "path_from_trace": sneaky.path_from_trace}, "note")
 
 
-@pytest.mark.parametrize("path, ok", [
-    ("../checkpoints/step-00000004.pt", True), ("step.pt", True), ("../../a/b.pt", True),
-    ("/etc/passwd", False), ("a/../../b", False), ("..", False), ("../", False), ("./x", False), ("a//b", False),
-    ("C:x", False), ("a\0b", False), ("", False),
-])
+@pytest.mark.parametrize(
+    "path, ok",
+    [
+        ("../checkpoints/step-00000004.pt", True),
+        ("step.pt", True),
+        ("../../a/b.pt", True),
+        ("/etc/passwd", False),
+        ("a/../../b", False),
+        ("..", False),
+        ("../", False),
+        ("./x", False),
+        ("a//b", False),
+        ("C:x", False),
+        ("a\0b", False),
+        ("", False),
+    ],
+)
 def test_climbs_then_descends(path, ok):
     assert climbs_then_descends(path) is ok
 
@@ -120,7 +144,10 @@ def test_an_archived_trace_reads_its_own_files_where_the_jobs_absolute_paths_hol
     written.write_bytes(b"a later run's checkpoint")
     monkeypatch.chdir(tmp_path)
     note = CheckpointNote(step=4, path=str(written), path_from_trace="../checkpoints/step-00000004.pt")
-    assert locate_checkpoint(note, None, tmp_path / "archive" / "A" / "trace") == tmp_path / "archive" / "A" / "checkpoints" / "step-00000004.pt"
+    assert (
+        locate_checkpoint(note, None, tmp_path / "archive" / "A" / "trace")
+        == tmp_path / "archive" / "A" / "checkpoints" / "step-00000004.pt"
+    )
     assert locate_checkpoint(note, None, original) == written  # in place, the same file as written
 
 
@@ -133,4 +160,6 @@ def test_a_note_naming_a_fifo_is_not_found(tmp_path, monkeypatch):
     os.mkfifo(tmp_path / "t" / "pipe.pt")
     monkeypatch.chdir(tmp_path)
     assert locate_checkpoint(CheckpointNote(step=4, path=str(tmp_path / "t" / "pipe.pt")), None, trace) is None
-    assert locate_checkpoint(CheckpointNote(step=4, path="x/pipe.pt", path_from_trace="../pipe.pt"), None, trace) is None
+    assert (
+        locate_checkpoint(CheckpointNote(step=4, path="x/pipe.pt", path_from_trace="../pipe.pt"), None, trace) is None
+    )

@@ -83,7 +83,15 @@ def test_nan_in_optimizer_state_is_not_certifiable(tmp_path):
     result = _invoke("verify-checkpoint", str(path), "--json")
     assert result.exit_code == 1
     findings = json.loads(result.stdout)["report"]["findings"]
-    assert findings == [{"kind": "nonfinite", "subject": "optimizer.state.0.exp_avg_sq", "expected": "0", "found": "1", "detail": "1 NaN/Inf value(s)"}]
+    assert findings == [
+        {
+            "kind": "nonfinite",
+            "subject": "optimizer.state.0.exp_avg_sq",
+            "expected": "0",
+            "found": "1",
+            "detail": "1 NaN/Inf value(s)",
+        }
+    ]
     note = CheckpointNote(step=1, path=str(path), tensors=state_digests(payload))
     report = verify_checkpoint(path, note=note)
     assert [f.kind for f in report.findings] == [FindingKind.NONFINITE]  # digests match: it was saved that way
@@ -105,7 +113,11 @@ def test_safetensors_digest_mismatch_vs_note_and_missing_tensor(tmp_path):
 def test_digests_equal_the_recorders_in_every_format(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    tensors = {"a": torch.randn(33, 5), "b": torch.arange(10, dtype=torch.int64), "c": torch.randn(9).to(torch.bfloat16)}
+    tensors = {
+        "a": torch.randn(33, 5),
+        "b": torch.arange(10, dtype=torch.int64),
+        "c": torch.randn(9).to(torch.bfloat16),
+    }
     expected = {k: _reference_digest(t) for k, t in tensors.items()}
     save_file(tensors, tmp_path / "m.safetensors")
     torch.save(tensors, tmp_path / "m.pt")
@@ -124,7 +136,7 @@ def test_misaligned_safetensors_offsets_still_digest_exactly(tmp_path):
     path = write_safetensors_raw(tmp_path / "odd.safetensors", header, values.numpy().tobytes())
     assert (8 + len(json.dumps(header))) % 4
     with open_checkpoint(path) as reader:
-        (_, tensor), = list(reader.tensors())
+        ((_, tensor),) = list(reader.tensors())
         assert torch.equal(tensor, values)
     assert verify_checkpoint(path).tensors[0].digest == _reference_digest(values)
 
@@ -153,13 +165,22 @@ def test_count_nonfinite(dtype):
 def test_hf_index_reads_all_shards(tmp_path):
     save_file({"a": torch.ones(4)}, tmp_path / "model-00001-of-00002.safetensors")
     save_file({"b": torch.zeros(2, 2)}, tmp_path / "model-00002-of-00002.safetensors")
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": 32}, "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
-    ))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "metadata": {"total_size": 32},
+                "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"},
+            }
+        )
+    )
     report = verify_checkpoint(tmp_path)
     assert report.ok and report.format == "hf-index"
     assert sorted(t.key for t in report.tensors) == ["a", "b"]
-    assert sorted(f.name for f in report.files) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    assert sorted(f.name for f in report.files) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
     assert _invoke("verify-checkpoint", str(tmp_path)).exit_code == 0
 
 
@@ -204,13 +225,17 @@ def test_hf_bin_index_with_torch_shards(tmp_path):
     torch.save({"a": torch.ones(40)}, tmp_path / "pytorch_model-00001-of-00002.bin")
     torch.save({"b": torch.zeros(3)}, tmp_path / "pytorch_model-00002-of-00002.bin")
     index = tmp_path / "pytorch_model.bin.index.json"
-    index.write_text(json.dumps({"weight_map": {"a": "pytorch_model-00001-of-00002.bin", "b": "pytorch_model-00002-of-00002.bin"}}))
+    index.write_text(
+        json.dumps({"weight_map": {"a": "pytorch_model-00001-of-00002.bin", "b": "pytorch_model-00002-of-00002.bin"}})
+    )
     report = verify_checkpoint(tmp_path)
     assert report.ok and sorted(t.key for t in report.tensors) == ["a", "b"]
     start, size = zip_member_offset(tmp_path / "pytorch_model-00001-of-00002.bin", "/data/0")
     flip_byte(tmp_path / "pytorch_model-00001-of-00002.bin", start + 7)
     result = _invoke("verify-checkpoint", str(index))
     assert result.exit_code == 1 and "file-damaged" in result.output
-    index.write_text(json.dumps({"weight_map": {"a": "pytorch_model-00001-of-00002.bin", "b": "pytorch_model-00001-of-00002.bin"}}))
+    index.write_text(
+        json.dumps({"weight_map": {"a": "pytorch_model-00001-of-00002.bin", "b": "pytorch_model-00001-of-00002.bin"}})
+    )
     bad = _invoke("verify-checkpoint", str(index))
     assert bad.exit_code == 3 and "does not hold it" in bad.output

@@ -31,13 +31,28 @@ def command() -> str:
     return found
 
 
-def run_installed(args: list[str], tmp_path: Path, *, cwd: Path | None = None, env: dict | None = None,
-                  stdin: str | None = None, timeout: float = 300) -> Ran:
+def run_installed(
+    args: list[str],
+    tmp_path: Path,
+    *,
+    cwd: Path | None = None,
+    env: dict | None = None,
+    stdin: str | None = None,
+    timeout: float = 300,
+) -> Ran:
     """Run ``sdc-forensics ARGS`` with stderr to a file under ``tmp_path``; never a terminal."""
     log = Path(tmp_path) / f"stderr-{os.getpid()}-{len(list(Path(tmp_path).glob('stderr-*')))}.log"
     full_env = {**os.environ, "COLUMNS": "80", **(env or {})}
     full_env.pop("FORCE_COLOR", None)
     with open(log, "w", encoding="utf-8") as errf:
-        proc = subprocess.run([command(), *args], cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=errf,
-                              input=stdin, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [command(), *args],
+            cwd=cwd,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=errf,
+            input=stdin,
+            text=True,
+            timeout=timeout,
+        )
     return Ran(proc.returncode, proc.stdout, log.read_text(encoding="utf-8"))

@@ -44,27 +44,81 @@ def test_exit_1_corruption_json_document(faulty_run):
     assert (doc["verdict"], doc["first_divergent_step"], doc["exit_code"]) == ("corruption", 4, 1)
     [suspect] = doc["suspects"]
     assert {k: suspect[k] for k in ("rank", "host", "gpu", "location", "recurring")} == {
-        "rank": 3, "host": "sim1", "gpu": "GPU-sim-3", "location": "local_compute", "recurring": False}
+        "rank": 3,
+        "host": "sim1",
+        "gpu": "GPU-sim-3",
+        "location": "local_compute",
+        "recurring": False,
+    }
     assert suspect["evidence"][0]["kind"] == "replay_mismatch"
-    assert doc["last_clean_checkpoint"] == {"path": str(faulty_run / "checkpoints/step-00000004.pt"), "status": "clean", "step": 4}
+    assert doc["last_clean_checkpoint"] == {
+        "path": str(faulty_run / "checkpoints/step-00000004.pt"),
+        "status": "clean",
+        "step": 4,
+    }
     assert [(c["step"], c["status"]) for c in doc["checkpoints"]] == [(0, "clean"), (4, "clean")]
     assert [(w["from"], w["last_replayed"]) for w in doc["replayed"]["windows"]] == [(0, 3), (4, 4)]
     # the documented schema (docs/bisect.md)
-    assert set(doc) == {"schema_version", "verdict", "first_divergent_step", "suspects", "last_clean_checkpoint", "checkpoints",
-                        "replayed", "evidence", "hints", "mode", "scope", "settle", "notes", "trace", "divergence_window",
-                        "preflight", "exit_code"}  # issue 21: said before any replay
+    assert set(doc) == {
+        "schema_version",
+        "verdict",
+        "first_divergent_step",
+        "suspects",
+        "last_clean_checkpoint",
+        "checkpoints",
+        "replayed",
+        "evidence",
+        "hints",
+        "mode",
+        "scope",
+        "settle",
+        "notes",
+        "trace",
+        "divergence_window",
+        "preflight",
+        "exit_code",
+    }  # issue 21: said before any replay
     assert set(suspect) == {"rank", "host", "gpu", "location", "recurring", "steps", "recommendation", "evidence"}
-    assert set(suspect["evidence"][0]) == {"kind", "step", "ranks", "expected", "found", "location", "detail", "source", "affects_state",
-                                            "strength", "earliest_step"}
-    assert set(doc["replayed"]) == {"windows", "device", "comparison", "steps_replayed", "reduction_order", "settings", "notes"}
-    assert set(doc["replayed"]["windows"][0]) == {"from", "to", "last_replayed", "comparison", "tolerant_from", "reason", "max_residual_ratio"}
+    assert set(suspect["evidence"][0]) == {
+        "kind",
+        "step",
+        "ranks",
+        "expected",
+        "found",
+        "location",
+        "detail",
+        "source",
+        "affects_state",
+        "strength",
+        "earliest_step",
+    }
+    assert set(doc["replayed"]) == {
+        "windows",
+        "device",
+        "comparison",
+        "steps_replayed",
+        "reduction_order",
+        "settings",
+        "notes",
+    }
+    assert set(doc["replayed"]["windows"][0]) == {
+        "from",
+        "to",
+        "last_replayed",
+        "comparison",
+        "tolerant_from",
+        "reason",
+        "max_residual_ratio",
+    }
     # people get the summary on stderr: verdict, what was replayed and why, where to resume
     for text in ("CORRUPTION", "first divergent step 4", "Replayed on cpu", "step 4 from checkpoint 4", "Resume from"):
         assert text in result.stderr
 
 
 def test_exit_1_replay_command_diverges(faulty_run):
-    result = _run("replay", faulty_run / "trace", "--from", 4, "--to", 4, "--checkpoints", faulty_run / "checkpoints", "--json")
+    result = _run(
+        "replay", faulty_run / "trace", "--from", 4, "--to", 4, "--checkpoints", faulty_run / "checkpoints", "--json"
+    )
     assert result.exit_code == 1, result.output
     doc = json.loads(result.stdout)
     assert doc["first_divergent_step"] == 4 and doc["comparison"] == "exact"
@@ -105,7 +159,11 @@ def test_trace_only_verdict_without_recipe(make_trace):
     result = _run("bisect", path, "--json")
     assert result.exit_code == 1
     doc = json.loads(result.stdout)
-    assert (doc["first_divergent_step"], doc["suspects"][0]["rank"], doc["suspects"][0]["location"]) == (6, 1, "local_compute")
+    assert (doc["first_divergent_step"], doc["suspects"][0]["rank"], doc["suspects"][0]["location"]) == (
+        6,
+        1,
+        "local_compute",
+    )
 
 
 def test_recurring_rank_is_told_to_drain(make_trace):
@@ -113,7 +171,9 @@ def test_recurring_rank_is_told_to_drain(make_trace):
     doc = json.loads(_run("bisect", path, "--trace-only", "--json").stdout)
     [suspect] = doc["suspects"]
     assert suspect["recurring"] is True and suspect["steps"] == [3, 9] and "drain" in suspect["recommendation"]
-    single = json.loads(_run("bisect", make_trace(fault=Fault(kind="nonfinite", step=3, rank=2)), "--trace-only", "--json").stdout)
+    single = json.loads(
+        _run("bisect", make_trace(fault=Fault(kind="nonfinite", step=3, rank=2)), "--trace-only", "--json").stdout
+    )
     assert single["suspects"][0]["recurring"] is False and "DCGM diagnostic" in single["suspects"][0]["recommendation"]
 
 
@@ -138,6 +198,8 @@ def test_trace_only_with_outlier_hints_is_inconclusive(make_trace):
 
 
 def test_exit_3_recipe_that_cannot_be_imported(clean_run):
-    result = _run("bisect", clean_run / "trace", "--checkpoints", clean_run / "checkpoints", "--recipe", "no_such_module:recipe")
+    result = _run(
+        "bisect", clean_run / "trace", "--checkpoints", clean_run / "checkpoints", "--recipe", "no_such_module:recipe"
+    )
     assert result.exit_code == 3
     assert "cannot import recipe module 'no_such_module'" in result.stderr and "Traceback" not in result.stderr

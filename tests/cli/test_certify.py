@@ -53,16 +53,22 @@ def test_certify_unreplayed_names_no_resume_point_and_bad_trace_exits_3(make_run
 
 def test_verify_with_trace_infers_the_step_and_reports_taint(make_run):
     run = make_run(steps=6, diverge=(3, 1))
-    result = CliRunner().invoke(cli, ["verify-checkpoint", str(run.checkpoints[6]), "--trace", str(run.trace_dir), "--json"])
+    result = CliRunner().invoke(
+        cli, ["verify-checkpoint", str(run.checkpoints[6]), "--trace", str(run.trace_dir), "--json"]
+    )
     assert result.exit_code == 1
     doc = json.loads(result.stdout)
     assert doc["certification"]["status"] == "tainted" and doc["report"]["step"] == 6
-    result = CliRunner().invoke(cli, ["verify-checkpoint", str(run.checkpoints[2]), "--trace", str(run.trace_dir), "--step", "2"])
+    result = CliRunner().invoke(
+        cli, ["verify-checkpoint", str(run.checkpoints[2]), "--trace", str(run.trace_dir), "--step", "2"]
+    )
     assert result.exit_code == 4, result.output  # consistent, but never certified without a replay of steps 0..1
     assert "NOT CERTIFIED" in result.output
     zero = CliRunner().invoke(cli, ["verify-checkpoint", str(run.checkpoints[0]), "--trace", str(run.trace_dir)])
     assert zero.exit_code == 0 and "CERTIFIED CLEAN" in zero.output
-    wrong = CliRunner().invoke(cli, ["verify-checkpoint", str(run.checkpoints[2]), "--trace", str(run.trace_dir), "--step", "5"])
+    wrong = CliRunner().invoke(
+        cli, ["verify-checkpoint", str(run.checkpoints[2]), "--trace", str(run.trace_dir), "--step", "5"]
+    )
     assert wrong.exit_code == 4 and "no checkpoint note for step 5" in " ".join(wrong.output.split())
 
 
@@ -76,7 +82,9 @@ def test_certify_command_with_moved_checkpoints(make_run, tmp_path):
     found = CliRunner().invoke(cli, ["certify", str(run.trace_dir), "--checkpoints", str(moved), "--json"])
     assert found.exit_code == 4, found.output  # found and read, but nothing replayable (no recipe): inconclusive
     assert json.loads(found.stdout)["checkpoints"][0]["status"] == "clean"  # checkpoint 0: read, nothing before it
-    assert CliRunner().invoke(cli, ["certify", str(run.trace_dir), "--checkpoints", str(tmp_path / "none")]).exit_code == 2
+    assert (
+        CliRunner().invoke(cli, ["certify", str(run.trace_dir), "--checkpoints", str(tmp_path / "none")]).exit_code == 2
+    )
 
 
 def test_certify_lists_checkpoint_files_without_a_note(make_run):
@@ -94,7 +102,9 @@ def test_verify_with_trace_and_an_unnoted_step_still_reports_a_damaged_file(make
     run = make_run(steps=4)
     start, size = zip_member_offset(run.checkpoints[2], "/data/1")
     flip_byte(run.checkpoints[2], start + size - 1, 0x40)
-    result = CliRunner().invoke(cli, ["verify-checkpoint", str(run.checkpoints[2]), "--trace", str(run.trace_dir), "--step", "5"])
+    result = CliRunner().invoke(
+        cli, ["verify-checkpoint", str(run.checkpoints[2]), "--trace", str(run.trace_dir), "--step", "5"]
+    )
     assert result.exit_code == 1, result.output
     assert "NOT CERTIFIABLE" in result.output
 

@@ -25,7 +25,9 @@ def demo(demo_run):
 
 def _certify(result) -> dict:
     out = CliRunner().invoke(cli, ["certify", str(result.config.trace_dir), "--json"])
-    assert out.exit_code == 0, out.output  # a resume point exists (every case here has one), later checkpoints are not clean
+    assert out.exit_code == 0, (
+        out.output
+    )  # a resume point exists (every case here has one), later checkpoints are not clean
     return {c["step"]: c for c in json.loads(out.stdout)["checkpoints"]} | {"doc": json.loads(out.stdout)}
 
 
@@ -40,7 +42,9 @@ def test_checkpoint_saved_from_the_diverged_replica_is_not_certified(demo):
         assert any("diverged replica" in r for r in statuses[step]["reasons"])
     for step in (0, 2):  # certify replays like bisect: the window's start is replay-verified
         assert statuses[step]["status"] == "clean"
-    verify = CliRunner().invoke(cli, ["verify-checkpoint", str(result.config.checkpoint_path(4)), "--trace", str(result.config.trace_dir)])
+    verify = CliRunner().invoke(
+        cli, ["verify-checkpoint", str(result.config.checkpoint_path(4)), "--trace", str(result.config.trace_dir)]
+    )
     assert verify.exit_code == 1 and "NOT CERTIFIABLE" in verify.output
 
 
@@ -56,7 +60,9 @@ def test_weights_injection_taints_later_checkpoints_and_storage_flip_is_corrupt(
     assert statuses["doc"]["resume_step"] == 0
     for step in (4, 6):
         assert statuses[step]["status"] == "tainted", statuses[step]
-    clean = CliRunner().invoke(cli, ["verify-checkpoint", str(result.config.checkpoint_path(0)), "--trace", str(result.config.trace_dir)])
+    clean = CliRunner().invoke(
+        cli, ["verify-checkpoint", str(result.config.checkpoint_path(0)), "--trace", str(result.config.trace_dir)]
+    )
     assert clean.exit_code == 0, clean.output
 
 

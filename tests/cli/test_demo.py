@@ -17,8 +17,19 @@ def _run(*args):
 @pytest.mark.slow
 def test_demo_json_ground_truth(tmp_path):
     out = tmp_path / "demo"
-    result = _run("--out", str(out), "--steps", "4", "--checkpoint-every", "2", "--audit-every", "0",
-                  "--inject", "weights:step=2:rank=1:bit=20", "--json")
+    result = _run(
+        "--out",
+        str(out),
+        "--steps",
+        "4",
+        "--checkpoint-every",
+        "2",
+        "--audit-every",
+        "0",
+        "--inject",
+        "weights:step=2:rank=1:bit=20",
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert doc["schema_version"] == 1 and doc["world_size"] == 4 and doc["steps"] == 4

@@ -22,7 +22,9 @@ def _closed_stderr(args: list[str], tmp_path) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "80"}
     env.pop("FORCE_COLOR", None)
     try:
-        return subprocess.run([command(), *args], stdout=subprocess.PIPE, stderr=write_end, env=env, text=True, timeout=300, cwd=tmp_path)
+        return subprocess.run(
+            [command(), *args], stdout=subprocess.PIPE, stderr=write_end, env=env, text=True, timeout=300, cwd=tmp_path
+        )
     finally:
         os.close(write_end)
 
@@ -30,16 +32,24 @@ def _closed_stderr(args: list[str], tmp_path) -> subprocess.CompletedProcess:
 def test_exit_status_does_not_depend_on_stderr_being_a_closed_pipe(sim, tmp_path):
     run = sim(SimFault(where="grad", step=4, rank=3, bit=11), steps=5, checkpoint_every=4)
     trace, checkpoint = str(run / "trace"), str(run / "checkpoints" / "step-00000004.pt")
-    for args in (["inspect", trace], ["verify-checkpoint", checkpoint], ["bisect", trace, "--trace-only"],
-                 ["bisect", trace, "--checkpoints", str(run / "checkpoints")]):
+    for args in (
+        ["inspect", trace],
+        ["verify-checkpoint", checkpoint],
+        ["bisect", trace, "--trace-only"],
+        ["bisect", trace, "--checkpoints", str(run / "checkpoints")],
+    ):
         unpiped = run_installed(args, tmp_path)
         piped = _closed_stderr(args, tmp_path)
         assert piped.returncode == unpiped.returncode, (args, unpiped.stderr)
     assert run_installed(["inspect", trace], tmp_path).returncode == 0
     assert run_installed(["bisect", trace, "--checkpoints", str(run / "checkpoints")], tmp_path).returncode == 1
     # the shell pipeline of the issue, as a user types it
-    bash = subprocess.run(["bash", "-c", f'"{command()}" verify-checkpoint "{checkpoint}" 2>&1 | head -1; exit ${{PIPESTATUS[0]}}'],
-                          capture_output=True, text=True, timeout=120)
+    bash = subprocess.run(
+        ["bash", "-c", f'"{command()}" verify-checkpoint "{checkpoint}" 2>&1 | head -1; exit ${{PIPESTATUS[0]}}'],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bash.returncode == 0, bash.stdout + bash.stderr
 
 
@@ -52,7 +62,9 @@ def test_a_statistical_hint_is_weak_in_json_text_markdown_and_html(make_trace, t
     for suffix in ("md", "html"):
         out = tmp_path / f"review.{suffix}"
         assert run_installed(["report", trace, "--trace-only", "-o", str(out)], tmp_path).returncode == 4
-        row = [line for line in out.read_text().replace("<tr>", "\n<tr>").splitlines() if "outlier across ranks" in line]
+        row = [
+            line for line in out.read_text().replace("<tr>", "\n<tr>").splitlines() if "outlier across ranks" in line
+        ]
         assert row and all(("| weak |" if suffix == "md" else "<td>weak</td>") in r for r in row), row
 
 
@@ -61,7 +73,11 @@ def test_trace_only_checkpoint_table_names_every_file(make_run, tmp_path):
     ran = run_installed(["bisect", str(run.trace_dir), "--trace-only", "--json"], tmp_path)
     doc = json.loads(ran.stdout)
     assert {c["step"]: c["path"] for c in doc["checkpoints"]} == {n: str(p) for n, p in run.checkpoints.items()}
-    rows = [line.split() for line in ran.stderr.splitlines() if line.split()[:2] in (["0", "unverified"], ["2", "unverified"])]
+    rows = [
+        line.split()
+        for line in ran.stderr.splitlines()
+        if line.split()[:2] in (["0", "unverified"], ["2", "unverified"])
+    ]
     assert len(rows) == 2 and all(row[-1].endswith(".pt") for row in rows), ran.stderr
 
 
@@ -88,7 +104,9 @@ def test_a_trace_missing_a_rank_file_reads_no_empty_ranges(sim, tmp_path):
     assert "..-1" not in ran.stderr and "4..3" not in ran.stderr
     assert "--max-replay-steps" not in ran.stderr and "nothing replayable from checkpoints 0, 4" in ran.stderr
     assert "--max-replay-steps" not in " ".join(json.loads(ran.stdout)["settle"])
-    limited = run_installed(["bisect", str(run / "trace"), "--checkpoints", str(run / "checkpoints"), "--max-replay-steps", "1"], tmp_path)
+    limited = run_installed(
+        ["bisect", str(run / "trace"), "--checkpoints", str(run / "checkpoints"), "--max-replay-steps", "1"], tmp_path
+    )
     assert "--max-replay-steps" in limited.stderr  # the one case it names the flag: when it was passed
 
 
@@ -128,7 +146,9 @@ def test_verify_checkpoint_with_a_certificate_says_so_and_shows_why_it_fails(mak
     [line] = [line for line in ok.stderr_lines if line.startswith("VERIFIED")]
     assert f"every file matches {cert}, which certified it clean" in line and "pass --trace" not in line
     bare = run_installed(["verify-checkpoint", str(run.checkpoints[0])], tmp_path)
-    assert "certif" not in [line for line in bare.stderr_lines if line.startswith("VERIFIED")][0].replace("certify it", "")
+    assert "certif" not in [line for line in bare.stderr_lines if line.startswith("VERIFIED")][0].replace(
+        "certify it", ""
+    )
     start, size = zip_member_offset(run.checkpoints[0], "/data/1")
     flip_byte(run.checkpoints[0], start + size // 3)
     bad = run_installed(["verify-checkpoint", str(run.checkpoints[0]), "--certificate", str(cert)], tmp_path)
@@ -153,7 +173,10 @@ def test_the_trace_path_a_user_mistypes_is_exit_3_with_the_fix(make_trace, tmp_p
         above = run_installed([args[0], str(job), *args[1:]], tmp_path)
         assert above.returncode == 3 and f"but {trace} has one: pass it" in above.stderr, above.stderr
         as_file = run_installed([args[0], str(trace / "manifest.json"), *args[1:]], tmp_path)
-        assert as_file.returncode == 3 and f"is a file, not a trace directory; pass the directory that holds it: {trace}" in as_file.stderr
+        assert (
+            as_file.returncode == 3
+            and f"is a file, not a trace directory; pass the directory that holds it: {trace}" in as_file.stderr
+        )
         missing = run_installed([args[0], str(tmp_path / "nowhere"), *args[1:]], tmp_path)
         assert missing.returncode == 3 and "does not exist" in missing.stderr
         for ran in (above, as_file, missing):
@@ -182,14 +205,18 @@ def test_the_alarm_line_names_the_next_command_once():
 
     ident = RankIdentity(rank=2, host="node7", gpu_uuid="GPU-1234")
     fake = types.SimpleNamespace(identities=[ident] * 4, world_size=4, trace_dir="runs/job42/trace")
-    finding = Finding(check="weights", step=2, rank=2, detail="rank(s) 2 differ from the strict majority", flag=Flag.WEIGHTS_DIVERGED)
+    finding = Finding(
+        check="weights", step=2, rank=2, detail="rank(s) 2 differ from the strict majority", flag=Flag.WEIGHTS_DIVERGED
+    )
     alarm = Recorder._alarm(fake, finding)
     err = io.StringIO()
     with redirect_stderr(err), pytest.raises(SystemExit) as stopped, exit_on_alarm():
         raise alarm
     assert stopped.value.code == ALARM_EXIT_CODE
     line = err.getvalue().strip()
-    assert line.startswith(f"sdc-forensics: training stopped by an online check (exit {ALARM_EXIT_CODE}): weights check fired at step 2")
+    assert line.startswith(
+        f"sdc-forensics: training stopped by an online check (exit {ALARM_EXIT_CODE}): weights check fired at step 2"
+    )
     assert line.endswith("next, run: sdc-forensics bisect runs/job42/trace") and line.count("sdc-forensics bisect") == 1
     assert "`" not in line and "…" not in line
 
@@ -200,8 +227,8 @@ def test_the_readme_says_where_scheduler_step_goes_and_what_torchrun_prints():
     from pathlib import Path
 
     readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8").split())
-    job = readme[readme.index("**5. Record your own job.**"):readme.index("**6. Spread the replay")]
-    block = job[job.index("with rec.step(step"):job.index("if (step + 1) % every == 0")]
+    job = readme[readme.index("**5. Record your own job.**") : readme.index("**6. Spread the replay")]
+    block = job[job.index("with rec.step(step") : job.index("if (step + 1) % every == 0")]
     assert block.index("optimizer.step()") < block.index("scheduler.step()")  # inside the block, after the optimizer
     assert "save(0)" in job and job.index("save(0)") < job.index("for step in range(")
     assert "`ChildFailedError` traceback" in readme and "not a crash of sdc-forensics" in readme

@@ -31,8 +31,15 @@ def test_bisect_and_replay_documents(faulty_run, make_trace, tmp_path):
     trace, checkpoints = faulty_run / "trace", faulty_run / "checkpoints"
     doc = assert_valid(_json(["bisect", trace, "--checkpoints", checkpoints, "--json"], tmp_path, 1), "bisect")
     assert doc["suspects"][0]["evidence"] and doc["replayed"]["windows"]  # the nested parts were checked, not empty
-    assert_valid(_json(["bisect", make_trace(fault=Fault(kind="outlier", step=3, rank=1)), "--trace-only", "--json"], tmp_path, 4), "bisect")
-    replay = assert_valid(_json(["replay", trace, "--from", 4, "--to", 4, "--checkpoints", checkpoints, "--json"], tmp_path, 1), "replay")
+    assert_valid(
+        _json(
+            ["bisect", make_trace(fault=Fault(kind="outlier", step=3, rank=1)), "--trace-only", "--json"], tmp_path, 4
+        ),
+        "bisect",
+    )
+    replay = assert_valid(
+        _json(["replay", trace, "--from", 4, "--to", 4, "--checkpoints", checkpoints, "--json"], tmp_path, 1), "replay"
+    )
     assert replay["evidence"] and replay["verdict"] == "corruption"
 
 
@@ -42,21 +49,35 @@ def test_certify_and_verify_checkpoint_documents(faulty_run, make_run, tmp_path)
     assert cert["resume_step"] == 4 and cert["exit_code"] == 0
     run = make_run(steps=6, diverge=(3, 1))
     out = tmp_path / "cert.json"
-    tainted = assert_valid(_json(["certify", run.trace_dir, "--certificate-out", out, "--json"], tmp_path, 0), "certify")
+    tainted = assert_valid(
+        _json(["certify", run.trace_dir, "--certificate-out", out, "--json"], tmp_path, 0), "certify"
+    )
     assert "tainted" in {c["status"] for c in tainted["checkpoints"]}
-    alone = assert_valid(_json(["verify-checkpoint", checkpoints / "step-00000004.pt", "--json"], tmp_path, 0), "verify-checkpoint")
+    alone = assert_valid(
+        _json(["verify-checkpoint", checkpoints / "step-00000004.pt", "--json"], tmp_path, 0), "verify-checkpoint"
+    )
     assert alone["verdict"] == "verified" and alone["report"]["tensors"]
-    with_trace = assert_valid(_json(["verify-checkpoint", run.checkpoints[6], "--trace", run.trace_dir, "--json"], tmp_path, 1),
-                              "verify-checkpoint")
+    with_trace = assert_valid(
+        _json(["verify-checkpoint", run.checkpoints[6], "--trace", run.trace_dir, "--json"], tmp_path, 1),
+        "verify-checkpoint",
+    )
     assert with_trace["certification"]["status"] == "tainted" and with_trace["analysis"]["verdict"] == "corruption"
-    certified = assert_valid(_json(["verify-checkpoint", run.checkpoints[0], "--certificate", out, "--json"], tmp_path, 0), "verify-checkpoint")
+    certified = assert_valid(
+        _json(["verify-checkpoint", run.checkpoints[0], "--certificate", out, "--json"], tmp_path, 0),
+        "verify-checkpoint",
+    )
     assert certified["certificate"]["status"] == "clean"
 
 
 def test_inspect_and_demo_documents(demo_run, make_trace, tmp_path):
     """The 3-rank weights fault run of tests/cli/test_certify_demo.py (cached): alarms and notes."""
-    result = demo_run(("weights:step=3:rank=1:bit=20", "checkpoint-file:step=2:rank=0:bit=3"), steps=6, checkpoint_every=2,
-                      world_size=3, result=True)
+    result = demo_run(
+        ("weights:step=3:rank=1:bit=20", "checkpoint-file:step=2:rank=0:bit=3"),
+        steps=6,
+        checkpoint_every=2,
+        world_size=3,
+        result=True,
+    )
     doc = assert_valid(_json(["inspect", result.config.trace_dir, "--json"], tmp_path, 0), "inspect")
     assert doc["alarms"] and doc["checkpoints"] and doc["environment"]["determinism"]
     assert_valid(_json(["inspect", make_trace(steps=3), "--json"], tmp_path, 0), "inspect")

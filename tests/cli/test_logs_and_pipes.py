@@ -64,17 +64,23 @@ def test_certify_table_and_verify_table_are_not_cut(faulty_run, tmp_path):
     trace, checkpoints = faulty_run / "trace", faulty_run / "checkpoints"
     ran = run_installed(["certify", str(trace), "--checkpoints", str(checkpoints)], tmp_path)
     assert ran.returncode == 0, ran.stderr  # checkpoint 4 is clean: resume there
-    assert any(f"resume from step 4: {checkpoints / 'step-00000004.pt'}" in line for line in ran.stderr.splitlines()), ran.stderr
+    assert any(f"resume from step 4: {checkpoints / 'step-00000004.pt'}" in line for line in ran.stderr.splitlines()), (
+        ran.stderr
+    )
     reason = "every step 0..3 replayed bit for bit"
     assert any(reason in line for line in ran.stderr.splitlines())
     verify = run_installed(["verify-checkpoint", str(checkpoints / "step-00000004.pt")], tmp_path)
     assert verify.returncode == 0, verify.stderr
-    assert any(str(checkpoints / "step-00000004.pt") in line and "VERIFIED" in line for line in verify.stderr.splitlines())
+    assert any(
+        str(checkpoints / "step-00000004.pt") in line and "VERIFIED" in line for line in verify.stderr.splitlines()
+    )
     assert not ANSI.search(ran.stderr + verify.stderr)
 
 
 def test_no_python_reprs_in_human_output(make_trace, faulty_run, tmp_path):
-    hinted = run_installed(["bisect", str(make_trace(fault=Fault(kind="outlier", step=3, rank=2))), "--trace-only"], tmp_path)
+    hinted = run_installed(
+        ["bisect", str(make_trace(fault=Fault(kind="outlier", step=3, rank=2))), "--trace-only"], tmp_path
+    )
     assert hinted.returncode == 4
     assert "step 3 rank 2" in hinted.stderr and "(2,)" not in hinted.stderr
     inspected = run_installed(["inspect", str(faulty_run / "trace")], tmp_path)
@@ -96,8 +102,12 @@ def test_export_into_a_closed_pipe_is_quiet(make_trace, tmp_path):
     code, stderr = _closed_stdout(["export", str(trace)], tmp_path)
     assert code == 0, stderr
     assert stderr == "", stderr  # no traceback, no "Exception ignored ... BrokenPipeError"
-    shell = subprocess.run(["sh", "-c", f'"{command()}" export "{trace}" 2>"{tmp_path / "sh.log"}" | head -1'], capture_output=True,
-                           text=True, timeout=120)
+    shell = subprocess.run(
+        ["sh", "-c", f'"{command()}" export "{trace}" 2>"{tmp_path / "sh.log"}" | head -1'],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert shell.stdout.startswith("step,rank,attempt,")
     assert (tmp_path / "sh.log").read_text() == ""
 
@@ -154,7 +164,9 @@ def test_certify_refuses_an_existing_certificate_before_any_work(make_run, tmp_p
     assert ran.returncode == 2
     assert "--certificate-out" in _one_error_line(ran)  # alone: no table, no analysis
     assert cert.read_text() == "{}\n" and tree_sha256(run.checkpoints_dir) == before
-    forced = run_installed(["certify", str(run.trace_dir), "--certificate-out", str(cert), "--force", "--json"], tmp_path)
+    forced = run_installed(
+        ["certify", str(run.trace_dir), "--certificate-out", str(cert), "--force", "--json"], tmp_path
+    )
     assert forced.returncode == 4, forced.stderr  # written; no recipe, so inconclusive: 4
     assert json.loads(cert.read_text())["format"] == "sdc-forensics-certificate"
     assert json.loads(forced.stdout)["certificate"] == str(cert)
@@ -162,20 +174,30 @@ def test_certify_refuses_an_existing_certificate_before_any_work(make_run, tmp_p
 
 def test_replay_window_outside_the_trace_is_refused_before_any_work(faulty_run, tmp_path):
     trace, checkpoints = faulty_run / "trace", faulty_run / "checkpoints"  # steps 0..4, checkpoints 0 and 4
-    for window, word in ((["--from", "0", "--to", "500"], "--to 500"), (["--from", "4", "--to", "5"], "--to 5"),
-                         (["--from", "8", "--to", "9"], "--to 9")):
+    for window, word in (
+        (["--from", "0", "--to", "500"], "--to 500"),
+        (["--from", "4", "--to", "5"], "--to 5"),
+        (["--from", "8", "--to", "9"], "--to 9"),
+    ):
         ran = run_installed(["replay", str(trace), *window, "--checkpoints", str(checkpoints)], tmp_path)
         assert ran.returncode == 2, ran.stderr
         line = _one_error_line(ran)
         assert word in line and "outside the trace's steps 0..4" in line
-    device = run_installed(["replay", str(trace), "--from", "0", "--to", "1", "--device", "tpu", "--checkpoints", str(checkpoints)], tmp_path)
+    device = run_installed(
+        ["replay", str(trace), "--from", "0", "--to", "1", "--device", "tpu", "--checkpoints", str(checkpoints)],
+        tmp_path,
+    )
     assert device.returncode == 2 and "'tpu' is not a torch device" in _one_error_line(device)
 
 
 def test_click_usage_errors_are_one_line(make_trace, tmp_path):
     trace = str(make_trace(steps=3))
-    for args, word in ((["replay", trace, "--to", "2"], "--from"), (["bisect"], "TRACE_DIR"), (["inspect", trace, "--frm"], "--frm"),
-                       (["bisect", trace, "--checkpoints", str(tmp_path / "none")], "--checkpoints")):
+    for args, word in (
+        (["replay", trace, "--to", "2"], "--from"),
+        (["bisect"], "TRACE_DIR"),
+        (["inspect", trace, "--frm"], "--frm"),
+        (["bisect", trace, "--checkpoints", str(tmp_path / "none")], "--checkpoints"),
+    ):
         ran = run_installed(args, tmp_path)
         assert ran.returncode == 2, ran.stderr
         assert word in _one_error_line(ran)
@@ -184,7 +206,12 @@ def test_click_usage_errors_are_one_line(make_trace, tmp_path):
 def test_inspect_names_the_step_rank_and_check_of_each_alarm(demo_run, tmp_path):
     """The 3-rank weights fault of tests/cli/test_certify_demo.py (same run, cached): rank 1's
     replica differs from the majority after step 3, and the weights check fires on each later step."""
-    out = demo_run(("weights:step=3:rank=1:bit=20", "checkpoint-file:step=2:rank=0:bit=3"), steps=6, checkpoint_every=2, world_size=3)
+    out = demo_run(
+        ("weights:step=3:rank=1:bit=20", "checkpoint-file:step=2:rank=0:bit=3"),
+        steps=6,
+        checkpoint_every=2,
+        world_size=3,
+    )
     ran = run_installed(["inspect", str(out / "trace"), "--json"], tmp_path)
     assert ran.returncode == 0, ran.stderr
     alarms = json.loads(ran.stdout)["alarms"]

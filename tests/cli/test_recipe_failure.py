@@ -19,9 +19,23 @@ pytestmark = pytest.mark.slow
 def test_a_recipe_that_fails_to_load_a_checkpoint_is_one_line_and_exit_3(demo_run, command):
     run = demo_run(steps=4, checkpoint_every=2, injections=())
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "sdc_forensics", command[0], str(run / "trace"), *command[1:],
-                           "--recipe", "tests.cli.broken_recipe:recipe"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sdc_forensics",
+            command[0],
+            str(run / "trace"),
+            *command[1:],
+            "--recipe",
+            "tests.cli.broken_recipe:recipe",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr[-3000:]
     said = [line for line in proc.stderr.splitlines() if "load_checkpoint" in line]

@@ -34,9 +34,15 @@ def test_report_markdown_names_step_rank_and_host(make_trace, tmp_path):
     assert "## Evidence chain" in text and "| 17 | nonfinite | 3 |" in text
     assert "## Actions ready to paste" in text and "## What could not be checked" in text
     # the node of rank 3 (host node1: no Slurm/k8s name in the manifest), the incident in the reason
-    assert "scontrol update nodename=node1 state=drain reason='sdc-forensics: SDC at step 17, rank 3, GPU GPU-0003'" in text
-    assert "kubectl cordon node1" in text and "kubectl taint nodes node1 sdc-forensics/suspect=step17-rank3:NoSchedule" in text
-    assert "dcgmi diag -r 3 -i \"$(nvidia-smi -i GPU-0003 --query-gpu=index --format=csv,noheader)\"" in text
+    assert (
+        "scontrol update nodename=node1 state=drain reason='sdc-forensics: SDC at step 17, rank 3, GPU GPU-0003'"
+        in text
+    )
+    assert (
+        "kubectl cordon node1" in text
+        and "kubectl taint nodes node1 sdc-forensics/suspect=step17-rank3:NoSchedule" in text
+    )
+    assert 'dcgmi diag -r 3 -i "$(nvidia-smi -i GPU-0003 --query-gpu=index --format=csv,noheader)"' in text
     assert "sbatch --exclude=node1 " in text
     # no checkpoint in a synthetic trace: what is lost counts from the first step, 0..29
     assert "30 step(s) (0..29)" in text and "no checkpoint certified clean" in text
@@ -44,11 +50,20 @@ def test_report_markdown_names_step_rank_and_host(make_trace, tmp_path):
     assert f"sdc-forensics report {trace.absolute()} --trace-only --format md -o {out.absolute()} --force" in text
 
 
-@pytest.mark.parametrize("suffix, fmt, start", [(".html", "html", "<!DOCTYPE html>"), (".htm", "html", "<!DOCTYPE html>"),
-                                                (".md", "md", "# Post-incident review"), (".json", "json", "{")])
+@pytest.mark.parametrize(
+    "suffix, fmt, start",
+    [
+        (".html", "html", "<!DOCTYPE html>"),
+        (".htm", "html", "<!DOCTYPE html>"),
+        (".md", "md", "# Post-incident review"),
+        (".json", "json", "{"),
+    ],
+)
 def test_the_format_follows_the_suffix(make_trace, tmp_path, suffix, fmt, start):
     out = tmp_path / f"review{suffix}"
-    result = _report(make_trace(ranks=4, steps=12, fault=Fault(kind="nonfinite", step=5, rank=1)), "--trace-only", "-o", out)
+    result = _report(
+        make_trace(ranks=4, steps=12, fault=Fault(kind="nonfinite", step=5, rank=1)), "--trace-only", "-o", out
+    )
     assert result.exit_code == 1, result.output
     assert out.read_text().startswith(start)
     assert f"post-incident review ({fmt}) written to {out}" in result.stderr
@@ -59,7 +74,9 @@ def test_the_format_follows_the_suffix(make_trace, tmp_path, suffix, fmt, start)
 def test_format_overrides_the_suffix_and_stdout_defaults_to_markdown(make_trace, tmp_path):
     trace = make_trace(ranks=4, steps=12)
     out = tmp_path / "review.txt"
-    assert _report(trace, "--trace-only", "-o", out, "--format", "html").exit_code == 4  # clean for the trace alone: not 0
+    assert (
+        _report(trace, "--trace-only", "-o", out, "--format", "html").exit_code == 4
+    )  # clean for the trace alone: not 0
     assert out.read_text().startswith("<!DOCTYPE html>")
     result = _report(trace, "--trace-only")
     assert result.exit_code == 4 and result.stdout.startswith("# Post-incident review: No corruption found")
@@ -99,7 +116,9 @@ def test_collective_fault_has_no_node_to_drain(make_trace, tmp_path):
     platforms = [a["platform"] for a in doc["report"]["actions"]]
     assert "slurm" not in platforms and "kubernetes" not in platforms and "fabric" in platforms
     fabric = next(a for a in doc["report"]["actions"] if a["platform"] == "fabric")
-    assert "no single node" in fabric["title"] and fabric["commands"] == ["srun --nodelist=node0,node1 --ntasks-per-node=1 dcgmi diag -r 2"]
+    assert "no single node" in fabric["title"] and fabric["commands"] == [
+        "srun --nodelist=node0,node1 --ntasks-per-node=1 dcgmi diag -r 2"
+    ]
 
 
 def test_weights_fault_names_the_diverged_replica(make_trace, tmp_path):
@@ -118,7 +137,9 @@ def test_report_on_a_non_trace_exits_3(tmp_path):
 
 def test_inconclusive_report_calls_for_no_node_action_and_no_rollback(make_trace, tmp_path):
     out = tmp_path / "review.md"
-    result = _report(make_trace(ranks=4, steps=20, fault=Fault(kind="outlier", step=7, rank=1)), "--trace-only", "-o", out, "--json")
+    result = _report(
+        make_trace(ranks=4, steps=20, fault=Fault(kind="outlier", step=7, rank=1)), "--trace-only", "-o", out, "--json"
+    )
     assert result.exit_code == 4, result.output
     doc = assert_valid(result.stdout, "report")
     assert doc["report"]["lost"] is None and doc["report"]["nodes"] == []
@@ -131,7 +152,7 @@ def test_inconclusive_report_calls_for_no_node_action_and_no_rollback(make_trace
 def test_a_run_that_stopped_early_is_said_first(make_trace, tmp_path):
     trace = make_trace(ranks=4, steps=20, fault=Fault(kind="nonfinite", step=7, rank=1))
     rank_file = trace / "rank-00002.attempt-000.sdct"
-    rank_file.write_bytes(rank_file.read_bytes()[:-(6 * 216 + 100)])  # killed mid-write after step 12
+    rank_file.write_bytes(rank_file.read_bytes()[: -(6 * 216 + 100)])  # killed mid-write after step 12
     out = tmp_path / "review.html"
     assert _report(trace, "--trace-only", "-o", out).exit_code == 1
     page = out.read_text()
@@ -141,7 +162,9 @@ def test_a_run_that_stopped_early_is_said_first(make_trace, tmp_path):
 
 def test_recurring_fault_calls_for_the_extended_diagnostic_and_a_replacement(make_trace, tmp_path):
     out = tmp_path / "review.json"
-    trace = make_trace(ranks=4, steps=20, fault=(Fault(kind="nonfinite", step=4, rank=1), Fault(kind="nonfinite", step=12, rank=1)))
+    trace = make_trace(
+        ranks=4, steps=20, fault=(Fault(kind="nonfinite", step=4, rank=1), Fault(kind="nonfinite", step=12, rank=1))
+    )
     assert _report(trace, "--trace-only", "-o", out).exit_code == 1
     doc = assert_valid(out.read_text(), "report")
     [node] = doc["report"]["nodes"]
@@ -163,7 +186,9 @@ def test_report_reads_checkpoints_under_the_same_read_limits_as_bisect(make_run,
     assert within.exit_code == 4, within.output  # no recipe to replay with: inconclusive, files read
     assert json.loads(within.stdout)["checkpoints"][0]["status"] == "clean"
     beyond = _report(*common, "-o", tmp_path / "beyond.md", "--max-tensors", "1", "--allow-root", tmp_path)
-    bisected = CliRunner().invoke(cli, ["bisect", *map(str, common), "--max-tensors", "1", "--allow-root", str(tmp_path)])
+    bisected = CliRunner().invoke(
+        cli, ["bisect", *map(str, common), "--max-tensors", "1", "--allow-root", str(tmp_path)]
+    )
     assert beyond.exit_code == bisected.exit_code == 1, (beyond.output, bisected.output)
     doc = json.loads(beyond.stdout)
     for entry in doc["checkpoints"]:

@@ -65,9 +65,13 @@ def test_the_reproduce_commands_of_a_report_rerun_as_written(demo_run, tmp_path)
     first = out.stat().st_ino
     for command in commands:  # from another directory: the paths are absolute
         with open(tmp_path / "rerun.log", "w") as log:
-            done = subprocess.run(command, shell=True, cwd="/", env=env, stdout=subprocess.DEVNULL, stderr=log, timeout=300)
+            done = subprocess.run(
+                command, shell=True, cwd="/", env=env, stdout=subprocess.DEVNULL, stderr=log, timeout=300
+            )
         assert done.returncode == 1, (command, (tmp_path / "rerun.log").read_text())
-    assert out.stat().st_ino != first and out.read_text().startswith("# Post-incident review")  # rewritten (a renamed new file), not refused
+    assert out.stat().st_ino != first and out.read_text().startswith(
+        "# Post-incident review"
+    )  # rewritten (a renamed new file), not refused
 
 
 @pytest.mark.slow
@@ -86,7 +90,9 @@ def test_storage_incident_points_at_the_disk_never_the_gpu(demo_run, tmp_path):
     assert doc["report"]["checkpoint_locality"] == "node_local"  # the demo wrote under the temporary directory
     resume = next(a for a in doc["report"]["actions"] if a["platform"] == "resume")
     step = doc["report"]["resume"]["step"]
-    assert f"rsync -a {socket.gethostname()}:{out_dir / 'checkpoints' / f'step-{step:08d}.pt'} SHARED_DIR/" in " ".join(resume["commands"])
+    assert f"rsync -a {socket.gethostname()}:{out_dir / 'checkpoints' / f'step-{step:08d}.pt'} SHARED_DIR/" in " ".join(
+        resume["commands"]
+    )
     assert "keep checkpoints off the replaced node" in " ".join(resume["why"])
     slurm = next(a for a in doc["report"]["actions"] if a["platform"] == "slurm")
     assert "checkpoint file damaged at rest" in slurm["commands"][0] and "GPU" not in slurm["commands"][0]
@@ -150,7 +156,9 @@ def test_reproduce_commands_put_the_jobs_recipe_on_pythonpath(sim, tmp_path, mon
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     for command in commands:
         with open(tmp_path / "rerun.log", "w") as log:
-            done = subprocess.run(command, shell=True, cwd="/", env=env, stdout=subprocess.DEVNULL, stderr=log, timeout=300)
+            done = subprocess.run(
+                command, shell=True, cwd="/", env=env, stdout=subprocess.DEVNULL, stderr=log, timeout=300
+            )
         assert done.returncode == 1, (command, (tmp_path / "rerun.log").read_text())
 
 
@@ -159,9 +167,19 @@ def test_installed_report_into_a_closed_pipe_is_quiet(make_trace, tmp_path):
     log = tmp_path / "stderr.log"
     from tests.cli.installed import command
 
-    done = subprocess.run(f"{command()} report {trace} --trace-only --format html 2>{log} | head -c 10", shell=True,
-                          capture_output=True, text=True, timeout=120, executable="/bin/bash")
+    done = subprocess.run(
+        f"{command()} report {trace} --trace-only --format html 2>{log} | head -c 10",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        executable="/bin/bash",
+    )
     assert done.stdout == "<!DOCTYPE " and log.read_text() == ""
-    status = subprocess.run(f"set -o pipefail; {command()} report {trace} --trace-only --format html 2>/dev/null | head -c 10 >/dev/null",
-                            shell=True, timeout=120, executable="/bin/bash")
+    status = subprocess.run(
+        f"set -o pipefail; {command()} report {trace} --trace-only --format html 2>/dev/null | head -c 10 >/dev/null",
+        shell=True,
+        timeout=120,
+        executable="/bin/bash",
+    )
     assert status.returncode == 1  # the verdict's code, not a broken pipe's

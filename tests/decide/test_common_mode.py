@@ -22,15 +22,34 @@ W = 4
 def _local(step, rank, ratio, *, source="replay"):
     """A replayed local gradient off by ``ratio`` x the tolerance, graded as replay_compare grades it."""
     strength = Strength.STRONG if ratio > 1000 else Strength.WEAK
-    return Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=step, ranks=(rank,), source=source, location=Location.LOCAL_COMPUTE,
-                    strength=strength, found=f"residual ({ratio}x the tolerance)", detail=f"rank {rank}'s local gradient")
+    return Evidence(
+        kind=EvidenceKind.REPLAY_MISMATCH,
+        step=step,
+        ranks=(rank,),
+        source=source,
+        location=Location.LOCAL_COMPUTE,
+        strength=strength,
+        found=f"residual ({ratio}x the tolerance)",
+        detail=f"rank {rank}'s local gradient",
+    )
 
 
 def _decide(evidence, *, world_size=W, anchors=(20,), replayed=range(20, 25), tolerant=True):
     identity = lambda r: SimpleNamespace(host=f"node{r}", gpu=f"GPU-{r}")  # noqa: E731
-    return decide(evidence, world_size=world_size, identity=identity, notes=(), files={}, majority={},
-                  examined=Examined(first_step=0, replayed=frozenset(replayed), tolerant_steps=frozenset(replayed if tolerant else ()),
-                                    anchors=frozenset(anchors)))
+    return decide(
+        evidence,
+        world_size=world_size,
+        identity=identity,
+        notes=(),
+        files={},
+        majority={},
+        examined=Examined(
+            first_step=0,
+            replayed=frozenset(replayed),
+            tolerant_steps=frozenset(replayed if tolerant else ()),
+            anchors=frozenset(anchors),
+        ),
+    )
 
 
 def test_issue_19_common_mode_jump_after_a_weak_candidate_confirms_the_candidate():
@@ -38,7 +57,12 @@ def test_issue_19_common_mode_jump_after_a_weak_candidate_confirms_the_candidate
     decided = _decide(evidence)
     assert (decided.verdict, decided.first_divergent_step) == (Verdict.CORRUPTION, 23)
     [suspect] = decided.suspects
-    assert (suspect.rank, suspect.location, suspect.recurring, suspect.steps) == (2, Location.LOCAL_COMPUTE, False, (23,))
+    assert (suspect.rank, suspect.location, suspect.recurring, suspect.steps) == (
+        2,
+        Location.LOCAL_COMPUTE,
+        False,
+        (23,),
+    )
     assert "drain" not in suspect.recommendation
     [confirmed] = [e for e in suspect.evidence if e.step == 23]
     assert confirmed.strength is Strength.STRONG and "confirmed" in confirmed.detail
@@ -72,12 +96,18 @@ def test_a_single_healthy_rank_after_a_weak_candidate_is_a_consequence_not_a_sus
 def test_consequences_end_where_the_replay_started_again_from_a_checkpoint():
     """A window replayed from checkpoint 30 follows the record again: a fault there is its own event."""
     decided = _decide([_local(23, 2, 48), _local(31, 1, 4000)], anchors=(20, 30), replayed=range(20, 32))
-    assert (decided.verdict, decided.first_divergent_step, [s.rank for s in decided.suspects]) == (Verdict.CORRUPTION, 31, [1])
+    assert (decided.verdict, decided.first_divergent_step, [s.rank for s in decided.suspects]) == (
+        Verdict.CORRUPTION,
+        31,
+        [1],
+    )
 
 
 def test_the_consequences_of_one_event_are_not_recurrences():
     """A second-opinion replay that ran on past the fault named every rank at every later step."""
-    evidence = [_local(23, 2, 48)] + [_local(s, r, 5000) for s in (24, 25, 26) for r in range(W)] + [_local(27, 2, 8000)]
+    evidence = (
+        [_local(23, 2, 48)] + [_local(s, r, 5000) for s in (24, 25, 26) for r in range(W)] + [_local(27, 2, 8000)]
+    )
     decided = _decide(evidence, replayed=range(20, 28))
     [suspect] = decided.suspects
     assert (suspect.rank, suspect.recurring, suspect.steps) == (2, False, (23,))
@@ -86,8 +116,10 @@ def test_the_consequences_of_one_event_are_not_recurrences():
 def test_every_rank_named_by_strong_evidence_is_a_shared_cause_never_drain_every_node():
     """Trace evidence that names every rank at once (not rank-local: it is not grouped) still never
     drains the whole job."""
-    evidence = [Evidence(kind=EvidenceKind.WEIGHT_DIVERGENCE, step=5, ranks=(r,), location=Location.OPTIMIZER_UPDATE)
-                for r in range(W)]
+    evidence = [
+        Evidence(kind=EvidenceKind.WEIGHT_DIVERGENCE, step=5, ranks=(r,), location=Location.OPTIMIZER_UPDATE)
+        for r in range(W)
+    ]
     decided = _decide(evidence, anchors=(), replayed=())
     assert len(decided.suspects) == W
     for suspect in decided.suspects:
@@ -97,9 +129,15 @@ def test_every_rank_named_by_strong_evidence_is_a_shared_cause_never_drain_every
 
 def test_an_exact_replay_keeps_its_answer():
     """Exact comparisons are strong and stop at the first divergence: one rank, its step."""
-    strong = Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=23, ranks=(2,), source="replay", location=Location.LOCAL_COMPUTE)
+    strong = Evidence(
+        kind=EvidenceKind.REPLAY_MISMATCH, step=23, ranks=(2,), source="replay", location=Location.LOCAL_COMPUTE
+    )
     decided = _decide([strong], replayed=range(20, 24))
-    assert (decided.verdict, decided.first_divergent_step, [s.rank for s in decided.suspects]) == (Verdict.CORRUPTION, 23, [2])
+    assert (decided.verdict, decided.first_divergent_step, [s.rank for s in decided.suspects]) == (
+        Verdict.CORRUPTION,
+        23,
+        [2],
+    )
 
 
 def test_two_ranks_both_named_is_common_mode_but_one_rank_is_its_own_event():
@@ -112,8 +150,15 @@ def test_two_ranks_both_named_is_common_mode_but_one_rank_is_its_own_event():
 
 def test_a_collective_candidate_is_confirmed_by_the_jump():
     """A weak all-reduce residual on every rank (ranks=(), the collective) then every rank far off."""
-    reduced = Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=23, ranks=(), source="replay", location=Location.COLLECTIVE,
-                       strength=Strength.WEAK, found="recorded reduced sketch off (60x the tolerance) on every rank")
+    reduced = Evidence(
+        kind=EvidenceKind.REPLAY_MISMATCH,
+        step=23,
+        ranks=(),
+        source="replay",
+        location=Location.COLLECTIVE,
+        strength=Strength.WEAK,
+        found="recorded reduced sketch off (60x the tolerance) on every rank",
+    )
     decided = _decide([reduced] + [_local(24, r, 5000) for r in range(W)])
     assert (decided.verdict, decided.first_divergent_step) == (Verdict.CORRUPTION, 23)
     [suspect] = decided.suspects
@@ -123,8 +168,17 @@ def test_a_collective_candidate_is_confirmed_by_the_jump():
 def _rest(step, rank, reach):
     """A sharded job's weight shard changed at rest on ``rank`` (``triage/trace_only._RestState``):
     shared with every rank of ``reach``, which gathered it."""
-    return Evidence(kind=EvidenceKind.WEIGHT_DIVERGENCE, step=step, ranks=(rank,), source="trace", location=Location.STATE_AT_REST,
-                    strength=Strength.STRONG, shared=True, reach=tuple(reach), detail=f"rank {rank}'s shard changed at rest")
+    return Evidence(
+        kind=EvidenceKind.WEIGHT_DIVERGENCE,
+        step=step,
+        ranks=(rank,),
+        source="trace",
+        location=Location.STATE_AT_REST,
+        strength=Strength.STRONG,
+        shared=True,
+        reach=tuple(reach),
+        detail=f"rank {rank}'s shard changed at rest",
+    )
 
 
 @pytest.mark.parametrize("mismatched", [(0, 2), (0, 1, 2, 3), (3,)])

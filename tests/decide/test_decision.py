@@ -7,7 +7,15 @@ import dataclasses
 
 from sdc_forensics.checkpoint.locate import locate_checkpoint
 from sdc_forensics.checkpoint.verify import VerifyOptions, verify_checkpoint
-from sdc_forensics.decide.decision import CheckpointFile, Examined, Status, Verdict, checkpoint_status, decide, last_clean
+from sdc_forensics.decide.decision import (
+    CheckpointFile,
+    Examined,
+    Status,
+    Verdict,
+    checkpoint_status,
+    decide,
+    last_clean,
+)
 from sdc_forensics.evidence import Evidence, EvidenceKind, Location, Strength
 from sdc_forensics.trace.checkpoints import read_checkpoint_notes
 from tests.factories import flip_byte, zip_member_offset
@@ -15,18 +23,30 @@ from tests.factories import flip_byte, zip_member_offset
 
 def _file(note, checkpoints=None, base=None):
     path = locate_checkpoint(note, checkpoints, base)
-    return CheckpointFile(path=str(path), report=verify_checkpoint(path, note=note, options=VerifyOptions())) if path else CheckpointFile()
+    return (
+        CheckpointFile(path=str(path), report=verify_checkpoint(path, note=note, options=VerifyOptions()))
+        if path
+        else CheckpointFile()
+    )
 
 
 def _statuses(run, *, first="run", notes=None, replayed=None, weak=(), checkpoints=None, trace_consistent=True):
     """The decision module's status of every checkpoint of ``run``; by default every step replayed clean."""
     notes = notes or read_checkpoint_notes(run.trace_dir)
     last = max(n.step for n in notes)
-    examined = Examined(first_step=0, replayed=frozenset(range(last) if replayed is None else replayed), files_read=True,
-                        trace_consistent=trace_consistent)
+    examined = Examined(
+        first_step=0,
+        replayed=frozenset(range(last) if replayed is None else replayed),
+        files_read=True,
+        trace_consistent=trace_consistent,
+    )
     first = run.first_divergent_step if first == "run" else first
-    return {n.step: checkpoint_status(n, _file(n, checkpoints, run.trace_dir.parent), first=first, weak=weak, majority=None,
-                                      examined=examined) for n in notes}
+    return {
+        n.step: checkpoint_status(
+            n, _file(n, checkpoints, run.trace_dir.parent), first=first, weak=weak, majority=None, examined=examined
+        )
+        for n in notes
+    }
 
 
 def test_no_divergence_every_step_replayed_every_checkpoint_clean(make_run):
@@ -47,8 +67,17 @@ def test_a_checkpoint_whose_earlier_steps_were_not_all_replayed_is_not_clean(mak
 
 def test_weak_evidence_before_a_checkpoint_leaves_it_unverified(make_run):
     run = make_run(steps=4)
-    weak = (Evidence(kind=EvidenceKind.REPLAY_MISMATCH, step=2, ranks=(1,), source="replay", location=Location.LOCAL_COMPUTE,
-                     strength=Strength.WEAK, found="residual 3x the tolerance"),)
+    weak = (
+        Evidence(
+            kind=EvidenceKind.REPLAY_MISMATCH,
+            step=2,
+            ranks=(1,),
+            source="replay",
+            location=Location.LOCAL_COMPUTE,
+            strength=Strength.WEAK,
+            found="residual 3x the tolerance",
+        ),
+    )
     statuses = _statuses(run, weak=weak)
     assert [statuses[n].status for n in (0, 2, 4)] == [Status.CLEAN, Status.CLEAN, Status.UNVERIFIED]
     assert "weak evidence at step 2" in statuses[4].reasons[0]
@@ -85,7 +114,9 @@ def test_checkpoint_saved_from_the_diverged_replica_is_not_certified(make_run):
 
 def test_content_not_matching_majority_is_corrupt_even_if_note_blesses_it(make_run):
     run = make_run(steps=6, diverge=(3, 1), save_from=1, blessed=True)
-    notes = [dataclasses.replace(n, diverged_ranks=()) for n in read_checkpoint_notes(run.trace_dir)]  # recorder missed it
+    notes = [
+        dataclasses.replace(n, diverged_ranks=()) for n in read_checkpoint_notes(run.trace_dir)
+    ]  # recorder missed it
     statuses = _statuses(run, notes=notes, first=None)
     assert statuses[4].status == Status.CORRUPT
     assert any(f.kind.value == "weights-not-majority" for f in statuses[4].findings)
@@ -136,7 +167,12 @@ def test_a_replay_that_examined_a_weights_bound_pins_the_first_divergent_step():
     pinned = decide([bound, replayed], examined=Examined(replayed=frozenset(range(13))), **common)
     assert (pinned.verdict, pinned.first_divergent_step) == (Verdict.CORRUPTION, 11)
     [suspect] = pinned.suspects
-    assert (suspect.rank, suspect.location, suspect.steps, suspect.recurring) == (1, Location.OPTIMIZER_UPDATE, (11,), False)
+    assert (suspect.rank, suspect.location, suspect.steps, suspect.recurring) == (
+        1,
+        Location.OPTIMIZER_UPDATE,
+        (11,),
+        False,
+    )
     partly = decide([bound, replayed], examined=Examined(replayed=frozenset(range(10, 13))), **common)
     assert partly.first_divergent_step == 9  # step 9 was not replayed: the bound still holds
 
@@ -144,17 +180,38 @@ def test_a_replay_that_examined_a_weights_bound_pins_the_first_divergent_step():
 def test_weak_evidence_before_a_confirmed_divergence_widens_its_window():
     weak = _ev(EvidenceKind.REPLAY_MISMATCH, 3, (2,), Location.LOCAL_COMPUTE, source="replay", strength=Strength.WEAK)
     strong = _ev(EvidenceKind.NONFINITE, 7, (2,), Location.LOCAL_COMPUTE)
-    decided = decide([weak, strong], world_size=4, identity=lambda r: _Ident(), notes=(), files={}, majority={},
-                     examined=Examined(replayed=frozenset(range(8))))
+    decided = decide(
+        [weak, strong],
+        world_size=4,
+        identity=lambda r: _Ident(),
+        notes=(),
+        files={},
+        majority={},
+        examined=Examined(replayed=frozenset(range(8))),
+    )
     assert (decided.verdict, decided.first_divergent_step, decided.divergence_window) == (Verdict.CORRUPTION, 7, (3, 7))
     assert "precedes the first confirmed divergence" in " ".join(decided.settle)
 
 
 def test_weak_evidence_alone_is_inconclusive_never_corruption():
-    weak = _ev(EvidenceKind.REPLAY_MISMATCH, 3, (2,), Location.LOCAL_COMPUTE, source="replay", strength=Strength.WEAK,
-               found="residual 40x the tolerance")
-    decided = decide([weak], world_size=4, identity=lambda r: _Ident(), notes=(), files={}, majority={},
-                     examined=Examined(replayed=frozenset(range(8))))
+    weak = _ev(
+        EvidenceKind.REPLAY_MISMATCH,
+        3,
+        (2,),
+        Location.LOCAL_COMPUTE,
+        source="replay",
+        strength=Strength.WEAK,
+        found="residual 40x the tolerance",
+    )
+    decided = decide(
+        [weak],
+        world_size=4,
+        identity=lambda r: _Ident(),
+        notes=(),
+        files={},
+        majority={},
+        examined=Examined(replayed=frozenset(range(8))),
+    )
     assert (decided.verdict, decided.first_divergent_step, decided.suspects) == (Verdict.INCONCLUSIVE, None, ())
     assert "replay exactly" in decided.settle[0]
 
@@ -163,9 +220,17 @@ def test_nothing_found_in_a_damaged_trace_is_inconclusive_never_clean():
     """A trace with holes (a rank file unreadable, bad checksums, missing steps) gives no clean
     bill: nothing found in what could be read is not every rank's every step (issue #9: bisect
     --trace-only said clean, exit 0, when rank 0's only file was garbage)."""
+
     def verdict(**examined):
-        return decide([], world_size=4, identity=lambda r: _Ident(), notes=(), files={}, majority={},
-                      examined=Examined(**examined))
+        return decide(
+            [],
+            world_size=4,
+            identity=lambda r: _Ident(),
+            notes=(),
+            files={},
+            majority={},
+            examined=Examined(**examined),
+        )
 
     assert verdict(replayed=frozenset(range(8))).verdict is Verdict.CLEAN
     assert verdict(trace_only=True).verdict is Verdict.CLEAN  # trace checks only, on an intact trace
@@ -183,15 +248,27 @@ def test_finding_kind_sets_are_the_enum_and_classify_every_kind_once():
     sets = (STORAGE_FINDINGS, STATE_FINDINGS, UNVERIFIABLE_FINDINGS)
     assert all(type(kind) is FindingKind for group in sets for kind in group)
     assert sorted(kind for group in sets for kind in group) == sorted(FindingKind)
-    assert STORAGE_FINDINGS == {FindingKind.DIGEST_MISMATCH, FindingKind.FILE_DAMAGED, FindingKind.FILE_CHECKSUM_MISMATCH,
-                                FindingKind.MISSING_TENSOR, FindingKind.UNEXPECTED_TENSOR}
+    assert STORAGE_FINDINGS == {
+        FindingKind.DIGEST_MISMATCH,
+        FindingKind.FILE_DAMAGED,
+        FindingKind.FILE_CHECKSUM_MISMATCH,
+        FindingKind.MISSING_TENSOR,
+        FindingKind.UNEXPECTED_TENSOR,
+    }
     assert UNVERIFIABLE_FINDINGS == {FindingKind.NOT_VERIFIABLE}
 
 
 def _update_everywhere(step, ranks=(0, 1, 2, 3)):
     """What the replay reports when every rank's weights after ``step`` differ from its exact update."""
-    return _ev(EvidenceKind.REPLAY_MISMATCH, step, ranks, Location.OPTIMIZER_UPDATE, source="replay",
-               expected="0x1", found=", ".join("0x2" for _ in ranks))
+    return _ev(
+        EvidenceKind.REPLAY_MISMATCH,
+        step,
+        ranks,
+        Location.OPTIMIZER_UPDATE,
+        source="replay",
+        expected="0x1",
+        found=", ".join("0x2" for _ in ranks),
+    )
 
 
 def test_an_update_no_rank_reproduces_is_inconclusive_names_the_recipe_and_certifies_nothing_after_it(make_run):
@@ -201,8 +278,15 @@ def test_an_update_no_rank_reproduces_is_inconclusive_names_the_recipe_and_certi
     run = make_run(steps=4)
     notes = read_checkpoint_notes(run.trace_dir)
     files = {n.step: _file(n, None, run.trace_dir.parent) for n in notes}
-    decided = decide([_update_everywhere(2)], world_size=4, identity=lambda r: _Ident(), notes=notes, files=files, majority={},
-                     examined=Examined(replayed=frozenset(range(4)), files_read=True))
+    decided = decide(
+        [_update_everywhere(2)],
+        world_size=4,
+        identity=lambda r: _Ident(),
+        notes=notes,
+        files=files,
+        majority={},
+        examined=Examined(replayed=frozenset(range(4)), files_read=True),
+    )
     assert (decided.verdict, decided.first_divergent_step, decided.suspects) == (Verdict.INCONCLUSIVE, None, ())
     statuses = {c.step: c for c in decided.checkpoints}
     assert [statuses[n].status for n in (0, 2, 4)] == [Status.CLEAN, Status.CLEAN, Status.UNVERIFIED]
@@ -217,8 +301,15 @@ def test_an_update_mismatch_with_other_strong_evidence_at_its_step_is_not_called
     """Rule 5 holds only with nothing else strong at the step: a NaN in rank 1's local gradient there
     is the verdict, and the update mismatch is no recipe event."""
     nan = _ev(EvidenceKind.NONFINITE, 2, (1,), Location.LOCAL_COMPUTE)
-    decided = decide([_update_everywhere(2), nan], world_size=4, identity=lambda r: _Ident(), notes=(), files={}, majority={},
-                     examined=Examined(replayed=frozenset(range(4))))
+    decided = decide(
+        [_update_everywhere(2), nan],
+        world_size=4,
+        identity=lambda r: _Ident(),
+        notes=(),
+        files={},
+        majority={},
+        examined=Examined(replayed=frozenset(range(4))),
+    )
     assert decided.verdict is Verdict.CORRUPTION and decided.first_divergent_step == 2
     assert not any("does not reproduce the update" in line for line in decided.settle)
 
@@ -229,8 +320,14 @@ def test_weights_changed_at_rest_are_located_at_rest_not_in_local_compute():
     wrong gradient without the divergence is local compute (averaged into every replica alike)."""
     local = _ev(EvidenceKind.REPLAY_MISMATCH, 3, (2,), Location.LOCAL_COMPUTE, source="replay")
     diverged = _ev(EvidenceKind.WEIGHT_DIVERGENCE, 3, (2,), Location.UNKNOWN)
-    common = dict(world_size=4, identity=lambda r: _Ident(), notes=(), files={}, majority={},
-                  examined=Examined(replayed=frozenset(range(6))))
+    common = dict(
+        world_size=4,
+        identity=lambda r: _Ident(),
+        notes=(),
+        files={},
+        majority={},
+        examined=Examined(replayed=frozenset(range(6))),
+    )
     [at_rest] = decide([local, diverged], **common).suspects
     assert (at_rest.rank, at_rest.location, at_rest.steps) == (2, Location.STATE_AT_REST, (3,))
     [compute] = decide([local], **common).suspects
@@ -249,25 +346,52 @@ def test_a_sharded_checkpoint_holding_a_diverged_replicas_shard_says_so_not_stor
     from sdc_forensics.checkpoint.verify import Finding
     from sdc_forensics.trace.checkpoints import CheckpointNote
 
-    findings = (Finding(kind=FindingKind.DIGEST_MISMATCH, subject="model.3.weight", expected="0x1", found="0x2",
-                        detail="bytes differ from what was saved (storage corruption)"),)
+    findings = (
+        Finding(
+            kind=FindingKind.DIGEST_MISMATCH,
+            subject="model.3.weight",
+            expected="0x1",
+            found="0x2",
+            detail="bytes differ from what was saved (storage corruption)",
+        ),
+    )
     file = CheckpointFile(path="step-4", report=SimpleNamespace(findings=findings))
-    for note in (CheckpointNote(step=4, path="step-4", weights_digest="0x9", saved_by_rank=0, blessed=False),
-                 CheckpointNote(step=4, path="step-4", weights_digest="0x9", saved_by_rank=0, blessed=True,
-                                agreeing_ranks=(0, 1, 2), diverged_ranks=(3,))):
-        status = checkpoint_status(note, file, first=3, majority=None, examined=Examined(replayed=frozenset(range(4))), sharded=True)
+    for note in (
+        CheckpointNote(step=4, path="step-4", weights_digest="0x9", saved_by_rank=0, blessed=False),
+        CheckpointNote(
+            step=4,
+            path="step-4",
+            weights_digest="0x9",
+            saved_by_rank=0,
+            blessed=True,
+            agreeing_ranks=(0, 1, 2),
+            diverged_ranks=(3,),
+        ),
+    ):
+        status = checkpoint_status(
+            note, file, first=3, majority=None, examined=Examined(replayed=frozenset(range(4))), sharded=True
+        )
         assert status.status is Status.CORRUPT
         text = " ".join(status.reasons)
         assert "holds a diverged replica's weights" in text and "storage" not in text.replace("not storage damage", "")
         ddp = checkpoint_status(note, file, first=3, majority=None, examined=Examined(replayed=frozenset(range(4))))
-        assert "storage corruption" in " ".join(ddp.reasons) and "diverged replica's weights" not in " ".join(ddp.reasons)
+        assert "storage corruption" in " ".join(ddp.reasons) and "diverged replica's weights" not in " ".join(
+            ddp.reasons
+        )
 
 
 def _decision(verdict, first=None, suspects=(), settle=()):
     from sdc_forensics.decide.decision import Decision
 
-    return Decision(verdict=verdict, first_divergent_step=first, divergence_window=None, suspects=suspects, checkpoints=(),
-                    weak=(), settle=settle)
+    return Decision(
+        verdict=verdict,
+        first_divergent_step=first,
+        divergence_window=None,
+        suspects=suspects,
+        checkpoints=(),
+        weak=(),
+        settle=settle,
+    )
 
 
 def test_an_earlier_attempts_corruption_is_the_runs_verdict_but_not_its_lineages_first_step():
@@ -287,10 +411,23 @@ def test_an_earlier_attempts_corruption_is_the_runs_verdict_but_not_its_lineages
     assert merged.settle[0].startswith("attempt 0 went wrong at step 5: rank 1 (node0, GPU-0) (local_compute)")
     assert wrong in merged.evidence
     # a clean earlier attempt changes nothing; an unsettled one adds a line and keeps the verdict
-    assert with_earlier_attempts(latest, [EarlierAttempt(attempt=0, resumed_by=1, steps=(4, 7), decision=_decision(Verdict.CLEAN))]) is latest
-    unsettled = with_earlier_attempts(latest, [EarlierAttempt(attempt=0, resumed_by=1, steps=(4, 4),
-                                                              decision=_decision(Verdict.INCONCLUSIVE, settle=("replay it",)))])
-    assert unsettled.verdict is Verdict.CLEAN and unsettled.settle == ("attempt 0's step 4, re-executed by attempt 1, could not be settled: replay it",)
+    assert (
+        with_earlier_attempts(
+            latest, [EarlierAttempt(attempt=0, resumed_by=1, steps=(4, 7), decision=_decision(Verdict.CLEAN))]
+        )
+        is latest
+    )
+    unsettled = with_earlier_attempts(
+        latest,
+        [
+            EarlierAttempt(
+                attempt=0, resumed_by=1, steps=(4, 4), decision=_decision(Verdict.INCONCLUSIVE, settle=("replay it",))
+            )
+        ],
+    )
+    assert unsettled.verdict is Verdict.CLEAN and unsettled.settle == (
+        "attempt 0's step 4, re-executed by attempt 1, could not be settled: replay it",
+    )
     # the latest lineage's own corruption keeps its first step, and both suspects are named
     own = _decision(Verdict.CORRUPTION, first=9, suspects=past.suspects)
     both = with_earlier_attempts(own, [EarlierAttempt(attempt=0, resumed_by=1, steps=(4, 7), decision=past)])
@@ -305,8 +442,18 @@ def test_a_gathered_copy_found_different_leaves_the_wrong_gradient_in_local_comp
     weights found diverged at the same step still moves it at rest."""
     gathered = _ev(EvidenceKind.WEIGHT_DIVERGENCE, 4, (1,), Location.LOCAL_COMPUTE)
     replayed = _ev(EvidenceKind.REPLAY_MISMATCH, 4, (1,), Location.LOCAL_COMPUTE, source="replay")
-    common = dict(world_size=4, identity=lambda r: _Ident(), notes=(), files={}, majority={},
-                  examined=Examined(replayed=frozenset(range(8)), files_read=True))
-    assert [(s.rank, s.location) for s in decide([gathered, replayed], **common).suspects] == [(1, Location.LOCAL_COMPUTE)]
+    common = dict(
+        world_size=4,
+        identity=lambda r: _Ident(),
+        notes=(),
+        files={},
+        majority={},
+        examined=Examined(replayed=frozenset(range(8)), files_read=True),
+    )
+    assert [(s.rank, s.location) for s in decide([gathered, replayed], **common).suspects] == [
+        (1, Location.LOCAL_COMPUTE)
+    ]
     replica = _ev(EvidenceKind.WEIGHT_DIVERGENCE, 4, (1,), Location.UNKNOWN, earliest_step=4)
-    assert [(s.rank, s.location) for s in decide([replica, replayed], **common).suspects] == [(1, Location.STATE_AT_REST)]
+    assert [(s.rank, s.location) for s in decide([replica, replayed], **common).suspects] == [
+        (1, Location.STATE_AT_REST)
+    ]

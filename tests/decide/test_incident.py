@@ -29,16 +29,19 @@ def _raw_times(trace_dir, ranks: int) -> np.ndarray:
     return np.stack(columns, axis=1)
 
 
-@pytest.mark.parametrize("paths, expected", [
-    (["/tmp/run/ckpt-10.pt"], Locality.NODE_LOCAL),
-    (["/raid/job/step-1", "/fsx/job/step-2"], Locality.NODE_LOCAL),  # any node-local file is a node's to lose
-    (["/fsx/job/step-1", "/lustre/x"], Locality.SHARED),
-    (["s3://bucket/ckpt"], Locality.SHARED),
-    (["checkpoints/step-1.pt"], Locality.UNKNOWN),  # relative: resolved from the job's directory
-    (["/data/ckpt"], Locality.UNKNOWN),
-    (["/tmpfoo/ckpt"], Locality.UNKNOWN),  # a prefix is a whole path component
-    ([], Locality.UNKNOWN),
-])
+@pytest.mark.parametrize(
+    "paths, expected",
+    [
+        (["/tmp/run/ckpt-10.pt"], Locality.NODE_LOCAL),
+        (["/raid/job/step-1", "/fsx/job/step-2"], Locality.NODE_LOCAL),  # any node-local file is a node's to lose
+        (["/fsx/job/step-1", "/lustre/x"], Locality.SHARED),
+        (["s3://bucket/ckpt"], Locality.SHARED),
+        (["checkpoints/step-1.pt"], Locality.UNKNOWN),  # relative: resolved from the job's directory
+        (["/data/ckpt"], Locality.UNKNOWN),
+        (["/tmpfoo/ckpt"], Locality.UNKNOWN),  # a prefix is a whole path component
+        ([], Locality.UNKNOWN),
+    ],
+)
 def test_path_locality(paths, expected):
     assert path_locality(paths) is expected
 
@@ -52,7 +55,10 @@ def test_dcgm_level_follows_what_is_implicated():
 
 def test_plot_window():
     assert plot_window((0, 39), 23) == (0, 39)
-    assert plot_window((0, 99_999), 50_000, max_steps=1000) == (49_251, 50_250)  # s* and 250 steps after it, the rest before
+    assert plot_window((0, 99_999), 50_000, max_steps=1000) == (
+        49_251,
+        50_250,
+    )  # s* and 250 steps after it, the rest before
     assert plot_window((0, 99_999), 10, max_steps=1000) == (0, 999)
     assert plot_window((0, 99_999), None, max_steps=1000) == (99_000, 99_999)  # clean: the last steps
     assert plot_window(None, None) is None
@@ -72,8 +78,14 @@ def test_times_and_loss_without_a_clean_checkpoint(make_trace):
     assert lost.wall_clock_s == pytest.approx((times[29].max() - times[0].min()) / 1e9)
     assert lost.gpu_hours == pytest.approx(lost.wall_clock_s * 4 / 3600)
     [node] = incident.nodes
-    assert (node.rank, node.node, node.node_source, node.gpu_uuid, node.implicates, node.dcgm_level) == (3, "node1", "host", "GPU-0003",
-                                                                                                      Implicates.GPU, 3)
+    assert (node.rank, node.node, node.node_source, node.gpu_uuid, node.implicates, node.dcgm_level) == (
+        3,
+        "node1",
+        "host",
+        "GPU-0003",
+        Implicates.GPU,
+        3,
+    )
     assert incident.resume_step is None and not incident.collective
 
 
@@ -121,9 +133,16 @@ def test_loss_from_the_resume_checkpoint_of_a_replayed_run(sim):
 
 
 def test_series_show_the_allreduce_fault_the_diverged_replica_and_the_lost_audit(make_trace):
-    trace_dir = make_trace(ranks=4, steps=12, audit_every=4,
-                           fault=(Fault(kind="allreduce-all", step=3), Fault(kind="weights", step=6, rank=2),
-                                  Fault(kind="audit-subject", step=8, rank=0)))
+    trace_dir = make_trace(
+        ranks=4,
+        steps=12,
+        audit_every=4,
+        fault=(
+            Fault(kind="allreduce-all", step=3),
+            Fault(kind="weights", step=6, rank=2),
+            Fault(kind="audit-subject", step=8, rank=0),
+        ),
+    )
     series = incident_series(Trace.open(trace_dir), (0, 11))
     assert series.whole_run and list(series.steps) == list(range(12))
     assert (series.residual_ratio[3] > 1).all()  # every rank received the wrong result

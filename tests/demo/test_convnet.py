@@ -21,8 +21,6 @@ from sdc_forensics.recipe import load_recipe
 from tests.factories import num_threads
 
 
-
-
 def _local_gradient(threads: int) -> torch.Tensor:
     """Rank 1's step-0 gradient of a 4-rank job (both microbatches accumulated), flattened."""
     with num_threads(threads):
@@ -56,7 +54,11 @@ def test_build_gives_the_same_weights_twice_and_leaves_the_global_rng_alone():
     assert torch.equal(torch.rand(3), expected_draw)
     a, b = first.state_dict(), second.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert isinstance(optimizer, torch.optim.SGD) and optimizer.defaults["momentum"] == 0.9 and optimizer.defaults["weight_decay"] > 0
+    assert (
+        isinstance(optimizer, torch.optim.SGD)
+        and optimizer.defaults["momentum"] == 0.9
+        and optimizer.defaults["weight_decay"] > 0
+    )
     assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR)
     assert any(isinstance(m, torch.nn.GroupNorm) for m in first) and any(isinstance(m, torch.nn.Conv2d) for m in first)
 
@@ -103,10 +105,14 @@ def test_gradient_differs_bitwise_between_one_and_two_threads():
     assert torch.equal(one, one_again)  # deterministic at a fixed count: the difference is the thread count
     differing = int((one != two).sum())
     relative = ((one - two).abs().max() / one.abs().max()).item()
-    print(f"1 vs 2 intra-op threads: {differing} of {one.numel()} gradient elements differ bitwise, "
-          f"max relative difference {relative:.2g}")  # the figures in docs/benchmarks.md (pytest -s)
+    print(
+        f"1 vs 2 intra-op threads: {differing} of {one.numel()} gradient elements differ bitwise, "
+        f"max relative difference {relative:.2g}"
+    )  # the figures in docs/benchmarks.md (pytest -s)
     if differing == 0:  # a property of this CPU's kernels, not of the package: never fail CI on it
-        pytest.skip("this CPU's kernels give the same bits at 1 and 2 intra-op threads; the tolerant path is tested with --tolerant")
+        pytest.skip(
+            "this CPU's kernels give the same bits at 1 and 2 intra-op threads; the tolerant path is tested with --tolerant"
+        )
     # last bits only: the relative difference is a few float32 roundings, far inside the sketch tolerance
     assert ((one - two).abs().max() / one.abs().max()).item() < 1e-5
 
@@ -124,7 +130,9 @@ def test_three_rank_run_of_the_conv_net_bisects_clean(tmp_path):
     assert answer.exit_code == 0, answer.output
     doc = json.loads(answer.stdout)
     assert doc["verdict"] == "clean" and doc["first_divergent_step"] is None
-    assert doc["replayed"]["steps_replayed"] == 6 and doc["replayed"]["comparison"] == "exact"  # the recorded thread counts
+    assert (
+        doc["replayed"]["steps_replayed"] == 6 and doc["replayed"]["comparison"] == "exact"
+    )  # the recorded thread counts
     # replayed at another thread count (issue #8 item 1: a tolerant replay of a clean run once said
     # "corruption"): never a false alarm; weak residuals at most make it inconclusive
     other = CliRunner().invoke(cli, ["bisect", str(out / "trace"), "--json", "--threads", "2"])

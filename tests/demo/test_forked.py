@@ -15,10 +15,17 @@ VARIABLE = "SDC_FORENSICS_TEST_FORKED"
 def _rank(rank: int, out: str) -> None:
     import sys
 
-    Path(out, f"rank{rank}.json").write_text(json.dumps({
-        "value": os.environ.get(VARIABLE), "server": os.getppid(),
-        "preloaded": all(m in sys.modules for m in ("torch._dynamo", "sdc_forensics.fingerprint._numba_fingerprint")),
-    }))
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "value": os.environ.get(VARIABLE),
+                "server": os.getppid(),
+                "preloaded": all(
+                    m in sys.modules for m in ("torch._dynamo", "sdc_forensics.fingerprint._numba_fingerprint")
+                ),
+            }
+        )
+    )
 
 
 def _launch(out: Path) -> list[dict]:

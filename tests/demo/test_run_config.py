@@ -10,8 +10,16 @@ from sdc_forensics.inject import FaultSpec
 
 
 def _result(config: DemoConfig) -> DemoResult:
-    return DemoResult(config=config, fired=(), alarms=(), raised=None, checkpoints=(0,), final_weights_digests=(),
-                      killed_rank=None, wall_s=1.0)
+    return DemoResult(
+        config=config,
+        fired=(),
+        alarms=(),
+        raised=None,
+        checkpoints=(0,),
+        final_weights_digests=(),
+        killed_rank=None,
+        wall_s=1.0,
+    )
 
 
 def test_default_run_document_is_unchanged(tmp_path):
@@ -52,12 +60,20 @@ def test_recipe_problems_are_reported_before_anything_runs(tmp_path, monkeypatch
 
 def test_recipe_args_are_checked_and_size_the_injection_checks(tmp_path):
     """Job settings change the model the demo trains, and the ranges its faults are checked against."""
-    wide = DemoConfig(out_dir=tmp_path / "a", recipe="sdc_forensics.demo.recipe:DemoRecipe", recipe_args={"hidden": 8},
-                      injections=(FaultSpec(location="grad", step=3, rank=1, bit=30, element=64 * 8 + 8 + 8 * 8 + 8 + 8 * 10 + 9),))
+    wide = DemoConfig(
+        out_dir=tmp_path / "a",
+        recipe="sdc_forensics.demo.recipe:DemoRecipe",
+        recipe_args={"hidden": 8},
+        injections=(FaultSpec(location="grad", step=3, rank=1, bit=30, element=64 * 8 + 8 + 8 * 8 + 8 + 8 * 10 + 9),),
+    )
     assert wide.recipe_args == {"hidden": 8}  # the last element of a 64-8-8-10 MLP's gradient exists
     with pytest.raises(UsageError, match=r"beyond rank 1's local gradient \(682 elements: use element=0..681\)"):
-        DemoConfig(out_dir=tmp_path / "b", recipe="sdc_forensics.demo.recipe:DemoRecipe", recipe_args={"hidden": 8},
-                   injections=(FaultSpec(location="grad", step=3, rank=1, bit=30, element=682),))
+        DemoConfig(
+            out_dir=tmp_path / "b",
+            recipe="sdc_forensics.demo.recipe:DemoRecipe",
+            recipe_args={"hidden": 8},
+            injections=(FaultSpec(location="grad", step=3, rank=1, bit=30, element=682),),
+        )
     with pytest.raises(UsageError, match="does not come back unchanged from JSON"):
         DemoConfig(out_dir=tmp_path / "c", recipe="sdc_forensics.demo.recipe:DemoRecipe", recipe_args={"hidden": (8,)})
     assert not any(tmp_path.iterdir())  # nothing written by a configuration

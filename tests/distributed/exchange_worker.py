@@ -25,7 +25,11 @@ WORLD = 5  # original ranks: 2 processes own 2, one owns 1
 
 def _grads(rank: int, step: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 * step + rank)
-    return [torch.randn(37, generator=gen), torch.randn(5, generator=gen).to(torch.bfloat16), torch.randn(1, generator=gen).double()]
+    return [
+        torch.randn(37, generator=gen),
+        torch.randn(5, generator=gen).to(torch.bfloat16),
+        torch.randn(1, generator=gen).double(),
+    ]
 
 
 class _Step:
@@ -77,8 +81,11 @@ def main() -> None:
             same &= (second.loss, second.digest, second.input_digest) == (want.loss, want.digest, want.input_digest)
             out.update(recomputed_bitwise=bool(same), recomputed_here=replayer.calls == [4])
         if "placement" in mode:
-            trace = types.SimpleNamespace(manifest=types.SimpleNamespace(
-                identity=lambda rank: types.SimpleNamespace(host=socket.gethostname(), gpu_uuid="GPU-bad")))
+            trace = types.SimpleNamespace(
+                manifest=types.SimpleNamespace(
+                    identity=lambda rank: types.SimpleNamespace(host=socket.gethostname(), gpu_uuid="GPU-bad")
+                )
+            )
             distributed.check_placement(torch.device("cpu"), trace, {"GPU-bad": 2}, force=True)
             out["forced"] = "passed"
             try:

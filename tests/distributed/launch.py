@@ -19,17 +19,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_torchrun(nproc: int, args: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.Popen:
+def start_torchrun(
+    nproc: int, args: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.Popen:
     """Start ``python -m torch.distributed.run --standalone --nproc-per-node NPROC ARGS`` (``-m MOD``
     or a script) on a free rendezvous port, in its own process group, in ``cwd`` (default: the
     repository); see :func:`wait`."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--rdzv-endpoint=localhost:{free_port()}",
-           f"--nproc-per-node={nproc}", "--monitor-interval=0.1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--rdzv-endpoint=localhost:{free_port()}",
+        f"--nproc-per-node={nproc}",
+        "--monitor-interval=0.1",
+    ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(name, None)
-    proc = subprocess.Popen(cmd + args, cwd=cwd or ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd + args,
+        cwd=cwd or ROOT,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     proc.started = time.monotonic()
     return proc
 
@@ -46,12 +62,16 @@ def wait(proc: subprocess.Popen, timeout_s: float):
     return proc.returncode, stdout, stderr, time.monotonic() - proc.started
 
 
-def torchrun(nproc: int, args: list[str], *, timeout_s: float, env: dict[str, str] | None = None, cwd: Path | None = None):
+def torchrun(
+    nproc: int, args: list[str], *, timeout_s: float, env: dict[str, str] | None = None, cwd: Path | None = None
+):
     """:func:`start_torchrun` then :func:`wait`: ``(returncode, stdout, stderr, seconds)``."""
     return wait(start_torchrun(nproc, args, env=env, cwd=cwd), timeout_s)
 
 
-def launch_direct(nproc: int, args: list[str], *, timeout_s: float, env: dict[str, str] | None = None, wait_for: tuple[int, ...] = ()):
+def launch_direct(
+    nproc: int, args: list[str], *, timeout_s: float, env: dict[str, str] | None = None, wait_for: tuple[int, ...] = ()
+):
     """Start ``nproc`` processes of ``python ARGS`` with the ``torch.distributed`` environment set by
     hand (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), as ``srun``
     with one task per GPU would. Waits for the processes in ``wait_for`` (default: all) at most
@@ -61,10 +81,25 @@ def launch_direct(nproc: int, args: list[str], *, timeout_s: float, env: dict[st
     base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     procs = []
     for rank in range(nproc):
-        rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, *args], cwd=ROOT, env=rank_env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, start_new_session=True))
+        rank_env = {
+            **base,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *args],
+                cwd=ROOT,
+                env=rank_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        )
     started = time.monotonic()
     awaited = wait_for or tuple(range(nproc))
     try:
@@ -85,7 +120,11 @@ def launch_direct(nproc: int, args: list[str], *, timeout_s: float, env: dict[st
 def strip_timing(value):
     """The document without timing fields (none today; kept so that one added later does not break the comparison)."""
     if isinstance(value, dict):
-        return {k: strip_timing(v) for k, v in value.items() if not re.search(r"(^|_)(seconds|elapsed|time|duration)(_|$)", k)}
+        return {
+            k: strip_timing(v)
+            for k, v in value.items()
+            if not re.search(r"(^|_)(seconds|elapsed|time|duration)(_|$)", k)
+        }
     if isinstance(value, list):
         return [strip_timing(v) for v in value]
     return value

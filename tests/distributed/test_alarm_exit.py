@@ -48,4 +48,7 @@ def test_every_rank_exits_18_under_torchrun(tmp_path, nproc):
     code, _, err, _ = torchrun(nproc, [str(tmp_path / "slow_end.py")], timeout_s=TIMEOUT_S, cwd=tmp_path)
     assert code == 1, err[-3000:]  # torchrun's own status when a worker fails; its report has each rank's
     assert _process_exit_codes(err) == {rank: ALARM_EXIT_CODE for rank in range(nproc)}, err[-3000:]
-    assert err.count("sdc-forensics: training stopped by an online check (exit 18): weights check fired at step 2") == nproc
+    assert (
+        err.count("sdc-forensics: training stopped by an online check (exit 18): weights check fired at step 2")
+        == nproc
+    )

@@ -28,8 +28,10 @@ HOOK = "sdc_forensics.demo.hooks:reversed_mean"
 
 
 def _bisect_collective(traces: dict[str, str]) -> dict[str, tuple]:
-    launches = {name: start_torchrun(WORLD, ["-m", "sdc_forensics", "bisect", trace, "--collective", "--json"])
-                for name, trace in traces.items()}
+    launches = {
+        name: start_torchrun(WORLD, ["-m", "sdc_forensics", "bisect", trace, "--collective", "--json"])
+        for name, trace in traces.items()
+    }
     return {name: wait(proc, TIMEOUT_S) for name, proc in launches.items()}
 
 
@@ -62,7 +64,10 @@ def test_the_replays_own_collective_certifies_gloo_jobs_and_names_an_unknown_ord
 
     hook = docs["hook"]
     assert hook["verdict"] == "inconclusive" and hook["replayed"]["comparison"] == "tolerant"
-    assert [c["status"] for c in hook["checkpoints"]][1:] == ["unverified", "unverified"]  # nothing certified past what reproduced
+    assert [c["status"] for c in hook["checkpoints"]][1:] == [
+        "unverified",
+        "unverified",
+    ]  # nothing certified past what reproduced
     said = [n for n in hook["replayed"]["notes"] if "the replay's own collective does not reproduce" in n]
     assert said and all("sdc_forensics.demo.hooks.reversed_mean" in n for n in said)
 
@@ -72,4 +77,8 @@ def test_collective_without_one_process_per_rank_is_refused_in_one_line(demo_run
     ran = CliRunner().invoke(cli, ["bisect", str(trace), "--collective"])
     assert ran.exit_code == 2, ran.output
     lines = [line for line in ran.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and f"launch {WORLD} processes, one per recorded rank" in lines[0] and "not one process" in lines[0]
+    assert (
+        len(lines) == 1
+        and f"launch {WORLD} processes, one per recorded rank" in lines[0]
+        and "not one process" in lines[0]
+    )

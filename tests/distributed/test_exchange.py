@@ -20,8 +20,10 @@ def test_placement_rule_refuses_the_suspect_gpu_and_its_node_only():
     suspects = {"GPU-b": (2, "node-a")}
     places = [("node-c", "GPU-x"), ("node-a", "GPU-y"), ("node-d", "GPU-b"), ("node-e", "")]
     refusals = placement_refusals(places, suspects)
-    assert refusals == ["replay process 1 runs on host node-a, the node of suspect rank 2 (GPU GPU-b)",
-                        "replay process 2 runs on GPU-b (host node-d), the GPU of suspect rank 2"]
+    assert refusals == [
+        "replay process 1 runs on host node-a, the node of suspect rank 2 (GPU GPU-b)",
+        "replay process 2 runs on GPU-b (host node-d), the GPU of suspect rank 2",
+    ]
     assert placement_refusals(places, {}) == []
 
 
@@ -31,17 +33,27 @@ def test_original_ranks_are_dealt_round_robin():
 
 @pytest.mark.slow
 def test_three_gloo_processes_exchange_bit_for_bit_and_refuse_alike(tmp_path):
-    code, _, err, _ = torchrun(3, ["tests/distributed/exchange_worker.py", "exchange+recompute+placement", "60", str(tmp_path)], timeout_s=180)
+    code, _, err, _ = torchrun(
+        3, ["tests/distributed/exchange_worker.py", "exchange+recompute+placement", "60", str(tmp_path)], timeout_s=180
+    )
     assert code == 0, err[-3000:]
     docs = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(3)]
     assert [d["rank"] for d in docs] == [0, 1, 2] and {d["backend"] for d in docs} == {"gloo"}
     assert all(d["bitwise"] for d in docs)
     assert [d["computed"] for d in docs] == [[0, 3], [1, 4], [2]]  # each process computed its own ranks only
     assert all(d["recomputed_bitwise"] for d in docs)
-    assert [d["recomputed_here"] for d in docs] == [False, False, True]  # rank 4's owner is process 1: the next one recomputes it
+    assert [d["recomputed_here"] for d in docs] == [
+        False,
+        False,
+        True,
+    ]  # rank 4's owner is process 1: the next one recomputes it
     assert {d["forced"] for d in docs} == {"passed"}
     [refused] = {d["refused"] for d in docs}  # the same line on every process
-    assert refused.startswith("replay process 0 runs on host ") and "suspect rank 2" in refused and "--force-device" in refused
+    assert (
+        refused.startswith("replay process 0 runs on host ")
+        and "suspect rank 2" in refused
+        and "--force-device" in refused
+    )
 
 
 def test_process_0_speaks_for_the_group_and_a_follower_only_for_its_own_errors(monkeypatch):

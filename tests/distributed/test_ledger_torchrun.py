@@ -32,15 +32,22 @@ def test_torchrun_appends_each_replayed_window_once_and_a_later_bisect_reuses_th
     assert doc["first_divergent_step"] == 9 and [s["rank"] for s in doc["suspects"]] == [2]
     appended = doc["replayed"]["ledger"]["appended"]
     records = read_ledger(trace / "ledger.jsonl").records
-    assert len(appended) == len(doc["replayed"]["windows"]) == len(records)  # one record per window, not one per process
+    assert (
+        len(appended) == len(doc["replayed"]["windows"]) == len(records)
+    )  # one record per window, not one per process
     assert sorted(r.record_id for r in records) == sorted(appended)
-    assert sorted((r.start_step, r.last_step) for r in records) == sorted((w["from"], w["last_replayed"]) for w in doc["replayed"]["windows"])
+    assert sorted((r.start_step, r.last_step) for r in records) == sorted(
+        (w["from"], w["last_replayed"]) for w in doc["replayed"]["windows"]
+    )
 
     again = CliRunner().invoke(cli, ["bisect", str(trace), "--json"])
     second = json.loads(again.stdout)
     assert again.exit_code == 1
-    assert (second["first_divergent_step"], [s["rank"] for s in second["suspects"]], second["last_clean_checkpoint"]["step"]) == \
-        (9, [2], doc["last_clean_checkpoint"]["step"])
+    assert (
+        second["first_divergent_step"],
+        [s["rank"] for s in second["suspects"]],
+        second["last_clean_checkpoint"]["step"],
+    ) == (9, [2], doc["last_clean_checkpoint"]["step"])
     assert second["replayed"]["steps_replayed"] <= EVERY  # the interval holding step 9, at most
 
 
@@ -49,13 +56,39 @@ def test_a_follower_under_torchrun_shares_the_intervals_and_records_each_once(de
     same intervals together (whole intervals dealt out, or each step's ranks shared) and process 0 appends each once."""
     shutil.copytree(demo_run((), steps=12, checkpoint_every=3), tmp_path / "run")
     trace = tmp_path / "run" / "trace"
-    code, out, err, _ = torchrun(2, ["-m", "sdc_forensics", "certify", "--follow", str(trace), "--poll", "0.2", "--until-step", "12",
-                                     "--idle-timeout", "300", "--json"], timeout_s=600)
+    code, out, err, _ = torchrun(
+        2,
+        [
+            "-m",
+            "sdc_forensics",
+            "certify",
+            "--follow",
+            str(trace),
+            "--poll",
+            "0.2",
+            "--until-step",
+            "12",
+            "--idle-timeout",
+            "300",
+            "--json",
+        ],
+        timeout_s=600,
+    )
     assert code == 0, err
     doc = json.loads(out)
     assert doc["follow"]["stopped_by"] == "until-step" and doc["follow"]["lag"] == 0
-    assert [(i["from"], i["outcome"]) for i in doc["follow"]["intervals"]] == [(0, "clean"), (3, "clean"), (6, "clean"), (9, "clean")]
+    assert [(i["from"], i["outcome"]) for i in doc["follow"]["intervals"]] == [
+        (0, "clean"),
+        (3, "clean"),
+        (6, "clean"),
+        (9, "clean"),
+    ]
     records = read_ledger(trace / "ledger.jsonl").records
-    assert sorted((r.start_step, r.stop_step) for r in records) == [(0, 3), (3, 6), (6, 9), (9, 12)]  # once each, not once per process
+    assert sorted((r.start_step, r.stop_step) for r in records) == [
+        (0, 3),
+        (3, 6),
+        (6, 9),
+        (9, 12),
+    ]  # once each, not once per process
     assert all(r.certifies for r in records)
     assert [(c["step"], c["status"]) for c in doc["checkpoints"]] == [(n, "clean") for n in range(0, 13, 3)]

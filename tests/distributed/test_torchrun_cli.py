@@ -23,7 +23,9 @@ from tests.distributed.launch import launch_direct, start_torchrun, strip_timing
 pytestmark = pytest.mark.slow
 
 STEPS, EVERY = 6, 3
-TIMEOUT_S = 300  # one torchrun of a 6-step demo bisect takes 15-30 s on a loaded 2-core machine, four side by side ~60 s
+TIMEOUT_S = (
+    300  # one torchrun of a 6-step demo bisect takes 15-30 s on a loaded 2-core machine, four side by side ~60 s
+)
 
 
 def _process_exit_codes(stderr: str) -> dict[int, int]:
@@ -64,7 +66,9 @@ def test_torchrun_bisect_prints_the_single_process_document(demo_run):
         single, (code, out, err, _) = singles[spec], done[spec]
         assert single.exit_code in (0, 1), single.output
         assert out, err[-3000:]
-        assert strip_timing(json.loads(out)) == strip_timing(json.loads(single.stdout)), spec  # process 0 alone wrote stdout
+        assert strip_timing(json.loads(out)) == strip_timing(json.loads(single.stdout)), (
+            spec
+        )  # process 0 alone wrote stdout
         assert json.loads(out)["verdict"] == ("clean" if spec == "none" else "corruption")
         assert err.count("note: replaying across 3 processes (gloo)") == 1  # followers write nothing
         assert not _error_lines(err)
@@ -78,19 +82,27 @@ def test_killed_replay_process_ends_the_run_with_one_error_and_exit_4(demo_run):
     trace = demo_run("grad:step=4:rank=2:bit=31", steps=STEPS, checkpoint_every=EVERY) / "trace"
     # the test-only hook: process 1 calls os._exit(17) as it starts replayed step 4; the timeout is
     # far above the whole run, so ending promptly shows the loss is detected, not waited out
-    code, out, err, seconds = torchrun(3, ["-m", "sdc_forensics", "bisect", str(trace), "--json", "--replay-timeout", "600"],
-                                       timeout_s=TIMEOUT_S, env={TEST_FAIL_ENV: "1:4"})
+    code, out, err, seconds = torchrun(
+        3,
+        ["-m", "sdc_forensics", "bisect", str(trace), "--json", "--replay-timeout", "600"],
+        timeout_s=TIMEOUT_S,
+        env={TEST_FAIL_ENV: "1:4"},
+    )
     assert code == 1 and out == ""
     [line] = _error_lines(err)
     # process 0 either sees the lost peer itself or is stopped first by torchrun's agent, which
     # SIGTERMs the others once process 1 exits (a race: under load the agent can win, as it did in
     # one clean-clone CI run); both are one line, nothing decided, exit 4
-    assert ("a replay process exited, was killed or did not answer" in line
-            or "the launcher stopped this replay process (SIGTERM)" in line), line
+    assert (
+        "a replay process exited, was killed or did not answer" in line
+        or "the launcher stopped this replay process (SIGTERM)" in line
+    ), line
     assert "nothing was decided" in line
     codes = _process_exit_codes(err)
     assert codes[1] == 17 and codes[0] == 4, codes
-    assert "Traceback" not in err.split("error: ")[0]  # no traceback from sdc-forensics (torchrun prints its own report)
+    assert (
+        "Traceback" not in err.split("error: ")[0]
+    )  # no traceback from sdc-forensics (torchrun prints its own report)
 
 
 def test_hung_replay_process_ends_the_run_after_the_timeout(demo_run):
@@ -102,8 +114,13 @@ def test_hung_replay_process_ends_the_run_after_the_timeout(demo_run):
     # 2-core CI machine one process can start (import torch) or replay its share more than 5 s
     # after another; the group then gave up on a healthy process and process 1, not yet hung,
     # died with it (the flaky failure of issue 20)
-    results, seconds = launch_direct(3, ["-m", "sdc_forensics", "bisect", str(trace), "--json", "--replay-timeout", "20"],
-                                     timeout_s=TIMEOUT_S, env={TEST_FAIL_ENV: "1:4:hang"}, wait_for=(0, 2))
+    results, seconds = launch_direct(
+        3,
+        ["-m", "sdc_forensics", "bisect", str(trace), "--json", "--replay-timeout", "20"],
+        timeout_s=TIMEOUT_S,
+        env={TEST_FAIL_ENV: "1:4:hang"},
+        wait_for=(0, 2),
+    )
     (code0, out0, err0), (code1, _, _), (code2, out2, err2) = results
     assert (code0, code2, code1) == (4, 4, None)  # process 1 still hung: killed by the test, as srun would
     assert out0 == out2 == "" and err2 == ""
@@ -145,15 +162,21 @@ def test_process_lost_while_replaying_intervals_alone_ends_the_run_with_exit_4(d
     """Process 1 is dealt intervals 8..9 and 2..3; it dies as it starts step 2, alone, with no
     exchange under way: the others notice at the exchange of the intervals' results."""
     trace = demo_run((), steps=LONG_STEPS, checkpoint_every=LONG_EVERY) / "trace"
-    code, out, err, _ = torchrun(3, ["-m", "sdc_forensics", "bisect", str(trace), "--json", "--replay-timeout", "600"],
-                                 timeout_s=TIMEOUT_S, env={TEST_FAIL_ENV: "1:2"})
+    code, out, err, _ = torchrun(
+        3,
+        ["-m", "sdc_forensics", "bisect", str(trace), "--json", "--replay-timeout", "600"],
+        timeout_s=TIMEOUT_S,
+        env={TEST_FAIL_ENV: "1:2"},
+    )
     assert code == 1 and out == "", err[-2000:]
     assert err.count(SHARED_NOTE) == 1
     [line] = _error_lines(err)
     # process 0 either reached the exchange first (the peer's sockets closed) or was still replaying
     # its own intervals when torchrun stopped it (SIGTERM): both are the documented one line, exit 4
-    assert ("a replay process exited, was killed or did not answer" in line
-            or "the launcher stopped this replay process (SIGTERM)" in line), line
+    assert (
+        "a replay process exited, was killed or did not answer" in line
+        or "the launcher stopped this replay process (SIGTERM)" in line
+    ), line
     codes = _process_exit_codes(err)
     assert codes[1] == 17 and codes[0] == 4, codes
 
@@ -164,8 +187,10 @@ def test_torchrun_certify_and_replay_print_the_single_process_documents(demo_run
     fault = demo_run("grad:step=9:rank=2:bit=31", steps=LONG_STEPS, checkpoint_every=LONG_EVERY) / "trace"
     multi_cert, single_cert = tmp_path / "multi.json", tmp_path / "single.json"
     cases = {
-        "certify": (["certify", str(fault), "--json", "--certificate-out", str(multi_cert)],
-                    ["certify", str(fault), "--json", "--certificate-out", str(single_cert)]),
+        "certify": (
+            ["certify", str(fault), "--json", "--certificate-out", str(multi_cert)],
+            ["certify", str(fault), "--json", "--certificate-out", str(single_cert)],
+        ),
         "replay": (["replay", str(fault), "--from", "8", "--to", "11", "--json"],) * 2,
     }
     singles, done = _side_by_side(cases)
@@ -176,7 +201,9 @@ def test_torchrun_certify_and_replay_print_the_single_process_documents(demo_run
         if name == "certify":
             for doc in (multi_doc, single_doc):
                 doc.pop("certificate", None)  # names its own output file
-            assert json.loads(multi_cert.read_text())["checkpoints"] == json.loads(single_cert.read_text())["checkpoints"]
+            assert (
+                json.loads(multi_cert.read_text())["checkpoints"] == json.loads(single_cert.read_text())["checkpoints"]
+            )
             assert err.count(SHARED_NOTE) == 1
         assert strip_timing(multi_doc) == strip_timing(single_doc), name
         assert not _error_lines(err)

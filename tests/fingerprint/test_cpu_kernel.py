@@ -18,7 +18,9 @@ import torch
 from sdc_forensics.fingerprint import constants as C
 from sdc_forensics.fingerprint import core, cpu_kernel, reference
 
-pytestmark = pytest.mark.skipif(not cpu_kernel.available()[0], reason=f"compiled CPU kernel unavailable: {cpu_kernel.available()[1]}")
+pytestmark = pytest.mark.skipif(
+    not cpu_kernel.available()[0], reason=f"compiled CPU kernel unavailable: {cpu_kernel.available()[1]}"
+)
 
 FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 EDGE_SIZES = [1, 2, 3, 511, 1023, 1024, 1025, 2047, 2049, 8191, 8192, 8193, 16384 + 1, 3 * 8192 + 1000]
@@ -43,7 +45,13 @@ def _same_bits(a, b) -> bool:
     return a.shape == b.shape and bool(np.all(both_nan | (a.view(np.int64) == b.view(np.int64))))
 
 
-def _assert_bitwise(fp: core.Fingerprint, t: torch.Tensor, k: int = C.DEFAULT_SKETCH_K, seed: int = C.DEFAULT_SEED, block_offset: int = 0):
+def _assert_bitwise(
+    fp: core.Fingerprint,
+    t: torch.Tensor,
+    k: int = C.DEFAULT_SKETCH_K,
+    seed: int = C.DEFAULT_SEED,
+    block_offset: int = 0,
+):
     digest, sketch, sumsq, max_abs, nonfinite = _expected(t, k, seed, block_offset)
     assert fp.digest == digest
     assert _same_bits(fp.sketch, sketch), (fp.sketch, sketch)
@@ -178,7 +186,9 @@ def test_resolve_takes_device_vectors_of_different_sketch_widths():
     parts = [(torch.randn(3000), 8), (torch.randn(700), 1), (torch.randn(5000), 4)]
     pending = []
     for tensor, k in parts:
-        item = core.PendingFingerprint(numel=tensor.numel(), num_bytes=tensor.numel() * 4, seed=C.DEFAULT_SEED, with_digest=True)
+        item = core.PendingFingerprint(
+            numel=tensor.numel(), num_bytes=tensor.numel() * 4, seed=C.DEFAULT_SEED, with_digest=True
+        )
         item.values = core._torch_partials(tensor, k, C.DEFAULT_SEED, 0, True)
         pending.append(item)
     for (tensor, k), fp in zip(parts, core.resolve(pending)):
@@ -212,7 +222,9 @@ def test_cuda_path_refuses_dtypes_the_triton_kernel_does_not_take(monkeypatch):
 
 @pytest.mark.parametrize("count", [0, 1, 6, 600])
 def test_combine_digests_is_the_digest_of_the_words_on_both_paths(monkeypatch, count):
-    digests = [int(d) for d in np.random.default_rng(count).integers(0, 2**63, count, dtype=np.int64)] + [2**64 - 1] * (count > 0)
+    digests = [int(d) for d in np.random.default_rng(count).integers(0, 2**63, count, dtype=np.int64)] + [2**64 - 1] * (
+        count > 0
+    )
     expected = reference.digest_bytes(np.asarray(digests, dtype="<u8"))
     assert core.combine_digests(digests) == expected
     monkeypatch.setenv(cpu_kernel.KERNELS_ENV, "off")

@@ -163,6 +163,14 @@ def test_digest_cuda_equals_cpu(make_bits, dtype):
 
 def test_batched_digests_equal_one_by_one():
     torch.manual_seed(11)
-    tensors = [torch.randn(5000), torch.randn(3, 7).to(torch.bfloat16), torch.empty(0), torch.randn(1025).t(), torch.arange(9)]
+    tensors = [
+        torch.randn(5000),
+        torch.randn(3, 7).to(torch.bfloat16),
+        torch.empty(0),
+        torch.randn(1025).t(),
+        torch.arange(9),
+    ]
     assert core.digests(tensors) == [core.digest(t) for t in tensors]
-    assert core.digests(tensors) == [reference.digest_bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy()) for t in tensors]
+    assert core.digests(tensors) == [
+        reference.digest_bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy()) for t in tensors
+    ]

@@ -139,7 +139,9 @@ def test_sketch_is_linear():
     # fl(3 sx - sy) rounds twice more.
     g2 = _gamma(2, U64)
     bound = (
-        _sketch_error_bound(z, torch.float64) + 3 * _sketch_error_bound(x, torch.float64) + _sketch_error_bound(y, torch.float64)
+        _sketch_error_bound(z, torch.float64)
+        + 3 * _sketch_error_bound(x, torch.float64)
+        + _sketch_error_bound(y, torch.float64)
         + g2 * float(3 * x.abs().sum() + y.abs().sum()) * (1 + _gamma(x.numel() + 2, U64))
         + g2 * (3 * np.abs(sx) + np.abs(sy))
     )
@@ -211,7 +213,12 @@ def test_stats_of_finite_tensor(dtype):
     fp = core.fingerprint(tensor)
     exact = tensor.double()
     assert fp.numel == tensor.numel() and fp.nonfinite == 0
-    _norms_close(fp.norm, float(exact.norm()), _norm_rel_bound(tensor.numel(), dtype, core._CPU_CHUNK_ELEMS), _exact_norm_rel_bound(tensor.numel()))
+    _norms_close(
+        fp.norm,
+        float(exact.norm()),
+        _norm_rel_bound(tensor.numel(), dtype, core._CPU_CHUNK_ELEMS),
+        _exact_norm_rel_bound(tensor.numel()),
+    )
     assert fp.max_abs == float(exact.abs().max())
     assert fp.digest == core.digest(tensor)
 
@@ -242,13 +249,21 @@ def test_large_chunks_use_grouped_matmul(monkeypatch, dtype):
     small = core.fingerprint(tensor)
     monkeypatch.setattr(core, "_CPU_CHUNK_ELEMS", 1 << 21)
     large = core.fingerprint(tensor)
-    assert large.digest == small.digest == reference.digest_bytes(tensor.view(torch.int16 if dtype == torch.bfloat16 else torch.int32).numpy())
+    assert (
+        large.digest
+        == small.digest
+        == reference.digest_bytes(tensor.view(torch.int16 if dtype == torch.bfloat16 else torch.int32).numpy())
+    )
     _close(large.sketch, small.sketch, tensor, dtype)
     assert large.max_abs == small.max_abs
     # float32 dots of up to 2 Mi squares: only 7.4% is provable for every order (the exactness
     # test below is the sharp check of this path); 1e-5 failed on an AMD EPYC (1.8e-5)
-    _norms_close(large.norm, float(tensor.double().norm()), _norm_rel_bound(tensor.numel(), dtype, 1 << 21),
-                 _exact_norm_rel_bound(tensor.numel()))
+    _norms_close(
+        large.norm,
+        float(tensor.double().norm()),
+        _norm_rel_bound(tensor.numel(), dtype, 1 << 21),
+        _exact_norm_rel_bound(tensor.numel()),
+    )
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
@@ -308,4 +323,6 @@ def test_fingerprint_cuda_matches_cpu(dtype):
     ints = torch.randint(-1, 2, ((1 << 24) * 2 + 5,), generator=torch.Generator().manual_seed(10))
     for tensor in (ints.to(dtype), ints.to(dtype).cuda()):
         fp = core.fingerprint(tensor)
-        assert fp.norm == math.sqrt(int(ints.square().sum())) and np.array_equal(fp.sketch, reference.sketch(ints.numpy()))
+        assert fp.norm == math.sqrt(int(ints.square().sum())) and np.array_equal(
+            fp.sketch, reference.sketch(ints.numpy())
+        )

@@ -89,7 +89,9 @@ def test_scale_and_tolerance_broadcast_over_steps():
     assert tolerance.scale(local_norms[2], np.nan) == pytest.approx(capped)
     tol = tolerance.allreduce_tolerance("float32", local_norms, reduced_norms)
     assert tol.shape == (3,)
-    np.testing.assert_allclose(tol, tolerance.relative_tolerance("float32", 2) * tolerance.scale(local_norms, reduced_norms))
+    np.testing.assert_allclose(
+        tol, tolerance.relative_tolerance("float32", 2) * tolerance.scale(local_norms, reduced_norms)
+    )
     reduced_sketches = np.full((2, 8), 1.5)
     reduced_sketches[1, 3] = np.nan
     residual = tolerance.allreduce_residual(np.ones((2, 2, 8)), reduced_sketches)

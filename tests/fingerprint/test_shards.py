@@ -59,8 +59,9 @@ def test_pieces_at_layout_offsets_combine_to_the_kernels_own_lanes_and_sketch(dt
     d, s = 37, 11  # a parameter that starts at digest block 37 and sketch block 11 of the layout
     direct = core.fingerprint(t, digest_block_offset=d, block_offset=s)
     cuts = [0, 1, 2500, 4097, 9000]
-    got = shards.combine_pieces(shards.fingerprint_piece(t[a:b], offset=a, digest_base=d, sketch_base=s)
-                                for a, b in zip(cuts, cuts[1:]))
+    got = shards.combine_pieces(
+        shards.fingerprint_piece(t[a:b], offset=a, digest_base=d, sketch_base=s) for a, b in zip(cuts, cuts[1:])
+    )
     assert got.lanes == direct.lanes
     assert np.max(np.abs(got.sketch - direct.sketch)) <= _sketch_bound(t)
 
@@ -90,13 +91,17 @@ def test_a_flipped_bit_in_any_piece_changes_the_combined_digest():
 def test_nan_and_inf_in_a_piece_are_counted_and_win_the_max():
     t = torch.ones(3000)
     t[10], t[2500] = math.inf, math.nan
-    got = shards.combine_pieces([shards.fingerprint_piece(t[:1200], offset=0), shards.fingerprint_piece(t[1200:], offset=1200)])
+    got = shards.combine_pieces(
+        [shards.fingerprint_piece(t[:1200], offset=0), shards.fingerprint_piece(t[1200:], offset=1200)]
+    )
     assert got.nonfinite == 2 and math.isnan(got.max_abs)
 
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(37, 129), torch.nn.ReLU(), torch.nn.LayerNorm(129), torch.nn.Linear(129, 5))
+    return torch.nn.Sequential(
+        torch.nn.Linear(37, 129), torch.nn.ReLU(), torch.nn.LayerNorm(129), torch.nn.Linear(129, 5)
+    )
 
 
 def _chunk_pieces(model: torch.nn.Module, layout: shards.ParamLayout, world: int, *, replica_prefix: str = "") -> list:
@@ -122,7 +127,9 @@ def _bucket_pieces(model: torch.nn.Module, layout: shards.ParamLayout, bucket_el
             at = 0
             for n2, q in bucket:
                 d, s = layout.bases(n2)
-                parts.append(shards.fingerprint_piece(flat[at : at + q.numel()], offset=0, digest_base=d, sketch_base=s))
+                parts.append(
+                    shards.fingerprint_piece(flat[at : at + q.numel()], offset=0, digest_base=d, sketch_base=s)
+                )
                 at += q.numel()
             bucket, used = [], 0
         if p is not None:
@@ -136,7 +143,9 @@ def test_a_model_cut_by_ranks_or_by_buckets_has_one_fingerprint():
     layout = shards.ParamLayout.of(model.named_parameters())
     whole = shards.combine_pieces(shards.model_pieces(model.named_parameters(), layout).values())
     norm = math.sqrt(sum(float(p.detach().double().norm()) ** 2 for p in model.parameters()))
-    for parts in [_chunk_pieces(model, layout, w) for w in (2, 3, 4, 7)] + [_bucket_pieces(model, layout, b) for b in (100, 5000)]:
+    for parts in [_chunk_pieces(model, layout, w) for w in (2, 3, 4, 7)] + [
+        _bucket_pieces(model, layout, b) for b in (100, 5000)
+    ]:
         got = shards.combine_pieces(parts)
         assert got.digest == whole.digest
         assert np.max(np.abs(got.sketch - whole.sketch)) <= 8 * 2.0**-24 * 32 * norm * 2
@@ -179,6 +188,7 @@ def test_pieces_of_different_seeds_refuse_to_combine():
 
 
 # ---------------------------------------------------------------- a real fully_shard job, 4 processes
+
 
 def _fsdp_pieces(world: int, hsdp: bool) -> list:
     import torch.distributed as dist
@@ -238,5 +248,6 @@ def test_the_cut_ends_numbers_agree_on_the_numpy_and_the_device_path(dtype):
             assert blocks == blocks2
             mod = [(x[: 2 * blocks].astype(np.int64) & 0xFFFF_FFFF) for x in (cpu, dev)]  # sums mod 2**32: exact
             assert np.array_equal(*mod)
-            np.testing.assert_allclose(cpu[2 * blocks :], dev[2 * blocks :], rtol=0, atol=4096 * 2.0**-53 * scale + 0.0,
-                                       equal_nan=True)
+            np.testing.assert_allclose(
+                cpu[2 * blocks :], dev[2 * blocks :], rtol=0, atol=4096 * 2.0**-53 * scale + 0.0, equal_nan=True
+            )

@@ -32,8 +32,14 @@ from sdc_forensics.fingerprint import triton_kernel as tk
 
 U32, U64 = 2.0**-24, 2.0**-53
 HAS_TRITON = tk.triton is not None
-INTERPRETED = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "") == "1" and type(tk._kernel32).__name__ == "InterpretedFunction"
-NEEDS_TRITON = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton; not a package dependency)")
+INTERPRETED = (
+    HAS_TRITON
+    and os.environ.get("TRITON_INTERPRET", "") == "1"
+    and type(tk._kernel32).__name__ == "InterpretedFunction"
+)
+NEEDS_TRITON = pytest.mark.skipif(
+    not HAS_TRITON, reason="triton is not installed (pip install triton; not a package dependency)"
+)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 BITS = {torch.float32: np.uint32, torch.bfloat16: np.uint16, torch.float16: np.uint16, torch.float64: np.uint64}
@@ -51,7 +57,9 @@ class Case:
     @property
     def id(self) -> str:
         name = str(self.dtype).removeprefix("torch.")
-        return f"{name}-n{self.numel}-{self.kind}-k{self.k}-o{self.block_offset}-s{self.start}" + ("" if self.with_digest else "-nodigest")
+        return f"{name}-n{self.numel}-{self.kind}-k{self.k}-o{self.block_offset}-s{self.start}" + (
+            "" if self.with_digest else "-nodigest"
+        )
 
     def tensor(self) -> torch.Tensor:
         """The flat input: a view at element ``start`` of :meth:`buffer`."""
@@ -84,7 +92,9 @@ def _cases() -> list[Case]:
         cases += [Case(dtype, n, seed=1) for n in SIZES]
         cases += [Case(dtype, n, kind="bits", seed=2) for n in (5, 1025, 4099)]
         cases += [Case(dtype, 3001, kind="special", block_offset=3, seed=3)]
-        cases += [Case(dtype, 2500, block_offset=1500, k=13, seed=4)]  # beta table grows past 1024 rows; k not a power of 2
+        cases += [
+            Case(dtype, 2500, block_offset=1500, k=13, seed=4)
+        ]  # beta table grows past 1024 rows; k not a power of 2
         cases += [Case(dtype, 777, k=1, with_digest=False, seed=5)]
     rng = np.random.default_rng(11)
     cases += [Case(DTYPES[i % 4], int(n), seed=6 + i) for i, n in enumerate(rng.integers(1, 20_000, size=8))]
@@ -133,13 +143,18 @@ def check_partials(out: torch.Tensor, case: Case, x: torch.Tensor) -> None:
     assert np.abs(out[2 : 2 + k].numpy() - expected).max() <= bound
     sumsq = float(np.sum(values**2))
     # squares: each rounded once, summed in u_acc per lane (<= 2048 terms), then float64
-    assert abs(float(out[2 + k]) - sumsq) <= 2 * ((1 + _gamma(2 * C.BLOCK_ELEMS + 2, u_acc)) * (1 + _gamma(blocks + 4096, U64)) - 1) * sumsq
+    assert (
+        abs(float(out[2 + k]) - sumsq)
+        <= 2 * ((1 + _gamma(2 * C.BLOCK_ELEMS + 2, u_acc)) * (1 + _gamma(blocks + 4096, U64)) - 1) * sumsq
+    )
 
 
 def _run(case: Case, device: str) -> None:
     x = case.tensor()
     on_device = case.buffer().to(device)[case.start :]  # keeps an odd storage offset
-    out = tk.partials(on_device, k=case.k, seed=C.DEFAULT_SEED, block_offset=case.block_offset, with_digest=case.with_digest)
+    out = tk.partials(
+        on_device, k=case.k, seed=C.DEFAULT_SEED, block_offset=case.block_offset, with_digest=case.with_digest
+    )
     assert out.device.type == torch.device(device).type
     check_partials(out.cpu(), case, x)
 
@@ -168,9 +183,24 @@ def test_interpreter_suite():
     """Runs the ``test_interpreter*`` cases in a subprocess with ``TRITON_INTERPRET=1`` (set before triton is imported)."""
     if INTERPRETED:
         pytest.skip("already running under the interpreter")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": os.environ.get("TRITON_DEFAULT_FP_FUSION", "1")}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
-               __file__, "-k", "test_interpreter and not test_interpreter_suite"]
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "TRITON_DEFAULT_FP_FUSION": os.environ.get("TRITON_DEFAULT_FP_FUSION", "1"),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-W",
+        "ignore::RuntimeWarning",
+        __file__,
+        "-k",
+        "test_interpreter and not test_interpreter_suite",
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[2])
     tail = (done.stdout + done.stderr)[-4000:]
     assert done.returncode == 0, tail
@@ -200,10 +230,14 @@ def test_cpu_is_not_a_cuda_device():
 
 def test_module_imports_without_triton():
     """A machine without triton imports the module (the import is guarded) and gets a reason."""
-    code = ("import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
-            "from sdc_forensics.fingerprint import triton_kernel as tk\n"
-            "import torch; ok, why = tk.available(torch.device('cuda')); assert not ok and why.startswith('triton not installed'), why\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
+    code = (
+        "import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
+        "from sdc_forensics.fingerprint import triton_kernel as tk\n"
+        "import torch; ok, why = tk.available(torch.device('cuda')); assert not ok and why.startswith('triton not installed'), why\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2]
+    )
     assert done.returncode == 0, done.stderr[-2000:]
 
 
@@ -217,11 +251,26 @@ def test_compiles_for_hopper_and_ampere(arch, tmp_path):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    common = {"numel": "i64", "num_tiles": "i32", "a_ptr": "*i32", "b_ptr": "*i32", "c_ptr": "*i64", "ch_ptr": "*i64",
-              "alpha_ptr": "*fp32", "beta_ptr": "*fp32", "num_sblocks": "i32", "int_ptr": "*i64", "float_ptr": "*fp64"}
-    variants = [(tk._kernel32, "*i32", {"UNROLL": 1}), (tk._kernel32, "*i32", {"UNROLL": 2}),
-                (tk._kernel16, "*i32", {"IS_BF16": True, "PAIRED": False, "UNROLL": 2}),
-                (tk._kernel16, "*i16", {"IS_BF16": False, "PAIRED": True, "UNROLL": 1}), (tk._kernel64, "*i64", {})]
+    common = {
+        "numel": "i64",
+        "num_tiles": "i32",
+        "a_ptr": "*i32",
+        "b_ptr": "*i32",
+        "c_ptr": "*i64",
+        "ch_ptr": "*i64",
+        "alpha_ptr": "*fp32",
+        "beta_ptr": "*fp32",
+        "num_sblocks": "i32",
+        "int_ptr": "*i64",
+        "float_ptr": "*fp64",
+    }
+    variants = [
+        (tk._kernel32, "*i32", {"UNROLL": 1}),
+        (tk._kernel32, "*i32", {"UNROLL": 2}),
+        (tk._kernel16, "*i32", {"IS_BF16": True, "PAIRED": False, "UNROLL": 2}),
+        (tk._kernel16, "*i16", {"IS_BF16": False, "PAIRED": True, "UNROLL": 1}),
+        (tk._kernel64, "*i64", {}),
+    ]
     variants.append((tk._finish, "*i64", {"K": 7, "KP": 8, "ROWS": tk._FINISH_ROWS}))
     common.update(out_ptr="*fp64", programs="i32")
     for kernel, data, extra in variants:
@@ -229,9 +278,15 @@ def test_compiles_for_hopper_and_ampere(arch, tmp_path):
         signature = {name: common.get(name, "constexpr") for name in names}
         signature[names[0]] = data
         constants = {"KP": 8, "WITH_DIGEST": True, **extra} if kernel is not tk._finish else extra
-        source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in constants.items()})
+        source = ASTSource(
+            fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in constants.items()}
+        )
         try:
-            compiled = tk.triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": tk._NUM_WARPS, "maxnreg": tk._MAX_REGISTERS})
+            compiled = tk.triton.compile(
+                source,
+                target=GPUTarget("cuda", arch, 32),
+                options={"num_warps": tk._NUM_WARPS, "maxnreg": tk._MAX_REGISTERS},
+            )
         except FileNotFoundError as error:  # no ptxas in this triton build
             pytest.skip(f"cannot compile for CUDA here: {error}")
         assert ".local" not in compiled.asm["ptx"], f"{kernel.fn.__name__} {extra}: local arrays in the PTX"
@@ -321,7 +376,9 @@ def test_cuda_agrees_with_the_torch_path(monkeypatch, dtype):
         assert core.kernel_path(tensor.device, dtype).startswith("torch")
     low, high = out[:2].view(torch.int64).tolist()
     nbytes = tensor.numel() * tensor.element_size()
-    assert C.fmix64((low + (high << 32) + nbytes * C.digest_length_weight(C.DEFAULT_SEED)) % (1 << 64)) == expected.digest
+    assert (
+        C.fmix64((low + (high << 32) + nbytes * C.digest_length_weight(C.DEFAULT_SEED)) % (1 << 64)) == expected.digest
+    )
     assert (int(out[12]), float(out[11])) == (expected.nonfinite, expected.max_abs) == (1, math.inf)
     tensor[17] = 0
     out = tk.partials(tensor, k=8, seed=C.DEFAULT_SEED, block_offset=4, with_digest=False).cpu()

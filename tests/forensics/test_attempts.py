@@ -48,7 +48,9 @@ def test_a_fault_in_the_re_executed_steps_of_an_earlier_attempt_is_reported(faul
     assert [(c.step, c.status) for c in result.checkpoints] == [(s, Status.CLEAN) for s in (0, 2, 4, 6, 8)]
     assert result.last_clean_checkpoint.step == 8
     assert any(line.startswith("attempt 0 went wrong at step 5: rank 1") for line in result.settle), result.settle
-    assert any("attempt 0's steps 4..7, re-executed by attempt 1, were replayed" in n for n in result.notes), result.notes
+    assert any("attempt 0's steps 4..7, re-executed by attempt 1, were replayed" in n for n in result.notes), (
+        result.notes
+    )
 
 
 def test_the_cli_documents_say_so_and_certify_still_names_the_resume_point(faulted):
@@ -69,8 +71,10 @@ def test_a_clean_resumed_run_stays_clean(tmp_path):
     result = bisect(trace, BisectOptions())
     assert result.verdict is Verdict.CLEAN and result.suspects == ()
     assert [c.status for c in result.checkpoints] == [Status.CLEAN] * 5
-    assert any("attempt 0's steps 4..7, re-executed by attempt 1, were replayed and compared with its own records: clean" in n
-               for n in result.notes), result.notes
+    assert any(
+        "attempt 0's steps 4..7, re-executed by attempt 1, were replayed and compared with its own records: clean" in n
+        for n in result.notes
+    ), result.notes
 
 
 def test_trace_evidence_of_an_earlier_attempt_is_reported_without_a_replay(tmp_path):

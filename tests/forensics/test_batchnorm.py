@@ -59,8 +59,12 @@ def test_without_the_broadcast_the_replayed_buffers_are_not_the_saved_ones(demo_
 
 # every location of sdc_forensics.inject, mid-interval and on a checkpoint step, several bit classes
 FAULTS = [
-    "grad:step=4:rank=2:bit=30", "allreduce:step=3:rank=1:bit=31", "allreduce-all:step=4:rank=0:bit=22",
-    "weights:step=3:rank=3:bit=22", "update:step=4:rank=0:bit=30", "input:step=4:rank=1:bit=30",
+    "grad:step=4:rank=2:bit=30",
+    "allreduce:step=3:rank=1:bit=31",
+    "allreduce-all:step=4:rank=0:bit=22",
+    "weights:step=3:rank=3:bit=22",
+    "update:step=4:rank=0:bit=30",
+    "input:step=4:rank=1:bit=30",
     "checkpoint-file:step=3:rank=0:bit=30",
 ]
 

@@ -172,7 +172,11 @@ def assert_commands_agree(out: Path, modes=((), ("--trace-only",))) -> None:
         report = out / f"review{len(mode)}.md"
         report.unlink(missing_ok=True)
         rcode, rdoc = _cli("report", trace, "--checkpoints", ckpts, "--json", "-o", report, *mode)
-        assert (rcode, rdoc["first_divergent_step"], [s["rank"] for s in rdoc["suspects"]]) == (code, doc["first_divergent_step"], suspects)
+        assert (rcode, rdoc["first_divergent_step"], [s["rank"] for s in rdoc["suspects"]]) == (
+            code,
+            doc["first_divergent_step"],
+            suspects,
+        )
         assert {c["step"]: c["status"] for c in rdoc["checkpoints"]} == statuses
         for step, status in statuses.items():
             vcode, vdoc = _cli("verify-checkpoint", ckpts / f"step-{step:08d}.pt", "--trace", trace, "--json", *mode)
@@ -187,14 +191,26 @@ def test_verify_checkpoint_with_trace_never_certifies_a_checkpoint_after_an_invi
     """A bit-20 flip of one local-gradient element: invisible to the trace. verify-checkpoint
     --trace used to print VERIFIED for the checkpoint after it (exit 0) while bisect found it."""
     out = demo_run(_spec("grad", MID, 0, 20), steps=STEPS, checkpoint_every=EVERY)
-    later = CliRunner().invoke(cli, ["verify-checkpoint", str(out / "checkpoints" / f"step-{STEPS:08d}.pt"), "--trace", str(out / "trace")])
+    later = CliRunner().invoke(
+        cli, ["verify-checkpoint", str(out / "checkpoints" / f"step-{STEPS:08d}.pt"), "--trace", str(out / "trace")]
+    )
     assert later.exit_code == 1 and "tainted" in later.output and "VERIFIED" not in later.output
-    trace_only = CliRunner().invoke(cli, ["verify-checkpoint", str(out / "checkpoints" / f"step-{STEPS:08d}.pt"),
-                                          "--trace", str(out / "trace"), "--trace-only"])
+    trace_only = CliRunner().invoke(
+        cli,
+        [
+            "verify-checkpoint",
+            str(out / "checkpoints" / f"step-{STEPS:08d}.pt"),
+            "--trace",
+            str(out / "trace"),
+            "--trace-only",
+        ],
+    )
     assert trace_only.exit_code == 4 and "NOT CERTIFIED" in trace_only.output
 
 
-@pytest.mark.parametrize("spec", ["weights:step=4:rank=3:bit=27", "update:step=2:rank=1:bit=22", "allreduce:step=1:rank=3:bit=30"])
+@pytest.mark.parametrize(
+    "spec", ["weights:step=4:rank=3:bit=27", "update:step=2:rank=1:bit=22", "allreduce:step=1:rank=3:bit=30"]
+)
 def test_one_fault_that_leaves_a_replica_different_is_one_event_not_recurring(demo_run, spec):
     out = demo_run(spec, steps=STEPS, checkpoint_every=EVERY, audit_every=1)
     result = bisect(out / "trace", BisectOptions(checkpoints_dir=out / "checkpoints", scan_recurrence=True))
@@ -216,4 +232,6 @@ def test_two_checkpoint_files_damaged_at_rest_point_at_storage_not_the_gpu(demo_
     assert result.verdict.value == "corruption" and result.first_divergent_step is None
     [suspect] = result.suspects
     assert suspect.location.value == "storage" and not suspect.recurring and suspect.gpu is None
-    assert "disk" in suspect.recommendation and "GPU" in suspect.recommendation and "drain" not in suspect.recommendation
+    assert (
+        "disk" in suspect.recommendation and "GPU" in suspect.recommendation and "drain" not in suspect.recommendation
+    )

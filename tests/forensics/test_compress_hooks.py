@@ -88,7 +88,12 @@ def test_a_job_with_a_compress_hook_is_certified_and_its_fault_found(demo_run):
     doc = json.loads(certified.stdout)
     assert [c["status"] for c in doc["checkpoints"]] == ["clean"] * 3 and doc["resume_step"] == STEPS
 
-    faulty = demo_run("grad:step=4:rank=2:bit=27", steps=STEPS, checkpoint_every=EVERY, comm_hook=f"{HOOKS}:bf16_compress_hook") / "trace"
+    faulty = (
+        demo_run(
+            "grad:step=4:rank=2:bit=27", steps=STEPS, checkpoint_every=EVERY, comm_hook=f"{HOOKS}:bf16_compress_hook"
+        )
+        / "trace"
+    )
     found = CliRunner().invoke(cli, ["bisect", str(faulty), "--json"])
     assert found.exit_code == 1, found.output
     doc = json.loads(found.stdout)
@@ -109,7 +114,13 @@ def test_powersgd_is_refused_before_anything_is_written(tmp_path):
         ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
         state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1)
         with pytest.raises(UsageError, match="PowerSGD.*low-rank approximation.*fp16_compress_hook"):
-            Recorder(tmp_path / "trace", ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), comm_hook=powersgd.powerSGD_hook, comm_state=state)
+            Recorder(
+                tmp_path / "trace",
+                ddp,
+                torch.optim.SGD(ddp.parameters(), lr=0.1),
+                comm_hook=powersgd.powerSGD_hook,
+                comm_state=state,
+            )
         assert not (tmp_path / "trace").exists() or not any((tmp_path / "trace").iterdir())
     finally:
         dist.destroy_process_group()

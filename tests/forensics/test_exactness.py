@@ -47,7 +47,10 @@ def test_a_recipe_that_rebuilds_the_update_wrong_certifies_nothing_after_checkpo
     windows = sorted(n for n in statuses if n < STEPS)
     off = sorted(e.step for e in result.evidence if e.location.value == "optimizer_update" and not e.ranks)
     assert off == windows
-    assert any("update" in line and "recipe" in line and "learning rate" in line and "clipping" in line for line in result.settle)
+    assert any(
+        "update" in line and "recipe" in line and "learning rate" in line and "clipping" in line
+        for line in result.settle
+    )
     for c in result.checkpoints:
         if c.step > 0:
             assert not any("bit for bit" in r for r in c.reasons) and any("update" in r for r in c.reasons), c.reasons
@@ -59,7 +62,9 @@ def test_the_answer_on_the_command_line_names_the_update_and_the_recipe(demo_run
     done = CliRunner().invoke(cli, ["bisect", str(out / "trace"), "--recipe", JOBS[job][2]])
     assert done.exit_code == 4, done.output  # inconclusive: no verdict on any rank
     text = " ".join(done.output.split())
-    assert "bit for bit" not in text  # no step is said to be exact, no checkpoint clean but 0 (which has no step before it)
+    assert (
+        "bit for bit" not in text
+    )  # no step is said to be exact, no checkpoint clean but 0 (which has no step before it)
     assert "does not reproduce the update" in text and "recipe" in text
     assert "CORRUPTION" not in text
 

@@ -34,14 +34,22 @@ WAIT_S = 600.0  # far beyond what a loaded 2-core machine needs (about 20 s here
 
 
 def _train(out: Path, injections: tuple[str, ...] = ()) -> subprocess.Popen:
-    code = ("import sys; from sdc_forensics.demo.run import run_demo; "
-            f"run_demo(sys.argv[1], injections={injections!r}, steps={STEPS}, checkpoint_every={EVERY})")
-    return subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    code = (
+        "import sys; from sdc_forensics.demo.run import run_demo; "
+        f"run_demo(sys.argv[1], injections={injections!r}, steps={STEPS}, checkpoint_every={EVERY})"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code, str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _follower(trace: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "sdc_forensics", "certify", "--follow", str(trace), "--poll", "0.2", "--json", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "sdc_forensics", "certify", "--follow", str(trace), "--poll", "0.2", "--json", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _records(trace: Path) -> list:
@@ -66,7 +74,9 @@ def test_a_follower_killed_and_restarted_certifies_every_checkpoint_with_no_reco
     training = _train(out)
     first = _follower(trace)
     try:
-        _wait_for(lambda: (trace / "ledger.jsonl").exists() and len(_records(trace)) >= 1, "the first follower's first record")
+        _wait_for(
+            lambda: (trace / "ledger.jsonl").exists() and len(_records(trace)) >= 1, "the first follower's first record"
+        )
     finally:
         first.send_signal(signal.SIGKILL)  # mid-interval, most likely: that interval has no record yet
         first.communicate(timeout=WAIT_S)
@@ -83,7 +93,9 @@ def test_a_follower_killed_and_restarted_certifies_every_checkpoint_with_no_reco
     follow = doc["follow"]
     assert follow["stopped_by"] == "until-step" and follow["lag"] == 0 and follow["incident"] is None
     assert {(i["from"], i["last"] + 1) for i in follow["intervals"] if i["outcome"] == "reused"} == before
-    assert {(i["from"], i["last"] + 1) for i in follow["intervals"] if i["outcome"] == "clean"} == set(INTERVALS) - before
+    assert {(i["from"], i["last"] + 1) for i in follow["intervals"] if i["outcome"] == "clean"} == set(
+        INTERVALS
+    ) - before
     assert [(c["step"], c["status"]) for c in doc["checkpoints"]] == [(n, "clean") for n in range(0, STEPS + 1, EVERY)]
     # what the follower recorded is what certify needs: it replays nothing and resumes from the last checkpoint
     again = certify(trace, AnalysisOptions())
@@ -125,7 +137,10 @@ def test_the_follower_names_the_step_and_rank_of_a_fault_within_one_interval(tmp
         return result.first_divergent_step, [s.rank for s in result.suspects], max(clean, default=None)
 
     reused = bisect(trace, AnalysisOptions())
-    assert reused.replayed.steps_replayed <= EVERY, (case, reused.replayed.windows)  # the interval of the fault, at most
+    assert reused.replayed.steps_replayed <= EVERY, (
+        case,
+        reused.replayed.windows,
+    )  # the interval of the fault, at most
     plain = bisect(trace, AnalysisOptions(no_ledger=True))
     assert answer(plain) == answer(reused) == (step, [rank], start), case
 
@@ -149,8 +164,21 @@ def test_an_interval_whose_checkpoint_was_rotated_away_is_said_and_exits_4(demo_
     shutil.copytree(demo_run((), steps=6, checkpoint_every=3), tmp_path / "run")
     trace = tmp_path / "run" / "trace"
     os.remove(tmp_path / "run" / "checkpoints" / "step-00000003.pt")
-    res = CliRunner().invoke(cli, ["certify", "--follow", str(trace), "--poll", "0.1", "--idle-timeout", "1", "--json",
-                                   "--checkpoints", str(tmp_path / "run" / "checkpoints")])  # the job's own absolute paths still hold them
+    res = CliRunner().invoke(
+        cli,
+        [
+            "certify",
+            "--follow",
+            str(trace),
+            "--poll",
+            "0.1",
+            "--idle-timeout",
+            "1",
+            "--json",
+            "--checkpoints",
+            str(tmp_path / "run" / "checkpoints"),
+        ],
+    )  # the job's own absolute paths still hold them
     assert res.exit_code == 4, res.output
     doc = assert_valid(json.loads(res.stdout), "certify")
     assert doc["follow"]["unreplayable"] == [[3, 6]] and doc["follow"]["stopped_by"] == "idle"
@@ -169,14 +197,33 @@ def test_keep_going_reports_the_incident_and_examines_every_interval_once(demo_r
     """A finished run with a fault at step 7 (checkpoints 0, 3, 6, 9, 12): the follower names it and goes on."""
     shutil.copytree(demo_run("grad:step=7:rank=2:bit=31", steps=12, checkpoint_every=3), tmp_path / "run")
     trace = tmp_path / "run" / "trace"
-    res = CliRunner().invoke(cli, ["certify", "--follow", str(trace), "--poll", "0.1", "--idle-timeout", "2", "--keep-going", "--json",
-                                   "--checkpoints", str(tmp_path / "run" / "checkpoints")])
+    res = CliRunner().invoke(
+        cli,
+        [
+            "certify",
+            "--follow",
+            str(trace),
+            "--poll",
+            "0.1",
+            "--idle-timeout",
+            "2",
+            "--keep-going",
+            "--json",
+            "--checkpoints",
+            str(tmp_path / "run" / "checkpoints"),
+        ],
+    )
     assert res.exit_code == 1, res.output
     follow = assert_valid(json.loads(res.stdout), "certify")["follow"]
     assert follow["stopped_by"] == "idle" and follow["incident"]["first_divergent_step"] == 7
     assert [s["rank"] for s in follow["incident"]["suspects"]] == [2]
     # the incident's analysis starts at the follower's evidence (step 7) and replays nothing after it: 9..11 is the follower's
-    assert [(i["from"], i["outcome"]) for i in follow["intervals"]] == [(0, "clean"), (3, "clean"), (6, "evidence"), (9, "clean")]
+    assert [(i["from"], i["outcome"]) for i in follow["intervals"]] == [
+        (0, "clean"),
+        (3, "clean"),
+        (6, "evidence"),
+        (9, "clean"),
+    ]
     # the follower's four records (its replay of 6.. stops at the divergence, 7) and the incident analysis': 6..7 again (the
     # evidence a verdict rests on is always replayed by the analysis itself); no clean interval twice
     records = sorted((r.start_step, r.last_step, r.outcome.value) for r in _records(trace))
@@ -185,7 +232,9 @@ def test_keep_going_reports_the_incident_and_examines_every_interval_once(demo_r
 
 def _follow_finished(trace: Path, *args: str):
     """``certify --follow`` in this process on a finished run, until it has been idle a second."""
-    res = CliRunner().invoke(cli, ["certify", "--follow", str(trace), "--poll", "0.1", "--idle-timeout", "1", "--json", *args])
+    res = CliRunner().invoke(
+        cli, ["certify", "--follow", str(trace), "--poll", "0.1", "--idle-timeout", "1", "--json", *args]
+    )
     return res, (assert_valid(json.loads(res.stdout), "certify") if res.stdout.strip() else None)
 
 
@@ -193,7 +242,12 @@ def test_budget_newest_replays_every_interval_newest_first(demo_run, tmp_path):
     shutil.copytree(demo_run((), steps=12, checkpoint_every=3), tmp_path / "run")
     res, doc = _follow_finished(tmp_path / "run" / "trace", "--budget", "newest")
     assert res.exit_code == 0, res.output
-    assert [(i["from"], i["outcome"]) for i in doc["follow"]["intervals"]] == [(9, "clean"), (6, "clean"), (3, "clean"), (0, "clean")]
+    assert [(i["from"], i["outcome"]) for i in doc["follow"]["intervals"]] == [
+        (9, "clean"),
+        (6, "clean"),
+        (3, "clean"),
+        (0, "clean"),
+    ]
     assert doc["follow"]["budget"] == "newest" and doc["follow"]["skipped"] == []
     assert [c["status"] for c in doc["checkpoints"]] == ["clean"] * 5
 

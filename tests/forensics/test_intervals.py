@@ -71,8 +71,18 @@ class _Trace:
 
 
 def _result(start: int, last: int, device: str = "cpu (elsewhere)") -> ReplayResult:
-    return ReplayResult(start_step=start, stop_step=last, last_step=last, device=device, comparison="exact", tolerant_from=None,
-                        reduction_order="gloo-ring", evidence=(), first_divergent_step=None, settings={"num_threads": 1})
+    return ReplayResult(
+        start_step=start,
+        stop_step=last,
+        last_step=last,
+        device=device,
+        comparison="exact",
+        tolerant_from=None,
+        reduction_order="gloo-ring",
+        evidence=(),
+        first_divergent_step=None,
+        settings={"num_threads": 1},
+    )
 
 
 def test_the_walk_takes_a_result_replayed_ahead_and_never_replays_it(monkeypatch):

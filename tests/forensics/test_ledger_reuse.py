@@ -41,8 +41,12 @@ def _statuses(result) -> list[tuple[int, str]]:
 
 def _answer(result) -> tuple:
     last = result.last_clean_checkpoint
-    return (result.verdict.value, result.first_divergent_step, tuple(s.rank for s in result.suspects),
-            None if last is None else last.step)
+    return (
+        result.verdict.value,
+        result.first_divergent_step,
+        tuple(s.rank for s in result.suspects),
+        None if last is None else last.step,
+    )
 
 
 def test_a_clean_run_certified_twice_replays_nothing_the_second_time(demo_run, tmp_path):
@@ -65,8 +69,9 @@ def test_a_clean_run_certified_twice_replays_nothing_the_second_time(demo_run, t
     # coverage in plain view: every step before each checkpoint replayed exactly, earlier, by the records cited
     runner = CliRunner()
     doc = assert_valid(runner.invoke(cli, ["certify", str(trace), "--json"]).stdout, "certify")
-    assert [(c["step"], c["exact_ledger"], c["exact_now"], c["lacking_replay"]) for c in doc["coverage"]] == \
-        [(n, [[0, n - 1]] if n else [], [], []) for n in range(0, STEPS + 1, EVERY)]
+    assert [(c["step"], c["exact_ledger"], c["exact_now"], c["lacking_replay"]) for c in doc["coverage"]] == [
+        (n, [[0, n - 1]] if n else [], [], []) for n in range(0, STEPS + 1, EVERY)
+    ]
     assert set(doc["coverage"][-1]["ledger_records"]) == set(ledger.appended)
 
     # --no-ledger: everything replayed again, the ledger neither read nor extended
@@ -80,7 +85,9 @@ def test_a_clean_run_certified_twice_replays_nothing_the_second_time(demo_run, t
     assert "ledger" not in json.loads(res.stdout)["replayed"]
 
     # a ledger that cannot be written is one warning line, never a failure
-    res = runner.invoke(cli, ["certify", str(trace), "--json", "--ledger", str(trace.parent / "no-such-folder" / "ledger.jsonl")])
+    res = runner.invoke(
+        cli, ["certify", str(trace), "--json", "--ledger", str(trace.parent / "no-such-folder" / "ledger.jsonl")]
+    )
     assert res.exit_code == 0 and res.stderr.count("cannot append to the ledger") == 1
     assert [(c["step"], c["status"]) for c in json.loads(res.stdout)["checkpoints"]] == _statuses(first.analysis)
 
@@ -104,7 +111,9 @@ def test_a_fault_run_bisected_twice_replays_at_most_one_interval_and_names_the_s
     doc = assert_valid(json.loads(res.stdout), "bisect")
     assert res.exit_code == 1 and doc["first_divergent_step"] == 7
     ids = {r.record_id for r in read_ledger(trace / "ledger.jsonl").records}
-    assert doc["replayed"]["ledger"]["reused"] and all(set(w["records"]) <= ids for w in doc["replayed"]["ledger"]["reused"])
+    assert doc["replayed"]["ledger"]["reused"] and all(
+        set(w["records"]) <= ids for w in doc["replayed"]["ledger"]["reused"]
+    )
 
 
 def test_a_record_citing_a_replaced_checkpoint_file_is_not_reused(demo_run, tmp_path):
@@ -135,7 +144,9 @@ def test_an_all_reduce_corrupted_at_the_first_step_gives_the_same_answer_whateve
     assert plain.first_divergent_step == 0 and plain.replayed.comparison == "exact"
     first = bisect(trace, AnalysisOptions())
     clean = [r for r in read_ledger(trace / "ledger.jsonl").records if r.certifies]
-    assert clean and all(r.reduction == plain.replayed.reduction_order != "" for r in clean)  # the later intervals name the order
+    assert clean and all(
+        r.reduction == plain.replayed.reduction_order != "" for r in clean
+    )  # the later intervals name the order
     then_certify = certify(trace, AnalysisOptions())
     again = bisect(trace, AnalysisOptions())
     for result in (first, then_certify.analysis, again):
@@ -160,8 +171,11 @@ def test_a_followers_evidence_is_where_bisect_starts_when_the_trace_shows_none(d
     runner = interval_runner(opened, AnalysisOptions(), ledger=ledger)
     for start in (0, 3, 6):  # what the follower replayed before its alarm
         runner.replay(notes[start], start + EVERY - 1, "a follower's interval")
-    assert {(r.start_step, r.outcome.value) for r in read_ledger(trace / "ledger.jsonl").records} == \
-        {(0, "clean"), (3, "clean"), (6, "evidence")}
+    assert {(r.start_step, r.outcome.value) for r in read_ledger(trace / "ledger.jsonl").records} == {
+        (0, "clean"),
+        (3, "clean"),
+        (6, "evidence"),
+    }
     reused = bisect(trace, AnalysisOptions())
     assert _answer(reused) == _answer(plain) and _statuses(reused) == _statuses(plain)
     assert reused.replayed.steps_replayed == 2  # steps 6..7 again, up to the divergence; 0..5 from the ledger

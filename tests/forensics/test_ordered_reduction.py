@@ -46,8 +46,15 @@ def test_with_the_ordered_reduction_the_same_job_is_certified(demo_run):
     assert {c.step: c.status.value for c in result.checkpoints} == {0: "clean", 3: "clean", 6: "clean"}
 
 
-@pytest.mark.parametrize("fault", ["grad:step=4:rank=2:bit=20", "allreduce-all:step=2:bit=3", "update:step=1:rank=1:bit=22",
-                                   "weights:step=4:rank=3:bit=27"])
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "grad:step=4:rank=2:bit=20",
+        "allreduce-all:step=2:bit=3",
+        "update:step=1:rank=1:bit=22",
+        "weights:step=4:rank=3:bit=27",
+    ],
+)
 def test_with_the_ordered_reduction_faults_are_found_at_their_exact_step_and_rank(demo_run, fault):
     spec = parse_spec(fault)
     result = _bisect(_run(demo_run, fault, reduction="ordered"))

@@ -17,11 +17,30 @@ class _Ident:
 
 
 def test_markup_in_host_gpu_and_evidence_is_printed_as_text():
-    ev = Evidence(kind=EvidenceKind.NONFINITE, step=3, ranks=(1,), location=Location.LOCAL_COMPUTE, expected="0", found="[/] 2")
-    decided = decide([ev], world_size=4, identity=lambda r: _Ident(), notes=(), files={}, majority={}, examined=Examined(trace_only=True))
-    result = BisectResult(verdict=decided.verdict, first_divergent_step=decided.first_divergent_step, suspects=decided.suspects,
-                          last_clean_checkpoint=None, checkpoints=(), replayed=ReplaySummary(), evidence=decided.evidence,
-                          mode="trace-only", scope="trace checks over [/]steps", settle=("[/]",))
+    ev = Evidence(
+        kind=EvidenceKind.NONFINITE, step=3, ranks=(1,), location=Location.LOCAL_COMPUTE, expected="0", found="[/] 2"
+    )
+    decided = decide(
+        [ev],
+        world_size=4,
+        identity=lambda r: _Ident(),
+        notes=(),
+        files={},
+        majority={},
+        examined=Examined(trace_only=True),
+    )
+    result = BisectResult(
+        verdict=decided.verdict,
+        first_divergent_step=decided.first_divergent_step,
+        suspects=decided.suspects,
+        last_clean_checkpoint=None,
+        checkpoints=(),
+        replayed=ReplaySummary(),
+        evidence=decided.evidence,
+        mode="trace-only",
+        scope="trace checks over [/]steps",
+        settle=("[/]",),
+    )
     out = io.StringIO()
     render_bisect(result, Console(file=out, width=200, color_system=None))
     text = out.getvalue()

@@ -26,8 +26,13 @@ from tests.factories import SimFault, ddp_mean
 def _replay(out, start, stop, recipe=None, **kw):
     trace = Trace.open(out / "trace")
     note = {n.step: n for n in read_checkpoint_notes(trace.path)}[start]
-    options = ReplayOptions(start_step=start, stop_step=stop, checkpoint_path=out / f"checkpoints/step-{start:08d}.pt",
-                            expected_weights_digest=note.weights_digest, **kw)
+    options = ReplayOptions(
+        start_step=start,
+        stop_step=stop,
+        checkpoint_path=out / f"checkpoints/step-{start:08d}.pt",
+        expected_weights_digest=note.weights_digest,
+        **kw,
+    )
     return replay_window(trace, recipe or load_recipe(trace.manifest.recipe), options)
 
 
@@ -38,8 +43,15 @@ def test_clean_window_is_bitwise_exact(sim):
     assert result.settings["deterministic_algorithms"] and result.settings["tf32"] is False
 
 
-@pytest.mark.parametrize("where,location", [("grad", Location.LOCAL_COMPUTE), ("allreduce", Location.COLLECTIVE),
-                                            ("update", Location.OPTIMIZER_UPDATE), ("input", Location.INPUT_DATA)])
+@pytest.mark.parametrize(
+    "where,location",
+    [
+        ("grad", Location.LOCAL_COMPUTE),
+        ("allreduce", Location.COLLECTIVE),
+        ("update", Location.OPTIMIZER_UPDATE),
+        ("input", Location.INPUT_DATA),
+    ],
+)
 def test_replay_localises_a_low_mantissa_flip(sim, where, location):
     out = sim(SimFault(where=where, step=5, rank=2, bit=10))
     result = _replay(out, 4, 7)
@@ -95,8 +107,16 @@ def test_checkpoint_not_holding_the_majority_is_refused(sim, tmp_path):
     out = sim()
     trace = Trace.open(out / "trace")
     with pytest.raises(StartStateMismatch):
-        replay_window(trace, load_recipe(trace.manifest.recipe), ReplayOptions(
-            start_step=4, stop_step=5, checkpoint_path=out / "checkpoints/step-00000000.pt", expected_weights_digest=read_checkpoint_notes(trace.path)[1].weights_digest))
+        replay_window(
+            trace,
+            load_recipe(trace.manifest.recipe),
+            ReplayOptions(
+                start_step=4,
+                stop_step=5,
+                checkpoint_path=out / "checkpoints/step-00000000.pt",
+                expected_weights_digest=read_checkpoint_notes(trace.path)[1].weights_digest,
+            ),
+        )
 
 
 def test_suspect_gpu_is_refused_unless_forced(monkeypatch):
@@ -131,7 +151,10 @@ def _ring_vs_gloo_reference(world_size: int, numel: int) -> bool:
     """``reduce_buckets(..., "gloo-ring")`` bit for bit against ``tests.factories.ddp_mean``, a
     reference checked against DDP's scaling and a real gloo all_reduce (tests/test_factories.py)."""
     gen = torch.Generator().manual_seed(world_size * 1_000_003 + numel)
-    ranks = [[torch.randn(numel, generator=gen) * 2.0 ** torch.randint(-6, 7, (numel,), generator=gen)] for _ in range(world_size)]
+    ranks = [
+        [torch.randn(numel, generator=gen) * 2.0 ** torch.randint(-6, 7, (numel,), generator=gen)]
+        for _ in range(world_size)
+    ]
     ring = env.reduce_buckets(ranks, "gloo-ring")[0]
     expected = ddp_mean([r[0].numpy() for r in ranks])
     return torch.equal(ring.view(torch.int32), torch.from_numpy(expected).view(torch.int32))
@@ -255,7 +278,9 @@ def test_replay_command_refuses_a_hostile_checkpoint_with_exit_3(sim, tmp_path):
 
     out = _copy_with_checkpoint(sim(), tmp_path, {"extra": _Pickled()})
     before = tree_sha256(out)
-    result = CliRunner().invoke(cli, ["replay", str(out / "trace"), "--from", "4", "--to", "5", "--checkpoints", str(out / "checkpoints")])
+    result = CliRunner().invoke(
+        cli, ["replay", str(out / "trace"), "--from", "4", "--to", "5", "--checkpoints", str(out / "checkpoints")]
+    )
     assert result.exit_code == 3 and result.stdout == "" and "Traceback" not in result.output, result.output
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "step-00000004.pt" in errors[0] and "_Pickled" in errors[0], result.stderr

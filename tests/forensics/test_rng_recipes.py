@@ -32,9 +32,14 @@ def _with_dropout(seeded: bool) -> str:
         old_fetch = "        return x.to(device), x[:, :4].argmax(dim=1).to(device)"
         old_loss = "        x, y = batch\n        return nn.functional.cross_entropy(model(x), y)"
         assert old_fetch in script and old_loss in script
-        script = script.replace(old_fetch, "        return x.to(device), x[:, :4].argmax(dim=1).to(device), int(microbatch_id)")
-        script = script.replace(old_loss, "        x, y, microbatch_id = batch\n        torch.manual_seed(1_000_003 + microbatch_id)\n"
-                                          "        return nn.functional.cross_entropy(model(x), y)")
+        script = script.replace(
+            old_fetch, "        return x.to(device), x[:, :4].argmax(dim=1).to(device), int(microbatch_id)"
+        )
+        script = script.replace(
+            old_loss,
+            "        x, y, microbatch_id = batch\n        torch.manual_seed(1_000_003 + microbatch_id)\n"
+            "        return nn.functional.cross_entropy(model(x), y)",
+        )
     return script
 
 
@@ -57,16 +62,32 @@ def test_a_step_that_depends_on_the_global_rng_is_never_judged(tmp_path, seeded)
     # nothing wrong found and only checkpoint 0 is certain: inconclusive, so exit 4, not 0 (issue 33: `certify && resume`
     # would have thrown the run away), and the last line says so
     assert certified.returncode == 4 and doc["verdict"] == "inconclusive" and doc["exit_code"] == 4, certified.stderr
-    assert statuses[0] == "clean" and {statuses[s] for s in (5, 10, 15, 20)} == {"unverified"} and doc["resume_step"] == 0
+    assert (
+        statuses[0] == "clean" and {statuses[s] for s in (5, 10, 15, 20)} == {"unverified"} and doc["resume_step"] == 0
+    )
     assert "no resume point named (exit 4)" in " ".join(certified.stderr.split())
     assert "draws from the global RNG" in certified.stderr and "seed them in the recipe" in certified.stderr
     bisected = run_installed(["bisect", "runs/job42/trace", "--json"], tmp_path, cwd=tmp_path, env=env)
     found = json.loads(bisected.stdout)
     assert found["verdict"] != "corruption" and found["suspects"] == []  # no healthy rank blamed
     # the follower is certify too: replaying every interval judged nothing, so it must not exit 0 either
-    followed = run_installed(["certify", "runs/job42/trace", "--follow", "--json", "--ledger", str(tmp_path / "ledger.jsonl"),
-                              "--idle-timeout", "1", "--poll", "0.2"], tmp_path, cwd=tmp_path,
-                             env={**env, "SDC_FORENSICS_NO_LEDGER": ""})  # its own ledger file, the others' untouched
+    followed = run_installed(
+        [
+            "certify",
+            "runs/job42/trace",
+            "--follow",
+            "--json",
+            "--ledger",
+            str(tmp_path / "ledger.jsonl"),
+            "--idle-timeout",
+            "1",
+            "--poll",
+            "0.2",
+        ],
+        tmp_path,
+        cwd=tmp_path,
+        env={**env, "SDC_FORENSICS_NO_LEDGER": ""},
+    )  # its own ledger file, the others' untouched
     doc = json.loads(followed.stdout)
     assert followed.returncode == 4 and doc["follow"]["exit_code"] == 4 and doc["exit_code"] == 4, followed.stderr
     assert doc["follow"]["stopped_by"] == "idle" and doc["resume_step"] == 0

@@ -45,7 +45,9 @@ def test_exponent_flip_is_strong_evidence_in_a_tolerant_replay(demo_run):
     assert suspect.rank == 2
     assert all(e.strength is Strength.STRONG for e in suspect.evidence)
     statuses = [c.status.value for c in result.checkpoints]
-    assert statuses[0] == "clean" and statuses[1] == "unverified" and statuses[2] in ("tainted", "corrupt")  # x2^128 may leave Inf
+    assert (
+        statuses[0] == "clean" and statuses[1] == "unverified" and statuses[2] in ("tainted", "corrupt")
+    )  # x2^128 may leave Inf
 
 
 def test_weak_residual_is_inconclusive_names_its_candidate_and_certifies_nothing_after_it(demo_run):
@@ -58,7 +60,11 @@ def test_weak_residual_is_inconclusive_names_its_candidate_and_certifies_nothing
     assert (weak.step, weak.ranks) == (4, (2,))
     assert "replay exactly" in result.settle[0] and "step 4" in result.settle[0]
     statuses = {c.step: c.status.value for c in result.checkpoints}
-    assert statuses == {0: "clean", 3: "unverified", 6: "unverified"}  # compared within tolerance only; weak evidence before 6
+    assert statuses == {
+        0: "clean",
+        3: "unverified",
+        6: "unverified",
+    }  # compared within tolerance only; weak evidence before 6
     assert any("second replay" in n and "reproduced" in n for n in result.replayed.notes)
 
 

@@ -39,8 +39,15 @@ def _bisect(out):
 
 
 def _run(demo_run, injections):
-    return demo_run(injections, steps=STEPS, checkpoint_every=EVERY, recipe=REFERENCE, threads=(1, 1, 1, 1), audit_every=0,
-                    policy="continue")
+    return demo_run(
+        injections,
+        steps=STEPS,
+        checkpoint_every=EVERY,
+        recipe=REFERENCE,
+        threads=(1, 1, 1, 1),
+        audit_every=0,
+        policy="continue",
+    )
 
 
 @pytest.mark.parametrize("fault", FAULTS)
@@ -62,7 +69,9 @@ def test_a_tolerant_replay_names_the_injected_step_and_rank_or_is_inconclusive_a
         [candidate, *_] = [e for e in result.evidence if e.is_weak]
         assert (candidate.step, candidate.ranks) == (spec.step, faulty), fault
     statuses = {c.step: c.status.value for c in result.checkpoints}
-    assert not [n for n, s in statuses.items() if n > spec.step and s == "clean"], fault  # never a false-clean certificate
+    assert not [n for n, s in statuses.items() if n > spec.step and s == "clean"], (
+        fault
+    )  # never a false-clean certificate
 
 
 def test_a_clean_run_replayed_at_another_thread_count_is_never_corruption(demo_run):

@@ -27,12 +27,22 @@ _SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_bas
 def register_profiles() -> None:
     """Register ``ci`` and ``deep`` (idempotent); ``benchmarks/fuzz.py`` calls it too."""
     settings.register_profile(
-        "ci", max_examples=CI_EXAMPLES, derandomize=True, database=None, deadline=timedelta(seconds=5),
-        suppress_health_check=_SLOW, print_blob=True,
+        "ci",
+        max_examples=CI_EXAMPLES,
+        derandomize=True,
+        database=None,
+        deadline=timedelta(seconds=5),
+        suppress_health_check=_SLOW,
+        print_blob=True,
     )
     settings.register_profile(
-        "deep", max_examples=int(os.environ.get("SDC_FUZZ_EXAMPLES", "2000")), derandomize=False, database=None,
-        deadline=timedelta(seconds=5), suppress_health_check=_SLOW, print_blob=True,
+        "deep",
+        max_examples=int(os.environ.get("SDC_FUZZ_EXAMPLES", "2000")),
+        derandomize=False,
+        database=None,
+        deadline=timedelta(seconds=5),
+        suppress_health_check=_SLOW,
+        print_blob=True,
     )
 
 
@@ -50,7 +60,9 @@ def _test_wall_bound(request):
     started = time.perf_counter()
     yield
     elapsed = time.perf_counter() - started
-    assert elapsed <= TEST_BOUND_S, f"{request.node.name} took {elapsed:.0f} s, over the {TEST_BOUND_S:.0f} s bound of a fuzz test"
+    assert elapsed <= TEST_BOUND_S, (
+        f"{request.node.name} took {elapsed:.0f} s, over the {TEST_BOUND_S:.0f} s bound of a fuzz test"
+    )
 
 
 @pytest.fixture(scope="module")

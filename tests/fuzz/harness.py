@@ -75,8 +75,19 @@ STATS: dict[str, KindStats] = {}
 _WATCHED: list[str] = []  # directory prefixes (with a trailing separator) under which nothing may be written
 _WRITES: list[str] = []
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-_CHANGE_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.truncate", "os.chmod", "os.utime", "os.link", "os.symlink",
-                  "shutil.rmtree", "shutil.move", "os.mkdir"}
+_CHANGE_EVENTS = {
+    "os.remove",
+    "os.rename",
+    "os.rmdir",
+    "os.truncate",
+    "os.chmod",
+    "os.utime",
+    "os.link",
+    "os.symlink",
+    "shutil.rmtree",
+    "shutil.move",
+    "os.mkdir",
+}
 
 
 def _under_watch(path: Any) -> bool:
@@ -95,7 +106,9 @@ def _audit(event: str, args: tuple) -> None:
         return
     if event == "open":
         path, mode, flags = (tuple(args) + (None, None, None))[:3]
-        writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (isinstance(flags, int) and flags & _WRITE_FLAGS)
+        writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+            isinstance(flags, int) and flags & _WRITE_FLAGS
+        )
         if writes and _under_watch(path):
             _WRITES.append(f"{event} {path!r} mode={mode!r} flags={flags!r}")
     elif event in _CHANGE_EVENTS and args and _under_watch(args[0]):
@@ -126,7 +139,11 @@ def _no_writes_under(root: Path):
 @contextlib.contextmanager
 def _alarm(seconds: float):
     """Raise :class:`Hang` in the main thread after ``seconds`` (no-op off the main thread)."""
-    if seconds <= 0 or not hasattr(signal, "setitimer") or signal.getsignal(signal.SIGALRM) not in (signal.SIG_DFL, None):
+    if (
+        seconds <= 0
+        or not hasattr(signal, "setitimer")
+        or signal.getsignal(signal.SIGALRM) not in (signal.SIG_DFL, None)
+    ):
         yield
         return
 
@@ -159,7 +176,11 @@ def _memory_cap(extra_bytes: int):
         yield
         return
     cap = mapped + extra_bytes
-    if extra_bytes <= 0 or (hard != resource.RLIM_INFINITY and cap > hard) or (soft != resource.RLIM_INFINITY and cap > soft):
+    if (
+        extra_bytes <= 0
+        or (hard != resource.RLIM_INFINITY and cap > hard)
+        or (soft != resource.RLIM_INFINITY and cap > soft)
+    ):
         yield
         return
     resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
@@ -179,7 +200,9 @@ def _stderr_to(found: list[str]):
     previous_hook, previous_stderr, captured = sys.unraisablehook, sys.stderr, io.StringIO()
 
     def hook(info) -> None:
-        found.append(f"{type(info.exc_value).__name__}: {info.exc_value} ({info.err_msg or 'Exception ignored'} {info.object!r:.80})")
+        found.append(
+            f"{type(info.exc_value).__name__}: {info.exc_value} ({info.err_msg or 'Exception ignored'} {info.object!r:.80})"
+        )
 
     sys.unraisablehook, sys.stderr = hook, captured
     try:
@@ -221,7 +244,9 @@ def hostile_call(kind: str, call: Callable[[], Any], *, allowed: tuple[type[Base
         message = str(exc)
         assert message.strip(), f"{type(exc).__name__} with an empty message"
         assert "Traceback" not in message, message[:500]
-        assert len(message) <= MAX_MESSAGE_CHARS, f"a {len(message)}-character message is not one clear line: {message[:300]}…"
+        assert len(message) <= MAX_MESSAGE_CHARS, (
+            f"a {len(message)}-character message is not one clear line: {message[:300]}…"
+        )
         stats.refused += 1
     finally:
         elapsed = time.perf_counter() - started
@@ -262,7 +287,23 @@ class Scratch:
 
 #: Little-endian integers that sit on boundaries: sizes, offsets and counts set to these are
 #: where readers overflow, wrap or over-allocate.
-INTERESTING = (0, 1, 0x7F, 0x80, 0xFF, 0x7FFF, 0x8000, 0xFFFF, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 2**53, 2**63 - 1, 2**63, 2**64 - 1)
+INTERESTING = (
+    0,
+    1,
+    0x7F,
+    0x80,
+    0xFF,
+    0x7FFF,
+    0x8000,
+    0xFFFF,
+    0x7FFFFFFF,
+    0x80000000,
+    0xFFFFFFFF,
+    2**53,
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+)
 _WIDTHS = {2: "<H", 4: "<I", 8: "<Q"}
 
 
@@ -339,7 +380,9 @@ def mutations(hot: tuple[int, ...] = (), max_ops: int = 4) -> st.SearchStrategy[
         st.tuples(st.just("delete"), at, length),
         st.tuples(st.just("insert"), at, st.binary(min_size=1, max_size=32)),
         st.tuples(st.just("splice"), at, at, length),
-        st.tuples(st.just("integer"), at, st.sampled_from([2, 4, 8]), st.sampled_from(INTERESTING) | st.integers(0, 2**64 - 1)),
+        st.tuples(
+            st.just("integer"), at, st.sampled_from([2, 4, 8]), st.sampled_from(INTERESTING) | st.integers(0, 2**64 - 1)
+        ),
         st.tuples(st.just("duplicate"), at, length),
     )
     return st.lists(op, min_size=1, max_size=max_ops)
@@ -366,8 +409,25 @@ def json_values(max_leaves: int = 10) -> st.SearchStrategy[Any]:
     strings with NUL, surrogates, rich markup and path separators."""
     text = st.one_of(
         st.text(max_size=12),
-        st.sampled_from(["", "\x00", "[/]", "[bold]x", "..", "/", "../../etc/passwd", "\ud800", "x" * 300, "0" * 16, "clean",
-                         "float32", "mean", "nonfinite", "F32"]),
+        st.sampled_from(
+            [
+                "",
+                "\x00",
+                "[/]",
+                "[bold]x",
+                "..",
+                "/",
+                "../../etc/passwd",
+                "\ud800",
+                "x" * 300,
+                "0" * 16,
+                "clean",
+                "float32",
+                "mean",
+                "nonfinite",
+                "F32",
+            ]
+        ),
     )
     scalar = st.one_of(
         st.none(),
@@ -433,4 +493,8 @@ def edit_json(doc: Any, edits: list[tuple]) -> Any:
 def json_edits(max_edits: int = 3, values: st.SearchStrategy | None = None) -> st.SearchStrategy[list[tuple]]:
     """Lists of 1..``max_edits`` edits for :func:`edit_json`."""
     value = values if values is not None else json_values(6)
-    return st.lists(st.tuples(st.sampled_from(["set", "set", "drop", "add"]), st.integers(0, 1 << 16), value), min_size=1, max_size=max_edits)
+    return st.lists(
+        st.tuples(st.sampled_from(["set", "set", "drop", "add"]), st.integers(0, 1 << 16), value),
+        min_size=1,
+        max_size=max_edits,
+    )

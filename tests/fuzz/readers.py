@@ -64,4 +64,3 @@ def read_certificate_for(certificate: Path, checkpoint: Path):
     if entry is None:
         return None
     return check_against_certificate(verify(checkpoint), entry)
-

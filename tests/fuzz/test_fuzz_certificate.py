@@ -33,21 +33,58 @@ def certificate(folder: Path) -> dict:
     path = folder / CHECKPOINT
     report = verify_checkpoint(path, options=VerifyOptions(workers=1, populate=False))
     files = [{"name": f.name, "size_bytes": f.size_bytes, "digest": f.digest} for f in report.files]
-    entry = {"step": 2, "path": str(path.resolve()), "status": "clean", "reasons": [], "format": "safetensors", "weights_digest": "",
-             "files": files, "evidence": [{"kind": "nonfinite", "subject": "a", "expected": "0", "found": "1", "detail": ""}]}
-    return {"format": "sdc-forensics-certificate", "certificate_version": 2, "tool_version": "0.1.0", "created_utc": "2026-11-29T09:00:00Z",
-            "seed": 402905780677, "trace_dir": str(folder), "first_divergent_step": None, "resume_step": 2, "resume_path": str(path),
-            "checkpoints": [entry, {**entry, "step": 4, "path": str(folder / "other.safetensors"), "status": "corrupt"}]}
+    entry = {
+        "step": 2,
+        "path": str(path.resolve()),
+        "status": "clean",
+        "reasons": [],
+        "format": "safetensors",
+        "weights_digest": "",
+        "files": files,
+        "evidence": [{"kind": "nonfinite", "subject": "a", "expected": "0", "found": "1", "detail": ""}],
+    }
+    return {
+        "format": "sdc-forensics-certificate",
+        "certificate_version": 2,
+        "tool_version": "0.1.0",
+        "created_utc": "2026-11-29T09:00:00Z",
+        "seed": 402905780677,
+        "trace_dir": str(folder),
+        "first_divergent_step": None,
+        "resume_step": 2,
+        "resume_path": str(path),
+        "checkpoints": [entry, {**entry, "step": 4, "path": str(folder / "other.safetensors"), "status": "corrupt"}],
+    }
 
 
 def _check(folder: Path, raw: bytes):
     cert = folder / "cert.json"
     cert.write_bytes(raw)
-    return hostile_call("certificate", lambda: read_certificate_for(cert, folder / CHECKPOINT), allowed=CERTIFICATE_ERRORS, watch=folder)
+    return hostile_call(
+        "certificate", lambda: read_certificate_for(cert, folder / CHECKPOINT), allowed=CERTIFICATE_ERRORS, watch=folder
+    )
 
 
-_VALUES = json_values(6) | st.sampled_from(["", "\x00", "a\x00b", "\ud800", "x" * 5000, "/", "clean", "corrupt", "unverified", "tainted",
-                                            "digest-mismatch", CHECKPOINT, 2**63, 2**64, -1, float("nan")])
+_VALUES = json_values(6) | st.sampled_from(
+    [
+        "",
+        "\x00",
+        "a\x00b",
+        "\ud800",
+        "x" * 5000,
+        "/",
+        "clean",
+        "corrupt",
+        "unverified",
+        "tainted",
+        "digest-mismatch",
+        CHECKPOINT,
+        2**63,
+        2**64,
+        -1,
+        float("nan"),
+    ]
+)
 
 
 @given(edits=json_edits(3, values=_VALUES))
@@ -67,10 +104,38 @@ def test_certificate_bytes_mutated(scratch, ops):
         _check(folder, mutate(json.dumps(certificate(folder), indent=1, sort_keys=True).encode(), ops))
 
 
-_PATH_FIELDS = st.sampled_from([("checkpoints", 0, "path"), ("checkpoints", 1, "path"), ("resume_path",), ("trace_dir",),
-                                ("checkpoints", 0, "files", 0, "name"), ("checkpoints", 0, "format"), ("checkpoints", 0, "weights_digest")])
-_PATHS = st.one_of(st.sampled_from(["", "\x00", "a\x00b", "\ud800", "\udcff", "x" * 5000, "/", ".", "..", CHECKPOINT, "./" + CHECKPOINT,
-                                    "../" + CHECKPOINT, "/proc/self/fd/0", "~/x"]), st.text(max_size=12))
+_PATH_FIELDS = st.sampled_from(
+    [
+        ("checkpoints", 0, "path"),
+        ("checkpoints", 1, "path"),
+        ("resume_path",),
+        ("trace_dir",),
+        ("checkpoints", 0, "files", 0, "name"),
+        ("checkpoints", 0, "format"),
+        ("checkpoints", 0, "weights_digest"),
+    ]
+)
+_PATHS = st.one_of(
+    st.sampled_from(
+        [
+            "",
+            "\x00",
+            "a\x00b",
+            "\ud800",
+            "\udcff",
+            "x" * 5000,
+            "/",
+            ".",
+            "..",
+            CHECKPOINT,
+            "./" + CHECKPOINT,
+            "../" + CHECKPOINT,
+            "/proc/self/fd/0",
+            "~/x",
+        ]
+    ),
+    st.text(max_size=12),
+)
 
 
 @given(fields=st.dictionaries(_PATH_FIELDS, _PATHS, min_size=1, max_size=3))

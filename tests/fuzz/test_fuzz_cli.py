@@ -26,7 +26,11 @@ from tests.fuzz import test_fuzz_certificate, test_fuzz_dcp, test_fuzz_pt, test_
 from tests.fuzz.conftest import CLI_EXAMPLES
 from tests.fuzz.readers import read_certificate_for, read_trace, verify
 
-EXIT_BY_VERDICT = {"clean": 0, "corruption": 1, "inconclusive": 4}  # exitcodes.EXIT_BY_VERDICT, written out: the contract
+EXIT_BY_VERDICT = {
+    "clean": 0,
+    "corruption": 1,
+    "inconclusive": 4,
+}  # exitcodes.EXIT_BY_VERDICT, written out: the contract
 
 
 def _expect(call) -> tuple[int | None, object]:
@@ -53,7 +57,9 @@ def run_cli(args: list[str], watch: Path, expected_code: int, refused: bool) -> 
 
 def _checkpoint(folder: Path, path: Path) -> None:
     code, report = _expect(lambda: verify(path))
-    run_cli(["verify-checkpoint", path], folder, code if code is not None else (0 if report.ok else 1), code is not None)
+    run_cli(
+        ["verify-checkpoint", path], folder, code if code is not None else (0 if report.ok else 1), code is not None
+    )
 
 
 @settings(max_examples=CLI_EXAMPLES)
@@ -116,7 +122,11 @@ def test_cli_verify_checkpoint_certificate(scratch, edits):
         code, findings = _expect(lambda: read_certificate_for(cert, checkpoint))
         if code is None:
             entry = read_certificate(cert).entry_for(checkpoint)
-            code = ExitCode.USAGE if entry is None else (1 if findings or not entry.status.clean or not verify(checkpoint).ok else 0)
+            code = (
+                ExitCode.USAGE
+                if entry is None
+                else (1 if findings or not entry.status.clean or not verify(checkpoint).ok else 0)
+            )
             refused = entry is None
         else:
             refused = True

@@ -40,8 +40,11 @@ def corpus() -> dict[str, bytes]:
         warnings.simplefilter("ignore")
         folder = Path(tmp) / "src"
         gen = torch.Generator().manual_seed(0)
-        dcp.save({"model": {"w": torch.randn(8, 4, generator=gen), "b": torch.zeros(4)}, "step": 3, "extra": {"note": "hi"}},
-                 checkpoint_id=str(folder), no_dist=True)
+        dcp.save(
+            {"model": {"w": torch.randn(8, 4, generator=gen), "b": torch.zeros(4)}, "step": 3, "extra": {"note": "hi"}},
+            checkpoint_id=str(folder),
+            no_dist=True,
+        )
         meta = pickle.loads((folder / ".metadata").read_bytes())
         data = (folder / DATA).read_bytes()
     # model.w as two row chunks, as a 2-rank FSDP save would write it
@@ -54,7 +57,9 @@ def corpus() -> dict[str, bytes]:
         torch.save(full[row : row + 4].clone(), buffer)
         blob = buffer.getvalue()
         chunks.append(ChunkStorageMetadata(offsets=torch.Size([row, 0]), sizes=torch.Size([4, 4])))
-        meta.storage_data[MetadataIndex("model.w", torch.Size([row, 0]), len(chunks) - 1)] = _StorageInfo(DATA, len(data), len(blob))
+        meta.storage_data[MetadataIndex("model.w", torch.Size([row, 0]), len(chunks) - 1)] = _StorageInfo(
+            DATA, len(data), len(blob)
+        )
         data += blob
     meta.state_dict_metadata["model.w"].chunks = chunks
     return {".metadata": pickle.dumps(meta), DATA: data}
@@ -76,7 +81,9 @@ def _check(folder: Path, files: dict[str, bytes]):
 @st.composite
 def mutated_file(draw, name: str):
     raw = corpus()[name]
-    hot = signature_offsets(raw, (b"PK\x03\x04", b"PK\x01\x02", b"PK\x05\x06", b"torch", b"distcp", b"Size", b"\x8a", b"K"))
+    hot = signature_offsets(
+        raw, (b"PK\x03\x04", b"PK\x01\x02", b"PK\x05\x06", b"torch", b"distcp", b"Size", b"\x8a", b"K")
+    )
     return {**corpus(), name: mutate(raw, draw(mutations(hot)))}
 
 
@@ -134,7 +141,11 @@ def _edit(meta, edit: tuple) -> None:
     storage_data = getattr(meta, "storage_data", None)
     state = getattr(meta, "state_dict_metadata", None)
     storage = list(storage_data.items()) if isinstance(storage_data, dict) else []
-    tensors = [(fqn, m) for fqn, m in state.items() if isinstance(getattr(m, "chunks", None), list)] if isinstance(state, dict) else []
+    tensors = (
+        [(fqn, m) for fqn, m in state.items() if isinstance(getattr(m, "chunks", None), list)]
+        if isinstance(state, dict)
+        else []
+    )
     if kind == "storage" and storage:
         _set(storage[pick % len(storage)][1], _FIELDS["storage"][field % 4], value)
     elif kind == "chunk" and tensors:
@@ -177,9 +188,24 @@ def _edit(meta, edit: tuple) -> None:
 
 
 _EDIT = st.tuples(
-    st.sampled_from(["storage", "chunk", "tensor", "properties", "index", "metadata", "retarget", "drop_chunk", "duplicate_chunk",
-                     "drop_storage", "rename"]),
-    st.integers(0, 7), st.integers(0, 7), _VALUE,
+    st.sampled_from(
+        [
+            "storage",
+            "chunk",
+            "tensor",
+            "properties",
+            "index",
+            "metadata",
+            "retarget",
+            "drop_chunk",
+            "duplicate_chunk",
+            "drop_storage",
+            "rename",
+        ]
+    ),
+    st.integers(0, 7),
+    st.integers(0, 7),
+    _VALUE,
 )
 
 

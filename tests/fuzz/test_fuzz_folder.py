@@ -30,7 +30,9 @@ def corpus() -> dict[str, bytes]:
     gen = torch.Generator().manual_seed(0)
     files = {
         "model.safetensors": save({"w": torch.randn(4, 3, generator=gen), "b": torch.zeros(3)}),
-        "optimizer.pt": saved({"state": {0: {"exp_avg": torch.ones(4, 3), "step": torch.tensor(4.0)}}, "param_groups": [{"lr": 1e-3}]}),
+        "optimizer.pt": saved(
+            {"state": {0: {"exp_avg": torch.ones(4, 3), "step": torch.tensor(4.0)}}, "param_groups": [{"lr": 1e-3}]}
+        ),
         "scheduler.pt": saved({"last_epoch": 4, "_step_count": 5}),
         "trainer_state.json": json.dumps({"global_step": 4, "log_history": []}).encode(),
         "config.json": json.dumps({"hidden_size": 3}).encode(),
@@ -86,19 +88,59 @@ def test_folder_one_file_mutated(scratch, files):
         _check(folder, files)
 
 
-_ODD_NAMES = st.sampled_from([
-    "model.safetensors", "optimizer.pt", "model-00001-of-00002.safetensors", "model.safetensors.index.json", "x.bin.index.json",
-    "pytorch_model.bin", "training_args.bin", "rng_state.pth", "[bold]x[/].pt", "line\nbreak.pt", os.fsdecode(b"\xff\xfe.pt"),
-    "x.distcp", ".metadata", "sub/.metadata", ".git/HEAD", ".cache/huggingface/x.lock", "a/b/c/d/e.safetensors", "x.npy", "x.pkl",
-    "trainer_state.json", "x" * 250 + ".pt", "model.safetensors.tmp",
-])
+_ODD_NAMES = st.sampled_from(
+    [
+        "model.safetensors",
+        "optimizer.pt",
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "x.bin.index.json",
+        "pytorch_model.bin",
+        "training_args.bin",
+        "rng_state.pth",
+        "[bold]x[/].pt",
+        "line\nbreak.pt",
+        os.fsdecode(b"\xff\xfe.pt"),
+        "x.distcp",
+        ".metadata",
+        "sub/.metadata",
+        ".git/HEAD",
+        ".cache/huggingface/x.lock",
+        "a/b/c/d/e.safetensors",
+        "x.npy",
+        "x.pkl",
+        "trainer_state.json",
+        "x" * 250 + ".pt",
+        "model.safetensors.tmp",
+    ]
+)
 _LAYOUT = st.one_of(
     st.tuples(st.just("remove"), st.sampled_from(_NAMES), st.none()),
     st.tuples(st.just("empty"), st.sampled_from(_NAMES), st.none()),
     st.tuples(st.just("copy"), st.sampled_from(_NAMES), _ODD_NAMES),
-    st.tuples(st.just("bytes"), _ODD_NAMES, st.binary(max_size=24) | st.sampled_from([b"{}", b"[]", b"PK\x05\x06" + bytes(18), b"\x80\x02}."])),
-    st.tuples(st.just("link"), _ODD_NAMES, st.sampled_from(["/etc/hostname", "/nonexistent", "..", ".", "model.safetensors", "optimizer.pt",
-                                                            "pytorch_model_fsdp_0", "../checkpoint-4", "/proc/self/fd/0", "loop.pt"])),
+    st.tuples(
+        st.just("bytes"),
+        _ODD_NAMES,
+        st.binary(max_size=24) | st.sampled_from([b"{}", b"[]", b"PK\x05\x06" + bytes(18), b"\x80\x02}."]),
+    ),
+    st.tuples(
+        st.just("link"),
+        _ODD_NAMES,
+        st.sampled_from(
+            [
+                "/etc/hostname",
+                "/nonexistent",
+                "..",
+                ".",
+                "model.safetensors",
+                "optimizer.pt",
+                "pytorch_model_fsdp_0",
+                "../checkpoint-4",
+                "/proc/self/fd/0",
+                "loop.pt",
+            ]
+        ),
+    ),
     st.tuples(st.just("fifo"), _ODD_NAMES, st.none()),
     st.tuples(st.just("directory"), _ODD_NAMES, st.none()),
 )

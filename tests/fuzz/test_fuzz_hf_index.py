@@ -28,11 +28,15 @@ SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 def corpus() -> dict[str, bytes]:
     """Two shards and their index, as ``save_pretrained`` writes them."""
     gen = torch.Generator().manual_seed(0)
-    parts = ({"embed.weight": torch.randn(6, 4, generator=gen), "layer.0.weight": torch.randn(4, 4, generator=gen)},
-             {"layer.1.weight": torch.randn(4, 4, generator=gen), "head.bias": torch.zeros(6)})
+    parts = (
+        {"embed.weight": torch.randn(6, 4, generator=gen), "layer.0.weight": torch.randn(4, 4, generator=gen)},
+        {"layer.1.weight": torch.randn(4, 4, generator=gen), "head.bias": torch.zeros(6)},
+    )
     files = {name: save(tensors, metadata={"format": "pt"}) for name, tensors in zip(SHARDS, parts)}
     weight_map = {key: name for name, tensors in zip(SHARDS, parts) for key in tensors}
-    files[INDEX] = json.dumps({"metadata": {"total_size": sum(len(v) for v in files.values())}, "weight_map": weight_map}, indent=2).encode()
+    files[INDEX] = json.dumps(
+        {"metadata": {"total_size": sum(len(v) for v in files.values())}, "weight_map": weight_map}, indent=2
+    ).encode()
     return files
 
 
@@ -48,7 +52,10 @@ def _check(folder: Path, files: dict[str, bytes], through_folder: bool):
 @st.composite
 def mutated_index(draw):
     raw = corpus()[INDEX]
-    return {**corpus(), INDEX: mutate(raw, draw(mutations(signature_offsets(raw, (b'"weight_map"', b'"metadata"', b'"model-', b":")))))}
+    return {
+        **corpus(),
+        INDEX: mutate(raw, draw(mutations(signature_offsets(raw, (b'"weight_map"', b'"metadata"', b'"model-', b":"))))),
+    }
 
 
 @given(files=mutated_index(), through_folder=st.booleans())
@@ -59,16 +66,39 @@ def test_hf_index_mutated_bytes(scratch, files, through_folder):
 
 
 _SHARD_NAME = st.one_of(
-    st.sampled_from([*SHARDS, INDEX, "", ".", "..", "../" + SHARDS[0], "/etc/passwd", "sub/" + SHARDS[0], "a\x00b.safetensors",
-                     "\ud800.safetensors", "x" * 300 + ".safetensors", "missing.safetensors", "model.bin", "shard.pt", "a\\b"]),
+    st.sampled_from(
+        [
+            *SHARDS,
+            INDEX,
+            "",
+            ".",
+            "..",
+            "../" + SHARDS[0],
+            "/etc/passwd",
+            "sub/" + SHARDS[0],
+            "a\x00b.safetensors",
+            "\ud800.safetensors",
+            "x" * 300 + ".safetensors",
+            "missing.safetensors",
+            "model.bin",
+            "shard.pt",
+            "a\\b",
+        ]
+    ),
     st.text(max_size=12),
     json_values(3),
 )
-_TENSOR_NAME = st.sampled_from(["embed.weight", "layer.0.weight", "layer.1.weight", "head.bias", "unknown", ""]) | st.text(max_size=6)
+_TENSOR_NAME = st.sampled_from(
+    ["embed.weight", "layer.0.weight", "layer.1.weight", "head.bias", "unknown", ""]
+) | st.text(max_size=6)
 
 
-@given(weight_map=st.dictionaries(_TENSOR_NAME, _SHARD_NAME, max_size=6) | json_values(6), metadata=json_values(8),
-       extra=st.dictionaries(st.text(max_size=6), json_values(3), max_size=2), through_folder=st.booleans())
+@given(
+    weight_map=st.dictionaries(_TENSOR_NAME, _SHARD_NAME, max_size=6) | json_values(6),
+    metadata=json_values(8),
+    extra=st.dictionaries(st.text(max_size=6), json_values(3), max_size=2),
+    through_folder=st.booleans(),
+)
 def test_hf_index_any_weight_map(scratch, weight_map, metadata, extra, through_folder):
     """Any ``weight_map`` (tensors moved, missing, unknown; hostile shard names) and ``metadata``."""
     doc = {**extra, "weight_map": weight_map, "metadata": metadata}
@@ -80,7 +110,10 @@ def test_hf_index_any_weight_map(scratch, weight_map, metadata, extra, through_f
 def mutated_shard(draw):
     name = draw(st.sampled_from(SHARDS))
     raw = corpus()[name]
-    return {**corpus(), name: mutate(raw, draw(mutations((0, 8, *signature_offsets(raw, (b'"data_offsets"', b'"shape"'))))))}
+    return {
+        **corpus(),
+        name: mutate(raw, draw(mutations((0, 8, *signature_offsets(raw, (b'"data_offsets"', b'"shape"')))))),
+    }
 
 
 @given(files=mutated_shard(), through_folder=st.booleans())

@@ -15,9 +15,18 @@ from tests.fuzz.harness import edit_json, json_edits, json_values, mutate, mutat
 from tests.fuzz.test_fuzz_trace import check_trace, corpus
 
 NOTE = "checkpoints/step-00000002.attempt-000.json"
-_NAMES = st.sampled_from([NOTE, "checkpoints/step-00000004.attempt-000.json", "checkpoints/step-00000002.attempt-001.json",
-                          "checkpoints/step-99999999.attempt-999.json", "checkpoints/step-x.attempt-y.json"])
-_VALUES = json_values(6) | st.sampled_from([2, 3, 4, 2**53 - 1, 2**53, "0123456789abcdef", "0123456789ABCDEF", ["w"], {"w": "fedcba9876543210"}])
+_NAMES = st.sampled_from(
+    [
+        NOTE,
+        "checkpoints/step-00000004.attempt-000.json",
+        "checkpoints/step-00000002.attempt-001.json",
+        "checkpoints/step-99999999.attempt-999.json",
+        "checkpoints/step-x.attempt-y.json",
+    ]
+)
+_VALUES = json_values(6) | st.sampled_from(
+    [2, 3, 4, 2**53 - 1, 2**53, "0123456789abcdef", "0123456789ABCDEF", ["w"], {"w": "fedcba9876543210"}]
+)
 
 
 @given(edits=json_edits(3, values=_VALUES))
@@ -38,8 +47,14 @@ def test_checkpoint_note_bytes_mutated(scratch, ops):
         check_trace(folder, files, kind="notes")
 
 
-@given(notes=st.dictionaries(_NAMES, st.lists(st.tuples(st.sampled_from(["set", "drop", "add"]), st.integers(0, 1 << 16), _VALUES),
-                                               max_size=2), min_size=1, max_size=4))
+@given(
+    notes=st.dictionaries(
+        _NAMES,
+        st.lists(st.tuples(st.sampled_from(["set", "drop", "add"]), st.integers(0, 1 << 16), _VALUES), max_size=2),
+        min_size=1,
+        max_size=4,
+    )
+)
 def test_several_checkpoint_notes(scratch, notes):
     """Several notes (other steps, later attempts of the same step, names that do not parse), each edited."""
     files = dict(corpus()["records"])

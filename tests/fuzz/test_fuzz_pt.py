@@ -40,11 +40,25 @@ def corpus() -> dict[str, bytes]:
     shared = torch.arange(12, dtype=torch.float32)
     return {
         "model.pt": saved({"model": model, "step": 4}),
-        "optimizer.pt": saved({"state": {0: {"exp_avg": torch.ones(4, 3), "step": torch.tensor(3.0)}},
-                                "param_groups": [{"lr": 1e-3, "params": [0]}]}),
-        "dtypes.pt": saved({"h": torch.ones(5, dtype=torch.float16), "bf": torch.ones(2, dtype=torch.bfloat16), "i": torch.arange(3),
-                             "flag": torch.tensor([True, False]), "empty": torch.zeros(0), "scalar": torch.tensor(7.5)}),
-        "views.pt": saved({"full": shared, "view": shared[2:8], "t": shared.view(3, 4).t(), "list": [shared[:2], {"x": shared[5:]}]}),
+        "optimizer.pt": saved(
+            {
+                "state": {0: {"exp_avg": torch.ones(4, 3), "step": torch.tensor(3.0)}},
+                "param_groups": [{"lr": 1e-3, "params": [0]}],
+            }
+        ),
+        "dtypes.pt": saved(
+            {
+                "h": torch.ones(5, dtype=torch.float16),
+                "bf": torch.ones(2, dtype=torch.bfloat16),
+                "i": torch.arange(3),
+                "flag": torch.tensor([True, False]),
+                "empty": torch.zeros(0),
+                "scalar": torch.tensor(7.5),
+            }
+        ),
+        "views.pt": saved(
+            {"full": shared, "view": shared[2:8], "t": shared.view(3, 4).t(), "list": [shared[:2], {"x": shared[5:]}]}
+        ),
     }
 
 
@@ -76,15 +90,36 @@ def test_pt_mutated_bytes(scratch, case):
 # ---------------------------------------------------------------------------------------------
 # zip-member edits (a valid zip archive around what torch.save did not write)
 
-_NAMES = st.sampled_from(["archive/data.pkl", "archive/data/0", "archive/data/1", "archive/data/99", "archive/byteorder",
-                          "archive/version", "archive/.format_version", "../evil", "/abs/data.pkl", "", "a" * 300, "x/data.pkl",
-                          "archive/data/0\x00", "archive/dätä.pkl", "archive/data/-1", "archive/data/0/1"]) | st.text(max_size=12)
+_NAMES = st.sampled_from(
+    [
+        "archive/data.pkl",
+        "archive/data/0",
+        "archive/data/1",
+        "archive/data/99",
+        "archive/byteorder",
+        "archive/version",
+        "archive/.format_version",
+        "../evil",
+        "/abs/data.pkl",
+        "",
+        "a" * 300,
+        "x/data.pkl",
+        "archive/data/0\x00",
+        "archive/dätä.pkl",
+        "archive/data/-1",
+        "archive/data/0/1",
+    ]
+) | st.text(max_size=12)
 _EDIT = st.one_of(
     st.tuples(st.just("drop"), st.integers(0, 15)),
     st.tuples(st.just("rename"), st.integers(0, 15), _NAMES),
     st.tuples(st.just("replace"), st.integers(0, 15), st.binary(max_size=64)),
     st.tuples(st.just("resize"), st.integers(0, 15), st.integers(-64, 64)),
-    st.tuples(st.just("compress"), st.integers(0, 15), st.sampled_from([zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA])),
+    st.tuples(
+        st.just("compress"),
+        st.integers(0, 15),
+        st.sampled_from([zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA]),
+    ),
     st.tuples(st.just("add"), _NAMES, st.binary(max_size=64)),
     st.tuples(st.just("swap"), st.integers(0, 15), st.integers(0, 15)),
     st.tuples(st.just("duplicate"), st.integers(0, 15)),
@@ -142,8 +177,18 @@ def test_pt_zip_members_edited(scratch, name, edits):
 # ---------------------------------------------------------------------------------------------
 # crafted data.pkl: tensors built by torch's own rebuild functions from any numbers
 
-_STORAGES = [torch.FloatStorage, torch.DoubleStorage, torch.HalfStorage, torch.BFloat16Storage, torch.LongStorage, torch.IntStorage,
-             torch.ByteStorage, torch.BoolStorage, torch.ComplexFloatStorage, torch.QInt8Storage]
+_STORAGES = [
+    torch.FloatStorage,
+    torch.DoubleStorage,
+    torch.HalfStorage,
+    torch.BFloat16Storage,
+    torch.LongStorage,
+    torch.IntStorage,
+    torch.ByteStorage,
+    torch.BoolStorage,
+    torch.ComplexFloatStorage,
+    torch.QInt8Storage,
+]
 _DIM = st.one_of(st.integers(-2, 6), st.sampled_from([2**31, 2**33, 2**40, 2**62, 2**63 - 1, 2**63, 2**64]))
 
 
@@ -171,16 +216,25 @@ class _Pickler(pickle.Pickler):
 
 @st.composite
 def _tensor(draw, keys: list[str]):
-    storage = _Storage(draw(st.sampled_from(_STORAGES)), draw(st.sampled_from(keys)), draw(_DIM),
-                       draw(st.sampled_from(["cpu", "cpu", "cuda:0", "meta", "xla:0", ""])))
+    storage = _Storage(
+        draw(st.sampled_from(_STORAGES)),
+        draw(st.sampled_from(keys)),
+        draw(_DIM),
+        draw(st.sampled_from(["cpu", "cpu", "cuda:0", "meta", "xla:0", ""])),
+    )
     size = tuple(draw(st.lists(_DIM, max_size=3)))
     stride = tuple(draw(st.lists(_DIM, min_size=len(size), max_size=len(size)) | st.lists(_DIM, max_size=3)))
     offset = draw(_DIM)
     how = draw(st.sampled_from(["v2", "v2", "v3", "parameter", "meta", "forbidden", "sparse"]))
     if how == "v3":
-        return _Reduce(torch._utils._rebuild_tensor_v3, (storage, offset, size, stride, False, collections.OrderedDict(), torch.float32))
+        return _Reduce(
+            torch._utils._rebuild_tensor_v3,
+            (storage, offset, size, stride, False, collections.OrderedDict(), torch.float32),
+        )
     if how == "parameter":
-        inner = _Reduce(torch._utils._rebuild_tensor_v2, (storage, offset, size, stride, False, collections.OrderedDict()))
+        inner = _Reduce(
+            torch._utils._rebuild_tensor_v2, (storage, offset, size, stride, False, collections.OrderedDict())
+        )
         return _Reduce(torch._utils._rebuild_parameter, (inner, draw(st.booleans()), collections.OrderedDict()))
     if how == "meta":
         return _Reduce(torch._utils._rebuild_meta_tensor_no_storage, (torch.float32, size, stride, False))
@@ -191,7 +245,9 @@ def _tensor(draw, keys: list[str]):
     if how == "sparse":
         inner = _Reduce(torch._utils._rebuild_tensor_v2, (storage, 0, (1, 1), (1, 1), False, collections.OrderedDict()))
         return _Reduce(torch._utils._rebuild_sparse_tensor, (torch.sparse_coo, size, (inner, inner)))
-    return _Reduce(torch._utils._rebuild_tensor_v2, (storage, offset, size, stride, draw(st.booleans()), collections.OrderedDict()))
+    return _Reduce(
+        torch._utils._rebuild_tensor_v2, (storage, offset, size, stride, draw(st.booleans()), collections.OrderedDict())
+    )
 
 
 @st.composite
@@ -199,15 +255,24 @@ def crafted_archives(draw):
     """``(data.pkl, {storage key: bytes})`` of a payload whose tensors are any rebuild call."""
     keys = ["0", "1", "2"]
     blobs = {key: draw(st.binary(max_size=48)) for key in keys if draw(st.booleans())}
-    leaf = st.one_of(_tensor(keys), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=6), st.none(), st.booleans())
-    payload = draw(st.recursive(
-        leaf,
-        lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=4) | st.integers(-2, 2), inner, max_size=3),
-                                st.lists(inner, max_size=3).map(tuple)),
-        max_leaves=6,
-    ))
+    leaf = st.one_of(
+        _tensor(keys), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=6), st.none(), st.booleans()
+    )
+    payload = draw(
+        st.recursive(
+            leaf,
+            lambda inner: st.one_of(
+                st.lists(inner, max_size=3),
+                st.dictionaries(st.text(max_size=4) | st.integers(-2, 2), inner, max_size=3),
+                st.lists(inner, max_size=3).map(tuple),
+            ),
+            max_leaves=6,
+        )
+    )
     buffer = io.BytesIO()
-    _Pickler(buffer, protocol=draw(st.sampled_from([2, 4]))).dump({"model": payload, "step": draw(st.integers(-2, 2**64))})
+    _Pickler(buffer, protocol=draw(st.sampled_from([2, 4]))).dump(
+        {"model": payload, "step": draw(st.integers(-2, 2**64))}
+    )
     return buffer.getvalue(), blobs
 
 
@@ -232,12 +297,50 @@ def test_pt_crafted_pickle(scratch, case):
 
 
 _OPCODES = st.one_of(
-    st.sampled_from([b"}", b"]", b")", b"(", b"t", b"\x85", b"\x86", b"\x87", b"R", b"b", b"s", b"u", b"a", b"e", b"Q", b"\x93", b"\x94",
-                     b"\x81", b"N", b"\x88", b"\x89", b"0", b"1", b"2", b".", b"ctorch._utils\n_rebuild_tensor_v2\n",
-                     b"ctorch\nFloatStorage\n", b"ccollections\nOrderedDict\n", b"cbuiltins\neval\n", b"cos\nsystem\n", b"\x8c\x07storage",
-                     b"\x8c\x01" + b"0", b"\x8c\x03cpu", b"X\xff\xff\xff\x7f", b"\x8e" + struct.pack("<Q", 2**62), b"I99999999999999999999\n"]),
-    st.tuples(st.sampled_from([b"K", b"M", b"J", b"h", b"j", b"q", b"r", b"\x8a", b"\x8b", b"C", b"B", b"T", b"\x95"]),
-              st.binary(min_size=1, max_size=9)).map(b"".join),
+    st.sampled_from(
+        [
+            b"}",
+            b"]",
+            b")",
+            b"(",
+            b"t",
+            b"\x85",
+            b"\x86",
+            b"\x87",
+            b"R",
+            b"b",
+            b"s",
+            b"u",
+            b"a",
+            b"e",
+            b"Q",
+            b"\x93",
+            b"\x94",
+            b"\x81",
+            b"N",
+            b"\x88",
+            b"\x89",
+            b"0",
+            b"1",
+            b"2",
+            b".",
+            b"ctorch._utils\n_rebuild_tensor_v2\n",
+            b"ctorch\nFloatStorage\n",
+            b"ccollections\nOrderedDict\n",
+            b"cbuiltins\neval\n",
+            b"cos\nsystem\n",
+            b"\x8c\x07storage",
+            b"\x8c\x01" + b"0",
+            b"\x8c\x03cpu",
+            b"X\xff\xff\xff\x7f",
+            b"\x8e" + struct.pack("<Q", 2**62),
+            b"I99999999999999999999\n",
+        ]
+    ),
+    st.tuples(
+        st.sampled_from([b"K", b"M", b"J", b"h", b"j", b"q", b"r", b"\x8a", b"\x8b", b"C", b"B", b"T", b"\x95"]),
+        st.binary(min_size=1, max_size=9),
+    ).map(b"".join),
     st.binary(min_size=1, max_size=8),
 )
 

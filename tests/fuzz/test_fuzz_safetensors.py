@@ -21,8 +21,23 @@ from tests.fuzz.harness import hostile_call, json_values, mutate, mutations, sig
 from tests.fuzz.readers import CHECKPOINT_ERRORS, verify
 
 #: safetensors dtype code -> bytes per element (the codes the reader knows, and two it does not)
-ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4,
-            "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 _UNKNOWN = ["F31", "f32", "", "C64", "F4"]
 
 
@@ -32,14 +47,29 @@ def corpus() -> dict[str, bytes]:
     gen = torch.Generator().manual_seed(0)
     return {
         "model.safetensors": save({"w": torch.randn(4, 3, generator=gen), "b": torch.zeros(3)}, metadata={"step": "4"}),
-        "dtypes.safetensors": save({"h": torch.ones(5, dtype=torch.float16), "bf": torch.ones(2, dtype=torch.bfloat16),
-                                    "i": torch.arange(3), "flag": torch.tensor([True, False]), "empty": torch.zeros(0, 2),
-                                    "scalar": torch.tensor(7.5), "nan": torch.tensor([float("nan"), 1.0])}),
+        "dtypes.safetensors": save(
+            {
+                "h": torch.ones(5, dtype=torch.float16),
+                "bf": torch.ones(2, dtype=torch.bfloat16),
+                "i": torch.arange(3),
+                "flag": torch.tensor([True, False]),
+                "empty": torch.zeros(0, 2),
+                "scalar": torch.tensor(7.5),
+                "nan": torch.tensor([float("nan"), 1.0]),
+            }
+        ),
     }
 
 
 def _hot(raw: bytes) -> tuple[int, ...]:
-    return (0, 8, *signature_offsets(raw[: 8 + int.from_bytes(raw[:8], "little")], (b'"dtype"', b'"shape"', b'"data_offsets"', b"__metadata__", b"}")))
+    return (
+        0,
+        8,
+        *signature_offsets(
+            raw[: 8 + int.from_bytes(raw[:8], "little")],
+            (b'"dtype"', b'"shape"', b'"data_offsets"', b"__metadata__", b"}"),
+        ),
+    )
 
 
 def _check(folder: Path, raw: bytes, name: str = "x.safetensors"):
@@ -67,8 +97,11 @@ def test_safetensors_mutated_bytes(scratch, case):
 # Consistent headers with one field perturbed
 
 _DIM = st.one_of(st.integers(0, 5), st.sampled_from([0, 1, 2**31, 2**32, 2**62, 2**63 - 1]))
-_ENTRY = st.tuples(st.text(min_size=0, max_size=10) | st.sampled_from(["__metadata__", "x" * 2000, "[/]", "a\x00b", "\ud800"]),
-                   st.sampled_from(sorted(ITEMSIZE)), st.lists(_DIM, max_size=4))
+_ENTRY = st.tuples(
+    st.text(min_size=0, max_size=10) | st.sampled_from(["__metadata__", "x" * 2000, "[/]", "a\x00b", "\ud800"]),
+    st.sampled_from(sorted(ITEMSIZE)),
+    st.lists(_DIM, max_size=4),
+)
 _PERTURB = st.one_of(
     st.none(),
     st.tuples(st.just("dtype"), st.sampled_from(_UNKNOWN) | json_values(4)),
@@ -123,4 +156,3 @@ def test_safetensors_header_any_json(scratch, header, prefix, data):
     raw = struct.pack("<Q", len(blob) if prefix is None else prefix) + blob + data
     with scratch() as folder:
         _check(folder, raw)
-

@@ -35,9 +35,19 @@ def corpus() -> dict[str, dict[str, bytes]]:
     """Two small traces as ``{relative path: bytes}``: ``records`` (2 ranks, 5 steps, audits, one
     replica diverging at step 3, a checkpoint note) and ``resumed`` (written in bulk, two attempts)."""
     with tempfile.TemporaryDirectory() as tmp:
-        records = write_trace(Path(tmp) / "records", ranks=2, steps=5, fault=Fault(kind="weights", step=3, rank=1), audit_every=2)
-        write_checkpoint_note(records, CheckpointNote(step=2, path="ckpt/step-00000002.pt", weights_digest="0123456789abcdef",
-                                                      tensors={"w": "fedcba9876543210"}, agreeing_ranks=(0, 1)))
+        records = write_trace(
+            Path(tmp) / "records", ranks=2, steps=5, fault=Fault(kind="weights", step=3, rank=1), audit_every=2
+        )
+        write_checkpoint_note(
+            records,
+            CheckpointNote(
+                step=2,
+                path="ckpt/step-00000002.pt",
+                weights_digest="0123456789abcdef",
+                tensors={"w": "fedcba9876543210"},
+                agreeing_ranks=(0, 1),
+            ),
+        )
         resumed = write_trace(Path(tmp) / "resumed", ranks=2, steps=5, bulk=True)
         write_trace(resumed, ranks=2, steps=3, bulk=True, attempt=1, start_step=3)
         return {"records": _files(records), "resumed": _files(resumed)}
@@ -103,20 +113,31 @@ _FIELD_VALUES = {
     "attempt": st.sampled_from([0, 1, 2, 999, 2**32 - 1]),
     "time_ns": _I64,
     "loss": st.floats(allow_nan=True, allow_infinity=True),
-    "input_digest": _U64, "microbatch_digest": _U64, "local_digest": _U64, "reduced_digest": _U64, "weights_digest": _U64,
+    "input_digest": _U64,
+    "microbatch_digest": _U64,
+    "local_digest": _U64,
+    "reduced_digest": _U64,
+    "weights_digest": _U64,
     "aux_digest": _U64,
     "microbatch_first": st.sampled_from([-1, 0, 2**62, 2**63 - 1]) | _I64,
     "microbatch_count": st.sampled_from([0, 1, 2**20, 2**31, 2**32 - 1]),
-    "nonfinite_local": st.integers(0, 2**32 - 1), "nonfinite_reduced": st.integers(0, 2**32 - 1),
+    "nonfinite_local": st.integers(0, 2**32 - 1),
+    "nonfinite_reduced": st.integers(0, 2**32 - 1),
     "nonfinite_weights": st.integers(0, 2**32 - 1),
-    "local_norm": _FLOAT, "reduced_norm": _FLOAT, "local_max_abs": _FLOAT, "reduced_max_abs": _FLOAT, "weights_norm": _FLOAT,
+    "local_norm": _FLOAT,
+    "reduced_norm": _FLOAT,
+    "local_max_abs": _FLOAT,
+    "reduced_max_abs": _FLOAT,
+    "weights_norm": _FLOAT,
     "aux_rank": st.sampled_from([-1, 0, 1, 2, 2**31 - 1, -(2**31)]),
     "aux_value": st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([0.0, 1.0, 2.0**31, -1.0]),
-    "local_sketch": _FLOAT, "reduced_sketch": _FLOAT,
+    "local_sketch": _FLOAT,
+    "reduced_sketch": _FLOAT,
 }
 _RECORD_EDIT = st.one_of(
     st.tuples(st.just("field"), st.integers(0, 63), st.sampled_from(sorted(_FIELD_VALUES))).flatmap(
-        lambda t: st.tuples(st.just(t[0]), st.just(t[1]), st.just(t[2]), _FIELD_VALUES[t[2]])),
+        lambda t: st.tuples(st.just(t[0]), st.just(t[1]), st.just(t[2]), _FIELD_VALUES[t[2]])
+    ),
     st.tuples(st.just("swap"), st.integers(0, 63), st.integers(0, 63), st.none()),
     st.tuples(st.just("duplicate"), st.integers(0, 63), st.integers(0, 63), st.none()),
     st.tuples(st.just("drop"), st.integers(0, 63), st.none(), st.none()),
@@ -125,8 +146,9 @@ _RECORD_EDIT = st.one_of(
 
 def craft_records(raw: bytes, edits: list[tuple]) -> bytes:
     """``raw`` (a rank file) with records edited by ``edits`` and every checksum made valid again."""
-    records = np.frombuffer(raw[F.HEADER_SIZE : F.HEADER_SIZE + (len(raw) - F.HEADER_SIZE) // RECORD * RECORD],
-                            dtype=F.record_dtype(K)).copy()
+    records = np.frombuffer(
+        raw[F.HEADER_SIZE : F.HEADER_SIZE + (len(raw) - F.HEADER_SIZE) // RECORD * RECORD], dtype=F.record_dtype(K)
+    ).copy()
     for kind, a, b, value in edits:
         n = len(records)
         if not n:
@@ -156,15 +178,24 @@ def test_trace_records_crafted_with_valid_checksums(scratch, trace, which, edits
 
 
 _HEADER_VALUES = {
-    "format_version": st.sampled_from([0, 1, 2, 2**16 - 1]), "header_size": st.sampled_from([0, 64, 65, 2**16 - 1]),
-    "record_size": st.sampled_from([0, 1, RECORD, RECORD + 8, 152, 2**16 - 1]), "sketch_k": st.sampled_from([0, 1, K, 9, 2**16 - 1]),
-    "rank": st.sampled_from([0, 1, 2, 2**32 - 1]), "attempt": st.sampled_from([0, 1, 2, 2**32 - 1]),
-    "world_size": st.sampled_from([0, 1, 2, 2**32 - 1]), "seed": _U64, "created_ns": _I64,
+    "format_version": st.sampled_from([0, 1, 2, 2**16 - 1]),
+    "header_size": st.sampled_from([0, 64, 65, 2**16 - 1]),
+    "record_size": st.sampled_from([0, 1, RECORD, RECORD + 8, 152, 2**16 - 1]),
+    "sketch_k": st.sampled_from([0, 1, K, 9, 2**16 - 1]),
+    "rank": st.sampled_from([0, 1, 2, 2**32 - 1]),
+    "attempt": st.sampled_from([0, 1, 2, 2**32 - 1]),
+    "world_size": st.sampled_from([0, 1, 2, 2**32 - 1]),
+    "seed": _U64,
+    "created_ns": _I64,
 }
 
 
-@given(trace=_TRACE, which=st.integers(0, 3), fields=st.dictionaries(st.sampled_from(sorted(_HEADER_VALUES)), st.none(), min_size=1, max_size=3),
-       data=st.data())
+@given(
+    trace=_TRACE,
+    which=st.integers(0, 3),
+    fields=st.dictionaries(st.sampled_from(sorted(_HEADER_VALUES)), st.none(), min_size=1, max_size=3),
+    data=st.data(),
+)
 def test_trace_header_crafted_with_valid_checksum(scratch, trace, which, fields, data):
     """A rank file header with any version, sizes, rank, attempt or world size, validly sealed."""
     files = dict(corpus()[trace])
@@ -202,13 +233,45 @@ def test_trace_manifest_bytes_mutated(scratch, trace, ops):
 
 _LAYOUT = st.one_of(
     st.tuples(st.just("remove"), st.integers(0, 15), st.none()),
-    st.tuples(st.just("copy_as"), st.integers(0, 15), st.sampled_from(["rank-00002.attempt-000.sdct", "rank-00000.attempt-005.sdct",
-                                                                        "rank-99999.attempt-999.sdct", "rank-00001.attempt-001.sdct"])),
+    st.tuples(
+        st.just("copy_as"),
+        st.integers(0, 15),
+        st.sampled_from(
+            [
+                "rank-00002.attempt-000.sdct",
+                "rank-00000.attempt-005.sdct",
+                "rank-99999.attempt-999.sdct",
+                "rank-00001.attempt-001.sdct",
+            ]
+        ),
+    ),
     st.tuples(st.just("empty"), st.integers(0, 15), st.none()),
-    st.tuples(st.just("directory"), st.none(), st.sampled_from(["rank-00000.attempt-000.sdct", "manifest.json", "checkpoints",
-                                                               "checkpoints/step-00000002.attempt-000.json", "rank-00003.attempt-000.sdct"])),
-    st.tuples(st.just("file"), st.sampled_from(["checkpoints", "checkpoints/step-1.attempt-x.json", "buckets.attempt-000.json",
-                                                "rank-0.attempt-0.sdct", "rank-00000.attempt-000.sdct.tmp"]), json_values(3)),
+    st.tuples(
+        st.just("directory"),
+        st.none(),
+        st.sampled_from(
+            [
+                "rank-00000.attempt-000.sdct",
+                "manifest.json",
+                "checkpoints",
+                "checkpoints/step-00000002.attempt-000.json",
+                "rank-00003.attempt-000.sdct",
+            ]
+        ),
+    ),
+    st.tuples(
+        st.just("file"),
+        st.sampled_from(
+            [
+                "checkpoints",
+                "checkpoints/step-1.attempt-x.json",
+                "buckets.attempt-000.json",
+                "rank-0.attempt-0.sdct",
+                "rank-00000.attempt-000.sdct.tmp",
+            ]
+        ),
+        json_values(3),
+    ),
 )
 
 

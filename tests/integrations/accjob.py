@@ -57,9 +57,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save-steps", type=int, default=3)
     parser.add_argument("--inject", action="append", default=[])
     parser.add_argument("--resume", default=None, help="a save_state folder to load_state from (a resumed attempt)")
-    parser.add_argument("--policy", default="continue", help="the recorder's policy: raise stops training at an alarm (exit 18)")
-    parser.add_argument("--interrupt-at", type=int, default=None,
-                        help="raise KeyboardInterrupt on every rank inside this step, after its first backward (Ctrl+C)")
+    parser.add_argument(
+        "--policy", default="continue", help="the recorder's policy: raise stops training at an alarm (exit 18)"
+    )
+    parser.add_argument(
+        "--interrupt-at",
+        type=int,
+        default=None,
+        help="raise KeyboardInterrupt on every rank inside this step, after its first backward (Ctrl+C)",
+    )
     opts = parser.parse_args(argv)
     accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
     torch.manual_seed(0)
@@ -71,10 +77,18 @@ def main(argv: list[str] | None = None) -> None:
     from sdc_forensics.integrations import accelerate as sdc
     from sdc_forensics.recorder import RecorderOptions, exit_on_alarm
 
-    recording = sdc.record(accelerator, opts.trace, model=model, model_fn="tests.integrations.accjob:build_model",
-                           loss_fn="tests.integrations.accjob:loss", dataset="tests.integrations.accjob:make_dataset",
-                           scheduler_fn="tests.integrations.accjob:make_scheduler", max_grad_norm=0.5,
-                           options=RecorderOptions(policy=opts.policy), inject=opts.inject)
+    recording = sdc.record(
+        accelerator,
+        opts.trace,
+        model=model,
+        model_fn="tests.integrations.accjob:build_model",
+        loss_fn="tests.integrations.accjob:loss",
+        dataset="tests.integrations.accjob:make_dataset",
+        scheduler_fn="tests.integrations.accjob:make_scheduler",
+        max_grad_norm=0.5,
+        options=RecorderOptions(policy=opts.policy),
+        inject=opts.inject,
+    )
     # an online check's alarm: one line and exit 18, the trace closed by the recording's block first
     with exit_on_alarm(), recording:
         if opts.resume is None:

@@ -130,8 +130,17 @@ def make_lm_text():
 def _gpt2_config(**kwargs):
     from transformers import GPT2Config
 
-    return GPT2Config(vocab_size=16, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0,
-                      pad_token_id=0, **kwargs)
+    return GPT2Config(
+        vocab_size=16,
+        n_positions=16,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        **kwargs,
+    )
 
 
 def _text_trainer(kind: str, args: TrainingArguments) -> tuple[Trainer, str]:
@@ -141,8 +150,12 @@ def _text_trainer(kind: str, args: TrainingArguments) -> tuple[Trainer, str]:
     tokenizer = make_tokenizer()
     if kind == "padding":  # no collator: the Trainer's default from processing_class, DataCollatorWithPadding
         rows, _ = make_padded_text()
-        trainer = Trainer(model=GPT2ForSequenceClassification(_gpt2_config(num_labels=2)), args=args, train_dataset=rows,
-                          processing_class=tokenizer)
+        trainer = Trainer(
+            model=GPT2ForSequenceClassification(_gpt2_config(num_labels=2)),
+            args=args,
+            train_dataset=rows,
+            processing_class=tokenizer,
+        )
         assert type(trainer.data_collator).__name__ == "DataCollatorWithPadding"
         return trainer, "tests.integrations.hfjob:make_padded_text"
     rows, collator = make_lm_text()
@@ -159,23 +172,52 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--accumulate", type=int, default=2)
     parser.add_argument("--inject", action="append", default=[])
     parser.add_argument("--resume", default=None)
-    parser.add_argument("--dropout", type=float, default=0.0, help="dropout after the hidden layer (replayed: the adapter seeds it)")
-    parser.add_argument("--policy", default="continue", help="the recorder's policy: raise stops training at an alarm (exit 18)")
-    parser.add_argument("--workers", type=int, default=0, help="dataloader_num_workers: the indices cross process boundaries")
-    parser.add_argument("--interrupt-at", type=int, default=None, help="raise KeyboardInterrupt on every rank inside this step")
-    parser.add_argument("--collator", choices=["padding", "lm"], default=None,
-                        help="a GPT-2 on variable-length text through a stock collator (the module docstring)")
+    parser.add_argument(
+        "--dropout", type=float, default=0.0, help="dropout after the hidden layer (replayed: the adapter seeds it)"
+    )
+    parser.add_argument(
+        "--policy", default="continue", help="the recorder's policy: raise stops training at an alarm (exit 18)"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=0, help="dataloader_num_workers: the indices cross process boundaries"
+    )
+    parser.add_argument(
+        "--interrupt-at", type=int, default=None, help="raise KeyboardInterrupt on every rank inside this step"
+    )
+    parser.add_argument(
+        "--collator",
+        choices=["padding", "lm"],
+        default=None,
+        help="a GPT-2 on variable-length text through a stock collator (the module docstring)",
+    )
     opts = parser.parse_args(argv)
     torch.manual_seed(0)
     args = TrainingArguments(
-        output_dir=opts.out, max_steps=opts.steps, save_steps=opts.save_steps, per_device_train_batch_size=4,
-        gradient_accumulation_steps=opts.accumulate, learning_rate=5e-2, weight_decay=0.01, warmup_steps=2,
-        lr_scheduler_type="linear", max_grad_norm=0.5, use_cpu=True, ddp_backend="gloo", report_to=[],
-        logging_steps=1000, disable_tqdm=True, seed=0, dataloader_num_workers=opts.workers,
+        output_dir=opts.out,
+        max_steps=opts.steps,
+        save_steps=opts.save_steps,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=opts.accumulate,
+        learning_rate=5e-2,
+        weight_decay=0.01,
+        warmup_steps=2,
+        lr_scheduler_type="linear",
+        max_grad_norm=0.5,
+        use_cpu=True,
+        ddp_backend="gloo",
+        report_to=[],
+        logging_steps=1000,
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=opts.workers,
     )
     if opts.collator is None:
-        trainer = Trainer(model=TinyModel(TinyConfig(width=16, dropout=opts.dropout)), args=args, train_dataset=make_dataset())
-        assert not trainer.model_accepts_loss_kwargs  # the accumulation divisor path (docs/integrations.md's GPT-2 takes the other)
+        trainer = Trainer(
+            model=TinyModel(TinyConfig(width=16, dropout=opts.dropout)), args=args, train_dataset=make_dataset()
+        )
+        assert (
+            not trainer.model_accepts_loss_kwargs
+        )  # the accumulation divisor path (docs/integrations.md's GPT-2 takes the other)
         dataset = "tests.integrations.hfjob:make_dataset"
     else:
         trainer, dataset = _text_trainer(opts.collator, args)
@@ -184,8 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     from sdc_forensics.integrations import hf
     from sdc_forensics.recorder import RecorderOptions, exit_on_alarm
 
-    hf.record(trainer, opts.trace, dataset=dataset,
-              options=RecorderOptions(policy=opts.policy), inject=opts.inject)
+    hf.record(trainer, opts.trace, dataset=dataset, options=RecorderOptions(policy=opts.policy), inject=opts.inject)
     if opts.interrupt_at is not None:
         trainer.add_callback(Interrupt(opts.interrupt_at))  # after hf.record's callback: the step has begun
     with exit_on_alarm():  # an online check's alarm: one line and exit 18, the trace closed by the adapter

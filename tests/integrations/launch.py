@@ -12,18 +12,38 @@ from tests.factories import free_port
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_ranks(module: str, argv: list[str], *, world: int = 2, cwd: Path, timeout: float = 300) -> list[subprocess.CompletedProcess]:
+def run_ranks(
+    module: str, argv: list[str], *, world: int = 2, cwd: Path, timeout: float = 300
+) -> list[subprocess.CompletedProcess]:
     """Run ``module.run()`` (``tests.integrations.hfjob``, ...) in ``world`` processes; their exit codes and stderr."""
     return _spawn(["-c", f"import {module} as job; job.run()", *argv], world=world, cwd=cwd, timeout=timeout)
 
 
 def _spawn(args: list[str], *, world: int, cwd: Path, timeout: float) -> list[subprocess.CompletedProcess]:
     """``python ARGS`` in ``world`` processes with the environment torchrun gives its ranks (a free port each time)."""
-    env = {**os.environ, "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
-    procs = [subprocess.Popen([sys.executable, *args], cwd=cwd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    env = {
+        **os.environ,
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *args],
+            cwd=cwd,
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
     out = []
     try:
         for proc in procs:

@@ -25,8 +25,9 @@ class Tiny(L.LightningModule):
     def __init__(self, width: int = 16, lr: float = 2e-2, dropout: float = 0.0) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(FEATURES, width), nn.LayerNorm(width), nn.Tanh(), nn.Dropout(dropout),
-                                 nn.Linear(width, CLASSES))
+        self.net = nn.Sequential(
+            nn.Linear(FEATURES, width), nn.LayerNorm(width), nn.Tanh(), nn.Dropout(dropout), nn.Linear(width, CLASSES)
+        )
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -83,31 +84,50 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--inject", action="append", default=[])
     parser.add_argument("--strategy", default="ddp")
     parser.add_argument("--resume", default=None, help="fit(ckpt_path=...): a checkpoint to resume from")
-    parser.add_argument("--dropout", type=float, default=0.0, help="dropout before the last layer (replayed: the callback seeds it)")
-    parser.add_argument("--policy", default="continue", help="the recorder's policy: raise stops training at an alarm (exit 18)")
-    parser.add_argument("--interrupt-at", type=int, default=None, help="raise KeyboardInterrupt on every rank inside this step")
+    parser.add_argument(
+        "--dropout", type=float, default=0.0, help="dropout before the last layer (replayed: the callback seeds it)"
+    )
+    parser.add_argument(
+        "--policy", default="continue", help="the recorder's policy: raise stops training at an alarm (exit 18)"
+    )
+    parser.add_argument(
+        "--interrupt-at", type=int, default=None, help="raise KeyboardInterrupt on every rank inside this step"
+    )
     opts = parser.parse_args(argv)
 
     from sdc_forensics.integrations.lightning import SdcCallback
     from sdc_forensics.recorder import RecorderOptions, exit_on_alarm
 
     L.seed_everything(0, verbose=False)
-    checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=opts.out, every_n_train_steps=opts.save_steps, save_top_k=-1,
-                                                      filename="{step}")
+    checkpoints = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=opts.out, every_n_train_steps=opts.save_steps, save_top_k=-1, filename="{step}"
+    )
     world = int(os.environ["WORLD_SIZE"])
     sharded = opts.strategy == "model_parallel"  # FSDP2 through Lightning: the ordered reduce-scatter certifies it
-    record = SdcCallback(opts.trace, dataset="tests.integrations.pljob:make_dataset",
-                         options=RecorderOptions(policy=opts.policy, reduction="ordered" if sharded else "native"), inject=opts.inject)
+    record = SdcCallback(
+        opts.trace,
+        dataset="tests.integrations.pljob:make_dataset",
+        options=RecorderOptions(policy=opts.policy, reduction="ordered" if sharded else "native"),
+        inject=opts.inject,
+    )
     strategy = opts.strategy
     if sharded:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=opts.steps,
-                        accumulate_grad_batches=1 if sharded else 2, gradient_clip_val=0.0 if sharded else 0.5,
-                        callbacks=[checkpoints, record, *([Interrupt(opts.interrupt_at)] if opts.interrupt_at is not None else [])],
-                        logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=opts.steps,
+        accumulate_grad_batches=1 if sharded else 2,
+        gradient_clip_val=0.0 if sharded else 0.5,
+        callbacks=[checkpoints, record, *([Interrupt(opts.interrupt_at)] if opts.interrupt_at is not None else [])],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     loader = torch.utils.data.DataLoader(make_dataset(), batch_size=4, shuffle=True)
     module = (TinySharded if sharded else Tiny)(dropout=opts.dropout)
     with exit_on_alarm():  # an online check's alarm: one line and exit 18 (on_exception closed the trace)

@@ -26,8 +26,11 @@ def test_a_clean_accelerate_run_is_certified_and_its_save_state_folders_verify(t
     inspected = json.loads(run_installed(["inspect", "trace", "--json"], tmp_path, cwd=tmp_path).stdout)
     import accelerate
 
-    assert inspected["framework"] == {"name": "accelerate", "version": accelerate.__version__,
-                                      "adapter": "sdc_forensics.integrations.accelerate"}
+    assert inspected["framework"] == {
+        "name": "accelerate",
+        "version": accelerate.__version__,
+        "adapter": "sdc_forensics.integrations.accelerate",
+    }
     certified = run_installed(["certify", "trace", "--allow-numpy", "--json"], tmp_path, cwd=tmp_path, env=ENV)
     assert certified.returncode == 0, certified.stderr
     doc = json.loads(certified.stdout)
@@ -35,7 +38,9 @@ def test_a_clean_accelerate_run_is_certified_and_its_save_state_folders_verify(t
     assert "(exact)" in certified.stderr, certified.stderr
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["step-0", "step-3", "step-6"]
     folder = tmp_path / "out" / "step-3"  # the folder alone (certify has checked all three against their notes)
-    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"} <= {p.name for p in folder.iterdir()}
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"} <= {
+        p.name for p in folder.iterdir()
+    }
     ran = run_installed(["verify-checkpoint", str(folder), "--allow-numpy"], tmp_path)
     assert ran.returncode == 0 and "VERIFIED" in ran.stderr and "not verifiable" not in ran.stderr, ran.stderr
 
@@ -43,7 +48,9 @@ def test_a_clean_accelerate_run_is_certified_and_its_save_state_folders_verify(t
 @pytest.mark.slow
 @pytest.mark.heavy
 def test_a_fault_injected_through_the_accelerate_adapter_is_found_at_its_step_and_rank(tmp_path):
-    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=0:bit=29"], cwd=tmp_path))
+    assert_ok(
+        run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=0:bit=29"], cwd=tmp_path)
+    )
     ran = run_installed(["bisect", "trace", "--allow-numpy", "--json"], tmp_path, cwd=tmp_path, env=ENV)
     assert ran.returncode == 1, ran.stderr
     doc = json.loads(ran.stdout)
@@ -62,9 +69,15 @@ def test_a_resumed_loop_starts_its_attempt_at_the_loaded_folders_step_and_writes
     import hashlib
 
     def hashes(folder):
-        return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+        return {
+            str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*"))
+            if p.is_file()
+        }
 
-    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=0:bit=29"], cwd=tmp_path))
+    assert_ok(
+        run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=0:bit=29"], cwd=tmp_path)
+    )
     before = hashes(tmp_path / "out")
     assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out2", "--resume", "out/step-3"], cwd=tmp_path))
     assert hashes(tmp_path / "out") == before
@@ -82,10 +95,18 @@ def test_a_resumed_loop_starts_its_attempt_at_the_loaded_folders_step_and_writes
 
 @pytest.mark.slow
 @pytest.mark.heavy
-@pytest.mark.parametrize("argv, code, last_step", [
-    (["--policy", "raise", "--inject", "allreduce:step=2:rank=1:bit=30"], 18, 2),  # the alarm, through exit_on_alarm
-    (["--interrupt-at", "2"], 1, 1),  # KeyboardInterrupt inside step 2, after its first backward
-], ids=["alarm", "keyboard-interrupt"])
+@pytest.mark.parametrize(
+    "argv, code, last_step",
+    [
+        (
+            ["--policy", "raise", "--inject", "allreduce:step=2:rank=1:bit=30"],
+            18,
+            2,
+        ),  # the alarm, through exit_on_alarm
+        (["--interrupt-at", "2"], 1, 1),  # KeyboardInterrupt inside step 2, after its first backward
+    ],
+    ids=["alarm", "keyboard-interrupt"],
+)
 def test_a_loop_stopped_by_an_alarm_or_ctrl_c_closes_every_ranks_trace(tmp_path, argv, code, last_step):
     """Issue 40: the recording's block closes the trace however the loop leaves it (END record, on an exception)."""
     ranks = run_ranks(JOB, ["--trace", "trace", "--out", "out", *argv], cwd=tmp_path)
@@ -103,8 +124,9 @@ def _prepared(tmp_path, *, compiled: bool = False, total_limit=None):
 
     from tests.integrations import accjob
 
-    accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=str(tmp_path / "project"),
-                                                                            total_limit=total_limit))
+    accelerator = Accelerator(
+        cpu=True, project_config=ProjectConfiguration(project_dir=str(tmp_path / "project"), total_limit=total_limit)
+    )
     model = accjob.build_model()
     if compiled:
         model[0] = torch.compile(model[0])  # a compiled submodule: its state dict keys gain "_orig_mod."
@@ -117,8 +139,14 @@ def _prepared(tmp_path, *, compiled: bool = False, total_limit=None):
 def _record(accelerator, model, tmp_path):
     from sdc_forensics.integrations import accelerate as sdc
 
-    return sdc.record(accelerator, tmp_path / "trace", model=model, model_fn="tests.integrations.accjob:build_model",
-                      loss_fn="tests.integrations.accjob:loss", dataset="tests.integrations.accjob:make_dataset")
+    return sdc.record(
+        accelerator,
+        tmp_path / "trace",
+        model=model,
+        model_fn="tests.integrations.accjob:build_model",
+        loss_fn="tests.integrations.accjob:loss",
+        dataset="tests.integrations.accjob:make_dataset",
+    )
 
 
 ONE_PROCESS = "the job runs 1 process"

@@ -69,8 +69,9 @@ def test_the_trainers_checkpoint_folders_verify(clean_run, tmp_path):
         assert alone.returncode == 0, alone.stderr
         assert "VERIFIED" in alone.stderr and "not verifiable" not in alone.stderr, alone.stderr
     # with its run: the folder against its note and the replicas' majority, steps 0..2 replayed
-    with_trace = run_installed(["verify-checkpoint", "out/checkpoint-3", "--trace", "trace", "--allow-numpy"], tmp_path,
-                               cwd=clean_run, env=ENV)
+    with_trace = run_installed(
+        ["verify-checkpoint", "out/checkpoint-3", "--trace", "trace", "--allow-numpy"], tmp_path, cwd=clean_run, env=ENV
+    )
     assert with_trace.returncode == 0, with_trace.stderr
     assert "content as saved" in with_trace.stderr, with_trace.stderr
 
@@ -83,7 +84,9 @@ def test_a_damaged_folder_is_caught_against_its_note(clean_run, tmp_path):
     data = bytearray(weights.read_bytes())
     data[-3] ^= 0x40  # a bit in the last tensor's bytes
     weights.write_bytes(bytes(data))
-    ran = run_installed(["verify-checkpoint", "out/checkpoint-3", "--trace", "trace", "--allow-numpy"], tmp_path, cwd=copy, env=ENV)
+    ran = run_installed(
+        ["verify-checkpoint", "out/checkpoint-3", "--trace", "trace", "--allow-numpy"], tmp_path, cwd=copy, env=ENV
+    )
     assert ran.returncode == 1, ran.stderr
     assert "bytes differ from what was saved" in ran.stderr, ran.stderr
 
@@ -91,7 +94,13 @@ def test_a_damaged_folder_is_caught_against_its_note(clean_run, tmp_path):
 @pytest.mark.heavy
 def test_a_fault_injected_through_the_adapter_is_found_at_its_step_and_rank(tmp_path):
     # with a data worker per rank: the sample indices travel with each batch from the worker process
-    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=1:bit=30", "--workers", "1"], cwd=tmp_path))
+    assert_ok(
+        run_ranks(
+            JOB,
+            ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=1:bit=30", "--workers", "1"],
+            cwd=tmp_path,
+        )
+    )
     ran = run_installed(["bisect", "trace", "--allow-numpy", "--json"], tmp_path, cwd=tmp_path, env=ENV)
     assert ran.returncode == 1, ran.stderr
     doc = json.loads(ran.stdout)
@@ -105,7 +114,11 @@ def test_a_fault_injected_through_the_adapter_is_found_at_its_step_and_rank(tmp_
 def _hashes(folder) -> dict:
     import hashlib
 
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.mark.heavy
@@ -117,7 +130,9 @@ def test_a_resumed_trainer_run_is_a_second_attempt_and_writes_over_no_checkpoint
     byte, and its checkpoint 6 certifies. bisect still reports attempt 0's fault: rank 1 at step 4
     with its attempt, verdict corruption, while the latest lineage (steps 3..5 re-run clean) has no
     divergent step."""
-    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=1:bit=30"], cwd=tmp_path))
+    assert_ok(
+        run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=1:bit=30"], cwd=tmp_path)
+    )
     before = _hashes(tmp_path / "out")
     assert {name.split("/")[0] for name in before} == {"checkpoint-0", "checkpoint-3", "checkpoint-6"}
     refused = run_ranks(JOB, ["--trace", "trace", "--out", "out", "--resume", "out/checkpoint-3"], cwd=tmp_path)
@@ -145,8 +160,11 @@ def test_an_alarm_stops_the_trainer_with_exit_18_and_every_rank_closes_its_trace
     """Issue 40: policy raise, a flip inside the all-reduce at step 2: the online check raises on
     every rank inside trainer.train(); the adapter closes the trace (END record, on an exception)
     before exit_on_alarm turns the alarm into exit 18. Before, the HF adapter left it open."""
-    ranks = run_ranks(JOB, ["--trace", "trace", "--out", "out", "--policy", "raise", "--inject", "allreduce:step=2:rank=1:bit=30"],
-                      cwd=tmp_path)
+    ranks = run_ranks(
+        JOB,
+        ["--trace", "trace", "--out", "out", "--policy", "raise", "--inject", "allreduce:step=2:rank=1:bit=30"],
+        cwd=tmp_path,
+    )
     assert [r.returncode for r in ranks] == [18, 18], [r.stderr[-2000:] for r in ranks]
     end = json.loads(run_installed(["inspect", "trace", "--json"], tmp_path, cwd=tmp_path).stdout)["end"]
     assert [(r["closed"], r["closed_on_error"]) for r in end["ranks"]] == [(True, True), (True, True)], end
@@ -173,7 +191,11 @@ def test_a_trainer_job_with_dropout_replays_its_masks_and_certifies(tmp_path):
     assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--dropout", "0.1"], cwd=tmp_path))
     certified = run_installed(["certify", "trace", "--allow-numpy", "--json"], tmp_path, cwd=tmp_path, env=ENV)
     assert certified.returncode == 0, certified.stderr
-    assert {c["step"]: c["status"] for c in json.loads(certified.stdout)["checkpoints"]} == {0: "clean", 3: "clean", 6: "clean"}
+    assert {c["step"]: c["status"] for c in json.loads(certified.stdout)["checkpoints"]} == {
+        0: "clean",
+        3: "clean",
+        6: "clean",
+    }
     assert "(exact)" in certified.stderr or "comparison exact" in certified.stderr, certified.stderr
 
 
@@ -195,7 +217,13 @@ def test_settings_the_adapter_cannot_replay_are_refused_with_one_line(tmp_path):
     trainer.args.torch_compile = True
     trainer.model.norm = __import__("torch").compile(trainer.model.norm)
     problems = hf._refusals(trainer, __import__("transformers"))
-    for setting in ("label_smoothing_factor", "mixed precision", "sync_each_batch", "torch_compile", "torch.compile wraps 'norm'"):
+    for setting in (
+        "label_smoothing_factor",
+        "mixed precision",
+        "sync_each_batch",
+        "torch_compile",
+        "torch.compile wraps 'norm'",
+    ):
         assert any(setting in p for p in problems), (setting, problems)
     assert not (tmp_path / "trace").exists()
 
@@ -210,8 +238,9 @@ def test_a_save_total_limit_is_said_at_attach(tmp_path, monkeypatch, caplog, lim
     from sdc_forensics.integrations import hf
     from tests.integrations.hfjob import TinyConfig, TinyModel, make_dataset
 
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=2, save_steps=1,
-                             save_total_limit=limit)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=2, save_steps=1, save_total_limit=limit
+    )
     trainer = Trainer(model=TinyModel(TinyConfig()), args=args, train_dataset=make_dataset())
     real = hf._refusals
     assert [p[:22] for p in real(trainer, __import__("transformers"))] == ["the job runs 1 process"]
@@ -222,7 +251,10 @@ def test_a_save_total_limit_is_said_at_attach(tmp_path, monkeypatch, caplog, lim
     lines = [r.getMessage() for r in caplog.records if "deletes early checkpoints" in r.getMessage()]
     if said:
         (line,) = lines
-        assert line.startswith("sdc-forensics: save_total_limit=2 deletes early checkpoints") and "certify --follow" in line
+        assert (
+            line.startswith("sdc-forensics: save_total_limit=2 deletes early checkpoints")
+            and "certify --follow" in line
+        )
     else:
         assert lines == []
 
@@ -241,8 +273,11 @@ SENTENCES = ["the cat sat", "a dog ran on the mat", "the dog"]
 def _stock_collators(tokenizer):
     from transformers import DataCollatorForLanguageModeling, DataCollatorForSeq2Seq, DataCollatorWithPadding
 
-    return {"language-modeling": DataCollatorForLanguageModeling(tokenizer, mlm=False),
-            "with-padding": DataCollatorWithPadding(tokenizer), "seq2seq": DataCollatorForSeq2Seq(tokenizer)}
+    return {
+        "language-modeling": DataCollatorForLanguageModeling(tokenizer, mlm=False),
+        "with-padding": DataCollatorWithPadding(tokenizer),
+        "seq2seq": DataCollatorForSeq2Seq(tokenizer),
+    }
 
 
 def _features(name, tokenizer):
@@ -290,8 +325,9 @@ def test_the_trainers_default_collator_from_a_tokenizer_carries_the_indices(tmp_
     tokenizer = _tokenizer()
     rows = [{**dict(tokenizer(s)), "text": s} for s in SENTENCES]  # sentences of 3, 6 and 2 words: any two pad
     config = GPT2Config(vocab_size=16, n_positions=16, n_embd=8, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0)
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=1,
-                             per_device_train_batch_size=2)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=1, per_device_train_batch_size=2
+    )
     trainer = Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=rows, processing_class=tokenizer)
     assert type(trainer.data_collator).__name__ == "DataCollatorWithPadding"
     trainer.train_dataset = IndexedDataset(trainer.train_dataset)  # what hf.record wires (it refuses one process)
@@ -317,7 +353,9 @@ def test_a_trainer_run_through_a_stock_collator_is_certified_and_its_fault_found
 
     rows, made = (make_padded_text if collator == "padding" else make_lm_text)()
     assert len({len(r["input_ids"]) for r in rows}) > 4 and "text" in rows[0]  # variable length: every batch pads
-    assert type(made).__name__ == {"padding": "DataCollatorWithPadding", "lm": "DataCollatorForLanguageModeling"}[collator]
+    assert (
+        type(made).__name__ == {"padding": "DataCollatorWithPadding", "lm": "DataCollatorForLanguageModeling"}[collator]
+    )
     clean, faulty = tmp_path / "clean", tmp_path / "faulty"
     clean.mkdir()
     faulty.mkdir()
@@ -325,12 +363,19 @@ def test_a_trainer_run_through_a_stock_collator_is_certified_and_its_fault_found
     certified = run_installed(["certify", "trace", "--allow-numpy", "--json"], tmp_path, cwd=clean, env=ENV)
     assert certified.returncode == 0, certified.stderr
     result = json.loads(certified.stdout)
-    assert {c["step"]: c["status"] for c in result["checkpoints"]} == {0: "clean", 3: "clean", 6: "clean"}, certified.stderr
+    assert {c["step"]: c["status"] for c in result["checkpoints"]} == {0: "clean", 3: "clean", 6: "clean"}, (
+        certified.stderr
+    )
     assert result["resume_step"] == 6
     assert "(exact)" in certified.stderr or "comparison exact" in certified.stderr, certified.stderr
 
-    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--collator", collator, "--inject", "grad:step=4:rank=1:bit=30"],
-                        cwd=faulty))
+    assert_ok(
+        run_ranks(
+            JOB,
+            ["--trace", "trace", "--out", "out", "--collator", collator, "--inject", "grad:step=4:rank=1:bit=30"],
+            cwd=faulty,
+        )
+    )
     ran = run_installed(["bisect", "trace", "--allow-numpy", "--json"], tmp_path, cwd=faulty, env=ENV)
     assert ran.returncode == 1, ran.stderr
     doc = json.loads(ran.stdout)

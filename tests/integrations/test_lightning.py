@@ -29,8 +29,11 @@ def test_a_clean_lightning_run_is_certified_and_its_checkpoints_verify(tmp_path)
     import lightning
 
     inspected = json.loads(run_installed(["inspect", "trace", "--json"], tmp_path, cwd=tmp_path).stdout)
-    assert inspected["framework"] == {"name": "lightning", "version": lightning.__version__,
-                                      "adapter": "sdc_forensics.integrations.lightning"}
+    assert inspected["framework"] == {
+        "name": "lightning",
+        "version": lightning.__version__,
+        "adapter": "sdc_forensics.integrations.lightning",
+    }
     certified = run_installed(["certify", "trace", "--json"], tmp_path, cwd=tmp_path, env=ENV)
     assert certified.returncode == 0, certified.stderr
     doc = json.loads(certified.stdout)
@@ -63,7 +66,9 @@ def test_every_recorded_lightning_step_carries_its_weights_after_the_update(tmp_
 @pytest.mark.slow
 @pytest.mark.heavy
 def test_a_fault_injected_through_the_lightning_callback_is_found_at_its_step_and_rank(tmp_path):
-    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=1:bit=29"], cwd=tmp_path))
+    assert_ok(
+        run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=1:bit=29"], cwd=tmp_path)
+    )
     ran = run_installed(["bisect", "trace", "--json"], tmp_path, cwd=tmp_path, env=ENV)
     assert ran.returncode == 1, ran.stderr
     doc = json.loads(ran.stdout)
@@ -80,11 +85,19 @@ def test_a_model_parallel_fsdp2_run_is_certified_and_a_fault_in_it_found(tmp_pat
     clean, faulty = tmp_path / "clean", tmp_path / "faulty"
     for where, extra in ((clean, []), (faulty, ["--inject", "local-gradient:step=4:rank=1:bit=29"])):
         where.mkdir()
-        assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--strategy", "model_parallel", *extra], cwd=where))
+        assert_ok(
+            run_ranks(JOB, ["--trace", "trace", "--out", "out", "--strategy", "model_parallel", *extra], cwd=where)
+        )
     certified = run_installed(["certify", "trace", "--json"], clean, cwd=clean, env=ENV)
     assert certified.returncode == 0, certified.stderr
-    assert {c["step"]: c["status"] for c in json.loads(certified.stdout)["checkpoints"]} == {0: "clean", 3: "clean", 6: "clean"}
-    assert (clean / "out" / "step=3.ckpt" / "meta.pt").is_file()  # a distributed checkpoint, Lightning's own file beside
+    assert {c["step"]: c["status"] for c in json.loads(certified.stdout)["checkpoints"]} == {
+        0: "clean",
+        3: "clean",
+        6: "clean",
+    }
+    assert (
+        clean / "out" / "step=3.ckpt" / "meta.pt"
+    ).is_file()  # a distributed checkpoint, Lightning's own file beside
     ran = run_installed(["bisect", "trace", "--json"], faulty, cwd=faulty, env=ENV)
     doc = json.loads(ran.stdout)
     assert (ran.returncode, doc["first_divergent_step"]) == (1, 4), ran.stderr
@@ -99,8 +112,15 @@ def test_model_parallel_and_other_settings_are_refused_with_one_line():
     from tests.integrations.pljob import Tiny
 
     def trainer(strategy, **changes):
-        base = dict(strategy=strategy, world_size=2, precision="32-true", optimizers=[object()], lr_scheduler_configs=[],
-                    gradient_clip_val=0.0, gradient_clip_algorithm=None)
+        base = dict(
+            strategy=strategy,
+            world_size=2,
+            precision="32-true",
+            optimizers=[object()],
+            lr_scheduler_configs=[],
+            gradient_clip_val=0.0,
+            gradient_clip_algorithm=None,
+        )
         return types.SimpleNamespace(**{**base, **changes})
 
     module = Tiny()
@@ -108,14 +128,18 @@ def test_model_parallel_and_other_settings_are_refused_with_one_line():
     assert _refusals(trainer(ModelParallelStrategy(), accumulate_grad_batches=1), module) == []  # FSDP2: recorded
     (line,) = _refusals(trainer(ModelParallelStrategy(), accumulate_grad_batches=2), module)
     assert "reduce-scatters every microbatch" in line and "accumulate_grad_batches=1" in line
-    (line,) = _refusals(trainer(ModelParallelStrategy(save_distributed_checkpoint=False), accumulate_grad_batches=1), module)
+    (line,) = _refusals(
+        trainer(ModelParallelStrategy(save_distributed_checkpoint=False), accumulate_grad_batches=1), module
+    )
     assert "save_distributed_checkpoint=True" in line
     assert any("precision '16-mixed'" in p for p in _refusals(trainer(DDPStrategy(), precision="16-mixed"), module))
     assert any("precision 'bf16-mixed'" in p for p in _refusals(trainer(DDPStrategy(), precision="bf16-mixed"), module))
     import torch
 
     compiled = Tiny()
-    compiled.net[0] = torch.compile(compiled.net[0])  # torch.compile on a submodule (issue 40: replay failed on _orig_mod.)
+    compiled.net[0] = torch.compile(
+        compiled.net[0]
+    )  # torch.compile on a submodule (issue 40: replay failed on _orig_mod.)
     (line,) = _refusals(trainer(DDPStrategy()), compiled)
     assert "torch.compile wraps 'net.0'" in line
     epoch = types.SimpleNamespace(interval="epoch", frequency=1, reduce_on_plateau=False)
@@ -138,7 +162,9 @@ def test_a_resumed_fit_starts_its_attempt_at_the_restored_step_and_writes_over_n
     checkpoint 0, and every file of attempt 0 stays byte for byte (step 6 goes to step=6-v1.ckpt).
     bisect still reports attempt 0's fault (rank 1 at step 4, with its attempt: corruption), while
     the resumed attempt's checkpoint certifies on its own replay."""
-    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=1:bit=29"], cwd=tmp_path))
+    assert_ok(
+        run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=1:bit=29"], cwd=tmp_path)
+    )
     before = _hashes(tmp_path / "out")
     assert sorted(before) == ["sdc-step=0.ckpt", "step=3.ckpt", "step=6.ckpt"]
     assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--resume", "out/step=3.ckpt"], cwd=tmp_path))
@@ -167,16 +193,28 @@ def test_a_lightning_job_with_dropout_replays_its_masks_and_certifies(tmp_path):
     assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--dropout", "0.1"], cwd=tmp_path))
     certified = run_installed(["certify", "trace", "--json"], tmp_path, cwd=tmp_path, env=ENV)
     assert certified.returncode == 0, certified.stderr
-    assert {c["step"]: c["status"] for c in json.loads(certified.stdout)["checkpoints"]} == {0: "clean", 3: "clean", 6: "clean"}
+    assert {c["step"]: c["status"] for c in json.loads(certified.stdout)["checkpoints"]} == {
+        0: "clean",
+        3: "clean",
+        6: "clean",
+    }
     assert "(exact)" in certified.stderr, certified.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.heavy
-@pytest.mark.parametrize("argv, code, last_step", [
-    (["--policy", "raise", "--inject", "allreduce:step=2:rank=1:bit=30"], 18, 2),  # the alarm, through exit_on_alarm
-    (["--interrupt-at", "2"], 1, 1),  # KeyboardInterrupt inside step 2: Lightning calls on_exception, then exits 1
-], ids=["alarm", "keyboard-interrupt"])
+@pytest.mark.parametrize(
+    "argv, code, last_step",
+    [
+        (
+            ["--policy", "raise", "--inject", "allreduce:step=2:rank=1:bit=30"],
+            18,
+            2,
+        ),  # the alarm, through exit_on_alarm
+        (["--interrupt-at", "2"], 1, 1),  # KeyboardInterrupt inside step 2: Lightning calls on_exception, then exits 1
+    ],
+    ids=["alarm", "keyboard-interrupt"],
+)
 def test_a_fit_stopped_by_an_alarm_or_ctrl_c_closes_every_ranks_trace(tmp_path, argv, code, last_step):
     """Issue 40: however fit() ends, the callback closes the trace (END record, on an exception)."""
     ranks = run_ranks(JOB, ["--trace", "trace", "--out", "out", *argv], cwd=tmp_path)
@@ -195,16 +233,31 @@ def _attaching_trainer(tmp_path, checkpoint_callbacks):
 
     module = Tiny()
     trainer = types.SimpleNamespace(
-        strategy=DDPStrategy(), world_size=2, precision="32-true", optimizers=[torch.optim.AdamW(module.parameters())],
-        lr_scheduler_configs=[], gradient_clip_val=0.0, gradient_clip_algorithm=None, checkpoint_callbacks=checkpoint_callbacks,
-        fit_loop=types.SimpleNamespace(_data_source=types.SimpleNamespace(
-            instance=torch.utils.data.DataLoader(make_dataset(), batch_size=4), name="train_dataloader")),
-        save_checkpoint=lambda *args, **kwargs: None, default_root_dir=str(tmp_path))
+        strategy=DDPStrategy(),
+        world_size=2,
+        precision="32-true",
+        optimizers=[torch.optim.AdamW(module.parameters())],
+        lr_scheduler_configs=[],
+        gradient_clip_val=0.0,
+        gradient_clip_algorithm=None,
+        checkpoint_callbacks=checkpoint_callbacks,
+        fit_loop=types.SimpleNamespace(
+            _data_source=types.SimpleNamespace(
+                instance=torch.utils.data.DataLoader(make_dataset(), batch_size=4), name="train_dataloader"
+            )
+        ),
+        save_checkpoint=lambda *args, **kwargs: None,
+        default_root_dir=str(tmp_path),
+    )
     return trainer, module
 
 
-@pytest.mark.parametrize("save_top_k, said", [(1, True), (-1, False)])  # 1: ModelCheckpoint's default, the last one kept
-def test_a_modelcheckpoint_that_rotates_is_said_when_the_callback_attaches(tmp_path, monkeypatch, caplog, save_top_k, said):
+@pytest.mark.parametrize(
+    "save_top_k, said", [(1, True), (-1, False)]
+)  # 1: ModelCheckpoint's default, the last one kept
+def test_a_modelcheckpoint_that_rotates_is_said_when_the_callback_attaches(
+    tmp_path, monkeypatch, caplog, save_top_k, said
+):
     """Issue 40: a ModelCheckpoint with save_top_k other than -1 deletes early checkpoints: on_fit_start
     says so on rank 0 (one line naming the setting and `certify --follow`), and nothing on rank 1."""
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -217,7 +270,9 @@ def test_a_modelcheckpoint_that_rotates_is_said_when_the_callback_attaches(tmp_p
         trainer, module = _attaching_trainer(tmp_path, [checkpoints])
         caplog.clear()
         with caplog.at_level("WARNING"):
-            SdcCallback(tmp_path / "trace", dataset="tests.integrations.pljob:make_dataset").on_fit_start(trainer, module)
+            SdcCallback(tmp_path / "trace", dataset="tests.integrations.pljob:make_dataset").on_fit_start(
+                trainer, module
+            )
         lines = [r.getMessage() for r in caplog.records if "deletes early checkpoints" in r.getMessage()]
         if expected:
             (line,) = lines

@@ -35,12 +35,16 @@ def test_the_framework_key_is_optional_and_checked(make_trace):
 
 def test_modelcheckpoint_scores_may_be_infinite_but_training_state_may_not(tmp_path):
     key = "ModelCheckpoint{'monitor': None, 'mode': 'min', 'every_n_train_steps': 3}"
-    state = {"state_dict": {"w": torch.ones(3)}, "callbacks": {key: {"kth_value": torch.tensor(float("inf")),
-                                                                     "best_model_score": None}}}
+    state = {
+        "state_dict": {"w": torch.ones(3)},
+        "callbacks": {key: {"kth_value": torch.tensor(float("inf")), "best_model_score": None}},
+    }
     torch.save(state, tmp_path / "a.ckpt")
     assert not [f for f in verify_checkpoint(tmp_path / "a.ckpt").findings if f.kind is FindingKind.NONFINITE]
     state["state_dict"]["w"][1] = float("nan")
-    state["callbacks"]["Other"] = {"kth_value": torch.tensor(float("inf"))}  # only ModelCheckpoint's scores are bookkeeping
+    state["callbacks"]["Other"] = {
+        "kth_value": torch.tensor(float("inf"))
+    }  # only ModelCheckpoint's scores are bookkeeping
     torch.save(state, tmp_path / "b.ckpt")
     found = {f.subject for f in verify_checkpoint(tmp_path / "b.ckpt").findings if f.kind is FindingKind.NONFINITE}
     assert found == {"state_dict.w", "callbacks.Other.kth_value"}
@@ -59,15 +63,23 @@ def test_a_refusal_is_one_line_on_rank_0_and_exit_2_without_a_traceback(tmp_path
     assert issubclass(Refusal, UsageError) and issubclass(Refusal, SystemExit)
     script = "from sdc_forensics.integrations._common import refuse\nraise refuse('bf16 is not replayed: train in float32')\n"
     for rank, expected in (("0", "sdc-forensics: bf16 is not replayed: train in float32\n"), ("1", "")):
-        ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
-                             env={"PYTHONPATH": str(REPO), "RANK": rank, "PATH": "/usr/bin:/bin"}, timeout=120)
+        ran = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env={"PYTHONPATH": str(REPO), "RANK": rank, "PATH": "/usr/bin:/bin"},
+            timeout=120,
+        )
         assert (ran.returncode, ran.stderr) == (2, expected), ran.stderr
 
 
 def test_a_compiled_submodule_anywhere_in_the_model_is_found():
     from sdc_forensics.integrations._common import compile_refusal, compiled_parts, random_parts
 
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1)))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))
+    )
     assert compiled_parts(model) == [] and compile_refusal(model) == []
     assert random_parts(model) == ["1.1"]
     model[1][0] = torch.compile(model[1][0])  # an OptimizedModule: its state dict keys gain "_orig_mod."

@@ -19,21 +19,27 @@ WORLD = 4
 def _trainer(**overrides) -> SimpleNamespace:
     """The attributes the adapter reads from torchtitan 0.3.0's ``Trainer``."""
     fields = dict(
-        config=SimpleNamespace(training=SimpleNamespace(disable_cuda_graphs=False)), device=torch.device("cpu"),
-        model_parts=[torch.nn.Linear(2, 2)], parallel_dims=SimpleNamespace(pp_enabled=False),
-        optimizers=SimpleNamespace(step=lambda: None), step=0,
+        config=SimpleNamespace(training=SimpleNamespace(disable_cuda_graphs=False)),
+        device=torch.device("cpu"),
+        model_parts=[torch.nn.Linear(2, 2)],
+        parallel_dims=SimpleNamespace(pp_enabled=False),
+        optimizers=SimpleNamespace(step=lambda: None),
+        step=0,
     )
     fields.update(overrides)
     return SimpleNamespace(**fields)
 
 
-@pytest.mark.parametrize("overrides, says", [
-    ({"device": torch.device("cuda")}, "--training.disable_cuda_graphs"),
-    ({"model_parts": [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]}, "pipeline parallelism"),
-    ({"parallel_dims": SimpleNamespace(pp_enabled=True)}, "pipeline parallelism"),
-    ({"model_parts": []}, "no model_parts"),
-    ({"optimizers": object()}, "optimizers.step"),
-])
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        ({"device": torch.device("cuda")}, "--training.disable_cuda_graphs"),
+        ({"model_parts": [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]}, "pipeline parallelism"),
+        ({"parallel_dims": SimpleNamespace(pp_enabled=True)}, "pipeline parallelism"),
+        ({"model_parts": []}, "no model_parts"),
+        ({"optimizers": object()}, "optimizers.step"),
+    ],
+)
 def test_what_the_checks_cannot_see_is_refused_in_one_line(overrides, says):
     with pytest.raises(UsageError) as refused:
         sdc.watch(_trainer(**overrides))
@@ -51,40 +57,60 @@ def test_a_compiled_model_part_is_refused_in_one_line_by_watch_and_record():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     model[1] = torch.compile(model[1])  # a compiled submodule: its state dict keys gain "_orig_mod."
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for attach in (lambda t: sdc.watch(t), lambda t: sdc.record(t, "unused", checkpoint_every=3, checkpoint_dir="unused")):
+    for attach in (
+        lambda t: sdc.watch(t),
+        lambda t: sdc.record(t, "unused", checkpoint_every=3, checkpoint_dir="unused"),
+    ):
         trainer = _trainer(model_parts=[model], optimizers=optimizer, train_step=lambda: None)
         with pytest.raises(UsageError) as refused:
             attach(trainer)
         assert "torch.compile wraps '1'" in str(refused.value) and "\n" not in str(refused.value)
-        assert trainer.train_step is not None and not hasattr(trainer, "sdc_results") and not hasattr(trainer, "sdc_recorder")
+        assert (
+            trainer.train_step is not None
+            and not hasattr(trainer, "sdc_results")
+            and not hasattr(trainer, "sdc_recorder")
+        )
 
 
 def _titan_config(dump_folder, *, enable=True, keep_latest_k=10, folder="checkpoint"):
     """torchtitan's ``config.training``, ``config.job.dump_folder`` and ``config.checkpoint`` (enable, folder, keep_latest_k)."""
-    return SimpleNamespace(training=SimpleNamespace(disable_cuda_graphs=True), job=SimpleNamespace(dump_folder=str(dump_folder)),
-                           checkpoint=SimpleNamespace(enable=enable, folder=folder, keep_latest_k=keep_latest_k))
+    return SimpleNamespace(
+        training=SimpleNamespace(disable_cuda_graphs=True),
+        job=SimpleNamespace(dump_folder=str(dump_folder)),
+        checkpoint=SimpleNamespace(enable=enable, folder=folder, keep_latest_k=keep_latest_k),
+    )
 
 
-@pytest.mark.parametrize("checkpoint_dir, config, said", [
-    ("outputs/checkpoint", {}, True),  # torchtitan purges its folder: the recorder's step-N entries too
-    ("forensic-ckpt", {}, False),  # a folder of its own: nothing rotates it
-    ("outputs/checkpoint", {"keep_latest_k": 0}, False),  # torchtitan keeps every checkpoint
-    ("outputs/checkpoint", {"enable": False}, False),  # torchtitan writes no checkpoint
-])
-def test_keep_latest_k_purging_the_forensic_checkpoints_is_said_at_attach(tmp_path, monkeypatch, caplog, checkpoint_dir, config,
-                                                                          said):
+@pytest.mark.parametrize(
+    "checkpoint_dir, config, said",
+    [
+        ("outputs/checkpoint", {}, True),  # torchtitan purges its folder: the recorder's step-N entries too
+        ("forensic-ckpt", {}, False),  # a folder of its own: nothing rotates it
+        ("outputs/checkpoint", {"keep_latest_k": 0}, False),  # torchtitan keeps every checkpoint
+        ("outputs/checkpoint", {"enable": False}, False),  # torchtitan writes no checkpoint
+    ],
+)
+def test_keep_latest_k_purging_the_forensic_checkpoints_is_said_at_attach(
+    tmp_path, monkeypatch, caplog, checkpoint_dir, config, said
+):
     """Issue 40: torchtitan's checkpoint.keep_latest_k deletes all but the latest k ``step-N`` entries of
     its checkpoint folder; record's checkpoints there (``step-N`` too) would go: said on rank 0, one line."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("RANK", raising=False)
-    trainer = _trainer(config=_titan_config("outputs", **config), optimizers=torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
-                       train_step=lambda: None)
+    trainer = _trainer(
+        config=_titan_config("outputs", **config),
+        optimizers=torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
+        train_step=lambda: None,
+    )
     with caplog.at_level("WARNING"):
         sdc.record(trainer, "trace", checkpoint_every=3, checkpoint_dir=tmp_path / checkpoint_dir)
     lines = [r.getMessage() for r in caplog.records if "deletes early checkpoints" in r.getMessage()]
     if said:
         (line,) = lines
-        assert line.startswith("sdc-forensics: torchtitan's checkpoint.keep_latest_k=10 in outputs/checkpoint") and "certify --follow" in line
+        assert (
+            line.startswith("sdc-forensics: torchtitan's checkpoint.keep_latest_k=10 in outputs/checkpoint")
+            and "certify --follow" in line
+        )
     else:
         assert lines == []
 
@@ -120,8 +146,10 @@ def _job(rank: int) -> dict:
             except SdcAlarm as raised:
                 alarm = [raised.step, raised.rank, raised.check]
                 break
-        found[policy] = {"results": [[step, [list(r.suspects) for r in results]] for step, results in trainer.sdc_results],
-                         "alarm": alarm}
+        found[policy] = {
+            "results": [[step, [list(r.suspects) for r in results]] for step, results in trainer.sdc_results],
+            "alarm": alarm,
+        }
     return found
 
 
@@ -162,8 +190,16 @@ def _recorded_job(rank: int, root: str, inject: tuple, resume: int = 0, last: in
         trainer.optimizers.zero_grad()
 
     trainer.train_step = train_step
-    with sdc.record(trainer, Path(root, "trace"), microbatch_ids=ids, recipe=sharded.REFERENCE, checkpoint_every=3,
-                    checkpoint_dir=Path(root, "ckpt"), inject=inject, options=RecorderOptions(reduction="ordered")):
+    with sdc.record(
+        trainer,
+        Path(root, "trace"),
+        microbatch_ids=ids,
+        recipe=sharded.REFERENCE,
+        checkpoint_every=3,
+        checkpoint_dir=Path(root, "ckpt"),
+        inject=inject,
+        options=RecorderOptions(reduction="ordered"),
+    ):
         for step in range(resume or 1, last + 1):
             trainer.step = step
             trainer.train_step()
@@ -182,7 +218,10 @@ def test_a_recorded_torchtitan_loop_certifies_clean_and_names_a_fault(tmp_path, 
     result = CliRunner().invoke(cli, ["certify" if expected is None else "bisect", str(tmp_path / "trace"), "--json"])
     doc = json.loads(result.stdout)
     if expected is None:
-        assert result.exit_code == 0 and [(c["step"], c["status"]) for c in doc["checkpoints"]] == [(1, "clean"), (4, "clean")], doc
+        assert result.exit_code == 0 and [(c["step"], c["status"]) for c in doc["checkpoints"]] == [
+            (1, "clean"),
+            (4, "clean"),
+        ], doc
     else:
         assert result.exit_code == 1 and doc["first_divergent_step"] == expected[0], doc
         assert [s["rank"] for s in doc["suspects"]] == [expected[1]], doc["suspects"]
@@ -213,7 +252,11 @@ def test_a_resumed_torchtitan_loop_starts_its_attempt_at_its_step_and_writes_ove
 
     def hashes():
         ckpt = tmp_path / "ckpt"
-        return {str(p.relative_to(ckpt)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(ckpt.rglob("*")) if p.is_file()}
+        return {
+            str(p.relative_to(ckpt)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(ckpt.rglob("*"))
+            if p.is_file()
+        }
 
     inject = ("local-gradient:step=5:rank=1:bit=20",)
     assert gloo_job(_recorded_job, WORLD, tmp_path / "results0", str(tmp_path), inject) == ["ok"] * WORLD
@@ -221,8 +264,12 @@ def test_a_resumed_torchtitan_loop_starts_its_attempt_at_its_step_and_writes_ove
     assert gloo_job(_recorded_job, WORLD, tmp_path / "results1", str(tmp_path), (), 4, 7) == ["ok"] * WORLD
     after = hashes()
     assert {k: after[k] for k in before} == before
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000001", "step-00000004", "step-00000004-v1",
-                                                                     "step-00000007"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "step-00000001",
+        "step-00000004",
+        "step-00000004-v1",
+        "step-00000007",
+    ]
     doc = json.loads(CliRunner().invoke(cli, ["inspect", str(tmp_path / "trace"), "--json"]).stdout)
     assert [(a["attempt"], a["start_step"]) for a in doc["attempts"]] == [(0, 1), (1, 4)]
     result = CliRunner().invoke(cli, ["bisect", str(tmp_path / "trace"), "--json"])
@@ -270,8 +317,16 @@ def _stopped_job(rank: int, root: str, how: str) -> dict:
 
     trainer.train_step, trainer.train = train_step, train
     inject = ("reduce-scatter-output:step=3:rank=1:bit=29",) if how == "alarm" else ()
-    sdc.record(trainer, Path(root, "trace"), microbatch_ids=ids, recipe=sharded.REFERENCE, checkpoint_every=3,
-               checkpoint_dir=Path(root, "ckpt"), inject=inject, options=RecorderOptions(reduction="ordered", policy="raise"))
+    sdc.record(
+        trainer,
+        Path(root, "trace"),
+        microbatch_ids=ids,
+        recipe=sharded.REFERENCE,
+        checkpoint_every=3,
+        checkpoint_dir=Path(root, "ckpt"),
+        inject=inject,
+        options=RecorderOptions(reduction="ordered", policy="raise"),
+    )
     try:
         trainer.train()
     except BaseException as exc:  # noqa: BLE001 - what train() raised, for the test to check

@@ -14,7 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sdc_forensics.ledger import CheckpointRef, Comparison, EvidenceEntry, IntervalRecord, Outcome, checkpoint_ref, ledger_path
+from sdc_forensics.ledger import (
+    CheckpointRef,
+    Comparison,
+    EvidenceEntry,
+    IntervalRecord,
+    Outcome,
+    checkpoint_ref,
+    ledger_path,
+)
 from sdc_forensics.trace.checkpoints import CheckpointNote, read_checkpoint_notes, write_checkpoint_note
 from tests.factories import write_trace
 
@@ -41,15 +49,33 @@ class LedgerRun:
         path = self.file(step)
         return checkpoint_ref(self.notes()[step], path if path.exists() else None)
 
-    def record(self, start: int, stop: int, *, comparison: Comparison = Comparison.EXACT, evidence: tuple[EvidenceEntry, ...] = (),
-               attempt: int = 0, last: int | None = None) -> IntervalRecord:
+    def record(
+        self,
+        start: int,
+        stop: int,
+        *,
+        comparison: Comparison = Comparison.EXACT,
+        evidence: tuple[EvidenceEntry, ...] = (),
+        attempt: int = 0,
+        last: int | None = None,
+    ) -> IntervalRecord:
         """The record of a replay of ``[start, stop]`` that found ``evidence`` (none: clean)."""
         last = stop - 1 if last is None else last
         return IntervalRecord(
-            attempt=attempt, start_step=start, stop_step=stop, last_step=last, start=self.ref(start), stop=self.ref(stop),
-            comparison=comparison, reduction="gloo-ring" if comparison is Comparison.EXACT else "",
-            device="cpu (x86_64, 2 threads)", settings={"num_threads": 2, "deterministic": True},
-            outcome=Outcome.EVIDENCE if evidence else Outcome.CLEAN, evidence=evidence, wall_s=1.25, device_s=0.0,
+            attempt=attempt,
+            start_step=start,
+            stop_step=stop,
+            last_step=last,
+            start=self.ref(start),
+            stop=self.ref(stop),
+            comparison=comparison,
+            reduction="gloo-ring" if comparison is Comparison.EXACT else "",
+            device="cpu (x86_64, 2 threads)",
+            settings={"num_threads": 2, "deterministic": True},
+            outcome=Outcome.EVIDENCE if evidence else Outcome.CLEAN,
+            evidence=evidence,
+            wall_s=1.25,
+            device_s=0.0,
         )
 
 
@@ -63,8 +89,14 @@ def ledger_run(tmp_path) -> LedgerRun:
         size = 3 << 20 if step == 10 else 4096 + step
         path = folder / f"step-{step:08d}.pt"
         path.write_bytes(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
-        write_checkpoint_note(trace, CheckpointNote(
-            step=step, path=f"checkpoints/{path.name}", path_from_trace=f"../checkpoints/{path.name}",
-            weights_digest=f"{rng.integers(0, 1 << 63):016x}", tensors={"model.w": f"{step:016x}", "optim.m": f"{step + 1:016x}"},
-        ))
+        write_checkpoint_note(
+            trace,
+            CheckpointNote(
+                step=step,
+                path=f"checkpoints/{path.name}",
+                path_from_trace=f"../checkpoints/{path.name}",
+                weights_digest=f"{rng.integers(0, 1 << 63):016x}",
+                tensors={"model.w": f"{step:016x}", "optim.m": f"{step + 1:016x}"},
+            ),
+        )
     return LedgerRun(trace=Path(trace), checkpoints=folder)

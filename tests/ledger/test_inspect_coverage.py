@@ -27,18 +27,38 @@ def _inspect(run, *args):
 
 
 def test_inspect_shows_what_the_ledger_replayed_and_what_the_rest_costs(ledger_run):
-    for record in (ledger_run.record(0, 10), ledger_run.record(10, 20), ledger_run.record(20, 30, comparison=Comparison.TOLERANT)):
+    for record in (
+        ledger_run.record(0, 10),
+        ledger_run.record(10, 20),
+        ledger_run.record(20, 30, comparison=Comparison.TOLERANT),
+    ):
         append_record(ledger_run.ledger, record)
     doc = _inspect(ledger_run)
     by_step = {c["step"]: c for c in doc["coverage"]}
-    assert by_step[20]["exact_ledger"] == [[0, 19]] and by_step[20]["lacking_replay"] == [] and by_step[20]["replay_cost"] is None
+    assert (
+        by_step[20]["exact_ledger"] == [[0, 19]]
+        and by_step[20]["lacking_replay"] == []
+        and by_step[20]["replay_cost"] is None
+    )
     c30 = by_step[30]
-    assert (c30["exact_ledger"], c30["tolerant"], c30["online_only"], c30["lacking_replay"]) == ([[0, 19]], [[20, 29]], [], [[20, 29]])
-    assert c30["replay_cost"] == {"rank_steps": 20, "seconds_per_rank_step": 0.0625, "seconds": 1.25, "ledger_records": 3}
+    assert (c30["exact_ledger"], c30["tolerant"], c30["online_only"], c30["lacking_replay"]) == (
+        [[0, 19]],
+        [[20, 29]],
+        [],
+        [[20, 29]],
+    )
+    assert c30["replay_cost"] == {
+        "rank_steps": 20,
+        "seconds_per_rank_step": 0.0625,
+        "seconds": 1.25,
+        "ledger_records": 3,
+    }
     assert doc["ledger"]["strong_evidence"] == [] and doc["ledger"]["notes"] == []
     text = CliRunner().invoke(cli, ["inspect", str(ledger_run.trace)]).stderr
-    assert "checkpoint 30: exact from the ledger 0..19; tolerant 20..29 — lacks exact replay: steps 20..29; replaying them costs about" \
+    assert (
+        "checkpoint 30: exact from the ledger 0..19; tolerant 20..29 — lacks exact replay: steps 20..29; replaying them costs about"
         " 1.25 s (20 rank-steps x 0.0625 s measured per rank-step over 3 ledger record(s))" in " ".join(text.split())
+    )
 
 
 def test_without_a_ledger_every_recorded_step_had_the_online_checks_only(ledger_run):
@@ -56,7 +76,9 @@ def test_without_a_ledger_every_recorded_step_had_the_online_checks_only(ledger_
 
 
 def test_strong_evidence_in_the_ledger_is_said_and_covers_nothing(ledger_run):
-    entry = EvidenceEntry(kind="replay_mismatch", step=14, ranks=(1,), strength="strong", detail="local gradient differs")
+    entry = EvidenceEntry(
+        kind="replay_mismatch", step=14, ranks=(1,), strength="strong", detail="local gradient differs"
+    )
     record = ledger_run.record(10, 20, evidence=(entry,), last=14)
     append_record(ledger_run.ledger, ledger_run.record(0, 10))
     append_record(ledger_run.ledger, record)

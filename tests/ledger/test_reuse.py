@@ -16,8 +16,13 @@ from tests.ledger.conftest import CHECKPOINT_STEPS
 def _reuse(run, *, checkpoints=None):
     contents = read_ledger(run.ledger)
     assert contents.notes == ()
-    return reusable_records(contents.records, list(run.notes().values()), trace_dir=run.trace,
-                            attempts=read_manifest(run.trace).attempts, checkpoints=checkpoints)
+    return reusable_records(
+        contents.records,
+        list(run.notes().values()),
+        trace_dir=run.trace,
+        attempts=read_manifest(run.trace).attempts,
+        checkpoints=checkpoints,
+    )
 
 
 def _exact(reuse):
@@ -50,7 +55,9 @@ def test_a_record_citing_a_replaced_checkpoint_file_is_ignored_with_a_line(ledge
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     reuse = _reuse(ledger_run)
     assert [(r.start_step, r.stop_step) for r in reuse.records] == [(20, 30)]
-    assert len(reuse.notes) == 2 and all(f"checkpoint 10's file {path} was replaced since it was examined" in n for n in reuse.notes)
+    assert len(reuse.notes) == 2 and all(
+        f"checkpoint 10's file {path} was replaced since it was examined" in n for n in reuse.notes
+    )
     assert _exact(reuse) == {0: True, 10: False, 20: False, 30: False}
 
 
@@ -74,10 +81,15 @@ def test_a_rotated_checkpoint_whose_note_now_holds_other_digests_is_not_vouched_
     _write(ledger_run, ledger_run.record(0, 10), ledger_run.record(10, 20))
     ledger_run.file(10).unlink()
     note = ledger_run.notes()[10]
-    write_checkpoint_note(ledger_run.trace, type(note)(**{**note.__dict__, "attempt": 1, "weights_digest": "0123456789abcdef"}))
+    write_checkpoint_note(
+        ledger_run.trace, type(note)(**{**note.__dict__, "attempt": 1, "weights_digest": "0123456789abcdef"})
+    )
     reuse = _reuse(ledger_run)
     assert reuse.records == ()
-    assert all("checkpoint 10 of the trace has other digests than the one examined" in n for n in reuse.notes) and len(reuse.notes) == 2
+    assert (
+        all("checkpoint 10 of the trace has other digests than the one examined" in n for n in reuse.notes)
+        and len(reuse.notes) == 2
+    )
 
 
 def test_a_record_whose_checkpoint_note_is_gone_is_ignored(ledger_run):
@@ -89,18 +101,28 @@ def test_a_record_whose_checkpoint_note_is_gone_is_ignored(ledger_run):
 
 def test_a_resumed_attempt_takes_the_steps_it_reexecuted_from_older_records(ledger_run):
     _write(ledger_run, ledger_run.record(0, 10), ledger_run.record(10, 20))
-    write_trace(ledger_run.trace, ranks=2, steps=25, bulk=True, attempt=1, start_step=15)  # resumed at 15, re-ran 15..39
+    write_trace(
+        ledger_run.trace, ranks=2, steps=25, bulk=True, attempt=1, start_step=15
+    )  # resumed at 15, re-ran 15..39
     reuse = _reuse(ledger_run)
     assert [(r.start_step, r.stop_step) for r in reuse.records] == [(0, 10)]
-    assert reuse.notes[0].endswith("attempt 1 (a resumed run) re-executed the steps from 15, so the trace's steps are not the ones replayed")
+    assert reuse.notes[0].endswith(
+        "attempt 1 (a resumed run) re-executed the steps from 15, so the trace's steps are not the ones replayed"
+    )
 
 
 def test_tolerant_records_never_cover_and_strong_evidence_blocks_what_follows(ledger_run):
     weak = EvidenceEntry(kind="replay_mismatch", step=12, ranks=(0,), strength="weak")
     strong = EvidenceEntry(kind="replay_mismatch", step=23, ranks=(1,), strength="strong")
-    _write(ledger_run, ledger_run.record(0, 10, comparison=Comparison.TOLERANT), ledger_run.record(0, 10),
-           ledger_run.record(10, 20, comparison=Comparison.TOLERANT, evidence=(weak,), last=12), ledger_run.record(10, 20),
-           ledger_run.record(20, 30, evidence=(strong,), last=23), ledger_run.record(20, 30))
+    _write(
+        ledger_run,
+        ledger_run.record(0, 10, comparison=Comparison.TOLERANT),
+        ledger_run.record(0, 10),
+        ledger_run.record(10, 20, comparison=Comparison.TOLERANT, evidence=(weak,), last=12),
+        ledger_run.record(10, 20),
+        ledger_run.record(20, 30, evidence=(strong,), last=23),
+        ledger_run.record(20, 30),
+    )
     coverage = {c.step: c for c in exact_coverage(_reuse(ledger_run).records, CHECKPOINT_STEPS)}
     assert [coverage[n].exact for n in CHECKPOINT_STEPS] == [True, True, True, False]
     assert coverage[30].gaps == () and coverage[30].evidence_steps == (23,)
@@ -119,15 +141,18 @@ def test_checkpoints_found_by_name_in_the_checkpoints_option(ledger_run, tmp_pat
     assert len(reuse.records) == 1 and reuse.rotated == ()
 
 
-@pytest.mark.parametrize(("spans", "first", "expected"), [
-    # (start, stop) of clean exact records; the run's first step; gaps before checkpoints 10, 20, 30 (by hand)
-    ([(0, 10), (10, 20), (20, 30)], 0, {10: (), 20: (), 30: ()}),
-    ([(0, 20), (10, 30)], 0, {10: (), 20: (), 30: ()}),
-    ([(10, 20)], 0, {10: ((0, 9),), 20: ((0, 9),), 30: ((0, 9), (20, 29))}),
-    ([(0, 10), (20, 30)], 0, {10: (), 20: ((10, 19),), 30: ((10, 19),)}),
-    ([(10, 20)], 10, {10: (), 20: (), 30: ((20, 29),)}),
-    ([], 0, {10: ((0, 9),), 20: ((0, 19),), 30: ((0, 29),)}),
-])
+@pytest.mark.parametrize(
+    ("spans", "first", "expected"),
+    [
+        # (start, stop) of clean exact records; the run's first step; gaps before checkpoints 10, 20, 30 (by hand)
+        ([(0, 10), (10, 20), (20, 30)], 0, {10: (), 20: (), 30: ()}),
+        ([(0, 20), (10, 30)], 0, {10: (), 20: (), 30: ()}),
+        ([(10, 20)], 0, {10: ((0, 9),), 20: ((0, 9),), 30: ((0, 9), (20, 29))}),
+        ([(0, 10), (20, 30)], 0, {10: (), 20: ((10, 19),), 30: ((10, 19),)}),
+        ([(10, 20)], 10, {10: (), 20: (), 30: ((20, 29),)}),
+        ([], 0, {10: ((0, 9),), 20: ((0, 19),), 30: ((0, 29),)}),
+    ],
+)
 def test_coverage_gaps_are_the_steps_no_clean_exact_record_replayed(ledger_run, spans, first, expected):
     records = [ledger_run.record(a, b) for a, b in spans]
     got = {c.step: c.gaps for c in exact_coverage(records, (10, 20, 30), first_step=first)}

@@ -23,8 +23,14 @@ def _lines(path):
 
 
 def test_round_trip_is_canonical_json_with_an_independent_sha256(ledger_run):
-    evidence = (EvidenceEntry(kind="replay_mismatch", step=13, ranks=(2,), strength="strong", detail="local digest differs"),)
-    written = [ledger_run.record(0, 10), ledger_run.record(10, 20, evidence=evidence, last=13), ledger_run.record(20, 30)]
+    evidence = (
+        EvidenceEntry(kind="replay_mismatch", step=13, ranks=(2,), strength="strong", detail="local digest differs"),
+    )
+    written = [
+        ledger_run.record(0, 10),
+        ledger_run.record(10, 20, evidence=evidence, last=13),
+        ledger_run.record(20, 30),
+    ]
     written[2] = dataclasses.replace(written[2], stop=None)  # a window that ends between checkpoints
     for record in written:
         append_record(ledger_run.ledger, record)
@@ -32,11 +38,14 @@ def test_round_trip_is_canonical_json_with_an_independent_sha256(ledger_run):
     assert got.records == tuple(written) and got.notes == ()
     for raw in _lines(ledger_run.ledger):
         doc = json.loads(raw)
-        body = json.dumps({k: v for k, v in doc.items() if k != "sha256"}, sort_keys=True, separators=(",", ":")).encode()
+        body = json.dumps(
+            {k: v for k, v in doc.items() if k != "sha256"}, sort_keys=True, separators=(",", ":")
+        ).encode()
         assert doc["sha256"] == hashlib.sha256(body).hexdigest()
         assert doc["ledger_version"] == 1 and raw.endswith(b"\n") and raw.isascii()
     assert json.loads(_lines(ledger_run.ledger)[1])["evidence"] == [
-        {"kind": "replay_mismatch", "step": 13, "ranks": [2], "strength": "strong", "detail": "local digest differs"}]
+        {"kind": "replay_mismatch", "step": 13, "ranks": [2], "strength": "strong", "detail": "local digest differs"}
+    ]
 
 
 def test_a_missing_ledger_is_empty_and_says_nothing(tmp_path):
@@ -54,7 +63,10 @@ def test_a_flipped_byte_anywhere_in_a_record_ignores_that_record_with_one_line(l
         flip_byte(ledger_run.ledger, offset)
         got = read_ledger(ledger_run.ledger)
         assert got.records == (records[0], records[2]), offset
-        assert len(got.notes) == 1 and f"{ledger_run.ledger}:2: ledger record ignored" in got.notes[0], (offset, got.notes)
+        assert len(got.notes) == 1 and f"{ledger_run.ledger}:2: ledger record ignored" in got.notes[0], (
+            offset,
+            got.notes,
+        )
         ledger_run.ledger.write_bytes(pristine)
 
 
@@ -68,9 +80,11 @@ def test_a_truncated_tail_is_ignored_with_one_line_and_the_next_append_is_whole(
         ledger_run.ledger.write_bytes(pristine[:cut])
         got = read_ledger(ledger_run.ledger)
         assert got.records == (records[0],), cut
-        assert got.notes == (f"{ledger_run.ledger}:2: ledger record ignored: a torn record at the end of the file ({cut - first} bytes "
-                             "without an end of line: a write was cut short)",)
-    ledger_run.ledger.write_bytes(pristine[:first + 100])
+        assert got.notes == (
+            f"{ledger_run.ledger}:2: ledger record ignored: a torn record at the end of the file ({cut - first} bytes "
+            "without an end of line: a write was cut short)",
+        )
+    ledger_run.ledger.write_bytes(pristine[: first + 100])
     later = ledger_run.record(20, 30)
     append_record(ledger_run.ledger, later)
     got = read_ledger(ledger_run.ledger)
@@ -101,8 +115,10 @@ def test_an_edited_verdict_is_ignored_and_nothing_is_certified_on_its_strength(l
     _rewrite_line(ledger_run.ledger, 1, _acquit, reseal=False)
     got = read_ledger(ledger_run.ledger)
     assert got.records == ()
-    assert got.notes == (f"{ledger_run.ledger}:1: ledger record ignored: checksum mismatch (the record was damaged or edited); "
-                         "the record is ignored (it was damaged, edited, or not written by sdc-forensics)",)
+    assert got.notes == (
+        f"{ledger_run.ledger}:1: ledger record ignored: checksum mismatch (the record was damaged or edited); "
+        "the record is ignored (it was damaged, edited, or not written by sdc-forensics)",
+    )
     reuse = reusable_records(got.records, list(ledger_run.notes().values()), trace_dir=ledger_run.trace)
     assert [c.exact for c in exact_coverage(reuse.records, (0, 10))] == [True, False]
 
@@ -110,7 +126,9 @@ def test_an_edited_verdict_is_ignored_and_nothing_is_certified_on_its_strength(l
 def test_a_resealed_record_that_contradicts_itself_is_ignored(ledger_run):
     evidence = (EvidenceEntry(kind="replay_mismatch", step=4, ranks=(1,)),)
     append_record(ledger_run.ledger, ledger_run.record(0, 10, evidence=evidence, last=4))
-    _rewrite_line(ledger_run.ledger, 1, lambda doc: doc.update(outcome="clean"), reseal=True)  # clean, with its evidence still there
+    _rewrite_line(
+        ledger_run.ledger, 1, lambda doc: doc.update(outcome="clean"), reseal=True
+    )  # clean, with its evidence still there
     got = read_ledger(ledger_run.ledger)
     assert got.records == () and len(got.notes) == 1 and "a clean outcome lists evidence" in got.notes[0]
 
@@ -121,14 +139,27 @@ def test_an_unknown_version_is_ignored_with_one_line(ledger_run):
     _rewrite_line(ledger_run.ledger, 1, lambda doc: doc.update(ledger_version=2), reseal=True)
     got = read_ledger(ledger_run.ledger)
     assert [r.start_step for r in got.records] == [10]
-    assert got.notes == (f"{ledger_run.ledger}:1: ledger record ignored: ledger record version 2, this sdc-forensics reads version 1; "
-                         "the record is ignored (upgrade sdc-forensics to reuse it)",)
+    assert got.notes == (
+        f"{ledger_run.ledger}:1: ledger record ignored: ledger record version 2, this sdc-forensics reads version 1; "
+        "the record is ignored (upgrade sdc-forensics to reuse it)",
+    )
 
 
-@pytest.mark.parametrize("line", [
-    b"not json\n", b"[1, 2]\n", b"{}\n", b'{"ledger_version": true}\n', b"[" * 100_000 + b"\n", b'{"a": 1e999999}\n',
-    b'{"ledger_version": 1, "sha256": 5}\n', b"\xff\xfe\n", b"9" * 5000 + b"\n", b"x" * (MAX_RECORD_BYTES + 10) + b"\n",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"not json\n",
+        b"[1, 2]\n",
+        b"{}\n",
+        b'{"ledger_version": true}\n',
+        b"[" * 100_000 + b"\n",
+        b'{"a": 1e999999}\n',
+        b'{"ledger_version": 1, "sha256": 5}\n',
+        b"\xff\xfe\n",
+        b"9" * 5000 + b"\n",
+        b"x" * (MAX_RECORD_BYTES + 10) + b"\n",
+    ],
+)
 def test_hostile_lines_are_each_one_line_and_never_raise(ledger_run, line):
     append_record(ledger_run.ledger, ledger_run.record(0, 10))
     with open(ledger_run.ledger, "ab") as handle:
@@ -143,7 +174,7 @@ def test_a_record_with_a_field_out_of_range_is_ignored(ledger_run):
     append_record(ledger_run.ledger, ledger_run.record(0, 10))
     _rewrite_line(ledger_run.ledger, 1, lambda doc: doc["start"].update(weights_digest="not hex"), reseal=True)
     got = read_ledger(ledger_run.ledger)
-    assert got.records == () and "\"weights_digest\" must be 16 lowercase hex digits" in got.notes[0]
+    assert got.records == () and '"weights_digest" must be 16 lowercase hex digits' in got.notes[0]
 
 
 def test_an_unwritable_place_raises_one_error_naming_the_fix(ledger_run, tmp_path):
@@ -158,7 +189,11 @@ def test_an_unwritable_place_raises_one_error_naming_the_fix(ledger_run, tmp_pat
     with pytest.raises(LedgerWriteError):  # never written through a link planted in its place
         append_record(link, ledger_run.record(0, 10))
     assert target.read_text() == ""
-    assert read_ledger(blocker / "ledger.jsonl").notes[0].endswith("the ledger cannot be read (Not a directory); nothing is reused from it")
+    assert (
+        read_ledger(blocker / "ledger.jsonl")
+        .notes[0]
+        .endswith("the ledger cannot be read (Not a directory); nothing is reused from it")
+    )
 
 
 def _spawn():
@@ -168,7 +203,10 @@ def _spawn():
 def test_two_writers_appending_200_records_each_lose_and_tear_none(ledger_run):
     ctx, template = _spawn(), ledger_run.record(0, 10)
     barrier = ctx.Barrier(2)
-    procs = [ctx.Process(target=workers.append_many, args=(str(ledger_run.ledger), template, name, 200, barrier)) for name in "ab"]
+    procs = [
+        ctx.Process(target=workers.append_many, args=(str(ledger_run.ledger), template, name, 200, barrier))
+        for name in "ab"
+    ]
     for proc in procs:
         proc.start()
     for proc in procs:

@@ -17,7 +17,9 @@ PAD = "x" * 6000
 
 def numbered(template: IntervalRecord, writer: str, seq: int) -> IntervalRecord:
     """``template`` as record number ``seq`` of ``writer`` (a new id, the pair in its settings)."""
-    return dataclasses.replace(template, record_id=uuid.uuid4().hex, settings={"writer": writer, "seq": seq, "pad": PAD})
+    return dataclasses.replace(
+        template, record_id=uuid.uuid4().hex, settings={"writer": writer, "seq": seq, "pad": PAD}
+    )
 
 
 def append_many(path: str, template: IntervalRecord, writer: str, count: int, barrier) -> None:

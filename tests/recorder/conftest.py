@@ -10,4 +10,3 @@ def nan_input_element(step: int, rank: int, world_size: int) -> int:
     inputs, _ = recipe.fetch_microbatch(recipe.microbatch_ids(step, rank, world_size)[0])
     flat = inputs.reshape(-1).abs()
     return int(((flat >= 1) & (flat < 2)).nonzero()[0, 0])
-

@@ -12,8 +12,17 @@ from torch import nn
 
 def build(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
-                         nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 5),
+    )
 
 
 def batch(microbatch_id: int):
@@ -57,7 +66,9 @@ def job(rank: int, root: str) -> str:
     fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     options = RecorderOptions(policy="continue", reduction="ordered")
-    with Recorder(Path(root, "trace"), model, optimizer, recipe="tests.recorder.fsdp_convjob:recipe", options=options) as rec:
+    with Recorder(
+        Path(root, "trace"), model, optimizer, recipe="tests.recorder.fsdp_convjob:recipe", options=options
+    ) as rec:
         for step in range(5):
             if step % 2 == 0:
                 rec.checkpoint(step, Path(root, "ckpt", f"step-{step}"), dcp_state(model, optimizer))

@@ -44,8 +44,13 @@ def _call(local, reduced_per_rank):
     sk_r = np.stack([reference.sketch(r) for r in reduced_per_rank])
     digests = np.array([reference.digest_bytes(r) for r in reduced_per_rank], dtype=np.uint64)
     return checks.check_allreduce(
-        3, sk_l, np.linalg.norm(local.astype(np.float64), axis=1), sk_r,
-        np.linalg.norm(np.asarray(reduced_per_rank, dtype=np.float64), axis=1), digests, "float32",
+        3,
+        sk_l,
+        np.linalg.norm(local.astype(np.float64), axis=1),
+        sk_r,
+        np.linalg.norm(np.asarray(reduced_per_rank, dtype=np.float64), axis=1),
+        digests,
+        "float32",
     )
 
 
@@ -105,22 +110,43 @@ def test_options_validation():
 def test_resumed_run_is_a_new_attempt_and_keeps_the_old_one(tmp_path):
     settings = FingerprintSettings(seed=1, sketch_k=8)
     first = records.build_manifest(
-        tmp_path, world_size=2, settings=settings, recipe="m:r", checkpoint_every=10, audit_every=None,
-        weights_every=1, node_of_rank=(0, 1), attempt=Attempt(attempt=0, start_step=0),
+        tmp_path,
+        world_size=2,
+        settings=settings,
+        recipe="m:r",
+        checkpoint_every=10,
+        audit_every=None,
+        weights_every=1,
+        node_of_rank=(0, 1),
+        attempt=Attempt(attempt=0, start_step=0),
     )
     write_manifest(tmp_path, first)
     (tmp_path / "rank-00000.attempt-000.sdct").write_bytes(b"")
     assert records.next_attempt(tmp_path) == 1
     second = records.build_manifest(
-        tmp_path, world_size=2, settings=settings, recipe="m:r", checkpoint_every=10, audit_every=None,
-        weights_every=1, node_of_rank=(0, 1), attempt=Attempt(attempt=1, start_step=20),
+        tmp_path,
+        world_size=2,
+        settings=settings,
+        recipe="m:r",
+        checkpoint_every=10,
+        audit_every=None,
+        weights_every=1,
+        node_of_rank=(0, 1),
+        attempt=Attempt(attempt=1, start_step=20),
     )
     write_manifest(tmp_path, second)
     assert [(a.attempt, a.start_step) for a in read_manifest(tmp_path).attempts] == [(0, 0), (1, 20)]
     with pytest.raises(UsageError, match="world size"):
         records.build_manifest(
-            tmp_path, world_size=3, settings=settings, recipe=None, checkpoint_every=None, audit_every=None,
-            weights_every=1, node_of_rank=(0, 1, 2), attempt=Attempt(attempt=2, start_step=0),
+            tmp_path,
+            world_size=3,
+            settings=settings,
+            recipe=None,
+            checkpoint_every=None,
+            audit_every=None,
+            weights_every=1,
+            node_of_rank=(0, 1, 2),
+            attempt=Attempt(attempt=2, start_step=0),
         )
 
 
@@ -140,10 +166,20 @@ def test_non_contiguous_ids_round_trip_through_ids_records(tmp_path):
     from sdc_forensics.trace.writer import RankTraceWriter
 
     settings = FingerprintSettings(seed=1, sketch_k=8)
-    write_manifest(tmp_path, records.build_manifest(
-        tmp_path, world_size=1, settings=settings, recipe=None, checkpoint_every=None, audit_every=None,
-        weights_every=1, node_of_rank=(0,), attempt=Attempt(attempt=0, start_step=0),
-    ))
+    write_manifest(
+        tmp_path,
+        records.build_manifest(
+            tmp_path,
+            world_size=1,
+            settings=settings,
+            recipe=None,
+            checkpoint_every=None,
+            audit_every=None,
+            weights_every=1,
+            node_of_rank=(0,),
+            attempt=Attempt(attempt=0, start_step=0),
+        ),
+    )
     ids = [90, 3, 17] + list(range(100, 130))  # more than one IDS record holds
     with RankTraceWriter(tmp_path, rank=0, attempt=0, world_size=1, sketch_k=8, seed=1) as writer:
         for step, step_ids in ((0, ids), (1, [5, 6])):

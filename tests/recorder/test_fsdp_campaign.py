@@ -13,7 +13,10 @@ def test_the_online_checks_never_blame_a_healthy_rank_and_catch_what_they_promis
     trials, fired, clipped = fsdp_campaign.run(faults=18, clean=2, seed=2026)
     assert fired is not None, "every rank reaches the same result"
     for fault, (steps_clipped, steps_updated) in zip(trials, clipped):  # the job clips on every step it updates
-        assert steps_clipped == steps_updated and (fault is not None or steps_updated == fsdp_campaign.STEPS), (fault, clipped)
+        assert steps_clipped == steps_updated and (fault is not None or steps_updated == fsdp_campaign.STEPS), (
+            fault,
+            clipped,
+        )
     outcomes = [fsdp_campaign.judge(fault, seen) for fault, seen in zip(trials, fired)]
     assert {f["location"] for f in trials if f} == set(fsdp_campaign.LOCATIONS)
     for fault, seen, outcome in zip(trials, fired, outcomes):

@@ -44,13 +44,20 @@ def _flip(rank: int, target_rank: int, target: str):
         if rank == target_rank and name == target:
             with torch.no_grad():
                 tensor.view(-1).view(torch.int32)[0] ^= 1 << 22
+
     return corrupt
 
 
 def _summary(result) -> dict:
-    return {"kind": result.kind, "clean": result.clean, "suspects": list(result.suspects), "note": result.note,
-            "lines": result.lines(), "groups": [list(g) for g in result.groups],
-            "disagreements": [[d.param, list(d.group), list(d.suspects), d.attributed] for d in result.disagreements]}
+    return {
+        "kind": result.kind,
+        "clean": result.clean,
+        "suspects": list(result.suspects),
+        "note": result.note,
+        "lines": result.lines(),
+        "groups": [list(g) for g in result.groups],
+        "disagreements": [[d.param, list(d.group), list(d.suspects), d.attributed] for d in result.disagreements],
+    }
 
 
 def _job(rank: int, out: str) -> dict:
@@ -66,8 +73,14 @@ def _job(rank: int, out: str) -> dict:
     from sdc_forensics.recorder.recorder import Recorder
 
     try:  # what the sharded recorder does not do yet, it refuses before writing anything
-        Recorder(Path(out, f"trace{rank}"), fsdp, torch.optim.SGD(fsdp.parameters(), lr=0.1), recipe="no.such:recipe",
-                 options=RecorderOptions(audit_every=2), inject=["grad:step=1:rank=0:bit=3"])
+        Recorder(
+            Path(out, f"trace{rank}"),
+            fsdp,
+            torch.optim.SGD(fsdp.parameters(), lr=0.1),
+            recipe="no.such:recipe",
+            options=RecorderOptions(audit_every=2),
+            inject=["grad:step=1:rank=0:bit=3"],
+        )
         found["recorder"] = None
     except UsageError as refusal:
         found["recorder"] = [str(refusal), Path(out, f"trace{rank}").exists()]
@@ -148,6 +161,6 @@ def test_a_model_mixing_meshes_votes_each_parameter_within_its_own_mesh(found):
 def test_hsdp_with_two_replicas_detects_and_blames_nobody(found):
     bad = found[0]["hsdp2_bad"]
     assert not bad["clean"] and bad["suspects"] == []
-    (param, group, suspects, attributed), = bad["disagreements"]
+    ((param, group, suspects, attributed),) = bad["disagreements"]
     assert param == "2.bias" and 1 in group and len(group) == 2 and not attributed
     assert "detected, not attributed" in bad["lines"][0]

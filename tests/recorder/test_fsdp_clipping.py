@@ -34,8 +34,14 @@ HSDP = {"hsdp": [2, 2]}
 
 FAST_CLEAN = {"fsdp": {}}
 FAST_FAULTS = {"hsdp-bf16-spike": ({**HSDP, **BF16}, "local-gradient:step=2:rank=1:bit=27", 2, 1)}
-HEAVY_CLEAN = {"hsdp": HSDP, "fsdp-bf16": BF16, "hsdp-bf16": {**HSDP, **BF16}, "fsdp-native": {"reduction": "native"},
-               "hsdp-native": {**HSDP, "reduction": "native"}, "fsdp-bf16-native": {**BF16, "reduction": "native"}}
+HEAVY_CLEAN = {
+    "hsdp": HSDP,
+    "fsdp-bf16": BF16,
+    "hsdp-bf16": {**HSDP, **BF16},
+    "fsdp-native": {"reduction": "native"},
+    "hsdp-native": {**HSDP, "reduction": "native"},
+    "fsdp-bf16-native": {**BF16, "reduction": "native"},
+}
 HEAVY_FAULTS = {
     "fsdp-grad": ({}, "local-gradient:step=2:rank=1:bit=20", 2, 1),
     "fsdp-weights": ({}, "weights:step=2:rank=3:bit=20", 2, 3),
@@ -89,7 +95,9 @@ def _check_fault(root: Path, name: str, step: int, rank: int) -> None:
     code, doc = _cli("bisect", str(root / name / "trace"))
     assert code == 1 and doc["first_divergent_step"] == step, doc
     assert [s["rank"] for s in doc["suspects"]] == [rank], doc["suspects"]
-    against_collective = [e for e in doc["evidence"] if e["kind"] == "allreduce_mismatch" or "do not add up" in e["found"]]
+    against_collective = [
+        e for e in doc["evidence"] if e["kind"] == "allreduce_mismatch" or "do not add up" in e["found"]
+    ]
     assert against_collective == [], against_collective
 
 

@@ -62,8 +62,15 @@ def _fsdp(rank: int, mixed: bool) -> list[dict]:
             model.set_requires_gradient_sync(micro == 1)
             model(torch.randn(6, 24, generator=gen)).square().mean().backward()
         result = monitor.check(step)
-        results.append({"step": step, "calls": result.calls, "suspects": list(result.suspects),
-                        "checks": sorted({f.check for f in result.findings}), "lines": result.lines()})
+        results.append(
+            {
+                "step": step,
+                "calls": result.calls,
+                "suspects": list(result.suspects),
+                "checks": sorted({f.check for f in result.findings}),
+                "lines": result.lines(),
+            }
+        )
         if any(not torch.isfinite(p.grad.to_local()).all() for p in model.parameters() if p.grad is not None):
             optimizer.zero_grad()  # a job would skip this step: keep the weights finite
             continue
@@ -123,7 +130,9 @@ def _hsdp(rank: int) -> dict:
         step_now[0] = step
         model(torch.randn(6, 24, generator=gen)).square().mean().backward()
         result = monitor.check(step)
-        results.append({"step": step, "suspects": list(result.suspects), "checks": sorted({f.check for f in result.findings})})
+        results.append(
+            {"step": step, "suspects": list(result.suspects), "checks": sorted({f.check for f in result.findings})}
+        )
         optimizer.step()
         optimizer.zero_grad()
     return {"results": results, "user_hook_calls": len(seen_by_user_hook)}
@@ -144,7 +153,9 @@ def _variants(rank: int) -> dict:
     out = {}
     for name in ("hsdp-accumulate", "hsdp-divide-factor", "grouped"):
         model = _model()
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if name.startswith("hsdp") else None
+        mesh = (
+            init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if name.startswith("hsdp") else None
+        )
         kwargs = {"mesh": mesh} if mesh is not None else {}
         if name == "grouped":
             fully_shard([model[0], model[3]], **kwargs)
@@ -202,8 +213,13 @@ def _spec(rank: int) -> list:
 
 def _job(rank: int) -> dict:
     """The jobs one after another in one process group: one spawn of 4 processes."""
-    return {"fsdp": _fsdp(rank, mixed=False), "mixed": _fsdp(rank, mixed=True), "hsdp": _hsdp(rank), "variants": _variants(rank),
-            "spec": _spec(rank)}
+    return {
+        "fsdp": _fsdp(rank, mixed=False),
+        "mixed": _fsdp(rank, mixed=True),
+        "hsdp": _hsdp(rank),
+        "variants": _variants(rank),
+        "spec": _spec(rank),
+    }
 
 
 @pytest.fixture(scope="module")

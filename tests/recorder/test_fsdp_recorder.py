@@ -66,8 +66,13 @@ def _jobs(rank: int, root: str, runs: list) -> dict:
         kwargs["inject"] = tuple(kwargs.get("inject", ()))
         os.environ[TAP_ENV] = kwargs.pop("tap", "")  # "post-backward": as on a torch without set_custom_reduce_scatter
         try:
-            out[name] = train(rank, kwargs.pop("world", WORLD), str(Path(root, name, "trace")), str(Path(root, name, "ckpt")),
-                              **kwargs)
+            out[name] = train(
+                rank,
+                kwargs.pop("world", WORLD),
+                str(Path(root, name, "trace")),
+                str(Path(root, name, "ckpt")),
+                **kwargs,
+            )
         finally:
             os.environ.pop(TAP_ENV, None)
     return out
@@ -76,21 +81,35 @@ def _jobs(rank: int, root: str, runs: list) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp_recorder")
-    todo = [("clean", {}), ("hsdp-clean", {"hsdp": [2, 2]}), ("hsdp-update", {"hsdp": [2, 2], "inject": ["update:step=2:rank=1:bit=20"]}),
-            ("bf16-clean", {"reduce_dtype": "bfloat16"}),
-            ("bf16-hsdp-rs", {"hsdp": [2, 2], "reduce_dtype": "bfloat16", "inject": ["reduce-scatter-output:step=4:rank=3:bit=10"]}),
-            ("mp-clean", {"param_dtype": "bfloat16", "reduce_dtype": "float32"}),  # torchtitan's default policy
-            ("mp-f16", {"param_dtype": "float16", "reduce_dtype": "float32"}),
-            ("f16-reduce", {"param_dtype": "float16"}),  # float16 reduction: FSDP2 divides before and after summing
-            ("f16-reduce-hsdp-native", {"param_dtype": "float16", "hsdp": [2, 2], "reduction": "native"}),
-            ("mp-local", {"param_dtype": "bfloat16", "inject": ["local-gradient:step=2:rank=1:bit=10"]}),
-            ("fb-native", {"tap": "post-backward", "reduction": "native"}),
-            ("native", {"reduction": "native"}),
-            ("native-hsdp", {"reduction": "native", "hsdp": [2, 2], "reduce_dtype": "bfloat16"}),
-            ("audited", {"audit_every": 2, "inject": ["local-gradient:step=2:rank=1:bit=20"]}),
-            ("audited-hsdp-clean", {"audit_every": 2, "hsdp": [2, 2]}),
-            ("fb-hsdp-local", {"tap": "post-backward", "reduction": "native", "hsdp": [2, 2],
-                               "inject": ["local-gradient:step=3:rank=2:bit=30"]})]
+    todo = [
+        ("clean", {}),
+        ("hsdp-clean", {"hsdp": [2, 2]}),
+        ("hsdp-update", {"hsdp": [2, 2], "inject": ["update:step=2:rank=1:bit=20"]}),
+        ("bf16-clean", {"reduce_dtype": "bfloat16"}),
+        (
+            "bf16-hsdp-rs",
+            {"hsdp": [2, 2], "reduce_dtype": "bfloat16", "inject": ["reduce-scatter-output:step=4:rank=3:bit=10"]},
+        ),
+        ("mp-clean", {"param_dtype": "bfloat16", "reduce_dtype": "float32"}),  # torchtitan's default policy
+        ("mp-f16", {"param_dtype": "float16", "reduce_dtype": "float32"}),
+        ("f16-reduce", {"param_dtype": "float16"}),  # float16 reduction: FSDP2 divides before and after summing
+        ("f16-reduce-hsdp-native", {"param_dtype": "float16", "hsdp": [2, 2], "reduction": "native"}),
+        ("mp-local", {"param_dtype": "bfloat16", "inject": ["local-gradient:step=2:rank=1:bit=10"]}),
+        ("fb-native", {"tap": "post-backward", "reduction": "native"}),
+        ("native", {"reduction": "native"}),
+        ("native-hsdp", {"reduction": "native", "hsdp": [2, 2], "reduce_dtype": "bfloat16"}),
+        ("audited", {"audit_every": 2, "inject": ["local-gradient:step=2:rank=1:bit=20"]}),
+        ("audited-hsdp-clean", {"audit_every": 2, "hsdp": [2, 2]}),
+        (
+            "fb-hsdp-local",
+            {
+                "tap": "post-backward",
+                "reduction": "native",
+                "hsdp": [2, 2],
+                "inject": ["local-gradient:step=3:rank=2:bit=30"],
+            },
+        ),
+    ]
     todo += [(name, {"inject": [spec]}) for name, (spec, _, _) in FAULTS.items()]
     todo += [(name, {"hsdp": [2, 2], "inject": [spec]}) for name, (spec, _, _) in HSDP_FAULTS.items()]
     found = gloo_job(_jobs, WORLD, root / "results", str(root), todo)
@@ -120,8 +139,9 @@ def test_a_clean_fsdp_job_is_certified_and_its_resharded_checkpoint_still_is(run
     optimizer = sharded.make_optimizer(model)
     sharded.load_dcp(root / "clean" / "ckpt" / "step-00000003", model, optimizer)  # 4 shards -> 1 process
     dcp.save(sharded.dcp_state(model, optimizer), checkpoint_id=str(tmp_path / "resaved"))
-    result = CliRunner().invoke(cli, ["verify-checkpoint", str(tmp_path / "resaved"), "--trace", str(root / "clean" / "trace"),
-                                      "--step", "3"])
+    result = CliRunner().invoke(
+        cli, ["verify-checkpoint", str(tmp_path / "resaved"), "--trace", str(root / "clean" / "trace"), "--step", "3"]
+    )
     assert result.exit_code == 0 and "CERTIFIED CLEAN" in result.output, result.output
 
 
@@ -191,9 +211,14 @@ def test_the_report_names_a_sharded_suspect_with_its_mesh_coordinates(runs, tmp_
 
     root, _ = runs
     for suffix in ("md", "json"):
-        result = CliRunner().invoke(cli, ["report", str(root / "hsdp-weights" / "trace"), "-o", str(tmp_path / f"review.{suffix}")])
+        result = CliRunner().invoke(
+            cli, ["report", str(root / "hsdp-weights" / "trace"), "-o", str(tmp_path / f"review.{suffix}")]
+        )
         assert result.exit_code == 1, result.output
-    assert "rank 3 on host" in (tmp_path / "review.md").read_text() and "mesh `replicate=1, shard=1`" in (tmp_path / "review.md").read_text()
+    assert (
+        "rank 3 on host" in (tmp_path / "review.md").read_text()
+        and "mesh `replicate=1, shard=1`" in (tmp_path / "review.md").read_text()
+    )
     assert_valid(json.loads((tmp_path / "review.json").read_text()), "report")
 
 
@@ -220,7 +245,10 @@ def test_a_job_computing_in_bfloat16_is_certified_exactly_and_a_fault_in_it_foun
     assert code == 1 and doc["first_divergent_step"] == 2 and [s["rank"] for s in doc["suspects"]] == [1], doc
     code, doc = _bisect(root / "mp-f16" / "trace", "certify")  # float16 compute, float32 reduction
     assert code == 0 and [c["status"] for c in doc["checkpoints"]] == ["clean", "clean"], doc
-    for name in ("f16-reduce", "f16-reduce-hsdp-native"):  # float16 reduction, pre- and post-divided; the trace alone agrees
+    for name in (
+        "f16-reduce",
+        "f16-reduce-hsdp-native",
+    ):  # float16 reduction, pre- and post-divided; the trace alone agrees
         assert all(f[name]["alarms"] == [] for f in found)
         code, doc = _bisect(root / name / "trace", "certify")
         assert code == 0 and [c["status"] for c in doc["checkpoints"]] == ["clean", "clean"], (name, doc)
@@ -246,7 +274,9 @@ def test_audits_recompute_another_ranks_microbatches_and_name_the_rank_online(ru
     microbatches on a whole copy of the model, disagrees with rank 1's flipped local gradient, and
     rank 2 breaks the tie; a clean HSDP job's audits all agree."""
     root, found = runs
-    assert all(f["audited"]["alarms"] == [{"step": 2, "rank": 1, "check": "audit"}] for f in found), [f["audited"] for f in found]
+    assert all(f["audited"]["alarms"] == [{"step": 2, "rank": 1, "check": "audit"}] for f in found), [
+        f["audited"] for f in found
+    ]
     assert all(f["audited-hsdp-clean"]["alarms"] == [] for f in found)
     code, doc = _bisect(root / "audited" / "trace", "bisect", "--trace-only")
     assert code == 1 and doc["first_divergent_step"] == 2 and [s["rank"] for s in doc["suspects"]] == [1], doc
@@ -268,7 +298,9 @@ def test_a_bfloat16_job_replayed_without_its_casts_blames_no_rank_and_certifies_
     (job / "trace" / "manifest.json").write_text(json.dumps(manifest))
     (job / "trace" / "ledger.jsonl").unlink(missing_ok=True)  # the certify of the original recorded its intervals
     _, doc = _bisect(job / "trace", "certify")
-    assert doc["verdict"] == "inconclusive" and [c["status"] for c in doc["checkpoints"]] == ["clean", "unverified"], doc
+    assert doc["verdict"] == "inconclusive" and [c["status"] for c in doc["checkpoints"]] == ["clean", "unverified"], (
+        doc
+    )
     _, doc = _bisect(job / "trace", "bisect")
     assert doc["verdict"] == "inconclusive" and doc["suspects"] == [], doc
 
@@ -278,8 +310,16 @@ def test_a_recipe_model_without_a_module_the_job_cast_is_refused_in_one_line():
     from sdc_forensics.replay.mixed import computing_as_recorded
     from sdc_forensics.trace.mesh import ShardMesh
 
-    mesh = ShardMesh(kind="fsdp", shape=(2,), dim_names=("shard",), shard_dim=0, coords=((0,), (1,)), reduce_dtype="float32",
-                     param_dtype="bfloat16", casts=(("", "bfloat16", ""), ("blocks.0", "bfloat16", "")))
+    mesh = ShardMesh(
+        kind="fsdp",
+        shape=(2,),
+        dim_names=("shard",),
+        shard_dim=0,
+        coords=((0,), (1,)),
+        reduce_dtype="float32",
+        param_dtype="bfloat16",
+        casts=(("", "bfloat16", ""), ("blocks.0", "bfloat16", "")),
+    )
     model = torch.nn.Sequential(torch.nn.Linear(3, 2))
     with pytest.raises(RecipeError, match="'blocks.0'"):
         with computing_as_recorded(model, mesh):
@@ -320,14 +360,24 @@ def test_the_post_backward_taps_reduction_check_names_the_rank_whose_shard_is_wr
     from sdc_forensics.trace.mesh import ShardMesh
 
     k, gen = 8, torch.Generator().manual_seed(0)
-    mesh = ShardMesh(kind="hsdp", shape=(2, 2), dim_names=("replicate", "shard"), shard_dim=1,
-                     coords=((0, 0), (0, 1), (1, 0), (1, 1)))
+    mesh = ShardMesh(
+        kind="hsdp",
+        shape=(2, 2),
+        dim_names=("replicate", "shard"),
+        shard_dim=1,
+        coords=((0, 0), (0, 1), (1, 0), (1, 1)),
+    )
     grads = [torch.randn(2, 5000, generator=gen) for _ in range(4)]  # each rank's local gradient, by shard
     row = lambda t: [*map(float, (fp := fingerprint(t, k=k)).sketch), float(fp.norm), float(fp.nonfinite)]  # noqa: E731
     total = np.array([[_terms(row(g[c]), k) for c in range(2)] for g in grads]).sum(axis=0)  # what the all-reduce sums
     mean = [sum(g[c] for g in grads) / 4 for c in range(2)]
     reduced = [row(mean[mesh.shard_of(r)]) for r in range(4)]
-    verdicts = lambda: [(f.check, f.rank) for r in range(4) for f in own_verdict(r, mesh, total, 0, reduced[r], "float32", k, 0.25)]  # noqa: E731
+
+    def verdicts():
+        return [
+            (f.check, f.rank) for r in range(4) for f in own_verdict(r, mesh, total, 0, reduced[r], "float32", k, 0.25)
+        ]
+
     assert verdicts() == []
     wrong = mean[1].clone()
     wrong[17] += 1e-2 * float(wrong.norm())
@@ -343,11 +393,14 @@ def _fallback_refusals(rank: int, root: str) -> list[str]:
 
     os.environ[TAP_ENV] = "post-backward"
     out = []
-    for n, kwargs in enumerate([{"options": RecorderOptions(reduction="ordered")},
-                                {"inject": ["reduce-scatter-output:step=1:rank=0:bit=3"]}]):
+    for n, kwargs in enumerate(
+        [{"options": RecorderOptions(reduction="ordered")}, {"inject": ["reduce-scatter-output:step=1:rank=0:bit=3"]}]
+    ):
         model = sharded.shard(sharded.build_model())
         try:
-            Recorder(Path(root, f"trace-{n}"), model, sharded.make_optimizer(model), recipe=sharded.REFERENCE, **kwargs).close()
+            Recorder(
+                Path(root, f"trace-{n}"), model, sharded.make_optimizer(model), recipe=sharded.REFERENCE, **kwargs
+            ).close()
             out.append("recorded")
         except UsageError as refusal:
             out.append(str(refusal))
@@ -375,8 +428,11 @@ def _closed(rank: int, root: str) -> list[bool]:
                 sharded.loss_of(model, sharded.microbatch(rank)).backward()
                 optimizer.step()
             wrapped = all("_root_post_backward_final_callback" in vars(state) for state in states)
-        out.append(own == [(g._reduce_scatter_comm, "post_backward" in vars(g)) for g in fm.param_groups(model)]
-                   and wrapped and not any("_root_post_backward_final_callback" in vars(state) for state in states))
+        out.append(
+            own == [(g._reduce_scatter_comm, "post_backward" in vars(g)) for g in fm.param_groups(model)]
+            and wrapped
+            and not any("_root_post_backward_final_callback" in vars(state) for state in states)
+        )
     os.environ.pop(TAP_ENV, None)
     return out
 
@@ -435,7 +491,9 @@ def test_the_same_job_under_ddp_and_fsdp2_gives_equal_whole_digests_at_step_0(ru
             for mb in trace.microbatch_ids(window.records[0, rank]):
                 sharded.loss_of(model, sharded.microbatch(int(mb))).backward()
             flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-            assert int(window.records[0, rank]["local_digest"]) == combine_digests([digest(flat, trace.manifest.fingerprint.seed)])
+            assert int(window.records[0, rank]["local_digest"]) == combine_digests(
+                [digest(flat, trace.manifest.fingerprint.seed)]
+            )
     finally:
         torch.set_num_threads(threads)
 
@@ -443,10 +501,23 @@ def test_the_same_job_under_ddp_and_fsdp2_gives_equal_whole_digests_at_step_0(ru
 def _hsdp3(rank: int, root: str) -> dict:
     from sdc_forensics.demo.sharded import train
 
-    return {name: train(rank, 6, str(Path(root, name, "trace")), str(Path(root, name, "ckpt")), hsdp=(3, 2), steps=5,
-                        inject=inject, reduction=reduction)
-            for name, inject, reduction in (("clean", (), "ordered"), ("update", ("update:step=1:rank=4:bit=22",), "ordered"),
-                                            ("native", (), "native"))}
+    return {
+        name: train(
+            rank,
+            6,
+            str(Path(root, name, "trace")),
+            str(Path(root, name, "ckpt")),
+            hsdp=(3, 2),
+            steps=5,
+            inject=inject,
+            reduction=reduction,
+        )
+        for name, inject, reduction in (
+            ("clean", (), "ordered"),
+            ("update", ("update:step=1:rank=4:bit=22",), "ordered"),
+            ("native", (), "native"),
+        )
+    }
 
 
 def test_with_three_hsdp_replicas_the_vote_names_the_rank_online_and_a_clean_run_certifies(tmp_path):
@@ -461,7 +532,9 @@ def test_with_three_hsdp_replicas_the_vote_names_the_rank_online_and_a_clean_run
     assert code == 0 and [c["status"] for c in doc["checkpoints"]] == ["clean", "clean"], doc
     code, doc = _bisect(tmp_path / "update" / "trace")
     assert code == 1 and doc["first_divergent_step"] == 1, doc
-    assert [(s["rank"], s["location"], s["mesh"]) for s in doc["suspects"]] == [(4, "optimizer_update", "replicate=2, shard=0")]
+    assert [(s["rank"], s["location"], s["mesh"]) for s in doc["suspects"]] == [
+        (4, "optimizer_update", "replicate=2, shard=0")
+    ]
     assert found[0]["native"]["alarms"] == []
     code, doc = _bisect(tmp_path / "native" / "trace", "certify")
     assert code == 0 and [c["status"] for c in doc["checkpoints"]] == ["clean", "clean"], doc
@@ -474,10 +547,15 @@ def _communicating_accumulation(rank: int, root: str) -> str:
 
     model = sharded.shard(sharded.build_model())
     optimizer = sharded.make_optimizer(model)
-    with Recorder(Path(root, "trace"), model, optimizer, recipe=sharded.REFERENCE, options=RecorderOptions(policy="continue")) as rec:
+    with Recorder(
+        Path(root, "trace"), model, optimizer, recipe=sharded.REFERENCE, options=RecorderOptions(policy="continue")
+    ) as rec:
         try:
             with rec.step(0, microbatch_ids=[2 * rank, 2 * rank + 1]):
-                for mb in (2 * rank, 2 * rank + 1):  # no set_requires_gradient_sync(False): a reduce-scatter per microbatch
+                for mb in (
+                    2 * rank,
+                    2 * rank + 1,
+                ):  # no set_requires_gradient_sync(False): a reduce-scatter per microbatch
                     sharded.loss_of(model, sharded.microbatch(mb)).backward()
                 optimizer.step()
             return "recorded"
@@ -489,7 +567,9 @@ def test_accumulation_that_reduce_scatters_every_microbatch_is_refused_on_every_
     """Two reduce-scatters of one group in a step would record the sum of two pieces' terms, not
     the summed gradient's: every rank raises one line instead of writing a wrong record."""
     found = gloo_job(_communicating_accumulation, WORLD, tmp_path / "results", str(tmp_path))
-    assert all("reduce-scattered twice in one step" in f and "set_requires_gradient_sync(False)" in f for f in found), found
+    assert all("reduce-scattered twice in one step" in f and "set_requires_gradient_sync(False)" in f for f in found), (
+        found
+    )
 
 
 def test_a_users_conv_net_with_batchnorm_certifies_though_fsdp2_keeps_each_ranks_running_statistics(tmp_path):
@@ -510,7 +590,9 @@ def _one_shard_mesh(rank: int) -> str:
     from sdc_forensics.errors import UsageError
     from sdc_forensics.recorder import Recorder
 
-    model = sharded.shard(sharded.build_model(), init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard")))
+    model = sharded.shard(
+        sharded.build_model(), init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))
+    )
     try:
         Recorder("unused", model, sharded.make_optimizer(model))
         return "recorded"

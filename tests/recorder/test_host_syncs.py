@@ -36,7 +36,9 @@ def _run(tmp_path, monkeypatch, *, microbatches: int = 2):
 
     def counting_async(tensor, **kwargs):
         pending = real_async(tensor, **kwargs)
-        shadow[id(pending)] = real_resolve([real_async(tensor, **kwargs)])[0]  # same moment: before the in-place all-reduce
+        shadow[id(pending)] = real_resolve([real_async(tensor, **kwargs)])[
+            0
+        ]  # same moment: before the in-place all-reduce
         return pending
 
     def counting_resolve(pending):
@@ -53,15 +55,22 @@ def _run(tmp_path, monkeypatch, *, microbatches: int = 2):
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
         try:
             torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 512), torch.nn.Tanh(),
-                                        torch.nn.Linear(512, 4))  # 2.4 MB of gradient: over DDP's 1 MB first bucket
+            model = torch.nn.Sequential(
+                torch.nn.Linear(64, 1024),
+                torch.nn.Tanh(),
+                torch.nn.Linear(1024, 512),
+                torch.nn.Tanh(),
+                torch.nn.Linear(512, 4),
+            )  # 2.4 MB of gradient: over DDP's 1 MB first bucket
             ddp = DistributedDataParallel(model, bucket_cap_mb=0.5)  # then 0.5 MB buckets: several every step
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
             results = []
             with Recorder(tmp_path / "trace", ddp, optimizer) as rec:
                 for step in range(STEPS):
                     current["step"] = step
-                    with rec.step(step, microbatch_ids=list(range(step * microbatches, (step + 1) * microbatches))) as s:
+                    with rec.step(
+                        step, microbatch_ids=list(range(step * microbatches, (step + 1) * microbatches))
+                    ) as s:
                         for m in range(microbatches):
                             gen = torch.Generator().manual_seed(step * 10 + m)
                             x, y = s.input((torch.randn(8, 64, generator=gen), torch.randn(8, 4, generator=gen)))
@@ -116,7 +125,11 @@ def test_losses_are_summed_as_before(tmp_path):
     from sdc_forensics.recorder.recorder import Recorder, _StepState
 
     state = _StepState(step=0, ids=None)
-    losses = [torch.tensor(0.1, dtype=torch.float32), torch.tensor([0.3], dtype=torch.float32), torch.tensor(1e-8, dtype=torch.bfloat16)]
+    losses = [
+        torch.tensor(0.1, dtype=torch.float32),
+        torch.tensor([0.3], dtype=torch.float32),
+        torch.tensor(1e-8, dtype=torch.bfloat16),
+    ]
     state.losses.extend(losses)
     assert Recorder._loss_value(state) == float(sum(float(loss) for loss in losses))
     state.losses.append(torch.tensor(2.5))

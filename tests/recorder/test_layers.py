@@ -22,6 +22,9 @@ def test_checkpointing_does_not_import_the_recorder():
 
 
 def test_checkpointing_calls_no_private_member():
-    private = [f"{node.attr} (line {node.lineno})" for node in ast.walk(ast.parse(SOURCE))
-               if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")]
+    private = [
+        f"{node.attr} (line {node.lineno})"
+        for node in ast.walk(ast.parse(SOURCE))
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+    ]
     assert private == []

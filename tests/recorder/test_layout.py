@@ -41,15 +41,21 @@ def _imports() -> dict[str, set[str]]:
     out = {}
     for path in FOLDER.glob("*.py"):
         tree = ast.parse(path.read_text())
-        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                       for n in ast.walk(node)}
+        typing_only = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)
+        }
         deps = set()
         for node in ast.walk(tree):
             if id(node) in typing_only:
                 continue
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sdc_forensics.recorder"):
                 sub = node.module.removeprefix("sdc_forensics.recorder").lstrip(".")
-                deps |= {sub.split(".")[0]} if sub else {a.name for a in node.names if (FOLDER / f"{a.name}.py").exists()}
+                deps |= (
+                    {sub.split(".")[0]} if sub else {a.name for a in node.names if (FOLDER / f"{a.name}.py").exists()}
+                )
             elif isinstance(node, ast.Import):
                 deps |= {a.name.split(".")[2] for a in node.names if a.name.startswith("sdc_forensics.recorder.")}
         out[path.stem] = deps - {path.stem}
@@ -103,15 +109,27 @@ def test_a_model_that_is_neither_ddp_nor_sharded_is_refused_before_anything_else
 def test_one_finding_type_whose_checks_are_an_enum_that_are_still_their_strings():
     finding = Finding(check="weights", step=2, rank=1, detail="d", flag=F.Flag.WEIGHTS_DIVERGED)
     assert finding.check is Check.WEIGHTS and finding.check == "weights"
-    assert f"{finding.check} check" == "weights check" and json.dumps({"check": finding.check}) == '{"check": "weights"}'
+    assert (
+        f"{finding.check} check" == "weights check" and json.dumps({"check": finding.check}) == '{"check": "weights"}'
+    )
     assert {(2, 1, "weights")} == {(finding.step, finding.rank, finding.check)}
     # the FSDP monitor's finer checks: the alarm they raise in the recorder and its flag
-    assert [(c.family, c.flag) for c in (Check.NONFINITE_BEFORE, Check.NONFINITE_AFTER, Check.REDUCE_SCATTER,
-                                          Check.REPLICA_ALL_REDUCE)] == [
-        ("nonfinite", F.Flag.NONFINITE_LOCAL), ("nonfinite", F.Flag.NONFINITE_REDUCED),
-        ("allreduce", F.Flag.ALLREDUCE_MISMATCH), ("allreduce", F.Flag.ALLREDUCE_MISMATCH)]
+    assert [
+        (c.family, c.flag)
+        for c in (Check.NONFINITE_BEFORE, Check.NONFINITE_AFTER, Check.REDUCE_SCATTER, Check.REPLICA_ALL_REDUCE)
+    ] == [
+        ("nonfinite", F.Flag.NONFINITE_LOCAL),
+        ("nonfinite", F.Flag.NONFINITE_REDUCED),
+        ("allreduce", F.Flag.ALLREDUCE_MISMATCH),
+        ("allreduce", F.Flag.ALLREDUCE_MISMATCH),
+    ]
     assert Finding(check="reduce-scatter", rank=3, detail="d").flag == F.Flag.ALLREDUCE_MISMATCH
-    assert (checks.NONFINITE, checks.ALLREDUCE, checks.AUDIT, checks.WEIGHTS) == ("nonfinite", "allreduce", "audit", "weights")
+    assert (checks.NONFINITE, checks.ALLREDUCE, checks.AUDIT, checks.WEIGHTS) == (
+        "nonfinite",
+        "allreduce",
+        "audit",
+        "weights",
+    )
     from sdc_forensics.recorder.fsdp_monitor import FsdpFinding
 
     assert FsdpFinding is Finding
@@ -122,8 +140,9 @@ def test_policy_and_reduction_are_enums_given_as_strings():
     assert options.policy is Policy.CONTINUE and options.reduction is Reduction.ORDERED
     assert options.policy == "continue" and options.reduction == "ordered" and f"{options.reduction}" == "ordered"
     assert json.loads(json.dumps(dataclasses.asdict(options)))["policy"] == "continue"
-    assert dataclasses.replace(options, grad_dtype="bfloat16") == RecorderOptions(policy=Policy.CONTINUE, reduction="ordered",
-                                                                                  grad_dtype="bfloat16")
+    assert dataclasses.replace(options, grad_dtype="bfloat16") == RecorderOptions(
+        policy=Policy.CONTINUE, reduction="ordered", grad_dtype="bfloat16"
+    )
     with pytest.raises(UsageError, match="policy must be one of raise, continue, got 'stop'"):
         RecorderOptions(policy="stop")
     with pytest.raises(UsageError, match="reduction must be one of native, ordered"):
@@ -148,17 +167,26 @@ def test_the_one_vote_within_groups_is_the_consensus_vote_of_each_group():
 def test_a_vote_per_shard_names_the_odd_replica_and_says_where_there_is_no_majority():
     # shards (0, 2, 4) agree but rank 4; (1, 3) split evenly
     votes = checks.vote_within([7, 8, 7, 9, 6], [(0, 2, 4), (1, 3)])
-    assert votes == [((0, 2, 4), Majority(value=7, agreeing=(0, 2), diverged=(4,))),
-                     ((1, 3), Majority(value=None, agreeing=(), diverged=(1, 3)))]
+    assert votes == [
+        ((0, 2, 4), Majority(value=7, agreeing=(0, 2), diverged=(4,))),
+        ((1, 3), Majority(value=None, agreeing=(), diverged=(1, 3))),
+    ]
     assert checks.overall(votes, 0) == Majority(value=None, agreeing=(0, 2), diverged=(1, 3, 4))
-    assert [checks.own_weights_flag(votes, r) for r in range(5)] == [0, int(F.Flag.NO_MAJORITY), 0, int(F.Flag.NO_MAJORITY),
-                                                                      int(F.Flag.WEIGHTS_DIVERGED)]
+    assert [checks.own_weights_flag(votes, r) for r in range(5)] == [
+        0,
+        int(F.Flag.NO_MAJORITY),
+        0,
+        int(F.Flag.NO_MAJORITY),
+        int(F.Flag.WEIGHTS_DIVERGED),
+    ]
     assert checks.overall(checks.vote_within([5, 5, 6], [(0, 1, 2)]), 2).value == 5
     assert checks.strict_majority([1, 2]) == Majority(value=None, agreeing=(), diverged=(0, 1))
 
 
 def test_the_parameters_are_found_in_a_checkpoint_by_storage_then_by_their_one_name():
-    model = torch.nn.ModuleDict({"norm": torch.nn.LayerNorm(2), "attn": torch.nn.ModuleDict({"norm": torch.nn.LayerNorm(2)})})
+    model = torch.nn.ModuleDict(
+        {"norm": torch.nn.LayerNorm(2), "attn": torch.nn.ModuleDict({"norm": torch.nn.LayerNorm(2)})}
+    )
     named = list(model.named_parameters())
     shared = checkpointing.param_keys(named, {"model": model.state_dict()})
     assert shared == tuple(f"model.{name}" for name, _ in named)
@@ -197,10 +225,23 @@ BLESSED = Majority(value=5, agreeing=(0, 1, 2), diverged=())
 def _site(*, policy="raise", vote=BLESSED, findings=(), last=None, saver=None):
     reacted, settled = [], []
     site = checkpointing.CheckpointSite(
-        module=torch.nn.Linear(1, 1), seed=0, policy=Policy(policy), rank=0, world_size=3, group=None, attempt=0,
-        trace_dir=Path("."), writer=_Writer(), injector=None, last_weights_vote=last, weights_digest=lambda: 5,
-        vote=lambda step, digest: (list(findings), vote), settled=settled.append, react=reacted.extend,
-        saver=saver or _Saver())
+        module=torch.nn.Linear(1, 1),
+        seed=0,
+        policy=Policy(policy),
+        rank=0,
+        world_size=3,
+        group=None,
+        attempt=0,
+        trace_dir=Path("."),
+        writer=_Writer(),
+        injector=None,
+        last_weights_vote=last,
+        weights_digest=lambda: 5,
+        vote=lambda step, digest: (list(findings), vote),
+        settled=settled.append,
+        react=reacted.extend,
+        saver=saver or _Saver(),
+    )
     return site, reacted, settled
 
 
@@ -211,7 +252,9 @@ def test_the_checkpoint_protocol_votes_then_saves_then_records_then_reacts():
     site, reacted, settled = _site(vote=unblessed, findings=[finding])
     assert checkpointing.save_checkpoint(site, 3, Path("x"), {}, None) is None
     assert site.saver.calls == 0 and settled == [5] and reacted == [finding]
-    assert site.writer.records[0]["flags"] == int(F.Flag.WEIGHTS_CHECKED | F.Flag.CHECKPOINT_REFUSED | F.Flag.NO_MAJORITY)
+    assert site.writer.records[0]["flags"] == int(
+        F.Flag.WEIGHTS_CHECKED | F.Flag.CHECKPOINT_REFUSED | F.Flag.NO_MAJORITY
+    )
     # continue: saved unblessed
     site, reacted, _ = _site(policy="continue", vote=unblessed, findings=[finding])
     checkpointing.save_checkpoint(site, 3, Path("x"), {}, None)
@@ -219,7 +262,9 @@ def test_the_checkpoint_protocol_votes_then_saves_then_records_then_reacts():
     # the last step's vote is reused: no vote, no finding
     site, reacted, settled = _site(last=(2, 9, Majority(value=9, agreeing=(0, 1, 2), diverged=())), vote=None)
     checkpointing.save_checkpoint(site, 3, Path("x"), {}, None)
-    assert settled == [9] and site.writer.records[0]["weights_digest"] == 9 and site.writer.records[0]["aux_digest"] == 9
+    assert (
+        settled == [9] and site.writer.records[0]["weights_digest"] == 9 and site.writer.records[0]["aux_digest"] == 9
+    )
     # a failed save: recorded, then raised on every rank
     site, _, _ = _site(saver=_Saver(failure="checkpoint 3 could not be saved to x: rank 1: OSError: full"))
     with pytest.raises(SdcError, match="rank 1: OSError: full"):

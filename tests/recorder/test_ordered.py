@@ -41,8 +41,10 @@ def numpy_reference(parts: list[np.ndarray], dtype: str) -> np.ndarray:
 def _parts(world_size: int, numel: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     # magnitudes over many binades, so that the order of additions changes the rounding
-    return [(torch.randn(numel, generator=gen) * torch.exp2(torch.randint(-12, 12, (numel,), generator=gen))).to(dtype)
-            for _ in range(world_size)]
+    return [
+        (torch.randn(numel, generator=gen) * torch.exp2(torch.randint(-12, 12, (numel,), generator=gen))).to(dtype)
+        for _ in range(world_size)
+    ]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
@@ -97,8 +99,11 @@ def _ddp_worker(rank: int, world_size: int, port: int, out_dir: str, dtype_name:
             locals_[bucket.index()] = bucket.buffer().clone()
             inner = ordered.compose(reversed_mean) if with_hook else ordered.ordered_mean_hook  # a job's own hook
             fut = inner(state, bucket)
-            return fut.then(lambda f: reduced.setdefault(bucket.index(), f.value().clone() if isinstance(f.value(), torch.Tensor)
-                                                          else f.value()[0].clone()))
+            return fut.then(
+                lambda f: reduced.setdefault(
+                    bucket.index(), f.value().clone() if isinstance(f.value(), torch.Tensor) else f.value()[0].clone()
+                )
+            )
 
         ddp.register_comm_hook(None, hook)
         gen = torch.Generator().manual_seed(100 + rank)
@@ -116,8 +121,10 @@ def _ddp_worker(rank: int, world_size: int, port: int, out_dir: str, dtype_name:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size,dtype,with_hook", [(3, "float32", False), (4, "float32", True), (3, "bfloat16", False),
-                                                        (2, "float16", False)])
+@pytest.mark.parametrize(
+    "world_size,dtype,with_hook",
+    [(3, "float32", False), (4, "float32", True), (3, "bfloat16", False), (2, "float16", False)],
+)
 def test_every_rank_receives_what_the_replay_computes(tmp_path, world_size, dtype, with_hook):
     forked.start(_ddp_worker, (world_size, free_port(), str(tmp_path), dtype, with_hook), world_size)
     buckets = sorted({p.name.split("-b")[1] for p in tmp_path.glob("r0-b*.pt")})
@@ -127,5 +134,7 @@ def test_every_rank_receives_what_the_replay_computes(tmp_path, world_size, dtyp
         [replayed] = replay_env.reduce_buckets([[s["local"]] for s in saved], replay_env.ORDERED)
         for r, s in enumerate(saved):
             assert s["reduced"].dtype == getattr(torch, dtype)
-            assert torch.equal(s["reduced"].view(torch.int16 if dtype != "float32" else torch.int32),
-                               replayed.view(torch.int16 if dtype != "float32" else torch.int32)), (bucket, r)
+            assert torch.equal(
+                s["reduced"].view(torch.int16 if dtype != "float32" else torch.int32),
+                replayed.view(torch.int16 if dtype != "float32" else torch.int32),
+            ), (bucket, r)

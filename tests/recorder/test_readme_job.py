@@ -30,7 +30,7 @@ AUDITS = "every rank is on one node, so audits never run"
 def readme_job() -> str:
     """The first ``python`` block after the README's "Record your own job" heading."""
     text = README.read_text(encoding="utf-8")
-    section = text[text.index("**5. Record your own job.**"):]
+    section = text[text.index("**5. Record your own job.**") :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -54,9 +54,24 @@ RUN_AS_MAIN = (
 
 def _launch(workdir: Path, script: str) -> list[subprocess.CompletedProcess]:
     (workdir / "mytrain.py").write_text(script, encoding="utf-8")
-    env = {**os.environ, "WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", RUN_AS_MAIN], cwd=workdir, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(WORLD)]
+    env = {
+        **os.environ,
+        "WORLD_SIZE": str(WORLD),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RUN_AS_MAIN],
+            cwd=workdir,
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(WORLD)
+    ]
     out = []
     try:
         for proc in procs:
@@ -73,10 +88,18 @@ def test_the_readme_job_runs_as_written_and_certifies(tmp_path):
     ranks = _launch(tmp_path, readme_job())
     assert [r.returncode for r in ranks] == [0] * WORLD, [r.stderr for r in ranks]
     assert not any("sdc-forensics:" in r.stderr for r in ranks), ranks[0].stderr  # nothing to warn about
-    ran = run_installed(["certify", "runs/job42/trace", "--json"], tmp_path, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+    ran = run_installed(
+        ["certify", "runs/job42/trace", "--json"], tmp_path, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)}
+    )
     assert ran.returncode == 0, ran.stderr
     doc = json.loads(ran.stdout)
-    assert {c["step"]: c["status"] for c in doc["checkpoints"]} == {0: "clean", 5: "clean", 10: "clean", 15: "clean", 20: "clean"}
+    assert {c["step"]: c["status"] for c in doc["checkpoints"]} == {
+        0: "clean",
+        5: "clean",
+        10: "clean",
+        15: "clean",
+        20: "clean",
+    }
     assert doc["resume_step"] == 20
     assert GAP not in ran.stderr
 
@@ -84,8 +107,9 @@ def test_the_readme_job_runs_as_written_and_certifies(tmp_path):
 def test_without_checkpoint_0_every_command_says_why_up_front(tmp_path):
     script = readme_job()
     assert "        save(0)" in script and "RecorderOptions(checkpoint_every=every)" in script
-    script = re.sub(r"\n\s*save\(0\).*", "", script).replace("RecorderOptions(checkpoint_every=every)",
-                                                                 "RecorderOptions(checkpoint_every=every, audit_every=5)")
+    script = re.sub(r"\n\s*save\(0\).*", "", script).replace(
+        "RecorderOptions(checkpoint_every=every)", "RecorderOptions(checkpoint_every=every, audit_every=5)"
+    )
     ranks = _launch(tmp_path, script)
     assert [r.returncode for r in ranks] == [0] * WORLD, [r.stderr for r in ranks]
     said = [line for line in ranks[0].stderr.splitlines() if line.startswith("sdc-forensics:")]

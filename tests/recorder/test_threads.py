@@ -31,9 +31,15 @@ PLAN = np.array([[1, 2, 1], [1, 2, 1], [1, 2, 1], [1, 3, 1], [1, 3, 1], [1, 3, 3
 CHANGES = {0: [], 1: [(3, 2, 3)], 2: [(5, 1, 3)]}  # rank -> [(step, old, new)]
 
 
-
-
-def _train(trace_dir: Path, rank: int, counts_before_step, *, threads_at_build: int, threads_after_build: int, inside_step: bool) -> None:
+def _train(
+    trace_dir: Path,
+    rank: int,
+    counts_before_step,
+    *,
+    threads_at_build: int,
+    threads_after_build: int,
+    inside_step: bool,
+) -> None:
     """A tiny DDP job: step ``s`` sets ``counts_before_step[s]`` threads (inside the step or just before it)."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -120,12 +126,19 @@ def _worker(rank: int, trace_dir: str, port: int, out_dir: str) -> None:
     logger.addHandler(_Capture(level=logging.DEBUG))
     logger.setLevel(logging.DEBUG)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=PLAN.shape[1],
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=PLAN.shape[1],
         timeout=datetime.timedelta(seconds=60),
     )
     try:
         _train(
-            Path(trace_dir), rank, PLAN[:, rank], threads_at_build=2, threads_after_build=int(PLAN[0, rank]),
+            Path(trace_dir),
+            rank,
+            PLAN[:, rank],
+            threads_at_build=2,
+            threads_after_build=int(PLAN[0, rank]),
             inside_step=rank == 1,  # rank 1 changes inside step 3, rank 2 between steps 4 and 5
         )
     finally:
@@ -153,7 +166,10 @@ def test_ddp_ranks_record_their_own_threads_per_step_and_warn_at_the_change(tmp_
         assert len(warnings) == len(changes), (rank, logged)
         for record, (step, old, new) in zip(warnings, changes):
             assert record["level"] == "WARNING" and record["logger"] == "sdc_forensics.recorder"
-            assert f"rank {rank} changed its intra-op CPU threads from {old} (step {step - 1}) to {new} at step {step}" in record["message"]
+            assert (
+                f"rank {rank} changed its intra-op CPU threads from {old} (step {step - 1}) to {new} at step {step}"
+                in record["message"]
+            )
 
 
 @pytest.mark.slow
@@ -165,8 +181,15 @@ def test_audits_recompute_at_the_audited_ranks_thread_count(tmp_path):
     from sdc_forensics.demo.run import run_demo
     from sdc_forensics.trace.format import Flag
 
-    result = run_demo(tmp_path / "run", injections=("none",), steps=3, checkpoint_every=3, audit_every=1,
-                      recipe="sdc_forensics.demo.convnet:recipe", threads=(2, 1, 2, 1))
+    result = run_demo(
+        tmp_path / "run",
+        injections=("none",),
+        steps=3,
+        checkpoint_every=3,
+        audit_every=1,
+        recipe="sdc_forensics.demo.convnet:recipe",
+        threads=(2, 1, 2, 1),
+    )
     assert result.alarms == (), result.alarms
     window = next(Trace.open(tmp_path / "run" / "trace").step_windows())
     flags = window.records["flags"].astype(np.int64)

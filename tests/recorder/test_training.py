@@ -24,7 +24,11 @@ from .conftest import nan_input_element
 pytestmark = pytest.mark.slow
 
 FAULTS = dict(  # W = 4, record and continue: several faults that do not mask each other
-    steps=16, checkpoint_every=5, world_size=4, policy="continue", audit_every=4,
+    steps=16,
+    checkpoint_every=5,
+    world_size=4,
+    policy="continue",
+    audit_every=4,
     injections=(
         "grad:step=4:rank=2:bit=25",  # a wrong finite local gradient (x16 or /16) at an audited step
         "allreduce-all:step=9:rank=0:bit=30",  # inside the collective: identical on every rank
@@ -90,7 +94,14 @@ def test_checkpoint_file_flip_is_visible_against_the_note(demo_run):
 
 def test_nonfinite_check_raises_with_step_rank_and_host_w3(demo_run):
     element = nan_input_element(3, 1, 3)
-    result = demo_run((f"input:step=3:rank=1:bit=30:element={element}",), steps=8, checkpoint_every=4, world_size=3, policy="raise", result=True)
+    result = demo_run(
+        (f"input:step=3:rank=1:bit=30:element={element}",),
+        steps=8,
+        checkpoint_every=4,
+        world_size=3,
+        policy="raise",
+        result=True,
+    )
     assert result.raised["check"] == "nonfinite" and (result.raised["step"], result.raised["rank"]) == (3, 1)
     assert result.raised["host"] and "sdc-forensics bisect" in result.raised["message"]
     assert result.exit_codes == (18, 18, 18)  # every worker, under exit_on_alarm: ALARM_EXIT_CODE, a documented 18
@@ -106,7 +117,11 @@ def test_nonfinite_check_raises_with_step_rank_and_host_w3(demo_run):
 def test_update_fault_and_single_rank_allreduce_fault_w3(demo_run):
     result = demo_run(
         ("update:step=2:rank=2:bit=20", "allreduce:step=5:rank=1:bit=20"),
-        steps=7, checkpoint_every=10, world_size=3, policy="continue", result=True,
+        steps=7,
+        checkpoint_every=10,
+        world_size=3,
+        policy="continue",
+        result=True,
     )
     weights = _first(result.alarms, "weights")
     assert (weights["step"], weights["rank"]) == (2, 2)

@@ -104,14 +104,36 @@ def main(argv: list[str] | None = None) -> None:
     ckpt_dir = Path(args.checkpoints)
     notes = []
     try:
-        with exit_on_alarm(), Recorder(args.trace, ddp, optimizer, recipe=REFERENCE, recipe_args=settings, inject=args.inject,
-                                       options=RecorderOptions(policy=args.policy, checkpoint_every=2)) as rec:
+        with (
+            exit_on_alarm(),
+            Recorder(
+                args.trace,
+                ddp,
+                optimizer,
+                recipe=REFERENCE,
+                recipe_args=settings,
+                inject=args.inject,
+                options=RecorderOptions(policy=args.policy, checkpoint_every=2),
+            ) as rec,
+        ):
 
             def checkpoint(step: int) -> None:
                 weights = ddp.state_dict() if args.state == "ddp" else model.state_dict()
-                note = rec.checkpoint(step, ckpt_dir / f"step-{step:08d}.pt", state={"model": weights, "optimizer": optimizer.state_dict()})
-                notes.append({"type": type(note).__name__, "step": note.step, "path": note.path, "param_names": list(note.param_names),
-                              "path_from_trace": note.path_from_trace, "blessed": note.blessed})
+                note = rec.checkpoint(
+                    step,
+                    ckpt_dir / f"step-{step:08d}.pt",
+                    state={"model": weights, "optimizer": optimizer.state_dict()},
+                )
+                notes.append(
+                    {
+                        "type": type(note).__name__,
+                        "step": note.step,
+                        "path": note.path,
+                        "param_names": list(note.param_names),
+                        "path_from_trace": note.path_from_trace,
+                        "blessed": note.blessed,
+                    }
+                )
 
             checkpoint(0)
             for step in range(args.steps):

@@ -27,7 +27,9 @@ FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "h200-batchnorm"
 def _bisect(tmp_path: Path, name: str) -> tuple[int, dict]:
     run = tmp_path / name
     shutil.copytree(FIXTURE / name, run)  # the ledger is written beside the trace: never into the repository
-    result = CliRunner().invoke(cli, ["bisect", str(run / "trace"), "--checkpoints", str(run / "checkpoints"), "--json"])
+    result = CliRunner().invoke(
+        cli, ["bisect", str(run / "trace"), "--checkpoints", str(run / "checkpoints"), "--json"]
+    )
     return result.exit_code, json.loads(result.stdout)
 
 
@@ -37,7 +39,9 @@ def test_the_h200_fault_is_found_at_its_step_and_rank_by_a_cpu_replay(tmp_path):
     assert [s["rank"] for s in doc["suspects"]] == [2]
     assert doc["replayed"]["comparison"] == "tolerant"
     statuses = {c["step"]: c["status"] for c in doc["checkpoints"]}
-    assert statuses[0] == "clean" and statuses[6] != "clean" and statuses[3] != "clean"  # tolerant: nothing after 0 certified
+    assert (
+        statuses[0] == "clean" and statuses[6] != "clean" and statuses[3] != "clean"
+    )  # tolerant: nothing after 0 certified
 
 
 def test_the_clean_h200_run_replayed_on_a_cpu_names_nobody_and_certifies_only_checkpoint_0(tmp_path):

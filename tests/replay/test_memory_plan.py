@@ -53,8 +53,12 @@ def test_optimizer_assumed_when_not_saved(fsdp_demo):
 def test_one_process_replay_refused(fsdp_demo, monkeypatch):
     monkeypatch.setenv(memory.BUDGET_ENV, "60K")
     monkeypatch.setenv(memory.ACTIVATIONS_ENV, "0")
-    result = CliRunner().invoke(cli, ["bisect", str(fsdp_demo / "trace"), "--no-ledger"] if _has_no_ledger() else
-                                ["bisect", str(fsdp_demo / "trace")])
+    result = CliRunner().invoke(
+        cli,
+        ["bisect", str(fsdp_demo / "trace"), "--no-ledger"]
+        if _has_no_ledger()
+        else ["bisect", str(fsdp_demo / "trace")],
+    )
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "needs 2 processes" in lines[0] and "--nproc-per-node 2" in lines[0]

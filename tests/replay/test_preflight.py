@@ -19,13 +19,25 @@ H100 = "NVIDIA H100 80GB HBM3"
 
 def _manifest(*determinisms, device="cpu"):
     ranks = tuple(RankIdentity(rank=r, host="n0", device=device) for r in range(2))
-    return Manifest(format_version=1, world_size=2, fingerprint=FingerprintSettings(seed=1, sketch_k=8),
-                    attempts=tuple(Attempt(attempt=i, start_step=10 * i, ranks=ranks, determinism=d) for i, d in enumerate(determinisms)))
+    return Manifest(
+        format_version=1,
+        world_size=2,
+        fingerprint=FingerprintSettings(seed=1, sketch_k=8),
+        attempts=tuple(
+            Attempt(attempt=i, start_step=10 * i, ranks=ranks, determinism=d) for i, d in enumerate(determinisms)
+        ),
+    )
 
 
 def _cuda(**extra):
-    return {"device_type": "cuda", "device_name": H100, "backend": "nccl", "reduction": "native", "cudnn_benchmark": False,
-            "deterministic_algorithms": True} | extra
+    return {
+        "device_type": "cuda",
+        "device_name": H100,
+        "backend": "nccl",
+        "reduction": "native",
+        "cudnn_benchmark": False,
+        "deterministic_algorithms": True,
+    } | extra
 
 
 def test_cpu_job_on_cpu_is_exact_through_gloo_s_ring():
@@ -57,17 +69,25 @@ def test_gpu_job_with_nccl_s_own_order_cannot_be_exact_even_on_its_gpu():
 
 def test_the_replays_own_collective_lifts_the_unknown_order_on_the_same_gpu():
     """--collective: NCCL's order is not modelled but run; self-checked per step (a caveat, not a blocker)."""
-    flight = preflight.check(_manifest(_cuda(nccl_env={"NCCL_ALGO": "Tree"})), device="cuda", device_name=H100, collective=True)
+    flight = preflight.check(
+        _manifest(_cuda(nccl_env={"NCCL_ALGO": "Tree"})), device="cuda", device_name=H100, collective=True
+    )
     assert flight.exact and flight.mechanism == "collective" and not flight.blockers
     assert any("checked against the recorded reduced digest" in c for c in flight.caveats)
-    hooked = preflight.check(_manifest({"device_type": "cpu", "backend": "gloo", "comm_hook": "job.hooks.tree_mean"}), collective=True)
-    assert hooked.mechanism == "collective" and any("job.hooks.tree_mean is the first suspect" in c for c in hooked.caveats)
+    hooked = preflight.check(
+        _manifest({"device_type": "cpu", "backend": "gloo", "comm_hook": "job.hooks.tree_mean"}), collective=True
+    )
+    assert hooked.mechanism == "collective" and any(
+        "job.hooks.tree_mean is the first suspect" in c for c in hooked.caveats
+    )
     on_cpu = preflight.check(_manifest(_cuda()), device="cpu", collective=True)
     assert not on_cpu.exact and on_cpu.blockers[0].startswith(f"trained on {H100}, replaying on cpu")
 
 
 def test_cudnn_benchmark_in_training_blocks_exactness():
-    flight = preflight.check(_manifest(_cuda(reduction="ordered", cudnn_benchmark=True)), device="cuda", device_name=H100)
+    flight = preflight.check(
+        _manifest(_cuda(reduction="ordered", cudnn_benchmark=True)), device="cuda", device_name=H100
+    )
     assert not flight.exact and "cudnn.benchmark=True" in flight.blockers[0]
 
 
@@ -94,8 +114,13 @@ def test_every_attempt_counts():
 
 def test_recorded_settings_are_applied_for_the_replay_and_restored_after():
     before = numerics._current()
-    recorded = {"deterministic_algorithms": False, "cudnn_allow_tf32": not before["cudnn_allow_tf32"],
-                "float32_matmul_precision": "medium", "cudnn_benchmark": True, "device_type": "cpu"}
+    recorded = {
+        "deterministic_algorithms": False,
+        "cudnn_allow_tf32": not before["cudnn_allow_tf32"],
+        "float32_matmul_precision": "medium",
+        "cudnn_benchmark": True,
+        "device_type": "cpu",
+    }
     with numerics.reproduce(recorded, torch.device("cpu"), 1) as applied:
         assert torch.backends.cudnn.allow_tf32 == recorded["cudnn_allow_tf32"]
         assert torch.get_float32_matmul_precision() == "medium" and torch.backends.cudnn.benchmark
@@ -117,7 +142,12 @@ def test_what_a_cpu_replay_cannot_reproduce_of_a_gpu_run_is_named():
 
 def test_the_recorder_records_the_contract():
     flags = numerics.record(torch.device("cpu"), "gloo", "ordered", "mytrain.hook")
-    assert (flags["device_type"], flags["backend"], flags["reduction"], flags["comm_hook"]) == ("cpu", "gloo", "ordered", "mytrain.hook")
+    assert (flags["device_type"], flags["backend"], flags["reduction"], flags["comm_hook"]) == (
+        "cpu",
+        "gloo",
+        "ordered",
+        "mytrain.hook",
+    )
     assert {"float32_matmul_precision", "cudnn_benchmark", "sdpa_backends", "nccl_env", "num_threads"} <= set(flags)
 
 

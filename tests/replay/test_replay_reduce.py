@@ -11,8 +11,10 @@ from sdc_forensics.replay import env as env
 
 def _ranks(world_size: int, numel: int, dtype: torch.dtype, seed: int) -> list[list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    return [[(torch.randn(numel, generator=gen) * 2.0 ** torch.randint(-8, 9, (numel,), generator=gen)).to(dtype)]
-            for _ in range(world_size)]
+    return [
+        [(torch.randn(numel, generator=gen) * 2.0 ** torch.randint(-8, 9, (numel,), generator=gen)).to(dtype)]
+        for _ in range(world_size)
+    ]
 
 
 def _sequential_by_hand(ranks: list[list[torch.Tensor]]) -> torch.Tensor:

@@ -23,7 +23,9 @@ def _model(seed: int, empty_shard: bool) -> torch.nn.Module:
     """Rows over 4 shards: 129 (33, 33, 33, 30), 10 (3, 3, 3, 1); ``empty_shard``: 9 (3, 3, 3, 0)."""
     torch.manual_seed(seed)
     rows = 9 if empty_shard else 10
-    return torch.nn.Sequential(torch.nn.Linear(37, 129), torch.nn.ReLU(), torch.nn.LayerNorm(129), torch.nn.Linear(129, rows))
+    return torch.nn.Sequential(
+        torch.nn.Linear(37, 129), torch.nn.ReLU(), torch.nn.LayerNorm(129), torch.nn.Linear(129, rows)
+    )
 
 
 def _clip_in_fsdp2(rank: int, root: str) -> list:
@@ -81,8 +83,13 @@ def test_within_the_replays_context_torchs_clip_grad_norm_is_the_sharded_jobs(cl
     from sdc_forensics.trace.mesh import ShardMesh
 
     kind, shards, norm_type, before, total, after = next(c for c in clipped if c[0] == "hsdp" and c[2] == 2.0)
-    mesh = ShardMesh(kind="hsdp", shape=(2, 2), dim_names=("replicate", "shard"), shard_dim=1,
-                     coords=((0, 0), (0, 1), (1, 0), (1, 1)))
+    mesh = ShardMesh(
+        kind="hsdp",
+        shape=(2, 2),
+        dim_names=("replicate", "shard"),
+        shard_dim=1,
+        coords=((0, 0), (0, 1), (1, 0), (1, 1)),
+    )
     params = [torch.nn.Parameter(torch.empty_like(g)) for g in before]
     for p, g in zip(params, before):
         p.grad = g.clone()

@@ -32,10 +32,15 @@ def test_gloos_reduce_scatter_is_its_ring_sum_sliced_then_divided(tmp_path, dtyp
     dtype = getattr(torch, dtype_name)
     received = gloo_job(_reduce_scatter, WORLD, tmp_path, dtype_name)
     for s, n in enumerate(SIZES):
-        inputs = [torch.randn(WORLD * n, generator=torch.Generator().manual_seed(100 * r + n)).to(dtype) for r in range(WORLD)]
+        inputs = [
+            torch.randn(WORLD * n, generator=torch.Generator().manual_seed(100 * r + n)).to(dtype) for r in range(WORLD)
+        ]
         mean = env.ring_sum(inputs) / WORLD
         for rank in range(WORLD):
             mine = mean[rank * n : (rank + 1) * n]
-            assert mine.view(torch.int16 if dtype == torch.bfloat16 else torch.int32).numpy().tobytes().hex() == received[rank][s]
+            assert (
+                mine.view(torch.int16 if dtype == torch.bfloat16 else torch.int32).numpy().tobytes().hex()
+                == received[rank][s]
+            )
         sequential = (inputs[0] + inputs[1] + inputs[2]) / WORLD  # the order matters: this is not it
         assert not torch.equal(sequential, mean)

@@ -20,7 +20,10 @@ from tests.distributed.launch import torchrun
 pytestmark = pytest.mark.heavy  # torchrun launches of 2 and 4 processes, about 2.5 minutes in all
 
 FAULT = ("local-gradient:step=4:rank=2:bit=20", 4, 2)
-SMALL = {memory.BUDGET_ENV: "60K", memory.ACTIVATIONS_ENV: "0"}  # the whole model's replay needs 96 KiB, k = 2 needs 36 KiB
+SMALL = {
+    memory.BUDGET_ENV: "60K",
+    memory.ACTIVATIONS_ENV: "0",
+}  # the whole model's replay needs 96 KiB, k = 2 needs 36 KiB
 
 
 @pytest.fixture(scope="module")

@@ -73,28 +73,49 @@ class SlurmCluster:
         ctld_port, *node_ports = _free_ports(1 + len(self.nodes))
         munge = self.root / "munge"
         lines = [
-            "ClusterName=sdctest", "SlurmctldHost=localhost", f"SlurmctldPort={ctld_port}",
-            "AuthType=auth/munge", f"AuthInfo=socket={munge / 'munge.socket.2'}",
-            "SlurmUser=root", "SlurmdUser=root",
-            f"StateSaveLocation={self.root / 'state'}", f"SlurmdSpoolDir={self.root / 'spool'}/%n",
-            f"SlurmctldPidFile={self.root / 'run/slurmctld.pid'}", f"SlurmdPidFile={self.root / 'run'}/slurmd-%n.pid",
-            f"SlurmctldLogFile={self.root / 'log/slurmctld.log'}", f"SlurmdLogFile={self.root / 'log'}/slurmd-%n.log",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-            "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU", "ReturnToService=2",
-            "SchedulerType=sched/backfill", "MpiDefault=none", "JobAcctGatherType=jobacct_gather/none",
+            "ClusterName=sdctest",
+            "SlurmctldHost=localhost",
+            f"SlurmctldPort={ctld_port}",
+            "AuthType=auth/munge",
+            f"AuthInfo=socket={munge / 'munge.socket.2'}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            f"StateSaveLocation={self.root / 'state'}",
+            f"SlurmdSpoolDir={self.root / 'spool'}/%n",
+            f"SlurmctldPidFile={self.root / 'run/slurmctld.pid'}",
+            f"SlurmdPidFile={self.root / 'run'}/slurmd-%n.pid",
+            f"SlurmctldLogFile={self.root / 'log/slurmctld.log'}",
+            f"SlurmdLogFile={self.root / 'log'}/slurmd-%n.log",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_CPU",
+            "ReturnToService=2",
+            "SchedulerType=sched/backfill",
+            "MpiDefault=none",
+            "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none",
             # finished jobs stay readable with scontrol for 10 minutes; a cancelled step ends fast
-            "MinJobAge=600", "KillWait=5", "InactiveLimit=0", "SlurmdTimeout=60",
+            "MinJobAge=600",
+            "KillWait=5",
+            "InactiveLimit=0",
+            "SlurmdTimeout=60",
         ]
         for name, port in zip(self.nodes, node_ports):
-            lines.append(f"NodeName={name} NodeHostname={name} NodeAddr=127.0.0.1 Port={port} CPUs={self.cpus} State=UNKNOWN")
+            lines.append(
+                f"NodeName={name} NodeHostname={name} NodeAddr=127.0.0.1 Port={port} CPUs={self.cpus} State=UNKNOWN"
+            )
         # FORCE:4: a job beside another (the follower beside training) shares the CPUs, as the drills need on 2 cores
-        lines.append(f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4")
+        lines.append(
+            f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4"
+        )
         self.conf.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         log = open(self.root / "log" / f"{name}.out", "wb")  # noqa: SIM115 (held by the daemon)
-        self._daemons.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True))
+        self._daemons.append(
+            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True)
+        )
 
     def start(self) -> None:
         """Start munge, the controller and the nodes; wait until every node is idle.
@@ -104,7 +125,9 @@ class SlurmCluster:
         """
         missing = [b for b in BINARIES if shutil.which(b) is None]
         if missing:
-            raise Unavailable(f"Slurm is not installed ({', '.join(missing)} not found): apt-get install slurm-wlm munge")
+            raise Unavailable(
+                f"Slurm is not installed ({', '.join(missing)} not found): apt-get install slurm-wlm munge"
+            )
         if os.geteuid() != 0:
             raise Unavailable("slurmd must run as root (SlurmdUser=root) and this test session is not root")
         if not self.nodes:
@@ -117,15 +140,31 @@ class SlurmCluster:
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         self._write_conf()
-        self._spawn("munged", ["munged", "-F", "--force", f"--socket={munge / 'munge.socket.2'}", f"--key-file={key}",
-                               f"--log-file={self.root / 'log/munged.log'}", f"--pid-file={self.root / 'run/munged.pid'}",
-                               f"--seed-file={munge / 'seed'}"])
+        self._spawn(
+            "munged",
+            [
+                "munged",
+                "-F",
+                "--force",
+                f"--socket={munge / 'munge.socket.2'}",
+                f"--key-file={key}",
+                f"--log-file={self.root / 'log/munged.log'}",
+                f"--pid-file={self.root / 'run/munged.pid'}",
+                f"--seed-file={munge / 'seed'}",
+            ],
+        )
         self._wait_for(lambda: (munge / "munge.socket.2").exists(), 10.0, "munged did not create its socket")
         self._spawn("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])
         for name in self.nodes:
             self._spawn(f"slurmd-{name}", ["slurmd", "-D", "-f", str(self.conf), "-N", name])
-        self._wait_for(lambda: all(s.startswith("idle") for s in self.node_states().values()) and len(self.node_states()) == len(self.nodes),
-                       START_TIMEOUT_S, "the nodes did not become idle")
+        self._wait_for(
+            lambda: (
+                all(s.startswith("idle") for s in self.node_states().values())
+                and len(self.node_states()) == len(self.nodes)
+            ),
+            START_TIMEOUT_S,
+            "the nodes did not become idle",
+        )
 
     def _wait_for(self, ready, timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
@@ -151,19 +190,31 @@ class SlurmCluster:
 
     def node_states(self) -> dict[str, str]:
         """``{node: state}`` from ``sinfo`` (``idle``, ``alloc``, ``drained``, ...); {} when the controller does not answer."""
-        done = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], env=self.env(), capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            ["sinfo", "-h", "-N", "-o", "%N %T"], env=self.env(), capture_output=True, text=True, timeout=30
+        )
         if done.returncode != 0:
             return {}
         return dict(line.split(None, 1) for line in done.stdout.splitlines() if line.strip())
 
-    def run(self, command: str, *, cwd: Path, env: dict[str, str] | None = None, timeout_s: float = 120.0) -> subprocess.CompletedProcess:
+    def run(
+        self, command: str, *, cwd: Path, env: dict[str, str] | None = None, timeout_s: float = 120.0
+    ) -> subprocess.CompletedProcess:
         """``bash -c COMMAND`` in ``cwd`` with the cluster's environment (plus ``env``)."""
-        return subprocess.run(["bash", "-c", command], cwd=cwd, env=self.env(**(env or {})), capture_output=True, text=True,
-                              timeout=timeout_s)
+        return subprocess.run(
+            ["bash", "-c", command],
+            cwd=cwd,
+            env=self.env(**(env or {})),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
 
     def show_node(self, name: str) -> tuple[str, str]:
         """``(State, Reason)`` as ``scontrol show node NAME`` prints them (Reason without its ``[user@time]``)."""
-        text = subprocess.run(["scontrol", "show", "node", name], env=self.env(), capture_output=True, text=True, timeout=30).stdout
+        text = subprocess.run(
+            ["scontrol", "show", "node", name], env=self.env(), capture_output=True, text=True, timeout=30
+        ).stdout
         state = re.search(r"State=(\S+)", text)
         reason = re.search(r"^\s*Reason=(.*?)(?: \[[^\]]*\])?\s*$", text, re.M)
         return (state.group(1) if state else "", reason.group(1) if reason else "")
@@ -176,20 +227,29 @@ class SlurmCluster:
         """
         deadline = time.monotonic() + timeout_s
         while True:
-            text = subprocess.run(["scontrol", "show", "job", job_id], env=self.env(), capture_output=True, text=True, timeout=30).stdout
+            text = subprocess.run(
+                ["scontrol", "show", "job", job_id], env=self.env(), capture_output=True, text=True, timeout=30
+            ).stdout
             state = re.search(r"JobState=(\S+)", text)
             if state and state.group(1) not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
                 code = re.search(r"ExitCode=(\d+):(\d+)", text)
                 return state.group(1), int(code.group(1)) if code else -1
             if time.monotonic() > deadline:
                 subprocess.run(["scancel", job_id], env=self.env(), timeout=30)
-                raise TimeoutError(f"job {job_id} is still {state.group(1) if state else '?'} after {timeout_s:.0f} s: {text.strip()}")
+                raise TimeoutError(
+                    f"job {job_id} is still {state.group(1) if state else '?'} after {timeout_s:.0f} s: {text.strip()}"
+                )
             time.sleep(0.5)
 
     def resume_nodes(self) -> None:
         """Every node back to service (a drill drained one), so that the next drill starts from idle nodes."""
         for name in self.nodes:
-            subprocess.run(["scontrol", "update", f"nodename={name}", "state=resume"], env=self.env(), capture_output=True, timeout=30)
+            subprocess.run(
+                ["scontrol", "update", f"nodename={name}", "state=resume"],
+                env=self.env(),
+                capture_output=True,
+                timeout=30,
+            )
 
     def stop(self) -> None:
         """Cancel every job, then end the daemons (SIGTERM, then SIGKILL after 10 s)."""

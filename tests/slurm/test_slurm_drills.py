@@ -32,8 +32,10 @@ STEPS, EVERY = 8, 2
 FAULT = "weights:step=5:rank=2:bit=30"  # the replicas' vote before checkpoint 6 fires: every rank exits 18
 JOB_TIMEOUT_S = 240
 #: The commands of the incident drill, as the doc shows them.
-CERTIFY = ("sbatch --wait --exclude=\"$NODE\" --ntasks=1 --output=sdc-certify-%j.log --wrap 'python -m sdc_forensics certify "
-           "\"$RUN/trace\" --certificate-out \"$RUN/resume.json\"'")
+CERTIFY = (
+    'sbatch --wait --exclude="$NODE" --ntasks=1 --output=sdc-certify-%j.log --wrap \'python -m sdc_forensics certify '
+    '"$RUN/trace" --certificate-out "$RUN/resume.json"\''
+)
 REPLAY_SUBMIT = "sbatch --wait sdc-replay.sbatch"
 TRAIN_SUBMIT = "sbatch --wait sdc-train.sbatch"
 
@@ -48,7 +50,9 @@ def doc_script(name: str) -> str:
 
 
 def assert_in_doc(command: str) -> None:
-    assert command in DOC.read_text(encoding="utf-8"), f"docs/distributed.md does not show the command the test ran: {command}"
+    assert command in DOC.read_text(encoding="utf-8"), (
+        f"docs/distributed.md does not show the command the test ran: {command}"
+    )
 
 
 def _job_id(stdout: str) -> str:
@@ -66,7 +70,9 @@ def _env(run: Path | None = None, **extra: str) -> dict[str, str]:
 
 def _ranks_nodes(log: Path) -> dict[int, str]:
     """``{rank: node}`` from the training tasks' own lines (Slurm's placement, not the trace's)."""
-    return {int(r): n for r, n in re.findall(r"train_task: rank (\d+) of \d+ on node (\S+?)(?:,|\s|$)", log.read_text())}
+    return {
+        int(r): n for r, n in re.findall(r"train_task: rank (\d+) of \d+ on node (\S+?)(?:,|\s|$)", log.read_text())
+    }
 
 
 def _final_weights(run: Path) -> set[str]:
@@ -111,13 +117,16 @@ def clean_run(slurm_cluster, tmp_path_factory):
     (work / "sdc-follow.sbatch").write_text(doc_script("sdc-follow.sbatch"))
     base = slurm_cluster.env(**_env(run, TRAIN_ARGS="", UNTIL_STEP=str(STEPS)))
     base.pop("SDC_FORENSICS_NO_LEDGER", None)  # the follower records what it examined in the trace's ledger
+
     def submit(script: str) -> str:
         out = subprocess.run(["sbatch", script], cwd=work, env=base, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         return _job_id(out.stdout)
 
     train, follow = submit("sdc-train.sbatch"), submit("sdc-follow.sbatch")
-    assert slurm_cluster.wait_job(train, JOB_TIMEOUT_S) == ("COMPLETED", 0), (work / f"sdc-train-{train}.log").read_text()[-3000:]
+    assert slurm_cluster.wait_job(train, JOB_TIMEOUT_S) == ("COMPLETED", 0), (
+        work / f"sdc-train-{train}.log"
+    ).read_text()[-3000:]
     follower = slurm_cluster.wait_job(follow, JOB_TIMEOUT_S)
     return run, work / f"sdc-train-{train}.log", follower, work / f"sdc-follow-{follow}.log"
 
@@ -133,7 +142,9 @@ def test_certify_follow_as_a_job_beside_training_certifies_every_interval(clean_
     assert f"follower stopped (until-step): {STEPS // EVERY} interval(s) replayed" in text, text[-3000:]
 
 
-def test_an_alarm_exits_18_drains_the_node_and_the_resume_from_the_certified_checkpoint_ends_as_a_clean_run(slurm, clean_run, tmp_path):
+def test_an_alarm_exits_18_drains_the_node_and_the_resume_from_the_certified_checkpoint_ends_as_a_clean_run(
+    slurm, clean_run, tmp_path
+):
     started = time.monotonic()
     clean, clean_log, _, _ = clean_run
     run = tmp_path / "run"
@@ -155,7 +166,9 @@ def test_an_alarm_exits_18_drains_the_node_and_the_resume_from_the_certified_che
     report = json.loads((run / f"report-{job}.json").read_text())
     drain = [c for a in report["report"]["actions"] if a["platform"] == "slurm" for c in a["commands"]]
     reason_written = f"sdc-forensics: SDC at step 5, rank 2, cpu (local rank {_local_rank(placed, 2)}) job {job}"
-    assert drain == [f"scontrol update nodename={suspect} state=drain reason='{reason_written}'"], report["report"]["actions"]
+    assert drain == [f"scontrol update nodename={suspect} state=drain reason='{reason_written}'"], report["report"][
+        "actions"
+    ]
     state, reason = slurm.show_node(suspect)
     assert "DRAIN" in state.split("+"), (state, log[-3000:])
     assert reason == reason_written
@@ -174,17 +187,31 @@ def test_an_alarm_exits_18_drains_the_node_and_the_resume_from_the_certified_che
     certify = slurm.run(CERTIFY, cwd=tmp_path, env=_env(run, NODE=suspect), timeout_s=JOB_TIMEOUT_S)
     certify_job = _job_id(certify.stdout)
     certify_log = (tmp_path / f"sdc-certify-{certify_job}.log").read_text()
-    assert certify.returncode == 0, certify_log[-3000:]  # a resume point is certified (the corruption after it is in the log)
+    assert certify.returncode == 0, certify_log[
+        -3000:
+    ]  # a resume point is certified (the corruption after it is in the log)
     certificate = json.loads((run / "resume.json").read_text())
     assert certificate["first_divergent_step"] == 5 and certificate["resume_step"] == 4, certificate
 
     # 3. the report's resume command, executed: job.sbatch is the training script, RESUME_CERT the certificate
-    resume_commands = [c for a in report["report"]["actions"] if a["platform"] == "resume" for c in a["commands"] if c.startswith("sbatch")]
-    assert resume_commands == [f"sbatch --exclude={suspect} job.sbatch   # your job script, once a resume point is settled"], report
+    resume_commands = [
+        c
+        for a in report["report"]["actions"]
+        if a["platform"] == "resume"
+        for c in a["commands"]
+        if c.startswith("sbatch")
+    ]
+    assert resume_commands == [
+        f"sbatch --exclude={suspect} job.sbatch   # your job script, once a resume point is settled"
+    ], report
     assert_in_doc('RESUME_CERT="$RUN/resume.json" sbatch --exclude=NODE job.sbatch')
     shutil.copy(tmp_path / "sdc-train.sbatch", tmp_path / "job.sbatch")
-    resumed = slurm.run(resume_commands[0], cwd=tmp_path, env=_env(run, RESUME_CERT=str(run / "resume.json"), TRAIN_ARGS=""),
-                        timeout_s=60)
+    resumed = slurm.run(
+        resume_commands[0],
+        cwd=tmp_path,
+        env=_env(run, RESUME_CERT=str(run / "resume.json"), TRAIN_ARGS=""),
+        timeout_s=60,
+    )
     resume_job = _job_id(resumed.stdout)
     resume_log_path = tmp_path / f"sdc-train-{resume_job}.log"
     assert slurm.wait_job(resume_job, JOB_TIMEOUT_S) == ("COMPLETED", 0), resume_log_path.read_text()[-3000:]
@@ -195,9 +222,15 @@ def test_an_alarm_exits_18_drains_the_node_and_the_resume_from_the_certified_che
     # 4. the final weights are a clean run's, and the clean run went through the same checkpoint 4
     import torch
 
-    clean_4, resumed_4 = _model_tensors(clean / "checkpoints" / Path(certificate["resume_path"]).name), _model_tensors(Path(certificate["resume_path"]))
+    clean_4, resumed_4 = (
+        _model_tensors(clean / "checkpoints" / Path(certificate["resume_path"]).name),
+        _model_tensors(Path(certificate["resume_path"])),
+    )
     assert clean_4.keys() == resumed_4.keys() and all(torch.equal(clean_4[k], resumed_4[k]) for k in clean_4)
-    assert len(_final_weights(run)) == 1 and _final_weights(run) == _final_weights(clean), (_final_weights(run), _final_weights(clean))
+    assert len(_final_weights(run)) == 1 and _final_weights(run) == _final_weights(clean), (
+        _final_weights(run),
+        _final_weights(clean),
+    )
     print(f"\nslurm incident drill (train with a fault, drain, certify, resume): {time.monotonic() - started:.1f} s")
 
 

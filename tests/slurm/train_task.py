@@ -33,11 +33,24 @@ def main(argv: list[str] | None = None) -> None:
 
     rank, world_size = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
     resume = json.loads(args.resume_certificate.read_text())["resume_step"] if args.resume_certificate else None
-    print(f"train_task: rank {rank} of {world_size} on node {os.environ.get('SLURMD_NODENAME', '?')}"
-          + (f", resuming from checkpoint {resume}" if resume is not None else ""), file=sys.stderr, flush=True)
-    config = DemoConfig(out_dir=args.out, injections=parse_specs(tuple(args.inject)) if args.inject else (), steps=args.steps,
-                        checkpoint_every=args.checkpoint_every, world_size=world_size, policy="raise", resume_from=resume)
-    (args.out / "demo").mkdir(parents=True, exist_ok=True)  # each rank's report: what run_config makes before it starts the ranks
+    print(
+        f"train_task: rank {rank} of {world_size} on node {os.environ.get('SLURMD_NODENAME', '?')}"
+        + (f", resuming from checkpoint {resume}" if resume is not None else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    config = DemoConfig(
+        out_dir=args.out,
+        injections=parse_specs(tuple(args.inject)) if args.inject else (),
+        steps=args.steps,
+        checkpoint_every=args.checkpoint_every,
+        world_size=world_size,
+        policy="raise",
+        resume_from=resume,
+    )
+    (args.out / "demo").mkdir(
+        parents=True, exist_ok=True
+    )  # each rank's report: what run_config makes before it starts the ranks
     _worker(rank, config, int(os.environ["MASTER_PORT"]))
 
 

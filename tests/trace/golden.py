@@ -31,7 +31,9 @@ def golden_records(rank: int) -> np.ndarray:
     recs["rank"] = rank
     recs["time_ns"] = 1_700_000_000_000_000_000 + np.arange(STEPS + 1) * 1000
     recs["loss"][:STEPS] = [2.5, 2.25, 2.0]
-    recs["input_digest"][:STEPS] = np.arange(STEPS, dtype=np.uint64) + np.uint64(0x1111_0000_0000_0000) + np.uint64(rank)
+    recs["input_digest"][:STEPS] = (
+        np.arange(STEPS, dtype=np.uint64) + np.uint64(0x1111_0000_0000_0000) + np.uint64(rank)
+    )
     recs["microbatch_first"][:STEPS] = np.arange(STEPS) * WORLD_SIZE + rank
     recs["microbatch_count"][:STEPS] = 1
     recs["local_digest"][:STEPS] = np.arange(STEPS, dtype=np.uint64) * np.uint64(7) + np.uint64(rank)
@@ -50,7 +52,9 @@ def golden_records(rank: int) -> np.ndarray:
 def build(out_dir: Path) -> None:
     """Write the golden trace into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    ranks = tuple(RankIdentity(rank=r, host="golden-host", node_rank=0, local_rank=r, device="cpu") for r in range(WORLD_SIZE))
+    ranks = tuple(
+        RankIdentity(rank=r, host="golden-host", node_rank=0, local_rank=r, device="cpu") for r in range(WORLD_SIZE)
+    )
     write_manifest(
         out_dir,
         Manifest(
@@ -60,7 +64,11 @@ def build(out_dir: Path) -> None:
             recipe="sdc_forensics.demo.recipe:recipe",
             checkpoint_every=STEPS,
             node_of_rank=(0, 0),
-            attempts=(Attempt(attempt=0, start_step=0, started_ns=1_700_000_000_000_000_000, torch_version="2.13.0", ranks=ranks),),
+            attempts=(
+                Attempt(
+                    attempt=0, start_step=0, started_ns=1_700_000_000_000_000_000, torch_version="2.13.0", ranks=ranks
+                ),
+            ),
         ),
     )
     for rank in range(WORLD_SIZE):
@@ -70,7 +78,13 @@ def build(out_dir: Path) -> None:
         (out_dir / rank_file_name(rank, 0)).write_bytes(header.tobytes() + golden_records(rank).tobytes())
     write_checkpoint_note(
         out_dir,
-        CheckpointNote(step=STEPS, path="checkpoints/step-00000003.pt", weights_digest="0123456789abcdef", saved_by_rank=0, agreeing_ranks=(0, 1)),
+        CheckpointNote(
+            step=STEPS,
+            path="checkpoints/step-00000003.pt",
+            weights_digest="0123456789abcdef",
+            saved_by_rank=0,
+            agreeing_ranks=(0, 1),
+        ),
     )
 
 

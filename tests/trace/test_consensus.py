@@ -19,7 +19,9 @@ def _naive(values, valid):
 
 def test_strict_majority_matches_a_naive_count():
     rng = np.random.default_rng(0)
-    values = rng.integers(0, 3, size=(2000, 7)).astype(np.uint64) * np.uint64(2**63 + 12345)  # few distinct, huge values
+    values = rng.integers(0, 3, size=(2000, 7)).astype(np.uint64) * np.uint64(
+        2**63 + 12345
+    )  # few distinct, huge values
     valid = rng.random((2000, 7)) > 0.2
     majority, ok = strict_majority(values, valid)
     for got, good, want in zip(majority, ok, _naive(values, valid)):
@@ -121,7 +123,9 @@ def test_the_replays_reduced_gradient_vote_is_the_one_vote():
         recs["reduced_digest"] = row
         value, _ = vote(row)
         replayed = int(row[0]) if value is None else value
-        _, order, evidence, note = _Replay(replayed)._reduce(3, recs, [SimpleNamespace(buckets=[])] * len(row), False, 0)
+        _, order, evidence, note = _Replay(replayed)._reduce(
+            3, recs, [SimpleNamespace(buckets=[])] * len(row), False, 0
+        )
         named = tuple(int(r) for r in np.flatnonzero(row != np.uint64(replayed)))
         assert (order, note) == ("gloo-ring", "")
         assert [e.ranks for e in evidence] == ([named] if named else [])
@@ -143,8 +147,21 @@ def test_the_compiled_scan_votes_as_the_one_vote():
         bits = np.where(has_w, K.WEIGHTS, 0).astype(np.uint8).reshape(R, 1)  # (R, S=1)
         racc = np.zeros((1, K.NUM_ACC), dtype=np.float64)
         diverged = np.zeros(R, dtype=bool)
-        K.rows(0, bits, row.reshape(R, 1).copy(), racc, np.zeros((1, 4, 1)), 1e-6, True, True, np.full(5, -1, dtype=np.int64),
-               diverged, np.empty(1, dtype=np.uint8), np.empty((R, 1), dtype=bool), np.empty(1, dtype=np.int64))
+        K.rows(
+            0,
+            bits,
+            row.reshape(R, 1).copy(),
+            racc,
+            np.zeros((1, 4, 1)),
+            1e-6,
+            True,
+            True,
+            np.full(5, -1, dtype=np.int64),
+            diverged,
+            np.empty(1, dtype=np.uint8),
+            np.empty((R, 1), dtype=bool),
+            np.empty(1, dtype=np.int64),
+        )
         majority, ok = strict_majority(row[None, :], has_w[None, :])
         expected = has_w & (row != majority[0]) if ok[0] else np.zeros(R, dtype=bool)
         assert diverged.tolist() == expected.tolist(), (row, has_w)

@@ -23,7 +23,15 @@ GOLDEN = Path(__file__).resolve().parents[2] / "fixtures" / "golden-v1"
 def _write_manifest(path: Path, world_size: int = 1) -> None:
     from sdc_forensics.trace.manifest import Attempt, FingerprintSettings, Manifest, write_manifest
 
-    write_manifest(path, Manifest(format_version=1, world_size=world_size, fingerprint=FingerprintSettings(seed=1, sketch_k=8), attempts=(Attempt(attempt=0, start_step=0),)))
+    write_manifest(
+        path,
+        Manifest(
+            format_version=1,
+            world_size=world_size,
+            fingerprint=FingerprintSettings(seed=1, sketch_k=8),
+            attempts=(Attempt(attempt=0, start_step=0),),
+        ),
+    )
 
 
 def test_record_size_is_a_few_hundred_bytes():
@@ -62,7 +70,9 @@ def test_round_trip_writer_reader(tmp_path):
 def test_golden_file_is_byte_exact_and_reads(tmp_path):
     golden.build(tmp_path)
     for name in ("rank-00000.attempt-000.sdct", "rank-00001.attempt-000.sdct", "manifest.json"):
-        assert (tmp_path / name).read_bytes() == (GOLDEN / name).read_bytes(), f"{name} drifted from the golden v1 bytes"
+        assert (tmp_path / name).read_bytes() == (GOLDEN / name).read_bytes(), (
+            f"{name} drifted from the golden v1 bytes"
+        )
     trace = Trace.open(GOLDEN)
     assert trace.manifest.world_size == 2 and trace.manifest.format_version == 1
     assert trace.damage() == []
@@ -143,7 +153,10 @@ def test_windows_cover_all_steps_with_bounded_tables(make_trace):
         (lambda p: None, "no manifest.json"),
         (lambda p: (p / "manifest.json").write_text("{not json"), "not valid JSON"),
         (lambda p: (p / "manifest.json").write_text('{"format": "other"}'), "not an sdc-forensics trace"),
-        (lambda p: (p / "manifest.json").write_text('{"format": "sdc-forensics-trace", "format_version": 99}'), "version 99"),
+        (
+            lambda p: (p / "manifest.json").write_text('{"format": "sdc-forensics-trace", "format_version": 99}'),
+            "version 99",
+        ),
     ],
 )
 def test_unusable_traces_raise_trace_error(tmp_path, setup, message):
@@ -172,11 +185,21 @@ def test_synthetic_allreduce_all_is_every_rank_and_the_old_spelling_still_reads(
     assert PlantedFault(kind="allreduce", step=3, rank=1) == PlantedFault(kind="allreduce-all", step=3, rank=1)
     with pytest.raises(ValueError, match="unknown planted fault kind 'allreduce-one'"):
         PlantedFault(kind="allreduce-one", step=3, rank=1)
-    new = write_synthetic_trace(tmp_path / "new", num_ranks=3, num_steps=6, faults=(PlantedFault(kind="allreduce-all", step=3, rank=1),))
-    old = write_synthetic_trace(tmp_path / "old", num_ranks=3, num_steps=6, faults=(PlantedFault(kind="allreduce", step=3, rank=1),))
+    new = write_synthetic_trace(
+        tmp_path / "new", num_ranks=3, num_steps=6, faults=(PlantedFault(kind="allreduce-all", step=3, rank=1),)
+    )
+    old = write_synthetic_trace(
+        tmp_path / "old", num_ranks=3, num_steps=6, faults=(PlantedFault(kind="allreduce", step=3, rank=1),)
+    )
     for rank in range(3):
         name = f"rank-{rank:05d}.attempt-000.sdct"
-        assert (new / name).read_bytes()[F.HEADER_SIZE:] == (old / name).read_bytes()[F.HEADER_SIZE:]  # records (the header has a time)
+        assert (new / name).read_bytes()[F.HEADER_SIZE :] == (old / name).read_bytes()[
+            F.HEADER_SIZE :
+        ]  # records (the header has a time)
     (window,) = list(Trace.open(new).step_windows())
-    moved = window.records["reduced_sketch"][:, :, 0] != window.records["reduced_sketch"][:, :1, 0]  # (S, R) vs rank 0: equal everywhere
-    assert not moved.any() and window.records["reduced_sketch"][3, :, 0].min() > 500  # every rank's sketch moved at step 3
+    moved = (
+        window.records["reduced_sketch"][:, :, 0] != window.records["reduced_sketch"][:, :1, 0]
+    )  # (S, R) vs rank 0: equal everywhere
+    assert (
+        not moved.any() and window.records["reduced_sketch"][3, :, 0].min() > 500
+    )  # every rank's sketch moved at step 3

@@ -51,7 +51,9 @@ MANIFEST_MUTATIONS = {
     "torch-version-a-number": lambda d: d["attempts"][0].__setitem__("torch_version", 2.13),
     "recipe-a-number": lambda d: d.__setitem__("recipe", 5),
     "grad-dtype-a-number": lambda d: d["fingerprint"].__setitem__("grad_dtype", 32),
-    "grad-dtype-unknown": lambda d: d["fingerprint"].__setitem__("grad_dtype", "float7"),  # bisect's tolerance: ValueError
+    "grad-dtype-unknown": lambda d: d["fingerprint"].__setitem__(
+        "grad_dtype", "float7"
+    ),  # bisect's tolerance: ValueError
     "rank-a-string": lambda d: _rank0(d).__setitem__("rank", "0"),
     "start-step-beyond-max-step": lambda d: d["attempts"][0].__setitem__("start_step", 2**63),
     "world-size-a-string": lambda d: d.__setitem__("world_size", "2"),
@@ -77,7 +79,13 @@ MANIFEST_MUTATIONS = {
 
 def _sharded(doc: dict, **fields) -> None:
     """Make the (2-rank) manifest a sharded job's, with ``fields`` in its mesh."""
-    doc["parallel"] = {"kind": "fsdp", "shape": [2], "dim_names": ["shard"], "shard_dim": 0, "coords": [[0], [1]]} | fields
+    doc["parallel"] = {
+        "kind": "fsdp",
+        "shape": [2],
+        "dim_names": ["shard"],
+        "shard_dim": 0,
+        "coords": [[0], [1]],
+    } | fields
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
@@ -98,8 +106,16 @@ def test_manifest_nested_deeper_than_python_decodes(trace, command):
 
 
 def _note(trace: Path) -> Path:
-    return write_checkpoint_note(trace, CheckpointNote(step=2, path="ckpt/step-00000002.pt", weights_digest="0123456789abcdef",
-                                                       tensors={"w": "fedcba9876543210"}, agreeing_ranks=(0, 1)))
+    return write_checkpoint_note(
+        trace,
+        CheckpointNote(
+            step=2,
+            path="ckpt/step-00000002.pt",
+            weights_digest="0123456789abcdef",
+            tensors={"w": "fedcba9876543210"},
+            agreeing_ranks=(0, 1),
+        ),
+    )
 
 
 def _set(doc: dict, key: str, value) -> dict:
@@ -187,7 +203,9 @@ def test_inspect_prints_markup_in_trace_strings_literally(trace):
 # found by tests/fuzz/test_fuzz_trace.py
 
 
-@pytest.mark.parametrize("name", ["rank-00000.attempt-000.sdct", "rank-00003.attempt-000.sdct"], ids=["replacing-a-rank-file", "extra"])
+@pytest.mark.parametrize(
+    "name", ["rank-00000.attempt-000.sdct", "rank-00003.attempt-000.sdct"], ids=["replacing-a-rank-file", "extra"]
+)
 def test_a_directory_named_like_a_rank_file(trace, name):
     """``reader._open_rank_file`` read it with ``np.fromfile``: ``IsADirectoryError``, a traceback and
     exit 1 ("corruption found"). It is damage (``bad_header``), listed, and the rest is read."""

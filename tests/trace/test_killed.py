@@ -54,7 +54,7 @@ def _finalise(trace: Path) -> None:
     (trace / "manifest.json").write_text(json.dumps(manifest))
     for rank in range(manifest["world_size"]):
         path = _rank_file(trace, rank)
-        records = np.frombuffer(path.read_bytes()[F.HEADER_SIZE:], dtype=F.record_dtype(8))
+        records = np.frombuffer(path.read_bytes()[F.HEADER_SIZE :], dtype=F.record_dtype(8))
         steps = records["step"][records["kind"] == int(F.Kind.STEP)]
         end = np.zeros(1, dtype=F.record_dtype(8))
         end["magic"], end["kind"], end["rank"], end["aux_rank"] = F.RECORD_MAGIC, int(F.Kind.END), rank, -1
@@ -68,8 +68,12 @@ def finished(make_trace) -> Path:
     """A 1.1 trace of a run that ended normally: 3 ranks, steps 0..4, a checkpoint note at 3."""
     trace = make_trace(ranks=RANKS, steps=STEPS)
     _finalise(trace)
-    write_checkpoint_note(trace, CheckpointNote(step=3, path="ckpt/step-00000003.pt", weights_digest="0123456789abcdef",
-                                                agreeing_ranks=(0, 1, 2)))
+    write_checkpoint_note(
+        trace,
+        CheckpointNote(
+            step=3, path="ckpt/step-00000003.pt", weights_digest="0123456789abcdef", agreeing_ranks=(0, 1, 2)
+        ),
+    )
     return trace
 
 
@@ -87,7 +91,9 @@ def _kill_rank_1(trace: Path, cut: int) -> None:
 
 def test_a_finished_trace_is_finalised_and_not_stopped_early(finished, make_trace):
     end = Trace.open(finished).run_end()
-    assert end.finalised is True and not end.stopped_early and end.last_complete_step == STEPS - 1 and end.describe() == ""
+    assert (
+        end.finalised is True and not end.stopped_early and end.last_complete_step == STEPS - 1 and end.describe() == ""
+    )
     result = _invoke("inspect", finished)
     assert result.exit_code == 0 and "run ended normally: every rank closed its trace after step 4" in result.stderr
     # a 1.0 trace (no END records) whose ranks end together: nothing to say, and no claim either way
@@ -100,8 +106,17 @@ def test_a_rank_cut_at_every_byte_of_its_last_record_is_read_to_its_last_complet
         _kill_rank_1(finished, cut)
         trace = Trace.open(finished)
         end = trace.run_end()
-        assert (end.stopped_early, end.finalised, end.last_complete_step, end.stopped_ranks) == (True, False, 3, (1,)), cut
-        assert [(r.last_step, r.closed, r.torn_bytes) for r in end.ranks] == [(4, True, 0), (3, False, cut), (4, True, 0)], cut
+        assert (end.stopped_early, end.finalised, end.last_complete_step, end.stopped_ranks) == (
+            True,
+            False,
+            3,
+            (1,),
+        ), cut
+        assert [(r.last_step, r.closed, r.torn_bytes) for r in end.ranks] == [
+            (4, True, 0),
+            (3, False, cut),
+            (4, True, 0),
+        ], cut
         kinds = [d.kind for d in trace.damage()]
         assert kinds == ["stopped_early"] + (["torn_tail"] if cut else []), (cut, kinds)  # the tail is not a hole
         (window,) = list(trace.step_windows())
@@ -115,7 +130,12 @@ def test_a_kill_while_the_end_record_is_written(finished):
     for cut in (0, 1, SIZE // 2, SIZE - 1):  # every STEP record whole; the END record torn or absent
         path.write_bytes(data[: len(data) - SIZE + cut])
         end = Trace.open(finished).run_end()
-        assert (end.stopped_early, end.finalised, end.last_complete_step, end.stopped_ranks) == (True, False, 4, (2,)), cut
+        assert (end.stopped_early, end.finalised, end.last_complete_step, end.stopped_ranks) == (
+            True,
+            False,
+            4,
+            (2,),
+        ), cut
         assert "rank(s) 2 did not close their trace" in end.describe()
 
 
@@ -125,10 +145,17 @@ def test_inspect_says_the_run_stopped_early_and_where(finished):
     assert result.exit_code == 0, result.output
     end = json.loads(result.stdout)["end"]
     assert end["stopped_early"] is True and end["finalised"] is False
-    assert (end["last_complete_step"], end["stop_step"], end["stopped_ranks"], end["stopped_hosts"]) == (3, 4, [1], ["node0"])
+    assert (end["last_complete_step"], end["stop_step"], end["stopped_ranks"], end["stopped_hosts"]) == (
+        3,
+        4,
+        [1],
+        ["node0"],
+    )
     assert [r["last_step"] for r in end["ranks"]] == [4, 3, 4] and end["ranks"][1]["torn_bytes"] == 100
-    assert end["summary"].startswith("the run stopped early; last complete step 3 (recorded by every rank); "
-                                     "rank 1 (host node0) stopped after step 3; step(s) 4 recorded by rank(s) 0, 2 only")
+    assert end["summary"].startswith(
+        "the run stopped early; last complete step 3 (recorded by every rank); "
+        "rank 1 (host node0) stopped after step 3; step(s) 4 recorded by rank(s) 0, 2 only"
+    )
     text = _invoke("inspect", finished).stderr
     assert "The run stopped early; last complete step 3" in " ".join(text.split())
     assert "where each rank's file ends" in text
@@ -171,7 +198,9 @@ def _drill_end(out_dir: Path) -> dict:
     result = _invoke("inspect", out_dir / "trace", "--json")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
-    assert not {d["kind"] for d in doc["damage"]} & {"bad_checksum", "bad_header", "missing_steps", "missing_rank"}, doc["damage"]
+    assert not {d["kind"] for d in doc["damage"]} & {"bad_checksum", "bad_header", "missing_steps", "missing_rank"}, (
+        doc["damage"]
+    )
     return doc["end"]
 
 
@@ -187,7 +216,9 @@ def test_sigkill_mid_record_write(demo_run):
     result = _invoke("bisect", out / "trace", "--json")  # replays from checkpoints 0 and 3, up to step 3
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
-    assert doc["verdict"] == "clean" and doc["trace"]["damage"][0].startswith("the run stopped early; last complete step 3")
+    assert doc["verdict"] == "clean" and doc["trace"]["damage"][0].startswith(
+        "the run stopped early; last complete step 3"
+    )
     assert [(c["step"], c["status"]) for c in doc["checkpoints"]] == [(0, "clean"), (3, "clean")]
     assert max(w["last_replayed"] for w in doc["replayed"]["windows"]) == 3
 
@@ -229,7 +260,7 @@ def _crafted_range(make_trace) -> Path:
     for rank in range(2):
         path = _rank_file(trace, rank)
         raw = path.read_bytes()
-        records = np.frombuffer(raw[F.HEADER_SIZE:], dtype=F.record_dtype(8)).copy()
+        records = np.frombuffer(raw[F.HEADER_SIZE :], dtype=F.record_dtype(8)).copy()
         records["step"][-1] = F.MAX_STEP
         path.write_bytes(raw[: F.HEADER_SIZE] + F.seal(records).tobytes())
     write_checkpoint_note(trace, CheckpointNote(step=F.MAX_STEP, path="x.pt", weights_digest="0123456789abcdef"))
@@ -245,7 +276,7 @@ def test_records_scattered_over_the_whole_step_range_cost_what_the_records_cost(
     for rank in range(3):
         path = _rank_file(trace, rank)
         raw = path.read_bytes()
-        records = np.frombuffer(raw[F.HEADER_SIZE:], dtype=F.record_dtype(8)).copy()
+        records = np.frombuffer(raw[F.HEADER_SIZE :], dtype=F.record_dtype(8)).copy()
         records["step"] = records["step"] * gap
         path.write_bytes(raw[: F.HEADER_SIZE] + F.seal(records).tobytes())
     started = time.monotonic()
@@ -255,7 +286,9 @@ def test_records_scattered_over_the_whole_step_range_cost_what_the_records_cost(
     assert all(w.present.all() and (w.records["rank"] == [0, 1, 2]).all() for w in windows)
     inside = list(opened.step_windows(window=F.MAX_STEP, start=100 * gap - 1, stop=102 * gap + 1))
     assert [w.steps.tolist() for w in inside] == [[100 * gap], [101 * gap], [102 * gap]]
-    assert list(opened.step_windows(start=gap + 1, stop=2 * gap - 1)) == []  # the span between two records: nothing to visit
+    assert (
+        list(opened.step_windows(start=gap + 1, stop=2 * gap - 1)) == []
+    )  # the span between two records: nothing to visit
     assert time.monotonic() - started < 60  # ~0.2 s; a walk of the declared span would never end
 
 
@@ -284,14 +317,16 @@ def test_a_huge_step_range_costs_what_the_records_cost(make_trace):
 
 def test_a_huge_step_range_through_the_cli_in_bounded_time_and_memory(make_trace):
     path = _crafted_range(make_trace)
-    script = ("import sys; from sdc_forensics.cli.main import cli\n"
-              "for args in (['inspect', sys.argv[1], '--json'], ['bisect', sys.argv[1], '--trace-only', '--json']):\n"
-              "    try: cli.main(args, standalone_mode=False)\n"
-              "    except SystemExit: pass\n"
-              # VmHWM, not ru_maxrss: Linux keeps ru_maxrss across fork and exec, so it would report
-              # the peak of the pytest process that started this one
-              "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]\n"
-              "print('maxrss_kib', hwm, file=sys.stderr)\n")
+    script = (
+        "import sys; from sdc_forensics.cli.main import cli\n"
+        "for args in (['inspect', sys.argv[1], '--json'], ['bisect', sys.argv[1], '--trace-only', '--json']):\n"
+        "    try: cli.main(args, standalone_mode=False)\n"
+        "    except SystemExit: pass\n"
+        # VmHWM, not ru_maxrss: Linux keeps ru_maxrss across fork and exec, so it would report
+        # the peak of the pytest process that started this one
+        "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]\n"
+        "print('maxrss_kib', hwm, file=sys.stderr)\n"
+    )
     done = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     maxrss_mib = int(done.stderr.split("maxrss_kib")[-1].split()[0]) / 1024
@@ -312,7 +347,9 @@ def test_a_huge_world_size_is_refused_with_one_line_without_allocating_by_it(mak
     finally:
         tracemalloc.stop()
     assert "declares world_size 100000, but only 2 rank(s) have a readable file" in line
-    assert time.monotonic() - started < 60 and peak < 16 << 20, peak  # seconds, not the hours of a loop over 100,000 ranks
+    assert time.monotonic() - started < 60 and peak < 16 << 20, (
+        peak
+    )  # seconds, not the hours of a loop over 100,000 ranks
 
 
 def test_a_world_size_within_the_missing_rank_bound_is_read(make_trace):

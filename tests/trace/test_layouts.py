@@ -16,10 +16,14 @@ from tests.factories import tree_sha256
 
 
 def test_round_trip_sorted_by_from_step(tmp_path):
-    write_bucket_layouts(tmp_path, 2, [{"from_step": 5, "buckets": [[3, 2], [1, 0]]}, {"from_step": 0, "buckets": [[3, 2, 1, 0]]}])
+    write_bucket_layouts(
+        tmp_path, 2, [{"from_step": 5, "buckets": [[3, 2], [1, 0]]}, {"from_step": 0, "buckets": [[3, 2, 1, 0]]}]
+    )
     assert layouts_path(tmp_path, 2).name == "buckets.attempt-002.json"
-    assert read_bucket_layouts(tmp_path, 2) == (BucketLayout(from_step=0, buckets=((3, 2, 1, 0),)),
-                                                BucketLayout(from_step=5, buckets=((3, 2), (1, 0))))
+    assert read_bucket_layouts(tmp_path, 2) == (
+        BucketLayout(from_step=0, buckets=((3, 2, 1, 0),)),
+        BucketLayout(from_step=5, buckets=((3, 2), (1, 0))),
+    )
     assert read_bucket_layouts(tmp_path, 3) == ()  # absent: replay uses DDP's default layout
 
 
@@ -33,20 +37,20 @@ def test_the_recorder_and_replay_name_the_same_file(tmp_path):
 
 
 HOSTILE = {
-    "not-json": b"{\"layouts\": [",
-    "not-utf8": b"{\"layouts\": \"\xff\"}",
+    "not-json": b'{"layouts": [',
+    "not-utf8": b'{"layouts": "\xff"}',
     "deep": b"[" * 100_000 + b"]" * 100_000,
-    "huge-integer": b"{\"layouts\": [{\"from_step\": " + b"9" * 5000 + b", \"buckets\": []}]}",
+    "huge-integer": b'{"layouts": [{"from_step": ' + b"9" * 5000 + b', "buckets": []}]}',
     "not-an-object": b"[1, 2]",
     "no-layouts": b"{}",
-    "layouts-not-a-list": b"{\"layouts\": {\"from_step\": 0}}",
-    "entry-not-an-object": b"{\"layouts\": [7]}",
-    "step-a-string": b"{\"layouts\": [{\"from_step\": \"0\", \"buckets\": [[0]]}]}",
-    "step-negative": b"{\"layouts\": [{\"from_step\": -1, \"buckets\": [[0]]}]}",
-    "bucket-not-a-list": b"{\"layouts\": [{\"from_step\": 0, \"buckets\": [0]}]}",
-    "index-a-float": b"{\"layouts\": [{\"from_step\": 0, \"buckets\": [[0.5]]}]}",
-    "index-negative": b"{\"layouts\": [{\"from_step\": 0, \"buckets\": [[-1]]}]}",
-    "index-a-bool": b"{\"layouts\": [{\"from_step\": 0, \"buckets\": [[true]]}]}",
+    "layouts-not-a-list": b'{"layouts": {"from_step": 0}}',
+    "entry-not-an-object": b'{"layouts": [7]}',
+    "step-a-string": b'{"layouts": [{"from_step": "0", "buckets": [[0]]}]}',
+    "step-negative": b'{"layouts": [{"from_step": -1, "buckets": [[0]]}]}',
+    "bucket-not-a-list": b'{"layouts": [{"from_step": 0, "buckets": [0]}]}',
+    "index-a-float": b'{"layouts": [{"from_step": 0, "buckets": [[0.5]]}]}',
+    "index-negative": b'{"layouts": [{"from_step": 0, "buckets": [[-1]]}]}',
+    "index-a-bool": b'{"layouts": [{"from_step": 0, "buckets": [[true]]}]}',
 }
 
 
@@ -69,11 +73,16 @@ def test_a_layout_naming_a_parameter_the_model_lacks_is_refused():
 
 
 def _replay(out):
-    return CliRunner().invoke(cli, ["replay", str(out / "trace"), "--from", "4", "--to", "5", "--checkpoints", str(out / "checkpoints")])
+    return CliRunner().invoke(
+        cli, ["replay", str(out / "trace"), "--from", "4", "--to", "5", "--checkpoints", str(out / "checkpoints")]
+    )
 
 
-@pytest.mark.parametrize("content", [HOSTILE["step-a-string"], HOSTILE["deep"], b"{\"layouts\": [{\"from_step\": 0, \"buckets\": [[99]]}]}"],
-                         ids=["wrong-type", "deep", "beyond-the-model"])
+@pytest.mark.parametrize(
+    "content",
+    [HOSTILE["step-a-string"], HOSTILE["deep"], b'{"layouts": [{"from_step": 0, "buckets": [[99]]}]}'],
+    ids=["wrong-type", "deep", "beyond-the-model"],
+)
 def test_replay_with_a_hostile_layout_file_is_one_error_line_and_exit_3(sim, tmp_path, content):
     out = tmp_path / "run"
     shutil.copytree(sim(), out)

@@ -15,13 +15,17 @@ def test_counts_follow_the_recorders_settings(make_trace):
     trace = Trace.open(make_trace(ranks=4, steps=20, audit_every=5, weights_every=2))
     checks = online_checks(trace, [(0, 9), (12, 19)])
     assert checks == OnlineChecks(steps=18, complete=18, gradients=18, weights=9, audited=(0, 5, 15), world_size=4)
-    assert checks.describe() == ("NaN/Inf and all-reduce sketch on every step; replica vote (4 replicas) on 9 of 18 steps; "
-                                 "audits at 0, 5, 15")
+    assert checks.describe() == (
+        "NaN/Inf and all-reduce sketch on every step; replica vote (4 replicas) on 9 of 18 steps; audits at 0, 5, 15"
+    )
 
 
 def test_two_replicas_detect_without_a_vote_and_empty_spans_count_nothing(make_trace):
     trace = Trace.open(make_trace(ranks=2, steps=6))
-    assert "replica comparison (2 replicas: detects, cannot vote) on every step" in online_checks(trace, [(0, 5)]).describe()
+    assert (
+        "replica comparison (2 replicas: detects, cannot vote) on every step"
+        in online_checks(trace, [(0, 5)]).describe()
+    )
     assert online_checks(trace, [(4, 3)]) == OnlineChecks(world_size=2)
     assert OnlineChecks().describe() == "no step recorded"
 
@@ -35,7 +39,7 @@ def test_a_step_a_rank_did_not_record_counts_as_checked_by_no_check(make_trace, 
     rank_file = sorted(p for p in path.iterdir() if p.name.startswith("rank"))[1]
     raw = bytearray(rank_file.read_bytes())
     dtype = F.record_dtype(Trace.open(path).sketch_k)
-    records = np.frombuffer(bytes(raw[F.HEADER_SIZE:]), dtype=dtype)
+    records = np.frombuffer(bytes(raw[F.HEADER_SIZE :]), dtype=dtype)
     last_step = int(np.nonzero(records["kind"] == int(F.Kind.STEP))[0][-1])
     rank_file.write_bytes(bytes(raw[: F.HEADER_SIZE + last_step * dtype.itemsize]))  # rank 1 stops before step 3
     checks = online_checks(Trace.open(path), [(0, 3)])

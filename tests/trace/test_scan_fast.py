@@ -58,7 +58,11 @@ def _swap_records(path: Path, a: int, b: int) -> None:
 @pytest.mark.parametrize("window", [1, 7, 64, 1024])
 @pytest.mark.parametrize("outliers", [False, True])
 def test_bulk_trace_with_planted_faults(make_trace, monkeypatch, window, outliers):
-    faults = (Fault(kind="weights", step=11, rank=2), Fault(kind="allreduce-all", step=12), Fault(kind="nonfinite", step=30, rank=5))
+    faults = (
+        Fault(kind="weights", step=11, rank=2),
+        Fault(kind="allreduce-all", step=12),
+        Fault(kind="nonfinite", step=30, rank=5),
+    )
     trace = make_trace(ranks=8, steps=90, fault=faults, bulk=True)
     result = assert_same(trace, monkeypatch, window_steps=window, outliers=outliers)
     assert result.scan_path == scan.NUMBA
@@ -67,7 +71,9 @@ def test_bulk_trace_with_planted_faults(make_trace, monkeypatch, window, outlier
 
 
 @needs_numba
-@pytest.mark.parametrize("kind", ["nonfinite", "allreduce", "allreduce-all", "weights", "audit-subject", "audit-auditor", "input", "outlier"])
+@pytest.mark.parametrize(
+    "kind", ["nonfinite", "allreduce", "allreduce-all", "weights", "audit-subject", "audit-auditor", "input", "outlier"]
+)
 def test_every_fault_kind_in_a_recorded_trace(make_trace, monkeypatch, kind):
     """Record-by-record traces interleave AUDIT records (files not dense): the cursor scan."""
     trace = make_trace(ranks=6, steps=40, fault=Fault(kind=kind, step=20, rank=3), audit_every=4)
@@ -79,8 +85,12 @@ def test_every_fault_kind_in_a_recorded_trace(make_trace, monkeypatch, kind):
 @needs_numba
 @pytest.mark.parametrize("weights_every", [1, 3])
 def test_sparse_weight_checks_and_a_persistent_divergence(make_trace, monkeypatch, weights_every):
-    trace = make_trace(ranks=5, steps=60, fault=(Fault(kind="weights", step=7, rank=1), Fault(kind="weights", step=40, rank=4)),
-                       weights_every=weights_every)
+    trace = make_trace(
+        ranks=5,
+        steps=60,
+        fault=(Fault(kind="weights", step=7, rank=1), Fault(kind="weights", step=40, rank=4)),
+        weights_every=weights_every,
+    )
     result = assert_same(trace, monkeypatch, window_steps=9)
     onsets = [e for e in result.findings if e.kind.name == "WEIGHT_DIVERGENCE"]
     assert [e.ranks for e in onsets] == [(1,), (4,)]  # onsets only, not one per step
@@ -96,7 +106,16 @@ def test_no_strict_majority_of_replica_weights(make_trace, monkeypatch):
 @needs_numba
 def test_resumed_run_superseded_cells(make_trace, monkeypatch):
     trace = make_trace(ranks=4, steps=50, bulk=True, fault=Fault(kind="weights", step=45, rank=1))
-    make_trace(ranks=4, steps=30, bulk=True, path=trace, attempt=1, start_step=30, seed=5, fault=Fault(kind="nonfinite", step=33, rank=2))
+    make_trace(
+        ranks=4,
+        steps=30,
+        bulk=True,
+        path=trace,
+        attempt=1,
+        start_step=30,
+        seed=5,
+        fault=Fault(kind="nonfinite", step=33, rank=2),
+    )
     result = assert_same(trace, monkeypatch, window_steps=8)
     assert result.superseded_cells == 20 * 4
     assert result.first_suspect_step == 33  # attempt 1 re-ran step 45 cleanly
@@ -105,7 +124,12 @@ def test_resumed_run_superseded_cells(make_trace, monkeypatch):
 @needs_numba
 @pytest.mark.parametrize("start, stop", [(None, 10), (17, None), (5, 5), (33, 70), (500, None)])
 def test_step_bounds(make_trace, monkeypatch, start, stop):
-    trace = make_trace(ranks=4, steps=60, bulk=True, fault=(Fault(kind="weights", step=20, rank=3), Fault(kind="allreduce-all", step=40)))
+    trace = make_trace(
+        ranks=4,
+        steps=60,
+        bulk=True,
+        fault=(Fault(kind="weights", step=20, rank=3), Fault(kind="allreduce-all", step=40)),
+    )
     assert_same(trace, monkeypatch, window_steps=6, start_step=start, stop_step=stop)
 
 
@@ -251,7 +275,9 @@ def test_numpy_path_when_numba_cannot_be_imported(make_trace, monkeypatch):
     monkeypatch.delenv(scan.KERNELS_ENV, raising=False)
     try:
         assert scan.kernels() is None
-        result = triage_trace(Trace.open(make_trace(ranks=4, steps=20, bulk=True, fault=Fault(kind="nonfinite", step=3, rank=2))))
+        result = triage_trace(
+            Trace.open(make_trace(ranks=4, steps=20, bulk=True, fault=Fault(kind="nonfinite", step=3, rank=2)))
+        )
         assert result.scan_path == scan.NUMPY and result.first_suspect_step == 3
     finally:
         monkeypatch.undo()
@@ -261,9 +287,16 @@ def test_numpy_path_when_numba_cannot_be_imported(make_trace, monkeypatch):
 @needs_numba
 def test_copied_trace_gives_the_same_answer(make_trace, monkeypatch, tmp_path):
     """A second trace directory (fresh caches, same bytes): same result, both paths."""
-    trace = make_trace(ranks=9, steps=70, bulk=True, fault=(Fault(kind="weights", step=33, rank=8), Fault(kind="allreduce-all", step=34)))
+    trace = make_trace(
+        ranks=9,
+        steps=70,
+        bulk=True,
+        fault=(Fault(kind="weights", step=33, rank=8), Fault(kind="allreduce-all", step=34)),
+    )
     copy = Path(shutil.copytree(trace, tmp_path / "copy"))
-    assert dataclasses.replace(assert_same(trace, monkeypatch), scan_path="") == dataclasses.replace(assert_same(copy, monkeypatch), scan_path="")
+    assert dataclasses.replace(assert_same(trace, monkeypatch), scan_path="") == dataclasses.replace(
+        assert_same(copy, monkeypatch), scan_path=""
+    )
 
 
 @needs_numba
@@ -279,7 +312,9 @@ def test_residuals_at_the_tolerance_edge(make_trace, monkeypatch):
     recs = np.stack([np.fromfile(p, dtype=dtype, offset=F.HEADER_SIZE) for p in paths], axis=1)  # (S, R)
     local = recs["local_sketch"].astype(np.float64)
     expected = local.mean(axis=1)  # (S, k)
-    tol = tolerance.allreduce_tolerance("float32", recs["local_norm"][:, None, :], recs["reduced_norm"][:, 0])[:, 0]  # (S,)
+    tol = tolerance.allreduce_tolerance("float32", recs["local_norm"][:, None, :], recs["reduced_norm"][:, 0])[
+        :, 0
+    ]  # (S,)
     factor = np.random.default_rng(7).uniform(0.999, 1.001, steps)
     reduced = (expected[:, 0] + factor * tol).astype(np.float32)  # float32 rounding moves it either way
     for r, path in enumerate(paths):
