@@ -33,7 +33,9 @@ import torch.distributed as dist
 
 from sdc_forensics.fingerprint.core import Fingerprint, combine, combine_digests, fingerprint, num_sketch_blocks
 from sdc_forensics.intraop import intra_op_threads
+from sdc_forensics.recorder import records
 from sdc_forensics.recorder.checks import AUDIT, Finding
+from sdc_forensics.recorder.threads import ThreadWatch
 from sdc_forensics.statedict import tensor_digests
 from sdc_forensics.trace.format import Flag
 from sdc_forensics.trace.manifest import audit_reach
@@ -321,6 +323,26 @@ class Auditor:
                     inexact,
                 )
         return False
+
+    def audit_step(self, state: Any, loss: Callable[[], float], module_for: Callable, writer: Any) -> list[Finding]:
+        """The audit of ``state``'s step when it is due (a collective), its flags set on the step and
+        its AUDIT records written; nothing otherwise. ``loss``: the step's loss, read only then."""
+        if not self.due(state.step):
+            return []
+        own = OwnResult(
+            ids=state.ids or (),
+            loss=loss(),
+            digest=state.local.digest if state.local else 0,
+            input_digest=combine_digests(state.input_digests) if state.input_digests else 0,
+            num_threads=state.num_threads or ThreadWatch.current(),
+        )
+        state.audit = outcome = self.run(state.step, own, module_for)
+        if outcome.audited_me:
+            state.flags |= int(Flag.AUDITED)
+        if outcome.disputed_me:
+            state.flags |= int(Flag.AUDIT_MISMATCH)
+        records.append_audits(writer, state.step, outcome.recomputations)
+        return list(outcome.findings)
 
     def run(
         self,

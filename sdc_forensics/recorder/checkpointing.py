@@ -401,3 +401,26 @@ def _beside(path: Path, tensors: dict[str, str], seed: int) -> dict[str, str]:
         return state_digests(extra, seed) if extra else {}
     finally:
         reader.close()
+
+
+def site_of(rec, vote: Callable, react: Callable) -> CheckpointSite:
+    """What :func:`save_checkpoint` needs of the recorder ``rec`` (``Recorder.checkpoint``), with its
+    replica vote and its reaction to findings."""
+    return CheckpointSite(
+        module=rec.module,
+        seed=rec.options.seed,
+        policy=rec.options.policy,
+        rank=rec.rank,
+        world_size=rec.world_size,
+        group=rec.group,
+        attempt=rec.attempt,
+        trace_dir=rec.trace_dir,
+        writer=rec.writer,
+        injector=rec.injector,
+        last_weights_vote=rec.last_weights_vote,
+        weights_digest=lambda: rec.layout.weights()[0],
+        vote=vote,
+        settled=rec.layout.settled,
+        react=react,
+        saver=rec.layout.saver(),
+    )

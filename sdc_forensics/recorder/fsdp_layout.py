@@ -48,9 +48,9 @@ import torch.distributed as dist
 
 from sdc_forensics.errors import UsageError
 from sdc_forensics.fingerprint import shards
-from sdc_forensics.fingerprint.core import combine_digests, digests
-from sdc_forensics.inject import FSDP_LOCATIONS, LOCATIONS, flip_bit_
-from sdc_forensics.recorder import checks, fsdp_fallback
+from sdc_forensics.fingerprint.core import combine_digests
+from sdc_forensics.inject import FSDP_LOCATIONS, LOCATIONS
+from sdc_forensics.recorder import fsdp_fallback, fsdp_gathered
 from sdc_forensics.recorder import fsdp_monitor as fm
 from sdc_forensics.recorder.checkpointing import Saver, ShardedSaver
 from sdc_forensics.recorder.checks import Check, Finding, GroupVote
@@ -69,7 +69,6 @@ from sdc_forensics.recorder.layout import Job, Layout
 from sdc_forensics.recorder.options import Reduction
 from sdc_forensics.recorder.step import StepState
 from sdc_forensics.trace import format as F
-from sdc_forensics.trace.checkpoints import hex64
 
 log = logging.getLogger("sdc_forensics.recorder")
 
@@ -259,60 +258,14 @@ class FsdpLayout(Layout):
             self.tap._inject = fm.spec_injector(fsdp_specs, lambda: self.tap.step)
         gathered = [s for s in specs if s.location == "all-gather-output"]
         if gathered:
-            self._drill_gathered(gathered)
+            self._handles += fsdp_gathered.drill(_fsdp_modules(model), job, gathered)
         # after the drills: it digests what the forward computes with
-        self._watch_gathered()
+        self._handles += fsdp_gathered.watch(_fsdp_modules(model), job)
         self._follow_backward()
         if self._fallback:
             self.tap.install(model)
         else:
             fm.install(model, self.tap, OrderedReduceScatter() if ordered else None)
-
-    def _drill_gathered(self, specs: list) -> None:
-        """``all-gather-output`` drills: at the first forward of a ``fully_shard`` module in the step,
-        after FSDP gathered its parameters, flip a bit of this rank's gathered copy of the group's
-        first parameter (the forward computes with it; the backward gathers again)."""
-        fired: set = set()
-
-        def hook(module, args, kwargs):
-            state = self.job.current()
-            if state is None:
-                return None
-            for spec in specs:
-                if spec.step != state.step or spec.rank != self.job.rank or id(spec) in fired:
-                    continue
-                group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
-                if group is None or not group.fsdp_params:
-                    continue
-                fired.add(id(spec))
-                with torch.no_grad():
-                    flat = group.fsdp_params[0].unsharded_param.data.reshape(-1)
-                    flip_bit_(flat, (spec.element or 0) % flat.numel(), spec.bit)
-            return None
-
-        # registered after FSDP's own pre-forward: the parameters are gathered
-        for module in _fsdp_modules(self.model):
-            self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-
-    def _watch_gathered(self) -> None:
-        """The consensus a sharded job has without replicas: every rank gathers the same whole
-        parameters for its forward. At each forward of a ``fully_shard`` module (after FSDP gathered
-        its group) this rank's copies are digested, on the steps whose weights are compared
-        (``weights_every``); :meth:`check` votes the ranks' combined digests."""
-        options = self.job.options
-
-        def hook(module, args, kwargs):
-            state = self.job.current()
-            if state is None or not options.compares_weights(state.step):
-                return None
-            for group in fm.groups_of(module):
-                params = [fp.unsharded_param.detach().reshape(-1) for fp in group.fsdp_params]
-                state.gathered.append(combine_digests(digests(params, options.seed)))
-            return None
-
-        # appended: FSDP's own pre-forward (prepended) has gathered the group
-        for module in _fsdp_modules(self.model):
-            self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 
     def _follow_backward(self) -> None:
         """The reduced gradient is fingerprinted where the collective left it: right after FSDP2's
@@ -435,7 +388,9 @@ class FsdpLayout(Layout):
             )
             if bad == rank:
                 state.flags |= int(F.Flag.WEIGHTS_DIVERGED)
-        findings += self._vote_gathered(state, table[:, 1].view(np.uint64), explained=bool(table[:, 0].any()))
+        findings += fsdp_gathered.vote(
+            state, table[:, 1].view(np.uint64), rank, mesh, explained=bool(table[:, 0].any())
+        )
         # the monitor's finer checks, reported as the recorder's (Check.family) with their flag
         for found in result.findings:
             findings.append(
@@ -451,44 +406,6 @@ class FsdpLayout(Layout):
             if found.rank == rank:
                 state.flags |= int(found.check.flag)
         return findings
-
-    def _vote_gathered(self, state: StepState, table: np.ndarray, *, explained: bool) -> list[Finding]:
-        """The ranks' digests of the parameters they gathered this step (0: none taken) voted: a
-        strict majority names the ranks that computed with other parameters (``GATHER_DIVERGED``);
-        without one (2 ranks, or HSDP's replicas split evenly, as a shard changed at rest makes
-        them) the finding names no rank, and the rest check or the replay settles it; ``explained``:
-        the rest check named a shard changed at rest this step, which splits the replicas so."""
-        if not table.any() or not table.all():
-            return []
-        vote = checks.strict_majority(table)
-        if not vote.diverged or (vote.value is None and explained):
-            return []
-        if vote.value is None:
-            return [
-                Finding(
-                    check=Check.WEIGHTS,
-                    step=state.step,
-                    rank=-1,
-                    flag=F.Flag.NO_MAJORITY,
-                    ranks=(),
-                    detail=f"the ranks gathered different parameters for step {state.step}'s forward and no strict majority "
-                    f"agrees ({', '.join(f'rank {r}: {hex64(int(v))}' for r, v in enumerate(table))})",
-                )
-            ]
-        if self.job.rank in vote.diverged:
-            state.flags |= int(F.Flag.GATHER_DIVERGED)
-        return [
-            Finding(
-                check=Check.WEIGHTS,
-                step=state.step,
-                rank=rank,
-                flag=F.Flag.GATHER_DIVERGED,
-                ranks=(rank,),
-                detail=f"rank {rank} ({self._mesh.where(rank)}): the parameters it gathered for step {state.step}'s forward "
-                f"differ from the {len(vote.agreeing)} ranks' that agree ({hex64(int(table[rank]))}, not {hex64(int(vote.value))})",
-            )
-            for rank in vote.diverged
-        ]
 
     def weights(self) -> tuple[int, float, int]:
         """This rank's shard of the weights: ``(digest, L2 norm, NaN/Inf count)``."""

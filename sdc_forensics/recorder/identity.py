@@ -135,3 +135,30 @@ def make_attempt(
         determinism=determinism_flags(device, backend, reduction, comm_hook),
         ranks=tuple(identities),
     )
+
+
+def gather_identities(rank: int, device, group, problem: str | None, node_of_rank) -> tuple[tuple, tuple[int, ...]]:
+    """Every rank's identity and what it found wrong, in one collective (all ranks refuse together):
+    ``(identities, node of each rank)``."""
+    import torch.distributed as dist
+
+    from sdc_forensics.errors import UsageError
+
+    world_size = dist.get_world_size(group)
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, (local_identity(rank, device), problem), group=group)
+    refuse_together([found for _, found in gathered])
+    identities = complete_identities([identity for identity, _ in gathered])
+    nodes = node_map(identities, node_of_rank)
+    if len(nodes) != world_size:
+        raise UsageError(f"node_of_rank has {len(nodes)} entries for {world_size} ranks")
+    return identities, nodes
+
+
+def refuse_together(problems: list) -> None:
+    """Raise the first rank's problem on every rank (each has the gathered list)."""
+    first = next((p for p in problems if p), None)
+    if first is not None:
+        from sdc_forensics.errors import UsageError
+
+        raise UsageError(first)

@@ -47,10 +47,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from sdc_forensics.errors import UsageError
 from sdc_forensics.inject import LOCATIONS, Injector
 from sdc_forensics.recorder.checkpointing import Saver
 from sdc_forensics.recorder.checks import Finding, GroupVote
+
+# gathered problems raised on every rank alike: written below this module, with the identities
+from sdc_forensics.recorder.identity import refuse_together as refuse_together
 from sdc_forensics.recorder.options import RecorderOptions
 from sdc_forensics.recorder.step import StepState
 
@@ -200,10 +202,3 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local part (a plain tensor as it is)."""
     to_local = getattr(tensor, "to_local", None)
     return to_local() if to_local is not None and hasattr(tensor, "device_mesh") else tensor
-
-
-def refuse_together(problems: list) -> None:
-    """Raise the first rank's problem on every rank (each has the gathered list)."""
-    first = next((p for p in problems if p), None)
-    if first is not None:
-        raise UsageError(first)

@@ -25,21 +25,8 @@ close. What depends on how the model is spread over the ranks it asks its *layou
 :func:`make_layout`. Every check decides on gathered numbers, so all ranks raise (policy
 ``raise``) or continue together, and the trace is on disk before anything raises.
 
-Host syncs per step of a DDP job (device-to-host transfers that wait for the device; a model on
-CPU has none), on a step without audit or checkpoint:
-
-1. the optimizer pre-hook resolves every bucket's local and reduced fingerprints, and the
-   digests of the step's inputs, in one ``resolve`` (the comm hook itself never syncs);
-2. the failure exchange's ``all_gather`` comes back to the host (NCCL only: gloo gathers host memory);
-3. the post-hook resolves the weights' digest, norm and NaN/Inf count, one pass of the kernel
-   per parameter and one ``resolve`` for all of them;
-4. the replica vote's ``all_gather`` (NCCL only, on steps that compare weights: every step by
-   default);
-5. the summed loss, read once when the STEP record is written: the device has drained at 3,
-   so it waits for nothing but what the caller queued since.
-
-At most 5 with NCCL, 3 with gloo; none depends on the number of buckets, parameters or
-microbatches. An audited step adds the audit's recomputation, a checkpoint its own digests.
+The host synchronisations a step costs (at most 5 with NCCL, 3 with gloo, none depending on the
+number of buckets, parameters or microbatches) are listed in docs/recorder.md, "Host syncs per step".
 """
 
 from __future__ import annotations
@@ -58,23 +45,22 @@ import torch
 import torch.distributed as dist
 
 from sdc_forensics.errors import SdcAlarm, SdcError, UsageError
-from sdc_forensics.fingerprint.core import combine_digests, warm_up
+from sdc_forensics.fingerprint.core import warm_up
 from sdc_forensics.inject import FaultSpec, Injector, parse_spec
 from sdc_forensics.recipe import check_recipe_args
 from sdc_forensics.recorder import checks, records
-from sdc_forensics.recorder.audit import Auditor, OwnResult
-from sdc_forensics.recorder.checkpointing import CheckpointSite, save_checkpoint, warn_unreplayable
+from sdc_forensics.recorder.audit import Auditor
+from sdc_forensics.recorder.checkpointing import save_checkpoint, site_of, warn_unreplayable
 from sdc_forensics.recorder.ddp_layout import DdpLayout
 from sdc_forensics.recorder.exit import brace_for_alarm_exit
 from sdc_forensics.recorder.fsdp_layout import FsdpLayout, is_fully_sharded
-from sdc_forensics.recorder.identity import complete_identities, local_identity, make_attempt, node_map
-from sdc_forensics.recorder.layout import Job, Layout, local_tensor, refuse_together
+from sdc_forensics.recorder.identity import gather_identities
+from sdc_forensics.recorder.layout import Job, Layout, local_tensor
 from sdc_forensics.recorder.options import Policy, RecorderOptions
 from sdc_forensics.recorder.rng_watch import RngWatch
 from sdc_forensics.recorder.step import StepRecording, StepState
 from sdc_forensics.recorder.threads import ThreadWatch
 from sdc_forensics.trace import format as F
-from sdc_forensics.trace.manifest import FingerprintSettings
 from sdc_forensics.trace.writer import RankTraceWriter
 
 log = logging.getLogger(__name__)
@@ -229,17 +215,15 @@ class Recorder:
 
     def _gather_identities(self, problem: str | None) -> None:
         """Every rank's identity and what it found wrong, in one collective: all ranks refuse together."""
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, (local_identity(self.rank, self.device), problem), group=self.group)
-        refuse_together([found for _, found in gathered])
-        self.identities = complete_identities([identity for identity, _ in gathered])
-        self.nodes = node_map(self.identities, self.options.node_of_rank)
-        if len(self.nodes) != self.world_size:
-            raise UsageError(f"node_of_rank has {len(self.nodes)} entries for {self.world_size} ranks")
+        self.identities, self.nodes = gather_identities(
+            self.rank, self.device, self.group, problem, self.options.node_of_rank
+        )
 
     def _open_trace(self) -> None:
         """Number the attempt, write the manifest, open this rank's file and hook the optimizer."""
-        self.attempt = records.start_attempt(self.trace_dir, self.rank, self.group, self._manifest)
+        self.attempt = records.start_attempt(
+            self.trace_dir, self.rank, self.group, lambda attempt: records.manifest_of(self, attempt)
+        )
         self.writer = RankTraceWriter(
             self.trace_dir,
             rank=self.rank,
@@ -265,35 +249,6 @@ class Recorder:
             self.optimizer.register_step_pre_hook(self._before_update),
             self.optimizer.register_step_post_hook(self._after_update),
         ]
-
-    def _manifest(self, attempt: int):
-        """The manifest of attempt ``attempt`` (rank 0 writes it: ``records.start_attempt``)."""
-        options = self.options
-        settings = FingerprintSettings(
-            seed=options.seed, sketch_k=options.sketch_k, grad_dtype=options.grad_dtype or "float32"
-        )
-        return records.build_manifest(
-            self.trace_dir,
-            world_size=self.world_size,
-            settings=settings,
-            recipe=self.recipe_ref,
-            recipe_args=self.recipe_args,
-            framework=self.framework,
-            checkpoint_every=options.checkpoint_every,
-            audit_every=options.audit_every or None,
-            weights_every=options.weights_every,
-            node_of_rank=self.nodes,
-            parallel=self.mesh,
-            attempt=make_attempt(
-                attempt,
-                options.start_step,
-                self.identities,
-                device=self.device,
-                backend=str(dist.get_backend(self.group)),
-                reduction=options.reduction.value,
-                comm_hook=self._comm_hook_name,
-            ),
-        )
 
     # ---------------------------------------------------------------- step lifecycle
     @contextlib.contextmanager
@@ -360,7 +315,9 @@ class Recorder:
         findings = self.layout.check(state, table[:, :-1], table[:, -1] > 0)
         if findings is None:
             return None
-        findings += self._audit_if_due(state)
+        findings += self.auditor.audit_step(
+            state, lambda: self._loss_value(state), self.layout.audit_module, self.writer
+        )
         self._react(state, findings)
         return None
 
@@ -376,25 +333,6 @@ class Recorder:
                 f"the recorder failed on rank(s) {', '.join(str(int(r)) for r in failed)} at step {step}; see their logs"
             )
         return table
-
-    def _audit_if_due(self, state: StepState) -> list[checks.Finding]:
-        """The audit of an audited step (a collective: ``audit.Auditor``), or nothing."""
-        if not self.auditor.due(state.step):
-            return []
-        own = OwnResult(
-            ids=state.ids or (),
-            loss=self._loss_value(state),
-            digest=state.local.digest if state.local else 0,
-            input_digest=combine_digests(state.input_digests) if state.input_digests else 0,
-            num_threads=state.num_threads or ThreadWatch.current(),
-        )
-        state.audit = outcome = self.auditor.run(state.step, own, self.layout.audit_module)
-        if outcome.audited_me:
-            state.flags |= int(F.Flag.AUDITED)
-        if outcome.disputed_me:
-            state.flags |= int(F.Flag.AUDIT_MISMATCH)
-        records.append_audits(self.writer, state.step, outcome.recomputations)
-        return list(outcome.findings)
 
     def _after_update(self, optimizer, args, kwargs) -> None:
         """The updated weights digested and, on the steps that compare them, voted."""
@@ -480,24 +418,7 @@ class Recorder:
             first = self._first_step if self._first_step is not None else self.options.start_step
             warn_unreplayable(self.trace_dir, first, int(step))
         self._checkpointed = True
-        site = CheckpointSite(
-            module=self.module,
-            seed=self.options.seed,
-            policy=self.options.policy,
-            rank=self.rank,
-            world_size=self.world_size,
-            group=self.group,
-            attempt=self.attempt,
-            trace_dir=self.trace_dir,
-            writer=self.writer,
-            injector=self.injector,
-            last_weights_vote=self.last_weights_vote,
-            weights_digest=lambda: self.layout.weights()[0],
-            vote=self._checkpoint_vote,
-            settled=self.layout.settled,
-            react=lambda findings: self._react(None, findings),
-            saver=self.layout.saver(),
-        )
+        site = site_of(self, vote=self._checkpoint_vote, react=lambda findings: self._react(None, findings))
         return save_checkpoint(site, int(step), Path(path), state, save)
 
     def _checkpoint_vote(self, step: int, digest: int) -> tuple[list[checks.Finding], checks.Majority]:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from sdc_forensics.errors import UsageError
 from sdc_forensics.fingerprint.core import Fingerprint, combine_digests
 from sdc_forensics.fingerprint.reference import digest_bytes
+from sdc_forensics.recorder.identity import make_attempt
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace.layouts import write_bucket_layouts
 from sdc_forensics.trace.manifest import (
@@ -215,3 +216,33 @@ def append_audits(writer: RankTraceWriter, step: int, recomputations) -> None:
             | (int(F.Flag.AUDIT_MISMATCH) if recomputation.mismatch else 0)
         )
         append_with_ids(writer, rec, recomputation.ids, step)
+
+
+def manifest_of(rec, attempt: int) -> Manifest:
+    """The manifest of attempt ``attempt`` of the recorder ``rec`` (rank 0 writes it: :func:`start_attempt`)."""
+    options = rec.options
+    settings = FingerprintSettings(
+        seed=options.seed, sketch_k=options.sketch_k, grad_dtype=options.grad_dtype or "float32"
+    )
+    return build_manifest(
+        rec.trace_dir,
+        world_size=rec.world_size,
+        settings=settings,
+        recipe=rec.recipe_ref,
+        recipe_args=rec.recipe_args,
+        framework=rec.framework,
+        checkpoint_every=options.checkpoint_every,
+        audit_every=options.audit_every or None,
+        weights_every=options.weights_every,
+        node_of_rank=rec.nodes,
+        parallel=rec.mesh,
+        attempt=make_attempt(
+            attempt,
+            options.start_step,
+            rec.identities,
+            device=rec.device,
+            backend=str(dist.get_backend(rec.group)),
+            reduction=options.reduction.value,
+            comm_hook=rec._comm_hook_name,
+        ),
+    )

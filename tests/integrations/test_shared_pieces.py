@@ -92,7 +92,7 @@ def test_a_compiled_submodule_anywhere_in_the_model_is_found():
     assert random_parts(torch.nn.Dropout(0.0)) == []
 
 
-def test_an_adapter_closing_on_an_alarm_braces_the_rank_for_exit_on_alarm_first():
+def test_an_adapter_closing_on_an_alarm_braces_the_rank_for_exit_on_alarm_first(monkeypatch):
     """Issue 40: each adapter closes its trace on the way out through ``_common.close_on_error``. On an
     SdcAlarm inside an ``exit_on_alarm`` block it first ignores SIGTERM, as the recorder's own ``with``
     does, so that under torchrun a peer exiting 18 first cannot have this rank killed mid-close; on
@@ -109,7 +109,13 @@ def test_an_adapter_closing_on_an_alarm_braces_the_rank_for_exit_on_alarm_first(
         def close(self, *, on_error):
             seen.append((on_error, signal.getsignal(signal.SIGTERM)))
 
-    # the job's own handler, whatever an earlier in-process test left (an alarm that left exit_on_alarm keeps ignoring it)
+    # a fresh process: an earlier in-process test whose alarm left exit_on_alarm (a SystemExit pytest caught) left this
+    # process braced for an exit that never came: SIGTERM ignored and the module's state saying so
+    from sdc_forensics.recorder import exit as exit_module
+
+    monkeypatch.setattr(exit_module, "_saved_sigterm", exit_module._NOT_BRACED)
+    monkeypatch.setattr(exit_module, "_exiting", False)
+    monkeypatch.setattr(exit_module, "_armed", 0)
     outer = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         before = signal.getsignal(signal.SIGTERM)
