@@ -189,13 +189,7 @@ class _Clock:
 
 def _run_hf(recorded: bool, where: Path, steps: int, clock: _Clock) -> int:
     import torch
-    from transformers import (
-        GPT2Config,
-        GPT2LMHeadModel,
-        Trainer,
-        TrainerCallback,
-        TrainingArguments,
-    )
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
     shape = _shape()
     torch.manual_seed(0)

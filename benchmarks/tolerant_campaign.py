@@ -242,10 +242,7 @@ def _summarise_bisect(result: dict) -> dict:
 
 def _summarise_certify(result: dict) -> dict:
     doc = result.pop("doc") or {}
-    return result | {
-        "first_divergent_step": doc.get("first_divergent_step"),
-        "statuses": checkpoint_statuses(doc),
-    }
+    return result | {"first_divergent_step": doc.get("first_divergent_step"), "statuses": checkpoint_statuses(doc)}
 
 
 def _verify_status(result: dict) -> str | None:

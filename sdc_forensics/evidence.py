@@ -31,7 +31,8 @@ class EvidenceKind(str, enum.Enum):
     REPLAY_MISMATCH = "replay_mismatch"
     INPUT_MISMATCH = "input_mismatch"
     CHECKPOINT_MISMATCH = "checkpoint_mismatch"
-    OUTLIER = "outlier"  # a statistical hint, never a verdict on its own
+    # a statistical hint, never a verdict on its own
+    OUTLIER = "outlier"
 
 
 class Strength(str, enum.Enum):
@@ -50,12 +51,18 @@ class Strength(str, enum.Enum):
 class Location(str, enum.Enum):
     """Where a fault sits."""
 
-    LOCAL_COMPUTE = "local_compute"  # the rank's forward/backward
-    STATE_AT_REST = "state_at_rest"  # the rank's weights changed in memory between two steps (after one update, before the next forward)
-    COLLECTIVE = "collective"  # inside the all-reduce
-    OPTIMIZER_UPDATE = "optimizer_update"  # the rank's optimizer step
-    INPUT_DATA = "input_data"  # the rank's input microbatch
-    STORAGE = "storage"  # a checkpoint file on disk
+    # the rank's forward/backward
+    LOCAL_COMPUTE = "local_compute"
+    # the rank's weights changed in memory between two steps (after one update, before the next forward)
+    STATE_AT_REST = "state_at_rest"
+    # inside the all-reduce
+    COLLECTIVE = "collective"
+    # the rank's optimizer step
+    OPTIMIZER_UPDATE = "optimizer_update"
+    # the rank's input microbatch
+    INPUT_DATA = "input_data"
+    # a checkpoint file on disk
+    STORAGE = "storage"
     UNKNOWN = "unknown"
 
 

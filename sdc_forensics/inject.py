@@ -177,7 +177,8 @@ def flip_bit_(flat, element: int, bit: int) -> tuple[float, float]:
     with torch.no_grad():
         old = flat[element].item()
         ints = _int_view(flat)
-        mask = (1 << bit) if bit < width - 1 else -(1 << bit)  # the sign bit of a signed view
+        # the sign bit of a signed view
+        mask = (1 << bit) if bit < width - 1 else -(1 << bit)
         ints[element] = ints[element] ^ mask
         new = flat[element].item()
     return float(old), float(new)

@@ -28,7 +28,8 @@ def _write_beside(target: Path, write: Callable[[TextIO], T]) -> tuple[Path, T]:
     """``write(handle)`` into a new temporary file beside ``target``, flushed and fsync'ed;
     ``(its path, what write returned)``. Removed again if writing fails."""
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    handle = open(tmp, "x", newline="", encoding="utf-8")  # exclusive: never a file (or link) already there
+    # exclusive: never a file (or link) already there
+    handle = open(tmp, "x", newline="", encoding="utf-8")
     try:
         with handle:
             result = write(handle)
@@ -80,7 +81,8 @@ def write_new_file(target: str | os.PathLike, force: bool, write: Callable[[Text
                 os.link(tmp, target)
             except FileExistsError:
                 raise exists from None
-            except OSError:  # a file system without hard links
+            # a file system without hard links
+            except OSError:
                 if target.exists():
                     raise exists from None
                 os.rename(tmp, target)

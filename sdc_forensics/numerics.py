@@ -186,7 +186,8 @@ def reproduce(recorded: dict[str, Any], device: torch.device, num_threads: int |
     known = {k: recorded[k] for k in _APPLIED_KEYS if k in recorded}
     values = dict(known) if known else dict(_IMPOSED)
     if values.get("deterministic_algorithms") and device.type == "cuda" and not values.get("cublas_workspace_config"):
-        values["cublas_workspace_config"] = ":4096:8"  # deterministic cuBLAS needs a fixed workspace
+        # deterministic cuBLAS needs a fixed workspace
+        values["cublas_workspace_config"] = ":4096:8"
     if num_threads:
         values["threads"] = int(num_threads)
     _set(values)

@@ -222,6 +222,7 @@ def _step_argument(hook: Any, step: int | None) -> dict[str, int]:
         return {}
     try:
         params = inspect.signature(hook).parameters
-    except (TypeError, ValueError):  # a builtin or C callable without a signature: the plain call
+    # a builtin or C callable without a signature: the plain call
+    except (TypeError, ValueError):
         return {}
     return {"step": int(step)} if "step" in params else {}

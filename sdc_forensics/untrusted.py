@@ -35,7 +35,8 @@ def load_json(data: bytes | str, *, object_pairs_hook: Callable[[list], Any] | N
             nested deeper than Python can decode. (Fields check the nesting of free-form values.)
     """
     try:
-        text = str(data, "utf-8") if isinstance(data, (bytes, bytearray, memoryview)) else data  # no intermediate copy
+        # no intermediate copy
+        text = str(data, "utf-8") if isinstance(data, (bytes, bytearray, memoryview)) else data
         doc = json.loads(text, object_pairs_hook=object_pairs_hook)
     except RecursionError:
         raise ValueError("JSON nested too deeply to decode") from None
@@ -43,7 +44,8 @@ def load_json(data: bytes | str, *, object_pairs_hook: Callable[[list], Any] | N
         raise ValueError(f"not UTF-8: {exc.reason} at byte {exc.start}") from None
     except json.JSONDecodeError as exc:
         raise ValueError(" ".join(str(exc).split())[:200]) from None
-    except ValueError as exc:  # an integer literal beyond Python's int_max_str_digits (4,300 by default)
+    # an integer literal beyond Python's int_max_str_digits (4,300 by default)
+    except ValueError as exc:
         if "digits" not in str(exc):
             raise ValueError(" ".join(str(exc).split())[:200]) from None
         raise ValueError(f"an integer of more than {sys.get_int_max_str_digits()} digits") from None
@@ -171,7 +173,8 @@ class Fields:
 
     def list(self, key: str, default: Any = _REQUIRED) -> list:
         value = self._get(key, default)
-        if isinstance(value, tuple):  # a default
+        # a default
+        if isinstance(value, tuple):
             value = list(value)
         if not isinstance(value, list):
             raise self.fail(key, "a list", value)

@@ -24,7 +24,8 @@ import torch
 from sdc_forensics.errors import CheckpointError, reader, reader_class
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)  # slots: a file may list a million
+# slots: a file may list a million
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TensorInfo:
     """One tensor as the checkpoint's metadata describes it (before reading its bytes).
 
@@ -100,7 +101,8 @@ class MappedFile:
         if self._mmap is not None:
             try:
                 self._mmap.close()
-            except BufferError:  # a caller still holds a view; the GC unmaps it later
+            # a caller still holds a view; the GC unmaps it later
+            except BufferError:
                 pass
             self._mmap = None
 
@@ -108,11 +110,13 @@ class MappedFile:
 @reader
 def typed_view(raw: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """``raw`` (uint8 bytes) reinterpreted as ``dtype`` with ``shape``; zero-copy when aligned."""
-    if not raw.numel():  # nothing to view (an empty slice may be misaligned: no copy needed)
+    # nothing to view (an empty slice may be misaligned: no copy needed)
+    if not raw.numel():
         return torch.empty(shape, dtype=dtype)
     itemsize = dtype.itemsize
     if raw.storage_offset() % itemsize:
-        raw = raw.clone()  # misaligned in the file: the only case that copies
+        # misaligned in the file: the only case that copies
+        raw = raw.clone()
     if dtype == torch.bool:
         return raw.view(torch.bool).view(shape)
     return raw.view(dtype).view(shape)

@@ -72,7 +72,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             from torch.distributed.checkpoint import metadata
 
             found = getattr(metadata, name, None)
-            if isinstance(found, type) and found.__module__ == module:  # its own classes, nothing it imported
+            # its own classes, nothing it imported
+            if isinstance(found, type) and found.__module__ == module:
                 return found
         if module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo":
             from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -133,14 +134,16 @@ class DcpReader(CheckpointReader):
         state = getattr(self.metadata, "state_dict_metadata", None)
         if not isinstance(storage, dict) or not isinstance(state, dict):
             raise CheckpointError(f"{self.root}/{METADATA_NAME} lacks storage_data or state_dict_metadata: damaged")
-        items: dict[str, list[tuple[int, int, str]]] = {}  # file -> (offset, end, item name) of its items
+        # file -> (offset, end, item name) of its items
+        items: dict[str, list[tuple[int, int, str]]] = {}
         for index, info in storage.items():
             rel = str(getattr(info, "relative_path", ""))
             if getattr(info, "transform_descriptors", None):
                 raise CheckpointError(
                     f"{self.root}: item {index.fqn!r} uses storage transforms {info.transform_descriptors}, which this reader does not support"
                 )
-            if rel not in items:  # each file checked once, however many items name it
+            # each file checked once, however many items name it
+            if rel not in items:
                 self._check_file(rel, index.fqn)
                 items[rel] = []
             size = self._files[rel].size
@@ -194,7 +197,8 @@ class DcpReader(CheckpointReader):
         path = self.root / rel
         try:
             found = path.is_file()
-        except OSError as exc:  # ENAMETOOLONG, EACCES
+        # ENAMETOOLONG, EACCES
+        except OSError as exc:
             raise CheckpointError(
                 f"{self.root}: file {rel[:200]!r} named by the metadata for {fqn!r} cannot be looked up ({exc.strerror})"
             ) from None
@@ -275,10 +279,12 @@ class DcpReader(CheckpointReader):
             with zipfile.ZipFile(data) as archive:
                 for member in archive.infolist():
                     if member.compress_type == zipfile.ZIP_STORED:
-                        archive.read(member)  # raises BadZipFile on a CRC mismatch
+                        # raises BadZipFile on a CRC mismatch
+                        archive.read(member)
                     elif not inflate_member(archive, member, self._limits, where)[0]:
                         raise zipfile.BadZipFile(f"Bad CRC-32 for file {member.filename!r}")
-        except UnicodeDecodeError as exc:  # a flipped byte in a member name flagged UTF-8
+        # a flipped byte in a member name flagged UTF-8
+        except UnicodeDecodeError as exc:
             raise CheckpointError(
                 f"{self.root}: chunk of {fqn!r} in {info.relative_path} has a zip entry name {exc.object[:80]!r} that is not valid UTF-8: "
                 "its bytes are damaged"
@@ -312,7 +318,8 @@ class DcpReader(CheckpointReader):
             view = self._mapped(str(info.relative_path)).buffer()[info.offset : info.offset + info.length]
             try:
                 data = io.BytesIO(view)
-                with zipfile.ZipFile(data) as archive:  # no member inflated beyond the limit by torch.load
+                # no member inflated beyond the limit by torch.load
+                with zipfile.ZipFile(data) as archive:
                     for member in archive.infolist():
                         if member.compress_type != zipfile.ZIP_STORED:
                             inflate_member(archive, member, self._limits, str(self.root))
@@ -335,8 +342,10 @@ def _load_metadata(meta_path: Path, limits: ReadLimits):
     try:
         with open(meta_path, "rb") as fh:
             data = fh.read()
-        for _ in pickletools.genops(data):  # lengths checked first: a bytearray8 claiming exabytes made CPython's
-            pass  # unpickler print "SystemError: deallocated bytearray..." to stderr
+        # lengths checked first: a bytearray8 claiming exabytes made CPython's
+        for _ in pickletools.genops(data):
+            # unpickler print "SystemError: deallocated bytearray..." to stderr
+            pass
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as exc:  # noqa: BLE001 - only allow-listed classes are built; any failure means "damaged metadata"
         # (UnpicklingError, EOFError, a RuntimeError from TensorProperties.__setstate__, RecursionError, ...)
@@ -405,7 +414,8 @@ def _check_types(meta_path: Path, metadata, limits: ReadLimits) -> None:
         dtype = getattr(getattr(meta, "properties", None), "dtype", None)
         if (
             not isinstance(dtype, torch.dtype) or dtype not in PLAIN_DTYPES
-        ):  # a quantized dtype crashes torch when read as bits
+            # a quantized dtype crashes torch when read as bits
+        ):
             raise bad(f"the dtype of {fqn!r}", "a plain torch dtype (not quantized)", dtype)
         size = _dims(getattr(meta, "size", None))
         if size is None or math.prod(d for d in size if d) > _INT64_MAX:
@@ -431,7 +441,8 @@ def _check_types(meta_path: Path, metadata, limits: ReadLimits) -> None:
             raise bad("a storage_data key", "a MetadataIndex with a string fqn", index)
         if (
             getattr(index, "offset", None) is not None and _dims(index.offset) is None
-        ):  # a chunk's offsets: how chunks find their item
+            # a chunk's offsets: how chunks find their item
+        ):
             raise bad(f"the offset of storage key {index.fqn[:80]!r}", dims + " or nothing", index.offset)
         rel = getattr(info, "relative_path", None)
         if not isinstance(rel, (str, pathlib.PurePath)):
@@ -481,13 +492,15 @@ def _check_coverage(root: Path, fqn: str, size: tuple[int, ...], chunks) -> None
         )
     split = [d for d in range(len(size)) if any(o[d] or s[d] != size[d] for o, s in boxes)]
     if not total or not split:
-        return  # nothing to cover, or one chunk spanning the whole tensor (volumes sum to numel)
+        # nothing to cover, or one chunk spanning the whole tensor (volumes sum to numel)
+        return
     if len(boxes) << len(split) > _MAX_CORNERS:
         raise CheckpointError(
             f"{root}: {fqn!r} is split into {len(boxes)} chunks along {len(split)} dimensions, too many to check "
             f"({len(boxes)} x 2^{len(split)} corners > {_MAX_CORNERS}): not a layout DCP writes"
         )
-    if len(split) == 1:  # the common case (FSDP, dim-0 shards): sorted intervals name the overlap
+    # the common case (FSDP, dim-0 shards): sorted intervals name the overlap
+    if len(split) == 1:
         d = split[0]
         spans = sorted((o[d], o[d] + s[d], o) for o, s in boxes)
         for (_, end, first), (start, _, second) in zip(spans, spans[1:]):

@@ -106,8 +106,10 @@ class FolderReader(CheckpointReader):
         files, refused, self._ignored, dcp_dirs = _scan(directory, self._bounds)
         self._unverifiable = list(refused)
         self._issues: list[FileIssue] = []
-        self._parts: list[tuple[str, CheckpointReader]] = []  # (key prefix, reader); "" = the model checkpoint
-        self._other_files: list[Path] = []  # metadata and not-verifiable files: checksummed only
+        # (key prefix, reader); "" = the model checkpoint
+        self._parts: list[tuple[str, CheckpointReader]] = []
+        # metadata and not-verifiable files: checksummed only
+        self._other_files: list[Path] = []
         self._trainer_step: int | None = None
         self.format = "folder"
         try:
@@ -142,13 +144,19 @@ class FolderReader(CheckpointReader):
             for shard in sorted(set(read_index(path)[0].values())):
                 check(shard)
         main = open_file(
-            path, kind, root=self.root, populate=populate, limits=self._limits
-        )  # links checked before opening
+            path,
+            kind,
+            root=self.root,
+            populate=populate,
+            limits=self._limits,
+            # links checked before opening
+        )
         self._parts.append(("", main))
         for file in main.files:
             check(self.relative(file))
             real = outside(file, self._bounds)
-            if real is not None:  # not reachable: every reader checks its files before opening them
+            # not reachable: every reader checks its files before opening them
+            if real is not None:
                 raise CheckpointError(
                     f"{self.root}: its model checkpoint file {self.relative(file)} lies outside the folder ({real}); not followed"
                 )
@@ -185,7 +193,8 @@ class FolderReader(CheckpointReader):
                 )
             )
             return 0
-        with open(path, "rb") as fh:  # read-only
+        # read-only
+        with open(path, "rb") as fh:
             head = fh.read(2)
         if kind == "torch" and head != b"PK" and head[:1] != b"\x80":
             self._other_files.append(path)
@@ -205,13 +214,16 @@ class FolderReader(CheckpointReader):
         try:
             reader = open_file(path, kind, root=self.root, populate=populate, limits=self._limits)
         except PickleRefused as exc:
-            self._other_files.append(path)  # checksummed either way: a certificate pins its bytes
-            if rel == TRAINER_ARGUMENTS:  # the job's configuration, never loaded at resume: no state to verify
+            # checksummed either way: a certificate pins its bytes
+            self._other_files.append(path)
+            # the job's configuration, never loaded at resume: no state to verify
+            if rel == TRAINER_ARGUMENTS:
                 self._ignored = (*self._ignored, rel)
             else:
                 self._unverifiable.append(FileIssue(file=rel, detail=_refusal(exc)))
             return 1
-        except TensorNotReadable as exc:  # a quantized or sparse optimizer state: intact, just not readable as bits
+        # a quantized or sparse optimizer state: intact, just not readable as bits
+        except TensorNotReadable as exc:
             self._other_files.append(path)
             why = str(exc).removeprefix(f"{path}: ")
             self._unverifiable.append(FileIssue(file=rel, detail=f"{why}; {_CHECKSUM_ONLY}"))
@@ -219,9 +231,11 @@ class FolderReader(CheckpointReader):
         except CheckpointError as exc:
             self._other_files.append(path)
             why = str(exc).removeprefix(f"{path}: ").removeprefix(f"{path} ")
-            if path.suffix in (*TORCH_SUFFIXES, ".safetensors"):  # it says what it is, and is not that any more
+            # it says what it is, and is not that any more
+            if path.suffix in (*TORCH_SUFFIXES, ".safetensors"):
                 self._issues.append(FileIssue(file=rel, detail=why))
-            else:  # only its first bytes looked like a checkpoint (a plain zip archive, ...)
+            # only its first bytes looked like a checkpoint (a plain zip archive, ...)
+            else:
                 self._unverifiable.append(
                     FileIssue(file=rel, detail=f"not readable as a {kind} checkpoint ({why}); {_CHECKSUM_ONLY}")
                 )
@@ -231,7 +245,8 @@ class FolderReader(CheckpointReader):
 
     def _check_text(self, path: Path, rel: str) -> None:
         try:
-            with open(path, "rb") as fh:  # read-only
+            # read-only
+            with open(path, "rb") as fh:
                 text = fh.read().decode("utf-8")
             doc = json.loads(text) if path.name.endswith(".json") else None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

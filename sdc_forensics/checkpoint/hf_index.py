@@ -76,7 +76,8 @@ class HfIndexReader(CheckpointReader):
                 shard_path = self.root / shard
                 try:
                     found = shard_path.is_file()
-                except OSError as exc:  # is_file() answers False only for a few errnos (ENAMETOOLONG, EACCES raise)
+                # is_file() answers False only for a few errnos (ENAMETOOLONG, EACCES raise)
+                except OSError as exc:
                     raise CheckpointError(
                         f"{index_path} names shard {shard[:80]!r}, which cannot be looked up ({exc.strerror}): check the index"
                     ) from None
@@ -155,8 +156,10 @@ def read_index(index_path: Path) -> tuple[dict[str, str], dict]:
     if not index_path.is_file():
         raise CheckpointError(f"{index_path} does not exist or is not a file")
     try:
-        with open(index_path, "rb") as fh:  # read-only
-            doc = load_json(fh.read())  # ValueError for bad UTF-8/JSON, deep nesting, 5,000-digit integers
+        # read-only
+        with open(index_path, "rb") as fh:
+            # ValueError for bad UTF-8/JSON, deep nesting, 5,000-digit integers
+            doc = load_json(fh.read())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{index_path} is not valid JSON ({exc}): the index is damaged") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None

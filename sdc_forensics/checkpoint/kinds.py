@@ -75,7 +75,8 @@ def detect_format(path: str | os.PathLike) -> str:
 @reader
 def sniff_file(path: Path) -> str | None:
     """``torch`` or ``safetensors`` from the first bytes and the suffix of one file, else None."""
-    with open(path, "rb") as fh:  # read-only
+    # read-only
+    with open(path, "rb") as fh:
         head = fh.read(9)
     if head[:2] == b"PK":
         return "torch"

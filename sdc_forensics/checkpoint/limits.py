@@ -48,7 +48,8 @@ MAX_DIMS = 64
 INFLATE_HINT = "--max-inflate-bytes (or SDC_FORENSICS_MAX_INFLATE_BYTES)"
 TENSORS_HINT = "--max-tensors (or SDC_FORENSICS_MAX_TENSORS)"
 _HUB_REPO = re.compile(r"^(models|datasets|spaces)--.+")
-_PIECE = 1 << 20  # compressed members are inflated 1 MiB at a time
+# compressed members are inflated 1 MiB at a time
+_PIECE = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -187,8 +188,10 @@ def inflate_member(
     crc, total, parts = 0, 0, []
     try:
         with archive.open(member) as fh:
-            fh._expected_crc = None  # checked here, so that a mismatch is a finding, not an exception
-            while piece := fh.read(_PIECE):  # never past the declared size
+            # checked here, so that a mismatch is a finding, not an exception
+            fh._expected_crc = None
+            # never past the declared size
+            while piece := fh.read(_PIECE):
                 total += len(piece)
                 crc = zlib.crc32(piece, crc)
                 if keep:

@@ -65,7 +65,8 @@ def locate_checkpoint(
     base = Path(os.path.abspath(base_dir)) if base_dir is not None else None
     if base is not None and note.path_from_trace and climbs_then_descends(note.path_from_trace):
         candidate = Path(os.path.normpath(base / note.path_from_trace))
-        if _usable(candidate):  # as written when that is the same file (paths in reports stay the job's)
+        # as written when that is the same file (paths in reports stay the job's)
+        if _usable(candidate):
             return written if _usable(written) and os.path.samefile(written, candidate) else candidate
     if written.is_absolute() and _usable(written):
         return written

@@ -33,9 +33,11 @@ from sdc_forensics.fingerprint.core import digest, digests
 from sdc_forensics.intraop import intra_op_threads
 from sdc_forensics.trace.checkpoints import hex64
 
-_SCAN_ELEMS = 1 << 22  # sub-float32 tensors are upcast in chunks of 4 Mi elements
+# sub-float32 tensors are upcast in chunks of 4 Mi elements
+_SCAN_ELEMS = 1 << 22
 _WIDE = (torch.float32, torch.float64, torch.complex64, torch.complex128)
-_SMALL_BYTES = 1 << 16  # tensors up to this size are digested in batches
+# tensors up to this size are digested in batches
+_SMALL_BYTES = 1 << 16
 _BATCH_TENSORS = 256
 
 
@@ -113,7 +115,8 @@ def measure(
                 mapped.close()
 
     def tensors_task(batch: list[tuple[str, torch.Tensor | None]]) -> list[Measured]:
-        if batch[0][1] is None:  # an alias: its original's measurement is copied by _in_order
+        # an alias: its original's measurement is copied by _in_order
+        if batch[0][1] is None:
             return [Measured(key=batch[0][0], dtype="", shape=(), digest=-1, nonfinite=0)]
         full = [tensor for _, tensor in batch if tensor.numel()]
         values = iter(digests(full, seed) if full else ())

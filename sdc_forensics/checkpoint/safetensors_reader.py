@@ -145,7 +145,8 @@ class _Header:
                     f"{self.path}: the header lists more than {self.max_tensors} tensors; raise {TENSORS_HINT} if you trust the file"
                 )
             code, shape, offsets = obj["dtype"], obj["shape"], obj["data_offsets"]
-            code = _CODES.get(code, code) if type(code) is str else code  # one shared string per dtype
+            # one shared string per dtype
+            code = _CODES.get(code, code) if type(code) is str else code
             return _Spec(
                 (
                     code,
@@ -181,7 +182,8 @@ def _parse(path: Path, mapped: MappedFile, max_tensors: int):
             f"{path}: header length {header_len} exceeds the 100 MB safetensors limit: not a valid file"
         )
     try:
-        text = str(buf[8 : 8 + header_len], "utf-8")  # one copy, straight from the map
+        # one copy, straight from the map
+        text = str(buf[8 : 8 + header_len], "utf-8")
     except UnicodeDecodeError as exc:
         raise CheckpointError(
             f"{path}: the header is not valid UTF-8 JSON (not UTF-8: {exc.reason} at byte {exc.start}): "
@@ -189,7 +191,8 @@ def _parse(path: Path, mapped: MappedFile, max_tensors: int):
         ) from None
     keys = text.count(
         '"data_offsets"'
-    )  # at least one per entry as writers spell it: refuse a huge header before parsing it
+        # at least one per entry as writers spell it: refuse a huge header before parsing it
+    )
     if keys > max_tensors:
         raise CheckpointError(
             f'{path}: the header names "data_offsets" {keys} times: more than the {max_tensors} tensors allowed; '
@@ -197,8 +200,10 @@ def _parse(path: Path, mapped: MappedFile, max_tensors: int):
         )
     try:
         header = load_json(
-            text, object_pairs_hook=_Header(path, max_tensors)
-        )  # ValueError: bad JSON, deep nesting, 5,000-digit integers
+            text,
+            object_pairs_hook=_Header(path, max_tensors),
+            # ValueError: bad JSON, deep nesting, 5,000-digit integers
+        )
     except ValueError as exc:
         raise CheckpointError(
             f"{path}: the header is not valid UTF-8 JSON ({exc}): the file is damaged or not safetensors"
@@ -218,7 +223,8 @@ def _parse(path: Path, mapped: MappedFile, max_tensors: int):
 
 def _entry(path: Path, name: str, spec, data_len: int) -> None:
     """Raise :class:`CheckpointError` unless ``spec`` is a well-formed entry inside the data buffer."""
-    if not isinstance(spec, _Spec):  # made by _Header for an object with exactly the three keys
+    # made by _Header for an object with exactly the three keys
+    if not isinstance(spec, _Spec):
         raise CheckpointError(f"{path}: tensor {name[:80]!r} needs exactly dtype, shape and data_offsets in the header")
     code, shape, offsets = spec
     if not isinstance(code, str) or code not in DTYPES:
@@ -226,12 +232,15 @@ def _entry(path: Path, name: str, spec, data_len: int) -> None:
             f"{path}: tensor {name[:80]!r} has unknown dtype {describe(code)} (known: {', '.join(DTYPES)})"
         )
     if type(shape) is not tuple or not all(
-        is_int(d) and 0 <= d <= _INT64_MAX for d in shape
-    ):  # a JSON list, made a tuple
+        is_int(d) and 0 <= d <= _INT64_MAX
+        for d in shape
+        # a JSON list, made a tuple
+    ):
         raise CheckpointError(
             f"{path}: tensor {name[:80]!r} has an invalid shape {_describe(shape)} (a list of integers in 0..2^63-1)"
         )
-    if math.prod(d for d in shape if d) > _INT64_MAX:  # torch multiplies every dimension, zeros last or not
+    # torch multiplies every dimension, zeros last or not
+    if math.prod(d for d in shape if d) > _INT64_MAX:
         raise CheckpointError(
             f"{path}: tensor {name[:80]!r} has shape dimensions whose product overflows 64 bits: the header is damaged"
         )
@@ -268,7 +277,8 @@ def _check_tiling(path: Path, entries: dict, data_len: int) -> None:
     """Sorted ranges must tile ``[0, data_len)``: no overlap, no gap, nothing after the last."""
     cursor = 0
     previous = None
-    for name in sorted(entries, key=lambda name: entries[name][2]):  # by (begin, end)
+    # by (begin, end)
+    for name in sorted(entries, key=lambda name: entries[name][2]):
         begin, end = entries[name][2]
         if begin < cursor:
             raise CheckpointError(

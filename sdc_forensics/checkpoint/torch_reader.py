@@ -68,9 +68,11 @@ from sdc_forensics.checkpoint.limits import (
 from sdc_forensics.errors import CheckpointError, reader
 from sdc_forensics.statedict import flatten_state
 
-_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # 30 bytes
+# 30 bytes
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _WEIGHTS_ONLY_REFUSAL = "Weights only load failed"
-_WALK_PER_OPCODE = 8  # objects the payload walk may visit per pickle opcode (shared small tuples legitimately repeat)
+# objects the payload walk may visit per pickle opcode (shared small tuples legitimately repeat)
+_WALK_PER_OPCODE = 8
 _WALK_SLACK = 10_000
 _MAX_KEY_CHARS = 1 << 16
 #: ``--allow-numpy``: what ``np.random.get_state()`` and numpy arrays/scalars pickle to (numpy 1
@@ -84,7 +86,8 @@ NUMPY_GLOBALS = (
     "numpy.dtype",
 )
 NUMPY_HINT = "--allow-numpy"
-_NUMPY_DTYPE_CODES = "?bBhHiIlLqQefdgFDG"  # numpy's numeric dtypes (no object, string or void dtype class)
+# numpy's numeric dtypes (no object, string or void dtype class)
+_NUMPY_DTYPE_CODES = "?bBhHiIlLqQefdgFDG"
 
 
 class PickleRefused(CheckpointError):
@@ -115,7 +118,8 @@ def _allowed_globals() -> set[str] | None:
     """``module.name`` of every global ``weights_only`` loading accepts; None if unknown."""
     try:
         from torch._weights_only_unpickler import _get_allowed_globals
-    except ImportError:  # a future torch moved it: rely on weights_only alone
+    # a future torch moved it: rely on weights_only alone
+    except ImportError:
         return None
     allowed = set(_get_allowed_globals())
     for obj in torch.serialization.get_safe_globals():
@@ -246,8 +250,10 @@ class TorchReader(SingleFileReader):
         path, buf = self.path, self._file.buffer()
         head = bytes(buf[:2])
         try:
-            archive = zipfile.ZipFile(path)  # opened read-only
-        except UnicodeDecodeError as exc:  # a flipped byte in a member name flagged UTF-8
+            # opened read-only
+            archive = zipfile.ZipFile(path)
+        # a flipped byte in a member name flagged UTF-8
+        except UnicodeDecodeError as exc:
             raise CheckpointError(
                 f"{path}: the zip entry name {exc.object[:80]!r} is not valid UTF-8: the archive's directory is damaged"
             ) from None
@@ -288,7 +294,8 @@ class TorchReader(SingleFileReader):
                         f"{path}: storage member {member.filename} is compressed; torch.save stores tensors uncompressed and "
                         "torch.load would map the compressed bytes as the tensor: the file was re-zipped or crafted; re-save it with torch.save"
                     )
-                else:  # checked against its declared size and the limit, inflated 1 MiB at a time
+                # checked against its declared size and the limit, inflated 1 MiB at a time
+                else:
                     crc_ok, data = inflate_member(archive, member, self._limits, str(path), keep=member is pkl[0])
                 if member is pkl[0]:
                     pickle_bytes = data
@@ -312,7 +319,8 @@ class TorchReader(SingleFileReader):
         size, buf = self._file.size, self._file.buffer()
         start = (
             member.header_offset
-        )  # zipfile adds the offset of the archive in the file: negative when bytes are missing at the start
+            # zipfile adds the offset of the archive in the file: negative when bytes are missing at the start
+        )
         if start < 0:
             raise CheckpointError(
                 f"{self.path}: member {member.filename} would start {-start} byte(s) before the file: bytes are missing at its start"
@@ -373,11 +381,13 @@ class TorchReader(SingleFileReader):
             with allow, warnings.catch_warnings():
                 warnings.simplefilter(
                     "ignore"
-                )  # torch's deprecation notes (TypedStorage, pickle protocol) are not the user's concern
+                    # torch's deprecation notes (TypedStorage, pickle protocol) are not the user's concern
+                )
                 return torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:  # noqa: BLE001 - torch raises many types; all mean "unreadable"
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            if first_line.startswith(_WEIGHTS_ONLY_REFUSAL):  # the allow-list was unknown to the scan
+            # the allow-list was unknown to the scan
+            if first_line.startswith(_WEIGHTS_ONLY_REFUSAL):
                 raise PickleRefused(
                     f"{self.path}: torch.load(weights_only=True) refuses its pickle; refusing to load it (it could run code). "
                     "Only load it if you trust its origin."
@@ -390,7 +400,8 @@ class TorchReader(SingleFileReader):
         """Walk the loaded object within a budget before anything else walks it (module docstring, 5)."""
         path, limits = self.path, self._limits
         budget = _WALK_PER_OPCODE * num_ops + _WALK_SLACK
-        stack: list[tuple[Any, int]] = [(self._payload, 0)]  # (object, length of its flattened key)
+        # (object, length of its flattened key)
+        stack: list[tuple[Any, int]] = [(self._payload, 0)]
         visits = tensors = 0
         while stack:
             obj, chars = stack.pop()
@@ -488,7 +499,8 @@ def _key_chars(path: Path, key: Any) -> int:
     """Length of ``str(key)``, as :func:`~sdc_forensics.statedict.flatten_state` writes it."""
     try:
         return len(str(key))
-    except ValueError:  # an integer beyond Python's int_max_str_digits
+    # an integer beyond Python's int_max_str_digits
+    except ValueError:
         raise CheckpointError(
             f"{path}: a key of its state is an integer too long to print: damaged or crafted"
         ) from None

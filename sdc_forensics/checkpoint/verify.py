@@ -67,7 +67,8 @@ class Finding:
         }
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)  # slots: one per tensor, a file may list a million
+# slots: one per tensor, a file may list a million
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TensorResult:
     """What was measured for one tensor. ``expected_digest`` is "" when nothing was noted."""
 

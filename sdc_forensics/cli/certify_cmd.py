@@ -148,7 +148,8 @@ def certify_cmd(
         )
     with Bars(enabled=err.is_terminal) as bars:
         cert = certify(trace_dir, AnalysisOptions(**options), progress=bars)
-    if certificate_out is not None and is_lead():  # under torchrun, process 0 alone writes
+    # under torchrun, process 0 alone writes
+    if certificate_out is not None and is_lead():
         write_run_certificate(certificate_out, cert, force=force)
     render_certify(cert, err, certificate_out)
     if as_json:

@@ -16,7 +16,8 @@ class Bars:
     """Rich progress bars on stderr, one per replayed window (implements ``bisect.Progress``)."""
 
     def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled and not err.quiet  # a follower of a distributed replay draws nothing
+        # a follower of a distributed replay draws nothing
+        self.enabled = enabled and not err.quiet
         self._progress = None
         self._task = None
 

@@ -106,7 +106,8 @@ def demo_cmd(
         policy=policy,
         recipe=recipe or RECIPE_REFERENCE,
         threads=_parse_threads(threads, 4),
-    )  # every usage error (specs against the model too) surfaces here, before anything runs
+        # every usage error (specs against the model too) surfaces here, before anything runs
+    )
     render_demo_start(config, err)
     result = run_config(config)
     render_demo(result, err)
@@ -140,7 +141,8 @@ def _sharded_demo(
         if injections
         else [sharded.default_injection(steps, checkpoint_every)]
     )
-    for text in texts:  # every spec checked before anything runs
+    # every spec checked before anything runs
+    for text in texts:
         spec = parse_spec(text, LOCATIONS + FSDP_LOCATIONS)
         if spec.location in ("grad", "allreduce", "allreduce-all", "checkpoint-file"):
             raise UsageError(

@@ -42,7 +42,8 @@ def export_cmd(trace_dir: str, output: str, force: bool) -> None:
         try:
             rows = export_csv(trace, sys.stdout)
             sys.stdout.flush()
-        except BrokenPipeError:  # the reader has what it wanted (| head)
+        # the reader has what it wanted (| head)
+        except BrokenPipeError:
             stdout_closed()
             return
         err.print(f"exported {rows} rank-steps to stdout")

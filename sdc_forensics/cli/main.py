@@ -91,7 +91,8 @@ class _LazyGroup(click.Group):
             sys.exit(exc.exit_code)
         except click.Abort:
             fatal("aborted")
-            sys.exit(ExitCode.CORRUPTION)  # click's own code for an abort
+            # click's own code for an abort
+            sys.exit(ExitCode.CORRUPTION)
         except BrokenPipeError:
             stdout_closed()
             sys.exit(ExitCode.CLEAN)
@@ -104,11 +105,13 @@ class _LazyGroup(click.Group):
             from sdc_forensics.cli.output import fatal
             from sdc_forensics.replay.distributed import error_line
 
-            line = error_line(exc)  # under torchrun, process 0 speaks for the group
+            # under torchrun, process 0 speaks for the group
+            line = error_line(exc)
             if line is not None:
                 fatal(line)
             ctx.exit(exc.exit_code)
-        except BrokenPipeError:  # stdout's reader went away outside emit_json (click would exit 1)
+        # stdout's reader went away outside emit_json (click would exit 1)
+        except BrokenPipeError:
             from sdc_forensics.cli.output import stdout_closed
 
             stdout_closed()
@@ -141,7 +144,8 @@ def main() -> None:
         code = ExitCode.CLEAN
     except SystemExit as exc:
         code = exc.code
-    if "sdc_forensics.replay.distributed" in sys.modules:  # a replay across processes lost a peer: exit at once
+    # a replay across processes lost a peer: exit at once
+    if "sdc_forensics.replay.distributed" in sys.modules:
         sys.modules["sdc_forensics.replay.distributed"].leave(
             ExitCode.CLEAN if code is None else code if isinstance(code, int) else ExitCode.CORRUPTION
         )

@@ -69,7 +69,8 @@ def _discard(stream: Any) -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, stream.fileno())
         os.close(devnull)
-    except (OSError, ValueError, AttributeError):  # not a real file (a test runner's buffer)
+    # not a real file (a test runner's buffer)
+    except (OSError, ValueError, AttributeError):
         pass
 
 
@@ -103,7 +104,8 @@ def stdout_reserved() -> Iterator[None]:
     try:
         original.flush()
         fd, err_fd = original.fileno(), sys.stderr.fileno()
-    except (AttributeError, ValueError, OSError, io.UnsupportedOperation):  # not a real file (a test runner's buffer)
+    # not a real file (a test runner's buffer)
+    except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
         fd = err_fd = None
     saved = None
     if fd is None:
@@ -118,10 +120,12 @@ def stdout_reserved() -> Iterator[None]:
     finally:
         sys.stdout = original
         with contextlib.suppress(OSError, ValueError):
-            original.flush()  # what user code wrote through Python's stdout: still to stderr
+            # what user code wrote through Python's stdout: still to stderr
+            original.flush()
         if saved is not None:
             with contextlib.suppress(OSError, ValueError):
-                _document.close()  # flushes; the descriptor is closed below, after it is put back
+                # flushes; the descriptor is closed below, after it is put back
+                _document.close()
             os.dup2(saved, fd)
             os.close(saved)
         _document = None
@@ -184,5 +188,6 @@ def fatal(message: str) -> None:
     try:
         sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
         sys.stderr.flush()
-    except BrokenPipeError:  # nobody reads stderr any more (`2>&1 | head -1`): the exit status still says it
+    # nobody reads stderr any more (`2>&1 | head -1`): the exit status still says it
+    except BrokenPipeError:
         _discard(sys.stderr)

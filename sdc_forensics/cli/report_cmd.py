@@ -77,14 +77,16 @@ def report_cmd(
     chosen = AnalysisOptions(trace_only=trace_only, **options)
     absolute = (
         None if chosen.checkpoints_dir is None else chosen.checkpoints_dir.absolute()
-    )  # commands that rerun it from anywhere
+        # commands that rerun it from anywhere
+    )
     request = ReportRequest(
         trace_dir=trace_dir.absolute(),
         output=output if output == "-" else str(Path(output).absolute()),
         fmt=fmt,
         options=dataclasses.replace(chosen, checkpoints_dir=absolute),
     )
-    trace = Trace.open(trace_dir)  # once: the analysis and the review read the same open trace
+    # once: the analysis and the review read the same open trace
+    trace = Trace.open(trace_dir)
     result = run_analysis(trace, chosen)
     rendered = render_review(review(result, request, trace), SCHEMA_VERSION)
     for note in rendered.notes:
@@ -92,11 +94,17 @@ def report_cmd(
     if output == "-" and fmt == "json":
         emit_json(rendered.document)
     elif output == "-":
-        write_stdout(rendered.text)  # a reader that goes away (| head) is not an error
-    elif is_lead():  # under torchrun, process 0 alone writes
+        # a reader that goes away (| head) is not an error
+        write_stdout(rendered.text)
+    # under torchrun, process 0 alone writes
+    elif is_lead():
         write_new_file(
-            Path(output), force, lambda handle: handle.write(rendered.text), flag="-o"
-        )  # whole or nothing, never over a file that appeared meanwhile
+            Path(output),
+            force,
+            lambda handle: handle.write(rendered.text),
+            flag="-o",
+            # whole or nothing, never over a file that appeared meanwhile
+        )
         err.print(f"post-incident review ({fmt}) written to {output}", markup=False)
     if as_json and not (fmt == "json" and output == "-"):
         emit_json(rendered.document)

@@ -35,7 +35,8 @@ from sdc_forensics.trace.format import MAX_STEP
 from sdc_forensics.untrusted import Fields, describe, is_int, load_json
 
 FORMAT_NAME = "sdc-forensics-certificate"
-CERTIFICATE_VERSION = 2  # 2: statuses clean / unverified / tainted / corrupt from decide.decision
+# 2: statuses clean / unverified / tainted / corrupt from decide.decision
+CERTIFICATE_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -158,7 +159,8 @@ def _path(f: Fields, key: str, *args, **kwargs) -> str | None:
             if "\0" in value:
                 raise ValueError
             os.fsencode(value)
-        except (ValueError, UnicodeError):  # Path.resolve() would raise it later, outside the reader
+        # Path.resolve() would raise it later, outside the reader
+        except (ValueError, UnicodeError):
             raise f.fail(key, "a file path (no NUL byte, no lone surrogate)", value) from None
     return value
 

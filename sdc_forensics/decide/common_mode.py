@@ -131,13 +131,16 @@ def shared_state(evidence: Sequence[Evidence], world_size: int, anchors: Iterabl
     for ev in evidence:
         by_step.setdefault(ev.step, []).append(ev)
     out: list[Evidence] = []
-    departed_until, cause = -1, None  # the replay's state departs from the record before this step, since `cause`
+    # the replay's state departs from the record before this step, since `cause`
+    departed_until, cause = -1, None
     for step in sorted(by_step):
         evs = _unreproduced(by_step[step], world_size)
         if step < departed_until and cause is not None:
-            pass  # a consequence of an earlier departure: rewritten below as such
+            # a consequence of an earlier departure: rewritten below as such
+            pass
         elif any(is_unreproduced_update(e) for e in evs):
-            out += evs  # the replay's weights left the record's here: what it sees next is about its own update
+            # the replay's weights left the record's here: what it sees next is about its own update
+            out += evs
             departed_until, cause = _next_anchor(starts, step), next(e for e in evs if is_unreproduced_update(e))
             continue
         local = [e for e in evs if _rank_local(e)]

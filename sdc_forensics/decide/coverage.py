@@ -30,7 +30,8 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-Span = tuple[int, int]  # (first, last) steps, inclusive
+# (first, last) steps, inclusive
+Span = tuple[int, int]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,7 +79,8 @@ class Coverage:
     online_only: tuple[Span, ...] = ()
     nothing: tuple[Span, ...] = ()
     record_ids: tuple[str, ...] = ()
-    online: Any = None  # trace.online.OnlineChecks
+    # trace.online.OnlineChecks
+    online: Any = None
     cost: ReplayCost | None = None
 
     @property

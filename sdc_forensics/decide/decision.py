@@ -159,7 +159,8 @@ class Suspect:
     evidence: tuple[Evidence, ...]
     shared: bool = False
     replicas: int = 0
-    mesh: str = ""  # a sharded job: the rank's mesh coordinates ("replicate=1, shard=0"); "" otherwise
+    # a sharded job: the rank's mesh coordinates ("replicate=1, shard=0"); "" otherwise
+    mesh: str = ""
     # the earlier attempt of a resumed run whose steps (re-executed later) this suspect went wrong on; None: the latest lineage
     attempt: int | None = None
 
@@ -290,7 +291,8 @@ def decide(
     suspects = find_suspects(evidence, world_size, identity)
     weak = tuple(e for e in evidence if e.is_weak and (first is None or e.step < first))
     settle: list[str] = []
-    if weak and first is not None:  # s* is the first *confirmed* divergence; the weak one may be earlier
+    # s* is the first *confirmed* divergence; the weak one may be earlier
+    if weak and first is not None:
         window = (weak[0].step, window[1])
     localised = [s for s in suspects if not (s.rank is None and s.location is Location.UNKNOWN)]
     unreproduced = tuple(sorted({e.step for e in evidence if is_unreproduced_update(e)}))
@@ -310,9 +312,11 @@ def decide(
             f"evidence at step {vague[0].step} could not be localised ({vague[0].detail}); replay that step "
             "with the recipe and checkpoints, or enable audits"
         )
-    elif weak or unreproduced:  # weak evidence, or a replay that did not reproduce an update: nothing certifies past it
+    # weak evidence, or a replay that did not reproduce an update: nothing certifies past it
+    elif weak or unreproduced:
         verdict = Verdict.INCONCLUSIVE
-    elif localised:  # storage only: no divergent step, but damaged files
+    # storage only: no divergent step, but damaged files
+    elif localised:
         verdict = Verdict.CORRUPTION
     elif examined.trace_only and any(e.is_hint for e in evidence):
         verdict = Verdict.INCONCLUSIVE
@@ -321,16 +325,19 @@ def decide(
             f"outlier hints at step(s) {', '.join(map(str, hinted[:5]))}: a replay of those steps confirms or clears them"
         )
     elif not examined.trace_only and not examined.replayed:
-        verdict = Verdict.INCONCLUSIVE  # a replay was wanted and none could run: the trace alone is not a clean bill
+        # a replay was wanted and none could run: the trace alone is not a clean bill
+        verdict = Verdict.INCONCLUSIVE
     elif not examined.trace_consistent:
-        verdict = Verdict.INCONCLUSIVE  # nothing found, but in a trace with holes: no clean bill for what is missing
+        # nothing found, but in a trace with holes: no clean bill for what is missing
+        verdict = Verdict.INCONCLUSIVE
         settle.append(
             "the trace is damaged (a rank file missing or unreadable, bad checksums, or steps missing): nothing was "
             "found in what could be read, but that is not every rank's every step; restore the damaged rank files "
             "(or bisect the checkpoints with a replay) to decide"
         )
     elif examined.tolerant_steps:
-        verdict = Verdict.INCONCLUSIVE  # nothing above tolerance; a fault below the replay's drift would not show
+        # nothing above tolerance; a fault below the replay's drift would not show
+        verdict = Verdict.INCONCLUSIVE
         settle.append(
             f"steps {_spans(sorted(examined.tolerant_steps))} were compared within tolerance only (another thread count "
             "or device): nothing stood out, but a fault below the replay's drift would not show; replay exactly (the "
@@ -692,7 +699,8 @@ def find_suspects(evidence: Sequence[Evidence], world_size: int, identity: Calla
         for rank in ev.ranks or (None,):
             ranked.setdefault(rank, []).append(ev)
     if None in ranked and len(ranked) > 1:
-        ranked.pop(None)  # rank-specific evidence explains the rank-less observation (its consequence)
+        # rank-specific evidence explains the rank-less observation (its consequence)
+        ranked.pop(None)
     # every rank named at once: one shared cause, never W independent faults (design brief, "Common-mode evidence")
     shared = world_size >= 2 and set(range(world_size)) <= {r for r in ranked if r is not None}
     suspects = []
@@ -743,7 +751,8 @@ def fault_events(chain: Sequence[Evidence], rank: int | None, world_size: int) -
         if not ev.marks_divergence:
             continue
         if rank is not None and len(ev.ranks) > 1 and len(ev.ranks) * 2 >= world_size:
-            continue  # half the ranks or more at once: not this rank's own event
+            # half the ranks or more at once: not this rank's own event
+            continue
         if diverged:
             continue
         if not events or ev.step != events[-1]:

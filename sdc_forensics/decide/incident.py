@@ -83,17 +83,23 @@ _URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
 class Locality(str, enum.Enum):
     """Where checkpoint files live, judged from their paths."""
 
-    NODE_LOCAL = "node_local"  # a disk of the node that wrote it: lost or unreachable with the node
-    SHARED = "shared"  # a shared file system or object store
-    UNKNOWN = "unknown"  # a relative path, or a prefix that says neither
+    # a disk of the node that wrote it: lost or unreachable with the node
+    NODE_LOCAL = "node_local"
+    # a shared file system or object store
+    SHARED = "shared"
+    # a relative path, or a prefix that says neither
+    UNKNOWN = "unknown"
 
 
 class Implicates(str, enum.Enum):
     """What on a node a suspect's fault points at."""
 
-    GPU = "gpu"  # local compute, optimizer update, its share of the collective
-    HOST_DATA_PATH = "host_data_path"  # its input bytes differed: host memory, PCIe, data loader
-    DISK = "disk"  # a checkpoint file damaged at rest: the node's disk or file system, never the GPU
+    # local compute, optimizer update, its share of the collective
+    GPU = "gpu"
+    # its input bytes differed: host memory, PCIe, data loader
+    HOST_DATA_PATH = "host_data_path"
+    # a checkpoint file damaged at rest: the node's disk or file system, never the GPU
+    DISK = "disk"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -222,7 +228,8 @@ def _one_locality(path: str) -> Locality:
         return Locality.SHARED
     if not path.startswith("/"):
         return Locality.UNKNOWN
-    parts = PurePosixPath(path).parts  # ("/", "tmp", ...)
+    # ("/", "tmp", ...)
+    parts = PurePosixPath(path).parts
     for prefixes, kind in ((_LOCAL_PREFIXES, Locality.NODE_LOCAL), (_SHARED_PREFIXES, Locality.SHARED)):
         for prefix in prefixes:
             want = PurePosixPath(prefix.rstrip("/")).parts
@@ -273,7 +280,8 @@ def dcgm_level(implicates: Implicates, recurring: bool) -> int | None:
 def _targets(result: BisectResult, manifest: Manifest) -> tuple[NodeTarget, ...]:
     out = []
     for suspect in result.suspects:
-        if suspect.rank is None or suspect.shared:  # every rank named at once: a shared cause, no node to act on
+        # every rank named at once: a shared cause, no node to act on
+        if suspect.rank is None or suspect.shared:
             continue
         ident = manifest.identity(suspect.rank)
         name, source = node_name(manifest, suspect.rank)

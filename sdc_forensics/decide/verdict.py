@@ -70,7 +70,8 @@ class ReplaySummary:
     reduction_order: str = ""
     settings: dict = dataclasses.field(default_factory=dict)
     notes: tuple[str, ...] = ()
-    ledger: LedgerSummary | None = None  # None: the ledger was not used (--no-ledger, trace-only)
+    # None: the ledger was not used (--no-ledger, trace-only)
+    ledger: LedgerSummary | None = None
 
     @property
     def comparison(self) -> str:
@@ -95,7 +96,8 @@ class BisectResult:
     checkpoints: tuple[CheckpointStatus, ...]
     replayed: ReplaySummary
     evidence: tuple[Evidence, ...]
-    mode: str  # replay | trace-only
+    # replay | trace-only
+    mode: str
     scope: str
     settle: tuple[str, ...] = ()
     trace_path: str = ""
@@ -105,4 +107,5 @@ class BisectResult:
     notes: tuple[str, ...] = ()
     divergence_window: tuple[int, int] | None = None
     seed: int = 0
-    preflight: Any = None  # replay.preflight.Preflight of the replay (None: trace-only)
+    # replay.preflight.Preflight of the replay (None: trace-only)
+    preflight: Any = None

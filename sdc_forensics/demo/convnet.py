@@ -104,8 +104,10 @@ class ConvNetRecipe(ClassifierJob):
         images = torch.randn(self.microbatch_size, 3, self.image_size, self.image_size, generator=gen)
         # the teacher sees each quadrant's mean colour; float64 and a small elementwise sum, so the
         # labels do not depend on the thread count or a BLAS kernel
-        features = nn.functional.avg_pool2d(images.double(), self.image_size // 2).flatten(1)  # (B, 12)
-        labels = (features.unsqueeze(2) * self._teacher()).sum(dim=1).argmax(dim=1)  # (B, 12, C) -> (B,)
+        # (B, 12)
+        features = nn.functional.avg_pool2d(images.double(), self.image_size // 2).flatten(1)
+        # (B, 12, C) -> (B,)
+        labels = (features.unsqueeze(2) * self._teacher()).sum(dim=1).argmax(dim=1)
         return images.to(device), labels.to(device)
 
     def save_checkpoint(self, path, model, optimizer, scheduler, step: int) -> None:

@@ -51,7 +51,8 @@ def start(fn: Callable, args: tuple, nprocs: int, *, join: bool = True):
     import torch.multiprocessing as mp
 
     global _server_env
-    if _server_env != _environment():  # a server started elsewhere (None) or in another environment
+    # a server started elsewhere (None) or in another environment
+    if _server_env != _environment():
         stop_server()
     mp.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
     context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="forkserver")

@@ -108,7 +108,8 @@ class Killer:
             die()
 
     def _on_grad(self, grad):
-        if self._now == self.step and self._forwards == self._count:  # the synchronising microbatch
+        # the synchronising microbatch
+        if self._now == self.step and self._forwards == self._count:
             die()
         return grad
 
@@ -120,7 +121,8 @@ class Killer:
                 F.seal(records)
                 size = records.dtype.itemsize
                 cut = size // 2 if self.kill_bytes is None else self.kill_bytes
-                with open(writer.path, "ab", buffering=0) as handle:  # the writer's file, at its end
+                # the writer's file, at its end
+                with open(writer.path, "ab", buffering=0) as handle:
                     handle.write(records.tobytes()[: max(1, min(cut, size - 1))])
                 die()
             append(records)

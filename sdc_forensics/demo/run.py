@@ -184,7 +184,8 @@ class DemoConfig:
         if self.reduction not in REDUCTIONS:
             raise UsageError(f"--reduction must be one of {', '.join(REDUCTIONS)}, got {self.reduction!r}")
         if self.comm_hook is not None:
-            recipe_mod.import_reference(self.comm_hook, "comm hook")  # an error now, not in every rank
+            # an error now, not in every rank
+            recipe_mod.import_reference(self.comm_hook, "comm hook")
         if self.threads is not None:
             object.__setattr__(self, "threads", tuple(int(t) for t in self.threads))
             if len(self.threads) != self.world_size or min(self.threads) < 1:
@@ -224,7 +225,8 @@ class DemoConfig:
                 raise UsageError(
                     f"fault {spec}: step {spec.step} is outside the run (steps {self.first_step}..{self.steps - 1})"
                 )
-        check_injections(self, recipe)  # elements and bits, against the model the recipe builds
+        # elements and bits, against the model the recipe builds
+        check_injections(self, recipe)
 
     def _check_kill(self) -> None:
         from sdc_forensics.demo.kill import KillPoint
@@ -313,7 +315,8 @@ class DemoResult:
             "checkpoints": [{"step": s, "path": str(cfg.checkpoint_path(s))} for s in self.checkpoints],
             "wall_s": round(self.wall_s, 2),
         }
-        if cfg.threads is not None:  # only when set: the default run's document stays as it was
+        # only when set: the default run's document stays as it was
+        if cfg.threads is not None:
             doc["threads"] = list(cfg.threads)
         if cfg.kill_rank is not None:
             doc["killed"] = {"rank": cfg.kill_rank, "step": cfg.kill_step, "point": cfg.kill_point}
@@ -437,7 +440,8 @@ def _failure_text(context, index: int) -> str:
     path = context.error_files[index]
     if os.access(path, os.R_OK):
         with open(path, "rb") as handle:
-            lines = [line for line in str(pickle.load(handle)).splitlines() if line.strip()]  # our own child's file
+            # our own child's file
+            lines = [line for line in str(pickle.load(handle)).splitlines() if line.strip()]
         if lines:
             return f"rank {index}: {lines[-1].strip()}"
     code = context.processes[index].exitcode
@@ -471,12 +475,15 @@ def _worker(rank: int, config: DemoConfig, port: int) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(config.threads_of(rank))  # before the recorder notes it in the manifest
+    # before the recorder notes it in the manifest
+    torch.set_num_threads(config.threads_of(rank))
     if config.replayable:
         from sdc_forensics.recorder import replayable
 
-        replayable()  # before init_process_group, as a job calls it
-    logging.getLogger("sdc_forensics.recorder").setLevel(logging.ERROR)  # the demo reports alarms itself
+        # before init_process_group, as a job calls it
+        replayable()
+    # the demo reports alarms itself
+    logging.getLogger("sdc_forensics.recorder").setLevel(logging.ERROR)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -487,7 +494,8 @@ def _worker(rank: int, config: DemoConfig, port: int) -> None:
     from sdc_forensics.recorder.exit import exit_on_alarm
 
     alarm = None
-    with exit_on_alarm():  # a run stopped by an alarm (policy raise) exits ALARM_EXIT_CODE, as a user's job would
+    # a run stopped by an alarm (policy raise) exits ALARM_EXIT_CODE, as a user's job would
+    with exit_on_alarm():
         try:
             report = train_rank(config, rank)
             alarm = report.pop("_alarm", None)
@@ -517,7 +525,8 @@ def train_rank(config: DemoConfig, rank: int) -> dict:
         recipe.load_checkpoint(config.checkpoint_path(config.resume_from), model, optimizer, scheduler)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     world_size = config.world_size
-    if config.first_step > 0:  # before the recorder and the comm hook: nothing of it is recorded
+    # before the recorder and the comm hook: nothing of it is recorded
+    if config.first_step > 0:
         rebuild_buckets(
             ddp, recipe, recipe.fetch_microbatch(recipe.microbatch_ids(config.first_step, rank, world_size)[0], device)
         )
@@ -586,7 +595,8 @@ def train_rank(config: DemoConfig, rank: int) -> dict:
             "host": alarm.host,
             "message": str(alarm),
         }
-        report["_alarm"] = alarm  # re-raised by the worker once its report is written
+        # re-raised by the worker once its report is written
+        report["_alarm"] = alarm
     finally:
         if rec is not None:
             report["fired"] = [dataclasses.asdict(f) for f in rec.injector.fired]

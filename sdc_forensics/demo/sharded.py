@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 IN_FEATURES, HIDDEN, CLASSES, MICROBATCH = 24, 96, 5, 6
-VOCAB, DIM, CONTEXT = 40, 16, 8  # the tied-head transformer's
+# the tied-head transformer's
+VOCAB, DIM, CONTEXT = 40, 16, 8
 MODELS = ("mlp", "tied-lm")
 OPTIMIZERS = ("sgd", "adamw")
 REFERENCE = "sdc_forensics.demo.sharded:recipe"
@@ -38,9 +39,11 @@ class CausalAttention(nn.Module):
         super().__init__()
         self.norm, self.qkv, self.proj = nn.LayerNorm(DIM), nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, DIM) -> (B, T, DIM)
+    # (B, T, DIM) -> (B, T, DIM)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(self.norm(x)).split(DIM, dim=-1)
-        scores = (q @ k.transpose(-2, -1)) / DIM**0.5  # (B, T, T)
+        # (B, T, T)
+        scores = (q @ k.transpose(-2, -1)) / DIM**0.5
         causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
         return self.proj(scores.masked_fill(~causal, float("-inf")).softmax(dim=-1) @ v)
 
@@ -58,7 +61,8 @@ class TiedLM(nn.Module):
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.embed.weight
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, VOCAB)
+    # (B, T) -> (B, T, VOCAB)
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
         x = x + self.attn(x)
         x = x + self.mlp(x)
@@ -81,7 +85,8 @@ def build_model(seed: int = 0, model: str = "mlp") -> nn.Module:
 
 
 def make_optimizer(model: nn.Module, optimizer: str = "sgd") -> torch.optim.Optimizer:
-    if optimizer == "adamw":  # nanoGPT's groups: weight decay on matrices (and the tied embedding), none on the rest
+    # nanoGPT's groups: weight decay on matrices (and the tied embedding), none on the rest
+    if optimizer == "adamw":
         params = list(model.parameters())
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
@@ -232,7 +237,8 @@ def train(
 
     if hsdp is not None:
         mesh = init_device_mesh("cpu", hsdp, mesh_dim_names=("replicate", "shard"))
-    else:  # fully_shard's default mesh, named: a suspect is then "shard=2", not "dim0=2"
+    # fully_shard's default mesh, named: a suspect is then "shard=2", not "dim0=2"
+    else:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     kind, chosen, max_norm = model, optimizer, float(max_norm)
     model = shard(
@@ -249,7 +255,8 @@ def train(
         node_of_rank=tuple(range(world)) if audit_every else None,
     )
     alarms: list = []
-    norms: list[float] = []  # the total gradient norm clipping saw, per step
+    # the total gradient norm clipping saw, per step
+    norms: list[float] = []
     defaults = ShardedRecipe()
     args = {
         name: value
@@ -272,7 +279,8 @@ def train(
                         h.loss(loss)
                         loss.backward()
                     norm = clip(model, max_norm)
-                    if norm is not None:  # the tests check that clipping engaged (a host sync the demo can afford)
+                    # the tests check that clipping engaged (a host sync the demo can afford)
+                    if norm is not None:
                         norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
                     optimizer.step()
                     optimizer.zero_grad()
@@ -302,7 +310,8 @@ def _demo_rank(rank: int, world: int, port: int, out_dir: str, kwargs: dict) -> 
     from sdc_forensics.newfile import write_atomic
 
     torch.set_num_threads(1)
-    logging.getLogger("sdc_forensics.recorder").setLevel(logging.ERROR)  # the demo says what fired itself
+    # the demo says what fired itself
+    logging.getLogger("sdc_forensics.recorder").setLevel(logging.ERROR)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",

@@ -34,7 +34,8 @@ class Target:
 
     what: str
     segments: tuple[tuple[int, int, str], ...]
-    default_pool: int | None = None  # the default element is chosen among the first N (input: the first microbatch)
+    # the default element is chosen among the first N (input: the first microbatch)
+    default_pool: int | None = None
 
     @property
     def numel(self) -> int:
@@ -72,7 +73,8 @@ def _segments(tensors: Sequence[Any]) -> tuple[tuple[int, int, str], ...]:
     return tuple((t.numel(), 8 * t.element_size(), str(t.dtype).removeprefix("torch.")) for t in tensors)
 
 
-def check_injections(config, recipe: Any) -> None:  # config: a demo.run.DemoConfig (run.py imports this module)
+# config: a demo.run.DemoConfig (run.py imports this module)
+def check_injections(config, recipe: Any) -> None:
     """Check every fault of ``config`` against the job ``recipe`` builds; raises :class:`UsageError`.
 
     Steps and ranks are checked by :class:`~sdc_forensics.demo.run.DemoConfig` itself; this
@@ -136,13 +138,15 @@ def _checkpoint_size(model, optimizer, scheduler, params, step: int) -> int:
     if step > 0:
         for p in params:
             p.grad = torch.zeros_like(p)
-        optimizer.step()  # creates the optimizer state a later checkpoint holds
+        # creates the optimizer state a later checkpoint holds
+        optimizer.step()
         if scheduler is not None:
             scheduler.last_epoch = step
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
-    with tempfile.TemporaryDirectory(prefix="sdc-demo-size-") as scratch:  # torch.save names the archive after the file
+    # torch.save names the archive after the file
+    with tempfile.TemporaryDirectory(prefix="sdc-demo-size-") as scratch:
         path = Path(scratch) / f"step-{step:08d}.pt"
         torch.save(state, path)
         return path.stat().st_size

@@ -10,8 +10,10 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-BLOCK_WORDS = 1024  # constants.BLOCK_WORDS: numba freezes module globals at compile time
-BLOCK_ELEMS = 1024  # constants.BLOCK_ELEMS
+# constants.BLOCK_WORDS: numba freezes module globals at compile time
+BLOCK_WORDS = 1024
+# constants.BLOCK_ELEMS
+BLOCK_ELEMS = 1024
 TILE_ROWS = 8
 GROUP_ROWS = 1024
 
@@ -29,7 +31,8 @@ def _pairs(x, pairs):
             minus[i] = first[i] - second[i]
 
 
-@nb.njit(fastmath={"contract"}, **_jit)  # y + g * c with g = +-1: exact product, so an FMA rounds alike
+# y + g * c with g = +-1: exact product, so an FMA rounds alike
+@nb.njit(fastmath={"contract"}, **_jit)
 def _sketch_tile(x, signs, y, pairs):
     """``y[m] += sum_r signs[r, m] * x[r]`` for one tile, as four pair terms added in order.
 
@@ -104,13 +107,16 @@ def _widen_f16(src, r0, out):
             h = np.uint32(row[i])
             e = h & np.uint32(0x7C00)
             u = ((h & np.uint32(0x7FFF)) << np.uint32(13)) + np.uint32(112 << 23)
-            u = u + np.uint32(112 << 23) if e == np.uint32(0x7C00) else u  # Inf/NaN: exponent 255
-            u = u + np.uint32(1 << 23) if e == np.uint32(0) else u  # zero/subnormal: 2^-14 (1 + m / 1024)
+            # Inf/NaN: exponent 255
+            u = u + np.uint32(112 << 23) if e == np.uint32(0x7C00) else u
+            # zero/subnormal: 2^-14 (1 + m / 1024)
+            u = u + np.uint32(1 << 23) if e == np.uint32(0) else u
             dst[i] = u
         values = out[r]
         for i in range(BLOCK_ELEMS):
             if row[i] & np.uint16(0x7C00) == np.uint16(0):
-                values[i] = values[i] - magic  # = m * 2^-24, exact
+                # = m * 2^-24, exact
+                values[i] = values[i] - magic
         for i in range(BLOCK_ELEMS):
             dst[i] |= (np.uint32(row[i]) & np.uint32(0x8000)) << np.uint32(16)
 

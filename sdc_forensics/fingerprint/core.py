@@ -47,9 +47,11 @@ from sdc_forensics.fingerprint.tables import TableCache
 
 log = logging.getLogger("sdc_forensics.fingerprint")
 
-_CPU_CHUNK_ELEMS = 1 << 20  # 4 MiB float32 + 4 MiB int32 scratch: in L3; few enough ops that a busy
+# 4 MiB float32 + 4 MiB int32 scratch: in L3; few enough ops that a busy
+_CPU_CHUNK_ELEMS = 1 << 20
 # machine does not stall every one of them on an OpenMP barrier (2^18 was 3x slower at load 6)
-_CUDA_CHUNK_ELEMS = 1 << 24  # 64 MiB float32 slabs on CUDA: kernel launches amortised
+# 64 MiB float32 slabs on CUDA: kernel launches amortised
+_CUDA_CHUNK_ELEMS = 1 << 24
 _BLOCK_BYTES = 4 * C.BLOCK_WORDS
 _lock = threading.Lock()
 _cache: dict[tuple, torch.Tensor] = {}
@@ -79,7 +81,8 @@ class Fingerprint:
     lanes: tuple[int, int] | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
-_constants = TableCache()  # the torch path's device tables (a_i, b_i, c_j, alpha, beta)
+# the torch path's device tables (a_i, b_i, c_j, alpha, beta)
+_constants = TableCache()
 _cached = _constants.get
 _prefix_table = _constants.prefix
 
@@ -110,7 +113,8 @@ def _alpha(device: torch.device, k: int, seed: int, dtype: torch.dtype) -> torch
 def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes in row-major order as a 1-D uint8 tensor on its device (no host copy)."""
     t = tensor.detach()
-    if t.numel() == 0:  # an empty tensor may carry stride 0, which view() refuses
+    # an empty tensor may carry stride 0, which view() refuses
+    if t.numel() == 0:
         return torch.empty(0, dtype=torch.uint8, device=t.device)
     if not t.is_contiguous():
         t = t.contiguous()
@@ -133,26 +137,32 @@ class _Digester:
         self.num_blocks = -(-num_bytes // _BLOCK_BYTES)
         self.a = _cached(("a", device, seed), lambda: torch.from_numpy(C.digest_word_weights(seed)).to(device))
         self.b = _cached(("b", device, seed), lambda: torch.from_numpy(C.digest_high_weights(seed)).to(device))
-        self.sums = torch.zeros(max(self.num_blocks, 1), dtype=torch.int32, device=device)  # (blocks,) s_j
-        self.high_sums = torch.zeros(max(self.num_blocks, 1), dtype=torch.int32, device=device)  # (blocks,) t_j
+        # (blocks,) s_j
+        self.sums = torch.zeros(max(self.num_blocks, 1), dtype=torch.int32, device=device)
+        # (blocks,) t_j
+        self.high_sums = torch.zeros(max(self.num_blocks, 1), dtype=torch.int32, device=device)
         rows = max(1, min(max_rows, self.num_blocks))
         self.scratch = torch.empty(rows, C.BLOCK_WORDS, dtype=torch.int32, device=device)
 
     def add(self, first_block: int, raw: torch.Tensor) -> None:
         """Block sums of ``raw`` (uint8), the bytes from block ``first_block`` on."""
-        if raw.numel() % _BLOCK_BYTES or raw.storage_offset() % 4:  # partial block or odd 16-bit offset
+        # partial block or odd 16-bit offset
+        if raw.numel() % _BLOCK_BYTES or raw.storage_offset() % 4:
             padded = torch.zeros(-(-raw.numel() // _BLOCK_BYTES) * _BLOCK_BYTES, dtype=torch.uint8, device=self.device)
             padded[: raw.numel()] = raw
             raw = padded
-        words = raw.view(torch.int32).view(-1, C.BLOCK_WORDS)  # (rows, 1024)
+        # (rows, 1024)
+        words = raw.view(torch.int32).view(-1, C.BLOCK_WORDS)
         for start in range(0, words.shape[0], self.scratch.shape[0]):
             chunk = words[start : start + self.scratch.shape[0]]
             buf = self.scratch[: chunk.shape[0]]
             first = first_block + start
             rows = slice(first, first + chunk.shape[0])
-            torch.mul(chunk, self.a, out=buf)  # wraps mod 2**32
+            # wraps mod 2**32
+            torch.mul(chunk, self.a, out=buf)
             torch.sum(buf, dim=1, dtype=torch.int32, out=self.sums[rows])
-            torch.bitwise_right_shift(chunk, 16, out=buf)  # arithmetic: the high half, sign-extended
+            # arithmetic: the high half, sign-extended
+            torch.bitwise_right_shift(chunk, 16, out=buf)
             buf.mul_(self.b)
             torch.sum(buf, dim=1, dtype=torch.int32, out=self.high_sums[rows])
 
@@ -211,7 +221,8 @@ def digests(tensors, seed: int = C.DEFAULT_SEED) -> list[int]:
         raw = _raw_bytes(tensor)
         sizes.append(raw.numel())
         lanes = _cpu_digest_lanes(raw, seed) if raw.device.type == "cpu" and _cpu_kernel_ok() else None
-        if lanes is not None:  # host values already: no buffers, no transfer
+        # host values already: no buffers, no transfer
+        if lanes is not None:
             totals.append(lanes)
             continue
         chunk_bytes = 4 * _chunk_elems(raw.device)
@@ -225,7 +236,8 @@ def digests(tensors, seed: int = C.DEFAULT_SEED) -> list[int]:
             by_device.setdefault(total.device, []).append(index)
     values: list[tuple[int, int]] = [t if isinstance(t, tuple) else (0, 0) for t in totals]
     for indices in by_device.values():
-        host = torch.stack([totals[i] for i in indices]).tolist()  # one transfer per device
+        # one transfer per device
+        host = torch.stack([totals[i] for i in indices]).tolist()
         for i, (low, high) in zip(indices, host):
             values[i] = (low, high)
     return [_finish_digest(low, high, size, seed) for (low, high), size in zip(values, sizes)]
@@ -377,7 +389,8 @@ def _project(beta_t: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype | Non
     """
     kwargs = {"out_dtype": out_dtype} if out_dtype is not None else {}
     rows = x.shape[0]
-    group = min(rows, C.BLOCK_ELEMS)  # float32 sums of at most BLOCK_ELEMS terms, as the model assumes
+    # float32 sums of at most BLOCK_ELEMS terms, as the model assumes
+    group = min(rows, C.BLOCK_ELEMS)
     full = rows // group * group
     if full == rows and rows == group:
         total = torch.mm(beta_t, x, **kwargs).to(torch.float64)
@@ -385,7 +398,8 @@ def _project(beta_t: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype | Non
         batched = torch.bmm(
             beta_t[:, :full].unflatten(1, (-1, group)).transpose(0, 1), x[:full].unflatten(0, (-1, group)), **kwargs
         )
-        total = batched.sum(dim=0, dtype=torch.float64)  # (k, 1024)
+        # (k, 1024)
+        total = batched.sum(dim=0, dtype=torch.float64)
         if full < rows:
             total += torch.mm(beta_t[:, full:], x[full:], **kwargs)
     return total
@@ -406,8 +420,10 @@ class _Sketcher:
         self.low_precision = _low_precision_mm_ok(self.device, flat.dtype)
         mm_dtype = flat.dtype if self.low_precision else self.acc_dtype
         num_blocks = num_sketch_blocks(flat.numel())
-        self.beta = _beta(self.device, block_offset + num_blocks, k, seed, mm_dtype)[block_offset:]  # (blocks, k)
-        self.alpha = _alpha(self.device, k, seed, torch.float64)  # (1024, k)
+        # (blocks, k)
+        self.beta = _beta(self.device, block_offset + num_blocks, k, seed, mm_dtype)[block_offset:]
+        # (1024, k)
+        self.alpha = _alpha(self.device, k, seed, torch.float64)
         self.y = torch.zeros(k, C.BLOCK_ELEMS, dtype=torch.float64, device=self.device)
         self.upcast = flat.dtype != self.acc_dtype and not self.low_precision
         self.scratch = None
@@ -423,12 +439,14 @@ class _Sketcher:
         rows = -(-x.numel() // C.BLOCK_ELEMS)
         if self.scratch is not None and (self.upcast or x.numel() % C.BLOCK_ELEMS):
             buf = self.scratch[: rows * C.BLOCK_ELEMS]
-            if x.numel() % C.BLOCK_ELEMS:  # the last, partial block is zero-padded
+            # the last, partial block is zero-padded
+            if x.numel() % C.BLOCK_ELEMS:
                 buf[x.numel() :].zero_()
             buf[: x.numel()].copy_(x)
             x = buf
         first = start // C.BLOCK_ELEMS
-        beta_t = self.beta[first : first + rows].t()  # (k, rows)
+        # (k, rows)
+        beta_t = self.beta[first : first + rows].t()
         self.y += _project(beta_t, x.view(rows, C.BLOCK_ELEMS), torch.float32 if self.low_precision else None)
         if self.low_precision:
             self.sumsq.append(torch.linalg.vector_norm(x, dtype=torch.float32).square())
@@ -440,7 +458,8 @@ class _Sketcher:
 
     def device_result(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(sketch (k,), sumsq, max_abs)``, float64, on the device."""
-        sketch = (self.y * self.alpha.t()).sum(dim=1)  # (k,)
+        # (k,)
+        sketch = (self.y * self.alpha.t()).sum(dim=1)
         sumsq = torch.stack(self.sumsq).to(torch.float64).sum()
         max_abs = torch.maximum(-torch.stack(self.lo).min(), torch.stack(self.hi).max()).to(torch.float64)
         return sketch, sumsq, max_abs
@@ -522,7 +541,8 @@ def fingerprint_async(
     work is queued on the current stream before anything the caller queues after it.
     """
     flat = tensor.detach().reshape(-1)
-    if not flat.is_contiguous():  # a strided 1-D view stays one after reshape: the kernels read rows
+    # a strided 1-D view stays one after reshape: the kernels read rows
+    if not flat.is_contiguous():
         flat = flat.contiguous()
     numel = flat.numel()
     pending = PendingFingerprint(numel=numel, num_bytes=numel * flat.element_size(), seed=seed, with_digest=with_digest)
@@ -612,7 +632,8 @@ def _assemble(pending: PendingFingerprint, lanes, sketch, sumsq: float, max_abs:
 def _torch_pass(flat: torch.Tensor, k: int, seed: int, block_offset: int, with_digest: bool):
     """The fallback path's one chunked pass: ``(digester or None, sketcher)``, results on the device."""
     device = flat.device
-    chunk = _chunk_elems(device)  # a multiple of both block sizes, for every element size
+    # a multiple of both block sizes, for every element size
+    chunk = _chunk_elems(device)
     raw = _raw_bytes(flat) if with_digest else None
     digester = _Digester(raw.numel(), device, seed, chunk * 4 // _BLOCK_BYTES) if with_digest else None
     sketcher = _Sketcher(flat, k, seed, block_offset, chunk)
@@ -680,7 +701,8 @@ def num_sketch_blocks(numel: int) -> int:
 def combine_digests(digests) -> int:
     """Digest of a sequence of digests, in order (a model = its parameters in a fixed order)."""
     words = np.asarray([d % (1 << 64) for d in digests], dtype="<u8")
-    if _cpu_kernel_ok():  # called several times per replayed step: the compiled loop, not numpy's
+    # called several times per replayed step: the compiled loop, not numpy's
+    if _cpu_kernel_ok():
         try:
             low, high = cpu_kernel.digest_lanes(words.view(np.uint8))
         except Exception as exc:  # noqa: BLE001 - a broken compiled path must not lose the answer

@@ -56,7 +56,8 @@ def _loops():
     return _numba_fingerprint, ""
 
 
-_failure: list[str] = []  # set once when a compiled call failed: this process uses the fallback from then on
+# set once when a compiled call failed: this process uses the fallback from then on
+_failure: list[str] = []
 
 
 def disable(reason: str) -> None:
@@ -100,15 +101,18 @@ def _beta(length: int, k: int, seed: int, dtype) -> np.ndarray:
 
 @functools.lru_cache(maxsize=8)
 def _word_weights(seed: int) -> tuple[np.ndarray, np.ndarray]:
-    return C.digest_word_weights(seed), C.digest_high_weights(seed)  # int32
+    # int32
+    return C.digest_word_weights(seed), C.digest_high_weights(seed)
 
 
 @dataclasses.dataclass
 class Partials:
     """What one kernel call computed, on the host."""
 
-    lanes: tuple[int, int]  # the digest's lane totals, each mod 2**64
-    sketch: np.ndarray  # (k,) float64
+    # the digest's lane totals, each mod 2**64
+    lanes: tuple[int, int]
+    # (k,) float64
+    sketch: np.ndarray
     sumsq: float
     max_abs: float
     nonfinite: int
@@ -168,7 +172,8 @@ def partials(
     module, reason = _loops()
     if module is None:
         raise RuntimeError(reason)
-    if values.ctypes.data % max(4, values.itemsize):  # a 16-bit view at an odd offset: words must be aligned
+    # a 16-bit view at an odd offset: words must be aligned
+    if values.ctypes.data % max(4, values.itemsize):
         values = values.copy()
     n = values.size
     widened = values.dtype == np.uint16
@@ -211,7 +216,8 @@ def partials(
     sketch, sumsq = module.finish(y, y64, q, q64, _alpha(k, seed))
     max_abs = float(mx.max())
     nonfinite = 0
-    if not (math.isfinite(sumsq) and math.isfinite(max_abs)):  # NaN/Inf present, or x * x overflowed
+    # NaN/Inf present, or x * x overflowed
+    if not (math.isfinite(sumsq) and math.isfinite(max_abs)):
         nonfinite = _count_nonfinite(values, dtype_name)
         if nonfinite:
             max_abs = math.nan if _has_nan(values, dtype_name) else math.inf

@@ -31,12 +31,15 @@ def digest_bytes(data: bytes | np.ndarray, seed: int = C.DEFAULT_SEED) -> int:
     padded = np.zeros(num_blocks * C.BLOCK_WORDS * 4, dtype=np.uint8)
     padded[:num_bytes] = raw
     signed = padded.view("<i4").reshape(num_blocks, C.BLOCK_WORDS)
-    words = signed.view("<u4").astype(np.uint64)  # (num_blocks, 1024) w_{j,i} as unsigned
-    high = (signed >> 16).astype(np.int64)  # (num_blocks, 1024) arithmetic shift: in [-2**15, 2**15)
+    # (num_blocks, 1024) w_{j,i} as unsigned
+    words = signed.view("<u4").astype(np.uint64)
+    # (num_blocks, 1024) arithmetic shift: in [-2**15, 2**15)
+    high = (signed >> 16).astype(np.int64)
     a = C.digest_word_weights(seed).view(np.uint32).astype(np.uint64)
     b = C.digest_high_weights(seed).view(np.uint32).astype(np.int64)
     # s_j = sum_i a_i * w_{j,i} mod 2**32 ;  t_j = sum_i b_i * (w_{j,i} >> 16) mod 2**32
-    low_sums = ((words * a) & _MASK32).sum(axis=1, dtype=np.uint64) & _MASK32  # (num_blocks,)
+    # (num_blocks,)
+    low_sums = ((words * a) & _MASK32).sum(axis=1, dtype=np.uint64) & _MASK32
     high_sums = ((high * b) & 0xFFFF_FFFF).astype(np.uint64).sum(axis=1, dtype=np.uint64) & _MASK32
     c = C.digest_block_weights(num_blocks, seed).view(np.uint64)
     c_high = C.digest_block_weights(num_blocks, seed, high=True).view(np.uint64)
@@ -71,24 +74,29 @@ def sketch_stats_in_kernel_order(
     acc = np.float64 if values.dtype == np.float64 else np.float32
     x = np.asarray(values, dtype=acc).reshape(-1)
     rows = max(1, -(-x.size // C.BLOCK_ELEMS))
-    rows = -(-rows // 8) * 8  # cpu_kernel.TILE_ROWS
+    # cpu_kernel.TILE_ROWS
+    rows = -(-rows // 8) * 8
     padded = np.zeros(rows * C.BLOCK_ELEMS, dtype=acc)
     padded[: x.size] = x
     table = padded.reshape(rows, C.BLOCK_ELEMS)
     beta = C.sketch_block_signs(block_offset + rows, k, seed)[block_offset:].astype(acc)
     y, q = np.zeros((k, C.BLOCK_ELEMS), dtype=acc), np.zeros(C.BLOCK_ELEMS, dtype=acc)
     y64, q64 = np.zeros((k, C.BLOCK_ELEMS)), np.zeros(C.BLOCK_ELEMS)
-    with np.errstate(over="ignore", invalid="ignore"):  # Inf and NaN inputs propagate, as in the kernel
+    # Inf and NaN inputs propagate, as in the kernel
+    with np.errstate(over="ignore", invalid="ignore"):
         return _kernel_order_sums(table, beta, y, q, y64, q64, x, k, seed)
 
 
 def _kernel_order_sums(table, beta, y, q, y64, q64, x, k, seed):
     rows = table.shape[0]
     for row in range(rows):
-        if row % 2 == 0:  # rows in pairs: s0 x0 + s1 x1 = s0 (x0 + s0 s1 x1), the pair rounded once
-            same = beta[row] == beta[row + 1]  # (k,)
+        # rows in pairs: s0 x0 + s1 x1 = s0 (x0 + s0 s1 x1), the pair rounded once
+        if row % 2 == 0:
+            # (k,)
+            same = beta[row] == beta[row + 1]
             pair = np.where(same[:, None], table[row] + table[row + 1], table[row] - table[row + 1])
-            y += beta[row][:, None] * pair  # the product is exact (+-1): one rounding
+            # the product is exact (+-1): one rounding
+            y += beta[row][:, None] * pair
         q += table[row] * table[row]
         if (row + 1) % 1024 == 0 or row + 1 == rows:
             y64 += y
@@ -96,7 +104,8 @@ def _kernel_order_sums(table, beta, y, q, y64, q64, x, k, seed):
             y[:], q[:] = 0, 0
     alpha = C.sketch_in_block_signs(k, seed).astype(np.float64)
 
-    def in_order(terms: np.ndarray) -> float:  # 0.0 + t_0 + t_1 + ... left to right
+    # 0.0 + t_0 + t_1 + ... left to right
+    def in_order(terms: np.ndarray) -> float:
         return float(np.cumsum(np.concatenate([[0.0], terms]))[-1])
 
     sketch = np.array([in_order(alpha[:, m] * y64[m]) for m in range(k)])

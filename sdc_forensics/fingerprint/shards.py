@@ -61,7 +61,8 @@ _WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module", "_orig_mod", "_checkpoi
 def canonical_name(name: str) -> str:
     """A parameter's name with the wrappers' path components removed (``module.0.weight`` -> ``0.weight``)."""
     parts = name.split(".")
-    if parts and parts[0] == "module":  # DDP (and DataParallel) put the model under "module"
+    # DDP (and DataParallel) put the model under "module"
+    if parts and parts[0] == "module":
         parts = parts[1:]
     return ".".join(p for p in parts if p not in _WRAPPER_COMPONENTS)
 
@@ -200,7 +201,8 @@ def _merge(parts: list[Piece]) -> Piece:
             s0, t0 = edges.get(j, (0, 0))
             edges[j] = ((s0 + s) & _MASK32, (t0 + t) & _MASK32)
     maxes = [p.max_abs for p in parts if p.numel]
-    max_abs = float(np.max(maxes)) if maxes else 0.0  # NaN wins
+    # NaN wins
+    max_abs = float(np.max(maxes)) if maxes else 0.0
     return Piece(
         lanes=(low, high),
         edges=edges,
@@ -233,7 +235,8 @@ def _end_numbers_numpy(
     a = C.digest_word_weights(seed).view(np.uint32)
     b = C.digest_high_weights(seed).view(np.uint32)
     with np.errstate(over="ignore"):
-        low = (signed.view("<u4") * a).sum(axis=1, dtype=np.uint32)  # wraps mod 2**32
+        # wraps mod 2**32
+        low = (signed.view("<u4") * a).sum(axis=1, dtype=np.uint32)
         high = ((signed >> 16).astype(np.uint32) * b).sum(axis=1, dtype=np.uint32)
     numbers = [low.astype(np.float64), high.astype(np.float64)]
     if floats is not None:
@@ -256,16 +259,21 @@ def _end_numbers_torch(
     device = values.device
     chunk = torch.zeros(align, dtype=values.dtype, device=device)
     chunk[pos : pos + values.numel()] = values
-    words = core._raw_bytes(chunk).view(torch.int32).view(-1, C.BLOCK_WORDS)  # (digest blocks, 1024)
+    # (digest blocks, 1024)
+    words = core._raw_bytes(chunk).view(torch.int32).view(-1, C.BLOCK_WORDS)
     a = core._cached(("a", device, seed), lambda: torch.from_numpy(C.digest_word_weights(seed)).to(device))
     b = core._cached(("b", device, seed), lambda: torch.from_numpy(C.digest_high_weights(seed)).to(device))
-    low = (words * a).sum(dim=1, dtype=torch.int32)  # wraps mod 2**32, as core._Digester
+    # wraps mod 2**32, as core._Digester
+    low = (words * a).sum(dim=1, dtype=torch.int32)
     high = (torch.bitwise_right_shift(words, 16) * b).sum(dim=1, dtype=torch.int32)
-    numbers = [low.to(torch.float64), high.to(torch.float64)]  # int32 values are exact in float64
+    # int32 values are exact in float64
+    numbers = [low.to(torch.float64), high.to(torch.float64)]
     if values.is_floating_point():
-        x = chunk.to(torch.float64).view(-1, C.BLOCK_ELEMS)  # (sketch blocks, 1024)
+        # (sketch blocks, 1024)
+        x = chunk.to(torch.float64).view(-1, C.BLOCK_ELEMS)
         first_sketch = sketch_base + first_elem // C.BLOCK_ELEMS
-        alpha = core._alpha(device, k, seed, torch.float64)  # (1024, k)
+        # (1024, k)
+        alpha = core._alpha(device, k, seed, torch.float64)
         beta = torch.from_numpy(C.sketch_block_signs_at(np.arange(first_sketch, first_sketch + x.shape[0]), k, seed))
         sketch = ((x @ alpha) * beta.to(device=device, dtype=torch.float64)).sum(dim=0)
         v = values.reshape(-1).to(torch.float64)
@@ -353,7 +361,8 @@ def fingerprint_piece(
             )
         )
     if body:
-        start = offset + head  # a chunk boundary: both block kinds align
+        # a chunk boundary: both block kinds align
+        start = offset + head
         middle = flat[head : head + body]
         itemsize = flat.element_size()
         if middle.is_floating_point():
@@ -464,7 +473,8 @@ def local_piece(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
             f"a parameter placed as {tuple(placements)} is not one run of its flattened elements: "
             "only Shard(0) (FSDP2's default) and Replicate are supported"
         )
-    try:  # private in torch 2.x; the feature, not the version, decides
+    # private in torch 2.x; the feature, not the version, decides
+    try:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     except ImportError:  # pragma: no cover - older torch
         compute_local_shape_and_global_offset = None

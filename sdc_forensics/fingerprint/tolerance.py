@@ -130,7 +130,8 @@ def allreduce_residual(local_sketches: np.ndarray, reduced_sketch: np.ndarray, r
     local = np.asarray(local_sketches, dtype=np.float64)
     expected = local.mean(axis=-2) if reduction == "mean" else local.sum(axis=-2)
     residual = np.abs(np.asarray(reduced_sketch, dtype=np.float64) - expected).max(axis=-1)
-    return np.where(np.isnan(residual), np.inf, residual)  # NaN compares false: make it loud
+    # NaN compares false: make it loud
+    return np.where(np.isnan(residual), np.inf, residual)
 
 
 def allreduce_tolerance(

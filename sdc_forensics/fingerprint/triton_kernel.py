@@ -46,7 +46,8 @@ import torch
 from sdc_forensics.fingerprint import constants as C
 from sdc_forensics.fingerprint.tables import TableCache
 
-try:  # optional: Triton ships with the CUDA builds of torch, not with the CPU ones
+# optional: Triton ships with the CUDA builds of torch, not with the CPU ones
+try:
     import triton
     import triton.language as tl
 
@@ -58,14 +59,19 @@ except Exception as error:  # noqa: BLE001 - a broken triton install must not br
 
 #: Environment switch: ``SDC_FORENSICS_KERNELS=off`` disables every compiled kernel.
 KERNELS_ENV = "SDC_FORENSICS_KERNELS"
-_TILE_WORDS = C.BLOCK_WORDS  # one digest block per tile
-_MAX_TILES_PER_PROGRAM = C.BLOCK_ELEMS  # keeps every float32 sum of Y at <= 1024 terms
-_FINISH_ROWS = 256  # rows of partials the finishing kernel adds per step
+# one digest block per tile
+_TILE_WORDS = C.BLOCK_WORDS
+# keeps every float32 sum of Y at <= 1024 terms
+_MAX_TILES_PER_PROGRAM = C.BLOCK_ELEMS
+# rows of partials the finishing kernel adds per step
+_FINISH_ROWS = 256
 # Launch settings: not measured on a GPU yet (docs/gpu.md); bench_fingerprint.py --sweep-triton times them.
 _PROGRAMS_PER_SM = 4
 _NUM_WARPS = 8
-_UNROLL = 2  # tiles per loop iteration in the float32 and 16-bit kernels (1 or 2): more loads in flight
-_MAX_REGISTERS = 128  # per thread: two 8-warp programs per SM (ptxas for sm_90 needs 128-136 and spills none at 128)
+# tiles per loop iteration in the float32 and 16-bit kernels (1 or 2): more loads in flight
+_UNROLL = 2
+# per thread: two 8-warp programs per SM (ptxas for sm_90 needs 128-136 and spills none at 128)
+_MAX_REGISTERS = 128
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 _lock = threading.Lock()
@@ -138,12 +144,14 @@ def partials(
     if numel == 0:
         return torch.zeros(2 + k + 3, dtype=torch.float64, device=device)
     num_bytes = numel * flat.element_size()
-    num_tiles = -(-num_bytes // (4 * _TILE_WORDS))  # = digest blocks
+    # = digest blocks
+    num_tiles = -(-num_bytes // (4 * _TILE_WORDS))
     num_sblocks = -(-numel // C.BLOCK_ELEMS)
     # 16-bit tiles add two terms per tile to each float32 Y entry: half as many tiles per program
     max_tiles = _MAX_TILES_PER_PROGRAM // (2 if flat.element_size() == 2 else 1)
     programs = min(num_tiles, max(_programs_for(device), -(-num_tiles // max_tiles)))
-    kp = 1 << (k - 1).bit_length()  # k padded to a power of two (extra columns are zero)
+    # k padded to a power of two (extra columns are zero)
+    kp = 1 << (k - 1).bit_length()
 
     a, b = _word_weights(device, seed)
     d0 = digest_block_offset
@@ -151,8 +159,10 @@ def partials(
     c_high = _block_weights(device, d0 + num_tiles, seed, high=True)[d0:]
     alpha = _alpha(device, k, kp, seed)
     beta = _beta(device, block_offset + num_sblocks, k, kp, seed)[block_offset:]
-    int_rows = torch.empty(programs, 4, dtype=torch.int64, device=device)  # low, high, NaN, Inf
-    float_rows = torch.empty(programs, kp + 2, dtype=torch.float64, device=device)  # sketch, sumsq, max
+    # low, high, NaN, Inf
+    int_rows = torch.empty(programs, 4, dtype=torch.int64, device=device)
+    # sketch, sumsq, max
+    float_rows = torch.empty(programs, kp + 2, dtype=torch.float64, device=device)
     common = dict(KP=kp, WITH_DIGEST=with_digest, num_warps=_NUM_WARPS, **_launch_options(device))
     grid = (programs,)
     # Triton launches on the current CUDA device: make it the tensor's
@@ -230,7 +240,8 @@ def _launch(
             **common,
         )
     else:
-        paired = numel % 2 == 1 or flat.storage_offset() % 2 == 1  # no int32 view: load 16-bit pairs
+        # no int32 view: load 16-bit pairs
+        paired = numel % 2 == 1 or flat.storage_offset() % 2 == 1
         data = flat.view(torch.int16) if paired else flat.view(torch.int32)
         _kernel16[grid](
             data,
@@ -308,7 +319,8 @@ def _launch_options(device: torch.device) -> dict:
 
 def _programs_for(device: torch.device) -> int:
     if device.type != "cuda":
-        return 3  # the interpreter: a few programs, several tiles each, exercise the same paths
+        # the interpreter: a few programs, several tiles each, exercise the same paths
+        return 3
     key = ("sms", device)
     with _lock:
         if key not in _tables:
@@ -383,8 +395,10 @@ if triton is not None:
     ):
         """Adds one float32 tile (words ``w``; all zero past the end) to a program's accumulators."""
         if WITH_DIGEST:
-            s = tl.sum(w * a)  # wrapping int32: s_j mod 2**32
-            t = tl.sum((w >> 16) * b)  # arithmetic shift: the sign-extended top half
+            # wrapping int32: s_j mod 2**32
+            s = tl.sum(w * a)
+            # arithmetic shift: the sign-extended top half
+            t = tl.sum((w >> 16) * b)
             low, high = _lanes(low, high, s, t, c_ptr, ch_ptr, tile, num_tiles)
         x = w.to(tl.float32, bitcast=True)
         m = tl.arange(0, KP)
@@ -424,7 +438,8 @@ if triton is not None:
         b = tl.load(b_ptr + i)
         low = tl.zeros((), dtype=tl.int64)
         high = tl.zeros((), dtype=tl.int64)
-        y = tl.zeros((1024, KP), dtype=tl.float32)  # Y[i, m] = sum_j beta_m[j] x[j, i], this program's j
+        # Y[i, m] = sum_j beta_m[j] x[j, i], this program's j
+        y = tl.zeros((1024, KP), dtype=tl.float32)
         sq = tl.zeros((1024,), dtype=tl.float32)
         max_bits = tl.zeros((1024,), dtype=tl.int32)
         nan = tl.zeros((1024,), dtype=tl.int32)
@@ -437,7 +452,8 @@ if triton is not None:
         for n in range(0, tl.cdiv(tl.cdiv(num_tiles - pid, programs), UNROLL)):
             tile = first + n * stride
             w_a = next_a
-            next_a = _load32(words_ptr, numel, tile + stride)  # prefetch; masked past the end
+            # prefetch; masked past the end
+            next_a = _load32(words_ptr, numel, tile + stride)
             if UNROLL == 2:
                 w_b = next_b
                 next_b = _load32(words_ptr, numel, tile + programs + stride)
@@ -500,7 +516,8 @@ if triton is not None:
     def _words16(data_ptr, numel, tile, half, PAIRED: tl.constexpr):
         """Words ``512 half .. 512 half + 511`` of a 16-bit tile (zero past the end), as int32."""
         w = tl.arange(0, 512) + 512 * half
-        e = tile * 2048 + 2 * w  # the even element of each word
+        # the even element of each word
+        e = tile * 2048 + 2 * w
         if PAIRED:
             even = tl.load(data_ptr + e, mask=e < numel, other=0).to(tl.int32) & 0xFFFF
             odd = tl.load(data_ptr + e + 1, mask=e + 1 < numel, other=0).to(tl.int32)
@@ -548,11 +565,14 @@ if triton is not None:
     ):
         """Adds one 16-bit tile (halves ``w0``, ``w1``; all zero past the end) to a program's accumulators."""
         if WITH_DIGEST:
-            s = tl.sum(w0 * a0 + w1 * a1)  # wrapping int32: s_j mod 2**32
+            # wrapping int32: s_j mod 2**32
+            s = tl.sum(w0 * a0 + w1 * a1)
             t = tl.sum((w0 >> 16) * b0 + (w1 >> 16) * b1)
             low, high = _lanes(low, high, s, t, c_ptr, ch_ptr, tile, num_tiles)
-        x00, x01 = _values16(w0, IS_BF16)  # first sketch block: elements 2w, 2w + 1
-        x10, x11 = _values16(w1, IS_BF16)  # second sketch block
+        # first sketch block: elements 2w, 2w + 1
+        x00, x01 = _values16(w0, IS_BF16)
+        # second sketch block
+        x10, x11 = _values16(w1, IS_BF16)
         m = tl.arange(0, KP)
         block = 2 * tile
         beta0 = tl.load(beta_ptr + block * KP + m, mask=block + m * 0 < num_sblocks, other=0.0)
@@ -608,8 +628,10 @@ if triton is not None:
         b1 = tl.load(b_ptr + 512 + i)
         low = tl.zeros((), dtype=tl.int64)
         high = tl.zeros((), dtype=tl.int64)
-        y_even = tl.zeros((512, KP), dtype=tl.float32)  # Y at sketch positions 2w
-        y_odd = tl.zeros((512, KP), dtype=tl.float32)  # Y at sketch positions 2w + 1
+        # Y at sketch positions 2w
+        y_even = tl.zeros((512, KP), dtype=tl.float32)
+        # Y at sketch positions 2w + 1
+        y_odd = tl.zeros((512, KP), dtype=tl.float32)
         sq = tl.zeros((512,), dtype=tl.float32)
         max_bits = tl.zeros((512,), dtype=tl.int32)
         nan = tl.zeros((512,), dtype=tl.int32)
@@ -625,7 +647,8 @@ if triton is not None:
             tile = first + n * stride
             w_a0 = next_a0
             w_a1 = next_a1
-            next_a0 = _words16(data_ptr, numel, tile + stride, 0, PAIRED)  # prefetch; masked past the end
+            # prefetch; masked past the end
+            next_a0 = _words16(data_ptr, numel, tile + stride, 0, PAIRED)
             next_a1 = _words16(data_ptr, numel, tile + stride, 1, PAIRED)
             if UNROLL == 2:
                 w_b0 = next_b0
@@ -742,9 +765,11 @@ if triton is not None:
             tile = (pid + n * programs).to(tl.int64)
             v = upcoming
             e = (tile + programs) * 512 + i
-            upcoming = tl.load(data_ptr + e, mask=e < numel, other=0)  # prefetch; masked past the end
+            # prefetch; masked past the end
+            upcoming = tl.load(data_ptr + e, mask=e < numel, other=0)
             if WITH_DIGEST:
-                w_low = v.to(tl.int32)  # truncation: the low word
+                # truncation: the low word
+                w_low = v.to(tl.int32)
                 w_high = (v >> 32).to(tl.int32)
                 s = tl.sum(w_low * a_low + w_high * a_high)
                 t = tl.sum((w_low >> 16) * b_low + (w_high >> 16) * b_high)
@@ -789,14 +814,16 @@ if triton is not None:
         for start in range(0, programs, ROWS):
             rows = start + r
             valid = rows < programs
-            low += tl.load(int_ptr + rows * 4, mask=valid, other=0)  # wrapping int64
+            # wrapping int64
+            low += tl.load(int_ptr + rows * 4, mask=valid, other=0)
             high += tl.load(int_ptr + rows * 4 + 1, mask=valid, other=0)
             nan += tl.load(int_ptr + rows * 4 + 2, mask=valid, other=0)
             inf += tl.load(int_ptr + rows * 4 + 3, mask=valid, other=0)
             row = float_ptr + rows * (KP + 2)
             sketch += tl.load(row[:, None] + m[None, :], mask=valid[:, None], other=0.0)
             sq += tl.load(row + KP, mask=valid, other=0.0)
-            max_abs = tl.maximum(max_abs, tl.load(row + KP + 1, mask=valid, other=0.0))  # finite, >= 0
+            # finite, >= 0
+            max_abs = tl.maximum(max_abs, tl.load(row + KP + 1, mask=valid, other=0.0))
         nan_count = tl.sum(nan, axis=0)
         inf_count = tl.sum(inf, axis=0)
         nan_value = tl.full((), 0x7FF8000000000000, tl.int64).to(tl.float64, bitcast=True)

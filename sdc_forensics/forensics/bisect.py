@@ -63,7 +63,8 @@ def bisect(
         TraceError: the trace is unreadable. RecipeError: the recipe cannot be loaded.
         UsageError: the replay device is unavailable or a suspect's GPU (not forced).
     """
-    trace = Trace.of(trace_dir)  # a command that opened it already hands it down
+    # a command that opened it already hands it down
+    trace = Trace.of(trace_dir)
     tri = triage_trace(trace)
     notes = trace.checkpoint_notes()
     evidence = list(tri.evidence)
@@ -71,7 +72,8 @@ def bisect(
     notes_out: list[str] = []
     flight = None
     gap = unreplayable_steps(tri.step_range[0] if tri.step_range else None, [n.step for n in notes])
-    if gap is not None:  # said up front, not only as an exit 4 after a replay that cannot help
+    # said up front, not only as an exit 4 after a replay that cannot help
+    if gap is not None:
         notes_out.append(unreplayable_text(gap))
         if progress is not None and hasattr(progress, "note"):
             progress.note(unreplayable_text(gap))
@@ -99,7 +101,8 @@ def bisect(
             evidence += storage_evidence(notes, files, sharded=trace.manifest.parallel is not None)
         from sdc_forensics.replay.env import resolve_device
 
-        resolve_device(options.device)  # an unknown or absent device is a usage error before anything is said or done
+        # an unknown or absent device is a usage error before anything is said or done
+        resolve_device(options.device)
         flight = preflight.check(
             trace.manifest,
             device=options.device,
@@ -108,7 +111,8 @@ def bisect(
             force_tolerant=options.force_tolerant,
         )
         if progress is not None and hasattr(progress, "note"):
-            for line in flight.lines():  # before any replay: a run that cannot certify says so first
+            # before any replay: a run that cannot certify says so first
+            for line in flight.lines():
                 progress.note(line)
         if recipe_ref and notes:
             usable = [n for n in notes if replayable(files[n.step])]
@@ -117,7 +121,8 @@ def bisect(
             else:
                 mode = "replay"
                 ledger = open_ledger(trace, notes, options, say=getattr(progress, "note", None))
-                runner = interval_runner(trace, options, progress, ledger, triage=tri)  # loads the recipe
+                # loads the recipe
+                runner = interval_runner(trace, options, progress, ledger, triage=tri)
                 summary = _walk(tri, usable, options, runner)
                 evidence += runner.evidence
                 replayed, tolerant = runner.replayed, runner.tolerant
@@ -135,7 +140,8 @@ def bisect(
         trace_only=options.trace_only,
         anchors=frozenset(w.start for w in summary.windows) | frozenset(w.start for w in reused),
     )
-    if options.trace_only:  # not read, but named: every checkpoint row has its path
+    # not read, but named: every checkpoint row has its path
+    if options.trace_only:
         files = {n.step: CheckpointFile(path=str(checkpoint_file(n, trace.path, options) or n.path)) for n in notes}
     majority = majority_weights_digests(trace, [n.step for n in notes]) if notes else {}
     decided = decision.decide(
@@ -148,7 +154,8 @@ def bisect(
         examined=examined,
         sharded=trace.manifest.parallel is not None,
     )
-    if len(trace.manifest.attempts) > 1:  # a resumed run: every attempt is judged, not only the latest lineage
+    # a resumed run: every attempt is judged, not only the latest lineage
+    if len(trace.manifest.attempts) > 1:
         earlier = _earlier_attempts(
             trace, options, progress, (recipe_ref if mode == "replay" else None), files, notes_out
         )
@@ -165,8 +172,10 @@ def bisect(
         settle.append(f"this replay could not be exact ({flight.blockers[0]}): {flight.fix}")
     reach = audit_reach(trace.manifest.node_of_rank)
     if reach is not None and any(
-        "audit" in line for line in decided.settle
-    ):  # advice this job's audits could not follow
+        "audit" in line
+        for line in decided.settle
+        # advice this job's audits could not follow
+    ):
         settle.append(f"audits cannot settle it in this job: {reach}")
     if mode == "replay":
         unexamined = [
@@ -184,7 +193,8 @@ def bisect(
             )
     suspects = decided.suspects
     mesh = trace.manifest.parallel
-    if mesh is not None:  # a sharded job: where in the mesh each suspect sits
+    # a sharded job: where in the mesh each suspect sits
+    if mesh is not None:
         suspects = tuple(
             dataclasses.replace(s, mesh=mesh.coordinates(s.rank)) if s.rank is not None else s for s in suspects
         )
@@ -234,7 +244,8 @@ def _earlier_attempts(
         own = trace.step_range(attempt=past.attempt)
         lo, hi = later.start_step, (own[1] if own is not None else -1)
         if hi < lo:
-            continue  # it stopped before the step the next attempt resumed from: nothing of it was re-executed
+            # it stopped before the step the next attempt resumed from: nothing of it was re-executed
+            continue
         view = trace.as_of(past.attempt)
         tri = triage_trace(view)
         evidence = [e for e in tri.evidence if lo <= e.step <= hi]
@@ -255,7 +266,8 @@ def _earlier_attempts(
                 runner = IntervalRunner(view, recipe, options, progress, suspect_gpus(view, tri))
                 reason = f"judge attempt {past.attempt}'s steps {lo}..{hi}, re-executed by attempt {later.attempt}"
                 if runner.replay(note, hi, reason) is None:
-                    continue  # it does not hold the replicas' weights: the one before
+                    # it does not hold the replicas' weights: the one before
+                    continue
                 evidence += [e for e in runner.evidence if lo <= e.step <= hi]
                 replayed, tolerant, anchors = runner.replayed, runner.tolerant, {note.step}
                 break
@@ -292,7 +304,8 @@ def _scope(tri: TriageResult, summary: ReplaySummary) -> str:
     steps = f"steps {tri.step_range[0]}..{tri.step_range[1]}" if tri.step_range else "no steps"
     scope = f"trace checks over {steps}"
     windows = sorted(summary.windows, key=lambda w: w.start)
-    done = [w for w in windows if w.last >= w.start]  # a window that stopped before its first step replayed nothing
+    # a window that stopped before its first step replayed nothing
+    done = [w for w in windows if w.last >= w.start]
     reused = sorted(summary.ledger.reused, key=lambda w: w.start) if summary.ledger is not None else []
     if reused:
         scope += (
@@ -338,8 +351,10 @@ def _walk(
             options.max_replay_steps is not None
             and runner.replayed_steps >= options.max_replay_steps
             and not runner.covered(note.step, hi)
-        ):  # the limit is on replays, not on reuse
-            if runner.ledger_certifies_before(note.step):  # earlier intervals may still come from the ledger
+            # the limit is on replays, not on reuse
+        ):
+            # earlier intervals may still come from the ledger
+            if runner.ledger_certifies_before(note.step):
                 runner.notes.append(
                     f"steps {note.step}..{hi} not replayed (--max-replay-steps reached); earlier intervals "
                     "the ledger covers are still taken from it"
@@ -355,7 +370,8 @@ def _walk(
             break
         result = runner.replay(note, hi, reason)
         if result is None:
-            continue  # it does not hold the replicas' weights: the checkpoint before covers its interval
+            # it does not hold the replicas' weights: the checkpoint before covers its interval
+            continue
         if result.first_divergent_step is not None:
             found = result.first_divergent_step if found is None else min(found, result.first_divergent_step)
         hi = note.step - 1
@@ -394,7 +410,8 @@ def _scan_after(runner: IntervalRunner, starts: list[CheckpointNote], found: int
     """Replay the intervals after the first divergence, each up to its own first divergence:
     recurrences. An interval whose checkpoint was saved while a replica still diverged is skipped
     (that replica would mismatch at every step: the same event, not a recurrence)."""
-    plan: list[tuple[CheckpointNote, int | None]] = []  # None: not scanned (its note goes in its place)
+    # None: not scanned (its note goes in its place)
+    plan: list[tuple[CheckpointNote, int | None]] = []
     for index, note in enumerate(starts):
         if note.step <= found:
             continue

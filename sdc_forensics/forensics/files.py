@@ -83,7 +83,8 @@ def storage_evidence(
             if file.report is not None
             else []
         )
-        if decision.diverged_replica_copy(note, sharded):  # a diverged replica's shard, written as it was: not the disk
+        # a diverged replica's shard, written as it was: not the disk
+        if decision.diverged_replica_copy(note, sharded):
             findings = [f for f in findings if f.kind is not FindingKind.DIGEST_MISMATCH]
         if file.error or findings:
             first = findings[0] if findings else None

@@ -134,10 +134,12 @@ class IntervalDone:
 
     start: int
     last: int
-    outcome: str  # "clean", "evidence" or "reused" (covered by the ledger when first seen)
+    # "clean", "evidence" or "reused" (covered by the ledger when first seen)
+    outcome: str
     comparison: str
     record_id: str = ""
-    lag: int = 0  # intervals still pending after it
+    # intervals still pending after it
+    lag: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -182,7 +184,8 @@ class _Signals:
 
     def __enter__(self) -> "_Signals":
         for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(ValueError):  # not the main thread: no handler, the caller stops us
+            # not the main thread: no handler, the caller stops us
+            with contextlib.suppress(ValueError):
                 self._saved[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -313,7 +316,8 @@ class _Loop:
 
         try:
             trace = Trace.open(self.trace_dir)
-        except TraceError as exc:  # not written yet (training is starting): wait
+        # not written yet (training is starting): wait
+        except TraceError as exc:
             return _View(waiting=str(exc))
         notes = sorted((n for n in trace.checkpoint_notes() if n.weights_digest), key=lambda n: n.step)
         bounds = trace.step_range()
@@ -330,7 +334,8 @@ class _Loop:
             if ids:
                 covered.append((*span, ids))
             elif span in self.seen or span in self.unreplayable or span in self.skipped:
-                continue  # examined by this follower already (with evidence, under --keep-going), or said
+                # examined by this follower already (with evidence, under --keep-going), or said
+                continue
             elif self.follow.sample is not None and not sampled(a, self.follow.sample):
                 skipped.append(span)
             elif checkpoint_file(a, trace.path, self.options) is None:
@@ -366,7 +371,8 @@ class _Loop:
         if distributed.is_lead():
             with (
                 distributed.alone()
-            ):  # process 0 reads alone (its ledger reading is not exchanged): the view is what is shared
+                # process 0 reads alone (its ledger reading is not exchanged): the view is what is shared
+            ):
                 view = self._look()
         return distributed.exchange_objects(view)[0]
 
@@ -381,7 +387,8 @@ class _Loop:
                 self.say(f"waiting for the trace: {view.waiting}")
                 self.said_waiting = True
             return None
-        for line in view.lines:  # records not reused, each said once
+        # records not reused, each said once
+        for line in view.lines:
             if line not in self.said:
                 self.said.add(line)
                 self.say(line)
@@ -422,13 +429,15 @@ class _Loop:
             plan = [(by_step[a], by_step[b]) for a, b, _ in view.todo]
             runner.share(
                 [(a, b.step - 1) for a, b in plan]
-            )  # under torchrun: whole intervals dealt out, when that pays
+                # under torchrun: whole intervals dealt out, when that pays
+            )
             appended = len(runner.appended)
             for index, (a, b) in enumerate(plan):
                 result = runner.replay(a, b.step - 1, "certify --follow: a checkpoint interval closed")
                 self.seen.add((a.step, b.step, b.attempt))
                 self.lag = len(plan) - index - 1
-                if result is None:  # checkpoint a does not hold the replicas' weights (runner's note says so)
+                # checkpoint a does not hold the replicas' weights (runner's note says so)
+                if result is None:
                     self.unreplayable[(a.step, b.step, b.attempt)] = (
                         f"checkpoint {a.step} does not hold the replicas' weights"
                     )
@@ -500,12 +509,15 @@ class _Loop:
             )
         elif (
             stopped_by != "incident"
-        ):  # after a signal too: a second SIGTERM/SIGINT ends it at once (the handlers are gone)
+            # after a signal too: a second SIGTERM/SIGINT ends it at once (the handlers are gone)
+        ):
             from sdc_forensics.errors import SdcError
 
-            try:  # every checkpoint's status from the one decision, on the ledger alone (replays nothing)
+            # every checkpoint's status from the one decision, on the ledger alone (replays nothing)
+            try:
                 final = self._analyse(budget=0)
-            except SdcError as exc:  # the follower's own findings stand without it
+            # the follower's own findings stand without it
+            except SdcError as exc:
                 self.say(f"no final analysis: {exc}")
         elif self.incidents:
             final = self.incidents[-1]

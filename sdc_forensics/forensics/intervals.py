@@ -137,7 +137,8 @@ class IntervalRunner:
         # arguments; ``record`` collects this runner's own when it replays intervals alone
         self.done: dict[tuple, object] = {}
         self.record: dict[tuple, object] | None = None
-        self.last_replayed: tuple[float, int] | None = None  # (seconds, steps) of the last window this process replayed
+        # (seconds, steps) of the last window this process replayed
+        self.last_replayed: tuple[float, int] | None = None
         if ledger is not None:
             # the run's summation order, as an earlier exact replay found it: without it the first window replayed
             # learns it from its first step, which fails when that step's all-reduce is the one corrupted (a record
@@ -200,7 +201,8 @@ class IntervalRunner:
             and not (self.ledger is not None and self.ledger.covering(note.step, hi))
         ]
         if group is None or len(plan) < 2 or self.last_replayed is None or self.options.collective:
-            return  # --collective: every process replays every step together, one collective per bucket
+            # --collective: every process replays every step together, one collective per bucket
+            return
         costs = distributed.measured_costs(*self.last_replayed)
         gathered = [c for c in distributed.exchange_objects(costs) if c is not None]
         if not gathered:
@@ -240,9 +242,11 @@ class IntervalRunner:
                 try:
                     scratch.replay(note, hi, "")
                 except distributed.ReplayProcessLost:
-                    raise  # the launcher stopped this process (SIGTERM): one line and exit 4, now
+                    # the launcher stopped this process (SIGTERM): one line and exit 4, now
+                    raise
                 except SdcError:
-                    pass  # not recorded: the walk replays it on every process and reports the error as usual
+                    # not recorded: the walk replays it on every process and reports the error as usual
+                    pass
         for done in distributed.exchange_objects(scratch.record, patient):
             self.done.update(done)
 
@@ -308,7 +312,8 @@ class IntervalRunner:
         from sdc_forensics.replay.replayer import StartStateMismatch
 
         key = (note.step, hi, threads, stop_at_divergence, self.order)
-        if key in self.done:  # replayed ahead by one of the processes (``share``)
+        # replayed ahead by one of the processes (``share``)
+        if key in self.done:
             outcome = self.done[key]
             if isinstance(outcome, _NotTheReplicas):
                 raise StartStateMismatch(
@@ -367,8 +372,10 @@ class IntervalRunner:
 
         def reproduced(e: Evidence) -> bool:
             if e.step > second.last_step:
-                return True  # not re-examined: keep it
-            if not e.ranks:  # a collective residual: any evidence at that step
+                # not re-examined: keep it
+                return True
+            # a collective residual: any evidence at that step
+            if not e.ranks:
                 return any(step == e.step for step, _ in again)
             return any((e.step, r) in again or (e.step, None) in again for r in e.ranks)
 

@@ -108,10 +108,12 @@ class LedgerUse:
             contents.records, notes, trace_dir=trace.path, attempts=trace.manifest.attempts, locate=locate
         )
         records, ignored = reuse.records, (*contents.notes, *reuse.notes)
-        if distributed.current() is not None:  # every process walks on process 0's reading: a record appended meanwhile
+        # every process walks on process 0's reading: a record appended meanwhile
+        if distributed.current() is not None:
             records, ignored = distributed.exchange_objects((records, ignored))[
                 0
-            ]  # (a follower's) must not split the walk
+                # (a follower's) must not split the walk
+            ]
         use = cls(
             path=path,
             notes=notes,
@@ -222,7 +224,8 @@ class LedgerUse:
         )[:MAX_EVIDENCE]
         exact = result.comparison == "exact" and result.tolerant_from is None
         if not entries:
-            stop_step = result.last_step + 1  # clean as far as it went: the record claims no more
+            # clean as far as it went: the record claims no more
+            stop_step = result.last_step + 1
         stop_note = self.notes_by_step.get(stop_step)
         return IntervalRecord(
             attempt=self._attempt(note.step),

@@ -38,18 +38,22 @@ class ReplayRequest:
 class ReplayRun:
     """A replayed window and the decision on its evidence."""
 
-    result: Any  # replay.replayer.ReplayResult
+    # replay.replayer.ReplayResult
+    result: Any
     decision: Decision
-    preflight: Any = None  # replay.preflight.Preflight
+    # replay.preflight.Preflight
+    preflight: Any = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Window:
     """A window :func:`check_window` accepted: the trace, the recipe, checkpoint ``N``'s note."""
 
-    trace: Any  # trace.reader.Trace
+    # trace.reader.Trace
+    trace: Any
     recipe: str
-    note: Any  # trace.checkpoints.CheckpointNote
+    # trace.checkpoints.CheckpointNote
+    note: Any
 
 
 def check_window(trace_dir: str | os.PathLike, request: ReplayRequest) -> Window:
@@ -109,7 +113,8 @@ def replay_from_trace(trace_dir: str | os.PathLike, request: ReplayRequest, prog
     from sdc_forensics.recipe import load_trace_recipe
 
     trace, note, start = window.trace, window.note, request.start_step
-    resolve_device(request.options.device)  # an unknown or absent device: a usage error before the recipe is loaded
+    # an unknown or absent device: a usage error before the recipe is loaded
+    resolve_device(request.options.device)
     path = checkpoint_file(note, trace.path, request.options)
     if path is None:
         raise CheckpointError(
@@ -123,7 +128,8 @@ def replay_from_trace(trace_dir: str | os.PathLike, request: ReplayRequest, prog
         checkpoint_path=path,
         expected_weights_digest=note.weights_digest,
     )
-    recipe = load_trace_recipe(trace.manifest, chosen.recipe)  # with the job settings the manifest recorded
+    # with the job settings the manifest recorded
+    recipe = load_trace_recipe(trace.manifest, chosen.recipe)
     flight = preflight.check(
         trace.manifest,
         device=chosen.device,

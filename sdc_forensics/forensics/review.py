@@ -43,7 +43,8 @@ class ReportRequest:
     output: str = "-"
     fmt: str = "md"
     options: AnalysisOptions = AnalysisOptions()
-    manifest_recipe: str | None = None  # the recipe the trace names (used when --recipe is not given)
+    # the recipe the trace names (used when --recipe is not given)
+    manifest_recipe: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -91,7 +92,8 @@ def review(result: BisectResult, request: ReportRequest, trace: Trace | None = N
         coverage_of(result), trace, ledger_records(trace.path, options.ledger_path, options.no_ledger)
     )
     series = None
-    if request.fmt == "html":  # only the HTML review has plots
+    # only the HTML review has plots
+    if request.fmt == "html":
         window = plot_window(trace.step_range(), result.first_divergent_step)
         series = incident_series(trace, window) if window is not None else None
     return IncidentReview(

@@ -89,7 +89,8 @@ def verify_exit(
     """The exit status of ``verify-checkpoint`` (module docstring); the trace's part is the decision's status."""
     if certificate_findings or (certificate_status is not None and not certificate_status.clean):
         return ExitCode.NOT_CERTIFIABLE
-    if status is not None:  # the one decision: clean 0, unverified 4, tainted or corrupt 1
+    # the one decision: clean 0, unverified 4, tainted or corrupt 1
+    if status is not None:
         return status_exit(status.status)
     if missing:
         damaged = [f for f in report.findings if f.kind not in UNVERIFIABLE_FINDINGS]
@@ -120,7 +121,8 @@ def verify_run(request: VerifyRequest, options=None, progress=None) -> VerifyOut
     path, trace_dir = request.path, request.trace_dir
     cert = read_certificate(request.certificate_path) if request.certificate_path is not None else None
     seed = cert.seed if cert else VerifyOptions().seed
-    trace = Trace.open(trace_dir) if trace_dir is not None else None  # opened once, handed down
+    # opened once, handed down
+    trace = Trace.open(trace_dir) if trace_dir is not None else None
     if trace is not None:
         trace_seed = int(trace.manifest.fingerprint.seed)
         if cert and trace_seed != cert.seed:
@@ -162,8 +164,10 @@ def verify_run(request: VerifyRequest, options=None, progress=None) -> VerifyOut
             result = bisect(trace, analysis, progress=progress)
             status = next(c for c in result.checkpoints if c.step == wanted)
             if status.report is not None:
-                report = status.report  # read against its note (tensor digests as saved)
-    if report is None:  # the analysis could not read it (its status says why): the file's own findings
+                # read against its note (tensor digests as saved)
+                report = status.report
+    # the analysis could not read it (its status says why): the file's own findings
+    if report is None:
         report = verify_checkpoint(path, options=VerifyOptions(seed=seed))
     cert_findings = tuple(check_against_certificate(report, entry)) if entry is not None else ()
     # what the user asked about first: the certificate, when one was passed

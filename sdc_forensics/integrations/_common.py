@@ -435,7 +435,8 @@ def _refuse(why: str) -> Callable[[Any, Path], None]:
 def _to_device(obj: Any, device: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
-    if isinstance(obj, Mapping):  # a dict, or a collator's BatchEncoding: a dict of the moved values
+    # a dict, or a collator's BatchEncoding: a dict of the moved values
+    if isinstance(obj, Mapping):
         return {k: _to_device(v, device) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_device(v, device) for v in obj)
@@ -458,8 +459,10 @@ class SampleBatches:
         self.pending: list[int] = []
         self.divisor = 0
         self.items = False
-        self.rng: int | None = None  # the rank-step's RNG seed (an RNG header), None: training did not seed
-        self.batches = 0  # complete batches fetched in this rank-step; the last one's number is batches - 1
+        # the rank-step's RNG seed (an RNG header), None: training did not seed
+        self.rng: int | None = None
+        # complete batches fetched in this rank-step; the last one's number is batches - 1
+        self.batches = 0
 
     def fetch(self, microbatch_id: int, device: Any) -> Any:
         """``()`` for a header or an index inside a batch; the collated batch at its END index."""

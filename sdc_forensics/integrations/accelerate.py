@@ -296,8 +296,10 @@ class AccelerateRecording:
         # made at the first backward or save_state: after an accelerator.load_state(dir) said where the run resumes
         self.rec = None
         self._make_recorder, self._optimizer, self._trace_dir, self._handle = make_recorder, optimizer, trace_dir, None
-        self.completed = start_step  # optimizer steps done: the next step's number, a checkpoint's step
-        self._seen: list = []  # (indices, batch) handed out by the loader, not yet backpropagated
+        # optimizer steps done: the next step's number, a checkpoint's step
+        self.completed = start_step
+        # (indices, batch) handed out by the loader, not yet backpropagated
+        self._seen: list = []
         self._step = None
         self.track(loader)
         self._originals = {
@@ -314,7 +316,8 @@ class AccelerateRecording:
             self.rec = self._make_recorder(self.completed)
             self._handle = self._optimizer.register_step_post_hook(
                 self._after_update
-            )  # after the recorder's own post-hook
+                # after the recorder's own post-hook
+            )
         return self.rec
 
     def _load_state(self, input_dir: str | None = None, *args, **kwargs):
@@ -355,7 +358,8 @@ class AccelerateRecording:
             )
         if not isinstance(base, _Untag):
             dataset = base.dataset
-            dataset.__getitems__ = _TagItems(dataset)  # what the DataLoader's fetcher calls for a batch
+            # what the DataLoader's fetcher calls for a batch
+            dataset.__getitems__ = _TagItems(dataset)
             base.collate_fn = _TagBatch(base.collate_fn)
             loader.base_dataloader = _Untag(base, self._seen)
         return loader
@@ -366,7 +370,8 @@ class AccelerateRecording:
                 "accelerator.backward was called with no batch from the recorded loader; the adapter records "
                 "microbatches that come from the prepared training loader"
             )
-        if len(self._seen) > 2:  # the prepared loader looks one batch ahead; more means batches were skipped or dropped
+        # the prepared loader looks one batch ahead; more means batches were skipped or dropped
+        if len(self._seen) > 2:
             raise SdcError(
                 f"{len(self._seen) - 1} batches came out of the loader since the last backward; the adapter pairs "
                 "each backward with the batch the loader handed out before it"
@@ -379,11 +384,13 @@ class AccelerateRecording:
         self._step.input(batch)
         self._step.loss(
             loss.detach() / self.accelerator.gradient_accumulation_steps
-        )  # what Accelerate's backward divides
+            # what Accelerate's backward divides
+        )
         return self._originals["backward"](loss, **kwargs)
 
     def _after_update(self, optimizer, args, kwargs) -> None:
-        if self._step is None:  # an update whose microbatches the adapter never saw: refuse rather than leave a hole
+        # an update whose microbatches the adapter never saw: refuse rather than leave a hole
+        if self._step is None:
             raise SdcError(
                 "the optimizer stepped with no accelerator.backward since the last step: call accelerator.backward(loss), "
                 "not loss.backward(), so that the adapter records the step's microbatches"
@@ -410,7 +417,8 @@ class AccelerateRecording:
         self._open()
         where = self._originals["save_state"](output_dir, *args, **kwargs)
         folder = Path(where if where is not None else output_dir)
-        self.accelerator.wait_for_everyone()  # every rank's random_states_R.pkl is written before the folder is read back
+        # every rank's random_states_R.pkl is written before the folder is read back
+        self.accelerator.wait_for_everyone()
         _common.note_folder(self.rec, self.completed, folder, self.module, is_writer=self.accelerator.is_main_process)
         return where
 
@@ -440,7 +448,8 @@ class AccelerateRecording:
     def __exit__(self, *exc) -> None:
         if exc[0] is None:
             self.close()
-        else:  # an exception, an alarm, KeyboardInterrupt: the END record says so; no collective waited on
+        # an exception, an alarm, KeyboardInterrupt: the END record says so; no collective waited on
+        else:
             self._restore()
             rec, self.rec, self._step = self.rec, None, None
             _common.close_on_error(rec, exc[1])

@@ -94,8 +94,10 @@ class IndexedCollate:
             return self.collate(features)
         batch = self.collate([f.item for f in features])
         if not isinstance(
-            batch, Mapping
-        ):  # a dict, a BatchEncoding (the stock collators'), any mapping of model inputs
+            batch,
+            Mapping,
+            # a dict, a BatchEncoding (the stock collators'), any mapping of model inputs
+        ):
             raise _common.refuse(
                 f"the Trainer's collator returned a {type(batch).__name__}, not a mapping of model inputs "
                 "(the Trainer calls model(**batch)); the HF adapter carries the sample indices in that mapping"
@@ -227,8 +229,11 @@ def record(
     def get_train_dataloader():
         loader = original_loader()
         inner = getattr(
-            loader, "base_dataloader", loader
-        )  # Accelerate's DataLoaderShard iterates the DataLoader it wraps
+            loader,
+            "base_dataloader",
+            loader,
+            # Accelerate's DataLoaderShard iterates the DataLoader it wraps
+        )
         inner.collate_fn = IndexedCollate(inner.collate_fn)
         return loader
 
@@ -350,11 +355,15 @@ class SdcCallback:
         self.options = options or RecorderOptions()
         self.inject = tuple(inject)
         self.rec = None
-        self.resuming = False  # train(resume_from_checkpoint=...) was called with a checkpoint
-        self._step = None  # the StepRecording of the optimizer step in progress
-        self._step_started = False  # its first microbatch was seen (the step header is written)
+        # train(resume_from_checkpoint=...) was called with a checkpoint
+        self.resuming = False
+        # the StepRecording of the optimizer step in progress
+        self._step = None
+        # its first microbatch was seen (the step header is written)
+        self._step_started = False
         self._step_number = 0
-        self._seed, self._microbatch = None, 0  # the rank-step's RNG seed, and the next microbatch's number
+        # the rank-step's RNG seed, and the next microbatch's number
+        self._seed, self._microbatch = None, 0
 
     # ---- TrainerCallback protocol (duck-typed: every event the handler may call) ----
     def __getattr__(self, name: str):
@@ -366,7 +375,8 @@ class SdcCallback:
         from sdc_forensics.recorder import Recorder
 
         trainer = self.trainer
-        if self.resuming:  # the Trainer has loaded its state: the attempt starts at state.global_step
+        # the Trainer has loaded its state: the attempt starts at state.global_step
+        if self.resuming:
             later = _later_folders(args, int(state.global_step), int(state.max_steps))
             if _rank0_says(bool(later)):
                 raise _common.refuse(
@@ -380,7 +390,8 @@ class SdcCallback:
                 f"the Trainer did not wrap the model in DistributedDataParallel (got {type(ddp).__name__}); "
                 "the recorder records DDP jobs"
             )
-        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside Accelerate's wrapper
+        # inside Accelerate's wrapper
+        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
         settings = _json_safe(_recipe_args(trainer, self.dataset, optimizer, state.max_steps))
         every = args.save_steps if str(getattr(args.save_strategy, "value", args.save_strategy)) == "steps" else None
         options = dataclasses.replace(
@@ -400,7 +411,8 @@ class SdcCallback:
         )
         if (
             not self.resuming and state.global_step == 0
-        ):  # replay starts from a checkpoint: checkpoint 0 is the initial state
+            # replay starts from a checkpoint: checkpoint 0 is the initial state
+        ):
             trainer._save_checkpoint(ddp, trial=None)  # noqa: SLF001 - the Trainer's own folder layout, checkpoint-0
             self.on_save(args, state, control)
 
@@ -416,14 +428,16 @@ class SdcCallback:
         if not self._step_started:
             self._step_started = True
             items = args[0] if args else kwargs.get("num_items_in_batch")
-            if self.trainer.model_accepts_loss_kwargs and items is not None:  # the loss is normalised by the item count
+            # the loss is normalised by the item count
+            if self.trainer.model_accepts_loss_kwargs and items is not None:
                 count = float(items)
                 if count != int(count):
                     raise SdcError(
                         f"num_items_in_batch = {count} is not a whole count; the adapter replays whole counts"
                     )
                 header = _common.step_header(int(count), items=True)
-            else:  # Trainer.training_step divides by the step's accumulation count
+            # Trainer.training_step divides by the step's accumulation count
+            else:
                 header = _common.step_header(self.trainer.current_gradient_accumulation_steps)
             seed = _common.step_seed(self.rec.options.seed, self._step_number, dist.get_rank())
             self._step.add_microbatch_ids([header, _common.rng_header(seed)])
@@ -450,7 +464,8 @@ class SdcCallback:
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-        dist.barrier()  # every rank's files (rng_state_R.pth) are in the folder before it is read back
+        # every rank's files (rng_state_R.pth) are in the folder before it is read back
+        dist.barrier()
         _common.note_folder(self.rec, state.global_step, folder, self.trainer.model, is_writer=args.should_save)
 
     def on_train_end(self, args, state, control, **kwargs):

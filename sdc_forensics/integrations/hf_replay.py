@@ -62,7 +62,8 @@ class TrainerRecipe:
         rng = torch.random.get_rng_state()
         model = cls(config).to(
             device
-        )  # weights come from the checkpoint; initialisation must not move the caller's RNG
+            # weights come from the checkpoint; initialisation must not move the caller's RNG
+        )
         torch.random.set_rng_state(rng)
         model.train()
         optimizer = _common.build_optimizer(self.optimizer, model)
@@ -108,8 +109,10 @@ class TrainerRecipe:
         if _common.is_placeholder(microbatch):
             return _common.zero_loss()
         batches = self._sample_batches()
-        with batches.seeded(_device_of(microbatch)):  # the forward's RNG as training seeded it (dropout)
-            if batches.items:  # Trainer: num_items_in_batch = gathered int64 count / (tp * cp * sp), a float tensor
+        # the forward's RNG as training seeded it (dropout)
+        with batches.seeded(_device_of(microbatch)):
+            # Trainer: num_items_in_batch = gathered int64 count / (tp * cp * sp), a float tensor
+            if batches.items:
                 count = torch.tensor(batches.divisor, dtype=torch.int64, device=_device_of(microbatch)) / 1
                 outputs = model(**microbatch, num_items_in_batch=count)
             else:
@@ -144,7 +147,8 @@ class TrainerRecipe:
 
             def sample(index: int):
                 item = dataset[index]
-                if columns is not None and isinstance(item, Mapping):  # the Trainer's RemoveColumnsCollator
+                # the Trainer's RemoveColumnsCollator
+                if columns is not None and isinstance(item, Mapping):
                     item = {k: v for k, v in item.items() if k in columns}
                 return item
 

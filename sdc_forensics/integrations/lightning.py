@@ -58,7 +58,8 @@ log = logging.getLogger(__name__)
 ADAPTER = "sdc_forensics.integrations.lightning"
 RECIPE = "sdc_forensics.integrations.lightning:LightningRecipe"
 
-try:  # a Callback subclass when Lightning is installed (the Trainer checks isinstance); plain otherwise
+# a Callback subclass when Lightning is installed (the Trainer checks isinstance); plain otherwise
+try:
     from lightning.pytorch.callbacks import Callback as _Base
 except ImportError:  # pragma: no cover - the callback then refuses when it is built
     _Base = object
@@ -179,9 +180,12 @@ class SdcCallback(_Base):
         self.comm_hook, self.comm_state, self.inject = comm_hook, comm_state, tuple(inject)
         self.rec = None
         self._step = None
-        self._batch = None  # (indices, batch) of the batch on its way to training_step
-        self._collator = None  # the collator named in the trace (None: the dataset function's, or torch's default)
-        self._seed, self._microbatch = None, 0  # the rank-step's RNG seed, and the next microbatch's number
+        # (indices, batch) of the batch on its way to training_step
+        self._batch = None
+        # the collator named in the trace (None: the dataset function's, or torch's default)
+        self._collator = None
+        # the rank-step's RNG seed, and the next microbatch's number
+        self._seed, self._microbatch = None, 0
 
     def on_fit_start(self, trainer, pl_module) -> None:
         """Refuse what cannot be replayed and wire the data, optimizer and checkpoint hooks; the
@@ -221,8 +225,10 @@ class SdcCallback(_Base):
         self._settings = settings
         self._wire(trainer, pl_module, optimizer)
         if isinstance(given, torch.utils.data.DataLoader):
-            self._tag(given)  # before fit_loop.setup_data rebuilds it with a DistributedSampler and starts iterating
-        else:  # a LightningModule's or DataModule's train_dataloader(): tag what it returns
+            # before fit_loop.setup_data rebuilds it with a DistributedSampler and starts iterating
+            self._tag(given)
+        # a LightningModule's or DataModule's train_dataloader(): tag what it returns
+        else:
             hook = getattr(given, source.name)
             setattr(given, source.name, lambda: self._tag(hook()))
 
@@ -252,7 +258,8 @@ class SdcCallback(_Base):
         self._handle = trainer.optimizers[0].register_step_post_hook(lambda opt, args, kwargs: self._end_step())
         if (
             trainer.ckpt_path is None and start == 0
-        ):  # replay starts from a checkpoint: checkpoint 0 is the initial state
+            # replay starts from a checkpoint: checkpoint 0 is the initial state
+        ):
             folder = (
                 Path(trainer.checkpoint_callback.dirpath)
                 if getattr(trainer.checkpoint_callback, "dirpath", None)
@@ -274,7 +281,8 @@ class SdcCallback(_Base):
         original_training_step = pl_module.training_step
 
         def training_step(*args, **kwargs):
-            if self._step is None:  # not a recorded microbatch
+            # not a recorded microbatch
+            if self._step is None:
                 return original_training_step(*args, **kwargs)
             # the forward's draws (dropout) from a seed the trace holds: the recipe draws the same masks
             with _common.seeded(self._seed, self._microbatch, pl_module.device):
@@ -286,16 +294,20 @@ class SdcCallback(_Base):
         hooked_step = optimizer.step
 
         def step(closure=None, **kwargs):
-            loss = closure() if closure is not None else None  # forward, backward, clipping: before the step hooks
+            # forward, backward, clipping: before the step hooks
+            loss = closure() if closure is not None else None
             hooked_step(**kwargs)
             return loss
 
         if hasattr(
-            hooked_step, "_wrapped_by_lr_sched"
-        ):  # the scheduler's step counter is still inside: say so to Lightning
+            hooked_step,
+            "_wrapped_by_lr_sched",
+            # the scheduler's step counter is still inside: say so to Lightning
+        ):
             step._wrapped_by_lr_sched = True
         optimizer.step = step
-        self._handle = None  # the step-closing post-hook: registered in on_train_start, after the recorder's own
+        # the step-closing post-hook: registered in on_train_start, after the recorder's own
+        self._handle = None
         original_save = trainer.save_checkpoint
         sharded = type(trainer.strategy).__name__ == "ModelParallelStrategy"
 
@@ -320,7 +332,8 @@ class SdcCallback(_Base):
                 raise UsageError(
                     "a checkpoint saved in the middle of an accumulation cycle: save after the optimizer step"
                 )
-            if sharded:  # a DCP directory every rank writes: its tensors digested as if whole, before the save
+            # a DCP directory every rank writes: its tensors digested as if whole, before the save
+            if sharded:
                 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
                 state = {
@@ -355,7 +368,8 @@ class SdcCallback(_Base):
                 "the training dataset is not map-style (an IterableDataset has no indices to record as microbatch IDs)"
             )
         if not isinstance(getattr(dataset, "__getitems__", None), _TagItems):
-            dataset.__getitems__ = _TagItems(dataset)  # what the DataLoader's fetcher calls for a batch
+            # what the DataLoader's fetcher calls for a batch
+            dataset.__getitems__ = _TagItems(dataset)
         if not isinstance(loader.collate_fn, _TagBatch):
             named = _common.reference(loader.collate_fn)
             if named is not None and named != (self._collator or "torch.utils.data._utils.collate:default_collate"):
@@ -475,7 +489,8 @@ class LightningRecipe:
         return model, optimizers[0], scheduler
 
     def load_checkpoint(self, path: str, model, optimizer, scheduler) -> None:
-        if Path(path).is_dir():  # ModelParallelStrategy's distributed checkpoint: DCP reshards it into this one process
+        # ModelParallelStrategy's distributed checkpoint: DCP reshards it into this one process
+        if Path(path).is_dir():
             self._load_distributed(Path(path), model, optimizer, scheduler)
             return
         state = torch.load(Path(path), map_location="cpu", weights_only=True)
@@ -493,7 +508,8 @@ class LightningRecipe:
         state = {"state_dict": model_state, "optimizer_0": optim_state}
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(model, optimizer, model_state_dict=state["state_dict"], optim_state_dict=state["optimizer_0"])
-        if scheduler is not None:  # the rest of Lightning's checkpoint (loops, schedulers) is rank 0's meta.pt
+        # the rest of Lightning's checkpoint (loops, schedulers) is rank 0's meta.pt
+        if scheduler is not None:
             meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
             scheduler.load_state_dict(meta["lr_schedulers"][0])
 
@@ -503,7 +519,8 @@ class LightningRecipe:
         batch = self._batches.fetch(microbatch_id, device)
         if _common.is_placeholder(batch) or self._model is None:
             return batch
-        batch = self._model.on_before_batch_transfer(batch, 0)  # the module's batch hooks, as Lightning applies them
+        # the module's batch hooks, as Lightning applies them
+        batch = self._model.on_before_batch_transfer(batch, 0)
         batch = self._model.transfer_batch_to_device(batch, torch.device(device), 0)
         return self._model.on_after_batch_transfer(batch, 0)
 
@@ -512,14 +529,16 @@ class LightningRecipe:
             return _common.zero_loss()
         with self._batches.seeded(
             next((p.device for p in model.parameters()), "cpu")
-        ):  # dropout, as training seeded it
+            # dropout, as training seeded it
+        ):
             out = model.training_step(microbatch, 0)
         loss = out["loss"] if isinstance(out, dict) else out
         divisor = self._batches.divisor if self._batches is not None else 0
         return loss / divisor if divisor else loss
 
     def before_step(self, model, optimizer) -> None:
-        if self.clip > 0:  # Precision.clip_grad_by_norm: the optimizer's parameters, group by group
+        # Precision.clip_grad_by_norm: the optimizer's parameters, group by group
+        if self.clip > 0:
             torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], self.clip)
 
     def after_step(self, model, optimizer, scheduler) -> None:

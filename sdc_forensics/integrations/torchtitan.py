@@ -72,7 +72,8 @@ def _refusal(trainer) -> str | None:
         return "this trainer has no optimizers.step to check before"
     from sdc_forensics.integrations._common import compile_refusal
 
-    compiled = compile_refusal(parts[0])  # torchtitan's --compile.enable: the hooks and the replay need eager modules
+    # torchtitan's --compile.enable: the hooks and the replay need eager modules
+    compiled = compile_refusal(parts[0])
     return compiled[0] if compiled else None
 
 
@@ -89,8 +90,11 @@ def _rotation(trainer, checkpoint_dir) -> str | None:
     if checkpoint is None or checkpoint_dir is None:
         return None
     enabled = getattr(
-        checkpoint, "enable", getattr(checkpoint, "enable_checkpoint", False)
-    )  # 0.3.0: enable; older: enable_checkpoint
+        checkpoint,
+        "enable",
+        getattr(checkpoint, "enable_checkpoint", False),
+        # 0.3.0: enable; older: enable_checkpoint
+    )
     keep = int(getattr(checkpoint, "keep_latest_k", 0) or 0)
     if not enabled or keep <= 0:
         return None
@@ -213,7 +217,8 @@ def record(
     trainer.train_step = recording.train_step
     trainer.sdc_recorder = recording
     train = getattr(trainer, "train", None)
-    if callable(train):  # the trace closed however train() ends (an exception, an alarm, KeyboardInterrupt)
+    # the trace closed however train() ends (an exception, an alarm, KeyboardInterrupt)
+    if callable(train):
 
         def closing_train(*args, **kwargs):
             try:
@@ -264,7 +269,8 @@ class TitanRecording:
         from sdc_forensics.recorder import Recorder, RecorderOptions
 
         trainer = self.trainer
-        self._start = int(trainer.step)  # torchtitan adds one before each train_step: this is the attempt's first
+        # torchtitan adds one before each train_step: this is the attempt's first
+        self._start = int(trainer.step)
         options = dataclasses.replace(self._options or RecorderOptions(), start_step=self._start)
         self.recorder = Recorder(
             self.trace_dir,

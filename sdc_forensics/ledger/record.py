@@ -63,15 +63,19 @@ _HINT = "the record is ignored (it was damaged, edited, or not written by sdc-fo
 class Comparison(str, enum.Enum):
     """How a replay's fingerprints were compared with the recorded ones."""
 
-    EXACT = "exact"  # bit for bit: the only comparison that certifies
-    TOLERANT = "tolerant"  # within the sketch tolerance: never certifies
+    # bit for bit: the only comparison that certifies
+    EXACT = "exact"
+    # within the sketch tolerance: never certifies
+    TOLERANT = "tolerant"
 
 
 class Outcome(str, enum.Enum):
     """What the replay of an interval found."""
 
-    CLEAN = "clean"  # every step replayed, nothing found
-    EVIDENCE = "evidence"  # evidence found (the record lists it)
+    # every step replayed, nothing found
+    CLEAN = "clean"
+    # evidence found (the record lists it)
+    EVIDENCE = "evidence"
 
 
 class LedgerRecordError(InvalidInputError):
@@ -167,7 +171,8 @@ class IntervalRecord:
 
     def __post_init__(self) -> None:
         if all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in (self.wall_s, self.device_s)):
-            object.__setattr__(self, "wall_s", float(self.wall_s))  # one JSON spelling: 0.0, never 0
+            # one JSON spelling: 0.0, never 0
+            object.__setattr__(self, "wall_s", float(self.wall_s))
             object.__setattr__(self, "device_s", float(self.device_s))
         problems = [
             (self.stop_step <= self.start_step, f"the interval [{self.start_step}, {self.stop_step}] holds no step"),

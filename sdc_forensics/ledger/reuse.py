@@ -155,7 +155,8 @@ def _checkpoint_problem(ref: CheckpointRef, note: CheckpointNote | None, files: 
         return f"checkpoint {ref.step} of the trace has other digests than the one examined (a later attempt saved another)"
     found = files.stamps(note)
     if found is None:
-        return None  # rotated away: the digests above vouch for it
+        # rotated away: the digests above vouch for it
+        return None
     if isinstance(found, str):
         return f"checkpoint {ref.step}'s file cannot be checked ({found})"
     if not ref.files:
@@ -213,7 +214,8 @@ def exact_coverage(
         One :class:`CheckpointCoverage` per checkpoint step, in increasing step order.
     """
     records = list(records)
-    spans = _merged((r.start_step, r.stop_step) for r in records if r.certifies)  # [start, stop) step ranges
+    # [start, stop) step ranges
+    spans = _merged((r.start_step, r.stop_step) for r in records if r.certifies)
     starts = [s for s, _ in spans]
     strong = sorted({e.step for r in records for e in r.evidence if e.strength == STRONG})
     out = []

@@ -38,7 +38,8 @@ def stamp_file(path: str | os.PathLike, name: str | None = None) -> FileStamp:
         OSError: it cannot be read.
     """
     path = Path(path)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO in its place never blocks
+    # a FIFO in its place never blocks
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     with os.fdopen(fd, "rb") as handle:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):

@@ -84,7 +84,8 @@ def append_record(path: str | os.PathLike, record: IntervalRecord) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX)
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
-            line = b"\n" + line  # a torn tail stays its own (ignored) line
+            # a torn tail stays its own (ignored) line
+            line = b"\n" + line
         view = memoryview(line)
         while view:
             view = view[os.write(fd, view) :]
@@ -94,7 +95,8 @@ def append_record(path: str | os.PathLike, record: IntervalRecord) -> None:
     except OSError as exc:
         raise _unwritable(path, exc) from None
     finally:
-        os.close(fd)  # releases the lock
+        # releases the lock
+        os.close(fd)
 
 
 def _unwritable(path: Path, exc: OSError) -> LedgerWriteError:
@@ -130,8 +132,10 @@ def read_ledger(path: str | os.PathLike) -> LedgerContents:
     notes = _Notes(path)
     try:
         fd = os.open(
-            path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-        )  # a FIFO in its place never blocks
+            path,
+            os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0),
+            # a FIFO in its place never blocks
+        )
     except FileNotFoundError:
         return LedgerContents(path=path)
     except OSError as exc:
@@ -144,9 +148,11 @@ def read_ledger(path: str | os.PathLike) -> LedgerContents:
                 path=path, notes=(f"{path}: the ledger is not a regular file; nothing is reused from it",)
             )
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)  # wait for a writer's record to be whole
+            # wait for a writer's record to be whole
+            fcntl.flock(fd, fcntl.LOCK_SH)
         except OSError:
-            pass  # a file system without flock: a record being appended may read as a torn tail
+            # a file system without flock: a record being appended may read as a torn tail
+            pass
         records = _read_lines(handle, notes)
     return LedgerContents(path=path, records=tuple(records), notes=notes.lines())
 
@@ -159,7 +165,8 @@ def _read_lines(handle, notes: "_Notes") -> list[IntervalRecord]:
         if not line:
             return records
         if len(line) > MAX_RECORD_BYTES:
-            while line and not line.endswith(b"\n"):  # skip the rest of it, a bounded piece at a time
+            # skip the rest of it, a bounded piece at a time
+            while line and not line.endswith(b"\n"):
                 line = handle.readline(MAX_RECORD_BYTES)
             notes.add(number, f"longer than {MAX_RECORD_BYTES} bytes")
             continue
@@ -179,7 +186,8 @@ def _read_lines(handle, notes: "_Notes") -> list[IntervalRecord]:
         except ValueError as exc:
             notes.add(number, f"not valid JSON ({exc}): a torn or damaged record")
             continue
-        except UNCHECKED_PARSE_ERRORS as exc:  # a check missing in decode_record: still never trusted
+        # a check missing in decode_record: still never trusted
+        except UNCHECKED_PARSE_ERRORS as exc:
             notes.add(number, f"malformed ({type(exc).__name__})")
             continue
         if record.record_id in first_line_of:

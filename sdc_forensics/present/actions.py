@@ -37,7 +37,8 @@ class ActionBlock:
     title: str
     why: tuple[str, ...]
     commands: tuple[str, ...] = ()
-    platform: str = ""  # resume | slurm | kubernetes | hyperpod | dcgm | host | storage | fabric | none
+    # resume | slurm | kubernetes | hyperpod | dcgm | host | storage | fabric | none
+    platform: str = ""
 
     def to_json(self) -> dict:
         return {"title": self.title, "why": list(self.why), "commands": list(self.commands), "platform": self.platform}

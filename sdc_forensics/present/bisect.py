@@ -111,18 +111,22 @@ def render_bisect(result: BisectResult, console) -> None:
         headline += f"  first divergent step {result.first_divergent_step} (θ_{result.first_divergent_step} clean, θ_{result.first_divergent_step + 1} not)"
     console.print(headline)
     console.print(f"[dim]{escape(result.scope)}[/]")
-    if analysis_exit(result.verdict, result.mode) != verdict_exit(result.verdict):  # a clean verdict of the trace alone
+    # a clean verdict of the trace alone
+    if analysis_exit(result.verdict, result.mode) != verdict_exit(result.verdict):
         console.print(
             "[yellow]exit 4, not 0[/]: the trace's checks found nothing, but no step was replayed and no checkpoint "
             "file read: not a clean bill; bisect without --trace-only (with the recipe and checkpoints) to certify"
         )
-    stopped = [line for line in result.damage if line.startswith(STOPPED_EARLY)]  # trace.ends.RunEnd.describe()
+    # trace.ends.RunEnd.describe()
+    stopped = [line for line in result.damage if line.startswith(STOPPED_EARLY)]
     for line in stopped:
         console.print(f"[bold yellow]{escape(line[0].upper() + line[1:])}[/]")
     if result.suspects:
         sharded = any(
-            s.mesh for s in result.suspects
-        )  # a sharded job: the mesh coordinates say which shard and replica
+            s.mesh
+            for s in result.suspects
+            # a sharded job: the mesh coordinates say which shard and replica
+        )
         table = new_table(
             console,
             "Suspects",

@@ -65,7 +65,8 @@ def render_certify(cert: Certification, console, certificate_out: str | Path | N
         f"{'none found' if result.first_divergent_step is None else result.first_divergent_step}; {escape(result.scope)}"
     )
     said: set[str] = set()
-    for note in (*result.replayed.notes, *result.notes):  # what stopped or bent a replay, each reason once
+    # what stopped or bent a replay, each reason once
+    for note in (*result.replayed.notes, *result.notes):
         reason = re.sub(r"^steps? [\d.]+(, rank \d+)?: ", "", note)
         if reason not in said:
             said.add(reason)
@@ -76,7 +77,8 @@ def render_certify(cert: Certification, console, certificate_out: str | Path | N
         console.print("[bold red]no checkpoint notes[/] in this trace: nothing to certify")
     elif resume is None:
         console.print("[bold red]no checkpoint certified clean[/]: none can be resumed from safely")
-    elif cert.exit_code == ExitCode.INCONCLUSIVE:  # certify_exit: no resume point without a verdict
+    # certify_exit: no resume point without a verdict
+    elif cert.exit_code == ExitCode.INCONCLUSIVE:
         console.print(
             f"[bold yellow]no resume point named (exit 4)[/]: the analysis is inconclusive (see 'to settle'); "
             f"checkpoint {resume.step} is the last certified clean ({escape(resume.path)}), and resuming there "

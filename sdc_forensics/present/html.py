@@ -121,7 +121,8 @@ def _summary(result: BisectResult, incident: Incident, manifest: Manifest | None
         else:
             ident = manifest.identity(suspect.rank) if manifest is not None else None
             parts = [f"<strong>rank {suspect.rank}</strong>", f"host <code>{_e(suspect.host or '?')}</code>"]
-            if suspect.mesh:  # a sharded job: which shard and replica
+            # a sharded job: which shard and replica
+            if suspect.mesh:
                 parts.append(f"mesh <code>{_e(suspect.mesh)}</code>")
             if ident is not None:
                 parts.append(f"GPU UUID <code>{_e(ident.gpu_uuid or '-')}</code>")

@@ -98,7 +98,8 @@ def render_inspect(summary: TraceSummary, console, covered=None) -> None:
             console.print(f"replay: {escape(line)}")
         from sdc_forensics.replay import (
             memory as replay_memory,
-        )  # the memory plan (issue 35): imports torch for the sizes
+            # the memory plan (issue 35): imports torch for the sizes
+        )
 
         for line in replay_memory.inspect_lines(summary.path, m):
             console.print(f"replay: {escape(line)}")

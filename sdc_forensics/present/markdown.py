@@ -186,7 +186,8 @@ def render_markdown(
             if manifest is not None:
                 ident = manifest.identity(suspect.rank)
                 who += f" (UUID {_code(ident.gpu_uuid or '-')}, PCI bus {_code(ident.pci_bus_id or '-')})"
-            if suspect.mesh:  # a sharded job: which shard and replica
+            # a sharded job: which shard and replica
+            if suspect.mesh:
                 who += f", mesh {_code(suspect.mesh)}"
         out.append(
             f"- **Suspect: {who}**; location `{suspect.location.value}`; "

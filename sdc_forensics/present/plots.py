@@ -30,7 +30,8 @@ STATUS_COLOURS = {
     Status.CORRUPT: "#b71c1c",
 }
 _SUSPECT = "#d32f2f"
-_MAX_RANK_LINES = 16  # more ranks: the ranks' median and min-max band, plus the suspects' lines
+# more ranks: the ranks' median and min-max band, plus the suspects' lines
+_MAX_RANK_LINES = 16
 
 
 def matplotlib_available() -> bool:
@@ -52,7 +53,8 @@ def render_svg(series: Series, result: BisectResult) -> str | None:
         from matplotlib.colors import ListedColormap
     except ImportError:
         return None
-    with warnings.catch_warnings():  # all-NaN columns and empty log axes are expected; stderr stays one line per fact
+    # all-NaN columns and empty log axes are expected; stderr stays one line per fact
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         warnings.simplefilter("ignore", UserWarning)
         return _figure(series, result, matplotlib, plt, ListedColormap)
@@ -87,7 +89,8 @@ def _figure(series: Series, result: BisectResult, matplotlib, plt, ListedColorma
             Consensus.DIFFERS: _SUSPECT,
             Consensus.NO_MAJORITY: "#ffb74d",
         }
-        cmap = ListedColormap([colours[code] for code in sorted(Consensus)])  # index = the code
+        # index = the code
+        cmap = ListedColormap([colours[code] for code in sorted(Consensus)])
         if len(steps):
             extent = (steps[0] - 0.5, steps[-1] + 0.5, series.consensus.shape[1] - 0.5, -0.5)
             ax_cons.imshow(
@@ -185,7 +188,8 @@ def _rank_lines(ax, steps: np.ndarray, values: np.ndarray, suspects: list[int], 
         if rank < num_ranks:
             ax.plot(steps, finite[:, rank], color=_SUSPECT, linewidth=1.8, label=f"rank {rank} (suspect)")
             blown = ~np.isfinite(values[:, rank]) & ~np.isnan(values[:, rank])
-            if blown.any():  # an infinite value would vanish from the line: mark it at the top
+            # an infinite value would vanish from the line: mark it at the top
+            if blown.any():
                 ax.scatter(
                     steps[blown],
                     np.full(int(blown.sum()), np.nanmax(finite) if np.isfinite(np.nanmax(finite)) else 1.0),

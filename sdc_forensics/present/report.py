@@ -116,7 +116,8 @@ def recipe_import_root(recipe: str | None) -> Path | None:
     path = Path(origin).resolve()
     if any(part in ("site-packages", "dist-packages") for part in path.parts):
         return None
-    if Path(__file__).resolve().parents[1] in path.parents:  # sdc_forensics itself (the demo recipes)
+    # sdc_forensics itself (the demo recipes)
+    if Path(__file__).resolve().parents[1] in path.parents:
         return None
     depth = recipe.split(":", 1)[0].count(".") + (2 if path.name == "__init__.py" else 1)
     return path.parents[depth - 1]
@@ -144,11 +145,13 @@ def reproduce_commands(request: ReportRequest, result: BisectResult) -> tuple[li
         opts.append("--tolerant")
     if chosen.force_device:
         opts.append("--force-device")
-    if chosen.collective:  # under torchrun, one process per recorded rank
+    # under torchrun, one process per recorded rank
+    if chosen.collective:
         opts.append("--collective")
     if chosen.ledger_path is not None and not (
         chosen.no_ledger or chosen.trace_only
-    ):  # a rerun without --no-ledger: same answer, less work
+        # a rerun without --no-ledger: same answer, less work
+    ):
         opts += ["--ledger", str(chosen.ledger_path)]
     trace = str(request.trace_dir)
     report = ["sdc-forensics", "report", trace, *opts, "--format", request.fmt]
@@ -240,7 +243,8 @@ def not_checked(result: BisectResult, end: "RunEnd | None" = None, coverage=None
         out.append(end.describe()[0].upper() + end.describe()[1:] + ".")
     else:
         out += [f"Trace damage: {d}" for d in result.damage if d.startswith(STOPPED_EARLY)]
-    out += [f"Trace damage: {d}" for d in result.damage if not d.startswith(STOPPED_EARLY)]  # said just above
+    # said just above
+    out += [f"Trace damage: {d}" for d in result.damage if not d.startswith(STOPPED_EARLY)]
     out += [f"To settle: {line}" for line in result.settle]
     return out
 

@@ -50,7 +50,8 @@ def render_verify(outcome: VerifyOutcome, console) -> None:
     console.print(_tensor_table(report, console))
     _print_findings(console, report.findings, "")
     _print_findings(console, outcome.certificate_findings, "certificate: ")
-    if report.ignored:  # no training state in them (docs/checkpoints.md): said, not held against the folder
+    # no training state in them (docs/checkpoints.md): said, not held against the folder
+    if report.ignored:
         console.print(f"[dim]not read (no training state): {escape(', '.join(report.ignored))}[/]")
     if status is not None:
         console.print(f"certification: [bold]{status.status.value}[/] — {escape('; '.join(status.reasons))}")
@@ -81,12 +82,14 @@ def render_verify(outcome: VerifyOutcome, console) -> None:
         console.print(f"[bold yellow]NOT CERTIFIED[/] {path}: nothing wrong found, but {escape(reasons[0])}")
     else:
         console.print(f"[bold red]NOT CERTIFIABLE[/] {path}: {escape(reasons[0])}")
-    for reason in reasons[1:]:  # every reason, each on its line: a certificate's is never hidden behind "+1 more"
+    # every reason, each on its line: a certificate's is never hidden behind "+1 more"
+    for reason in reasons[1:]:
         console.print(f"  also: {escape(reason)}")
 
 
 def _tensor_table(report, console):
-    rows = sorted(report.tensors, key=lambda t: t.status == "ok")  # problems first, stable
+    # problems first, stable
+    rows = sorted(report.tensors, key=lambda t: t.status == "ok")
     table = new_table(
         console,
         f"{escape(report.path)} ({report.format}, {len(report.tensors)} tensors)",

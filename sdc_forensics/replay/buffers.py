@@ -43,8 +43,10 @@ class BufferBroadcast:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._named = [(name, buf) for name, buf in model.named_buffers() if buf is not None]
-        self._start: list[torch.Tensor] = []  # the buffers entering the step
-        self._source: list[torch.Tensor] = []  # rank 0's buffers after its microbatches
+        # the buffers entering the step
+        self._start: list[torch.Tensor] = []
+        # rank 0's buffers after its microbatches
+        self._source: list[torch.Tensor] = []
 
     @property
     def active(self) -> bool:
@@ -71,7 +73,8 @@ class BufferBroadcast:
         """Leave rank 0's buffers in the model, on every replay process alike."""
         if not self._named:
             return
-        if not self._source:  # this process did not compute rank 0: the buffers come from the one that did
+        # this process did not compute rank 0: the buffers come from the one that did
+        if not self._source:
             self._source = [buf.detach().clone() for _, buf in self._named]
         distributed.share_from_rank(self._source, AUTHORITATIVE_RANK)
         with torch.no_grad():

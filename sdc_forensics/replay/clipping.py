@@ -77,7 +77,8 @@ def sharded_total_norm(
             "for a positive norm type or inf"
         )
     first_device = tensors[0].device
-    per_shard = []  # (S,) each rank's vector of its per-tensor local norms, in the order given
+    # (S,) each rank's vector of its per-tensor local norms, in the order given
+    per_shard = []
     for shard in range(num_shards):
         local = [_local_shard(t, shard, num_shards) for t in tensors]
         norms = (

@@ -51,9 +51,12 @@ class StepComparisons:
     """Comparison methods of the replayer (mixin)."""
 
     #: Set by the replayer per window; these defaults are the plain single-process replay.
-    collective = False  # all-reduce with the replay's own process group (--collective)
-    compress = None  # the dtype the job's comm hook compressed the all-reduce to
-    collective_missed = ""  # why the own collective did not reproduce a step, once said
+    # all-reduce with the replay's own process group (--collective)
+    collective = False
+    # the dtype the job's comm hook compressed the all-reduce to
+    compress = None
+    # why the own collective did not reproduce a step, once said
+    collective_missed = ""
 
     def _compare_locals(self, step, recs, ranks, tolerant, drift, recorded_layout):
         """Ranks whose recomputation disagrees; None when all differ but only within tolerance."""
@@ -65,10 +68,12 @@ class StepComparisons:
             exact_same = rs.digest == int(rec["local_digest"])
             if exact_same and not tolerant:
                 continue
-            tol = self._tol(rs.fp.norm, drift)  # the replay's own norm: a fault inflates the recorded one
+            # the replay's own norm: a fault inflates the recorded one
+            tol = self._tol(rs.fp.norm, drift)
             if recorded_layout:
                 residual = float(np.abs(rs.fp.sketch - rec["local_sketch"].astype(np.float64)).max())
-            else:  # the sketch depends on the bucket layout, which is unknown: only the norm compares
+            # the sketch depends on the bucket layout, which is unknown: only the norm compares
+            else:
                 residual = abs(rs.fp.norm - float(rec["local_norm"]))
             if tolerant and np.isfinite(residual):
                 self.max_ratio = max(self.max_ratio, residual / tol)
@@ -129,11 +134,18 @@ class StepComparisons:
         confirmed, notes = [], []
         for r in bad:
             if tolerant:
-                confirmed.append(r)  # digests are not comparable here; the sketch already decided
+                # digests are not comparable here; the sketch already decided
+                confirmed.append(r)
                 continue
             second = distributed.recompute(
-                self, model, recs[r], layout, r, ranks[r]
-            )  # under torchrun: on another process
+                self,
+                model,
+                recs[r],
+                layout,
+                r,
+                ranks[r],
+                # under torchrun: on another process
+            )
             again = second.digest
             recorded, first = int(recs[r]["local_digest"]), ranks[r].digest
             if again == first:
@@ -142,7 +154,8 @@ class StepComparisons:
                     f"step {step}, rank {r}: a second replay agrees with the first (2 votes to 1 against the record)"
                 )
             elif again == recorded:
-                ranks[r] = second  # the majority's result is what the replicas go on with
+                # the majority's result is what the replicas go on with
+                ranks[r] = second
                 notes.append(
                     f"step {step}, rank {r}: a second replay agrees with the record; the first replay was wrong "
                     f"(the replay device is suspect), rank {r} is not blamed"
@@ -159,16 +172,20 @@ class StepComparisons:
         """The replicas' average: the collective's order when one reproduces the record."""
         per_rank = [rs.buckets for rs in ranks]
         if not ((recs["flags"] & int(F.Flag.HAS_GRADS)) != 0).all():
-            return self.reduce(per_rank, env.REDUCTION_ORDERS[0]), "", [], ""  # nothing recorded to compare
+            # nothing recorded to compare
+            return self.reduce(per_rank, env.REDUCTION_ORDERS[0]), "", [], ""
         recorded = recs["reduced_digest"].astype(np.uint64)
-        from sdc_forensics.trace.consensus import vote  # the one strict-majority rule
+        # the one strict-majority rule
+        from sdc_forensics.trace.consensus import vote
 
         majority, votes = vote(recorded)
-        counts = np.array([votes])  # how many ranks recorded the majority (named in the evidence below)
+        # how many ranks recorded the majority (named in the evidence below)
+        counts = np.array([votes])
         candidates = {}
         if (
             self.collective and self.known_order != env.ORDERED and self.mesh is None
-        ):  # the job's own collective, checked against the record
+            # the job's own collective, checked against the record
+        ):
             reduced = distributed.collective_mean(per_rank, self.world_size, self.compress)
             value = self.digest_of(reduced)
             if (value == majority) if majority is not None else bool((recorded == np.uint64(value)).any()):
@@ -179,35 +196,41 @@ class StepComparisons:
                     self._reduced_minority(step, recs, self._expected_reduced(reduced, len(recorded))),
                     "",
                 )
-            candidates[env.COLLECTIVE] = reduced  # still the replay's average when nothing else reproduces
+            # still the replay's average when nothing else reproduces
+            candidates[env.COLLECTIVE] = reduced
             if self.known_order != env.COLLECTIVE and not self.collective_missed:
                 self.collective_missed = (
                     f"step {step}: the replay's own collective does not reproduce the recorded reduced digest; "
                     f"most likely {env.collective_suspect(self.trace, int(recs[0]['attempt']))}; "
                     "the modelled summation orders are tried instead"
                 )
-        if self.known_order == env.ORDERED:  # recorded: exact or tolerant
+        # recorded: exact or tolerant
+        if self.known_order == env.ORDERED:
             orders = (env.ORDERED,)
         elif (
             self.mesh is not None
-        ):  # a sharded job's own reduce-scatter: gloo's ring where the trace says how it was cut
+            # a sharded job's own reduce-scatter: gloo's ring where the trace says how it was cut
+        ):
             orders = (
                 (self.known_order,)
                 if self.known_order and not tolerant
                 else ((env.SHARDED_GLOO,) if self.mesh.groups else ()) + (env.ORDERED,)
             )
-        elif self.known_order == env.COLLECTIVE and not tolerant:  # it reproduced earlier steps: a miss is evidence
+        # it reproduced earlier steps: a miss is evidence
+        elif self.known_order == env.COLLECTIVE and not tolerant:
             orders = (env.COLLECTIVE,)
         else:
             orders = tuple(candidates) + (
                 (self.known_order,) if self.known_order and not tolerant else env.REDUCTION_ORDERS
             )
         for order in orders:
-            if order in candidates:  # the own collective, already checked
+            # the own collective, already checked
+            if order in candidates:
                 continue
             reduced = self.reduce(per_rank, order)
             candidates[order] = reduced
-            expected = self._expected_reduced(reduced, len(recorded))  # (R,) what each rank should have recorded
+            # (R,) what each rank should have recorded
+            expected = self._expected_reduced(reduced, len(recorded))
             agree = recorded == expected
             # a strict majority of ranks recorded the replayed average; or, with no strict majority
             # among the records (two replicas that disagree, a split, or a sharded job's shards, which
@@ -245,13 +268,16 @@ class StepComparisons:
             )
         evidence, worst = [], 0.0
         tol = self._tol(
-            fps[0].norm if self.mesh is None else self.fp_of(reduced).norm, drift
-        )  # the whole gradient's norm
+            fps[0].norm if self.mesh is None else self.fp_of(reduced).norm,
+            drift,
+            # the whole gradient's norm
+        )
         for r in range(len(ranks)):
             fp = fps[r]
             if recorded_layout:
                 residual = float(np.abs(fp.sketch - recs[r]["reduced_sketch"].astype(np.float64)).max())
-            else:  # the sketch depends on the unknown bucket layout: compare norms
+            # the sketch depends on the unknown bucket layout: compare norms
+            else:
                 residual = abs(fp.norm - float(recs[r]["reduced_norm"]))
             if np.isfinite(residual):
                 self.max_ratio = max(self.max_ratio, residual / tol)
@@ -355,8 +381,10 @@ class StepComparisons:
         return out
 
     # -- a sharded job's records are per shard (recorder/fsdp_layout.py) ------------------------
-    mesh = None  # the trace's ShardMesh (None: DDP, every rank records the whole)
-    bucket_shapes: tuple = ()  # a sharded job: the shapes of the parameters of its one bucket, in order
+    # the trace's ShardMesh (None: DDP, every rank records the whole)
+    mesh = None
+    # a sharded job: the shapes of the parameters of its one bucket, in order
+    bucket_shapes: tuple = ()
 
     def _shard_fp(self, flat, shapes, shard: int, k: int):
         from sdc_forensics.fingerprint import shards

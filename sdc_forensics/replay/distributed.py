@@ -196,7 +196,8 @@ def finish(completed: bool, peer_lost: bool = False) -> None:
     try:
         if completed:
             dist.barrier()
-    except RuntimeError:  # a peer went away after the decision: the output is already written
+    # a peer went away after the decision: the output is already written
+    except RuntimeError:
         _abandoned = True
         return
     try:
@@ -227,7 +228,8 @@ def error_line(exc: BaseException) -> str | None:
     role = _role
     if role is None or role.lead:
         return str(exc)
-    if isinstance(exc, (ReplayProcessLost, UsageError)):  # every process parsed the same command line
+    # every process parsed the same command line
+    if isinstance(exc, (ReplayProcessLost, UsageError)):
         return None
     return f"replay process {role.rank} of {role.size} (host {socket.gethostname()}): {exc}"
 
@@ -349,7 +351,8 @@ def pin_recorded_nccl(trace_dir) -> list[str]:
     try:
         attempts = read_manifest(trace_dir).attempts
     except SdcError:
-        return []  # the command itself reports the unreadable trace
+        # the command itself reports the unreadable trace
+        return []
     recorded = dict(max(attempts, key=lambda a: a.attempt).determinism.get("nccl_env") or {}) if attempts else {}
     pinned = []
     for name, value in sorted(recorded.items()):
@@ -410,7 +413,8 @@ def _bucket_specs(mine: dict, layout, group: ReplayGroup, world_size: int) -> li
     import torch.distributed as dist
 
     own = _specs_of(next(iter(mine.values()))) if mine else None
-    if group.size <= world_size:  # every process owns a rank
+    # every process owns a rank
+    if group.size <= world_size:
         return own
     key = tuple(tuple(int(i) for i in bucket) for bucket in layout)
     if key not in _SPECS:
@@ -496,7 +500,8 @@ def _pack(buffer, base: int, rs) -> None:
     header = np.zeros(_HEADER_BYTES // 8, dtype=np.uint64)
     header[:1] = np.array([rs.loss], dtype=np.float64).view(np.uint64)
     header[1], header[2] = np.uint64(rs.digest), np.uint64(rs.input_digest)
-    header[3] = np.uint64(1 if getattr(rs, "rng_dependent", False) else 0)  # a step object may predate the flag
+    # a step object may predate the flag
+    header[3] = np.uint64(1 if getattr(rs, "rng_dependent", False) else 0)
     buffer[base : base + _HEADER_BYTES].copy_(torch.from_numpy(header.view(np.uint8)))
     offset = base + _HEADER_BYTES
     for bucket in rs.buckets:
@@ -661,7 +666,8 @@ def _collective(call, group: ReplayGroup, timeout_s: float | None = None) -> Non
 
 
 def _short(exc: BaseException) -> str:
-    text = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\] ?", "", " ".join(str(exc).split()))  # gloo's source locations
+    # gloo's source locations
+    text = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\] ?", "", " ".join(str(exc).split()))
     return text[:160] + ("..." if len(text) > 160 else "")
 
 

@@ -153,7 +153,8 @@ def _summation_plan(numel: int, itemsize: int, world_size: int, order: str) -> l
     for i in range(world_size):
         lo, hi = min(i * span, numel), min((i + 1) * span, numel)
         if lo < hi:
-            start = (i - 1) % world_size  # chunk i is reduce-scattered from rank i-1 backwards
+            # chunk i is reduce-scattered from rank i-1 backwards
+            start = (i - 1) % world_size
             plan.append((lo, hi, [(start - j) % world_size for j in range(world_size)]))
     return plan
 

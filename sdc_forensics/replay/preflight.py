@@ -45,7 +45,8 @@ class Preflight:
     blockers: tuple[str, ...] = ()
     caveats: tuple[str, ...] = ()
     fix: str = ""
-    memory: Any = None  # replay.memory.MemoryPlan, when the trace's checkpoint could be sized (check(trace_dir=...))
+    # replay.memory.MemoryPlan, when the trace's checkpoint could be sized (check(trace_dir=...))
+    memory: Any = None
 
     def lines(self) -> list[str]:
         """Sentences for people, first the verdict."""
@@ -111,7 +112,8 @@ def check(
         memory: a ``MemoryPlan`` already made (it takes the place of ``trace_dir``'s).
     """
     if memory is None and trace_dir is not None:
-        from sdc_forensics.replay import memory as memory_mod  # imports torch to read the checkpoint's metadata
+        # imports torch to read the checkpoint's metadata
+        from sdc_forensics.replay import memory as memory_mod
 
         memory = memory_mod.plan_trace(trace_dir, manifest, device=device)
     replay_type = device.split(":")[0]

@@ -166,7 +166,8 @@ class _RankStep:
 
     def __init__(self, replayer: "Replayer", buckets: list[torch.Tensor], batches: list, loss: float) -> None:
         self._replayer, self.buckets, self._batches, self.loss = replayer, buckets, batches, loss
-        self.rng_dependent = False  # the recomputation depends on the global RNG state the trace does not hold
+        # the recomputation depends on the global RNG state the trace does not hold
+        self.rng_dependent = False
         self._digest: int | None = None
         self._fp: Fingerprint | None = None
         self._input: int | None = None
@@ -201,12 +202,17 @@ class Replayer(StepComparisons):
         self.seed = trace.manifest.fingerprint.seed
         self.k = trace.sketch_k
         self.grad_dtype = trace.manifest.fingerprint.grad_dtype
-        self.tolerance_dtype = self.grad_dtype  # the roundoff tolerant comparisons use (run(): env.recompute_dtype)
+        # the roundoff tolerant comparisons use (run(): env.recompute_dtype)
+        self.tolerance_dtype = self.grad_dtype
         self.world_size = trace.world_size
-        self.known_order = ""  # the summation order that reproduced this run's all-reduce, once seen
-        self.forced_threads = 0  # --threads
-        self.default_threads = 0  # the manifest's count, for traces without per-step counts
-        self.max_ratio = 0.0  # the largest tolerant residual / tolerance seen (clean artefacts are measured with it)
+        # the summation order that reproduced this run's all-reduce, once seen
+        self.known_order = ""
+        # --threads
+        self.forced_threads = 0
+        # the manifest's count, for traces without per-step counts
+        self.default_threads = 0
+        # the largest tolerant residual / tolerance seen (clean artefacts are measured with it)
+        self.max_ratio = 0.0
         # flat gradient buffers reused from step to step (a fresh tensor per rank and step costs page
         # faults on every touch): one per rank slot, one per reduction order
         self._rank_buffers: dict[int, torch.Tensor] = {}
@@ -214,9 +220,12 @@ class Replayer(StepComparisons):
         self.rng_dependent: bool | None = (
             None  # the recipe's step depends on the global RNG (None: not seen drawing yet)
         )
-        self.module_buffers: BufferBroadcast | None = None  # DDP's broadcast of module buffers, per window
-        self.mesh = trace.manifest.parallel  # a sharded job: reduced gradients and weights are recorded per shard
-        self.param_dtype: torch.dtype | None = None  # the recipe model's (a sharded job's reduction is cast back to it)
+        # DDP's broadcast of module buffers, per window
+        self.module_buffers: BufferBroadcast | None = None
+        # a sharded job: reduced gradients and weights are recorded per shard
+        self.mesh = trace.manifest.parallel
+        # the recipe model's (a sharded job's reduction is cast back to it)
+        self.param_dtype: torch.dtype | None = None
 
     # -- one rank's local gradient -------------------------------------------------------------
     def local_step(self, model, record, buckets_layout, slot: int | None = None) -> _RankStep:
@@ -248,7 +257,8 @@ class Replayer(StepComparisons):
         grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params)]
         dtypes = {g.dtype for g in grads}
         out = None
-        if slot is not None and len(dtypes) == 1:  # mixed dtypes: torch.cat promotes, no buffer to reuse
+        # mixed dtypes: torch.cat promotes, no buffer to reuse
+        if slot is not None and len(dtypes) == 1:
             out = self._buffers(
                 self._rank_buffers, slot, [sum(grads[i].numel() for i in b) for b in buckets_layout], dtypes.pop()
             )
@@ -258,11 +268,13 @@ class Replayer(StepComparisons):
             else torch.cat([grads[i].reshape(-1) for i in bucket])
             for b, bucket in enumerate(buckets_layout)
         ]
-        if self.mesh is not None and self.mesh.reduce_dtype:  # FSDP2 reduced (and the recorder read) it in this dtype
+        # FSDP2 reduced (and the recorder read) it in this dtype
+        if self.mesh is not None and self.mesh.reduce_dtype:
             low = getattr(torch, self.mesh.reduce_dtype)
             buckets = [b.to(low) for b in buckets]
             factors = self.mesh.divide_factors()
-            if factors is not None and factors[0] != 1:  # a float16 reduction: FSDP2 divides its input first
+            # a float16 reduction: FSDP2 divides its input first
+            if factors is not None and factors[0] != 1:
                 buckets = [b.div_(factors[0]) for b in buckets]
         step = _RankStep(self, buckets, batches, total_loss)
         step.rng_dependent = bool(self.rng_dependent)
@@ -273,11 +285,13 @@ class Replayer(StepComparisons):
         for p in params:
             p.grad = None
         if self.module_buffers is not None:
-            self.module_buffers.before_rank()  # every rank starts from rank 0's buffers, as DDP broadcasts them
+            # every rank starts from rank 0's buffers, as DDP broadcasts them
+            self.module_buffers.before_rank()
         batches, total_loss = [], 0.0
         low = getattr(torch, self.mesh.reduce_dtype) if self.mesh is not None and self.mesh.reduce_dtype else None
         accumulated: list = [None] * len(params)
-        with computing_as_recorded(model, self.mesh):  # a sharded job's param_dtype and casts, as FSDP2 applied them
+        # a sharded job's param_dtype and casts, as FSDP2 applied them
+        with computing_as_recorded(model, self.mesh):
             for mb_id in self.trace.microbatch_ids(record):
                 batch = self.recipe.fetch_microbatch(int(mb_id), self.device)
                 loss = self.recipe.loss(model, batch)
@@ -286,7 +300,8 @@ class Replayer(StepComparisons):
                 batches.append(batch)
                 if (
                     low is not None
-                ):  # FSDP2 accumulates across microbatches in the reduce dtype (FSDPParam.to_accumulated_grad_if_needed)
+                    # FSDP2 accumulates across microbatches in the reduce dtype (FSDPParam.to_accumulated_grad_if_needed)
+                ):
                     for i, p in enumerate(params):
                         if p.grad is not None:
                             accumulated[i] = p.grad.to(low) if accumulated[i] is None else accumulated[i].add_(p.grad)
@@ -317,7 +332,8 @@ class Replayer(StepComparisons):
         if order == env.SHARDED_GLOO:
             return self._to_params([self._sharded_gloo([buckets[0] for buckets in per_rank])])
         if self.mesh is not None and self.mesh.divide_factors() is not None and order == env.ORDERED:
-            from sdc_forensics.reduction import ordered_sum  # a float16 reduction sums (divided before and after)
+            # a float16 reduction sums (divided before and after)
+            from sdc_forensics.reduction import ordered_sum
 
             return self._to_params(
                 [ordered_sum([per_rank[r][b] for r in range(len(per_rank))]) for b in range(len(per_rank[0]))]
@@ -348,7 +364,8 @@ class Replayer(StepComparisons):
 
         add = (
             ordered_sum if self.mesh.divide_factors() is not None else ordered_mean
-        )  # float16: sums, divided around them
+            # float16: sums, divided around them
+        )
         means = [
             [add([per_rank[r][b] for r in group]) for b in range(len(per_rank[0]))] for group in self.mesh.replicas()
         ]
@@ -374,7 +391,8 @@ class Replayer(StepComparisons):
         out = torch.zeros_like(flats[0])
         coord = {r: mesh.coords[r] for r in range(mesh.world_size)}
         other = [d for d in range(len(mesh.shape)) if d != mesh.shard_dim]
-        summing = mesh.divide_factors() is not None  # a float16 reduction sums (SUM), FSDP2 divides around it
+        # a float16 reduction sums (SUM), FSDP2 divides around it
+        summing = mesh.divide_factors() is not None
         for group in mesh.groups:
             padded = [-(-shapes[i][0] // size) * shapes[i][1] for i in group]
 
@@ -391,11 +409,13 @@ class Replayer(StepComparisons):
 
             inputs = [rs_input(f) for f in flats]
             by_replica = {}
-            for replica in mesh.replicas():  # the reduce-scatter's group: ring order is the shard coordinate's
+            # the reduce-scatter's group: ring order is the shard coordinate's
+            for replica in mesh.replicas():
                 members = sorted(replica, key=mesh.shard_of)
                 total = env.ring_sum([inputs[r] for r in members])
                 by_replica[replica] = (total if summing else total / len(members)).view(size, -1)
-            if len(by_replica) > 1:  # HSDP: each shard's replica outputs, all-reduced in replicate-coordinate order
+            # HSDP: each shard's replica outputs, all-reduced in replicate-coordinate order
+            if len(by_replica) > 1:
                 replicas = sorted(by_replica, key=lambda rep: tuple(coord[rep[0]][d] for d in other))
                 sums = [env.ring_sum([by_replica[rep][c] for rep in replicas]) for c in range(size)]
                 mean = torch.stack(sums if summing else [t / len(replicas) for t in sums])
@@ -413,7 +433,8 @@ class Replayer(StepComparisons):
         if self.device.type != "cpu":
             return
         wanted = self.forced_threads or recorded or self.default_threads
-        if wanted > _MAX_THREADS:  # a damaged or hostile trace: not a count anyone trained with
+        # a damaged or hostile trace: not a count anyone trained with
+        if wanted > _MAX_THREADS:
             wanted = 0
         if wanted and torch.get_num_threads() != wanted:
             torch.set_num_threads(wanted)
@@ -455,8 +476,11 @@ class Replayer(StepComparisons):
         self.param_dtype = next((p.dtype for p in model.parameters()), None)
         self.tolerance_dtype = env.recompute_dtype(self.trace, self.grad_dtype, self.device, model)
         self._grad_shapes = [
-            (p.shape[0] if p.dim() else 1, math.prod(p.shape[1:])) for p in model.parameters() if p.requires_grad
-        ]  # (rows, elements per row), flat-gradient order
+            (p.shape[0] if p.dim() else 1, math.prod(p.shape[1:]))
+            for p in model.parameters()
+            if p.requires_grad
+            # (rows, elements per row), flat-gradient order
+        ]
         self.module_buffers = BufferBroadcast(model)
         saved = {(n.step, n.attempt): n for n in self.trace.checkpoint_notes()} if self.module_buffers.active else {}
         start_digest = hex64(weights_digest(model.named_parameters(), self.seed))
@@ -498,7 +522,8 @@ class Replayer(StepComparisons):
                 layouts[attempt] = env.bucket_layouts(self.trace.path, attempt)
             layout, recorded_layout = env.layout_at(layouts[attempt], step, len(params))
             if _recorded_reduction(self.trace, attempt) == env.ORDERED:
-                self.known_order = env.ORDERED  # the order is known before any step: exact on any device
+                # the order is known before any step: exact on any device
+                self.known_order = env.ORDERED
             self.compress = env.compression_of(env.attempt_determinism(self.trace, attempt))
             if not recorded_layout and tolerant_from is None:
                 tolerant_from = step
@@ -506,8 +531,13 @@ class Replayer(StepComparisons):
             drift = 0 if tolerant_from is None else step - tolerant_from
             self.module_buffers.begin_step()
             ranks = distributed.local_steps(
-                self, model, recs, layout, step
-            )  # under torchrun: shared out, then exchanged
+                self,
+                model,
+                recs,
+                layout,
+                step,
+                # under torchrun: shared out, then exchanged
+            )
             if any(getattr(rs, "rng_dependent", False) for rs in ranks):
                 notes.append(
                     f"step {step}: the recipe's step draws from the global RNG (dropout or augmentation not seeded "
@@ -518,7 +548,8 @@ class Replayer(StepComparisons):
             local_bad, step_evidence = self._compare_locals(
                 step, recs, ranks, tolerant_from is not None, drift, recorded_layout
             )
-            if local_bad is None:  # every rank differs within tolerance: not bitwise reproducible here
+            # every rank differs within tolerance: not bitwise reproducible here
+            if local_bad is None:
                 tolerant_from = step
                 notes.append(
                     f"step {step}: every rank's local gradient differs in the last bits from the record "
@@ -542,12 +573,14 @@ class Replayer(StepComparisons):
                 step, recs, ranks, tolerant_from is not None, drift, recorded_layout
             )
             if local_bad or any(e.kind is EvidenceKind.INPUT_MISMATCH for e in step_evidence):
-                reduce_evidence = []  # the recorded average carries the bad local gradient: a consequence
+                # the recorded average carries the bad local gradient: a consequence
+                reduce_evidence = []
             evidence += reduce_evidence
             if self.collective_missed and self.collective_missed not in notes:
                 notes.append(self.collective_missed)
             if reduce_note and tolerant_from is None and not step_evidence:
-                tolerant_from = step  # this step's reduced gradient matched within tolerance only: not exact
+                # this step's reduced gradient matched within tolerance only: not exact
+                tolerant_from = step
                 notes.append(reduce_note)
             order_used = order_used or order
             self.module_buffers.end_step()
@@ -556,17 +589,20 @@ class Replayer(StepComparisons):
                 offset = 0
                 for index in bucket:
                     n = params[index].numel()
-                    grad = flat[offset : offset + n].view_as(params[index])  # a view, as DDP's bucket views
+                    # a view, as DDP's bucket views
+                    grad = flat[offset : offset + n].view_as(params[index])
                     # on a GPU each parameter gets its own gradient tensor, as DDP's default
                     # (gradient_as_bucket_view=False) copies the bucket out: foreach kernels
                     # (clip_grad_norm_'s norms) take another, vectorised path for aligned tensors
                     # than for views at odd offsets, and their sums differ in the last bits
                     params[index].grad = grad.clone() if own_grads else grad
                     offset += n
-            counts = step_threads(recs)  # (R,) 0 = not recorded
+            # (R,) 0 = not recorded
+            counts = step_threads(recs)
             values, freq = np.unique(counts[counts > 0], return_counts=True)
             self._use_threads(int(values[np.argmax(freq)]) if len(values) else 0)
-            with clipping_as_recorded(self.mesh):  # a sharded job's clipping norm, as its ranks computed it
+            # a sharded job's clipping norm, as its ranks computed it
+            with clipping_as_recorded(self.mesh):
                 recipe_mod.before_step(self.recipe, model, optimizer, step=step)
             optimizer.step()
             recipe_mod.after_step(self.recipe, model, optimizer, scheduler, step=step)
@@ -574,7 +610,8 @@ class Replayer(StepComparisons):
                 step, recs, model, tolerant_from is not None, bool(step_evidence or reduce_evidence)
             )
             evidence += weights_evidence
-            if departed:  # the replay's weights are no longer the record's: later steps cannot compare bit for bit
+            # the replay's weights are no longer the record's: later steps cannot compare bit for bit
+            if departed:
                 tolerant_from = step + 1
             buffers_note = (
                 self.module_buffers.check(saved[step + 1, attempt], self.seed) if (step + 1, attempt) in saved else ""

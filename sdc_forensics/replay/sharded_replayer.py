@@ -81,7 +81,8 @@ def wrapping(model, groups) -> list:
         others = set().union(*(set(g) for g in groups if set(g) != group))
         fits = [n for n, s in owned.items() if n and group <= s and s - group <= others]
         if not fits:
-            continue  # the root's group: what no submodule holds alone
+            # the root's group: what no submodule holds alone
+            continue
         chosen.append(min(fits, key=lambda n: len(owned[n])))
     chosen.sort(key=lambda n: -n.count("."))
     return [modules[n] for n in chosen]

@@ -39,18 +39,22 @@ def replay_window(
         StartStateMismatch: the checkpoint does not hold the weights the replicas agreed on.
     """
     device = env.resolve_device(options.device)
-    distributed.check_placement(device, trace, options.suspect_gpus, options.force_device)  # every process alike
+    # every process alike
+    distributed.check_placement(device, trace, options.suspect_gpus, options.force_device)
     env.check_not_suspect(device, options.suspect_gpus, options.force_device)
-    threads = options.num_threads or replayer._recorded_threads(trace)  # per-step counts are applied step by step
+    # per-step counts are applied step by step
+    threads = options.num_threads or replayer._recorded_threads(trace)
     if not (
         Path(options.checkpoint_path).is_file() or Path(options.checkpoint_path).is_dir()
-    ):  # a folder: a Trainer's checkpoint-N
+        # a folder: a Trainer's checkpoint-N
+    ):
         raise CheckpointError(
             f"checkpoint {options.checkpoint_path} (step {options.start_step}) does not exist; pass --checkpoints DIR"
         )
     with open_checkpoint(
         options.checkpoint_path
-    ) as opened:  # the hostile-input checks and read limits, before the recipe's own torch.load
+        # the hostile-input checks and read limits, before the recipe's own torch.load
+    ) as opened:
         infos = opened.infos()
     # the memory plan refuses a replay that cannot fit; a sharded job that does not fit one process is replayed sharded
     replayer_class = ShardedReplayer if sharded.dispatch(trace, options, device, infos) else Replayer

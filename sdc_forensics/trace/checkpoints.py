@@ -83,7 +83,8 @@ def write_checkpoint_note(trace_dir: str | os.PathLike, note: CheckpointNote) ->
     path = note_path(trace_dir, note.step, note.attempt)
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = dataclasses.asdict(note)
-    if not note.path_from_trace:  # an optional key: older notes (and the golden files) stay as they were
+    # an optional key: older notes (and the golden files) stay as they were
+    if not note.path_from_trace:
         del doc["path_from_trace"]
     return write_atomic(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
@@ -104,7 +105,8 @@ def parse_checkpoint_note(doc, where: str) -> CheckpointNote:
         ("file_digests", file_digests.values()),
     ):
         bad = next((d for d in digests if not _HEX16.fullmatch(d)), None)
-        if bad is not None:  # digests are 16 lowercase hex digits (hex64); anything else is not a digest
+        # digests are 16 lowercase hex digits (hex64); anything else is not a digest
+        if bad is not None:
             raise f.fail(key, "16 lowercase hex digits per digest", bad)
     return CheckpointNote(
         step=f.int("step", lo=0, hi=MAX_STEP),

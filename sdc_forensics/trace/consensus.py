@@ -35,8 +35,10 @@ def strict_majority(values: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, 
     """
     values = np.asarray(values, dtype=np.uint64)
     valid = np.asarray(valid, dtype=bool)
-    num_valid = valid.sum(axis=1)  # (S,)
-    ordered = np.sort(np.where(valid, values, _SENTINEL), axis=1)  # valid values first
+    # (S,)
+    num_valid = valid.sum(axis=1)
+    # valid values first
+    ordered = np.sort(np.where(valid, values, _SENTINEL), axis=1)
     rows = np.arange(values.shape[0])
     candidate = (
         ordered[rows, np.minimum(num_valid // 2, max(values.shape[1] - 1, 0))]

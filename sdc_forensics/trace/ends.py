@@ -154,7 +154,8 @@ class RunEnd:
         }
 
 
-def run_end(trace) -> RunEnd:  # trace: an open trace.reader.Trace (not imported: the reader imports this module)
+# trace: an open trace.reader.Trace (not imported: the reader imports this module)
+def run_end(trace) -> RunEnd:
     """How ``trace``'s latest attempt ended (reads each file's tail, and a few steps of tables)."""
     manifest = trace.manifest
     attempt = max(f.attempt for f in trace.files)
@@ -226,12 +227,14 @@ def _last_complete(trace, ranks: list[RankEnd], attempt: int) -> int | None:
     """The last step every rank recorded, at or before the ranks' common last step of the attempt."""
     if any(r.last_step is None for r in ranks):
         start = next((a.start_step for a in trace.manifest.attempts if a.attempt == attempt), None)
-        candidate = start - 1 if attempt > 0 and start else None  # earlier attempts hold the steps before the resume
+        # earlier attempts hold the steps before the resume
+        candidate = start - 1 if attempt > 0 and start else None
     else:
         candidate = min(r.last_step for r in ranks)
     if candidate is None or candidate < 0:
         return None
-    for lookback in (64, _LOOKBACK_STEPS):  # the candidate itself, nearly always: a small table first
+    # the candidate itself, nearly always: a small table first
+    for lookback in (64, _LOOKBACK_STEPS):
         found = None
         for window in trace.step_windows(
             window=lookback, start=max(0, candidate - lookback + 1), stop=candidate, fields=()

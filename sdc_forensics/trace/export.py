@@ -43,7 +43,8 @@ def export_csv(trace: Trace, handle: TextIO, window: int = 4096) -> int:
     writer.writerow(header)
     rows = 0
     for win in trace.step_windows(window=window):
-        recs = win.records[win.present]  # (N,) in step-major, rank-minor order
+        # (N,) in step-major, rank-minor order
+        recs = win.records[win.present]
         if not len(recs):
             continue
         columns = [recs[name].astype(object) if name != "loss" else recs[name] for name in _SCALARS]

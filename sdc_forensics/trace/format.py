@@ -62,12 +62,18 @@ _CHECKSUM_STREAM = 0xC5
 class Kind(enum.IntEnum):
     """Record kinds."""
 
-    STEP = 1  # one per rank per step: loss, input, gradients before/after all-reduce, weights
-    AUDIT = 2  # one per audit recomputation this rank performed
-    CHECKPOINT = 3  # this rank's view of a checkpoint written after ``step`` completed steps
-    ALARM = 4  # an online check fired on this rank
-    IDS = 5  # microbatch IDs of the preceding STEP or AUDIT record when not a contiguous range
-    END = 6  # (1.1) the recorder closed this file: last step recorded, STEP records written
+    # one per rank per step: loss, input, gradients before/after all-reduce, weights
+    STEP = 1
+    # one per audit recomputation this rank performed
+    AUDIT = 2
+    # this rank's view of a checkpoint written after ``step`` completed steps
+    CHECKPOINT = 3
+    # an online check fired on this rank
+    ALARM = 4
+    # microbatch IDs of the preceding STEP or AUDIT record when not a contiguous range
+    IDS = 5
+    # (1.1) the recorder closed this file: last step recorded, STEP records written
+    END = 6
 
 
 class Flag(enum.IntFlag):
@@ -76,21 +82,32 @@ class Flag(enum.IntFlag):
     NONFINITE_LOCAL = 1 << 0
     NONFINITE_REDUCED = 1 << 1
     ALLREDUCE_MISMATCH = 1 << 2
-    WEIGHTS_DIVERGED = 1 << 3  # this rank's weights differ from the strict majority
-    WEIGHTS_CHECKED = 1 << 4  # replica weights were compared at this step
-    AUDITED = 1 << 5  # this rank's microbatch was audited at this step
+    # this rank's weights differ from the strict majority
+    WEIGHTS_DIVERGED = 1 << 3
+    # replica weights were compared at this step
+    WEIGHTS_CHECKED = 1 << 4
+    # this rank's microbatch was audited at this step
+    AUDITED = 1 << 5
     AUDIT_MISMATCH = 1 << 6
-    AUDIT_TIEBREAK = 1 << 7  # AUDIT record: this recomputation was the third vote
-    NO_MAJORITY = 1 << 8  # a comparison found no strict majority
-    CONTIGUOUS_IDS = 1 << 9  # microbatch IDs are first .. first + count - 1
+    # AUDIT record: this recomputation was the third vote
+    AUDIT_TIEBREAK = 1 << 7
+    # a comparison found no strict majority
+    NO_MAJORITY = 1 << 8
+    # microbatch IDs are first .. first + count - 1
+    CONTIGUOUS_IDS = 1 << 9
     CHECKPOINT_REFUSED = 1 << 10
-    HAS_WEIGHTS = 1 << 11  # weights_digest holds this step's post-update weights
-    HAS_GRADS = 1 << 12  # local/reduced gradient fields are filled
-    CLOSED_ON_ERROR = 1 << 13  # END record: the recorder was closed while an exception propagated
-    REST_WEIGHTS = 1 << 14  # STEP record of a sharded job: aux_digest holds the weight shard digest when the step began
+    # weights_digest holds this step's post-update weights
+    HAS_WEIGHTS = 1 << 11
+    # local/reduced gradient fields are filled
+    HAS_GRADS = 1 << 12
+    # END record: the recorder was closed while an exception propagated
+    CLOSED_ON_ERROR = 1 << 13
+    # STEP record of a sharded job: aux_digest holds the weight shard digest when the step began
+    REST_WEIGHTS = 1 << 14
     GATHER_DIVERGED = (
         1 << 15
-    )  # STEP record of a sharded job: this rank's all-gathered parameters differed from the majority's
+        # STEP record of a sharded job: this rank's all-gathered parameters differed from the majority's
+    )
 
 
 HEADER_DTYPE = np.dtype(
@@ -174,7 +191,8 @@ def checksums(raw: np.ndarray) -> np.ndarray:
     """
     raw = np.ascontiguousarray(raw)
     num = raw.shape[0]
-    words = raw.view(np.uint8).reshape(num, -1).view("<u8")[:, :-1]  # (N, words - 1)
+    # (N, words - 1)
+    words = raw.view(np.uint8).reshape(num, -1).view("<u8")[:, :-1]
     # einsum keeps uint64 wrap-around semantics and avoids an (N, words) temporary (7x faster)
     total = np.einsum("ij,j->i", words, _weights(words.shape[1]))
     return C.splitmix64(total)

@@ -118,13 +118,17 @@ class Manifest:
         """The JSON document (sorted keys are applied by :func:`write_manifest`)."""
         doc = dataclasses.asdict(self)
         doc["format"] = FORMAT_NAME
-        if not self.format_minor:  # a 1.0 manifest stays byte for byte what it was (golden files)
+        # a 1.0 manifest stays byte for byte what it was (golden files)
+        if not self.format_minor:
             del doc["format_minor"]
-        if self.recipe_args is None:  # an optional key: manifests without job settings stay as they were
+        # an optional key: manifests without job settings stay as they were
+        if self.recipe_args is None:
             del doc["recipe_args"]
-        if self.framework is None:  # optional too: a hand-written loop's manifest is unchanged
+        # optional too: a hand-written loop's manifest is unchanged
+        if self.framework is None:
             del doc["framework"]
-        if self.parallel is None:  # and a DDP job's
+        # and a DDP job's
+        if self.parallel is None:
             del doc["parallel"]
         else:
             doc["parallel"] = self.parallel.to_json()
@@ -188,7 +192,8 @@ def _attempt(doc: Any, where: str) -> Attempt:
 def _fingerprint(doc: Any, where: str) -> FingerprintSettings:
     f = Fields(doc, where, TraceError, _HINT)
     grad_dtype = f.str("grad_dtype", "float32", max_len=64)
-    if grad_dtype not in UNIT_ROUNDOFF:  # the recorder's own online checks need a tolerance model for it
+    # the recorder's own online checks need a tolerance model for it
+    if grad_dtype not in UNIT_ROUNDOFF:
         raise f.fail("grad_dtype", "one of " + ", ".join(UNIT_ROUNDOFF), grad_dtype)
     return FingerprintSettings(
         seed=f.int("seed", lo=0, hi=(1 << 64) - 1),

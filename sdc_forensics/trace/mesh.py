@@ -175,9 +175,11 @@ class ShardMesh:
             "shard_dim": self.shard_dim,
             "coords": [list(c) for c in self.coords],
         }
-        if self.reduce_dtype:  # optional: a job reducing in its parameters' dtype writes none
+        # optional: a job reducing in its parameters' dtype writes none
+        if self.reduce_dtype:
             doc["reduce_dtype"] = self.reduce_dtype
-        if self.param_dtype:  # optional, as reduce_dtype
+        # optional, as reduce_dtype
+        if self.param_dtype:
             doc["param_dtype"] = self.param_dtype
         if self.casts:
             doc["casts"] = [list(c) for c in self.casts]

@@ -93,7 +93,8 @@ def online_checks(trace, spans: Iterable[tuple[int, int]]) -> OnlineChecks:
             gradients += int((every & ((flags & int(F.Flag.HAS_GRADS)) != 0).all(axis=1)).sum())
             weights += int((every & ((flags & int(F.Flag.WEIGHTS_CHECKED)) != 0).all(axis=1)).sum())
             audited += [int(s) for s in window.steps[(present & ((flags & int(F.Flag.AUDITED)) != 0)).any(axis=1)]]
-        if audit_steps is None:  # the recomputations themselves (AUDIT records), should a STEP record lack the flag
+        # the recomputations themselves (AUDIT records), should a STEP record lack the flag
+        if audit_steps is None:
             audit_steps = trace.records(F.Kind.AUDIT)["step"]
         audited += [int(s) for s in audit_steps[(audit_steps >= first) & (audit_steps <= last)]]
     return OnlineChecks(

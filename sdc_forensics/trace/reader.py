@@ -45,7 +45,8 @@ UNTRUSTED_DAMAGE = frozenset({"bad_checksum", "bad_header", "missing_rank", "mis
 class Damage:
     """One problem found in a trace. ``record_index`` is -1 when it concerns a whole file."""
 
-    kind: str  # stopped_early | torn_tail | bad_checksum | bad_header | missing_rank | missing_steps | foreign_record
+    # stopped_early | torn_tail | bad_checksum | bad_header | missing_rank | missing_steps | foreign_record
+    kind: str
     rank: int
     attempt: int = -1
     record_index: int = -1
@@ -92,7 +93,8 @@ class Trace:
         self.files = files
         self._damage = damage
         self._validated = False
-        self._valid: dict[tuple[int, int], np.ndarray | None] = {}  # None: every record valid
+        # None: every record valid
+        self._valid: dict[tuple[int, int], np.ndarray | None] = {}
         self._dense: dict[tuple[int, int], int | None] = {}
         self._summary: dict[tuple[int, int], scan.FileSummary] = {}
         self._kernels = _UNSET
@@ -236,7 +238,8 @@ class Trace:
             mask[start : start + len(chunk)] = ok
         return mask
 
-    @reader  # also called by trace/scan.py
+    # also called by trace/scan.py
+    @reader
     def _dense_first_step(self, rank_file: RankFile) -> int | None:
         """First step when the file is dense (only valid STEP records, steps consecutive), else None.
 
@@ -267,7 +270,8 @@ class Trace:
             for rank_file in self.files:
                 self.valid_mask(rank_file)
                 if self._valid[(rank_file.rank, rank_file.attempt)] is None:
-                    continue  # every record valid
+                    # every record valid
+                    continue
                 bad = np.flatnonzero(~self.valid_mask(rank_file))
                 for index in bad[:1000]:
                     self._damage.append(
@@ -280,7 +284,8 @@ class Trace:
                         )
                     )
             end = self.run_end()
-            if end.stopped_early:  # first: renderers that show a few damage lines show this one
+            # first: renderers that show a few damage lines show this one
+            if end.stopped_early:
                 self._damage.insert(
                     0,
                     Damage(
@@ -306,11 +311,13 @@ class Trace:
         """Holes: steps some ranks recorded and others did not. When the run stopped early, the
         steps after a rank's last one are where it stopped (the ``stopped_early`` entry), not holes."""
         missing: dict[int, list[int]] = {}
-        last_present = np.full(self.world_size, -1, dtype=np.int64)  # (R,) last step each rank recorded
+        # (R,) last step each rank recorded
+        last_present = np.full(self.world_size, -1, dtype=np.int64)
         bounds = self.step_range()
         fast = scan.StepScan.open(self, bounds[0], bounds[1], 1024, full=False) if bounds is not None else None
         for window in fast if fast is not None else self.step_windows(fields=()):
-            any_present = window.present.any(axis=1)  # (S,)
+            # (S,)
+            any_present = window.present.any(axis=1)
             holes = window.present[any_present] == False  # noqa: E712  (S', R)
             steps = window.steps[any_present]
             seen = window.present.any(axis=0)
@@ -347,7 +354,8 @@ class Trace:
             mask = self.valid_mask(rank_file)
             summary = self.file_summary(rank_file)
             if kind is not None and summary is not None and not summary.count(int(kind)):
-                continue  # the validation counted this file's records by kind: none of this one
+                # the validation counted this file's records by kind: none of this one
+                continue
             if kind is not None:
                 mask = mask & (rank_file.records["kind"] == int(kind))
             parts.append(np.asarray(rank_file.records[mask]))
@@ -408,7 +416,8 @@ class Trace:
         hi = bounds[1] if stop is None else min(stop, bounds[1])
         full = F.record_dtype(self.sketch_k)
         wanted = set(full.names if fields is None else ("step", "rank", *fields))
-        names = [name for name in full.names if name in wanted]  # record order: assignment is by position
+        # record order: assignment is by position
+        names = [name for name in full.names if name in wanted]
         dtype = np.dtype([(name, full.fields[name][0]) for name in names])
         files = [(f, self.valid_mask(f), self._dense_first_step(f)) for f in self.files]
         yield from iter_windows(files, num_ranks=self.world_size, dtype=dtype, lo=lo, hi=hi, window=window)
@@ -468,7 +477,8 @@ def _first_step_record(recs: np.ndarray, mask: np.ndarray, reverse: bool = False
 
 
 def _open_rank_file(path: Path, rank: int, attempt: int, manifest: Manifest, dtype: np.dtype):
-    if not path.is_file():  # a directory or a FIFO under a rank file's name: never written by the recorder
+    # a directory or a FIFO under a rank file's name: never written by the recorder
+    if not path.is_file():
         return None, Damage(
             kind="bad_header", rank=rank, attempt=attempt, detail=f"{path.name} is not a regular file; ignored"
         )

@@ -61,7 +61,8 @@ def kernels_enabled() -> bool:
 def _import_kernels():
     try:
         from sdc_forensics.trace import scan_kernels
-    except ImportError as exc:  # numba missing or broken: the numpy path does the same work
+    # numba missing or broken: the numpy path does the same work
+    except ImportError as exc:
         log.info("trace scan: numba unavailable (%s); using numpy", exc)
         return None
     return scan_kernels
@@ -131,12 +132,17 @@ class FileSummary:
 
     num_records: int
     num_bad: int
-    wild_index: int  # first valid record whose step is outside 0..MAX_STEP, -1 if none
-    first_step_index: int  # first valid STEP record, -1 if none
+    # first valid record whose step is outside 0..MAX_STEP, -1 if none
+    wild_index: int
+    # first valid STEP record, -1 if none
+    first_step_index: int
     last_step_index: int
-    dense: bool  # every record a valid STEP record, steps consecutive
-    ordered: bool  # valid records' steps never decrease, valid STEP records' steps increase
-    kind_counts: tuple[int, ...]  # valid records of kind 0..6, then of any other kind
+    # every record a valid STEP record, steps consecutive
+    dense: bool
+    # valid records' steps never decrease, valid STEP records' steps increase
+    ordered: bool
+    # valid records of kind 0..6, then of any other kind
+    kind_counts: tuple[int, ...]
 
     def count(self, kind: int) -> int:
         """Valid records of ``kind``."""
@@ -313,7 +319,8 @@ class StepScan:
             w_lo = min(starts)
             w_hi = min(w_lo + self.window, self.hi + 1)
             S = w_hi - w_lo
-            bits = np.zeros((R, S), dtype=np.uint8)  # rank-major: each file fills a contiguous run
+            # rank-major: each file fills a contiguous run
+            bits = np.zeros((R, S), dtype=np.uint8)
             cells = np.empty((R, S), dtype=np.int64)
             wdig = np.empty((R, S), dtype=np.uint64) if full else dummy_u64
             hints = full and self.outlier_z is not None
@@ -387,7 +394,8 @@ class StepScan:
                 pre_diverged,
                 pre_last,
             )
-            if hints and R >= 4:  # triage gives no outlier hints below 4 ranks
+            # triage gives no outlier hints below 4 ranks
+            if hints and R >= 4:
                 _on_threads(K.outlier_rows, S, bits, loss, local_norm, float(self.outlier_z), events)
             yield ScanWindow(
                 w_lo=w_lo, bits=bits, cells=cells, events=events, pre_diverged=pre_diverged, pre_last=pre_last
@@ -399,9 +407,11 @@ class StepScan:
         K = _import_kernels()
         full = F.record_dtype(self.k)
         wanted = set(("step", "rank", *fields))
-        names = [name for name in full.names if name in wanted]  # record order: assignment is by position
+        # record order: assignment is by position
+        names = [name for name in full.names if name in wanted]
         dtype = np.dtype([(name, full.fields[name][0]) for name in names])
-        bits = window.bits[:, rows].T  # (E, R)
+        # (E, R)
+        bits = window.bits[:, rows].T
         present = (bits & K.PRESENT) != 0
         table = np.zeros(bits.shape, dtype=dtype)
         attempt = np.full(bits.shape, -1, dtype=np.int32)

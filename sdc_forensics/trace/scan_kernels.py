@@ -73,9 +73,11 @@ EV_OUTLIER = 16
 NUM_ACC = 11
 # the summary of a file (``validate``'s int64 output)
 S_BAD, S_WILD, S_FIRST_STEP_INDEX, S_LAST_STEP_INDEX, S_DENSE, S_ORDERED, S_KINDS = 0, 1, 2, 3, 4, 5, 6
-NUM_KIND_BUCKETS = 8  # kinds 0..6 counted apart, every other value in bucket 7
+# kinds 0..6 counted apart, every other value in bucket 7
+NUM_KIND_BUCKETS = 8
 SUMMARY_SIZE = S_KINDS + NUM_KIND_BUCKETS
-CELL_SHIFT = 40  # a cell's code: (file index << 40) | record index
+# a cell's code: (file index << 40) | record index
+CELL_SHIFT = 40
 
 
 @numba.njit(cache=True, nogil=True)
@@ -406,7 +408,8 @@ def _median(values, n):  # pragma: no cover - compiled
     if n % 2:
         return upper
     lower = values[0]
-    for i in range(1, kth):  # everything left of kth is <= values[kth]: the lower middle is their max
+    # everything left of kth is <= values[kth]: the lower middle is their max
+    for i in range(1, kth):
         lower = max(lower, values[i])
     return (lower + upper) / 2.0
 

@@ -85,7 +85,8 @@ class TraceSummary:
     attempts: tuple[AttemptSummary, ...]
     checkpoints: tuple[CheckpointNote, ...]
     damage: tuple[Damage, ...]
-    end: RunEnd  # how the latest attempt ended: stopped early or not, where, the last complete step
+    # how the latest attempt ended: stopped early or not, where, the last complete step
+    end: RunEnd
     alarms: tuple[AlarmSummary, ...] = ()
 
 
@@ -138,7 +139,8 @@ def summarize(trace: Trace) -> TraceSummary:
 
 def alarms(trace: Trace) -> tuple[AlarmSummary, ...]:
     """The trace's ALARM records, one per (attempt, step, check, rank, value), in step order."""
-    recs = trace.records(F.Kind.ALARM)  # (A,) every rank's copies
+    # (A,) every rank's copies
+    recs = trace.records(F.Kind.ALARM)
     seen: dict[tuple, list[int]] = {}
     for rec in recs:
         key = (int(rec["attempt"]), int(rec["step"]), int(rec["flags"]), int(rec["aux_rank"]), float(rec["aux_value"]))

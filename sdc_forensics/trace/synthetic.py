@@ -109,9 +109,12 @@ def write_synthetic_trace(
         for lo in range(start_step, start_step + num_steps, chunk_steps):
             hi = min(lo + chunk_steps, start_step + num_steps)
             steps = np.arange(lo, hi, dtype=np.int64)
-            local = rng.standard_normal((len(steps), num_ranks, sketch_k)).astype(np.float32)  # (S, R, k)
-            reduced = local.astype(np.float64).mean(axis=1).astype(np.float32)  # (S, k)
-            weights = C.splitmix64(steps.astype(np.uint64) + np.uint64(0xABC))  # (S,)
+            # (S, R, k)
+            local = rng.standard_normal((len(steps), num_ranks, sketch_k)).astype(np.float32)
+            # (S, k)
+            reduced = local.astype(np.float64).mean(axis=1).astype(np.float32)
+            # (S,)
+            weights = C.splitmix64(steps.astype(np.uint64) + np.uint64(0xABC))
             reduced_digest = C.splitmix64(steps.astype(np.uint64) + np.uint64(0xDEF))
             for rank, handle in enumerate(files):
                 recs = np.zeros(len(steps), dtype=dtype)

@@ -49,9 +49,12 @@ class _Part:
 
     start: int
     end: int
-    steps: np.ndarray  # (end - start,) step of each record
-    usable: np.ndarray  # (end - start,) bool: valid record of any kind (bounds the next window)
-    wanted: np.ndarray  # (end - start,) bool: valid STEP record of a step in the window's range
+    # (end - start,) step of each record
+    steps: np.ndarray
+    # (end - start,) bool: valid record of any kind (bounds the next window)
+    usable: np.ndarray
+    # (end - start,) bool: valid STEP record of a step in the window's range
+    wanted: np.ndarray
 
 
 class _Cursor:
@@ -158,7 +161,8 @@ def iter_windows(
                 occupied[part.start + cursor.dense_first - w_lo : part.stop + cursor.dense_first - w_lo] = True
             else:
                 occupied[part.steps[part.wanted] - w_lo] = True
-        num_steps = span if occupied.all() else int(np.argmin(occupied))  # up to the first step nobody recorded
+        # up to the first step nobody recorded
+        num_steps = span if occupied.all() else int(np.argmin(occupied))
         w_hi = w_lo + num_steps
         # Filled rank-major so each rank's records land in one contiguous copy; returned as (S, R) views.
         table = np.zeros((num_ranks, num_steps), dtype=dtype)
@@ -167,7 +171,8 @@ def iter_windows(
         superseded = np.zeros((num_ranks, num_steps), dtype=bool)
         for cursor, part in zip(cursors, parts):
             row, recs = cursor.file.rank, cursor.recs
-            if isinstance(part, slice):  # index by arithmetic: no search, no checks
+            # index by arithmetic: no search, no checks
+            if isinstance(part, slice):
                 first = cursor.dense_first
                 lo_i, hi_i = part.start, min(part.stop, w_hi - first)
                 if hi_i > lo_i:
@@ -180,12 +185,14 @@ def iter_windows(
                 take = part.wanted & (part.steps < w_hi)
                 selected = recs[part.start : part.end]
                 if take.all() and len(take) == num_steps and part.steps[0] == w_lo and (np.diff(part.steps) == 1).all():
-                    cols = slice(0, num_steps)  # the common case: one STEP record per step, nothing else
+                    # the common case: one STEP record per step, nothing else
+                    cols = slice(0, num_steps)
                 else:
                     selected = selected[take]
                     cols = (selected["step"] - w_lo).astype(np.int64)
                 superseded[row, cols] |= present[row, cols]
-                table[row, cols] = selected[names]  # one C-level copy of the selected fields
+                # one C-level copy of the selected fields
+                table[row, cols] = selected[names]
                 present[row, cols] = True
                 attempt[row, cols] = cursor.file.attempt
             cursor.advance(part, w_hi)

@@ -72,7 +72,8 @@ class RankTraceWriter:
         self.path = Path(trace_dir) / rank_file_name(rank, attempt)
         Path(trace_dir).mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
-        self._file = open(self.path, "xb", buffering=0)  # never overwrite an earlier attempt
+        # never overwrite an earlier attempt
+        self._file = open(self.path, "xb", buffering=0)
         self._file.write(
             make_header(rank=rank, attempt=attempt, world_size=world_size, sketch_k=sketch_k, seed=seed).tobytes()
         )
@@ -99,7 +100,8 @@ class RankTraceWriter:
         payload = np.zeros(count * per, dtype="<i8")
         payload[: ids.size] = ids
         raw[:, 32 : 32 + 8 * per] = payload.view(np.uint8).reshape(count, -1)
-        return recs  # the count is the owning record's microbatch_count
+        # the count is the owning record's microbatch_count
+        return recs
 
     def append(self, records: np.ndarray) -> None:
         """Seal and write records in one ``write``; flushed to the OS before returning."""

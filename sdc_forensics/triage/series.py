@@ -103,22 +103,30 @@ def incident_series(trace: Trace, window: tuple[int, int]) -> Series:
     grad_dtype, reduction = trace.manifest.fingerprint.grad_dtype, trace.manifest.reduction
     parts = []
     for win in trace.step_windows(window=max(1, hi - lo + 1), start=lo, stop=hi, fields=_SERIES_FIELDS):
-        rec, present = win.records, win.present  # (S, R)
+        # (S, R)
+        rec, present = win.records, win.present
         flags = rec["flags"]
         has_grads = ((flags & int(F.Flag.HAS_GRADS)) != 0) & present
         has_w = ((flags & int(F.Flag.HAS_WEIGHTS)) != 0) & present
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
             loss = np.where(present, rec["loss"], np.nan)
             norm = np.where(has_grads, rec["local_norm"].astype(np.float64), np.nan)
-            full = has_grads.all(axis=1) & ((rec["nonfinite_local"] == 0) | ~present).all(axis=1)  # (S,)
+            # (S,)
+            full = has_grads.all(axis=1) & ((rec["nonfinite_local"] == 0) | ~present).all(axis=1)
             residual = tolerance.allreduce_residual(
-                rec["local_sketch"][:, None, :, :], rec["reduced_sketch"], reduction
-            )  # (S, R)
-            local_norms = np.where(present, rec["local_norm"], 0.0)[:, None, :]  # (S, 1, R)
-            tol = tolerance.allreduce_tolerance(grad_dtype, local_norms, rec["reduced_norm"], reduction)  # (S, R)
+                rec["local_sketch"][:, None, :, :],
+                rec["reduced_sketch"],
+                reduction,
+                # (S, R)
+            )
+            # (S, 1, R)
+            local_norms = np.where(present, rec["local_norm"], 0.0)[:, None, :]
+            # (S, R)
+            tol = tolerance.allreduce_tolerance(grad_dtype, local_norms, rec["reduced_norm"], reduction)
             ratio = np.where(full[:, None] & has_grads, residual / np.maximum(tol, 1e-300), np.nan)
         majority, has_majority = strict_majority(rec["weights_digest"], has_w)
-        checked = has_w.sum(axis=1) >= 2  # (S,)
+        # (S,)
+        checked = has_w.sum(axis=1) >= 2
         consensus = np.full(present.shape, int(Consensus.NOT_CHECKED), dtype=np.int8)
         agrees = (rec["weights_digest"] == majority[:, None]) & has_w & (checked & has_majority)[:, None]
         differs = (rec["weights_digest"] != majority[:, None]) & has_w & (checked & has_majority)[:, None]

@@ -238,7 +238,8 @@ def _scan_fast(trace: Trace, options: TriageOptions, grad_dtype: str, reduction:
             outlier_count += len(hints)
             evidence += hints
             if outlier_count >= _MAX_OUTLIERS:
-                scanner.outlier_z = None  # the numpy path stops looking too: from the next window on
+                # the numpy path stops looking too: from the next window on
+                scanner.outlier_z = None
     return evidence, scanner.num_checked, scanner.superseded, scanner.has_gradients
 
 
@@ -258,13 +259,15 @@ def _ranks(mask_row: np.ndarray) -> tuple[int, ...]:
 
 
 def _nonfinite(window: StepWindow) -> list[Evidence]:
-    rec, present = window.records, window.present  # (S, R)
+    # (S, R)
+    rec, present = window.records, window.present
     local = (rec["nonfinite_local"] > 0) & present
     reduced = (rec["nonfinite_reduced"] > 0) & present
     has_w = ((rec["flags"] & int(F.Flag.HAS_WEIGHTS)) != 0) & present
     weights = (rec["nonfinite_weights"] > 0) & has_w
     out: list[Evidence] = []
-    any_local = local.any(axis=1)  # (S,)
+    # (S,)
+    any_local = local.any(axis=1)
     for row in np.flatnonzero(any_local | reduced.any(axis=1) | weights.any(axis=1)):
         step = int(window.steps[row])
         if any_local[row]:
@@ -281,7 +284,8 @@ def _nonfinite(window: StepWindow) -> list[Evidence]:
                     detail="NaN/Inf in the local gradient before the all-reduce",
                 )
             )
-            continue  # the reduced gradient and the weights inherit it
+            # the reduced gradient and the weights inherit it
+            continue
         if reduced[row].any():
             ranks = _ranks(reduced[row])
             everyone = len(ranks) == int(present[row].sum())
@@ -314,18 +318,25 @@ def _nonfinite(window: StepWindow) -> list[Evidence]:
 
 def _allreduce(window: StepWindow, grad_dtype: str, reduction: str) -> list[Evidence]:
     rec, present = window.records, window.present
-    has_grads = ((rec["flags"] & int(F.Flag.HAS_GRADS)) != 0) & present  # (S, R)
-    full = has_grads.all(axis=1) & ((rec["nonfinite_local"] == 0) | ~present).all(axis=1)  # (S,)
+    # (S, R)
+    has_grads = ((rec["flags"] & int(F.Flag.HAS_GRADS)) != 0) & present
+    # (S,)
+    full = has_grads.all(axis=1) & ((rec["nonfinite_local"] == 0) | ~present).all(axis=1)
     if not full.any():
         return []
-    local_sk = rec["local_sketch"]  # (S, R, k) float32, accumulated in float64 below
+    # (S, R, k) float32, accumulated in float64 below
+    local_sk = rec["local_sketch"]
     if reduction == "mean":
-        expected = local_sk.mean(axis=1, dtype=np.float64)  # (S, k)
+        # (S, k)
+        expected = local_sk.mean(axis=1, dtype=np.float64)
     else:
         expected = local_sk.sum(axis=1, dtype=np.float64)
-    residual = np.abs(rec["reduced_sketch"] - expected[:, None, :]).max(axis=2)  # (S, R) float64
-    local_norms = np.where(present, rec["local_norm"], 0.0)[:, None, :]  # (S, 1, R)
-    tol = tolerance.allreduce_tolerance(grad_dtype, local_norms, rec["reduced_norm"], reduction)  # (S, R)
+    # (S, R) float64
+    residual = np.abs(rec["reduced_sketch"] - expected[:, None, :]).max(axis=2)
+    # (S, 1, R)
+    local_norms = np.where(present, rec["local_norm"], 0.0)[:, None, :]
+    # (S, R)
+    tol = tolerance.allreduce_tolerance(grad_dtype, local_norms, rec["reduced_norm"], reduction)
     over = (residual > tol) & full[:, None]
     majority, has_majority = strict_majority(rec["reduced_digest"], has_grads)
     minority = (rec["reduced_digest"] != majority[:, None]) & has_grads & (has_majority & full)[:, None]
@@ -365,8 +376,10 @@ def _reduce_scatter(window: StepWindow, grad_dtype: str, reduction: str, mesh: S
     each rank's shard against the chunks it sums set ``ALLREDUCE_MISMATCH`` on that rank's record
     (it names the rank; the sums here name the replica)."""
     rec, present = window.records, window.present
-    has_grads = ((rec["flags"] & int(F.Flag.HAS_GRADS)) != 0) & present  # (S, R)
-    full = has_grads.all(axis=1) & ((rec["nonfinite_local"] == 0) | ~present).all(axis=1)  # (S,)
+    # (S, R)
+    has_grads = ((rec["flags"] & int(F.Flag.HAS_GRADS)) != 0) & present
+    # (S,)
+    full = has_grads.all(axis=1) & ((rec["nonfinite_local"] == 0) | ~present).all(axis=1)
     flagged = ((rec["flags"] & int(F.Flag.ALLREDUCE_MISMATCH)) != 0) & present
     # a float16 reduction: the recorded local gradient is divided by FSDP2's pre-factor (a power of
     # two, undone exactly here), the sum divided by the post-factor: a mean all the same
@@ -375,18 +388,24 @@ def _reduce_scatter(window: StepWindow, grad_dtype: str, reduction: str, mesh: S
     expected = (
         local_sk.mean(axis=1, dtype=np.float64) if reduction == "mean" else local_sk.sum(axis=1, dtype=np.float64)
     )
-    local_norms = np.where(present, rec["local_norm"].astype(np.float64) * undo, 0.0)[:, None, :]  # (S, 1, R)
-    over = np.zeros(has_grads.shape, dtype=bool)  # (S, R): the rank's replica does not add up
+    # (S, 1, R)
+    local_norms = np.where(present, rec["local_norm"].astype(np.float64) * undo, 0.0)[:, None, :]
+    # (S, R): the rank's replica does not add up
+    over = np.zeros(has_grads.shape, dtype=bool)
     residuals = np.zeros(has_grads.shape)
     for group in mesh.replicas():
         g = list(group)
-        summed = rec["reduced_sketch"][:, g, :].sum(axis=1, dtype=np.float64)  # (S, k)
-        norm = np.sqrt((rec["reduced_norm"][:, g].astype(np.float64) ** 2).sum(axis=1))[:, None]  # (S, 1)
-        tol = tolerance.allreduce_tolerance(grad_dtype, local_norms, norm, reduction)[:, 0]  # (S,)
+        # (S, k)
+        summed = rec["reduced_sketch"][:, g, :].sum(axis=1, dtype=np.float64)
+        # (S, 1)
+        norm = np.sqrt((rec["reduced_norm"][:, g].astype(np.float64) ** 2).sum(axis=1))[:, None]
+        # (S,)
+        tol = tolerance.allreduce_tolerance(grad_dtype, local_norms, norm, reduction)[:, 0]
         residual = np.abs(summed - expected).max(axis=1)
         residuals[:, g] = (residual / np.maximum(tol, 1e-300))[:, None]
         over[:, g] = ((residual > tol) & full)[:, None]
-    minority = np.zeros(has_grads.shape, dtype=bool)  # (S, R): a replica of a shard that disagrees with the others
+    # (S, R): a replica of a shard that disagrees with the others
+    minority = np.zeros(has_grads.shape, dtype=bool)
     for group in mesh.same_shard():
         if len(group) < 2:
             continue
@@ -451,9 +470,12 @@ class _RestState:
     mesh: ShardMesh
     saved: dict[tuple[int, int], np.ndarray] = dataclasses.field(
         default_factory=dict
-    )  # (attempt, N) -> (R,) shards at checkpoint N
-    last: np.ndarray | None = None  # (R,) uint64 digest after the last update seen per rank
-    last_step: np.ndarray | None = None  # (R,) int64 its step (-2: none)
+        # (attempt, N) -> (R,) shards at checkpoint N
+    )
+    # (R,) uint64 digest after the last update seen per rank
+    last: np.ndarray | None = None
+    # (R,) int64 its step (-2: none)
+    last_step: np.ndarray | None = None
     last_attempt: np.ndarray | None = None
 
     def scan(self, window: StepWindow) -> list[Evidence]:
@@ -525,15 +547,18 @@ class _WeightState:
     groups: list[tuple[int, ...]] | None = (
         None  # ranks that hold the same weights (a sharded job's replicas of a shard); None: all
     )
-    diverged: np.ndarray | None = None  # (R,) bool, state at the last checked step
+    # (R,) bool, state at the last checked step
+    diverged: np.ndarray | None = None
     last_checked: int | None = None
     first_step: int | None = None
     num_checked: int = 0
 
     def scan(self, window: StepWindow) -> list[Evidence]:
         rec, present = window.records, window.present
-        has_w = ((rec["flags"] & int(F.Flag.HAS_WEIGHTS)) != 0) & present  # (S, R)
-        voting = self._voting(has_w)  # (S, R): the rank's group has 2 or more weights to compare
+        # (S, R)
+        has_w = ((rec["flags"] & int(F.Flag.HAS_WEIGHTS)) != 0) & present
+        # (S, R): the rank's group has 2 or more weights to compare
+        voting = self._voting(has_w)
         checked_rows = np.flatnonzero(voting.any(axis=1))
         if self.first_step is None and len(window.steps):
             self.first_step = int(window.steps[0])
@@ -541,7 +566,8 @@ class _WeightState:
             self.diverged = np.zeros(self.world_size, dtype=bool)
         if not checked_rows.size:
             return []
-        majority, has_majority = self._majority(rec["weights_digest"], has_w)  # (S, R) each: per rank's group
+        # (S, R) each: per rank's group
+        majority, has_majority = self._majority(rec["weights_digest"], has_w)
         out: list[Evidence] = []
         for row in checked_rows:
             step = int(window.steps[row])
@@ -568,7 +594,8 @@ class _WeightState:
                 if self.groups is None or split.all():
                     self.last_checked = step
                     continue
-            now = (rec["weights_digest"][row] != majority[row]) & has_w[row] & has_majority[row] & voting[row]  # (R,)
+            # (R,)
+            now = (rec["weights_digest"][row] != majority[row]) & has_w[row] & has_majority[row] & voting[row]
             onset = now & ~self.diverged
             if onset.any():
                 ranks = _ranks(onset)
@@ -709,7 +736,8 @@ def _audited_windows(trace: Trace, options: TriageOptions, steps_needed: np.ndar
 
 def _robust_z(values: np.ndarray, axis: int) -> np.ndarray:
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows (a step where every rank blew up)
+        # all-NaN rows (a step where every rank blew up)
+        warnings.simplefilter("ignore", RuntimeWarning)
         return _robust_z_inner(values, axis)
 
 
@@ -730,11 +758,14 @@ def _outliers(window: StepWindow, threshold: float) -> list[Evidence]:
     out: list[Evidence] = []
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         for field, what in (("loss", "loss"), ("local_norm", "local gradient norm")):
-            raw = np.where(present, rec[field].astype(np.float64), np.nan)  # (S, R)
+            # (S, R)
+            raw = np.where(present, rec[field].astype(np.float64), np.nan)
             overflow = present & np.isinf(raw)
             values = np.where(np.isfinite(raw), raw, np.nan)
-            median = _nanmedian_rows(values)  # (S, 1)
-            z = np.nan_to_num(_robust_z(values, axis=1), nan=0.0)  # across ranks, per step
+            # (S, 1)
+            median = _nanmedian_rows(values)
+            # across ranks, per step
+            z = np.nan_to_num(_robust_z(values, axis=1), nan=0.0)
             far = np.abs(values - median) > np.abs(median)
             hit = ((z > threshold) & far) | overflow
             for row, rank in zip(*np.nonzero(hit)):
@@ -768,7 +799,8 @@ def audit_votes(audits: np.ndarray):
     (``consensus.vote``; None without one), ``strict`` whether there is one. The one rule for
     triage's audit evidence and the report's plots."""
     steps, subjects = audits["step"], audits["aux_rank"].astype(np.int64)
-    order = np.lexsort((subjects, steps))  # stable: a group keeps its records' order in ``audits``
+    # stable: a group keeps its records' order in ``audits``
+    order = np.lexsort((subjects, steps))
     steps, subjects = steps[order], subjects[order]
     starts = (
         np.flatnonzero(np.r_[True, (steps[1:] != steps[:-1]) | (subjects[1:] != subjects[:-1])])
@@ -777,8 +809,10 @@ def audit_votes(audits: np.ndarray):
     )
     ends = np.r_[starts[1:], len(order)]
     for start, end in zip(
-        starts, ends
-    ):  # one group per (step, subject), in that order: O(N log N), not a scan per group
+        starts,
+        ends,
+        # one group per (step, subject), in that order: O(N log N), not a scan per group
+    ):
         step, subject = steps[start], subjects[start]
         group = audits[np.sort(order[start:end])]
         votes = [(int(subject), int(group["aux_digest"][0]))] + [

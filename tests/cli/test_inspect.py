@@ -67,10 +67,7 @@ def test_inspect_missing_steps_on_a_rank(make_trace, tmp_path):
 
 
 def test_inspect_not_a_trace_exits_3_with_one_line(tmp_path):
-    for target, expected in (
-        (tmp_path, "no manifest.json"),
-        (tmp_path / "nope", "does not exist"),
-    ):
+    for target, expected in ((tmp_path, "no manifest.json"), (tmp_path / "nope", "does not exist")):
         result = _run("inspect", str(target))
         assert result.exit_code == 3, result.output
         assert expected in result.stderr
