@@ -456,6 +456,25 @@ class Replayer(StepComparisons):
         return rel * max(norm, 1e-30) * (1.0 + DRIFT_PER_STEP * drift_steps)
 
     # -- the window ---------------------------------------------------------------------------
+    def _start(self, options: ReplayOptions, start_digest: str):
+        """The window's STEP records, once the loaded checkpoint is known to hold the replicas' weights
+        (``start_digest``); raises :class:`StartStateMismatch` or, without records, ``InvalidInputError``."""
+        if options.expected_weights_digest and start_digest != options.expected_weights_digest:
+            raise StartStateMismatch(
+                f"checkpoint {options.checkpoint_path} holds weights {start_digest}, not the replicas' {options.expected_weights_digest}",
+                step=options.start_step,
+                expected=options.expected_weights_digest,
+                found=start_digest,
+            )
+        windows = list(
+            self.trace.step_windows(options.stop_step - options.start_step + 1, options.start_step, options.stop_step)
+        )
+        if not windows or windows[0].steps[0] != options.start_step:
+            raise InvalidInputError(
+                f"the trace has no STEP records for steps {options.start_step}..{options.stop_step}"
+            )
+        return windows[0]
+
     def run(self, options: ReplayOptions, on_step: Callable[[int], None] | None = None) -> ReplayResult:
         """Replay ``options.start_step .. options.stop_step`` and compare with the trace."""
         self.known_order = options.reduction_order
@@ -483,22 +502,7 @@ class Replayer(StepComparisons):
         ]
         self.module_buffers = BufferBroadcast(model)
         saved = {(n.step, n.attempt): n for n in self.trace.checkpoint_notes()} if self.module_buffers.active else {}
-        start_digest = hex64(weights_digest(model.named_parameters(), self.seed))
-        if options.expected_weights_digest and start_digest != options.expected_weights_digest:
-            raise StartStateMismatch(
-                f"checkpoint {options.checkpoint_path} holds weights {start_digest}, not the replicas' {options.expected_weights_digest}",
-                step=options.start_step,
-                expected=options.expected_weights_digest,
-                found=start_digest,
-            )
-        windows = list(
-            self.trace.step_windows(options.stop_step - options.start_step + 1, options.start_step, options.stop_step)
-        )
-        if not windows or windows[0].steps[0] != options.start_step:
-            raise InvalidInputError(
-                f"the trace has no STEP records for steps {options.start_step}..{options.stop_step}"
-            )
-        window = windows[0]
+        window = self._start(options, hex64(weights_digest(model.named_parameters(), self.seed)))
         evidence: list[Evidence] = []
         notes: list[str] = []
         tolerant_from: int | None = options.start_step if options.force_tolerant else None

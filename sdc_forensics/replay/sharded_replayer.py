@@ -32,10 +32,10 @@ import numpy as np
 import torch
 
 from sdc_forensics import recipe as recipe_mod
-from sdc_forensics.errors import InvalidInputError, UsageError
+from sdc_forensics.errors import UsageError
 from sdc_forensics.evidence import Evidence, EvidenceKind
 from sdc_forensics.replay import distributed, env
-from sdc_forensics.replay.replayer import Replayer, ReplayResult, StartStateMismatch, _recipe_call, _recorded_threads
+from sdc_forensics.replay.replayer import Replayer, ReplayResult, _recipe_call, _recorded_threads
 from sdc_forensics.trace.checkpoints import hex64
 from sdc_forensics.trace.reader import step_threads
 from sdc_forensics.trace.mesh import shard_rows
@@ -128,23 +128,7 @@ class ShardedReplayer(Replayer):
         self._shapes = [tuple(p.shape) for p in params]
         self._starts = np.cumsum([0] + [int(np.prod(s)) if s else 1 for s in self._shapes]).tolist()
         self._fsdp = _fsdp_params(model, params)
-        start_digest = hex64(self._weights_digest(params))
-        if options.expected_weights_digest and start_digest != options.expected_weights_digest:
-            raise StartStateMismatch(
-                f"checkpoint {options.checkpoint_path} holds weights {start_digest}, not the replicas' "
-                f"{options.expected_weights_digest}",
-                step=options.start_step,
-                expected=options.expected_weights_digest,
-                found=start_digest,
-            )
-        windows = list(
-            self.trace.step_windows(options.stop_step - options.start_step + 1, options.start_step, options.stop_step)
-        )
-        if not windows or windows[0].steps[0] != options.start_step:
-            raise InvalidInputError(
-                f"the trace has no STEP records for steps {options.start_step}..{options.stop_step}"
-            )
-        window = windows[0]
+        window = self._start(options, hex64(self._weights_digest(params)))
         evidence, notes = (
             [],
             [
