@@ -13,8 +13,8 @@ import datetime as _dt
 import html
 from typing import TYPE_CHECKING
 
+from sdc_forensics.present.text import evidence_rows
 from sdc_forensics import __version__
-from sdc_forensics.evidence import Evidence
 from sdc_forensics.decide.incident import Incident
 from sdc_forensics.decide.verdict import BisectResult, Verdict
 from sdc_forensics.present import report as R
@@ -78,23 +78,6 @@ def _table(header: tuple[str, ...], rows: list[tuple], raw_columns: frozenset[in
 
 def _list(items: list[str]) -> str:
     return "<ul>" + "".join(f"<li>{_e(i)}</li>" for i in items) + "</ul>" if items else ""
-
-
-def _evidence_rows(evidence: list[Evidence]) -> list[tuple]:
-    return [
-        (
-            e.step,
-            e.kind.value,
-            ", ".join(map(str, e.ranks)) or "all",
-            e.location.value,
-            e.source,
-            e.strength.value,
-            e.expected,
-            e.found,
-            e.detail,
-        )
-        for e in evidence
-    ]
 
 
 def _summary(result: BisectResult, incident: Incident, manifest: Manifest | None) -> str:
@@ -249,7 +232,7 @@ def render_html(
     parts.append(
         _table(
             ("step", "kind", "ranks", "location", "source", "strength", "expected", "found", "detail"),
-            _evidence_rows(real),
+            evidence_rows(real),
         )
         if real
         else "<p>No evidence of corruption.</p>"
@@ -260,7 +243,7 @@ def render_html(
             "<h3>Statistical hints (not a verdict)</h3>"
             + _table(
                 ("step", "kind", "ranks", "location", "source", "strength", "expected", "found", "detail"),
-                _evidence_rows(hints[:20]),
+                evidence_rows(hints[:20]),
             )
         )
     if replay.windows:

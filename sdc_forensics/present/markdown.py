@@ -16,8 +16,8 @@ import re
 import datetime as _dt
 from typing import TYPE_CHECKING
 
+from sdc_forensics.present.text import evidence_rows
 from sdc_forensics import __version__
-from sdc_forensics.evidence import Evidence
 from sdc_forensics.decide.incident import Incident
 from sdc_forensics.decide.verdict import BisectResult
 from sdc_forensics.present import report as R
@@ -59,23 +59,6 @@ def _table(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
     lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
     return lines + [""]
-
-
-def _evidence_rows(evidence: list[Evidence]) -> list[tuple]:
-    return [
-        (
-            e.step,
-            e.kind.value,
-            ", ".join(map(str, e.ranks)) or "all",
-            e.location.value,
-            e.source,
-            e.strength.value,
-            e.expected,
-            e.found,
-            e.detail,
-        )
-        for e in evidence
-    ]
 
 
 def _stopped_early(end: "RunEnd") -> list[str]:
@@ -215,14 +198,14 @@ def render_markdown(
         out += ["## Evidence chain", ""]
         out += _table(
             ("step", "kind", "ranks", "location", "source", "strength", "expected", "found", "detail"),
-            _evidence_rows(real),
+            evidence_rows(real),
         )
     hints = [e for e in result.evidence if e.is_hint]
     if hints:
         out += ["## Statistical hints (not a verdict)", ""]
         out += _table(
             ("step", "kind", "ranks", "location", "source", "strength", "expected", "found", "detail"),
-            _evidence_rows(hints[:20]),
+            evidence_rows(hints[:20]),
         )
 
     if result.checkpoints:

@@ -74,3 +74,22 @@ def _scalar(value) -> str:
     if isinstance(value, (list, tuple)):
         return ",".join(_scalar(v) for v in value)
     return str(value)
+
+
+def evidence_rows(evidence) -> list[tuple]:
+    """The evidence table's rows (step, kind, ranks, location, source, strength, expected, found, detail), as the
+    HTML and Markdown reports both print them."""
+    return [
+        (
+            e.step,
+            e.kind.value,
+            ", ".join(map(str, e.ranks)) or "all",
+            e.location.value,
+            e.source,
+            e.strength.value,
+            e.expected,
+            e.found,
+            e.detail,
+        )
+        for e in evidence
+    ]

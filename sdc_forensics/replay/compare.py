@@ -447,30 +447,22 @@ class StepComparisons:
             return [], False
         expected = ", ".join(sorted({hex64(int(replayed[r])) for r in off}))
         found = ", ".join(hex64(int(recs[r]["weights_digest"])) for r in off)
-        if len(off) == int(has_w.sum()):
-            return [
-                Evidence(
-                    kind=EvidenceKind.REPLAY_MISMATCH,
-                    step=step,
-                    ranks=off,
-                    source="replay",
-                    expected=expected,
-                    found=found,
-                    location=Location.OPTIMIZER_UPDATE,
-                    detail="every rank's weights after the update differ from the replay's, though its local and reduced "
-                    "gradients reproduced exactly",
-                )
-            ], True
-        return [
-            Evidence(
-                kind=EvidenceKind.REPLAY_MISMATCH,
-                step=step,
-                ranks=off,
-                source="replay",
-                expected=expected,
-                found=found,
-                location=Location.OPTIMIZER_UPDATE,
-                detail="same gradients in, different weights out: this replica's optimizer update went wrong "
-                "(the other replicas' weights equal the exact replay's)",
-            )
-        ], False
+        everyone = len(off) == int(has_w.sum())
+        detail = (
+            "every rank's weights after the update differ from the replay's, though its local and reduced "
+            "gradients reproduced exactly"
+            if everyone
+            else "same gradients in, different weights out: this replica's optimizer update went wrong "
+            "(the other replicas' weights equal the exact replay's)"
+        )
+        evidence = Evidence(
+            kind=EvidenceKind.REPLAY_MISMATCH,
+            step=step,
+            ranks=off,
+            source="replay",
+            expected=expected,
+            found=found,
+            location=Location.OPTIMIZER_UPDATE,
+            detail=detail,
+        )
+        return [evidence], everyone
