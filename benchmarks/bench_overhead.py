@@ -235,6 +235,121 @@ def _measure(rank: int, setting: Setting, device: torch.device, out: str, trace_
         )
 
 
+def _gpt_rank(rank: int, trace_dir: str, shape: str, parallel: str, warmup: int, steps: int, rows: int, profile: bool):
+    """One rank of ``--model gpt``: the nanoGPT-shaped job bare and recorded, steps alternating
+    (pairs in alternating order, a barrier before each step); returns this rank's step times
+    (or, with ``profile``, rank 0's cProfile of the recorded steps)."""
+    import cProfile
+    import io
+    import pstats
+
+    import nanogpt_job as gpt
+
+    from sdc_forensics.recorder import Recorder, RecorderOptions
+
+    world_size = dist.get_world_size()
+    layers, width = gpt.SHAPES[shape]
+    job = gpt.GptRecipe(layers, width, rows)
+    models, optimizers = {}, {}
+    mesh = None
+    if parallel != "ddp":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dims = (2, world_size // 2) if parallel == "hsdp" else (world_size,)
+        names = ("replicate", "shard") if parallel == "hsdp" else ("shard",)
+        mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
+    for kind in ("recorded", "bare"):
+        model, _, _ = job.build()
+        model = gpt.shard(model, mesh) if mesh is not None else DistributedDataParallel(model)
+        models[kind], optimizers[kind] = model, gpt.make_optimizer(model)
+    rec = Recorder(trace_dir, models["recorded"], optimizers["recorded"], options=RecorderOptions())
+    times: dict[str, list[float]] = {"recorded": [], "bare": []}
+    cpu: dict[str, list[float]] = {"recorded": [], "bare": []}
+    profiler = cProfile.Profile() if profile and rank == 0 else None
+    try:
+        for step in range(warmup + steps):
+            ids = [(step * world_size + rank) * gpt.MICROBATCHES + m for m in range(gpt.MICROBATCHES)]
+            batches = [job.fetch_microbatch(i) for i in ids]
+            for kind in ("recorded", "bare") if step % 2 == 0 else ("bare", "recorded"):
+                dist.barrier()
+                timed = profiler is not None and kind == "recorded" and step >= warmup
+                start, cpu_start = time.perf_counter(), time.process_time()
+                if timed:
+                    profiler.enable()
+                if kind == "bare":
+                    gpt.train_step(models[kind], optimizers[kind], job, batches, mesh is not None)
+                else:
+                    with rec.step(step, microbatch_ids=ids) as handle:
+                        gpt.train_step(models[kind], optimizers[kind], job, batches, mesh is not None, handle)
+                if timed:
+                    profiler.disable()
+                if step >= warmup:
+                    times[kind].append(time.perf_counter() - start)
+                    cpu[kind].append(time.process_time() - cpu_start)
+    finally:
+        rec.close()
+    if profiler is not None:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+        return {"times": times, "cpu": cpu, "profile": text.getvalue()}
+    return {"times": times, "cpu": cpu}
+
+
+def run_gpt(args: argparse.Namespace) -> dict:
+    """``--model gpt``: every run's recorded / bare figures (median of per-pair ratios over all ranks)."""
+    import nanogpt_job as gpt
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.factories import gloo_job
+
+    layers, width = gpt.SHAPES[args.shape]
+    runs, profile = [], ""
+    for index in range(max(1, args.runs)):
+        with tempfile.TemporaryDirectory(prefix="sdc-bench-gpt-") as tmp:
+            found = gloo_job(
+                _gpt_rank,
+                args.world_size or 2,
+                Path(tmp, "out"),
+                str(Path(tmp, "trace")),
+                args.shape,
+                args.parallel,
+                args.warmup,
+                args.steps,
+                args.rows,
+                args.profile,
+            )
+        profile = found[0].get("profile", profile)
+        ratio = {
+            key: statistics.median(r / b for f in found for r, b in zip(f[key]["recorded"], f[key]["bare"]))
+            for key in ("times", "cpu")
+        }
+        bare = statistics.median(b for f in found for b in f["times"]["bare"])
+        runs.append(
+            {
+                "wall_ratio": round(ratio["times"], 4),
+                "cpu_ratio": round(ratio["cpu"], 4),
+                "bare_ms": round(1e3 * bare, 2),
+            }
+        )
+        print(f"run {index + 1}/{args.runs}: {json.dumps(runs[-1])}", file=sys.stderr)
+    return {
+        "model": f"nanoGPT {args.shape} ({gpt.parameters_of(layers, width):,} params, tied head, AdamW, clip 1.0)",
+        "parallel": args.parallel,
+        "world_size": args.world_size or 2,
+        "microbatches": f"{gpt.MICROBATCHES} x {args.rows} x {gpt.CONTEXT} tokens per rank-step",
+        "pairs_per_rank_per_run": args.steps,
+        "wall_ratio": round(statistics.median(r["wall_ratio"] for r in runs), 4),
+        "cpu_ratio": round(statistics.median(r["cpu_ratio"] for r in runs), 4),
+        "bare_ms": round(statistics.median(r["bare_ms"] for r in runs), 2),
+        "runs": runs,
+        "machine": _machine(
+            Setting(device="cpu", backend="gloo", world_size=2, gpus=0, threads=1, warmup=1, steps=1, audit_steps=0)
+        ),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "profile": profile,
+    }
+
+
 def _paired_pct(recorded: list[float], bare: list[float]) -> float:
     """Median over pairs of ``recorded / bare - 1``, in percent (a pair ran back to back)."""
     return 100 * (statistics.median(r / b for r, b in zip(recorded, bare)) - 1)
@@ -369,6 +484,15 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="processes (default: 2 on CPU; on CUDA one per GPU, or 2 sharing one GPU)",
     )
+    parser.add_argument(
+        "--model",
+        choices=("mlp", "gpt"),
+        default="mlp",
+        help="mlp: the reference MLP (run_all's figure); gpt: the nanoGPT-shaped job (nanogpt_job.py)",
+    )
+    parser.add_argument("--shape", choices=("2x64", "4x128", "3x256"), default="2x64", help="gpt: layers x width")
+    parser.add_argument("--parallel", choices=("ddp", "fsdp", "hsdp"), default="ddp", help="gpt: how it is spread")
+    parser.add_argument("--profile", action="store_true", help="gpt: print rank 0's cProfile of the recorded steps")
     parser.add_argument("--quick", action="store_true", help="fewer timed steps, no audit (under a minute on 2 cores)")
     parser.add_argument(
         "--runs", type=int, default=1, help="independent runs; figures are the median of their paired figures"
@@ -390,12 +514,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--width", type=int, default=None, help="default 1024 CPU, 4096 CUDA")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--rows", type=int, default=8192, help="rows per microbatch (2 microbatches per rank-step)")
+    parser.add_argument(
+        "--rows", type=int, default=None, help="rows per microbatch (2 microbatches per rank-step; default 8192, gpt 8)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="intra-op CPU threads per rank")
     parser.add_argument(
         "--json", action="store_true", help="print {name: {value, unit, goal, met, ...}} as JSON on stdout"
     )
     args = parser.parse_args(argv)
+    if args.model == "gpt":
+        main_gpt(args)
+        return
     cuda = args.device == "cuda"
     defaults = {  # (full, quick)
         "steps": ((12, 6) if cuda else (15, 3)),  # CUDA: fits gpu_check.sh's 90 s with start-up and compiles
@@ -407,6 +536,8 @@ def main(argv: list[str] | None = None) -> None:
             setattr(args, key, quick if args.quick else full)
     if args.width is None:
         args.width = 4096 if cuda else 1024
+    if args.rows is None:
+        args.rows = 8192
     setting = parse_setting(args)
     os.environ.update(SDC_BENCH_WIDTH=str(args.width), SDC_BENCH_LAYERS=str(args.layers), SDC_BENCH_ROWS=str(args.rows))
     recipe.width, recipe.layers, recipe.rows = args.width, args.layers, args.rows
@@ -435,6 +566,31 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{key:28s} {detail[key]}")
     for index, run in enumerate(runs):
         print(f"{'run ' + str(index + 1):28s} {json.dumps(run)}")
+
+
+def main_gpt(args: argparse.Namespace) -> None:
+    """``--model gpt``: print the recorded / bare figures of the nanoGPT-shaped job."""
+    if args.device != "cpu":
+        _usage_error("--model gpt runs on CPU (gloo) only")
+    if args.parallel == "hsdp" and (args.world_size or 2) % 2:
+        _usage_error("--parallel hsdp needs an even --world-size (2 x W/2 mesh)")
+    args.steps = args.steps or (4 if args.quick else 12)
+    args.warmup = args.warmup or (1 if args.quick else 2)
+    args.rows = args.rows or 8
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    result = run_gpt(args)
+    profile = result.pop("profile")
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+        return
+    print(
+        f"{result['model']}, {result['parallel']}, {result['world_size']} gloo ranks: recorded / bare "
+        f"{result['wall_ratio']:.3f} wall, {result['cpu_ratio']:.3f} CPU (median of {args.runs} run(s) x "
+        f"{args.steps} pairs x {result['world_size']} ranks), bare step {result['bare_ms']} ms"
+    )
+    print(f"machine: {result['machine']}, load {result['load_average']}")
+    if profile:
+        print(profile)
 
 
 if __name__ == "__main__":
