@@ -87,6 +87,12 @@ def sharded_total_norm(
             else torch._foreach_norm(local, norm_type)
         )
         per_shard.append(torch.stack([n.to(first_device) for n in norms]))
+    return _total_of(per_shard, norm_type, error_if_nonfinite)
+
+
+def _total_of(per_shard: list[torch.Tensor], norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+    """Steps 3 of the module: the ranks' vectors of local norms made whole (the all-reduce in
+    gloo's ring order, or ``MAX``), then the norm of that vector."""
     if norm_type == math.inf:
         whole = torch.stack(per_shard).amax(dim=0)
     else:
@@ -101,18 +107,68 @@ def sharded_total_norm(
     return total
 
 
+@torch.no_grad()
+def resharded_total_norm(
+    tensors: torch.Tensor | Iterable[torch.Tensor],
+    num_shards: int,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """:func:`sharded_total_norm` of gradients the sharded replay holds as DTensors cut over its own
+    ``k`` processes (``replay/sharded_replayer.py``), as the job's ``num_shards`` ranks computed it.
+
+    One gradient at a time is gathered whole (``full_tensor``: an all-gather over the replay's
+    processes, as FSDP2's own unshard of a parameter), cut as the job's ranks held it, and each
+    cut's norm taken alone (``_foreach_norm`` of a one-tensor list: its per-tensor result does not
+    depend on the other tensors of the list), so no process holds more than one whole gradient. Every
+    process computes the same total; it is returned replicated on the gradients' mesh, as torch's
+    own DTensor total is.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    norm_type = float(norm_type)
+    if not tensors:
+        return torch.tensor(0.0)
+    if not (norm_type > 0 or norm_type == math.inf):
+        raise RecipeError(
+            f"the recipe clips with norm_type={norm_type}: a sharded job's replay reproduces the total norm "
+            "for a positive norm type or inf"
+        )
+    mesh = next((t.device_mesh for t in tensors if isinstance(t, DTensor)), None)
+    per_tensor = []
+    for t in tensors:
+        whole = t.full_tensor() if isinstance(t, DTensor) else t
+        local = [_local_shard(whole, shard, num_shards) for shard in range(num_shards)]
+        per_tensor.append(
+            [torch.linalg.vector_norm(piece, norm_type) for piece in local]
+            if foreach is False
+            else [torch._foreach_norm([piece], norm_type)[0] for piece in local]
+        )
+        del whole, local
+    first_device = per_tensor[0][0].device
+    per_shard = [torch.stack([norms[shard].to(first_device) for norms in per_tensor]) for shard in range(num_shards)]
+    total = _total_of(per_shard, norm_type, error_if_nonfinite)
+    if mesh is None:
+        return total
+    return DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
 @contextlib.contextmanager
-def clipping_as_recorded(mesh: ShardMesh | None) -> Iterator[None]:
+def clipping_as_recorded(mesh: ShardMesh | None, resharded: bool = False) -> Iterator[None]:
     """Within it, torch's total gradient norm (``clip_grad_norm_``, ``get_total_norm``) is the
-    sharded job's (:func:`sharded_total_norm` over ``mesh``'s shard dimension); outside, and for
+    sharded job's (:func:`sharded_total_norm` over ``mesh``'s shard dimension; ``resharded``: the
+    gradients are the sharded replay's DTensors, :func:`resharded_total_norm`); outside, and for
     ``mesh`` None (a DDP trace), torch's own."""
     if mesh is None:
         yield
         return
     size = mesh.shard_size
+    norm_of = resharded_total_norm if resharded else sharded_total_norm
 
     def total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None):
-        return sharded_total_norm(tensors, size, norm_type, error_if_nonfinite, foreach)
+        return norm_of(tensors, size, norm_type, error_if_nonfinite, foreach)
 
     saved = (_clip_grad._get_total_norm, torch.nn.utils.get_total_norm)
     _clip_grad._get_total_norm = total_norm

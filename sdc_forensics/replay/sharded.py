@@ -2,12 +2,17 @@
 
 Chosen by :func:`dispatch` (called where ``replay_window`` starts a replay) when the trace is a
 sharded job (FSDP2/HSDP), this process is one of ``k`` > 1 launched by torchrun, and either the
-whole model does not fit one process (the memory plan) or ``SDC_FORENSICS_REPLAY_SHARDED=1`` asks
-for it (``0`` switches it off); otherwise the replay is today's (the whole model on each process),
-which every sharded layout certifies on (HSDP, gloo's own order, mixed precision, clipping). Before either, the memory plan (``replay/memory.py``) refuses a replay whose
-processes cannot fit the budget, naming the processes it needs.
+whole model does not fit one process (the memory plan, ``replay/memory.py``) or
+``SDC_FORENSICS_REPLAY_SHARDED=1`` asks for it (``0`` switches it off); otherwise the replay is the
+whole-model one (the whole model on each process), which every sharded layout certifies on. Before
+either, the memory plan refuses (exit 2, one line) a replay whose processes cannot fit the budget,
+naming the processes it needs.
 
-See :class:`ShardedReplayer` for what is reproduced and what is not yet.
+The sharded replay (``replay/sharded_replayer.py``) reproduces FSDP and HSDP recorded with the
+ordered reduction in the parameters' dtype, with clipping's total norm as the job's shards computed
+it. A mixed-precision job (``MixedPrecisionPolicy``) or one reduced in gloo's native order is
+refused sharded in one line naming the alternative: the whole-model replay, on a device with the
+memory for it.
 """
 
 from __future__ import annotations

@@ -6,27 +6,38 @@ recorded rank ``j * k + p``), every process running FSDP2's all-gathers together
 
 1. the rank's microbatches, forward and backward with gradient sync off: FSDP2 leaves the rank's
    whole *unsharded* local gradient on each parameter (what its reduce-scatter would take as
-   input); its digest and fingerprint are the single-process replay's (one flat vector in the
-   model's order), compared with the record by the same code (``compare.StepComparisons``);
+   input, and what the job itself held while it accumulated microbatches without sync); its digest
+   and fingerprint are the single-process replay's (one flat vector in the model's order),
+   compared with the record by the same code (``compare.StepComparisons``);
 2. each process sends every other its rows of that gradient (``all_to_all_single``, FSDP2's
-   ``Shard(0)`` cut over ``k``) and adds the ``k`` received rows to a float32 accumulator in
-   recorded-rank order, scaled by ``1/W``: ``reduction.ordered_mean``'s operations, elementwise,
-   so the shard of the mean is the recorded ordered reduce-scatter's bit for bit;
-3. the accumulator becomes the sharded ``.grad``, the recipe's ``before_step``, the optimizer step
-   on the shards, ``after_step``;
-4. every recorded rank's shard (of ``W``) of the reduced gradient and of the weights is
-   fingerprinted as pieces by global element index, from the replay's shards (of ``k``), the
-   pieces gathered and combined (``fingerprint/shards.py``) and compared with the record.
+   ``Shard(0)`` cut over ``k``) and adds the ``k`` received rows in recorded-rank order to an
+   accumulator (``reduction.accumulation_dtype``): in FSDP ``reduction.ordered_mean``'s operations
+   over the ``W`` ranks; in HSDP each replica's ordered mean of its ranks, then the ordered mean of
+   the replicas' in replica order (``Replayer._hsdp_ordered``); elementwise, so the shard of the
+   mean is the recorded ordered reduction's bit for bit;
+3. the accumulator becomes the sharded ``.grad``, the recipe's ``before_step`` with clipping's
+   total norm as the job's ``W`` shards computed it (``clipping.resharded_total_norm``: each
+   gradient gathered whole in turn, cut as the job's ranks held it, their norms summed in the
+   recorded mesh order), the optimizer step on the shards, ``after_step``;
+4. every recorded rank's shard (of ``W``'s shard dimension) of the reduced gradient and of the
+   weights is fingerprinted as pieces by global element index, from the replay's shards (of
+   ``k``), the pieces gathered and combined (``fingerprint/shards.py``) and compared with the
+   record: HSDP's replicas of a shard each against the same replayed shard.
 
-Supported now: FSDP (1-D mesh) recorded with the ordered reduction, the parameters' own dtype, no
-clipping that depends on the sharding (``before_step`` runs on the replay's DTensors: a recipe
-that clips gets the replay's norm over k shards, not the job's over W: not refused, it may not certify). Not yet: HSDP, gloo's native
-order, ``reduce_dtype``/``param_dtype``, module buffers, schedulers built by the recipe.
+Supported: FSDP (1-D mesh) and HSDP (replicate x shard, the shard dimension last) recorded with
+the ordered reduction in the parameters' own dtype, SGD/AdamW-like optimizers rebuilt over the
+shards with the recipe's groups and hyperparameters, ``clip_grad_norm_``/``get_total_norm`` in
+``before_step``. Refused up front by :func:`supported`, with the whole-model replay named as the
+alternative: gloo's native order (its ring over the job's ``W`` ranks is modelled on whole
+gradients only, ``Replayer._sharded_gloo``), ``reduce_dtype``/``param_dtype``
+(``MixedPrecisionPolicy``). Not reproduced: module buffers FSDP2 keeps per rank, schedulers built
+by the recipe (the recipe's ``after_step`` runs on the replay's optimizer).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import numpy as np
 import torch
@@ -35,6 +46,7 @@ from sdc_forensics import recipe as recipe_mod
 from sdc_forensics.errors import UsageError
 from sdc_forensics.evidence import Evidence, EvidenceKind
 from sdc_forensics.replay import distributed, env
+from sdc_forensics.replay.clipping import clipping_as_recorded
 from sdc_forensics.replay.replayer import Replayer, ReplayResult, _recipe_call, _recorded_threads
 from sdc_forensics.trace.checkpoints import hex64
 from sdc_forensics.trace.reader import step_threads
@@ -60,13 +72,13 @@ class _Step:
 
 def supported(mesh, trace) -> str:
     """Why this trace cannot be replayed sharded yet ("" when it can)."""
-    if mesh.kind != "fsdp" or len(mesh.shape) != 1:
-        return "HSDP is not replayed sharded yet"
+    if mesh.shard_dim != len(mesh.shape) - 1:
+        return "a mesh whose shard dimension is not the last is not replayed sharded"
     if mesh.reduce_dtype or mesh.param_dtype:
-        return "a mixed-precision job (reduce_dtype/param_dtype) is not replayed sharded yet"
+        return "a mixed-precision job (MixedPrecisionPolicy reduce_dtype/param_dtype) is not replayed sharded"
     reductions = {str(a.determinism.get("reduction") or "native") for a in trace.manifest.attempts}
     if reductions != {"ordered"}:
-        return "only a job recorded with the ordered reduction is replayed sharded yet"
+        return "a job reduced in its collective library's own order (not the ordered reduction) is not replayed sharded"
     return ""
 
 
@@ -170,7 +182,9 @@ class ShardedReplayer(Replayer):
             counts = step_threads(recs)
             values, freq = np.unique(counts[counts > 0], return_counts=True)
             self._use_threads(int(values[np.argmax(freq)]) if len(values) else 0)
-            recipe_mod.before_step(self.recipe, model, optimizer, step=step)
+            # clipping's total norm as the job's W shards computed it, not the replay's k
+            with clipping_as_recorded(mesh, resharded=True):
+                recipe_mod.before_step(self.recipe, model, optimizer, step=step)
             optimizer.step()
             recipe_mod.after_step(self.recipe, model, optimizer, scheduler, step=step)
             optimizer.zero_grad(set_to_none=True)
@@ -234,12 +248,26 @@ class ShardedReplayer(Replayer):
         return total, flat, inputs
 
     def _rounds(self, model, recs, step):
-        """Every recorded rank's step (rank order) and this process's shard of their ordered mean (float32)."""
+        """Every recorded rank's step (rank order) and this process's shard of their ordered mean.
+
+        The mean is the one-process replay's (``Replayer.reduce``): in FSDP ``reduction.ordered_mean``
+        over the ``W`` ranks; in HSDP each replica's ordered mean of its ranks (its reduce-scatter),
+        cast to the parameters' dtype, then the ordered mean of the replicas' in replica order (the
+        all-reduce as the recorder redid it). Elementwise, so this process's rows of it are the
+        recorded reduction's rows, bit for bit; a replica's partial mean is folded in as soon as its
+        last rank is added (contiguous replicas: at most two partial shards held at once).
+        """
         import torch.distributed as dist
 
+        from sdc_forensics.reduction import accumulation_dtype
+
         k, W = self.k_proc, self.world_size
-        scale = torch.tensor(1.0 / W, dtype=torch.float32).item()
-        acc, results = None, {}
+        acc_dtype = accumulation_dtype(self.param_dtype)
+        replicas = self.mesh.replicas()
+        replica_of = {r: i for i, group in enumerate(replicas) for r in group}
+        scales = [torch.tensor(1.0 / len(group), dtype=acc_dtype).item() for group in replicas]
+        outer = torch.tensor(1.0 / len(replicas), dtype=acc_dtype).item()
+        partial, added, folded, total, results = {}, [0] * len(replicas), 0, None, {}
         for j in range(-(-W // k)):
             r = min(j * k + self.me, W - 1)
             loss, flat, inputs = self._local(model, recs[r])
@@ -255,11 +283,17 @@ class ShardedReplayer(Replayer):
                 rr = j * k + q
                 if rr >= W:
                     break
-                term = received[q]
-                if acc is None:
-                    acc = term.to(torch.float32, copy=True).mul_(scale)
-                else:
-                    acc.add_(torch.mul(term.to(torch.float32), scale))
+                rep = replica_of[rr]
+                term = torch.mul(received[q].to(acc_dtype), scales[rep])
+                partial[rep] = term if rep not in partial else partial[rep].add_(term)
+                added[rep] += 1
+                # replicas complete in replica order fold into the mean of the replicas'
+                while folded < len(replicas) and added[folded] == len(replicas[folded]):
+                    mean = partial.pop(folded)
+                    if len(replicas) > 1:
+                        mean = torch.mul(mean.to(self.param_dtype).to(acc_dtype), outer)
+                        mean = mean if total is None else total.add_(mean)
+                    total, folded = mean, folded + 1
             for got in distributed.exchange_objects(mine):
                 results.setdefault(got["rank"], got)
             del flat, received
@@ -273,7 +307,7 @@ class ShardedReplayer(Replayer):
             )
             for r in range(W)
         ]
-        return ranks, acc.to(self.param_dtype)
+        return ranks, total.to(self.param_dtype)
 
     def _tie_break_sharded(self, model, step, recs, ranks, bad):
         """Majority of three: every process recomputes a disagreeing rank once more, the next process's result counts."""
@@ -438,4 +472,7 @@ def _same_optimizer(meta_opt, meta_params, params):
         {**{k: v for k, v in g.items() if k != "params"}, "params": [params[where[id(p)]] for p in g["params"]]}
         for g in meta_opt.param_groups
     ]
-    return type(meta_opt)(groups, **meta_opt.defaults)
+    # the defaults the constructor takes (AdamW's carry decoupled_weight_decay, which its __init__ does not);
+    # every group holds every hyperparameter already
+    accepted = inspect.signature(type(meta_opt).__init__).parameters
+    return type(meta_opt)(groups, **{k: v for k, v in meta_opt.defaults.items() if k in accepted})
