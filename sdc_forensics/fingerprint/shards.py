@@ -539,3 +539,61 @@ def shard_runs(tensors: Iterable[torch.Tensor], shard: int, num_shards: int) -> 
         runs.append((flat[first * per_row : stop * per_row], offset + first * per_row))
         offset += flat.numel()
     return runs
+
+
+def box_runs(
+    global_shape: tuple[int, ...], local_shape: tuple[int, ...], offsets: tuple[int, ...]
+) -> list[tuple[int, int, int]]:
+    """A box of a tensor as runs of its flattened elements: ``(index in the flattened box, length,
+    index in the flattened whole tensor)``, in row-major order.
+
+    A rank of a tensor-parallel job holds such a box of each parameter (``ShardMesh.rank_box``):
+    ``Shard(0)`` rows are one run, a row-parallel ``Shard(1)`` block is one run per row. The
+    box's innermost dimensions that are whole (offset 0, full size) merge into each run.
+    """
+    if len(global_shape) != len(local_shape) or len(global_shape) != len(offsets):
+        raise ValueError("a box needs a size and an offset per dimension of the tensor")
+    if not global_shape:
+        return [(0, 1, 0)]
+    if any(n == 0 for n in local_shape):
+        return []
+    # the innermost dims the box holds whole join each run; the next one in sets its length
+    inner = len(global_shape) - 1
+    run = 1
+    while inner > 0 and local_shape[inner] == global_shape[inner] and offsets[inner] == 0:
+        run *= global_shape[inner]
+        inner -= 1
+    run *= local_shape[inner]
+    # (dims,) row-major strides of the whole tensor
+    strides = [1] * len(global_shape)
+    for d in range(len(global_shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * global_shape[d + 1]
+    first = sum(o * s for o, s in zip(offsets, strides))
+    outer = local_shape[:inner]
+    starts = np.zeros(1, dtype=np.int64)
+    for d, size in enumerate(outer):
+        starts = (starts[:, None] + np.arange(size, dtype=np.int64)[None, :] * strides[d]).reshape(-1)
+    return [(i * run, run, first + int(s)) for i, s in enumerate(starts.tolist())]
+
+
+def box_pieces(
+    values: torch.Tensor,
+    runs: list[tuple[int, int, int]],
+    *,
+    offset: int = 0,
+    k: int = C.DEFAULT_SKETCH_K,
+    seed: int = C.DEFAULT_SEED,
+) -> list[Piece]:
+    """The pieces of a box's ``values`` (:func:`box_runs`) placed at ``offset`` + their index in
+    the whole tensor (a flat vector of several tensors: ``offset`` is where this one starts)."""
+    flat = values.detach().reshape(-1)
+    return [
+        fingerprint_piece(flat[start : start + length], offset=offset + place, k=k, seed=seed)
+        for start, length, place in runs
+    ]
+
+
+def merge_pieces(parts: list[Piece]) -> Piece:
+    """Several pieces of one tensor as one (a rank's box runs: :func:`box_pieces`), to be combined
+    with other ranks' later (:func:`combine_pieces`)."""
+    return _merge(parts) if parts else _empty(C.DEFAULT_SKETCH_K, C.DEFAULT_SEED)

@@ -332,6 +332,9 @@ class ShardedSaver(Saver):
     counting the copies of the majority's replicas (``replica_groups``: the lowest rank of each
     group when there is no majority); rank 0 writes the note, which every rank returns."""
 
+    #: ``fsdp_checks.sharded_state_digests``'s ``piece`` (None: FSDP2's one ``Shard(0)`` run per rank)
+    piece = None
+
     def __init__(self, replica_groups: list[tuple[int, ...]]) -> None:
         self.replica_groups = replica_groups
 
@@ -342,7 +345,7 @@ class ShardedSaver(Saver):
         # a collective, before the files exist; an outvoted replica's copies do not count, and
         # without a majority the lowest rank's count (the checkpoint is then not blessed)
         trusted = vote.agreeing if blessed else tuple(g[0] for g in self.replica_groups)
-        tensors = sharded_state_digests(state, seed=site.seed, trusted=trusted)
+        tensors = sharded_state_digests(state, seed=site.seed, trusted=trusted, piece=self.piece)
         keys = param_keys(list(site.module.named_parameters()), state)
         whole = combine_digests(int(tensors[key], 16) for key in keys)
         failure = ""

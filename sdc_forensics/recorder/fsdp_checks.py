@@ -279,7 +279,7 @@ def check_gathered(
 
 
 def sharded_state_digests(
-    state, *, seed: int = C.DEFAULT_SEED, trusted: tuple[int, ...] | None = None
+    state, *, seed: int = C.DEFAULT_SEED, trusted: tuple[int, ...] | None = None, piece=None
 ) -> dict[str, str]:
     """``{key: hex digest}`` of every tensor of a sharded state, as if each were whole; no all-gather.
 
@@ -296,6 +296,9 @@ def sharded_state_digests(
     diverged is outvoted, not an error); where they hold a range, another rank's different copy
     is ignored, and the digest is theirs.
 
+    ``piece``: ``piece(tensor) -> (index of its first element, numel, Piece)`` of a DTensor whose
+    part is not one ``Shard(0)`` run (tensor parallelism: ``recorder/tp_checkpoint.py``).
+
     Returns:
         The same mapping on every rank, keys as :func:`sdc_forensics.statedict.flatten_state` joins them.
     """
@@ -305,7 +308,10 @@ def sharded_state_digests(
     flat = flatten_state(state)
     mine: dict[str, list] = {}
     for key, tensor in flat.items():
-        if hasattr(tensor, "device_mesh"):
+        if hasattr(tensor, "device_mesh") and piece is not None:
+            offset, numel, part = piece(tensor)
+            mine[key] = ["piece", offset, numel, part.to_json()]
+        elif hasattr(tensor, "device_mesh"):
             local, offset = shards.local_piece(tensor)
             mine[key] = [
                 "piece",

@@ -60,6 +60,7 @@ from sdc_forensics.recorder.options import Policy, RecorderOptions
 from sdc_forensics.recorder.rng_watch import RngWatch
 from sdc_forensics.recorder.step import StepRecording, StepState
 from sdc_forensics.recorder.threads import ThreadWatch
+from sdc_forensics.recorder.tp_layout import TpLayout, is_tensor_parallel
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace.writer import RankTraceWriter
 
@@ -73,7 +74,7 @@ def make_layout(model: Any, comm_hook: Callable | None = None, comm_state: Any =
     """The layout of ``model``: FSDP2/HSDP for a ``fully_shard`` model, DDP for a
     ``DistributedDataParallel`` one (a new layout is one more line here)."""
     if is_fully_sharded(model):
-        return FsdpLayout(model, comm_hook, comm_state)
+        return (TpLayout if is_tensor_parallel(model) else FsdpLayout)(model, comm_hook, comm_state)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return DdpLayout(model, comm_hook, comm_state)
     raise UsageError(

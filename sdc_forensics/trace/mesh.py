@@ -1,4 +1,4 @@
-"""The device mesh of a sharded job (FSDP2 ``fully_shard``, HSDP), as a trace records it.
+"""The device mesh of a sharded job (FSDP2 ``fully_shard``, HSDP, FSDP2 x tensor parallel), as a trace records it.
 
 The manifest's optional ``"parallel"`` key holds it (``docs/trace-format.md``); a DDP trace has
 none. Every rank holds one shard of every parameter: the ranks that share a *shard coordinate*
@@ -7,6 +7,12 @@ share a *replica coordinate* hold the whole model between them (one replica).
 
 A parameter of ``d0`` rows is cut as FSDP2's ``Shard(0)`` cuts it (``torch.chunk``): shard
 ``c`` of ``S`` holds rows ``[c * ceil(d0 / S), min((c + 1) * ceil(d0 / S), d0))``, possibly none.
+A tensor-parallel job (kind ``"tp"``: ``parallelize_module`` on the mesh's ``tp`` dimension,
+then ``fully_shard`` over its data-parallel one, as torchtitan composes them) notes the ``tp``
+dimension (``tp_dim``) and, per parameter, the dimension TP cuts it on (``tp_shards``: ``0`` for
+``ColwiseParallel``'s ``Shard(0)``, ``1`` for ``RowwiseParallel``'s ``Shard(1)``, ``-1`` for a
+replicated one); a rank then holds a box of each parameter (:meth:`ShardMesh.rank_box`): TP's
+slice first, FSDP's rows of that slice next. Both keys are optional: older traces read as before.
 Numpy-free and torch-free: triage reads it.
 """
 
@@ -15,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-KINDS = ("fsdp", "hsdp")
+#: ``"tp"``: FSDP2 (data parallel) x tensor parallel on a 2-D mesh
+KINDS = ("fsdp", "hsdp", "tp")
 #: the dtypes a sharded job's reduction may be recorded in besides the parameters' own ("")
 REDUCE_DTYPES = ("", "bfloat16", "float32", "float16")
 #: the dtypes a sharded job may compute in (``MixedPrecisionPolicy(param_dtype=...)``; "": the parameters')
@@ -52,6 +59,9 @@ class ShardMesh:
             of each FSDP2 parameter group's parameters, each group reduce-scattered as one buffer
             of padded chunks: a replay that models the job's own reduce-scatter (gloo's ring)
             needs that buffer's layout. Empty: not recorded.
+        tp_dim: the mesh dimension tensor parallelism shards on (kind ``"tp"``); -1: none.
+        tp_shards: per parameter of the model, in order, the tensor dimension TP cuts it on (-1:
+            replicated over ``tp``); empty without TP.
     """
 
     kind: str
@@ -63,6 +73,8 @@ class ShardMesh:
     param_dtype: str = ""
     casts: tuple[tuple[str, str, str], ...] = ()
     groups: tuple[tuple[int, ...], ...] = ()
+    tp_dim: int = -1
+    tp_shards: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -98,6 +110,12 @@ class ShardMesh:
             raise ValueError(f"groups must be lists of distinct parameter indices (at most {_MAX_CASTS} in all)")
         if len(self.dim_names) != len(self.shape) or not 0 <= self.shard_dim < len(self.shape):
             raise ValueError("one name per mesh dimension, and a shard dimension among them")
+        if (self.kind == "tp") != (self.tp_dim >= 0) or not -1 <= self.tp_dim < len(self.shape):
+            raise ValueError('a "tp" mesh names its tensor-parallel dimension (tp_dim), and only it does')
+        if self.tp_dim == self.shard_dim or len(self.tp_shards) > _MAX_CASTS:
+            raise ValueError("the tensor-parallel dimension is not the one FSDP shards on")
+        if not all(isinstance(d, int) and -1 <= d < _MAX_DIMS for d in self.tp_shards):
+            raise ValueError(f"tp_shards must be tensor dimensions (-1 to {_MAX_DIMS - 1})")
         total = 1
         for size in self.shape:
             total *= size
@@ -132,12 +150,59 @@ class ShardMesh:
         return self.coords[rank][self.shard_dim]
 
     def same_shard(self) -> list[tuple[int, ...]]:
-        """Groups of ranks that hold the same shard (HSDP replicas of it; groups of one in FSDP)."""
+        """Groups of ranks that hold the same shard (HSDP replicas of it; groups of one in FSDP;
+        with TP, equal shard and TP coordinates)."""
+        if self.tp_dim >= 0:
+            return self._groups(lambda coord: (coord[self.shard_dim], coord[self.tp_dim]))
         return self._groups(lambda coord: coord[self.shard_dim])
 
     def replicas(self) -> list[tuple[int, ...]]:
         """Groups of ranks that hold one whole model between them (a replica; one group in FSDP)."""
-        return self._groups(lambda coord: coord[: self.shard_dim] + coord[self.shard_dim + 1 :])
+        cut = {self.shard_dim, self.tp_dim}
+        return self._groups(lambda coord: tuple(c for d, c in enumerate(coord) if d not in cut))
+
+    def reduce_groups(self) -> list[tuple[int, ...]]:
+        """Groups of ranks whose shards of the reduced gradient add up to the reduction of their
+        (and, in HSDP, the other replicas') local gradients: a replica; with TP, the ranks of one
+        TP coordinate (FSDP reduce-scatters TP's slice among them)."""
+        if self.tp_dim >= 0:
+            return self._groups(lambda coord: tuple(c for d, c in enumerate(coord) if d != self.shard_dim))
+        return self.replicas()
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel degree (1 without TP)."""
+        return self.shape[self.tp_dim] if self.tp_dim >= 0 else 1
+
+    def tp_of(self, rank: int) -> int:
+        """The tensor-parallel coordinate of ``rank`` (0 without TP)."""
+        return self.coords[rank][self.tp_dim] if self.tp_dim >= 0 else 0
+
+    def tp_box(self, rank: int, index: int, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(local shape, offsets)``: TP's slice of parameter ``index`` (of ``shape``) on
+        ``rank`` (``tp_shards[index]``, an even split; the whole where replicated): the gradient
+        a TP rank computes, before FSDP reduce-scatters it. Raises ValueError where TP's split is
+        uneven (the recorder refuses such a job)."""
+        local, offsets = list(shape), [0] * len(shape)
+        cut = self.tp_shards[index] if index < len(self.tp_shards) else -1
+        if cut >= 0:
+            if cut >= len(shape) or shape[cut] % self.tp_size:
+                raise ValueError(f"parameter {index} of shape {tuple(shape)} is not cut evenly on dim {cut} by TP")
+            local[cut] = shape[cut] // self.tp_size
+            offsets[cut] = self.tp_of(rank) * local[cut]
+        return tuple(local), tuple(offsets)
+
+    def rank_box(self, rank: int, index: int, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(local shape, offsets)``: the box of parameter ``index`` (of ``shape``) that ``rank``
+        holds: TP's slice (:meth:`tp_box`) first, then FSDP's ``Shard(0)`` rows of that slice
+        (``torch.chunk``'s split)."""
+        box, at = self.tp_box(rank, index, shape)
+        local, offsets = list(box), list(at)
+        if shape:
+            first, stop = shard_rows(local[0], self.shard_of(rank), self.shard_size)
+            offsets[0] += first
+            local[0] = stop - first
+        return tuple(local), tuple(offsets)
 
     def _groups(self, key) -> list[tuple[int, ...]]:
         groups: dict[Any, list[int]] = {}
@@ -185,6 +250,10 @@ class ShardMesh:
             doc["casts"] = [list(c) for c in self.casts]
         if self.groups:
             doc["groups"] = [list(g) for g in self.groups]
+        # optional: a TP job's only
+        if self.tp_dim >= 0:
+            doc["tp_dim"] = self.tp_dim
+            doc["tp_shards"] = list(self.tp_shards)
         return doc
 
     @classmethod
@@ -213,6 +282,13 @@ class ShardMesh:
             raise ValueError('"casts" must be a list of [module, inputs, outputs] lists')
         if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
             raise ValueError('"groups" must be a list of lists of parameter indices')
+        tp_dim, tp_shards = doc.get("tp_dim", -1), doc.get("tp_shards", [])
+        if not isinstance(tp_dim, int) or isinstance(tp_dim, bool):
+            raise ValueError('"tp_dim" must be an integer')
+        if not isinstance(tp_shards, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) for d in tp_shards
+        ):
+            raise ValueError('"tp_shards" must be a list of integers')
         return cls(
             kind=str(kind),
             shape=tuple(shape),
@@ -223,6 +299,8 @@ class ShardMesh:
             param_dtype=param_dtype,
             casts=tuple(tuple(c) for c in casts),
             groups=tuple(tuple(g) for g in groups),
+            tp_dim=tp_dim,
+            tp_shards=tuple(tp_shards),
         )
 
 

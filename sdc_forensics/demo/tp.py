@@ -1,0 +1,247 @@
+"""A tensor-parallel training job and its replay recipe: TP 2 (with sequence parallel) x FSDP2 DP 2.
+
+The model is a one-block causal transformer (two heads, pre-norm, GELU MLP, untied head). The
+job parallelises it as torchtitan does, on a ``(dp, tp)`` mesh of 4 gloo processes:
+``parallelize_module`` on ``tp`` (the embedding row-parallel with a sequence-sharded output,
+each LayerNorm ``SequenceParallel``, the attention's input gathered by ``PrepareModuleInput``,
+q/k/v and the MLP's first layer ``ColwiseParallel``, the attention's output projection and the
+MLP's second layer ``RowwiseParallel`` back to sequence shards, the head ``ColwiseParallel``
+with replicated logits), then ``fully_shard`` over ``dp``. The ranks of one DP coordinate read
+the same microbatches. ``sdc-forensics demo --parallel tp`` runs it; the tests run it with faults.
+
+``recipe`` replays it on one process: the plain model (same names and order), the DCP
+checkpoint loaded into it whole (``sharded.load_dcp``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sdc_forensics.demo.sharded import dcp_state, load_dcp, loss_of
+
+VOCAB, DIM, HEADS, CONTEXT, MICROBATCH = 40, 16, 2, 8, 4
+TP, DP = 2, 2
+REFERENCE = "sdc_forensics.demo.tp:recipe"
+SEEDED_REFERENCE = "sdc_forensics.demo.tp:TpRecipe"
+
+
+class Attention(nn.Module):
+    """Causal self-attention whose heads are split across TP ranks (q/k/v column-parallel: each
+    rank computes its heads on the whole sequence)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+        self.proj = nn.Linear(DIM, DIM)
+
+    # (B, T, DIM) -> (B, T, DIM)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, steps = x.shape[0], x.shape[1]
+        # (B, heads here, T, head dim): a TP rank's q/k/v hold its heads only
+        q, k, v = (t.view(batch, steps, -1, DIM // HEADS).transpose(1, 2) for t in (self.q(x), self.k(x), self.v(x)))
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(batch, steps, -1))
+
+
+class TinyLM(nn.Module):
+    """Embedding, one pre-norm block (attention, MLP), final norm, head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.norm1, self.attn = nn.LayerNorm(DIM), Attention()
+        self.norm2, self.up, self.down = nn.LayerNorm(DIM), nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+        self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+
+    # (B, T) token ids -> (B, T, VOCAB) logits
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        x = x + self.attn(self.norm1(x))
+        x = x + self.down(nn.functional.gelu(self.up(self.norm2(x))))
+        return self.head(self.norm(x))
+
+
+def build_model(seed: int = 0) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM()
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+
+
+def microbatch(microbatch_id: int, device: Any = "cpu", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(40_009 + int(microbatch_id) + 1_000_003 * int(seed))
+    ids = torch.randint(VOCAB, (MICROBATCH, CONTEXT + 1), generator=gen)
+    return ids[:, :-1].to(device), ids[:, 1:].to(device)
+
+
+def parallelize(model: TinyLM, mesh) -> TinyLM:
+    """TP (with sequence parallel) on ``mesh["tp"]``, then FSDP2 over ``mesh["dp"]`` (torchtitan's order)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    plan = {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm1": SequenceParallel(),
+        "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "attn.q": ColwiseParallel(),
+        "attn.k": ColwiseParallel(),
+        "attn.v": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+        "norm2": SequenceParallel(),
+        "up": ColwiseParallel(input_layouts=Shard(1)),
+        "down": RowwiseParallel(output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    parallelize_module(model, mesh["tp"], plan)
+    fully_shard(model.attn, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+@dataclasses.dataclass(kw_only=True)
+class TpRecipe:
+    """The replay recipe of :func:`train` (``sdc_forensics.recipe``'s protocol): the whole model."""
+
+    seed: int = 0
+
+    def build(self, device: Any = "cpu"):
+        model = build_model(self.seed).to(device)
+        return model, make_optimizer(model), None
+
+    def load_checkpoint(self, path: str, model, optimizer, scheduler) -> None:
+        load_dcp(path, model, optimizer)
+
+    def fetch_microbatch(self, microbatch_id: int, device: Any = "cpu"):
+        return microbatch(microbatch_id, device, self.seed)
+
+    def loss(self, model, batch):
+        return loss_of(model, batch)
+
+
+recipe = TpRecipe()
+
+
+def train(
+    rank: int,
+    world: int,
+    trace_dir: str,
+    checkpoint_dir: str,
+    *,
+    steps: int = 6,
+    inject: tuple[str, ...] = (),
+    checkpoint_every: int = 3,
+    policy: str = "continue",
+    seed: int = 0,
+    audit_every: int = 0,
+) -> dict:
+    """One rank of the TP x DP job, recorded; every rank calls it in an initialised process group.
+
+    Microbatch ``step * DP + dp`` is what the ranks of DP coordinate ``dp`` train on at ``step``.
+    Checkpoints (DCP directories) at step 0 and every ``checkpoint_every``. Returns the alarms."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from sdc_forensics.errors import SdcAlarm
+    from sdc_forensics.recorder import Recorder, RecorderOptions
+
+    mesh = init_device_mesh("cpu", (world // TP, TP), mesh_dim_names=("dp", "tp"))
+    dp = mesh.get_coordinate()[0]
+    model = parallelize(build_model(seed), mesh)
+    optimizer = make_optimizer(model)
+    options = RecorderOptions(policy=policy, audit_every=audit_every)
+    recorded = {"recipe": REFERENCE} if not seed else {"recipe": SEEDED_REFERENCE, "recipe_args": {"seed": seed}}
+    alarms: list = []
+    with Recorder(trace_dir, model, optimizer, options=options, inject=inject, **recorded) as rec:
+        for step in range(steps):
+            if step % checkpoint_every == 0:
+                rec.checkpoint(step, Path(checkpoint_dir) / f"step-{step:08d}", dcp_state(model, optimizer))
+            mb = step * (world // TP) + dp
+            try:
+                with rec.step(step, microbatch_ids=[mb]) as h:
+                    batch = h.input(microbatch(mb, seed=seed))
+                    loss = loss_of(model, batch)
+                    h.loss(loss)
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+            except SdcAlarm as alarm:
+                alarms.append({"step": alarm.step, "rank": alarm.rank, "check": alarm.check})
+                break
+        alarms += [{"step": a.step, "rank": a.rank, "check": a.check} for a in rec.alarms if a.check]
+    dist.barrier()
+    return {"alarms": alarms}
+
+
+def _demo_rank(rank: int, world: int, port: int, out_dir: str, kwargs: dict) -> None:
+    import datetime
+    import json
+    import logging
+
+    import torch.distributed as dist
+
+    from sdc_forensics.newfile import write_atomic
+
+    torch.set_num_threads(1)
+    logging.getLogger("sdc_forensics.recorder").setLevel(logging.ERROR)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        found = train(rank, world, str(Path(out_dir, "trace")), str(Path(out_dir, "checkpoints")), **kwargs)
+    finally:
+        dist.destroy_process_group()
+    write_atomic(Path(out_dir, "demo", f"rank-{rank}.json"), json.dumps(found))
+
+
+def run_demo(
+    out_dir: str | Path,
+    injections: tuple[str, ...],
+    *,
+    steps: int = 12,
+    checkpoint_every: int = 4,
+    policy: str = "continue",
+    seed: int = 0,
+) -> dict:
+    """``sdc-forensics demo --parallel tp``: the job on 4 gloo processes (DP 2 x TP 2); returns rank
+    0's findings. The trace is ``OUT/trace``, checkpoint ``N`` ``OUT/checkpoints/step-N`` (8 digits)."""
+    import json
+    import socket
+
+    from sdc_forensics.demo import forked
+    from sdc_forensics.errors import UsageError
+
+    out = Path(out_dir)
+    if (out / "trace" / "manifest.json").exists():
+        raise UsageError(f"{out} already holds a demo trace: pass another --out, or remove it")
+    (out / "demo").mkdir(parents=True, exist_ok=True)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    kwargs = {
+        "steps": steps,
+        "checkpoint_every": checkpoint_every,
+        "policy": policy,
+        "inject": tuple(injections),
+        "seed": seed,
+    }
+    forked.start(_demo_rank, (DP * TP, port, str(out), kwargs), DP * TP)
+    return json.loads((out / "demo" / "rank-0.json").read_text())
