@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
+from numba import types
+from numba.extending import intrinsic
 
 # constants.BLOCK_WORDS: numba freezes module globals at compile time
 BLOCK_WORDS = 1024
@@ -229,3 +231,133 @@ def finish(y, y64, q, q64, alpha):
     for i in range(BLOCK_ELEMS):
         total += q64[i]
     return sketch, total
+
+
+# ---------------------------------------------------------------- many tensors in one call
+# A list of tensors is handed over as their addresses and sizes (a numba typed list of arrays
+# costs microseconds per element to build); each is read through a C array made on its address.
+
+
+def _pointer_to(item_type):
+    """An intrinsic turning an int64 address into a ``CPointer(item_type)`` (for ``nb.carray``)."""
+
+    @intrinsic
+    def at(typingctx, address):
+        sig = types.CPointer(item_type)(types.int64)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(types.CPointer(item_type)))
+
+        return sig, codegen
+
+    return at
+
+
+_f32_at = _pointer_to(types.float32)
+_f64_at = _pointer_to(types.float64)
+_u16_at = _pointer_to(types.uint16)
+
+
+@nb.njit(**_jit)
+def _reset(y, y64, q, q64, mx, lanes):
+    y[:] = 0
+    y64[:] = 0
+    q[:] = 0
+    q64[:] = 0
+    mx[:] = 0
+    lanes[:] = 0
+
+
+@nb.njit(**_jit)
+def _piece(values, second, n, num_blocks):
+    """The first or ``second`` piece of one tensor's pass, as ``cpu_kernel.partials`` cuts it:
+    its whole tiles, then the rest zero-padded to a tile. Returns ``(rows x BLOCK_ELEMS grid, its
+    words, digest blocks, first row, first block)``; an empty grid when the piece is empty."""
+    element = values.itemsize
+    main_rows = n // (TILE_ROWS * BLOCK_ELEMS) * TILE_ROWS
+    main_blocks = main_rows * BLOCK_ELEMS * element // (4 * BLOCK_WORDS)
+    if not second:
+        part = values[: main_rows * BLOCK_ELEMS]
+        blocks, row_base, first = min(main_blocks, num_blocks), 0, 0
+    else:
+        rest = n - main_rows * BLOCK_ELEMS
+        part = np.zeros(TILE_ROWS * BLOCK_ELEMS if rest else 0, dtype=values.dtype)
+        part[:rest] = values[main_rows * BLOCK_ELEMS : n]
+        blocks = max(0, num_blocks - main_blocks)
+        row_base, first = main_rows, main_blocks if blocks else 0
+    return part.reshape((part.size // BLOCK_ELEMS, BLOCK_ELEMS)), part.view(np.int32), blocks, row_base, first
+
+
+@nb.njit(**_jit)
+def _one_direct(values, n, num_blocks, a, b, c, c2, beta, alpha, y, y64, q, q64, mx, lanes, pairs):
+    """One float32 or float64 tensor's pass; returns ``(sketch, sumsq)``, ``lanes`` and ``mx`` hold the rest."""
+    _reset(y, y64, q, q64, mx, lanes)
+    for second in (False, True):
+        grid, words, blocks, row, first = _piece(values, second, n, num_blocks)
+        if grid.shape[0]:
+            per_tile = TILE_ROWS * BLOCK_ELEMS * values.itemsize // (4 * BLOCK_WORDS)
+            run_direct(
+                grid, words, blocks, per_tile, row, a, b, c[first:], c2[first:], beta[row:],
+                y, y64, q, q64, mx, lanes, pairs,
+            )  # fmt: skip
+    return finish(y, y64, q, q64, alpha)
+
+
+@nb.njit(**_jit)
+def _one_widened(values, is_f16, n, num_blocks, a, b, c, c2, beta, alpha, tile, y, y64, q, q64, mx, lanes, pairs):
+    """:func:`_one_direct` for 16-bit bits."""
+    _reset(y, y64, q, q64, mx, lanes)
+    for second in (False, True):
+        grid, words, blocks, row, first = _piece(values, second, n, num_blocks)
+        if grid.shape[0]:
+            per_tile = TILE_ROWS * BLOCK_ELEMS * 2 // (4 * BLOCK_WORDS)
+            run_widened(
+                grid, is_f16, words, blocks, per_tile, row, a, b, c[first:], c2[first:], beta[row:],
+                tile, y, y64, q, q64, mx, lanes, pairs,
+            )  # fmt: skip
+    return finish(y, y64, q, q64, alpha)
+
+
+@nb.njit(**_jit)
+def _many(kind, addresses, sizes, block_offsets, digest_offsets, with_digest, a, b, c, c2, beta, alpha):
+    """Every tensor's lanes ``(T, 2)``, sketch ``(T, k)``, sum of squares and max |x| ``(T,)``."""
+    count, k = addresses.size, alpha.shape[1]
+    lanes_out = np.zeros((count, 2), dtype=np.uint64)
+    sketch_out = np.zeros((count, k))
+    sumsq_out = np.zeros(count)
+    max_out = np.zeros(count)
+    y = np.zeros((k, BLOCK_ELEMS), dtype=beta.dtype)
+    y64 = np.zeros((k, BLOCK_ELEMS))
+    q = np.zeros(BLOCK_ELEMS, dtype=beta.dtype)
+    q64 = np.zeros(BLOCK_ELEMS)
+    mx = np.zeros(BLOCK_ELEMS, dtype=beta.dtype)
+    lanes = np.zeros(2, dtype=np.uint64)
+    tile = np.empty((TILE_ROWS, BLOCK_ELEMS), dtype=np.float32)
+    pairs = np.empty((TILE_ROWS, BLOCK_ELEMS), dtype=beta.dtype)
+    for t in range(count):
+        n = sizes[t]
+        offset, digest_offset = block_offsets[t], digest_offsets[t]
+        beta_t, c_t, c2_t = beta[offset:], c[digest_offset:], c2[digest_offset:]
+        if kind == 0:
+            values32 = nb.carray(_f32_at(addresses[t]), (n,))
+            blocks = -(-n * 4 // (4 * BLOCK_WORDS)) if with_digest else 0
+            sketch, sumsq = _one_direct(
+                values32, n, blocks, a, b, c_t, c2_t, beta_t, alpha, y, y64, q, q64, mx, lanes, pairs
+            )
+        elif kind == 3:
+            values64 = nb.carray(_f64_at(addresses[t]), (n,))
+            blocks = -(-n * 8 // (4 * BLOCK_WORDS)) if with_digest else 0
+            sketch, sumsq = _one_direct(
+                values64, n, blocks, a, b, c_t, c2_t, beta_t, alpha, y, y64, q, q64, mx, lanes, pairs
+            )
+        else:
+            values16 = nb.carray(_u16_at(addresses[t]), (n,))
+            blocks = -(-n * 2 // (4 * BLOCK_WORDS)) if with_digest else 0
+            sketch, sumsq = _one_widened(
+                values16, kind == 2, n, blocks, a, b, c_t, c2_t, beta_t, alpha, tile, y, y64, q, q64, mx, lanes, pairs
+            )
+        lanes_out[t, 0], lanes_out[t, 1] = lanes[0], lanes[1]
+        sketch_out[t] = sketch
+        sumsq_out[t] = sumsq
+        max_out[t] = np.float64(mx.max())
+    return lanes_out, sketch_out, sumsq_out, max_out

@@ -594,6 +594,99 @@ def fingerprint_async(
     return pending
 
 
+def fingerprints_async(
+    tensors,
+    *,
+    k: int = C.DEFAULT_SKETCH_K,
+    seed: int = C.DEFAULT_SEED,
+    block_offsets=None,
+    with_digest: bool = True,
+    digest_block_offsets=None,
+) -> list[PendingFingerprint]:
+    """:func:`fingerprint_async` of each of ``tensors`` (the same numbers), in one kernel call per
+    dtype where the compiled CPU kernel runs: a model's parameters, a bucket's or a shard group's
+    pieces cost what one tensor of their total size costs, not a Python call each.
+
+    Args:
+        tensors: the tensors, any devices and dtypes (those the CPU kernel does not take, and
+            those on other devices, go through :func:`fingerprint_async` one by one).
+        k, seed, with_digest: as :func:`fingerprint`, for all of them.
+        block_offsets, digest_block_offsets: per tensor (default all 0), as :func:`fingerprint`'s.
+
+    Returns:
+        One :class:`PendingFingerprint` per tensor, in order (:func:`resolve` them together).
+    """
+    tensors = list(tensors)
+    offsets = [0] * len(tensors) if block_offsets is None else [int(o) for o in block_offsets]
+    digest_offsets = [0] * len(tensors) if digest_block_offsets is None else [int(o) for o in digest_block_offsets]
+    if len(offsets) != len(tensors) or len(digest_offsets) != len(tensors):
+        raise ValueError("block_offsets and digest_block_offsets need one entry per tensor")
+    out: list[PendingFingerprint | None] = [None] * len(tensors)
+    # dtype name -> (indices, flat tensors) that the compiled kernel takes in one call
+    batches: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
+    compiled: dict[torch.dtype, bool] = {}
+    for index, tensor in enumerate(tensors):
+        flat = tensor.detach().reshape(-1)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        if flat.dtype not in compiled and flat.device.type == "cpu":
+            compiled[flat.dtype] = kernel_path(flat.device, flat.dtype) == "numba-cpu"
+        if (
+            flat.numel()
+            and flat.device.type == "cpu"
+            and compiled[flat.dtype]
+            and digest_offsets[index] >= 0
+            # 16-bit words at an odd element offset: fingerprint_async copies them first
+            and flat.data_ptr() % max(4, flat.element_size()) == 0
+        ):
+            indices, flats = batches.setdefault(str(flat.dtype).removeprefix("torch."), ([], []))
+            indices.append(index)
+            flats.append(flat)
+            continue
+        out[index] = fingerprint_async(
+            flat,
+            k=k,
+            seed=seed,
+            block_offset=offsets[index],
+            with_digest=with_digest,
+            digest_block_offset=digest_offsets[index],
+        )
+    for name, (indices, flats) in batches.items():
+        _note_path(torch.device("cpu"), "numba-cpu")
+        arrays = [f.view(torch.int16).numpy().view(np.uint16) if f.element_size() == 2 else f.numpy() for f in flats]
+        try:
+            parts = cpu_kernel.partials_many(
+                arrays,
+                name,
+                k=k,
+                seed=seed,
+                block_offsets=[offsets[i] for i in indices],
+                with_digest=with_digest,
+                digest_block_offsets=[digest_offsets[i] for i in indices],
+            )
+        except Exception as exc:  # noqa: BLE001 - a broken compiled path must not lose the answer
+            _compiled_failed(exc)
+            parts = None
+        for position, (index, flat) in enumerate(zip(indices, flats)):
+            if parts is None:
+                out[index] = fingerprint_async(
+                    flat,
+                    k=k,
+                    seed=seed,
+                    block_offset=offsets[index],
+                    with_digest=with_digest,
+                    digest_block_offset=digest_offsets[index],
+                )
+                continue
+            part = parts[position]
+            pending = PendingFingerprint(
+                numel=flat.numel(), num_bytes=flat.numel() * flat.element_size(), seed=seed, with_digest=with_digest
+            )
+            pending.done = _assemble(pending, part.lanes, part.sketch, part.sumsq, part.max_abs, part.nonfinite)
+            out[index] = pending
+    return out  # type: ignore[return-value]
+
+
 def resolve(pending: list[PendingFingerprint]) -> list[Fingerprint]:
     """The fingerprints of :func:`fingerprint_async` calls, with one host transfer per device."""
     by_device: dict[torch.device, list[int]] = {}

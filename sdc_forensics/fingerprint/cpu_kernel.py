@@ -226,6 +226,71 @@ def partials(
     )
 
 
+_KINDS = {"float32": 0, "bfloat16": 1, "float16": 2, "float64": 3}
+
+
+def partials_many(
+    arrays: list[np.ndarray],
+    dtype_name: str,
+    *,
+    k: int,
+    seed: int,
+    block_offsets: list[int],
+    with_digest: bool,
+    digest_block_offsets: list[int],
+) -> list[Partials]:
+    """:func:`partials` of several flat arrays of one dtype in one compiled call: the same numbers
+    as one call per array (the same loops in the same order, run from the kernel over the arrays'
+    addresses), without the tens of microseconds of Python each call costs.
+
+    Args:
+        arrays: 1-D, C-contiguous, each as :func:`partials` takes it and aligned to 4 bytes
+            (a 16-bit view at an odd element offset goes through :func:`partials`).
+        block_offsets, digest_block_offsets: per array, as :func:`partials`'.
+
+    Raises:
+        RuntimeError: the kernel is not available (check :func:`available` first).
+    """
+    module, reason = _loops()
+    if module is None:
+        raise RuntimeError(reason)
+    if not arrays:
+        return []
+    element = arrays[0].dtype.itemsize
+    acc = np.float64 if arrays[0].dtype == np.float64 else np.float32
+    sizes = np.array([a.size for a in arrays], dtype=np.int64)
+    offsets = np.array(block_offsets, dtype=np.int64)
+    digest_offsets = np.array(digest_block_offsets, dtype=np.int64)
+    rows = -(-np.maximum(sizes, 1) // C.BLOCK_ELEMS)
+    blocks = -(-sizes * element // _BLOCK_BYTES)
+    beta = _beta(int((offsets + rows).max()) + TILE_ROWS, k, seed, acc)
+    weights = int((digest_offsets + np.maximum(blocks, 1)).max())
+    a, b = _word_weights(seed)
+    c, c2 = _block_weights(weights, seed, False), _block_weights(weights, seed, True)
+    addresses = np.array([a_.ctypes.data for a_ in arrays], dtype=np.int64)
+    lanes, sketch, sumsq, max_abs = module._many(
+        _KINDS[dtype_name], addresses, sizes, offsets, digest_offsets, with_digest, a, b, c, c2, beta, _alpha(k, seed)
+    )
+    out = []
+    for index, values in enumerate(arrays):
+        total, largest, nonfinite = float(sumsq[index]), float(max_abs[index]), 0
+        # NaN/Inf present, or x * x overflowed: counted as partials() counts them
+        if not (math.isfinite(total) and math.isfinite(largest)):
+            nonfinite = _count_nonfinite(values, dtype_name)
+            if nonfinite:
+                largest = math.nan if _has_nan(values, dtype_name) else math.inf
+        out.append(
+            Partials(
+                lanes=(int(lanes[index, 0]), int(lanes[index, 1])),
+                sketch=sketch[index],
+                sumsq=total,
+                max_abs=largest,
+                nonfinite=nonfinite,
+            )
+        )
+    return out
+
+
 def warm_up(dtype_names=("float32", "bfloat16", "float64")) -> bool:
     """Compile (or load from numba's cache) the loops for these dtypes on numpy zeros: no torch
     operator runs, so a fork server may call this before it forks (``demo/_preload.py``).
@@ -241,6 +306,15 @@ def warm_up(dtype_names=("float32", "bfloat16", "float64")) -> bool:
             seed=C.DEFAULT_SEED,
             block_offset=0,
             with_digest=True,
+        )
+        partials_many(
+            [np.zeros(C.BLOCK_ELEMS + 1, dtype=dtype)],
+            name,
+            k=C.DEFAULT_SKETCH_K,
+            seed=C.DEFAULT_SEED,
+            block_offsets=[0],
+            with_digest=True,
+            digest_block_offsets=[0],
         )
     digest_lanes(np.zeros(8, dtype=np.uint8))
     return True

@@ -10,8 +10,8 @@ What the recorder asks of a layout (``layout.py``), for ``DistributedDataParalle
   all-reduce check (each rank's reduced sketch against the mean of every rank's local sketch,
   and the reduced digests' vote): ``checks.check_nonfinite`` and ``checks.check_allreduce`` on
   the gathered words;
-* the weights: every parameter's digest, norm and NaN/Inf count in one kernel pass per parameter
-  and one host transfer; every rank votes in one group;
+* the weights: every parameter's digest, norm and NaN/Inf count in one kernel call over all
+  parameters (on CPU; one pass per parameter on a GPU) and one host transfer; every rank votes in one group;
 * audits recompute on the module itself; checkpoints are one file written by a rank of the
   majority (``checkpointing.WholeFileSaver``).
 
@@ -236,12 +236,13 @@ def _weights(params: list[torch.nn.Parameter], seed: int) -> tuple[int, float, i
     """``(digest, L2 norm, NaN/Inf count)`` of the parameters, from one pass and one host transfer.
 
     Each parameter's digest, sum of squares and NaN/Inf count come from the one-pass kernel
-    (``k=1``: the sketch is not used); the digest equals ``weights_digest(named_parameters)``.
+    (``k=1``: the sketch is not used), every parameter in one call of it on CPU; the digest
+    equals ``weights_digest(named_parameters)``.
     """
     if not params:
         return combine_digests([]), 0.0, 0
     with torch.no_grad():
-        done = fp_core.resolve([fp_core.fingerprint_async(p, k=1, seed=seed) for p in params])
+        done = fp_core.resolve(fp_core.fingerprints_async(params, k=1, seed=seed))
     value = combine_digests([fp.digest for fp in done])
     total = float(np.sqrt(sum(fp.norm * fp.norm for fp in done)))
     return value, total, int(sum(fp.nonfinite for fp in done))

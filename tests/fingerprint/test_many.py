@@ -1,0 +1,102 @@
+"""``core.fingerprints_async``: many tensors in one compiled call give each tensor's own numbers.
+
+Each batched fingerprint is held, bit for bit, to the numpy reference (``reference.digest_bytes``
+and ``reference.sketch_stats_in_kernel_order``, the kernel's order of roundings stated in numpy),
+and to the one-tensor path; the batch mixes dtypes, sizes around every row, tile and block edge,
+sketch and digest block offsets, views (odd storage offsets, strides), NaN/Inf, empty tensors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sdc_forensics.fingerprint import core, cpu_kernel, reference
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernel.available()[0], reason=f"compiled CPU kernel unavailable: {cpu_kernel.available()[1]}"
+)
+
+SIZES = [1, 3, 1023, 1024, 1025, 2049, 8191, 8192, 8193, 3 * 8192 + 1000]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.int16).numpy().view(np.uint16) if t.element_size() == 2 else t.numpy()
+
+
+def _same_bits(a, b) -> bool:
+    """Equal bit for bit, any NaN equal to any NaN."""
+    a, b = np.atleast_1d(np.asarray(a, dtype=np.float64)), np.atleast_1d(np.asarray(b, dtype=np.float64))
+    both_nan = np.isnan(a) & np.isnan(b)
+    return a.shape == b.shape and bool(np.all(both_nan | (a.view(np.int64) == b.view(np.int64))))
+
+
+def _batch(seed: int) -> list[torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    tensors = []
+    for index, numel in enumerate(SIZES * 2):
+        dtype = DTYPES[(index + seed) % len(DTYPES)]
+        values = torch.from_numpy(rng.standard_normal(numel + 70) * 10.0 ** rng.uniform(-3, 3)).to(dtype)
+        kind = index % 3
+        # a plain tensor, a view at an odd storage offset, a strided view
+        if kind == 0:
+            tensors.append(values[:numel].clone())
+        elif kind == 1:
+            tensors.append(values[1 : 1 + numel])
+        else:
+            tensors.append(torch.cat([values, values])[: 2 * numel : 2])
+    tensors[4][7] = float("nan")
+    tensors[9][0] = float("inf")
+    tensors.append(torch.zeros(0))
+    return tensors
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("k", [1, 8])
+def test_batched_equals_reference_and_one_by_one(seed, k):
+    tensors = _batch(seed)
+    rng = np.random.default_rng(100 + seed)
+    offsets = [int(o) for o in rng.integers(0, 3000, len(tensors))]
+    # a digest is finished only from block 0 (a piece's lanes add, fingerprint/shards.py): half from there
+    digest_offsets = [int(o) if i % 2 else 0 for i, o in enumerate(rng.integers(0, 40, len(tensors)))]
+    many = core.resolve(
+        core.fingerprints_async(
+            tensors, k=k, seed=seed + 11, block_offsets=offsets, digest_block_offsets=digest_offsets
+        )
+    )
+    assert len(many) == len(tensors)
+    for fp, t, offset, digest_offset in zip(many, tensors, offsets, digest_offsets):
+        flat = t.contiguous().reshape(-1)
+        wide = flat.float() if flat.element_size() == 2 else flat
+        sketch, sumsq, max_abs, nonfinite = reference.sketch_stats_in_kernel_order(wide.numpy(), k, seed + 11, offset)
+        if digest_offset == 0:
+            assert fp.digest == reference.digest_bytes(_bits(flat), seed + 11)
+        assert _same_bits(fp.sketch, sketch)
+        assert _same_bits(fp.norm, np.sqrt(sumsq))
+        assert _same_bits(fp.max_abs, max_abs)
+        assert fp.nonfinite == nonfinite and fp.numel == t.numel()
+        one = core.fingerprint(t, k=k, seed=seed + 11, block_offset=offset, digest_block_offset=digest_offset)
+        assert fp.lanes == one.lanes
+
+
+def test_without_digest_and_defaults():
+    tensors = _batch(5)[:6]
+    many = core.resolve(core.fingerprints_async(tensors, with_digest=False))
+    for fp, t in zip(many, tensors):
+        one = core.fingerprint(t, with_digest=False)
+        assert fp.digest == 0 and fp.lanes is None
+        assert _same_bits(fp.sketch, one.sketch) and _same_bits(fp.norm, one.norm)
+
+
+def test_offsets_must_match_the_tensors():
+    with pytest.raises(ValueError, match="one entry per tensor"):
+        core.fingerprints_async([torch.ones(3)], block_offsets=[0, 1])
+
+
+def test_torch_path_when_kernels_are_off(monkeypatch):
+    tensors = _batch(2)[:5]
+    expected = [core.fingerprint(t).digest for t in tensors]
+    monkeypatch.setenv(cpu_kernel.KERNELS_ENV, "off")
+    assert [fp.digest for fp in core.resolve(core.fingerprints_async(tensors))] == expected
