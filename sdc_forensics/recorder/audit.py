@@ -275,6 +275,45 @@ def _verdict(step: int, dispute: Recomputation, breaker: int | None, tiebreaks: 
     )
 
 
+#: the bytes one rank may spend on a sharded job's audit (binary suffixes, as ``SDC_FORENSICS_REPLAY_MEMORY``);
+#: unset: the device's free memory when the Recorder is built
+AUDIT_BUDGET_ENV = "SDC_FORENSICS_AUDIT_MEMORY"
+
+
+def sharded_audit_bytes(params: list[torch.Tensor]) -> int:
+    """What an audit of a sharded job materialises on every rank for its length (0 for a DDP job,
+    whose audits recompute on the job's own module): the recipe's whole model, the whole parameters
+    all-gathered into it (``FSDPLayout.audit_module``), the recomputation's whole gradients
+    (``torch.autograd.grad``), three times the parameters' whole bytes, plus the replay's activation
+    allowance (``replay/memory.py``)."""
+    from sdc_forensics.replay.memory import activation_allowance
+
+    if not any(hasattr(p, "full_tensor") for p in params):
+        return 0
+    whole = sum(p.numel() * p.element_size() for p in params)
+    return 3 * whole + activation_allowance(whole)
+
+
+def audit_refusal(options: Any, params: list[torch.Tensor], device: torch.device) -> str | None:
+    """The one line a Recorder with audits on a sharded job refuses with when a rank cannot hold the
+    audit's whole model (:func:`sharded_audit_bytes`) within ``SDC_FORENSICS_AUDIT_MEMORY`` (else
+    the device's free memory); None when it fits, when audits are off or the budget is unknown."""
+    from sdc_forensics.replay.memory import device_budget, human
+
+    if not (options.audit_every or options.audit_steps):
+        return None
+    need = sharded_audit_bytes(params)
+    budget, source = device_budget(str(device), env=AUDIT_BUDGET_ENV)
+    if not need or budget is None or need <= budget:
+        return None
+    return (
+        f"audits of this sharded job recompute a rank's microbatches on a whole copy of the model: "
+        f"{human(need)} per rank for the audit's length, more than {human(budget)} ({source}); record without "
+        f"audit_every/audit_steps (the sharded replay recomputes every rank offline: sdc-forensics certify under "
+        f"torchrun), or raise {AUDIT_BUDGET_ENV}"
+    )
+
+
 class Auditor:
     """A recorder's audits: which steps are due, the recipe they recompute with (loaded at the
     first), and the run itself on the module its layout lends (``Layout.audit_module``).
@@ -284,6 +323,12 @@ class Auditor:
         options: the recorder's options (``audit_every``, ``audit_steps``, fingerprint settings).
         rank, nodes, group, device: this rank, every rank's node, the group, the model's device.
     """
+
+    @staticmethod
+    def refusal(recorder: Any) -> str | None:
+        """:func:`audit_refusal` of a Recorder being built (its options, parameters, device): it is
+        checked with the layout's own refusals, on every rank together, before the trace opens."""
+        return audit_refusal(recorder.options, recorder.params, recorder.device)
 
     def __init__(
         self,

@@ -141,7 +141,7 @@ class Recorder:
             inject=inject,
             framework=framework,
         )
-        self._gather_identities(self.layout.validate(self._job()))
+        self._gather_identities(self.layout.validate(self._job()) or Auditor.refusal(self))
         declared = self.layout.declared_grad_dtype()
         if self.options.grad_dtype is None and declared:
             self.options = dataclasses.replace(self.options, grad_dtype=declared)

@@ -83,11 +83,11 @@ def human(n: float) -> str:
     return f"{n:.1f} TiB"  # pragma: no cover
 
 
-def device_budget(device: str = "cpu") -> tuple[int | None, str]:
-    """``(bytes per process, where it comes from)``: the environment variable, else the device's free memory."""
-    text = os.environ.get(BUDGET_ENV, "").strip()
+def device_budget(device: str = "cpu", env: str = BUDGET_ENV) -> tuple[int | None, str]:
+    """``(bytes per process, where it comes from)``: the environment variable ``env``, else the device's free memory."""
+    text = os.environ.get(env, "").strip()
     if text:
-        return parse_bytes(text), BUDGET_ENV
+        return parse_bytes(text, env), env
     if device.split(":")[0] == "cuda":
         try:
             import torch
@@ -259,7 +259,6 @@ def plan_from_infos(infos, manifest, param_names=(), *, device: str = "cpu", che
     mesh = manifest.parallel
     reduce_itemsize = _ITEMSIZE.get(mesh.reduce_dtype, 0) if mesh is not None and mesh.reduce_dtype else 0
     reduce_itemsize = reduce_itemsize or max(1, params_bytes // max(numel, 1))
-    activations = os.environ.get(ACTIVATIONS_ENV, "").strip()
     budget, source = device_budget(device)
     return MemoryPlan(
         numel=numel,
@@ -269,14 +268,20 @@ def plan_from_infos(infos, manifest, param_names=(), *, device: str = "cpu", che
         optimizer_assumed=assumed,
         reduce_itemsize=reduce_itemsize,
         world_size=int(manifest.world_size),
-        activations=parse_bytes(activations, ACTIVATIONS_ENV)
-        if activations and activations != "0"
-        else (0 if activations == "0" else max(MIN_ACTIVATIONS, params_bytes // 4)),
+        activations=activation_allowance(params_bytes),
         budget=budget,
         budget_source=source,
         sharded=mesh is not None,
         checkpoint=checkpoint,
     )
+
+
+def activation_allowance(params_bytes: int) -> int:
+    """``SDC_FORENSICS_REPLAY_ACTIVATIONS`` bytes ("0": none), else a quarter of the parameters' bytes, at least 64 MiB."""
+    text = os.environ.get(ACTIVATIONS_ENV, "").strip()
+    if text == "0":
+        return 0
+    return parse_bytes(text, ACTIVATIONS_ENV) if text else max(MIN_ACTIVATIONS, params_bytes // 4)
 
 
 def plan_checkpoint(path, manifest, param_names=(), *, device: str = "cpu") -> MemoryPlan | None:
