@@ -72,6 +72,8 @@ class _Step:
 
 def supported(mesh, trace) -> str:
     """Why this trace cannot be replayed sharded yet ("" when it can)."""
+    if mesh.kind not in ("fsdp", "hsdp"):
+        return f"a {mesh.kind} job (tensor parallelism) is not replayed sharded"
     if mesh.shard_dim != len(mesh.shape) - 1:
         return "a mesh whose shard dimension is not the last is not replayed sharded"
     if mesh.reduce_dtype or mesh.param_dtype:
