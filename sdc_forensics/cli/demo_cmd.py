@@ -63,11 +63,11 @@ from sdc_forensics.cli.output import emit_json, err
 )
 @click.option(
     "--parallel",
-    type=click.Choice(["ddp", "fsdp", "hsdp"]),
+    type=click.Choice(["ddp", "fsdp", "hsdp", "tp"]),
     default="ddp",
     show_default=True,
-    help="How the 4 processes split the model: DDP replicas, FSDP2 shards (fully_shard), or HSDP (2 replicas "
-    "x 2 shards). Sharded locations: local-gradient, reduce-scatter-output, all-reduce-output (hsdp), all-gather-output, weights, "
+    help="How the 4 processes split the model: DDP replicas, FSDP2 shards (fully_shard), HSDP (2 replicas "
+    "x 2 shards), or tensor parallel 2 x FSDP2 2 (a transformer, sequence parallel). Sharded locations: local-gradient, reduce-scatter-output, all-reduce-output (hsdp), all-gather-output, weights, "
     "update, input.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the ground truth as JSON on stdout.")
@@ -126,7 +126,7 @@ def _sharded_demo(
     threads: str | None,
     as_json: bool,
 ) -> None:
-    """``--parallel fsdp|hsdp``: the sharded job (``demo/sharded.py``), then what to run next."""
+    """``--parallel fsdp|hsdp|tp``: the sharded job (``demo/sharded.py``, ``demo/tp.py``), then what to run next."""
     from sdc_forensics.demo import sharded
     from sdc_forensics.errors import UsageError
     from sdc_forensics.inject import FSDP_LOCATIONS, LOCATIONS, parse_spec
@@ -153,12 +153,18 @@ def _sharded_demo(
             raise UsageError(f"fault spec {text!r}: step must be in 0..{steps - 1} and rank in 0..3")
     err.print(
         f"[bold]sdc-forensics demo[/]: 4 processes on CPU, {parallel.upper()} "
-        f"({'mesh 4' if parallel == 'fsdp' else 'mesh 2 replicas x 2 shards'}), {steps} steps, DCP checkpoints every "
+        f"({ {'fsdp': 'mesh 4', 'hsdp': 'mesh 2 replicas x 2 shards', 'tp': 'mesh 2 dp x 2 tp'}[parallel] }), {steps} steps, "
+        f"DCP checkpoints every "
         f"{checkpoint_every}; fault: {', '.join(texts) or 'none'}"
     )
-    found = sharded.run_demo(
-        out_dir, parallel, tuple(texts), steps=steps, checkpoint_every=checkpoint_every, policy=policy
-    )
+    if parallel == "tp":
+        from sdc_forensics.demo import tp
+
+        found = tp.run_demo(out_dir, tuple(texts), steps=steps, checkpoint_every=checkpoint_every, policy=policy)
+    else:
+        found = sharded.run_demo(
+            out_dir, parallel, tuple(texts), steps=steps, checkpoint_every=checkpoint_every, policy=policy
+        )
     for alarm in found["alarms"][:3]:
         who = f"rank {alarm['rank']}" if alarm["rank"] >= 0 else "no single rank"
         err.print(f"online check fired: {alarm['check']} at step {alarm['step']}, {who}")
