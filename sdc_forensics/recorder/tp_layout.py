@@ -68,7 +68,8 @@ def is_tensor_parallel(model: Any) -> bool:
         mesh = getattr(p, "device_mesh", None)
         if mesh is not None:
             names = tuple(mesh.mesh_dim_names or ())
-            return any(n in TP_NAMES or n in _NOT_BUILT for n in names)
+            # HSDP's dp_replicate alone is FsdpLayout's; with tp, this layout refuses it
+            return any(n in TP_NAMES or (n in _NOT_BUILT and n != "dp_replicate") for n in names)
     return False
 
 
