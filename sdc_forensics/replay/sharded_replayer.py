@@ -235,17 +235,19 @@ class ShardedReplayer(Replayer):
             loss.backward()
             total += float(loss.detach())
             batches.append(batch)
-        grads = []
+        # each parameter's unsharded gradient copied into one flat vector and freed at once: one whole
+        # gradient held, not two
+        flat = torch.empty(self._starts[-1], dtype=self.param_dtype, device=self.device)
         for i, fp in enumerate(self._fsdp):
             g = fp.unsharded_accumulated_grad if fp.unsharded_accumulated_grad is not None else fp._unsharded_param.grad
-            grads.append(
-                torch.zeros(self._shapes[i], dtype=self.param_dtype, device=self.device)
-                if g is None
-                else g.detach().reshape(self._shapes[i]).clone()
-            )
+            piece = flat[self._starts[i] : self._starts[i + 1]]
+            if g is None:
+                piece.zero_()
+            else:
+                piece.copy_(g.detach().reshape(-1))
             fp.unsharded_accumulated_grad = None
             fp._unsharded_param.grad = None
-        flat = torch.cat([g.reshape(-1) for g in grads])
+            del g
         inputs = combine_digests([d for batch in batches for d in tensor_digests(batch, self.seed)])
         return total, flat, inputs
 
@@ -280,25 +282,33 @@ class ShardedReplayer(Replayer):
                 "input": inputs,
                 "fp": self.fp_of([flat]),
             }
-            received = self._all_to_all(flat)
-            for q in range(k):
-                rr = j * k + q
-                if rr >= W:
-                    break
-                rep = replica_of[rr]
-                term = torch.mul(received[q].to(acc_dtype), scales[rep])
-                partial[rep] = term if rep not in partial else partial[rep].add_(term)
-                added[rep] += 1
-                # replicas complete in replica order fold into the mean of the replicas'
-                while folded < len(replicas) and added[folded] == len(replicas[folded]):
-                    mean = partial.pop(folded)
-                    if len(replicas) > 1:
-                        mean = torch.mul(mean.to(self.param_dtype).to(acc_dtype), outer)
-                        mean = mean if total is None else total.add_(mean)
-                    total, folded = mean, folded + 1
+            members = [(q, j * k + q) for q in range(k) if j * k + q < W]
+            for rep in {replica_of[rr] for _, rr in members} - set(partial):
+                partial[rep] = torch.empty(self._acc_starts[-1], dtype=acc_dtype, device=self.device)
+            # one parameter at a time: the exchange holds one parameter's rows, not the whole gradient's
+            for i in range(len(self._shapes)):
+                received, held = self._all_to_all(flat, i), self._acc_slice(i)
+                for q, rr in members:
+                    rep = replica_of[rr]
+                    term = torch.mul(received[q].to(acc_dtype), scales[rep])
+                    # the replica's first rank starts its mean; the others add in rank order
+                    if rr == replicas[rep][0]:
+                        partial[rep][held].copy_(term)
+                    else:
+                        partial[rep][held].add_(term)
+                del received
+            for _, rr in members:
+                added[replica_of[rr]] += 1
+            # replicas complete in replica order fold into the mean of the replicas'
+            while folded < len(replicas) and added[folded] == len(replicas[folded]):
+                mean = partial.pop(folded)
+                if len(replicas) > 1:
+                    mean = torch.mul(mean.to(self.param_dtype).to(acc_dtype), outer)
+                    mean = mean if total is None else total.add_(mean)
+                total, folded = mean, folded + 1
             for got in distributed.exchange_objects(mine):
                 results.setdefault(got["rank"], got)
-            del flat, received
+            del flat
         dist.barrier()
         ranks = [
             _Step(
@@ -342,25 +352,20 @@ class ShardedReplayer(Replayer):
         s = self._shapes[i]
         return int(np.prod(s[1:])) if len(s) > 1 else 1
 
-    def _all_to_all(self, flat):
-        """``received[q]``: process ``q``'s recorded rank's gradient, this process's rows of every parameter."""
+    def _all_to_all(self, flat, i):
+        """``received[q]``: process ``q``'s recorded rank's gradient of parameter ``i``, this process's
+        rows of it (FSDP2's ``Shard(0)`` cut over ``k``: the processes' rows in order are the whole
+        parameter, so the send buffer is the parameter's slice of ``flat`` itself)."""
         import torch.distributed as dist
 
-        k = self.k_proc
-        sends = []
-        for q in range(k):
-            parts = []
-            for i, s in enumerate(self._shapes):
-                first, stop = shard_rows(s[0] if s else 1, q, k)
-                per = self._per_row(i)
-                parts.append(flat[self._starts[i] + first * per : self._starts[i] + stop * per])
-            sends.append(torch.cat(parts))
-        mine = sends[self.me].numel()
+        k, per, rows = self.k_proc, self._per_row(i), self._shapes[i][0] if self._shapes[i] else 1
+        sizes = [(stop - first) * per for first, stop in (shard_rows(rows, q, k) for q in range(k))]
+        mine = sizes[self.me]
         out = torch.empty(k * mine, dtype=flat.dtype, device=flat.device)
         dist.all_to_all_single(
-            out, torch.cat(sends), output_split_sizes=[mine] * k, input_split_sizes=[t.numel() for t in sends]
+            out, flat[self._starts[i] : self._starts[i + 1]], output_split_sizes=[mine] * k, input_split_sizes=sizes
         )
-        return out.view(k, mine) if mine else out.view(k, 0)
+        return out.view(k, mine)
 
     def _recorded_pieces(self, values_of, k: int):
         """Per recorded shard ``c`` (of ``W``): the pieces this process holds of it, of the flat vector

@@ -74,3 +74,28 @@ def test_local_gradient_fault_found_as_by_one_process(jobs):
         assert rc == 1 and doc["verdict"] == one["verdict"] == "corruption"
         assert _evidence(doc) == _evidence(one)
         assert ("replay_mismatch", FAULT[1], (FAULT[2],), "local_compute") in _evidence(doc)
+
+
+def test_a_model_that_needs_four_processes_is_certified_on_four(jobs, monkeypatch):
+    """A per-process budget (30 KiB, the memory plan's estimate) that the whole model's replay and a
+    replay on 2 processes exceed: one process and 2 processes are refused up front (exit 2, one
+    line naming 4 processes), 4 processes certify, each planned under the limit."""
+    budget = {memory.BUDGET_ENV: "30K", memory.ACTIVATIONS_ENV: "0"}
+    for name, value in budget.items():
+        monkeypatch.setenv(name, value)
+    plan = memory.plan_trace(jobs["clean"])
+    assert plan.processes_needed() == 4 and plan.per_process(4) <= plan.budget < plan.per_process(2)
+    for k in (1, 2):
+        if k == 1:
+            result = CliRunner().invoke(cli, ["bisect", str(jobs["clean"]), "--json"])
+            rc, err = result.exit_code, result.output
+        else:
+            args = ["-m", "sdc_forensics", "bisect", str(jobs["clean"]), "--json"]
+            rc, _, err, _ = torchrun(k, args, timeout_s=240, env=budget)
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        # the CLI's exit 2 (torchrun itself exits 1 when its workers fail)
+        assert (
+            rc in ((2,) if k == 1 else (1, 2)) and errors and all("it needs 4 processes" in line for line in errors)
+        ), err[-2000:]
+    rc, doc = _bisect(jobs["clean"], 4, env=budget)
+    assert rc == 0 and doc["verdict"] == "clean" and "x 4 processes (sharded)" in json.dumps(doc)
