@@ -28,8 +28,20 @@ rank-step, 12 timed pairs; every timed step starts and ends with ``torch.cuda.sy
 (CPU time then includes the host spinning in it, so on a GPU the wall figure is the one to read). Goal on a GPU:
 <= 1 % (issue 11); on CPU <= 2 %. Nothing is downloaded: the model and data are synthetic.
 
+A job that looks like a real one (``--model gpt``, issue 37): the nanoGPT-shaped transformer of
+``nanogpt_job.py`` (``--shape 2x64|4x128|3x256``: 0.12 M, 0.83 M, 2.45 M parameters; tied head,
+AdamW, 2 microbatches of ``--rows`` x 64 tokens accumulated, ``clip_grad_norm_``) under DDP,
+FSDP2 or HSDP (``--parallel``) on ``--world-size`` gloo processes, one thread each. Bare and
+recorded models live in the same process group and steps alternate between them (pairs in
+alternating order, a barrier before each); the figure is the median over every rank's pairs
+of ``recorded / bare`` step time (wall, and the process's CPU time), then the median over
+``--runs``. ``--deferred`` records with ``deferred_checks=True``, ``--weights-every N`` votes
+every N steps, ``--profile`` prints rank 0's cProfile of the recorded steps (by own time).
+
 Usage::
 
+    python benchmarks/bench_overhead.py --model gpt [--shape 2x64] [--parallel ddp|fsdp|hsdp] [--world-size 2]
+        [--steps 12] [--runs 3] [--deferred] [--weights-every 1] [--profile] [--json]
     python benchmarks/bench_overhead.py [--device cpu|cuda] [--quick] [--json] [--runs N]
         [--steps 15] [--audit-steps 3] [--width W] [--layers L] [--rows R] [--world-size W] [--backend auto|gloo|nccl]
 
@@ -235,7 +247,18 @@ def _measure(rank: int, setting: Setting, device: torch.device, out: str, trace_
         )
 
 
-def _gpt_rank(rank: int, trace_dir: str, shape: str, parallel: str, warmup: int, steps: int, rows: int, profile: bool):
+def _gpt_rank(
+    rank: int,
+    trace_dir: str,
+    shape: str,
+    parallel: str,
+    warmup: int,
+    steps: int,
+    rows: int,
+    profile: bool,
+    deferred: bool = False,
+    weights_every: int = 1,
+):
     """One rank of ``--model gpt``: the nanoGPT-shaped job bare and recorded, steps alternating
     (pairs in alternating order, a barrier before each step); returns this rank's step times
     (or, with ``profile``, rank 0's cProfile of the recorded steps)."""
@@ -262,7 +285,8 @@ def _gpt_rank(rank: int, trace_dir: str, shape: str, parallel: str, warmup: int,
         model, _, _ = job.build()
         model = gpt.shard(model, mesh) if mesh is not None else DistributedDataParallel(model)
         models[kind], optimizers[kind] = model, gpt.make_optimizer(model)
-    rec = Recorder(trace_dir, models["recorded"], optimizers["recorded"], options=RecorderOptions())
+    options = RecorderOptions(deferred_checks=deferred, weights_every=weights_every)
+    rec = Recorder(trace_dir, models["recorded"], optimizers["recorded"], options=options)
     times: dict[str, list[float]] = {"recorded": [], "bare": []}
     cpu: dict[str, list[float]] = {"recorded": [], "bare": []}
     profiler = cProfile.Profile() if profile and rank == 0 else None
@@ -317,6 +341,8 @@ def run_gpt(args: argparse.Namespace) -> dict:
                 args.steps,
                 args.rows,
                 args.profile,
+                args.deferred,
+                args.weights_every,
             )
         profile = found[0].get("profile", profile)
         ratio = {
@@ -335,6 +361,7 @@ def run_gpt(args: argparse.Namespace) -> dict:
     return {
         "model": f"nanoGPT {args.shape} ({gpt.parameters_of(layers, width):,} params, tied head, AdamW, clip 1.0)",
         "parallel": args.parallel,
+        "options": f"deferred_checks={args.deferred}, weights_every={args.weights_every}",
         "world_size": args.world_size or 2,
         "microbatches": f"{gpt.MICROBATCHES} x {args.rows} x {gpt.CONTEXT} tokens per rank-step",
         "pairs_per_rank_per_run": args.steps,
@@ -493,6 +520,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", choices=("2x64", "4x128", "3x256"), default="2x64", help="gpt: layers x width")
     parser.add_argument("--parallel", choices=("ddp", "fsdp", "hsdp"), default="ddp", help="gpt: how it is spread")
     parser.add_argument("--profile", action="store_true", help="gpt: print rank 0's cProfile of the recorded steps")
+    parser.add_argument(
+        "--deferred", action="store_true", help="gpt: RecorderOptions(deferred_checks=True) (gathers in the background)"
+    )
+    parser.add_argument("--weights-every", type=int, default=1, help="gpt: RecorderOptions(weights_every=N)")
     parser.add_argument("--quick", action="store_true", help="fewer timed steps, no audit (under a minute on 2 cores)")
     parser.add_argument(
         "--runs", type=int, default=1, help="independent runs; figures are the median of their paired figures"
@@ -584,7 +615,7 @@ def main_gpt(args: argparse.Namespace) -> None:
         print(json.dumps(result, indent=2, sort_keys=True))
         return
     print(
-        f"{result['model']}, {result['parallel']}, {result['world_size']} gloo ranks: recorded / bare "
+        f"{result['model']}, {result['parallel']}, {result['world_size']} gloo ranks, {result['options']}: recorded / bare "
         f"{result['wall_ratio']:.3f} wall, {result['cpu_ratio']:.3f} CPU (median of {args.runs} run(s) x "
         f"{args.steps} pairs x {result['world_size']} ranks), bare step {result['bare_ms']} ms"
     )

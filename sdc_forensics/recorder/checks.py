@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from sdc_forensics.errors import SdcAlarm
 from sdc_forensics.fingerprint import tolerance
 from sdc_forensics.recorder.options import Choice
 
@@ -325,3 +326,18 @@ def check_weights(step: int, digests: np.ndarray) -> tuple[Finding | None, Major
     """Replica weight digests after the update: a replica outside the strict majority is the suspect."""
     vote = strict_majority(np.asarray(digests).astype(np.uint64))
     return replica_weights_finding(step, vote, len(digests)), vote
+
+
+def alarm_of(finding: Finding, identities: Sequence, trace_dir) -> SdcAlarm:
+    """The exception a finding raises under policy ``raise``: what fired, the suspect rank with its
+    host and GPU (``identities``: every rank's, by rank), where the trace is and what to run next."""
+    ident = identities[finding.rank] if 0 <= finding.rank < len(identities) else None
+    where = f"rank {finding.rank} on host {ident.host} ({ident.gpu})" if ident else "no single rank (see detail)"
+    return SdcAlarm(
+        f"{finding.check} check fired at step {finding.step}: {finding.detail}. Suspect: {where}. "
+        f"The trace is in {trace_dir}; next, run: sdc-forensics bisect {trace_dir}",
+        step=finding.step,
+        rank=finding.rank,
+        host=ident.host if ident else "",
+        check=finding.check,
+    )

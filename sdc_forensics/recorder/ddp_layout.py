@@ -82,6 +82,10 @@ def communicating_hook(comm_hook: Callable | None, reduction: Reduction) -> Call
 class DdpLayout(Layout):
     """``DistributedDataParallel``: whole replicas, a comm hook per bucket (see the module)."""
 
+    #: its checks may run a step later on what was gathered (``RecorderOptions.deferred_checks``):
+    #: they read nothing but the step's state and the tap's dtype, no collective of their own
+    deferrable = True
+
     def __init__(
         self,
         ddp_model: torch.nn.parallel.DistributedDataParallel,

@@ -73,6 +73,12 @@ class RecorderOptions:
             left to right, ``sdc_forensics/reduction.py``: any replay, on any device, reproduces
             the reduced gradient bit for bit, so a GPU job can be certified; docs/recorder.md
             gives its cost).
+        deferred_checks: launch the recorder's own gathers (the failure exchange's words, the
+            weights vote) in the background and resolve them when the next step begins, so that
+            none blocks the step (DDP; audited steps and checkpoints stay synchronous). The
+            trace is the same, its STEP record written a step later; the policy acts a step
+            late: under ``raise`` the alarm comes from the next ``begin_step`` (or from
+            ``checkpoint``/``close``), after the flagged step's update. docs/recorder.md.
     """
 
     policy: Policy | str = Policy.RAISE
@@ -88,6 +94,7 @@ class RecorderOptions:
     start_step: int = 0
     fsync: bool = False
     reduction: Reduction | str = Reduction.NATIVE
+    deferred_checks: bool = False
 
     def __post_init__(self) -> None:
         if self.reduction not in REDUCTIONS:

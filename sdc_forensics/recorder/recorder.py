@@ -27,6 +27,8 @@ close. What depends on how the model is spread over the ranks it asks its *layou
 
 The host synchronisations a step costs (at most 5 with NCCL, 3 with gloo, none depending on the
 number of buckets, parameters or microbatches) are listed in docs/recorder.md, "Host syncs per step".
+Its own two gathers (``exchange.py``) block the step unless ``deferred_checks`` launches them in
+the background and settles the step (checks, alarms, STEP record) when the next one begins.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sdc_forensics.errors import SdcAlarm, SdcError, UsageError
+from sdc_forensics.errors import SdcAlarm, UsageError
 from sdc_forensics.fingerprint.core import warm_up
 from sdc_forensics.inject import FaultSpec, Injector, parse_spec
 from sdc_forensics.recipe import check_recipe_args
@@ -52,6 +54,7 @@ from sdc_forensics.recorder import checks, records
 from sdc_forensics.recorder.audit import Auditor
 from sdc_forensics.recorder.checkpointing import save_checkpoint, site_of, warn_unreplayable
 from sdc_forensics.recorder.ddp_layout import DdpLayout
+from sdc_forensics.recorder.exchange import Pending, WordExchange, digest_words, digests_of, raise_if_failed
 from sdc_forensics.recorder.exit import brace_for_alarm_exit
 from sdc_forensics.recorder.fsdp_layout import FsdpLayout, is_fully_sharded
 from sdc_forensics.recorder.identity import gather_identities
@@ -141,7 +144,11 @@ class Recorder:
             inject=inject,
             framework=framework,
         )
-        self._gather_identities(self.layout.validate(self._job()) or Auditor.refusal(self))
+        # every rank's identity and what it found wrong, in one collective: all ranks refuse together
+        problem = self.layout.validate(self._job()) or Auditor.refusal(self)
+        self.identities, self.nodes = gather_identities(
+            self.rank, self.device, self.group, problem, self.options.node_of_rank
+        )
         declared = self.layout.declared_grad_dtype()
         if self.options.grad_dtype is None and declared:
             self.options = dataclasses.replace(self.options, grad_dtype=declared)
@@ -179,7 +186,9 @@ class Recorder:
         self.world_size = dist.get_world_size(self.group)
         self.params = list(self.module.parameters())
         self.device = local_tensor(self.params[0]).device if self.params else torch.device("cpu")
-        self._comm_device = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        self.exchange = WordExchange(self.group, self.world_size, self.device)
+        # a step whose exchanges were launched in the background (deferred_checks), not yet resolved
+        self._unsettled: StepState | None = None
         # compile (or load from numba's disk cache) the fingerprint kernel now, not in step 1's hook
         warm_up(
             self.device,
@@ -212,12 +221,6 @@ class Recorder:
             device=self.device,
             injector=self.injector,
             current=lambda: self._state,
-        )
-
-    def _gather_identities(self, problem: str | None) -> None:
-        """Every rank's identity and what it found wrong, in one collective: all ranks refuse together."""
-        self.identities, self.nodes = gather_identities(
-            self.rank, self.device, self.group, problem, self.options.node_of_rank
         )
 
     def _open_trace(self) -> None:
@@ -267,6 +270,7 @@ class Recorder:
         """Start step ``step`` (the explicit form of :meth:`step`)."""
         if self._state is not None:
             raise UsageError(f"step {self._state.step} was not ended before step {step} began; call end_step()")
+        self._settle()
         state = StepState(
             step=int(step), ids=tuple(int(i) for i in microbatch_ids) if microbatch_ids is not None else None
         )
@@ -283,11 +287,13 @@ class Recorder:
     def end_step(self) -> None:
         """Write the STEP record of the current step."""
         state = self._require_state()
-        if not state.written:
+        if not state.written and state.pending is None:
             self._write_step(state)
         self._abandon_step()
 
     def _abandon_step(self) -> None:
+        if self._state is not None and self._state.pending is not None:
+            self._unsettled = self._state
         self._state = None
         self.layout.end_step()
 
@@ -308,32 +314,27 @@ class Recorder:
         failure: BaseException | None = None
         try:
             self.layout.read_gradients(state)
-            self._note_layout(state.step)
+            records.note_layout(self._layouts, state.step, self)
         except Exception as exc:  # noqa: BLE001 - the other ranks must learn it, or they wait forever
             failure = exc
         status = -1 if failure is not None else int(state.local is not None and state.reduced is not None)
-        table = self._exchange(self.layout.words(state), status, failure, state.step)
+        words = np.append(np.asarray(self.layout.words(state), dtype=np.int64), np.int64(status))
+        # resolved when the next step begins (an audited step cannot wait: it is checked now)
+        if self._defers(state):
+            state.pending = Pending(words=self.exchange.launch(words), failure=failure)
+            return None
+        table = self.exchange.gather(words)
+        raise_if_failed(table, failure, state.step)
         findings = self.layout.check(state, table[:, :-1], table[:, -1] > 0)
         if findings is None:
             return None
-        findings += self.auditor.audit_step(
-            state, lambda: self._loss_value(state), self.layout.audit_module, self.writer
-        )
+        findings += self.auditor.audit_step(state, state.summed_loss, self.layout.audit_module, self.writer)
         self._react(state, findings)
         return None
 
-    def _exchange(self, words: np.ndarray, status: int, failure: BaseException | None, step: int) -> np.ndarray:
-        """Every rank's ``words`` and status (-1: it failed; 0: no gradients; 1: both read) as a
-        ``(W, n + 1)`` table; when any rank failed, every rank raises (the one that failed, its error)."""
-        table = self._all_gather_words(np.append(np.asarray(words, dtype=np.int64), np.int64(status)))
-        failed = np.flatnonzero(table[:, -1] < 0)
-        if failed.size:
-            if failure is not None:
-                raise failure
-            raise SdcError(
-                f"the recorder failed on rank(s) {', '.join(str(int(r)) for r in failed)} at step {step}; see their logs"
-            )
-        return table
+    def _defers(self, state: StepState) -> bool:
+        deferrable = getattr(self.layout, "deferrable", False)
+        return self.options.deferred_checks and deferrable and not self.auditor.due(state.step)
 
     def _after_update(self, optimizer, args, kwargs) -> None:
         """The updated weights digested and, on the steps that compare them, voted."""
@@ -346,21 +347,43 @@ class Recorder:
         state.weights = self.layout.weights()
         state.flags |= int(F.Flag.HAS_WEIGHTS)
         self.layout.settled(state.weights[0])
-        if self.options.compares_weights(state.step):
+        if self.options.compares_weights(state.step) and state.pending is not None:
+            state.pending.vote = self.exchange.launch(digest_words(state.weights[0]))
+        elif self.options.compares_weights(state.step):
             findings, votes = self._vote_weights(state.step, state.weights[0])
-            self.last_weights_vote = (state.step, state.weights[0], checks.overall(votes, self.rank))
-            state.flags |= int(F.Flag.WEIGHTS_CHECKED) | checks.own_weights_flag(votes, self.rank)
+            self._note_vote(state, votes)
             self._react(state, findings)
         return None
 
+    def _note_vote(self, state: StepState, votes: list[checks.GroupVote]) -> None:
+        self.last_weights_vote = (state.step, state.weights[0], checks.overall(votes, self.rank))
+        state.flags |= int(F.Flag.WEIGHTS_CHECKED) | checks.own_weights_flag(votes, self.rank)
+
+    def _settle(self, *, act: bool = True) -> None:
+        """A deferred step's checks on what its background exchanges gathered: the same flags,
+        alarms and STEP record as at once, a step later; the policy acts now (``act``: raise)."""
+        state, self._unsettled = self._unsettled, None
+        if state is None:
+            return
+        pending, state.pending = state.pending, None
+        table, vote = pending.words.table(), pending.vote.table() if pending.vote is not None else None
+        raise_if_failed(table, pending.failure, state.step)
+        findings = self.layout.check(state, table[:, :-1], table[:, -1] > 0) or []
+        if vote is not None:
+            votes = checks.vote_within(digests_of(vote), self.layout.replica_groups())
+            findings += self.layout.weights_findings(state.step, votes)
+            self._note_vote(state, votes)
+        self._react(state, findings, act=act)
+        if not state.written:
+            self._write_step(state)
+
     def _vote_weights(self, step: int, digest: int) -> tuple[list[checks.Finding], list[checks.GroupVote]]:
         """The weights vote after ``step`` within the layout's replica groups (a collective)."""
-        table = self._all_gather_words(np.array([digest], dtype=np.uint64).view(np.int64))[:, 0].view(np.uint64)
-        votes = checks.vote_within(table, self.layout.replica_groups())
+        votes = checks.vote_within(digests_of(self.exchange.gather(digest_words(digest))), self.layout.replica_groups())
         return self.layout.weights_findings(step, votes), votes
 
     # ---------------------------------------------------------------- checks and alarms
-    def _react(self, state: StepState | None, findings: list[checks.Finding]) -> None:
+    def _react(self, state: StepState | None, findings: list[checks.Finding], *, act: bool = True) -> None:
         """Record findings as ALARM records; raise if the policy says so (after writing the step, if any)."""
         if not findings:
             return
@@ -373,22 +396,10 @@ class Recorder:
             self.alarms.append(finding)
             if self.rank == 0:
                 log.warning("sdc-forensics: %s check fired at step %d: %s", finding.check, finding.step, finding.detail)
-        if self.options.policy == Policy.RAISE:
+        if self.options.policy == Policy.RAISE and act:
             if state is not None and not state.written:
                 self._write_step(state)
-            raise self._alarm(findings[0])
-
-    def _alarm(self, finding: checks.Finding) -> SdcAlarm:
-        ident = self.identities[finding.rank] if 0 <= finding.rank < self.world_size else None
-        where = f"rank {finding.rank} on host {ident.host} ({ident.gpu})" if ident else "no single rank (see detail)"
-        return SdcAlarm(
-            f"{finding.check} check fired at step {finding.step}: {finding.detail}. Suspect: {where}. "
-            f"The trace is in {self.trace_dir}; next, run: sdc-forensics bisect {self.trace_dir}",
-            step=finding.step,
-            rank=finding.rank,
-            host=ident.host if ident else "",
-            check=finding.check,
-        )
+            raise checks.alarm_of(findings[0], self.identities, self.trace_dir)
 
     # ---------------------------------------------------------------- checkpoints
     def checkpoint(
@@ -415,6 +426,8 @@ class Recorder:
         Returns:
             The :class:`~sdc_forensics.trace.checkpoints.CheckpointNote` (on every rank).
         """
+        # the last step's vote, resolved: the checkpoint reuses it
+        self._settle()
         if not self._checkpointed and self.rank == 0:
             first = self._first_step if self._first_step is not None else self.options.start_step
             warn_unreplayable(self.trace_dir, first, int(step))
@@ -427,29 +440,8 @@ class Recorder:
         return findings, checks.overall(votes, self.rank)
 
     # ---------------------------------------------------------------- helpers
-    def _all_gather_words(self, words: np.ndarray) -> np.ndarray:
-        """``(W, n)`` int64 table of every rank's ``(n,)`` words."""
-        tensor = torch.from_numpy(np.ascontiguousarray(words, dtype=np.int64)).to(self._comm_device)
-        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(out, tensor, group=self.group)
-        return torch.stack(out).cpu().numpy()
-
-    @staticmethod
-    def _loss_value(state: StepState) -> float:
-        """The step's summed loss, read from the device once (:meth:`StepState.summed_loss`)."""
-        return state.summed_loss()
-
-    def _note_layout(self, step: int) -> None:
-        """The gradient's buckets, written when they change (DDP rebuilds them after its first step)."""
-        buckets = self.layout.buckets()
-        if not buckets or (self._layouts and self._layouts[-1]["buckets"] == buckets):
-            return
-        self._layouts.append({"from_step": step, "buckets": buckets})
-        if self.rank == 0:
-            records.write_layouts(self.trace_dir, self.attempt, self._layouts)
-            seen = self.layout.seen_grad_dtype()
-            if self.options.grad_dtype is None and seen and len(self._layouts) == 1:
-                records.update_grad_dtype(self.trace_dir, seen)
+    #: the step's summed loss, read from the device once (:meth:`StepState.summed_loss`)
+    _loss_value = staticmethod(StepState.summed_loss)
 
     def _write_step(self, state: StepState) -> None:
         # no optimizer step ran (no pre-hook): pull the inputs' digests, read its thread count now
@@ -471,18 +463,26 @@ class Recorder:
                 called while one propagates (from a ``finally`` block or an ``except`` clause).
                 The END record says so; readers report the run as stopped early.
         """
+        if on_error is None:
+            on_error = sys.exc_info()[0] is not None
+        deferred: BaseException | None = None
+        # the last deferred step's checks and STEP record (its alarm raised after the trace ends)
+        try:
+            self._settle(act=not on_error)
+        except Exception as exc:  # noqa: BLE001 - raised below, once the trace file is ended
+            deferred, on_error = exc, True
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self.layout.uninstall()
-        if on_error is None:
-            on_error = sys.exc_info()[0] is not None
         try:
             self.writer.finish(last_step=self._last_step_written, num_steps=self._steps_written, on_error=on_error)
         # the disk is gone: nothing more to say, and the caller's exception matters more
         except OSError as exc:
             log.warning("sdc-forensics: could not end the trace file %s: %s", self.writer.path, exc)
             self.writer.close()
+        if deferred is not None:
+            raise deferred
 
     def __enter__(self) -> "Recorder":
         return self

@@ -146,6 +146,21 @@ def write_layouts(trace_dir: Path, attempt: int, layouts: list[dict]) -> Path:
     return write_bucket_layouts(trace_dir, attempt, layouts)
 
 
+def note_layout(layouts: list[dict], step: int, rec) -> None:
+    """The gradient's buckets as of ``step``, appended to ``layouts`` (the recorder's) and written
+    by rank 0 when they change: DDP rebuilds them after its first step. The first layout seen
+    gives the manifest the gradient's dtype when the options did not."""
+    buckets = rec.layout.buckets()
+    if not buckets or (layouts and layouts[-1]["buckets"] == buckets):
+        return
+    layouts.append({"from_step": step, "buckets": buckets})
+    if rec.rank == 0:
+        write_layouts(rec.trace_dir, rec.attempt, layouts)
+        seen = rec.layout.seen_grad_dtype()
+        if rec.options.grad_dtype is None and seen and len(layouts) == 1:
+            update_grad_dtype(rec.trace_dir, seen)
+
+
 def ids_digest(ids) -> int:
     """Digest of the microbatch IDs as an int64 array (``microbatch_digest``)."""
     return digest_bytes(np.asarray(list(ids), dtype="<i8"))

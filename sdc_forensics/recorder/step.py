@@ -49,6 +49,8 @@ class StepState:
     loss_value: float | None = None
     loss_value_count: int = 0
     written: bool = False
+    # deferred checks: the step's exchanges in flight (``exchange.Pending``), resolved when the next step begins
+    pending: Any = None
 
     def resolve_inputs(self, resolved: list[Fingerprint] | None = None) -> None:
         """Move pending input digests into ``input_digests`` (``resolved``: already pulled to the
