@@ -76,6 +76,8 @@ from sdc_forensics.demo.run import train_step
 
 MICROBATCHES = 2
 GOAL_PCT = {"cpu": 2.0, "cuda": 1.0}  # issue 11: <= 2 % CPU time on CPU, <= 1 % on a GPU
+#: issue 37's recorded / bare goals for --model gpt, by (sharded, shape)
+GPT_GOALS = {(False, "4x128"): 1.02, (False, "2x64"): 1.05, (True, "3x256"): 1.05, (True, "2x64"): 1.15}
 
 
 class BenchRecipe:
@@ -268,6 +270,7 @@ def _gpt_rank(
 
     import nanogpt_job as gpt
 
+    import sdc_forensics
     from sdc_forensics.recorder import Recorder, RecorderOptions
 
     world_size = dist.get_world_size()
@@ -285,7 +288,8 @@ def _gpt_rank(
         model, _, _ = job.build()
         model = gpt.shard(model, mesh) if mesh is not None else DistributedDataParallel(model)
         models[kind], optimizers[kind] = model, gpt.make_optimizer(model)
-    options = RecorderOptions(deferred_checks=deferred, weights_every=weights_every)
+    # (an older checkout, measured for comparison, has no deferred_checks)
+    options = RecorderOptions(**({"deferred_checks": True} if deferred else {}), weights_every=weights_every)
     rec = Recorder(trace_dir, models["recorded"], optimizers["recorded"], options=options)
     times: dict[str, list[float]] = {"recorded": [], "bare": []}
     cpu: dict[str, list[float]] = {"recorded": [], "bare": []}
@@ -316,14 +320,15 @@ def _gpt_rank(
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
         return {"times": times, "cpu": cpu, "profile": text.getvalue()}
-    return {"times": times, "cpu": cpu}
+    return {"times": times, "cpu": cpu, "code": str(Path(sdc_forensics.__file__).parent)}
 
 
 def run_gpt(args: argparse.Namespace) -> dict:
     """``--model gpt``: every run's recorded / bare figures (median of per-pair ratios over all ranks)."""
     import nanogpt_job as gpt
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    # appended: a PYTHONPATH naming another checkout of sdc_forensics (a before/after run) keeps precedence
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
     from tests.factories import gloo_job
 
     layers, width = gpt.SHAPES[args.shape]
@@ -363,6 +368,7 @@ def run_gpt(args: argparse.Namespace) -> dict:
         "parallel": args.parallel,
         "options": f"deferred_checks={args.deferred}, weights_every={args.weights_every}",
         "world_size": args.world_size or 2,
+        "code": sorted({f.get("code", "") for f in found}),
         "microbatches": f"{gpt.MICROBATCHES} x {args.rows} x {gpt.CONTEXT} tokens per rank-step",
         "pairs_per_rank_per_run": args.steps,
         "wall_ratio": round(statistics.median(r["wall_ratio"] for r in runs), 4),
@@ -612,14 +618,18 @@ def main_gpt(args: argparse.Namespace) -> None:
     result = run_gpt(args)
     profile = result.pop("profile")
     if args.json:
-        print(json.dumps(result, indent=2, sort_keys=True))
+        goal = GPT_GOALS.get((args.parallel != "ddp", args.shape))
+        name = f"recorder_gpt_{args.parallel}_{args.shape}_w{result['world_size']}_ratio"
+        figure = {"value": result["wall_ratio"], "unit": "x bare (wall)", "goal": goal, "goal_op": "<="}
+        figure |= {"met": bool(goal is None or result["wall_ratio"] <= goal), "detail": result}
+        print(json.dumps({name: figure}, indent=2, sort_keys=True))
         return
     print(
         f"{result['model']}, {result['parallel']}, {result['world_size']} gloo ranks, {result['options']}: recorded / bare "
         f"{result['wall_ratio']:.3f} wall, {result['cpu_ratio']:.3f} CPU (median of {args.runs} run(s) x "
         f"{args.steps} pairs x {result['world_size']} ranks), bare step {result['bare_ms']} ms"
     )
-    print(f"machine: {result['machine']}, load {result['load_average']}")
+    print(f"machine: {result['machine']}, load {result['load_average']}, sdc_forensics from {result['code']}")
     if profile:
         print(profile)
 

@@ -34,6 +34,12 @@ BENCHMARKS: list[tuple[str, list[str], list[str]]] = [
     ("bench_fingerprint.py", ["--quick", "--threads", "1"], ["--threads", "1", "--sizes-mb", "64", "256"]),
     ("bench_trace_scan.py", ["--quick"], ["--ranks", "1024", "--steps", "20000"]),
     ("bench_overhead.py", ["--quick", "--steps", "8"], []),  # 3 pairs (its own --quick) swing by +-10 points
+    # issue 37: the nanoGPT-shaped job under DDP (its goal-sized run: 4 layers x 128, 3 runs of 12 pairs)
+    (
+        "bench_overhead.py",
+        ["--model", "gpt", "--shape", "2x64", "--steps", "8"],
+        ["--model", "gpt", "--shape", "4x128", "--runs", "3"],
+    ),
     ("bench_replay.py", ["--quick"], []),
     ("bench_verify.py", ["--quick"], []),
     (
