@@ -63,7 +63,7 @@ from sdc_forensics.recorder.options import Policy, RecorderOptions
 from sdc_forensics.recorder.rng_watch import RngWatch
 from sdc_forensics.recorder.step import StepRecording, StepState
 from sdc_forensics.recorder.threads import ThreadWatch
-from sdc_forensics.recorder.tp_layout import TpLayout, is_tensor_parallel
+from sdc_forensics.recorder.tp_layout import TpLayout, is_tensor_parallel, not_recorded
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace.writer import RankTraceWriter
 
@@ -74,16 +74,14 @@ _StepState = StepState
 
 
 def make_layout(model: Any, comm_hook: Callable | None = None, comm_state: Any = None) -> Layout:
-    """The layout of ``model``: FSDP2/HSDP for a ``fully_shard`` model, DDP for a
-    ``DistributedDataParallel`` one (a new layout is one more line here)."""
+    """The layout of ``model``: a Layout as is (DeepSpeed's), FSDP2/HSDP/TP for ``fully_shard``, or DDP."""
+    if isinstance(model, Layout):
+        return model
     if is_fully_sharded(model):
         return (TpLayout if is_tensor_parallel(model) else FsdpLayout)(model, comm_hook, comm_state)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return DdpLayout(model, comm_hook, comm_state)
-    raise UsageError(
-        "Recorder needs the DistributedDataParallel-wrapped model, or a model sharded by fully_shard "
-        "(got a bare module?)"
-    )
+    raise UsageError(not_recorded(model))
 
 
 class Recorder:

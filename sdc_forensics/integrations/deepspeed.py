@@ -1,0 +1,149 @@
+"""DeepSpeed: a ``DeepSpeedEngine`` under ZeRO stage 1, 2 or 3, recorded in two lines.
+
+::
+
+    from sdc_forensics.integrations import deepspeed as sdc
+
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    rec = sdc.record(engine, "trace", recipe="myjob:recipe")      # every rank
+    for step in range(num_steps):
+        with rec.step(step, microbatch_ids=ids) as s:
+            loss = loss_fn(engine, s.input(batch))
+            engine.backward(loss)
+            s.loss(loss)
+            engine.step()
+        if (step + 1) % every == 0:
+            sdc.checkpoint(rec, engine, step + 1, f"ckpt/step-{step + 1}.pt")
+
+What it does (``docs/integrations.md``, "DeepSpeed"): the ordinary
+:class:`~sdc_forensics.recorder.Recorder` on the engine, with the layout of
+``recorder/deepspeed_layout.py`` (the local gradient from a tensor hook before ZeRO's reduction,
+the reduced gradient gathered whole, the weights after ``engine.step()`` gathered under ZeRO 3),
+and ``engine.step`` made the optimizer step whose pre- and post-hooks run the checks: the
+recorder's hooks run around DeepSpeed's whole step (its reduction epilogue, its update and, under
+ZeRO 1 and 2, its all-gather of the updated partitions).
+
+:func:`checkpoint` writes what a replay loads, through the recorder (the replicas' vote first):
+``{"model", "optimizer", "step"}`` as ``torch.optim`` keeps it, the model whole and the
+optimizer's state gathered from ZeRO's partitions per parameter
+(``deepspeed.utils.safe_get_full_optimizer_state``); :func:`load_checkpoint` is the recipe's half.
+DeepSpeed's own ``engine.save_checkpoint`` folders are not read: their optimizer files pickle
+DeepSpeed classes that ``weights_only`` refuses (``docs/integrations.md``).
+
+Refused in one line, before anything is written: what ``deepspeed_layout.engine_refusal`` lists
+(fp16/bf16, accumulation, clipping, offload, model parallelism, DeepSpeed's own optimizers).
+Written against DeepSpeed 0.19 (``DS_ACCELERATOR=cpu`` with gloo on CPU).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sdc_forensics.integrations._common import framework_info
+
+
+class _EngineStep(torch.optim.Optimizer):
+    """``engine.step()`` as a torch optimizer, so that the recorder's step pre- and post-hooks run around it."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine_step = engine.step
+        # torch's optimizer wants parameters; the hooks never read them
+        super().__init__([torch.zeros(1, requires_grad=True)], {})
+
+    def step(self, *args, **kwargs):  # noqa: D102 - DeepSpeed's step, hooked
+        return self._engine_step(*args, **kwargs)
+
+
+def record(
+    engine: Any,
+    trace_dir: str | os.PathLike,
+    *,
+    recipe: str,
+    recipe_args: dict[str, Any] | None = None,
+    options: Any = None,
+    inject=(),
+):
+    """Records ``engine``'s steps to ``trace_dir``; every rank calls it after ``deepspeed.initialize``.
+
+    Args:
+        engine: the ``DeepSpeedEngine``.
+        trace_dir: where the trace goes.
+        recipe: ``module:attribute`` of the replay recipe (it rebuilds the module and a torch
+            optimizer with the engine's settings; :func:`load_checkpoint` loads :func:`checkpoint`'s files).
+        recipe_args, options, inject: as :class:`~sdc_forensics.recorder.Recorder`'s (drills:
+            ``grad``, ``input``, ``checkpoint-file``).
+
+    Returns:
+        The :class:`~sdc_forensics.recorder.Recorder`: wrap each step in ``rec.step(...)``; from now
+        on ``engine.step()`` runs the recorder's checks around DeepSpeed's step.
+
+    Raises:
+        UsageError: on every rank alike, what the replay cannot reproduce (one line).
+    """
+    import deepspeed
+
+    from sdc_forensics.recorder import Recorder
+    from sdc_forensics.recorder.deepspeed_layout import DeepSpeedLayout
+
+    proxy = _EngineStep(engine)
+    rec = Recorder(
+        trace_dir,
+        DeepSpeedLayout(engine),
+        proxy,
+        recipe=recipe,
+        recipe_args=recipe_args,
+        options=options,
+        inject=inject,
+        framework={**framework_info("deepspeed", __name__), "version": deepspeed.__version__},
+    )
+    # the engine's own step, now through the hooked one (an attribute of this engine only)
+    engine.step = proxy.step
+    return rec
+
+
+def full_state(engine: Any, step: int) -> dict[str, Any]:
+    """``{"model", "optimizer", "step"}`` of ``engine``, whole, as a torch module and optimizer hold it.
+
+    A collective (ZeRO's partitions are gathered): every rank calls it. The optimizer state is
+    DeepSpeed's torch optimizer's, per parameter, in ``torch.optim.Optimizer.state_dict`` form
+    (parameters numbered in model order, one group: the engine's first).
+    """
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    from sdc_forensics.recorder.deepspeed_layout import gathered_parameters
+
+    params = list(engine.module.parameters())
+    with gathered_parameters(engine):
+        model = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    basic = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    # the flat partition's state: its scalars (AdamW's step) are every parameter's
+    flat = next(iter(basic.state.values()), {})
+    keys = [k for k, v in flat.items() if torch.is_tensor(v) and v.dim() > 0]
+    scalars = {k: v.detach().clone() for k, v in flat.items() if k not in keys}
+    state = {}
+    if flat:
+        for i, p in enumerate(params):
+            # a scalar of its own per parameter: AdamW counts each parameter's step in place
+            state[i] = {k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()}
+            state[i].update({k: safe_get_full_optimizer_state(p, k).detach().clone() for k in keys})
+    group = {k: v for k, v in basic.param_groups[0].items() if k != "params"}
+    optimizer = {"state": state, "param_groups": [{**group, "params": list(range(len(params)))}]}
+    return {"model": model, "optimizer": optimizer, "step": int(step)}
+
+
+def checkpoint(rec: Any, engine: Any, step: int, path: str | os.PathLike):
+    """Checkpoint ``step`` (theta_step) of ``engine`` written to ``path`` through ``rec.checkpoint``
+    (the replicas' vote, the note): :func:`full_state`, one ``torch.save`` file. A collective."""
+    return rec.checkpoint(int(step), Path(path), state=full_state(engine, step))
+
+
+def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The recipe's ``load_checkpoint`` of a :func:`checkpoint` file (no pickle executed)."""
+    state = torch.load(Path(path), map_location="cpu", weights_only=True)
+    model.load_state_dict(state["model"])
+    if state["optimizer"]["state"]:
+        optimizer.load_state_dict(state["optimizer"])
