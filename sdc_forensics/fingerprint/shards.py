@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from sdc_forensics.fingerprint import constants as C
-from sdc_forensics.fingerprint import core
+from sdc_forensics.fingerprint import core, cpu_kernel
 from sdc_forensics.fingerprint.core import Fingerprint
 
 _BLOCK_BYTES = 4 * C.BLOCK_WORDS
@@ -244,8 +244,10 @@ def _end_numbers_numpy(
         x[pos : pos + floats.size] = floats
         x = x.reshape(-1, C.BLOCK_ELEMS)
         first_sketch = sketch_base + first_elem // C.BLOCK_ELEMS
-        beta = C.sketch_block_signs_at(np.arange(first_sketch, first_sketch + x.shape[0]), k, seed)
-        sketch = ((x @ C.sketch_in_block_signs(k, seed).astype(np.float64)) * beta).sum(axis=0)
+        # the kernel's cached tables (the same numbers as C.sketch_block_signs_at and
+        # C.sketch_in_block_signs): a step cuts hundreds of ends, each drew its rows anew
+        beta = cpu_kernel._beta(first_sketch + x.shape[0], k, seed, np.float32)[first_sketch:]
+        sketch = ((x @ cpu_kernel._alpha(k, seed)) * beta).sum(axis=0)
         with np.errstate(over="ignore", invalid="ignore"):
             stats = [np.dot(floats, floats), np.max(np.abs(floats)), np.count_nonzero(~np.isfinite(floats))]
         numbers += [sketch, np.asarray(stats, dtype=np.float64)]
