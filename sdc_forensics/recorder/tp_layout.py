@@ -20,9 +20,12 @@ its checks, the rest check, the failure exchange, checkpoints by DCP) with what 
   equal DP-shard and TP coordinates) vote; a suspect is named with its mesh coordinates
   (``dp=1, tp=0``). The vote of the parameters every rank gathered (pure FSDP's consensus) is
   not run: ranks of different TP coordinates gather different slices.
-* **What is refused, in one line, before anything is written** (:func:`refusal`): a mesh other
-  than ``(dp, tp)`` covering the world (context, expert or pipeline parallel dimensions, HSDP
-  with TP, an unknown dimension name), TP's uneven split of a parameter, a placement other than
+* **What is refused, in one line, before anything is written**: a pipeline stage or schedule
+  (``torch.distributed.pipelining``) handed to the Recorder, by name (:func:`not_recorded`); a
+  mesh other than ``(dp, tp)`` covering the world (context, expert or pipeline parallel
+  dimensions, HSDP with TP, an unknown dimension name), also where the parameters sit on a
+  sub-mesh of such a mesh (its root's dimensions are read: FSDP2 over ``mesh["dp"]`` of a
+  ``(pp, dp)`` mesh is a pipeline job), TP's uneven split of a parameter, a placement other than
   TP's ``Shard(0)``/``Shard(1)``/``Replicate`` and FSDP's dim-0 shard, audits (their
   recomputation on a whole model is not bitwise TP's), mixed precision, and a torch without
   FSDP2's custom reduce-scatter.
@@ -61,13 +64,32 @@ _NOT_BUILT = {
 }
 
 
+def not_recorded(model: Any) -> str:
+    """What ``recorder.make_layout`` says of an object no layout records: a pipeline stage or
+    schedule by name, else that it wants the DDP or ``fully_shard`` model."""
+    if any(c.__module__.startswith("torch.distributed.pipelining") for c in type(model).__mro__):
+        return (
+            f"a {type(model).__name__} (torch.distributed.pipelining: pipeline parallelism) is not recorded yet; the "
+            "recorder records DDP, FSDP2/HSDP and tensor parallel x FSDP2 on a (dp, tp) mesh"
+        )
+    return "Recorder needs the DistributedDataParallel-wrapped model, or a model sharded by fully_shard (got a bare module?)"
+
+
+def mesh_names(mesh: Any) -> tuple[str, ...]:
+    """The dimension names of ``mesh``'s root mesh (a sub-mesh such as ``mesh["dp"]`` keeps its root's
+    other dimensions there), else its own."""
+    root = getattr(mesh, "_get_root_mesh", None)
+    root = root() if root is not None else None
+    return tuple((root if root is not None else mesh).mesh_dim_names or ())
+
+
 def is_tensor_parallel(model: Any) -> bool:
-    """Whether ``model``'s parameters are DTensors on a mesh with a dimension named ``tp`` (or
-    another model-parallel name this layout refuses in one line)."""
+    """Whether ``model``'s parameters are DTensors on a mesh (or a sub-mesh of one) with a dimension
+    named ``tp`` (or another model-parallel name this layout refuses in one line)."""
     for p in model.parameters() if isinstance(model, torch.nn.Module) else ():
         mesh = getattr(p, "device_mesh", None)
         if mesh is not None:
-            names = tuple(mesh.mesh_dim_names or ())
+            names = mesh_names(mesh)
             # HSDP's dp_replicate alone is FsdpLayout's; with tp, this layout refuses it
             return any(n in TP_NAMES or (n in _NOT_BUILT and n != "dp_replicate") for n in names)
     return False
@@ -81,7 +103,8 @@ def tp_mesh_of(params: list[torch.Tensor], world_size: int) -> ShardMesh:
         raise UsageError("some parameters are not DTensors: fully_shard every module over the mesh's dp dimension")
     mesh = placed[0].device_mesh
     names = tuple(mesh.mesh_dim_names or ())
-    other = [n for n in names if n in _NOT_BUILT]
+    # the root's dimensions too: a pipeline or context dimension the parameters' sub-mesh leaves out
+    other = [n for n in mesh_names(mesh) + names if n in _NOT_BUILT]
     if other:
         raise UsageError(
             f"mesh dimension {other[0]!r} ({_NOT_BUILT[other[0]]}): not recorded yet; the recorder records "
@@ -129,6 +152,15 @@ def tp_mesh_of(params: list[torch.Tensor], world_size: int) -> ShardMesh:
     )
 
 
+def tp_mesh_refusal(params: list[torch.Tensor], world_size: int) -> str | None:
+    """:func:`tp_mesh_of`'s refusal line (None where it records the mesh)."""
+    try:
+        tp_mesh_of(params, world_size)
+    except UsageError as exc:
+        return str(exc)
+    return None
+
+
 class TpReduceScatterTap(ReduceScatterTap):
     """FSDP's tap, reading each reduce-scatter input as TP's slice of the local gradient: each
     parameter's rows (the whole TP slice) placed by its box runs in the whole parameter."""
@@ -170,6 +202,9 @@ class TpLayout(FsdpLayout):
     """TP x FSDP2 (see the module); built by ``recorder.make_layout`` for a model whose mesh has a ``tp`` dimension."""
 
     def validate(self, job: Job) -> str | None:
+        names = mesh_names(job.params[0].device_mesh) if job.params else ()
+        if any(n in _NOT_BUILT for n in names):
+            return tp_mesh_refusal(job.params, job.world_size)
         problem = super().validate(job)
         if problem:
             return problem
@@ -183,11 +218,7 @@ class TpLayout(FsdpLayout):
             )
         if self._mixed() or self._param_dtype is not None:
             return "mixed precision (MixedPrecisionPolicy) with tensor parallelism: not recorded yet"
-        try:
-            tp_mesh_of(job.params, job.world_size)
-        except UsageError as exc:
-            return str(exc)
-        return None
+        return tp_mesh_refusal(job.params, job.world_size)
 
     def install(self, job: Job) -> None:
         self.job = job
