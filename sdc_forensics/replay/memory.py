@@ -10,14 +10,25 @@ and the trace (the checkpoint note's parameter names, the manifest's world size 
   is *assumed* to be AdamW's two float32 moments per parameter element, and the plan says so.
 * **one-process replay** (today's path, the whole unsharded model): ``M`` + one whole local
   gradient per recorded rank (the replay keeps every rank's, in the reduction dtype, to reduce them
-  in the recorded order) + the reduced gradient + the activation allowance.
+  in the recorded order) + the reduced gradient + the reduction's temporaries (three whole
+  gradients, measured: ``benchmarks/bench_sharded_replay.py``) + the runtime allowance ``R`` + the
+  activation allowance.
 * **sharded replay on ``k`` processes** (``replay/sharded.py``): ``M / k`` + the ordered
-  reduction's float32 accumulator ``/ k`` + one whole *unsharded* local gradient (FSDP2's
-  accumulation without sync holds it until the replay reads it: the term that does not shrink with
-  ``k`` yet) + the activation allowance.
+  reduction's accumulator ``/ k`` (``reduction.accumulation_dtype``) + what does not shrink with
+  ``k``: one whole *unsharded* local gradient (FSDP2's accumulation without sync holds it until the
+  last microbatch, as the job itself did; the replay reads it into one flat vector parameter by
+  parameter, so the largest parameter's gradient once more) + FSDP2's all-gathered blocks (the group
+  in use and the prefetched next one unsharded, and one all-gather buffer: three times the largest
+  parameter group, from the recorded groups) + ``R`` + the activation allowance.
+* **runtime allowance** ``R`` = 64 MiB: what a replay process holds beside the model (the trace's
+  records, the DCP load's and gloo's buffers; 28-50 MiB measured on the CPU benchmark).
 * **activation allowance** ``A``: ``SDC_FORENSICS_REPLAY_ACTIVATIONS`` bytes, else a quarter of
   the parameters' bytes and at least 64 MiB (a heuristic: a microbatch's activations are not in the
   trace; set it for a large microbatch or long context).
+
+A freed tensor is given back to the system at once (:func:`return_freed_memory`, glibc): otherwise
+glibc's heap keeps the pages of the freed gradient-sized blocks, 100-130 MiB on the benchmark, that
+no plan can predict.
 
 The budget per process is ``SDC_FORENSICS_REPLAY_MEMORY`` (bytes; ``K``/``M``/``G``/``T`` suffixes,
 binary) or the chosen device's free memory (CUDA ``mem_get_info``; CPU ``MemAvailable`` of
@@ -37,6 +48,9 @@ from sdc_forensics.errors import UsageError
 BUDGET_ENV = "SDC_FORENSICS_REPLAY_MEMORY"
 ACTIVATIONS_ENV = "SDC_FORENSICS_REPLAY_ACTIVATIONS"
 MIN_ACTIVATIONS = 64 << 20
+RUNTIME_BYTES = 64 << 20
+#: glibc's initial mmap threshold, kept fixed (mallopt's ``M_MMAP_THRESHOLD`` is -3)
+_MMAP_THRESHOLD, _M_MMAP_THRESHOLD = 128 << 10, -3
 _ITEMSIZE = {
     "float64": 8,
     "float32": 4,
@@ -114,6 +128,10 @@ class MemoryPlan:
         params_bytes, grads_bytes, optimizer_bytes: the whole model's state.
         optimizer_assumed: True when the checkpoint holds no optimizer state (AdamW's two float32 moments assumed).
         reduce_itemsize: bytes per element of a local gradient as reduced.
+        acc_itemsize: bytes per element of the sharded replay's accumulator.
+        largest_group_bytes: the largest FSDP2 parameter group's unsharded bytes (the whole model's
+            parameters when the groups are not known).
+        largest_param_bytes: the largest parameter's bytes.
         world_size: recorded ranks ``W``.
         activations: the activation allowance per process.
         budget: bytes per process (None: unknown, nothing refused); budget_source: where it comes from.
@@ -128,6 +146,9 @@ class MemoryPlan:
     optimizer_assumed: bool
     reduce_itemsize: int
     world_size: int
+    acc_itemsize: int = 4
+    largest_group_bytes: int = 0
+    largest_param_bytes: int = 0
     activations: int
     budget: int | None
     budget_source: str
@@ -139,16 +160,22 @@ class MemoryPlan:
         return self.params_bytes + self.grads_bytes + self.optimizer_bytes
 
     def one_process(self) -> int:
-        """Today's one-process replay: the whole state, every recorded rank's local gradient, the reduced one."""
-        return self.state_bytes + (self.world_size + 1) * self.numel * self.reduce_itemsize + self.activations
+        """Today's one-process replay: the whole state, every recorded rank's local gradient, the reduced
+        one, the reduction's temporaries."""
+        grad = self.numel * self.reduce_itemsize
+        return self.state_bytes + (self.world_size + 1 + 3) * grad + RUNTIME_BYTES + self.activations
 
     def per_process(self, k: int) -> int:
         """Bytes per process of a replay on ``k`` processes (``k`` = 1: :meth:`one_process`)."""
         if k <= 1:
             return self.one_process()
-        return (
-            -(-self.state_bytes // k) + -(-4 * self.numel // k) + self.numel * self.reduce_itemsize + self.activations
-        )
+        shrinking = -(-self.state_bytes // k) + -(-self.acc_itemsize * self.numel // k)
+        return shrinking + self.unsharded_bytes() + RUNTIME_BYTES + self.activations
+
+    def unsharded_bytes(self) -> int:
+        """What a sharded replay process holds whatever ``k``: the whole local gradient, its largest
+        parameter once more (the flat copy), three of the largest group (FSDP2's all-gathers)."""
+        return self.grads_bytes + self.largest_param_bytes + 3 * self.largest_group_bytes
 
     def candidates(self) -> list[int]:
         """Process counts the sharded replay can use: 1, then the divisors of ``W`` (rounds of ``k`` recorded ranks)."""
@@ -257,6 +284,14 @@ def plan_from_infos(infos, manifest, param_names=(), *, device: str = "cpu", che
     if assumed:
         optim_bytes = 2 * 4 * numel
     mesh = manifest.parallel
+    bytes_of = {i.key: numel_of(i) * _ITEMSIZE.get(i.dtype, 4) for i in params}
+    groups = getattr(mesh, "groups", ()) if mesh is not None else ()
+    ordered = [bytes_of.get(n, 0) for n in param_names]
+    if groups and ordered and all(0 <= j < len(ordered) for g in groups for j in g):
+        largest_group = max(sum(ordered[j] for j in g) for g in groups)
+    else:
+        # the groups are not known: the whole model all-gathered at once
+        largest_group = params_bytes
     reduce_itemsize = _ITEMSIZE.get(mesh.reduce_dtype, 0) if mesh is not None and mesh.reduce_dtype else 0
     reduce_itemsize = reduce_itemsize or max(1, params_bytes // max(numel, 1))
     budget, source = device_budget(device)
@@ -268,12 +303,38 @@ def plan_from_infos(infos, manifest, param_names=(), *, device: str = "cpu", che
         optimizer_assumed=assumed,
         reduce_itemsize=reduce_itemsize,
         world_size=int(manifest.world_size),
+        acc_itemsize=max(4, params_bytes // max(numel, 1)),
+        largest_group_bytes=largest_group,
+        largest_param_bytes=max(bytes_of.values()),
         activations=activation_allowance(params_bytes),
         budget=budget,
         budget_source=source,
         sharded=mesh is not None,
         checkpoint=checkpoint,
     )
+
+
+def return_freed_memory() -> None:
+    """Give a freed tensor's pages back to the system at once (glibc; elsewhere nothing).
+
+    glibc raises its mmap threshold to the size of the last freed mapped block (up to 32 MiB), so
+    after the first gradient-sized tensor is freed the next ones come from the heap, whose freed
+    pages stay resident: a replay's resident set then grows by blocks that no longer hold anything
+    (100-130 MiB on ``benchmarks/bench_sharded_replay.py``). A fixed threshold keeps every block
+    over 128 KiB mapped and unmapped when freed. Nothing computed changes.
+    """
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        # not glibc (musl has no mallopt): its own allocator's behaviour stands
+        return
+    mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
 
 
 def activation_allowance(params_bytes: int) -> int:

@@ -6,7 +6,8 @@ whole model does not fit one process (the memory plan, ``replay/memory.py``) or
 ``SDC_FORENSICS_REPLAY_SHARDED=1`` asks for it (``0`` switches it off); otherwise the replay is the
 whole-model one (the whole model on each process), which every sharded layout certifies on. Before
 either, the memory plan refuses (exit 2, one line) a replay whose processes cannot fit the budget,
-naming the processes it needs.
+naming the processes it needs; and a freed tensor's memory is given back to the system at once
+(``memory.return_freed_memory``), so that the plan, which counts live tensors, holds.
 
 The sharded replay (``replay/sharded_replayer.py``) reproduces FSDP and HSDP recorded with the
 ordered reduction in the parameters' dtype, with clipping's total norm as the job's shards computed
@@ -46,6 +47,8 @@ def dispatch(trace, options, device, infos):
     """
     from sdc_forensics.replay import distributed
 
+    # the plan counts live tensors: freed ones must not stay resident (glibc's heap)
+    memory.return_freed_memory()
     names = next((n.param_names for n in trace.checkpoint_notes() if n.step == options.start_step), ())
     plan = memory.plan_from_infos(
         infos, trace.manifest, names, device=str(device), checkpoint=str(options.checkpoint_path)

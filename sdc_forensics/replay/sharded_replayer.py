@@ -181,6 +181,8 @@ class ShardedReplayer(Replayer):
                 local = grad.to_local()
                 local.copy_(acc[self._acc_slice(i)].view_as(local))
                 p.grad = grad
+            # the accumulator is in the gradients now: freed before the next step's rounds allocate theirs
+            del acc
             counts = step_threads(recs)
             values, freq = np.unique(counts[counts > 0], return_counts=True)
             self._use_threads(int(values[np.argmax(freq)]) if len(values) else 0)

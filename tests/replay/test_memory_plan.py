@@ -1,6 +1,6 @@
 """Issue 35, memory planned: a sharded demo job (FSDP over 4 gloo ranks, the demo MLP, SGD with
 momentum) sized from its DCP checkpoint's metadata, and a one-process replay refused up front
-(exit 2, one line naming the processes it needs) under a budget smaller than the model's state."""
+(exit 2, one line naming the processes it needs) under a budget the plan derives for 2 processes."""
 
 from __future__ import annotations
 
@@ -25,15 +25,29 @@ def fsdp_demo(tmp_path_factory) -> Path:
     return out
 
 
-def test_plan_from_the_checkpoint(fsdp_demo, monkeypatch):
-    monkeypatch.setenv(memory.BUDGET_ENV, "60K")
+def _budget_for(trace: Path, k: int, monkeypatch) -> str:
+    """The plan's own estimate for ``k`` processes, as a budget (bytes)."""
+    monkeypatch.delenv(memory.BUDGET_ENV, raising=False)
     monkeypatch.setenv(memory.ACTIVATIONS_ENV, "0")
+    return str(memory.plan_trace(trace).per_process(k))
+
+
+def test_plan_from_the_checkpoint(fsdp_demo, monkeypatch):
+    budget = _budget_for(fsdp_demo / "trace", 2, monkeypatch)
+    monkeypatch.setenv(memory.BUDGET_ENV, budget)
     plan = memory.plan_trace(fsdp_demo / "trace")
     assert plan is not None and plan.sharded and plan.world_size == 4
     assert plan.numel == NUMEL and plan.params_bytes == 4 * NUMEL
     assert plan.optimizer_bytes == 4 * NUMEL and not plan.optimizer_assumed  # SGD momentum, read from the checkpoint
-    assert plan.one_process() == 3 * 4 * NUMEL + 5 * 4 * NUMEL  # state + 4 ranks' local gradients + the reduced one
-    assert plan.per_process(1) > 60 * 1024 >= plan.per_process(2)  # the whole state exceeds the budget, half fits
+    grad = 4 * NUMEL
+    # state + 4 ranks' local gradients + the reduced one + the reduction's three temporaries
+    assert plan.one_process() == 3 * grad + 8 * grad + memory.RUNTIME_BYTES
+    # the recorded groups: Linear(24, 96) and its bias the largest; its weight the largest parameter
+    group = 4 * (24 * 96 + 96)
+    assert plan.largest_group_bytes == group and plan.largest_param_bytes == 4 * 24 * 96
+    # the state and the float32 accumulator halved; the unsharded gradient, its largest parameter, three all-gathers not
+    expected_2 = -(-3 * grad // 2) + -(-grad // 2) + grad + 4 * 24 * 96 + 3 * group + memory.RUNTIME_BYTES
+    assert plan.per_process(2) == expected_2 == plan.budget < plan.one_process()
     assert plan.processes_needed() == 2
     assert "the replay needs 2 processes" in plan.lines()[1]
     flight = preflight.check(read_manifest(fsdp_demo / "trace"), trace_dir=fsdp_demo / "trace")
@@ -51,8 +65,7 @@ def test_optimizer_assumed_when_not_saved(fsdp_demo):
 
 
 def test_one_process_replay_refused(fsdp_demo, monkeypatch):
-    monkeypatch.setenv(memory.BUDGET_ENV, "60K")
-    monkeypatch.setenv(memory.ACTIVATIONS_ENV, "0")
+    monkeypatch.setenv(memory.BUDGET_ENV, _budget_for(fsdp_demo / "trace", 2, monkeypatch))
     result = CliRunner().invoke(
         cli,
         ["bisect", str(fsdp_demo / "trace"), "--no-ledger"]

@@ -20,10 +20,6 @@ from tests.distributed.launch import torchrun
 pytestmark = pytest.mark.heavy  # torchrun launches of 2 and 4 processes, about 2.5 minutes in all
 
 FAULT = ("local-gradient:step=4:rank=2:bit=20", 4, 2)
-SMALL = {
-    memory.BUDGET_ENV: "60K",
-    memory.ACTIVATIONS_ENV: "0",
-}  # the whole model's replay needs 96 KiB, k = 2 needs 36 KiB
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +30,14 @@ def jobs(tmp_path_factory) -> dict[str, Path]:
     run_demo(root / "clean", "fsdp", (), steps=6, checkpoint_every=3)
     run_demo(root / "fault", "fsdp", (FAULT[0],), steps=6, checkpoint_every=3)
     return {"clean": root / "clean" / "trace", "fault": root / "fault" / "trace"}
+
+
+def _budget(trace: Path, k: int, monkeypatch) -> dict[str, str]:
+    """The environment of a replay whose per-process budget is the memory plan's own estimate for ``k`` processes."""
+    monkeypatch.delenv(memory.BUDGET_ENV, raising=False)
+    monkeypatch.setenv(memory.ACTIVATIONS_ENV, "0")
+    plan = memory.plan_trace(trace)
+    return {memory.BUDGET_ENV: str(plan.per_process(k)), memory.ACTIVATIONS_ENV: "0"}
 
 
 def _bisect(trace: Path, k: int, env=None) -> tuple[int, dict]:
@@ -51,8 +55,15 @@ def _evidence(doc: dict) -> list:
 
 
 @pytest.mark.parametrize("k", [2, 4])
-def test_sharded_replay_certifies_under_a_budget_one_process_cannot_meet(jobs, k):
-    rc, doc = _bisect(jobs["clean"], k, env=SMALL)
+def test_sharded_replay_certifies_under_a_budget_one_process_cannot_meet(jobs, k, monkeypatch):
+    """The budget is the plan's estimate for 2 processes: the one-process replay exceeds it, 2 and 4 fit."""
+    small = _budget(jobs["clean"], 2, monkeypatch)
+    for name, value in small.items():
+        monkeypatch.setenv(name, value)
+    plan = memory.plan_trace(jobs["clean"])
+    assert plan.processes_needed() == 2 and not plan.fits(1) and plan.fits(4)
+    monkeypatch.delenv(memory.BUDGET_ENV)
+    rc, doc = _bisect(jobs["clean"], k, env=small)
     assert rc == 0 and doc["verdict"] == "clean", doc
     assert all(c["status"] == "clean" for c in doc["checkpoints"])
     assert f"x {k} processes (sharded)" in json.dumps(doc)
@@ -77,10 +88,10 @@ def test_local_gradient_fault_found_as_by_one_process(jobs):
 
 
 def test_a_model_that_needs_four_processes_is_certified_on_four(jobs, monkeypatch):
-    """A per-process budget (30 KiB, the memory plan's estimate) that the whole model's replay and a
-    replay on 2 processes exceed: one process and 2 processes are refused up front (exit 2, one
+    """A per-process budget (the memory plan's estimate for 4 processes) that the whole model's replay
+    and a replay on 2 processes exceed: one process and 2 processes are refused up front (exit 2, one
     line naming 4 processes), 4 processes certify, each planned under the limit."""
-    budget = {memory.BUDGET_ENV: "30K", memory.ACTIVATIONS_ENV: "0"}
+    budget = _budget(jobs["clean"], 4, monkeypatch)
     for name, value in budget.items():
         monkeypatch.setenv(name, value)
     plan = memory.plan_trace(jobs["clean"])
