@@ -65,11 +65,13 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=0.0)
     args = parser.parse_args()
 
-    import deepspeed
-    import deepspeed.comm.torch
+    import importlib
 
-    # the shared-memory all-reduce serves DeepSpeed's inference only; its JIT C++ build is skipped
-    deepspeed.comm.torch.build_shm_op = lambda: None
+    import deepspeed
+
+    # the shared-memory all-reduce serves DeepSpeed's inference only: its JIT C++ build is skipped
+    # (``deepspeed.comm.torch`` as an attribute is the torch library, re-exported: import the module by name)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     model, _, _ = recipe.build()
     config = {
         "train_micro_batch_size_per_gpu": recipe.batch,

@@ -1,0 +1,62 @@
+"""Issue 38: a DeepSpeed engine under ZeRO stage 1, 2 and 3 recorded with
+``sdc_forensics.integrations.deepspeed.record`` (tests/integrations/dsjob.py, 2 gloo processes on
+DeepSpeed's CPU accelerator, fp32, torch's AdamW) is replayed exactly and judged by the unchanged
+CLI: a clean run certifies every checkpoint, a gradient bit flip is found at its step and rank.
+Skipped, with the reason, without the ``deepspeed`` extra.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed: pip install -e '.[deepspeed]'")
+
+from tests.cli.installed import run_installed  # noqa: E402
+from tests.integrations.launch import REPO, assert_ok, run_ranks  # noqa: E402
+
+JOB = "tests.integrations.dsjob"
+ENV = {"PYTHONPATH": str(REPO)}
+
+
+@pytest.fixture(autouse=True)
+def _cpu_accelerator(monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_clean_zero_run_is_certified_with_every_step_replayed_exactly(tmp_path, stage):
+    assert_ok(run_ranks(JOB, ["--stage", str(stage), "--trace", "trace", "--out", "out"], cwd=tmp_path))
+    inspected = json.loads(run_installed(["inspect", "trace", "--json"], tmp_path, cwd=tmp_path).stdout)
+    assert inspected["framework"]["adapter"] == "sdc_forensics.integrations.deepspeed"
+    certified = run_installed(["certify", "trace", "--json"], tmp_path, cwd=tmp_path, env=ENV)
+    assert certified.returncode == 0, certified.stderr
+    doc = json.loads(certified.stdout)
+    assert {c["step"]: c["status"] for c in doc["checkpoints"]} == {0: "clean", 3: "clean", 6: "clean"}
+    assert "exact now 0..5" in certified.stderr, certified.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_gradient_fault_under_zero_is_found_at_its_step_and_rank(tmp_path, stage):
+    # bit 29: a high exponent bit of one element of rank 1's local gradient, which ZeRO then reduces
+    argv = ["--stage", str(stage), "--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=1:bit=29"]
+    assert_ok(run_ranks(JOB, argv, cwd=tmp_path))
+    ran = run_installed(["bisect", "trace", "--json"], tmp_path, cwd=tmp_path, env=ENV)
+    assert ran.returncode == 1, ran.stderr
+    doc = json.loads(ran.stdout)
+    assert (doc["verdict"], doc["first_divergent_step"], [s["rank"] for s in doc["suspects"]]) == ("corruption", 4, [1])
+    assert {c["step"]: c["status"] for c in doc["checkpoints"]} == {0: "clean", 3: "clean", 6: "tainted"}
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_deepspeeds_default_clipping_is_refused_in_one_line_before_anything_is_written(tmp_path):
+    ranks = run_ranks(JOB, ["--stage", "2", "--trace", "trace", "--out", "out", "--clip", "1.0"], cwd=tmp_path)
+    assert all(r.returncode != 0 for r in ranks)
+    assert all('"gradient_clipping": 0.0' in r.stderr for r in ranks), ranks[0].stderr[-2000:]
+    assert not (tmp_path / "trace" / "manifest.json").exists()
