@@ -9,6 +9,7 @@ pulls a framework in:
 * :mod:`sdc_forensics.integrations.lightning`: a Lightning ``Trainer`` with ``DDPStrategy``;
 * :mod:`sdc_forensics.integrations.torchtitan`: the FSDP2 online checks in a torchtitan
   ``Trainer`` (it records nothing yet: the FSDP2 recorder is not built);
+* :mod:`sdc_forensics.integrations.deepspeed`: a ``DeepSpeedEngine`` under ZeRO 1, 2 or 3 (``pip install 'sdc-forensics[deepspeed]'``);
 
 Each adapter builds the ordinary :class:`~sdc_forensics.recorder.Recorder` on the framework's DDP
 model and names a replay recipe generated from what the framework was configured with, so the
