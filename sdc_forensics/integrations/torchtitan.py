@@ -40,9 +40,11 @@ Said at attach (rank 0, one line): a ``checkpoint_dir`` that is torchtitan's own
 while its ``checkpoint.keep_latest_k`` purges it (``_rotation``). However ``train()`` ends (an
 exception, an alarm, KeyboardInterrupt), the trace is closed.
 Written against torchtitan 0.3.0's ``Trainer`` (``model_parts``, ``optimizers``, ``step``,
-``config.training``, ``parallel_dims``); torchtitan needs a PyTorch nightly to train, so it is
-tested here on a trainer-shaped object around a real ``fully_shard`` job
-(``tests/integrations/test_torchtitan.py``), not on torchtitan itself.
+``config.training``, ``parallel_dims``). torchtitan 0.3.0 installs over torch 2.13.0+cpu, but its
+``Trainer`` does not start without CUDA (its model imports triton; its constructor calls
+``torch.cuda.set_device``: docs/integrations.md gives the lines), so it is tested here on a
+trainer-shaped object around a real ``fully_shard`` job (``tests/integrations/test_torchtitan.py``),
+not on torchtitan itself.
 """
 
 from __future__ import annotations
