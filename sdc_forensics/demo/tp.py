@@ -9,8 +9,11 @@ MLP's second layer ``RowwiseParallel`` back to sequence shards, the head ``Colwi
 with replicated logits), then ``fully_shard`` over ``dp``. The ranks of one DP coordinate read
 the same microbatches. ``sdc-forensics demo --parallel tp`` runs it; the tests run it with faults.
 
-``recipe`` replays it on one process: the plain model (same names and order), the DCP
-checkpoint loaded into it whole (``sharded.load_dcp``).
+``recipe`` replays it: on one process the plain model (same names and order), the DCP checkpoint
+loaded into it whole (``sharded.load_dcp``), compared within tolerance; under ``torchrun
+--nproc-per-node 2`` its ``parallelize`` hook applies the job's TP plan (:func:`tensor_parallel`)
+on the replay's ``tp`` mesh, the checkpoint loaded resharded, and the replay is exact
+(``replay/tp_exact.py``).
 """
 
 from __future__ import annotations
@@ -84,6 +87,15 @@ def microbatch(microbatch_id: int, device: Any = "cpu", seed: int = 0) -> tuple[
 def parallelize(model: TinyLM, mesh) -> TinyLM:
     """TP (with sequence parallel) on ``mesh["tp"]``, then FSDP2 over ``mesh["dp"]`` (torchtitan's order)."""
     from torch.distributed.fsdp import fully_shard
+
+    tensor_parallel(model, mesh["tp"])
+    fully_shard(model.attn, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def tensor_parallel(model: TinyLM, tp_mesh) -> TinyLM:
+    """The job's TP plan (with sequence parallel) on a 1-D ``tp`` mesh: the training's and the exact replay's."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -107,15 +119,13 @@ def parallelize(model: TinyLM, mesh) -> TinyLM:
         "norm": SequenceParallel(),
         "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }
-    parallelize_module(model, mesh["tp"], plan)
-    fully_shard(model.attn, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    parallelize_module(model, tp_mesh, plan)
     return model
 
 
 @dataclasses.dataclass(kw_only=True)
 class TpRecipe:
-    """The replay recipe of :func:`train` (``sdc_forensics.recipe``'s protocol): the whole model."""
+    """The replay recipe of :func:`train` (``sdc_forensics.recipe``'s protocol), with the exact TP replay's hook."""
 
     seed: int = 0
 
@@ -123,7 +133,12 @@ class TpRecipe:
         model = build_model(self.seed).to(device)
         return model, make_optimizer(model), None
 
+    def parallelize(self, model, tp_mesh):
+        """The exact replay's hook (docs/recipes.md): the job's TP plan on the replay's ``tp`` mesh."""
+        return tensor_parallel(model, tp_mesh)
+
     def load_checkpoint(self, path: str, model, optimizer, scheduler) -> None:
+        # DCP reshards: into the whole model on one process, into its TP slices under torchrun
         load_dcp(path, model, optimizer)
 
     def fetch_microbatch(self, microbatch_id: int, device: Any = "cpu"):

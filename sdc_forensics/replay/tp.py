@@ -15,8 +15,9 @@ model's in the last bits, never bit for bit. So every step is compared within th
 tolerance (``fingerprint/tolerance.py``, graded by ``replay/compare.grade``), the weights after
 the update are not compared bit for bit, and the coverage says "tolerant replay". A bit flip
 that moves a gradient far beyond rounding is strong evidence; one in the low mantissa bits is
-below the tolerance by design and only an exact replay (the job's TP layout under torchrun, not
-built yet) would see it.
+below the tolerance by design and only the exact replay sees it: ``replay/tp_exact.py``, the
+job's TP plan under ``torchrun --nproc-per-node TP`` (``replay/window.py`` chooses it when the
+processes and the recipe's ``parallelize`` hook are there), which certifies.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from sdc_forensics.replay.replayer import Replayer, ReplayResult, _RankStep
 
 NOTE = (
     "tensor parallel: the one-process replay adds what TP's ranks added in partial sums in one matmul's order, "
-    "so every step is compared within the sketch tolerance (weights after the update not bit for bit)"
+    "so every step is compared within the sketch tolerance (weights after the update not bit for bit); "
+    "the exact replay, which certifies: torchrun --nproc-per-node TP with a recipe that has parallelize(model, tp_mesh)"
 )
 
 

@@ -15,10 +15,11 @@ from pathlib import Path
 from sdc_forensics import numerics
 from sdc_forensics.checkpoint.formats import open_checkpoint
 from sdc_forensics.errors import CheckpointError
-from sdc_forensics.replay import distributed, env, replayer, sharded, tp
+from sdc_forensics.replay import distributed, env, replayer, sharded, tp, tp_exact
 from sdc_forensics.replay.replayer import Replayer, ReplayOptions, ReplayResult
 from sdc_forensics.replay.sharded_replayer import ShardedReplayer
 from sdc_forensics.replay.tp import TpReplayer
+from sdc_forensics.replay.tp_exact import TpExactReplayer
 from sdc_forensics.trace.reader import Trace
 
 
@@ -59,8 +60,9 @@ def replay_window(
         infos = opened.infos()
     # the memory plan refuses a replay that cannot fit; a sharded job that does not fit one process is replayed sharded
     replayer_class = ShardedReplayer if sharded.dispatch(trace, options, device, infos) else Replayer
-    # a tensor-parallel job: each rank's TP boxes, within tolerance
-    replayer_class = TpReplayer if tp.is_tp(trace) else replayer_class
+    # a tensor-parallel job: its TP plan on TP processes under torchrun, exact; else each rank's TP boxes, tolerant
+    if tp.is_tp(trace):
+        replayer_class = TpExactReplayer if tp_exact.wanted(trace, recipe) else TpReplayer
     with numerics.reproduce(replayer._recorded_numerics(trace, options.start_step), device, threads) as settings:
         result = replayer_class(trace, recipe, device).run(options, on_step)
     return dataclasses.replace(result, settings=settings)

@@ -1,0 +1,391 @@
+"""The exact replay of a tensor-parallel job: the job's TP plan on ``tp`` processes under torchrun.
+
+``torchrun --nproc-per-node TP -m sdc_forensics certify TRACE`` (or ``bisect``/``replay``) with
+as many processes as the job's TP degree: ``replay/window.py`` chooses this replay when the
+trace is a TP job (``recorder/tp_layout.py``), the processes are ``TP`` and the recipe has a
+``parallelize(model, tp_mesh)`` hook (docs/recipes.md); otherwise the one-process replay
+(``replay/tp.py``), which is tolerant and certifies nothing.
+
+Process ``t`` plays the recorded ranks of TP coordinate ``t``. The recipe's model, parallelised
+by its hook on a 1-D ``tp`` mesh of the replay's processes (gloo on CPU), runs the job's own TP
+collectives; the checkpoint (DCP) is loaded into it resharded. Per step:
+
+1. for each DP coordinate ``d`` in order, the processes together replay its microbatches: each
+   gradient is brought to its parameter's TP placement as FSDP2 does before its reduce-scatter
+   (``FSDPParam._get_grad_inner_tensor``: a replicated parameter's partial gradient all-reduced
+   over ``tp``), and process ``t``'s local tensors are rank ``(dp=d, tp=t)``'s local gradient,
+   fingerprinted by its TP box as the recorder's tap does and compared bit for bit
+   (``compare.StepComparisons``); measured bit-identical to the recorded ones on the demo. A
+   rank that differs is replayed once more (its DP coordinate, by every process): majority of three;
+2. the DP reduction of those local gradients, ``reduction.ordered_mean`` over ``d`` in order:
+   the ordered reduction's arithmetic, and gloo's native reduce-scatter's for two DP ranks (a
+   two-term sum is order-free, and halving is exact); a native reduction over more DP ranks is
+   refused, naming the ordered one;
+3. the mean becomes the TP parameter's ``.grad`` and the recipe's optimizer (rebuilt over the TP
+   parameters with its groups and hyperparameters) steps on the TP slices: elementwise, so each
+   FSDP shard's bits are the job's; each rank's box (its FSDP rows of its TP slice) of the
+   reduced gradient and of the weights is fingerprinted and compared bit for bit.
+
+Refused in one line before replaying (:func:`refusal`): clipping or anything else in the recipe's
+``before_step`` (its total norm would be over TP shards; the one-process replay compares such a job
+within tolerance), a native reduction over more than two DP ranks; and, once the recipe has built
+the job, a scheduler (bound to the optimizer the replay rebuilds over the TP parameters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from sdc_forensics import recipe as recipe_mod
+from sdc_forensics.errors import UsageError
+from sdc_forensics.evidence import Evidence, EvidenceKind
+from sdc_forensics.fingerprint import shards
+from sdc_forensics.fingerprint.core import combine_digests
+from sdc_forensics.replay import distributed, env
+from sdc_forensics.replay.replayer import Replayer, ReplayResult, _recipe_call, _recorded_threads
+from sdc_forensics.trace import format as F
+from sdc_forensics.trace.checkpoints import hex64
+from sdc_forensics.trace.mesh import shard_rows
+from sdc_forensics.trace.reader import step_threads
+
+try:
+    from sdc_forensics.evidence import Location
+except ImportError:  # pragma: no cover - the vocabulary's older home
+    from sdc_forensics.triage.evidence import Location
+
+#: how the exact replay is launched (docs and messages)
+COMMAND = "torchrun --nproc-per-node {tp} -m sdc_forensics certify TRACE"
+
+
+@dataclasses.dataclass
+class _Step:
+    """One recorded rank's recomputed step as the comparisons read it."""
+
+    loss: float
+    digest: int
+    input_digest: int
+    fp: object
+    rng_dependent: bool = False
+
+
+def wanted(trace, recipe) -> bool:
+    """Whether this replay is the exact TP one: a TP trace, ``tp`` processes, a recipe with ``parallelize``."""
+    mesh = trace.manifest.parallel
+    group = distributed.current()
+    return (
+        mesh is not None
+        and mesh.tp_dim >= 0
+        and group is not None
+        and group.size == mesh.tp_size
+        and callable(getattr(recipe, "parallelize", None))
+    )
+
+
+def refusal(trace, recipe) -> str:
+    """Why the TP job cannot be replayed exactly ("" when it can)."""
+    mesh = trace.manifest.parallel
+    dp = mesh.shard_size
+    reductions = {str(a.determinism.get("reduction") or "native") for a in trace.manifest.attempts}
+    if reductions != {"ordered"} and dp > 2:
+        return (
+            f"a TP job reduced in gloo/NCCL's own order over {dp} DP ranks is not replayed exactly (record it with "
+            "reduction='ordered'); the one-process replay compares it within tolerance"
+        )
+    if callable(getattr(recipe, "before_step", None)):
+        return (
+            "the recipe's before_step (clipping's total norm over TP shards) is not reproduced by the exact TP replay: "
+            "replay on one process (no torchrun), which compares within tolerance"
+        )
+    return ""
+
+
+class TpExactReplayer(Replayer):
+    """The replay of a TP trace with the job's TP plan over this torchrun launch's processes (see the module)."""
+
+    def run(self, options, on_step=None) -> ReplayResult:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from sdc_forensics.replay.sharded_replayer import _same_optimizer
+
+        why = refusal(self.trace, self.recipe)
+        if why:
+            raise UsageError(f"exact tensor-parallel replay: {why}")
+        group = distributed.current()
+        self.me = group.rank
+        self.known_order = env.ORDERED
+        self.collective = False
+        self.forced_threads = options.num_threads or 0
+        self.default_threads = _recorded_threads(self.trace) or 0
+        model, optimizer, scheduler = _recipe_call("build", self.recipe.build, self.device)
+        if scheduler is not None:
+            raise UsageError(
+                "exact tensor-parallel replay: the recipe's scheduler is bound to the optimizer over the unparallelised "
+                "parameters, which the replay rebuilds over the TP ones: set the rate in after_step from the step it is "
+                "handed, or replay on one process (no torchrun), which compares within tolerance"
+            )
+        plain = list(model.parameters())
+        tp_mesh = init_device_mesh(self.device.type, (group.size,), mesh_dim_names=("tp",))
+        model = _recipe_call("parallelize", self.recipe.parallelize, model, tp_mesh) or model
+        params = list(model.parameters())
+        optimizer = _same_optimizer(optimizer, plain, params)
+        _recipe_call(
+            f"load_checkpoint({options.checkpoint_path})",
+            self.recipe.load_checkpoint,
+            str(options.checkpoint_path),
+            model,
+            optimizer,
+            scheduler,
+        )
+        self.param_dtype = params[0].dtype if params else None
+        self._params = params
+        self._shapes = [tuple(p.shape) for p in params]
+        # where each parameter starts in the flat vector of all parameters (weights) and of the trainable ones (gradients)
+        self._offsets = _starts(self._shapes)
+        self._trained = [i for i, p in enumerate(params) if p.requires_grad]
+        self._grad_offsets = _starts([self._shapes[i] for i in self._trained])
+        # the recorded ranks this process plays, by DP coordinate: (dp=d, tp=me)
+        mesh = self.mesh
+        self._mine = [
+            next(r for r in range(self.world_size) if mesh.shard_of(r) == d and mesh.tp_of(r) == self.me)
+            for d in range(mesh.shard_size)
+        ]
+        window = self._start(options, hex64(self._weights_digest()))
+        evidence = []
+        notes = [
+            f"tensor parallel, exact: the recipe's parallelize over {group.size} processes (the job's TP degree), "
+            f"each playing the recorded ranks of its TP coordinate"
+        ]
+        last, first_divergent, tolerant_from = options.start_step - 1, None, None
+        for row, step in enumerate(window.steps.tolist()):
+            if not window.present[row].all():
+                notes.append(f"step {step}: a rank has no record; replay stops before it")
+                break
+            recs = window.records[row]
+            tolerant = tolerant_from is not None
+            ranks, acc = self._locals(model, recs)
+            local_bad, step_evidence = self._compare_locals(step, recs, ranks, tolerant, 0, True)
+            if local_bad is None:
+                notes.append(f"step {step}: every rank's local gradient differs in the last bits: not exact here")
+                local_bad, step_evidence = self._compare_locals(step, recs, ranks, True, 0, True)
+                tolerant_from = tolerant = step
+            if local_bad and not tolerant:
+                local_bad, tie_notes = self._tie_break_tp(model, step, recs, ranks, local_bad)
+                notes += tie_notes
+                step_evidence = [
+                    e
+                    for e in step_evidence
+                    if e.kind is not EvidenceKind.REPLAY_MISMATCH or set(e.ranks) & set(local_bad)
+                ]
+            evidence += step_evidence
+            reduce_evidence = [] if tolerant else self._compare_reduced(step, recs, acc)
+            if local_bad or any(e.kind is EvidenceKind.INPUT_MISMATCH for e in step_evidence):
+                # the recorded reduction carries the bad local gradient: a consequence
+                reduce_evidence = []
+            evidence += reduce_evidence
+            for i, grad in zip(self._trained, acc):
+                params[i].grad = _like(params[i], grad)
+            recipe_mod.before_step(self.recipe, model, optimizer, step=step)
+            optimizer.step()
+            recipe_mod.after_step(self.recipe, model, optimizer, scheduler, step=step)
+            optimizer.zero_grad(set_to_none=True)
+            weights_evidence, departed = self._compare_weights(
+                step, recs, model, tolerant, bool(step_evidence or reduce_evidence)
+            )
+            evidence += weights_evidence
+            if departed and tolerant_from is None:
+                tolerant_from = step + 1
+            last = step
+            if on_step is not None:
+                on_step(step)
+            if any(e.step == step and e.marks_divergence for e in evidence) and first_divergent is None:
+                first_divergent = step
+                if options.stop_at_divergence:
+                    break
+        dist.barrier()
+        tolerant_from = tolerant_from if tolerant_from is not None and tolerant_from <= last else None
+        return ReplayResult(
+            start_step=options.start_step,
+            stop_step=options.stop_step,
+            last_step=last,
+            device=env.describe_device(self.device) + f" x {group.size} processes (tensor parallel)",
+            comparison="exact" if tolerant_from is None else "tolerant",
+            tolerant_from=tolerant_from,
+            reduction_order=env.ORDERED,
+            evidence=tuple(evidence),
+            first_divergent_step=first_divergent,
+            settings={},
+            notes=tuple(notes),
+            max_residual_ratio=round(self.max_ratio, 4),
+        )
+
+    # -- the local gradients, DP coordinate by DP coordinate -------------------------------------
+    def _local(self, model, record, rank: int):
+        """Recorded ``rank``'s loss, input digest, local-gradient fingerprint and TP slices (one per
+        trainable parameter), every process replaying its own rank of the same DP coordinate."""
+        from sdc_forensics.statedict import tensor_digests
+
+        self._use_threads(int(step_threads(record)))
+        batches, total = [], 0.0
+        for mb_id in self.trace.microbatch_ids(record):
+            batch = self.recipe.fetch_microbatch(int(mb_id), self.device)
+            loss = self.recipe.loss(model, batch)
+            loss.backward()
+            total += float(loss.detach())
+            batches.append(batch)
+        grads, pieces = [], []
+        for i, offset in zip(self._trained, self._grad_offsets):
+            p = self._params[i]
+            if p.grad is None:
+                grad = torch.zeros_like(_local(p))
+            else:
+                # FSDP2's reduce-scatter input: the gradient at the parameter's TP placement
+                placed = p.grad.redistribute(placements=p.placements) if hasattr(p.grad, "placements") else p.grad
+                grad = _local(placed).detach().clone()
+            grads.append(grad)
+            runs = shards.box_runs(self._shapes[i], *self.mesh.tp_box(rank, i, self._shapes[i]))
+            pieces += shards.box_pieces(grad, runs, offset=offset, k=self.k, seed=self.seed)
+        model.zero_grad(set_to_none=True)
+        fp = shards.one_bucket(pieces)
+        inputs = combine_digests([d for batch in batches for d in tensor_digests(batch, self.seed)])
+        return {"loss": total, "digest": fp.digest, "input": inputs, "fp": fp}, grads
+
+    def _locals(self, model, recs):
+        """Every recorded rank's step (rank order, gathered) and this process's TP slices of their DP mean."""
+        from sdc_forensics.reduction import ordered_mean
+
+        per_dp, mine = [], {}
+        for rank in self._mine:
+            mine[rank], grads = self._local(model, recs[rank], rank)
+            per_dp.append(grads)
+        results = {}
+        for got in distributed.exchange_objects(mine):
+            results.update(got)
+        ranks = [
+            _Step(
+                loss=results[r]["loss"],
+                digest=results[r]["digest"],
+                input_digest=results[r]["input"],
+                fp=results[r]["fp"],
+            )
+            for r in range(self.world_size)
+        ]
+        acc = [ordered_mean([grads[j] for grads in per_dp]) for j in range(len(self._trained))]
+        return ranks, acc
+
+    def _tie_break_tp(self, model, step, recs, ranks, bad):
+        """Majority of three: each disagreeing rank's DP coordinate replayed once more by every process."""
+        confirmed, notes = [], []
+        for r in bad:
+            d = self.mesh.shard_of(r)
+            mine = self._mine[d]
+            again, _ = self._local(model, recs[mine], mine)
+            seconds = {}
+            for got in distributed.exchange_objects({mine: again["digest"]}):
+                seconds.update(got)
+            if seconds[r] == ranks[r].digest:
+                confirmed.append(r)
+                notes.append(
+                    f"step {step}, rank {r}: a second replay agrees with the first (2 votes to 1 against the record)"
+                )
+            elif seconds[r] == int(recs[r]["local_digest"]):
+                notes.append(
+                    f"step {step}, rank {r}: a second replay agrees with the record; the first replay was wrong"
+                )
+            else:
+                confirmed.append(r)
+                notes.append(
+                    f"step {step}, rank {r}: record and two replays all differ: this device is not bitwise reproducible"
+                )
+        return confirmed, notes
+
+    # -- each recorded rank's box: its FSDP rows of its TP slice ----------------------------------
+    def _box_digests(self, tensors, indices, offsets, k: int) -> np.ndarray:
+        """Every recorded rank's digest of its box of ``tensors`` (this process's TP slices of the
+        parameters ``indices``, placed at ``offsets``), gathered."""
+        mine = {}
+        for rank in self._mine:
+            runs = []
+            for t, i, offset in zip(tensors, indices, offsets):
+                shape = self._shapes[i]
+                values = t
+                if shape:
+                    first, stop = shard_rows(values.shape[0], self.mesh.shard_of(rank), self.mesh.shard_size)
+                    values = values[first:stop]
+                flat = values.detach().reshape(-1)
+                for s, n, place in shards.box_runs(shape, *self.mesh.rank_box(rank, i, shape)):
+                    runs.append((flat[s : s + n], offset + place))
+            mine[rank] = shards.fingerprint_runs(runs, k=k, seed=self.seed).digest
+        found = {}
+        for got in distributed.exchange_objects(mine):
+            found.update(got)
+        return np.array([found[r] for r in range(self.world_size)], dtype=np.uint64)
+
+    def _compare_reduced(self, step, recs, acc):
+        """Each recorded rank's box of the replayed DP mean against its recorded reduced digest."""
+        if not ((recs["flags"] & int(F.Flag.HAS_GRADS)) != 0).all():
+            return []
+        expected = self._box_digests(acc, self._trained, self._grad_offsets, self.k)
+        agree = recs["reduced_digest"].astype(np.uint64) == expected
+        if agree.any():
+            return self._reduced_minority(step, recs, expected)
+        return [
+            Evidence(
+                kind=EvidenceKind.REPLAY_MISMATCH,
+                step=step,
+                ranks=(),
+                source="replay",
+                location=Location.COLLECTIVE,
+                expected="every rank's box of the replayed DP mean",
+                found="no rank's box as replayed",
+                detail="the reduce-scatter result every rank received is not the mean of the replayed local gradients",
+            )
+        ]
+
+    def _expected_weights(self, model) -> np.ndarray:
+        with torch.no_grad():
+            return self._box_digests([_local(p) for p in self._params], range(len(self._params)), self._offsets, 1)
+
+    def _weights_digest(self) -> int:
+        """The whole model's weights digest (``statedict.weights_digest``) from the TP slices: per
+        parameter, the processes' pieces combined (a replicated parameter counted once, from TP 0)."""
+        mine = []
+        rank = self._mine[0]
+        with torch.no_grad():
+            for i, p in enumerate(self._params):
+                replicated = self.mesh.tp_shards[i] < 0
+                runs = (
+                    []
+                    if replicated and self.me
+                    else shards.box_runs(self._shapes[i], *self.mesh.tp_box(rank, i, self._shapes[i]))
+                )
+                pieces = shards.box_pieces(_local(p), runs, k=1, seed=self.seed)
+                mine.append(shards.merge_pieces(pieces) if pieces else None)
+        gathered = distributed.exchange_objects(mine)
+        return combine_digests(
+            [
+                shards.combine_pieces([part[i] for part in gathered if part[i] is not None]).digest
+                for i in range(len(self._params))
+            ]
+        )
+
+
+def _starts(shapes) -> list[int]:
+    """Where each tensor of ``shapes`` starts in their flat vector."""
+    return np.cumsum([0] + [int(np.prod(s)) if s else 1 for s in shapes]).tolist()[:-1]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "device_mesh") else tensor
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a gradient of ``param`` (a DTensor with its placements where it is one)."""
+    if not hasattr(param, "device_mesh"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
