@@ -316,11 +316,47 @@ def _gpt_rank(
                     cpu[kind].append(time.process_time() - cpu_start)
     finally:
         rec.close()
+    found = {"times": times, "cpu": cpu, "code": str(Path(sdc_forensics.__file__).parent)}
+    if rank == 0 and parallel == "ddp":
+        found["parts_ms"] = _gpt_parts_ms(models["bare"].module, job, batches)
     if profiler is not None:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
-        return {"times": times, "cpu": cpu, "profile": text.getvalue()}
-    return {"times": times, "cpu": cpu, "code": str(Path(sdc_forensics.__file__).parent)}
+        found["profile"] = text.getvalue()
+    return found
+
+
+def _gpt_parts_ms(model: nn.Module, job, batches) -> dict[str, float]:
+    """CPU milliseconds (median of 15) of the passes a recorded DDP step makes, measured alone on
+    this model: the floor of what the recorder costs per step, beside one ``torch.sum`` pass."""
+    from sdc_forensics.fingerprint import core
+    from sdc_forensics.inject import Injector
+    from sdc_forensics.recorder.ddp_layout import _weights
+    from sdc_forensics.recorder.step import StepState
+
+    params = list(model.parameters())
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+
+    def _ms(fn) -> float:
+        fn()
+        runs = []
+        for _ in range(15):
+            start = time.process_time()
+            fn()
+            runs.append(1000 * (time.process_time() - start))
+        return round(statistics.median(runs), 3)
+
+    def _inputs() -> None:
+        state = StepState(step=0, ids=None)
+        for batch in batches:
+            state.add_input(batch, Injector([], 0), 0)
+
+    return {
+        "gradient_fingerprint_x2": round(2 * _ms(lambda: core.fingerprint(flat)), 3),
+        "weights_pass": _ms(lambda: _weights(params, 0)),
+        "input_digests": _ms(_inputs),
+        "torch_sum_of_gradient": _ms(lambda: flat.sum()),
+    }
 
 
 def run_gpt(args: argparse.Namespace) -> dict:
@@ -332,7 +368,7 @@ def run_gpt(args: argparse.Namespace) -> dict:
     from tests.factories import gloo_job
 
     layers, width = gpt.SHAPES[args.shape]
-    runs, profile = [], ""
+    runs, profile, parts = [], "", {}
     for index in range(max(1, args.runs)):
         with tempfile.TemporaryDirectory(prefix="sdc-bench-gpt-") as tmp:
             found = gloo_job(
@@ -350,16 +386,19 @@ def run_gpt(args: argparse.Namespace) -> dict:
                 args.weights_every,
             )
         profile = found[0].get("profile", profile)
+        parts = found[0].get("parts_ms", {})
         ratio = {
             key: statistics.median(r / b for f in found for r, b in zip(f[key]["recorded"], f[key]["bare"]))
             for key in ("times", "cpu")
         }
         bare = statistics.median(b for f in found for b in f["times"]["bare"])
+        bare_cpu = statistics.median(b for f in found for b in f["cpu"]["bare"])
         runs.append(
             {
                 "wall_ratio": round(ratio["times"], 4),
                 "cpu_ratio": round(ratio["cpu"], 4),
                 "bare_ms": round(1e3 * bare, 2),
+                "bare_cpu_ms": round(1e3 * bare_cpu, 2),
             }
         )
         print(f"run {index + 1}/{args.runs}: {json.dumps(runs[-1])}", file=sys.stderr)
@@ -374,7 +413,9 @@ def run_gpt(args: argparse.Namespace) -> dict:
         "wall_ratio": round(statistics.median(r["wall_ratio"] for r in runs), 4),
         "cpu_ratio": round(statistics.median(r["cpu_ratio"] for r in runs), 4),
         "bare_ms": round(statistics.median(r["bare_ms"] for r in runs), 2),
+        "bare_cpu_ms": round(statistics.median(r["bare_cpu_ms"] for r in runs), 2),
         "runs": runs,
+        "recorder_parts_cpu_ms": parts,
         "machine": _machine(
             Setting(device="cpu", backend="gloo", world_size=2, gpus=0, threads=1, warmup=1, steps=1, audit_steps=0)
         ),
@@ -627,9 +668,11 @@ def main_gpt(args: argparse.Namespace) -> None:
     print(
         f"{result['model']}, {result['parallel']}, {result['world_size']} gloo ranks, {result['options']}: recorded / bare "
         f"{result['wall_ratio']:.3f} wall, {result['cpu_ratio']:.3f} CPU (median of {args.runs} run(s) x "
-        f"{args.steps} pairs x {result['world_size']} ranks), bare step {result['bare_ms']} ms"
+        f"{args.steps} pairs x {result['world_size']} ranks), bare step {result['bare_ms']} ms ({result['bare_cpu_ms']} ms CPU)"
     )
     print(f"machine: {result['machine']}, load {result['load_average']}, sdc_forensics from {result['code']}")
+    if result["recorder_parts_cpu_ms"]:
+        print(f"recorder's passes alone (CPU ms, rank 0): {json.dumps(result['recorder_parts_cpu_ms'])}")
     if profile:
         print(profile)
 
