@@ -24,13 +24,21 @@ Every replay must certify (exit 0, exact). Each replay process reports, from ins
 * the command's wall time (checkpoint load and model build included), divided by the steps replayed.
 
 The memory plan's estimate per process (``replay/memory.py``, no activation allowance) is printed
-beside it: ``(model state)/k`` plus ``k``-independent terms (the unsharded local gradient FSDP2
-accumulates without sync, as the job itself held it, and its copies for the exchange).
+beside it: ``(model state + accumulator)/k`` plus ``k``-independent terms (the unsharded local
+gradient FSDP2 accumulates without sync, as the job itself held it, its largest parameter once more
+for the flat copy, three of the largest parameter group for FSDP2's all-gathers, the runtime
+allowance). The plan must be at least the measured peak.
 
-    python benchmarks/bench_sharded_replay.py [--width 512] [--steps 3] [--repeat 3] [--json]
+``--phases`` adds one replay per ``k`` whose stages (build and load, forward, backward, the flat
+copy, the exchange, the optimizer step, ...) are wrapped: at each stage's start and end the
+high-water mark is read and reset, so each stage reports the resident set when it starts and its
+peak (above the floor, the maximum over the replay and over processes): where the peak is.
+
+    python benchmarks/bench_sharded_replay.py [--width 512] [--steps 3] [--repeat 3] [--phases] [--json]
 
 ``--json`` prints one document on stdout (per ``k``: median peak and floor in MiB over processes
-and repetitions, seconds per replayed step; the job's step time); people's lines go to stderr.
+and repetitions, seconds per replayed step; the job's step time; with ``--phases`` the stages'
+table per ``k``); people's lines go to stderr.
 """
 
 from __future__ import annotations
@@ -172,6 +180,7 @@ def worker(out: str, args: list[str]) -> None:
 
     # what every replay loads first (the fingerprint kernel compiled or read from numba's cache)
     warm_up(torch.device("cpu"), dtypes=[torch.float32])
+    probe = _PhaseProbe() if os.environ.get("BENCH_PHASES") == "1" else None
     # the high-water mark restarts from here (Linux: clear_refs 5 resets VmHWM to VmRSS)
     Path("/proc/self/clear_refs").write_text("5")
     floor = _status("VmRSS")
@@ -181,19 +190,80 @@ def worker(out: str, args: list[str]) -> None:
     except SystemExit as done:
         code = done.code
     seconds = time.perf_counter() - start
+    if probe is not None:
+        probe.mark()
     peak = _status("VmHWM")
     rank = int(os.environ.get("RANK", "0"))
+    phases = probe.table(floor) if probe is not None else {}
     Path(out, f"rank-{rank}.json").write_text(
-        json.dumps({"floor": floor, "peak": peak, "seconds": seconds, "code": code})
+        json.dumps({"floor": floor, "peak": peak, "seconds": seconds, "code": code, "phases": phases})
     )
 
 
-def _replay(k: int, trace: Path, steps: int, out: Path) -> dict:
+class _PhaseProbe:
+    """Where a replay process's resident set peaks (``--phases``): the replay's stages wrapped, the
+    high-water mark read and reset (``clear_refs``) at every stage's start and end, each peak and the
+    resident set at the stage's start kept per stage (their maxima over the replay)."""
+
+    def __init__(self) -> None:
+        import torch.optim
+
+        from sdc_forensics.replay import replayer, sharded_replayer
+
+        self.stack, self.peaks, self.held = ["other"], {}, {}
+        S = sharded_replayer.ShardedReplayer
+        self._wrap(sharded_replayer, "_recipe_call", "build and load (meta build, fully_shard, DCP)")
+        self._wrap(replayer, "_recipe_call", "build and load (meta build, fully_shard, DCP)")
+        # the recipe the replay loads is the module's, not this script's __main__ copy
+        import bench_sharded_replay as module
+
+        self._wrap(module.WideRecipe, "loss", "forward (FSDP2 all-gathers)")
+        self._wrap(torch.autograd, "backward", "backward (all-gathers, the unsharded local gradient)")
+        self._wrap(S, "_local", "flat copy of the local gradient")
+        self._wrap(S, "digest_of", "fingerprint")
+        self._wrap(S, "fp_of", "fingerprint")
+        self._wrap(S, "_all_to_all", "exchange (all_to_all, accumulator)")
+        self._wrap(S, "_compare_weights", "weights shards compared")
+        self._wrap(torch.optim.AdamW, "step", "optimizer step")
+
+    def _wrap(self, owner, name: str, label: str) -> None:
+        import functools
+
+        fn = getattr(owner, name)
+
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            self.mark()
+            self.stack.append(label)
+            self.held[label] = max(self.held.get(label, 0), _status("VmRSS"))
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.mark()
+                self.stack.pop()
+
+        setattr(owner, name, wrapped)
+
+    def mark(self) -> None:
+        """The stage now running peaked at ``VmHWM`` since the last mark; the mark restarts."""
+        label = self.stack[-1]
+        self.peaks[label] = max(self.peaks.get(label, 0), _status("VmHWM"))
+        Path("/proc/self/clear_refs").write_text("5")
+
+    def table(self, floor: int) -> dict:
+        return {
+            label: {"held_at_start": self.held.get(label, floor) - floor, "peak": peak - floor}
+            for label, peak in self.peaks.items()
+        }
+
+
+def _replay(k: int, trace: Path, steps: int, out: Path, phases: bool = False) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (trace / "ledger.jsonl").unlink(missing_ok=True)
     args = ["replay", str(trace), "--from", "0", "--to", str(steps - 1), "--json"]
     me = [str(Path(__file__).resolve()), "--worker", str(out), "--"] + args
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{HERE}"}
+    env["BENCH_PHASES"] = "1" if phases else "0"
     if k == 1:
         cmd = [sys.executable] + me
     else:
@@ -226,6 +296,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--phases", action="store_true", help="one more replay per k with its stages probed: where the peak is"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     opts, rest = parser.parse_known_args()
     if opts.worker:
@@ -277,6 +350,23 @@ def main() -> None:
             )
         say(f"model state (parameters, gradients, AdamW's two moments): {plan.state_bytes / mib:.1f} MiB")
         result["state_mib"] = round(plan.state_bytes / mib, 1)
+        if opts.phases:
+            result["phases"] = {}
+            for k in runs:
+                # a separate replay: the probe's resets of the high-water mark would disturb the peaks above
+                procs = _replay(k, trace, opts.steps, root / f"phases-k{k}", phases=True).values()
+                labels = sorted({label for p in procs for label in p["phases"]})
+                table = {
+                    label: {
+                        field: round(max(p["phases"].get(label, {}).get(field, 0) for p in procs) / mib, 1)
+                        for field in ("held_at_start", "peak")
+                    }
+                    for label in labels
+                }
+                result["phases"][str(k)] = table
+                say(f"k = {k}: MiB above the floor (max over processes), held at the stage's start, peak during it")
+                for label, row in sorted(table.items(), key=lambda item: -item[1]["peak"]):
+                    say(f"  {label:<55} {row['held_at_start']:>7.1f} {row['peak']:>7.1f}")
     if opts.json:
         print(json.dumps(result, indent=2))
 
