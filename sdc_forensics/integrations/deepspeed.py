@@ -30,13 +30,18 @@ optimizer's state gathered from ZeRO's partitions per parameter
 DeepSpeed's own ``engine.save_checkpoint`` folders are not read: their optimizer files pickle
 DeepSpeed classes that ``weights_only`` refuses (``docs/integrations.md``).
 
+Gradient clipping (``"gradient_clipping"``, DeepSpeed's default 1.0) under ZeRO 1 and 2 is
+replayed by :func:`clip_grad_norm_`, which the recipe's ``before_step`` calls with the job's
+``gradient_clipping`` and data-parallel size: DeepSpeed's own norm, cut as its ranks' partitions.
+
 Refused in one line, before anything is written: what ``deepspeed_layout.engine_refusal`` lists
-(fp16/bf16, accumulation, clipping, offload, model parallelism, DeepSpeed's own optimizers).
+(fp16/bf16, accumulation, clipping under ZeRO 3, offload, model parallelism, DeepSpeed's own optimizers).
 Written against DeepSpeed 0.19 (``DS_ACCELERATOR=cpu`` with gloo on CPU).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -139,6 +144,73 @@ def checkpoint(rec: Any, engine: Any, step: int, path: str | os.PathLike):
     """Checkpoint ``step`` (theta_step) of ``engine`` written to ``path`` through ``rec.checkpoint``
     (the replicas' vote, the note): :func:`full_state`, one ``torch.save`` file. A collective."""
     return rec.checkpoint(int(step), Path(path), state=full_state(engine, step))
+
+
+@torch.no_grad()
+def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, world_size: int) -> torch.Tensor:
+    """DeepSpeed 0.19's ZeRO 1/2 gradient clipping, on the whole reduced gradients a replay holds.
+
+    The recipe's ``before_step`` calls it with the DeepSpeed config's ``gradient_clipping`` and the
+    job's data-parallel size (e.g. through ``recipe_args``). What ``DeepSpeedZeroOptimizer.step``
+    does (``runtime/zero/stage_1_and_2.py``, fp32, no offload, default partitioning), per
+    parameter group:
+
+    1. the group's trainable parameters, flattened in order and zero-padded to a multiple of
+       ``2 * world_size``, are cut into ``world_size`` equal partitions; rank ``r`` holds the
+       pieces of the gradients that fall in partition ``r``;
+    2. each rank: ``vector_norm`` of each piece in fp64 (``get_norm_dtype``), ``stack``,
+       ``pow(2)``, ``sum``, then ``float()`` (``get_grad_norm_direct``);
+    3. an fp32 all-reduce ``SUM`` of the ranks' partial sums (here in gloo's ring order,
+       ``replay.env.ring_sum``; exact in any order at 2 ranks), then ``pow(0.5)``;
+    4. the groups' norms: ``vector_norm`` of their stack (``combine_grad_norm_groups``);
+    5. ``clip = clamp((norm + 1e-6) / max_norm, min=1)``, every gradient ``mul_(1. / clip)``
+       (``unscale_and_clip_grads``, loss scale 1).
+
+    Returns the total norm (fp32), DeepSpeed's ``engine.get_global_grad_norm()``.
+    """
+    from sdc_forensics.replay.env import ring_sum
+
+    if world_size < 1 or not max_norm > 0:
+        raise ValueError(f"clip_grad_norm_ needs world_size >= 1 and max_norm > 0, got {world_size} and {max_norm}")
+    group_norms = []
+    grads_of_groups = []
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.requires_grad]
+        if not params:
+            continue
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        grads_of_groups.append([p.grad for p in params if p.grad is not None])
+        total = sum(g.numel() for g in grads)
+        alignment = 2 * world_size
+        size = math.ceil(total / alignment) * alignment // world_size
+        partials = []
+        for rank in range(world_size):
+            start, stop = rank * size, (rank + 1) * size
+            norms, at = [], 0
+            for g in grads:
+                lo, hi = max(start, at), min(stop, at + g.numel())
+                if lo < hi:
+                    piece = g.reshape(-1)[lo - at : hi - at]
+                    norms.append(torch.linalg.vector_norm(piece.to(torch.float64), ord=2.0))
+                at += g.numel()
+            partial = torch.stack(norms).pow(2.0).sum().float() if norms else torch.tensor(0.0)
+            partials.append(partial.reshape(1))
+        norm = ring_sum(partials).reshape(()).pow(1.0 / 2.0)
+        # DeepSpeed's inf/NaN sentinel, which then makes the combined norm inf
+        group_norms.append(torch.where(norm.isfinite(), norm, torch.tensor(-1.0)))
+    if not group_norms:
+        return torch.tensor(0.0)
+    stacked = torch.stack(group_norms)
+    combined = torch.linalg.vector_norm(stacked, ord=2.0)
+    combined = torch.where(
+        (~torch.isfinite(stacked) | (stacked < 0)).any(), torch.full_like(combined, math.inf), combined
+    )
+    clip = torch.clamp(((combined / 1.0) + 1e-6) / max_norm, min=1.0)
+    scale = 1.0 / (clip * 1.0)
+    for grads in grads_of_groups:
+        for g in grads:
+            g.mul_(scale)
+    return combined
 
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -24,7 +24,9 @@ replay reproduces exactly.
 Refused in one line, before anything is written (what the replay cannot reproduce):
 fp16 or bf16 (ZeRO keeps fp32 master partitions the module does not hold), gradient accumulation
 (ZeRO 2 reduces every micro-step, an order the replay does not model), gradient clipping
-(DeepSpeed's default 1.0: its norm is summed over partitions; set ``"gradient_clipping": 0.0``),
+under ZeRO 3 (DeepSpeed's default 1.0: its norm is summed over partitions; set
+``"gradient_clipping": 0.0``; under ZeRO 1 and 2 the recipe reproduces it with
+``integrations.deepspeed.clip_grad_norm_``),
 model or pipeline parallelism, and CPU or NVMe offload.
 """
 
@@ -67,10 +69,19 @@ def engine_refusal(engine: Any) -> str | None:
             f"gradient_accumulation_steps={engine.gradient_accumulation_steps()} is not recorded: ZeRO reduces every "
             "micro-step, an order the replay does not model; record with gradient_accumulation_steps 1"
         )
-    if engine.gradient_clipping() > 0:
+    if engine.gradient_clipping() > 0 and int(engine.zero_optimization_stage()) not in (1, 2):
         return (
-            f"gradient_clipping={engine.gradient_clipping()} (DeepSpeed's default is 1.0) is not replayed: ZeRO sums "
-            'the norm over partitions; set "gradient_clipping": 0.0 in the DeepSpeed config to record this job'
+            f"gradient_clipping={engine.gradient_clipping()} (DeepSpeed's default is 1.0) under ZeRO stage "
+            f'{engine.zero_optimization_stage()} is not replayed (ZeRO 1 and 2 are); set "gradient_clipping": 0.0 '
+            "in the DeepSpeed config to record this job"
+        )
+    zero = engine.optimizer
+    if engine.gradient_clipping() > 0 and (
+        getattr(zero, "round_robin_gradients", False) or getattr(zero, "parameter_alignment", False)
+    ):
+        return (
+            f"gradient_clipping={engine.gradient_clipping()} with round_robin_gradients or parameter_alignment is not "
+            "replayed: the norm's partitions would not be the flat ones integrations.deepspeed.clip_grad_norm_ cuts"
         )
     if engine.zero_optimization_stage() not in (0, 1, 2, 3):
         return f"ZeRO stage {engine.zero_optimization_stage()} is unknown here"

@@ -2,16 +2,18 @@
 and its replay recipe.
 
 Launched once per rank (``tests/integrations/launch.py``) with ``DS_ACCELERATOR=cpu``: a small MLP
-under ZeRO stage ``--stage`` (fp32, torch's AdamW, no clipping), one microbatch per rank-step
-(ID ``step * W + rank``), a checkpoint every ``--every`` steps from checkpoint 0, written by
+under ZeRO stage ``--stage`` (fp32, torch's AdamW, clipped at ``--clip`` when it is above 0), one
+microbatch per rank-step (ID ``step * W + rank``), a checkpoint every ``--every`` steps from checkpoint 0, written by
 ``sdc.checkpoint``. The recipe rebuilds the same module and a ``torch.optim.AdamW`` with the settings
-the DeepSpeed config gives, and loads those checkpoints with ``sdc.load_checkpoint``.
+the DeepSpeed config gives (its ``before_step`` clips as DeepSpeed did, ``sdc.clip_grad_norm_``), and
+loads those checkpoints with ``sdc.load_checkpoint``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 import torch
 from torch import nn
@@ -29,6 +31,9 @@ class MlpRecipe:
 
     width: int = 32
     batch: int = 8
+    #: the DeepSpeed config's gradient_clipping (0: none) and the job's data-parallel size, from recipe_args
+    clip: float = 0.0
+    world: int = 1
 
     def build(self, device="cpu"):
         gen_state = torch.random.get_rng_state()
@@ -46,6 +51,10 @@ class MlpRecipe:
     def loss(self, model, microbatch):
         x, y = microbatch
         return nn.functional.mse_loss(model(x), y)
+
+    def before_step(self, model, optimizer):
+        if self.clip > 0:
+            sdc.clip_grad_norm_(optimizer, self.clip, self.world)
 
     def load_checkpoint(self, path, model, optimizer, scheduler):
         sdc.load_checkpoint(path, model, optimizer)
@@ -83,7 +92,13 @@ def main() -> None:
     }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     rank, world = engine.global_rank, engine.dp_world_size
-    rec = sdc.record(engine, args.trace, recipe="tests.integrations.dsjob:recipe", inject=args.inject)
+    rec = sdc.record(
+        engine,
+        args.trace,
+        recipe="tests.integrations.dsjob:recipe",
+        recipe_args={"clip": args.clip, "world": world},
+        inject=args.inject,
+    )
     try:
         sdc.checkpoint(rec, engine, 0, f"{args.out}/step-0.pt")
         for step in range(args.steps):
@@ -93,6 +108,9 @@ def main() -> None:
                 engine.backward(loss)
                 s.loss(loss)
                 engine.step()
+            if args.clip > 0:
+                # what the test reads to know the clip engaged: DeepSpeed's own total norm of the step
+                print(f"rank {rank} step {step} grad_norm {float(engine.get_global_grad_norm())!r}", file=sys.stderr)
             if (step + 1) % args.every == 0:
                 sdc.checkpoint(rec, engine, step + 1, f"{args.out}/step-{step + 1}.pt")
     finally:

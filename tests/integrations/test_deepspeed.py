@@ -1,7 +1,8 @@
 """Issue 38: a DeepSpeed engine under ZeRO stage 1, 2 and 3 recorded with
 ``sdc_forensics.integrations.deepspeed.record`` (tests/integrations/dsjob.py, 2 gloo processes on
 DeepSpeed's CPU accelerator, fp32, torch's AdamW) is replayed exactly and judged by the unchanged
-CLI: a clean run certifies every checkpoint, a gradient bit flip is found at its step and rank.
+CLI: a clean run certifies every checkpoint, also clipped under ZeRO 1 and 2 (the recipe's
+``before_step`` calls ``clip_grad_norm_``), a gradient bit flip is found at its step and rank.
 Skipped, with the reason, without the ``deepspeed`` extra.
 """
 
@@ -55,8 +56,26 @@ def test_a_gradient_fault_under_zero_is_found_at_its_step_and_rank(tmp_path, sta
 
 @pytest.mark.slow
 @pytest.mark.heavy
-def test_deepspeeds_default_clipping_is_refused_in_one_line_before_anything_is_written(tmp_path):
-    ranks = run_ranks(JOB, ["--stage", "2", "--trace", "trace", "--out", "out", "--clip", "1.0"], cwd=tmp_path)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_clipped_zero_run_is_certified_with_deepspeeds_norm_replayed_exactly(tmp_path, stage):
+    # 0.05: below every step's total norm (0.5 to 0.84 here), so DeepSpeed clips every step
+    ranks = run_ranks(JOB, ["--stage", str(stage), "--trace", "trace", "--out", "out", "--clip", "0.05"], cwd=tmp_path)
+    assert_ok(ranks)
+    norms = [float(line.rsplit(" ", 1)[1]) for line in ranks[0].stderr.splitlines() if " grad_norm " in line]
+    assert len(norms) == 6 and min(norms) > 0.05, ranks[0].stderr[-2000:]
+    certified = run_installed(["certify", "trace", "--json"], tmp_path, cwd=tmp_path, env=ENV)
+    assert certified.returncode == 0, certified.stderr
+    doc = json.loads(certified.stdout)
+    assert {c["step"]: c["status"] for c in doc["checkpoints"]} == {0: "clean", 3: "clean", 6: "clean"}
+    assert "exact now 0..5" in certified.stderr, certified.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_clipping_under_zero_3_is_refused_in_one_line_before_anything_is_written(tmp_path):
+    ranks = run_ranks(JOB, ["--stage", "3", "--trace", "trace", "--out", "out", "--clip", "1.0"], cwd=tmp_path)
     assert all(r.returncode != 0 for r in ranks)
-    assert all('"gradient_clipping": 0.0' in r.stderr for r in ranks), ranks[0].stderr[-2000:]
+    assert all('"gradient_clipping": 0.0' in r.stderr and "ZeRO stage 3" in r.stderr for r in ranks), ranks[0].stderr[
+        -2000:
+    ]
     assert not (tmp_path / "trace" / "manifest.json").exists()
