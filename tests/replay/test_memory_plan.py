@@ -62,6 +62,13 @@ def test_optimizer_assumed_when_not_saved(fsdp_demo):
     plan = memory.plan_from_infos(infos, read_manifest(fsdp_demo / "trace"))
     assert plan.optimizer_assumed and plan.optimizer_bytes == 8 * 10_000 and plan.params_bytes == 2 * 10_000
     assert "assumed: AdamW" in plan.lines()[0]
+    # no parameter names: the groups cannot be sized, so the whole model counts as all-gathered at once
+    assert plan.largest_group_bytes == plan.params_bytes == plan.largest_param_bytes
+    # bfloat16 parameters: the accumulator is float32; state 12 bytes per element (2 + 2 + AdamW's 8)
+    assert plan.acc_itemsize == 4
+    assert plan.per_process(2) - plan.per_process(4) == (-(-12 * 10_000 // 2) + -(-4 * 10_000 // 2)) - (
+        -(-12 * 10_000 // 4) + -(-4 * 10_000 // 4)
+    )
 
 
 def test_one_process_replay_refused(fsdp_demo, monkeypatch):
