@@ -175,7 +175,14 @@ def _sharded_demo(
             "online checks: nothing fired (a finite local-gradient flip is summed consistently: only a replay sees it)"
         )
     err.print(f"trace: {out_dir / 'trace'}   checkpoints: {out_dir / 'checkpoints'}")
-    err.print(f"next: sdc-forensics bisect {out_dir / 'trace'}")
+    if parallel == "tp":
+        # the one-process replay of a TP job is tolerant (it certifies nothing); the TP processes' replay is exact
+        err.print(
+            f"next: torchrun --standalone --nproc-per-node 2 -m sdc_forensics bisect {out_dir / 'trace'}   "
+            "(the job's TP plan on 2 processes, exact; plain `sdc-forensics bisect` is tolerant)"
+        )
+    else:
+        err.print(f"next: sdc-forensics bisect {out_dir / 'trace'}")
 
 
 def _parse_threads(text: str | None, world_size: int) -> tuple[int, ...] | None:
