@@ -35,7 +35,10 @@ replayed by :func:`clip_grad_norm_`, which the recipe's ``before_step`` calls wi
 ``gradient_clipping`` and data-parallel size: DeepSpeed's own norm, cut as its ranks' partitions.
 
 Refused in one line, before anything is written: what ``deepspeed_layout.engine_refusal`` lists
-(fp16/bf16, accumulation, clipping under ZeRO 3, offload, model parallelism, DeepSpeed's own optimizers).
+(fp16/bf16, accumulation under ZeRO 2 and 3, clipping under ZeRO 3, offload, model parallelism,
+DeepSpeed's own optimizers). Under ZeRO 1, ``gradient_accumulation_steps`` k > 1 is recorded: one
+``rec.step`` names the k microbatches, ``engine.backward`` and ``engine.step()`` run per microbatch,
+and the recorder's checks run around the boundary's step only.
 Written against DeepSpeed 0.19 (``DS_ACCELERATOR=cpu`` with gloo on CPU).
 """
 
@@ -105,8 +108,17 @@ def record(
         inject=inject,
         framework={**framework_info("deepspeed", __name__), "version": deepspeed.__version__},
     )
+    own_step = engine.step
+
+    def step(*args, **kwargs):
+        # the recorder's checks run around the update, at the accumulation boundary; a microbatch
+        # before it only counts in DeepSpeed (ZeRO 1 reduces at the boundary)
+        if engine.is_gradient_accumulation_boundary():
+            return proxy.step(*args, **kwargs)
+        return own_step(*args, **kwargs)
+
     # the engine's own step, now through the hooked one (an attribute of this engine only)
-    engine.step = proxy.step
+    engine.step = step
     return rec
 
 

@@ -23,7 +23,8 @@ replay reproduces exactly.
 
 Refused in one line, before anything is written (what the replay cannot reproduce):
 fp16 or bf16 (ZeRO keeps fp32 master partitions the module does not hold), gradient accumulation
-(ZeRO 2 reduces every micro-step, an order the replay does not model), gradient clipping
+under ZeRO 2 and 3 (they reduce every micro-step, an order the replay does not model; ZeRO 1 reduces
+the accumulated gradient once, at the boundary, and is recorded), unmanaged accumulation, gradient clipping
 under ZeRO 3 (DeepSpeed's default 1.0: its norm is summed over partitions; set
 ``"gradient_clipping": 0.0``; under ZeRO 1 and 2 the recipe reproduces it with
 ``integrations.deepspeed.clip_grad_norm_``),
@@ -64,10 +65,16 @@ def engine_refusal(engine: Any) -> str | None:
             "DeepSpeed fp16/bf16 training is not recorded: ZeRO updates fp32 master partitions the module does not "
             'hold; record an fp32 run (no "fp16"/"bf16" section)'
         )
-    if engine.gradient_accumulation_steps() != 1:
+    if not getattr(engine, "managed_gradient_accumulation", lambda: True)():
         return (
-            f"gradient_accumulation_steps={engine.gradient_accumulation_steps()} is not recorded: ZeRO reduces every "
-            "micro-step, an order the replay does not model; record with gradient_accumulation_steps 1"
+            '"managed_gradient_accumulation": false is not recorded: the recorder finds the update by DeepSpeed\'s '
+            "micro-step counter; leave it at its default (true)"
+        )
+    if engine.gradient_accumulation_steps() != 1 and int(engine.zero_optimization_stage()) != 1:
+        return (
+            f"gradient_accumulation_steps={engine.gradient_accumulation_steps()} under ZeRO stage "
+            f"{engine.zero_optimization_stage()} is not recorded: ZeRO 2 and 3 reduce every micro-step, an order the "
+            "replay does not model; record with gradient_accumulation_steps 1, or under ZeRO 1 (it reduces at the boundary)"
         )
     if engine.gradient_clipping() > 0 and int(engine.zero_optimization_stage()) not in (1, 2):
         return (
@@ -135,7 +142,7 @@ class _GradTap:
                 grad = grad.clone()
                 self.job.injector.corrupt_segment("grad", step, grad.view(-1), self.offsets[i], self.total)
             kept = grad.detach().clone()
-            # a second backward in the step (no accumulation is recorded): its gradient adds, as autograd's does
+            # the step's next microbatch (gradient accumulation): its gradient adds, as autograd's does
             self.local[i] = kept if i not in self.local else self.local[i] + kept
             return grad
 

@@ -34,6 +34,8 @@ class MlpRecipe:
     #: the DeepSpeed config's gradient_clipping (0: none) and the job's data-parallel size, from recipe_args
     clip: float = 0.0
     world: int = 1
+    #: the config's gradient_accumulation_steps: engine.backward divides each microbatch's loss by it
+    accumulation: int = 1
 
     def build(self, device="cpu"):
         gen_state = torch.random.get_rng_state()
@@ -48,9 +50,14 @@ class MlpRecipe:
         x = torch.randn(self.batch, 16, generator=gen)
         return x.to(device), torch.sin(x[:, :4] * 3).to(device)
 
-    def loss(self, model, microbatch):
+    def objective(self, model, microbatch):
+        """The loss the training loop hands ``engine.backward``."""
         x, y = microbatch
         return nn.functional.mse_loss(model(x), y)
+
+    def loss(self, model, microbatch):
+        # what engine.backward differentiates: the loss over gradient_accumulation_steps (_scale_loss_by_gas)
+        return self.objective(model, microbatch) / self.accumulation
 
     def before_step(self, model, optimizer):
         if self.clip > 0:
@@ -72,6 +79,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--inject", action="append", default=[])
     parser.add_argument("--clip", type=float, default=0.0)
+    parser.add_argument("--accumulation", type=int, default=1)
     args = parser.parse_args()
 
     import importlib
@@ -84,7 +92,7 @@ def main() -> None:
     model, _, _ = recipe.build()
     config = {
         "train_micro_batch_size_per_gpu": recipe.batch,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": args.accumulation,
         "gradient_clipping": args.clip,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "torch_adam": True}},
         "zero_optimization": {"stage": args.stage},
@@ -96,18 +104,21 @@ def main() -> None:
         engine,
         args.trace,
         recipe="tests.integrations.dsjob:recipe",
-        recipe_args={"clip": args.clip, "world": world},
+        recipe_args={"clip": args.clip, "world": world, "accumulation": args.accumulation},
         inject=args.inject,
     )
     try:
         sdc.checkpoint(rec, engine, 0, f"{args.out}/step-0.pt")
         for step in range(args.steps):
-            mb = step * world + rank
-            with rec.step(step, microbatch_ids=[mb]) as s:
-                loss = recipe.loss(engine, s.input(recipe.fetch_microbatch(mb)))
-                engine.backward(loss)
-                s.loss(loss)
-                engine.step()
+            # microbatches step * W * k + rank * k + j, j < k (k = gradient_accumulation_steps)
+            ids = [(step * world + rank) * args.accumulation + j for j in range(args.accumulation)]
+            with rec.step(step, microbatch_ids=ids) as s:
+                for mb in ids:
+                    loss = recipe.objective(engine, s.input(recipe.fetch_microbatch(mb)))
+                    engine.backward(loss)
+                    s.loss(loss / args.accumulation)
+                    # DeepSpeed's update at the accumulation boundary only (the last microbatch)
+                    engine.step()
             if args.clip > 0:
                 # what the test reads to know the clip engaged: DeepSpeed's own total norm of the step
                 print(f"rank {rank} step {step} grad_norm {float(engine.get_global_grad_norm())!r}", file=sys.stderr)

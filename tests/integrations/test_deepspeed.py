@@ -79,3 +79,25 @@ def test_clipping_under_zero_3_is_refused_in_one_line_before_anything_is_written
         -2000:
     ]
     assert not (tmp_path / "trace" / "manifest.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_gradient_accumulation_under_zero_1_is_certified_with_every_step_replayed_exactly(tmp_path):
+    # 2 microbatches per rank-step: engine.step() at the boundary only, ZeRO 1 reduces once there
+    argv = ["--stage", "1", "--trace", "trace", "--out", "out", "--accumulation", "2"]
+    assert_ok(run_ranks(JOB, argv, cwd=tmp_path))
+    certified = run_installed(["certify", "trace", "--json"], tmp_path, cwd=tmp_path, env=ENV)
+    assert certified.returncode == 0, certified.stderr
+    doc = json.loads(certified.stdout)
+    assert {c["step"]: c["status"] for c in doc["checkpoints"]} == {0: "clean", 3: "clean", 6: "clean"}
+    assert "exact now 0..5" in certified.stderr, certified.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_gradient_accumulation_under_zero_2_is_refused_in_one_line_before_anything_is_written(tmp_path):
+    ranks = run_ranks(JOB, ["--stage", "2", "--trace", "trace", "--out", "out", "--accumulation", "2"], cwd=tmp_path)
+    assert all(r.returncode != 0 for r in ranks)
+    assert all("gradient_accumulation_steps=2 under ZeRO stage 2" in r.stderr for r in ranks), ranks[0].stderr[-2000:]
+    assert not (tmp_path / "trace" / "manifest.json").exists()
