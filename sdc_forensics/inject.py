@@ -52,6 +52,9 @@ EVERY_RANK_LOCATIONS = frozenset({"allreduce-all", "checkpoint-file"})
 #: rank's local gradient before the reduce-scatter, its reduce-scatter output, its HSDP replica
 #: all-reduce output, and (the recorder's only) its all-gathered copy of a parameter in the forward.
 FSDP_LOCATIONS = ("local-gradient", "reduce-scatter-output", "all-reduce-output", "all-gather-output")
+#: Where the TP demo's drill flips (``demo/tp.py``, not a recorder's): this rank's output of the
+#: row-parallel MLP's reduce-scatter (sequence parallel) in the forward pass.
+TP_LOCATIONS = ("tp-collective",)
 #: every location some recorder knows (a tool that reads specs of DDP and sharded runs alike)
 ALL_LOCATIONS = LOCATIONS + FSDP_LOCATIONS
 _SYNTAX = "LOCATION:step=S:rank=R:bit=B[:element=I]"
@@ -77,7 +80,7 @@ class FaultSpec:
     element: int | None = None
 
     def __post_init__(self) -> None:
-        if self.location not in LOCATIONS + FSDP_LOCATIONS:
+        if self.location not in LOCATIONS + FSDP_LOCATIONS + TP_LOCATIONS:
             raise UsageError(
                 f"unknown fault location {self.location!r}; use one of {', '.join(LOCATIONS + FSDP_LOCATIONS)}"
             )

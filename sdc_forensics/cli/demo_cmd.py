@@ -129,7 +129,7 @@ def _sharded_demo(
     """``--parallel fsdp|hsdp|tp``: the sharded job (``demo/sharded.py``, ``demo/tp.py``), then what to run next."""
     from sdc_forensics.demo import sharded
     from sdc_forensics.errors import UsageError
-    from sdc_forensics.inject import FSDP_LOCATIONS, LOCATIONS, parse_spec
+    from sdc_forensics.inject import FSDP_LOCATIONS, LOCATIONS, TP_LOCATIONS, parse_spec
 
     refused = [flag for flag, given in (("--recipe", recipe), ("--threads", threads), ("--json", as_json)) if given]
     if refused:
@@ -143,7 +143,8 @@ def _sharded_demo(
     )
     # every spec checked before anything runs
     for text in texts:
-        spec = parse_spec(text, LOCATIONS + FSDP_LOCATIONS)
+        # tp-collective: the TP demo's own drill (demo/tp.py), a flip inside a TP collective
+        spec = parse_spec(text, LOCATIONS + FSDP_LOCATIONS + (TP_LOCATIONS if parallel == "tp" else ()))
         if spec.location in ("grad", "allreduce", "allreduce-all", "checkpoint-file"):
             raise UsageError(
                 f"fault spec {text!r}: {spec.location} is a DDP location; a sharded job's are "

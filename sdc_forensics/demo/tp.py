@@ -9,6 +9,12 @@ MLP's second layer ``RowwiseParallel`` back to sequence shards, the head ``Colwi
 with replicated logits), then ``fully_shard`` over ``dp``. The ranks of one DP coordinate read
 the same microbatches. ``sdc-forensics demo --parallel tp`` runs it; the tests run it with faults.
 
+Besides the recorder's drills, the demo has one of its own, ``tp-collective:step=S:rank=R:bit=B
+[:element=I]`` (:class:`CollectiveDrill`): a bit of rank R's output of the MLP's row-parallel
+reduce-scatter (``down``, sequence parallel) flipped in the forward of step S, as a faulty
+collective would hand it over. Element I indexes that local output (this rank's sequence shard,
+flattened); element 0 unless given.
+
 ``recipe`` replays it: on one process the plain model (same names and order), the DCP checkpoint
 loaded into it whole (``sharded.load_dcp``), compared within tolerance; under ``torchrun
 --nproc-per-node 2`` its ``parallelize`` hook applies the job's TP plan (:func:`tensor_parallel`)
@@ -26,6 +32,7 @@ import torch
 from torch import nn
 
 from sdc_forensics.demo.sharded import dcp_state, load_dcp, loss_of
+from sdc_forensics.errors import UsageError
 
 VOCAB, DIM, HEADS, CONTEXT, MICROBATCH = 40, 16, 2, 8, 4
 TP, DP = 2, 2
@@ -67,6 +74,48 @@ class TinyLM(nn.Module):
         x = x + self.attn(self.norm1(x))
         x = x + self.down(nn.functional.gelu(self.up(self.norm2(x))))
         return self.head(self.norm(x))
+
+
+class CollectiveDrill:
+    """The ``tp-collective`` drill of one rank: a forward hook on the row-parallel ``down`` that flips
+    a bit of its output (the reduce-scatter's, this rank's sequence shard) at the specs' steps.
+
+    Registered after the TP plan, so it runs after TP's own output hook: what it flips is what the
+    collective returned, before the residual add reads it (a copy of it: autograd forbids flipping
+    TP's output view in place). The gradient flows through unchanged, as it would through a
+    collective whose output was corrupted.
+    """
+
+    def __init__(self, specs, rank: int) -> None:
+        self.specs = [s for s in specs if s.applies_to(rank)]
+        self.rank = rank
+        self.step = -1
+        self.fired: list[dict] = []
+
+    def __call__(self, module, args, output) -> torch.Tensor | None:
+        from sdc_forensics.inject import flip_bit_
+
+        due = [s for s in self.specs if s.step == self.step and not any(f["step"] == self.step for f in self.fired)]
+        if not due:
+            return None
+        # TP's output is a view made by a custom Function (to_local): autograd forbids flipping it in place
+        output = output.clone()
+        for spec in due:
+            flat = output.detach().view(-1)
+            element = 0 if spec.element is None else spec.element
+            if element >= flat.numel():
+                raise UsageError(f"fault {spec}: element {element} is out of range (0..{flat.numel() - 1})")
+            old, new = flip_bit_(flat, element, spec.bit)
+            self.fired.append({"spec": str(spec), "step": self.step, "rank": self.rank, "old": old, "new": new})
+        return output
+
+
+def split_collective_specs(inject: tuple[str, ...]):
+    """``(the recorder's specs, the tp-collective ones parsed)`` of a demo's ``--inject`` texts."""
+    from sdc_forensics.inject import TP_LOCATIONS, parse_spec
+
+    ours = [t for t in inject if t.strip().lower().split(":")[0] in TP_LOCATIONS]
+    return tuple(t for t in inject if t not in ours), [parse_spec(t, TP_LOCATIONS) for t in ours]
 
 
 def build_model(seed: int = 0) -> TinyLM:
@@ -178,6 +227,10 @@ def train(
     dp = mesh.get_coordinate()[0]
     model = parallelize(build_model(seed), mesh)
     optimizer = make_optimizer(model)
+    inject, collective_specs = split_collective_specs(inject)
+    drill = CollectiveDrill(collective_specs, rank)
+    if drill.specs:
+        model.down.register_forward_hook(drill)
     options = RecorderOptions(policy=policy, audit_every=audit_every)
     recorded = {"recipe": REFERENCE} if not seed else {"recipe": SEEDED_REFERENCE, "recipe_args": {"seed": seed}}
     alarms: list = []
@@ -186,6 +239,7 @@ def train(
             if step % checkpoint_every == 0:
                 rec.checkpoint(step, Path(checkpoint_dir) / f"step-{step:08d}", dcp_state(model, optimizer))
             mb = step * (world // TP) + dp
+            drill.step = step
             try:
                 with rec.step(step, microbatch_ids=[mb]) as h:
                     batch = h.input(microbatch(mb, seed=seed))
@@ -199,7 +253,7 @@ def train(
                 break
         alarms += [{"step": a.step, "rank": a.rank, "check": a.check} for a in rec.alarms if a.check]
     dist.barrier()
-    return {"alarms": alarms}
+    return {"alarms": alarms, "fired": drill.fired}
 
 
 def _demo_rank(rank: int, world: int, port: int, out_dir: str, kwargs: dict) -> None:
