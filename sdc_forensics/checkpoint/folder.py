@@ -44,7 +44,10 @@ Ignored, and listed in the report (:meth:`FolderReader.ignored`): ``.git/`` and
 ``.cache/huggingface/`` at the folder's top, version control and ``huggingface_hub`` download
 bookkeeping (lock files, etag ``*.metadata``) that no training job loads; and the Trainer's
 ``training_args.bin`` at the top when its pickle is refused (the job's arguments, never loaded at
-resume: checksummed, not unpickled, no state to verify).
+resume: checksummed, not unpickled, no state to verify); DeepSpeed's ``latest`` and conversion
+scripts at the top of an ``engine.save_checkpoint`` folder (``deepspeed_files.is_bookkeeping``).
+DeepSpeed's optimizer files are read with its three pickled classes as inert placeholders
+(``deepspeed_files.py``).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ import torch
 
 from sdc_forensics.checkpoint.base import CheckpointReader, FileIssue, MappedFile, TensorInfo
 from sdc_forensics.checkpoint.dcp_reader import METADATA_NAME, DcpReader
+from sdc_forensics.checkpoint.deepspeed_files import is_bookkeeping
 from sdc_forensics.checkpoint.kinds import NOTHING_TO_READ, TORCH_SUFFIXES, main_format, open_file, sniff_file
 from sdc_forensics.checkpoint.hf_index import read_index
 from sdc_forensics.checkpoint.limits import ReadLimits, link_advice, link_bounds, outside, resolve
@@ -177,6 +181,11 @@ class FolderReader(CheckpointReader):
     def _account(self, path: Path, rel: str, *, populate: bool) -> int:
         """Verify, or list as not verifiable, one file outside the model checkpoint; 1 if it is a tensor file."""
         name = path.name
+        # DeepSpeed's "latest" and conversion scripts beside its TAG folders: no resume loads them
+        if is_bookkeeping(self.root, rel):
+            self._other_files.append(path)
+            self._ignored = (*self._ignored, rel)
+            return 0
         if name.endswith(".json") or name.endswith(TEXT_SUFFIXES) or name in TEXT_NAMES:
             self._other_files.append(path)
             self._check_text(path, rel)

@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from sdc_forensics.checkpoint.deepspeed_files import PLACEHOLDERS, safe_globals_entries
 from sdc_forensics.checkpoint.base import FileIssue, MappedFile, SingleFileReader, TensorInfo, unsupported_tensor
 from sdc_forensics.checkpoint.limits import (
     INFLATE_HINT,
@@ -355,6 +356,8 @@ class TorchReader(SingleFileReader):
         numpy_names = _numpy_names() if self._limits.allow_numpy or any(g not in allowed for g in refs) else set()
         if self._limits.allow_numpy:
             allowed |= numpy_names
+        # DeepSpeed's three objects in its optimizer files, read as inert placeholders (deepspeed_files.py)
+        allowed |= set(PLACEHOLDERS)
         refused = sorted({g for g in refs if g not in allowed})
         if refused and all(g in numpy_names for g in refused):
             raise PickleRefused(
@@ -378,7 +381,7 @@ class TorchReader(SingleFileReader):
             else contextlib.nullcontext()
         )
         try:
-            with allow, warnings.catch_warnings():
+            with allow, torch.serialization.safe_globals(safe_globals_entries()), warnings.catch_warnings():
                 warnings.simplefilter(
                     "ignore"
                     # torch's deprecation notes (TypedStorage, pickle protocol) are not the user's concern

@@ -27,8 +27,9 @@ ZeRO 1 and 2, its all-gather of the updated partitions).
 ``{"model", "optimizer", "step"}`` as ``torch.optim`` keeps it, the model whole and the
 optimizer's state gathered from ZeRO's partitions per parameter
 (``deepspeed.utils.safe_get_full_optimizer_state``); :func:`load_checkpoint` is the recipe's half.
-DeepSpeed's own ``engine.save_checkpoint`` folders are not read: their optimizer files pickle
-DeepSpeed classes that ``weights_only`` refuses (``docs/integrations.md``).
+DeepSpeed's own ``engine.save_checkpoint`` folders are verified by ``verify-checkpoint`` (their
+optimizer files' three DeepSpeed classes read as inert placeholders: ``checkpoint/deepspeed_files.py``),
+not certified: a replay loads :func:`checkpoint`'s files.
 
 Gradient clipping (``"gradient_clipping"``, DeepSpeed's default 1.0) under ZeRO 1 and 2 is
 replayed by :func:`clip_grad_norm_`, which the recipe's ``before_step`` calls with the job's

@@ -80,6 +80,7 @@ def main() -> None:
     parser.add_argument("--inject", action="append", default=[])
     parser.add_argument("--clip", type=float, default=0.0)
     parser.add_argument("--accumulation", type=int, default=1)
+    parser.add_argument("--ds-save", default="", help="also engine.save_checkpoint(DIR) after the last step")
     args = parser.parse_args()
 
     import importlib
@@ -124,6 +125,9 @@ def main() -> None:
                 print(f"rank {rank} step {step} grad_norm {float(engine.get_global_grad_norm())!r}", file=sys.stderr)
             if (step + 1) % args.every == 0:
                 sdc.checkpoint(rec, engine, step + 1, f"{args.out}/step-{step + 1}.pt")
+        if args.ds_save:
+            # DeepSpeed's own checkpoint folder (a collective): TAG/mp_rank_00_model_states.pt and the optimizer files
+            engine.save_checkpoint(args.ds_save, tag=f"global_step{args.steps}")
     finally:
         rec.close()
 

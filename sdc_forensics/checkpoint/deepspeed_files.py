@@ -1,0 +1,91 @@
+"""DeepSpeed's ``engine.save_checkpoint`` folders, read without DeepSpeed.
+
+``engine.save_checkpoint(DIR)`` writes ``DIR/TAG/mp_rank_00_model_states.pt`` (the module's state
+under ``module``: plain tensors and values, read like any ``torch.save`` file), one
+``DIR/TAG/zero_pp_rank_R_mp_rank_00_optim_states.pt`` per rank (below), and at the top ``latest``
+(a text file naming TAG) and DeepSpeed's conversion scripts ``zero_to_fp32.py`` and
+``zero_to_torch.py``. The top-level three are bookkeeping no resume loads: a folder reader lists
+them as ignored (:func:`is_bookkeeping`; still checksummed), not as unverifiable files.
+
+``TAG/zero_pp_rank_R_mp_rank_00_optim_states.pt`` (DeepSpeed 0.19, ZeRO 1, 2 and 3) pickles, next
+to its tensors (the fp32 partition, the torch optimizer's state) and plain values, three
+DeepSpeed objects that torch's ``weights_only`` allow-list refuses:
+
+* ``deepspeed.runtime.fp16.loss_scaler.LossScaler`` (the loss scaler: a plain object, rebuilt by
+  ``NEWOBJ`` then ``BUILD`` with its ``__dict__``),
+* ``deepspeed.runtime.zero.config.ZeroStageEnum`` (the ZeRO stage: an ``int`` enum, rebuilt by
+  ``REDUCE`` with its value),
+* ``deepspeed.utils.tensor_fragment.fragment_address`` (a dataclass: where a parameter's slice
+  lies in the flat partition, two integers).
+
+The checkpoint readers map exactly those three names to the inert classes below
+(``torch.serialization.safe_globals`` with ``(class, "module.name")`` pairs): DeepSpeed is never
+imported, and nothing of it runs. A placeholder keeps what the pickle handed it, as data
+(``args``, ``state``); it has no behaviour, so the worst a hostile file can do through it is
+store values. Every other global stays refused as before.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+#: what engine.save_checkpoint copies beside its TAG folders: DeepSpeed's offline conversion scripts
+SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+#: the pointer file naming the last TAG
+LATEST = "latest"
+_MAX_TAG_BYTES = 4096
+
+
+class _Inert:
+    """Stands for a DeepSpeed object in a loaded checkpoint: holds what the pickle handed it, does nothing."""
+
+    #: the DeepSpeed global this class stands for
+    stands_for = ""
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<placeholder for {self.stands_for}>"
+
+
+def _placeholder(name: str) -> type:
+    # one class per name: torch's unpickler matches the object's exact type against the allow-list
+    return type(f"Placeholder_{name.rsplit('.', 1)[1]}", (_Inert,), {"stands_for": name, "__module__": __name__})
+
+
+#: DeepSpeed's globals in its optimizer files, and the inert class each is read as
+PLACEHOLDERS: dict[str, type] = {
+    name: _placeholder(name)
+    for name in (
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+        "deepspeed.runtime.zero.config.ZeroStageEnum",
+        "deepspeed.utils.tensor_fragment.fragment_address",
+    )
+}
+
+
+def safe_globals_entries() -> list[tuple[type, str]]:
+    """``torch.serialization.safe_globals`` entries mapping each DeepSpeed name to its placeholder."""
+    return [(cls, name) for name, cls in PLACEHOLDERS.items()]
+
+
+def is_bookkeeping(root: Path, rel: str) -> bool:
+    """Whether ``rel`` (relative to the folder ``root``) is ``latest`` or a conversion script at the top
+    of a DeepSpeed ``save_checkpoint`` folder: ``latest`` is UTF-8 text naming a sub-folder of ``root``."""
+    if rel != LATEST and rel not in SCRIPTS:
+        return False
+    try:
+        # read-only, bounded: a hostile folder's "latest" may be anything
+        with open(root / LATEST, "rb") as fh:
+            tag = fh.read(_MAX_TAG_BYTES + 1).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return False
+    if not tag or len(tag) > _MAX_TAG_BYTES or tag in (".", "..") or "/" in tag or "\\" in tag:
+        return False
+    where = root / tag
+    return where.is_dir() and not where.is_symlink()
