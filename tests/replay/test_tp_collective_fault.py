@@ -54,5 +54,6 @@ def test_the_exact_tp_replay_names_the_step_and_the_corrupted_dp_coordinate(job)
     assert sorted((s["rank"], s["mesh"]) for s in doc["suspects"]) == [(2, "dp=1, tp=0"), (3, "dp=1, tp=1")], doc
     replayed = [e for e in doc["evidence"] if e["kind"] == "replay_mismatch"]
     assert replayed and all(e["step"] == STEP and set(e["ranks"]) <= {2, 3} for e in replayed), doc["evidence"]
+    assert all(e["strength"] == "strong" for e in replayed), replayed
     statuses = {c["step"]: c["status"] for c in doc["checkpoints"]}
     assert statuses[0] == statuses[3] == "clean" and statuses[6] != "clean", doc["checkpoints"]
