@@ -49,8 +49,8 @@ BUDGET_ENV = "SDC_FORENSICS_REPLAY_MEMORY"
 ACTIVATIONS_ENV = "SDC_FORENSICS_REPLAY_ACTIVATIONS"
 MIN_ACTIVATIONS = 64 << 20
 RUNTIME_BYTES = 64 << 20
-#: glibc's initial mmap threshold, kept fixed (mallopt's ``M_MMAP_THRESHOLD`` is -3)
-_MMAP_THRESHOLD, _M_MMAP_THRESHOLD = 128 << 10, -3
+#: blocks of 4 MiB and more mapped, whatever was freed before (mallopt's ``M_MMAP_THRESHOLD`` is -3)
+_MMAP_THRESHOLD, _M_MMAP_THRESHOLD = 4 << 20, -3
 _ITEMSIZE = {
     "float64": 8,
     "float32": 4,
@@ -320,8 +320,10 @@ def return_freed_memory() -> None:
     glibc raises its mmap threshold to the size of the last freed mapped block (up to 32 MiB), so
     after the first gradient-sized tensor is freed the next ones come from the heap, whose freed
     pages stay resident: a replay's resident set then grows by blocks that no longer hold anything
-    (100-130 MiB on ``benchmarks/bench_sharded_replay.py``). A fixed threshold keeps every block
-    over 128 KiB mapped and unmapped when freed. Nothing computed changes.
+    (about 100 MiB on ``benchmarks/bench_sharded_replay.py``). A fixed threshold keeps every block of
+    4 MiB or more mapped and unmapped when freed. Nothing computed changes. Lower would cost time: a
+    fresh mapping is zero-filled on first touch (a 256 KiB tensor: 10 times glibc's heap; at 4 MiB,
+    2-3 times, as a gradient-sized block already was before the threshold rose).
     """
     import ctypes
     import sys
