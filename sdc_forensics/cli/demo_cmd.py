@@ -68,7 +68,7 @@ from sdc_forensics.cli.output import emit_json, err
     show_default=True,
     help="How the 4 processes split the model: DDP replicas, FSDP2 shards (fully_shard), HSDP (2 replicas "
     "x 2 shards), or tensor parallel 2 x FSDP2 2 (a transformer, sequence parallel). Sharded locations: local-gradient, reduce-scatter-output, all-reduce-output (hsdp), all-gather-output, weights, "
-    "update, input.",
+    "update, input; with tp also tp-collective (a flip of a TP rank's row-parallel reduce-scatter output in the forward).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the ground truth as JSON on stdout.")
 @stdout_is_data
