@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from sdc_forensics.errors import UsageError
 from sdc_forensics.fingerprint.core import Fingerprint, combine_digests
-from sdc_forensics.fingerprint.reference import digest_bytes
 from sdc_forensics.recorder.identity import make_attempt
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace.layouts import write_bucket_layouts
@@ -162,8 +161,10 @@ def note_layout(layouts: list[dict], step: int, rec) -> None:
 
 
 def ids_digest(ids) -> int:
-    """Digest of the microbatch IDs as an int64 array (``microbatch_digest``)."""
-    return digest_bytes(np.asarray(list(ids), dtype="<i8"))
+    """Digest of the microbatch IDs as an int64 array (``microbatch_digest``): the exact digest of
+    its little-endian bytes, which ``combine_digests`` computes with the compiled kernel (the
+    numpy reference it falls back to cost ~0.4 ms a step)."""
+    return combine_digests(int(i) for i in ids)
 
 
 def fill_ids(record: np.ndarray, ids) -> bool:
