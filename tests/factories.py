@@ -458,11 +458,9 @@ def gloo_ring_sum(buffers: Sequence[np.ndarray]) -> np.ndarray:
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now, for a multi-process test's ``init_process_group``."""
-    import socket
+    from sdc_forensics.demo.ports import free_port as below_ephemeral
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return below_ephemeral()
 
 
 def _gloo_job_worker(rank: int, fn, world: int, port: int, out: str, args: tuple) -> None:

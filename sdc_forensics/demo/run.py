@@ -26,13 +26,13 @@ import json
 import logging
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
 from sdc_forensics import recipe as recipe_mod
 from sdc_forensics.errors import SdcError, UsageError
 from sdc_forensics.demo import forked
+from sdc_forensics.demo.ports import free_port
 from sdc_forensics.demo.targets import check_injections
 from sdc_forensics.inject import FaultSpec, parse_specs
 from sdc_forensics.newfile import write_atomic
@@ -365,15 +365,9 @@ def run_config(config: DemoConfig) -> DemoResult:
     return dataclasses.replace(_collect(config, time.monotonic() - started), exit_codes=exit_codes)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(config: DemoConfig) -> tuple[int | None, ...]:
     """Run the ranks; their exit codes (each 0 or the alarm exit code, unless it raises)."""
-    port = _free_port()
+    port = free_port()
     # the ranks fork from a server that imported torch, torch._dynamo and the kernels once
     context = forked.start(_worker, (config, port), config.world_size, join=False)
     try:

@@ -347,9 +347,9 @@ def run_demo(
     (8 digits); ``benchmarks/campaign.py --parallel`` runs it with ``seed`` as the variant, and ``model``,
     ``optimizer`` and ``max_norm`` as :func:`train` takes them (the clipped tied-head AdamW job: ``--job clipped-lm``)."""
     import json
-    import socket
 
     from sdc_forensics.demo import forked
+    from sdc_forensics.demo.ports import free_port
     from sdc_forensics.errors import UsageError
 
     if parallel not in ("fsdp", "hsdp"):
@@ -358,9 +358,7 @@ def run_demo(
     if (out / "trace" / "manifest.json").exists():
         raise UsageError(f"{out} already holds a demo trace: pass another --out, or remove it")
     (out / "demo").mkdir(parents=True, exist_ok=True)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     kwargs = {
         "steps": steps,
         "checkpoint_every": checkpoint_every,

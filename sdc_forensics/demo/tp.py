@@ -293,18 +293,16 @@ def run_demo(
     """``sdc-forensics demo --parallel tp``: the job on 4 gloo processes (DP 2 x TP 2); returns rank
     0's findings. The trace is ``OUT/trace``, checkpoint ``N`` ``OUT/checkpoints/step-N`` (8 digits)."""
     import json
-    import socket
 
     from sdc_forensics.demo import forked
+    from sdc_forensics.demo.ports import free_port
     from sdc_forensics.errors import UsageError
 
     out = Path(out_dir)
     if (out / "trace" / "manifest.json").exists():
         raise UsageError(f"{out} already holds a demo trace: pass another --out, or remove it")
     (out / "demo").mkdir(parents=True, exist_ok=True)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     kwargs = {
         "steps": steps,
         "checkpoint_every": checkpoint_every,

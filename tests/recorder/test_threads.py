@@ -10,7 +10,6 @@ import datetime
 import json
 import logging
 import os
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -73,9 +72,9 @@ def _train(
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    from sdc_forensics.demo.ports import free_port as below_ephemeral
+
+    return below_ephemeral()
 
 
 def test_single_rank_records_each_steps_threads_and_warns_once_per_change(tmp_path, caplog):
