@@ -10,9 +10,10 @@ naming the processes it needs; and a freed tensor's memory is given back to the 
 (``memory.return_freed_memory``), so that the plan, which counts live tensors, holds.
 
 The sharded replay (``replay/sharded_replayer.py``) reproduces FSDP and HSDP recorded with the
-ordered reduction in the parameters' dtype, with clipping's total norm as the job's shards computed
-it. A mixed-precision job (``MixedPrecisionPolicy``) or one reduced in gloo's native order is
-refused sharded in one line naming the alternative: the whole-model replay, on a device with the
+ordered reduction in the parameters' dtype (or in float32 under a ``MixedPrecisionPolicy``
+``param_dtype``, the recorded policy reproduced), with clipping's total norm as the job's shards
+computed it. A job reduced in a low-precision ``reduce_dtype`` or in gloo's native order is refused
+sharded in one line naming the alternative: the whole-model replay, on a device with the
 memory for it.
 """
 

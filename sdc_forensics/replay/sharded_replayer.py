@@ -24,14 +24,23 @@ recorded rank ``j * k + p``), every process running FSDP2's all-gathers together
    ``k``), the pieces gathered and combined (``fingerprint/shards.py``) and compared with the
    record: HSDP's replicas of a shard each against the same replayed shard.
 
+Mixed precision (``MixedPrecisionPolicy(param_dtype=..., reduce_dtype=float32)``): each module is
+``fully_shard``-ed with the recorded policy (:func:`_policies`: the manifest's ``param_dtype``,
+``reduce_dtype`` and ``casts``), so FSDP2 casts the float32 shards itself (element by element, the
+same bits whatever the cut) and, with sync off, accumulates each microbatch's low-precision
+gradient into a float32 one (``FSDPParam.to_accumulated_grad_if_needed``): the reduce-scatter's
+input, as the recorder fingerprinted it and as the one-process replay (``replay/mixed.py``)
+computes it. The reduction and the optimizer then run in float32 as without a policy.
+
 Supported: FSDP (1-D mesh) and HSDP (replicate x shard, the shard dimension last) recorded with
-the ordered reduction in the parameters' own dtype, SGD/AdamW-like optimizers rebuilt over the
-shards with the recipe's groups and hyperparameters, ``clip_grad_norm_``/``get_total_norm`` in
-``before_step``. Refused up front by :func:`supported`, with the whole-model replay named as the
-alternative: gloo's native order (its ring over the job's ``W`` ranks is modelled on whole
-gradients only, ``Replayer._sharded_gloo``), ``reduce_dtype``/``param_dtype``
-(``MixedPrecisionPolicy``). Not reproduced: module buffers FSDP2 keeps per rank, schedulers built
-by the recipe (the recipe's ``after_step`` runs on the replay's optimizer).
+the ordered reduction in the parameters' own dtype or, under a ``param_dtype``, in float32,
+SGD/AdamW-like optimizers rebuilt over the shards with the recipe's groups and hyperparameters,
+``clip_grad_norm_``/``get_total_norm`` in ``before_step``. Refused up front by :func:`supported`,
+with the whole-model replay named as the alternative: gloo's native order (its ring over the job's
+``W`` ranks is modelled on whole gradients only, ``Replayer._sharded_gloo``), a low-precision
+``reduce_dtype`` (bfloat16, float16 divided around its sum); by :func:`_policies`, a recorded cast
+on a module the replay does not ``fully_shard``. Not reproduced: module buffers FSDP2 keeps per
+rank, schedulers built by the recipe (the recipe's ``after_step`` runs on the replay's optimizer).
 """
 
 from __future__ import annotations
@@ -76,8 +85,10 @@ def supported(mesh, trace) -> str:
         return f"a {mesh.kind} job (tensor parallelism) is not replayed sharded"
     if mesh.shard_dim != len(mesh.shape) - 1:
         return "a mesh whose shard dimension is not the last is not replayed sharded"
-    if mesh.reduce_dtype or mesh.param_dtype:
-        return "a mixed-precision job (MixedPrecisionPolicy reduce_dtype/param_dtype) is not replayed sharded"
+    if mesh.reduce_dtype not in ("", "float32"):
+        return f"a job reduced in {mesh.reduce_dtype} (MixedPrecisionPolicy reduce_dtype) is not replayed sharded"
+    if mesh.param_dtype and mesh.reduce_dtype != "float32":
+        return "a job computed in param_dtype without reduce_dtype=float32 is not replayed sharded"
     reductions = {str(a.determinism.get("reduction") or "native") for a in trace.manifest.attempts}
     if reductions != {"ordered"}:
         return "a job reduced in its collective library's own order (not the ordered reduction) is not replayed sharded"
@@ -124,8 +135,8 @@ class ShardedReplayer(Replayer):
             model, meta_opt, scheduler = _recipe_call("build", self.recipe.build, "meta")
         meta_params = list(model.parameters())
         replay_mesh = init_device_mesh(self.device.type, (self.k_proc,))
-        for module in wrapping(model, mesh.groups) + [model]:
-            fully_shard(module, mesh=replay_mesh)
+        for module, policy in _policies(model, wrapping(model, mesh.groups) + [model], mesh):
+            fully_shard(module, mesh=replay_mesh, **policy)
         model.to_empty(device=self.device)
         params = list(model.parameters())
         optimizer = _same_optimizer(meta_opt, meta_params, params)
@@ -138,6 +149,11 @@ class ShardedReplayer(Replayer):
             scheduler,
         )
         self.param_dtype = params[0].dtype if params else None
+        if mesh.reduce_dtype and any(p.dtype != torch.float32 for p in params):
+            raise UsageError(
+                "sharded replay: a job reduced in float32 whose parameters are not float32 is not replayed sharded; "
+                "replay it on one process (or set SDC_FORENSICS_REPLAY_SHARDED=0)"
+            )
         self.tolerance_dtype = self.grad_dtype
         self._shapes = [tuple(p.shape) for p in params]
         self._starts = np.cumsum([0] + [int(np.prod(s)) if s else 1 for s in self._shapes]).tolist()
@@ -454,6 +470,38 @@ class ShardedReplayer(Replayer):
         return combine_digests(
             [shards.combine_pieces([part[i] for part in gathered]).digest for i in range(len(params))]
         )
+
+
+def _policies(model, modules, mesh) -> list:
+    """``(module, fully_shard keyword arguments)``: the recorded ``MixedPrecisionPolicy`` on each module
+    (``param_dtype`` and ``reduce_dtype`` as recorded, each module's input and output casts as the
+    manifest's ``casts`` name them), so that FSDP2 itself casts the float32 shards (element by element:
+    the same bits whatever the cut) and accumulates the local gradient in ``reduce_dtype``."""
+    if not (mesh.param_dtype or mesh.reduce_dtype or mesh.casts):
+        return [(m, {}) for m in modules]
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    names = {id(m): n for n, m in model.named_modules()}
+    casts = {name: (inputs, outputs) for name, inputs, outputs in mesh.casts}
+    wrapped = {names[id(m)] for m in modules}
+    missing = sorted(set(casts) - wrapped)
+    if missing:
+        raise UsageError(
+            f"sharded replay: the job cast the forward of module {missing[0]!r}, which the replay's wrapping does "
+            "not fully_shard; replay it on one process (or set SDC_FORENSICS_REPLAY_SHARDED=0)"
+        )
+    out = []
+    for module in modules:
+        inputs, outputs = casts.get(names[id(module)], ("", ""))
+        policy = MixedPrecisionPolicy(
+            param_dtype=getattr(torch, mesh.param_dtype) if mesh.param_dtype else None,
+            reduce_dtype=getattr(torch, mesh.reduce_dtype) if mesh.reduce_dtype else None,
+            output_dtype=getattr(torch, outputs) if outputs else None,
+            # FSDP2 casts the inputs to param_dtype, the dtype the manifest names
+            cast_forward_inputs=bool(inputs),
+        )
+        out.append((module, {"mp_policy": policy}))
+    return out
 
 
 def _fsdp_params(model, params) -> list:
