@@ -522,7 +522,8 @@ def fingerprint_runs(
     runs of all ranks of a replica together give ``core.fingerprint`` of the whole vector's
     digest and sketch (:func:`combine_pieces`).
     """
-    parts = [fingerprint_piece(values, offset=offset, k=k, seed=seed) for values, offset in runs]
+    # the same pieces as fingerprint_piece of each run, in a few calls for all of them
+    parts = fingerprint_pieces(((values, offset, 0, 0) for values, offset in runs), k=k, seed=seed)
     return combine_pieces(parts or [_empty(k, seed)])
 
 
@@ -599,3 +600,174 @@ def merge_pieces(parts: list[Piece]) -> Piece:
     """Several pieces of one tensor as one (a rank's box runs: :func:`box_pieces`), to be combined
     with other ranks' later (:func:`combine_pieces`)."""
     return _merge(parts) if parts else _empty(C.DEFAULT_SKETCH_K, C.DEFAULT_SEED)
+
+
+def _batched_ok(flat: torch.Tensor) -> bool:
+    """A piece :func:`fingerprint_pieces` takes in its batch: a CPU float tensor of 2 or 4 bytes."""
+    return flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _batched_ends(ends: list[tuple[torch.Tensor, int, int, int, int]], align: int, k: int, seed: int) -> list[Piece]:
+    """:func:`_padded_piece` of cut ends of one dtype, ``(values, pos, first_elem, digest_base,
+    sketch_base)`` each: the same numbers, the ends placed in one zeroed ``(ends, align)`` buffer.
+
+    The digest's block sums wrap mod 2**32 (exact in any order), so all ends take one numpy
+    pass; each end's sketch and stats are the same numpy calls on the same shapes as
+    :func:`_end_numbers_numpy` (a one-row matrix product per end), so their rounding is its own.
+    """
+    itemsize = ends[0][0].element_size()
+    buffer = torch.zeros(len(ends), align, dtype=ends[0][0].dtype)
+    for row, (values, pos, _, _, _) in zip(buffer, ends):
+        row[pos : pos + values.numel()] = values
+    # (ends * blocks, 1024) int32: each end's digest blocks
+    signed = buffer.view(torch.int32).numpy().reshape(-1, C.BLOCK_WORDS)
+    blocks = align * itemsize // _BLOCK_BYTES
+    a = C.digest_word_weights(seed).view(np.uint32)
+    b = C.digest_high_weights(seed).view(np.uint32)
+    with np.errstate(over="ignore"):
+        # wraps mod 2**32
+        low = (signed.view("<u4") * a).sum(axis=1, dtype=np.uint32).reshape(len(ends), blocks).tolist()
+        high = ((signed >> 16).astype(np.uint32) * b).sum(axis=1, dtype=np.uint32).reshape(len(ends), blocks).tolist()
+    # (ends, align) float64, zero padded as _end_numbers_numpy's chunk
+    x_all = buffer.to(torch.float64).numpy()
+    alpha = _alpha_cached(k, seed)
+    out = []
+    for e, (values, pos, first_elem, digest_base, sketch_base) in enumerate(ends):
+        n = values.numel()
+        x = x_all[e].reshape(-1, C.BLOCK_ELEMS)
+        first_sketch = sketch_base + first_elem // C.BLOCK_ELEMS
+        beta = cpu_kernel._beta(first_sketch + x.shape[0], k, seed, np.float32)[first_sketch:]
+        sketch = ((x @ alpha) * beta).sum(axis=0)
+        floats = x_all[e, pos : pos + n]
+        with np.errstate(over="ignore", invalid="ignore"):
+            sumsq, max_abs = float(np.dot(floats, floats)), float(np.max(np.abs(floats)))
+            nonfinite = int(np.count_nonzero(~np.isfinite(floats)))
+        first_block = digest_base + first_elem * itemsize // _BLOCK_BYTES
+        out.append(
+            Piece(
+                lanes=(0, 0),
+                edges={first_block + i: (low[e][i], high[e][i]) for i in range(blocks)},
+                num_bytes=n * itemsize,
+                numel=n,
+                sketch=sketch,
+                sumsq=sumsq,
+                max_abs=max_abs,
+                nonfinite=nonfinite,
+                seed=seed,
+            )
+        )
+    return out
+
+
+_ALPHAS: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _alpha_cached(k: int, seed: int) -> np.ndarray:
+    # (1024, k) float64, read-only: the same numbers as cpu_kernel._alpha, made once
+    key = (k, seed)
+    if key not in _ALPHAS:
+        alpha = cpu_kernel._alpha(k, seed)
+        alpha.flags.writeable = False
+        _ALPHAS[key] = alpha
+    return _ALPHAS[key]
+
+
+def fingerprint_pieces(
+    items: Iterable[tuple[torch.Tensor, int, int, int]],
+    *,
+    k: int = C.DEFAULT_SKETCH_K,
+    seed: int = C.DEFAULT_SEED,
+) -> list[Piece]:
+    """:func:`fingerprint_piece` of each ``(values, offset, digest_base, sketch_base)``, the same
+    pieces bit for bit, at the cost of a few calls for all of them rather than a few per piece.
+
+    A sharded recorder fingerprints every parameter of a rank's shard as one piece, each with
+    up to two cut ends and a body: here the bodies go through :func:`core.fingerprints_async`
+    (one compiled call), the ends of each dtype through one buffer (:func:`_batched_ends`),
+    and only the pieces' merging stays per piece. Tensors off the CPU, or of other dtypes, go
+    through :func:`fingerprint_piece`.
+    """
+    # per item: ("whole", piece) or ("cut", [end index | None, body index | None, end index | None])
+    plans: list = []
+    ends: dict[torch.dtype, list] = {}
+    end_slots: list[tuple[torch.dtype, int]] = []
+    bodies: list[torch.Tensor] = []
+    body_offsets: list[tuple[int, int]] = []
+    for values, offset, digest_base, sketch_base in items:
+        offset, digest_base, sketch_base = int(offset), int(digest_base), int(sketch_base)
+        flat = values.detach().reshape(-1)
+        n = flat.numel()
+        if n == 0 or offset < 0 or digest_base < 0 or sketch_base < 0 or not _batched_ok(flat):
+            piece = fingerprint_piece(
+                values, offset=offset, digest_base=digest_base, sketch_base=sketch_base, k=k, seed=seed
+            )
+            plans.append(("whole", piece))
+            continue
+        align = align_elems(flat.element_size())
+        head = min(n, (-offset) % align)
+        body = (n - head) // align * align
+        tail = n - head - body
+        slots: list[int | None] = [None, None, None]
+        if head:
+            slots[0] = len(end_slots)
+            group = ends.setdefault(flat.dtype, [])
+            end_slots.append((flat.dtype, len(group)))
+            group.append((flat[:head], offset % align, offset - offset % align, digest_base, sketch_base))
+        if body:
+            start = offset + head
+            slots[1] = len(bodies)
+            bodies.append(flat[head : head + body])
+            body_offsets.append(
+                (
+                    sketch_base + start // C.BLOCK_ELEMS,
+                    digest_base + start * flat.element_size() // _BLOCK_BYTES,
+                )
+            )
+        if tail:
+            slots[2] = len(end_slots)
+            group = ends.setdefault(flat.dtype, [])
+            end_slots.append((flat.dtype, len(group)))
+            group.append((flat[head + body :], 0, offset + head + body, digest_base, sketch_base))
+        plans.append(("cut", slots))
+    end_pieces = {
+        dtype: _batched_ends(group, align_elems(group[0][0].element_size()), k, seed) for dtype, group in ends.items()
+    }
+    fps = core.resolve(
+        core.fingerprints_async(
+            bodies,
+            k=k,
+            seed=seed,
+            block_offsets=[o for o, _ in body_offsets],
+            digest_block_offsets=[d for _, d in body_offsets],
+        )
+    )
+    out = []
+    for kind, plan in plans:
+        if kind == "whole":
+            out.append(plan)
+            continue
+        head_slot, body_slot, tail_slot = plan
+        parts = []
+        if head_slot is not None:
+            dtype, at = end_slots[head_slot]
+            parts.append(end_pieces[dtype][at])
+        if body_slot is not None:
+            fp, middle = fps[body_slot], bodies[body_slot]
+            parts.append(
+                Piece(
+                    lanes=fp.lanes,
+                    edges={},
+                    num_bytes=middle.numel() * middle.element_size(),
+                    numel=middle.numel(),
+                    sketch=fp.sketch,
+                    sumsq=float(fp.norm**2),
+                    max_abs=float(fp.max_abs),
+                    nonfinite=int(fp.nonfinite),
+                    seed=seed,
+                )
+            )
+        if tail_slot is not None:
+            dtype, at = end_slots[tail_slot]
+            parts.append(end_pieces[dtype][at])
+        out.append(_merge(parts))
+    return out

@@ -134,9 +134,32 @@ def rank_runs(tensors: Iterable[tuple[torch.Tensor, int]]) -> list[tuple[torch.T
     (a DTensor gives its local shard at its global place, a plain tensor itself)."""
     runs = []
     for tensor, offset in tensors:
-        values, first = shards.local_piece(tensor)
+        values, first = _local_piece(tensor)
         runs.append((values, offset + first))
     return runs
+
+
+#: (global shape, mesh shape, this rank's coordinates, placements) -> index of its first element
+_FIRSTS: dict[tuple, int] = {}
+
+
+def _local_piece(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """:func:`shards.local_piece`, its shard's place computed once per shape and placement (the
+    rank's piece of each parameter, gradient and weights, is read every step)."""
+    mesh, placements = getattr(tensor, "device_mesh", None), getattr(tensor, "placements", None)
+    if mesh is None or placements is None or not hasattr(tensor, "to_local"):
+        return shards.local_piece(tensor)
+    # everything the place is a function of (compute_local_shape_and_global_offset's arguments)
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return shards.local_piece(tensor)
+    key = (tuple(tensor.shape), tuple(mesh.mesh.shape), tuple(coordinate), tuple(placements))
+    first = _FIRSTS.get(key)
+    if first is None:
+        values, first = shards.local_piece(tensor)
+        _FIRSTS[key] = first
+        return values, first
+    return tensor.to_local().detach(), first
 
 
 class OrderedReduceScatter:
@@ -257,7 +280,7 @@ class ReduceScatterTap(fm.FsdpMonitor):
                 "trainable parameter to get one (freeze the others: requires_grad_(False))"
             )
         chunks = flat.detach().view(size, width)
-        pieces, position = [], 0
+        wholes, position = [], 0
         for offset, rows, per_row in plan:
             # the parameter's rows, shard after shard: its padded rows sit at the end, so the first `rows`
             # of its (size x padded rows) block are the whole gradient, in order; one piece per parameter
@@ -265,9 +288,10 @@ class ReduceScatterTap(fm.FsdpMonitor):
             padded = -(-rows // size) * per_row
             whole = chunks[:, position : position + padded].reshape(-1, per_row)[:rows] if padded else chunks[:, :0]
             if whole.numel():
-                pieces.append(shards.fingerprint_piece(whole, offset=offset, k=self._k, seed=self._seed))
+                wholes.append((whole, offset, 0, 0))
             position += padded
-        return pieces
+        # fingerprint_piece of each, in a few kernel calls for the whole group
+        return shards.fingerprint_pieces(wholes, k=self._k, seed=self._seed)
 
     @property
     def groups_reduced(self) -> int:
