@@ -198,8 +198,8 @@ def test_the_alarm_line_names_the_next_command_once():
 
     import pytest
 
-    from sdc_forensics.recorder import ALARM_EXIT_CODE, Recorder, exit_on_alarm
-    from sdc_forensics.recorder.checks import Finding
+    from sdc_forensics.recorder import ALARM_EXIT_CODE, exit_on_alarm
+    from sdc_forensics.recorder.checks import Finding, alarm_of
     from sdc_forensics.trace.format import Flag
     from sdc_forensics.trace.manifest import RankIdentity
 
@@ -208,7 +208,7 @@ def test_the_alarm_line_names_the_next_command_once():
     finding = Finding(
         check="weights", step=2, rank=2, detail="rank(s) 2 differ from the strict majority", flag=Flag.WEIGHTS_DIVERGED
     )
-    alarm = Recorder._alarm(fake, finding)
+    alarm = alarm_of(finding, fake.identities, fake.trace_dir)
     err = io.StringIO()
     with redirect_stderr(err), pytest.raises(SystemExit) as stopped, exit_on_alarm():
         raise alarm
