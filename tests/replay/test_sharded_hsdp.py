@@ -34,6 +34,16 @@ FAULTS = {
     "hsdp-local": ("local-gradient:step=4:rank=2:bit=20", 4, 2, "local_compute"),
     "hsdp-weights": ("weights:step=4:rank=3:bit=31", 4, 3, None),
 }
+# the sharded locations left, each replayed with k = 2 against the one-process replay's decision: the
+# reduce-scatter's output on one rank, the replicas' all-reduce of a shard, the parameters one rank
+# all-gathered for its forward, the optimizer's update of one shard, one rank's input
+MORE_FAULTS = {
+    "hsdp-reduce-scatter": ("reduce-scatter-output:step=3:rank=1:bit=30", 3, 1, None),
+    "hsdp-all-reduce": ("all-reduce-output:step=3:rank=2:bit=30", 3, 2, None),
+    "hsdp-all-gather": ("all-gather-output:step=3:rank=3:bit=30", 3, 3, None),
+    "hsdp-update": ("update:step=3:rank=0:bit=30", 3, 0, None),
+    "hsdp-input": ("input:step=3:rank=1:bit=30", 3, 1, None),
+}
 
 
 def _jobs(rank: int, root: str, runs: list) -> dict:
@@ -54,7 +64,7 @@ def _jobs(rank: int, root: str, runs: list) -> dict:
 def traces(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sharded_hsdp")
     todo = [("hsdp-clean", HSDP), ("clipped-lm", CLIPPED)]
-    todo += [(name, {**HSDP, "inject": [spec]}) for name, (spec, *_) in FAULTS.items()]
+    todo += [(name, {**HSDP, "inject": [spec]}) for name, (spec, *_) in {**FAULTS, **MORE_FAULTS}.items()]
     found = gloo_job(_jobs, WORLD, root / "results", str(root), todo)
     # clipping engaged on every step of the clipped job (its norm is several times max_norm)
     assert all(norm > CLIPPED["max_norm"] for norm in found[0]["clipped-lm"]["grad_norms"])
@@ -101,3 +111,18 @@ def test_hsdp_fault_found_as_by_one_process(traces, name):
         assert doc.get("suspects") == one.get("suspects")
         named = [e for e in doc["evidence"] if e["step"] == step and rank in e["ranks"]]
         assert named and (location is None or any(e.get("location") == location for e in named)), doc["evidence"]
+
+
+@pytest.mark.parametrize("name", sorted(MORE_FAULTS))
+def test_every_sharded_location_found_as_by_one_process(traces, name):
+    _, step, rank, _ = MORE_FAULTS[name]
+    rc1, one = _bisect(traces[name], 1)
+    assert rc1 == 1 and one["verdict"] == "corruption" and one["first_divergent_step"] <= step, one
+    assert any(e["step"] == step and rank in e["ranks"] for e in one["evidence"]), one["evidence"]
+    rc, doc = _bisect(traces[name], 2)
+    assert "(sharded)" in json.dumps(doc)
+    assert rc == rc1 and doc["verdict"] == one["verdict"], doc
+    assert doc["first_divergent_step"] == one["first_divergent_step"]
+    assert _evidence(doc) == _evidence(one)
+    assert doc.get("suspects") == one.get("suspects")
+    assert [c["status"] for c in doc["checkpoints"]] == [c["status"] for c in one["checkpoints"]]
