@@ -46,25 +46,18 @@ rank, schedulers built by the recipe (the recipe's ``after_step`` runs on the re
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import numpy as np
 import torch
 
-from sdc_forensics import recipe as recipe_mod
 from sdc_forensics.errors import UsageError
-from sdc_forensics.evidence import Evidence, EvidenceKind
-from sdc_forensics.replay import distributed, env
+from sdc_forensics.evidence import EvidenceKind
+from sdc_forensics.replay import distributed, env, process_step
 from sdc_forensics.replay.clipping import clipping_as_recorded
 from sdc_forensics.replay.replayer import Replayer, ReplayResult, _recipe_call, _recorded_threads
 from sdc_forensics.trace.checkpoints import hex64
 from sdc_forensics.trace.reader import step_threads
 from sdc_forensics.trace.mesh import shard_rows
-
-try:
-    from sdc_forensics.evidence import Location
-except ImportError:  # pragma: no cover - the vocabulary's older home
-    from sdc_forensics.triage.evidence import Location
 
 
 @dataclasses.dataclass
@@ -139,7 +132,7 @@ class ShardedReplayer(Replayer):
             fully_shard(module, mesh=replay_mesh, **policy)
         model.to_empty(device=self.device)
         params = list(model.parameters())
-        optimizer = _same_optimizer(meta_opt, meta_params, params)
+        optimizer = process_step.same_optimizer(meta_opt, meta_params, params)
         _recipe_call(
             f"load_checkpoint({options.checkpoint_path})",
             self.recipe.load_checkpoint,
@@ -174,19 +167,12 @@ class ShardedReplayer(Replayer):
             recs = window.records[row]
             tolerant = departed_from is not None
             ranks, acc = self._rounds(model, recs, step)
-            local_bad, step_evidence = self._compare_locals(step, recs, ranks, tolerant, 0, True)
-            if local_bad is None:
-                notes.append(f"step {step}: every rank's local gradient differs in the last bits: not exact here")
-                local_bad, step_evidence = self._compare_locals(step, recs, ranks, True, 0, True)
-                departed_from = step
-            if local_bad and not tolerant:
-                local_bad, tie_notes = self._tie_break_sharded(model, step, recs, ranks, local_bad)
-                notes += tie_notes
-                step_evidence = [
-                    e
-                    for e in step_evidence
-                    if e.kind is not EvidenceKind.REPLAY_MISMATCH or set(e.ranks) & set(local_bad)
-                ]
+            local_bad, step_evidence, departed = process_step.judge_locals(
+                self, step, recs, ranks, tolerant, lambda *a: self._tie_break_sharded(model, *a), notes
+            )
+            if departed:
+                # compared within tolerance from this step on, its reduction and update included (as replayer.py)
+                departed_from, tolerant = step, True
             evidence += step_evidence
             reduce_evidence = self._compare_reduced(step, recs, acc) if not tolerant else []
             if local_bad or any(e.kind is EvidenceKind.INPUT_MISMATCH for e in step_evidence):
@@ -203,13 +189,16 @@ class ShardedReplayer(Replayer):
             values, freq = np.unique(counts[counts > 0], return_counts=True)
             self._use_threads(int(values[np.argmax(freq)]) if len(values) else 0)
             # clipping's total norm as the job's W shards computed it, not the replay's k
-            with clipping_as_recorded(mesh, resharded=True):
-                recipe_mod.before_step(self.recipe, model, optimizer, step=step)
-            optimizer.step()
-            recipe_mod.after_step(self.recipe, model, optimizer, scheduler, step=step)
-            optimizer.zero_grad(set_to_none=True)
-            weights_evidence, departed = self._compare_weights(
-                step, recs, model, tolerant, bool(step_evidence or reduce_evidence)
+            weights_evidence, departed = process_step.update_and_compare(
+                self,
+                step,
+                recs,
+                model,
+                optimizer,
+                scheduler,
+                tolerant,
+                bool(step_evidence or reduce_evidence),
+                clip=clipping_as_recorded(mesh, resharded=True),
             )
             evidence += weights_evidence
             if departed and departed_from is None:
@@ -222,23 +211,17 @@ class ShardedReplayer(Replayer):
                 if options.stop_at_divergence:
                     break
         dist.barrier()
-        tolerant_from = departed_from if departed_from is not None and departed_from <= last else None
-        return ReplayResult(
-            start_step=options.start_step,
-            stop_step=options.stop_step,
-            last_step=last,
+        return process_step.result(
+            self,
+            options,
+            last=last,
             device=env.describe_device(self.device) + f" x {self.k_proc} processes (sharded)",
-            comparison="exact" if tolerant_from is None else "tolerant",
-            tolerant_from=tolerant_from,
-            reduction_order=env.ORDERED,
-            evidence=tuple(evidence),
-            first_divergent_step=first_divergent,
-            settings={},
-            notes=tuple(notes),
-            max_residual_ratio=round(self.max_ratio, 4),
+            departed_from=departed_from,
+            evidence=evidence,
+            first_divergent=first_divergent,
+            notes=notes,
         )
 
-    # -- one round: k recorded ranks, one per process --------------------------------------------
     def _local(self, model, record):
         """This process's recorded rank's loss, whole local gradient (one flat vector) and batches."""
         from sdc_forensics.fingerprint.core import combine_digests
@@ -421,27 +404,12 @@ class ShardedReplayer(Replayer):
 
     def _compare_reduced(self, step, recs, acc):
         """Each recorded rank's shard of the replayed mean against its recorded reduced digest."""
-        from sdc_forensics.trace import format as F
 
-        if not ((recs["flags"] & int(F.Flag.HAS_GRADS)) != 0).all():
-            return []
-        fps = self._combined(self._recorded_pieces(lambda i: acc[self._acc_slice(i)], self.k), self.k)
-        expected = np.array([fps[self.mesh.shard_of(r)].digest for r in range(self.world_size)], dtype=np.uint64)
-        agree = recs["reduced_digest"].astype(np.uint64) == expected
-        if agree.any():
-            return self._reduced_minority(step, recs, expected)
-        return [
-            Evidence(
-                kind=EvidenceKind.REPLAY_MISMATCH,
-                step=step,
-                ranks=(),
-                source="replay",
-                location=Location.COLLECTIVE,
-                expected="every rank's shard of the replayed ordered mean",
-                found="no rank's shard as replayed",
-                detail="the reduce-scatter result every rank received is not the mean of the replayed local gradients",
-            )
-        ]
+        def expected():
+            fps = self._combined(self._recorded_pieces(lambda i: acc[self._acc_slice(i)], self.k), self.k)
+            return np.array([fps[self.mesh.shard_of(r)].digest for r in range(self.world_size)], dtype=np.uint64)
+
+        return process_step.compare_reduced(self, step, recs, expected, "shard", "ordered mean")
 
     def _acc_slice(self, i):
         return slice(self._acc_starts[i], self._acc_starts[i + 1])
@@ -520,16 +488,3 @@ def _fsdp_params(model, params) -> list:
     if missing:
         raise UsageError(f"sharded replay: parameters {missing} are not managed by fully_shard")
     return [by_id[id(p)] for p in params]
-
-
-def _same_optimizer(meta_opt, meta_params, params):
-    """The recipe's optimizer (class, hyperparameters, groups) rebuilt over the sharded parameters."""
-    where = {id(p): i for i, p in enumerate(meta_params)}
-    groups = [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [params[where[id(p)]] for p in g["params"]]}
-        for g in meta_opt.param_groups
-    ]
-    # the defaults the constructor takes (AdamW's carry decoupled_weight_decay, which its __init__ does not);
-    # every group holds every hyperparameter already
-    accepted = inspect.signature(type(meta_opt).__init__).parameters
-    return type(meta_opt)(groups, **{k: v for k, v in meta_opt.defaults.items() if k in accepted})

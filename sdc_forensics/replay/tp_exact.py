@@ -39,22 +39,16 @@ import dataclasses
 import numpy as np
 import torch
 
-from sdc_forensics import recipe as recipe_mod
 from sdc_forensics.errors import UsageError
-from sdc_forensics.evidence import Evidence, EvidenceKind
+from sdc_forensics.evidence import EvidenceKind
 from sdc_forensics.fingerprint import shards
 from sdc_forensics.fingerprint.core import combine_digests
-from sdc_forensics.replay import distributed, env
+from sdc_forensics.replay import distributed, env, process_step
 from sdc_forensics.replay.replayer import Replayer, ReplayResult, _recipe_call, _recorded_threads
-from sdc_forensics.trace import format as F
 from sdc_forensics.trace.checkpoints import hex64
 from sdc_forensics.trace.mesh import shard_rows
 from sdc_forensics.trace.reader import step_threads
 
-try:
-    from sdc_forensics.evidence import Location
-except ImportError:  # pragma: no cover - the vocabulary's older home
-    from sdc_forensics.triage.evidence import Location
 
 #: how the exact replay is launched (docs and messages)
 COMMAND = "torchrun --nproc-per-node {tp} -m sdc_forensics certify TRACE"
@@ -109,8 +103,6 @@ class TpExactReplayer(Replayer):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        from sdc_forensics.replay.sharded_replayer import _same_optimizer
-
         why = refusal(self.trace, self.recipe)
         if why:
             raise UsageError(f"exact tensor-parallel replay: {why}")
@@ -131,7 +123,7 @@ class TpExactReplayer(Replayer):
         tp_mesh = init_device_mesh(self.device.type, (group.size,), mesh_dim_names=("tp",))
         model = _recipe_call("parallelize", self.recipe.parallelize, model, tp_mesh) or model
         params = list(model.parameters())
-        optimizer = _same_optimizer(optimizer, plain, params)
+        optimizer = process_step.same_optimizer(optimizer, plain, params)
         _recipe_call(
             f"load_checkpoint({options.checkpoint_path})",
             self.recipe.load_checkpoint,
@@ -167,19 +159,12 @@ class TpExactReplayer(Replayer):
             recs = window.records[row]
             tolerant = tolerant_from is not None
             ranks, acc = self._locals(model, recs)
-            local_bad, step_evidence = self._compare_locals(step, recs, ranks, tolerant, 0, True)
-            if local_bad is None:
-                notes.append(f"step {step}: every rank's local gradient differs in the last bits: not exact here")
-                local_bad, step_evidence = self._compare_locals(step, recs, ranks, True, 0, True)
-                tolerant_from = tolerant = step
-            if local_bad and not tolerant:
-                local_bad, tie_notes = self._tie_break_tp(model, step, recs, ranks, local_bad)
-                notes += tie_notes
-                step_evidence = [
-                    e
-                    for e in step_evidence
-                    if e.kind is not EvidenceKind.REPLAY_MISMATCH or set(e.ranks) & set(local_bad)
-                ]
+            local_bad, step_evidence, departed = process_step.judge_locals(
+                self, step, recs, ranks, tolerant, lambda *a: self._tie_break_tp(model, *a), notes
+            )
+            if departed:
+                # compared within tolerance from this step on, its reduction and update included (as replayer.py)
+                tolerant_from, tolerant = step, True
             evidence += step_evidence
             reduce_evidence = [] if tolerant else self._compare_reduced(step, recs, acc)
             if local_bad or any(e.kind is EvidenceKind.INPUT_MISMATCH for e in step_evidence):
@@ -188,12 +173,8 @@ class TpExactReplayer(Replayer):
             evidence += reduce_evidence
             for i, grad in zip(self._trained, acc):
                 params[i].grad = _like(params[i], grad)
-            recipe_mod.before_step(self.recipe, model, optimizer, step=step)
-            optimizer.step()
-            recipe_mod.after_step(self.recipe, model, optimizer, scheduler, step=step)
-            optimizer.zero_grad(set_to_none=True)
-            weights_evidence, departed = self._compare_weights(
-                step, recs, model, tolerant, bool(step_evidence or reduce_evidence)
+            weights_evidence, departed = process_step.update_and_compare(
+                self, step, recs, model, optimizer, scheduler, tolerant, bool(step_evidence or reduce_evidence)
             )
             evidence += weights_evidence
             if departed and tolerant_from is None:
@@ -206,20 +187,15 @@ class TpExactReplayer(Replayer):
                 if options.stop_at_divergence:
                     break
         dist.barrier()
-        tolerant_from = tolerant_from if tolerant_from is not None and tolerant_from <= last else None
-        return ReplayResult(
-            start_step=options.start_step,
-            stop_step=options.stop_step,
-            last_step=last,
+        return process_step.result(
+            self,
+            options,
+            last=last,
             device=env.describe_device(self.device) + f" x {group.size} processes (tensor parallel)",
-            comparison="exact" if tolerant_from is None else "tolerant",
-            tolerant_from=tolerant_from,
-            reduction_order=env.ORDERED,
-            evidence=tuple(evidence),
-            first_divergent_step=first_divergent,
-            settings={},
-            notes=tuple(notes),
-            max_residual_ratio=round(self.max_ratio, 4),
+            departed_from=tolerant_from,
+            evidence=evidence,
+            first_divergent=first_divergent,
+            notes=notes,
         )
 
     # -- the local gradients, DP coordinate by DP coordinate -------------------------------------
@@ -326,24 +302,14 @@ class TpExactReplayer(Replayer):
 
     def _compare_reduced(self, step, recs, acc):
         """Each recorded rank's box of the replayed DP mean against its recorded reduced digest."""
-        if not ((recs["flags"] & int(F.Flag.HAS_GRADS)) != 0).all():
-            return []
-        expected = self._box_digests(acc, self._trained, self._grad_offsets, self.k)
-        agree = recs["reduced_digest"].astype(np.uint64) == expected
-        if agree.any():
-            return self._reduced_minority(step, recs, expected)
-        return [
-            Evidence(
-                kind=EvidenceKind.REPLAY_MISMATCH,
-                step=step,
-                ranks=(),
-                source="replay",
-                location=Location.COLLECTIVE,
-                expected="every rank's box of the replayed DP mean",
-                found="no rank's box as replayed",
-                detail="the reduce-scatter result every rank received is not the mean of the replayed local gradients",
-            )
-        ]
+        return process_step.compare_reduced(
+            self,
+            step,
+            recs,
+            lambda: self._box_digests(acc, self._trained, self._grad_offsets, self.k),
+            "box",
+            "DP mean",
+        )
 
     def _expected_weights(self, model) -> np.ndarray:
         with torch.no_grad():
