@@ -300,8 +300,11 @@ def default_injection(steps: int, checkpoint_every: int) -> str:
     return ddp_default(steps, checkpoint_every).replace("grad:", "local-gradient:", 1)
 
 
-def _demo_rank(rank: int, world: int, port: int, out_dir: str, kwargs: dict) -> None:
+def _demo_rank(rank: int, world: int, port: int, out_dir: str, kwargs: dict, trainer: str) -> None:
+    """One rank of a demo job: gloo, then ``trainer`` (``module:function``, the ``train`` of this module
+    or of ``demo/tp.py``), its findings written to ``OUT/demo/rank-R.json``."""
     import datetime
+    import importlib
     import json
     import logging
 
@@ -319,11 +322,30 @@ def _demo_rank(rank: int, world: int, port: int, out_dir: str, kwargs: dict) -> 
         world_size=world,
         timeout=datetime.timedelta(seconds=120),
     )
+    module, name = trainer.split(":")
+    train_job = getattr(importlib.import_module(module), name)
     try:
-        found = train(rank, world, str(Path(out_dir, "trace")), str(Path(out_dir, "checkpoints")), **kwargs)
+        found = train_job(rank, world, str(Path(out_dir, "trace")), str(Path(out_dir, "checkpoints")), **kwargs)
     finally:
         dist.destroy_process_group()
     write_atomic(Path(out_dir, "demo", f"rank-{rank}.json"), json.dumps(found))
+
+
+def launch(out_dir: str | Path, world: int, kwargs: dict, trainer: str = "sdc_forensics.demo.sharded:train") -> dict:
+    """Run a demo job on ``world`` forked gloo processes into ``out_dir`` (refused if it holds a
+    trace already); rank 0's findings. ``trainer``: the ``module:function`` each rank trains with."""
+    import json
+
+    from sdc_forensics.demo import forked
+    from sdc_forensics.demo.ports import free_port
+    from sdc_forensics.errors import UsageError
+
+    out = Path(out_dir)
+    if (out / "trace" / "manifest.json").exists():
+        raise UsageError(f"{out} already holds a demo trace: pass another --out, or remove it")
+    (out / "demo").mkdir(parents=True, exist_ok=True)
+    forked.start(_demo_rank, (world, free_port(), str(out), kwargs, trainer), world)
+    return json.loads((out / "demo" / "rank-0.json").read_text())
 
 
 def run_demo(
@@ -346,19 +368,10 @@ def run_demo(
     findings (the online alarms). The trace is ``OUT/trace``, checkpoint ``N`` ``OUT/checkpoints/step-N``
     (8 digits); ``benchmarks/campaign.py --parallel`` runs it with ``seed`` as the variant, and ``model``,
     ``optimizer`` and ``max_norm`` as :func:`train` takes them (the clipped tied-head AdamW job: ``--job clipped-lm``)."""
-    import json
-
-    from sdc_forensics.demo import forked
-    from sdc_forensics.demo.ports import free_port
     from sdc_forensics.errors import UsageError
 
     if parallel not in ("fsdp", "hsdp"):
         raise UsageError(f"--parallel must be ddp, fsdp or hsdp, not {parallel!r}")
-    out = Path(out_dir)
-    if (out / "trace" / "manifest.json").exists():
-        raise UsageError(f"{out} already holds a demo trace: pass another --out, or remove it")
-    (out / "demo").mkdir(parents=True, exist_ok=True)
-    port = free_port()
     kwargs = {
         "steps": steps,
         "checkpoint_every": checkpoint_every,
@@ -372,5 +385,4 @@ def run_demo(
         "optimizer": optimizer,
         "max_norm": max_norm,
     }
-    forked.start(_demo_rank, (4, port, str(out), kwargs), 4)
-    return json.loads((out / "demo" / "rank-0.json").read_text())
+    return launch(out_dir, 4, kwargs)

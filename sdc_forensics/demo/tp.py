@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sdc_forensics.demo.sharded import dcp_state, load_dcp, loss_of
+from sdc_forensics.demo.sharded import dcp_state, launch, load_dcp, loss_of
 from sdc_forensics.errors import UsageError
 
 VOCAB, DIM, HEADS, CONTEXT, MICROBATCH = 40, 16, 2, 8, 4
@@ -256,31 +256,6 @@ def train(
     return {"alarms": alarms, "fired": drill.fired}
 
 
-def _demo_rank(rank: int, world: int, port: int, out_dir: str, kwargs: dict) -> None:
-    import datetime
-    import json
-    import logging
-
-    import torch.distributed as dist
-
-    from sdc_forensics.newfile import write_atomic
-
-    torch.set_num_threads(1)
-    logging.getLogger("sdc_forensics.recorder").setLevel(logging.ERROR)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    try:
-        found = train(rank, world, str(Path(out_dir, "trace")), str(Path(out_dir, "checkpoints")), **kwargs)
-    finally:
-        dist.destroy_process_group()
-    write_atomic(Path(out_dir, "demo", f"rank-{rank}.json"), json.dumps(found))
-
-
 def run_demo(
     out_dir: str | Path,
     injections: tuple[str, ...],
@@ -292,17 +267,6 @@ def run_demo(
 ) -> dict:
     """``sdc-forensics demo --parallel tp``: the job on 4 gloo processes (DP 2 x TP 2); returns rank
     0's findings. The trace is ``OUT/trace``, checkpoint ``N`` ``OUT/checkpoints/step-N`` (8 digits)."""
-    import json
-
-    from sdc_forensics.demo import forked
-    from sdc_forensics.demo.ports import free_port
-    from sdc_forensics.errors import UsageError
-
-    out = Path(out_dir)
-    if (out / "trace" / "manifest.json").exists():
-        raise UsageError(f"{out} already holds a demo trace: pass another --out, or remove it")
-    (out / "demo").mkdir(parents=True, exist_ok=True)
-    port = free_port()
     kwargs = {
         "steps": steps,
         "checkpoint_every": checkpoint_every,
@@ -310,5 +274,4 @@ def run_demo(
         "inject": tuple(injections),
         "seed": seed,
     }
-    forked.start(_demo_rank, (DP * TP, port, str(out), kwargs), DP * TP)
-    return json.loads((out / "demo" / "rank-0.json").read_text())
+    return launch(out_dir, DP * TP, kwargs, "sdc_forensics.demo.tp:train")
