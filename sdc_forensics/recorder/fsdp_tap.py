@@ -259,9 +259,10 @@ class ReduceScatterTap(fm.FsdpMonitor):
         # then the all-reduce-output drill, and its check
         super()._after_all_reduce(checked, output, group)
 
-    def _input_pieces(self, flat: torch.Tensor, size: int, param_group) -> list[shards.Piece]:
-        """FSDP2's reduce-scatter input: ``size`` chunks; chunk ``c`` holds, per parameter in
-        the group's order, its rows of shard ``c`` padded to ``ceil(rows / size)`` rows."""
+    def _input_wholes(self, flat: torch.Tensor, size: int, param_group) -> list[tuple[Any, torch.Tensor]]:
+        """FSDP2's reduce-scatter input cut back into each trainable parameter's whole local gradient:
+        ``size`` chunks; chunk ``c`` holds, per parameter in the group's order, its rows of shard ``c``
+        padded to ``ceil(rows / size)`` rows. ``(sharded parameter, its gradient as rows)`` each."""
         plan, width = [], 0
         for fsdp_param in param_group.fsdp_params:
             param = fsdp_param.sharded_param
@@ -270,9 +271,8 @@ class ReduceScatterTap(fm.FsdpMonitor):
             shape = tuple(fsdp_param._orig_size)
             rows = shape[0] if shape else 1
             per_row = math.prod(shape[1:]) if shape else 1
-            chunk = -(-rows // size)
-            plan.append((self._offsets[id(param)], rows, per_row))
-            width += chunk * per_row
+            plan.append((param, rows, per_row))
+            width += -(-rows // size) * per_row
         if width * size != flat.numel():
             raise UsageError(
                 f"a reduce-scatter input of {flat.numel()} elements where the group's parameters fill "
@@ -281,16 +281,23 @@ class ReduceScatterTap(fm.FsdpMonitor):
             )
         chunks = flat.detach().view(size, width)
         wholes, position = [], 0
-        for offset, rows, per_row in plan:
+        for param, rows, per_row in plan:
             # the parameter's rows, shard after shard: its padded rows sit at the end, so the first `rows`
-            # of its (size x padded rows) block are the whole gradient, in order; one piece per parameter
-            # (a copy of its gradient), not one per parameter and shard: the cost does not grow with the shards
+            # of its (size x padded rows) block are the whole gradient, in order (a view, no copy)
             padded = -(-rows // size) * per_row
             whole = chunks[:, position : position + padded].reshape(-1, per_row)[:rows] if padded else chunks[:, :0]
-            if whole.numel():
-                wholes.append((whole, offset, 0, 0))
+            wholes.append((param, whole))
             position += padded
-        # fingerprint_piece of each, in a few kernel calls for the whole group
+        return wholes
+
+    def _input_pieces(self, flat: torch.Tensor, size: int, param_group) -> list[shards.Piece]:
+        """One piece per parameter (its whole local gradient), not one per parameter and shard: the cost
+        does not grow with the shards; fingerprint_piece of each, in a few kernel calls for the group."""
+        wholes = [
+            (whole, self._offsets[id(param)], 0, 0)
+            for param, whole in self._input_wholes(flat, size, param_group)
+            if whole.numel()
+        ]
         return shards.fingerprint_pieces(wholes, k=self._k, seed=self._seed)
 
     @property

@@ -170,31 +170,11 @@ class TpReduceScatterTap(ReduceScatterTap):
         self._tp_runs = tp_runs
 
     def _input_pieces(self, flat: torch.Tensor, size: int, param_group) -> list[shards.Piece]:
-        plan, width = [], 0
-        for fsdp_param in param_group.fsdp_params:
-            param = fsdp_param.sharded_param
-            if not param.requires_grad:
-                continue
-            # TP's slice of the parameter: what FSDP2 shards and reduce-scatters
-            shape = tuple(fsdp_param._orig_size)
-            rows = shape[0] if shape else 1
-            per_row = int(np.prod(shape[1:])) if len(shape) > 1 else 1
-            plan.append((param, rows, per_row))
-            width += -(-rows // size) * per_row
-        if width * size != flat.numel():
-            raise UsageError(
-                f"a reduce-scatter input of {flat.numel()} elements where the group's parameters fill {width * size}: "
-                "a parameter without a gradient at this step; the recorder needs every trainable parameter to get one"
-            )
-        chunks = flat.detach().view(size, width)
-        pieces, position = [], 0
-        for param, rows, per_row in plan:
-            padded = -(-rows // size) * per_row
-            whole = chunks[:, position : position + padded].reshape(-1, per_row)[:rows] if padded else chunks[:, :0]
+        pieces = []
+        for param, whole in self._input_wholes(flat, size, param_group):
             pieces += shards.box_pieces(
                 whole, self._tp_runs[id(param)], offset=self._offsets[id(param)], k=self._k, seed=self._seed
             )
-            position += padded
         return pieces
 
 
