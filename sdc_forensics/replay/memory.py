@@ -322,8 +322,9 @@ def return_freed_memory() -> None:
     pages stay resident: a replay's resident set then grows by blocks that no longer hold anything
     (about 100 MiB on ``benchmarks/bench_sharded_replay.py``). A fixed threshold keeps every block of
     4 MiB or more mapped and unmapped when freed. Nothing computed changes. Lower would cost time: a
-    fresh mapping is zero-filled on first touch (a 256 KiB tensor: 10 times glibc's heap; at 4 MiB,
-    2-3 times, as a gradient-sized block already was before the threshold rose).
+    fresh mapping is zero-filled on first touch, so small tensors would pay for it on every allocation;
+    a gradient-sized block was mapped afresh already before glibc raised the threshold. Called only
+    for a sharded job's replay (``sharded.dispatch``), whose plan it keeps true.
     """
     import ctypes
     import sys

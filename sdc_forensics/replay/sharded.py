@@ -48,8 +48,10 @@ def dispatch(trace, options, device, infos):
     """
     from sdc_forensics.replay import distributed
 
-    # the plan counts live tensors: freed ones must not stay resident (glibc's heap)
-    memory.return_freed_memory()
+    # a sharded job's plan counts live tensors: freed ones must not stay resident (glibc's heap); a DDP replay's
+    # allocator is left as it was (the replay-speed figures of docs/benchmarks.md were measured with it)
+    if trace.manifest.parallel is not None:
+        memory.return_freed_memory()
     names = next((n.param_names for n in trace.checkpoint_notes() if n.step == options.start_step), ())
     plan = memory.plan_from_infos(
         infos, trace.manifest, names, device=str(device), checkpoint=str(options.checkpoint_path)
