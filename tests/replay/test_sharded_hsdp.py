@@ -11,6 +11,7 @@ job's cut: a replay that reduced or clipped as its own k processes would not cer
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from sdc_forensics.cli.main import cli
+from sdc_forensics.demo.sharded import ShardedRecipe, clip
 from sdc_forensics.replay import sharded
 
 from tests.distributed.launch import torchrun
@@ -71,17 +73,28 @@ def traces(tmp_path_factory) -> dict[str, Path]:
     return {name: root / name / "trace" for name, _ in todo}
 
 
-def _bisect(trace: Path, k: int) -> tuple[int, dict]:
+def _bisect(trace: Path, k: int, command: str = "bisect", *extra: str) -> tuple[int, dict]:
     # every run replays, none reuses another's ledger records
     (trace / "ledger.jsonl").unlink(missing_ok=True)
+    args = [command, str(trace), "--json", *extra]
     if k == 1:
-        result = CliRunner().invoke(cli, ["bisect", str(trace), "--json"])
+        result = CliRunner().invoke(cli, args)
         return result.exit_code, json.loads(result.stdout)
-    rc, out, err, _ = torchrun(
-        k, ["-m", "sdc_forensics", "bisect", str(trace), "--json"], timeout_s=300, env={sharded.SHARDED_ENV: "1"}
-    )
+    rc, out, err, _ = torchrun(k, ["-m", "sdc_forensics", *args], timeout_s=300, env={sharded.SHARDED_ENV: "1"})
     assert out.strip(), err[-3000:]
     return rc, json.loads(out)
+
+
+@dataclasses.dataclass(kw_only=True)
+class ClipOff(ShardedRecipe):
+    """The clipped job's recipe with a subtle mistake: it clips at a threshold 1 % above the job's."""
+
+    def before_step(self, model, optimizer) -> None:
+        clip(model, self.max_norm * 1.01)
+
+
+#: what torchrun's processes import (``--recipe``)
+clip_off = ClipOff()
 
 
 def _evidence(doc: dict) -> list:
@@ -126,3 +139,12 @@ def test_every_sharded_location_found_as_by_one_process(traces, name):
     assert _evidence(doc) == _evidence(one)
     assert doc.get("suspects") == one.get("suspects")
     assert [c["status"] for c in doc["checkpoints"]] == [c["status"] for c in one["checkpoints"]]
+
+
+def test_a_recipe_that_clips_one_percent_off_certifies_nothing_sharded(traces):
+    # the clipped job (clipping engaged on every step) replayed with a threshold 1 % off: the
+    # sharded replay reproduces the local gradients, so the update is what must give it away
+    rc, doc = _bisect(traces["clipped-lm"], 2, "certify", "--recipe", "tests.replay.test_sharded_hsdp:clip_off")
+    statuses = {c["step"]: c["status"] for c in doc["checkpoints"]}
+    assert rc != 0 and doc["verdict"] != "clean", doc
+    assert all(status != "clean" for step, status in statuses.items() if step > 0), statuses
