@@ -324,10 +324,13 @@ def sharded_state_digests(
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     out, differ = {}, []
-    for key in flat:
-        # every rank holds it whole: the ranks must agree for a digest to stand
-        if mine[key][0] == "whole":
-            values = {theirs[key][1] for theirs in gathered}
+    # every key some rank holds, in rank order (a pipeline job's stages hold different tensors)
+    keys = list(dict.fromkeys(key for theirs in gathered for key in theirs))
+    for key in keys:
+        holders = [theirs for theirs in gathered if key in theirs]
+        # every rank that holds it holds it whole: they must agree for a digest to stand
+        if holders[0][key][0] == "whole":
+            values = {theirs[key][1] for theirs in holders}
             if len(values) == 1:
                 out[key] = values.pop()
             else:
@@ -338,6 +341,8 @@ def sharded_state_digests(
         if trusted is not None:
             order = [r for r in order if r in trusted] + [r for r in order if r not in trusted]
         for rank in order:
+            if key not in gathered[rank]:
+                continue
             _, offset, numel, piece = gathered[rank][key]
             if not numel:
                 continue

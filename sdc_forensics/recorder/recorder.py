@@ -59,6 +59,7 @@ from sdc_forensics.recorder.exit import brace_for_alarm_exit
 from sdc_forensics.recorder.fsdp_layout import FsdpLayout, is_fully_sharded
 from sdc_forensics.recorder.identity import gather_identities
 from sdc_forensics.recorder.layout import Job, Layout, local_tensor
+from sdc_forensics.recorder.pp_layout import PpLayout, is_pipeline
 from sdc_forensics.recorder.options import Policy, RecorderOptions
 from sdc_forensics.recorder.rng_watch import RngWatch
 from sdc_forensics.recorder.step import StepRecording, StepState
@@ -77,6 +78,8 @@ def make_layout(model: Any, comm_hook: Callable | None = None, comm_state: Any =
     """The layout of ``model``: a Layout as is (DeepSpeed's), FSDP2/HSDP/TP for ``fully_shard``, or DDP."""
     if isinstance(model, Layout):
         return model
+    if is_pipeline(model):
+        return PpLayout(model, comm_hook, comm_state)
     if is_fully_sharded(model):
         return (TpLayout if is_tensor_parallel(model) else FsdpLayout)(model, comm_hook, comm_state)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -89,8 +92,8 @@ class Recorder:
 
     Args:
         trace_dir: where the trace goes (shared by all ranks; each rank writes its own file).
-        ddp_model: the ``DistributedDataParallel`` model, or a model sharded by ``fully_shard``
-            (FSDP2, HSDP). A DDP model's comm hook is registered here: pass a custom hook as
+        ddp_model: the ``DistributedDataParallel`` model, a model sharded by ``fully_shard``
+            (FSDP2, HSDP, with TP), or a pipeline schedule whose stage is (``pp_layout.py``). A DDP model's comm hook is registered here: pass a custom hook as
             ``comm_hook`` instead of registering it yourself.
         optimizer: the optimizer whose ``step()`` ends each training step.
         recipe: ``module:attribute`` of the replay recipe (recorded for ``bisect``; audits use it

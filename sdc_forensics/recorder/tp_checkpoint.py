@@ -5,7 +5,7 @@ writes) with each DTensor's part placed as TP then FSDP placed it: :func:`box_of
 from the tensor's placements (``Shard(d)`` in mesh order, then FSDP2's ``_StridedShard``, which cuts
 TP's slice), and its runs are digested at their global indices (``fingerprint/shards.box_runs``),
 so the digest of each tensor is ``core.digest`` of the whole: what ``verify-checkpoint`` measures
-on the DCP directory. The parameters' boxes agree with ``ShardMesh.rank_box`` (tested), which the
+on the DCP directory (a pipeline job's stages each hold their own tensors: ``pp_layout.py``). The parameters' boxes agree with ``ShardMesh.rank_box`` (tested), which the
 recorder and the replay use.
 """
 

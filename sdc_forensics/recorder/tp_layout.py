@@ -20,9 +20,7 @@ its checks, the rest check, the failure exchange, checkpoints by DCP) with what 
   equal DP-shard and TP coordinates) vote; a suspect is named with its mesh coordinates
   (``dp=1, tp=0``). The vote of the parameters every rank gathered (pure FSDP's consensus) is
   not run: ranks of different TP coordinates gather different slices.
-* **What is refused, in one line, before anything is written**: a pipeline stage or schedule
-  (``torch.distributed.pipelining``) handed to the Recorder, by name (:func:`not_recorded`); a
-  mesh other than ``(dp, tp)`` covering the world (context, expert or pipeline parallel
+* **What is refused, in one line, before anything is written**: a mesh other than ``(dp, tp)`` covering the world (context, expert or pipeline parallel
   dimensions, HSDP with TP, an unknown dimension name), also where the parameters sit on a
   sub-mesh of such a mesh (its root's dimensions are read: FSDP2 over ``mesh["dp"]`` of a
   ``(pp, dp)`` mesh is a pipeline job), TP's uneven split of a parameter, a placement other than
@@ -59,20 +57,18 @@ TP_NAMES = ("tp",)
 _NOT_BUILT = {
     "cp": "context parallelism",
     "ep": "expert parallelism",
-    "pp": "pipeline parallelism",
+    "pp": "pipeline parallelism with tensor parallelism",
     "dp_replicate": "HSDP with tensor parallelism",
 }
 
 
 def not_recorded(model: Any) -> str:
-    """What ``recorder.make_layout`` says of an object no layout records: a pipeline stage or
-    schedule by name, else that it wants the DDP or ``fully_shard`` model."""
-    if any(c.__module__.startswith("torch.distributed.pipelining") for c in type(model).__mro__):
-        return (
-            f"a {type(model).__name__} (torch.distributed.pipelining: pipeline parallelism) is not recorded yet; the "
-            "recorder records DDP, FSDP2/HSDP and tensor parallel x FSDP2 on a (dp, tp) mesh"
-        )
-    return "Recorder needs the DistributedDataParallel-wrapped model, or a model sharded by fully_shard (got a bare module?)"
+    """What ``recorder.make_layout`` says of an object no layout records: that it wants the DDP or
+    ``fully_shard`` model (or a pipeline schedule: ``pp_layout.py``)."""
+    return (
+        "Recorder needs the DistributedDataParallel-wrapped model, a model sharded by fully_shard, or a pipeline "
+        "schedule (got a bare module?)"
+    )
 
 
 def mesh_names(mesh: Any) -> tuple[str, ...]:
@@ -105,6 +101,11 @@ def tp_mesh_of(params: list[torch.Tensor], world_size: int) -> ShardMesh:
     names = tuple(mesh.mesh_dim_names or ())
     # the root's dimensions too: a pipeline or context dimension the parameters' sub-mesh leaves out
     other = [n for n in mesh_names(mesh) + names if n in _NOT_BUILT]
+    if other == ["pp"] and "tp" not in mesh_names(mesh):
+        raise UsageError(
+            "a pipeline stage's module (mesh dimension 'pp'): pass the pipeline schedule to the Recorder "
+            "(Recorder(trace_dir, schedule, optimizer)), which holds the stage, its microbatches and their scaling"
+        )
     if other:
         raise UsageError(
             f"mesh dimension {other[0]!r} ({_NOT_BUILT[other[0]]}): not recorded yet; the recorder records "
@@ -200,24 +201,30 @@ class TpLayout(FsdpLayout):
             return "mixed precision (MixedPrecisionPolicy) with tensor parallelism: not recorded yet"
         return tp_mesh_refusal(job.params, job.world_size)
 
-    def install(self, job: Job) -> None:
-        self.job = job
-        options, model = job.options, self.model
+    def _place(self, job: Job) -> tuple[ShardMesh, list[int]]:
+        """The mesh, and each of ``job.params``' index among the trace's parameters (here: its own);
+        sets the flat offsets of the gradient and the weights (``_grad_offsets``, ``_weight_offsets``)."""
         mesh = tp_mesh_of(job.params, job.world_size)
-        self.grad_params = [p for p in job.params if p.requires_grad]
         index = {id(p): i for i, p in enumerate(self.grad_params)}
         groups = tuple(
             tuple(index[id(fp.sharded_param)] for fp in g.fsdp_params if id(fp.sharded_param) in index)
-            for g in fm.param_groups(model)
+            for g in fm.param_groups(self.model)
         )
         # the replay reads the groups only to model gloo's reduce-scatter of whole parameters, which TP's slices are not
-        self._mesh = mesh
         self._groups = tuple(g for g in groups if g)
         self._grad_offsets = flat_offsets(self.grad_params)
         self._weight_offsets = flat_offsets(job.params)
+        return mesh, list(range(len(job.params)))
+
+    def install(self, job: Job) -> None:
+        self.job = job
+        options, model = job.options, self.model
+        self.grad_params = [p for p in job.params if p.requires_grad]
+        mesh, indices = self._place(job)
+        self._mesh = mesh
         # per parameter: this rank's box runs (weights, reduced gradient) and its TP slice's (local gradient)
         self._runs, tp_runs = {}, {}
-        for i, p in enumerate(job.params):
+        for i, p in zip(indices, job.params):
             shape = tuple(p.shape)
             box, at = mesh.rank_box(job.rank, i, shape)
             if tuple(local_tensor(p).shape) != box:

@@ -155,6 +155,13 @@ def resharded_total_norm(
     return DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
+def _pipeline_norm(*args, **kwargs):
+    raise RecipeError(
+        "the recipe clips the gradient of a pipeline job: each stage's norm (or torchtitan's norm over the stages) "
+        "is not replayed yet; replay a pipeline job without clipping in before_step"
+    )
+
+
 @contextlib.contextmanager
 def clipping_as_recorded(mesh: ShardMesh | None, resharded: bool = False) -> Iterator[None]:
     """Within it, torch's total gradient norm (``clip_grad_norm_``, ``get_total_norm``) is the
@@ -166,6 +173,8 @@ def clipping_as_recorded(mesh: ShardMesh | None, resharded: bool = False) -> Ite
         return
     size = mesh.shard_size
     norm_of = resharded_total_norm if resharded else sharded_total_norm
+    if mesh.pp_dim >= 0:
+        norm_of = _pipeline_norm
 
     def total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None):
         return norm_of(tensors, size, norm_type, error_if_nonfinite, foreach)

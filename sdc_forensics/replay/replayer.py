@@ -605,6 +605,11 @@ class Replayer(StepComparisons):
             counts = step_threads(recs)
             values, freq = np.unique(counts[counts > 0], return_counts=True)
             self._use_threads(int(values[np.argmax(freq)]) if len(values) else 0)
+            if self.mesh is not None and self.mesh.grad_divisor > 1:
+                # a pipeline schedule divides the reduced gradient by its microbatch count (PipelineStage.scale_grads)
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.div_(self.mesh.grad_divisor)
             # a sharded job's clipping norm, as its ranks computed it
             with clipping_as_recorded(self.mesh):
                 recipe_mod.before_step(self.recipe, model, optimizer, step=step)

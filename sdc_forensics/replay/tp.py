@@ -55,6 +55,11 @@ class _TpRankStep(_RankStep):
             self._fp = self._replayer.tp_local_fp(self.buckets[0], self._rank)
         return self._fp
 
+    @property
+    def digest(self) -> int:
+        # the rank's boxes, never the whole bucket's digest (which no rank recorded)
+        return self.fp.digest
+
 
 class TpReplayer(Replayer):
     """:class:`Replayer` comparing each rank's TP boxes (see the module)."""

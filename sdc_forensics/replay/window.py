@@ -15,7 +15,8 @@ from pathlib import Path
 from sdc_forensics import numerics
 from sdc_forensics.checkpoint.formats import open_checkpoint
 from sdc_forensics.errors import CheckpointError
-from sdc_forensics.replay import distributed, env, replayer, sharded, tp, tp_exact
+from sdc_forensics.replay import distributed, env, pp, replayer, sharded, tp, tp_exact
+from sdc_forensics.replay.pp import PpReplayer
 from sdc_forensics.replay.replayer import Replayer, ReplayOptions, ReplayResult
 from sdc_forensics.replay.sharded_replayer import ShardedReplayer
 from sdc_forensics.replay.tp import TpReplayer
@@ -63,6 +64,9 @@ def replay_window(
     # a tensor-parallel job: its TP plan on TP processes under torchrun, exact; else each rank's TP boxes, tolerant
     if tp.is_tp(trace):
         replayer_class = TpExactReplayer if tp_exact.wanted(trace, recipe) else TpReplayer
+    # a pipeline job: the whole model on one process, exact (the stages hand activations over as they are)
+    elif pp.is_pp(trace):
+        replayer_class = PpReplayer
     with numerics.reproduce(replayer._recorded_numerics(trace, options.start_step), device, threads) as settings:
         result = replayer_class(trace, recipe, device).run(options, on_step)
     return dataclasses.replace(result, settings=settings)

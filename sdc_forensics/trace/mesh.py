@@ -12,7 +12,13 @@ then ``fully_shard`` over its data-parallel one, as torchtitan composes them) no
 dimension (``tp_dim``) and, per parameter, the dimension TP cuts it on (``tp_shards``: ``0`` for
 ``ColwiseParallel``'s ``Shard(0)``, ``1`` for ``RowwiseParallel``'s ``Shard(1)``, ``-1`` for a
 replicated one); a rank then holds a box of each parameter (:meth:`ShardMesh.rank_box`): TP's
-slice first, FSDP's rows of that slice next. Both keys are optional: older traces read as before.
+slice first, FSDP's rows of that slice next. A pipeline-parallel job (kind ``"pp"``: each rank
+one ``PipelineStage`` of the model, ``fully_shard`` over the data-parallel dimension, as
+torchtitan composes them) notes the ``pp`` dimension (``pp_dim``), the stage that holds each
+parameter of the whole model (``stages``, in the whole model's order: stage 0's parameters, then
+stage 1's) and what the schedule divides the reduced gradient by (``grad_divisor``: its
+microbatch count when it scales gradients, else 1); a rank holds nothing of another stage's
+parameters. These keys are optional: older traces read as before.
 Numpy-free and torch-free: triage reads it.
 """
 
@@ -21,8 +27,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-#: ``"tp"``: FSDP2 (data parallel) x tensor parallel on a 2-D mesh
-KINDS = ("fsdp", "hsdp", "tp")
+#: ``"tp"``: FSDP2 (data parallel) x tensor parallel on a 2-D mesh; ``"pp"``: pipeline stages x FSDP2
+KINDS = ("fsdp", "hsdp", "tp", "pp")
 #: the dtypes a sharded job's reduction may be recorded in besides the parameters' own ("")
 REDUCE_DTYPES = ("", "bfloat16", "float32", "float16")
 #: the dtypes a sharded job may compute in (``MixedPrecisionPolicy(param_dtype=...)``; "": the parameters')
@@ -62,6 +68,11 @@ class ShardMesh:
         tp_dim: the mesh dimension tensor parallelism shards on (kind ``"tp"``); -1: none.
         tp_shards: per parameter of the model, in order, the tensor dimension TP cuts it on (-1:
             replicated over ``tp``); empty without TP.
+        pp_dim: the mesh dimension the pipeline's stages lie on (kind ``"pp"``); -1: none.
+        stages: per parameter of the whole model, in order, the stage that holds it (its
+            coordinate on ``pp_dim``); empty without PP.
+        grad_divisor: what the pipeline schedule divides each reduced gradient by after the
+            data-parallel reduction (``PipelineStage.scale_grads``: the microbatch count, or 1).
     """
 
     kind: str
@@ -75,6 +86,9 @@ class ShardMesh:
     groups: tuple[tuple[int, ...], ...] = ()
     tp_dim: int = -1
     tp_shards: tuple[int, ...] = ()
+    pp_dim: int = -1
+    stages: tuple[int, ...] = ()
+    grad_divisor: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -116,6 +130,23 @@ class ShardMesh:
             raise ValueError("the tensor-parallel dimension is not the one FSDP shards on")
         if not all(isinstance(d, int) and -1 <= d < _MAX_DIMS for d in self.tp_shards):
             raise ValueError(f"tp_shards must be tensor dimensions (-1 to {_MAX_DIMS - 1})")
+        if (self.kind == "pp") != (self.pp_dim >= 0) or not -1 <= self.pp_dim < len(self.shape):
+            raise ValueError('a "pp" mesh names its pipeline dimension (pp_dim), and only it does')
+        if self.pp_dim >= 0 and (self.pp_dim == self.shard_dim or self.pp_dim == self.tp_dim):
+            raise ValueError("the pipeline dimension is neither the one FSDP shards on nor the tensor-parallel one")
+        if len(self.stages) > _MAX_CASTS or not all(
+            isinstance(s, int)
+            and not isinstance(s, bool)
+            and 0 <= s < (self.shape[self.pp_dim] if self.pp_dim >= 0 else 0)
+            for s in self.stages
+        ):
+            raise ValueError("stages must be pipeline coordinates of the mesh, one per parameter")
+        if (
+            not isinstance(self.grad_divisor, int)
+            or isinstance(self.grad_divisor, bool)
+            or not 1 <= self.grad_divisor < (1 << 20)
+        ):
+            raise ValueError("grad_divisor must be a positive integer")
         total = 1
         for size in self.shape:
             total *= size
@@ -152,20 +183,21 @@ class ShardMesh:
     def same_shard(self) -> list[tuple[int, ...]]:
         """Groups of ranks that hold the same shard (HSDP replicas of it; groups of one in FSDP;
         with TP, equal shard and TP coordinates)."""
-        if self.tp_dim >= 0:
-            return self._groups(lambda coord: (coord[self.shard_dim], coord[self.tp_dim]))
+        if self.tp_dim >= 0 or self.pp_dim >= 0:
+            held = [d for d in (self.shard_dim, self.tp_dim, self.pp_dim) if d >= 0]
+            return self._groups(lambda coord: tuple(coord[d] for d in held))
         return self._groups(lambda coord: coord[self.shard_dim])
 
     def replicas(self) -> list[tuple[int, ...]]:
         """Groups of ranks that hold one whole model between them (a replica; one group in FSDP)."""
-        cut = {self.shard_dim, self.tp_dim}
+        cut = {self.shard_dim, self.tp_dim, self.pp_dim}
         return self._groups(lambda coord: tuple(c for d, c in enumerate(coord) if d not in cut))
 
     def reduce_groups(self) -> list[tuple[int, ...]]:
         """Groups of ranks whose shards of the reduced gradient add up to the reduction of their
         (and, in HSDP, the other replicas') local gradients: a replica; with TP, the ranks of one
-        TP coordinate (FSDP reduce-scatters TP's slice among them)."""
-        if self.tp_dim >= 0:
+        TP coordinate (FSDP reduce-scatters TP's slice among them); with PP, of one stage."""
+        if self.tp_dim >= 0 or self.pp_dim >= 0:
             return self._groups(lambda coord: tuple(c for d, c in enumerate(coord) if d != self.shard_dim))
         return self.replicas()
 
@@ -178,11 +210,22 @@ class ShardMesh:
         """The tensor-parallel coordinate of ``rank`` (0 without TP)."""
         return self.coords[rank][self.tp_dim] if self.tp_dim >= 0 else 0
 
+    def pp_of(self, rank: int) -> int:
+        """The pipeline stage of ``rank`` (0 without PP)."""
+        return self.coords[rank][self.pp_dim] if self.pp_dim >= 0 else 0
+
+    def holds(self, rank: int, index: int) -> bool:
+        """Whether ``rank``'s stage holds parameter ``index`` (always, without PP)."""
+        return self.pp_dim < 0 or index >= len(self.stages) or self.stages[index] == self.pp_of(rank)
+
     def tp_box(self, rank: int, index: int, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """``(local shape, offsets)``: TP's slice of parameter ``index`` (of ``shape``) on
         ``rank`` (``tp_shards[index]``, an even split; the whole where replicated): the gradient
-        a TP rank computes, before FSDP reduce-scatters it. Raises ValueError where TP's split is
+        a TP rank computes, before FSDP reduce-scatters it; nothing (a zero-size box) where
+        another pipeline stage holds the parameter. Raises ValueError where TP's split is
         uneven (the recorder refuses such a job)."""
+        if not self.holds(rank, index):
+            return tuple(0 for _ in shape), tuple(0 for _ in shape)
         local, offsets = list(shape), [0] * len(shape)
         cut = self.tp_shards[index] if index < len(self.tp_shards) else -1
         if cut >= 0:
@@ -226,6 +269,8 @@ class ShardMesh:
         after it for a mixed-precision job)."""
         names = [n or f"dim{i}" for i, n in enumerate(self.dim_names)]
         text = f"{self.kind}, mesh {' x '.join(map(str, self.shape))} ({', '.join(names)})"
+        if self.grad_divisor > 1:
+            text += f", gradients divided by {self.grad_divisor} microbatches"
         if self.param_dtype:
             text += f", computed in {self.param_dtype}"
         if self.reduce_dtype:
@@ -254,6 +299,11 @@ class ShardMesh:
         if self.tp_dim >= 0:
             doc["tp_dim"] = self.tp_dim
             doc["tp_shards"] = list(self.tp_shards)
+        # optional: a PP job's only
+        if self.pp_dim >= 0:
+            doc["pp_dim"] = self.pp_dim
+            doc["stages"] = list(self.stages)
+            doc["grad_divisor"] = self.grad_divisor
         return doc
 
     @classmethod
@@ -289,6 +339,13 @@ class ShardMesh:
             isinstance(d, int) and not isinstance(d, bool) for d in tp_shards
         ):
             raise ValueError('"tp_shards" must be a list of integers')
+        pp_dim, stages, divisor = doc.get("pp_dim", -1), doc.get("stages", []), doc.get("grad_divisor", 1)
+        if not isinstance(pp_dim, int) or isinstance(pp_dim, bool):
+            raise ValueError('"pp_dim" must be an integer')
+        if not isinstance(stages, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in stages):
+            raise ValueError('"stages" must be a list of integers')
+        if not isinstance(divisor, int) or isinstance(divisor, bool):
+            raise ValueError('"grad_divisor" must be an integer')
         return cls(
             kind=str(kind),
             shape=tuple(shape),
@@ -301,6 +358,9 @@ class ShardMesh:
             groups=tuple(tuple(g) for g in groups),
             tp_dim=tp_dim,
             tp_shards=tuple(tp_shards),
+            pp_dim=pp_dim,
+            stages=tuple(stages),
+            grad_divisor=divisor,
         )
 
 

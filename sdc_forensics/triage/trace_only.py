@@ -395,8 +395,8 @@ def _reduce_scatter(window: StepWindow, grad_dtype: str, reduction: str, mesh: S
     residuals = np.zeros(has_grads.shape)
     for group in mesh.reduce_groups():
         g = list(group)
-        # tensor parallel: each TP coordinate's ranks reduce among themselves, (S, k)
-        if mesh.tp_dim >= 0:
+        # tensor (pipeline) parallel: each TP coordinate's (stage's) ranks reduce among themselves, (S, k)
+        if mesh.tp_dim >= 0 or mesh.pp_dim >= 0:
             expected = local_sk[:, g].mean(axis=1) if reduction == "mean" else local_sk[:, g].sum(axis=1)
         # (S, k)
         summed = rec["reduced_sketch"][:, g, :].sum(axis=1, dtype=np.float64)

@@ -1,5 +1,6 @@
 """Issue 36: what the recorder does not record is refused in one line before anything is written
-(``recorder/tp_layout.py``): a pipeline stage (``torch.distributed.pipelining``) by name, and a
+(``recorder/tp_layout.py``, ``recorder/pp_layout.py``): a pipeline stage alone (the schedule is
+what the recorder takes), a stage's module, and a
 model sharded over a mesh (or a sub-mesh of one) with a pipeline, context or expert parallel
 dimension, or a dimension name it does not know. 2 gloo processes; each case checks the line on
 every rank and that the trace directory was never created."""
@@ -59,8 +60,8 @@ def _refusals(rank: int, root: str) -> dict[str, list]:
 
 def test_pipeline_context_expert_and_unknown_dimensions_are_refused_before_anything_is_written(tmp_path):
     expected = {
-        "stage": "a PipelineStage (torch.distributed.pipelining: pipeline parallelism) is not recorded yet",
-        "pp": "mesh dimension 'pp' (pipeline parallelism): not recorded yet",
+        "stage": "a PipelineStage alone: pass the pipeline schedule (ScheduleGPipe or Schedule1F1B) to the Recorder",
+        "pp": "a pipeline stage's module (mesh dimension 'pp'): pass the pipeline schedule to the Recorder",
         "cp": "mesh dimension 'cp' (context parallelism): not recorded yet",
         "ep": "mesh dimension 'ep' (expert parallelism): not recorded yet",
         "unknown": "a mesh of dimensions ('x', 'tp'): the recorder records tensor parallelism on a 2-D mesh named (dp, tp)",

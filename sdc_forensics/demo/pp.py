@@ -1,0 +1,221 @@
+"""A pipeline-parallel training job and its replay recipe: PP 2 x FSDP2 DP 2, torchtitan's composition.
+
+The model is a small causal transformer (embedding, four pre-norm blocks of attention and a GELU
+MLP, final norm, untied head). The job cuts it into two stages as torchtitan does (a copy of the
+whole model with the other stage's blocks deleted, so every parameter keeps its whole-model name:
+stage 0 holds the embedding and blocks 0-1, stage 1 blocks 2-3, the norm and the head), on a
+``(pp, dp)`` mesh of 4 gloo processes; each stage is ``fully_shard``-ed over ``dp`` (each block,
+then the stage), and a schedule (``Schedule1F1B`` by default, ``ScheduleGPipe``) runs
+:data:`MICROBATCHES` microbatches per step through them, scaling the gradients by their count
+(the schedule's default). The ranks of one DP coordinate read the same microbatches.
+``sdc-forensics demo --parallel pp`` runs it; the tests run it with faults.
+
+``recipe`` replays it on one process: the whole model (same names and order), the DCP checkpoint
+loaded into it whole (``sharded.load_dcp``), each rank's microbatches recomputed through it in
+order. The pipeline hands activations between stages as they are (a copy, no arithmetic), so the
+whole model's gradient is each stage's, bit for bit, and the replay certifies
+(``replay/pp.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sdc_forensics.demo.sharded import dcp_state, launch, load_dcp
+from sdc_forensics.demo.tp import Attention
+
+VOCAB, DIM, CONTEXT, MICROBATCH, BLOCKS = 40, 16, 8, 2, 4
+PP, DP, MICROBATCHES = 2, 2, 4
+REFERENCE = "sdc_forensics.demo.pp:recipe"
+SEEDED_REFERENCE = "sdc_forensics.demo.pp:PpRecipe"
+SCHEDULES = ("1f1b", "gpipe")
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(DIM), Attention()
+        self.norm2, self.up, self.down = nn.LayerNorm(DIM), nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.down(nn.functional.gelu(self.up(self.norm2(x))))
+
+
+class PipelinedLM(nn.Module):
+    """Embedding, blocks, final norm, head; a stage is a copy with some of them deleted (None, or
+    removed from ``layers``): it then takes the previous stage's activations, or returns its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed: nn.Module | None = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleDict({str(i): Block() for i in range(BLOCKS)})
+        self.norm: nn.Module | None = nn.LayerNorm(DIM)
+        self.head: nn.Module | None = nn.Linear(DIM, VOCAB, bias=False)
+
+    # (B, T) token ids, or (B, T, DIM) activations -> (B, T, VOCAB) logits, or activations
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if self.embed is not None else x
+        for block in self.layers.values():
+            h = block(h)
+        return self.head(self.norm(h)) if self.head is not None else h
+
+
+def build_model(seed: int = 0) -> PipelinedLM:
+    torch.manual_seed(seed)
+    return PipelinedLM()
+
+
+def stage_module(model: PipelinedLM, stage: int, stages: int = PP) -> PipelinedLM:
+    """Stage ``stage``'s module: a copy of the whole model holding its blocks only (torchtitan's
+    cut: the parameters keep their whole-model names), the embedding on the first, the norm and
+    head on the last."""
+    part = copy.deepcopy(model)
+    per = BLOCKS // stages
+    for key in list(part.layers.keys()):
+        if not stage * per <= int(key) < (stage + 1) * per:
+            del part.layers[key]
+    if stage != 0:
+        part.embed = None
+    if stage != stages - 1:
+        part.norm = part.head = None
+    return part
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+
+
+def microbatch(microbatch_id: int, device: Any = "cpu", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(70_001 + int(microbatch_id) + 1_000_003 * int(seed))
+    ids = torch.randint(VOCAB, (MICROBATCH, CONTEXT + 1), generator=gen)
+    return ids[:, :-1].to(device), ids[:, 1:].to(device)
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """One microbatch's loss (the schedule's ``loss_fn``; it divides the gradients by the count)."""
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def microbatch_ids(step: int, dp: int) -> list[int]:
+    """The microbatches the ranks of DP coordinate ``dp`` train on at ``step``, in schedule order."""
+    first = (step * DP + dp) * MICROBATCHES
+    return list(range(first, first + MICROBATCHES))
+
+
+@dataclasses.dataclass(kw_only=True)
+class PpRecipe:
+    """The replay recipe of :func:`train` (``sdc_forensics.recipe``'s protocol): the whole model."""
+
+    seed: int = 0
+
+    def build(self, device: Any = "cpu"):
+        model = build_model(self.seed).to(device)
+        return model, make_optimizer(model), None
+
+    def load_checkpoint(self, path: str, model, optimizer, scheduler) -> None:
+        load_dcp(path, model, optimizer)
+
+    def fetch_microbatch(self, microbatch_id: int, device: Any = "cpu"):
+        return microbatch(microbatch_id, device, self.seed)
+
+    def loss(self, model, batch):
+        inputs, labels = batch
+        return loss_fn(model(inputs), labels)
+
+
+recipe = PpRecipe()
+
+
+def train(
+    rank: int,
+    world: int,
+    trace_dir: str,
+    checkpoint_dir: str,
+    *,
+    steps: int = 6,
+    inject: tuple[str, ...] = (),
+    checkpoint_every: int = 3,
+    policy: str = "continue",
+    seed: int = 0,
+    schedule: str = "1f1b",
+) -> dict:
+    """One rank of the PP x DP job, recorded; every rank calls it in an initialised process group.
+    Checkpoints (DCP directories) at step 0 and every ``checkpoint_every``. Returns the alarms."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from sdc_forensics.errors import SdcAlarm
+    from sdc_forensics.recorder import Recorder, RecorderOptions
+
+    mesh = init_device_mesh("cpu", (PP, world // PP), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh.get_coordinate()
+    part = stage_module(build_model(seed), pp)
+    for block in part.layers.values():
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(part, mesh=mesh["dp"])
+    stage = PipelineStage(part, pp, PP, torch.device("cpu"), group=mesh["pp"].get_group())
+    kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
+    pipeline = kind(stage, MICROBATCHES, loss_fn=loss_fn)
+    optimizer = make_optimizer(part)
+    options = RecorderOptions(policy=policy)
+    recorded = {"recipe": REFERENCE} if not seed else {"recipe": SEEDED_REFERENCE, "recipe_args": {"seed": seed}}
+    alarms: list = []
+    with Recorder(trace_dir, pipeline, optimizer, options=options, inject=inject, **recorded) as rec:
+        for step in range(steps):
+            if step % checkpoint_every == 0:
+                rec.checkpoint(step, Path(checkpoint_dir) / f"step-{step:08d}", dcp_state(part, optimizer))
+            ids = microbatch_ids(step, dp)
+            try:
+                with rec.step(step, microbatch_ids=ids) as h:
+                    batches = [h.input(microbatch(i, seed=seed)) for i in ids]
+                    inputs = torch.cat([b[0] for b in batches])
+                    labels = torch.cat([b[1] for b in batches])
+                    if pp == 0:
+                        pipeline.step(inputs)
+                    elif pp == PP - 1:
+                        losses: list = []
+                        pipeline.step(target=labels, losses=losses)
+                        for loss in losses:
+                            h.loss(loss)
+                    else:
+                        pipeline.step()
+                    optimizer.step()
+                    optimizer.zero_grad()
+            except SdcAlarm as alarm:
+                alarms.append({"step": alarm.step, "rank": alarm.rank, "check": alarm.check})
+                break
+        alarms += [{"step": a.step, "rank": a.rank, "check": a.check} for a in rec.alarms if a.check]
+    dist.barrier()
+    return {"alarms": alarms}
+
+
+def run_demo(
+    out_dir: str | Path,
+    injections: tuple[str, ...],
+    *,
+    steps: int = 12,
+    checkpoint_every: int = 4,
+    policy: str = "continue",
+    seed: int = 0,
+    schedule: str = "1f1b",
+) -> dict:
+    """``sdc-forensics demo --parallel pp``: the job on 4 gloo processes (PP 2 x DP 2); returns rank
+    0's findings. The trace is ``OUT/trace``, checkpoint ``N`` ``OUT/checkpoints/step-N`` (8 digits)."""
+    kwargs = {
+        "steps": steps,
+        "checkpoint_every": checkpoint_every,
+        "policy": policy,
+        "inject": tuple(injections),
+        "seed": seed,
+        "schedule": schedule,
+    }
+    return launch(out_dir, DP * PP, kwargs, "sdc_forensics.demo.pp:train")
