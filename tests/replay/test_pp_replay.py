@@ -1,0 +1,132 @@
+"""Issue 36, pipeline parallelism: the demo's PP 2 x FSDP2 DP 2 job (``sdc_forensics/demo/pp.py``:
+a 4-block transformer cut into two stages as torchtitan cuts it, each stage ``fully_shard``-ed over
+``dp``, 4 microbatches per step, AdamW, the schedule scaling the gradients) recorded on 4 gloo
+processes and replayed on one process (``replay/pp.py``).
+
+A clean run is certified bit for bit under ``Schedule1F1B`` and ``ScheduleGPipe``; a fault at every
+location (a low mantissa bit of one stage's local gradient, the reduce-scatter's output, weights at
+rest, the update) is named at its step and rank, with the rank's mesh
+coordinates, the other ranks never named, and no checkpoint after it certified; a fault in one
+stage's forward (the parameters it all-gathered) reaches the other stage of its pipeline, and both
+are named, the other data-parallel coordinate's never; a recipe whose learning rate is 1 % off
+certifies nothing after checkpoint 0."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from sdc_forensics.cli.main import cli
+from sdc_forensics.demo.pp import PpRecipe
+
+from tests.factories import gloo_job
+
+# nine 4-process jobs and their replays, a few minutes on 2 cores
+pytestmark = pytest.mark.heavy
+
+WORLD, STEPS, EVERY = 4, 8, 3
+# name -> (spec, step, rank, evidence location or None)
+FAULTS = {
+    "stage0-local": ("local-gradient:step=4:rank=1:bit=3", 4, 1, "local_compute"),
+    "stage1-local": ("local-gradient:step=5:rank=2:bit=3", 5, 2, "local_compute"),
+    "reduce-scatter": ("reduce-scatter-output:step=4:rank=3:bit=30", 4, 3, None),
+    "weights": ("weights:step=4:rank=0:bit=29", 4, 0, None),
+    "update": ("update:step=4:rank=3:bit=29", 4, 3, None),
+}
+
+
+def _jobs(rank: int, root: str, runs: list) -> dict:
+    """Every run of ``runs`` (name, keyword arguments of ``demo.pp.train``) in one process group."""
+    from sdc_forensics.demo.pp import train
+
+    out = {}
+    for name, kwargs in runs:
+        kwargs = {**kwargs, "inject": tuple(kwargs.get("inject", ()))}
+        out[name] = train(
+            rank,
+            WORLD,
+            str(Path(root, name, "trace")),
+            str(Path(root, name, "ckpt")),
+            steps=STEPS,
+            checkpoint_every=EVERY,
+            **kwargs,
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("pp")
+    todo = [("clean-1f1b", {}), ("clean-gpipe", {"schedule": "gpipe"})]
+    todo += [(name, {"inject": [spec]}) for name, (spec, *_) in FAULTS.items()]
+    todo += [("all-gather", {"inject": ["all-gather-output:step=4:rank=2:bit=30"]})]
+    gloo_job(_jobs, WORLD, root / "results", str(root), todo)
+    return {name: root / name for name, _ in todo}
+
+
+def _run(job: Path, command: str, *extra: str) -> tuple[int, dict]:
+    (job / "trace" / "ledger.jsonl").unlink(missing_ok=True)
+    args = [command, str(job / "trace"), "--checkpoints", str(job / "ckpt"), "--json", *extra]
+    result = CliRunner().invoke(cli, args)
+    return result.exit_code, json.loads(result.stdout)
+
+
+@dataclasses.dataclass(kw_only=True)
+class RateOff(PpRecipe):
+    """The demo's recipe with a scheduler's mistake: after each update it sets AdamW's rate 1 % off."""
+
+    def after_step(self, model, optimizer, scheduler):
+        for group in optimizer.param_groups:
+            group["lr"] = 3e-3 * 1.01
+
+
+rate_off = RateOff()
+
+
+@pytest.mark.parametrize("name", ["clean-1f1b", "clean-gpipe"])
+def test_a_clean_pipeline_run_is_certified_bit_for_bit(traces, name):
+    rc, doc = _run(traces[name], "certify")
+    assert rc == 0, doc
+    assert doc["verdict"] == "clean", doc
+    # every step before every checkpoint replayed bit for bit, none within tolerance
+    assert all(not c["tolerant"] and not c["lacking_replay"] for c in doc["coverage"]), doc["coverage"]
+    assert [c["exact_now"] for c in doc["coverage"]][1:] == [[[0, s - 1]] for s in range(EVERY, STEPS, EVERY)]
+    statuses = [c["status"] for c in doc["checkpoints"]]
+    assert statuses == ["clean"] * len(range(0, STEPS, EVERY)), doc["checkpoints"]
+
+
+@pytest.mark.parametrize("name", sorted(FAULTS))
+def test_a_fault_at_every_location_is_named_at_its_step_and_rank(traces, name):
+    _, step, rank, location = FAULTS[name]
+    rc, doc = _run(traces[name], "bisect")
+    assert rc == 1 and doc["verdict"] == "corruption", doc
+    assert doc["first_divergent_step"] == step, doc
+    suspects = {s["rank"] for s in doc["suspects"]}
+    assert suspects == {rank}, doc["suspects"]
+    where = f"pp={rank // 2}, dp={rank % 2}"
+    assert any(where in json.dumps(s) for s in doc["suspects"]), doc["suspects"]
+    named = [e for e in doc["evidence"] if e["step"] == step and rank in e["ranks"]]
+    assert named and (location is None or any(e.get("location") == location for e in named)), doc["evidence"]
+    # nothing after the fault certified
+    for c in doc["checkpoints"]:
+        assert c["status"] != "clean" or c["step"] <= step, doc["checkpoints"]
+
+
+def test_a_recipe_whose_rate_is_one_percent_off_certifies_nothing_after_checkpoint_0(traces):
+    rc, doc = _run(traces["clean-1f1b"], "certify", "--recipe", "tests.replay.test_pp_replay:rate_off")
+    assert rc != 0, doc
+    assert [c["status"] == "clean" for c in doc["checkpoints"]][1:] == [False] * (len(doc["checkpoints"]) - 1)
+
+
+def test_a_fault_in_one_stage_forward_names_the_stages_of_its_pipeline_only(traces):
+    # rank 2 (pp=1, dp=0) flips a parameter it gathered for step 4's forward: its loss and its local
+    # gradient change, and so does what it hands back to stage 0 of its pipeline (rank 0); the ranks
+    # of dp=1 computed from the other microbatches with clean parameters
+    rc, doc = _run(traces["all-gather"], "bisect")
+    assert rc == 1 and doc["verdict"] == "corruption" and doc["first_divergent_step"] == 4, doc
+    suspects = {s["rank"] for s in doc["suspects"]}
+    assert 2 in suspects and suspects <= {0, 2}, doc["suspects"]
