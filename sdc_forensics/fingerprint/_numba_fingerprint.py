@@ -22,57 +22,100 @@ GROUP_ROWS = 1024
 _jit = {"cache": True, "nogil": True, "boundscheck": False, "error_model": "numpy"}
 
 
+# lanes per strip: a tile is worked through in strips of lanes, so that the strip's rows, its
+# row pairs and its accumulators (8 KiB each for float32 and k = 8) stay in L1 while every part reads
+# them; each lane still sees exactly the operations, in the order, that reference.py states
+STRIP = 256
+
+
 @nb.njit(**_jit)
-def _pairs(x, pairs):
-    """``pairs[2p] = x[2p] + x[2p+1]`` and ``pairs[2p+1] = x[2p] - x[2p+1]`` for the tile's row pairs."""
-    for p in range(TILE_ROWS // 2):
-        first, second = x[2 * p], x[2 * p + 1]
-        plus, minus = pairs[2 * p], pairs[2 * p + 1]
-        for i in range(BLOCK_ELEMS):
-            plus[i] = first[i] + second[i]
-            minus[i] = first[i] - second[i]
+def _digest_strip(words, r0, lane, element, first_block, tile_blocks, a, b, s_sums, t_sums):
+    """The digest words of one strip of tile rows ``r0..r0+TILE_ROWS``, lanes ``lane..lane+STRIP``,
+    added into their blocks' sums: ``s_j += sum_i a_p w_i``, ``t_j += sum_i b_p (w_i >> 16)`` mod
+    2**32 (``p`` the word's place in block ``j``; wrapping sums, so any order is exact). Blocks
+    from ``tile_blocks`` on (past the words to digest) are skipped."""
+    row_words = BLOCK_ELEMS * element // 4
+    count = STRIP * element // 4
+    for r in range(TILE_ROWS):
+        first_word = (r0 + r) * row_words + lane * element // 4
+        block = first_word // BLOCK_WORDS - first_block
+        if block < tile_blocks:
+            place = first_word % BLOCK_WORDS
+            run = words[first_word : first_word + count]
+            wa = a[place : place + count]
+            wb = b[place : place + count]
+            s = np.int32(0)
+            t = np.int32(0)
+            for i in range(count):
+                w = run[i]
+                s = np.int32(s + np.int32(w * wa[i]))
+                t = np.int32(t + np.int32((w >> np.int32(16)) * wb[i]))
+            s_sums[block] += s
+            t_sums[block] += t
+
+
+@nb.njit(**_jit)
+def _tile_lanes(first_block, tile_blocks, s_sums, t_sums, c, c2, lanes):
+    """A tile's block sums into the lane totals: ``lanes += (c_j s_j, c'_j t_j)`` mod 2**64."""
+    low = lanes[0]
+    high = lanes[1]
+    for block in range(tile_blocks):
+        low += np.uint64(np.uint32(s_sums[block])) * c[first_block + block]
+        high += np.uint64(np.uint32(t_sums[block])) * c2[first_block + block]
+        s_sums[block] = 0
+        t_sums[block] = 0
+    lanes[0] = low
+    lanes[1] = high
+
+
+@nb.njit(**_jit)
+def _pairs_and_stats(x, at, q, mx, lane, pairs):
+    """One strip, lanes ``lane..lane+STRIP`` (read from ``x[:, at..at+STRIP]``): the row pairs
+    ``pairs[2p] = x_2p + x_2p+1``, ``pairs[2p+1] = x_2p - x_2p+1``, and lane by lane, row after
+    row, ``q += v * v`` (rounded product, then sum) and max |v| (NaN skipped).
+
+    NaN and Inf are not counted here: either makes ``q`` non-finite, and the caller counts them
+    then (a second pass only over a tensor that holds one).
+    """
+    end = at + STRIP
+    x0, x1, x2, x3 = x[0, at:end], x[1, at:end], x[2, at:end], x[3, at:end]
+    x4, x5, x6, x7 = x[4, at:end], x[5, at:end], x[6, at:end], x[7, at:end]
+    p0, p1, p2, p3 = pairs[0, :STRIP], pairs[1, :STRIP], pairs[2, :STRIP], pairs[3, :STRIP]
+    p4, p5, p6, p7 = pairs[4, :STRIP], pairs[5, :STRIP], pairs[6, :STRIP], pairs[7, :STRIP]
+    qs, ms = q[lane : lane + STRIP], mx[lane : lane + STRIP]
+    for i in range(STRIP):
+        v0, v1, v2, v3 = x0[i], x1[i], x2[i], x3[i]
+        v4, v5, v6, v7 = x4[i], x5[i], x6[i], x7[i]
+        p0[i], p1[i], p2[i], p3[i] = v0 + v1, v0 - v1, v2 + v3, v2 - v3
+        p4[i], p5[i], p6[i], p7[i] = v4 + v5, v4 - v5, v6 + v7, v6 - v7
+        qs[i] = qs[i] + v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3 + v4 * v4 + v5 * v5 + v6 * v6 + v7 * v7
+        m = ms[i]
+        for a in (abs(v0), abs(v1), abs(v2), abs(v3), abs(v4), abs(v5), abs(v6), abs(v7)):
+            m = a if a > m else m
+        ms[i] = m
 
 
 # y + g * c with g = +-1: exact product, so an FMA rounds alike
 @nb.njit(fastmath={"contract"}, **_jit)
-def _sketch_tile(x, signs, y, pairs):
-    """``y[m] += sum_r signs[r, m] * x[r]`` for one tile, as four pair terms added in order.
+def _sketch_strip(signs, y, lane, pairs):
+    """``y[m] += sum_r signs[r, m] * x[r]`` for one strip, as four pair terms added in order.
 
     ``s0 x0 + s1 x1 = s0 (x0 + s0 s1 x1)``: each pair of rows is added (or subtracted) once,
     rounded, and the result goes into ``y[m]`` with the sign of the pair's first row; 4 additions
     per projection and tile instead of 8.
     """
-    _pairs(x, pairs)
     for m in range(y.shape[0]):
         g0, g1, g2, g3 = signs[0, m], signs[2, m], signs[4, m], signs[6, m]
-        c0 = pairs[0] if signs[1, m] == g0 else pairs[1]
-        c1 = pairs[2] if signs[3, m] == g1 else pairs[3]
-        c2 = pairs[4] if signs[5, m] == g2 else pairs[5]
-        c3 = pairs[6] if signs[7, m] == g3 else pairs[7]
-        ym = y[m]
-        for i in range(BLOCK_ELEMS):
+        c0 = pairs[0, :STRIP] if signs[1, m] == g0 else pairs[1, :STRIP]
+        c1 = pairs[2, :STRIP] if signs[3, m] == g1 else pairs[3, :STRIP]
+        c2 = pairs[4, :STRIP] if signs[5, m] == g2 else pairs[5, :STRIP]
+        c3 = pairs[6, :STRIP] if signs[7, m] == g3 else pairs[7, :STRIP]
+        ym = y[m, lane : lane + STRIP]
+        for i in range(STRIP):
             acc = ym[i] + g0 * c0[i]
             acc = acc + g1 * c1[i]
             acc = acc + g2 * c2[i]
             ym[i] = acc + g3 * c3[i]
-
-
-@nb.njit(**_jit)
-def _stats_tile(x, q, mx):
-    """Lane by lane, row after row: ``q += v * v`` (rounded product, then sum) and max |v| (NaN skipped).
-
-    NaN and Inf are not counted here: either makes ``q`` non-finite, and the caller counts them
-    then (a second pass only over a tensor that holds one). The eight rows are written out so
-    that ``q`` and ``mx`` are loaded and stored once per tile (the same order of additions).
-    """
-    for i in range(BLOCK_ELEMS):
-        v0, v1, v2, v3 = x[0, i], x[1, i], x[2, i], x[3, i]
-        v4, v5, v6, v7 = x[4, i], x[5, i], x[6, i], x[7, i]
-        q[i] = q[i] + v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3 + v4 * v4 + v5 * v5 + v6 * v6 + v7 * v7
-        m = mx[i]
-        for a in (abs(v0), abs(v1), abs(v2), abs(v3), abs(v4), abs(v5), abs(v6), abs(v7)):
-            m = a if a > m else m
-        mx[i] = m
 
 
 @nb.njit(**_jit)
@@ -87,25 +130,25 @@ def _flush(y, y64, q, q64):
 
 
 @nb.njit(**_jit)
-def _widen_bf16(src, r0, out):
-    """Rows ``r0..r0+TILE_ROWS`` of bfloat16 bits ``src`` as float32 in ``out`` (exact)."""
+def _widen_bf16(src, r0, lane, out):
+    """Lanes ``lane..lane+STRIP`` of rows ``r0..r0+TILE_ROWS`` of bfloat16 bits ``src`` as float32 in ``out`` (exact)."""
     bits = out.view(np.uint32)
     for r in range(TILE_ROWS):
-        row = src[r0 + r]
-        dst = bits[r]
-        for i in range(BLOCK_ELEMS):
+        row = src[r0 + r, lane : lane + STRIP]
+        dst = bits[r, :STRIP]
+        for i in range(STRIP):
             dst[i] = np.uint32(row[i]) << np.uint32(16)
 
 
 @nb.njit(**_jit)
-def _widen_f16(src, r0, out):
-    """Rows ``r0..r0+TILE_ROWS`` of float16 bits ``src`` as float32 in ``out`` (exact, subnormals too)."""
+def _widen_f16(src, r0, lane, out):
+    """:func:`_widen_bf16` for float16 bits (exact, subnormals too)."""
     bits = out.view(np.uint32)
     magic = np.float32(2.0**-14)
     for r in range(TILE_ROWS):
-        row = src[r0 + r]
-        dst = bits[r]
-        for i in range(BLOCK_ELEMS):
+        row = src[r0 + r, lane : lane + STRIP]
+        dst = bits[r, :STRIP]
+        for i in range(STRIP):
             h = np.uint32(row[i])
             e = h & np.uint32(0x7C00)
             u = ((h & np.uint32(0x7FFF)) << np.uint32(13)) + np.uint32(112 << 23)
@@ -114,12 +157,12 @@ def _widen_f16(src, r0, out):
             # zero/subnormal: 2^-14 (1 + m / 1024)
             u = u + np.uint32(1 << 23) if e == np.uint32(0) else u
             dst[i] = u
-        values = out[r]
-        for i in range(BLOCK_ELEMS):
+        values = out[r, :STRIP]
+        for i in range(STRIP):
             if row[i] & np.uint16(0x7C00) == np.uint16(0):
                 # = m * 2^-24, exact
                 values[i] = values[i] - magic
-        for i in range(BLOCK_ELEMS):
+        for i in range(STRIP):
             dst[i] |= (np.uint32(row[i]) & np.uint32(0x8000)) << np.uint32(16)
 
 
@@ -151,33 +194,39 @@ def _digest_until(words, blocks_done, last_block, a, b, c, c2, lanes):
 
 
 @nb.njit(**_jit)
-def _after_tile(row, y, y64, q, q64):
-    if (row + TILE_ROWS) % GROUP_ROWS == 0:
-        _flush(y, y64, q, q64)
-
-
-@nb.njit(**_jit)
 def run_direct(
     values, words, num_blocks, blocks_per_tile, row_base, a, b, c, c2, beta, y, y64, q, q64, mx, lanes, pairs
 ):
     """Digest, sketch and stats of float32 or float64 ``values`` (whole tiles), into the state arrays.
 
+    One read of memory: strip by strip, the strip's digest words, row pairs, stats and sketch.
+
     Args:
         values: ``(rows, BLOCK_ELEMS)``, ``rows`` a multiple of ``TILE_ROWS``.
-        words: the same bytes as ``uint32``, whole digest blocks; ``num_blocks`` of them are digested.
+        words: the same bytes as ``int32``; the first ``num_blocks`` digest blocks are digested.
         blocks_per_tile: digest blocks per tile of rows.
         row_base: the global row of ``values[0]`` (group flushes are global).
         c, c2: block weights from this call's first block; ``beta``: signs from its first row.
-        y, y64, q, q64, mx: accumulators; ``lanes``: ``(2,)`` uint64 lane totals.
+        y, y64, q, q64, mx: accumulators; ``lanes``: ``(2,)`` uint64 lane totals; ``pairs``:
+            ``(TILE_ROWS, >= STRIP)`` scratch of the accumulators' dtype.
     """
-    done = 0
+    element = values.itemsize
+    # (blocks_per_tile,) the tile's block sums s_j, t_j, strip by strip
+    s_sums = np.zeros(blocks_per_tile, dtype=np.int32)
+    t_sums = np.zeros(blocks_per_tile, dtype=np.int32)
     for r0 in range(0, values.shape[0], TILE_ROWS):
-        done = _digest_until(words, done, min(num_blocks, (r0 // TILE_ROWS + 1) * blocks_per_tile), a, b, c, c2, lanes)
+        first_block = r0 // TILE_ROWS * blocks_per_tile
+        tile_blocks = min(blocks_per_tile, num_blocks - first_block)
         x = values[r0 : r0 + TILE_ROWS]
-        _sketch_tile(x, beta[r0 : r0 + TILE_ROWS], y, pairs)
-        _stats_tile(x, q, mx)
-        _after_tile(row_base + r0, y, y64, q, q64)
-    _digest_until(words, done, num_blocks, a, b, c, c2, lanes)
+        signs = beta[r0 : r0 + TILE_ROWS]
+        for lane in range(0, BLOCK_ELEMS, STRIP):
+            if tile_blocks > 0:
+                _digest_strip(words, r0, lane, element, first_block, tile_blocks, a, b, s_sums, t_sums)
+            _pairs_and_stats(x, lane, q, mx, lane, pairs)
+            _sketch_strip(signs, y, lane, pairs)
+        _tile_lanes(first_block, tile_blocks, s_sums, t_sums, c, c2, lanes)
+        if (row_base + r0 + TILE_ROWS) % GROUP_ROWS == 0:
+            _flush(y, y64, q, q64)
 
 
 @nb.njit(**_jit)
@@ -202,18 +251,25 @@ def run_widened(
     lanes,
     pairs,
 ):
-    """:func:`run_direct` for 16-bit ``values`` (uint16 bits), widened tile by tile into float32 ``tile``."""
-    done = 0
+    """:func:`run_direct` for 16-bit ``values`` (uint16 bits), widened strip by strip into float32 ``tile``."""
+    s_sums = np.zeros(blocks_per_tile, dtype=np.int32)
+    t_sums = np.zeros(blocks_per_tile, dtype=np.int32)
     for r0 in range(0, values.shape[0], TILE_ROWS):
-        done = _digest_until(words, done, min(num_blocks, (r0 // TILE_ROWS + 1) * blocks_per_tile), a, b, c, c2, lanes)
-        if is_f16:
-            _widen_f16(values, r0, tile)
-        else:
-            _widen_bf16(values, r0, tile)
-        _sketch_tile(tile, beta[r0 : r0 + TILE_ROWS], y, pairs)
-        _stats_tile(tile, q, mx)
-        _after_tile(row_base + r0, y, y64, q, q64)
-    _digest_until(words, done, num_blocks, a, b, c, c2, lanes)
+        first_block = r0 // TILE_ROWS * blocks_per_tile
+        tile_blocks = min(blocks_per_tile, num_blocks - first_block)
+        signs = beta[r0 : r0 + TILE_ROWS]
+        for lane in range(0, BLOCK_ELEMS, STRIP):
+            if tile_blocks > 0:
+                _digest_strip(words, r0, lane, 2, first_block, tile_blocks, a, b, s_sums, t_sums)
+            if is_f16:
+                _widen_f16(values, r0, lane, tile)
+            else:
+                _widen_bf16(values, r0, lane, tile)
+            _pairs_and_stats(tile, 0, q, mx, lane, pairs)
+            _sketch_strip(signs, y, lane, pairs)
+        _tile_lanes(first_block, tile_blocks, s_sums, t_sums, c, c2, lanes)
+        if (row_base + r0 + TILE_ROWS) % GROUP_ROWS == 0:
+            _flush(y, y64, q, q64)
 
 
 @nb.njit(**_jit)

@@ -17,7 +17,9 @@ padded with zero rows), groups of ``GROUP_ROWS`` rows. Lane by lane, ``Y[m, i] +
 and ``q[i] += x * x`` row after row; the single-precision accumulators are added into float64 ones
 at the end of each group (so no single-precision sum has more than ``GROUP_ROWS`` terms, as the
 tolerance model assumes). Then ``S_m = sum_i alpha_m[i] * Y64[m, i]`` and ``sum_i q64[i]`` in
-order. A tile (8-64 KiB) is digested and sketched while it sits in cache: one read of memory.
+order. A tile is worked through in strips of ``STRIP`` lanes (``_numba_fingerprint``): each
+strip's words are digested, paired, squared and projected while they sit in L1, so the tensor is
+read from memory once and each lane still sees the operations above in the order stated.
 """
 
 from __future__ import annotations
