@@ -63,12 +63,13 @@ from sdc_forensics.cli.output import emit_json, err
 )
 @click.option(
     "--parallel",
-    type=click.Choice(["ddp", "fsdp", "hsdp", "tp"]),
+    type=click.Choice(["ddp", "fsdp", "hsdp", "tp", "pp"]),
     default="ddp",
     show_default=True,
     help="How the 4 processes split the model: DDP replicas, FSDP2 shards (fully_shard), HSDP (2 replicas "
-    "x 2 shards), or tensor parallel 2 x FSDP2 2 (a transformer, sequence parallel). Sharded locations: local-gradient, reduce-scatter-output, all-reduce-output (hsdp), all-gather-output, weights, "
-    "update, input; with tp also tp-collective (a flip of a TP rank's row-parallel reduce-scatter output in the forward).",
+    "x 2 shards), tensor parallel 2 x FSDP2 2 (a transformer, sequence parallel), or pipeline parallel 2 x FSDP2 2 "
+    "(a transformer in 2 stages, Schedule1F1B, 4 microbatches). Sharded locations: local-gradient, reduce-scatter-output, "
+    "all-reduce-output (hsdp), all-gather-output, weights, update, input (not tp, pp: their input is token ids); with tp also tp-collective (a flip of a TP rank's row-parallel reduce-scatter output in the forward).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the ground truth as JSON on stdout.")
 @stdout_is_data
@@ -84,7 +85,7 @@ def demo_cmd(
     parallel: str,
     as_json: bool,
 ) -> None:
-    """Run a 4-process DDP (or FSDP2, HSDP) job on CPU with an injected fault, recorded for bisect."""
+    """Run a 4-process DDP (or FSDP2, HSDP, TP, PP) job on CPU with an injected fault, recorded for bisect."""
     from sdc_forensics.demo.run import RECIPE_REFERENCE, DemoConfig, default_injection, run_config
     from sdc_forensics.errors import UsageError
     from sdc_forensics.inject import parse_specs
@@ -126,7 +127,8 @@ def _sharded_demo(
     threads: str | None,
     as_json: bool,
 ) -> None:
-    """``--parallel fsdp|hsdp|tp``: the sharded job (``demo/sharded.py``, ``demo/tp.py``), then what to run next."""
+    """``--parallel fsdp|hsdp|tp|pp``: the sharded job (``demo/sharded.py``, ``demo/tp.py``, ``demo/pp.py``),
+    then what to run next."""
     from sdc_forensics.demo import sharded
     from sdc_forensics.errors import UsageError
     from sdc_forensics.inject import FSDP_LOCATIONS, LOCATIONS, TP_LOCATIONS, parse_spec
@@ -150,11 +152,16 @@ def _sharded_demo(
                 f"fault spec {text!r}: {spec.location} is a DDP location; a sharded job's are "
                 f"{', '.join(FSDP_LOCATIONS)}, weights, update, input"
             )
+        if spec.location == "input" and parallel in ("tp", "pp"):
+            raise UsageError(
+                f"fault spec {text!r}: the {parallel} demo's input is token ids (integers), which the input drill "
+                "cannot flip; use local-gradient, reduce-scatter-output, all-gather-output, weights or update"
+            )
         if not 0 <= spec.step < steps or not 0 <= spec.rank < 4:
             raise UsageError(f"fault spec {text!r}: step must be in 0..{steps - 1} and rank in 0..3")
     err.print(
         f"[bold]sdc-forensics demo[/]: 4 processes on CPU, {parallel.upper()} "
-        f"({ {'fsdp': 'mesh 4', 'hsdp': 'mesh 2 replicas x 2 shards', 'tp': 'mesh 2 dp x 2 tp'}[parallel] }), {steps} steps, "
+        f"({ {'fsdp': 'mesh 4', 'hsdp': 'mesh 2 replicas x 2 shards', 'tp': 'mesh 2 dp x 2 tp', 'pp': 'mesh 2 pp x 2 dp'}[parallel] }), {steps} steps, "
         f"DCP checkpoints every "
         f"{checkpoint_every}; fault: {', '.join(texts) or 'none'}"
     )
@@ -162,6 +169,10 @@ def _sharded_demo(
         from sdc_forensics.demo import tp
 
         found = tp.run_demo(out_dir, tuple(texts), steps=steps, checkpoint_every=checkpoint_every, policy=policy)
+    elif parallel == "pp":
+        from sdc_forensics.demo import pp
+
+        found = pp.run_demo(out_dir, tuple(texts), steps=steps, checkpoint_every=checkpoint_every, policy=policy)
     else:
         found = sharded.run_demo(
             out_dir, parallel, tuple(texts), steps=steps, checkpoint_every=checkpoint_every, policy=policy
