@@ -55,6 +55,9 @@ FSDP_LOCATIONS = ("local-gradient", "reduce-scatter-output", "all-reduce-output"
 #: Where the TP demo's drill flips (``demo/tp.py``, not a recorder's): this rank's output of the
 #: row-parallel MLP's reduce-scatter (sequence parallel) in the forward pass.
 TP_LOCATIONS = ("tp-collective",)
+#: Where the PP demo's drill flips (``demo/pp.py``): the activation a stage hands to the next, as a
+#: faulty transfer would deliver it (this rank's output of its last block, in the forward).
+PP_LOCATIONS = ("pp-activation",)
 #: every location some recorder knows (a tool that reads specs of DDP and sharded runs alike)
 ALL_LOCATIONS = LOCATIONS + FSDP_LOCATIONS
 _SYNTAX = "LOCATION:step=S:rank=R:bit=B[:element=I]"
@@ -80,7 +83,7 @@ class FaultSpec:
     element: int | None = None
 
     def __post_init__(self) -> None:
-        if self.location not in LOCATIONS + FSDP_LOCATIONS + TP_LOCATIONS:
+        if self.location not in LOCATIONS + FSDP_LOCATIONS + TP_LOCATIONS + PP_LOCATIONS:
             raise UsageError(
                 f"unknown fault location {self.location!r}; use one of {', '.join(LOCATIONS + FSDP_LOCATIONS)}"
             )

@@ -69,7 +69,8 @@ from sdc_forensics.cli.output import emit_json, err
     help="How the 4 processes split the model: DDP replicas, FSDP2 shards (fully_shard), HSDP (2 replicas "
     "x 2 shards), tensor parallel 2 x FSDP2 2 (a transformer, sequence parallel), or pipeline parallel 2 x FSDP2 2 "
     "(a transformer in 2 stages, Schedule1F1B, 4 microbatches). Sharded locations: local-gradient, reduce-scatter-output, "
-    "all-reduce-output (hsdp), all-gather-output, weights, update, input (not tp, pp: their input is token ids); with tp also tp-collective (a flip of a TP rank's row-parallel reduce-scatter output in the forward).",
+    "all-reduce-output (hsdp), all-gather-output, weights, update, input (not tp, pp: their input is token ids); with pp also "
+    "pp-activation (a flip of the activation a stage hands to the next, ranks 0 and 1); with tp also tp-collective (a flip of a TP rank's row-parallel reduce-scatter output in the forward).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the ground truth as JSON on stdout.")
 @stdout_is_data
@@ -131,7 +132,7 @@ def _sharded_demo(
     then what to run next."""
     from sdc_forensics.demo import sharded
     from sdc_forensics.errors import UsageError
-    from sdc_forensics.inject import FSDP_LOCATIONS, LOCATIONS, TP_LOCATIONS, parse_spec
+    from sdc_forensics.inject import FSDP_LOCATIONS, LOCATIONS, PP_LOCATIONS, TP_LOCATIONS, parse_spec
 
     refused = [flag for flag, given in (("--recipe", recipe), ("--threads", threads), ("--json", as_json)) if given]
     if refused:
@@ -146,7 +147,8 @@ def _sharded_demo(
     # every spec checked before anything runs
     for text in texts:
         # tp-collective: the TP demo's own drill (demo/tp.py), a flip inside a TP collective
-        spec = parse_spec(text, LOCATIONS + FSDP_LOCATIONS + (TP_LOCATIONS if parallel == "tp" else ()))
+        own = {"tp": TP_LOCATIONS, "pp": PP_LOCATIONS}.get(parallel, ())
+        spec = parse_spec(text, LOCATIONS + FSDP_LOCATIONS + own)
         if spec.location in ("grad", "allreduce", "allreduce-all", "checkpoint-file"):
             raise UsageError(
                 f"fault spec {text!r}: {spec.location} is a DDP location; a sharded job's are "
@@ -156,6 +158,10 @@ def _sharded_demo(
             raise UsageError(
                 f"fault spec {text!r}: the {parallel} demo's input is token ids (integers), which the input drill "
                 "cannot flip; use local-gradient, reduce-scatter-output, all-gather-output, weights or update"
+            )
+        if spec.location == "pp-activation" and spec.rank >= 2:
+            raise UsageError(
+                f"fault spec {text!r}: ranks 2 and 3 run the last stage, which hands no activation on: use rank 0 or 1"
             )
         if not 0 <= spec.step < steps or not 0 <= spec.rank < 4:
             raise UsageError(f"fault spec {text!r}: step must be in 0..{steps - 1} and rank in 0..3")

@@ -10,6 +10,12 @@ then the stage), and a schedule (``Schedule1F1B`` by default, ``ScheduleGPipe``)
 (the schedule's default). The ranks of one DP coordinate read the same microbatches.
 ``sdc-forensics demo --parallel pp`` runs it; the tests run it with faults.
 
+Besides the recorder's drills, the demo has one of its own, ``pp-activation:step=S:rank=R:bit=B
+[:element=I]``: a bit of the activation that rank R (a stage before the last) hands to the next
+stage flipped in the forward of step S (its first microbatch), as a faulty transfer would deliver
+it (``tp.CollectiveDrill``, a forward hook on the stage's last block: the stage's own backward is
+unchanged, as the sender's would be).
+
 ``recipe`` replays it on one process: the whole model (same names and order), the DCP checkpoint
 loaded into it whole (``sharded.load_dcp``), each rank's microbatches recomputed through it in
 order. The pipeline hands activations between stages as they are (a copy, no arithmetic), so the
@@ -28,7 +34,8 @@ import torch
 from torch import nn
 
 from sdc_forensics.demo.sharded import dcp_state, launch, load_dcp
-from sdc_forensics.demo.tp import Attention
+from sdc_forensics.errors import UsageError
+from sdc_forensics.demo.tp import Attention, CollectiveDrill, split_collective_specs
 
 VOCAB, DIM, CONTEXT, MICROBATCH, BLOCKS = 40, 16, 8, 2, 4
 PP, DP, MICROBATCHES = 2, 2, 4
@@ -159,6 +166,15 @@ def train(
     mesh = init_device_mesh("cpu", (PP, world // PP), mesh_dim_names=("pp", "dp"))
     pp, dp = mesh.get_coordinate()
     part = stage_module(build_model(seed), pp)
+    from sdc_forensics.inject import PP_LOCATIONS
+
+    inject, drill_specs = split_collective_specs(tuple(inject), PP_LOCATIONS)
+    drill = CollectiveDrill(drill_specs, rank)
+    if drill.specs:
+        if pp == PP - 1:
+            raise UsageError(f"pp-activation on rank {rank}: the last stage hands no activation on")
+        # the stage's last block: what it sends to the next stage
+        list(part.layers.values())[-1].register_forward_hook(drill)
     for block in part.layers.values():
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(part, mesh=mesh["dp"])
@@ -174,6 +190,7 @@ def train(
             if step % checkpoint_every == 0:
                 rec.checkpoint(step, Path(checkpoint_dir) / f"step-{step:08d}", dcp_state(part, optimizer))
             ids = microbatch_ids(step, dp)
+            drill.step = step
             try:
                 with rec.step(step, microbatch_ids=ids) as h:
                     batches = [h.input(microbatch(i, seed=seed)) for i in ids]
@@ -195,7 +212,7 @@ def train(
                 break
         alarms += [{"step": a.step, "rank": a.rank, "check": a.check} for a in rec.alarms if a.check]
     dist.barrier()
-    return {"alarms": alarms}
+    return {"alarms": alarms, "fired": drill.fired}
 
 
 def run_demo(

@@ -110,12 +110,14 @@ class CollectiveDrill:
         return output
 
 
-def split_collective_specs(inject: tuple[str, ...]):
-    """``(the recorder's specs, the tp-collective ones parsed)`` of a demo's ``--inject`` texts."""
+def split_collective_specs(inject: tuple[str, ...], locations: tuple[str, ...] | None = None):
+    """``(the recorder's specs, the demo's own ones parsed)`` of a demo's ``--inject`` texts: those at
+    ``locations`` (default: ``tp-collective``)."""
     from sdc_forensics.inject import TP_LOCATIONS, parse_spec
 
-    ours = [t for t in inject if t.strip().lower().split(":")[0] in TP_LOCATIONS]
-    return tuple(t for t in inject if t not in ours), [parse_spec(t, TP_LOCATIONS) for t in ours]
+    locations = locations or TP_LOCATIONS
+    ours = [t for t in inject if t.strip().lower().split(":")[0] in locations]
+    return tuple(t for t in inject if t not in ours), [parse_spec(t, locations) for t in ours]
 
 
 def build_model(seed: int = 0) -> TinyLM:

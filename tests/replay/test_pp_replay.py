@@ -64,8 +64,11 @@ def traces(tmp_path_factory) -> dict[str, Path]:
     todo = [("clean-1f1b", {}), ("clean-gpipe", {"schedule": "gpipe"})]
     todo += [(name, {"inject": [spec]}) for name, (spec, *_) in FAULTS.items()]
     todo += [("all-gather", {"inject": ["all-gather-output:step=4:rank=2:bit=30"]})]
-    gloo_job(_jobs, WORLD, root / "results", str(root), todo)
-    return {name: root / name for name, _ in todo}
+    todo += [("activation", {"inject": ["pp-activation:step=4:rank=1:bit=20"]})]
+    found = gloo_job(_jobs, WORLD, root / "results", str(root), todo)
+    paths = {name: root / name for name, _ in todo}
+    # what each rank's train returned, per run
+    return {**paths, "results": {name: [r[name] for r in found] for name, _ in todo}}
 
 
 def _run(job: Path, command: str, *extra: str) -> tuple[int, dict]:
@@ -130,3 +133,15 @@ def test_a_fault_in_one_stage_forward_names_the_stages_of_its_pipeline_only(trac
     assert rc == 1 and doc["verdict"] == "corruption" and doc["first_divergent_step"] == 4, doc
     suspects = {s["rank"] for s in doc["suspects"]}
     assert 2 in suspects and suspects <= {0, 2}, doc["suspects"]
+
+
+def test_a_corrupted_activation_between_stages_is_found_by_the_replay_alone(traces):
+    # rank 1 (pp=0, dp=1) hands stage 1 a wrong activation in step 4's first microbatch: no online check
+    # can see it (every gradient is computed consistently from it); the replay names the pipeline of dp=1
+    assert not any(r["alarms"] for r in traces["results"]["activation"]), traces["results"]["activation"]
+    assert any(r["fired"] for r in traces["results"]["activation"])
+    rc, doc = _run(traces["activation"], "bisect")
+    assert rc == 1 and doc["verdict"] == "corruption" and doc["first_divergent_step"] == 4, doc
+    suspects = {s["rank"] for s in doc["suspects"]}
+    assert 3 in suspects and suspects <= {1, 3}, doc["suspects"]
+    assert [c["status"] == "clean" for c in doc["checkpoints"]] == [c["step"] <= 4 for c in doc["checkpoints"]]
