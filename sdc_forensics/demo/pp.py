@@ -110,9 +110,9 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def microbatch_ids(step: int, dp: int) -> list[int]:
-    """The microbatches the ranks of DP coordinate ``dp`` train on at ``step``, in schedule order."""
-    first = (step * DP + dp) * MICROBATCHES
+def microbatch_ids(step: int, dp: int, dp_size: int = DP) -> list[int]:
+    """The microbatches the ranks of DP coordinate ``dp`` (of ``dp_size``) train on at ``step``, in schedule order."""
+    first = (step * dp_size + dp) * MICROBATCHES
     return list(range(first, first + MICROBATCHES))
 
 
@@ -152,8 +152,9 @@ def train(
     policy: str = "continue",
     seed: int = 0,
     schedule: str = "1f1b",
+    reduction: str = "native",
 ) -> dict:
-    """One rank of the PP x DP job, recorded; every rank calls it in an initialised process group.
+    """One rank of the PP x DP job (``world // PP`` data-parallel ranks), recorded; every rank calls it in an initialised process group.
     Checkpoints (DCP directories) at step 0 and every ``checkpoint_every``. Returns the alarms."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -182,14 +183,14 @@ def train(
     kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
     pipeline = kind(stage, MICROBATCHES, loss_fn=loss_fn)
     optimizer = make_optimizer(part)
-    options = RecorderOptions(policy=policy)
+    options = RecorderOptions(policy=policy, reduction=reduction)
     recorded = {"recipe": REFERENCE} if not seed else {"recipe": SEEDED_REFERENCE, "recipe_args": {"seed": seed}}
     alarms: list = []
     with Recorder(trace_dir, pipeline, optimizer, options=options, inject=inject, **recorded) as rec:
         for step in range(steps):
             if step % checkpoint_every == 0:
                 rec.checkpoint(step, Path(checkpoint_dir) / f"step-{step:08d}", dcp_state(part, optimizer))
-            ids = microbatch_ids(step, dp)
+            ids = microbatch_ids(step, dp, world // PP)
             drill.step = step
             try:
                 with rec.step(step, microbatch_ids=ids) as h:

@@ -145,3 +145,20 @@ def test_a_corrupted_activation_between_stages_is_found_by_the_replay_alone(trac
     suspects = {s["rank"] for s in doc["suspects"]}
     assert 3 in suspects and suspects <= {1, 3}, doc["suspects"]
     assert [c["status"] == "clean" for c in doc["checkpoints"]] == [c["step"] <= 4 for c in doc["checkpoints"]]
+
+
+def _three_replicas(rank: int, root: str, reduction: str) -> dict:
+    from sdc_forensics.demo.pp import train
+
+    return train(rank, 6, f"{root}/trace", f"{root}/ckpt", steps=6, checkpoint_every=3, reduction=reduction)
+
+
+@pytest.mark.parametrize("reduction", ["native", "ordered"])
+def test_three_data_parallel_ranks_per_stage_certify_in_gloo_order_and_the_ordered_one(tmp_path, reduction):
+    # PP 2 x DP 3 (6 processes): a three-term sum is not order-free, so the replay must rebuild gloo's own
+    # reduce-scatter (its ring over each stage's 3 ranks) or the ordered reduction, over the whole model's groups
+    gloo_job(_three_replicas, 6, tmp_path / "results", str(tmp_path), reduction)
+    rc, doc = _run(tmp_path, "certify")
+    assert rc == 0 and doc["verdict"] == "clean", doc
+    assert all(not c["tolerant"] and not c["lacking_replay"] for c in doc["coverage"]), doc["coverage"]
+    assert [c["status"] for c in doc["checkpoints"]] == ["clean", "clean"], doc["checkpoints"]
