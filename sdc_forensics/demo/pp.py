@@ -7,7 +7,9 @@ stage 0 holds the embedding and blocks 0-1, stage 1 blocks 2-3, the norm and the
 ``(pp, dp)`` mesh of 4 gloo processes; each stage is ``fully_shard``-ed over ``dp`` (each block,
 then the stage), and a schedule (``Schedule1F1B`` by default, ``ScheduleGPipe``) runs
 :data:`MICROBATCHES` microbatches per step through them, scaling the gradients by their count
-(the schedule's default). The ranks of one DP coordinate read the same microbatches.
+(the schedule's default). The ranks of one DP coordinate read the same microbatches. With
+``max_norm`` the job clips as torchtitan does, with the total norm across the stages
+(:func:`clip_pipeline`), and the recipe's ``before_step`` clips the whole model likewise.
 ``sdc-forensics demo --parallel pp`` runs it; the tests run it with faults.
 
 Besides the recorder's drills, the demo has one of its own, ``pp-activation:step=S:rank=R:bit=B
@@ -110,6 +112,22 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+def clip_pipeline(part: nn.Module, max_norm: float, pp_group) -> torch.Tensor:
+    """torchtitan's clipping of a pipeline job (``dist_utils.clip_grad_norm_`` with a ``pp`` mesh):
+    this stage's total norm over its FSDP2 gradients, ``** 2`` summed over the stages, ``** 0.5``,
+    then every gradient scaled by it; returns the total norm."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in part.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, 2.0, False, None)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    norm **= 2.0
+    dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=pp_group)
+    norm **= 1.0 / 2.0
+    torch.nn.utils.clip_grads_with_norm_(part.parameters(), max_norm, norm, None)
+    return norm
+
+
 def microbatch_ids(step: int, dp: int, dp_size: int = DP) -> list[int]:
     """The microbatches the ranks of DP coordinate ``dp`` (of ``dp_size``) train on at ``step``, in schedule order."""
     first = (step * dp_size + dp) * MICROBATCHES
@@ -121,10 +139,17 @@ class PpRecipe:
     """The replay recipe of :func:`train` (``sdc_forensics.recipe``'s protocol): the whole model."""
 
     seed: int = 0
+    #: the job clips (torchtitan's norm over the stages, :func:`clip_pipeline`) at this norm; 0: not
+    max_norm: float = 0.0
 
     def build(self, device: Any = "cpu"):
         model = build_model(self.seed).to(device)
         return model, make_optimizer(model), None
+
+    def before_step(self, model, optimizer) -> None:
+        # the replay computes torch's total norm as the job's stages did (replay/clipping.pipeline_total_norm)
+        if self.max_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_norm)
 
     def load_checkpoint(self, path: str, model, optimizer, scheduler) -> None:
         load_dcp(path, model, optimizer)
@@ -153,6 +178,7 @@ def train(
     seed: int = 0,
     schedule: str = "1f1b",
     reduction: str = "native",
+    max_norm: float = 0.0,
 ) -> dict:
     """One rank of the PP x DP job (``world // PP`` data-parallel ranks), recorded; every rank calls it in an initialised process group.
     Checkpoints (DCP directories) at step 0 and every ``checkpoint_every``. Returns the alarms."""
@@ -184,7 +210,9 @@ def train(
     pipeline = kind(stage, MICROBATCHES, loss_fn=loss_fn)
     optimizer = make_optimizer(part)
     options = RecorderOptions(policy=policy, reduction=reduction)
-    recorded = {"recipe": REFERENCE} if not seed else {"recipe": SEEDED_REFERENCE, "recipe_args": {"seed": seed}}
+    settings = {k: v for k, v in (("seed", seed), ("max_norm", max_norm)) if v}
+    recorded = {"recipe": REFERENCE} if not settings else {"recipe": SEEDED_REFERENCE, "recipe_args": settings}
+    norms: list = []
     alarms: list = []
     with Recorder(trace_dir, pipeline, optimizer, options=options, inject=inject, **recorded) as rec:
         for step in range(steps):
@@ -206,6 +234,8 @@ def train(
                             h.loss(loss)
                     else:
                         pipeline.step()
+                    if max_norm:
+                        norms.append(float(clip_pipeline(part, max_norm, mesh["pp"].get_group())))
                     optimizer.step()
                     optimizer.zero_grad()
             except SdcAlarm as alarm:
@@ -213,7 +243,7 @@ def train(
                 break
         alarms += [{"step": a.step, "rank": a.rank, "check": a.check} for a in rec.alarms if a.check]
     dist.barrier()
-    return {"alarms": alarms, "fired": drill.fired}
+    return {"alarms": alarms, "fired": drill.fired, "grad_norms": norms}
 
 
 def run_demo(

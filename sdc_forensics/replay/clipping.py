@@ -155,11 +155,49 @@ def resharded_total_norm(
     return DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
-def _pipeline_norm(*args, **kwargs):
-    raise RecipeError(
-        "the recipe clips the gradient of a pipeline job: each stage's norm (or torchtitan's norm over the stages) "
-        "is not replayed yet; replay a pipeline job without clipping in before_step"
-    )
+@torch.no_grad()
+def pipeline_total_norm(
+    tensors: torch.Tensor | Iterable[torch.Tensor],
+    mesh: ShardMesh,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """The total norm of a pipeline job's gradients (the whole model's, one per parameter) as
+    torchtitan computes it across the stages (``dist_utils.clip_grad_norm_`` with a ``pp`` mesh):
+    each stage's norm over its own parameters, as ``clip_grad_norm_`` on its FSDP2 DTensors over the
+    stage's data-parallel ranks (:func:`sharded_total_norm`), then ``norm ** p`` summed over the
+    stages (their all-reduce: two terms are order-free; more are added in stage order) and
+    ``** (1 / p)``; ``inf``: the stages' maximum."""
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    norm_type = float(norm_type)
+    if len(tensors) != len(mesh.stages):
+        raise RecipeError(
+            f"the recipe clips {len(tensors)} gradients of a pipeline job whose stages hold {len(mesh.stages)} "
+            "parameters: the replay reproduces clipping over every parameter of the whole model (frozen parameters "
+            "are not replayed clipped yet)"
+        )
+    stages = sorted(set(mesh.stages))
+    norms = [
+        sharded_total_norm(
+            [t for t, s in zip(tensors, mesh.stages) if s == stage], mesh.shard_size, norm_type, False, foreach
+        )
+        for stage in stages
+    ]
+    if norm_type == math.inf:
+        total = torch.stack(norms).amax()
+    else:
+        total = norms[0] ** norm_type
+        for norm in norms[1:]:
+            total = total + norm**norm_type
+        total = total ** (1.0 / norm_type)
+    if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot "
+            "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            "`error_if_nonfinite=False`"
+        )
+    return total
 
 
 @contextlib.contextmanager
@@ -173,10 +211,11 @@ def clipping_as_recorded(mesh: ShardMesh | None, resharded: bool = False) -> Ite
         return
     size = mesh.shard_size
     norm_of = resharded_total_norm if resharded else sharded_total_norm
-    if mesh.pp_dim >= 0:
-        norm_of = _pipeline_norm
 
     def total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None):
+        if mesh.pp_dim >= 0:
+            # a pipeline job: the norm across its stages, as torchtitan clips
+            return pipeline_total_norm(tensors, mesh, norm_type, error_if_nonfinite, foreach)
         return norm_of(tensors, size, norm_type, error_if_nonfinite, foreach)
 
     saved = (_clip_grad._get_total_norm, torch.nn.utils.get_total_norm)

@@ -9,7 +9,8 @@ rest, the update) is named at its step and rank, with the rank's mesh
 coordinates, the other ranks never named, and no checkpoint after it certified; a fault in one
 stage's forward (the parameters it all-gathered) reaches the other stage of its pipeline, and both
 are named, the other data-parallel coordinate's never; a recipe whose learning rate is 1 % off
-certifies nothing after checkpoint 0."""
+certifies nothing after checkpoint 0. A job that clips as torchtitan does (the total norm across
+the stages) certifies, and a recipe that clips 1 % off does not."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from sdc_forensics.cli.main import cli
@@ -65,6 +67,7 @@ def traces(tmp_path_factory) -> dict[str, Path]:
     todo += [(name, {"inject": [spec]}) for name, (spec, *_) in FAULTS.items()]
     todo += [("all-gather", {"inject": ["all-gather-output:step=4:rank=2:bit=30"]})]
     todo += [("activation", {"inject": ["pp-activation:step=4:rank=1:bit=20"]})]
+    todo += [("clipped", {"max_norm": CLIP})]
     found = gloo_job(_jobs, WORLD, root / "results", str(root), todo)
     paths = {name: root / name for name, _ in todo}
     # what each rank's train returned, per run
@@ -88,6 +91,21 @@ class RateOff(PpRecipe):
 
 
 rate_off = RateOff()
+
+#: clipping that engages on every step of the demo (its total norm is several times this)
+CLIP = 0.05
+
+
+@dataclasses.dataclass(kw_only=True)
+class ClipOff(PpRecipe):
+    """The clipped job's recipe with a subtle mistake: it clips at a threshold 1 % above the job's
+    (the trace's recipe_args still set ``max_norm``)."""
+
+    def before_step(self, model, optimizer) -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_norm * 1.01)
+
+
+clip_off = ClipOff()
 
 
 @pytest.mark.parametrize("name", ["clean-1f1b", "clean-gpipe"])
@@ -162,3 +180,14 @@ def test_three_data_parallel_ranks_per_stage_certify_in_gloo_order_and_the_order
     assert rc == 0 and doc["verdict"] == "clean", doc
     assert all(not c["tolerant"] and not c["lacking_replay"] for c in doc["coverage"]), doc["coverage"]
     assert [c["status"] for c in doc["checkpoints"]] == ["clean", "clean"], doc["checkpoints"]
+
+
+def test_a_clipped_pipeline_job_certifies_and_a_threshold_one_percent_off_does_not(traces):
+    # torchtitan's clipping: each stage's FSDP2 norm, squared, summed over the stages; engaged on every step
+    assert all(norm > CLIP for r in traces["results"]["clipped"] for norm in r["grad_norms"])
+    rc, doc = _run(traces["clipped"], "certify")
+    assert rc == 0 and doc["verdict"] == "clean", doc
+    assert [c["status"] for c in doc["checkpoints"]] == ["clean"] * len(range(0, STEPS, EVERY)), doc["checkpoints"]
+    rc, doc = _run(traces["clipped"], "certify", "--recipe", "tests.replay.test_pp_replay:clip_off")
+    assert rc != 0, doc
+    assert [c["status"] == "clean" for c in doc["checkpoints"]][1:] == [False] * (len(doc["checkpoints"]) - 1)
