@@ -63,13 +63,13 @@ from sdc_forensics.cli.output import emit_json, err
 )
 @click.option(
     "--parallel",
-    type=click.Choice(["ddp", "fsdp", "hsdp", "tp", "pp"]),
+    type=click.Choice(["ddp", "fsdp", "hsdp", "tp", "pp", "3d"]),
     default="ddp",
     show_default=True,
     help="How the 4 processes split the model: DDP replicas, FSDP2 shards (fully_shard), HSDP (2 replicas "
     "x 2 shards), tensor parallel 2 x FSDP2 2 (a transformer, sequence parallel), or pipeline parallel 2 x FSDP2 2 "
-    "(a transformer in 2 stages, Schedule1F1B, 4 microbatches). Sharded locations: local-gradient, reduce-scatter-output, "
-    "all-reduce-output (hsdp), all-gather-output, weights, update, input (not tp, pp: their input is token ids); with pp also "
+    "(a transformer in 2 stages, Schedule1F1B, 4 microbatches), or 3d: PP 2 x FSDP2 2 x TP 2 on 8 processes. Sharded locations: local-gradient, reduce-scatter-output, "
+    "all-reduce-output (hsdp), all-gather-output, weights, update, input (not tp, pp, 3d: their input is token ids); with pp also "
     "pp-activation (a flip of the activation a stage hands to the next, ranks 0 and 1); with tp also tp-collective (a flip of a TP rank's row-parallel reduce-scatter output in the forward).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the ground truth as JSON on stdout.")
@@ -147,27 +147,29 @@ def _sharded_demo(
     # every spec checked before anything runs
     for text in texts:
         # tp-collective: the TP demo's own drill (demo/tp.py), a flip inside a TP collective
-        own = {"tp": TP_LOCATIONS, "pp": PP_LOCATIONS}.get(parallel, ())
+        own = {"tp": TP_LOCATIONS, "pp": PP_LOCATIONS, "3d": PP_LOCATIONS}.get(parallel, ())
+        world = 8 if parallel == "3d" else 4
         spec = parse_spec(text, LOCATIONS + FSDP_LOCATIONS + own)
         if spec.location in ("grad", "allreduce", "allreduce-all", "checkpoint-file"):
             raise UsageError(
                 f"fault spec {text!r}: {spec.location} is a DDP location; a sharded job's are "
                 f"{', '.join(FSDP_LOCATIONS)}, weights, update, input"
             )
-        if spec.location == "input" and parallel in ("tp", "pp"):
+        if spec.location == "input" and parallel in ("tp", "pp", "3d"):
             raise UsageError(
                 f"fault spec {text!r}: the {parallel} demo's input is token ids (integers), which the input drill "
                 "cannot flip; use local-gradient, reduce-scatter-output, all-gather-output, weights or update"
             )
-        if spec.location == "pp-activation" and spec.rank >= 2:
+        if spec.location == "pp-activation" and spec.rank >= world // 2:
             raise UsageError(
-                f"fault spec {text!r}: ranks 2 and 3 run the last stage, which hands no activation on: use rank 0 or 1"
+                f"fault spec {text!r}: ranks {world // 2} to {world - 1} run the last stage, which hands no activation "
+                f"on: use a rank below {world // 2}"
             )
-        if not 0 <= spec.step < steps or not 0 <= spec.rank < 4:
-            raise UsageError(f"fault spec {text!r}: step must be in 0..{steps - 1} and rank in 0..3")
+        if not 0 <= spec.step < steps or not 0 <= spec.rank < world:
+            raise UsageError(f"fault spec {text!r}: step must be in 0..{steps - 1} and rank in 0..{world - 1}")
     err.print(
-        f"[bold]sdc-forensics demo[/]: 4 processes on CPU, {parallel.upper()} "
-        f"({ {'fsdp': 'mesh 4', 'hsdp': 'mesh 2 replicas x 2 shards', 'tp': 'mesh 2 dp x 2 tp', 'pp': 'mesh 2 pp x 2 dp'}[parallel] }), {steps} steps, "
+        f"[bold]sdc-forensics demo[/]: {8 if parallel == '3d' else 4} processes on CPU, {parallel.upper()} "
+        f"({ {'fsdp': 'mesh 4', 'hsdp': 'mesh 2 replicas x 2 shards', 'tp': 'mesh 2 dp x 2 tp', 'pp': 'mesh 2 pp x 2 dp', '3d': 'mesh 2 pp x 2 dp x 2 tp'}[parallel] }), {steps} steps, "
         f"DCP checkpoints every "
         f"{checkpoint_every}; fault: {', '.join(texts) or 'none'}"
     )
@@ -175,10 +177,17 @@ def _sharded_demo(
         from sdc_forensics.demo import tp
 
         found = tp.run_demo(out_dir, tuple(texts), steps=steps, checkpoint_every=checkpoint_every, policy=policy)
-    elif parallel == "pp":
+    elif parallel in ("pp", "3d"):
         from sdc_forensics.demo import pp
 
-        found = pp.run_demo(out_dir, tuple(texts), steps=steps, checkpoint_every=checkpoint_every, policy=policy)
+        found = pp.run_demo(
+            out_dir,
+            tuple(texts),
+            steps=steps,
+            checkpoint_every=checkpoint_every,
+            policy=policy,
+            tp=2 if parallel == "3d" else 1,
+        )
     else:
         found = sharded.run_demo(
             out_dir, parallel, tuple(texts), steps=steps, checkpoint_every=checkpoint_every, policy=policy
@@ -193,7 +202,7 @@ def _sharded_demo(
             "online checks: nothing fired (a finite local-gradient flip is summed consistently: only a replay sees it)"
         )
     err.print(f"trace: {out_dir / 'trace'}   checkpoints: {out_dir / 'checkpoints'}")
-    if parallel == "tp":
+    if parallel in ("tp", "3d"):
         # the one-process replay of a TP job is tolerant (it certifies nothing); the TP processes' replay is exact
         err.print(
             f"next: torchrun --standalone --nproc-per-node 2 -m sdc_forensics bisect {out_dir / 'trace'}   "

@@ -97,6 +97,43 @@ def stage_module(model: PipelinedLM, stage: int, stages: int = PP) -> PipelinedL
     return part
 
 
+def tensor_parallel(model: PipelinedLM, tp_mesh) -> PipelinedLM:
+    """The 3-D job's TP plan (with sequence parallel) on a 1-D ``tp`` mesh, for whatever part of the
+    model ``model`` holds (a stage, or the whole model in the exact replay): the TP demo's plan
+    (``demo/tp.py``) for each block; the blocks hand each other, and the stages each other, their
+    local sequence shards."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    plan: dict = {}
+    if model.embed is not None:
+        plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    for key in model.layers.keys():
+        block = f"layers.{key}"
+        plan |= {
+            f"{block}.norm1": SequenceParallel(),
+            f"{block}.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            f"{block}.attn.q": ColwiseParallel(),
+            f"{block}.attn.k": ColwiseParallel(),
+            f"{block}.attn.v": ColwiseParallel(),
+            f"{block}.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+            f"{block}.norm2": SequenceParallel(),
+            f"{block}.up": ColwiseParallel(input_layouts=Shard(1)),
+            f"{block}.down": RowwiseParallel(output_layouts=Shard(1)),
+        }
+    if model.head is not None:
+        plan["norm"] = SequenceParallel()
+        plan["head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    parallelize_module(model, tp_mesh, plan)
+    return model
+
+
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
 
@@ -139,17 +176,15 @@ class PpRecipe:
     """The replay recipe of :func:`train` (``sdc_forensics.recipe``'s protocol): the whole model."""
 
     seed: int = 0
-    #: the job clips (torchtitan's norm over the stages, :func:`clip_pipeline`) at this norm; 0: not
-    max_norm: float = 0.0
 
     def build(self, device: Any = "cpu"):
         model = build_model(self.seed).to(device)
         return model, make_optimizer(model), None
 
-    def before_step(self, model, optimizer) -> None:
-        # the replay computes torch's total norm as the job's stages did (replay/clipping.pipeline_total_norm)
-        if self.max_norm:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_norm)
+    def parallelize(self, model, tp_mesh):
+        """The exact replay of the 3-D job (``replay/tp_exact.py``): its TP plan on the whole model."""
+        return tensor_parallel(model, tp_mesh)
+
 
     def load_checkpoint(self, path: str, model, optimizer, scheduler) -> None:
         load_dcp(path, model, optimizer)
@@ -163,6 +198,17 @@ class PpRecipe:
 
 
 recipe = PpRecipe()
+
+
+@dataclasses.dataclass(kw_only=True)
+class ClippedPpRecipe(PpRecipe):
+    """The recipe of the job that clips (``max_norm``: torchtitan's norm over the stages, :func:`clip_pipeline`)."""
+
+    max_norm: float
+
+    def before_step(self, model, optimizer) -> None:
+        # the replay computes torch's total norm as the job's stages did (replay/clipping.pipeline_total_norm)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_norm)
 
 
 def train(
@@ -179,6 +225,7 @@ def train(
     schedule: str = "1f1b",
     reduction: str = "native",
     max_norm: float = 0.0,
+    tp: int = 1,
 ) -> dict:
     """One rank of the PP x DP job (``world // PP`` data-parallel ranks), recorded; every rank calls it in an initialised process group.
     Checkpoints (DCP directories) at step 0 and every ``checkpoint_every``. Returns the alarms."""
@@ -190,9 +237,15 @@ def train(
     from sdc_forensics.errors import SdcAlarm
     from sdc_forensics.recorder import Recorder, RecorderOptions
 
-    mesh = init_device_mesh("cpu", (PP, world // PP), mesh_dim_names=("pp", "dp"))
-    pp, dp = mesh.get_coordinate()
+    if tp > 1:
+        # 3-D: pipeline x data x tensor parallel, torchtitan's order of dimensions
+        mesh = init_device_mesh("cpu", (PP, world // (PP * tp), tp), mesh_dim_names=("pp", "dp", "tp"))
+    else:
+        mesh = init_device_mesh("cpu", (PP, world // PP), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh.get_coordinate()[:2]
     part = stage_module(build_model(seed), pp)
+    if tp > 1:
+        tensor_parallel(part, mesh["tp"])
     from sdc_forensics.inject import PP_LOCATIONS
 
     inject, drill_specs = split_collective_specs(tuple(inject), PP_LOCATIONS)
@@ -211,14 +264,15 @@ def train(
     optimizer = make_optimizer(part)
     options = RecorderOptions(policy=policy, reduction=reduction)
     settings = {k: v for k, v in (("seed", seed), ("max_norm", max_norm)) if v}
-    recorded = {"recipe": REFERENCE} if not settings else {"recipe": SEEDED_REFERENCE, "recipe_args": settings}
+    reference = "sdc_forensics.demo.pp:ClippedPpRecipe" if max_norm else SEEDED_REFERENCE
+    recorded = {"recipe": REFERENCE} if not settings else {"recipe": reference, "recipe_args": settings}
     norms: list = []
     alarms: list = []
     with Recorder(trace_dir, pipeline, optimizer, options=options, inject=inject, **recorded) as rec:
         for step in range(steps):
             if step % checkpoint_every == 0:
                 rec.checkpoint(step, Path(checkpoint_dir) / f"step-{step:08d}", dcp_state(part, optimizer))
-            ids = microbatch_ids(step, dp, world // PP)
+            ids = microbatch_ids(step, dp, world // (PP * tp))
             drill.step = step
             try:
                 with rec.step(step, microbatch_ids=ids) as h:
@@ -255,9 +309,10 @@ def run_demo(
     policy: str = "continue",
     seed: int = 0,
     schedule: str = "1f1b",
+    tp: int = 1,
 ) -> dict:
-    """``sdc-forensics demo --parallel pp``: the job on 4 gloo processes (PP 2 x DP 2); returns rank
-    0's findings. The trace is ``OUT/trace``, checkpoint ``N`` ``OUT/checkpoints/step-N`` (8 digits)."""
+    """``sdc-forensics demo --parallel pp`` (``3d``): the job on 4 gloo processes, PP 2 x DP 2 (8:
+    PP 2 x DP 2 x TP 2 with ``tp=2``); returns rank 0's findings. The trace is ``OUT/trace``, checkpoint ``N`` ``OUT/checkpoints/step-N`` (8 digits)."""
     kwargs = {
         "steps": steps,
         "checkpoint_every": checkpoint_every,
@@ -265,5 +320,6 @@ def run_demo(
         "inject": tuple(injections),
         "seed": seed,
         "schedule": schedule,
+        "tp": tp,
     }
-    return launch(out_dir, DP * PP, kwargs, "sdc_forensics.demo.pp:train")
+    return launch(out_dir, DP * PP * tp, kwargs, "sdc_forensics.demo.pp:train")

@@ -48,12 +48,12 @@ from sdc_forensics.recorder.checkpointing import Saver
 from sdc_forensics.recorder.fsdp_layout import FsdpLayout, is_fully_sharded
 from sdc_forensics.recorder.layout import Job
 from sdc_forensics.recorder.tp_checkpoint import TpSaver
-from sdc_forensics.recorder.tp_layout import TpLayout, mesh_names
+from sdc_forensics.recorder.tp_layout import TpLayout, mesh_names, tp_mesh_of, tp_mesh_refusal
 from sdc_forensics.trace.mesh import ShardMesh
 
 #: the schedules whose backwards run each stage's microbatches in order, one stage per rank
 SCHEDULES = ("ScheduleGPipe", "Schedule1F1B")
-PP_NAMES = (("pp", "dp"), ("pp", "dp_shard"))
+PP_NAMES = (("pp", "dp"), ("pp", "dp_shard"), ("pp", "dp", "tp"), ("pp", "dp_shard", "tp"))
 
 
 def is_pipeline(obj: Any) -> bool:
@@ -99,14 +99,17 @@ def pp_mesh_refusal(params: list[torch.Tensor], world_size: int) -> str | None:
     if names not in PP_NAMES:
         return (
             f"a pipeline job on a mesh of dimensions {names or 'without names'}: the recorder records pipeline "
-            "parallelism on a 2-D mesh named (pp, dp), each stage fully_shard-ed over mesh['dp'] (tensor, context "
-            "or expert parallelism, and HSDP, with PP are not recorded yet)"
+            "parallelism on a mesh named (pp, dp) or (pp, dp, tp), each stage fully_shard-ed over mesh['dp'] "
+            "(after TP on mesh['tp']); context or expert parallelism, and HSDP, with PP are not recorded yet"
         )
     root = placed[0].device_mesh._get_root_mesh()
     if root.mesh.numel() != world_size:
         return f"the (pp, dp) mesh holds {root.mesh.numel()} ranks in a job of {world_size}: it must be the world"
     if any(p.dim() == 0 for p in params):
         return "a 0-d parameter in a pipeline stage: not recorded yet"
+    if "tp" in names:
+        # the TP layout's own checks of the placements, on the stage's (dp, tp) sub-mesh
+        return tp_mesh_refusal(params, params[0].device_mesh.mesh.numel(), pipeline=True)
     return None
 
 
@@ -148,7 +151,16 @@ class PpLayout(TpLayout):
         coords: list = [None] * job.world_size
         for index in np.ndindex(*layout.shape):
             coords[int(layout[index])] = tuple(int(i) for i in index)
-        mine = [(name, tuple(p.shape), bool(p.requires_grad)) for name, p in self.model.named_parameters()]
+        # with TP: the dimension TP cuts each of this stage's parameters on (-1: replicated)
+        cuts = (
+            tp_mesh_of(job.params, job.params[0].device_mesh.mesh.numel(), pipeline=True).tp_shards
+            if "tp" in names
+            else (-1,) * len(job.params)
+        )
+        mine = [
+            (name, tuple(p.shape), bool(p.requires_grad), cut)
+            for (name, p), cut in zip(self.model.named_parameters(), cuts)
+        ]
         trainable = {id(p): i for i, p in enumerate(self.grad_params)}
         groups = [
             [trainable[id(fp.sharded_param)] for fp in g.fsdp_params if id(fp.sharded_param) in trainable]
@@ -157,9 +169,13 @@ class PpLayout(TpLayout):
         everyone: list = [None] * job.world_size
         dist.all_gather_object(everyone, (mine, groups))
         # one rank per stage (its data-parallel coordinate 0), in stage order
-        stages = names.index("pp")
-        shard = 1 - stages
-        first = {coords[r][stages]: r for r in range(job.world_size) if coords[r][shard] == 0}
+        stages, shard = names.index("pp"), 1
+        tp = names.index("tp") if "tp" in names else -1
+        first = {
+            coords[r][stages]: r
+            for r in range(job.world_size)
+            if coords[r][shard] == 0 and (tp < 0 or coords[r][tp] == 0)
+        }
         self._stage_ranks = tuple(first[s] for s in sorted(first))
         for r in range(job.world_size):
             if everyone[r][0] != everyone[first[coords[r][stages]]][0]:
@@ -171,8 +187,8 @@ class PpLayout(TpLayout):
         index_base, grad_base = {}, {}
         for s, rank in enumerate(self._stage_ranks):
             params, stage_groups = everyone[rank]
-            index_base[s], grad_base[s] = len(whole), sum(1 for _, _, g in whole if g)
-            for name, _, _ in params:
+            index_base[s], grad_base[s] = len(whole), sum(1 for _, _, g, _ in whole if g)
+            for name, *_ in params:
                 if name in seen:
                     raise UsageError(
                         f"parameter {name!r} is held by two pipeline stages (tied across stages): not recorded yet"
@@ -184,7 +200,7 @@ class PpLayout(TpLayout):
         me = coords[job.rank][stages]
 
         def offsets(params, base_params, selected):
-            before = sum(int(np.prod(shape)) for _, shape, grad in base_params if selected(grad))
+            before = sum(int(np.prod(shape)) for _, shape, grad, _ in base_params if selected(grad))
             out, at = {}, before
             for p in params:
                 out[id(p)] = at
@@ -194,7 +210,7 @@ class PpLayout(TpLayout):
         earlier = whole[: index_base[me]]
         self._grad_offsets = offsets(self.grad_params, earlier, bool)
         self._weight_offsets = offsets(job.params, earlier, lambda grad: True)
-        self._whole_buckets = [[i for i, (_, _, grad) in enumerate(whole) if grad]]
+        self._whole_buckets = [[i for i, (_, _, grad, _) in enumerate(whole) if grad]]
         mesh = ShardMesh(
             kind="pp",
             shape=tuple(layout.shape),
@@ -205,6 +221,8 @@ class PpLayout(TpLayout):
             pp_dim=stages,
             stages=tuple(stage_of_param),
             grad_divisor=self._divisor,
+            tp_dim=tp,
+            tp_shards=tuple(cut for *_, cut in whole) if tp >= 0 else (),
         )
         return mesh, [index_base[me] + i for i in range(len(job.params))]
 

@@ -57,7 +57,7 @@ TP_NAMES = ("tp",)
 _NOT_BUILT = {
     "cp": "context parallelism",
     "ep": "expert parallelism",
-    "pp": "pipeline parallelism with tensor parallelism",
+    "pp": "pipeline parallelism",
     "dp_replicate": "HSDP with tensor parallelism",
 }
 
@@ -91,17 +91,18 @@ def is_tensor_parallel(model: Any) -> bool:
     return False
 
 
-def tp_mesh_of(params: list[torch.Tensor], world_size: int) -> ShardMesh:
+def tp_mesh_of(params: list[torch.Tensor], world_size: int, pipeline: bool = False) -> ShardMesh:
     """The ``(dp, tp)`` mesh the parameters are placed on, with every rank's coordinates and each
-    parameter's TP cut; raises ``UsageError`` (one line) for what is not recorded."""
+    parameter's TP cut; raises ``UsageError`` (one line) for what is not recorded. ``pipeline``:
+    the mesh is a pipeline stage's ``(dp, tp)`` sub-mesh (``pp_layout.py``), of ``world_size`` ranks."""
     placed = [p for p in params if hasattr(p, "device_mesh")]
     if len(placed) != len(params):
         raise UsageError("some parameters are not DTensors: fully_shard every module over the mesh's dp dimension")
     mesh = placed[0].device_mesh
     names = tuple(mesh.mesh_dim_names or ())
     # the root's dimensions too: a pipeline or context dimension the parameters' sub-mesh leaves out
-    other = [n for n in mesh_names(mesh) + names if n in _NOT_BUILT]
-    if other == ["pp"] and "tp" not in mesh_names(mesh):
+    other = [n for n in mesh_names(mesh) + names if n in _NOT_BUILT and not (pipeline and n == "pp")]
+    if "pp" in other:
         raise UsageError(
             "a pipeline stage's module (mesh dimension 'pp'): pass the pipeline schedule to the Recorder "
             "(Recorder(trace_dir, schedule, optimizer)), which holds the stage, its microbatches and their scaling"
@@ -140,8 +141,9 @@ def tp_mesh_of(params: list[torch.Tensor], world_size: int) -> ShardMesh:
             )
         cuts.append(-1 if cut is None else int(cut))
     coords: list = [None] * world_size
-    for index in np.ndindex(*layout.shape):
-        coords[int(layout[index])] = tuple(int(i) for i in index)
+    for position, index in enumerate(np.ndindex(*layout.shape)):
+        # a stage's sub-mesh holds global ranks beyond its size: its own positions then
+        coords[position if pipeline else int(layout[index])] = tuple(int(i) for i in index)
     return ShardMesh(
         kind="tp",
         shape=tuple(layout.shape),
@@ -153,10 +155,10 @@ def tp_mesh_of(params: list[torch.Tensor], world_size: int) -> ShardMesh:
     )
 
 
-def tp_mesh_refusal(params: list[torch.Tensor], world_size: int) -> str | None:
+def tp_mesh_refusal(params: list[torch.Tensor], world_size: int, pipeline: bool = False) -> str | None:
     """:func:`tp_mesh_of`'s refusal line (None where it records the mesh)."""
     try:
-        tp_mesh_of(params, world_size)
+        tp_mesh_of(params, world_size, pipeline)
     except UsageError as exc:
         return str(exc)
     return None

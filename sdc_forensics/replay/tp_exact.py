@@ -139,12 +139,13 @@ class TpExactReplayer(Replayer):
         self._offsets = _starts(self._shapes)
         self._trained = [i for i, p in enumerate(params) if p.requires_grad]
         self._grad_offsets = _starts([self._shapes[i] for i in self._trained])
-        # the recorded ranks this process plays, by DP coordinate: (dp=d, tp=me)
+        # the recorded ranks this process plays, by DP coordinate: (dp=d, tp=me), one per pipeline stage
         mesh = self.mesh
         self._mine = [
-            next(r for r in range(self.world_size) if mesh.shard_of(r) == d and mesh.tp_of(r) == self.me)
+            [r for r in range(self.world_size) if mesh.shard_of(r) == d and mesh.tp_of(r) == self.me]
             for d in range(mesh.shard_size)
         ]
+        self._played = [r for ranks in self._mine for r in ranks]
         window = self._start(options, hex64(self._weights_digest()))
         evidence = []
         notes = [
@@ -172,7 +173,8 @@ class TpExactReplayer(Replayer):
                 reduce_evidence = []
             evidence += reduce_evidence
             for i, grad in zip(self._trained, acc):
-                params[i].grad = _like(params[i], grad)
+                # a pipeline schedule divides the reduced gradient by its microbatch count (PipelineStage.scale_grads)
+                params[i].grad = _like(params[i], grad / mesh.grad_divisor if mesh.grad_divisor > 1 else grad)
             weights_evidence, departed = process_step.update_and_compare(
                 self, step, recs, model, optimizer, scheduler, tolerant, bool(step_evidence or reduce_evidence)
             )
@@ -199,9 +201,11 @@ class TpExactReplayer(Replayer):
         )
 
     # -- the local gradients, DP coordinate by DP coordinate -------------------------------------
-    def _local(self, model, record, rank: int):
-        """Recorded ``rank``'s loss, input digest, local-gradient fingerprint and TP slices (one per
-        trainable parameter), every process replaying its own rank of the same DP coordinate."""
+    def _local(self, model, record, ranks: list[int]):
+        """``{rank: its loss, input digest, local-gradient fingerprint}`` of the recorded ``ranks`` (one
+        DP coordinate's, this process's TP coordinate: one per pipeline stage, each its stage's boxes)
+        and the TP slices (one per trainable parameter), every process replaying its own TP
+        coordinate of the same DP coordinate."""
         from sdc_forensics.statedict import tensor_digests
 
         self._use_threads(int(step_threads(record)))
@@ -212,7 +216,7 @@ class TpExactReplayer(Replayer):
             loss.backward()
             total += float(loss.detach())
             batches.append(batch)
-        grads, pieces = [], []
+        grads, pieces = [], {rank: [] for rank in ranks}
         for i, offset in zip(self._trained, self._grad_offsets):
             p = self._params[i]
             if p.grad is None:
@@ -222,20 +226,25 @@ class TpExactReplayer(Replayer):
                 placed = p.grad.redistribute(placements=p.placements) if hasattr(p.grad, "placements") else p.grad
                 grad = _local(placed).detach().clone()
             grads.append(grad)
-            runs = shards.box_runs(self._shapes[i], *self.mesh.tp_box(rank, i, self._shapes[i]))
-            pieces += shards.box_pieces(grad, runs, offset=offset, k=self.k, seed=self.seed)
+            for rank in ranks:
+                runs = shards.box_runs(self._shapes[i], *self.mesh.tp_box(rank, i, self._shapes[i]))
+                pieces[rank] += shards.box_pieces(grad, runs, offset=offset, k=self.k, seed=self.seed)
         model.zero_grad(set_to_none=True)
-        fp = shards.one_bucket(pieces)
         inputs = combine_digests([d for batch in batches for d in tensor_digests(batch, self.seed)])
-        return {"loss": total, "digest": fp.digest, "input": inputs, "fp": fp}, grads
+        out = {}
+        for rank in ranks:
+            fp = shards.one_bucket(pieces[rank])
+            out[rank] = {"loss": total, "digest": fp.digest, "input": inputs, "fp": fp}
+        return out, grads
 
     def _locals(self, model, recs):
         """Every recorded rank's step (rank order, gathered) and this process's TP slices of their DP mean."""
         from sdc_forensics.reduction import ordered_mean
 
         per_dp, mine = [], {}
-        for rank in self._mine:
-            mine[rank], grads = self._local(model, recs[rank], rank)
+        for ranks in self._mine:
+            found, grads = self._local(model, recs[ranks[0]], ranks)
+            mine.update(found)
             per_dp.append(grads)
         results = {}
         for got in distributed.exchange_objects(mine):
@@ -258,9 +267,9 @@ class TpExactReplayer(Replayer):
         for r in bad:
             d = self.mesh.shard_of(r)
             mine = self._mine[d]
-            again, _ = self._local(model, recs[mine], mine)
+            again, _ = self._local(model, recs[mine[0]], mine)
             seconds = {}
-            for got in distributed.exchange_objects({mine: again["digest"]}):
+            for got in distributed.exchange_objects({rank: found["digest"] for rank, found in again.items()}):
                 seconds.update(got)
             if seconds[r] == ranks[r].digest:
                 confirmed.append(r)
@@ -283,7 +292,7 @@ class TpExactReplayer(Replayer):
         """Every recorded rank's digest of its box of ``tensors`` (this process's TP slices of the
         parameters ``indices``, placed at ``offsets``), gathered."""
         mine = {}
-        for rank in self._mine:
+        for rank in self._played:
             runs = []
             for t, i, offset in zip(tensors, indices, offsets):
                 shape = self._shapes[i]
@@ -319,9 +328,10 @@ class TpExactReplayer(Replayer):
         """The whole model's weights digest (``statedict.weights_digest``) from the TP slices: per
         parameter, the processes' pieces combined (a replicated parameter counted once, from TP 0)."""
         mine = []
-        rank = self._mine[0]
         with torch.no_grad():
             for i, p in enumerate(self._params):
+                # a rank of DP coordinate 0 and this TP coordinate whose pipeline stage holds the parameter
+                rank = next(r for r in self._mine[0] if self.mesh.holds(r, i))
                 replicated = self.mesh.tp_shards[i] < 0
                 runs = (
                     []

@@ -124,8 +124,10 @@ class ShardMesh:
             raise ValueError(f"groups must be lists of distinct parameter indices (at most {_MAX_CASTS} in all)")
         if len(self.dim_names) != len(self.shape) or not 0 <= self.shard_dim < len(self.shape):
             raise ValueError("one name per mesh dimension, and a shard dimension among them")
-        if (self.kind == "tp") != (self.tp_dim >= 0) or not -1 <= self.tp_dim < len(self.shape):
-            raise ValueError('a "tp" mesh names its tensor-parallel dimension (tp_dim), and only it does')
+        if (self.kind == "tp" and self.tp_dim < 0) or not -1 <= self.tp_dim < len(self.shape):
+            raise ValueError('a "tp" mesh names its tensor-parallel dimension (tp_dim)')
+        if self.tp_dim >= 0 and self.kind not in ("tp", "pp"):
+            raise ValueError('only a "tp" or "pp" mesh has a tensor-parallel dimension')
         if self.tp_dim == self.shard_dim or len(self.tp_shards) > _MAX_CASTS:
             raise ValueError("the tensor-parallel dimension is not the one FSDP shards on")
         if not all(isinstance(d, int) and -1 <= d < _MAX_DIMS for d in self.tp_shards):

@@ -1,7 +1,7 @@
 """Issue 36: what the pipeline layout does not record is refused in one line before anything is
 written (``recorder/pp_layout.py``): a schedule with several stages per rank, a schedule it does
 not know, a stage whose module is not ``fully_shard``-ed, a parameter two stages hold, pipeline x
-tensor parallelism, audits.
+HSDP, audits.
 2 gloo processes, a ``(pp, dp)`` mesh of 2 x 1; each case checks the line on every rank and that
 the trace directory was never created, and the plain case records."""
 
@@ -20,7 +20,6 @@ def _refusals(rank: int, root: str) -> dict[str, list]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleInterleaved1F1B
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     from sdc_forensics.errors import UsageError
     from sdc_forensics.recorder import Recorder, RecorderOptions
@@ -76,13 +75,13 @@ def _refusals(rank: int, root: str) -> dict[str, list]:
     found["not-sharded"] = attempt(
         "not-sharded", ScheduleGPipe(bare_stage, 2, loss_fn=loss_fn), list(bare.parameters())
     )
-    # pipeline x tensor parallel: a (pp, dp, tp) mesh
-    mesh3 = init_device_mesh("cpu", (WORLD, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
-    tp_part = nn.Sequential(nn.Linear(8, 8))
-    parallelize_module(tp_part, mesh3["tp"], {"0": ColwiseParallel()})
-    fully_shard(tp_part, mesh=mesh3["dp"])
-    tp_stage = PipelineStage(tp_part, rank, WORLD, torch.device("cpu"), group=mesh3["pp"].get_group())
-    found["pp-tp"] = attempt("pp-tp", ScheduleGPipe(tp_stage, 2, loss_fn=loss_fn), list(tp_part.parameters()))
+    # pipeline x HSDP: a (pp, dp_replicate, dp_shard) mesh
+    mesh3 = init_device_mesh("cpu", (WORLD, 1, 1), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+    hsdp_part = nn.Sequential()
+    hsdp_part.add_module(f"layer{rank}", nn.Linear(8, 8))
+    fully_shard(hsdp_part, mesh=mesh3["dp_replicate", "dp_shard"])
+    hsdp_stage = PipelineStage(hsdp_part, rank, WORLD, torch.device("cpu"), group=mesh3["pp"].get_group())
+    found["pp-hsdp"] = attempt("pp-hsdp", ScheduleGPipe(hsdp_stage, 2, loss_fn=loss_fn), list(hsdp_part.parameters()))
     return found
 
 
@@ -93,7 +92,7 @@ def test_what_the_pipeline_layout_does_not_record_is_refused_before_anything_is_
         "unknown": "the pipeline schedule MySchedule is not recorded; the recorder records ScheduleGPipe, Schedule1F1B",
         "interleaved": "ScheduleInterleaved1F1B runs several stages per rank: not recorded yet",
         "not-sharded": "the pipeline stage's module is not sharded by fully_shard",
-        "pp-tp": "a pipeline job on a mesh of dimensions ('pp', 'dp', 'tp')",
+        "pp-hsdp": "a pipeline job on a mesh of dimensions ('pp', 'dp_replicate', 'dp_shard')",
     }
     for rank, found in enumerate(gloo_job(_refusals, WORLD, tmp_path / "results", str(tmp_path))):
         assert found["plain"] == ["recorded", True], (rank, found["plain"])

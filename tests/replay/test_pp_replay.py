@@ -23,7 +23,7 @@ import torch
 from click.testing import CliRunner
 
 from sdc_forensics.cli.main import cli
-from sdc_forensics.demo.pp import PpRecipe
+from sdc_forensics.demo.pp import ClippedPpRecipe, PpRecipe
 
 from tests.factories import gloo_job
 
@@ -97,7 +97,7 @@ CLIP = 0.05
 
 
 @dataclasses.dataclass(kw_only=True)
-class ClipOff(PpRecipe):
+class ClipOff(ClippedPpRecipe):
     """The clipped job's recipe with a subtle mistake: it clips at a threshold 1 % above the job's
     (the trace's recipe_args still set ``max_norm``)."""
 
@@ -105,7 +105,7 @@ class ClipOff(PpRecipe):
         torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_norm * 1.01)
 
 
-clip_off = ClipOff()
+clip_off = ClipOff(max_norm=CLIP)
 
 
 @pytest.mark.parametrize("name", ["clean-1f1b", "clean-gpipe"])

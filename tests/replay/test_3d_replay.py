@@ -1,0 +1,85 @@
+"""Issue 36, the 3-D layout: PP 2 x FSDP2 DP 2 x TP 2 on 8 gloo processes (``sdc_forensics/demo/pp.py``
+with ``tp=2``: the transformer cut into two stages as torchtitan cuts it, each stage given the TP
+plan with sequence parallel on ``tp``, then ``fully_shard`` over ``dp``, 4 microbatches per step,
+AdamW). The exact replay runs the recipe's TP plan on the whole model over 2 processes
+(``torchrun --nproc-per-node 2``), each process playing every recorded rank of its TP coordinate,
+stage by stage. A clean run is certified bit for bit; a fault at the layout's locations (a low
+mantissa bit of one rank's local gradient, the reduce-scatter's output, weights at rest, the
+update) is named at its step and rank with its (pp, dp, tp) coordinates and nothing after it is
+certified."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.launch import torchrun
+from tests.factories import gloo_job
+
+# five 8-process jobs and their 2-process replays: several minutes on 2 cores
+pytestmark = pytest.mark.heavy
+
+WORLD, STEPS, EVERY = 8, 6, 3
+# name -> (spec, step, rank)
+FAULTS = {
+    "local": ("local-gradient:step=4:rank=5:bit=3", 4, 5),
+    "reduce-scatter": ("reduce-scatter-output:step=4:rank=2:bit=30", 4, 2),
+    "weights": ("weights:step=4:rank=7:bit=29", 4, 7),
+    "update": ("update:step=3:rank=1:bit=29", 3, 1),
+}
+
+
+def _jobs(rank: int, root: str, runs: list) -> dict:
+    from sdc_forensics.demo.pp import train
+
+    out = {}
+    for name, inject in runs:
+        out[name] = train(
+            rank,
+            WORLD,
+            str(Path(root, name, "trace")),
+            str(Path(root, name, "ckpt")),
+            steps=STEPS,
+            checkpoint_every=EVERY,
+            inject=tuple(inject),
+            tp=2,
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("3d")
+    todo = [("clean", [])] + [(name, [spec]) for name, (spec, *_) in FAULTS.items()]
+    gloo_job(_jobs, WORLD, root / "results", str(root), todo)
+    return {name: root / name for name, _ in todo}
+
+
+def _run(job: Path, command: str) -> tuple[int, dict]:
+    (job / "trace" / "ledger.jsonl").unlink(missing_ok=True)
+    args = ["-m", "sdc_forensics", command, str(job / "trace"), "--checkpoints", str(job / "ckpt"), "--json"]
+    rc, out, err, _ = torchrun(2, args, timeout_s=600)
+    assert out.strip(), err[-3000:]
+    return rc, json.loads(out)
+
+
+def test_a_clean_3d_run_is_certified_bit_for_bit_by_the_tp_processes(traces):
+    rc, doc = _run(traces["clean"], "certify")
+    assert rc == 0 and doc["verdict"] == "clean", doc
+    assert all(not c["tolerant"] and not c["lacking_replay"] for c in doc["coverage"]), doc["coverage"]
+    assert [c["status"] for c in doc["checkpoints"]] == ["clean", "clean"], doc["checkpoints"]
+    assert "x 2 processes (tensor parallel)" in json.dumps(doc)
+
+
+@pytest.mark.parametrize("name", sorted(FAULTS))
+def test_a_fault_is_named_at_its_step_and_rank_with_its_coordinates(traces, name):
+    _, step, rank = FAULTS[name]
+    rc, doc = _run(traces[name], "bisect")
+    assert rc == 1 and doc["verdict"] == "corruption" and doc["first_divergent_step"] == step, doc
+    assert {s["rank"] for s in doc["suspects"]} == {rank}, doc["suspects"]
+    where = f"pp={rank // 4}, dp={rank // 2 % 2}, tp={rank % 2}"
+    assert any(where in json.dumps(s) for s in doc["suspects"]), doc["suspects"]
+    for c in doc["checkpoints"]:
+        assert c["status"] != "clean" or c["step"] <= step, doc["checkpoints"]
