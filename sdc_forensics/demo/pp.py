@@ -37,7 +37,7 @@ from torch import nn
 
 from sdc_forensics.demo.sharded import dcp_state, launch, load_dcp
 from sdc_forensics.errors import UsageError
-from sdc_forensics.demo.tp import Attention, CollectiveDrill, split_collective_specs
+from sdc_forensics.demo.tp import Attention, CollectiveDrill, block_plan, ends_plan, split_collective_specs
 
 VOCAB, DIM, CONTEXT, MICROBATCH, BLOCKS = 40, 16, 8, 2, 4
 PP, DP, MICROBATCHES = 2, 2, 4
@@ -102,34 +102,11 @@ def tensor_parallel(model: PipelinedLM, tp_mesh) -> PipelinedLM:
     model ``model`` holds (a stage, or the whole model in the exact replay): the TP demo's plan
     (``demo/tp.py``) for each block; the blocks hand each other, and the stages each other, their
     local sequence shards."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    plan: dict = {}
-    if model.embed is not None:
-        plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    plan = ends_plan(embed=model.embed is not None, head=model.head is not None)
     for key in model.layers.keys():
-        block = f"layers.{key}"
-        plan |= {
-            f"{block}.norm1": SequenceParallel(),
-            f"{block}.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            f"{block}.attn.q": ColwiseParallel(),
-            f"{block}.attn.k": ColwiseParallel(),
-            f"{block}.attn.v": ColwiseParallel(),
-            f"{block}.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
-            f"{block}.norm2": SequenceParallel(),
-            f"{block}.up": ColwiseParallel(input_layouts=Shard(1)),
-            f"{block}.down": RowwiseParallel(output_layouts=Shard(1)),
-        }
-    if model.head is not None:
-        plan["norm"] = SequenceParallel()
-        plan["head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        plan |= block_plan(f"layers.{key}.")
     parallelize_module(model, tp_mesh, plan)
     return model
 
@@ -184,7 +161,6 @@ class PpRecipe:
     def parallelize(self, model, tp_mesh):
         """The exact replay of the 3-D job (``replay/tp_exact.py``): its TP plan on the whole model."""
         return tensor_parallel(model, tp_mesh)
-
 
     def load_checkpoint(self, path: str, model, optimizer, scheduler) -> None:
         load_dcp(path, model, optimizer)

@@ -145,32 +145,51 @@ def parallelize(model: TinyLM, mesh) -> TinyLM:
     return model
 
 
-def tensor_parallel(model: TinyLM, tp_mesh) -> TinyLM:
-    """The job's TP plan (with sequence parallel) on a 1-D ``tp`` mesh: the training's and the exact replay's."""
+def block_plan(prefix: str = "") -> dict:
+    """The TP plan (with sequence parallel) of one pre-norm block whose modules are named
+    ``{prefix}norm1``, ``attn`` (``q``, ``k``, ``v``, ``proj``), ``norm2``, ``up`` and ``down``: its input
+    and output are local sequence shards (``Shard(1)``)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
         RowwiseParallel,
         SequenceParallel,
-        parallelize_module,
     )
 
-    plan = {
-        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm1": SequenceParallel(),
-        "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "attn.q": ColwiseParallel(),
-        "attn.k": ColwiseParallel(),
-        "attn.v": ColwiseParallel(),
-        "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
-        "norm2": SequenceParallel(),
-        "up": ColwiseParallel(input_layouts=Shard(1)),
-        "down": RowwiseParallel(output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    return {
+        f"{prefix}norm1": SequenceParallel(),
+        f"{prefix}attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        f"{prefix}attn.q": ColwiseParallel(),
+        f"{prefix}attn.k": ColwiseParallel(),
+        f"{prefix}attn.v": ColwiseParallel(),
+        f"{prefix}attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+        f"{prefix}norm2": SequenceParallel(),
+        f"{prefix}up": ColwiseParallel(input_layouts=Shard(1)),
+        f"{prefix}down": RowwiseParallel(output_layouts=Shard(1)),
     }
-    parallelize_module(model, tp_mesh, plan)
+
+
+def ends_plan(embed: bool = True, head: bool = True) -> dict:
+    """The TP plan of the embedding (row-parallel, a sequence-sharded output) and of the final norm
+    and head (sequence parallel, then column-parallel with replicated logits)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    plan: dict = {}
+    if embed:
+        plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if head:
+        plan["norm"] = SequenceParallel()
+        plan["head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    return plan
+
+
+def tensor_parallel(model: TinyLM, tp_mesh) -> TinyLM:
+    """The job's TP plan (with sequence parallel) on a 1-D ``tp`` mesh: the training's and the exact replay's."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(model, tp_mesh, {**ends_plan(), **block_plan()})
     return model
 
 

@@ -97,7 +97,11 @@ def _total_of(per_shard: list[torch.Tensor], norm_type: float, error_if_nonfinit
         whole = torch.stack(per_shard).amax(dim=0)
     else:
         whole = ring_sum([v**norm_type for v in per_shard]) ** (1.0 / norm_type)
-    total = torch.linalg.vector_norm(whole, norm_type)
+    return _finite(torch.linalg.vector_norm(whole, norm_type), norm_type, error_if_nonfinite)
+
+
+def _finite(total: torch.Tensor, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+    """``total``, or torch's own error where ``error_if_nonfinite`` and it is NaN or infinite."""
     if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot "
@@ -191,13 +195,7 @@ def pipeline_total_norm(
         for norm in norms[1:]:
             total = total + norm**norm_type
         total = total ** (1.0 / norm_type)
-    if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
-        raise RuntimeError(
-            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot "
-            "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
-            "`error_if_nonfinite=False`"
-        )
-    return total
+    return _finite(total, norm_type, error_if_nonfinite)
 
 
 @contextlib.contextmanager
