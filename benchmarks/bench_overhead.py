@@ -37,10 +37,14 @@ alternating order, a barrier before each); the figure is the median over every r
 of ``recorded / bare`` step time (wall, and the process's CPU time), then the median over
 ``--runs``. ``--deferred`` records with ``deferred_checks=True``, ``--weights-every N`` votes
 every N steps, ``--profile`` prints rank 0's cProfile of the recorded steps (by own time).
+``--parallel tp`` (issue 36) is the same job with tensor parallelism: TP 2 (with sequence parallel)
+x FSDP2 over the rest, on a ``(dp, tp)`` mesh of ``--world-size`` processes (default 4: DP 2 x TP 2),
+the model of ``nanogpt_tp_job.py`` (q/k/v apart, head untied: what TP needs); the ranks of one DP
+coordinate read the same microbatches.
 
 Usage::
 
-    python benchmarks/bench_overhead.py --model gpt [--shape 2x64] [--parallel ddp|fsdp|hsdp] [--world-size 2]
+    python benchmarks/bench_overhead.py --model gpt [--shape 2x64] [--parallel ddp|fsdp|hsdp|tp] [--world-size 2]
         [--steps 12] [--runs 3] [--deferred] [--weights-every 1] [--profile] [--json]
     python benchmarks/bench_overhead.py [--device cpu|cuda] [--quick] [--json] [--runs N]
         [--steps 15] [--audit-steps 3] [--width W] [--layers L] [--rows R] [--world-size W] [--backend auto|gloo|nccl]
@@ -76,6 +80,8 @@ from sdc_forensics.demo.run import train_step
 
 MICROBATCHES = 2
 GOAL_PCT = {"cpu": 2.0, "cuda": 1.0}  # issue 11: <= 2 % CPU time on CPU, <= 1 % on a GPU
+#: --parallel tp: the TP degree (the rest of the world is FSDP2's DP)
+TP_DEGREE = 2
 #: issue 37's recorded / bare goals for --model gpt, by (sharded, shape)
 GPT_GOALS = {(False, "4x128"): 1.02, (False, "2x64"): 1.05, (True, "3x256"): 1.05, (True, "2x64"): 1.15}
 
@@ -278,13 +284,25 @@ def _gpt_rank(
     job = gpt.GptRecipe(layers, width, rows)
     models, optimizers = {}, {}
     mesh = None
-    if parallel != "ddp":
+    # the microbatches' stream: every rank its own, or (TP) every DP coordinate its own
+    readers, reader = world_size, rank
+    if parallel == "tp":
+        import nanogpt_tp_job as tp_job
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world_size // TP_DEGREE, TP_DEGREE), mesh_dim_names=("dp", "tp"))
+        readers, reader = world_size // TP_DEGREE, mesh.get_coordinate()[0]
+    elif parallel != "ddp":
         from torch.distributed.device_mesh import init_device_mesh
 
         dims = (2, world_size // 2) if parallel == "hsdp" else (world_size,)
         names = ("replicate", "shard") if parallel == "hsdp" else ("shard",)
         mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
     for kind in ("recorded", "bare"):
+        if parallel == "tp":
+            model = tp_job.parallelize(tp_job.build(layers, width), mesh)
+            models[kind], optimizers[kind] = model, gpt.make_optimizer(model)
+            continue
         model, _, _ = job.build()
         model = gpt.shard(model, mesh) if mesh is not None else DistributedDataParallel(model)
         models[kind], optimizers[kind] = model, gpt.make_optimizer(model)
@@ -296,7 +314,7 @@ def _gpt_rank(
     profiler = cProfile.Profile() if profile and rank == 0 else None
     try:
         for step in range(warmup + steps):
-            ids = [(step * world_size + rank) * gpt.MICROBATCHES + m for m in range(gpt.MICROBATCHES)]
+            ids = [(step * readers + reader) * gpt.MICROBATCHES + m for m in range(gpt.MICROBATCHES)]
             batches = [job.fetch_microbatch(i) for i in ids]
             for kind in ("recorded", "bare") if step % 2 == 0 else ("bare", "recorded"):
                 dist.barrier()
@@ -368,6 +386,8 @@ def run_gpt(args: argparse.Namespace) -> dict:
     from tests.factories import gloo_job
 
     layers, width = gpt.SHAPES[args.shape]
+    # TP's model has q/k/v apart and an untied head (nanogpt_tp_job.py): 256 d more parameters
+    params = gpt.parameters_of(layers, width) + (gpt.VOCAB * width if args.parallel == "tp" else 0)
     runs, profile, parts = [], "", {}
     for index in range(max(1, args.runs)):
         with tempfile.TemporaryDirectory(prefix="sdc-bench-gpt-") as tmp:
@@ -403,7 +423,8 @@ def run_gpt(args: argparse.Namespace) -> dict:
         )
         print(f"run {index + 1}/{args.runs}: {json.dumps(runs[-1])}", file=sys.stderr)
     return {
-        "model": f"nanoGPT {args.shape} ({gpt.parameters_of(layers, width):,} params, tied head, AdamW, clip 1.0)",
+        "model": f"nanoGPT {args.shape} ({params:,} params, {'untied' if args.parallel == 'tp' else 'tied'} head, AdamW, "
+        "clip 1.0)",
         "parallel": args.parallel,
         "options": f"deferred_checks={args.deferred}, weights_every={args.weights_every}",
         "world_size": args.world_size or 2,
@@ -565,7 +586,12 @@ def main(argv: list[str] | None = None) -> None:
         help="mlp: the reference MLP (run_all's figure); gpt: the nanoGPT-shaped job (nanogpt_job.py)",
     )
     parser.add_argument("--shape", choices=("2x64", "4x128", "3x256"), default="2x64", help="gpt: layers x width")
-    parser.add_argument("--parallel", choices=("ddp", "fsdp", "hsdp"), default="ddp", help="gpt: how it is spread")
+    parser.add_argument(
+        "--parallel",
+        choices=("ddp", "fsdp", "hsdp", "tp"),
+        default="ddp",
+        help="gpt: how it is spread (tp: TP 2 x FSDP2 DP W/2, default W 4)",
+    )
     parser.add_argument("--profile", action="store_true", help="gpt: print rank 0's cProfile of the recorded steps")
     parser.add_argument(
         "--deferred", action="store_true", help="gpt: RecorderOptions(deferred_checks=True) (gathers in the background)"
@@ -652,6 +678,10 @@ def main_gpt(args: argparse.Namespace) -> None:
         _usage_error("--model gpt runs on CPU (gloo) only")
     if args.parallel == "hsdp" and (args.world_size or 2) % 2:
         _usage_error("--parallel hsdp needs an even --world-size (2 x W/2 mesh)")
+    if args.parallel == "tp":
+        args.world_size = args.world_size or 2 * TP_DEGREE
+        if args.world_size % TP_DEGREE or args.world_size < 2 * TP_DEGREE:
+            _usage_error(f"--parallel tp needs --world-size a multiple of {TP_DEGREE}, at least {2 * TP_DEGREE}")
     args.steps = args.steps or (4 if args.quick else 12)
     args.warmup = args.warmup or (1 if args.quick else 2)
     args.rows = args.rows or 8

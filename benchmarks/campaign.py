@@ -27,7 +27,9 @@ clean twin (the clean run of the same variant, bitwise identical before the faul
 the faulted rank's recorded local and reduced sketches at the fault step and the next, in units
 of ``relative_tolerance(dtype, W) * norm``, above 1; for ``checkpoint-file``, the file's bytes
 differ from the twin's checkpoint. Ineffective faults are counted apart, with their effect on
-the final loss.
+the final loss; ``changed_nothing`` counts those whose run recorded the twin's every digest and loss
+(the flip reached nothing the training computed): a checkpoint after one called clean is clean, and
+is not counted in ``false_clean_ineffective``.
 
 Tallies over effective faults: ``detected`` (verdict ``corruption``), ``exact_step_rank`` (the
 first divergent step is the fault step and the suspects are exactly the fault's rank; for
@@ -63,8 +65,22 @@ any checkpoint after 0 clean::
     python benchmarks/campaign.py --faults 21 --clean 10 --steps 8 --checkpoint-every 4 --tolerant-threads 0 \
         --comm-hook sdc_forensics.demo.hooks:reversed_mean --reduction native    # then --reduction ordered
 
+Tensor parallelism (issue 36): ``--parallel tp`` trains ``demo/tp.py``'s job (TP 2 with sequence
+parallel x FSDP2 DP 2, 4 gloo processes, AdamW, DCP checkpoints) and judges it as a user would:
+``bisect`` and ``certify`` each under ``torchrun --nproc-per-node 2 -m sdc_forensics`` (the exact
+TP replay; the exit code kept is process 0's), ``bisect --trace-only`` and ``verify-checkpoint
+--trace`` in the run's process (the latter reuses the intervals the exact replay certified, from the
+trace's ledger, and replays the rest on one process, tolerant: it certifies none of them). Its locations: a TP rank's local gradient, its DP reduce-scatter output, its
+all-gathered parameter copy, its weight shard at rest, its update, and the demo's ``tp-collective``
+drill (a TP reduce-scatter's output in the forward); not ``input`` (token ids). A fault in one rank's
+forward (``tp-collective``, ``all-gather-output``) reaches its TP peers through TP's collectives:
+the right answer names every rank of its DP coordinate::
+
+    python benchmarks/campaign.py --parallel tp --faults 60 --clean 4 --seed 1 --steps 9 --checkpoint-every 4 \
+        --jobs 2 --json
+
 Over 400 lines on purpose: the plan, the run, the judge and the tally of one campaign share its row
-format; the scoring tests (tests/demo/test_campaign.py) load this one file.
+format; the scoring tests (tests/demo/test_campaign.py, test_campaign_tp.py) load this one file.
 """
 
 from __future__ import annotations
@@ -108,6 +124,9 @@ EXPECTED_LOCATION = {
     "reduce-scatter-output": "collective",
     "all-reduce-output": "collective",
     "all-gather-output": "local_compute",
+    # a TP job's (--parallel tp): a corrupted TP collective's output is read by the forward of its DP coordinate's
+    # ranks alone, so the replay sees their local compute differ (tests/replay/test_tp_collective_fault.py)
+    "tp-collective": "local_compute",
 }
 #: --job: the sharded job's model, optimizer and clipping (demo/sharded.py's train): clipped-lm's gradient norm is several
 #: times MAX_NORM on every step, so every update is clipped (tests/recorder/test_fsdp_clipping.py checks it engages)
@@ -126,7 +145,11 @@ SHARDED_LOCATIONS = {
         "update",
         "input",
     ),
+    # TP 2 x FSDP2 DP 2 (demo/tp.py): its input is token ids (int64, no float to flip), and the TP demo's own drill
+    "tp": ("local-gradient", "reduce-scatter-output", "all-gather-output", "weights", "update", "tp-collective"),
 }
+#: a TP job's faults in one rank's forward: its TP peers compute from what it computed (``_expected_ranks``)
+TP_FORWARD = ("tp-collective", "all-gather-output")
 #: --mixed-precision: where a fault flips a bfloat16 (the all-gathered parameters, cast before the
 #: all-gather); every other location holds float32 (the gradient is reduced in float32)
 SIXTEEN_BIT = ("all-gather-output",)
@@ -148,7 +171,8 @@ class Options:
     tolerant_threads: int = 2
     comm_hook: str | None = None
     reduction: str = "native"
-    parallel: str = "ddp"  # ddp (the conv net), fsdp (FSDP2 over 4 ranks) or hsdp (2 x 2): demo/sharded.py
+    # ddp (the conv net), fsdp (FSDP2 over 4 ranks) or hsdp (2 x 2): demo/sharded.py; tp (TP 2 x FSDP2 DP 2): demo/tp.py
+    parallel: str = "ddp"
     mixed_precision: bool = False  # a sharded job computes in bfloat16 and reduces in float32 (torchtitan's default)
     job: str = "mlp"  # a sharded job's model: the MLP with SGD, or clipped-lm (the tied-head transformer, AdamW, clipping that engages)
 
@@ -169,6 +193,8 @@ class Options:
             raise SystemExit("--job is the sharded job's model: pass --parallel fsdp or hsdp")
         if self.mixed_precision and self.parallel == "ddp":
             raise SystemExit("--mixed-precision is a sharded job's MixedPrecisionPolicy: pass --parallel fsdp or hsdp")
+        if self.parallel == "tp" and (self.job != "mlp" or self.mixed_precision):
+            raise SystemExit("--parallel tp trains demo/tp.py's job as it is: no --job, no --mixed-precision")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -246,16 +272,22 @@ def _draw_step(rng: random.Random, options: Options, kind: str, checkpoints: lis
 def _cli(runner, cli, args: list[str]) -> dict:
     started = time.monotonic()
     result = runner.invoke(cli, args, catch_exceptions=True)
+    crashed = result.exception is not None and not isinstance(result.exception, SystemExit)
+    return _kept(result.stdout, result.stderr, result.exit_code, started, result.exception if crashed else None)
+
+
+def _kept(stdout: str, stderr: str, exit_code: int | None, started: float, exception: BaseException | None) -> dict:
+    """What the campaign keeps of one command: its exit code, its JSON document, an error line, seconds."""
     doc, error = None, None
     try:
-        doc = json.loads(result.stdout) if result.stdout.strip() else None
+        doc = json.loads(stdout) if stdout.strip() else None
     except json.JSONDecodeError:
         error = "stdout is not JSON"
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        error = f"{type(result.exception).__name__}: {result.exception}"[:300]
+    if exception is not None:
+        error = f"{type(exception).__name__}: {exception}"[:300]
     elif doc is None:
-        error = error or (result.stderr.strip().splitlines() or ["no output"])[-1][:300]
-    return {"exit_code": result.exit_code, "doc": doc, "error": error, "seconds": round(time.monotonic() - started, 2)}
+        error = error or (stderr.strip().splitlines() or ["no output"])[-1][:300]
+    return {"exit_code": exit_code, "doc": doc, "error": error, "seconds": round(time.monotonic() - started, 2)}
 
 
 def _bisect_answer(result: dict) -> dict:
@@ -275,6 +307,30 @@ def _train(plan: Plan, options: Options) -> dict:
     """Train one run: the row's training part (trace, checkpoints, what fired online)."""
     out = options.out_dir / plan.name
     started = time.monotonic()
+    if options.parallel == "tp":
+        from sdc_forensics.demo import tp
+
+        found = tp.run_demo(
+            out,
+            (plan.fault,) if plan.fault else (),
+            steps=options.steps,
+            checkpoint_every=options.checkpoint_every,
+            seed=plan.variant,
+        )
+        ranks = [json.loads(path.read_text()) for path in sorted((out / "demo").glob("rank-*.json"))]
+        return {
+            "tp_degree": tp.TP,
+            "recipe": f"{tp.SEEDED_REFERENCE} seed={plan.variant}",
+            "trace": str(out / "trace"),
+            "train_s": round(time.monotonic() - started, 2),
+            # the tp-collective drill's flips (the recorder's own drills are not reported by the demo)
+            "fired": [f for doc in ranks for f in doc.get("fired", [])],
+            "online_alarms": sorted({a["check"] for a in found["alarms"]}),
+            "checkpoints": {
+                str(n): str(out / "checkpoints" / f"step-{n:08d}")
+                for n in range(0, options.steps, options.checkpoint_every)
+            },
+        }
     if options.parallel != "ddp":
         from sdc_forensics.demo import sharded
 
@@ -325,8 +381,57 @@ def _train(plan: Plan, options: Options) -> dict:
     }
 
 
+#: --parallel tp: the replays run as a user runs them, one torchrun of TP_PROCESSES processes per command
+#: (docs/recorder.md: the exact TP replay needs as many processes as the job's TP degree)
+TP_PROCESSES = 2
+TP_TIMEOUT_S = 900
+
+
+def _torchrun_cli(args: list[str]) -> dict:
+    """``torchrun --nproc-per-node 2 -m sdc_forensics ARGS``, kept as :func:`_cli` keeps a command. torchrun
+    exits 1 whenever a worker does not exit 0; the exit code kept is process 0's (the one that writes the
+    output), read from torchrun's failure summary."""
+    import os
+    import re
+    import subprocess
+
+    from sdc_forensics.demo.ports import free_port
+
+    started = time.monotonic()
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--rdzv-endpoint=localhost:{free_port()}",
+    ]
+    command += [f"--nproc-per-node={TP_PROCESSES}", "-m", "sdc_forensics", *args]
+    try:
+        proc = subprocess.run(
+            command, capture_output=True, text=True, env=env | {"OMP_NUM_THREADS": "1"}, timeout=TP_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        return {
+            "exit_code": None,
+            "doc": None,
+            "error": f"torchrun timed out after {TP_TIMEOUT_S} s",
+            "seconds": TP_TIMEOUT_S,
+        }
+    exit_code = proc.returncode
+    if exit_code:
+        # torchelastic's summary: one block per failed worker, "rank : R (local_rank: R)" then "exitcode : N (pid: P)"
+        codes = dict(re.findall(r"rank\s*:\s*(\d+) \(local_rank.*?\n\s*exitcode\s*:\s*(-?\d+)", proc.stderr))
+        exit_code = int(codes.get("0", next(iter(codes.values()), exit_code)))
+    return _kept(proc.stdout, proc.stderr, exit_code, started, None)
+
+
 def run_one(plan: Plan, options: Options) -> dict:
-    """Train one run, then judge it with the three commands."""
+    """Train one run, then judge it with the three commands (a TP job's under torchrun: ``TP_PROCESSES``)."""
     from click.testing import CliRunner
 
     from sdc_forensics.cli.main import cli
@@ -338,12 +443,16 @@ def run_one(plan: Plan, options: Options) -> dict:
     # the online checks' answer first: it reads the trace alone (no files, no ledger), so the order does not matter
     row["trace_only"] = _bisect_answer(_cli(runner, cli, ["bisect", trace, "--json", "--trace-only"]))
     replay = ["--threads", str(plan.replay_threads)] if plan.replay_threads else []
-    row["bisect"] = _bisect_answer(_cli(runner, cli, ["bisect", trace, "--json", *replay]))
-    certify = _cli(runner, cli, ["certify", trace, "--json", *replay])
+    in_process = lambda args: _cli(runner, cli, args)  # noqa: E731
+    replayed = _torchrun_cli if options.parallel == "tp" else in_process
+    row["bisect"] = _bisect_answer(replayed(["bisect", trace, "--json", *replay]))
+    certify = replayed(["certify", trace, "--json", *replay])
     row["certify"] = certify | {"statuses": checkpoint_statuses(certify.pop("doc") or {})}
     row["verify"] = {}
     for step, path in row["checkpoints"].items():
-        res = _cli(runner, cli, ["verify-checkpoint", path, "--trace", trace, "--json", *replay])
+        # in this process: what the replays above examined exactly is in the trace's ledger, reused (a TP job's
+        # steps that no exact replay certified get the one-process replay, tolerant: never a certificate)
+        res = in_process(["verify-checkpoint", path, "--trace", trace, "--json", *replay])
         status = ((res.pop("doc") or {}).get("certification") or {}).get("status")
         row["verify"][step] = res | {"status": normalise_status(status)}
     row["cli_s"] = round(time.monotonic() - started - result.wall_s, 2)
@@ -354,10 +463,16 @@ def run_one(plan: Plan, options: Options) -> dict:
 # ---------------------------------------------------------------------------------- effect (parent)
 def effect(row: dict, twin: dict) -> dict:
     """Whether the fault changed the training state beyond tolerance (see the module docstring)."""
-    from sdc_forensics.inject import ALL_LOCATIONS, parse_spec
+    from sdc_forensics.inject import ALL_LOCATIONS, TP_LOCATIONS, parse_spec
 
     if row["location"] != "checkpoint-file":
-        return measure_effect(Path(row["trace"]), Path(twin["trace"]), row["fault"])
+        fault = row["fault"]
+        if row["location"] in TP_LOCATIONS:
+            # measure_effect reads the spec's step and rank only, and parses the recorders' locations: the faulted
+            # rank's recorded local and reduced sketches are what a flip inside its forward moves
+            fault = str(dataclasses.replace(parse_spec(fault, TP_LOCATIONS), location="local-gradient"))
+        measured = measure_effect(Path(row["trace"]), Path(twin["trace"]), fault)
+        return measured | {"changed_nothing": _same_run(Path(row["trace"]), Path(twin["trace"]))}
     step = str(parse_spec(row["fault"], ALL_LOCATIONS).step)
     mine = np.fromfile(row["checkpoints"][step], dtype=np.uint8)
     theirs = np.fromfile(twin["checkpoints"][step], dtype=np.uint8)
@@ -369,7 +484,24 @@ def effect(row: dict, twin: dict) -> dict:
         "where": f"checkpoint {step}: {differing} byte(s) differ",
         "identical_before_fault": True,
         "final_loss_change": 0.0,
+        "changed_nothing": differing == 0,
     }
+
+
+def _same_run(faulted_trace: Path, twin_trace: Path) -> bool:
+    """Whether the faulted run recorded the twin's every digest and loss, every rank and step: the flip changed
+    nothing the training computed (a bit of an embedding row no token of the step looked up, say), so a
+    checkpoint after it that is called clean is clean, not a false-clean certificate."""
+    from sdc_forensics.trace.reader import Trace
+
+    faulted, twin = Trace.open(faulted_trace), Trace.open(twin_trace)
+    (first, last), span = twin.step_range(), faulted.step_range()
+    if span != (first, last):
+        return False
+    mine, theirs = (next(t.step_windows(last - first + 1, first, last)).records for t in (faulted, twin))
+    return mine.shape == theirs.shape and all(
+        np.array_equal(mine[key], theirs[key]) for key in ("local_digest", "reduced_digest", "weights_digest", "loss")
+    )
 
 
 # ---------------------------------------------------------------------------------- judging
@@ -385,7 +517,7 @@ def judge(row: dict) -> dict:
     """The outcome of one run (see the module docstring for each rule); the trace-only answer
     (``row["trace_only"]``) is judged by the same rules, its own statuses standing for every command's.
     A row from before trace-only answers were kept has its ``trace_only_*`` outcomes None: not measured."""
-    from sdc_forensics.inject import ALL_LOCATIONS, parse_spec
+    from sdc_forensics.inject import ALL_LOCATIONS, TP_LOCATIONS, parse_spec
 
     statuses = _all_statuses(row)
     steps = sorted({int(n) for by in statuses.values() for n in by})
@@ -413,25 +545,26 @@ def judge(row: dict) -> dict:
             "bad_statuses": bad,
             "trace_only_false_alarm": None if trace_only is None else _alarmed(trace_only),
         }
-    spec = parse_spec(row["fault"], ALL_LOCATIONS)
+    spec = parse_spec(row["fault"], ALL_LOCATIONS + TP_LOCATIONS)
     if row["location"] == "checkpoint-file":
         held = [f"{c} {n}" for c, by in statuses.items() for n, s in by.items() if int(n) == spec.step and s == "clean"]
     else:
         held = [f"{c} {n}" for c, by in statuses.items() for n, s in by.items() if int(n) > spec.step and s == "clean"]
     candidate = row["bisect"]["weak_candidate"]
     locations = {s["location"] for s in row["bisect"]["suspects"]}
+    expected = _expected_ranks(row["location"], spec, row.get("tp_degree", 1))
     return outcome | {
         "detected": verdict == "corruption",
         "missed": verdict == "clean",
-        "exact_step_rank": _exact(row["bisect"], row["location"], spec),
+        "exact_step_rank": _exact(row["bisect"], row["location"], spec, expected),
         "location_correct": verdict == "corruption" and locations == {EXPECTED_LOCATION[row["location"]]},
         "false_clean": held,
         "weak_candidate_matches": None
         if verdict != "inconclusive" or candidate is None
         else candidate["step"] == spec.step and candidate["ranks"] == [spec.rank],
         "trace_only_detected": None if trace_only is None else trace_only["verdict"] == "corruption",
-        "trace_only_exact": None if trace_only is None else _exact(trace_only, row["location"], spec),
-        "trace_only_wrong_ranks": None if trace_only is None else _wrong_ranks(trace_only, row["location"], spec),
+        "trace_only_exact": None if trace_only is None else _exact(trace_only, row["location"], spec, expected),
+        "trace_only_wrong_ranks": None if trace_only is None else _wrong_ranks(trace_only, expected),
     }
 
 
@@ -439,25 +572,32 @@ def _ranks(answer: dict) -> list[int]:
     return sorted({s["rank"] for s in answer["suspects"] if s["rank"] is not None})
 
 
-def _expected_ranks(location: str, spec) -> list[int]:
-    """The ranks a right answer names: none for ``allreduce-all`` (the collective), the writer for a file."""
+def _expected_ranks(location: str, spec, tp_degree: int = 1) -> list[int]:
+    """The ranks a right answer names: none for ``allreduce-all`` (the collective), the writer for a file, and
+    in a TP job (``tp_degree`` > 1) for a fault in one rank's forward (:data:`TP_FORWARD`) every rank of its DP
+    coordinate: TP's collectives hand the rank's wrong activations to its TP peers (the row-parallel layers'
+    reduce-scatter, the head's all-gather), so all of them compute their loss and local gradients from them
+    (tests/replay/test_tp_collective_fault.py)."""
+    if tp_degree > 1 and location in TP_FORWARD:
+        # the (dp, tp) mesh is row-major: rank = dp * tp_degree + tp
+        return [spec.rank // tp_degree * tp_degree + t for t in range(tp_degree)]
     return {"allreduce-all": [], "checkpoint-file": [WRITER_RANK]}.get(location, [spec.rank])
 
 
-def _exact(answer: dict, location: str, spec) -> bool:
+def _exact(answer: dict, location: str, spec, expected: list[int]) -> bool:
     """The exact step-and-rank rule (module docstring) on one bisect answer: the replay's or the trace-only one."""
-    if answer["verdict"] != "corruption" or _ranks(answer) != _expected_ranks(location, spec):
+    if answer["verdict"] != "corruption" or _ranks(answer) != expected:
         return False
     if location == "checkpoint-file":  # no divergent step: the flipped checkpoint is the one corrupt file
         return {int(n) for n, s in answer["statuses"].items() if s == "corrupt"} == {spec.step}
     return answer["first_divergent_step"] == spec.step
 
 
-def _wrong_ranks(answer: dict, location: str, spec) -> list[int]:
+def _wrong_ranks(answer: dict, expected: list[int]) -> list[int]:
     """The ranks a ``corruption`` answer names that the fault did not touch (empty: none, or no corruption)."""
     if answer["verdict"] != "corruption":
         return []
-    return sorted(set(_ranks(answer)) - set(_expected_ranks(location, spec)))
+    return sorted(set(_ranks(answer)) - set(expected))
 
 
 def _alarmed(answer: dict) -> bool:
@@ -577,7 +717,11 @@ def tally(rows: list[dict], seconds: float) -> dict:
         "exact_step_rank": count(effective, "exact_step_rank"),
         "location_correct": count(effective, "location_correct"),
         "false_clean_certificates": count(effective, "false_clean"),
-        "false_clean_ineffective": count(ineffective, "false_clean"),
+        # a checkpoint after a flip that changed nothing (the run bitwise its twin's) is clean: no false certificate
+        "false_clean_ineffective": count(
+            [r for r in ineffective if not r["effect"].get("changed_nothing")], "false_clean"
+        ),
+        "changed_nothing": sum(1 for r in ineffective if r["effect"].get("changed_nothing")),
         "detected_ineffective": count(ineffective, "detected"),
         "clean_runs": len(clean),
         "clean_runs_tolerant": sum(1 for r in clean if r["replay_threads"]),
@@ -614,6 +758,7 @@ def tally(rows: list[dict], seconds: float) -> dict:
             {
                 "fault": r["fault"],
                 "effect": r["effect"]["effect"],
+                "changed_nothing": r["effect"].get("changed_nothing"),
                 "verdict": r["outcome"]["verdict"],
                 "final_loss_change": r["effect"].get("final_loss_change"),
             }
@@ -745,9 +890,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--parallel",
-        choices=("ddp", "fsdp", "hsdp"),
+        choices=("ddp", "fsdp", "hsdp", "tp"),
         default="ddp",
-        help="the job: DDP (the conv net), or the sharded job of demo/sharded.py (FSDP2 over 4 ranks, HSDP 2 x 2)",
+        help="the job: DDP (the conv net), the sharded job of demo/sharded.py (FSDP2 over 4 ranks, HSDP 2 x 2), "
+        "or demo/tp.py's TP 2 x FSDP2 DP 2 transformer (replayed under torchrun, 2 processes)",
     )
     parser.add_argument(
         "--job",

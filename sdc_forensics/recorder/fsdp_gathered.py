@@ -17,7 +17,7 @@ from sdc_forensics.inject import flip_bit_
 from sdc_forensics.recorder import checks
 from sdc_forensics.recorder import fsdp_monitor as fm
 from sdc_forensics.recorder.checks import Check, Finding
-from sdc_forensics.recorder.layout import Job
+from sdc_forensics.recorder.layout import Job, local_tensor
 from sdc_forensics.recorder.step import StepState
 from sdc_forensics.trace import format as F
 from sdc_forensics.trace.checkpoints import hex64
@@ -100,7 +100,9 @@ def drill(modules: list[torch.nn.Module], job: Job, specs: list) -> list:
                 continue
             fired.add(id(spec))
             with torch.no_grad():
-                flat = group.fsdp_params[0].unsharded_param.data.reshape(-1)
+                # this rank's own tensor: under TP the gathered parameter is a DTensor, whose reshape would be a
+                # collective that this rank alone enters (the job hangs)
+                flat = local_tensor(group.fsdp_params[0].unsharded_param).data.reshape(-1)
                 flip_bit_(flat, (spec.element or 0) % flat.numel(), spec.bit)
         return None
 
