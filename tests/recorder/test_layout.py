@@ -100,7 +100,10 @@ def test_layouts_implement_the_contract_and_nothing_subclasses_the_recorder():
 
 
 def test_a_model_that_is_neither_ddp_nor_sharded_is_refused_before_anything_else():
-    with pytest.raises(UsageError, match="DistributedDataParallel-wrapped model, a model sharded by fully_shard, or a pipeline schedule"):
+    with pytest.raises(
+        UsageError,
+        match="DistributedDataParallel-wrapped model, a model sharded by fully_shard, or a pipeline schedule",
+    ):
         make_layout(torch.nn.Linear(2, 2))
     with pytest.raises(UsageError, match="DistributedDataParallel-wrapped model"):
         Recorder("unused", torch.nn.Linear(2, 2), None)
