@@ -40,11 +40,12 @@ every N steps, ``--profile`` prints rank 0's cProfile of the recorded steps (by 
 ``--parallel tp`` (issue 36) is the same job with tensor parallelism: TP 2 (with sequence parallel)
 x FSDP2 over the rest, on a ``(dp, tp)`` mesh of ``--world-size`` processes (default 4: DP 2 x TP 2),
 the model of ``nanogpt_tp_job.py`` (q/k/v apart, head untied: what TP needs); the ranks of one DP
-coordinate read the same microbatches.
+coordinate read the same microbatches. ``--parallel pp`` times demo/pp.py's own PP 2 x FSDP2 DP 2 job
+(its pipelined transformer, Schedule1F1B over 4 microbatches, 4 processes), not the nanoGPT shape.
 
 Usage::
 
-    python benchmarks/bench_overhead.py --model gpt [--shape 2x64] [--parallel ddp|fsdp|hsdp|tp] [--world-size 2]
+    python benchmarks/bench_overhead.py --model gpt [--shape 2x64] [--parallel ddp|fsdp|hsdp|tp|pp] [--world-size 2]
         [--steps 12] [--runs 3] [--deferred] [--weights-every 1] [--profile] [--json]
     python benchmarks/bench_overhead.py [--device cpu|cuda] [--quick] [--json] [--runs N]
         [--steps 15] [--audit-steps 3] [--width W] [--layers L] [--rows R] [--world-size W] [--backend auto|gloo|nccl]
@@ -344,6 +345,67 @@ def _gpt_rank(
     return found
 
 
+def _pp_rank(rank: int, trace_dir: str, warmup: int, steps: int) -> dict:
+    """One rank of ``--parallel pp``: demo/pp.py's PP 2 x FSDP2 DP 2 job (its pipelined transformer,
+    Schedule1F1B over 4 microbatches, AdamW) bare and recorded in the same process group, steps
+    alternating as in :func:`_gpt_rank`; returns this rank's step times."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    import sdc_forensics
+    from sdc_forensics.demo import pp as job
+    from sdc_forensics.recorder import Recorder, RecorderOptions
+
+    mesh = init_device_mesh("cpu", (job.PP, dist.get_world_size() // job.PP), mesh_dim_names=("pp", "dp"))
+    stage_index, dp = mesh.get_coordinate()[:2]
+    pipelines, optimizers = {}, {}
+    for kind in ("recorded", "bare"):
+        part = job.stage_module(job.build_model(0), stage_index)
+        for block in part.layers.values():
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(part, mesh=mesh["dp"])
+        stage = PipelineStage(part, stage_index, job.PP, torch.device("cpu"), group=mesh["pp"].get_group())
+        pipelines[kind] = Schedule1F1B(stage, job.MICROBATCHES, loss_fn=job.loss_fn)
+        optimizers[kind] = job.make_optimizer(part)
+    rec = Recorder(trace_dir, pipelines["recorded"], optimizers["recorded"], options=RecorderOptions())
+
+    def _step(kind: str, ids: list[int], handle=None) -> None:
+        batches = [job.microbatch(i) for i in ids]
+        if handle is not None:
+            batches = [handle.input(b) for b in batches]
+        inputs, labels = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        if stage_index == 0:
+            pipelines[kind].step(inputs)
+        else:
+            losses: list = []
+            pipelines[kind].step(target=labels, losses=losses)
+            for loss in losses if handle is not None else ():
+                handle.loss(loss)
+        optimizers[kind].step()
+        optimizers[kind].zero_grad()
+
+    times: dict[str, list[float]] = {"recorded": [], "bare": []}
+    cpu: dict[str, list[float]] = {"recorded": [], "bare": []}
+    try:
+        for step in range(warmup + steps):
+            ids = job.microbatch_ids(step, dp, dist.get_world_size() // job.PP)
+            for kind in ("recorded", "bare") if step % 2 == 0 else ("bare", "recorded"):
+                dist.barrier()
+                start, cpu_start = time.perf_counter(), time.process_time()
+                if kind == "bare":
+                    _step(kind, ids)
+                else:
+                    with rec.step(step, microbatch_ids=ids) as handle:
+                        _step(kind, ids, handle)
+                if step >= warmup:
+                    times[kind].append(time.perf_counter() - start)
+                    cpu[kind].append(time.process_time() - cpu_start)
+    finally:
+        rec.close()
+    return {"times": times, "cpu": cpu, "code": str(Path(sdc_forensics.__file__).parent)}
+
+
 def _gpt_parts_ms(model: nn.Module, job, batches) -> dict[str, float]:
     """CPU milliseconds (median of 15) of the passes a recorded DDP step makes, measured alone on
     this model: the floor of what the recorder costs per step, beside one ``torch.sum`` pass."""
@@ -389,22 +451,31 @@ def run_gpt(args: argparse.Namespace) -> dict:
     # TP's model has q/k/v apart and an untied head (nanogpt_tp_job.py): 256 d more parameters
     params = gpt.parameters_of(layers, width) + (gpt.VOCAB * width if args.parallel == "tp" else 0)
     runs, profile, parts = [], "", {}
+    if args.parallel == "pp":  # demo/pp.py's own model, not the nanoGPT shape
+        from sdc_forensics.demo import pp as pp_job
+
+        params = sum(p.numel() for p in pp_job.build_model(0).parameters())
     for index in range(max(1, args.runs)):
         with tempfile.TemporaryDirectory(prefix="sdc-bench-gpt-") as tmp:
-            found = gloo_job(
-                _gpt_rank,
-                args.world_size or 2,
-                Path(tmp, "out"),
-                str(Path(tmp, "trace")),
-                args.shape,
-                args.parallel,
-                args.warmup,
-                args.steps,
-                args.rows,
-                args.profile,
-                args.deferred,
-                args.weights_every,
-            )
+            if args.parallel == "pp":
+                found = gloo_job(
+                    _pp_rank, args.world_size, Path(tmp, "out"), str(Path(tmp, "trace")), args.warmup, args.steps
+                )
+            else:
+                found = gloo_job(
+                    _gpt_rank,
+                    args.world_size or 2,
+                    Path(tmp, "out"),
+                    str(Path(tmp, "trace")),
+                    args.shape,
+                    args.parallel,
+                    args.warmup,
+                    args.steps,
+                    args.rows,
+                    args.profile,
+                    args.deferred,
+                    args.weights_every,
+                )
         profile = found[0].get("profile", profile)
         parts = found[0].get("parts_ms", {})
         ratio = {
@@ -423,7 +494,9 @@ def run_gpt(args: argparse.Namespace) -> dict:
         )
         print(f"run {index + 1}/{args.runs}: {json.dumps(runs[-1])}", file=sys.stderr)
     return {
-        "model": f"nanoGPT {args.shape} ({params:,} params, {'untied' if args.parallel == 'tp' else 'tied'} head, AdamW, "
+        "model": f"demo/pp.py's PipelinedLM ({params:,} params, 2 stages, 1F1B x 4 microbatches, AdamW)"
+        if args.parallel == "pp"
+        else f"nanoGPT {args.shape} ({params:,} params, {'untied' if args.parallel == 'tp' else 'tied'} head, AdamW, "
         "clip 1.0)",
         "parallel": args.parallel,
         "options": f"deferred_checks={args.deferred}, weights_every={args.weights_every}",
@@ -588,9 +661,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", choices=("2x64", "4x128", "3x256"), default="2x64", help="gpt: layers x width")
     parser.add_argument(
         "--parallel",
-        choices=("ddp", "fsdp", "hsdp", "tp"),
+        choices=("ddp", "fsdp", "hsdp", "tp", "pp"),
         default="ddp",
-        help="gpt: how it is spread (tp: TP 2 x FSDP2 DP W/2, default W 4)",
+        help="gpt: how it is spread (tp: TP 2 x FSDP2 DP W/2, default W 4; pp: demo/pp.py's PP 2 x FSDP2 DP 2 job, "
+        "its own model, W 4)",
     )
     parser.add_argument("--profile", action="store_true", help="gpt: print rank 0's cProfile of the recorded steps")
     parser.add_argument(
@@ -626,7 +700,7 @@ def main(argv: list[str] | None = None) -> None:
         "--json", action="store_true", help="print {name: {value, unit, goal, met, ...}} as JSON on stdout"
     )
     args = parser.parse_args(argv)
-    if args.model == "gpt":
+    if args.model == "gpt" or args.parallel == "pp":
         main_gpt(args)
         return
     cuda = args.device == "cuda"
@@ -682,6 +756,10 @@ def main_gpt(args: argparse.Namespace) -> None:
         args.world_size = args.world_size or 2 * TP_DEGREE
         if args.world_size % TP_DEGREE or args.world_size < 2 * TP_DEGREE:
             _usage_error(f"--parallel tp needs --world-size a multiple of {TP_DEGREE}, at least {2 * TP_DEGREE}")
+    if args.parallel == "pp":
+        args.world_size = args.world_size or 4
+        if args.world_size != 4:
+            _usage_error("--parallel pp runs demo/pp.py's PP 2 x DP 2 job: --world-size 4")
     args.steps = args.steps or (4 if args.quick else 12)
     args.warmup = args.warmup or (1 if args.quick else 2)
     args.rows = args.rows or 8

@@ -79,6 +79,17 @@ the right answer names every rank of its DP coordinate::
     python benchmarks/campaign.py --parallel tp --faults 60 --clean 4 --seed 1 --steps 9 --checkpoint-every 4 \
         --jobs 2 --json
 
+Pipeline parallelism: ``--parallel pp`` trains ``demo/pp.py``'s job (PP 2 x FSDP2 DP 2, 4 gloo
+processes, Schedule1F1B, AdamW; rank r is stage r // 2, DP coordinate r % 2) and judges it with the
+one-process exact replay, ``bisect`` and ``certify`` in the run's process as the DDP campaign does.
+Its locations are TP's with the demo's ``pp-activation`` drill (the activation a stage-0 rank, 0 or 1,
+sends) for ``tp-collective``. A fault in one stage's forward (``pp-activation``, ``all-gather-output``)
+reaches the other stage of its pipeline: the right answer names ranks of that DP coordinate only,
+among them the corrupted rank (``all-gather-output``) or the receiving rank r + 2 (``pp-activation``)::
+
+    python benchmarks/campaign.py --parallel pp --faults 60 --clean 3 --seed 1 --steps 9 --checkpoint-every 4 \
+        --jobs 2 --out DIR --json    # each run's row is also DIR/NNN-LOCATION/row.json
+
 Over 400 lines on purpose: the plan, the run, the judge and the tally of one campaign share its row
 format; the scoring tests (tests/demo/test_campaign.py, test_campaign_tp.py) load this one file.
 """
@@ -127,6 +138,9 @@ EXPECTED_LOCATION = {
     # a TP job's (--parallel tp): a corrupted TP collective's output is read by the forward of its DP coordinate's
     # ranks alone, so the replay sees their local compute differ (tests/replay/test_tp_collective_fault.py)
     "tp-collective": "local_compute",
+    # a PP job's (--parallel pp): a corrupted activation stage 0 sends is read by the receiving stage's forward, so
+    # the replay sees its local compute (and what it hands back) differ (tests/replay/test_pp_replay.py)
+    "pp-activation": "local_compute",
 }
 #: --job: the sharded job's model, optimizer and clipping (demo/sharded.py's train): clipped-lm's gradient norm is several
 #: times MAX_NORM on every step, so every update is clipped (tests/recorder/test_fsdp_clipping.py checks it engages)
@@ -147,9 +161,15 @@ SHARDED_LOCATIONS = {
     ),
     # TP 2 x FSDP2 DP 2 (demo/tp.py): its input is token ids (int64, no float to flip), and the TP demo's own drill
     "tp": ("local-gradient", "reduce-scatter-output", "all-gather-output", "weights", "update", "tp-collective"),
+    # PP 2 x FSDP2 DP 2 (demo/pp.py): token ids again, and the PP demo's own drill (stage 0's sent activation)
+    "pp": ("local-gradient", "reduce-scatter-output", "all-gather-output", "weights", "update", "pp-activation"),
 }
 #: a TP job's faults in one rank's forward: its TP peers compute from what it computed (``_expected_ranks``)
 TP_FORWARD = ("tp-collective", "all-gather-output")
+#: a PP job's faults in one stage's forward: the other stage of its pipeline (same dp coordinate) computes from it
+PP_FORWARD = ("pp-activation", "all-gather-output")
+#: --parallel pp: the demo's mesh, rank = pp * PP_DP + dp (rank r has pp = r // 2, dp = r % 2)
+PP_DP = 2
 #: --mixed-precision: where a fault flips a bfloat16 (the all-gathered parameters, cast before the
 #: all-gather); every other location holds float32 (the gradient is reduced in float32)
 SIXTEEN_BIT = ("all-gather-output",)
@@ -193,8 +213,10 @@ class Options:
             raise SystemExit("--job is the sharded job's model: pass --parallel fsdp or hsdp")
         if self.mixed_precision and self.parallel == "ddp":
             raise SystemExit("--mixed-precision is a sharded job's MixedPrecisionPolicy: pass --parallel fsdp or hsdp")
-        if self.parallel == "tp" and (self.job != "mlp" or self.mixed_precision):
-            raise SystemExit("--parallel tp trains demo/tp.py's job as it is: no --job, no --mixed-precision")
+        if self.parallel in ("tp", "pp") and (self.job != "mlp" or self.mixed_precision):
+            raise SystemExit(
+                f"--parallel {self.parallel} trains demo/{self.parallel}.py's job as it is: no --job, no --mixed-precision"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -238,7 +260,9 @@ def plan_runs(options: Options) -> list[Plan]:
         bit = rng.choice(BIT_CLASSES[bits])
         if options.mixed_precision and location in SIXTEEN_BIT:  # the same class of bfloat16's bits
             bit = bit - 16 if bit >= 16 else bit % 4
-        spec = f"{location}:step={step}:rank={rng.randrange(WORLD_SIZE)}:bit={bit}"
+        # pp-activation: the activation a stage-0 rank sends (ranks 0 and 1)
+        rank = rng.randrange(PP_DP if location == "pp-activation" else WORLD_SIZE)
+        spec = f"{location}:step={step}:rank={rank}:bit={bit}"
         plans.append(
             Plan(
                 index=len(plans),
@@ -307,10 +331,16 @@ def _train(plan: Plan, options: Options) -> dict:
     """Train one run: the row's training part (trace, checkpoints, what fired online)."""
     out = options.out_dir / plan.name
     started = time.monotonic()
-    if options.parallel == "tp":
-        from sdc_forensics.demo import tp
+    if options.parallel in ("tp", "pp"):
+        if options.parallel == "tp":
+            from sdc_forensics.demo import tp as demo
 
-        found = tp.run_demo(
+            degree = {"tp_degree": demo.TP}
+        else:
+            from sdc_forensics.demo import pp as demo
+
+            degree = {"pp_degree": demo.PP}
+        found = demo.run_demo(
             out,
             (plan.fault,) if plan.fault else (),
             steps=options.steps,
@@ -318,12 +348,11 @@ def _train(plan: Plan, options: Options) -> dict:
             seed=plan.variant,
         )
         ranks = [json.loads(path.read_text()) for path in sorted((out / "demo").glob("rank-*.json"))]
-        return {
-            "tp_degree": tp.TP,
-            "recipe": f"{tp.SEEDED_REFERENCE} seed={plan.variant}",
+        return degree | {
+            "recipe": f"{demo.SEEDED_REFERENCE} seed={plan.variant}",
             "trace": str(out / "trace"),
             "train_s": round(time.monotonic() - started, 2),
-            # the tp-collective drill's flips (the recorder's own drills are not reported by the demo)
+            # the tp-collective / pp-activation drill's flips (the recorder's own drills are not reported by the demo)
             "fired": [f for doc in ranks for f in doc.get("fired", [])],
             "online_alarms": sorted({a["check"] for a in found["alarms"]}),
             "checkpoints": {
@@ -431,7 +460,8 @@ def _torchrun_cli(args: list[str]) -> dict:
 
 
 def run_one(plan: Plan, options: Options) -> dict:
-    """Train one run, then judge it with the three commands (a TP job's under torchrun: ``TP_PROCESSES``)."""
+    """Train one run, then judge it with the three commands (a TP job's under torchrun: ``TP_PROCESSES``; a PP
+    job's on one process, as the DDP and FSDP jobs')."""
     from click.testing import CliRunner
 
     from sdc_forensics.cli.main import cli
@@ -463,14 +493,17 @@ def run_one(plan: Plan, options: Options) -> dict:
 # ---------------------------------------------------------------------------------- effect (parent)
 def effect(row: dict, twin: dict) -> dict:
     """Whether the fault changed the training state beyond tolerance (see the module docstring)."""
-    from sdc_forensics.inject import ALL_LOCATIONS, TP_LOCATIONS, parse_spec
+    from sdc_forensics.inject import ALL_LOCATIONS, PP_LOCATIONS, TP_LOCATIONS, parse_spec
 
     if row["location"] != "checkpoint-file":
         fault = row["fault"]
-        if row["location"] in TP_LOCATIONS:
+        if row["location"] in TP_LOCATIONS + PP_LOCATIONS:
             # measure_effect reads the spec's step and rank only, and parses the recorders' locations: the faulted
             # rank's recorded local and reduced sketches are what a flip inside its forward moves
-            fault = str(dataclasses.replace(parse_spec(fault, TP_LOCATIONS), location="local-gradient"))
+            spec = parse_spec(fault, TP_LOCATIONS + PP_LOCATIONS)
+            if row["location"] in PP_LOCATIONS:  # stage 0's sent activation moves the receiving rank's gradient
+                spec = dataclasses.replace(spec, rank=spec.rank + PP_DP)
+            fault = str(dataclasses.replace(spec, location="local-gradient"))
         measured = measure_effect(Path(row["trace"]), Path(twin["trace"]), fault)
         return measured | {"changed_nothing": _same_run(Path(row["trace"]), Path(twin["trace"]))}
     step = str(parse_spec(row["fault"], ALL_LOCATIONS).step)
@@ -517,7 +550,7 @@ def judge(row: dict) -> dict:
     """The outcome of one run (see the module docstring for each rule); the trace-only answer
     (``row["trace_only"]``) is judged by the same rules, its own statuses standing for every command's.
     A row from before trace-only answers were kept has its ``trace_only_*`` outcomes None: not measured."""
-    from sdc_forensics.inject import ALL_LOCATIONS, TP_LOCATIONS, parse_spec
+    from sdc_forensics.inject import ALL_LOCATIONS, PP_LOCATIONS, TP_LOCATIONS, parse_spec
 
     statuses = _all_statuses(row)
     steps = sorted({int(n) for by in statuses.values() for n in by})
@@ -545,25 +578,27 @@ def judge(row: dict) -> dict:
             "bad_statuses": bad,
             "trace_only_false_alarm": None if trace_only is None else _alarmed(trace_only),
         }
-    spec = parse_spec(row["fault"], ALL_LOCATIONS + TP_LOCATIONS)
+    spec = parse_spec(row["fault"], ALL_LOCATIONS + TP_LOCATIONS + PP_LOCATIONS)
     if row["location"] == "checkpoint-file":
         held = [f"{c} {n}" for c, by in statuses.items() for n, s in by.items() if int(n) == spec.step and s == "clean"]
     else:
         held = [f"{c} {n}" for c, by in statuses.items() for n, s in by.items() if int(n) > spec.step and s == "clean"]
     candidate = row["bisect"]["weak_candidate"]
     locations = {s["location"] for s in row["bisect"]["suspects"]}
-    expected = _expected_ranks(row["location"], spec, row.get("tp_degree", 1))
+    expected = _expected_ranks(row["location"], spec, row.get("tp_degree", 1), row.get("pp_degree", 1))
     return outcome | {
         "detected": verdict == "corruption",
         "missed": verdict == "clean",
-        "exact_step_rank": _exact(row["bisect"], row["location"], spec, expected),
+        "exact_step_rank": _exact(row["bisect"], row["location"], spec, expected, _required(row, spec)),
         "location_correct": verdict == "corruption" and locations == {EXPECTED_LOCATION[row["location"]]},
         "false_clean": held,
         "weak_candidate_matches": None
         if verdict != "inconclusive" or candidate is None
         else candidate["step"] == spec.step and candidate["ranks"] == [spec.rank],
         "trace_only_detected": None if trace_only is None else trace_only["verdict"] == "corruption",
-        "trace_only_exact": None if trace_only is None else _exact(trace_only, row["location"], spec, expected),
+        "trace_only_exact": None
+        if trace_only is None
+        else _exact(trace_only, row["location"], spec, expected, _required(row, spec)),
         "trace_only_wrong_ranks": None if trace_only is None else _wrong_ranks(trace_only, expected),
     }
 
@@ -572,21 +607,39 @@ def _ranks(answer: dict) -> list[int]:
     return sorted({s["rank"] for s in answer["suspects"] if s["rank"] is not None})
 
 
-def _expected_ranks(location: str, spec, tp_degree: int = 1) -> list[int]:
+def _expected_ranks(location: str, spec, tp_degree: int = 1, pp_degree: int = 1) -> list[int]:
     """The ranks a right answer names: none for ``allreduce-all`` (the collective), the writer for a file, and
     in a TP job (``tp_degree`` > 1) for a fault in one rank's forward (:data:`TP_FORWARD`) every rank of its DP
     coordinate: TP's collectives hand the rank's wrong activations to its TP peers (the row-parallel layers'
     reduce-scatter, the head's all-gather), so all of them compute their loss and local gradients from them
     (tests/replay/test_tp_collective_fault.py)."""
+    if pp_degree > 1 and location in PP_FORWARD:
+        # a PP job's forward fault: the ranks of its pipeline (same dp coordinate), any of which may be named
+        return [stage * PP_DP + spec.rank % PP_DP for stage in range(pp_degree)]
     if tp_degree > 1 and location in TP_FORWARD:
         # the (dp, tp) mesh is row-major: rank = dp * tp_degree + tp
         return [spec.rank // tp_degree * tp_degree + t for t in range(tp_degree)]
     return {"allreduce-all": [], "checkpoint-file": [WRITER_RANK]}.get(location, [spec.rank])
 
 
-def _exact(answer: dict, location: str, spec, expected: list[int]) -> bool:
-    """The exact step-and-rank rule (module docstring) on one bisect answer: the replay's or the trace-only one."""
-    if answer["verdict"] != "corruption" or _ranks(answer) != expected:
+def _required(row: dict, spec) -> int | None:
+    """A PP job's forward fault (:data:`PP_FORWARD`): the rank a right answer must name among its pipeline's
+    (``_expected_ranks``): the corrupted rank for all-gather-output, the receiving rank r+2 for pp-activation
+    (tests/replay/test_pp_replay.py); None: the answer must name exactly the expected ranks."""
+    if row.get("pp_degree", 1) <= 1 or row["location"] not in PP_FORWARD:
+        return None
+    return spec.rank + PP_DP if row["location"] == "pp-activation" else spec.rank
+
+
+def _exact(answer: dict, location: str, spec, expected: list[int], required: int | None = None) -> bool:
+    """The exact step-and-rank rule (module docstring) on one bisect answer: the replay's or the trace-only one.
+    With ``required`` (a PP forward fault) the answer's ranks lie within ``expected`` and include ``required``."""
+    if answer["verdict"] != "corruption":
+        return False
+    ranks = _ranks(answer)
+    if required is None and ranks != expected:
+        return False
+    if required is not None and (required not in ranks or not set(ranks) <= set(expected)):
         return False
     if location == "checkpoint-file":  # no divergent step: the flipped checkpoint is the one corrupt file
         return {int(n) for n, s in answer["statuses"].items() if s == "corrupt"} == {spec.step}
@@ -890,7 +943,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--parallel",
-        choices=("ddp", "fsdp", "hsdp", "tp"),
+        choices=("ddp", "fsdp", "hsdp", "tp", "pp"),
         default="ddp",
         help="the job: DDP (the conv net), the sharded job of demo/sharded.py (FSDP2 over 4 ranks, HSDP 2 x 2), "
         "or demo/tp.py's TP 2 x FSDP2 DP 2 transformer (replayed under torchrun, 2 processes)",
@@ -966,7 +1019,10 @@ def main(argv: list[str] | None = None) -> None:
     if args._child:
         options = json.loads(args._options)
         options = Options(**options | {"out_dir": Path(options["out_dir"])})
-        print(json.dumps(run_one(Plan(**json.loads(args._child)), options)))
+        row = run_one(Plan(**json.loads(args._child)), options)
+        # also beside the run's files: a campaign stopped early can still be re-judged from the rows that finished
+        (options.out_dir / Plan(**json.loads(args._child)).name / "row.json").write_text(json.dumps(row))
+        print(json.dumps(row))
         return
     if args.rejudge is not None:
         earlier = json.loads(args.rejudge.read_text(encoding="utf-8"))
