@@ -42,6 +42,9 @@ class OnlineChecks:
     weights: int = 0
     audited: tuple[int, ...] = ()
     world_size: int = 0
+    #: a sharded job's ranks that hold each shard (``ShardMesh.same_shard``'s group size; 0: not sharded):
+    #: its weights check is every rank's shard at rest, voted across that many replicas
+    replicas_per_shard: int = 0
 
     def describe(self) -> str:
         """One clause for people: which check ran on how many of the steps."""
@@ -55,11 +58,16 @@ class OnlineChecks:
         if self.gradients:
             parts.append(f"NaN/Inf and all-reduce sketch on {of(self.gradients)}")
         if self.weights:
+            copies = self.replicas_per_shard or self.world_size
             vote = (
-                f"replica vote ({self.world_size} replicas)"
-                if self.world_size >= 3
-                else f"replica comparison ({self.world_size} replicas: detects, cannot vote)"
+                f"replica vote ({copies} replicas)"
+                if copies >= 3
+                else f"replica comparison ({copies} replicas: detects, cannot vote)"
             )
+            if self.replicas_per_shard == 1:
+                vote = "each rank's weight shard checked at rest (no replica holds it)"
+            elif self.replicas_per_shard:
+                vote = f"each rank's weight shard checked at rest, {vote} of each shard"
             parts.append(f"{vote} on {of(self.weights)}")
         if self.audited:
             shown = ", ".join(str(s) for s in self.audited[:6]) + (", ..." if len(self.audited) > 6 else "")
@@ -104,4 +112,14 @@ def online_checks(trace, spans: Iterable[tuple[int, int]]) -> OnlineChecks:
         weights=weights,
         audited=tuple(sorted(set(audited))),
         world_size=trace.world_size,
+        replicas_per_shard=_replicas_per_shard(trace),
     )
+
+
+def _replicas_per_shard(trace) -> int:
+    """How many ranks hold each shard of a sharded job (0: a DDP job, every rank the whole)."""
+    mesh = getattr(getattr(trace, "manifest", None), "parallel", None)
+    if mesh is None:
+        return 0
+    groups = mesh.same_shard()
+    return min(len(g) for g in groups) if groups else 0

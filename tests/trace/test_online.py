@@ -45,3 +45,14 @@ def test_a_step_a_rank_did_not_record_counts_as_checked_by_no_check(make_trace, 
     checks = online_checks(Trace.open(path), [(0, 3)])
     assert (checks.steps, checks.complete, checks.gradients, checks.weights) == (4, 3, 3, 3)
     assert "1 step(s) missing a rank's record" in checks.describe()
+
+
+def test_a_sharded_job_says_its_weights_are_checked_per_shard_not_voted_by_every_rank():
+    # FSDP (and a PP stage): no rank holds another's shard; HSDP 2 x 2: each shard's 2 replicas compare
+    alone = OnlineChecks(steps=4, complete=4, gradients=4, weights=4, world_size=4, replicas_per_shard=1)
+    assert "each rank's weight shard checked at rest (no replica holds it) on every step" in alone.describe()
+    assert "replica vote" not in alone.describe()
+    hsdp = OnlineChecks(steps=4, complete=4, gradients=4, weights=4, world_size=4, replicas_per_shard=2)
+    assert "replica comparison (2 replicas: detects, cannot vote) of each shard" in hsdp.describe()
+    three = OnlineChecks(steps=4, complete=4, gradients=4, weights=4, world_size=6, replicas_per_shard=3)
+    assert "replica vote (3 replicas) of each shard" in three.describe()
