@@ -4,8 +4,8 @@ The recipe's whole model recomputes each data-parallel rank's step, as for FSDP
 (``replayer.Replayer``): every microbatch forward and backward, the gradients accumulated in the
 schedule's order. A pipeline hands each stage's activations (and their gradients) to the next as
 they are, with no arithmetic of its own, so the whole model computes every stage's numbers, bit
-for bit (measured: ``benchmarks/pp_ddp_experiment.py`` for the pipeline alone, and
-``tests/replay/test_pp_replay.py`` on the demo's PP 2 x FSDP2 DP 2 job). What differs from FSDP:
+for bit at the recorded thread count (``benchmarks/pp_ddp_experiment.py`` for the pipeline alone;
+``tests/replay/test_pp_replay.py`` holds it on the demo's PP x FSDP2 jobs). What differs from FSDP:
 
 * **Each rank recorded its stage's parameters only**, at their place in the whole model's flat
   vector (``ShardMesh.stages``): the replay fingerprints the same elements of its whole tensors
