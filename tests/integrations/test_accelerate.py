@@ -7,6 +7,7 @@ and judged by the unchanged CLI. Skipped, with the reason, without the ``acceler
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -45,13 +46,18 @@ def test_a_clean_accelerate_run_is_certified_and_its_save_state_folders_verify(t
     assert ran.returncode == 0 and "VERIFIED" in ran.stderr and "not verifiable" not in ran.stderr, ran.stderr
 
 
+@pytest.fixture(scope="module")
+def faulty_run(tmp_path_factory):
+    """One 6-step loop with a flip in rank 0's gradient at step 4: read as it is, or copied first by a test that resumes it."""
+    where = tmp_path_factory.mktemp("acc-faulty")
+    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=0:bit=29"], cwd=where))
+    return where
+
+
 @pytest.mark.slow
 @pytest.mark.heavy
-def test_a_fault_injected_through_the_accelerate_adapter_is_found_at_its_step_and_rank(tmp_path):
-    assert_ok(
-        run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=0:bit=29"], cwd=tmp_path)
-    )
-    ran = run_installed(["bisect", "trace", "--allow-numpy", "--json"], tmp_path, cwd=tmp_path, env=ENV)
+def test_a_fault_injected_through_the_accelerate_adapter_is_found_at_its_step_and_rank(faulty_run, tmp_path):
+    ran = run_installed(["bisect", "trace", "--allow-numpy", "--json"], tmp_path, cwd=faulty_run, env=ENV)
     assert ran.returncode == 1, ran.stderr
     doc = json.loads(ran.stdout)
     assert (doc["verdict"], doc["first_divergent_step"], [s["rank"] for s in doc["suspects"]]) == ("corruption", 4, [0])
@@ -60,7 +66,9 @@ def test_a_fault_injected_through_the_accelerate_adapter_is_found_at_its_step_an
 
 @pytest.mark.slow
 @pytest.mark.heavy
-def test_a_resumed_loop_starts_its_attempt_at_the_loaded_folders_step_and_writes_over_no_checkpoint(tmp_path):
+def test_a_resumed_loop_starts_its_attempt_at_the_loaded_folders_step_and_writes_over_no_checkpoint(
+    faulty_run, tmp_path
+):
     """Issue 40: attempt 0 with a flip at step 4 saves step-0, -3, -6; accelerator.load_state(out/step-3)
     starts attempt 1 at step 3 (the step the trace noted for that folder), it saves into a new
     folder (save_state over out/step-6 would be refused), attempt 0's files stay byte for byte,
@@ -75,9 +83,8 @@ def test_a_resumed_loop_starts_its_attempt_at_the_loaded_folders_step_and_writes
             if p.is_file()
         }
 
-    assert_ok(
-        run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=0:bit=29"], cwd=tmp_path)
-    )
+    tmp_path = tmp_path / "run"
+    shutil.copytree(faulty_run, tmp_path)  # attempt 0: the faulty loop, copied (the resume adds attempt 1 to it)
     before = hashes(tmp_path / "out")
     assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out2", "--resume", "out/step-3"], cwd=tmp_path))
     assert hashes(tmp_path / "out") == before

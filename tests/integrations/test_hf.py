@@ -91,17 +91,20 @@ def test_a_damaged_folder_is_caught_against_its_note(clean_run, tmp_path):
     assert "bytes differ from what was saved" in ran.stderr, ran.stderr
 
 
+@pytest.fixture(scope="module")
+def faulty_run(tmp_path_factory):
+    """6 steps with a flip in rank 1's gradient at step 4, checkpoints 0, 3 and 6, a data worker per rank
+    (the sample indices travel with each batch from the worker process): read as it is, or copied first
+    by a test that resumes it."""
+    where = tmp_path_factory.mktemp("hf-faulty")
+    argv = ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=1:bit=30", "--workers", "1"]
+    assert_ok(run_ranks(JOB, argv, cwd=where))
+    return where
+
+
 @pytest.mark.heavy
-def test_a_fault_injected_through_the_adapter_is_found_at_its_step_and_rank(tmp_path):
-    # with a data worker per rank: the sample indices travel with each batch from the worker process
-    assert_ok(
-        run_ranks(
-            JOB,
-            ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=1:bit=30", "--workers", "1"],
-            cwd=tmp_path,
-        )
-    )
-    ran = run_installed(["bisect", "trace", "--allow-numpy", "--json"], tmp_path, cwd=tmp_path, env=ENV)
+def test_a_fault_injected_through_the_adapter_is_found_at_its_step_and_rank(faulty_run, tmp_path):
+    ran = run_installed(["bisect", "trace", "--allow-numpy", "--json"], tmp_path, cwd=faulty_run, env=ENV)
     assert ran.returncode == 1, ran.stderr
     doc = json.loads(ran.stdout)
     assert doc["verdict"] == "corruption"
@@ -122,7 +125,7 @@ def _hashes(folder) -> dict:
 
 
 @pytest.mark.heavy
-def test_a_resumed_trainer_run_is_a_second_attempt_and_writes_over_no_checkpoint(tmp_path):
+def test_a_resumed_trainer_run_is_a_second_attempt_and_writes_over_no_checkpoint(faulty_run, tmp_path):
     """Issue 40: attempt 0 with a flip at step 4 saves checkpoint-0, -3, -6. Resuming into the same
     output_dir would have the Trainer write checkpoint-6 over attempt 0's: refused at attach, one
     line, exit 2 on every rank, nothing written. Resumed into a new output_dir from checkpoint-3,
@@ -130,9 +133,8 @@ def test_a_resumed_trainer_run_is_a_second_attempt_and_writes_over_no_checkpoint
     byte, and its checkpoint 6 certifies. bisect still reports attempt 0's fault: rank 1 at step 4
     with its attempt, verdict corruption, while the latest lineage (steps 3..5 re-run clean) has no
     divergent step."""
-    assert_ok(
-        run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=1:bit=30"], cwd=tmp_path)
-    )
+    tmp_path = tmp_path / "run"
+    shutil.copytree(faulty_run, tmp_path)  # attempt 0: the faulty run, copied (the resume adds attempt 1 to it)
     before = _hashes(tmp_path / "out")
     assert {name.split("/")[0] for name in before} == {"checkpoint-0", "checkpoint-3", "checkpoint-6"}
     refused = run_ranks(JOB, ["--trace", "trace", "--out", "out", "--resume", "out/checkpoint-3"], cwd=tmp_path)

@@ -9,6 +9,7 @@ Skipped, with the reason, without the ``lightning`` extra.
 from __future__ import annotations
 
 import json
+import shutil
 import types
 
 import pytest
@@ -22,31 +23,46 @@ JOB = "tests.integrations.pljob"
 ENV = {"PYTHONPATH": str(REPO)}
 
 
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    """One clean 6-step fit (checkpoints 0, 3 and 6), read by the tests below and never written to."""
+    where = tmp_path_factory.mktemp("pl-clean")
+    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out"], cwd=where))
+    return where
+
+
+@pytest.fixture(scope="module")
+def faulty_run(tmp_path_factory):
+    """One 6-step fit with a flip in rank 1's gradient at step 4: read as it is, or copied first by a test that resumes it."""
+    where = tmp_path_factory.mktemp("pl-faulty")
+    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=1:bit=29"], cwd=where))
+    return where
+
+
 @pytest.mark.slow
 @pytest.mark.heavy
-def test_a_clean_lightning_run_is_certified_and_its_checkpoints_verify(tmp_path):
-    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out"], cwd=tmp_path))
+def test_a_clean_lightning_run_is_certified_and_its_checkpoints_verify(clean_run, tmp_path):
     import lightning
 
-    inspected = json.loads(run_installed(["inspect", "trace", "--json"], tmp_path, cwd=tmp_path).stdout)
+    inspected = json.loads(run_installed(["inspect", "trace", "--json"], tmp_path, cwd=clean_run).stdout)
     assert inspected["framework"] == {
         "name": "lightning",
         "version": lightning.__version__,
         "adapter": "sdc_forensics.integrations.lightning",
     }
-    certified = run_installed(["certify", "trace", "--json"], tmp_path, cwd=tmp_path, env=ENV)
+    certified = run_installed(["certify", "trace", "--json"], tmp_path, cwd=clean_run, env=ENV)
     assert certified.returncode == 0, certified.stderr
     doc = json.loads(certified.stdout)
     assert {c["step"]: c["status"] for c in doc["checkpoints"]} == {0: "clean", 3: "clean", 6: "clean"}
     assert "(exact)" in certified.stderr, certified.stderr
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["sdc-step=0.ckpt", "step=3.ckpt", "step=6.ckpt"]
-    ran = run_installed(["verify-checkpoint", str(tmp_path / "out" / "step=3.ckpt")], tmp_path)  # the file alone
+    assert sorted(p.name for p in (clean_run / "out").iterdir()) == ["sdc-step=0.ckpt", "step=3.ckpt", "step=6.ckpt"]
+    ran = run_installed(["verify-checkpoint", str(clean_run / "out" / "step=3.ckpt")], tmp_path)  # the file alone
     assert ran.returncode == 0 and "VERIFIED" in ran.stderr, ran.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.heavy
-def test_every_recorded_lightning_step_carries_its_weights_after_the_update(tmp_path):
+def test_every_recorded_lightning_step_carries_its_weights_after_the_update(clean_run):
     """The weights digest after each update is what makes a replay's update checked (issue 33,
     "exact means every digest of the step"). The adapter closed each step in an optimizer post-hook
     registered before the recorder's own, so no Lightning step had one (found by
@@ -56,20 +72,16 @@ def test_every_recorded_lightning_step_carries_its_weights_after_the_update(tmp_
     from sdc_forensics.trace import format as F
     from sdc_forensics.trace.reader import Trace
 
-    assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--steps", "4"], cwd=tmp_path))
-    records = Trace.open(tmp_path / "trace").records(F.Kind.STEP)
-    assert len(records) == 2 * 4, len(records)
+    records = Trace.open(clean_run / "trace").records(F.Kind.STEP)  # every step of the 6-step fit, both ranks
+    assert len(records) == 2 * 6, len(records)
     flags = records["flags"].astype(np.int64)
     assert ((flags & int(F.Flag.HAS_WEIGHTS)) != 0).all() and ((flags & int(F.Flag.WEIGHTS_CHECKED)) != 0).all(), flags
 
 
 @pytest.mark.slow
 @pytest.mark.heavy
-def test_a_fault_injected_through_the_lightning_callback_is_found_at_its_step_and_rank(tmp_path):
-    assert_ok(
-        run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=1:bit=29"], cwd=tmp_path)
-    )
-    ran = run_installed(["bisect", "trace", "--json"], tmp_path, cwd=tmp_path, env=ENV)
+def test_a_fault_injected_through_the_lightning_callback_is_found_at_its_step_and_rank(faulty_run, tmp_path):
+    ran = run_installed(["bisect", "trace", "--json"], tmp_path, cwd=faulty_run, env=ENV)
     assert ran.returncode == 1, ran.stderr
     doc = json.loads(ran.stdout)
     assert (doc["verdict"], doc["first_divergent_step"], [s["rank"] for s in doc["suspects"]]) == ("corruption", 4, [1])
@@ -156,15 +168,14 @@ def _hashes(folder) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.heavy
-def test_a_resumed_fit_starts_its_attempt_at_the_restored_step_and_writes_over_no_checkpoint(tmp_path):
+def test_a_resumed_fit_starts_its_attempt_at_the_restored_step_and_writes_over_no_checkpoint(faulty_run, tmp_path):
     """Issue 40: fit(ckpt_path=step=3.ckpt) after a first attempt with a flip at step 4. Lightning
     restores global_step after on_fit_start; the callback starts attempt 1 at step 3, saves no
     checkpoint 0, and every file of attempt 0 stays byte for byte (step 6 goes to step=6-v1.ckpt).
     bisect still reports attempt 0's fault (rank 1 at step 4, with its attempt: corruption), while
     the resumed attempt's checkpoint certifies on its own replay."""
-    assert_ok(
-        run_ranks(JOB, ["--trace", "trace", "--out", "out", "--inject", "grad:step=4:rank=1:bit=29"], cwd=tmp_path)
-    )
+    tmp_path = tmp_path / "run"
+    shutil.copytree(faulty_run, tmp_path)  # attempt 0: the faulty fit, copied (the resume adds attempt 1 to it)
     before = _hashes(tmp_path / "out")
     assert sorted(before) == ["sdc-step=0.ckpt", "step=3.ckpt", "step=6.ckpt"]
     assert_ok(run_ranks(JOB, ["--trace", "trace", "--out", "out", "--resume", "out/step=3.ckpt"], cwd=tmp_path))
