@@ -221,6 +221,18 @@ class TpRecipe:
 recipe = TpRecipe()
 
 
+@dataclasses.dataclass(kw_only=True)
+class ClippedTpRecipe(TpRecipe):
+    """The recipe of the job that clips (``max_norm``): torch's ``clip_grad_norm_`` in the loop's
+    place, which the exact replay runs with the total norm as the job's (dp, tp) shards computed it
+    (``replay/clipping.tp_total_norm``)."""
+
+    max_norm: float
+
+    def before_step(self, model, optimizer) -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_norm)
+
+
 def train(
     rank: int,
     world: int,
@@ -233,11 +245,16 @@ def train(
     policy: str = "continue",
     seed: int = 0,
     audit_every: int = 0,
+    max_norm: float = 0.0,
+    reduction: str = "native",
 ) -> dict:
     """One rank of the TP x DP job, recorded; every rank calls it in an initialised process group.
 
     Microbatch ``step * DP + dp`` is what the ranks of DP coordinate ``dp`` train on at ``step``.
-    Checkpoints (DCP directories) at step 0 and every ``checkpoint_every``. Returns the alarms."""
+    Checkpoints (DCP directories) at step 0 and every ``checkpoint_every``. ``max_norm``: the loop
+    clips with torch's ``clip_grad_norm_`` on the (dp, tp) DTensors before each update (the recipe
+    :class:`ClippedTpRecipe`); ``reduction``: the recorder's DP reduction (``ordered`` for more than
+    two DP ranks replayed exactly). Returns the alarms and, when it clips, each step's total norm."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -252,8 +269,11 @@ def train(
     drill = CollectiveDrill(collective_specs, rank)
     if drill.specs:
         model.down.register_forward_hook(drill)
-    options = RecorderOptions(policy=policy, audit_every=audit_every)
-    recorded = {"recipe": REFERENCE} if not seed else {"recipe": SEEDED_REFERENCE, "recipe_args": {"seed": seed}}
+    options = RecorderOptions(policy=policy, audit_every=audit_every, reduction=reduction)
+    settings = {k: v for k, v in (("seed", seed), ("max_norm", max_norm)) if v}
+    reference = "sdc_forensics.demo.tp:ClippedTpRecipe" if max_norm else SEEDED_REFERENCE
+    recorded = {"recipe": REFERENCE} if not settings else {"recipe": reference, "recipe_args": settings}
+    norms: list = []
     alarms: list = []
     with Recorder(trace_dir, model, optimizer, options=options, inject=inject, **recorded) as rec:
         for step in range(steps):
@@ -267,6 +287,8 @@ def train(
                     loss = loss_of(model, batch)
                     h.loss(loss)
                     loss.backward()
+                    if max_norm:
+                        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).full_tensor()))
                     optimizer.step()
                     optimizer.zero_grad()
             except SdcAlarm as alarm:
@@ -274,7 +296,7 @@ def train(
                 break
         alarms += [{"step": a.step, "rank": a.rank, "check": a.check} for a in rec.alarms if a.check]
     dist.barrier()
-    return {"alarms": alarms, "fired": drill.fired}
+    return {"alarms": alarms, "fired": drill.fired, "grad_norms": norms}
 
 
 def run_demo(
@@ -285,14 +307,20 @@ def run_demo(
     checkpoint_every: int = 4,
     policy: str = "continue",
     seed: int = 0,
+    max_norm: float = 0.0,
+    dp: int = DP,
+    reduction: str = "native",
 ) -> dict:
-    """``sdc-forensics demo --parallel tp``: the job on 4 gloo processes (DP 2 x TP 2); returns rank
-    0's findings. The trace is ``OUT/trace``, checkpoint ``N`` ``OUT/checkpoints/step-N`` (8 digits)."""
+    """``sdc-forensics demo --parallel tp``: the job on ``dp * 2`` gloo processes (DP 2 x TP 2 unless
+    ``dp`` says otherwise); returns rank 0's findings. The trace is ``OUT/trace``, checkpoint ``N``
+    ``OUT/checkpoints/step-N`` (8 digits)."""
     kwargs = {
         "steps": steps,
         "checkpoint_every": checkpoint_every,
         "policy": policy,
         "inject": tuple(injections),
         "seed": seed,
+        "max_norm": max_norm,
+        "reduction": reduction,
     }
-    return launch(out_dir, DP * TP, kwargs, "sdc_forensics.demo.tp:train")
+    return launch(out_dir, dp * TP, kwargs, "sdc_forensics.demo.tp:train")

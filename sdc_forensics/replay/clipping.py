@@ -188,14 +188,111 @@ def pipeline_total_norm(
         )
         for stage in stages
     ]
+    return _finite(_across_stages(norms, norm_type), norm_type, error_if_nonfinite)
+
+
+def _across_stages(norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """torchtitan's combination of the stages' total norms: ``** p`` all-reduced over ``pp`` (two
+    terms are order-free; more are added in stage order), ``** (1 / p)``; ``inf``: the maximum."""
     if norm_type == math.inf:
-        total = torch.stack(norms).amax()
-    else:
-        total = norms[0] ** norm_type
-        for norm in norms[1:]:
-            total = total + norm**norm_type
-        total = total ** (1.0 / norm_type)
-    return _finite(total, norm_type, error_if_nonfinite)
+        return torch.stack(norms).amax()
+    total = norms[0] ** norm_type
+    for norm in norms[1:]:
+        total = total + norm**norm_type
+    return total ** (1.0 / norm_type)
+
+
+@torch.no_grad()
+def tp_total_norm(
+    tensors: torch.Tensor | Iterable[torch.Tensor],
+    mesh: ShardMesh,
+    grads: list[torch.Tensor | None],
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """The total norm of a tensor-parallel job's gradients as ``clip_grad_norm_`` on its ``(dp, tp)``
+    DTensors computed it, from the exact TP replay's gradients (``replay/tp_exact.py``: DTensors on a
+    1-D ``tp`` mesh of the replay's processes, process ``t`` holding TP slice ``t`` of each whole
+    along ``dp``). ``grads``: the replay's gradient of each of the trace's parameters (None for a
+    frozen one), so that each tensor clipped is known by its parameter.
+
+    torch 2.13's arithmetic on the job's ranks (checked bit for bit against real TP x FSDP2 jobs,
+    DP 2 and 3 x TP 2, norm types 2 and inf: ``tests/replay/test_tp_clipping.py``):
+
+    1. rank ``(d, t)`` takes ``_foreach_norm`` of its local shards (FSDP's rows ``d`` of TP's slice
+       ``t``): ``_NormPartial(p)`` on ``dp``, and on ``tp`` too for a TP-cut parameter
+       (``Replicate`` for a replicated one);
+    2. ``torch.stack`` follows the partial placement on each dimension where any input is partial:
+       a replicated norm is made partial over ``tp`` by ``_NormPartial._partition_value``,
+       ``n / tp ** (1 / p)`` (``Partial("max")`` for ``inf``: unchanged);
+    3. ``vector_norm`` of the stacked vector makes it whole one mesh dimension at a time, the outer
+       (``dp``) first: ``** p``, an all-reduce (gloo's ring order, ``env.ring_sum``), ``** (1 / p)``
+       (``inf``: the maximum), then the same over ``tp``, then the norm of the whole vector.
+
+    A pipeline job's (``mesh.pp_dim >= 0``, PP x DP x TP) is that per stage, over the stage's
+    parameters, combined across stages as torchtitan does (:func:`_across_stages`). Every process
+    computes the same total (the ``tp`` step exchanges the processes' partial vectors); it is
+    returned replicated on the gradients' mesh, as torch's own DTensor total is.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from sdc_forensics.replay import distributed
+
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    norm_type = float(norm_type)
+    if not tensors:
+        return torch.tensor(0.0)
+    if not (norm_type > 0 or norm_type == math.inf):
+        raise RecipeError(
+            f"the recipe clips with norm_type={norm_type}: a sharded job's replay reproduces the total norm "
+            "for a positive norm type or inf"
+        )
+    where = {id(g): i for i, g in enumerate(grads) if g is not None}
+    indices = [where.get(id(t)) for t in tensors]
+    if None in indices:
+        raise RecipeError(
+            "the recipe clips tensors that are not the model's gradients: the exact tensor-parallel replay "
+            "reproduces clipping of the gradients of the model it replays"
+        )
+    stage_of = (lambda i: mesh.stages[i]) if mesh.pp_dim >= 0 else (lambda i: 0)
+    dp, tp = mesh.shard_size, mesh.tp_size
+
+    def reduce(vectors: list[torch.Tensor]) -> torch.Tensor:
+        if norm_type == math.inf:
+            return torch.stack(vectors).amax(dim=0)
+        return ring_sum([v**norm_type for v in vectors]) ** (1.0 / norm_type)
+
+    mine = {}
+    for stage in sorted({stage_of(i) for i in indices}):
+        chosen = [(t, i) for t, i in zip(tensors, indices) if stage_of(i) == stage]
+        tp_partial = any(mesh.tp_shards[i] >= 0 for _, i in chosen)
+        per_dp = [[] for _ in range(dp)]
+        for t, i in chosen:
+            local = t.to_local() if isinstance(t, DTensor) else t
+            for d in range(dp):
+                piece = _local_shard(local, d, dp)
+                norm = (
+                    torch.linalg.vector_norm(piece, norm_type)
+                    if foreach is False
+                    else torch._foreach_norm([piece], norm_type)[0]
+                )
+                if tp_partial and mesh.tp_shards[i] < 0 and norm_type != math.inf:
+                    norm = norm / math.pow(tp, 1 / norm_type)
+                per_dp[d].append(norm)
+        vectors = [torch.stack(norms) for norms in per_dp]
+        mine[stage] = (reduce(vectors), tp_partial)
+    every = distributed.exchange_objects(mine)
+    norms = []
+    for stage in sorted(mine):
+        over_dp, tp_partial = mine[stage]
+        whole = reduce([part[stage][0] for part in every]) if tp_partial else over_dp
+        norms.append(torch.linalg.vector_norm(whole, norm_type))
+    total = _finite(_across_stages(norms, norm_type), norm_type, error_if_nonfinite)
+    device_mesh = next((t.device_mesh for t in tensors if isinstance(t, DTensor)), None)
+    if device_mesh is None:
+        return total
+    return DTensor.from_local(total, device_mesh, [Replicate()] * device_mesh.ndim, run_check=False)
 
 
 @contextlib.contextmanager
@@ -216,6 +313,26 @@ def clipping_as_recorded(mesh: ShardMesh | None, resharded: bool = False) -> Ite
             return pipeline_total_norm(tensors, mesh, norm_type, error_if_nonfinite, foreach)
         return norm_of(tensors, size, norm_type, error_if_nonfinite, foreach)
 
+    with _total_norm_is(total_norm):
+        yield
+
+
+@contextlib.contextmanager
+def tp_clipping_as_recorded(mesh: ShardMesh, grads) -> Iterator[None]:
+    """Within it, torch's total gradient norm is the tensor-parallel job's (:func:`tp_total_norm`);
+    ``grads()``: the exact TP replay's gradient of each of the trace's parameters (None: frozen)."""
+
+    def total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None):
+        return tp_total_norm(tensors, mesh, grads(), norm_type, error_if_nonfinite, foreach)
+
+    with _total_norm_is(total_norm):
+        yield
+
+
+@contextlib.contextmanager
+def _total_norm_is(total_norm) -> Iterator[None]:
+    """torch's ``_get_total_norm`` (which ``clip_grad_norm_`` calls) and the public ``get_total_norm``
+    (torchtitan's) replaced by ``total_norm`` within it."""
     saved = (_clip_grad._get_total_norm, torch.nn.utils.get_total_norm)
     _clip_grad._get_total_norm = total_norm
     torch.nn.utils.get_total_norm = total_norm

@@ -21,15 +21,16 @@ collectives; the checkpoint (DCP) is loaded into it resharded. Per step:
    the ordered reduction's arithmetic, and gloo's native reduce-scatter's for two DP ranks (a
    two-term sum is order-free, and halving is exact); a native reduction over more DP ranks is
    refused, naming the ordered one;
-3. the mean becomes the TP parameter's ``.grad`` and the recipe's optimizer (rebuilt over the TP
+3. the mean becomes the TP parameter's ``.grad``, the recipe's ``before_step`` runs with clipping's
+   total norm as the job's ``(dp, tp)`` shards computed it (``clipping.tp_total_norm``; per stage
+   and across stages for a pipeline job), and the recipe's optimizer (rebuilt over the TP
    parameters with its groups and hyperparameters) steps on the TP slices: elementwise, so each
    FSDP shard's bits are the job's; each rank's box (its FSDP rows of its TP slice) of the
    reduced gradient and of the weights is fingerprinted and compared bit for bit.
 
-Refused in one line before replaying (:func:`refusal`): clipping or anything else in the recipe's
-``before_step`` (its total norm would be over TP shards; the one-process replay compares such a job
-within tolerance), a native reduction over more than two DP ranks; and, once the recipe has built
-the job, a scheduler (bound to the optimizer the replay rebuilds over the TP parameters).
+Refused in one line before replaying (:func:`refusal`): a native reduction over more than two DP
+ranks; and, once the recipe has built the job, a scheduler (bound to the optimizer the replay
+rebuilds over the TP parameters).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from sdc_forensics.evidence import EvidenceKind
 from sdc_forensics.fingerprint import shards
 from sdc_forensics.fingerprint.core import combine_digests
 from sdc_forensics.replay import distributed, env, process_step
+from sdc_forensics.replay.clipping import tp_clipping_as_recorded
 from sdc_forensics.replay.replayer import Replayer, ReplayResult, _recipe_call, _recorded_threads
 from sdc_forensics.trace.checkpoints import hex64
 from sdc_forensics.trace.mesh import shard_rows
@@ -87,11 +89,6 @@ def refusal(trace, recipe) -> str:
         return (
             f"a TP job reduced in gloo/NCCL's own order over {dp} DP ranks is not replayed exactly (record it with "
             "reduction='ordered'); the one-process replay compares it within tolerance"
-        )
-    if callable(getattr(recipe, "before_step", None)):
-        return (
-            "the recipe's before_step (clipping's total norm over TP shards) is not reproduced by the exact TP replay: "
-            "replay on one process (no torchrun), which compares within tolerance"
         )
     return ""
 
@@ -176,7 +173,16 @@ class TpExactReplayer(Replayer):
                 # a pipeline schedule divides the reduced gradient by its microbatch count (PipelineStage.scale_grads)
                 params[i].grad = _like(params[i], grad / mesh.grad_divisor if mesh.grad_divisor > 1 else grad)
             weights_evidence, departed = process_step.update_and_compare(
-                self, step, recs, model, optimizer, scheduler, tolerant, bool(step_evidence or reduce_evidence)
+                self,
+                step,
+                recs,
+                model,
+                optimizer,
+                scheduler,
+                tolerant,
+                bool(step_evidence or reduce_evidence),
+                # clipping's total norm as the job's (dp, tp) shards computed it
+                clip=tp_clipping_as_recorded(mesh, lambda: [p.grad for p in params]),
             )
             evidence += weights_evidence
             if departed and tolerant_from is None:
