@@ -7,7 +7,9 @@ stage 0 holds the embedding and blocks 0-1, stage 1 blocks 2-3, the norm and the
 ``(pp, dp)`` mesh of 4 gloo processes; each stage is ``fully_shard``-ed over ``dp`` (each block,
 then the stage), and a schedule (``Schedule1F1B`` by default, ``ScheduleGPipe``) runs
 :data:`MICROBATCHES` microbatches per step through them, scaling the gradients by their count
-(the schedule's default). The ranks of one DP coordinate read the same microbatches. With
+(the schedule's default); with ``schedule="interleaved-1f1b", virtual_stages=2`` it cuts the model
+into four one-block stages, two per rank (stages ``pp`` and ``pp + 2``), run by
+``ScheduleInterleaved1F1B``. The ranks of one DP coordinate read the same microbatches. With
 ``max_norm`` the job clips as torchtitan does, with the total norm across the stages
 (:func:`clip_pipeline`), and the recipe's ``before_step`` clips the whole model likewise.
 ``sdc-forensics demo --parallel pp`` runs it; the tests run it with faults.
@@ -43,7 +45,7 @@ VOCAB, DIM, CONTEXT, MICROBATCH, BLOCKS = 40, 16, 8, 2, 4
 PP, DP, MICROBATCHES = 2, 2, 4
 REFERENCE = "sdc_forensics.demo.pp:recipe"
 SEEDED_REFERENCE = "sdc_forensics.demo.pp:PpRecipe"
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 
 
 class Block(nn.Module):
@@ -95,6 +97,18 @@ def stage_module(model: PipelinedLM, stage: int, stages: int = PP) -> PipelinedL
     if stage != stages - 1:
         part.norm = part.head = None
     return part
+
+
+def _rank_module(parts: list[PipelinedLM]) -> PipelinedLM:
+    """The stages a rank holds as one module under whole-model names (what its optimizer and its DCP
+    checkpoints hold): their embedding, blocks, norm and head, the stages' own modules (shared, not
+    copied). The schedule runs each stage's module; this one is never called."""
+    held = PipelinedLM.__new__(PipelinedLM)
+    nn.Module.__init__(held)
+    held.embed = parts[0].embed
+    held.layers = nn.ModuleDict({key: block for part in parts for key, block in part.layers.items()})
+    held.norm, held.head = parts[-1].norm, parts[-1].head
+    return held
 
 
 def tensor_parallel(model: PipelinedLM, tp_mesh) -> PipelinedLM:
@@ -202,13 +216,17 @@ def train(
     reduction: str = "native",
     max_norm: float = 0.0,
     tp: int = 1,
+    virtual_stages: int = 1,
 ) -> dict:
     """One rank of the PP x DP job (``world // PP`` data-parallel ranks), recorded; every rank calls it in an initialised process group.
-    Checkpoints (DCP directories) at step 0 and every ``checkpoint_every``. Returns the alarms."""
+    Checkpoints (DCP directories) at step 0 and every ``checkpoint_every``. Returns the alarms.
+    ``schedule="interleaved-1f1b"`` with ``virtual_stages=2``: the model cut into ``PP * 2`` stages of one
+    block, rank coordinate ``pp`` holding stages ``pp`` and ``pp + PP`` (torchtitan's "loop" placement),
+    each ``fully_shard``-ed, run by ``ScheduleInterleaved1F1B``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     from sdc_forensics.errors import SdcAlarm
     from sdc_forensics.recorder import Recorder, RecorderOptions
@@ -219,7 +237,22 @@ def train(
     else:
         mesh = init_device_mesh("cpu", (PP, world // PP), mesh_dim_names=("pp", "dp"))
     pp, dp = mesh.get_coordinate()[:2]
-    part = stage_module(build_model(seed), pp)
+    if schedule not in SCHEDULES:
+        raise UsageError(f"schedule {schedule!r}: the PP demo runs {', '.join(SCHEDULES)}")
+    if (
+        virtual_stages < 1
+        or BLOCKS % (PP * virtual_stages)
+        or (virtual_stages > 1 and (schedule != "interleaved-1f1b" or tp > 1))
+    ):
+        raise UsageError(
+            f"virtual_stages={virtual_stages}: the PP demo cuts its {BLOCKS} blocks into {PP} x 1 or {PP} x 2 stages, "
+            "several per rank under schedule='interleaved-1f1b' only, without TP"
+        )
+    # this rank's stages, in stage order ("loop" placement); `part` holds them all under whole-model names
+    stage_ids = [pp + PP * v for v in range(virtual_stages)]
+    whole = build_model(seed)
+    parts = [stage_module(whole, i, PP * virtual_stages) for i in stage_ids]
+    part = parts[0] if len(parts) == 1 else _rank_module(parts)
     if tp > 1:
         tensor_parallel(part, mesh["tp"])
     from sdc_forensics.inject import PP_LOCATIONS
@@ -227,16 +260,22 @@ def train(
     inject, drill_specs = split_collective_specs(tuple(inject), PP_LOCATIONS)
     drill = CollectiveDrill(drill_specs, rank)
     if drill.specs:
-        if pp == PP - 1:
+        if stage_ids[0] == PP * virtual_stages - 1:
             raise UsageError(f"pp-activation on rank {rank}: the last stage hands no activation on")
-        # the stage's last block: what it sends to the next stage
-        list(part.layers.values())[-1].register_forward_hook(drill)
-    for block in part.layers.values():
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(part, mesh=mesh["dp"])
-    stage = PipelineStage(part, pp, PP, torch.device("cpu"), group=mesh["pp"].get_group())
-    kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
-    pipeline = kind(stage, MICROBATCHES, loss_fn=loss_fn)
+        # the first stage's last block: what it sends to the next stage
+        list(parts[0].layers.values())[-1].register_forward_hook(drill)
+    for stage_part in parts:
+        for block in stage_part.layers.values():
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(stage_part, mesh=mesh["dp"])
+    stages = [
+        PipelineStage(m, i, PP * virtual_stages, torch.device("cpu"), group=mesh["pp"].get_group())
+        for i, m in zip(stage_ids, parts)
+    ]
+    if schedule == "interleaved-1f1b":
+        pipeline = ScheduleInterleaved1F1B(stages, MICROBATCHES, loss_fn=loss_fn)
+    else:
+        pipeline = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule](stages[0], MICROBATCHES, loss_fn=loss_fn)
     optimizer = make_optimizer(part)
     options = RecorderOptions(policy=policy, reduction=reduction)
     settings = {k: v for k, v in (("seed", seed), ("max_norm", max_norm)) if v}
@@ -255,6 +294,7 @@ def train(
                     batches = [h.input(microbatch(i, seed=seed)) for i in ids]
                     inputs = torch.cat([b[0] for b in batches])
                     labels = torch.cat([b[1] for b in batches])
+                    # loop placement: coordinate 0 holds the first stage, coordinate PP - 1 the last
                     if pp == 0:
                         pipeline.step(inputs)
                     elif pp == PP - 1:
@@ -286,6 +326,7 @@ def run_demo(
     seed: int = 0,
     schedule: str = "1f1b",
     tp: int = 1,
+    virtual_stages: int = 1,
 ) -> dict:
     """``sdc-forensics demo --parallel pp`` (``3d``): the job on 4 gloo processes, PP 2 x DP 2 (8:
     PP 2 x DP 2 x TP 2 with ``tp=2``); returns rank 0's findings. The trace is ``OUT/trace``, checkpoint ``N`` ``OUT/checkpoints/step-N`` (8 digits)."""
@@ -297,5 +338,6 @@ def run_demo(
         "seed": seed,
         "schedule": schedule,
         "tp": tp,
+        "virtual_stages": virtual_stages,
     }
     return launch(out_dir, DP * PP * tp, kwargs, "sdc_forensics.demo.pp:train")

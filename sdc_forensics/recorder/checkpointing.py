@@ -335,10 +335,13 @@ class ShardedSaver(Saver):
     #: ``fsdp_checks.sharded_state_digests``'s ``piece`` (None: FSDP2's one ``Shard(0)`` run per rank)
     piece = None
 
-    def __init__(self, replica_groups: list[tuple[int, ...]], stage_ranks: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, replica_groups: list[tuple[int, ...]], stage_parts: tuple[tuple[int, int, int], ...] = ()
+    ) -> None:
         self.replica_groups = replica_groups
-        # a pipeline job: one rank per stage, in stage order (each holds its stage's parameters only)
-        self.stage_ranks = stage_ranks
+        # a pipeline job: per stage, in stage order, a rank holding it and the span of its parameters among
+        # that rank's (a rank holds its stages' parameters only; several stages under an interleaved schedule)
+        self.stage_parts = stage_parts
 
     def save(self, site, step, path, state, save, vote) -> Saved:
         from sdc_forensics.recorder.fsdp_checks import sharded_state_digests
@@ -349,11 +352,11 @@ class ShardedSaver(Saver):
         trusted = vote.agreeing if blessed else tuple(g[0] for g in self.replica_groups)
         tensors = sharded_state_digests(state, seed=site.seed, trusted=trusted, piece=self.piece)
         keys = param_keys(list(site.module.named_parameters()), state)
-        if self.stage_ranks:
+        if self.stage_parts:
             # the whole model's parameters: every stage's, in stage order
             every: list = [None] * site.world_size
             dist.all_gather_object(every, keys, group=site.group)
-            keys = tuple(key for rank in self.stage_ranks for key in every[rank])
+            keys = tuple(key for rank, start, stop in self.stage_parts for key in every[rank][start:stop])
         whole = combine_digests(int(tensors[key], 16) for key in keys)
         failure = ""
         try:

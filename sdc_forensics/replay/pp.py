@@ -17,6 +17,11 @@ for bit at the recorded thread count (``benchmarks/pp_ddp_experiment.py`` for th
   is every stage's (each element is reduced over the same data-parallel ranks), elementwise.
 * **The schedule divides** the reduced gradient by its microbatch count after the reduction
   (``grad_divisor``), which the replay does before the recipe's ``before_step``.
+
+An interleaved schedule (several stages per rank, ``ScheduleInterleaved1F1B``) changes nothing
+here: each stage's gradient still accumulates its microbatches in order and is reduced once, and
+the recorder reads each stage's reduced gradient before the schedule divides it
+(``recorder/pp_layout.py``); ``tests/replay/test_pp_interleaved.py`` holds it bit for bit.
 """
 
 from __future__ import annotations

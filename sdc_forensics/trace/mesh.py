@@ -69,8 +69,9 @@ class ShardMesh:
         tp_shards: per parameter of the model, in order, the tensor dimension TP cuts it on (-1:
             replicated over ``tp``); empty without TP.
         pp_dim: the mesh dimension the pipeline's stages lie on (kind ``"pp"``); -1: none.
-        stages: per parameter of the whole model, in order, the stage that holds it (its
-            coordinate on ``pp_dim``); empty without PP.
+        stages: per parameter of the whole model, in stage order, the pipeline coordinate (on
+            ``pp_dim``) that holds it: its stage's index with one stage per rank, ``s % pp`` for
+            stage ``s`` of an interleaved schedule; empty without PP.
         grad_divisor: what the pipeline schedule divides each reduced gradient by after the
             data-parallel reduction (``PipelineStage.scale_grads``: the microbatch count, or 1).
     """

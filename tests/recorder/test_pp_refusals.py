@@ -1,9 +1,11 @@
 """Issue 36: what the pipeline layout does not record is refused in one line before anything is
-written (``recorder/pp_layout.py``): a schedule with several stages per rank, a schedule it does
-not know, a stage whose module is not ``fully_shard``-ed, a parameter two stages hold, pipeline x
-HSDP, audits.
+written (``recorder/pp_layout.py``): the schedules whose backwards do not accumulate each stage's
+microbatches in order as full backwards (``ScheduleLoopedBFS``, the zero-bubble ones), a schedule
+it does not know, a stage whose module is not ``fully_shard``-ed, a parameter two stages hold,
+pipeline x HSDP, audits.
 2 gloo processes, a ``(pp, dp)`` mesh of 2 x 1; each case checks the line on every rank and that
-the trace directory was never created, and the plain case records."""
+the trace directory was never created; the plain case and an interleaved one (two stages per rank)
+record."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ def _refusals(rank: int, root: str) -> dict[str, list]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import schedules
 
     from sdc_forensics.errors import UsageError
     from sdc_forensics.recorder import Recorder, RecorderOptions
@@ -62,14 +65,32 @@ def _refusals(rank: int, root: str) -> dict[str, list]:
         pass
 
     found["unknown"] = attempt("unknown", MySchedule(stage, 2, loss_fn=loss_fn), list(part.parameters()))
-    # two stages per rank: stages rank and rank + 2 of 4
-    parts = [nn.Linear(8, 8) for _ in range(2)]
-    stages = [
-        PipelineStage(m, rank + WORLD * i, 2 * WORLD, torch.device("cpu"), group=mesh["pp"].get_group())
-        for i, m in enumerate(parts)
-    ]
-    params = [p for m in parts for p in m.parameters()]
+
+    def two_stages(ids: list[int]) -> tuple[list, list]:
+        """This rank's two stages ``ids`` of 4, each ``fully_shard``-ed, holding ``layer{stage}``."""
+        parts = []
+        for i in ids:
+            part = nn.Sequential()
+            part.add_module(f"layer{i}", nn.Linear(8, 8))
+            fully_shard(part, mesh=mesh["dp"])
+            parts.append(part)
+        stages = [
+            PipelineStage(m, i, 2 * WORLD, torch.device("cpu"), group=mesh["pp"].get_group())
+            for i, m in zip(ids, parts)
+        ]
+        return stages, [p for m in parts for p in m.parameters()]
+
+    # two stages per rank, loop placement: stages rank and rank + 2 of 4
+    stages, params = two_stages([rank, rank + WORLD])
     found["interleaved"] = attempt("interleaved", ScheduleInterleaved1F1B(stages, 2, loss_fn=loss_fn), params)
+    for name in ("ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble"):
+        stages, params = two_stages([rank, rank + WORLD])
+        found[name] = attempt(name, getattr(schedules, name)(stages, 2, loss_fn=loss_fn), params)
+    # V placement: stages rank and 3 - rank
+    for name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
+        stages, params = two_stages([rank, 2 * WORLD - 1 - rank])
+        # (DualPipeV needs a microbatch per stage)
+        found[name] = attempt(name, getattr(schedules, name)(stages, 4, loss_fn=loss_fn), params)
     bare = nn.Linear(8, 8)
     bare_stage = PipelineStage(bare, rank, WORLD, torch.device("cpu"), group=mesh["pp"].get_group())
     found["not-sharded"] = attempt(
@@ -90,12 +111,17 @@ def test_what_the_pipeline_layout_does_not_record_is_refused_before_anything_is_
         "audits": "audits recompute a rank's microbatches on a whole model, which a pipeline stage is not",
         "tied": "parameter '0.weight' is held by two pipeline stages (tied across stages): not recorded yet",
         "unknown": "the pipeline schedule MySchedule is not recorded; the recorder records ScheduleGPipe, Schedule1F1B",
-        "interleaved": "ScheduleInterleaved1F1B runs several stages per rank: not recorded yet",
+        "ScheduleLoopedBFS": "ScheduleLoopedBFS runs each stage's backwards from the last microbatch to the first",
+        "ScheduleInterleavedZeroBubble": "ScheduleInterleavedZeroBubble splits each microbatch's backward into input "
+        "and weight gradients (zero bubble): not recorded yet",
+        "ScheduleZBVZeroBubble": "ScheduleZBVZeroBubble splits each microbatch's backward into input and weight",
+        "ScheduleDualPipeV": "ScheduleDualPipeV splits each microbatch's backward into input and weight gradients",
         "not-sharded": "the pipeline stage's module is not sharded by fully_shard",
         "pp-hsdp": "a pipeline job on a mesh of dimensions ('pp', 'dp_replicate', 'dp_shard')",
     }
     for rank, found in enumerate(gloo_job(_refusals, WORLD, tmp_path / "results", str(tmp_path))):
         assert found["plain"] == ["recorded", True], (rank, found["plain"])
+        assert found["interleaved"] == ["recorded", True], (rank, found["interleaved"])
         for case, start in expected.items():
             line, written = found[case]
             # one line, this case's, on every rank, and no trace directory
