@@ -136,12 +136,14 @@ def microbatch(microbatch_id: int, device: Any = "cpu", seed: int = 0) -> tuple[
 
 
 def parallelize(model: TinyLM, mesh) -> TinyLM:
-    """TP (with sequence parallel) on ``mesh["tp"]``, then FSDP2 over ``mesh["dp"]`` (torchtitan's order)."""
+    """TP (with sequence parallel) on ``mesh["tp"]``, then FSDP2 over ``mesh["dp"]`` (torchtitan's
+    order); HSDP over ``mesh["dp_replicate", "dp_shard"]`` on torchtitan's 3-D mesh."""
     from torch.distributed.fsdp import fully_shard
 
     tensor_parallel(model, mesh["tp"])
-    fully_shard(model.attn, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    dp = mesh["dp_replicate", "dp_shard"] if "dp_replicate" in mesh.mesh_dim_names else mesh["dp"]
+    fully_shard(model.attn, mesh=dp)
+    fully_shard(model, mesh=dp)
     return model
 
 
@@ -247,10 +249,13 @@ def train(
     audit_every: int = 0,
     max_norm: float = 0.0,
     reduction: str = "native",
+    replicate: int = 1,
 ) -> dict:
     """One rank of the TP x DP job, recorded; every rank calls it in an initialised process group.
+    ``replicate`` > 1: HSDP x TP on torchtitan's ``(dp_replicate, dp_shard, tp)`` mesh.
 
-    Microbatch ``step * DP + dp`` is what the ranks of DP coordinate ``dp`` train on at ``step``.
+    Microbatch ``step * DP + dp`` is what the ranks of DP coordinate ``dp`` train on at ``step``
+    (HSDP: ``dp = replica * shards + shard``).
     Checkpoints (DCP directories) at step 0 and every ``checkpoint_every``. ``max_norm``: the loop
     clips with torch's ``clip_grad_norm_`` on the (dp, tp) DTensors before each update (the recipe
     :class:`ClippedTpRecipe`); ``reduction``: the recorder's DP reduction (``ordered`` for more than
@@ -261,8 +266,13 @@ def train(
     from sdc_forensics.errors import SdcAlarm
     from sdc_forensics.recorder import Recorder, RecorderOptions
 
-    mesh = init_device_mesh("cpu", (world // TP, TP), mesh_dim_names=("dp", "tp"))
-    dp = mesh.get_coordinate()[0]
+    if replicate > 1:
+        shape, names = (replicate, world // (replicate * TP), TP), ("dp_replicate", "dp_shard", "tp")
+    else:
+        shape, names = (world // TP, TP), ("dp", "tp")
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    *coord, _ = mesh.get_coordinate()
+    dp = coord[0] * shape[1] + coord[1] if replicate > 1 else coord[0]
     model = parallelize(build_model(seed), mesh)
     optimizer = make_optimizer(model)
     inject, collective_specs = split_collective_specs(inject)
@@ -310,9 +320,11 @@ def run_demo(
     max_norm: float = 0.0,
     dp: int = DP,
     reduction: str = "native",
+    replicate: int = 1,
 ) -> dict:
-    """``sdc-forensics demo --parallel tp``: the job on ``dp * 2`` gloo processes (DP 2 x TP 2 unless
-    ``dp`` says otherwise); returns rank 0's findings. The trace is ``OUT/trace``, checkpoint ``N``
+    """``sdc-forensics demo --parallel tp``: the job on ``replicate * dp * 2`` gloo processes (DP 2 x
+    TP 2 unless ``dp`` says otherwise; HSDP's ``replicate`` x ``dp`` x TP 2 where ``replicate`` > 1);
+    returns rank 0's findings. The trace is ``OUT/trace``, checkpoint ``N``
     ``OUT/checkpoints/step-N`` (8 digits)."""
     kwargs = {
         "steps": steps,
@@ -322,5 +334,6 @@ def run_demo(
         "seed": seed,
         "max_norm": max_norm,
         "reduction": reduction,
+        "replicate": replicate,
     }
-    return launch(out_dir, dp * TP, kwargs, "sdc_forensics.demo.tp:train")
+    return launch(out_dir, replicate * dp * TP, kwargs, "sdc_forensics.demo.tp:train")

@@ -20,8 +20,14 @@ its checks, the rest check, the failure exchange, checkpoints by DCP) with what 
   equal DP-shard and TP coordinates) vote; a suspect is named with its mesh coordinates
   (``dp=1, tp=0``). The vote of the parameters every rank gathered (pure FSDP's consensus) is
   not run: ranks of different TP coordinates gather different slices.
-* **What is refused, in one line, before anything is written**: a mesh other than ``(dp, tp)`` covering the world (context, expert or pipeline parallel
-  dimensions, HSDP with TP, an unknown dimension name), also where the parameters sit on a
+* **HSDP x TP** on torchtitan's ``(dp_replicate, dp_shard, tp)`` mesh (``fully_shard`` over
+  ``mesh["dp_replicate", "dp_shard"]``): the same boxes (the shard coordinate's rows of the TP
+  slice), the reduce-scatter checked within each replica, HSDP's all-reduce across the replicas
+  (FSDP's checks; redone in replica order with the ordered reduction), and the replicas of a box
+  vote on its weights.
+* **What is refused, in one line, before anything is written**: a mesh other than ``(dp, tp)``
+  or ``(dp_replicate, dp_shard, tp)`` covering the world (context, expert or pipeline parallel
+  dimensions, an unknown dimension name), also where the parameters sit on a
   sub-mesh of such a mesh (its root's dimensions are read: FSDP2 over ``mesh["dp"]`` of a
   ``(pp, dp)`` mesh is a pipeline job), TP's uneven split of a parameter, a placement other than
   TP's ``Shard(0)``/``Shard(1)``/``Replicate`` and FSDP's dim-0 shard, audits (their
@@ -50,15 +56,16 @@ from sdc_forensics.recorder.options import Reduction
 from sdc_forensics.recorder.tp_checkpoint import TpSaver
 from sdc_forensics.trace.mesh import ShardMesh
 
-#: mesh dimension names the layout knows: FSDP's data-parallel one, and TP's
+#: mesh dimension names the layout knows: FSDP's data-parallel one, HSDP's replicas (torchtitan's
+#: names), and TP's
 DP_NAMES = ("dp", "dp_shard")
+REPLICATE_NAMES = ("dp_replicate",)
 TP_NAMES = ("tp",)
 #: dimension names of what is not built (said in the refusal)
 _NOT_BUILT = {
     "cp": "context parallelism",
     "ep": "expert parallelism",
     "pp": "pipeline parallelism",
-    "dp_replicate": "HSDP with tensor parallelism",
 }
 
 
@@ -85,16 +92,16 @@ def is_tensor_parallel(model: Any) -> bool:
     for p in model.parameters() if isinstance(model, torch.nn.Module) else ():
         mesh = getattr(p, "device_mesh", None)
         if mesh is not None:
-            names = mesh_names(mesh)
-            # HSDP's dp_replicate alone is FsdpLayout's; with tp, this layout refuses it
-            return any(n in TP_NAMES or (n in _NOT_BUILT and n != "dp_replicate") for n in names)
+            # HSDP's dp_replicate alone is FsdpLayout's; with tp, this layout's
+            return any(n in TP_NAMES or n in _NOT_BUILT for n in mesh_names(mesh))
     return False
 
 
 def tp_mesh_of(params: list[torch.Tensor], world_size: int, pipeline: bool = False) -> ShardMesh:
-    """The ``(dp, tp)`` mesh the parameters are placed on, with every rank's coordinates and each
-    parameter's TP cut; raises ``UsageError`` (one line) for what is not recorded. ``pipeline``:
-    the mesh is a pipeline stage's ``(dp, tp)`` sub-mesh (``pp_layout.py``), of ``world_size`` ranks."""
+    """The ``(dp, tp)`` (or HSDP's ``(dp_replicate, dp_shard, tp)``) mesh the parameters are placed
+    on, with every rank's coordinates and each parameter's TP cut; raises ``UsageError`` (one line)
+    for what is not recorded. ``pipeline``: the mesh is a pipeline stage's ``(dp, tp)`` sub-mesh
+    (``pp_layout.py``), of ``world_size`` ranks."""
     placed = [p for p in params if hasattr(p, "device_mesh")]
     if len(placed) != len(params):
         raise UsageError("some parameters are not DTensors: fully_shard every module over the mesh's dp dimension")
@@ -112,32 +119,38 @@ def tp_mesh_of(params: list[torch.Tensor], world_size: int, pipeline: bool = Fal
             f"mesh dimension {other[0]!r} ({_NOT_BUILT[other[0]]}): not recorded yet; the recorder records "
             "tensor parallel x FSDP2 on a (dp, tp) mesh"
         )
-    if len(names) != 2 or names[1] not in TP_NAMES or names[0] not in DP_NAMES:
+    hsdp = len(names) == 3 and names[0] in REPLICATE_NAMES and not pipeline
+    if len(names) != 2 + hsdp or names[-1] not in TP_NAMES or names[-2] not in DP_NAMES:
         raise UsageError(
-            f"a mesh of dimensions {names or 'without names'}: the recorder records tensor parallelism on a 2-D "
-            "mesh named (dp, tp) (or (dp_shard, tp)), TP applied first, then fully_shard over mesh['dp']"
+            f"a mesh of dimensions {names or 'without names'}: the recorder records tensor parallelism on a mesh "
+            "named (dp, tp) (or (dp_shard, tp)), or HSDP's (dp_replicate, dp_shard, tp), TP applied first, then "
+            "fully_shard over mesh['dp'] (HSDP: mesh['dp_replicate', 'dp_shard'])"
         )
     layout = mesh.mesh.cpu()
     if layout.numel() != world_size:
         raise UsageError(
-            f"the (dp, tp) mesh holds {layout.numel()} ranks in a job of {world_size}: it must be the world"
+            f"the {names} mesh holds {layout.numel()} ranks in a job of {world_size}: it must be the world"
         )
     cuts = []
     for i, p in enumerate(params):
         if p.device_mesh != mesh:
-            raise UsageError(f"parameter {i} lives on another mesh: the recorder needs one (dp, tp) mesh")
-        dp, tp = tuple(p.placements)
+            raise UsageError(f"parameter {i} lives on another mesh: the recorder needs one {names} mesh")
+        *replicated, dp, tp = tuple(p.placements)
         cut = getattr(tp, "dim", None)
-        # FSDP2's dim-0 shard of TP's slice (_StridedShard(0) where TP cut dim 0 too)
-        if getattr(dp, "dim", None) != 0 or (cut is None and not tp.is_replicate()):
+        # FSDP2's dim-0 shard of TP's slice (_StridedShard(0) where TP cut dim 0 too); HSDP's Replicate
+        if (
+            getattr(dp, "dim", None) != 0
+            or (cut is None and not tp.is_replicate())
+            or not all(r.is_replicate() for r in replicated)
+        ):
             raise UsageError(
                 f"parameter {i} placed as {tuple(p.placements)}: the recorder records FSDP2's dim-0 shard on dp "
-                "and TP's Shard(0), Shard(1) or Replicate on tp"
+                "(HSDP's Replicate on dp_replicate) and TP's Shard(0), Shard(1) or Replicate on tp"
             )
-        if cut is not None and p.shape[cut] % layout.shape[1]:
+        if cut is not None and p.shape[cut] % layout.shape[-1]:
             raise UsageError(
-                f"parameter {i} of shape {tuple(p.shape)} is cut unevenly by TP on dim {cut} ({layout.shape[1]} ranks): "
-                "the recorder records even TP splits"
+                f"parameter {i} of shape {tuple(p.shape)} is cut unevenly by TP on dim {cut} ({layout.shape[-1]} "
+                "ranks): the recorder records even TP splits"
             )
         cuts.append(-1 if cut is None else int(cut))
     coords: list = [None] * world_size
@@ -148,9 +161,9 @@ def tp_mesh_of(params: list[torch.Tensor], world_size: int, pipeline: bool = Fal
         kind="tp",
         shape=tuple(layout.shape),
         dim_names=names,
-        shard_dim=0,
+        shard_dim=len(names) - 2,
         coords=tuple(coords),
-        tp_dim=1,
+        tp_dim=len(names) - 1,
         tp_shards=tuple(cuts),
     )
 
@@ -236,23 +249,29 @@ class TpLayout(FsdpLayout):
                 )
             self._runs[id(p)] = shards.box_runs(shape, box, at)
             tp_runs[id(p)] = shards.box_runs(shape, *mesh.tp_box(job.rank, i, shape))
+        ordered = options.reduction == Reduction.ORDERED
         self.tap = TpReduceScatterTap(
             tp_runs=tp_runs,
             offsets=self._grad_offsets,
             sketch_k=options.sketch_k,
             seed=options.seed,
             start_step=options.start_step,
+            # HSDP x TP, ordered: the replicas' all-reduce redone in replica order, as FSDP's HSDP
+            ordered_replicas=ordered and len(mesh.replicas()) > 1,
         )
         self.tap.place = rank_place(model)
         specs = list(getattr(job.injector, "specs", ()))
-        tp_specs = [str(s) for s in specs if s.location in ("local-gradient", "reduce-scatter-output")]
+        # all-reduce-output: HSDP's replica all-reduce (none without dp_replicate)
+        tp_specs = [
+            str(s) for s in specs if s.location in ("local-gradient", "reduce-scatter-output", "all-reduce-output")
+        ]
         if tp_specs:
             self.tap._inject = fm.spec_injector(tp_specs, lambda: self.tap.step)
         gathered = [s for s in specs if s.location == "all-gather-output"]
         if gathered:
             self._handles += fsdp_gathered.drill(_fsdp_modules(model), job, gathered)
         self._follow_backward()
-        fm.install(model, self.tap, OrderedReduceScatter() if options.reduction == Reduction.ORDERED else None)
+        fm.install(model, self.tap, OrderedReduceScatter() if ordered else None)
 
     @property
     def mesh(self):

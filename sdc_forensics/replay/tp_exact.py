@@ -20,7 +20,9 @@ collectives; the checkpoint (DCP) is loaded into it resharded. Per step:
 2. the DP reduction of those local gradients, ``reduction.ordered_mean`` over ``d`` in order:
    the ordered reduction's arithmetic, and gloo's native reduce-scatter's for two DP ranks (a
    two-term sum is order-free, and halving is exact); a native reduction over more DP ranks is
-   refused, naming the ordered one;
+   refused, naming the ordered one. HSDP x TP (``dp_replicate``): the DP coordinates replica by
+   replica, each replica's ordered mean of its shards, then the replicas' ordered mean in replica
+   order (the recorder redoes the replicas' all-reduce so; gloo's own for two replicas);
 3. the mean becomes the TP parameter's ``.grad``, the recipe's ``before_step`` runs with clipping's
    total norm as the job's ``(dp, tp)`` shards computed it (``clipping.tp_total_norm``; per stage
    and across stages for a pipeline job), and the recipe's optimizer (rebuilt over the TP
@@ -83,11 +85,12 @@ def wanted(trace, recipe) -> bool:
 def refusal(trace, recipe) -> str:
     """Why the TP job cannot be replayed exactly ("" when it can)."""
     mesh = trace.manifest.parallel
-    dp = mesh.shard_size
+    dp, replicas = mesh.shard_size, len(mesh.replicas())
     reductions = {str(a.determinism.get("reduction") or "native") for a in trace.manifest.attempts}
-    if reductions != {"ordered"} and dp > 2:
+    if reductions != {"ordered"} and max(dp, replicas) > 2:
+        counted = f"{dp} DP ranks" if replicas == 1 else f"{dp} DP shards x {replicas} replicas"
         return (
-            f"a TP job reduced in gloo/NCCL's own order over {dp} DP ranks is not replayed exactly (record it with "
+            f"a TP job reduced in gloo/NCCL's own order over {counted} is not replayed exactly (record it with "
             "reduction='ordered'); the one-process replay compares it within tolerance"
         )
     return ""
@@ -136,12 +139,18 @@ class TpExactReplayer(Replayer):
         self._offsets = _starts(self._shapes)
         self._trained = [i for i, p in enumerate(params) if p.requires_grad]
         self._grad_offsets = _starts([self._shapes[i] for i in self._trained])
-        # the recorded ranks this process plays, by DP coordinate: (dp=d, tp=me), one per pipeline stage
+        # the recorded ranks this process plays, by DP coordinate (replica by replica, HSDP; shard by
+        # shard within each): (dp=d, tp=me), one per pipeline stage
         mesh = self.mesh
-        self._mine = [
-            [r for r in range(self.world_size) if mesh.shard_of(r) == d and mesh.tp_of(r) == self.me]
-            for d in range(mesh.shard_size)
+        self._replicas = [
+            [[r for r in replica if mesh.shard_of(r) == d and mesh.tp_of(r) == self.me] for d in range(mesh.shard_size)]
+            for replica in mesh.replicas()
         ]
+        self._mine = [ranks for replica in self._replicas for ranks in replica]
+        # every recorded rank's DP coordinate (its index in _mine), whatever its TP coordinate
+        self._dp_of = {
+            r: j * mesh.shard_size + mesh.shard_of(r) for j, replica in enumerate(mesh.replicas()) for r in replica
+        }
         self._played = [r for ranks in self._mine for r in ranks]
         window = self._start(options, hex64(self._weights_digest()))
         evidence = []
@@ -264,15 +273,21 @@ class TpExactReplayer(Replayer):
             )
             for r in range(self.world_size)
         ]
-        acc = [ordered_mean([grads[j] for grads in per_dp]) for j in range(len(self._trained))]
+        # HSDP: each replica's ordered mean (its reduce-scatter), then the replicas' in replica order
+        # (the all-reduce, as the recorder redoes it ordered; for two replicas gloo's own, order-free)
+        shards = self.mesh.shard_size
+        means = [
+            [ordered_mean([grads[j] for grads in per_dp[k : k + shards]]) for j in range(len(self._trained))]
+            for k in range(0, len(per_dp), shards)
+        ]
+        acc = means[0] if len(means) == 1 else [ordered_mean([m[j] for m in means]) for j in range(len(self._trained))]
         return ranks, acc
 
     def _tie_break_tp(self, model, step, recs, ranks, bad):
         """Majority of three: each disagreeing rank's DP coordinate replayed once more by every process."""
         confirmed, notes = [], []
         for r in bad:
-            d = self.mesh.shard_of(r)
-            mine = self._mine[d]
+            mine = self._mine[self._dp_of[r]]
             again, _ = self._local(model, recs[mine[0]], mine)
             seconds = {}
             for got in distributed.exchange_objects({rank: found["digest"] for rank, found in again.items()}):

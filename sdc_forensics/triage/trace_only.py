@@ -395,9 +395,15 @@ def _reduce_scatter(window: StepWindow, grad_dtype: str, reduction: str, mesh: S
     residuals = np.zeros(has_grads.shape)
     for group in mesh.reduce_groups():
         g = list(group)
-        # tensor (pipeline) parallel: each TP coordinate's (stage's) ranks reduce among themselves, (S, k)
+        # tensor (pipeline) parallel: each TP coordinate's (stage's) ranks reduce among themselves, over
+        # every replica of the shard in HSDP (the group holds one replica's shards), (S, k)
         if mesh.tp_dim >= 0 or mesh.pp_dim >= 0:
-            expected = local_sk[:, g].mean(axis=1) if reduction == "mean" else local_sk[:, g].sum(axis=1)
+            peers = [
+                r
+                for r in range(mesh.world_size)
+                if (mesh.tp_of(r), mesh.pp_of(r)) == (mesh.tp_of(g[0]), mesh.pp_of(g[0]))
+            ]
+            expected = local_sk[:, peers].mean(axis=1) if reduction == "mean" else local_sk[:, peers].sum(axis=1)
         # (S, k)
         summed = rec["reduced_sketch"][:, g, :].sum(axis=1, dtype=np.float64)
         # (S, 1)

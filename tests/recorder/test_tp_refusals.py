@@ -64,7 +64,7 @@ def test_pipeline_context_expert_and_unknown_dimensions_are_refused_before_anyth
         "pp": "a pipeline stage's module (mesh dimension 'pp'): pass the pipeline schedule to the Recorder",
         "cp": "mesh dimension 'cp' (context parallelism): not recorded yet",
         "ep": "mesh dimension 'ep' (expert parallelism): not recorded yet",
-        "unknown": "a mesh of dimensions ('x', 'tp'): the recorder records tensor parallelism on a 2-D mesh named (dp, tp)",
+        "unknown": "a mesh of dimensions ('x', 'tp'): the recorder records tensor parallelism on a mesh named (dp, tp)",
     }
     for rank, found in enumerate(gloo_job(_refusals, WORLD, tmp_path / "results", str(tmp_path))):
         for case, start in expected.items():
