@@ -22,29 +22,32 @@ Refused, in one line, before anything is wrapped:
 * CUDA graphs (torchtitan's default on GPUs): a captured graph replays its kernels without the
   Python hooks the checks run in, so every step after the capture would go unchecked; run with
   ``--training.disable_cuda_graphs``.
-* Pipeline parallelism: stages hold different parameters, and the checks are collectives every
-  rank must make alike.
+* Pipeline parallelism (by :func:`watch`): stages hold different parameters, and the checks are
+  collectives every rank must make alike; :func:`record` records it.
 * A model part that is not ``fully_shard``-ed (torchtitan's ``replicate()`` data parallelism):
   nothing here checks it yet.
 
 Recorded, with :func:`record` instead of :func:`watch`: the sharded recorder
-(``recorder/fsdp_layout.py``) around ``trainer.train_step``, so every torchtitan step is a trace
-step (its online checks included), with the microbatch IDs a function of yours gives (torchtitan's
-loader is a stateful iterator over a streamed dataset and has no sample index to record), and,
-every ``checkpoint_every`` steps, a DCP checkpoint the recorder writes and notes (``{"model",
-"optim"}``: the model's state dict, the optimizer container's own; torchtitan's checkpoints are not
-read). ``bisect
---trace-only`` works on any such trace; a replay needs your recipe (``docs/integrations.md``
-gives its shape): one that rebuilds the model and fetches a microbatch by the IDs you recorded.
+(``recorder/fsdp_layout.py``; with pipeline parallelism, ``parallel_dims.pp_enabled``, the
+pipeline layout ``recorder/pp_layout.py`` given ``trainer.pp_schedule``, whose stages are
+``trainer.model_parts``, several per rank under ``ScheduleInterleaved1F1B``, and whose
+``scale_grads`` it reads: torchtitan's is off) around ``trainer.train_step``, so every
+torchtitan step is a trace step (its online checks included), with the microbatch IDs a
+function of yours gives (torchtitan's loader is a stateful iterator over a streamed dataset and
+has no sample index to record), and, every ``checkpoint_every`` steps, a DCP checkpoint the
+recorder writes and notes (``{"model", "optim"}``: every model part's state dict, the optimizer
+container's own; torchtitan's checkpoints are not read). ``bisect --trace-only`` works on any
+such trace; a replay needs your recipe (``docs/integrations.md`` gives its shape): one that
+rebuilds the model and fetches a microbatch by the IDs you recorded.
 Said at attach (rank 0, one line): a ``checkpoint_dir`` that is torchtitan's own checkpoint folder
 while its ``checkpoint.keep_latest_k`` purges it (``_rotation``). However ``train()`` ends (an
 exception, an alarm, KeyboardInterrupt), the trace is closed.
 Written against torchtitan 0.3.0's ``Trainer`` (``model_parts``, ``optimizers``, ``step``,
-``config.training``, ``parallel_dims``). torchtitan 0.3.0 installs over torch 2.13.0+cpu, but its
-``Trainer`` does not start without CUDA (its model imports triton; its constructor calls
-``torch.cuda.set_device``: docs/integrations.md gives the lines), so it is tested here on a
-trainer-shaped object around a real ``fully_shard`` job (``tests/integrations/test_torchtitan.py``),
-not on torchtitan itself.
+``config.training``, ``parallel_dims``, ``pp_schedule``). torchtitan 0.3.0 installs over torch
+2.13.0+cpu, but its ``Trainer`` does not start without CUDA (its model imports triton; its
+constructor calls ``torch.cuda.set_device``: docs/integrations.md gives the lines), so it is
+tested here on a trainer-shaped object around a real ``fully_shard`` job
+(``tests/integrations/test_torchtitan.py``), not on torchtitan itself.
 """
 
 from __future__ import annotations
@@ -52,7 +55,16 @@ from __future__ import annotations
 from sdc_forensics.errors import UsageError
 
 
-def _refusal(trainer) -> str | None:
+def _pipelined(trainer) -> bool:
+    """Whether the trainer runs pipeline parallelism (``parallel_dims.pp_enabled``, or several model parts)."""
+    return len(list(getattr(trainer, "model_parts", None) or ())) > 1 or bool(
+        getattr(getattr(trainer, "parallel_dims", None), "pp_enabled", False)
+    )
+
+
+def _refusal(trainer, *, pipeline: bool = False) -> str | None:
+    """What this adapter cannot do with ``trainer`` (one line; None: nothing). ``pipeline``: the
+    caller records a pipeline job through its schedule (``record``); ``watch`` does not."""
     config = getattr(trainer, "config", None)
     training = getattr(config, "training", None)
     device = getattr(trainer, "device", None)
@@ -65,18 +77,26 @@ def _refusal(trainer) -> str | None:
     parts = list(getattr(trainer, "model_parts", None) or ())
     if not parts:
         return "this trainer has no model_parts: pass torchtitan's Trainer after it is built"
-    dims = getattr(trainer, "parallel_dims", None)
-    if len(parts) > 1 or getattr(dims, "pp_enabled", False):
+    if _pipelined(trainer) and not pipeline:
         return (
-            "pipeline parallelism is not supported: its stages hold different parameters and the checks are collectives"
+            "pipeline parallelism is not supported by watch: its stages hold different parameters and the checks are "
+            "collectives; record(trainer, ...) records it (through trainer.pp_schedule)"
+        )
+    if _pipelined(trainer) and getattr(trainer, "pp_schedule", None) is None:
+        return (
+            "pipeline parallelism without trainer.pp_schedule: the recorder records a pipeline job through its schedule "
+            "(torchtitan 0.3's Trainer.pp_schedule)"
         )
     if not hasattr(getattr(trainer, "optimizers", None), "step"):
         return "this trainer has no optimizers.step to check before"
     from sdc_forensics.integrations._common import compile_refusal
 
     # torchtitan's --compile.enable: the hooks and the replay need eager modules
-    compiled = compile_refusal(parts[0])
-    return compiled[0] if compiled else None
+    for part in parts:
+        compiled = compile_refusal(part)
+        if compiled:
+            return compiled[0]
+    return None
 
 
 def _rotation(trainer, checkpoint_dir) -> str | None:
@@ -187,7 +207,7 @@ def record(
     """
     import torch
 
-    problem = _refusal(trainer)
+    problem = _refusal(trainer, pipeline=True)
     if problem is None and not callable(getattr(trainer, "train_step", None)):
         problem = "this trainer has no train_step to record each step around"
     if problem is None and not isinstance(trainer.optimizers, torch.optim.Optimizer):
@@ -196,6 +216,16 @@ def record(
         problem = "checkpoint_every needs a checkpoint_dir to write the checkpoints to"
     if problem is None and checkpoint_every < 0:
         problem = f"checkpoint_every must be >= 0, not {checkpoint_every}"
+    if (
+        problem is None
+        and checkpoint_every
+        and len(trainer.model_parts) > 1
+        and not _own_state_dict(trainer.optimizers)
+    ):
+        problem = (
+            "forensic checkpoints of several model parts need torchtitan's OptimizersContainer (its state_dict keys "
+            "the optimizer state by parameter name across the parts): pass it as trainer.optimizers, or checkpoint_every=0"
+        )
     if problem is not None:
         from sdc_forensics.integrations._common import refuse
 
@@ -276,7 +306,8 @@ class TitanRecording:
         options = dataclasses.replace(self._options or RecorderOptions(), start_step=self._start)
         self.recorder = Recorder(
             self.trace_dir,
-            trainer.model_parts[0],
+            # a pipeline job: its schedule (the stages, the microbatch count, the gradients' scaling)
+            trainer.pp_schedule if _pipelined(trainer) else trainer.model_parts[0],
             trainer.optimizers,
             options=options,
             framework=_common.framework_info("torchtitan", "sdc_forensics.integrations.torchtitan"),
@@ -318,17 +349,26 @@ class TitanRecording:
         self.close(on_error=exc[0] is not None, exc=exc[1])
 
 
-def _state(trainer) -> dict:
-    """What a forensic checkpoint saves: ``{"model", "optim"}``. The optimizer's state is
-    torchtitan's own flat, name-keyed one where its container defines it (``OptimizersContainer``
-    overrides ``state_dict``, which ``get_state_dict`` cannot read), else ``get_state_dict``'s."""
+def _own_state_dict(optimizers) -> bool:
+    """Whether the optimizer defines its own ``state_dict`` (torchtitan's ``OptimizersContainer``)."""
     import torch
+
+    return type(optimizers).state_dict is not torch.optim.Optimizer.state_dict
+
+
+def _state(trainer) -> dict:
+    """What a forensic checkpoint saves: ``{"model", "optim"}``. The model's is every model part's
+    (a pipeline rank's stages: their whole-model names, as torchtitan's ``ModelWrapper`` merges
+    them). The optimizer's state is torchtitan's own flat, name-keyed one where its container
+    defines it (``OptimizersContainer`` overrides ``state_dict``, which ``get_state_dict`` cannot
+    read), else ``get_state_dict``'s (one model part: ``record`` refuses several without it)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, get_model_state_dict
 
-    model, optimizers = trainer.model_parts[0], trainer.optimizers
-    if type(optimizers).state_dict is not torch.optim.Optimizer.state_dict:
-        return {"model": get_model_state_dict(model), "optim": optimizers.state_dict()}
-    model_state, optim_state = get_state_dict(model, optimizers)
+    parts, optimizers = trainer.model_parts, trainer.optimizers
+    if _own_state_dict(optimizers):
+        model_state = {key: value for part in parts for key, value in get_model_state_dict(part).items()}
+        return {"model": model_state, "optim": optimizers.state_dict()}
+    model_state, optim_state = get_state_dict(parts[0], optimizers)
     return {"model": model_state, "optim": optim_state}
 
 

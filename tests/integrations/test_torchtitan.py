@@ -237,6 +237,28 @@ def test_recording_without_a_train_step_or_a_checkpoint_directory_is_refused():
         sdc.record(trainer, "unused", checkpoint_every=5)
 
 
+def test_recording_a_pipeline_trainer_without_its_schedule_or_with_checkpoints_it_cannot_key_is_refused():
+    """Issue 36: record passes trainer.pp_schedule to the recorder; a pipeline trainer without one is
+    refused in one line, and so are forensic checkpoints of several model parts whose optimizer has
+    no name-keyed state_dict of its own (torchtitan's OptimizersContainer has one)."""
+    parts = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    optimizer = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=0.1)
+    cases = [
+        (dict(parallel_dims=SimpleNamespace(pp_enabled=True)), {}, "without trainer.pp_schedule"),
+        (
+            dict(model_parts=parts, pp_schedule=object()),
+            dict(checkpoint_every=3, checkpoint_dir="unused"),
+            "OptimizersContainer",
+        ),
+    ]
+    for overrides, kwargs, says in cases:
+        trainer = _trainer(**{"optimizers": optimizer, "train_step": lambda: None, **overrides})
+        with pytest.raises(UsageError) as refused:
+            sdc.record(trainer, "unused", **kwargs)
+        assert says in str(refused.value) and "\n" not in str(refused.value), refused.value
+        assert not hasattr(trainer, "sdc_recorder")
+
+
 @pytest.mark.heavy  # two 4-process runs and a replay
 def test_a_resumed_torchtitan_loop_starts_its_attempt_at_its_step_and_writes_over_no_checkpoint(tmp_path):
     """Issue 40: attempt 0 (steps 1..6, a flip at step 5, checkpoints 1 and 4); attempt 1 loads
@@ -350,3 +372,100 @@ def test_train_closes_the_trace_however_it_ends(tmp_path, how, raised, last_step
     end = json.loads(CliRunner().invoke(cli, ["inspect", str(tmp_path / "trace"), "--json"]).stdout)["end"]
     assert [(r["closed"], r["closed_on_error"]) for r in end["ranks"]] == [(True, True)] * 2, end
     assert "no rank closed its trace" not in end["summary"] and end["last_step"] == last_step, end
+
+
+def _pipelined_jobs(rank: int, root: str, runs: list) -> list:
+    """torchtitan's loop (``step += 1``, then ``train_step``) around a PP 2 x FSDP2 DP 2 job, recorded
+    with ``record``: a trainer shaped as torchtitan 0.3's with pipeline parallelism (``parallel_dims.
+    pp_enabled``, ``pp_schedule`` a real ``ScheduleGPipe`` over the rank's ``fully_shard``-ed stage,
+    ``model_parts`` that stage, ``pp_has_first_stage`` / ``pp_has_last_stage``), its ``train_step``
+    as torchtitan's (``zero_grad``, the schedule's step over 4 microbatches, ``optimizers.step``).
+    The model, cut and microbatches are ``demo/pp.py``'s (its recipe replays the trace); IDs from the
+    step, which torchtitan counts from 1. ``runs``: (name, fault specs), one trace each."""
+    from pathlib import Path
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    from sdc_forensics.demo import pp as demo
+    from sdc_forensics.recorder import RecorderOptions
+
+    mesh = init_device_mesh("cpu", (demo.PP, WORLD // demo.PP), mesh_dim_names=("pp", "dp"))
+    stage_index, dp = mesh.get_coordinate()
+    found = []
+    for name, inject in runs:
+        part = demo.stage_module(demo.build_model(), stage_index)
+        for block in part.layers.values():
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(part, mesh=mesh["dp"])
+        stage = PipelineStage(part, stage_index, demo.PP, torch.device("cpu"), group=mesh["pp"].get_group())
+        trainer = _trainer(
+            model_parts=[part],
+            optimizers=demo.make_optimizer(part),
+            parallel_dims=SimpleNamespace(pp_enabled=True),
+            pp_schedule=ScheduleGPipe(stage, demo.MICROBATCHES, loss_fn=demo.loss_fn),
+            pp_has_first_stage=stage_index == 0,
+            pp_has_last_stage=stage_index == demo.PP - 1,
+        )
+
+        def ids(trainer) -> list[int]:
+            return demo.microbatch_ids(trainer.step - 1, dp)
+
+        def train_step(trainer=trainer):
+            trainer.optimizers.zero_grad()
+            batches = [demo.microbatch(i) for i in ids(trainer)]
+            if trainer.pp_has_first_stage:
+                trainer.pp_schedule.step(torch.cat([inputs for inputs, _ in batches]))
+            else:
+                trainer.pp_schedule.step(target=torch.cat([labels for _, labels in batches]), losses=[])
+            trainer.optimizers.step()
+
+        trainer.train_step = train_step
+        with sdc.record(
+            trainer,
+            Path(root, name, "trace"),
+            microbatch_ids=ids,
+            recipe=demo.REFERENCE,
+            checkpoint_every=3,
+            checkpoint_dir=Path(root, name, "ckpt"),
+            inject=tuple(inject),
+            # the online alarm said, training on, as a job that records for bisect would
+            options=RecorderOptions(policy="continue"),
+        ):
+            for step in range(1, 7):
+                trainer.step = step
+                trainer.train_step()
+        found.append(trainer.train_step is train_step)
+    return found
+
+
+@pytest.mark.heavy  # two 4-process pipeline runs and a replay
+def test_a_recorded_torchtitan_pipeline_loop_is_read_by_bisect_and_certified(tmp_path):
+    """Issue 36: record passes torchtitan's pipeline schedule to the recorder (the PP layout); the
+    trace counts torchtitan's steps (1..6) and ``bisect --trace-only`` reads it: clean, nothing found;
+    a flip of rank 2's (pp=1, dp=0) reduce-scatter output at step 3 named there from the trace alone.
+    The clean trace certifies with the demo's recipe (checkpoints 1 and 4, bit for bit)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from sdc_forensics.cli.main import cli
+
+    runs = [("clean", []), ("flip", ["reduce-scatter-output:step=3:rank=2:bit=29"])]
+    assert gloo_job(_pipelined_jobs, WORLD, tmp_path / "results", str(tmp_path), runs) == [[True, True]] * WORLD
+
+    def invoke(*args):
+        result = CliRunner().invoke(cli, [*args, "--json"])
+        return result.exit_code, json.loads(result.stdout)
+
+    _, doc = invoke("inspect", str(tmp_path / "clean" / "trace"))
+    assert doc["framework"]["name"] == "torchtitan" and doc["end"]["last_step"] == 6, doc["end"]
+    # clean: nothing in the trace (exit 4: a trace-only clean verdict is not a certificate)
+    rc, doc = invoke("bisect", str(tmp_path / "clean" / "trace"), "--trace-only")
+    assert rc == 4 and doc["first_divergent_step"] is None and doc["suspects"] == [], doc
+    rc, doc = invoke("bisect", str(tmp_path / "flip" / "trace"), "--trace-only")
+    assert rc == 1 and doc["verdict"] == "corruption" and doc["first_divergent_step"] == 3, doc
+    assert [s["rank"] for s in doc["suspects"]] == [2] and "pp=1, dp=0" in json.dumps(doc["suspects"]), doc
+    rc, doc = invoke("certify", str(tmp_path / "clean" / "trace"))
+    assert rc == 0 and [(c["step"], c["status"]) for c in doc["checkpoints"]] == [(1, "clean"), (4, "clean")], doc
