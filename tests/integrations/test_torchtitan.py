@@ -381,12 +381,15 @@ def _pipelined_jobs(rank: int, root: str, runs: list) -> list:
     ``model_parts`` that stage, ``pp_has_first_stage`` / ``pp_has_last_stage``), its ``train_step``
     as torchtitan's (``zero_grad``, the schedule's step over 4 microbatches, ``optimizers.step``).
     The model, cut and microbatches are ``demo/pp.py``'s (its recipe replays the trace); IDs from the
-    step, which torchtitan counts from 1. ``runs``: (name, fault specs), one trace each."""
+    step, which torchtitan counts from 1. ``runs``: (name, fault specs, stages per rank), one trace
+    each; with 2 stages per rank, ``pp_schedule`` is ``ScheduleInterleaved1F1B`` over stages ``pp``
+    and ``pp + 2`` (torchtitan's loop placement), ``model_parts`` both, no checkpoints (a plain
+    optimizer over several parts has no name-keyed state: ``record`` refuses them)."""
     from pathlib import Path
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleInterleaved1F1B
 
     from sdc_forensics.demo import pp as demo
     from sdc_forensics.recorder import RecorderOptions
@@ -394,19 +397,30 @@ def _pipelined_jobs(rank: int, root: str, runs: list) -> list:
     mesh = init_device_mesh("cpu", (demo.PP, WORLD // demo.PP), mesh_dim_names=("pp", "dp"))
     stage_index, dp = mesh.get_coordinate()
     found = []
-    for name, inject in runs:
-        part = demo.stage_module(demo.build_model(), stage_index)
-        for block in part.layers.values():
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(part, mesh=mesh["dp"])
-        stage = PipelineStage(part, stage_index, demo.PP, torch.device("cpu"), group=mesh["pp"].get_group())
+    for name, inject, per_rank in runs:
+        count = demo.PP * per_rank
+        indices = [stage_index + demo.PP * v for v in range(per_rank)]
+        parts = [demo.stage_module(demo.build_model(), i, count) for i in indices]
+        for part in parts:
+            for block in part.layers.values():
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(part, mesh=mesh["dp"])
+        stages = [
+            PipelineStage(part, i, count, torch.device("cpu"), group=mesh["pp"].get_group())
+            for i, part in zip(indices, parts)
+        ]
+        schedule = (
+            ScheduleGPipe(stages[0], demo.MICROBATCHES, loss_fn=demo.loss_fn)
+            if per_rank == 1
+            else ScheduleInterleaved1F1B(stages, demo.MICROBATCHES, loss_fn=demo.loss_fn)
+        )
         trainer = _trainer(
-            model_parts=[part],
-            optimizers=demo.make_optimizer(part),
+            model_parts=parts,
+            optimizers=torch.optim.AdamW([p for part in parts for p in part.parameters()], lr=3e-3),
             parallel_dims=SimpleNamespace(pp_enabled=True),
-            pp_schedule=ScheduleGPipe(stage, demo.MICROBATCHES, loss_fn=demo.loss_fn),
-            pp_has_first_stage=stage_index == 0,
-            pp_has_last_stage=stage_index == demo.PP - 1,
+            pp_schedule=schedule,
+            pp_has_first_stage=0 in indices,
+            pp_has_last_stage=count - 1 in indices,
         )
 
         def ids(trainer) -> list[int]:
@@ -427,7 +441,7 @@ def _pipelined_jobs(rank: int, root: str, runs: list) -> list:
             Path(root, name, "trace"),
             microbatch_ids=ids,
             recipe=demo.REFERENCE,
-            checkpoint_every=3,
+            checkpoint_every=3 if per_rank == 1 else 0,
             checkpoint_dir=Path(root, name, "ckpt"),
             inject=tuple(inject),
             # the online alarm said, training on, as a job that records for bisect would
@@ -440,20 +454,25 @@ def _pipelined_jobs(rank: int, root: str, runs: list) -> list:
     return found
 
 
-@pytest.mark.heavy  # two 4-process pipeline runs and a replay
+@pytest.mark.heavy  # three 4-process pipeline runs and a replay
 def test_a_recorded_torchtitan_pipeline_loop_is_read_by_bisect_and_certified(tmp_path):
     """Issue 36: record passes torchtitan's pipeline schedule to the recorder (the PP layout); the
     trace counts torchtitan's steps (1..6) and ``bisect --trace-only`` reads it: clean, nothing found;
-    a flip of rank 2's (pp=1, dp=0) reduce-scatter output at step 3 named there from the trace alone.
-    The clean trace certifies with the demo's recipe (checkpoints 1 and 4, bit for bit)."""
+    a flip of rank 2's (pp=1, dp=0) reduce-scatter output at step 3 named there from the trace alone,
+    and so is one of rank 1's (pp=0, dp=1) under ScheduleInterleaved1F1B with two model parts per
+    rank. The clean trace certifies with the demo's recipe (checkpoints 1 and 4, bit for bit)."""
     import json
 
     from click.testing import CliRunner
 
     from sdc_forensics.cli.main import cli
 
-    runs = [("clean", []), ("flip", ["reduce-scatter-output:step=3:rank=2:bit=29"])]
-    assert gloo_job(_pipelined_jobs, WORLD, tmp_path / "results", str(tmp_path), runs) == [[True, True]] * WORLD
+    runs = [
+        ("clean", [], 1),
+        ("flip", ["reduce-scatter-output:step=3:rank=2:bit=29"], 1),
+        ("interleaved", ["reduce-scatter-output:step=3:rank=1:bit=29"], 2),
+    ]
+    assert gloo_job(_pipelined_jobs, WORLD, tmp_path / "results", str(tmp_path), runs) == [[True] * 3] * WORLD
 
     def invoke(*args):
         result = CliRunner().invoke(cli, [*args, "--json"])
@@ -467,5 +486,8 @@ def test_a_recorded_torchtitan_pipeline_loop_is_read_by_bisect_and_certified(tmp
     rc, doc = invoke("bisect", str(tmp_path / "flip" / "trace"), "--trace-only")
     assert rc == 1 and doc["verdict"] == "corruption" and doc["first_divergent_step"] == 3, doc
     assert [s["rank"] for s in doc["suspects"]] == [2] and "pp=1, dp=0" in json.dumps(doc["suspects"]), doc
+    rc, doc = invoke("bisect", str(tmp_path / "interleaved" / "trace"), "--trace-only")
+    assert rc == 1 and doc["verdict"] == "corruption" and doc["first_divergent_step"] == 3, doc
+    assert [s["rank"] for s in doc["suspects"]] == [1] and "pp=0, dp=1" in json.dumps(doc["suspects"]), doc
     rc, doc = invoke("certify", str(tmp_path / "clean" / "trace"))
     assert rc == 0 and [(c["step"], c["status"]) for c in doc["checkpoints"]] == [(1, "clean"), (4, "clean")], doc
