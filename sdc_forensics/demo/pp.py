@@ -217,12 +217,15 @@ def train(
     max_norm: float = 0.0,
     tp: int = 1,
     virtual_stages: int = 1,
+    replicate: int = 1,
 ) -> dict:
     """One rank of the PP x DP job (``world // PP`` data-parallel ranks), recorded; every rank calls it in an initialised process group.
     Checkpoints (DCP directories) at step 0 and every ``checkpoint_every``. Returns the alarms.
     ``schedule="interleaved-1f1b"`` with ``virtual_stages=2``: the model cut into ``PP * 2`` stages of one
     block, rank coordinate ``pp`` holding stages ``pp`` and ``pp + PP`` (torchtitan's "loop" placement),
-    each ``fully_shard``-ed, run by ``ScheduleInterleaved1F1B``."""
+    each ``fully_shard``-ed, run by ``ScheduleInterleaved1F1B``. ``replicate`` > 1: PP x HSDP on
+    torchtitan's ``(pp, dp_replicate, dp_shard)`` mesh, each stage ``fully_shard``-ed over
+    ``mesh["dp_replicate", "dp_shard"]`` (data-parallel coordinate ``replica * shards + shard``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -231,12 +234,20 @@ def train(
     from sdc_forensics.errors import SdcAlarm
     from sdc_forensics.recorder import Recorder, RecorderOptions
 
+    if replicate > 1 and tp > 1:
+        raise UsageError("replicate > 1 with tp > 1: the PP demo runs HSDP without TP")
     if tp > 1:
         # 3-D: pipeline x data x tensor parallel, torchtitan's order of dimensions
         mesh = init_device_mesh("cpu", (PP, world // (PP * tp), tp), mesh_dim_names=("pp", "dp", "tp"))
+    elif replicate > 1:
+        shape = (PP, replicate, world // (PP * replicate))
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
     else:
         mesh = init_device_mesh("cpu", (PP, world // PP), mesh_dim_names=("pp", "dp"))
     pp, dp = mesh.get_coordinate()[:2]
+    if replicate > 1:
+        dp = dp * shape[2] + mesh.get_coordinate()[2]
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp"]
     if schedule not in SCHEDULES:
         raise UsageError(f"schedule {schedule!r}: the PP demo runs {', '.join(SCHEDULES)}")
     if (
@@ -266,8 +277,8 @@ def train(
         list(parts[0].layers.values())[-1].register_forward_hook(drill)
     for stage_part in parts:
         for block in stage_part.layers.values():
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(stage_part, mesh=mesh["dp"])
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(stage_part, mesh=dp_mesh)
     stages = [
         PipelineStage(m, i, PP * virtual_stages, torch.device("cpu"), group=mesh["pp"].get_group())
         for i, m in zip(stage_ids, parts)
@@ -327,9 +338,10 @@ def run_demo(
     schedule: str = "1f1b",
     tp: int = 1,
     virtual_stages: int = 1,
+    replicate: int = 1,
 ) -> dict:
     """``sdc-forensics demo --parallel pp`` (``3d``): the job on 4 gloo processes, PP 2 x DP 2 (8:
-    PP 2 x DP 2 x TP 2 with ``tp=2``); returns rank 0's findings. The trace is ``OUT/trace``, checkpoint ``N`` ``OUT/checkpoints/step-N`` (8 digits)."""
+    PP 2 x DP 2 x TP 2 with ``tp=2``, or PP 2 x 2 replicas x 2 shards with ``replicate=2``); returns rank 0's findings. The trace is ``OUT/trace``, checkpoint ``N`` ``OUT/checkpoints/step-N`` (8 digits)."""
     kwargs = {
         "steps": steps,
         "checkpoint_every": checkpoint_every,
@@ -339,5 +351,6 @@ def run_demo(
         "schedule": schedule,
         "tp": tp,
         "virtual_stages": virtual_stages,
+        "replicate": replicate,
     }
-    return launch(out_dir, DP * PP * tp, kwargs, "sdc_forensics.demo.pp:train")
+    return launch(out_dir, DP * PP * tp * replicate, kwargs, "sdc_forensics.demo.pp:train")

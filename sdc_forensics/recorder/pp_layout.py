@@ -24,7 +24,8 @@ parameter placed by global element index) with what the pipeline changes:
   gradient at the reduce-scatter and the reduced one right after it, before that division, as for
   FSDP; the replay divides as the schedule did.
 * **Who is compared with whom.** The reduce-scatter is checked within each stage's
-  data-parallel group; no two ranks hold the same part (a pure FSDP stage), so no weights vote;
+  data-parallel group; no two ranks hold the same part of a pure FSDP stage, so no weights vote
+  there (PP x HSDP: the replicas of a (stage, shard) vote, and HSDP's all-reduce is checked);
   the gathered-parameters vote is not run (the stages gather different parameters); a suspect is
   named with its mesh coordinates (``pp=1, dp=0``).
 * **Several stages per rank** (``ScheduleInterleaved1F1B``; stage ``s`` on pipeline coordinate
@@ -39,8 +40,9 @@ parameter placed by global element index) with what the pipeline changes:
   handed alone (the schedule is needed), ``ScheduleLoopedBFS`` (its backwards run the microbatches
   last to first), the zero-bubble schedules (split weight gradients, not verified bit for bit) or a
   schedule the recorder does not know, several stages per rank with TP, a stage not sharded by
-  ``fully_shard`` over the mesh's ``dp`` dimension, a mesh other than ``(pp, dp)`` over the world
-  (tensor, context or expert parallelism with PP, HSDP with PP), a parameter name held by two
+  ``fully_shard`` over the mesh's ``dp`` dimension, a mesh other than ``(pp, dp)``, ``(pp, dp, tp)``
+  or HSDP's ``(pp, dp_replicate, dp_shard)`` over the world (context or expert parallelism with
+  PP, HSDP with both TP and PP), a parameter name held by two
   stages (tied across stages), a 0-d parameter, audits, mixed precision.
 """
 
@@ -74,7 +76,13 @@ _NOT_RECORDED = {
     "ScheduleZBVZeroBubble": "splits each microbatch's backward into input and weight gradients (zero bubble)",
     "ScheduleDualPipeV": "splits each microbatch's backward into input and weight gradients and overlaps them",
 }
-PP_NAMES = (("pp", "dp"), ("pp", "dp_shard"), ("pp", "dp", "tp"), ("pp", "dp_shard", "tp"))
+PP_NAMES = (
+    ("pp", "dp"),
+    ("pp", "dp_shard"),
+    ("pp", "dp_replicate", "dp_shard"),
+    ("pp", "dp", "tp"),
+    ("pp", "dp_shard", "tp"),
+)
 
 
 def is_pipeline(obj: Any) -> bool:
@@ -140,8 +148,9 @@ def pp_mesh_refusal(params: list[torch.Tensor], world_size: int) -> str | None:
     if names not in PP_NAMES:
         return (
             f"a pipeline job on a mesh of dimensions {names or 'without names'}: the recorder records pipeline "
-            "parallelism on a mesh named (pp, dp) or (pp, dp, tp), each stage fully_shard-ed over mesh['dp'] "
-            "(after TP on mesh['tp']); context or expert parallelism, and HSDP, with PP are not recorded yet"
+            "parallelism on a mesh named (pp, dp), (pp, dp_replicate, dp_shard) or (pp, dp, tp), each stage "
+            "fully_shard-ed over mesh['dp'] (HSDP: mesh['dp_replicate', 'dp_shard']; after TP on mesh['tp']); "
+            "context or expert parallelism, and HSDP with TP and PP, are not recorded yet"
         )
     root = placed[0].device_mesh._get_root_mesh()
     if root.mesh.numel() != world_size:
@@ -222,13 +231,15 @@ class PpLayout(TpLayout):
             mine.append((stage_index, params, groups))
         everyone: list = [None] * job.world_size
         dist.all_gather_object(everyone, mine)
-        stages, shard = names.index("pp"), 1
+        stages = names.index("pp")
+        # HSDP's (pp, dp_replicate, dp_shard): the shard dimension is the last data-parallel one
+        shard = names.index("dp_shard") if "dp_replicate" in names else 1
         tp = names.index("tp") if "tp" in names else -1
-        # one rank per pipeline coordinate (its data-parallel coordinate 0)
+        # one rank per pipeline coordinate (its data-parallel, replica and TP coordinates 0)
         first = {
             coords[r][stages]: r
             for r in range(job.world_size)
-            if coords[r][shard] == 0 and (tp < 0 or coords[r][tp] == 0)
+            if all(c == 0 for d, c in enumerate(coords[r]) if d != stages)
         }
         for r in range(job.world_size):
             if everyone[r] != everyone[first[coords[r][stages]]]:

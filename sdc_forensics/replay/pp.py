@@ -48,15 +48,21 @@ class PpReplayer(TpReplayer):
         return Replayer.run(self, options, on_step)
 
     def reduce(self, per_rank, order: str):
-        """The data-parallel mean of stage 0's ranks (in data-parallel order), as FSDP's on a 1-D mesh."""
+        """The data-parallel mean of stage 0's ranks (in data-parallel order), as FSDP's on a 1-D mesh
+        (HSDP's on a 2-D ``(dp_replicate, dp_shard)`` one: each replica's mean, then the replicas')."""
         mesh = self.mesh
-        group = sorted(next(g for g in mesh.reduce_groups() if 0 in g), key=mesh.shard_of)
+        # the dimensions that are neither the pipeline's, the shard's nor TP's: HSDP's replicas
+        rep = [d for d in range(len(mesh.shape)) if d not in (mesh.pp_dim, mesh.shard_dim, mesh.tp_dim)]
+        group = sorted(
+            (r for r in range(self.world_size) if mesh.pp_of(r) == mesh.pp_of(0) and mesh.tp_of(r) == 0),
+            key=lambda r: (*(mesh.coords[r][d] for d in rep), mesh.shard_of(r)),
+        )
         flat = ShardMesh(
-            kind="fsdp",
-            shape=(len(group),),
-            dim_names=(mesh.dim_names[mesh.shard_dim],),
-            shard_dim=0,
-            coords=tuple((i,) for i in range(len(group))),
+            kind="hsdp" if rep else "fsdp",
+            shape=(*(mesh.shape[d] for d in rep), mesh.shard_size),
+            dim_names=(*(mesh.dim_names[d] for d in rep), mesh.dim_names[mesh.shard_dim]),
+            shard_dim=len(rep),
+            coords=tuple((*(mesh.coords[r][d] for d in rep), mesh.shard_of(r)) for r in group),
             groups=mesh.groups,
         )
         with _as_mesh(self, flat):
