@@ -234,14 +234,14 @@ def train(
     from sdc_forensics.errors import SdcAlarm
     from sdc_forensics.recorder import Recorder, RecorderOptions
 
-    if replicate > 1 and tp > 1:
-        raise UsageError("replicate > 1 with tp > 1: the PP demo runs HSDP without TP")
-    if tp > 1:
+    if replicate > 1:
+        # HSDP: torchtitan's order of dimensions, (pp, dp_replicate, dp_shard[, tp])
+        shape = (PP, replicate, world // (PP * replicate * tp), *((tp,) if tp > 1 else ()))
+        names = ("pp", "dp_replicate", "dp_shard", *(("tp",) if tp > 1 else ()))
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    elif tp > 1:
         # 3-D: pipeline x data x tensor parallel, torchtitan's order of dimensions
         mesh = init_device_mesh("cpu", (PP, world // (PP * tp), tp), mesh_dim_names=("pp", "dp", "tp"))
-    elif replicate > 1:
-        shape = (PP, replicate, world // (PP * replicate))
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
     else:
         mesh = init_device_mesh("cpu", (PP, world // PP), mesh_dim_names=("pp", "dp"))
     pp, dp = mesh.get_coordinate()[:2]

@@ -66,12 +66,16 @@ class Saved:
         digest: the CHECKPOINT record's ``aux_digest``: the majority's weights digest (a whole
             state) or the whole model's, combined from the shards (a sharded one).
         failure: one line when the save failed on some rank (every rank then raises it), else "".
+        differ: one line when ranks that hold the same elements of a tensor (a TP job's replicated
+            parameter across TP coordinates) held them differently: saved unblessed, and reported
+            as a weights finding under the job's policy (the same on every rank), else "".
     """
 
     note: CheckpointNote | None = None
     saved_by: int = 0
     digest: int = 0
     failure: str = ""
+    differ: str = ""
 
 
 #: nothing saved: refused (no strict majority, policy ``raise``)
@@ -169,6 +173,10 @@ def save_checkpoint(
     site.writer.append(record)
     if saved.failure:
         raise SdcError(saved.failure)
+    if saved.differ:
+        # theta_step, which the differing copies hold, was written by step - 1
+        finding = checks.Finding(check=checks.Check.WEIGHTS, step=max(step - 1, 0), rank=-1, detail=saved.differ)
+        findings = [*findings, finding]
     if findings:
         site.react(findings)
     return saved.note
@@ -334,6 +342,8 @@ class ShardedSaver(Saver):
 
     #: ``fsdp_checks.sharded_state_digests``'s ``piece`` (None: FSDP2's one ``Shard(0)`` run per rank)
     piece = None
+    #: copies that differ outside the weights vote are reported (``Saved.differ``), not raised (TP)
+    reports_differences = False
 
     def __init__(
         self, replica_groups: list[tuple[int, ...]], stage_parts: tuple[tuple[int, int, int], ...] = ()
@@ -350,7 +360,18 @@ class ShardedSaver(Saver):
         # a collective, before the files exist; an outvoted replica's copies do not count, and
         # without a majority the lowest rank's count (the checkpoint is then not blessed)
         trusted = vote.agreeing if blessed else tuple(g[0] for g in self.replica_groups)
-        tensors = sharded_state_digests(state, seed=site.seed, trusted=trusted, piece=self.piece)
+        differ: list | None = [] if self.reports_differences else None
+        tensors = sharded_state_digests(state, seed=site.seed, trusted=trusted, piece=self.piece, disagreements=differ)
+        if differ:
+            # the same on every rank (computed from the gathered pieces): not a checkpoint to resume from
+            blessed = False
+            key, first, other, at, numel = differ[0]
+            differ_line = (
+                f"checkpoint {step}: {key}: ranks {first} and {other} hold elements {at}..{at + numel - 1} "
+                f"differently ({len(differ)} such tensor part(s)); saved, not blessed"
+            )
+        else:
+            differ_line = ""
         keys = param_keys(list(site.module.named_parameters()), state)
         if self.stage_parts:
             # the whole model's parameters: every stage's, in stage order
@@ -397,7 +418,7 @@ class ShardedSaver(Saver):
             write_checkpoint_note(site.trace_dir, note)
         if failed:
             return Saved(saved_by=0, digest=whole, failure=f"checkpoint {step} could not be saved to {path}: {failed}")
-        return Saved(note=note, saved_by=0, digest=whole)
+        return Saved(note=note, saved_by=0, digest=whole, differ=differ_line)
 
 
 def _beside(path: Path, tensors: dict[str, str], seed: int) -> dict[str, str]:

@@ -279,7 +279,12 @@ def check_gathered(
 
 
 def sharded_state_digests(
-    state, *, seed: int = C.DEFAULT_SEED, trusted: tuple[int, ...] | None = None, piece=None
+    state,
+    *,
+    seed: int = C.DEFAULT_SEED,
+    trusted: tuple[int, ...] | None = None,
+    piece=None,
+    disagreements: list | None = None,
 ) -> dict[str, str]:
     """``{key: hex digest}`` of every tensor of a sharded state, as if each were whole; no all-gather.
 
@@ -298,6 +303,11 @@ def sharded_state_digests(
 
     ``piece``: ``piece(tensor) -> (index of its first element, numel, Piece)`` of a DTensor whose
     part is not one ``Shard(0)`` run (tensor parallelism: ``recorder/tp_checkpoint.py``).
+
+    ``disagreements``: where given, two counted copies that differ do not raise: ``(key, first rank,
+    other rank, first element, numel)`` is appended to it and the first rank's copy counts (a TP
+    job's saver: ranks of different TP coordinates hold a replicated parameter alike, and a fault
+    in one TP coordinate's reduction makes them differ, which the weights vote does not cover).
 
     Returns:
         The same mapping on every rank, keys as :func:`sdc_forensics.statedict.flatten_state` joins them.
@@ -351,7 +361,9 @@ def sharded_state_digests(
                 # an outvoted replica's copy
                 continue
             # the digest's terms, not floats (NaN != NaN)
-            if _exact(held[1]) != _exact(piece):
+            if _exact(held[1]) != _exact(piece) and disagreements is not None:
+                disagreements.append((key, held[0], rank, offset, numel))
+            elif _exact(held[1]) != _exact(piece):
                 raise SdcAlarm(
                     f"{key}: ranks {held[0]} and {rank} hold elements {offset}..{offset + numel - 1} differently "
                     "(replicas of one shard must be equal)",

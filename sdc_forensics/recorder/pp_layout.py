@@ -41,8 +41,8 @@ parameter placed by global element index) with what the pipeline changes:
   last to first), the zero-bubble schedules (split weight gradients, not verified bit for bit) or a
   schedule the recorder does not know, several stages per rank with TP, a stage not sharded by
   ``fully_shard`` over the mesh's ``dp`` dimension, a mesh other than ``(pp, dp)``, ``(pp, dp, tp)``
-  or HSDP's ``(pp, dp_replicate, dp_shard)`` over the world (context or expert parallelism with
-  PP, HSDP with both TP and PP), a parameter name held by two
+  or HSDP's ``(pp, dp_replicate, dp_shard[, tp])`` over the world (context or expert parallelism
+  with PP), a parameter name held by two
   stages (tied across stages), a 0-d parameter, audits, mixed precision.
 """
 
@@ -82,6 +82,7 @@ PP_NAMES = (
     ("pp", "dp_replicate", "dp_shard"),
     ("pp", "dp", "tp"),
     ("pp", "dp_shard", "tp"),
+    ("pp", "dp_replicate", "dp_shard", "tp"),
 )
 
 
@@ -148,9 +149,9 @@ def pp_mesh_refusal(params: list[torch.Tensor], world_size: int) -> str | None:
     if names not in PP_NAMES:
         return (
             f"a pipeline job on a mesh of dimensions {names or 'without names'}: the recorder records pipeline "
-            "parallelism on a mesh named (pp, dp), (pp, dp_replicate, dp_shard) or (pp, dp, tp), each stage "
-            "fully_shard-ed over mesh['dp'] (HSDP: mesh['dp_replicate', 'dp_shard']; after TP on mesh['tp']); "
-            "context or expert parallelism, and HSDP with TP and PP, are not recorded yet"
+            "parallelism on a mesh named (pp, dp) or (pp, dp, tp), or HSDP's (pp, dp_replicate, dp_shard[, tp]), "
+            "each stage fully_shard-ed over mesh['dp'] (HSDP: mesh['dp_replicate', 'dp_shard']; after TP on "
+            "mesh['tp']); context or expert parallelism with PP are not recorded yet"
         )
     root = placed[0].device_mesh._get_root_mesh()
     if root.mesh.numel() != world_size:

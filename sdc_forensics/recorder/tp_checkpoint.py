@@ -50,7 +50,10 @@ def box_piece(tensor, seed: int) -> tuple[int, int, shards.Piece]:
 
 
 class TpSaver(ShardedSaver):
-    """``ShardedSaver`` with each DTensor digested by its box (see the module)."""
+    """``ShardedSaver`` with each DTensor digested by its box (see the module); ranks of different TP
+    coordinates that hold a replicated parameter differently are reported, not raised."""
+
+    reports_differences = True
 
     def save(self, site, step, path, state, save, vote):
         self.piece = lambda tensor: box_piece(tensor, site.seed)

@@ -100,7 +100,8 @@ def is_tensor_parallel(model: Any) -> bool:
 def tp_mesh_of(params: list[torch.Tensor], world_size: int, pipeline: bool = False) -> ShardMesh:
     """The ``(dp, tp)`` (or HSDP's ``(dp_replicate, dp_shard, tp)``) mesh the parameters are placed
     on, with every rank's coordinates and each parameter's TP cut; raises ``UsageError`` (one line)
-    for what is not recorded. ``pipeline``: the mesh is a pipeline stage's ``(dp, tp)`` sub-mesh
+    for what is not recorded. ``pipeline``: the mesh is a pipeline stage's ``(dp, tp)`` (or
+    ``(dp_replicate, dp_shard, tp)``) sub-mesh
     (``pp_layout.py``), of ``world_size`` ranks."""
     placed = [p for p in params if hasattr(p, "device_mesh")]
     if len(placed) != len(params):
@@ -119,7 +120,7 @@ def tp_mesh_of(params: list[torch.Tensor], world_size: int, pipeline: bool = Fal
             f"mesh dimension {other[0]!r} ({_NOT_BUILT[other[0]]}): not recorded yet; the recorder records "
             "tensor parallel x FSDP2 on a (dp, tp) mesh"
         )
-    hsdp = len(names) == 3 and names[0] in REPLICATE_NAMES and not pipeline
+    hsdp = len(names) == 3 and names[0] in REPLICATE_NAMES
     if len(names) != 2 + hsdp or names[-1] not in TP_NAMES or names[-2] not in DP_NAMES:
         raise UsageError(
             f"a mesh of dimensions {names or 'without names'}: the recorder records tensor parallelism on a mesh "

@@ -2,7 +2,7 @@
 written (``recorder/pp_layout.py``): the schedules whose backwards do not accumulate each stage's
 microbatches in order as full backwards (``ScheduleLoopedBFS``, the zero-bubble ones), a schedule
 it does not know, a stage whose module is not ``fully_shard``-ed, a parameter two stages hold,
-pipeline x HSDP x TP, audits.
+pipeline x context parallel, audits.
 2 gloo processes, a ``(pp, dp)`` mesh of 2 x 1; each case checks the line on every rank and that
 the trace directory was never created; the plain case and an interleaved one (two stages per rank)
 record."""
@@ -96,16 +96,14 @@ def _refusals(rank: int, root: str) -> dict[str, list]:
     found["not-sharded"] = attempt(
         "not-sharded", ScheduleGPipe(bare_stage, 2, loss_fn=loss_fn), list(bare.parameters())
     )
-    # pipeline x HSDP x TP: a (pp, dp_replicate, dp_shard, tp) mesh (PP x HSDP alone is recorded:
-    # tests/replay/test_pp_hsdp.py)
-    mesh4 = init_device_mesh("cpu", (WORLD, 1, 1, 1), mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
-    hsdp_part = nn.Sequential()
-    hsdp_part.add_module(f"layer{rank}", nn.Linear(8, 8))
-    fully_shard(hsdp_part, mesh=mesh4["dp_replicate", "dp_shard"])
-    hsdp_stage = PipelineStage(hsdp_part, rank, WORLD, torch.device("cpu"), group=mesh4["pp"].get_group())
-    found["pp-hsdp-tp"] = attempt(
-        "pp-hsdp-tp", ScheduleGPipe(hsdp_stage, 2, loss_fn=loss_fn), list(hsdp_part.parameters())
-    )
+    # pipeline x context parallel: a (pp, dp_shard, cp) mesh (PP x HSDP, with or without TP, is
+    # recorded: tests/replay/test_pp_hsdp.py, tests/replay/test_4d_replay.py)
+    mesh_cp = init_device_mesh("cpu", (WORLD, 1, 1), mesh_dim_names=("pp", "dp_shard", "cp"))
+    cp_part = nn.Sequential()
+    cp_part.add_module(f"layer{rank}", nn.Linear(8, 8))
+    fully_shard(cp_part, mesh=mesh_cp["dp_shard"])
+    cp_stage = PipelineStage(cp_part, rank, WORLD, torch.device("cpu"), group=mesh_cp["pp"].get_group())
+    found["pp-cp"] = attempt("pp-cp", ScheduleGPipe(cp_stage, 2, loss_fn=loss_fn), list(cp_part.parameters()))
     return found
 
 
@@ -120,7 +118,7 @@ def test_what_the_pipeline_layout_does_not_record_is_refused_before_anything_is_
         "ScheduleZBVZeroBubble": "ScheduleZBVZeroBubble splits each microbatch's backward into input and weight",
         "ScheduleDualPipeV": "ScheduleDualPipeV splits each microbatch's backward into input and weight gradients",
         "not-sharded": "the pipeline stage's module is not sharded by fully_shard",
-        "pp-hsdp-tp": "a pipeline job on a mesh of dimensions ('pp', 'dp_replicate', 'dp_shard', 'tp')",
+        "pp-cp": "a pipeline job on a mesh of dimensions ('pp', 'dp_shard', 'cp')",
     }
     for rank, found in enumerate(gloo_job(_refusals, WORLD, tmp_path / "results", str(tmp_path))):
         assert found["plain"] == ["recorded", True], (rank, found["plain"])
