@@ -21,7 +21,8 @@ Locations (where the flipped bit lands, and what the trace then shows):
 * ``input``: rank R's input at step S, after it was fetched and before the forward. The input
   digest in the trace is taken from what the rank consumed, so it sees the flip; replay refetches
   the clean microbatch by ID, and the input-digest mismatch tells an input fault apart.
-  Element I indexes the floating-point input tensors of the step's microbatches, concatenated.
+  Element I indexes the floating-point input tensors of the step's microbatches, concatenated
+  (a strided view, such as a slice of a longer sequence, is flipped in place).
 * ``checkpoint-file``: the file of checkpoint S (holding theta_S), after it is written and its
   note recorded. Element I is a byte offset in the file; ``bit`` counts from that byte as in a
   little-endian word (bit 30 of a float32 at offset I is an exponent bit). ``rank`` is ignored:
@@ -173,6 +174,19 @@ def _int_view(flat):
     return flat.view(by_size[flat.element_size()])
 
 
+def _element_view(tensor, element: int):
+    """``(1-D view, index)`` of ``tensor``'s element ``element`` (row-major), in place: the flat view
+    of a contiguous tensor, else a one-element view of that element (a microbatch sliced from a
+    longer sequence is a strided view)."""
+    if tensor.is_contiguous():
+        return tensor.view(-1), element
+    index = []
+    for size in reversed(tensor.shape):
+        index.append(element % size)
+        element //= size
+    return tensor[tuple(reversed(index))].unsqueeze(0), 0
+
+
 def flip_bit_(flat, element: int, bit: int) -> tuple[float, float]:
     """Flip ``bit`` of ``flat[element]`` in place (a 1-D tensor); returns (old, new) values."""
     import torch
@@ -266,9 +280,8 @@ class Injector:
             element = spec.element if spec.element is not None else (spec.choose_element(numel) if start == 0 else -1)
             offset = start
             for t in floats:
-                flat = t.detach().view(-1)
-                if offset <= element < offset + flat.numel():
-                    old, new = flip_bit_(flat, element - offset, spec.bit)
+                if offset <= element < offset + t.numel():
+                    old, new = flip_bit_(*_element_view(t.detach(), element - offset), spec.bit)
                     self.fired.append(
                         Fired(
                             spec=str(spec),
@@ -281,7 +294,7 @@ class Injector:
                             new=new,
                         )
                     )
-                offset += flat.numel()
+                offset += t.numel()
         return numel
 
     def corrupt_checkpoint_file(self, step: int, path: str | Path) -> None:

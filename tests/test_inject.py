@@ -134,3 +134,15 @@ def test_the_demo_checks_the_rank_only_where_the_flip_is_one_ranks(tmp_path, loc
     else:
         with pytest.raises(UsageError, match="rank 9 does not exist in a 4-rank run"):
             DemoConfig(out_dir=tmp_path, injections=(spec,))
+
+
+def test_an_input_drill_flips_a_strided_view_in_place():
+    # a microbatch sliced from a longer sequence (inputs x[:, :-1], targets x[:, 1:]) is not contiguous
+    whole = torch.arange(12, dtype=torch.float32).reshape(2, 6)
+    inputs, targets = whole[:, :-1], whole[:, 1:]
+    injector = Injector(parse_specs(("input:step=0:rank=0:element=6:bit=30",)), rank=0)
+    injector.corrupt_input(0, [inputs, targets], 0)
+    # element 6 of inputs (row-major over its 2 x 5 elements) is whole[1, 1], also targets[1, 0]
+    assert whole[1, 1].item() != 7.0 and targets[1, 0].item() == whole[1, 1].item()
+    assert whole.flatten().tolist()[:7] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert [f.element for f in injector.fired] == [6]

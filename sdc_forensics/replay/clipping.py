@@ -44,6 +44,16 @@ from sdc_forensics.replay.env import ring_sum
 from sdc_forensics.trace.mesh import ShardMesh, shard_rows
 
 
+def _check_norm_type(norm_type: float) -> None:
+    """Raises ``RecipeError`` for a norm type other than a positive one or ``inf`` (torch reduces
+    those with placements these replays do not model)."""
+    if not (norm_type > 0 or norm_type == math.inf):
+        raise RecipeError(
+            f"the recipe clips with norm_type={norm_type}: a sharded job's replay reproduces the total norm "
+            "for a positive norm type or inf"
+        )
+
+
 def _local_shard(tensor: torch.Tensor, shard: int, num_shards: int) -> torch.Tensor:
     """The rows of ``tensor`` that the rank holding shard ``shard`` of ``num_shards`` held."""
     whole = tensor if tensor.dim() else tensor.reshape(1)
@@ -71,11 +81,7 @@ def sharded_total_norm(
     norm_type = float(norm_type)
     if not tensors:
         return torch.tensor(0.0)
-    if not (norm_type > 0 or norm_type == math.inf):
-        raise RecipeError(
-            f"the recipe clips with norm_type={norm_type}: a sharded job's replay reproduces the total norm "
-            "for a positive norm type or inf"
-        )
+    _check_norm_type(norm_type)
     first_device = tensors[0].device
     # (S,) each rank's vector of its per-tensor local norms, in the order given
     per_shard = []
@@ -135,11 +141,7 @@ def resharded_total_norm(
     norm_type = float(norm_type)
     if not tensors:
         return torch.tensor(0.0)
-    if not (norm_type > 0 or norm_type == math.inf):
-        raise RecipeError(
-            f"the recipe clips with norm_type={norm_type}: a sharded job's replay reproduces the total norm "
-            "for a positive norm type or inf"
-        )
+    _check_norm_type(norm_type)
     mesh = next((t.device_mesh for t in tensors if isinstance(t, DTensor)), None)
     per_tensor = []
     for t in tensors:
@@ -243,11 +245,7 @@ def tp_total_norm(
     norm_type = float(norm_type)
     if not tensors:
         return torch.tensor(0.0)
-    if not (norm_type > 0 or norm_type == math.inf):
-        raise RecipeError(
-            f"the recipe clips with norm_type={norm_type}: a sharded job's replay reproduces the total norm "
-            "for a positive norm type or inf"
-        )
+    _check_norm_type(norm_type)
     where = {id(g): i for i, g in enumerate(grads) if g is not None}
     indices = [where.get(id(t)) for t in tensors]
     if None in indices:
