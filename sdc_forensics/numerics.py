@@ -135,10 +135,11 @@ def _current() -> dict[str, Any]:
 def _set(values: dict[str, Any]) -> None:
     """Set the process-wide flags in ``values`` (keys of :func:`_current`; absent keys untouched)."""
     matmul = torch.backends.cuda.matmul
-    if "deterministic_algorithms" in values:
-        torch.use_deterministic_algorithms(
-            bool(values["deterministic_algorithms"]), warn_only=bool(values.get("deterministic_warn_only", False))
-        )
+    wanted = (bool(values.get("deterministic_algorithms")), bool(values.get("deterministic_warn_only", False)))
+    now = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    # only a change: the call imports torch._inductor (about 1-2 s of every replay process's start)
+    if "deterministic_algorithms" in values and wanted != now:
+        torch.use_deterministic_algorithms(wanted[0], warn_only=wanted[1])
     for key, target, attr in (
         ("cudnn_deterministic", torch.backends.cudnn, "deterministic"),
         ("cudnn_benchmark", torch.backends.cudnn, "benchmark"),
