@@ -275,10 +275,10 @@ class TpExactReplayer(Replayer):
         ]
         # HSDP: each replica's ordered mean (its reduce-scatter), then the replicas' in replica order
         # (the all-reduce, as the recorder redoes it ordered; for two replicas gloo's own, order-free)
-        shards = self.mesh.shard_size
+        size = self.mesh.shard_size
         means = [
-            [ordered_mean([grads[j] for grads in per_dp[k : k + shards]]) for j in range(len(self._trained))]
-            for k in range(0, len(per_dp), shards)
+            [ordered_mean([grads[j] for grads in per_dp[k : k + size]]) for j in range(len(self._trained))]
+            for k in range(0, len(per_dp), size)
         ]
         acc = means[0] if len(means) == 1 else [ordered_mean([m[j] for m in means]) for j in range(len(self._trained))]
         return ranks, acc
