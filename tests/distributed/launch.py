@@ -68,6 +68,16 @@ def torchrun(
     return wait(start_torchrun(nproc, args, env=env, cwd=cwd), timeout_s)
 
 
+def torchrun_document(args: list[str], processes: int = 2, timeout_s: float = 600) -> tuple[int, dict, str]:
+    """``python -m sdc_forensics ARGS --json`` on ``processes`` torchrun processes: ``(exit code, the
+    JSON document process 0 printed, stderr)``; fails the test, with stderr's tail, where it printed none."""
+    import json
+
+    rc, out, err, _ = torchrun(processes, ["-m", "sdc_forensics", *args, "--json"], timeout_s=timeout_s)
+    assert out.strip(), err[-3000:]
+    return rc, json.loads(out), err
+
+
 def launch_direct(
     nproc: int, args: list[str], *, timeout_s: float, env: dict[str, str] | None = None, wait_for: tuple[int, ...] = ()
 ):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.launch import torchrun
+from tests.distributed.launch import torchrun_document
 from tests.factories import gloo_job
 
 # four 8-process jobs in one launch and their 2-process replays: a few minutes on 2 cores
@@ -64,10 +64,7 @@ def traces(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
 
 def _run(job: Path, command: str) -> tuple[int, dict, str]:
     (job / "trace" / "ledger.jsonl").unlink(missing_ok=True)
-    args = ["-m", "sdc_forensics", command, str(job / "trace"), "--checkpoints", str(job / "ckpt"), "--json"]
-    rc, out, err, _ = torchrun(2, args, timeout_s=600)
-    assert out.strip(), err[-3000:]
-    return rc, json.loads(out), err
+    return torchrun_document([command, str(job / "trace"), "--checkpoints", str(job / "ckpt")])
 
 
 def test_the_trace_notes_the_three_dimensional_mesh(traces):

@@ -27,7 +27,7 @@ from click.testing import CliRunner
 from sdc_forensics.cli.main import cli
 from sdc_forensics.demo.tp import ClippedTpRecipe
 
-from tests.distributed.launch import torchrun
+from tests.distributed.launch import torchrun_document
 from tests.factories import gloo_job
 
 # three recorded jobs (4, 6 and 4 processes) and four torchrun replays of 2 processes
@@ -70,9 +70,7 @@ def _run(trace: Path, command: str, processes: int, *extra: str) -> tuple[int, d
     if processes == 1:
         result = CliRunner().invoke(cli, args)
         return result.exit_code, json.loads(result.stdout), result.output
-    rc, out, err, _ = torchrun(processes, ["-m", "sdc_forensics", *args], timeout_s=300)
-    assert out.strip(), err[-3000:]
-    return rc, json.loads(out), err
+    return torchrun_document([command, str(trace), *extra], processes, timeout_s=300)
 
 
 def test_clipping_engages_on_every_step_of_every_job(jobs):
@@ -126,10 +124,7 @@ def test_a_clean_clipped_3d_run_is_certified_bit_for_bit(tmp_path):
     combined across the stages): the exact replay's norm is the job's, so every checkpoint certifies."""
     results = gloo_job(_pipelined, 8, tmp_path / "results", str(tmp_path))
     assert all(n > MAX_NORM for n in results[0]["grad_norms"]), results[0]
-    args = ["-m", "sdc_forensics", "certify", str(tmp_path / "trace"), "--checkpoints", str(tmp_path / "ckpt")]
-    rc, out, err, _ = torchrun(2, [*args, "--json"], timeout_s=600)
-    assert out.strip(), err[-3000:]
-    doc = json.loads(out)
+    rc, doc, err = torchrun_document(["certify", str(tmp_path / "trace"), "--checkpoints", str(tmp_path / "ckpt")])
     assert rc == 0 and doc["verdict"] == "clean", err[-3000:]
     assert [c["status"] for c in doc["checkpoints"]] == ["clean", "clean"], doc["checkpoints"]
     assert all(not c["tolerant"] for c in doc["coverage"]), doc["coverage"]
