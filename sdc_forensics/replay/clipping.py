@@ -219,8 +219,10 @@ def tp_total_norm(
     along ``dp``). ``grads``: the replay's gradient of each of the trace's parameters (None for a
     frozen one), so that each tensor clipped is known by its parameter.
 
-    torch 2.13's arithmetic on the job's ranks (checked bit for bit against real TP x FSDP2 jobs,
-    DP 2 and 3 x TP 2, norm types 2 and inf: ``tests/replay/test_tp_clipping.py``):
+    torch 2.13's arithmetic on the job's ranks (held bit for bit, for norm type 2, by the
+    certifications of real clipped TP x FSDP2 jobs, DP 2 and 3 x TP 2, and a 3-D one, in
+    ``tests/replay/test_tp_clipping.py``; ``inf`` follows torch's ``Partial("max")`` and is not
+    tested):
 
     1. rank ``(d, t)`` takes ``_foreach_norm`` of its local shards (FSDP's rows ``d`` of TP's slice
        ``t``): ``_NormPartial(p)`` on ``dp``, and on ``tp`` too for a TP-cut parameter

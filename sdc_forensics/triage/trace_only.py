@@ -393,17 +393,17 @@ def _reduce_scatter(window: StepWindow, grad_dtype: str, reduction: str, mesh: S
     # (S, R): the rank's replica does not add up
     over = np.zeros(has_grads.shape, dtype=bool)
     residuals = np.zeros(has_grads.shape)
+    # tensor (pipeline) parallel: the ranks of one TP coordinate (stage) reduce among themselves, over
+    # every replica of the shard in HSDP (a reduce group holds one replica's shards)
+    peers: dict[tuple[int, int], list[int]] = {}
+    for r in range(mesh.world_size):
+        peers.setdefault((mesh.tp_of(r), mesh.pp_of(r)), []).append(r)
     for group in mesh.reduce_groups():
         g = list(group)
-        # tensor (pipeline) parallel: each TP coordinate's (stage's) ranks reduce among themselves, over
-        # every replica of the shard in HSDP (the group holds one replica's shards), (S, k)
+        # (S, k)
         if mesh.tp_dim >= 0 or mesh.pp_dim >= 0:
-            peers = [
-                r
-                for r in range(mesh.world_size)
-                if (mesh.tp_of(r), mesh.pp_of(r)) == (mesh.tp_of(g[0]), mesh.pp_of(g[0]))
-            ]
-            expected = local_sk[:, peers].mean(axis=1) if reduction == "mean" else local_sk[:, peers].sum(axis=1)
+            mine = peers[(mesh.tp_of(g[0]), mesh.pp_of(g[0]))]
+            expected = local_sk[:, mine].mean(axis=1) if reduction == "mean" else local_sk[:, mine].sum(axis=1)
         # (S, k)
         summed = rec["reduced_sketch"][:, g, :].sum(axis=1, dtype=np.float64)
         # (S, 1)
