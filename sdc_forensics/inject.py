@@ -22,7 +22,11 @@ Locations (where the flipped bit lands, and what the trace then shows):
   digest in the trace is taken from what the rank consumed, so it sees the flip; replay refetches
   the clean microbatch by ID, and the input-digest mismatch tells an input fault apart.
   Element I indexes the floating-point input tensors of the step's microbatches, concatenated
-  (a strided view, such as a slice of a longer sequence, is flipped in place).
+  (a strided view, such as a slice of a longer sequence, is flipped in place). A microbatch of
+  integers only (a language model's token ids) has its integer tensors flipped instead, each flip
+  keeping a valid id: bit ``bit`` modulo the bit length of the tensor's largest id, or, where that
+  would exceed the largest id, the element's lowest set bit (see ``flip_id_``). Where inputs and
+  labels are views of one buffer, the flip changes both, as a corrupted buffer would.
 * ``checkpoint-file``: the file of checkpoint S (holding theta_S), after it is written and its
   note recorded. Element I is a byte offset in the file; ``bit`` counts from that byte as in a
   little-endian word (bit 30 of a float32 at offset I is an exponent bit). ``rank`` is ignored:
@@ -204,6 +208,22 @@ def flip_bit_(flat, element: int, bit: int) -> tuple[float, float]:
     return float(old), float(new)
 
 
+def flip_id_(flat, element: int, bit: int, largest: int) -> tuple[float, float]:
+    """Flip one bit of the integer id ``flat[element]`` in place so that it stays a valid id: bit
+    ``bit`` modulo the bit length of ``largest`` (the tensor's largest id, a stand-in for the
+    vocabulary); if that makes it exceed ``largest``, its lowest set bit is cleared instead (an id
+    of 0 becomes 1). Returns (old, new)."""
+    import torch
+
+    with torch.no_grad():
+        old = int(flat[element].item())
+        new = old ^ (1 << (bit % max(1, int(largest).bit_length())))
+        if new > largest:
+            new = old & (old - 1) if old else 1
+        flat[element] = new
+    return float(old), float(new)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Fired:
     """One flip that happened: where, which element, and the value before and after."""
@@ -275,13 +295,18 @@ class Injector:
         element the choice is made among the first microbatch's elements.
         """
         floats = [t for t in tensors if t.is_floating_point()]
+        # token ids only (a language model's microbatch): the integer tensors, each flip a valid id
+        ids = not floats
+        if ids:
+            floats = [t for t in tensors if not t.is_complex() and str(t.dtype) != "torch.bool"]
         numel = sum(t.numel() for t in floats)
         for spec in self.pending("input", step):
             element = spec.element if spec.element is not None else (spec.choose_element(numel) if start == 0 else -1)
             offset = start
             for t in floats:
                 if offset <= element < offset + t.numel():
-                    old, new = flip_bit_(*_element_view(t.detach(), element - offset), spec.bit)
+                    view = _element_view(t.detach(), element - offset)
+                    old, new = flip_id_(*view, spec.bit, int(t.max())) if ids else flip_bit_(*view, spec.bit)
                     self.fired.append(
                         Fired(
                             spec=str(spec),

@@ -146,3 +146,27 @@ def test_an_input_drill_flips_a_strided_view_in_place():
     assert whole[1, 1].item() != 7.0 and targets[1, 0].item() == whole[1, 1].item()
     assert whole.flatten().tolist()[:7] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
     assert [f.element for f in injector.fired] == [6]
+
+
+@pytest.mark.parametrize("bit", [0, 2, 5, 30, 63])
+def test_an_input_drill_on_token_ids_keeps_every_id_valid(bit):
+    from sdc_forensics.inject import flip_id_
+
+    # inputs and labels share one buffer, as a language model's microbatch slices them
+    ids = torch.randint(40, (4, 9), generator=torch.Generator().manual_seed(bit))
+    for element in range(ids[:, :-1].numel()):
+        whole = ids.clone()
+        inputs, labels = whole[:, :-1], whole[:, 1:]
+        largest = int(inputs.max())
+        spec = f"input:step=0:rank=0:element={element}:bit={bit}"
+        injector = Injector(parse_specs((spec,)), rank=0)
+        assert injector.corrupt_input(0, [inputs, labels], 0) == 2 * inputs.numel()
+        (fired,) = injector.fired
+        assert fired.old != fired.new and 0 <= fired.new <= largest, fired
+        # exactly one id of the buffer changed, and the label that is the same element with it
+        assert int((whole != ids).sum()) == 1 and inputs.flatten()[element].item() == fired.new
+    # the rule itself: bit 2 of 3 is 7; an id whose flip would exceed the largest loses its lowest set bit
+    flat = torch.tensor([3, 39, 0])
+    assert flip_id_(flat, 0, 2, 39) == (3.0, 7.0)
+    assert flip_id_(flat, 1, 3, 39) == (39.0, 38.0)
+    assert flip_id_(flat, 2, 5, 39) == (0.0, 32.0)

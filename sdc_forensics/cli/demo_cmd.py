@@ -69,7 +69,7 @@ from sdc_forensics.cli.output import emit_json, err
     help="How the 4 processes split the model: DDP replicas, FSDP2 shards (fully_shard), HSDP (2 replicas "
     "x 2 shards), tensor parallel 2 x FSDP2 2 (a transformer, sequence parallel), or pipeline parallel 2 x FSDP2 2 "
     "(a transformer in 2 stages, Schedule1F1B, 4 microbatches), or 3d: PP 2 x FSDP2 2 x TP 2 on 8 processes. Sharded locations: local-gradient, reduce-scatter-output, "
-    "all-reduce-output (hsdp), all-gather-output, weights, update, input (not tp, pp, 3d: their input is token ids); with pp also "
+    "all-reduce-output (hsdp), all-gather-output, weights, update, input (tp, pp, 3d: a token id); with pp also "
     "pp-activation (a flip of the activation a stage hands to the next, ranks 0 and 1); with tp also tp-collective (a flip of a TP rank's row-parallel reduce-scatter output in the forward).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the ground truth as JSON on stdout.")
@@ -155,11 +155,6 @@ def _sharded_demo(
                 f"fault spec {text!r}: {spec.location} is a DDP location; a sharded job's are "
                 f"{', '.join(FSDP_LOCATIONS)}, weights, update, input"
             )
-        if spec.location == "input" and parallel in ("tp", "pp", "3d"):
-            raise UsageError(
-                f"fault spec {text!r}: the {parallel} demo's input is token ids (integers), which the input drill "
-                "cannot flip; use local-gradient, reduce-scatter-output, all-gather-output, weights or update"
-            )
         if spec.location == "pp-activation" and spec.rank >= world // 2:
             raise UsageError(
                 f"fault spec {text!r}: ranks {world // 2} to {world - 1} run the last stage, which hands no activation "
@@ -199,7 +194,7 @@ def _sharded_demo(
         err.print(f"... and {len(found['alarms']) - 3} more alarm(s) (the trace holds them all: sdc-forensics inspect)")
     if not found["alarms"]:
         err.print(
-            "online checks: nothing fired (a finite local-gradient flip is summed consistently: only a replay sees it)"
+            "online checks: nothing fired (a finite wrong value that every replica then shares is seen by a replay only)"
         )
     err.print(f"trace: {out_dir / 'trace'}   checkpoints: {out_dir / 'checkpoints'}")
     if parallel in ("tp", "3d"):
