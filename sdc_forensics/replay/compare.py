@@ -47,6 +47,33 @@ def _strength(residual: float, tol: float, tolerant: bool, recorded_layout: bool
     return grade(residual, tol) if recorded_layout else Strength.WEAK
 
 
+def _through_shared_forward(evidence: list, wrong_inputs: set, mesh) -> list:
+    """A rank whose input bytes differ shares its forward with the rest of its TP group and
+    pipeline (``mesh.forward_groups``): their gradients differ through the collectives and
+    hand-offs, not through their own arithmetic. Their mismatches are put on the rank whose input
+    differs (its location, its rank), so that only that rank is a suspect; a member of a group
+    with no input mismatch keeps its own evidence."""
+    group_of = {rank: group for group in mesh.forward_groups() for rank in group}
+    own, moved = [], []
+    for e in evidence:
+        rank = e.ranks[0] if len(e.ranks) == 1 else -1
+        culprits = sorted(wrong_inputs & set(group_of.get(rank, ()))) if rank not in wrong_inputs else []
+        if e.kind is EvidenceKind.REPLAY_MISMATCH and culprits:
+            moved.append(
+                dataclasses.replace(
+                    e,
+                    ranks=(culprits[0],),
+                    location=Location.INPUT_DATA,
+                    detail=f"rank {rank}'s recorded local gradient differs too: it computes one forward with rank "
+                    f"{culprits[0]} (tensor or pipeline parallel), whose input bytes differ",
+                )
+            )
+        else:
+            own.append(e)
+    # the input's own evidence first
+    return own + moved
+
+
 class StepComparisons:
     """Comparison methods of the replayer (mixin)."""
 
@@ -127,6 +154,8 @@ class StepComparisons:
                 for e in evidence
                 if e.kind is not EvidenceKind.INPUT_MISMATCH
             ]
+        elif inputs_off and self.mesh is not None:
+            evidence = _through_shared_forward(evidence, {e.ranks[0] for e in inputs_off}, self.mesh)
         return bad, evidence
 
     def _tie_break(self, model, step, recs, layout, ranks, bad, tolerant):

@@ -204,6 +204,16 @@ class ShardMesh:
             return self._groups(lambda coord: tuple(c for d, c in enumerate(coord) if d != self.shard_dim))
         return self.replicas()
 
+    def forward_groups(self) -> list[tuple[int, ...]]:
+        """Groups of ranks that compute one forward and backward together over the same
+        microbatches: the ranks of one data-parallel coordinate, across TP and the pipeline's
+        stages (their collectives and hand-offs join them); groups of one without TP or PP. A
+        wrong input on one rank of a group changes every member's gradients."""
+        if self.tp_dim < 0 and self.pp_dim < 0:
+            return [(rank,) for rank in range(self.world_size)]
+        model = {self.tp_dim, self.pp_dim}
+        return self._groups(lambda coord: tuple(c for d, c in enumerate(coord) if d not in model))
+
     @property
     def tp_size(self) -> int:
         """Tensor-parallel degree (1 without TP)."""
