@@ -1,7 +1,7 @@
 """``sdc-forensics demo --parallel pp`` (PP 2 x FSDP2 DP 2: a transformer in two stages,
 ``Schedule1F1B``, 4 gloo processes): a clean run raises no alarm, every tensor of its DCP checkpoint
 measures as the stages' pieces combined, ``verify-checkpoint`` certifies it (the one-process replay
-is exact) and ``bisect`` finds nothing; a spec the demo cannot inject is refused before anything runs."""
+is exact) and ``bisect`` finds nothing; a token id flipped in one rank's microbatch is named at that rank."""
 
 from __future__ import annotations
 
@@ -47,8 +47,14 @@ def test_clean_pipeline_run_verifies_and_bisects_clean(tmp_path):
     assert bisected.exit_code == 0 and doc["verdict"] == "clean" and not doc["evidence"], doc
 
 
-def test_an_input_flip_of_token_ids_is_refused_before_anything_runs(tmp_path):
-    args = ["demo", "--parallel", "pp", "--out", str(tmp_path / "x"), "--inject", "input:step=2:rank=1:bit=3"]
-    result = CliRunner().invoke(cli, args)
-    assert result.exit_code == 2 and "token ids" in result.output, result.output
-    assert not (tmp_path / "x").exists()
+@pytest.mark.heavy
+def test_an_input_flip_of_a_token_id_is_named_at_its_rank_and_its_pipeline_peers_are_not(tmp_path):
+    out = tmp_path / "input"
+    args = ["demo", "--parallel", "pp", "--steps", "4", "--checkpoint-every", "2", "--out", str(out)]
+    trained = CliRunner().invoke(cli, [*args, "--inject", "input:step=2:rank=1:bit=2"])
+    assert trained.exit_code == 0, trained.output
+    bisected = CliRunner().invoke(cli, ["bisect", str(out / "trace"), "--json"])
+    doc = json.loads(bisected.stdout)
+    assert bisected.exit_code == 1 and doc["first_divergent_step"] == 2, bisected.output
+    # rank 1 (stage 0, dp 1) read a wrong token; rank 3, its stage 1, computed with it and is not named
+    assert [(s["rank"], s["location"]) for s in doc["suspects"]] == [(1, "input_data")], doc["suspects"]

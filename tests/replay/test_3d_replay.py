@@ -5,8 +5,8 @@ AdamW). The exact replay runs the recipe's TP plan on the whole model over 2 pro
 (``torchrun --nproc-per-node 2``), each process playing every recorded rank of its TP coordinate,
 stage by stage. A clean run is certified bit for bit; a fault at the layout's locations (a low
 mantissa bit of one rank's local gradient, the reduce-scatter's output, weights at rest, the
-update) is named at its step and rank with its (pp, dp, tp) coordinates and nothing after it is
-certified."""
+update, a token id of one TP rank's microbatch) is named at its step and rank with its (pp, dp, tp)
+coordinates and nothing after it is certified."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 from tests.distributed.launch import torchrun
 from tests.factories import gloo_job
 
-# five 8-process jobs and their 2-process replays: several minutes on 2 cores
+# six 8-process jobs and their 2-process replays: several minutes on 2 cores
 pytestmark = pytest.mark.heavy
 
 WORLD, STEPS, EVERY = 8, 6, 3
@@ -28,6 +28,9 @@ FAULTS = {
     "reduce-scatter": ("reduce-scatter-output:step=4:rank=2:bit=30", 4, 2),
     "weights": ("weights:step=4:rank=7:bit=29", 4, 7),
     "update": ("update:step=3:rank=1:bit=29", 3, 1),
+    # label 7 (in TP rank 0's vocabulary shard of the head) becomes 3 on stage 1's TP rank 0: its TP peer
+    # computes the loss's backward with it
+    "input": ("input:step=4:rank=6:bit=2:element=1", 4, 6),
 }
 
 
@@ -81,5 +84,7 @@ def test_a_fault_is_named_at_its_step_and_rank_with_its_coordinates(traces, name
     assert {s["rank"] for s in doc["suspects"]} == {rank}, doc["suspects"]
     where = f"pp={rank // 4}, dp={rank // 2 % 2}, tp={rank % 2}"
     assert any(where in json.dumps(s) for s in doc["suspects"]), doc["suspects"]
+    if name == "input":
+        assert [s["location"] for s in doc["suspects"]] == ["input_data"], doc["suspects"]
     for c in doc["checkpoints"]:
         assert c["status"] != "clean" or c["step"] <= step, doc["checkpoints"]

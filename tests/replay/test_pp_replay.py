@@ -37,6 +37,9 @@ FAULTS = {
     "stage1-local": ("local-gradient:step=5:rank=2:bit=3", 5, 2, "local_compute"),
     "reduce-scatter": ("reduce-scatter-output:step=4:rank=3:bit=30", 4, 3, None),
     "weights": ("weights:step=4:rank=0:bit=29", 4, 0, None),
+    # a token id of stage 0's microbatch (its input), and of stage 1's (its labels: one buffer)
+    "stage0-input": ("input:step=4:rank=0:bit=2", 4, 0, "input_data"),
+    "stage1-input": ("input:step=5:rank=3:bit=2", 5, 3, "input_data"),
     "update": ("update:step=4:rank=3:bit=29", 4, 3, None),
 }
 

@@ -19,11 +19,13 @@ from sdc_forensics.demo.tp import TpRecipe
 
 from tests.distributed.launch import torchrun
 
-# two 4-process demo runs and three torchrun replays of 2 processes (about 3 minutes on 2 loaded cores)
+# three 4-process demo runs and four torchrun replays of 2 processes (about 3 minutes on 2 loaded cores)
 pytestmark = pytest.mark.heavy
 
 # bit 3 of a float32 mantissa: a change of ~1e-6 relative, far below the sketch tolerance
 FAULT = ("local-gradient:step=5:rank=3:bit=3", 5, 3, "dp=1, tp=1")
+# token 3 (of TP rank 0's vocabulary shard) becomes 7 in rank 0's microbatch: rank 1 computes the forward with it
+INPUT = ("input:step=1:rank=0:bit=2:element=3", 1, 0, "dp=0, tp=0")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -47,7 +49,8 @@ def jobs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp_exact")
     run_demo(root / "clean", (), steps=4, checkpoint_every=2)
     run_demo(root / "fault", (FAULT[0],), steps=8, checkpoint_every=4)
-    return {"clean": root / "clean" / "trace", "fault": root / "fault" / "trace"}
+    run_demo(root / "input", (INPUT[0],), steps=4, checkpoint_every=2)
+    return {name: root / name / "trace" for name in ("clean", "fault", "input")}
 
 
 def _run(trace: Path, command: str, processes: int, *extra: str) -> tuple[int, dict, str]:
@@ -85,11 +88,13 @@ def test_low_bit_local_gradient_flip_is_named_only_by_the_exact_replay(jobs):
     assert rc1 == 4 and one["first_divergent_step"] is None, one
 
 
-def test_a_recipe_that_rebuilds_the_update_wrong_certifies_nothing(jobs):
-    rc, doc, err = _run(jobs["clean"], "certify", 2, "--recipe", "tests.replay.test_tp_exact:lr_off")
-    statuses = {c["step"]: c["status"] for c in doc["checkpoints"]}
-    # checkpoint 0 needs no replay; checkpoint 2 would need steps 0..1 reproduced, and step 1's update is not
-    assert statuses == {0: "clean", 2: "unverified"} and doc["verdict"] == "inconclusive", (statuses, err[-3000:])
-    assert doc["first_divergent_step"] is None and rc != 0, doc
-    # the weights after step 1's update differ on every rank while its gradients matched: the recipe, said so
-    assert any("does not reproduce the update of step(s) 1" in line for line in doc["settle"]), doc["settle"]
+def test_a_token_id_flipped_on_one_tp_rank_names_that_rank_and_its_input(jobs):
+    _, step, rank, where = INPUT
+    rc, doc, err = _run(jobs["input"], "bisect", 2)
+    assert rc == 1 and doc["first_divergent_step"] == step, err[-3000:]
+    assert [(s["rank"], s["mesh"], s["location"]) for s in doc["suspects"]] == [(rank, where, "input_data")], doc
+    # the TP peer's gradient differs through the shared forward: put on the rank whose input differs
+    at = [e for e in doc["evidence"] if e["source"] == "replay"]
+    assert at and all(e["ranks"] == [rank] and e["location"] == "input_data" for e in at), at
+    assert any(e["kind"] == "input_mismatch" for e in at), at
+    assert [c["status"] for c in doc["checkpoints"]] == ["clean", "tainted"], doc["checkpoints"]
