@@ -48,6 +48,9 @@ class Recipe(Protocol):
       ``optimizer.step()``: gradient clipping, unscaling, a learning rate set by hand. Default: nothing.
     * ``after_step(model, optimizer, scheduler)`` (optional) runs after ``optimizer.step()``:
       ``scheduler.step()``. Default: ``scheduler.step()`` when a scheduler exists.
+    * ``train_context()`` (optional) returns the context manager each microbatch's ``loss`` and
+      its ``backward()`` run inside: torch's ``loss_parallel()`` where the job computes the cross
+      entropy of vocabulary-sharded logits (torchtitan's default). Default: none.
     * Either hook that declares a ``step`` parameter (``before_step(self, model, optimizer, step)``)
       is handed the optimizer step it belongs to (step ``s`` reads theta_s): what a loop that sets
       ``param_group["lr"] = get_lr(it)`` by hand needs to set the same rate in replay.
@@ -194,6 +197,19 @@ def load_trace_recipe(manifest: Any, override: str | None = None) -> Recipe:
     if not reference:
         raise RecipeError("the trace names no replay recipe: pass --recipe MODULE:ATTR (docs/recipes.md)")
     return load_recipe(reference, args=manifest.recipe_args)
+
+
+def loss_and_backward(recipe: Any, model: Any, microbatch: Any) -> Any:
+    """One microbatch as the job ran it: the recipe's ``loss``, then its ``backward()``, both inside
+    the recipe's optional ``train_context()`` (torch's ``loss_parallel()`` for a job whose logits stay
+    vocabulary-sharded: its backward must run inside it too). Returns the loss."""
+    import contextlib
+
+    hook = getattr(recipe, "train_context", None)
+    with hook() if hook is not None else contextlib.nullcontext():
+        loss = recipe.loss(model, microbatch)
+        loss.backward()
+    return loss
 
 
 def before_step(recipe: Any, model: Any, optimizer: Any, step: int | None = None) -> None:

@@ -135,12 +135,12 @@ def microbatch(microbatch_id: int, device: Any = "cpu", seed: int = 0) -> tuple[
     return ids[:, :-1].to(device), ids[:, 1:].to(device)
 
 
-def parallelize(model: TinyLM, mesh) -> TinyLM:
+def parallelize(model: TinyLM, mesh, loss_parallel: bool = False) -> TinyLM:
     """TP (with sequence parallel) on ``mesh["tp"]``, then FSDP2 over ``mesh["dp"]`` (torchtitan's
     order); HSDP over ``mesh["dp_replicate", "dp_shard"]`` on torchtitan's 3-D mesh."""
     from torch.distributed.fsdp import fully_shard
 
-    tensor_parallel(model, mesh["tp"])
+    tensor_parallel(model, mesh["tp"], loss_parallel)
     dp = mesh["dp_replicate", "dp_shard"] if "dp_replicate" in mesh.mesh_dim_names else mesh["dp"]
     fully_shard(model.attn, mesh=dp)
     fully_shard(model, mesh=dp)
@@ -172,9 +172,11 @@ def block_plan(prefix: str = "") -> dict:
     }
 
 
-def ends_plan(embed: bool = True, head: bool = True) -> dict:
+def ends_plan(embed: bool = True, head: bool = True, loss_parallel: bool = False) -> dict:
     """The TP plan of the embedding (row-parallel, a sequence-sharded output) and of the final norm
-    and head (sequence parallel, then column-parallel with replicated logits)."""
+    and head (sequence parallel, then column-parallel with replicated logits; with ``loss_parallel``
+    the logits stay sharded on the vocabulary, a DTensor, for torch's ``loss_parallel`` cross
+    entropy, as torchtitan's default plan has it)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
@@ -183,16 +185,30 @@ def ends_plan(embed: bool = True, head: bool = True) -> dict:
         plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if head:
         plan["norm"] = SequenceParallel()
-        plan["head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        plan["head"] = (
+            ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+            if loss_parallel
+            else ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        )
     return plan
 
 
-def tensor_parallel(model: TinyLM, tp_mesh) -> TinyLM:
+def tensor_parallel(model: TinyLM, tp_mesh, loss_parallel: bool = False) -> TinyLM:
     """The job's TP plan (with sequence parallel) on a 1-D ``tp`` mesh: the training's and the exact replay's."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    parallelize_module(model, tp_mesh, {**ends_plan(), **block_plan()})
+    parallelize_module(model, tp_mesh, {**ends_plan(loss_parallel=loss_parallel), **block_plan()})
     return model
+
+
+def train_context(loss_parallel: bool):
+    """What the loss and its backward run under: torch's ``loss_parallel()`` (the cross entropy of
+    vocabulary-sharded logits, without gathering them) where the job uses it, else nothing."""
+    import contextlib
+
+    from torch.distributed.tensor.parallel import loss_parallel as parallel_loss
+
+    return parallel_loss() if loss_parallel else contextlib.nullcontext()
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -200,6 +216,8 @@ class TpRecipe:
     """The replay recipe of :func:`train` (``sdc_forensics.recipe``'s protocol), with the exact TP replay's hook."""
 
     seed: int = 0
+    # the job computes its loss with torch's loss_parallel on vocabulary-sharded logits
+    loss_parallel: bool = False
 
     def build(self, device: Any = "cpu"):
         model = build_model(self.seed).to(device)
@@ -207,7 +225,11 @@ class TpRecipe:
 
     def parallelize(self, model, tp_mesh):
         """The exact replay's hook (docs/recipes.md): the job's TP plan on the replay's ``tp`` mesh."""
-        return tensor_parallel(model, tp_mesh)
+        return tensor_parallel(model, tp_mesh, self.loss_parallel)
+
+    def train_context(self):
+        """The replay's optional hook (docs/recipes.md): the context of each microbatch's loss and backward."""
+        return train_context(self.loss_parallel)
 
     def load_checkpoint(self, path: str, model, optimizer, scheduler) -> None:
         # DCP reshards: into the whole model on one process, into its TP slices under torchrun
@@ -250,9 +272,12 @@ def train(
     max_norm: float = 0.0,
     reduction: str = "native",
     replicate: int = 1,
+    loss_parallel: bool = False,
 ) -> dict:
     """One rank of the TP x DP job, recorded; every rank calls it in an initialised process group.
     ``replicate`` > 1: HSDP x TP on torchtitan's ``(dp_replicate, dp_shard, tp)`` mesh.
+    ``loss_parallel``: the head's logits stay vocabulary-sharded and the loss and its backward run
+    under torch's ``loss_parallel()``, as torchtitan trains.
 
     Microbatch ``step * DP + dp`` is what the ranks of DP coordinate ``dp`` train on at ``step``
     (HSDP: ``dp = replica * shards + shard``).
@@ -273,14 +298,14 @@ def train(
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     *coord, _ = mesh.get_coordinate()
     dp = coord[0] * shape[1] + coord[1] if replicate > 1 else coord[0]
-    model = parallelize(build_model(seed), mesh)
+    model = parallelize(build_model(seed), mesh, loss_parallel)
     optimizer = make_optimizer(model)
     inject, collective_specs = split_collective_specs(inject)
     drill = CollectiveDrill(collective_specs, rank)
     if drill.specs:
         model.down.register_forward_hook(drill)
     options = RecorderOptions(policy=policy, audit_every=audit_every, reduction=reduction)
-    settings = {k: v for k, v in (("seed", seed), ("max_norm", max_norm)) if v}
+    settings = {k: v for k, v in (("seed", seed), ("max_norm", max_norm), ("loss_parallel", loss_parallel)) if v}
     reference = "sdc_forensics.demo.tp:ClippedTpRecipe" if max_norm else SEEDED_REFERENCE
     recorded = {"recipe": REFERENCE} if not settings else {"recipe": reference, "recipe_args": settings}
     norms: list = []
@@ -294,9 +319,10 @@ def train(
             try:
                 with rec.step(step, microbatch_ids=[mb]) as h:
                     batch = h.input(microbatch(mb, seed=seed))
-                    loss = loss_of(model, batch)
-                    h.loss(loss)
-                    loss.backward()
+                    with train_context(loss_parallel):
+                        loss = loss_of(model, batch)
+                        h.loss(loss)
+                        loss.backward()
                     if max_norm:
                         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).full_tensor()))
                     optimizer.step()
@@ -321,6 +347,7 @@ def run_demo(
     dp: int = DP,
     reduction: str = "native",
     replicate: int = 1,
+    loss_parallel: bool = False,
 ) -> dict:
     """``sdc-forensics demo --parallel tp``: the job on ``replicate * dp * 2`` gloo processes (DP 2 x
     TP 2 unless ``dp`` says otherwise; HSDP's ``replicate`` x ``dp`` x TP 2 where ``replicate`` > 1);
@@ -335,5 +362,6 @@ def run_demo(
         "max_norm": max_norm,
         "reduction": reduction,
         "replicate": replicate,
+        "loss_parallel": loss_parallel,
     }
     return launch(out_dir, replicate * dp * TP, kwargs, "sdc_forensics.demo.tp:train")

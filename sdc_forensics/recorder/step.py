@@ -105,7 +105,14 @@ class StepRecording:
         return self._state.add_input(microbatch, self._injector, self._seed)
 
     def loss(self, loss: torch.Tensor) -> None:
-        """Report a microbatch's loss as ``backward()`` saw it (summed over the step in the trace)."""
+        """Report a microbatch's loss as ``backward()`` saw it (summed over the step in the trace).
+
+        A DTensor loss (torch's ``loss_parallel`` cross entropy is replicated over ``tp``) is kept as
+        its value: the local tensor where every placement is ``Replicate``, else the whole value
+        (a collective every rank of its mesh runs, as every rank reports its loss)."""
+        if hasattr(loss, "device_mesh") and hasattr(loss, "placements"):
+            replicated = all(p.is_replicate() for p in loss.placements)
+            loss = loss.to_local() if replicated else loss.full_tensor()
         self._state.losses.append(loss.detach())
 
     def add_microbatch_ids(self, ids: Iterable[int]) -> None:

@@ -294,8 +294,7 @@ class Replayer(StepComparisons):
         with computing_as_recorded(model, self.mesh):
             for mb_id in self.trace.microbatch_ids(record):
                 batch = self.recipe.fetch_microbatch(int(mb_id), self.device)
-                loss = self.recipe.loss(model, batch)
-                loss.backward()
+                loss = recipe_mod.loss_and_backward(self.recipe, model, batch)
                 total_loss += float(loss.detach())
                 batches.append(batch)
                 if (

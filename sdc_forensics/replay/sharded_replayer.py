@@ -50,6 +50,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from sdc_forensics import recipe as recipe_mod
 from sdc_forensics.errors import UsageError
 from sdc_forensics.evidence import EvidenceKind
 from sdc_forensics.replay import distributed, env, process_step
@@ -232,8 +233,7 @@ class ShardedReplayer(Replayer):
         batches, total = [], 0.0
         for mb_id in self.trace.microbatch_ids(record):
             batch = self.recipe.fetch_microbatch(int(mb_id), self.device)
-            loss = self.recipe.loss(model, batch)
-            loss.backward()
+            loss = recipe_mod.loss_and_backward(self.recipe, model, batch)
             total += float(loss.detach())
             batches.append(batch)
         # each parameter's unsharded gradient copied into one flat vector and freed at once: one whole

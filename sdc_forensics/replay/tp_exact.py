@@ -42,6 +42,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from sdc_forensics import recipe as recipe_mod
 from sdc_forensics.errors import UsageError
 from sdc_forensics.evidence import EvidenceKind
 from sdc_forensics.fingerprint import shards
@@ -227,8 +228,7 @@ class TpExactReplayer(Replayer):
         batches, total = [], 0.0
         for mb_id in self.trace.microbatch_ids(record):
             batch = self.recipe.fetch_microbatch(int(mb_id), self.device)
-            loss = self.recipe.loss(model, batch)
-            loss.backward()
+            loss = recipe_mod.loss_and_backward(self.recipe, model, batch)
             total += float(loss.detach())
             batches.append(batch)
         grads, pieces = [], {rank: [] for rank in ranks}
