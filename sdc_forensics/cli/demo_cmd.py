@@ -70,7 +70,7 @@ from sdc_forensics.cli.output import emit_json, err
     "x 2 shards), tensor parallel 2 x FSDP2 2 (a transformer, sequence parallel), or pipeline parallel 2 x FSDP2 2 "
     "(a transformer in 2 stages, Schedule1F1B, 4 microbatches), or 3d: PP 2 x FSDP2 2 x TP 2 on 8 processes. Sharded locations: local-gradient, reduce-scatter-output, "
     "all-reduce-output (hsdp), all-gather-output, weights, update, input (tp, pp, 3d: a token id); with pp also "
-    "pp-activation (a flip of the activation a stage hands to the next, ranks 0 and 1); with tp also tp-collective (a flip of a TP rank's row-parallel reduce-scatter output in the forward).",
+    "pp-activation (a flip of the activation a stage hands to the next, ranks 0 and 1); with tp and 3d also tp-collective (a flip of a TP rank's row-parallel reduce-scatter output in the forward).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the ground truth as JSON on stdout.")
 @stdout_is_data
@@ -147,7 +147,7 @@ def _sharded_demo(
     # every spec checked before anything runs
     for text in texts:
         # tp-collective: the TP demo's own drill (demo/tp.py), a flip inside a TP collective
-        own = {"tp": TP_LOCATIONS, "pp": PP_LOCATIONS, "3d": PP_LOCATIONS}.get(parallel, ())
+        own = {"tp": TP_LOCATIONS, "pp": PP_LOCATIONS, "3d": PP_LOCATIONS + TP_LOCATIONS}.get(parallel, ())
         world = 8 if parallel == "3d" else 4
         spec = parse_spec(text, LOCATIONS + FSDP_LOCATIONS + own)
         if spec.location in ("grad", "allreduce", "allreduce-all", "checkpoint-file"):

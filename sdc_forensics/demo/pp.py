@@ -18,7 +18,9 @@ Besides the recorder's drills, the demo has one of its own, ``pp-activation:step
 [:element=I]``: a bit of the activation that rank R (a stage before the last) hands to the next
 stage flipped in the forward of step S (its first microbatch), as a faulty transfer would deliver
 it (``tp.CollectiveDrill``, a forward hook on the stage's last block: the stage's own backward is
-unchanged, as the sender's would be).
+unchanged, as the sender's would be). With ``tp=2`` (the 3-D job) the TP demo's ``tp-collective``
+drill is there too: a bit of rank R's output of its stage's first block's row-parallel MLP (the
+reduce-scatter over ``tp``, sequence parallel) flipped in the forward of step S.
 
 ``recipe`` replays it on one process: the whole model (same names and order), the DCP checkpoint
 loaded into it whole (``sharded.load_dcp``), each rank's microbatches recomputed through it in
@@ -266,15 +268,21 @@ def train(
     part = parts[0] if len(parts) == 1 else _rank_module(parts)
     if tp > 1:
         tensor_parallel(part, mesh["tp"])
-    from sdc_forensics.inject import PP_LOCATIONS
+    from sdc_forensics.inject import PP_LOCATIONS, TP_LOCATIONS
 
     inject, drill_specs = split_collective_specs(tuple(inject), PP_LOCATIONS)
-    drill = CollectiveDrill(drill_specs, rank)
+    inject, tp_specs = split_collective_specs(inject, TP_LOCATIONS)
+    drill, tp_drill = CollectiveDrill(drill_specs, rank), CollectiveDrill(tp_specs, rank)
     if drill.specs:
         if stage_ids[0] == PP * virtual_stages - 1:
             raise UsageError(f"pp-activation on rank {rank}: the last stage hands no activation on")
         # the first stage's last block: what it sends to the next stage
         list(parts[0].layers.values())[-1].register_forward_hook(drill)
+    if tp_drill.specs:
+        if tp == 1:
+            raise UsageError(f"tp-collective on rank {rank}: the job has no tensor parallelism (tp=1)")
+        # the stage's first block's row-parallel MLP output: its reduce-scatter over tp (sequence parallel)
+        list(parts[0].layers.values())[0].down.register_forward_hook(tp_drill)
     for stage_part in parts:
         for block in stage_part.layers.values():
             fully_shard(block, mesh=dp_mesh)
@@ -299,7 +307,7 @@ def train(
             if step % checkpoint_every == 0:
                 rec.checkpoint(step, Path(checkpoint_dir) / f"step-{step:08d}", dcp_state(part, optimizer))
             ids = microbatch_ids(step, dp, world // (PP * tp))
-            drill.step = step
+            drill.step = tp_drill.step = step
             try:
                 with rec.step(step, microbatch_ids=ids) as h:
                     batches = [h.input(microbatch(i, seed=seed)) for i in ids]
@@ -324,7 +332,7 @@ def train(
                 break
         alarms += [{"step": a.step, "rank": a.rank, "check": a.check} for a in rec.alarms if a.check]
     dist.barrier()
-    return {"alarms": alarms, "fired": drill.fired, "grad_norms": norms}
+    return {"alarms": alarms, "fired": drill.fired + tp_drill.fired, "grad_norms": norms}
 
 
 def run_demo(

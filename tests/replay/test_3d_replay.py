@@ -6,7 +6,8 @@ AdamW). The exact replay runs the recipe's TP plan on the whole model over 2 pro
 stage by stage. A clean run is certified bit for bit; a fault at the layout's locations (a low
 mantissa bit of one rank's local gradient, the reduce-scatter's output, weights at rest, the
 update, a token id of one TP rank's microbatch) is named at its step and rank with its (pp, dp, tp)
-coordinates and nothing after it is certified."""
+coordinates and nothing after it is certified; a flip inside a TP collective of the forward names the
+ranks of its data-parallel coordinate, which all computed from it, and no other."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 from tests.distributed.launch import torchrun
 from tests.factories import gloo_job
 
-# six 8-process jobs and their 2-process replays: several minutes on 2 cores
+# seven 8-process jobs and their 2-process replays: several minutes on 2 cores
 pytestmark = pytest.mark.heavy
 
 WORLD, STEPS, EVERY = 8, 6, 3
@@ -31,7 +32,12 @@ FAULTS = {
     # label 7 (in TP rank 0's vocabulary shard of the head) becomes 3 on stage 1's TP rank 0: its TP peer
     # computes the loss's backward with it
     "input": ("input:step=4:rank=6:bit=2:element=1", 4, 6),
+    # a flip of rank 5's output of stage 1's row-parallel reduce-scatter (pp=1, dp=0, tp=1), in the forward
+    "tp-collective": ("tp-collective:step=4:rank=5:bit=20", 4, 5),
 }
+#: a fault in one rank's forward reaches every rank of its data-parallel coordinate (its TP peer through
+#: the collectives, the other stage through the backward): those are named, no other
+FORWARD = {"tp-collective": {0, 1, 4, 5}}
 
 
 def _jobs(rank: int, root: str, runs: list) -> dict:
@@ -81,7 +87,7 @@ def test_a_fault_is_named_at_its_step_and_rank_with_its_coordinates(traces, name
     _, step, rank = FAULTS[name]
     rc, doc = _run(traces[name], "bisect")
     assert rc == 1 and doc["verdict"] == "corruption" and doc["first_divergent_step"] == step, doc
-    assert {s["rank"] for s in doc["suspects"]} == {rank}, doc["suspects"]
+    assert {s["rank"] for s in doc["suspects"]} == FORWARD.get(name, {rank}), doc["suspects"]
     where = f"pp={rank // 4}, dp={rank // 2 % 2}, tp={rank % 2}"
     assert any(where in json.dumps(s) for s in doc["suspects"]), doc["suspects"]
     if name == "input":
