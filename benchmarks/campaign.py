@@ -27,7 +27,7 @@ clean twin (the clean run of the same variant, bitwise identical before the faul
 the faulted rank's recorded local and reduced sketches at the fault step and the next, in units
 of ``relative_tolerance(dtype, W) * norm``, above 1; for ``checkpoint-file``, the file's bytes
 differ from the twin's checkpoint. Ineffective faults are counted apart, with their effect on
-the final loss; ``changed_nothing`` counts those whose run recorded the twin's every digest and loss
+the final loss; ``changed_nothing`` counts those whose run recorded the twin's every gradient and weights digest
 (the flip reached nothing the training computed): a checkpoint after one called clean is clean, and
 is not counted in ``false_clean_ineffective``.
 
@@ -72,7 +72,8 @@ TP replay; the exit code kept is process 0's), ``bisect --trace-only`` and ``ver
 --trace`` in the run's process (the latter reuses the intervals the exact replay certified, from the
 trace's ledger, and replays the rest on one process, tolerant: it certifies none of them). Its locations: a TP rank's local gradient, its DP reduce-scatter output, its
 all-gathered parameter copy, its weight shard at rest, its update, and the demo's ``tp-collective``
-drill (a TP reduce-scatter's output in the forward); not ``input`` (token ids). A fault in one rank's
+drill (a TP reduce-scatter's output in the forward), and ``input`` (a token id; the drill keeps it a valid id,
+``inject.flip_id_``). A fault in one rank's
 forward (``tp-collective``, ``all-gather-output``) reaches its TP peers through TP's collectives:
 the right answer names every rank of its DP coordinate::
 
@@ -159,10 +160,27 @@ SHARDED_LOCATIONS = {
         "update",
         "input",
     ),
-    # TP 2 x FSDP2 DP 2 (demo/tp.py): its input is token ids (int64, no float to flip), and the TP demo's own drill
-    "tp": ("local-gradient", "reduce-scatter-output", "all-gather-output", "weights", "update", "tp-collective"),
+    # TP 2 x FSDP2 DP 2 (demo/tp.py): its input is token ids (the drill keeps a flipped id valid), and the TP demo's
+    # own drill
+    "tp": (
+        "local-gradient",
+        "reduce-scatter-output",
+        "all-gather-output",
+        "weights",
+        "update",
+        "tp-collective",
+        "input",
+    ),
     # PP 2 x FSDP2 DP 2 (demo/pp.py): token ids again, and the PP demo's own drill (stage 0's sent activation)
-    "pp": ("local-gradient", "reduce-scatter-output", "all-gather-output", "weights", "update", "pp-activation"),
+    "pp": (
+        "local-gradient",
+        "reduce-scatter-output",
+        "all-gather-output",
+        "weights",
+        "update",
+        "pp-activation",
+        "input",
+    ),
 }
 #: a TP job's faults in one rank's forward: its TP peers compute from what it computed (``_expected_ranks``)
 TP_FORWARD = ("tp-collective", "all-gather-output")
@@ -195,6 +213,7 @@ class Options:
     parallel: str = "ddp"
     mixed_precision: bool = False  # a sharded job computes in bfloat16 and reduces in float32 (torchtitan's default)
     job: str = "mlp"  # a sharded job's model: the MLP with SGD, or clipped-lm (the tied-head transformer, AdamW, clipping that engages)
+    locations: tuple[str, ...] = ()  # --locations: draw faults from these of the job's locations only (empty: all)
 
     def __post_init__(self) -> None:
         if self.faults < 0 or self.clean < 1:
@@ -207,6 +226,9 @@ class Options:
             raise SystemExit(
                 "--comm-hook and --reduction are DDP's; a sharded job records with the ordered reduce-scatter"
             )
+        known = LOCATIONS if self.parallel == "ddp" else SHARDED_LOCATIONS[self.parallel]
+        if set(self.locations) - set(known):
+            raise SystemExit(f"--locations: {self.parallel}'s locations are {', '.join(known)}")
         if self.job not in SHARDED_JOBS:
             raise SystemExit(f"--job must be one of {', '.join(SHARDED_JOBS)}")
         if self.job != "mlp" and self.parallel == "ddp":
@@ -248,8 +270,8 @@ def plan_runs(options: Options) -> list[Plan]:
         for i in range(options.clean)
     ]
     locations = LOCATIONS if options.parallel == "ddp" else SHARDED_LOCATIONS[options.parallel]
-    if options.job == "clipped-lm":  # its input is token ids (int64): there is no float of it to flip
-        locations = tuple(loc for loc in locations if loc != "input")
+    if options.locations:
+        locations = tuple(loc for loc in locations if loc in options.locations)
     pairs = [(location, bits) for location in locations for bits in BIT_CLASSES]
     rng.shuffle(pairs)
     checkpoints = list(range(0, options.steps + 1, options.checkpoint_every))
@@ -522,9 +544,11 @@ def effect(row: dict, twin: dict) -> dict:
 
 
 def _same_run(faulted_trace: Path, twin_trace: Path) -> bool:
-    """Whether the faulted run recorded the twin's every digest and loss, every rank and step: the flip changed
-    nothing the training computed (a bit of an embedding row no token of the step looked up, say), so a
-    checkpoint after it that is called clean is clean, not a false-clean certificate."""
+    """Whether the faulted run recorded the twin's every gradient and weights digest, every rank and step: the
+    flip changed nothing the model holds (a bit of an embedding row no token of the step looked up, say), so a
+    checkpoint after it that is called clean is clean, not a false-clean certificate. The logged loss is left
+    out: a token id flipped on one TP rank where both ids lie outside its vocabulary shard changes that rank's
+    loss and no gradient (docs/decisions.md, "Input faults in model-parallel jobs")."""
     from sdc_forensics.trace.reader import Trace
 
     faulted, twin = Trace.open(faulted_trace), Trace.open(twin_trace)
@@ -533,7 +557,7 @@ def _same_run(faulted_trace: Path, twin_trace: Path) -> bool:
         return False
     mine, theirs = (next(t.step_windows(last - first + 1, first, last)).records for t in (faulted, twin))
     return mine.shape == theirs.shape and all(
-        np.array_equal(mine[key], theirs[key]) for key in ("local_digest", "reduced_digest", "weights_digest", "loss")
+        np.array_equal(mine[key], theirs[key]) for key in ("local_digest", "reduced_digest", "weights_digest")
     )
 
 
@@ -961,6 +985,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="sharded jobs compute in bfloat16 and reduce in float32 (MixedPrecisionPolicy, torchtitan's default)",
     )
     parser.add_argument(
+        "--locations",
+        default="",
+        help="comma-separated: draw the faults from these of the job's locations only (default: all of them)",
+    )
+    parser.add_argument(
         "--rejudge", type=Path, default=None, help="re-judge and re-tally the rows of an earlier --json output"
     )
     parser.add_argument(
@@ -1018,7 +1047,7 @@ def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
     if args._child:
         options = json.loads(args._options)
-        options = Options(**options | {"out_dir": Path(options["out_dir"])})
+        options = Options(**options | {"out_dir": Path(options["out_dir"]), "locations": tuple(options["locations"])})
         row = run_one(Plan(**json.loads(args._child)), options)
         # also beside the run's files: a campaign stopped early can still be re-judged from the rows that finished
         (options.out_dir / Plan(**json.loads(args._child)).name / "row.json").write_text(json.dumps(row))
@@ -1047,6 +1076,7 @@ def main(argv: list[str] | None = None) -> None:
                 parallel=args.parallel,
                 mixed_precision=args.mixed_precision,
                 job=args.job,
+                locations=tuple(loc for loc in args.locations.split(",") if loc),
             )
             options.out_dir.mkdir(parents=True, exist_ok=True)
             result = campaign(options, progress=lambda line: print(line, file=sys.stderr))

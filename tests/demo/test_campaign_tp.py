@@ -88,13 +88,14 @@ def test_a_fault_of_one_ranks_own_state_is_exact_on_that_rank_alone():
 @pytest.mark.slow
 @pytest.mark.campaign
 def test_ci_sized_tp_campaign(tmp_path):
-    """5 faults (sign, exponent and high-mantissa flips at five TP locations, the forward's two among them)
-    and 1 clean run of the TP 2 x DP 2 job, judged under torchrun: no false-clean certificate, no false
-    alarm, every effective fault exact. 4 min 46 s on the 2-core VM at a load average of 5-6."""
+    """5 faults (flips at five TP locations: the forward's two and a token id of the input among them) and
+    1 clean run of the TP 2 x DP 2 job, judged under torchrun: no false-clean certificate, no false alarm,
+    every effective fault exact. 4 min 46 s on the 2-core VM at a load average of 5-6 (seed 2130, before
+    the input location was drawn; the seed now is one that draws it)."""
     options = campaign.Options(
         faults=5,
         clean=1,
-        seed=2130,
+        seed=2110,
         out_dir=tmp_path,
         steps=9,
         checkpoint_every=4,
@@ -106,7 +107,7 @@ def test_ci_sized_tp_campaign(tmp_path):
     print({k: v for k, v in result.items() if k not in ("rows", "settings")})  # pytest -s: the figures
     assert result["errors"] == 0 and result["twins_valid"]
     drawn = {r["location"] for r in result["rows"] if r["fault"]}
-    assert len(drawn) == 5 and {"tp-collective", "all-gather-output"} <= drawn
+    assert len(drawn) == 5 and {"tp-collective", "all-gather-output", "input"} <= drawn
     assert result["effective"] >= 3  # the bar is not vacuous
     assert result["detected"] == result["effective"]
     assert result["exact_step_rank"] == result["effective"], result["not_exact"]
