@@ -91,6 +91,16 @@ among them the corrupted rank (``all-gather-output``) or the receiving rank r + 
     python benchmarks/campaign.py --parallel pp --faults 60 --clean 3 --seed 1 --steps 9 --checkpoint-every 4 \
         --jobs 2 --out DIR --json    # each run's row is also DIR/NNN-LOCATION/row.json
 
+The 3-D job: ``--parallel 3d`` trains ``demo/pp.py``'s job with ``tp=2`` (PP 2 x FSDP2 DP 2 x TP 2, 8 gloo
+processes; rank r is stage r // 4, DP coordinate r // 2 % 2, TP coordinate r % 2), judged as the TP job is
+(``bisect`` and ``certify`` under torchrun, 2 processes). Its locations are both demos' (``tp-collective``
+and ``pp-activation`` among them, the latter from ranks 0 to 3). A fault in one rank's forward reaches
+the four ranks of its DP coordinate: the right answer names ranks among those only, the corrupted rank
+(or, for ``pp-activation``, the receiving rank r + 4) among them::
+
+    python benchmarks/campaign.py --parallel 3d --faults 30 --clean 2 --seed 1 --steps 9 --checkpoint-every 4 \
+        --jobs 1 --out DIR --json
+
 Over 400 lines on purpose: the plan, the run, the judge and the tally of one campaign share its row
 format; the scoring tests (tests/demo/test_campaign.py, test_campaign_tp.py) load this one file.
 """
@@ -181,12 +191,24 @@ SHARDED_LOCATIONS = {
         "pp-activation",
         "input",
     ),
+    # PP 2 x FSDP2 DP 2 x TP 2 (demo/pp.py with tp=2, 8 gloo processes): both demos' drills
+    "3d": (
+        "local-gradient",
+        "reduce-scatter-output",
+        "all-gather-output",
+        "weights",
+        "update",
+        "tp-collective",
+        "pp-activation",
+        "input",
+    ),
 }
 #: a TP job's faults in one rank's forward: its TP peers compute from what it computed (``_expected_ranks``)
 TP_FORWARD = ("tp-collective", "all-gather-output")
 #: a PP job's faults in one stage's forward: the other stage of its pipeline (same dp coordinate) computes from it
 PP_FORWARD = ("pp-activation", "all-gather-output")
-#: --parallel pp: the demo's mesh, rank = pp * PP_DP + dp (rank r has pp = r // 2, dp = r % 2)
+#: --parallel pp and 3d: the demos' DP size; rank = (pp * PP_DP + dp) * tp_degree + tp (PP: rank r has pp = r // 2,
+#: dp = r % 2; 3-D: pp = r // 4, dp = r // 2 % 2, tp = r % 2)
 PP_DP = 2
 #: --mixed-precision: where a fault flips a bfloat16 (the all-gathered parameters, cast before the
 #: all-gather); every other location holds float32 (the gradient is reduced in float32)
@@ -235,7 +257,7 @@ class Options:
             raise SystemExit("--job is the sharded job's model: pass --parallel fsdp or hsdp")
         if self.mixed_precision and self.parallel == "ddp":
             raise SystemExit("--mixed-precision is a sharded job's MixedPrecisionPolicy: pass --parallel fsdp or hsdp")
-        if self.parallel in ("tp", "pp") and (self.job != "mlp" or self.mixed_precision):
+        if self.parallel in ("tp", "pp", "3d") and (self.job != "mlp" or self.mixed_precision):
             raise SystemExit(
                 f"--parallel {self.parallel} trains demo/{self.parallel}.py's job as it is: no --job, no --mixed-precision"
             )
@@ -282,8 +304,9 @@ def plan_runs(options: Options) -> list[Plan]:
         bit = rng.choice(BIT_CLASSES[bits])
         if options.mixed_precision and location in SIXTEEN_BIT:  # the same class of bfloat16's bits
             bit = bit - 16 if bit >= 16 else bit % 4
-        # pp-activation: the activation a stage-0 rank sends (ranks 0 and 1)
-        rank = rng.randrange(PP_DP if location == "pp-activation" else WORLD_SIZE)
+        # pp-activation: the activation a stage-0 rank sends (ranks 0 and 1; 0 to 3 in the 3-D job)
+        world = 2 * WORLD_SIZE if options.parallel == "3d" else WORLD_SIZE
+        rank = rng.randrange(world // 2 if location == "pp-activation" else world)
         spec = f"{location}:step={step}:rank={rank}:bit={bit}"
         plans.append(
             Plan(
@@ -353,21 +376,23 @@ def _train(plan: Plan, options: Options) -> dict:
     """Train one run: the row's training part (trace, checkpoints, what fired online)."""
     out = options.out_dir / plan.name
     started = time.monotonic()
-    if options.parallel in ("tp", "pp"):
+    if options.parallel in ("tp", "pp", "3d"):
         if options.parallel == "tp":
             from sdc_forensics.demo import tp as demo
 
-            degree = {"tp_degree": demo.TP}
+            degree, extra = {"tp_degree": demo.TP}, {}
         else:
             from sdc_forensics.demo import pp as demo
 
-            degree = {"pp_degree": demo.PP}
+            tp = 2 if options.parallel == "3d" else 1
+            degree, extra = {"pp_degree": demo.PP} | ({"tp_degree": tp} if tp > 1 else {}), {"tp": tp}
         found = demo.run_demo(
             out,
             (plan.fault,) if plan.fault else (),
             steps=options.steps,
             checkpoint_every=options.checkpoint_every,
             seed=plan.variant,
+            **extra,
         )
         ranks = [json.loads(path.read_text()) for path in sorted((out / "demo").glob("rank-*.json"))]
         return degree | {
@@ -496,7 +521,7 @@ def run_one(plan: Plan, options: Options) -> dict:
     row["trace_only"] = _bisect_answer(_cli(runner, cli, ["bisect", trace, "--json", "--trace-only"]))
     replay = ["--threads", str(plan.replay_threads)] if plan.replay_threads else []
     in_process = lambda args: _cli(runner, cli, args)  # noqa: E731
-    replayed = _torchrun_cli if options.parallel == "tp" else in_process
+    replayed = _torchrun_cli if options.parallel in ("tp", "3d") else in_process
     row["bisect"] = _bisect_answer(replayed(["bisect", trace, "--json", *replay]))
     certify = replayed(["certify", trace, "--json", *replay])
     row["certify"] = certify | {"statuses": checkpoint_statuses(certify.pop("doc") or {})}
@@ -524,7 +549,7 @@ def effect(row: dict, twin: dict) -> dict:
             # rank's recorded local and reduced sketches are what a flip inside its forward moves
             spec = parse_spec(fault, TP_LOCATIONS + PP_LOCATIONS)
             if row["location"] in PP_LOCATIONS:  # stage 0's sent activation moves the receiving rank's gradient
-                spec = dataclasses.replace(spec, rank=spec.rank + PP_DP)
+                spec = dataclasses.replace(spec, rank=spec.rank + PP_DP * row.get("tp_degree", 1))
             fault = str(dataclasses.replace(spec, location="local-gradient"))
         measured = measure_effect(Path(row["trace"]), Path(twin["trace"]), fault)
         return measured | {"changed_nothing": _same_run(Path(row["trace"]), Path(twin["trace"]))}
@@ -637,9 +662,11 @@ def _expected_ranks(location: str, spec, tp_degree: int = 1, pp_degree: int = 1)
     coordinate: TP's collectives hand the rank's wrong activations to its TP peers (the row-parallel layers'
     reduce-scatter, the head's all-gather), so all of them compute their loss and local gradients from them
     (tests/replay/test_tp_collective_fault.py)."""
-    if pp_degree > 1 and location in PP_FORWARD:
-        # a PP job's forward fault: the ranks of its pipeline (same dp coordinate), any of which may be named
-        return [stage * PP_DP + spec.rank % PP_DP for stage in range(pp_degree)]
+    if pp_degree > 1 and (location in PP_FORWARD or (tp_degree > 1 and location in TP_FORWARD)):
+        # a PP job's forward fault: the ranks of its pipeline (same dp coordinate; with TP, every TP rank of it),
+        # any of which may be named
+        dp = spec.rank // tp_degree % PP_DP
+        return [(stage * PP_DP + dp) * tp_degree + t for stage in range(pp_degree) for t in range(tp_degree)]
     if tp_degree > 1 and location in TP_FORWARD:
         # the (dp, tp) mesh is row-major: rank = dp * tp_degree + tp
         return [spec.rank // tp_degree * tp_degree + t for t in range(tp_degree)]
@@ -650,9 +677,11 @@ def _required(row: dict, spec) -> int | None:
     """A PP job's forward fault (:data:`PP_FORWARD`): the rank a right answer must name among its pipeline's
     (``_expected_ranks``): the corrupted rank for all-gather-output, the receiving rank r+2 for pp-activation
     (tests/replay/test_pp_replay.py); None: the answer must name exactly the expected ranks."""
-    if row.get("pp_degree", 1) <= 1 or row["location"] not in PP_FORWARD:
+    tp_degree = row.get("tp_degree", 1)
+    forward = PP_FORWARD + (TP_FORWARD if tp_degree > 1 else ())
+    if row.get("pp_degree", 1) <= 1 or row["location"] not in forward:
         return None
-    return spec.rank + PP_DP if row["location"] == "pp-activation" else spec.rank
+    return spec.rank + PP_DP * tp_degree if row["location"] == "pp-activation" else spec.rank
 
 
 def _exact(answer: dict, location: str, spec, expected: list[int], required: int | None = None) -> bool:
@@ -967,7 +996,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--parallel",
-        choices=("ddp", "fsdp", "hsdp", "tp", "pp"),
+        choices=("ddp", "fsdp", "hsdp", "tp", "pp", "3d"),
         default="ddp",
         help="the job: DDP (the conv net), the sharded job of demo/sharded.py (FSDP2 over 4 ranks, HSDP 2 x 2), "
         "or demo/tp.py's TP 2 x FSDP2 DP 2 transformer (replayed under torchrun, 2 processes)",

@@ -30,10 +30,9 @@ def test_a_tp_plan_draws_every_tp_location_and_bit_class(tmp_path):
     faulted = [p for p in plans if p.fault is not None]
     locations = set(campaign.SHARDED_LOCATIONS["tp"])
     pairs = [(p.location, p.bit_class) for p in faulted]
-    # 6 locations x 4 bit classes, each pair once, then again
-    assert len(set(pairs[:24])) == 24 and pairs[24:] == pairs[:24]
-    assert {p.location for p in faulted} == locations and "tp-collective" in locations
-    assert "input" not in locations  # token ids: no float to flip
+    # 7 locations x 4 bit classes, each pair once, then again
+    assert len(set(pairs[:28])) == 28 and pairs[28:] == pairs[:20]
+    assert {p.location for p in faulted} == locations and {"tp-collective", "input"} <= locations
     for p in faulted:
         spec = parse_spec(p.fault, ALL_LOCATIONS + TP_LOCATIONS)
         assert 0 <= spec.rank < 4 and spec.step <= 7  # checkpoint 8 follows every fault of a 9-step run
@@ -140,3 +139,37 @@ def test_a_flip_that_changed_nothing_is_no_false_clean_certificate():
         1,
         0,
     )
+
+
+def test_a_3d_plan_draws_both_drills_and_sends_activations_from_stage_0_only(tmp_path):
+    plans = [p for p in campaign.plan_runs(_options(tmp_path, parallel="3d", faults=64)) if p.fault is not None]
+    assert {p.location for p in plans} == set(campaign.SHARDED_LOCATIONS["3d"])
+    for p in plans:
+        spec = parse_spec(p.fault, ALL_LOCATIONS + TP_LOCATIONS + ("pp-activation",))
+        # rank r is (pp, dp, tp) = (r // 4, r // 2 % 2, r % 2): stage 0 sends
+        assert 0 <= spec.rank < (4 if p.location == "pp-activation" else 8), p.fault
+
+
+@pytest.mark.parametrize(
+    ("fault", "required", "group"),
+    [
+        # rank 5 is (pp=1, dp=0, tp=1): its forward group is dp coordinate 0's ranks 0, 1, 4, 5
+        ("tp-collective:step=4:rank=5:bit=20", 5, [0, 1, 4, 5]),
+        ("all-gather-output:step=4:rank=2:bit=20", 2, [2, 3, 6, 7]),
+        # rank 1 (pp=0, dp=0, tp=1) sends to rank 5
+        ("pp-activation:step=4:rank=1:bit=20", 5, [0, 1, 4, 5]),
+    ],
+)
+def test_a_3d_forward_fault_is_exact_on_ranks_of_its_dp_coordinate_including_the_one_it_reached_first(
+    fault, required, group
+):
+    row = _row(fault, group) | {"pp_degree": 2, "tp_degree": 2}
+    assert campaign.judge(row)["exact_step_rank"]
+    assert campaign.judge(_row(fault, [required]) | {"pp_degree": 2, "tp_degree": 2})["exact_step_rank"]
+    others = [r for r in group if r != required]
+    assert not campaign.judge(_row(fault, others) | {"pp_degree": 2, "tp_degree": 2})["exact_step_rank"]
+    outside = sorted(set(range(8)) - set(group))[:1]
+    assert not campaign.judge(_row(fault, group + outside) | {"pp_degree": 2, "tp_degree": 2})["exact_step_rank"]
+    # an input fault is its own rank's alone, in 3-D as anywhere
+    own = _row("input:step=4:rank=6:bit=2", [6]) | {"pp_degree": 2, "tp_degree": 2}
+    assert campaign.judge(own)["exact_step_rank"]
