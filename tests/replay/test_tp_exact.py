@@ -2,7 +2,9 @@
 ``demo --parallel tp`` job (TP 2 x FSDP2 DP 2 on 4 gloo processes) replayed with its own TP plan
 on 2 processes. A clean run is certified bit for bit (``certify`` exit 0, coverage "exact now"),
 and a local-gradient flip in a low mantissa bit, below every tolerance (the one-process replay,
-tolerant, cannot see it), is named at its step and rank by a firm verdict. A recipe that rebuilds the
+tolerant, cannot see it), is named at its step and rank by a firm verdict, as are a flip of one rank's
+reduce-scatter output, of its weights at rest, of its update, and of a token id of its microbatch (its
+TP peer, which computes the forward with it, not suspected). A recipe that rebuilds the
 job wrong (a learning rate 1 % off from its second step) shows up as a mismatch of the weights, never as a certificate."""
 
 from __future__ import annotations
@@ -19,11 +21,17 @@ from sdc_forensics.demo.tp import TpRecipe
 
 from tests.distributed.launch import torchrun
 
-# three 4-process demo runs and four torchrun replays of 2 processes (about 3 minutes on 2 loaded cores)
+# six 4-process demo runs and eight torchrun replays of 2 processes (about 4 minutes on 2 loaded cores)
 pytestmark = pytest.mark.heavy
 
 # bit 3 of a float32 mantissa: a change of ~1e-6 relative, far below the sketch tolerance
 FAULT = ("local-gradient:step=5:rank=3:bit=3", 5, 3, "dp=1, tp=1")
+# the other locations of one rank's own state, each named at its step and rank alone
+OWN_STATE = {
+    "reduce-scatter-output": ("reduce-scatter-output:step=2:rank=1:bit=30", 2, 1, "dp=0, tp=1"),
+    "weights": ("weights:step=2:rank=2:bit=29", 2, 2, "dp=1, tp=0"),
+    "update": ("update:step=1:rank=3:bit=29", 1, 3, "dp=1, tp=1"),
+}
 # token 3 (of TP rank 0's vocabulary shard) becomes 7 in rank 0's microbatch: rank 1 computes the forward with it
 INPUT = ("input:step=1:rank=0:bit=2:element=3", 1, 0, "dp=0, tp=0")
 
@@ -50,7 +58,9 @@ def jobs(tmp_path_factory) -> dict[str, Path]:
     run_demo(root / "clean", (), steps=4, checkpoint_every=2)
     run_demo(root / "fault", (FAULT[0],), steps=8, checkpoint_every=4)
     run_demo(root / "input", (INPUT[0],), steps=4, checkpoint_every=2)
-    return {name: root / name / "trace" for name in ("clean", "fault", "input")}
+    for name, (spec, *_) in OWN_STATE.items():
+        run_demo(root / name, (spec,), steps=4, checkpoint_every=2)
+    return {name: root / name / "trace" for name in ("clean", "fault", "input", *OWN_STATE)}
 
 
 def _run(trace: Path, command: str, processes: int, *extra: str) -> tuple[int, dict, str]:
@@ -98,3 +108,12 @@ def test_a_token_id_flipped_on_one_tp_rank_names_that_rank_and_its_input(jobs):
     assert at and all(e["ranks"] == [rank] and e["location"] == "input_data" for e in at), at
     assert any(e["kind"] == "input_mismatch" for e in at), at
     assert [c["status"] for c in doc["checkpoints"]] == ["clean", "tainted"], doc["checkpoints"]
+
+
+@pytest.mark.parametrize("name", sorted(OWN_STATE))
+def test_a_flip_of_the_reduction_the_weights_or_the_update_is_named_at_its_step_and_rank(jobs, name):
+    _, step, rank, where = OWN_STATE[name]
+    rc, doc, err = _run(jobs[name], "bisect", 2)
+    assert rc == 1 and doc["first_divergent_step"] == step, err[-3000:]
+    assert [(s["rank"], s["mesh"]) for s in doc["suspects"]] == [(rank, where)], doc["suspects"]
+    assert all(c["status"] != "clean" or c["step"] <= step for c in doc["checkpoints"]), doc["checkpoints"]
