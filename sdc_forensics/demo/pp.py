@@ -41,7 +41,14 @@ from torch import nn
 
 from sdc_forensics.demo.sharded import dcp_state, launch, load_dcp
 from sdc_forensics.errors import UsageError
-from sdc_forensics.demo.tp import Attention, CollectiveDrill, block_plan, ends_plan, split_collective_specs
+from sdc_forensics.demo.tp import (
+    Attention,
+    CollectiveDrill,
+    block_plan,
+    ends_plan,
+    quiet_view_warning,
+    split_collective_specs,
+)
 
 VOCAB, DIM, CONTEXT, MICROBATCH, BLOCKS = 40, 16, 8, 2, 4
 PP, DP, MICROBATCHES = 2, 2, 4
@@ -246,6 +253,7 @@ def train(
         mesh = init_device_mesh("cpu", (PP, world // (PP * tp), tp), mesh_dim_names=("pp", "dp", "tp"))
     else:
         mesh = init_device_mesh("cpu", (PP, world // PP), mesh_dim_names=("pp", "dp"))
+    quiet_view_warning()
     pp, dp = mesh.get_coordinate()[:2]
     if replicate > 1:
         dp = dp * shape[2] + mesh.get_coordinate()[2]

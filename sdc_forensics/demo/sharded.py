@@ -126,6 +126,8 @@ def clip(model: nn.Module, max_norm: float) -> torch.Tensor | None:
 def load_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Load a DCP directory saved as ``{"model": ..., "optim": ...}`` (``get_model_state_dict``,
     ``get_optimizer_state_dict``) into a model and optimizer of any sharding, a plain one included."""
+    import warnings
+
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -133,7 +135,10 @@ def load_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimize
     state = {"model": model_state}
     if optimizer is not None:
         state["optim"] = optim_state
-    dcp.load(state, checkpoint_id=str(path))
+    with warnings.catch_warnings():
+        # loading in one process (the replay of a sharded job) is the intent: DCP's warning says so to every user
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
         model,
         optimizer if optimizer is not None else [],

@@ -201,6 +201,14 @@ def tensor_parallel(model: TinyLM, tp_mesh, loss_parallel: bool = False) -> Tiny
     return model
 
 
+def quiet_view_warning() -> None:
+    """Silence FSDP2's warning that a module returned a view (TP's ``to_local`` outputs are views): the
+    demos add residuals out of place, which is what it asks for, and it would fill every demo's output."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+
 def train_context(loss_parallel: bool):
     """What the loss and its backward run under: torch's ``loss_parallel()`` (the cross entropy of
     vocabulary-sharded logits, without gathering them) where the job uses it, else nothing."""
@@ -296,6 +304,7 @@ def train(
     else:
         shape, names = (world // TP, TP), ("dp", "tp")
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    quiet_view_warning()
     *coord, _ = mesh.get_coordinate()
     dp = coord[0] * shape[1] + coord[1] if replicate > 1 else coord[0]
     model = parallelize(build_model(seed), mesh, loss_parallel)
