@@ -157,6 +157,8 @@ EXPECTED_LOCATION = {
 #: times MAX_NORM on every step, so every update is clipped (tests/recorder/test_fsdp_clipping.py checks it engages)
 SHARDED_JOBS = {"mlp": {}, "clipped-lm": {"model": "tied-lm", "optimizer": "adamw", "max_norm": 0.05}}
 
+#: the FSDP2 locations of a TP or PP job's rank, before its demo's own drills and the input
+_MODEL_PARALLEL = ("local-gradient", "reduce-scatter-output", "all-gather-output", "weights", "update")
 #: --parallel: the locations a sharded job's faults are drawn from (its checkpoints are DCP
 #: directories: a flipped file there is verify-checkpoint's own test, tests/checkpoint/test_dcp_sharded.py)
 SHARDED_LOCATIONS = {
@@ -172,36 +174,11 @@ SHARDED_LOCATIONS = {
     ),
     # TP 2 x FSDP2 DP 2 (demo/tp.py): its input is token ids (the drill keeps a flipped id valid), and the TP demo's
     # own drill
-    "tp": (
-        "local-gradient",
-        "reduce-scatter-output",
-        "all-gather-output",
-        "weights",
-        "update",
-        "tp-collective",
-        "input",
-    ),
+    "tp": (*_MODEL_PARALLEL, "tp-collective", "input"),
     # PP 2 x FSDP2 DP 2 (demo/pp.py): token ids again, and the PP demo's own drill (stage 0's sent activation)
-    "pp": (
-        "local-gradient",
-        "reduce-scatter-output",
-        "all-gather-output",
-        "weights",
-        "update",
-        "pp-activation",
-        "input",
-    ),
+    "pp": (*_MODEL_PARALLEL, "pp-activation", "input"),
     # PP 2 x FSDP2 DP 2 x TP 2 (demo/pp.py with tp=2, 8 gloo processes): both demos' drills
-    "3d": (
-        "local-gradient",
-        "reduce-scatter-output",
-        "all-gather-output",
-        "weights",
-        "update",
-        "tp-collective",
-        "pp-activation",
-        "input",
-    ),
+    "3d": (*_MODEL_PARALLEL, "tp-collective", "pp-activation", "input"),
 }
 #: a TP job's faults in one rank's forward: its TP peers compute from what it computed (``_expected_ranks``)
 TP_FORWARD = ("tp-collective", "all-gather-output")
