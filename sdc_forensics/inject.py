@@ -289,21 +289,22 @@ class Injector:
             start += t.numel()
 
     def corrupt_input(self, step: int, tensors: list, start: int) -> int:
-        """Flip bits in one microbatch's floating-point tensors; returns how many elements it holds.
+        """Flip bits in one microbatch's floating-point tensors (its integer ones where it has none: token
+        ids); returns how many elements it holds.
 
         ``start`` counts the elements of the step's earlier microbatches. Without an explicit
         element the choice is made among the first microbatch's elements.
         """
-        floats = [t for t in tensors if t.is_floating_point()]
+        flippable = [t for t in tensors if t.is_floating_point()]
         # token ids only (a language model's microbatch): the integer tensors, each flip a valid id
-        ids = not floats
+        ids = not flippable
         if ids:
-            floats = [t for t in tensors if not t.is_complex() and str(t.dtype) != "torch.bool"]
-        numel = sum(t.numel() for t in floats)
+            flippable = [t for t in tensors if not t.is_complex() and str(t.dtype) != "torch.bool"]
+        numel = sum(t.numel() for t in flippable)
         for spec in self.pending("input", step):
             element = spec.element if spec.element is not None else (spec.choose_element(numel) if start == 0 else -1)
             offset = start
-            for t in floats:
+            for t in flippable:
                 if offset <= element < offset + t.numel():
                     view = _element_view(t.detach(), element - offset)
                     old, new = flip_id_(*view, spec.bit, int(t.max())) if ids else flip_bit_(*view, spec.bit)
