@@ -55,6 +55,9 @@ campaign.json from before these fields says "not measured".
         [--steps 12] [--checkpoint-every 4]
     python benchmarks/campaign.py --rejudge campaign.json [--rates FILE]    # re-tally an earlier --json output
 
+``--locations a,b`` draws the faults from those of the job's locations only (``--locations input``:
+the input-only campaigns of docs/benchmarks.md).
+
 The job's collective (issue 21): ``--comm-hook MODULE:ATTR`` trains every run through that DDP comm
 hook (``sdc_forensics.demo.hooks:reversed_mean`` sums in an order the replay does not know) and
 ``--reduction ordered`` records with the ordered reduction composed with it; ``--tolerant-threads 0``
