@@ -25,7 +25,8 @@ Locations (where the flipped bit lands, and what the trace then shows):
   (a strided view, such as a slice of a longer sequence, is flipped in place). A microbatch of
   integers only (a language model's token ids) has its integer tensors flipped instead, each flip
   keeping a valid id: bit ``bit`` modulo the bit length of the tensor's largest id, or, where that
-  would exceed the largest id, the element's lowest set bit (see ``flip_id_``). Where inputs and
+  would exceed the largest id, the element's lowest set bit; a negative ignore marker (-100)
+  becomes id 0 (see ``flip_id_``). Where inputs and
   labels are views of one buffer, the flip changes both, as a corrupted buffer would.
 * ``checkpoint-file``: the file of checkpoint S (holding theta_S), after it is written and its
   note recorded. Element I is a byte offset in the file; ``bit`` counts from that byte as in a
@@ -212,13 +213,17 @@ def flip_id_(flat, element: int, bit: int, largest: int) -> tuple[float, float]:
     """Flip one bit of the integer id ``flat[element]`` in place so that it stays a valid id: bit
     ``bit`` modulo the bit length of ``largest`` (the tensor's largest id, a stand-in for the
     vocabulary); if that makes it exceed ``largest``, its lowest set bit is cleared instead (an id
-    of 0 becomes 1). Returns (old, new)."""
+    of 0 becomes 1). A negative element is a label's ignore marker (cross entropy's -100), which
+    any other negative value would turn into an index error: it becomes id 0, a masked position
+    made a real target. Returns (old, new)."""
     import torch
 
     with torch.no_grad():
         old = int(flat[element].item())
         new = old ^ (1 << (bit % max(1, int(largest).bit_length())))
-        if new > largest:
+        if old < 0:
+            new = 0
+        elif new > largest:
             new = old & (old - 1) if old else 1
         flat[element] = new
     return float(old), float(new)

@@ -170,3 +170,6 @@ def test_an_input_drill_on_token_ids_keeps_every_id_valid(bit):
     assert flip_id_(flat, 0, 2, 39) == (3.0, 7.0)
     assert flip_id_(flat, 1, 3, 39) == (39.0, 38.0)
     assert flip_id_(flat, 2, 5, 39) == (0.0, 32.0)
+    # a label's ignore marker becomes a real target, never another negative value (an index error)
+    labels = torch.tensor([5, -100, 7])
+    assert flip_id_(labels, 1, 3, 7) == (-100.0, 0.0) and labels.tolist() == [5, 0, 7]
