@@ -791,3 +791,14 @@ def load_benchmark(name: str):
     module = sys.modules.setdefault(name, importlib.util.module_from_spec(spec))
     spec.loader.exec_module(module)
     return module
+
+
+def grid_mesh(kind: str, names: tuple[str, ...], shape: tuple[int, ...], **dims):
+    """A ``ShardMesh`` whose ranks fill ``shape`` row-major (rank 0 at coordinate 0, ..., the last
+    dimension fastest), as ``init_device_mesh`` lays them out; ``dims``: ``shard_dim``, ``tp_dim``, ..."""
+    import itertools
+
+    from sdc_forensics.trace.mesh import ShardMesh
+
+    coords = tuple(itertools.product(*(range(n) for n in shape)))
+    return ShardMesh(kind=kind, shape=shape, dim_names=names, coords=coords, **dims)

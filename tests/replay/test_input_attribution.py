@@ -5,11 +5,9 @@ another coordinate keeps its own evidence (a second fault is not hidden)."""
 
 from __future__ import annotations
 
-import itertools
-
 from sdc_forensics.evidence import Evidence, EvidenceKind, Location
 from sdc_forensics.replay.compare import _through_shared_forward
-from sdc_forensics.trace.mesh import ShardMesh
+from tests.factories import grid_mesh
 
 
 def _mismatch(rank: int, location=Location.LOCAL_COMPUTE) -> Evidence:
@@ -20,14 +18,7 @@ def _mismatch(rank: int, location=Location.LOCAL_COMPUTE) -> Evidence:
 
 def test_the_tp_peers_mismatch_goes_to_the_rank_whose_input_differs_and_other_coordinates_keep_theirs():
     # (dp, tp) = (2, 2): ranks 0, 1 share a forward, and 2, 3
-    mesh = ShardMesh(
-        kind="tp",
-        shape=(2, 2),
-        dim_names=("dp", "tp"),
-        shard_dim=0,
-        tp_dim=1,
-        coords=tuple(itertools.product(range(2), range(2))),
-    )
+    mesh = grid_mesh("tp", ("dp", "tp"), (2, 2), shard_dim=0, tp_dim=1)
     wrong_input = Evidence(
         kind=EvidenceKind.INPUT_MISMATCH, step=3, ranks=(1,), source="replay", location=Location.INPUT_DATA, detail=""
     )
@@ -42,12 +33,6 @@ def test_the_tp_peers_mismatch_goes_to_the_rank_whose_input_differs_and_other_co
 
 
 def test_without_model_parallel_nothing_moves():
-    hsdp = ShardMesh(
-        kind="hsdp",
-        shape=(2, 2),
-        dim_names=("dp_replicate", "dp_shard"),
-        shard_dim=1,
-        coords=tuple(itertools.product(range(2), range(2))),
-    )
+    hsdp = grid_mesh("hsdp", ("dp_replicate", "dp_shard"), (2, 2), shard_dim=1)
     evidence = [_mismatch(0), _mismatch(1, Location.INPUT_DATA)]
     assert _through_shared_forward(evidence, {1}, hsdp) == evidence

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from sdc_forensics.trace.mesh import ShardMesh
+from tests.factories import grid_mesh
 
 FSDP_MP = {
     "kind": "fsdp",
@@ -44,24 +45,17 @@ def test_a_wrong_mixed_precision_field_is_a_value_error(change):
         ShardMesh.from_json(FSDP_MP | change, 2)
 
 
-def _mesh(kind: str, names: tuple[str, ...], shape: tuple[int, ...], **dims) -> ShardMesh:
-    import itertools
-
-    coords = tuple(itertools.product(*(range(n) for n in shape)))
-    return ShardMesh(kind=kind, shape=shape, dim_names=names, coords=coords, **dims)
-
-
 def test_forward_groups_join_tp_and_stages_of_one_data_parallel_coordinate():
     # torchtitan's 4-D mesh, rank-major: (pp, dp_replicate, dp_shard, tp)
-    four = _mesh("pp", ("pp", "dp_replicate", "dp_shard", "tp"), (2, 2, 2, 2), shard_dim=2, tp_dim=3, pp_dim=0)
+    four = grid_mesh("pp", ("pp", "dp_replicate", "dp_shard", "tp"), (2, 2, 2, 2), shard_dim=2, tp_dim=3, pp_dim=0)
     groups = four.forward_groups()
     assert len(groups) == 4 and sorted(r for g in groups for r in g) == list(range(16))
     for group in groups:
         # one (dp_replicate, dp_shard) coordinate each, every (pp, tp) in it
         assert len({four.coords[r][1:3] for r in group}) == 1
         assert {(four.coords[r][0], four.coords[r][3]) for r in group} == {(0, 0), (0, 1), (1, 0), (1, 1)}
-    tp = _mesh("tp", ("dp", "tp"), (2, 2), shard_dim=0, tp_dim=1)
+    tp = grid_mesh("tp", ("dp", "tp"), (2, 2), shard_dim=0, tp_dim=1)
     assert tp.forward_groups() == [(0, 1), (2, 3)]
     # data parallel alone: every rank computes its own forward
-    hsdp = _mesh("hsdp", ("dp_replicate", "dp_shard"), (2, 2), shard_dim=1)
+    hsdp = grid_mesh("hsdp", ("dp_replicate", "dp_shard"), (2, 2), shard_dim=1)
     assert hsdp.forward_groups() == [(0,), (1,), (2,), (3,)]
