@@ -123,6 +123,16 @@ def clip(model: nn.Module, max_norm: float) -> torch.Tensor | None:
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
+def _flat():
+    """The optimizer's state keyed by parameter name, hyperparameters included (torchtitan's
+    ``flatten_optimizer_state_dict=True``). Unflattened, every pipeline stage saves its group as
+    ``param_groups.0`` with its own parameter list, DCP keeps one stage's, and the other stages load
+    their groups without their learning rate and betas."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def load_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Load a DCP directory saved as ``{"model": ..., "optim": ...}`` (``get_model_state_dict``,
     ``get_optimizer_state_dict``) into a model and optimizer of any sharding, a plain one included."""
@@ -131,7 +141,7 @@ def load_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimize
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [])
+    model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [], options=_flat())
     state = {"model": model_state}
     if optimizer is not None:
         state["optim"] = optim_state
@@ -144,6 +154,7 @@ def load_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimize
         optimizer if optimizer is not None else [],
         model_state_dict=state["model"],
         optim_state_dict=state.get("optim", {}),
+        options=_flat(),
     )
 
 
@@ -151,7 +162,7 @@ def dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """What the job saves: the model's and the optimizer's state, sharded as they are."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_flat())
     return {"model": model_state, "optim": optim_state}
 
 
