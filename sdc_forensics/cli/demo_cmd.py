@@ -197,11 +197,22 @@ def _sharded_demo(
             "online checks: nothing fired (a finite wrong value that every replica then shares is seen by a replay only)"
         )
     err.print(f"trace: {out_dir / 'trace'}   checkpoints: {out_dir / 'checkpoints'}")
-    if parallel in ("tp", "3d"):
+    if parallel == "tp":
         # the one-process replay of a TP job is tolerant (it certifies nothing); the TP processes' replay is exact
         err.print(
             f"next: torchrun --standalone --nproc-per-node 2 -m sdc_forensics bisect {out_dir / 'trace'}   "
             "(the job's TP plan on 2 processes, exact; plain `sdc-forensics bisect` is tolerant)"
+        )
+    elif parallel in ("pp", "3d"):
+        # a pipeline job at its layout: one stage per process (x TP), exact; one process holds the whole model
+        need, other = (
+            (2, "plain `sdc-forensics bisect`: the whole model on one process")
+            if parallel == "pp"
+            else (4, "--nproc-per-node 2: the TP plan on the whole model")
+        )
+        err.print(
+            f"next: torchrun --standalone --nproc-per-node {need} -m sdc_forensics bisect {out_dir / 'trace'}   "
+            f"(the job's layout, one stage per process, exact; also exact, {other})"
         )
     else:
         err.print(f"next: sdc-forensics bisect {out_dir / 'trace'}")

@@ -182,8 +182,16 @@ class PpRecipe:
         return model, make_optimizer(model), None
 
     def parallelize(self, model, tp_mesh):
-        """The exact replay of the 3-D job (``replay/tp_exact.py``): its TP plan on the whole model."""
+        """The job's TP plan on the whole model (``replay/tp_exact.py``) or a stage (``replay/pp_exact.py``)."""
         return tensor_parallel(model, tp_mesh)
+
+    def pipeline_stage(self, model, stage: int, stages: int):
+        """Stage ``stage`` of ``stages`` as the job cut it (the replay at the job's layout, ``replay/pp_exact.py``)."""
+        return stage_module(model, stage, stages)
+
+    def pipeline_loss(self, output, batch):
+        """The schedule's ``loss_fn`` on the last stage's output (the first stage takes ``batch[0]``)."""
+        return loss_fn(output, batch[1])
 
     def load_checkpoint(self, path: str, model, optimizer, scheduler) -> None:
         load_dcp(path, model, optimizer)

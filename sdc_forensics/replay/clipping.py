@@ -258,6 +258,9 @@ def tp_total_norm(
     stage_of = (lambda i: mesh.stages[i]) if mesh.pp_dim >= 0 else (lambda i: 0)
     dp, tp = mesh.shard_size, mesh.tp_size
 
+    def cut(i: int) -> int:
+        return mesh.tp_shards[i] if i < len(mesh.tp_shards) else -1
+
     def reduce(vectors: list[torch.Tensor]) -> torch.Tensor:
         if norm_type == math.inf:
             return torch.stack(vectors).amax(dim=0)
@@ -266,7 +269,7 @@ def tp_total_norm(
     mine = {}
     for stage in sorted({stage_of(i) for i in indices}):
         chosen = [(t, i) for t, i in zip(tensors, indices) if stage_of(i) == stage]
-        tp_partial = any(mesh.tp_shards[i] >= 0 for _, i in chosen)
+        tp_partial = any(cut(i) >= 0 for _, i in chosen)
         per_dp = [[] for _ in range(dp)]
         for t, i in chosen:
             local = t.to_local() if isinstance(t, DTensor) else t
@@ -277,16 +280,19 @@ def tp_total_norm(
                     if foreach is False
                     else torch._foreach_norm([piece], norm_type)[0]
                 )
-                if tp_partial and mesh.tp_shards[i] < 0 and norm_type != math.inf:
+                if tp_partial and cut(i) < 0 and norm_type != math.inf:
                     norm = norm / math.pow(tp, 1 / norm_type)
                 per_dp[d].append(norm)
         vectors = [torch.stack(norms) for norms in per_dp]
         mine[stage] = (reduce(vectors), tp_partial)
+    # every process's stages (each holds every stage, or its own: ``replay/pp_exact.py``), its TP
+    # coordinates in process order
     every = distributed.exchange_objects(mine)
     norms = []
-    for stage in sorted(mine):
-        over_dp, tp_partial = mine[stage]
-        whole = reduce([part[stage][0] for part in every]) if tp_partial else over_dp
+    for stage in sorted({s for part in every for s in part}):
+        held = [part[stage] for part in every if stage in part]
+        over_dp, tp_partial = held[0]
+        whole = reduce([vector for vector, _ in held]) if tp_partial else over_dp
         norms.append(torch.linalg.vector_norm(whole, norm_type))
     total = _finite(_across_stages(norms, norm_type), norm_type, error_if_nonfinite)
     device_mesh = next((t.device_mesh for t in tensors if isinstance(t, DTensor)), None)

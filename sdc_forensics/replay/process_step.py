@@ -24,12 +24,17 @@ from sdc_forensics.replay.replayer import ReplayResult
 
 def same_optimizer(meta_opt, meta_params, params):
     """The recipe's optimizer (class, hyperparameters, groups) rebuilt over ``params``, the replay's
-    own parameters in the order of ``meta_params`` (the recipe's)."""
+    own parameters in the order of ``meta_params`` (the recipe's); None where this process holds no
+    such parameter (another pipeline stage's: ``pp_exact.py``), left out of its group."""
     where = {id(p): i for i, p in enumerate(meta_params)}
     groups = [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [params[where[id(p)]] for p in g["params"]]}
+        {
+            **{k: v for k, v in g.items() if k != "params"},
+            "params": [params[where[id(p)]] for p in g["params"] if params[where[id(p)]] is not None],
+        }
         for g in meta_opt.param_groups
     ]
+    groups = [g for g in groups if g["params"]]
     # the defaults the constructor takes (AdamW's carry decoupled_weight_decay, which its __init__ does not);
     # every group holds every hyperparameter already
     accepted = inspect.signature(type(meta_opt).__init__).parameters

@@ -100,13 +100,15 @@ def refusal(trace, recipe) -> str:
 class TpExactReplayer(Replayer):
     """The replay of a TP trace with the job's TP plan over this torchrun launch's processes (see the module)."""
 
+    #: what the replay is called in its messages and its device line
+    KIND = "tensor parallel"
+
     def run(self, options, on_step=None) -> ReplayResult:
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
 
         why = refusal(self.trace, self.recipe)
         if why:
-            raise UsageError(f"exact tensor-parallel replay: {why}")
+            raise UsageError(f"exact {self.KIND} replay: {why}")
         group = distributed.current()
         self.me = group.rank
         self.known_order = env.ORDERED
@@ -116,15 +118,11 @@ class TpExactReplayer(Replayer):
         model, optimizer, scheduler = _recipe_call("build", self.recipe.build, self.device)
         if scheduler is not None:
             raise UsageError(
-                "exact tensor-parallel replay: the recipe's scheduler is bound to the optimizer over the unparallelised "
-                "parameters, which the replay rebuilds over the TP ones: set the rate in after_step from the step it is "
-                "handed, or replay on one process (no torchrun), which compares within tolerance"
+                f"exact {self.KIND} replay: the recipe's scheduler is bound to the optimizer over the unparallelised "
+                "parameters, which the replay rebuilds over the parallel ones: set the rate in after_step from the step "
+                "it is handed, or replay on one process (no torchrun)"
             )
-        plain = list(model.parameters())
-        tp_mesh = init_device_mesh(self.device.type, (group.size,), mesh_dim_names=("tp",))
-        model = _recipe_call("parallelize", self.recipe.parallelize, model, tp_mesh) or model
-        params = list(model.parameters())
-        optimizer = process_step.same_optimizer(optimizer, plain, params)
+        model, optimizer, params, index, whole = self._prepare(group, model, optimizer)
         _recipe_call(
             f"load_checkpoint({options.checkpoint_path})",
             self.recipe.load_checkpoint,
@@ -134,17 +132,21 @@ class TpExactReplayer(Replayer):
             scheduler,
         )
         self.param_dtype = params[0].dtype if params else None
-        self._params = params
+        self._params, self._index, self._n_whole = params, index, len(whole)
         self._shapes = [tuple(p.shape) for p in params]
-        # where each parameter starts in the flat vector of all parameters (weights) and of the trainable ones (gradients)
-        self._offsets = _starts(self._shapes)
+        # where each parameter starts in the flat vector of the whole model's parameters (weights) and of
+        # its trainable ones (gradients)
+        starts = _starts([shape for shape, _ in whole])
+        self._offsets = [starts[j] for j in index]
+        trainable = [j for j, (_, trained) in enumerate(whole) if trained]
+        grad_starts = dict(zip(trainable, _starts([whole[j][0] for j in trainable])))
         self._trained = [i for i, p in enumerate(params) if p.requires_grad]
-        self._grad_offsets = _starts([self._shapes[i] for i in self._trained])
+        self._grad_offsets = [grad_starts[index[i]] for i in self._trained]
         # the recorded ranks this process plays, by DP coordinate (replica by replica, HSDP; shard by
         # shard within each): (dp=d, tp=me), one per pipeline stage
         mesh = self.mesh
         self._replicas = [
-            [[r for r in replica if mesh.shard_of(r) == d and mesh.tp_of(r) == self.me] for d in range(mesh.shard_size)]
+            [[r for r in replica if mesh.shard_of(r) == d and self._plays(r)] for d in range(mesh.shard_size)]
             for replica in mesh.replicas()
         ]
         self._mine = [ranks for replica in self._replicas for ranks in replica]
@@ -155,10 +157,7 @@ class TpExactReplayer(Replayer):
         self._played = [r for ranks in self._mine for r in ranks]
         window = self._start(options, hex64(self._weights_digest()))
         evidence = []
-        notes = [
-            f"tensor parallel, exact: the recipe's parallelize over {group.size} processes (the job's TP degree), "
-            f"each playing the recorded ranks of its TP coordinate"
-        ]
+        notes = [self._note(group)]
         last, first_divergent, tolerant_from = options.start_step - 1, None, None
         for row, step in enumerate(window.steps.tolist()):
             if not window.present[row].all():
@@ -192,7 +191,7 @@ class TpExactReplayer(Replayer):
                 tolerant,
                 bool(step_evidence or reduce_evidence),
                 # clipping's total norm as the job's (dp, tp) shards computed it
-                clip=tp_clipping_as_recorded(mesh, lambda: [p.grad for p in params]),
+                clip=tp_clipping_as_recorded(mesh, self._whole_grads),
             )
             evidence += weights_evidence
             if departed and tolerant_from is None:
@@ -209,12 +208,55 @@ class TpExactReplayer(Replayer):
             self,
             options,
             last=last,
-            device=env.describe_device(self.device) + f" x {group.size} processes (tensor parallel)",
+            device=env.describe_device(self.device) + f" x {group.size} processes ({self.KIND})",
             departed_from=tolerant_from,
             evidence=evidence,
             first_divergent=first_divergent,
             notes=notes,
         )
+
+    # -- what the processes hold: the variant's part ---------------------------------------------
+    def _prepare(self, group, model, optimizer):
+        """The recipe's model as this process replays it: ``(model, optimizer, params, index, whole)``.
+        ``params``: the model's parameters (DTensors for TP); ``index``: each one's place among the
+        whole model's parameters; ``whole``: ``(shape, trainable)`` of each of the whole model's.
+        Here: the recipe's TP plan on a 1-D ``tp`` mesh of every process, each holding every parameter."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        plain = list(model.parameters())
+        whole = [(tuple(p.shape), p.requires_grad) for p in plain]
+        tp_mesh = init_device_mesh(self.device.type, (group.size,), mesh_dim_names=("tp",))
+        model = _recipe_call("parallelize", self.recipe.parallelize, model, tp_mesh) or model
+        params = list(model.parameters())
+        optimizer = process_step.same_optimizer(optimizer, plain, params)
+        return model, optimizer, params, list(range(len(params))), whole
+
+    def _plays(self, rank: int) -> bool:
+        """Whether this process plays recorded ``rank``: every rank of its TP coordinate (every stage)."""
+        return self.mesh.tp_of(rank) == self.me
+
+    def _note(self, group) -> str:
+        return (
+            f"tensor parallel, exact: the recipe's parallelize over {group.size} processes (the job's TP degree), "
+            "each playing the recorded ranks of its TP coordinate"
+        )
+
+    def _forward_backward(self, model, record) -> tuple[float, list]:
+        """The record's microbatches, each forward and backward through the model: ``(loss total, batches)``."""
+        batches, total = [], 0.0
+        for mb_id in self.trace.microbatch_ids(record):
+            batch = self.recipe.fetch_microbatch(int(mb_id), self.device)
+            loss = recipe_mod.loss_and_backward(self.recipe, model, batch)
+            total += float(loss.detach())
+            batches.append(batch)
+        return total, batches
+
+    def _whole_grads(self) -> list:
+        """The gradient of each of the whole model's parameters this process holds (None elsewhere)."""
+        grads = [None] * self._n_whole
+        for j, p in zip(self._index, self._params):
+            grads[j] = p.grad
+        return grads
 
     # -- the local gradients, DP coordinate by DP coordinate -------------------------------------
     def _local(self, model, record, ranks: list[int]):
@@ -225,12 +267,7 @@ class TpExactReplayer(Replayer):
         from sdc_forensics.statedict import tensor_digests
 
         self._use_threads(int(step_threads(record)))
-        batches, total = [], 0.0
-        for mb_id in self.trace.microbatch_ids(record):
-            batch = self.recipe.fetch_microbatch(int(mb_id), self.device)
-            loss = recipe_mod.loss_and_backward(self.recipe, model, batch)
-            total += float(loss.detach())
-            batches.append(batch)
+        total, batches = self._forward_backward(model, record)
         grads, pieces = [], {rank: [] for rank in ranks}
         for i, offset in zip(self._trained, self._grad_offsets):
             p = self._params[i]
@@ -242,7 +279,7 @@ class TpExactReplayer(Replayer):
                 grad = _local(placed).detach().clone()
             grads.append(grad)
             for rank in ranks:
-                runs = shards.box_runs(self._shapes[i], *self.mesh.tp_box(rank, i, self._shapes[i]))
+                runs = shards.box_runs(self._shapes[i], *self.mesh.tp_box(rank, self._index[i], self._shapes[i]))
                 pieces[rank] += shards.box_pieces(grad, runs, offset=offset, k=self.k, seed=self.seed)
         model.zero_grad(set_to_none=True)
         inputs = combine_digests([d for batch in batches for d in tensor_digests(batch, self.seed)])
@@ -322,7 +359,7 @@ class TpExactReplayer(Replayer):
                     first, stop = shard_rows(values.shape[0], self.mesh.shard_of(rank), self.mesh.shard_size)
                     values = values[first:stop]
                 flat = values.detach().reshape(-1)
-                for s, n, place in shards.box_runs(shape, *self.mesh.rank_box(rank, i, shape)):
+                for s, n, place in shards.box_runs(shape, *self.mesh.rank_box(rank, self._index[i], shape)):
                     runs.append((flat[s : s + n], offset + place))
             mine[rank] = shards.fingerprint_runs(runs, k=k, seed=self.seed).digest
         found = {}
@@ -348,25 +385,21 @@ class TpExactReplayer(Replayer):
     def _weights_digest(self) -> int:
         """The whole model's weights digest (``statedict.weights_digest``) from the TP slices: per
         parameter, the processes' pieces combined (a replicated parameter counted once, from TP 0)."""
-        mine = []
+        mine = {}
         with torch.no_grad():
             for i, p in enumerate(self._params):
-                # a rank of DP coordinate 0 and this TP coordinate whose pipeline stage holds the parameter
-                rank = next(r for r in self._mine[0] if self.mesh.holds(r, i))
-                replicated = self.mesh.tp_shards[i] < 0
-                runs = (
-                    []
-                    if replicated and self.me
-                    else shards.box_runs(self._shapes[i], *self.mesh.tp_box(rank, i, self._shapes[i]))
-                )
+                j = self._index[i]
+                # a rank of DP coordinate 0 played here whose pipeline stage holds the parameter
+                rank = next(r for r in self._mine[0] if self.mesh.holds(r, j))
+                if self.mesh.tp_of(rank) and (j >= len(self.mesh.tp_shards) or self.mesh.tp_shards[j] < 0):
+                    continue  # replicated over TP: counted from TP 0
+                runs = shards.box_runs(self._shapes[i], *self.mesh.tp_box(rank, j, self._shapes[i]))
                 pieces = shards.box_pieces(_local(p), runs, k=1, seed=self.seed)
-                mine.append(shards.merge_pieces(pieces) if pieces else None)
+                if pieces:
+                    mine[j] = shards.merge_pieces(pieces)
         gathered = distributed.exchange_objects(mine)
         return combine_digests(
-            [
-                shards.combine_pieces([part[i] for part in gathered if part[i] is not None]).digest
-                for i in range(len(self._params))
-            ]
+            [shards.combine_pieces([part[j] for part in gathered if j in part]).digest for j in range(self._n_whole)]
         )
 
 

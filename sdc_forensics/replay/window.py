@@ -15,8 +15,9 @@ from pathlib import Path
 from sdc_forensics import numerics
 from sdc_forensics.checkpoint.formats import open_checkpoint
 from sdc_forensics.errors import CheckpointError
-from sdc_forensics.replay import distributed, env, pp, replayer, sharded, tp, tp_exact
+from sdc_forensics.replay import distributed, env, pp, pp_exact, replayer, sharded, tp, tp_exact
 from sdc_forensics.replay.pp import PpReplayer
+from sdc_forensics.replay.pp_exact import PpExactReplayer
 from sdc_forensics.replay.replayer import Replayer, ReplayOptions, ReplayResult
 from sdc_forensics.replay.sharded_replayer import ShardedReplayer
 from sdc_forensics.replay.tp import TpReplayer
@@ -61,8 +62,11 @@ def replay_window(
         infos = opened.infos()
     # the memory plan refuses a replay that cannot fit; a sharded job that does not fit one process is replayed sharded
     replayer_class = ShardedReplayer if sharded.dispatch(trace, options, device, infos) else Replayer
+    # a pipeline job at its layout: one stage per process (PP x TP of them) under torchrun, exact
+    if pp_exact.wanted(trace, recipe):
+        replayer_class = PpExactReplayer
     # a tensor-parallel job: its TP plan on TP processes under torchrun, exact; else each rank's TP boxes, tolerant
-    if tp.is_tp(trace):
+    elif tp.is_tp(trace):
         replayer_class = TpExactReplayer if tp_exact.wanted(trace, recipe) else TpReplayer
     # a pipeline job: the whole model on one process, exact (the stages hand activations over as they are)
     elif pp.is_pp(trace):

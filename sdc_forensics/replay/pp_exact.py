@@ -1,0 +1,198 @@
+"""The replay of a pipeline-parallel job at its layout: ``pp x tp`` processes, one stage each.
+
+``torchrun --nproc-per-node PP*TP -m sdc_forensics certify TRACE`` with as many processes as the
+job's pipeline degree times its TP degree (PP alone: ``PP``): ``replay/window.py`` chooses this
+replay when the trace is a pipeline job with one stage per rank (``recorder/pp_layout.py``), the
+processes are that many and the recipe has the ``pipeline_stage`` and ``pipeline_loss`` hooks (and
+``parallelize`` where the job has TP; docs/recipes.md). No process holds more than its stage, as in
+the job; without them the whole model is replayed on one process (``replay/pp.py``) or, for a
+3-D job, on ``tp`` processes each holding every stage (``replay/tp_exact.py``).
+
+Process ``s * TP + t`` is stage ``s``, TP coordinate ``t``: it plays the recorded ranks
+``(pp=s, dp=d, tp=t)`` for every data-parallel coordinate ``d``. It builds the recipe's whole
+model, keeps stage ``s`` (``pipeline_stage(model, s, PP)``: the job's own cut, whose parameters
+keep their whole-model names), applies the recipe's TP plan on the ``tp`` dimension of a
+``(pp, tp)`` mesh of the replay's processes, rebuilds the recipe's optimizer over the stage's
+parameters and loads the checkpoint into them (``load_checkpoint``: DCP reads only the stage's
+tensors). Per step and DP coordinate, each microbatch runs forward stage by stage, each process
+sending its output to the next stage's process of its TP coordinate and the last computing
+``pipeline_loss(output, batch)``, then backward stage by stage, each sending the gradient of its
+input back: the job's schedule's arithmetic (each stage's gradient accumulated over the
+microbatches in order; ``Schedule1F1B`` and ``ScheduleGPipe`` run the same backwards in the same
+order per stage, only interleaved differently in time), with real point-to-point hand-offs. The
+rest is the exact TP replay's (:class:`~sdc_forensics.replay.tp_exact.TpExactReplayer`): each
+rank's local gradient compared bit for bit by its box, the DP mean in DP order, the schedule's
+division, clipping's norm as the job's stages computed it (``clipping.tp_total_norm``, the stages
+combined across the processes), the optimizer's step, the boxes of the reduced gradient and the
+weights. Each process holds one stage's parameters, optimizer state and activations: the replay
+needs what one rank of the job needed, times its DP count's microbatches in turn.
+
+Not replayed here (the other replays remain): several stages per rank (an interleaved schedule:
+the one-process replay), a stage whose output is a DTensor rather than the plain tensor
+``PipelineStage`` hands on (refused in one line).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sdc_forensics.errors import RecipeError
+from sdc_forensics.replay import distributed, process_step
+from sdc_forensics.replay.replayer import _recipe_call
+from sdc_forensics.replay.tp_exact import TpExactReplayer
+
+#: how the replay is launched (docs and messages)
+COMMAND = "torchrun --nproc-per-node {processes} -m sdc_forensics certify TRACE"
+
+# the dtypes an activation is handed on in (their code in the header sent before it)
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32)
+#: the most dimensions a handed-on activation has (the header's size)
+_MAX_DIMS = 8
+
+
+def one_stage_per_rank(mesh) -> bool:
+    """Whether each pipeline coordinate holds one contiguous stage (the whole model's parameters in
+    stage order), not several (an interleaved schedule's "loop" placement)."""
+    return bool(mesh.stages) and list(mesh.stages) == sorted(mesh.stages)
+
+
+def processes(trace) -> int:
+    """How many processes replay the pipeline job at its layout: ``PP x TP``."""
+    mesh = trace.manifest.parallel
+    return mesh.shape[mesh.pp_dim] * mesh.tp_size
+
+
+def wanted(trace, recipe) -> bool:
+    """Whether this replay is the one: a pipeline trace with one stage per rank, ``PP x TP``
+    processes, a recipe with the stage hooks (and ``parallelize`` for a TP job)."""
+    mesh = trace.manifest.parallel
+    group = distributed.current()
+    return (
+        mesh is not None
+        and mesh.pp_dim >= 0
+        and group is not None
+        and one_stage_per_rank(mesh)
+        and group.size == processes(trace)
+        and callable(getattr(recipe, "pipeline_stage", None))
+        and callable(getattr(recipe, "pipeline_loss", None))
+        and (mesh.tp_size == 1 or callable(getattr(recipe, "parallelize", None)))
+    )
+
+
+class PpExactReplayer(TpExactReplayer):
+    """The replay of a pipeline trace with one stage per process (see the module)."""
+
+    KIND = "pipeline parallel"
+
+    def _prepare(self, group, model, optimizer):
+        """Stage ``rank // TP`` of the recipe's model, with the TP plan on ``tp`` where the job has TP."""
+        mesh = self.mesh
+        tp, stages = mesh.tp_size, mesh.shape[mesh.pp_dim]
+        self.stage, self.tp_coordinate = divmod(group.rank, tp)
+        whole = list(model.parameters())
+        where = {name: j for j, (name, _) in enumerate(model.named_parameters())}
+        geometry = [(tuple(p.shape), p.requires_grad) for p in whole]
+        part = _recipe_call("pipeline_stage", self.recipe.pipeline_stage, model, self.stage, stages)
+        named = list(part.named_parameters())
+        unknown = [name for name, _ in named if name not in where]
+        if unknown:
+            raise RecipeError(
+                f"the recipe's pipeline_stage(model, {self.stage}, {stages}) holds {unknown[0]!r}, not a parameter "
+                "name of the whole model: keep the whole model's names in each stage (torchtitan's cut)"
+            )
+        index = [where[name] for name, _ in named]
+        recorded = [j for j, s in enumerate(mesh.stages) if s == self.stage]
+        if sorted(index) != recorded:
+            raise RecipeError(
+                f"the recipe's stage {self.stage} holds parameters {_span(sorted(index))} of the whole model; the "
+                f"job's stage {self.stage} recorded {_span(recorded)}: cut the model as the job did"
+            )
+        if tp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            grid = init_device_mesh(self.device.type, (stages, tp), mesh_dim_names=("pp", "tp"))
+            part = _recipe_call("parallelize", self.recipe.parallelize, part, grid["tp"]) or part
+        params = [p for _, p in part.named_parameters()]
+        slots = [None] * len(whole)
+        for j, p in zip(index, params):
+            slots[j] = p
+        optimizer = process_step.same_optimizer(optimizer, whole, slots)
+        self._stages = stages
+        return part, optimizer, params, index, geometry
+
+    def _plays(self, rank: int) -> bool:
+        return self.mesh.pp_of(rank) == self.stage and self.mesh.tp_of(rank) == self.tp_coordinate
+
+    def _note(self, group) -> str:
+        tp = self.mesh.tp_size
+        return (
+            f"pipeline parallel, exact, at the job's layout: {group.size} processes, one stage each "
+            f"({self._stages} stages" + (f" x TP {tp}" if tp > 1 else "") + "), the activations handed on between them"
+        )
+
+    def _forward_backward(self, model, record) -> tuple[float, list]:
+        """The record's microbatches through the stages in turn (see the module): ``(loss total, batches)``;
+        the total is the last stage's (other stages compute no loss)."""
+        import contextlib
+
+        context = getattr(self.recipe, "train_context", None)
+        tp = self.mesh.tp_size
+        before = (self.stage - 1) * tp + self.tp_coordinate
+        after = (self.stage + 1) * tp + self.tp_coordinate
+        last = self.stage == self._stages - 1
+        batches, total = [], 0.0
+        for mb_id in self.trace.microbatch_ids(record):
+            batch = self.recipe.fetch_microbatch(int(mb_id), self.device)
+            batches.append(batch)
+            with context() if context is not None else contextlib.nullcontext():
+                if self.stage == 0:
+                    x = self.recipe.pipeline_input(batch) if hasattr(self.recipe, "pipeline_input") else batch[0]
+                else:
+                    x = _receive(before, self.device).requires_grad_()
+                out = model(x)
+                if last:
+                    loss = self.recipe.pipeline_loss(out, batch)
+                    loss.backward()
+                    total += float(loss.detach())
+                else:
+                    if hasattr(out, "device_mesh"):
+                        raise RecipeError(
+                            f"stage {self.stage} returns a DTensor: a pipeline stage hands on a plain tensor "
+                            "(use_local_output=True on its last layer's plan), as PipelineStage requires"
+                        )
+                    _send(out.detach(), after)
+                    out.backward(_receive(after, self.device))
+                if self.stage > 0:
+                    _send(x.grad, before)
+        return total, batches
+
+
+def _span(indices: list[int]) -> str:
+    return f"{indices[0]}..{indices[-1]}" if indices else "none"
+
+
+def _send(tensor: torch.Tensor, to: int) -> None:
+    """``tensor`` to process ``to``: a header (dtype, dimensions), then its values."""
+    import torch.distributed as dist
+
+    tensor = tensor.contiguous()
+    if tensor.dtype not in _DTYPES or tensor.dim() > _MAX_DIMS:
+        raise RecipeError(f"a stage hands on a {tensor.dtype} tensor of {tensor.dim()} dimensions: not replayed")
+    header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+    header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
+    header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    dist.send(header.to(tensor.device), to)
+    dist.send(tensor, to)
+
+
+def _receive(source: int, device) -> torch.Tensor:
+    """The tensor process ``source`` sends (:func:`_send`)."""
+    import torch.distributed as dist
+
+    header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=device)
+    dist.recv(header, source)
+    header = header.cpu()
+    dtype, dims = _DTYPES[int(header[0])], int(header[1])
+    tensor = torch.empty(tuple(int(n) for n in header[2 : 2 + dims]), dtype=dtype, device=device)
+    dist.recv(tensor, source)
+    return tensor
