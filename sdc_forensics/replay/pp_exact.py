@@ -94,19 +94,23 @@ class PpExactReplayer(TpExactReplayer):
         geometry = [(tuple(p.shape), p.requires_grad) for p in whole]
         part = _recipe_call("pipeline_stage", self.recipe.pipeline_stage, model, self.stage, stages)
         named = list(part.named_parameters())
-        unknown = [name for name, _ in named if name not in where]
-        if unknown:
-            raise RecipeError(
-                f"the recipe's pipeline_stage(model, {self.stage}, {stages}) holds {unknown[0]!r}, not a parameter "
-                "name of the whole model: keep the whole model's names in each stage (torchtitan's cut)"
-            )
-        index = [where[name] for name, _ in named]
+        index = [where.get(name, -1) for name, _ in named]
         recorded = [j for j, s in enumerate(mesh.stages) if s == self.stage]
-        if sorted(index) != recorded:
-            raise RecipeError(
+        problem = ""
+        if -1 in index:
+            problem = (
+                f"the recipe's pipeline_stage(model, {self.stage}, {stages}) holds {named[index.index(-1)][0]!r}, not a "
+                "parameter name of the whole model: keep the whole model's names in each stage (torchtitan's cut)"
+            )
+        elif sorted(index) != recorded:
+            problem = (
                 f"the recipe's stage {self.stage} holds parameters {_span(sorted(index))} of the whole model; the "
                 f"job's stage {self.stage} recorded {_span(recorded)}: cut the model as the job did"
             )
+        # every process stops alike (one alone would leave the others waiting in the checkpoint's load)
+        problems = [p for p in distributed.exchange_objects(problem) if p]
+        if problems:
+            raise RecipeError(problems[0])
         if tp > 1:
             from torch.distributed.device_mesh import init_device_mesh
 

@@ -41,6 +41,18 @@ def same_optimizer(meta_opt, meta_params, params):
     return type(meta_opt)(groups, **{k: v for k, v in meta_opt.defaults.items() if k in accepted})
 
 
+def microbatches_backward(replayer, model, record) -> tuple[float, list]:
+    """The record's microbatches fetched again, each forward and backward through ``model`` (inside
+    the recipe's ``train_context``): ``(loss total, batches)``."""
+    batches, total = [], 0.0
+    for mb_id in replayer.trace.microbatch_ids(record):
+        batch = replayer.recipe.fetch_microbatch(int(mb_id), replayer.device)
+        loss = recipe_mod.loss_and_backward(replayer.recipe, model, batch)
+        total += float(loss.detach())
+        batches.append(batch)
+    return total, batches
+
+
 def judge_locals(replayer, step, recs, ranks, tolerant: bool, tie_break, notes: list):
     """The step's local gradients against the record: ``(bad ranks, evidence, departed)``.
 

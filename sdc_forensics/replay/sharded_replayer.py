@@ -50,7 +50,6 @@ import dataclasses
 import numpy as np
 import torch
 
-from sdc_forensics import recipe as recipe_mod
 from sdc_forensics.errors import UsageError
 from sdc_forensics.evidence import EvidenceKind
 from sdc_forensics.replay import distributed, env, process_step
@@ -230,12 +229,7 @@ class ShardedReplayer(Replayer):
 
         self._use_threads(int(step_threads(record)))
         model.set_requires_gradient_sync(False)
-        batches, total = [], 0.0
-        for mb_id in self.trace.microbatch_ids(record):
-            batch = self.recipe.fetch_microbatch(int(mb_id), self.device)
-            loss = recipe_mod.loss_and_backward(self.recipe, model, batch)
-            total += float(loss.detach())
-            batches.append(batch)
+        total, batches = process_step.microbatches_backward(self, model, record)
         # each parameter's unsharded gradient copied into one flat vector and freed at once: one whole
         # gradient held, not two
         flat = torch.empty(self._starts[-1], dtype=self.param_dtype, device=self.device)

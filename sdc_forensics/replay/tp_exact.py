@@ -42,7 +42,6 @@ import dataclasses
 import numpy as np
 import torch
 
-from sdc_forensics import recipe as recipe_mod
 from sdc_forensics.errors import UsageError
 from sdc_forensics.evidence import EvidenceKind
 from sdc_forensics.fingerprint import shards
@@ -243,13 +242,7 @@ class TpExactReplayer(Replayer):
 
     def _forward_backward(self, model, record) -> tuple[float, list]:
         """The record's microbatches, each forward and backward through the model: ``(loss total, batches)``."""
-        batches, total = [], 0.0
-        for mb_id in self.trace.microbatch_ids(record):
-            batch = self.recipe.fetch_microbatch(int(mb_id), self.device)
-            loss = recipe_mod.loss_and_backward(self.recipe, model, batch)
-            total += float(loss.detach())
-            batches.append(batch)
-        return total, batches
+        return process_step.microbatches_backward(self, model, record)
 
     def _whole_grads(self) -> list:
         """The gradient of each of the whole model's parameters this process holds (None elsewhere)."""

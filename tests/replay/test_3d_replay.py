@@ -3,7 +3,8 @@ with ``tp=2``: the transformer cut into two stages as torchtitan cuts it, each s
 plan with sequence parallel on ``tp``, then ``fully_shard`` over ``dp``, 4 microbatches per step,
 AdamW). The exact replay runs the recipe's TP plan on the whole model over 2 processes
 (``torchrun --nproc-per-node 2``), each process playing every recorded rank of its TP coordinate,
-stage by stage. A clean run is certified bit for bit; a fault at the layout's locations (a low
+stage by stage; at the job's layout (``--nproc-per-node 4``) each process holds one stage's TP
+slice and the stages hand their sequence shards on point to point. A clean run is certified bit for bit; a fault at the layout's locations (a low
 mantissa bit of one rank's local gradient, the reduce-scatter's output, weights at rest, the
 update, a token id of one TP rank's microbatch) is named at its step and rank with its (pp, dp, tp)
 coordinates and nothing after it is certified; a flip inside a TP collective of the forward names the
@@ -66,10 +67,11 @@ def traces(tmp_path_factory) -> dict[str, Path]:
     return {name: root / name for name, _ in todo}
 
 
-def _run(job: Path, command: str) -> tuple[int, dict]:
+def _run(job: Path, command: str, processes: int = 2) -> tuple[int, dict]:
+    """``command`` under torchrun: 2 processes (TP's, each holding every stage) or 4 (the job's layout)."""
     (job / "trace" / "ledger.jsonl").unlink(missing_ok=True)
     args = ["-m", "sdc_forensics", command, str(job / "trace"), "--checkpoints", str(job / "ckpt"), "--json"]
-    rc, out, err, _ = torchrun(2, args, timeout_s=600)
+    rc, out, err, _ = torchrun(processes, args, timeout_s=600)
     assert out.strip(), err[-3000:]
     return rc, json.loads(out)
 
@@ -90,6 +92,29 @@ def test_a_fault_is_named_at_its_step_and_rank_with_its_coordinates(traces, name
     assert {s["rank"] for s in doc["suspects"]} == FORWARD.get(name, {rank}), doc["suspects"]
     where = f"pp={rank // 4}, dp={rank // 2 % 2}, tp={rank % 2}"
     assert any(where in json.dumps(s) for s in doc["suspects"]), doc["suspects"]
+    if name == "input":
+        assert [s["location"] for s in doc["suspects"]] == ["input_data"], doc["suspects"]
+    for c in doc["checkpoints"]:
+        assert c["status"] != "clean" or c["step"] <= step, doc["checkpoints"]
+
+
+# -- the replay at the job's layout: PP x TP = 4 processes, one stage and TP slice each (replay/pp_exact.py)
+
+
+def test_a_clean_3d_run_is_certified_at_the_jobs_layout(traces):
+    rc, doc = _run(traces["clean"], "certify", 4)
+    assert rc == 0 and doc["verdict"] == "clean", doc
+    assert all(not c["tolerant"] and not c["lacking_replay"] for c in doc["coverage"]), doc["coverage"]
+    assert [c["status"] for c in doc["checkpoints"]] == ["clean", "clean"], doc["checkpoints"]
+    assert "x 4 processes (pipeline parallel)" in json.dumps(doc) and "2 stages x TP 2" in json.dumps(doc)
+
+
+@pytest.mark.parametrize("name", sorted(FAULTS))
+def test_the_jobs_layout_names_each_fault_as_the_tp_processes_do(traces, name):
+    _, step, rank = FAULTS[name]
+    rc, doc = _run(traces[name], "bisect", 4)
+    assert rc == 1 and doc["verdict"] == "corruption" and doc["first_divergent_step"] == step, doc
+    assert {s["rank"] for s in doc["suspects"]} == FORWARD.get(name, {rank}), doc["suspects"]
     if name == "input":
         assert [s["location"] for s in doc["suspects"]] == ["input_data"], doc["suspects"]
     for c in doc["checkpoints"]:

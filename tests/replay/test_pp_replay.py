@@ -1,7 +1,8 @@
 """Issue 36, pipeline parallelism: the demo's PP 2 x FSDP2 DP 2 job (``sdc_forensics/demo/pp.py``:
 a 4-block transformer cut into two stages as torchtitan cuts it, each stage ``fully_shard``-ed over
 ``dp``, 4 microbatches per step, AdamW, the schedule scaling the gradients) recorded on 4 gloo
-processes and replayed on one process (``replay/pp.py``).
+processes and replayed on one process (``replay/pp.py``), and at the job's layout, one process per
+stage under torchrun (``replay/pp_exact.py``).
 
 A clean run is certified bit for bit under ``Schedule1F1B`` and ``ScheduleGPipe``; a fault at every
 location (a low mantissa bit of one stage's local gradient, the reduce-scatter's output, weights at
@@ -194,3 +195,85 @@ def test_a_clipped_pipeline_job_certifies_and_a_threshold_one_percent_off_does_n
     rc, doc = _run(traces["clipped"], "certify", "--recipe", "tests.replay.test_pp_replay:clip_off")
     assert rc != 0, doc
     assert [c["status"] == "clean" for c in doc["checkpoints"]][1:] == [False] * (len(doc["checkpoints"]) - 1)
+
+
+# -- the replay at the job's layout: one stage per process (replay/pp_exact.py) ---------------------
+
+
+def _at_layout(job: Path, command: str, *extra: str) -> tuple[int, dict, str]:
+    """``command`` under ``torchrun --nproc-per-node 2``: one process per stage, each holding its own."""
+    from tests.distributed.launch import torchrun
+
+    (job / "trace" / "ledger.jsonl").unlink(missing_ok=True)
+    args = ["-m", "sdc_forensics", command, str(job / "trace"), "--checkpoints", str(job / "ckpt"), "--json", *extra]
+    rc, out, err, _ = torchrun(2, args, timeout_s=300)
+    assert out.strip() or "error: " in err, err[-3000:]
+    return rc, (json.loads(out) if out.strip() else {}), err
+
+
+@pytest.mark.parametrize("name", ["clean-1f1b", "clean-gpipe"])
+def test_a_clean_pipeline_run_is_certified_by_one_process_per_stage(traces, name):
+    rc, doc, _ = _at_layout(traces[name], "certify")
+    assert rc == 0 and doc["verdict"] == "clean", doc
+    assert all(not c["tolerant"] and not c["lacking_replay"] for c in doc["coverage"]), doc["coverage"]
+    assert [c["status"] for c in doc["checkpoints"]] == ["clean"] * len(range(0, STEPS, EVERY)), doc["checkpoints"]
+    text = json.dumps(doc)
+    assert "x 2 processes (pipeline parallel)" in text and "one stage each" in text, doc
+
+
+@pytest.mark.parametrize("name", sorted(FAULTS))
+def test_one_process_per_stage_names_each_fault_at_its_step_and_rank(traces, name):
+    _, step, rank, location = FAULTS[name]
+    rc, doc, _ = _at_layout(traces[name], "bisect")
+    assert rc == 1 and doc["verdict"] == "corruption" and doc["first_divergent_step"] == step, doc
+    assert {s["rank"] for s in doc["suspects"]} == {rank}, doc["suspects"]
+    named = [e for e in doc["evidence"] if e["step"] == step and rank in e["ranks"]]
+    assert named and (location is None or any(e.get("location") == location for e in named)), doc["evidence"]
+    for c in doc["checkpoints"]:
+        assert c["status"] != "clean" or c["step"] <= step, doc["checkpoints"]
+
+
+def test_one_process_per_stage_finds_a_corrupted_hand_off_and_names_its_pipeline(traces):
+    rc, doc, _ = _at_layout(traces["activation"], "bisect")
+    assert rc == 1 and doc["first_divergent_step"] == 4, doc
+    suspects = {s["rank"] for s in doc["suspects"]}
+    assert 3 in suspects and suspects <= {1, 3}, doc["suspects"]
+
+
+def test_one_process_per_stage_reproduces_clipping_across_the_stages_and_a_wrong_recipe_does_not_certify(traces):
+    # the total norm's stages are on different processes: each computes its own, then they are combined
+    rc, doc, _ = _at_layout(traces["clipped"], "certify")
+    assert rc == 0 and doc["verdict"] == "clean", doc
+    rc, doc, _ = _at_layout(traces["clipped"], "certify", "--recipe", "tests.replay.test_pp_replay:clip_off")
+    assert rc != 0 and [c["status"] == "clean" for c in doc["checkpoints"]][1:] == [False] * (
+        len(doc["checkpoints"]) - 1
+    )
+    rc, doc, _ = _at_layout(traces["clean-1f1b"], "certify", "--recipe", "tests.replay.test_pp_replay:rate_off")
+    assert rc != 0 and [c["status"] == "clean" for c in doc["checkpoints"]][1:] == [False] * (
+        len(doc["checkpoints"]) - 1
+    )
+
+
+@dataclasses.dataclass(kw_only=True)
+class OtherCut(PpRecipe):
+    """A recipe that cuts the model elsewhere than the job did (stage 0: the embedding and one block)."""
+
+    def pipeline_stage(self, model, stage, stages):
+        from sdc_forensics.demo.pp import stage_module
+
+        part = stage_module(model, stage, stages)
+        if stage == 0:
+            del part.layers["1"]
+        return part
+
+
+other_cut = OtherCut()
+
+
+def test_a_recipe_that_cuts_the_model_elsewhere_is_refused_in_one_line(traces):
+    rc, _, err = _at_layout(traces["clean-1f1b"], "certify", "--recipe", "tests.replay.test_pp_replay:other_cut")
+    # every process refuses alike (one alone would leave the other waiting in the checkpoint's load)
+    assert rc != 0, err[-2000:]
+    lines = [line for line in err.splitlines() if "cut the model as the job did" in line]
+    assert len(lines) == 2 and all(line.startswith("error: ") for line in lines), err[-2000:]
+    assert "stage 0 holds parameters 0..16 of the whole model; the job's stage 0 recorded 0..32" in lines[0]
