@@ -104,6 +104,10 @@ the four ranks of its DP coordinate: the right answer names ranks among those on
     python benchmarks/campaign.py --parallel 3d --faults 30 --clean 2 --seed 1 --steps 9 --checkpoint-every 4 \
         --jobs 1 --out DIR --json
 
+``--at-layout`` (``pp``, ``3d``): ``bisect`` and ``certify`` replay the job at its layout, one stage per
+process under torchrun (PP x TP processes: 2 for PP, 4 for 3-D; ``replay/pp_exact.py``), not the whole
+model; the judging is the same.
+
 Over 400 lines on purpose: the plan, the run, the judge and the tally of one campaign share its row
 format; the scoring tests (tests/demo/test_campaign.py, test_campaign_tp.py) load this one file.
 """
@@ -216,6 +220,7 @@ class Options:
     mixed_precision: bool = False  # a sharded job computes in bfloat16 and reduces in float32 (torchtitan's default)
     job: str = "mlp"  # a sharded job's model: the MLP with SGD, or clipped-lm (the tied-head transformer, AdamW, clipping that engages)
     locations: tuple[str, ...] = ()  # --locations: draw faults from these of the job's locations only (empty: all)
+    at_layout: bool = False  # --at-layout: a pipeline job replayed one stage per process (PP x TP, replay/pp_exact.py)
 
     def __post_init__(self) -> None:
         if self.faults < 0 or self.clean < 1:
@@ -237,6 +242,8 @@ class Options:
             raise SystemExit("--job is the sharded job's model: pass --parallel fsdp or hsdp")
         if self.mixed_precision and self.parallel == "ddp":
             raise SystemExit("--mixed-precision is a sharded job's MixedPrecisionPolicy: pass --parallel fsdp or hsdp")
+        if self.at_layout and self.parallel not in ("pp", "3d"):
+            raise SystemExit("--at-layout replays a pipeline job one stage per process: pass --parallel pp or 3d")
         if self.parallel in ("tp", "pp", "3d") and (self.job != "mlp" or self.mixed_precision):
             raise SystemExit(
                 f"--parallel {self.parallel} trains demo/{self.parallel}.py's job as it is: no --job, no --mixed-precision"
@@ -443,8 +450,8 @@ TP_PROCESSES = 2
 TP_TIMEOUT_S = 900
 
 
-def _torchrun_cli(args: list[str]) -> dict:
-    """``torchrun --nproc-per-node 2 -m sdc_forensics ARGS``, kept as :func:`_cli` keeps a command. torchrun
+def _torchrun_cli(args: list[str], processes: int = TP_PROCESSES) -> dict:
+    """``torchrun --nproc-per-node PROCESSES -m sdc_forensics ARGS``, kept as :func:`_cli` keeps a command. torchrun
     exits 1 whenever a worker does not exit 0; the exit code kept is process 0's (the one that writes the
     output), read from torchrun's failure summary."""
     import os
@@ -466,7 +473,7 @@ def _torchrun_cli(args: list[str]) -> dict:
         "--standalone",
         f"--rdzv-endpoint=localhost:{free_port()}",
     ]
-    command += [f"--nproc-per-node={TP_PROCESSES}", "-m", "sdc_forensics", *args]
+    command += [f"--nproc-per-node={processes}", "-m", "sdc_forensics", *args]
     try:
         proc = subprocess.run(
             command, capture_output=True, text=True, env=env | {"OMP_NUM_THREADS": "1"}, timeout=TP_TIMEOUT_S
@@ -502,6 +509,10 @@ def run_one(plan: Plan, options: Options) -> dict:
     replay = ["--threads", str(plan.replay_threads)] if plan.replay_threads else []
     in_process = lambda args: _cli(runner, cli, args)  # noqa: E731
     replayed = _torchrun_cli if options.parallel in ("tp", "3d") else in_process
+    if options.at_layout:
+        # one stage per process: PP x TP of them (replay/pp_exact.py)
+        stages = row.get("pp_degree", 2) * row.get("tp_degree", 1)
+        replayed = lambda args: _torchrun_cli(args, stages)  # noqa: E731
     row["bisect"] = _bisect_answer(replayed(["bisect", trace, "--json", *replay]))
     certify = replayed(["certify", trace, "--json", *replay])
     row["certify"] = certify | {"statuses": checkpoint_statuses(certify.pop("doc") or {})}
@@ -999,6 +1010,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="comma-separated: draw the faults from these of the job's locations only (default: all of them)",
     )
     parser.add_argument(
+        "--at-layout",
+        action="store_true",
+        help="--parallel pp or 3d: replay one stage per process (torchrun, PP x TP processes) instead of the whole model",
+    )
+    parser.add_argument(
         "--rejudge", type=Path, default=None, help="re-judge and re-tally the rows of an earlier --json output"
     )
     parser.add_argument(
@@ -1086,6 +1102,7 @@ def main(argv: list[str] | None = None) -> None:
                 mixed_precision=args.mixed_precision,
                 job=args.job,
                 locations=tuple(loc for loc in args.locations.split(",") if loc),
+                at_layout=args.at_layout,
             )
             options.out_dir.mkdir(parents=True, exist_ok=True)
             result = campaign(options, progress=lambda line: print(line, file=sys.stderr))
