@@ -79,6 +79,25 @@ def wanted(trace, recipe) -> bool:
     )
 
 
+def check_memory(trace, options, device, infos) -> None:
+    """Refuse (one line, exit 2) a replay whose processes cannot each hold their part: the model's
+    state and the recipe's optimizer's divided over the ``PP x TP`` processes (``replay/memory.py``).
+
+    Raises:
+        MemoryRefused: it does not fit the budget.
+    """
+    from sdc_forensics.replay import memory, sharded
+
+    plan, n = sharded.plan_of(trace, options, device, infos), processes(trace)
+    if plan is not None and not plan.fits(n):
+        # the job's layout fixes the process count: no other count to suggest
+        raise memory.MemoryRefused(
+            f"the replay at the job's layout ({n} processes, one stage each) needs "
+            f"{memory.human(plan.per_process(n))} per process and the budget is {memory.human(plan.budget)} "
+            f"({plan.budget_source}): raise {memory.BUDGET_ENV} or use a device with more memory"
+        )
+
+
 class PpExactReplayer(TpExactReplayer):
     """The replay of a pipeline trace with one stage per process (see the module)."""
 

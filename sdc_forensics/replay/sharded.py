@@ -36,6 +36,14 @@ def wanted(trace) -> bool:
     return group is not None and group.size > 1
 
 
+def plan_of(trace, options, device, infos):
+    """The memory plan of replaying from the start checkpoint (``memory.plan_from_infos``; None: unknown)."""
+    names = next((n.param_names for n in trace.checkpoint_notes() if n.step == options.start_step), ())
+    return memory.plan_from_infos(
+        infos, trace.manifest, names, device=str(device), checkpoint=str(options.checkpoint_path)
+    )
+
+
 def dispatch(trace, options, device, infos):
     """Whether this replay runs sharded (``replay/sharded_replayer.py``), after the memory check.
 
@@ -52,10 +60,7 @@ def dispatch(trace, options, device, infos):
     # allocator is left as it was (the replay-speed figures of docs/benchmarks.md were measured with it)
     if trace.manifest.parallel is not None:
         memory.return_freed_memory()
-    names = next((n.param_names for n in trace.checkpoint_notes() if n.step == options.start_step), ())
-    plan = memory.plan_from_infos(
-        infos, trace.manifest, names, device=str(device), checkpoint=str(options.checkpoint_path)
-    )
+    plan = plan_of(trace, options, device, infos)
     shard = wanted(trace)
     if shard and os.environ.get(SHARDED_ENV, "").strip() != "1" and (plan is None or plan.fits(1)):
         # the whole model fits each process: the replay every sharded layout certifies on today (HSDP, gloo's own order,

@@ -60,17 +60,20 @@ def replay_window(
         # the hostile-input checks and read limits, before the recipe's own torch.load
     ) as opened:
         infos = opened.infos()
-    # the memory plan refuses a replay that cannot fit; a sharded job that does not fit one process is replayed sharded
-    replayer_class = ShardedReplayer if sharded.dispatch(trace, options, device, infos) else Replayer
-    # a pipeline job at its layout: one stage per process (PP x TP of them) under torchrun, exact
     if pp_exact.wanted(trace, recipe):
+        # a pipeline job at its layout: one stage per process (PP x TP of them) under torchrun, exact; the
+        # memory plan counts each process's part of the model, not the whole
+        pp_exact.check_memory(trace, options, device, infos)
         replayer_class = PpExactReplayer
-    # a tensor-parallel job: its TP plan on TP processes under torchrun, exact; else each rank's TP boxes, tolerant
-    elif tp.is_tp(trace):
-        replayer_class = TpExactReplayer if tp_exact.wanted(trace, recipe) else TpReplayer
-    # a pipeline job: the whole model on one process, exact (the stages hand activations over as they are)
-    elif pp.is_pp(trace):
-        replayer_class = PpReplayer
+    else:
+        # the memory plan refuses a replay that cannot fit; a sharded job that does not fit one process is replayed sharded
+        replayer_class = ShardedReplayer if sharded.dispatch(trace, options, device, infos) else Replayer
+        # a tensor-parallel job: its TP plan on TP processes under torchrun, exact; else each rank's TP boxes, tolerant
+        if tp.is_tp(trace):
+            replayer_class = TpExactReplayer if tp_exact.wanted(trace, recipe) else TpReplayer
+        # a pipeline job: the whole model on one process, exact (the stages hand activations over as they are)
+        elif pp.is_pp(trace):
+            replayer_class = PpReplayer
     with numerics.reproduce(replayer._recorded_numerics(trace, options.start_step), device, threads) as settings:
         result = replayer_class(trace, recipe, device).run(options, on_step)
     return dataclasses.replace(result, settings=settings)

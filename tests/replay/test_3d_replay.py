@@ -106,7 +106,7 @@ def test_a_clean_3d_run_is_certified_at_the_jobs_layout(traces):
     assert rc == 0 and doc["verdict"] == "clean", doc
     assert all(not c["tolerant"] and not c["lacking_replay"] for c in doc["coverage"]), doc["coverage"]
     assert [c["status"] for c in doc["checkpoints"]] == ["clean", "clean"], doc["checkpoints"]
-    assert "x 4 processes (pipeline parallel)" in json.dumps(doc) and "2 stages x TP 2" in json.dumps(doc)
+    assert "x 4 processes (pipeline parallel)" in json.dumps(doc), doc
 
 
 @pytest.mark.parametrize("name", sorted(FAULTS))

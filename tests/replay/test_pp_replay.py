@@ -200,13 +200,13 @@ def test_a_clipped_pipeline_job_certifies_and_a_threshold_one_percent_off_does_n
 # -- the replay at the job's layout: one stage per process (replay/pp_exact.py) ---------------------
 
 
-def _at_layout(job: Path, command: str, *extra: str) -> tuple[int, dict, str]:
+def _at_layout(job: Path, command: str, *extra: str, env: dict | None = None) -> tuple[int, dict, str]:
     """``command`` under ``torchrun --nproc-per-node 2``: one process per stage, each holding its own."""
     from tests.distributed.launch import torchrun
 
     (job / "trace" / "ledger.jsonl").unlink(missing_ok=True)
     args = ["-m", "sdc_forensics", command, str(job / "trace"), "--checkpoints", str(job / "ckpt"), "--json", *extra]
-    rc, out, err, _ = torchrun(2, args, timeout_s=300)
+    rc, out, err, _ = torchrun(2, args, timeout_s=300, env=env)
     assert out.strip() or "error: " in err, err[-3000:]
     return rc, (json.loads(out) if out.strip() else {}), err
 
@@ -217,8 +217,7 @@ def test_a_clean_pipeline_run_is_certified_by_one_process_per_stage(traces, name
     assert rc == 0 and doc["verdict"] == "clean", doc
     assert all(not c["tolerant"] and not c["lacking_replay"] for c in doc["coverage"]), doc["coverage"]
     assert [c["status"] for c in doc["checkpoints"]] == ["clean"] * len(range(0, STEPS, EVERY)), doc["checkpoints"]
-    text = json.dumps(doc)
-    assert "x 2 processes (pipeline parallel)" in text and "one stage each" in text, doc
+    assert "x 2 processes (pipeline parallel)" in json.dumps(doc), doc
 
 
 @pytest.mark.parametrize("name", sorted(FAULTS))
@@ -277,3 +276,12 @@ def test_a_recipe_that_cuts_the_model_elsewhere_is_refused_in_one_line(traces):
     lines = [line for line in err.splitlines() if "cut the model as the job did" in line]
     assert len(lines) == 2 and all(line.startswith("error: ") for line in lines), err[-2000:]
     assert "stage 0 holds parameters 0..16 of the whole model; the job's stage 0 recorded 0..32" in lines[0]
+
+
+def test_a_layout_replay_that_does_not_fit_its_processes_is_refused_in_one_line(traces):
+    # the job's layout fixes the process count: the line names the budget, not another count of processes
+    rc, _, err = _at_layout(traces["clean-1f1b"], "certify", env={"SDC_FORENSICS_REPLAY_MEMORY": "100k"})
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert rc != 0 and lines, err[-2000:]
+    assert "the replay at the job's layout (2 processes, one stage each) needs" in lines[0], lines
+    assert "raise SDC_FORENSICS_REPLAY_MEMORY" in lines[0], lines
