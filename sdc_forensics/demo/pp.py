@@ -17,8 +17,9 @@ into four one-block stages, two per rank (stages ``pp`` and ``pp + 2``), run by
 Besides the recorder's drills, the demo has one of its own, ``pp-activation:step=S:rank=R:bit=B
 [:element=I]``: a bit of the activation that rank R (a stage before the last) hands to the next
 stage flipped in the forward of step S (its first microbatch), as a faulty transfer would deliver
-it (``tp.CollectiveDrill``, a forward hook on the stage's last block: the stage's own backward is
-unchanged, as the sender's would be). With ``tp=2`` (the 3-D job) the TP demo's ``tp-collective``
+it: on the receiving rank (``tp.CollectiveDrill`` in a forward pre-hook of its stage), so the
+sender's output, its digest and its own backward are untouched, as a transfer fault leaves them,
+and the receiver hands back the gradient of what it received. With ``tp=2`` (the 3-D job) the TP demo's ``tp-collective``
 drill is there too: a bit of rank R's output of its stage's first block's row-parallel MLP (the
 reduce-scatter over ``tp``, sequence parallel) flipped in the forward of step S.
 
@@ -288,12 +289,16 @@ def train(
 
     inject, drill_specs = split_collective_specs(tuple(inject), PP_LOCATIONS)
     inject, tp_specs = split_collective_specs(inject, TP_LOCATIONS)
-    drill, tp_drill = CollectiveDrill(drill_specs, rank), CollectiveDrill(tp_specs, rank)
+    # pp-activation: flipped where the next stage receives it (rank R's activation arrives on the rank one
+    # pipeline coordinate on, same data-parallel and TP coordinates), the sender's own numbers untouched
+    stride = world // PP
+    if any(s.rank == rank for s in drill_specs) and stage_ids[0] == PP * virtual_stages - 1:
+        raise UsageError(f"pp-activation on rank {rank}: the last stage hands no activation on")
+    received = [dataclasses.replace(s, rank=s.rank + stride) for s in drill_specs]
+    drill, tp_drill = CollectiveDrill(received, rank), CollectiveDrill(tp_specs, rank)
     if drill.specs:
-        if stage_ids[0] == PP * virtual_stages - 1:
-            raise UsageError(f"pp-activation on rank {rank}: the last stage hands no activation on")
-        # the first stage's last block: what it sends to the next stage
-        list(parts[0].layers.values())[-1].register_forward_hook(drill)
+        # the receiving stage's input, before its first block reads it
+        parts[0].register_forward_pre_hook(lambda module, args: _flipped_input(drill, module, args))
     if tp_drill.specs:
         if tp == 1:
             raise UsageError(f"tp-collective on rank {rank}: the job has no tensor parallelism (tp=1)")
@@ -349,6 +354,13 @@ def train(
         alarms += [{"step": a.step, "rank": a.rank, "check": a.check} for a in rec.alarms if a.check]
     dist.barrier()
     return {"alarms": alarms, "fired": drill.fired + tp_drill.fired, "grad_norms": norms}
+
+
+def _flipped_input(drill: CollectiveDrill, module, args):
+    """A forward pre-hook: the stage's received activation with ``drill``'s bit flipped (a copy: the
+    gradient the stage hands back flows to the buffer it received), else None."""
+    flipped = drill(module, args, args[0])
+    return None if flipped is None else (flipped, *args[1:])
 
 
 def run_demo(

@@ -319,6 +319,25 @@ class PpLayout(TpLayout):
     def mesh(self):
         return self._mesh
 
+    def install(self, job: Job) -> None:
+        super().install(job)
+        stages = self._mesh.shape[self._mesh.pp_dim]
+        if len(self._parts) == 1 and self._stage_indices[0] < stages - 1:
+            # one stage per rank, not the last: what it hands on, and the gradients handed back for it
+            self._handles.append(self._parts[0].register_forward_hook(self._hand_off))
+
+    def _hand_off(self, module, args, output) -> None:
+        """Digest the output this stage sends to the next (after every hook inside it ran: what was
+        sent) and, in the backward, the gradient the next stage hands back for it (a HANDOFF record
+        per step: the replay at the job's layout tells from them which stage a wrong forward began in)."""
+        state = self.job.current()
+        if state is None or not isinstance(output, torch.Tensor):
+            return
+        seed, keep = self.job.options.seed, int(self.schedule._n_microbatches)
+        state.add_handoff("out", local_tensor(output), seed, keep)
+        if output.requires_grad:
+            output.register_hook(lambda grad: state.add_handoff("back", local_tensor(grad), seed, keep))
+
     def buckets(self) -> list[list[int]]:
         """One bucket: every trainable parameter of the whole model (the trace's indices), in order."""
         return self._whole_buckets

@@ -450,7 +450,7 @@ class Recorder:
         state.num_threads = state.num_threads or ThreadWatch.current()
         rec = records.step_record(self.writer, state)
         rec["aux_value"] = self.threads.note(state.step, state.num_threads, self.trace_dir, self.attempt)
-        records.append_with_ids(self.writer, rec, state.ids, state.step)
+        records.append_step(self.writer, rec, state)
         state.written = True
         self._steps_written += 1
         self._last_step_written = state.step

@@ -209,6 +209,18 @@ def step_record(writer: RankTraceWriter, state: StepState) -> np.ndarray:
     return rec
 
 
+def append_step(writer: RankTraceWriter, record: np.ndarray, state: StepState) -> None:
+    """``state``'s STEP record, its IDS record where its IDs are not a range, then a pipeline
+    stage's HANDOFF record."""
+    append_with_ids(writer, record, state.ids, state.step)
+    found = state.handoff_digests()
+    if found is None:
+        return
+    rec = writer.new(F.Kind.HANDOFF, state.step)
+    rec["aux_digest"], rec["input_digest"], rec["microbatch_count"] = found
+    writer.append(rec)
+
+
 def append_with_ids(writer: RankTraceWriter, record: np.ndarray, ids, step: int) -> None:
     """Append a STEP or AUDIT record, followed by IDS records when the IDs are not a range."""
     if ids is not None and fill_ids(record, ids):

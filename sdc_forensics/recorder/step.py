@@ -51,6 +51,27 @@ class StepState:
     written: bool = False
     # deferred checks: the step's exchanges in flight (``exchange.Pending``), resolved when the next step begins
     pending: Any = None
+    # a pipeline stage: digests of the outputs it sent on and of the gradients handed back for them,
+    # per microbatch in order (``PendingFingerprint``s: read with the stream, resolved when written)
+    handoffs: dict[str, list] | None = None
+
+    def add_handoff(self, which: str, tensor: torch.Tensor, seed: int, keep: int) -> None:
+        """Digest a tensor a pipeline stage sent on (``"out"``) or was handed back (``"back"``); only
+        the last ``keep`` of each are the step's (a schedule's first step runs one more forward and
+        backward first, to infer the stages' shapes)."""
+        if self.handoffs is None:
+            self.handoffs = {"out": [], "back": []}
+        found = self.handoffs[which]
+        found.append(fp_core.fingerprint_async(tensor.detach(), k=1, seed=seed))
+        del found[:-keep]
+
+    def handoff_digests(self) -> tuple[int, int, int] | None:
+        """``(sent on, handed back, how many sent)``: each list's digests combined in order (0: none)."""
+        if self.handoffs is None:
+            return None
+        out, back = (fp_core.resolve(self.handoffs[k]) for k in ("out", "back"))
+        combined = [fp_core.combine_digests([f.digest for f in fps]) % (1 << 64) if fps else 0 for fps in (out, back)]
+        return combined[0], combined[1], len(out)
 
     def resolve_inputs(self, resolved: list[Fingerprint] | None = None) -> None:
         """Move pending input digests into ``input_digests`` (``resolved``: already pulled to the

@@ -34,9 +34,14 @@ the one-process replay), a stage whose output is a DTensor rather than the plain
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from sdc_forensics.errors import RecipeError
+from sdc_forensics.evidence import EvidenceKind
+from sdc_forensics.fingerprint.core import combine_digests, digests
+from sdc_forensics.trace import format as F
 from sdc_forensics.replay import distributed, process_step
 from sdc_forensics.replay.replayer import _recipe_call
 from sdc_forensics.replay.tp_exact import TpExactReplayer
@@ -163,7 +168,7 @@ class PpExactReplayer(TpExactReplayer):
         before = (self.stage - 1) * tp + self.tp_coordinate
         after = (self.stage + 1) * tp + self.tp_coordinate
         last = self.stage == self._stages - 1
-        batches, total = [], 0.0
+        batches, total, sent, back = [], 0.0, [], []
         for mb_id in self.trace.microbatch_ids(record):
             batch = self.recipe.fetch_microbatch(int(mb_id), self.device)
             batches.append(batch)
@@ -184,10 +189,99 @@ class PpExactReplayer(TpExactReplayer):
                             "(use_local_output=True on its last layer's plan), as PipelineStage requires"
                         )
                     _send(out.detach(), after)
-                    out.backward(_receive(after, self.device))
+                    grad = _receive(after, self.device)
+                    out.backward(grad)
+                    sent += digests([out.detach()], self.seed)
+                    back += digests([grad], self.seed)
                 if self.stage > 0:
                     _send(x.grad, before)
+        # what the recorder's HANDOFF record holds (recorder/pp_layout.py)
+        self._handoff = None if last else (_combined(sent), _combined(back))
         return total, batches
+
+    def _local(self, model, record, ranks):
+        found, grads = super()._local(model, record, ranks)
+        for rank in found:
+            found[rank]["handoff"] = self._handoff
+        return found, grads
+
+    def _compare_locals(self, step, recs, ranks, tolerant, drift, recorded_layout):
+        """The comparisons of every replay, then a forward that went wrong put on the stage it went
+        wrong in (:func:`through_handoffs`), where the job recorded its hand-offs."""
+        bad, evidence = super()._compare_locals(step, recs, ranks, tolerant, drift, recorded_layout)
+        if bad and not tolerant and not any(e.kind is EvidenceKind.INPUT_MISMATCH for e in evidence):
+            recorded = self._recorded_handoffs()
+            handoffs = {
+                r: (recorded.get((int(recs[r]["attempt"]), step, r)), ranks[r].handoff) for r in range(self.world_size)
+            }
+            evidence = through_handoffs(evidence, set(bad), handoffs, self.mesh)
+        return bad, evidence
+
+    def _recorded_handoffs(self) -> dict:
+        """``{(attempt, step, rank): (sent on, handed back)}`` of the trace's HANDOFF records, read once."""
+        if getattr(self, "_handoffs", None) is None:
+            recs = self.trace.records(F.Kind.HANDOFF)
+            self._handoffs = {
+                (int(a), int(s), int(r)): (int(o), int(b))
+                for a, s, r, o, b in zip(
+                    recs["attempt"], recs["step"], recs["rank"], recs["aux_digest"], recs["input_digest"]
+                )
+            }
+        return self._handoffs
+
+
+def through_handoffs(evidence: list, bad: set, handoffs: dict, mesh) -> list:
+    """A wrong forward in one stage reaches every stage of its pipeline: the later ones through the
+    activations it sends on, the earlier ones through the gradients it hands back. Where the job
+    recorded its hand-offs (``handoffs``: rank -> (recorded, replayed) ``(sent on, handed back)``,
+    None for the last stage or a trace without them), the stage a wrong forward began in is the
+    first whose recorded output differs from the replay's; failing that, the one after the last
+    stage handed back a gradient that differs. The other stages' replay mismatches are put on that
+    stage's ranks (the rank of the same TP coordinate) where those differ themselves; every other
+    piece of evidence stays."""
+    moved_to: dict[int, int] = {}
+    for group in mesh.forward_groups():
+        differs = {
+            r: tuple(rec[i] != rep[i] for i in range(2))
+            for r in group
+            if handoffs.get(r) and handoffs[r][0] is not None and handoffs[r][1] is not None
+            for rec, rep in [handoffs[r]]
+        }
+        sent = sorted(mesh.pp_of(r) for r, (out, _) in differs.items() if out)
+        handed = sorted(mesh.pp_of(r) for r, (_, back) in differs.items() if back)
+        if sent:
+            stage = sent[0]
+        elif handed:
+            stage = handed[-1] + 1
+        else:
+            continue
+        origin = {mesh.tp_of(r): r for r in group if mesh.pp_of(r) == stage and r in bad}
+        if not origin:
+            continue
+        for r in group:
+            if mesh.pp_of(r) != stage:
+                moved_to[r] = origin.get(mesh.tp_of(r), next(iter(origin.values())))
+    own, moved = [], []
+    for e in evidence:
+        rank = e.ranks[0] if len(e.ranks) == 1 else -1
+        if e.kind is EvidenceKind.REPLAY_MISMATCH and rank in moved_to:
+            to = moved_to[rank]
+            moved.append(
+                dataclasses.replace(
+                    e,
+                    ranks=(to,),
+                    detail=f"rank {rank}'s recorded local gradient differs too: it shares a pipeline with rank {to}, "
+                    f"whose stage {mesh.pp_of(to)} went wrong in the forward (the activations it handed on, or the "
+                    "gradients it handed back, differ from the replay's)",
+                )
+            )
+        else:
+            own.append(e)
+    return own + moved
+
+
+def _combined(found: list[int]) -> int:
+    return combine_digests(found) % (1 << 64) if found else 0
 
 
 def _span(indices: list[int]) -> str:

@@ -67,6 +67,8 @@ class _Step:
     input_digest: int
     fp: object
     rng_dependent: bool = False
+    # a pipeline stage's hand-offs as replayed: (outputs sent on, gradients handed back), digests
+    handoff: tuple[int, int] | None = None
 
 
 def wanted(trace, recipe) -> bool:
@@ -300,6 +302,7 @@ class TpExactReplayer(Replayer):
                 digest=results[r]["digest"],
                 input_digest=results[r]["input"],
                 fp=results[r]["fp"],
+                handoff=results[r].get("handoff"),
             )
             for r in range(self.world_size)
         ]

@@ -74,6 +74,9 @@ class Kind(enum.IntEnum):
     IDS = 5
     # (1.1) the recorder closed this file: last step recorded, STEP records written
     END = 6
+    # a pipeline stage's hand-offs in the preceding STEP's step: aux_digest what it sent on (its
+    # outputs), input_digest what it was handed back (their gradients); absent: not recorded
+    HANDOFF = 7
 
 
 class Flag(enum.IntFlag):

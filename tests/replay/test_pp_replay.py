@@ -70,6 +70,8 @@ def traces(tmp_path_factory) -> dict[str, Path]:
     todo = [("clean-1f1b", {}), ("clean-gpipe", {"schedule": "gpipe"})]
     todo += [(name, {"inject": [spec]}) for name, (spec, *_) in FAULTS.items()]
     todo += [("all-gather", {"inject": ["all-gather-output:step=4:rank=2:bit=30"]})]
+    # a finite one (bit 30 makes a NaN, which the trace's own checks see on both stages)
+    todo += [("all-gather-finite", {"inject": ["all-gather-output:step=4:rank=2:bit=20"]})]
     todo += [("activation", {"inject": ["pp-activation:step=4:rank=1:bit=20"]})]
     todo += [("clipped", {"max_norm": CLIP})]
     found = gloo_job(_jobs, WORLD, root / "results", str(root), todo)
@@ -232,11 +234,33 @@ def test_one_process_per_stage_names_each_fault_at_its_step_and_rank(traces, nam
         assert c["status"] != "clean" or c["step"] <= step, doc["checkpoints"]
 
 
-def test_one_process_per_stage_finds_a_corrupted_hand_off_and_names_its_pipeline(traces):
-    rc, doc, _ = _at_layout(traces["activation"], "bisect")
+def test_the_job_records_each_stages_hand_offs_per_step(traces):
+    from sdc_forensics.trace import format as F
+    from sdc_forensics.trace.reader import Trace
+
+    handoffs = Trace.open(traces["clean-1f1b"] / "trace").records(F.Kind.HANDOFF)
+    # stage 0's ranks (0, 1) one per step, its microbatches counted (not the shape inference's forward); the
+    # last stage hands nothing on
+    assert sorted(set(handoffs["rank"].tolist())) == [0, 1]
+    assert sorted(handoffs["step"][handoffs["rank"] == 0].tolist()) == list(range(STEPS))
+    assert set(handoffs["microbatch_count"].tolist()) == {4}
+    assert (handoffs["aux_digest"] != 0).all() and (handoffs["input_digest"] != 0).all()
+
+
+@pytest.mark.parametrize(
+    "name, named",
+    [
+        # a wrong activation received by rank 3: rank 1 sent the right one and was handed back gradients computed
+        # from the wrong one; the hand-offs show it, and rank 3 alone is named
+        ("activation", {3}),
+        # a wrong parameter in stage 1's forward (rank 2): rank 0 sent the right activations
+        ("all-gather-finite", {2}),
+    ],
+)
+def test_one_process_per_stage_names_the_stage_a_forward_went_wrong_in(traces, name, named):
+    rc, doc, _ = _at_layout(traces[name], "bisect")
     assert rc == 1 and doc["first_divergent_step"] == 4, doc
-    suspects = {s["rank"] for s in doc["suspects"]}
-    assert 3 in suspects and suspects <= {1, 3}, doc["suspects"]
+    assert {s["rank"] for s in doc["suspects"]} == named, doc["suspects"]
 
 
 def test_one_process_per_stage_reproduces_clipping_across_the_stages_and_a_wrong_recipe_does_not_certify(traces):
