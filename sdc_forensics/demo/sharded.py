@@ -123,14 +123,26 @@ def clip(model: nn.Module, max_norm: float) -> torch.Tensor | None:
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
-def _flat():
+def _flat(flatten: bool = True):
     """The optimizer's state keyed by parameter name, hyperparameters included (torchtitan's
     ``flatten_optimizer_state_dict=True``). Unflattened, every pipeline stage saves its group as
     ``param_groups.0`` with its own parameter list, DCP keeps one stage's, and the other stages load
     their groups without their learning rate and betas."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(flatten_optimizer_state_dict=True)
+    return StateDictOptions(flatten_optimizer_state_dict=flatten)
+
+
+def _saved_flat(path: str | Path) -> bool:
+    """Whether the DCP directory holds the optimizer state flattened (:func:`_flat`), as this module
+    saves it; a directory another tool saved unflattened holds ``optim.param_groups.0.lr`` and the
+    like (a group's index where a flattened one holds a parameter's name)."""
+    import re
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return not any(re.fullmatch(r"optim\.param_groups\.\d+\.(lr|params)(\..*)?", key) for key in keys)
 
 
 def load_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -141,7 +153,9 @@ def load_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimize
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [], options=_flat())
+    # flattened as this module saves; unflattened as another tool may have (a torchtitan loop's checkpoint)
+    options = _flat(_saved_flat(path)) if optimizer is not None else _flat()
+    model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [], options=options)
     state = {"model": model_state}
     if optimizer is not None:
         state["optim"] = optim_state
@@ -154,7 +168,7 @@ def load_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimize
         optimizer if optimizer is not None else [],
         model_state_dict=state["model"],
         optim_state_dict=state.get("optim", {}),
-        options=_flat(),
+        options=options,
     )
 
 
