@@ -851,6 +851,8 @@ def tally(rows: list[dict], seconds: float) -> dict:
             for r in effective
             if not r["outcome"]["exact_step_rank"]
         ],
+        # how many ranks each effective fault in one rank's forward named: {location: {count: faults}}
+        "forward_named": _forward_named(effective),
         "ineffective_faults": [
             {
                 "fault": r["fault"],
@@ -862,6 +864,18 @@ def tally(rows: list[dict], seconds: float) -> dict:
             for r in ineffective
         ],
     } | trace_only
+
+
+def _forward_named(effective: list[dict]) -> dict:
+    """``{location: {ranks named: faults}}`` of the effective faults in a rank's forward (the model-parallel
+    campaigns: one rank named is the stage or TP rank itself, more the ranks its forward reached)."""
+    out: dict[str, dict[str, int]] = {}
+    for r in effective:
+        if r["location"] in PP_FORWARD + TP_FORWARD and r["fault"] is not None:
+            named = str(len(r["bisect"].get("suspects") or ()))
+            counts = out.setdefault(r["location"], {})
+            counts[named] = counts.get(named, 0) + 1
+    return {location: dict(sorted(counts.items())) for location, counts in sorted(out.items())}
 
 
 # ---------------------------------------------------------------------------------- main

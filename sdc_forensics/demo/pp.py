@@ -296,9 +296,10 @@ def train(
         raise UsageError(f"pp-activation on rank {rank}: the last stage hands no activation on")
     received = [dataclasses.replace(s, rank=s.rank + stride) for s in drill_specs]
     drill, tp_drill = CollectiveDrill(received, rank), CollectiveDrill(tp_specs, rank)
+    built: list = []  # the PipelineStage objects, once built below
     if drill.specs:
         # the receiving stage's input, before its first block reads it
-        parts[0].register_forward_pre_hook(lambda module, args: _flipped_input(drill, module, args))
+        parts[0].register_forward_pre_hook(lambda module, args: _flipped_input(drill, module, args, built))
     if tp_drill.specs:
         if tp == 1:
             raise UsageError(f"tp-collective on rank {rank}: the job has no tensor parallelism (tp=1)")
@@ -312,6 +313,7 @@ def train(
         PipelineStage(m, i, PP * virtual_stages, torch.device("cpu"), group=mesh["pp"].get_group())
         for i, m in zip(stage_ids, parts)
     ]
+    built += stages
     if schedule == "interleaved-1f1b":
         pipeline = ScheduleInterleaved1F1B(stages, MICROBATCHES, loss_fn=loss_fn)
     else:
@@ -356,9 +358,14 @@ def train(
     return {"alarms": alarms, "fired": drill.fired + tp_drill.fired, "grad_norms": norms}
 
 
-def _flipped_input(drill: CollectiveDrill, module, args):
+def _flipped_input(drill: CollectiveDrill, module, args, stages: list):
     """A forward pre-hook: the stage's received activation with ``drill``'s bit flipped (a copy: the
-    gradient the stage hands back flows to the buffer it received), else None."""
+    gradient the stage hands back flows to the buffer it received), else None. Not in the forward a
+    schedule's first step runs on placeholders to infer the stages' shapes (torch 2.13's stage has
+    no output metadata yet then), which trains nothing."""
+    meta = getattr(stages[0], "_stage_meta", None) if stages else None
+    if meta is not None and getattr(meta, "outputs", ()) is None:
+        return None
     flipped = drill(module, args, args[0])
     return None if flipped is None else (flipped, *args[1:])
 
