@@ -296,7 +296,7 @@ def train(
         raise UsageError(f"pp-activation on rank {rank}: the last stage hands no activation on")
     received = [dataclasses.replace(s, rank=s.rank + stride) for s in drill_specs]
     drill, tp_drill = CollectiveDrill(received, rank), CollectiveDrill(tp_specs, rank)
-    built: list = []  # the PipelineStage objects, once built below
+    built: list = []  # the PipelineStage objects, once built below (the drills skip their shape inference)
     if drill.specs:
         # the receiving stage's input, before its first block reads it
         parts[0].register_forward_pre_hook(lambda module, args: _flipped_input(drill, module, args, built))
@@ -304,7 +304,9 @@ def train(
         if tp == 1:
             raise UsageError(f"tp-collective on rank {rank}: the job has no tensor parallelism (tp=1)")
         # the stage's first block's row-parallel MLP output: its reduce-scatter over tp (sequence parallel)
-        list(parts[0].layers.values())[0].down.register_forward_hook(tp_drill)
+        list(parts[0].layers.values())[0].down.register_forward_hook(
+            lambda module, args, output: None if _inferring(built) else tp_drill(module, args, output)
+        )
     for stage_part in parts:
         for block in stage_part.layers.values():
             fully_shard(block, mesh=dp_mesh)
@@ -358,13 +360,19 @@ def train(
     return {"alarms": alarms, "fired": drill.fired + tp_drill.fired, "grad_norms": norms}
 
 
+def _inferring(stages: list) -> bool:
+    """Whether the stage runs the forward a schedule's first step runs on placeholders to infer the
+    stages' shapes (torch 2.13's stage has no output metadata until it ends): a drill skips it."""
+    meta = getattr(stages[0], "_stage_meta", None) if stages else None
+    return meta is not None and getattr(meta, "outputs", ()) is None
+
+
 def _flipped_input(drill: CollectiveDrill, module, args, stages: list):
     """A forward pre-hook: the stage's received activation with ``drill``'s bit flipped (a copy: the
     gradient the stage hands back flows to the buffer it received), else None. Not in the forward a
     schedule's first step runs on placeholders to infer the stages' shapes (torch 2.13's stage has
     no output metadata yet then), which trains nothing."""
-    meta = getattr(stages[0], "_stage_meta", None) if stages else None
-    if meta is not None and getattr(meta, "outputs", ()) is None:
+    if _inferring(stages):
         return None
     flipped = drill(module, args, args[0])
     return None if flipped is None else (flipped, *args[1:])
