@@ -46,9 +46,6 @@ from sdc_forensics.replay import distributed, process_step
 from sdc_forensics.replay.replayer import _recipe_call
 from sdc_forensics.replay.tp_exact import TpExactReplayer
 
-#: how the replay is launched (docs and messages)
-COMMAND = "torchrun --nproc-per-node {processes} -m sdc_forensics certify TRACE"
-
 # the dtypes an activation is handed on in (their code in the header sent before it)
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32)
 #: the most dimensions a handed-on activation has (the header's size)
@@ -241,12 +238,12 @@ def through_handoffs(evidence: list, bad: set, handoffs: dict, mesh) -> list:
     piece of evidence stays."""
     moved_to: dict[int, int] = {}
     for group in mesh.forward_groups():
-        differs = {
-            r: tuple(rec[i] != rep[i] for i in range(2))
-            for r in group
-            if handoffs.get(r) and handoffs[r][0] is not None and handoffs[r][1] is not None
-            for rec, rep in [handoffs[r]]
-        }
+        # rank -> (its output differs, the gradient handed back differs), where both sides are known
+        differs = {}
+        for r in group:
+            recorded, replayed = handoffs.get(r) or (None, None)
+            if recorded is not None and replayed is not None:
+                differs[r] = (recorded[0] != replayed[0], recorded[1] != replayed[1])
         sent = sorted(mesh.pp_of(r) for r, (out, _) in differs.items() if out)
         handed = sorted(mesh.pp_of(r) for r, (_, back) in differs.items() if back)
         if sent:
