@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import zlib
 from collections.abc import Callable
 
 import numpy as np
@@ -297,11 +298,14 @@ class FsdpMonitor:
             mine, self._calls = self._calls, []
         numbers = self._numbers(mine)
         ar_calls = tuple(i for i, call in enumerate(mine) if call.ar_output is not None)
-        first: list = [None] * dist.get_world_size()
-        dist.all_gather_object(first, [self.place if self._places is None else None, len(mine), ar_calls])
         if self._places is None:
-            self._places = [place for place, _, _ in first]
-        counts = {count for _, count, _ in first}
+            # once: every rank's place (strings, pickled)
+            places: list = [None] * dist.get_world_size()
+            dist.all_gather_object(places, self.place)
+            self._places = [str(place) for place in places]
+        # every step: two numbers per rank in one tensor gather (no pickling)
+        first = _gather_words([len(mine), zlib.crc32(np.asarray(ar_calls, dtype=np.int64).tobytes())])
+        counts = set(first[:, 0].tolist())
         if len(counts) > 1:
             raise UsageError(
                 f"step {step}: ranks made different numbers of reduce-scatters ({sorted(counts)}): "
@@ -309,11 +313,14 @@ class FsdpMonitor:
             )
         calls = counts.pop() if counts else 0
         # else unpaired: not checked
-        with_all_reduce = ar_calls if len({a for _, _, a in first}) == 1 else ()
+        with_all_reduce = ar_calls if len(set(first[:, 1].tolist())) == 1 else ()
         own = _own_findings(mine, numbers, with_all_reduce, self._k)
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, own)
-        findings = _ordered([f for per_rank in everyone for f in per_rank])
+        findings = []
+        # the findings themselves (objects) are gathered only on a step where some rank has one
+        if _gather_words([len(own)])[:, 0].any():
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, own)
+            findings = _ordered([f for per_rank in everyone for f in per_rank])
         note = ""
         if not calls and dist.get_world_size() > 1:
             note = (
@@ -327,6 +334,16 @@ class FsdpMonitor:
             rank = result.suspects[0] if len(result.suspects) == 1 else -1
             raise SdcAlarm("; ".join(result.lines()), step=step, rank=rank, check=result.findings[0].check)
         return result
+
+
+def _gather_words(words: list[int]) -> np.ndarray:
+    """``(W, n)`` int64: every rank's ``n`` words, one ``all_gather`` of a tensor (on the current
+    CUDA device under NCCL, which takes no CPU tensors)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    mine = torch.tensor(words, dtype=torch.int64, device=device)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return torch.stack(out).cpu().numpy()
 
 
 def _split(row: list[float], k: int) -> tuple[np.ndarray, float, int]:
