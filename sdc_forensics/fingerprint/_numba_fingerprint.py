@@ -417,3 +417,112 @@ def _many(kind, addresses, sizes, block_offsets, digest_offsets, with_digest, a,
         sumsq_out[t] = sumsq
         max_out[t] = np.float64(mx.max())
     return lanes_out, sketch_out, sumsq_out, max_out
+
+
+# ---------------------------------------------------------------- a sharded piece's cut ends
+@nb.njit(**_jit)
+def ends(words, floats, positions, lengths, first_rows, a, b, beta, alpha):
+    """The numbers of ``E`` cut ends (``shards._batched_ends``), each a zero-padded chunk.
+
+    Args:
+        words: ``(E, blocks * BLOCK_WORDS)`` int32, each chunk's bytes.
+        floats: ``(E, rows * BLOCK_ELEMS)`` float64, each chunk's values (exact), or ``(E, 0)``
+            for a tensor that is not floating point.
+        positions, lengths: where each end's values sit in its chunk, and how many.
+        first_rows: the sketch block of each chunk's first row (its row of ``beta``).
+
+    Returns:
+        ``(s, t)`` the digest block sums mod 2**32 ``(E, blocks)`` (int64, as uint32 values),
+        the sketch ``(E, k)``, and per end its sum of squares, max |x| (NaN wins) and NaN/Inf
+        count. Each end's sketch is ``sum_r beta[row r, m] * (sum_i x[r, i] alpha[i, m])``, each
+        sum in order over the end's own elements (the padding adds exact zeros, so is skipped).
+    """
+    count, width = words.shape
+    blocks = width // BLOCK_WORDS
+    k = alpha.shape[1]
+    s_out = np.zeros((count, blocks), dtype=np.int64)
+    t_out = np.zeros((count, blocks), dtype=np.int64)
+    sketch = np.zeros((count, k))
+    sumsq = np.zeros(count)
+    max_abs = np.zeros(count)
+    nonfinite = np.zeros(count, dtype=np.int64)
+    acc = np.zeros(k)
+    for e in range(count):
+        for j in range(blocks):
+            row = words[e, j * BLOCK_WORDS : (j + 1) * BLOCK_WORDS]
+            s = np.int32(0)
+            t = np.int32(0)
+            for i in range(BLOCK_WORDS):
+                w = row[i]
+                s = np.int32(s + np.int32(w * a[i]))
+                t = np.int32(t + np.int32((w >> np.int32(16)) * b[i]))
+            s_out[e, j] = np.int64(np.uint32(s))
+            t_out[e, j] = np.int64(np.uint32(t))
+        if floats.shape[1] == 0:
+            continue
+        start, stop = positions[e], positions[e] + lengths[e]
+        for r in range(floats.shape[1] // BLOCK_ELEMS):
+            lo = max(start, r * BLOCK_ELEMS)
+            hi = min(stop, (r + 1) * BLOCK_ELEMS)
+            if lo >= hi:
+                continue
+            acc[:] = 0.0
+            for i in range(lo, hi):
+                x = floats[e, i]
+                lane = i - r * BLOCK_ELEMS
+                for m in range(k):
+                    acc[m] += x * alpha[lane, m]
+            signs = beta[first_rows[e] + r]
+            for m in range(k):
+                sketch[e, m] += acc[m] * np.float64(signs[m])
+        total = 0.0
+        largest = 0.0
+        nan = False
+        bad = 0
+        for i in range(start, stop):
+            x = floats[e, i]
+            total += x * x
+            if x != x:
+                nan = True
+                bad += 1
+            elif abs(x) == np.inf:
+                bad += 1
+                largest = np.inf
+            elif abs(x) > largest:
+                largest = abs(x)
+        sumsq[e] = total
+        max_abs[e] = np.nan if nan else largest
+        nonfinite[e] = bad
+    return s_out, t_out, sketch, sumsq, max_abs, nonfinite
+
+
+_i32_at = _pointer_to(types.int32)
+_u8_at = _pointer_to(types.uint8)
+
+
+@nb.njit(**_jit)
+def digest_many(addresses, nbytes, a, b, c, c2):
+    """The digest's lane totals ``(T, 2)`` of ``T`` byte runs (addresses 4-byte aligned): each as
+    ``cpu_kernel._digest_words`` takes it, its whole blocks, then its rest zero-padded to a block."""
+    count = addresses.size
+    out = np.zeros((count, 2), dtype=np.uint64)
+    lanes = np.zeros(2, dtype=np.uint64)
+    tail = np.zeros(BLOCK_WORDS, dtype=np.int32)
+    tail_bytes = tail.view(np.uint8)
+    for t in range(count):
+        n = nbytes[t]
+        full = n // (4 * BLOCK_WORDS)
+        lanes[0] = 0
+        lanes[1] = 0
+        if full:
+            words = nb.carray(_i32_at(addresses[t]), (full * BLOCK_WORDS,))
+            _digest_until(words, 0, full, a, b, c, c2, lanes)
+        rest = n - full * 4 * BLOCK_WORDS
+        if rest:
+            tail[:] = 0
+            src = nb.carray(_u8_at(addresses[t] + full * 4 * BLOCK_WORDS), (rest,))
+            tail_bytes[:rest] = src
+            _digest_until(tail, 0, 1, a, b, c[full:], c2[full:], lanes)
+        out[t, 0] = lanes[0]
+        out[t, 1] = lanes[1]
+    return out

@@ -217,9 +217,15 @@ def digests(tensors, seed: int = C.DEFAULT_SEED) -> list[int]:
         ``[digest(t) for t in tensors]``, computed without a host sync per tensor.
     """
     sizes, totals = [], []
-    for tensor in tensors:
+    tensors = list(tensors)
+    # CPU tensors at 4-byte aligned addresses: one compiled call for all of them
+    many = _cpu_digest_lanes_many(tensors, seed)
+    for index, tensor in enumerate(tensors):
         raw = _raw_bytes(tensor)
         sizes.append(raw.numel())
+        if index in many:
+            totals.append(many[index])
+            continue
         lanes = _cpu_digest_lanes(raw, seed) if raw.device.type == "cpu" and _cpu_kernel_ok() else None
         # host values already: no buffers, no transfer
         if lanes is not None:
@@ -271,6 +277,32 @@ def _host_bytes(raw: torch.Tensor) -> np.ndarray:
     if raw.numel() == 0:
         return np.empty(0, dtype=np.uint8)
     return np.frombuffer((ctypes.c_uint8 * raw.numel()).from_address(raw.data_ptr()), dtype=np.uint8)
+
+
+def _cpu_digest_lanes_many(tensors: list[torch.Tensor], seed: int) -> dict[int, tuple[int, int]]:
+    """``{index: lane totals}`` of the contiguous CPU tensors at 4-byte aligned addresses, from one
+    call of the compiled loop (read through their addresses: no ``Tensor.numpy()``, as
+    :func:`_host_bytes`); ``{}`` where the kernel does not run (the others go one by one)."""
+    chosen = [
+        i
+        for i, t in enumerate(tensors)
+        # plain tensors only: a subclass (DTensor) may have no storage of its own
+        if type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.device.type == "cpu"
+        and t.is_contiguous()
+        and t.numel()
+        and t.data_ptr() % 4 == 0
+    ]
+    if len(chosen) < 2 or not _cpu_kernel_ok():
+        return {}
+    addresses = np.array([tensors[i].data_ptr() for i in chosen], dtype=np.int64)
+    nbytes = np.array([tensors[i].numel() * tensors[i].element_size() for i in chosen], dtype=np.int64)
+    try:
+        lanes = cpu_kernel.digest_lanes_many(addresses, nbytes, seed).tolist()
+    except Exception as exc:  # noqa: BLE001 - a broken compiled path must not lose the answer
+        _compiled_failed(exc)
+        return {}
+    return {i: (int(low), int(high)) for i, (low, high) in zip(chosen, lanes)}
 
 
 def _cpu_digest_lanes(raw: torch.Tensor, seed: int) -> tuple[int, int] | None:

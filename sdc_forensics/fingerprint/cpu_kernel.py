@@ -149,6 +149,25 @@ def digest_lanes(raw: np.ndarray, seed: int = C.DEFAULT_SEED) -> tuple[int, int]
     return int(lanes[0]), int(lanes[1])
 
 
+def digest_lanes_many(addresses: np.ndarray, nbytes: np.ndarray, seed: int = C.DEFAULT_SEED) -> np.ndarray:
+    """:func:`digest_lanes` of ``T`` byte runs in one compiled call: ``(T, 2)`` uint64 lane totals.
+
+    Args:
+        addresses: ``(T,)`` int64, each 4-byte aligned, of memory that stays alive for the call.
+        nbytes: ``(T,)`` int64 byte counts.
+
+    Raises:
+        RuntimeError: the kernel is not available (check :func:`available` first).
+    """
+    module, reason = _loops()
+    if module is None:
+        raise RuntimeError(reason)
+    a, b = _word_weights(seed)
+    most = max(1, int(-(-nbytes.max() // _BLOCK_BYTES))) if nbytes.size else 1
+    c, c2 = _block_weights(most, seed, False), _block_weights(most, seed, True)
+    return module.digest_many(addresses, nbytes, a, b, c, c2)
+
+
 def partials(
     values: np.ndarray,
     dtype_name: str,
@@ -293,6 +312,31 @@ def partials_many(
     return out
 
 
+def end_numbers(
+    words: np.ndarray,
+    floats: np.ndarray,
+    positions: np.ndarray,
+    lengths: np.ndarray,
+    first_rows: np.ndarray,
+    *,
+    k: int,
+    seed: int,
+):
+    """A sharded piece's cut ends in one compiled call (``shards._batched_ends``): ``(s, t, sketch,
+    sumsq, max_abs, nonfinite)``, see ``_numba_fingerprint.ends``.
+
+    Raises:
+        RuntimeError: the kernel is not available (check :func:`available` first).
+    """
+    module, reason = _loops()
+    if module is None:
+        raise RuntimeError(reason)
+    a, b = _word_weights(seed)
+    rows = floats.shape[1] // C.BLOCK_ELEMS
+    beta = _beta(int(first_rows.max()) + rows + 1 if first_rows.size else 1, k, seed, np.float32)
+    return module.ends(words, floats, positions, lengths, first_rows, a, b, beta, _alpha(k, seed))
+
+
 def warm_up(dtype_names=("float32", "bfloat16", "float64")) -> bool:
     """Compile (or load from numba's cache) the loops for these dtypes on numpy zeros: no torch
     operator runs, so a fork server may call this before it forks (``demo/_preload.py``).
@@ -319,6 +363,17 @@ def warm_up(dtype_names=("float32", "bfloat16", "float64")) -> bool:
             digest_block_offsets=[0],
         )
     digest_lanes(np.zeros(8, dtype=np.uint8))
+    words = np.zeros(C.BLOCK_WORDS + 1, dtype=np.int32)
+    digest_lanes_many(np.array([words.ctypes.data], dtype=np.int64), np.array([words.nbytes], dtype=np.int64))
+    end_numbers(
+        np.zeros((1, C.BLOCK_WORDS), dtype=np.int32),
+        np.zeros((1, C.BLOCK_ELEMS)),
+        np.zeros(1, dtype=np.int64),
+        np.ones(1, dtype=np.int64),
+        np.zeros(1, dtype=np.int64),
+        k=C.DEFAULT_SKETCH_K,
+        seed=C.DEFAULT_SEED,
+    )
     return True
 
 

@@ -193,6 +193,8 @@ def _empty(k: int, seed: int) -> Piece:
 
 def _merge(parts: list[Piece]) -> Piece:
     """The terms of several pieces together, lanes and cut blocks kept apart (see :func:`combine_pieces`)."""
+    if len(parts) == 1:
+        return parts[0]
     low = sum(p.lanes[0] for p in parts) & _MASK64
     high = sum(p.lanes[1] for p in parts) & _MASK64
     edges: dict[int, tuple[int, int]] = {}
@@ -201,14 +203,18 @@ def _merge(parts: list[Piece]) -> Piece:
             s0, t0 = edges.get(j, (0, 0))
             edges[j] = ((s0 + s) & _MASK32, (t0 + t) & _MASK32)
     maxes = [p.max_abs for p in parts if p.numel]
-    # NaN wins
-    max_abs = float(np.max(maxes)) if maxes else 0.0
+    # NaN wins (as np.max)
+    max_abs = (math.nan if any(math.isnan(m) for m in maxes) else float(max(maxes))) if maxes else 0.0
+    # row after row, as np.sum(..., axis=0) adds them: the same bits, without stacking
+    sketch = np.array(parts[0].sketch, dtype=np.float64)
+    for part in parts[1:]:
+        sketch += part.sketch
     return Piece(
         lanes=(low, high),
         edges=edges,
         num_bytes=sum(p.num_bytes for p in parts),
         numel=sum(p.numel for p in parts),
-        sketch=np.sum([p.sketch for p in parts], axis=0),
+        sketch=sketch,
         sumsq=float(sum(p.sumsq for p in parts)),
         max_abs=max_abs,
         nonfinite=sum(p.nonfinite for p in parts),
@@ -298,6 +304,9 @@ def _padded_piece(
     ``2 * blocks + k + 3`` numbers elsewhere; cheaper than the kernels' set-up for so little.
     """
     device, itemsize = values.device, values.element_size()
+    # the numbers fingerprint_pieces gives the same end (one compiled path for both)
+    if device.type == "cpu" and cpu_kernel.available()[0]:
+        return _batched_ends([(values.reshape(-1), pos, first_elem, digest_base, sketch_base)], align, k, seed)[0]
     if device.type == "cpu":
         host, blocks = _end_numbers_numpy(values, pos, align, first_elem, sketch_base, k, seed)
     else:
@@ -619,9 +628,11 @@ def _batched_ends(ends: list[tuple[torch.Tensor, int, int, int, int]], align: in
     buffer = torch.zeros(len(ends), align, dtype=ends[0][0].dtype)
     for row, (values, pos, _, _, _) in zip(buffer, ends):
         row[pos : pos + values.numel()] = values
+    blocks = align * itemsize // _BLOCK_BYTES
+    if cpu_kernel.available()[0]:
+        return _compiled_ends(ends, buffer, blocks, k, seed)
     # (ends * blocks, 1024) int32: each end's digest blocks
     signed = buffer.view(torch.int32).numpy().reshape(-1, C.BLOCK_WORDS)
-    blocks = align * itemsize // _BLOCK_BYTES
     a = C.digest_word_weights(seed).view(np.uint32)
     b = C.digest_high_weights(seed).view(np.uint32)
     with np.errstate(over="ignore"):
@@ -653,6 +664,43 @@ def _batched_ends(ends: list[tuple[torch.Tensor, int, int, int, int]], align: in
                 sumsq=sumsq,
                 max_abs=max_abs,
                 nonfinite=nonfinite,
+                seed=seed,
+            )
+        )
+    return out
+
+
+def _compiled_ends(ends: list, buffer: torch.Tensor, blocks: int, k: int, seed: int) -> list[Piece]:
+    """:func:`_batched_ends` in one call of the compiled loop (``cpu_kernel.end_numbers``): the
+    digest's block sums are the same numbers (wrapping sums), the sketch and stats each end's
+    own elements summed in order (numpy's, above, sum in BLAS's order: the two agree within the
+    float64 rounding of at most ``align`` terms, like the torch path's)."""
+    itemsize = buffer.element_size()
+    floating = buffer.is_floating_point()
+    floats = buffer.to(torch.float64).numpy() if floating else np.zeros((len(ends), 0))
+    positions = np.array([pos for _, pos, _, _, _ in ends], dtype=np.int64)
+    lengths = np.array([values.numel() for values, _, _, _, _ in ends], dtype=np.int64)
+    first_rows = np.array(
+        [sketch_base + first // C.BLOCK_ELEMS for _, _, first, _, sketch_base in ends], dtype=np.int64
+    )
+    s, t, sketch, sumsq, max_abs, nonfinite = cpu_kernel.end_numbers(
+        buffer.view(torch.int32).numpy(), floats, positions, lengths, first_rows, k=k, seed=seed
+    )
+    s, t, sumsq, max_abs, nonfinite = s.tolist(), t.tolist(), sumsq.tolist(), max_abs.tolist(), nonfinite.tolist()
+    out = []
+    for e, (values, _, first_elem, digest_base, _) in enumerate(ends):
+        n = lengths[e]
+        first_block = digest_base + first_elem * itemsize // _BLOCK_BYTES
+        out.append(
+            Piece(
+                lanes=(0, 0),
+                edges={first_block + i: (s[e][i], t[e][i]) for i in range(blocks)},
+                num_bytes=int(n) * itemsize,
+                numel=int(n),
+                sketch=sketch[e] if floating else np.zeros(k),
+                sumsq=sumsq[e] if floating else 0.0,
+                max_abs=max_abs[e] if floating else 0.0,
+                nonfinite=nonfinite[e] if floating else 0,
                 seed=seed,
             )
         )
