@@ -818,6 +818,75 @@ def _torch_partials(
     return torch.cat([lanes.view(torch.float64), sketch, torch.stack([sumsq, max_abs, nonfinite])])
 
 
+_FMIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+def _finish_digests(low: np.ndarray, high: np.ndarray, num_bytes: np.ndarray, seed: int) -> np.ndarray:
+    """:func:`_finish_digest` of arrays (uint64 arithmetic wraps mod 2**64, as the Python ints are masked)."""
+    with np.errstate(over="ignore"):
+        z = low + (high << np.uint64(32)) + num_bytes.astype(np.uint64) * np.uint64(C.digest_length_weight(seed))
+        z = (z ^ (z >> np.uint64(30))) * _FMIX[0]
+        z = (z ^ (z >> np.uint64(27))) * _FMIX[1]
+        return z ^ (z >> np.uint64(31))
+
+
+def weights_summary(tensors, seed: int = C.DEFAULT_SEED) -> tuple[int, float, int]:
+    """``(digest, L2 norm, NaN/Inf count)`` of a model's parameters, in order: the digest
+    :func:`combine_digests` of each tensor's :func:`digest`, the norm ``sqrt(sum of each
+    tensor's norm squared)`` in order. The same numbers as :func:`fingerprints_async` with
+    ``k=1`` and those sums; on the compiled CPU path the whole list is one call and the
+    digests are finished together (a DDP step's weights pass, whatever the parameter count)."""
+    tensors = [t.detach() for t in tensors]
+    if not tensors:
+        return combine_digests([]), 0.0, 0
+    fast = _weights_compiled(tensors, seed)
+    if fast is not None:
+        return fast
+    done = resolve(fingerprints_async(tensors, k=1, seed=seed))
+    value = combine_digests([fp.digest for fp in done])
+    total = float(np.sqrt(sum(fp.norm * fp.norm for fp in done)))
+    return value, total, int(sum(fp.nonfinite for fp in done))
+
+
+def _weights_compiled(tensors: list[torch.Tensor], seed: int) -> tuple[int, float, int] | None:
+    """:func:`weights_summary` in one kernel call, or None: a tensor the call does not take (off
+    the CPU, another dtype, not contiguous or aligned, empty, a subclass), several dtypes, a NaN/Inf."""
+    first = tensors[0]
+    dtype = first.dtype
+    name = str(dtype).removeprefix("torch.")
+    if not cpu_kernel.supports(name) or kernel_path(first.device, dtype) != "numba-cpu":
+        return None
+    for t in tensors:
+        if (
+            type(t) not in (torch.Tensor, torch.nn.Parameter)
+            or t.dtype != dtype
+            or t.device.type != "cpu"
+            or not t.is_contiguous()
+            or not t.numel()
+            or t.data_ptr() % 4
+        ):
+            return None
+    addresses = np.fromiter((t.data_ptr() for t in tensors), dtype=np.int64, count=len(tensors))
+    sizes = np.fromiter((t.numel() for t in tensors), dtype=np.int64, count=len(tensors))
+    zeros = np.zeros(len(tensors), dtype=np.int64)
+    try:
+        lanes, _, sumsq, max_abs = cpu_kernel.many_at(
+            addresses, sizes, name, k=1, seed=seed, block_offsets=zeros, digest_block_offsets=zeros, with_digest=True
+        )
+    except Exception as exc:  # noqa: BLE001 - a broken compiled path must not lose the answer
+        _compiled_failed(exc)
+        return None
+    _note_path(first.device, "numba-cpu")
+    # NaN/Inf somewhere: counted by the general path
+    if not (np.isfinite(sumsq).all() and np.isfinite(max_abs).all()):
+        return None
+    each = _finish_digests(lanes[:, 0], lanes[:, 1], sizes * first.element_size(), seed)
+    norms = np.sqrt(sumsq)
+    # in order, as sum() of the Python floats: the same bits
+    total = float(np.sqrt(sum((norms * norms).tolist())))
+    return combine_digests(each.tolist()), total, 0
+
+
 def num_sketch_blocks(numel: int) -> int:
     """Sketch blocks a tensor of ``numel`` elements occupies (the next piece's ``block_offset``)."""
     return max(1, -(-numel // C.BLOCK_ELEMS))

@@ -272,26 +272,16 @@ def partials_many(
     Raises:
         RuntimeError: the kernel is not available (check :func:`available` first).
     """
-    module, reason = _loops()
-    if module is None:
-        raise RuntimeError(reason)
     if not arrays:
         return []
-    element = arrays[0].dtype.itemsize
-    acc = np.float64 if arrays[0].dtype == np.float64 else np.float32
     sizes = np.array([a.size for a in arrays], dtype=np.int64)
     offsets = np.array(block_offsets, dtype=np.int64)
     digest_offsets = np.array(digest_block_offsets, dtype=np.int64)
-    rows = -(-np.maximum(sizes, 1) // C.BLOCK_ELEMS)
-    blocks = -(-sizes * element // _BLOCK_BYTES)
-    beta = _beta(int((offsets + rows).max()) + TILE_ROWS, k, seed, acc)
-    weights = int((digest_offsets + np.maximum(blocks, 1)).max())
-    a, b = _word_weights(seed)
-    c, c2 = _block_weights(weights, seed, False), _block_weights(weights, seed, True)
     addresses = np.array([a_.ctypes.data for a_ in arrays], dtype=np.int64)
-    lanes, sketch, sumsq, max_abs = module._many(
-        _KINDS[dtype_name], addresses, sizes, offsets, digest_offsets, with_digest, a, b, c, c2, beta, _alpha(k, seed)
-    )
+    lanes, sketch, sumsq, max_abs = many_at(
+        addresses, sizes, dtype_name, k=k, seed=seed, block_offsets=offsets, digest_block_offsets=digest_offsets,
+        with_digest=with_digest,
+    )  # fmt: skip
     out = []
     for index, values in enumerate(arrays):
         total, largest, nonfinite = float(sumsq[index]), float(max_abs[index]), 0
@@ -335,6 +325,41 @@ def end_numbers(
     rows = floats.shape[1] // C.BLOCK_ELEMS
     beta = _beta(int(first_rows.max()) + rows + 1 if first_rows.size else 1, k, seed, np.float32)
     return module.ends(words, floats, positions, lengths, first_rows, a, b, beta, _alpha(k, seed))
+
+
+def many_at(
+    addresses: np.ndarray,
+    sizes: np.ndarray,
+    dtype_name: str,
+    *,
+    k: int,
+    seed: int,
+    block_offsets: np.ndarray,
+    digest_block_offsets: np.ndarray,
+    with_digest: bool,
+):
+    """The loop under :func:`partials_many`, on tensors given by address: ``(lanes (T, 2) uint64,
+    sketch (T, k), sumsq (T,), max_abs (T,))``, NaN/Inf not counted (a non-finite sumsq or max
+    says one is there). Each address must be aligned to 4 bytes and stay alive for the call.
+
+    Raises:
+        RuntimeError: the kernel is not available (check :func:`available` first).
+    """
+    module, reason = _loops()
+    if module is None:
+        raise RuntimeError(reason)
+    element = 8 if dtype_name == "float64" else 4 if dtype_name == "float32" else 2
+    acc = np.float64 if dtype_name == "float64" else np.float32
+    rows = -(-np.maximum(sizes, 1) // C.BLOCK_ELEMS)
+    blocks = -(-sizes * element // _BLOCK_BYTES)
+    beta = _beta(int((block_offsets + rows).max()) + TILE_ROWS, k, seed, acc)
+    weights = int((digest_block_offsets + np.maximum(blocks, 1)).max())
+    a, b = _word_weights(seed)
+    c, c2 = _block_weights(weights, seed, False), _block_weights(weights, seed, True)
+    return module._many(
+        _KINDS[dtype_name], addresses, sizes, block_offsets, digest_block_offsets, with_digest, a, b, c, c2, beta,
+        _alpha(k, seed),
+    )  # fmt: skip
 
 
 def warm_up(dtype_names=("float32", "bfloat16", "float64")) -> bool:

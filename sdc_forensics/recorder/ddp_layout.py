@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 
 from sdc_forensics.fingerprint import core as fp_core
-from sdc_forensics.fingerprint.core import combine_digests
 from sdc_forensics.recorder import checks, ordered
 from sdc_forensics.recorder.checkpointing import Saver, WholeFileSaver
 from sdc_forensics.recorder.checks import Finding, GroupVote
@@ -243,10 +242,5 @@ def _weights(params: list[torch.nn.Parameter], seed: int) -> tuple[int, float, i
     (``k=1``: the sketch is not used), every parameter in one call of it on CPU; the digest
     equals ``weights_digest(named_parameters)``.
     """
-    if not params:
-        return combine_digests([]), 0.0, 0
     with torch.no_grad():
-        done = fp_core.resolve(fp_core.fingerprints_async(params, k=1, seed=seed))
-    value = combine_digests([fp.digest for fp in done])
-    total = float(np.sqrt(sum(fp.norm * fp.norm for fp in done)))
-    return value, total, int(sum(fp.nonfinite for fp in done))
+        return fp_core.weights_summary(params, seed)

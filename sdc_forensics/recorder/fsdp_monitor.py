@@ -233,7 +233,9 @@ class FsdpMonitor:
             self._calls.append(call)
         if self._inject is not None:
             self._inject("local-gradient", index, input_tensor)
-        call.inputs = [self._sketch(c) for c in input_tensor.reshape(-1).chunk(len(ranks))]
+        # the W chunks in one kernel call (the same numbers as one call each)
+        chunks = input_tensor.reshape(-1).chunk(len(ranks))
+        call.inputs = core.fingerprints_async(chunks, k=self._k, seed=self._seed, with_digest=False)
         return index
 
     def _after(self, index: int, output_tensor: torch.Tensor) -> None:

@@ -8,6 +8,8 @@ sketch and digest block offsets, views (odd storage offsets, strides), NaN/Inf, 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -100,3 +102,35 @@ def test_torch_path_when_kernels_are_off(monkeypatch):
     expected = [core.fingerprint(t).digest for t in tensors]
     monkeypatch.setenv(cpu_kernel.KERNELS_ENV, "off")
     assert [fp.digest for fp in core.resolve(core.fingerprints_async(tensors))] == expected
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_many_digests_in_one_call_equal_each_digest(seed):
+    """``core.digests`` takes aligned CPU tensors in one compiled call: each is ``core.digest``'s
+    (and the numpy reference's) value, views, odd offsets and every block edge included."""
+    tensors = _batch(seed)[:-1] + [torch.arange(7, dtype=torch.int64), torch.ones(5, dtype=torch.bool)]
+    got = core.digests(tensors, seed + 3)
+    for value, t in zip(got, tensors):
+        assert value == core.digest(t, seed + 3)
+        flat = t.contiguous().reshape(-1)
+        assert value == reference.digest_bytes(core._raw_bytes(flat).numpy(), seed + 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_weights_summary_is_the_per_tensor_fingerprints_combined(dtype):
+    """A DDP step's weights pass in one call: the digest, norm and NaN/Inf count of the
+    one-tensor fingerprints combined in order (the general path takes a NaN, several dtypes)."""
+    rng = np.random.default_rng(4)
+    tensors = [torch.from_numpy(rng.standard_normal(n)).to(dtype) for n in (64, 1, 1024, 8193, 3 * 4096 + 5, 640)]
+
+    def combined(ts):
+        done = [core.fingerprint(t, k=1) for t in ts]
+        total = float(np.sqrt(sum(fp.norm * fp.norm for fp in done)))
+        return core.combine_digests([fp.digest for fp in done]), total, sum(fp.nonfinite for fp in done)
+
+    assert core.weights_summary(tensors) == combined(tensors)
+    mixed = tensors[:3] + [tensors[3].double()]
+    assert core.weights_summary(mixed) == combined(mixed)
+    tensors[2][5] = float("nan")
+    digest, norm, nonfinite = core.weights_summary(tensors)
+    assert digest == combined(tensors)[0] and math.isnan(norm) and nonfinite == 1

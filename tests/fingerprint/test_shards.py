@@ -251,3 +251,45 @@ def test_the_cut_ends_numbers_agree_on_the_numpy_and_the_device_path(dtype):
             np.testing.assert_allclose(
                 cpu[2 * blocks :], dev[2 * blocks :], rtol=0, atol=4096 * 2.0**-53 * scale + 0.0, equal_nan=True
             )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_compiled_cut_ends_agree_with_numpy_and_give_fingerprint_piece_its_numbers(dtype):
+    """With the compiled kernel, a pass's cut ends are one call (``_compiled_ends``): the digest's
+    block sums are numpy's exactly (wrapping sums), the sketch and stats within the float64
+    rounding of two summation orders over at most ``align`` terms; and ``fingerprint_piece`` (one
+    piece) gives the same numbers, bit for bit, as ``fingerprint_pieces`` (a batch of them)."""
+    if not shards.cpu_kernel.available()[0]:
+        pytest.skip("compiled CPU kernel unavailable")
+    gen = torch.Generator().manual_seed(5)
+    align = shards.align_elems(torch.empty(0, dtype=dtype).element_size())
+    ends = []
+    for n, pos, first in ((700, 0, 5 * align), (1, align - 1, 0), (align - 3, 3, 2 * align), (align, 0, align)):
+        values = _values(dtype, n, gen)
+        if dtype.is_floating_point and n == 700:
+            values[9] = math.nan
+        ends.append((values, pos, first, 3, 17))
+    compiled = shards._batched_ends(ends, align, 8, 0)
+    for (values, pos, first, digest_base, sketch_base), got in zip(ends, compiled):
+        host, blocks = shards._end_numbers_numpy(values, pos, align, first, sketch_base, 8, 0)
+        first_block = digest_base + first * values.element_size() // (4 * 1024)
+        assert got.edges == {
+            first_block + i: (int(host[i]) & 0xFFFF_FFFF, int(host[blocks + i]) & 0xFFFF_FFFF) for i in range(blocks)
+        }
+        if not dtype.is_floating_point:
+            assert not got.sketch.any() and got.sumsq == 0.0
+            continue
+        finite = values.double()[torch.isfinite(values.double())]
+        scale = float(finite.abs().sum() + finite.square().sum())
+        tail = host[2 * blocks :]
+        numbers = np.concatenate([got.sketch, [got.sumsq, got.max_abs, got.nonfinite]])
+        np.testing.assert_allclose(numbers, tail, rtol=0, atol=align * 2.0**-53 * scale, equal_nan=True)
+    # one piece alone, and the same piece in a batch: the same bits
+    flat = _values(dtype, 3 * align + 77, gen)
+    items = [(flat[: align + 5], 11, 0, 0), (flat[align + 5 :], align + 16, 0, 0), (flat[:40], 2 * align - 20, 4, 9)]
+    batch = shards.fingerprint_pieces(items, k=8, seed=0)
+    for (values, offset, digest_base, sketch_base), piece in zip(items, batch):
+        one = shards.fingerprint_piece(
+            values, offset=offset, digest_base=digest_base, sketch_base=sketch_base, k=8, seed=0
+        )
+        assert one.to_json() == piece.to_json()
