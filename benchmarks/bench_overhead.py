@@ -36,7 +36,8 @@ recorded models live in the same process group and steps alternate between them 
 alternating order, a barrier before each); the figure is the median over every rank's pairs
 of ``recorded / bare`` step time (wall, and the process's CPU time), then the median over
 ``--runs``. ``--deferred`` records with ``deferred_checks=True``, ``--weights-every N`` votes
-every N steps, ``--profile`` prints rank 0's cProfile of the recorded steps (by own time).
+every N steps, ``--profile`` prints rank 0's cProfile of the recorded steps (by own time;
+``--profile bare:cumulative`` the bare steps', by cumulative time).
 ``--parallel tp`` (issue 36) is the same job with tensor parallelism: TP 2 (with sequence parallel)
 x FSDP2 over the rest, on a ``(dp, tp)`` mesh of ``--world-size`` processes (default 4: DP 2 x TP 2),
 the model of ``nanogpt_tp_job.py`` (q/k/v apart, head untied: what TP needs); the ranks of one DP
@@ -264,7 +265,7 @@ def _gpt_rank(
     warmup: int,
     steps: int,
     rows: int,
-    profile: bool,
+    profile: str | None,
     deferred: bool = False,
     weights_every: int = 1,
 ):
@@ -313,13 +314,16 @@ def _gpt_rank(
     times: dict[str, list[float]] = {"recorded": [], "bare": []}
     cpu: dict[str, list[float]] = {"recorded": [], "bare": []}
     profiler = cProfile.Profile() if profile and rank == 0 else None
+    # "recorded" or "bare", then how the table is sorted ("tottime", "cumulative")
+    profile_kind, _, profile_sort = (profile or "recorded").partition(":")
+    profile_sort = profile_sort or "tottime"
     try:
         for step in range(warmup + steps):
             ids = [(step * readers + reader) * gpt.MICROBATCHES + m for m in range(gpt.MICROBATCHES)]
             batches = [job.fetch_microbatch(i) for i in ids]
             for kind in ("recorded", "bare") if step % 2 == 0 else ("bare", "recorded"):
                 dist.barrier()
-                timed = profiler is not None and kind == "recorded" and step >= warmup
+                timed = profiler is not None and kind == profile_kind and step >= warmup
                 start, cpu_start = time.perf_counter(), time.process_time()
                 if timed:
                     profiler.enable()
@@ -340,7 +344,7 @@ def _gpt_rank(
         found["parts_ms"] = _gpt_parts_ms(models["bare"].module, job, batches)
     if profiler is not None:
         text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+        pstats.Stats(profiler, stream=text).sort_stats(profile_sort).print_stats(40)
         found["profile"] = text.getvalue()
     return found
 
@@ -666,7 +670,14 @@ def main(argv: list[str] | None = None) -> None:
         help="gpt: how it is spread (tp: TP 2 x FSDP2 DP W/2, default W 4; pp: demo/pp.py's PP 2 x FSDP2 DP 2 job, "
         "its own model, W 4)",
     )
-    parser.add_argument("--profile", action="store_true", help="gpt: print rank 0's cProfile of the recorded steps")
+    parser.add_argument(
+        "--profile",
+        nargs="?",
+        const="recorded",
+        default=None,
+        metavar="KIND[:SORT]",
+        help="gpt: print rank 0's cProfile of the recorded (or bare) steps, by own time (or e.g. 'bare:cumulative')",
+    )
     parser.add_argument(
         "--deferred", action="store_true", help="gpt: RecorderOptions(deferred_checks=True) (gathers in the background)"
     )
