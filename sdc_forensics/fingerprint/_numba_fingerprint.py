@@ -421,6 +421,58 @@ def _many(kind, addresses, sizes, block_offsets, digest_offsets, with_digest, a,
 
 # ---------------------------------------------------------------- a sharded piece's cut ends
 @nb.njit(**_jit)
+def _end_terms(words, floats, start, stop, signs, a, b, alpha, acc, s_row, t_row, sketch_row):
+    """One cut end's numbers from its zero-padded chunk (``words`` int32, ``floats`` float64,
+    empty for a tensor that is not floating point): its digest block sums into ``s_row``,
+    ``t_row`` (int64, as uint32 values), its sketch terms added into ``sketch_row`` (rows of
+    ``signs`` from the chunk's first sketch block); returns ``(sumsq, max |x|, NaN/Inf count)``.
+    Each sum runs in order over the end's own elements ``[start, stop)`` (the padding adds exact
+    zeros, so it is skipped)."""
+    for j in range(words.size // BLOCK_WORDS):
+        row = words[j * BLOCK_WORDS : (j + 1) * BLOCK_WORDS]
+        s = np.int32(0)
+        t = np.int32(0)
+        for i in range(BLOCK_WORDS):
+            w = row[i]
+            s = np.int32(s + np.int32(w * a[i]))
+            t = np.int32(t + np.int32((w >> np.int32(16)) * b[i]))
+        s_row[j] = np.int64(np.uint32(s))
+        t_row[j] = np.int64(np.uint32(t))
+    if floats.size == 0:
+        return 0.0, 0.0, 0
+    k = alpha.shape[1]
+    for r in range(floats.size // BLOCK_ELEMS):
+        lo = max(start, r * BLOCK_ELEMS)
+        hi = min(stop, (r + 1) * BLOCK_ELEMS)
+        if lo >= hi:
+            continue
+        acc[:] = 0.0
+        for i in range(lo, hi):
+            x = floats[i]
+            lane = i - r * BLOCK_ELEMS
+            for m in range(k):
+                acc[m] += x * alpha[lane, m]
+        for m in range(k):
+            sketch_row[m] += acc[m] * np.float64(signs[r, m])
+    total = 0.0
+    largest = 0.0
+    nan = False
+    bad = 0
+    for i in range(start, stop):
+        x = floats[i]
+        total += x * x
+        if x != x:
+            nan = True
+            bad += 1
+        elif abs(x) == np.inf:
+            bad += 1
+            largest = np.inf
+        elif abs(x) > largest:
+            largest = abs(x)
+    return total, np.nan if nan else largest, bad
+
+
+@nb.njit(**_jit)
 def ends(words, floats, positions, lengths, first_rows, a, b, beta, alpha):
     """The numbers of ``E`` cut ends (``shards._batched_ends``), each a zero-padded chunk.
 
@@ -434,8 +486,7 @@ def ends(words, floats, positions, lengths, first_rows, a, b, beta, alpha):
     Returns:
         ``(s, t)`` the digest block sums mod 2**32 ``(E, blocks)`` (int64, as uint32 values),
         the sketch ``(E, k)``, and per end its sum of squares, max |x| (NaN wins) and NaN/Inf
-        count. Each end's sketch is ``sum_r beta[row r, m] * (sum_i x[r, i] alpha[i, m])``, each
-        sum in order over the end's own elements (the padding adds exact zeros, so is skipped).
+        count (:func:`_end_terms`).
     """
     count, width = words.shape
     blocks = width // BLOCK_WORDS
@@ -448,51 +499,11 @@ def ends(words, floats, positions, lengths, first_rows, a, b, beta, alpha):
     nonfinite = np.zeros(count, dtype=np.int64)
     acc = np.zeros(k)
     for e in range(count):
-        for j in range(blocks):
-            row = words[e, j * BLOCK_WORDS : (j + 1) * BLOCK_WORDS]
-            s = np.int32(0)
-            t = np.int32(0)
-            for i in range(BLOCK_WORDS):
-                w = row[i]
-                s = np.int32(s + np.int32(w * a[i]))
-                t = np.int32(t + np.int32((w >> np.int32(16)) * b[i]))
-            s_out[e, j] = np.int64(np.uint32(s))
-            t_out[e, j] = np.int64(np.uint32(t))
-        if floats.shape[1] == 0:
-            continue
-        start, stop = positions[e], positions[e] + lengths[e]
-        for r in range(floats.shape[1] // BLOCK_ELEMS):
-            lo = max(start, r * BLOCK_ELEMS)
-            hi = min(stop, (r + 1) * BLOCK_ELEMS)
-            if lo >= hi:
-                continue
-            acc[:] = 0.0
-            for i in range(lo, hi):
-                x = floats[e, i]
-                lane = i - r * BLOCK_ELEMS
-                for m in range(k):
-                    acc[m] += x * alpha[lane, m]
-            signs = beta[first_rows[e] + r]
-            for m in range(k):
-                sketch[e, m] += acc[m] * np.float64(signs[m])
-        total = 0.0
-        largest = 0.0
-        nan = False
-        bad = 0
-        for i in range(start, stop):
-            x = floats[e, i]
-            total += x * x
-            if x != x:
-                nan = True
-                bad += 1
-            elif abs(x) == np.inf:
-                bad += 1
-                largest = np.inf
-            elif abs(x) > largest:
-                largest = abs(x)
-        sumsq[e] = total
-        max_abs[e] = np.nan if nan else largest
-        nonfinite[e] = bad
+        start = positions[e]
+        sumsq[e], max_abs[e], nonfinite[e] = _end_terms(
+            words[e], floats[e], start, start + lengths[e], beta[first_rows[e] :], a, b, alpha, acc,
+            s_out[e], t_out[e], sketch[e],
+        )  # fmt: skip
     return s_out, t_out, sketch, sumsq, max_abs, nonfinite
 
 
@@ -526,3 +537,145 @@ def digest_many(addresses, nbytes, a, b, c, c2):
         out[t, 0] = lanes[0]
         out[t, 1] = lanes[1]
     return out
+
+
+# ---------------------------------------------------------------- a rank's runs of one flat vector, whole
+@nb.njit(**_jit)
+def runs(kind, addresses, sizes, offsets, align, a, b, c, c2, beta, alpha):
+    """``shards.fingerprint_runs`` of float32 (``kind`` 0) or bfloat16 (1) runs in one call: each
+    run (``sizes[t]`` elements at ``addresses[t]``, element ``offsets[t]`` of the flat vector) cut
+    as ``shards.fingerprint_piece`` cuts it (a head and a tail end, a body of whole chunks of
+    ``align`` elements); the bodies through the one-pass loops, the ends through
+    :func:`_end_terms`, each run's parts added in order (head, body, tail), the runs in order.
+
+    Returns ``(low, high, sketch, sumsq, max_abs, finite)``: the lane totals with every cut
+    block's summed words entered (``c_j`` times the block's sum over all ends, mod 2**32), the
+    summed sketch and sum of squares, max |x|; ``finite`` False where a NaN/Inf was met (the
+    caller then takes the general path, which counts them).
+    """
+    itemsize = 4 if kind == 0 else 2
+    k = alpha.shape[1]
+    count = addresses.size
+    per_end = align * itemsize // (4 * BLOCK_WORDS)
+    end_blocks = np.zeros(2 * count * per_end, dtype=np.int64)
+    end_s = np.zeros(2 * count * per_end, dtype=np.int64)
+    end_t = np.zeros(2 * count * per_end, dtype=np.int64)
+    used = 0
+    chunk = np.zeros(align * itemsize, dtype=np.uint8)
+    words = chunk.view(np.int32)
+    bits16 = chunk.view(np.uint16)
+    wide = np.zeros(align, dtype=np.uint32)
+    floats = np.zeros(align)
+    acc = np.zeros(k)
+    s_row = np.zeros(per_end, dtype=np.int64)
+    t_row = np.zeros(per_end, dtype=np.int64)
+    part_sketch = np.zeros(k)
+    y = np.zeros((k, BLOCK_ELEMS), dtype=np.float32)
+    y64 = np.zeros((k, BLOCK_ELEMS))
+    q = np.zeros(BLOCK_ELEMS, dtype=np.float32)
+    q64 = np.zeros(BLOCK_ELEMS)
+    mx = np.zeros(BLOCK_ELEMS, dtype=np.float32)
+    lanes = np.zeros(2, dtype=np.uint64)
+    tile = np.empty((TILE_ROWS, BLOCK_ELEMS), dtype=np.float32)
+    pairs = np.empty((TILE_ROWS, BLOCK_ELEMS), dtype=np.float32)
+    low = np.uint64(0)
+    high = np.uint64(0)
+    sketch = np.zeros(k)
+    sumsq = 0.0
+    largest = 0.0
+    finite = True
+    piece = np.zeros(k)
+    for t in range(count):
+        n = sizes[t]
+        off = offsets[t]
+        if n == 0:
+            continue
+        head = min(n, (align - off % align) % align)
+        body = (n - head) // align * align
+        tail = n - head - body
+        piece[:] = 0.0
+        piece_sumsq = 0.0
+        raw = nb.carray(_u8_at(addresses[t]), (n * itemsize,))
+        for part in range(3):
+            if part == 1:
+                if body == 0:
+                    continue
+                first = off + head
+                blocks = body * itemsize // (4 * BLOCK_WORDS)
+                row0 = first // BLOCK_ELEMS
+                block0 = first * itemsize // (4 * BLOCK_WORDS)
+                if kind == 0:
+                    values32 = nb.carray(_f32_at(addresses[t] + head * itemsize), (body,))
+                    done, part_sumsq = _one_direct(
+                        values32, body, blocks, a, b, c[block0:], c2[block0:], beta[row0:], alpha,
+                        y, y64, q, q64, mx, lanes, pairs,
+                    )  # fmt: skip
+                    part_sketch[:] = done
+                else:
+                    values16 = nb.carray(_u16_at(addresses[t] + head * itemsize), (body,))
+                    done, part_sumsq = _one_widened(
+                        values16, False, body, blocks, a, b, c[block0:], c2[block0:], beta[row0:], alpha,
+                        tile, y, y64, q, q64, mx, lanes, pairs,
+                    )  # fmt: skip
+                    part_sketch[:] = done
+                low += lanes[0]
+                high += lanes[1]
+                top = np.float64(mx.max())
+                # as core: the norm, then its square (the body's piece keeps fp.norm ** 2)
+                norm = np.sqrt(part_sumsq)
+                part_sumsq = norm * norm
+                if not (np.isfinite(part_sumsq) and np.isfinite(top)):
+                    finite = False
+                largest = max(largest, top)
+            else:
+                length = head if part == 0 else tail
+                if length == 0:
+                    continue
+                pos = off % align if part == 0 else 0
+                first = off - pos if part == 0 else off + head + body
+                src = 0 if part == 0 else (head + body) * itemsize
+                chunk[pos * itemsize : (pos + length) * itemsize] = raw[src : src + length * itemsize]
+                if kind == 0:
+                    fl = chunk.view(np.float32)
+                    for i in range(pos, pos + length):
+                        floats[i] = np.float64(fl[i])
+                else:
+                    for i in range(pos, pos + length):
+                        wide[i] = np.uint32(bits16[i]) << np.uint32(16)
+                    fw = wide.view(np.float32)
+                    for i in range(pos, pos + length):
+                        floats[i] = np.float64(fw[i])
+                part_sketch[:] = 0.0
+                part_sumsq, top, bad = _end_terms(
+                    words, floats, pos, pos + length, beta[first // BLOCK_ELEMS :], a, b, alpha, acc,
+                    s_row, t_row, part_sketch,
+                )  # fmt: skip
+                if bad:
+                    finite = False
+                largest = max(largest, top)
+                block0 = first * itemsize // (4 * BLOCK_WORDS)
+                for j in range(per_end):
+                    end_blocks[used] = block0 + j
+                    end_s[used] = s_row[j]
+                    end_t[used] = t_row[j]
+                    used += 1
+                chunk[pos * itemsize : (pos + length) * itemsize] = 0
+                floats[pos : pos + length] = 0.0
+            piece += part_sketch
+            piece_sumsq += part_sumsq
+        sketch += piece
+        sumsq += piece_sumsq
+    # every cut block: its words summed over the ends that hold them (mod 2**32), then weighted
+    order = np.argsort(end_blocks[:used], kind="mergesort")
+    i = 0
+    while i < used:
+        block = end_blocks[order[i]]
+        s = np.uint64(0)
+        t_sum = np.uint64(0)
+        while i < used and end_blocks[order[i]] == block:
+            s = (s + np.uint64(end_s[order[i]])) & np.uint64(0xFFFFFFFF)
+            t_sum = (t_sum + np.uint64(end_t[order[i]])) & np.uint64(0xFFFFFFFF)
+            i += 1
+        low += s * np.uint64(c[block])
+        high += t_sum * np.uint64(c2[block])
+    return low, high, sketch, sumsq, largest, finite

@@ -362,6 +362,29 @@ def many_at(
     )  # fmt: skip
 
 
+def runs_whole(
+    addresses: np.ndarray, sizes: np.ndarray, offsets: np.ndarray, dtype_name: str, *, align: int, k: int, seed: int
+):
+    """``shards.fingerprint_runs`` of float32 or bfloat16 runs in one compiled call (see
+    ``_numba_fingerprint.runs``): ``(low, high, sketch, sumsq, max_abs, finite)``.
+
+    Raises:
+        RuntimeError: the kernel is not available (check :func:`available` first).
+    """
+    module, reason = _loops()
+    if module is None:
+        raise RuntimeError(reason)
+    itemsize = 4 if dtype_name == "float32" else 2
+    stop = int((offsets + sizes).max()) + 2 * align
+    a, b = _word_weights(seed)
+    blocks = -(-stop * itemsize // _BLOCK_BYTES) + 1
+    c, c2 = _block_weights(blocks, seed, False), _block_weights(blocks, seed, True)
+    beta = _beta(-(-stop // C.BLOCK_ELEMS) + TILE_ROWS, k, seed, np.float32)
+    return module.runs(
+        0 if dtype_name == "float32" else 1, addresses, sizes, offsets, align, a, b, c, c2, beta, _alpha(k, seed)
+    )
+
+
 def warm_up(dtype_names=("float32", "bfloat16", "float64")) -> bool:
     """Compile (or load from numba's cache) the loops for these dtypes on numpy zeros: no torch
     operator runs, so a fork server may call this before it forks (``demo/_preload.py``).
@@ -388,6 +411,17 @@ def warm_up(dtype_names=("float32", "bfloat16", "float64")) -> bool:
             digest_block_offsets=[0],
         )
     digest_lanes(np.zeros(8, dtype=np.uint8))
+    for name in ("float32", "bfloat16"):
+        run = np.zeros(3 * C.BLOCK_ELEMS, dtype=np.float32 if name == "float32" else np.uint16)
+        runs_whole(
+            np.array([run.ctypes.data], dtype=np.int64),
+            np.array([run.size - 10], dtype=np.int64),
+            np.array([5], dtype=np.int64),
+            name,
+            align=C.BLOCK_ELEMS if name == "float32" else 2 * C.BLOCK_ELEMS,
+            k=C.DEFAULT_SKETCH_K,
+            seed=C.DEFAULT_SEED,
+        )
     words = np.zeros(C.BLOCK_WORDS + 1, dtype=np.int32)
     digest_lanes_many(np.array([words.ctypes.data], dtype=np.int64), np.array([words.nbytes], dtype=np.int64))
     end_numbers(

@@ -531,9 +531,63 @@ def fingerprint_runs(
     runs of all ranks of a replica together give ``core.fingerprint`` of the whole vector's
     digest and sketch (:func:`combine_pieces`).
     """
+    runs = list(runs)
+    whole = _compiled_runs(runs, k, seed)
+    if whole is not None:
+        return whole
     # the same pieces as fingerprint_piece of each run, in a few calls for all of them
     parts = fingerprint_pieces(((values, offset, 0, 0) for values, offset in runs), k=k, seed=seed)
     return combine_pieces(parts or [_empty(k, seed)])
+
+
+def _compiled_runs(runs: list[tuple[torch.Tensor, int]], k: int, seed: int) -> Fingerprint | None:
+    """:func:`fingerprint_runs` in one call of the compiled loop (``cpu_kernel.runs_whole``): runs
+    of one dtype, float32 or bfloat16, contiguous on the CPU, no NaN/Inf; else None (the pieces'
+    path). The digest is the pieces' (integer sums, exact in any order); the sketch and sums of
+    squares add the same parts in the same order, the ends' summed in order over their elements
+    (as ``_compiled_ends``)."""
+    if not runs or not cpu_kernel.available()[0]:
+        return None
+    flats = [values.detach().reshape(-1) for values, _ in runs]
+    dtype = flats[0].dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None
+    for flat in flats:
+        if (
+            flat.dtype != dtype
+            or flat.device.type != "cpu"
+            or not flat.is_contiguous()
+            or type(flat) is not torch.Tensor
+        ):
+            return None
+    if dtype == torch.float32 and any(flat.data_ptr() % 4 for flat in flats if flat.numel()):
+        return None
+    sizes = np.fromiter((flat.numel() for flat in flats), dtype=np.int64, count=len(flats))
+    offsets = np.fromiter((int(offset) for _, offset in runs), dtype=np.int64, count=len(runs))
+    if (offsets < 0).any():
+        return None
+    addresses = np.fromiter((flat.data_ptr() for flat in flats), dtype=np.int64, count=len(flats))
+    name = str(dtype).removeprefix("torch.")
+    try:
+        low, high, sketch, sumsq, max_abs, finite = cpu_kernel.runs_whole(
+            addresses, sizes, offsets, name, align=align_elems(flats[0].element_size()), k=k, seed=seed
+        )
+    except Exception as exc:  # noqa: BLE001 - a broken compiled path must not lose the answer
+        core._compiled_failed(exc)
+        return None
+    if not finite:
+        return None
+    low, high = int(low) & _MASK64, int(high) & _MASK64
+    numel = int(sizes.sum())
+    return Fingerprint(
+        digest=core._finish_digest(low, high, numel * flats[0].element_size(), seed),
+        sketch=np.asarray(sketch, dtype=np.float64),
+        norm=float(np.sqrt(sumsq)),
+        max_abs=float(max_abs) if numel else 0.0,
+        nonfinite=0,
+        numel=numel,
+        lanes=(low, high),
+    )
 
 
 def shard_runs(tensors: Iterable[torch.Tensor], shard: int, num_shards: int) -> list[tuple[torch.Tensor, int]]:

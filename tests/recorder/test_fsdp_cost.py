@@ -43,3 +43,36 @@ def test_fingerprint_pieces_equal_fingerprint_piece(trial):
     want = [shards.fingerprint_piece(v, offset=o, digest_base=d, sketch_base=s, k=k, seed=7) for v, o, d, s in items]
     assert len(got) == len(want)
     assert all(_same(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fingerprint_runs_in_one_call_equal_the_pieces_combined(dtype):
+    """``fingerprint_runs`` of a rank's runs (its shard of each parameter of a flat vector) in one
+    compiled call: the fingerprint of its pieces combined, bit for bit (digest, lanes, sketch, norm,
+    max), however the runs cut the chunks; a NaN takes the pieces' path, which counts it."""
+    if not shards.cpu_kernel.available()[0]:
+        pytest.skip("compiled CPU kernel unavailable")
+    rng = np.random.default_rng(11)
+    for trial in range(25):
+        runs, offset = [], int(rng.integers(0, 5000))
+        for n in rng.integers(1, 20000, int(rng.integers(1, 25))).tolist():
+            values = (torch.randn(n) * 10.0 ** int(rng.integers(-3, 3))).to(dtype)
+            lo = int(rng.integers(0, n))
+            hi = int(rng.integers(lo, n + 1))
+            runs.append((values[lo:hi], offset + lo))
+            offset += n
+        if trial == 24:
+            runs[0][0][0] = float("nan")
+        fast = shards.fingerprint_runs(runs, k=8, seed=3)
+        pieces = shards.fingerprint_pieces(((v, o, 0, 0) for v, o in runs), k=8, seed=3)
+        slow = shards.combine_pieces(pieces or [shards._empty(8, 3)])
+        assert (trial == 24) == (shards._compiled_runs(runs, 8, 3) is None)
+        assert (fast.digest, fast.lanes, fast.numel, fast.nonfinite) == (
+            slow.digest,
+            slow.lanes,
+            slow.numel,
+            slow.nonfinite,
+        )
+        assert fast.sketch.tobytes() == slow.sketch.tobytes(), trial
+        assert np.float64(fast.norm).tobytes() == np.float64(slow.norm).tobytes(), trial
+        assert np.float64(fast.max_abs).tobytes() == np.float64(slow.max_abs).tobytes(), trial
