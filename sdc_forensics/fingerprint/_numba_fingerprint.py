@@ -541,17 +541,18 @@ def digest_many(addresses, nbytes, a, b, c, c2):
 
 # ---------------------------------------------------------------- a rank's runs of one flat vector, whole
 @nb.njit(**_jit)
-def runs(kind, addresses, sizes, offsets, align, a, b, c, c2, beta, alpha):
+def runs(kind, addresses, sizes, offsets, align, a, b, c, c2, beta, alpha, sketch, sums):
     """``shards.fingerprint_runs`` of float32 (``kind`` 0) or bfloat16 (1) runs in one call: each
     run (``sizes[t]`` elements at ``addresses[t]``, element ``offsets[t]`` of the flat vector) cut
     as ``shards.fingerprint_piece`` cuts it (a head and a tail end, a body of whole chunks of
     ``align`` elements); the bodies through the one-pass loops, the ends through
     :func:`_end_terms`, each run's parts added in order (head, body, tail), the runs in order.
 
-    Returns ``(low, high, sketch, sumsq, max_abs, finite)``: the lane totals with every cut
-    block's summed words entered (``c_j`` times the block's sum over all ends, mod 2**32), the
-    summed sketch and sum of squares, max |x|; ``finite`` False where a NaN/Inf was met (the
-    caller then takes the general path, which counts them).
+    ``sketch`` ``(k,)`` and ``sums`` ``[sum of squares, max |x|]`` are added into (a running
+    total: several calls add as one). Returns ``(low, high, blocks, s, t, finite)``: the bodies'
+    lane totals, each cut end's digest blocks with their word sums (mod 2**32, not yet weighted:
+    ends of other calls may share a block; :func:`weigh_ends`), and ``finite`` False where a
+    NaN/Inf was met (the caller then takes the general path, which counts them).
     """
     itemsize = 4 if kind == 0 else 2
     k = alpha.shape[1]
@@ -580,9 +581,8 @@ def runs(kind, addresses, sizes, offsets, align, a, b, c, c2, beta, alpha):
     pairs = np.empty((TILE_ROWS, BLOCK_ELEMS), dtype=np.float32)
     low = np.uint64(0)
     high = np.uint64(0)
-    sketch = np.zeros(k)
-    sumsq = 0.0
-    largest = 0.0
+    sumsq = sums[0]
+    largest = sums[1]
     finite = True
     piece = np.zeros(k)
     for t in range(count):
@@ -665,17 +665,28 @@ def runs(kind, addresses, sizes, offsets, align, a, b, c, c2, beta, alpha):
             piece_sumsq += part_sumsq
         sketch += piece
         sumsq += piece_sumsq
-    # every cut block: its words summed over the ends that hold them (mod 2**32), then weighted
-    order = np.argsort(end_blocks[:used], kind="mergesort")
+    sums[0] = sumsq
+    sums[1] = largest
+    return low, high, end_blocks[:used], end_s[:used], end_t[:used], finite
+
+
+@nb.njit(**_jit)
+def weigh_ends(blocks, s_sums, t_sums, c, c2):
+    """Cut blocks into lane totals ``(low, high)``: each block's words summed over the ends that
+    hold it (mod 2**32), times ``c_j`` (``c'_j``), mod 2**64."""
+    low = np.uint64(0)
+    high = np.uint64(0)
+    used = blocks.size
+    order = np.argsort(blocks, kind="mergesort")
     i = 0
     while i < used:
-        block = end_blocks[order[i]]
+        block = blocks[order[i]]
         s = np.uint64(0)
-        t_sum = np.uint64(0)
-        while i < used and end_blocks[order[i]] == block:
-            s = (s + np.uint64(end_s[order[i]])) & np.uint64(0xFFFFFFFF)
-            t_sum = (t_sum + np.uint64(end_t[order[i]])) & np.uint64(0xFFFFFFFF)
+        t = np.uint64(0)
+        while i < used and blocks[order[i]] == block:
+            s = (s + np.uint64(s_sums[order[i]])) & np.uint64(0xFFFFFFFF)
+            t = (t + np.uint64(t_sums[order[i]])) & np.uint64(0xFFFFFFFF)
             i += 1
         low += s * np.uint64(c[block])
-        high += t_sum * np.uint64(c2[block])
-    return low, high, sketch, sumsq, largest, finite
+        high += t * np.uint64(c2[block])
+    return low, high

@@ -362,27 +362,63 @@ def many_at(
     )  # fmt: skip
 
 
-def runs_whole(
-    addresses: np.ndarray, sizes: np.ndarray, offsets: np.ndarray, dtype_name: str, *, align: int, k: int, seed: int
-):
-    """``shards.fingerprint_runs`` of float32 or bfloat16 runs in one compiled call (see
-    ``_numba_fingerprint.runs``): ``(low, high, sketch, sumsq, max_abs, finite)``.
+class RunsTotal:
+    """``shards.fingerprint_runs`` added over several compiled calls (a rank's whole local gradient
+    arrives one reduce-scatter at a time): the bodies' lane totals, every cut end's block sums,
+    the sketch and sums added in call order."""
 
-    Raises:
-        RuntimeError: the kernel is not available (check :func:`available` first).
-    """
-    module, reason = _loops()
-    if module is None:
-        raise RuntimeError(reason)
-    itemsize = 4 if dtype_name == "float32" else 2
-    stop = int((offsets + sizes).max()) + 2 * align
-    a, b = _word_weights(seed)
-    blocks = -(-stop * itemsize // _BLOCK_BYTES) + 1
-    c, c2 = _block_weights(blocks, seed, False), _block_weights(blocks, seed, True)
-    beta = _beta(-(-stop // C.BLOCK_ELEMS) + TILE_ROWS, k, seed, np.float32)
-    return module.runs(
-        0 if dtype_name == "float32" else 1, addresses, sizes, offsets, align, a, b, c, c2, beta, _alpha(k, seed)
-    )
+    def __init__(self, k: int, seed: int) -> None:
+        self.k, self.seed = k, seed
+        self.sketch = np.zeros(k)
+        # [sum of squares, max |x|]
+        self.sums = np.zeros(2)
+        self.low = self.high = 0
+        self.ends: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.numel = self.num_bytes = 0
+
+    def add(
+        self, addresses: np.ndarray, sizes: np.ndarray, offsets: np.ndarray, dtype_name: str, *, align: int
+    ) -> bool:
+        """Add float32 or bfloat16 runs; False (nothing added) where one holds a NaN/Inf.
+
+        Raises:
+            RuntimeError: the kernel is not available (check :func:`available` first).
+        """
+        module, reason = _loops()
+        if module is None:
+            raise RuntimeError(reason)
+        itemsize = 4 if dtype_name == "float32" else 2
+        stop = int((offsets + sizes).max()) + 2 * align
+        a, b = _word_weights(self.seed)
+        c, c2 = self._weights(stop * itemsize)
+        beta = _beta(-(-stop // C.BLOCK_ELEMS) + TILE_ROWS, self.k, self.seed, np.float32)
+        sketch, sums = self.sketch.copy(), self.sums.copy()
+        low, high, blocks, s, t, finite = module.runs(
+            0 if dtype_name == "float32" else 1, addresses, sizes, offsets, align, a, b, c, c2, beta,
+            _alpha(self.k, self.seed), sketch, sums,
+        )  # fmt: skip
+        if not finite:
+            return False
+        self.sketch, self.sums = sketch, sums
+        self.low, self.high = (self.low + int(low)) % (1 << 64), (self.high + int(high)) % (1 << 64)
+        self.ends.append((blocks.copy(), s.copy(), t.copy()))
+        self.numel += int(sizes.sum())
+        self.num_bytes += int(sizes.sum()) * itemsize
+        return True
+
+    def _weights(self, num_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+        blocks = -(-num_bytes // _BLOCK_BYTES) + 1
+        return _block_weights(blocks, self.seed, False), _block_weights(blocks, self.seed, True)
+
+    def lanes(self) -> tuple[int, int]:
+        """The lane totals with every cut block entered once."""
+        module, _ = _loops()
+        if not self.ends:
+            return self.low, self.high
+        blocks, s, t = (np.concatenate(parts) for parts in zip(*self.ends))
+        c, c2 = self._weights((int(blocks.max()) + 1) * _BLOCK_BYTES)
+        low, high = module.weigh_ends(blocks, s, t, c, c2)
+        return (self.low + int(low)) % (1 << 64), (self.high + int(high)) % (1 << 64)
 
 
 def warm_up(dtype_names=("float32", "bfloat16", "float64")) -> bool:
@@ -413,15 +449,15 @@ def warm_up(dtype_names=("float32", "bfloat16", "float64")) -> bool:
     digest_lanes(np.zeros(8, dtype=np.uint8))
     for name in ("float32", "bfloat16"):
         run = np.zeros(3 * C.BLOCK_ELEMS, dtype=np.float32 if name == "float32" else np.uint16)
-        runs_whole(
+        total = RunsTotal(C.DEFAULT_SKETCH_K, C.DEFAULT_SEED)
+        total.add(
             np.array([run.ctypes.data], dtype=np.int64),
             np.array([run.size - 10], dtype=np.int64),
             np.array([5], dtype=np.int64),
             name,
             align=C.BLOCK_ELEMS if name == "float32" else 2 * C.BLOCK_ELEMS,
-            k=C.DEFAULT_SKETCH_K,
-            seed=C.DEFAULT_SEED,
         )
+        total.lanes()
     words = np.zeros(C.BLOCK_WORDS + 1, dtype=np.int32)
     digest_lanes_many(np.array([words.ctypes.data], dtype=np.int64), np.array([words.nbytes], dtype=np.int64))
     end_numbers(

@@ -540,12 +540,9 @@ def fingerprint_runs(
     return combine_pieces(parts or [_empty(k, seed)])
 
 
-def _compiled_runs(runs: list[tuple[torch.Tensor, int]], k: int, seed: int) -> Fingerprint | None:
-    """:func:`fingerprint_runs` in one call of the compiled loop (``cpu_kernel.runs_whole``): runs
-    of one dtype, float32 or bfloat16, contiguous on the CPU, no NaN/Inf; else None (the pieces'
-    path). The digest is the pieces' (integer sums, exact in any order); the sketch and sums of
-    squares add the same parts in the same order, the ends' summed in order over their elements
-    (as ``_compiled_ends``)."""
+def _runs_arrays(runs: list[tuple[torch.Tensor, int]]):
+    """``(addresses, sizes, offsets, dtype name, align)`` of runs the compiled loop takes (one dtype,
+    float32 or bfloat16, contiguous plain CPU tensors, offsets >= 0), kept alive by the caller; else None."""
     if not runs or not cpu_kernel.available()[0]:
         return None
     flats = [values.detach().reshape(-1) for values, _ in runs]
@@ -562,30 +559,92 @@ def _compiled_runs(runs: list[tuple[torch.Tensor, int]], k: int, seed: int) -> F
             return None
     if dtype == torch.float32 and any(flat.data_ptr() % 4 for flat in flats if flat.numel()):
         return None
-    sizes = np.fromiter((flat.numel() for flat in flats), dtype=np.int64, count=len(flats))
     offsets = np.fromiter((int(offset) for _, offset in runs), dtype=np.int64, count=len(runs))
     if (offsets < 0).any():
         return None
+    sizes = np.fromiter((flat.numel() for flat in flats), dtype=np.int64, count=len(flats))
     addresses = np.fromiter((flat.data_ptr() for flat in flats), dtype=np.int64, count=len(flats))
-    name = str(dtype).removeprefix("torch.")
-    try:
-        low, high, sketch, sumsq, max_abs, finite = cpu_kernel.runs_whole(
-            addresses, sizes, offsets, name, align=align_elems(flats[0].element_size()), k=k, seed=seed
+    return addresses, sizes, offsets, str(dtype).removeprefix("torch."), align_elems(flats[0].element_size())
+
+
+class RunsFingerprint:
+    """:func:`fingerprint_runs` of runs that arrive over several calls (a rank's whole local
+    gradient, one reduce-scatter at a time), as pieces to combine: runs the compiled loop takes
+    are added into one running total (``cpu_kernel.RunsTotal``: the same numbers as their pieces
+    merged in order), the others (a NaN/Inf, another dtype, a view) become pieces as before."""
+
+    def __init__(self, k: int = C.DEFAULT_SKETCH_K, seed: int = C.DEFAULT_SEED) -> None:
+        self.k, self.seed = k, seed
+        self._total: cpu_kernel.RunsTotal | None = None
+        self._pieces: list[Piece] = []
+
+    def add(self, runs: Iterable[tuple[torch.Tensor, int]]) -> None:
+        runs = list(runs)
+        arrays = _runs_arrays(runs)
+        if arrays is not None:
+            total = self._total or cpu_kernel.RunsTotal(self.k, self.seed)
+            addresses, sizes, offsets, name, align = arrays
+            try:
+                added = total.add(addresses, sizes, offsets, name, align=align)
+            except Exception as exc:  # noqa: BLE001 - a broken compiled path must not lose the answer
+                core._compiled_failed(exc)
+                added = False
+            if added:
+                self._total = total
+                return
+        self._pieces += fingerprint_pieces(
+            ((values, offset, 0, 0) for values, offset in runs), k=self.k, seed=self.seed
         )
+
+    def pieces(self) -> list[Piece]:
+        """Everything added, as pieces (the compiled total first, as one piece)."""
+        return ([_total_piece(self._total)] if self._total is not None else []) + self._pieces
+
+
+def _total_piece(total: cpu_kernel.RunsTotal) -> Piece:
+    edges: dict[int, tuple[int, int]] = {}
+    for blocks, s_sums, t_sums in total.ends:
+        for j, s, t in zip(blocks.tolist(), s_sums.tolist(), t_sums.tolist()):
+            s0, t0 = edges.get(j, (0, 0))
+            edges[j] = ((s0 + s) & _MASK32, (t0 + t) & _MASK32)
+    return Piece(
+        lanes=(total.low, total.high),
+        edges=edges,
+        num_bytes=total.num_bytes,
+        numel=total.numel,
+        sketch=total.sketch.copy(),
+        sumsq=float(total.sums[0]),
+        max_abs=float(total.sums[1]) if total.numel else 0.0,
+        nonfinite=0,
+        seed=total.seed,
+    )
+
+
+def _compiled_runs(runs: list[tuple[torch.Tensor, int]], k: int, seed: int) -> Fingerprint | None:
+    """:func:`fingerprint_runs` in one call of the compiled loop (``cpu_kernel.RunsTotal``), or None
+    where it does not take the runs (:func:`_runs_arrays`) or met a NaN/Inf (the pieces' path
+    counts them). The digest is the pieces' (integer sums, exact in any order); the sketch and
+    sums of squares add the same parts in the same order, the ends' summed in order over their
+    elements (as ``_compiled_ends``): the same bits (tested)."""
+    arrays = _runs_arrays(runs)
+    if arrays is None:
+        return None
+    addresses, sizes, offsets, name, align = arrays
+    total = cpu_kernel.RunsTotal(k, seed)
+    try:
+        if not total.add(addresses, sizes, offsets, name, align=align):
+            return None
+        low, high = total.lanes()
     except Exception as exc:  # noqa: BLE001 - a broken compiled path must not lose the answer
         core._compiled_failed(exc)
         return None
-    if not finite:
-        return None
-    low, high = int(low) & _MASK64, int(high) & _MASK64
-    numel = int(sizes.sum())
     return Fingerprint(
-        digest=core._finish_digest(low, high, numel * flats[0].element_size(), seed),
-        sketch=np.asarray(sketch, dtype=np.float64),
-        norm=float(np.sqrt(sumsq)),
-        max_abs=float(max_abs) if numel else 0.0,
+        digest=core._finish_digest(low, high, total.num_bytes, seed),
+        sketch=total.sketch.copy(),
+        norm=float(np.sqrt(total.sums[0])),
+        max_abs=float(total.sums[1]) if total.numel else 0.0,
         nonfinite=0,
-        numel=numel,
+        numel=total.numel,
         lanes=(low, high),
     )
 

@@ -197,7 +197,8 @@ class ReduceScatterTap(fm.FsdpMonitor):
         super().__init__(**kwargs)
         self._offsets = offsets
         self.recording = False
-        self.pieces: list[shards.Piece] = []
+        # the step's whole local gradient, added one reduce-scatter input at a time
+        self.local_runs = shards.RunsFingerprint(self._k, self._seed)
         self.error: BaseException | None = None
         # HSDP recorded with the ordered reduction: the replicas' all-reduce is redone in replica order
         self.ordered_replicas = ordered_replicas
@@ -210,7 +211,7 @@ class ReduceScatterTap(fm.FsdpMonitor):
         self._outputs = {}
         self._groups_seen: set[int] = set()
         self.recording = step is not None
-        self.pieces = []
+        self.local_runs = shards.RunsFingerprint(self._k, self._seed)
         self.error = None
         if step is not None:
             self.step = step
@@ -227,7 +228,7 @@ class ReduceScatterTap(fm.FsdpMonitor):
         self._groups_seen.add(id(param_group))
         if self.recording and self.error is None:
             try:
-                self.pieces += self._input_pieces(input_tensor, group.size(), param_group)
+                self._add_input(input_tensor, group.size(), param_group)
             except Exception as exc:  # noqa: BLE001 - said at the step's end, on every rank, never inside FSDP
                 self.error = exc
         return index
@@ -293,15 +294,14 @@ class ReduceScatterTap(fm.FsdpMonitor):
             position += padded
         return wholes
 
-    def _input_pieces(self, flat: torch.Tensor, size: int, param_group) -> list[shards.Piece]:
-        """One piece per parameter (its whole local gradient), not one per parameter and shard: the cost
-        does not grow with the shards; fingerprint_piece of each, in a few kernel calls for the group."""
-        wholes = [
-            (whole, self._offsets[id(param)], 0, 0)
+    def _add_input(self, flat: torch.Tensor, size: int, param_group) -> None:
+        """One run per parameter (its whole local gradient), not one per parameter and shard: the cost
+        does not grow with the shards; the group's runs in one kernel call (``shards.RunsFingerprint``)."""
+        self.local_runs.add(
+            (whole, self._offsets[id(param)])
             for param, whole in self._input_wholes(flat, size, param_group)
             if whole.numel()
-        ]
-        return shards.fingerprint_pieces(wholes, k=self._k, seed=self._seed)
+        )
 
     @property
     def groups_reduced(self) -> int:
@@ -312,4 +312,4 @@ class ReduceScatterTap(fm.FsdpMonitor):
         """The step's whole local gradient, as a DDP trace's one bucket (``combine`` of one digest)."""
         if self.error is not None:
             raise self.error
-        return shards.one_bucket(self.pieces)
+        return shards.one_bucket(self.local_runs.pieces())

@@ -186,13 +186,15 @@ class TpReduceScatterTap(ReduceScatterTap):
         super().__init__(**kwargs)
         self._tp_runs = tp_runs
 
-    def _input_pieces(self, flat: torch.Tensor, size: int, param_group) -> list[shards.Piece]:
-        pieces = []
+    def _add_input(self, flat: torch.Tensor, size: int, param_group) -> None:
+        runs = []
         for param, whole in self._input_wholes(flat, size, param_group):
-            pieces += shards.box_pieces(
-                whole, self._tp_runs[id(param)], offset=self._offsets[id(param)], k=self._k, seed=self._seed
-            )
-        return pieces
+            values, offset = whole.reshape(-1), self._offsets[id(param)]
+            # shards.box_pieces' pieces, as runs: each box run at its place in the whole parameter
+            runs += [
+                (values[start : start + length], offset + place) for start, length, place in self._tp_runs[id(param)]
+            ]
+        self.local_runs.add(runs)
 
 
 class TpLayout(FsdpLayout):

@@ -76,3 +76,36 @@ def test_fingerprint_runs_in_one_call_equal_the_pieces_combined(dtype):
         assert fast.sketch.tobytes() == slow.sketch.tobytes(), trial
         assert np.float64(fast.norm).tobytes() == np.float64(slow.norm).tobytes(), trial
         assert np.float64(fast.max_abs).tobytes() == np.float64(slow.max_abs).tobytes(), trial
+
+
+def test_runs_added_over_several_calls_are_their_pieces_combined():
+    """A rank's local gradient arrives one reduce-scatter at a time: ``RunsFingerprint`` adds each
+    call's runs into one compiled total; its pieces combine to the same fingerprint, bit for bit,
+    as every run's pieces would; a call holding a NaN becomes pieces of its own and is counted."""
+    if not shards.cpu_kernel.available()[0]:
+        pytest.skip("compiled CPU kernel unavailable")
+    rng = np.random.default_rng(5)
+    calls, offset = [], 0
+    for _ in range(4):
+        runs = []
+        for n in rng.integers(1, 9000, 6).tolist():
+            runs.append((torch.randn(n) * 3, offset))
+            offset += n
+        calls.append(runs)
+    for with_nan in (False, True):
+        if with_nan:
+            calls[2][1][0][7] = float("nan")
+        total = shards.RunsFingerprint(k=8, seed=2)
+        for runs in calls:
+            total.add(runs)
+        got = shards.one_bucket(total.pieces())
+        every = shards.fingerprint_pieces(((v, o, 0, 0) for runs in calls for v, o in runs), k=8, seed=2)
+        want = shards.one_bucket(every)
+        assert (got.digest, got.numel, got.nonfinite) == (want.digest, want.numel, want.nonfinite)
+        # the compiled total, then (a NaN) the pieces of the call that holds it, one per run
+        assert len(total.pieces()) == (1 + len(calls[2]) if with_nan else 1)
+        if not with_nan:
+            assert got.sketch.tobytes() == want.sketch.tobytes()
+            assert np.float64(got.norm).tobytes() == np.float64(want.norm).tobytes()
+        else:
+            assert got.nonfinite == 1 and np.isnan(got.max_abs)
