@@ -34,7 +34,7 @@ def kernel_ns_per_element(module, x: np.ndarray, k: int, digest: bool, repeat: i
     q, q64, mx = np.zeros(C.BLOCK_ELEMS, np.float32), np.zeros(C.BLOCK_ELEMS), np.zeros(C.BLOCK_ELEMS, np.float32)
     lanes, pairs = np.zeros(2, np.uint64), np.zeros((cpu_kernel.TILE_ROWS, C.BLOCK_ELEMS), np.float32)
     blocks = rows if digest else 0
-    args = (x, words, blocks, cpu_kernel.TILE_ROWS, 0, a, b, c, c2, beta, y, y64, q, q64, mx, lanes, pairs)
+    args = (x, words, blocks, cpu_kernel.TILE_ROWS, 0, a, b, c, c2, beta, y, y64, q, q64, mx, lanes, pairs, x.size)
     module.run_direct(*args)  # compile / load
     best = float("inf")
     for _ in range(repeat):

@@ -119,6 +119,65 @@ def _sketch_strip(signs, y, lane, pairs):
 
 
 @nb.njit(**_jit)
+def _pairs_and_stats_rows(x, at, q, mx, lane, pairs, rows):
+    """:func:`_pairs_and_stats` of a tile whose rows from ``rows`` on are zero (the zero padding
+    of a tensor's last tile): only the first ``2 * ceil(rows / 2)`` rows are read. A zero row
+    adds ``+0`` to a sum that is never ``-0``, and never raises a max: the same bits."""
+    npairs = (rows + 1) // 2
+    end = at + STRIP
+    for p in range(npairs):
+        xa, xb = x[2 * p, at:end], x[2 * p + 1, at:end]
+        pa, pb = pairs[2 * p, :STRIP], pairs[2 * p + 1, :STRIP]
+        for i in range(STRIP):
+            pa[i], pb[i] = xa[i] + xb[i], xa[i] - xb[i]
+    qs, ms = q[lane : lane + STRIP], mx[lane : lane + STRIP]
+    for i in range(STRIP):
+        acc = qs[i]
+        m = ms[i]
+        for r in range(2 * npairs):
+            v = x[r, at + i]
+            acc = acc + v * v
+            a = abs(v)
+            m = a if a > m else m
+        qs[i] = acc
+        ms[i] = m
+
+
+@nb.njit(fastmath={"contract"}, **_jit)
+def _sketch_strip_pairs(signs, y, lane, pairs, npairs):
+    """:func:`_sketch_strip` over the first ``npairs`` row pairs only (the others are zero: adding
+    ``g * 0`` to an accumulator that is never ``-0`` changes no bit)."""
+    for m in range(y.shape[0]):
+        ym = y[m, lane : lane + STRIP]
+        for p in range(npairs):
+            g = signs[2 * p, m]
+            c = pairs[2 * p, :STRIP] if signs[2 * p + 1, m] == g else pairs[2 * p + 1, :STRIP]
+            for i in range(STRIP):
+                ym[i] = ym[i] + g * c[i]
+
+
+@nb.njit(**_jit)
+def _live(live, r0):
+    """``(rows, lanes)`` of the tile at row ``r0`` that may hold data: its first ``rows`` rows
+    (the rest zero padding), and, where that is one row, its first ``lanes`` lanes (the strips
+    after them hold only zeros: skipped, digest included, since zero words add nothing)."""
+    left = live - r0 * BLOCK_ELEMS
+    rows = min(TILE_ROWS, max(0, -(-left // BLOCK_ELEMS)))
+    return rows, (left if rows == 1 else (BLOCK_ELEMS if rows else 0))
+
+
+@nb.njit(**_jit)
+def _strip(x, at, q, mx, lane, pairs, signs, y, rows):
+    """One strip's pairs, stats and sketch: the whole tile's code, or the fewer rows' (the same bits)."""
+    if rows == TILE_ROWS:
+        _pairs_and_stats(x, at, q, mx, lane, pairs)
+        _sketch_strip(signs, y, lane, pairs)
+    else:
+        _pairs_and_stats_rows(x, at, q, mx, lane, pairs, rows)
+        _sketch_strip_pairs(signs, y, lane, pairs, (rows + 1) // 2)
+
+
+@nb.njit(**_jit)
 def _flush(y, y64, q, q64):
     for m in range(y.shape[0]):
         for i in range(BLOCK_ELEMS):
@@ -195,7 +254,7 @@ def _digest_until(words, blocks_done, last_block, a, b, c, c2, lanes):
 
 @nb.njit(**_jit)
 def run_direct(
-    values, words, num_blocks, blocks_per_tile, row_base, a, b, c, c2, beta, y, y64, q, q64, mx, lanes, pairs
+    values, words, num_blocks, blocks_per_tile, row_base, a, b, c, c2, beta, y, y64, q, q64, mx, lanes, pairs, live
 ):
     """Digest, sketch and stats of float32 or float64 ``values`` (whole tiles), into the state arrays.
 
@@ -209,6 +268,8 @@ def run_direct(
         c, c2: block weights from this call's first block; ``beta``: signs from its first row.
         y, y64, q, q64, mx: accumulators; ``lanes``: ``(2,)`` uint64 lane totals; ``pairs``:
             ``(TILE_ROWS, >= STRIP)`` scratch of the accumulators' dtype.
+        live: the elements of ``values`` (flat) that may be nonzero, the rest zero padding: rows
+            and strips holding only padding skip the sketch and stats (:func:`_strip`).
     """
     element = values.itemsize
     # (blocks_per_tile,) the tile's block sums s_j, t_j, strip by strip
@@ -219,11 +280,13 @@ def run_direct(
         tile_blocks = min(blocks_per_tile, num_blocks - first_block)
         x = values[r0 : r0 + TILE_ROWS]
         signs = beta[r0 : r0 + TILE_ROWS]
+        rows, lanes_live = _live(live, r0)
         for lane in range(0, BLOCK_ELEMS, STRIP):
+            if lane >= lanes_live:
+                break
             if tile_blocks > 0:
                 _digest_strip(words, r0, lane, element, first_block, tile_blocks, a, b, s_sums, t_sums)
-            _pairs_and_stats(x, lane, q, mx, lane, pairs)
-            _sketch_strip(signs, y, lane, pairs)
+            _strip(x, lane, q, mx, lane, pairs, signs, y, rows)
         _tile_lanes(first_block, tile_blocks, s_sums, t_sums, c, c2, lanes)
         if (row_base + r0 + TILE_ROWS) % GROUP_ROWS == 0:
             _flush(y, y64, q, q64)
@@ -250,6 +313,7 @@ def run_widened(
     mx,
     lanes,
     pairs,
+    live,
 ):
     """:func:`run_direct` for 16-bit ``values`` (uint16 bits), widened strip by strip into float32 ``tile``."""
     s_sums = np.zeros(blocks_per_tile, dtype=np.int32)
@@ -258,15 +322,17 @@ def run_widened(
         first_block = r0 // TILE_ROWS * blocks_per_tile
         tile_blocks = min(blocks_per_tile, num_blocks - first_block)
         signs = beta[r0 : r0 + TILE_ROWS]
+        rows, lanes_live = _live(live, r0)
         for lane in range(0, BLOCK_ELEMS, STRIP):
+            if lane >= lanes_live:
+                break
             if tile_blocks > 0:
                 _digest_strip(words, r0, lane, 2, first_block, tile_blocks, a, b, s_sums, t_sums)
             if is_f16:
                 _widen_f16(values, r0, lane, tile)
             else:
                 _widen_bf16(values, r0, lane, tile)
-            _pairs_and_stats(tile, 0, q, mx, lane, pairs)
-            _sketch_strip(signs, y, lane, pairs)
+            _strip(tile, 0, q, mx, lane, pairs, signs, y, rows)
         _tile_lanes(first_block, tile_blocks, s_sums, t_sums, c, c2, lanes)
         if (row_base + r0 + TILE_ROWS) % GROUP_ROWS == 0:
             _flush(y, y64, q, q64)
@@ -354,7 +420,7 @@ def _one_direct(values, n, num_blocks, a, b, c, c2, beta, alpha, y, y64, q, q64,
             per_tile = TILE_ROWS * BLOCK_ELEMS * values.itemsize // (4 * BLOCK_WORDS)
             run_direct(
                 grid, words, blocks, per_tile, row, a, b, c[first:], c2[first:], beta[row:],
-                y, y64, q, q64, mx, lanes, pairs,
+                y, y64, q, q64, mx, lanes, pairs, n - row * BLOCK_ELEMS,
             )  # fmt: skip
     return finish(y, y64, q, q64, alpha)
 
@@ -369,7 +435,7 @@ def _one_widened(values, is_f16, n, num_blocks, a, b, c, c2, beta, alpha, tile, 
             per_tile = TILE_ROWS * BLOCK_ELEMS * 2 // (4 * BLOCK_WORDS)
             run_widened(
                 grid, is_f16, words, blocks, per_tile, row, a, b, c[first:], c2[first:], beta[row:],
-                tile, y, y64, q, q64, mx, lanes, pairs,
+                tile, y, y64, q, q64, mx, lanes, pairs, n - row * BLOCK_ELEMS,
             )  # fmt: skip
     return finish(y, y64, q, q64, alpha)
 

@@ -216,24 +216,25 @@ def partials(
     pairs = np.empty((TILE_ROWS, C.BLOCK_ELEMS), dtype=acc)
     per_tile = _TILE_ELEMS * element // _BLOCK_BYTES
 
-    def call(part: np.ndarray, blocks: int, row_base: int, first_block: int) -> None:
+    def call(part: np.ndarray, blocks: int, row_base: int, first_block: int, live: int) -> None:
         words = part.reshape(-1).view(np.int32)
         args = (words, blocks, per_tile, row_base, a, b, c[first_block:], c2[first_block:], beta[row_base:])
         if widened:
-            module.run_widened(part, dtype_name == "float16", *args, tile, y, y64, q, q64, mx, lanes, pairs)
+            module.run_widened(part, dtype_name == "float16", *args, tile, y, y64, q, q64, mx, lanes, pairs, live)
         else:
-            module.run_direct(part, *args, y, y64, q, q64, mx, lanes, pairs)
+            module.run_direct(part, *args, y, y64, q, q64, mx, lanes, pairs, live)
 
     main_rows = n // _TILE_ELEMS * TILE_ROWS
     main_blocks = main_rows * C.BLOCK_ELEMS * element // _BLOCK_BYTES
     if main_rows:
-        call(values[: main_rows * C.BLOCK_ELEMS].reshape(main_rows, C.BLOCK_ELEMS), min(main_blocks, num_blocks), 0, 0)
+        main = values[: main_rows * C.BLOCK_ELEMS].reshape(main_rows, C.BLOCK_ELEMS)
+        call(main, min(main_blocks, num_blocks), 0, 0, main.size)
     rest = n - main_rows * C.BLOCK_ELEMS
     if rest:
         padded = np.zeros(_TILE_ELEMS, dtype=values.dtype)
         padded[:rest] = values[main_rows * C.BLOCK_ELEMS :]
         rest_blocks = max(0, num_blocks - main_blocks)
-        call(padded.reshape(TILE_ROWS, C.BLOCK_ELEMS), rest_blocks, main_rows, main_blocks if rest_blocks else 0)
+        call(padded.reshape(TILE_ROWS, C.BLOCK_ELEMS), rest_blocks, main_rows, main_blocks if rest_blocks else 0, rest)
     sketch, sumsq = module.finish(y, y64, q, q64, _alpha(k, seed))
     max_abs = float(mx.max())
     nonfinite = 0
