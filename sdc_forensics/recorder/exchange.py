@@ -64,6 +64,15 @@ class WordExchange:
         dist.all_gather(out, tensor, group=self.group)
         return torch.stack(out).cpu().numpy()
 
+    def vote_digests(self, digest: int, groups: list[tuple[int, ...]]) -> np.ndarray:
+        """``(W,)`` uint64: every rank's weights digest for the vote within ``groups``, gathered;
+        where no group has two members (a pure FSDP2 job: each shard held once) nothing can
+        disagree, and no collective runs: every entry is this rank's own (each rank votes alone,
+        and only its own group's vote is read on it)."""
+        if all(len(group) < 2 for group in groups):
+            return np.full(self.world_size, digest % (1 << 64), dtype=np.uint64)
+        return digests_of(self.gather(digest_words(digest)))
+
     def launch(self, words: np.ndarray) -> Gathered:
         """:meth:`gather` started in the background (``async_op=True``); no wait, no host sync."""
         tensor = torch.from_numpy(np.ascontiguousarray(words, dtype=np.int64)).to(self.device)

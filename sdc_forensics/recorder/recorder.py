@@ -379,8 +379,8 @@ class Recorder:
             self._write_step(state)
 
     def _vote_weights(self, step: int, digest: int) -> tuple[list[checks.Finding], list[checks.GroupVote]]:
-        """The weights vote after ``step`` within the layout's replica groups (a collective)."""
-        votes = checks.vote_within(digests_of(self.exchange.gather(digest_words(digest))), self.layout.replica_groups())
+        """The weights vote after ``step`` within the layout's replica groups (a collective where they have replicas)."""
+        votes = checks.vote_within(self.exchange.vote_digests(digest, groups := self.layout.replica_groups()), groups)
         return self.layout.weights_findings(step, votes), votes
 
     # ---------------------------------------------------------------- checks and alarms

@@ -5,8 +5,8 @@ step, on 2 processes: an FSDP2 job and an HSDP 2 x 2 job (one of them ``fully_sh
 Linear/GELU/Linear, SGD, checks on every step). After the first step (which gathers each rank's
 place once, pickled) a sharded step costs the recorder tensor collectives only: the monitor's
 call-count gather, its findings flag, its reduce-scatter sums (one ``all_reduce``; HSDP one more
-for the replicas'), then the recorder's words gather and its weights vote. No
-``all_gather_object`` (a pickle and two collectives) runs on a clean step.
+for the replicas'), then the recorder's words gather and, where shards have replicas (HSDP),
+its weights vote. No ``all_gather_object`` (a pickle and two collectives) runs on a clean step.
 """
 
 from __future__ import annotations
@@ -81,8 +81,9 @@ def _job(rank: int, root: str, hsdp: bool) -> dict:
 def test_a_clean_sharded_step_costs_the_recorder_tensor_collectives_only(tmp_path, hsdp):
     world = 4 if hsdp else 2
     found = gloo_job(_job, world, tmp_path / "out", str(tmp_path), hsdp)
-    # the HSDP replicas' all-reduce check: one all_reduce more
-    steady = {"all_gather": 4, "all_reduce": 2 if hsdp else 1}
+    # HSDP: the replicas' all-reduce check (one all_reduce more) and the vote of each shard's
+    # replicas (one all_gather more); pure FSDP2 holds each shard once: nothing to vote
+    steady = {"all_gather": 4, "all_reduce": 2} if hsdp else {"all_gather": 3, "all_reduce": 1}
     for rank, result in enumerate(found):
         assert result["alarms"] == 0
         counts = result["counts"]
