@@ -359,18 +359,22 @@ class FsdpLayout(Layout):
         return dtype_name(self.grad_params[0].dtype) if self.grad_params else None
 
     def words(self, state: StepState) -> np.ndarray:
-        """``[its shard changed at rest (0/1), digest of the parameters it gathered (0: none)]``."""
+        """``[its shard changed at rest (0/1), digest of the parameters it gathered (0: none)]``,
+        then the reduce-scatter check's two words (``FsdpMonitor.step_words``): one gather for both."""
         changed = int(
             self._last_update is not None and state.rest_weights is not None and self._last_update != state.rest_weights
         )
         gathered = np.array([combine_digests(state.gathered) if state.gathered else 0], dtype=np.uint64).view(np.int64)[
             0
         ]
-        return np.array([changed, gathered], dtype=np.int64)
+        monitor = [] if self._fallback else self.tap.step_words()
+        return np.array([changed, gathered, *monitor], dtype=np.int64)
 
     def check(self, state: StepState, table: np.ndarray, has_grads: np.ndarray) -> list[Finding] | None:
         rank, mesh = self.job.rank, self._mesh
-        result = self.tap.check(state.step, **({"reduced": state.reduced} if self._fallback else {}))
+        result = self.tap.check(
+            state.step, **({"reduced": state.reduced} if self._fallback else {"gathered": table[:, 2:4]})
+        )
         if has_grads.all():
             state.flags |= int(F.Flag.HAS_GRADS)
         findings = []

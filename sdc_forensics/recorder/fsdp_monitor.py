@@ -283,7 +283,15 @@ class FsdpMonitor:
             )
         return out
 
-    def check(self, step: int, *, policy: str = "return") -> StepCheck:
+    def step_words(self) -> list[int]:
+        """This rank's ``[reduce-scatters so far this step, a checksum of which were all-reduced
+        (HSDP)]``: what :meth:`check` compares across ranks, for a caller that gathers them with
+        words of its own (the recorder) and hands the table to :meth:`check`."""
+        with self._lock:
+            calls = list(self._calls)
+        return _words_of(calls)
+
+    def check(self, step: int, *, policy: str = "return", gathered: np.ndarray | None = None) -> StepCheck:
         """Gathers this step's numbers from every rank and checks every reduce-scatter call.
 
         Every rank calls it at the same point of every step, after the step's last backward
@@ -293,6 +301,8 @@ class FsdpMonitor:
             step: the optimizer step (for the findings and the alarm).
             policy: ``"return"`` the result, or ``"raise"`` :class:`~sdc_forensics.errors.SdcAlarm`
                 on every rank when a check fires (its rank: the one suspect, else -1).
+            gathered: every rank's :meth:`step_words` ``(W, 2)``, gathered by the caller since the
+                step's last reduce-scatter (else this gathers them).
         """
         if policy not in ("return", "raise"):
             raise UsageError(f"policy must be 'return' or 'raise', not {policy!r}")
@@ -305,8 +315,8 @@ class FsdpMonitor:
             places: list = [None] * dist.get_world_size()
             dist.all_gather_object(places, self.place)
             self._places = [str(place) for place in places]
-        # every step: two numbers per rank in one tensor gather (no pickling)
-        first = _gather_words([len(mine), zlib.crc32(np.asarray(ar_calls, dtype=np.int64).tobytes())])
+        # every step: two numbers per rank in one tensor gather (no pickling), or the caller's
+        first = np.asarray(gathered) if gathered is not None else _gather_words(_words_of(mine))
         counts = set(first[:, 0].tolist())
         if len(counts) > 1:
             raise UsageError(
@@ -336,6 +346,12 @@ class FsdpMonitor:
             rank = result.suspects[0] if len(result.suspects) == 1 else -1
             raise SdcAlarm("; ".join(result.lines()), step=step, rank=rank, check=result.findings[0].check)
         return result
+
+
+def _words_of(calls: list[_Call]) -> list[int]:
+    """``[how many reduce-scatters, a checksum of which of them were all-reduced]``."""
+    ar_calls = [i for i, call in enumerate(calls) if call.ar_output is not None]
+    return [len(calls), zlib.crc32(np.asarray(ar_calls, dtype=np.int64).tobytes())]
 
 
 def _gather_words(words: list[int]) -> np.ndarray:

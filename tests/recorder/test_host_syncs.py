@@ -117,8 +117,10 @@ def test_resolve_calls_per_step_are_the_documented_ones(tmp_path, monkeypatch):
     calls, _, _, _ = _run(tmp_path, monkeypatch, microbatches=3)
     for step in range(STEPS):
         callers = sorted(caller for s, caller, _ in calls if s == step)
-        # the hook's (with the input digests, on a device) and the weights' (digest, norm, NaN/Inf in one pass)
-        assert callers == ["_weights", "fingerprints"], (step, callers)
+        # the hook's (with the input digests, on a device) and at most one for the weights (digest,
+        # norm, NaN/Inf in one pass: core.weights_summary, whose compiled CPU path has nothing pending)
+        assert callers.count("fingerprints") == 1, (step, callers)
+        assert set(callers) <= {"fingerprints", "weights_summary"} and len(callers) <= 2, (step, callers)
 
 
 def test_losses_are_summed_as_before(tmp_path):
