@@ -3,9 +3,9 @@
 For each dtype (float32, bfloat16) and size (64 MB .. 1 GB of tensor, or ``--numel`` elements), on the chosen device
 (``--device cpu``, ``cuda`` or ``cuda:N``), it times ``torch.sum`` (one read pass, the
 yardstick), ``core.digest``, ``core.fingerprint(with_digest=False)`` (sketch and stats) and
-``core.fingerprint`` (everything), ``shards.combine_pieces`` of the tensor cut in 4 uneven pieces as FSDP2 shards
-(rows of 1000 elements: every boundary cuts a block, whose ends take the small path), the pieces fingerprinted
-by ``shards.fingerprint_pieces`` (one kernel call over the list, as the sharded recorder does), interleaved run by
+``core.fingerprint`` (everything), ``shards.fingerprint_runs`` of the tensor cut in 4 uneven pieces as FSDP2
+shards (rows of 1000 elements: every boundary cuts a block, whose ends take the small path): one compiled call
+over the list, as the sharded recorder reads a rank's runs (the pieces' path where it does not run), interleaved run by
 run so that a noisy neighbour hits all alike, and prints the median of ``--runs`` runs (default 10) as
 milliseconds and as a multiple of the sum. ``--threads N`` sets torch's and numba's thread counts.
 The goals of issue 37: a full fingerprint costs at most 2.5x ``torch.sum`` (fp32 and bf16, one thread) and
@@ -89,11 +89,8 @@ def _ops(tensor: torch.Tensor, path: str) -> dict:
         "digest": under(lambda: core.digest(tensor), forced),
         "sketch": under(lambda: core.fingerprint(tensor, with_digest=False), forced),
         "full": under(lambda: core.fingerprint(tensor), forced),
-        # the same tensor as FSDP2's Shard(0) over 4 ranks: 4 uneven pieces in one call, combined (fingerprint/shards.py)
-        "full_shards": under(
-            lambda: shards.combine_pieces(shards.fingerprint_pieces([(piece, at, 0, 0) for piece, at in pieces])),
-            forced,
-        ),
+        # the same tensor as FSDP2's Shard(0) over 4 ranks: 4 uneven pieces in one call (fingerprint/shards.py)
+        "full_shards": under(lambda: shards.fingerprint_runs(pieces), forced),
     }
     if path == "both":
         ops["full_torch"] = under(lambda: core.fingerprint(tensor), True)
