@@ -441,13 +441,8 @@ def _one_widened(values, is_f16, n, num_blocks, a, b, c, c2, beta, alpha, tile, 
 
 
 @nb.njit(**_jit)
-def _many(kind, addresses, sizes, block_offsets, digest_offsets, with_digest, a, b, c, c2, beta, alpha):
-    """Every tensor's lanes ``(T, 2)``, sketch ``(T, k)``, sum of squares and max |x| ``(T,)``."""
-    count, k = addresses.size, alpha.shape[1]
-    lanes_out = np.zeros((count, 2), dtype=np.uint64)
-    sketch_out = np.zeros((count, k))
-    sumsq_out = np.zeros(count)
-    max_out = np.zeros(count)
+def _state(k, beta):
+    """A pass's accumulators and scratch, in ``beta``'s dtype (the accumulators')."""
     y = np.zeros((k, BLOCK_ELEMS), dtype=beta.dtype)
     y64 = np.zeros((k, BLOCK_ELEMS))
     q = np.zeros(BLOCK_ELEMS, dtype=beta.dtype)
@@ -456,6 +451,18 @@ def _many(kind, addresses, sizes, block_offsets, digest_offsets, with_digest, a,
     lanes = np.zeros(2, dtype=np.uint64)
     tile = np.empty((TILE_ROWS, BLOCK_ELEMS), dtype=np.float32)
     pairs = np.empty((TILE_ROWS, BLOCK_ELEMS), dtype=beta.dtype)
+    return y, y64, q, q64, mx, lanes, tile, pairs
+
+
+@nb.njit(**_jit)
+def _many(kind, addresses, sizes, block_offsets, digest_offsets, with_digest, a, b, c, c2, beta, alpha):
+    """Every tensor's lanes ``(T, 2)``, sketch ``(T, k)``, sum of squares and max |x| ``(T,)``."""
+    count, k = addresses.size, alpha.shape[1]
+    lanes_out = np.zeros((count, 2), dtype=np.uint64)
+    sketch_out = np.zeros((count, k))
+    sumsq_out = np.zeros(count)
+    max_out = np.zeros(count)
+    y, y64, q, q64, mx, lanes, tile, pairs = _state(k, beta)
     for t in range(count):
         n = sizes[t]
         offset, digest_offset = block_offsets[t], digest_offsets[t]
@@ -637,14 +644,7 @@ def runs(kind, addresses, sizes, offsets, align, a, b, c, c2, beta, alpha, sketc
     s_row = np.zeros(per_end, dtype=np.int64)
     t_row = np.zeros(per_end, dtype=np.int64)
     part_sketch = np.zeros(k)
-    y = np.zeros((k, BLOCK_ELEMS), dtype=np.float32)
-    y64 = np.zeros((k, BLOCK_ELEMS))
-    q = np.zeros(BLOCK_ELEMS, dtype=np.float32)
-    q64 = np.zeros(BLOCK_ELEMS)
-    mx = np.zeros(BLOCK_ELEMS, dtype=np.float32)
-    lanes = np.zeros(2, dtype=np.uint64)
-    tile = np.empty((TILE_ROWS, BLOCK_ELEMS), dtype=np.float32)
-    pairs = np.empty((TILE_ROWS, BLOCK_ELEMS), dtype=np.float32)
+    y, y64, q, q64, mx, lanes, tile, pairs = _state(k, beta)
     low = np.uint64(0)
     high = np.uint64(0)
     sumsq = sums[0]

@@ -58,6 +58,14 @@ def _loops():
     return _numba_fingerprint, ""
 
 
+def _compiled():
+    """The compiled module (raises ``RuntimeError`` with the reason where it cannot be had)."""
+    module, reason = _loops()
+    if module is None:
+        raise RuntimeError(reason)
+    return module
+
+
 # set once when a compiled call failed: this process uses the fallback from then on
 _failure: list[str] = []
 
@@ -141,9 +149,7 @@ def digest_lanes(raw: np.ndarray, seed: int = C.DEFAULT_SEED) -> tuple[int, int]
     Raises:
         RuntimeError: the kernel is not available (check :func:`available` first).
     """
-    module, reason = _loops()
-    if module is None:
-        raise RuntimeError(reason)
+    module = _compiled()
     lanes = np.zeros(2, dtype=np.uint64)
     _digest_words(module, np.ascontiguousarray(raw).reshape(-1).view(np.uint8), seed, lanes)
     return int(lanes[0]), int(lanes[1])
@@ -159,9 +165,7 @@ def digest_lanes_many(addresses: np.ndarray, nbytes: np.ndarray, seed: int = C.D
     Raises:
         RuntimeError: the kernel is not available (check :func:`available` first).
     """
-    module, reason = _loops()
-    if module is None:
-        raise RuntimeError(reason)
+    module = _compiled()
     a, b = _word_weights(seed)
     most = max(1, int(-(-nbytes.max() // _BLOCK_BYTES))) if nbytes.size else 1
     c, c2 = _block_weights(most, seed, False), _block_weights(most, seed, True)
@@ -190,9 +194,7 @@ def partials(
     Raises:
         RuntimeError: the kernel is not available (check :func:`available` first).
     """
-    module, reason = _loops()
-    if module is None:
-        raise RuntimeError(reason)
+    module = _compiled()
     # a 16-bit view at an odd offset: words must be aligned
     if values.ctypes.data % max(4, values.itemsize):
         values = values.copy()
@@ -319,9 +321,7 @@ def end_numbers(
     Raises:
         RuntimeError: the kernel is not available (check :func:`available` first).
     """
-    module, reason = _loops()
-    if module is None:
-        raise RuntimeError(reason)
+    module = _compiled()
     a, b = _word_weights(seed)
     rows = floats.shape[1] // C.BLOCK_ELEMS
     beta = _beta(int(first_rows.max()) + rows + 1 if first_rows.size else 1, k, seed, np.float32)
@@ -346,9 +346,7 @@ def many_at(
     Raises:
         RuntimeError: the kernel is not available (check :func:`available` first).
     """
-    module, reason = _loops()
-    if module is None:
-        raise RuntimeError(reason)
+    module = _compiled()
     element = 8 if dtype_name == "float64" else 4 if dtype_name == "float32" else 2
     acc = np.float64 if dtype_name == "float64" else np.float32
     rows = -(-np.maximum(sizes, 1) // C.BLOCK_ELEMS)
@@ -385,9 +383,7 @@ class RunsTotal:
         Raises:
             RuntimeError: the kernel is not available (check :func:`available` first).
         """
-        module, reason = _loops()
-        if module is None:
-            raise RuntimeError(reason)
+        module = _compiled()
         itemsize = 4 if dtype_name == "float32" else 2
         stop = int((offsets + sizes).max()) + 2 * align
         a, b = _word_weights(self.seed)
