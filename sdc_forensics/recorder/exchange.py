@@ -37,6 +37,13 @@ class Gathered:
         self._work, self._parts, self._host, self._event = work, parts, host, event
         self._table: np.ndarray | None = None
 
+    @classmethod
+    def done(cls, table: np.ndarray) -> "Gathered":
+        """A table known without a collective."""
+        gathered = cls(None, [], None, None)
+        gathered._table = table
+        return gathered
+
     def table(self) -> np.ndarray:
         """The ``(W, n)`` int64 table (waits for the collective the first time)."""
         if self._table is None:
@@ -47,6 +54,34 @@ class Gathered:
                 self._work.wait()
                 self._table = torch.stack(self._parts).cpu().numpy()
             self._work = self._parts = self._host = self._event = None
+        return self._table
+
+
+class Summed:
+    """An ``all_reduce`` (sum) of a 1-D float64 tensor over the world, in flight: :meth:`table`
+    waits for it (on CUDA for the pinned host copy queued behind it, as :class:`Gathered`)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._work = dist.all_reduce(tensor, async_op=True)
+        self._tensor, self._event, self._table = tensor, None, None
+        if tensor.device.type == "cuda":
+            # the current stream waits for the collective (the host does not); the copy is queued behind it
+            self._work.wait()
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            self._work, self._tensor = None, host
+
+    def table(self) -> np.ndarray:
+        """The summed numbers (waits for the collective the first time)."""
+        if self._table is None:
+            if self._event is not None:
+                self._event.synchronize()
+            else:
+                self._work.wait()
+            self._table = self._tensor.numpy()
+            self._work = self._tensor = self._event = None
         return self._table
 
 
@@ -72,6 +107,12 @@ class WordExchange:
         if all(len(group) < 2 for group in groups):
             return np.full(self.world_size, digest % (1 << 64), dtype=np.uint64)
         return digests_of(self.gather(digest_words(digest)))
+
+    def launch_vote(self, digest: int, groups: list[tuple[int, ...]]) -> Gathered:
+        """:meth:`vote_digests` started in the background: no collective where no group has two members."""
+        if all(len(group) < 2 for group in groups):
+            return Gathered.done(np.tile(digest_words(digest), (self.world_size, 1)))
+        return self.launch(digest_words(digest))
 
     def launch(self, words: np.ndarray) -> Gathered:
         """:meth:`gather` started in the background (``async_op=True``); no wait, no host sync."""

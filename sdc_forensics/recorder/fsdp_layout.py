@@ -99,6 +99,14 @@ class FsdpLayout(Layout):
 
     locations = LOCATIONS + FSDP_LOCATIONS
 
+    @property
+    def deferrable(self) -> bool:
+        """Whether the step's checks may run a step later (``RecorderOptions.deferred_checks``):
+        the reduce-scatter check's one collective is launched with the recorder's words and
+        resolved with them; not on a torch without ``set_custom_reduce_scatter`` (its check
+        blocks)."""
+        return not self._fallback
+
     def __init__(self, model: torch.nn.Module, comm_hook: Any = None, comm_state: Any = None) -> None:
         if comm_hook is not None or comm_state is not None:
             raise UsageError(
@@ -367,6 +375,9 @@ class FsdpLayout(Layout):
         gathered = np.array([combine_digests(state.gathered) if state.gathered else 0], dtype=np.uint64).view(np.int64)[
             0
         ]
+        if self.deferrable:
+            # the reduce-scatter check's table, all-reduced in the background from now
+            self.tap.launch()
         monitor = [] if self._fallback else self.tap.step_words()
         return np.array([changed, gathered, *monitor], dtype=np.int64)
 

@@ -53,6 +53,7 @@ from sdc_forensics.errors import SdcAlarm, UsageError
 from sdc_forensics.fingerprint import constants as C
 from sdc_forensics.fingerprint import core, tolerance
 from sdc_forensics.inject import FSDP_LOCATIONS
+from sdc_forensics.recorder import exchange
 from sdc_forensics.recorder.checks import Check, Finding
 
 #: The locations a fault drill can hit (``watch(model, inject=["reduce-scatter-output:step=2:rank=1:bit=29"])``).
@@ -127,6 +128,15 @@ class _Call:
     ar_pg: object = None
     # where the collective ran (the check's numbers travel there: gloo on CPU, NCCL on CUDA)
     device: object = None
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A step's check in flight: its calls, where its table keeps what, the all-reduce of the table."""
+
+    calls: list[_Call]
+    cols: "_Columns"
+    summed: "exchange.Summed"
 
 
 def _row(fp: core.Fingerprint) -> list[float]:
@@ -212,6 +222,10 @@ class FsdpMonitor:
         self._places: list[str] | None = None
         self._lock = threading.Lock()
         self._calls: list[_Call] = []
+        # whether a replica all-reduce follows the reduce-scatters (set by install: HSDP)
+        self.hsdp = False
+        # the step whose check :meth:`launch` started
+        self._launched: _Launched | None = None
 
     def _sketch(self, x: torch.Tensor):
         return core.fingerprint_async(x, k=self._k, seed=self._seed, with_digest=False)
@@ -286,16 +300,32 @@ class FsdpMonitor:
     def step_words(self) -> list[int]:
         """This rank's ``[reduce-scatters so far this step, a checksum of which were all-reduced
         (HSDP)]``: what :meth:`check` compares across ranks, for a caller that gathers them with
-        words of its own (the recorder) and hands the table to :meth:`check`."""
+        words of its own (the recorder) and hands the table to :meth:`check`; after :meth:`launch`,
+        those of the launched step."""
+        if self._launched is not None:
+            return _words_of(self._launched.calls)
         with self._lock:
             calls = list(self._calls)
         return _words_of(calls)
 
+    def launch(self) -> None:
+        """Start this step's check in the background: the calls' numbers into the step's table
+        (:func:`step_table`), all-reduced over the world with ``async_op=True``; :meth:`check`
+        waits for it. Every rank calls it at the same point (a collective), after the step's last
+        backward. On CUDA the sketches are read to the host here (one transfer); the table goes
+        back to the device and the host never waits for the collective."""
+        with self._lock:
+            mine, self._calls = self._calls, []
+        numbers = self._numbers(mine)
+        cols = _Columns(self._k, self.hsdp)
+        table = step_table(mine, numbers, cols, dist.get_rank(), dist.get_world_size())
+        self._launched = _Launched(calls=mine, cols=cols, summed=exchange.Summed(table))
+
     def check(self, step: int, *, policy: str = "return", gathered: np.ndarray | None = None) -> StepCheck:
-        """Gathers this step's numbers from every rank and checks every reduce-scatter call.
+        """Every reduce-scatter call of this step checked, on every rank's numbers.
 
         Every rank calls it at the same point of every step, after the step's last backward
-        (it is a collective).
+        (it is a collective), or after :meth:`launch` (which started it).
 
         Args:
             step: the optimizer step (for the findings and the alarm).
@@ -306,33 +336,30 @@ class FsdpMonitor:
         """
         if policy not in ("return", "raise"):
             raise UsageError(f"policy must be 'return' or 'raise', not {policy!r}")
-        with self._lock:
-            mine, self._calls = self._calls, []
-        numbers = self._numbers(mine)
-        ar_calls = tuple(i for i, call in enumerate(mine) if call.ar_output is not None)
         if self._places is None:
             # once: every rank's place (strings, pickled)
             places: list = [None] * dist.get_world_size()
             dist.all_gather_object(places, self.place)
             self._places = [str(place) for place in places]
-        # every step: two numbers per rank in one tensor gather (no pickling), or the caller's
-        first = np.asarray(gathered) if gathered is not None else _gather_words(_words_of(mine))
+        # two numbers per rank in one tensor gather (no pickling), or the caller's
+        first = np.asarray(gathered) if gathered is not None else _gather_words(self.step_words())
         counts = set(first[:, 0].tolist())
         if len(counts) > 1:
+            self._launched = None
             raise UsageError(
                 f"step {step}: ranks made different numbers of reduce-scatters ({sorted(counts)}): "
                 "call check() at the same point of the step on every rank"
             )
-        calls = counts.pop() if counts else 0
-        # else unpaired: not checked
-        with_all_reduce = ar_calls if len(set(first[:, 1].tolist())) == 1 else ()
-        own = _own_findings(mine, numbers, with_all_reduce, self._k)
-        findings = []
-        # the findings themselves (objects) are gathered only on a step where some rank has one
-        if _gather_words([len(own)])[:, 0].any():
-            everyone: list = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, own)
-            findings = _ordered([f for per_rank in everyone for f in per_rank])
+        # launched before the counts were known only where the recorder launched it (the counts
+        # of one model's reduce-scatters agree on every rank, or FSDP's own collectives would not)
+        if self._launched is None:
+            self.launch()
+        launched, self._launched = self._launched, None
+        calls = len(launched.calls)
+        # else unpaired: the replica all-reduces are not checked
+        paired = len(set(first[:, 1].tolist())) == 1
+        summed = launched.summed.table()
+        findings = findings_of(summed, calls, dist.get_world_size(), launched.cols, paired)
         note = ""
         if not calls and dist.get_world_size() > 1:
             note = (
@@ -354,39 +381,26 @@ def _words_of(calls: list[_Call]) -> list[int]:
     return [len(calls), zlib.crc32(np.asarray(ar_calls, dtype=np.int64).tobytes())]
 
 
+def _words_device() -> torch.device:
+    """Where the check's own collectives run: the current CUDA device under NCCL (which takes no CPU tensors)."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def _gather_words(words: list[int]) -> np.ndarray:
-    """``(W, n)`` int64: every rank's ``n`` words, one ``all_gather`` of a tensor (on the current
-    CUDA device under NCCL, which takes no CPU tensors)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    mine = torch.tensor(words, dtype=torch.int64, device=device)
+    """``(W, n)`` int64: every rank's ``n`` words, one ``all_gather`` of a tensor."""
+    mine = torch.tensor(words, dtype=torch.int64, device=_words_device())
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(out, mine)
     return torch.stack(out).cpu().numpy()
 
 
-def _split(row: list[float], k: int) -> tuple[np.ndarray, float, int]:
+def _split(row, k: int) -> tuple[np.ndarray, float, int]:
     return np.asarray(row[:k]), float(row[k]), int(row[k + 1])
 
 
 def _terms(row: list[float], k: int) -> list[float]:
     """A row's numbers that add across ranks: the sketch, the squared norm, the norm, the NaN/Inf count."""
     return [*row[:k], row[k] * row[k], row[k], row[k + 1]]
-
-
-def _summed_by_group(calls: list[_Call], rows: list[list[list[float]]], k: int) -> list[np.ndarray]:
-    """Each call's rows summed over its reduce-scatter group: the calls of one group (every call of
-    a step, in FSDP and HSDP alike) in one all-reduce, groups in the order of their first call."""
-    by_group: dict[tuple[int, ...], list[int]] = {}
-    for index, call in enumerate(calls):
-        by_group.setdefault(call.group, []).append(index)
-    out: list = [None] * len(calls)
-    # insertion order: first calls' order, the same on every rank of a group
-    for indices in by_group.values():
-        width = len(rows[indices[0]])
-        summed = sum_over([row for i in indices for row in rows[i]], calls[indices[0]].pg, calls[indices[0]].device, k)
-        for n, i in enumerate(indices):
-            out[i] = summed[n * width : (n + 1) * width]
-    return out
 
 
 def sum_over(rows: list[list[float]], group, device, k: int) -> np.ndarray:
@@ -420,115 +434,125 @@ def _ordered(pairs: list[tuple[int, Finding]]) -> list[Finding]:
     return [f for _, f in sorted(kept, key=lambda pair: (pair[1].call, pair[0], pair[1].rank))]
 
 
-def _own_findings(
-    calls: list[_Call], numbers: list[dict], with_all_reduce: tuple[int, ...], k: int
-) -> list[tuple[int, Finding]]:
-    """This rank's ``(phase, finding)`` pairs of the step (collectives: every rank of a group runs
-    them alike; phase 0 a NaN/Inf input, 1 the reduce-scatter output, 2 the all-reduce output).
+#: the dtypes a reduce-scatter adds in, by their code in the step's table
+_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
-    Each reduce-scatter group's chunk numbers are summed over the group (one all-reduce of
-    ``W x (k + 3)`` numbers per call, not a gather of everybody's: the traffic grows with the
-    group, not with its square); each rank then checks its own output against its chunk's sum.
-    HSDP: each rank's all-reduce output against the sum, over the replicas, of the reduce-scatter
-    outputs it adds (one all-reduce of ``k + 3`` numbers)."""
-    rank = dist.get_rank()
+
+class _Columns:
+    """Where a ``(call, rank)`` row of the step's table (:func:`step_table`) keeps each number.
+
+    Summed over every rank (one all-reduce), row ``(i, d)`` holds: ``IN``, the terms of every
+    chunk destined for rank ``d`` in call ``i`` (each rank adds its chunk into its destination's
+    row: the sum over ``d``'s group, as the reduce-scatter adds them); ``AR_IN`` (HSDP), the terms
+    of the reduce-scatter outputs that ``d``'s replicas all-reduce (each adds its own into every
+    replica's row) and ``AR_N`` how many replicas did; and what only rank ``d`` wrote (the other
+    ranks add zeros, which change no number): its output, its all-reduce output, its NaN/Inf
+    inputs, the call's scale, group and dtype. Every rank thus reads every rank's numbers and
+    reaches the same findings: no verdict needs a second collective."""
+
+    def __init__(self, k: int, hsdp: bool) -> None:
+        self.k = k
+        at = 0
+
+        def take(n: int) -> slice:
+            nonlocal at
+            at += n
+            return slice(at - n, at)
+
+        self.IN, self.OUT = take(k + 3), take(k + 2)
+        (self.HAS_OUT, self.OWN_NAN, self.SCALE, self.HAS_SCALE, self.SIZE, self.FIRST, self.DTYPE) = (
+            take(1).start for _ in range(7)
+        )
+        if hsdp:
+            self.AR_IN, self.AR_OUT = take(k + 3), take(k + 2)
+            self.HAS_AR, self.AR_N, self.AR_SIZE, self.AR_SCALE, self.AR_COUNT = (take(1).start for _ in range(5))
+        self.hsdp, self.width = hsdp, at
+
+
+def step_table(calls: list[_Call], numbers: list[dict], cols: _Columns, rank: int, world: int) -> torch.Tensor:
+    """This rank's ``(calls, W, width)`` float64 part of the step's table (:class:`_Columns`), on
+    the device the collectives ran on; all-reduced (summed) over the world it is every rank's."""
+    k = cols.k
+    table = np.zeros((len(calls), world, cols.width), dtype=np.float64)
+    for i, (call, nums) in enumerate(zip(calls, numbers)):
+        for c, dest in enumerate(call.group):
+            table[i, dest, cols.IN] = _terms(nums["inputs"][c], k)
+        own = table[i, rank]
+        if nums["output"] is not None:
+            own[cols.OUT], own[cols.HAS_OUT] = nums["output"], 1
+        own[cols.OWN_NAN] = sum(int(row[k + 1]) for row in nums["inputs"])
+        if call.scale is not None:
+            own[cols.SCALE], own[cols.HAS_SCALE] = call.scale, 1
+        own[cols.SIZE], own[cols.FIRST] = len(call.group), call.group[0]
+        own[cols.DTYPE] = _DTYPES.index(call.dtype) if call.dtype in _DTYPES else -1
+        paired = nums["ar_output"] is not None and all(numbers[j]["output"] is not None for j in call.ar_inputs)
+        if cols.hsdp and paired:
+            # the terms of the reduce-scatter outputs it adds, into each replica's row
+            summed = np.sum([_terms(numbers[j]["output"], k) for j in call.ar_inputs], axis=0)
+            for dest in call.ar_group:
+                table[i, dest, cols.AR_IN] += summed
+                table[i, dest, cols.AR_N] += 1
+            own[cols.AR_OUT], own[cols.HAS_AR] = nums["ar_output"], 1
+            own[cols.AR_SIZE], own[cols.AR_SCALE] = len(call.ar_group), call.ar_scale
+            own[cols.AR_COUNT] = len(call.ar_group) * len(call.ar_inputs)
+    device = calls[0].device if calls else _words_device()
+    # (a leading zero keeps a step without calls a non-empty collective)
+    return torch.from_numpy(np.concatenate([[0.0], table.reshape(-1)])).to(device)
+
+
+def _dtype_of(row: np.ndarray, cols: _Columns) -> str:
+    code = int(row[cols.DTYPE])
+    if not 0 <= code < len(_DTYPES):
+        raise UsageError(f"a reduce-scatter in a dtype the check has no tolerance for (one of {', '.join(_DTYPES)})")
+    return _DTYPES[code]
+
+
+def findings_of(summed: np.ndarray, calls: int, world: int, cols: _Columns, paired: bool) -> list[Finding]:
+    """Every rank's findings from the summed table (the same numbers, so the same list, on every
+    rank; ordered by :func:`_ordered`): phase 0 a NaN/Inf input, 1 the reduce-scatter output, 2
+    the replica all-reduce output (``paired``: every rank all-reduced the same calls)."""
+    k = cols.k
+    table = summed[1:].reshape(calls, world, cols.width)
     found: list[tuple[int, Finding]] = []
-    totals = _summed_by_group(calls, [nums["inputs"] for nums in numbers], k)
-    for index, (call, nums) in enumerate(zip(calls, numbers)):
-        own_nan = sum(int(row[k + 1]) for row in nums["inputs"])
-        if own_nan:
-            found.append(
-                (
-                    0,
-                    Finding(
-                        check=Check.NONFINITE_BEFORE,
-                        rank=rank,
-                        call=index,
-                        detail=f"{own_nan} NaN/Inf in its local gradient before the reduce-scatter",
-                    ),
-                )
-            )
-        # (W, k + 3): chunk c summed over the group
-        total = totals[index]
-        if total[:, k + 2].sum() or nums["output"] is None:
-            # a NaN/Inf input makes every output non-finite: the input's rank is the finding
-            continue
-        sketch, norm, nonfinite = _split(nums["output"], k)
-        if nonfinite:
-            found.append(
-                (
-                    1,
-                    Finding(
-                        check=Check.NONFINITE_AFTER,
-                        rank=rank,
-                        call=index,
-                        detail=f"{nonfinite} NaN/Inf in its reduce-scatter output, from finite inputs",
-                    ),
-                )
-            )
-        elif call.scale is not None:
-            problem = sum_check(total[call.group.index(rank)], len(call.group), call.scale, sketch, norm, call.dtype, k)
+    for i, rows in enumerate(table):
+        # NaN/Inf inputs per reduce-scatter group (named by its first rank)
+        group_nan: dict[float, float] = {}
+        for row in rows:
+            group_nan[row[cols.FIRST]] = group_nan.get(row[cols.FIRST], 0.0) + row[cols.OWN_NAN]
+        for q, row in enumerate(rows):
+            if row[cols.OWN_NAN]:
+                detail = f"{int(row[cols.OWN_NAN])} NaN/Inf in its local gradient before the reduce-scatter"
+                found.append((0, Finding(check=Check.NONFINITE_BEFORE, rank=q, call=i, detail=detail)))
+            # a NaN/Inf input makes every output of its group non-finite: the input's rank is the finding
+            if group_nan[row[cols.FIRST]] or not row[cols.HAS_OUT]:
+                continue
+            sketch, norm, nonfinite = _split(row[cols.OUT], k)
+            if nonfinite:
+                detail = f"{nonfinite} NaN/Inf in its reduce-scatter output, from finite inputs"
+                found.append((1, Finding(check=Check.NONFINITE_AFTER, rank=q, call=i, detail=detail)))
+            elif row[cols.HAS_SCALE]:
+                size = int(row[cols.SIZE])
+                problem = sum_check(row[cols.IN], size, float(row[cols.SCALE]), sketch, norm, _dtype_of(row, cols), k)
+                if problem:
+                    detail = f"its output {problem} (W={size})"
+                    found.append((1, Finding(check=Check.REDUCE_SCATTER, rank=q, call=i, detail=detail)))
+            # HSDP: checked where every replica added its outputs' terms
+            if not (cols.hsdp and paired and row[cols.HAS_AR] and row[cols.AR_N] == row[cols.AR_SIZE]):
+                continue
+            total, replicas = row[cols.AR_IN], int(row[cols.AR_SIZE])
+            sketch, norm, nonfinite = _split(row[cols.AR_OUT], k)
+            if total[k + 2]:
+                continue
+            if nonfinite:
+                detail = f"{nonfinite} NaN/Inf in its replica all-reduce output, from finite shards"
+                found.append((2, Finding(check=Check.NONFINITE_AFTER, rank=q, call=i, detail=detail)))
+                continue
+            scale, count = float(row[cols.AR_SCALE]), int(row[cols.AR_COUNT])
+            problem = sum_check(total, count, scale, sketch, norm, _dtype_of(row, cols), k)
             if problem:
-                found.append(
-                    (
-                        1,
-                        Finding(
-                            check=Check.REDUCE_SCATTER,
-                            rank=rank,
-                            call=index,
-                            detail=f"its output {problem} (W={len(call.group)})",
-                        ),
-                    )
-                )
-    paired = [i for i in with_all_reduce if all(numbers[j]["output"] is not None for j in calls[i].ar_inputs)]
-    by_replicas: dict[tuple[int, ...], list[int]] = {}
-    for index in paired:
-        by_replicas.setdefault(calls[index].ar_group, []).append(index)
-    ar_totals: dict[int, np.ndarray] = {}
-    # one all-reduce per replica group: each call's summed reduce-scatter outputs
-    for indices in by_replicas.values():
-        rows = []
-        for i in indices:
-            parts = [numbers[j]["output"] for j in calls[i].ar_inputs]
-            # the terms of the outputs it adds
-            summed = np.sum([_terms(p, k) for p in parts], axis=0)
-            rows.append(summed)
-        table = torch.tensor(np.array(rows), dtype=torch.float64, device=calls[indices[0]].device)
-        dist.all_reduce(table, group=calls[indices[0]].ar_pg)
-        for n, i in enumerate(indices):
-            ar_totals[i] = table[n].cpu().numpy()
-    for index in paired:
-        call, nums = calls[index], numbers[index]
-        parts = call.ar_inputs
-        total = ar_totals[index]
-        sketch, norm, nonfinite = _split(nums["ar_output"], k)
-        if nonfinite and not total[k + 2]:
-            found.append(
-                (
-                    2,
-                    Finding(
-                        check=Check.NONFINITE_AFTER,
-                        rank=rank,
-                        call=index,
-                        detail=f"{nonfinite} NaN/Inf in its replica all-reduce output, from finite shards",
-                    ),
-                )
-            )
-        elif not nonfinite and not total[k + 2]:
-            problem = sum_check(total, len(call.ar_group) * len(parts), call.ar_scale, sketch, norm, call.dtype, k)
-            if problem:
-                found.append(
-                    (
-                        2,
-                        Finding(
-                            check=Check.REPLICA_ALL_REDUCE,
-                            rank=rank,
-                            call=index,
-                            detail=f"its replica all-reduce output {problem} ({len(call.ar_group)} replicas)",
-                        ),
-                    )
-                )
-    return found
+                detail = f"its replica all-reduce output {problem} ({replicas} replicas)"
+                found.append((2, Finding(check=Check.REPLICA_ALL_REDUCE, rank=q, call=i, detail=detail)))
+    return _ordered(found)
 
 
 def spec_injector(specs, monitor_step: Callable[[], int]) -> Injector:
@@ -644,6 +668,7 @@ def install(model: torch.nn.Module, monitor: FsdpMonitor, comm=None) -> None:
         group._reduce_scatter_comm = checked
         # the replica all-reduce: checked after it, then the job's hook
         if getattr(group, "_is_hsdp", False):
+            monitor.hsdp = True
             user_hook = getattr(group, "_all_reduce_hook", None)
             group._all_reduce_hook = _all_reduce_hook(monitor, checked, group._all_reduce_process_group, user_hook)
 

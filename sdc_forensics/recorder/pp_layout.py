@@ -167,6 +167,10 @@ def pp_mesh_refusal(params: list[torch.Tensor], world_size: int) -> str | None:
 class PpLayout(TpLayout):
     """PipelineStage x FSDP2 (see the module); built by ``recorder.make_layout`` for a pipeline schedule."""
 
+    #: the stages' reduce-scatter counts are compared before the check's table is summed (a stage
+    #: may reduce-scatter more parameter groups than another: the table would not match)
+    deferrable = False
+
     def __init__(self, schedule: Any, comm_hook: Any = None, comm_state: Any = None) -> None:
         stages, self._divisor = stages_of(schedule)
         self._parts = [stage.submod for stage in stages]

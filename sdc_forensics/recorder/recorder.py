@@ -54,7 +54,7 @@ from sdc_forensics.recorder import checks, records
 from sdc_forensics.recorder.audit import Auditor
 from sdc_forensics.recorder.checkpointing import save_checkpoint, site_of, warn_unreplayable
 from sdc_forensics.recorder.ddp_layout import DdpLayout
-from sdc_forensics.recorder.exchange import Pending, WordExchange, digest_words, digests_of, raise_if_failed
+from sdc_forensics.recorder.exchange import Pending, WordExchange, digests_of, raise_if_failed
 from sdc_forensics.recorder.exit import brace_for_alarm_exit
 from sdc_forensics.recorder.fsdp_layout import FsdpLayout, is_fully_sharded
 from sdc_forensics.recorder.identity import gather_identities
@@ -349,7 +349,7 @@ class Recorder:
         state.flags |= int(F.Flag.HAS_WEIGHTS)
         self.layout.settled(state.weights[0])
         if self.options.compares_weights(state.step) and state.pending is not None:
-            state.pending.vote = self.exchange.launch(digest_words(state.weights[0]))
+            state.pending.vote = self.exchange.launch_vote(state.weights[0], self.layout.replica_groups())
         elif self.options.compares_weights(state.step):
             findings, votes = self._vote_weights(state.step, state.weights[0])
             self._note_vote(state, votes)

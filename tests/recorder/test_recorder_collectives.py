@@ -4,9 +4,11 @@ Every ``torch.distributed`` collective called from a frame of ``sdc_forensics`` 
 step: an FSDP2 job on 2 processes and an HSDP 2 x 2 job on 4 (``fully_shard``-ed
 Linear/GELU/Linear, SGD, checks on every step). After the first step (which gathers each rank's
 place once, pickled) a sharded step costs the recorder tensor collectives only: the recorder's
-words gather (which carries the reduce-scatter check's call count), the check's reduce-scatter
-sums (one ``all_reduce``; HSDP one more for the replicas'), its findings flag, and, where shards
-have replicas (HSDP), the weights vote. No ``all_gather_object`` (a pickle and two collectives) runs on a clean step.
+words gather (which carries the reduce-scatter check's call count), the check's table (one
+``all_reduce`` over the world, from which every rank reads every rank's verdicts, HSDP's replica
+all-reduce check included) and, where shards have replicas (HSDP), the weights vote. No
+``all_gather_object`` (a pickle and two collectives) runs on a clean step. With
+``deferred_checks`` every one of them is launched in the background: none blocks.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ STEPS = 4
 NAMES = ("all_gather", "all_gather_object", "all_reduce", "broadcast", "barrier", "reduce_scatter", "all_to_all")
 
 
-def _job(rank: int, root: str, hsdp: bool) -> dict:
+def _job(rank: int, root: str, hsdp: bool, deferred: bool) -> dict:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -42,7 +44,7 @@ def _job(rank: int, root: str, hsdp: bool) -> dict:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    rec = Recorder(f"{root}/trace", model, optimizer, options=RecorderOptions())
+    rec = Recorder(f"{root}/trace", model, optimizer, options=RecorderOptions(deferred_checks=deferred))
     counts: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     where: dict[str, int | None] = {"step": None}
     real = {name: getattr(dist, name) for name in NAMES}
@@ -52,6 +54,7 @@ def _job(rank: int, root: str, hsdp: bool) -> dict:
             caller = sys._getframe(1).f_globals.get("__name__", "")
             if where["step"] is not None and caller.startswith("sdc_forensics"):
                 counts[where["step"]][name] += 1
+                counts[where["step"]]["blocking"] += not kwargs.get("async_op", False)
             return real[name](*args, **kwargs)
 
         return call
@@ -77,18 +80,25 @@ def _job(rank: int, root: str, hsdp: bool) -> dict:
     return {"counts": {str(step): dict(counter) for step, counter in counts.items()}, "alarms": len(rec.alarms)}
 
 
+@pytest.mark.parametrize("deferred", [False, True], ids=["at-once", "deferred"])
 @pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp2", "hsdp2x2"])
-def test_a_clean_sharded_step_costs_the_recorder_tensor_collectives_only(tmp_path, hsdp):
+def test_a_clean_sharded_step_costs_the_recorder_tensor_collectives_only(tmp_path, hsdp, deferred):
     world = 4 if hsdp else 2
-    found = gloo_job(_job, world, tmp_path / "out", str(tmp_path), hsdp)
-    # HSDP: the replicas' all-reduce check (one all_reduce more) and the vote of each shard's
-    # replicas (one all_gather more); pure FSDP2 holds each shard once: nothing to vote
-    # (the monitor's call count travels in the recorder's words gather)
-    steady = {"all_gather": 3, "all_reduce": 2} if hsdp else {"all_gather": 2, "all_reduce": 1}
+    found = gloo_job(_job, world, tmp_path / "out", str(tmp_path), hsdp, deferred)
+    # HSDP: the vote of each shard's replicas (one all_gather more); pure FSDP2 holds each shard
+    # once: nothing to vote (the monitor's call count travels in the recorder's words gather,
+    # the replica all-reduce check in the one table)
+    steady = {"all_gather": 2, "all_reduce": 1} if hsdp else {"all_gather": 1, "all_reduce": 1}
+    # at once, the words gather and the vote block (the table's all-reduce is waited for, not blocking)
+    steady["blocking"] = 0 if deferred else steady["all_gather"]
     for rank, result in enumerate(found):
         assert result["alarms"] == 0
         counts = result["counts"]
-        # the first step also gathers every rank's place, once (an object)
-        assert counts["0"].get("all_gather_object") == 1, (rank, counts["0"])
+        # every rank's place is gathered once (an object), at the first check: deferred, when step 1 begins
+        first = "1" if deferred else "0"
+        assert counts[first].pop("all_gather_object") == 1, (rank, counts[first])
+        assert counts[first].pop("blocking") == steady["blocking"] + 1, (rank, counts[first])
+        counts[first]["blocking"] = steady["blocking"]
         for step in range(1, STEPS):
-            assert counts[str(step)] == steady, (rank, step, counts[str(step)])
+            seen = {name: n for name, n in counts[str(step)].items() if n}
+            assert seen == {name: n for name, n in steady.items() if n}, (rank, step, seen)
