@@ -419,7 +419,7 @@ def sum_check(total: np.ndarray, count: int, scale: float, sketch: np.ndarray, n
         residual = float("inf")
     s = abs(scale)
     reduced = float(np.fmin(abs(norm), s * total[k + 1] * (1.0 + 1e-2)))
-    allowed = tolerance.relative_tolerance(dtype, count) * float(np.sqrt(reduced**2 + s * s * total[k]))
+    allowed = tolerance.relative_tolerance(dtype, count) * float(np.sqrt(reduced * reduced + s * s * total[k]))
     if residual > allowed:
         return f"differs from {scale:.4g} x the sum of its inputs by {residual:.3g} (tolerance {allowed:.3g}, {dtype})"
     return ""
@@ -500,59 +500,96 @@ def step_table(calls: list[_Call], numbers: list[dict], cols: _Columns, rank: in
     return torch.from_numpy(np.concatenate([[0.0], table.reshape(-1)])).to(device)
 
 
-def _dtype_of(row: np.ndarray, cols: _Columns) -> str:
-    code = int(row[cols.DTYPE])
-    if not 0 <= code < len(_DTYPES):
+def _dtypes_of(rows: np.ndarray, cols: _Columns) -> list[str]:
+    codes = rows[:, cols.DTYPE].astype(np.int64)
+    if ((codes < 0) | (codes >= len(_DTYPES))).any():
         raise UsageError(f"a reduce-scatter in a dtype the check has no tolerance for (one of {', '.join(_DTYPES)})")
-    return _DTYPES[code]
+    return [_DTYPES[c] for c in codes.tolist()]
+
+
+def _failing(total: np.ndarray, count: np.ndarray, scale: np.ndarray, out: np.ndarray, dtypes: list[str], k: int):
+    """:func:`sum_check` of many rows at once (the same float64 operations, element by element):
+    a boolean per row, True where it finds a difference."""
+    residual = np.abs(out[:, :k] - scale[:, None] * total[:, :k]).max(axis=1)
+    residual[np.isnan(residual)] = np.inf
+    s = np.abs(scale)
+    reduced = np.fmin(np.abs(out[:, k]), s * total[:, k + 1] * (1.0 + 1e-2))
+    tolerances = {key: tolerance.relative_tolerance(*key) for key in set(zip(dtypes, count.tolist()))}
+    relative = np.array([tolerances[key] for key in zip(dtypes, count.tolist())], dtype=np.float64)
+    return residual > relative * np.sqrt(reduced * reduced + s * s * total[:, k])
 
 
 def findings_of(summed: np.ndarray, calls: int, world: int, cols: _Columns, paired: bool) -> list[Finding]:
     """Every rank's findings from the summed table (the same numbers, so the same list, on every
     rank; ordered by :func:`_ordered`): phase 0 a NaN/Inf input, 1 the reduce-scatter output, 2
-    the replica all-reduce output (``paired``: every rank all-reduced the same calls)."""
+    the replica all-reduce output (``paired``: every rank all-reduced the same calls). The rows
+    are judged together (numpy); lines are written for the rows found only."""
     k = cols.k
-    table = summed[1:].reshape(calls, world, cols.width)
     found: list[tuple[int, Finding]] = []
-    for i, rows in enumerate(table):
-        # NaN/Inf inputs per reduce-scatter group (named by its first rank)
-        group_nan: dict[float, float] = {}
-        for row in rows:
-            group_nan[row[cols.FIRST]] = group_nan.get(row[cols.FIRST], 0.0) + row[cols.OWN_NAN]
-        for q, row in enumerate(rows):
-            if row[cols.OWN_NAN]:
-                detail = f"{int(row[cols.OWN_NAN])} NaN/Inf in its local gradient before the reduce-scatter"
-                found.append((0, Finding(check=Check.NONFINITE_BEFORE, rank=q, call=i, detail=detail)))
-            # a NaN/Inf input makes every output of its group non-finite: the input's rank is the finding
-            if group_nan[row[cols.FIRST]] or not row[cols.HAS_OUT]:
-                continue
-            sketch, norm, nonfinite = _split(row[cols.OUT], k)
-            if nonfinite:
-                detail = f"{nonfinite} NaN/Inf in its reduce-scatter output, from finite inputs"
-                found.append((1, Finding(check=Check.NONFINITE_AFTER, rank=q, call=i, detail=detail)))
-            elif row[cols.HAS_SCALE]:
-                size = int(row[cols.SIZE])
-                problem = sum_check(row[cols.IN], size, float(row[cols.SCALE]), sketch, norm, _dtype_of(row, cols), k)
-                if problem:
-                    detail = f"its output {problem} (W={size})"
-                    found.append((1, Finding(check=Check.REDUCE_SCATTER, rank=q, call=i, detail=detail)))
-            # HSDP: checked where every replica added its outputs' terms
-            if not (cols.hsdp and paired and row[cols.HAS_AR] and row[cols.AR_N] == row[cols.AR_SIZE]):
-                continue
-            total, replicas = row[cols.AR_IN], int(row[cols.AR_SIZE])
-            sketch, norm, nonfinite = _split(row[cols.AR_OUT], k)
-            if total[k + 2]:
-                continue
-            if nonfinite:
-                detail = f"{nonfinite} NaN/Inf in its replica all-reduce output, from finite shards"
-                found.append((2, Finding(check=Check.NONFINITE_AFTER, rank=q, call=i, detail=detail)))
-                continue
-            scale, count = float(row[cols.AR_SCALE]), int(row[cols.AR_COUNT])
-            problem = sum_check(total, count, scale, sketch, norm, _dtype_of(row, cols), k)
-            if problem:
-                detail = f"its replica all-reduce output {problem} ({replicas} replicas)"
-                found.append((2, Finding(check=Check.REPLICA_ALL_REDUCE, rank=q, call=i, detail=detail)))
+    for i, rows in enumerate(summed[1:].reshape(calls, world, cols.width)):
+        own_nan = rows[:, cols.OWN_NAN]
+        for q in np.flatnonzero(own_nan).tolist():
+            detail = f"{int(own_nan[q])} NaN/Inf in its local gradient before the reduce-scatter"
+            found.append((0, Finding(check=Check.NONFINITE_BEFORE, rank=q, call=i, detail=detail)))
+        # a NaN/Inf input makes every output of its group (named by its first rank) non-finite:
+        # the input's rank is the finding
+        _, group = np.unique(rows[:, cols.FIRST], return_inverse=True)
+        judged = (np.bincount(group, weights=own_nan)[group] == 0) & (rows[:, cols.HAS_OUT] > 0)
+        found += _judged(1, i, rows, judged & (rows[:, cols.HAS_SCALE] > 0), judged, cols, "scatter")
+        # HSDP: checked where every replica added its outputs' terms, from finite inputs
+        if cols.hsdp and paired:
+            ar_in = rows[:, cols.AR_IN]
+            judged = (rows[:, cols.HAS_AR] > 0) & (rows[:, cols.AR_N] == rows[:, cols.AR_SIZE]) & (ar_in[:, k + 2] == 0)
+            found += _judged(2, i, rows, judged, judged, cols, "replicas")
     return _ordered(found)
+
+
+def _judged(phase: int, call: int, rows: np.ndarray, summable, judged, cols: _Columns, which: str) -> list:
+    """``(phase, finding)`` pairs of one call's rows: a non-finite output among the ``judged``
+    rows, an output that is not the scaled sum of its inputs among the ``summable`` ones (the
+    reduce-scatter's columns, or the replica all-reduce's)."""
+    k = cols.k
+    if which == "scatter":
+        total, out, scale, count, what = cols.IN, cols.OUT, cols.SCALE, cols.SIZE, "reduce-scatter output"
+        nonfinite_from, check = "finite inputs", Check.REDUCE_SCATTER
+    else:
+        total, out, scale, count, what = (
+            cols.AR_IN,
+            cols.AR_OUT,
+            cols.AR_SCALE,
+            cols.AR_COUNT,
+            "replica all-reduce output",
+        )
+        nonfinite_from, check = "finite shards", Check.REPLICA_ALL_REDUCE
+    nonfinite = rows[:, out][:, k + 1]
+    found = [
+        (
+            phase,
+            Finding(
+                check=Check.NONFINITE_AFTER,
+                rank=q,
+                call=call,
+                detail=f"{int(nonfinite[q])} NaN/Inf in its {what}, from {nonfinite_from}",
+            ),
+        )
+        for q in np.flatnonzero(judged & (nonfinite > 0)).tolist()
+    ]
+    candidates = np.flatnonzero(summable & (nonfinite == 0))
+    if not candidates.size:
+        return found
+    sub = rows[candidates]
+    dtypes = _dtypes_of(sub, cols)
+    bad = candidates[_failing(sub[:, total], sub[:, count].astype(np.int64), sub[:, scale], sub[:, out], dtypes, k)]
+    for q in bad.tolist():
+        row = rows[q]
+        sketch, norm, _ = _split(row[out], k)
+        problem = sum_check(
+            row[total], int(row[count]), float(row[scale]), sketch, norm, _dtypes_of(row[None], cols)[0], k
+        )
+        where = f"(W={int(row[cols.SIZE])})" if which == "scatter" else f"({int(row[cols.AR_SIZE])} replicas)"
+        lead = "its output" if which == "scatter" else "its replica all-reduce output"
+        found.append((phase, Finding(check=check, rank=q, call=call, detail=f"{lead} {problem} {where}")))
+    return found
 
 
 def spec_injector(specs, monitor_step: Callable[[], int]) -> Injector:
