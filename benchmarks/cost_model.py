@@ -20,7 +20,17 @@ ranks, per rank and step, with the recorder's defaults (``docs/benchmarks.md``, 
 * **audits**: ``audit_every = A`` adds one forward and backward of a rank's microbatches every A
   steps: about ``1 / A`` of a step.
 
+``--layout fsdp`` or ``hsdp`` (``--reduce-scatters C`` per step, ``--microbatches M``): the reads
+are the local gradient twice (the reduce-scatter check's chunk sketches and the trace's runs),
+the reduced shard once, the weight shard twice (at rest and updated) and the gathered parameters
+once per microbatch's forward: ``2 G + G / W + 2 P / W + M P``; the collectives are the words
+gather (``2k + 6`` words and 2 of the check's; no vote where no shard has a replica) and one
+``all_reduce`` of the check's table, ``1 + C W w`` float64 with ``w = 2k + 12`` columns (HSDP
+``4k + 21``, the replica all-reduce's too); a ring all-reduce sends and receives about twice
+the table per rank. ``deferred_checks`` takes them off the step's path.
+
     python benchmarks/cost_model.py --params 834304 --world 2 64 1024 [--measure] [--step-ms 100]
+    python benchmarks/cost_model.py --params 2450000 --layout hsdp --reduce-scatters 40 --world 2 64 1024 --kernel-ratio 4
 """
 
 from __future__ import annotations
@@ -54,19 +64,30 @@ def measure_kernel_ratio(numel: int, runs: int = 7) -> float:
     return statistics.median(ratios)
 
 
+def table_floats(layout: str, k: int, calls: int, world: int) -> int:
+    """The sharded check's table (``fsdp_monitor._Columns``): float64 numbers all-reduced per step."""
+    width = 4 * k + 21 if layout == "hsdp" else 2 * k + 12
+    return 1 + calls * world * width
+
+
 def model(args: argparse.Namespace, world: int, ratio: float) -> dict:
     grad_bytes = weight_bytes = args.params * args.bytes_per_elem
-    read = 2 * grad_bytes + weight_bytes + args.input_bytes
-    words = 2 * args.sketch_k + 6
-    gathers_per_step = 1 + (1 / args.weights_every if args.weights_every else 0)
+    sharded = args.layout != "ddp"
+    if sharded:
+        read = 2 * grad_bytes + (grad_bytes + 2 * weight_bytes) / world + args.microbatches * weight_bytes
+        passes = read
+    else:
+        read = 2 * grad_bytes + weight_bytes + args.input_bytes
+        passes = 2 * grad_bytes + weight_bytes
+    words = 2 * args.sketch_k + 6 + (2 if sharded else 0)
+    votes = args.layout != "fsdp" and args.weights_every
+    gathers_per_step = 1 + (1 / args.weights_every if votes else 0)
     blocking_us = gathers_per_step * (world - 1) * args.hop_us
     row = {
         "world": world,
         "read_bytes_per_rank_step": read,
         "read_as_multiple_of_grad_plus_weights": round(read / (grad_bytes + weight_bytes), 3),
-        "kernel_traffic_in_sum_passes_of_grad_plus_weights": round(
-            (2 * grad_bytes + weight_bytes) * ratio / (grad_bytes + weight_bytes), 2
-        ),
+        "kernel_traffic_in_sum_passes_of_grad_plus_weights": round(passes * ratio / (grad_bytes + weight_bytes), 2),
         "words_gather_bytes_sent_per_rank": words * WORD_BYTES,
         "words_gather_bytes_received_per_rank": world * words * WORD_BYTES,
         "vote_gather_bytes_received_per_rank": world * WORD_BYTES,
@@ -75,6 +96,10 @@ def model(args: argparse.Namespace, world: int, ratio: float) -> dict:
         "trace_bytes_per_step_all_ranks": world * args.record_bytes,
         "audit_fraction_of_a_step": round(1 / args.audit_every, 4) if args.audit_every else 0.0,
     }
+    if sharded:
+        table = table_floats(args.layout, args.sketch_k, args.reduce_scatters, world) * WORD_BYTES
+        row["check_table_all_reduce_bytes"] = table
+        row["check_table_ring_bytes_sent_per_rank"] = round(2 * table * (world - 1) / world)
     if args.step_ms:
         row["blocking_gathers_pct_of_step"] = round(100 * blocking_us / (1000 * args.step_ms), 3)
     return row
@@ -84,6 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=int, required=True, help="parameters N (whole model: DDP replicas)")
     parser.add_argument("--world", type=int, nargs="+", default=[2, 64, 1024])
+    parser.add_argument("--layout", choices=("ddp", "fsdp", "hsdp"), default="ddp")
+    parser.add_argument("--reduce-scatters", type=int, default=1, help="sharded: reduce-scatter calls per step")
+    parser.add_argument("--microbatches", type=int, default=1, help="sharded: forwards per step (gathered digests)")
     parser.add_argument("--bytes-per-elem", type=int, default=4, help="gradient and weight bytes per element")
     parser.add_argument("--input-bytes", type=int, default=0, help="bytes of the step's inputs per rank")
     parser.add_argument("--sketch-k", type=int, default=8)

@@ -101,10 +101,7 @@ class FsdpLayout(Layout):
 
     @property
     def deferrable(self) -> bool:
-        """Whether the step's checks may run a step later (``RecorderOptions.deferred_checks``):
-        the reduce-scatter check's one collective is launched with the recorder's words and
-        resolved with them; not on a torch without ``set_custom_reduce_scatter`` (its check
-        blocks)."""
+        """``deferred_checks`` applies: the check's table goes with the words (not on the fallback's torch)."""
         return not self._fallback
 
     def __init__(self, model: torch.nn.Module, comm_hook: Any = None, comm_state: Any = None) -> None:
@@ -372,11 +369,9 @@ class FsdpLayout(Layout):
         changed = int(
             self._last_update is not None and state.rest_weights is not None and self._last_update != state.rest_weights
         )
-        gathered = np.array([combine_digests(state.gathered) if state.gathered else 0], dtype=np.uint64).view(np.int64)[
-            0
-        ]
-        if self.deferrable:
-            # the reduce-scatter check's table, all-reduced in the background from now
+        digest = combine_digests(state.gathered) if state.gathered else 0
+        gathered = digest - (1 << 64) if digest >= 1 << 63 else digest  # the uint64 as an int64 word
+        if self.deferrable:  # the reduce-scatter check's table, all-reduced in the background from now
             self.tap.launch()
         monitor = [] if self._fallback else self.tap.step_words()
         return np.array([changed, gathered, *monitor], dtype=np.int64)

@@ -7,9 +7,12 @@ reduce-scatter (``set_custom_reduce_scatter``, around whatever comm the job set)
 every rank sketches the ``W`` chunks of its input and its output (``docs/fingerprints.md``: the
 same linear sketch as DDP's all-reduce check, chunk and output at the same block offsets) and
 counts their NaN/Inf. :meth:`FsdpMonitor.check`, called by every rank once per step (after
-``backward``, before ``optimizer.step()``), sums each chunk's numbers over the group (one
-all-reduce of ``W x (k + 3)`` numbers per call: linear in ``W``), lets each rank judge its own
-output, and gathers the verdicts:
+``backward``, before ``optimizer.step()``), judges them from one table summed over the world
+(one all-reduce, :func:`step_table`: each rank adds each chunk's numbers into its destination's
+row and its own output into its own; ``calls x W`` rows, linear in ``W``), so every rank reads
+every rank's numbers and reaches the same verdicts with no second collective.
+:meth:`FsdpMonitor.launch` starts that all-reduce in the background (the recorder launches it
+with its own words, and with ``deferred_checks`` resolves both when the next step begins):
 
 * **NaN/Inf before the reduce-scatter**: a rank whose local gradient holds NaN/Inf is named.
 * **NaN/Inf after it** with finite inputs: the rank whose output turned non-finite is named.
