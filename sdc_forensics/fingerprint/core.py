@@ -657,6 +657,9 @@ def fingerprints_async(
     # dtype name -> (indices, flat tensors) that the compiled kernel takes in one call
     batches: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
     compiled: dict[torch.dtype, bool] = {}
+    # (device, dtype) -> indices that the Triton kernel takes in one launch
+    on_cuda: dict[tuple, list[int]] = {}
+    flats_by_index: dict[int, torch.Tensor] = {}
     for index, tensor in enumerate(tensors):
         flat = tensor.detach().reshape(-1)
         if not flat.is_contiguous():
@@ -674,6 +677,11 @@ def fingerprints_async(
             indices, flats = batches.setdefault(str(flat.dtype).removeprefix("torch."), ([], []))
             indices.append(index)
             flats.append(flat)
+            continue
+        # (kernel_path says so for CUDA tensors; the tests' Triton interpreter, for CPU ones)
+        if flat.numel() and kernel_path(flat.device, flat.dtype) == "triton-cuda":
+            on_cuda.setdefault((flat.device, flat.dtype), []).append(index)
+            flats_by_index[index] = flat
             continue
         out[index] = fingerprint_async(
             flat,
@@ -716,7 +724,31 @@ def fingerprints_async(
             )
             pending.done = _assemble(pending, part.lanes, part.sketch, part.sumsq, part.max_abs, part.nonfinite)
             out[index] = pending
+    for indices in on_cuda.values():
+        _triton_many(out, [flats_by_index[i] for i in indices], indices, k, seed, offsets, with_digest, digest_offsets)
     return out  # type: ignore[return-value]
+
+
+def _triton_many(out, flats, indices, k, seed, offsets, with_digest, digest_offsets) -> None:
+    """Pending fingerprints of CUDA tensors of one dtype: one launch of the Triton kernel over
+    the list (``triton_kernel.partials_many``, each row what its own launch gives)."""
+    from sdc_forensics.fingerprint import triton_kernel
+
+    _note_path(flats[0].device, "triton-cuda")
+    rows = triton_kernel.partials_many(
+        flats,
+        k=k,
+        seed=seed,
+        block_offsets=[offsets[i] for i in indices],
+        with_digest=with_digest,
+        digest_block_offsets=[digest_offsets[i] for i in indices],
+    )
+    for row, index, flat in zip(rows, indices, flats):
+        pending = PendingFingerprint(
+            numel=flat.numel(), num_bytes=flat.numel() * flat.element_size(), seed=seed, with_digest=with_digest
+        )
+        pending.values = row
+        out[index] = pending
 
 
 def resolve(pending: list[PendingFingerprint]) -> list[Fingerprint]:

@@ -41,6 +41,7 @@ import contextlib
 import os
 import threading
 
+import numpy as np
 import torch
 
 from sdc_forensics.fingerprint import constants as C
@@ -143,16 +144,9 @@ def partials(
     numel = flat.numel()
     if numel == 0:
         return torch.zeros(2 + k + 3, dtype=torch.float64, device=device)
-    num_bytes = numel * flat.element_size()
-    # = digest blocks
-    num_tiles = -(-num_bytes // (4 * _TILE_WORDS))
-    num_sblocks = -(-numel // C.BLOCK_ELEMS)
-    # 16-bit tiles add two terms per tile to each float32 Y entry: half as many tiles per program
-    max_tiles = _MAX_TILES_PER_PROGRAM // (2 if flat.element_size() == 2 else 1)
-    programs = min(num_tiles, max(_programs_for(device), -(-num_tiles // max_tiles)))
+    num_tiles, num_sblocks, programs = _plan(numel, flat.element_size(), device)
     # k padded to a power of two (extra columns are zero)
     kp = 1 << (k - 1).bit_length()
-
     a, b = _word_weights(device, seed)
     d0 = digest_block_offset
     c_low = _block_weights(device, d0 + num_tiles, seed, high=False)[d0:]
@@ -163,30 +157,127 @@ def partials(
     int_rows = torch.empty(programs, 4, dtype=torch.int64, device=device)
     # sketch, sumsq, max
     float_rows = torch.empty(programs, kp + 2, dtype=torch.float64, device=device)
-    common = dict(KP=kp, WITH_DIGEST=with_digest, num_warps=_NUM_WARPS, **_launch_options(device))
-    grid = (programs,)
+    common = dict(KP=kp, WITH_DIGEST=with_digest, LIST=False, num_warps=_NUM_WARPS, **_launch_options(device))
+    tables = (numel, num_tiles, a, b, c_low, c_high, alpha, beta, num_sblocks, int_rows, float_rows)
     # Triton launches on the current CUDA device: make it the tensor's
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        _launch(
-            flat,
-            grid,
-            numel,
-            num_tiles,
-            a,
-            b,
-            c_low,
-            c_high,
-            alpha,
-            beta,
-            num_sblocks,
-            int_rows,
-            float_rows,
-            common,
-            dict(UNROLL=_UNROLL, **common),
-        )
+        # (the job tables are not read by a launch of one tensor: any tensor stands in)
+        _launch(flat, (programs,), *tables, int_rows, int_rows, common, dict(UNROLL=_UNROLL, **common))
         out = torch.empty(2 + k + 3, dtype=torch.float64, device=device)
-        _finish[(1,)](int_rows, float_rows, out, programs, K=k, KP=kp, ROWS=_FINISH_ROWS, num_warps=4)
+        _finish[(1,)](
+            int_rows, float_rows, out, programs, int_rows, K=k, KP=kp, ROWS=_FINISH_ROWS, LIST=False, num_warps=4
+        )
     return out
+
+
+def _plan(numel: int, element_size: int, device: torch.device) -> tuple[int, int, int]:
+    """``(tiles, sketch blocks, programs)`` of a launch over ``numel`` elements."""
+    # = digest blocks
+    num_tiles = -(-numel * element_size // (4 * _TILE_WORDS))
+    num_sblocks = -(-numel // C.BLOCK_ELEMS)
+    # 16-bit tiles add two terms per tile to each float32 Y entry: half as many tiles per program
+    max_tiles = _MAX_TILES_PER_PROGRAM // (2 if element_size == 2 else 1)
+    programs = min(num_tiles, max(_programs_for(device), -(-num_tiles // max_tiles)))
+    return num_tiles, num_sblocks, programs
+
+
+def partials_many(
+    flats: list[torch.Tensor],
+    *,
+    k: int,
+    seed: int,
+    block_offsets: list[int],
+    with_digest: bool,
+    digest_block_offsets: list[int],
+) -> torch.Tensor:
+    """:func:`partials` of several tensors of one dtype on one device, in one launch (and one of
+    the finishing kernel): ``(len(flats), 2 + k + 3)`` float64, row ``i`` what
+    ``partials(flats[i], ...)`` returns, bit for bit (each tensor gets the programs its own launch
+    would, found through a job table). 16-bit tensors read as pairs (odd length or offset) take a
+    launch of their own. The tables go to the device through pinned memory: no host sync."""
+    if triton is None:
+        raise RuntimeError(f"the Triton fingerprint kernel cannot run: {_IMPORT_ERROR}")
+    if k < 1 or min(block_offsets, default=0) < 0 or min(digest_block_offsets, default=0) < 0:
+        raise ValueError("need k >= 1 and block offsets >= 0")
+    flats = [f.detach().reshape(-1) for f in flats]
+    flats = [f if f.is_contiguous() else f.contiguous() for f in flats]
+    if not flats:
+        raise ValueError("partials_many() needs at least one tensor")
+    device, dtype = flats[0].device, flats[0].dtype
+    if any(f.device != device or f.dtype != dtype for f in flats) or dtype not in _SUPPORTED:
+        raise TypeError("partials_many() takes tensors of one supported dtype on one device")
+    out = torch.zeros(len(flats), 2 + k + 3, dtype=torch.float64, device=device)
+    # 16-bit: pairs (odd length or offset) read as int16, the rest as words; empty tensors stay 0
+    groups: dict[bool, list[int]] = {}
+    for index, flat in enumerate(flats):
+        if flat.numel():
+            paired = flat.element_size() == 2 and (flat.numel() % 2 == 1 or flat.storage_offset() % 2 == 1)
+            groups.setdefault(paired, []).append(index)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        for paired, indices in groups.items():
+            rows = _launch_many(
+                [flats[i] for i in indices],
+                k,
+                seed,
+                [block_offsets[i] for i in indices],
+                with_digest,
+                [digest_block_offsets[i] for i in indices],
+                paired,
+            )
+            out[indices] = rows
+    return out
+
+
+def _launch_many(flats, k, seed, block_offsets, with_digest, digest_block_offsets, paired) -> torch.Tensor:
+    """One launch over ``flats`` (non-empty, one dtype, one way of reading 16-bit words)."""
+    device, element = flats[0].device, flats[0].element_size()
+    kp = 1 << (k - 1).bit_length()
+    plans = [_plan(f.numel(), element, device) for f in flats]
+    # per tensor: address, numel, tiles, sketch blocks, first digest block, first sketch block
+    tensors = np.array(
+        [
+            [f.data_ptr(), f.numel(), tiles, sblocks, d0, b0]
+            for f, (tiles, sblocks, _), d0, b0 in zip(flats, plans, digest_block_offsets, block_offsets)
+        ],
+        dtype=np.int64,
+    )
+    counts = np.array([programs for _, _, programs in plans], dtype=np.int64)
+    firsts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    # per program: its tensor, its program within it, that tensor's programs
+    jobs = np.stack(
+        [
+            np.repeat(np.arange(len(flats)), counts),
+            np.arange(counts.sum()) - np.repeat(firsts, counts),
+            np.repeat(counts, counts),
+        ],
+        axis=1,
+    )
+    rows = np.stack([firsts, counts], axis=1)
+    tensors_t, jobs_t, rows_t = (_to_device(t, device) for t in (tensors, jobs, rows))
+    total = int(counts.sum())
+    a, b = _word_weights(device, seed)
+    c_low = _block_weights(device, int((tensors[:, 4] + tensors[:, 2]).max()), seed, high=False)
+    c_high = _block_weights(device, int((tensors[:, 4] + tensors[:, 2]).max()), seed, high=True)
+    alpha = _alpha(device, k, kp, seed)
+    beta = _beta(device, int((tensors[:, 5] + tensors[:, 3]).max()), k, kp, seed)
+    int_rows = torch.empty(total, 4, dtype=torch.int64, device=device)
+    float_rows = torch.empty(total, kp + 2, dtype=torch.float64, device=device)
+    common = dict(KP=kp, WITH_DIGEST=with_digest, LIST=True, num_warps=_NUM_WARPS, **_launch_options(device))
+    # the first tensor stands for the dtype (and the 16-bit reading); the numbers come from the tables
+    first = flats[0]
+    tables = (0, 0, a, b, c_low, c_high, alpha, beta, 0, int_rows, float_rows)
+    _launch(first, (total,), *tables, jobs_t, tensors_t, common, dict(UNROLL=_UNROLL, **common), paired=paired)
+    out = torch.empty(len(flats), 2 + k + 3, dtype=torch.float64, device=device)
+    _finish[(len(flats),)](int_rows, float_rows, out, 0, rows_t, K=k, KP=kp, ROWS=_FINISH_ROWS, LIST=True, num_warps=4)
+    return out
+
+
+def _to_device(table: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small int64 table on ``device``: through pinned memory, queued, no host sync (CUDA)."""
+    host = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64))
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _launch(
@@ -203,45 +294,23 @@ def _launch(
     num_sblocks,
     int_rows,
     float_rows,
+    jobs,
+    tensors,
     common: dict,
     unrolled: dict,
+    paired: bool | None = None,
 ) -> None:
-    """The dtype's kernel on ``flat``'s integer view (float32/float64/16-bit)."""
+    """The dtype's kernel on ``flat``'s integer view (float32/float64/16-bit); ``jobs`` and
+    ``tensors`` are the job tables of a launch over a list (else unread)."""
+    tail = (alpha, beta, num_sblocks, int_rows, float_rows, jobs, tensors)
     if flat.dtype == torch.float32:
-        _kernel32[grid](
-            flat.view(torch.int32),
-            numel,
-            num_tiles,
-            a,
-            b,
-            c_low,
-            c_high,
-            alpha,
-            beta,
-            num_sblocks,
-            int_rows,
-            float_rows,
-            **unrolled,
-        )
+        _kernel32[grid](flat.view(torch.int32), numel, num_tiles, a, b, c_low, c_high, *tail, **unrolled)
     elif flat.dtype == torch.float64:
-        _kernel64[grid](
-            flat.view(torch.int64),
-            numel,
-            num_tiles,
-            a,
-            b,
-            c_low,
-            c_high,
-            alpha,
-            beta,
-            num_sblocks,
-            int_rows,
-            float_rows,
-            **common,
-        )
+        _kernel64[grid](flat.view(torch.int64), numel, num_tiles, a, b, c_low, c_high, *tail, **common)
     else:
         # no int32 view: load 16-bit pairs
-        paired = numel % 2 == 1 or flat.storage_offset() % 2 == 1
+        if paired is None:
+            paired = numel % 2 == 1 or flat.storage_offset() % 2 == 1
         data = flat.view(torch.int16) if paired else flat.view(torch.int32)
         _kernel16[grid](
             data,
@@ -251,11 +320,7 @@ def _launch(
             b,
             c_low,
             c_high,
-            alpha,
-            beta,
-            num_sblocks,
-            int_rows,
-            float_rows,
+            *tail,
             IS_BF16=flat.dtype == torch.bfloat16,
             PAIRED=paired,
             **unrolled,
@@ -369,6 +434,43 @@ if triton is not None:
         tl.store(row + KP + 1, max_abs)
 
     @triton.jit
+    def _job(
+        jobs_ptr,
+        tensors_ptr,
+        data_ptr,
+        numel,
+        num_tiles,
+        num_sblocks,
+        c_ptr,
+        ch_ptr,
+        beta_ptr,
+        WORD: tl.constexpr,
+        KP: tl.constexpr,
+        LIST: tl.constexpr,
+    ):
+        """What this program reads: one tensor's ``(pid, programs, data, numel, tiles, sketch
+        blocks, c, c', beta)``. One tensor: the launch's arguments. ``LIST``: program ``g`` does
+        job ``g`` of ``jobs_ptr`` (``[tensor, its program, its programs]``: each tensor's
+        programs as its own launch would have them, so the numbers are that launch's), and the
+        tensor's row of ``tensors_ptr`` gives ``[address, numel, tiles, sketch blocks, first
+        digest block, first sketch block]``; the weights tables start at block 0."""
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        if LIST:
+            job = jobs_ptr + pid.to(tl.int64) * 3
+            row = tensors_ptr + tl.load(job) * 6
+            pid = tl.load(job + 1)
+            programs = tl.load(job + 2)
+            data_ptr = tl.load(row).to(tl.pointer_type(WORD))
+            numel = tl.load(row + 1)
+            num_tiles = tl.load(row + 2)
+            num_sblocks = tl.load(row + 3)
+            c_ptr += tl.load(row + 4)
+            ch_ptr += tl.load(row + 4)
+            beta_ptr += tl.load(row + 5) * KP
+        return pid, programs, data_ptr, numel, num_tiles, num_sblocks, c_ptr, ch_ptr, beta_ptr
+
+    @triton.jit
     def _load32(words_ptr, numel, tile):
         e = tile * 1024 + tl.arange(0, 1024)
         return tl.load(words_ptr + e, mask=e < numel, other=0)
@@ -422,16 +524,21 @@ if triton is not None:
         num_sblocks,
         int_ptr,
         float_ptr,
+        jobs_ptr,
+        tensors_ptr,
         KP: tl.constexpr,
         WITH_DIGEST: tl.constexpr,
         UNROLL: tl.constexpr,
+        LIST: tl.constexpr,
     ):
         """float32: a tile is 1024 elements, one digest block and one sketch block.
 
-        ``UNROLL`` (1 or 2) tiles per loop iteration, each loaded one iteration ahead.
+        ``UNROLL`` (1 or 2) tiles per loop iteration, each loaded one iteration ahead. ``LIST``:
+        a list of tensors in one launch (:func:`_job`).
         """
-        pid = tl.program_id(0)
-        programs = tl.num_programs(0)
+        pid, programs, words_ptr, numel, num_tiles, num_sblocks, c_ptr, ch_ptr, beta_ptr = _job(
+            jobs_ptr, tensors_ptr, words_ptr, numel, num_tiles, num_sblocks, c_ptr, ch_ptr, beta_ptr, tl.int32, KP, LIST
+        )
         i = tl.arange(0, 1024)
         m = tl.arange(0, KP)
         a = tl.load(a_ptr + i)
@@ -602,11 +709,14 @@ if triton is not None:
         num_sblocks,
         int_ptr,
         float_ptr,
+        jobs_ptr,
+        tensors_ptr,
         KP: tl.constexpr,
         WITH_DIGEST: tl.constexpr,
         IS_BF16: tl.constexpr,
         PAIRED: tl.constexpr,
         UNROLL: tl.constexpr,
+        LIST: tl.constexpr,
     ):
         """bfloat16/float16: a tile is 1024 words = 2048 elements, one digest block, two sketch blocks.
 
@@ -616,10 +726,22 @@ if triton is not None:
         512 tiles per program (the host's cap), so every float32 sum still has <= 1024 terms.
         ``data_ptr`` is the int32 view, or with ``PAIRED`` (odd length or odd offset) the int16
         view, whose pairs are assembled into words in registers. ``UNROLL`` (1 or 2) tiles per
-        loop iteration, each loaded one iteration ahead.
+        loop iteration, each loaded one iteration ahead. ``LIST``: a list of tensors (:func:`_job`).
         """
-        pid = tl.program_id(0)
-        programs = tl.num_programs(0)
+        pid, programs, data_ptr, numel, num_tiles, num_sblocks, c_ptr, ch_ptr, beta_ptr = _job(
+            jobs_ptr,
+            tensors_ptr,
+            data_ptr,
+            numel,
+            num_tiles,
+            num_sblocks,
+            c_ptr,
+            ch_ptr,
+            beta_ptr,
+            tl.int16 if PAIRED else tl.int32,
+            KP,
+            LIST,
+        )
         i = tl.arange(0, 512)
         m = tl.arange(0, KP)
         a0 = tl.load(a_ptr + i)
@@ -737,15 +859,20 @@ if triton is not None:
         num_sblocks,
         int_ptr,
         float_ptr,
+        jobs_ptr,
+        tensors_ptr,
         KP: tl.constexpr,
         WITH_DIGEST: tl.constexpr,
+        LIST: tl.constexpr,
     ):
         """float64: a tile is 512 elements (1024 words, low word first), half a sketch block.
 
         The sketch accumulates in float64 directly: a per-tile sum of 512 terms times ``beta``.
+        ``LIST``: a list of tensors (:func:`_job`).
         """
-        pid = tl.program_id(0)
-        programs = tl.num_programs(0)
+        pid, programs, data_ptr, numel, num_tiles, num_sblocks, c_ptr, ch_ptr, beta_ptr = _job(
+            jobs_ptr, tensors_ptr, data_ptr, numel, num_tiles, num_sblocks, c_ptr, ch_ptr, beta_ptr, tl.int64, KP, LIST
+        )
         i = tl.arange(0, 512)
         m = tl.arange(0, KP)
         a_low = tl.load(a_ptr + 2 * i)
@@ -800,8 +927,27 @@ if triton is not None:
         )
 
     @triton.jit
-    def _finish(int_ptr, float_ptr, out_ptr, programs, K: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr):
-        """One program: adds the ``programs`` rows of partials (in a fixed order) into the output vector."""
+    def _finish(
+        int_ptr,
+        float_ptr,
+        out_ptr,
+        programs,
+        rows_ptr,
+        K: tl.constexpr,
+        KP: tl.constexpr,
+        ROWS: tl.constexpr,
+        LIST: tl.constexpr,
+    ):
+        """One program: adds the ``programs`` rows of partials (in a fixed order) into the output
+        vector. ``LIST``: program ``t`` does tensor ``t``, whose rows ``rows_ptr`` gives as
+        ``[first, count]``, into row ``t`` of the output."""
+        if LIST:
+            t = tl.program_id(0).to(tl.int64)
+            first = tl.load(rows_ptr + 2 * t)
+            programs = tl.load(rows_ptr + 2 * t + 1)
+            int_ptr += first * 4
+            float_ptr += first * (KP + 2)
+            out_ptr += t * (K + 5)
         r = tl.arange(0, ROWS)
         m = tl.arange(0, KP)
         low = tl.zeros((ROWS,), dtype=tl.int64)
