@@ -440,9 +440,21 @@ def test_interpreter_many_tensors_in_one_launch_are_each_ones_own_launch_bit_for
     tensor's :func:`partials` row bit for bit, and the reference's numbers."""
     if not INTERPRETED:
         pytest.skip("interpreter cases run in test_interpreter_suite's subprocess (TRITON_INTERPRET=1)")
+    _check_many(dtype, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@NEEDS_TRITON
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_many_tensors_in_one_launch_are_each_ones_own_launch_bit_for_bit(dtype):
+    _check_many(dtype, "cuda")
+
+
+def _check_many(dtype: torch.dtype, device: str) -> None:
     sizes = (1, 1023, 1024, 1025, 0, 2049, 4097, 10_001, 3)
     cases = [Case(dtype, n, block_offset=(3 * i) % 5, start=i % 2, seed=40 + i) for i, n in enumerate(sizes)]
-    flats = [case.buffer()[case.start :] for case in cases]
+    flats = [case.buffer().to(device)[case.start :] for case in cases]
     for k, with_digest in ((8, True), (1, True), (3, False)):
         many = tk.partials_many(
             flats,
@@ -456,7 +468,7 @@ def test_interpreter_many_tensors_in_one_launch_are_each_ones_own_launch_bit_for
         for row, case, flat in zip(many, cases, flats):
             one = tk.partials(flat, k=k, seed=C.DEFAULT_SEED, block_offset=case.block_offset, with_digest=with_digest)
             assert torch.equal(row.view(torch.int64), one.view(torch.int64)), (case.id, k)
-    for row, case in zip(many, cases):
+    for row, case in zip(many.cpu(), cases):
         check_partials(
             row,
             Case(
