@@ -37,7 +37,8 @@ alternating order, a barrier before each); the figure is the median over every r
 of ``recorded / bare`` step time (wall, and the process's CPU time), then the median over
 ``--runs``. ``--deferred`` records with ``deferred_checks=True``, ``--weights-every N`` votes
 every N steps, ``--profile`` prints rank 0's cProfile of the recorded steps (by own time;
-``--profile bare:cumulative`` the bare steps', by cumulative time).
+``--profile bare:cumulative`` the bare steps', by cumulative time; ``recorded:cumulative:sdc_forensics``
+only the lines whose file matches ``sdc_forensics``).
 ``--parallel tp`` (issue 36) is the same job with tensor parallelism: TP 2 (with sequence parallel)
 x FSDP2 over the rest, on a ``(dp, tp)`` mesh of ``--world-size`` processes (default 4: DP 2 x TP 2),
 the model of ``nanogpt_tp_job.py`` (q/k/v apart, head untied: what TP needs); the ranks of one DP
@@ -316,6 +317,7 @@ def _gpt_rank(
     profiler = cProfile.Profile() if profile and rank == 0 else None
     # "recorded" or "bare", then how the table is sorted ("tottime", "cumulative")
     profile_kind, _, profile_sort = (profile or "recorded").partition(":")
+    profile_sort, _, profile_filter = profile_sort.partition(":")
     profile_sort = profile_sort or "tottime"
     try:
         for step in range(warmup + steps):
@@ -344,7 +346,7 @@ def _gpt_rank(
         found["parts_ms"] = _gpt_parts_ms(models["bare"].module, job, batches)
     if profiler is not None:
         text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats(profile_sort).print_stats(40)
+        pstats.Stats(profiler, stream=text).sort_stats(profile_sort).print_stats(*filter(None, [profile_filter]), 40)
         found["profile"] = text.getvalue()
     return found
 
@@ -675,7 +677,7 @@ def main(argv: list[str] | None = None) -> None:
         nargs="?",
         const="recorded",
         default=None,
-        metavar="KIND[:SORT]",
+        metavar="KIND[:SORT[:FILTER]]",
         help="gpt: print rank 0's cProfile of the recorded (or bare) steps, by own time (or e.g. 'bare:cumulative')",
     )
     parser.add_argument(
