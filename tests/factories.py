@@ -415,6 +415,22 @@ def write_run(
 GLOO_MAX_SEGMENT_BYTES = 1 << 20
 
 
+def records_by_rank(trace_dir, world: int, volatile=("time_ns", "checksum")) -> dict[int, list[dict]]:
+    """Every rank's records but END, each a dict of its fields but ``volatile`` (what a rerun may
+    change: when the record was written, and the checksum that covers it): two runs' traces
+    compared record for record."""
+    from sdc_forensics.trace.reader import Trace
+
+    trace = Trace.open(trace_dir)
+    out = {}
+    for rank in range(world):
+        records = trace.records(rank=rank)
+        kept = records[records["kind"] != int(F.Kind.END)]
+        names = [n for n in kept.dtype.names if n not in volatile]
+        out[rank] = [{n: np.asarray(r[n]).tolist() for n in names} for r in kept]
+    return out
+
+
 def gloo_ring_chunks(numel: int, world_size: int, itemsize: int = 4) -> list[tuple[int, int]]:
     """``[lo, hi)`` element range of each rank's chunk in gloo's ring all-reduce (``gloo::allreduce``).
 

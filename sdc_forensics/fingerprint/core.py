@@ -719,9 +719,7 @@ def fingerprints_async(
                 )
                 continue
             part = parts[position]
-            pending = PendingFingerprint(
-                numel=flat.numel(), num_bytes=flat.numel() * flat.element_size(), seed=seed, with_digest=with_digest
-            )
+            pending = _pending_of(flat, seed, with_digest)
             pending.done = _assemble(pending, part.lanes, part.sketch, part.sumsq, part.max_abs, part.nonfinite)
             out[index] = pending
     for indices in on_cuda.values():
@@ -744,11 +742,14 @@ def _triton_many(out, flats, indices, k, seed, offsets, with_digest, digest_offs
         digest_block_offsets=[digest_offsets[i] for i in indices],
     )
     for row, index, flat in zip(rows, indices, flats):
-        pending = PendingFingerprint(
-            numel=flat.numel(), num_bytes=flat.numel() * flat.element_size(), seed=seed, with_digest=with_digest
-        )
+        out[index] = pending = _pending_of(flat, seed, with_digest)
         pending.values = row
-        out[index] = pending
+
+
+def _pending_of(flat: torch.Tensor, seed: int, with_digest: bool) -> PendingFingerprint:
+    return PendingFingerprint(
+        numel=flat.numel(), num_bytes=flat.numel() * flat.element_size(), seed=seed, with_digest=with_digest
+    )
 
 
 def resolve(pending: list[PendingFingerprint]) -> list[Fingerprint]:

@@ -17,15 +17,13 @@ from __future__ import annotations
 import contextlib
 import sys
 
-import numpy as np
 import pytest
 
-from tests.factories import gloo_job
+from tests.factories import gloo_job, records_by_rank
 
 WORLD = 4
 STEPS = 6
 FAULTS = ("reduce-scatter-output:step=1:rank=1:bit=29", "all-reduce-output:step=3:rank=2:bit=29")
-VOLATILE = ("time_ns", "checksum")
 NAMES = ("all_gather", "all_reduce", "all_gather_object", "broadcast", "barrier")
 
 
@@ -102,20 +100,6 @@ def _job(rank: int, root: str, deferred: bool, policy: str, faults: tuple[str, .
     return {"calls": calls, "raised": raised}
 
 
-def _records(trace_dir) -> dict[int, list[dict]]:
-    from sdc_forensics.trace import format as F
-    from sdc_forensics.trace.reader import Trace
-
-    trace = Trace.open(trace_dir)
-    out = {}
-    for rank in range(WORLD):
-        records = trace.records(rank=rank)
-        kept = records[records["kind"] != int(F.Kind.END)]
-        names = [n for n in kept.dtype.names if n not in VOLATILE]
-        out[rank] = [{n: np.asarray(r[n]).tolist() for n in names} for r in kept]
-    return out
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     found = {}
@@ -129,7 +113,10 @@ def runs(tmp_path_factory):
 def test_deferred_sharded_trace_is_the_same_record_for_record(runs):
     from sdc_forensics.trace import format as F
 
-    at_once, deferred = _records(runs[False][0] / "trace"), _records(runs[True][0] / "trace")
+    at_once, deferred = (
+        records_by_rank(runs[False][0] / "trace", WORLD),
+        records_by_rank(runs[True][0] / "trace", WORLD),
+    )
     assert at_once == deferred
     alarms = {(r["step"], r["aux_rank"]) for r in at_once[0] if r["kind"] == int(F.Kind.ALARM)}
     # the checks fired, so that the comparison above compares something: the reduce-scatter
