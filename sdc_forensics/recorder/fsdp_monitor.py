@@ -229,6 +229,9 @@ class FsdpMonitor:
         self.hsdp = False
         # the step whose check :meth:`launch` started
         self._launched: _Launched | None = None
+        # a pipeline's: the most reduce-scatters a rank makes in a step (set once, the same on
+        # every rank); ranks of different stages may make different numbers, the table has this many
+        self.slots: int | None = None
 
     def _sketch(self, x: torch.Tensor):
         return core.fingerprint_async(x, k=self._k, seed=self._seed, with_digest=False)
@@ -321,7 +324,9 @@ class FsdpMonitor:
             mine, self._calls = self._calls, []
         numbers = self._numbers(mine)
         cols = _Columns(self._k, self.hsdp)
-        table = step_table(mine, numbers, cols, dist.get_rank(), dist.get_world_size())
+        # (a pipeline's table has its slots: more calls than that is refused by check, on every rank)
+        slots = len(mine) if self.slots is None else self.slots
+        table = step_table(mine[:slots], numbers[:slots], cols, dist.get_rank(), dist.get_world_size(), slots)
         self._launched = _Launched(calls=mine, cols=cols, summed=exchange.Summed(table))
 
     def check(self, step: int, *, policy: str = "return", gathered: np.ndarray | None = None) -> StepCheck:
@@ -347,7 +352,13 @@ class FsdpMonitor:
         # two numbers per rank in one tensor gather (no pickling), or the caller's
         first = np.asarray(gathered) if gathered is not None else _gather_words(self.step_words())
         counts = set(first[:, 0].tolist())
-        if len(counts) > 1:
+        if self.slots is not None and max(counts) > self.slots:
+            self._launched = None
+            raise UsageError(
+                f"step {step}: a rank made {max(counts)} reduce-scatters, more than the {self.slots} parameter groups "
+                "of its stage(s): a group reduce-scattered twice (accumulation that communicates every microbatch)"
+            )
+        if self.slots is None and len(counts) > 1:
             self._launched = None
             raise UsageError(
                 f"step {step}: ranks made different numbers of reduce-scatters ({sorted(counts)}): "
@@ -359,10 +370,12 @@ class FsdpMonitor:
             self.launch()
         launched, self._launched = self._launched, None
         calls = len(launched.calls)
-        # else unpaired: the replica all-reduces are not checked
-        paired = len(set(first[:, 1].tolist())) == 1
+        # else unpaired: the replica all-reduces are not checked (a pipeline's stages all-reduce
+        # different calls: each row says whether all its replicas added to it)
+        paired = self.slots is not None or len(set(first[:, 1].tolist())) == 1
         summed = launched.summed.table()
-        findings = findings_of(summed, calls, dist.get_world_size(), launched.cols, paired)
+        rows = calls if self.slots is None else self.slots
+        findings = findings_of(summed, rows, dist.get_world_size(), launched.cols, paired)
         note = ""
         if not calls and dist.get_world_size() > 1:
             note = (
@@ -384,14 +397,14 @@ def _words_of(calls: list[_Call]) -> list[int]:
     return [len(calls), zlib.crc32(np.asarray(ar_calls, dtype=np.int64).tobytes())]
 
 
-def _words_device() -> torch.device:
+def collective_device() -> torch.device:
     """Where the check's own collectives run: the current CUDA device under NCCL (which takes no CPU tensors)."""
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def _gather_words(words: list[int]) -> np.ndarray:
     """``(W, n)`` int64: every rank's ``n`` words, one ``all_gather`` of a tensor."""
-    mine = torch.tensor(words, dtype=torch.int64, device=_words_device())
+    mine = torch.tensor(words, dtype=torch.int64, device=collective_device())
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(out, mine)
     return torch.stack(out).cpu().numpy()
@@ -472,11 +485,14 @@ class _Columns:
         self.hsdp, self.width = hsdp, at
 
 
-def step_table(calls: list[_Call], numbers: list[dict], cols: _Columns, rank: int, world: int) -> torch.Tensor:
-    """This rank's ``(calls, W, width)`` float64 part of the step's table (:class:`_Columns`), on
-    the device the collectives ran on; all-reduced (summed) over the world it is every rank's."""
+def step_table(
+    calls: list[_Call], numbers: list[dict], cols: _Columns, rank: int, world: int, slots: int | None = None
+) -> torch.Tensor:
+    """This rank's ``(slots, W, width)`` float64 part of the step's table (:class:`_Columns`;
+    ``slots`` defaults to its calls, the rest zero), on the device the collectives ran on;
+    all-reduced (summed) over the world it is every rank's."""
     k = cols.k
-    table = np.zeros((len(calls), world, cols.width), dtype=np.float64)
+    table = np.zeros((len(calls) if slots is None else slots, world, cols.width), dtype=np.float64)
     for i, (call, nums) in enumerate(zip(calls, numbers)):
         for c, dest in enumerate(call.group):
             table[i, dest, cols.IN] = _terms(nums["inputs"][c], k)
@@ -498,7 +514,7 @@ def step_table(calls: list[_Call], numbers: list[dict], cols: _Columns, rank: in
             own[cols.AR_OUT], own[cols.HAS_AR] = nums["ar_output"], 1
             own[cols.AR_SIZE], own[cols.AR_SCALE] = len(call.ar_group), call.ar_scale
             own[cols.AR_COUNT] = len(call.ar_group) * len(call.ar_inputs)
-    device = calls[0].device if calls else _words_device()
+    device = calls[0].device if calls else collective_device()
     # (a leading zero keeps a step without calls a non-empty collective)
     return torch.from_numpy(np.concatenate([[0.0], table.reshape(-1)])).to(device)
 

@@ -167,10 +167,6 @@ def pp_mesh_refusal(params: list[torch.Tensor], world_size: int) -> str | None:
 class PpLayout(TpLayout):
     """PipelineStage x FSDP2 (see the module); built by ``recorder.make_layout`` for a pipeline schedule."""
 
-    #: the stages' reduce-scatter counts are compared before the check's table is summed (a stage
-    #: may reduce-scatter more parameter groups than another: the table would not match)
-    deferrable = False
-
     def __init__(self, schedule: Any, comm_hook: Any = None, comm_state: Any = None) -> None:
         stages, self._divisor = stages_of(schedule)
         self._parts = [stage.submod for stage in stages]
@@ -325,6 +321,12 @@ class PpLayout(TpLayout):
 
     def install(self, job: Job) -> None:
         super().install(job)
+        # stages may hold different numbers of parameter groups (an uneven cut; a middle stage's
+        # root without parameters): the reduce-scatter check's table has the most any rank makes
+        mine = sum(len(groups) for groups in self._part_groups)
+        most = torch.tensor([mine], dtype=torch.int64, device=fm.collective_device())
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        self.tap.slots = int(most.item())
         stages = self._mesh.shape[self._mesh.pp_dim]
         if len(self._parts) == 1 and self._stage_indices[0] < stages - 1:
             # one stage per rank, not the last: what it hands on, and the gradients handed back for it
