@@ -76,7 +76,7 @@ class RecorderOptions:
         deferred_checks: launch the recorder's own collectives (the failure exchange's words,
             the weights vote; a sharded job's reduce-scatter check table) in the background and
             resolve them when the next step begins, so that none blocks the step (DDP, FSDP2,
-            HSDP, TP; not a pipeline; audited steps and checkpoints stay synchronous). The
+            HSDP, TP, PP; audited steps and checkpoints stay synchronous). The
             trace is the same, its STEP record written a step later; the policy acts a step
             late: under ``raise`` the alarm comes from the next ``begin_step`` (or from
             ``checkpoint``/``close``), after the flagged step's update. docs/recorder.md.
