@@ -733,14 +733,27 @@ def _triton_many(out, flats, indices, k, seed, offsets, with_digest, digest_offs
     from sdc_forensics.fingerprint import triton_kernel
 
     _note_path(flats[0].device, "triton-cuda")
-    rows = triton_kernel.partials_many(
-        flats,
-        k=k,
-        seed=seed,
-        block_offsets=[offsets[i] for i in indices],
-        with_digest=with_digest,
-        digest_block_offsets=[digest_offsets[i] for i in indices],
-    )
+    try:
+        rows = triton_kernel.partials_many(
+            flats,
+            k=k,
+            seed=seed,
+            block_offsets=[offsets[i] for i in indices],
+            with_digest=with_digest,
+            digest_block_offsets=[digest_offsets[i] for i in indices],
+        )
+    except Exception as exc:  # noqa: BLE001 - the list launch must not lose the answer: one launch each
+        log.warning("sdc-forensics: the Triton list launch failed (%s); one launch per tensor", exc)
+        for index, flat in zip(indices, flats):
+            out[index] = fingerprint_async(
+                flat,
+                k=k,
+                seed=seed,
+                block_offset=offsets[index],
+                with_digest=with_digest,
+                digest_block_offset=digest_offsets[index],
+            )
+        return
     for row, index, flat in zip(rows, indices, flats):
         out[index] = pending = _pending_of(flat, seed, with_digest)
         pending.values = row

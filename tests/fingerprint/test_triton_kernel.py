@@ -506,3 +506,21 @@ def test_interpreter_fingerprints_async_takes_a_list_in_one_launch(monkeypatch):
     for a, b in zip(many, one):
         assert a.digest == b.digest and np.array_equal(a.sketch, b.sketch) and a.norm == b.norm
         assert (a.max_abs, a.nonfinite, a.numel) == (b.max_abs, b.nonfinite, b.numel)
+
+
+def test_interpreter_a_failed_list_launch_falls_back_to_one_launch_each(monkeypatch):
+    """A list launch that fails (a Triton that cannot compile it, say) loses no fingerprint."""
+    if not INTERPRETED:
+        pytest.skip("interpreter cases run in test_interpreter_suite's subprocess (TRITON_INTERPRET=1)")
+    from sdc_forensics.fingerprint import core
+
+    monkeypatch.setattr(core, "kernel_path", lambda device="cpu", dtype=torch.float32: "triton-cuda")
+
+    def broken(flats, **kwargs):
+        raise RuntimeError("no list launch here")
+
+    monkeypatch.setattr(tk, "partials_many", broken)
+    tensors = [Case(torch.float32, n, seed=n).tensor() for n in (5, 3000)]
+    many = core.resolve(core.fingerprints_async(tensors, k=8))
+    one = core.resolve([core.fingerprint_async(t, k=8) for t in tensors])
+    assert [(a.digest, a.sketch.tolist()) for a in many] == [(b.digest, b.sketch.tolist()) for b in one]
