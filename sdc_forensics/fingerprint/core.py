@@ -707,17 +707,10 @@ def fingerprints_async(
         except Exception as exc:  # noqa: BLE001 - a broken compiled path must not lose the answer
             _compiled_failed(exc)
             parts = None
+        if parts is None:
+            _one_each(out, flats, indices, k, seed, offsets, with_digest, digest_offsets)
+            continue
         for position, (index, flat) in enumerate(zip(indices, flats)):
-            if parts is None:
-                out[index] = fingerprint_async(
-                    flat,
-                    k=k,
-                    seed=seed,
-                    block_offset=offsets[index],
-                    with_digest=with_digest,
-                    digest_block_offset=digest_offsets[index],
-                )
-                continue
             part = parts[position]
             pending = _pending_of(flat, seed, with_digest)
             pending.done = _assemble(pending, part.lanes, part.sketch, part.sumsq, part.max_abs, part.nonfinite)
@@ -725,6 +718,19 @@ def fingerprints_async(
     for indices in on_cuda.values():
         _triton_many(out, [flats_by_index[i] for i in indices], indices, k, seed, offsets, with_digest, digest_offsets)
     return out  # type: ignore[return-value]
+
+
+def _one_each(out, flats, indices, k, seed, offsets, with_digest, digest_offsets) -> None:
+    """:func:`fingerprint_async` of each of a batch whose one call failed (nothing is lost)."""
+    for index, flat in zip(indices, flats):
+        out[index] = fingerprint_async(
+            flat,
+            k=k,
+            seed=seed,
+            block_offset=offsets[index],
+            with_digest=with_digest,
+            digest_block_offset=digest_offsets[index],
+        )
 
 
 def _triton_many(out, flats, indices, k, seed, offsets, with_digest, digest_offsets) -> None:
@@ -744,15 +750,7 @@ def _triton_many(out, flats, indices, k, seed, offsets, with_digest, digest_offs
         )
     except Exception as exc:  # noqa: BLE001 - the list launch must not lose the answer: one launch each
         log.warning("sdc-forensics: the Triton list launch failed (%s); one launch per tensor", exc)
-        for index, flat in zip(indices, flats):
-            out[index] = fingerprint_async(
-                flat,
-                k=k,
-                seed=seed,
-                block_offset=offsets[index],
-                with_digest=with_digest,
-                digest_block_offset=digest_offsets[index],
-            )
+        _one_each(out, flats, indices, k, seed, offsets, with_digest, digest_offsets)
         return
     for row, index, flat in zip(rows, indices, flats):
         out[index] = pending = _pending_of(flat, seed, with_digest)

@@ -134,3 +134,19 @@ def test_weights_summary_is_the_per_tensor_fingerprints_combined(dtype):
     tensors[2][5] = float("nan")
     digest, norm, nonfinite = core.weights_summary(tensors)
     assert digest == combined(tensors)[0] and math.isnan(norm) and nonfinite == 1
+
+
+def test_a_failed_batched_call_falls_back_to_one_call_each(monkeypatch):
+    """The compiled batch raising (a broken compile, say) loses no fingerprint: one call each."""
+    if not cpu_kernel.available()[0]:
+        pytest.skip("the compiled CPU kernel is not available")
+    tensors = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in (5, 1025, 3000)]
+    one = core.resolve([core.fingerprint_async(t, k=8) for t in tensors])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no batch here")
+
+    monkeypatch.setattr(cpu_kernel, "partials_many", broken)
+    monkeypatch.setattr(core, "_compiled_failed", lambda exc: None)
+    many = core.resolve(core.fingerprints_async(tensors, k=8))
+    assert [(a.digest, a.sketch.tolist(), a.norm) for a in many] == [(b.digest, b.sketch.tolist(), b.norm) for b in one]
