@@ -343,8 +343,20 @@ def finish(y, y64, q, q64, alpha):
     """``(sketch, sumsq)`` after the last flush: sums over lanes in order, in float64."""
     _flush(y, y64, q, q64)
     k = y.shape[0]
+    # each sum adds its lanes in order; four side by side (in registers), so that the additions
+    # of four chains overlap instead of one chain of 1024 dependent additions waiting on itself
     sketch = np.zeros(k)
-    for m in range(k):
+    m = 0
+    while m + 4 <= k:
+        s0 = s1 = s2 = s3 = 0.0
+        for i in range(BLOCK_ELEMS):
+            s0 += alpha[i, m] * y64[m, i]
+            s1 += alpha[i, m + 1] * y64[m + 1, i]
+            s2 += alpha[i, m + 2] * y64[m + 2, i]
+            s3 += alpha[i, m + 3] * y64[m + 3, i]
+        sketch[m], sketch[m + 1], sketch[m + 2], sketch[m + 3] = s0, s1, s2, s3
+        m += 4
+    for m in range(m, k):
         acc = 0.0
         for i in range(BLOCK_ELEMS):
             acc += alpha[i, m] * y64[m, i]

@@ -720,6 +720,35 @@ def fingerprints_async(
     return out  # type: ignore[return-value]
 
 
+def chunk_rows(tensor: torch.Tensor, parts: int, *, k: int = C.DEFAULT_SKETCH_K, seed: int = C.DEFAULT_SEED):
+    """The sketch numbers of ``tensor``'s ``parts`` equal chunks (``reshape(-1).chunk(parts)``)
+    as one ``(parts, k + 2)`` float64 array, row ``[sketch (k), norm, NaN/Inf count]``: the
+    numbers :func:`fingerprints_async` of the chunks resolves to, bit for bit, in one compiled
+    call with no Python object per chunk. None where that call does not take the tensor (not on
+    the CPU kernel's path, ``parts`` not dividing its size, a 16-bit chunk at an odd address):
+    the caller then fingerprints the chunks as a list."""
+    flat = tensor.detach().reshape(-1)
+    if (
+        parts < 1
+        or flat.device.type != "cpu"
+        or not flat.is_contiguous()
+        or flat.numel() == 0
+        or flat.numel() % parts
+        or kernel_path(flat.device, flat.dtype) != "numba-cpu"
+        or flat.data_ptr() % max(4, flat.element_size())
+        or (flat.numel() // parts * flat.element_size()) % max(4, flat.element_size())
+    ):
+        return None
+    _note_path(flat.device, "numba-cpu")
+    name = str(flat.dtype).removeprefix("torch.")
+    values = flat.view(torch.int16).numpy().view(np.uint16) if flat.element_size() == 2 else flat.numpy()
+    try:
+        return cpu_kernel.chunk_rows(values, parts, name, k=k, seed=seed)
+    except Exception as exc:  # noqa: BLE001 - a broken compiled path must not lose the answer
+        _compiled_failed(exc)
+        return None
+
+
 def _one_each(out, flats, indices, k, seed, offsets, with_digest, digest_offsets) -> None:
     """:func:`fingerprint_async` of each of a batch whose one call failed (nothing is lost)."""
     for index, flat in zip(indices, flats):

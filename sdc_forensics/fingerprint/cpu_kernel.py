@@ -305,6 +305,36 @@ def partials_many(
     return out
 
 
+def chunk_rows(values: np.ndarray, parts: int, dtype_name: str, *, k: int, seed: int) -> np.ndarray:
+    """The sketch numbers of ``values``' ``parts`` equal chunks in one compiled call, as an array:
+    row ``r`` is ``[sketch (k), norm, NaN/Inf count]`` of chunk ``r`` (no digest), the numbers
+    :func:`partials_many` gives for the chunks as separate arrays, bit for bit, with no Python
+    object per chunk (a reduce-scatter's input has as many chunks as its group has ranks).
+
+    Args:
+        values: 1-D, C-contiguous, ``parts`` dividing its size; 4-byte aligned, and for 16-bit
+            words an even chunk length (every chunk's address aligned to 4 bytes).
+
+    Raises:
+        RuntimeError: the kernel is not available (check :func:`available` first).
+    """
+    n = values.size // parts
+    addresses = values.ctypes.data + np.arange(parts, dtype=np.int64) * (n * values.itemsize)
+    zeros = np.zeros(parts, dtype=np.int64)
+    _, sketch, sumsq, max_abs = many_at(
+        addresses, np.full(parts, n, dtype=np.int64), dtype_name, k=k, seed=seed, block_offsets=zeros,
+        digest_block_offsets=zeros, with_digest=False,
+    )  # fmt: skip
+    rows = np.empty((parts, k + 2))
+    rows[:, :k] = sketch
+    rows[:, k] = np.sqrt(sumsq)
+    rows[:, k + 1] = 0.0
+    # NaN/Inf present, or x * x overflowed: counted as partials() counts them
+    for r in np.flatnonzero(~(np.isfinite(sumsq) & np.isfinite(max_abs))).tolist():
+        rows[r, k + 1] = _count_nonfinite(values[r * n : (r + 1) * n], dtype_name)
+    return rows
+
+
 def end_numbers(
     words: np.ndarray,
     floats: np.ndarray,

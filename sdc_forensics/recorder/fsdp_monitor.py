@@ -115,8 +115,8 @@ class _Call:
     scale: float | None
     # HSDP: all-reduce output = ar_scale * sum of its inputs
     ar_scale: float
-    # W pending fingerprints: this rank's chunk r, r < W
-    inputs: list
+    # this rank's chunks r < W: their (W, k + 2) rows (the CPU kernel's one call), or W pending fingerprints
+    inputs: object
     # pending fingerprint of the output
     output: object = None
     # HSDP: global ranks of the replica all-reduce's group
@@ -140,6 +140,17 @@ class _Launched:
     calls: list[_Call]
     cols: "_Columns"
     summed: "exchange.Summed"
+
+
+def chunk_sketches(input_tensor: torch.Tensor, parts: int, k: int, seed: int):
+    """A reduce-scatter input's ``parts`` chunks sketched in one kernel call (the same numbers as
+    one call each): on the CPU kernel one ``(parts, k + 2)`` array of their rows, else a pending
+    fingerprint per chunk (resolved with the step's others)."""
+    rows = core.chunk_rows(input_tensor, parts, k=k, seed=seed)
+    if rows is None:
+        chunks = input_tensor.reshape(-1).chunk(parts)
+        rows = core.fingerprints_async(chunks, k=k, seed=seed, with_digest=False)
+    return rows
 
 
 def _row(fp: core.Fingerprint) -> list[float]:
@@ -253,9 +264,7 @@ class FsdpMonitor:
             self._calls.append(call)
         if self._inject is not None:
             self._inject("local-gradient", index, input_tensor)
-        # the W chunks in one kernel call (the same numbers as one call each)
-        chunks = input_tensor.reshape(-1).chunk(len(ranks))
-        call.inputs = core.fingerprints_async(chunks, k=self._k, seed=self._seed, with_digest=False)
+        call.inputs = chunk_sketches(input_tensor, len(ranks), self._k, self._seed)
         return index
 
     def _after(self, index: int, output_tensor: torch.Tensor) -> None:
@@ -281,11 +290,16 @@ class FsdpMonitor:
         """The calls' numbers on the host: one ``resolve`` for every pending sketch of the step."""
         pending = []
         for call in calls:
-            pending += call.inputs + [call.output] + ([call.ar_output] if call.ar_output is not None else [])
+            listed = [] if isinstance(call.inputs, np.ndarray) else call.inputs
+            pending += listed + [call.output] + ([call.ar_output] if call.ar_output is not None else [])
         done = iter(core.resolve([p for p in pending if p is not None]))
         out = []
         for call in calls:
-            inputs = [_row(next(done)) for _ in call.inputs]
+            # (W, k + 2): each chunk's [sketch, norm, NaN/Inf]
+            if isinstance(call.inputs, np.ndarray):
+                inputs = call.inputs
+            else:
+                inputs = np.array([_row(next(done)) for _ in call.inputs], dtype=np.float64).reshape(-1, self._k + 2)
             output = _row(next(done)) if call.output is not None else None
             ar_output = _row(next(done)) if call.ar_output is not None else None
             out.append(
@@ -419,6 +433,12 @@ def _terms(row: list[float], k: int) -> list[float]:
     return [*row[:k], row[k] * row[k], row[k], row[k + 1]]
 
 
+def _terms_of(rows: np.ndarray, k: int) -> np.ndarray:
+    """:func:`_terms` of every row of ``rows`` ``(n, k + 2)`` at once (the same float64 operations)."""
+    norm = rows[:, k : k + 1]
+    return np.concatenate([rows[:, :k], norm * norm, norm, rows[:, k + 1 : k + 2]], axis=1)
+
+
 def sum_over(rows: list[list[float]], group, device, k: int) -> np.ndarray:
     """``rows`` (the same shape on every rank of ``group``) summed over the group: one all-reduce."""
     table = torch.tensor([_terms(row, k) for row in rows], dtype=torch.float64, device=device)
@@ -494,12 +514,13 @@ def step_table(
     k = cols.k
     table = np.zeros((len(calls) if slots is None else slots, world, cols.width), dtype=np.float64)
     for i, (call, nums) in enumerate(zip(calls, numbers)):
-        for c, dest in enumerate(call.group):
-            table[i, dest, cols.IN] = _terms(nums["inputs"][c], k)
+        # chunk c's terms into its destination's row, every chunk at once
+        inputs = np.asarray(nums["inputs"], dtype=np.float64).reshape(-1, k + 2)
+        table[i, np.asarray(call.group, dtype=np.int64), cols.IN] = _terms_of(inputs, k)
         own = table[i, rank]
         if nums["output"] is not None:
             own[cols.OUT], own[cols.HAS_OUT] = nums["output"], 1
-        own[cols.OWN_NAN] = sum(int(row[k + 1]) for row in nums["inputs"])
+        own[cols.OWN_NAN] = inputs[:, k + 1].sum()
         if call.scale is not None:
             own[cols.SCALE], own[cols.HAS_SCALE] = call.scale, 1
         own[cols.SIZE], own[cols.FIRST] = len(call.group), call.group[0]

@@ -150,3 +150,46 @@ def test_a_failed_batched_call_falls_back_to_one_call_each(monkeypatch):
     monkeypatch.setattr(core, "_compiled_failed", lambda exc: None)
     many = core.resolve(core.fingerprints_async(tensors, k=8))
     assert [(a.digest, a.sketch.tolist(), a.norm) for a in many] == [(b.digest, b.sketch.tolist(), b.norm) for b in one]
+
+
+def _chunk_rows_by_list(tensor: torch.Tensor, parts: int, k: int) -> np.ndarray:
+    """The rows the FSDP check built before ``chunk_rows``: each chunk's resolved fingerprint."""
+    chunks = tensor.reshape(-1).chunk(parts)
+    done = core.resolve(core.fingerprints_async(chunks, k=k, with_digest=False))
+    return np.array([[*fp.sketch, fp.norm, fp.nonfinite] for fp in done], dtype=np.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("parts", [1, 2, 3, 8, 64])
+def test_chunk_rows_are_the_chunks_fingerprints_bit_for_bit(dtype, parts):
+    # chunk lengths around the row and tile edges, NaN and Inf in a few chunks, tiny and huge values
+    rng = np.random.default_rng(parts)
+    for length in (2, 1024, 1026, 8192 + 6):
+        values = torch.from_numpy(rng.standard_normal(parts * length) * 10.0 ** rng.uniform(-3, 3, parts * length))
+        tensor = values.to(dtype)
+        tensor[length // 2] = float("nan")
+        if parts > 2:
+            tensor[2 * length] = float("inf")
+            tensor[2 * length + 1] = float("-inf")
+        rows = core.chunk_rows(tensor, parts, k=8)
+        assert rows is not None and rows.shape == (parts, 10)
+        assert _same_bits(rows, _chunk_rows_by_list(tensor, parts, 8)), (dtype, parts, length)
+        assert rows[0, 9] == 1 and (parts <= 2 or rows[2, 9] == 2)
+
+
+def test_chunk_rows_leaves_what_it_cannot_take_to_the_list():
+    assert core.chunk_rows(torch.ones(10), 3) is None  # 3 does not divide 10
+    assert core.chunk_rows(torch.ones(0), 2) is None
+    assert core.chunk_rows(torch.ones(12, dtype=torch.bfloat16), 4) is None  # 3 16-bit words: odd addresses
+    assert core.chunk_rows(torch.ones(13)[1:], 4) is not None  # an offset view, 4-byte aligned
+    assert core.chunk_rows(torch.ones(24)[::2], 4) is None  # not contiguous
+    assert core.chunk_rows(torch.ones(8, dtype=torch.int32), 2) is None  # no sketch of integers here
+
+
+def test_a_failed_chunk_call_leaves_the_chunks_to_the_list(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(cpu_kernel, "many_at", broken)
+    monkeypatch.setattr(core, "_compiled_failed", lambda exc: None)
+    assert core.chunk_rows(torch.ones(16), 4) is None
