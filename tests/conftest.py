@@ -54,6 +54,11 @@ HEAVY = (
     "tests/recorder/test_fsdp_recorder.py::test_with_three_hsdp_replicas_the_vote_names_the_rank_online_and_a_clean_run_certifies",
     "tests/integrations/test_torchtitan.py::test_the_checks_run_before_each_optimizer_step_and_name_the_faulty_rank",
     "tests/forensics/test_exactness.py::test_a_sharded_job_replayed_with_a_wrong_learning_rate_certifies_nothing_after_checkpoint_0",
+    # the README command's slowest (25-60 s each on a loaded 2-core VM, stop 50's --durations)
+    "tests/forensics/test_follow.py::test_sigterm_stops_the_follower_cleanly",
+    "tests/cli/test_certify_demo.py::test_checkpoint_saved_from_the_diverged_replica_is_not_certified",
+    "tests/cli/test_first_hour.py::test_exit_status_does_not_depend_on_stderr_being_a_closed_pipe",
+    "tests/forensics/test_rng_recipes.py::test_a_step_that_depends_on_the_global_rng_is_never_judged",
 )
 
 
