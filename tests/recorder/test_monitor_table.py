@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from sdc_forensics.fingerprint import cpu_kernel
 from sdc_forensics.recorder import fsdp_monitor as fm
 from sdc_forensics.recorder.checks import Check
 
@@ -109,3 +110,38 @@ def test_the_vectorised_judgement_is_sum_check_row_by_row(dtype):
     ]
     assert failing.tolist() == scalar
     assert 0 < sum(scalar) < rows
+
+
+@pytest.mark.skipif(not cpu_kernel.available()[0], reason="the compiled CPU kernel is off or unavailable")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_table_from_one_array_of_chunk_rows_is_the_table_from_each_chunks_fingerprint(dtype):
+    """``chunk_sketches`` on the CPU kernel: one ``(W, k + 2)`` array instead of ``W`` pending
+    fingerprints; the monitor's numbers and its part of the table are the same bits either way."""
+    import torch
+
+    from sdc_forensics.fingerprint import constants as C
+    from sdc_forensics.fingerprint import core
+
+    world, seed = 16, C.DEFAULT_SEED
+    grads = [
+        torch.randn(world * 300, generator=torch.Generator().manual_seed(i)).to(getattr(torch, dtype)) for i in range(3)
+    ]
+    grads[1][5] = float("nan")
+    tables = []
+    for as_rows in (True, False):
+        calls = []
+        for grad in grads:
+            call = fm._Call(group=tuple(range(world)), dtype=dtype, scale=1 / world, ar_scale=1.0, inputs=[])
+            if as_rows:
+                call.inputs = fm.chunk_sketches(grad, world, K, seed)
+                assert isinstance(call.inputs, np.ndarray), "the CPU kernel takes the chunks in one call"
+            else:
+                call.inputs = core.fingerprints_async(grad.chunk(world), k=K, seed=seed, with_digest=False)
+            call.output = core.fingerprint_async(grad[:300], k=K, seed=seed, with_digest=False)
+            calls.append(call)
+        monitor = fm.FsdpMonitor(sketch_k=K, seed=seed)
+        tables.append(fm.step_table(calls, monitor._numbers(calls), fm._Columns(K, hsdp=False), 3, world).numpy())
+    assert tables[0].view(np.int64).tolist() == tables[1].view(np.int64).tolist()
+    cols = fm._Columns(K, hsdp=False)
+    own = tables[0][1:].reshape(3, world, cols.width)[:, 3]
+    assert own[1, cols.OWN_NAN] == 1 and own[0, cols.OWN_NAN] == 0
