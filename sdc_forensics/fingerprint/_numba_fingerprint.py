@@ -340,8 +340,25 @@ def run_widened(
 
 @nb.njit(**_jit)
 def finish(y, y64, q, q64, alpha):
-    """``(sketch, sumsq)`` after the last flush: sums over lanes in order, in float64."""
-    _flush(y, y64, q, q64)
+    """``(sketch, sumsq)`` after the last flush: sums over lanes in order, in float64. Leaves
+    ``y``, ``y64``, ``q`` and ``q64`` zero (the next pass's start, :func:`_reset`)."""
+    return _finish_lanes(y, y64, q, q64, alpha, BLOCK_ELEMS)
+
+
+@nb.njit(**_jit)
+def _finish_lanes(y, y64, q, q64, alpha, used):
+    """:func:`finish` of a pass that touched only lanes ``[0, used)`` (the rest hold exact +0.0).
+
+    The same bits as over every lane: each sum starts at +0.0 and adds its lanes in order, so it
+    is never -0.0, and adding the skipped lanes' products (+0.0 or -0.0) would change nothing.
+    """
+    for m in range(y.shape[0]):
+        for i in range(used):
+            y64[m, i] += np.float64(y[m, i])
+            y[m, i] = 0
+    for i in range(used):
+        q64[i] += np.float64(q[i])
+        q[i] = 0
     k = y.shape[0]
     # each sum adds its lanes in order; four side by side (in registers), so that the additions
     # of four chains overlap instead of one chain of 1024 dependent additions waiting on itself
@@ -349,22 +366,34 @@ def finish(y, y64, q, q64, alpha):
     m = 0
     while m + 4 <= k:
         s0 = s1 = s2 = s3 = 0.0
-        for i in range(BLOCK_ELEMS):
+        for i in range(used):
             s0 += alpha[i, m] * y64[m, i]
             s1 += alpha[i, m + 1] * y64[m + 1, i]
             s2 += alpha[i, m + 2] * y64[m + 2, i]
             s3 += alpha[i, m + 3] * y64[m + 3, i]
+            y64[m, i] = y64[m + 1, i] = y64[m + 2, i] = y64[m + 3, i] = 0.0
         sketch[m], sketch[m + 1], sketch[m + 2], sketch[m + 3] = s0, s1, s2, s3
         m += 4
     for m in range(m, k):
         acc = 0.0
-        for i in range(BLOCK_ELEMS):
+        for i in range(used):
             acc += alpha[i, m] * y64[m, i]
+            y64[m, i] = 0.0
         sketch[m] = acc
     total = 0.0
-    for i in range(BLOCK_ELEMS):
+    for i in range(used):
         total += q64[i]
+        q64[i] = 0.0
     return sketch, total
+
+
+@nb.njit(**_jit)
+def _lanes_used(n):
+    """The lanes a pass over ``n`` elements can touch: every lane from one whole row on, else the
+    strips that hold its elements (the strips after them are skipped, :func:`_live`)."""
+    if n >= BLOCK_ELEMS:
+        return BLOCK_ELEMS
+    return min(BLOCK_ELEMS, -(-n // STRIP) * STRIP)
 
 
 # ---------------------------------------------------------------- many tensors in one call
@@ -393,11 +422,9 @@ _u16_at = _pointer_to(types.uint16)
 
 
 @nb.njit(**_jit)
-def _reset(y, y64, q, q64, mx, lanes):
-    y[:] = 0
-    y64[:] = 0
-    q[:] = 0
-    q64[:] = 0
+def _reset(mx, lanes):
+    """A pass's start, after :func:`_state` or the last pass's :func:`finish` (which leaves the
+    sums zero): the max and the digest lanes."""
     mx[:] = 0
     lanes[:] = 0
 
@@ -425,7 +452,7 @@ def _piece(values, second, n, num_blocks):
 @nb.njit(**_jit)
 def _one_direct(values, n, num_blocks, a, b, c, c2, beta, alpha, y, y64, q, q64, mx, lanes, pairs):
     """One float32 or float64 tensor's pass; returns ``(sketch, sumsq)``, ``lanes`` and ``mx`` hold the rest."""
-    _reset(y, y64, q, q64, mx, lanes)
+    _reset(mx, lanes)
     for second in (False, True):
         grid, words, blocks, row, first = _piece(values, second, n, num_blocks)
         if grid.shape[0]:
@@ -434,13 +461,13 @@ def _one_direct(values, n, num_blocks, a, b, c, c2, beta, alpha, y, y64, q, q64,
                 grid, words, blocks, per_tile, row, a, b, c[first:], c2[first:], beta[row:],
                 y, y64, q, q64, mx, lanes, pairs, n - row * BLOCK_ELEMS,
             )  # fmt: skip
-    return finish(y, y64, q, q64, alpha)
+    return _finish_lanes(y, y64, q, q64, alpha, _lanes_used(n))
 
 
 @nb.njit(**_jit)
 def _one_widened(values, is_f16, n, num_blocks, a, b, c, c2, beta, alpha, tile, y, y64, q, q64, mx, lanes, pairs):
     """:func:`_one_direct` for 16-bit bits."""
-    _reset(y, y64, q, q64, mx, lanes)
+    _reset(mx, lanes)
     for second in (False, True):
         grid, words, blocks, row, first = _piece(values, second, n, num_blocks)
         if grid.shape[0]:
@@ -449,7 +476,7 @@ def _one_widened(values, is_f16, n, num_blocks, a, b, c, c2, beta, alpha, tile, 
                 grid, is_f16, words, blocks, per_tile, row, a, b, c[first:], c2[first:], beta[row:],
                 tile, y, y64, q, q64, mx, lanes, pairs, n - row * BLOCK_ELEMS,
             )  # fmt: skip
-    return finish(y, y64, q, q64, alpha)
+    return _finish_lanes(y, y64, q, q64, alpha, _lanes_used(n))
 
 
 @nb.njit(**_jit)

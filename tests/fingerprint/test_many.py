@@ -83,6 +83,33 @@ def test_batched_equals_reference_and_one_by_one(seed, k):
         assert fp.lanes == one.lanes
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tensors_under_a_row_sum_only_their_strips_and_keep_the_references_bits(dtype):
+    """A pass over fewer than 1,024 elements finishes over the strips it touched only: the same
+    bits as the reference's sums over every lane, signed zeros and cancellations included."""
+    values = [
+        [-0.0] * 5,
+        [0.0],
+        [1.5, -1.5],
+        [-0.0, 0.0, -0.0],
+        [3.0] * 255 + [-3.0] * 255,
+        list(np.random.default_rng(1).standard_normal(700)),
+        [1e-30, -1e-30, 2.0, -2.0] * 64 + [-0.0] * 7,
+        [float("nan"), -0.0],
+        [float("-inf"), 1.0],
+    ]
+    tensors = [torch.tensor(v, dtype=torch.float64).to(dtype) for v in values]
+    for k in (1, 8):
+        many = core.resolve(core.fingerprints_async(tensors, k=k, seed=3))
+        for fp, t in zip(many, tensors):
+            wide = t.float() if t.element_size() == 2 else t
+            sketch, sumsq, max_abs, nonfinite = reference.sketch_stats_in_kernel_order(wide.numpy(), k, 3, 0)
+            assert _same_bits(fp.sketch, sketch), (t, fp.sketch, sketch)
+            assert _same_bits(fp.norm, np.sqrt(sumsq)) and _same_bits(fp.max_abs, max_abs)
+            assert fp.nonfinite == nonfinite
+            assert fp.digest == reference.digest_bytes(_bits(t), 3)
+
+
 def test_without_digest_and_defaults():
     tensors = _batch(5)[:6]
     many = core.resolve(core.fingerprints_async(tensors, with_digest=False))
