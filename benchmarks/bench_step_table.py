@@ -12,6 +12,8 @@ does on the CPU kernel) and ``list`` (``core.fingerprints_async`` of the ``W`` c
 pending fingerprint each: the CUDA path, and the CPU path before ``chunk_rows``)::
 
     python benchmarks/bench_step_table.py --world 8 64 1024 --calls 40 --chunk 256 --runs 5
+    git worktree add /tmp/base 3a836a9   # before: stop 49's last commit, its check and kernel
+    PYTHONPATH=/tmp/base python benchmarks/bench_step_table.py --paths list
 
 The summed table it judges is made consistent (every rank's own columns as this rank's, every
 output the scaled sum of its inputs), so every row is judged and none is found.
@@ -101,15 +103,22 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument(
+        "--paths",
+        nargs="+",
+        choices=["rows", "list"],
+        default=["rows", "list"],
+        help="which ways to time (list alone runs on a checkout from before chunk_rows, on PYTHONPATH)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     core.warm_up()
-    one_step(4, 2, args.chunk, args.k)
+    one_step(4, 2, args.chunk, args.k, rows="rows" in args.paths)
     results = []
     for world in args.world:
         # the two ways of sketching a call's chunks, alternating run by run
-        runs = {"rows": [], "list": []}
+        runs = {path: [] for path in args.paths}
         for _ in range(args.runs):
             for path in runs:
                 runs[path].append(one_step(world, args.calls, args.chunk, args.k, rows=path == "rows"))

@@ -13,7 +13,7 @@ for i in $(seq 1 "$runs"); do
   start=$(date +%s)
   python -m pytest -q -m campaign -p no:cacheprovider >"$logs/run$i-campaign.log" 2>&1 &
   campaign=$!
-  python -m pytest -q -m heavy -p no:cacheprovider >"$logs/run$i-heavy.log" 2>&1
+  python -m pytest -q -m heavy -n 2 --dist loadfile -p no:cacheprovider >"$logs/run$i-heavy.log" 2>&1
   heavy_rc=$?
   wait "$campaign"
   campaign_rc=$?

@@ -16,8 +16,9 @@ import pytest
 from tests import factories
 
 #: The slowest tests (5-50 s each on 2 cores: torchrun launches, several recorded runs, the
-#: Triton interpreter), marked ``heavy``: the README's test command leaves them out to stay near
-#: 4 minutes, and ``.ci/run`` runs them right after it (``python -m pytest -q -m heavy``).
+#: Triton interpreter), marked ``heavy``: the README's test command leaves them out to stay under
+#: 8 minutes, and ``.ci/run`` runs them right after it (``python -m pytest -q -m heavy -n 2 --dist
+#: loadfile``: two pytest-xdist workers, whole files each).
 #: Node-id prefixes, so that one line covers a folder, a file or a test.
 HEAVY = (
     "tests/distributed/",
