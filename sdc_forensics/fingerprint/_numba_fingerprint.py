@@ -179,11 +179,17 @@ def _strip(x, at, q, mx, lane, pairs, signs, y, rows):
 
 @nb.njit(**_jit)
 def _flush(y, y64, q, q64):
+    _flush_lanes(y, y64, q, q64, BLOCK_ELEMS)
+
+
+@nb.njit(**_jit)
+def _flush_lanes(y, y64, q, q64, used):
+    """The float32 sums of lanes ``[0, used)`` added into the float64 ones, and cleared."""
     for m in range(y.shape[0]):
-        for i in range(BLOCK_ELEMS):
+        for i in range(used):
             y64[m, i] += np.float64(y[m, i])
             y[m, i] = 0
-    for i in range(BLOCK_ELEMS):
+    for i in range(used):
         q64[i] += np.float64(q[i])
         q[i] = 0
 
@@ -352,13 +358,7 @@ def _finish_lanes(y, y64, q, q64, alpha, used):
     The same bits as over every lane: each sum starts at +0.0 and adds its lanes in order, so it
     is never -0.0, and adding the skipped lanes' products (+0.0 or -0.0) would change nothing.
     """
-    for m in range(y.shape[0]):
-        for i in range(used):
-            y64[m, i] += np.float64(y[m, i])
-            y[m, i] = 0
-    for i in range(used):
-        q64[i] += np.float64(q[i])
-        q[i] = 0
+    _flush_lanes(y, y64, q, q64, used)
     k = y.shape[0]
     # each sum adds its lanes in order; four side by side (in registers), so that the additions
     # of four chains overlap instead of one chain of 1024 dependent additions waiting on itself
