@@ -683,14 +683,7 @@ def fingerprints_async(
             on_cuda.setdefault((flat.device, flat.dtype), []).append(index)
             flats_by_index[index] = flat
             continue
-        out[index] = fingerprint_async(
-            flat,
-            k=k,
-            seed=seed,
-            block_offset=offsets[index],
-            with_digest=with_digest,
-            digest_block_offset=digest_offsets[index],
-        )
+        _one_each(out, [flat], [index], k, seed, offsets, with_digest, digest_offsets)
     for name, (indices, flats) in batches.items():
         _note_path(torch.device("cpu"), "numba-cpu")
         arrays = [f.view(torch.int16).numpy().view(np.uint16) if f.element_size() == 2 else f.numpy() for f in flats]
@@ -750,7 +743,8 @@ def chunk_rows(tensor: torch.Tensor, parts: int, *, k: int = C.DEFAULT_SKETCH_K,
 
 
 def _one_each(out, flats, indices, k, seed, offsets, with_digest, digest_offsets) -> None:
-    """:func:`fingerprint_async` of each of a batch whose one call failed (nothing is lost)."""
+    """:func:`fingerprint_async` of each of ``flats`` (a batch whose one call failed: nothing is
+    lost; or a tensor no batch takes), into ``out`` at ``indices``."""
     for index, flat in zip(indices, flats):
         out[index] = fingerprint_async(
             flat,
