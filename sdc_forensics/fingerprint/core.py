@@ -597,10 +597,9 @@ def fingerprint_async(
     _note_path(device, path)
     if path == "numba-cpu":
         name = str(flat.dtype).removeprefix("torch.")
-        values = flat.view(torch.int16).numpy().view(np.uint16) if flat.element_size() == 2 else flat.numpy()
         try:
             part = cpu_kernel.partials(
-                values,
+                _kernel_words(flat),
                 name,
                 k=k,
                 seed=seed,
@@ -671,8 +670,7 @@ def fingerprints_async(
             and flat.device.type == "cpu"
             and compiled[flat.dtype]
             and digest_offsets[index] >= 0
-            # 16-bit words at an odd element offset: fingerprint_async copies them first
-            and flat.data_ptr() % max(4, flat.element_size()) == 0
+            and _aligned(flat)
         ):
             indices, flats = batches.setdefault(str(flat.dtype).removeprefix("torch."), ([], []))
             indices.append(index)
@@ -686,7 +684,7 @@ def fingerprints_async(
         _one_each(out, [flat], [index], k, seed, offsets, with_digest, digest_offsets)
     for name, (indices, flats) in batches.items():
         _note_path(torch.device("cpu"), "numba-cpu")
-        arrays = [f.view(torch.int16).numpy().view(np.uint16) if f.element_size() == 2 else f.numpy() for f in flats]
+        arrays = [_kernel_words(f) for f in flats]
         try:
             parts = cpu_kernel.partials_many(
                 arrays,
@@ -713,6 +711,17 @@ def fingerprints_async(
     return out  # type: ignore[return-value]
 
 
+def _aligned(flat: torch.Tensor) -> bool:
+    """The compiled CPU kernel reads ``flat`` in place: its first word is aligned (16-bit words at
+    an odd element offset are not: :func:`fingerprint_async` copies them first)."""
+    return flat.data_ptr() % max(4, flat.element_size()) == 0
+
+
+def _kernel_words(flat: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor as the compiled kernel reads it, no copy: 16-bit words as uint16."""
+    return flat.view(torch.int16).numpy().view(np.uint16) if flat.element_size() == 2 else flat.numpy()
+
+
 def chunk_rows(tensor: torch.Tensor, parts: int, *, k: int = C.DEFAULT_SKETCH_K, seed: int = C.DEFAULT_SEED):
     """The sketch numbers of ``tensor``'s ``parts`` equal chunks (``reshape(-1).chunk(parts)``)
     as one ``(parts, k + 2)`` float64 array, row ``[sketch (k), norm, NaN/Inf count]``: the
@@ -728,15 +737,15 @@ def chunk_rows(tensor: torch.Tensor, parts: int, *, k: int = C.DEFAULT_SKETCH_K,
         or flat.numel() == 0
         or flat.numel() % parts
         or kernel_path(flat.device, flat.dtype) != "numba-cpu"
-        or flat.data_ptr() % max(4, flat.element_size())
+        or not _aligned(flat)
+        # every chunk starts at an aligned word
         or (flat.numel() // parts * flat.element_size()) % max(4, flat.element_size())
     ):
         return None
     _note_path(flat.device, "numba-cpu")
     name = str(flat.dtype).removeprefix("torch.")
-    values = flat.view(torch.int16).numpy().view(np.uint16) if flat.element_size() == 2 else flat.numpy()
     try:
-        return cpu_kernel.chunk_rows(values, parts, name, k=k, seed=seed)
+        return cpu_kernel.chunk_rows(_kernel_words(flat), parts, name, k=k, seed=seed)
     except Exception as exc:  # noqa: BLE001 - a broken compiled path must not lose the answer
         _compiled_failed(exc)
         return None

@@ -238,16 +238,22 @@ def partials(
         rest_blocks = max(0, num_blocks - main_blocks)
         call(padded.reshape(TILE_ROWS, C.BLOCK_ELEMS), rest_blocks, main_rows, main_blocks if rest_blocks else 0, rest)
     sketch, sumsq = module.finish(y, y64, q, q64, _alpha(k, seed))
-    max_abs = float(mx.max())
-    nonfinite = 0
-    # NaN/Inf present, or x * x overflowed
-    if not (math.isfinite(sumsq) and math.isfinite(max_abs)):
-        nonfinite = _count_nonfinite(values, dtype_name)
-        if nonfinite:
-            max_abs = math.nan if _has_nan(values, dtype_name) else math.inf
+    nonfinite, max_abs = _checked(values, dtype_name, float(sumsq), float(mx.max()))
     return Partials(
         lanes=(int(lanes[0]), int(lanes[1])), sketch=sketch, sumsq=float(sumsq), max_abs=max_abs, nonfinite=nonfinite
     )
+
+
+def _checked(values: np.ndarray, dtype_name: str, sumsq: float, max_abs: float) -> tuple[int, float]:
+    """``(NaN/Inf count, max |x|)`` of ``values``, whose sums came out ``sumsq`` and ``max_abs``:
+    counted only where those are not finite (NaN/Inf present, or ``x * x`` overflowed); ``max |x|``
+    is then NaN where a NaN is present, else inf where an Inf is."""
+    if math.isfinite(sumsq) and math.isfinite(max_abs):
+        return 0, max_abs
+    nonfinite = _count_nonfinite(values, dtype_name)
+    if nonfinite:
+        max_abs = math.nan if _has_nan(values, dtype_name) else math.inf
+    return nonfinite, max_abs
 
 
 _KINDS = {"float32": 0, "bfloat16": 1, "float16": 2, "float64": 3}
@@ -287,12 +293,8 @@ def partials_many(
     )  # fmt: skip
     out = []
     for index, values in enumerate(arrays):
-        total, largest, nonfinite = float(sumsq[index]), float(max_abs[index]), 0
-        # NaN/Inf present, or x * x overflowed: counted as partials() counts them
-        if not (math.isfinite(total) and math.isfinite(largest)):
-            nonfinite = _count_nonfinite(values, dtype_name)
-            if nonfinite:
-                largest = math.nan if _has_nan(values, dtype_name) else math.inf
+        total = float(sumsq[index])
+        nonfinite, largest = _checked(values, dtype_name, total, float(max_abs[index]))
         out.append(
             Partials(
                 lanes=(int(lanes[index, 0]), int(lanes[index, 1])),
@@ -329,9 +331,9 @@ def chunk_rows(values: np.ndarray, parts: int, dtype_name: str, *, k: int, seed:
     rows[:, :k] = sketch
     rows[:, k] = np.sqrt(sumsq)
     rows[:, k + 1] = 0.0
-    # NaN/Inf present, or x * x overflowed: counted as partials() counts them
+    # only the chunks whose sums are not finite can hold NaN/Inf (_checked's rule)
     for r in np.flatnonzero(~(np.isfinite(sumsq) & np.isfinite(max_abs))).tolist():
-        rows[r, k + 1] = _count_nonfinite(values[r * n : (r + 1) * n], dtype_name)
+        rows[r, k + 1] = _checked(values[r * n : (r + 1) * n], dtype_name, float(sumsq[r]), float(max_abs[r]))[0]
     return rows
 
 

@@ -428,20 +428,22 @@ def _split(row, k: int) -> tuple[np.ndarray, float, int]:
     return np.asarray(row[:k]), float(row[k]), int(row[k + 1])
 
 
-def _terms(row: list[float], k: int) -> list[float]:
-    """A row's numbers that add across ranks: the sketch, the squared norm, the norm, the NaN/Inf count."""
-    return [*row[:k], row[k] * row[k], row[k], row[k + 1]]
-
-
-def _terms_of(rows: np.ndarray, k: int) -> np.ndarray:
-    """:func:`_terms` of every row of ``rows`` ``(n, k + 2)`` at once (the same float64 operations)."""
+def _terms_of(rows, k: int) -> np.ndarray:
+    """The numbers of each row of ``rows`` (``(n, k + 2)``: sketch, norm, NaN/Inf count) that add
+    across ranks: ``(n, k + 3)`` of the sketch, the squared norm, the norm, the NaN/Inf count."""
+    rows = np.asarray(rows, dtype=np.float64).reshape(-1, k + 2)
     norm = rows[:, k : k + 1]
     return np.concatenate([rows[:, :k], norm * norm, norm, rows[:, k + 1 : k + 2]], axis=1)
 
 
+def _terms(row, k: int) -> np.ndarray:
+    """:func:`_terms_of` of one row."""
+    return _terms_of(row, k)[0]
+
+
 def sum_over(rows: list[list[float]], group, device, k: int) -> np.ndarray:
     """``rows`` (the same shape on every rank of ``group``) summed over the group: one all-reduce."""
-    table = torch.tensor([_terms(row, k) for row in rows], dtype=torch.float64, device=device)
+    table = torch.from_numpy(_terms_of(rows, k)).to(device)
     dist.all_reduce(table, group=group)
     return table.cpu().numpy()
 
@@ -528,7 +530,7 @@ def step_table(
         paired = nums["ar_output"] is not None and all(numbers[j]["output"] is not None for j in call.ar_inputs)
         if cols.hsdp and paired:
             # the terms of the reduce-scatter outputs it adds, into each replica's row
-            summed = np.sum([_terms(numbers[j]["output"], k) for j in call.ar_inputs], axis=0)
+            summed = _terms_of([numbers[j]["output"] for j in call.ar_inputs], k).sum(axis=0)
             for dest in call.ar_group:
                 table[i, dest, cols.AR_IN] += summed
                 table[i, dest, cols.AR_N] += 1
