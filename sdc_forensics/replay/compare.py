@@ -82,6 +82,8 @@ class StepComparisons:
     collective = False
     # the dtype the job's comm hook compressed the all-reduce to
     compress = None
+    # the reductions tried until one reproduces the record (env.orders_to_try)
+    order_candidates: tuple[str, ...] = env.REDUCTION_ORDERS
     # why the own collective did not reproduce a step, once said
     collective_missed = ""
 
@@ -212,7 +214,7 @@ class StepComparisons:
         counts = np.array([votes])
         candidates = {}
         if (
-            self.collective and self.known_order != env.ORDERED and self.mesh is None
+            self.collective and not env.is_ordered(self.known_order) and self.mesh is None
             # the job's own collective, checked against the record
         ):
             reduced = distributed.collective_mean(per_rank, self.world_size, self.compress)
@@ -234,8 +236,11 @@ class StepComparisons:
                     "the modelled summation orders are tried instead"
                 )
         # recorded: exact or tolerant
-        if self.known_order == env.ORDERED:
-            orders = (env.ORDERED,)
+        if env.is_ordered(self.known_order):
+            # the one that reproduced earlier steps first; a job's own hook may have divided by W
+            orders = (self.known_order,) + tuple(
+                o for o in self.order_candidates if env.is_ordered(o) and o != self.known_order
+            )
         elif (
             self.mesh is not None
             # a sharded job's own reduce-scatter: gloo's ring where the trace says how it was cut
@@ -250,7 +255,7 @@ class StepComparisons:
             orders = (env.COLLECTIVE,)
         else:
             orders = tuple(candidates) + (
-                (self.known_order,) if self.known_order and not tolerant else env.REDUCTION_ORDERS
+                (self.known_order,) if self.known_order and not tolerant else self.order_candidates
             )
         for order in orders:
             # the own collective, already checked

@@ -23,7 +23,7 @@ import torch
 
 from sdc_forensics import numerics
 from sdc_forensics.errors import TraceError, UsageError
-from sdc_forensics.reduction import REPRODUCIBLE_COMPRESSION, ordered_mean
+from sdc_forensics.reduction import REPRODUCIBLE_COMPRESSION, ordered_mean, ordered_sum
 from sdc_forensics.trace.layouts import BucketLayout, read_bucket_layouts
 
 #: The summation orders the replay tries when the trace does not say which one the collective
@@ -31,6 +31,11 @@ from sdc_forensics.trace.layouts import BucketLayout, read_bucket_layouts
 #: used whenever the trace records it and only then.
 REDUCTION_ORDERS = ("gloo-ring", "sequential")
 ORDERED = "ordered"
+#: An order with this suffix divides each rank's buffer by ``W`` where the plain one multiplies
+#: it by ``1/W``: DDP's own reducer multiplies, torch's ``allreduce_hook`` (and a hook written
+#: like it, ``bucket.buffer().div_(W)``) divides, and for a ``W`` that is not a power of two the
+#: bits differ. The replay tries both for a job with its own comm hook (:func:`orders_to_try`).
+DIVIDED = "-divided"
 #: The replay's own process group's all-reduce (``--collective``): not a model of the job's
 #: collective but the collective itself, checked against the recorded digest at every step.
 COLLECTIVE = "collective"
@@ -178,6 +183,22 @@ def ring_sum(src: list[torch.Tensor]) -> torch.Tensor:
     return acc
 
 
+def is_ordered(order: str | None) -> bool:
+    """Whether ``order`` is the ordered reduction (scaled by ``1/W`` or divided by ``W``)."""
+    return (order or "").removesuffix(DIVIDED) == ORDERED
+
+
+def orders_to_try(determinism: dict) -> tuple[str, ...]:
+    """The reductions that may have made an attempt's reduced gradient, in the order the replay
+    tries them: the recorded ordered reduction, or gloo's ring and the sequential sum; each also
+    divided (:data:`DIVIDED`) when the job reduced through its own comm hook, which may divide
+    where DDP multiplies (a compressing hook torch ships is reproduced as it is: it divides)."""
+    base = (ORDERED,) if str(determinism.get("reduction") or "") == ORDERED else REDUCTION_ORDERS
+    if not determinism.get("comm_hook") or compression_of(determinism) is not None:
+        return base
+    return base + tuple(order + DIVIDED for order in base)
+
+
 def compression_of(determinism: dict) -> torch.dtype | None:
     """The dtype a recorded comm hook compressed the all-reduce to, when the replay can reproduce
     it (torch's ``fp16_compress_hook``/``bf16_compress_hook``); None otherwise."""
@@ -193,7 +214,8 @@ def reduce_buckets(
 ) -> list[torch.Tensor]:
     """Average bucket buffers over ranks. ``per_rank[r][b]``: rank ``r``'s flat bucket ``b``.
 
-    Each rank's buffer is multiplied by ``1 / W`` (as DDP does before its SUM), then the parts
+    Each rank's buffer is multiplied by ``1 / W`` (as DDP does before its SUM; divided by ``W``
+    for an order ending in :data:`DIVIDED`, as torch's ``allreduce_hook`` does), then the parts
     are added in ``order``. Elementwise, so it is computed slice by slice on CPU (each slice of
     the W buffers read once, while in cache, no scaled copies of whole buffers) with the same
     roundings as whole-buffer operations. ``out``: buffers to write into (same shapes), reused
@@ -203,7 +225,8 @@ def reduce_buckets(
     ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks._compress_hook`` does.
     """
     world_size = len(per_rank)
-    if compress is not None and order != ORDERED:
+    divide, order = order.endswith(DIVIDED), order.removesuffix(DIVIDED)
+    if compress is not None:
         return [
             _compressed_bucket(
                 [per_rank[r][b] for r in range(world_size)], order, compress, out[b] if out is not None else None
@@ -212,10 +235,9 @@ def reduce_buckets(
         ]
     if order == ORDERED:
         return [
-            ordered_mean([per_rank[r][b] for r in range(world_size)], out=out[b] if out is not None else None)
+            _ordered_bucket([per_rank[r][b] for r in range(world_size)], divide, out[b] if out is not None else None)
             for b in range(len(per_rank[0]))
         ]
-    scale = 1.0 / world_size
     result = []
     for bucket in range(len(per_rank[0])):
         src = [per_rank[r][bucket] for r in range(world_size)]
@@ -229,26 +251,49 @@ def reduce_buckets(
             for a in range(lo, hi, step):
                 b = min(a + step, hi)
                 piece = acc[a:b]
-                torch.mul(src[ranks[0]][a:b], scale, out=piece)
+                _scaled(src[ranks[0]][a:b], world_size, divide, piece)
                 part = scratch[: b - a]
                 for r in ranks[1:]:
-                    torch.mul(src[r][a:b], scale, out=part)
+                    _scaled(src[r][a:b], world_size, divide, part)
                     piece += part
         result.append(acc)
     return result
 
 
+def _scaled(src: torch.Tensor, world_size: int, divide: bool, out: torch.Tensor) -> None:
+    """``src / W`` (a hook's ``div_``) or ``src * (1/W)`` (DDP's reducer) into ``out``."""
+    if divide:
+        torch.div(src, world_size, out=out)
+    else:
+        torch.mul(src, 1.0 / world_size, out=out)
+
+
+def _ordered_bucket(src: list[torch.Tensor], divide: bool, out: torch.Tensor | None) -> torch.Tensor:
+    """The ordered reduction of one bucket: ``ordered_mean`` (the recorder's own hook, or a job's
+    hook that multiplies by ``1/W``), or the ``ordered_sum`` of the parts a hook divided by ``W``
+    (the ordered reduction stands in for the ``SUM`` that hook asks for)."""
+    if not divide:
+        return ordered_mean(src, out=out)
+    return ordered_sum([t / len(src) for t in src], out=out)
+
+
 def _compressed_bucket(
     src: list[torch.Tensor], order: str, dtype: torch.dtype, out: torch.Tensor | None
 ) -> torch.Tensor:
+    """The hook casts each rank's buffer to ``dtype`` and divides it by ``W`` there, the
+    collective sums the parts (in ``order``; the ordered reduction in float32, rounded back to
+    ``dtype`` once), and the hook casts the sum back."""
     world_size = len(src)
     low = [t.to(dtype).div_(world_size) for t in src]
-    acc = torch.empty_like(low[0])
-    for lo, hi, ranks in _summation_plan(acc.numel(), acc.element_size(), world_size, order):
-        piece = acc[lo:hi]
-        piece.copy_(low[ranks[0]][lo:hi])
-        for r in ranks[1:]:
-            piece += low[r][lo:hi]
+    if order == ORDERED:
+        acc = ordered_sum(low)
+    else:
+        acc = torch.empty_like(low[0])
+        for lo, hi, ranks in _summation_plan(acc.numel(), acc.element_size(), world_size, order):
+            piece = acc[lo:hi]
+            piece.copy_(low[ranks[0]][lo:hi])
+            for r in ranks[1:]:
+                piece += low[r][lo:hi]
     target = out if out is not None else torch.empty_like(src[0])
     return target.copy_(acc)
 

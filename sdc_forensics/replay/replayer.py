@@ -524,10 +524,13 @@ class Replayer(StepComparisons):
             if attempt not in layouts:
                 layouts[attempt] = env.bucket_layouts(self.trace.path, attempt)
             layout, recorded_layout = env.layout_at(layouts[attempt], step, len(params))
-            if _recorded_reduction(self.trace, attempt) == env.ORDERED:
-                # the order is known before any step: exact on any device
+            determinism = env.attempt_determinism(self.trace, attempt)
+            self.order_candidates = env.orders_to_try(determinism)
+            if _recorded_reduction(self.trace, attempt) == env.ORDERED and not env.is_ordered(self.known_order):
+                # the order is known before any step: exact on any device (a job's own hook
+                # under it may have divided by W: the variant that reproduces it is kept)
                 self.known_order = env.ORDERED
-            self.compress = env.compression_of(env.attempt_determinism(self.trace, attempt))
+            self.compress = env.compression_of(determinism)
             if not recorded_layout and tolerant_from is None:
                 tolerant_from = step
                 notes.append("no bucket layout recorded: gradients compared by norm within tolerance only")

@@ -1,0 +1,147 @@
+"""A job's own comm hook that divides by ``W`` (torch's ``allreduce_hook``: ``buffer.div_(W)``, then
+``all_reduce(SUM)``), and any hook under ``RecorderOptions(reduction="ordered")``.
+
+DDP's own reducer multiplies each gradient by ``1/W``; ``x / 3`` and ``x * (1/3)`` differ in the
+last bit, so with 3 ranks a clean job reduced by ``allreduce_hook`` was never certified
+(``inconclusive``: "no summation order reproduces the recorded reduced digest"). Under the ordered
+reduction the replay ignored the hook altogether: a clean job with ``allreduce_hook`` or
+``fp16_compress_hook`` and ``reduction="ordered"`` was called ``corruption`` at step 0, blaming
+the collective of every node. The replay now tries each order both ways (``env.DIVIDED``) for a
+job with its own hook, and reproduces a compressing hook under the ordered reduction.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from sdc_forensics.cli.main import cli
+from sdc_forensics.demo import forked
+from sdc_forensics.replay import env
+from tests.factories import free_port
+
+pytestmark = pytest.mark.heavy
+
+HOOKS = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks"
+WORLD, STEPS, EVERY = 3, 6, 3
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, hook_name: str, ordered: bool) -> None:
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from sdc_forensics.recorder import ordered as ordered_reduction
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(33, 9000), nn.Tanh(), nn.Linear(9000, 5))
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)  # several buckets
+        inner = getattr(default_hooks, hook_name)
+        # what the recorder registers for the job's hook (recorder/ddp_layout.communicating_hook)
+        inner = ordered_reduction.compose(inner) if ordered else inner
+        saved = {}
+
+        def hook(state, bucket):
+            index, local = bucket.index(), bucket.buffer().clone()
+
+            def keep(fut):
+                value = fut.value()
+                value = value[0] if isinstance(value, (list, tuple)) else value
+                saved[index] = (local, value.clone())
+                return value
+
+            return inner(state, bucket).then(keep)
+
+        ddp.register_comm_hook(None, hook)
+        gen = torch.Generator().manual_seed(100 + rank)
+        ddp(torch.randn(16, 33, generator=gen)).square().mean().backward()  # DDP rebuilds its buckets after step 1
+        model.zero_grad()
+        saved.clear()
+        ddp(torch.randn(16, 33, generator=gen)).square().mean().backward()
+        for index, (local, reduced) in saved.items():
+            torch.save({"local": local, "reduced": reduced}, f"{out_dir}/r{rank}-b{index}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "hook_name, ordered, order, compress, plain",
+    [
+        ("allreduce_hook", False, "gloo-ring" + env.DIVIDED, None, "gloo-ring"),
+        ("allreduce_hook", True, env.ORDERED + env.DIVIDED, None, env.ORDERED),
+        ("fp16_compress_hook", True, env.ORDERED, torch.float16, env.ORDERED),
+    ],
+    ids=["allreduce-hook", "allreduce-hook-ordered", "fp16-ordered"],
+)
+def test_the_replay_reproduces_the_hook_bit_for_bit(tmp_path, hook_name, ordered, order, compress, plain):
+    forked.start(_worker, (WORLD, free_port(), str(tmp_path), hook_name, ordered), WORLD)
+    buckets = sorted({p.name.split("-b")[1] for p in tmp_path.glob("r0-b*.pt")})
+    assert len(buckets) > 1
+    for bucket in buckets:
+        saved = [torch.load(tmp_path / f"r{r}-b{bucket}", weights_only=True) for r in range(WORLD)]
+        locals_ = [[s["local"]] for s in saved]
+        [replayed] = env.reduce_buckets(locals_, order, compress=compress)
+        # what the replay computed before: DDP's 1/W scaling, the hook's compression ignored
+        [before] = env.reduce_buckets(locals_, plain)
+        assert not torch.equal(replayed, before)  # the difference is visible: the test can fail
+        for r, s in enumerate(saved):
+            assert torch.equal(s["reduced"].view(torch.int32), replayed.view(torch.int32)), (bucket, r)
+
+
+def test_orders_to_try_adds_the_divided_orders_for_a_hook_of_the_job_s_own():
+    assert env.orders_to_try({}) == env.REDUCTION_ORDERS
+    assert env.orders_to_try({"reduction": "ordered"}) == (env.ORDERED,)
+    mine = {"comm_hook": "train.my_hook"}
+    assert env.orders_to_try(mine) == ("gloo-ring", "sequential", "gloo-ring-divided", "sequential-divided")
+    assert env.orders_to_try({**mine, "reduction": "ordered"}) == (env.ORDERED, env.ORDERED + env.DIVIDED)
+    # torch's compressing hooks are reproduced as they are (they divide)
+    assert env.orders_to_try({"comm_hook": f"{HOOKS}.fp16_compress_hook"}) == env.REDUCTION_ORDERS
+
+
+@pytest.mark.parametrize(
+    "hook, reduction",
+    [("allreduce_hook", "native"), ("allreduce_hook", "ordered"), ("fp16_compress_hook", "ordered")],
+    ids=["allreduce-hook", "allreduce-hook-ordered", "fp16-ordered"],
+)
+def test_a_clean_job_with_the_hook_is_certified_on_three_ranks(demo_run, hook, reduction):
+    trace = (
+        demo_run(
+            (),
+            steps=STEPS,
+            checkpoint_every=EVERY,
+            world_size=WORLD,
+            reduction=reduction,
+            comm_hook=f"{HOOKS}:{hook}",
+        )
+        / "trace"
+    )
+    done = CliRunner().invoke(cli, ["certify", str(trace), "--json", "--no-ledger"])
+    assert done.exit_code == 0, done.output
+    doc = json.loads(done.stdout)
+    assert [c["status"] for c in doc["checkpoints"]] == ["clean"] * 3 and doc["resume_step"] == STEPS
+
+
+def test_a_fault_in_a_job_with_a_dividing_hook_is_found_at_its_step_and_rank(demo_run):
+    trace = (
+        demo_run(
+            "grad:step=4:rank=1:bit=27",
+            steps=STEPS,
+            checkpoint_every=EVERY,
+            world_size=WORLD,
+            reduction="ordered",
+            comm_hook=f"{HOOKS}:allreduce_hook",
+        )
+        / "trace"
+    )
+    found = CliRunner().invoke(cli, ["bisect", str(trace), "--json", "--no-ledger"])
+    assert found.exit_code == 1, found.output
+    doc = json.loads(found.stdout)
+    assert doc["first_divergent_step"] == 4 and [s["rank"] for s in doc["suspects"]] == [1]
+    assert doc["replayed"]["comparison"] == "exact"
+    assert [c["status"] for c in doc["checkpoints"]][:2] == ["clean", "clean"]
