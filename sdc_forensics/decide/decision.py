@@ -396,9 +396,13 @@ class EarlierAttempt:
     resumed_by: int
     steps: tuple[int, int]
     decision: Decision
+    # what its replay examined (None: nothing was replayed)
+    examined: Examined | None = None
 
 
-def with_earlier_attempts(latest: Decision, earlier: Sequence[EarlierAttempt]) -> Decision:
+def with_earlier_attempts(
+    latest: Decision, earlier: Sequence[EarlierAttempt], owners: dict[int, tuple[int, int]] | None = None
+) -> Decision:
     """The run's decision once the earlier attempts of a resumed run are judged too (design brief: every attempt).
 
     A fault in steps a later attempt re-executed does not end with the re-execution: the GPU that made it is still
@@ -406,7 +410,17 @@ def with_earlier_attempts(latest: Decision, earlier: Sequence[EarlierAttempt]) -
     the run's verdict; but the latest attempt resumed from a checkpoint before that fault, so the first divergent
     step and every checkpoint status stay those of the latest attempt's lineage (its own replay). What an earlier
     attempt could not settle is said, and changes nothing else.
+
+    Except a checkpoint an earlier attempt saved after the step a later one resumed from, which the
+    later one did not save again (``owners``: step -> ``(attempt that saved it, attempt that resumed
+    before it)``, ``trace.checkpoints.superseded_by``): it holds that earlier attempt's state, so it
+    is judged by that attempt's own steps (:func:`_off_lineage`), never certified by the latest
+    lineage's replay of other records.
     """
+    if owners:
+        latest = dataclasses.replace(
+            latest, checkpoints=tuple(_off_lineage(c, owners.get(c.step), earlier) for c in latest.checkpoints)
+        )
     suspects, settle, evidence = list(latest.suspects), [], list(latest.evidence)
     verdict = latest.verdict
     for past in sorted(earlier, key=lambda p: p.attempt):
@@ -436,6 +450,43 @@ def with_earlier_attempts(latest: Decision, earlier: Sequence[EarlierAttempt]) -
         suspects=tuple(suspects),
         settle=tuple(settle) + latest.settle,
         evidence=tuple(sorted(evidence, key=sort_key)),
+    )
+
+
+def _off_lineage(
+    status: CheckpointStatus, owner: tuple[int, int] | None, earlier: Sequence[EarlierAttempt]
+) -> CheckpointStatus:
+    """``status`` of a checkpoint off the latest lineage (``owner``: the attempt that saved it, the
+    one that resumed before it), judged by its own attempt's steps: tainted after that attempt's first
+    divergent step, unverified unless those steps were replayed exactly and clean, else as it was."""
+    if owner is None:
+        return status
+    attempt, resumed_by = owner
+    where = (
+        f"saved by attempt {attempt}, whose steps attempt {resumed_by} re-executed from an earlier checkpoint "
+        "without saving this one again"
+    )
+    if status.status is Status.CORRUPT:
+        return dataclasses.replace(status, reasons=status.reasons + (where,))
+    past = next((p for p in earlier if p.attempt == attempt), None)
+    first = past.decision.first_divergent_step if past is not None else None
+    if first is not None and first < status.step:
+        taint = f"holds attempt {attempt}'s state after its first divergent step {first} ({where})"
+        return dataclasses.replace(status, status=Status.TAINTED, reasons=(taint,))
+    examined = past.examined if past is not None else None
+    settled = (
+        examined is not None
+        and past.decision.verdict is not Verdict.INCONCLUSIVE
+        and not examined.unexamined_before(status.step)
+        and not any(s < status.step for s in examined.tolerant_steps)
+    )
+    if settled or status.status is not Status.CLEAN:
+        return status
+    lo = past.steps[0] if past is not None else status.step - 1
+    return dataclasses.replace(
+        status,
+        status=Status.UNVERIFIED,
+        reasons=(f"{where}: its own steps {lo}..{status.step - 1} were not all replayed exactly",),
     )
 
 

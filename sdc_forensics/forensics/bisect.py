@@ -33,7 +33,7 @@ from sdc_forensics.forensics.files import checkpoint_file, replayable, storage_e
 from sdc_forensics.forensics.intervals import IntervalRunner, interval_runner, open_ledger, suspect_gpus
 from sdc_forensics.replay import preflight
 from sdc_forensics.replay.options import AnalysisOptions, BisectOptions
-from sdc_forensics.trace.checkpoints import CheckpointNote, unreplayable_steps, unreplayable_text
+from sdc_forensics.trace.checkpoints import CheckpointNote, superseded_by, unreplayable_steps, unreplayable_text
 from sdc_forensics.trace.consensus import majority_weights_digests
 from sdc_forensics.trace.manifest import audit_reach
 from sdc_forensics.trace.reader import UNTRUSTED_DAMAGE, Trace
@@ -67,6 +67,10 @@ def bisect(
     trace = Trace.of(trace_dir)
     tri = triage_trace(trace)
     notes = trace.checkpoint_notes()
+    # checkpoints an earlier attempt saved after a later one's resume point: off the latest lineage
+    owners = {
+        n.step: (n.attempt, later) for n in notes if (later := superseded_by(n, trace.manifest.attempts)) is not None
+    }
     evidence = list(tri.evidence)
     settle: list[str] = []
     notes_out: list[str] = []
@@ -115,7 +119,8 @@ def bisect(
             for line in flight.lines():
                 progress.note(line)
         if recipe_ref and notes:
-            usable = [n for n in notes if replayable(files[n.step])]
+            # the latest lineage replays from its own checkpoints only
+            usable = [n for n in notes if replayable(files[n.step]) and n.step not in owners]
             if not usable:
                 settle.append("no checkpoint file was found intact: pass --checkpoints DIR")
             else:
@@ -143,7 +148,8 @@ def bisect(
     # not read, but named: every checkpoint row has its path
     if options.trace_only:
         files = {n.step: CheckpointFile(path=str(checkpoint_file(n, trace.path, options) or n.path)) for n in notes}
-    majority = majority_weights_digests(trace, [n.step for n in notes]) if notes else {}
+    # (a checkpoint off the latest lineage holds its own attempt's weights, not the latest records')
+    majority = majority_weights_digests(trace, [n.step for n in notes if n.step not in owners]) if notes else {}
     decided = decision.decide(
         evidence,
         world_size=trace.world_size,
@@ -159,7 +165,7 @@ def bisect(
         earlier = _earlier_attempts(
             trace, options, progress, (recipe_ref if mode == "replay" else None), files, notes_out
         )
-        decided = decision.with_earlier_attempts(decided, earlier)
+        decided = decision.with_earlier_attempts(decided, earlier, owners)
     scope = _scope(tri, summary)
     if decided.verdict is decision.Verdict.CLEAN and mode == "trace-only":
         scope += " (trace-only: a wrong finite local gradient on a step without an audit would not show)"
@@ -295,7 +301,13 @@ def _earlier_attempts(
             f"{decided.verdict.value}"
         )
         out.append(
-            decision.EarlierAttempt(attempt=past.attempt, resumed_by=later.attempt, steps=(lo, hi), decision=decided)
+            decision.EarlierAttempt(
+                attempt=past.attempt,
+                resumed_by=later.attempt,
+                steps=(lo, hi),
+                decision=decided,
+                examined=examined if replayed else None,
+            )
         )
     return out
 

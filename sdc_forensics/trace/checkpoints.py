@@ -178,6 +178,15 @@ def read_checkpoint_notes(trace_dir: str | os.PathLike, max_attempt: int | None 
     return [latest[s] for s in sorted(latest)]
 
 
+def superseded_by(note: CheckpointNote, attempts) -> int | None:
+    """The later attempt that re-executed the step before checkpoint ``note.step`` without saving
+    that checkpoint again (a resume from a checkpoint before it), or None: the checkpoint then holds
+    its own attempt's state, off the latest lineage, and is judged with its own attempt's steps.
+    ``attempts``: the manifest's (``Attempt.attempt``, ``Attempt.start_step``)."""
+    later = [a.attempt for a in attempts if a.attempt > note.attempt and a.start_step < note.step]
+    return min(later) if later else None
+
+
 def unreplayable_steps(first_step: int | None, checkpoint_steps) -> tuple[int, int] | None:
     """Steps ``(first, last)`` that come before the run's first checkpoint, or None.
 

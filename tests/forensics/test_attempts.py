@@ -66,6 +66,30 @@ def test_the_cli_documents_say_so_and_certify_still_names_the_resume_point(fault
     assert cert["verdict"] == "corruption" and cert["resume_step"] == 8, cert
 
 
+def test_a_checkpoint_only_the_faulty_attempt_saved_is_tainted_and_the_resumed_one_certifies(tmp_path):
+    """Attempt 0 (faulty at step 5) saves checkpoints 0, 2, 4, 6, 8; attempt 1 resumes from 4 and
+    saves every 4 steps (8, 12). Checkpoint 6 holds attempt 0's faulty state and no later attempt
+    saved it again. Before, the latest lineage judged it with attempt 1's records (and replayed
+    attempt 1's steps 6..7 from it): an FSDP2 run certified it clean and resumed from it; this DDP
+    run called it storage corruption and left 8 and 12 unverified."""
+    out = tmp_path / "run"
+    # a mantissa bit: the state stays finite (an exponent bit makes Adam's state inf: corrupt in content)
+    run_demo(out, injections=("grad:step=5:rank=1:bit=22",), **RUN)
+    run_demo(out, injections=(), resume_from=4, **{**RUN, "steps": 12, "checkpoint_every": 4})
+    result = bisect(out / "trace", BisectOptions())
+    statuses = {c.step: c for c in result.checkpoints}
+    assert {s: c.status for s, c in statuses.items()} == {
+        0: Status.CLEAN,
+        2: Status.CLEAN,
+        4: Status.CLEAN,
+        6: Status.TAINTED,
+        8: Status.CLEAN,
+        12: Status.CLEAN,
+    }, {s: (c.status, c.reasons) for s, c in statuses.items()}
+    assert "holds attempt 0's state after its first divergent step 5" in statuses[6].reasons[0]
+    assert result.last_clean_checkpoint.step == 12
+
+
 def test_a_clean_resumed_run_stays_clean(tmp_path):
     trace = _resumed(tmp_path / "run", ())
     result = bisect(trace, BisectOptions())
