@@ -62,7 +62,7 @@ from sdc_forensics.recorder.layout import Job, Layout, local_tensor
 from sdc_forensics.recorder.pp_layout import PpLayout, is_pipeline
 from sdc_forensics.recorder.options import Policy, RecorderOptions
 from sdc_forensics.recorder.rng_watch import RngWatch
-from sdc_forensics.recorder.step import StepRecording, StepState
+from sdc_forensics.recorder.step import StepRecording, StepState, UnrecordedUpdates
 from sdc_forensics.recorder.threads import ThreadWatch
 from sdc_forensics.recorder.tp_layout import TpLayout, is_tensor_parallel, not_recorded
 from sdc_forensics.trace import format as F
@@ -204,7 +204,7 @@ class Recorder:
         self.last_weights_vote: tuple[int, int, checks.Majority] | None = None
         self._state: StepState | None = None
         self._layouts: list[dict] = []
-        self.threads = ThreadWatch(self.rank)
+        self.threads, self.unrecorded = ThreadWatch(self.rank), UnrecordedUpdates(self.rank)
         # the first step this attempt began (checkpoint advice); whether it saved a checkpoint yet
         self._first_step: int | None = None
         self._checkpointed = False
@@ -308,7 +308,7 @@ class Recorder:
         """The gradients read, exchanged with every rank's (the failure exchange), checked, audited."""
         state = self._state
         if state is None:
-            return None
+            return self.unrecorded()
         # backward is done: the count that computed the local gradient
         if not state.num_threads:
             state.num_threads = ThreadWatch.current()

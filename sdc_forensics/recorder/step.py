@@ -10,6 +10,7 @@ started now and pulled to the host with the gradients' fingerprints (no sync ins
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,6 +21,27 @@ from sdc_forensics.fingerprint.core import Fingerprint, PendingFingerprint, dige
 from sdc_forensics.inject import Injector
 from sdc_forensics.recorder.audit import AuditOutcome
 from sdc_forensics.statedict import flatten_state
+
+
+class UnrecordedUpdates:
+    """An ``optimizer.step()`` outside any recorded step (a loop that steps after the ``with``
+    block) changes the weights unseen, and nothing after it can be certified: said once per
+    recorder, on the rank's stderr (the ``sdc_forensics.recorder`` logger), not learnt later
+    from an inconclusive bisect."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.said = rank, False
+
+    def __call__(self) -> None:
+        if self.said:
+            return
+        self.said = True
+        logging.getLogger("sdc_forensics.recorder").warning(
+            "sdc-forensics: rank %d: optimizer.step() ran outside `with recorder.step(...)`: this update is not "
+            "recorded, and no checkpoint after it can be certified; call optimizer.step() inside the step's block "
+            "(docs/recorder.md)",
+            self.rank,
+        )
 
 
 @dataclasses.dataclass(kw_only=True)

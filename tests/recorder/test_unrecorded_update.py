@@ -1,0 +1,49 @@
+"""An optimizer step outside ``with recorder.step(...)`` (a loop that steps after the block) changes
+the weights unrecorded: no step after it can be certified. Before, the recorder said nothing, the
+trace held empty steps and a fault in them ended as an ``inconclusive`` bisect blaming "another
+thread count or device". Now each rank says it once, on its first such update, naming the fix."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sdc_forensics.recorder import Recorder
+
+
+def _train(trace_dir, *, inside: bool, steps: int = 3) -> None:
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(nn.Linear(6, 3))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with Recorder(trace_dir, ddp, optimizer) as rec:
+        for step in range(steps):
+            with rec.step(step, microbatch_ids=[step]) as s:
+                x = s.input(torch.randn(4, 6, generator=torch.Generator().manual_seed(step)))
+                ddp(x).square().mean().backward()
+                if inside:
+                    optimizer.step()
+            if not inside:
+                optimizer.step()
+            optimizer.zero_grad()
+
+
+def _said(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "outside `with recorder.step" in r.getMessage()]
+
+
+def test_an_update_outside_the_step_is_said_once_and_one_inside_never(tmp_path, caplog):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="sdc_forensics.recorder"):
+            _train(tmp_path / "inside", inside=True)
+        assert _said(caplog) == []
+        with caplog.at_level(logging.WARNING, logger="sdc_forensics.recorder"):
+            _train(tmp_path / "outside", inside=False)
+    finally:
+        dist.destroy_process_group()
+    said = _said(caplog)
+    assert len(said) == 1, said  # once per run, not once per step
+    assert "rank 0" in said[0] and "optimizer.step() inside the step's block" in said[0]
