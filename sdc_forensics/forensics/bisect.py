@@ -174,8 +174,14 @@ def bisect(
             f"{tri.superseded_cells} (step, rank) records were re-executed by a later attempt; the latest attempt is used"
         )
     settle = list(decided.settle) + settle
-    if flight is not None and not flight.exact and mode == "replay":
+    if flight is not None and not flight.exact and mode == "replay" and replayed:
         settle.append(f"this replay could not be exact ({flight.blockers[0]}): {flight.fix}")
+    unused = _options_not_exercised(options) if mode == "replay" and reused and not replayed else ""
+    if unused:
+        notes_out.append(
+            f"every step examined came from the ledger's earlier exact replays, so {unused} changed nothing: "
+            "pass --no-ledger to replay with it"
+        )
     reach = audit_reach(trace.manifest.node_of_rank)
     if reach is not None and any(
         "audit" in line
@@ -224,6 +230,17 @@ def bisect(
         seed=seed,
         preflight=flight,
     )
+
+
+def _options_not_exercised(options: AnalysisOptions) -> str:
+    """The replay options a run given them did not use (every step taken from the ledger), as words."""
+    given = [
+        f"--recipe {options.recipe}" if options.recipe else "",
+        f"--threads {options.num_threads}" if options.num_threads else "",
+        f"--device {options.device}" if options.device != "cpu" else "",
+        "--tolerant" if options.force_tolerant else "",
+    ]
+    return ", ".join(g for g in given if g)
 
 
 def _earlier_attempts(

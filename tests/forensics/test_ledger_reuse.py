@@ -65,6 +65,12 @@ def test_a_clean_run_certified_twice_replays_nothing_the_second_time(demo_run, t
     assert not again.appended and again.steps_reused == STEPS
     assert {i for w in again.reused for i in w.record_ids} == set(ledger.appended)  # every record cited
     assert "from the ledger" in second.analysis.scope
+    # options that cannot change what the ledger's exact replays showed are said to be unused, and a
+    # replay that "could not be exact" is not claimed when nothing was replayed
+    third = certify(trace, AnalysisOptions(num_threads=2))
+    assert third.exit_code == 0 and third.analysis.replayed.steps_replayed == 0
+    assert any("--threads 2 changed nothing: pass --no-ledger" in n for n in third.analysis.notes), third.analysis.notes
+    assert not any("could not be exact" in line for line in third.analysis.settle), third.analysis.settle
 
     # coverage in plain view: every step before each checkpoint replayed exactly, earlier, by the records cited
     runner = CliRunner()
