@@ -186,6 +186,14 @@ class Suspect:
                 f"{many} damaged at rest: check the disk and file system of {self.host or '?'} (or the shared storage), "
                 "rewrite or discard the file(s); the GPU is not implicated"
             )
+        if self.location is Location.INPUT_DATA:
+            return (
+                f"the input bytes rank {self.rank} trained on are not what its microbatches give when fetched again: "
+                f"either the data path of {self.host or '?'} changed them (host memory, the loader, a cached shard), or "
+                "the recipe's fetch_microbatch does not return what the job trained on for those IDs; check the recipe "
+                "first (fetch them twice and compare), then the host"
+                + (f"; recurring ({len(self.steps)} events): drain node {self.host or '?'}" if self.recurring else "")
+            )
         if self.recurring:
             return f"recurring ({len(self.steps)} independent events): drain node {self.host or '?'} and take GPU {self.gpu or '?'} out of service"
         return (

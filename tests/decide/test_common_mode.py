@@ -9,6 +9,7 @@ gave ``corruption`` at step 24 with all four ranks "recurring: drain node" befor
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -203,3 +204,18 @@ def test_every_rank_wrong_at_the_step_a_replay_started_from_names_the_recipe_not
     [event] = decided.evidence
     assert "the first step replayed from checkpoint 20" in event.detail and "recipe" in event.detail
     assert "step 19" not in event.detail
+
+
+def test_an_input_data_suspect_is_sent_to_the_recipe_and_the_host_not_to_a_gpu_diagnostic():
+    """A rank whose recorded input bytes differ from its microbatches fetched again: a recipe whose
+    fetch_microbatch returns other bytes for one ID looks exactly like this, so the advice names the
+    recipe before the host's data path, and no GPU diagnostic (a new user's trial, stop 51)."""
+    from sdc_forensics.decide.decision import Suspect
+
+    suspect = Suspect(
+        rank=2, host="node7", gpu="GPU-1", location=Location.INPUT_DATA, recurring=False, steps=(2,), evidence=()
+    )
+    assert "fetch_microbatch" in suspect.recommendation and "node7" in suspect.recommendation
+    assert "DCGM" not in suspect.recommendation and "drain" not in suspect.recommendation
+    again = dataclasses.replace(suspect, recurring=True, steps=(2, 9))
+    assert "drain node node7" in again.recommendation
