@@ -59,6 +59,9 @@ def detect_format(path: str | os.PathLike) -> str:
         found = main_format(path)
         return found[0] if found is not None else "folder"
     if not path.exists():
+        if path.is_symlink():
+            # a link whose target is missing, or a loop of links (x -> y -> x)
+            raise CheckpointError(f"{path} is a symbolic link that leads to no file (a missing target or a loop)")
         raise CheckpointError(f"{path} does not exist; check the path")
     if not path.is_file():
         raise CheckpointError(f"{path} is not a regular file or directory")

@@ -531,3 +531,13 @@ def test_dcp_metadata_bytearray_claiming_exabytes(dcp_source, tmp_path):
     shutil.copytree(dcp_source, folder)
     (folder / ".metadata").write_bytes(b"\x80\x05\x96\x89t\x94b\x8c\x04si)")
     assert "bytearray8" in _run_bad(folder)
+
+
+def test_a_loop_of_links_is_named_as_one_not_as_a_missing_path(tmp_path):
+    """``x -> y -> x``: one line (exit 3) that says it is a link leading nowhere, not "does not exist"."""
+    (tmp_path / "x").symlink_to(tmp_path / "y")
+    (tmp_path / "y").symlink_to(tmp_path / "x")
+    ran = CliRunner().invoke(cli, ["verify-checkpoint", str(tmp_path / "x")])
+    assert ran.exit_code == 3, ran.output
+    assert "symbolic link that leads to no file" in ran.output and "does not exist" not in ran.output
+    assert (tmp_path / "x").is_symlink() and (tmp_path / "y").is_symlink()  # left as they were
