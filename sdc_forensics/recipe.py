@@ -131,7 +131,8 @@ def import_reference(reference: str, what: str = "recipe") -> Any:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - any import failure is the user's module
         raise RecipeError(
-            f"cannot import {what} module {module_name!r} ({exc}); put it on PYTHONPATH or pass --recipe"
+            f"cannot import {what} module {module_name!r} ({exc}); put its folder on PYTHONPATH"
+            + (", or name another with --recipe" if what == "recipe" else "")
         ) from None
     obj: Any = module
     for part in attribute.split("."):

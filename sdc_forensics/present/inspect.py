@@ -82,7 +82,12 @@ def render_inspect(summary: TraceSummary, console, covered=None) -> None:
     latest = max(m.attempts, key=lambda a: a.attempt) if m.attempts else None
     console.print(
         f"[bold]{escape(str(summary.path))}[/]  format v{m.format_version}  world size {m.world_size}  "
-        f"steps {summary.first_step}..{summary.last_step} ({summary.num_rank_steps} rank-steps)  recipe {escape(m.recipe or '-')}"
+        + (
+            f"steps {summary.first_step}..{summary.last_step} ({summary.num_rank_steps} rank-steps)"
+            if summary.first_step is not None
+            else "no steps recorded"
+        )
+        + f"  recipe {escape(m.recipe or '-')}"
     )
     if m.framework is not None:
         fw = m.framework
