@@ -98,6 +98,15 @@ def verify_exit(
     return ExitCode.NOT_CERTIFIABLE if report.findings else ExitCode.CLEAN
 
 
+def _copy_of(report, notes, wanted: int | None) -> int | None:
+    """The other checkpoint whose noted tensor digests ``report``'s tensors all equal, or None."""
+    digests = {t.key: t.digest for t in report.tensors}
+    for note in notes:
+        if note.step != wanted and note.tensors and digests and note.tensors == digests:
+            return note.step
+    return None
+
+
 def verify_run(request: VerifyRequest, options=None, progress=None) -> VerifyOutcome:
     """Verify ``request.path`` (and certify it as part of its run with a trace).
 
@@ -177,6 +186,16 @@ def verify_run(request: VerifyRequest, options=None, progress=None) -> VerifyOut
     reasons += [f"{f.kind.value} {f.subject}: {f.detail}" for f in report.findings]
     if status is not None and not status.clean:
         reasons += [f"{status.status.value}: {r}" for r in status.reasons if r not in reasons]
+    if status is not None and not status.clean and request.step is None:
+        other = _copy_of(report, notes, wanted)
+        if other is not None:
+            # the step came from the file's name: say what the bytes are before any "corruption"
+            reasons.insert(
+                0,
+                f"its tensors are checkpoint {other}'s as noted when it was saved, not checkpoint {wanted}'s: a copy of "
+                f"checkpoint {other} under checkpoint {wanted}'s file name (the step was taken from the name), not "
+                f"storage damage; pass --step {other}",
+            )
     if missing:
         reasons.append(f"not certified against the trace: {missing}")
     code = verify_exit(report, status, missing, cert_findings, entry.status if entry is not None else None)

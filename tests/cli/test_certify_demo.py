@@ -79,3 +79,24 @@ def test_certify_replays_so_a_fault_the_trace_cannot_see_still_taints_later_chec
     # the trace alone sees nothing, and certifies nothing it did not examine (it used to certify 6)
     assert trace_only.exit_code == 4 and doc["first_divergent_step"] is None and doc["resume_step"] is None
     assert {c["status"] for c in doc["checkpoints"]} == {"unverified"}
+
+
+def test_a_checkpoint_copied_under_another_checkpoint_s_name_is_said_to_be_a_copy(demo, tmp_path):
+    """verify-checkpoint --trace takes the step from the file's name; a clean run's checkpoint 2
+    copied to checkpoint 4's name is named as checkpoint 2's bytes, not as storage damage, with
+    the flag that checks it as what it is (a new user's trial)."""
+    import shutil
+
+    result = demo((), world_size=2)
+    copy = tmp_path / result.config.checkpoint_path(4).name
+    shutil.copyfile(result.config.checkpoint_path(2), copy)
+    ran = CliRunner().invoke(
+        cli, ["verify-checkpoint", str(copy), "--trace", str(result.config.trace_dir), "--no-ledger"]
+    )
+    assert ran.exit_code == 1, ran.output
+    headline = next(line for line in ran.output.splitlines() if line.startswith("NOT CERTIFIABLE"))
+    assert "a copy of checkpoint 2 under checkpoint 4's file name" in headline and "pass --step 2" in headline
+    again = CliRunner().invoke(
+        cli, ["verify-checkpoint", str(copy), "--trace", str(result.config.trace_dir), "--step", "2", "--no-ledger"]
+    )
+    assert again.exit_code == 0, again.output
