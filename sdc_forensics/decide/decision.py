@@ -669,7 +669,8 @@ def checkpoint_status(
         why.append(
             "the file was not read (trace-only)"
             if examined.trace_only or not examined.files_read
-            else f"checkpoint file {note.path} not found: pass --checkpoints DIR"
+            else f"checkpoint file {note.path} not found (looked where the job wrote it, and in --checkpoints DIR when "
+            "given): pass --checkpoints DIR, the folder that holds it"
         )
     why += [f"not verifiable: {f.subject}: {f.detail}" for f in findings if f.kind in UNVERIFIABLE_FINDINGS]
     if not note.weights_digest:

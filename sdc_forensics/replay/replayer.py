@@ -633,6 +633,13 @@ class Replayer(StepComparisons):
                     "apart, never broadcast, and the checkpoint holds one rank's: this replay does not reproduce them "
                     "(the weights and the optimizer state it confirms)"
                 )
+            elif buffers_note and tolerant_from is not None and "differ" in buffers_note:
+                # not bit for bit (--threads, --tolerant, another device): the statistics drift like the weights
+                buffers_note = (
+                    f"checkpoint {step + 1}: the replayed module buffers (BatchNorm running statistics) differ from the "
+                    "saved ones, as this replay, not bit for bit, drifts from training in the last bits: they are not "
+                    "confirmed by it"
+                )
             if buffers_note:
                 notes.append(buffers_note)
             last = step
