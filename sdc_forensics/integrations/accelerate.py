@@ -201,6 +201,7 @@ def record(
         raise _common.refuse(
             f"sdc-forensics cannot record this Accelerate job exactly: {problems[0]} (docs/integrations.md)"
         )
+    inject = tuple(inject or ())  # None: no faults, as everywhere else
     if any(str(s).startswith("input:") for s in inject):
         raise _common.refuse(
             "the accelerate adapter does not inject input faults (the batch reaches the model before it is recorded)"

@@ -205,6 +205,7 @@ def record(
     if not isinstance(trainer, transformers.Trainer):
         raise UsageError(f"hf.record needs a transformers.Trainer, got {type(trainer).__name__}")
     problems = _refusals(trainer, transformers)
+    inject = tuple(inject or ())  # None: no faults, as everywhere else
     if any(str(spec).startswith("checkpoint-file:") for spec in inject):
         problems.append(
             "checkpoint-file injection flips a byte of one file; a Trainer checkpoint is a folder (damage a file "

@@ -177,7 +177,7 @@ class SdcCallback(_Base):
 
         self.trace_dir, self.dataset = Path(trace_dir), dataset
         self.options = options or RecorderOptions()
-        self.comm_hook, self.comm_state, self.inject = comm_hook, comm_state, tuple(inject)
+        self.comm_hook, self.comm_state, self.inject = comm_hook, comm_state, tuple(inject or ())
         self.rec = None
         self._step = None
         # (indices, batch) of the batch on its way to training_step

@@ -196,7 +196,7 @@ class Recorder:
             dtypes=sorted({p.dtype for p in self.params if p.is_floating_point()}, key=str) or (torch.float32,),
         )
         self.injector = Injector(
-            [s if isinstance(s, FaultSpec) else parse_spec(s, self.layout.locations) for s in inject], self.rank
+            [s if isinstance(s, FaultSpec) else parse_spec(s, self.layout.locations) for s in inject or ()], self.rank
         )
         self.alarms: list[checks.Finding] = []
         # (step, own weights digest, vote) of the last replica comparison: a checkpoint of

@@ -47,3 +47,22 @@ def test_an_update_outside_the_step_is_said_once_and_one_inside_never(tmp_path, 
     said = _said(caplog)
     assert len(said) == 1, said  # once per run, not once per step
     assert "rank 0" in said[0] and "optimizer.step() inside the step's block" in said[0]
+
+
+def test_inject_none_means_no_faults_in_the_recorder_and_the_adapters(tmp_path):
+    """``inject=None`` (what users write for "no faults") crashed hf.record on every rank with a
+    TypeError; the Recorder and the adapters take it as ``()``."""
+    import pytest
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(6, 3))
+        with Recorder(tmp_path / "trace", ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), inject=None) as rec:
+            assert not rec.injector
+    finally:
+        dist.destroy_process_group()
+    lightning = pytest.importorskip("lightning")
+    assert lightning
+    from sdc_forensics.integrations.lightning import SdcCallback
+
+    assert SdcCallback(tmp_path / "pl", dataset="x:y", inject=None).inject == ()
