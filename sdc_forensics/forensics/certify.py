@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,6 +36,8 @@ class Certification:
         trace_dir: the trace certified.
         analysis: the analysis (``bisect``) it is based on: verdict, statuses, evidence.
         unnoted: checkpoint-looking files in the checkpoint folders that no note names.
+        replaced: ``(file, note)`` of an earlier attempt's checkpoint that a later attempt noted again
+            (a resumed run's older files, still on disk): judged by ``verify-checkpoint FILE --trace``.
         exit_code: :func:`certify_exit` of the statuses and the verdict.
         coverage: what examined the steps before each checkpoint (:func:`coverage_of`).
     """
@@ -42,6 +45,7 @@ class Certification:
     trace_dir: Path
     analysis: BisectResult
     unnoted: tuple[Path, ...] = ()
+    replaced: tuple[tuple[Path, Any], ...] = ()
     exit_code: ExitCode = ExitCode.UNVERIFIED
     coverage: tuple[Coverage, ...] = ()
 
@@ -87,6 +91,8 @@ def certify(trace_dir: str | os.PathLike, options, progress=None) -> Certificati
         UsageError: ``options.checkpoints_dir`` is not a directory. Whatever ``bisect`` raises.
     """
     from sdc_forensics.checkpoint.locate import unnoted_checkpoints
+    from sdc_forensics.forensics.files import checkpoint_file
+    from sdc_forensics.trace.checkpoints import read_checkpoint_notes
     from sdc_forensics.errors import UsageError
     from sdc_forensics.forensics.bisect import bisect
     from sdc_forensics.trace.reader import Trace
@@ -96,9 +102,19 @@ def certify(trace_dir: str | os.PathLike, options, progress=None) -> Certificati
         raise UsageError(f"--checkpoints {folder} is not a directory")
     trace = Trace.of(trace_dir)
     result = bisect(trace, options, progress=progress)
-    notes = trace.checkpoint_notes()
+    # every attempt's notes: a resumed run's earlier files are noted, by the attempt that saved them
+    notes = read_checkpoint_notes(trace.path, every_attempt=True)
+    latest = {s.step: s.path for s in result.checkpoints}
     folders = {Path(folder)} if folder is not None else {Path(s.path).parent for s in result.checkpoints if s.path}
     unnoted = tuple(p for f in sorted(folders) if f.is_dir() for p in unnoted_checkpoints(notes, f))
+    # an earlier attempt's file that a later attempt did not write over (another name or folder)
+    replaced = tuple(
+        (found, n)
+        for n in notes
+        if (found := checkpoint_file(n, trace.path, options)) is not None
+        and latest.get(n.step)
+        and not os.path.samefile(found, latest[n.step])
+    )
     coverage = with_details(
         coverage_of(result), trace, ledger_records(trace.path, options.ledger_path, options.no_ledger)
     )
@@ -106,6 +122,7 @@ def certify(trace_dir: str | os.PathLike, options, progress=None) -> Certificati
         trace_dir=Path(trace.path),
         analysis=result,
         unnoted=unnoted,
+        replaced=replaced,
         exit_code=certify_exit(result.checkpoints, result.verdict),
         coverage=coverage,
     )

@@ -107,6 +107,33 @@ def _copy_of(report, notes, wanted: int | None) -> int | None:
     return None
 
 
+def _earlier_note(path: Path, trace, step: int | None, options):
+    """The note of an earlier attempt whose checkpoint file ``path`` is (by its path, not only its
+    name), when a later attempt noted the same step again; else None. A resumed run's earlier
+    checkpoint files stay on disk, and hold that attempt's state, not the later one's."""
+    from sdc_forensics.forensics.files import checkpoint_file
+    from sdc_forensics.trace.checkpoints import read_checkpoint_notes
+
+    try:
+        target = Path(path).resolve()
+    except OSError:
+        return None
+    latest = {n.step: n for n in trace.checkpoint_notes()}
+    mine = []
+    for note in read_checkpoint_notes(trace.path, every_attempt=True):
+        newer = latest.get(note.step)
+        if newer is None or newer.attempt == note.attempt or (step is not None and note.step != step):
+            continue
+        found = checkpoint_file(note, trace.path, None)
+        if found is None or found.resolve() != target:
+            continue
+        # the later attempt wrote its checkpoint over this very file: it holds the later state
+        again = checkpoint_file(newer, trace.path, None)
+        if again is None or again.resolve() != target:
+            mine.append(note)
+    return mine[0] if len(mine) == 1 else None
+
+
 def verify_run(request: VerifyRequest, options=None, progress=None) -> VerifyOutcome:
     """Verify ``request.path`` (and certify it as part of its run with a trace).
 
@@ -148,8 +175,14 @@ def verify_run(request: VerifyRequest, options=None, progress=None) -> VerifyOut
             )
 
     notes = trace.checkpoint_notes() if trace is not None else []
+    # an earlier attempt's checkpoint another attempt saved again: judged on the trace as that attempt left it
+    own = _earlier_note(path, trace, request.step, options) if trace is not None else None
+    if own is not None:
+        trace = trace.as_of(own.attempt)
+        notes = trace.checkpoint_notes()
+        options = dataclasses.replace(options if options is not None else AnalysisOptions(), no_ledger=True)
     with open_checkpoint(path) as reader:
-        wanted = request.step
+        wanted = request.step if own is None else own.step
         if trace_dir is not None and wanted is None:
             named = [n for n in notes if Path(n.path).name == Path(path).name]
             wanted = named[0].step if len(named) == 1 else reader.step()
@@ -196,6 +229,11 @@ def verify_run(request: VerifyRequest, options=None, progress=None) -> VerifyOut
                 f"checkpoint {other} under checkpoint {wanted}'s file name (the step was taken from the name), not "
                 f"storage damage; pass --step {other}",
             )
+    if own is not None:
+        reasons.append(
+            f"attempt {own.attempt}'s checkpoint {own.step}, which a later attempt saved again elsewhere: judged on "
+            f"attempt {own.attempt}'s own steps (the trace as it stood then), not the later attempt's"
+        )
     if missing:
         reasons.append(f"not certified against the trace: {missing}")
     code = verify_exit(report, status, missing, cert_findings, entry.status if entry is not None else None)

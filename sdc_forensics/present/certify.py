@@ -49,7 +49,8 @@ def render_certify(cert: Certification, console, certificate_out: str | Path | N
         table.add_row(
             str(s.step),
             f"[{style}]{s.status.value}[/]",
-            escape(Path(s.path).name if s.path else "(not read)"),
+            # the whole path: a resumed run's attempts may save files of the same name in other folders
+            escape(s.path or "(not read)"),
             escape("; ".join(s.reasons)),
         )
     console.print(table)
@@ -59,6 +60,12 @@ def render_certify(cert: Certification, console, certificate_out: str | Path | N
     for path in cert.unnoted:
         console.print(
             f"[yellow]unverified:[/] {escape(str(path))} has no checkpoint note in the trace; nothing can be certified about it"
+        )
+    for path, note in cert.replaced:
+        console.print(
+            f"[yellow]earlier attempt:[/] {escape(str(path))} is attempt {note.attempt}'s checkpoint {note.step}, saved "
+            f"again by a later attempt (the one above); it holds attempt {note.attempt}'s state: `sdc-forensics "
+            f"verify-checkpoint {escape(str(path))} --trace {escape(str(cert.trace_dir))}` judges it on that attempt's steps"
         )
     console.print(
         f"analysis: {result.verdict.value}; first divergent step: "

@@ -153,10 +153,14 @@ def climbs_then_descends(path: str) -> bool:
 
 
 @reader
-def read_checkpoint_notes(trace_dir: str | os.PathLike, max_attempt: int | None = None) -> list[CheckpointNote]:
+def read_checkpoint_notes(
+    trace_dir: str | os.PathLike, max_attempt: int | None = None, every_attempt: bool = False
+) -> list[CheckpointNote]:
     """All notes, sorted by step; for a step noted by several attempts, the latest attempt wins.
 
     ``max_attempt``: the notes as they stood when that attempt was the latest (a later attempt's are left out).
+    ``every_attempt``: every attempt's note of a step, by step then attempt (a resumed run's earlier
+    checkpoint files are still on disk, and still the earlier attempt's).
 
     Raises:
         TraceError: a note is not valid JSON or a field has the wrong type or range.
@@ -164,7 +168,7 @@ def read_checkpoint_notes(trace_dir: str | os.PathLike, max_attempt: int | None 
     folder = Path(trace_dir) / NOTES_DIR
     if not folder.is_dir():
         return []
-    latest: dict[int, CheckpointNote] = {}
+    latest: dict = {}
     for path in sorted(folder.glob("step-*.attempt-*.json")):
         try:
             doc = load_json(path.read_bytes())
@@ -173,7 +177,9 @@ def read_checkpoint_notes(trace_dir: str | os.PathLike, max_attempt: int | None 
         note = parse_checkpoint_note(doc, str(path))
         if max_attempt is not None and note.attempt > max_attempt:
             continue
-        if note.step not in latest or note.attempt >= latest[note.step].attempt:
+        if every_attempt:
+            latest[(note.step, note.attempt)] = note
+        elif note.step not in latest or note.attempt >= latest[note.step].attempt:
             latest[note.step] = note
     return [latest[s] for s in sorted(latest)]
 

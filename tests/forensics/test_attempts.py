@@ -90,6 +90,35 @@ def test_a_checkpoint_only_the_faulty_attempt_saved_is_tainted_and_the_resumed_o
     assert result.last_clean_checkpoint.step == 12
 
 
+def test_an_earlier_attempt_s_file_of_a_checkpoint_saved_again_is_judged_as_that_attempt_s(tmp_path):
+    """Lightning writes a resumed run's checkpoint 6 as ``...-v1.ckpt`` and an HF Trainer into another
+    output_dir: attempt 0's checkpoint 6 stays on disk under its own name. Before, verify-checkpoint
+    matched it to attempt 1's note (by name) and called it storage corruption, or could not tell its
+    step; certify listed it as having no note. Here attempt 0's file is moved aside (its note with it)
+    before attempt 1 resumes from 4 and saves 6 anew."""
+    out = tmp_path / "run"
+    run_demo(out, injections=("grad:step=5:rank=1:bit=22",), **RUN)
+    old = out / "old"
+    old.mkdir()
+    note_file = out / "trace" / "checkpoints" / "step-00000006.attempt-000.json"
+    note = json.loads(note_file.read_text())
+    first = (out / "trace" / note["path_from_trace"]).resolve()
+    moved = old / first.name
+    first.rename(moved)
+    note_file.write_text(json.dumps({**note, "path": str(moved), "path_from_trace": f"../old/{moved.name}"}))
+    run_demo(out, injections=(), resume_from=4, **RUN)
+    runner = CliRunner()
+    earlier = runner.invoke(cli, ["verify-checkpoint", str(moved), "--trace", str(out / "trace"), "--no-ledger"])
+    assert earlier.exit_code == 1, earlier.output
+    assert "tainted" in earlier.output and "attempt 0's checkpoint 6" in earlier.output, earlier.output
+    assert "storage corruption" not in earlier.output
+    later = runner.invoke(cli, ["verify-checkpoint", str(first), "--trace", str(out / "trace"), "--no-ledger"])
+    assert later.exit_code == 0, later.output  # attempt 1's checkpoint 6, on the resumed lineage
+    certified = runner.invoke(cli, ["certify", str(out / "trace"), "--no-ledger"])
+    assert certified.exit_code == 0, certified.output
+    assert f"earlier attempt: {moved} is attempt 0's checkpoint 6" in " ".join(certified.output.split())
+
+
 def test_a_clean_resumed_run_stays_clean(tmp_path):
     trace = _resumed(tmp_path / "run", ())
     result = bisect(trace, BisectOptions())
