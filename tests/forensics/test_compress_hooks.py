@@ -19,54 +19,19 @@ from sdc_forensics.cli.main import cli
 from sdc_forensics.replay import env
 from tests.factories import free_port
 from sdc_forensics.demo import forked
+from tests.forensics.hook_capture import capture
 
 pytestmark = pytest.mark.slow
 
 HOOKS = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks"
 STEPS, EVERY = 6, 3
-
-
-def _worker(rank: int, world_size: int, port: int, out_dir: str, dtype_name: str) -> None:
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(33, 9000), nn.Tanh(), nn.Linear(9000, 5))
-        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)  # several buckets
-        inner = default_hooks.fp16_compress_hook if dtype_name == "float16" else default_hooks.bf16_compress_hook
-        saved = {}
-
-        def hook(state, bucket):
-            index, local = bucket.index(), bucket.buffer().clone()
-
-            def keep(fut):
-                value = fut.value()
-                value = value[0] if isinstance(value, (list, tuple)) else value
-                saved[index] = (local, value.clone())
-                return value
-
-            return inner(state, bucket).then(keep)
-
-        ddp.register_comm_hook(None, hook)
-        gen = torch.Generator().manual_seed(100 + rank)
-        ddp(torch.randn(16, 33, generator=gen)).square().mean().backward()  # DDP rebuilds its buckets after step 1
-        model.zero_grad()
-        saved.clear()
-        ddp(torch.randn(16, 33, generator=gen)).square().mean().backward()
-        for index, (local, reduced) in saved.items():
-            torch.save({"local": local, "reduced": reduced}, f"{out_dir}/r{rank}-b{index}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+_HOOK_OF = {"float16": "fp16_compress_hook", "bfloat16": "bf16_compress_hook"}
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_the_replay_reproduces_torch_s_compress_hook_on_gloo_bit_for_bit(tmp_path, dtype):
     world_size = 3
-    forked.start(_worker, (world_size, free_port(), str(tmp_path), dtype), world_size)
+    forked.start(capture, (world_size, free_port(), str(tmp_path), _HOOK_OF[dtype]), world_size)
     buckets = sorted({p.name.split("-b")[1] for p in tmp_path.glob("r0-b*.pt")})
     assert len(buckets) > 1
     compress = getattr(torch, dtype)

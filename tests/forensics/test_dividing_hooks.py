@@ -22,52 +22,12 @@ from sdc_forensics.cli.main import cli
 from sdc_forensics.demo import forked
 from sdc_forensics.replay import env
 from tests.factories import free_port
+from tests.forensics.hook_capture import capture
 
 pytestmark = pytest.mark.heavy
 
 HOOKS = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks"
 WORLD, STEPS, EVERY = 3, 6, 3
-
-
-def _worker(rank: int, world_size: int, port: int, out_dir: str, hook_name: str, ordered: bool) -> None:
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    from sdc_forensics.recorder import ordered as ordered_reduction
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(33, 9000), nn.Tanh(), nn.Linear(9000, 5))
-        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)  # several buckets
-        inner = getattr(default_hooks, hook_name)
-        # what the recorder registers for the job's hook (recorder/ddp_layout.communicating_hook)
-        inner = ordered_reduction.compose(inner) if ordered else inner
-        saved = {}
-
-        def hook(state, bucket):
-            index, local = bucket.index(), bucket.buffer().clone()
-
-            def keep(fut):
-                value = fut.value()
-                value = value[0] if isinstance(value, (list, tuple)) else value
-                saved[index] = (local, value.clone())
-                return value
-
-            return inner(state, bucket).then(keep)
-
-        ddp.register_comm_hook(None, hook)
-        gen = torch.Generator().manual_seed(100 + rank)
-        ddp(torch.randn(16, 33, generator=gen)).square().mean().backward()  # DDP rebuilds its buckets after step 1
-        model.zero_grad()
-        saved.clear()
-        ddp(torch.randn(16, 33, generator=gen)).square().mean().backward()
-        for index, (local, reduced) in saved.items():
-            torch.save({"local": local, "reduced": reduced}, f"{out_dir}/r{rank}-b{index}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(
@@ -80,7 +40,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, hook_name: str,
     ids=["allreduce-hook", "allreduce-hook-ordered", "fp16-ordered"],
 )
 def test_the_replay_reproduces_the_hook_bit_for_bit(tmp_path, hook_name, ordered, order, compress, plain):
-    forked.start(_worker, (WORLD, free_port(), str(tmp_path), hook_name, ordered), WORLD)
+    forked.start(capture, (WORLD, free_port(), str(tmp_path), hook_name, ordered), WORLD)
     buckets = sorted({p.name.split("-b")[1] for p in tmp_path.glob("r0-b*.pt")})
     assert len(buckets) > 1
     for bucket in buckets:
