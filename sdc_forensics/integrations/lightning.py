@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -527,10 +528,15 @@ class LightningRecipe:
     def loss(self, model, microbatch):
         if _common.is_placeholder(microbatch):
             return _common.zero_loss()
-        with self._batches.seeded(
-            next((p.device for p in model.parameters()), "cpu")
-            # dropout, as training seeded it
+        with (
+            self._batches.seeded(
+                next((p.device for p in model.parameters()), "cpu")
+                # dropout, as training seeded it
+            ),
+            warnings.catch_warnings(),
         ):
+            # training_step's self.log() has no Trainer in a replay: Lightning would warn at every interval
+            warnings.filterwarnings("ignore", message=r"You are trying to `self\.log\(\)`")
             out = model.training_step(microbatch, 0)
         loss = out["loss"] if isinstance(out, dict) else out
         divisor = self._batches.divisor if self._batches is not None else 0
