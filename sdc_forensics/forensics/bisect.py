@@ -203,6 +203,17 @@ def bisect(
                 f"checkpoint(s) {', '.join(map(str, unexamined))} stay unverified: replay every step before them{limit} "
                 "to certify them" + ("" if limit else " (the notes say what stopped the replay)")
             )
+    numpy_only = [
+        c.step
+        for c in decided.checkpoints
+        if c.status is decision.Status.UNVERIFIED and any("pass --allow-numpy" in r for r in c.reasons)
+    ]
+    if numpy_only:
+        # (the Trainer's rng_state.pth): one line, not one per file in the table
+        settle.append(
+            f"checkpoint(s) {', '.join(map(str, numpy_only))} hold numpy arrays the reader does not load unless "
+            "asked (a Trainer's rng_state.pth): pass --allow-numpy to read and certify them"
+        )
     suspects = decided.suspects
     mesh = trace.manifest.parallel
     # a sharded job: where in the mesh each suspect sits

@@ -58,6 +58,8 @@ def test_a_clean_trainer_run_without_allow_numpy_is_never_called_corrupt(clean_r
     assert ran.returncode != 1 and doc["verdict"] != "corruption", (doc["verdict"], doc["suspects"], ran.stderr[-2000:])
     assert doc["suspects"] == [] and all(c["status"] != "corrupt" for c in doc["checkpoints"]), doc["checkpoints"]
     assert "--allow-numpy" in ran.stderr + json.dumps(doc), ran.stderr[-2000:]
+    # said once, as what settles it, not only inside every checkpoint's reasons
+    assert any(line.endswith("pass --allow-numpy to read and certify them") for line in doc["settle"]), doc["settle"]
 
 
 @pytest.mark.heavy  # a 2-process Trainer run and its replay: kept out of the README's command (under 8 min)
