@@ -66,7 +66,7 @@ from sdc_forensics.checkpoint.deepspeed_files import is_bookkeeping
 from sdc_forensics.checkpoint.kinds import NOTHING_TO_READ, TORCH_SUFFIXES, main_format, open_file, sniff_file
 from sdc_forensics.checkpoint.hf_index import read_index
 from sdc_forensics.checkpoint.limits import ReadLimits, link_advice, link_bounds, outside, resolve
-from sdc_forensics.checkpoint.torch_reader import PickleRefused, TensorNotReadable
+from sdc_forensics.checkpoint.torch_reader import NUMPY_HINT, PickleRefused, TensorNotReadable
 from sdc_forensics.errors import CheckpointError
 
 IGNORED = (".git", ".cache/huggingface")
@@ -337,7 +337,7 @@ def _refusal(exc: PickleRefused) -> str:
         if exc.numpy:
             why += (
                 " (numpy arrays or scalars, such as the numpy RNG state transformers' Trainer saves in rng_state.pth: "
-                "pass --allow-numpy to load them with torch's weights-only unpickler)"
+                f"pass {NUMPY_HINT} to load them with torch's weights-only unpickler)"
             )
     return (
         f"{why}, so it is not loaded (that could run code); {_CHECKSUM_ONLY}. "

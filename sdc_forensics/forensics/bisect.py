@@ -203,10 +203,13 @@ def bisect(
                 f"checkpoint(s) {', '.join(map(str, unexamined))} stay unverified: replay every step before them{limit} "
                 "to certify them" + ("" if limit else " (the notes say what stopped the replay)")
             )
+    # a file refused only for its numpy globals says so, in the folder's and the single file's words alike
+    from sdc_forensics.checkpoint.torch_reader import NUMPY_HINT
+
     numpy_only = [
         c.step
         for c in decided.checkpoints
-        if c.status is decision.Status.UNVERIFIED and any("pass --allow-numpy" in r for r in c.reasons)
+        if c.status is decision.Status.UNVERIFIED and any(f"pass {NUMPY_HINT}" in r for r in c.reasons)
     ]
     if numpy_only:
         # (the Trainer's rng_state.pth): one line, not one per file in the table

@@ -91,7 +91,7 @@ def certify(trace_dir: str | os.PathLike, options, progress=None) -> Certificati
         UsageError: ``options.checkpoints_dir`` is not a directory. Whatever ``bisect`` raises.
     """
     from sdc_forensics.checkpoint.locate import unnoted_checkpoints
-    from sdc_forensics.forensics.files import checkpoint_file
+    from sdc_forensics.forensics.files import earlier_attempt_files
     from sdc_forensics.trace.checkpoints import read_checkpoint_notes
     from sdc_forensics.errors import UsageError
     from sdc_forensics.forensics.bisect import bisect
@@ -104,17 +104,9 @@ def certify(trace_dir: str | os.PathLike, options, progress=None) -> Certificati
     result = bisect(trace, options, progress=progress)
     # every attempt's notes: a resumed run's earlier files are noted, by the attempt that saved them
     notes = read_checkpoint_notes(trace.path, every_attempt=True)
-    latest = {s.step: s.path for s in result.checkpoints}
     folders = {Path(folder)} if folder is not None else {Path(s.path).parent for s in result.checkpoints if s.path}
     unnoted = tuple(p for f in sorted(folders) if f.is_dir() for p in unnoted_checkpoints(notes, f))
-    # an earlier attempt's file that a later attempt did not write over (another name or folder)
-    replaced = tuple(
-        (found, n)
-        for n in notes
-        if (found := checkpoint_file(n, trace.path, options)) is not None
-        and latest.get(n.step)
-        and not os.path.samefile(found, latest[n.step])
-    )
+    replaced = tuple(earlier_attempt_files(trace, options))
     coverage = with_details(
         coverage_of(result), trace, ledger_records(trace.path, options.ledger_path, options.no_ledger)
     )

@@ -46,6 +46,28 @@ def checkpoint_file(
     return options.checkpoint_paths.get(note.step) or locate_checkpoint(note, options.checkpoints_dir, trace_path)
 
 
+def earlier_attempt_files(trace, options: AnalysisOptions | None = None) -> list[tuple[Path, CheckpointNote]]:
+    """``(file, note)`` of each checkpoint an earlier attempt saved that a later attempt noted again
+    at another path (Lightning's ``-v1``, another HF ``output_dir``): still on disk, and holding the
+    earlier attempt's state. A later checkpoint written over the same file is not one of them.
+    ``certify`` names them; ``verify-checkpoint FILE --trace`` judges one on its own attempt."""
+    from sdc_forensics.trace.checkpoints import read_checkpoint_notes
+
+    latest = {n.step: n for n in trace.checkpoint_notes()}
+    out = []
+    for note in read_checkpoint_notes(trace.path, every_attempt=True):
+        newer = latest.get(note.step)
+        if newer is None or newer.attempt == note.attempt:
+            continue
+        found = checkpoint_file(note, trace.path, options)
+        if found is None:
+            continue
+        again = checkpoint_file(newer, trace.path, options)
+        if again is None or again.resolve() != found.resolve():
+            out.append((found, note))
+    return out
+
+
 def verify_files(
     notes: Sequence[CheckpointNote], options: AnalysisOptions, trace_path: Path, seed: int
 ) -> dict[int, CheckpointFile]:

@@ -108,29 +108,16 @@ def _copy_of(report, notes, wanted: int | None) -> int | None:
 
 
 def _earlier_note(path: Path, trace, step: int | None, options):
-    """The note of an earlier attempt whose checkpoint file ``path`` is (by its path, not only its
-    name), when a later attempt noted the same step again; else None. A resumed run's earlier
-    checkpoint files stay on disk, and hold that attempt's state, not the later one's."""
-    from sdc_forensics.forensics.files import checkpoint_file
-    from sdc_forensics.trace.checkpoints import read_checkpoint_notes
+    """The note of the earlier attempt whose checkpoint file ``path`` is, by its path
+    (``files.earlier_attempt_files``), when a later attempt noted that step again elsewhere; else None."""
+    from sdc_forensics.forensics.files import earlier_attempt_files
 
-    try:
-        target = Path(path).resolve()
-    except OSError:
-        return None
-    latest = {n.step: n for n in trace.checkpoint_notes()}
-    mine = []
-    for note in read_checkpoint_notes(trace.path, every_attempt=True):
-        newer = latest.get(note.step)
-        if newer is None or newer.attempt == note.attempt or (step is not None and note.step != step):
-            continue
-        found = checkpoint_file(note, trace.path, None)
-        if found is None or found.resolve() != target:
-            continue
-        # the later attempt wrote its checkpoint over this very file: it holds the later state
-        again = checkpoint_file(newer, trace.path, None)
-        if again is None or again.resolve() != target:
-            mine.append(note)
+    target = Path(path).resolve()
+    mine = [
+        note
+        for found, note in earlier_attempt_files(trace, options)
+        if found.resolve() == target and (step is None or note.step == step)
+    ]
     return mine[0] if len(mine) == 1 else None
 
 
