@@ -203,14 +203,7 @@ def bisect(
                 f"checkpoint(s) {', '.join(map(str, unexamined))} stay unverified: replay every step before them{limit} "
                 "to certify them" + ("" if limit else " (the notes say what stopped the replay)")
             )
-    # a file refused only for its numpy globals says so, in the folder's and the single file's words alike
-    from sdc_forensics.checkpoint.torch_reader import NUMPY_HINT
-
-    numpy_only = [
-        c.step
-        for c in decided.checkpoints
-        if c.status is decision.Status.UNVERIFIED and any(f"pass {NUMPY_HINT}" in r for r in c.reasons)
-    ]
+    numpy_only = [] if options.trace_only else _numpy_only(decided.checkpoints)
     if numpy_only:
         # (the Trainer's rng_state.pth): one line, not one per file in the table
         settle.append(
@@ -244,6 +237,18 @@ def bisect(
         seed=seed,
         preflight=flight,
     )
+
+
+def _numpy_only(statuses) -> list[int]:
+    """Checkpoints unverified because a file of theirs holds numpy arrays (refused without --allow-numpy)."""
+    # (torch_reader imports torch: only called once checkpoint files were read, never under --trace-only)
+    from sdc_forensics.checkpoint.torch_reader import NUMPY_HINT
+
+    return [
+        c.step
+        for c in statuses
+        if c.status is decision.Status.UNVERIFIED and any(f"pass {NUMPY_HINT}" in r for r in c.reasons)
+    ]
 
 
 def _options_not_exercised(options: AnalysisOptions) -> str:
