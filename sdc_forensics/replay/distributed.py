@@ -210,8 +210,14 @@ def finish(completed: bool, peer_lost: bool = False) -> None:
 
 def leave(code: int) -> None:
     """End this process with exit status ``code`` at once (stdout and stderr flushed, no interpreter
-    teardown) when it abandoned a group whose peer was lost; otherwise return and let it exit as usual."""
-    if not _abandoned:
+    teardown) when it replayed in a group; otherwise return and let it exit as usual.
+
+    A group whose peer was lost is abandoned, not torn down, and its gloo threads may still wait on
+    the peer. A group torn down in good order can still hold gloo's C++ threads and their work
+    objects, and finalizing the interpreter under them has aborted a clean process (SIGABRT), so
+    that torchrun reported the whole replay as failed (exit 1) after process 0 printed a clean
+    verdict. Nothing of this command is left to Python's teardown (it registers no exit handler)."""
+    if _role is None and not _abandoned:
         return
     for stream in (sys.stdout, sys.stderr):
         try:

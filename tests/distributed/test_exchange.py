@@ -88,9 +88,10 @@ def test_without_a_launcher_nothing_changes(monkeypatch):
     assert distributed.process_device("cuda:1") == "cuda:1" and distributed.process_device("cpu") == "cpu"
 
 
-def test_leave_ends_a_process_that_abandoned_its_group_with_its_code_and_output_flushed():
-    """After a lost peer (``finish(peer_lost=True)``) the process ends at once through ``leave``
-    with its exit status, stdout and stderr written out; without that, ``leave`` returns."""
+def test_leave_ends_a_process_that_replayed_in_a_group_with_its_code_and_output_flushed():
+    """After a lost peer (``finish(peer_lost=True)``), or after any group this process joined, the
+    process ends at once through ``leave`` with its exit status, stdout and stderr written out (no
+    interpreter teardown under gloo's threads); a process that joined none returns from ``leave``."""
     script = (
         "import sys\n"
         "from sdc_forensics.replay import distributed as d\n"
@@ -102,3 +103,13 @@ def test_leave_ends_a_process_that_abandoned_its_group_with_its_code_and_output_
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout, done.stderr) == (4, "partial", "error: lost")
+    joined = (
+        "import sys\n"
+        "from sdc_forensics.replay import distributed as d\n"
+        "d._role = d.ReplayGroup(rank=1, size=3, backend='gloo', timeout_s=1.0)\n"
+        "sys.stdout.write('done')\n"
+        "d.leave(0)\n"
+        "raise SystemExit(5)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", joined], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (0, "done")
