@@ -461,6 +461,22 @@ def with_earlier_attempts(
     )
 
 
+def off_lineage_examined(lineage: Examined, past: EarlierAttempt) -> Examined:
+    """What examined the steps before a checkpoint that attempt ``past`` saved off the latest lineage
+    (``trace.checkpoints.superseded_by``): the lineage's replay before the step a later attempt resumed
+    from, which both share, and from there ``past``'s own replay of its own records (none: not examined).
+    The latest lineage ends where its latest attempt does (``Trace.step_range``), so its replay never
+    reaches that checkpoint's later steps."""
+    lo = past.steps[0]
+    own = past.examined or Examined(first_step=lo)
+    return dataclasses.replace(
+        lineage,
+        replayed=frozenset(s for s in lineage.replayed if s < lo) | own.replayed,
+        tolerant_steps=frozenset(s for s in lineage.tolerant_steps if s < lo) | own.tolerant_steps,
+        anchors=frozenset(s for s in lineage.anchors if s < lo) | own.anchors,
+    )
+
+
 def _off_lineage(
     status: CheckpointStatus, owner: tuple[int, int] | None, earlier: Sequence[EarlierAttempt]
 ) -> CheckpointStatus:

@@ -5,7 +5,7 @@ checksum) by the compiled kernels of ``trace/scan.py`` on large traces, else in 
 numpy; a torn tail or a corrupted record is reported as :class:`Damage` and never used. :meth:`Trace.step_windows` streams ``(steps x ranks)`` tables
 of STEP records, window by window, so memory is bounded by the window, not by the trace.
 For a step recorded by several attempts (a resumed run), the latest attempt wins, and the
-window says which attempt each cell came from.
+window says which attempt each cell came from; the lineage ends at the latest attempt's last step.
 
 Over 400 lines on purpose: the one reader of the trace format (``format.py``): file validation,
 damage and the step windows share one view of a rank file's records.
@@ -366,9 +366,32 @@ class Trace:
     def step_range(self, attempt: int | None = None) -> tuple[int, int] | None:
         """``(first, last)`` step of any valid STEP record (of ``attempt``'s files only, when given), or None.
 
+        Without ``attempt``, the latest lineage's: a resumed run's steps end where its latest attempt's
+        do (:meth:`lineage_end`); an earlier attempt's steps after that followed a state the run
+        left behind, and are judged with that attempt (``Trace.as_of``), never as the run's next steps.
+
         Rank files are in step order, so only each file's first and last valid STEP records are
         read (no full scan).
         """
+        bounds = self._step_range(attempt)
+        if attempt is not None or bounds is None:
+            return bounds
+        end = self.lineage_end()
+        if end is None or end >= bounds[1]:
+            return bounds
+        return None if end < bounds[0] else (bounds[0], end)
+
+    def lineage_end(self) -> int | None:
+        """The last step of a resumed run's latest lineage: its latest attempt's last recorded step
+        (None: one attempt, or the latest recorded no step yet, so no earlier record follows one of
+        its own)."""
+        attempts = self.manifest.attempts
+        if len(attempts) < 2:
+            return None
+        own = self._step_range(max(attempts, key=lambda a: a.attempt).attempt)
+        return own[1] if own is not None else None
+
+    def _step_range(self, attempt: int | None) -> tuple[int, int] | None:
         lo, hi = None, None
         self._validate_all()
         for rank_file in self.files:

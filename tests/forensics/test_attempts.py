@@ -136,3 +136,38 @@ def test_trace_evidence_of_an_earlier_attempt_is_reported_without_a_replay(tmp_p
     result = bisect(trace, BisectOptions(trace_only=True))
     assert result.verdict is Verdict.CORRUPTION
     assert [(s.rank, s.attempt) for s in result.suspects] == [(2, 0)] and 6 in result.suspects[0].steps
+
+
+@pytest.mark.parametrize("injections", [("grad:step=5:rank=1:bit=30",), ()], ids=["faulted", "clean"])
+def test_a_resumed_attempt_that_has_not_reached_the_earlier_one_s_last_step_ends_the_lineage(tmp_path, injections):
+    """The rollback after an alarm, while the resumed job still runs: attempt 0 ran steps 0..11,
+    attempt 1 resumed from checkpoint 4 and has reached step 7. Attempt 0's steps 8..11 followed its
+    own state, not attempt 1's step 7: they are not the run's next steps. Before, the latest lineage
+    went on with them, so bisect replayed attempt 1's checkpoint 8 against attempt 0's step-8 records
+    and, after attempt 0's fault, told the user the replay did not compute what the job computed
+    (the recipe, the thread count) at step 8. Attempt 0's own checkpoints 10 and 12 are judged by its
+    own replay: corrupt after its fault, clean without one."""
+    out = tmp_path / "run"
+    run_demo(out, injections=injections, **{**RUN, "steps": 12})
+    run_demo(out, injections=(), resume_from=4, **RUN)
+    trace = out / "trace"
+    from sdc_forensics.trace.reader import Trace
+
+    assert Trace.open(trace).step_range() == (0, 7)
+    result = bisect(trace, BisectOptions())
+    assert not any(e.is_weak for e in result.evidence) and not any("step 8" in line for line in result.settle), (
+        result.settle
+    )
+    assert result.first_divergent_step is None
+    statuses = {c.step: c.status for c in result.checkpoints}
+    assert {s: statuses[s] for s in (0, 2, 4, 6, 8)} == dict.fromkeys((0, 2, 4, 6, 8), Status.CLEAN), result.checkpoints
+    if injections:
+        assert result.verdict is Verdict.CORRUPTION
+        assert [(s.rank, s.attempt, s.steps) for s in result.suspects] == [(1, 0, (5,))]
+        assert statuses[10] is not Status.CLEAN and statuses[12] is not Status.CLEAN
+        assert result.last_clean_checkpoint.step == 8
+    else:
+        assert result.verdict is Verdict.CLEAN
+        # certified by attempt 0's own replay of its steps 4..11
+        assert statuses[10] is Status.CLEAN and statuses[12] is Status.CLEAN, result.checkpoints
+        assert result.last_clean_checkpoint.step == 12
