@@ -349,7 +349,9 @@ def decide(
         settle.append(
             f"steps {_spans(sorted(examined.tolerant_steps))} were compared within tolerance only (another thread count "
             "or device): nothing stood out, but a fault below the replay's drift would not show; replay exactly (the "
-            "recorded thread counts, without --threads/--tolerant, or the recorded GPU model) to certify"
+            "recorded thread counts, without --threads/--tolerant, or the recorded GPU model) to certify; where it "
+            "already ran so, the recipe's kernels are not the job's (compile the model as the job did, torch.compile "
+            "or autocast: docs/recipes.md)"
         )
     else:
         verdict = Verdict.CLEAN

@@ -559,7 +559,9 @@ class Replayer(StepComparisons):
                 tolerant_from = step
                 notes.append(
                     f"step {step}: every rank's local gradient differs in the last bits from the record "
-                    "(another device or kernel): compared within the sketch tolerance from here on"
+                    "(another device or thread count, or the recipe's kernels are not the job's: a model the job "
+                    "compiled with torch.compile, or autocast, and the recipe does not, docs/recipes.md): compared "
+                    "within the sketch tolerance from here on"
                 )
                 local_bad, step_evidence = self._compare_locals(step, recs, ranks, True, 0, recorded_layout)
             if local_bad:
