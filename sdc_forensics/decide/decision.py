@@ -561,6 +561,12 @@ def _who(ev: Evidence) -> str:
     return "the collective" if ev.location is Location.COLLECTIVE else "no rank in particular"
 
 
+def _holds(divergence: Evidence, rank: int) -> bool:
+    """``divergence`` (a weights vote) puts ``rank`` among the diverged replicas: it names it, or it
+    names none because no strict majority exists (two replicas that differ: either may be the one)."""
+    return rank in divergence.ranks or not divergence.ranks
+
+
 def _at_rest(evidence: Sequence[Evidence]) -> list[Evidence]:
     """A DDP replica whose weights changed at rest: the replay finds rank ``r``'s local gradient of step
     ``s`` wrong (computed with other weights than the replicas'), and the trace finds ``r``'s weights after
@@ -568,7 +574,9 @@ def _at_rest(evidence: Sequence[Evidence]) -> list[Evidence]:
     whose bound holds ``s``). A wrong local gradient alone is averaged into every replica, which stay
     equal; a wrong update leaves the local gradient right. Both together: ``r``'s state changed between
     the update before ``s`` and its forward, so the replay's evidence is located there (a sharded job's
-    rest digest says so directly: ``triage/trace_only.py``)."""
+    rest digest says so directly: ``triage/trace_only.py``). Two replicas (a 2-rank DDP job, an HSDP
+    replica pair) have no majority to name ``r``; the replay names it, since its gradient is the
+    one computed from weights other than the replicas' (:func:`_holds`)."""
     # a sharded job's vote of the gathered parameters (located local_compute) found a transient copy different, not the
     # rank's own weights: the state at rest was right, and its wrong gradient stays local compute
     diverged = [
@@ -588,7 +596,7 @@ def _at_rest(evidence: Sequence[Evidence]) -> list[Evidence]:
             and ev.location is Location.LOCAL_COMPUTE
             and ev.marks_divergence
             and ev.ranks
-            and all(any(r in d.ranks and d.onset <= ev.step <= d.step for d in diverged) for r in ev.ranks)
+            and all(any(_holds(d, r) and d.onset <= ev.step <= d.step for d in diverged) for r in ev.ranks)
         ):
             ev = dataclasses.replace(
                 ev,

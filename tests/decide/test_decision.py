@@ -336,6 +336,27 @@ def test_weights_changed_at_rest_are_located_at_rest_not_in_local_compute():
     assert {s.location for s in decide([local, later], **common).suspects} == {Location.LOCAL_COMPUTE}
 
 
+def test_two_replicas_without_a_majority_the_replay_names_the_one_whose_weights_changed_at_rest():
+    """A 2-rank job (a new user's nanoGPT-style DDP job, weights flipped on rank 1 before step 6): the
+    vote finds no strict majority (it names no rank), the replay finds rank 1's local gradient of step
+    6 computed from other weights than the replicas'. Before, that was local compute; a wrong local
+    gradient alone is averaged into both replicas alike, so it was the weights, at rest."""
+    local = _ev(EvidenceKind.REPLAY_MISMATCH, 6, (1,), Location.LOCAL_COMPUTE, source="replay")
+    split = _ev(EvidenceKind.WEIGHT_DIVERGENCE, 6, (), Location.UNKNOWN)
+    common = dict(
+        world_size=2,
+        identity=lambda r: _Ident(),
+        notes=(),
+        files={},
+        majority={},
+        examined=Examined(replayed=frozenset(range(8))),
+    )
+    [at_rest] = decide([local, split], **common).suspects
+    assert (at_rest.rank, at_rest.location, at_rest.steps) == (1, Location.STATE_AT_REST, (6,))
+    earlier = _ev(EvidenceKind.REPLAY_MISMATCH, 4, (1,), Location.LOCAL_COMPUTE, source="replay")
+    assert {s.location for s in decide([earlier, split], **common).suspects} == {Location.LOCAL_COMPUTE}
+
+
 def test_a_sharded_checkpoint_holding_a_diverged_replicas_shard_says_so_not_storage():
     """Issue 33: an HSDP checkpoint saved after rank 3's weights diverged holds rank 3's shard (DCP writes
     one replica's copy): its tensor digests differ from the note, and the reason names the diverged
