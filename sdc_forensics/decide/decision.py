@@ -292,7 +292,8 @@ def decide(
         sharded: the job is sharded (FSDP2/HSDP): any replica of a shard may have written it to a checkpoint.
     """
     evidence = sorted(
-        shared_state([_pinned(e, examined) for e in _at_rest(evidence)], world_size, examined.anchors), key=sort_key
+        shared_state([_pinned(e, examined) for e in _at_rest(evidence, sharded)], world_size, examined.anchors),
+        key=sort_key,
     )
     window = divergence_window(evidence)
     first = window[0] if window is not None else None
@@ -561,13 +562,15 @@ def _who(ev: Evidence) -> str:
     return "the collective" if ev.location is Location.COLLECTIVE else "no rank in particular"
 
 
-def _holds(divergence: Evidence, rank: int) -> bool:
-    """``divergence`` (a weights vote) puts ``rank`` among the diverged replicas: it names it, or it
-    names none because no strict majority exists (two replicas that differ: either may be the one)."""
-    return rank in divergence.ranks or not divergence.ranks
+def _holds(divergence: Evidence, rank: int, sharded: bool) -> bool:
+    """``divergence`` (a weights vote) puts ``rank`` among the diverged replicas: it names it, or, in a
+    DDP job (every rank a replica of the whole model), it names none because no strict majority exists
+    (two replicas that differ: either may be the one). In a sharded job a split vote is one replica
+    group's, and a shard's peers compute with the gathered shard, so it names no other rank."""
+    return rank in divergence.ranks or (not divergence.ranks and not sharded)
 
 
-def _at_rest(evidence: Sequence[Evidence]) -> list[Evidence]:
+def _at_rest(evidence: Sequence[Evidence], sharded: bool = False) -> list[Evidence]:
     """A DDP replica whose weights changed at rest: the replay finds rank ``r``'s local gradient of step
     ``s`` wrong (computed with other weights than the replicas'), and the trace finds ``r``'s weights after
     ``s`` different from the majority's while they were equal after the check before (``WEIGHT_DIVERGENCE``
@@ -596,7 +599,7 @@ def _at_rest(evidence: Sequence[Evidence]) -> list[Evidence]:
             and ev.location is Location.LOCAL_COMPUTE
             and ev.marks_divergence
             and ev.ranks
-            and all(any(_holds(d, r) and d.onset <= ev.step <= d.step for d in diverged) for r in ev.ranks)
+            and all(any(_holds(d, r, sharded) and d.onset <= ev.step <= d.step for d in diverged) for r in ev.ranks)
         ):
             ev = dataclasses.replace(
                 ev,
