@@ -30,6 +30,43 @@ import torch.distributed as dist
 from sdc_forensics.errors import SdcError
 
 
+#: How long a process that recorded waits at its exit, with the GIL released, before the
+#: interpreter's teardown (:func:`drain_at_exit`); ``SDC_FORENSICS_EXIT_DRAIN_S`` overrides it
+#: (0: no wait, as before; ``benchmarks/exit_drill.py`` compares the two).
+EXIT_DRAIN_S = 0.2
+_drain_registered = False
+
+
+def drain_at_exit() -> None:
+    """Register, once per process, an exit handler that gives gloo's worker threads time to let go of
+    the last collectives while the interpreter is still whole.
+
+    A finished collective's work is freed by the worker thread that ran it, after the caller went
+    on; freeing a tensor that Python let go of first frees its Python object, which takes the GIL.
+    At the job's end that can fall in the interpreter's teardown, where a thread that asks for the
+    GIL is ended (``pthread_exit``) inside C++ code that cannot unwind: "terminate called without an
+    active exception", SIGABRT, and torchrun reports the clean job as failed. Seen on a new user's
+    2-rank job (3 of 24 runs) and on the development VM (4 of 37 runs under load: the core shows
+    ``ProcessGroupGloo::AsyncWork::~AsyncWork`` -> ``TensorImpl::decref_pyobject`` -> ``take_gil`` ->
+    ``PyThread_exit_thread`` while the main thread is in ``Py_FinalizeEx``). Exit handlers run
+    before the teardown starts; sleeping there releases the GIL, so the workers finish freeing.
+    ``benchmarks/exit_drill.py`` counts the aborts with and without it (docs/recorder.md)."""
+    global _drain_registered
+    if _drain_registered:
+        return
+    import atexit
+    import os
+    import time
+
+    try:
+        seconds = float(os.environ.get("SDC_FORENSICS_EXIT_DRAIN_S", EXIT_DRAIN_S))
+    except ValueError:
+        seconds = EXIT_DRAIN_S
+    if seconds > 0:
+        atexit.register(time.sleep, min(seconds, 10.0))
+    _drain_registered = True
+
+
 class Gathered:
     """An ``all_gather`` of every rank's ``(n,)`` int64 words, in flight."""
 
@@ -91,6 +128,7 @@ class WordExchange:
     def __init__(self, group: Any, world_size: int, device: torch.device) -> None:
         self.group, self.world_size = group, world_size
         self.device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        drain_at_exit()
 
     def gather(self, words: np.ndarray) -> np.ndarray:
         """``(W, n)`` int64 table of every rank's ``(n,)`` words (a blocking collective)."""
