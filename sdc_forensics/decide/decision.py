@@ -577,9 +577,9 @@ def _at_rest(evidence: Sequence[Evidence], sharded: bool = False) -> list[Eviden
     whose bound holds ``s``). A wrong local gradient alone is averaged into every replica, which stay
     equal; a wrong update leaves the local gradient right. Both together: ``r``'s state changed between
     the update before ``s`` and its forward, so the replay's evidence is located there (a sharded job's
-    rest digest says so directly: ``triage/trace_only.py``). Two replicas (a 2-rank DDP job, an HSDP
-    replica pair) have no majority to name ``r``; the replay names it, since its gradient is the
-    one computed from weights other than the replicas' (:func:`_holds`)."""
+    rest digest says so directly: ``triage/trace_only.py``). Two replicas of a DDP job have no majority
+    to name ``r``; the replay names it, since its gradient is the one computed from weights other
+    than the replicas' (:func:`_holds`; not in a sharded job, whose split vote is one group's)."""
     # a sharded job's vote of the gathered parameters (located local_compute) found a transient copy different, not the
     # rank's own weights: the state at rest was right, and its wrong gradient stays local compute
     diverged = [

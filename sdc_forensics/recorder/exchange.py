@@ -45,12 +45,12 @@ def drain_at_exit() -> None:
     on; freeing a tensor that Python let go of first frees its Python object, which takes the GIL.
     At the job's end that can fall in the interpreter's teardown, where a thread that asks for the
     GIL is ended (``pthread_exit``) inside C++ code that cannot unwind: "terminate called without an
-    active exception", SIGABRT, and torchrun reports the clean job as failed. Seen on a new user's
-    2-rank job (3 of 24 runs) and on the development VM (4 of 37 runs under load: the core shows
-    ``ProcessGroupGloo::AsyncWork::~AsyncWork`` -> ``TensorImpl::decref_pyobject`` -> ``take_gil`` ->
-    ``PyThread_exit_thread`` while the main thread is in ``Py_FinalizeEx``). Exit handlers run
-    before the teardown starts; sleeping there releases the GIL, so the workers finish freeing.
-    ``benchmarks/exit_drill.py`` counts the aborts with and without it (docs/recorder.md)."""
+    active exception", SIGABRT, and torchrun reports the clean job as failed. A new user's 2-rank
+    job hit it; a core of it shows ``ProcessGroupGloo::AsyncWork::~AsyncWork`` ->
+    ``TensorImpl::decref_pyobject`` -> ``take_gil`` -> ``PyThread_exit_thread`` while the main
+    thread is in ``Py_FinalizeEx``. Exit handlers run before the teardown starts; sleeping there
+    releases the GIL, so the workers finish freeing. ``benchmarks/exit_drill.py`` counts the aborts
+    with and without it, side by side (docs/benchmarks.md, "Exit drill")."""
     global _drain_registered
     if _drain_registered:
         return
