@@ -33,7 +33,7 @@ from sdc_forensics.errors import SdcError
 #: How long a process that recorded waits at its exit, with the GIL released, before the
 #: interpreter's teardown (:func:`drain_at_exit`); ``SDC_FORENSICS_EXIT_DRAIN_S`` overrides it
 #: (0: no wait, as before; ``benchmarks/exit_drill.py`` compares the two).
-EXIT_DRAIN_S = 0.2
+DRAIN_AT_EXIT_S = 0.2
 _drain_registered = False
 
 
@@ -59,9 +59,9 @@ def drain_at_exit() -> None:
     import time
 
     try:
-        seconds = float(os.environ.get("SDC_FORENSICS_EXIT_DRAIN_S", EXIT_DRAIN_S))
+        seconds = float(os.environ.get("SDC_FORENSICS_EXIT_DRAIN_S", DRAIN_AT_EXIT_S))
     except ValueError:
-        seconds = EXIT_DRAIN_S
+        seconds = DRAIN_AT_EXIT_S
     if seconds > 0:
         atexit.register(time.sleep, min(seconds, 10.0))
     _drain_registered = True
