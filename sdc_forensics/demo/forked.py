@@ -17,7 +17,10 @@ that was killed runs on until its own collective times out (the demo's ranks hav
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
+import signal
+import time
 from collections.abc import Callable
 
 #: Modules the fork server imports before it forks a rank. ``_preload`` imports torch._dynamo
@@ -40,13 +43,21 @@ def _environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in _VOLATILE}
 
 
-def start(fn: Callable, args: tuple, nprocs: int, *, join: bool = True):
+#: Seconds ``start(join=True)`` waits for its ranks before it dumps their stacks and kills them.
+JOIN_DEADLINE_S = 600.0
+
+
+def start(fn: Callable, args: tuple, nprocs: int, *, join: bool = True, deadline_s: float | None = JOIN_DEADLINE_S):
     """``torch.multiprocessing.start_processes(fn, args, nprocs, start_method="forkserver")``, the
     ranks forked from a server that loaded :data:`PRELOAD`. ``fn`` must be importable by name.
 
     ``join=True`` (the default) waits for the ranks and returns ``None`` (a failed rank raises
     torch's ``ProcessRaisedException`` / ``ProcessExitedException``); ``join=False`` returns the
-    ``ProcessContext``.
+    ``ProcessContext``. A rank still running ``deadline_s`` seconds after the start (None: no
+    deadline) writes every thread's Python stack to its stderr (``faulthandler`` on ``SIGUSR1``),
+    every rank is killed, and :class:`TimeoutError` names the ranks that were still running: a
+    rank stuck in a collective or in a torn-down process group fails its caller instead of
+    hanging it.
     """
     import torch.multiprocessing as mp
 
@@ -55,13 +66,37 @@ def start(fn: Callable, args: tuple, nprocs: int, *, join: bool = True):
     if _server_env != _environment():
         stop_server()
     mp.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
-    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="forkserver")
+    context = mp.start_processes(_traced, args=(fn, *args), nprocs=nprocs, join=False, start_method="forkserver")
     _server_env = _environment()
-    if join:
-        while not context.join():
-            pass
-        return None
-    return context
+    if not join:
+        return context
+    deadline = None if deadline_s is None else time.monotonic() + deadline_s
+    while not context.join(timeout=None if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))):
+        if deadline is not None and time.monotonic() >= deadline:
+            _dump_and_kill(context.processes, deadline_s)
+    return None
+
+
+def _traced(rank: int, fn: Callable, *args) -> None:
+    """A rank: ``fn(rank, *args)``, with ``faulthandler`` ready to print its stacks on ``SIGUSR1``."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    fn(rank, *args)
+
+
+def _dump_and_kill(processes, deadline_s: float) -> None:
+    running = [rank for rank, p in enumerate(processes) if p.is_alive()]
+    for rank in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(processes[rank].pid, signal.SIGUSR1)
+    time.sleep(2.0)  # faulthandler writes from its signal handler; give it the moment
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+        p.join(timeout=10)
+    raise TimeoutError(
+        f"rank(s) {', '.join(map(str, running))} still running {deadline_s:g} s after the start: "
+        "killed; each printed its threads' Python stacks on its stderr before"
+    )
 
 
 def stop_server() -> None:
