@@ -412,7 +412,14 @@ class EarlierAttempt:
 
 
 def with_earlier_attempts(
-    latest: Decision, earlier: Sequence[EarlierAttempt], owners: dict[int, tuple[int, int]] | None = None
+    latest: Decision,
+    earlier: Sequence[EarlierAttempt],
+    owners: dict[int, tuple[int, int]] | None = None,
+    *,
+    notes: Sequence = (),
+    files: Mapping[int, CheckpointFile] | None = None,
+    examined: Examined | None = None,
+    sharded: bool = False,
 ) -> Decision:
     """The run's decision once the earlier attempts of a resumed run are judged too (design brief: every attempt).
 
@@ -425,12 +432,29 @@ def with_earlier_attempts(
     Except a checkpoint an earlier attempt saved after the step a later one resumed from, which the
     later one did not save again (``owners``: step -> ``(attempt that saved it, attempt that resumed
     before it)``, ``trace.checkpoints.superseded_by``): it holds that earlier attempt's state, so it
-    is judged by that attempt's own steps (:func:`_off_lineage`), never certified by the latest
-    lineage's replay of other records.
+    is judged by that attempt's own steps (:func:`_off_lineage`, with the checkpoint's ``notes``, its
+    ``files`` and what the lineage's replay ``examined``), never certified by the latest lineage's
+    replay of other records.
     """
     if owners:
+        by_step = {n.step: n for n in notes}
         latest = dataclasses.replace(
-            latest, checkpoints=tuple(_off_lineage(c, owners.get(c.step), earlier) for c in latest.checkpoints)
+            latest,
+            checkpoints=tuple(
+                c
+                if c.step not in owners
+                else _off_lineage(
+                    c,
+                    by_step.get(c.step),
+                    (files or {}).get(c.step),
+                    owners[c.step],
+                    earlier,
+                    latest=latest,
+                    examined=examined,
+                    sharded=sharded,
+                )
+                for c in latest.checkpoints
+            ),
         )
     suspects, settle, evidence = list(latest.suspects), [], list(latest.evidence)
     verdict = latest.verdict
@@ -481,34 +505,54 @@ def off_lineage_examined(lineage: Examined, past: EarlierAttempt) -> Examined:
 
 
 def _off_lineage(
-    status: CheckpointStatus, owner: tuple[int, int] | None, earlier: Sequence[EarlierAttempt]
+    status: CheckpointStatus,
+    note,
+    file: CheckpointFile | None,
+    owner: tuple[int, int],
+    earlier: Sequence[EarlierAttempt],
+    *,
+    latest: Decision,
+    examined: Examined | None,
+    sharded: bool,
 ) -> CheckpointStatus:
-    """``status`` of a checkpoint off the latest lineage (``owner``: the attempt that saved it, the
-    one that resumed before it), judged by its own attempt's steps: tainted after that attempt's first
-    divergent step, unverified unless those steps were replayed exactly and clean, else as it was."""
-    if owner is None:
-        return status
+    """The status of a checkpoint off the latest lineage (``owner``: the attempt that saved it, the one
+    that resumed before it; ``status``: the lineage's, which never replayed its later steps), by the one
+    status rule (:func:`checkpoint_status`) with what examined its own steps
+    (:func:`off_lineage_examined`): the lineage's divergence and weak evidence where they share the
+    steps, its own attempt's after; tainted after that attempt's first divergent step; unverified
+    while that attempt could not be settled."""
     attempt, resumed_by = owner
     where = (
         f"saved by attempt {attempt}, whose steps attempt {resumed_by} re-executed from an earlier checkpoint "
         "without saving this one again"
     )
+    past = next((p for p in earlier if p.attempt == attempt), None)
+    if past is not None and note is not None and examined is not None:
+        lo, first = past.steps[0], latest.first_divergent_step
+        status = checkpoint_status(
+            note,
+            file,
+            first=first if first is not None and first < lo else None,
+            weak=tuple(e for e in latest.weak if e.step < lo),
+            majority=None,
+            examined=off_lineage_examined(examined, past),
+            sharded=sharded,
+        )
     if status.status is Status.CORRUPT:
         return dataclasses.replace(status, reasons=status.reasons + (where,))
-    past = next((p for p in earlier if p.attempt == attempt), None)
-    first = past.decision.first_divergent_step if past is not None else None
-    if first is not None and first < status.step:
-        taint = f"holds attempt {attempt}'s state after its first divergent step {first} ({where})"
+    own_first = past.decision.first_divergent_step if past is not None else None
+    if own_first is not None and own_first < status.step:
+        taint = f"holds attempt {attempt}'s state after its first divergent step {own_first} ({where})"
         return dataclasses.replace(status, status=Status.TAINTED, reasons=(taint,))
-    examined = past.examined if past is not None else None
-    settled = (
-        examined is not None
+    if status.status is not Status.CLEAN:
+        return dataclasses.replace(status, reasons=status.reasons + (where,))
+    if (
+        past is not None
+        and note is not None
+        and examined is not None
         and past.decision.verdict is not Verdict.INCONCLUSIVE
-        and not examined.unexamined_before(status.step)
-        and not any(s < status.step for s in examined.tolerant_steps)
-    )
-    if settled or status.status is not Status.CLEAN:
-        return status
+    ):
+        return status  # every step before it replayed exactly: the lineage's before the resume, its own after
     lo = past.steps[0] if past is not None else status.step - 1
     return dataclasses.replace(
         status,

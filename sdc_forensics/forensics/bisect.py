@@ -165,8 +165,15 @@ def bisect(
         earlier = _earlier_attempts(
             trace, options, progress, (recipe_ref if mode == "replay" else None), files, notes_out
         )
-        decided = _off_lineage_statuses(decided, notes, files, examined, earlier, owners, trace)
-        decided = decision.with_earlier_attempts(decided, earlier, owners)
+        decided = decision.with_earlier_attempts(
+            decided,
+            earlier,
+            owners,
+            notes=notes,
+            files=files,
+            examined=examined,
+            sharded=trace.manifest.parallel is not None,
+        )
     scope = _scope(tri, summary)
     if decided.verdict is decision.Verdict.CLEAN and mode == "trace-only":
         scope += " (trace-only: a wrong finite local gradient on a step without an audit would not show)"
@@ -261,32 +268,6 @@ def _options_not_exercised(options: AnalysisOptions) -> str:
         "--tolerant" if options.force_tolerant else "",
     ]
     return ", ".join(g for g in given if g)
-
-
-def _off_lineage_statuses(decided, notes, files, examined, earlier, owners, trace) -> decision.Decision:
-    """Each checkpoint an earlier attempt saved off the latest lineage (``owners``), by the one status rule
-    with what examined its own steps (``decision.off_lineage_examined``): the lineage's replay stops where
-    the latest attempt stops, and that checkpoint's later steps are its own attempt's, replayed there."""
-    by_attempt = {p.attempt: p for p in earlier}
-    first = decided.first_divergent_step
-    restated = {}
-    for note in notes:
-        past = by_attempt.get(owners[note.step][0]) if note.step in owners else None
-        if past is None:
-            continue
-        restated[note.step] = decision.checkpoint_status(
-            note,
-            files.get(note.step),
-            # the lineage's divergence holds for it only where they share the steps
-            first=first if first is not None and first < past.steps[0] else None,
-            weak=tuple(e for e in decided.weak if e.step < past.steps[0]),
-            majority=None,
-            examined=decision.off_lineage_examined(examined, past),
-            sharded=trace.manifest.parallel is not None,
-        )
-    if not restated:
-        return decided
-    return dataclasses.replace(decided, checkpoints=tuple(restated.get(c.step, c) for c in decided.checkpoints))
 
 
 def _earlier_attempts(
