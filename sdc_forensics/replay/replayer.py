@@ -520,6 +520,13 @@ class Replayer(StepComparisons):
                 )
                 break
             recs = window.records[row]
+            lost = [r for r in range(len(recs)) if not self.trace.has_microbatch_ids(recs[r])]
+            if lost:
+                notes.append(
+                    f"step {step}: rank(s) {', '.join(map(str, lost))}'s microbatch IDs are in records that fail their "
+                    "checksum (the trace is damaged there), so their inputs cannot be fetched again; replay stops before it"
+                )
+                break
             attempt = int(window.attempt[row, 0])
             if attempt not in layouts:
                 layouts[attempt] = env.bucket_layouts(self.trace.path, attempt)

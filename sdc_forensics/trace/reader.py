@@ -446,15 +446,33 @@ class Trace:
         yield from iter_windows(files, num_ranks=self.world_size, dtype=dtype, lo=lo, hi=hi, window=window)
 
     def microbatch_ids(self, record: np.void, rank_records: np.ndarray | None = None) -> np.ndarray:
-        """The microbatch IDs of a STEP or AUDIT record (int64)."""
+        """The microbatch IDs of a STEP or AUDIT record (int64). :class:`TraceError` when some are
+        lost (their IDS records fail their checksum or were cut off: :meth:`has_microbatch_ids`)."""
         count = int(record["microbatch_count"])
         if int(record["flags"]) & F.Flag.CONTIGUOUS_IDS:
             return np.arange(int(record["microbatch_first"]), int(record["microbatch_first"]) + count, dtype=np.int64)
-        ids_recs = self.records(F.Kind.IDS, rank=int(record["rank"]))
-        ids_recs = ids_recs[(ids_recs["step"] == record["step"]) & (ids_recs["attempt"] == record["attempt"])]
+        ids_recs = self._ids_records(record)
+        if len(ids_recs) * F.ids_per_record(self.sketch_k) < count:
+            rank, attempt = int(record["rank"]), int(record["attempt"])
+            name = next((f.path.name for f in self.files if (f.rank, f.attempt) == (rank, attempt)), "its trace file")
+            raise TraceError(
+                f"{self.path / name}: rank {rank}'s microbatch IDs of step {int(record['step'])} are lost (the records "
+                f"that held them fail their checksum or were cut off), so its inputs cannot be fetched again; replay "
+                "the steps before it, or restore the file from the run"
+            )
         per = F.ids_per_record(self.sketch_k)
         payload = np.ascontiguousarray(ids_recs).view(np.uint8).reshape(len(ids_recs), -1)[:, 32 : 32 + 8 * per]
         return np.ascontiguousarray(payload).view("<i8").reshape(-1)[:count]
+
+    def has_microbatch_ids(self, record: np.void) -> bool:
+        """Whether every microbatch ID of a STEP or AUDIT record is readable (see :meth:`microbatch_ids`)."""
+        if int(record["flags"]) & F.Flag.CONTIGUOUS_IDS:
+            return True
+        return len(self._ids_records(record)) * F.ids_per_record(self.sketch_k) >= int(record["microbatch_count"])
+
+    def _ids_records(self, record: np.void) -> np.ndarray:
+        ids_recs = self.records(F.Kind.IDS, rank=int(record["rank"]))
+        return ids_recs[(ids_recs["step"] == record["step"]) & (ids_recs["attempt"] == record["attempt"])]
 
 
 def _raise_wild(rank_file: RankFile, index: int) -> None:
