@@ -36,6 +36,23 @@ ORDERED = "ordered"
 #: like it, ``bucket.buffer().div_(W)``) divides, and for a ``W`` that is not a power of two the
 #: bits differ. The replay tries both for a job with its own comm hook (:func:`orders_to_try`).
 DIVIDED = "-divided"
+#: An order with this suffix sums the ranks' buffers as they are and divides the sum by ``W``: a
+#: hook that asks for ``SUM`` and divides the result in its future, ``fut.then(lambda f:
+#: f.value()[0].div_(W))`` (a pattern of DDP comm hook tutorials). For a ``W`` that is not a power
+#: of two its bits differ from both scalings before the sum.
+DIVIDED_AFTER = "-summed-then-divided"
+
+
+def _variant(order: str) -> tuple[str, str]:
+    """``(base order, scaling)``: scaling ``"scale"`` (each part times ``1/W``), ``"divide"`` (each
+    part divided by ``W``) or ``"after"`` (the plain sum divided by ``W``)."""
+    if order.endswith(DIVIDED_AFTER):
+        return order.removesuffix(DIVIDED_AFTER), "after"
+    if order.endswith(DIVIDED):
+        return order.removesuffix(DIVIDED), "divide"
+    return order, "scale"
+
+
 #: The replay's own process group's all-reduce (``--collective``): not a model of the job's
 #: collective but the collective itself, checked against the recorded digest at every step.
 COLLECTIVE = "collective"
@@ -185,18 +202,19 @@ def ring_sum(src: list[torch.Tensor]) -> torch.Tensor:
 
 def is_ordered(order: str | None) -> bool:
     """Whether ``order`` is the ordered reduction (scaled by ``1/W`` or divided by ``W``)."""
-    return (order or "").removesuffix(DIVIDED) == ORDERED
+    return _variant(order or "")[0] == ORDERED
 
 
 def orders_to_try(determinism: dict) -> tuple[str, ...]:
     """The reductions that may have made an attempt's reduced gradient, in the order the replay
     tries them: the recorded ordered reduction, or gloo's ring and the sequential sum; each also
-    divided (:data:`DIVIDED`) when the job reduced through its own comm hook, which may divide
-    where DDP multiplies (a compressing hook torch ships is reproduced as it is: it divides)."""
+    divided (:data:`DIVIDED`) and summed then divided (:data:`DIVIDED_AFTER`) when the job reduced
+    through its own comm hook, which may divide where DDP multiplies, before its sum or after it (a
+    compressing hook torch ships is reproduced as it is: it divides first)."""
     base = (ORDERED,) if str(determinism.get("reduction") or "") == ORDERED else REDUCTION_ORDERS
     if not determinism.get("comm_hook") or compression_of(determinism) is not None:
         return base
-    return base + tuple(order + DIVIDED for order in base)
+    return base + tuple(order + DIVIDED for order in base) + tuple(order + DIVIDED_AFTER for order in base)
 
 
 def compression_of(determinism: dict) -> torch.dtype | None:
@@ -225,7 +243,8 @@ def reduce_buckets(
     ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks._compress_hook`` does.
     """
     world_size = len(per_rank)
-    divide, order = order.endswith(DIVIDED), order.removesuffix(DIVIDED)
+    order, scaling = _variant(order)
+    divide, after = scaling == "divide", scaling == "after"
     if compress is not None:
         return [
             _compressed_bucket(
@@ -235,7 +254,7 @@ def reduce_buckets(
         ]
     if order == ORDERED:
         return [
-            _ordered_bucket([per_rank[r][b] for r in range(world_size)], divide, out[b] if out is not None else None)
+            _ordered_bucket([per_rank[r][b] for r in range(world_size)], scaling, out[b] if out is not None else None)
             for b in range(len(per_rank[0]))
         ]
     result = []
@@ -251,30 +270,39 @@ def reduce_buckets(
             for a in range(lo, hi, step):
                 b = min(a + step, hi)
                 piece = acc[a:b]
-                _scaled(src[ranks[0]][a:b], world_size, divide, piece)
+                _scaled(src[ranks[0]][a:b], world_size, divide, piece, after)
                 part = scratch[: b - a]
                 for r in ranks[1:]:
-                    _scaled(src[r][a:b], world_size, divide, part)
+                    _scaled(src[r][a:b], world_size, divide, part, after)
                     piece += part
+                if after:
+                    piece.div_(world_size)
         result.append(acc)
     return result
 
 
-def _scaled(src: torch.Tensor, world_size: int, divide: bool, out: torch.Tensor) -> None:
-    """``src / W`` (a hook's ``div_``) or ``src * (1/W)`` (DDP's reducer) into ``out``."""
-    if divide:
+def _scaled(src: torch.Tensor, world_size: int, divide: bool, out: torch.Tensor, after: bool = False) -> None:
+    """``src / W`` (a hook's ``div_``), ``src * (1/W)`` (DDP's reducer) or, ``after`` (the sum is
+    divided instead), ``src`` as it is, into ``out``."""
+    if after:
+        out.copy_(src)
+    elif divide:
         torch.div(src, world_size, out=out)
     else:
         torch.mul(src, 1.0 / world_size, out=out)
 
 
-def _ordered_bucket(src: list[torch.Tensor], divide: bool, out: torch.Tensor | None) -> torch.Tensor:
+def _ordered_bucket(src: list[torch.Tensor], scaling: str, out: torch.Tensor | None) -> torch.Tensor:
     """The ordered reduction of one bucket: ``ordered_mean`` (the recorder's own hook, or a job's
-    hook that multiplies by ``1/W``), or the ``ordered_sum`` of the parts a hook divided by ``W``
-    (the ordered reduction stands in for the ``SUM`` that hook asks for)."""
-    if not divide:
+    hook that multiplies by ``1/W``), the ``ordered_sum`` of the parts a hook divided by ``W``, or
+    the ``ordered_sum`` of the parts divided by ``W`` once summed (the ordered reduction stands in
+    for the ``SUM`` such a hook asks for)."""
+    if scaling == "scale":
         return ordered_mean(src, out=out)
-    return ordered_sum([t / len(src) for t in src], out=out)
+    if scaling == "divide":
+        return ordered_sum([t / len(src) for t in src], out=out)
+    summed = ordered_sum(src).div_(len(src))
+    return summed if out is None else out.copy_(summed)
 
 
 def _compressed_bucket(

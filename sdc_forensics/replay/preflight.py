@@ -164,7 +164,8 @@ def check(
             if det.get("comm_hook"):
                 caveats.append(
                     f"the job reduced through its own comm hook ({det['comm_hook']}): gloo's ring is reproduced only if "
-                    "the hook all-reduces the bucket scaled by 1/W or divided by W (as torch's allreduce_hook does); "
+                    "the hook all-reduces the bucket scaled by 1/W, divided by W (as torch's allreduce_hook does) or as it is "
+                    "and divides the sum by W; "
                     "record with RecorderOptions(reduction='ordered') to be sure"
                 )
         else:

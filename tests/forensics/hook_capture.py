@@ -8,6 +8,16 @@ from __future__ import annotations
 import torch
 
 
+def sum_then_divide_hook(state, bucket):
+    """A hook as DDP comm-hook tutorials write it: all-reduce the bucket with ``SUM``, then divide
+    the sum by ``W`` in its future (not each rank's part before the sum, as torch's hooks do)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(state)
+    fut = dist.all_reduce(bucket.buffer(), group=state, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0].div_(world))
+
+
 def capture(rank: int, world_size: int, port: int, out_dir: str, hook_name: str, ordered: bool = False) -> None:
     import torch.distributed as dist
     from torch import nn
@@ -20,7 +30,7 @@ def capture(rank: int, world_size: int, port: int, out_dir: str, hook_name: str,
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(33, 9000), nn.Tanh(), nn.Linear(9000, 5))
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)  # several buckets
-        inner = getattr(default_hooks, hook_name)
+        inner = sum_then_divide_hook if hook_name == "sum_then_divide_hook" else getattr(default_hooks, hook_name)
         # what the recorder registers for the job's hook (recorder/ddp_layout.communicating_hook)
         inner = ordered_reduction.compose(inner) if ordered else inner
         saved = {}

@@ -36,8 +36,10 @@ WORLD, STEPS, EVERY = 3, 6, 3
         ("allreduce_hook", False, "gloo-ring" + env.DIVIDED, None, "gloo-ring"),
         ("allreduce_hook", True, env.ORDERED + env.DIVIDED, None, env.ORDERED),
         ("fp16_compress_hook", True, env.ORDERED, torch.float16, env.ORDERED),
+        ("sum_then_divide_hook", False, "gloo-ring" + env.DIVIDED_AFTER, None, "gloo-ring" + env.DIVIDED),
+        ("sum_then_divide_hook", True, env.ORDERED + env.DIVIDED_AFTER, None, env.ORDERED + env.DIVIDED),
     ],
-    ids=["allreduce-hook", "allreduce-hook-ordered", "fp16-ordered"],
+    ids=["allreduce-hook", "allreduce-hook-ordered", "fp16-ordered", "sum-then-divide", "sum-then-divide-ordered"],
 )
 def test_the_replay_reproduces_the_hook_bit_for_bit(tmp_path, hook_name, ordered, order, compress, plain):
     forked.start(capture, (WORLD, free_port(), str(tmp_path), hook_name, ordered), WORLD)
@@ -58,16 +60,34 @@ def test_orders_to_try_adds_the_divided_orders_for_a_hook_of_the_job_s_own():
     assert env.orders_to_try({}) == env.REDUCTION_ORDERS
     assert env.orders_to_try({"reduction": "ordered"}) == (env.ORDERED,)
     mine = {"comm_hook": "train.my_hook"}
-    assert env.orders_to_try(mine) == ("gloo-ring", "sequential", "gloo-ring-divided", "sequential-divided")
-    assert env.orders_to_try({**mine, "reduction": "ordered"}) == (env.ORDERED, env.ORDERED + env.DIVIDED)
+    assert env.orders_to_try(mine) == (
+        "gloo-ring",
+        "sequential",
+        "gloo-ring-divided",
+        "sequential-divided",
+        "gloo-ring-summed-then-divided",
+        "sequential-summed-then-divided",
+    )
+    assert env.orders_to_try({**mine, "reduction": "ordered"}) == (
+        env.ORDERED,
+        env.ORDERED + env.DIVIDED,
+        env.ORDERED + env.DIVIDED_AFTER,
+    )
     # torch's compressing hooks are reproduced as they are (they divide)
     assert env.orders_to_try({"comm_hook": f"{HOOKS}.fp16_compress_hook"}) == env.REDUCTION_ORDERS
 
 
 @pytest.mark.parametrize(
     "hook, reduction",
-    [("allreduce_hook", "native"), ("allreduce_hook", "ordered"), ("fp16_compress_hook", "ordered")],
-    ids=["allreduce-hook", "allreduce-hook-ordered", "fp16-ordered"],
+    [
+        (f"{HOOKS}:allreduce_hook", "native"),
+        (f"{HOOKS}:allreduce_hook", "ordered"),
+        (f"{HOOKS}:fp16_compress_hook", "ordered"),
+        # a new user's conv net job with this hook was called corruption at step 0 under "ordered"
+        ("tests.forensics.hook_capture:sum_then_divide_hook", "native"),
+        ("tests.forensics.hook_capture:sum_then_divide_hook", "ordered"),
+    ],
+    ids=["allreduce-hook", "allreduce-hook-ordered", "fp16-ordered", "sum-then-divide", "sum-then-divide-ordered"],
 )
 def test_a_clean_job_with_the_hook_is_certified_on_three_ranks(demo_run, hook, reduction):
     trace = (
@@ -77,7 +97,7 @@ def test_a_clean_job_with_the_hook_is_certified_on_three_ranks(demo_run, hook, r
             checkpoint_every=EVERY,
             world_size=WORLD,
             reduction=reduction,
-            comm_hook=f"{HOOKS}:{hook}",
+            comm_hook=hook,
         )
         / "trace"
     )
