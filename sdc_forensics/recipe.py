@@ -16,8 +16,11 @@ with no arguments.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import importlib
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -140,6 +143,22 @@ def import_reference(reference: str, what: str = "recipe") -> Any:
         if obj is None:
             raise RecipeError(f"{what} module {module_name!r} has no attribute {attribute!r}")
     return obj
+
+
+def recipe_identity(reference: str, args: dict[str, Any] | None = None) -> dict[str, str]:
+    """What a ledger record keeps of the recipe its replay ran (``forensics/ledger_use.py``): the
+    ``module:attribute`` reference, the job settings it was given, and the SHA-256 of its module's
+    source file ("" when the module cannot be found without running it). A record made with
+    another recipe, or with this one before its file was edited, certifies nothing for this one.
+    """
+    module_name = str(reference).partition(":")[0]
+    digest = ""
+    with contextlib.suppress(Exception):  # a module that cannot be found: the reference alone
+        spec = importlib.util.find_spec(module_name)
+        if spec is not None and spec.origin and Path(spec.origin).is_file():
+            digest = hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()
+    shown = json.dumps(args or {}, sort_keys=True, default=str)
+    return {"reference": str(reference), "args": shown, "source_sha256": digest}
 
 
 def load_recipe(reference: str, search_path: str | Path | None = None, *, args: dict[str, Any] | None = None) -> Recipe:

@@ -44,6 +44,7 @@ from sdc_forensics.ledger import (
 )
 from sdc_forensics.ledger.record import MAX_EVIDENCE, LedgerRecordError
 from sdc_forensics.ledger.reuse import STRONG
+from sdc_forensics.recipe import recipe_identity
 from sdc_forensics.trace.checkpoints import CheckpointNote
 
 
@@ -84,6 +85,8 @@ class LedgerUse:
         self.appended: list[str] = []
         self.write_error = ""
         self.guard: Callable[[], Any] = guard if guard is not None else contextlib.nullcontext
+        # the recipe this analysis replays with (``recipe.recipe_identity``), kept in each record it appends
+        self.recipe: dict[str, str] | None = None
 
     @classmethod
     def open(
@@ -107,7 +110,10 @@ class LedgerUse:
         reuse = reusable_records(
             contents.records, notes, trace_dir=trace.path, attempts=trace.manifest.attempts, locate=locate
         )
-        records, ignored = reuse.records, (*contents.notes, *reuse.notes)
+        reference = options.recipe or trace.manifest.recipe
+        recipe = recipe_identity(reference, trace.manifest.recipe_args) if reference else None
+        records, other = _same_recipe(reuse.records, recipe)
+        ignored = (*contents.notes, *reuse.notes, *other)
         # every process walks on process 0's reading: a record appended meanwhile
         if distributed.current() is not None:
             records, ignored = distributed.exchange_objects((records, ignored))[
@@ -125,6 +131,7 @@ class LedgerUse:
             write=distributed.is_lead(),
             guard=guard,
         )
+        use.recipe = recipe
         for line in use.lines:
             use._say(line)
         return use
@@ -237,7 +244,7 @@ class LedgerUse:
             comparison=Comparison.EXACT if exact else Comparison.TOLERANT,
             reduction=result.reduction_order or "unspecified",
             device=str(result.device),
-            settings=_json_safe(result.settings),
+            settings={**_json_safe(result.settings), **({"recipe": self.recipe} if self.recipe else {})},
             outcome=Outcome.EVIDENCE if entries else Outcome.CLEAN,
             evidence=entries,
             wall_s=max(0.0, float(wall_s)),
@@ -274,3 +281,30 @@ def _json_safe(settings: dict) -> dict:
             value = str(value)
         out[str(key)] = value
     return out
+
+
+def _same_recipe(
+    records: Sequence[IntervalRecord], recipe: dict[str, str] | None
+) -> tuple[tuple[IntervalRecord, ...], list[str]]:
+    """The records made with ``recipe`` (its reference, job settings and source file's digest), and a
+    line per record made with another: a replay with another recipe, or with this one before its
+    file was edited, says nothing of what this one computes (a recipe whose learning rate is 1 %
+    off was certified from the records of the right one). A record that names no recipe (written
+    before the ledger kept it) is kept."""
+    kept, lines = [], []
+    for r in records:
+        theirs = r.settings.get("recipe") if isinstance(r.settings, dict) else None
+        if recipe is None or not isinstance(theirs, dict) or theirs == recipe:
+            kept.append(r)
+            continue
+        what = (
+            f"recipe {theirs.get('reference')}"
+            if theirs.get("reference") != recipe["reference"]
+            else f"recipe {recipe['reference']} "
+            + ("with other job settings" if theirs.get("args") != recipe["args"] else "before its source file changed")
+        )
+        lines.append(
+            f"ledger record {r.record_id} (steps {r.start_step}..{r.last_step}) was made with {what}: not reused, "
+            "those steps are replayed with this recipe"
+        )
+    return tuple(kept), lines

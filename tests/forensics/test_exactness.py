@@ -108,3 +108,35 @@ def test_a_learning_rate_set_by_hand_from_the_step_is_reproduced_when_the_recipe
     assert {c.step: c.status for c in wrong.checkpoints} == {0: Status.CLEAN, 2: Status.CLEAN, 4: Status.UNVERIFIED}
     assert wrong.verdict is Verdict.INCONCLUSIVE and wrong.suspects == ()
     assert sorted(e.step for e in wrong.evidence if e.location.value == "optimizer_update") == [2]
+
+
+@pytest.mark.ledger  # the conftest turns the ledger off for the rest
+def test_the_ledger_of_the_right_recipe_certifies_nothing_for_a_wrong_one(demo_run, tmp_path):
+    """A new user certified a run with the right recipe, then with one whose learning rate was 1 % off:
+    every step came from the ledger the first certify wrote, and the wrong recipe was certified."""
+    import shutil
+
+    out = _run(demo_run, "lr_off", 1)
+    trace = shutil.copytree(out / "trace", tmp_path / "trace", ignore=shutil.ignore_patterns("ledger.jsonl"))
+    checkpoints = ["--checkpoints", str(out / "checkpoints")]
+    right = CliRunner().invoke(cli, ["certify", str(trace), *checkpoints])
+    assert right.exit_code == 0, right.output
+    wrong = CliRunner().invoke(cli, ["certify", str(trace), *checkpoints, "--recipe", JOBS["lr_off"][2]])
+    assert wrong.exit_code == 4, wrong.output
+    text = " ".join(wrong.output.split())
+    assert f"was made with recipe {MLP}: not reused" in text and "does not reproduce the update" in text
+    again = CliRunner().invoke(cli, ["certify", str(trace), *checkpoints])
+    assert again.exit_code == 0, again.output
+    assert "the ledger holds their exact clean replay" in again.output  # the right recipe's records still serve it
+
+
+def test_a_recipe_edited_in_place_is_another_recipe_to_the_ledger(tmp_path, monkeypatch):
+    from sdc_forensics.recipe import recipe_identity
+
+    (tmp_path / "my_job_recipe.py").write_text("LR = 0.1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = recipe_identity("my_job_recipe:Recipe", {"width": 8})
+    assert before["source_sha256"] and before == recipe_identity("my_job_recipe:Recipe", {"width": 8})
+    assert before != recipe_identity("my_job_recipe:Recipe", {"width": 16})
+    (tmp_path / "my_job_recipe.py").write_text("LR = 0.101\n")
+    assert recipe_identity("my_job_recipe:Recipe", {"width": 8})["source_sha256"] != before["source_sha256"]
