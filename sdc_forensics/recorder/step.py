@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -33,7 +34,7 @@ class UnrecordedUpdates:
         self.rank, self.said = rank, False
 
     def __call__(self) -> None:
-        if self.said:
+        if self.said or _creating_optimizer_state():
             return
         self.said = True
         logging.getLogger("sdc_forensics.recorder").warning(
@@ -42,6 +43,24 @@ class UnrecordedUpdates:
             "(docs/recorder.md)",
             self.rank,
         )
+
+
+def _creating_optimizer_state() -> bool:
+    """Whether torch's ``get_state_dict``/``set_state_dict`` of an optimizer that has no state yet is
+    what steps it: ``torch.distributed.checkpoint.state_dict._init_optim_state`` creates the state
+    with one ``optimizer.step()`` on zero gradients at learning rate 0, which moves no weight and is
+    no update of the job's (a new user's FSDP2 job saving checkpoint 0 that way was told that no
+    checkpoint could be certified, and every one was). Called only for a step outside a recorded one."""
+    frame = sys._getframe(2)
+    for _ in range(16):  # the optimizer's hooks and wrappers sit between it and the caller
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_init_optim_state" and str(frame.f_globals.get("__name__", "")).startswith(
+            "torch.distributed.checkpoint"
+        ):
+            return True
+        frame = frame.f_back
+    return False
 
 
 @dataclasses.dataclass(kw_only=True)
