@@ -167,11 +167,16 @@ def render_bisect(result: BisectResult, console) -> None:
             )
         console.print(table)
     last = result.last_clean_checkpoint
-    console.print(
-        f"Resume from: [bold]{escape(last.path)}[/] (step {last.step}, {last.status.value})"
-        if last
-        else "Resume from: [yellow]no checkpoint certified clean[/]"
-    )
+    if last is None:
+        console.print("Resume from: [yellow]no checkpoint certified clean[/]")
+    elif result.verdict is Verdict.INCONCLUSIVE:
+        # certify's rule (forensics.certify.certify_exit): no resume point without a verdict
+        console.print(
+            "Resume from: [yellow]no point named[/]: the analysis is inconclusive (see 'to settle'); checkpoint "
+            f"{last.step} is the last certified clean ({escape(last.path)}), and resuming there re-runs every step after it"
+        )
+    else:
+        console.print(f"Resume from: [bold]{escape(last.path)}[/] (step {last.step}, {last.status.value})")
     replay = result.replayed
     if replay.windows:
         console.print(
