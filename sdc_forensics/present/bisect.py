@@ -108,7 +108,17 @@ def render_bisect(result: BisectResult, console) -> None:
     style = _STYLE[result.verdict]
     headline = f"[{style}]{result.verdict.value.upper()}[/]"
     if result.first_divergent_step is not None:
-        headline += f"  first divergent step {result.first_divergent_step} (θ_{result.first_divergent_step} clean, θ_{result.first_divergent_step + 1} not)"
+        s = result.first_divergent_step
+        at_rest = sorted(
+            {
+                x.rank
+                for x in result.suspects
+                if x.location.value == "state_at_rest" and x.rank is not None and s in x.steps
+            }
+        )
+        # a copy changed in memory before the step's forward: θ_s as the job computed and saved it is still clean
+        copy = f"; rank(s) {', '.join(map(str, at_rest))}' copy of it changed in memory" if at_rest else ""
+        headline += f"  first divergent step {s} (θ_{s} clean{copy}, θ_{s + 1} not)"
     console.print(headline)
     console.print(f"[dim]{escape(result.scope)}[/]")
     # a clean verdict of the trace alone

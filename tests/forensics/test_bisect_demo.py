@@ -88,6 +88,18 @@ def assert_last_clean_obeys_rule(result, out: Path, first: int | None, corrupt_f
         assert {c.step: c.status.value for c in result.checkpoints}[corrupt_file_step] == "corrupt"
 
 
+def _headline(result) -> str:
+    import io
+
+    from rich.console import Console
+
+    from sdc_forensics.present.bisect import render_bisect
+
+    out = io.StringIO()
+    render_bisect(result, Console(file=out, width=400, color_system=None))
+    return out.getvalue().splitlines()[0]
+
+
 @pytest.mark.parametrize("location,step,rank,bit,where", CASES, ids=[f"{c[0]}-s{c[1]}-r{c[2]}-b{c[3]}" for c in CASES])
 def test_bisect_names_injected_step_and_rank(demo_run, location, step, rank, bit, where):
     out = demo_run(_spec(location, step, rank, bit), steps=STEPS, checkpoint_every=EVERY)
@@ -106,6 +118,10 @@ def test_bisect_names_injected_step_and_rank(demo_run, location, step, rank, bit
     else:
         assert suspect.rank == rank and suspect.host and suspect.gpu
     assert not suspect.recurring
+    # θ_step as computed and saved is clean; a copy changed at rest is said to be one rank's
+    headline = _headline(result)
+    assert f"first divergent step {step} (θ_{step} clean" in headline
+    assert ("copy of it changed in memory" in headline) == (where == "state_at_rest"), headline
     assert_last_clean_obeys_rule(result, out, step)
     # every step up to the divergence is replayed (to certify the checkpoints before it), none after
     assert result.replayed.steps_replayed == step + 1
