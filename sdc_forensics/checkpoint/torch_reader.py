@@ -24,7 +24,10 @@ Checks, in order (a failure raises :class:`CheckpointError`, one line):
    the same containers over and over is a bomb: cheap to load, endless to walk), key paths of at
    most 64 KiB; and the tensor views may repeat stored bytes (``zeros(1).expand(2**28)``) by at
    most ``max_inflate_bytes`` in all (identical views, such as tied weights, count once and are
-   digested once: :meth:`TorchReader.aliases`).
+   digested once: :meth:`TorchReader.aliases`);
+6. every storage lies inside its own member: the map is cut at each member's offset with the
+   size the pickle declares, which torch does not compare with the member's, so a short member
+   would lend its tensor the bytes after it (:meth:`TorchReader._check_storage_sizes`).
 
 Costs are bounded by the file (``limits.py``): a compressed storage member is refused (torch
 would map its compressed bytes as the tensor's); another compressed member is checked against
@@ -225,6 +228,8 @@ class TorchReader(SingleFileReader):
         self._file = MappedFile(path)
         self._issues: list[FileIssue] = []
         self._payload: Any = None
+        # where each stored member's bytes start in the file: (name, size)
+        self._stored: dict[int, tuple[str, int]] = {}
         try:
             num_ops = self._check_archive()
             self._payload = self._load()
@@ -242,6 +247,7 @@ class TorchReader(SingleFileReader):
                         f"{path}: tensor {key[:80]!r} is {why}: it cannot be verified; re-save the state as dense CPU tensors"
                     )
             self._check_views()
+            self._check_storage_sizes()
         except CheckpointError:
             self._file.close()
             raise
@@ -341,6 +347,7 @@ class TorchReader(SingleFileReader):
                 f"{self.path}: member {member.filename} extends beyond the end of the file: the archive is truncated"
             )
         if member.compress_type == zipfile.ZIP_STORED:
+            self._stored[data_start] = (member.filename, member.compress_size)
             return buf[data_start : data_start + member.compress_size]
         return None
 
@@ -463,6 +470,41 @@ class TorchReader(SingleFileReader):
                 f"{size_text(view_bytes)} to digest from {size_text(stored)} stored, more than the "
                 f"{size_text(self._limits.max_inflate_bytes)} beyond it allowed; raise {INFLATE_HINT} if you trust the file"
             )
+
+    def _check_storage_sizes(self) -> None:
+        """Every storage lies inside its own member. ``torch.load(mmap=True)`` maps the file and cuts each
+        storage at its member's offset with the size the pickle declares, never comparing it with the
+        member's: a member shorter than its storage (crafted, or an archive rebuilt badly) gave a tensor
+        the bytes of the zip headers after it, digested and verified (a hostile-file trial). torch maps
+        the whole file once, so the storages' addresses are the members' offsets plus one base, found
+        from the lowest storage."""
+        spans = {}
+        for tensor in self._flat.values():
+            storage = tensor.untyped_storage()
+            if storage.nbytes():
+                spans[storage.data_ptr()] = max(spans.get(storage.data_ptr(), 0), storage.nbytes())
+        if not spans:
+            return
+        lowest = min(spans)
+        members = {
+            start: named for start, named in self._stored.items() if named[0][len(self._prefix) :].startswith("data/")
+        }
+        base = next(
+            (lowest - start for start in members if all(ptr - (lowest - start) in members for ptr in spans)), None
+        )
+        if base is None:
+            raise CheckpointError(
+                f"{self.path}: its tensors do not lie at the offsets of its storage members: the archive was rebuilt "
+                "or crafted; re-save it with torch.save"
+            )
+        for ptr, nbytes in sorted(spans.items()):
+            name, size = members[ptr - base]
+            if nbytes > size:
+                raise CheckpointError(
+                    f"{self.path}: storage member {name} holds {size} bytes, but the pickle declares {nbytes} for its "
+                    "tensors, which would be read from the bytes after it: truncated or crafted; restore the file or "
+                    "re-save it with torch.save"
+                )
 
     def aliases(self) -> dict[str, str]:
         """Key -> the first key holding the very same view (a tied weight): digested once."""

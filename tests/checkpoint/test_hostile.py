@@ -63,6 +63,32 @@ def test_pt_zip_entry_name_with_a_flipped_byte(tmp_path, which):
     assert "not valid UTF-8" in _run_bad(path)
 
 
+def _rezipped(source: Path, target: Path, cut: dict[str, int]) -> Path:
+    """``source``'s members rewritten into ``target`` (stored, CRC-32 of the new bytes), the ones
+    named in ``cut`` shortened to that many bytes."""
+    import zipfile
+
+    with zipfile.ZipFile(source) as src, zipfile.ZipFile(target, "w") as out:
+        for name in src.namelist():
+            data = src.read(name)
+            out.writestr(name, data[: cut[name.split("/", 1)[1]]] if name.split("/", 1)[1] in cut else data)
+    return target
+
+
+def test_pt_storage_member_shorter_than_its_tensor(tmp_path):
+    """``_check_storage_sizes``: ``torch.load(mmap=True)`` read the bytes after a short member as the tensor's
+    (a consistent CRC-32), and the file was VERIFIED; torch.load without mmap refuses it."""
+    torch.manual_seed(0)
+    source = tmp_path / "src.pt"
+    torch.save({"w": torch.randn(16, 8), "b": torch.randn(16), "view": torch.arange(10)[2:5]}, source)
+    assert _run_verify(_rezipped(source, tmp_path / "same.pt", {})) == 0  # rebuilt whole: still read
+    assert "holds 8 bytes, but the pickle declares 512" in _run_bad(_rezipped(source, tmp_path / "x.pt", {"data/0": 8}))
+
+
+def _run_verify(path: Path) -> int:
+    return CliRunner().invoke(cli, ["verify-checkpoint", str(path)]).exit_code
+
+
 # ---------------------------------------------------------------------------------------------
 # safetensors and Hugging Face indexes
 
