@@ -26,7 +26,7 @@ from sdc_forensics.cli.output import emit_json, err
 
 
 @click.command("certify")
-@click.argument("trace_dir", type=click.Path(path_type=Path))
+@click.argument("trace_dir", type=click.Path(path_type=Path, readable=False))
 @click.option("--json", "as_json", is_flag=True, help="Write one JSON document on stdout.")
 @click.option(
     "--certificate-out",

@@ -72,7 +72,7 @@ def stdout_is_data(func):
 def trace_analysis_options(func):
     """TRACE_DIR and the options every command that runs the analysis shares."""
     func = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")(func)
-    return analysis_options(click.argument("trace_dir", type=click.Path(path_type=Path))(func))
+    return analysis_options(click.argument("trace_dir", type=click.Path(path_type=Path, readable=False))(func))
 
 
 def analysis_options(func):

@@ -110,6 +110,15 @@ class _LazyGroup(click.Group):
             if line is not None:
                 fatal(line)
             ctx.exit(exc.exit_code)
+        # an input this user may not read (a file of the checkpoint or trace, or a folder on its path)
+        except PermissionError as exc:
+            from sdc_forensics.cli.output import fatal
+
+            fatal(
+                f"{exc.filename or 'an input'}: permission denied: this user cannot open it; make it readable (its mode "
+                "and its folders' execute bits, or ownership), or run as a user who can read it"
+            )
+            ctx.exit(ExitCode.BAD_INPUT)
         # stdout's reader went away outside emit_json (click would exit 1)
         except BrokenPipeError:
             from sdc_forensics.cli.output import stdout_closed

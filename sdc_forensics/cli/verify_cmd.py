@@ -18,7 +18,7 @@ from sdc_forensics.cli.output import emit_json, err
 
 
 @click.command("verify-checkpoint")
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path", type=click.Path(path_type=Path, readable=False))
 @click.option(
     "--trace",
     "trace_dir",

@@ -567,3 +567,27 @@ def test_a_loop_of_links_is_named_as_one_not_as_a_missing_path(tmp_path):
     assert ran.exit_code == 3, ran.output
     assert "symbolic link that leads to no file" in ran.output and "does not exist" not in ran.output
     assert (tmp_path / "x").is_symlink() and (tmp_path / "y").is_symlink()  # left as they were
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["the-file", "a-file-of-its-folder"])
+def test_a_file_this_user_cannot_read(tmp_path, monkeypatch, inside):
+    """Not root: a checkpoint (or a file of its folder) with mode 000 was a ``PermissionError``
+    traceback (exit 1), or click's "is not readable" (exit 2); it is one line, exit 3. Root reads
+    any file, so the denial is simulated where the reader opens it."""
+    import os
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    save_file({"w": torch.ones(4)}, folder / "model.safetensors")
+    torch.save({"s": torch.ones(2)}, folder / "optimizer.pt")
+    denied = folder / "optimizer.pt"
+    real_open = os.open
+
+    def deny(path, *args, **kwargs):
+        if Path(path) == denied:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", deny)
+    line = _run_bad(folder if inside else denied)
+    assert f"{denied}: permission denied" in line and "make it readable" in line
