@@ -376,7 +376,7 @@ class TorchReader(SingleFileReader):
         if refused:
             raise PickleRefused(
                 f"{self.path}: its pickle references {', '.join(refused[:5])}, which weights-only loading does not allow; "
-                "refusing to load it (it could run code). Only load it if you trust its origin.",
+                "refusing to load it (it could run code): re-save it with tensors and plain Python values only (e.g. vars(args) for an argparse.Namespace, a dict for a dataclass) to verify it; sdc-forensics never runs a checkpoint's pickle",
                 tuple(refused),
             )
         return num_ops
@@ -399,8 +399,8 @@ class TorchReader(SingleFileReader):
             # the allow-list was unknown to the scan
             if first_line.startswith(_WEIGHTS_ONLY_REFUSAL):
                 raise PickleRefused(
-                    f"{self.path}: torch.load(weights_only=True) refuses its pickle; refusing to load it (it could run code). "
-                    "Only load it if you trust its origin."
+                    f"{self.path}: torch.load(weights_only=True) refuses its pickle; refusing to load it (it could run code): "
+                    "re-save it with tensors and plain Python values only (e.g. vars(args) for an argparse.Namespace, a dict for a dataclass) to verify it; sdc-forensics never runs a checkpoint's pickle"
                 ) from None
             raise CheckpointError(
                 f"{self.path}: torch.load(weights_only=True) failed ({type(exc).__name__}: {first_line[:200]}): damaged or unsupported"

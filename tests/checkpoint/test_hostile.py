@@ -591,3 +591,14 @@ def test_a_file_this_user_cannot_read(tmp_path, monkeypatch, inside):
     monkeypatch.setattr(os, "open", deny)
     line = _run_bad(folder if inside else denied)
     assert f"{denied}: permission denied" in line and "make it readable" in line
+
+
+def test_a_checkpoint_holding_an_argparse_namespace_is_told_how_to_save_it(tmp_path):
+    """``torch.save({..., "args": args})``, a common pattern: its pickle needs ``argparse.Namespace``, so
+    it is refused unloaded; the line said "only load it if you trust its origin", which the tool cannot do."""
+    import argparse
+
+    path = tmp_path / "full.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "args": argparse.Namespace(lr=0.1)}, path)
+    line = _run_bad(path)
+    assert "argparse.Namespace" in line and "vars(args)" in line and "trust" not in line
