@@ -6,8 +6,9 @@ plain steps. Each step before ``N`` counts once, under the strongest examination
 
 1. exact replay now (this analysis) or earlier (a ledger record reused, ``ledger/reuse.py``):
    every digest of the step reproduced, its update included;
-2. replayed, but its update not reproduced (the weights after it differ on every rank while its
-   gradients matched: ``decide/common_mode.py`` rule 5): certifies nothing;
+2. replayed, but not reproduced: a digest of the step differs from the replay's (its update on
+   every rank while its gradients matched, ``decide/common_mode.py`` rule 5; every rank's local
+   gradient alike; or a fault's): certifies nothing;
 3. tolerant replay (within the tolerance model: certifies nothing);
 4. the online checks alone (recorded in the trace, never replayed): which checks ran on those
    steps is ``trace.online.OnlineChecks``;
@@ -62,7 +63,7 @@ class Coverage:
         exact_now: replayed bit for bit by this analysis.
         exact_ledger: replayed bit for bit earlier, taken from the ledger (``record_ids``).
         tolerant: replayed and compared within tolerance only.
-        unreproduced: replayed, but the replay did not reproduce the step's update (not exact).
+        unreproduced: replayed, but the replay did not reproduce a digest of the step (not exact).
         online_only: recorded in the trace (online checks ran) but not replayed.
         nothing: not recorded in the trace at all.
         record_ids: the ledger records behind ``exact_ledger``.
@@ -152,9 +153,19 @@ def coverage_of(result) -> tuple[Coverage, ...]:
             now_tolerant.append((cut, w.last))
     ledger = result.replayed.ledger
     reused = [(w.start, w.last, w.record_ids) for w in ledger.reused] if ledger is not None else []
-    from sdc_forensics.decide.common_mode import is_unreproduced_update
+    from sdc_forensics.evidence import EvidenceKind
 
-    off = [(e.step, e.step) for e in result.evidence if is_unreproduced_update(e)]
+    # a step whose replay did not reproduce some digest (its update, every rank's local gradient, or a
+    # fault's) is replayed, not exact: a wrong accumulation count was listed "exact now 0" while every
+    # rank's local gradient of step 0 differed
+    # (a tolerant step stays tolerant: each step counts once)
+    off = [
+        (e.step, e.step)
+        for e in result.evidence
+        if e.source == "replay"
+        and e.kind is EvidenceKind.REPLAY_MISMATCH
+        and not any(a <= e.step <= b for a, b in now_tolerant)
+    ]
     return coverage(
         [c.step for c in result.checkpoints],
         step_range=result.step_range,

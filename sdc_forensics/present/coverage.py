@@ -76,7 +76,7 @@ def coverage_text(c) -> str:
         for text, v in (
             (f"exact now {spans(c.exact_now)}", c.exact_now),
             (f"exact from the ledger {spans(c.exact_ledger)}", c.exact_ledger),
-            (f"replayed, update not reproduced {spans(c.unreproduced)}", c.unreproduced),
+            (f"replayed, not reproduced {spans(c.unreproduced)}", c.unreproduced),
             (f"tolerant {spans(c.tolerant)}", c.tolerant),
             (online, c.online_only),
             (f"nothing {spans(c.nothing)}", c.nothing),

@@ -56,7 +56,22 @@ def test_a_step_whose_update_the_replay_did_not_reproduce_is_not_exact():
     assert by_step[10].unreproduced == () and by_step[20].unreproduced == ((12, 12),)
     assert by_step[20].exact_now == ((10, 11), (13, 19)) and by_step[20].lacking_replay == ((12, 12),)
     assert by_step[40].lacking_replay == ((12, 12), (25, 39))
-    assert "replayed, update not reproduced 12" in coverage_text(by_step[20])
+    assert "replayed, not reproduced 12" in coverage_text(by_step[20])
+
+
+def test_a_step_whose_local_gradients_the_replay_did_not_reproduce_is_not_exact():
+    """Every rank's local gradient of step 12 differs from the replay's (the common-mode event of a
+    recipe that accumulates wrong): not exact either; it was listed "exact now"."""
+    off = Evidence(
+        kind=EvidenceKind.REPLAY_MISMATCH,
+        step=12,
+        ranks=(0, 1),
+        location=Location.UNKNOWN,
+        source="replay",
+        detail="common mode: every rank's local gradient differs ...",
+    )
+    by_step = {c.step: c for c in coverage_of(_with(off))}
+    assert by_step[20].unreproduced == ((12, 12),) and by_step[20].exact_now == ((10, 11), (13, 19))
 
 
 def _with(*evidence):
