@@ -6,6 +6,7 @@ from typing import Any
 
 from rich.markup import escape
 
+from sdc_forensics.decide.verdict import Verdict
 from sdc_forensics.forensics.replay import ReplayRun
 from sdc_forensics.present.bisect import evidence_table
 from sdc_forensics.present.text import pairs_text
@@ -35,17 +36,21 @@ def replay_document(run: ReplayRun) -> dict[str, Any]:
 
 def render_replay(run: ReplayRun, console) -> None:
     """Print one replay window's outcome: matches or diverges, mismatches, settings, what would settle it."""
-    result = run.result
-    status = (
-        "[bold green]matches the trace[/]"
-        if result.first_divergent_step is None
-        else f"[bold red]diverges at step {result.first_divergent_step}[/]"
-    )
+    result, decided = run.result, run.decision
+    if result.first_divergent_step is None:
+        status = "[bold green]matches the trace[/]"
+    elif decided.verdict is Verdict.INCONCLUSIVE:
+        # the decision's reading (an update no rank reproduces is the recipe's, not a fault on every rank)
+        status = (
+            f"[bold yellow]does not reproduce step {result.first_divergent_step}[/], inconclusive (see 'to settle')"
+        )
+    else:
+        status = f"[bold red]diverges at step {result.first_divergent_step}[/]"
     console.print(
         f"Replay of steps {result.start_step}..{result.last_step} on {escape(result.device)} ({result.comparison}): {status}"
     )
-    if result.evidence:
-        evidence_table(console, list(result.evidence), "Mismatches")
+    if decided.evidence:
+        evidence_table(console, list(decided.evidence), "Mismatches")
     if result.settings:
         console.print(f"[dim]deterministic settings: {escape(pairs_text(result.settings))}[/]")
     for note in result.notes:

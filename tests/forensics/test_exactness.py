@@ -142,3 +142,13 @@ def test_a_recipe_edited_in_place_is_another_recipe_to_the_ledger(tmp_path, monk
     assert before != recipe_identity("my_job_recipe:Recipe", {"width": 16})
     (tmp_path / "my_job_recipe.py").write_text("LR = 0.101\n")
     assert recipe_identity("my_job_recipe:Recipe", {"width": 8})["source_sha256"] != before["source_sha256"]
+
+
+def test_replay_with_a_wrong_recipe_says_inconclusive_not_diverges(demo_run):
+    """``replay`` printed "diverges at step 0" (red) and exited 4 for an update no rank reproduces."""
+    out = _run(demo_run, "lr_off", 1)
+    done = CliRunner().invoke(
+        cli, ["replay", str(out / "trace"), "--from", "0", "--to", "0", "--recipe", JOBS["lr_off"][2]]
+    )
+    assert done.exit_code == 4, done.output
+    assert "does not reproduce step 0, inconclusive" in done.output and "diverges" not in done.output
