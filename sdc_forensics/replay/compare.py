@@ -339,9 +339,17 @@ class StepComparisons:
                 ],
                 "",
             )
+        hook = getattr(self, "comm_hook", None)
         note = (
             f"step {step}: no summation order reproduces the recorded reduced digest bit for bit (within tolerance): "
             "later steps are compared within the sketch tolerance"
+            + (
+                f"; the job's own comm hook {hook} is the likely cause: the replay reproduces a hook that scales the "
+                "bucket by 1/W or divides it by W before or after its sum, and torch's fp16/bf16 compress hooks "
+                "(docs/recorder.md)"
+                if hook
+                else ""
+            )
         )
         return reduced, "", [], note
 

@@ -41,13 +41,18 @@ DIVIDED = "-divided"
 #: f.value()[0].div_(W))`` (a pattern of DDP comm hook tutorials). For a ``W`` that is not a power
 #: of two its bits differ from both scalings before the sum.
 DIVIDED_AFTER = "-summed-then-divided"
+#: The same, the sum multiplied by ``1/W`` instead (``f.value()[0].mul_(1 / W)``).
+SCALED_AFTER = "-summed-then-scaled"
 
 
 def _variant(order: str) -> tuple[str, str]:
     """``(base order, scaling)``: scaling ``"scale"`` (each part times ``1/W``), ``"divide"`` (each
-    part divided by ``W``) or ``"after"`` (the plain sum divided by ``W``)."""
+    part divided by ``W``), ``"after"`` (the plain sum divided by ``W``) or ``"after-scale"`` (the
+    plain sum times ``1/W``)."""
     if order.endswith(DIVIDED_AFTER):
         return order.removesuffix(DIVIDED_AFTER), "after"
+    if order.endswith(SCALED_AFTER):
+        return order.removesuffix(SCALED_AFTER), "after-scale"
     if order.endswith(DIVIDED):
         return order.removesuffix(DIVIDED), "divide"
     return order, "scale"
@@ -214,7 +219,7 @@ def orders_to_try(determinism: dict) -> tuple[str, ...]:
     base = (ORDERED,) if str(determinism.get("reduction") or "") == ORDERED else REDUCTION_ORDERS
     if not determinism.get("comm_hook") or compression_of(determinism) is not None:
         return base
-    return base + tuple(order + DIVIDED for order in base) + tuple(order + DIVIDED_AFTER for order in base)
+    return base + tuple(order + suffix for suffix in (DIVIDED, DIVIDED_AFTER, SCALED_AFTER) for order in base)
 
 
 def compression_of(determinism: dict) -> torch.dtype | None:
@@ -244,7 +249,7 @@ def reduce_buckets(
     """
     world_size = len(per_rank)
     order, scaling = _variant(order)
-    divide, after = scaling == "divide", scaling == "after"
+    divide, after = scaling == "divide", scaling.startswith("after")
     if compress is not None:
         return [
             _compressed_bucket(
@@ -275,8 +280,10 @@ def reduce_buckets(
                 for r in ranks[1:]:
                     _scaled(src[r][a:b], world_size, divide, part, after)
                     piece += part
-                if after:
+                if scaling == "after":
                     piece.div_(world_size)
+                elif scaling == "after-scale":
+                    piece.mul_(1.0 / world_size)
         result.append(acc)
     return result
 
@@ -301,7 +308,8 @@ def _ordered_bucket(src: list[torch.Tensor], scaling: str, out: torch.Tensor | N
         return ordered_mean(src, out=out)
     if scaling == "divide":
         return ordered_sum([t / len(src) for t in src], out=out)
-    summed = ordered_sum(src).div_(len(src))
+    summed = ordered_sum(src)
+    summed = summed.div_(len(src)) if scaling == "after" else summed.mul_(1.0 / len(src))
     return summed if out is None else out.copy_(summed)
 
 

@@ -533,6 +533,7 @@ class Replayer(StepComparisons):
             layout, recorded_layout = env.layout_at(layouts[attempt], step, len(params))
             determinism = env.attempt_determinism(self.trace, attempt)
             self.order_candidates = env.orders_to_try(determinism)
+            self.comm_hook = str(determinism.get("comm_hook") or "") or None
             if _recorded_reduction(self.trace, attempt) == env.ORDERED and not env.is_ordered(self.known_order):
                 # the order is known before any step: exact on any device (a job's own hook
                 # under it may have divided by W: the variant that reproduces it is kept)

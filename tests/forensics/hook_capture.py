@@ -18,6 +18,15 @@ def sum_then_divide_hook(state, bucket):
     return fut.then(lambda f: f.value()[0].div_(world))
 
 
+def sum_then_scale_hook(state, bucket):
+    """The same, the sum multiplied by ``1/W`` (``x * (1/3)`` and ``x / 3`` differ in the last bit)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(state)
+    fut = dist.all_reduce(bucket.buffer(), group=state, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0].mul_(1.0 / world))
+
+
 def capture(rank: int, world_size: int, port: int, out_dir: str, hook_name: str, ordered: bool = False) -> None:
     import torch.distributed as dist
     from torch import nn
@@ -30,7 +39,8 @@ def capture(rank: int, world_size: int, port: int, out_dir: str, hook_name: str,
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(33, 9000), nn.Tanh(), nn.Linear(9000, 5))
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)  # several buckets
-        inner = sum_then_divide_hook if hook_name == "sum_then_divide_hook" else getattr(default_hooks, hook_name)
+        mine = {"sum_then_divide_hook": sum_then_divide_hook, "sum_then_scale_hook": sum_then_scale_hook}
+        inner = mine[hook_name] if hook_name in mine else getattr(default_hooks, hook_name)
         # what the recorder registers for the job's hook (recorder/ddp_layout.communicating_hook)
         inner = ordered_reduction.compose(inner) if ordered else inner
         saved = {}

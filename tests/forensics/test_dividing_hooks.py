@@ -38,8 +38,18 @@ WORLD, STEPS, EVERY = 3, 6, 3
         ("fp16_compress_hook", True, env.ORDERED, torch.float16, env.ORDERED),
         ("sum_then_divide_hook", False, "gloo-ring" + env.DIVIDED_AFTER, None, "gloo-ring" + env.DIVIDED),
         ("sum_then_divide_hook", True, env.ORDERED + env.DIVIDED_AFTER, None, env.ORDERED + env.DIVIDED),
+        ("sum_then_scale_hook", False, "gloo-ring" + env.SCALED_AFTER, None, "gloo-ring" + env.DIVIDED_AFTER),
+        ("sum_then_scale_hook", True, env.ORDERED + env.SCALED_AFTER, None, env.ORDERED + env.DIVIDED_AFTER),
     ],
-    ids=["allreduce-hook", "allreduce-hook-ordered", "fp16-ordered", "sum-then-divide", "sum-then-divide-ordered"],
+    ids=[
+        "allreduce-hook",
+        "allreduce-hook-ordered",
+        "fp16-ordered",
+        "sum-then-divide",
+        "sum-then-divide-ordered",
+        "sum-then-scale",
+        "sum-then-scale-ordered",
+    ],
 )
 def test_the_replay_reproduces_the_hook_bit_for_bit(tmp_path, hook_name, ordered, order, compress, plain):
     forked.start(capture, (WORLD, free_port(), str(tmp_path), hook_name, ordered), WORLD)
@@ -67,11 +77,14 @@ def test_orders_to_try_adds_the_divided_orders_for_a_hook_of_the_job_s_own():
         "sequential-divided",
         "gloo-ring-summed-then-divided",
         "sequential-summed-then-divided",
+        "gloo-ring-summed-then-scaled",
+        "sequential-summed-then-scaled",
     )
     assert env.orders_to_try({**mine, "reduction": "ordered"}) == (
         env.ORDERED,
         env.ORDERED + env.DIVIDED,
         env.ORDERED + env.DIVIDED_AFTER,
+        env.ORDERED + env.SCALED_AFTER,
     )
     # torch's compressing hooks are reproduced as they are (they divide)
     assert env.orders_to_try({"comm_hook": f"{HOOKS}.fp16_compress_hook"}) == env.REDUCTION_ORDERS
