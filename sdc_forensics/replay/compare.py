@@ -345,7 +345,7 @@ class StepComparisons:
             "later steps are compared within the sketch tolerance"
             + (
                 f"; the job's own comm hook {hook} is the likely cause: the replay reproduces a hook that scales the "
-                "bucket by 1/W or divides it by W before or after its sum, and torch's fp16/bf16 compress hooks "
+                "bucket by 1/W or divides it by W, before or after its sum, and torch's fp16/bf16 compress hooks "
                 "(docs/recorder.md)"
                 if hook
                 else ""

@@ -165,7 +165,7 @@ def check(
                 caveats.append(
                     f"the job reduced through its own comm hook ({det['comm_hook']}): gloo's ring is reproduced only if "
                     "the hook all-reduces the bucket scaled by 1/W, divided by W (as torch's allreduce_hook does) or as it is "
-                    "and divides the sum by W; "
+                    "and divides the sum by W or scales it by 1/W; "
                     "record with RecorderOptions(reduction='ordered') to be sure"
                 )
         else:
