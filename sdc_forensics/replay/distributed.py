@@ -227,17 +227,37 @@ def leave(code: int) -> None:
     os._exit(code)
 
 
+#: Seconds a follower that raised a usage error (which every process raises alike) waits for
+#: process 0 to say it before saying it itself. torchrun stops every process once one exits, and
+#: process 0 may still be starting then (a loaded CI machine saw it stopped while importing the
+#: recipe, and the refusal was never printed); when process 0 speaks first, torchrun stops the
+#: follower during the wait and the line is said once.
+LEAD_GRACE_S = 10.0
+
+
 def error_line(exc: BaseException) -> str | None:
     """The error line this process prints for ``exc``, None for none. Process 0 speaks for the
-    group; a follower is silent about what every process raised alike (a lost peer, a usage error
-    or a refused placement) and names itself for an error of its own (a file missing on its node)."""
+    group; a follower is silent about a lost peer, says a usage error or a refused placement (which
+    every process raises alike) only if process 0 has not ended the run :data:`LEAD_GRACE_S`
+    seconds later, and names itself for an error of its own (a file missing on its node)."""
     role = _role
     if role is None or role.lead:
         return str(exc)
-    # every process parsed the same command line
-    if isinstance(exc, (ReplayProcessLost, UsageError)):
+    if isinstance(exc, ReplayProcessLost):
         return None
-    return f"replay process {role.rank} of {role.size} (host {socket.gethostname()}): {exc}"
+    who = f"replay process {role.rank} of {role.size} (host {socket.gethostname()})"
+    # every process parsed the same command line
+    if isinstance(exc, UsageError):
+        import signal
+
+        # stopped by the launcher meanwhile: process 0 said it; end quietly with this error's status
+        before = signal.signal(signal.SIGTERM, lambda *_: os._exit(int(exc.exit_code)))
+        try:
+            time.sleep(LEAD_GRACE_S)
+        finally:
+            signal.signal(signal.SIGTERM, before)
+        return f"{who}, process 0 silent: {exc}"
+    return f"{who}: {exc}"
 
 
 # -- suspects kept out --------------------------------------------------------------------------

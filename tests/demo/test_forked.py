@@ -61,10 +61,15 @@ def _stuck_rank(rank: int, out: str) -> None:
 def test_a_rank_past_the_deadline_is_killed_with_its_stack_and_the_caller_is_told(tmp_path, capfd):
     import time
 
+    # the ranks write to the fork server's stderr: a server started now has this test's (capfd's)
+    forked.stop_server()
     started = time.monotonic()
-    # rank 0 returns at once; on a loaded machine it may still be starting at the deadline
-    with pytest.raises(TimeoutError, match=r"rank\(s\) (0, )?1 still running 20 s after the start"):
-        forked.start(_stuck_rank, (str(tmp_path),), 2, deadline_s=20.0)
-    assert time.monotonic() - started < 100  # not the rank's 120 s: it was killed
-    if (tmp_path / "rank1.started").exists():  # it reached its sleep: faulthandler printed where
-        assert "_stuck_rank" in capfd.readouterr().err
+    try:
+        # rank 0 returns at once; on a loaded machine it may still be starting at the deadline
+        with pytest.raises(TimeoutError, match=r"rank\(s\) (0, )?1 still running 20 s after the start"):
+            forked.start(_stuck_rank, (str(tmp_path),), 2, deadline_s=20.0)
+        assert time.monotonic() - started < 100  # not the rank's 120 s: it was killed
+        if (tmp_path / "rank1.started").exists():  # it reached its sleep: faulthandler printed where
+            assert "_stuck_rank" in capfd.readouterr().err
+    finally:
+        forked.stop_server()  # not kept with this test's stderr for the next launches
