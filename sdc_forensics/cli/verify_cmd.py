@@ -70,6 +70,8 @@ def verify_cmd(
     from sdc_forensics.forensics.verify_run import VerifyRequest, verify_run
     from sdc_forensics.present.verify import render_verify, verify_document
 
+    if trace_dir is None:
+        _refuse_replay_options(ctx)
     request = VerifyRequest(
         path=path, trace_dir=trace_dir, step=step, trace_only=trace_only, certificate_path=certificate_path
     )
@@ -79,3 +81,42 @@ def verify_cmd(
     if as_json:
         emit_json(verify_document(outcome))
     ctx.exit(outcome.exit_code)
+
+
+def _refuse_replay_options(ctx: click.Context) -> None:
+    """Refuse replay and ledger options given without --trace: the file alone is never replayed.
+
+    Raises:
+        UsageError: one line naming the options (exit 2), rather than ignoring them in silence.
+    """
+    from click.core import ParameterSource
+
+    from sdc_forensics.errors import UsageError
+
+    replay_only = [
+        param.opts[0]
+        for param in ctx.command.params
+        if param.name in _REPLAY_PARAMS and ctx.get_parameter_source(param.name) == ParameterSource.COMMANDLINE
+    ]
+    if replay_only:
+        raise UsageError(
+            f"{', '.join(replay_only)} {'sets' if len(replay_only) == 1 else 'set'} how a run is replayed and "
+            f"{'needs' if len(replay_only) == 1 else 'need'} --trace; without it the file is read alone, never "
+            "replayed: drop them, or name the run with --trace TRACE_DIR"
+        )
+
+
+# the parameters of analysis_options and ledger_options, which only a replay against a trace reads
+_REPLAY_PARAMS = frozenset(
+    {
+        "force_tolerant",
+        "collective",
+        "num_threads",
+        "force_device",
+        "device",
+        "recipe",
+        "checkpoints_dir",
+        "ledger_path",
+        "no_ledger",
+    }
+)

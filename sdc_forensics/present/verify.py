@@ -92,7 +92,7 @@ def _tensor_table(report, console):
     rows = sorted(report.tensors, key=lambda t: t.status == "ok")
     table = new_table(
         console,
-        f"{escape(report.path)} ({report.format}, {len(report.tensors)} tensors)",
+        f"{escape(report.path)} ({report.format}, {len(report.tensors)} tensor{'' if len(report.tensors) == 1 else 's'})",
         ("tensor", "dtype", "shape", "digest", "noted", "NaN/Inf", "status"),
     )
     for t in rows[:_MAX_ROWS]:
