@@ -12,6 +12,7 @@ from rich.markup import escape
 
 from sdc_forensics.exitcodes import analysis_exit, verdict_exit
 from sdc_forensics.evidence import Evidence
+from sdc_forensics.decide.common_mode import is_unreproduced_update
 from sdc_forensics.decide.decision import Status
 from sdc_forensics.decide.verdict import BisectResult, LedgerSummary, ReplayedWindow, ReplaySummary, Verdict
 from sdc_forensics.present.text import new_table, ranks_text
@@ -235,6 +236,8 @@ def evidence_table(console, evidence: list[Evidence], title: str) -> None:
             escape(e.expected),
             escape(e.found),
             e.source,
-            e.strength.value,
+            # an update the replay did not reproduce is about the replay's recipe, not a rank's fault:
+            # "strong" there read as strong evidence of corruption on an inconclusive answer
+            "recipe?" if is_unreproduced_update(e) else e.strength.value,
         )
     console.print(table)

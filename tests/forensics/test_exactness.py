@@ -67,6 +67,9 @@ def test_the_answer_on_the_command_line_names_the_update_and_the_recipe(demo_run
     )  # no step is said to be exact, no checkpoint clean but 0 (which has no step before it)
     assert "does not reproduce the update" in text and "recipe" in text
     assert "CORRUPTION" not in text
+    # the update rows name the recipe as the suspect, not "strong" evidence (of corruption)
+    rows = [line for line in done.output.splitlines() if "replay_mismatch" in line and "optimizer_update" in line]
+    assert rows and all("recipe?" in row and "strong" not in row for row in rows), done.output
     # certify's rule: no resume point without a verdict (bisect named checkpoint 0 "Resume from")
     assert "Resume from: no point named: the analysis is inconclusive" in text
 
