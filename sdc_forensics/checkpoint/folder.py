@@ -53,6 +53,7 @@ DeepSpeed's optimizer files are read with its three pickled classes as inert pla
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 from collections.abc import Iterator
@@ -348,6 +349,14 @@ def _refusal(exc: PickleRefused) -> str:
 def _link_refusal(path: Path, bounds: tuple[Path, ...]) -> str:
     """Why the link ``path`` is not followed, or "" when it is."""
     target = Path(os.path.realpath(path))
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return (
+                "symbolic link loop (following it leads back to a link on its way): not followed, not verified; "
+                "the checkpoint is incomplete: replace the link with the file it should name"
+            )
     if not target.exists():
         return f"dangling symbolic link (its target {target} does not exist): the checkpoint is incomplete; restore the target"
     if outside(path, bounds) is not None:

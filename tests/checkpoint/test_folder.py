@@ -257,6 +257,8 @@ def test_links_out_of_the_folder_dangling_links_and_fifos_are_not_verifiable(tmp
     shutil.move(folder / "scheduler.pt", outside / "scheduler.pt")
     os.symlink(outside / "scheduler.pt", folder / "scheduler.pt")
     os.symlink(folder / "gone.pt", folder / "dangling.pt")
+    os.symlink("loop-b.pt", folder / "loop-a.pt")  # a loop is not "dangling": its target is not missing
+    os.symlink("loop-a.pt", folder / "loop-b.pt")
     (folder / "sub").mkdir()
     (folder / "sub" / "notes.txt").write_text("inside\n")
     os.symlink("sub", folder / "more")  # a linked directory: not walked twice
@@ -264,9 +266,11 @@ def test_links_out_of_the_folder_dangling_links_and_fifos_are_not_verifiable(tmp
     os.symlink("config.json", folder / "config-copy.json")  # inside: followed
     report = verify_checkpoint(folder)
     kinds = _kinds(report)
-    assert kinds == {name: FindingKind.NOT_VERIFIABLE for name in ("scheduler.pt", "dangling.pt", "more", "pipe")}
+    refused = ("scheduler.pt", "dangling.pt", "loop-a.pt", "loop-b.pt", "more", "pipe")
+    assert kinds == {name: FindingKind.NOT_VERIFIABLE for name in refused}
     details = {f.subject: f.detail for f in report.findings}
     assert "outside the checkpoint folder" in details["scheduler.pt"] and "dangling" in details["dangling.pt"]
+    assert all("link loop" in details[name] and "dangling" not in details[name] for name in ("loop-a.pt", "loop-b.pt"))
     assert "directory" in details["more"] and "regular file" in details["pipe"]
     assert "config-copy.json" in {f.name for f in report.files}
     assert not any(t.key.startswith("scheduler.pt/") for t in report.tensors)
