@@ -376,6 +376,7 @@ def decide(
             examined=examined,
             unreproduced=unreproduced,
             sharded=sharded,
+            later_found=any(s > n.step and f.path for s, f in files.items() if f is not None),
         )
         for n in sorted(notes, key=lambda n: n.step)
     )
@@ -676,9 +677,11 @@ def checkpoint_status(
     examined: Examined,
     unreproduced: Sequence[int] = (),
     sharded: bool = False,
+    later_found: bool = False,
 ) -> CheckpointStatus:
     """The status of checkpoint ``note.step``: the one rule every command uses (``unreproduced``: steps
-    whose update the replay did not reproduce on any rank, so they were not replayed exactly)."""
+    whose update the replay did not reproduce on any rank, so they were not replayed exactly;
+    ``later_found``: a later checkpoint's file was found, so a missing one was most likely rotated away)."""
     step = note.step
     path = (file.path if file is not None else "") or ""
     report = file.report if file is not None else None
@@ -742,6 +745,11 @@ def checkpoint_status(
         why.append(
             "the file was not read (trace-only)"
             if examined.trace_only or not examined.files_read
+            else f"checkpoint file {note.path} not found, while later checkpoints' files were: most likely deleted after "
+            "it was written (a checkpoint limit such as save_total_limit, save_top_k or total_limit deletes the oldest); "
+            "the steps after it can then be certified only from the ledger, which `certify --follow` beside the job fills while each "
+            "file exists (if it was moved, pass --checkpoints DIR)"
+            if later_found
             else f"checkpoint file {note.path} not found (looked where the job wrote it, and in --checkpoints DIR when "
             "given): pass --checkpoints DIR, the folder that holds it"
         )

@@ -121,14 +121,18 @@ def bisect(
         if recipe_ref and notes:
             # the latest lineage replays from its own checkpoints only
             usable = [n for n in notes if replayable(files[n.step]) and n.step not in owners]
-            if not usable:
+            # a checkpoint whose file is gone (a checkpoint limit rotated it away) still starts the interval
+            # an exact record of the ledger covers, replayed while the file was there
+            gone = [n for n in notes if not files[n.step].path and n.step not in owners]
+            ledger = open_ledger(trace, notes, options, say=getattr(progress, "note", None)) if usable or gone else None
+            from_ledger_only = _covered_by_ledger(gone, notes, tri, ledger)
+            if not usable and not from_ledger_only:
                 settle.append("no checkpoint file was found intact: pass --checkpoints DIR")
             else:
                 mode = "replay"
-                ledger = open_ledger(trace, notes, options, say=getattr(progress, "note", None))
                 # loads the recipe
                 runner = interval_runner(trace, options, progress, ledger, triage=tri)
-                summary = _walk(tri, usable, options, runner)
+                summary = _walk(tri, usable, options, runner, from_ledger_only)
                 evidence += runner.evidence
                 replayed, tolerant = runner.replayed, runner.tolerant
                 reused = summary.ledger.reused if summary.ledger is not None else ()
@@ -380,13 +384,41 @@ def _scope(tri: TriageResult, summary: ReplaySummary) -> str:
     return scope
 
 
+def _covered_by_ledger(
+    gone: list[CheckpointNote], notes: list[CheckpointNote], tri: TriageResult, ledger
+) -> list[CheckpointNote]:
+    """The checkpoints of ``gone`` (no file found) whose whole interval, up to the next checkpoint or
+    the trace's last step, an exact clean record of ``ledger`` covers: the walk takes those intervals
+    from the ledger and never replays from them."""
+    if ledger is None or not gone:
+        return []
+    steps = sorted(n.step for n in notes)
+    last_step = tri.step_range[1] if tri.step_range else -1
+    out = []
+    for note in gone:
+        later = [s for s in steps if s > note.step]
+        hi = later[0] - 1 if later else last_step
+        if hi >= note.step and ledger.covering(note.step, hi):
+            out.append(note)
+    return out
+
+
 def _walk(
-    tri: TriageResult, usable: list[CheckpointNote], options: AnalysisOptions, runner: IntervalRunner
+    tri: TriageResult,
+    usable: list[CheckpointNote],
+    options: AnalysisOptions,
+    runner: IntervalRunner,
+    from_ledger_only: list[CheckpointNote] = (),
 ) -> ReplaySummary:
     """The backward walk: hand ``runner`` the intervals that decide the run, one at a time, from the
     one that can confirm the trace's evidence (or the last) down to the first step; the runner takes
-    from the ledger what it covers and replays the rest. What it found stays on the runner."""
-    starts = sorted(usable, key=lambda n: n.step)
+    from the ledger what it covers and replays the rest. What it found stays on the runner.
+
+    ``from_ledger_only``: checkpoints whose file is gone but whose interval the ledger covers; an
+    interval that starts at one of them and that the ledger does not cover (the walk asks for other
+    steps) is left to the checkpoint before it."""
+    gone = {n.step for n in from_ledger_only}
+    starts = sorted([*usable, *from_ledger_only], key=lambda n: n.step)
     first_step, last_step = tri.step_range if tri.step_range else (0, -1)
     if tri.suspect_window is not None:
         hi = tri.suspect_window[1]
@@ -424,6 +456,12 @@ def _walk(
                 f"steps {first_step}..{hi} not replayed"
             )
             break
+        if note.step in gone and not runner.covered(note.step, hi):
+            runner.notes.append(
+                f"checkpoint {note.step}'s file was not found and the ledger does not cover steps {note.step}..{hi}: "
+                "replaying them from the checkpoint before"
+            )
+            continue
         result = runner.replay(note, hi, reason)
         if result is None:
             # it does not hold the replicas' weights: the checkpoint before covers its interval

@@ -140,6 +140,46 @@ def test_a_record_citing_a_replaced_checkpoint_file_is_not_reused(demo_run, tmp_
     assert res.exit_code == 0 and json.loads(res.stdout)["replayed"]["steps_replayed"] == 0
 
 
+def test_checkpoints_rotated_away_after_the_ledger_covered_them_still_certify_the_later_ones(demo_run, tmp_path):
+    """A trial user's Hugging Face job with ``save_total_limit``: checkpoint 0 is deleted first. The walk offered the
+    ledger only the intervals of checkpoints whose file exists, so the exact records of steps 0..2 were never asked
+    for and nothing was certified again (exit 4), though every step had been replayed while the files were there."""
+    trace = _copy(demo_run, tmp_path, ())  # (--checkpoints: the job's own absolute paths still hold the files)
+    assert (
+        certify(trace, AnalysisOptions(checkpoints_dir=trace.parent / "checkpoints")).exit_code == 0
+    )  # the ledger now covers 0..11
+    for step in (0, 3):  # the two oldest, as a checkpoint limit deletes them
+        os.remove(trace.parent / "checkpoints" / f"step-{step:08d}.pt")
+    again = certify(trace, AnalysisOptions(checkpoints_dir=trace.parent / "checkpoints"))
+    assert again.exit_code == 0 and again.resume.step == 12
+    assert again.analysis.replayed.steps_replayed == 0
+    assert _statuses(again.analysis) == [
+        (0, "unverified"),
+        (3, "unverified"),
+        (6, "clean"),
+        (9, "clean"),
+        (12, "clean"),
+    ]
+    gone = again.analysis.checkpoints[0].reasons[0]
+    assert "not found, while later checkpoints' files were" in gone and "certify --follow" in gone
+    # without the ledger, steps 0..5 cannot be replayed: nothing is certified, and the walk says why
+    plain = certify(trace, AnalysisOptions(no_ledger=True, checkpoints_dir=trace.parent / "checkpoints"))
+    assert plain.exit_code == 4 and plain.resume is None
+    assert any("steps 0..5 not replayed" in n for n in plain.analysis.replayed.notes), plain.analysis.replayed.notes
+
+
+def test_a_rotated_checkpoint_whose_interval_the_ledger_lacks_is_replayed_from_the_one_before(demo_run, tmp_path):
+    trace = _copy(demo_run, tmp_path, ())  # (--checkpoints: the job's own absolute paths still hold the files)
+    assert certify(trace, AnalysisOptions(checkpoints_dir=trace.parent / "checkpoints")).exit_code == 0
+    kept = [r for r in (trace / "ledger.jsonl").read_text().splitlines() if '"start_step":3,' not in r]
+    assert len(kept) == STEPS // EVERY - 1  # the record of steps 3..5 dropped
+    (trace / "ledger.jsonl").write_text("\n".join(kept) + "\n")
+    os.remove(trace.parent / "checkpoints" / "step-00000003.pt")
+    again = certify(trace, AnalysisOptions(checkpoints_dir=trace.parent / "checkpoints"))
+    assert again.exit_code == 0 and again.resume.step == 12
+    assert [(w.start, w.last) for w in again.analysis.replayed.windows] == [(0, 5)]  # from checkpoint 0, through 3..5
+
+
 def test_an_all_reduce_corrupted_at_the_first_step_gives_the_same_answer_whatever_ran_before(demo_run, tmp_path):
     """Every rank's reduced gradient flipped at step 0: the replay cannot learn the run's summation order from that
     step. Without a ledger the walk learns it from the last interval first; with one, the clean later intervals come
