@@ -238,6 +238,11 @@ def optimizer_spec(optimizer: torch.optim.Optimizer, module: torch.nn.Module) ->
                 "replay rebuilds the optimizer over the model's parameters only"
             )
         options = {k: _json_option(k, v) for k, v in group.items() if k != "params"}
+        if "initial_lr" in options:
+            # under an LR scheduler the live rate is the schedule's (0.0 in a warmup's first step), restored with
+            # the optimizer's state from every checkpoint; its base is the job's own, the same in every attempt
+            # (the ledger reuses a record only for the same recipe arguments: a resume must not change them)
+            options["lr"] = options["initial_lr"]
         groups.append({"params": [names[id(p)] for p in group["params"]], "options": options})
     defaults = {k: _json_option(k, v) for k, v in optimizer.defaults.items()}
     return {"class": ref, "defaults": defaults, "groups": groups}

@@ -128,3 +128,24 @@ def test_an_adapter_closing_on_an_alarm_braces_the_rank_for_exit_on_alarm_first(
         assert signal.getsignal(signal.SIGTERM) == before
     finally:
         signal.signal(signal.SIGTERM, outer)
+
+
+def test_the_recorded_optimizer_is_the_same_in_every_attempt_under_a_schedule():
+    """A trial user's HF job with warmup: attempt 0 recorded the live rate 0.0 and the resume 6.8e-4, so the
+    manifest's recipe arguments changed and every ledger record made before the resume was 'other job settings:
+    not reused'. The schedule's base rate is recorded instead; the live one comes back with each checkpoint."""
+    from sdc_forensics.integrations._common import build_optimizer, optimizer_spec
+
+    model = torch.nn.Linear(3, 2)
+    specs = []
+    for steps in (0, 7):  # attach at the start, and at a resume 7 steps into the warmup
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, s / 10))
+        for _ in range(steps):
+            optimizer.step()
+            schedule.step()
+        specs.append(optimizer_spec(optimizer, model))
+    assert specs[0] == specs[1] and specs[0]["groups"][0]["options"]["lr"] == 1e-3
+    rebuilt = build_optimizer(specs[1], model)
+    rebuilt.load_state_dict(optimizer.state_dict())  # what every replay does: the live rate is the checkpoint's
+    assert rebuilt.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"] == 7e-4
