@@ -33,6 +33,7 @@ readers are one reader of one format, each trusting only what the previous part 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import math
@@ -65,9 +66,36 @@ _MAX_CORNERS = 1 << 24
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles only what a DCP ``.metadata`` legitimately contains."""
+    """Unpickles only what a DCP ``.metadata`` legitimately contains.
+
+    Naming only allow-listed globals is not enough: a pickle's BUILD on a class it may name sets
+    class attributes (``PosixPath.is_relative_to = PosixPath`` defeated the check that data files
+    lie inside the checkpoint, for the whole process). Every global handed out is remembered with
+    its attributes, and :meth:`load` puts back and refuses any that the pickle changed.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._handed: dict[int, tuple[Any, dict]] = {}
+
+    def load(self):
+        try:
+            return super().load()
+        finally:
+            changed = [_restore(obj, before) for obj, before in self._handed.values()]
+            changed = [name for name in changed if name]
+            if changed:
+                raise pickle.UnpicklingError(
+                    f"the pickle changes attributes of {', '.join(changed[:3])} (a crafted file); changes undone"
+                )
 
     def find_class(self, module: str, name: str):
+        found = self._allowed(module, name)
+        if id(found) not in self._handed:
+            self._handed[id(found)] = (found, _attributes(found))
+        return found
+
+    def _allowed(self, module: str, name: str):
         if module == "torch.distributed.checkpoint.metadata":
             from torch.distributed.checkpoint import metadata
 
@@ -90,6 +118,37 @@ class _MetadataUnpickler(pickle.Unpickler):
 
             return collections.OrderedDict
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
+
+
+#: what a pickle could set on a function it may name (its own attributes live in ``__dict__``)
+_FUNCTION_SLOTS = ("__defaults__", "__kwdefaults__", "__code__")
+
+
+def _attributes(obj: Any) -> dict:
+    """What a pickle's BUILD could change on ``obj``: its own attributes (a class's or function's)."""
+    own = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
+    return {"dict": own, **{slot: getattr(obj, slot) for slot in _FUNCTION_SLOTS if hasattr(obj, slot)}}
+
+
+def _restore(obj: Any, before: dict) -> str:
+    """Put ``obj``'s attributes back as :func:`_attributes` found them; its name if any had changed, else ""."""
+    now = _attributes(obj)
+    same = now.keys() == before.keys() and all(now[k] is before[k] for k in now if k != "dict")
+    old, new = before["dict"], now["dict"]
+    same = same and old.keys() == new.keys() and all(new[k] is old[k] for k in old)
+    if same:
+        return ""
+    for key in set(new) - set(old):
+        with contextlib.suppress(AttributeError, TypeError):
+            delattr(obj, key)
+    for key, value in old.items():
+        if new.get(key, _MISSING) is not value:
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(obj, key, value)
+    for slot in _FUNCTION_SLOTS:
+        if slot in before and getattr(obj, slot) is not before[slot]:
+            setattr(obj, slot, before[slot])
+    return getattr(obj, "__qualname__", type(obj).__name__)
 
 
 class DcpReader(CheckpointReader):

@@ -213,6 +213,41 @@ def test_dcp_metadata_field_of_the_wrong_type(dcp_source, tmp_path, mutation):
     assert ".metadata" in _run_bad(folder)
 
 
+def _build_on_a_class(cls: bytes, attr: str, value_ops: bytes) -> bytes:
+    """Pickle opcodes that BUILD ``(None, {attr: value})`` onto the allow-listed class ``pathlib.<cls>``: a setattr on it."""
+    return b"cpathlib\n" + cls + b"\nN}X" + len(attr).to_bytes(4, "little") + attr.encode() + value_ops + b"s\x86b0"
+
+
+def test_dcp_metadata_that_sets_attributes_of_a_class_it_may_name_is_refused_and_undone(dcp_source, tmp_path):
+    """A trial user's crafted ``.metadata``: BUILD onto ``pathlib.PosixPath`` (allow-listed) set ``parts = ()`` and
+    ``is_relative_to = PosixPath``, which defeated the check that data files lie inside the checkpoint for the whole
+    process: every item read from ``../outside``, VERIFIED. No forbidden global, no link."""
+    import pathlib
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    data = next(dcp_source.glob("*.distcp"))
+    shutil.copy(data, outside / data.name)
+    folder = tmp_path / "dcp"
+    folder.mkdir()
+    meta = pickle.loads((dcp_source / ".metadata").read_bytes())
+    for key, info in list(meta.storage_data.items()):
+        meta.storage_data[key] = _StorageInfo(f"../outside/{data.name}", info.offset, info.length)
+    raw = pickle.dumps(meta, protocol=2)
+    prefix = _build_on_a_class(b"PosixPath", "parts", b")") + _build_on_a_class(
+        b"PosixPath", "is_relative_to", b"cpathlib\nPosixPath\n"
+    )
+    (folder / ".metadata").write_bytes(raw[:2] + prefix + raw[2:])
+    line = _run_bad(folder)
+    assert "changes attributes of PosixPath" in line
+    assert "parts" not in vars(pathlib.PosixPath) and "is_relative_to" not in vars(pathlib.PosixPath)
+    assert pathlib.PosixPath("/a/b").parts == ("/", "a", "b")
+    (folder / ".metadata").write_bytes(raw)  # the same escape without the BUILDs: refused by the inside check
+    assert "outside" in _run_bad(folder)
+
+
 def test_dcp_chunk_zip_entry_name_with_a_flipped_byte(dcp_source, tmp_path):
     """``dcp_reader._check_crc``: was ``UnicodeDecodeError``."""
     folder = tmp_path / "dcp"
