@@ -21,8 +21,10 @@ import dataclasses
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import json
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -119,16 +121,27 @@ def _json_types(value: Any) -> bool:
     return value is None or isinstance(value, (str, int, float, bool))
 
 
-def import_reference(reference: str, what: str = "recipe") -> Any:
+def import_reference(reference: str, what: str = "recipe", subclass_of: type | None = None) -> Any:
     """The object ``module:attribute`` names (``attribute`` may be dotted).
 
+    References come from the trace's manifest, read as hostile: one into Python's standard library
+    (``os:system``, ``shutil:rmtree``, ``builtins:exec``) is refused before anything is imported,
+    since no job's recipe, model, optimizer, dataset or collator lives there and calling it could
+    do anything; with ``subclass_of`` the object must be a class derived from it.
+
     Raises:
-        RecipeError: the reference is malformed, the import fails or the attribute is missing.
+        RecipeError: the reference is malformed or into the standard library, the import fails, the
+            attribute is missing, or it is not a ``subclass_of`` class.
     """
     module_name, sep, attribute = str(reference).partition(":")
     if not sep or not module_name or not attribute:
         raise RecipeError(
             f"{what} reference {reference!r} is not of the form module:attribute (e.g. mytrain.recipe:Recipe)"
+        )
+    if _in_stdlib(module_name):
+        raise RecipeError(
+            f"{what} reference {reference!r} names Python's standard library, where no job's {what} lives: refused, "
+            "not imported (a crafted trace could run it); pass the job's own with --recipe"
         )
     try:
         module = importlib.import_module(module_name)
@@ -142,7 +155,66 @@ def import_reference(reference: str, what: str = "recipe") -> Any:
         obj = getattr(obj, part, None)
         if obj is None:
             raise RecipeError(f"{what} module {module_name!r} has no attribute {attribute!r}")
+    if subclass_of is not None and not (isinstance(obj, type) and issubclass(obj, subclass_of)):
+        raise RecipeError(
+            f"{what} reference {reference!r} is not a {subclass_of.__module__}.{subclass_of.__qualname__} class: refused, "
+            "not called"
+        )
     return obj
+
+
+#: Top-level names of Python's standard library.
+_STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) | {"builtins"}
+
+
+def _in_stdlib(module_name: str) -> bool:
+    """True when ``module_name``'s top-level package is the standard library's as this interpreter finds it
+    (a job's own ``test.py`` or ``code.py`` found first on the path is not)."""
+    top = module_name.partition(".")[0]
+    if top not in _STDLIB:
+        return False
+    try:
+        spec = importlib.util.find_spec(top)
+    except Exception:  # noqa: BLE001 - not findable: the import says why
+        return False
+    if spec is None:
+        return False
+    if spec.origin in ("built-in", "frozen"):
+        return True
+    places = [spec.origin or "", *(spec.submodule_search_locations or ())]
+    roots = {Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "platstdlib")}
+    for place in places:
+        if not place or place in ("built-in", "frozen"):
+            continue
+        found = Path(place).resolve()
+        if {"site-packages", "dist-packages"} & set(found.parts):
+            continue
+        if any(found.is_relative_to(root) for root in roots):
+            return True
+    return False
+
+
+#: Libraries whose functions are never a job's recipe factory (their classes are not recipes either).
+_LIBRARIES = frozenset(
+    {
+        "torch",
+        "numpy",
+        "safetensors",
+        "click",
+        "rich",
+        "pytest",
+        "transformers",
+        "accelerate",
+        "lightning",
+        "pytorch_lightning",
+        "deepspeed",
+        "megatron",
+        "torchtitan",
+        "pip",
+        "setuptools",
+        "sdc_forensics",
+    }
+)
 
 
 def recipe_identity(reference: str, args: dict[str, Any] | None = None) -> dict[str, str]:
@@ -181,6 +253,7 @@ def load_recipe(reference: str, search_path: str | Path | None = None, *, args: 
     obj = import_reference(reference)
     is_instance = not isinstance(obj, type) and all(hasattr(obj, m) for m in _REQUIRED)
     shown = ", ".join(f"{k}={v!r}" for k, v in (args or {}).items())
+    _check_callable_recipe(reference, obj, is_instance)
     if args is not None and is_instance:
         if not (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
             raise RecipeError(
@@ -200,6 +273,35 @@ def load_recipe(reference: str, search_path: str | Path | None = None, *, args: 
     if missing:
         raise RecipeError(f"recipe {reference} lacks {', '.join(missing)}; see docs/recipes.md for the protocol")
     return obj
+
+
+def _check_callable_recipe(reference: str, obj: Any, is_instance: bool) -> None:
+    """Before a recipe named by a trace is called: a class must have the protocol's methods, and a factory
+    must be a Python function of the job's own code (not a builtin, nor a library's function: ``os:system``
+    with the manifest's ``recipe_args`` ran a shell command before the protocol was checked).
+
+    Raises:
+        RecipeError: one line naming what the reference is and why it is not called.
+    """
+    if is_instance:
+        return
+    if isinstance(obj, type):
+        missing = [m for m in _REQUIRED if not callable(getattr(obj, m, None))]
+        if missing:
+            raise RecipeError(
+                f"recipe class {reference} lacks {', '.join(missing)}: not instantiated; see docs/recipes.md for the protocol"
+            )
+        return
+    if not inspect.isfunction(obj):
+        raise RecipeError(
+            f"recipe {reference} is neither a recipe, a recipe class nor a Python factory function "
+            f"({type(obj).__name__}): not called; see docs/recipes.md"
+        )
+    if str(getattr(obj, "__module__", "")).partition(".")[0] in _LIBRARIES:
+        raise RecipeError(
+            f"recipe {reference} is a function of the library {obj.__module__}, not a job's recipe factory: not called; "
+            "pass the job's own with --recipe"
+        )
 
 
 def load_trace_recipe(manifest: Any, override: str | None = None) -> Recipe:

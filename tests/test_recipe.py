@@ -149,3 +149,42 @@ def test_hooks_that_declare_step_are_handed_it_and_the_others_are_called_as_befo
     before_step(Plain(), None, None, step=7)
     after_step(Plain(), None, None, None, step=7)  # no hook, no scheduler: nothing
     assert calls == [("before", 7), ("after", 7), ("before", "plain")]
+
+
+def make_recipe(hidden: int = 8):
+    """A job's own recipe factory."""
+    return _Plain()
+
+
+@pytest.mark.parametrize(
+    ("reference", "args", "said"),
+    [
+        ("os:system", {"command": "touch {marker}"}, "names Python's standard library"),  # a trial user's trace
+        ("subprocess:run", {"args": ["touch", "{marker}"]}, "names Python's standard library"),
+        ("builtins:exec", {"source": "open('{marker}', 'w')"}, "names Python's standard library"),
+        ("torch:save", {"obj": 1, "f": "{marker}"}, "a function of the library"),
+        ("torch.nn:Linear", {"in_features": 1, "out_features": 1}, "lacks build"),
+    ],
+)
+def test_a_trace_naming_a_function_that_is_no_recipe_never_has_it_called(tmp_path, reference, args, said):
+    """The manifest names the recipe and its arguments; a crafted one ran ``os.system`` with them before the
+    protocol was checked (exit 3, "lacks build", the command already run)."""
+    marker = tmp_path / "ran"
+    args = json.loads(json.dumps(args).replace("{marker}", str(marker)))
+    with pytest.raises(RecipeError, match=said):
+        load_recipe(reference, args=args)
+    assert not marker.exists()
+
+
+def test_a_factory_of_the_jobs_own_code_is_still_called():
+    assert isinstance(load_recipe("tests.test_recipe:make_recipe", args={"hidden": 4}), _Plain)
+
+
+def test_references_in_the_recipe_args_must_be_the_classes_they_stand_for():
+    import torch
+
+    from sdc_forensics.integrations._common import build_optimizer
+
+    spec = {"class": "torch.nn:Linear", "defaults": {}, "groups": []}
+    with pytest.raises(RecipeError, match="not a torch.optim.optimizer.Optimizer class"):
+        build_optimizer(spec, torch.nn.Linear(2, 2))

@@ -260,7 +260,7 @@ def build_optimizer(spec: dict[str, Any], model: torch.nn.Module) -> torch.optim
     """
     from sdc_forensics.recipe import import_reference
 
-    cls = import_reference(spec["class"], what="optimizer")
+    cls = import_reference(spec["class"], what="optimizer", subclass_of=torch.optim.Optimizer)
     params = dict(model.named_parameters())
     groups = []
     for group in spec["groups"]:

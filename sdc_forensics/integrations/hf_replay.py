@@ -57,7 +57,7 @@ class TrainerRecipe:
         import transformers
         from sdc_forensics.recipe import import_reference
 
-        cls = import_reference(self.model_class, what="model class")
+        cls = import_reference(self.model_class, what="model class", subclass_of=torch.nn.Module)
         config = cls.config_class.from_dict(dict(self.config))
         rng = torch.random.get_rng_state()
         model = cls(config).to(

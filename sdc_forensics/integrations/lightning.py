@@ -476,7 +476,9 @@ class LightningRecipe:
         from sdc_forensics.recipe import import_reference
 
         rng = torch.random.get_rng_state()
-        model = import_reference(self.module_class, what="LightningModule class")(**self.hparams).to(device)
+        model = import_reference(self.module_class, what="LightningModule class", subclass_of=torch.nn.Module)(
+            **self.hparams
+        ).to(device)
         torch.random.set_rng_state(rng)
         model.train()
         optimizers, configs, _ = _configure_optimizers(model.configure_optimizers())
