@@ -125,6 +125,19 @@ class _LazyGroup(click.Group):
 
             stdout_closed()
             ctx.exit(ExitCode.CLEAN)
+        # the disk or the kernel failed a read (EIO from a failing disk or a network mount; /proc/self/mem)
+        except OSError as exc:
+            import errno
+
+            if exc.errno not in (errno.EIO, errno.ENXIO, errno.ENODEV, errno.ESTALE, errno.EREMOTEIO):
+                raise
+            from sdc_forensics.cli.output import fatal
+
+            fatal(
+                f"{exc.filename or 'an input'}: the system could not read it ({exc.strerror or exc}): a failing disk, a "
+                "lost network mount or a special file; copy the files to a healthy disk and analyse the copy"
+            )
+            ctx.exit(ExitCode.BAD_INPUT)
 
 
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -637,3 +637,13 @@ def test_a_checkpoint_holding_an_argparse_namespace_is_told_how_to_save_it(tmp_p
     torch.save({"model": {"w": torch.ones(2)}, "args": argparse.Namespace(lr=0.1)}, path)
     line = _run_bad(path)
     assert "argparse.Namespace" in line and "vars(args)" in line and "trust" not in line
+
+
+@pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="Linux's /proc")
+def test_a_read_the_system_fails_is_one_line_and_exit_3():
+    """A trial user's ``verify-checkpoint /proc/self/mem`` (EIO at offset 0, as a failing disk gives) was a
+    62-line traceback and exit 1, which means 'corruption found'."""
+    result = CliRunner().invoke(cli, ["verify-checkpoint", "/proc/self/mem"])
+    assert result.exit_code == 3, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "could not read it" in lines[0] and "Traceback" not in result.output
