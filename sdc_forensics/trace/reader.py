@@ -62,6 +62,8 @@ class RankFile:
     attempt: int
     records: np.ndarray
     torn_bytes: int
+    #: the world size its header holds (0: not known, a file built in memory)
+    header_world_size: int = 0
 
 
 @reader
@@ -123,6 +125,7 @@ class Trace:
         if not files:
             raise TraceError(f"{path} has a manifest but no readable rank files (rank-*.attempt-*.sdct)")
         ranks_seen = {f.rank for f in files}
+        _check_header_world_size(path, manifest.world_size, files)
         _check_world_size(path, manifest.world_size, {r for r in ranks_seen if r < manifest.world_size})
         for rank in range(manifest.world_size):
             if rank not in ranks_seen:
@@ -483,6 +486,24 @@ def _raise_wild(rank_file: RankFile, index: int) -> None:
     )
 
 
+def _check_header_world_size(path: Path, world_size: int, files: list[RankFile]) -> None:
+    """Refuse a manifest whose world size the rank files' own headers contradict.
+
+    The recorder refuses to resume a trace at another world size, so every rank file's header holds
+    the manifest's. A manifest that says 2 beside four files that say 4 made every step's all-reduce
+    check read half the ranks and call the collective corrupt (exit 1) on a clean run.
+    """
+    wrong = [f for f in files if f.header_world_size and f.header_world_size != world_size]
+    if wrong:
+        other = sorted({f.header_world_size for f in wrong})
+        names = [f.path.name for f in wrong]
+        raise TraceError(
+            f"{path / MANIFEST_NAME} declares world_size {world_size}, but the rank files' headers say "
+            f"{', '.join(map(str, other))} ({names[0]}{' and others' if len(names) > 1 else ''}): the manifest is damaged "
+            f"or from another run; restore {MANIFEST_NAME} from the run"
+        )
+
+
 def _check_world_size(path: Path, world_size: int, ranks_with_files: set[int]) -> None:
     """Refuse a manifest whose world size is far beyond the readable rank files present.
 
@@ -551,7 +572,14 @@ def _open_rank_file(path: Path, rank: int, attempt: int, manifest: Manifest, dty
         records = np.memmap(path, dtype=dtype, mode="r", offset=F.HEADER_SIZE, shape=(count,)).view(np.ndarray)
     else:
         records = np.zeros(0, dtype=dtype)
-    rank_file = RankFile(path=path, rank=rank, attempt=attempt, records=records, torn_bytes=torn)
+    rank_file = RankFile(
+        path=path,
+        rank=rank,
+        attempt=attempt,
+        records=records,
+        torn_bytes=torn,
+        header_world_size=int(header["world_size"][0]),
+    )
     problem = None
     if torn:
         problem = Damage(

@@ -58,6 +58,8 @@ MANIFEST_MUTATIONS = {
     "start-step-beyond-max-step": lambda d: d["attempts"][0].__setitem__("start_step", 2**63),
     "world-size-a-string": lambda d: d.__setitem__("world_size", "2"),
     "world-size-zero": lambda d: d.__setitem__("world_size", 0),
+    # the rank files' headers say 2: a trial user's manifest saying fewer made every all-reduce check fail (exit 1)
+    "world-size-below-the-rank-files": lambda d: d.__setitem__("world_size", 1),
     "sketch-k-a-float": lambda d: d["fingerprint"].__setitem__("sketch_k", 8.0),
     "seed-negative": lambda d: d["fingerprint"].__setitem__("seed", -1),
     "fingerprint-a-list": lambda d: d.__setitem__("fingerprint", [1]),
