@@ -124,8 +124,9 @@ class Trace:
                 files.append(rank_file)
         if not files:
             raise TraceError(f"{path} has a manifest but no readable rank files (rank-*.attempt-*.sdct)")
+        files, foreign = _check_header_world_size(path, manifest.world_size, files)
+        damage += foreign
         ranks_seen = {f.rank for f in files}
-        _check_header_world_size(path, manifest.world_size, files)
         _check_world_size(path, manifest.world_size, {r for r in ranks_seen if r < manifest.world_size})
         for rank in range(manifest.world_size):
             if rank not in ranks_seen:
@@ -486,14 +487,28 @@ def _raise_wild(rank_file: RankFile, index: int) -> None:
     )
 
 
-def _check_header_world_size(path: Path, world_size: int, files: list[RankFile]) -> None:
-    """Refuse a manifest whose world size the rank files' own headers contradict.
+def _check_header_world_size(path: Path, world_size: int, files: list[RankFile]) -> tuple[list[RankFile], list[Damage]]:
+    """Refuse a manifest whose world size the rank files' own headers contradict; ignore, as damage,
+    a file whose header alone does (from another run). Returns the files kept and that damage.
 
     The recorder refuses to resume a trace at another world size, so every rank file's header holds
     the manifest's. A manifest that says 2 beside four files that say 4 made every step's all-reduce
     check read half the ranks and call the collective corrupt (exit 1) on a clean run.
     """
     wrong = [f for f in files if f.header_world_size and f.header_world_size != world_size]
+    if wrong and len(wrong) < len(files):
+        damage = [
+            Damage(
+                kind="bad_header",
+                rank=f.rank,
+                attempt=f.attempt,
+                detail=f"{f.path.name}'s header says world size {f.header_world_size}, the manifest {world_size}: a file "
+                "from another run; file ignored",
+            )
+            for f in wrong
+        ]
+        ignored = {id(f) for f in wrong}
+        return [f for f in files if id(f) not in ignored], damage
     if wrong:
         other = sorted({f.header_world_size for f in wrong})
         names = [f.path.name for f in wrong]
@@ -502,6 +517,7 @@ def _check_header_world_size(path: Path, world_size: int, files: list[RankFile])
             f"{', '.join(map(str, other))} ({names[0]}{' and others' if len(names) > 1 else ''}): the manifest is damaged "
             f"or from another run; restore {MANIFEST_NAME} from the run"
         )
+    return files, []
 
 
 def _check_world_size(path: Path, world_size: int, ranks_with_files: set[int]) -> None:

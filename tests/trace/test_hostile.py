@@ -226,3 +226,22 @@ def test_a_directory_named_like_a_rank_file(trace, name):
     doc = json.loads(result.stdout)
     # the verdict's code, but a clean verdict of the trace alone is 4 (nothing replayed)
     assert result.exit_code == doc["exit_code"] == (4 if doc["verdict"] == "clean" else EXIT_BY_VERDICT[doc["verdict"]])
+
+
+def test_a_rank_file_whose_header_alone_says_another_world_size_is_ignored_as_foreign(make_trace):
+    import numpy as np
+
+    from sdc_forensics.trace.reader import Trace
+
+    path = make_trace(ranks=3, steps=4)
+    rank_file = path / "rank-00002.attempt-000.sdct"
+    raw = bytearray(rank_file.read_bytes())
+    header = np.frombuffer(bytes(raw[: F.HEADER_SIZE]), dtype=F.HEADER_DTYPE).copy()
+    header["world_size"] = 8
+    header["checksum"] = F.checksums(header)[0]
+    raw[: F.HEADER_SIZE] = header.tobytes()
+    rank_file.write_bytes(bytes(raw))
+    trace = Trace.open(path)
+    assert sorted(f.rank for f in trace.files) == [0, 1]
+    foreign = [d for d in trace.damage() if d.kind == "bad_header"]
+    assert len(foreign) == 1 and "says world size 8, the manifest 3" in foreign[0].detail

@@ -333,11 +333,24 @@ def test_a_huge_step_range_through_the_cli_in_bounded_time_and_memory(make_trace
     assert maxrss_mib < 400, maxrss_mib  # the interpreter, numpy, click and rich: about 100 MiB
 
 
+def _lose_ranks(path: Path, world_size: int) -> None:
+    """The trace of a ``world_size``-rank job of which only the files of ranks 0 and 1 are left: the manifest and
+    the files' headers say ``world_size`` (a manifest the headers contradict is refused: ``test_hostile``)."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["world_size"] = world_size
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    for rank_file in path.glob("rank-*.sdct"):
+        raw = bytearray(rank_file.read_bytes())
+        header = np.frombuffer(bytes(raw[: F.HEADER_SIZE]), dtype=F.HEADER_DTYPE).copy()
+        header["world_size"] = world_size
+        header["checksum"] = F.checksums(header)[0]
+        raw[: F.HEADER_SIZE] = header.tobytes()
+        rank_file.write_bytes(bytes(raw))
+
+
 def test_a_huge_world_size_is_refused_with_one_line_without_allocating_by_it(make_trace):
     path = make_trace(ranks=2, steps=4)
-    manifest = json.loads((path / "manifest.json").read_text())
-    manifest["world_size"] = 100_000
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    _lose_ranks(path, 100_000)
     tracemalloc.start()
     started = time.monotonic()
     try:
@@ -354,9 +367,7 @@ def test_a_huge_world_size_is_refused_with_one_line_without_allocating_by_it(mak
 
 def test_a_world_size_within_the_missing_rank_bound_is_read(make_trace):
     path = make_trace(ranks=2, steps=4)
-    manifest = json.loads((path / "manifest.json").read_text())
-    manifest["world_size"] = 2 + 64  # 64 ranks without a file: damage, not a refusal
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    _lose_ranks(path, 2 + 64)  # 64 ranks without a file: damage, not a refusal
     trace = Trace.open(path)
     (window,) = list(trace.step_windows())
     assert window.present.shape == (4, 66) and window.present[:, :2].all() and not window.present[:, 2:].any()
