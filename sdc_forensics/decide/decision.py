@@ -140,6 +140,9 @@ class CheckpointFile:
     path: str = ""
     report: Any = None
     error: str = ""
+    #: a later checkpoint noted at the same file (a rotation that reused the name): this one's content is gone
+    written_over_by: int | None = None
+    written_over_path: str = ""
 
     @property
     def read(self) -> bool:
@@ -741,7 +744,13 @@ def checkpoint_status(
             step=step, path=path, status=Status.TAINTED, reasons=(taint,), findings=findings, report=report
         )
     why: list[str] = []
-    if file is None or not file.read:
+    if file is not None and file.written_over_by is not None:
+        why.append(
+            f"its file {file.written_over_path} was written again by checkpoint {file.written_over_by} (the job reused the "
+            "name, as a checkpoint limit's rotation can after a resume): its own content is gone, not damaged; the steps "
+            "after it can be certified only from the ledger"
+        )
+    elif file is None or not file.read:
         why.append(
             "the file was not read (trace-only)"
             if examined.trace_only or not examined.files_read

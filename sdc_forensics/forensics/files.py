@@ -76,8 +76,19 @@ def verify_files(
     from sdc_forensics.errors import CheckpointError
 
     out = {}
+    # a file two notes lead to holds the latest one's content (Accelerate's automatic names restart after a
+    # resume, and its rotation deletes checkpoint_1 before writing a later step there): the earlier one's is gone
+    located = {note.step: checkpoint_file(note, trace_path, options) for note in notes}
+    owner: dict[Path, CheckpointNote] = {}
+    for note in sorted(notes, key=lambda n: (n.attempt, n.step)):
+        if located[note.step] is not None:
+            owner[located[note.step].resolve()] = note
     for note in notes:
-        path = checkpoint_file(note, trace_path, options)
+        path = located[note.step]
+        latest = owner.get(path.resolve()) if path is not None else None
+        if latest is not None and latest.step != note.step:
+            out[note.step] = CheckpointFile(written_over_by=latest.step, written_over_path=str(path))
+            continue
         report, error = None, ""
         if path is not None:
             try:

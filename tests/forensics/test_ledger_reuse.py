@@ -180,6 +180,26 @@ def test_a_rotated_checkpoint_whose_interval_the_ledger_lacks_is_replayed_from_t
     assert [(w.start, w.last) for w in again.analysis.replayed.windows] == [(0, 5)]  # from checkpoint 0, through 3..5
 
 
+def test_a_checkpoint_name_written_again_by_a_later_checkpoint_is_gone_not_damaged(demo_run, tmp_path):
+    """A trial user's Accelerate job (automatic names, ``total_limit``): after a resume its counter restarted, the
+    rotation deleted ``checkpoint_1`` (step 4) and wrote step 16 there. Both notes led to one file, whose content
+    was step 16's: bisect said ``CORRUPTION``, storage, 'check the disk', on a clean run (exit 1)."""
+    trace = _copy(demo_run, tmp_path, ())
+    folder = trace.parent / "checkpoints"
+    shutil.copyfile(folder / "step-00000009.pt", folder / "step-00000003.pt")  # step 9 saved under step 3's name
+    note = trace / "checkpoints" / "step-00000009.attempt-000.json"
+    doc = json.loads(note.read_text())
+    doc["path"] = doc["path"].replace("step-00000009.pt", "step-00000003.pt")
+    doc.pop("path_from_trace", None)
+    note.write_text(json.dumps(doc))
+    os.remove(folder / "step-00000009.pt")
+    result = certify(trace, AnalysisOptions(checkpoints_dir=folder, no_ledger=True))
+    assert result.analysis.verdict.value == "clean" and result.exit_code == 0, result.analysis.checkpoints
+    assert _statuses(result.analysis) == [(0, "clean"), (3, "unverified"), (6, "clean"), (9, "clean"), (12, "clean")]
+    reason = result.analysis.checkpoints[1].reasons[0]
+    assert "written again by checkpoint 9" in reason and "not damaged" in reason
+
+
 def test_an_all_reduce_corrupted_at_the_first_step_gives_the_same_answer_whatever_ran_before(demo_run, tmp_path):
     """Every rank's reduced gradient flipped at step 0: the replay cannot learn the run's summation order from that
     step. Without a ledger the walk learns it from the last interval first; with one, the clean later intervals come
