@@ -494,8 +494,10 @@ class StepComparisons:
             "every rank's weights after the update differ from the replay's, though its local and reduced "
             "gradients reproduced exactly"
             if everyone
-            else "same gradients in, different weights out: this replica's optimizer update went wrong "
-            "(the other replicas' weights equal the exact replay's)"
+            else "same gradients in, different weights out: this replica's optimizer update went wrong, or its weights "
+            "changed in memory before the update where its forward could not see it (a change below the compute "
+            "precision: bfloat16 autocast drops the low 16 bits of a float32 weight); the other replicas' weights "
+            "equal the exact replay's"
         )
         evidence = Evidence(
             kind=EvidenceKind.REPLAY_MISMATCH,

@@ -122,6 +122,10 @@ def test_bisect_names_injected_step_and_rank(demo_run, location, step, rank, bit
     headline = _headline(result)
     assert f"first divergent step {step} (θ_{step} clean" in headline
     assert ("copy of it changed in memory" in headline) == (where == "state_at_rest"), headline
+    if where == "optimizer_update":
+        # a weight changed at rest below the forward's precision (bfloat16 autocast) leaves the same evidence
+        replayed = [e for e in suspect.evidence if e.source == "replay"]
+        assert replayed and all("or its weights changed in memory before the update" in e.detail for e in replayed)
     assert_last_clean_obeys_rule(result, out, step)
     # every step up to the divergence is replayed (to certify the checkpoints before it), none after
     assert result.replayed.steps_replayed == step + 1
