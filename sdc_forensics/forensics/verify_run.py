@@ -206,6 +206,14 @@ def verify_run(request: VerifyRequest, options=None, progress=None) -> VerifyOut
     reasons += [f"{f.kind.value} {f.subject}: {f.detail}" for f in report.findings]
     if status is not None and not status.clean:
         reasons += [f"{status.status.value}: {r}" for r in status.reasons if r not in reasons]
+    if status is not None and not status.clean and request.step is not None and own is None:
+        other = _copy_of(report, notes, wanted)
+        if other is not None:
+            # a mistyped --step is the user's, not the disk's: no "corruption" verdict on it
+            raise UsageError(
+                f"{path} holds checkpoint {other}'s tensors as noted when it was saved, not checkpoint {wanted}'s "
+                f"(--step {wanted}): pass --step {other}, or drop --step to take it from the note naming the file"
+            )
     if status is not None and not status.clean and request.step is None:
         other = _copy_of(report, notes, wanted)
         if other is not None:

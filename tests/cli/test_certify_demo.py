@@ -100,3 +100,9 @@ def test_a_checkpoint_copied_under_another_checkpoint_s_name_is_said_to_be_a_cop
         cli, ["verify-checkpoint", str(copy), "--trace", str(result.config.trace_dir), "--step", "2", "--no-ledger"]
     )
     assert again.exit_code == 0, again.output
+    # a mistyped --step (a trial user's) is a usage error naming the right one, not "corruption, check the disk"
+    typo = CliRunner().invoke(
+        cli, ["verify-checkpoint", str(copy), "--trace", str(result.config.trace_dir), "--step", "4", "--no-ledger"]
+    )
+    assert typo.exit_code == 2, typo.output
+    assert "holds checkpoint 2's tensors" in typo.output and "pass --step 2" in typo.output
