@@ -56,6 +56,7 @@ import dataclasses
 import errno
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -119,6 +120,8 @@ class FolderReader(CheckpointReader):
         self.format = "folder"
         try:
             found = main_format(directory)
+            if found is None or found[0] != "hf-index":
+                self._unverifiable += _missing_shards(directory, files)
             if found is not None:
                 self.format = found[0]
                 self._open_main(*found, refused={issue.file: issue.detail for issue in refused}, populate=populate)
@@ -344,6 +347,36 @@ def _refusal(exc: PickleRefused) -> str:
         f"{why}, so it is not loaded (that could run code); {_CHECKSUM_ONLY}. "
         "Re-save it with tensors and plain Python values only, or accept the checkpoint as unverified"
     )
+
+
+#: a Hugging Face shard's name: ``model-00001-of-00003.safetensors``
+_SHARD_NAME = re.compile(r"(?P<stem>.+)-(?P<index>\d{5})-of-(?P<total>\d{5})\.(?P<ext>safetensors|bin)")
+
+
+def _missing_shards(directory: Path, files: list[Path]) -> list[FileIssue]:
+    """Shards the top-level shard names say exist and that are absent, where no index lists them (an
+    index's own shards are checked by its reader): one issue each, naming the set and how many are here."""
+    sets: dict[tuple[str, int, str], set[int]] = {}
+    for path in files:
+        match = _SHARD_NAME.fullmatch(path.name) if path.parent == directory else None
+        if match:
+            key = (match["stem"], int(match["total"]), match["ext"])
+            sets.setdefault(key, set()).add(int(match["index"]))
+    issues = []
+    for (stem, total, ext), present in sorted(sets.items()):
+        for index in sorted(set(range(1, total + 1)) - present)[:MAX_LISTED_SHARDS]:
+            issues.append(
+                FileIssue(
+                    file=f"{stem}-{index:05d}-of-{total:05d}.{ext}",
+                    detail=f"missing: the shard names say {total} shards and {len(present)} {'is' if len(present) == 1 else 'are'} here, with no index listing "
+                    "them: the checkpoint is incomplete; copy every shard (and its .index.json) into the folder",
+                )
+            )
+    return issues
+
+
+#: at most this many missing shards are listed per set (a crafted name may claim 99,999)
+MAX_LISTED_SHARDS = 8
 
 
 def _link_refusal(path: Path, bounds: tuple[Path, ...]) -> str:

@@ -386,3 +386,17 @@ def test_a_noted_file_the_reader_declined_is_not_verified_never_missing(tmp_path
     if not _weights_only_loads(folder / "rng_state.pth"):
         assert [f.subject for f in report.findings] == ["rng_state.pth"] and kinds == {FindingKind.NOT_VERIFIABLE}
         assert "--allow-numpy" in report.findings[0].detail
+
+
+def test_shards_the_names_say_exist_and_no_index_lists_are_missing_not_verified(tmp_path):
+    """A trial user's folder with only ``model-00001-of-00002.safetensors`` (no index) was VERIFIED, exit 0."""
+    folder = tmp_path / "half"
+    folder.mkdir()
+    save_file({"a.weight": torch.ones(8, 8)}, folder / "model-00001-of-00002.safetensors")
+    report = verify_checkpoint(folder)
+    assert _kinds(report) == {"model-00002-of-00002.safetensors": FindingKind.NOT_VERIFIABLE}
+    detail = next(f.detail for f in report.findings)
+    assert "say 2 shards and 1 is here" in detail and "incomplete" in detail
+    assert _invoke("verify-checkpoint", str(folder)).exit_code != 0
+    save_file({"b.weight": torch.ones(2)}, folder / "model-00002-of-00002.safetensors")  # both, still no index
+    assert not verify_checkpoint(folder).findings
