@@ -175,6 +175,7 @@ class DcpReader(CheckpointReader):
         self.metadata = _load_metadata(meta_path, self._limits)
         self._files: dict[str, MappedFile] = {}
         self._issues: list[FileIssue] = []
+        self._bytes_checked = False
         try:
             self._plan = self._check()
         except CheckpointError:
@@ -293,6 +294,9 @@ class DcpReader(CheckpointReader):
         return out
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if not self._bytes_checked:
+            self._bytes_checked = True
+            self._check_bytes_items()
         state = self.metadata.state_dict_metadata
         for fqn, chunks in self._plan.items():
             meta = state[fqn]
@@ -312,7 +316,7 @@ class DcpReader(CheckpointReader):
             data = io.BytesIO(view)
         finally:
             view.release()
-        self._check_crc(fqn, chunk, info, data)
+        self._check_crc(f"chunk of {fqn!r}", f"the chunk of {fqn!r} at offsets {tuple(chunk.offsets)}", info, data)
         try:
             tensor = torch.load(data, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - any failure means this item is unreadable
@@ -330,10 +334,30 @@ class DcpReader(CheckpointReader):
             )
         return tensor
 
-    def _check_crc(self, fqn: str, chunk, info, data: io.BytesIO) -> None:
-        """A chunk is a small torch.save zip: its members' CRC-32 say whether its bytes changed.
-        A compressed member is checked against its declared size and the limit before inflating."""
-        where = f"{self.root}: chunk of {fqn!r} in {info.relative_path}"
+    def _check_bytes_items(self) -> None:
+        """Every bytes item (a step count, an optimizer's param_groups, a scheduler's state) is a small
+        torch.save zip too: its CRC-32 says whether its bytes changed; it is never unpickled here."""
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+        for fqn, meta in self.metadata.state_dict_metadata.items():
+            if not isinstance(meta, BytesStorageMetadata):
+                continue
+            info = self.metadata.storage_data[MetadataIndex(fqn)]
+            view = self._mapped(str(info.relative_path)).buffer()[info.offset : info.offset + info.length]
+            try:
+                data = io.BytesIO(view)
+            finally:
+                view.release()
+            self._check_crc(f"bytes item {fqn!r}", f"the bytes item {fqn!r}", info, data)
+
+    def _check_crc(self, item: str, named: str, info, data: io.BytesIO) -> None:
+        """An item is a small torch.save zip: its members' CRC-32 say whether its bytes changed.
+        A compressed member is checked against its declared size and the limit before inflating.
+
+        Args:
+            item: the item in an error line (``chunk of 'w'``); named: in a finding (``the chunk of 'w' at offsets (0,)``).
+        """
+        where = f"{self.root}: {item} in {info.relative_path}"
         try:
             with zipfile.ZipFile(data) as archive:
                 for member in archive.infolist():
@@ -345,22 +369,19 @@ class DcpReader(CheckpointReader):
         # a flipped byte in a member name flagged UTF-8
         except UnicodeDecodeError as exc:
             raise CheckpointError(
-                f"{self.root}: chunk of {fqn!r} in {info.relative_path} has a zip entry name {exc.object[:80]!r} that is not valid UTF-8: "
-                "its bytes are damaged"
+                f"{where} has a zip entry name {exc.object[:80]!r} that is not valid UTF-8: its bytes are damaged"
             ) from None
         except (zlib.error, EOFError, ValueError, struct.error, NotImplementedError, RuntimeError, OSError) as exc:
             raise CheckpointError(
-                f"{self.root}: chunk of {fqn!r} in {info.relative_path} is not a readable torch.save archive ({type(exc).__name__}: {str(exc)[:200]})"
+                f"{where} is not a readable torch.save archive ({type(exc).__name__}: {str(exc)[:200]})"
             ) from None
         except zipfile.BadZipFile as exc:
             if "CRC" not in str(exc):
-                raise CheckpointError(
-                    f"{self.root}: chunk of {fqn!r} in {info.relative_path} is not a torch.save archive ({str(exc)[:200]})"
-                ) from None
+                raise CheckpointError(f"{where} is not a torch.save archive ({str(exc)[:200]})") from None
             self._issues.append(
                 FileIssue(
                     file=str(info.relative_path),
-                    detail=f"zip CRC-32 of the chunk of {fqn!r} at offsets {tuple(chunk.offsets)} does not match: its bytes changed after saving",
+                    detail=f"zip CRC-32 of {named} does not match: its bytes changed after saving",
                 )
             )
         data.seek(0)
