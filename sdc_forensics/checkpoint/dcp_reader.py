@@ -57,7 +57,15 @@ from sdc_forensics.checkpoint.base import (
     TensorInfo,
     unsupported_tensor,
 )
-from sdc_forensics.checkpoint.limits import MAX_DIMS, TENSORS_HINT, ReadLimits, check_inside, inflate_member, resolve
+from sdc_forensics.checkpoint.limits import (
+    MAX_DIMS,
+    TENSORS_HINT,
+    ReadLimits,
+    check_inside,
+    inflate_member,
+    resolve,
+    why_not_a_file,
+)
 from sdc_forensics.errors import CheckpointError
 
 METADATA_NAME = ".metadata"
@@ -264,7 +272,7 @@ class DcpReader(CheckpointReader):
             ) from None
         if not found:
             raise CheckpointError(
-                f"{self.root}: file {rel} named by the metadata for {fqn!r} does not exist: the checkpoint is incomplete"
+                f"{self.root}: file {rel} named by the metadata for {fqn!r} {why_not_a_file(path)}: the checkpoint is incomplete"
             )
         check_inside(path, self.root, self._limits, "data file")
         self._mapped(rel)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from sdc_forensics.checkpoint.base import CheckpointReader, FileIssue, MappedFile, SingleFileReader, TensorInfo
-from sdc_forensics.checkpoint.limits import ReadLimits, check_inside, resolve
+from sdc_forensics.checkpoint.limits import ReadLimits, check_inside, resolve, why_not_a_file
 from sdc_forensics.checkpoint.safetensors_reader import SafetensorsReader
 from sdc_forensics.checkpoint.torch_reader import TorchReader
 from sdc_forensics.errors import CheckpointError, reader
@@ -83,7 +83,8 @@ class HfIndexReader(CheckpointReader):
                     ) from None
                 if not found:
                     raise CheckpointError(
-                        f"{index_path} names shard {shard!r}, which does not exist in {self.root}: the checkpoint is incomplete"
+                        f"{index_path} names shard {shard!r}, which {why_not_a_file(shard_path)} in {self.root}: the checkpoint "
+                        "is incomplete"
                     )
                 check_inside(shard_path, self.root, limits, "shard")
                 if shard_path.suffix == ".safetensors":

@@ -141,6 +141,25 @@ def link_advice(target: Path) -> str:
     return f"pass --allow-root {target.parent} if that directory is trusted, or copy the file into the checkpoint"
 
 
+def why_not_a_file(path: Path) -> str:
+    """What ``path`` is, for a line saying it is not the regular file a checkpoint names: "does not
+    exist", "is a directory", "is a symbolic link loop", "is a FIFO, device or socket"."""
+    import errno
+    import stat
+
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "is a symbolic link loop"
+        if os.path.islink(path):
+            return "is a symbolic link to nothing (dangling)"
+        return "does not exist"
+    if stat.S_ISDIR(info.st_mode):
+        return "is a directory, not a file"
+    return "is a FIFO, device or socket, not a regular file (never opened)"
+
+
 def check_inside(path: Path, root: Path, limits: ReadLimits, what: str = "file") -> None:
     """Raise :class:`CheckpointError` before ``path`` is opened when it resolves (through a
     symbolic link, its own or a directory's) outside the checkpoint rooted at ``root``."""

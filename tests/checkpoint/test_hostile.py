@@ -673,3 +673,20 @@ def test_a_dcp_bytes_item_changed_after_saving_is_found_by_its_crc(tmp_path):
     ran = CliRunner().invoke(cli, ["verify-checkpoint", str(folder)])
     assert ran.exit_code == 1, ran.output
     assert "CRC-32 of the bytes item 'optim.param_groups.0.lr' does not match" in " ".join(ran.output.split())
+
+
+def test_a_dcp_data_file_that_is_a_fifo_or_a_directory_is_said_to_be_one(dcp_source, tmp_path):
+    """A trial user's FIFO (opening it would block) and directory in place of a ``.distcp`` file were each
+    said to 'not exist', which sends one looking for a lost file."""
+    import os
+
+    for kind in ("fifo", "directory"):
+        folder = tmp_path / kind
+        shutil.copytree(dcp_source, folder)
+        data = next(folder.glob("*.distcp"))
+        data.unlink()
+        os.mkfifo(data) if kind == "fifo" else data.mkdir()
+        line = _run_bad(folder)
+        assert (
+            "FIFO, device or socket" if kind == "fifo" else "is a directory"
+        ) in line and "does not exist" not in line
