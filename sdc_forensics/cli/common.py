@@ -119,7 +119,25 @@ def analysis_options(func):
 
 def ledger_options(func):
     """``--ledger PATH`` and ``--no-ledger`` (``bisect``, ``certify``, ``report``, ``verify-checkpoint --trace``):
-    the fields ``ledger_path`` and ``no_ledger`` of ``replay.options.AnalysisOptions``."""
+    the fields ``ledger_path`` and ``no_ledger`` of ``replay.options.AnalysisOptions``. Both on one command
+    line are a usage error (``SDC_FORENSICS_NO_LEDGER=1`` in the environment yields to ``--ledger``'s file)."""
+
+    command = func
+
+    @functools.wraps(command)
+    def one_of_them(*args, **kwargs):
+        from click.core import ParameterSource
+
+        from sdc_forensics.errors import UsageError
+
+        source = click.get_current_context().get_parameter_source("no_ledger")
+        if kwargs.get("ledger_path") is not None and kwargs.get("no_ledger"):
+            if source is ParameterSource.COMMANDLINE:
+                raise UsageError("--ledger PATH and --no-ledger are alternatives: pass one of them")
+            kwargs["no_ledger"] = False
+        return command(*args, **kwargs)
+
+    func = one_of_them
     func = click.option(
         "--no-ledger",
         is_flag=True,

@@ -43,3 +43,11 @@ def test_the_file_alone_still_verifies(checkpoint, monkeypatch):
     result = CliRunner().invoke(cli, ["verify-checkpoint", str(checkpoint), "--max-tensors", "10"])
     assert result.exit_code == 0, result.output
     assert "(safetensors, 1 tensor)" in result.output
+
+
+@pytest.mark.parametrize("command", ["certify", "bisect"])
+def test_ledger_and_no_ledger_together_are_a_usage_error(tmp_path, command):
+    """A trial user's ``--ledger X --no-ledger`` was accepted in silence (the docs call them alternatives)."""
+    result = CliRunner().invoke(cli, [command, str(tmp_path), "--ledger", str(tmp_path / "l.jsonl"), "--no-ledger"])
+    assert result.exit_code == 2, result.output
+    assert "--ledger PATH and --no-ledger are alternatives" in result.output
