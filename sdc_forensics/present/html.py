@@ -95,7 +95,7 @@ def _summary(result: BisectResult, incident: Incident, manifest: Manifest | None
         )
         facts.append(("When (UTC)", _e(R.when_sentence(incident))))
     else:
-        facts.append(("First divergent step", "none found: " + _e(result.scope)))
+        facts.append(("First divergent step", _e(R.none_found_sentence(result))))
     for suspect in result.suspects:
         if suspect.rank is None:
             facts.append(

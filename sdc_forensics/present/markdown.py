@@ -154,7 +154,7 @@ def render_markdown(
         )
         out.append(f"- **When:** {R.when_sentence(incident)}")
     else:
-        out.append(f"- First divergent step: none found. {result.scope}")
+        out.append(f"- First divergent step: {R.none_found_sentence(result)}")
     weak = [e for e in result.evidence if e.is_weak]
     if weak and result.first_divergent_step is None:
         out.append(

@@ -93,6 +93,19 @@ def lost_sentence(incident: Incident) -> str:
     )
 
 
+def none_found_sentence(result: BisectResult) -> str:
+    """The report's "first divergent step" when the latest lineage has none: where an earlier attempt's
+    suspect went wrong (steps a later attempt re-executed), or the scope of what was examined."""
+    earlier = [s for s in result.suspects if s.attempt is not None and s.steps]
+    if not earlier:
+        return f"none found: {result.scope}"
+    where = "; ".join(f"attempt {s.attempt}'s step {min(s.steps)}" for s in earlier)
+    return (
+        f"none in the steps the latest attempt ran; {where}, re-executed by a later attempt from a checkpoint "
+        f"before it, is where the suspect went wrong ({result.scope})"
+    )
+
+
 def when_sentence(incident: Incident) -> str:
     """When the first divergent step ran, in UTC, for lining up with XID/DCGM logs."""
     if incident.first_divergent_step is None:
