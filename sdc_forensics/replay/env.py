@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Iterable
 
 import torch
 
@@ -128,11 +129,18 @@ def gpu_uuid(device: torch.device) -> str:
     return text if text.startswith("GPU-") else f"GPU-{text}"
 
 
-def describe_device(device: torch.device) -> str:
-    """A human name of the replay device: ``cpu (x86_64, 2 threads)`` or ``cuda:0 (NAME, GPU-…)``."""
+def describe_device(device: torch.device, threads_used: Iterable[int] = ()) -> str:
+    """A human name of the replay device: ``cpu (x86_64, 2 threads)`` or ``cuda:0 (NAME, GPU-…)``.
+
+    ``threads_used``: the CPU thread counts the replay's steps ran with (each step its recorded count);
+    several are named as such (``1 and 2 threads, as the steps recorded``), none: the current count."""
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)}, {gpu_uuid(device) or 'uuid unknown'})"
-    threads = torch.get_num_threads()
+    counts = sorted(set(threads_used)) or [torch.get_num_threads()]
+    if len(counts) > 1:
+        shown = ", ".join(map(str, counts[:-1])) + f" and {counts[-1]} threads, as the steps recorded"
+        return f"cpu ({platform.machine() or 'unknown'}, {shown})"
+    threads = counts[0]
     return f"cpu ({platform.machine() or 'unknown'}, {threads} thread{'' if threads == 1 else 's'})"
 
 

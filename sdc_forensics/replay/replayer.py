@@ -211,6 +211,8 @@ class Replayer(StepComparisons):
         self.forced_threads = 0
         # the manifest's count, for traces without per-step counts
         self.default_threads = 0
+        # the CPU thread counts the replayed steps ran with (run())
+        self.threads_used: set[int] = set()
         # the largest tolerant residual / tolerance seen (clean artefacts are measured with it)
         self.max_ratio = 0.0
         # flat gradient buffers reused from step to step (a fresh tensor per rank and step costs page
@@ -437,6 +439,7 @@ class Replayer(StepComparisons):
             wanted = 0
         if wanted and torch.get_num_threads() != wanted:
             torch.set_num_threads(wanted)
+        self.threads_used.add(torch.get_num_threads())
 
     def digest_of(self, buckets: list[torch.Tensor]) -> int:
         """The exact digest of a gradient held in bucket buffers (``combine`` of the buckets' digests)."""
@@ -482,6 +485,7 @@ class Replayer(StepComparisons):
             distributed.check_collective(self.world_size)
         self.forced_threads = options.num_threads or 0
         self.default_threads = _recorded_threads(self.trace) or 0
+        self.threads_used: set[int] = set()
         model, optimizer, scheduler = _recipe_call("build", self.recipe.build, self.device)
         _recipe_call(
             f"load_checkpoint({options.checkpoint_path})",
@@ -663,7 +667,7 @@ class Replayer(StepComparisons):
             start_step=options.start_step,
             stop_step=options.stop_step,
             last_step=last,
-            device=env.describe_device(self.device),
+            device=env.describe_device(self.device, self.threads_used),
             comparison="exact" if tolerant_from is None or tolerant_from > last else "tolerant",
             tolerant_from=tolerant_from if tolerant_from is not None and tolerant_from <= last else None,
             reduction_order=order_used,

@@ -122,6 +122,9 @@ def test_units_and_plurals_read_right():
         assert describe_device(torch.device("cpu")).endswith(", 1 thread)")
         torch.set_num_threads(2)
         assert describe_device(torch.device("cpu")).endswith(", 2 threads)")
+        # a replay whose steps ran with the counts they recorded (a trial user's ranks at 1 and 2 threads) says so
+        assert describe_device(torch.device("cpu"), {2, 1}).endswith(", 1 and 2 threads, as the steps recorded)")
+        assert describe_device(torch.device("cpu"), {1}).endswith(", 1 thread)")
     finally:
         torch.set_num_threads(before)
     assert (count_text(1, "byte"), count_text(3, "byte")) == ("1 byte", "3 bytes")
