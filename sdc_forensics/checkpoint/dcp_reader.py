@@ -577,6 +577,9 @@ def _check_coverage(root: Path, fqn: str, size: tuple[int, ...], chunks) -> None
     if covered != total:
         raise CheckpointError(
             f"{root}: the chunks of {fqn!r} cover {covered} of its {total} elements: the checkpoint is incomplete"
+            if covered < total
+            else f"{root}: the chunks of {fqn!r} hold {covered} elements for its {total}: chunks overlap or repeat, which "
+            "DCP never writes (damaged or crafted metadata)"
         )
     split = [d for d in range(len(size)) if any(o[d] or s[d] != size[d] for o, s in boxes)]
     if not total or not split:

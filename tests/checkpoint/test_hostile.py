@@ -690,3 +690,15 @@ def test_a_dcp_data_file_that_is_a_fifo_or_a_directory_is_said_to_be_one(dcp_sou
         assert (
             "FIFO, device or socket" if kind == "fifo" else "is a directory"
         ) in line and "does not exist" not in line
+
+
+def test_a_dcp_chunk_listed_twice_is_said_to_repeat_not_to_be_missing(dcp_source, tmp_path):
+    """A trial user's duplicated chunk read 'cover 200 of its 100 elements: the checkpoint is incomplete'."""
+    folder = tmp_path / "dcp"
+    shutil.copytree(dcp_source, folder)
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    chunks = meta.state_dict_metadata["model.w"].chunks
+    chunks.append(chunks[0])
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    line = _run_bad(folder)
+    assert "chunks overlap or repeat" in line and "incomplete" not in line
