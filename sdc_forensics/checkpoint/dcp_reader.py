@@ -41,6 +41,7 @@ import pathlib
 import pickle
 import pickletools
 import struct
+import warnings
 import zipfile
 import zlib
 from collections.abc import Iterator
@@ -326,7 +327,10 @@ class DcpReader(CheckpointReader):
             view.release()
         self._check_crc(f"chunk of {fqn!r}", f"the chunk of {fqn!r} at offsets {tuple(chunk.offsets)}", info, data)
         try:
-            tensor = torch.load(data, map_location="cpu", weights_only=True)
+            # torch warns about a pickle protocol other than its own on stderr: the error line says what is wrong
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                tensor = torch.load(data, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - any failure means this item is unreadable
             raise CheckpointError(
                 f"{self.root}: chunk of {fqn!r} in {info.relative_path} cannot be read ({type(exc).__name__}): damaged"
