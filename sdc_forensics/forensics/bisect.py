@@ -309,6 +309,9 @@ def _earlier_attempts(
                 from sdc_forensics.recipe import load_recipe
 
                 recipe = load_recipe(recipe_ref, args=trace.manifest.recipe_args)
+            # the ledger as this attempt left it: an exact record of its steps made while its checkpoint existed
+            # (a follower's) still judges them once a checkpoint limit rotated the file away; read, never extended
+            ledger = None
             for note in sorted(
                 (n for n in view.checkpoint_notes() if n.step <= lo), key=lambda n: n.step, reverse=True
             ):
@@ -316,6 +319,16 @@ def _earlier_attempts(
                 known = files.get(note.step) if latest_attempt.get(note.step) == note.attempt else None
                 file = known if known is not None else verify_files([note], options, trace.path, seed)[note.step]
                 if not replayable(file):
+                    if not file.path:
+                        ledger = ledger or open_ledger(view, view.checkpoint_notes(), options)
+                        covering = ledger.covering(note.step, hi) if ledger is not None else ()
+                        if covering:
+                            replayed, anchors = set(range(note.step, hi + 1)), {note.step}
+                            notes_out.append(
+                                f"attempt {past.attempt}'s steps {note.step}..{hi}: from the ledger (record "
+                                f"{', '.join(covering)}), replayed exactly and clean while checkpoint {note.step}'s file existed"
+                            )
+                            break
                     continue
                 runner = IntervalRunner(view, recipe, options, progress, suspect_gpus(view, tri))
                 reason = f"judge attempt {past.attempt}'s steps {lo}..{hi}, re-executed by attempt {later.attempt}"

@@ -171,3 +171,19 @@ def test_a_resumed_attempt_that_has_not_reached_the_earlier_one_s_last_step_ends
         # certified by attempt 0's own replay of its steps 4..11
         assert statuses[10] is Status.CLEAN and statuses[12] is Status.CLEAN, result.checkpoints
         assert result.last_clean_checkpoint.step == 12
+
+
+@pytest.mark.ledger
+def test_an_earlier_attempts_steps_are_judged_from_the_ledger_once_its_checkpoint_is_rotated_away(tmp_path):
+    """A trial user's HF run with ``save_total_limit``: attempt 0 was certified (its ledger records), resumed from
+    checkpoint 4, and the rotation deleted checkpoint 4. Attempt 0's re-executed steps 4..7 'could not be settled'
+    though the ledger held their exact clean replay, made while the file existed."""
+    out = tmp_path / "run"
+    run_demo(out, injections=(), **RUN)
+    assert CliRunner().invoke(cli, ["certify", str(out / "trace")]).exit_code == 0  # the ledger: attempt 0's steps
+    run_demo(out, injections=(), resume_from=4, **RUN)
+    (out / "checkpoints" / "step-00000004.pt").unlink()
+    result = bisect(out / "trace", BisectOptions())
+    assert result.verdict is Verdict.CLEAN, result.settle
+    assert any("attempt 0's steps 4..7: from the ledger" in n for n in result.notes), result.notes
+    assert not any("could not be settled" in line for line in (*result.notes, *result.settle))
