@@ -319,12 +319,16 @@ class DcpReader(CheckpointReader):
                 full[index] = part
             yield fqn, full
 
-    def _read_chunk(self, fqn: str, chunk, info, dtype: torch.dtype) -> torch.Tensor:
+    def _item_bytes(self, info) -> io.BytesIO:
+        """The stored bytes of one item (a chunk or a bytes item), copied out of the mapped file."""
         view = self._mapped(str(info.relative_path)).buffer()[info.offset : info.offset + info.length]
         try:
-            data = io.BytesIO(view)
+            return io.BytesIO(view)
         finally:
             view.release()
+
+    def _read_chunk(self, fqn: str, chunk, info, dtype: torch.dtype) -> torch.Tensor:
+        data = self._item_bytes(info)
         self._check_crc(f"chunk of {fqn!r}", f"the chunk of {fqn!r} at offsets {tuple(chunk.offsets)}", info, data)
         try:
             # torch warns about a pickle protocol other than its own on stderr: the error line says what is wrong
@@ -355,12 +359,7 @@ class DcpReader(CheckpointReader):
             if not isinstance(meta, BytesStorageMetadata):
                 continue
             info = self.metadata.storage_data[MetadataIndex(fqn)]
-            view = self._mapped(str(info.relative_path)).buffer()[info.offset : info.offset + info.length]
-            try:
-                data = io.BytesIO(view)
-            finally:
-                view.release()
-            self._check_crc(f"bytes item {fqn!r}", f"the bytes item {fqn!r}", info, data)
+            self._check_crc(f"bytes item {fqn!r}", f"the bytes item {fqn!r}", info, self._item_bytes(info))
 
     def _check_crc(self, item: str, named: str, info, data: io.BytesIO) -> None:
         """An item is a small torch.save zip: its members' CRC-32 say whether its bytes changed.
@@ -407,9 +406,8 @@ class DcpReader(CheckpointReader):
         meta = self.metadata.state_dict_metadata.get("step")
         if isinstance(meta, BytesStorageMetadata):
             info = self.metadata.storage_data[MetadataIndex("step")]
-            view = self._mapped(str(info.relative_path)).buffer()[info.offset : info.offset + info.length]
             try:
-                data = io.BytesIO(view)
+                data = self._item_bytes(info)
                 # no member inflated beyond the limit by torch.load
                 with zipfile.ZipFile(data) as archive:
                     for member in archive.infolist():
@@ -419,8 +417,6 @@ class DcpReader(CheckpointReader):
                 value = torch.load(data, weights_only=True)
             except Exception:  # noqa: BLE001 - an unreadable step is simply unknown
                 return None
-            finally:
-                view.release()
             return value if isinstance(value, int) and not isinstance(value, bool) else None
         return None
 

@@ -149,6 +149,8 @@ def why_not_a_file(path: Path) -> str:
 
     try:
         info = os.stat(path)
+    except ValueError:  # a NUL byte in a crafted name
+        return "does not exist (its name holds a NUL byte)"
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             return "is a symbolic link loop"
