@@ -40,10 +40,20 @@ from sdc_forensics.fingerprint.core import combine_digests
 from sdc_forensics.trace.checkpoints import CheckpointNote, hex64
 
 _PARAM_PREFIXES = ("", "model.", "module.", "model.module.", "state_dict.", "model_state_dict.")
-#: Lightning's ModelCheckpoint keeps its scores in every .ckpt (``callbacks.ModelCheckpoint{...}.kth_value``):
-#: bookkeeping, not training state, and ±inf by design (kth_value starts at inf for mode "min"), so a
-#: non-finite value there is not a finding (in a distributed checkpoint, its ``meta.pt/`` file holds them)
-_SCORE_KEYS = re.compile(r"^(?:[^/]+/)?callbacks\.ModelCheckpoint\{.*\}\.(kth_value|best_model_score|current_score)$")
+#: Lightning's ModelCheckpoint and EarlyStopping keep their scores in every .ckpt
+#: (``callbacks.ModelCheckpoint{...}.kth_value``, ``callbacks.EarlyStopping{...}.best_score``): bookkeeping,
+#: not training state, and ±inf by design (kth_value and best_score start at inf for mode "min", before the
+#: first validation), so a non-finite value there is not a finding (in a distributed checkpoint, its
+#: ``meta.pt/`` file holds them)
+_SCORE_KEYS = re.compile(
+    r"^(?:[^/]+/)?callbacks\.(?:ModelCheckpoint\{.*\}\.(kth_value|best_model_score|current_score)"
+    r"|EarlyStopping\{.*\}\.best_score)$"
+)
+
+
+def is_score(key: str, shape: tuple[int, ...]) -> bool:
+    """A Lightning callback's score (:data:`_SCORE_KEYS`), whose ±inf is by design, not a NaN/Inf finding."""
+    return bool(_SCORE_KEYS.match(key)) and tuple(shape) in ((), (1,))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -86,7 +96,8 @@ class TensorResult:
         if self.expected_digest and self.expected_digest != self.digest:
             return "mismatch"
         if self.nonfinite:
-            return "nonfinite"
+            # a callback score is ±inf by design: ok, its count still shown
+            return "ok" if is_score(self.key, self.shape) else "nonfinite"
         return "ok"
 
 
@@ -228,7 +239,7 @@ def verify_checkpoint(
                 detail=f"{r.nonfinite} NaN/Inf value(s)",
             )
             for r in results
-            if r.nonfinite and not (_SCORE_KEYS.match(r.key) and r.shape in ((), (1,)))
+            if r.nonfinite and not is_score(r.key, r.shape)
         ]
         weights = ""
         if note is not None:

@@ -35,12 +35,19 @@ def test_the_framework_key_is_optional_and_checked(make_trace):
 
 def test_modelcheckpoint_scores_may_be_infinite_but_training_state_may_not(tmp_path):
     key = "ModelCheckpoint{'monitor': None, 'mode': 'min', 'every_n_train_steps': 3}"
+    # EarlyStopping's best_score is inf before the first validation (a trial user's clean .ckpt was called NaN/Inf)
+    stopping = "EarlyStopping{'monitor': 'val_loss', 'mode': 'min'}"
     state = {
         "state_dict": {"w": torch.ones(3)},
-        "callbacks": {key: {"kth_value": torch.tensor(float("inf")), "best_model_score": None}},
+        "callbacks": {
+            key: {"kth_value": torch.tensor(float("inf")), "best_model_score": None},
+            stopping: {"best_score": torch.tensor(float("inf")), "wait_count": 0},
+        },
     }
     torch.save(state, tmp_path / "a.ckpt")
-    assert not [f for f in verify_checkpoint(tmp_path / "a.ckpt").findings if f.kind is FindingKind.NONFINITE]
+    report = verify_checkpoint(tmp_path / "a.ckpt")
+    assert not [f for f in report.findings if f.kind is FindingKind.NONFINITE]
+    assert all(t.status == "ok" for t in report.tensors)  # the scores' table rows too
     state["state_dict"]["w"][1] = float("nan")
     state["callbacks"]["Other"] = {
         "kth_value": torch.tensor(float("inf"))
