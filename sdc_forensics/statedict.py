@@ -25,17 +25,29 @@ from sdc_forensics.trace.checkpoints import hex64
 
 
 def flatten_state(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Every tensor inside ``obj`` under a dotted key (dict keys and list indices joined by '.')."""
+    """Every tensor inside ``obj`` under a dotted key (dict keys and list indices joined by '.').
+
+    Two paths that join to one key (``{"a.b": x, "a": {"b": y}}``) keep both tensors: the later one
+    is ``a.b#2``. Before, the later overwrote the earlier, and a NaN tensor under the earlier path
+    was never read (a trial user's crafted file verified)."""
     out: dict[str, torch.Tensor] = {}
+    _flatten_into(out, obj, prefix)
+    return out
+
+
+def _flatten_into(out: dict[str, torch.Tensor], obj: Any, prefix: str) -> None:
     if isinstance(obj, torch.Tensor):
-        out[prefix] = obj
+        key, n = prefix, 1
+        while key in out:
+            n += 1
+            key = f"{prefix}#{n}"
+        out[key] = obj
     elif isinstance(obj, Mapping):
         for key, value in obj.items():
-            out.update(flatten_state(value, f"{prefix}.{key}" if prefix else str(key)))
+            _flatten_into(out, value, f"{prefix}.{key}" if prefix else str(key))
     elif isinstance(obj, (list, tuple)):
         for index, value in enumerate(obj):
-            out.update(flatten_state(value, f"{prefix}.{index}" if prefix else str(index)))
-    return out
+            _flatten_into(out, value, f"{prefix}.{index}" if prefix else str(index))
 
 
 def tensor_digests(obj: Any, seed: int = C.DEFAULT_SEED) -> list[int]:

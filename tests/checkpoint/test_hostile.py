@@ -702,3 +702,15 @@ def test_a_dcp_chunk_listed_twice_is_said_to_repeat_not_to_be_missing(dcp_source
     (folder / ".metadata").write_bytes(pickle.dumps(meta))
     line = _run_bad(folder)
     assert "chunks overlap or repeat" in line and "incomplete" not in line
+
+
+def test_two_key_paths_that_join_to_one_name_keep_both_tensors(tmp_path):
+    """A trial user's ``{"a.b": NaN tensor, "a": {"b": clean tensor}}`` verified (exit 0, '1 tensor'): the later
+    path overwrote the earlier in the flattened state, and the NaN was never read."""
+    from sdc_forensics.checkpoint import verify_checkpoint
+
+    path = tmp_path / "collide.pt"
+    torch.save({"a.b": torch.tensor([float("nan")]), "a": {"b": torch.ones(2)}}, path)
+    report = verify_checkpoint(path)
+    assert sorted(t.key for t in report.tensors) == ["a.b", "a.b#2"]
+    assert [f.subject for f in report.findings] == ["a.b"]
