@@ -61,7 +61,8 @@ def verify_cmd(
     """Verify a checkpoint's structure and content; with --trace, certify it as part of its run.
 
     Without --trace: exit 0 when the file is readable, complete and free of NaN/Inf, 1 when it
-    is not (this says nothing about the run). With --trace: the checkpoint's status from the
+    is damaged or holds NaN/Inf, 4 when nothing is wrong but some file of it could not be
+    verified (a pickle not loadable safely, an unknown format); this says nothing about the run. With --trace: the checkpoint's status from the
     run's analysis: 0 certified clean, 1 corrupt or tainted, 4 unverified (nothing wrong found,
     but not every step before it examined). With --certificate: 1 when its files changed since
     they were certified, or it was not certified clean. 2 usage error, 3 unreadable input.

@@ -9,8 +9,9 @@
 * with a certificate: the files are still what was certified, and it was certified clean.
 
 Exit status: 1 when the certificate disagrees or did not certify it clean; else the decision's
-status with a trace; else, with a trace that has no note for the step, 1 for a damaged file and
-4 otherwise; without a trace, 0 when the file has no findings and 1 when it has. The codes are
+status with a trace; else (a trace that has no note for the step, or no trace) 1 for a damaged file
+(damage, NaN/Inf), 4 when its only findings are files it could not verify (a pickle not loadable
+safely, an unknown format; with no note, always at least 4), 0 when it has none. The codes are
 ``exitcodes.ExitCode``, a status's code ``exitcodes.EXIT_BY_STATUS``.
 """
 
@@ -92,10 +93,12 @@ def verify_exit(
     # the one decision: clean 0, unverified 4, tainted or corrupt 1
     if status is not None:
         return status_exit(status.status)
-    if missing:
-        damaged = [f for f in report.findings if f.kind not in UNVERIFIABLE_FINDINGS]
-        return ExitCode.NOT_CERTIFIABLE if damaged else ExitCode.UNVERIFIED
-    return ExitCode.NOT_CERTIFIABLE if report.findings else ExitCode.CLEAN
+    # the file alone (or with no note in the trace): damage is 1; only files it could not verify (a pickle not
+    # loadable safely, an unknown format) is 4, nothing wrong found, as the decision's unverified is
+    damaged = [f for f in report.findings if f.kind not in UNVERIFIABLE_FINDINGS]
+    if damaged:
+        return ExitCode.NOT_CERTIFIABLE
+    return ExitCode.UNVERIFIED if report.findings or missing else ExitCode.CLEAN
 
 
 def _copy_of(report, notes, wanted: int | None) -> int | None:

@@ -79,7 +79,8 @@ def render_verify(outcome: VerifyOutcome, console) -> None:
         console.print(f"[bold green]{what}[/] {path} ({size}){against}")
         return
     if outcome.exit_code == ExitCode.UNVERIFIED:
-        console.print(f"[bold yellow]NOT CERTIFIED[/] {path}: nothing wrong found, but {escape(reasons[0])}")
+        what = "NOT CERTIFIED" if with_trace else "NOT VERIFIED"
+        console.print(f"[bold yellow]{what}[/] {path}: nothing wrong found, but {escape(reasons[0])}")
     else:
         console.print(f"[bold red]NOT CERTIFIABLE[/] {path}: {escape(reasons[0])}")
     # every reason, each on its line: a certificate's is never hidden behind "+1 more"

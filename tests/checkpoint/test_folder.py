@@ -138,10 +138,12 @@ def test_unknown_binary_file_is_not_verifiable(tmp_path):
     assert finding.kind is FindingKind.NOT_VERIFIABLE and "numpy array" in finding.detail
     assert "foo.npy" in {f.name for f in report.files}  # still checksummed
     result = _invoke("verify-checkpoint", str(folder), "--json")
-    assert result.exit_code == 1, result.output
-    assert "NOT CERTIFIABLE" in result.stderr and "not-verifiable foo.npy" in result.stderr
+    # nothing wrong found, but not all verified: 4, not the 1 of damage (a trial user's Trainer folders)
+    assert result.exit_code == 4, result.output
+    assert "NOT VERIFIED" in result.stderr and "not-verifiable foo.npy" in result.stderr
     doc = json.loads(result.stdout)
     assert doc["report"]["unverifiable"] == ["foo.npy"] and doc["report"]["ok"] is False
+    assert doc["verdict"] == "unverified"
 
 
 def test_transformers_trainer_checkpoint_folder(tmp_path):
@@ -172,7 +174,7 @@ def test_transformers_trainer_checkpoint_folder(tmp_path):
     assert any(t.key.startswith("optimizer.pt/state.") for t in report.tensors)
     result = _invoke("verify-checkpoint", str(folder))
     if numpy_needed:
-        assert result.exit_code == 1 and "NOT CERTIFIABLE" in result.output and "--allow-numpy" in result.output
+        assert result.exit_code == 4 and "NOT VERIFIED" in result.output and "--allow-numpy" in result.output
     result = _invoke("verify-checkpoint", str(folder), "--allow-numpy")
     assert result.exit_code == 0 and "VERIFIED" in result.output, result.output
     assert "not read (no training state): training_args.bin" in result.output
@@ -359,7 +361,7 @@ def test_quantized_or_sparse_optimizer_pt_is_not_verifiable_not_damaged(tmp_path
     assert "optimizer.pt" in {f.name for f in report.files}
     before = tree_sha256(folder)
     result = _invoke("verify-checkpoint", str(folder), "--json")
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 4, result.output  # not verifiable is not damage
     assert "not-verifiable optimizer.pt" in result.stderr and "file-damaged" not in result.stderr
     assert json.loads(result.stdout)["report"]["unverifiable"] == ["optimizer.pt"]
     assert tree_sha256(folder) == before

@@ -56,10 +56,16 @@ def run_cli(args: list[str], watch: Path, expected_code: int, refused: bool) -> 
 
 
 def _checkpoint(folder: Path, path: Path) -> None:
+    from sdc_forensics.decide.decision import UNVERIFIABLE_FINDINGS
+
     code, report = _expect(lambda: verify(path))
-    run_cli(
-        ["verify-checkpoint", path], folder, code if code is not None else (0 if report.ok else 1), code is not None
-    )
+    if code is None:
+        # damage or NaN/Inf 1; only files it could not verify 4 (nothing wrong found); none 0
+        damaged = any(f.kind not in UNVERIFIABLE_FINDINGS for f in report.findings)
+        code = 1 if damaged else 4 if report.findings else 0
+        run_cli(["verify-checkpoint", path], folder, code, False)
+        return
+    run_cli(["verify-checkpoint", path], folder, code, True)
 
 
 @settings(max_examples=CLI_EXAMPLES)
