@@ -67,6 +67,12 @@ def detect_format(path: str | os.PathLike) -> str:
         raise CheckpointError(f"{path} is not a regular file or directory")
     if is_index_name(path.name):
         return "hf-index"
+    if path.suffix == ".distcp":
+        # read alone it is a torch.save zip of some items, whose metadata lives beside it
+        raise CheckpointError(
+            f"{path} is a data file of a torch.distributed.checkpoint directory: verify the directory "
+            f"({path.parent}), whose .metadata says what it holds"
+        )
     found = sniff_file(path)
     if found is None:
         raise CheckpointError(

@@ -714,3 +714,9 @@ def test_two_key_paths_that_join_to_one_name_keep_both_tensors(tmp_path):
     report = verify_checkpoint(path)
     assert sorted(t.key for t in report.tensors) == ["a.b", "a.b#2"]
     assert [f.subject for f in report.findings] == ["a.b"]
+
+
+def test_a_dcp_data_file_named_alone_points_at_its_directory(dcp_source):
+    """A trial user's ``verify-checkpoint __0_0.distcp`` printed torch's 'archive is corrupted' for a clean file."""
+    line = _run_bad(next(dcp_source.glob("*.distcp")))
+    assert "data file of a torch.distributed.checkpoint directory" in line and "corrupt" not in line
