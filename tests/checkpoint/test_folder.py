@@ -402,3 +402,22 @@ def test_shards_the_names_say_exist_and_no_index_lists_are_missing_not_verified(
     assert _invoke("verify-checkpoint", str(folder)).exit_code != 0
     save_file({"b.weight": torch.ones(2)}, folder / "model-00002-of-00002.safetensors")  # both, still no index
     assert not verify_checkpoint(folder).findings
+
+
+def test_dtypes_safetensors_writes_are_read_or_not_verifiable_never_damaged(tmp_path):
+    """A trial user's safetensors 0.8 files with C64, F8_E8M0 and F4 tensors: each alone 'unknown dtype' (exit 3),
+    and in a model folder 'file-damaged' (exit 1), a false damage claim."""
+    from tests.factories import write_safetensors_raw
+
+    folder = _hf_folder(tmp_path / "ckpt")
+    write_safetensors_raw(
+        folder / "freqs.safetensors", {"f": {"dtype": "C64", "shape": [2], "data_offsets": [0, 16]}}, bytes(16)
+    )
+    write_safetensors_raw(
+        folder / "packed.safetensors", {"p": {"dtype": "F4", "shape": [4], "data_offsets": [0, 2]}}, bytes(2)
+    )
+    report = verify_checkpoint(folder)
+    assert _kinds(report) == {"packed.safetensors": FindingKind.NOT_VERIFIABLE}
+    assert "dtype F4" in next(f.detail for f in report.findings)
+    assert "freqs.safetensors/f" in {t.key for t in report.tensors}  # complex64, read and digested
+    assert _invoke("verify-checkpoint", str(folder)).exit_code == 4
