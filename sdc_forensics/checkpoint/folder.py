@@ -334,7 +334,9 @@ TRAINER_ARGUMENTS = "training_args.bin"
 
 def _refusal(exc: PickleRefused) -> str:
     """The not-verifiable detail of a ``torch.save`` file that cannot be loaded safely."""
-    if not exc.refused:
+    if exc.why:
+        why = exc.why
+    elif not exc.refused:
         why = "it is a legacy raw pickle"
     else:
         why = f"its pickle needs {', '.join(exc.refused[:5])}, outside torch's weights_only allow-list"

@@ -47,6 +47,7 @@ are one reader of one format: split, each part would have to trust state the oth
 from __future__ import annotations
 
 import contextlib
+import re
 import pickletools
 import struct
 import warnings
@@ -103,10 +104,12 @@ class PickleRefused(CheckpointError):
         numpy: every refused global is one ``ReadLimits.allow_numpy`` (``--allow-numpy``) allows.
     """
 
-    def __init__(self, message: str, refused: tuple[str, ...] = (), *, numpy: bool = False) -> None:
+    def __init__(self, message: str, refused: tuple[str, ...] = (), *, numpy: bool = False, why: str = "") -> None:
         super().__init__(message)
         self.refused = refused
         self.numpy = numpy
+        # another reason than a refused global or a legacy pickle (an opcode the loader does not read)
+        self.why = why
 
 
 _STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING", "STRING"}
@@ -397,6 +400,16 @@ class TorchReader(SingleFileReader):
         except Exception as exc:  # noqa: BLE001 - torch raises many types; all mean "unreadable"
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             # the allow-list was unknown to the scan
+            operand = re.search(r"Unsupported operand (\d+)", str(exc))
+            if first_line.startswith(_WEIGHTS_ONLY_REFUSAL) and operand:
+                # pickle protocol 4 or 5 (FRAME, 149): no global it names is refused; torch's loader cannot read it
+                why = (
+                    f"its pickle uses opcode {operand.group(1)}, which torch's weights-only loader does not read (pickle "
+                    "protocol 4 or 5); nothing it names is refused, but it is not loaded"
+                )
+                raise PickleRefused(
+                    f"{self.path}: {why}: re-save it with torch.save's default pickle protocol to verify it", why=why
+                ) from None
             if first_line.startswith(_WEIGHTS_ONLY_REFUSAL):
                 raise PickleRefused(
                     f"{self.path}: torch.load(weights_only=True) refuses its pickle; refusing to load it (it could run code): "

@@ -720,3 +720,15 @@ def test_a_dcp_data_file_named_alone_points_at_its_directory(dcp_source):
     """A trial user's ``verify-checkpoint __0_0.distcp`` printed torch's 'archive is corrupted' for a clean file."""
     line = _run_bad(next(dcp_source.glob("*.distcp")))
     assert "data file of a torch.distributed.checkpoint directory" in line and "corrupt" not in line
+
+
+def test_a_pickle_protocol_torch_cannot_read_is_said_to_be_that_not_unsafe(tmp_path):
+    """A trial user's ``torch.save(..., pickle_protocol=4)`` was refused 'it could run code'; it names only allowed
+    globals, and torch's weights-only loader does not read the protocol's FRAME opcode."""
+    path = tmp_path / "proto4.pt"
+    torch.save({"w": torch.ones(3)}, path, pickle_protocol=4)
+    result = CliRunner().invoke(cli, ["verify-checkpoint", str(path)])
+    if result.exit_code == 0:  # a torch whose weights-only loader reads protocol 4
+        return
+    line = " ".join(result.output.split())
+    assert result.exit_code == 3 and "pickle protocol 4 or 5" in line and "could run code" not in line, line
