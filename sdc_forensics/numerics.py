@@ -28,6 +28,8 @@ Recorded keys (all optional: older traces hold a subset):
 ``cublas_workspace_config``                     ``CUBLAS_WORKSPACE_CONFIG``
 ``nccl_env``                                    ``NCCL_ALGO``, ``NCCL_PROTO``, channel limits, NVLS
 ``num_threads``                                 intra-op threads (rank 0's first step; per step in STEP records)
+``autocast_dtype``                              the dtype ``torch.autocast`` computed in during rank 0's first
+                                                forward (``bfloat16``, ``float16``); absent when autocast was off
 =============================================  ===============================================
 """
 
@@ -71,6 +73,23 @@ def _sdpa_backends() -> list[str]:
         if probe is not None and _safe(probe, False):
             enabled.append(name)
     return enabled
+
+
+def autocast_dtype(device_type: str) -> str:
+    """The dtype ``torch.autocast`` computes in on ``device_type`` now, ``""`` when it is off
+    (read inside a forward: the recorder's :class:`~sdc_forensics.recorder.threads.AutocastWatch`)."""
+    enabled = getattr(torch, "is_autocast_enabled", None)
+    get_dtype = getattr(torch, "get_autocast_dtype", None)
+    try:
+        on = bool(enabled(device_type))
+        dtype = get_dtype(device_type) if on else None
+    # torch < 2.4 has only the per-device functions
+    except TypeError:
+        on = bool(torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled())
+        dtype = (
+            (torch.get_autocast_cpu_dtype() if device_type == "cpu" else torch.get_autocast_gpu_dtype()) if on else None
+        )
+    return str(dtype).removeprefix("torch.") if on and dtype is not None else ""
 
 
 def _device_name(device: torch.device) -> str:

@@ -204,7 +204,7 @@ class Recorder:
         self.last_weights_vote: tuple[int, int, checks.Majority] | None = None
         self._state: StepState | None = None
         self._layouts: list[dict] = []
-        self.threads, self.unrecorded = ThreadWatch(self.rank), UnrecordedUpdates(self.rank)
+        self.threads, self.unrecorded = ThreadWatch(self.rank, self.module), UnrecordedUpdates(self.rank)
         # the first step this attempt began (checkpoint advice); whether it saved a checkpoint yet
         self._first_step: int | None = None
         self._checkpointed = False
@@ -253,6 +253,7 @@ class Recorder:
             self.optimizer.register_step_pre_hook(self.rng_watch.check),
             self.optimizer.register_step_pre_hook(self._before_update),
             self.optimizer.register_step_post_hook(self._after_update),
+            self.threads.autocast.handle,
         ]
 
     # ---------------------------------------------------------------- step lifecycle
@@ -327,10 +328,9 @@ class Recorder:
         table = self.exchange.gather(words)
         raise_if_failed(table, failure, state.step)
         findings = self.layout.check(state, table[:, :-1], table[:, -1] > 0)
-        if findings is None:
-            return None
-        findings += self.auditor.audit_step(state, state.summed_loss, self.layout.audit_module, self.writer)
-        self._react(state, findings)
+        if findings is not None:
+            findings += self.auditor.audit_step(state, state.summed_loss, self.layout.audit_module, self.writer)
+            self._react(state, findings)
         return None
 
     def _defers(self, state: StepState) -> bool:

@@ -121,18 +121,17 @@ def update_grad_dtype(trace_dir: Path, grad_dtype: str) -> None:
         )
 
 
-def update_attempt_threads(trace_dir: Path, attempt: int, num_threads: int) -> None:
-    """Rewrite this attempt's ``determinism["num_threads"]`` with rank 0's count at its first step (rank 0).
-
-    The manifest is written when the recorder is built; scripts often call
-    ``torch.set_num_threads`` after that. Per-step, per-rank counts are in the STEP records.
-    """
+def update_attempt_determinism(trace_dir: Path, attempt: int, settings: dict) -> None:
+    """Rewrite this attempt's ``determinism`` with ``settings`` seen at its first step (rank 0):
+    ``num_threads`` (rank 0's count: the manifest is written when the recorder is built and
+    scripts often call ``torch.set_num_threads`` after that; per-step, per-rank counts are in the
+    STEP records) and ``autocast_dtype`` (seen in the first forward)."""
     import dataclasses
 
     manifest = read_manifest(trace_dir)
     attempts = tuple(
-        dataclasses.replace(a, determinism={**a.determinism, "num_threads": int(num_threads)})
-        if a.attempt == attempt and a.determinism.get("num_threads") != num_threads
+        dataclasses.replace(a, determinism={**a.determinism, **settings})
+        if a.attempt == attempt and any(a.determinism.get(k) != v for k, v in settings.items())
         else a
         for a in manifest.attempts
     )

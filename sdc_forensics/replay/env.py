@@ -24,6 +24,7 @@ import torch
 
 from sdc_forensics import numerics
 from sdc_forensics.errors import TraceError, UsageError
+from sdc_forensics.fingerprint import tolerance
 from sdc_forensics.reduction import REPRODUCIBLE_COMPRESSION, ordered_mean, ordered_sum
 from sdc_forensics.trace.layouts import BucketLayout, read_bucket_layouts
 
@@ -348,31 +349,46 @@ def attempt_determinism(trace, attempt: int) -> dict:
 
 
 def recompute_dtype(trace, grad_dtype: str, device: torch.device, model) -> str:
-    """The roundoff a recomputation of ``trace``'s float32 gradients on ``device`` is compared with.
+    """The roundoff a recomputation of ``trace``'s gradients on ``device`` is compared with: the
+    coarsest precision the job computed them in.
 
-    A GPU job computes its float32 convolutions in TF32 when cuDNN allows it (PyTorch's default)
-    and its matmuls when ``allow_tf32``/``float32_matmul_precision`` say so: 10 mantissa bits,
-    not 23. A replay on the same GPU model runs the same kernels (bit for bit: this is never
-    used), but on a CPU or another GPU model the recomputed gradients differ from the recorded
-    ones by TF32's roundoff, thousands of float32 tolerances (the first H200 trace replayed on a
-    CPU: 54 of them at step 0, every rank): compared in float32 terms every such step would be a
-    weak common-mode mismatch that hides any real fault after it.
+    * A job that computed in a lower precision than its gradients are kept in: ``torch.autocast``
+      (the attempt's ``autocast_dtype``, seen in its first forward) or FSDP2's
+      ``MixedPrecisionPolicy(param_dtype=...)`` (the layout's ``param_dtype``). A recomputation
+      at another thread count rounds its bfloat16 matmul outputs at other places: the local
+      gradients differ by 70-450 float32 tolerances (a bfloat16 GPT replayed at 2 threads,
+      stop 55), every rank, every step; compared in float32 terms every window stopped at its
+      first step as a weak common-mode mismatch and never reached a fault later in it.
+    * A GPU job computes its float32 convolutions in TF32 when cuDNN allows it (PyTorch's default)
+      and its matmuls when ``allow_tf32``/``float32_matmul_precision`` say so: 10 mantissa bits,
+      not 23. A replay on the same GPU model runs the same kernels, but on a CPU or another GPU
+      model the recomputed gradients differ from the recorded ones by TF32's roundoff, thousands
+      of float32 tolerances (the first H200 trace replayed on a CPU: 54 of them at step 0, every
+      rank).
+
+    Used only where the comparison is within tolerance: an exact replay compares digests.
     """
-    if grad_dtype != "float32":
-        return grad_dtype
+    candidates = [grad_dtype]
+    mesh = getattr(trace.manifest, "parallel", None)
+    if getattr(mesh, "param_dtype", ""):
+        candidates.append(mesh.param_dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     has_conv = any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
     for attempt in trace.manifest.attempts:
         det = attempt.determinism
-        if det.get("device_type") != "cuda" or (device.type == "cuda" and det.get("device_name") == name):
+        if det.get("autocast_dtype") in tolerance.UNIT_ROUNDOFF:
+            candidates.append(det["autocast_dtype"])
+        if grad_dtype != "float32" or det.get("device_type") != "cuda":
+            continue
+        if device.type == "cuda" and det.get("device_name") == name:
             continue
         matmul_tf32 = bool(det.get("cuda_matmul_allow_tf32")) or det.get("float32_matmul_precision") in (
             "high",
             "medium",
         )
         if matmul_tf32 or (has_conv and det.get("cudnn_allow_tf32", True)):
-            return "tfloat32"
-    return grad_dtype
+            candidates.append("tfloat32")
+    return max(candidates, key=lambda d: tolerance.UNIT_ROUNDOFF.get(d, 0.0))
 
 
 def collective_suspect(trace, attempt: int) -> str:

@@ -147,7 +147,7 @@ class ShardedReplayer(Replayer):
                 "sharded replay: a job reduced in float32 whose parameters are not float32 is not replayed sharded; "
                 "replay it on one process (or set SDC_FORENSICS_REPLAY_SHARDED=0)"
             )
-        self.tolerance_dtype = self.grad_dtype
+        self.tolerance_dtype = env.recompute_dtype(self.trace, self.grad_dtype, self.device, model)
         self._shapes = [tuple(p.shape) for p in params]
         self._starts = np.cumsum([0] + [int(np.prod(s)) if s else 1 for s in self._shapes]).tolist()
         self._fsdp = _fsdp_params(model, params)

@@ -38,6 +38,7 @@ def _train(
     threads_at_build: int,
     threads_after_build: int,
     inside_step: bool,
+    autocast: torch.dtype | None = None,
 ) -> None:
     """A tiny DDP job: step ``s`` sets ``counts_before_step[s]`` threads (inside the step or just before it)."""
     from torch.nn.parallel import DistributedDataParallel
@@ -62,7 +63,8 @@ def _train(
                     torch.set_num_threads(int(count))
                 gen = torch.Generator().manual_seed(mb)
                 x, y = s.input((torch.randn(4, 8, generator=gen), torch.randn(4, 2, generator=gen)))
-                loss = torch.nn.functional.mse_loss(ddp(x), y)
+                with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                    loss = torch.nn.functional.mse_loss(ddp(x).float(), y)
                 loss.backward()
                 s.loss(loss)
                 optimizer.step()
@@ -98,6 +100,36 @@ def test_single_rank_records_each_steps_threads_and_warns_once_per_change(tmp_pa
     assert all(r.levelno == logging.WARNING for r in caplog.records if "intra-op" in r.getMessage())
     # the manifest holds the count of the first recorded step, not the one at construction (4)
     assert read_manifest(tmp_path / "trace").attempts[0].determinism["num_threads"] == 2
+
+
+@pytest.mark.parametrize("autocast", [torch.bfloat16, None])
+def test_the_manifest_says_which_dtype_autocast_computed_in(tmp_path, autocast):
+    """A replay at another thread count compares within the dtype the job computed in
+    (``replay.env.recompute_dtype``); autocast is a context around the forward, seen only there."""
+    from sdc_forensics.fingerprint.tolerance import UNIT_ROUNDOFF
+    from sdc_forensics.replay import env
+
+    with num_threads(torch.get_num_threads()):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+        try:
+            _train(
+                tmp_path / "trace",
+                0,
+                [1, 1],
+                threads_at_build=1,
+                threads_after_build=1,
+                inside_step=False,
+                autocast=autocast,
+            )
+        finally:
+            dist.destroy_process_group()
+    trace = Trace.open(tmp_path / "trace")
+    determinism = trace.manifest.attempts[0].determinism
+    assert determinism["num_threads"] == 1
+    assert determinism.get("autocast_dtype") == ("bfloat16" if autocast else None)
+    model = torch.nn.Linear(2, 2)
+    assert env.recompute_dtype(trace, "float32", torch.device("cpu"), model) == ("bfloat16" if autocast else "float32")
+    assert UNIT_ROUNDOFF["bfloat16"] > UNIT_ROUNDOFF["tfloat32"] > UNIT_ROUNDOFF["float32"]
 
 
 def test_step_threads_is_zero_for_traces_without_counts_and_for_other_kinds(tmp_path):

@@ -60,3 +60,22 @@ def test_tf32_roundoff_only_for_a_float32_gpu_trace_recomputed_elsewhere():
     assert env.recompute_dtype(trace, "float32", cpu, conv) == "tfloat32"  # cudnn_allow_tf32 was on
     assert env.recompute_dtype(trace, "float32", cpu, mlp) == "float32"  # matmuls were not TF32
     assert env.recompute_dtype(trace, "bfloat16", cpu, conv) == "bfloat16"
+
+
+def test_the_coarsest_precision_the_job_computed_in_sets_the_roundoff():
+    """bfloat16 autocast or an FSDP2 bfloat16 ``param_dtype`` is coarser than TF32, TF32 than float32."""
+    import types
+
+    def trace(determinism: dict, param_dtype: str = ""):
+        attempts = [types.SimpleNamespace(determinism=determinism)]
+        parallel = types.SimpleNamespace(param_dtype=param_dtype) if param_dtype else None
+        return types.SimpleNamespace(manifest=types.SimpleNamespace(attempts=attempts, parallel=parallel))
+
+    cpu, mlp = torch.device("cpu"), torch.nn.Sequential(torch.nn.Linear(3, 4))
+    gpu_tf32 = {"device_type": "cuda", "device_name": "H200", "cuda_matmul_allow_tf32": True}
+    assert env.recompute_dtype(trace(gpu_tf32), "float32", cpu, mlp) == "tfloat32"
+    assert env.recompute_dtype(trace({**gpu_tf32, "autocast_dtype": "bfloat16"}), "float32", cpu, mlp) == "bfloat16"
+    assert env.recompute_dtype(trace({"autocast_dtype": "float16"}), "float32", cpu, mlp) == "float16"
+    assert env.recompute_dtype(trace({}, "bfloat16"), "float32", cpu, mlp) == "bfloat16"
+    assert env.recompute_dtype(trace({"autocast_dtype": "nonsense"}), "float32", cpu, mlp) == "float32"
+    assert env.recompute_dtype(trace({}), "float32", cpu, mlp) == "float32"

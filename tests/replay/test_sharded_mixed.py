@@ -23,6 +23,8 @@ from sdc_forensics.trace.mesh import ShardMesh
 from tests.distributed.launch import torchrun
 
 FAULT = ("local-gradient:step=4:rank=2:bit=20", 4, 2)
+# an exponent bit: far above bfloat16's roundoff, so a replay within tolerance finds it too
+STRONG = ("local-gradient:step=4:rank=1:bit=30", 4, 1)
 BF16 = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
 ASKED = {sharded.SHARDED_ENV: "1"}
 
@@ -34,7 +36,8 @@ def jobs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sharded_mixed")
     run_demo(root / "clean", "fsdp", (), steps=6, checkpoint_every=3, **BF16)
     run_demo(root / "fault", "fsdp", (FAULT[0],), steps=6, checkpoint_every=3, **BF16)
-    return {"clean": root / "clean" / "trace", "fault": root / "fault" / "trace"}
+    run_demo(root / "strong", "fsdp", (STRONG[0],), steps=6, checkpoint_every=3, **BF16)
+    return {name: root / name / "trace" for name in ("clean", "fault", "strong")}
 
 
 def _run(command: str, trace: Path, k: int) -> tuple[int, dict]:
@@ -73,6 +76,28 @@ def test_a_bf16_local_gradient_fault_is_named_as_by_one_process(jobs):
     assert doc["replayed"]["comparison"] == "exact" and doc["first_divergent_step"] == FAULT[1]
     assert _evidence(doc) == _evidence(one)
     assert ("replay_mismatch", FAULT[1], (FAULT[2],), "local_compute") in _evidence(doc)
+
+
+@pytest.mark.heavy
+def test_at_another_thread_count_a_bf16_job_is_compared_within_bfloat16s_roundoff(jobs):
+    """Recomputed at 2 threads, a job that computed in bfloat16 differs from its record on every
+    rank by 70-450 float32 tolerances (a trial user's GPT, stop 55). Compared in float32 terms each
+    window stopped at its first step as weak common-mode evidence, and the step-4 fault was never
+    reached (exit 4); within bfloat16's roundoff the fault is named and the clean run certifies
+    nothing and names nobody."""
+    for name in ("strong", "clean"):
+        (jobs[name] / "ledger.jsonl").unlink(missing_ok=True)
+    strong = CliRunner().invoke(cli, ["bisect", str(jobs["strong"]), "--threads", "2", "--json"])
+    doc = json.loads(strong.stdout)
+    assert strong.exit_code == 1 and doc["verdict"] == "corruption", doc
+    assert doc["replayed"]["comparison"] == "tolerant" and doc["first_divergent_step"] == STRONG[1]
+    assert [s["rank"] for s in doc["suspects"]] == [STRONG[2]]
+    clean = CliRunner().invoke(cli, ["bisect", str(jobs["clean"]), "--threads", "2", "--json"])
+    doc = json.loads(clean.stdout)
+    assert clean.exit_code == 4 and doc["verdict"] == "inconclusive", doc
+    assert doc["suspects"] == [] and doc["evidence"] == []
+    # every window ran to its end: none stopped at a common-mode mismatch in its first step
+    assert all(w["last_replayed"] == w["to"] for w in doc["replayed"]["windows"]), doc["replayed"]["windows"]
 
 
 def _mesh(**dtypes) -> ShardMesh:
