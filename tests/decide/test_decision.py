@@ -295,6 +295,8 @@ def test_an_update_no_rank_reproduces_is_inconclusive_names_the_recipe_and_certi
     line = decided.settle[0]
     assert "does not reproduce the update of step(s) 2" in line
     assert all(word in line for word in ("recipe", "optimizer", "clipping", "learning rate", "scheduler"))
+    # the one-time fault that leaves the same evidence under a clip norm spanning the ranks is named too
+    assert "clip coefficient" in line and "does not record which rank" in line
 
 
 def test_an_update_mismatch_with_other_strong_evidence_at_its_step_is_not_called_the_recipe():
