@@ -188,3 +188,23 @@ def test_references_in_the_recipe_args_must_be_the_classes_they_stand_for():
     spec = {"class": "torch.nn:Linear", "defaults": {}, "groups": []}
     with pytest.raises(RecipeError, match="not a torch.optim.optimizer.Optimizer class"):
         build_optimizer(spec, torch.nn.Linear(2, 2))
+
+
+def test_a_recipe_whose_optimizer_groups_do_not_fit_the_checkpoint_is_told_to_check_its_groups(tmp_path):
+    """A trial user's recipe decayed every parameter where the job kept norms and biases out:
+    torch's own load_state_dict error was followed by 'check its model against the checkpoint's keys'."""
+    import torch
+
+    from sdc_forensics.replay.replayer import _recipe_call
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and p.dim() > 1]
+    rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and p.dim() > 1)]
+    job = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}])
+    recipe = torch.optim.AdamW(model.parameters())
+    with pytest.raises(
+        RecipeError, match="parameter groups.* check its optimizer's parameter groups against the job's"
+    ):
+        _recipe_call("load_checkpoint(ckpt.pt)", recipe.load_state_dict, job.state_dict())
+    with pytest.raises(RecipeError, match="check its model against the checkpoint's keys"):
+        _recipe_call("load_checkpoint(ckpt.pt)", model.load_state_dict, {"nope": torch.zeros(1)})

@@ -735,8 +735,14 @@ def _recipe_call(what: str, hook: Callable, *args):
         raise
     except Exception as exc:  # noqa: BLE001 - any failure of user code, reported as such
         first = (str(exc).strip().splitlines() or [""])[0]
+        # torch.optim.Optimizer.load_state_dict's words for groups that do not fit
+        check = (
+            "check its optimizer's parameter groups against the job's (which parameters each group holds, "
+            "e.g. no weight decay on norms and biases)"
+            if "parameter group" in first
+            else "check its model against the checkpoint's keys (a compiled module saves '_orig_mod.' ones)"
+        )
         raise RecipeError(
             f"the recipe's {what} failed: {type(exc).__name__}: {first[:300]}; the recipe must rebuild the job's "
-            "model and load its checkpoints (docs/recipes.md): check its model against the checkpoint's keys "
-            "(a compiled module saves '_orig_mod.' ones)"
+            f"model and optimizer and load its checkpoints (docs/recipes.md): {check}"
         ) from None
