@@ -52,7 +52,8 @@ from typing import Any
 
 import torch
 
-from sdc_forensics.integrations._common import framework_info
+from sdc_forensics.errors import UsageError
+from sdc_forensics.integrations._common import framework_info, refuse
 
 
 class _EngineStep(torch.optim.Optimizer):
@@ -91,7 +92,8 @@ def record(
         on ``engine.step()`` runs the recorder's checks around DeepSpeed's step.
 
     Raises:
-        UsageError: on every rank alike, what the replay cannot reproduce (one line).
+        Refusal: on every rank alike, what the replay cannot reproduce: one line on rank 0, exit 2 (a
+            UsageError and a SystemExit, as the other adapters' refusals).
     """
     import deepspeed
 
@@ -99,16 +101,20 @@ def record(
     from sdc_forensics.recorder.deepspeed_layout import DeepSpeedLayout
 
     proxy = _EngineStep(engine)
-    rec = Recorder(
-        trace_dir,
-        DeepSpeedLayout(engine),
-        proxy,
-        recipe=recipe,
-        recipe_args=recipe_args,
-        options=options,
-        inject=inject,
-        framework={**framework_info("deepspeed", __name__), "version": deepspeed.__version__},
-    )
+    try:
+        rec = Recorder(
+            trace_dir,
+            DeepSpeedLayout(engine),
+            proxy,
+            recipe=recipe,
+            recipe_args=recipe_args,
+            options=options,
+            inject=inject,
+            framework={**framework_info("deepspeed", __name__), "version": deepspeed.__version__},
+        )
+    # every rank alike: one line on rank 0, exit 2, no traceback (docs/integrations.md, "Refusals")
+    except UsageError as exc:
+        raise refuse(str(exc)) from None
     own_step = engine.step
 
     def step(*args, **kwargs):

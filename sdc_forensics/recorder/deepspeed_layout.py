@@ -102,6 +102,13 @@ def engine_refusal(engine: Any) -> str | None:
             "model or pipeline parallelism under DeepSpeed is not recorded"
         )
     basic = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    if len(getattr(basic, "param_groups", ())) > 1:
+        # full_state gathers one group; a second (the usual no-decay group) crashed the first checkpoint
+        # under ZeRO 1 and 2 and was dropped from it under ZeRO 3 (a trial user's GPT)
+        return (
+            f"{len(basic.param_groups)} optimizer parameter groups under DeepSpeed are not recorded yet: the checkpoint "
+            "would not hold each group's settings; record with one group (weight decay on every parameter)"
+        )
     if not isinstance(basic, torch.optim.Optimizer) or type(basic).__module__.startswith("deepspeed"):
         return (
             f"DeepSpeed's {type(basic).__name__} is not replayed: use torch's optimizer "
@@ -181,6 +188,14 @@ class DeepSpeedLayout(Layout):
         return f"deepspeed.zero.stage{self.stage}"
 
     def validate(self, job: Job) -> str | None:
+        if str(getattr(job.options.reduction, "value", job.options.reduction)) == "ordered":
+            # ZeRO reduces in its own buckets through its own collectives: the ordered reduction is
+            # never applied, and a manifest saying "ordered" made the replay sum in that order (a
+            # trial user's clean 4-rank ZeRO 2 job: "corruption in the collective" at step 0)
+            return (
+                "RecorderOptions(reduction='ordered') is not applied to DeepSpeed's reductions (ZeRO reduces in "
+                "its own buckets); record with the default reduction"
+            )
         return engine_refusal(self.engine)
 
     def install(self, job: Job) -> None:
