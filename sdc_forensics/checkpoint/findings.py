@@ -9,6 +9,11 @@ from __future__ import annotations
 import enum
 
 
+#: The subject of the finding that a file's tensors are named unlike its note's (``verify._another_layout``):
+#: not verifiable against the note, and no replay starts from it.
+ANOTHER_LAYOUT = "tensors (another layout)"
+
+
 class FindingKind(str, enum.Enum):
     """Why a readable checkpoint is not certifiable."""
 

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from sdc_forensics.checkpoint.base import CheckpointReader
-from sdc_forensics.checkpoint.findings import FindingKind
+from sdc_forensics.checkpoint.findings import ANOTHER_LAYOUT, FindingKind
 from sdc_forensics.checkpoint.formats import open_checkpoint
 from sdc_forensics.checkpoint.limits import ReadLimits
 from sdc_forensics.checkpoint.measure import FileChecksum, default_workers, measure
@@ -243,9 +243,15 @@ def verify_checkpoint(
         ]
         weights = ""
         if note is not None:
-            findings += _against_note(note, results, files, declined=[i.file for i in reader.unverifiable()])
             weights, weight_findings = _weights_vs_majority(note, {m.key: m.digest for m in measured})
-            findings += weight_findings
+            if note.tensors and results and not any(r.key in note.tensors for r in results):
+                # not the noted file's layout (a DeepSpeed folder, a converted or re-saved file): no tensor can be
+                # compared with the note, none is missing from it; the weights, where found by name, still are
+                findings.append(_another_layout(note, len(results)))
+                findings += weight_findings if weights else []
+            else:
+                findings += _against_note(note, results, files, declined=[i.file for i in reader.unverifiable()])
+                findings += weight_findings
         step = note.step if note is not None else reader.step()
         return VerificationReport(
             path=str(reader.path),
@@ -317,6 +323,18 @@ def _against_note(
                 )
             )
     return findings
+
+
+def _another_layout(note: CheckpointNote, count: int) -> Finding:
+    """A file none of whose tensors is named as checkpoint ``note``'s were: not verifiable against it."""
+    return Finding(
+        kind=FindingKind.NOT_VERIFIABLE,
+        subject=ANOTHER_LAYOUT,
+        expected=f"the tensors checkpoint {note.step} noted ({len(note.tensors)})",
+        detail=f"none of its {count} tensors is named as checkpoint {note.step}'s noted ones (another layout: a DeepSpeed "
+        f"folder, a converted or re-saved file), so it cannot be compared with the trace's note; verify the file the "
+        f"recorder noted ({Path(note.path).name}) against the trace",
+    )
 
 
 def _weights_vs_majority(note: CheckpointNote, digests: dict[str, int]) -> tuple[str, list[Finding]]:

@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from sdc_forensics.checkpoint.findings import FindingKind
+from sdc_forensics.checkpoint.findings import ANOTHER_LAYOUT, FindingKind
 from sdc_forensics.decide import decision
 from sdc_forensics.decide.decision import CheckpointFile
 from sdc_forensics.evidence import Evidence, EvidenceKind, Location
@@ -100,8 +100,12 @@ def verify_files(
 
 
 def replayable(file: CheckpointFile) -> bool:
-    """True when ``file`` was read and is neither damaged nor saved from a wrong state: a replay may start from it."""
-    return file.report is not None and not any(f.kind.value in _NOT_A_START for f in file.report.findings)
+    """True when ``file`` was read and is neither damaged nor saved from a wrong state, nor laid out
+    unlike its note (a DeepSpeed folder or a converted file named for a noted checkpoint): a replay
+    may start from it."""
+    return file.report is not None and not any(
+        f.kind.value in _NOT_A_START or f.subject == ANOTHER_LAYOUT for f in file.report.findings
+    )
 
 
 def storage_evidence(

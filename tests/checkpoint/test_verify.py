@@ -239,3 +239,29 @@ def test_hf_bin_index_with_torch_shards(tmp_path):
     )
     bad = _invoke("verify-checkpoint", str(index))
     assert bad.exit_code == 3 and "does not hold it" in bad.output
+
+
+def test_a_file_named_unlike_its_note_is_not_verifiable_against_it_not_corrupt(tmp_path):
+    """A trial user checked DeepSpeed's own global_step10 folder (and zero_to_fp32.py's output) against
+    the trace's note of checkpoint 10: every tensor 'unexpected', every noted one 'missing', verdict
+    corrupt, on a clean run whose weights were bit for bit the noted ones. None of its tensors is named
+    as the note's: it cannot be compared, which is not-verifiable (exit 4), never damage."""
+    from sdc_forensics.checkpoint.findings import ANOTHER_LAYOUT
+    from sdc_forensics.forensics.files import CheckpointFile, replayable
+    from sdc_forensics.statedict import state_digests
+    from sdc_forensics.trace.checkpoints import CheckpointNote
+
+    weights = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}
+    noted = {"model": weights, "optimizer": {"state": {0: {"exp_avg": torch.zeros(2, 3)}}}}
+    note = CheckpointNote(step=10, path=str(tmp_path / "step-10.pt"), tensors=state_digests(noted, 0))
+    other = tmp_path / "converted.pt"
+    torch.save({"module": {"encoder.w": weights["w"], "encoder.b": weights["b"]}}, other)
+    report = verify_checkpoint(other, note=note)
+    [finding] = report.findings
+    assert finding.kind is FindingKind.NOT_VERIFIABLE and finding.subject == ANOTHER_LAYOUT
+    assert "step-10.pt" in finding.detail
+    assert not replayable(CheckpointFile(path=str(other), report=report, error=""))
+    # a file that shares the note's names is still compared tensor by tensor
+    torch.save({"model": {"w": weights["w"]}}, tmp_path / "partial.pt")
+    kinds = {f.kind for f in verify_checkpoint(tmp_path / "partial.pt", note=note).findings}
+    assert FindingKind.MISSING_TENSOR in kinds
