@@ -28,6 +28,8 @@ Recorded keys (all optional: older traces hold a subset):
 ``cublas_workspace_config``                     ``CUBLAS_WORKSPACE_CONFIG``
 ``nccl_env``                                    ``NCCL_ALGO``, ``NCCL_PROTO``, channel limits, NVLS
 ``num_threads``                                 intra-op threads (rank 0's first step; per step in STEP records)
+``broadcast_buffers``                           DDP's ``broadcast_buffers`` (DDP jobs only): every rank starts a
+                                                step from rank 0's module buffers
 ``autocast_dtype``                              the dtype ``torch.autocast`` computed in during rank 0's first
                                                 forward (``bfloat16``, ``float16``); absent when autocast was off
 =============================================  ===============================================

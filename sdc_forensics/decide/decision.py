@@ -668,8 +668,13 @@ def _at_rest(evidence: Sequence[Evidence], sharded: bool = False) -> list[Eviden
 def _pinned(ev: Evidence, examined: Examined) -> Evidence:
     """Evidence that only bounds its fault (replicas found different at a weights check, equal at
     the one before) stops bounding it once a replay examined every step of the bound: the replay's
-    own evidence then says where it happened."""
-    if ev.earliest_step is None or any(s not in examined.replayed for s in range(ev.earliest_step, ev.step + 1)):
+    own evidence then says where it happened. A replay's own bound (module buffers, digested only
+    at checkpoints) is not pinned by replaying its steps: it stays."""
+    if (
+        ev.earliest_step is None
+        or ev.source == "replay"
+        or any(s not in examined.replayed for s in range(ev.earliest_step, ev.step + 1))
+    ):
         return ev
     return dataclasses.replace(ev, earliest_step=None)
 

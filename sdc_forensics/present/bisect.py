@@ -104,6 +104,14 @@ def _window_document(window: ReplayedWindow) -> dict[str, Any]:
     }
 
 
+def _bounded(step: int, evidence) -> str:
+    """``step``, or ``M..step`` where the evidence observed there only bounds its fault from step M."""
+    onsets = [
+        e.earliest_step for e in evidence if e.step == step and e.earliest_step is not None and e.earliest_step < step
+    ]
+    return f"{min(onsets)}..{step}" if onsets else str(step)
+
+
 def render_bisect(result: BisectResult, console) -> None:
     """Print the human summary: verdict, suspects, checkpoints, what was replayed and why."""
     style = _STYLE[result.verdict]
@@ -119,7 +127,12 @@ def render_bisect(result: BisectResult, console) -> None:
         )
         # a copy changed in memory before the step's forward: θ_s as the job computed and saved it is still clean
         copy = f"; rank(s) {', '.join(map(str, at_rest))}' copy of it changed in memory" if at_rest else ""
-        headline += f"  first divergent step {s} (θ_{s} clean{copy}, θ_{s + 1} not)"
+        window = result.divergence_window
+        if window is not None and window[0] == s and window[1] > s and not copy:
+            # only bounded (a state digested at checkpoints only): at or after s, by window[1]
+            headline += f"  first divergent step {s} at the earliest (θ_{s} clean, θ_{window[1] + 1} not)"
+        else:
+            headline += f"  first divergent step {s} (θ_{s} clean{copy}, θ_{s + 1} not)"
     console.print(headline)
     console.print(f"[dim]{escape(result.scope)}[/]")
     # a clean verdict of the trace alone
@@ -152,7 +165,7 @@ def render_bisect(result: BisectResult, console) -> None:
                 escape(s.gpu or "-"),
                 *((escape(s.mesh or "-"),) if sharded else ()),
                 s.location.value,
-                ", ".join(map(str, s.steps)),
+                ", ".join(_bounded(step, s.evidence) for step in s.steps),
                 "recurring" if s.recurring else "one event",
                 escape(s.recommendation),
             )
@@ -229,7 +242,7 @@ def evidence_table(console, evidence: list[Evidence], title: str) -> None:
             continue
         seen.add(key)
         table.add_row(
-            str(e.step),
+            str(e.step) if e.earliest_step is None or e.earliest_step >= e.step else f"{e.earliest_step}..{e.step}",
             e.kind.value,
             ranks_text(e.ranks),
             e.location.value,

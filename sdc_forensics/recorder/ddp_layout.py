@@ -105,6 +105,12 @@ class DdpLayout(Layout):
         return getattr(self.ddp, "process_group", None) or dist.group.WORLD
 
     @property
+    def numerics(self) -> dict:
+        # whether every rank starts a step from rank 0's buffers: then an exact replay reproduces
+        # the buffers a checkpoint saves, and a difference is evidence (replay/buffers.py)
+        return {"broadcast_buffers": bool(getattr(self.ddp, "broadcast_buffers", False))}
+
+    @property
     def comm_hook_name(self) -> str:
         hook = self._comm_hook
         return "" if hook is None else f"{getattr(hook, '__module__', '?')}.{getattr(hook, '__qualname__', repr(hook))}"

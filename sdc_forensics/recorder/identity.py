@@ -123,16 +123,18 @@ def make_attempt(
     backend: str = "",
     reduction: str = "native",
     comm_hook: str = "",
+    layout_settings: dict | None = None,
 ) -> Attempt:
     """The manifest entry of this attempt: identities and the numerics contract (``sdc_forensics.numerics``)
-    of this process (rank 0): its device, the process group's ``backend``, the all-reduce ``reduction``."""
+    of this process (rank 0): its device, the process group's ``backend``, the all-reduce ``reduction``,
+    and what the layout adds (``Layout.numerics``: DDP's ``broadcast_buffers``)."""
     return Attempt(
         attempt=attempt,
         start_step=start_step,
         started_ns=time.time_ns(),
         torch_version=torch.__version__,
         cuda_version=str(torch.version.cuda or ""),
-        determinism=determinism_flags(device, backend, reduction, comm_hook),
+        determinism={**determinism_flags(device, backend, reduction, comm_hook), **(layout_settings or {})},
         ranks=tuple(identities),
     )
 

@@ -131,6 +131,12 @@ class Layout(abc.ABC):
         """The collective the job's gradients really go through, as the manifest names it ("" for the library's own)."""
         return ""
 
+    @property
+    def numerics(self) -> dict:
+        """Settings of the wrapper that decide what a replay must reproduce, for the attempt's
+        ``determinism`` (``{}``: none)."""
+        return {}
+
     # ---------------------------------------------------------------- per step
     @abc.abstractmethod
     def begin_step(self, state: StepState) -> None:

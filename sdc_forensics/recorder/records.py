@@ -271,5 +271,6 @@ def manifest_of(rec, attempt: int) -> Manifest:
             backend=str(dist.get_backend(rec.group)),
             reduction=options.reduction.value,
             comm_hook=rec._comm_hook_name,
+            layout_settings=rec.layout.numerics,
         ),
     )

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from sdc_forensics.evidence import Evidence, EvidenceKind, Location
 from sdc_forensics.replay import distributed
 from sdc_forensics.trace.checkpoints import CheckpointNote
 
@@ -81,16 +82,15 @@ class BufferBroadcast:
             for (_, buf), value in zip(self._named, self._source):
                 buf.copy_(value)
 
-    def check(self, note: CheckpointNote, seed: int) -> str:
-        """A sentence for the report: do the replayed buffers equal the ones checkpoint ``note`` saved?
+    def compare(self, note: CheckpointNote, seed: int) -> tuple[int, list[str]]:
+        """``(buffers found in the note, names of those whose saved digest differs from the replayed one)``.
 
-        Buffers are found in the note's tensors by a unique key ending in their name (``model.1.running_mean``);
-        "" when the model has none or the note names none of them (nothing to say).
+        Buffers are found in the note's tensors by a unique key ending in their name (``model.1.running_mean``).
         """
         from sdc_forensics.statedict import state_digests
 
         if not self._named or not note.tensors:
-            return ""
+            return 0, []
         replayed = state_digests({name: buf for name, buf in self._named}, seed)
         differ, found = [], 0
         for name, digest in replayed.items():
@@ -100,6 +100,14 @@ class BufferBroadcast:
             found += 1
             if note.tensors[keys[0]] != digest:
                 differ.append(name)
+        return found, differ
+
+    def check(self, note: CheckpointNote, seed: int) -> str:
+        """A sentence for the report: do the replayed buffers equal the ones checkpoint ``note`` saved?
+
+        "" when the model has none or the note names none of them (nothing to say).
+        """
+        found, differ = self.compare(note, seed)
         if not found:
             return ""
         if not differ:
@@ -113,3 +121,26 @@ class BufferBroadcast:
             f"{note.saved_by_rank}): the job may not broadcast its buffers (DDP broadcast_buffers=False) or they "
             "changed outside the steps; they are not confirmed by this replay"
         )
+
+
+def changed_buffers(note: CheckpointNote, differ: list[str], window_start: int) -> Evidence:
+    """Evidence that the buffers checkpoint ``note`` saved are not the ones an exact replay of a job that
+    broadcasts them (DDP ``broadcast_buffers=True``, recorded) computed, while its weights and every
+    gradient reproduced: rank 0's buffers, the ones every rank starts a step from and the checkpoint
+    saved, changed at one of steps ``window_start .. note.step - 1`` (in memory, or a wrong running
+    statistics update). Buffers are digested only at checkpoints, so the step is bounded, not known."""
+    shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+    return Evidence(
+        kind=EvidenceKind.REPLAY_MISMATCH,
+        step=note.step - 1,
+        earliest_step=window_start,
+        ranks=(note.saved_by_rank,),
+        source="replay",
+        location=Location.STATE_AT_REST,
+        expected=f"module buffers {shown} as replayed exactly",
+        found=f"other values saved in checkpoint {note.step}",
+        detail=f"the module buffers (BatchNorm running statistics) checkpoint {note.step} saved differ from the exact "
+        f"replay's ({shown}) while every gradient and weight reproduced: rank {note.saved_by_rank}'s buffers, which DDP "
+        f"broadcasts to every rank, changed in memory or in their update at one of steps {window_start}..{note.step - 1} "
+        "(buffers are digested only at checkpoints)",
+    )

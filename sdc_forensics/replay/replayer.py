@@ -39,7 +39,7 @@ from sdc_forensics.fingerprint import tolerance
 from sdc_forensics.fingerprint.core import Fingerprint, combine, combine_digests, digest, fingerprint, num_sketch_blocks
 from sdc_forensics.replay import distributed
 from sdc_forensics.replay import env as env
-from sdc_forensics.replay.buffers import BufferBroadcast
+from sdc_forensics.replay.buffers import AUTHORITATIVE_RANK, BufferBroadcast, changed_buffers
 from sdc_forensics.replay.clipping import clipping_as_recorded
 from sdc_forensics.replay.mixed import computing_as_recorded
 from sdc_forensics.trace.checkpoints import hex64
@@ -453,6 +453,23 @@ class Replayer(StepComparisons):
             offset += num_sketch_blocks(flat.numel())
         return combine(parts)
 
+    def _changed_buffers(self, note, determinism: dict, tolerant_from, evidence) -> list[str]:
+        """The buffers checkpoint ``note`` saved that must equal this replay's and do not: an exact
+        replay of whole replicas (no mesh) that recorded ``broadcast_buffers`` (older traces did not:
+        their difference stays a note), a checkpoint saved from the rank whose buffers DDP
+        broadcasts, and nothing strong found before it in this window (the replay's state is still
+        the record's); [] otherwise."""
+        if (
+            note is None
+            or self.mesh is not None
+            or tolerant_from is not None
+            or determinism.get("broadcast_buffers") is not True
+            or note.saved_by_rank != AUTHORITATIVE_RANK
+            or any(e.marks_divergence for e in evidence)
+        ):
+            return []
+        return self.module_buffers.compare(note, self.seed)[1]
+
     def _tol(self, norm: float, drift_steps: int) -> float:
         rel = tolerance.relative_tolerance(self.tolerance_dtype, self.world_size)
         return rel * max(norm, 1e-30) * (1.0 + DRIFT_PER_STEP * drift_steps)
@@ -641,7 +658,12 @@ class Replayer(StepComparisons):
             buffers_note = (
                 self.module_buffers.check(saved[step + 1, attempt], self.seed) if (step + 1, attempt) in saved else ""
             )
-            if buffers_note and self.mesh is not None and "differ" in buffers_note:
+            changed = self._changed_buffers(saved.get((step + 1, attempt)), determinism, tolerant_from, evidence)
+            if changed:
+                # an exact replay of buffers DDP broadcasts: a difference is the state's, not a note
+                evidence.append(changed_buffers(saved[step + 1, attempt], changed, options.start_step))
+                buffers_note = ""
+            elif buffers_note and self.mesh is not None and "differ" in buffers_note:
                 buffers_note = (
                     f"checkpoint {step + 1}: FSDP2 keeps every rank's module buffers (BatchNorm running statistics) "
                     "apart, never broadcast, and the checkpoint holds one rank's: this replay does not reproduce them "

@@ -46,14 +46,16 @@ def test_a_clean_batchnorm_run_is_certified_with_its_buffers_replayed_bit_for_bi
 
 def test_without_the_broadcast_the_replayed_buffers_are_not_the_saved_ones(demo_run, monkeypatch):
     """Every rank's microbatches through one model's buffers, as the replay did before: the gradients
-    stay exact (training-mode BatchNorm normalises with the batch's statistics), the buffers do not."""
+    stay exact (training-mode BatchNorm normalises with the batch's statistics), the buffers do not,
+    and since the job recorded broadcast_buffers, an exact replay's buffers that differ are evidence
+    (the replay, not the job, is wrong here: what a replay that does not model the broadcast would say)."""
     out = _run(demo_run)
     for method in ("before_rank", "after_rank", "end_step"):
         monkeypatch.setattr(BufferBroadcast, method, lambda self, *args: None)
     result = bisect(out / "trace", _options(out))
-    assert result.verdict.value == "clean" and result.replayed.comparison == "exact"
-    differ = [n for n in result.replayed.notes if "the replayed module buffers differ from the saved ones" in n]
-    assert sorted(n.split(":")[0] for n in differ) == ["checkpoint 3", "checkpoint 6"]
+    assert result.replayed.comparison == "exact" and result.verdict.value == "corruption"
+    buffers = [e for e in result.evidence if "module buffers" in e.detail]
+    assert buffers and all(e.location.value == "state_at_rest" and e.ranks == (0,) for e in buffers)
     assert not any(SAME in n for n in result.replayed.notes)
 
 
@@ -85,3 +87,42 @@ def test_faults_at_every_location_are_found_at_their_exact_step_and_rank(demo_ru
     assert suspect.rank == (None if spec.location == "allreduce-all" else spec.rank)
     assert all(s == "clean" for n, s in statuses.items() if n <= spec.step)
     assert all(s in ("tainted", "corrupt") for n, s in statuses.items() if n > spec.step)
+
+
+class _FlipsRankZerosBuffer:
+    """The batchnorm job whose rank 0 running mean has a bit flipped in memory in step 4 (after its
+    backward): DDP broadcasts it to every rank from step 5 on, and checkpoint 6 saves it; training's
+    weights and gradients never use it (training-mode BatchNorm normalises with the batch's own)."""
+
+    def __new__(cls):
+        from sdc_forensics.demo.batchnorm import BatchNormRecipe
+
+        class Flips(BatchNormRecipe):
+            def before_step(self, model, optimizer, step):
+                import torch
+                import torch.distributed as dist
+
+                if step == 4 and dist.is_initialized() and dist.get_rank() == 0:
+                    buf = next(b for n, b in model.named_buffers() if n.endswith("running_mean"))
+                    with torch.no_grad():
+                        buf.view(torch.int32)[0] ^= 1 << 29
+                return super().before_step(model, optimizer)
+
+        return Flips()
+
+
+flips = _FlipsRankZerosBuffer()
+
+
+def test_a_buffer_changed_in_memory_is_evidence_not_a_note_and_its_checkpoint_is_not_certified(demo_run):
+    """A trial user's conv net: rank 0's running mean flipped in memory was certified clean at every
+    checkpoint, with a note that the buffers differ. DDP broadcasts rank 0's buffers (recorded as
+    broadcast_buffers), so an exact replay's must equal what the checkpoint saved: the difference is
+    corruption of rank 0's state, bounded by the interval (buffers are digested only at checkpoints)."""
+    out = demo_run((), steps=STEPS, checkpoint_every=EVERY, recipe="tests.forensics.test_batchnorm:flips")
+    result = bisect(out / "trace", AnalysisOptions(checkpoints_dir=out / "checkpoints", recipe=RECIPE))
+    assert result.verdict.value == "corruption", result.settle
+    [suspect] = result.suspects
+    assert (suspect.rank, suspect.location.value) == (0, "state_at_rest")
+    assert result.divergence_window == (3, 5) and result.first_divergent_step == 3
+    assert {c.step: c.status.value for c in result.checkpoints} == {0: "clean", 3: "clean", 6: "tainted"}
