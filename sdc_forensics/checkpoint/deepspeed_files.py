@@ -27,8 +27,11 @@ store values. Every other global stays refused as before.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
+
+from sdc_forensics.checkpoint.base import FileIssue
 
 #: what engine.save_checkpoint copies beside its TAG folders: DeepSpeed's offline conversion scripts
 SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
@@ -89,3 +92,54 @@ def is_bookkeeping(root: Path, rel: str) -> bool:
         return False
     where = root / tag
     return where.is_dir() and not where.is_symlink()
+
+
+#: one rank's ZeRO file in a TAG folder (``bf16_`` under DeepSpeed's bf16 optimizer)
+_ZERO_FILE = re.compile(
+    r"(?P<prefix>(?:bf16_)?zero_pp_rank_)(?P<rank>\d+)(?P<rest>_mp_rank_(?P<mp>\d+)_optim_states\.pt)"
+)
+#: at most this many absent ranks are listed per folder (a hostile count must not list millions)
+_MAX_LISTED = 16
+
+
+def _ranks_saved(payload: Any) -> int | None:
+    """How many data-parallel ranks a ZeRO file says saved the checkpoint: ``partition_count``
+    (an int under ZeRO 3, one per parameter group under ZeRO 1 and 2), else None."""
+    state = payload.get("optimizer_state_dict") if isinstance(payload, dict) else None
+    count = state.get("partition_count") if isinstance(state, dict) else None
+    if isinstance(count, (list, tuple)) and count and len(set(count)) == 1:
+        count = count[0]
+    return count if isinstance(count, int) and not isinstance(count, bool) and 0 < count <= 1 << 20 else None
+
+
+def missing_ranks(files: list[tuple[Path, Any]], relative) -> list[FileIssue]:
+    """The ZeRO files a TAG folder lacks: each present ``zero_pp_rank_R_mp_rank_M_optim_states.pt``
+    (``files``: its path and loaded payload) says how many ranks saved; every absent rank's file is
+    one issue. DeepSpeed cannot load such a folder (a trial user's folder without rank 1's file was
+    VERIFIED)."""
+    seen: dict[tuple[Path, str, str, str], tuple[set[int], set[int]]] = {}
+    for path, payload in files:
+        match = _ZERO_FILE.fullmatch(path.name)
+        if match is None:
+            continue
+        ranks, counts = seen.setdefault((path.parent, match["prefix"], match["rest"], match["mp"]), (set(), set()))
+        ranks.add(int(match["rank"]))
+        count = _ranks_saved(payload)
+        if count is not None:
+            counts.add(count)
+    issues = []
+    for (folder, prefix, rest, _), (ranks, counts) in sorted(seen.items(), key=lambda kv: str(kv[0])):
+        if len(counts) != 1:
+            continue
+        total = counts.pop()
+        absent = sorted(set(range(total)) - ranks)
+        for rank in absent[:_MAX_LISTED]:
+            issues.append(
+                FileIssue(
+                    file=relative(folder / f"{prefix}{rank}{rest}"),
+                    detail=f"missing: the ZeRO files say {total} ranks saved this checkpoint and {len(ranks)} "
+                    f"{'is' if len(ranks) == 1 else 'are'} here: the DeepSpeed checkpoint is incomplete (DeepSpeed "
+                    "cannot load it); copy every rank's file into the folder",
+                )
+            )
+    return issues

@@ -64,7 +64,7 @@ import torch
 
 from sdc_forensics.checkpoint.base import CheckpointReader, FileIssue, MappedFile, TensorInfo
 from sdc_forensics.checkpoint.dcp_reader import METADATA_NAME, DcpReader
-from sdc_forensics.checkpoint.deepspeed_files import is_bookkeeping
+from sdc_forensics.checkpoint.deepspeed_files import is_bookkeeping, missing_ranks
 from sdc_forensics.checkpoint.kinds import NOTHING_TO_READ, TORCH_SUFFIXES, main_format, open_file, sniff_file
 from sdc_forensics.checkpoint.hf_index import read_index
 from sdc_forensics.checkpoint.limits import ReadLimits, link_advice, link_bounds, outside, resolve
@@ -136,6 +136,8 @@ class FolderReader(CheckpointReader):
                     tensor_files += self._account(path, rel, populate=populate)
             if found is None and not dcp_dirs and not tensor_files:
                 raise CheckpointError(f"{directory} {NOTHING_TO_READ}")
+            loaded = [(path, getattr(part, "_payload", None)) for _, part in self._parts for path in part.files]
+            self._unverifiable += missing_ranks(loaded, self.relative)
         except CheckpointError:
             self.close()
             raise

@@ -162,3 +162,22 @@ def test_a_zero_2_save_checkpoint_folder_is_verified(tmp_path, monkeypatch):
     for rank in (0, 1):
         optim = f"global_step2/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt/optimizer_state_dict"
         assert {f"{optim}.base_optimizer_state.state.0.exp_avg", f"{optim}.single_partition_of_fp32_groups.0"} <= keys
+
+
+@pytest.mark.parametrize("count", [[2], 2])  # ZeRO 1 and 2: one per parameter group; ZeRO 3: an int
+def test_a_tag_folder_without_one_ranks_zero_file_is_not_verified(tmp_path, count):
+    """A trial user removed rank 1's ZeRO file from a 2-rank global_step10: VERIFIED, exit 0, though
+    DeepSpeed cannot load it. The files say how many ranks saved (``partition_count``)."""
+    from sdc_forensics.checkpoint import FindingKind, verify_checkpoint
+
+    tag = tmp_path / "global_step10"
+    tag.mkdir()
+    torch.save({"module": {"w": torch.ones(4)}, "dp_world_size": 2}, tag / "mp_rank_00_model_states.pt")
+    for rank in (0, 1):
+        state = {"optimizer_state_dict": {"partition_count": count, "fp32": torch.full((2,), float(rank))}}
+        torch.save(state, tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    assert not verify_checkpoint(tag).findings
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    [finding] = verify_checkpoint(tag).findings
+    assert finding.kind is FindingKind.NOT_VERIFIABLE
+    assert finding.subject == "zero_pp_rank_1_mp_rank_00_optim_states.pt" and "2 ranks saved" in finding.detail
