@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Protocol
 
 from sdc_forensics.decide import decision
@@ -361,6 +362,7 @@ def _earlier_attempts(
             f"attempt {past.attempt}'s steps {lo}..{hi}, re-executed by attempt {later.attempt}, were {how}: "
             f"{decided.verdict.value}"
         )
+        notes_out += _superseded_files(view, past.attempt, decided.first_divergent_step, latest_attempt)
         out.append(
             decision.EarlierAttempt(
                 attempt=past.attempt,
@@ -371,6 +373,21 @@ def _earlier_attempts(
             )
         )
     return out
+
+
+def _superseded_files(view: Trace, attempt: int, first: int | None, latest_attempt: dict[int, int]) -> list[str]:
+    """One line per checkpoint file ``attempt`` saved after its first divergent step ``first`` that a
+    later attempt saved again under another name: the checkpoint table lists the later file only, and
+    a trial user's cleanup script could not tell that the earlier one holds the fault's state."""
+    if first is None:
+        return []
+    return [
+        f"attempt {attempt}'s checkpoint {n.step} ({Path(n.path).name}), saved again by attempt "
+        f"{latest_attempt[n.step]}, holds attempt {attempt}'s state after its divergence at step {first}: tainted, "
+        "do not resume from it"
+        for n in view.checkpoint_notes()
+        if n.attempt == attempt and n.step > first and latest_attempt.get(n.step, attempt) != attempt
+    ]
 
 
 def _scope(tri: TriageResult, summary: ReplaySummary) -> str:

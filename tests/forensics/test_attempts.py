@@ -51,6 +51,10 @@ def test_a_fault_in_the_re_executed_steps_of_an_earlier_attempt_is_reported(faul
     assert any("attempt 0's steps 4..7, re-executed by attempt 1, were replayed" in n for n in result.notes), (
         result.notes
     )
+    # attempt 0's own files of checkpoints 6 and 8 (the table lists attempt 1's): said to hold the fault's state
+    superseded = [n for n in result.notes if n.startswith("attempt 0's checkpoint ")]
+    assert [n.split(" (")[0] for n in superseded] == ["attempt 0's checkpoint 6", "attempt 0's checkpoint 8"]
+    assert all("saved again by attempt 1" in n and "step 5: tainted" in n for n in superseded), superseded
 
 
 def test_the_cli_documents_say_so_and_certify_still_names_the_resume_point(faulted):
