@@ -344,7 +344,10 @@ class StepComparisons:
             f"step {step}: no summation order reproduces the recorded reduced digest bit for bit (within tolerance): "
             "later steps are compared within the sketch tolerance"
             + (
-                f"; the job's own comm hook {hook} is the likely cause: the replay reproduces a hook that scales the "
+                f"; DeepSpeed's {hook} reduces in its own order above 2 ranks, which the replay does not know "
+                "(docs/integrations.md)"
+                if (hook or "").startswith("deepspeed.zero")
+                else f"; the job's own comm hook {hook} is the likely cause: the replay reproduces a hook that scales the "
                 "bucket by 1/W or divides it by W, before or after its sum, and torch's fp16/bf16 compress hooks "
                 "(docs/recorder.md)"
                 if hook

@@ -161,7 +161,19 @@ def check(
             )
         elif backend == "gloo" and kind == "cpu":
             mechanisms.append("gloo-ring")
-            if det.get("comm_hook"):
+            hook = str(det.get("comm_hook") or "")
+            if hook.startswith("deepspeed.zero"):
+                # at 2 ranks ZeRO's sum is the pre-divided ring's, measured; above, its own order, and the
+                # ordered reduction is refused under DeepSpeed: the advice below would lead nowhere
+                # (docs/integrations.md)
+                if manifest.world_size > 2:
+                    blockers.append(
+                        f"the job reduced through DeepSpeed's {hook} at {manifest.world_size} ranks, in an order the "
+                        "replay does not know above 2 ranks: the reduced gradient is compared within tolerance, so a "
+                        "clean replay answers inconclusive, never a certificate"
+                    )
+                    fixes.append("none yet for ZeRO above 2 ranks (docs/integrations.md, DeepSpeed)")
+            elif hook:
                 caveats.append(
                     f"the job reduced through its own comm hook ({det['comm_hook']}): gloo's ring is reproduced only if "
                     "the hook all-reduces the bucket scaled by 1/W, divided by W (as torch's allreduce_hook does) or as it is "

@@ -164,3 +164,20 @@ def test_bisect_says_it_first_and_in_json(demo_run):
     assert exact["preflight"]["exact"] is True and exact["preflight"]["mechanism"] == "gloo-ring"
     inspect = json.loads(CliRunner().invoke(cli, ["inspect", str(out / "trace"), "--json"]).stdout)
     assert inspect["preflight"]["exact"] is True
+
+
+def test_zero_above_two_ranks_is_said_not_exact_before_any_replay():
+    """A trial user's clean 4-rank ZeRO 2 job: the preflight said 'exact replay possible, a clean replay
+    certifies' and advised recording with reduction='ordered', which DeepSpeed does not apply (and the
+    recorder now refuses under it); the replay then answered inconclusive. ZeRO's order above 2 ranks
+    is not one the replay knows: said first, with no advice that leads nowhere."""
+    import dataclasses
+
+    det = {"device_type": "cpu", "backend": "gloo", "comm_hook": "deepspeed.zero.stage2"}
+    two = preflight.check(_manifest(det))
+    assert two.exact and not any("reduction='ordered'" in c for c in two.caveats + two.blockers)
+    four = preflight.check(dataclasses.replace(_manifest(det), world_size=4))
+    assert not four.exact and "order the replay does not know above 2 ranks" in four.blockers[0]
+    assert not any("reduction='ordered'" in line for line in (*four.caveats, *four.blockers, four.fix))
+    own = preflight.check(_manifest({"device_type": "cpu", "backend": "gloo", "comm_hook": "job.hooks.mean"}))
+    assert any("reduction='ordered'" in c for c in own.caveats)  # a job's own DDP hook: still the advice
