@@ -103,6 +103,17 @@ def interval_runner(
     )
 
 
+def _collective_load(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` is a DCP directory, which a recipe loads with ``dcp.load``: a
+    collective over the default process group."""
+    from sdc_forensics.checkpoint.dcp_reader import METADATA_NAME
+
+    try:
+        return (path / METADATA_NAME).is_file()
+    except OSError:
+        return False
+
+
 class IntervalRunner:
     """Replays checkpoint intervals for one analysis and accumulates what they found.
 
@@ -202,6 +213,14 @@ class IntervalRunner:
         ]
         if group is None or len(plan) < 2 or self.last_replayed is None or self.options.collective:
             # --collective: every process replays every step together, one collective per bucket
+            return
+        if any(
+            _collective_load(checkpoint_file(note, self.trace.path, self.options) or Path(note.path))
+            for note, _ in plan
+        ):
+            # a DCP checkpoint is loaded by every process of the default group together (dcp.load): a
+            # process replaying its own interval alone waited for the others until gloo timed out (a
+            # trial user's PP and TP traces, and the PP demo, on 3-4 processes); replayed together instead
             return
         costs = distributed.measured_costs(*self.last_replayed)
         gathered = [c for c in distributed.exchange_objects(costs) if c is not None]
