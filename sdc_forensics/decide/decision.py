@@ -703,13 +703,13 @@ def checkpoint_status(
             step=step, path=path, status=Status.CORRUPT, reasons=(f"unreadable or malformed: {file.error}",)
         )
     bad = [f"{f.kind.value} {f.subject}: {f.detail}" for f in findings if f.kind not in UNVERIFIABLE_FINDINGS]
-    copied = [f for f in findings if f.kind in _REPLICA_COPY_FINDINGS] if diverged_replica_copy(note, sharded) else []
+    copied = [f for f in findings if f.kind in REPLICA_COPY_FINDINGS] if diverged_replica_copy(note, sharded) else []
     if copied:
         # the shards written are not the majority's: a diverged replica's copy, which the trace names (not the disk)
         bad = [
             f"{f.kind.value} {f.subject}: {f.detail}"
             for f in findings
-            if f.kind not in UNVERIFIABLE_FINDINGS and f.kind not in _REPLICA_COPY_FINDINGS
+            if f.kind not in UNVERIFIABLE_FINDINGS and f.kind not in REPLICA_COPY_FINDINGS
         ]
         who = (
             f"rank(s) {', '.join(map(str, note.diverged_ranks))} had diverged from their replicas when it was saved (the "
@@ -816,7 +816,7 @@ def checkpoint_status(
 
 
 #: What a diverged replica's shard written to a sharded checkpoint looks like against its note.
-_REPLICA_COPY_FINDINGS = frozenset({FindingKind.DIGEST_MISMATCH, FindingKind.WEIGHTS_NOT_MAJORITY})
+REPLICA_COPY_FINDINGS = frozenset({FindingKind.DIGEST_MISMATCH, FindingKind.WEIGHTS_NOT_MAJORITY})
 
 
 def diverged_replica_copy(note, sharded: bool) -> bool:
