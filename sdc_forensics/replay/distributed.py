@@ -317,11 +317,14 @@ class SharedRankStep:
     input_digest: int
     rng_dependent: bool = False
     _fp: Any = None
+    # how the replayer fingerprints this rank's buckets (None: ``replayer.fp_of``, the whole buckets);
+    # a TP replay's rank recorded only its slice (``tp.TpReplayer.received``)
+    fp_of: Any = None
 
     @property
     def fp(self):
         if self._fp is None:
-            self._fp = self.replayer.fp_of(self.buckets)
+            self._fp = (self.fp_of or self.replayer.fp_of)(self.buckets)
         return self._fp
 
 
@@ -420,10 +423,13 @@ def local_steps(replayer, model, recs, layout, step: int) -> list:
     _COSTS["steps"] += 1
     _COSTS["compute_s"] += computed - started
     _COSTS["exchange_s"] += time.perf_counter() - computed
+    received = getattr(replayer, "received", None)
     return [
         mine[r]
         if r in mine
-        else _unpack(replayer, gathered[owner(r, group.size)][(r // group.size) * stride :][:stride], specs)
+        else (received or (lambda _, shared: shared))(
+            r, _unpack(replayer, gathered[owner(r, group.size)][(r // group.size) * stride :][:stride], specs)
+        )
         for r in range(world_size)
     ]
 

@@ -80,6 +80,12 @@ class TpReplayer(Replayer):
         step = super().local_step(model, record, buckets_layout, slot)
         return _TpRankStep(self, int(record["rank"]), step)
 
+    def received(self, rank: int, step):
+        """A rank's step another replay process computed (``distributed.local_steps``): fingerprinted as
+        the rank recorded it, TP's slice, not the whole buckets (a trial user's clean TP trace replayed
+        on 4 processes named every rank but process 0's)."""
+        return dataclasses.replace(step, fp_of=lambda buckets: self.tp_local_fp(buckets[0], rank))
+
     def _runs(self, flat, rank: int, tp_only: bool) -> list:
         """``(values, place)`` runs of ``rank``'s boxes in the flat vector of the bucket's parameters
         (TP's slice only, or TP's then FSDP's cut)."""

@@ -1,4 +1,4 @@
-"""A DCP-checkpointed job replayed under torchrun on more processes than its layout needs.
+"""Sharded and TP jobs replayed under torchrun on more processes than their layout needs.
 
 With enough checkpoint intervals, processes used to take whole intervals each and replay them
 alone; the recipe's ``dcp.load`` is a collective over the default process group, so each process
@@ -32,3 +32,22 @@ def test_a_pp_demo_with_three_intervals_certifies_on_three_processes(tmp_path):
     doc = json.loads(out)
     assert doc["verdict"] == "clean" and {c["status"] for c in doc["checkpoints"]} == {"clean"}, doc
     assert "shared out whole" not in err
+
+
+@pytest.mark.heavy  # a 4-rank TP demo, then 4 torchrun processes: about a minute
+def test_a_clean_tp_demo_replayed_on_four_processes_names_nobody(tmp_path):
+    """More processes than TP's size: the one-process TP replay with each process computing its own
+    ranks. A rank computed by another process was fingerprinted whole, not as the TP slice it recorded,
+    so every rank but process 0's was 'corruption' at every step of a clean run (exit 1). Within
+    tolerance, as on one process: inconclusive, no evidence."""
+    demo = [sys.executable, "-m", "sdc_forensics", "demo", "--parallel", "tp", "--out", str(tmp_path / "run")]
+    made = subprocess.run(
+        [*demo, "--inject", "none", "--steps", "5", "--checkpoint-every", "4"], capture_output=True, text=True
+    )
+    assert made.returncode == 0, made.stderr[-3000:]
+    trace = str(tmp_path / "run" / "trace")
+    args = ["-m", "sdc_forensics", "bisect", trace, "--no-ledger", "--replay-timeout", "60", "--json"]
+    _, out, err, _ = torchrun(4, args, timeout_s=400)
+    assert out.strip(), err[-3000:]
+    doc = json.loads(out)
+    assert doc["verdict"] == "inconclusive" and doc["evidence"] == [] and doc["suspects"] == [], doc
