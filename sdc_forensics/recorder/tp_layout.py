@@ -71,7 +71,13 @@ _NOT_BUILT = {
 
 def not_recorded(model: Any) -> str:
     """What ``recorder.make_layout`` says of an object no layout records: that it wants the DDP or
-    ``fully_shard`` model (or a pipeline schedule: ``pp_layout.py``)."""
+    ``fully_shard`` model (or a pipeline schedule: ``pp_layout.py``); of a tensor-parallel model
+    without ``fully_shard``, that it wants ``fully_shard`` over the mesh's dp dimension."""
+    if is_tensor_parallel(model):
+        return (
+            "a tensor-parallel model without fully_shard is not recorded: apply fully_shard over mesh['dp'] after "
+            "TP, on a (dp, tp) mesh (dp may be 1), as docs/recorder.md shows"
+        )
     return (
         "Recorder needs the DistributedDataParallel-wrapped model, a model sharded by fully_shard, or a pipeline "
         "schedule (got a bare module?)"
@@ -106,7 +112,9 @@ def tp_mesh_of(params: list[torch.Tensor], world_size: int, pipeline: bool = Fal
     placed = [p for p in params if hasattr(p, "device_mesh")]
     if len(placed) != len(params):
         raise UsageError("some parameters are not DTensors: fully_shard every module over the mesh's dp dimension")
-    mesh = placed[0].device_mesh
+    # the TP mesh where some parameters are on it (others left out of the TP plan are refused below)
+    tp_placed = [p for p in placed if any(n in TP_NAMES for n in (p.device_mesh.mesh_dim_names or ()))]
+    mesh = (tp_placed or placed)[0].device_mesh
     names = tuple(mesh.mesh_dim_names or ())
     # the root's dimensions too: a pipeline or context dimension the parameters' sub-mesh leaves out
     other = [n for n in mesh_names(mesh) + names if n in _NOT_BUILT and not (pipeline and n == "pp")]
@@ -126,6 +134,15 @@ def tp_mesh_of(params: list[torch.Tensor], world_size: int, pipeline: bool = Fal
             f"a mesh of dimensions {names or 'without names'}: the recorder records tensor parallelism on a mesh "
             "named (dp, tp) (or (dp_shard, tp)), or HSDP's (dp_replicate, dp_shard, tp), TP applied first, then "
             "fully_shard over mesh['dp'] (HSDP: mesh['dp_replicate', 'dp_shard'])"
+        )
+    if tp_placed and len(tp_placed) != len(placed):
+        # e.g. embeddings and norms left out of the TP plan (no sequence parallel), then fully_shard-ed over dp only
+        on_tp = {id(p) for p in tp_placed}
+        first = next(i for i, p in enumerate(params) if id(p) not in on_tp)
+        raise UsageError(
+            f"parameter {first} is on a mesh without 'tp' ({tuple(params[first].device_mesh.mesh_dim_names or ())}) while "
+            f"others are on {tuple(tp_placed[0].device_mesh.mesh_dim_names or ())}: every parameter must be in the TP "
+            "plan (embeddings and norms too: SequenceParallel or a replicated plan), then fully_shard over mesh['dp']"
         )
     layout = mesh.mesh.cpu()
     if layout.numel() != world_size:

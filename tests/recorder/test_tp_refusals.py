@@ -55,6 +55,15 @@ def _refusals(rank: int, root: str) -> dict[str, list]:
             parallelize_module(model, mesh[tp], {"0": ColwiseParallel()})
         fully_shard(model, mesh=mesh[dp])
         found[name] = attempt(name, model, list(model.parameters()))
+    # trial users' TP jobs: TP without fully_shard, and a first layer left out of the TP plan (no sequence parallel)
+    # (dp_shard, tp): no sub-mesh equal by value to an earlier case's
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_shard", "tp"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    parallelize_module(model, mesh["tp"], {"1": ColwiseParallel()})
+    found["tp-only"] = attempt("tp-only", model, list(model.parameters()))
+    fully_shard(model, mesh=mesh["dp_shard"])
+    found["outside-tp-plan"] = attempt("outside-tp-plan", model, list(model.parameters()))
     return found
 
 
@@ -65,6 +74,9 @@ def test_pipeline_context_expert_and_unknown_dimensions_are_refused_before_anyth
         "cp": "mesh dimension 'cp' (context parallelism): not recorded yet",
         "ep": "mesh dimension 'ep' (expert parallelism): not recorded yet",
         "unknown": "a mesh of dimensions ('x', 'tp'): the recorder records tensor parallelism on a mesh named (dp, tp)",
+        "tp-only": "a tensor-parallel model without fully_shard is not recorded: apply fully_shard over mesh['dp']",
+        "outside-tp-plan": "parameter 0 is on a mesh without 'tp' (('dp_shard',)) while others are on ('dp_shard', "
+        "'tp'): every parameter must be in the TP plan",
     }
     for rank, found in enumerate(gloo_job(_refusals, WORLD, tmp_path / "results", str(tmp_path))):
         for case, start in expected.items():
