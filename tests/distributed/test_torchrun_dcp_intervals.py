@@ -18,16 +18,23 @@ import pytest
 from tests.distributed.launch import torchrun
 
 
-@pytest.mark.heavy  # a 4-rank PP demo, then 3 torchrun processes: about a minute
-def test_a_pp_demo_with_three_intervals_certifies_on_three_processes(tmp_path):
-    demo = [sys.executable, "-m", "sdc_forensics", "demo", "--parallel", "pp", "--out", str(tmp_path / "run")]
+def _demo_then_torchrun(tmp_path, parallel: str, *, steps: int, command: str, processes: int):
+    """A clean 4-rank demo of ``parallel`` (checkpoints every 4 steps), then ``command --json`` on
+    ``processes`` torchrun processes: ``(exit code, stdout, stderr)``."""
+    demo = [sys.executable, "-m", "sdc_forensics", "demo", "--parallel", parallel, "--out", str(tmp_path / "run")]
     made = subprocess.run(
-        [*demo, "--inject", "none", "--steps", "12", "--checkpoint-every", "4"], capture_output=True, text=True
+        [*demo, "--inject", "none", "--steps", str(steps), "--checkpoint-every", "4"], capture_output=True, text=True
     )
     assert made.returncode == 0, made.stderr[-3000:]
     trace = str(tmp_path / "run" / "trace")
-    args = ["-m", "sdc_forensics", "certify", trace, "--no-ledger", "--replay-timeout", "60", "--json"]
-    rc, out, err, _ = torchrun(3, args, timeout_s=400)
+    args = ["-m", "sdc_forensics", command, trace, "--no-ledger", "--replay-timeout", "60", "--json"]
+    rc, out, err, _ = torchrun(processes, args, timeout_s=400)
+    return rc, out, err
+
+
+@pytest.mark.heavy  # a 4-rank PP demo, then 3 torchrun processes: about a minute
+def test_a_pp_demo_with_three_intervals_certifies_on_three_processes(tmp_path):
+    rc, out, err = _demo_then_torchrun(tmp_path, "pp", steps=12, command="certify", processes=3)
     assert rc == 0, err[-3000:]
     doc = json.loads(out)
     assert doc["verdict"] == "clean" and {c["status"] for c in doc["checkpoints"]} == {"clean"}, doc
@@ -40,14 +47,7 @@ def test_a_clean_tp_demo_replayed_on_four_processes_names_nobody(tmp_path):
     ranks. A rank computed by another process was fingerprinted whole, not as the TP slice it recorded,
     so every rank but process 0's was 'corruption' at every step of a clean run (exit 1). Within
     tolerance, as on one process: inconclusive, no evidence."""
-    demo = [sys.executable, "-m", "sdc_forensics", "demo", "--parallel", "tp", "--out", str(tmp_path / "run")]
-    made = subprocess.run(
-        [*demo, "--inject", "none", "--steps", "5", "--checkpoint-every", "4"], capture_output=True, text=True
-    )
-    assert made.returncode == 0, made.stderr[-3000:]
-    trace = str(tmp_path / "run" / "trace")
-    args = ["-m", "sdc_forensics", "bisect", trace, "--no-ledger", "--replay-timeout", "60", "--json"]
-    _, out, err, _ = torchrun(4, args, timeout_s=400)
+    _, out, err = _demo_then_torchrun(tmp_path, "tp", steps=5, command="bisect", processes=4)
     assert out.strip(), err[-3000:]
     doc = json.loads(out)
     assert doc["verdict"] == "inconclusive" and doc["evidence"] == [] and doc["suspects"] == [], doc
