@@ -64,7 +64,7 @@ import torch
 
 from sdc_forensics.checkpoint.base import CheckpointReader, FileIssue, MappedFile, TensorInfo
 from sdc_forensics.checkpoint.dcp_reader import METADATA_NAME, DcpReader
-from sdc_forensics.checkpoint.deepspeed_files import is_bookkeeping, missing_ranks
+from sdc_forensics.checkpoint.deepspeed_files import LATEST, SCRIPTS, dangling_latest, is_bookkeeping, missing_ranks
 from sdc_forensics.checkpoint.kinds import NOTHING_TO_READ, TORCH_SUFFIXES, main_format, open_file, sniff_file
 from sdc_forensics.checkpoint.hf_index import read_index
 from sdc_forensics.checkpoint.limits import ReadLimits, link_advice, link_bounds, outside, resolve
@@ -188,9 +188,22 @@ class FolderReader(CheckpointReader):
         """Verify, or list as not verifiable, one file outside the model checkpoint; 1 if it is a tensor file."""
         name = path.name
         # DeepSpeed's "latest" and conversion scripts beside its TAG folders: no resume loads them
-        if is_bookkeeping(self.root, rel):
+        # (the scripts beside a "latest" whose tag is gone are DeepSpeed's still: said once, on "latest")
+        if is_bookkeeping(self.root, rel) or (rel in SCRIPTS and dangling_latest(self.root, LATEST) is not None):
             self._other_files.append(path)
             self._ignored = (*self._ignored, rel)
+            return 0
+        tag = dangling_latest(self.root, rel)
+        if tag is not None:
+            self._other_files.append(path)
+            self._unverifiable.append(
+                FileIssue(
+                    file=rel,
+                    detail=f"DeepSpeed's pointer names checkpoint {tag!r}, which is not in this folder: a resume "
+                    "from the folder (engine.load_checkpoint without a tag) fails; copy that tag's folder in, or "
+                    "verify the tag folder you mean",
+                )
+            )
             return 0
         if name.endswith(".json") or name.endswith(TEXT_SUFFIXES) or name in TEXT_NAMES:
             self._other_files.append(path)

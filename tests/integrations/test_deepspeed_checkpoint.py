@@ -140,6 +140,16 @@ def test_latest_and_the_conversion_scripts_are_ignored_only_beside_the_tag_they_
         assert {i.file for i in reader.unverifiable()} == {"latest", "zero_to_fp32.py"}
     finally:
         reader.close()
+    # a tag name whose folder is gone (a trial user's deleted global_step20): said on "latest", in those words
+    (tmp_path / "latest").write_text("global_step20")
+    reader = FolderReader(tmp_path)
+    try:
+        [issue] = reader.unverifiable()
+        assert (
+            issue.file == "latest" and "names checkpoint 'global_step20', which is not in this folder" in issue.detail
+        )
+    finally:
+        reader.close()
 
 
 @pytest.mark.slow
