@@ -586,7 +586,7 @@ def _recipe_line(steps: Sequence[int]) -> str:
         "wrong: check its optimizer (type, hyper-parameters, parameter groups), gradient clipping (before_step), learning "
         "rate (one the loop sets by hand: set it in before_step from the step it is handed, docs/recipes.md) and LR "
         "scheduler (after_step); if it reproduces the updates of the steps around it, a one-time fault after the "
-        "reduction leaves the same evidence where clipping spans the ranks (FSDP, HSDP, TP): one rank's gradient changed "
+        "reduction leaves the same evidence where clipping spans the ranks (FSDP, HSDP, TP, PP stages): one rank's gradient changed "
         "in memory before the update, or its share of the clip norm miscomputed, reaches every rank through the clip "
         "coefficient, and the trace does not record which rank; no checkpoint after it is certified until a replay "
         "reproduces every step"
