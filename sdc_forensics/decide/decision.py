@@ -598,6 +598,12 @@ def _weak_lines(weak: Sequence[Evidence]) -> list[str]:
     w = weak[0]
     if is_common_mode(w):
         return [f"weak evidence at step {w.step}: {w.detail}; {_EXACTLY}"]
+    if w.detail.startswith("buffers changed"):
+        # replay/buffers.py (torch-free here): exact, but no checkpoint's buffers were reproduced anywhere
+        return [
+            f"weak evidence at steps {w.onset}..{w.step}: {w.detail}; make the recipe update every buffer the loop "
+            "updates (docs/recipes.md), or replay from a checkpoint whose buffers reproduce, to settle it"
+        ]
     lines = [
         f"weak evidence at step {w.step}, {_who(w)}: a tolerant replay residual ({w.found}) not far enough above what clean "
         f"tolerant replays produce to tell a fault from replay drift; {_EXACTLY}"

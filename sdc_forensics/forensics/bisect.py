@@ -134,7 +134,9 @@ def bisect(
                 # loads the recipe
                 runner = interval_runner(trace, options, progress, ledger, triage=tri)
                 summary = _walk(tri, usable, options, runner, from_ledger_only)
-                evidence += runner.evidence
+                from sdc_forensics.replay.buffers import unconfirmed
+
+                evidence += unconfirmed(runner.evidence, runner.notes)
                 replayed, tolerant = runner.replayed, runner.tolerant
                 reused = summary.ledger.reused if summary.ledger is not None else ()
     evidence.sort(key=sort_key)

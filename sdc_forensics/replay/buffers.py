@@ -29,9 +29,11 @@ holds one of them: its buffers cannot be replayed from a checkpoint (``check`` s
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from sdc_forensics.evidence import Evidence, EvidenceKind, Location
+from sdc_forensics.evidence import Evidence, EvidenceKind, Location, Strength
 from sdc_forensics.replay import distributed
 from sdc_forensics.trace.checkpoints import CheckpointNote
 
@@ -112,8 +114,8 @@ class BufferBroadcast:
             return ""
         if not differ:
             return (
-                f"checkpoint {note.step}: the replayed module buffers (e.g. BatchNorm running statistics) equal the "
-                f"saved ones bit for bit ({found} tensors)"
+                f"checkpoint {note.step}: the replayed module buffers (e.g. BatchNorm running statistics) {EQUAL} "
+                f"({found} tensors)"
             )
         shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
         return (
@@ -121,6 +123,33 @@ class BufferBroadcast:
             f"{note.saved_by_rank}): the job may not broadcast its buffers (DDP broadcast_buffers=False) or they "
             "changed outside the steps; they are not confirmed by this replay"
         )
+
+
+#: The start of a changed-buffers evidence's detail (:func:`changed_buffers`, :func:`unconfirmed`).
+CHANGED = "buffers changed"
+#: What a replay note says of a checkpoint whose buffers it reproduced (:meth:`BufferBroadcast.check`).
+EQUAL = "equal the saved ones bit for bit"
+
+
+def unconfirmed(evidence: list[Evidence], notes) -> list[Evidence]:
+    """Changed-buffers evidence made weak where no replay of the analysis reproduced any checkpoint's
+    buffers bit for bit (``notes``): a one-time change shows at the first checkpoint after it, and
+    the others, replayed from it, match; every checkpoint differing is as likely a recipe that does
+    not update the buffers as the job did (a counter the loop bumps, an EMA), which must not be
+    called corruption. Weak: nothing after it is certified, and the answer is inconclusive."""
+    if any(EQUAL in n for n in notes):
+        return evidence
+    return [
+        dataclasses.replace(
+            e,
+            strength=Strength.WEAK,
+            detail=f"{e.detail}; no checkpoint's buffers were reproduced bit for bit in this analysis, so a recipe that "
+            "does not update them as the job did (docs/recipes.md) is as likely",
+        )
+        if e.source == "replay" and e.detail.startswith(CHANGED)
+        else e
+        for e in evidence
+    ]
 
 
 def changed_buffers(note: CheckpointNote, differ: list[str], window_start: int) -> Evidence:
@@ -139,7 +168,7 @@ def changed_buffers(note: CheckpointNote, differ: list[str], window_start: int) 
         location=Location.STATE_AT_REST,
         expected=f"module buffers {shown} as replayed exactly",
         found=f"other values saved in checkpoint {note.step}",
-        detail=f"the module buffers (BatchNorm running statistics) checkpoint {note.step} saved differ from the exact "
+        detail=f"{CHANGED}: the module buffers (BatchNorm running statistics) checkpoint {note.step} saved differ from the exact "
         f"replay's ({shown}) while every gradient and weight reproduced: rank {note.saved_by_rank}'s buffers, which DDP "
         f"broadcasts to every rank, changed in memory or in their update at one of steps {window_start}..{note.step - 1} "
         "(buffers are digested only at checkpoints)",
