@@ -77,18 +77,22 @@ def safe_globals_entries() -> list[tuple[type, str]]:
     return [(cls, name) for name, cls in PLACEHOLDERS.items()]
 
 
-def dangling_latest(root: Path, rel: str) -> str | None:
-    """The tag a top-level ``latest`` names where no such sub-folder exists (DeepSpeed's resume would
-    fail on it), else None. Read-only and bounded, as :func:`is_bookkeeping`."""
-    if rel != LATEST:
-        return None
+def _latest_tag(root: Path) -> str | None:
+    """The text of ``root/latest``, stripped (None: unreadable or not UTF-8). Read-only, bounded: a
+    hostile folder's "latest" may be anything."""
     try:
         with open(root / LATEST, "rb") as fh:
-            tag = fh.read(_MAX_TAG_BYTES + 1).decode("utf-8").strip()
+            return fh.read(_MAX_TAG_BYTES + 1).decode("utf-8").strip()
     except (OSError, UnicodeDecodeError):
         return None
+
+
+def dangling_latest(root: Path, rel: str) -> str | None:
+    """The tag a top-level ``latest`` names where no such sub-folder exists (DeepSpeed's resume would
+    fail on it), else None."""
+    tag = _latest_tag(root) if rel == LATEST else None
     # only a plausible tag name: anything else stays a file of unknown format
-    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,256}", tag) or tag in (".", ".."):
+    if tag is None or not re.fullmatch(r"[A-Za-z0-9_.-]{1,256}", tag) or tag in (".", ".."):
         return None
     return None if (root / tag).exists() else tag
 
@@ -96,14 +100,7 @@ def dangling_latest(root: Path, rel: str) -> str | None:
 def is_bookkeeping(root: Path, rel: str) -> bool:
     """Whether ``rel`` (relative to the folder ``root``) is ``latest`` or a conversion script at the top
     of a DeepSpeed ``save_checkpoint`` folder: ``latest`` is UTF-8 text naming a sub-folder of ``root``."""
-    if rel != LATEST and rel not in SCRIPTS:
-        return False
-    try:
-        # read-only, bounded: a hostile folder's "latest" may be anything
-        with open(root / LATEST, "rb") as fh:
-            tag = fh.read(_MAX_TAG_BYTES + 1).decode("utf-8").strip()
-    except (OSError, UnicodeDecodeError):
-        return False
+    tag = _latest_tag(root) if rel == LATEST or rel in SCRIPTS else None
     if not tag or len(tag) > _MAX_TAG_BYTES or tag in (".", "..") or "/" in tag or "\\" in tag:
         return False
     where = root / tag
